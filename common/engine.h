@@ -1,0 +1,142 @@
+/* engine.h: the backend-agnostic engine interface (ARCHITECTURE.md "The
+ * engine interface"). Workers are written against this only; `cpu` (fp32,
+ * the reference) and `cuda` implement it behind engine_impl.h.
+ *
+ * KV cache. The engine owns a pool of `kv_num_blocks` blocks, each holding
+ * `kv_block_size` token positions of every layer. Memory layout of the pool
+ * (the handoff and re-sharding rely on it):
+ *     [layer][block][k=0 | v=1][kv_head (local to this rank)][slot][head_dim]
+ * in the engine's kv dtype (cpu: f32, cuda: bf16). K is stored post-RoPE
+ * (spec §2.5). A sequence's block table lists its block ids in position
+ * order: position p lives in block_table[p / kv_block_size], slot
+ * p % kv_block_size. Every layer uses the same block table; sliding layers
+ * only ever read the last `sliding_window` positions (spec §2.6). The block
+ * ids are handed out by the block manager of kv_blocks.h, not by the engine. */
+#ifndef TW_COMMON_ENGINE_H
+#define TW_COMMON_ENGINE_H
+
+#include "common/model.h"
+#include "common/sampling.h"
+#include "common/status.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  TW_BACKEND_AUTO = 0, /* cuda if a GPU is usable, else cpu */
+  TW_BACKEND_CPU = 1,
+  TW_BACKEND_CUDA = 2,
+} tw_backend_kind_t;
+
+/** Parse "auto"/"cpu"/"cuda". Errors: TW_ERR_INVALID_ARGUMENT naming the value. */
+tw_status_t tw_backend_parse(const char *name, tw_backend_kind_t *kind_p);
+const char *tw_backend_name(tw_backend_kind_t kind);
+
+typedef struct {
+  tw_backend_kind_t backend;
+  int32_t kv_block_size;   /* tokens per KV block (default 16) */
+  int32_t kv_num_blocks;   /* blocks in the pool; 0 = backend picks from memory */
+  int32_t max_batch;       /* most sequences in one decode step (default 256) */
+  int32_t max_prefill_chunk; /* tokens per prefill chunk (default 8192) */
+  int32_t n_threads;       /* cpu: worker threads for matmuls; 0 = all cores */
+  int32_t device;          /* cuda: device ordinal */
+  /* parallelism (issue 6): this process is rank tp_rank of tp_size for
+   * attention and ep_rank of ep_size for experts; 1/0 means no split. */
+  int32_t tp_size, tp_rank;
+  int32_t ep_size, ep_rank;
+} tw_engine_params_t;
+
+#define TW_ENGINE_PARAMS_DEFAULT                                              \
+  ((tw_engine_params_t){.backend = TW_BACKEND_AUTO, .kv_block_size = 16,      \
+                        .kv_num_blocks = 0, .max_batch = 256,                 \
+                        .max_prefill_chunk = 8192, .n_threads = 0, .device = 0, \
+                        .tp_size = 1, .tp_rank = 0, .ep_size = 1, .ep_rank = 0})
+
+/** Where the KV pool lives, for the transfer layer. */
+typedef struct {
+  tw_dtype_t dtype;          /* f32 (cpu) or bf16 (cuda) */
+  bool on_device;            /* true: device memory of `device` */
+  int32_t device;
+  int32_t n_layers;
+  int32_t n_blocks;
+  int32_t block_size;        /* tokens */
+  int32_t n_kv_heads_local;  /* kv heads held by this rank */
+  int32_t kv_head_offset;    /* first global kv head held by this rank */
+  int32_t head_dim;
+  void *base;                /* start of the pool */
+  int64_t layer_stride_bytes; /* bytes between layer l and l+1 */
+  int64_t block_bytes;       /* bytes of one block of one layer (K and V) */
+  int64_t total_bytes;
+} tw_kv_layout_t;
+
+typedef struct tw_engine tw_engine_t;
+
+/** Create an engine over a loaded model (borrowed: it must outlive the
+ *  engine). Allocates the KV pool and workspaces and logs the memory plan.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (bad params, named), TW_ERR_UNSUPPORTED
+ *  (backend not built or no GPU), TW_ERR_NO_MEMORY, TW_ERR_CUDA. */
+tw_status_t tw_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
+                             tw_engine_t **engine_p);
+
+/** Free everything. NULL does nothing. */
+void tw_engine_destroy(tw_engine_t *engine);
+
+/** Layout of the KV pool (valid until destroy). */
+const tw_kv_layout_t *tw_engine_kv_layout(const tw_engine_t *engine);
+
+/** The backend actually used (never AUTO). */
+tw_backend_kind_t tw_engine_backend(const tw_engine_t *engine);
+
+/** Prefill: run `n_tokens` prompt tokens at positions start_pos..start_pos+
+ *  n_tokens-1 of one sequence, writing their K/V into the blocks of
+ *  `block_table` (which must cover start_pos + n_tokens positions; positions
+ *  before start_pos must already be in the cache, as after an earlier chunk).
+ *  Long prompts are chunked internally by max_prefill_chunk.
+ *    logits_out: NULL, or host f32 [n_tokens, V] if all_logits, else [1, V]
+ *      (the last position only).
+ *    sample/next_token_out: if next_token_out != NULL, samples the token that
+ *      follows the last position with `sample` (NULL = greedy).
+ *  Errors: TW_ERR_INVALID_ARGUMENT (token id outside [0, V), n_tokens <= 0,
+ *  block table too short or a block id out of the pool), TW_ERR_OUT_OF_RANGE
+ *  (position beyond max_position_embeddings), TW_ERR_CUDA. */
+typedef struct {
+  const int32_t *tokens;        /* [n_tokens] */
+  int32_t n_tokens;
+  int32_t start_pos;
+  const int32_t *block_table;   /* [n_blocks] */
+  int32_t n_blocks;
+  bool all_logits;
+  float *logits_out;            /* may be NULL */
+  const tw_sample_params_t *sample; /* may be NULL (greedy) */
+  int32_t *next_token_out;      /* may be NULL */
+} tw_prefill_args_t;
+tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
+
+/** One decode step for a batch of sequences: sequence i feeds tokens[i] at
+ *  positions[i] (its K/V is appended at that position) and gets the logits
+ *  of the next position. Sequences may have any lengths and join or leave
+ *  between steps (continuous batching).
+ *    logits_out: NULL or host f32 [n_seqs, V].
+ *    next_tokens_out: NULL or [n_seqs] sampled with sample[i] (NULL = greedy
+ *      for all).
+ *  Errors as prefill, plus TW_ERR_INVALID_ARGUMENT if n_seqs > max_batch. */
+typedef struct {
+  int32_t n_seqs;
+  const int32_t *tokens;              /* [n_seqs] */
+  const int32_t *positions;           /* [n_seqs] */
+  const int32_t *const *block_tables; /* [n_seqs] -> [n_blocks[i]] */
+  const int32_t *n_blocks;            /* [n_seqs] */
+  float *logits_out;                  /* may be NULL */
+  const tw_sample_params_t *sample;   /* [n_seqs] or NULL */
+  int32_t *next_tokens_out;           /* may be NULL */
+} tw_decode_args_t;
+tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

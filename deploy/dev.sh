@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# deploy/dev.sh: install what twain needs on Debian 12, build it, and either
+# run the main job (demo) or the tests (test). Idempotent; used by README and CI.
+#   bash deploy/dev.sh demo   # twain serve (default tiny model) + one chat request
+#   bash deploy/dev.sh test   # full ctest suite (GPU tests skip without a GPU)
+#   bash deploy/dev.sh build  # dependencies + build only
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$here"
+build=${TWAIN_BUILD_DIR:-build}
+
+PKGS="build-essential cmake pkg-config git libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
+      libucx-dev ucx-utils libpcre2-dev libcjson-dev libmicrohttpd-dev libcmocka-dev
+      python3 python3-zmq python3-protobuf nodejs npm libopenmpi-dev openmpi-bin curl"
+
+install_deps() {
+  local missing=()
+  for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if ((${#missing[@]})); then
+    echo "dev.sh: installing ${missing[*]}" >&2
+    local sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+do_build() {
+  local werror=OFF; [ "${CI:-}" = true ] && werror=ON
+  cmake -S . -B "$build" -DTWAIN_WERROR=$werror ${TWAIN_CMAKE_ARGS:-} >/dev/null
+  cmake --build "$build" -j"$(nproc)"
+}
+
+case "${1:-demo}" in
+  build) install_deps; do_build ;;
+  test)
+    install_deps; do_build
+    cd "$build" && ctest --output-on-failure -j"$(nproc)" ${TWAIN_CTEST_ARGS:-} ;;
+  demo)
+    install_deps; do_build
+    exec "$build/router/twain" demo "${@:2}" ;;
+  *) echo "usage: deploy/dev.sh demo|test|build" >&2; exit 2 ;;
+esac
