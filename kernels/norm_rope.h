@@ -1,0 +1,78 @@
+/* norm_rope.h: RMSNorm fused with the residual add (spec §2.3), YaRN RoPE
+ * (spec §2.5) fused with the KV-cache write into the paged pool, and the host
+ * function that builds the RoPE tables.
+ *
+ * The device functions are asynchronous on the caller's stream: they never
+ * synchronise and never allocate. bf16 tensors are passed as void pointers
+ * (bit patterns of bfloat16); all math is fp32. */
+#ifndef TW_KERNELS_NORM_ROPE_H
+#define TW_KERNELS_NORM_ROPE_H
+
+#include "common/config.h"
+#include "common/model.h"
+#include "common/status.h"
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Residual add + RMSNorm (spec §2.3), per token row t < n_tokens:
+ *    if maybe_delta: x_resid[t] += delta[t]       (in place, fp32)
+ *    out[t] = bf16( x_resid[t] / sqrt(mean(x_resid[t]^2) + eps) * float(weight) )
+ *  x_resid f32 [n_tokens, hidden] (device, updated in place when a delta is
+ *  given); maybe_delta NULL or [n_tokens, hidden] of delta_dtype
+ *  (TW_DTYPE_BF16 or TW_DTYPE_F32; ignored when NULL); weight bf16 [hidden];
+ *  out bf16 [n_tokens, hidden]. hidden must be a multiple of 4 (2880 is).
+ *  n_tokens == 0 does nothing.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (NULL x_resid/weight/out, n_tokens < 0,
+ *  hidden <= 0 or not a multiple of 4, eps < 0, other delta dtype),
+ *  TW_ERR_CUDA (launch failed). */
+tw_status_t tw_cuda_rmsnorm_residual(float *x_resid, const void *maybe_delta,
+                                     tw_dtype_t delta_dtype, const void *weight, float eps,
+                                     int32_t n_tokens, int32_t hidden, void *out,
+                                     cudaStream_t stream);
+
+/** Fill the YaRN RoPE tables (spec §2.5) on the host, computed in double and
+ *  rounded to f32: for p < max_pos, i < D/2,
+ *    cos_out[p * D/2 + i] = c * cos(p * inv_freq_i),
+ *    sin_out[p * D/2 + i] = c * sin(p * inv_freq_i),
+ *  with inv_freq_i blending theta^(-2i/D) and theta^(-2i/D)/f over the ramp
+ *  [low, high] (not rounded unless config->rope_truncate), f = rope_factor,
+ *  L0 = rope_original_max_pos, and the concentration c = 0.1 ln f + 1
+ *  (1 when f <= 1). Upload both tables once (f32 [max_pos, D/2] each).
+ *  Errors: TW_ERR_INVALID_ARGUMENT (NULL pointer, max_pos <= 0, head_dim odd
+ *  or <= 0, theta <= 1, f <= 0, beta_fast <= beta_slow, or low/high outside
+ *  the ramp's valid range). */
+tw_status_t tw_cuda_rope_table_fill(const tw_model_config_t *config, int32_t max_pos,
+                                    float *cos_out, float *sin_out);
+
+/** RoPE on q and k of the fused QKV buffer, in place, plus the KV-cache write.
+ *  qkv: bf16, row t at qkv + t * qkv_row_stride (elements) holding
+ *  [q: NQ * D][k: NKV * D][v: NKV * D]. For each token t at position
+ *  p = positions[t] (clamped to [0, max_pos)), every q and k head is rotated
+ *  half-split (x'[i] = x[i] C - x[i+D/2] S, x'[i+D/2] = x[i+D/2] C + x[i] S,
+ *  C/S from the tables of tw_cuda_rope_table_fill, fp32 math, bf16 result
+ *  written back into qkv). If maybe_slots is not NULL and maybe_slots[t] >= 0,
+ *  the rotated k and the (unrotated) v of every kv head are also written into
+ *  kv_layer (bf16 pool of this layer, engine.h layout) at slot
+ *  maybe_slots[t] = block_id * block_size + p % block_size.
+ *    positions int32 [n_tokens], device; rope_cos/rope_sin f32 [max_pos, D/2],
+ *    device; maybe_slots int32 [n_tokens], device, or NULL.
+ *  n_tokens == 0 does nothing.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (NULL qkv/positions/tables, kv_layer NULL
+ *  while maybe_slots is given, n_tokens < 0, head counts <= 0, head_dim odd or
+ *  > 256, qkv_row_stride < (NQ + 2 NKV) * D, block_size <= 0), TW_ERR_CUDA. */
+tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, int32_t n_tokens,
+                                  int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
+                                  const int32_t *positions, const float *rope_cos,
+                                  const float *rope_sin, int32_t max_pos,
+                                  const int32_t *maybe_slots, void *kv_layer,
+                                  int32_t block_size, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
