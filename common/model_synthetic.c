@@ -1,0 +1,209 @@
+/* model_synthetic.c: tw_model_synthetic: weights with the real shapes and
+ * dtypes of a config and seeded random values of realistic scale, for
+ * benchmarks without a checkpoint. One anonymous mapping holds every tensor
+ * (one arena per lifetime); it is filled by one thread per core in 4 MiB
+ * chunks, each chunk with its own RNG stream seeded by (seed, tensor, chunk),
+ * so the values do not depend on the thread count. */
+#include "common/model.h"
+
+#include "common/log.h"
+#include "common/model_impl.h"
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TW_SYN_ALIGN 256
+#define TW_SYN_CHUNK_BYTES ((int64_t)4 << 20)
+#define TW_SYN_MAX_THREADS 64
+
+typedef struct {
+  const tw_tensor_spec_t *spec;
+  uint8_t *data;
+  int64_t n_bytes;
+  int64_t first_chunk; /* global chunk index of this tensor's first chunk */
+} tw_syn_tensor_t;
+
+typedef struct {
+  tw_syn_tensor_t *tensors;
+  int64_t n_tensors;
+  int64_t n_chunks;
+  uint64_t seed;
+  atomic_llong next_chunk;
+} tw_syn_job_t;
+
+static uint64_t splitmix64(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/* xorshift64* for the bulk; seeded from splitmix64. */
+static inline uint64_t rng_next(uint64_t *s) {
+  uint64_t x = *s;
+  x ^= x >> 12;
+  x ^= x << 25;
+  x ^= x >> 27;
+  *s = x;
+  return x * 0x2545f4914f6cdd1dull;
+}
+
+static inline float rng_uniform(uint64_t *s) { /* (0, 1] */
+  return (float)((rng_next(s) >> 40) + 1) * (1.0f / 16777216.0f);
+}
+
+static void fill_chunk(const tw_syn_tensor_t *t, int64_t chunk, uint64_t seed) {
+  int64_t off = (chunk - t->first_chunk) * TW_SYN_CHUNK_BYTES;
+  int64_t n = t->n_bytes - off < TW_SYN_CHUNK_BYTES ? t->n_bytes - off : TW_SYN_CHUNK_BYTES;
+  uint8_t *p = t->data + off;
+  uint64_t sm = seed ^ ((uint64_t)chunk * 0xd1342543de82ef95ull);
+  uint64_t s = splitmix64(&sm) | 1;
+  switch (t->spec->init) {
+    case TW_INIT_FP4: {
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        uint64_t r = rng_next(&s);
+        memcpy(p + i, &r, 8);
+      }
+      for (; i < n; i++) p[i] = (uint8_t)rng_next(&s);
+      break;
+    }
+    case TW_INIT_SCALE:
+      /* 2^-9..2^-5: FP4 values up to 6 give weights of about |w| <= 0.19,
+       * typically ~0.02 like the bf16 weights */
+      for (int64_t i = 0; i < n; i++) p[i] = (uint8_t)(118 + (rng_next(&s) >> 33) % 5);
+      break;
+    default: {
+      float mean = t->spec->init == TW_INIT_NORM ? 1.0f : 0.0f;
+      float sd = t->spec->init == TW_INIT_SINK ? 1.0f : 0.02f;
+      uint16_t *h = (uint16_t *)p;
+      int64_t n_el = n / 2;
+      for (int64_t i = 0; i < n_el; i += 2) { /* Box-Muller, two values per draw */
+        float r = sqrtf(-2.0f * logf(rng_uniform(&s)));
+        float a = 6.28318530718f * rng_uniform(&s);
+        h[i] = tw_f32_to_bf16(mean + sd * r * cosf(a));
+        if (i + 1 < n_el) h[i + 1] = tw_f32_to_bf16(mean + sd * r * sinf(a));
+      }
+      break;
+    }
+  }
+}
+
+static void *fill_worker(void *arg) {
+  tw_syn_job_t *job = arg;
+  int64_t t = 0;
+  for (;;) {
+    int64_t c = atomic_fetch_add(&job->next_chunk, 1);
+    if (c >= job->n_chunks) break;
+    while (t + 1 < job->n_tensors && job->tensors[t + 1].first_chunk <= c) t++;
+    /* chunks are claimed in increasing order, but other threads move ahead:
+     * the search above only ever moves forward for this thread */
+    fill_chunk(&job->tensors[t], c, job->seed);
+  }
+  return NULL;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
+                               tw_model_t **model_p) {
+  if (!config || !model_p)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "model synthetic: NULL argument");
+  if (config->n_layers <= 0 || config->n_layers > TW_MAX_LAYERS || config->hidden <= 0 ||
+      config->intermediate <= 0 || config->n_experts <= 0 || config->vocab_size <= 0 ||
+      config->head_dim <= 0 || config->n_heads <= 0 || config->n_kv_heads <= 0)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "model synthetic: config has non-positive sizes");
+  if (config->mxfp4 && (config->hidden % 32 || config->intermediate % 32))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "model synthetic: MXFP4 needs hidden and intermediate multiples of 32");
+  const double t0 = now_s();
+  tw_model_t *m = NULL;
+  TW_CHECK(tw_model_alloc(config, &m));
+  tw_model_impl_t *impl = m->impl;
+  for (int l = 0; l < config->n_layers; l++)
+    m->layers[l].experts_format = config->mxfp4 ? TW_EXPERTS_MXFP4 : TW_EXPERTS_BF16;
+
+  tw_model_specs_t specs = {NULL, 0};
+  tw_syn_tensor_t *ts = NULL;
+  tw_status_t st = tw_model_specs_build(config, m, &specs);
+  if (st != TW_OK) goto fail;
+  ts = calloc((size_t)specs.n, sizeof *ts);
+  if (!ts) {
+    st = tw_err(TW_ERR_NO_MEMORY, "model synthetic: out of memory");
+    goto fail;
+  }
+  size_t total = 0;
+  int64_t chunks = 0;
+  for (int64_t i = 0; i < specs.n; i++) {
+    const tw_tensor_spec_t *sp = &specs.specs[i];
+    int64_t n = (int64_t)tw_dtype_size(sp->dtype);
+    for (int d = 0; d < sp->ndim; d++) n *= sp->shape[d];
+    ts[i].spec = sp;
+    ts[i].n_bytes = n;
+    ts[i].first_chunk = chunks;
+    chunks += (n + TW_SYN_CHUNK_BYTES - 1) / TW_SYN_CHUNK_BYTES;
+    ts[i].data = (uint8_t *)(uintptr_t)total; /* offset for now */
+    total += ((size_t)n + TW_SYN_ALIGN - 1) / TW_SYN_ALIGN * TW_SYN_ALIGN;
+  }
+  void *arena = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (arena == MAP_FAILED) {
+    st = tw_err(TW_ERR_NO_MEMORY, "model synthetic: cannot map %zu bytes: %s", total,
+                strerror(errno));
+    goto fail;
+  }
+  impl->arena = arena;
+  impl->arena_bytes = total;
+  for (int64_t i = 0; i < specs.n; i++) {
+    ts[i].data = (uint8_t *)arena + (uintptr_t)ts[i].data;
+    tw_tensor_t *v = specs.specs[i].dst;
+    v->data = ts[i].data;
+    v->dtype = specs.specs[i].dtype;
+    v->ndim = specs.specs[i].ndim;
+    memcpy(v->shape, specs.specs[i].shape, sizeof v->shape);
+    v->n_bytes = ts[i].n_bytes;
+    m->weight_bytes += ts[i].n_bytes;
+  }
+  impl->n_tensors = specs.n;
+
+  tw_syn_job_t job;
+  job.tensors = ts;
+  job.n_tensors = specs.n;
+  job.n_chunks = chunks;
+  job.seed = seed;
+  atomic_init(&job.next_chunk, 0);
+  long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
+  int n_threads = n_cpu < 1 ? 1 : n_cpu > TW_SYN_MAX_THREADS ? TW_SYN_MAX_THREADS : (int)n_cpu;
+  if (n_threads > chunks) n_threads = (int)chunks;
+  pthread_t tids[TW_SYN_MAX_THREADS];
+  int started = 0;
+  for (; started < n_threads; started++)
+    if (pthread_create(&tids[started], NULL, fill_worker, &job) != 0) break;
+  if (started == 0) fill_worker(&job); /* no thread could start: fill here */
+  for (int i = 0; i < started; i++) pthread_join(tids[i], NULL);
+
+  TW_INFO("loader", "synthetic model: %d layers, %s experts, %lld tensors, %lld bytes "
+          "(%.2f GiB), seed %llu, %d threads, %.2f s",
+          config->n_layers, config->mxfp4 ? "mxfp4" : "bf16", (long long)specs.n,
+          (long long)m->weight_bytes, (double)m->weight_bytes / (1024.0 * 1024.0 * 1024.0),
+          (unsigned long long)seed, started ? started : 1, now_s() - t0);
+  free(ts);
+  tw_model_specs_fini(&specs);
+  *model_p = m;
+  return TW_OK;
+fail:
+  free(ts);
+  tw_model_specs_fini(&specs);
+  tw_model_destroy(m);
+  return st;
+}
