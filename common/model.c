@@ -205,6 +205,7 @@ void tw_model_destroy(tw_model_t *model) {
     free(impl->files);
     for (int64_t i = 0; i < impl->n_map; i++) free(impl->map[i].name);
     free(impl->map);
+    free(impl->source);
     if (impl->arena && munmap(impl->arena, impl->arena_bytes) != 0)
       TW_WARN("loader", "munmap of the synthetic weights failed: %s", strerror(errno));
     impl->magic = 0;

@@ -52,6 +52,7 @@ typedef struct {
   uint32_t magic;
   tw_safetensors_t **files; /* loaded: one per safetensors file */
   int n_files;
+  char *source;             /* loaded: model.safetensors or the index path, for messages */
   tw_index_entry_t *map;    /* sharded: weight_map sorted by name */
   int64_t n_map;
   void *arena;              /* synthetic: one anonymous mapping */

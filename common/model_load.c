@@ -174,15 +174,15 @@ static const tw_safetensors_tensor_t *lookup(const tw_model_impl_t *impl, const 
   return tw_safetensors_find(impl->files[0], name);
 }
 
-static tw_status_t bind_tensor(tw_model_t *m, const tw_tensor_spec_t *sp, const char *dir) {
+static tw_status_t bind_tensor(tw_model_t *m, const tw_tensor_spec_t *sp) {
   tw_model_impl_t *impl = m->impl;
   const tw_safetensors_t *f = NULL;
   const tw_safetensors_tensor_t *t = lookup(impl, sp->name, &f);
   char want[96], got[96];
   tw_model_shape_str(sp->shape, sp->ndim, want, sizeof want);
   if (!t)
-    return tw_err(TW_ERR_NOT_FOUND, "%s: tensor '%s' is missing (expected %s %s)", dir,
-                  sp->name, tw_dtype_name(sp->dtype), want);
+    return tw_err(TW_ERR_NOT_FOUND, "%s: tensor '%s' is missing (expected %s %s)",
+                  impl->source, sp->name, tw_dtype_name(sp->dtype), want);
   tw_model_shape_str(t->shape, t->ndim, got, sizeof got);
   bool dtype_ok = t->dtype == sp->dtype || (sp->alt_f32 && t->dtype == TW_DTYPE_F32);
   bool shape_ok = t->ndim == sp->ndim;
@@ -205,6 +205,7 @@ static tw_status_t bind_tensor(tw_model_t *m, const tw_tensor_spec_t *sp, const 
 
 /* MXFP4 or bf16 experts for layer l, from which tensors exist (spec §3.5). */
 static tw_status_t detect_experts(const tw_model_t *m, int l, const char *dir) {
+  const tw_model_impl_t *impl = m->impl;
   char a[160], b[160];
   const tw_safetensors_t *f = NULL;
   snprintf(a, sizeof a, "model.layers.%d.mlp.experts.gate_up_proj_blocks", l);
@@ -215,7 +216,8 @@ static tw_status_t detect_experts(const tw_model_t *m, int l, const char *dir) {
     m->layers[l].experts_format = TW_EXPERTS_BF16;
   } else {
     return tw_err(TW_ERR_NOT_FOUND,
-                  "%s: tensor '%s' (MXFP4 experts) or '%s' (bf16 experts) is missing", dir, a, b);
+                  "%s: tensor '%s' (MXFP4 experts) or '%s' (bf16 experts) is missing",
+                  impl->source, a, b);
   }
   if (m->layers[l].experts_format == TW_EXPERTS_BF16 && m->config.mxfp4 && l == 0)
     TW_WARN("loader", "%s: config.json says mxfp4 but the experts are bf16; using bf16", dir);
@@ -231,6 +233,8 @@ static tw_status_t load_into(tw_model_t *m, const char *dir) {
   char single[4096], index[4096];
   snprintf(single, sizeof single, "%s/model.safetensors", dir);
   snprintf(index, sizeof index, "%s/model.safetensors.index.json", dir);
+  impl->source = strdup(file_exists(single) ? single : index);
+  if (!impl->source) return tw_err(TW_ERR_NO_MEMORY, "%s: out of memory", dir);
   if (file_exists(single)) { /* transformers also prefers the single file */
     impl->files = calloc(1, sizeof *impl->files);
     if (!impl->files) return tw_err(TW_ERR_NO_MEMORY, "%s: out of memory", dir);
@@ -246,7 +250,7 @@ static tw_status_t load_into(tw_model_t *m, const char *dir) {
   tw_model_specs_t specs;
   TW_CHECK(tw_model_specs_build(&m->config, m, &specs));
   tw_status_t st = TW_OK;
-  for (int64_t i = 0; i < specs.n && st == TW_OK; i++) st = bind_tensor(m, &specs.specs[i], dir);
+  for (int64_t i = 0; i < specs.n && st == TW_OK; i++) st = bind_tensor(m, &specs.specs[i]);
   tw_model_specs_fini(&specs);
   TW_CHECK(st);
 
