@@ -1,0 +1,473 @@
+/* engine_cpu.c: the CPU backend of engine.h, the float32 reference of the
+ * gpt-oss forward pass (spec §2).
+ *
+ * One forward runs a batch of T tokens, each with its own position and block
+ * table: a prefill chunk (one sequence, consecutive positions) or a decode
+ * step (one token of each of T sequences). Per layer it writes all T tokens'
+ * K/V into the pool first, then attends; causality comes from each token
+ * reading only positions <= its own, so the two cases share one code path.
+ * Weights are read in place from the model mmap (cpu_ops.h); activations,
+ * the residual stream and the KV pool are float32. MoE runs expert by
+ * expert over the tokens routed to it, so each expert's weights are read
+ * once per forward. Scratch buffers grow to the largest batch seen. */
+#include "common/engine_impl.h"
+
+#include "common/cpu/cpu_ops.h"
+#include "common/log.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#define TW_CPU_POOL_CAP_BYTES (1ll << 30) /* default pool: at most 1 GiB */
+
+typedef struct {
+  tw_cpu_pool_t *pool;
+  double *inv_freq;     /* [D/2] */
+  double concentration;
+  float *sinks;         /* [L][NQ] f32 copy (small) */
+  float *kv_pool;       /* mmap, kv.total_bytes */
+  /* scratch, sized for cap_tokens tokens */
+  int64_t cap_tokens;
+  float *x, *xn, *q, *k, *v, *attn, *proj; /* [T,H] [T,H] [T,NQ*D] [T,NKV*D] x2 [T,NQ*D] [T,H] */
+  float *rope_cos, *rope_sin;               /* [T, D/2] */
+  float *router;                            /* [T, E] */
+  int32_t *topk_idx;                        /* [T, k] */
+  float *topk_w;                            /* [T, k] */
+  int32_t *exp_tok;                         /* [T] tokens routed to the current expert */
+  float *exp_w;                             /* [T] their weights */
+  float *xe, *ue, *ae, *ye;                 /* [T,H] [T,2I] [T,I] [T,H] */
+  const int32_t **tables;                   /* [T] block table per token */
+  int64_t cap_logits_rows;
+  float *logits;                            /* [rows, V] when the caller gives none */
+  float *scores;                            /* [n_threads, max_pos] */
+  float *sample_scratch;                    /* [2V] */
+} tw_cpu_state_t;
+
+/* ---- model checks ---------------------------------------------------------- */
+
+static tw_status_t tw_cpu_check_tensor(const tw_tensor_t *t, tw_dtype_t dtype, const char *name,
+                                       int32_t layer) {
+  if (!t->data)
+    return tw_err(TW_ERR_NOT_FOUND, "cpu engine: layer %d: tensor %s is absent", layer, name);
+  if (t->dtype != dtype)
+    return tw_err(TW_ERR_UNSUPPORTED, "cpu engine: layer %d: tensor %s is %s, expected %s", layer,
+                  name, tw_dtype_name(t->dtype), tw_dtype_name(dtype));
+  return TW_OK;
+}
+
+static tw_status_t tw_cpu_check_model(const tw_model_t *m) {
+  const tw_model_config_t *c = &m->config;
+  TW_CHECK(tw_cpu_check_tensor(&m->embed, TW_DTYPE_BF16, "embed_tokens", -1));
+  TW_CHECK(tw_cpu_check_tensor(&m->final_norm, TW_DTYPE_BF16, "norm", -1));
+  TW_CHECK(tw_cpu_check_tensor(&m->lm_head, TW_DTYPE_BF16, "lm_head", -1));
+  if (c->n_heads % c->n_kv_heads != 0 || c->head_dim % 2 != 0)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "cpu engine: n_heads %d / n_kv_heads %d / head_dim %d",
+                  c->n_heads, c->n_kv_heads, c->head_dim);
+  for (int32_t l = 0; l < c->n_layers; l++) {
+    const tw_layer_weights_t *w = &m->layers[l];
+    const struct { const tw_tensor_t *t; const char *name; } bf16[] = {
+        {&w->attn_norm, "input_layernorm"}, {&w->q_w, "q_proj.weight"}, {&w->q_b, "q_proj.bias"},
+        {&w->k_w, "k_proj.weight"},         {&w->k_b, "k_proj.bias"},   {&w->v_w, "v_proj.weight"},
+        {&w->v_b, "v_proj.bias"},           {&w->o_w, "o_proj.weight"}, {&w->o_b, "o_proj.bias"},
+        {&w->mlp_norm, "post_attention_layernorm"}, {&w->router_w, "router.weight"},
+        {&w->router_b, "router.bias"},      {&w->gate_up_bias, "gate_up_proj_bias"},
+        {&w->down_bias, "down_proj_bias"}};
+    for (size_t i = 0; i < sizeof(bf16) / sizeof(bf16[0]); i++)
+      TW_CHECK(tw_cpu_check_tensor(bf16[i].t, TW_DTYPE_BF16, bf16[i].name, l));
+    if (!w->sinks.data || (w->sinks.dtype != TW_DTYPE_BF16 && w->sinks.dtype != TW_DTYPE_F32))
+      return tw_err(TW_ERR_UNSUPPORTED, "cpu engine: layer %d: sinks absent or not bf16/f32", l);
+    if (w->experts_format == TW_EXPERTS_MXFP4) {
+      TW_CHECK(tw_cpu_check_tensor(&w->gate_up_blocks, TW_DTYPE_U8, "gate_up_proj_blocks", l));
+      TW_CHECK(tw_cpu_check_tensor(&w->gate_up_scales, TW_DTYPE_U8, "gate_up_proj_scales", l));
+      TW_CHECK(tw_cpu_check_tensor(&w->down_blocks, TW_DTYPE_U8, "down_proj_blocks", l));
+      TW_CHECK(tw_cpu_check_tensor(&w->down_scales, TW_DTYPE_U8, "down_proj_scales", l));
+      if (c->hidden % 32 != 0 || c->intermediate % 32 != 0)
+        return tw_err(TW_ERR_INVALID_ARGUMENT,
+                      "cpu engine: MXFP4 needs hidden %d and intermediate %d multiples of 32",
+                      c->hidden, c->intermediate);
+    } else {
+      TW_CHECK(tw_cpu_check_tensor(&w->gate_up, TW_DTYPE_BF16, "gate_up_proj", l));
+      TW_CHECK(tw_cpu_check_tensor(&w->down, TW_DTYPE_BF16, "down_proj", l));
+    }
+  }
+  return TW_OK;
+}
+
+/* ---- scratch --------------------------------------------------------------- */
+
+static void tw_cpu_scratch_free(tw_cpu_state_t *s) {
+  float **fs[] = {&s->x, &s->xn, &s->q, &s->k, &s->v, &s->attn, &s->proj, &s->rope_cos,
+                  &s->rope_sin, &s->router, &s->topk_w, &s->exp_w, &s->xe, &s->ue, &s->ae, &s->ye};
+  for (size_t i = 0; i < sizeof(fs) / sizeof(fs[0]); i++) {
+    free(*fs[i]);
+    *fs[i] = NULL;
+  }
+  free(s->topk_idx);
+  free(s->exp_tok);
+  free((void *)s->tables);
+  s->topk_idx = NULL;
+  s->exp_tok = NULL;
+  s->tables = NULL;
+  s->cap_tokens = 0;
+}
+
+static tw_status_t tw_cpu_scratch_ensure(const tw_engine_t *e, tw_cpu_state_t *s, int64_t T) {
+  if (T <= s->cap_tokens) return TW_OK;
+  const tw_model_config_t *c = &e->model->config;
+  tw_cpu_scratch_free(s);
+  size_t t = (size_t)T, f = sizeof(float);
+  size_t H = (size_t)c->hidden, QD = (size_t)c->n_heads * c->head_dim;
+  size_t KD = (size_t)c->n_kv_heads * c->head_dim, I = (size_t)c->intermediate;
+  size_t k = (size_t)c->n_experts_per_tok;
+  s->x = malloc(t * H * f);
+  s->xn = malloc(t * H * f);
+  s->q = malloc(t * QD * f);
+  s->k = malloc(t * KD * f);
+  s->v = malloc(t * KD * f);
+  s->attn = malloc(t * QD * f);
+  s->proj = malloc(t * H * f);
+  s->rope_cos = malloc(t * (size_t)(c->head_dim / 2) * f);
+  s->rope_sin = malloc(t * (size_t)(c->head_dim / 2) * f);
+  s->router = malloc(t * (size_t)c->n_experts * f);
+  s->topk_idx = malloc(t * k * sizeof(int32_t));
+  s->topk_w = malloc(t * k * f);
+  s->exp_tok = malloc(t * sizeof(int32_t));
+  s->exp_w = malloc(t * f);
+  s->xe = malloc(t * H * f);
+  s->ue = malloc(t * 2 * I * f);
+  s->ae = malloc(t * I * f);
+  s->ye = malloc(t * H * f);
+  s->tables = malloc(t * sizeof(*s->tables));
+  if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->attn || !s->proj || !s->rope_cos ||
+      !s->rope_sin || !s->router || !s->topk_idx || !s->topk_w || !s->exp_tok || !s->exp_w ||
+      !s->xe || !s->ue || !s->ae || !s->ye || !s->tables) {
+    tw_cpu_scratch_free(s);
+    return tw_err(TW_ERR_NO_MEMORY, "cpu engine: out of memory for the scratch of %lld tokens",
+                  (long long)T);
+  }
+  s->cap_tokens = T;
+  return TW_OK;
+}
+
+static tw_status_t tw_cpu_logits_ensure(const tw_engine_t *e, tw_cpu_state_t *s, int64_t rows) {
+  if (rows <= s->cap_logits_rows) return TW_OK;
+  float *p = realloc(s->logits, sizeof(float) * (size_t)rows * (size_t)e->model->config.vocab_size);
+  if (!p) return tw_err(TW_ERR_NO_MEMORY, "cpu engine: out of memory for %lld logits rows",
+                        (long long)rows);
+  s->logits = p;
+  s->cap_logits_rows = rows;
+  return TW_OK;
+}
+
+/* ---- parallel attention ------------------------------------------------------ */
+
+typedef struct {
+  const tw_engine_t *e;
+  tw_cpu_state_t *s;
+  tw_cpu_kv_view_t kv;
+  int64_t T;
+  const int32_t *positions;
+  int32_t window;
+  const float *sinks;
+} tw_cpu_attn_ctx_t;
+
+static void tw_cpu_attn_task(void *ctx_v, int ti, int nt) {
+  const tw_cpu_attn_ctx_t *a = ctx_v;
+  const tw_model_config_t *c = &a->e->model->config;
+  int64_t items = a->T * c->n_heads;
+  int64_t per = (items + nt - 1) / nt;
+  int64_t i0 = per * ti, i1 = i0 + per < items ? i0 + per : items;
+  float *scores = a->s->scores + (int64_t)ti * c->max_position_embeddings;
+  int64_t QD = (int64_t)c->n_heads * c->head_dim;
+  float scale = 1.0f / sqrtf((float)c->head_dim);
+  for (int64_t i = i0; i < i1; i++) {
+    int64_t t = i / c->n_heads;
+    int32_t h = (int32_t)(i % c->n_heads);
+    tw_cpu_attention(a->s->q + t * QD, c->n_heads, h, h + 1, &a->kv, a->s->tables[t],
+                     a->positions[t], a->window, a->sinks, scale, scores, a->s->attn + t * QD);
+  }
+}
+
+/* ---- the forward pass --------------------------------------------------------- */
+
+static void tw_cpu_moe(const tw_engine_t *e, tw_cpu_state_t *s, const tw_layer_weights_t *w,
+                       int64_t T) {
+  const tw_model_config_t *c = &e->model->config;
+  const int64_t H = c->hidden, I = c->intermediate, E = c->n_experts, k = c->n_experts_per_tok;
+  tw_cpu_matmul_bf16(s->pool, s->xn, T, H, w->router_w.data, w->router_b.data, E, s->router);
+  for (int64_t t = 0; t < T; t++)
+    tw_cpu_router_topk(s->router + t * E, (int32_t)E, (int32_t)k, s->topk_idx + t * k,
+                       s->topk_w + t * k);
+  memset(s->proj, 0, sizeof(float) * (size_t)(T * H));
+  const uint16_t *gu_bias = w->gate_up_bias.data, *down_bias = w->down_bias.data;
+  for (int64_t ex = 0; ex < E; ex++) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t j = 0; j < k; j++)
+        if (s->topk_idx[t * k + j] == ex) {
+          s->exp_tok[n] = (int32_t)t;
+          s->exp_w[n] = s->topk_w[t * k + j];
+          n++;
+        }
+    if (n == 0) continue;
+    for (int64_t i = 0; i < n; i++)
+      memcpy(s->xe + i * H, s->xn + (int64_t)s->exp_tok[i] * H, sizeof(float) * (size_t)H);
+    if (w->experts_format == TW_EXPERTS_MXFP4) {
+      const uint8_t *gb = w->gate_up_blocks.data, *gs = w->gate_up_scales.data;
+      const uint8_t *db = w->down_blocks.data, *ds = w->down_scales.data;
+      tw_cpu_matmul_mxfp4(s->pool, s->xe, n, H, gb + ex * 2 * I * (H / 32) * 16,
+                          gs + ex * 2 * I * (H / 32), gu_bias + ex * 2 * I, 2 * I, s->ue);
+      for (int64_t i = 0; i < n; i++)
+        tw_cpu_swiglu(s->ue + i * 2 * I, I, c->swiglu_alpha, c->swiglu_limit, s->ae + i * I);
+      tw_cpu_matmul_mxfp4(s->pool, s->ae, n, I, db + ex * H * (I / 32) * 16,
+                          ds + ex * H * (I / 32), down_bias + ex * H, H, s->ye);
+    } else {
+      const uint16_t *gu = w->gate_up.data, *dn = w->down.data;
+      tw_cpu_matmul_bf16_kn(s->pool, s->xe, n, H, gu + ex * H * 2 * I, gu_bias + ex * 2 * I,
+                            2 * I, s->ue);
+      for (int64_t i = 0; i < n; i++)
+        tw_cpu_swiglu(s->ue + i * 2 * I, I, c->swiglu_alpha, c->swiglu_limit, s->ae + i * I);
+      tw_cpu_matmul_bf16_kn(s->pool, s->ae, n, I, dn + ex * I * H, down_bias + ex * H, H, s->ye);
+    }
+    /* the routing weight scales the whole expert output, b2 included (§2.9) */
+    for (int64_t i = 0; i < n; i++) {
+      float *o = s->proj + (int64_t)s->exp_tok[i] * H;
+      const float *y = s->ye + i * H;
+      for (int64_t d = 0; d < H; d++) o[d] += s->exp_w[i] * y[d];
+    }
+  }
+}
+
+/* Run T tokens; write the logits of tokens rows[0..n_rows) to logits[n_rows, V]. */
+static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *tokens,
+                                  const int32_t *positions, const int32_t *rows, int64_t n_rows,
+                                  float *logits) {
+  tw_cpu_state_t *s = e->backend;
+  const tw_model_t *m = e->model;
+  const tw_model_config_t *c = &m->config;
+  const int64_t H = c->hidden, D = c->head_dim, half = D / 2;
+  const int64_t QD = (int64_t)c->n_heads * D, KD = (int64_t)c->n_kv_heads * D;
+  const uint16_t *embed = m->embed.data;
+  for (int64_t t = 0; t < T; t++) {
+    const uint16_t *row = embed + (int64_t)tokens[t] * H;
+    for (int64_t i = 0; i < H; i++) s->x[t * H + i] = tw_bf16_to_f32(row[i]);
+    tw_cpu_rope_table(s->inv_freq, (int32_t)half, s->concentration, positions[t],
+                      s->rope_cos + t * half, s->rope_sin + t * half);
+  }
+  for (int32_t l = 0; l < c->n_layers; l++) {
+    const tw_layer_weights_t *w = &m->layers[l];
+    tw_cpu_rmsnorm(s->x, T, H, w->attn_norm.data, c->rms_norm_eps, s->xn);
+    tw_cpu_matmul_bf16(s->pool, s->xn, T, H, w->q_w.data, w->q_b.data, QD, s->q);
+    tw_cpu_matmul_bf16(s->pool, s->xn, T, H, w->k_w.data, w->k_b.data, KD, s->k);
+    tw_cpu_matmul_bf16(s->pool, s->xn, T, H, w->v_w.data, w->v_b.data, KD, s->v);
+    tw_cpu_attn_ctx_t a = {
+        .e = e, .s = s, .T = T, .positions = positions, .sinks = s->sinks + (int64_t)l * c->n_heads,
+        .window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0,
+        .kv = {.layer_base = (float *)((char *)s->kv_pool + l * e->kv.layer_stride_bytes),
+               .block_size = e->kv.block_size, .n_kv_heads = c->n_kv_heads,
+               .head_dim = (int32_t)D}};
+    for (int64_t t = 0; t < T; t++) {
+      tw_cpu_rope_apply(s->q + t * QD, c->n_heads, (int32_t)D, s->rope_cos + t * half,
+                        s->rope_sin + t * half);
+      tw_cpu_rope_apply(s->k + t * KD, c->n_kv_heads, (int32_t)D, s->rope_cos + t * half,
+                        s->rope_sin + t * half);
+      for (int32_t g = 0; g < c->n_kv_heads; g++) { /* K post-RoPE (§2.5) */
+        memcpy(tw_cpu_kv_at(&a.kv, s->tables[t], positions[t], 0, g), s->k + t * KD + g * D,
+               sizeof(float) * (size_t)D);
+        memcpy(tw_cpu_kv_at(&a.kv, s->tables[t], positions[t], 1, g), s->v + t * KD + g * D,
+               sizeof(float) * (size_t)D);
+      }
+    }
+    tw_cpu_pool_run(s->pool, tw_cpu_attn_task, &a);
+    tw_cpu_matmul_bf16(s->pool, s->attn, T, QD, w->o_w.data, w->o_b.data, H, s->proj);
+    for (int64_t i = 0; i < T * H; i++) s->x[i] += s->proj[i];
+    tw_cpu_rmsnorm(s->x, T, H, w->mlp_norm.data, c->rms_norm_eps, s->xn);
+    tw_cpu_moe(e, s, w, T);
+    for (int64_t i = 0; i < T * H; i++) s->x[i] += s->proj[i];
+  }
+  if (n_rows > 0) {
+    for (int64_t r = 0; r < n_rows; r++)
+      memcpy(s->xe + r * H, s->x + (int64_t)rows[r] * H, sizeof(float) * (size_t)H);
+    tw_cpu_rmsnorm(s->xe, n_rows, H, m->final_norm.data, c->rms_norm_eps, s->xe);
+    tw_cpu_matmul_bf16(s->pool, s->xe, n_rows, H, m->lm_head.data, NULL, c->vocab_size, logits);
+  }
+  return TW_OK;
+}
+
+/* ---- engine ops ----------------------------------------------------------------- */
+
+static tw_status_t tw_cpu_prefill(tw_engine_t *e, const tw_prefill_args_t *args) {
+  tw_cpu_state_t *s = e->backend;
+  const int64_t V = e->model->config.vocab_size;
+  const int64_t chunk = e->params.max_prefill_chunk;
+  int want_sample = args->next_token_out != NULL;
+  float *last_row = args->logits_out;
+  if (!args->logits_out && want_sample) {
+    TW_CHECK(tw_cpu_logits_ensure(e, s, 1));
+    last_row = s->logits;
+  }
+  int32_t *pos = NULL;
+  int64_t first_chunk = args->n_tokens < chunk ? args->n_tokens : chunk;
+  TW_CHECK(tw_cpu_scratch_ensure(e, s, first_chunk));
+  pos = malloc(sizeof(int32_t) * (size_t)first_chunk * 2);
+  if (!pos) return tw_err(TW_ERR_NO_MEMORY, "cpu prefill: out of memory");
+  int32_t *rows = pos + first_chunk;
+  tw_status_t st = TW_OK;
+  for (int64_t off = 0; off < args->n_tokens && st == TW_OK; off += chunk) {
+    int64_t T = args->n_tokens - off < chunk ? args->n_tokens - off : chunk;
+    int last = off + T == args->n_tokens;
+    for (int64_t t = 0; t < T; t++) {
+      pos[t] = (int32_t)(args->start_pos + off + t);
+      s->tables[t] = args->block_table;
+      rows[t] = (int32_t)t;
+    }
+    float *dst = NULL;
+    int64_t n_rows = 0;
+    if (args->all_logits && args->logits_out) {
+      dst = args->logits_out + off * V;
+      n_rows = T;
+    } else if (last && last_row) {
+      dst = last_row;
+      rows[0] = (int32_t)(T - 1);
+      n_rows = 1;
+    }
+    st = tw_cpu_forward(e, T, args->tokens + off, pos, rows, n_rows, dst);
+    if (st == TW_OK && last && args->all_logits && args->logits_out) last_row = dst + (T - 1) * V;
+  }
+  free(pos);
+  TW_CHECK(st);
+  if (want_sample)
+    TW_CHECK(tw_sample(last_row, (int32_t)V, args->sample,
+                       (int64_t)args->start_pos + args->n_tokens, s->sample_scratch,
+                       args->next_token_out));
+  return TW_OK;
+}
+
+static tw_status_t tw_cpu_decode(tw_engine_t *e, const tw_decode_args_t *args) {
+  tw_cpu_state_t *s = e->backend;
+  const int64_t V = e->model->config.vocab_size, n = args->n_seqs;
+  TW_CHECK(tw_cpu_scratch_ensure(e, s, n));
+  float *logits = args->logits_out;
+  if (!logits && args->next_tokens_out) {
+    TW_CHECK(tw_cpu_logits_ensure(e, s, n));
+    logits = s->logits;
+  }
+  int32_t *rows = malloc(sizeof(int32_t) * (size_t)n);
+  if (!rows) return tw_err(TW_ERR_NO_MEMORY, "cpu decode: out of memory");
+  for (int64_t i = 0; i < n; i++) {
+    rows[i] = (int32_t)i;
+    s->tables[i] = args->block_tables[i];
+  }
+  tw_status_t st = tw_cpu_forward(e, n, args->tokens, args->positions, rows, logits ? n : 0, logits);
+  free(rows);
+  TW_CHECK(st);
+  if (args->next_tokens_out) {
+    for (int64_t i = 0; i < n; i++) {
+      int32_t tok;
+      TW_CHECK(tw_sample(logits + i * V, (int32_t)V, args->sample ? &args->sample[i] : NULL,
+                         (int64_t)args->positions[i] + 1, s->sample_scratch, &tok));
+      args->next_tokens_out[i] = tok;
+    }
+  }
+  return TW_OK;
+}
+
+static void tw_cpu_destroy(tw_engine_t *e) {
+  tw_cpu_state_t *s = e->backend;
+  if (s) {
+    tw_cpu_pool_destroy(s->pool);
+    if (s->kv_pool) munmap(s->kv_pool, (size_t)e->kv.total_bytes);
+    tw_cpu_scratch_free(s);
+    free(s->inv_freq);
+    free(s->sinks);
+    free(s->logits);
+    free(s->scores);
+    free(s->sample_scratch);
+    free(s);
+  }
+  e->magic = 0;
+  free(e);
+}
+
+static const tw_engine_ops_t tw_cpu_ops = {
+    .name = "cpu", .destroy = tw_cpu_destroy, .prefill = tw_cpu_prefill, .decode = tw_cpu_decode};
+
+tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
+                                 tw_engine_t **engine_p) {
+  const tw_model_config_t *c = &model->config;
+  if (params->tp_size != 1 || params->ep_size != 1)
+    return tw_err(TW_ERR_UNSUPPORTED, "cpu engine: tp_size %d / ep_size %d: only 1 is supported",
+                  params->tp_size, params->ep_size);
+  TW_CHECK(tw_cpu_check_model(model));
+  tw_engine_t *e = calloc(1, sizeof(*e));
+  tw_cpu_state_t *s = calloc(1, sizeof(*s));
+  if (!e || !s) {
+    free(e);
+    free(s);
+    return tw_err(TW_ERR_NO_MEMORY, "cpu engine: out of memory");
+  }
+  e->magic = TW_ENGINE_MAGIC;
+  e->ops = &tw_cpu_ops;
+  e->model = model;
+  e->params = *params;
+  e->params.backend = TW_BACKEND_CPU;
+  e->backend = s;
+  tw_status_t st = TW_OK;
+
+  int64_t bs = params->kv_block_size;
+  int64_t block_bytes = 2ll * c->n_kv_heads * bs * c->head_dim * (int64_t)sizeof(float);
+  int64_t n_blocks = params->kv_num_blocks;
+  if (n_blocks == 0) {
+    /* two sequences of full context, capped at 1 GiB; pages are touched lazily */
+    n_blocks = 2 * ((c->max_position_embeddings + bs - 1) / bs);
+    int64_t cap = TW_CPU_POOL_CAP_BYTES / (block_bytes * c->n_layers);
+    if (n_blocks > cap) n_blocks = cap > 1 ? cap : 1;
+  }
+  e->kv = (tw_kv_layout_t){.dtype = TW_DTYPE_F32, .on_device = false, .device = -1,
+                           .n_layers = c->n_layers, .n_blocks = (int32_t)n_blocks,
+                           .block_size = (int32_t)bs, .n_kv_heads_local = c->n_kv_heads,
+                           .kv_head_offset = 0, .head_dim = c->head_dim,
+                           .layer_stride_bytes = n_blocks * block_bytes, .block_bytes = block_bytes,
+                           .total_bytes = n_blocks * block_bytes * c->n_layers};
+  void *kvp = mmap(NULL, (size_t)e->kv.total_bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (kvp == MAP_FAILED) {
+    kvp = NULL;
+    st = tw_err(TW_ERR_NO_MEMORY, "cpu engine: cannot map a KV pool of %lld bytes",
+                (long long)e->kv.total_bytes);
+    goto fail;
+  }
+  s->kv_pool = kvp;
+  e->kv.base = kvp;
+
+  TW_CHECK_GOTO(tw_cpu_pool_create(params->n_threads, &s->pool), st, fail);
+  s->inv_freq = malloc(sizeof(double) * (size_t)(c->head_dim / 2));
+  s->sinks = malloc(sizeof(float) * (size_t)c->n_layers * (size_t)c->n_heads);
+  s->scores = malloc(sizeof(float) * (size_t)tw_cpu_pool_size(s->pool) *
+                     (size_t)c->max_position_embeddings);
+  s->sample_scratch = malloc(sizeof(float) * 2 * (size_t)c->vocab_size);
+  if (!s->inv_freq || !s->sinks || !s->scores || !s->sample_scratch) {
+    st = tw_err(TW_ERR_NO_MEMORY, "cpu engine: out of memory");
+    goto fail;
+  }
+  tw_cpu_rope_init(c, s->inv_freq, &s->concentration);
+  for (int32_t l = 0; l < c->n_layers; l++) {
+    const tw_tensor_t *sk = &model->layers[l].sinks;
+    for (int32_t h = 0; h < c->n_heads; h++)
+      s->sinks[l * c->n_heads + h] = sk->dtype == TW_DTYPE_F32
+                                         ? ((const float *)sk->data)[h]
+                                         : tw_bf16_to_f32(((const uint16_t *)sk->data)[h]);
+  }
+  TW_INFO("engine",
+          "cpu: %d threads, kv pool %lld blocks x %lld tokens = %.1f MiB f32 (lazily touched), "
+          "weights %.1f MiB in place",
+          tw_cpu_pool_size(s->pool), (long long)n_blocks, (long long)bs,
+          (double)e->kv.total_bytes / (1 << 20), (double)model->weight_bytes / (1 << 20));
+  *engine_p = e;
+  return TW_OK;
+fail:
+  tw_cpu_destroy(e);
+  return st;
+}
