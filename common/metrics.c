@@ -1,0 +1,254 @@
+/* metrics.c: Prometheus text + /healthz over libmicrohttpd (see metrics.h). */
+#include "common/metrics.h"
+
+#include "common/log.h"
+
+#include <microhttpd.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+const double tw_metrics_latency_buckets[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                             0.25,  0.5,    1.0,   2.5,  5.0,   10.0, 30.0, 60.0};
+const int tw_metrics_latency_n = 15;
+
+typedef enum { TW_M_COUNTER, TW_M_GAUGE, TW_M_HISTOGRAM } tw_metric_kind_t;
+
+struct tw_metric {
+  tw_metrics_t *owner;
+  tw_metric_kind_t kind;
+  char name[96];
+  char help[160];
+  double value;
+  double bounds[TW_METRICS_MAX_BUCKETS];
+  uint64_t counts[TW_METRICS_MAX_BUCKETS + 1];
+  int n_bounds;
+  double sum;
+  uint64_t count;
+};
+
+struct tw_metrics {
+  pthread_mutex_t mu;
+  char process[64];
+  tw_metric_t metrics[TW_METRICS_MAX];
+  int n;
+  bool healthy;
+  char reason[128];
+  struct MHD_Daemon *mhd;
+  int port;
+};
+
+typedef struct {
+  char *buf;
+  size_t len, cap;
+  int oom;
+} tw_sb_t;
+
+static void tw_sb_printf(tw_sb_t *sb, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void tw_sb_printf(tw_sb_t *sb, const char *fmt, ...) {
+  if (sb->oom) return;
+  for (int tries = 0; tries < 2; tries++) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(sb->buf + sb->len, sb->cap - sb->len, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if ((size_t)n < sb->cap - sb->len) {
+      sb->len += (size_t)n;
+      return;
+    }
+    size_t cap = (sb->cap + (size_t)n + 1) * 2;
+    char *b = realloc(sb->buf, cap);
+    if (!b) {
+      sb->oom = 1;
+      return;
+    }
+    sb->buf = b;
+    sb->cap = cap;
+  }
+}
+
+static void tw_metric_render(tw_sb_t *sb, const tw_metrics_t *m, const tw_metric_t *x) {
+  static const char *const kinds[] = {"counter", "gauge", "histogram"};
+  tw_sb_printf(sb, "# HELP %s %s\n# TYPE %s %s\n", x->name, x->help, x->name, kinds[x->kind]);
+  if (x->kind != TW_M_HISTOGRAM) {
+    tw_sb_printf(sb, "%s{process=\"%s\"} %.17g\n", x->name, m->process, x->value);
+    return;
+  }
+  uint64_t cum = 0;
+  for (int i = 0; i < x->n_bounds; i++) {
+    cum += x->counts[i];
+    tw_sb_printf(sb, "%s_bucket{process=\"%s\",le=\"%g\"} %llu\n", x->name, m->process,
+                 x->bounds[i], (unsigned long long)cum);
+  }
+  cum += x->counts[x->n_bounds];
+  tw_sb_printf(sb, "%s_bucket{process=\"%s\",le=\"+Inf\"} %llu\n", x->name, m->process,
+               (unsigned long long)cum);
+  tw_sb_printf(sb, "%s_sum{process=\"%s\"} %.17g\n%s_count{process=\"%s\"} %llu\n", x->name,
+               m->process, x->sum, x->name, m->process, (unsigned long long)x->count);
+}
+
+tw_status_t tw_metrics_render(tw_metrics_t *m, char **text_p) {
+  tw_sb_t sb = {.buf = malloc(4096), .cap = 4096};
+  if (!sb.buf) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the metrics text");
+  sb.buf[0] = '\0';
+  pthread_mutex_lock(&m->mu);
+  for (int i = 0; i < m->n; i++) tw_metric_render(&sb, m, &m->metrics[i]);
+  pthread_mutex_unlock(&m->mu);
+  if (sb.oom) {
+    free(sb.buf);
+    return tw_err(TW_ERR_NO_MEMORY, "cannot grow the metrics text");
+  }
+  *text_p = sb.buf;
+  return TW_OK;
+}
+
+static enum MHD_Result tw_metrics_answer(void *cls, struct MHD_Connection *conn, const char *url,
+                                         const char *method, const char *version,
+                                         const char *upload, size_t *upload_size, void **ptr) {
+  tw_metrics_t *m = cls;
+  if (strcmp(method, "GET") != 0) return MHD_NO;
+  unsigned code = MHD_HTTP_OK;
+  char *text = NULL;
+  const char *ctype = "text/plain; charset=utf-8";
+  if (strcmp(url, "/metrics") == 0) {
+    if (tw_metrics_render(m, &text) != TW_OK) return MHD_NO;
+    ctype = "text/plain; version=0.0.4; charset=utf-8";
+  } else if (strcmp(url, "/healthz") == 0) {
+    pthread_mutex_lock(&m->mu);
+    code = m->healthy ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE;
+    size_t l = strlen(m->reason) + 2;
+    text = malloc(l);
+    if (text) snprintf(text, l, "%s\n", m->reason);
+    pthread_mutex_unlock(&m->mu);
+  } else {
+    code = MHD_HTTP_NOT_FOUND;
+    text = strdup("not found: try /metrics or /healthz\n");
+  }
+  if (!text) return MHD_NO;
+  struct MHD_Response *r =
+      MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE);
+  if (!r) {
+    free(text);
+    return MHD_NO;
+  }
+  MHD_add_response_header(r, "Content-Type", ctype);
+  enum MHD_Result ret = MHD_queue_response(conn, code, r);
+  MHD_destroy_response(r);
+  return ret;
+}
+
+tw_status_t tw_metrics_create(const char *process, int port, bool bind_any, tw_metrics_t **m_p) {
+  tw_metrics_t *m = calloc(1, sizeof *m);
+  if (!m) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the metrics registry");
+  pthread_mutex_init(&m->mu, NULL);
+  snprintf(m->process, sizeof m->process, "%s", process);
+  m->healthy = true;
+  snprintf(m->reason, sizeof m->reason, "ok");
+  m->port = -1;
+  if (port >= 0) {
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    sa.sin_addr.s_addr = htonl(bind_any ? INADDR_ANY : INADDR_LOOPBACK);
+    m->mhd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, (uint16_t)port, NULL, NULL,
+                              tw_metrics_answer, m, MHD_OPTION_SOCK_ADDR, &sa,
+                              MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+    if (!m->mhd) {
+      pthread_mutex_destroy(&m->mu);
+      free(m);
+      return tw_err(TW_ERR_TRANSPORT, "cannot start the metrics http server on port %d", port);
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(m->mhd, MHD_DAEMON_INFO_BIND_PORT);
+    m->port = di ? di->port : port;
+    TW_INFO("metrics", "serving /metrics and /healthz on %s:%d", bind_any ? "0.0.0.0" : "127.0.0.1",
+            m->port);
+  }
+  *m_p = m;
+  return TW_OK;
+}
+
+void tw_metrics_destroy(tw_metrics_t *m) {
+  if (!m) return;
+  if (m->mhd) MHD_stop_daemon(m->mhd);
+  pthread_mutex_destroy(&m->mu);
+  free(m);
+}
+
+int tw_metrics_port(const tw_metrics_t *m) { return m ? m->port : -1; }
+
+static tw_metric_t *tw_metrics_add(tw_metrics_t *m, tw_metric_kind_t kind, const char *name,
+                                   const char *help) {
+  if (!m) return NULL;
+  pthread_mutex_lock(&m->mu);
+  tw_metric_t *x = NULL;
+  if (m->n < TW_METRICS_MAX) {
+    x = &m->metrics[m->n++];
+    memset(x, 0, sizeof *x);
+    x->owner = m;
+    x->kind = kind;
+    snprintf(x->name, sizeof x->name, "twain_%s", name);
+    snprintf(x->help, sizeof x->help, "%s", help);
+  }
+  pthread_mutex_unlock(&m->mu);
+  return x;
+}
+
+tw_metric_t *tw_metrics_counter(tw_metrics_t *m, const char *name, const char *help) {
+  return tw_metrics_add(m, TW_M_COUNTER, name, help);
+}
+tw_metric_t *tw_metrics_gauge(tw_metrics_t *m, const char *name, const char *help) {
+  return tw_metrics_add(m, TW_M_GAUGE, name, help);
+}
+tw_metric_t *tw_metrics_histogram(tw_metrics_t *m, const char *name, const char *help,
+                                  const double *bounds, int n) {
+  if (n < 0 || n > TW_METRICS_MAX_BUCKETS) return NULL;
+  tw_metric_t *x = tw_metrics_add(m, TW_M_HISTOGRAM, name, help);
+  if (!x) return NULL;
+  pthread_mutex_lock(&m->mu);
+  memcpy(x->bounds, bounds, sizeof(double) * (size_t)n);
+  x->n_bounds = n;
+  pthread_mutex_unlock(&m->mu);
+  return x;
+}
+
+void tw_metric_add(tw_metric_t *x, double v) {
+  if (!x) return;
+  pthread_mutex_lock(&x->owner->mu);
+  x->value += v;
+  pthread_mutex_unlock(&x->owner->mu);
+}
+void tw_metric_set(tw_metric_t *x, double v) {
+  if (!x) return;
+  pthread_mutex_lock(&x->owner->mu);
+  x->value = v;
+  pthread_mutex_unlock(&x->owner->mu);
+}
+void tw_metric_observe(tw_metric_t *x, double v) {
+  if (!x) return;
+  pthread_mutex_lock(&x->owner->mu);
+  int i = 0;
+  while (i < x->n_bounds && v > x->bounds[i]) i++;
+  x->counts[i]++;
+  x->sum += v;
+  x->count++;
+  pthread_mutex_unlock(&x->owner->mu);
+}
+double tw_metric_value(const tw_metric_t *x) {
+  if (!x) return 0;
+  pthread_mutex_lock(&x->owner->mu);
+  double v = x->kind == TW_M_HISTOGRAM ? (double)x->count : x->value;
+  pthread_mutex_unlock(&x->owner->mu);
+  return v;
+}
+
+void tw_metrics_set_health(tw_metrics_t *m, bool healthy, const char *maybe_reason) {
+  if (!m) return;
+  pthread_mutex_lock(&m->mu);
+  m->healthy = healthy;
+  snprintf(m->reason, sizeof m->reason, "%s", maybe_reason ? maybe_reason : "ok");
+  pthread_mutex_unlock(&m->mu);
+}

@@ -1,0 +1,68 @@
+/* metrics.h: Prometheus text metrics and a /healthz endpoint for every
+ * daemon, served over HTTP by libmicrohttpd on its own thread.
+ *
+ *   GET /metrics  -> text/plain; version=0.0.4 (counters, gauges, histograms)
+ *   GET /healthz  -> 200 "ok" while healthy, 503 "<reason>" otherwise
+ *                    (draining or failed), for Kubernetes probes.
+ *
+ * Metric names are prefixed "twain_"; every sample carries the label
+ * process="<name>". Updates take a mutex (cheap next to a decode step) so the
+ * HTTP thread always reads a consistent snapshot. */
+#ifndef TW_COMMON_METRICS_H
+#define TW_COMMON_METRICS_H
+
+#include "common/status.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TW_METRICS_MAX 48
+#define TW_METRICS_MAX_BUCKETS 24
+
+typedef struct tw_metrics tw_metrics_t;
+typedef struct tw_metric tw_metric_t;
+
+/** Create the registry and, if port >= 0, start serving on 127.0.0.1:port
+ *  (bind_any: all interfaces); port 0 picks a free one (see tw_metrics_port).
+ *  Errors: TW_ERR_TRANSPORT (the HTTP server could not start on that port),
+ *  TW_ERR_NO_MEMORY. */
+tw_status_t tw_metrics_create(const char *process, int port, bool bind_any,
+                              tw_metrics_t **metrics_p);
+/** Stop the server and free everything. NULL does nothing. */
+void tw_metrics_destroy(tw_metrics_t *metrics);
+/** The TCP port being served, or -1 if none. */
+int tw_metrics_port(const tw_metrics_t *metrics);
+
+/** Register a metric ("twain_" is prepended to name). Returns NULL when the
+ *  registry is full (TW_METRICS_MAX); updates on NULL do nothing. */
+tw_metric_t *tw_metrics_counter(tw_metrics_t *metrics, const char *name, const char *help);
+tw_metric_t *tw_metrics_gauge(tw_metrics_t *metrics, const char *name, const char *help);
+/** Histogram with ascending upper bounds[n] (n <= TW_METRICS_MAX_BUCKETS; +Inf
+ *  is implicit). */
+tw_metric_t *tw_metrics_histogram(tw_metrics_t *metrics, const char *name, const char *help,
+                                  const double *bounds, int n);
+
+void tw_metric_add(tw_metric_t *metric, double v);      /* counter or gauge */
+void tw_metric_set(tw_metric_t *metric, double v);      /* gauge */
+void tw_metric_observe(tw_metric_t *metric, double v);  /* histogram */
+double tw_metric_value(const tw_metric_t *metric);      /* counter/gauge; histogram: count */
+
+/** Health as /healthz reports it (reason copied; NULL = "ok"). */
+void tw_metrics_set_health(tw_metrics_t *metrics, bool healthy, const char *maybe_reason);
+
+/** Render the exposition text (malloc'ed, caller frees).
+ *  Errors: TW_ERR_NO_MEMORY. */
+tw_status_t tw_metrics_render(tw_metrics_t *metrics, char **text_p);
+
+/** Latency buckets in seconds, 1 ms .. 60 s, for TTFT/TPOT/transfer time. */
+extern const double tw_metrics_latency_buckets[];
+extern const int tw_metrics_latency_n;
+
+#ifdef __cplusplus
+}
+#endif
+#endif

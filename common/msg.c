@@ -1,0 +1,167 @@
+/* msg.c: ZeroMQ framing of protobuf messages (see msg.h). */
+#include "common/msg.h"
+
+#include "common/log.h"
+
+#include <zmq.h>
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+int64_t tw_msg_clock_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+void tw_msg_fini(tw_msg_t *msg) {
+  if (!msg) return;
+  free(msg->data);
+  msg->data = NULL;
+  msg->len = 0;
+}
+
+/* Discard the remaining frames of a multipart message. */
+static void tw_msg_drain(void *sock) {
+  int more = 1;
+  size_t sz = sizeof more;
+  for (int guard = 0; guard < 1 << 20; guard++) {
+    if (zmq_getsockopt(sock, ZMQ_RCVMORE, &more, &sz) != 0 || !more) return;
+    zmq_msg_t f;
+    zmq_msg_init(&f);
+    int rc = zmq_msg_recv(&f, sock, 0);
+    zmq_msg_close(&f);
+    if (rc < 0) return;
+  }
+}
+
+tw_status_t tw_msg_recv(void *sock, bool has_identity, int timeout_ms, tw_msg_t *out) {
+  if (timeout_ms != 0) {
+    zmq_pollitem_t it = {.socket = sock, .events = ZMQ_POLLIN};
+    int rc = zmq_poll(&it, 1, timeout_ms);
+    if (rc < 0) {
+      if (errno == EINTR) return TW_INPROGRESS;
+      return tw_err(TW_ERR_TRANSPORT, "zmq_poll failed: %s", zmq_strerror(errno));
+    }
+    if (rc == 0) return TW_INPROGRESS;
+  }
+  zmq_msg_t frames[TW_MSG_MAX_FRAMES];
+  int n = 0;
+  bool too_many = false;
+  for (;;) {
+    if (n == TW_MSG_MAX_FRAMES) {
+      too_many = true;
+      tw_msg_drain(sock);
+      break;
+    }
+    zmq_msg_init(&frames[n]);
+    int rc = zmq_msg_recv(&frames[n], sock, n == 0 ? ZMQ_DONTWAIT : 0);
+    if (rc < 0) {
+      int e = errno;
+      zmq_msg_close(&frames[n]);
+      for (int i = 0; i < n; i++) zmq_msg_close(&frames[i]);
+      if (e == EAGAIN || e == EINTR) return TW_INPROGRESS;
+      return tw_err(TW_ERR_TRANSPORT, "zmq_msg_recv failed: %s", zmq_strerror(e));
+    }
+    n++;
+    if (!zmq_msg_more(&frames[n - 1])) break;
+  }
+  tw_msg_t m = {0};
+  tw_status_t st = TW_OK;
+  int first = 0;
+  if (has_identity) {
+    size_t l = zmq_msg_size(&frames[0]);
+    if (l > TW_MSG_MAX_ID) l = TW_MSG_MAX_ID;
+    memcpy(m.id, zmq_msg_data(&frames[0]), l);
+    m.id_len = l;
+    first = 1;
+    if (n > 2 && zmq_msg_size(&frames[1]) == 0) {
+      m.delim = true;
+      first = 2;
+    }
+  }
+  if (too_many || n - first != 1) {
+    st = tw_err_quiet(TW_ERR_FORMAT, "expected %s one payload frame, got %s%d frames",
+                      has_identity ? "identity, optional delimiter and" : "", too_many ? "over " : "",
+                      n);
+  } else {
+    size_t l = zmq_msg_size(&frames[first]);
+    if (l > TW_MSG_MAX_BYTES) {
+      st = tw_err_quiet(TW_ERR_FORMAT, "message of %zu bytes is over the limit of %u", l,
+                        TW_MSG_MAX_BYTES);
+    } else {
+      m.data = malloc(l ? l : 1);
+      if (!m.data) {
+        st = tw_err(TW_ERR_NO_MEMORY, "cannot allocate %zu bytes for a message", l);
+      } else {
+        memcpy(m.data, zmq_msg_data(&frames[first]), l);
+        m.len = l;
+      }
+    }
+  }
+  for (int i = 0; i < n; i++) zmq_msg_close(&frames[i]);
+  *out = m; /* on FORMAT errors the identity is still useful for a reply */
+  return st;
+}
+
+tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim,
+                           const ProtobufCMessage *msg) {
+  size_t len = protobuf_c_message_get_packed_size(msg);
+  zmq_msg_t body;
+  if (zmq_msg_init_size(&body, len ? len : 0) != 0)
+    return tw_err(TW_ERR_NO_MEMORY, "cannot allocate a %zu-byte message", len);
+  if (len) protobuf_c_message_pack(msg, zmq_msg_data(&body));
+  if (id_len) {
+    if (zmq_send(sock, id, id_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) goto fail;
+    if (delim && zmq_send(sock, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) goto fail;
+  }
+  if (zmq_msg_send(&body, sock, ZMQ_DONTWAIT) < 0) goto fail;
+  return TW_OK;
+fail: {
+  int e = errno;
+  zmq_msg_close(&body);
+  if (e == EHOSTUNREACH || e == EAGAIN)
+    return tw_err_quiet(TW_ERR_UNAVAILABLE, "peer unreachable or its queue is full: %s",
+                        zmq_strerror(e));
+  return tw_err(TW_ERR_TRANSPORT, "zmq send failed: %s", zmq_strerror(e));
+}
+}
+
+tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to, const ProtobufCMessage *msg) {
+  if (maybe_to) return tw_msg_send_to(sock, maybe_to->id, maybe_to->id_len, maybe_to->delim, msg);
+  return tw_msg_send_to(sock, NULL, 0, false, msg);
+}
+
+tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
+                               char *maybe_bound, size_t bound_len, void **sock_p) {
+  void *s = zmq_socket(ctx, type);
+  if (!s) return tw_err(TW_ERR_TRANSPORT, "zmq_socket failed: %s", zmq_strerror(errno));
+  int zero = 0, one = 1, hwm = 100000;
+  zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
+  zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof hwm);
+  zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
+  if (type == ZMQ_ROUTER) zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+  char ep[256];
+  snprintf(ep, sizeof ep, "%s", endpoint);
+  size_t el = strlen(ep);
+  if (bind && el > 2 && strcmp(ep + el - 2, ":0") == 0) snprintf(ep + el - 1, sizeof ep - el + 1, "*");
+  int rc = bind ? zmq_bind(s, ep) : zmq_connect(s, ep);
+  if (rc != 0) {
+    int e = errno;
+    zmq_close(s);
+    return tw_err(TW_ERR_TRANSPORT, "cannot %s %s: %s", bind ? "bind" : "connect", endpoint,
+                  zmq_strerror(e));
+  }
+  if (maybe_bound && bound_len) {
+    size_t l = bound_len;
+    if (bind && zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, maybe_bound, &l) == 0) {
+    } else {
+      snprintf(maybe_bound, bound_len, "%s", endpoint);
+    }
+  }
+  *sock_p = s;
+  return TW_OK;
+}

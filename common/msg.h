@@ -1,0 +1,77 @@
+/* msg.h: ZeroMQ + protobuf framing shared by the router, the workers and the
+ * clients (docs/api.md "Transport").
+ *
+ * A message on the wire is a multipart ZeroMQ message whose last frame is one
+ * packed protobuf (twain.v1.ClientRequest/ServerReply for clients,
+ * twain.internal.v1.Envelope between router and workers). On a ROUTER socket
+ * the frames before it are the peer identity and, for REQ peers, an empty
+ * delimiter; tw_msg_recv() keeps them so a reply can mirror them.
+ * Receives are bounded: at most TW_MSG_MAX_FRAMES frames and
+ * TW_MSG_MAX_BYTES bytes of payload; anything else is reported as
+ * TW_ERR_FORMAT and fully drained, so one bad peer cannot wedge a socket. */
+#ifndef TW_COMMON_MSG_H
+#define TW_COMMON_MSG_H
+
+#include "common/status.h"
+
+#include <protobuf-c/protobuf-c.h>
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TW_MSG_MAX_FRAMES 4
+#define TW_MSG_MAX_BYTES (64u << 20) /* one protobuf, e.g. a 1M-token prompt */
+#define TW_MSG_MAX_ID 256             /* bytes of a ZeroMQ routing id */
+
+/** One received message: routing prefix (identity + optional empty
+ *  delimiter) and the payload frame. Storage owned by the struct; release
+ *  with tw_msg_fini(). */
+typedef struct {
+  uint8_t id[TW_MSG_MAX_ID];
+  size_t id_len;      /* 0: no identity frame (DEALER/REQ side) */
+  bool delim;         /* an empty delimiter frame followed the identity */
+  uint8_t *data;      /* payload (malloc'ed), NULL if none */
+  size_t len;
+} tw_msg_t;
+
+/** Receive one message from `sock`. `has_identity`: the socket is a ROUTER
+ *  (first frame is the peer id). `timeout_ms` < 0 blocks, 0 polls.
+ *  Returns TW_OK with *msg filled, TW_INPROGRESS when nothing arrived within
+ *  the timeout (msg untouched), TW_ERR_FORMAT for a message of the wrong
+ *  shape (too many frames or bytes; drained, *msg gets the identity so the
+ *  caller can reply), TW_ERR_TRANSPORT for a socket error (errno text). */
+tw_status_t tw_msg_recv(void *sock, bool has_identity, int timeout_ms, tw_msg_t *msg);
+
+/** Free the payload of a received message. NULL-safe, idempotent. */
+void tw_msg_fini(tw_msg_t *msg);
+
+/** Send `msg` packed, preceded by the routing prefix of `maybe_to` (a
+ *  message received from the peer; NULL on DEALER/REQ sockets). Never
+ *  blocks: a full queue or a vanished peer (ZMQ_ROUTER_MANDATORY) is
+ *  TW_ERR_UNAVAILABLE; other failures TW_ERR_TRANSPORT. */
+tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to, const ProtobufCMessage *msg);
+
+/** Same, with an explicit routing id (e.g. a worker id kept in a registry). */
+tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim,
+                           const ProtobufCMessage *msg);
+
+/** Monotonic clock in nanoseconds. */
+int64_t tw_msg_clock_ns(void);
+
+/** Create a socket of `type` (ZMQ_ROUTER...) on `ctx` with linger 0 and,
+ *  for ROUTER, ZMQ_ROUTER_MANDATORY; bind it if `bind` else connect it to
+ *  `endpoint`. For a bind to port 0 ("tcp://127.0.0.1:*" or ":0"), the
+ *  actual endpoint is written to maybe_bound[bound_len].
+ *  Errors: TW_ERR_TRANSPORT naming the endpoint and errno text. */
+tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
+                               char *maybe_bound, size_t bound_len, void **sock_p);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

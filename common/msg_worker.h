@@ -1,0 +1,84 @@
+/* msg_worker.h: the worker side of the router protocol, shared by the
+ * prefill and decode daemons: one DEALER socket to the router's worker
+ * endpoint, registration (repeated until acknowledged, and again if the
+ * router forgets us), heartbeats with capacity every TW_WORKER_HEARTBEAT_MS,
+ * and the SIGTERM/SIGINT stop flag for graceful drain.
+ * The router expires a worker it has not heard from for
+ * TW_WORKER_EXPIRE_MS (proto/twain_internal.proto). */
+#ifndef TW_COMMON_MSG_WORKER_H
+#define TW_COMMON_MSG_WORKER_H
+
+#include "common/msg.h"
+#include "common/status.h"
+#include "proto/twain_internal.pb-c.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TW_WORKER_HEARTBEAT_MS 200
+#define TW_WORKER_EXPIRE_MS 1000
+
+/** Set by SIGTERM/SIGINT once tw_worker_signals_install() ran: 1 = drain. */
+extern volatile sig_atomic_t tw_worker_stop_g;
+/** Install SIGTERM/SIGINT handlers that set tw_worker_stop_g (and ignore SIGPIPE). */
+void tw_worker_signals_install(void);
+
+typedef struct {
+  void *zctx;       /* owned */
+  void *sock;       /* DEALER to the router (main thread only) */
+  char name[64];
+  char endpoint[256];
+  Twain__Internal__V1__Pool pool;
+  int32_t ranks;
+  int32_t kv_block_size, n_layers, vocab_size;
+  char backend[16];
+  bool registered;  /* RegisterAck seen */
+  int64_t last_register_ns;
+  /* heartbeat thread: its own socket; reads cap/draining under mu */
+  pthread_t hb_thread;
+  bool hb_started;
+  pthread_mutex_t mu;
+  Twain__Internal__V1__Capacity cap;
+  bool draining;
+  atomic_int hb_stop, registered_a, need_register;
+} tw_worker_link_t;
+
+/** Connect to the router (endpoint e.g. "tcp://127.0.0.1:7401") with the
+ *  routing id `name` and start the heartbeat thread (routing id
+ *  "<name>/hb"). Errors: TW_ERR_TRANSPORT, TW_ERR_INTERNAL (thread). */
+tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint, const char *name,
+                                Twain__Internal__V1__Pool pool);
+void tw_worker_link_close(tw_worker_link_t *link);
+
+/** Send an envelope to the router. Errors as tw_msg_send. */
+tw_status_t tw_worker_link_send(tw_worker_link_t *link, const Twain__Internal__V1__Envelope *env);
+
+/** Publish the capacity for the heartbeat thread and register (every 250 ms
+ *  until acknowledged, and again when the router has forgotten us); call
+ *  every loop iteration. `force` registers now if not registered. */
+tw_status_t tw_worker_link_tick(tw_worker_link_t *link, const Twain__Internal__V1__Capacity *cap,
+                                bool draining, bool force);
+
+/** Receive one envelope (timeout as tw_msg_recv). TW_OK with *env_p set
+ *  (free with twain__internal__v1__envelope__free_unpacked(env, NULL)),
+ *  TW_INPROGRESS when none, TW_ERR_FORMAT for an undecodable message
+ *  (logged; the caller keeps going). RegisterAck and "unknown worker"
+ *  rejects are handled here and reported as TW_INPROGRESS. */
+tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
+                                Twain__Internal__V1__Envelope **env_p);
+
+/** Send a Reject for request_id with a v1 code and message. */
+tw_status_t tw_worker_link_reject(tw_worker_link_t *link, uint64_t request_id, int code,
+                                  const char *message);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

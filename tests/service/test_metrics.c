@@ -1,0 +1,100 @@
+/* test_metrics.c: the Prometheus text and /healthz served over HTTP on an
+ * ephemeral 127.0.0.1 port: exact exposition lines for a counter, a gauge and
+ * a histogram, 200/503 health, 404 for other paths. */
+#include "common/log.h"
+#include "common/metrics.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+static int fails;
+#define EXPECT(c, ...)                                       \
+  do {                                                       \
+    if (!(c)) {                                              \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);   \
+      fprintf(stderr, __VA_ARGS__);                          \
+      fputc('\n', stderr);                                   \
+      fails++;                                               \
+    }                                                        \
+  } while (0)
+
+/* GET path from 127.0.0.1:port; the whole response in buf. */
+static int http_get(int port, const char *path, char *buf, size_t cap) {
+  int s = socket(AF_INET, SOCK_STREAM, 0);
+  struct timeval tv = {5, 0};
+  setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(s, (struct sockaddr *)&a, sizeof a) != 0) {
+    close(s);
+    return -1;
+  }
+  char req[256];
+  int n = snprintf(req, sizeof req, "GET %s HTTP/1.0\r\nHost: x\r\n\r\n", path);
+  if (write(s, req, (size_t)n) != n) {
+    close(s);
+    return -1;
+  }
+  size_t len = 0;
+  for (int i = 0; i < 1000 && len + 1 < cap; i++) {
+    ssize_t r = read(s, buf + len, cap - 1 - len);
+    if (r <= 0) break;
+    len += (size_t)r;
+  }
+  buf[len] = '\0';
+  close(s);
+  return (int)len;
+}
+
+int main(void) {
+  tw_log_init("test_metrics", 0);
+  tw_metrics_t *m = NULL;
+  if (tw_metrics_create("unit", 0, false, &m) != 0) return 1;
+  int port = tw_metrics_port(m);
+  EXPECT(port > 0, "ephemeral port assigned");
+  tw_metric_t *c = tw_metrics_counter(m, "things_total", "things");
+  tw_metric_t *g = tw_metrics_gauge(m, "level", "a level");
+  const double b[] = {0.1, 1.0};
+  tw_metric_t *h = tw_metrics_histogram(m, "lat_seconds", "latency", b, 2);
+  tw_metric_add(c, 3);
+  tw_metric_set(g, 7);
+  tw_metric_add(g, -2);
+  tw_metric_observe(h, 0.05);
+  tw_metric_observe(h, 0.5);
+  tw_metric_observe(h, 0.5);
+  tw_metric_observe(h, 5);
+  static char buf[65536];
+  EXPECT(http_get(port, "/metrics", buf, sizeof buf) > 0, "GET /metrics");
+  const char *want[] = {
+      " 200 OK",
+      "# TYPE twain_things_total counter\n",
+      "twain_things_total{process=\"unit\"} 3\n",
+      "twain_level{process=\"unit\"} 5\n",
+      "# TYPE twain_lat_seconds histogram\n",
+      "twain_lat_seconds_bucket{process=\"unit\",le=\"0.1\"} 1\n",
+      "twain_lat_seconds_bucket{process=\"unit\",le=\"1\"} 3\n",
+      "twain_lat_seconds_bucket{process=\"unit\",le=\"+Inf\"} 4\n",
+      "twain_lat_seconds_sum{process=\"unit\"} 6.0499999999999998\n",
+      "twain_lat_seconds_count{process=\"unit\"} 4\n",
+  };
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+    EXPECT(strstr(buf, want[i]) != NULL, "metrics text lacks %s", want[i]);
+  EXPECT(http_get(port, "/healthz", buf, sizeof buf) > 0 && strstr(buf, " 200 ") &&
+             strstr(buf, "\r\n\r\nok\n"),
+         "healthz ok: %s", buf);
+  tw_metrics_set_health(m, false, "draining");
+  EXPECT(http_get(port, "/healthz", buf, sizeof buf) > 0 && strstr(buf, " 503 ") &&
+             strstr(buf, "draining"),
+         "healthz 503 draining: %s", buf);
+  EXPECT(http_get(port, "/nope", buf, sizeof buf) > 0 && strstr(buf, " 404 "), "404");
+  EXPECT(tw_metric_value(h) == 4, "histogram count");
+  tw_metrics_destroy(m);
+  printf("%s: %d failures\n", fails ? "FAIL" : "PASS", fails);
+  return fails ? 1 : 0;
+}
