@@ -326,6 +326,16 @@ static void test_matmul_mxfp4(tw_cpu_pool_t *pool) {
   float row[32];
   tw_cpu_mxfp4_row(blk, &sc, 1, row);
   TW_EXPECT(row[0] == -3.0f && row[1] == 0.5f && row[2] == 0.0f, "worked example %g %g", row[0], row[1]);
+  /* every byte under every scale: same values as the loader's dequantiser */
+  for (int scale = 0; scale < 255; scale++) { /* 255 is NaN in OCP, inf here: not compared */
+    uint8_t blocks[16 * 16], scales[16];
+    float ours[512], loader[512];
+    for (int i = 0; i < 256; i++) blocks[i] = (uint8_t)i;
+    for (int g = 0; g < 16; g++) scales[g] = (uint8_t)scale;
+    tw_cpu_mxfp4_row(blocks, scales, 16, ours);
+    tw_mxfp4_dequant_row(blocks, scales, 16, loader);
+    TW_EXPECT(memcmp(ours, loader, sizeof(ours)) == 0, "mxfp4 row vs loader at scale %d", scale);
+  }
   uint64_t seed = 9;
   const int64_t K = 96 * 8, Ns[] = {3, 64}, Ts[] = {1, 4};
   for (size_t ni = 0; ni < 2; ni++)
