@@ -1,0 +1,339 @@
+/* attention_decode.cu: decode attention over the paged KV cache (spec §2.6),
+ * one query token per sequence, split along the keys (flash-decoding).
+ * API in attention.h.
+ *
+ * Split kernel: one CTA = (sequence, KV head, split). All query heads of the
+ * KV head (the GQA group, <= 16) are the 16 rows of one m16n8k16 tile, so
+ * each K/V element is read from memory once per CTA (memory-bound: 16-byte
+ * cp.async loads, double-buffered 64-key tiles through the block table). Warp
+ * w takes keys 16w..16w+15 of every tile; the 4 warps' (m, l, acc) are merged
+ * in shared memory and written as the split's partial state (unnormalised
+ * acc, log2-domain max m, denominator l). The sink is the initial state of
+ * warp 0 of split 0 only.
+ * Combine kernel: one warp per (sequence, query head) merges the splits and
+ * writes bf16. */
+#include "kernels/attention.h"
+
+#include "kernels/attention_mma.cuh"
+#include "kernels/cuda_common.h"
+
+#include <math.h>
+
+#define TW_DC_BN 64
+#define TW_DC_WARPS 4
+#define TW_DC_MIN_KEYS_PER_SPLIT 256
+#define TW_DC_MAX_SPLITS 128
+#define TW_DC_TARGET_CTAS 528 /* about 4 per SM of an H200 (132 SMs) */
+
+typedef struct {
+  const __nv_bfloat16 *q;
+  int64_t q_stride;
+  const __nv_bfloat16 *kv;
+  const float *sinks;
+  const int32_t *seq_lens;
+  const int32_t *block_tables;
+  int32_t bt_stride;
+  int32_t nq, nkv, group, block_size, window, n_splits, chunk;
+  float scale_log2;
+  float *ws_m, *ws_l, *ws_acc; /* [B][NQ][S], [B][NQ][S], [B][NQ][S][D] */
+  __nv_bfloat16 *out;
+} tw_dc_params_t;
+
+static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_kernel(
+    const tw_dc_params_t p) {
+  constexpr int BN = TW_DC_BN, D = TW_ATTN_D, NT = TW_DC_WARPS * 32;
+  __shared__ __align__(128) uint8_t sbuf[2][2][BN * D * 2]; /* [stage][k|v], reused below */
+  const int sp = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+
+  const int hi = p.seq_lens[b];
+  const int lo = p.window > 0 ? max(0, hi - p.window) : 0;
+  const int s_lo = lo + sp * p.chunk;
+  if (s_lo >= hi) return; /* empty split: the combine kernel skips it */
+  const int s_hi = min(hi, s_lo + p.chunk);
+  const int32_t *bt = p.block_tables + (int64_t)b * p.bt_stride;
+  const int bs = p.block_size;
+  const int64_t head_elems = (int64_t)bs * D;
+  const int64_t blk_elems = 2 * (int64_t)p.nkv * head_elems;
+  const __nv_bfloat16 *kv_g = p.kv + (int64_t)g * head_elems;
+  const int t_lo = s_lo / BN, t_hi = (s_hi - 1) / BN;
+
+  auto load_kv = [&](int stage, int kt) {
+    for (int c = tid; c < BN * 8; c += NT) {
+      const int r = c >> 3, ch = c & 7;
+      const int pos = kt * BN + r;
+      const bool ok = pos >= s_lo && pos < s_hi;
+      const __nv_bfloat16 *src = p.kv;
+      if (ok) src = kv_g + (int64_t)bt[pos / bs] * blk_elems + (int64_t)(pos % bs) * D + ch * 8;
+      tw_cp_async16(tw_smem_u32(sbuf[stage][0]) + tw_swz(r, ch), src, ok);
+      tw_cp_async16(tw_smem_u32(sbuf[stage][1]) + tw_swz(r, ch),
+                    ok ? src + (int64_t)p.nkv * head_elems : p.kv, ok);
+    }
+  };
+  load_kv(0, t_lo);
+  tw_cp_async_commit();
+
+  /* Q fragments straight from global memory: row = query head within the group. */
+  uint32_t qa[4][4];
+  {
+    const __nv_bfloat16 *qb = p.q + (int64_t)b * p.q_stride + (int64_t)g * p.group * D;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int row = gq + 8 * (e & 1), col = kk * 16 + 2 * tq + 8 * (e >> 1);
+        qa[kk][e] = row < p.group
+                        ? *reinterpret_cast<const uint32_t *>(qb + (int64_t)row * D + col)
+                        : 0u;
+      }
+  }
+  float acc[8][4];
+  float m[2], l[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; hf++) {
+    const int row = gq + 8 * hf;
+    const bool sink_here = sp == 0 && warp == 0 && row < p.group;
+    m[hf] = sink_here ? p.sinks[g * p.group + row] * TW_LOG2E : -INFINITY;
+    l[hf] = sink_here && tq == 0 ? 1.f : 0.f;
+  }
+#pragma unroll
+  for (int n = 0; n < 8; n++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
+
+  for (int it = 0, kt = t_lo; kt <= t_hi; it++, kt++) {
+    const int st = it & 1;
+    if (kt + 1 <= t_hi) load_kv(st ^ 1, kt + 1);
+    tw_cp_async_commit();
+    tw_cp_async_wait<1>();
+    __syncthreads();
+    const int k0 = kt * BN + warp * 16; /* this warp's 16 keys */
+    if (k0 + 15 >= s_lo && k0 < s_hi) {
+      const uint32_t kbase = tw_smem_u32(sbuf[st][0]), vbase = tw_smem_u32(sbuf[st][1]);
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < 4; kk++) {
+        uint32_t bb[4];
+        const int r = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+        tw_ldmatrix_x4(bb, kbase + tw_swz(r, 2 * kk + (lane >> 4)));
+        tw_mma16816(sc[0], qa[kk], bb[0], bb[2]);
+        tw_mma16816(sc[1], qa[kk], bb[1], bb[3]);
+      }
+#pragma unroll
+      for (int hf = 0; hf < 2; hf++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+          for (int e = 0; e < 2; e++) {
+            const int kp = k0 + n * 8 + 2 * tq + e;
+            float v = sc[n][2 * hf + e] * p.scale_log2;
+            if (kp < s_lo || kp >= s_hi) v = -INFINITY;
+            sc[n][2 * hf + e] = v;
+            mx = fmaxf(mx, v);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m[hf], mx);
+        const float ms = mn == -INFINITY ? 0.f : mn; /* no key and no sink yet */
+        const float alpha = tw_fast_exp2(m[hf] - ms);
+        m[hf] = mn;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+          for (int e = 0; e < 2; e++) {
+            const float pe = tw_fast_exp2(sc[n][2 * hf + e] - ms);
+            sc[n][2 * hf + e] = pe;
+            sum += pe;
+          }
+        l[hf] = l[hf] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+          acc[n][2 * hf] *= alpha;
+          acc[n][2 * hf + 1] *= alpha;
+        }
+      }
+      uint32_t pa[4];
+      pa[0] = tw_pack_bf16(sc[0][0], sc[0][1]);
+      pa[1] = tw_pack_bf16(sc[0][2], sc[0][3]);
+      pa[2] = tw_pack_bf16(sc[1][0], sc[1][1]);
+      pa[3] = tw_pack_bf16(sc[1][2], sc[1][3]);
+#pragma unroll
+      for (int np = 0; np < 4; np++) {
+        uint32_t bb[4];
+        const int r = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+        tw_ldmatrix_x4_trans(bb, vbase + tw_swz(r, 2 * np + (lane >> 4)));
+        tw_mma16816(acc[2 * np], pa, bb[0], bb[1]);
+        tw_mma16816(acc[2 * np + 1], pa, bb[2], bb[3]);
+      }
+    }
+    __syncthreads();
+  }
+  tw_cp_async_wait<0>();
+  __syncthreads();
+
+  /* Merge the 4 warps in shared memory (the stage buffers are free now). */
+  float *sm_m = reinterpret_cast<float *>(&sbuf[0][0][0]); /* [warp][16] */
+  float *sm_l = sm_m + TW_DC_WARPS * 16;                    /* [warp][16] */
+  float *sm_acc = sm_l + TW_DC_WARPS * 16;                  /* [warp][16][D] */
+#pragma unroll
+  for (int hf = 0; hf < 2; hf++) {
+    float lt = l[hf];
+    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+    const int row = gq + 8 * hf;
+    if (tq == 0) {
+      sm_m[warp * 16 + row] = m[hf];
+      sm_l[warp * 16 + row] = lt;
+    }
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+      float *a = sm_acc + (warp * 16 + row) * D + n * 8 + 2 * tq;
+      a[0] = acc[n][2 * hf];
+      a[1] = acc[n][2 * hf + 1];
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < p.group * D; i += NT) {
+    const int row = i / D, d = i % D;
+    float mm = -INFINITY;
+    for (int w = 0; w < TW_DC_WARPS; w++) mm = fmaxf(mm, sm_m[w * 16 + row]);
+    const float ms = mm == -INFINITY ? 0.f : mm;
+    float a = 0.f, ll = 0.f;
+    for (int w = 0; w < TW_DC_WARPS; w++) {
+      const float f = tw_fast_exp2(sm_m[w * 16 + row] - ms);
+      a += f * sm_acc[(w * 16 + row) * D + d];
+      ll += f * sm_l[w * 16 + row];
+    }
+    const int64_t idx = ((int64_t)b * p.nq + (int64_t)g * p.group + row) * p.n_splits + sp;
+    p.ws_acc[idx * D + d] = a;
+    if (d == 0) {
+      p.ws_m[idx] = mm;
+      p.ws_l[idx] = ll;
+    }
+  }
+}
+
+/* One warp per (sequence, query head): merge the non-empty splits. */
+static __global__ void __launch_bounds__(128) tw_attn_decode_combine_kernel(
+    const tw_dc_params_t p, int n_rows) {
+  constexpr int D = TW_ATTN_D;
+  const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (row >= n_rows) return;
+  const int b = row / p.nq;
+  const int hi = p.seq_lens[b];
+  const int lo = p.window > 0 ? max(0, hi - p.window) : 0;
+  const int n_act = min(p.n_splits, (hi - lo + p.chunk - 1) / p.chunk);
+  const int64_t base = (int64_t)row * p.n_splits;
+  float mm = -INFINITY;
+  for (int s = lane; s < n_act; s += 32) mm = fmaxf(mm, p.ws_m[base + s]);
+  for (int o = 16; o > 0; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+  /* split 0 holds the sink, so mm is finite */
+  float a0 = 0.f, a1 = 0.f, ll = 0.f;
+  for (int s = 0; s < n_act; s++) {
+    const float f = tw_fast_exp2(p.ws_m[base + s] - mm);
+    const float2 a = *reinterpret_cast<const float2 *>(p.ws_acc + (base + s) * D + 2 * lane);
+    a0 += f * a.x;
+    a1 += f * a.y;
+    ll += f * p.ws_l[base + s];
+  }
+  const float inv = 1.f / ll;
+  *reinterpret_cast<__nv_bfloat162 *>(p.out + (int64_t)row * D + 2 * lane) =
+      __floats2bfloat162_rn(a0 * inv, a1 * inv);
+}
+
+/* Splits for a batch: enough CTAs to fill the GPU, at least
+ * TW_DC_MIN_KEYS_PER_SPLIT keys each. `chunk_p` gets keys per split (x64). */
+static int tw_dc_splits(int n_seqs, int nkv, int keys, int *chunk_p) {
+  int max_by_len = TW_CDIV(keys, TW_DC_MIN_KEYS_PER_SPLIT);
+  if (max_by_len > TW_DC_MAX_SPLITS) max_by_len = TW_DC_MAX_SPLITS;
+  int want = TW_CDIV(TW_DC_TARGET_CTAS, n_seqs * nkv);
+  int s = want < max_by_len ? want : max_by_len;
+  if (s < 1) s = 1;
+  int chunk = TW_CDIV(TW_CDIV(keys, s), TW_DC_BN) * TW_DC_BN;
+  *chunk_p = chunk;
+  return TW_CDIV(keys, chunk);
+}
+
+static bool tw_dc_shape_ok(const tw_cuda_attn_shape_t *sh) {
+  return sh && sh->n_q_heads > 0 && sh->n_kv_heads > 0 && sh->n_q_heads % sh->n_kv_heads == 0 &&
+         sh->scale > 0.f && sh->window >= 0 && sh->block_size > 0;
+}
+
+extern "C" size_t tw_cuda_attention_decode_workspace_bytes(const tw_cuda_attn_shape_t *shape,
+                                                           int32_t max_seqs,
+                                                           int32_t max_seq_len) {
+  if (!tw_dc_shape_ok(shape) || max_seqs <= 0 || max_seq_len <= 0) return 0;
+  /* The window is ignored here so that one workspace serves every layer. */
+  size_t best = 0;
+  for (int b = 1; b <= max_seqs; b++) {
+    int chunk;
+    const int s = tw_dc_splits(b, shape->n_kv_heads, max_seq_len, &chunk);
+    const size_t need = (size_t)b * shape->n_q_heads * s * (TW_ATTN_D + 2) * sizeof(float);
+    if (need > best) best = need;
+  }
+  return best + 1024; /* room to align the three arrays */
+}
+
+extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shape, const void *q,
+                                                int64_t q_row_stride, const void *kv_layer,
+                                                const float *sinks, int32_t n_seqs,
+                                                const int32_t *seq_lens,
+                                                const int32_t *block_tables,
+                                                int32_t block_table_stride, int32_t max_seq_len,
+                                                void *workspace, size_t workspace_bytes,
+                                                void *out, cudaStream_t stream) {
+  if (!shape || !q || !kv_layer || !sinks || !seq_lens || !block_tables || !workspace || !out)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "attention decode: NULL argument");
+  if (!tw_dc_shape_ok(shape) || n_seqs <= 0 || max_seq_len <= 0 || block_table_stride <= 0 ||
+      n_seqs > 65535)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "attention decode: bad shape (heads %d/%d, scale %g, window %d, block_size "
+                  "%d) or counts (n_seqs %d, max_seq_len %d, block_table_stride %d)",
+                  shape->n_q_heads, shape->n_kv_heads, (double)shape->scale, shape->window,
+                  shape->block_size, n_seqs, max_seq_len, block_table_stride);
+  if (shape->head_dim != TW_ATTN_D || shape->n_q_heads / shape->n_kv_heads > 16)
+    return tw_err(TW_ERR_UNSUPPORTED,
+                  "attention decode: head_dim %d (only %d is built) or GQA group %d (max 16)",
+                  shape->head_dim, TW_ATTN_D, shape->n_q_heads / shape->n_kv_heads);
+  if (q_row_stride < (int64_t)shape->n_q_heads * TW_ATTN_D || q_row_stride % 2 != 0)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "attention decode: q row stride %lld",
+                  (long long)q_row_stride);
+  const size_t need = tw_cuda_attention_decode_workspace_bytes(shape, n_seqs, max_seq_len);
+  if (workspace_bytes < need)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "attention decode: workspace of %zu bytes, %zu needed", workspace_bytes, need);
+  const int keys = shape->window > 0 && shape->window < max_seq_len ? shape->window : max_seq_len;
+  tw_dc_params_t p;
+  p.n_splits = tw_dc_splits(n_seqs, shape->n_kv_heads, keys, &p.chunk);
+  p.q = static_cast<const __nv_bfloat16 *>(q);
+  p.q_stride = q_row_stride;
+  p.kv = static_cast<const __nv_bfloat16 *>(kv_layer);
+  p.sinks = sinks;
+  p.seq_lens = seq_lens;
+  p.block_tables = block_tables;
+  p.bt_stride = block_table_stride;
+  p.nq = shape->n_q_heads;
+  p.nkv = shape->n_kv_heads;
+  p.group = shape->n_q_heads / shape->n_kv_heads;
+  p.block_size = shape->block_size;
+  p.window = shape->window;
+  p.scale_log2 = shape->scale * TW_LOG2E;
+  const size_t n_part = (size_t)n_seqs * p.nq * p.n_splits;
+  uintptr_t w = ((uintptr_t)workspace + 255) & ~(uintptr_t)255;
+  p.ws_acc = reinterpret_cast<float *>(w);
+  w += (n_part * TW_ATTN_D * sizeof(float) + 255) & ~(size_t)255;
+  p.ws_m = reinterpret_cast<float *>(w);
+  w += (n_part * sizeof(float) + 127) & ~(size_t)127;
+  p.ws_l = reinterpret_cast<float *>(w);
+  p.out = static_cast<__nv_bfloat16 *>(out);
+  dim3 grid((unsigned)p.n_splits, (unsigned)p.nkv, (unsigned)n_seqs);
+  tw_attn_decode_split_kernel<<<grid, TW_DC_WARPS * 32, 0, stream>>>(p);
+  TW_CUDA_CHECK_LAUNCH("attention decode (split)");
+  const int n_rows = n_seqs * p.nq;
+  tw_attn_decode_combine_kernel<<<TW_CDIV(n_rows, 4), 128, 0, stream>>>(p, n_rows);
+  TW_CUDA_CHECK_LAUNCH("attention decode (combine)");
+  return TW_OK;
+}

@@ -1,0 +1,242 @@
+/* norm_rope.cu: residual add + RMSNorm (spec §2.3), YaRN RoPE (spec §2.5) with
+ * the paged KV-cache write, and the host RoPE table builder. API and exact
+ * semantics in norm_rope.h.
+ *
+ * Both kernels are memory-bound one-pass kernels: RMSNorm reads x (and
+ * delta) once and writes x and out once; RoPE reads each q/k/v element once
+ * and writes it once (plus once more into the pool for k and v). */
+#include "kernels/norm_rope.h"
+
+#include "kernels/cuda_common.h"
+
+#include <cuda_bf16.h>
+#include <math.h>
+#include <stdint.h>
+
+/* ---- RMSNorm + residual ---------------------------------------------------- */
+
+#define TW_NORM_THREADS 256
+
+/* Sum over the block; every thread gets the total. `red` holds one float per warp. */
+static __device__ float tw_block_sum(float v, float *red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += red[w];
+  return t;
+}
+
+/* One block per token row. DT: 0 = no delta, 1 = bf16 delta, 2 = f32 delta. */
+template <int DT>
+static __global__ void __launch_bounds__(TW_NORM_THREADS)
+    tw_rmsnorm_residual_kernel(float *__restrict__ x, const void *__restrict__ delta,
+                               const __nv_bfloat16 *__restrict__ w, float eps, int hidden,
+                               __nv_bfloat16 *__restrict__ out) {
+  __shared__ float red[TW_NORM_THREADS / 32];
+  const int64_t row = blockIdx.x;
+  float4 *xr = reinterpret_cast<float4 *>(x + row * hidden);
+  const int n4 = hidden >> 2;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+    float4 v = xr[i];
+    if (DT == 1) {
+      const __nv_bfloat162 *d =
+          reinterpret_cast<const __nv_bfloat162 *>(static_cast<const __nv_bfloat16 *>(delta) +
+                                                   row * hidden) + 2 * i;
+      float2 a = __bfloat1622float2(d[0]), b = __bfloat1622float2(d[1]);
+      v.x += a.x; v.y += a.y; v.z += b.x; v.w += b.y;
+      xr[i] = v;
+    } else if (DT == 2) {
+      float4 d = reinterpret_cast<const float4 *>(static_cast<const float *>(delta) +
+                                                  row * hidden)[i];
+      v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
+      xr[i] = v;
+    }
+    ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+  }
+  const float r = rsqrtf(tw_block_sum(ss, red) / (float)hidden + eps);
+  const __nv_bfloat162 *w2 = reinterpret_cast<const __nv_bfloat162 *>(w);
+  __nv_bfloat162 *o2 = reinterpret_cast<__nv_bfloat162 *>(out + row * hidden);
+  for (int i = threadIdx.x; i < n4; i += blockDim.x) {
+    const float4 v = xr[i]; /* this thread's own write above: no barrier needed */
+    const float2 wa = __bfloat1622float2(w2[2 * i]), wb = __bfloat1622float2(w2[2 * i + 1]);
+    o2[2 * i] = __floats2bfloat162_rn(v.x * r * wa.x, v.y * r * wa.y);
+    o2[2 * i + 1] = __floats2bfloat162_rn(v.z * r * wb.x, v.w * r * wb.y);
+  }
+}
+
+extern "C" tw_status_t tw_cuda_rmsnorm_residual(float *x_resid, const void *maybe_delta,
+                                                tw_dtype_t delta_dtype, const void *weight,
+                                                float eps, int32_t n_tokens, int32_t hidden,
+                                                void *out, cudaStream_t stream) {
+  if (!x_resid || !weight || !out)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "rmsnorm: NULL x_resid, weight or out");
+  if (n_tokens < 0 || hidden <= 0 || hidden % 4 != 0 || !(eps >= 0.f))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "rmsnorm: bad n_tokens %d / hidden %d (multiple of 4) / eps %g", n_tokens,
+                  hidden, (double)eps);
+  if (maybe_delta && delta_dtype != TW_DTYPE_BF16 && delta_dtype != TW_DTYPE_F32)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "rmsnorm: delta dtype %d is not bf16 or f32",
+                  (int)delta_dtype);
+  if (n_tokens == 0) return TW_OK;
+  const __nv_bfloat16 *w = static_cast<const __nv_bfloat16 *>(weight);
+  __nv_bfloat16 *o = static_cast<__nv_bfloat16 *>(out);
+  dim3 grid((unsigned)n_tokens), block(TW_NORM_THREADS);
+  if (!maybe_delta)
+    tw_rmsnorm_residual_kernel<0><<<grid, block, 0, stream>>>(x_resid, NULL, w, eps, hidden, o);
+  else if (delta_dtype == TW_DTYPE_BF16)
+    tw_rmsnorm_residual_kernel<1><<<grid, block, 0, stream>>>(x_resid, maybe_delta, w, eps,
+                                                              hidden, o);
+  else
+    tw_rmsnorm_residual_kernel<2><<<grid, block, 0, stream>>>(x_resid, maybe_delta, w, eps,
+                                                              hidden, o);
+  TW_CUDA_CHECK_LAUNCH("rmsnorm_residual");
+  return TW_OK;
+}
+
+/* ---- RoPE tables (host, double) ------------------------------------------ */
+
+extern "C" tw_status_t tw_cuda_rope_table_fill(const tw_model_config_t *config, int32_t max_pos,
+                                               float *cos_out, float *sin_out) {
+  if (!config || !cos_out || !sin_out)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "rope table: NULL config or output");
+  const int D = config->head_dim;
+  const double theta = config->rope_theta, f = config->rope_factor;
+  const double bf = config->rope_beta_fast, bs = config->rope_beta_slow;
+  const double L0 = (double)config->rope_original_max_pos;
+  if (max_pos <= 0 || D <= 0 || D % 2 != 0 || !(theta > 1.0) || !(f > 0.0) || !(bf > bs) ||
+      !(bs > 0.0) || !(L0 > 0.0))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "rope table: bad max_pos %d, head_dim %d, theta %g, factor %g, beta_fast %g, "
+                  "beta_slow %g or original_max_position_embeddings %g",
+                  max_pos, D, theta, f, bf, bs, L0);
+  const int nhalf = D / 2;
+  /* spec §2.5: correction dims of the YaRN ramp, in units of rotation pairs. */
+  double low = (double)D * log(L0 / (bf * 2.0 * M_PI)) / (2.0 * log(theta));
+  double high = (double)D * log(L0 / (bs * 2.0 * M_PI)) / (2.0 * log(theta));
+  if (config->rope_truncate) {
+    low = floor(low);
+    high = ceil(high);
+  }
+  if (low < 0.0) low = 0.0;
+  if (high > (double)(D - 1)) high = (double)(D - 1);
+  if (!(high > low))
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "rope table: YaRN ramp low %g >= high %g", low, high);
+  const double conc = f > 1.0 ? 0.1 * log(f) + 1.0 : 1.0;
+  for (int i = 0; i < nhalf; i++) {
+    const double base = pow(theta, (2.0 * i) / (double)D);
+    const double extra = 1.0 / base, inter = 1.0 / (f * base);
+    double r = ((double)i - low) / (high - low);
+    r = r < 0.0 ? 0.0 : (r > 1.0 ? 1.0 : r);
+    const double inv_freq = inter * r + extra * (1.0 - r);
+    for (int64_t p = 0; p < max_pos; p++) {
+      const double a = (double)p * inv_freq;
+      cos_out[p * nhalf + i] = (float)(conc * cos(a));
+      sin_out[p * nhalf + i] = (float)(conc * sin(a));
+    }
+  }
+  return TW_OK;
+}
+
+/* ---- RoPE + KV write -------------------------------------------------------- */
+
+#define TW_ROPE_THREADS 128
+
+/* One block per token. Rotation work items are (head, pair-of-pairs): each
+ * handles dims (2j, 2j+1) and (2j+nhalf, 2j+1+nhalf) with bf16x2 accesses. */
+static __global__ void __launch_bounds__(TW_ROPE_THREADS)
+    tw_rope_kv_write_kernel(__nv_bfloat16 *__restrict__ qkv, int64_t stride, int nq, int nkv,
+                            int D, const int32_t *__restrict__ positions,
+                            const float *__restrict__ tcos, const float *__restrict__ tsin,
+                            int max_pos, const int32_t *__restrict__ slots,
+                            __nv_bfloat16 *__restrict__ pool, int block_size) {
+  const int64_t t = blockIdx.x;
+  int p = positions[t];
+  p = p < 0 ? 0 : (p >= max_pos ? max_pos - 1 : p);
+  const int nhalf = D >> 1, hp = nhalf >> 1; /* hp: bf16x2 pairs per nhalf (D % 4 == 0 path) */
+  __nv_bfloat16 *row = qkv + t * stride;
+  const int slot = slots ? slots[t] : -1;
+  int64_t kbase = 0, vbase = 0;
+  if (slot >= 0) {
+    const int64_t blk = slot / block_size, s = slot % block_size;
+    kbase = ((blk * 2 + 0) * nkv) * (int64_t)block_size * D + s * D;
+    vbase = ((blk * 2 + 1) * nkv) * (int64_t)block_size * D + s * D;
+  }
+  const int64_t head_stride_pool = (int64_t)block_size * D;
+  const float *c = tcos + (int64_t)p * nhalf, *sn = tsin + (int64_t)p * nhalf;
+  if ((D & 3) == 0) {
+    const int n_items = (nq + nkv) * hp;
+    for (int it = threadIdx.x; it < n_items; it += blockDim.x) {
+      const int h = it / hp, j = (it % hp) * 2;
+      __nv_bfloat16 *x = row + (int64_t)h * D;
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(x + j));
+      const float2 b =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(x + j + nhalf));
+      const float c0 = c[j], c1 = c[j + 1], s0 = sn[j], s1 = sn[j + 1];
+      const __nv_bfloat162 ra = __floats2bfloat162_rn(a.x * c0 - b.x * s0, a.y * c1 - b.y * s1);
+      const __nv_bfloat162 rb = __floats2bfloat162_rn(b.x * c0 + a.x * s0, b.y * c1 + a.y * s1);
+      *reinterpret_cast<__nv_bfloat162 *>(x + j) = ra;
+      *reinterpret_cast<__nv_bfloat162 *>(x + j + nhalf) = rb;
+      if (slot >= 0 && h >= nq) {
+        __nv_bfloat16 *k = pool + kbase + (int64_t)(h - nq) * head_stride_pool;
+        *reinterpret_cast<__nv_bfloat162 *>(k + j) = ra;
+        *reinterpret_cast<__nv_bfloat162 *>(k + j + nhalf) = rb;
+      }
+    }
+  } else {
+    const int n_items = (nq + nkv) * nhalf;
+    for (int it = threadIdx.x; it < n_items; it += blockDim.x) {
+      const int h = it / nhalf, j = it % nhalf;
+      __nv_bfloat16 *x = row + (int64_t)h * D;
+      const float a = __bfloat162float(x[j]), b = __bfloat162float(x[j + nhalf]);
+      const __nv_bfloat16 ra = __float2bfloat16_rn(a * c[j] - b * sn[j]);
+      const __nv_bfloat16 rb = __float2bfloat16_rn(b * c[j] + a * sn[j]);
+      x[j] = ra;
+      x[j + nhalf] = rb;
+      if (slot >= 0 && h >= nq) {
+        __nv_bfloat16 *k = pool + kbase + (int64_t)(h - nq) * head_stride_pool;
+        k[j] = ra;
+        k[j + nhalf] = rb;
+      }
+    }
+  }
+  if (slot >= 0) { /* v: plain copy, element-wise (D*nkv elements, tiny) */
+    const __nv_bfloat16 *v = row + (int64_t)(nq + nkv) * D;
+    for (int it = threadIdx.x; it < nkv * D; it += blockDim.x) {
+      const int g = it / D, d = it % D;
+      pool[vbase + (int64_t)g * head_stride_pool + d] = v[it];
+    }
+  }
+}
+
+extern "C" tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, int32_t n_tokens,
+                                             int32_t n_q_heads, int32_t n_kv_heads,
+                                             int32_t head_dim, const int32_t *positions,
+                                             const float *rope_cos, const float *rope_sin,
+                                             int32_t max_pos, const int32_t *maybe_slots,
+                                             void *kv_layer, int32_t block_size,
+                                             cudaStream_t stream) {
+  if (!qkv || !positions || !rope_cos || !rope_sin || (maybe_slots && !kv_layer))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "rope_kv_write: NULL qkv, positions, tables or kv_layer (with slots)");
+  if (n_tokens < 0 || n_q_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || head_dim % 2 ||
+      head_dim > 256 || max_pos <= 0 || block_size <= 0 ||
+      qkv_row_stride < (int64_t)(n_q_heads + 2 * n_kv_heads) * head_dim)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "rope_kv_write: bad n_tokens %d, heads %d/%d, head_dim %d, max_pos %d, "
+                  "block_size %d or row stride %lld",
+                  n_tokens, n_q_heads, n_kv_heads, head_dim, max_pos, block_size,
+                  (long long)qkv_row_stride);
+  if (n_tokens == 0) return TW_OK;
+  if (head_dim % 4 == 0 && qkv_row_stride % 2 != 0)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "rope_kv_write: odd row stride %lld",
+                  (long long)qkv_row_stride);
+  tw_rope_kv_write_kernel<<<(unsigned)n_tokens, TW_ROPE_THREADS, 0, stream>>>(
+      static_cast<__nv_bfloat16 *>(qkv), qkv_row_stride, n_q_heads, n_kv_heads, head_dim,
+      positions, rope_cos, rope_sin, max_pos, maybe_slots,
+      static_cast<__nv_bfloat16 *>(kv_layer), block_size);
+  TW_CUDA_CHECK_LAUNCH("rope_kv_write");
+  return TW_OK;
+}

@@ -1,0 +1,379 @@
+/* test_attention.c: the prefill and decode attention kernels (attention.h)
+ * against a float64 reference of spec §2.6 written here (GQA, scale, causal,
+ * sliding window of W keys including the current one, sinks in the
+ * denominator only), on fresh random inputs (seed printed).
+ *
+ * K/V live in a paged pool with shuffled block ids; every pool slot that no
+ * sequence owns is NaN, and every output is poisoned with NaN before the
+ * launch, so an unwritten output or a read of a foreign slot fails the case.
+ * Tolerance: relative L2 <= 1e-2 over the checked outputs. bf16 inputs are
+ * exact in the reference; what remains is the bf16 rounding of P before the
+ * PV product and of the output (each ~2^-9 relative), far below 1e-2, while
+ * a wrong mask, sink or scale gives errors of 1e-1 or more.
+ * Exit 77 when no GPU is usable. */
+#include "attn_test_util.h"
+
+#include "kernels/attention.h"
+
+#define D 64
+
+typedef struct {
+  const char *name;
+  int nq, nkv, window, block_size;
+} tt_shape_t;
+
+/* A paged pool holding n_seqs sequences of n_keys[s] positions each. */
+typedef struct {
+  uint16_t *pool;     /* host bf16 [n_blocks][2][nkv][bs][D] */
+  int32_t *bt;        /* host [n_seqs][bt_stride] */
+  int bt_stride, n_blocks;
+  size_t pool_elems;
+} tt_pool_t;
+
+static void tt_pool_free(tt_pool_t *p) {
+  free(p->pool);
+  free(p->bt);
+}
+
+static int tt_pool_make(const tt_shape_t *sh, int n_seqs, const int *n_keys, tt_pool_t *p) {
+  const int bs = sh->block_size;
+  int total = 0, maxnb = 1;
+  for (int s = 0; s < n_seqs; s++) {
+    const int nb = (n_keys[s] + bs - 1) / bs;
+    total += nb;
+    if (nb > maxnb) maxnb = nb;
+  }
+  p->n_blocks = total + 3; /* three blocks nobody owns */
+  p->bt_stride = maxnb + 1;
+  p->pool_elems = (size_t)p->n_blocks * 2 * sh->nkv * bs * D;
+  p->pool = malloc(p->pool_elems * 2);
+  p->bt = malloc(sizeof(int32_t) * n_seqs * p->bt_stride);
+  int *perm = malloc(sizeof(int) * p->n_blocks);
+  if (!p->pool || !p->bt || !perm) return 1;
+  for (int i = 0; i < p->n_blocks; i++) perm[i] = i;
+  for (int i = p->n_blocks - 1; i > 0; i--) {
+    int j = tt_randint(0, i), t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  for (size_t i = 0; i < p->pool_elems; i++) p->pool[i] = TT_BF16_NAN;
+  int next = 0;
+  for (int s = 0; s < n_seqs; s++) {
+    int32_t *row = p->bt + (size_t)s * p->bt_stride;
+    for (int i = 0; i < p->bt_stride; i++) row[i] = -1; /* never read */
+    const int nb = (n_keys[s] + bs - 1) / bs;
+    for (int i = 0; i < nb; i++) row[i] = perm[next++];
+    for (int pos = 0; pos < n_keys[s]; pos++)
+      for (int kv = 0; kv < 2; kv++)
+        for (int g = 0; g < sh->nkv; g++) {
+          uint16_t *x = p->pool + ((((size_t)row[pos / bs] * 2 + kv) * sh->nkv + g) * bs +
+                                   pos % bs) * D;
+          for (int d = 0; d < D; d++) x[d] = tt_rand_bf16(1.7f);
+        }
+  }
+  free(perm);
+  return 0;
+}
+
+static const uint16_t *tt_kv_at(const tt_shape_t *sh, const tt_pool_t *p, int s, int pos, int kv,
+                                int g) {
+  const int bs = sh->block_size;
+  const int32_t blk = p->bt[(size_t)s * p->bt_stride + pos / bs];
+  return p->pool + ((((size_t)blk * 2 + kv) * sh->nkv + g) * bs + pos % bs) * D;
+}
+
+/* float64 attention of one query row (spec §2.6) into ref[D]. */
+static void tt_ref_attention(const tt_shape_t *sh, const tt_pool_t *p, int s, int pos,
+                             const uint16_t *qh, int h, float sink, double *scores,
+                             double *ref) {
+  const int g = h / (sh->nq / sh->nkv);
+  const int lo = sh->window > 0 ? (pos - sh->window + 1 > 0 ? pos - sh->window + 1 : 0) : 0;
+  double q[D];
+  for (int d = 0; d < D; d++) q[d] = tt_bf2f(qh[d]);
+  double mx = sink;
+  for (int j = lo; j <= pos; j++) {
+    const uint16_t *k = tt_kv_at(sh, p, s, j, 0, g);
+    double acc = 0;
+    for (int d = 0; d < D; d++) acc += q[d] * tt_bf2f(k[d]);
+    scores[j - lo] = acc * 0.125;
+    if (scores[j - lo] > mx) mx = scores[j - lo];
+  }
+  double den = exp((double)sink - mx);
+  for (int d = 0; d < D; d++) ref[d] = 0;
+  for (int j = lo; j <= pos; j++) {
+    const double w = exp(scores[j - lo] - mx);
+    den += w;
+    const uint16_t *v = tt_kv_at(sh, p, s, j, 1, g);
+    for (int d = 0; d < D; d++) ref[d] += w * tt_bf2f(v[d]);
+  }
+  for (int d = 0; d < D; d++) ref[d] /= den;
+}
+
+/* Prefill of n_seqs sequences: sequence s has len[s] new queries after
+ * start[s] cached positions. Rows checked: all if few, else a sample. */
+static int tt_prefill_case(const tt_shape_t *sh, int n_seqs, const int *start, const int *len) {
+  char name[160];
+  int n_tokens = 0, n_keys[16], cu[17];
+  cu[0] = 0;
+  for (int s = 0; s < n_seqs; s++) {
+    n_keys[s] = start[s] + len[s];
+    n_tokens += len[s];
+    cu[s + 1] = n_tokens;
+  }
+  snprintf(name, sizeof name, "attention_prefill(%s,W=%d,seqs=%d,T=%d,start0=%d)", sh->name,
+           sh->window, n_seqs, n_tokens, start[0]);
+  tt_pool_t p;
+  if (tt_pool_make(sh, n_seqs, n_keys, &p)) return 1;
+  const int64_t q_stride = (int64_t)(sh->nq + 2 * sh->nkv) * D; /* as in the fused qkv */
+  uint16_t *q = malloc(sizeof(uint16_t) * n_tokens * q_stride);
+  uint16_t *out = malloc(sizeof(uint16_t) * n_tokens * sh->nq * D);
+  float *sinks = malloc(sizeof(float) * sh->nq);
+  for (int64_t i = 0; i < n_tokens * q_stride; i++) q[i] = tt_rand_bf16(3.4f);
+  for (int h = 0; h < sh->nq; h++) sinks[h] = tt_normal(2.0f);
+
+  void *d_pool, *d_q, *d_out;
+  float *d_sinks;
+  int32_t *d_cu, *d_start, *d_bt;
+  TT_CUDA(cudaMalloc(&d_pool, p.pool_elems * 2));
+  TT_CUDA(cudaMalloc(&d_q, sizeof(uint16_t) * n_tokens * q_stride));
+  TT_CUDA(cudaMalloc(&d_out, sizeof(uint16_t) * n_tokens * sh->nq * D));
+  TT_CUDA(cudaMalloc((void **)&d_sinks, sizeof(float) * sh->nq));
+  TT_CUDA(cudaMalloc((void **)&d_cu, sizeof(int32_t) * (n_seqs + 1)));
+  TT_CUDA(cudaMalloc((void **)&d_start, sizeof(int32_t) * n_seqs));
+  TT_CUDA(cudaMalloc((void **)&d_bt, sizeof(int32_t) * n_seqs * p.bt_stride));
+  TT_CUDA(cudaMemcpy(d_pool, p.pool, p.pool_elems * 2, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_q, q, sizeof(uint16_t) * n_tokens * q_stride, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_sinks, sinks, sizeof(float) * sh->nq, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_cu, cu, sizeof(int32_t) * (n_seqs + 1), cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_start, start, sizeof(int32_t) * n_seqs, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_bt, p.bt, sizeof(int32_t) * n_seqs * p.bt_stride, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemset(d_out, 0xff, sizeof(uint16_t) * n_tokens * sh->nq * D)); /* NaN */
+
+  const tw_cuda_attn_shape_t ash = {.n_q_heads = sh->nq, .n_kv_heads = sh->nkv,
+                                    .head_dim = D, .block_size = sh->block_size,
+                                    .window = sh->window, .scale = 0.125f};
+  tw_status_t st = tw_cuda_attention_prefill(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs,
+                                             n_tokens, d_cu, d_start, d_bt, p.bt_stride, d_out,
+                                             0);
+  if (st != TW_OK) {
+    printf("FAIL %s: status %d\n", name, (int)st);
+    return 1;
+  }
+  TT_CUDA(cudaDeviceSynchronize());
+  TT_CUDA(cudaGetLastError());
+  TT_CUDA(cudaMemcpy(out, d_out, sizeof(uint16_t) * n_tokens * sh->nq * D,
+                     cudaMemcpyDeviceToHost));
+
+  tt_l2_t l2 = {0};
+  int max_keys = 1;
+  for (int s = 0; s < n_seqs; s++)
+    if (n_keys[s] > max_keys) max_keys = n_keys[s];
+  double *scores = malloc(sizeof(double) * max_keys), ref[D];
+  const int stride = n_tokens <= 300 ? 1 : (n_tokens <= 1200 ? 3 : 16);
+  long n_unwritten = 0;
+  for (int s = 0; s < n_seqs; s++)
+    for (int i = 0; i < len[s]; i++) {
+      const int t = cu[s] + i;
+      const int check = i % stride == 0 || i < 16 || i >= len[s] - 16;
+      for (int h = 0; h < sh->nq; h++) {
+        const uint16_t *o = out + ((size_t)t * sh->nq + h) * D;
+        if (!check) {
+          for (int d = 0; d < D; d++) n_unwritten += !isfinite(tt_bf2f(o[d]));
+          continue;
+        }
+        tt_ref_attention(sh, &p, s, start[s] + i, q + t * q_stride + (int64_t)h * D, h,
+                         sinks[h], scores, ref);
+        for (int d = 0; d < D; d++) tt_l2_add(&l2, tt_bf2f(o[d]), ref[d]);
+      }
+    }
+  l2.n_bad += n_unwritten;
+  int rc = tt_l2_report(name, &l2, 1e-2);
+  free(scores);
+  free(q);
+  free(out);
+  free(sinks);
+  tt_pool_free(&p);
+  cudaFree(d_pool);
+  cudaFree(d_q);
+  cudaFree(d_out);
+  cudaFree(d_sinks);
+  cudaFree(d_cu);
+  cudaFree(d_start);
+  cudaFree(d_bt);
+  return rc;
+}
+
+/* Decode of a batch: sequence b has lens[b] keys, its query at lens[b]-1. */
+static int tt_decode_case(const tt_shape_t *sh, int n_seqs, const int *lens, const char *tag) {
+  char name[160];
+  int max_len = 1;
+  for (int b = 0; b < n_seqs; b++)
+    if (lens[b] > max_len) max_len = lens[b];
+  snprintf(name, sizeof name, "attention_decode(%s,W=%d,B=%d,max_len=%d,%s)", sh->name,
+           sh->window, n_seqs, max_len, tag);
+  tt_pool_t p;
+  if (tt_pool_make(sh, n_seqs, lens, &p)) return 1;
+  const int64_t q_stride = (int64_t)(sh->nq + 2 * sh->nkv) * D;
+  uint16_t *q = malloc(sizeof(uint16_t) * n_seqs * q_stride);
+  uint16_t *out = malloc(sizeof(uint16_t) * n_seqs * sh->nq * D);
+  float *sinks = malloc(sizeof(float) * sh->nq);
+  for (int64_t i = 0; i < n_seqs * q_stride; i++) q[i] = tt_rand_bf16(3.4f);
+  for (int h = 0; h < sh->nq; h++) sinks[h] = tt_normal(2.0f);
+  const tw_cuda_attn_shape_t ash = {.n_q_heads = sh->nq, .n_kv_heads = sh->nkv,
+                                    .head_dim = D, .block_size = sh->block_size,
+                                    .window = sh->window, .scale = 0.125f};
+  const size_t ws_bytes = tw_cuda_attention_decode_workspace_bytes(&ash, n_seqs, max_len);
+  void *d_pool, *d_q, *d_out, *d_ws;
+  float *d_sinks;
+  int32_t *d_lens, *d_bt;
+  TT_CUDA(cudaMalloc(&d_pool, p.pool_elems * 2));
+  TT_CUDA(cudaMalloc(&d_q, sizeof(uint16_t) * n_seqs * q_stride));
+  TT_CUDA(cudaMalloc(&d_out, sizeof(uint16_t) * n_seqs * sh->nq * D));
+  TT_CUDA(cudaMalloc(&d_ws, ws_bytes));
+  TT_CUDA(cudaMalloc((void **)&d_sinks, sizeof(float) * sh->nq));
+  TT_CUDA(cudaMalloc((void **)&d_lens, sizeof(int32_t) * n_seqs));
+  TT_CUDA(cudaMalloc((void **)&d_bt, sizeof(int32_t) * n_seqs * p.bt_stride));
+  TT_CUDA(cudaMemcpy(d_pool, p.pool, p.pool_elems * 2, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_q, q, sizeof(uint16_t) * n_seqs * q_stride, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_sinks, sinks, sizeof(float) * sh->nq, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_lens, lens, sizeof(int32_t) * n_seqs, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_bt, p.bt, sizeof(int32_t) * n_seqs * p.bt_stride, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemset(d_out, 0xff, sizeof(uint16_t) * n_seqs * sh->nq * D));
+  TT_CUDA(cudaMemset(d_ws, 0xff, ws_bytes)); /* NaN: partials must all be written */
+
+  int rc = 0;
+  if (tw_cuda_attention_decode(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, d_lens, d_bt,
+                               p.bt_stride, max_len, d_ws, ws_bytes / 2, d_out,
+                               0) != TW_ERR_INVALID_ARGUMENT) {
+    printf("FAIL %s: a too small workspace was accepted\n", name);
+    rc = 1;
+  }
+  tw_status_t st = tw_cuda_attention_decode(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, d_lens,
+                                            d_bt, p.bt_stride, max_len, d_ws, ws_bytes, d_out, 0);
+  if (st != TW_OK) {
+    printf("FAIL %s: status %d\n", name, (int)st);
+    return 1;
+  }
+  TT_CUDA(cudaDeviceSynchronize());
+  TT_CUDA(cudaGetLastError());
+  TT_CUDA(cudaMemcpy(out, d_out, sizeof(uint16_t) * n_seqs * sh->nq * D,
+                     cudaMemcpyDeviceToHost));
+  tt_l2_t l2 = {0};
+  double *scores = malloc(sizeof(double) * max_len), ref[D];
+  for (int b = 0; b < n_seqs; b++)
+    for (int h = 0; h < sh->nq; h++) {
+      tt_ref_attention(sh, &p, b, lens[b] - 1, q + b * q_stride + (int64_t)h * D, h, sinks[h],
+                       scores, ref);
+      const uint16_t *o = out + ((size_t)b * sh->nq + h) * D;
+      for (int d = 0; d < D; d++) tt_l2_add(&l2, tt_bf2f(o[d]), ref[d]);
+    }
+  rc |= tt_l2_report(name, &l2, 1e-2);
+  free(scores);
+  free(q);
+  free(out);
+  free(sinks);
+  tt_pool_free(&p);
+  cudaFree(d_pool);
+  cudaFree(d_q);
+  cudaFree(d_out);
+  cudaFree(d_ws);
+  cudaFree(d_sinks);
+  cudaFree(d_lens);
+  cudaFree(d_bt);
+  return rc;
+}
+
+/* Lengths log-uniform in [1, max_len], with 1 and max_len always present. */
+static void tt_mixed_lens(int n, int max_len, int *lens) {
+  for (int b = 0; b < n; b++) {
+    const double u = (tt_rng_u64() >> 11) * (1.0 / 9007199254740992.0);
+    lens[b] = (int)exp(u * log((double)max_len));
+    if (lens[b] < 1) lens[b] = 1;
+    if (lens[b] > max_len) lens[b] = max_len;
+  }
+  lens[0] = max_len;
+  if (n > 1) lens[n - 1] = 1;
+}
+
+static int tt_api_errors(void) {
+  tw_cuda_attn_shape_t sh = {.n_q_heads = 64, .n_kv_heads = 8, .head_dim = 128,
+                             .block_size = 16, .window = 0, .scale = 0.125f};
+  int dummy[2] = {0, 1};
+  float f = 0;
+  int rc = 0;
+  if (tw_cuda_attention_prefill(&sh, dummy, 64 * 128, dummy, &f, 1, 1, dummy, dummy, dummy, 1,
+                                dummy, 0) != TW_ERR_UNSUPPORTED) {
+    printf("FAIL api: head_dim 128 not rejected as unsupported\n");
+    rc = 1;
+  }
+  sh.head_dim = 64;
+  sh.n_kv_heads = 7;
+  if (tw_cuda_attention_prefill(&sh, dummy, 64 * 64, dummy, &f, 1, 1, dummy, dummy, dummy, 1,
+                                dummy, 0) != TW_ERR_INVALID_ARGUMENT) {
+    printf("FAIL api: NQ not a multiple of NKV accepted\n");
+    rc = 1;
+  }
+  if (!rc) printf("ok   api errors (head_dim 128, NQ %% NKV)\n");
+  return rc;
+}
+
+int main(void) {
+  if (!tt_gpu_available()) {
+    printf("no GPU: skipped\n");
+    return TT_SKIP;
+  }
+  tt_seed();
+  const tt_shape_t real_full = {"gptoss", 64, 8, 0, 16};
+  const tt_shape_t real_slide = {"gptoss", 64, 8, 128, 16};
+  const tt_shape_t tiny_full = {"tiny", 4, 2, 0, 16};
+  const tt_shape_t tiny_slide = {"tiny", 4, 2, 32, 16};
+  int fails = tt_api_errors();
+  /* TW_ATTN_TEST_QUICK: small cases only (for compute-sanitizer runs) */
+  const int quick = getenv("TW_ATTN_TEST_QUICK") != NULL;
+
+  const int Ts[] = {1, 7, 127, 128, 129, 1000, 4096};
+  for (size_t i = 0; i < (quick ? 5 : sizeof Ts / sizeof Ts[0]); i++) {
+    const int start = 0;
+    fails += tt_prefill_case(&real_full, 1, &start, &Ts[i]);
+    fails += tt_prefill_case(&real_slide, 1, &start, &Ts[i]);
+  }
+  { /* chunked prefill: earlier chunks already in the cache */
+    const int starts[] = {1000, 4000, 127, 5};
+    const int lens[] = {129, 300, 64, 1};
+    for (int i = 0; i < 4; i++) {
+      fails += tt_prefill_case(&real_full, 1, &starts[i], &lens[i]);
+      fails += tt_prefill_case(&real_slide, 1, &starts[i], &lens[i]);
+    }
+  }
+  { /* several sequences in one launch, mixed starts and lengths */
+    const int starts[] = {0, 300, 17, 2000};
+    const int lens[] = {200, 129, 1, 77};
+    fails += tt_prefill_case(&real_full, 4, starts, lens);
+    fails += tt_prefill_case(&real_slide, 4, starts, lens);
+    fails += tt_prefill_case(&tiny_full, 4, starts, lens);
+    fails += tt_prefill_case(&tiny_slide, 4, starts, lens);
+  }
+  if (!quick) {
+    const int start = 0, T = 1000;
+    fails += tt_prefill_case(&tiny_full, 1, &start, &T);
+    fails += tt_prefill_case(&tiny_slide, 1, &start, &T);
+  }
+  {
+    int lens[64];
+    const int one = 1, mid = 3000;
+    fails += tt_decode_case(&real_full, 1, &one, "len1");
+    fails += tt_decode_case(&real_slide, 1, &mid, "len3000");
+    fails += tt_decode_case(&real_full, 1, &mid, "len3000");
+    const int bs[] = {1, 8, 64};
+    for (int i = 0; i < 3; i++) {
+      tt_mixed_lens(bs[i], quick ? 3000 : 40000, lens);
+      fails += tt_decode_case(&real_full, bs[i], lens, "mixed");
+      fails += tt_decode_case(&real_slide, bs[i], lens, "mixed");
+    }
+    tt_mixed_lens(8, 2000, lens);
+    fails += tt_decode_case(&tiny_full, 8, lens, "mixed");
+    fails += tt_decode_case(&tiny_slide, 8, lens, "mixed");
+  }
+  printf("%s: %d failing case(s)\n", fails ? "FAIL" : "PASS", fails);
+  return fails ? 1 : 0;
+}
