@@ -55,8 +55,16 @@ static inline uint64_t rng_next(uint64_t *s) {
   return x * 0x2545f4914f6cdd1dull;
 }
 
-static inline float rng_uniform(uint64_t *s) { /* (0, 1] */
-  return (float)((rng_next(s) >> 40) + 1) * (1.0f / 16777216.0f);
+/* Approximately N(0, 1): Irwin-Hall sum of four 16-bit uniforms from one
+ * 64-bit draw, scaled to unit variance (range +-3.46). Exact normality does
+ * not matter for benchmarks; speed does: ~2 ns per value versus ~30 ns for
+ * Box-Muller's log/sqrt/sincos (a 1 GB 20b-shaped fill on this 2-core
+ * machine went from 7.5 s to 1.0 s). */
+static inline float rng_normal(uint64_t *s) {
+  uint64_t r = rng_next(s);
+  uint32_t sum = (uint32_t)(r & 0xffff) + (uint32_t)((r >> 16) & 0xffff) +
+                 (uint32_t)((r >> 32) & 0xffff) + (uint32_t)(r >> 48);
+  return ((float)sum - 131070.0f) * (1.7320508f / 65536.0f);
 }
 
 static void fill_chunk(const tw_syn_tensor_t *t, int64_t chunk, uint64_t seed) {
@@ -85,12 +93,7 @@ static void fill_chunk(const tw_syn_tensor_t *t, int64_t chunk, uint64_t seed) {
       float sd = t->spec->init == TW_INIT_SINK ? 1.0f : 0.02f;
       uint16_t *h = (uint16_t *)p;
       int64_t n_el = n / 2;
-      for (int64_t i = 0; i < n_el; i += 2) { /* Box-Muller, two values per draw */
-        float r = sqrtf(-2.0f * logf(rng_uniform(&s)));
-        float a = 6.28318530718f * rng_uniform(&s);
-        h[i] = tw_f32_to_bf16(mean + sd * r * cosf(a));
-        if (i + 1 < n_el) h[i + 1] = tw_f32_to_bf16(mean + sd * r * sinf(a));
-      }
+      for (int64_t i = 0; i < n_el; i++) h[i] = tw_f32_to_bf16(mean + sd * rng_normal(&s));
       break;
     }
   }
@@ -164,6 +167,9 @@ tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
   }
   impl->arena = arena;
   impl->arena_bytes = total;
+  /* huge pages make the first-touch faults of a 65 GB fill ~500x fewer;
+   * advisory, so a kernel without THP just ignores it */
+  (void)madvise(arena, total, MADV_HUGEPAGE);
   for (int64_t i = 0; i < specs.n; i++) {
     ts[i].data = (uint8_t *)arena + (uintptr_t)ts[i].data;
     tw_tensor_t *v = specs.specs[i].dst;
