@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# deploy/bundle.sh: a relocatable tarball of twain's programs and the shared
+# libraries a bare node lacks, for nodes where packages cannot be installed
+# (the GPU machine, HPC nodes, the container's runtime stage).
+#
+#   bash deploy/bundle.sh [--build-dir DIR] [--out FILE.tar.gz] [--no-build]
+#                         [--system-cuda] [--with-model DIR]...
+#
+# Layout: twain-VERSION-linux-ARCH/{bin,lib,lib/ucx,share/twain}. Every program
+# gets RUNPATH $ORIGIN/../lib, every library $ORIGIN, every UCX module
+# $ORIGIN/.. so the tree runs from any directory with LD_LIBRARY_PATH empty.
+# Not carried (a node has them): glibc and the loader, libgcc_s, libstdc++,
+# and the NVIDIA driver's libraries (libcuda, libnvidia-*). With --system-cuda
+# the CUDA toolkit's libraries (cudart, cuBLAS, NCCL, ...) are not carried
+# either (nodes and images that have the toolkit: the container runtime stage).
+# UCX's transport modules (libucs's ucx/ folder) are carried in lib/ucx, where
+# UCX looks first (beside libucs); share/twain/env.sh also sets UCX_MODULE_DIR.
+# Options:
+#   --build-dir DIR   build tree (default: $TWAIN_BUILD_DIR or build)
+#   --out FILE        tarball (default: DIR/twain-VERSION-linux-ARCH.tar.gz)
+#   --no-build        use the build tree as it is (default: configure + build)
+#   --system-cuda     do not carry the CUDA toolkit's libraries
+#   --with-model DIR  also carry a model folder under share/twain/models/
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build=${TWAIN_BUILD_DIR:-build} out="" do_build=1 system_cuda=0 models=()
+while (($#)); do
+  case $1 in
+    --build-dir) build=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --no-build) do_build=0; shift ;;
+    --system-cuda) system_cuda=1; shift ;;
+    --with-model) models+=("$2"); shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bundle.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+case $build in /*) ;; *) build=$here/$build ;; esac
+command -v patchelf >/dev/null || { echo "bundle.sh: patchelf not found (Debian package patchelf)" >&2; exit 1; }
+
+if ((do_build)); then
+  cmake -S "$here" -B "$build" >/dev/null
+  cmake --build "$build" -j"$(nproc)"
+fi
+
+# ---- the programs ---------------------------------------------------------------
+progs=()
+for d in router prefill decode; do
+  for f in "$build/$d"/twain*; do
+    [ -f "$f" ] && [ -x "$f" ] && head -c4 "$f" | grep -q ELF && progs+=("$f")
+  done
+done
+((${#progs[@]})) || { echo "bundle.sh: no twain programs in $build/{router,prefill,decode}: build first" >&2; exit 1; }
+
+version=$(sed -n 's/^project(twain VERSION \([0-9.]*\).*/\1/p' "$here/CMakeLists.txt")
+arch=$(uname -m)
+name=twain-${version:-0}-linux-$arch
+[ -n "$out" ] || out=$build/$name.tar.gz
+case $out in /*) ;; *) out=$PWD/$out ;; esac
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+stage=$work/$name
+mkdir -p "$stage/bin" "$stage/lib/ucx" "$stage/share/twain"
+
+# A bare node has these; everything else a program needs is carried.
+is_system_lib() { # SONAME PATH
+  case $1 in
+    linux-vdso.so.*|ld-linux*.so.*|libc.so.*|libm.so.*|libmvec.so.*|libpthread.so.*|libdl.so.*|\
+    librt.so.*|libutil.so.*|libresolv.so.*|libanl.so.*|libnsl.so.*|libgcc_s.so.*|libstdc++.so.*) return 0 ;;
+    libcuda.so.*|libnvidia-*.so*|libcudadebugger.so.*) return 0 ;;  # the NVIDIA driver
+  esac
+  if ((system_cuda)); then
+    case $1 in libcudart.so.*|libcublas*.so.*|libnccl.so.*|libnvrtc*.so.*|libnvJitLink.so.*|libcufft*.so.*|\
+               libcurand.so.*|libcusparse*.so.*|libcusolver*.so.*|libnvToolsExt.so.*) return 0 ;; esac
+    case $2 in /usr/local/cuda*) return 0 ;; esac
+  fi
+  return 1
+}
+
+declare -A carried=()
+missing=()
+collect() { # ELF [optional]: carry its dependency closure (ldd gives the whole closure)
+  local elf=$1 optional=${2:-} line so path
+  while IFS= read -r line; do
+    case $line in
+      *"=> not found"*)
+        so=$(awk '{print $1}' <<<"$line")
+        is_system_lib "$so" "" || [ -n "$optional" ] || missing+=("$so (needed by ${elf##*/})") ;;
+      *"=> /"*)
+        so=$(awk '{print $1}' <<<"$line"); path=$(awk '{print $3}' <<<"$line")
+        is_system_lib "$so" "$path" && continue
+        case $path in */ucx/lib*) continue ;; esac   # a UCX module: carried in lib/ucx below
+        [ -n "${carried[$so]:-}" ] && continue
+        carried[$so]=$path
+        cp -L "$path" "$stage/lib/$so"
+        chmod u+w "$stage/lib/$so" ;;
+    esac
+  done < <(env -u LD_LIBRARY_PATH ldd "$elf" 2>/dev/null || true)
+}
+
+for p in "${progs[@]}"; do cp "$p" "$stage/bin/"; collect "$p"; done
+ucx_info=$(command -v ucx_info || true)
+if [ -n "$ucx_info" ]; then cp "$ucx_info" "$stage/bin/"; collect "$ucx_info"; fi
+
+# UCX loads its transports (cma, ib, rdmacm, cuda_copy, cuda_ipc...) with dlopen
+# from the ucx/ folder beside libucs: carry that folder and what its modules need.
+if [ -n "${carried[libucs.so.0]:-}" ]; then
+  ucs_dir=$(dirname "$(readlink -f "${carried[libucs.so.0]}")")
+  if [ -d "$ucs_dir/ucx" ]; then
+    for m in "$ucs_dir"/ucx/lib*.so*; do
+      base=${m##*/}
+      if [ -L "$m" ]; then ln -s "$(readlink "$m")" "$stage/lib/ucx/$base"; continue; fi
+      [ -f "$m" ] || continue
+      cp "$m" "$stage/lib/ucx/$base"; chmod u+w "$stage/lib/ucx/$base"
+      collect "$m" optional   # e.g. the CUDA module needs libcuda: only on GPU nodes
+    done
+  fi
+fi
+if ((${#missing[@]})); then
+  echo "bundle.sh: libraries not found on this machine: ${missing[*]}" >&2; exit 1
+fi
+
+# ---- relocation -----------------------------------------------------------------
+# shellcheck disable=SC2016  # $ORIGIN is for the dynamic loader, not the shell
+{
+  for f in "$stage"/bin/*; do patchelf --set-rpath '$ORIGIN/../lib' "$f"; done
+  for f in "$stage"/lib/*.so*; do patchelf --set-rpath '$ORIGIN' "$f"; done
+  for f in "$stage"/lib/ucx/*.so*; do
+    if [ -f "$f" ] && [ ! -L "$f" ]; then patchelf --set-rpath '$ORIGIN:$ORIGIN/..' "$f"; fi
+  done
+}
+
+for m in "${models[@]}"; do
+  mkdir -p "$stage/share/twain/models"
+  cp -r "$m" "$stage/share/twain/models/$(basename "$m")"
+done
+cat > "$stage/share/twain/env.sh" <<'EOF'
+# Source this to put the bundle first on PATH (no LD_LIBRARY_PATH needed: the
+# programs find their libraries through RUNPATH $ORIGIN/../lib).
+twain_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+export PATH="$twain_root/bin:$PATH"
+export UCX_MODULE_DIR="$twain_root/lib/ucx"
+export NCCL_NVLS_ENABLE=0
+EOF
+{
+  echo "twain $version bundle, built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(. /etc/os-release && echo "$PRETTY_NAME") ($(ldd --version | head -1))"
+  echo "commit $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "programs: $(cd "$stage/bin" && echo *)"
+  echo "carried libraries (soname <- source):"
+  for so in $(printf '%s\n' "${!carried[@]}" | sort); do echo "  $so <- ${carried[$so]}"; done
+  echo "UCX modules: $(cd "$stage/lib/ucx" && echo *)"
+} > "$stage/share/twain/MANIFEST.txt"
+
+# ---- check: every carried dependency resolves inside the tree -------------------
+bad=0
+for f in "$stage"/bin/* "$stage"/lib/*.so* "$stage"/lib/ucx/*.so.*.*; do
+  [ -L "$f" ] && continue
+  while IFS= read -r line; do
+    so=$(awk '{print $1}' <<<"$line")
+    case $line in
+      *"=> not found"*) is_system_lib "$so" "" || { echo "bundle.sh: ${f#"$work"/} needs $so: not found" >&2; bad=1; } ;;
+      *"=> /"*)
+        path=$(awk '{print $3}' <<<"$line")
+        if [ -n "${carried[$so]:-}" ] && [ "$(readlink -f "$path")" != "$(readlink -f "$stage/lib/$so")" ]; then
+          echo "bundle.sh: ${f#"$work"/} takes $so from $path, not from the bundle" >&2; bad=1
+        fi ;;
+    esac
+  done < <(env -u LD_LIBRARY_PATH ldd "$f" 2>/dev/null || true)
+done
+((bad == 0)) || exit 1
+
+mkdir -p "$(dirname "$out")"
+tar -C "$work" -czf "$out" "$name"
+echo "bundle.sh: $out ($(du -h "$out" | cut -f1); ${#progs[@]} programs, ${#carried[@]} libraries, $(find "$stage/lib/ucx" -name '*.so*' | wc -l) UCX modules)"
