@@ -3,21 +3,20 @@
  * through the sequence's block table from the engine.h pool layout. */
 #include "common/cpu/cpu_ops.h"
 
+#include "common/cpu/simd.h"
+
 #include <math.h>
 #include <string.h>
 
-typedef float tw_av8f __attribute__((vector_size(32)));
-
 static float tw_attn_dot(const float *a, const float *b, int32_t n) {
-  tw_av8f acc = {0};
+  tw_vf acc = {0}, x, y;
   int32_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    tw_av8f x, y;
-    memcpy(&x, a + i, sizeof(x));
-    memcpy(&y, b + i, sizeof(y));
+  for (; i + TW_VL <= n; i += TW_VL) {
+    TW_VF_LOAD(x, a + i);
+    TW_VF_LOAD(y, b + i);
     acc += x * y;
   }
-  float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  float s = tw_vf_sum(&acc);
   for (; i < n; i++) s += a[i] * b[i];
   return s;
 }
@@ -47,7 +46,15 @@ void tw_cpu_attention(const float *q, int32_t n_heads, int32_t head_begin, int32
       float p = expf(scores[j] - m);
       den += p;
       const float *v = tw_cpu_kv_at(kv, block_table, lo + j, 1, g);
-      for (int32_t d = 0; d < D; d++) o[d] += p * v[d];
+      int32_t d = 0;
+      for (; d + TW_VL <= D; d += TW_VL) {
+        tw_vf ov, vv;
+        TW_VF_LOAD(ov, o + d);
+        TW_VF_LOAD(vv, v + d);
+        ov += p * vv;
+        TW_VF_STORE(o + d, ov);
+      }
+      for (; d < D; d++) o[d] += p * v[d];
     }
     float inv = 1.0f / den;
     for (int32_t d = 0; d < D; d++) o[d] *= inv;

@@ -5,11 +5,12 @@
  * uses it for every token of the batch, so each weight byte is read once per
  * call whatever T is (prefill batches a whole chunk into one call). Output
  * rows are split evenly over the pool's threads. The inner products use
- * 8-lane GCC vector types (plain SSE/AVX code without -march) with f32
+ * native-width GCC vector types (simd.h) with f32
  * accumulators; lanes are summed in a fixed order, so results do not depend
  * on the thread count. */
 #include "common/cpu/cpu_ops.h"
 
+#include "common/cpu/simd.h"
 #include "common/model.h"
 
 #include <math.h>
@@ -18,29 +19,19 @@
 #define TW_MM_TILE 512 /* values per row tile: 4 rows x 2 KiB stay in L1 */
 #define TW_MM_ROWS 4   /* weight rows per micro-kernel */
 
-typedef float tw_v8f __attribute__((vector_size(32)));
-typedef uint16_t tw_v8u16 __attribute__((vector_size(16)));
-typedef uint32_t tw_v8u32 __attribute__((vector_size(32)));
 
 /* FP4 E2M1 nibble -> value (spec §3.4). */
 static const float tw_mm_fp4[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-/* Vectors are never passed to or returned from functions: without -mavx
- * that would change the ABI (-Wpsabi). */
-#define TW_V8F_LOAD(v, p) memcpy(&(v), (p), sizeof(tw_v8f))
-
-static inline float tw_v8f_sum(const tw_v8f *v) {
-  return (((*v)[0] + (*v)[4]) + ((*v)[1] + (*v)[5])) + (((*v)[2] + (*v)[6]) + ((*v)[3] + (*v)[7]));
-}
 
 /* bf16 -> f32 for n values (exact). */
 static void tw_bf16_convert(const uint16_t *src, int64_t n, float *dst) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    tw_v8u16 h;
+  for (; i + TW_VL <= n; i += TW_VL) {
+    tw_vu16 h;
     memcpy(&h, src + i, sizeof(h));
-    tw_v8u32 u = __builtin_convertvector(h, tw_v8u32) << 16;
+    tw_vu32 u = __builtin_convertvector(h, tw_vu32) << 16;
     memcpy(dst + i, &u, sizeof(u));
   }
   for (; i < n; i++) dst[i] = tw_bf16_to_f32(src[i]);
@@ -49,7 +40,13 @@ static void tw_bf16_convert(const uint16_t *src, int64_t n, float *dst) {
 void tw_cpu_mxfp4_row(const uint8_t *blocks, const uint8_t *scales, int64_t n_blocks,
                       float *out) {
   for (int64_t g = 0; g < n_blocks; g++) {
-    float sc = ldexpf(1.0f, (int)scales[g] - 127);
+    float sc;
+    if (scales[g] != 0 && scales[g] != 255) { /* 2^(s-127) is a normal float: exponent bits */
+      uint32_t bits = (uint32_t)scales[g] << 23;
+      memcpy(&sc, &bits, sizeof(sc));
+    } else {
+      sc = ldexpf(1.0f, (int)scales[g] - 127);
+    }
     const uint8_t *b = blocks + g * 16;
     float *o = out + g * 32;
     for (int j = 0; j < 16; j++) {
@@ -59,24 +56,57 @@ void tw_cpu_mxfp4_row(const uint8_t *blocks, const uint8_t *scales, int64_t n_bl
   }
 }
 
-/* Dot products of nr (<= 4) weight rows w[r] (f32, stride TW_MM_TILE) with
- * x[0..n). */
-static void tw_dot_rows(const float *w, int nr, const float *x, int64_t n, float *s) {
-  tw_v8f acc[TW_MM_ROWS] = {{0}};
+/* Dot products of 4 weight rows w[r] (f32, stride TW_MM_TILE) with x[0..n):
+ * four named accumulators so they stay in registers. */
+static void tw_dot4(const float *w, const float *x, int64_t n, float *s) {
+  tw_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, xv, w0, w1, w2, w3;
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    tw_v8f xv, wv;
-    TW_V8F_LOAD(xv, x + i);
-    for (int r = 0; r < nr; r++) {
-      TW_V8F_LOAD(wv, w + r * TW_MM_TILE + i);
-      acc[r] += wv * xv;
-    }
+  for (; i + TW_VL <= n; i += TW_VL) {
+    TW_VF_LOAD(xv, x + i);
+    TW_VF_LOAD(w0, w + i);
+    TW_VF_LOAD(w1, w + TW_MM_TILE + i);
+    TW_VF_LOAD(w2, w + 2 * TW_MM_TILE + i);
+    TW_VF_LOAD(w3, w + 3 * TW_MM_TILE + i);
+    a0 += w0 * xv;
+    a1 += w1 * xv;
+    a2 += w2 * xv;
+    a3 += w3 * xv;
   }
-  for (int r = 0; r < nr; r++) {
-    float tail = 0.0f;
-    for (int64_t j = i; j < n; j++) tail += w[r * TW_MM_TILE + j] * x[j];
-    s[r] = tw_v8f_sum(&acc[r]) + tail;
+  float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+  for (; i < n; i++) {
+    t0 += w[i] * x[i];
+    t1 += w[TW_MM_TILE + i] * x[i];
+    t2 += w[2 * TW_MM_TILE + i] * x[i];
+    t3 += w[3 * TW_MM_TILE + i] * x[i];
   }
+  s[0] = tw_vf_sum(&a0) + t0;
+  s[1] = tw_vf_sum(&a1) + t1;
+  s[2] = tw_vf_sum(&a2) + t2;
+  s[3] = tw_vf_sum(&a3) + t3;
+}
+
+/* The same for one row (the last rows of a thread's share). Same
+ * accumulation order per row as tw_dot4, so results do not depend on how
+ * rows are grouped. */
+static float tw_dot1(const float *w, const float *x, int64_t n) {
+  tw_vf a0 = {0}, xv, w0;
+  int64_t i = 0;
+  for (; i + TW_VL <= n; i += TW_VL) {
+    TW_VF_LOAD(xv, x + i);
+    TW_VF_LOAD(w0, w + i);
+    a0 += w0 * xv;
+  }
+  float t0 = 0.0f;
+  for (; i < n; i++) t0 += w[i] * x[i];
+  return tw_vf_sum(&a0) + t0;
+}
+
+static void tw_dot_rows(const float *w, int nr, const float *x, int64_t n, float *s) {
+  if (nr == TW_MM_ROWS) {
+    tw_dot4(w, x, n, s);
+    return;
+  }
+  for (int r = 0; r < nr; r++) s[r] = tw_dot1(w + r * TW_MM_TILE, x, n);
 }
 
 typedef enum { TW_MM_BF16, TW_MM_MXFP4 } tw_mm_kind_t;
@@ -171,13 +201,13 @@ static void tw_mm_kn_task(void *ctx_v, int ti, int nt) {
         float xk = c->x[t * c->K + k];
         float *yt = c->y + t * c->N + n0;
         int64_t j = 0;
-        tw_v8f xv = {xk, xk, xk, xk, xk, xk, xk, xk};
-        for (; j + 8 <= nl; j += 8) {
-          tw_v8f yv, wv;
-          TW_V8F_LOAD(yv, yt + j);
-          TW_V8F_LOAD(wv, wseg + j);
+        tw_vf xv = xk - (tw_vf){0}; /* broadcast */
+        for (; j + TW_VL <= nl; j += TW_VL) {
+          tw_vf yv, wv;
+          TW_VF_LOAD(yv, yt + j);
+          TW_VF_LOAD(wv, wseg + j);
           yv += xv * wv;
-          memcpy(yt + j, &yv, sizeof(yv));
+          TW_VF_STORE(yt + j, yv);
         }
         for (; j < nl; j++) yt[j] += xk * wseg[j];
       }
