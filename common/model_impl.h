@@ -58,6 +58,7 @@ typedef struct {
   void *arena;              /* synthetic: one anonymous mapping */
   size_t arena_bytes;
   int64_t n_tensors;        /* tensors in use */
+  int64_t n_misaligned;     /* loaded tensors whose data is not element-aligned */
 } tw_model_impl_t;
 
 /** Allocate a model with config copied, zeroed layers and an empty impl.

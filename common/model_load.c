@@ -192,6 +192,8 @@ static tw_status_t bind_tensor(tw_model_t *m, const tw_tensor_spec_t *sp) {
                   "%s: tensor '%s' has the wrong %s: expected %s %s, found %s %s",
                   tw_safetensors_path(f), sp->name, dtype_ok ? "shape" : "dtype",
                   tw_dtype_name(sp->dtype), want, tw_dtype_name(t->dtype), got);
+  if ((uintptr_t)t->data % tw_dtype_size(t->dtype) != 0)
+    impl->n_misaligned++; /* legal, but element loads through typed pointers are not */
   tw_tensor_t *v = sp->dst;
   v->data = t->data;
   v->dtype = t->dtype;
@@ -254,6 +256,10 @@ static tw_status_t load_into(tw_model_t *m, const char *dir) {
   tw_model_specs_fini(&specs);
   TW_CHECK(st);
 
+  if (impl->n_misaligned > 0)
+    TW_WARN("loader", "%s: %lld tensors start at an address that is not a multiple of their "
+            "element size (header not padded to 8 bytes); read them with memcpy",
+            impl->source, (long long)impl->n_misaligned);
   int64_t in_files = 0;
   for (int i = 0; i < impl->n_files; i++) in_files += tw_safetensors_count(impl->files[i]);
   if (in_files > impl->n_tensors)

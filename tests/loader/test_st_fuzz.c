@@ -7,6 +7,7 @@
 #include "check.h"
 #include "st_writer.h"
 
+#include "common/config.h"
 #include "common/log.h"
 #include "common/safetensors.h"
 
@@ -161,6 +162,39 @@ int main(void) {
       check_parse(work, len);
     }
   }
+  /* config.json text: byte mutations of the tiny config never crash and give
+   * TW_OK or an error with a message */
+  char cpath[4096];
+  snprintf(cpath, sizeof cpath, "%s/tiny-gptoss-wordnet-mxfp4/config.json",
+           fixtures ? fixtures : "tests/fixtures");
+  int64_t cn = 0;
+  char *ctext = stw_slurp(cpath, &cn);
+  EXPECT(ctext != NULL);
+  char *cwork = ctext ? malloc((size_t)cn + 1) : NULL;
+  int c_ok = 0, c_err = 0;
+  for (int it = 0; cwork && it < 1000; it++) {
+    memcpy(cwork, ctext, (size_t)cn + 1);
+    int n_mut = 1 + (int)rnd_below(3);
+    for (int k = 0; k < n_mut; k++) {
+      int64_t at = rnd_below(cn);
+      cwork[at] = rnd_below(2) ? punct[rnd_below((int64_t)sizeof punct - 1)]
+                               : (char)('a' + rnd_below(26));
+    }
+    tw_model_config_t c;
+    tw_clear_error();
+    tw_status_t st = tw_config_parse(cwork, &c);
+    if (st == TW_OK) {
+      c_ok++;
+      EXPECT(c.n_layers > 0 && c.n_layers <= TW_MAX_LAYERS && c.hidden > 0 && c.n_kv_heads > 0 &&
+             c.n_heads % c.n_kv_heads == 0);
+    } else {
+      c_err++;
+      EXPECT(tw_last_error()[0] != '\0');
+    }
+  }
+  fprintf(stderr, "config fuzz: 1000 iterations, %d parsed, %d rejected\n", c_ok, c_err);
+  free(cwork);
+  free(ctext);
   tw_log_level_g = TW_LOG_INFO;
   fprintf(stderr, "fuzz: %d iterations, %d parsed, %d rejected\n", N_ITERS + 1, n_ok_g, n_err_g);
   EXPECT(n_err_g > N_ITERS / 2); /* the corruptions are mostly caught */
