@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""make_reference.py: regenerate Hugging Face reference fixtures for twain.
+
+Runs transformers' GptOssForCausalLM in float32 with eager attention on given
+prompt token ids and writes, into --out:
+
+  <variant>_<prompt>_logits.f32.bin   little-endian float32 [rows, vocab]
+  manifest.json                       same format as
+                                      tests/fixtures/tiny-gptoss-wordnet/manifest.json
+                                      (argmax and logsumexp at every position,
+                                      greedy continuation, its smallest top-1/top-2
+                                      margin, and whether generate() with a KV cache
+                                      agrees); entries of other variants/prompts
+                                      already in the file are kept
+  prompts.json                        the prompt ids, if not already there
+
+The model is either an existing checkpoint (--checkpoint DIR, bf16 or MXFP4
+experts; MXFP4 is dequantised by transformers with Mxfp4Config(dequantize=True))
+or a random one (--config tiny|20b-4layer|FILE.json --random-weights --seed N
+--write-checkpoint DIR [--mxfp4]), written in the Hugging Face layout first:
+bf16 tensors via save_pretrained, and with --mxfp4 the expert matrices encoded
+as in shared/models/tiny-gptoss-wordnet-mxfp4/README.md (transposed to
+[E, out, in], blocks of 32 along the input dimension, low nibble = even element,
+E8M0 scale chosen per block as the smallest power of two with max|w|/scale <= 6
+or half of it, whichever gives the smaller squared error).
+
+Needs torch, transformers >= 5 and safetensors (the GPU machine has them).
+Everything runs on --device (default cpu) in float32.
+
+Examples:
+  python3 make_reference.py --checkpoint ../shared/models/tiny-gptoss-wordnet \\
+      --prompts tests/fixtures/tiny-gptoss-wordnet/prompts.json --variant bf16 --out /tmp/fx
+  python3 make_reference.py --config 20b-4layer --random-weights --seed 1 --mxfp4 \\
+      --write-checkpoint /tmp/rand20b --prompts ids.json --variant mxfp4 --out /tmp/fx20b
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+
+TINY_CONFIG = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+    "num_hidden_layers": 4, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "experts_per_token": 2, "vocab_size": 8064, "hidden_size": 256, "intermediate_size": 512,
+    "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "attention_bias": True,
+    "attention_dropout": 0.0, "swiglu_limit": 7.0, "rms_norm_eps": 1e-05,
+    "rope_theta": 150000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+    "initial_context_length": 4096, "max_position_embeddings": 4096,
+    "tie_word_embeddings": False, "eos_token_id": 8004, "pad_token_id": 8001,
+}
+
+# gpt-oss-20b (spec 1.1) cut to 4 layers: real shapes, small enough for one GPU.
+GPTOSS_20B_4LAYER = dict(TINY_CONFIG, **{
+    "num_hidden_layers": 4, "num_local_experts": 32, "num_experts_per_tok": 4,
+    "experts_per_token": 4, "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "sliding_window": 128, "max_position_embeddings": 131072,
+    "eos_token_id": 200002, "pad_token_id": 199999,
+})
+
+PRESETS = {"tiny": TINY_CONFIG, "20b-4layer": GPTOSS_20B_4LAYER}
+
+FP4_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+MXFP4_QUANT = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="Regenerate HF transformers reference logits/manifest for twain.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="existing HF checkpoint directory")
+    src.add_argument("--config", help="'tiny', '20b-4layer' or a config.json path (with --random-weights)")
+    p.add_argument("--random-weights", action="store_true", help="random weights for --config")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="write the random checkpoint with MXFP4 experts")
+    p.add_argument("--write-checkpoint", metavar="DIR",
+                   help="where the random checkpoint is written (required with --random-weights)")
+    p.add_argument("--prompts", required=True,
+                   help="JSON: a list of ids, {name: [ids]} or prompts.json {name: {ids: [...]}}")
+    p.add_argument("--out", required=True, help="output directory for logits and manifest.json")
+    p.add_argument("--variant", default=None, help="entry variant name (default: mxfp4 or bf16)")
+    p.add_argument("--greedy", type=int, default=48, help="greedy tokens after each prompt (48)")
+    p.add_argument("--eos-id", type=int, default=None,
+                   help="stop the greedy loop after this id (default: config eos_token_id)")
+    p.add_argument("--last-rows", type=int, default=0,
+                   help="store only the last N rows of logits (0 = all positions)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    a = p.parse_args(argv)
+    if a.config and not a.random_weights:
+        p.error("--config needs --random-weights")
+    if a.random_weights and not a.write_checkpoint:
+        p.error("--random-weights needs --write-checkpoint DIR")
+    if a.checkpoint and (a.random_weights or a.mxfp4):
+        p.error("--random-weights/--mxfp4 only apply to --config")
+    return a
+
+
+def load_prompts(path):
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, list):
+        data = {"prompt": data}
+    prompts = {}
+    for name, v in data.items():
+        ids = v["ids"] if isinstance(v, dict) else v
+        if not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise SystemExit(f"prompt {name}: ids must be a non-empty list of non-negative ints")
+        prompts[name] = [int(i) for i in ids]
+    return prompts
+
+
+def load_config_dict(spec):
+    if spec in PRESETS:
+        return json.loads(json.dumps(PRESETS[spec]))
+    with open(spec) as f:
+        return json.load(f)
+
+
+def randomize_(model, seed, torch):
+    """Every parameter gets non-trivial values (biases and sinks included, so
+    that a kernel ignoring one of them fails): matrices N(0, 1/sqrt(fan_in)),
+    vectors N(0, 0.1), norm scales 1 + N(0, 0.1), sinks N(0, 1), embeddings N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    H = model.config.hidden_size
+    for name, prm in sorted(model.named_parameters()):
+        shape = tuple(prm.shape)
+        if "norm" in name:
+            val = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith("sinks"):
+            val = torch.randn(shape, generator=g)
+        elif "embed_tokens" in name:
+            val = torch.randn(shape, generator=g)
+        elif name.endswith("bias") or len(shape) == 1:
+            val = 0.1 * torch.randn(shape, generator=g)
+        elif "experts" in name:
+            # HF in-memory orientation [E, in, out]: fan_in is dim 1
+            val = torch.randn(shape, generator=g) / math.sqrt(shape[1])
+        elif "lm_head" in name or len(shape) == 2:
+            val = torch.randn(shape, generator=g) / math.sqrt(shape[-1] if len(shape) == 2 else H)
+        else:
+            val = 0.1 * torch.randn(shape, generator=g)
+        with torch.no_grad():
+            prm.copy_(val.to(prm.dtype))
+
+
+def mxfp4_encode(w, torch):
+    """w: [E, out, in] float. Returns (blocks u8 [E, out, in/32, 16], scales u8 [E, out, in/32])."""
+    E, R, C = w.shape
+    assert C % 32 == 0, "the input dimension must be a multiple of 32"
+    b = w.float().reshape(E, R, C // 32, 32)
+    grid = torch.tensor(FP4_GRID, dtype=torch.float32, device=w.device)
+    amax = b.abs().amax(dim=-1)
+    e_hi = torch.ceil(torch.log2(torch.clamp(amax / 6.0, min=2.0 ** -127)))
+    best_err, best_idx, best_e = None, None, None
+    for e in (e_hi, e_hi - 1):
+        e = torch.clamp(e, -127, 127)
+        v = b / torch.exp2(e)[..., None]
+        idx = torch.argmin((v.abs()[..., None] - grid).abs(), dim=-1)  # ties: lower magnitude
+        q = grid[idx] * torch.sign(v) * torch.exp2(e)[..., None]
+        err = ((q - b) ** 2).sum(dim=-1)
+        if best_err is None:
+            best_err, best_idx, best_e, best_v = err, idx, e, v
+        else:
+            take = err < best_err
+            best_err = torch.where(take, err, best_err)
+            best_idx = torch.where(take[..., None], idx, best_idx)
+            best_v = torch.where(take[..., None], v, best_v)
+            best_e = torch.where(take, e, best_e)
+    nib = best_idx.to(torch.uint8) | ((best_v < 0) & (best_idx > 0)).to(torch.uint8) * 8
+    blocks = (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
+    scales = (best_e + 127).to(torch.uint8)
+    return blocks.contiguous(), scales.contiguous()
+
+
+def write_random_checkpoint(a, torch, transformers):
+    cfg_dict = load_config_dict(a.config)
+    cfg_dict.pop("quantization_config", None)
+    config = transformers.GptOssConfig(**cfg_dict)
+    torch.manual_seed(a.seed)
+    model = transformers.GptOssForCausalLM(config).to(torch.float32)
+    randomize_(model, a.seed, torch)
+    model = model.to(torch.bfloat16)
+    os.makedirs(a.write_checkpoint, exist_ok=True)
+    model.save_pretrained(a.write_checkpoint, safe_serialization=True)
+    if a.mxfp4:
+        from safetensors.torch import load_file, save_file
+        path = os.path.join(a.write_checkpoint, "model.safetensors")
+        if not os.path.exists(path):
+            raise SystemExit("--mxfp4 expects a single model.safetensors (model too large?)")
+        sd = {k: v.clone() for k, v in load_file(path).items()}  # the file is rewritten below
+        out = {}
+        for name, t in sd.items():
+            if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+                # HF in-memory [E, in, out] -> file orientation [E, out, in], blocked along in
+                blocks, scales = mxfp4_encode(t.float().transpose(1, 2).contiguous(), torch)
+                out[name + "_blocks"] = blocks
+                out[name + "_scales"] = scales
+            else:
+                out[name] = t.contiguous()
+        save_file(out, path, metadata={"format": "pt"})
+        cpath = os.path.join(a.write_checkpoint, "config.json")
+        with open(cpath) as f:
+            c = json.load(f)
+        c["quantization_config"] = MXFP4_QUANT
+        with open(cpath, "w") as f:
+            json.dump(c, f, indent=2)
+    print(f"wrote random checkpoint (seed {a.seed}, {'MXFP4' if a.mxfp4 else 'bf16'} experts) "
+          f"to {a.write_checkpoint}", file=sys.stderr)
+    return a.write_checkpoint
+
+
+def load_model(ckpt, device, torch, transformers):
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    is_mxfp4 = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    kw = {"attn_implementation": "eager"}
+    if is_mxfp4:
+        kw["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
+    model = transformers.GptOssForCausalLM.from_pretrained(ckpt, **kw)
+    model = model.float().to(device).eval()  # checkpoint values upcast to float32
+    return model, is_mxfp4, cfg
+
+
+def greedy(model, ids, n, eos, torch, device):
+    """Greedy continuation recomputing the whole sequence each step (no cache)."""
+    seq = list(ids)
+    out, margin, stopped = [], float("inf"), False
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq], device=device)).logits[0, -1].float()
+        top = torch.topk(logits, 2)
+        margin = min(margin, float(top.values[0] - top.values[1]))
+        # lowest id among exact ties, like the engines
+        tok = int(torch.nonzero(logits == top.values[0])[0, 0])
+        out.append(tok)
+        seq.append(tok)
+        if eos is not None and tok == eos:
+            stopped = True
+            break
+    return out, margin, stopped
+
+
+def main(argv):
+    a = parse_args(argv)
+    import torch  # imported here so that --help works without torch
+    import transformers
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    ckpt = write_random_checkpoint(a, torch, transformers) if a.random_weights else a.checkpoint
+    model, is_mxfp4, cfg = load_model(ckpt, a.device, torch, transformers)
+    variant = a.variant or ("mxfp4" if is_mxfp4 else "bf16")
+    eos = a.eos_id
+    if eos is None:
+        e = cfg.get("eos_token_id")
+        eos = e[0] if isinstance(e, list) else e
+    tokenizer = None
+    if os.path.exists(os.path.join(ckpt, "tokenizer.json")):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
+        except Exception as ex:  # the text is informative only
+            print(f"no tokenizer ({ex}); greedy_continuation_text will be null", file=sys.stderr)
+    prompts = load_prompts(a.prompts)
+    os.makedirs(a.out, exist_ok=True)
+    V = model.config.vocab_size
+
+    mpath = os.path.join(a.out, "manifest.json")
+    if os.path.exists(mpath):
+        with open(mpath) as f:
+            manifest = json.load(f)
+    else:
+        manifest = {
+            "description": "Reference outputs computed with Hugging Face transformers "
+                           "(tests/reference/make_reference.py).",
+            "models": {},
+            "compute": f"transformers {transformers.__version__}, torch {torch.__version__}, "
+                       f"{a.device}, float32 (checkpoint weights upcast with .float()), eager "
+                       "attention, no KV cache for the greedy loop",
+            "logits_format": {"dtype": "float32", "endianness": "little",
+                              "layout": "row-major [positions, vocab_size]", "vocab_size": V},
+            "prompt_ids_file": "prompts.json",
+            "greedy": f"greedy (argmax) continuation of up to {a.greedy} tokens after the prompt, "
+                      f"stopping early after id {eos} if it is produced; greedy_min_margin is the "
+                      "smallest top1-top2 logit gap along the way",
+            "entries": [],
+        }
+    manifest["models"][variant] = os.path.abspath(ckpt) + (
+        " (experts dequantised by transformers Mxfp4Config(dequantize=True))" if is_mxfp4 else "")
+
+    for name, ids in prompts.items():
+        T = len(ids)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids], device=a.device)).logits[0].float().cpu()
+        first = max(0, T - a.last_rows) if a.last_rows > 0 else 0
+        fname = f"{variant}_{name}_logits.f32.bin"
+        rows = logits[first:].contiguous().numpy().astype("<f4")
+        rows.tofile(os.path.join(a.out, fname))
+        cont, margin, stopped = greedy(model, ids, a.greedy, eos, torch, a.device)
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids], device=a.device), max_new_tokens=len(cont),
+                                 do_sample=False, use_cache=True,
+                                 eos_token_id=eos if stopped else None)
+        cached = gen[0, T:].tolist()
+        entry = {
+            "variant": variant, "prompt": name, "n_prompt_tokens": T, "logits_file": fname,
+            "shape": [T - first, V], "positions": [first, T],
+            "positions_note": "all prompt positions" if first == 0 else f"last {T - first} positions only",
+            "argmax_all_positions": logits.argmax(dim=-1).tolist(),
+            "logsumexp_all_positions": [round(float(x), 5) for x in torch.logsumexp(logits, dim=-1)],
+            "greedy_continuation_ids": cont,
+            "greedy_continuation_text": tokenizer.decode(cont) if tokenizer else None,
+            "greedy_stopped_on_return": stopped,
+            "greedy_min_margin": margin,
+            "hf_generate_with_cache_agrees": cached == cont,
+        }
+        manifest["entries"] = [e for e in manifest["entries"]
+                               if not (e["variant"] == variant and e["prompt"] == name)]
+        manifest["entries"].append(entry)
+        print(f"{variant}/{name}: {T} tokens, rows {first}..{T - 1}, greedy {len(cont)} tokens, "
+              f"margin {margin:.3f}, cache agrees {cached == cont}", file=sys.stderr)
+
+    with open(mpath, "w") as f:
+        json.dump(manifest, f, indent=1)
+    ppath = os.path.join(a.out, "prompts.json")
+    if not os.path.exists(ppath):
+        with open(ppath, "w") as f:
+            json.dump({n: {"ids": ids, "n_tokens": len(ids)} for n, ids in prompts.items()}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
