@@ -103,7 +103,9 @@ tw_status_t tw_model_load(const char *dir, tw_model_t **model_p);
 
 /** Synthetic weights with the real shapes and dtypes of `config` (MXFP4
  *  experts if config->mxfp4), seeded random values of realistic scale, for
- *  benchmarks where no checkpoint is present. Errors: TW_ERR_NO_MEMORY. */
+ *  benchmarks where no checkpoint is present. Errors: TW_ERR_NO_MEMORY,
+ *  TW_ERR_INVALID_ARGUMENT (a non-positive size, or MXFP4 with hidden or
+ *  intermediate not a multiple of 32). */
 tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
                                tw_model_t **model_p);
 
