@@ -18,6 +18,7 @@
 typedef float tw_vf __attribute__((vector_size(TW_VL * 4)));
 typedef uint16_t tw_vu16 __attribute__((vector_size(TW_VL * 2)));
 typedef uint32_t tw_vu32 __attribute__((vector_size(TW_VL * 4)));
+typedef uint64_t tw_vu64 __attribute__((vector_size(TW_VL * 4)));
 
 #define TW_VF_LOAD(v, p) memcpy(&(v), (p), sizeof(tw_vf))
 #define TW_VF_STORE(p, v) memcpy((p), &(v), sizeof(tw_vf))
