@@ -3,6 +3,7 @@
  * continuation. The worker daemon mode comes later; it will be chosen when
  * --prompt-tokens is absent. Exit status: 0 ok, 1 run failed, 2 bad usage. */
 #include "offline.h"
+#include "worker.h"
 
 #include "common/log.h"
 
@@ -30,7 +31,11 @@ static void tw_prefill_usage(FILE *f) {
           "  --stop-ids A,B,...    stop generating after one of these ids (default: none)\n"
           "  --threads N           CPU worker threads (default 0 = all cores)\n"
           "  --block-size N        KV block size in tokens (default 16)\n"
-          "  --help                this text\n",
+          "  --help                this text\n"
+          "\n"
+          "Worker daemon mode (when --router is given): serve prefill requests from a router.\n"
+          "  --router EP --model DIR [--name N] [--backend B] [--kv-blocks N] [--block-size N]\n"
+          "  [--threads N] [--metrics-port P]   (prefill/worker.h)\n",
           TW_DEFAULT_MODEL_DIR);
 }
 
@@ -69,6 +74,7 @@ static int tw_parse_stop_ids(const char *s, tw_offline_opts_t *o) {
 
 int main(int argc, char **argv) {
   tw_log_init("twain-prefill", 0);
+  if (tw_prefill_worker_wanted(argc, argv)) return tw_prefill_worker_main(argc, argv);
   tw_offline_opts_t o = {.model_dir = TW_DEFAULT_MODEL_DIR, .backend = TW_BACKEND_AUTO,
                          .block_size = 16};
   for (int i = 1; i < argc; i++) {
@@ -107,8 +113,8 @@ int main(int argc, char **argv) {
   }
   if (!o.prompt_tokens_path) {
     fprintf(stderr,
-            "twain-prefill: the worker daemon mode is not available yet; give --prompt-tokens "
-            "FILE for the offline mode (see --help)\n");
+            "twain-prefill: give --prompt-tokens FILE for the offline mode, or --router "
+            "tcp://HOST:PORT for the worker daemon (see --help)\n");
     return 2;
   }
   tw_status_t st = tw_offline_run(&o, stdout);

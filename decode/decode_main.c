@@ -1,0 +1,59 @@
+/* decode_main.c: `twain-decode`, the decode worker daemon (decode_worker.h). */
+#include "decode/decode_worker.h"
+
+#include "common/log.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void usage(void) {
+  fprintf(stderr,
+          "usage: twain-decode --model DIR --router tcp://HOST:PORT [--name NAME]\n"
+          "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--max-batch N]\n"
+          "         [--threads N] [--metrics-port P (-1 off, 0 ephemeral)] [--verify-kv]\n");
+}
+
+int main(int argc, char **argv) {
+  tw_log_init("twain-decode", 0);
+  tw_decode_params_t p = TW_DECODE_PARAMS_DEFAULT;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "--verify-kv")) {
+      p.verify_kv = true;
+      continue;
+    }
+    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      usage();
+      return 0;
+    }
+    if (!v) {
+      fprintf(stderr, "twain-decode: %s needs a value\n", a);
+      usage();
+      return 2;
+    }
+    i++;
+    if (!strcmp(a, "--model")) p.model_dir = v;
+    else if (!strcmp(a, "--router")) p.router = v;
+    else if (!strcmp(a, "--name")) p.name = v;
+    else if (!strcmp(a, "--backend")) {
+      if (tw_backend_parse(v, &p.backend) != TW_OK) return 2;
+    } else if (!strcmp(a, "--kv-blocks")) p.kv_blocks = atoi(v);
+    else if (!strcmp(a, "--block-size")) p.block_size = atoi(v);
+    else if (!strcmp(a, "--max-batch")) p.max_batch = atoi(v);
+    else if (!strcmp(a, "--threads")) p.threads = atoi(v);
+    else if (!strcmp(a, "--metrics-port")) p.metrics_port = atoi(v);
+    else {
+      fprintf(stderr, "twain-decode: unknown option %s\n", a);
+      usage();
+      return 2;
+    }
+  }
+  if (!p.model_dir || !p.router) {
+    usage();
+    return 2;
+  }
+  tw_status_t st = tw_decode_worker_run(&p);
+  return st == TW_OK ? 0 : 1;
+}

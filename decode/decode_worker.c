@@ -1,0 +1,494 @@
+/* decode_worker.c: the decode worker daemon loop (see decode_worker.h).
+ *
+ * One thread: poll the router socket, handle Reserve / DecodeRequest /
+ * Cancel, run one engine decode step over every running sequence
+ * (continuous batching: sequences join and leave between steps), stream the
+ * step's tokens, heartbeat. Blocks for prompt + max_tokens are reserved up
+ * front, so a running sequence can never run out of KV mid-stream: a full
+ * pool answers RESOURCE_EXHAUSTED at reservation time and the router queues
+ * or tries another worker. Every exit path of a sequence goes through
+ * tw_dseq_release(), which returns its blocks. */
+#include "decode/decode_worker.h"
+
+#include "common/kv_blocks.h"
+#include "common/kv_transfer.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "common/model.h"
+#include "common/msg_worker.h"
+#include "proto/twain_api.pb-c.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define TW_DSEQ_MAX_STOP 16
+
+typedef enum { TW_DSEQ_RESERVED = 1, TW_DSEQ_RUNNING = 2 } tw_dseq_state_t;
+
+typedef struct {
+  uint64_t id;
+  tw_dseq_state_t state;
+  int32_t *blocks;
+  int32_t n_blocks;
+  int32_t n_prompt;
+  int32_t pos;        /* position of `token` (the next input) */
+  int32_t token;      /* last generated token, fed at the next step */
+  int32_t generated;  /* tokens generated so far, the prefill's first one included */
+  int32_t max_tokens;
+  tw_sample_params_t sample;
+  int32_t stop[TW_DSEQ_MAX_STOP];
+  int32_t n_stop;
+  int64_t t_ns;       /* reservation time, then last step time */
+} tw_dseq_t;
+
+typedef struct {
+  const tw_decode_params_t *p;
+  tw_model_t *model;
+  tw_engine_t *engine;
+  tw_kv_blocks_t *blocks;
+  tw_kv_xfer_t *xfer;
+  tw_kv_region_t *region;
+  tw_worker_link_t link;
+  tw_metrics_t *metrics;
+  tw_dseq_t **seqs;
+  int32_t n_seqs, cap_seqs;
+  bool draining;
+  /* step scratch */
+  int32_t *tok, *pos, *nb, *out;
+  const int32_t **tables;
+  tw_sample_params_t *samp;
+  tw_dseq_t **batch;
+  struct {
+    tw_metric_t *running, *reserved, *blocks_used, *blocks_free, *tpot, *tokens, *steps,
+        *kv_bytes, *sum_ok, *sum_bad, *rejected;
+  } m;
+} tw_decoder_t;
+
+static void tw_dseq_release(tw_decoder_t *d, int32_t idx) {
+  tw_dseq_t *s = d->seqs[idx];
+  if (s->n_blocks && tw_kv_blocks_free(d->blocks, s->n_blocks, s->blocks) != TW_OK)
+    TW_ERROR("decode", "request %llu: could not free its %d blocks",
+             (unsigned long long)s->id, s->n_blocks);
+  free(s->blocks);
+  free(s);
+  d->seqs[idx] = d->seqs[--d->n_seqs];
+}
+
+static int32_t tw_dseq_find(const tw_decoder_t *d, uint64_t id) {
+  for (int32_t i = 0; i < d->n_seqs; i++)
+    if (d->seqs[i]->id == id) return i;
+  return -1;
+}
+
+static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *c) {
+  int32_t running = 0;
+  for (int32_t i = 0; i < d->n_seqs; i++) running += d->seqs[i]->state == TW_DSEQ_RUNNING;
+  twain__internal__v1__capacity__init(c);
+  c->free_kv_blocks = tw_kv_blocks_free_count(d->blocks);
+  c->total_kv_blocks = tw_kv_blocks_total(d->blocks);
+  c->running = running;
+  c->queued = d->n_seqs - running;
+  tw_metric_set(d->m.running, running);
+  tw_metric_set(d->m.reserved, d->n_seqs - running);
+  tw_metric_set(d->m.blocks_used, tw_kv_blocks_used_count(d->blocks));
+  tw_metric_set(d->m.blocks_free, c->free_kv_blocks);
+}
+
+static void tw_send_tokens(tw_decoder_t *d, uint64_t id, const int32_t *toks, size_t n,
+                           bool finished, int finish_reason, int code, const char *msg) {
+  Twain__Internal__V1__Tokens t = TWAIN__INTERNAL__V1__TOKENS__INIT;
+  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
+  t.request_id = id;
+  t.n_tokens = n;
+  t.tokens = (int32_t *)toks;
+  t.finished = finished;
+  t.finish_reason = finish_reason;
+  if (code) {
+    s.code = code;
+    s.message = (char *)msg;
+    t.status = &s;
+  }
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_TOKENS;
+  env.tokens = &t;
+  if (tw_worker_link_send(&d->link, &env) != TW_OK)
+    TW_WARN("decode", "request %llu: cannot send tokens to the router: %s",
+            (unsigned long long)id, tw_last_error());
+}
+
+static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r) {
+  Twain__Internal__V1__Reserved out = TWAIN__INTERNAL__V1__RESERVED__INIT;
+  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
+  Twain__Internal__V1__KvHandoff h = TWAIN__INTERNAL__V1__KV_HANDOFF__INIT;
+  Twain__Internal__V1__KvLayout kl = TWAIN__INTERNAL__V1__KV_LAYOUT__INIT;
+  out.request_id = r->request_id;
+  char msg[256] = "";
+  tw_dseq_t *seq = NULL;
+  int64_t n_tok = (int64_t)r->n_prompt_tokens + (r->max_tokens > 0 ? r->max_tokens : 1);
+  int32_t need = tw_kv_blocks_needed(d->blocks, n_tok);
+  if (d->draining) {
+    s.code = TWAIN__V1__CODE__UNAVAILABLE;
+    snprintf(msg, sizeof msg, "decode worker %s is draining", d->link.name);
+  } else if (r->n_prompt_tokens <= 0 || tw_dseq_find(d, r->request_id) >= 0) {
+    s.code = TWAIN__V1__CODE__INVALID_ARGUMENT;
+    snprintf(msg, sizeof msg, "reserve for request %llu: %s", (unsigned long long)r->request_id,
+             r->n_prompt_tokens <= 0 ? "no prompt tokens" : "already reserved");
+  } else if (n_tok > d->model->config.max_position_embeddings) {
+    s.code = TWAIN__V1__CODE__INVALID_ARGUMENT;
+    snprintf(msg, sizeof msg, "prompt + max_tokens = %lld exceeds the context of %d",
+             (long long)n_tok, d->model->config.max_position_embeddings);
+  } else if (!(seq = calloc(1, sizeof *seq)) || !(seq->blocks = malloc(sizeof(int32_t) * (size_t)need))) {
+    s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
+    snprintf(msg, sizeof msg, "decode worker out of host memory");
+  } else if (tw_kv_blocks_alloc(d->blocks, need, seq->blocks) != TW_OK) {
+    s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
+    snprintf(msg, sizeof msg, "decode worker %s has %d free kv blocks, request needs %d",
+             d->link.name, tw_kv_blocks_free_count(d->blocks), need);
+  }
+  if (s.code) {
+    if (seq) free(seq->blocks);
+    free(seq);
+    tw_metric_add(d->m.rejected, 1);
+    s.message = msg;
+    out.status = &s;
+  } else {
+    if (d->n_seqs == d->cap_seqs) { /* grow the table (never shrinks) */
+      int32_t cap = d->cap_seqs ? d->cap_seqs * 2 : 64;
+      tw_dseq_t **t = realloc(d->seqs, sizeof *t * (size_t)cap);
+      if (!t) {
+        tw_kv_blocks_free(d->blocks, need, seq->blocks);
+        free(seq->blocks);
+        free(seq);
+        s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
+        s.message = "decode worker out of host memory";
+        out.status = &s;
+        goto send;
+      }
+      d->seqs = t;
+      d->cap_seqs = cap;
+    }
+    seq->id = r->request_id;
+    seq->state = TW_DSEQ_RESERVED;
+    seq->n_blocks = need;
+    seq->n_prompt = r->n_prompt_tokens;
+    seq->t_ns = tw_msg_clock_ns();
+    d->seqs[d->n_seqs++] = seq;
+    tw_kv_remote_layout_t rl;
+    tw_kv_region_remote_layout(d->region, &rl);
+    kl.dtype = rl.dtype;
+    kl.on_device = rl.on_device;
+    kl.n_layers = rl.n_layers;
+    kl.block_size = rl.block_size;
+    kl.n_kv_heads = rl.n_kv_heads;
+    kl.head_dim = rl.head_dim;
+    kl.layer_stride_bytes = rl.layer_stride_bytes;
+    kl.block_bytes = rl.block_bytes;
+    kl.remote_base = rl.remote_base;
+    kl.total_bytes = rl.total_bytes;
+    kl.n_blocks = rl.n_blocks;
+    size_t alen, rlen;
+    const void *addr = tw_kv_xfer_address(d->xfer, &alen);
+    const void *rkey = tw_kv_region_rkey(d->region, &rlen);
+    h.ucx_address.data = (uint8_t *)addr;
+    h.ucx_address.len = alen;
+    h.rkey.data = (uint8_t *)rkey;
+    h.rkey.len = rlen;
+    h.layout = &kl;
+    /* only the prompt's blocks travel; the rest are for generated tokens */
+    h.n_block_ids = (size_t)tw_kv_blocks_needed(d->blocks, r->n_prompt_tokens);
+    h.block_ids = seq->blocks;
+    h.decode_worker = d->link.name;
+    out.handoff = &h;
+    TW_DEBUG("decode", "request %llu: reserved %d blocks", (unsigned long long)r->request_id, need);
+  }
+send:;
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVED;
+  env.reserved = &out;
+  tw_worker_link_send(&d->link, &env);
+}
+
+/* Compare the checksums the prefill worker computed over what it sent with
+ * those of what arrived, layer by layer. */
+static bool tw_verify_kv(tw_decoder_t *d, tw_dseq_t *s, const Twain__Internal__V1__DecodeRequest *r,
+                         char *msg, size_t msg_len) {
+  const tw_model_config_t *c = &d->model->config;
+  const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
+  if ((int32_t)r->n_layer_checksums != c->n_layers) {
+    snprintf(msg, msg_len, "handoff carries %zu layer checksums, model has %d layers",
+             r->n_layer_checksums, c->n_layers);
+    return false;
+  }
+  int32_t nb = tw_kv_blocks_needed(d->blocks, s->n_prompt);
+  for (int32_t layer = 0; layer < c->n_layers; layer++) {
+    int32_t first = tw_kv_layer_first_block(s->n_prompt, l->block_size,
+                                            c->layer_types[layer] == TW_LAYER_SLIDING,
+                                            c->sliding_window);
+    uint64_t h = 0;
+    if (tw_kv_layer_checksum(l, layer, s->blocks, first, nb, &h) != TW_OK || h != r->layer_checksums[layer]) {
+      snprintf(msg, msg_len, "kv checksum mismatch in layer %d: received %016llx, sent %016llx",
+               layer, (unsigned long long)h, (unsigned long long)r->layer_checksums[layer]);
+      tw_metric_add(d->m.sum_bad, 1);
+      return false;
+    }
+    tw_metric_add(d->m.sum_ok, 1);
+  }
+  return true;
+}
+
+static bool tw_dseq_stops(const tw_dseq_t *s, int32_t tok) {
+  for (int32_t i = 0; i < s->n_stop; i++)
+    if (s->stop[i] == tok) return true;
+  return false;
+}
+
+static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeRequest *r) {
+  int32_t idx = tw_dseq_find(d, r->request_id);
+  char msg[256] = "";
+  if (idx < 0 || d->seqs[idx]->state != TW_DSEQ_RESERVED) {
+    snprintf(msg, sizeof msg, "decode for request %llu: no reservation (cancelled or expired)",
+             (unsigned long long)r->request_id);
+    TW_WARN("decode", "%s", msg);
+    tw_worker_link_reject(&d->link, r->request_id, TWAIN__V1__CODE__NOT_FOUND, msg);
+    return;
+  }
+  tw_dseq_t *s = d->seqs[idx];
+  const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
+  const tw_model_config_t *c = &d->model->config;
+  int32_t nb = tw_kv_blocks_needed(d->blocks, s->n_prompt);
+  if (r->n_prompt_tokens != s->n_prompt || r->first_token < 0 || r->first_token >= c->vocab_size ||
+      r->max_tokens <= 0 || (int64_t)s->n_prompt + r->max_tokens > (int64_t)s->n_blocks * l->block_size) {
+    snprintf(msg, sizeof msg, "decode for request %llu does not match its reservation",
+             (unsigned long long)r->request_id);
+    tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
+                   TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    tw_dseq_release(d, idx);
+    return;
+  }
+  if (tw_kv_region_commit(d->region, s->blocks, nb) != TW_OK ||
+      (d->p->verify_kv && r->n_layer_checksums && !tw_verify_kv(d, s, r, msg, sizeof msg))) {
+    if (!msg[0]) snprintf(msg, sizeof msg, "%s", tw_last_error());
+    TW_ERROR("decode", "request %llu: %s", (unsigned long long)s->id, msg);
+    tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
+                   TWAIN__V1__CODE__INTERNAL, msg);
+    tw_dseq_release(d, idx);
+    return;
+  }
+  tw_metric_add(d->m.kv_bytes, (double)nb * (double)l->block_bytes * c->n_layers);
+  s->state = TW_DSEQ_RUNNING;
+  s->pos = s->n_prompt;
+  s->token = r->first_token;
+  s->generated = 1;
+  s->max_tokens = r->max_tokens;
+  s->sample = TW_SAMPLE_PARAMS_GREEDY;
+  if (r->sampling) {
+    s->sample.temperature = r->sampling->temperature;
+    s->sample.top_k = r->sampling->top_k;
+    s->sample.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
+    s->sample.seed = r->sampling->seed;
+  }
+  s->n_stop = 0;
+  for (size_t i = 0; i < r->n_stop_token_ids && s->n_stop < TW_DSEQ_MAX_STOP; i++)
+    s->stop[s->n_stop++] = r->stop_token_ids[i];
+  s->t_ns = tw_msg_clock_ns();
+  /* the first token came from prefill and was already streamed */
+  if (tw_dseq_stops(s, s->token) || s->generated >= s->max_tokens) {
+    int reason = tw_dseq_stops(s, s->token) ? TWAIN__V1__FINISH_REASON__FINISH_STOP
+                                            : TWAIN__V1__FINISH_REASON__FINISH_LENGTH;
+    tw_send_tokens(d, s->id, NULL, 0, true, reason, 0, NULL);
+    tw_dseq_release(d, idx);
+  }
+}
+
+static void tw_on_cancel(tw_decoder_t *d, uint64_t id) {
+  int32_t idx = tw_dseq_find(d, id);
+  if (idx < 0) return; /* already finished: nothing to free */
+  TW_DEBUG("decode", "request %llu cancelled: freeing %d blocks", (unsigned long long)id,
+           d->seqs[idx]->n_blocks);
+  tw_dseq_release(d, idx);
+}
+
+/* One continuous-batching step over every running sequence. */
+static tw_status_t tw_decoder_step(tw_decoder_t *d) {
+  int32_t n = 0;
+  for (int32_t i = 0; i < d->n_seqs && n < d->p->max_batch; i++) {
+    tw_dseq_t *s = d->seqs[i];
+    if (s->state != TW_DSEQ_RUNNING) continue;
+    d->batch[n] = s;
+    d->tok[n] = s->token;
+    d->pos[n] = s->pos;
+    d->tables[n] = s->blocks;
+    d->nb[n] = s->n_blocks;
+    d->samp[n] = s->sample;
+    n++;
+  }
+  if (n == 0) return TW_OK;
+  int64_t t0 = tw_msg_clock_ns();
+  tw_decode_args_t a = {.n_seqs = n, .tokens = d->tok, .positions = d->pos,
+                        .block_tables = d->tables, .n_blocks = d->nb, .sample = d->samp,
+                        .next_tokens_out = d->out};
+  tw_status_t st = tw_engine_decode(d->engine, &a);
+  int64_t t1 = tw_msg_clock_ns();
+  tw_metric_add(d->m.steps, 1);
+  for (int32_t j = 0; j < n; j++) {
+    tw_dseq_t *s = d->batch[j];
+    int32_t idx = tw_dseq_find(d, s->id);
+    if (st != TW_OK) {
+      tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
+                     TWAIN__V1__CODE__INTERNAL, tw_last_error());
+      tw_dseq_release(d, idx);
+      continue;
+    }
+    tw_metric_observe(d->m.tpot, (double)(t1 - t0) * 1e-9);
+    tw_metric_add(d->m.tokens, 1);
+    s->token = d->out[j];
+    s->pos++;
+    s->generated++;
+    bool stop = tw_dseq_stops(s, s->token);
+    bool len = s->generated >= s->max_tokens;
+    tw_send_tokens(d, s->id, &s->token, 1, stop || len,
+                   stop ? TWAIN__V1__FINISH_REASON__FINISH_STOP
+                        : len ? TWAIN__V1__FINISH_REASON__FINISH_LENGTH : 0,
+                   0, NULL);
+    if (stop || len) tw_dseq_release(d, idx);
+  }
+  return st;
+}
+
+static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p) {
+  memset(d, 0, sizeof *d);
+  d->p = p;
+  TW_CHECK(tw_model_load(p->model_dir, &d->model));
+  tw_engine_params_t ep = TW_ENGINE_PARAMS_DEFAULT;
+  ep.backend = p->backend;
+  ep.kv_block_size = p->block_size;
+  ep.kv_num_blocks = p->kv_blocks;
+  ep.max_batch = p->max_batch;
+  ep.n_threads = p->threads;
+  TW_CHECK(tw_engine_create(d->model, &ep, &d->engine));
+  const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
+  TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &d->blocks));
+  TW_CHECK(tw_kv_xfer_create(&d->xfer));
+  TW_CHECK(tw_kv_region_register(d->xfer, l, &d->region));
+  int32_t B = p->max_batch;
+  d->tok = malloc(sizeof(int32_t) * (size_t)B);
+  d->pos = malloc(sizeof(int32_t) * (size_t)B);
+  d->nb = malloc(sizeof(int32_t) * (size_t)B);
+  d->out = malloc(sizeof(int32_t) * (size_t)B);
+  d->tables = malloc(sizeof(int32_t *) * (size_t)B);
+  d->samp = malloc(sizeof(tw_sample_params_t) * (size_t)B);
+  d->batch = malloc(sizeof(tw_dseq_t *) * (size_t)B);
+  if (!d->tok || !d->pos || !d->nb || !d->out || !d->tables || !d->samp || !d->batch)
+    return tw_err(TW_ERR_NO_MEMORY, "decode: cannot allocate step scratch for %d sequences", B);
+  char name[64];
+  if (p->name) snprintf(name, sizeof name, "%s", p->name);
+  else snprintf(name, sizeof name, "decode-%d", (int)getpid());
+  TW_CHECK(tw_metrics_create(name, p->metrics_port, false, &d->metrics));
+  tw_metrics_t *M = d->metrics;
+  d->m.running = tw_metrics_gauge(M, "decode_running_sequences", "sequences in the decode batch");
+  d->m.reserved = tw_metrics_gauge(M, "decode_queue_depth", "reservations waiting for their kv");
+  d->m.blocks_used = tw_metrics_gauge(M, "kv_blocks_used", "kv blocks reserved or in use");
+  d->m.blocks_free = tw_metrics_gauge(M, "kv_blocks_free", "free kv blocks");
+  d->m.tpot = tw_metrics_histogram(M, "decode_tpot_seconds", "time per output token (one step)",
+                                   tw_metrics_latency_buckets, tw_metrics_latency_n);
+  d->m.tokens = tw_metrics_counter(M, "decode_tokens_total", "tokens generated");
+  d->m.steps = tw_metrics_counter(M, "decode_steps_total", "decode steps run");
+  d->m.kv_bytes = tw_metrics_counter(M, "kv_bytes_received_total", "kv bytes handed in");
+  d->m.sum_ok = tw_metrics_counter(M, "kv_checksum_ok_total", "layers whose kv checksum matched");
+  d->m.sum_bad = tw_metrics_counter(M, "kv_checksum_mismatch_total", "layers whose kv checksum differed");
+  d->m.rejected = tw_metrics_counter(M, "decode_reservations_refused_total", "reservations refused");
+  TW_CHECK(tw_worker_link_open(&d->link, p->router, name, TWAIN__INTERNAL__V1__POOL__POOL_DECODE));
+  d->link.kv_block_size = l->block_size;
+  d->link.n_layers = l->n_layers;
+  d->link.vocab_size = d->model->config.vocab_size;
+  snprintf(d->link.backend, sizeof d->link.backend, "%s",
+           tw_backend_name(tw_engine_backend(d->engine)));
+  TW_INFO("decode", "%s: %s backend, %d kv blocks of %d tokens, max batch %d, router %s", name,
+          d->link.backend, l->n_blocks, l->block_size, p->max_batch, p->router);
+  return TW_OK;
+}
+
+static void tw_decoder_fini(tw_decoder_t *d) {
+  while (d->n_seqs) tw_dseq_release(d, d->n_seqs - 1);
+  free(d->seqs);
+  if (d->link.sock) tw_worker_link_close(&d->link);
+  tw_metrics_destroy(d->metrics);
+  tw_kv_region_unregister(d->region);
+  tw_kv_xfer_destroy(d->xfer);
+  tw_kv_blocks_destroy(d->blocks);
+  tw_engine_destroy(d->engine);
+  tw_model_destroy(d->model);
+  free(d->tok);
+  free(d->pos);
+  free(d->nb);
+  free(d->out);
+  free(d->tables);
+  free(d->samp);
+  free(d->batch);
+}
+
+tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
+  tw_worker_signals_install();
+  tw_decoder_t d;
+  tw_status_t st = tw_decoder_init(&d, p);
+  if (st != TW_OK) {
+    tw_decoder_fini(&d);
+    return st;
+  }
+  int64_t drain_since = 0;
+  Twain__Internal__V1__Capacity cap;
+  for (;;) {
+    if (tw_worker_stop_g && !d.draining) {
+      d.draining = true;
+      drain_since = tw_msg_clock_ns();
+      tw_metrics_set_health(d.metrics, false, "draining");
+      TW_INFO("decode", "draining: %d sequences to finish", d.n_seqs);
+    }
+    if (d.draining && (d.n_seqs == 0 || tw_msg_clock_ns() - drain_since > 30000000000LL)) break;
+    bool busy = false, reserved = false;
+    for (int32_t i = 0; i < d.n_seqs; i++) {
+      busy |= d.seqs[i]->state == TW_DSEQ_RUNNING;
+      reserved |= d.seqs[i]->state == TW_DSEQ_RESERVED;
+    }
+    /* UCX wire-up with prefill workers needs our progress; while a handoff is
+     * pending, poll in short slices */
+    tw_kv_xfer_progress(d.xfer);
+    int wait_ms = busy ? 0 : reserved ? 1 : 20;
+    /* take every message that is waiting, then step */
+    for (int k = 0; k < 1024; k++) {
+      Twain__Internal__V1__Envelope *env = NULL;
+      tw_status_t rs = tw_worker_link_recv(&d.link, k == 0 ? wait_ms : 0, &env);
+      if (rs == TW_INPROGRESS && k > 0) break;
+      if (rs == TW_INPROGRESS) break;
+      if (rs != TW_OK) continue;
+      switch (env->body_case) {
+        case TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVE: tw_on_reserve(&d, env->reserve); break;
+        case TWAIN__INTERNAL__V1__ENVELOPE__BODY_DECODE: tw_on_decode(&d, env->decode); break;
+        case TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL: tw_on_cancel(&d, env->cancel->request_id); break;
+        default:
+          TW_WARN("decode", "ignoring a message of type %d from the router", (int)env->body_case);
+          tw_worker_link_reject(&d.link, 0, TWAIN__V1__CODE__UNIMPLEMENTED,
+                                "decode worker: unexpected message type");
+      }
+      twain__internal__v1__envelope__free_unpacked(env, NULL);
+    }
+    /* reservations whose handoff never came (router lost them) */
+    int64_t now = tw_msg_clock_ns();
+    for (int32_t i = d.n_seqs - 1; i >= 0; i--)
+      if (d.seqs[i]->state == TW_DSEQ_RESERVED &&
+          now - d.seqs[i]->t_ns > (int64_t)p->reserve_timeout_ms * 1000000) {
+        TW_WARN("decode", "request %llu: reservation expired", (unsigned long long)d.seqs[i]->id);
+        tw_dseq_release(&d, i);
+      }
+    tw_decoder_step(&d);
+    tw_decoder_capacity(&d, &cap);
+    tw_worker_link_tick(&d.link, &cap, d.draining, false);
+  }
+  tw_decoder_capacity(&d, &cap);
+  tw_worker_link_tick(&d.link, &cap, true, true);
+  TW_INFO("decode", "stopped: %d kv blocks in use", tw_kv_blocks_used_count(d.blocks));
+  tw_decoder_fini(&d);
+  return TW_OK;
+}

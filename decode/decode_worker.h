@@ -1,0 +1,41 @@
+/* decode_worker.h: the decode worker daemon (ARCHITECTURE.md item 3).
+ * It registers with the router with its KV capacity, reserves blocks for each
+ * handoff (publishing its UCX address, the rkey of its registered KV pool and
+ * the pool layout), admits sequences whose KV the prefill worker has written
+ * into a continuously batched decode loop, streams tokens to the router, and
+ * frees a sequence's blocks on finish, cancel or failure. */
+#ifndef TW_DECODE_DECODE_WORKER_H
+#define TW_DECODE_DECODE_WORKER_H
+
+#include "common/engine.h"
+#include "common/status.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+typedef struct {
+  const char *model_dir;
+  const char *router;       /* worker endpoint of the router */
+  const char *name;         /* NULL: decode-<pid> */
+  tw_backend_kind_t backend;
+  int32_t kv_blocks;        /* KV pool size in blocks */
+  int32_t block_size;
+  int32_t max_batch;
+  int32_t threads;          /* cpu threads; 0 = all cores */
+  int metrics_port;         /* -1: none, 0: ephemeral */
+  bool verify_kv;           /* check per-layer checksums of received KV */
+  int32_t reserve_timeout_ms; /* free a reservation never started after this */
+} tw_decode_params_t;
+
+#define TW_DECODE_PARAMS_DEFAULT                                                        \
+  ((tw_decode_params_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 2048, .block_size = 16, \
+                        .max_batch = 64, .threads = 0, .metrics_port = 0,               \
+                        .verify_kv = false, .reserve_timeout_ms = 60000})
+
+/** Run the daemon until SIGTERM/SIGINT, then drain (finish the running
+ *  sequences, refuse new ones) and return.
+ *  Errors: whatever loading the model, creating the engine, the UCX
+ *  transfer or the router connection returned. */
+tw_status_t tw_decode_worker_run(const tw_decode_params_t *params);
+
+#endif

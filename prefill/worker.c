@@ -1,0 +1,354 @@
+/* worker.c: the prefill worker daemon (see worker.h). One thread for the work
+ * (the heartbeat has its own, msg_worker.h), a FIFO of requests; cancels and
+ * new requests are read between prompts. */
+#include "prefill/worker.h"
+
+#include "common/engine.h"
+#include "common/kv_blocks.h"
+#include "common/kv_transfer.h"
+#include "common/log.h"
+#include "common/metrics.h"
+#include "common/model.h"
+#include "common/msg_worker.h"
+#include "proto/twain_api.pb-c.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define TW_PREFILL_MAX_QUEUE 4096
+
+typedef struct {
+  const char *model_dir, *router, *name;
+  tw_backend_kind_t backend;
+  int32_t kv_blocks, block_size, threads;
+  int metrics_port;
+  int flush_timeout_ms;
+} tw_prefill_opts_t;
+
+typedef struct {
+  tw_prefill_opts_t o;
+  tw_model_t *model;
+  tw_engine_t *engine;
+  tw_kv_blocks_t *blocks;
+  tw_kv_xfer_t *xfer;
+  tw_worker_link_t link;
+  tw_metrics_t *metrics;
+  Twain__Internal__V1__Envelope *queue[TW_PREFILL_MAX_QUEUE]; /* ring of PrefillRequests */
+  int q_head, q_len;
+  int64_t queued_tokens;
+  bool draining;
+  struct {
+    tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
+  } m;
+} tw_prefiller_t;
+
+int tw_prefill_worker_wanted(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (!strcmp(argv[i], "--router")) return 1;
+  return 0;
+}
+
+static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const uint64_t *sums,
+                            size_t n_sums, int64_t bytes, double prefill_ms, double transfer_ms,
+                            int code, const char *msg) {
+  Twain__Internal__V1__PrefillDone d = TWAIN__INTERNAL__V1__PREFILL_DONE__INIT;
+  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
+  d.request_id = id;
+  d.first_token = first;
+  d.layer_checksums = (uint64_t *)sums;
+  d.n_layer_checksums = n_sums;
+  d.kv_bytes = bytes;
+  d.prefill_ms = prefill_ms;
+  d.transfer_ms = transfer_ms;
+  if (code) {
+    s.code = code;
+    s.message = (char *)msg;
+    d.status = &s;
+    tw_metric_add(w->m.failed, 1);
+  }
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL_DONE;
+  env.prefill_done = &d;
+  if (tw_worker_link_send(&w->link, &env) != TW_OK)
+    TW_WARN("prefill", "request %llu: cannot answer the router: %s", (unsigned long long)id,
+            tw_last_error());
+}
+
+static int tw_code_of(tw_status_t st) {
+  switch (st) {
+    case TW_ERR_INVALID_ARGUMENT: case TW_ERR_OUT_OF_RANGE: case TW_ERR_FORMAT:
+      return TWAIN__V1__CODE__INVALID_ARGUMENT;
+    case TW_ERR_EXHAUSTED: case TW_ERR_NO_MEMORY: return TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
+    case TW_ERR_UNAVAILABLE: case TW_ERR_TRANSPORT: case TW_ERR_DEADLINE:
+      return TWAIN__V1__CODE__UNAVAILABLE;
+    case TW_ERR_UNSUPPORTED: return TWAIN__V1__CODE__UNIMPLEMENTED;
+    default: return TWAIN__V1__CODE__INTERNAL;
+  }
+}
+
+/* Run one prompt and hand its KV over. */
+static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r) {
+  const tw_model_config_t *c = &w->model->config;
+  const tw_kv_layout_t *src = tw_engine_kv_layout(w->engine);
+  const Twain__Internal__V1__KvHandoff *h = r->handoff;
+  int32_t n = (int32_t)r->n_prompt_ids;
+  char msg[256];
+  if (!h || !h->layout || n <= 0) {
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                    "prefill request without prompt or kv handoff");
+    return;
+  }
+  int32_t nb = tw_kv_blocks_needed(w->blocks, n);
+  if ((int32_t)h->n_block_ids < nb) {
+    snprintf(msg, sizeof msg, "handoff has %zu blocks, the prompt of %d tokens needs %d",
+             h->n_block_ids, n, nb);
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return;
+  }
+  int32_t *ids = malloc(sizeof(int32_t) * (size_t)nb);
+  uint64_t *sums = calloc((size_t)c->n_layers, sizeof(uint64_t));
+  if (!ids || !sums) {
+    free(ids);
+    free(sums);
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
+                    "prefill worker out of host memory");
+    return;
+  }
+  tw_status_t st = tw_kv_blocks_alloc(w->blocks, nb, ids);
+  if (st != TW_OK) {
+    free(ids);
+    free(sums);
+    snprintf(msg, sizeof msg, "prompt of %d tokens needs %d kv blocks, prefill pool has %d", n, nb,
+             tw_kv_blocks_total(w->blocks));
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return;
+  }
+  tw_sample_params_t sp = TW_SAMPLE_PARAMS_GREEDY;
+  if (r->sampling) {
+    sp.temperature = r->sampling->temperature;
+    sp.top_k = r->sampling->top_k;
+    sp.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
+    sp.seed = r->sampling->seed;
+  }
+  int32_t first = -1;
+  int64_t t0 = tw_msg_clock_ns();
+  tw_prefill_args_t a = {.tokens = r->prompt_ids, .n_tokens = n, .start_pos = 0,
+                         .block_table = ids, .n_blocks = nb, .sample = &sp,
+                         .next_token_out = &first};
+  st = tw_engine_prefill(w->engine, &a);
+  int64_t t1 = tw_msg_clock_ns();
+  int64_t bytes = 0;
+  if (st == TW_OK) {
+    tw_kv_remote_layout_t rl = {.dtype = (tw_dtype_t)h->layout->dtype,
+                                .on_device = h->layout->on_device,
+                                .n_layers = h->layout->n_layers,
+                                .n_blocks = h->layout->n_blocks,
+                                .block_size = h->layout->block_size,
+                                .n_kv_heads = h->layout->n_kv_heads,
+                                .head_dim = h->layout->head_dim,
+                                .layer_stride_bytes = h->layout->layer_stride_bytes,
+                                .block_bytes = h->layout->block_bytes,
+                                .remote_base = h->layout->remote_base,
+                                .total_bytes = h->layout->total_bytes};
+    tw_kv_peer_t *peer = NULL;
+    st = tw_kv_xfer_peer(w->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
+                         h->rkey.len, &peer);
+    for (int32_t l = 0; st == TW_OK && l < c->n_layers; l++) {
+      int32_t f = tw_kv_layer_first_block(n, src->block_size, c->layer_types[l] == TW_LAYER_SLIDING,
+                                          c->sliding_window);
+      st = tw_kv_xfer_send_layer(w->xfer, peer, src, &rl, l, ids, h->block_ids, f, nb, &sums[l]);
+      bytes += (int64_t)(nb - f) * src->block_bytes;
+    }
+    if (st == TW_OK) st = tw_kv_xfer_flush(w->xfer, peer, w->o.flush_timeout_ms);
+  }
+  int64_t t2 = tw_msg_clock_ns();
+  tw_kv_blocks_free(w->blocks, nb, ids);
+  double pms = (double)(t1 - t0) * 1e-6, xms = (double)(t2 - t1) * 1e-6;
+  if (st != TW_OK) {
+    snprintf(msg, sizeof msg, "%s", tw_last_error());
+    TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_code_of(st), msg);
+  } else {
+    tw_metric_observe(w->m.prefill, pms * 1e-3);
+    tw_metric_observe(w->m.transfer, xms * 1e-3);
+    tw_metric_add(w->m.kv_bytes, (double)bytes);
+    tw_metric_add(w->m.requests, 1);
+    TW_DEBUG("prefill", "request %llu: %d tokens in %.2f ms, %lld kv bytes to %s in %.2f ms",
+             (unsigned long long)r->request_id, n, pms, (long long)bytes, h->decode_worker, xms);
+    tw_prefill_done(w, r->request_id, first, sums, (size_t)c->n_layers, bytes, pms, xms, 0, NULL);
+  }
+  free(ids);
+  free(sums);
+}
+
+static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity *cap) {
+  twain__internal__v1__capacity__init(cap);
+  cap->queued_prompt_tokens = w->queued_tokens;
+  cap->queued = w->q_len;
+  cap->free_kv_blocks = tw_kv_blocks_free_count(w->blocks);
+  cap->total_kv_blocks = tw_kv_blocks_total(w->blocks);
+  tw_metric_set(w->m.queue, w->q_len);
+  tw_metric_set(w->m.queued_tokens, (double)w->queued_tokens);
+}
+
+static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *env) {
+  if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL) {
+    if (w->draining || w->q_len == TW_PREFILL_MAX_QUEUE) {
+      tw_prefill_done(w, env->prefill->request_id, -1, NULL, 0, 0, 0, 0,
+                      w->draining ? TWAIN__V1__CODE__UNAVAILABLE : TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
+                      w->draining ? "prefill worker is draining" : "prefill queue is full");
+      twain__internal__v1__envelope__free_unpacked(env, NULL);
+      return;
+    }
+    w->queue[(w->q_head + w->q_len++) % TW_PREFILL_MAX_QUEUE] = env;
+    w->queued_tokens += (int64_t)env->prefill->n_prompt_ids;
+    return;
+  }
+  if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL) {
+    for (int i = 0; i < w->q_len; i++) {
+      Twain__Internal__V1__Envelope **e = &w->queue[(w->q_head + i) % TW_PREFILL_MAX_QUEUE];
+      if (*e && (*e)->prefill->request_id == env->cancel->request_id) {
+        w->queued_tokens -= (int64_t)(*e)->prefill->n_prompt_ids;
+        twain__internal__v1__envelope__free_unpacked(*e, NULL);
+        *e = NULL; /* skipped when it reaches the head */
+      }
+    }
+  } else {
+    TW_WARN("prefill", "ignoring a message of type %d from the router", (int)env->body_case);
+    tw_worker_link_reject(&w->link, 0, TWAIN__V1__CODE__UNIMPLEMENTED,
+                          "prefill worker: unexpected message type");
+  }
+  twain__internal__v1__envelope__free_unpacked(env, NULL);
+}
+
+static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
+  TW_CHECK(tw_model_load(w->o.model_dir, &w->model));
+  tw_engine_params_t ep = TW_ENGINE_PARAMS_DEFAULT;
+  ep.backend = w->o.backend;
+  ep.kv_block_size = w->o.block_size;
+  ep.kv_num_blocks = w->o.kv_blocks;
+  ep.max_batch = 1;
+  ep.n_threads = w->o.threads;
+  TW_CHECK(tw_engine_create(w->model, &ep, &w->engine));
+  const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
+  TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
+  TW_CHECK(tw_kv_xfer_create(&w->xfer));
+  char name[64];
+  if (w->o.name) snprintf(name, sizeof name, "%s", w->o.name);
+  else snprintf(name, sizeof name, "prefill-%d", (int)getpid());
+  TW_CHECK(tw_metrics_create(name, w->o.metrics_port, false, &w->metrics));
+  tw_metrics_t *M = w->metrics;
+  w->m.queue = tw_metrics_gauge(M, "prefill_queue_depth", "prompts waiting");
+  w->m.queued_tokens = tw_metrics_gauge(M, "prefill_queued_prompt_tokens", "prompt tokens waiting");
+  w->m.prefill = tw_metrics_histogram(M, "prefill_seconds", "engine prefill time per prompt",
+                                      tw_metrics_latency_buckets, tw_metrics_latency_n);
+  w->m.transfer = tw_metrics_histogram(M, "kv_transfer_seconds", "kv puts + flush per prompt",
+                                       tw_metrics_latency_buckets, tw_metrics_latency_n);
+  w->m.kv_bytes = tw_metrics_counter(M, "kv_bytes_sent_total", "kv bytes put to decode workers");
+  w->m.requests = tw_metrics_counter(M, "prefill_requests_total", "prompts prefilled and handed off");
+  w->m.failed = tw_metrics_counter(M, "prefill_failures_total", "prompts that failed");
+  TW_CHECK(tw_worker_link_open(&w->link, w->o.router, name, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
+  w->link.kv_block_size = l->block_size;
+  w->link.n_layers = l->n_layers;
+  w->link.vocab_size = w->model->config.vocab_size;
+  snprintf(w->link.backend, sizeof w->link.backend, "%s",
+           tw_backend_name(tw_engine_backend(w->engine)));
+  TW_INFO("prefill", "%s: %s backend, local pool %d blocks of %d tokens, router %s", name,
+          w->link.backend, l->n_blocks, l->block_size, w->o.router);
+  return TW_OK;
+}
+
+static void tw_prefiller_fini(tw_prefiller_t *w) {
+  for (int i = 0; i < w->q_len; i++) {
+    Twain__Internal__V1__Envelope *e = w->queue[(w->q_head + i) % TW_PREFILL_MAX_QUEUE];
+    if (e) twain__internal__v1__envelope__free_unpacked(e, NULL);
+  }
+  if (w->link.sock) tw_worker_link_close(&w->link);
+  tw_metrics_destroy(w->metrics);
+  tw_kv_xfer_destroy(w->xfer);
+  tw_kv_blocks_destroy(w->blocks);
+  tw_engine_destroy(w->engine);
+  tw_model_destroy(w->model);
+}
+
+static void tw_prefill_usage(void) {
+  fprintf(stderr,
+          "usage: twain-prefill --router tcp://HOST:PORT --model DIR [--name NAME]\n"
+          "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
+          "         [--metrics-port P (-1 off, 0 ephemeral)]\n");
+}
+
+int tw_prefill_worker_main(int argc, char **argv) {
+  static tw_prefiller_t w; /* large queue array: not on the stack */
+  memset(&w, 0, sizeof w);
+  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,
+                            .metrics_port = 0, .flush_timeout_ms = 10000};
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!v) {
+      fprintf(stderr, "twain-prefill: %s needs a value\n", a);
+      tw_prefill_usage();
+      return 2;
+    }
+    i++;
+    if (!strcmp(a, "--router")) w.o.router = v;
+    else if (!strcmp(a, "--model")) w.o.model_dir = v;
+    else if (!strcmp(a, "--name")) w.o.name = v;
+    else if (!strcmp(a, "--backend")) {
+      if (tw_backend_parse(v, &w.o.backend) != TW_OK) return 2;
+    } else if (!strcmp(a, "--kv-blocks")) w.o.kv_blocks = atoi(v);
+    else if (!strcmp(a, "--block-size")) w.o.block_size = atoi(v);
+    else if (!strcmp(a, "--threads")) w.o.threads = atoi(v);
+    else if (!strcmp(a, "--metrics-port")) w.o.metrics_port = atoi(v);
+    else {
+      fprintf(stderr, "twain-prefill: unknown option %s in daemon mode\n", a);
+      tw_prefill_usage();
+      return 2;
+    }
+  }
+  if (!w.o.router || !w.o.model_dir) {
+    tw_prefill_usage();
+    return 2;
+  }
+  tw_worker_signals_install();
+  if (tw_prefiller_init(&w) != TW_OK) {
+    tw_prefiller_fini(&w);
+    return 1;
+  }
+  Twain__Internal__V1__Capacity cap;
+  for (;;) {
+    if (tw_worker_stop_g && !w.draining) {
+      w.draining = true;
+      tw_metrics_set_health(w.metrics, false, "draining");
+      TW_INFO("prefill", "draining: refusing %d queued prompts", w.q_len);
+    }
+    for (int k = 0; k < 1024; k++) {
+      Twain__Internal__V1__Envelope *env = NULL;
+      tw_status_t rs = tw_worker_link_recv(&w.link, k == 0 && w.q_len == 0 ? 20 : 0, &env);
+      if (rs == TW_INPROGRESS) break;
+      if (rs == TW_OK) tw_prefill_on_msg(&w, env);
+    }
+    if (w.q_len) {
+      Twain__Internal__V1__Envelope *e = w.queue[w.q_head];
+      w.q_head = (w.q_head + 1) % TW_PREFILL_MAX_QUEUE;
+      w.q_len--;
+      if (e) {
+        w.queued_tokens -= (int64_t)e->prefill->n_prompt_ids;
+        if (w.draining)
+          tw_prefill_done(&w, e->prefill->request_id, -1, NULL, 0, 0, 0, 0,
+                          TWAIN__V1__CODE__UNAVAILABLE, "prefill worker is draining");
+        else
+          tw_prefill_one(&w, e->prefill);
+        twain__internal__v1__envelope__free_unpacked(e, NULL);
+      }
+    }
+    tw_prefill_capacity(&w, &cap);
+    tw_worker_link_tick(&w.link, &cap, w.draining, false);
+    if (w.draining && w.q_len == 0) break;
+  }
+  TW_INFO("prefill", "stopped");
+  tw_prefiller_fini(&w);
+  return 0;
+}

@@ -1,0 +1,17 @@
+/* cli.h: the service subcommands of the `twain` program (router/twain_main.c
+ * dispatches to them with argv starting at the subcommand name):
+ *   twain serve    [--model DIR] [--listen EP] [--prefill N] [--decode M] [--backend B] ...
+ *   twain chat     [--endpoint EP] [--reasoning low|medium|high] [--date YYYY-MM-DD]
+ *                  [--show-analysis] [--json] "text"
+ *   twain generate [--endpoint EP] [--max-tokens N] [--stop-ids A,B] [--json] ID...
+ *   twain router   (the router daemon alone, as twain-router)
+ * Each returns the process exit code (0 ok, 1 failed, 2 bad usage). */
+#ifndef TW_ROUTER_CLI_H
+#define TW_ROUTER_CLI_H
+
+int tw_cli_serve(int argc, char **argv);
+int tw_cli_chat(int argc, char **argv);
+int tw_cli_generate(int argc, char **argv);
+int tw_cli_router(int argc, char **argv);
+
+#endif

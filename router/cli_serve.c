@@ -1,0 +1,305 @@
+/* cli_serve.c: `twain serve`: the router (in this process, on its own thread)
+ * plus N prefill and M decode worker processes on this machine. Prints a line
+ * containing "ready" once every worker has registered; on SIGINT/SIGTERM it
+ * drains the router (running requests finish, new ones are refused), then
+ * sends SIGTERM to every worker, waits for them (SIGKILL after 15 s) and
+ * exits 0. Worker binaries are found next to this one or in the build tree. */
+#include "router/cli.h"
+
+#include "common/engine.h"
+#include "common/log.h"
+#include "router/router.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifndef TW_DEFAULT_MODEL_DIR
+#define TW_DEFAULT_MODEL_DIR "tests/fixtures/tiny-gptoss-wordnet-mxfp4"
+#endif
+#ifndef TW_BUILD_DIR
+#define TW_BUILD_DIR "build"
+#endif
+
+#define TW_SERVE_MAX_WORKERS 64
+
+static volatile sig_atomic_t tw_serve_signal_g = 0;
+static void tw_serve_on_signal(int sig) { tw_serve_signal_g = sig; }
+
+typedef struct {
+  tw_router_params_t rp;
+  volatile sig_atomic_t router_stop;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int bound;      /* 1 bound, -1 failed */
+  int ready;
+  char worker_ep[256], client_ep[256];
+  tw_status_t router_status;
+} tw_serve_t;
+
+static void tw_serve_bound(void *arg, const char *cep, const char *wep) {
+  tw_serve_t *s = arg;
+  pthread_mutex_lock(&s->mu);
+  snprintf(s->client_ep, sizeof s->client_ep, "%s", cep);
+  snprintf(s->worker_ep, sizeof s->worker_ep, "%s", wep);
+  s->bound = 1;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+static void tw_serve_ready(void *arg) {
+  tw_serve_t *s = arg;
+  printf("twain serve: ready: %d prefill + %d decode workers, clients at %s\n",
+         s->rp.expect_prefill, s->rp.expect_decode, s->client_ep);
+  fflush(stdout);
+  pthread_mutex_lock(&s->mu);
+  s->ready = 1;
+  pthread_mutex_unlock(&s->mu);
+}
+
+static void *tw_serve_router_thread(void *arg) {
+  tw_serve_t *s = arg;
+  s->router_status = tw_router_run(&s->rp, &s->router_stop);
+  pthread_mutex_lock(&s->mu);
+  if (!s->bound) s->bound = -1;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+/* Find a sibling program: next to this executable, in ../<dir>/, or in the
+ * build tree this binary was configured in. */
+static int tw_find_program(const char *dir, const char *name, char *out, size_t len) {
+  char self[PATH_MAX / 2];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    char *slash = strrchr(self, '/');
+    if (slash) *slash = '\0';
+    snprintf(out, len, "%s/%s", self, name);
+    if (access(out, X_OK) == 0) return 0;
+    snprintf(out, len, "%s/../%s/%s", self, dir, name);
+    if (access(out, X_OK) == 0) return 0;
+  }
+  snprintf(out, len, "%s/%s/%s", TW_BUILD_DIR, dir, name);
+  return access(out, X_OK) == 0 ? 0 : -1;
+}
+
+static pid_t tw_spawn(char *const argv[]) {
+  pid_t pid = fork();
+  if (pid == 0) {
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    setpgid(0, 0); /* Ctrl-C reaches serve only; serve stops the workers in order */
+    execv(argv[0], argv);
+    fprintf(stderr, "twain serve: cannot run %s: %s\n", argv[0], strerror(errno));
+    _exit(127);
+  }
+  return pid;
+}
+
+static void tw_serve_usage(void) {
+  fprintf(stderr,
+          "usage: twain serve [--model DIR] [--listen tcp://HOST:PORT] [--prefill N] [--decode M]\n"
+          "         [--backend auto|cpu|cuda] [--threads T (per worker)] [--kv-blocks N]\n"
+          "         [--metrics-port P] [--max-tokens-limit N] [--verify-kv]\n"
+          "  defaults: model %s, --listen %s, 1 prefill + 1 decode\n",
+          TW_DEFAULT_MODEL_DIR, TW_ROUTER_CLIENT_ENDPOINT);
+}
+
+int tw_cli_serve(int argc, char **argv) {
+  static tw_serve_t s; /* shared with the router thread */
+  memset(&s, 0, sizeof s);
+  s.rp = TW_ROUTER_PARAMS_DEFAULT;
+  s.rp.model_dir = TW_DEFAULT_MODEL_DIR;
+  s.rp.worker_endpoint = "tcp://127.0.0.1:0";
+  s.rp.on_bound = tw_serve_bound;
+  s.rp.on_bound_arg = &s;
+  s.rp.on_ready = tw_serve_ready;
+  s.rp.on_ready_arg = &s;
+  int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
+  const char *backend = "auto", *kv_blocks = NULL;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      tw_serve_usage();
+      return 0;
+    }
+    if (!strcmp(a, "--verify-kv")) {
+      verify = 1;
+      continue;
+    }
+    if (!v) {
+      fprintf(stderr, "twain serve: %s needs a value\n", a);
+      return 2;
+    }
+    i++;
+    if (!strcmp(a, "--model")) s.rp.model_dir = v;
+    else if (!strcmp(a, "--listen")) s.rp.client_endpoint = v;
+    else if (!strcmp(a, "--prefill")) n_prefill = atoi(v);
+    else if (!strcmp(a, "--decode")) n_decode = atoi(v);
+    else if (!strcmp(a, "--backend")) backend = v;
+    else if (!strcmp(a, "--threads")) threads = atoi(v);
+    else if (!strcmp(a, "--kv-blocks")) kv_blocks = v;
+    else if (!strcmp(a, "--metrics-port")) s.rp.metrics_port = atoi(v);
+    else if (!strcmp(a, "--max-tokens-limit")) s.rp.max_tokens_limit = atoi(v);
+    else {
+      fprintf(stderr, "twain serve: unknown option %s\n", a);
+      tw_serve_usage();
+      return 2;
+    }
+  }
+  tw_backend_kind_t bk;
+  if (tw_backend_parse(backend, &bk) != TW_OK) {
+    fprintf(stderr, "twain serve: %s\n", tw_last_error());
+    return 2;
+  }
+  if (n_prefill < 1 || n_decode < 1 || n_prefill + n_decode > TW_SERVE_MAX_WORKERS) {
+    fprintf(stderr, "twain serve: need 1..%d workers, at least one of each pool\n", TW_SERVE_MAX_WORKERS);
+    return 2;
+  }
+  if (threads < 0) { /* share the cores between the workers */
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    threads = (int)(cores / (n_prefill + n_decode));
+    if (threads < 1) threads = 1;
+  }
+  char prefill_bin[PATH_MAX], decode_bin[PATH_MAX];
+  if (tw_find_program("prefill", "twain-prefill", prefill_bin, sizeof prefill_bin) ||
+      tw_find_program("decode", "twain-decode", decode_bin, sizeof decode_bin)) {
+    fprintf(stderr, "twain serve: cannot find twain-prefill and twain-decode next to this program\n");
+    return 1;
+  }
+  s.rp.expect_prefill = n_prefill;
+  s.rp.expect_decode = n_decode;
+  pthread_mutex_init(&s.mu, NULL);
+  pthread_cond_init(&s.cv, NULL);
+  /* signals: only this thread takes them */
+  sigset_t block, old;
+  sigemptyset(&block);
+  sigaddset(&block, SIGINT);
+  sigaddset(&block, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &block, &old);
+  pthread_t th;
+  if (pthread_create(&th, NULL, tw_serve_router_thread, &s) != 0) {
+    fprintf(stderr, "twain serve: cannot start the router thread\n");
+    return 1;
+  }
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = tw_serve_on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGINT, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  pthread_mutex_lock(&s.mu);
+  while (!s.bound) pthread_cond_wait(&s.cv, &s.mu);
+  pthread_mutex_unlock(&s.mu);
+  if (s.bound < 0) {
+    pthread_join(th, NULL);
+    fprintf(stderr, "twain serve: router failed: %s\n", tw_status_str(s.router_status));
+    return 1;
+  }
+  pid_t pids[TW_SERVE_MAX_WORKERS];
+  int n = 0;
+  char tbuf[16];
+  snprintf(tbuf, sizeof tbuf, "%d", threads);
+  for (int k = 0; k < n_prefill + n_decode; k++) {
+    bool pre = k < n_prefill;
+    char name[64];
+    snprintf(name, sizeof name, "%s-%d-%d", pre ? "prefill" : "decode", pre ? k : k - n_prefill, (int)getpid());
+    char *av[24];
+    int c = 0;
+    av[c++] = pre ? prefill_bin : decode_bin;
+    av[c++] = "--router";
+    av[c++] = s.worker_ep;
+    av[c++] = "--model";
+    av[c++] = (char *)s.rp.model_dir;
+    av[c++] = "--name";
+    av[c++] = name;
+    av[c++] = "--backend";
+    av[c++] = (char *)backend;
+    av[c++] = "--threads";
+    av[c++] = tbuf;
+    if (!pre && kv_blocks) {
+      av[c++] = "--kv-blocks";
+      av[c++] = (char *)kv_blocks;
+    }
+    if (!pre && verify) av[c++] = "--verify-kv";
+    av[c] = NULL;
+    pids[n] = tw_spawn(av);
+    if (pids[n] > 0) n++;
+  }
+  TW_INFO("serve", "started %d workers (%d threads each), waiting for them to register", n, threads);
+  int rc = 0;
+  for (;;) { /* watch the children until a signal */
+    if (tw_serve_signal_g) break;
+    int status;
+    pid_t dead = waitpid(-1, &status, WNOHANG);
+    if (dead > 0) {
+      for (int k = 0; k < n; k++)
+        if (pids[k] == dead) {
+          TW_WARN("serve", "worker pid %d exited (%s %d)", (int)dead,
+                  WIFEXITED(status) ? "status" : "signal",
+                  WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+          pids[k] = 0;
+        }
+      int alive = 0;
+      for (int k = 0; k < n; k++) alive += pids[k] > 0;
+      if (!alive) {
+        fprintf(stderr, "twain serve: every worker exited; stopping\n");
+        rc = 1;
+        break;
+      }
+    }
+    pthread_mutex_lock(&s.mu);
+    int router_gone = s.bound < 0;
+    pthread_mutex_unlock(&s.mu);
+    if (router_gone) break;
+    struct timespec ts = {0, 50 * 1000000};
+    nanosleep(&ts, NULL);
+  }
+  TW_INFO("serve", "stopping: draining the router, then the workers");
+  s.router_stop = 1;
+  pthread_join(th, NULL);
+  for (int k = 0; k < n; k++)
+    if (pids[k] > 0) kill(pids[k], SIGTERM);
+  struct timespec t0;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (;;) {
+    int alive = 0;
+    for (int k = 0; k < n; k++) {
+      if (pids[k] <= 0) continue;
+      if (waitpid(pids[k], NULL, WNOHANG) == pids[k]) pids[k] = 0;
+      else alive++;
+    }
+    if (!alive) break;
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    if (t.tv_sec - t0.tv_sec > 15) {
+      for (int k = 0; k < n; k++)
+        if (pids[k] > 0) {
+          TW_WARN("serve", "worker pid %d did not stop in 15 s: killing it", (int)pids[k]);
+          kill(pids[k], SIGKILL);
+          waitpid(pids[k], NULL, 0);
+          pids[k] = 0;
+        }
+      break;
+    }
+    struct timespec ts = {0, 20 * 1000000};
+    nanosleep(&ts, NULL);
+  }
+  printf("twain serve: stopped\n");
+  fflush(stdout);
+  return rc ? rc : s.router_status == TW_OK ? 0 : 1;
+}
+
+int tw_cli_router(int argc, char **argv) { return tw_router_main(argc, argv); }

@@ -1,0 +1,475 @@
+/* router.c: the router's loop, the client side (twain.v1) and the request
+ * lifecycle (see router.h). Requests are never freed where a handler can
+ * still hold them: finishing marks `done`, the loop top frees them. */
+#include "router/router_impl.h"
+
+#include "common/log.h"
+
+#include <zmq.h>
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int tw_code_of_status(tw_status_t st) {
+  switch (st) {
+    case TW_ERR_INVALID_ARGUMENT: case TW_ERR_FORMAT: case TW_ERR_OUT_OF_RANGE:
+      return TWAIN__V1__CODE__INVALID_ARGUMENT;
+    case TW_ERR_NOT_FOUND: return TWAIN__V1__CODE__NOT_FOUND;
+    case TW_ERR_UNSUPPORTED: return TWAIN__V1__CODE__UNIMPLEMENTED;
+    case TW_ERR_EXHAUSTED: case TW_ERR_NO_MEMORY: return TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
+    case TW_ERR_UNAVAILABLE: return TWAIN__V1__CODE__UNAVAILABLE;
+    default: return TWAIN__V1__CODE__INTERNAL;
+  }
+}
+
+tw_req_t *tw_router_find_req(tw_router_t *r, uint64_t id) {
+  for (int32_t i = 0; i < r->n_reqs; i++)
+    if (r->reqs[i]->id == id && !r->reqs[i]->done) return r->reqs[i];
+  return NULL;
+}
+
+static void tw_req_free(tw_req_t *q) {
+  if (!q) return;
+  tw_rchat_free(q);
+  free(q->prompt);
+  free(q->out);
+  free(q->token_ms);
+  free(q);
+}
+
+/* Reply to a client that has no request object (bad input). */
+static void tw_reply_raw(tw_router_t *r, const tw_msg_t *from, uint64_t rid, int code,
+                         const char *msg) {
+  Twain__V1__ServerReply rep = TWAIN__V1__SERVER_REPLY__INIT;
+  Twain__V1__Error e = TWAIN__V1__ERROR__INIT;
+  rep.request_id = rid;
+  rep.done = true;
+  if (code) {
+    e.code = code;
+    e.message = (char *)msg;
+    rep.error = &e;
+    rep.finish_reason = TWAIN__V1__FINISH_REASON__FINISH_ERROR;
+    tw_metric_add(r->m.errors, 1);
+  }
+  tw_msg_send(r->csock, from, &rep.base);
+}
+
+void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
+  rep->request_id = q->client_rid;
+  tw_status_t st = tw_msg_send_to(r->csock, q->cid, q->cid_len, q->cdelim, &rep->base);
+  if (st != TW_OK && !q->done) {
+    TW_INFO("router", "request %llu: client gone (%s): cancelling", (unsigned long long)q->id,
+            tw_last_error());
+    tw_router_cancel_workers(r, q);
+    q->done = true;
+  }
+}
+
+void tw_router_cancel_workers(tw_router_t *r, tw_req_t *q) {
+  Twain__Internal__V1__Cancel c = TWAIN__INTERNAL__V1__CANCEL__INIT;
+  c.request_id = q->id;
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL;
+  env.cancel = &c;
+  tw_rworker_t *d = q->dw ? tw_router_worker(r, q->dw) : NULL;
+  tw_rworker_t *p = q->state == TW_REQ_PREFILLING && q->pw ? tw_router_worker(r, q->pw) : NULL;
+  if (d && q->state != TW_REQ_QUEUED) tw_router_send_worker(r, d, &env);
+  if (p) tw_router_send_worker(r, p, &env);
+}
+
+static void tw_fill_timings(tw_req_t *q, int64_t now, Twain__V1__Timings *t, Twain__V1__Usage *u) {
+  u->prompt_tokens = q->n_prompt;
+  u->completion_tokens = q->n_out;
+  t->ttft_ms = q->t_first_ns ? (double)(q->t_first_ns - q->t_arrival_ns) * 1e-6 : 0;
+  t->total_ms = (double)(now - q->t_arrival_ns) * 1e-6;
+  t->mean_tpot_ms = q->n_out > 1 ? (double)(q->t_last_ns - q->t_first_ns) * 1e-6 / (q->n_out - 1) : 0;
+  t->n_token_ms = (size_t)q->n_out;
+  t->token_ms = q->token_ms;
+}
+
+void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...) {
+  if (q->done) return;
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  TW_INFO("router", "request %llu failed: %s", (unsigned long long)q->id, msg);
+  tw_router_cancel_workers(r, q);
+  Twain__V1__ServerReply rep = TWAIN__V1__SERVER_REPLY__INIT;
+  Twain__V1__Error e = TWAIN__V1__ERROR__INIT;
+  Twain__V1__Usage u = TWAIN__V1__USAGE__INIT;
+  Twain__V1__Timings t = TWAIN__V1__TIMINGS__INIT;
+  e.code = code;
+  e.message = msg;
+  rep.error = &e;
+  rep.done = true;
+  rep.finish_reason = code == TWAIN__V1__CODE__CANCELLED ? TWAIN__V1__FINISH_REASON__FINISH_CANCELLED
+                                                         : TWAIN__V1__FINISH_REASON__FINISH_ERROR;
+  tw_fill_timings(q, tw_msg_clock_ns(), &t, &u);
+  rep.usage = &u;
+  rep.timings = &t;
+  if (!q->stream && !q->chat) { /* what was produced before the failure */
+    rep.token_ids = q->out;
+    rep.n_token_ids = (size_t)q->n_out;
+  }
+  tw_router_reply(r, q, &rep);
+  tw_metric_add(r->m.errors, 1);
+  q->done = true;
+}
+
+void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
+                         bool finished, int finish_reason) {
+  int64_t now = tw_msg_clock_ns();
+  size_t room = (size_t)(q->max_tokens - q->n_out);
+  if (n > room) n = room; /* never more than asked for */
+  for (size_t i = 0; i < n; i++) {
+    q->token_ms[q->n_out] = q->n_out ? (float)((now - q->t_last_ns) * 1e-6)
+                                     : (float)((now - q->t_arrival_ns) * 1e-6);
+    if (q->n_out == 0) {
+      q->t_first_ns = now;
+      tw_metric_observe(r->m.ttft, (double)(now - q->t_arrival_ns) * 1e-9);
+    } else {
+      tw_metric_observe(r->m.tpot, (double)(now - q->t_last_ns) * 1e-9);
+    }
+    q->t_last_ns = now;
+    q->out[q->n_out++] = toks[i];
+  }
+  tw_metric_add(r->m.tokens, (double)n);
+  Twain__V1__ServerReply rep = TWAIN__V1__SERVER_REPLY__INIT;
+  bool stop_hit = false;
+  if (q->chat) stop_hit = tw_rchat_feed(r, q, toks, n, &rep);
+  if (stop_hit && !finished) {
+    finished = true;
+    finish_reason = TWAIN__V1__FINISH_REASON__FINISH_STOP;
+    tw_router_cancel_workers(r, q);
+  }
+  if (q->n_out >= q->max_tokens && !finished) { /* decode will say so too; be safe */
+    finished = true;
+    finish_reason = TWAIN__V1__FINISH_REASON__FINISH_LENGTH;
+    tw_router_cancel_workers(r, q);
+  }
+  if (!finished) {
+    if (q->stream && n) {
+      if (!q->chat) {
+        rep.token_ids = (int32_t *)toks;
+        rep.n_token_ids = n;
+      }
+      if (rep.n_token_ids || rep.n_deltas || rep.n_tool_calls) tw_router_reply(r, q, &rep);
+    }
+    return;
+  }
+  Twain__V1__Usage u = TWAIN__V1__USAGE__INIT;
+  Twain__V1__Timings t = TWAIN__V1__TIMINGS__INIT;
+  tw_fill_timings(q, now, &t, &u);
+  rep.usage = &u;
+  rep.timings = &t;
+  rep.done = true;
+  rep.finish_reason = finish_reason ? finish_reason : TWAIN__V1__FINISH_REASON__FINISH_STOP;
+  if (!q->chat) {
+    rep.token_ids = q->stream ? (int32_t *)toks : q->out;
+    rep.n_token_ids = q->stream ? n : (size_t)q->n_out;
+  } else {
+    tw_rchat_finish(r, q, &rep);
+  }
+  tw_router_reply(r, q, &rep);
+  q->done = true;
+}
+
+static tw_status_t tw_sampling_check(const Twain__V1__SamplingParams *s, char *msg, size_t len) {
+  if (!s) return TW_OK;
+  if (s->temperature != s->temperature || s->temperature < 0 || s->temperature > 100) {
+    snprintf(msg, len, "temperature %g is outside [0, 100]", (double)s->temperature);
+    return TW_ERR_INVALID_ARGUMENT;
+  }
+  if (s->top_p != s->top_p || s->top_p < 0 || s->top_p > 1) {
+    snprintf(msg, len, "top_p %g is outside [0, 1]", (double)s->top_p);
+    return TW_ERR_INVALID_ARGUMENT;
+  }
+  if (s->top_k < 0) {
+    snprintf(msg, len, "top_k %d is negative", s->top_k);
+    return TW_ERR_INVALID_ARGUMENT;
+  }
+  return TW_OK;
+}
+
+/* Validate and enqueue a Generate or Chat request. */
+static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1__ClientRequest *cr) {
+  char msg[512];
+  const Twain__V1__SamplingParams *s =
+      cr->body_case == TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE ? cr->generate->sampling
+                                                                 : cr->chat->sampling;
+  if (r->draining) {
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__UNAVAILABLE, "router is draining");
+    return;
+  }
+  if (r->n_reqs >= r->p->max_requests) {
+    snprintf(msg, sizeof msg, "too many concurrent requests: the limit is %d", r->p->max_requests);
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__RESOURCE_EXHAUSTED, msg);
+    return;
+  }
+  if (tw_sampling_check(s, msg, sizeof msg) != TW_OK) {
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return;
+  }
+  int32_t max_tokens = s && s->max_tokens ? s->max_tokens : r->p->default_max_tokens;
+  if (s && (s->max_tokens < 0 || (s->explicit_max_tokens && s->max_tokens == 0))) {
+    snprintf(msg, sizeof msg, "max_tokens must be at least 1, got %d", s->max_tokens);
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return;
+  }
+  if (max_tokens > r->p->max_tokens_limit) {
+    snprintf(msg, sizeof msg, "max_tokens %d exceeds this server's limit of %d", max_tokens,
+             r->p->max_tokens_limit);
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return;
+  }
+  tw_req_t *q = calloc(1, sizeof *q);
+  if (!q) {
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__RESOURCE_EXHAUSTED, "router out of memory");
+    return;
+  }
+  q->id = r->next_req_id++;
+  memcpy(q->cid, from->id, from->id_len);
+  q->cid_len = from->id_len;
+  q->cdelim = from->delim;
+  q->client_rid = cr->request_id;
+  q->t_arrival_ns = tw_msg_clock_ns();
+  int64_t dl = cr->deadline_ms ? (int64_t)cr->deadline_ms : (int64_t)r->p->default_deadline_ms;
+  q->t_deadline_ns = q->t_arrival_ns + dl * 1000000;
+  twain__internal__v1__sampling__init(&q->sampling);
+  if (s) {
+    q->sampling.temperature = s->temperature;
+    q->sampling.top_p = s->top_p;
+    q->sampling.top_k = s->top_k;
+    q->sampling.seed = s->seed;
+  }
+  tw_status_t st = TW_OK;
+  if (cr->body_case == TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE) {
+    const Twain__V1__GenerateRequest *g = cr->generate;
+    q->stream = g->stream;
+    q->n_prompt = (int32_t)g->n_prompt_ids;
+    if (g->n_prompt_ids == 0) {
+      st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "prompt_ids is empty");
+    } else if (g->n_prompt_ids > (size_t)r->max_prompt) {
+      st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "prompt of %zu tokens exceeds the limit of %d",
+                        g->n_prompt_ids, r->max_prompt);
+    } else if (!(q->prompt = malloc(sizeof(int32_t) * g->n_prompt_ids))) {
+      st = tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
+    } else {
+      for (size_t i = 0; i < g->n_prompt_ids && st == TW_OK; i++) {
+        if (g->prompt_ids[i] < 0 || g->prompt_ids[i] >= r->config.vocab_size)
+          st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "prompt_ids[%zu] = %d is outside [0, %d)", i,
+                            g->prompt_ids[i], r->config.vocab_size);
+        else
+          q->prompt[i] = g->prompt_ids[i];
+      }
+    }
+    for (size_t i = 0; s && i < s->n_stop_token_ids && q->n_stop < TW_RMAX_STOP; i++)
+      q->stop_ids[q->n_stop++] = s->stop_token_ids[i];
+  } else {
+    q->chat = true;
+    q->stream = cr->chat->stream;
+    st = tw_rchat_start(r, q, cr->chat);
+    if (st == TW_OK && q->n_prompt > r->max_prompt)
+      st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "rendered prompt of %d tokens exceeds the limit of %d",
+                        q->n_prompt, r->max_prompt);
+  }
+  if (st == TW_OK && (int64_t)q->n_prompt + max_tokens > r->config.max_position_embeddings)
+    st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
+                      "prompt of %d tokens + max_tokens %d exceeds the model context of %d",
+                      q->n_prompt, max_tokens, r->config.max_position_embeddings);
+  q->max_tokens = max_tokens;
+  if (st == TW_OK) {
+    q->out = malloc(sizeof(int32_t) * (size_t)max_tokens);
+    q->token_ms = malloc(sizeof(float) * (size_t)max_tokens);
+    if (!q->out || !q->token_ms) st = tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
+  }
+  if (st == TW_OK && r->n_reqs == r->cap_reqs) {
+    int32_t cap = r->cap_reqs ? r->cap_reqs * 2 : 256;
+    tw_req_t **t = realloc(r->reqs, sizeof *t * (size_t)cap);
+    if (!t) st = tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
+    else {
+      r->reqs = t;
+      r->cap_reqs = cap;
+    }
+  }
+  if (st != TW_OK) {
+    tw_reply_raw(r, from, cr->request_id, tw_code_of_status(st), tw_last_error());
+    tw_req_free(q);
+    return;
+  }
+  q->state = TW_REQ_QUEUED;
+  r->reqs[r->n_reqs++] = q;
+  tw_metric_add(r->m.requests, 1);
+  TW_DEBUG("router", "request %llu: %s, %d prompt tokens, max_tokens %d", (unsigned long long)q->id,
+           q->chat ? "chat" : "generate", q->n_prompt, q->max_tokens);
+}
+
+static void tw_router_on_cancel(tw_router_t *r, const tw_msg_t *from, const Twain__V1__ClientRequest *cr) {
+  uint64_t target = cr->cancel->target_request_id;
+  for (int32_t i = 0; i < r->n_reqs; i++) {
+    tw_req_t *q = r->reqs[i];
+    if (q->done || q->client_rid != target || q->cid_len != from->id_len ||
+        memcmp(q->cid, from->id, from->id_len) != 0)
+      continue;
+    tw_router_fail(r, q, TWAIN__V1__CODE__CANCELLED, "request %llu cancelled by the client",
+                   (unsigned long long)target);
+    tw_reply_raw(r, from, cr->request_id, 0, NULL);
+    return;
+  }
+  char msg[128];
+  snprintf(msg, sizeof msg, "cancel: no running request %llu from this client",
+           (unsigned long long)target);
+  tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__NOT_FOUND, msg);
+}
+
+static void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m) {
+  Twain__V1__ClientRequest *cr = twain__v1__client_request__unpack(NULL, m->len, m->data);
+  if (!cr) {
+    TW_WARN("router", "malformed protobuf from a client (%zu bytes)", m->len);
+    tw_reply_raw(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                 "malformed request: not a twain.v1.ClientRequest protobuf");
+    return;
+  }
+  switch (cr->body_case) {
+    case TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE:
+    case TWAIN__V1__CLIENT_REQUEST__BODY_CHAT: tw_router_on_request(r, m, cr); break;
+    case TWAIN__V1__CLIENT_REQUEST__BODY_CANCEL: tw_router_on_cancel(r, m, cr); break;
+    default:
+      tw_reply_raw(r, m, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                   "unknown request type: set one of generate, chat or cancel");
+  }
+  twain__v1__client_request__free_unpacked(cr, NULL);
+}
+
+/* Deadlines, then drop finished requests (the only place requests are freed). */
+static void tw_router_sweep(tw_router_t *r, int64_t now) {
+  int32_t running = 0, queued = 0;
+  for (int32_t i = 0; i < r->n_reqs; i++) {
+    tw_req_t *q = r->reqs[i];
+    if (!q->done && now > q->t_deadline_ns)
+      tw_router_fail(r, q, TWAIN__V1__CODE__DEADLINE_EXCEEDED, "deadline of %lld ms exceeded",
+                     (long long)((q->t_deadline_ns - q->t_arrival_ns) / 1000000));
+    if (!q->done) {
+      running += q->state != TW_REQ_QUEUED;
+      queued += q->state == TW_REQ_QUEUED;
+    }
+  }
+  int32_t j = 0;
+  for (int32_t i = 0; i < r->n_reqs; i++) {
+    if (r->reqs[i]->done) tw_req_free(r->reqs[i]);
+    else r->reqs[j++] = r->reqs[i];
+  }
+  r->n_reqs = j;
+  tw_metric_set(r->m.running, running);
+  tw_metric_set(r->m.queue, queued);
+}
+
+static tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
+  memset(r, 0, sizeof *r);
+  r->p = p;
+  r->next_worker_serial = 1;
+  r->next_req_id = 1;
+  char path[4096];
+  snprintf(path, sizeof path, "%s/config.json", p->model_dir);
+  TW_CHECK(tw_config_load(path, &r->config));
+  r->max_prompt = p->max_prompt_tokens > 0 ? p->max_prompt_tokens : r->config.max_position_embeddings - 1;
+  TW_CHECK(tw_rchat_init(r));
+  r->zctx = zmq_ctx_new();
+  if (!r->zctx) return tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(errno));
+  char cep[256], wep[256];
+  TW_CHECK(tw_msg_socket_open(r->zctx, ZMQ_ROUTER, p->client_endpoint, true, cep, sizeof cep, &r->csock));
+  TW_CHECK(tw_msg_socket_open(r->zctx, ZMQ_ROUTER, p->worker_endpoint, true, wep, sizeof wep, &r->wsock));
+  TW_CHECK(tw_metrics_create("router", p->metrics_port, false, &r->metrics));
+  tw_metrics_t *M = r->metrics;
+  r->m.requests = tw_metrics_counter(M, "router_requests_total", "requests accepted");
+  r->m.errors = tw_metrics_counter(M, "router_request_errors_total", "requests answered with an error");
+  r->m.ttft = tw_metrics_histogram(M, "router_ttft_seconds", "time to first token",
+                                   tw_metrics_latency_buckets, tw_metrics_latency_n);
+  r->m.tpot = tw_metrics_histogram(M, "router_tpot_seconds", "time per output token",
+                                   tw_metrics_latency_buckets, tw_metrics_latency_n);
+  r->m.queue = tw_metrics_gauge(M, "router_queue_depth", "requests waiting for a decode worker");
+  r->m.running = tw_metrics_gauge(M, "router_running_requests", "requests being served");
+  r->m.prefill_workers = tw_metrics_gauge(M, "router_prefill_workers", "registered prefill workers");
+  r->m.decode_workers = tw_metrics_gauge(M, "router_decode_workers", "registered decode workers");
+  r->m.tokens = tw_metrics_counter(M, "router_tokens_streamed_total", "tokens sent to clients");
+  r->m.expired = tw_metrics_counter(M, "router_workers_expired_total", "workers that stopped heartbeating");
+  TW_INFO("router", "listening: clients %s, workers %s, metrics port %d", cep, wep,
+          tw_metrics_port(r->metrics));
+  if (p->on_bound) p->on_bound(p->on_bound_arg, cep, wep);
+  return TW_OK;
+}
+
+static void tw_router_fini(tw_router_t *r) {
+  for (int32_t i = 0; i < r->n_reqs; i++) tw_req_free(r->reqs[i]);
+  free(r->reqs);
+  free(r->workers);
+  if (r->csock) zmq_close(r->csock);
+  if (r->wsock) zmq_close(r->wsock);
+  if (r->zctx) zmq_ctx_term(r->zctx);
+  tw_metrics_destroy(r->metrics);
+  tw_rchat_fini(r);
+}
+
+tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *stop) {
+  tw_router_t r;
+  tw_status_t st = tw_router_init(&r, p);
+  if (st != TW_OK) {
+    tw_router_fini(&r);
+    return st;
+  }
+  int64_t drain_since = 0;
+  for (;;) {
+    int64_t now = tw_msg_clock_ns();
+    if (*stop && !r.draining) {
+      r.draining = true;
+      drain_since = now;
+      tw_metrics_set_health(r.metrics, false, "draining");
+      TW_INFO("router", "draining: %d requests in flight", r.n_reqs);
+    }
+    if (r.draining && (r.n_reqs == 0 || now - drain_since > 10000000000LL)) break;
+    zmq_pollitem_t items[2] = {{.socket = r.csock, .events = ZMQ_POLLIN},
+                               {.socket = r.wsock, .events = ZMQ_POLLIN}};
+    int rc = zmq_poll(items, 2, 10);
+    if (rc < 0 && errno != EINTR) {
+      st = tw_err(TW_ERR_TRANSPORT, "zmq_poll failed: %s", zmq_strerror(errno));
+      break;
+    }
+    /* workers first: their tokens free capacity for new requests */
+    for (int k = 0; k < 4096; k++) {
+      tw_msg_t m = {0};
+      tw_status_t rs = tw_msg_recv(r.wsock, true, 0, &m);
+      if (rs == TW_INPROGRESS) break;
+      if (rs == TW_OK) tw_router_on_worker_msg(&r, &m);
+      else TW_WARN("router", "bad message on the worker socket: %s", tw_last_error());
+      tw_msg_fini(&m);
+    }
+    for (int k = 0; k < 1024; k++) {
+      tw_msg_t m = {0};
+      tw_status_t rs = tw_msg_recv(r.csock, true, 0, &m);
+      if (rs == TW_INPROGRESS) break;
+      if (rs == TW_OK) tw_router_on_client_msg(&r, &m);
+      else if (rs == TW_ERR_FORMAT && m.id_len)
+        tw_reply_raw(&r, &m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, tw_last_error());
+      tw_msg_fini(&m);
+    }
+    now = tw_msg_clock_ns();
+    tw_router_expire_workers(&r, now);
+    tw_router_schedule(&r, now);
+    tw_router_sweep(&r, now);
+    if (!r.ready_sent && tw_router_count_workers(&r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL) >= p->expect_prefill &&
+        tw_router_count_workers(&r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) >= p->expect_decode) {
+      r.ready_sent = true;
+      if (p->on_ready) p->on_ready(p->on_ready_arg);
+    }
+  }
+  for (int32_t i = 0; i < r.n_reqs; i++)
+    tw_router_fail(&r, r.reqs[i], TWAIN__V1__CODE__UNAVAILABLE, "router is shutting down");
+  TW_INFO("router", "stopped");
+  tw_router_fini(&r);
+  return st;
+}

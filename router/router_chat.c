@@ -1,0 +1,343 @@
+/* router_chat.c: Chat requests in the router. A twain.v1.ChatRequest becomes
+ * a Harmony conversation rendered to prompt ids (spec §4.5-§4.7, through
+ * common/harmony.h); generated ids go through the streaming Harmony parser
+ * and come back as per-channel deltas, tool calls and, at the end, the parsed
+ * messages. Generation stops on <|return|> or <|call|> (spec §4.4) or on a
+ * stop string in the final channel. */
+#include "router/router_impl.h"
+
+#include "common/harmony.h"
+#include "common/log.h"
+#include "common/tokenizer.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+  tw_tokenizer_t *tok;
+  tw_tok_encoder_t *enc;
+  tw_harmony_t *h;
+  int32_t stop_return, stop_call;
+} tw_rchat_ctx_t;
+
+#define TW_RCHAT_MAX 256 /* deltas/tool calls per feed, messages per request */
+
+struct tw_rchat {
+  tw_harmony_parser_t *parser;
+  /* current message header (owned) */
+  char *role, *channel, *recipient, *content_type, *author;
+  bool first_delta;
+  /* this feed's output (strings owned, freed at the next feed) */
+  Twain__V1__Delta deltas[TW_RCHAT_MAX];
+  Twain__V1__Delta *dptr[TW_RCHAT_MAX];
+  size_t n_deltas;
+  Twain__V1__ToolCall calls[TW_RCHAT_MAX];
+  Twain__V1__ToolCall *cptr[TW_RCHAT_MAX];
+  size_t n_calls;
+  char *feed_strings[4 * TW_RCHAT_MAX];
+  size_t n_feed_strings;
+  /* finished messages (owned) */
+  Twain__V1__Message msgs[TW_RCHAT_MAX];
+  Twain__V1__Message *mptr[TW_RCHAT_MAX];
+  size_t n_msgs;
+  /* stop strings on the final channel */
+  char **stops;
+  size_t n_stops;
+  tw_tok_buf_t final_text;
+  bool stop_hit;
+  bool stream;
+};
+
+static char *tw_dup(const char *s) { return s ? strdup(s) : NULL; }
+
+static char *tw_feed_str(struct tw_rchat *c, const char *s, size_t len) {
+  if (c->n_feed_strings == sizeof c->feed_strings / sizeof c->feed_strings[0]) return (char *)"";
+  char *d = malloc(len + 1);
+  if (!d) return (char *)"";
+  memcpy(d, s, len);
+  d[len] = '\0';
+  c->feed_strings[c->n_feed_strings++] = d;
+  return d;
+}
+
+static void tw_feed_reset(struct tw_rchat *c) {
+  for (size_t i = 0; i < c->n_feed_strings; i++) free(c->feed_strings[i]);
+  c->n_feed_strings = c->n_deltas = c->n_calls = 0;
+}
+
+static void tw_header_set(char **dst, const char *v) {
+  free(*dst);
+  *dst = tw_dup(v);
+}
+
+static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
+  if (c->stop_hit || !len) return;
+  bool final = c->channel && strcmp(c->channel, "final") == 0;
+  if (final && c->n_stops) {
+    size_t old = c->final_text.len;
+    tw_tok_buf_append(&c->final_text, text, len);
+    for (size_t i = 0; i < c->n_stops; i++) {
+      const char *hit = c->final_text.data ? strstr(c->final_text.data, c->stops[i]) : NULL;
+      if (!hit) continue;
+      size_t at = (size_t)(hit - c->final_text.data);
+      len = at > old ? at - old : 0;
+      c->stop_hit = true;
+      break;
+    }
+    if (!len) return;
+  }
+  Twain__V1__Delta *d = NULL;
+  if (c->n_deltas && !c->first_delta) d = c->dptr[c->n_deltas - 1];
+  if (d && d->channel == NULL) d = NULL;
+  if (d) { /* same message as the last delta of this feed: concatenate */
+    size_t ol = strlen(d->content);
+    char *m = tw_feed_str(c, d->content, ol + len);
+    memcpy(m + ol, text, len);
+    m[ol + len] = '\0';
+    d->content = m;
+    return;
+  }
+  if (c->n_deltas == TW_RCHAT_MAX) return;
+  d = &c->deltas[c->n_deltas];
+  twain__v1__delta__init(d);
+  d->channel = tw_feed_str(c, c->channel ? c->channel : "", c->channel ? strlen(c->channel) : 0);
+  d->recipient = tw_feed_str(c, c->recipient ? c->recipient : "", c->recipient ? strlen(c->recipient) : 0);
+  d->content = tw_feed_str(c, text, len);
+  d->role = c->first_delta ? tw_feed_str(c, c->role ? c->role : "", c->role ? strlen(c->role) : 0) : (char *)"";
+  c->first_delta = false;
+  c->dptr[c->n_deltas++] = d;
+}
+
+static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
+  struct tw_rchat *c = user;
+  switch (ev->kind) {
+    case TW_HARMONY_EV_MESSAGE_START:
+      tw_header_set(&c->role, tw_harmony_role_str(ev->role));
+      tw_header_set(&c->author, ev->author);
+      tw_header_set(&c->channel, ev->channel);
+      tw_header_set(&c->recipient, ev->recipient);
+      tw_header_set(&c->content_type, ev->content_type);
+      c->first_delta = true;
+      break;
+    case TW_HARMONY_EV_TEXT_DELTA: tw_on_text(c, ev->text, ev->text_len); break;
+    case TW_HARMONY_EV_MESSAGE_END:
+      if (c->n_msgs < TW_RCHAT_MAX) {
+        Twain__V1__Message *m = &c->msgs[c->n_msgs];
+        twain__v1__message__init(m);
+        m->role = tw_dup(tw_harmony_role_str(ev->role));
+        m->name = tw_dup(ev->role == TW_HARMONY_ROLE_TOOL && ev->author ? ev->author : "");
+        m->channel = tw_dup(ev->channel ? ev->channel : "");
+        m->recipient = tw_dup(ev->recipient ? ev->recipient : "");
+        m->content_type = tw_dup(ev->content_type ? ev->content_type : "");
+        const char *t = ev->text ? ev->text : "";
+        size_t tl = ev->text ? ev->text_len : 0;
+        if (c->stop_hit && ev->channel && !strcmp(ev->channel, "final") && c->final_text.data) {
+          /* cut at the stop string */
+          for (size_t i = 0; i < c->n_stops; i++) {
+            const char *hit = strstr(c->final_text.data, c->stops[i]);
+            if (hit && (size_t)(hit - c->final_text.data) < tl) tl = (size_t)(hit - c->final_text.data);
+          }
+        }
+        m->content = malloc(tl + 1);
+        if (m->content) {
+          memcpy(m->content, t, tl);
+          m->content[tl] = '\0';
+        }
+        if (m->role && m->name && m->channel && m->recipient && m->content_type && m->content)
+          c->mptr[c->n_msgs++] = m;
+      }
+      break;
+    case TW_HARMONY_EV_TOOL_CALL:
+      if (c->n_calls < TW_RCHAT_MAX) {
+        Twain__V1__ToolCall *t = &c->calls[c->n_calls];
+        twain__v1__tool_call__init(t);
+        t->recipient = tw_feed_str(c, ev->recipient ? ev->recipient : "", ev->recipient ? strlen(ev->recipient) : 0);
+        t->content_type = tw_feed_str(c, ev->content_type ? ev->content_type : "",
+                                      ev->content_type ? strlen(ev->content_type) : 0);
+        t->arguments = tw_feed_str(c, ev->text ? ev->text : "", ev->text ? ev->text_len : 0);
+        c->cptr[c->n_calls++] = t;
+      }
+      break;
+    case TW_HARMONY_EV_ERROR:
+      TW_DEBUG("router", "harmony parser: %s", ev->text ? ev->text : "");
+      break;
+    default: break;
+  }
+}
+
+tw_status_t tw_rchat_init(tw_router_t *r) {
+  tw_rchat_ctx_t *x = calloc(1, sizeof *x);
+  if (!x) return tw_err(TW_ERR_NO_MEMORY, "router: cannot allocate the chat context");
+  r->chat_ctx = x;
+  char path[4096];
+  snprintf(path, sizeof path, "%s/tokenizer.json", r->p->model_dir);
+  TW_CHECK(tw_tokenizer_load(path, &x->tok));
+  TW_CHECK(tw_tok_encoder_create(x->tok, &x->enc));
+  TW_CHECK(tw_harmony_create(x->tok, &x->h));
+  x->stop_return = tw_harmony_token(x->h, "<|return|>");
+  x->stop_call = tw_harmony_token(x->h, "<|call|>");
+  return TW_OK;
+}
+
+void tw_rchat_fini(tw_router_t *r) {
+  tw_rchat_ctx_t *x = r->chat_ctx;
+  if (!x) return;
+  tw_harmony_destroy(x->h);
+  tw_tok_encoder_destroy(x->enc);
+  tw_tokenizer_destroy(x->tok);
+  free(x);
+  r->chat_ctx = NULL;
+}
+
+int32_t tw_rchat_default_stops(tw_router_t *r, int32_t *ids, int32_t cap) {
+  tw_rchat_ctx_t *x = r->chat_ctx;
+  int32_t n = 0;
+  if (x && x->stop_return >= 0 && n < cap) ids[n++] = x->stop_return;
+  if (x && x->stop_call >= 0 && n < cap) ids[n++] = x->stop_call;
+  return n;
+}
+
+static tw_status_t tw_role_parse(const char *s, tw_harmony_role_t *role_p) {
+  static const struct { const char *n; tw_harmony_role_t r; } roles[] = {
+      {"system", TW_HARMONY_ROLE_SYSTEM}, {"developer", TW_HARMONY_ROLE_DEVELOPER},
+      {"user", TW_HARMONY_ROLE_USER},     {"assistant", TW_HARMONY_ROLE_ASSISTANT},
+      {"tool", TW_HARMONY_ROLE_TOOL}};
+  for (size_t i = 0; i < sizeof roles / sizeof roles[0]; i++)
+    if (s && !strcmp(s, roles[i].n)) {
+      *role_p = roles[i].r;
+      return TW_OK;
+    }
+  return tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
+                      "unknown role \"%s\": use system, developer, user, assistant or tool",
+                      s ? s : "");
+}
+
+static const char *tw_nz(const char *s) { return s && s[0] ? s : NULL; }
+
+tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatRequest *cr) {
+  tw_rchat_ctx_t *x = r->chat_ctx;
+  if (cr->n_messages == 0) return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: messages is empty");
+  struct tw_rchat *c = calloc(1, sizeof *c);
+  if (!c) return tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
+  q->hchat = c;
+  c->stream = cr->stream;
+  tw_tok_buf_init(&c->final_text);
+  tw_harmony_conversation_t conv;
+  tw_harmony_conversation_init(&conv);
+  tw_status_t st = TW_OK;
+  if (tw_nz(cr->date)) st = tw_harmony_conversation_set(&conv, &conv.current_date, cr->date);
+  switch (cr->reasoning) {
+    case TWAIN__V1__REASONING_EFFORT__REASONING_LOW: conv.reasoning_effort = TW_HARMONY_EFFORT_LOW; break;
+    case TWAIN__V1__REASONING_EFFORT__REASONING_HIGH: conv.reasoning_effort = TW_HARMONY_EFFORT_HIGH; break;
+    default: conv.reasoning_effort = TW_HARMONY_EFFORT_MEDIUM;
+  }
+  /* leading system/developer messages are the developer instructions */
+  tw_tok_buf_t instr;
+  tw_tok_buf_init(&instr);
+  if (tw_nz(cr->instructions)) tw_tok_buf_append(&instr, cr->instructions, strlen(cr->instructions));
+  size_t i = 0;
+  for (; i < cr->n_messages && st == TW_OK; i++) {
+    const Twain__V1__Message *m = cr->messages[i];
+    if (!m->role || (strcmp(m->role, "system") && strcmp(m->role, "developer"))) break;
+    if (instr.len) tw_tok_buf_append(&instr, "\n\n", 2);
+    tw_tok_buf_append(&instr, m->content ? m->content : "", m->content ? strlen(m->content) : 0);
+  }
+  if (st == TW_OK && instr.len)
+    st = tw_harmony_conversation_set(&conv, &conv.developer_instructions, instr.data);
+  tw_tok_buf_fini(&instr);
+  for (size_t k = 0; k < cr->n_tools && st == TW_OK; k++) {
+    tw_harmony_tool_t t = {.name = cr->tools[k]->name,
+                           .description = cr->tools[k]->description ? cr->tools[k]->description : "",
+                           .parameters_json = tw_nz(cr->tools[k]->parameters_json)};
+    st = tw_harmony_conversation_add_tool(&conv, &t);
+  }
+  for (; i < cr->n_messages && st == TW_OK; i++) {
+    const Twain__V1__Message *m = cr->messages[i];
+    tw_harmony_message_t hm = {.name = tw_nz(m->name), .recipient = tw_nz(m->recipient),
+                               .channel = tw_nz(m->channel), .content_type = tw_nz(m->content_type),
+                               .content = m->content ? m->content : ""};
+    st = tw_role_parse(m->role, &hm.role);
+    if (st == TW_OK) st = tw_harmony_conversation_add_message(&conv, &hm);
+  }
+  tw_token_ids_t ids;
+  tw_token_ids_init(&ids);
+  if (st == TW_OK) st = tw_harmony_render(x->h, &conv, x->enc, (size_t)r->max_prompt, &ids);
+  tw_harmony_conversation_fini(&conv);
+  if (st == TW_OK) {
+    q->prompt = malloc(sizeof(int32_t) * (ids.n ? ids.n : 1));
+    if (!q->prompt) st = tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
+    else {
+      memcpy(q->prompt, ids.ids, sizeof(int32_t) * ids.n);
+      q->n_prompt = (int32_t)ids.n;
+    }
+  }
+  tw_token_ids_fini(&ids);
+  if (st == TW_OK)
+    st = tw_harmony_parser_create(x->h, TW_HARMONY_ROLE_ASSISTANT, tw_on_event, c, &c->parser);
+  const Twain__V1__SamplingParams *s = cr->sampling;
+  if (st == TW_OK && s && s->n_stop) {
+    c->stops = calloc(s->n_stop, sizeof(char *));
+    for (size_t k = 0; c->stops && k < s->n_stop; k++)
+      if (s->stop[k] && s->stop[k][0]) c->stops[c->n_stops++] = strdup(s->stop[k]);
+  }
+  q->n_stop = tw_rchat_default_stops(r, q->stop_ids, TW_RMAX_STOP);
+  for (size_t k = 0; s && k < s->n_stop_token_ids && q->n_stop < TW_RMAX_STOP; k++)
+    q->stop_ids[q->n_stop++] = s->stop_token_ids[k];
+  return st;
+}
+
+bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
+                   Twain__V1__ServerReply *rep) {
+  struct tw_rchat *c = q->hchat;
+  if (!c) return false;
+  tw_feed_reset(c);
+  for (size_t i = 0; i < n && !c->stop_hit; i++) tw_harmony_parser_push(c->parser, toks[i]);
+  rep->deltas = c->dptr;
+  rep->n_deltas = c->n_deltas;
+  rep->tool_calls = c->cptr;
+  rep->n_tool_calls = c->n_calls;
+  return c->stop_hit;
+}
+
+void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
+  struct tw_rchat *c = q->hchat;
+  if (!c) return;
+  tw_harmony_parser_finish(c->parser); /* reports a message cut off by max_tokens */
+  rep->deltas = c->dptr;
+  rep->n_deltas = c->stream ? c->n_deltas : 0;
+  rep->tool_calls = c->cptr;
+  rep->n_tool_calls = c->n_calls;
+  rep->messages = c->mptr;
+  rep->n_messages = c->n_msgs;
+  if (rep->finish_reason == TWAIN__V1__FINISH_REASON__FINISH_STOP && q->n_out > 0) {
+    tw_rchat_ctx_t *x = r->chat_ctx;
+    if (q->out[q->n_out - 1] == x->stop_call) rep->finish_reason = TWAIN__V1__FINISH_REASON__FINISH_TOOL_CALL;
+  }
+}
+
+void tw_rchat_free(tw_req_t *q) {
+  struct tw_rchat *c = q->hchat;
+  if (!c) return;
+  tw_feed_reset(c);
+  tw_harmony_parser_destroy(c->parser);
+  free(c->role);
+  free(c->channel);
+  free(c->recipient);
+  free(c->content_type);
+  free(c->author);
+  for (size_t i = 0; i < c->n_msgs; i++) {
+    Twain__V1__Message *m = c->mptr[i];
+    free(m->role);
+    free(m->name);
+    free(m->channel);
+    free(m->recipient);
+    free(m->content_type);
+    free(m->content);
+  }
+  for (size_t i = 0; i < c->n_stops; i++) free(c->stops[i]);
+  free(c->stops);
+  tw_tok_buf_fini(&c->final_text);
+  free(c);
+  q->hchat = NULL;
+}

@@ -1,0 +1,93 @@
+/* router_cli.c: the router's command line (twain-router and `twain router`):
+ * options, signal handling and the "listening"/"ready" lines on stdout that
+ * scripts and tests wait for. */
+#include "router/router.h"
+
+#include "common/log.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef TW_DEFAULT_MODEL_DIR
+#define TW_DEFAULT_MODEL_DIR "tests/fixtures/tiny-gptoss-wordnet-mxfp4"
+#endif
+
+static volatile sig_atomic_t tw_router_stop_g = 0;
+
+static void tw_router_on_signal(int sig) {
+  (void)sig;
+  tw_router_stop_g = 1;
+}
+
+static void tw_router_print_bound(void *arg, const char *cep, const char *wep) {
+  (void)arg;
+  printf("twain-router: listening clients=%s workers=%s\n", cep, wep);
+  fflush(stdout);
+}
+
+static void tw_router_print_ready(void *arg) {
+  (void)arg;
+  printf("twain-router: ready\n");
+  fflush(stdout);
+}
+
+static void tw_router_usage(void) {
+  fprintf(stderr,
+          "usage: twain-router [--model DIR] [--listen tcp://HOST:PORT] [--workers tcp://HOST:PORT]\n"
+          "         [--metrics-port P] [--max-prompt-tokens N] [--max-tokens-limit N]\n"
+          "         [--default-max-tokens N] [--max-requests N] [--deadline-ms N]\n"
+          "         [--expire-ms N] [--expect-prefill N] [--expect-decode N]\n"
+          "  defaults: --listen %s --workers %s, model %s\n",
+          TW_ROUTER_CLIENT_ENDPOINT, TW_ROUTER_WORKER_ENDPOINT, TW_DEFAULT_MODEL_DIR);
+}
+
+int tw_router_main(int argc, char **argv) {
+  tw_router_params_t p = TW_ROUTER_PARAMS_DEFAULT;
+  p.model_dir = TW_DEFAULT_MODEL_DIR;
+  p.on_bound = tw_router_print_bound;
+  p.on_ready = tw_router_print_ready;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+      tw_router_usage();
+      return 0;
+    }
+    if (!v) {
+      fprintf(stderr, "twain-router: %s needs a value\n", a);
+      return 2;
+    }
+    i++;
+    if (!strcmp(a, "--model")) p.model_dir = v;
+    else if (!strcmp(a, "--listen")) p.client_endpoint = v;
+    else if (!strcmp(a, "--workers")) p.worker_endpoint = v;
+    else if (!strcmp(a, "--metrics-port")) p.metrics_port = atoi(v);
+    else if (!strcmp(a, "--max-prompt-tokens")) p.max_prompt_tokens = atoi(v);
+    else if (!strcmp(a, "--max-tokens-limit")) p.max_tokens_limit = atoi(v);
+    else if (!strcmp(a, "--default-max-tokens")) p.default_max_tokens = atoi(v);
+    else if (!strcmp(a, "--max-requests")) p.max_requests = atoi(v);
+    else if (!strcmp(a, "--deadline-ms")) p.default_deadline_ms = atoi(v);
+    else if (!strcmp(a, "--expire-ms")) p.expire_ms = atoi(v);
+    else if (!strcmp(a, "--expect-prefill")) p.expect_prefill = atoi(v);
+    else if (!strcmp(a, "--expect-decode")) p.expect_decode = atoi(v);
+    else {
+      fprintf(stderr, "twain-router: unknown option %s\n", a);
+      tw_router_usage();
+      return 2;
+    }
+  }
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = tw_router_on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGINT, &sa, NULL);
+  signal(SIGPIPE, SIG_IGN);
+  tw_status_t st = tw_router_run(&p, &tw_router_stop_g);
+  if (st != TW_OK) {
+    fprintf(stderr, "twain-router: %s: %s\n", tw_status_str(st), tw_last_error());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,132 @@
+/* router_impl.h: router internals shared by router.c (clients, requests),
+ * router_workers.c (registry, scheduling, worker messages) and
+ * router_chat.c (Harmony). Not a public interface. */
+#ifndef TW_ROUTER_ROUTER_IMPL_H
+#define TW_ROUTER_ROUTER_IMPL_H
+
+#include "router/router.h"
+
+#include "common/config.h"
+#include "common/metrics.h"
+#include "common/msg.h"
+#include "proto/twain_api.pb-c.h"
+#include "proto/twain_internal.pb-c.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#define TW_RMAX_STOP 16
+
+typedef enum {
+  TW_REQ_QUEUED = 0,    /* waiting for a decode worker with room */
+  TW_REQ_RESERVING = 1, /* Reserve sent to dw */
+  TW_REQ_PREFILLING = 2,/* PrefillRequest sent to pw */
+  TW_REQ_DECODING = 3,  /* DecodeRequest sent to dw */
+} tw_req_state_t;
+
+typedef struct tw_rchat tw_rchat_t; /* Harmony state of a chat request */
+
+typedef struct {
+  uint64_t serial;      /* never reused; 0 = none */
+  uint8_t id[TW_MSG_MAX_ID];
+  size_t id_len;
+  char name[64];
+  Twain__Internal__V1__Pool pool;
+  bool draining;
+  int64_t last_seen_ns;
+  int32_t free_blocks, total_blocks, block_size;
+  int64_t queued_tokens;
+  int32_t pending_blocks;   /* asked for by Reserves not yet answered */
+  int64_t pending_tokens;   /* prompt tokens sent since its last heartbeat */
+  int64_t requests;         /* handed to it, for tests and logs */
+} tw_rworker_t;
+
+typedef struct {
+  uint64_t id;                 /* router-wide, never reused */
+  uint8_t cid[TW_MSG_MAX_ID];  /* client routing prefix */
+  size_t cid_len;
+  bool cdelim;
+  uint64_t client_rid;
+  bool chat, stream;
+  int32_t *prompt;
+  int32_t n_prompt;
+  int32_t max_tokens;
+  Twain__Internal__V1__Sampling sampling;
+  int32_t stop_ids[TW_RMAX_STOP];
+  int32_t n_stop;
+  tw_req_state_t state;
+  uint64_t dw, pw;             /* worker serials */
+  int32_t attempts;
+  int64_t retry_after_ns;
+  int32_t blocks_asked;
+  int32_t n_out;               /* tokens produced so far */
+  int32_t *out;                /* [max_tokens] all produced tokens */
+  float *token_ms;             /* [max_tokens] gap before each token */
+  int64_t t_arrival_ns, t_deadline_ns, t_first_ns, t_last_ns;
+  tw_rchat_t *hchat;           /* chat only */
+  bool done;                   /* finished: freed at the loop top */
+} tw_req_t;
+
+typedef struct {
+  const tw_router_params_t *p;
+  tw_model_config_t config;
+  void *zctx, *csock, *wsock;
+  tw_metrics_t *metrics;
+  tw_rworker_t *workers;
+  int32_t n_workers, cap_workers;
+  uint64_t next_worker_serial, next_req_id;
+  tw_req_t **reqs;
+  int32_t n_reqs, cap_reqs;
+  int32_t max_prompt;
+  bool draining, ready_sent;
+  void *chat_ctx;              /* tokenizer + Harmony encoder (router_chat.c) */
+  struct {
+    tw_metric_t *requests, *errors, *ttft, *tpot, *queue, *running, *prefill_workers,
+        *decode_workers, *tokens, *expired;
+  } m;
+} tw_router_t;
+
+/* ---- router.c ---- */
+/** Reply to a request's client. On a vanished client, cancels the request. */
+void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep);
+/** Finish a request with an error code/message (v1 Code): reply, cancel its
+ *  workers' work, mark it done. */
+void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/** New tokens for a request from its decode or prefill worker. */
+void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
+                         bool finished, int finish_reason);
+tw_req_t *tw_router_find_req(tw_router_t *r, uint64_t id);
+/** Send Cancel for q to its workers (those that hold something). */
+void tw_router_cancel_workers(tw_router_t *r, tw_req_t *q);
+
+/* ---- router_workers.c ---- */
+tw_rworker_t *tw_router_worker(tw_router_t *r, uint64_t serial);
+/** Handle one message on the worker socket. */
+void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m);
+/** Expire silent workers; requeue or fail their requests. */
+void tw_router_expire_workers(tw_router_t *r, int64_t now_ns);
+/** Try to start queued requests (pick decode workers, send Reserve). */
+void tw_router_schedule(tw_router_t *r, int64_t now_ns);
+tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
+                                  Twain__Internal__V1__Envelope *env);
+int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool pool);
+
+/* ---- router_chat.c ---- */
+tw_status_t tw_rchat_init(tw_router_t *r);
+void tw_rchat_fini(tw_router_t *r);
+/** Render a ChatRequest to prompt ids + stop ids; creates q->hchat.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (bad message, tool schema...), with the
+ *  message in tw_last_error(). */
+tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatRequest *c);
+/** Feed new tokens; fills rep->deltas/tool_calls (owned by q->hchat until
+ *  the next call). Returns true if a stop string was hit (finish now). */
+bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
+                   Twain__V1__ServerReply *rep);
+/** At the end: the parsed messages into rep (and remaining deltas). */
+void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep);
+void tw_rchat_free(tw_req_t *q);
+/** Default stop ids for generate requests (<|return|>, <|call|>) if known. */
+int32_t tw_rchat_default_stops(tw_router_t *r, int32_t *ids, int32_t cap);
+
+#endif

@@ -1,0 +1,380 @@
+/* router_workers.c: the worker registry (register, heartbeat, expiry), the
+ * scheduling policy and the worker side of the request flow:
+ *   queued --Reserve--> decode worker --Reserved(handoff)--> router
+ *          --PrefillRequest(handoff)--> prefill worker --PrefillDone(first
+ *          token, after the KV is remotely complete)--> router
+ *          --DecodeRequest--> decode worker --Tokens...--> router --> client.
+ * A request whose worker dies before any token reached the client is retried
+ * elsewhere (up to 3 attempts); after that the client gets UNAVAILABLE. */
+#include "router/router_impl.h"
+
+#include "common/log.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TW_ROUTER_MAX_ATTEMPTS 3
+
+tw_rworker_t *tw_router_worker(tw_router_t *r, uint64_t serial) {
+  for (int32_t i = 0; i < r->n_workers; i++)
+    if (r->workers[i].serial == serial) return &r->workers[i];
+  return NULL;
+}
+
+static tw_rworker_t *tw_worker_by_id(tw_router_t *r, const uint8_t *id, size_t len) {
+  for (int32_t i = 0; i < r->n_workers; i++)
+    if (r->workers[i].id_len == len && memcmp(r->workers[i].id, id, len) == 0) return &r->workers[i];
+  return NULL;
+}
+
+static tw_rworker_t *tw_worker_by_name(tw_router_t *r, const char *name) {
+  for (int32_t i = 0; i < r->n_workers; i++)
+    if (strcmp(r->workers[i].name, name) == 0) return &r->workers[i];
+  return NULL;
+}
+
+int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool pool) {
+  int32_t n = 0;
+  for (int32_t i = 0; i < r->n_workers; i++) n += r->workers[i].pool == pool && !r->workers[i].draining;
+  return n;
+}
+
+tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
+                                  Twain__Internal__V1__Envelope *env) {
+  tw_status_t st = tw_msg_send_to(r->wsock, w->id, w->id_len, false, &env->base);
+  if (st != TW_OK)
+    TW_WARN("router", "cannot send to worker %s: %s", w->name, tw_last_error());
+  return st;
+}
+
+static void tw_reject_to(tw_router_t *r, const tw_msg_t *m, uint64_t rid, int code, const char *msg) {
+  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
+  s.code = code;
+  s.message = (char *)msg;
+  Twain__Internal__V1__Reject rj = TWAIN__INTERNAL__V1__REJECT__INIT;
+  rj.request_id = rid;
+  rj.status = &s;
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT;
+  env.reject = &rj;
+  tw_msg_send(r->wsock, m, &env.base);
+}
+
+static void tw_update_gauges(tw_router_t *r) {
+  tw_metric_set(r->m.prefill_workers, tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
+  tw_metric_set(r->m.decode_workers, tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE));
+}
+
+static void tw_apply_capacity(tw_rworker_t *w, const Twain__Internal__V1__Capacity *c) {
+  if (!c) return;
+  w->free_blocks = c->free_kv_blocks;
+  w->total_blocks = c->total_kv_blocks;
+  w->queued_tokens = c->queued_prompt_tokens;
+  w->pending_tokens = 0;
+  w->pending_blocks = 0;
+}
+
+static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Internal__V1__Register *g) {
+  if (g->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL && g->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE) {
+    tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, "register: pool must be prefill or decode");
+    return;
+  }
+  if (g->vocab_size && g->vocab_size != r->config.vocab_size) {
+    tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, "register: worker serves another model (vocab differs)");
+    return;
+  }
+  tw_rworker_t *w = tw_worker_by_id(r, m->id, m->id_len);
+  if (!w) {
+    if (r->n_workers == r->cap_workers) {
+      int32_t cap = r->cap_workers ? r->cap_workers * 2 : 16;
+      tw_rworker_t *t = realloc(r->workers, sizeof *t * (size_t)cap);
+      if (!t) return;
+      r->workers = t;
+      r->cap_workers = cap;
+    }
+    w = &r->workers[r->n_workers++];
+    memset(w, 0, sizeof *w);
+    w->serial = r->next_worker_serial++;
+    memcpy(w->id, m->id, m->id_len);
+    w->id_len = m->id_len;
+  }
+  snprintf(w->name, sizeof w->name, "%s", g->name && g->name[0] ? g->name : "worker");
+  w->pool = g->pool;
+  w->block_size = g->kv_block_size > 0 ? g->kv_block_size : 16;
+  w->draining = false;
+  w->last_seen_ns = tw_msg_clock_ns();
+  tw_apply_capacity(w, g->capacity);
+  TW_INFO("router", "worker %s registered: %s pool, backend %s, pid %d, %d/%d free kv blocks", w->name,
+          w->pool == TWAIN__INTERNAL__V1__POOL__POOL_PREFILL ? "prefill" : "decode",
+          g->backend ? g->backend : "?", g->pid, w->free_blocks, w->total_blocks);
+  Twain__Internal__V1__RegisterAck ack = TWAIN__INTERNAL__V1__REGISTER_ACK__INIT;
+  ack.worker_id = w->name;
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REGISTER_ACK;
+  env.register_ack = &ack;
+  tw_router_send_worker(r, w, &env);
+  tw_update_gauges(r);
+}
+
+/* Requeue (if nothing reached the client yet) or fail a request whose worker
+ * went away or refused it. */
+static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *why) {
+  if (q->done) return;
+  if (q->n_out == 0 && q->attempts < TW_ROUTER_MAX_ATTEMPTS) {
+    TW_INFO("router", "request %llu: %s; retrying elsewhere", (unsigned long long)q->id, why);
+    tw_router_cancel_workers(r, q);
+    q->state = TW_REQ_QUEUED;
+    q->dw = q->pw = 0;
+    q->retry_after_ns = tw_msg_clock_ns() + 20 * 1000000;
+    return;
+  }
+  tw_router_fail(r, q, code, "%s", why);
+}
+
+static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__Reserved *rs) {
+  TW_DEBUG("router", "request %llu: reserved on %s (%s)", (unsigned long long)rs->request_id, w->name,
+           rs->status && rs->status->code ? rs->status->message : "ok");
+  tw_req_t *q = tw_router_find_req(r, rs->request_id);
+  if (q && q->state == TW_REQ_RESERVING && q->dw == w->serial) {
+    w->pending_blocks -= q->blocks_asked;
+    if (w->pending_blocks < 0) w->pending_blocks = 0;
+  }
+  if (!q || q->state != TW_REQ_RESERVING || q->dw != w->serial) {
+    if (!rs->status || !rs->status->code) { /* a reservation nobody wants: free it */
+      Twain__Internal__V1__Cancel c = TWAIN__INTERNAL__V1__CANCEL__INIT;
+      c.request_id = rs->request_id;
+      Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+      env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL;
+      env.cancel = &c;
+      tw_router_send_worker(r, w, &env);
+    }
+    return;
+  }
+  if (rs->status && rs->status->code) {
+    if (rs->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED ||
+        rs->status->code == TWAIN__V1__CODE__UNAVAILABLE) { /* full or draining: wait in the queue */
+      q->state = TW_REQ_QUEUED;
+      q->dw = 0;
+      q->retry_after_ns = tw_msg_clock_ns() + 20 * 1000000;
+      return;
+    }
+    tw_router_fail(r, q, rs->status->code, "%s", rs->status->message ? rs->status->message : "reserve failed");
+    return;
+  }
+  /* prefill worker with the fewest queued prompt tokens */
+  tw_rworker_t *best = NULL;
+  for (int32_t i = 0; i < r->n_workers; i++) {
+    tw_rworker_t *p = &r->workers[i];
+    if (p->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL || p->draining) continue;
+    if (!best || p->queued_tokens + p->pending_tokens < best->queued_tokens + best->pending_tokens) best = p;
+  }
+  if (!best) {
+    tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no prefill worker is registered");
+    return;
+  }
+  Twain__Internal__V1__PrefillRequest pr = TWAIN__INTERNAL__V1__PREFILL_REQUEST__INIT;
+  pr.request_id = q->id;
+  pr.prompt_ids = q->prompt;
+  pr.n_prompt_ids = (size_t)q->n_prompt;
+  pr.sampling = &q->sampling;
+  pr.handoff = rs->handoff;
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL;
+  env.prefill = &pr;
+  q->pw = best->serial;
+  q->state = TW_REQ_PREFILLING;
+  best->pending_tokens += q->n_prompt;
+  best->requests++;
+  if (tw_router_send_worker(r, best, &env) != TW_OK)
+    tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "prefill worker unreachable");
+}
+
+static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__PrefillDone *d) {
+  tw_req_t *q = tw_router_find_req(r, d->request_id);
+  if (!q || q->state != TW_REQ_PREFILLING || q->pw != w->serial) return; /* cancelled meanwhile */
+  if (d->status && d->status->code) {
+    char why[300];
+    snprintf(why, sizeof why, "prefill failed on %s: %s", w->name, d->status->message ? d->status->message : "");
+    if (d->status->code == TWAIN__V1__CODE__UNAVAILABLE || d->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED)
+      tw_retry_or_fail(r, q, d->status->code, why);
+    else
+      tw_router_fail(r, q, d->status->code, "%s", why);
+    return;
+  }
+  tw_rworker_t *dw = tw_router_worker(r, q->dw);
+  if (!dw) {
+    tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "decode worker went away during prefill");
+    return;
+  }
+  Twain__Internal__V1__DecodeRequest dr = TWAIN__INTERNAL__V1__DECODE_REQUEST__INIT;
+  dr.request_id = q->id;
+  dr.n_prompt_tokens = q->n_prompt;
+  dr.first_token = d->first_token;
+  dr.max_tokens = q->max_tokens;
+  dr.sampling = &q->sampling;
+  dr.stop_token_ids = q->stop_ids;
+  dr.n_stop_token_ids = (size_t)q->n_stop;
+  dr.layer_checksums = d->layer_checksums;
+  dr.n_layer_checksums = d->n_layer_checksums;
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_DECODE;
+  env.decode = &dr;
+  q->state = TW_REQ_DECODING;
+  if (tw_router_send_worker(r, dw, &env) != TW_OK) {
+    tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "decode worker unreachable");
+    return;
+  }
+  /* the first token streams now: TTFT does not wait for the decode worker */
+  int32_t first = d->first_token;
+  bool stop = false;
+  for (int32_t i = 0; i < q->n_stop; i++) stop |= q->stop_ids[i] == first;
+  tw_router_on_tokens(r, q, &first, 1, stop || q->max_tokens == 1,
+                      stop ? TWAIN__V1__FINISH_REASON__FINISH_STOP : TWAIN__V1__FINISH_REASON__FINISH_LENGTH);
+}
+
+static void tw_on_worker_tokens(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__Tokens *t) {
+  tw_req_t *q = tw_router_find_req(r, t->request_id);
+  if (!q || q->state != TW_REQ_DECODING || q->dw != w->serial) return;
+  if (t->status && t->status->code) {
+    tw_router_fail(r, q, t->status->code, "decode failed on %s: %s", w->name,
+                   t->status->message ? t->status->message : "");
+    return;
+  }
+  tw_router_on_tokens(r, q, t->tokens, t->n_tokens, t->finished, t->finish_reason);
+}
+
+void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
+  Twain__Internal__V1__Envelope *env = twain__internal__v1__envelope__unpack(NULL, m->len, m->data);
+  if (!env) {
+    TW_WARN("router", "malformed protobuf on the worker socket (%zu bytes)", m->len);
+    tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, "malformed twain.internal.v1.Envelope");
+    return;
+  }
+  int64_t now = tw_msg_clock_ns();
+  if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_REGISTER) {
+    tw_on_register(r, m, env->register_);
+    twain__internal__v1__envelope__free_unpacked(env, NULL);
+    return;
+  }
+  tw_rworker_t *w = NULL;
+  if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT && env->heartbeat->worker &&
+      env->heartbeat->worker[0])
+    w = tw_worker_by_name(r, env->heartbeat->worker);
+  else
+    w = tw_worker_by_id(r, m->id, m->id_len);
+  if (!w) { /* expired, or the router restarted: ask it to register again */
+    tw_reject_to(r, m, 0, TWAIN__V1__CODE__NOT_FOUND, "unknown worker: register first");
+    twain__internal__v1__envelope__free_unpacked(env, NULL);
+    return;
+  }
+  w->last_seen_ns = now;
+  switch (env->body_case) {
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT:
+      tw_apply_capacity(w, env->heartbeat->capacity);
+      if (env->heartbeat->draining && !w->draining) {
+        TW_INFO("router", "worker %s is draining", w->name);
+        w->draining = true;
+        tw_update_gauges(r);
+      }
+      break;
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVED: tw_on_reserved(r, w, env->reserved); break;
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL_DONE: tw_on_prefill_done(r, w, env->prefill_done); break;
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_TOKENS: tw_on_worker_tokens(r, w, env->tokens); break;
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT: {
+      const Twain__Internal__V1__Reject *rj = env->reject;
+      TW_WARN("router", "worker %s rejected a message for request %llu: %s", w->name,
+              (unsigned long long)rj->request_id, rj->status && rj->status->message ? rj->status->message : "");
+      tw_req_t *q = rj->request_id ? tw_router_find_req(r, rj->request_id) : NULL;
+      if (q && (q->dw == w->serial || q->pw == w->serial))
+        tw_router_fail(r, q, rj->status ? rj->status->code : TWAIN__V1__CODE__INTERNAL, "worker %s: %s",
+                       w->name, rj->status && rj->status->message ? rj->status->message : "rejected");
+      break;
+    }
+    default:
+      TW_WARN("router", "worker %s sent an unexpected message type %d", w->name, (int)env->body_case);
+      tw_reject_to(r, m, 0, TWAIN__V1__CODE__UNIMPLEMENTED, "unexpected message type for the router");
+  }
+  twain__internal__v1__envelope__free_unpacked(env, NULL);
+}
+
+void tw_router_expire_workers(tw_router_t *r, int64_t now) {
+  for (int32_t i = 0; i < r->n_workers; i++) {
+    tw_rworker_t *w = &r->workers[i];
+    if (now - w->last_seen_ns <= (int64_t)r->p->expire_ms * 1000000) continue;
+    TW_WARN("router", "worker %s expired: no heartbeat for %lld ms", w->name,
+            (long long)((now - w->last_seen_ns) / 1000000));
+    tw_metric_add(r->m.expired, 1);
+    uint64_t dead = w->serial;
+    w->serial = 0; /* lookups fail from here on */
+    for (int32_t k = 0; k < r->n_reqs; k++) {
+      tw_req_t *q = r->reqs[k];
+      if (q->done || q->state == TW_REQ_QUEUED) continue;
+      if (q->dw == dead) {
+        q->dw = 0; /* nothing to cancel there */
+        char why[160];
+        snprintf(why, sizeof why, "decode worker %s stopped responding", w->name);
+        tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
+      } else if (q->pw == dead && q->state == TW_REQ_PREFILLING) {
+        q->pw = 0;
+        char why[160];
+        snprintf(why, sizeof why, "prefill worker %s stopped responding", w->name);
+        tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
+      }
+    }
+    r->workers[i] = r->workers[--r->n_workers];
+    i--;
+    tw_update_gauges(r);
+  }
+}
+
+void tw_router_schedule(tw_router_t *r, int64_t now) {
+  for (int32_t k = 0; k < r->n_reqs; k++) {
+    tw_req_t *q = r->reqs[k];
+    if (q->done || q->state != TW_REQ_QUEUED || now < q->retry_after_ns) continue;
+    if (tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) == 0 ||
+        tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL) == 0) {
+      if (q->attempts == 0 && now - q->t_arrival_ns > 2000000000LL) {
+        tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered",
+                       tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) ? "prefill" : "decode");
+      } else if (q->attempts > 0) {
+        tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "worker failed and no other %s worker is registered",
+                       tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) ? "prefill" : "decode");
+      }
+      continue;
+    }
+    /* decode worker with the most free blocks that can hold prompt + max_tokens */
+    tw_rworker_t *best = NULL;
+    int32_t best_free = -1, need = 0;
+    for (int32_t i = 0; i < r->n_workers; i++) {
+      tw_rworker_t *w = &r->workers[i];
+      if (w->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE || w->draining) continue;
+      int32_t n = (int32_t)(((int64_t)q->n_prompt + q->max_tokens + w->block_size - 1) / w->block_size);
+      int32_t f = w->free_blocks - w->pending_blocks;
+      if (f >= n && f > best_free) {
+        best = w;
+        best_free = f;
+        need = n;
+      }
+    }
+    if (!best) continue; /* admission control: wait for room (or the deadline) */
+    Twain__Internal__V1__Reserve rv = TWAIN__INTERNAL__V1__RESERVE__INIT;
+    rv.request_id = q->id;
+    rv.n_prompt_tokens = q->n_prompt;
+    rv.max_tokens = q->max_tokens;
+    Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+    env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVE;
+    env.reserve = &rv;
+    q->attempts++;
+    q->dw = best->serial;
+    q->state = TW_REQ_RESERVING;
+    q->blocks_asked = need;
+    best->pending_blocks += need;
+    best->requests++;
+    if (tw_router_send_worker(r, best, &env) != TW_OK) {
+      q->state = TW_REQ_QUEUED;
+      q->dw = 0;
+      best->pending_blocks -= need;
+    }
+  }
+}

@@ -1,0 +1,285 @@
+"""svc.py: helpers for the service integration tests: the twain.v1 and
+internal protobuf classes (from the descriptor set protoc-c writes at build
+time), a cluster of real router/prefill/decode processes on 127.0.0.1 with
+ephemeral ports, and a ZeroMQ client. Every wait is bounded."""
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+import zmq
+from google.protobuf import descriptor_pb2, descriptor_pool
+
+try:
+    from google.protobuf.message_factory import GetMessageClass as _get_class
+except ImportError:  # protobuf < 4.22
+    from google.protobuf import message_factory as _mf
+    _factory = None
+
+    def _get_class(desc):
+        global _factory
+        if _factory is None:
+            _factory = _mf.MessageFactory(desc.file.pool)
+        return _factory.GetPrototype(desc)
+
+BUILD = os.environ.get("TW_BUILD_DIR", "")
+MODEL = os.environ.get("TW_MODEL_DIR", "")
+DESC = os.environ.get("TW_PROTO_DESC", os.path.join(BUILD, "tests", "service", "twain.desc"))
+
+
+def load_protos(path=DESC):
+    fds = descriptor_pb2.FileDescriptorSet()
+    with open(path, "rb") as f:
+        fds.ParseFromString(f.read())
+    pool = descriptor_pool.DescriptorPool()
+    for fd in fds.file:
+        pool.Add(fd)
+    ns = {}
+    for fd in fds.file:
+        for name in fd.message_type:
+            full = fd.package + "." + name.name
+            ns[full] = _get_class(pool.FindMessageTypeByName(full))
+    enums = {}
+    for fd in fds.file:
+        for e in fd.enum_type:
+            for v in e.value:
+                enums[v.name] = v.number
+    return ns, enums
+
+
+P, E = load_protos()
+ClientRequest = P["twain.v1.ClientRequest"]
+ServerReply = P["twain.v1.ServerReply"]
+Envelope = P["twain.internal.v1.Envelope"]
+
+
+class Proc:
+    """A child process whose stdout/stderr lines are collected by threads."""
+
+    def __init__(self, argv, name):
+        self.name = name
+        self.argv = argv
+        self.lines = []
+        self.lock = threading.Lock()
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  stdin=subprocess.DEVNULL, text=True, errors="replace")
+        for stream in (self.p.stdout, self.p.stderr):
+            threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream):
+        for line in stream:
+            with self.lock:
+                self.lines.append(line.rstrip("\n"))
+            if os.environ.get("TW_TEST_VERBOSE"):
+                print("[%s] %s" % (self.name, line.rstrip()), flush=True)
+
+    def wait_line(self, pattern, timeout=30.0):
+        rx = re.compile(pattern)
+        end = time.time() + timeout
+        while time.time() < end:
+            with self.lock:
+                for line in self.lines:
+                    m = rx.search(line)
+                    if m:
+                        return m
+            if self.p.poll() is not None:
+                break
+            time.sleep(0.02)
+        raise AssertionError("%s: no line matching %r within %.0f s (exit %s); last lines:\n%s" % (
+            self.name, pattern, timeout, self.p.poll(), "\n".join(self.lines[-30:])))
+
+    def count(self, pattern):
+        rx = re.compile(pattern)
+        with self.lock:
+            return sum(1 for line in self.lines if rx.search(line))
+
+    def stop(self, sig=signal.SIGTERM, timeout=20.0):
+        if self.p.poll() is None:
+            self.p.send_signal(sig)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(5)
+        return self.p.returncode
+
+
+def bin_path(*parts):
+    return os.path.join(BUILD, *parts)
+
+
+def metrics(port):
+    with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        key, val = line.rsplit(" ", 1)
+        key = re.sub(r"\{process=\"[^\"]*\"(,)?", "{", key).replace("{}", "")
+        out[key] = float(val)
+    return out
+
+
+class Cluster:
+    """A router plus workers as separate processes on 127.0.0.1."""
+
+    def __init__(self, prefill=1, decode=1, router_args=(), decode_args=(), prefill_args=(),
+                 threads=1):
+        self.procs = []
+        self.threads = threads
+        self.decode_args = list(decode_args)
+        self.prefill_args = list(prefill_args)
+        self.router = Proc([bin_path("router", "twain-router"), "--model", MODEL,
+                            "--listen", "tcp://127.0.0.1:0", "--workers", "tcp://127.0.0.1:0",
+                            "--metrics-port", "0"] + list(router_args), "router")
+        m = self.router.wait_line(r"listening clients=(\S+) workers=(\S+)", 30)
+        self.client_ep, self.worker_ep = m.group(1), m.group(2)
+        self.router_metrics_port = int(self.router.wait_line(r"metrics port (\d+)", 10).group(1))
+        self.n_workers = 0
+        self.prefills, self.decodes = [], []
+        for _ in range(prefill):
+            self.add_prefill()
+        for _ in range(decode):
+            self.add_decode()
+        self.wait_registered(prefill, decode)
+
+    def _worker(self, kind, extra):
+        self.n_workers += 1
+        name = "%s-t%d-%d" % (kind, self.n_workers, os.getpid())
+        exe = bin_path("prefill", "twain-prefill") if kind == "prefill" else bin_path("decode", "twain-decode")
+        p = Proc([exe, "--router", self.worker_ep, "--model", MODEL, "--name", name,
+                  "--backend", "cpu", "--threads", str(self.threads), "--metrics-port", "0"] + extra, name)
+        p.worker_name = name
+        p.metrics_port = int(p.wait_line(r"serving /metrics and /healthz on 127\.0\.0\.1:(\d+)", 60).group(1))
+        self.procs.append(p)
+        return p
+
+    def add_prefill(self, extra=()):
+        p = self._worker("prefill", self.prefill_args + list(extra))
+        self.prefills.append(p)
+        return p
+
+    def add_decode(self, extra=()):
+        p = self._worker("decode", self.decode_args + list(extra))
+        self.decodes.append(p)
+        return p
+
+    def wait_registered(self, n_prefill, n_decode, timeout=60):
+        end = time.time() + timeout
+        while time.time() < end:
+            m = metrics(self.router_metrics_port)
+            if m.get("twain_router_prefill_workers", 0) >= n_prefill and \
+               m.get("twain_router_decode_workers", 0) >= n_decode:
+                return
+            time.sleep(0.05)
+        raise AssertionError("workers did not register within %d s" % timeout)
+
+    def client(self):
+        return Client(self.client_ep)
+
+    def close(self):
+        rcs = {}
+        for p in self.procs:
+            rcs[p.name] = p.stop()
+        rcs["router"] = self.router.stop()
+        return rcs
+
+
+class Client:
+    """A DEALER client: send requests, gather replies per request_id."""
+
+    def __init__(self, endpoint):
+        self.ctx = zmq.Context.instance()
+        self.s = self.ctx.socket(zmq.DEALER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(endpoint)
+        self.replies = {}
+        self.next_id = 1
+
+    def send(self, req):
+        if not req.request_id:
+            req.request_id = self.next_id
+            self.next_id += 1
+        self.s.send(req.SerializeToString())
+        self.replies.setdefault(req.request_id, [])
+        return req.request_id
+
+    def send_raw(self, data):
+        self.s.send(data)
+
+    def pump(self, timeout=0.05):
+        if self.s.poll(int(timeout * 1000)):
+            while True:
+                try:
+                    data = self.s.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                rep = ServerReply()
+                rep.ParseFromString(data)
+                self.replies.setdefault(rep.request_id, []).append(rep)
+
+    def done(self, rid):
+        r = self.replies.get(rid, [])
+        return bool(r) and r[-1].done
+
+    def wait(self, rids, timeout=120.0):
+        end = time.time() + timeout
+        while time.time() < end and not all(self.done(r) for r in rids):
+            self.pump(0.05)
+        missing = [r for r in rids if not self.done(r)]
+        assert not missing, "requests %s did not finish within %.0f s" % (missing[:8], timeout)
+        return [self.replies[r] for r in rids]
+
+    def close(self):
+        self.s.close(0)
+
+
+def generate(ids, max_tokens, stream=True, stop_ids=(), **kw):
+    r = ClientRequest()
+    r.generate.prompt_ids.extend(ids)
+    r.generate.stream = stream
+    r.generate.sampling.max_tokens = max_tokens
+    r.generate.sampling.explicit_max_tokens = True
+    r.generate.sampling.stop_token_ids.extend(stop_ids)
+    for k, v in kw.items():
+        setattr(r, k, v)
+    return r
+
+
+def chat(text, max_tokens=64, stream=True, date="2025-06-01", reasoning=None):
+    r = ClientRequest()
+    m = r.chat.messages.add()
+    m.role = "user"
+    m.content = text
+    r.chat.stream = stream
+    r.chat.date = date
+    r.chat.sampling.max_tokens = max_tokens
+    if reasoning:
+        r.chat.reasoning = E["REASONING_" + reasoning.upper()]
+    return r
+
+
+def tokens_of(replies):
+    out = []
+    for rep in replies:
+        out.extend(rep.token_ids)
+    return out
+
+
+def reference_generate(ids, n, stop_ids=(), tmpdir="/tmp"):
+    """Greedy continuation from `twain-prefill --generate` in one process."""
+    path = os.path.join(tmpdir, "tw_prompt_%d_%d.json" % (os.getpid(), abs(hash(tuple(ids))) % 100000))
+    with open(path, "w") as f:
+        f.write("[" + ",".join(str(i) for i in ids) + "]")
+    argv = [bin_path("prefill", "twain-prefill"), "--model", MODEL, "--backend", "cpu",
+            "--prompt-tokens", path, "--generate", str(n), "--threads", "1"]
+    if stop_ids:
+        argv += ["--stop-ids", ",".join(str(i) for i in stop_ids)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True).stdout
+    os.unlink(path)
+    line = [l for l in out.splitlines() if l.startswith("[")][-1]
+    return [int(x) for x in line.strip("[]").split(",") if x.strip()]
