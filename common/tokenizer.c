@@ -456,7 +456,7 @@ tw_status_t tw_tokenizer_decode(const tw_tokenizer_t *t, const int32_t *ids, siz
   for (size_t i = 0; i < n; i++) {
     int32_t id = ids[i];
     if (id < 0 || id >= t->n_ids || t->tok_len[id] == TW_TOK_NO_TOKEN)
-      return tw_err(TW_ERR_OUT_OF_RANGE, "decode: token %zu is id %d, which has no bytes "
+      return tw_err_quiet(TW_ERR_OUT_OF_RANGE, "decode: token %zu is id %d, which has no bytes "
                     "(tokenizer has %d ids)", i, id, t->n_ids);
     total += t->tok_len[id];
   }

@@ -368,7 +368,7 @@ tw_status_t tw_tok_encoder_encode(tw_tok_encoder_t *e, const char *text, size_t 
                                   unsigned flags, tw_token_ids_t *out) {
   size_t bad;
   if (!tw_utf8_valid(text, len, &bad))
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "text is not valid UTF-8: bad byte 0x%02x at offset "
+    return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "text is not valid UTF-8: bad byte 0x%02x at offset "
                   "%zu", (unsigned char)text[bad], bad);
   const struct tw_tokenizer *t = e->tok;
   size_t start_n = out->n;
