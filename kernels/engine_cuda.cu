@@ -1,0 +1,411 @@
+/* engine_cuda.cu: the CUDA backend of engine.h: creation (weights uploaded
+ * once, RoPE tables, KV pool, workspace), the memory plan logged at start,
+ * and destruction. The forward pass lives in engine_cuda_step.cu.
+ *
+ * Device formats: bf16 matrices and norm weights as bf16 (exact copies), the
+ * QKV projections stacked into one [NQ*D + 2*NKV*D, H] matrix with a bf16
+ * bias (the cuBLASLt bias epilogue takes the output dtype), MXFP4 experts as
+ * their packed bytes and scales (spec §3.4), every other bias and the sinks
+ * as f32. The KV pool is bf16 in the engine.h layout, zeroed at start. */
+#include "kernels/engine_cuda_impl.h"
+
+#include "common/log.h"
+#include "kernels/attention.h"
+#include "kernels/cuda_common.h"
+#include "kernels/norm_rope.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define TW_CE_ALIGN 256
+
+static size_t tw_ce_align(size_t n) { return (n + TW_CE_ALIGN - 1) / TW_CE_ALIGN * TW_CE_ALIGN; }
+
+extern "C" int tw_cuda_available(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n > 0;
+}
+
+/* ---- weight upload: one walk sizes the arena, a second one fills it ------ */
+
+typedef struct {
+  char *base;   /* NULL during the sizing walk */
+  size_t off;
+  void *tmp;    /* host conversion buffer */
+  size_t tmp_bytes;
+} tw_ce_up_t;
+
+static tw_status_t tw_ce_tmp(tw_ce_up_t *u, size_t bytes) {
+  if (bytes <= u->tmp_bytes) return TW_OK;
+  void *p = realloc(u->tmp, bytes);
+  if (!p) return tw_err(TW_ERR_NO_MEMORY, "cuda engine: out of host memory (%zu bytes)", bytes);
+  u->tmp = p;
+  u->tmp_bytes = bytes;
+  return TW_OK;
+}
+
+static int64_t tw_ce_numel(const tw_tensor_t *t) {
+  int64_t n = 1;
+  for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+  return n;
+}
+
+/* Place `n_bytes` of `src` (host) at the cursor; returns the device pointer. */
+static tw_status_t tw_ce_put(tw_ce_up_t *u, const void *src, size_t n_bytes, const void **dst_p) {
+  size_t at = u->off;
+  u->off += tw_ce_align(n_bytes);
+  if (!u->base) {
+    *dst_p = NULL;
+    return TW_OK;
+  }
+  TW_CUDA_CHECK(cudaMemcpy(u->base + at, src, n_bytes, cudaMemcpyHostToDevice));
+  *dst_p = u->base + at;
+  return TW_OK;
+}
+
+/* Upload a tensor converted to `to` (bf16 or f32) from its bf16/f32 dtype;
+ * other dtypes are copied unchanged. */
+static tw_status_t tw_ce_put_as(tw_ce_up_t *u, const tw_tensor_t *t, tw_dtype_t to,
+                                const char *name, const void **dst_p) {
+  if (!t->data) return tw_err(TW_ERR_NOT_FOUND, "cuda engine: tensor %s is absent", name);
+  int64_t n = tw_ce_numel(t);
+  if (t->dtype == to || (to != TW_DTYPE_F32 && to != TW_DTYPE_BF16))
+    return tw_ce_put(u, t->data, (size_t)t->n_bytes, dst_p);
+  if (t->dtype != TW_DTYPE_F32 && t->dtype != TW_DTYPE_BF16)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: tensor %s has dtype %s, want bf16 or f32",
+                  name, tw_dtype_name(t->dtype));
+  size_t bytes = (size_t)n * tw_dtype_size(to);
+  if (!u->base) return tw_ce_put(u, NULL, bytes, dst_p);
+  TW_CHECK(tw_ce_tmp(u, bytes));
+  for (int64_t i = 0; i < n; i++) {
+    if (to == TW_DTYPE_F32)
+      ((float *)u->tmp)[i] = tw_bf16_to_f32(((const uint16_t *)t->data)[i]);
+    else
+      ((uint16_t *)u->tmp)[i] = tw_f32_to_bf16(((const float *)t->data)[i]);
+  }
+  return tw_ce_put(u, u->tmp, bytes, dst_p);
+}
+
+/* Stack several tensors (all converted to `to`) contiguously. */
+static tw_status_t tw_ce_put_stack(tw_ce_up_t *u, const tw_tensor_t *const *ts, int n,
+                                   tw_dtype_t to, const char *name, const void **dst_p) {
+  size_t total = 0;
+  for (int i = 0; i < n; i++) {
+    if (!ts[i]->data) return tw_err(TW_ERR_NOT_FOUND, "cuda engine: tensor %s[%d] is absent", name, i);
+    if (ts[i]->dtype != to)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: tensor %s[%d] has dtype %s, want %s",
+                    name, i, tw_dtype_name(ts[i]->dtype), tw_dtype_name(to));
+    total += (size_t)ts[i]->n_bytes;
+  }
+  size_t at = u->off;
+  u->off += tw_ce_align(total);
+  *dst_p = u->base ? u->base + at : NULL;
+  if (!u->base) return TW_OK;
+  size_t o = 0;
+  for (int i = 0; i < n; i++) {
+    TW_CUDA_CHECK(cudaMemcpy(u->base + at + o, ts[i]->data, (size_t)ts[i]->n_bytes,
+                             cudaMemcpyHostToDevice));
+    o += (size_t)ts[i]->n_bytes;
+  }
+  return TW_OK;
+}
+
+static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
+  const tw_model_config_t *c = &m->config;
+  TW_CHECK(tw_ce_put_as(u, &m->embed, TW_DTYPE_BF16, "embed", &ce->embed));
+  TW_CHECK(tw_ce_put_as(u, &m->lm_head, TW_DTYPE_BF16, "lm_head", &ce->lm_head));
+  TW_CHECK(tw_ce_put_as(u, &m->final_norm, TW_DTYPE_BF16, "final_norm", &ce->final_norm));
+  for (int l = 0; l < c->n_layers; l++) {
+    const tw_layer_weights_t *lw = &m->layers[l];
+    tw_ce_layer_t *d = &ce->layers[l];
+    const void *p;
+    TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
+    const tw_tensor_t *wq[3] = {&lw->q_w, &lw->k_w, &lw->v_w};
+    const tw_tensor_t *bq[3] = {&lw->q_b, &lw->k_b, &lw->v_b};
+    TW_CHECK(tw_ce_put_stack(u, wq, 3, TW_DTYPE_BF16, "qkv weight", &d->wqkv));
+    TW_CHECK(tw_ce_put_stack(u, bq, 3, TW_DTYPE_BF16, "qkv bias", &d->bqkv));
+    TW_CHECK(tw_ce_put_as(u, &lw->o_w, TW_DTYPE_BF16, "o_proj", &d->wo));
+    TW_CHECK(tw_ce_put_as(u, &lw->o_b, TW_DTYPE_F32, "o_proj bias", &p));
+    d->bo = (const float *)p;
+    TW_CHECK(tw_ce_put_as(u, &lw->sinks, TW_DTYPE_F32, "sinks", &p));
+    d->sinks = (const float *)p;
+    TW_CHECK(tw_ce_put_as(u, &lw->mlp_norm, TW_DTYPE_BF16, "mlp_norm", &d->mlp_norm));
+    TW_CHECK(tw_ce_put_as(u, &lw->router_w, TW_DTYPE_BF16, "router", &d->wr));
+    TW_CHECK(tw_ce_put_as(u, &lw->router_b, TW_DTYPE_F32, "router bias", &p));
+    d->br = (const float *)p;
+    tw_cuda_moe_weights_t *mw = &d->moe;
+    mw->n_experts = c->n_experts;
+    mw->hidden = c->hidden;
+    mw->intermediate = c->intermediate;
+    mw->swiglu_alpha = c->swiglu_alpha;
+    mw->swiglu_limit = c->swiglu_limit;
+    TW_CHECK(tw_ce_put_as(u, &lw->gate_up_blocks, TW_DTYPE_U8, "gate_up_blocks", &p));
+    mw->gate_up_blocks = (const uint8_t *)p;
+    TW_CHECK(tw_ce_put_as(u, &lw->gate_up_scales, TW_DTYPE_U8, "gate_up_scales", &p));
+    mw->gate_up_scales = (const uint8_t *)p;
+    TW_CHECK(tw_ce_put_as(u, &lw->gate_up_bias, TW_DTYPE_F32, "gate_up_bias", &p));
+    mw->gate_up_bias = (const float *)p;
+    TW_CHECK(tw_ce_put_as(u, &lw->down_blocks, TW_DTYPE_U8, "down_blocks", &p));
+    mw->down_blocks = (const uint8_t *)p;
+    TW_CHECK(tw_ce_put_as(u, &lw->down_scales, TW_DTYPE_U8, "down_scales", &p));
+    mw->down_scales = (const uint8_t *)p;
+    TW_CHECK(tw_ce_put_as(u, &lw->down_bias, TW_DTYPE_F32, "down_bias", &p));
+    mw->down_bias = (const float *)p;
+  }
+  return TW_OK;
+}
+
+/* ---- workspace carve ---------------------------------------------------- */
+
+typedef struct {
+  char *base;
+  size_t off;
+} tw_ce_carve_t;
+
+static void *tw_ce_take(tw_ce_carve_t *c, size_t bytes) {
+  void *p = c->base ? c->base + c->off : NULL;
+  c->off += tw_ce_align(bytes);
+  return p;
+}
+
+static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
+  const tw_model_config_t *c = ce->cfg;
+  size_t R = (size_t)ce->max_rows, H = (size_t)c->hidden, E = (size_t)c->n_experts;
+  size_t B = (size_t)ce->max_batch, V = (size_t)c->vocab_size;
+  size_t lrows = B > TW_CE_LOGIT_ROWS ? B : TW_CE_LOGIT_ROWS;
+  ce->x = (float *)tw_ce_take(cv, R * H * 4);
+  ce->o = (float *)tw_ce_take(cv, R * H * 4);
+  ce->moe_out = (float *)tw_ce_take(cv, R * H * 4);
+  ce->rlog = (float *)tw_ce_take(cv, R * E * 4);
+  ce->xn = tw_ce_take(cv, R * H * 2);
+  ce->qkv = tw_ce_take(cv, R * (size_t)ce->qkv_dim * 2);
+  ce->attn = tw_ce_take(cv, R * (size_t)ce->q_dim * 2);
+  ce->logits = (float *)tw_ce_take(cv, lrows * V * 4);
+  size_t rb = tw_cuda_moe_route_bytes((int32_t)R, c->n_experts, c->n_experts_per_tok);
+  void *rmem = tw_ce_take(cv, rb);
+  if (cv->base)
+    TW_CHECK(tw_cuda_moe_route_init(rmem, rb, (int32_t)R, c->n_experts, c->n_experts_per_tok,
+                                    &ce->route));
+  int32_t gemv_rows = (int32_t)(R < TW_CE_GEMV_MAX_TOKENS ? R : TW_CE_GEMV_MAX_TOKENS);
+  ce->moe_dec_bytes = tw_cuda_moe_decode_ws_bytes(gemv_rows, c->n_experts_per_tok, c->hidden,
+                                                  c->intermediate);
+  ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
+  ce->moe_pre_bytes = 0;
+  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS) {
+    ce->moe_pre_bytes = tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts,
+                                                     c->n_experts_per_tok, c->hidden,
+                                                     c->intermediate);
+    ce->moe_pre_ws = tw_ce_take(cv, ce->moe_pre_bytes);
+  }
+  ce->attn_ws = tw_ce_take(cv, ce->attn_ws_bytes);
+  ce->d_tokens = (int32_t *)tw_ce_take(cv, R * 4);
+  ce->d_positions = (int32_t *)tw_ce_take(cv, R * 4);
+  ce->d_slots = (int32_t *)tw_ce_take(cv, R * 4);
+  ce->d_seq_lens = (int32_t *)tw_ce_take(cv, B * 4);
+  ce->d_cu = (int32_t *)tw_ce_take(cv, 2 * 4);
+  ce->d_start = (int32_t *)tw_ce_take(cv, 4);
+  ce->d_block_tables = (int32_t *)tw_ce_take(cv, B * (size_t)ce->max_blocks_per_seq * 4);
+  ce->d_next = (int32_t *)tw_ce_take(cv, B * 4);
+  ce->d_params = (tw_cuda_sample_row_t *)tw_ce_take(cv, B * sizeof(tw_cuda_sample_row_t));
+  return TW_OK;
+}
+
+static void tw_ce_destroy(tw_engine_t *engine) {
+  if (!engine) return;
+  tw_ce_t *ce = (tw_ce_t *)engine->backend;
+  if (ce) {
+    if (ce->stream) cudaStreamSynchronize(ce->stream);
+    tw_ce_graphs_destroy(ce);
+    tw_cuda_gemm_destroy(ce->gemm);
+    if (ce->warena) cudaFree(ce->warena);
+    if (ce->kv_pool) cudaFree(ce->kv_pool);
+    if (ce->ws_arena) cudaFree(ce->ws_arena);
+    if (ce->rope_cos) cudaFree(ce->rope_cos);
+    if (ce->rope_sin) cudaFree(ce->rope_sin);
+    if (ce->h_arena) cudaFreeHost(ce->h_arena);
+    if (ce->stream) cudaStreamDestroy(ce->stream);
+    free(ce->layers);
+    free(ce);
+  }
+  engine->magic = 0;
+  free(engine);
+}
+
+static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill, tw_ce_decode};
+
+static tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_params_t *p) {
+  const tw_model_config_t *c = &m->config;
+  if (m->layers == NULL || c->n_layers <= 0)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: model has no layers");
+  if (p->tp_size != 1 || p->ep_size != 1)
+    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: tp_size %d / ep_size %d: only 1 is built",
+                  p->tp_size, p->ep_size);
+  for (int l = 0; l < c->n_layers; l++)
+    if (m->layers[l].experts_format != TW_EXPERTS_MXFP4)
+      return tw_err(TW_ERR_UNSUPPORTED,
+                    "cuda engine: layer %d has bf16 experts; only MXFP4 experts are built", l);
+  if (c->hidden % 32 || c->intermediate % 32)
+    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: hidden %d / intermediate %d not multiples of 32",
+                  c->hidden, c->intermediate);
+  if (c->head_dim != 64)
+    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: head_dim %d (only 64 is built)", c->head_dim);
+  if (c->n_experts > 1024 || c->n_experts_per_tok > 32 || c->n_experts_per_tok > c->n_experts)
+    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: %d experts, top-%d not supported",
+                  c->n_experts, c->n_experts_per_tok);
+  return TW_OK;
+}
+
+static double tw_gib(size_t b) { return (double)b / (1024.0 * 1024.0 * 1024.0); }
+
+extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
+                                             const tw_engine_params_t *params,
+                                             tw_engine_t **engine_p) {
+  if (!model || !params || !engine_p)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: NULL argument");
+  TW_CHECK(tw_ce_config_check(model, params));
+  const tw_model_config_t *c = &model->config;
+  TW_CUDA_CHECK(cudaSetDevice(params->device));
+  TW_CHECK(tw_cuda_moe_setup());
+  tw_engine_t *e = (tw_engine_t *)calloc(1, sizeof(*e));
+  tw_ce_t *ce = (tw_ce_t *)calloc(1, sizeof(*ce));
+  tw_ce_layer_t *layers = (tw_ce_layer_t *)calloc((size_t)c->n_layers, sizeof(*layers));
+  tw_status_t st = TW_OK;
+  tw_ce_up_t up = {NULL, 0, NULL, 0};
+  tw_ce_carve_t cv = {NULL, 0};
+  size_t free_b = 0, total_b = 0, kv_block_all = 0, h_bytes = 0;
+  int64_t n_blocks = params->kv_num_blocks;
+  if (!e || !ce || !layers) {
+    free(e);
+    free(ce);
+    free(layers);
+    return tw_err(TW_ERR_NO_MEMORY, "cuda engine: out of host memory");
+  }
+  e->magic = TW_ENGINE_MAGIC;
+  e->ops = &tw_ce_ops;
+  e->model = model;
+  e->params = *params;
+  e->backend = ce;
+  ce->layers = layers;
+  ce->cfg = c;
+  ce->q_dim = c->n_heads * c->head_dim;
+  ce->qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
+  ce->chunk = params->max_prefill_chunk;
+  ce->max_batch = params->max_batch;
+  ce->max_rows = ce->chunk > ce->max_batch ? ce->chunk : ce->max_batch;
+  ce->max_pos = c->max_position_embeddings;
+  ce->max_blocks_per_seq = (ce->max_pos + params->kv_block_size - 1) / params->kv_block_size;
+  ce->use_graphs = 1;
+  TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->stream, cudaStreamNonBlocking), st, fail);
+  TW_CHECK_GOTO(tw_cuda_gemm_create(0, &ce->gemm), st, fail);
+  /* weights */
+  TW_CHECK_GOTO(tw_ce_walk(ce, model, &up), st, fail);
+  ce->warena_bytes = up.off;
+  TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->warena, ce->warena_bytes), st, fail);
+  up.base = (char *)ce->warena;
+  up.off = 0;
+  st = tw_ce_walk(ce, model, &up);
+  free(up.tmp);
+  if (st < 0) goto fail;
+  /* RoPE tables */
+  {
+    size_t tb = (size_t)ce->max_pos * (c->head_dim / 2) * sizeof(float);
+    float *hc = (float *)malloc(tb), *hs = (float *)malloc(tb);
+    if (!hc || !hs) {
+      free(hc);
+      free(hs);
+      st = tw_err(TW_ERR_NO_MEMORY, "cuda engine: out of host memory for rope tables");
+      goto fail;
+    }
+    st = tw_cuda_rope_table_fill(c, ce->max_pos, hc, hs);
+    if (st >= 0 && cudaMalloc((void **)&ce->rope_cos, tb) == cudaSuccess &&
+        cudaMalloc((void **)&ce->rope_sin, tb) == cudaSuccess &&
+        cudaMemcpy(ce->rope_cos, hc, tb, cudaMemcpyHostToDevice) == cudaSuccess &&
+        cudaMemcpy(ce->rope_sin, hs, tb, cudaMemcpyHostToDevice) == cudaSuccess) {
+    } else if (st >= 0) {
+      st = tw_err(TW_ERR_CUDA, "cuda engine: rope table upload failed (%zu bytes each)", tb);
+    }
+    free(hc);
+    free(hs);
+    if (st < 0) goto fail;
+  }
+  /* workspace */
+  {
+    tw_cuda_attn_shape_t sh = {c->n_heads, c->n_kv_heads, c->head_dim, params->kv_block_size, 0,
+                               0.125f};
+    ce->attn_ws_bytes =
+        tw_cuda_attention_decode_workspace_bytes(&sh, ce->max_batch, ce->max_pos);
+  }
+  TW_CHECK_GOTO(tw_ce_carve(ce, &cv), st, fail);
+  ce->ws_bytes = cv.off;
+  TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->ws_arena, ce->ws_bytes), st, fail);
+  cv.base = (char *)ce->ws_arena;
+  cv.off = 0;
+  TW_CHECK_GOTO(tw_ce_carve(ce, &cv), st, fail);
+  /* pinned staging */
+  {
+    size_t R = (size_t)ce->max_rows, B = (size_t)ce->max_batch;
+    h_bytes = R * 3 * 4 + B * 2 * 4 + 16 + (size_t)c->n_experts * 4 +
+              B * (size_t)ce->max_blocks_per_seq * 4 + B * sizeof(tw_cuda_sample_row_t) + 64;
+    TW_CUDA_CHECK_GOTO(cudaMallocHost(&ce->h_arena, h_bytes), st, fail);
+    char *h = (char *)ce->h_arena;
+    ce->h_params = (tw_cuda_sample_row_t *)h; h += B * sizeof(tw_cuda_sample_row_t);
+    ce->h_tokens = (int32_t *)h; h += R * 4;
+    ce->h_positions = (int32_t *)h; h += R * 4;
+    ce->h_slots = (int32_t *)h; h += R * 4;
+    ce->h_seq_lens = (int32_t *)h; h += B * 4;
+    ce->h_next = (int32_t *)h; h += B * 4;
+    ce->h_cu = (int32_t *)h; h += 16;
+    ce->h_counts = (int32_t *)h; h += (size_t)c->n_experts * 4;
+    ce->h_block_tables = (int32_t *)h;
+  }
+  /* KV pool: what is asked, or most of the memory left */
+  kv_block_all = (size_t)c->n_layers * 2 * c->n_kv_heads * params->kv_block_size * c->head_dim * 2;
+  TW_CUDA_CHECK_GOTO(cudaMemGetInfo(&free_b, &total_b), st, fail);
+  if (n_blocks == 0) {
+    size_t reserve = (size_t)2 << 30;
+    size_t avail = free_b > reserve ? (size_t)((double)(free_b - reserve) * 0.9) : 0;
+    n_blocks = (int64_t)(avail / kv_block_all);
+    int64_t cap = (int64_t)ce->max_batch * ce->max_blocks_per_seq;
+    if (n_blocks > cap) n_blocks = cap;
+    if (n_blocks > 0x7fffffff / params->kv_block_size) n_blocks = 0x7fffffff / params->kv_block_size;
+    if (n_blocks < 1) {
+      st = tw_err(TW_ERR_NO_MEMORY, "cuda engine: no device memory left for the KV pool "
+                  "(%.2f GiB free)", tw_gib(free_b));
+      goto fail;
+    }
+  }
+  ce->kv_bytes = (size_t)n_blocks * kv_block_all;
+  ce->kv_layer_stride_bytes = (int64_t)n_blocks * (int64_t)(kv_block_all / c->n_layers);
+  TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->kv_pool, ce->kv_bytes), st, fail);
+  TW_CUDA_CHECK_GOTO(cudaMemset(ce->kv_pool, 0, ce->kv_bytes), st, fail);
+  e->kv.dtype = TW_DTYPE_BF16;
+  e->kv.on_device = true;
+  e->kv.device = params->device;
+  e->kv.n_layers = c->n_layers;
+  e->kv.n_blocks = (int32_t)n_blocks;
+  e->kv.block_size = params->kv_block_size;
+  e->kv.n_kv_heads_local = c->n_kv_heads;
+  e->kv.kv_head_offset = 0;
+  e->kv.head_dim = c->head_dim;
+  e->kv.base = ce->kv_pool;
+  e->kv.layer_stride_bytes = ce->kv_layer_stride_bytes;
+  e->kv.block_bytes = (int64_t)(kv_block_all / c->n_layers);
+  e->kv.total_bytes = (int64_t)ce->kv_bytes;
+  TW_INFO("engine",
+          "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens), "
+          "workspace %.2f GiB (moe prefill %.2f, chunk %d, max batch %d), rope %.2f GiB, "
+          "pinned host %.1f MiB; %.2f of %.2f GiB free before the pool",
+          tw_gib(ce->warena_bytes), tw_gib(ce->kv_bytes), (long long)n_blocks,
+          params->kv_block_size, tw_gib(ce->ws_bytes), tw_gib(ce->moe_pre_bytes), ce->chunk,
+          ce->max_batch, tw_gib((size_t)ce->max_pos * c->head_dim * 4),
+          (double)h_bytes / 1048576.0, tw_gib(free_b), tw_gib(total_b));
+  *engine_p = e;
+  return TW_OK;
+fail:
+  tw_ce_destroy(e);
+  return st;
+}

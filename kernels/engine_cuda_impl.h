@@ -1,0 +1,97 @@
+/* engine_cuda_impl.h: private state of the CUDA engine, shared by
+ * engine_cuda.cu (create, upload, memory plan, destroy) and
+ * engine_cuda_step.cu (the forward pass, prefill, decode, CUDA graphs).
+ * Not a public header. */
+#ifndef TW_KERNELS_ENGINE_CUDA_IMPL_H
+#define TW_KERNELS_ENGINE_CUDA_IMPL_H
+
+#include "common/engine_impl.h"
+#include "kernels/embed_sample.h"
+#include "kernels/gemm.h"
+#include "kernels/moe.h"
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TW_CE_MAX_GRAPHS 96
+/* Decode batches up to this size run the MoE by GEMV (no host sync: the whole
+ * step is one CUDA graph); larger ones use the dequantise + GEMM path. */
+#define TW_CE_GEMV_MAX_TOKENS 64
+/* Rows of logits computed per unembedding GEMM when all logits are asked. */
+#define TW_CE_LOGIT_ROWS 256
+
+typedef struct {
+  const void *attn_norm; /* bf16 [H] */
+  const void *wqkv;      /* bf16 [NQ*D + 2*NKV*D, H] (q, k, v rows stacked) */
+  const void *bqkv;      /* bf16 [NQ*D + 2*NKV*D] */
+  const void *wo;        /* bf16 [H, NQ*D] */
+  const float *bo;       /* f32 [H] */
+  const float *sinks;    /* f32 [NQ] */
+  const void *mlp_norm;  /* bf16 [H] */
+  const void *wr;        /* bf16 [E, H] */
+  const float *br;       /* f32 [E] */
+  tw_cuda_moe_weights_t moe;
+} tw_ce_layer_t;
+
+typedef struct {
+  int32_t b;   /* batch bucket */
+  int32_t ctx; /* max_seq_len bucket */
+  cudaGraphExec_t exec;
+} tw_ce_graph_t;
+
+typedef struct {
+  const tw_model_config_t *cfg;
+  int32_t qkv_dim, q_dim; /* (NQ + 2 NKV) D, NQ D */
+  cudaStream_t stream;
+  tw_cuda_gemm_t *gemm;
+  /* weights: one device arena */
+  void *warena;
+  size_t warena_bytes;
+  const void *embed, *lm_head, *final_norm;
+  tw_ce_layer_t *layers;
+  float *rope_cos, *rope_sin;
+  int32_t max_pos;
+  /* KV pool */
+  void *kv_pool;
+  size_t kv_bytes;
+  int64_t kv_layer_stride_bytes;
+  /* workspace: one device arena */
+  void *ws_arena;
+  size_t ws_bytes;
+  int32_t chunk;    /* prefill chunk (tokens) */
+  int32_t max_rows; /* max(chunk, max_batch) */
+  int32_t max_batch;
+  float *x, *o, *moe_out, *rlog, *logits;
+  void *xn, *qkv, *attn;
+  tw_cuda_moe_route_t route;
+  void *moe_dec_ws, *moe_pre_ws, *attn_ws;
+  size_t moe_dec_bytes, moe_pre_bytes, attn_ws_bytes;
+  int32_t *d_tokens, *d_positions, *d_slots, *d_seq_lens, *d_cu, *d_start, *d_block_tables,
+      *d_next;
+  tw_cuda_sample_row_t *d_params;
+  int32_t max_blocks_per_seq;
+  /* pinned host staging */
+  void *h_arena;
+  int32_t *h_tokens, *h_positions, *h_slots, *h_seq_lens, *h_cu, *h_next, *h_counts,
+      *h_block_tables;
+  tw_cuda_sample_row_t *h_params;
+  /* decode graphs */
+  tw_ce_graph_t graphs[TW_CE_MAX_GRAPHS];
+  int32_t n_graphs;
+  int use_graphs;
+} tw_ce_t;
+
+/** The engine ops (engine_cuda_step.cu). */
+tw_status_t tw_ce_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
+tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
+/** Destroy the captured graphs (engine_cuda_step.cu). */
+void tw_ce_graphs_destroy(tw_ce_t *ce);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,264 @@
+/* engine_cuda_step.cu: the forward pass of the CUDA engine (spec §2): chunked
+ * prefill of one sequence and batched decode, the latter captured into one
+ * CUDA graph per (batch bucket, context bucket) when its MoE runs by GEMV.
+ * Inside a step nothing synchronises the host except: the MoE prefill path
+ * (reads per-expert counts once per layer, for large token counts only) and
+ * the copy-out of the results the caller asked for at the end.
+ *
+ * Per layer: x (f32 residual) -> RMSNorm -> QKV GEMM (+bias, bf16) -> RoPE +
+ * paged KV write -> attention -> O GEMM (+bias, f32) -> residual add + RMSNorm
+ * -> router GEMM (f32 logits, spec §2.8) -> top-k/sort -> MoE (f32 out) ->
+ * residual add at the next norm. */
+#include "kernels/engine_cuda_impl.h"
+
+#include "common/log.h"
+#include "common/sampling.h"
+#include "kernels/attention.h"
+#include "kernels/cuda_common.h"
+#include "kernels/norm_rope.h"
+
+#include <math.h>
+#include <string.h>
+
+static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_seq_len,
+                                int32_t block_size) {
+  const tw_model_config_t *c = ce->cfg;
+  cudaStream_t s = ce->stream;
+  int32_t H = c->hidden, E = c->n_experts, QKV = ce->qkv_dim, QD = ce->q_dim;
+  tw_cuda_attn_shape_t sh = {c->n_heads, c->n_kv_heads, c->head_dim, block_size, 0,
+                             (float)(1.0 / sqrt((double)c->head_dim))};
+  TW_CHECK(tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
+  for (int l = 0; l < c->n_layers; l++) {
+    const tw_ce_layer_t *L = &ce->layers[l];
+    void *kv = (char *)ce->kv_pool + (size_t)l * (size_t)ce->kv_layer_stride_bytes;
+    TW_CHECK(tw_cuda_rmsnorm_residual(ce->x, l ? ce->moe_out : NULL, TW_DTYPE_F32, L->attn_norm,
+                                      c->rms_norm_eps, T, H, ce->xn, s));
+    TW_CHECK(tw_cuda_gemm_bf16(ce->gemm, T, QKV, H, ce->xn, H, L->wqkv, H, L->bqkv, ce->qkv,
+                               TW_DTYPE_BF16, QKV, s));
+    TW_CHECK(tw_cuda_rope_kv_write(ce->qkv, QKV, T, c->n_heads, c->n_kv_heads, c->head_dim,
+                                   ce->d_positions, ce->rope_cos, ce->rope_sin, ce->max_pos,
+                                   ce->d_slots, kv, block_size, s));
+    sh.window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0;
+    if (decode)
+      TW_CHECK(tw_cuda_attention_decode(&sh, ce->qkv, QKV, kv, L->sinks, T, ce->d_seq_lens,
+                                        ce->d_block_tables, ce->max_blocks_per_seq, max_seq_len,
+                                        ce->attn_ws, ce->attn_ws_bytes, ce->attn, s));
+    else
+      TW_CHECK(tw_cuda_attention_prefill(&sh, ce->qkv, QKV, kv, L->sinks, 1, T, ce->d_cu,
+                                         ce->d_start, ce->d_block_tables, ce->max_blocks_per_seq,
+                                         ce->attn, s));
+    TW_CHECK(tw_cuda_gemm_bf16(ce->gemm, T, H, QD, ce->attn, QD, L->wo, QD, L->bo, ce->o,
+                               TW_DTYPE_F32, H, s));
+    TW_CHECK(tw_cuda_rmsnorm_residual(ce->x, ce->o, TW_DTYPE_F32, L->mlp_norm, c->rms_norm_eps, T,
+                                      H, ce->xn, s));
+    TW_CHECK(tw_cuda_gemm_bf16(ce->gemm, T, E, H, ce->xn, H, L->wr, H, L->br, ce->rlog,
+                               TW_DTYPE_F32, E, s));
+    TW_CHECK(tw_cuda_moe_route(&ce->route, ce->rlog, T, s));
+    if (T <= TW_CE_GEMV_MAX_TOKENS)
+      TW_CHECK(tw_cuda_moe_decode(&L->moe, &ce->route, T, ce->xn, ce->moe_dec_ws,
+                                  ce->moe_dec_bytes, ce->moe_out, s));
+    else
+      TW_CHECK(tw_cuda_moe_prefill(ce->gemm, &L->moe, &ce->route, T, ce->xn, ce->moe_pre_ws,
+                                   ce->moe_pre_bytes, ce->h_counts, ce->moe_out, s));
+  }
+  return tw_cuda_rmsnorm_residual(ce->x, ce->moe_out, TW_DTYPE_F32, ce->final_norm,
+                                  c->rms_norm_eps, T, H, ce->xn, s);
+}
+
+/* Unembedding of `rows` normalised rows starting at row r0 into ce->logits. */
+static tw_status_t tw_ce_unembed(tw_ce_t *ce, int32_t r0, int32_t rows) {
+  const tw_model_config_t *c = ce->cfg;
+  const char *xn = (const char *)ce->xn + (size_t)r0 * c->hidden * 2;
+  return tw_cuda_gemm_bf16(ce->gemm, rows, c->vocab_size, c->hidden, xn, c->hidden, ce->lm_head,
+                           c->hidden, NULL, ce->logits, TW_DTYPE_F32, c->vocab_size, ce->stream);
+}
+
+static tw_cuda_sample_row_t tw_ce_sample_row(const tw_sample_params_t *sp, int64_t position) {
+  tw_cuda_sample_row_t r;
+  memset(&r, 0, sizeof(r));
+  if (sp) {
+    r.temperature = sp->temperature;
+    r.top_k = sp->top_k;
+    r.top_p = sp->top_p;
+    r.uniform = tw_sample_uniform(sp->seed, position);
+  }
+  return r;
+}
+
+tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
+  tw_ce_t *ce = (tw_ce_t *)e->backend;
+  const tw_model_config_t *c = ce->cfg;
+  cudaStream_t s = ce->stream;
+  int32_t bs = e->kv.block_size, V = c->vocab_size, n = a->n_tokens;
+  int32_t nb = a->n_blocks < ce->max_blocks_per_seq ? a->n_blocks : ce->max_blocks_per_seq;
+  TW_CUDA_CHECK(cudaStreamSynchronize(s)); /* staging buffers are free */
+  memcpy(ce->h_block_tables, a->block_table, (size_t)nb * 4);
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_block_tables, ce->h_block_tables, (size_t)nb * 4,
+                                cudaMemcpyHostToDevice, s));
+  for (int32_t cs = 0; cs < n; cs += ce->chunk) {
+    int32_t T = n - cs < ce->chunk ? n - cs : ce->chunk;
+    bool last = cs + T == n;
+    if (cs > 0) TW_CUDA_CHECK(cudaStreamSynchronize(s));
+    for (int32_t i = 0; i < T; i++) {
+      int32_t p = a->start_pos + cs + i;
+      ce->h_tokens[i] = a->tokens[cs + i];
+      ce->h_positions[i] = p;
+      ce->h_slots[i] = a->block_table[p / bs] * bs + p % bs;
+    }
+    ce->h_cu[0] = 0;
+    ce->h_cu[1] = T;
+    ce->h_cu[2] = a->start_pos + cs;
+    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_tokens, ce->h_tokens, (size_t)T * 4, cudaMemcpyHostToDevice, s));
+    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_positions, ce->h_positions, (size_t)T * 4,
+                                  cudaMemcpyHostToDevice, s));
+    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_slots, ce->h_slots, (size_t)T * 4, cudaMemcpyHostToDevice, s));
+    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_cu, ce->h_cu, 8, cudaMemcpyHostToDevice, s));
+    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_start, ce->h_cu + 2, 4, cudaMemcpyHostToDevice, s));
+    TW_CHECK(tw_ce_layers(ce, T, 0, 0, bs));
+    const float *last_row = NULL;
+    if (a->logits_out && a->all_logits) {
+      for (int32_t r0 = 0; r0 < T; r0 += TW_CE_LOGIT_ROWS) {
+        int32_t rows = T - r0 < TW_CE_LOGIT_ROWS ? T - r0 : TW_CE_LOGIT_ROWS;
+        TW_CHECK(tw_ce_unembed(ce, r0, rows));
+        TW_CUDA_CHECK(cudaMemcpyAsync(a->logits_out + (size_t)(cs + r0) * V, ce->logits,
+                                      (size_t)rows * V * 4, cudaMemcpyDeviceToHost, s));
+        last_row = ce->logits + (size_t)(rows - 1) * V;
+      }
+    } else if (last && (a->logits_out || a->next_token_out)) {
+      TW_CHECK(tw_ce_unembed(ce, T - 1, 1));
+      last_row = ce->logits;
+      if (a->logits_out)
+        TW_CUDA_CHECK(cudaMemcpyAsync(a->logits_out, ce->logits, (size_t)V * 4,
+                                      cudaMemcpyDeviceToHost, s));
+    }
+    if (last && a->next_token_out) {
+      ce->h_params[0] = tw_ce_sample_row(a->sample, (int64_t)a->start_pos + n);
+      TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_params, ce->h_params, sizeof(tw_cuda_sample_row_t),
+                                    cudaMemcpyHostToDevice, s));
+      TW_CHECK(tw_cuda_sample(last_row, V, 1, V, ce->d_params, ce->d_next, s));
+      TW_CUDA_CHECK(cudaMemcpyAsync(ce->h_next, ce->d_next, 4, cudaMemcpyDeviceToHost, s));
+    }
+  }
+  TW_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (a->next_token_out) *a->next_token_out = ce->h_next[0];
+  return TW_OK;
+}
+
+/* The device work of one decode step over B (bucketed) rows. */
+static tw_status_t tw_ce_decode_body(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs) {
+  TW_CHECK(tw_ce_layers(ce, B, 1, ctx, bs));
+  TW_CHECK(tw_ce_unembed(ce, 0, B));
+  return tw_cuda_sample(ce->logits, ce->cfg->vocab_size, B, ce->cfg->vocab_size, ce->d_params,
+                        ce->d_next, ce->stream);
+}
+
+void tw_ce_graphs_destroy(tw_ce_t *ce) {
+  for (int i = 0; i < ce->n_graphs; i++) cudaGraphExecDestroy(ce->graphs[i].exec);
+  ce->n_graphs = 0;
+}
+
+static int32_t tw_pow2_at_least(int32_t v, int32_t lo) {
+  int32_t p = lo;
+  while (p < v) p *= 2;
+  return p;
+}
+
+/* Find or capture the graph of (B, ctx). On a capture failure graphs are
+ * turned off for this engine (eager launches from then on). */
+static tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs,
+                                   cudaGraphExec_t *exec_p) {
+  for (int i = 0; i < ce->n_graphs; i++)
+    if (ce->graphs[i].b == B && ce->graphs[i].ctx == ctx) {
+      *exec_p = ce->graphs[i].exec;
+      return TW_OK;
+    }
+  if (ce->n_graphs == TW_CE_MAX_GRAPHS) tw_ce_graphs_destroy(ce);
+  cudaGraph_t g = NULL;
+  TW_CUDA_CHECK(cudaStreamBeginCapture(ce->stream, cudaStreamCaptureModeThreadLocal));
+  tw_status_t st = tw_ce_decode_body(ce, B, ctx, bs);
+  cudaError_t ce_end = cudaStreamEndCapture(ce->stream, &g);
+  if (st < 0 || ce_end != cudaSuccess) {
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
+    return st < 0 ? st
+                  : tw_err(TW_ERR_CUDA, "decode graph capture (batch %d, ctx %d) failed: %s", B,
+                           ctx, cudaGetErrorString(ce_end));
+  }
+  cudaGraphExec_t exec = NULL;
+  cudaError_t ie = cudaGraphInstantiate(&exec, g, 0);
+  cudaGraphDestroy(g);
+  if (ie != cudaSuccess)
+    return tw_err(TW_ERR_CUDA, "decode graph instantiate (batch %d, ctx %d) failed: %s", B, ctx,
+                  cudaGetErrorString(ie));
+  ce->graphs[ce->n_graphs].b = B;
+  ce->graphs[ce->n_graphs].ctx = ctx;
+  ce->graphs[ce->n_graphs].exec = exec;
+  ce->n_graphs++;
+  TW_DEBUG("engine", "captured decode graph batch %d ctx %d", B, ctx);
+  *exec_p = exec;
+  return TW_OK;
+}
+
+tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a) {
+  tw_ce_t *ce = (tw_ce_t *)e->backend;
+  const tw_model_config_t *c = ce->cfg;
+  cudaStream_t s = ce->stream;
+  int32_t bs = e->kv.block_size, V = c->vocab_size, n = a->n_seqs;
+  int32_t B = tw_pow2_at_least(n, 1);
+  if (B > ce->max_batch) B = ce->max_batch;
+  int32_t maxlen = 1, maxnb = 1, mbps = ce->max_blocks_per_seq;
+  for (int32_t i = 0; i < n; i++) {
+    int32_t p = a->positions[i];
+    if (p + 1 > maxlen) maxlen = p + 1;
+    int32_t nb = a->n_blocks[i] < mbps ? a->n_blocks[i] : mbps;
+    if (nb > maxnb) maxnb = nb;
+    ce->h_tokens[i] = a->tokens[i];
+    ce->h_positions[i] = p;
+    ce->h_slots[i] = a->block_tables[i][p / bs] * bs + p % bs;
+    ce->h_seq_lens[i] = p + 1;
+    memcpy(ce->h_block_tables + (size_t)i * mbps, a->block_tables[i], (size_t)nb * 4);
+    ce->h_params[i] = tw_ce_sample_row(a->sample ? &a->sample[i] : NULL, (int64_t)p + 1);
+  }
+  for (int32_t i = n; i < B; i++) { /* padding rows: read block 0, write nothing */
+    ce->h_tokens[i] = 0;
+    ce->h_positions[i] = 0;
+    ce->h_slots[i] = -1;
+    ce->h_seq_lens[i] = 1;
+    ce->h_block_tables[(size_t)i * mbps] = 0;
+    ce->h_params[i] = tw_ce_sample_row(NULL, 0);
+  }
+  int32_t ctx = tw_pow2_at_least(maxlen, 256);
+  if (ctx > ce->max_pos) ctx = ce->max_pos;
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_tokens, ce->h_tokens, (size_t)B * 4, cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_positions, ce->h_positions, (size_t)B * 4,
+                                cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_slots, ce->h_slots, (size_t)B * 4, cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_seq_lens, ce->h_seq_lens, (size_t)B * 4,
+                                cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_params, ce->h_params, (size_t)B * sizeof(tw_cuda_sample_row_t),
+                                cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpy2DAsync(ce->d_block_tables, (size_t)mbps * 4, ce->h_block_tables,
+                                  (size_t)mbps * 4, (size_t)maxnb * 4, (size_t)B,
+                                  cudaMemcpyHostToDevice, s));
+  bool graphed = false;
+  if (ce->use_graphs && B <= TW_CE_GEMV_MAX_TOKENS) {
+    cudaGraphExec_t exec = NULL;
+    tw_status_t st = tw_ce_graph_get(ce, B, ctx, bs, &exec);
+    if (st < 0) {
+      TW_WARN("engine", "decode graphs off after a capture failure: %s", tw_last_error());
+      ce->use_graphs = 0;
+    } else {
+      TW_CUDA_CHECK(cudaGraphLaunch(exec, s));
+      graphed = true;
+    }
+  }
+  if (!graphed) TW_CHECK(tw_ce_decode_body(ce, B, ctx, bs));
+  if (a->next_tokens_out)
+    TW_CUDA_CHECK(cudaMemcpyAsync(ce->h_next, ce->d_next, (size_t)n * 4, cudaMemcpyDeviceToHost, s));
+  if (a->logits_out)
+    TW_CUDA_CHECK(cudaMemcpyAsync(a->logits_out, ce->logits, (size_t)n * V * 4,
+                                  cudaMemcpyDeviceToHost, s));
+  TW_CUDA_CHECK(cudaStreamSynchronize(s));
+  if (a->next_tokens_out) memcpy(a->next_tokens_out, ce->h_next, (size_t)n * 4);
+  return TW_OK;
+}

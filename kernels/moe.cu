@@ -1,0 +1,408 @@
+/* moe.cu: the two MoE paths of moe.h (GEMV decode, GEMM prefill) and the
+ * MXFP4 dequantisation.
+ *
+ * Decode GEMV layout: grid (row blocks, active-expert slots). A block owns one
+ * active expert and 8 warps; each warp owns TW_MOE_RPW output rows (gate_up:
+ * gate/linear row pairs). Lane l reads 16-byte MXFP4 blocks l, l+32, ... of a
+ * row (coalesced: a row is contiguous), decodes nibbles through a 16-entry
+ * shared table and multiplies with the tokens' inputs, held in shared memory
+ * as f32 [token][block][36] (32 values + 4 pad: conflict-free float4 reads).
+ * The tokens of the expert are processed TC at a time, so each weight byte
+ * comes from DRAM once per step whatever the batch. */
+#include "kernels/moe.h"
+
+#include "kernels/cuda_common.h"
+#include "kernels/moe_impl.h"
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define TW_MOE_WARPS 8
+#define TW_MOE_RPW 2 /* rows (or row pairs) per warp */
+#define TW_MOE_ROWS_PER_BLOCK (TW_MOE_WARPS * TW_MOE_RPW)
+#define TW_MOE_XPAD 36
+#define TW_MOE_MAX_SMEM (200 * 1024)
+
+__constant__ float tw_fp4_c[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* FP4 E2M1 nibble (low 4 bits of n) to f32 without a table: the 3 magnitude
+ * bits placed at fp16 bits 9..11 give value * 2^-14 exactly (e = 0 lands on
+ * fp16 subnormals), the sign goes to bit 15. */
+static __device__ __forceinline__ float tw_fp4_to_f32(uint32_t n) {
+  unsigned short h = (unsigned short)(((n & 7u) << 9) | ((n & 8u) << 12));
+  return __half2float(__ushort_as_half(h)) * 16384.0f;
+}
+
+static size_t tw_moe_smem_bytes(int tc, int cols) {
+  return (16 + (size_t)tc * (cols / 32) * TW_MOE_XPAD) * sizeof(float);
+}
+
+/* Dot products of one MXFP4 row (NB blocks) with TC token vectors in smem;
+ * lane-partial sums (caller reduces across the warp). */
+template <int TC>
+static __device__ __forceinline__ void tw_moe_row_dot(const uint8_t *__restrict__ rb,
+                                                      const uint8_t *__restrict__ rs, int NB,
+                                                      const float *xs, const float *tab, int lane,
+                                                      float acc[TC]) {
+  for (int b = lane; b < NB; b += 32) {
+    uint4 wv = __ldg(reinterpret_cast<const uint4 *>(rb + (size_t)b * 16));
+    float sc = tw_e8m0_to_f32(__ldg(rs + b));
+    float part[TC];
+#pragma unroll
+    for (int t = 0; t < TC; t++) part[t] = 0.0f;
+    const uint32_t wq[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      float v[8];
+#pragma unroll
+      for (int n = 0; n < 8; n++) v[n] = tab[(wq[q] >> (4 * n)) & 15u];
+#pragma unroll
+      for (int t = 0; t < TC; t++) {
+        const float4 *xb =
+            reinterpret_cast<const float4 *>(xs + ((size_t)t * NB + b) * TW_MOE_XPAD + q * 8);
+        float4 x0 = xb[0], x1 = xb[1];
+        part[t] += x0.x * v[0] + x0.y * v[1] + x0.z * v[2] + x0.w * v[3] + x1.x * v[4] +
+                   x1.y * v[5] + x1.z * v[6] + x1.w * v[7];
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < TC; t++) acc[t] += part[t] * sc;
+  }
+}
+
+/* Load TC rows of inputs into smem as f32 [t][block][36]; rows past nt are 0.
+ * Row t is src + row_of(t) * cols, where row_of comes from the sorted list
+ * (gate_up: the token of the assignment; down: the sorted position itself). */
+template <typename XT, int TC>
+static __device__ __forceinline__ void tw_moe_load_x(float *xs, const XT *__restrict__ src,
+                                                     const int32_t *__restrict__ sorted, int base,
+                                                     int nt, int k, int cols, bool by_token) {
+  int NB = cols / 32;
+  for (int i = threadIdx.x; i < TC * cols; i += blockDim.x) {
+    int t = i / cols, c = i - t * cols;
+    float v = 0.0f;
+    if (t < nt) {
+      size_t row = by_token ? (size_t)(sorted[base + t] / k) : (size_t)(base + t);
+      v = tw_moe_to_f32(src[row * cols + c]);
+    }
+    xs[((size_t)t * NB + (c >> 5)) * TW_MOE_XPAD + (c & 31)] = v;
+  }
+}
+
+template <int TC>
+__global__ void __launch_bounds__(TW_MOE_WARPS * 32)
+    tw_moe_gate_up_kernel(tw_cuda_moe_weights_t w, const int32_t *__restrict__ active,
+                          const int32_t *__restrict__ n_active, const int32_t *__restrict__ counts,
+                          const int32_t *__restrict__ offsets, const int32_t *__restrict__ sorted,
+                          int k, const __nv_bfloat16 *__restrict__ x, float *__restrict__ act) {
+  extern __shared__ float smem[];
+  float *tab = smem, *xs = smem + 16;
+  if ((int)blockIdx.y >= *n_active) return;
+  int e = active[blockIdx.y], cnt = counts[e], off = offsets[e];
+  int H = w.hidden, I = w.intermediate, NB = H / 32;
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x < 16) tab[threadIdx.x] = tw_fp4_c[threadIdx.x];
+  int p0 = blockIdx.x * TW_MOE_ROWS_PER_BLOCK + warp * TW_MOE_RPW;
+  for (int c0 = 0; c0 < cnt; c0 += TC) {
+    int nt = min(TC, cnt - c0);
+    __syncthreads();
+    tw_moe_load_x<__nv_bfloat16, TC>(xs, x, sorted, off + c0, nt, k, H, true);
+    __syncthreads();
+    for (int q = 0; q < TW_MOE_RPW; q++) {
+      int p = p0 + q;
+      if (p >= I) break;
+      size_t rg = (size_t)e * 2 * I + 2 * (size_t)p;
+      float ag[TC], au[TC];
+#pragma unroll
+      for (int t = 0; t < TC; t++) ag[t] = au[t] = 0.0f;
+      tw_moe_row_dot<TC>(w.gate_up_blocks + rg * NB * 16, w.gate_up_scales + rg * NB, NB, xs, tab,
+                         lane, ag);
+      tw_moe_row_dot<TC>(w.gate_up_blocks + (rg + 1) * NB * 16, w.gate_up_scales + (rg + 1) * NB,
+                         NB, xs, tab, lane, au);
+#pragma unroll
+      for (int t = 0; t < TC; t++)
+        for (int o = 16; o > 0; o >>= 1) {
+          ag[t] += __shfl_xor_sync(0xffffffffu, ag[t], o);
+          au[t] += __shfl_xor_sync(0xffffffffu, au[t], o);
+        }
+      if (lane == 0) {
+        float bg = w.gate_up_bias[rg], bu = w.gate_up_bias[rg + 1];
+#pragma unroll
+        for (int t = 0; t < TC; t++)
+          if (t < nt)
+            act[(size_t)(off + c0 + t) * I + p] =
+                tw_swiglu(ag[t] + bg, au[t] + bu, w.swiglu_alpha, w.swiglu_limit);
+      }
+    }
+  }
+}
+
+template <int TC>
+__global__ void __launch_bounds__(TW_MOE_WARPS * 32)
+    tw_moe_down_kernel(tw_cuda_moe_weights_t w, const int32_t *__restrict__ active,
+                       const int32_t *__restrict__ n_active, const int32_t *__restrict__ counts,
+                       const int32_t *__restrict__ offsets, const float *__restrict__ act,
+                       float *__restrict__ y) {
+  extern __shared__ float smem[];
+  float *tab = smem, *xs = smem + 16;
+  if ((int)blockIdx.y >= *n_active) return;
+  int e = active[blockIdx.y], cnt = counts[e], off = offsets[e];
+  int H = w.hidden, I = w.intermediate, NB = I / 32;
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x < 16) tab[threadIdx.x] = tw_fp4_c[threadIdx.x];
+  int r0 = blockIdx.x * TW_MOE_ROWS_PER_BLOCK + warp * TW_MOE_RPW;
+  for (int c0 = 0; c0 < cnt; c0 += TC) {
+    int nt = min(TC, cnt - c0);
+    __syncthreads();
+    tw_moe_load_x<float, TC>(xs, act, NULL, off + c0, nt, 1, I, false);
+    __syncthreads();
+    for (int q = 0; q < TW_MOE_RPW; q++) {
+      int r = r0 + q;
+      if (r >= H) break;
+      size_t row = (size_t)e * H + r;
+      float acc[TC];
+#pragma unroll
+      for (int t = 0; t < TC; t++) acc[t] = 0.0f;
+      tw_moe_row_dot<TC>(w.down_blocks + row * NB * 16, w.down_scales + row * NB, NB, xs, tab,
+                         lane, acc);
+#pragma unroll
+      for (int t = 0; t < TC; t++)
+        for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+      if (lane == 0) {
+        float b = w.down_bias[row];
+#pragma unroll
+        for (int t = 0; t < TC; t++)
+          if (t < nt) y[(size_t)(off + c0 + t) * H + r] = acc[t] + b;
+      }
+    }
+  }
+}
+
+extern "C" tw_status_t tw_cuda_moe_setup(void) {
+  int mx = TW_MOE_MAX_SMEM;
+  TW_CUDA_CHECK(cudaFuncSetAttribute(tw_moe_gate_up_kernel<1>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, mx));
+  TW_CUDA_CHECK(cudaFuncSetAttribute(tw_moe_gate_up_kernel<4>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, mx));
+  TW_CUDA_CHECK(
+      cudaFuncSetAttribute(tw_moe_down_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, mx));
+  TW_CUDA_CHECK(
+      cudaFuncSetAttribute(tw_moe_down_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, mx));
+  return TW_OK;
+}
+
+static tw_status_t tw_moe_weights_check(const char *fn, const tw_cuda_moe_weights_t *w,
+                                        const tw_cuda_moe_route_t *r, int32_t T, const void *x,
+                                        const void *out) {
+  if (!w || !r || !x || !out) return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+  if (!w->gate_up_blocks || !w->gate_up_scales || !w->gate_up_bias || !w->down_blocks ||
+      !w->down_scales || !w->down_bias)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: NULL expert tensor", fn);
+  if (w->hidden <= 0 || w->hidden % 32 || w->intermediate <= 0 || w->intermediate % 32)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: H=%d I=%d must be positive multiples of 32", fn,
+                  w->hidden, w->intermediate);
+  if (w->n_experts != r->n_experts)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: weights have %d experts, route %d", fn,
+                  w->n_experts, r->n_experts);
+  if (T <= 0 || T > r->max_tokens)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: T=%d outside [1, %d]", fn, T, r->max_tokens);
+  int maxc = w->hidden > w->intermediate ? w->hidden : w->intermediate;
+  if (tw_moe_smem_bytes(4, maxc) > TW_MOE_MAX_SMEM)
+    return tw_err(TW_ERR_UNSUPPORTED, "%s: width %d too large for the GEMV kernels", fn, maxc);
+  return TW_OK;
+}
+
+extern "C" size_t tw_cuda_moe_decode_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidden,
+                                              int32_t intermediate) {
+  size_t tk = (size_t)max_tokens * (size_t)k;
+  return tk * (size_t)intermediate * 4 + 256 + tk * (size_t)hidden * 4;
+}
+
+extern "C" tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
+                                          const tw_cuda_moe_route_t *r, int32_t T, const void *x,
+                                          void *workspace, size_t workspace_bytes, float *out,
+                                          cudaStream_t stream) {
+  TW_CHECK(tw_moe_weights_check("moe_decode", w, r, T, x, out));
+  int H = w->hidden, I = w->intermediate, k = r->k;
+  size_t need = tw_cuda_moe_decode_ws_bytes(T, k, H, I);
+  if (!workspace || workspace_bytes < need)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_decode: workspace %zu bytes, %zu needed",
+                  workspace_bytes, need);
+  float *act = (float *)workspace;
+  float *y = (float *)((char *)workspace + (((size_t)T * k * I * 4 + 255) / 256) * 256);
+  int slots = T * k < r->n_experts ? T * k : r->n_experts;
+  dim3 g1(TW_CDIV(I, TW_MOE_ROWS_PER_BLOCK), slots), g2(TW_CDIV(H, TW_MOE_ROWS_PER_BLOCK), slots);
+  const __nv_bfloat16 *xb = (const __nv_bfloat16 *)x;
+  if (T == 1) {
+    tw_moe_gate_up_kernel<1><<<g1, TW_MOE_WARPS * 32, tw_moe_smem_bytes(1, H), stream>>>(
+        *w, r->active, r->n_active, r->counts, r->offsets, r->sorted, k, xb, act);
+    TW_CUDA_CHECK_LAUNCH("tw_moe_gate_up_kernel<1>");
+    tw_moe_down_kernel<1><<<g2, TW_MOE_WARPS * 32, tw_moe_smem_bytes(1, I), stream>>>(
+        *w, r->active, r->n_active, r->counts, r->offsets, act, y);
+    TW_CUDA_CHECK_LAUNCH("tw_moe_down_kernel<1>");
+  } else {
+    tw_moe_gate_up_kernel<4><<<g1, TW_MOE_WARPS * 32, tw_moe_smem_bytes(4, H), stream>>>(
+        *w, r->active, r->n_active, r->counts, r->offsets, r->sorted, k, xb, act);
+    TW_CUDA_CHECK_LAUNCH("tw_moe_gate_up_kernel<4>");
+    tw_moe_down_kernel<4><<<g2, TW_MOE_WARPS * 32, tw_moe_smem_bytes(4, I), stream>>>(
+        *w, r->active, r->n_active, r->counts, r->offsets, act, y);
+    TW_CUDA_CHECK_LAUNCH("tw_moe_down_kernel<4>");
+  }
+  return tw_moe_combine_f32(r, T, H, y, out, stream);
+}
+
+/* ---- prefill path --------------------------------------------------------- */
+
+/* One thread per 32-value block: 16 bytes + 1 scale in, 64 bytes of bf16 out.
+ * Rows of experts with no tokens are skipped when counts is given. */
+__global__ void tw_mxfp4_dequant_kernel(const uint8_t *__restrict__ blocks,
+                                        const uint8_t *__restrict__ scales, int64_t n_blocks,
+                                        int NB, int64_t rows_per_expert,
+                                        const int32_t *__restrict__ maybe_counts,
+                                        __nv_bfloat16 *__restrict__ out) {
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_blocks) return;
+  if (maybe_counts && maybe_counts[(i / NB) / rows_per_expert] == 0) return;
+  uint4 wv = __ldg(reinterpret_cast<const uint4 *>(blocks) + i);
+  float sc = tw_e8m0_to_f32(scales[i]);
+  const uint32_t wq[4] = {wv.x, wv.y, wv.z, wv.w};
+  uint4 o[4];
+  uint32_t *ow = reinterpret_cast<uint32_t *>(o);
+#pragma unroll
+  for (int q = 0; q < 4; q++)
+#pragma unroll
+    for (int n = 0; n < 8; n += 2) {
+      __nv_bfloat162 v = __floats2bfloat162_rn(tw_fp4_to_f32(wq[q] >> (4 * n)) * sc,
+                                               tw_fp4_to_f32(wq[q] >> (4 * n + 4)) * sc);
+      ow[q * 4 + n / 2] = *reinterpret_cast<uint32_t *>(&v);
+    }
+  uint4 *dst = reinterpret_cast<uint4 *>(out) + i * 4;
+#pragma unroll
+  for (int q = 0; q < 4; q++) dst[q] = o[q];
+}
+
+extern "C" tw_status_t tw_cuda_mxfp4_dequant(const uint8_t *blocks, const uint8_t *scales,
+                                             int64_t n_rows, int32_t n_cols, void *out,
+                                             cudaStream_t stream) {
+  if (!blocks || !scales || !out) return tw_err(TW_ERR_INVALID_ARGUMENT, "mxfp4_dequant: NULL");
+  if (n_rows < 0 || n_cols <= 0 || n_cols % 32)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "mxfp4_dequant: bad shape %lld x %d",
+                  (long long)n_rows, n_cols);
+  int64_t nb = n_rows * (n_cols / 32);
+  if (nb == 0) return TW_OK;
+  tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb, 256), 256, 0, stream>>>(
+      blocks, scales, nb, n_cols / 32, n_rows > 0 ? n_rows : 1, NULL, (__nv_bfloat16 *)out);
+  TW_CUDA_CHECK_LAUNCH("tw_mxfp4_dequant_kernel");
+  return TW_OK;
+}
+
+/* xp[p] = x[sorted[p] / k] (bf16 rows, 16-byte copies). */
+__global__ void tw_moe_gather_kernel(const uint4 *__restrict__ x, const int32_t *__restrict__ sorted,
+                                     int k, int row_vec, uint4 *__restrict__ xp) {
+  int p = blockIdx.x;
+  const uint4 *src = x + (size_t)(sorted[p] / k) * row_vec;
+  for (int i = threadIdx.x; i < row_vec; i += blockDim.x) xp[(size_t)p * row_vec + i] = src[i];
+}
+
+/* act[p][i] = SwiGLU(u[p][2i] + b1[e][2i], u[p][2i+1] + b1[e][2i+1]), bf16. */
+__global__ void tw_moe_swiglu_kernel(const __nv_bfloat162 *__restrict__ u,
+                                     const int32_t *__restrict__ sorted,
+                                     const int32_t *__restrict__ topk_idx,
+                                     const float *__restrict__ bias, int I, float alpha,
+                                     float limit, __nv_bfloat16 *__restrict__ act) {
+  int p = blockIdx.x;
+  int e = topk_idx[sorted[p]];
+  const float2 *b = reinterpret_cast<const float2 *>(bias + (size_t)e * 2 * I);
+  for (int i = threadIdx.x; i < I; i += blockDim.x) {
+    float2 v = __bfloat1622float2(u[(size_t)p * I + i]);
+    float2 bb = b[i];
+    act[(size_t)p * I + i] = __float2bfloat16(tw_swiglu(v.x + bb.x, v.y + bb.y, alpha, limit));
+  }
+}
+
+extern "C" size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t n_experts, int32_t k,
+                                               int32_t hidden, int32_t intermediate) {
+  size_t tk = (size_t)max_tokens * (size_t)k, H = (size_t)hidden, I = (size_t)intermediate;
+  size_t wbytes = (size_t)n_experts * (2 * I * H + H * I) * 2;
+  return wbytes + tk * (H + 2 * I + I + H) * 2 + 5 * 256;
+}
+
+extern "C" tw_status_t tw_cuda_moe_prefill(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
+                                           const tw_cuda_moe_route_t *r, int32_t T, const void *x,
+                                           void *workspace, size_t workspace_bytes,
+                                           int32_t *host_counts, float *out, cudaStream_t stream) {
+  TW_CHECK(tw_moe_weights_check("moe_prefill", w, r, T, x, out));
+  if (!gemm || !host_counts) return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: NULL argument");
+  int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k;
+  size_t need = tw_cuda_moe_prefill_ws_bytes(T, E, k, H, I);
+  if (!workspace || workspace_bytes < need)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: workspace %zu bytes, %zu needed",
+                  workspace_bytes, need);
+  size_t tk = (size_t)T * k;
+  char *p = (char *)workspace;
+#define TW_CARVE(ptr, type, n)                              \
+  type *ptr = (type *)p;                                    \
+  p += (((size_t)(n) * sizeof(type) + 255) / 256) * 256
+  TW_CARVE(w1, __nv_bfloat16, (size_t)E * 2 * I * H);
+  TW_CARVE(w2, __nv_bfloat16, (size_t)E * H * I);
+  TW_CARVE(xp, __nv_bfloat16, tk * H);
+  TW_CARVE(u, __nv_bfloat16, tk * 2 * I);
+  TW_CARVE(act, __nv_bfloat16, tk * I);
+  TW_CARVE(y, __nv_bfloat16, tk * H);
+#undef TW_CARVE
+  /* Counts to the host first, so the dequantisation below overlaps the wait. */
+  TW_CUDA_CHECK(cudaMemcpyAsync(host_counts, r->counts, sizeof(int32_t) * E,
+                                cudaMemcpyDeviceToHost, stream));
+  cudaEvent_t ev;
+  TW_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  tw_status_t st = TW_OK;
+  TW_CUDA_CHECK_GOTO(cudaEventRecord(ev, stream), st, done);
+  {
+    int64_t nb1 = (int64_t)E * 2 * I * (H / 32), nb2 = (int64_t)E * H * (I / 32);
+    tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb1, 256), 256, 0, stream>>>(
+        w->gate_up_blocks, w->gate_up_scales, nb1, H / 32, 2 * (int64_t)I, r->counts, w1);
+    tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb2, 256), 256, 0, stream>>>(
+        w->down_blocks, w->down_scales, nb2, I / 32, H, r->counts, w2);
+    tw_moe_gather_kernel<<<(unsigned)tk, 128, 0, stream>>>((const uint4 *)x, r->sorted, k, H / 8,
+                                                           (uint4 *)xp);
+    cudaError_t le = cudaGetLastError();
+    if (le != cudaSuccess) {
+      st = tw_err(TW_ERR_CUDA, "moe_prefill: launch failed: %s", cudaGetErrorString(le));
+      goto done;
+    }
+  }
+  TW_CUDA_CHECK_GOTO(cudaEventSynchronize(ev), st, done);
+  {
+    int64_t off = 0;
+    for (int e = 0; e < E; e++) {
+      int n = host_counts[e];
+      if (n <= 0) continue;
+      st = tw_cuda_gemm_bf16_nobias(gemm, n, 2 * I, H, xp + off * H, H, w1 + (size_t)e * 2 * I * H,
+                                    H, u + off * 2 * I, TW_DTYPE_BF16, 2 * I, stream);
+      if (st < 0) goto done;
+      off += n;
+    }
+    if (off != (int64_t)tk) {
+      st = tw_err(TW_ERR_INTERNAL, "moe_prefill: counts sum to %lld, expected %zu",
+                  (long long)off, tk);
+      goto done;
+    }
+    tw_moe_swiglu_kernel<<<(unsigned)tk, 256, 0, stream>>>((const __nv_bfloat162 *)u, r->sorted,
+                                                           r->topk_idx, w->gate_up_bias, I,
+                                                           w->swiglu_alpha, w->swiglu_limit, act);
+    off = 0;
+    for (int e = 0; e < E; e++) {
+      int n = host_counts[e];
+      if (n <= 0) continue;
+      st = tw_cuda_gemm_bf16_nobias(gemm, n, H, I, act + off * I, I, w2 + (size_t)e * H * I, I,
+                                    y + off * H, TW_DTYPE_BF16, H, stream);
+      if (st < 0) goto done;
+      off += n;
+    }
+    st = tw_moe_combine_bf16(r, T, H, y, w->down_bias, out, stream);
+  }
+done:
+  cudaEventDestroy(ev);
+  return st;
+}

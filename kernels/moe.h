@@ -1,0 +1,126 @@
+/* moe.h: the mixture-of-experts block of gpt-oss on the GPU (spec §2.8, §2.9).
+ *
+ *   route:   top-k of the fp32 router logits (ties: lowest expert id), softmax
+ *            over the k selected logits, then the permutation of the T*k
+ *            (token, slot) assignments sorted by expert (stable: within an
+ *            expert, assignments keep increasing a = t*k + j order).
+ *   decode:  for small T. Reads only the selected experts' MXFP4 rows
+ *            (16-byte loads), fuses bias + clamped interleaved SwiGLU into the
+ *            gate_up pass and bias into the down pass; a combine kernel sums
+ *            the k expert outputs with their routing weights. No host sync,
+ *            fixed grids: capturable in CUDA graphs.
+ *   prefill: for large T. Dequantises the layer's active experts to a bf16
+ *            workspace, gathers the tokens by expert and runs one tensor-core
+ *            GEMM per expert (cuBLAS), SwiGLU and combine kernels around them.
+ *            Reads the per-expert counts on the host (one sync per layer).
+ *
+ * Expert weights stay MXFP4 in device memory in the checkpoint layout (spec
+ * §3.4): gate_up blocks [E, 2I, H/32, 16] u8 + scales [E, 2I, H/32] u8 (E8M0),
+ * down blocks [E, H, I/32, 16] + scales [E, H, I/32]; biases fp32. Gate rows
+ * are the even rows of gate_up, linear rows the odd ones.
+ * Output of both paths: out f32 [T, H] = sum_j w_j (W2_e (SwiGLU(W1_e x + b1_e)) + b2_e),
+ * which the engine adds to the residual stream. */
+#ifndef TW_KERNELS_MOE_H
+#define TW_KERNELS_MOE_H
+
+#include "common/status.h"
+#include "kernels/gemm.h"
+
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Device views of one layer's experts. */
+typedef struct {
+  int32_t n_experts;      /* E */
+  int32_t hidden;         /* H, multiple of 32 */
+  int32_t intermediate;   /* I, multiple of 32 */
+  const uint8_t *gate_up_blocks; /* [E, 2I, H/32, 16] */
+  const uint8_t *gate_up_scales; /* [E, 2I, H/32] */
+  const float *gate_up_bias;     /* [E, 2I] */
+  const uint8_t *down_blocks;    /* [E, H, I/32, 16] */
+  const uint8_t *down_scales;    /* [E, H, I/32] */
+  const float *down_bias;        /* [E, H] */
+  float swiglu_alpha;            /* 1.702 */
+  float swiglu_limit;            /* 7.0 */
+} tw_cuda_moe_weights_t;
+
+/** Routing results, device arrays carved from one buffer by tw_cuda_moe_route_init. */
+typedef struct {
+  int32_t max_tokens, n_experts, k;
+  int32_t *topk_idx;  /* [T, k] selected experts, by descending logit */
+  float *topk_w;      /* [T, k] softmax over the selected logits */
+  int32_t *counts;    /* [E] assignments per expert */
+  int32_t *offsets;   /* [E + 1] exclusive prefix sum of counts */
+  int32_t *sorted;    /* [T*k] assignment a = t*k + j at each sorted position */
+  int32_t *pos_of;    /* [T*k] sorted position of assignment a */
+  int32_t *active;    /* [E] experts with counts > 0, increasing id (first n_active valid) */
+  int32_t *n_active;  /* [1] */
+} tw_cuda_moe_route_t;
+
+/** Bytes of device memory for the routing arrays of up to max_tokens tokens. */
+size_t tw_cuda_moe_route_bytes(int32_t max_tokens, int32_t n_experts, int32_t k);
+
+/** Carve the routing arrays out of `mem` (device, 256-byte aligned, at least
+ *  tw_cuda_moe_route_bytes bytes). Errors: TW_ERR_INVALID_ARGUMENT (NULL,
+ *  non-positive sizes, k > n_experts, n_experts > 1024 or k > 32, too small). */
+tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t max_tokens,
+                                   int32_t n_experts, int32_t k, tw_cuda_moe_route_t *route_p);
+
+/** Set kernel attributes (large dynamic shared memory). Call once per process
+ *  and device before any other function here. Errors: TW_ERR_CUDA. */
+tw_status_t tw_cuda_moe_setup(void);
+
+/** Router top-k + softmax + sort by expert (spec §2.8). logits f32 [T, E]
+ *  (device; bias already added), 1 <= T <= route->max_tokens. NaN logits
+ *  never win. Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
+tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *route, const float *logits, int32_t T,
+                              cudaStream_t stream);
+
+/** Bytes of the decode workspace for up to max_tokens tokens (act f32
+ *  [T*k, I] and expert outputs f32 [T*k, H]). */
+size_t tw_cuda_moe_decode_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidden,
+                                   int32_t intermediate);
+
+/** MoE of T tokens by GEMV over the selected experts only. x bf16 [T, H]
+ *  (device, the post-attention RMSNorm output); route computed from the same
+ *  tokens; workspace device >= tw_cuda_moe_decode_ws_bytes(T, k, H, I);
+ *  out f32 [T, H] (every element written). T <= route->max_tokens.
+ *  Grids depend only on T, E and k: capturable.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, sizes, H or I not a multiple of 32),
+ *  TW_ERR_CUDA. */
+tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *route,
+                               int32_t T, const void *x, void *workspace, size_t workspace_bytes,
+                               float *out, cudaStream_t stream);
+
+/** Bytes of the prefill workspace for up to max_tokens tokens: bf16 dequantised
+ *  experts [E, 2I, H] + [E, H, I], gathered inputs [T*k, H], gate_up output
+ *  [T*k, 2I], activations [T*k, I] and expert outputs [T*k, H], all bf16. */
+size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t n_experts, int32_t k,
+                                    int32_t hidden, int32_t intermediate);
+
+/** MoE of T tokens through tensor-core GEMMs (see the file comment). Same
+ *  operands as tw_cuda_moe_decode, plus the gemm handle and a pinned host
+ *  buffer host_counts [E] (cudaMallocHost). Synchronises the stream once,
+ *  to read the per-expert counts. Not capturable.
+ *  Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
+tw_status_t tw_cuda_moe_prefill(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
+                                const tw_cuda_moe_route_t *route, int32_t T, const void *x,
+                                void *workspace, size_t workspace_bytes, int32_t *host_counts,
+                                float *out, cudaStream_t stream);
+
+/** Dequantise MXFP4 rows to bf16 (spec §3.4): n_rows rows of n_cols (a
+ *  multiple of 32) from blocks [n_rows, n_cols/32, 16] and scales
+ *  [n_rows, n_cols/32] into out bf16 [n_rows, n_cols]. Used by the prefill
+ *  path and by tests. Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
+tw_status_t tw_cuda_mxfp4_dequant(const uint8_t *blocks, const uint8_t *scales, int64_t n_rows,
+                                  int32_t n_cols, void *out, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,34 @@
+/* moe_impl.h: internals shared by moe.cu and moe_route.cu (CUDA only; not a
+ * public header). */
+#ifndef TW_KERNELS_MOE_IMPL_H
+#define TW_KERNELS_MOE_IMPL_H
+
+#include "kernels/moe.h"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+static __device__ __forceinline__ float tw_moe_to_f32(float v) { return v; }
+static __device__ __forceinline__ float tw_moe_to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+/* E8M0 scale byte to 2^(s-127) exactly (s = 0 gives the denormal 2^-127,
+ * s = 255 gives +inf, as ldexp in the references would). */
+static __device__ __forceinline__ float tw_e8m0_to_f32(unsigned s) {
+  return s == 0 ? __int_as_float(0x00400000) : __int_as_float((int)(s << 23));
+}
+
+/* The clamped interleaved SwiGLU of spec §2.9 for one (gate, linear) pair. */
+static __device__ __forceinline__ float tw_swiglu(float g, float l, float alpha, float limit) {
+  g = fminf(g, limit);
+  l = fminf(fmaxf(l, -limit), limit);
+  return g / (1.0f + __expf(-alpha * g)) * (l + 1.0f);
+}
+
+/* combine (moe_route.cu): out[t] = sum_j w_tj y[pos_of[t*k+j]] (+ b2[e_tj]). */
+tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
+                               const float *y, float *out, cudaStream_t stream);
+tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
+                                const __nv_bfloat16 *y, const float *bias, float *out,
+                                cudaStream_t stream);
+
+#endif

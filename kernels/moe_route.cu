@@ -1,0 +1,224 @@
+/* moe_route.cu: router top-k + softmax and the sort of assignments by expert
+ * (moe.h, spec §2.8), and the combine kernels shared by both MoE paths.
+ *
+ * Determinism: the per-expert order of assignments is stable (increasing
+ * a = t*k + j), computed by one block per expert that scans all assignments
+ * with ballots, not by atomics, so replays give identical results. */
+#include "kernels/moe.h"
+
+#include "kernels/cuda_common.h"
+#include "kernels/moe_impl.h"
+
+#include <math.h>
+
+#define TW_ROUTE_ALIGN 256
+
+static size_t tw_align_up(size_t n) { return (n + TW_ROUTE_ALIGN - 1) / TW_ROUTE_ALIGN * TW_ROUTE_ALIGN; }
+
+extern "C" size_t tw_cuda_moe_route_bytes(int32_t max_tokens, int32_t n_experts, int32_t k) {
+  if (max_tokens <= 0 || n_experts <= 0 || k <= 0) return 0;
+  size_t tk = (size_t)max_tokens * (size_t)k;
+  return tw_align_up(tk * 4) * 4 /* topk_idx, topk_w, sorted, pos_of */ +
+         tw_align_up((size_t)n_experts * 4) * 2 /* counts, active */ +
+         tw_align_up(((size_t)n_experts + 1) * 4) + tw_align_up(4);
+}
+
+extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t max_tokens,
+                                              int32_t n_experts, int32_t k,
+                                              tw_cuda_moe_route_t *route_p) {
+  if (!mem || !route_p) return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route_init: NULL argument");
+  if (max_tokens <= 0 || n_experts <= 0 || k <= 0 || k > n_experts || n_experts > 1024 || k > 32)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "moe_route_init: bad sizes max_tokens=%d experts=%d k=%d (need k <= experts "
+                  "<= 1024, k <= 32)",
+                  max_tokens, n_experts, k);
+  size_t need = tw_cuda_moe_route_bytes(max_tokens, n_experts, k);
+  if (bytes < need)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route_init: %zu bytes given, %zu needed", bytes,
+                  need);
+  char *p = (char *)mem;
+  size_t tk = (size_t)max_tokens * (size_t)k;
+  tw_cuda_moe_route_t r;
+  r.max_tokens = max_tokens;
+  r.n_experts = n_experts;
+  r.k = k;
+  r.topk_idx = (int32_t *)p; p += tw_align_up(tk * 4);
+  r.topk_w = (float *)p; p += tw_align_up(tk * 4);
+  r.sorted = (int32_t *)p; p += tw_align_up(tk * 4);
+  r.pos_of = (int32_t *)p; p += tw_align_up(tk * 4);
+  r.counts = (int32_t *)p; p += tw_align_up((size_t)n_experts * 4);
+  r.active = (int32_t *)p; p += tw_align_up((size_t)n_experts * 4);
+  r.offsets = (int32_t *)p; p += tw_align_up(((size_t)n_experts + 1) * 4);
+  r.n_active = (int32_t *)p;
+  *route_p = r;
+  return TW_OK;
+}
+
+/* One warp per token: k rounds of warp argmax (value desc, id asc; NaN as
+ * -inf), softmax over the selected logits, per-expert counts by atomics. */
+__global__ void tw_moe_topk_kernel(const float *__restrict__ logits, int T, int E, int k,
+                                   int32_t *__restrict__ topk_idx, float *__restrict__ topk_w,
+                                   int32_t *__restrict__ counts) {
+  __shared__ int sel[8][32];
+  __shared__ float selv[8][32];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int t = blockIdx.x * 8 + warp;
+  if (t >= T) return;
+  const float *z = logits + (size_t)t * E;
+  for (int r = 0; r < k; r++) {
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int e = lane; e < E; e += 32) {
+      bool taken = false;
+      for (int q = 0; q < r; q++) taken |= (sel[warp][q] == e);
+      if (taken) continue;
+      float v = z[e];
+      if (isnan(v)) v = -INFINITY;
+      if (v > best || (v == best && e < bi)) {
+        best = v;
+        bi = e;
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      float ov = __shfl_xor_sync(0xffffffffu, best, o);
+      int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > best || (ov == best && oi < bi)) {
+        best = ov;
+        bi = oi;
+      }
+    }
+    if (lane == 0) {
+      sel[warp][r] = bi;
+      selv[warp][r] = best;
+    }
+    __syncwarp();
+  }
+  if (lane == 0) {
+    float m = selv[warp][0], sum = 0.0f;
+    for (int r = 0; r < k; r++) sum += expf(selv[warp][r] - m);
+    for (int r = 0; r < k; r++) {
+      topk_idx[(size_t)t * k + r] = sel[warp][r];
+      topk_w[(size_t)t * k + r] = expf(selv[warp][r] - m) / sum;
+      atomicAdd(&counts[sel[warp][r]], 1);
+    }
+  }
+}
+
+/* One block (256 threads) per expert: its offset and active rank from the
+ * counts, then a stable ballot scan of all assignments for this expert. */
+__global__ void tw_moe_sort_kernel(const int32_t *__restrict__ topk_idx, int TK, int E,
+                                   const int32_t *__restrict__ counts, int32_t *__restrict__ offsets,
+                                   int32_t *__restrict__ sorted, int32_t *__restrict__ pos_of,
+                                   int32_t *__restrict__ active, int32_t *__restrict__ n_active) {
+  __shared__ int red_off[8], red_act[8], warp_tot[8];
+  __shared__ int base_s;
+  int e = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  int off = 0, act = 0;
+  for (int q = tid; q < E; q += blockDim.x) {
+    int c = counts[q];
+    if (q < e) {
+      off += c;
+      act += c > 0;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    off += __shfl_xor_sync(0xffffffffu, off, o);
+    act += __shfl_xor_sync(0xffffffffu, act, o);
+  }
+  if (lane == 0) {
+    red_off[warp] = off;
+    red_act[warp] = act;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int so = 0, sa = 0;
+    for (int w = 0; w < 8; w++) {
+      so += red_off[w];
+      sa += red_act[w];
+    }
+    int c = counts[e];
+    offsets[e] = so;
+    if (e == E - 1) {
+      offsets[E] = so + c;
+      *n_active = sa + (c > 0);
+    }
+    if (c > 0) active[sa] = e;
+    base_s = so;
+  }
+  __syncthreads();
+  for (int a0 = 0; a0 < TK; a0 += blockDim.x) {
+    int a = a0 + tid;
+    bool f = a < TK && topk_idx[a] == e;
+    unsigned bal = __ballot_sync(0xffffffffu, f);
+    if (lane == 0) warp_tot[warp] = __popc(bal);
+    __syncthreads();
+    int before = 0, total = 0;
+    for (int w = 0; w < 8; w++) {
+      before += w < warp ? warp_tot[w] : 0;
+      total += warp_tot[w];
+    }
+    if (f) {
+      int p = base_s + before + __popc(bal & ((1u << lane) - 1u));
+      sorted[p] = a;
+      pos_of[a] = p;
+    }
+    __syncthreads();
+    if (tid == 0) base_s += total;
+    __syncthreads();
+  }
+}
+
+extern "C" tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *r, const float *logits,
+                                         int32_t T, cudaStream_t stream) {
+  if (!r || !logits) return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route: NULL argument");
+  if (T <= 0 || T > r->max_tokens)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route: T=%d outside [1, %d]", T, r->max_tokens);
+  TW_CUDA_CHECK(cudaMemsetAsync(r->counts, 0, sizeof(int32_t) * (size_t)r->n_experts, stream));
+  tw_moe_topk_kernel<<<TW_CDIV(T, 8), 256, 0, stream>>>(logits, T, r->n_experts, r->k,
+                                                        r->topk_idx, r->topk_w, r->counts);
+  TW_CUDA_CHECK_LAUNCH("tw_moe_topk_kernel");
+  tw_moe_sort_kernel<<<r->n_experts, 256, 0, stream>>>(r->topk_idx, T * r->k, r->n_experts,
+                                                       r->counts, r->offsets, r->sorted, r->pos_of,
+                                                       r->active, r->n_active);
+  TW_CUDA_CHECK_LAUNCH("tw_moe_sort_kernel");
+  return TW_OK;
+}
+
+/* out[t][c] = sum_j w[t,j] * (y[pos_of[t*k+j]][c] (+ bias[e_tj][c]))
+ * y is f32 (decode path, bias already added) or bf16 (prefill path, bias
+ * added here). One block per token. */
+template <typename YT, bool ADD_BIAS>
+__global__ void tw_moe_combine_kernel(const YT *__restrict__ y, const int32_t *__restrict__ pos_of,
+                                      const int32_t *__restrict__ topk_idx,
+                                      const float *__restrict__ topk_w,
+                                      const float *__restrict__ bias, int H, int k,
+                                      float *__restrict__ out) {
+  int t = blockIdx.x;
+  for (int c = threadIdx.x; c < H; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) {
+      int a = t * k + j;
+      float v = tw_moe_to_f32(y[(size_t)pos_of[a] * H + c]);
+      if (ADD_BIAS) v += bias[(size_t)topk_idx[a] * H + c];
+      acc += topk_w[a] * v;
+    }
+    out[(size_t)t * H + c] = acc;
+  }
+}
+
+tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
+                               const float *y, float *out, cudaStream_t stream) {
+  tw_moe_combine_kernel<float, false><<<T, 256, 0, stream>>>(y, r->pos_of, r->topk_idx, r->topk_w,
+                                                             NULL, H, r->k, out);
+  TW_CUDA_CHECK_LAUNCH("tw_moe_combine_kernel<f32>");
+  return TW_OK;
+}
+
+tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
+                                const __nv_bfloat16 *y, const float *bias, float *out,
+                                cudaStream_t stream) {
+  tw_moe_combine_kernel<__nv_bfloat16, true>
+      <<<T, 256, 0, stream>>>(y, r->pos_of, r->topk_idx, r->topk_w, bias, H, r->k, out);
+  TW_CUDA_CHECK_LAUNCH("tw_moe_combine_kernel<bf16>");
+  return TW_OK;
+}

@@ -1,0 +1,313 @@
+/* bench_cuda.c (twain-bench-cuda): the CUDA engine end to end on one GPU.
+ *
+ *   (a) prefill of one sequence (batch 1) at 8192, 32768, 65536, 128000
+ *       tokens: latency, cost per million input tokens at $3.00 per GPU-hour,
+ *       ratio to the yardstick (in-house FP8 engine, one H200);
+ *   (b) decode steps at batch 1, 8, 32, 64, 128, 256 and contexts 8192 and
+ *       32768: tokens/s per sequence and per GPU, cost per million output
+ *       tokens; configurations whose KV cache does not fit are skipped.
+ * Models: synthetic gpt-oss-20b / gpt-oss-120b weights (real shapes, MXFP4
+ * experts, tw_model_synthetic), or a checkpoint with --model DIR.
+ *
+ * Timing: the engine calls are synchronous (they end with a stream sync), so
+ * a monotonic host clock around each call measures the device work plus the
+ * launch path; a warm-up call runs first (graph capture, cuBLASLt
+ * heuristics), then the median of the repeats is taken. Decode contexts are
+ * distinct KV blocks per sequence (no sharing, so no false L2 reuse); only
+ * sequence 0's context is filled by a real prefill, the others hold the
+ * pool's initial zeros (attention cost does not depend on the values).
+ *
+ * Usage: twain-bench-cuda [--model DIR | --synthetic 20b|120b|both]
+ *          [--prefill 8192,32768,...] [--batches 1,8,...] [--contexts 8192,...]
+ *          [--steps N] [--reps N] */
+#include "common/engine.h"
+#include "common/log.h"
+#include "common/model.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define MAXL 16
+#define PRICE_PER_HOUR 3.00
+
+static const char *cfg_json(int big) {
+  static char buf[4096];
+  char types[2048] = "";
+  int L = big ? 36 : 24;
+  for (int l = 0; l < L; l++)
+    strcat(types, l % 2 ? "\"full_attention\"," : "\"sliding_attention\",");
+  types[strlen(types) - 1] = 0;
+  snprintf(buf, sizeof buf,
+           "{\"architectures\":[\"GptOssForCausalLM\"],\"model_type\":\"gpt_oss\","
+           "\"num_hidden_layers\":%d,\"num_local_experts\":%d,\"num_experts_per_tok\":4,"
+           "\"experts_per_token\":4,\"vocab_size\":201088,\"hidden_size\":2880,"
+           "\"intermediate_size\":2880,\"head_dim\":64,\"num_attention_heads\":64,"
+           "\"num_key_value_heads\":8,\"sliding_window\":128,\"attention_bias\":true,"
+           "\"swiglu_limit\":7.0,\"rms_norm_eps\":1e-05,\"rope_theta\":150000,"
+           "\"rope_scaling\":{\"rope_type\":\"yarn\",\"factor\":32.0,\"beta_fast\":32.0,"
+           "\"beta_slow\":1.0,\"original_max_position_embeddings\":4096,\"truncate\":false},"
+           "\"initial_context_length\":4096,\"max_position_embeddings\":131072,"
+           "\"tie_word_embeddings\":false,\"eos_token_id\":200002,\"pad_token_id\":199999,"
+           "\"layer_types\":[%s],"
+           "\"quantization_config\":{\"quant_method\":\"mxfp4\"}}",
+           L, big ? 128 : 32, types);
+  return buf;
+}
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int cmp_d(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof(double), cmp_d);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static int parse_list(const char *s, int *out) {
+  int n = 0;
+  while (*s && n < MAXL) {
+    out[n++] = atoi(s);
+    const char *c = strchr(s, ',');
+    if (!c) break;
+    s = c + 1;
+  }
+  return n;
+}
+
+typedef struct {
+  char model[32];
+  char kind[16];
+  int a, b; /* prefill: tokens, 0; decode: batch, context */
+  double t; /* seconds: prefill latency or decode step */
+  double yard;
+  int skipped;
+} row_t;
+
+static row_t rows[256];
+static int n_rows;
+
+static uint32_t rng = 12345u;
+static int32_t rand_tok(int V) {
+  rng = rng * 1664525u + 1013904223u;
+  return (int32_t)((rng >> 8) % (uint32_t)(V < 200000 ? V : 200000));
+}
+
+static void bench_model(const char *name, const tw_model_t *m, const double *yard, const int *pre,
+                        int n_pre, const int *bat, int n_bat, const int *ctxs, int n_ctx,
+                        int steps, int reps) {
+  tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
+  p.backend = TW_BACKEND_CUDA;
+  int maxb = 1;
+  for (int i = 0; i < n_bat; i++) maxb = bat[i] > maxb ? bat[i] : maxb;
+  p.max_batch = maxb;
+  tw_engine_t *e = NULL;
+  double t0 = now_s();
+  if (tw_engine_create(m, &p, &e) != TW_OK) {
+    fprintf(stderr, "%s: engine create failed: %s\n", name, tw_last_error());
+    return;
+  }
+  printf("[%s] engine ready in %.1f s\n", name, now_s() - t0);
+  fflush(stdout);
+  const tw_kv_layout_t *kv = tw_engine_kv_layout(e);
+  int bs = kv->block_size, V = m->config.vocab_size, pool = kv->n_blocks;
+  int max_tok = 0;
+  for (int i = 0; i < n_pre; i++) max_tok = pre[i] > max_tok ? pre[i] : max_tok;
+  for (int i = 0; i < n_ctx; i++) max_tok = ctxs[i] + steps + 8 > max_tok ? ctxs[i] + steps + 8 : max_tok;
+  int32_t *toks = malloc(sizeof(int32_t) * (size_t)(max_tok > 8192 ? max_tok : 8192));
+  int32_t *table = malloc(sizeof(int32_t) * (size_t)pool);
+  for (int i = 0; i < pool; i++) table[i] = i;
+  for (int i = 0; i < max_tok; i++) toks[i] = rand_tok(V);
+  /* warm-up */
+  {
+    int32_t nt;
+    int n = 8192 < max_tok ? 8192 : max_tok;
+    tw_prefill_args_t a = {.tokens = toks, .n_tokens = n, .block_table = table,
+                           .n_blocks = (n + bs - 1) / bs, .next_token_out = &nt};
+    if ((n + bs - 1) / bs <= pool) tw_engine_prefill(e, &a);
+  }
+  for (int i = 0; i < n_pre; i++) {
+    row_t *r = &rows[n_rows++];
+    snprintf(r->model, sizeof r->model, "%s", name);
+    snprintf(r->kind, sizeof r->kind, "prefill");
+    r->a = pre[i];
+    r->yard = yard[i < 4 ? i : 3];
+    int nb = (pre[i] + bs - 1) / bs;
+    if (nb > pool || pre[i] > m->config.max_position_embeddings) {
+      r->skipped = 1;
+      printf("[%s] prefill %d: skipped (needs %d KV blocks, pool %d)\n", name, pre[i], nb, pool);
+      continue;
+    }
+    double ts[16];
+    int nr = pre[i] <= 8192 ? reps : 1;
+    for (int k = 0; k < nr; k++) {
+      int32_t nt;
+      tw_prefill_args_t a = {.tokens = toks, .n_tokens = pre[i], .block_table = table,
+                             .n_blocks = nb, .next_token_out = &nt};
+      double s = now_s();
+      if (tw_engine_prefill(e, &a) != TW_OK) {
+        fprintf(stderr, "prefill failed: %s\n", tw_last_error());
+        r->skipped = 1;
+        break;
+      }
+      ts[k] = now_s() - s;
+    }
+    if (r->skipped) continue;
+    r->t = median(ts, nr);
+    printf("[%s] prefill %6d tokens: %.3f s (%.0f tok/s, median of %d)\n", name, pre[i], r->t,
+           pre[i] / r->t, nr);
+    fflush(stdout);
+  }
+  for (int ci = 0; ci < n_ctx; ci++) {
+    int ctx = ctxs[ci];
+    int per_seq = (ctx + steps + 2 + bs - 1) / bs;
+    /* a real context for sequence 0 */
+    if (per_seq <= pool) {
+      int32_t nt;
+      tw_prefill_args_t a = {.tokens = toks, .n_tokens = ctx, .block_table = table,
+                             .n_blocks = per_seq, .next_token_out = &nt};
+      tw_engine_prefill(e, &a);
+    }
+    for (int bi = 0; bi < n_bat; bi++) {
+      int B = bat[bi];
+      row_t *r = &rows[n_rows++];
+      snprintf(r->model, sizeof r->model, "%s", name);
+      snprintf(r->kind, sizeof r->kind, "decode");
+      r->a = B;
+      r->b = ctx;
+      if ((long)B * per_seq > pool) {
+        r->skipped = 1;
+        printf("[%s] decode batch %d ctx %d: skipped (KV needs %ld blocks, pool %d)\n", name, B,
+               ctx, (long)B * per_seq, pool);
+        continue;
+      }
+      int32_t *tk = malloc(sizeof(int32_t) * (size_t)B), *pos = malloc(sizeof(int32_t) * (size_t)B);
+      int32_t *nbs = malloc(sizeof(int32_t) * (size_t)B), *out = malloc(sizeof(int32_t) * (size_t)B);
+      const int32_t **tabs = malloc(sizeof(int32_t *) * (size_t)B);
+      for (int s = 0; s < B; s++) {
+        tk[s] = rand_tok(V);
+        pos[s] = ctx;
+        nbs[s] = per_seq;
+        tabs[s] = table + (size_t)s * per_seq;
+      }
+      double ts[512];
+      int n = 0;
+      for (int st = 0; st < steps + 2; st++) {
+        tw_decode_args_t d = {.n_seqs = B, .tokens = tk, .positions = pos, .block_tables = tabs,
+                              .n_blocks = nbs, .next_tokens_out = out};
+        double s = now_s();
+        if (tw_engine_decode(e, &d) != TW_OK) {
+          fprintf(stderr, "decode failed: %s\n", tw_last_error());
+          r->skipped = 1;
+          break;
+        }
+        double dt = now_s() - s;
+        if (st >= 2 && n < 512) ts[n++] = dt; /* two warm-up steps: graph capture */
+        for (int q = 0; q < B; q++) {
+          tk[q] = out[q];
+          pos[q]++;
+        }
+      }
+      if (!r->skipped) {
+        r->t = median(ts, n);
+        printf("[%s] decode batch %3d ctx %6d: %.3f ms/step, %.1f tok/s/seq, %.0f tok/s/GPU\n",
+               name, B, ctx, r->t * 1e3, 1.0 / r->t, B / r->t);
+        fflush(stdout);
+      }
+      free(tk); free(pos); free(nbs); free(out); free(tabs);
+    }
+  }
+  free(toks);
+  free(table);
+  tw_engine_destroy(e);
+}
+
+int main(int argc, char **argv) {
+  tw_log_init("twain-bench-cuda", 0);
+  const char *model_dir = NULL, *syn = "both";
+  int pre[MAXL] = {8192, 32768, 65536, 128000}, n_pre = 4;
+  int bat[MAXL] = {1, 8, 32, 64, 128, 256}, n_bat = 6;
+  int ctx[MAXL] = {8192, 32768}, n_ctx = 2;
+  int steps = 20, reps = 3;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
+    if (!strcmp(a, "--model")) model_dir = v, i++;
+    else if (!strcmp(a, "--synthetic")) syn = v, i++;
+    else if (!strcmp(a, "--prefill")) n_pre = parse_list(v, pre), i++;
+    else if (!strcmp(a, "--batches")) n_bat = parse_list(v, bat), i++;
+    else if (!strcmp(a, "--contexts")) n_ctx = parse_list(v, ctx), i++;
+    else if (!strcmp(a, "--steps")) steps = atoi(v), i++;
+    else if (!strcmp(a, "--reps")) reps = atoi(v), i++;
+    else {
+      fprintf(stderr, "usage: %s [--model DIR | --synthetic 20b|120b|both] [--prefill LIST] "
+              "[--batches LIST] [--contexts LIST] [--steps N] [--reps N]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (steps < 1) steps = 1;
+  if (steps > 500) steps = 500;
+  if (reps < 1) reps = 1;
+  if (reps > 16) reps = 16;
+  static const double y20[4] = {0.239, 1.610, 4.895, 16.037};
+  static const double y120[4] = {0.364, 2.421, 7.375, 23.902};
+  if (model_dir) {
+    tw_model_t *m = NULL;
+    if (tw_model_load(model_dir, &m) != TW_OK) {
+      fprintf(stderr, "cannot load %s: %s\n", model_dir, tw_last_error());
+      return 1;
+    }
+    bench_model("checkpoint", m, m->config.n_experts > 32 ? y120 : y20, pre, n_pre, bat, n_bat,
+                ctx, n_ctx, steps, reps);
+    tw_model_destroy(m);
+  } else {
+    for (int big = 0; big < 2; big++) {
+      if (strcmp(syn, "both") && strcmp(syn, big ? "120b" : "20b")) continue;
+      tw_model_config_t c;
+      if (tw_config_parse(cfg_json(big), &c) != TW_OK) {
+        fprintf(stderr, "config: %s\n", tw_last_error());
+        return 1;
+      }
+      tw_model_t *m = NULL;
+      double t0 = now_s();
+      if (tw_model_synthetic(&c, 7, &m) != TW_OK) {
+        fprintf(stderr, "synthetic: %s\n", tw_last_error());
+        return 1;
+      }
+      printf("[%s] synthetic weights in %.1f s\n", big ? "gpt-oss-120b" : "gpt-oss-20b",
+             now_s() - t0);
+      bench_model(big ? "gpt-oss-120b" : "gpt-oss-20b", m, big ? y120 : y20, pre, n_pre, bat,
+                  n_bat, ctx, n_ctx, steps, reps);
+      tw_model_destroy(m);
+    }
+  }
+  printf("\n| model | run | tokens / batch | context | time | throughput | $/M tokens | vs yardstick |\n");
+  printf("|---|---|---|---|---|---|---|---|\n");
+  for (int i = 0; i < n_rows; i++) {
+    row_t *r = &rows[i];
+    if (r->skipped) {
+      printf("| %s | %s | %d | %s | n/a | n/a | n/a | skipped |\n", r->model, r->kind, r->a,
+             r->b ? "" : "-");
+      continue;
+    }
+    if (!strcmp(r->kind, "prefill")) {
+      double cost = PRICE_PER_HOUR / 3600.0 * r->t / r->a * 1e6;
+      printf("| %s | prefill | %d | - | %.3f s | %.0f tok/s | %.4f | %.2fx (%.3f s) |\n", r->model,
+             r->a, r->t, r->a / r->t, cost, r->t / r->yard, r->yard);
+    } else {
+      double cost = PRICE_PER_HOUR / 3600.0 * r->t / r->a * 1e6;
+      double goal = strstr(r->model, "120b") ? 180.0 : 300.0;
+      printf("| %s | decode | %d | %d | %.2f ms/step | %.1f tok/s/seq, %.0f tok/s/GPU | %.3f | %s |\n",
+             r->model, r->a, r->b, r->t * 1e3, 1.0 / r->t, r->a / r->t, cost,
+             r->a == 1 ? (1.0 / r->t >= goal ? "meets b1 goal" : "below b1 goal") : "-");
+    }
+  }
+  return 0;
+}

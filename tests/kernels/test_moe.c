@@ -1,0 +1,290 @@
+/* test_moe.c: the MoE kernels (kernels/moe.h) against the CPU backend's
+ * reference operators (common/cpu/cpu_ops.h: tw_cpu_router_topk,
+ * tw_cpu_matmul_mxfp4, tw_cpu_swiglu; tw_mxfp4_dequant_row of the loader) on
+ * fresh random inputs: gpt-oss shapes (H = I = 2880, E = 32 and 128, top-4)
+ * and edges (T = 1, the tiny model's H 256 / I 512 / E 8 / top-2, widths off
+ * the 32-row tiles, prefill chunks with experts left empty).
+ *
+ * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
+ * softmax of the same fp32 logits). The GEMV path keeps activations in f32
+ * and reads exact weights, so it must agree to 1e-3 (bound for fp32
+ * reordering of 2880-term sums); the GEMM path rounds its inputs, the
+ * gate_up output, the activations and the expert outputs to bf16 (8-bit
+ * mantissa, 2^-9 relative each), hence 1e-2. Outputs are poisoned with NaN
+ * before each run: a NaN or an unwritten value fails. Dequantisation must be
+ * bit exact (every FP4 value times a power of two is a bf16). */
+#include "common/cpu/cpu_ops.h"
+#include "common/model.h"
+#include "kernels/moe.h"
+#include "attn_test_util.h"
+
+#include <stdbool.h>
+
+typedef struct {
+  const char *name;
+  int H, I, E, k, T;
+} moe_case_t;
+
+typedef struct {
+  uint8_t *gu_b, *gu_s, *dn_b, *dn_s;
+  float *gu_bias, *dn_bias;
+} host_experts_t;
+
+static void *xmalloc(size_t n) {
+  void *p = malloc(n);
+  if (!p) {
+    fprintf(stderr, "out of memory (%zu bytes)\n", n);
+    exit(2);
+  }
+  return p;
+}
+
+static void fill_experts(const moe_case_t *c, host_experts_t *h) {
+  size_t E = c->E, H = c->H, I = c->I;
+  size_t n_gu = E * 2 * I * (H / 32), n_dn = E * H * (I / 32);
+  h->gu_b = xmalloc(n_gu * 16);
+  h->gu_s = xmalloc(n_gu);
+  h->dn_b = xmalloc(n_dn * 16);
+  h->dn_s = xmalloc(n_dn);
+  h->gu_bias = xmalloc(E * 2 * I * 4);
+  h->dn_bias = xmalloc(E * H * 4);
+  for (size_t i = 0; i < n_gu * 16; i++) h->gu_b[i] = (uint8_t)tt_rng_u64();
+  for (size_t i = 0; i < n_dn * 16; i++) h->dn_b[i] = (uint8_t)tt_rng_u64();
+  for (size_t i = 0; i < n_gu; i++) h->gu_s[i] = (uint8_t)tt_randint(119, 123);
+  for (size_t i = 0; i < n_dn; i++) h->dn_s[i] = (uint8_t)tt_randint(119, 123);
+  for (size_t i = 0; i < E * 2 * I; i++) h->gu_bias[i] = tt_uniform(0.5f);
+  for (size_t i = 0; i < E * H; i++) h->dn_bias[i] = tt_uniform(0.5f);
+}
+
+static void free_experts(host_experts_t *h) {
+  free(h->gu_b);
+  free(h->gu_s);
+  free(h->dn_b);
+  free(h->dn_s);
+  free(h->gu_bias);
+  free(h->dn_bias);
+}
+
+static int upload(void **d, const void *h, size_t n) {
+  TT_CUDA(cudaMalloc(d, n));
+  TT_CUDA(cudaMemcpy(*d, h, n, cudaMemcpyHostToDevice));
+  return 0;
+}
+
+/* CPU reference of the whole block: out [T, H]. */
+static void moe_reference(tw_cpu_pool_t *pool, const moe_case_t *c, const host_experts_t *h,
+                          const float *x, const float *logits, float *out) {
+  int H = c->H, I = c->I, E = c->E, k = c->k, T = c->T;
+  int32_t *idx = xmalloc((size_t)T * k * 4);
+  float *w = xmalloc((size_t)T * k * 4);
+  for (int t = 0; t < T; t++) tw_cpu_router_topk(logits + (size_t)t * E, E, k, idx + t * k, w + t * k);
+  memset(out, 0, (size_t)T * H * 4);
+  float *xs = xmalloc((size_t)T * H * 4), *u = xmalloc((size_t)T * 2 * I * 4);
+  float *a = xmalloc((size_t)T * I * 4), *y = xmalloc((size_t)T * H * 4);
+  int *tok = xmalloc((size_t)T * 4), *slot = xmalloc((size_t)T * 4);
+  for (int e = 0; e < E; e++) {
+    int n = 0;
+    for (int t = 0; t < T; t++)
+      for (int j = 0; j < k; j++)
+        if (idx[t * k + j] == e) {
+          tok[n] = t;
+          slot[n] = j;
+          memcpy(xs + (size_t)n * H, x + (size_t)t * H, (size_t)H * 4);
+          n++;
+        }
+    if (!n) continue;
+    size_t gu_row = (size_t)e * 2 * I, dn_row = (size_t)e * H;
+    tw_cpu_matmul_mxfp4(pool, xs, n, H, h->gu_b + gu_row * (H / 32) * 16,
+                        h->gu_s + gu_row * (H / 32), NULL, 2 * I, u);
+    for (int r = 0; r < n; r++) {
+      for (int q = 0; q < 2 * I; q++) u[(size_t)r * 2 * I + q] += h->gu_bias[gu_row + q];
+      tw_cpu_swiglu(u + (size_t)r * 2 * I, I, 1.702f, 7.0f, a + (size_t)r * I);
+    }
+    tw_cpu_matmul_mxfp4(pool, a, n, I, h->dn_b + dn_row * (I / 32) * 16,
+                        h->dn_s + dn_row * (I / 32), NULL, H, y);
+    for (int r = 0; r < n; r++) {
+      float wt = w[tok[r] * k + slot[r]];
+      for (int q = 0; q < H; q++)
+        out[(size_t)tok[r] * H + q] += wt * (y[(size_t)r * H + q] + h->dn_bias[dn_row + q]);
+    }
+  }
+  free(idx); free(w); free(xs); free(u); free(a); free(y); free(tok); free(slot);
+}
+
+/* Route checks: indices exact, weights 1e-5, permutation consistent. */
+static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const float *logits) {
+  int T = c->T, k = c->k, E = c->E, TK = T * k, fails = 0;
+  int32_t *idx = xmalloc((size_t)TK * 4), *sorted = xmalloc((size_t)TK * 4);
+  int32_t *pos_of = xmalloc((size_t)TK * 4), *counts = xmalloc((size_t)E * 4);
+  int32_t *offs = xmalloc(((size_t)E + 1) * 4), *active = xmalloc((size_t)E * 4), n_active = 0;
+  float *w = xmalloc((size_t)TK * 4);
+  TT_CUDA(cudaMemcpy(idx, r->topk_idx, (size_t)TK * 4, cudaMemcpyDeviceToHost));
+  TT_CUDA(cudaMemcpy(w, r->topk_w, (size_t)TK * 4, cudaMemcpyDeviceToHost));
+  TT_CUDA(cudaMemcpy(sorted, r->sorted, (size_t)TK * 4, cudaMemcpyDeviceToHost));
+  TT_CUDA(cudaMemcpy(pos_of, r->pos_of, (size_t)TK * 4, cudaMemcpyDeviceToHost));
+  TT_CUDA(cudaMemcpy(counts, r->counts, (size_t)E * 4, cudaMemcpyDeviceToHost));
+  TT_CUDA(cudaMemcpy(offs, r->offsets, ((size_t)E + 1) * 4, cudaMemcpyDeviceToHost));
+  TT_CUDA(cudaMemcpy(active, r->active, (size_t)E * 4, cudaMemcpyDeviceToHost));
+  TT_CUDA(cudaMemcpy(&n_active, r->n_active, 4, cudaMemcpyDeviceToHost));
+  int32_t ri[32];
+  float rw[32];
+  double maxw = 0;
+  for (int t = 0; t < T; t++) {
+    tw_cpu_router_topk(logits + (size_t)t * E, E, k, ri, rw);
+    for (int j = 0; j < k; j++) {
+      if (ri[j] != idx[t * k + j]) fails++;
+      double d = fabs((double)rw[j] - w[t * k + j]);
+      if (!(d <= maxw)) maxw = isfinite(d) ? d : 1e30;
+    }
+  }
+  int expect_active = 0, run = 0;
+  for (int e = 0; e < E; e++) {
+    if (offs[e] != run) fails++;
+    int n = 0;
+    for (int a = 0; a < TK; a++) n += idx[a] == e;
+    if (n != counts[e]) fails++;
+    for (int q = 0; q < counts[e]; q++) {
+      int a = sorted[run + q];
+      if (a < 0 || a >= TK || idx[a] != e || pos_of[a] != run + q) fails++;
+      if (q > 0 && sorted[run + q - 1] >= a) fails++; /* stable order */
+    }
+    if (counts[e] > 0 && (expect_active >= n_active || active[expect_active++] != e)) fails++;
+    run += counts[e];
+  }
+  if (offs[E] != TK || n_active != expect_active) fails++;
+  bool ok = fails == 0 && maxw <= 1e-5;
+  printf("%s moe_route(%s,T=%d,E=%d,k=%d): %d mismatches, max |dw| %.2e\n", ok ? "ok  " : "FAIL",
+         c->name, T, E, k, fails, maxw);
+  free(idx); free(sorted); free(pos_of); free(counts); free(offs); free(active); free(w);
+  return ok ? 0 : 1;
+}
+
+static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t *c, bool prefill) {
+  int H = c->H, I = c->I, E = c->E, k = c->k, T = c->T, rc = 0;
+  host_experts_t h;
+  fill_experts(c, &h);
+  uint16_t *xb = xmalloc((size_t)T * H * 2);
+  float *x = xmalloc((size_t)T * H * 4), *logits = xmalloc((size_t)T * E * 4);
+  float *out = xmalloc((size_t)T * H * 4), *ref = xmalloc((size_t)T * H * 4);
+  for (size_t i = 0; i < (size_t)T * H; i++) {
+    xb[i] = tt_f2bf(tt_normal(1.0f));
+    x[i] = tt_bf2f(xb[i]);
+  }
+  for (size_t i = 0; i < (size_t)T * E; i++) logits[i] = tt_normal(2.0f);
+  if (T > 3) logits[(size_t)3 * E + 1] = logits[(size_t)3 * E + 2]; /* a tie */
+  tw_cuda_moe_weights_t w = {E, H, I, NULL, NULL, NULL, NULL, NULL, NULL, 1.702f, 7.0f};
+  size_t n_gu = (size_t)E * 2 * I * (H / 32), n_dn = (size_t)E * H * (I / 32);
+  void *d_x, *d_logits, *d_out, *d_route, *d_ws, *p;
+  if (upload(&p, h.gu_b, n_gu * 16)) return 1;
+  w.gate_up_blocks = p;
+  if (upload(&p, h.gu_s, n_gu)) return 1;
+  w.gate_up_scales = p;
+  if (upload(&p, h.dn_b, n_dn * 16)) return 1;
+  w.down_blocks = p;
+  if (upload(&p, h.dn_s, n_dn)) return 1;
+  w.down_scales = p;
+  if (upload(&p, h.gu_bias, (size_t)E * 2 * I * 4)) return 1;
+  w.gate_up_bias = p;
+  if (upload(&p, h.dn_bias, (size_t)E * H * 4)) return 1;
+  w.down_bias = p;
+  if (upload(&d_x, xb, (size_t)T * H * 2) || upload(&d_logits, logits, (size_t)T * E * 4)) return 1;
+  TT_CUDA(cudaMalloc(&d_out, (size_t)T * H * 4));
+  TT_CUDA(cudaMemset(d_out, 0xff, (size_t)T * H * 4)); /* NaN poison */
+  size_t rb = tw_cuda_moe_route_bytes(T, E, k);
+  TT_CUDA(cudaMalloc(&d_route, rb));
+  tw_cuda_moe_route_t r;
+  if (tw_cuda_moe_route_init(d_route, rb, T, E, k, &r) != TW_OK) return 1;
+  if (tw_cuda_moe_route(&r, d_logits, T, 0) != TW_OK) return 1;
+  TT_CUDA(cudaDeviceSynchronize());
+  rc |= check_route(c, &r, logits);
+  size_t wsb = prefill ? tw_cuda_moe_prefill_ws_bytes(T, E, k, H, I)
+                       : tw_cuda_moe_decode_ws_bytes(T, k, H, I);
+  TT_CUDA(cudaMalloc(&d_ws, wsb));
+  int32_t *hc;
+  TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
+  tw_status_t st = prefill ? tw_cuda_moe_prefill(gemm, &w, &r, T, d_x, d_ws, wsb, hc, d_out, 0)
+                           : tw_cuda_moe_decode(&w, &r, T, d_x, d_ws, wsb, d_out, 0);
+  if (st != TW_OK) {
+    printf("FAIL moe(%s): status %s: %s\n", c->name, tw_status_str(st), tw_last_error());
+    return 1;
+  }
+  TT_CUDA(cudaDeviceSynchronize());
+  TT_CUDA(cudaMemcpy(out, d_out, (size_t)T * H * 4, cudaMemcpyDeviceToHost));
+  moe_reference(pool, c, &h, x, logits, ref);
+  tt_l2_t acc = {0};
+  for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&acc, out[i], ref[i]);
+  char name[160];
+  snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", prefill ? "gemm" : "gemv",
+           c->name, H, I, E, k, T);
+  rc |= tt_l2_report(name, &acc, prefill ? 1e-2 : 1e-3);
+  cudaFree((void *)w.gate_up_blocks); cudaFree((void *)w.gate_up_scales);
+  cudaFree((void *)w.down_blocks); cudaFree((void *)w.down_scales);
+  cudaFree((void *)w.gate_up_bias); cudaFree((void *)w.down_bias);
+  cudaFree(d_x); cudaFree(d_logits); cudaFree(d_out); cudaFree(d_route); cudaFree(d_ws);
+  cudaFreeHost(hc);
+  free(xb); free(x); free(logits); free(out); free(ref);
+  free_experts(&h);
+  return rc;
+}
+
+static int test_dequant(void) {
+  const int rows = 67, cols = 2880, nb = cols / 32;
+  uint8_t *b = xmalloc((size_t)rows * nb * 16), *s = xmalloc((size_t)rows * nb);
+  for (int i = 0; i < rows * nb * 16; i++) b[i] = (uint8_t)tt_rng_u64();
+  for (int i = 0; i < rows * nb; i++) s[i] = (uint8_t)tt_randint(100, 150);
+  s[0] = 0;   /* 2^-127: subnormal products */
+  s[1] = 254; /* 2^127: huge but finite for |fp4| <= 1 ... overflow to inf beyond */
+  void *db, *ds, *dout;
+  if (upload(&db, b, (size_t)rows * nb * 16) || upload(&ds, s, (size_t)rows * nb)) return 1;
+  TT_CUDA(cudaMalloc(&dout, (size_t)rows * cols * 2));
+  TT_CUDA(cudaMemset(dout, 0xff, (size_t)rows * cols * 2));
+  if (tw_cuda_mxfp4_dequant(db, ds, rows, cols, dout, 0) != TW_OK) return 1;
+  uint16_t *out = xmalloc((size_t)rows * cols * 2);
+  float *ref = xmalloc((size_t)cols * 4);
+  TT_CUDA(cudaMemcpy(out, dout, (size_t)rows * cols * 2, cudaMemcpyDeviceToHost));
+  long bad = 0;
+  for (int r = 0; r < rows; r++) {
+    tw_mxfp4_dequant_row(b + (size_t)r * nb * 16, s + (size_t)r * nb, nb, ref);
+    for (int c = 0; c < cols; c++) {
+      uint16_t want = tt_f2bf(ref[c]);
+      uint16_t got = out[(size_t)r * cols + c];
+      if (got != want && !(ref[c] == 0.0f && (got & 0x7fff) == 0)) bad++;
+    }
+  }
+  printf("%s mxfp4_dequant(rows=%d,cols=%d): %ld values differ from tw_mxfp4_dequant_row\n",
+         bad ? "FAIL" : "ok  ", rows, cols, bad);
+  cudaFree(db); cudaFree(ds); cudaFree(dout);
+  free(b); free(s); free(out); free(ref);
+  return bad ? 1 : 0;
+}
+
+int main(void) {
+  if (!tt_gpu_available()) {
+    printf("SKIP: no GPU\n");
+    return TT_SKIP;
+  }
+  tt_seed();
+  if (tw_cuda_moe_setup() != TW_OK) return 1;
+  tw_cpu_pool_t *pool = NULL;
+  tw_cuda_gemm_t *gemm = NULL;
+  if (tw_cpu_pool_create(0, &pool) != TW_OK || tw_cuda_gemm_create(0, &gemm) != TW_OK) return 1;
+  int rc = test_dequant();
+  static const moe_case_t gemv[] = {
+      {"20b", 2880, 2880, 32, 4, 1},   {"20b", 2880, 2880, 32, 4, 6},
+      {"120b", 2880, 2880, 128, 4, 1}, {"120b", 2880, 2880, 128, 4, 64},
+      {"tiny", 256, 512, 8, 2, 1},     {"tiny", 256, 512, 8, 2, 13},
+      {"odd", 96, 160, 5, 3, 70},
+  };
+  static const moe_case_t gemm_cases[] = {
+      {"20b", 2880, 2880, 32, 4, 1},    {"20b", 2880, 2880, 32, 4, 300},
+      {"120b", 2880, 2880, 128, 4, 97}, {"tiny", 256, 512, 8, 2, 75},
+      {"odd", 96, 160, 5, 3, 33},
+  };
+  for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++) rc |= run_case(pool, gemm, &gemv[i], false);
+  for (size_t i = 0; i < sizeof gemm_cases / sizeof gemm_cases[0]; i++)
+    rc |= run_case(pool, gemm, &gemm_cases[i], true);
+  tw_cuda_gemm_destroy(gemm);
+  tw_cpu_pool_destroy(pool);
+  printf("%s\n", rc ? "test_moe: FAILED" : "test_moe: all passed");
+  return rc ? 1 : 0;
+}
