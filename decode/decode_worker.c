@@ -276,7 +276,12 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     tw_dseq_release(d, idx);
     return;
   }
-  tw_metric_add(d->m.kv_bytes, (double)nb * (double)l->block_bytes * c->n_layers);
+  double bytes = 0; /* what the prefill worker put: sliding layers only their window */
+  for (int32_t layer = 0; layer < c->n_layers; layer++)
+    bytes += (double)(nb - tw_kv_layer_first_block(s->n_prompt, l->block_size,
+                                                   c->layer_types[layer] == TW_LAYER_SLIDING,
+                                                   c->sliding_window)) * (double)l->block_bytes;
+  tw_metric_add(d->m.kv_bytes, bytes);
   s->state = TW_DSEQ_RUNNING;
   s->pos = s->n_prompt;
   s->token = r->first_token;

@@ -112,7 +112,7 @@ void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
   tw_fill_timings(q, tw_msg_clock_ns(), &t, &u);
   rep.usage = &u;
   rep.timings = &t;
-  if (!q->stream && !q->chat) { /* what was produced before the failure */
+  if (!q->stream) { /* what was produced before the failure */
     rep.token_ids = q->out;
     rep.n_token_ids = (size_t)q->n_out;
   }
@@ -154,10 +154,8 @@ void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_
   }
   if (!finished) {
     if (q->stream && n) {
-      if (!q->chat) {
-        rep.token_ids = (int32_t *)toks;
-        rep.n_token_ids = n;
-      }
+      rep.token_ids = (int32_t *)toks;
+      rep.n_token_ids = n;
       if (rep.n_token_ids || rep.n_deltas || rep.n_tool_calls) tw_router_reply(r, q, &rep);
     }
     return;
@@ -169,12 +167,10 @@ void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_
   rep.timings = &t;
   rep.done = true;
   rep.finish_reason = finish_reason ? finish_reason : TWAIN__V1__FINISH_REASON__FINISH_STOP;
-  if (!q->chat) {
-    rep.token_ids = q->stream ? (int32_t *)toks : q->out;
-    rep.n_token_ids = q->stream ? n : (size_t)q->n_out;
-  } else {
-    tw_rchat_finish(r, q, &rep);
-  }
+  /* raw ids for both kinds: the new ones when streaming, else all of them */
+  rep.token_ids = q->stream ? (int32_t *)toks : q->out;
+  rep.n_token_ids = q->stream ? n : (size_t)q->n_out;
+  if (q->chat) tw_rchat_finish(r, q, &rep);
   tw_router_reply(r, q, &rep);
   q->done = true;
 }
