@@ -176,13 +176,13 @@ typedef struct {
 static void tw_cpu_attn_task(void *ctx_v, int ti, int nt) {
   const tw_cpu_attn_ctx_t *a = ctx_v;
   const tw_model_config_t *c = &a->e->model->config;
+  /* (token, head) items dealt round-robin: in a prefill chunk later tokens
+   * attend to more keys, so contiguous shares would be unbalanced */
   int64_t items = a->T * c->n_heads;
-  int64_t per = (items + nt - 1) / nt;
-  int64_t i0 = per * ti, i1 = i0 + per < items ? i0 + per : items;
   float *scores = a->s->scores + (int64_t)ti * c->max_position_embeddings;
   int64_t QD = (int64_t)c->n_heads * c->head_dim;
   float scale = 1.0f / sqrtf((float)c->head_dim);
-  for (int64_t i = i0; i < i1; i++) {
+  for (int64_t i = ti; i < items; i += nt) {
     int64_t t = i / c->n_heads;
     int32_t h = (int32_t)(i % c->n_heads);
     tw_cpu_attention(a->s->q + t * QD, c->n_heads, h, h + 1, &a->kv, a->s->tables[t],

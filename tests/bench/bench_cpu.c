@@ -8,8 +8,12 @@
  *     (best of R runs);
  *   - greedy decode at batch 1 through the KV cache: tokens/s over N steps;
  *   - decode at batch 8 (8 sequences, one step each): tokens/s.
+ * With --synthetic-20b L it runs instead on seeded synthetic weights with the
+ * real gpt-oss-20b shapes (spec §1.1: H = I = 2880, 64/8 heads, 32 experts
+ * top-4, MXFP4 experts, V = 201088) cut to L layers.
  * Progress goes to stderr, the table to stdout. Prompt tokens are a fixed
  * pseudo-random sequence of ordinary (non-special) ids. */
+#include "common/config.h"
 #include "common/engine.h"
 #include "common/kv_blocks.h"
 #include "common/log.h"
@@ -47,9 +51,35 @@ static int parse_int(const char *s, int lo, int hi, int *out) {
   return 0;
 }
 
+/* gpt-oss-20b config.json (spec §1.1) with num_hidden_layers = %d. */
+static const char *tw_bench_20b_json =
+    "{\"num_hidden_layers\": %d, \"num_local_experts\": 32, \"num_experts_per_tok\": 4,"
+    " \"vocab_size\": 201088, \"hidden_size\": 2880, \"intermediate_size\": 2880,"
+    " \"head_dim\": 64, \"num_attention_heads\": 64, \"num_key_value_heads\": 8,"
+    " \"sliding_window\": 128, \"attention_bias\": true, \"swiglu_limit\": 7.0,"
+    " \"rms_norm_eps\": 1e-05, \"rope_theta\": 150000,"
+    " \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 32.0, \"beta_fast\": 32.0,"
+    " \"beta_slow\": 1.0, \"original_max_position_embeddings\": 4096, \"truncate\": false},"
+    " \"initial_context_length\": 4096, \"max_position_embeddings\": 131072,"
+    " \"tie_word_embeddings\": false, \"eos_token_id\": 200002, \"pad_token_id\": 199999,"
+    " \"layer_types\": [%s],"
+    " \"quantization_config\": {\"quant_method\": \"mxfp4\"}}";
+
+static tw_status_t tw_bench_synthetic(int n_layers, tw_model_t **m_p) {
+  char types[TW_MAX_LAYERS * 24] = "";
+  for (int l = 0; l < n_layers; l++)
+    strcat(types, l % 2 == 0 ? (l ? ",\"sliding_attention\"" : "\"sliding_attention\"")
+                             : ",\"full_attention\"");
+  char json[8192];
+  snprintf(json, sizeof(json), tw_bench_20b_json, n_layers, types);
+  tw_model_config_t c;
+  TW_CHECK(tw_config_parse(json, &c));
+  return tw_model_synthetic(&c, 1, m_p);
+}
+
 static void usage(void) {
-  printf("usage: twain-bench-cpu [--model DIR] [--threads N] [--prompt-len P] [--decode-steps N]\n"
-         "                       [--repeat R]\n"
+  printf("usage: twain-bench-cpu [--model DIR | --synthetic-20b L] [--threads N] [--prompt-len P]\n"
+         "                       [--decode-steps N] [--repeat R]\n"
          "defaults: --model %s --threads 0 (all cores) --prompt-len 512 --decode-steps 128 "
          "--repeat 3\n",
          TW_DEFAULT_MODEL_DIR);
@@ -58,7 +88,7 @@ static void usage(void) {
 int main(int argc, char **argv) {
   tw_log_init("twain-bench-cpu", 0);
   const char *model_dir = TW_DEFAULT_MODEL_DIR;
-  int threads = 0, prompt_len = 512, decode_steps = 128, repeat = 3;
+  int threads = 0, prompt_len = 512, decode_steps = 128, repeat = 3, synthetic = 0;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--help") == 0) {
       usage();
@@ -75,6 +105,7 @@ int main(int argc, char **argv) {
     else if (strcmp(a, "--prompt-len") == 0) bad = parse_int(v, 1, 1 << 20, &prompt_len);
     else if (strcmp(a, "--decode-steps") == 0) bad = parse_int(v, 1, 1 << 20, &decode_steps);
     else if (strcmp(a, "--repeat") == 0) bad = parse_int(v, 1, 100, &repeat);
+    else if (strcmp(a, "--synthetic-20b") == 0) bad = parse_int(v, 1, 24, &synthetic);
     else bad = -1;
     if (bad) {
       fprintf(stderr, "twain-bench-cpu: bad option %s %s (see --help)\n", a, v);
@@ -82,10 +113,16 @@ int main(int argc, char **argv) {
     }
   }
   double rss0 = peak_rss_mib();
+  char synth_name[64];
+  if (synthetic) {
+    snprintf(synth_name, sizeof(synth_name), "synthetic gpt-oss-20b shapes, %d layers", synthetic);
+    model_dir = synth_name;
+  }
   fprintf(stderr, "[bench] loading %s\n", model_dir);
   tw_model_t *m = NULL;
   double t0 = now_s();
-  if (tw_model_load(model_dir, &m) != TW_OK) {
+  tw_status_t lst = synthetic ? tw_bench_synthetic(synthetic, &m) : tw_model_load(model_dir, &m);
+  if (lst != TW_OK) {
     fprintf(stderr, "twain-bench-cpu: cannot load %s: %s\n", model_dir, tw_last_error());
     return 1;
   }
@@ -189,7 +226,7 @@ int main(int argc, char **argv) {
          threads);
   printf("| metric | value |\n|---|---|\n");
   printf("| weight bytes | %.1f MiB |\n", weights_mib);
-  printf("| model load | %.1f ms |\n", load_s * 1e3);
+  printf("| model %s | %.1f ms |\n", synthetic ? "fill (synthetic)" : "load", load_s * 1e3);
   printf("| peak RSS before load | %.1f MiB |\n", rss0);
   printf("| peak RSS after load | %.1f MiB (%.2fx weights) |\n", rss_load, rss_load / weights_mib);
   printf("| peak RSS after engine create | %.1f MiB (KV pool %.1f MiB mapped, lazily touched) |\n",
