@@ -9,7 +9,8 @@
  * Weights are read in place from the model mmap (cpu_ops.h); activations,
  * the residual stream and the KV pool are float32. MoE runs expert by
  * expert over the tokens routed to it, so each expert's weights are read
- * once per forward. Scratch buffers grow to the largest batch seen. */
+ * once per forward. Scratch buffers grow to the largest batch seen. One
+ * call at a time per engine (the scratch and the thread pool are shared). */
 #include "common/engine_impl.h"
 
 #include "common/cpu/cpu_ops.h"
@@ -20,7 +21,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#define TW_CPU_POOL_CAP_BYTES (1ll << 30) /* default pool: at most 1 GiB */
+#define TW_CPU_KV_CAP_BYTES (1ll << 30) /* default pool: at most 1 GiB */
 
 typedef struct {
   tw_cpu_pool_t *pool;
@@ -422,7 +423,7 @@ tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params
   if (n_blocks == 0) {
     /* two sequences of full context, capped at 1 GiB; pages are touched lazily */
     n_blocks = 2 * ((c->max_position_embeddings + bs - 1) / bs);
-    int64_t cap = TW_CPU_POOL_CAP_BYTES / (block_bytes * c->n_layers);
+    int64_t cap = TW_CPU_KV_CAP_BYTES / (block_bytes * c->n_layers);
     if (n_blocks > cap) n_blocks = cap > 1 ? cap : 1;
   }
   e->kv = (tw_kv_layout_t){.dtype = TW_DTYPE_F32, .on_device = false, .device = -1,
