@@ -183,13 +183,15 @@ def mxfp4_encode(w, torch):
 def write_random_checkpoint(a, torch, transformers):
     cfg_dict = load_config_dict(a.config)
     cfg_dict.pop("quantization_config", None)
+    cfg_dict.pop("model_type", None)  # a class attribute of GptOssConfig
     config = transformers.GptOssConfig(**cfg_dict)
     torch.manual_seed(a.seed)
     model = transformers.GptOssForCausalLM(config).to(torch.float32)
     randomize_(model, a.seed, torch)
     model = model.to(torch.bfloat16)
     os.makedirs(a.write_checkpoint, exist_ok=True)
-    model.save_pretrained(a.write_checkpoint, safe_serialization=True)
+    # one file, so that --mxfp4 can rewrite it (20b-4layer is ~9 GB in bf16)
+    model.save_pretrained(a.write_checkpoint, max_shard_size="1000GB")
     if a.mxfp4:
         from safetensors.torch import load_file, save_file
         path = os.path.join(a.write_checkpoint, "model.safetensors")
