@@ -234,9 +234,8 @@ static tw_status_t tw_tok_build(struct tw_tokenizer *t, const cJSON *root) {
   const cJSON *added = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
   if (!cJSON_IsObject(vocab) || !cJSON_IsArray(merges))
     return tw_err(TW_ERR_FORMAT, "tokenizer.json: model.vocab or model.merges missing");
-  const cJSON *ignore = cJSON_GetObjectItemCaseSensitive(model, "ignore_merges");
-  if (!cJSON_IsTrue(ignore))
-    TW_WARN("tok", "tokenizer.json: ignore_merges is not true; whole-piece lookup is used anyway");
+  /* HF: with ignore_merges a piece found in the vocab is one token (spec §5.3 step 1) */
+  t->ignore_merges = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(model, "ignore_merges"));
 
   /* sizes: ids and bytes */
   long max_id = -1;

@@ -271,7 +271,7 @@ static tw_status_t tw_tok_piece(struct tw_tok_encoder *e, const unsigned char *p
                                 uint64_t h, tw_token_ids_t *out) {
   const struct tw_tokenizer *t = e->tok;
   if (out->cap - out->n < n) TW_CHECK(tw_token_ids_reserve(out, n));
-  int32_t id = tw_tok_vocab_find_h(t, p, n, h);
+  int32_t id = t->ignore_merges ? tw_tok_vocab_find_h(t, p, n, h) : -1;
   if (id >= 0) {
     out->ids[out->n++] = id;
     return TW_OK;

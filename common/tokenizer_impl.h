@@ -53,6 +53,7 @@ struct tw_tokenizer {
   unsigned char added_first[256]; /* 1 if some added token starts with this byte */
   pcre2_code *re;                 /* the pre-tokenizer Split regex */
   int re_jit;                     /* 1 if JIT compiled */
+  int ignore_merges;              /* model.ignore_merges: a piece in the vocab is one token */
 };
 
 /* 64-bit hash of a byte string (8 bytes per step; length mixed into the seed). */
