@@ -25,7 +25,12 @@
 
 #define TW_DSEQ_MAX_STOP 16
 
-typedef enum { TW_DSEQ_RESERVED = 1, TW_DSEQ_RUNNING = 2 } tw_dseq_state_t;
+/* QUARANTINE: a reservation cancelled before its KV arrived. A prefill worker
+ * may still be writing into those blocks (one-sided puts cannot be revoked),
+ * so they stay out of the free list for TW_DSEQ_QUARANTINE_MS, longer than a
+ * prefill worker ever writes for a request (TW_PREFILL_MAX_AGE_MS, 10 s). */
+typedef enum { TW_DSEQ_RESERVED = 1, TW_DSEQ_RUNNING = 2, TW_DSEQ_QUARANTINE = 3 } tw_dseq_state_t;
+#define TW_DSEQ_QUARANTINE_MS 30000
 
 typedef struct {
   uint64_t id;
@@ -83,15 +88,18 @@ static int32_t tw_dseq_find(const tw_decoder_t *d, uint64_t id) {
 }
 
 static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *c) {
-  int32_t running = 0;
-  for (int32_t i = 0; i < d->n_seqs; i++) running += d->seqs[i]->state == TW_DSEQ_RUNNING;
+  int32_t running = 0, waiting = 0;
+  for (int32_t i = 0; i < d->n_seqs; i++) {
+    running += d->seqs[i]->state == TW_DSEQ_RUNNING;
+    waiting += d->seqs[i]->state == TW_DSEQ_RESERVED;
+  }
   twain__internal__v1__capacity__init(c);
   c->free_kv_blocks = tw_kv_blocks_free_count(d->blocks);
   c->total_kv_blocks = tw_kv_blocks_total(d->blocks);
   c->running = running;
-  c->queued = d->n_seqs - running;
+  c->queued = waiting;
   tw_metric_set(d->m.running, running);
-  tw_metric_set(d->m.reserved, d->n_seqs - running);
+  tw_metric_set(d->m.reserved, waiting);
   tw_metric_set(d->m.blocks_used, tw_kv_blocks_used_count(d->blocks));
   tw_metric_set(d->m.blocks_free, c->free_kv_blocks);
 }
@@ -309,9 +317,16 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
 
 static void tw_on_cancel(tw_decoder_t *d, uint64_t id) {
   int32_t idx = tw_dseq_find(d, id);
-  if (idx < 0) return; /* already finished: nothing to free */
-  TW_DEBUG("decode", "request %llu cancelled: freeing %d blocks", (unsigned long long)id,
-           d->seqs[idx]->n_blocks);
+  if (idx < 0 || d->seqs[idx]->state == TW_DSEQ_QUARANTINE) return; /* already finished */
+  tw_dseq_t *s = d->seqs[idx];
+  if (s->state == TW_DSEQ_RESERVED) {
+    TW_DEBUG("decode", "request %llu cancelled before its kv arrived: %d blocks quarantined",
+             (unsigned long long)id, s->n_blocks);
+    s->state = TW_DSEQ_QUARANTINE;
+    s->t_ns = tw_msg_clock_ns();
+    return;
+  }
+  TW_DEBUG("decode", "request %llu cancelled: freeing %d blocks", (unsigned long long)id, s->n_blocks);
   tw_dseq_release(d, idx);
 }
 
@@ -454,6 +469,7 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     if (d.draining && (d.n_seqs == 0 || tw_msg_clock_ns() - drain_since > 30000000000LL)) break;
     bool busy = false, reserved = false;
     for (int32_t i = 0; i < d.n_seqs; i++) {
+      if (d.seqs[i]->state == TW_DSEQ_QUARANTINE) continue;
       busy |= d.seqs[i]->state == TW_DSEQ_RUNNING;
       reserved |= d.seqs[i]->state == TW_DSEQ_RESERVED;
     }
@@ -481,12 +497,16 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     }
     /* reservations whose handoff never came (router lost them) */
     int64_t now = tw_msg_clock_ns();
-    for (int32_t i = d.n_seqs - 1; i >= 0; i--)
-      if (d.seqs[i]->state == TW_DSEQ_RESERVED &&
-          now - d.seqs[i]->t_ns > (int64_t)p->reserve_timeout_ms * 1000000) {
-        TW_WARN("decode", "request %llu: reservation expired", (unsigned long long)d.seqs[i]->id);
+    for (int32_t i = d.n_seqs - 1; i >= 0; i--) {
+      tw_dseq_t *s = d.seqs[i];
+      if (s->state == TW_DSEQ_RESERVED && now - s->t_ns > (int64_t)p->reserve_timeout_ms * 1000000) {
+        TW_WARN("decode", "request %llu: reservation expired", (unsigned long long)s->id);
+        tw_dseq_release(&d, i);
+      } else if (s->state == TW_DSEQ_QUARANTINE &&
+                 (now - s->t_ns > (int64_t)TW_DSEQ_QUARANTINE_MS * 1000000 || d.draining)) {
         tw_dseq_release(&d, i);
       }
+    }
     tw_decoder_step(&d);
     tw_decoder_capacity(&d, &cap);
     tw_worker_link_tick(&d.link, &cap, d.draining, false);

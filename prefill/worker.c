@@ -15,9 +15,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define TW_PREFILL_MAX_QUEUE 4096
+/* KV older than this is never written (see issued_unix_ms in the proto);
+ * decode workers quarantine cancelled reservations for longer (30 s). */
+#define TW_PREFILL_MAX_AGE_MS 10000
 
 typedef struct {
   const char *model_dir, *router, *name;
@@ -88,6 +92,13 @@ static int tw_code_of(tw_status_t st) {
   }
 }
 
+static bool tw_prefill_stale(const Twain__Internal__V1__PrefillRequest *r) {
+  struct timespec wall;
+  clock_gettime(CLOCK_REALTIME, &wall);
+  int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
+  return r->issued_unix_ms && now - r->issued_unix_ms > TW_PREFILL_MAX_AGE_MS;
+}
+
 /* Run one prompt and hand its KV over. */
 static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r) {
   const tw_model_config_t *c = &w->model->config;
@@ -156,6 +167,11 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
     st = tw_kv_xfer_peer(w->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
                          h->rkey.len, &peer);
     for (int32_t l = 0; st == TW_OK && l < c->n_layers; l++) {
+      if (tw_prefill_stale(r)) {
+        st = tw_err(TW_ERR_DEADLINE, "request %llu is older than %d ms: not writing its kv",
+                    (unsigned long long)r->request_id, TW_PREFILL_MAX_AGE_MS);
+        break;
+      }
       int32_t f = tw_kv_layer_first_block(n, src->block_size, c->layer_types[l] == TW_LAYER_SLIDING,
                                           c->sliding_window);
       st = tw_kv_xfer_send_layer(w->xfer, peer, src, &rl, l, ids, h->block_ids, f, nb, &sums[l]);
@@ -339,6 +355,9 @@ int tw_prefill_worker_main(int argc, char **argv) {
         if (w.draining)
           tw_prefill_done(&w, e->prefill->request_id, -1, NULL, 0, 0, 0, 0,
                           TWAIN__V1__CODE__UNAVAILABLE, "prefill worker is draining");
+        else if (tw_prefill_stale(e->prefill))
+          tw_prefill_done(&w, e->prefill->request_id, -1, NULL, 0, 0, 0, 0,
+                          TWAIN__V1__CODE__DEADLINE_EXCEEDED, "prefill request is stale");
         else
           tw_prefill_one(&w, e->prefill);
         twain__internal__v1__envelope__free_unpacked(e, NULL);

@@ -36,8 +36,7 @@ typedef struct {
   int64_t last_seen_ns;
   int32_t free_blocks, total_blocks, block_size;
   int64_t queued_tokens;
-  int32_t pending_blocks;   /* asked for by Reserves not yet answered */
-  int64_t pending_tokens;   /* prompt tokens sent since its last heartbeat */
+  int32_t assigned_blocks;  /* blocks of this router's requests there (schedule) */
   int64_t requests;         /* handed to it, for tests and logs */
 } tw_rworker_t;
 

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define TW_ROUTER_MAX_ATTEMPTS 3
 
@@ -71,8 +72,6 @@ static void tw_apply_capacity(tw_rworker_t *w, const Twain__Internal__V1__Capaci
   w->free_blocks = c->free_kv_blocks;
   w->total_blocks = c->total_kv_blocks;
   w->queued_tokens = c->queued_prompt_tokens;
-  w->pending_tokens = 0;
-  w->pending_blocks = 0;
 }
 
 static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Internal__V1__Register *g) {
@@ -124,6 +123,7 @@ static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *
   if (q->n_out == 0 && q->attempts < TW_ROUTER_MAX_ATTEMPTS) {
     TW_INFO("router", "request %llu: %s; retrying elsewhere", (unsigned long long)q->id, why);
     tw_router_cancel_workers(r, q);
+    q->id = r->next_req_id++; /* late messages about the old attempt are ignored */
     q->state = TW_REQ_QUEUED;
     q->dw = q->pw = 0;
     q->retry_after_ns = tw_msg_clock_ns() + 20 * 1000000;
@@ -136,10 +136,6 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   TW_DEBUG("router", "request %llu: reserved on %s (%s)", (unsigned long long)rs->request_id, w->name,
            rs->status && rs->status->code ? rs->status->message : "ok");
   tw_req_t *q = tw_router_find_req(r, rs->request_id);
-  if (q && q->state == TW_REQ_RESERVING && q->dw == w->serial) {
-    w->pending_blocks -= q->blocks_asked;
-    if (w->pending_blocks < 0) w->pending_blocks = 0;
-  }
   if (!q || q->state != TW_REQ_RESERVING || q->dw != w->serial) {
     if (!rs->status || !rs->status->code) { /* a reservation nobody wants: free it */
       Twain__Internal__V1__Cancel c = TWAIN__INTERNAL__V1__CANCEL__INIT;
@@ -156,6 +152,7 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
         rs->status->code == TWAIN__V1__CODE__UNAVAILABLE) { /* full or draining: wait in the queue */
       q->state = TW_REQ_QUEUED;
       q->dw = 0;
+      q->id = r->next_req_id++;
       q->retry_after_ns = tw_msg_clock_ns() + 20 * 1000000;
       return;
     }
@@ -164,10 +161,20 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   }
   /* prefill worker with the fewest queued prompt tokens */
   tw_rworker_t *best = NULL;
+  int64_t best_load = 0;
   for (int32_t i = 0; i < r->n_workers; i++) {
     tw_rworker_t *p = &r->workers[i];
     if (p->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL || p->draining) continue;
-    if (!best || p->queued_tokens + p->pending_tokens < best->queued_tokens + best->pending_tokens) best = p;
+    /* what this router has in flight there is exact; the heartbeat adds other routers' */
+    int64_t known = 0;
+    for (int32_t k = 0; k < r->n_reqs; k++)
+      if (!r->reqs[k]->done && r->reqs[k]->state == TW_REQ_PREFILLING && r->reqs[k]->pw == p->serial)
+        known += r->reqs[k]->n_prompt;
+    int64_t load = p->queued_tokens > known ? p->queued_tokens : known;
+    if (!best || load < best_load) {
+      best = p;
+      best_load = load;
+    }
   }
   if (!best) {
     tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no prefill worker is registered");
@@ -179,12 +186,14 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   pr.n_prompt_ids = (size_t)q->n_prompt;
   pr.sampling = &q->sampling;
   pr.handoff = rs->handoff;
+  struct timespec wall;
+  clock_gettime(CLOCK_REALTIME, &wall);
+  pr.issued_unix_ms = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL;
   env.prefill = &pr;
   q->pw = best->serial;
   q->state = TW_REQ_PREFILLING;
-  best->pending_tokens += q->n_prompt;
   best->requests++;
   if (tw_router_send_worker(r, best, &env) != TW_OK)
     tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "prefill worker unreachable");
@@ -329,6 +338,12 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
 }
 
 void tw_router_schedule(tw_router_t *r, int64_t now) {
+  for (int32_t i = 0; i < r->n_workers; i++) r->workers[i].assigned_blocks = 0;
+  for (int32_t k = 0; k < r->n_reqs; k++) {
+    tw_req_t *q = r->reqs[k];
+    tw_rworker_t *w = !q->done && q->state != TW_REQ_QUEUED ? tw_router_worker(r, q->dw) : NULL;
+    if (w) w->assigned_blocks += q->blocks_asked;
+  }
   for (int32_t k = 0; k < r->n_reqs; k++) {
     tw_req_t *q = r->reqs[k];
     if (q->done || q->state != TW_REQ_QUEUED || now < q->retry_after_ns) continue;
@@ -350,7 +365,10 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       tw_rworker_t *w = &r->workers[i];
       if (w->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE || w->draining) continue;
       int32_t n = (int32_t)(((int64_t)q->n_prompt + q->max_tokens + w->block_size - 1) / w->block_size);
-      int32_t f = w->free_blocks - w->pending_blocks;
+      /* the heartbeat lags the reservations in flight; what this router holds
+       * there is exact, so take the smaller estimate */
+      int32_t f = w->total_blocks - w->assigned_blocks;
+      if (w->free_blocks < f) f = w->free_blocks;
       if (f >= n && f > best_free) {
         best = w;
         best_free = f;
@@ -369,12 +387,12 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     q->dw = best->serial;
     q->state = TW_REQ_RESERVING;
     q->blocks_asked = need;
-    best->pending_blocks += need;
+    best->assigned_blocks += need;
     best->requests++;
     if (tw_router_send_worker(r, best, &env) != TW_OK) {
       q->state = TW_REQ_QUEUED;
       q->dw = 0;
-      best->pending_blocks -= need;
+      best->assigned_blocks -= need;
     }
   }
 }
