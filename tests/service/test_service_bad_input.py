@@ -1,0 +1,251 @@
+"""Bad input gets a clear error and every daemon keeps serving:
+ - router, client side: malformed protobuf, unknown request type, a message of
+   the wrong shape, prompt over the limit, empty prompt, token id outside the
+   vocabulary, max_tokens 0 / negative / huge, bad temperature, bad chat role,
+   too many concurrent requests, a deadline that passes;
+ - router, worker side: garbage, an unregistered worker, results for requests
+   that do not exist;
+ - decode and prefill workers driven by a fake router: garbage, an unknown
+   message type, a handoff for a request that no longer exists (cancelled), a
+   handoff for one that never existed, an impossible reservation, a prefill
+   without handoff, a bad token id; then a real prefill -> UCX -> decode still
+   works and matches the reference."""
+import sys
+import time
+
+import zmq
+
+import fixtures
+import svc
+
+fails = 0
+
+
+def check(cond, what):
+    global fails
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        fails += 1
+
+
+E = svc.E
+prompt = fixtures.ids("short_dog")
+
+# ------------------------------------------------------------------ router
+c = svc.Cluster(1, 1, router_args=["--max-prompt-tokens", "64", "--max-tokens-limit", "1000",
+                                   "--max-requests", "40"])
+try:
+    cl = c.client()
+
+    def one(req, timeout=30):
+        return cl.wait([cl.send(req)], timeout)[0][-1]
+
+    cl.send_raw(b"\xff\xff\xff garbage that is not a protobuf")
+    cl.replies.setdefault(0, [])
+    cl.wait([0], 10)
+    r = cl.replies[0][-1]
+    check(r.error.code == E["INVALID_ARGUMENT"] and "malformed" in r.error.message,
+          "malformed protobuf: %s" % r.error.message)
+    cl.replies[0] = []
+    req = svc.ClientRequest()
+    req.request_id = 77
+    r = one(req)
+    check(r.error.code == E["INVALID_ARGUMENT"] and "unknown request type" in r.error.message,
+          "request without a body: %s" % r.error.message)
+    # field 50, length-delimited: a message type this version does not know
+    cl.send_raw(bytes([0x08, 78, 0x92, 0x03, 0x02, 0x08, 0x01]))
+    cl.replies.setdefault(78, [])
+    cl.wait([78], 10)
+    r = cl.replies[78][-1]
+    check(r.error.code == E["INVALID_ARGUMENT"] and "unknown request type" in r.error.message,
+          "unknown message type: %s" % r.error.message)
+    cl.s.send_multipart([b"a", b"b", b"c"])
+    cl.wait([0], 10)
+    r = cl.replies[0][-1]
+    check(r.error.code == E["INVALID_ARGUMENT"] and "frames" in r.error.message,
+          "three-frame message: %s" % r.error.message)
+    r = one(svc.generate(list(range(10, 110)), 5))
+    check(r.error.code == E["INVALID_ARGUMENT"] and "exceeds the limit of 64" in r.error.message,
+          "prompt over the limit: %s" % r.error.message)
+    r = one(svc.generate([], 5))
+    check(r.error.code == E["INVALID_ARGUMENT"] and "empty" in r.error.message, "empty prompt: %s" % r.error.message)
+    r = one(svc.generate(prompt[:-1] + [9000], 5))
+    check(r.error.code == E["INVALID_ARGUMENT"] and "9000" in r.error.message,
+          "token id outside the vocabulary: %s" % r.error.message)
+    r = one(svc.generate(prompt, 0))
+    check(r.error.code == E["INVALID_ARGUMENT"] and "max_tokens" in r.error.message, "max_tokens 0: %s" % r.error.message)
+    r = one(svc.generate(prompt, -3))
+    check(r.error.code == E["INVALID_ARGUMENT"] and "max_tokens" in r.error.message, "max_tokens -3: %s" % r.error.message)
+    r = one(svc.generate(prompt, 1000000000))
+    check(r.error.code == E["INVALID_ARGUMENT"] and "limit of 1000" in r.error.message,
+          "max_tokens huge: %s" % r.error.message)
+    g = svc.generate(prompt, 5)
+    g.generate.sampling.temperature = float("nan")
+    r = one(g)
+    check(r.error.code == E["INVALID_ARGUMENT"] and "temperature" in r.error.message, "NaN temperature: %s" % r.error.message)
+    ch = svc.chat("hi", 5)
+    ch.chat.messages[0].role = "wizard"
+    r = one(ch)
+    check(r.error.code == E["INVALID_ARGUMENT"] and "wizard" in r.error.message, "unknown chat role: %s" % r.error.message)
+    ch = svc.chat("hi", 5)
+    del ch.chat.messages[:]
+    r = one(ch)
+    check(r.error.code == E["INVALID_ARGUMENT"] and "empty" in r.error.message, "chat without messages: %s" % r.error.message)
+    r = one(svc.generate(prompt, 900, deadline_ms=300), 30)
+    check(r.error.code == E["DEADLINE_EXCEEDED"], "deadline: %s" % r.error.message)
+    rids = [cl.send(svc.generate(prompt, 200)) for _ in range(50)]
+    res = cl.wait(rids, 120)
+    codes = [x[-1].error.code for x in res]
+    n_exh = codes.count(E["RESOURCE_EXHAUSTED"])
+    check(n_exh >= 10 and codes.count(0) + n_exh == 50,
+          "50 at once with --max-requests 40: %d RESOURCE_EXHAUSTED (%s), the rest served" % (
+              n_exh, [x[-1].error.message for x in res if x[-1].error.code][:1]))
+
+    # worker socket: garbage, an unregistered worker, results for unknown requests
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.DEALER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.setsockopt(zmq.ROUTING_ID, b"impostor")
+    fake.connect(c.worker_ep)
+    fake.send(b"\x00\x01garbage")
+    env = svc.Envelope()
+    env.tokens.request_id = 999999
+    env.tokens.tokens.extend([1, 2, 3])
+    fake.send(env.SerializeToString())
+    got = []
+    end = time.time() + 10
+    while time.time() < end and len(got) < 2:
+        if fake.poll(100):
+            e = svc.Envelope()
+            e.ParseFromString(fake.recv())
+            got.append(e)
+    check(len(got) == 2 and got[0].reject.status.code == E["INVALID_ARGUMENT"] and
+          got[1].reject.status.code == E["NOT_FOUND"],
+          "worker socket: garbage -> INVALID_ARGUMENT, unregistered worker -> NOT_FOUND (%s)" % (
+              [g.reject.status.message for g in got]))
+    fake.close(0)
+
+    r = cl.wait([cl.send(svc.generate(prompt, 20))], 60)[0]
+    check(svc.tokens_of(r) == svc.reference_generate(prompt, 20), "router still serves correctly after all that")
+    cl.close()
+finally:
+    rcs = c.close()
+check(not any(rcs.values()), "router and workers stop cleanly: %s" % rcs)
+
+# ------------------------------------------------------- workers, fake router
+ctx = zmq.Context.instance()
+rs = ctx.socket(zmq.ROUTER)
+rs.setsockopt(zmq.LINGER, 0)
+port = rs.bind_to_random_port("tcp://127.0.0.1")
+ep = "tcp://127.0.0.1:%d" % port
+dec = svc.Proc([svc.bin_path("decode", "twain-decode"), "--router", ep, "--model", svc.MODEL, "--name", "fd",
+                "--backend", "cpu", "--threads", "1", "--metrics-port", "0", "--verify-kv"], "decode")
+pre = svc.Proc([svc.bin_path("prefill", "twain-prefill"), "--router", ep, "--model", svc.MODEL, "--name", "fp",
+                "--backend", "cpu", "--threads", "1", "--metrics-port", "0"], "prefill")
+
+
+def recv_from(name, pred, timeout=20):
+    end = time.time() + timeout
+    while time.time() < end:
+        if rs.poll(50):
+            ident, data = rs.recv_multipart()
+            e = svc.Envelope()
+            try:
+                e.ParseFromString(data)
+            except Exception:
+                continue
+            if ident == name and pred(e):
+                return e
+    raise AssertionError("no expected message from %s within %d s" % (name, timeout))
+
+
+def send(name, env):
+    rs.send_multipart([name, env.SerializeToString()])
+
+
+try:
+    for name in (b"fd", b"fp"):
+        recv_from(name, lambda e: e.WhichOneof("body") == "register")
+        ack = svc.Envelope()
+        ack.register_ack.worker_id = name.decode()
+        send(name, ack)
+    for name in (b"fd", b"fp"):
+        rs.send_multipart([name, b"\xff\xfe not a protobuf"])
+        unknown = svc.Envelope()
+        unknown.heartbeat.draining = False
+        send(name, unknown)
+        e = recv_from(name, lambda e: e.WhichOneof("body") == "reject")
+        check(e.reject.status.code == E["UNIMPLEMENTED"],
+              "%s: garbage dropped, unknown message type -> %s" % (name.decode(), e.reject.status.message))
+    d = svc.Envelope()
+    d.decode.request_id = 12345
+    d.decode.n_prompt_tokens = 15
+    d.decode.first_token = 1
+    d.decode.max_tokens = 5
+    send(b"fd", d)
+    e = recv_from(b"fd", lambda e: e.WhichOneof("body") == "reject")
+    check(e.reject.request_id == 12345 and e.reject.status.code == E["NOT_FOUND"],
+          "decode: handoff for a request that never existed -> %s" % e.reject.status.message)
+    rv = svc.Envelope()
+    rv.reserve.request_id = 7
+    rv.reserve.n_prompt_tokens = 15
+    rv.reserve.max_tokens = 5
+    send(b"fd", rv)
+    e = recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved")
+    check(e.reserved.status.code == 0 and len(e.reserved.handoff.block_ids) == 1, "decode: reserve ok")
+    cn = svc.Envelope()
+    cn.cancel.request_id = 7
+    send(b"fd", cn)
+    d.decode.request_id = 7
+    send(b"fd", d)
+    e = recv_from(b"fd", lambda e: e.WhichOneof("body") == "reject")
+    check(e.reject.request_id == 7 and e.reject.status.code == E["NOT_FOUND"],
+          "decode: handoff for a cancelled request -> %s" % e.reject.status.message)
+    rv.reserve.request_id = 8
+    rv.reserve.n_prompt_tokens = 100000
+    send(b"fd", rv)
+    e = recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved")
+    check(e.reserved.status.code == E["INVALID_ARGUMENT"], "decode: impossible reservation -> %s" % e.reserved.status.message)
+    pr = svc.Envelope()
+    pr.prefill.request_id = 20
+    pr.prefill.prompt_ids.extend(prompt)
+    send(b"fp", pr)
+    e = recv_from(b"fp", lambda e: e.WhichOneof("body") == "prefill_done")
+    check(e.prefill_done.status.code == E["INVALID_ARGUMENT"], "prefill: no handoff -> %s" % e.prefill_done.status.message)
+    # a real handoff, first with a bad token id, then a good prompt
+    rv.reserve.request_id = 21
+    rv.reserve.n_prompt_tokens = len(prompt)
+    rv.reserve.max_tokens = 12
+    send(b"fd", rv)
+    h = recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved").reserved.handoff
+    pr.prefill.request_id = 21
+    pr.prefill.handoff.CopyFrom(h)
+    del pr.prefill.prompt_ids[:]
+    pr.prefill.prompt_ids.extend(prompt[:-1] + [9000])
+    send(b"fp", pr)
+    e = recv_from(b"fp", lambda e: e.WhichOneof("body") == "prefill_done")
+    check(e.prefill_done.status.code == E["INVALID_ARGUMENT"], "prefill: bad token id -> %s" % e.prefill_done.status.message)
+    del pr.prefill.prompt_ids[:]
+    pr.prefill.prompt_ids.extend(prompt)
+    send(b"fp", pr)
+    done = recv_from(b"fp", lambda e: e.WhichOneof("body") == "prefill_done").prefill_done
+    check(done.status.code == 0 and len(done.layer_checksums) == 4, "prefill: still serves, kv handed off")
+    d.decode.request_id = 21
+    d.decode.n_prompt_tokens = len(prompt)
+    d.decode.first_token = done.first_token
+    d.decode.max_tokens = 12
+    d.decode.layer_checksums.extend(done.layer_checksums)
+    send(b"fd", d)
+    toks = [done.first_token]
+    end = time.time() + 30
+    while time.time() < end:
+        t = recv_from(b"fd", lambda e: e.WhichOneof("body") == "tokens").tokens
+        toks.extend(t.tokens)
+        if t.finished:
+            break
+    check(toks == svc.reference_generate(prompt, 12), "decode: still serves, output equals the reference")
+finally:
+    check(dec.stop() == 0 and pre.stop() == 0, "workers stop cleanly on SIGTERM")
+    rs.close(0)
+print("PASS" if not fails else "FAIL (%d)" % fails)
+sys.exit(1 if fails else 0)
