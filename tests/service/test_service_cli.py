@@ -1,0 +1,77 @@
+"""The twain CLI end to end: `twain serve` (ephemeral client port) prints a
+line with "ready" once its workers registered; `twain chat` streams the final
+answer (and the analysis with --show-analysis); `twain chat --json` prints the
+messages and usage, with --date/--reasoning rendering the exact fixture prompt
+(75 tokens); `twain generate` equals twain-prefill --generate; the Python
+client example works; Ctrl-C (SIGINT) stops the server and every worker."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import fixtures
+import svc
+
+fails = 0
+
+
+def check(cond, what):
+    global fails
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        fails += 1
+
+
+twain = svc.bin_path("router", "twain")
+serve = svc.Proc([twain, "serve", "--listen", "tcp://127.0.0.1:0", "--threads", "1", "--metrics-port", "0"],
+                 "serve")
+try:
+    m = serve.wait_line(r"ready.*clients at (\S+)", 90)
+    ep = m.group(1)
+    print("serve is ready at", ep)
+
+    def run(*argv, timeout=120):
+        return subprocess.run([twain] + list(argv), capture_output=True, text=True, timeout=timeout)
+
+    r = run("chat", "--endpoint", ep, "What does the word 'dog' mean?")
+    check(r.returncode == 0 and "dog" in r.stdout and "genus Canis" in r.stdout,
+          "twain chat: %r" % r.stdout.strip()[:120])
+    r = run("chat", "--endpoint", ep, "--show-analysis", "What does the word 'dog' mean?")
+    check(r.returncode == 0 and "[analysis] " in r.stdout and "[final] " in r.stdout,
+          "twain chat --show-analysis: %r" % r.stdout.strip()[:160])
+    r = run("chat", "--endpoint", ep, "--json", "--reasoning", "low", "--date", "2025-06-01",
+            "What does the word 'water' mean?")
+    ok = r.returncode == 0
+    if ok:
+        out = json.loads(r.stdout)
+        chans = [m["channel"] for m in out["messages"]]
+        ok = out["usage"]["prompt_tokens"] == len(fixtures.ids("system_water")) and "final" in chans and \
+            all(set(m) >= {"role", "channel", "recipient", "content"} for m in out["messages"])
+    check(ok, "twain chat --json --reasoning low --date: %s" % r.stdout.strip()[:200])
+    ids = fixtures.ids("short_dog")
+    r = run("generate", "--endpoint", ep, "--max-tokens", "20", *[str(i) for i in ids])
+    got = [int(x) for x in r.stdout.split()]
+    check(r.returncode == 0 and got == svc.reference_generate(ids, 20), "twain generate equals the reference")
+    r = run("generate", "--endpoint", ep, "--max-tokens", "0", *[str(i) for i in ids])
+    check(r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr, "twain generate --max-tokens 0: %s" % r.stderr.strip())
+    ex = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "client_example.py"),
+                         "--endpoint", ep, "What does the word 'book' mean?"],
+                        capture_output=True, text=True, timeout=120)
+    check(ex.returncode == 0 and "book" in ex.stdout and "usage: prompt" in ex.stdout,
+          "python client example: %r" % ex.stdout.strip()[:160])
+    pids = [int(p) for p in re.findall(r"registered: \w+ pool, backend \w+, pid (\d+)", "\n".join(serve.lines))]
+    check(len(pids) == 2, "serve started 2 workers (pids %s)" % pids)
+finally:
+    t0 = time.time()
+    rc = serve.stop(signal.SIGINT, 40)
+    print("serve stopped in %.1f s" % (time.time() - t0))
+check(rc == 0 and serve.count(r"twain serve: stopped") == 1, "Ctrl-C: serve exits 0 (rc %s)" % rc)
+time.sleep(0.2)
+alive = [p for p in pids if os.path.exists("/proc/%d" % p) and
+         open("/proc/%d/stat" % p).read().split()[2] != "Z"]
+check(not alive, "every worker process is gone (alive: %s)" % alive)
+print("PASS" if not fails else "FAIL (%d)" % fails)
+sys.exit(1 if fails else 0)
