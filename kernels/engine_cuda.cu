@@ -219,6 +219,11 @@ static void tw_ce_destroy(tw_engine_t *engine) {
   tw_ce_t *ce = (tw_ce_t *)engine->backend;
   if (ce) {
     if (ce->stream) cudaStreamSynchronize(ce->stream);
+    if (ce->profile) {
+      tw_ce_profile_log(ce);
+      cudaEventDestroy(ce->prof_ev[0]);
+      cudaEventDestroy(ce->prof_ev[1]);
+    }
     tw_ce_graphs_destroy(ce);
     tw_cuda_gemm_destroy(ce->gemm);
     if (ce->warena) cudaFree(ce->warena);
@@ -299,6 +304,16 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   ce->max_pos = c->max_position_embeddings;
   ce->max_blocks_per_seq = (ce->max_pos + params->kv_block_size - 1) / params->kv_block_size;
   ce->use_graphs = 1;
+  {
+    /* debug knob, read once here: per-op timing with a sync after each op */
+    const char *pv = getenv("TWAIN_CUDA_PROFILE");
+    if (pv && pv[0] == '1' &&
+        cudaEventCreate(&ce->prof_ev[0]) == cudaSuccess &&
+        cudaEventCreate(&ce->prof_ev[1]) == cudaSuccess) {
+      ce->profile = 1;
+      ce->use_graphs = 0;
+    }
+  }
   TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->stream, cudaStreamNonBlocking), st, fail);
   TW_CHECK_GOTO(tw_cuda_gemm_create(0, &ce->gemm), st, fail);
   /* weights */

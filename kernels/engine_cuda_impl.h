@@ -24,6 +24,12 @@ extern "C" {
 /* Rows of logits computed per unembedding GEMM when all logits are asked. */
 #define TW_CE_LOGIT_ROWS 256
 
+enum {
+  TW_CE_PROF_EMBED, TW_CE_PROF_NORM, TW_CE_PROF_QKV, TW_CE_PROF_ROPE, TW_CE_PROF_ATTN,
+  TW_CE_PROF_OPROJ, TW_CE_PROF_ROUTER, TW_CE_PROF_ROUTE, TW_CE_PROF_MOE, TW_CE_PROF_LMHEAD,
+  TW_CE_PROF_SAMPLE, TW_CE_PROF_N
+};
+
 typedef struct {
   const void *attn_norm; /* bf16 [H] */
   const void *wqkv;      /* bf16 [NQ*D + 2*NKV*D, H] (q, k, v rows stacked) */
@@ -83,11 +89,18 @@ typedef struct {
   tw_ce_graph_t graphs[TW_CE_MAX_GRAPHS];
   int32_t n_graphs;
   int use_graphs;
+  /* TWAIN_CUDA_PROFILE=1: eager steps, each op timed with events (debug) */
+  int profile;
+  cudaEvent_t prof_ev[2];
+  double prof_ms[TW_CE_PROF_N];
+  int64_t prof_steps[2]; /* prefill chunks, decode steps */
 } tw_ce_t;
 
 /** The engine ops (engine_cuda_step.cu). */
 tw_status_t tw_ce_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
 tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
+/** Log the per-op times gathered in profile mode (engine_cuda_step.cu). */
+void tw_ce_profile_log(const tw_ce_t *ce);
 /** Destroy the captured graphs (engine_cuda_step.cu). */
 void tw_ce_graphs_destroy(tw_ce_t *ce);
 

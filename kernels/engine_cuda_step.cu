@@ -18,7 +18,39 @@
 #include "kernels/norm_rope.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
+
+static const char *const tw_ce_prof_names[TW_CE_PROF_N] = {
+    "embed", "norm", "qkv", "rope+kv", "attention", "o_proj", "router", "route", "moe", "lm_head",
+    "sample"};
+
+/* Run `call`; in profile mode time it alone with events (stream synced). */
+#define TW_CE_OP(cat, call)                                                       \
+  do {                                                                            \
+    if (ce->profile) TW_CUDA_CHECK(cudaEventRecord(ce->prof_ev[0], ce->stream)); \
+    TW_CHECK(call);                                                               \
+    if (ce->profile) {                                                            \
+      float ms_ = 0.0f;                                                           \
+      TW_CUDA_CHECK(cudaEventRecord(ce->prof_ev[1], ce->stream));                 \
+      TW_CUDA_CHECK(cudaEventSynchronize(ce->prof_ev[1]));                        \
+      TW_CUDA_CHECK(cudaEventElapsedTime(&ms_, ce->prof_ev[0], ce->prof_ev[1]));  \
+      ce->prof_ms[cat] += ms_;                                                    \
+    }                                                                             \
+  } while (0)
+
+void tw_ce_profile_log(const tw_ce_t *ce) {
+  double tot = 0;
+  for (int i = 0; i < TW_CE_PROF_N; i++) tot += ce->prof_ms[i];
+  if (tot <= 0) return;
+  char line[1024];
+  int n = snprintf(line, sizeof line, "cuda profile over %lld prefill chunks + %lld decode steps, "
+                   "total %.3f ms:", (long long)ce->prof_steps[0], (long long)ce->prof_steps[1], tot);
+  for (int i = 0; i < TW_CE_PROF_N && n < (int)sizeof line - 40; i++)
+    n += snprintf(line + n, sizeof line - (size_t)n, " %s %.3f (%.1f%%)", tw_ce_prof_names[i],
+                  ce->prof_ms[i], 100.0 * ce->prof_ms[i] / tot);
+  TW_INFO("engine", "%s", line);
+}
 
 static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_seq_len,
                                 int32_t block_size) {
@@ -27,50 +59,54 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
   int32_t H = c->hidden, E = c->n_experts, QKV = ce->qkv_dim, QD = ce->q_dim;
   tw_cuda_attn_shape_t sh = {c->n_heads, c->n_kv_heads, c->head_dim, block_size, 0,
                              (float)(1.0 / sqrt((double)c->head_dim))};
-  TW_CHECK(tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
+  TW_CE_OP(TW_CE_PROF_EMBED, tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
   for (int l = 0; l < c->n_layers; l++) {
     const tw_ce_layer_t *L = &ce->layers[l];
     void *kv = (char *)ce->kv_pool + (size_t)l * (size_t)ce->kv_layer_stride_bytes;
-    TW_CHECK(tw_cuda_rmsnorm_residual(ce->x, l ? ce->moe_out : NULL, TW_DTYPE_F32, L->attn_norm,
+    TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, l ? ce->moe_out : NULL, TW_DTYPE_F32, L->attn_norm,
                                       c->rms_norm_eps, T, H, ce->xn, s));
-    TW_CHECK(tw_cuda_gemm_bf16(ce->gemm, T, QKV, H, ce->xn, H, L->wqkv, H, L->bqkv, ce->qkv,
+    TW_CE_OP(TW_CE_PROF_QKV, tw_cuda_gemm_bf16(ce->gemm, T, QKV, H, ce->xn, H, L->wqkv, H, L->bqkv, ce->qkv,
                                TW_DTYPE_BF16, QKV, s));
-    TW_CHECK(tw_cuda_rope_kv_write(ce->qkv, QKV, T, c->n_heads, c->n_kv_heads, c->head_dim,
+    TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write(ce->qkv, QKV, T, c->n_heads, c->n_kv_heads, c->head_dim,
                                    ce->d_positions, ce->rope_cos, ce->rope_sin, ce->max_pos,
                                    ce->d_slots, kv, block_size, s));
     sh.window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0;
     if (decode)
-      TW_CHECK(tw_cuda_attention_decode(&sh, ce->qkv, QKV, kv, L->sinks, T, ce->d_seq_lens,
+      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_decode(&sh, ce->qkv, QKV, kv, L->sinks, T, ce->d_seq_lens,
                                         ce->d_block_tables, ce->max_blocks_per_seq, max_seq_len,
                                         ce->attn_ws, ce->attn_ws_bytes, ce->attn, s));
     else
-      TW_CHECK(tw_cuda_attention_prefill(&sh, ce->qkv, QKV, kv, L->sinks, 1, T, ce->d_cu,
+      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_prefill(&sh, ce->qkv, QKV, kv, L->sinks, 1, T, ce->d_cu,
                                          ce->d_start, ce->d_block_tables, ce->max_blocks_per_seq,
                                          ce->attn, s));
-    TW_CHECK(tw_cuda_gemm_bf16(ce->gemm, T, H, QD, ce->attn, QD, L->wo, QD, L->bo, ce->o,
+    TW_CE_OP(TW_CE_PROF_OPROJ, tw_cuda_gemm_bf16(ce->gemm, T, H, QD, ce->attn, QD, L->wo, QD, L->bo, ce->o,
                                TW_DTYPE_F32, H, s));
-    TW_CHECK(tw_cuda_rmsnorm_residual(ce->x, ce->o, TW_DTYPE_F32, L->mlp_norm, c->rms_norm_eps, T,
+    TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, ce->o, TW_DTYPE_F32, L->mlp_norm, c->rms_norm_eps, T,
                                       H, ce->xn, s));
-    TW_CHECK(tw_cuda_gemm_bf16(ce->gemm, T, E, H, ce->xn, H, L->wr, H, L->br, ce->rlog,
+    TW_CE_OP(TW_CE_PROF_ROUTER, tw_cuda_gemm_bf16(ce->gemm, T, E, H, ce->xn, H, L->wr, H, L->br, ce->rlog,
                                TW_DTYPE_F32, E, s));
-    TW_CHECK(tw_cuda_moe_route(&ce->route, ce->rlog, T, s));
+    TW_CE_OP(TW_CE_PROF_ROUTE, tw_cuda_moe_route(&ce->route, ce->rlog, T, s));
     if (T <= TW_CE_GEMV_MAX_TOKENS)
-      TW_CHECK(tw_cuda_moe_decode(&L->moe, &ce->route, T, ce->xn, ce->moe_dec_ws,
+      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_decode(&L->moe, &ce->route, T, ce->xn, ce->moe_dec_ws,
                                   ce->moe_dec_bytes, ce->moe_out, s));
     else
-      TW_CHECK(tw_cuda_moe_prefill(ce->gemm, &L->moe, &ce->route, T, ce->xn, ce->moe_pre_ws,
+      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(ce->gemm, &L->moe, &ce->route, T, ce->xn, ce->moe_pre_ws,
                                    ce->moe_pre_bytes, ce->h_counts, ce->moe_out, s));
   }
-  return tw_cuda_rmsnorm_residual(ce->x, ce->moe_out, TW_DTYPE_F32, ce->final_norm,
-                                  c->rms_norm_eps, T, H, ce->xn, s);
+  TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, ce->moe_out, TW_DTYPE_F32,
+                                                     ce->final_norm, c->rms_norm_eps, T, H,
+                                                     ce->xn, s));
+  return TW_OK;
 }
 
 /* Unembedding of `rows` normalised rows starting at row r0 into ce->logits. */
 static tw_status_t tw_ce_unembed(tw_ce_t *ce, int32_t r0, int32_t rows) {
   const tw_model_config_t *c = ce->cfg;
   const char *xn = (const char *)ce->xn + (size_t)r0 * c->hidden * 2;
-  return tw_cuda_gemm_bf16(ce->gemm, rows, c->vocab_size, c->hidden, xn, c->hidden, ce->lm_head,
-                           c->hidden, NULL, ce->logits, TW_DTYPE_F32, c->vocab_size, ce->stream);
+  TW_CE_OP(TW_CE_PROF_LMHEAD,
+           tw_cuda_gemm_bf16(ce->gemm, rows, c->vocab_size, c->hidden, xn, c->hidden, ce->lm_head,
+                             c->hidden, NULL, ce->logits, TW_DTYPE_F32, c->vocab_size, ce->stream));
+  return TW_OK;
 }
 
 static tw_cuda_sample_row_t tw_ce_sample_row(const tw_sample_params_t *sp, int64_t position) {
@@ -115,6 +151,7 @@ tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
     TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_cu, ce->h_cu, 8, cudaMemcpyHostToDevice, s));
     TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_start, ce->h_cu + 2, 4, cudaMemcpyHostToDevice, s));
     TW_CHECK(tw_ce_layers(ce, T, 0, 0, bs));
+    ce->prof_steps[0]++;
     const float *last_row = NULL;
     if (a->logits_out && a->all_logits) {
       for (int32_t r0 = 0; r0 < T; r0 += TW_CE_LOGIT_ROWS) {
@@ -135,7 +172,7 @@ tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
       ce->h_params[0] = tw_ce_sample_row(a->sample, (int64_t)a->start_pos + n);
       TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_params, ce->h_params, sizeof(tw_cuda_sample_row_t),
                                     cudaMemcpyHostToDevice, s));
-      TW_CHECK(tw_cuda_sample(last_row, V, 1, V, ce->d_params, ce->d_next, s));
+      TW_CE_OP(TW_CE_PROF_SAMPLE, tw_cuda_sample(last_row, V, 1, V, ce->d_params, ce->d_next, s));
       TW_CUDA_CHECK(cudaMemcpyAsync(ce->h_next, ce->d_next, 4, cudaMemcpyDeviceToHost, s));
     }
   }
@@ -148,8 +185,10 @@ tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
 static tw_status_t tw_ce_decode_body(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs) {
   TW_CHECK(tw_ce_layers(ce, B, 1, ctx, bs));
   TW_CHECK(tw_ce_unembed(ce, 0, B));
-  return tw_cuda_sample(ce->logits, ce->cfg->vocab_size, B, ce->cfg->vocab_size, ce->d_params,
-                        ce->d_next, ce->stream);
+  TW_CE_OP(TW_CE_PROF_SAMPLE, tw_cuda_sample(ce->logits, ce->cfg->vocab_size, B,
+                                             ce->cfg->vocab_size, ce->d_params, ce->d_next,
+                                             ce->stream));
+  return TW_OK;
 }
 
 void tw_ce_graphs_destroy(tw_ce_t *ce) {
@@ -253,6 +292,7 @@ tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a) {
     }
   }
   if (!graphed) TW_CHECK(tw_ce_decode_body(ce, B, ctx, bs));
+  ce->prof_steps[1]++;
   if (a->next_tokens_out)
     TW_CUDA_CHECK(cudaMemcpyAsync(ce->h_next, ce->d_next, (size_t)n * 4, cudaMemcpyDeviceToHost, s));
   if (a->logits_out)

@@ -44,7 +44,7 @@ template <int TC>
 static __device__ __forceinline__ void tw_moe_row_dot(const uint8_t *__restrict__ rb,
                                                       const uint8_t *__restrict__ rs, int NB,
                                                       const float *xs, const float *tab, int lane,
-                                                      float acc[TC]) {
+                                                      int nt, float acc[TC]) {
   for (int b = lane; b < NB; b += 32) {
     uint4 wv = __ldg(reinterpret_cast<const uint4 *>(rb + (size_t)b * 16));
     float sc = tw_e8m0_to_f32(__ldg(rs + b));
@@ -59,6 +59,7 @@ static __device__ __forceinline__ void tw_moe_row_dot(const uint8_t *__restrict_
       for (int n = 0; n < 8; n++) v[n] = tab[(wq[q] >> (4 * n)) & 15u];
 #pragma unroll
       for (int t = 0; t < TC; t++) {
+        if (t >= nt) break; /* warp-uniform: skip the chunk's empty token slots */
         const float4 *xb =
             reinterpret_cast<const float4 *>(xs + ((size_t)t * NB + b) * TW_MOE_XPAD + q * 8);
         float4 x0 = xb[0], x1 = xb[1];
@@ -117,9 +118,9 @@ __global__ void __launch_bounds__(TW_MOE_WARPS * 32)
 #pragma unroll
       for (int t = 0; t < TC; t++) ag[t] = au[t] = 0.0f;
       tw_moe_row_dot<TC>(w.gate_up_blocks + rg * NB * 16, w.gate_up_scales + rg * NB, NB, xs, tab,
-                         lane, ag);
+                         lane, nt, ag);
       tw_moe_row_dot<TC>(w.gate_up_blocks + (rg + 1) * NB * 16, w.gate_up_scales + (rg + 1) * NB,
-                         NB, xs, tab, lane, au);
+                         NB, xs, tab, lane, nt, au);
 #pragma unroll
       for (int t = 0; t < TC; t++)
         for (int o = 16; o > 0; o >>= 1) {
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(TW_MOE_WARPS * 32)
 #pragma unroll
       for (int t = 0; t < TC; t++) acc[t] = 0.0f;
       tw_moe_row_dot<TC>(w.down_blocks + row * NB * 16, w.down_scales + row * NB, NB, xs, tab,
-                         lane, acc);
+                         lane, nt, acc);
 #pragma unroll
       for (int t = 0; t < TC; t++)
         for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);

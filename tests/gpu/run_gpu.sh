@@ -24,7 +24,11 @@ if [ "${1:-}" != "--device" ]; then
   cmake -S "$root" -B "$build" -DTWAIN_WERROR=ON >/dev/null
   tests=$(cd "$build" && ctest -N -L gpu | awk '/Test +#/ {print $3}')
   # shellcheck disable=SC2086
-  cmake --build "$build" -j2 --target $tests twain-bench-cuda 2>&1 | grep -E "error|Error" || true
+  if ! cmake --build "$build" -j2 --target $tests twain-bench-cuda >"$build/run_gpu_build.log" 2>&1; then
+    grep -E "error|Error" "$build/run_gpu_build.log" | head -20
+    echo "build failed: see $build/run_gpu_build.log"
+    exit 1
+  fi
   rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/lib"
   for t in $tests; do
     f=$(find "$build/tests" -type f -name "$t" -perm -u+x | head -1)
