@@ -38,6 +38,19 @@ case "${1:-demo}" in
     cd "$build" && ctest --output-on-failure -j"$(nproc)" ${TWAIN_CTEST_ARGS:-} ;;
   demo)
     install_deps; do_build
-    exec "$build/router/twain" demo "${@:2}" ;;
+    # twain serve (default tiny model, default endpoint) in the background,
+    # wait for its "ready" line, one chat request with default flags, stop it.
+    log=$(mktemp); trap 'rm -f "$log"' EXIT
+    "$build/router/twain" serve "${@:2}" >"$log" 2>&1 & pid=$!
+    for _ in $(seq 1200); do
+      grep -q 'twain serve: ready' "$log" && break
+      kill -0 "$pid" 2>/dev/null || { cat "$log" >&2; exit 1; }
+      sleep 0.1
+    done
+    grep -q 'twain serve: ready' "$log" || { echo "dev.sh: twain serve not ready after 120 s" >&2; cat "$log" >&2; kill "$pid"; exit 1; }
+    grep 'twain serve: ready' "$log"
+    rc=0; "$build/router/twain" chat "What does the word 'dog' mean?" || rc=$?
+    kill -TERM "$pid"; wait "$pid" || rc=$?
+    exit $rc ;;
   *) echo "usage: deploy/dev.sh demo|test|build" >&2; exit 2 ;;
 esac
