@@ -41,7 +41,8 @@ struct tw_tok_encoder {
   int32_t *merged;  /* [cap] id that pair would merge to */
   int32_t *next;    /* [cap] heap mode: linked list */
   int32_t *prev;
-  uint64_t *heap;   /* [cap] heap mode: (rank << 32) | pos */
+  uint64_t *heap;   /* [3 * cap] heap mode: (rank << 32) | pos; stale entries stay
+                       until popped: n - 1 initial + 2 per merge < 3n */
   tw_tok_cache_slot_t *cache; /* [TW_TOK_CACHE_SLOTS] */
 };
 
@@ -150,7 +151,7 @@ static tw_status_t tw_tok_scratch(struct tw_tok_encoder *e, size_t n) {
   if (next) e->next = next;
   int32_t *prev = realloc(e->prev, cap * sizeof *prev);
   if (prev) e->prev = prev;
-  uint64_t *heap = realloc(e->heap, cap * sizeof *heap);
+  uint64_t *heap = realloc(e->heap, 3 * cap * sizeof *heap);
   if (heap) e->heap = heap;
   if (!sym || !rank || !merged || !next || !prev || !heap)
     return tw_err(TW_ERR_NO_MEMORY, "tokenizer: cannot grow BPE scratch to %zu symbols", cap);

@@ -125,6 +125,26 @@ int main(int argc, char **argv) {
             !memcmp(text.data, longw, long_n), "long word round trip");
   free(longw);
 
+  /* regression: the BPE heap keeps stale entries; "thethe..." overflowed an
+   * n-entry heap (heap corruption, abort at free) before it got 3n entries */
+  long_n = 2000000;
+  longw = malloc(long_n);
+  for (size_t i = 0; i < long_n; i++) longw[i] = "the"[i % 3];
+  ids.n = 0;
+  text.len = 0;
+  CHECK(tw_tokenizer_encode(tok, longw, long_n, 0, &ids) == TW_OK &&
+            tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && text.len == long_n &&
+            !memcmp(text.data, longw, long_n), "2 MB 'thethe...' word round trip");
+  /* 1 MB whitespace runs (the \s+(?!\S) lookahead backtracks over them) */
+  for (size_t i = 0; i < long_n; i++) longw[i] = i < long_n / 2 ? ' ' : '\n';
+  longw[long_n - 1] = 'x';
+  ids.n = 0;
+  text.len = 0;
+  CHECK(tw_tokenizer_encode(tok, longw, long_n, 0, &ids) == TW_OK &&
+            tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && text.len == long_n &&
+            !memcmp(text.data, longw, long_n), "1 MB blank runs round trip");
+  free(longw);
+
   /* stream decoder */
   size_t after[8];
   stream_bytes(tok, "\xe2\x82\xac", 3, &text, after);
