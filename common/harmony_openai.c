@@ -132,7 +132,7 @@ static tw_status_t tw_assistant(tw_harmony_conversation_t *c, const cJSON *m, co
   const cJSON *calls = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
   int n_calls = cJSON_IsArray(calls) ? cJSON_GetArraySize(calls) : 0;
   const char *channel = tw_str(m, "channel");
-  char p2[96];
+  char p2[160];
   snprintf(p2, sizeof p2, "%s.thinking", path);
   TW_CHECK(tw_check_utf8(thinking, p2));
   TW_CHECK(tw_check_utf8(channel, path));
@@ -155,12 +155,12 @@ static tw_status_t tw_assistant(tw_harmony_conversation_t *c, const cJSON *m, co
     if (!args_s) return tw_err(TW_ERR_NO_MEMORY, "%s: out of memory", p2);
     size_t rn = strlen(name) + 11;
     char *recipient = malloc(rn);
-    tw_status_t st = TW_OK;
-    if (!recipient) st = tw_err(TW_ERR_NO_MEMORY, "%s: out of memory", p2);
-    if (st == TW_OK) {
-      snprintf(recipient, rn, "functions.%s", name);
-      st = tw_check_utf8(recipient, p2);
+    if (!recipient) {
+      free(args_s);
+      return tw_err(TW_ERR_NO_MEMORY, "%s: out of memory", p2);
     }
+    snprintf(recipient, rn, "functions.%s", name);
+    tw_status_t st = tw_check_utf8(recipient, p2);
     if (st == TW_OK) st = tw_check_utf8(args_s, p2);
     if (st == TW_OK)
       st = tw_add(c, TW_HARMONY_ROLE_ASSISTANT, NULL, recipient, "commentary",
