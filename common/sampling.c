@@ -105,6 +105,23 @@ tw_status_t tw_sample(const float *logits, int32_t vocab, const tw_sample_params
     for (int32_t i = 0; i < vocab; i++) idx[i] = i;
   }
   int use_top_p = params->top_p > 0.0f && params->top_p < 1.0f;
+  double full_total = 0.0; /* top-p without top-k: mass of the whole vocabulary */
+  if (use_top_p && n == vocab) {
+    /* Only tokens with p_i >= (1 - top_p) / vocab can be in the nucleus: the
+     * others sum to less than 1 - top_p, so the ranked prefix reaching top_p
+     * lies among the kept ones. Sorting those few is exact and avoids a
+     * full-vocabulary sort. */
+    float zmax = -INFINITY;
+    for (int32_t i = 0; i < vocab; i++) zmax = z[i] > zmax ? z[i] : zmax;
+    if (zmax > -INFINITY) {
+      for (int32_t i = 0; i < vocab; i++) full_total += exp((double)z[i] - zmax);
+      double cut = (1.0 - (double)params->top_p) / vocab * full_total;
+      int32_t kept = 0;
+      for (int32_t i = 0; i < vocab; i++)
+        if (exp((double)z[i] - zmax) >= cut) idx[kept++] = i;
+      n = kept;
+    }
+  }
   if (use_top_p || n < vocab) {
     qsort_r(idx, (size_t)n, sizeof(int32_t), tw_rank_cmp, z);
     sorted = 1;
@@ -117,7 +134,11 @@ tw_status_t tw_sample(const float *logits, int32_t vocab, const tw_sample_params
     return TW_OK;
   }
   double total = 0.0;
-  for (int32_t i = 0; i < n; i++) total += exp((double)z[idx[i]] - m);
+  if (full_total > 0.0) {
+    total = full_total; /* the same max: m is the top token, kept by the filter */
+  } else {
+    for (int32_t i = 0; i < n; i++) total += exp((double)z[idx[i]] - m);
+  }
   if (use_top_p && sorted) {
     double need = (double)params->top_p * total, cum = 0.0;
     int32_t keep = 0;

@@ -47,6 +47,58 @@ static void check_distribution(const float *z, int v, float temp, int32_t k, flo
   TW_EXPECT(x < 30.0, "temp %g k %d p %g: chi-square %.2f over %d tokens", temp, k, p, x, keep);
 }
 
+/* The documented rules of sampling.c, written out with a full sort. */
+static int32_t reference_sample(const float *logits, int v, float temp, int32_t k, float p,
+                                uint64_t seed, int64_t pos) {
+  static float z[1000];
+  static int32_t idx[1000];
+  for (int i = 0; i < v; i++) {
+    z[i] = logits[i] / temp;
+    idx[i] = i;
+  }
+  for (int i = 1; i < v; i++) { /* insertion sort: z descending, id ascending */
+    int32_t t = idx[i];
+    int j = i - 1;
+    while (j >= 0 && (z[idx[j]] < z[t] || (z[idx[j]] == z[t] && idx[j] > t))) {
+      idx[j + 1] = idx[j];
+      j--;
+    }
+    idx[j + 1] = t;
+  }
+  int n = (k > 0 && k < v) ? k : v;
+  double m = z[idx[0]], total = 0;
+  for (int i = 0; i < n; i++) total += exp((double)z[idx[i]] - m);
+  if (p > 0 && p < 1) {
+    double cum = 0;
+    int keep = 0;
+    while (keep < n) {
+      cum += exp((double)z[idx[keep]] - m);
+      keep++;
+      if (cum >= p * total) break;
+    }
+    n = keep;
+    total = cum;
+  }
+  /* draw: kept tokens in increasing id order */
+  static int32_t kept[1000];
+  for (int i = 0; i < n; i++) kept[i] = idx[i];
+  for (int i = 1; i < n; i++) {
+    int32_t t = kept[i];
+    int j = i - 1;
+    while (j >= 0 && kept[j] > t) {
+      kept[j + 1] = kept[j];
+      j--;
+    }
+    kept[j + 1] = t;
+  }
+  double target = tw_sample_uniform(seed, pos) * total, cum = 0;
+  for (int i = 0; i < n; i++) {
+    cum += exp((double)z[kept[i]] - m);
+    if (cum > target) return kept[i];
+  }
+  return kept[n - 1];
+}
+
 int main(void) {
   const float ties[5] = {1.0f, 5.0f, 2.0f, 5.0f, -1.0f};
   int32_t tok = -1;
@@ -77,6 +129,21 @@ int main(void) {
     differ += sample1(z, V, 1.0f, 0, 1.0f, 100, pos) != a;
   }
   TW_EXPECT(differ > 150, "seeds 99 and 100 agree too often: %d of 200 differ", differ);
+
+  /* the documented rules, against a full-sort reference: top-p alone (the
+   * pre-filtered path), top-k alone, both */
+  const float tps[4] = {0.5f, 0.9f, 0.99f, 0.999f};
+  int mismatches = 0;
+  for (int64_t pos = 0; pos < 100; pos++) {
+    for (int i = 0; i < V; i++) z[i] = (float)tw_test_uniform(&s, -4, 4);
+    for (int j = 0; j < 4; j++) {
+      mismatches += sample1(z, V, 0.9f, 0, tps[j], 11, pos) != reference_sample(z, V, 0.9f, 0, tps[j], 11, pos);
+      mismatches += sample1(z, V, 1.1f, 40, tps[j], 12, pos) != reference_sample(z, V, 1.1f, 40, tps[j], 12, pos);
+    }
+    mismatches += sample1(z, V, 1.0f, 7, 1.0f, 13, pos) != reference_sample(z, V, 1.0f, 7, 1.0f, 13, pos);
+    mismatches += sample1(z, V, 1.0f, 0, 1.0f, 14, pos) != reference_sample(z, V, 1.0f, 0, 1.0f, 14, pos);
+  }
+  TW_EXPECT(mismatches == 0, "%d of 1000 draws differ from the full-sort reference", mismatches);
 
   double mean = 0;
   for (int64_t i = 0; i < 10000; i++) {
