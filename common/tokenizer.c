@@ -346,6 +346,16 @@ static tw_status_t tw_tok_build(struct tw_tokenizer *t, const cJSON *root) {
     rank++;
   }
 
+  t->byte_pairs = malloc(65536 * sizeof *t->byte_pairs);
+  if (!t->byte_pairs) return tw_err(TW_ERR_NO_MEMORY, "tokenizer: out of memory (byte pairs)");
+  for (int a = 0; a < 256; a++) {
+    for (int b = 0; b < 256; b++) {
+      int32_t id = -1;
+      uint32_t r = tw_tok_pair_find(t, t->byte_id[a], t->byte_id[b], &id);
+      t->byte_pairs[a << 8 | b] = ((uint64_t)r << 32) | (uint32_t)id;
+    }
+  }
+
   const char *pattern = tw_tok_find_split_regex(cJSON_GetObjectItemCaseSensitive(root,
                                                                                  "pre_tokenizer"));
   if (!pattern)
@@ -414,6 +424,7 @@ void tw_tokenizer_destroy(tw_tokenizer_t *t) {
   free(t->bytes);
   free(t->vmap);
   free(t->pmap);
+  free(t->byte_pairs);
   free(t->added);
   free(t);
 }

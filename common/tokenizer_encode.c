@@ -159,23 +159,18 @@ static tw_status_t tw_tok_scratch(struct tw_tok_encoder *e, size_t n) {
   return TW_OK;
 }
 
-/* Start loading the merge-table slots of all m-1 adjacent pairs: the lookups
- * are independent, so their cache misses overlap instead of queueing. */
-static void tw_tok_pair_prefetch(const struct tw_tokenizer *t, const int32_t *sym, size_t m) {
-  for (size_t i = 0; i + 1 < m; i++) {
-    uint64_t key = ((uint64_t)(uint32_t)sym[i] << 32) | (uint32_t)sym[i + 1];
-    __builtin_prefetch(&t->pmap[tw_tok_pair_hash(key) & t->pmap_mask]);
-  }
-}
-
-/* BPE by repeated scans: m symbols, rank[i] for pair (i, i+1). Result in sym[0..*m). */
-static void tw_tok_bpe_scan(struct tw_tok_encoder *e, size_t *m_p) {
+/* BPE by repeated scans over the bytes p[0..m): rank[i] for pair (i, i+1).
+ * Result in sym[0..*m_p). */
+static void tw_tok_bpe_scan(struct tw_tok_encoder *e, const unsigned char *p, size_t *m_p) {
   const struct tw_tokenizer *t = e->tok;
   int32_t *sym = e->sym, *merged = e->merged;
   uint32_t *rank = e->rank;
   size_t m = *m_p;
-  tw_tok_pair_prefetch(t, sym, m);
-  for (size_t i = 0; i + 1 < m; i++) rank[i] = tw_tok_pair_find(t, sym[i], sym[i + 1], &merged[i]);
+  for (size_t i = 0; i + 1 < m; i++) {
+    uint64_t bp = t->byte_pairs[(unsigned)p[i] << 8 | p[i + 1]];
+    rank[i] = (uint32_t)(bp >> 32);
+    merged[i] = (int32_t)(uint32_t)bp;
+  }
   while (m > 1) {
     uint32_t best = UINT32_MAX;
     size_t bi = 0;
@@ -193,6 +188,9 @@ static void tw_tok_bpe_scan(struct tw_tok_encoder *e, size_t *m_p) {
       memmove(merged + bi + 1, merged + bi + 2, (m - bi - 2) * sizeof *merged);
     }
     m--;
+    /* the two new pairs: start both loads before waiting on either */
+    if (bi > 0) tw_tok_pair_prefetch1(t, sym[bi - 1], sym[bi]);
+    if (bi + 1 < m) tw_tok_pair_prefetch1(t, sym[bi], sym[bi + 1]);
     if (bi > 0) rank[bi - 1] = tw_tok_pair_find(t, sym[bi - 1], sym[bi], &merged[bi - 1]);
     if (bi + 1 < m) rank[bi] = tw_tok_pair_find(t, sym[bi], sym[bi + 1], &merged[bi]);
   }
@@ -226,40 +224,47 @@ static uint64_t tw_tok_heap_pop(uint64_t *h, size_t *n) {
 }
 
 /* BPE with a heap of (rank, position) over a linked list: O(n log n) for long
- * pieces; the same merge order as the scan (lowest rank, then leftmost). */
-static void tw_tok_bpe_heap(struct tw_tok_encoder *e, size_t *m_p) {
+ * pieces; the same merge order as the scan (lowest rank, then leftmost).
+ * rank[i]/merged[i] hold the current pair starting at symbol i, so a popped
+ * entry is checked against them instead of looking the pair up again. */
+static void tw_tok_bpe_heap(struct tw_tok_encoder *e, const unsigned char *p, size_t *m_p) {
   const struct tw_tokenizer *t = e->tok;
-  int32_t *sym = e->sym, *next = e->next, *prev = e->prev;
+  int32_t *sym = e->sym, *next = e->next, *prev = e->prev, *merged = e->merged;
+  uint32_t *rank = e->rank;
   uint64_t *heap = e->heap;
   size_t m = *m_p, hn = 0;
   for (size_t i = 0; i < m; i++) {
     next[i] = i + 1 < m ? (int32_t)(i + 1) : -1;
     prev[i] = (int32_t)i - 1;
+    rank[i] = UINT32_MAX;
   }
-  int32_t dummy;
-  tw_tok_pair_prefetch(t, sym, m);
   for (size_t i = 0; i + 1 < m; i++) {
-    uint32_t r = tw_tok_pair_find(t, sym[i], sym[i + 1], &dummy);
-    if (r != UINT32_MAX) tw_tok_heap_push(heap, &hn, ((uint64_t)r << 32) | i);
+    uint64_t bp = t->byte_pairs[(unsigned)p[i] << 8 | p[i + 1]];
+    rank[i] = (uint32_t)(bp >> 32);
+    merged[i] = (int32_t)(uint32_t)bp;
+    if (rank[i] != UINT32_MAX) tw_tok_heap_push(heap, &hn, ((uint64_t)rank[i] << 32) | i);
   }
   while (hn) {
     uint64_t top = tw_tok_heap_pop(heap, &hn);
     uint32_t r = (uint32_t)(top >> 32);
     int32_t i = (int32_t)(uint32_t)top;
-    if (sym[i] < 0 || next[i] < 0) continue; /* stale: merged away */
-    int32_t j = next[i], id = -1;
-    if (tw_tok_pair_find(t, sym[i], sym[j], &id) != r) continue; /* stale: pair changed */
-    sym[i] = id;
+    if (sym[i] < 0 || next[i] < 0 || rank[i] != r) continue; /* stale entry */
+    int32_t j = next[i];
+    sym[i] = merged[i];
     sym[j] = -1;
     next[i] = next[j];
     if (next[j] >= 0) prev[next[j]] = i;
-    if (prev[i] >= 0) {
-      uint32_t rr = tw_tok_pair_find(t, sym[prev[i]], sym[i], &dummy);
-      if (rr != UINT32_MAX) tw_tok_heap_push(heap, &hn, ((uint64_t)rr << 32) | (uint32_t)prev[i]);
+    int32_t pi = prev[i], ni = next[i];
+    if (pi >= 0) tw_tok_pair_prefetch1(t, sym[pi], sym[i]);
+    if (ni >= 0) tw_tok_pair_prefetch1(t, sym[i], sym[ni]);
+    rank[i] = UINT32_MAX;
+    if (pi >= 0) {
+      rank[pi] = tw_tok_pair_find(t, sym[pi], sym[i], &merged[pi]);
+      if (rank[pi] != UINT32_MAX) tw_tok_heap_push(heap, &hn, ((uint64_t)rank[pi] << 32) | (uint32_t)pi);
     }
-    if (next[i] >= 0) {
-      uint32_t rr = tw_tok_pair_find(t, sym[i], sym[next[i]], &dummy);
-      if (rr != UINT32_MAX) tw_tok_heap_push(heap, &hn, ((uint64_t)rr << 32) | (uint32_t)i);
+    if (ni >= 0) {
+      rank[i] = tw_tok_pair_find(t, sym[i], sym[ni], &merged[i]);
+      if (rank[i] != UINT32_MAX) tw_tok_heap_push(heap, &hn, ((uint64_t)rank[i] << 32) | (uint32_t)i);
     }
   }
   size_t o = 0;
@@ -289,8 +294,8 @@ static tw_status_t tw_tok_piece(struct tw_tok_encoder *e, const unsigned char *p
   TW_CHECK(tw_tok_scratch(e, n));
   for (size_t i = 0; i < n; i++) e->sym[i] = t->byte_id[p[i]];
   size_t m = n;
-  if (n <= TW_TOK_SCAN_MAX) tw_tok_bpe_scan(e, &m);
-  else tw_tok_bpe_heap(e, &m);
+  if (n <= TW_TOK_SCAN_MAX) tw_tok_bpe_scan(e, p, &m);
+  else tw_tok_bpe_heap(e, p, &m);
   memcpy(out->ids + out->n, e->sym, m * sizeof *e->sym);
   out->n += m;
   if (slot && m <= TW_TOK_CACHE_IDS) {

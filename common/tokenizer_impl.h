@@ -48,6 +48,10 @@ struct tw_tokenizer {
   tw_tok_pair_slot_t *pmap; /* merges, open addressing */
   uint32_t pmap_mask;
   int32_t byte_id[256];     /* the token of each single byte */
+  /* merges of two single-byte tokens, by (first byte << 8 | second byte):
+   * (rank << 32) | merged id, rank UINT32_MAX if none. 512 KiB, stays in L2:
+   * the first merges of every piece look here instead of in pmap */
+  uint64_t *byte_pairs;
   tw_tok_added_t *added;    /* sorted by content length, longest first */
   size_t n_added;
   unsigned char added_first[256]; /* 1 if some added token starts with this byte */
@@ -117,6 +121,12 @@ static inline uint32_t tw_tok_pair_find(const struct tw_tokenizer *t, int32_t a,
     }
     if (s->key == UINT64_MAX) return UINT32_MAX;
   }
+}
+
+/* Start loading the pmap slot of the pair (a, b). */
+static inline void tw_tok_pair_prefetch1(const struct tw_tokenizer *t, int32_t a, int32_t b) {
+  uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
+  __builtin_prefetch(&t->pmap[tw_tok_pair_hash(key) & t->pmap_mask]);
 }
 
 /* Compile the pre-tokenizer pattern (Oniguruma/Rust syntax as in tokenizer.json)
