@@ -72,6 +72,97 @@ static __device__ __forceinline__ uint32_t tw_pack_bf16(float lo, float hi) {
 
 static __device__ __forceinline__ float tw_fast_exp2(float x) { return exp2f(x); }
 
+/* 2^x with one MUFU.EX2 (flushes denormal results to zero; ex2(-inf) = 0). */
+static __device__ __forceinline__ float tw_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 #define TW_LOG2E 1.4426950408889634f
+
+/* ---- Hopper wgmma (sm_90a only) -------------------------------------------
+ * Shared-memory matrix descriptor of a tile in the swizzled layout above
+ * (128-byte rows, 16-byte chunk c of row r at c ^ (r & 7)): that is the
+ * 128-byte swizzle of wgmma when the tile base is 1024-byte aligned. 8-row
+ * groups are 1024 bytes apart (stride byte offset); the leading byte offset
+ * is not used by these shapes (a k16 step stays inside one 128-byte row for
+ * K-major, and n = 64 is one swizzle atom for MN-major), so it is set to the
+ * same 1024. Layout type 1 = 128-byte swizzle (bits 62-63). */
+static __device__ __forceinline__ uint64_t tw_wgmma_desc(uint32_t saddr) {
+  return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)(1024 >> 4) << 16) |
+         ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+/* Keep the compiler from moving accumulator reads/writes across a wgmma wait. */
+template <int N8>
+static __device__ __forceinline__ void tw_reg_fence(float (&d)[N8][4]) {
+#pragma unroll
+  for (int j = 0; j < N8; j++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+static __device__ __forceinline__ void tw_fence_proxy_async(void) {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TW_HAVE_WGMMA 1
+static __device__ __forceinline__ void tw_wgmma_fence(void) {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+static __device__ __forceinline__ void tw_wgmma_commit(void) {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+static __device__ __forceinline__ void tw_wgmma_wait0(void) {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+/* d (+)= A * B over k16: A = 64x16 (desc da, K-major), B = 16xN (desc db,
+ * K-major, i.e. stored [n][k]); m64nNk16 for N = 64 or 128, f32 accumulators
+ * in the mma.sync C layout per warp (d[j] = n8 tile j). scale_d = 0
+ * overwrites d. */
+static __device__ __forceinline__ void tw_wgmma_ss(float (&d)[8][4], uint64_t da,
+                                                   uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+static __device__ __forceinline__ void tw_wgmma_ss(float (&d)[16][4], uint64_t da,
+                                                   uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+/* d += A * B over k16: A = 64x16 from registers (mma.sync A layout per
+ * warp), B = 16x64 (desc db) stored MN-major ([k][n], n contiguous), so
+ * transposed (imm-trans-b = 1). m64n64k16, f32 accumulators. */
+static __device__ __forceinline__ void tw_wgmma_rs_tb(float (&d)[8][4], const uint32_t (&a)[4],
+                                                      uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+#else
+#define TW_HAVE_WGMMA 0
+/* Not sm_90a (the compute_90 PTX of the build): the wgmma path traps. */
+static __device__ __forceinline__ void tw_wgmma_fence(void) { __trap(); }
+static __device__ __forceinline__ void tw_wgmma_commit(void) {}
+static __device__ __forceinline__ void tw_wgmma_wait0(void) {}
+template <int N8>
+static __device__ __forceinline__ void tw_wgmma_ss(float (&d)[N8][4], uint64_t, uint64_t, int) {
+  __trap();
+}
+static __device__ __forceinline__ void tw_wgmma_rs_tb(float (&d)[8][4], const uint32_t (&)[4],
+                                                      uint64_t) {
+  __trap();
+}
+#endif
 
 #endif

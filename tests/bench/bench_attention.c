@@ -7,7 +7,8 @@
  *     pool to exceed the 60 MB L2.
  * CUDA events after a warm-up, median of several runs. Random non-zero bf16
  * data (a random host buffer tiled over the device buffers).
- * Usage: twain-bench-attention [prefill|decode|all] (default all). */
+ * Usage: twain-bench-attention [prefill|decode|all] [prefill variants, e.g. 0,4]
+ * (default: all, through tw_cuda_attention_prefill and its own variant choice). */
 #include "kernels/attention.h"
 
 #include <cuda_runtime.h>
@@ -49,7 +50,25 @@ static int cmp_float(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-static int bench_prefill(int T, int window) {
+/* Tuning entry of attention_prefill.cu (not in attention.h). */
+tw_status_t tw_cuda_attention_prefill_variant(
+    const tw_cuda_attn_shape_t *shape, const void *q, int64_t q_row_stride, const void *kv_layer,
+    const float *sinks, int32_t n_seqs, int32_t n_tokens, const int32_t *cu_seqlens,
+    const int32_t *start_pos, const int32_t *block_tables, int32_t block_table_stride, void *out,
+    int variant, cudaStream_t stream);
+#define N_VARIANTS 8
+
+/* Host copy of variant 0's output of the current (T, window), to check the others. */
+static uint16_t *g_ref_out[2]; /* [full, sliding] */
+
+static float bf2f(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static int bench_prefill(int T, int window, int variant) {
   const size_t q_bytes = (size_t)T * NQ * D * 2;
   const int n_blocks = (T + BS - 1) / BS;
   const size_t pool_bytes = (size_t)n_blocks * 2 * NKV * BS * D * 2;
@@ -86,9 +105,12 @@ static int bench_prefill(int T, int window) {
   CK(cudaEventCreate(&e1));
   for (int r = -1; r < reps; r++) {
     CK(cudaEventRecord(e0, 0));
-    if (tw_cuda_attention_prefill(&sh, q, NQ * D, pool, sinks, 1, T, cu, start, bt, n_blocks,
-                                  out, 0) != 0)
-      return 1;
+    const tw_status_t st =
+        variant < 0 ? tw_cuda_attention_prefill(&sh, q, NQ * D, pool, sinks, 1, T, cu, start, bt,
+                                                n_blocks, out, 0)
+                    : tw_cuda_attention_prefill_variant(&sh, q, NQ * D, pool, sinks, 1, T, cu,
+                                                        start, bt, n_blocks, out, variant, 0);
+    if (st != 0) return 1;
     CK(cudaEventRecord(e1, 0));
     CK(cudaEventSynchronize(e1));
     if (r >= 0) CK(cudaEventElapsedTime(&ms[r], e0, e1));
@@ -97,8 +119,32 @@ static int bench_prefill(int T, int window) {
   qsort(ms, reps, sizeof(float), cmp_float);
   const double med = ms[reps / 2];
   const double tf = flops / (med * 1e-3) / 1e12;
-  printf("| prefill | %s | %d | %.3f | %.1f | %.0f%% |\n", window ? "sliding W128" : "full",
-         T, med, tf, 100.0 * tf / TFLOPS_CEIL);
+  /* variants must agree with variant 0 (same math, different tiling) */
+  char agree[64] = "";
+  if (T <= 32768 && variant >= 0) {
+    const size_t n = (size_t)T * NQ * D;
+    uint16_t *h = malloc(n * 2);
+    CK(cudaMemcpy(h, out, n * 2, cudaMemcpyDeviceToHost));
+    if (variant == 0) {
+      free(g_ref_out[window > 0]);
+      g_ref_out[window > 0] = h;
+    } else {
+      double e2 = 0, r2 = 0;
+      long bad = 0;
+      for (size_t i = 0; i < n; i++) {
+        const double a = bf2f(h[i]), b = bf2f(g_ref_out[window > 0][i]);
+        if (!isfinite(a)) bad++;
+        e2 += (a - b) * (a - b);
+        r2 += b * b;
+      }
+      snprintf(agree, sizeof agree, " vs v0 rel_l2 %.1e, %ld non-finite", sqrt(e2 / r2), bad);
+      free(h);
+    }
+  }
+  char vname[16] = "default";
+  if (variant >= 0) snprintf(vname, sizeof vname, "v%d", variant);
+  printf("| prefill %s | %s | %d | %.3f | %.1f | %.0f%% |%s\n", vname,
+         window ? "sliding W128" : "full", T, med, tf, 100.0 * tf / TFLOPS_CEIL, agree);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaFree(q);
@@ -202,12 +248,24 @@ int main(int argc, char **argv) {
   free(hr);
   int rc = 0;
   if (!strcmp(what, "prefill") || !strcmp(what, "all")) {
+    /* variant list "0,4,6" (argv[2]); without one, tw_cuda_attention_prefill
+     * itself (variant -1). Put 0 first for the agreement check. */
+    int vars[N_VARIANTS], n_vars = 0;
+    const char *vl = argc > 2 ? argv[2] : "";
+    for (const char *c = vl; *c && n_vars < N_VARIANTS; c++)
+      if (*c >= '0' && *c < '0' + N_VARIANTS) vars[n_vars++] = *c - '0';
+    if (n_vars == 0) vars[n_vars++] = -1;
     printf("| kernel | layer | tokens | ms | TFLOP/s | of 742 |\n|---|---|---|---|---|---|\n");
     const int Ts[] = {8192, 32768, 65536, 128000};
-    for (int i = 0; i < 4 && !rc; i++) {
-      rc |= bench_prefill(Ts[i], 0);
-      rc |= bench_prefill(Ts[i], 128);
-    }
+    for (int i = 0; i < 4 && !rc; i++)
+      for (int v = 0; v < n_vars && !rc; v++) {
+        /* long runs: only variant 0 of an mma.sync-only list, and wgmma ones */
+        if (Ts[i] > 32768 && vars[v] >= 0 && vars[v] < 4 &&
+            !(vars[v] == 0 && vars[n_vars - 1] < 4))
+          continue;
+        rc |= bench_prefill(Ts[i], 0, vars[v]);
+        rc |= bench_prefill(Ts[i], 128, vars[v]);
+      }
   }
   if (!strcmp(what, "decode") || !strcmp(what, "all")) {
     printf("| kernel | layer | batch x context | ms | GB/s (K/V read) | of 4200 |\n"

@@ -30,8 +30,16 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 rc=0
 ( time "$carry/bin/test_norm_rope" ) 2>&1 | tee "$out/test_norm_rope.log"; rc=$((rc | ${PIPESTATUS[0]}))
 ( time "$carry/bin/test_attention" ) 2>&1 | tee "$out/test_attention.log"; rc=$((rc | ${PIPESTATUS[0]}))
+# every prefill kernel variant on a subset of cases, mma.sync and wgmma ones in
+# separate processes (a trap in one must not hide the others)
+for vl in 0123 4 5 6 7; do
+  TW_ATTN_TEST_VARIANTS=$vl "$carry/bin/test_attention" 2>&1 | grep -E '^(ok|FAIL)' | grep -v api | tee -a "$out/test_variants.log"
+done
 if [ -n "${TW_SANITIZE:-}" ] && command -v compute-sanitizer >/dev/null; then
   TW_ATTN_TEST_QUICK=1 compute-sanitizer --tool "$TW_SANITIZE" "$carry/bin/test_attention" 2>&1 | tail -15 | tee "$out/sanitize.log"
 fi
-( time "$carry/bin/twain-bench-attention" "$@" ) 2>&1 | tee "$out/bench_attention.log"
+for vl in 0123 04 05 06 07; do
+  "$carry/bin/twain-bench-attention" prefill $vl 2>&1 | grep -E '^\| prefill|rror' | tee -a "$out/bench_attention.log"
+done
+"$carry/bin/twain-bench-attention" decode 2>&1 | tee -a "$out/bench_attention.log"
 echo "tests rc=$rc"

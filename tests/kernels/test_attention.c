@@ -17,6 +17,17 @@
 
 #define D 64
 
+/* Tuning entry of attention_prefill.cu (not in attention.h): kernel variant
+ * 0..5 of the prefill kernel. With TW_ATTN_TEST_VARIANTS set, a subset of the
+ * prefill cases runs once per variant (g_variant >= 0). */
+tw_status_t tw_cuda_attention_prefill_variant(
+    const tw_cuda_attn_shape_t *shape, const void *q, int64_t q_row_stride, const void *kv_layer,
+    const float *sinks, int32_t n_seqs, int32_t n_tokens, const int32_t *cu_seqlens,
+    const int32_t *start_pos, const int32_t *block_tables, int32_t block_table_stride, void *out,
+    int variant, cudaStream_t stream);
+#define TT_N_VARIANTS 8
+static int g_variant = -1;
+
 typedef struct {
   const char *name;
   int nq, nkv, window, block_size;
@@ -120,8 +131,10 @@ static int tt_prefill_case(const tt_shape_t *sh, int n_seqs, const int *start, c
     n_tokens += len[s];
     cu[s + 1] = n_tokens;
   }
-  snprintf(name, sizeof name, "attention_prefill(%s,W=%d,seqs=%d,T=%d,start0=%d)", sh->name,
-           sh->window, n_seqs, n_tokens, start[0]);
+  char vtag[32] = "";
+  if (g_variant >= 0) snprintf(vtag, sizeof vtag, ",variant=%d", g_variant);
+  snprintf(name, sizeof name, "attention_prefill(%s,W=%d,seqs=%d,T=%d,start0=%d%s)", sh->name,
+           sh->window, n_seqs, n_tokens, start[0], vtag);
   tt_pool_t p;
   if (tt_pool_make(sh, n_seqs, n_keys, &p)) return 1;
   const int64_t q_stride = (int64_t)(sh->nq + 2 * sh->nkv) * D; /* as in the fused qkv */
@@ -152,9 +165,13 @@ static int tt_prefill_case(const tt_shape_t *sh, int n_seqs, const int *start, c
   const tw_cuda_attn_shape_t ash = {.n_q_heads = sh->nq, .n_kv_heads = sh->nkv,
                                     .head_dim = D, .block_size = sh->block_size,
                                     .window = sh->window, .scale = 0.125f};
-  tw_status_t st = tw_cuda_attention_prefill(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs,
-                                             n_tokens, d_cu, d_start, d_bt, p.bt_stride, d_out,
-                                             0);
+  tw_status_t st =
+      g_variant < 0
+          ? tw_cuda_attention_prefill(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, n_tokens,
+                                      d_cu, d_start, d_bt, p.bt_stride, d_out, 0)
+          : tw_cuda_attention_prefill_variant(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs,
+                                              n_tokens, d_cu, d_start, d_bt, p.bt_stride, d_out,
+                                              g_variant, 0);
   if (st != TW_OK) {
     printf("FAIL %s: status %d\n", name, (int)st);
     return 1;
@@ -328,8 +345,11 @@ int main(void) {
   const tt_shape_t tiny_full = {"tiny", 4, 2, 0, 16};
   const tt_shape_t tiny_slide = {"tiny", 4, 2, 32, 16};
   int fails = tt_api_errors();
-  /* TW_ATTN_TEST_QUICK: small cases only (for compute-sanitizer runs) */
+  /* TW_ATTN_TEST_QUICK: small cases only (for compute-sanitizer runs).
+   * TW_ATTN_TEST_VARIANTS="0,4,...": only the variant subset below. */
   const int quick = getenv("TW_ATTN_TEST_QUICK") != NULL;
+  const char *variants = getenv("TW_ATTN_TEST_VARIANTS");
+  if (variants) goto variant_cases;
 
   const int Ts[] = {1, 7, 127, 128, 129, 1000, 4096};
   for (size_t i = 0; i < (quick ? 5 : sizeof Ts / sizeof Ts[0]); i++) {
@@ -373,6 +393,22 @@ int main(void) {
     tt_mixed_lens(8, 2000, lens);
     fails += tt_decode_case(&tiny_full, 8, lens, "mixed");
     fails += tt_decode_case(&tiny_slide, 8, lens, "mixed");
+  }
+variant_cases:
+  if (variants) { /* the listed prefill kernel variants */
+    for (const char *c = variants; *c; c++) {
+      if (*c < '0' || *c >= '0' + TT_N_VARIANTS) continue;
+      g_variant = *c - '0';
+      const int starts[] = {0, 300, 17, 2000};
+      const int lens[] = {200, 129, 1, 77};
+      const int s1 = 1000, l1 = 129, s0 = 0, l2 = 1000;
+      fails += tt_prefill_case(&real_full, 4, starts, lens);
+      fails += tt_prefill_case(&real_slide, 4, starts, lens);
+      fails += tt_prefill_case(&tiny_slide, 4, starts, lens);
+      fails += tt_prefill_case(&real_full, 1, &s1, &l1);
+      fails += tt_prefill_case(&real_slide, 1, &s1, &l1);
+      fails += tt_prefill_case(&real_full, 1, &s0, &l2);
+    }
   }
   printf("%s: %d failing case(s)\n", fails ? "FAIL" : "PASS", fails);
   return fails ? 1 : 0;
