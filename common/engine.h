@@ -48,6 +48,9 @@ typedef struct {
    * attention and ep_rank of ep_size for experts; 1/0 means no split. */
   int32_t tp_size, tp_rank;
   int32_t ep_size, ep_rank;
+  /* the worker's collective group (collective.h), borrowed; required when
+   * tp_size or ep_size > 1 (each is then 1 or the group size). NULL default. */
+  struct tw_coll *coll;
 } tw_engine_params_t;
 
 #define TW_ENGINE_PARAMS_DEFAULT                                              \

@@ -49,6 +49,13 @@ void tw_cpu_pool_run(tw_cpu_pool_t *pool, tw_cpu_task_fn fn, void *ctx);
 void tw_cpu_matmul_bf16(tw_cpu_pool_t *pool, const float *x, int64_t T, int64_t K,
                         const uint16_t *w, const uint16_t *maybe_bias, int64_t N, float *y);
 
+/** tw_cpu_matmul_bf16 over a column slice of a wider weight: row n of W
+ *  starts at w + n * ldw (ldw >= K). Used by the row-parallel output
+ *  projection of a TP rank (columns of its heads, issue 6). */
+void tw_cpu_matmul_bf16_ld(tw_cpu_pool_t *pool, const float *x, int64_t T, int64_t K,
+                           const uint16_t *w, int64_t ldw, const uint16_t *maybe_bias, int64_t N,
+                           float *y);
+
 /** Linear layer with an MXFP4 weight [N, K] stored as blocks [N, K/32, 16] u8
  *  and scales [N, K/32] u8 (spec §3.4: low nibble = even element, value =
  *  FP4[nib] * 2^(scale-127)): y[t][n] = sum_k x[t][k] * W[n][k] + b[n].

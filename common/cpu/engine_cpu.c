@@ -14,6 +14,7 @@
 #include "common/engine_impl.h"
 
 #include "common/cpu/cpu_ops.h"
+#include "common/cpu/engine_cpu_tp.h"
 #include "common/log.h"
 
 #include <math.h>
@@ -44,6 +45,7 @@ typedef struct {
   float *logits;                            /* [rows, V] when the caller gives none */
   float *scores;                            /* [n_threads, max_pos] */
   float *sample_scratch;                    /* [2V] */
+  tw_cpu_tp_t tp;                           /* this rank's heads/experts/vocab (issue 6) */
 } tw_cpu_state_t;
 
 /* ---- model checks ---------------------------------------------------------- */
@@ -179,14 +181,15 @@ static void tw_cpu_attn_task(void *ctx_v, int ti, int nt) {
   const tw_model_config_t *c = &a->e->model->config;
   /* (token, head) items dealt round-robin: in a prefill chunk later tokens
    * attend to more keys, so contiguous shares would be unbalanced */
-  int64_t items = a->T * c->n_heads;
+  const int32_t nh = a->s->tp.nq; /* this rank's query heads */
+  int64_t items = a->T * nh;
   float *scores = a->s->scores + (int64_t)ti * c->max_position_embeddings;
-  int64_t QD = (int64_t)c->n_heads * c->head_dim;
+  int64_t QD = (int64_t)nh * c->head_dim;
   float scale = 1.0f / sqrtf((float)c->head_dim);
   for (int64_t i = ti; i < items; i += nt) {
-    int64_t t = i / c->n_heads;
-    int32_t h = (int32_t)(i % c->n_heads);
-    tw_cpu_attention(a->s->q + t * QD, c->n_heads, h, h + 1, &a->kv, a->s->tables[t],
+    int64_t t = i / nh;
+    int32_t h = (int32_t)(i % nh);
+    tw_cpu_attention(a->s->q + t * QD, nh, h, h + 1, &a->kv, a->s->tables[t],
                      a->positions[t], a->window, a->sinks, scale, scores, a->s->attn + t * QD);
   }
 }
@@ -203,7 +206,7 @@ static void tw_cpu_moe(const tw_engine_t *e, tw_cpu_state_t *s, const tw_layer_w
                        s->topk_w + t * k);
   memset(s->proj, 0, sizeof(float) * (size_t)(T * H));
   const uint16_t *gu_bias = w->gate_up_bias.data, *down_bias = w->down_bias.data;
-  for (int64_t ex = 0; ex < E; ex++) {
+  for (int64_t ex = s->tp.e0; ex < s->tp.e1; ex++) { /* this rank's experts */
     int64_t n = 0;
     for (int64_t t = 0; t < T; t++)
       for (int64_t j = 0; j < k; j++)
@@ -249,7 +252,9 @@ static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *toke
   const tw_model_t *m = e->model;
   const tw_model_config_t *c = &m->config;
   const int64_t H = c->hidden, D = c->head_dim, half = D / 2;
-  const int64_t QD = (int64_t)c->n_heads * D, KD = (int64_t)c->n_kv_heads * D;
+  /* this rank's heads (all of them at TP 1); engine_cpu_tp.h */
+  const int64_t QD = (int64_t)s->tp.nq * D, KD = (int64_t)s->tp.nkv * D;
+  const int64_t QDall = (int64_t)c->n_heads * D, q0 = s->tp.q0 * D, k0 = s->tp.kv0 * D;
   const uint16_t *embed = m->embed.data;
   for (int64_t t = 0; t < T; t++) {
     const uint16_t *row = embed + (int64_t)tokens[t] * H;
@@ -260,21 +265,24 @@ static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *toke
   for (int32_t l = 0; l < c->n_layers; l++) {
     const tw_layer_weights_t *w = &m->layers[l];
     tw_cpu_rmsnorm(s->x, T, H, w->attn_norm.data, c->rms_norm_eps, s->xn);
-    tw_cpu_matmul_bf16(s->pool, s->xn, T, H, w->q_w.data, w->q_b.data, QD, s->q);
-    tw_cpu_matmul_bf16(s->pool, s->xn, T, H, w->k_w.data, w->k_b.data, KD, s->k);
-    tw_cpu_matmul_bf16(s->pool, s->xn, T, H, w->v_w.data, w->v_b.data, KD, s->v);
+    const uint16_t *qw = w->q_w.data, *qb = w->q_b.data, *kw = w->k_w.data, *kb = w->k_b.data;
+    const uint16_t *vw = w->v_w.data, *vb = w->v_b.data, *ow = w->o_w.data;
+    tw_cpu_matmul_bf16(s->pool, s->xn, T, H, qw + q0 * H, qb + q0, QD, s->q);
+    tw_cpu_matmul_bf16(s->pool, s->xn, T, H, kw + k0 * H, kb + k0, KD, s->k);
+    tw_cpu_matmul_bf16(s->pool, s->xn, T, H, vw + k0 * H, vb + k0, KD, s->v);
     tw_cpu_attn_ctx_t a = {
-        .e = e, .s = s, .T = T, .positions = positions, .sinks = s->sinks + (int64_t)l * c->n_heads,
+        .e = e, .s = s, .T = T, .positions = positions,
+        .sinks = s->sinks + (int64_t)l * c->n_heads + s->tp.q0,
         .window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0,
         .kv = {.layer_base = (float *)((char *)s->kv_pool + l * e->kv.layer_stride_bytes),
-               .block_size = e->kv.block_size, .n_kv_heads = c->n_kv_heads,
+               .block_size = e->kv.block_size, .n_kv_heads = s->tp.nkv,
                .head_dim = (int32_t)D}};
     for (int64_t t = 0; t < T; t++) {
-      tw_cpu_rope_apply(s->q + t * QD, c->n_heads, (int32_t)D, s->rope_cos + t * half,
+      tw_cpu_rope_apply(s->q + t * QD, s->tp.nq, (int32_t)D, s->rope_cos + t * half,
                         s->rope_sin + t * half);
-      tw_cpu_rope_apply(s->k + t * KD, c->n_kv_heads, (int32_t)D, s->rope_cos + t * half,
+      tw_cpu_rope_apply(s->k + t * KD, s->tp.nkv, (int32_t)D, s->rope_cos + t * half,
                         s->rope_sin + t * half);
-      for (int32_t g = 0; g < c->n_kv_heads; g++) { /* K post-RoPE (§2.5) */
+      for (int32_t g = 0; g < s->tp.nkv; g++) { /* K post-RoPE (§2.5) */
         memcpy(tw_cpu_kv_at(&a.kv, s->tables[t], positions[t], 0, g), s->k + t * KD + g * D,
                sizeof(float) * (size_t)D);
         memcpy(tw_cpu_kv_at(&a.kv, s->tables[t], positions[t], 1, g), s->v + t * KD + g * D,
@@ -282,17 +290,22 @@ static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *toke
       }
     }
     tw_cpu_pool_run(s->pool, tw_cpu_attn_task, &a);
-    tw_cpu_matmul_bf16(s->pool, s->attn, T, QD, w->o_w.data, w->o_b.data, H, s->proj);
+    /* row-parallel: this rank's columns of o_proj, bias once (rank 0), then the sum */
+    tw_cpu_matmul_bf16_ld(s->pool, s->attn, T, QD, ow + q0, QDall,
+                          s->tp.tp_rank == 0 ? w->o_b.data : NULL, H, s->proj);
+    TW_CHECK(tw_cpu_tp_reduce_attn(&s->tp, s->proj, T * H));
     for (int64_t i = 0; i < T * H; i++) s->x[i] += s->proj[i];
     tw_cpu_rmsnorm(s->x, T, H, w->mlp_norm.data, c->rms_norm_eps, s->xn);
     tw_cpu_moe(e, s, w, T);
+    TW_CHECK(tw_cpu_tp_reduce_moe(&s->tp, s->proj, T * H));
     for (int64_t i = 0; i < T * H; i++) s->x[i] += s->proj[i];
   }
   if (n_rows > 0) {
     for (int64_t r = 0; r < n_rows; r++)
       memcpy(s->xe + r * H, s->x + (int64_t)rows[r] * H, sizeof(float) * (size_t)H);
     tw_cpu_rmsnorm(s->xe, n_rows, H, m->final_norm.data, c->rms_norm_eps, s->xe);
-    tw_cpu_matmul_bf16(s->pool, s->xe, n_rows, H, m->lm_head.data, NULL, c->vocab_size, logits);
+    TW_CHECK(tw_cpu_tp_unembed(&s->tp, s->pool, s->xe, n_rows, H, m->lm_head.data,
+                               c->vocab_size, logits));
   }
   return TW_OK;
 }
@@ -379,6 +392,7 @@ static void tw_cpu_destroy(tw_engine_t *e) {
   tw_cpu_state_t *s = e->backend;
   if (s) {
     tw_cpu_pool_destroy(s->pool);
+    tw_cpu_tp_fini(&s->tp);
     if (s->kv_pool) munmap(s->kv_pool, (size_t)e->kv.total_bytes);
     tw_cpu_scratch_free(s);
     free(s->inv_freq);
@@ -398,9 +412,8 @@ static const tw_engine_ops_t tw_cpu_ops = {
 tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
                                  tw_engine_t **engine_p) {
   const tw_model_config_t *c = &model->config;
-  if (params->tp_size != 1 || params->ep_size != 1)
-    return tw_err(TW_ERR_UNSUPPORTED, "cpu engine: tp_size %d / ep_size %d: only 1 is supported",
-                  params->tp_size, params->ep_size);
+  tw_cpu_tp_t tp;
+  TW_CHECK(tw_cpu_tp_init(c, params, &tp));
   TW_CHECK(tw_cpu_check_model(model));
   tw_engine_t *e = calloc(1, sizeof(*e));
   tw_cpu_state_t *s = calloc(1, sizeof(*s));
@@ -415,10 +428,11 @@ tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params
   e->params = *params;
   e->params.backend = TW_BACKEND_CPU;
   e->backend = s;
+  s->tp = tp;
   tw_status_t st = TW_OK;
 
   int64_t bs = params->kv_block_size;
-  int64_t block_bytes = 2ll * c->n_kv_heads * bs * c->head_dim * (int64_t)sizeof(float);
+  int64_t block_bytes = 2ll * tp.nkv * bs * c->head_dim * (int64_t)sizeof(float);
   int64_t n_blocks = params->kv_num_blocks;
   if (n_blocks == 0) {
     /* two sequences of full context, capped at 1 GiB; pages are touched lazily */
@@ -428,8 +442,8 @@ tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params
   }
   e->kv = (tw_kv_layout_t){.dtype = TW_DTYPE_F32, .on_device = false, .device = -1,
                            .n_layers = c->n_layers, .n_blocks = (int32_t)n_blocks,
-                           .block_size = (int32_t)bs, .n_kv_heads_local = c->n_kv_heads,
-                           .kv_head_offset = 0, .head_dim = c->head_dim,
+                           .block_size = (int32_t)bs, .n_kv_heads_local = tp.nkv,
+                           .kv_head_offset = tp.kv0, .head_dim = c->head_dim,
                            .layer_stride_bytes = n_blocks * block_bytes, .block_bytes = block_bytes,
                            .total_bytes = n_blocks * block_bytes * c->n_layers};
   void *kvp = mmap(NULL, (size_t)e->kv.total_bytes, PROT_READ | PROT_WRITE,

@@ -138,6 +138,7 @@ typedef struct {
   const float *x;
   int64_t T, K, N;
   const uint16_t *w;       /* bf16 [N, K] */
+  int64_t ldw;             /* bf16 rows: elements between rows of w (K unless strided) */
   const uint8_t *blocks;   /* mxfp4 [N, K/32, 16] */
   const uint8_t *scales;   /* mxfp4 [N, K/32] */
   const uint16_t *bias;    /* bf16 [N] or NULL */
@@ -164,7 +165,7 @@ static void tw_mm_rows_task(void *ctx_v, int ti, int nt) {
       for (int i = 0; i < nr; i++) {
         float *dst = wbuf + i * TW_MM_TILE;
         if (c->kind == TW_MM_BF16) {
-          tw_bf16_convert(c->w + (r + i) * c->K + k0, kl, dst);
+          tw_bf16_convert(c->w + (r + i) * c->ldw + k0, kl, dst);
         } else {
           int64_t nb = c->K / 32;
           tw_cpu_mxfp4_row(c->blocks + ((r + i) * nb + k0 / 32) * 16,
@@ -191,7 +192,15 @@ static void tw_mm_rows_task(void *ctx_v, int ti, int nt) {
 
 void tw_cpu_matmul_bf16(tw_cpu_pool_t *pool, const float *x, int64_t T, int64_t K,
                         const uint16_t *w, const uint16_t *maybe_bias, int64_t N, float *y) {
-  tw_mm_ctx_t c = {.kind = TW_MM_BF16, .x = x, .T = T, .K = K, .N = N, .w = w,
+  tw_mm_ctx_t c = {.kind = TW_MM_BF16, .x = x, .T = T, .K = K, .N = N, .w = w, .ldw = K,
+                   .bias = maybe_bias, .y = y};
+  tw_cpu_pool_run(pool, tw_mm_rows_task, &c);
+}
+
+void tw_cpu_matmul_bf16_ld(tw_cpu_pool_t *pool, const float *x, int64_t T, int64_t K,
+                           const uint16_t *w, int64_t ldw, const uint16_t *maybe_bias, int64_t N,
+                           float *y) {
+  tw_mm_ctx_t c = {.kind = TW_MM_BF16, .x = x, .T = T, .K = K, .N = N, .w = w, .ldw = ldw,
                    .bias = maybe_bias, .y = y};
   tw_cpu_pool_run(pool, tw_mm_rows_task, &c);
 }
