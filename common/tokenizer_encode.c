@@ -18,6 +18,9 @@
 
 /* Pieces at most this long use the quadratic scan (faster for short pieces). */
 #define TW_TOK_SCAN_MAX 128
+/* Pair cache: direct mapped, 16 B a slot: 128 KiB stays near the core while
+ * the merge table (16 MiB) does not; natural text repeats its pairs. */
+#define TW_TOK_PAIR_CACHE_BITS 13
 /* Piece cache: direct mapped; pieces up to 48 bytes, up to 16 ids. */
 #define TW_TOK_CACHE_SLOTS 8192
 #define TW_TOK_CACHE_BYTES 48
@@ -44,7 +47,22 @@ struct tw_tok_encoder {
   uint64_t *heap;   /* [3 * cap] heap mode: (rank << 32) | pos; stale entries stay
                        until popped: n - 1 initial + 2 per merge < 3n */
   tw_tok_cache_slot_t *cache; /* [TW_TOK_CACHE_SLOTS] */
+  tw_tok_pair_slot_t *pcache; /* [1 << TW_TOK_PAIR_CACHE_BITS], key UINT64_MAX = empty */
 };
+
+/* tw_tok_pair_find through the encoder's pair cache. */
+static inline uint32_t tw_tok_pair_cached(struct tw_tok_encoder *e, int32_t a, int32_t b,
+                                          int32_t *id_p) {
+  uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
+  tw_tok_pair_slot_t *s =
+      &e->pcache[(key * 0x9E3779B97F4A7C15ull) >> (64 - TW_TOK_PAIR_CACHE_BITS)];
+  if (s->key != key) {
+    s->key = key;
+    s->rank = tw_tok_pair_find(e->tok, a, b, &s->id);
+  }
+  *id_p = s->id;
+  return s->rank;
+}
 
 /* ---- regex ------------------------------------------------------------- */
 
@@ -113,11 +131,13 @@ tw_status_t tw_tok_encoder_create(const tw_tokenizer_t *tok, tw_tok_encoder_t **
   /* a whitespace run of a few MB backtracks in \s+(?!\S): give JIT room */
   e->jit_stack = tok->re_jit ? pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, NULL) : NULL;
   e->cache = calloc(TW_TOK_CACHE_SLOTS, sizeof *e->cache);
-  if (!e->md || !e->mctx || (tok->re_jit && !e->jit_stack) || !e->cache) {
+  e->pcache = malloc(((size_t)1 << TW_TOK_PAIR_CACHE_BITS) * sizeof *e->pcache);
+  if (!e->md || !e->mctx || (tok->re_jit && !e->jit_stack) || !e->cache || !e->pcache) {
     tw_tok_encoder_destroy(e);
     return tw_err(TW_ERR_NO_MEMORY, "tokenizer encoder: out of memory");
   }
   if (e->jit_stack) pcre2_jit_stack_assign(e->mctx, NULL, e->jit_stack);
+  for (size_t i = 0; i < ((size_t)1 << TW_TOK_PAIR_CACHE_BITS); i++) e->pcache[i].key = UINT64_MAX;
   *enc_p = e;
   return TW_OK;
 }
@@ -134,6 +154,7 @@ void tw_tok_encoder_destroy(tw_tok_encoder_t *e) {
   free(e->prev);
   free(e->heap);
   free(e->cache);
+  free(e->pcache);
   free(e);
 }
 
@@ -188,11 +209,8 @@ static void tw_tok_bpe_scan(struct tw_tok_encoder *e, const unsigned char *p, si
       memmove(merged + bi + 1, merged + bi + 2, (m - bi - 2) * sizeof *merged);
     }
     m--;
-    /* the two new pairs: start both loads before waiting on either */
-    if (bi > 0) tw_tok_pair_prefetch1(t, sym[bi - 1], sym[bi]);
-    if (bi + 1 < m) tw_tok_pair_prefetch1(t, sym[bi], sym[bi + 1]);
-    if (bi > 0) rank[bi - 1] = tw_tok_pair_find(t, sym[bi - 1], sym[bi], &merged[bi - 1]);
-    if (bi + 1 < m) rank[bi] = tw_tok_pair_find(t, sym[bi], sym[bi + 1], &merged[bi]);
+    if (bi > 0) rank[bi - 1] = tw_tok_pair_cached(e, sym[bi - 1], sym[bi], &merged[bi - 1]);
+    if (bi + 1 < m) rank[bi] = tw_tok_pair_cached(e, sym[bi], sym[bi + 1], &merged[bi]);
   }
   *m_p = m;
 }
@@ -255,15 +273,13 @@ static void tw_tok_bpe_heap(struct tw_tok_encoder *e, const unsigned char *p, si
     next[i] = next[j];
     if (next[j] >= 0) prev[next[j]] = i;
     int32_t pi = prev[i], ni = next[i];
-    if (pi >= 0) tw_tok_pair_prefetch1(t, sym[pi], sym[i]);
-    if (ni >= 0) tw_tok_pair_prefetch1(t, sym[i], sym[ni]);
     rank[i] = UINT32_MAX;
     if (pi >= 0) {
-      rank[pi] = tw_tok_pair_find(t, sym[pi], sym[i], &merged[pi]);
+      rank[pi] = tw_tok_pair_cached(e, sym[pi], sym[i], &merged[pi]);
       if (rank[pi] != UINT32_MAX) tw_tok_heap_push(heap, &hn, ((uint64_t)rank[pi] << 32) | (uint32_t)pi);
     }
     if (ni >= 0) {
-      rank[i] = tw_tok_pair_find(t, sym[i], sym[ni], &merged[i]);
+      rank[i] = tw_tok_pair_cached(e, sym[i], sym[ni], &merged[i]);
       if (rank[i] != UINT32_MAX) tw_tok_heap_push(heap, &hn, ((uint64_t)rank[i] << 32) | (uint32_t)i);
     }
   }

@@ -123,12 +123,6 @@ static inline uint32_t tw_tok_pair_find(const struct tw_tokenizer *t, int32_t a,
   }
 }
 
-/* Start loading the pmap slot of the pair (a, b). */
-static inline void tw_tok_pair_prefetch1(const struct tw_tokenizer *t, int32_t a, int32_t b) {
-  uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
-  __builtin_prefetch(&t->pmap[tw_tok_pair_hash(key) & t->pmap_mask]);
-}
-
 /* Compile the pre-tokenizer pattern (Oniguruma/Rust syntax as in tokenizer.json)
  * with PCRE2 (tokenizer_encode.c). */
 tw_status_t tw_tok_regex_compile(struct tw_tokenizer *t, const char *pattern);
