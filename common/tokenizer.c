@@ -309,6 +309,9 @@ static tw_status_t tw_tok_build(struct tw_tokenizer *t, const cJSON *root) {
     k++;
   }
   qsort(t->added, t->n_added, sizeof *t->added, tw_tok_added_cmp);
+  t->added_first_only = t->n_added ? (unsigned char)t->added[0].content[0] : -1;
+  for (size_t i = 1; i < t->n_added; i++)
+    if ((unsigned char)t->added[i].content[0] != t->added_first_only) t->added_first_only = -1;
 
   for (int b = 0; b < 256; b++) {
     unsigned char c = (unsigned char)b;

@@ -400,7 +400,13 @@ tw_status_t tw_tok_encoder_encode(tw_tok_encoder_t *e, const char *text, size_t 
   } else {
     size_t seg = 0;
     for (size_t i = 0; i < len && st == TW_OK; i++) {
-      if (!t->added_first[(unsigned char)text[i]]) continue;
+      if (t->added_first_only >= 0) { /* jump to the next possible start */
+        const char *q = memchr(text + i, t->added_first_only, len - i);
+        if (!q) break;
+        i = (size_t)(q - text);
+      } else if (!t->added_first[(unsigned char)text[i]]) {
+        continue;
+      }
       const tw_tok_added_t *a = tw_tok_added_at(t, text + i, len - i);
       if (!a) continue;
       if (i > seg) st = tw_tok_ordinary(e, text + seg, i - seg, out);

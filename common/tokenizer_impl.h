@@ -55,6 +55,8 @@ struct tw_tokenizer {
   tw_tok_added_t *added;    /* sorted by content length, longest first */
   size_t n_added;
   unsigned char added_first[256]; /* 1 if some added token starts with this byte */
+  int added_first_only;           /* the first byte of every added token if they share
+                                     one ('<' for gpt-oss), else -1 */
   pcre2_code *re;                 /* the pre-tokenizer Split regex */
   int re_jit;                     /* 1 if JIT compiled */
   int ignore_merges;              /* model.ignore_merges: a piece in the vocab is one token */
