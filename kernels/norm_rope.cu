@@ -122,15 +122,16 @@ extern "C" tw_status_t tw_cuda_rope_table_fill(const tw_model_config_t *config, 
   }
   if (low < 0.0) low = 0.0;
   if (high > (double)(D - 1)) high = (double)(D - 1);
+  if (low == high) high += 0.001; /* as YaRN's linear ramp does (and the CPU backend) */
   if (!(high > low))
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "rope table: YaRN ramp low %g >= high %g", low, high);
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "rope table: YaRN ramp low %g > high %g", low, high);
   const double conc = f > 1.0 ? 0.1 * log(f) + 1.0 : 1.0;
   for (int i = 0; i < nhalf; i++) {
     const double base = pow(theta, (2.0 * i) / (double)D);
     const double extra = 1.0 / base, inter = 1.0 / (f * base);
     double r = ((double)i - low) / (high - low);
     r = r < 0.0 ? 0.0 : (r > 1.0 ? 1.0 : r);
-    const double inv_freq = inter * r + extra * (1.0 - r);
+    const double inv_freq = f > 1.0 ? inter * r + extra * (1.0 - r) : extra; /* no YaRN */
     for (int64_t p = 0; p < max_pos; p++) {
       const double a = (double)p * inv_freq;
       cos_out[p * nhalf + i] = (float)(conc * cos(a));

@@ -40,7 +40,8 @@ tw_status_t tw_cuda_rmsnorm_residual(float *x_resid, const void *maybe_delta,
  *    cos_out[p * D/2 + i] = c * cos(p * inv_freq_i),
  *    sin_out[p * D/2 + i] = c * sin(p * inv_freq_i),
  *  with inv_freq_i blending theta^(-2i/D) and theta^(-2i/D)/f over the ramp
- *  [low, high] (not rounded unless config->rope_truncate), f = rope_factor,
+ *  [low, high] (not rounded unless config->rope_truncate; plain theta^(-2i/D)
+ *  when f <= 1), f = rope_factor,
  *  L0 = rope_original_max_pos, and the concentration c = 0.1 ln f + 1
  *  (1 when f <= 1). Upload both tables once (f32 [max_pos, D/2] each).
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL pointer, max_pos <= 0, head_dim odd

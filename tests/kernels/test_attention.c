@@ -10,9 +10,12 @@
  * exact in the reference; what remains is the bf16 rounding of P before the
  * PV product and of the output (each ~2^-9 relative), far below 1e-2, while
  * a wrong mask, sink or scale gives errors of 1e-1 or more.
- * Exit 77 when no GPU is usable. */
+ * The float64 reference itself is checked against the CPU backend's
+ * tw_cpu_attention (host only, also without a GPU).
+ * Exit 77 when no GPU is usable (after the host check). */
 #include "attn_test_util.h"
 
+#include "common/cpu/cpu_ops.h"
 #include "kernels/attention.h"
 
 #define D 64
@@ -312,6 +315,49 @@ static void tt_mixed_lens(int n, int max_len, int *lens) {
   if (n > 1) lens[n - 1] = 1;
 }
 
+/* Host only (runs without a GPU too): the float64 reference of this file
+ * against the CPU backend's tw_cpu_attention (common/cpu, float32) on the
+ * same paged pool, so the GPU kernels, checked against the former, are tied
+ * to the CPU backend. Tolerance 1e-5: float32 accumulation vs float64. */
+static int tt_cpu_backend_crosscheck(const tt_shape_t *sh) {
+  const int n_keys = 300;
+  tt_pool_t p;
+  if (tt_pool_make(sh, 1, &n_keys, &p)) return 1;
+  float *pool32 = malloc(sizeof(float) * p.pool_elems);
+  float *q32 = malloc(sizeof(float) * sh->nq * D), *out = malloc(sizeof(float) * sh->nq * D);
+  uint16_t *q = malloc(sizeof(uint16_t) * sh->nq * D);
+  float *sinks = malloc(sizeof(float) * sh->nq), scores[300];
+  double sc64[300], ref[D];
+  for (size_t i = 0; i < p.pool_elems; i++) pool32[i] = tt_bf2f(p.pool[i]);
+  for (int h = 0; h < sh->nq; h++) sinks[h] = tt_normal(2.0f);
+  const tw_cpu_kv_view_t view = {.layer_base = pool32, .block_size = sh->block_size,
+                                 .n_kv_heads = sh->nkv, .head_dim = D};
+  tt_l2_t l2 = {0};
+  const int positions[] = {0, 5, 127, 128, 299};
+  for (int i = 0; i < 5; i++) {
+    for (int k = 0; k < sh->nq * D; k++) {
+      q[k] = tt_rand_bf16(3.4f);
+      q32[k] = tt_bf2f(q[k]);
+    }
+    tw_cpu_attention(q32, sh->nq, 0, sh->nq, &view, p.bt, positions[i], sh->window, sinks,
+                     0.125f, scores, out);
+    for (int h = 0; h < sh->nq; h++) {
+      tt_ref_attention(sh, &p, 0, positions[i], q + h * D, h, sinks[h], sc64, ref);
+      for (int d = 0; d < D; d++) tt_l2_add(&l2, out[h * D + d], ref[d]);
+    }
+  }
+  char name[96];
+  snprintf(name, sizeof name, "reference_vs_tw_cpu_attention(%s,W=%d)", sh->name, sh->window);
+  const int rc = tt_l2_report(name, &l2, 1e-5);
+  tt_pool_free(&p);
+  free(pool32);
+  free(q32);
+  free(out);
+  free(q);
+  free(sinks);
+  return rc;
+}
+
 static int tt_api_errors(void) {
   tw_cuda_attn_shape_t sh = {.n_q_heads = 64, .n_kv_heads = 8, .head_dim = 128,
                              .block_size = 16, .window = 0, .scale = 0.125f};
@@ -335,16 +381,18 @@ static int tt_api_errors(void) {
 }
 
 int main(void) {
-  if (!tt_gpu_available()) {
-    printf("no GPU: skipped\n");
-    return TT_SKIP;
-  }
   tt_seed();
   const tt_shape_t real_full = {"gptoss", 64, 8, 0, 16};
   const tt_shape_t real_slide = {"gptoss", 64, 8, 128, 16};
   const tt_shape_t tiny_full = {"tiny", 4, 2, 0, 16};
   const tt_shape_t tiny_slide = {"tiny", 4, 2, 32, 16};
-  int fails = tt_api_errors();
+  int fails = tt_cpu_backend_crosscheck(&real_full) + tt_cpu_backend_crosscheck(&real_slide) +
+              tt_cpu_backend_crosscheck(&tiny_slide);
+  if (!tt_gpu_available()) {
+    printf("no GPU: GPU cases skipped\n");
+    return fails ? 1 : TT_SKIP;
+  }
+  fails += tt_api_errors();
   /* TW_ATTN_TEST_QUICK: small cases only (for compute-sanitizer runs).
    * TW_ATTN_TEST_VARIANTS="0,4,...": only the variant subset below. */
   const int quick = getenv("TW_ATTN_TEST_QUICK") != NULL;

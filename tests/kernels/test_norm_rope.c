@@ -11,9 +11,12 @@
  *    float64 angles (bf16 output rounding dominates); the pool must hold the
  *    rotated k and the unrotated v bit-exactly at each token's slot, and every
  *    other slot must keep its NaN poison.
- * Exit 77 when no GPU is usable (after the host-only table check). */
+ *  - the RoPE table is also compared with the CPU backend's
+ *    tw_cpu_rope_init/tw_cpu_rope_table (host only).
+ * Exit 77 when no GPU is usable (after the host-only table checks). */
 #include "attn_test_util.h"
 
+#include "common/cpu/cpu_ops.h"
 #include "kernels/norm_rope.h"
 
 static tw_model_config_t tt_gptoss_config(int head_dim) {
@@ -67,6 +70,25 @@ static int tt_table_case(void) {
   rc = worst > 2e-7;
   printf("%s rope_table(gptoss, spec §2.5 samples): max |err| %.2e (tol 2e-07)\n",
          rc ? "FAIL" : "ok  ", worst);
+  /* and against the CPU backend's tables (both float64 rounded to f32: equal
+   * up to the last bit of the phase product) at every 97th position */
+  double inv[32], conc;
+  float cc[32], cs[32];
+  tw_cpu_rope_init(&cfg, inv, &conc);
+  double worst_cpu = 0;
+  for (int p = 0; p < max_pos; p += 97) {
+    tw_cpu_rope_table(inv, half, conc, p, cc, cs);
+    for (int i = 0; i < half; i++) {
+      const double e1 = fabs(cc[i] - c[(size_t)p * half + i]);
+      const double e2 = fabs(cs[i] - s[(size_t)p * half + i]);
+      if (e1 > worst_cpu) worst_cpu = e1;
+      if (e2 > worst_cpu) worst_cpu = e2;
+    }
+  }
+  const int rc_cpu = worst_cpu > 1e-6;
+  printf("%s rope_table vs tw_cpu_rope_table (every 97th position): max |err| %.2e (tol 1e-06)\n",
+         rc_cpu ? "FAIL" : "ok  ", worst_cpu);
+  rc |= rc_cpu;
   free(c);
   free(s);
   return rc;
