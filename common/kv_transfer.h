@@ -73,6 +73,11 @@ bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *xfer);
 /** Progress the worker once (call from the owner's loop). */
 void tw_kv_xfer_progress(tw_kv_xfer_t *xfer);
 void tw_kv_xfer_stats(const tw_kv_xfer_t *xfer, tw_kv_xfer_stats_t *stats_p);
+/** Progress, then arm the worker's event fd: returns the fd to poll for
+ *  input before sleeping (readable when UCX has work: emulated puts and
+ *  flushes from a prefill worker need this side's progress), or -1 when the
+ *  caller must not sleep (events pending, or no wakeup support). */
+int tw_kv_xfer_wait_fd(tw_kv_xfer_t *xfer);
 
 /** Register a KV pool for remote writes. Host pools are mapped in place;
  *  a device pool without native CUDA support gets a pinned host mirror.

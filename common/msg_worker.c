@@ -213,3 +213,9 @@ tw_status_t tw_worker_link_reject(tw_worker_link_t *link, uint64_t request_id, i
   env.reject = &r;
   return tw_worker_link_send(link, &env);
 }
+
+void tw_worker_link_wait(tw_worker_link_t *link, int maybe_fd, int timeout_ms) {
+  zmq_pollitem_t it[2] = {{.socket = link->sock, .events = ZMQ_POLLIN},
+                          {.socket = NULL, .fd = maybe_fd, .events = ZMQ_POLLIN}};
+  zmq_poll(it, maybe_fd >= 0 ? 2 : 1, timeout_ms);
+}

@@ -74,6 +74,10 @@ tw_status_t tw_worker_link_tick(tw_worker_link_t *link, const Twain__Internal__V
 tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
                                 Twain__Internal__V1__Envelope **env_p);
 
+/** Wait up to timeout_ms until the router socket has input or maybe_fd
+ *  (-1: none) is readable. Returns nothing; callers then receive with 0. */
+void tw_worker_link_wait(tw_worker_link_t *link, int maybe_fd, int timeout_ms);
+
 /** Send a Reject for request_id with a v1 code and message. */
 tw_status_t tw_worker_link_reject(tw_worker_link_t *link, uint64_t request_id, int code,
                                   const char *message);

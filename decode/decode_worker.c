@@ -473,14 +473,18 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
       busy |= d.seqs[i]->state == TW_DSEQ_RUNNING;
       reserved |= d.seqs[i]->state == TW_DSEQ_RESERVED;
     }
-    /* UCX wire-up with prefill workers needs our progress; while a handoff is
-     * pending, poll in short slices */
+    /* UCX wire-up, emulated puts and flushes from prefill workers need our
+     * progress: sleep on the router socket and the UCX event fd together */
     tw_kv_xfer_progress(d.xfer);
-    int wait_ms = busy ? 0 : reserved ? 1 : 20;
+    if (!busy) {
+      int fd = tw_kv_xfer_wait_fd(d.xfer);
+      if (fd >= 0 || !reserved) tw_worker_link_wait(&d.link, fd, 20);
+      tw_kv_xfer_progress(d.xfer);
+    }
     /* take every message that is waiting, then step */
     for (int k = 0; k < 1024; k++) {
       Twain__Internal__V1__Envelope *env = NULL;
-      tw_status_t rs = tw_worker_link_recv(&d.link, k == 0 ? wait_ms : 0, &env);
+      tw_status_t rs = tw_worker_link_recv(&d.link, 0, &env);
       if (rs == TW_INPROGRESS && k > 0) break;
       if (rs == TW_INPROGRESS) break;
       if (rs != TW_OK) continue;

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -99,6 +100,7 @@ static pid_t tw_spawn(char *const argv[]) {
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     setpgid(0, 0); /* Ctrl-C reaches serve only; serve stops the workers in order */
+    prctl(PR_SET_PDEATHSIG, SIGTERM); /* and if serve itself is killed, they drain */
     execv(argv[0], argv);
     fprintf(stderr, "twain serve: cannot run %s: %s\n", argv[0], strerror(errno));
     _exit(127);

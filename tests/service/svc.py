@@ -56,6 +56,16 @@ ServerReply = P["twain.v1.ServerReply"]
 Envelope = P["twain.internal.v1.Envelope"]
 
 
+def _die_with_parent():
+    """Child side of Popen: SIGKILL when the test process dies, so a test
+    that is killed (ctest timeout) never leaves daemons behind."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class Proc:
     """A child process whose stdout/stderr lines are collected by threads."""
 
@@ -65,7 +75,8 @@ class Proc:
         self.lines = []
         self.lock = threading.Lock()
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  stdin=subprocess.DEVNULL, text=True, errors="replace")
+                                  stdin=subprocess.DEVNULL, text=True, errors="replace",
+                                  preexec_fn=_die_with_parent)
         for stream in (self.p.stdout, self.p.stderr):
             threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
 

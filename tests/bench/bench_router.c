@@ -1,0 +1,246 @@
+/* bench_router.c: router overhead per streamed token at 1, 64 and 512
+ * concurrent streams. The real router (router.h) runs on its own thread; a
+ * fake prefill worker answers at once and a fake decode worker streams one
+ * token per sequence per step as fast as it can (no engine cost); one client
+ * DEALER runs S streaming Generate requests of T tokens. Reported: the
+ * router thread's CPU time per token (pthread CPU clock) and the wall-clock
+ * token rate seen by the client.
+ *   twain-bench-router [--tokens N (per configuration, default 51200)] */
+#include "common/log.h"
+#include "common/msg.h"
+#include "proto/twain_api.pb-c.h"
+#include "proto/twain_internal.pb-c.h"
+#include "router/router.h"
+
+#include <zmq.h>
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct {
+  tw_router_params_t p;
+  volatile sig_atomic_t stop;
+  char cep[256], wep[256];
+  volatile int bound;
+} tw_bench_t;
+
+static void on_bound(void *arg, const char *c, const char *w) {
+  tw_bench_t *b = arg;
+  snprintf(b->cep, sizeof b->cep, "%s", c);
+  snprintf(b->wep, sizeof b->wep, "%s", w);
+  __atomic_store_n(&b->bound, 1, __ATOMIC_SEQ_CST);
+}
+
+static void *router_main(void *arg) {
+  tw_bench_t *b = arg;
+  tw_router_run(&b->p, &b->stop);
+  return NULL;
+}
+
+/* ---- fake workers ---- */
+typedef struct {
+  uint64_t id;
+  int32_t left;
+} fseq_t;
+
+typedef struct {
+  tw_bench_t *b;
+  volatile int stop;
+  void *ctx;
+} fake_t;
+
+static void send_env(void *s, Twain__Internal__V1__Envelope *e) { tw_msg_send(s, NULL, &e->base); }
+
+static void fake_register(void *s, const char *name, Twain__Internal__V1__Pool pool) {
+  Twain__Internal__V1__Capacity c = TWAIN__INTERNAL__V1__CAPACITY__INIT;
+  c.free_kv_blocks = c.total_kv_blocks = 1 << 24;
+  Twain__Internal__V1__Register r = TWAIN__INTERNAL__V1__REGISTER__INIT;
+  r.pool = pool;
+  r.name = (char *)name;
+  r.capacity = &c;
+  r.kv_block_size = 16;
+  Twain__Internal__V1__Envelope e = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  e.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REGISTER;
+  e.register_ = &r;
+  send_env(s, &e);
+}
+
+static void fake_heartbeat(void *s) {
+  Twain__Internal__V1__Capacity c = TWAIN__INTERNAL__V1__CAPACITY__INIT;
+  c.free_kv_blocks = c.total_kv_blocks = 1 << 24;
+  Twain__Internal__V1__Heartbeat h = TWAIN__INTERNAL__V1__HEARTBEAT__INIT;
+  h.capacity = &c;
+  Twain__Internal__V1__Envelope e = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  e.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
+  e.heartbeat = &h;
+  send_env(s, &e);
+}
+
+static void *fake_main(void *arg) {
+  fake_t *f = arg;
+  void *pre, *dec;
+  tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &pre);
+  tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &dec);
+  fake_register(pre, "fake-prefill", TWAIN__INTERNAL__V1__POOL__POOL_PREFILL);
+  fake_register(dec, "fake-decode", TWAIN__INTERNAL__V1__POOL__POOL_DECODE);
+  fseq_t *seqs = malloc(sizeof(fseq_t) * 8192);
+  int n = 0;
+  int64_t last_hb = 0;
+  Twain__Internal__V1__KvLayout kl = TWAIN__INTERNAL__V1__KV_LAYOUT__INIT;
+  Twain__Internal__V1__KvHandoff h = TWAIN__INTERNAL__V1__KV_HANDOFF__INIT;
+  h.layout = &kl;
+  while (!f->stop) {
+    int64_t now = tw_msg_clock_ns();
+    if (now - last_hb > 200000000) {
+      fake_heartbeat(pre);
+      fake_heartbeat(dec);
+      last_hb = now;
+    }
+    void *socks[2] = {pre, dec};
+    for (int k = 0; k < 2; k++)
+      for (int m = 0; m < 4096; m++) {
+        tw_msg_t msg = {0};
+        if (tw_msg_recv(socks[k], false, n ? 0 : (k ? 1 : 0), &msg) != TW_OK) break;
+        Twain__Internal__V1__Envelope *e = twain__internal__v1__envelope__unpack(NULL, msg.len, msg.data);
+        tw_msg_fini(&msg);
+        if (!e) continue;
+        Twain__Internal__V1__Envelope out = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+        if (e->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVE) {
+          Twain__Internal__V1__Reserved r = TWAIN__INTERNAL__V1__RESERVED__INIT;
+          r.request_id = e->reserve->request_id;
+          r.handoff = &h;
+          out.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVED;
+          out.reserved = &r;
+          send_env(dec, &out);
+        } else if (e->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL) {
+          Twain__Internal__V1__PrefillDone d = TWAIN__INTERNAL__V1__PREFILL_DONE__INIT;
+          d.request_id = e->prefill->request_id;
+          d.first_token = 1;
+          out.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL_DONE;
+          out.prefill_done = &d;
+          send_env(pre, &out);
+        } else if (e->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_DECODE && n < 8192) {
+          seqs[n].id = e->decode->request_id;
+          seqs[n].left = e->decode->max_tokens - 1;
+          n++;
+        }
+        twain__internal__v1__envelope__free_unpacked(e, NULL);
+      }
+    /* one "step": a token for every running sequence */
+    for (int i = 0; i < n; i++) {
+      int32_t tok = 1;
+      Twain__Internal__V1__Tokens t = TWAIN__INTERNAL__V1__TOKENS__INIT;
+      t.request_id = seqs[i].id;
+      t.tokens = &tok;
+      t.n_tokens = 1;
+      t.finished = --seqs[i].left == 0;
+      t.finish_reason = t.finished ? TWAIN__V1__FINISH_REASON__FINISH_LENGTH : 0;
+      Twain__Internal__V1__Envelope out = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+      out.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_TOKENS;
+      out.tokens = &t;
+      send_env(dec, &out);
+      if (t.finished) seqs[i--] = seqs[--n];
+    }
+  }
+  zmq_close(pre);
+  zmq_close(dec);
+  free(seqs);
+  return NULL;
+}
+
+static double thread_cpu_s(pthread_t th) {
+  clockid_t cid;
+  struct timespec ts;
+  if (pthread_getcpuclockid(th, &cid) != 0 || clock_gettime(cid, &ts) != 0) return 0;
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+  tw_log_init("bench-router", 0);
+  long total = 51200;
+  for (int i = 1; i + 1 < argc; i += 2)
+    if (!strcmp(argv[i], "--tokens")) total = atol(argv[i + 1]);
+  static tw_bench_t b;
+  b.p = TW_ROUTER_PARAMS_DEFAULT;
+  b.p.model_dir = TW_DEFAULT_MODEL_DIR;
+  b.p.client_endpoint = "tcp://127.0.0.1:0";
+  b.p.worker_endpoint = "tcp://127.0.0.1:0";
+  b.p.metrics_port = -1;
+  b.p.on_bound = on_bound;
+  b.p.on_bound_arg = &b;
+  b.p.max_requests = 8192;
+  pthread_t rt, ft;
+  pthread_create(&rt, NULL, router_main, &b);
+  for (int i = 0; i < 1000 && !__atomic_load_n(&b.bound, __ATOMIC_SEQ_CST); i++) {
+    struct timespec ts = {0, 10000000};
+    nanosleep(&ts, NULL);
+  }
+  void *ctx = zmq_ctx_new();
+  fake_t f = {.b = &b, .ctx = ctx};
+  pthread_create(&ft, NULL, fake_main, &f);
+  struct timespec ts = {0, 500000000};
+  nanosleep(&ts, NULL);
+  void *cl;
+  tw_msg_socket_open(ctx, ZMQ_DEALER, b.cep, false, NULL, 0, &cl);
+  int32_t prompt[16] = {8008, 305, 8010, 300, 369, 265, 477, 363, 4404, 6, 280, 30, 8009, 8008, 328};
+  printf("# router overhead per streamed token (fake workers, no engine), tcp loopback\n");
+  printf("# %8s %8s %10s %16s %14s\n", "streams", "tokens", "total", "router_cpu_us/tok", "client_tok/s");
+  const int streams[3] = {1, 64, 512};
+  uint64_t rid = 1;
+  for (int c = 0; c < 3; c++) {
+    int S = streams[c];
+    int T = (int)(total / S);
+    if (T > 4000) T = 4000;
+    double cpu0 = thread_cpu_s(rt);
+    int64_t t0 = tw_msg_clock_ns();
+    for (int s = 0; s < S; s++) {
+      Twain__V1__SamplingParams sp = TWAIN__V1__SAMPLING_PARAMS__INIT;
+      sp.max_tokens = T;
+      Twain__V1__GenerateRequest g = TWAIN__V1__GENERATE_REQUEST__INIT;
+      g.prompt_ids = prompt;
+      g.n_prompt_ids = 15;
+      g.sampling = &sp;
+      g.stream = true;
+      Twain__V1__ClientRequest r = TWAIN__V1__CLIENT_REQUEST__INIT;
+      r.request_id = rid++;
+      r.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE;
+      r.generate = &g;
+      tw_msg_send(cl, NULL, &r.base);
+    }
+    int done = 0;
+    long toks = 0;
+    while (done < S) {
+      tw_msg_t m = {0};
+      if (tw_msg_recv(cl, false, 30000, &m) != TW_OK) {
+        fprintf(stderr, "bench-router: no reply in 30 s (%d of %d done)\n", done, S);
+        return 1;
+      }
+      Twain__V1__ServerReply *rep = twain__v1__server_reply__unpack(NULL, m.len, m.data);
+      tw_msg_fini(&m);
+      if (!rep) continue;
+      toks += (long)rep->n_token_ids;
+      if (rep->done) {
+        done++;
+        if (rep->error && rep->error->code) {
+          fprintf(stderr, "bench-router: error %s\n", rep->error->message);
+          return 1;
+        }
+      }
+      twain__v1__server_reply__free_unpacked(rep, NULL);
+    }
+    double wall = (double)(tw_msg_clock_ns() - t0) * 1e-9;
+    double cpu = thread_cpu_s(rt) - cpu0;
+    printf("  %8d %8d %10ld %16.2f %14.0f\n", S, T, toks, cpu / (double)toks * 1e6, (double)toks / wall);
+    fflush(stdout);
+  }
+  zmq_close(cl);
+  f.stop = 1;
+  pthread_join(ft, NULL);
+  b.stop = 1;
+  pthread_join(rt, NULL);
+  zmq_ctx_term(ctx);
+  return 0;
+}
