@@ -171,6 +171,8 @@ static int tw_tok_pair_insert(struct tw_tokenizer *t, int32_t a, int32_t b, uint
   t->pmap[i].key = key;
   t->pmap[i].rank = rank;
   t->pmap[i].id = id;
+  uint32_t bit = tw_tok_pair_filter_bit(key);
+  t->pair_filter[bit >> 6] |= 1ull << (bit & 63);
   return 1;
 }
 
@@ -325,7 +327,9 @@ static tw_status_t tw_tok_build(struct tw_tokenizer *t, const cJSON *root) {
   size_t n_merges = (size_t)cJSON_GetArraySize(merges);
   t->pmap_mask = tw_pow2_at_least(n_merges * 2) - 1;
   t->pmap = malloc(((size_t)t->pmap_mask + 1) * sizeof *t->pmap);
-  if (!t->pmap) return tw_err(TW_ERR_NO_MEMORY, "tokenizer: cannot allocate the merge table");
+  t->pair_filter = calloc((size_t)1 << (TW_TOK_PAIR_FILTER_BITS - 6), sizeof *t->pair_filter);
+  if (!t->pmap || !t->pair_filter)
+    return tw_err(TW_ERR_NO_MEMORY, "tokenizer: cannot allocate the merge table");
   for (size_t i = 0; i <= t->pmap_mask; i++) t->pmap[i].key = UINT64_MAX;
   unsigned char buf[1024];
   char tmp[1024];
@@ -427,6 +431,7 @@ void tw_tokenizer_destroy(tw_tokenizer_t *t) {
   free(t->bytes);
   free(t->vmap);
   free(t->pmap);
+  free(t->pair_filter);
   free(t->byte_pairs);
   free(t->added);
   free(t);

@@ -47,6 +47,10 @@ struct tw_tokenizer {
   uint32_t vmap_mask;
   tw_tok_pair_slot_t *pmap; /* merges, open addressing */
   uint32_t pmap_mask;
+  /* one bit per hashed pair, set for every merge (512 KiB, stays in L2): most
+   * adjacent pairs of a piece have no merge, and this answers them without
+   * touching pmap (spec §5.3 loop: "until no adjacent pair is in the vocab") */
+  uint64_t *pair_filter;
   int32_t byte_id[256];     /* the token of each single byte */
   /* merges of two single-byte tokens, by (first byte << 8 | second byte):
    * (rank << 32) | merged id, rank UINT32_MAX if none. 512 KiB, stays in L2:
@@ -111,10 +115,17 @@ static inline uint32_t tw_tok_pair_hash(uint64_t key) {
   return (uint32_t)(key >> 32);
 }
 
+#define TW_TOK_PAIR_FILTER_BITS 22
+static inline uint32_t tw_tok_pair_filter_bit(uint64_t key) {
+  return (uint32_t)((key * 0xD6E8FEB86659FD93ull) >> (64 - TW_TOK_PAIR_FILTER_BITS));
+}
+
 /* The merge of (a, b): its rank and merged id, or rank UINT32_MAX if none. */
 static inline uint32_t tw_tok_pair_find(const struct tw_tokenizer *t, int32_t a, int32_t b,
                                         int32_t *id_p) {
   uint64_t key = ((uint64_t)(uint32_t)a << 32) | (uint32_t)b;
+  uint32_t bit = tw_tok_pair_filter_bit(key);
+  if (!(t->pair_filter[bit >> 6] >> (bit & 63) & 1)) return UINT32_MAX;
   for (uint32_t i = tw_tok_pair_hash(key) & t->pmap_mask;; i = (i + 1) & t->pmap_mask) {
     const tw_tok_pair_slot_t *s = &t->pmap[i];
     if (s->key == key) {
