@@ -7,8 +7,8 @@
 # 127.0.0.1 with their own ports): Slurm never places two components of one
 # heterogeneous job on the same node (its backfill scheduler, the only one
 # that starts het jobs, reserves whole nodes), so the production script's
-# prefill and decode components need a node each. Each node advertises 8 CPUs
-# and 4 GPUs backed by placeholder files (no task plugin opens them): enough
+# prefill and decode components need a node each. Each node advertises 256 CPUs
+# and 16 GPUs (room for the service's 8 and added workers) backed by placeholder files (no task plugin opens them): enough
 # for the sbatch script's GPU requests; the CPU backend does the work.
 # `start` prints `export SLURM_CONF=...` for the caller to eval.
 set -euo pipefail
@@ -81,15 +81,15 @@ KillWait=5
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName=twain-a NodeAddr=127.0.0.1 NodeHostname=$host Port=$d_port CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=4000 Gres=gpu:4 State=UNKNOWN
-NodeName=twain-b NodeAddr=127.0.0.1 NodeHostname=$host Port=$d2_port CPUs=8 Boards=1 SocketsPerBoard=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=4000 Gres=gpu:4 State=UNKNOWN
+NodeName=twain-a NodeAddr=127.0.0.1 NodeHostname=$host Port=$d_port CPUs=256 Boards=1 SocketsPerBoard=1 CoresPerSocket=256 ThreadsPerCore=1 RealMemory=4000 Gres=gpu:16 State=UNKNOWN
+NodeName=twain-b NodeAddr=127.0.0.1 NodeHostname=$host Port=$d2_port CPUs=256 Boards=1 SocketsPerBoard=1 CoresPerSocket=256 ThreadsPerCore=1 RealMemory=4000 Gres=gpu:16 State=UNKNOWN
 PartitionName=twain Nodes=twain-a,twain-b Default=YES MaxTime=INFINITE State=UP
 EOF
   # Slurm drops GPUs without device files: give it 8 placeholder files (no
   # task/cgroup plugin constrains devices here, so nothing opens them).
   mkdir -p "$dir/dev"
-  for g in 0 1 2 3 4 5 6 7; do : > "$dir/dev/gpu$g"; done
-  printf 'AutoDetect=off\nNodeName=twain-a Name=gpu File=%s/dev/gpu[0-3]\nNodeName=twain-b Name=gpu File=%s/dev/gpu[4-7]\n' "$dir" "$dir" > "$dir/gres.conf"
+  for g in $(seq 0 31); do : > "$dir/dev/gpu$g"; done
+  printf 'AutoDetect=off\nNodeName=twain-a Name=gpu File=%s/dev/gpu[0-15]\nNodeName=twain-b Name=gpu File=%s/dev/gpu[16-31]\n' "$dir" "$dir" > "$dir/gres.conf"
   touch "$dir/cgroup.conf"
   export SLURM_CONF=$dir/slurm.conf
   slurmctld -f "$dir/slurm.conf" -i
@@ -104,7 +104,7 @@ EOF
   done
   if ((ok == 0)); then
     echo "slurm_cluster: node not idle after 30 s (state '$state'); logs:" >&2
-    tail -n 20 "$dir/log/slurmctld.log" "$dir/log/slurmd.log" >&2 || true
+    tail -n 20 "$dir"/log/*.log >&2 || true
     exit 1
   fi
   echo "export SLURM_CONF=$dir/slurm.conf"
