@@ -198,8 +198,11 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   if (R > (size_t)TW_CE_GEMV_MAX_TOKENS) {
     ce->moe_pre_bytes = tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts,
                                                      c->n_experts_per_tok, c->hidden,
-                                                     c->intermediate);
+                                                     c->intermediate, 0);
     ce->moe_pre_ws = tw_ce_take(cv, ce->moe_pre_bytes);
+    ce->dq_bytes = tw_cuda_moe_dequant_bytes(c->n_experts, c->hidden, c->intermediate);
+    ce->dq_buf[0] = tw_ce_take(cv, ce->dq_bytes);
+    ce->dq_buf[1] = tw_ce_take(cv, ce->dq_bytes);
   }
   ce->attn_ws = tw_ce_take(cv, ce->attn_ws_bytes);
   ce->d_tokens = (int32_t *)tw_ce_take(cv, R * 4);
@@ -225,6 +228,15 @@ static void tw_ce_destroy(tw_engine_t *engine) {
       cudaEventDestroy(ce->prof_ev[1]);
     }
     tw_ce_graphs_destroy(ce);
+    if (ce->dq_stream) {
+      cudaStreamSynchronize(ce->dq_stream);
+      cudaStreamDestroy(ce->dq_stream);
+      cudaEventDestroy(ce->dq_start);
+      for (int i = 0; i < 2; i++) {
+        cudaEventDestroy(ce->dq_done[i]);
+        cudaEventDestroy(ce->dq_free[i]);
+      }
+    }
     tw_cuda_gemm_destroy(ce->gemm);
     if (ce->warena) cudaFree(ce->warena);
     if (ce->kv_pool) cudaFree(ce->kv_pool);
@@ -316,6 +328,16 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   }
   TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->stream, cudaStreamNonBlocking), st, fail);
   TW_CHECK_GOTO(tw_cuda_gemm_create(0, &ce->gemm), st, fail);
+  if (ce->max_rows > TW_CE_GEMV_MAX_TOKENS) {
+    TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->dq_stream, cudaStreamNonBlocking), st, fail);
+    TW_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&ce->dq_start, cudaEventDisableTiming), st, fail);
+    for (int i = 0; i < 2; i++) {
+      TW_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&ce->dq_done[i], cudaEventDisableTiming), st,
+                         fail);
+      TW_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&ce->dq_free[i], cudaEventDisableTiming), st,
+                         fail);
+    }
+  }
   /* weights */
   TW_CHECK_GOTO(tw_ce_walk(ce, model, &up), st, fail);
   ce->warena_bytes = up.off;
@@ -412,10 +434,12 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->kv.total_bytes = (int64_t)ce->kv_bytes;
   TW_INFO("engine",
           "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens), "
-          "workspace %.2f GiB (moe prefill %.2f, chunk %d, max batch %d), rope %.2f GiB, "
+          "workspace %.2f GiB (moe gemm path %.2f incl. 2 dequantised layers, chunk %d, max "
+          "batch %d), rope %.2f GiB, "
           "pinned host %.1f MiB; %.2f of %.2f GiB free before the pool",
           tw_gib(ce->warena_bytes), tw_gib(ce->kv_bytes), (long long)n_blocks,
-          params->kv_block_size, tw_gib(ce->ws_bytes), tw_gib(ce->moe_pre_bytes), ce->chunk,
+          params->kv_block_size, tw_gib(ce->ws_bytes),
+          tw_gib(ce->moe_pre_bytes + 2 * ce->dq_bytes), ce->chunk,
           ce->max_batch, tw_gib((size_t)ce->max_pos * c->head_dim * 4),
           (double)h_bytes / 1048576.0, tw_gib(free_b), tw_gib(total_b));
   *engine_p = e;

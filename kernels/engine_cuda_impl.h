@@ -75,6 +75,12 @@ typedef struct {
   void *xn, *qkv, *attn;
   tw_cuda_moe_route_t route;
   void *moe_dec_ws, *moe_pre_ws, *attn_ws;
+  /* MoE GEMM path: layer l+1's experts are dequantised on dq_stream into
+   * dq_buf[(l+1)%2] while layer l computes (two buffers, events between) */
+  cudaStream_t dq_stream;
+  void *dq_buf[2];
+  size_t dq_bytes;
+  cudaEvent_t dq_start, dq_done[2], dq_free[2];
   size_t moe_dec_bytes, moe_pre_bytes, attn_ws_bytes;
   int32_t *d_tokens, *d_positions, *d_slots, *d_seq_lens, *d_cu, *d_start, *d_block_tables,
       *d_next;

@@ -60,8 +60,22 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
   tw_cuda_attn_shape_t sh = {c->n_heads, c->n_kv_heads, c->head_dim, block_size, 0,
                              (float)(1.0 / sqrt((double)c->head_dim))};
   TW_CE_OP(TW_CE_PROF_EMBED, tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
+  bool gemm_moe = T > TW_CE_GEMV_MAX_TOKENS;
+  if (gemm_moe) { /* layer 0's experts, after whatever ran before on s */
+    TW_CUDA_CHECK(cudaEventRecord(ce->dq_start, s));
+    TW_CUDA_CHECK(cudaStreamWaitEvent(ce->dq_stream, ce->dq_start, 0));
+    TW_CHECK(tw_cuda_moe_dequant(&ce->layers[0].moe, NULL, ce->dq_buf[0], ce->dq_stream));
+    TW_CUDA_CHECK(cudaEventRecord(ce->dq_done[0], ce->dq_stream));
+  }
   for (int l = 0; l < c->n_layers; l++) {
     const tw_ce_layer_t *L = &ce->layers[l];
+    if (gemm_moe && l + 1 < c->n_layers) {
+      /* layer l+1 into the buffer layer l-1 used, once its GEMMs are done */
+      int nb = (l + 1) % 2;
+      if (l >= 1) TW_CUDA_CHECK(cudaStreamWaitEvent(ce->dq_stream, ce->dq_free[nb], 0));
+      TW_CHECK(tw_cuda_moe_dequant(&ce->layers[l + 1].moe, NULL, ce->dq_buf[nb], ce->dq_stream));
+      TW_CUDA_CHECK(cudaEventRecord(ce->dq_done[nb], ce->dq_stream));
+    }
     void *kv = (char *)ce->kv_pool + (size_t)l * (size_t)ce->kv_layer_stride_bytes;
     TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, l ? ce->moe_out : NULL, TW_DTYPE_F32, L->attn_norm,
                                       c->rms_norm_eps, T, H, ce->xn, s));
@@ -89,9 +103,14 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
     if (T <= TW_CE_GEMV_MAX_TOKENS)
       TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_decode(&L->moe, &ce->route, T, ce->xn, ce->moe_dec_ws,
                                   ce->moe_dec_bytes, ce->moe_out, s));
-    else
-      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(ce->gemm, &L->moe, &ce->route, T, ce->xn, ce->moe_pre_ws,
-                                   ce->moe_pre_bytes, ce->h_counts, ce->moe_out, s));
+    else {
+      TW_CUDA_CHECK(cudaStreamWaitEvent(s, ce->dq_done[l % 2], 0));
+      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(ce->gemm, &L->moe, &ce->route, T, ce->xn,
+                                                   ce->dq_buf[l % 2], ce->moe_pre_ws,
+                                                   ce->moe_pre_bytes, ce->h_counts, ce->moe_out,
+                                                   s));
+      TW_CUDA_CHECK(cudaEventRecord(ce->dq_free[l % 2], s));
+    }
   }
   TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, ce->moe_out, TW_DTYPE_F32,
                                                      ce->final_norm, c->rms_norm_eps, T, H,

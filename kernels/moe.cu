@@ -322,31 +322,67 @@ __global__ void tw_moe_swiglu_kernel(const __nv_bfloat162 *__restrict__ u,
   }
 }
 
+static size_t tw_al256(size_t n) { return (n + 255) / 256 * 256; }
+
+extern "C" size_t tw_cuda_moe_dequant_bytes(int32_t n_experts, int32_t hidden,
+                                            int32_t intermediate) {
+  size_t E = (size_t)n_experts, H = (size_t)hidden, I = (size_t)intermediate;
+  return tw_al256(E * 2 * I * H * 2) + tw_al256(E * H * I * 2);
+}
+
+extern "C" tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w,
+                                           const int32_t *maybe_counts, void *wdq,
+                                           cudaStream_t stream) {
+  if (!w || !wdq) return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_dequant: NULL argument");
+  int E = w->n_experts, H = w->hidden, I = w->intermediate;
+  if (E <= 0 || H <= 0 || H % 32 || I <= 0 || I % 32)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_dequant: bad shape E=%d H=%d I=%d", E, H, I);
+  __nv_bfloat16 *w1 = (__nv_bfloat16 *)wdq;
+  __nv_bfloat16 *w2 = (__nv_bfloat16 *)((char *)wdq + tw_al256((size_t)E * 2 * I * H * 2));
+  int64_t nb1 = (int64_t)E * 2 * I * (H / 32), nb2 = (int64_t)E * H * (I / 32);
+  tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb1, 256), 256, 0, stream>>>(
+      w->gate_up_blocks, w->gate_up_scales, nb1, H / 32, 2 * (int64_t)I, maybe_counts, w1);
+  TW_CUDA_CHECK_LAUNCH("tw_mxfp4_dequant_kernel(gate_up)");
+  tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb2, 256), 256, 0, stream>>>(
+      w->down_blocks, w->down_scales, nb2, I / 32, H, maybe_counts, w2);
+  TW_CUDA_CHECK_LAUNCH("tw_mxfp4_dequant_kernel(down)");
+  return TW_OK;
+}
+
 extern "C" size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t n_experts, int32_t k,
-                                               int32_t hidden, int32_t intermediate) {
+                                               int32_t hidden, int32_t intermediate,
+                                               int with_dequant) {
   size_t tk = (size_t)max_tokens * (size_t)k, H = (size_t)hidden, I = (size_t)intermediate;
-  size_t wbytes = (size_t)n_experts * (2 * I * H + H * I) * 2;
-  return wbytes + tk * (H + 2 * I + I + H) * 2 + 5 * 256;
+  size_t wbytes = with_dequant ? tw_cuda_moe_dequant_bytes(n_experts, hidden, intermediate) : 0;
+  return wbytes + tw_al256(tk * H * 2) + tw_al256(tk * 2 * I * 2) + tw_al256(tk * I * 2) +
+         tw_al256(tk * H * 2);
 }
 
 extern "C" tw_status_t tw_cuda_moe_prefill(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
                                            const tw_cuda_moe_route_t *r, int32_t T, const void *x,
-                                           void *workspace, size_t workspace_bytes,
-                                           int32_t *host_counts, float *out, cudaStream_t stream) {
+                                           const void *maybe_wdq, void *workspace,
+                                           size_t workspace_bytes, int32_t *host_counts,
+                                           float *out, cudaStream_t stream) {
   TW_CHECK(tw_moe_weights_check("moe_prefill", w, r, T, x, out));
   if (!gemm || !host_counts) return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: NULL argument");
   int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k;
-  size_t need = tw_cuda_moe_prefill_ws_bytes(T, E, k, H, I);
+  size_t need = tw_cuda_moe_prefill_ws_bytes(T, E, k, H, I, maybe_wdq == NULL);
   if (!workspace || workspace_bytes < need)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: workspace %zu bytes, %zu needed",
                   workspace_bytes, need);
   size_t tk = (size_t)T * k;
   char *p = (char *)workspace;
+  const char *wdq = (const char *)maybe_wdq;
+  if (!wdq) {
+    wdq = p;
+    p += tw_cuda_moe_dequant_bytes(E, H, I);
+  }
+  const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)wdq;
+  const __nv_bfloat16 *w2 =
+      (const __nv_bfloat16 *)(wdq + tw_al256((size_t)E * 2 * I * H * 2));
 #define TW_CARVE(ptr, type, n)                              \
   type *ptr = (type *)p;                                    \
-  p += (((size_t)(n) * sizeof(type) + 255) / 256) * 256
-  TW_CARVE(w1, __nv_bfloat16, (size_t)E * 2 * I * H);
-  TW_CARVE(w2, __nv_bfloat16, (size_t)E * H * I);
+  p += tw_al256((size_t)(n) * sizeof(type))
   TW_CARVE(xp, __nv_bfloat16, tk * H);
   TW_CARVE(u, __nv_bfloat16, tk * 2 * I);
   TW_CARVE(act, __nv_bfloat16, tk * I);
@@ -359,17 +395,16 @@ extern "C" tw_status_t tw_cuda_moe_prefill(tw_cuda_gemm_t *gemm, const tw_cuda_m
   TW_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   tw_status_t st = TW_OK;
   TW_CUDA_CHECK_GOTO(cudaEventRecord(ev, stream), st, done);
+  if (!maybe_wdq) {
+    st = tw_cuda_moe_dequant(w, r->counts, (void *)wdq, stream);
+    if (st < 0) goto done;
+  }
+  tw_moe_gather_kernel<<<(unsigned)tk, 128, 0, stream>>>((const uint4 *)x, r->sorted, k, H / 8,
+                                                         (uint4 *)xp);
   {
-    int64_t nb1 = (int64_t)E * 2 * I * (H / 32), nb2 = (int64_t)E * H * (I / 32);
-    tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb1, 256), 256, 0, stream>>>(
-        w->gate_up_blocks, w->gate_up_scales, nb1, H / 32, 2 * (int64_t)I, r->counts, w1);
-    tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb2, 256), 256, 0, stream>>>(
-        w->down_blocks, w->down_scales, nb2, I / 32, H, r->counts, w2);
-    tw_moe_gather_kernel<<<(unsigned)tk, 128, 0, stream>>>((const uint4 *)x, r->sorted, k, H / 8,
-                                                           (uint4 *)xp);
     cudaError_t le = cudaGetLastError();
     if (le != cudaSuccess) {
-      st = tw_err(TW_ERR_CUDA, "moe_prefill: launch failed: %s", cudaGetErrorString(le));
+      st = tw_err(TW_ERR_CUDA, "moe_prefill: gather launch failed: %s", cudaGetErrorString(le));
       goto done;
     }
   }

@@ -97,21 +97,36 @@ tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w, const tw_cuda_moe
                                int32_t T, const void *x, void *workspace, size_t workspace_bytes,
                                float *out, cudaStream_t stream);
 
-/** Bytes of the prefill workspace for up to max_tokens tokens: bf16 dequantised
- *  experts [E, 2I, H] + [E, H, I], gathered inputs [T*k, H], gate_up output
- *  [T*k, 2I], activations [T*k, I] and expert outputs [T*k, H], all bf16. */
+/** Bytes of one layer's dequantised experts: bf16 gate_up [E, 2I, H] followed
+ *  (256-byte aligned) by bf16 down [E, H, I]. */
+size_t tw_cuda_moe_dequant_bytes(int32_t n_experts, int32_t hidden, int32_t intermediate);
+
+/** Dequantise one layer's experts (spec §3.4) into `wdq` (device, at least
+ *  tw_cuda_moe_dequant_bytes; layout above). maybe_counts (device [E]) skips
+ *  experts with no tokens; NULL dequantises all, so it can run ahead of the
+ *  routing, on another stream. Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
+tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w, const int32_t *maybe_counts,
+                                void *wdq, cudaStream_t stream);
+
+/** Bytes of the prefill workspace for up to max_tokens tokens: gathered
+ *  inputs [T*k, H], gate_up output [T*k, 2I], activations [T*k, I] and
+ *  expert outputs [T*k, H], all bf16, plus the dequantised experts
+ *  (tw_cuda_moe_dequant_bytes) when with_dequant is non-zero. */
 size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t n_experts, int32_t k,
-                                    int32_t hidden, int32_t intermediate);
+                                    int32_t hidden, int32_t intermediate, int with_dequant);
 
 /** MoE of T tokens through tensor-core GEMMs (see the file comment). Same
- *  operands as tw_cuda_moe_decode, plus the gemm handle and a pinned host
- *  buffer host_counts [E] (cudaMallocHost). Synchronises the stream once,
- *  to read the per-expert counts. Not capturable.
+ *  operands as tw_cuda_moe_decode, plus the gemm handle, a pinned host
+ *  buffer host_counts [E] (cudaMallocHost) and maybe_wdq: this layer's
+ *  experts already dequantised by tw_cuda_moe_dequant (complete on `stream`
+ *  before this call's work starts), or NULL to dequantise the active experts
+ *  here into the workspace (then sized with_dequant). Synchronises the host
+ *  once, to read the per-expert counts. Not capturable.
  *  Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
 tw_status_t tw_cuda_moe_prefill(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
                                 const tw_cuda_moe_route_t *route, int32_t T, const void *x,
-                                void *workspace, size_t workspace_bytes, int32_t *host_counts,
-                                float *out, cudaStream_t stream);
+                                const void *maybe_wdq, void *workspace, size_t workspace_bytes,
+                                int32_t *host_counts, float *out, cudaStream_t stream);
 
 /** Dequantise MXFP4 rows to bf16 (spec §3.4): n_rows rows of n_cols (a
  *  multiple of 32) from blocks [n_rows, n_cols/32, 16] and scales

@@ -54,23 +54,17 @@ extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t m
   return TW_OK;
 }
 
-/* One warp per token: k rounds of warp argmax (value desc, id asc; NaN as
- * -inf), softmax over the selected logits, per-expert counts by atomics. */
-__global__ void tw_moe_topk_kernel(const float *__restrict__ logits, int T, int E, int k,
-                                   int32_t *__restrict__ topk_idx, float *__restrict__ topk_w,
-                                   int32_t *__restrict__ counts) {
-  __shared__ int sel[8][32];
-  __shared__ float selv[8][32];
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int t = blockIdx.x * 8 + warp;
-  if (t >= T) return;
-  const float *z = logits + (size_t)t * E;
+/* Top-k of one token by one warp: k rounds of warp argmax (value desc, id
+ * asc; NaN as -inf), softmax over the selected logits. sel/selv: this warp's
+ * shared scratch [32]. Lane 0 writes idx_out[k], w_out[k]. */
+static __device__ void tw_moe_topk_warp(const float *__restrict__ z, int E, int k, int lane,
+                                        int *sel, float *selv, int32_t *idx_out, float *w_out) {
   for (int r = 0; r < k; r++) {
     float best = -INFINITY;
     int bi = 0x7fffffff;
     for (int e = lane; e < E; e += 32) {
       bool taken = false;
-      for (int q = 0; q < r; q++) taken |= (sel[warp][q] == e);
+      for (int q = 0; q < r; q++) taken |= (sel[q] == e);
       if (taken) continue;
       float v = z[e];
       if (isnan(v)) v = -INFINITY;
@@ -88,19 +82,86 @@ __global__ void tw_moe_topk_kernel(const float *__restrict__ logits, int T, int 
       }
     }
     if (lane == 0) {
-      sel[warp][r] = bi;
-      selv[warp][r] = best;
+      sel[r] = bi;
+      selv[r] = best;
     }
     __syncwarp();
   }
   if (lane == 0) {
-    float m = selv[warp][0], sum = 0.0f;
-    for (int r = 0; r < k; r++) sum += expf(selv[warp][r] - m);
+    float m = selv[0], sum = 0.0f;
+    for (int r = 0; r < k; r++) sum += expf(selv[r] - m);
     for (int r = 0; r < k; r++) {
-      topk_idx[(size_t)t * k + r] = sel[warp][r];
-      topk_w[(size_t)t * k + r] = expf(selv[warp][r] - m) / sum;
-      atomicAdd(&counts[sel[warp][r]], 1);
+      idx_out[r] = sel[r];
+      w_out[r] = expf(selv[r] - m) / sum;
     }
+  }
+  __syncwarp();
+}
+
+/* One warp per token; per-expert counts by atomics (large T). */
+__global__ void tw_moe_topk_kernel(const float *__restrict__ logits, int T, int E, int k,
+                                   int32_t *__restrict__ topk_idx, float *__restrict__ topk_w,
+                                   int32_t *__restrict__ counts) {
+  __shared__ int sel[8][32];
+  __shared__ float selv[8][32];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int t = blockIdx.x * 8 + warp;
+  if (t >= T) return;
+  tw_moe_topk_warp(logits + (size_t)t * E, E, k, lane, sel[warp], selv[warp],
+                   topk_idx + (size_t)t * k, topk_w + (size_t)t * k);
+  if (lane == 0)
+    for (int r = 0; r < k; r++) atomicAdd(&counts[sel[warp][r]], 1);
+}
+
+/* Small T (T*k <= TW_ROUTE_FUSED_MAX): top-k, counts, offsets, active list
+ * and the stable sort in one block of 256 threads (one launch per step). */
+#define TW_ROUTE_FUSED_MAX 1024
+__global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int T, int E, int k,
+                                          int32_t *__restrict__ topk_idx,
+                                          float *__restrict__ topk_w, int32_t *__restrict__ counts,
+                                          int32_t *__restrict__ offsets,
+                                          int32_t *__restrict__ sorted,
+                                          int32_t *__restrict__ pos_of,
+                                          int32_t *__restrict__ active,
+                                          int32_t *__restrict__ n_active) {
+  __shared__ int sel[8][32];
+  __shared__ float selv[8][32];
+  __shared__ int idx_s[TW_ROUTE_FUSED_MAX];
+  __shared__ int cnt_s[1024], off_s[1024];
+  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, TK = T * k;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt_s[e] = 0;
+  __syncthreads();
+  for (int t = warp; t < T; t += 8) {
+    tw_moe_topk_warp(logits + (size_t)t * E, E, k, lane, sel[warp], selv[warp],
+                     topk_idx + (size_t)t * k, topk_w + (size_t)t * k);
+    if (lane == 0)
+      for (int r = 0; r < k; r++) {
+        idx_s[t * k + r] = sel[warp][r];
+        atomicAdd(&cnt_s[sel[warp][r]], 1);
+      }
+    __syncwarp();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int run = 0, na = 0;
+    for (int e = 0; e < E; e++) {
+      int c = cnt_s[e];
+      off_s[e] = run;
+      offsets[e] = run;
+      counts[e] = c;
+      if (c > 0) active[na++] = e;
+      run += c;
+    }
+    offsets[E] = run;
+    *n_active = na;
+  }
+  __syncthreads();
+  for (int a = threadIdx.x; a < TK; a += blockDim.x) {
+    int e = idx_s[a], rank = 0;
+    for (int q = 0; q < a; q++) rank += idx_s[q] == e;
+    int p = off_s[e] + rank;
+    sorted[p] = a;
+    pos_of[a] = p;
   }
 }
 
@@ -173,6 +234,13 @@ extern "C" tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *r, const flo
   if (!r || !logits) return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route: NULL argument");
   if (T <= 0 || T > r->max_tokens)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route: T=%d outside [1, %d]", T, r->max_tokens);
+  if (T * r->k <= TW_ROUTE_FUSED_MAX) {
+    tw_moe_route_fused_kernel<<<1, 256, 0, stream>>>(logits, T, r->n_experts, r->k, r->topk_idx,
+                                                     r->topk_w, r->counts, r->offsets, r->sorted,
+                                                     r->pos_of, r->active, r->n_active);
+    TW_CUDA_CHECK_LAUNCH("tw_moe_route_fused_kernel");
+    return TW_OK;
+  }
   TW_CUDA_CHECK(cudaMemsetAsync(r->counts, 0, sizeof(int32_t) * (size_t)r->n_experts, stream));
   tw_moe_topk_kernel<<<TW_CDIV(T, 8), 256, 0, stream>>>(logits, T, r->n_experts, r->k,
                                                         r->topk_idx, r->topk_w, r->counts);

@@ -21,7 +21,7 @@ build=$root/build-cumoe
 
 if [ "${1:-}" != "--device" ]; then
   set -e
-  cmake -S "$root" -B "$build" -DTWAIN_WERROR=ON >/dev/null
+  cmake -S "$root" -B "$build" -DTWAIN_WERROR=${TW_WERROR:-ON} >/dev/null
   tests=$(cd "$build" && ctest -N -L gpu | awk '/Test +#/ {print $3}')
   # shellcheck disable=SC2086
   if ! cmake --build "$build" -j2 --target $tests twain-bench-cuda >"$build/run_gpu_build.log" 2>&1; then

@@ -3,7 +3,9 @@
  * tw_cpu_matmul_mxfp4, tw_cpu_swiglu; tw_mxfp4_dequant_row of the loader) on
  * fresh random inputs: gpt-oss shapes (H = I = 2880, E = 32 and 128, top-4)
  * and edges (T = 1, the tiny model's H 256 / I 512 / E 8 / top-2, widths off
- * the 32-row tiles, prefill chunks with experts left empty).
+ * the 32-row tiles, prefill chunks with experts left empty), through the
+ * GEMV path (T = 1 and T > 1 kernel variants) and the GEMM path
+ * (dequantising inside, or on experts dequantised beforehand).
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
@@ -159,7 +161,10 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
   return ok ? 0 : 1;
 }
 
-static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t *c, bool prefill) {
+/* mode 0: GEMV path; 1: GEMM path dequantising inside; 2: GEMM path on
+ * experts dequantised beforehand by tw_cuda_moe_dequant (the engine's way). */
+static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t *c, int mode) {
+  bool prefill = mode != 0;
   int H = c->H, I = c->I, E = c->E, k = c->k, T = c->T, rc = 0;
   host_experts_t h;
   fill_experts(c, &h);
@@ -197,12 +202,17 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   if (tw_cuda_moe_route(&r, d_logits, T, 0) != TW_OK) return 1;
   TT_CUDA(cudaDeviceSynchronize());
   rc |= check_route(c, &r, logits);
-  size_t wsb = prefill ? tw_cuda_moe_prefill_ws_bytes(T, E, k, H, I)
+  size_t wsb = prefill ? tw_cuda_moe_prefill_ws_bytes(T, E, k, H, I, mode == 1)
                        : tw_cuda_moe_decode_ws_bytes(T, k, H, I);
   TT_CUDA(cudaMalloc(&d_ws, wsb));
+  void *d_wdq = NULL;
+  if (mode == 2) {
+    TT_CUDA(cudaMalloc(&d_wdq, tw_cuda_moe_dequant_bytes(E, H, I)));
+    if (tw_cuda_moe_dequant(&w, NULL, d_wdq, 0) != TW_OK) return 1;
+  }
   int32_t *hc;
   TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
-  tw_status_t st = prefill ? tw_cuda_moe_prefill(gemm, &w, &r, T, d_x, d_ws, wsb, hc, d_out, 0)
+  tw_status_t st = prefill ? tw_cuda_moe_prefill(gemm, &w, &r, T, d_x, d_wdq, d_ws, wsb, hc, d_out, 0)
                            : tw_cuda_moe_decode(&w, &r, T, d_x, d_ws, wsb, d_out, 0);
   if (st != TW_OK) {
     printf("FAIL moe(%s): status %s: %s\n", c->name, tw_status_str(st), tw_last_error());
@@ -214,13 +224,15 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   tt_l2_t acc = {0};
   for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&acc, out[i], ref[i]);
   char name[160];
-  snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", prefill ? "gemm" : "gemv",
+  snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)",
+           mode == 0 ? "gemv" : mode == 1 ? "gemm" : "gemm_predequant",
            c->name, H, I, E, k, T);
   rc |= tt_l2_report(name, &acc, prefill ? 1e-2 : 1e-3);
   cudaFree((void *)w.gate_up_blocks); cudaFree((void *)w.gate_up_scales);
   cudaFree((void *)w.down_blocks); cudaFree((void *)w.down_scales);
   cudaFree((void *)w.gate_up_bias); cudaFree((void *)w.down_bias);
   cudaFree(d_x); cudaFree(d_logits); cudaFree(d_out); cudaFree(d_route); cudaFree(d_ws);
+  if (d_wdq) cudaFree(d_wdq);
   cudaFreeHost(hc);
   free(xb); free(x); free(logits); free(out); free(ref);
   free_experts(&h);
@@ -270,7 +282,8 @@ int main(void) {
   if (tw_cpu_pool_create(0, &pool) != TW_OK || tw_cuda_gemm_create(0, &gemm) != TW_OK) return 1;
   int rc = test_dequant();
   static const moe_case_t gemv[] = {
-      {"20b", 2880, 2880, 32, 4, 1},   {"20b", 2880, 2880, 32, 4, 6},
+      {"20b", 2880, 2880, 32, 4, 1},   {"20b", 2880, 2880, 32, 4, 3},
+      {"20b", 2880, 2880, 32, 4, 6},   {"tiny", 256, 512, 8, 2, 4},
       {"120b", 2880, 2880, 128, 4, 1}, {"120b", 2880, 2880, 128, 4, 64},
       {"tiny", 256, 512, 8, 2, 1},     {"tiny", 256, 512, 8, 2, 13},
       {"odd", 96, 160, 5, 3, 70},
@@ -280,9 +293,9 @@ int main(void) {
       {"120b", 2880, 2880, 128, 4, 97}, {"tiny", 256, 512, 8, 2, 75},
       {"odd", 96, 160, 5, 3, 33},
   };
-  for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++) rc |= run_case(pool, gemm, &gemv[i], false);
+  for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++) rc |= run_case(pool, gemm, &gemv[i], 0);
   for (size_t i = 0; i < sizeof gemm_cases / sizeof gemm_cases[0]; i++)
-    rc |= run_case(pool, gemm, &gemm_cases[i], true);
+    rc |= run_case(pool, gemm, &gemm_cases[i], 1 + (int)(i % 2));
   tw_cuda_gemm_destroy(gemm);
   tw_cpu_pool_destroy(pool);
   printf("%s\n", rc ? "test_moe: FAILED" : "test_moe: all passed");
