@@ -440,7 +440,7 @@ tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_
                   (int)dst->dtype, dst->block_size, dst->n_kv_heads, dst->head_dim);
   if (p->failed) return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
   if (!p->t_first_put_ns) p->t_first_put_ns = tw_now_ns();
-  uint64_t h = TW_KV_FNV_INIT;
+  uint64_t h = maybe_checksum ? *maybe_checksum : TW_KV_FNV_INIT;
   for (int32_t i = first; i < n; i++) {
     char *blk = NULL;
     TW_CHECK(tw_kv_block_ptr(src, layer, src_ids[i], &blk));

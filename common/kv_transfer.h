@@ -114,7 +114,9 @@ int32_t tw_kv_layer_first_block(int32_t n_tokens, int32_t block_size, bool slidi
 /** Put one layer's blocks: local blocks src_ids[first..n) of `src` (the prefill
  *  engine's pool) into remote blocks dst_ids[first..n) of the peer's pool,
  *  non-blocking. If maybe_checksum is set, the FNV-1a 64 of the bytes sent
- *  (in block order) is written there.
+ *  (in block order) continues from *maybe_checksum (start it at
+ *  TW_KV_FNV_INIT), so a layer sent in several calls, chunk by chunk, gets
+ *  the checksum of all its blocks.
  *  Errors: TW_ERR_UNSUPPORTED (layouts differ in dtype, block size, heads or
  *  head_dim: re-sharding is not implemented), TW_ERR_INVALID_ARGUMENT (block
  *  id out of a pool), TW_ERR_TRANSPORT (ucp_put_nbx failed), TW_ERR_CUDA. */

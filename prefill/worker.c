@@ -10,6 +10,7 @@
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/msg_worker.h"
+#include "prefill/worker_handoff.h"
 #include "proto/twain_api.pb-c.h"
 
 #include <stdio.h>
@@ -29,6 +30,7 @@ typedef struct {
   int32_t kv_blocks, block_size, threads;
   int metrics_port;
   int flush_timeout_ms;
+  int32_t chunk_tokens; /* prefill chunk: its blocks are handed off while the next computes */
 } tw_prefill_opts_t;
 
 typedef struct {
@@ -102,7 +104,6 @@ static bool tw_prefill_stale(const Twain__Internal__V1__PrefillRequest *r) {
 /* Run one prompt and hand its KV over. */
 static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r) {
   const tw_model_config_t *c = &w->model->config;
-  const tw_kv_layout_t *src = tw_engine_kv_layout(w->engine);
   const Twain__Internal__V1__KvHandoff *h = r->handoff;
   int32_t n = (int32_t)r->n_prompt_ids;
   char msg[256];
@@ -143,45 +144,17 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
     sp.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
     sp.seed = r->sampling->seed;
   }
-  int32_t first = -1;
-  int64_t t0 = tw_msg_clock_ns();
-  tw_prefill_args_t a = {.tokens = r->prompt_ids, .n_tokens = n, .start_pos = 0,
-                         .block_table = ids, .n_blocks = nb, .sample = &sp,
-                         .next_token_out = &first};
-  st = tw_engine_prefill(w->engine, &a);
-  int64_t t1 = tw_msg_clock_ns();
-  int64_t bytes = 0;
-  if (st == TW_OK) {
-    tw_kv_remote_layout_t rl = {.dtype = (tw_dtype_t)h->layout->dtype,
-                                .on_device = h->layout->on_device,
-                                .n_layers = h->layout->n_layers,
-                                .n_blocks = h->layout->n_blocks,
-                                .block_size = h->layout->block_size,
-                                .n_kv_heads = h->layout->n_kv_heads,
-                                .head_dim = h->layout->head_dim,
-                                .layer_stride_bytes = h->layout->layer_stride_bytes,
-                                .block_bytes = h->layout->block_bytes,
-                                .remote_base = h->layout->remote_base,
-                                .total_bytes = h->layout->total_bytes};
-    tw_kv_peer_t *peer = NULL;
-    st = tw_kv_xfer_peer(w->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
-                         h->rkey.len, &peer);
-    for (int32_t l = 0; st == TW_OK && l < c->n_layers; l++) {
-      if (tw_prefill_stale(r)) {
-        st = tw_err(TW_ERR_DEADLINE, "request %llu is older than %d ms: not writing its kv",
-                    (unsigned long long)r->request_id, TW_PREFILL_MAX_AGE_MS);
-        break;
-      }
-      int32_t f = tw_kv_layer_first_block(n, src->block_size, c->layer_types[l] == TW_LAYER_SLIDING,
-                                          c->sliding_window);
-      st = tw_kv_xfer_send_layer(w->xfer, peer, src, &rl, l, ids, h->block_ids, f, nb, &sums[l]);
-      bytes += (int64_t)(nb - f) * src->block_bytes;
-    }
-    if (st == TW_OK) st = tw_kv_xfer_flush(w->xfer, peer, w->o.flush_timeout_ms);
-  }
-  int64_t t2 = tw_msg_clock_ns();
+  /* chunked prefill, each chunk's finished blocks put while the next computes */
+  tw_prefill_handoff_ctx_t hc = {.engine = w->engine, .model = w->model, .xfer = w->xfer,
+                                 .chunk_tokens = w->o.chunk_tokens,
+                                 .flush_timeout_ms = w->o.flush_timeout_ms,
+                                 .max_age_ms = TW_PREFILL_MAX_AGE_MS};
+  tw_prefill_handoff_result_t hr = {.first_token = -1};
+  st = tw_prefill_handoff_run(&hc, r, ids, nb, &sp, sums, &hr);
   tw_kv_blocks_free(w->blocks, nb, ids);
-  double pms = (double)(t1 - t0) * 1e-6, xms = (double)(t2 - t1) * 1e-6;
+  int32_t first = hr.first_token;
+  int64_t bytes = hr.kv_bytes;
+  double pms = hr.prefill_ms, xms = hr.transfer_ms;
   if (st != TW_OK) {
     snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
@@ -293,14 +266,15 @@ static void tw_prefill_usage(void) {
   fprintf(stderr,
           "usage: twain-prefill --router tcp://HOST:PORT --model DIR [--name NAME]\n"
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
-          "         [--metrics-port P (-1 off, 0 ephemeral)]\n");
+          "         [--metrics-port P (-1 off, 0 ephemeral)] [--chunk-tokens N]\n");
 }
 
 int tw_prefill_worker_main(int argc, char **argv) {
   static tw_prefiller_t w; /* large queue array: not on the stack */
   memset(&w, 0, sizeof w);
   w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,
-                            .metrics_port = 0, .flush_timeout_ms = 10000};
+                            .metrics_port = 0, .flush_timeout_ms = 10000,
+                            .chunk_tokens = 512};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!v) {
@@ -318,6 +292,7 @@ int tw_prefill_worker_main(int argc, char **argv) {
     else if (!strcmp(a, "--block-size")) w.o.block_size = atoi(v);
     else if (!strcmp(a, "--threads")) w.o.threads = atoi(v);
     else if (!strcmp(a, "--metrics-port")) w.o.metrics_port = atoi(v);
+    else if (!strcmp(a, "--chunk-tokens")) w.o.chunk_tokens = atoi(v);
     else {
       fprintf(stderr, "twain-prefill: unknown option %s in daemon mode\n", a);
       tw_prefill_usage();

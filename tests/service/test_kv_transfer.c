@@ -90,9 +90,11 @@ static int child(int rfd, int wfd) {
   tw_kv_peer_t *peer = NULL;
   if (tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 3;
   uint64_t sums[L];
-  for (int l = 0; l < L; l++) {
+  for (int l = 0; l < L; l++) { /* in two calls, as a chunked prefill does */
     int first = tw_kv_layer_first_block(NTOK, BS, sliding[l], WINDOW);
-    if (tw_kv_xfer_send_layer(x, peer, &src, &rl, l, src_ids, dst_ids, first, 5, &sums[l]))
+    sums[l] = TW_KV_FNV_INIT;
+    if (tw_kv_xfer_send_layer(x, peer, &src, &rl, l, src_ids, dst_ids, first, 3, &sums[l]) ||
+        tw_kv_xfer_send_layer(x, peer, &src, &rl, l, src_ids, dst_ids, 3, 5, &sums[l]))
       return 4;
   }
   if (tw_kv_xfer_flush(x, peer, 10000)) return 5;

@@ -1,4 +1,5 @@
-"""Greedy output through router -> prefill -> UCX KV handoff -> decode equals
+"""Greedy output through router -> prefill (chunked, overlapped with the
+handoff) -> UCX KV handoff -> decode equals
 `twain-prefill --generate` in one process, token for token, for several
 prompts (one over several blocks and past the 32-token sliding window); and
 the KV bytes the decode worker received equal what the prefill worker
@@ -19,7 +20,9 @@ cases = {
 }
 assert len(cases["long"]) > 96 and len(cases["system_water"]) > 32
 
-c = svc.Cluster(1, 1, decode_args=["--verify-kv"])
+# 32-token prefill chunks: the KV of each chunk is handed off while the next
+# one computes; the output must still equal the single-chunk reference
+c = svc.Cluster(1, 1, decode_args=["--verify-kv"], prefill_args=["--chunk-tokens", "32"])
 try:
     cl = c.client()
     rids = {name: cl.send(svc.generate(ids, N)) for name, ids in cases.items()}
