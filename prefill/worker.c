@@ -3,13 +3,16 @@
  * new requests are read between prompts. */
 #include "prefill/worker.h"
 
+#include "common/dist_engine.h"
 #include "common/engine.h"
+#include "common/engine_impl.h"
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/msg_worker.h"
+#include "prefill/prefill_ranks.h"
 #include "prefill/worker_handoff.h"
 #include "proto/twain_api.pb-c.h"
 
@@ -30,6 +33,7 @@ typedef struct {
   int32_t kv_blocks, block_size, threads;
   int metrics_port;
   int flush_timeout_ms;
+  int32_t tp, ep; /* ranks of this worker (issue 6): each 1 or the group size */
   int32_t chunk_tokens; /* prefill chunk: its blocks are handed off while the next computes */
 } tw_prefill_opts_t;
 
@@ -45,6 +49,11 @@ typedef struct {
   int q_head, q_len;
   int64_t queued_tokens;
   bool draining;
+  tw_dist_identity_t id; /* this rank (dist.h) */
+  tw_dist_t *dist;
+  tw_prefill_ranks_t rk;
+  const uint64_t *head_sums; /* for the next PrefillDone (re-sharded handoffs) */
+  size_t n_head_sums;
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
   } m;
@@ -68,6 +77,8 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
   d.kv_bytes = bytes;
   d.prefill_ms = prefill_ms;
   d.transfer_ms = transfer_ms;
+  d.head_checksums = (uint64_t *)w->head_sums;
+  d.n_head_checksums = w->n_head_sums;
   if (code) {
     s.code = code;
     s.message = (char *)msg;
@@ -144,6 +155,35 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
     sp.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
     sp.seed = r->sampling->seed;
   }
+  if (tw_prefill_ranks_wanted(&w->rk, r)) { /* TP ranks here or there: re-sharded (issue 6) */
+    size_t n_hs = (size_t)c->n_layers * (size_t)c->n_kv_heads;
+    uint64_t *hs = calloc(n_hs, sizeof(uint64_t));
+    int32_t first = -1;
+    int64_t bytes = 0;
+    double pms = 0, xms = 0;
+    st = hs ? tw_prefill_ranks_run(&w->rk, r, ids, nb, &first, &bytes, hs, &pms, &xms)
+            : tw_err(TW_ERR_NO_MEMORY, "prefill worker out of host memory");
+    tw_kv_blocks_free(w->blocks, nb, ids);
+    if (st != TW_OK) {
+      snprintf(msg, sizeof msg, "%s", tw_last_error());
+      TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_code_of(st), msg);
+    } else {
+      tw_metric_observe(w->m.prefill, pms * 1e-3);
+      tw_metric_observe(w->m.transfer, xms * 1e-3);
+      tw_metric_add(w->m.kv_bytes, (double)bytes);
+      tw_metric_add(w->m.requests, 1);
+      w->head_sums = hs;
+      w->n_head_sums = n_hs;
+      tw_prefill_done(w, r->request_id, first, NULL, 0, bytes, pms, xms, 0, NULL);
+      w->head_sums = NULL;
+      w->n_head_sums = 0;
+    }
+    free(hs);
+    free(ids);
+    free(sums);
+    return;
+  }
   /* chunked prefill, each chunk's finished blocks put while the next computes */
   tw_prefill_handoff_ctx_t hc = {.engine = w->engine, .model = w->model, .xfer = w->xfer,
                                  .chunk_tokens = w->o.chunk_tokens,
@@ -214,7 +254,18 @@ static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *
 
 static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   TW_CHECK(tw_model_load(w->o.model_dir, &w->model));
+  /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
+  tw_backend_kind_t be = w->o.backend;
+  if (be == TW_BACKEND_AUTO) be = tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;
+  TW_CHECK(tw_dist_create(&w->id, be == TW_BACKEND_CUDA ? TW_COLL_NCCL : TW_COLL_HOST,
+                          w->id.local_rank, NULL, &w->dist));
   tw_engine_params_t ep = TW_ENGINE_PARAMS_DEFAULT;
+  ep.tp_size = w->o.tp;
+  ep.tp_rank = w->o.tp > 1 ? w->id.rank : 0;
+  ep.ep_size = w->o.ep;
+  ep.ep_rank = w->o.ep > 1 ? w->id.rank : 0;
+  ep.coll = tw_dist_coll(w->dist);
+  if (be == TW_BACKEND_CUDA) ep.device = w->id.local_rank;
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
   ep.kv_num_blocks = w->o.kv_blocks;
@@ -224,6 +275,10 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
   TW_CHECK(tw_kv_xfer_create(&w->xfer));
+  w->rk = (tw_prefill_ranks_t){.dist = w->dist, .engine = w->engine, .xfer = w->xfer,
+                               .model = w->model, .flush_timeout_ms = w->o.flush_timeout_ms,
+                               .max_age_ms = TW_PREFILL_MAX_AGE_MS};
+  if (w->id.rank != 0) return TW_OK; /* only rank 0 talks to the router */
   char name[64];
   if (w->o.name) snprintf(name, sizeof name, "%s", w->o.name);
   else snprintf(name, sizeof name, "prefill-%d", (int)getpid());
@@ -239,6 +294,7 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->m.requests = tw_metrics_counter(M, "prefill_requests_total", "prompts prefilled and handed off");
   w->m.failed = tw_metrics_counter(M, "prefill_failures_total", "prompts that failed");
   TW_CHECK(tw_worker_link_open(&w->link, w->o.router, name, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
+  w->link.ranks = w->id.size;
   w->link.kv_block_size = l->block_size;
   w->link.n_layers = l->n_layers;
   w->link.vocab_size = w->model->config.vocab_size;
@@ -259,6 +315,7 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
   tw_kv_xfer_destroy(w->xfer);
   tw_kv_blocks_destroy(w->blocks);
   tw_engine_destroy(w->engine);
+  tw_dist_destroy(w->dist);
   tw_model_destroy(w->model);
 }
 
@@ -266,14 +323,16 @@ static void tw_prefill_usage(void) {
   fprintf(stderr,
           "usage: twain-prefill --router tcp://HOST:PORT --model DIR [--name NAME]\n"
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
-          "         [--metrics-port P (-1 off, 0 ephemeral)] [--chunk-tokens N]\n");
+          "         [--metrics-port P (-1 off, 0 ephemeral)] [--tp N] [--ep N] [--chunk-tokens N]\n"
+          "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
+          "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n");
 }
 
 int tw_prefill_worker_main(int argc, char **argv) {
   static tw_prefiller_t w; /* large queue array: not on the stack */
   memset(&w, 0, sizeof w);
   w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,
-                            .metrics_port = 0, .flush_timeout_ms = 10000,
+                            .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,
                             .chunk_tokens = 512};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -293,6 +352,8 @@ int tw_prefill_worker_main(int argc, char **argv) {
     else if (!strcmp(a, "--threads")) w.o.threads = atoi(v);
     else if (!strcmp(a, "--metrics-port")) w.o.metrics_port = atoi(v);
     else if (!strcmp(a, "--chunk-tokens")) w.o.chunk_tokens = atoi(v);
+    else if (!strcmp(a, "--tp")) w.o.tp = atoi(v);
+    else if (!strcmp(a, "--ep")) w.o.ep = atoi(v);
     else {
       fprintf(stderr, "twain-prefill: unknown option %s in daemon mode\n", a);
       tw_prefill_usage();
@@ -303,10 +364,27 @@ int tw_prefill_worker_main(int argc, char **argv) {
     tw_prefill_usage();
     return 2;
   }
+  if (w.o.tp < 1 || w.o.ep < 1 || (w.o.tp > 1 && w.o.ep > 1 && w.o.tp != w.o.ep)) {
+    fprintf(stderr, "twain-prefill: --tp %d --ep %d: each >= 1, equal when both > 1\n", w.o.tp,
+            w.o.ep);
+    return 2;
+  }
+  if (tw_dist_identity_from_env(&w.id) != TW_OK) return 2;
+  int32_t ranks = w.o.tp > w.o.ep ? w.o.tp : w.o.ep;
+  if (ranks > 1 && w.id.size == 1 &&
+      tw_dist_spawn(argc, argv, ranks, w.o.backend != TW_BACKEND_CUDA, &w.id) != TW_OK)
+    return 1;
+  tw_log_init("twain-prefill", w.id.rank);
   tw_worker_signals_install();
   if (tw_prefiller_init(&w) != TW_OK) {
     tw_prefiller_fini(&w);
     return 1;
+  }
+  if (w.id.rank != 0) { /* follow rank 0's plans until it says stop (or dies: dist.h) */
+    TW_INFO("prefill", "rank %d of %d pid %d following rank 0", w.id.rank, w.id.size, (int)getpid());
+    tw_status_t fs = tw_dist_follow(w.dist, w.engine, tw_prefill_ranks_hook, &w.rk, NULL);
+    tw_prefiller_fini(&w);
+    return fs == TW_OK ? 0 : 1;
   }
   Twain__Internal__V1__Capacity cap;
   for (;;) {
@@ -343,6 +421,7 @@ int tw_prefill_worker_main(int argc, char **argv) {
     if (w.draining && w.q_len == 0) break;
   }
   TW_INFO("prefill", "stopped");
+  tw_dist_plan_stop(w.dist);
   tw_prefiller_fini(&w);
   return 0;
 }

@@ -1,0 +1,508 @@
+/* dist.c: rank identity, `--tp N` spawning, the rank-0 control link and the
+ * liveness watchdog of a multi-rank worker (see dist.h). */
+#include "common/dist.h"
+
+#include "common/log.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <time.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#define TW_DIST_MAGIC 0x74646973u /* "tdis" */
+#define TW_DIST_JOIN_MS 60000
+#define TW_DIST_MAX_RANKS 64
+
+enum { TW_DIST_MSG_HELLO = 1, TW_DIST_MSG_UID = 2 };
+
+struct tw_dist {
+  uint32_t magic;
+  tw_dist_identity_t id;
+  tw_coll_t *coll;
+  void *zctx;
+  void *ctrl;          /* rank 0: ROUTER; others: DEALER (main thread) */
+  void *hb;            /* the watchdog's socket (watchdog thread) */
+  pthread_t wd;
+  bool wd_started;
+  atomic_int wd_stop;
+  tw_dist_lost_fn on_lost;
+  int lost_ms;
+};
+
+static int64_t tw_dist_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* ---- identity ------------------------------------------------------------- */
+
+static tw_status_t tw_dist_env_int(const char *name, int32_t *out, bool *found) {
+  const char *s = getenv(name);
+  *found = s && *s;
+  if (!*found) return TW_OK;
+  char *end = NULL;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno || end == s || *end || v < 0 || v > 1 << 20)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: %s='%s' is not a rank number", name, s);
+  *out = (int32_t)v;
+  return TW_OK;
+}
+
+tw_status_t tw_dist_identity_from_env(tw_dist_identity_t *id_p) {
+  static const char *const names[3][3] = {
+      {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+      {"RANK", "WORLD_SIZE", "LOCAL_RANK"},
+      {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"}};
+  static const tw_dist_launch_t kinds[3] = {TW_DIST_LAUNCH_MPI, TW_DIST_LAUNCH_ENV,
+                                            TW_DIST_LAUNCH_SLURM};
+  tw_dist_identity_t id = {.launch = TW_DIST_LAUNCH_NONE, .rank = 0, .size = 1, .local_rank = 0};
+  for (int k = 0; k < 3; k++) {
+    int32_t r = 0, s = 1, l = 0;
+    bool fr, fs, fl;
+    TW_CHECK(tw_dist_env_int(names[k][0], &r, &fr));
+    TW_CHECK(tw_dist_env_int(names[k][1], &s, &fs));
+    TW_CHECK(tw_dist_env_int(names[k][2], &l, &fl));
+    if (!fr || !fs) continue;
+    if (s < 1 || r >= s)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: %s=%d outside [0, %s=%d)", names[k][0], r,
+                    names[k][1], s);
+    id = (tw_dist_identity_t){.launch = kinds[k], .rank = r, .size = s, .local_rank = fl ? l : r};
+    break;
+  }
+  const char *rv = getenv("TWAIN_RENDEZVOUS");
+  const char *ma = getenv("MASTER_ADDR"), *mp = getenv("MASTER_PORT");
+  if (rv && *rv) {
+    snprintf(id.rendezvous, sizeof id.rendezvous, "%s", rv);
+  } else if (ma && *ma && mp && *mp) {
+    snprintf(id.rendezvous, sizeof id.rendezvous, "tcp://%s:%s", ma, mp);
+  }
+  if (id.size > 1 && id.launch != TW_DIST_LAUNCH_MPI && !id.rendezvous[0])
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "dist: rank %d of %d has no rendezvous: set TWAIN_RENDEZVOUS=tcp://HOST:PORT or "
+                  "MASTER_ADDR and MASTER_PORT",
+                  id.rank, id.size);
+  *id_p = id;
+  return TW_OK;
+}
+
+/* ---- spawning ----------------------------------------------------------------- */
+
+tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist_identity_t *id_p) {
+  if (n < 1 || n > TW_DIST_MAX_RANKS)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: --tp %d outside [1, %d]", n, TW_DIST_MAX_RANKS);
+  setenv("NCCL_NVLS_ENABLE", "0", 0); /* lent machines: NVLink multicast stays off */
+  if (use_mpi) {
+    char np[16];
+    snprintf(np, sizeof np, "%d", n);
+    char **av = calloc((size_t)argc + 12, sizeof(char *));
+    if (!av) return tw_err(TW_ERR_NO_MEMORY, "dist: out of memory");
+    int k = 0;
+    const char *mpirun = getenv("TWAIN_MPIRUN");
+    av[k++] = (char *)(mpirun && *mpirun ? mpirun : "mpirun");
+    av[k++] = "--oversubscribe";
+    if (geteuid() == 0) av[k++] = "--allow-run-as-root";
+    av[k++] = "--bind-to";
+    av[k++] = "none";
+    av[k++] = "-np";
+    av[k++] = np;
+    char self[4096];
+    ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (sl > 0) self[sl] = '\0';
+    av[k++] = sl > 0 ? self : argv[0];
+    for (int i = 1; i < argc; i++) av[k++] = argv[i];
+    av[k] = NULL;
+    TW_INFO("dist", "starting %d ranks under %s", n, av[0]);
+    execvp(av[0], av);
+    int e = errno;
+    free(av);
+    return tw_err(TW_ERR_IO, "dist: cannot exec %s for --tp %d: %s", mpirun ? mpirun : "mpirun", n,
+                  strerror(e));
+  }
+  /* our own spawner: rank 0 is this process; the rendezvous is a free-ish
+   * port derived from the pid unless TWAIN_RENDEZVOUS is set */
+  char rv[256];
+  const char *env_rv = getenv("TWAIN_RENDEZVOUS");
+  if (env_rv && *env_rv) snprintf(rv, sizeof rv, "%s", env_rv);
+  else snprintf(rv, sizeof rv, "tcp://127.0.0.1:%d", 20000 + (int)(getpid() % 20000) * 2);
+  char self[4096];
+  ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (sl <= 0) return tw_err(TW_ERR_IO, "dist: readlink /proc/self/exe: %s", strerror(errno));
+  self[sl] = '\0';
+  pid_t parent = getpid();
+  for (int32_t r = 1; r < n; r++) {
+    pid_t pid = fork();
+    if (pid < 0) return tw_err(TW_ERR_IO, "dist: fork of rank %d: %s", r, strerror(errno));
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL); /* a rank never outlives rank 0 */
+      if (getppid() != parent) _exit(1);
+      char b[16];
+      snprintf(b, sizeof b, "%d", r);
+      setenv("RANK", b, 1);
+      setenv("LOCAL_RANK", b, 1);
+      snprintf(b, sizeof b, "%d", n);
+      setenv("WORLD_SIZE", b, 1);
+      setenv("TWAIN_RENDEZVOUS", rv, 1);
+      execv(self, argv);
+      _exit(127);
+    }
+  }
+  setenv("RANK", "0", 1);
+  setenv("LOCAL_RANK", "0", 1);
+  char b[16];
+  snprintf(b, sizeof b, "%d", n);
+  setenv("WORLD_SIZE", b, 1);
+  *id_p = (tw_dist_identity_t){.launch = TW_DIST_LAUNCH_ENV, .rank = 0, .size = n};
+  snprintf(id_p->rendezvous, sizeof id_p->rendezvous, "%s", rv);
+  return TW_OK;
+}
+
+/* ---- sockets ---------------------------------------------------------------------- */
+
+static void *tw_dist_socket(tw_dist_t *d, int type, int rank) {
+  void *s = zmq_socket(d->zctx, type);
+  if (!s) return NULL;
+  int zero = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
+  if (type == ZMQ_DEALER) {
+    char rid[16];
+    snprintf(rid, sizeof rid, "r%d", rank);
+    zmq_setsockopt(s, ZMQ_ROUTING_ID, rid, strlen(rid));
+  }
+  return s;
+}
+
+/* tcp://HOST:PORT -> bind on every interface at PORT+delta, connect to HOST:PORT+delta */
+static tw_status_t tw_dist_endpoints(const char *rv, int delta, char *bind, char *conn, size_t n) {
+  const char *colon = strrchr(rv, ':');
+  if (strncmp(rv, "tcp://", 6) != 0 || !colon || colon < rv + 6)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: rendezvous '%s' is not tcp://HOST:PORT", rv);
+  int port = atoi(colon + 1);
+  if (port <= 0 || port + delta > 65535)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: rendezvous '%s': bad port", rv);
+  snprintf(bind, n, "tcp://*:%d", port + delta);
+  snprintf(conn, n, "%.*s:%d", (int)(colon - rv), rv, port + delta);
+  return TW_OK;
+}
+
+/* Rank 0: ROUTER bound to `bind` ("" = 127.0.0.1 ephemeral); the address to
+ * connect to is written to conn. */
+static tw_status_t tw_dist_bind(tw_dist_t *d, const char *bind, void **sock_p, char *conn,
+                                size_t n) {
+  void *s = tw_dist_socket(d, ZMQ_ROUTER, 0);
+  if (!s) return tw_err(TW_ERR_TRANSPORT, "dist: zmq_socket: %s", zmq_strerror(errno));
+  const char *ep = bind[0] ? bind : "tcp://127.0.0.1:*";
+  if (zmq_bind(s, ep) != 0) {
+    int e = errno;
+    zmq_close(s);
+    return tw_err(TW_ERR_TRANSPORT, "dist: rank 0 cannot bind %s: %s", ep, zmq_strerror(e));
+  }
+  if (!bind[0]) {
+    size_t len = n;
+    zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, conn, &len);
+  }
+  *sock_p = s;
+  return TW_OK;
+}
+
+/* ---- watchdog ------------------------------------------------------------------- */
+
+static void *tw_dist_watchdog(void *arg) {
+  tw_dist_t *d = arg;
+  int64_t start = tw_dist_now_ms(), last_ping = 0;
+  int64_t seen[TW_DIST_MAX_RANKS];
+  for (int i = 0; i < TW_DIST_MAX_RANKS; i++) seen[i] = start;
+  char why[160];
+  while (!atomic_load(&d->wd_stop)) {
+    zmq_pollitem_t it = {.socket = d->hb, .events = ZMQ_POLLIN};
+    if (zmq_poll(&it, 1, 20) > 0) {
+      char id[16] = {0}, body[8];
+      if (d->id.rank == 0) {
+        int n = zmq_recv(d->hb, id, sizeof id - 1, ZMQ_DONTWAIT);
+        zmq_recv(d->hb, body, sizeof body, ZMQ_DONTWAIT);
+        int r = n > 1 && id[0] == 'r' ? atoi(id + 1) : -1;
+        if (r > 0 && r < d->id.size) seen[r] = tw_dist_now_ms();
+      } else {
+        zmq_recv(d->hb, body, sizeof body, ZMQ_DONTWAIT);
+        seen[0] = tw_dist_now_ms();
+      }
+    }
+    int64_t now = tw_dist_now_ms();
+    if (now - last_ping >= TW_DIST_PING_MS) {
+      last_ping = now;
+      if (d->id.rank == 0) {
+        for (int r = 1; r < d->id.size; r++) {
+          char rid[16];
+          snprintf(rid, sizeof rid, "r%d", r);
+          zmq_send(d->hb, rid, strlen(rid), ZMQ_SNDMORE | ZMQ_DONTWAIT);
+          zmq_send(d->hb, "p", 1, ZMQ_DONTWAIT);
+        }
+      } else {
+        zmq_send(d->hb, "p", 1, ZMQ_DONTWAIT);
+      }
+    }
+    int lo = d->id.rank == 0 ? 1 : 0, hi = d->id.rank == 0 ? d->id.size : 1;
+    for (int r = lo; r < hi; r++) {
+      if (now - seen[r] > d->lost_ms) {
+        snprintf(why, sizeof why, "rank %d of %d: no ping from rank %d for %lld ms", d->id.rank,
+                 d->id.size, r, (long long)(now - seen[r]));
+        TW_ERROR("dist", "%s: stopping this worker", why);
+        /* a collective waiting for the dead rank never returns, and rank 0's
+         * router heartbeat thread would keep the worker registered: end now */
+        if (d->on_lost) d->on_lost(why);
+        else kill(getpid(), SIGKILL);
+        atomic_store(&d->wd_stop, 1);
+        break;
+      }
+    }
+  }
+  return NULL;
+}
+
+/* ---- create / destroy ----------------------------------------------------------- */
+
+static tw_status_t tw_dist_recv_frame(void *s, int timeout_ms, char *id, size_t id_len,
+                                      void **buf_p, size_t *len_p) {
+  zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
+  int rc = zmq_poll(&it, 1, timeout_ms);
+  if (rc < 0 && errno == EINTR) return TW_INPROGRESS; /* a signal: the caller polls again */
+  if (rc < 0) return tw_err(TW_ERR_TRANSPORT, "dist: zmq_poll: %s", zmq_strerror(errno));
+  if (rc == 0) return TW_INPROGRESS;
+  if (id) {
+    int n = zmq_recv(s, id, id_len - 1, 0);
+    if (n < 0) return tw_err(TW_ERR_TRANSPORT, "dist: zmq_recv: %s", zmq_strerror(errno));
+    id[n < (int)id_len - 1 ? n : (int)id_len - 1] = '\0';
+  }
+  zmq_msg_t m;
+  zmq_msg_init(&m);
+  if (zmq_msg_recv(&m, s, 0) < 0) {
+    zmq_msg_close(&m);
+    return tw_err(TW_ERR_TRANSPORT, "dist: zmq_msg_recv: %s", zmq_strerror(errno));
+  }
+  size_t n = zmq_msg_size(&m);
+  void *b = malloc(n ? n : 1);
+  if (!b) {
+    zmq_msg_close(&m);
+    return tw_err(TW_ERR_NO_MEMORY, "dist: out of memory for a %zu byte message", n);
+  }
+  memcpy(b, zmq_msg_data(&m), n);
+  zmq_msg_close(&m);
+  *buf_p = b;
+  *len_p = n;
+  return TW_OK;
+}
+
+static tw_status_t tw_dist_send_to(void *s, int32_t rank, const void *buf, size_t len) {
+  char rid[16];
+  snprintf(rid, sizeof rid, "r%d", rank);
+  if (zmq_send(s, rid, strlen(rid), ZMQ_SNDMORE) < 0 || zmq_send(s, buf, len, 0) < 0)
+    return tw_err(TW_ERR_TRANSPORT, "dist: send to rank %d: %s", rank, zmq_strerror(errno));
+  return TW_OK;
+}
+
+/* Rank 0 waits for a HELLO from every other rank (so plans are never sent
+ * before a rank is connected); the others send theirs. */
+static tw_status_t tw_dist_hello(tw_dist_t *d) {
+  if (d->id.rank != 0) {
+    uint32_t h[2] = {TW_DIST_MSG_HELLO, (uint32_t)d->id.rank};
+    if (zmq_send(d->ctrl, h, sizeof h, 0) < 0)
+      return tw_err(TW_ERR_TRANSPORT, "dist: hello to rank 0: %s", zmq_strerror(errno));
+    return TW_OK;
+  }
+  int got = 0;
+  int64_t end = tw_dist_now_ms() + TW_DIST_JOIN_MS;
+  while (got < d->id.size - 1) {
+    int64_t left = end - tw_dist_now_ms();
+    if (left <= 0)
+      return tw_err(TW_ERR_UNAVAILABLE, "dist: %d of %d ranks joined within %d ms", got + 1,
+                    d->id.size, TW_DIST_JOIN_MS);
+    char id[16];
+    void *b = NULL;
+    size_t n = 0;
+    tw_status_t st = tw_dist_recv_frame(d->ctrl, (int)left, id, sizeof id, &b, &n);
+    if (st == TW_INPROGRESS) continue;
+    TW_CHECK(st);
+    if (n >= 4 && ((uint32_t *)b)[0] == TW_DIST_MSG_HELLO) got++;
+    free(b);
+  }
+  return TW_OK;
+}
+
+static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t device) {
+  char cbind[288] = "", cconn[288] = "", hbind[288] = "", hconn[288] = "";
+  if (kind == TW_COLL_HOST) {
+    TW_CHECK(tw_coll_create_host(&d->coll));
+    if (tw_coll_size(d->coll) != d->id.size || tw_coll_rank(d->coll) != d->id.rank)
+      return tw_err(TW_ERR_INVALID_ARGUMENT,
+                    "dist: launcher says rank %d of %d, MPI says %d of %d: cpu ranks need an MPI "
+                    "launcher (mpirun, srun --mpi=pmix) or --tp N",
+                    d->id.rank, d->id.size, tw_coll_rank(d->coll), tw_coll_size(d->coll));
+  } else if (!d->id.rendezvous[0]) {
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: nccl ranks need a rendezvous address");
+  }
+  if (d->id.rendezvous[0]) {
+    TW_CHECK(tw_dist_endpoints(d->id.rendezvous, 0, cbind, cconn, sizeof cbind));
+    TW_CHECK(tw_dist_endpoints(d->id.rendezvous, 1, hbind, hconn, sizeof hbind));
+  }
+  if (d->id.rank == 0) {
+    TW_CHECK(tw_dist_bind(d, cbind, &d->ctrl, cconn, sizeof cconn));
+    TW_CHECK(tw_dist_bind(d, hbind, &d->hb, hconn, sizeof hconn));
+  }
+  if (!d->id.rendezvous[0]) { /* MPI launch without a rendezvous: rank 0's ports by broadcast */
+    TW_CHECK(tw_coll_broadcast(d->coll, cconn, sizeof cconn, 0));
+    TW_CHECK(tw_coll_broadcast(d->coll, hconn, sizeof hconn, 0));
+  }
+  if (d->id.rank != 0) {
+    d->ctrl = tw_dist_socket(d, ZMQ_DEALER, d->id.rank);
+    d->hb = tw_dist_socket(d, ZMQ_DEALER, d->id.rank);
+    if (!d->ctrl || !d->hb || zmq_connect(d->ctrl, cconn) != 0 || zmq_connect(d->hb, hconn) != 0)
+      return tw_err(TW_ERR_TRANSPORT, "dist: rank %d cannot connect to rank 0 at %s: %s",
+                    d->id.rank, cconn, zmq_strerror(errno));
+  }
+  TW_CHECK(tw_dist_hello(d));
+  if (kind == TW_COLL_NCCL) {
+    uint8_t uid[TW_COLL_UID_BYTES];
+    if (d->id.rank == 0) {
+      TW_CHECK(tw_coll_nccl_unique_id(uid));
+      for (int32_t r = 1; r < d->id.size; r++)
+        TW_CHECK(tw_dist_send_to(d->ctrl, r, uid, sizeof uid));
+    } else {
+      void *b = NULL;
+      size_t n = 0;
+      tw_status_t st = tw_dist_recv_frame(d->ctrl, TW_DIST_JOIN_MS, NULL, 0, &b, &n);
+      if (st == TW_INPROGRESS)
+        return tw_err(TW_ERR_UNAVAILABLE, "dist: rank %d: no nccl id from rank 0", d->id.rank);
+      TW_CHECK(st);
+      if (n != sizeof uid) {
+        free(b);
+        return tw_err(TW_ERR_FORMAT, "dist: nccl id of %zu bytes", n);
+      }
+      memcpy(uid, b, sizeof uid);
+      free(b);
+    }
+    TW_CHECK(tw_coll_create_nccl(uid, d->id.rank, d->id.size, device, NULL, &d->coll));
+  }
+  if (pthread_create(&d->wd, NULL, tw_dist_watchdog, d) != 0)
+    return tw_err(TW_ERR_INTERNAL, "dist: cannot start the watchdog thread");
+  d->wd_started = true;
+  TW_INFO("dist", "rank %d of %d joined (%s collective, control %s)", d->id.rank, d->id.size,
+          kind == TW_COLL_HOST ? "mpi" : "nccl", cconn);
+  return TW_OK;
+}
+
+tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind, int32_t device,
+                           tw_dist_lost_fn on_lost, tw_dist_t **dist_p) {
+  if (!id || id->size < 1 || id->size > TW_DIST_MAX_RANKS || id->rank < 0 || id->rank >= id->size)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: bad identity");
+  tw_dist_t *d = calloc(1, sizeof(*d));
+  if (!d) return tw_err(TW_ERR_NO_MEMORY, "dist: out of memory");
+  d->magic = TW_DIST_MAGIC;
+  d->id = *id;
+  d->on_lost = on_lost;
+  const char *lm = getenv("TWAIN_DIST_LOST_MS");
+  d->lost_ms = lm && atoi(lm) > 0 ? atoi(lm) : TW_DIST_LOST_MS;
+  if (id->size == 1) {
+    *dist_p = d;
+    return TW_OK;
+  }
+  d->zctx = zmq_ctx_new();
+  if (!d->zctx) {
+    free(d);
+    return tw_err(TW_ERR_TRANSPORT, "dist: zmq_ctx_new: %s", zmq_strerror(errno));
+  }
+  tw_status_t st = tw_dist_setup(d, kind, device);
+  if (st != TW_OK) {
+    tw_dist_destroy(d);
+    return st;
+  }
+  *dist_p = d;
+  return TW_OK;
+}
+
+void tw_dist_destroy(tw_dist_t *d) {
+  if (!d || d->magic != TW_DIST_MAGIC) return;
+  if (d->wd_started) {
+    atomic_store(&d->wd_stop, 1);
+    pthread_join(d->wd, NULL);
+  }
+  if (d->ctrl) zmq_close(d->ctrl);
+  if (d->hb) zmq_close(d->hb);
+  if (d->zctx) zmq_ctx_term(d->zctx);
+  tw_coll_destroy(d->coll);
+  d->magic = 0;
+  free(d);
+}
+
+int32_t tw_dist_rank(const tw_dist_t *d) { return d ? d->id.rank : 0; }
+int32_t tw_dist_size(const tw_dist_t *d) { return d ? d->id.size : 1; }
+tw_coll_t *tw_dist_coll(tw_dist_t *d) { return d ? d->coll : NULL; }
+
+/* ---- plans and replies ----------------------------------------------------------- */
+
+tw_status_t tw_dist_plan_send(tw_dist_t *d, const void *buf, size_t len) {
+  if (d->id.rank != 0) return tw_err(TW_ERR_INTERNAL, "dist: plan_send on rank %d", d->id.rank);
+  for (int32_t r = 1; r < d->id.size; r++) TW_CHECK(tw_dist_send_to(d->ctrl, r, buf, len));
+  return TW_OK;
+}
+
+tw_status_t tw_dist_plan_recv(tw_dist_t *d, int timeout_ms, void **buf_p, size_t *len_p) {
+  if (d->id.rank == 0) return tw_err(TW_ERR_INTERNAL, "dist: plan_recv on rank 0");
+  return tw_dist_recv_frame(d->ctrl, timeout_ms, NULL, 0, buf_p, len_p);
+}
+
+tw_status_t tw_dist_reply(tw_dist_t *d, const void *buf, size_t len) {
+  if (zmq_send(d->ctrl, buf, len, 0) < 0)
+    return tw_err(TW_ERR_TRANSPORT, "dist: reply to rank 0: %s", zmq_strerror(errno));
+  return TW_OK;
+}
+
+tw_status_t tw_dist_replies_recv(tw_dist_t *d, int timeout_ms, void **bufs, size_t *lens) {
+  for (int32_t r = 0; r < d->id.size; r++) {
+    bufs[r] = NULL;
+    lens[r] = 0;
+  }
+  int got = 0;
+  int64_t end = tw_dist_now_ms() + timeout_ms;
+  tw_status_t st = TW_OK;
+  while (got < d->id.size - 1) {
+    int64_t left = end - tw_dist_now_ms();
+    if (left <= 0) {
+      st = tw_err(TW_ERR_DEADLINE, "dist: %d of %d ranks replied within %d ms", got,
+                  d->id.size - 1, timeout_ms);
+      break;
+    }
+    char id[16];
+    void *b = NULL;
+    size_t n = 0;
+    st = tw_dist_recv_frame(d->ctrl, (int)left, id, sizeof id, &b, &n);
+    if (st == TW_INPROGRESS) {
+      st = TW_OK;
+      continue;
+    }
+    if (st != TW_OK) break;
+    int r = id[0] == 'r' ? atoi(id + 1) : -1;
+    if (r <= 0 || r >= d->id.size || bufs[r]) {
+      free(b);
+      continue;
+    }
+    bufs[r] = b;
+    lens[r] = n;
+    got++;
+  }
+  if (st != TW_OK) {
+    for (int32_t r = 0; r < d->id.size; r++) {
+      free(bufs[r]);
+      bufs[r] = NULL;
+    }
+  }
+  return st;
+}
