@@ -11,7 +11,8 @@ static void usage(void) {
   fprintf(stderr,
           "usage: twain-decode --model DIR --router tcp://HOST:PORT [--name NAME]\n"
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--max-batch N]\n"
-          "         [--threads N] [--metrics-port P (-1 off, 0 ephemeral)] [--verify-kv]\n");
+          "         [--threads N] [--metrics-port P (-1 off, 0 ephemeral)] [--verify-kv]\n"
+          "         [--tp N] [--ep N]   tensor / expert parallel ranks (docs/parallelism.md)\n");
 }
 
 int main(int argc, char **argv) {
@@ -44,6 +45,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--max-batch")) p.max_batch = atoi(v);
     else if (!strcmp(a, "--threads")) p.threads = atoi(v);
     else if (!strcmp(a, "--metrics-port")) p.metrics_port = atoi(v);
+    else if (!strcmp(a, "--tp")) p.tp = atoi(v);
+    else if (!strcmp(a, "--ep")) p.ep = atoi(v);
     else {
       fprintf(stderr, "twain-decode: unknown option %s\n", a);
       usage();
@@ -54,6 +57,8 @@ int main(int argc, char **argv) {
     usage();
     return 2;
   }
+  p.argc = argc;
+  p.argv = argv;
   tw_status_t st = tw_decode_worker_run(&p);
   return st == TW_OK ? 0 : 1;
 }

@@ -10,6 +10,10 @@
  * tw_dseq_release(), which returns its blocks. */
 #include "decode/decode_worker.h"
 
+#include "common/dist_engine.h"
+#include "common/engine_impl.h"
+#include "decode/decode_ranks.h"
+
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
@@ -60,6 +64,9 @@ typedef struct {
   tw_dseq_t **seqs;
   int32_t n_seqs, cap_seqs;
   bool draining;
+  tw_dist_identity_t id; /* this rank and its group (issue 6, dist.h) */
+  tw_dist_t *dist;
+  tw_decode_ranks_t rk;
   /* step scratch */
   int32_t *tok, *pos, *nb, *out;
   const int32_t **tables;
@@ -208,6 +215,7 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     h.n_block_ids = (size_t)tw_kv_blocks_needed(d->blocks, r->n_prompt_tokens);
     h.block_ids = seq->blocks;
     h.decode_worker = d->link.name;
+    tw_decode_ranks_fill_handoff(&d->rk, &h); /* every rank's pool when TP/EP > 1 */
     out.handoff = &h;
     TW_DEBUG("decode", "request %llu: reserved %d blocks", (unsigned long long)r->request_id, need);
   }
@@ -246,6 +254,19 @@ static bool tw_verify_kv(tw_decoder_t *d, tw_dseq_t *s, const Twain__Internal__V
   return true;
 }
 
+/* Re-sharded handoffs: every rank checks the per-head checksums of its heads. */
+static bool tw_decoder_verify_heads(tw_decoder_t *d, tw_dseq_t *s,
+                                    const Twain__Internal__V1__DecodeRequest *r, char *msg,
+                                    size_t msg_len) {
+  int ok = 0, bad = 0;
+  bool same = tw_decode_ranks_verify(&d->rk, s->n_prompt, s->blocks,
+                                     tw_kv_blocks_needed(d->blocks, s->n_prompt), r->head_checksums,
+                                     r->n_head_checksums, &ok, &bad, msg, msg_len);
+  tw_metric_add(d->m.sum_ok, ok);
+  tw_metric_add(d->m.sum_bad, bad);
+  return same;
+}
+
 static bool tw_dseq_stops(const tw_dseq_t *s, int32_t tok) {
   for (int32_t i = 0; i < s->n_stop; i++)
     if (s->stop[i] == tok) return true;
@@ -276,7 +297,8 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     return;
   }
   if (tw_kv_region_commit(d->region, s->blocks, nb) != TW_OK ||
-      (d->p->verify_kv && r->n_layer_checksums && !tw_verify_kv(d, s, r, msg, sizeof msg))) {
+      (d->p->verify_kv && r->n_layer_checksums && !tw_verify_kv(d, s, r, msg, sizeof msg)) ||
+      (d->p->verify_kv && r->n_head_checksums && !tw_decoder_verify_heads(d, s, r, msg, sizeof msg))) {
     if (!msg[0]) snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_ERROR("decode", "request %llu: %s", (unsigned long long)s->id, msg);
     tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
@@ -289,7 +311,7 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     bytes += (double)(nb - tw_kv_layer_first_block(s->n_prompt, l->block_size,
                                                    c->layer_types[layer] == TW_LAYER_SLIDING,
                                                    c->sliding_window)) * (double)l->block_bytes;
-  tw_metric_add(d->m.kv_bytes, bytes);
+  tw_metric_add(d->m.kv_bytes, bytes * tw_dist_size(d->dist)); /* every rank's pool got its part */
   s->state = TW_DSEQ_RUNNING;
   s->pos = s->n_prompt;
   s->token = r->first_token;
@@ -349,7 +371,7 @@ static tw_status_t tw_decoder_step(tw_decoder_t *d) {
   tw_decode_args_t a = {.n_seqs = n, .tokens = d->tok, .positions = d->pos,
                         .block_tables = d->tables, .n_blocks = d->nb, .sample = d->samp,
                         .next_tokens_out = d->out};
-  tw_status_t st = tw_engine_decode(d->engine, &a);
+  tw_status_t st = tw_dist_engine_decode(d->dist, d->engine, &a); /* plan to the other ranks */
   int64_t t1 = tw_msg_clock_ns();
   tw_metric_add(d->m.steps, 1);
   for (int32_t j = 0; j < n; j++) {
@@ -377,11 +399,24 @@ static tw_status_t tw_decoder_step(tw_decoder_t *d) {
   return st;
 }
 
-static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p) {
+static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
+                                   const tw_dist_identity_t *id) {
   memset(d, 0, sizeof *d);
   d->p = p;
+  d->id = *id;
   TW_CHECK(tw_model_load(p->model_dir, &d->model));
+  /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
+  tw_backend_kind_t be = p->backend;
+  if (be == TW_BACKEND_AUTO) be = tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;
+  TW_CHECK(tw_dist_create(&d->id, be == TW_BACKEND_CUDA ? TW_COLL_NCCL : TW_COLL_HOST,
+                          d->id.local_rank, NULL, &d->dist));
   tw_engine_params_t ep = TW_ENGINE_PARAMS_DEFAULT;
+  ep.tp_size = p->tp;
+  ep.tp_rank = p->tp > 1 ? d->id.rank : 0;
+  ep.ep_size = p->ep;
+  ep.ep_rank = p->ep > 1 ? d->id.rank : 0;
+  ep.coll = tw_dist_coll(d->dist);
+  if (be == TW_BACKEND_CUDA) ep.device = d->id.local_rank;
   ep.backend = p->backend;
   ep.kv_block_size = p->block_size;
   ep.kv_num_blocks = p->kv_blocks;
@@ -392,6 +427,8 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p)
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &d->blocks));
   TW_CHECK(tw_kv_xfer_create(&d->xfer));
   TW_CHECK(tw_kv_region_register(d->xfer, l, &d->region));
+  TW_CHECK(tw_decode_ranks_init(&d->rk, d->dist, d->engine, d->xfer, d->region, d->model));
+  if (d->id.rank != 0) return TW_OK; /* only rank 0 talks to the router */
   int32_t B = p->max_batch;
   d->tok = malloc(sizeof(int32_t) * (size_t)B);
   d->pos = malloc(sizeof(int32_t) * (size_t)B);
@@ -420,6 +457,7 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p)
   d->m.sum_bad = tw_metrics_counter(M, "kv_checksum_mismatch_total", "layers whose kv checksum differed");
   d->m.rejected = tw_metrics_counter(M, "decode_reservations_refused_total", "reservations refused");
   TW_CHECK(tw_worker_link_open(&d->link, p->router, name, TWAIN__INTERNAL__V1__POOL__POOL_DECODE));
+  d->link.ranks = d->id.size;
   d->link.kv_block_size = l->block_size;
   d->link.n_layers = l->n_layers;
   d->link.vocab_size = d->model->config.vocab_size;
@@ -435,10 +473,12 @@ static void tw_decoder_fini(tw_decoder_t *d) {
   free(d->seqs);
   if (d->link.sock) tw_worker_link_close(&d->link);
   tw_metrics_destroy(d->metrics);
+  tw_decode_ranks_fini(&d->rk);
   tw_kv_region_unregister(d->region);
   tw_kv_xfer_destroy(d->xfer);
   tw_kv_blocks_destroy(d->blocks);
   tw_engine_destroy(d->engine);
+  tw_dist_destroy(d->dist);
   tw_model_destroy(d->model);
   free(d->tok);
   free(d->pos);
@@ -450,10 +490,26 @@ static void tw_decoder_fini(tw_decoder_t *d) {
 }
 
 tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
-  tw_worker_signals_install();
   tw_decoder_t d;
-  tw_status_t st = tw_decoder_init(&d, p);
+  memset(&d, 0, sizeof d);
+  if (p->tp < 1 || p->ep < 1 || (p->tp > 1 && p->ep > 1 && p->tp != p->ep))
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "decode: --tp %d --ep %d: each >= 1, equal when both > 1",
+                  p->tp, p->ep);
+  TW_CHECK(tw_dist_identity_from_env(&d.id));
+  int32_t ranks = p->tp > p->ep ? p->tp : p->ep;
+  if (ranks > 1 && d.id.size == 1)
+    TW_CHECK(tw_dist_spawn(p->argc, p->argv, ranks, p->backend != TW_BACKEND_CUDA, &d.id));
+  tw_log_init("twain-decode", d.id.rank);
+  tw_worker_signals_install();
+  tw_dist_identity_t id = d.id;
+  tw_status_t st = tw_decoder_init(&d, p, &id);
   if (st != TW_OK) {
+    tw_decoder_fini(&d);
+    return st;
+  }
+  if (d.id.rank != 0) { /* follow rank 0's plans until it says stop (or dies: dist.h) */
+    TW_INFO("decode", "rank %d of %d pid %d following rank 0", d.id.rank, d.id.size, (int)getpid());
+    st = tw_decode_ranks_follow(&d.rk);
     tw_decoder_fini(&d);
     return st;
   }
@@ -518,6 +574,7 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
   tw_decoder_capacity(&d, &cap);
   tw_worker_link_tick(&d.link, &cap, true, true);
   TW_INFO("decode", "stopped: %d kv blocks in use", tw_kv_blocks_used_count(d.blocks));
+  tw_dist_plan_stop(d.dist);
   tw_decoder_fini(&d);
   return TW_OK;
 }

@@ -25,12 +25,15 @@ typedef struct {
   int metrics_port;         /* -1: none, 0: ephemeral */
   bool verify_kv;           /* check per-layer checksums of received KV */
   int32_t reserve_timeout_ms; /* free a reservation never started after this */
+  int32_t tp, ep;           /* ranks of this worker (issue 6): each 1 or the group size */
+  int argc;                 /* the command line, for --tp self-spawn (dist.h) */
+  char **argv;
 } tw_decode_params_t;
 
 #define TW_DECODE_PARAMS_DEFAULT                                                        \
   ((tw_decode_params_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 2048, .block_size = 16, \
                         .max_batch = 64, .threads = 0, .metrics_port = 0,               \
-                        .verify_kv = false, .reserve_timeout_ms = 60000})
+                        .verify_kv = false, .reserve_timeout_ms = 60000, .tp = 1, .ep = 1})
 
 /** Run the daemon until SIGTERM/SIGINT, then drain (finish the running
  *  sequences, refuse new ones) and return.

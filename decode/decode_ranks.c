@@ -1,0 +1,256 @@
+/* decode_ranks.c: pools of every rank in the handoff, per-rank KV checks and
+ * the follower loop of a multi-rank decode worker (see decode_ranks.h).
+ * Pool message (other rank -> 0 at start): u32 address length, address,
+ * u32 rkey length, rkey, tw_kv_remote_layout_t, i32 kv_head_offset.
+ * ADMIT plan: i32 n_prompt, i32 nb, i32 ids[nb], i32 n_sums, u64 sums[];
+ * its reply: i32 ok_layers, i32 bad_layers, then a message. */
+#include "decode/decode_ranks.h"
+
+#include "common/dist_engine.h"
+#include "common/kv_reshard.h"
+#include "common/log.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static Twain__Internal__V1__KvRank *tw_kv_rank_new(const void *addr, size_t alen, const void *rkey,
+                                                   size_t rlen, const tw_kv_remote_layout_t *rl,
+                                                   int32_t head_offset) {
+  Twain__Internal__V1__KvRank *k = calloc(1, sizeof *k);
+  Twain__Internal__V1__KvLayout *l = calloc(1, sizeof *l);
+  uint8_t *a = malloc(alen ? alen : 1), *r = malloc(rlen ? rlen : 1);
+  if (!k || !l || !a || !r) {
+    free(k);
+    free(l);
+    free(a);
+    free(r);
+    return NULL;
+  }
+  twain__internal__v1__kv_rank__init(k);
+  twain__internal__v1__kv_layout__init(l);
+  memcpy(a, addr, alen);
+  memcpy(r, rkey, rlen);
+  k->ucx_address = (ProtobufCBinaryData){.len = alen, .data = a};
+  k->rkey = (ProtobufCBinaryData){.len = rlen, .data = r};
+  l->dtype = rl->dtype;
+  l->on_device = rl->on_device;
+  l->n_layers = rl->n_layers;
+  l->block_size = rl->block_size;
+  l->n_kv_heads = rl->n_kv_heads;
+  l->head_dim = rl->head_dim;
+  l->layer_stride_bytes = rl->layer_stride_bytes;
+  l->block_bytes = rl->block_bytes;
+  l->remote_base = rl->remote_base;
+  l->total_bytes = rl->total_bytes;
+  l->n_blocks = rl->n_blocks;
+  l->kv_head_offset = head_offset;
+  k->layout = l;
+  return k;
+}
+
+static void tw_kv_rank_free(Twain__Internal__V1__KvRank *k) {
+  if (!k) return;
+  free(k->ucx_address.data);
+  free(k->rkey.data);
+  free(k->layout);
+  free(k);
+}
+
+tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *dist, tw_engine_t *engine,
+                                 tw_kv_xfer_t *xfer, tw_kv_region_t *region,
+                                 const tw_model_t *model) {
+  *rk = (tw_decode_ranks_t){.dist = dist, .engine = engine, .xfer = xfer, .region = region,
+                            .model = model};
+  int32_t size = tw_dist_size(dist);
+  if (size == 1) return TW_OK;
+  size_t alen, rlen;
+  const void *addr = tw_kv_xfer_address(xfer, &alen);
+  const void *rkey = tw_kv_region_rkey(region, &rlen);
+  tw_kv_remote_layout_t rl;
+  tw_kv_region_remote_layout(region, &rl);
+  int32_t off = tw_engine_kv_layout(engine)->kv_head_offset;
+  if (tw_dist_rank(dist) != 0) {
+    size_t len = 8 + alen + rlen + sizeof rl + sizeof off;
+    uint8_t *m = malloc(len), *p = m;
+    if (!m) return tw_err(TW_ERR_NO_MEMORY, "decode rank: out of memory");
+    uint32_t u = (uint32_t)alen;
+    memcpy(p, &u, 4), p += 4;
+    memcpy(p, addr, alen), p += alen;
+    u = (uint32_t)rlen;
+    memcpy(p, &u, 4), p += 4;
+    memcpy(p, rkey, rlen), p += rlen;
+    memcpy(p, &rl, sizeof rl), p += sizeof rl;
+    memcpy(p, &off, sizeof off);
+    tw_status_t st = tw_dist_reply(dist, m, len);
+    free(m);
+    return st;
+  }
+  rk->ranks = calloc((size_t)size, sizeof *rk->ranks);
+  if (!rk->ranks) return tw_err(TW_ERR_NO_MEMORY, "decode rank 0: out of memory");
+  rk->n_ranks = size;
+  rk->ranks[0] = tw_kv_rank_new(addr, alen, rkey, rlen, &rl, off);
+  if (!rk->ranks[0]) return tw_err(TW_ERR_NO_MEMORY, "decode rank 0: out of memory");
+  void *bufs[64];
+  size_t lens[64];
+  TW_CHECK(tw_dist_replies_recv(dist, 60000, bufs, lens));
+  tw_status_t st = TW_OK;
+  for (int32_t r = 1; r < size; r++) {
+    const uint8_t *p = bufs[r], *end = p + lens[r];
+    uint32_t al = 0, kl = 0;
+    if (end - p >= 4) memcpy(&al, p, 4);
+    const uint8_t *a = p + 4, *q = a + al;
+    if (q + 4 <= end) memcpy(&kl, q, 4);
+    const uint8_t *k = q + 4, *lp = k + kl;
+    tw_kv_remote_layout_t rrl;
+    int32_t roff;
+    if (lp + sizeof rrl + sizeof roff != end) {
+      if (st == TW_OK) st = tw_err(TW_ERR_FORMAT, "decode rank %d: malformed pool message", r);
+    } else {
+      memcpy(&rrl, lp, sizeof rrl);
+      memcpy(&roff, lp + sizeof rrl, sizeof roff);
+      rk->ranks[r] = tw_kv_rank_new(a, al, k, kl, &rrl, roff);
+      if (!rk->ranks[r] && st == TW_OK) st = tw_err(TW_ERR_NO_MEMORY, "decode rank 0: out of memory");
+      else
+        TW_INFO("decode", "rank %d pool: kv heads [%d,%d), %d blocks", r, roff,
+                roff + rrl.n_kv_heads, rrl.n_blocks);
+    }
+    free(bufs[r]);
+  }
+  return st;
+}
+
+void tw_decode_ranks_fini(tw_decode_ranks_t *rk) {
+  for (int32_t r = 0; r < rk->n_ranks; r++) tw_kv_rank_free(rk->ranks[r]);
+  free(rk->ranks);
+  rk->ranks = NULL;
+  rk->n_ranks = 0;
+}
+
+void tw_decode_ranks_fill_handoff(tw_decode_ranks_t *rk, Twain__Internal__V1__KvHandoff *h) {
+  if (rk->n_ranks <= 1) return;
+  h->n_ranks = (size_t)rk->n_ranks;
+  h->ranks = rk->ranks;
+  if (h->layout) h->layout->kv_head_offset = rk->ranks[0]->layout->kv_head_offset;
+}
+
+/* Check this rank's heads: counts of layers fully matching / not. */
+static void tw_decode_check_own(tw_decode_ranks_t *rk, int32_t n_prompt, const int32_t *ids,
+                                int32_t nb, const uint64_t *sums, size_t n_sums, int *ok, int *bad,
+                                char *msg, size_t msg_len) {
+  const tw_model_config_t *c = &rk->model->config;
+  const tw_kv_layout_t *l = tw_engine_kv_layout(rk->engine);
+  *ok = *bad = 0;
+  if (n_sums != (size_t)c->n_layers * (size_t)c->n_kv_heads || l->n_kv_heads_local > 64) {
+    snprintf(msg, msg_len, "handoff carries %zu head checksums, model has %d x %d", n_sums,
+             c->n_layers, c->n_kv_heads);
+    *bad = c->n_layers;
+    return;
+  }
+  for (int32_t layer = 0; layer < c->n_layers; layer++) {
+    int32_t first = tw_kv_layer_first_block(n_prompt, l->block_size,
+                                            c->layer_types[layer] == TW_LAYER_SLIDING,
+                                            c->sliding_window);
+    uint64_t got[64];
+    bool same = tw_kv_head_checksums(l, layer, ids, first, nb, got) == TW_OK;
+    for (int32_t g = 0; same && g < l->n_kv_heads_local; g++) {
+      uint64_t want = sums[(size_t)layer * (size_t)c->n_kv_heads + (size_t)(l->kv_head_offset + g)];
+      if (got[g] != want) {
+        snprintf(msg, msg_len, "kv checksum mismatch in layer %d kv head %d: received %016llx, sent %016llx",
+                 layer, l->kv_head_offset + g, (unsigned long long)got[g], (unsigned long long)want);
+        same = false;
+      }
+    }
+    if (same) (*ok)++;
+    else (*bad)++;
+  }
+}
+
+bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t n_prompt, const int32_t *ids,
+                            int32_t nb, const uint64_t *sums, size_t n_sums, int *ok_layers_p,
+                            int *bad_layers_p, char *msg, size_t msg_len) {
+  int32_t size = tw_dist_size(rk->dist);
+  if (size > 1) {
+    size_t len = 4 * sizeof(int32_t) + sizeof(int32_t) * (size_t)nb + 8 * n_sums;
+    uint8_t *m = malloc(len), *p = m;
+    if (!m) {
+      snprintf(msg, msg_len, "decode rank 0: out of memory");
+      return false;
+    }
+    int32_t hdr[2] = {n_prompt, nb}, ns = (int32_t)n_sums;
+    memcpy(p, hdr, sizeof hdr), p += sizeof hdr;
+    memcpy(p, ids, sizeof(int32_t) * (size_t)nb), p += sizeof(int32_t) * (size_t)nb;
+    memcpy(p, &ns, sizeof ns), p += sizeof ns;
+    memcpy(p, sums, 8 * n_sums), p += 8 * n_sums;
+    tw_status_t st = tw_dist_plan_user(rk->dist, m, (size_t)(p - m));
+    free(m);
+    if (st != TW_OK) {
+      snprintf(msg, msg_len, "%s", tw_last_error());
+      return false;
+    }
+  }
+  int ok = 0, bad = 0;
+  tw_decode_check_own(rk, n_prompt, ids, nb, sums, n_sums, &ok, &bad, msg, msg_len);
+  int all_ok = ok, any_bad = bad; /* a layer is ok when every rank's heads of it matched */
+  if (size > 1) {
+    void *bufs[64];
+    size_t lens[64];
+    if (tw_dist_replies_recv(rk->dist, 60000, bufs, lens) != TW_OK) {
+      snprintf(msg, msg_len, "%s", tw_last_error());
+      return false;
+    }
+    for (int32_t r = 1; r < size; r++) {
+      int32_t rr[2] = {0, rk->model->config.n_layers};
+      if (lens[r] >= sizeof rr) memcpy(rr, bufs[r], sizeof rr);
+      if (rr[0] < all_ok) all_ok = rr[0];
+      if (rr[1] > any_bad) any_bad = rr[1];
+      if (rr[1] && !msg[0])
+        snprintf(msg, msg_len, "rank %d: %.*s", r, (int)(lens[r] - sizeof rr),
+                 (const char *)bufs[r] + sizeof rr);
+      free(bufs[r]);
+    }
+  }
+  *ok_layers_p = all_ok;
+  *bad_layers_p = any_bad;
+  return any_bad == 0;
+}
+
+static tw_status_t tw_decode_ranks_hook(void *ctx, const void *buf, size_t len) {
+  tw_decode_ranks_t *rk = ctx;
+  const uint8_t *p = buf, *end = p + len;
+  int32_t hdr[2] = {0, -1}, ns = -1;
+  int ok = 0, bad = rk->model->config.n_layers;
+  char msg[256] = "malformed admit plan";
+  if (len >= sizeof hdr) memcpy(hdr, p, sizeof hdr);
+  const uint8_t *ids = p + sizeof hdr;
+  const uint8_t *q = hdr[1] > 0 ? ids + sizeof(int32_t) * (size_t)hdr[1] : end;
+  if (q + sizeof ns <= end) memcpy(&ns, q, sizeof ns);
+  if (ns >= 0 && q + sizeof ns + 8 * (size_t)ns == end) {
+    int32_t *idv = malloc(sizeof(int32_t) * (size_t)hdr[1]);
+    uint64_t *sv = malloc(8 * (size_t)(ns > 0 ? ns : 1));
+    if (idv && sv) {
+      memcpy(idv, ids, sizeof(int32_t) * (size_t)hdr[1]);
+      memcpy(sv, q + sizeof ns, 8 * (size_t)ns);
+      msg[0] = '\0';
+      tw_decode_check_own(rk, hdr[0], idv, hdr[1], sv, (size_t)ns, &ok, &bad, msg, sizeof msg);
+    }
+    free(idv);
+    free(sv);
+  }
+  size_t ml = strlen(msg);
+  uint8_t reply[8 + sizeof msg];
+  int32_t rr[2] = {ok, bad};
+  memcpy(reply, rr, sizeof rr);
+  memcpy(reply + sizeof rr, msg, ml);
+  return tw_dist_reply(rk->dist, reply, sizeof rr + ml);
+}
+
+static void tw_decode_ranks_idle(void *ctx) {
+  tw_decode_ranks_t *rk = ctx;
+  tw_kv_xfer_progress(rk->xfer);
+}
+
+tw_status_t tw_decode_ranks_follow(tw_decode_ranks_t *rk) {
+  return tw_dist_follow_idle(rk->dist, rk->engine, tw_decode_ranks_hook, tw_decode_ranks_idle, rk,
+                             NULL);
+}

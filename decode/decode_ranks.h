@@ -1,0 +1,58 @@
+/* decode_ranks.h: a decode worker made of TP/EP ranks (issue 6).
+ * Every rank has its own KV pool (its kv heads, engine.h) registered with its
+ * own UCX worker. At start the other ranks send rank 0 their UCX address,
+ * rkey and pool layout; rank 0 lists all of them in each KvHandoff
+ * (KvHandoff.ranks) so every prefill rank can put its heads straight into
+ * the decode ranks that hold them. Decode steps reach the other ranks as
+ * plans (dist_engine.h); the per-head KV checksums of a handoff are checked
+ * by each rank on its own heads (an ADMIT plan). The block manager lives on
+ * rank 0 only: block ids mean the same blocks in every rank's pool. */
+#ifndef TW_DECODE_DECODE_RANKS_H
+#define TW_DECODE_DECODE_RANKS_H
+
+#include "common/dist.h"
+#include "common/engine.h"
+#include "common/kv_transfer.h"
+#include "common/model.h"
+#include "proto/twain_internal.pb-c.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct {
+  tw_dist_t *dist;            /* borrowed */
+  tw_engine_t *engine;        /* borrowed */
+  tw_kv_xfer_t *xfer;         /* borrowed */
+  tw_kv_region_t *region;     /* borrowed */
+  const tw_model_t *model;    /* borrowed */
+  /* rank 0: every rank's pool for the handoff (owned) */
+  int32_t n_ranks;
+  Twain__Internal__V1__KvRank **ranks;
+} tw_decode_ranks_t;
+
+/** Fill rk (borrowed handles) and exchange the pools: the other ranks send
+ *  theirs, rank 0 collects them (within 60 s). Errors: TW_ERR_DEADLINE,
+ *  TW_ERR_FORMAT, TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
+tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *dist, tw_engine_t *engine,
+                                 tw_kv_xfer_t *xfer, tw_kv_region_t *region,
+                                 const tw_model_t *model);
+void tw_decode_ranks_fini(tw_decode_ranks_t *rk);
+
+/** Rank 0: add every rank's pool to a handoff (nothing for one rank). The
+ *  handoff borrows rk's storage. */
+void tw_decode_ranks_fill_handoff(tw_decode_ranks_t *rk, Twain__Internal__V1__KvHandoff *h);
+
+/** Rank 0: check the per-head checksums sums[L * NKV] of a prompt of
+ *  n_prompt tokens in blocks ids on every rank (each on its own heads).
+ *  *ok_layers_p / *bad_layers_p count the layers all of whose heads matched
+ *  or not. Returns false with msg set on a mismatch or a failed rank. */
+bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t n_prompt, const int32_t *ids,
+                            int32_t nb, const uint64_t *sums, size_t n_sums, int *ok_layers_p,
+                            int *bad_layers_p, char *msg, size_t msg_len);
+
+/** The other ranks: follow rank 0's plans until it says stop, progressing
+ *  UCX between them (received puts may need the target's progress). */
+tw_status_t tw_decode_ranks_follow(tw_decode_ranks_t *rk);
+
+#endif
