@@ -33,6 +33,7 @@ struct tw_harmony_parser {
   void *user;
   tw_parse_state_t state;
   int default_role;      /* role of the header being read when it names none, or -1 */
+  int implicit_header;   /* the header began without <|start|> */
   size_t n_messages;     /* messages started */
   size_t n_discarded;    /* tokens skipped in DISCARD */
   tw_tok_buf_t header;   /* raw header text, with "<|channel|>"/"<|constrain|>" spelled out */
@@ -259,9 +260,16 @@ static void tw_begin_header(tw_harmony_parser_t *p, int default_role) {
   p->state = TW_PS_HEADER;
   p->header.len = 0;
   p->default_role = default_role;
+  p->implicit_header = 0;
 }
 
 static tw_status_t tw_begin_content(tw_harmony_parser_t *p, int32_t token) {
+  /* "<|channel|>final<|message|>" straight after <|end|> is a known variant;
+   * a header of other text without <|start|> is reported */
+  if (p->implicit_header && (p->header.len < 11 || memcmp(p->header.data, "<|channel|>", 11)))
+    tw_emit_error(p, token, "message header \"%.*s\" without <|start|>; read as an assistant "
+                  "message", (int)(p->header.len > 200 ? 200 : p->header.len),
+                  p->header.data ? p->header.data : "");
   if (!tw_parse_header(p, token)) {
     p->state = TW_PS_DISCARD;
     p->n_discarded = 0;
@@ -341,8 +349,9 @@ tw_status_t tw_harmony_parser_push(tw_harmony_parser_t *p, int32_t token) {
       if (w == TW_HT_START) {
         tw_begin_header(p, -1);
       } else if (w == TW_HT_CHANNEL || !special) {
-        /* a header without <|start|>: accept it as the next message's */
-        tw_begin_header(p, -1);
+        /* a header without <|start|> (generated: the model's own message) */
+        tw_begin_header(p, TW_HARMONY_ROLE_ASSISTANT);
+        p->implicit_header = 1;
         return tw_harmony_parser_push(p, token);
       } else if (w == TW_HT_RETURN || w == TW_HT_CALL) {
         tw_emit(p, TW_HARMONY_EV_STOP, NULL, 0,

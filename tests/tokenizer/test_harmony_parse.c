@@ -246,6 +246,15 @@ static void cases(const tw_tokenizer_t *tok, const tw_harmony_t *h) {
         r.last_error);
   check_msg(&r, 1, "assistant", "-", "final", "-", "b");
 
+  tw_case_g = "text header without <|start|>: an assistant message, reported";
+  build(tok, "<|channel|>analysis<|message|>a<|end|>\n\n<|start|>assistant<|channel|>final"
+             "<|message|>b<|end|>assistant<|channel|>final<|message|>c<|return|>", &ids);
+  run(h, A, &ids, 1, &r);
+  CHECK(r.n_msg == 3 && r.n_errors == 1, "msgs %d errors %d (%s)", r.n_msg, r.n_errors,
+        r.last_error);
+  check_msg(&r, 1, "assistant", "-", "final", "-", "b");
+  check_msg(&r, 2, "assistant", "-", "final", "-", "c");
+
   tw_case_g = "multi-turn history with earlier tool calls and results";
   build(tok, "<|start|>user<|message|>Weather in SF?<|end|>"
              "<|start|>assistant<|channel|>analysis<|message|>Use the tool.<|end|>"
