@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -97,7 +98,44 @@ tw_status_t tw_dist_identity_from_env(tw_dist_identity_t *id_p) {
 
 /* ---- spawning ----------------------------------------------------------------- */
 
-tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist_identity_t *id_p) {
+static volatile sig_atomic_t tw_dist_sup_signal_g; /* supervisor: last SIGTERM/SIGINT */
+
+static void tw_dist_sup_on_signal(int sig) { tw_dist_sup_signal_g = sig; }
+
+/* In a rank: SIGUSR1 (what mpirun forwards from the supervisor) means SIGTERM. */
+static void tw_dist_on_usr1(int sig) {
+  (void)sig;
+  raise(SIGTERM);
+}
+
+/* The supervisor of an mpirun-started group: the process the operator (or a
+ * test) holds. SIGTERM/SIGINT become SIGUSR1 for mpirun, which forwards it to
+ * every rank (rank 0 drains and stops the others); a second one is passed on
+ * as SIGTERM. Returns the exit status of mpirun. */
+static int tw_dist_supervise(pid_t child) {
+  struct sigaction sa = {0};
+  sa.sa_handler = tw_dist_sup_on_signal;
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGINT, &sa, NULL);
+  int forwarded = 0;
+  for (;;) {
+    int status = 0;
+    pid_t r = waitpid(child, &status, 0);
+    if (r == child) {
+      if (WIFEXITED(status)) return WEXITSTATUS(status);
+      return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+    }
+    if (r < 0 && errno != EINTR) return 1;
+    if (tw_dist_sup_signal_g) {
+      tw_dist_sup_signal_g = 0;
+      kill(child, forwarded++ ? SIGTERM : SIGUSR1);
+    }
+  }
+}
+
+tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist_identity_t *id_p,
+                          int *supervised_rc_p) {
+  *supervised_rc_p = -1;
   if (n < 1 || n > TW_DIST_MAX_RANKS)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: --tp %d outside [1, %d]", n, TW_DIST_MAX_RANKS);
   setenv("NCCL_NVLS_ENABLE", "0", 0); /* lent machines: NVLink multicast stays off */
@@ -122,11 +160,22 @@ tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist
     for (int i = 1; i < argc; i++) av[k++] = argv[i];
     av[k] = NULL;
     TW_INFO("dist", "starting %d ranks under %s", n, av[0]);
-    execvp(av[0], av);
-    int e = errno;
+    pid_t parent = getpid();
+    pid_t child = fork();
+    if (child < 0) {
+      int e = errno;
+      free(av);
+      return tw_err(TW_ERR_IO, "dist: fork for mpirun: %s", strerror(e));
+    }
+    if (child == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGTERM); /* the supervisor gone: mpirun ends the job */
+      if (getppid() != parent) _exit(1);
+      execvp(av[0], av);
+      _exit(127);
+    }
     free(av);
-    return tw_err(TW_ERR_IO, "dist: cannot exec %s for --tp %d: %s", mpirun ? mpirun : "mpirun", n,
-                  strerror(e));
+    *supervised_rc_p = tw_dist_supervise(child);
+    return TW_OK;
   }
   /* our own spawner: rank 0 is this process; the rendezvous is a free-ish
    * port derived from the pid unless TWAIN_RENDEZVOUS is set */
@@ -419,6 +468,9 @@ tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind, in
     free(d);
     return tw_err(TW_ERR_TRANSPORT, "dist: zmq_ctx_new: %s", zmq_strerror(errno));
   }
+  struct sigaction sa = {0};
+  sa.sa_handler = tw_dist_on_usr1;
+  sigaction(SIGUSR1, &sa, NULL);
   tw_status_t st = tw_dist_setup(d, kind, device);
   if (st != TW_OK) {
     tw_dist_destroy(d);

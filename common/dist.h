@@ -60,14 +60,19 @@ typedef struct {
 tw_status_t tw_dist_identity_from_env(tw_dist_identity_t *id_p);
 
 /** `--tp N` on one node: start the N ranks of this worker. With `use_mpi`
- *  (cpu backend: the host collective is MPI) this process is replaced by
- *  `mpirun -np N argv...` (execvp; returns only on failure). Otherwise
+ *  (cpu backend: the host collective is MPI) this process starts
+ *  `mpirun -np N argv...` and supervises it: SIGTERM/SIGINT reach the ranks
+ *  as SIGUSR1 (which a rank turns into SIGTERM: rank 0 drains and stops the
+ *  others), and when mpirun ends this returns TW_OK with *supervised_rc_p
+ *  set to its exit status, which main returns. Otherwise *supervised_rc_p is
+ *  -1 and the caller goes on as a rank. Without `use_mpi` (cuda)
  *  (cuda) it forks N - 1 children that exec argv with RANK, WORLD_SIZE,
  *  LOCAL_RANK and TWAIN_RENDEZVOUS set (and die with their parent), and
  *  returns in the parent with *id_p = rank 0. NCCL_NVLS_ENABLE=0 is set
  *  unless already present. Errors: TW_ERR_INVALID_ARGUMENT (n < 1),
  *  TW_ERR_IO (exec/fork failed, with strerror). */
-tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist_identity_t *id_p);
+tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist_identity_t *id_p,
+                          int *supervised_rc_p);
 
 typedef struct tw_dist tw_dist_t;
 

@@ -497,8 +497,12 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
                   p->tp, p->ep);
   TW_CHECK(tw_dist_identity_from_env(&d.id));
   int32_t ranks = p->tp > p->ep ? p->tp : p->ep;
-  if (ranks > 1 && d.id.size == 1)
-    TW_CHECK(tw_dist_spawn(p->argc, p->argv, ranks, p->backend != TW_BACKEND_CUDA, &d.id));
+  if (ranks > 1 && d.id.size == 1) {
+    int rc = -1;
+    TW_CHECK(tw_dist_spawn(p->argc, p->argv, ranks, p->backend != TW_BACKEND_CUDA, &d.id, &rc));
+    if (rc == 0) return TW_OK; /* this process supervised the ranks (mpirun), now done */
+    if (rc > 0) return tw_err(TW_ERR_UNAVAILABLE, "decode: the ranks ended with status %d", rc);
+  }
   tw_log_init("twain-decode", d.id.rank);
   tw_worker_signals_install();
   tw_dist_identity_t id = d.id;

@@ -371,9 +371,12 @@ int tw_prefill_worker_main(int argc, char **argv) {
   }
   if (tw_dist_identity_from_env(&w.id) != TW_OK) return 2;
   int32_t ranks = w.o.tp > w.o.ep ? w.o.tp : w.o.ep;
-  if (ranks > 1 && w.id.size == 1 &&
-      tw_dist_spawn(argc, argv, ranks, w.o.backend != TW_BACKEND_CUDA, &w.id) != TW_OK)
-    return 1;
+  if (ranks > 1 && w.id.size == 1) {
+    int rc = -1;
+    if (tw_dist_spawn(argc, argv, ranks, w.o.backend != TW_BACKEND_CUDA, &w.id, &rc) != TW_OK)
+      return 1;
+    if (rc >= 0) return rc; /* this process supervised the ranks (mpirun), now done */
+  }
   tw_log_init("twain-prefill", w.id.rank);
   tw_worker_signals_install();
   if (tw_prefiller_init(&w) != TW_OK) {

@@ -1,0 +1,121 @@
+"""The service with multi-rank workers (issue 6), as real processes on 127.0.0.1.
+
+1. greedy: router + prefill worker with --tp 2 (two MPI ranks) + decode worker
+   with --tp 2 --ep 2 (two ranks): the greedy output of several prompts (one
+   over several blocks and past the 32-token sliding window, the 298-token
+   multiturn fixture) equals `twain-prefill --generate` (TP 1, one process)
+   token for token; the KV is re-sharded in the handoff: each prefill rank
+   put its KV head into the decode rank holding it, and every decode rank
+   verified the per-head checksums of what it received (--verify-kv: every
+   layer of every handoff matched, none mismatched), with the bytes sent equal
+   to the bytes received and every block freed afterwards.
+2. kill: a second, single-rank prefill worker joins; SIGKILL of rank 1 of the
+   TP 2 prefill worker takes the whole worker out of the router's registry
+   within 2 s (twain_router_prefill_workers drops to 1); requests sent
+   around the kill either complete with the reference output or fail with
+   an error, none hangs; new requests are served by the remaining worker.
+Every wait is bounded."""
+import os
+import re
+import signal
+import sys
+import time
+
+import fixtures
+import svc
+
+fails = 0
+
+
+def check(cond, what):
+    global fails
+    print("%s: %s" % ("ok  " if cond else "FAIL", what), flush=True)
+    if not cond:
+        fails += 1
+
+
+def router_workers(c, kind):
+    return svc.metrics(c.router_metrics_port).get("twain_router_%s_workers" % kind, 0)
+
+
+N = 24
+cases = {
+    "short_dog": fixtures.ids("short_dog"),
+    "system_water": fixtures.ids("system_water"),
+    "long": fixtures.long_prompt(),
+    "multiturn": fixtures.ids("multiturn"),
+}
+refs = {name: svc.reference_generate(ids, N) for name, ids in cases.items()}
+
+c = svc.Cluster(1, 1, prefill_args=["--tp", "2"], decode_args=["--tp", "2", "--ep", "2", "--verify-kv"])
+try:
+    cl = c.client()
+    # ---- 1. greedy through TP 2 prefill -> EP 2 TP 2 decode
+    rids = {name: cl.send(svc.generate(ids, N)) for name, ids in cases.items()}
+    got = {name: svc.tokens_of(reps) for name, reps in zip(rids, cl.wait(list(rids.values()), 180))}
+    for name in cases:
+        check(got[name] == refs[name] and len(refs[name]) == N,
+              "%-12s prompt %3d tokens: greedy %s TP 1" % (
+                  name, len(cases[name]), "identical to" if got[name] == refs[name] else "DIFFERENT from"))
+        if got[name] != refs[name]:
+            print("  service:  ", got[name], "\n  reference:", refs[name])
+    dm = svc.metrics(c.decodes[0].metrics_port)
+    pm = svc.metrics(c.prefills[0].metrics_port)
+    n_layers = 4
+    check(dm["twain_kv_checksum_ok_total"] == n_layers * len(cases) and dm["twain_kv_checksum_mismatch_total"] == 0,
+          "per-head kv checksums on both decode ranks: %d layers ok, %d mismatched" % (
+              dm["twain_kv_checksum_ok_total"], dm["twain_kv_checksum_mismatch_total"]))
+    check(pm["twain_kv_bytes_sent_total"] == dm["twain_kv_bytes_received_total"] > 0,
+          "kv bytes: %d sent by the prefill ranks, %d received by the decode ranks" % (
+              pm["twain_kv_bytes_sent_total"], dm["twain_kv_bytes_received_total"]))
+    check(c.prefills[0].count(r"r1 .*rank 1 of 2 pid \d+ following rank 0") == 1 and
+          c.decodes[0].count(r"r1 .*rank 1 of 2 pid \d+ following rank 0") == 1,
+          "both workers run two ranks")
+    check(c.decodes[0].count(r"rank 1 pool: kv heads \[1,2\)") == 1, "decode rank 1 holds kv head 1 only")
+    end = time.time() + 10
+    while time.time() < end and svc.metrics(c.decodes[0].metrics_port)["twain_kv_blocks_used"] != 0:
+        time.sleep(0.05)
+    check(svc.metrics(c.decodes[0].metrics_port)["twain_kv_blocks_used"] == 0, "every decode block freed")
+
+    # ---- 2. kill one rank of the TP 2 prefill worker
+    spare = c.add_prefill(extra=[])
+    spare.argv  # a plain single-rank prefill worker
+    c.wait_registered(2, 1)
+    victim = c.prefills[0]
+    m = victim.wait_line(r"r1 .*rank 1 of 2 pid (\d+) following rank 0", 10)
+    pid1 = int(m.group(1))
+    prompt = cases["long"]
+    before = [cl.send(svc.generate(prompt, N)) for _ in range(4)]
+    time.sleep(0.2)
+    t_kill = time.time()
+    os.kill(pid1, signal.SIGKILL)
+    gone_at = None
+    while time.time() < t_kill + 10:
+        if router_workers(c, "prefill") == 1:
+            gone_at = time.time() - t_kill
+            break
+        time.sleep(0.02)
+    check(gone_at is not None and gone_at <= 2.0,
+          "kill -9 of prefill rank 1: worker out of the registry after %s s" % (
+              "%.2f" % gone_at if gone_at is not None else "> 10"))
+    res = cl.wait(before, 120)
+    n_ok = sum(1 for r in res if svc.tokens_of(r) == refs["long"])
+    n_err = sum(1 for r in res if r[-1].error.code)
+    check(n_ok + n_err == len(before),
+          "requests around the kill: %d completed with the reference output, %d failed cleanly" % (n_ok, n_err))
+    after = cl.wait([cl.send(svc.generate(prompt, N)) for _ in range(2)], 120)
+    check(all(svc.tokens_of(r) == refs["long"] for r in after),
+          "after the kill the router keeps serving (remaining prefill worker)")
+    end = time.time() + 10
+    while time.time() < end and victim.p.poll() is None:
+        time.sleep(0.05)
+    check(victim.p.poll() is not None, "the killed worker's other rank is gone too (exit %s)" % victim.p.poll())
+    c.procs.remove(victim)
+    c.prefills.remove(victim)
+    cl.close()
+finally:
+    rcs = c.close()
+print("exit codes:", rcs)
+check(all(v == 0 for v in rcs.values()), "every daemon stopped cleanly on SIGTERM")
+print("PASS" if not fails else "FAIL (%d)" % fails)
+sys.exit(1 if fails else 0)
