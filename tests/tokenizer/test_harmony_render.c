@@ -165,6 +165,26 @@ int main(int argc, char **argv) {
     tw_harmony_conversation_fini(&c);
   }
 
+  /* no tools: the §4.5 system text without the functions line, and a developer
+   * message with instructions only has no trailing blank line (§4.11) */
+  tw_harmony_conversation_init(&c);
+  c.reasoning_effort = TW_HARMONY_EFFORT_HIGH;
+  tw_harmony_conversation_set(&c, &c.current_date, "2025-06-28");
+  tw_harmony_conversation_set(&c, &c.developer_instructions, "Be terse.");
+  tw_harmony_message_t hi = {.role = TW_HARMONY_ROLE_USER, .content = "hi"};
+  tw_harmony_conversation_add_message(&c, &hi);
+  ids.n = 0;
+  CHECK(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render no tools");
+  decode_str(tok, &ids, &text);
+  const char *expect_no_tools =
+      "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+      "Knowledge cutoff: 2024-06\nCurrent date: 2025-06-28\n\nReasoning: high\n\n"
+      "# Valid channels: analysis, commentary, final. Channel must be included for every "
+      "message.<|end|><|start|>developer<|message|># Instructions\n\nBe terse.<|end|>"
+      "<|start|>user<|message|>hi<|end|><|start|>assistant";
+  CHECK(!strcmp(text.data, expect_no_tools), "no-tools prompt:\n%s", text.data);
+  tw_harmony_conversation_fini(&c);
+
   /* tool call + tool result history (spec §4.8), analysis of the ongoing turn kept */
   tw_harmony_conversation_init(&c);
   tw_harmony_tool_t tool = {"get_current_weather", "Gets the weather.", weather_schema};
