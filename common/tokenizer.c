@@ -303,6 +303,11 @@ static tw_status_t tw_tok_build(struct tw_tokenizer *t, const cJSON *root) {
     t->tok_flags[id] = TW_TOK_F_ADDED |
                        (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(it, "special"))
                             ? TW_TOK_F_SPECIAL : 0);
+    static const char *const unsupported[] = {"lstrip", "rstrip", "single_word"};
+    for (int u = 0; u < 3; u++)
+      if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(it, unsupported[u])))
+        TW_WARN("tok", "added token \"%s\" has %s=true, which is not implemented: it matches "
+                "only its exact content", content, unsupported[u]);
     t->added[k].id = id;
     t->added[k].len = (uint32_t)n;
     t->added[k].content = t->bytes + off;
