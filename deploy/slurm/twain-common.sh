@@ -11,7 +11,10 @@
 #                         workers to start (default: the component's GPUs / TP)
 #   TWAIN_RANKS           spawn (default: one task per worker, the worker starts its
 #                         TP ranks itself) or srun (one task per rank, identity from
-#                         SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID)
+#                         SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID; the worker is
+#                         pinned to a node and its rank 0 listens on TWAIN_RENDEZVOUS =
+#                         tcp://NODE:PORT, PORT = TWAIN_RENDEZVOUS_PORT (default 7500)
+#                         + i for prefill worker i, + 100 + i for decode worker i)
 #   TWAIN_API_PORT, TWAIN_WORKER_PORT, TWAIN_METRICS_PORT
 #                         router client API, worker registration, first metrics port
 #                         (defaults 7400, 7401, 9100; worker i of a pool on a node
@@ -53,12 +56,13 @@ tw_setup() { # common checks and defaults
   tw_pids=()
 }
 
-# tw_launch_workers POOL COUNT TP EP [SRUN_OPTIONS...]: start COUNT workers of
-# POOL (prefill|decode) as job steps in the background, each on one node with
-# TP GPUs, registering with $TWAIN_ROUTER. Their srun pids go to tw_pids.
+# tw_launch_workers POOL COUNT TP EP NODELIST GPUS_PER_NODE [SRUN_OPTIONS...]:
+# start COUNT workers of POOL (prefill|decode) as job steps in the background,
+# each on one node of NODELIST with TP GPUs, registering with $TWAIN_ROUTER.
+# Their srun pids go to tw_pids.
 tw_launch_workers() {
-  local pool=$1 count=$2 tp=$3 ep=$4 i port_base par=() prog
-  shift 4
+  local pool=$1 count=$2 tp=$3 ep=$4 nodelist=$5 gpn=$6 i port_base par=() prog hosts=() per_node
+  shift 6
   prog=$TWAIN_BIN/twain-$pool
   [ -x "$prog" ] || tw_die "no $prog"
   if ((TWAIN_METRICS_PORT == 0)); then port_base=0
@@ -66,15 +70,22 @@ tw_launch_workers() {
   else port_base=$((TWAIN_METRICS_PORT + 101)); fi
   # Parallelism flags only when a worker has more than one rank (issue 6).
   if ((tp > 1 || ep > 1)); then par=(--tp "$tp" --ep "$ep"); fi
+  if [ "$TWAIN_RANKS" = srun ]; then
+    mapfile -t hosts < <(scontrol show hostnames "$nodelist")
+    per_node=$((gpn / tp)); ((per_node >= 1)) || per_node=1
+  fi
   for ((i = 0; i < count; i++)); do
-    local name="$pool-$SLURM_JOB_ID-$i" layout=()
+    local name="$pool-$SLURM_JOB_ID-$i" layout=() rdv=""
     if [ "$TWAIN_RANKS" = srun ]; then
-      layout=(--ntasks="$tp" --gpus-per-task=1)
+      local host=${hosts[$((i / per_node))]:-${hosts[0]}} off=0
+      [ "$pool" = decode ] && off=100
+      rdv=tcp://$host:$((${TWAIN_RENDEZVOUS_PORT:-7500} + off + i))
+      layout=(--nodelist="$host" --ntasks="$tp" --gpus-per-task=1)
     else
       layout=(--ntasks=1 --gpus="$tp")
     fi
     # shellcheck disable=SC2086  # TWAIN_WORKER_ARGS is a list of words on purpose
-    srun "$@" --nodes=1 "${layout[@]}" --exact --kill-on-bad-exit=1 --job-name="twain-$pool" \
+    TWAIN_RENDEZVOUS=$rdv srun "$@" --nodes=1 "${layout[@]}" --exact --kill-on-bad-exit=1 --job-name="twain-$pool" \
       --output="$TWAIN_LOG_DIR/$name.log" \
       "$prog" --model "$TWAIN_MODEL" --router "$TWAIN_ROUTER" --backend "$TWAIN_BACKEND" \
       --name "$name" --metrics-port "$((port_base ? port_base + i : 0))" "${par[@]}" ${TWAIN_WORKER_ARGS:-} &
