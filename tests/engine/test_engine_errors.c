@@ -60,7 +60,8 @@ int main(void) {
   TW_EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "max_batch -1");
   p.max_batch = 256;
   p.tp_size = 2;
-  TW_EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_UNSUPPORTED && !e, "cpu tp_size 2");
+  /* TP/EP > 1 needs the worker's collective group (issue 6, params.coll) */
+  TW_EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "cpu tp_size 2 without coll");
   p.tp_size = 1;
   p.ep_rank = 1;
   TW_EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "ep_rank 1 of 1");
