@@ -14,6 +14,9 @@
    within 2 s (twain_router_prefill_workers drops to 1); requests sent
    around the kill either complete with the reference output or fail with
    an error, none hangs; new requests are served by the remaining worker.
+3. the same for rank 1 of the EP 2 TP 2 decode worker while it streams: out
+   of the registry within 2 s, its streams end with an error, the others
+   complete, a new request is served by the remaining decode worker.
 Every wait is bounded."""
 import os
 import re
@@ -78,8 +81,7 @@ try:
     check(svc.metrics(c.decodes[0].metrics_port)["twain_kv_blocks_used"] == 0, "every decode block freed")
 
     # ---- 2. kill one rank of the TP 2 prefill worker
-    spare = c.add_prefill(extra=[])
-    spare.argv  # a plain single-rank prefill worker
+    c.add_prefill(extra=[])  # a plain single-rank prefill worker
     c.wait_registered(2, 1)
     victim = c.prefills[0]
     m = victim.wait_line(r"r1 .*rank 1 of 2 pid (\d+) following rank 0", 10)
@@ -112,6 +114,45 @@ try:
     check(victim.p.poll() is not None, "the killed worker's other rank is gone too (exit %s)" % victim.p.poll())
     c.procs.remove(victim)
     c.prefills.remove(victim)
+
+    # ---- 3. kill one rank of the EP 2 TP 2 decode worker mid-stream
+    spare_d = c.add_decode(extra=[])
+    c.wait_registered(1, 2)
+    victim = c.decodes[0]
+    pid1 = int(victim.wait_line(r"r1 .*rank 1 of 2 pid (\d+) following rank 0", 10).group(1))
+    time.sleep(0.5)  # heartbeats report the free blocks of both decode workers
+    short = cases["short_dog"]
+    streams = [cl.send(svc.generate(short, 300)) for _ in range(6)]
+    end = time.time() + 60
+    while time.time() < end and not all(len(svc.tokens_of(cl.replies.get(r, []))) >= 3 or cl.done(r)
+                                        for r in streams):
+        cl.pump(0.02)
+    t_kill = time.time()
+    os.kill(pid1, signal.SIGKILL)
+    gone_at = None
+    while time.time() < t_kill + 10:
+        if router_workers(c, "decode") == 1:
+            gone_at = time.time() - t_kill
+            break
+        cl.pump(0.02)
+    check(gone_at is not None and gone_at <= 2.0,
+          "kill -9 of decode rank 1: worker out of the registry after %s s" % (
+              "%.2f" % gone_at if gone_at is not None else "> 10"))
+    res = cl.wait(streams, 120)
+    n_err = sum(1 for r in res if r[-1].error.code)
+    n_ok = sum(1 for r in res if not r[-1].error.code and len(svc.tokens_of(r)) == 300)
+    check(n_ok + n_err == len(streams) and n_err > 0,
+          "streams around the kill: %d on the killed worker failed (%s), %d completed elsewhere" % (
+              n_err, ", ".join(sorted({r[-1].error.message[:40] for r in res if r[-1].error.code})), n_ok))
+    after = cl.wait([cl.send(svc.generate(short, N))], 120)[0]
+    check(svc.tokens_of(after) == svc.reference_generate(short, N),
+          "after the kill the router keeps serving (remaining decode worker)")
+    end = time.time() + 10
+    while time.time() < end and victim.p.poll() is None:
+        time.sleep(0.05)
+    check(victim.p.poll() is not None, "the killed decode worker's other rank is gone too (exit %s)" % victim.p.poll())
+    c.procs.remove(victim)
+    c.decodes.remove(victim)
     cl.close()
 finally:
     rcs = c.close()
