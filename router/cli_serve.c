@@ -113,6 +113,8 @@ static void tw_serve_usage(void) {
           "usage: twain serve [--model DIR] [--listen tcp://HOST:PORT] [--prefill N] [--decode M]\n"
           "         [--backend auto|cpu|cuda] [--threads T (per worker)] [--kv-blocks N]\n"
           "         [--metrics-port P] [--max-tokens-limit N] [--verify-kv]\n"
+          "         [--prefill-tp N] [--prefill-ep N] [--decode-tp N] [--decode-ep N]\n"
+          "           ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4\n"
           "  defaults: model %s, --listen %s, 1 prefill + 1 decode\n",
           TW_DEFAULT_MODEL_DIR, TW_ROUTER_CLIENT_ENDPOINT);
 }
@@ -128,6 +130,7 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_ready = tw_serve_ready;
   s.rp.on_ready_arg = &s;
   int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
+  const char *par[4] = {NULL, NULL, NULL, NULL}; /* prefill tp, ep, decode tp, ep (issue 6) */
   const char *backend = "auto", *kv_blocks = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -151,6 +154,10 @@ int tw_cli_serve(int argc, char **argv) {
     else if (!strcmp(a, "--backend")) backend = v;
     else if (!strcmp(a, "--threads")) threads = atoi(v);
     else if (!strcmp(a, "--kv-blocks")) kv_blocks = v;
+    else if (!strcmp(a, "--prefill-tp")) par[0] = v;
+    else if (!strcmp(a, "--prefill-ep")) par[1] = v;
+    else if (!strcmp(a, "--decode-tp")) par[2] = v;
+    else if (!strcmp(a, "--decode-ep")) par[3] = v;
     else if (!strcmp(a, "--metrics-port")) s.rp.metrics_port = atoi(v);
     else if (!strcmp(a, "--max-tokens-limit")) s.rp.max_tokens_limit = atoi(v);
     else {
@@ -236,6 +243,12 @@ int tw_cli_serve(int argc, char **argv) {
       av[c++] = (char *)kv_blocks;
     }
     if (!pre && verify) av[c++] = "--verify-kv";
+    for (int q = 0; q < 2; q++) { /* --tp / --ep of this pool: the worker starts its ranks */
+      const char *val = par[(pre ? 0 : 2) + q];
+      if (!val) continue;
+      av[c++] = q ? "--ep" : "--tp";
+      av[c++] = (char *)val;
+    }
     av[c] = NULL;
     pids[n] = tw_spawn(av);
     if (pids[n] > 0) n++;
