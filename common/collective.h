@@ -29,6 +29,7 @@ extern "C" {
 #endif
 
 typedef enum {
+  TW_COLL_NONE = 0, /* no collective (dist.h: a group with the control link only; tests) */
   TW_COLL_HOST = 1, /* MPI, host buffers */
   TW_COLL_NCCL = 2, /* NCCL, device buffers */
 } tw_coll_kind_t;

@@ -444,7 +444,7 @@ static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t devi
     return tw_err(TW_ERR_INTERNAL, "dist: cannot start the watchdog thread");
   d->wd_started = true;
   TW_INFO("dist", "rank %d of %d joined (%s collective, control %s)", d->id.rank, d->id.size,
-          kind == TW_COLL_HOST ? "mpi" : "nccl", cconn);
+          kind == TW_COLL_HOST ? "mpi" : kind == TW_COLL_NCCL ? "nccl" : "no", cconn);
   return TW_OK;
 }
 
