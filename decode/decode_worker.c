@@ -32,9 +32,9 @@
 /* QUARANTINE: a reservation cancelled before its KV arrived. A prefill worker
  * may still be writing into those blocks (one-sided puts cannot be revoked),
  * so they stay out of the free list for TW_DSEQ_QUARANTINE_MS, longer than a
- * prefill worker ever writes for a request (TW_PREFILL_MAX_AGE_MS, 10 s). */
+ * prefill worker ever writes for a request (TW_PREFILL_MAX_AGE_MS, 20 s). */
 typedef enum { TW_DSEQ_RESERVED = 1, TW_DSEQ_RUNNING = 2, TW_DSEQ_QUARANTINE = 3 } tw_dseq_state_t;
-#define TW_DSEQ_QUARANTINE_MS 30000
+#define TW_DSEQ_QUARANTINE_MS 40000
 
 typedef struct {
   uint64_t id;

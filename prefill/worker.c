@@ -24,8 +24,8 @@
 
 #define TW_PREFILL_MAX_QUEUE 4096
 /* KV older than this is never written (see issued_unix_ms in the proto);
- * decode workers quarantine cancelled reservations for longer (30 s). */
-#define TW_PREFILL_MAX_AGE_MS 10000
+ * decode workers quarantine cancelled reservations for longer (40 s). */
+#define TW_PREFILL_MAX_AGE_MS 20000
 
 typedef struct {
   const char *model_dir, *router, *name;

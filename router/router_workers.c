@@ -205,7 +205,11 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
   if (d->status && d->status->code) {
     char why[300];
     snprintf(why, sizeof why, "prefill failed on %s: %s", w->name, d->status->message ? d->status->message : "");
-    if (d->status->code == TWAIN__V1__CODE__UNAVAILABLE || d->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED)
+    /* UNAVAILABLE: draining; RESOURCE_EXHAUSTED: queue full; DEADLINE_EXCEEDED:
+     * it waited past the prefill worker's 20 s KV-write guard. None sent a token. */
+    if (d->status->code == TWAIN__V1__CODE__UNAVAILABLE ||
+        d->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED ||
+        d->status->code == TWAIN__V1__CODE__DEADLINE_EXCEEDED)
       tw_retry_or_fail(r, q, d->status->code, why);
     else
       tw_router_fail(r, q, d->status->code, "%s", why);
