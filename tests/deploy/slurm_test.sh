@@ -8,6 +8,7 @@
 #  3. add_worker.sh adds a decode worker job; the router registers it;
 #  4. while requests keep coming, remove_worker.sh cancels that worker job
 #     (drain); every request succeeds and the router is back to one decode worker;
+#     then the same with another worker job and a plain `scancel`;
 #  5. the service job drains and ends; the cluster is torn down.
 # Every wait is bounded; the whole test takes about a minute. Exit 77 (skip)
 # when not root, when slurm-wlm/munge are missing, or when the service
@@ -116,6 +117,26 @@ echo "requests during the removal:"; sed 's/^/  /' "$tmp/results"
 check "all 8 requests during the removal succeeded" '[ "$(grep -c "^ok" "$tmp/results")" = 8 ]'
 wait_for 30 "router is back to 1 decode worker" '[ "$(metric twain_router_decode_workers)" = 1 ]'
 check "requests after the removal succeed" 'chat "garden" >/dev/null 2>&1 && chat "bread" >/dev/null 2>&1'
+
+# 4b. the same with a plain `scancel` of a worker job (Slurm sends SIGTERM to
+#     every step, then SIGKILL after KillWait): requests keep succeeding
+extra2=$(bash "$src/deploy/slurm/add_worker.sh" --service "$job" --pool decode --gpus-per-node 1)
+wait_for 60 "router has 2 decode workers again (job $extra2)" '[ "$(metric twain_router_decode_workers)" = 2 ]'
+: > "$tmp/results2"
+(
+  for w in salt glass horse wind; do
+    if out=$(chat "$w" 2>&1); then echo "ok $w" >> "$tmp/results2"
+    else echo "fail $w: $(tr '\n' ' ' <<<"$out" | cut -c1-200)" >> "$tmp/results2"; fi
+  done
+) &
+load=$!
+wait_for 60 "a request served before the scancel" '[ "$(grep -c . "$tmp/results2")" -ge 1 ]'
+scancel "$extra2"
+wait_for 60 "the cancelled worker job is gone" '[ -z "$(squeue -h -j "$extra2" 2>/dev/null)" ]'
+wait "$load" || true
+echo "requests around the scancel:"; sed 's/^/  /' "$tmp/results2"
+check "all 4 requests around the scancel succeeded" '[ "$(grep -c "^ok" "$tmp/results2")" = 4 ]'
+wait_for 30 "router is back to 1 decode worker after the scancel" '[ "$(metric twain_router_decode_workers)" = 1 ]'
 
 # 5. drain and stop the service
 scancel --signal=TERM --batch "$job"
