@@ -64,6 +64,7 @@ typedef struct {
   tw_dseq_t **seqs;
   int32_t n_seqs, cap_seqs;
   bool draining;
+  int32_t step_start; /* first table index tried by the next step */
   tw_dist_identity_t id; /* this rank and its group (issue 6, dist.h) */
   tw_dist_t *dist;
   tw_decode_ranks_t rk;
@@ -355,8 +356,13 @@ static void tw_on_cancel(tw_decoder_t *d, uint64_t id) {
 /* One continuous-batching step over every running sequence. */
 static tw_status_t tw_decoder_step(tw_decoder_t *d) {
   int32_t n = 0;
-  for (int32_t i = 0; i < d->n_seqs && n < d->p->max_batch; i++) {
+  /* more running than max_batch: start where the last step stopped, so every
+   * sequence gets its turn */
+  int32_t start = d->n_seqs ? d->step_start % d->n_seqs : 0;
+  for (int32_t k = 0; k < d->n_seqs && n < d->p->max_batch; k++) {
+    int32_t i = (start + k) % d->n_seqs;
     tw_dseq_t *s = d->seqs[i];
+    d->step_start = i + 1;
     if (s->state != TW_DSEQ_RUNNING) continue;
     d->batch[n] = s;
     d->tok[n] = s->token;

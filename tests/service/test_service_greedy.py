@@ -22,16 +22,28 @@ assert len(cases["long"]) > 96 and len(cases["system_water"]) > 32
 
 # 32-token prefill chunks: the KV of each chunk is handed off while the next
 # one computes; the output must still equal the single-chunk reference
-c = svc.Cluster(1, 1, decode_args=["--verify-kv"], prefill_args=["--chunk-tokens", "32"])
+# --max-batch 3 with 9 requests in flight: sequences wait for a batch slot and
+# take turns, and the output must not depend on the batch composition
+c = svc.Cluster(1, 1, decode_args=["--verify-kv", "--max-batch", "3"], prefill_args=["--chunk-tokens", "32"])
 try:
     cl = c.client()
     rids = {name: cl.send(svc.generate(ids, N)) for name, ids in cases.items()}
     stop_rid = cl.send(svc.generate(cases["short_dog"], 200, stop_ids=fixtures.STOPS))
     nonstream_rid = cl.send(svc.generate(cases["system_water"], N, stream=False))
+    sampled = []
+    for _ in range(2):  # same seed, same tokens: the draw depends on (seed, position) only
+        g = svc.generate(cases["short_book"], N)
+        g.generate.sampling.temperature = 0.9
+        g.generate.sampling.seed = 7
+        sampled.append(cl.send(g))
     got = {name: svc.tokens_of(reps) for name, reps in zip(rids, cl.wait(list(rids.values()), 180))}
     stop_reps = cl.wait([stop_rid], 60)[0]
     nonstream = cl.wait([nonstream_rid], 60)[0]
     fails = 0
+    s1, s2 = [svc.tokens_of(r) for r in cl.wait(sampled, 60)]
+    print("sampled (T=0.9, seed 7) twice: %s" % ("identical" if s1 == s2 and len(s1) == N else "DIFFERENT"))
+    if s1 != s2 or len(s1) != N:
+        fails += 1
     for name, ids in cases.items():
         ref = svc.reference_generate(ids, N)
         ok = got[name] == ref and len(ref) == N
@@ -51,7 +63,7 @@ try:
             nonstream[0].usage.completion_tokens != N or nonstream[0].usage.prompt_tokens != 75:
         print("non-streamed reply differs:", nonstream)
         fails += 1
-    n_req = len(cases) + 2
+    n_req = len(cases) + 4
     m = svc.metrics(c.decodes[0].metrics_port)
     print("decode metrics: checksum ok %d, mismatch %d, blocks used %d" % (
         m["twain_kv_checksum_ok_total"], m["twain_kv_checksum_mismatch_total"], m["twain_kv_blocks_used"]))
