@@ -11,12 +11,16 @@ build=${TWAIN_BUILD_DIR:-build}
 
 PKGS="build-essential cmake pkg-config git libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
       libucx-dev ucx-utils libpcre2-dev libcjson-dev libmicrohttpd-dev libcmocka-dev
-      python3 python3-zmq python3-protobuf nodejs npm libopenmpi-dev openmpi-bin curl
+      python3 python3-zmq python3-protobuf libopenmpi-dev openmpi-bin curl
       shellcheck patchelf slurm-wlm munge"
 
 install_deps() {
   local missing=()
   for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  # Node.js and npm (tokenizer reference, manifest validators): keep a node
+  # that is already there (it may come from elsewhere with npm built in).
+  command -v node >/dev/null 2>&1 || missing+=(nodejs)
+  command -v npm >/dev/null 2>&1 || missing+=(npm)
   if ((${#missing[@]})); then
     echo "dev.sh: installing ${missing[*]}" >&2
     local sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
