@@ -57,8 +57,8 @@ static void tw_serve_bound(void *arg, const char *cep, const char *wep) {
 
 static void tw_serve_ready(void *arg) {
   tw_serve_t *s = arg;
-  printf("twain serve: ready: %d prefill + %d decode workers, clients at %s\n",
-         s->rp.expect_prefill, s->rp.expect_decode, s->client_ep);
+  printf("twain serve: ready: %d prefill + %d decode workers, clients at %s, workers at %s\n",
+         s->rp.expect_prefill, s->rp.expect_decode, s->client_ep, s->worker_ep);
   fflush(stdout);
   pthread_mutex_lock(&s->mu);
   s->ready = 1;
@@ -115,7 +115,9 @@ static void tw_serve_usage(void) {
           "         [--metrics-port P] [--max-tokens-limit N] [--verify-kv]\n"
           "         [--prefill-tp N] [--prefill-ep N] [--decode-tp N] [--decode-ep N]\n"
           "           ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4\n"
-          "  defaults: model %s, --listen %s, 1 prefill + 1 decode\n",
+          "         [--workers tcp://HOST:PORT]\n"
+          "  defaults: model %s, --listen %s, 1 prefill + 1 decode, workers on an ephemeral\n"
+          "  port (printed in the ready line: more workers may join there at any time)\n",
           TW_DEFAULT_MODEL_DIR, TW_ROUTER_CLIENT_ENDPOINT);
 }
 
@@ -149,6 +151,7 @@ int tw_cli_serve(int argc, char **argv) {
     i++;
     if (!strcmp(a, "--model")) s.rp.model_dir = v;
     else if (!strcmp(a, "--listen")) s.rp.client_endpoint = v;
+    else if (!strcmp(a, "--workers")) s.rp.worker_endpoint = v;
     else if (!strcmp(a, "--prefill")) n_prefill = atoi(v);
     else if (!strcmp(a, "--decode")) n_decode = atoi(v);
     else if (!strcmp(a, "--backend")) backend = v;
