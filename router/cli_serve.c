@@ -57,8 +57,8 @@ static void tw_serve_bound(void *arg, const char *cep, const char *wep) {
 
 static void tw_serve_ready(void *arg) {
   tw_serve_t *s = arg;
-  printf("twain serve: ready: %d prefill + %d decode workers, clients at %s, workers at %s\n",
-         s->rp.expect_prefill, s->rp.expect_decode, s->client_ep, s->worker_ep);
+  printf("twain serve: ready: %d prefill + %d decode workers (join at %s), clients at %s\n",
+         s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->client_ep);
   fflush(stdout);
   pthread_mutex_lock(&s->mu);
   s->ready = 1;
