@@ -12,6 +12,7 @@
  * warp 0 of split 0 only.
  * Combine kernel: one warp per (sequence, query head) merges the splits and
  * writes bf16. */
+#include "kernels/pdl.cuh"
 #include "kernels/attention.h"
 
 #include "kernels/attention_mma.cuh"
@@ -41,6 +42,7 @@ typedef struct {
 
 static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_kernel(
     const tw_dc_params_t p) {
+  TW_PDL_WAIT();
   constexpr int BN = TW_DC_BN, D = TW_ATTN_D, NT = TW_DC_WARPS * 32;
   __shared__ __align__(128) uint8_t sbuf[2][2][BN * D * 2]; /* [stage][k|v], reused below */
   const int sp = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
@@ -219,6 +221,7 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
 /* One warp per (sequence, query head): merge the non-empty splits. */
 static __global__ void __launch_bounds__(128) tw_attn_decode_combine_kernel(
     const tw_dc_params_t p, int n_rows) {
+  TW_PDL_WAIT();
   constexpr int D = TW_ATTN_D;
   const int row = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
   if (row >= n_rows) return;
@@ -330,10 +333,10 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   p.ws_l = reinterpret_cast<float *>(w);
   p.out = static_cast<__nv_bfloat16 *>(out);
   dim3 grid((unsigned)p.n_splits, (unsigned)p.nkv, (unsigned)n_seqs);
-  tw_attn_decode_split_kernel<<<grid, TW_DC_WARPS * 32, 0, stream>>>(p);
+  tw_pdl_launch(tw_attn_decode_split_kernel, dim3(grid), dim3(TW_DC_WARPS * 32), 0, stream, p);
   TW_CUDA_CHECK_LAUNCH("attention decode (split)");
   const int n_rows = n_seqs * p.nq;
-  tw_attn_decode_combine_kernel<<<TW_CDIV(n_rows, 4), 128, 0, stream>>>(p, n_rows);
+  tw_pdl_launch(tw_attn_decode_combine_kernel, dim3(TW_CDIV(n_rows, 4)), dim3(128), 0, stream, p, n_rows);
   TW_CUDA_CHECK_LAUNCH("attention decode (combine)");
   return TW_OK;
 }

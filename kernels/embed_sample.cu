@@ -5,6 +5,7 @@
  * every probability mass is a double sum of exp(z - max), as on the CPU (the
  * summation order differs, so a draw can differ only when the target falls
  * within double rounding of a boundary). */
+#include "kernels/pdl.cuh"
 #include "kernels/embed_sample.h"
 
 #include "kernels/cuda_common.h"
@@ -16,6 +17,7 @@
 
 __global__ void tw_embed_kernel(const uint4 *__restrict__ table, int V, int row_vec,
                                 const int32_t *__restrict__ tokens, float *__restrict__ x) {
+  TW_PDL_WAIT();
   int t = blockIdx.x;
   int id = tokens[t];
   id = id < 0 ? 0 : (id >= V ? V - 1 : id);
@@ -38,7 +40,7 @@ extern "C" tw_status_t tw_cuda_embed(const void *table, int32_t V, int32_t H,
   if (T < 0 || V <= 0 || H <= 0 || H % 8)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "embed: bad sizes T=%d V=%d H=%d", T, V, H);
   if (T == 0) return TW_OK;
-  tw_embed_kernel<<<T, 128, 0, stream>>>((const uint4 *)table, V, H / 8, tokens, x);
+  tw_pdl_launch(tw_embed_kernel, dim3(T), dim3(128), 0, stream, (const uint4 *)table, V, H / 8, tokens, x);
   TW_CUDA_CHECK_LAUNCH("tw_embed_kernel");
   return TW_OK;
 }
@@ -94,6 +96,7 @@ static __device__ int tw_block_argmax(const float *__restrict__ row, int V, floa
 
 __global__ void tw_argmax_kernel(const float *__restrict__ logits, int64_t ld, int V,
                                  int32_t *__restrict__ out) {
+  TW_PDL_WAIT();
   __shared__ float redv[32];
   __shared__ int redi[32];
   int r = tw_block_argmax(logits + (size_t)blockIdx.x * ld, V, redv, redi);
@@ -107,7 +110,7 @@ extern "C" tw_status_t tw_cuda_argmax(const float *logits, int64_t ld, int32_t n
     return tw_err(TW_ERR_INVALID_ARGUMENT, "argmax: bad sizes rows=%d V=%d ld=%lld", n_rows, V,
                   (long long)ld);
   if (n_rows == 0) return TW_OK;
-  tw_argmax_kernel<<<n_rows, TW_SAMPLE_THREADS, 0, stream>>>(logits, ld, V, out);
+  tw_pdl_launch(tw_argmax_kernel, dim3(n_rows), dim3(TW_SAMPLE_THREADS), 0, stream, logits, ld, V, out);
   TW_CUDA_CHECK_LAUNCH("tw_argmax_kernel");
   return TW_OK;
 }
@@ -173,6 +176,7 @@ static __device__ int tw_count(const tw_sample_ctx &c, uint32_t thr_key, bool eq
 __global__ void tw_sample_kernel(const float *__restrict__ logits, int64_t ld, int V,
                                  const tw_cuda_sample_row_t *__restrict__ params,
                                  int32_t *__restrict__ out) {
+  TW_PDL_WAIT();
   __shared__ double redd[32];
   __shared__ int redi[32];
   __shared__ float redv[32];
@@ -282,7 +286,7 @@ extern "C" tw_status_t tw_cuda_sample(const float *logits, int64_t ld, int32_t n
     return tw_err(TW_ERR_INVALID_ARGUMENT, "sample: bad sizes rows=%d V=%d ld=%lld", n_rows, V,
                   (long long)ld);
   if (n_rows == 0) return TW_OK;
-  tw_sample_kernel<<<n_rows, TW_SAMPLE_THREADS, 0, stream>>>(logits, ld, V, params, out);
+  tw_pdl_launch(tw_sample_kernel, dim3(n_rows), dim3(TW_SAMPLE_THREADS), 0, stream, logits, ld, V, params, out);
   TW_CUDA_CHECK_LAUNCH("tw_sample_kernel");
   return TW_OK;
 }

@@ -114,6 +114,34 @@ static tw_status_t tw_ce_put_stack(tw_ce_up_t *u, const tw_tensor_t *const *ts, 
   return TW_OK;
 }
 
+/* Upload a bf16 (or f32) expert tensor [E, R, C] (HF in-memory orientation,
+ * used as x @ W) transposed to bf16 [E, C, R], the layout the MoE GEMM path
+ * multiplies (spec §3.5: even/odd columns become even/odd rows). */
+static tw_status_t tw_ce_put_experts_t(tw_ce_up_t *u, const tw_tensor_t *t, int64_t E, int64_t R,
+                                       int64_t C, const char *name, const void **dst_p) {
+  if (!t->data) return tw_err(TW_ERR_NOT_FOUND, "cuda engine: tensor %s is absent", name);
+  if (t->ndim != 3 || t->shape[0] != E || t->shape[1] != R || t->shape[2] != C)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "cuda engine: expert tensor %s is not [%lld, %lld, %lld]", name, (long long)E,
+                  (long long)R, (long long)C);
+  if (t->dtype != TW_DTYPE_BF16 && t->dtype != TW_DTYPE_F32)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: tensor %s has dtype %s, want bf16 or f32",
+                  name, tw_dtype_name(t->dtype));
+  size_t bytes = (size_t)(E * R * C) * 2;
+  if (!u->base) return tw_ce_put(u, NULL, bytes, dst_p);
+  TW_CHECK(tw_ce_tmp(u, bytes));
+  uint16_t *o = (uint16_t *)u->tmp;
+  for (int64_t e = 0; e < E; e++)
+    for (int64_t r = 0; r < R; r++)
+      for (int64_t c = 0; c < C; c++) {
+        int64_t si = (e * R + r) * C + c;
+        o[(e * C + c) * R + r] = t->dtype == TW_DTYPE_BF16
+                                     ? ((const uint16_t *)t->data)[si]
+                                     : tw_f32_to_bf16(((const float *)t->data)[si]);
+      }
+  return tw_ce_put(u, u->tmp, bytes, dst_p);
+}
+
 static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
   const tw_model_config_t *c = &m->config;
   TW_CHECK(tw_ce_put_as(u, &m->embed, TW_DTYPE_BF16, "embed", &ce->embed));
@@ -143,6 +171,18 @@ static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
     mw->intermediate = c->intermediate;
     mw->swiglu_alpha = c->swiglu_alpha;
     mw->swiglu_limit = c->swiglu_limit;
+    if (lw->experts_format == TW_EXPERTS_BF16) {
+      int64_t E = c->n_experts, H = c->hidden, I = c->intermediate;
+      TW_CHECK(tw_ce_put_experts_t(u, &lw->gate_up, E, H, 2 * I, "gate_up_proj", &d->wdq));
+      TW_CHECK(tw_ce_put_experts_t(u, &lw->down, E, I, H, "down_proj", &p));
+      if (u->base && (const char *)p != (const char *)d->wdq + tw_ce_align((size_t)(E * 2 * I * H) * 2))
+        return tw_err(TW_ERR_INTERNAL, "cuda engine: layer %d bf16 experts not contiguous", l);
+      TW_CHECK(tw_ce_put_as(u, &lw->gate_up_bias, TW_DTYPE_F32, "gate_up_bias", &p));
+      mw->gate_up_bias = (const float *)p;
+      TW_CHECK(tw_ce_put_as(u, &lw->down_bias, TW_DTYPE_F32, "down_bias", &p));
+      mw->down_bias = (const float *)p;
+      continue;
+    }
     TW_CHECK(tw_ce_put_as(u, &lw->gate_up_blocks, TW_DTYPE_U8, "gate_up_blocks", &p));
     mw->gate_up_blocks = (const uint8_t *)p;
     TW_CHECK(tw_ce_put_as(u, &lw->gate_up_scales, TW_DTYPE_U8, "gate_up_scales", &p));
@@ -195,11 +235,13 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
                                                   c->intermediate);
   ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
   ce->moe_pre_bytes = 0;
-  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS) {
+  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS || ce->bf16_experts) {
     ce->moe_pre_bytes = tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts,
                                                      c->n_experts_per_tok, c->hidden,
                                                      c->intermediate, 0);
     ce->moe_pre_ws = tw_ce_take(cv, ce->moe_pre_bytes);
+  }
+  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts) {
     ce->dq_bytes = tw_cuda_moe_dequant_bytes(c->n_experts, c->hidden, c->intermediate);
     ce->dq_buf[0] = tw_ce_take(cv, ce->dq_bytes);
     ce->dq_buf[1] = tw_ce_take(cv, ce->dq_bytes);
@@ -261,10 +303,10 @@ static tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_param
   if (p->tp_size != 1 || p->ep_size != 1)
     return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: tp_size %d / ep_size %d: only 1 is built",
                   p->tp_size, p->ep_size);
-  for (int l = 0; l < c->n_layers; l++)
-    if (m->layers[l].experts_format != TW_EXPERTS_MXFP4)
-      return tw_err(TW_ERR_UNSUPPORTED,
-                    "cuda engine: layer %d has bf16 experts; only MXFP4 experts are built", l);
+  for (int l = 1; l < c->n_layers; l++)
+    if (m->layers[l].experts_format != m->layers[0].experts_format)
+      return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: layer %d's experts format differs from "
+                    "layer 0's (mixed MXFP4/bf16 checkpoints are not built)", l);
   if (c->hidden % 32 || c->intermediate % 32)
     return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: hidden %d / intermediate %d not multiples of 32",
                   c->hidden, c->intermediate);
@@ -315,7 +357,9 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   ce->max_rows = ce->chunk > ce->max_batch ? ce->chunk : ce->max_batch;
   ce->max_pos = c->max_position_embeddings;
   ce->max_blocks_per_seq = (ce->max_pos + params->kv_block_size - 1) / params->kv_block_size;
-  ce->use_graphs = 1;
+  ce->bf16_experts = c->n_layers > 0 && model->layers[0].experts_format == TW_EXPERTS_BF16;
+  /* the bf16-expert MoE reads per-expert counts on the host: not capturable */
+  ce->use_graphs = !ce->bf16_experts;
   {
     /* debug knob, read once here: per-op timing with a sync after each op */
     const char *pv = getenv("TWAIN_CUDA_PROFILE");

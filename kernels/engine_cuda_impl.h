@@ -41,6 +41,10 @@ typedef struct {
   const void *wr;        /* bf16 [E, H] */
   const float *br;       /* f32 [E] */
   tw_cuda_moe_weights_t moe;
+  /* bf16-expert checkpoints (spec §3.5): the experts uploaded once in the
+   * dequantised layout of tw_cuda_moe_dequant (gate_up [E, 2I, H], then down
+   * [E, H, I]); NULL for MXFP4 experts */
+  const void *wdq;
 } tw_ce_layer_t;
 
 typedef struct {
@@ -52,6 +56,7 @@ typedef struct {
 typedef struct {
   const tw_model_config_t *cfg;
   int32_t qkv_dim, q_dim; /* (NQ + 2 NKV) D, NQ D */
+  int bf16_experts; /* every MoE runs the GEMM path on layers[l].wdq (no graphs) */
   cudaStream_t stream;
   tw_cuda_gemm_t *gemm;
   /* weights: one device arena */

@@ -60,7 +60,7 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
   tw_cuda_attn_shape_t sh = {c->n_heads, c->n_kv_heads, c->head_dim, block_size, 0,
                              (float)(1.0 / sqrt((double)c->head_dim))};
   TW_CE_OP(TW_CE_PROF_EMBED, tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
-  bool gemm_moe = T > TW_CE_GEMV_MAX_TOKENS;
+  bool gemm_moe = T > TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts;
   if (gemm_moe) { /* layer 0's experts, after whatever ran before on s */
     TW_CUDA_CHECK(cudaEventRecord(ce->dq_start, s));
     TW_CUDA_CHECK(cudaStreamWaitEvent(ce->dq_stream, ce->dq_start, 0));
@@ -100,7 +100,11 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
     TW_CE_OP(TW_CE_PROF_ROUTER, tw_cuda_gemm_bf16(ce->gemm, T, E, H, ce->xn, H, L->wr, H, L->br, ce->rlog,
                                TW_DTYPE_F32, E, s));
     TW_CE_OP(TW_CE_PROF_ROUTE, tw_cuda_moe_route(&ce->route, ce->rlog, T, s));
-    if (T <= TW_CE_GEMV_MAX_TOKENS)
+    if (ce->bf16_experts)
+      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(ce->gemm, &L->moe, &ce->route, T, ce->xn,
+                                                   L->wdq, ce->moe_pre_ws, ce->moe_pre_bytes,
+                                                   ce->h_counts, ce->moe_out, s));
+    else if (T <= TW_CE_GEMV_MAX_TOKENS)
       TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_decode(&L->moe, &ce->route, T, ce->xn, ce->moe_dec_ws,
                                   ce->moe_dec_bytes, ce->moe_out, s));
     else {
@@ -242,6 +246,8 @@ static tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t 
                   : tw_err(TW_ERR_CUDA, "decode graph capture (batch %d, ctx %d) failed: %s", B,
                            ctx, cudaGetErrorString(ce_end));
   }
+  size_t n_nodes = 0;
+  cudaGraphGetNodes(g, NULL, &n_nodes);
   cudaGraphExec_t exec = NULL;
   cudaError_t ie = cudaGraphInstantiate(&exec, g, 0);
   cudaGraphDestroy(g);
@@ -252,7 +258,9 @@ static tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t 
   ce->graphs[ce->n_graphs].ctx = ctx;
   ce->graphs[ce->n_graphs].exec = exec;
   ce->n_graphs++;
-  TW_DEBUG("engine", "captured decode graph batch %d ctx %d", B, ctx);
+  /* the node count is the kernels (and memsets) per decode step */
+  TW_INFO("engine", "captured decode graph batch %d ctx %d: %zu nodes (%.1f per layer)", B, ctx,
+          n_nodes, (double)n_nodes / ce->cfg->n_layers);
   *exec_p = exec;
   return TW_OK;
 }

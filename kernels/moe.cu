@@ -9,6 +9,7 @@
  * as f32 [token][block][36] (32 values + 4 pad: conflict-free float4 reads).
  * The tokens of the expert are processed TC at a time, so each weight byte
  * comes from DRAM once per step whatever the batch. */
+#include "kernels/pdl.cuh"
 #include "kernels/moe.h"
 
 #include "kernels/cuda_common.h"
@@ -97,6 +98,7 @@ __global__ void __launch_bounds__(TW_MOE_WARPS * 32)
                           const int32_t *__restrict__ n_active, const int32_t *__restrict__ counts,
                           const int32_t *__restrict__ offsets, const int32_t *__restrict__ sorted,
                           int k, const __nv_bfloat16 *__restrict__ x, float *__restrict__ act) {
+  TW_PDL_WAIT();
   extern __shared__ float smem[];
   float *tab = smem, *xs = smem + 16;
   if ((int)blockIdx.y >= *n_active) return;
@@ -145,6 +147,7 @@ __global__ void __launch_bounds__(TW_MOE_WARPS * 32)
                        const int32_t *__restrict__ n_active, const int32_t *__restrict__ counts,
                        const int32_t *__restrict__ offsets, const float *__restrict__ act,
                        float *__restrict__ y) {
+  TW_PDL_WAIT();
   extern __shared__ float smem[];
   float *tab = smem, *xs = smem + 16;
   if ((int)blockIdx.y >= *n_active) return;
@@ -195,10 +198,12 @@ extern "C" tw_status_t tw_cuda_moe_setup(void) {
 
 static tw_status_t tw_moe_weights_check(const char *fn, const tw_cuda_moe_weights_t *w,
                                         const tw_cuda_moe_route_t *r, int32_t T, const void *x,
-                                        const void *out) {
+                                        const void *out, int bf16_given) {
   if (!w || !r || !x || !out) return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-  if (!w->gate_up_blocks || !w->gate_up_scales || !w->gate_up_bias || !w->down_blocks ||
-      !w->down_scales || !w->down_bias)
+  if (!w->gate_up_bias || !w->down_bias)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: NULL expert bias", fn);
+  if (!bf16_given && (!w->gate_up_blocks || !w->gate_up_scales || !w->down_blocks ||
+                      !w->down_scales))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: NULL expert tensor", fn);
   if (w->hidden <= 0 || w->hidden % 32 || w->intermediate <= 0 || w->intermediate % 32)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: H=%d I=%d must be positive multiples of 32", fn,
@@ -224,7 +229,7 @@ extern "C" tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
                                           const tw_cuda_moe_route_t *r, int32_t T, const void *x,
                                           void *workspace, size_t workspace_bytes, float *out,
                                           cudaStream_t stream) {
-  TW_CHECK(tw_moe_weights_check("moe_decode", w, r, T, x, out));
+  TW_CHECK(tw_moe_weights_check("moe_decode", w, r, T, x, out, 0));
   int H = w->hidden, I = w->intermediate, k = r->k;
   size_t need = tw_cuda_moe_decode_ws_bytes(T, k, H, I);
   if (!workspace || workspace_bytes < need)
@@ -236,18 +241,14 @@ extern "C" tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
   dim3 g1(TW_CDIV(I, TW_MOE_ROWS_PER_BLOCK), slots), g2(TW_CDIV(H, TW_MOE_ROWS_PER_BLOCK), slots);
   const __nv_bfloat16 *xb = (const __nv_bfloat16 *)x;
   if (T == 1) {
-    tw_moe_gate_up_kernel<1><<<g1, TW_MOE_WARPS * 32, tw_moe_smem_bytes(1, H), stream>>>(
-        *w, r->active, r->n_active, r->counts, r->offsets, r->sorted, k, xb, act);
+    tw_pdl_launch(tw_moe_gate_up_kernel<1>, dim3(g1), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(1, H), stream, *w, r->active, r->n_active, r->counts, r->offsets, r->sorted, k, xb, act);
     TW_CUDA_CHECK_LAUNCH("tw_moe_gate_up_kernel<1>");
-    tw_moe_down_kernel<1><<<g2, TW_MOE_WARPS * 32, tw_moe_smem_bytes(1, I), stream>>>(
-        *w, r->active, r->n_active, r->counts, r->offsets, act, y);
+    tw_pdl_launch(tw_moe_down_kernel<1>, dim3(g2), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(1, I), stream, *w, r->active, r->n_active, r->counts, r->offsets, act, y);
     TW_CUDA_CHECK_LAUNCH("tw_moe_down_kernel<1>");
   } else {
-    tw_moe_gate_up_kernel<4><<<g1, TW_MOE_WARPS * 32, tw_moe_smem_bytes(4, H), stream>>>(
-        *w, r->active, r->n_active, r->counts, r->offsets, r->sorted, k, xb, act);
+    tw_pdl_launch(tw_moe_gate_up_kernel<4>, dim3(g1), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(4, H), stream, *w, r->active, r->n_active, r->counts, r->offsets, r->sorted, k, xb, act);
     TW_CUDA_CHECK_LAUNCH("tw_moe_gate_up_kernel<4>");
-    tw_moe_down_kernel<4><<<g2, TW_MOE_WARPS * 32, tw_moe_smem_bytes(4, I), stream>>>(
-        *w, r->active, r->n_active, r->counts, r->offsets, act, y);
+    tw_pdl_launch(tw_moe_down_kernel<4>, dim3(g2), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(4, I), stream, *w, r->active, r->n_active, r->counts, r->offsets, act, y);
     TW_CUDA_CHECK_LAUNCH("tw_moe_down_kernel<4>");
   }
   return tw_moe_combine_f32(r, T, H, y, out, stream);
@@ -255,32 +256,30 @@ extern "C" tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
 
 /* ---- prefill path --------------------------------------------------------- */
 
-/* One thread per 32-value block: 16 bytes + 1 scale in, 64 bytes of bf16 out.
- * Rows of experts with no tokens are skipped when counts is given. */
+/* One thread per 4-byte word of a block (8 values): 4 bytes + the block's
+ * scale in, 16 bytes of bf16 out, so a warp reads 128 and writes 512
+ * contiguous bytes per instruction (fully coalesced both ways). Rows of
+ * experts with no tokens are skipped when counts is given. */
 __global__ void tw_mxfp4_dequant_kernel(const uint8_t *__restrict__ blocks,
                                         const uint8_t *__restrict__ scales, int64_t n_blocks,
                                         int NB, int64_t rows_per_expert,
                                         const int32_t *__restrict__ maybe_counts,
                                         __nv_bfloat16 *__restrict__ out) {
-  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n_blocks) return;
-  if (maybe_counts && maybe_counts[(i / NB) / rows_per_expert] == 0) return;
-  uint4 wv = __ldg(reinterpret_cast<const uint4 *>(blocks) + i);
-  float sc = tw_e8m0_to_f32(scales[i]);
-  const uint32_t wq[4] = {wv.x, wv.y, wv.z, wv.w};
-  uint4 o[4];
-  uint32_t *ow = reinterpret_cast<uint32_t *>(o);
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* word */
+  if (i >= n_blocks * 4) return;
+  int64_t blk = i >> 2;
+  if (maybe_counts && maybe_counts[(blk / NB) / rows_per_expert] == 0) return;
+  uint32_t wq = __ldg(reinterpret_cast<const uint32_t *>(blocks) + i);
+  float sc = tw_e8m0_to_f32(__ldg(scales + blk));
+  uint4 o;
+  uint32_t *ow = reinterpret_cast<uint32_t *>(&o);
 #pragma unroll
-  for (int q = 0; q < 4; q++)
-#pragma unroll
-    for (int n = 0; n < 8; n += 2) {
-      __nv_bfloat162 v = __floats2bfloat162_rn(tw_fp4_to_f32(wq[q] >> (4 * n)) * sc,
-                                               tw_fp4_to_f32(wq[q] >> (4 * n + 4)) * sc);
-      ow[q * 4 + n / 2] = *reinterpret_cast<uint32_t *>(&v);
-    }
-  uint4 *dst = reinterpret_cast<uint4 *>(out) + i * 4;
-#pragma unroll
-  for (int q = 0; q < 4; q++) dst[q] = o[q];
+  for (int n = 0; n < 8; n += 2) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(tw_fp4_to_f32(wq >> (4 * n)) * sc,
+                                             tw_fp4_to_f32(wq >> (4 * n + 4)) * sc);
+    ow[n / 2] = *reinterpret_cast<uint32_t *>(&v);
+  }
+  reinterpret_cast<uint4 *>(out)[i] = o;
 }
 
 extern "C" tw_status_t tw_cuda_mxfp4_dequant(const uint8_t *blocks, const uint8_t *scales,
@@ -292,7 +291,7 @@ extern "C" tw_status_t tw_cuda_mxfp4_dequant(const uint8_t *blocks, const uint8_
                   (long long)n_rows, n_cols);
   int64_t nb = n_rows * (n_cols / 32);
   if (nb == 0) return TW_OK;
-  tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb, 256), 256, 0, stream>>>(
+  tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb * 4, 256), 256, 0, stream>>>(
       blocks, scales, nb, n_cols / 32, n_rows > 0 ? n_rows : 1, NULL, (__nv_bfloat16 *)out);
   TW_CUDA_CHECK_LAUNCH("tw_mxfp4_dequant_kernel");
   return TW_OK;
@@ -340,10 +339,10 @@ extern "C" tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w,
   __nv_bfloat16 *w1 = (__nv_bfloat16 *)wdq;
   __nv_bfloat16 *w2 = (__nv_bfloat16 *)((char *)wdq + tw_al256((size_t)E * 2 * I * H * 2));
   int64_t nb1 = (int64_t)E * 2 * I * (H / 32), nb2 = (int64_t)E * H * (I / 32);
-  tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb1, 256), 256, 0, stream>>>(
+  tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb1 * 4, 256), 256, 0, stream>>>(
       w->gate_up_blocks, w->gate_up_scales, nb1, H / 32, 2 * (int64_t)I, maybe_counts, w1);
   TW_CUDA_CHECK_LAUNCH("tw_mxfp4_dequant_kernel(gate_up)");
-  tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb2, 256), 256, 0, stream>>>(
+  tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb2 * 4, 256), 256, 0, stream>>>(
       w->down_blocks, w->down_scales, nb2, I / 32, H, maybe_counts, w2);
   TW_CUDA_CHECK_LAUNCH("tw_mxfp4_dequant_kernel(down)");
   return TW_OK;
@@ -363,7 +362,7 @@ extern "C" tw_status_t tw_cuda_moe_prefill(tw_cuda_gemm_t *gemm, const tw_cuda_m
                                            const void *maybe_wdq, void *workspace,
                                            size_t workspace_bytes, int32_t *host_counts,
                                            float *out, cudaStream_t stream) {
-  TW_CHECK(tw_moe_weights_check("moe_prefill", w, r, T, x, out));
+  TW_CHECK(tw_moe_weights_check("moe_prefill", w, r, T, x, out, maybe_wdq != NULL));
   if (!gemm || !host_counts) return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: NULL argument");
   int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k;
   size_t need = tw_cuda_moe_prefill_ws_bytes(T, E, k, H, I, maybe_wdq == NULL);

@@ -4,6 +4,7 @@
  * Determinism: the per-expert order of assignments is stable (increasing
  * a = t*k + j), computed by one block per expert that scans all assignments
  * with ballots, not by atomics, so replays give identical results. */
+#include "kernels/pdl.cuh"
 #include "kernels/moe.h"
 
 #include "kernels/cuda_common.h"
@@ -102,6 +103,7 @@ static __device__ void tw_moe_topk_warp(const float *__restrict__ z, int E, int 
 __global__ void tw_moe_topk_kernel(const float *__restrict__ logits, int T, int E, int k,
                                    int32_t *__restrict__ topk_idx, float *__restrict__ topk_w,
                                    int32_t *__restrict__ counts) {
+  TW_PDL_WAIT();
   __shared__ int sel[8][32];
   __shared__ float selv[8][32];
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -124,6 +126,7 @@ __global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int 
                                           int32_t *__restrict__ pos_of,
                                           int32_t *__restrict__ active,
                                           int32_t *__restrict__ n_active) {
+  TW_PDL_WAIT();
   __shared__ int sel[8][32];
   __shared__ float selv[8][32];
   __shared__ int idx_s[TW_ROUTE_FUSED_MAX];
@@ -171,6 +174,7 @@ __global__ void tw_moe_sort_kernel(const int32_t *__restrict__ topk_idx, int TK,
                                    const int32_t *__restrict__ counts, int32_t *__restrict__ offsets,
                                    int32_t *__restrict__ sorted, int32_t *__restrict__ pos_of,
                                    int32_t *__restrict__ active, int32_t *__restrict__ n_active) {
+  TW_PDL_WAIT();
   __shared__ int red_off[8], red_act[8], warp_tot[8];
   __shared__ int base_s;
   int e = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -235,17 +239,17 @@ extern "C" tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *r, const flo
   if (T <= 0 || T > r->max_tokens)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route: T=%d outside [1, %d]", T, r->max_tokens);
   if (T * r->k <= TW_ROUTE_FUSED_MAX) {
-    tw_moe_route_fused_kernel<<<1, 256, 0, stream>>>(logits, T, r->n_experts, r->k, r->topk_idx,
+    tw_pdl_launch(tw_moe_route_fused_kernel, dim3(1), dim3(256), 0, stream, logits, T, r->n_experts, r->k, r->topk_idx,
                                                      r->topk_w, r->counts, r->offsets, r->sorted,
                                                      r->pos_of, r->active, r->n_active);
     TW_CUDA_CHECK_LAUNCH("tw_moe_route_fused_kernel");
     return TW_OK;
   }
   TW_CUDA_CHECK(cudaMemsetAsync(r->counts, 0, sizeof(int32_t) * (size_t)r->n_experts, stream));
-  tw_moe_topk_kernel<<<TW_CDIV(T, 8), 256, 0, stream>>>(logits, T, r->n_experts, r->k,
+  tw_pdl_launch(tw_moe_topk_kernel, dim3(TW_CDIV(T, 8)), dim3(256), 0, stream, logits, T, r->n_experts, r->k,
                                                         r->topk_idx, r->topk_w, r->counts);
   TW_CUDA_CHECK_LAUNCH("tw_moe_topk_kernel");
-  tw_moe_sort_kernel<<<r->n_experts, 256, 0, stream>>>(r->topk_idx, T * r->k, r->n_experts,
+  tw_pdl_launch(tw_moe_sort_kernel, dim3(r->n_experts), dim3(256), 0, stream, r->topk_idx, T * r->k, r->n_experts,
                                                        r->counts, r->offsets, r->sorted, r->pos_of,
                                                        r->active, r->n_active);
   TW_CUDA_CHECK_LAUNCH("tw_moe_sort_kernel");
@@ -261,6 +265,7 @@ __global__ void tw_moe_combine_kernel(const YT *__restrict__ y, const int32_t *_
                                       const float *__restrict__ topk_w,
                                       const float *__restrict__ bias, int H, int k,
                                       float *__restrict__ out) {
+  TW_PDL_WAIT();
   int t = blockIdx.x;
   for (int c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.0f;
@@ -276,8 +281,8 @@ __global__ void tw_moe_combine_kernel(const YT *__restrict__ y, const int32_t *_
 
 tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
                                const float *y, float *out, cudaStream_t stream) {
-  tw_moe_combine_kernel<float, false><<<T, 256, 0, stream>>>(y, r->pos_of, r->topk_idx, r->topk_w,
-                                                             NULL, H, r->k, out);
+  tw_pdl_launch(tw_moe_combine_kernel<float, false>, dim3(T), dim3(256), 0, stream, y, r->pos_of, r->topk_idx, r->topk_w,
+                                                             nullptr, H, r->k, out);
   TW_CUDA_CHECK_LAUNCH("tw_moe_combine_kernel<f32>");
   return TW_OK;
 }
@@ -285,8 +290,7 @@ tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t 
 tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
                                 const __nv_bfloat16 *y, const float *bias, float *out,
                                 cudaStream_t stream) {
-  tw_moe_combine_kernel<__nv_bfloat16, true>
-      <<<T, 256, 0, stream>>>(y, r->pos_of, r->topk_idx, r->topk_w, bias, H, r->k, out);
+  tw_pdl_launch(tw_moe_combine_kernel<__nv_bfloat16, true>, dim3(T), dim3(256), 0, stream, y, r->pos_of, r->topk_idx, r->topk_w, bias, H, r->k, out);
   TW_CUDA_CHECK_LAUNCH("tw_moe_combine_kernel<bf16>");
   return TW_OK;
 }

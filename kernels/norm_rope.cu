@@ -5,6 +5,7 @@
  * Both kernels are memory-bound one-pass kernels: RMSNorm reads x (and
  * delta) once and writes x and out once; RoPE reads each q/k/v element once
  * and writes it once (plus once more into the pool for k and v). */
+#include "kernels/pdl.cuh"
 #include "kernels/norm_rope.h"
 
 #include "kernels/cuda_common.h"
@@ -34,6 +35,7 @@ static __global__ void __launch_bounds__(TW_NORM_THREADS)
     tw_rmsnorm_residual_kernel(float *__restrict__ x, const void *__restrict__ delta,
                                const __nv_bfloat16 *__restrict__ w, float eps, int hidden,
                                __nv_bfloat16 *__restrict__ out) {
+  TW_PDL_WAIT();
   __shared__ float red[TW_NORM_THREADS / 32];
   const int64_t row = blockIdx.x;
   float4 *xr = reinterpret_cast<float4 *>(x + row * hidden);
@@ -85,12 +87,12 @@ extern "C" tw_status_t tw_cuda_rmsnorm_residual(float *x_resid, const void *mayb
   __nv_bfloat16 *o = static_cast<__nv_bfloat16 *>(out);
   dim3 grid((unsigned)n_tokens), block(TW_NORM_THREADS);
   if (!maybe_delta)
-    tw_rmsnorm_residual_kernel<0><<<grid, block, 0, stream>>>(x_resid, NULL, w, eps, hidden, o);
+    tw_pdl_launch(tw_rmsnorm_residual_kernel<0>, dim3(grid), dim3(block), 0, stream, x_resid, nullptr, w, eps, hidden, o);
   else if (delta_dtype == TW_DTYPE_BF16)
-    tw_rmsnorm_residual_kernel<1><<<grid, block, 0, stream>>>(x_resid, maybe_delta, w, eps,
+    tw_pdl_launch(tw_rmsnorm_residual_kernel<1>, dim3(grid), dim3(block), 0, stream, x_resid, maybe_delta, w, eps,
                                                               hidden, o);
   else
-    tw_rmsnorm_residual_kernel<2><<<grid, block, 0, stream>>>(x_resid, maybe_delta, w, eps,
+    tw_pdl_launch(tw_rmsnorm_residual_kernel<2>, dim3(grid), dim3(block), 0, stream, x_resid, maybe_delta, w, eps,
                                                               hidden, o);
   TW_CUDA_CHECK_LAUNCH("rmsnorm_residual");
   return TW_OK;
@@ -153,6 +155,7 @@ static __global__ void __launch_bounds__(TW_ROPE_THREADS)
                             const float *__restrict__ tcos, const float *__restrict__ tsin,
                             int max_pos, const int32_t *__restrict__ slots,
                             __nv_bfloat16 *__restrict__ pool, int block_size) {
+  TW_PDL_WAIT();
   const int64_t t = blockIdx.x;
   int p = positions[t];
   p = p < 0 ? 0 : (p >= max_pos ? max_pos - 1 : p);
@@ -234,8 +237,7 @@ extern "C" tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, 
   if (head_dim % 4 == 0 && qkv_row_stride % 2 != 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "rope_kv_write: odd row stride %lld",
                   (long long)qkv_row_stride);
-  tw_rope_kv_write_kernel<<<(unsigned)n_tokens, TW_ROPE_THREADS, 0, stream>>>(
-      static_cast<__nv_bfloat16 *>(qkv), qkv_row_stride, n_q_heads, n_kv_heads, head_dim,
+  tw_pdl_launch(tw_rope_kv_write_kernel, dim3((unsigned)n_tokens), dim3(TW_ROPE_THREADS), 0, stream, static_cast<__nv_bfloat16 *>(qkv), qkv_row_stride, n_q_heads, n_kv_heads, head_dim,
       positions, rope_cos, rope_sin, max_pos, maybe_slots,
       static_cast<__nv_bfloat16 *>(kv_layer), block_size);
   TW_CUDA_CHECK_LAUNCH("rope_kv_write");

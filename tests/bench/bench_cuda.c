@@ -256,6 +256,12 @@ int main(int argc, char **argv) {
   if (steps > 500) steps = 500;
   if (reps < 1) reps = 1;
   if (reps > 16) reps = 16;
+  {
+    const char *pdl = getenv("TWAIN_CUDA_PDL");
+    printf("[bench] programmatic dependent launch %s (TWAIN_CUDA_PDL=%s); kernels per decode "
+           "step: the 'captured decode graph' lines\n",
+           pdl && pdl[0] == '0' ? "off" : "on", pdl ? pdl : "unset");
+  }
   static const double y20[4] = {0.239, 1.610, 4.895, 16.037};
   static const double y120[4] = {0.364, 2.421, 7.375, 23.902};
   if (model_dir) {

@@ -15,7 +15,9 @@
  * then all four sequences decode together (batch 4, CUDA graphs) for the
  * remaining 47 tokens: every token must equal greedy_continuation_ids.
  * Finally a sampled token (temperature, top-k, top-p, seed) drawn on the GPU
- * must equal tw_sample on the host over the engine's own logits. */
+ * must equal tw_sample on the host over the engine's own logits.
+ * The same checks (sampling aside) then run on the bf16-expert checkpoint
+ * (spec §3.5) against the bf16 references, when they are reachable. */
 #include "common/engine.h"
 #include "common/model.h"
 #include "common/sampling.h"
@@ -27,6 +29,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef TW_TEST_SHARED_DIR
+#define TW_TEST_SHARED_DIR "../shared"
+#endif
 #ifndef TW_TEST_FIXTURES_DIR
 #define TW_TEST_FIXTURES_DIR "tests/fixtures"
 #endif
@@ -53,17 +58,11 @@ static int argmax_row(const float *r, int V) {
   return b;
 }
 
-int main(void) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    printf("SKIP: no GPU\n");
-    return 77;
-  }
-  const char *fixtures = getenv("TW_FIXTURES_DIR");
-  if (!fixtures) fixtures = TW_TEST_FIXTURES_DIR;
-  char model_dir[1024], fx_dir[1024];
-  snprintf(model_dir, sizeof model_dir, "%s/tiny-gptoss-wordnet-mxfp4", fixtures);
-  snprintf(fx_dir, sizeof fx_dir, "%s/tiny-gptoss-wordnet", fixtures);
+/* One checkpoint (variant "mxfp4" or "bf16") against its HF fixtures: the
+ * checks of the file comment; the sampling check only when `sampling`. */
+static int run_variant(const char *model_dir, const char *fx_dir, const char *variant,
+                       int sampling) {
+  printf("== %s experts: %s against %s\n", variant, model_dir, fx_dir);
   tw_model_t *m = NULL;
   if (tw_model_load(model_dir, &m) != TW_OK) {
     printf("FAIL cannot load %s: %s\n", model_dir, tw_last_error());
@@ -88,7 +87,7 @@ int main(void) {
     /* interleaved, reversed block ids: position order != id order */
     for (int b = 0; b < BLOCKS_PER_SEQ; b++)
       tables[s][b] = (BLOCKS_PER_SEQ - 1 - b) * N_PROMPTS + s + 4;
-    if (tw_fx_load(fx_dir, "mxfp4", tw_fx_prompts[s], &fx[s]) != 0) {
+    if (tw_fx_load(fx_dir, variant, tw_fx_prompts[s], &fx[s]) != 0) {
       printf("FAIL cannot load fixture %s\n", tw_fx_prompts[s]);
       return 1;
     }
@@ -112,8 +111,8 @@ int main(void) {
         if (!isfinite(got)) e2 = INFINITY;
       }
     double rel = sqrt(e2 / r2);
-    printf("prefill %-12s: argmax %d/%d positions, logits rel L2 %.3e, first token %d (HF %d)\n",
-           f->prompt, same, f->n_ids, rel, next, f->greedy[0]);
+    printf("%s prefill %-12s: argmax %d/%d positions, logits rel L2 %.3e, first token %d (HF %d)\n",
+           variant, f->prompt, same, f->n_ids, rel, next, f->greedy[0]);
     EXPECT(same * 100 >= 99 * f->n_ids, "prefill %s: argmax at %d of %d positions", f->prompt,
            same, f->n_ids);
     EXPECT(rel < 0.1, "prefill %s: logits rel L2 %.3e", f->prompt, rel);
@@ -143,12 +142,12 @@ int main(void) {
     }
   }
   for (int s = 0; s < N_PROMPTS; s++) {
-    printf("decode %-12s: %d of %d greedy tokens differ from HF\n", fx[s].prompt, mism[s],
+    printf("%s decode %-12s: %d of %d greedy tokens differ from HF\n", variant, fx[s].prompt, mism[s],
            n_greedy - 1);
     EXPECT(mism[s] == 0, "decode %s: %d tokens differ", fx[s].prompt, mism[s]);
   }
   /* GPU sampling against tw_sample on the same logits */
-  {
+  if (sampling) {
     tw_fx_entry_t *f = &fx[1];
     int32_t t2[BLOCKS_PER_SEQ];
     for (int b = 0; b < BLOCKS_PER_SEQ; b++) t2[b] = tables[1][b];
@@ -172,6 +171,40 @@ int main(void) {
   for (int s = 0; s < N_PROMPTS; s++) tw_fx_free(&fx[s]);
   tw_engine_destroy(e);
   tw_model_destroy(m);
-  printf("%s\n", fails ? "test_engine_cuda: FAILED" : "test_engine_cuda: all passed");
-  return fails ? 1 : 0;
+  return 0;
+}
+
+static int is_dir_with(const char *dir, const char *file) {
+  char p[1200];
+  snprintf(p, sizeof p, "%s/%s", dir, file);
+  FILE *f = fopen(p, "rb");
+  if (f) fclose(f);
+  return f != NULL;
+}
+
+int main(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    printf("SKIP: no GPU\n");
+    return 77;
+  }
+  const char *fixtures = getenv("TW_FIXTURES_DIR");
+  if (!fixtures) fixtures = TW_TEST_FIXTURES_DIR;
+  char model_dir[1024], fx_dir[1024];
+  snprintf(model_dir, sizeof model_dir, "%s/tiny-gptoss-wordnet-mxfp4", fixtures);
+  snprintf(fx_dir, sizeof fx_dir, "%s/tiny-gptoss-wordnet", fixtures);
+  int r = run_variant(model_dir, fx_dir, "mxfp4", 1);
+  /* bf16 experts (spec §3.5): the bf16 model and its references live beside
+   * the checkout (../shared) or where TW_BF16_MODEL_DIR / TW_BF16_FIXTURES_DIR
+   * say (tests/gpu/run_gpu.sh carries them to the GPU machine) */
+  const char *bm = getenv("TW_BF16_MODEL_DIR"), *bf = getenv("TW_BF16_FIXTURES_DIR");
+  char bmd[1024], bfd[1024];
+  snprintf(bmd, sizeof bmd, "%s", bm ? bm : TW_TEST_SHARED_DIR "/models/tiny-gptoss-wordnet");
+  snprintf(bfd, sizeof bfd, "%s", bf ? bf : TW_TEST_SHARED_DIR "/fixtures/tiny-gptoss-wordnet");
+  if (is_dir_with(bmd, "model.safetensors") && is_dir_with(bfd, "bf16_short_dog_logits.f32.bin"))
+    r |= run_variant(bmd, bfd, "bf16", 0);
+  else
+    printf("bf16 experts: not run (no %s/model.safetensors or bf16 fixtures in %s)\n", bmd, bfd);
+  printf("%s\n", fails || r ? "test_engine_cuda: FAILED" : "test_engine_cuda: all passed");
+  return fails || r ? 1 : 0;
 }

@@ -124,31 +124,57 @@ def load_config_dict(spec):
         return json.load(f)
 
 
-def randomize_(model, seed, torch):
+def expert_orientation(model, torch):
+    """'in_out' when HF keeps the experts as [E, in, out] (used as x @ W, spec
+    §3.5), 'out_in' when [E, out, in]; decided on gate_up's shape ([E, H, 2I]
+    or [E, 2I, H]), which differ for every gpt-oss config (2I != H)."""
+    H, I = model.config.hidden_size, model.config.intermediate_size
+    for name, prm in model.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            if tuple(prm.shape[1:]) == (H, 2 * I):
+                return "in_out"
+            if tuple(prm.shape[1:]) == (2 * I, H):
+                return "out_in"
+            raise SystemExit(f"make_reference: unexpected {name} shape {tuple(prm.shape)}")
+    raise SystemExit("make_reference: no mlp.experts.gate_up_proj parameter in the HF model "
+                     "(transformers renamed it?): " +
+                     ", ".join(n for n, _ in list(model.named_parameters())[:20]))
+
+
+def randomize_(model, seed, torch, orient):
     """Every parameter gets non-trivial values (biases and sinks included, so
     that a kernel ignoring one of them fails): matrices N(0, 1/sqrt(fan_in)),
-    vectors N(0, 0.1), norm scales 1 + N(0, 0.1), sinks N(0, 1), embeddings N(0, 1)."""
-    g = torch.Generator().manual_seed(seed)
+    vectors N(0, 0.1), norm scales 1 + N(0, 0.1), sinks N(0, 1), embeddings N(0, 1).
+    Values are drawn on the parameter's device with a generator seeded `seed`."""
     H = model.config.hidden_size
+    gens = {}
     for name, prm in sorted(model.named_parameters()):
+        dev = prm.device
+        if str(dev) not in gens:
+            gens[str(dev)] = torch.Generator(device=dev).manual_seed(seed)
+        g = gens[str(dev)]
         shape = tuple(prm.shape)
+
+        def rn():
+            return torch.randn(shape, generator=g, device=dev, dtype=torch.float32)
         if "norm" in name:
-            val = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            val = 1.0 + 0.1 * rn()
         elif name.endswith("sinks"):
-            val = torch.randn(shape, generator=g)
+            val = rn()
         elif "embed_tokens" in name:
-            val = torch.randn(shape, generator=g)
+            val = rn()
         elif name.endswith("bias") or len(shape) == 1:
-            val = 0.1 * torch.randn(shape, generator=g)
+            val = 0.1 * rn()
         elif "experts" in name:
-            # HF in-memory orientation [E, in, out]: fan_in is dim 1
-            val = torch.randn(shape, generator=g) / math.sqrt(shape[1])
+            fan_in = shape[1] if orient == "in_out" else shape[2]
+            val = rn() / math.sqrt(fan_in)
         elif "lm_head" in name or len(shape) == 2:
-            val = torch.randn(shape, generator=g) / math.sqrt(shape[-1] if len(shape) == 2 else H)
+            val = rn() / math.sqrt(shape[-1] if len(shape) == 2 else H)
         else:
-            val = 0.1 * torch.randn(shape, generator=g)
+            val = 0.1 * rn()
         with torch.no_grad():
             prm.copy_(val.to(prm.dtype))
+        del val
 
 
 def mxfp4_encode(w, torch):
@@ -159,13 +185,14 @@ def mxfp4_encode(w, torch):
     grid = torch.tensor(FP4_GRID, dtype=torch.float32, device=w.device)
     amax = b.abs().amax(dim=-1)
     e_hi = torch.ceil(torch.log2(torch.clamp(amax / 6.0, min=2.0 ** -127)))
-    best_err, best_idx, best_e = None, None, None
+    best_err, best_idx, best_e, best_v = None, None, None, None
     for e in (e_hi, e_hi - 1):
         e = torch.clamp(e, -127, 127)
         v = b / torch.exp2(e)[..., None]
         idx = torch.argmin((v.abs()[..., None] - grid).abs(), dim=-1)  # ties: lower magnitude
         q = grid[idx] * torch.sign(v) * torch.exp2(e)[..., None]
         err = ((q - b) ** 2).sum(dim=-1)
+        del q
         if best_err is None:
             best_err, best_idx, best_e, best_v = err, idx, e, v
         else:
@@ -180,43 +207,86 @@ def mxfp4_encode(w, torch):
     return blocks.contiguous(), scales.contiguous()
 
 
+def mxfp4_decode(blocks, scales, torch):
+    """Inverse of mxfp4_encode (spec §3.4): float32 [E, out, in]."""
+    grid = torch.tensor(FP4_GRID, dtype=torch.float32, device=blocks.device)
+    lo, hi = blocks & 15, blocks >> 4
+    nib = torch.stack([lo, hi], dim=-1).reshape(*blocks.shape[:-1], 32).long()
+    val = grid[nib & 7] * torch.where((nib & 8) > 0, -1.0, 1.0)
+    val = val * torch.exp2(scales.float() - 127.0)[..., None]
+    E, R = blocks.shape[0], blocks.shape[1]
+    return val.reshape(E, R, -1)
+
+
 def write_random_checkpoint(a, torch, transformers):
+    """Build a random GptOssForCausalLM on --device, write it in the HF file
+    layout that twain's loader reads (our own safetensors writer and config.json,
+    so nothing depends on transformers' save format) and return (dir, model):
+    the in-memory float32 model holds exactly the written values (bf16-rounded,
+    experts replaced by their dequantised MXFP4 values with --mxfp4)."""
+    from safetensors.torch import save_file
     cfg_dict = load_config_dict(a.config)
     cfg_dict.pop("quantization_config", None)
-    cfg_dict.pop("model_type", None)  # a class attribute of GptOssConfig
-    config = transformers.GptOssConfig(**cfg_dict)
+    hf_dict = dict(cfg_dict)
+    hf_dict.pop("model_type", None)  # a class attribute of GptOssConfig
+    try:
+        config = transformers.GptOssConfig(**hf_dict)
+    except Exception as ex:  # transformers >= 5 may want rope_parameters
+        print(f"GptOssConfig with rope_scaling failed ({ex}); retrying with rope_parameters",
+              file=sys.stderr)
+        rp = dict(hf_dict.pop("rope_scaling"), rope_theta=hf_dict.pop("rope_theta"))
+        config = transformers.GptOssConfig(rope_parameters=rp, **hf_dict)
+    try:
+        config._attn_implementation = "eager"
+    except Exception:
+        pass
     torch.manual_seed(a.seed)
-    model = transformers.GptOssForCausalLM(config).to(torch.float32)
-    randomize_(model, a.seed, torch)
-    model = model.to(torch.bfloat16)
+    with torch.device(a.device):
+        model = transformers.GptOssForCausalLM(config)
+    model = model.to(torch.float32).eval()
+    orient = expert_orientation(model, torch)
+    randomize_(model, a.seed, torch, orient)
+    H, I = config.hidden_size, config.intermediate_size
+    out = {}
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            prm.copy_(prm.to(torch.bfloat16).float())  # the checkpoint's values
+            is_ex = name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj")
+            if not is_ex:
+                out[name] = prm.detach().to(torch.bfloat16).cpu().contiguous()
+                continue
+            # file orientation: bf16 [E, in, out] (spec §3.5); MXFP4 [E, out, in]
+            w_io = prm if orient == "in_out" else prm.transpose(1, 2)
+            if not a.mxfp4:
+                out[name] = w_io.detach().to(torch.bfloat16).cpu().contiguous()
+                continue
+            blocks, scales = mxfp4_encode(w_io.transpose(1, 2).contiguous(), torch)
+            deq = mxfp4_decode(blocks, scales, torch)  # [E, out, in]
+            prm.copy_(deq.transpose(1, 2) if orient == "in_out" else deq)
+            out[name + "_blocks"] = blocks.cpu()
+            out[name + "_scales"] = scales.cpu()
+            del blocks, scales, deq, w_io
+    if orient == "out_in":
+        print("note: this transformers keeps experts as [E, out, in]", file=sys.stderr)
+    want = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
+            "model.layers.0.self_attn.sinks", "model.layers.0.mlp.router.weight",
+            "model.layers.0.mlp.experts.gate_up_proj_bias"]
+    missing = [n for n in want if n not in out]
+    if missing:
+        raise SystemExit(f"make_reference: HF parameter names differ from the checkpoint "
+                         f"layout, missing {missing}; have e.g. {sorted(out)[:12]}")
     os.makedirs(a.write_checkpoint, exist_ok=True)
-    # one file, so that --mxfp4 can rewrite it (20b-4layer is ~9 GB in bf16)
-    model.save_pretrained(a.write_checkpoint, max_shard_size="1000GB")
+    save_file(out, os.path.join(a.write_checkpoint, "model.safetensors"),
+              metadata={"format": "pt"})
+    c = dict(cfg_dict)
     if a.mxfp4:
-        from safetensors.torch import load_file, save_file
-        path = os.path.join(a.write_checkpoint, "model.safetensors")
-        if not os.path.exists(path):
-            raise SystemExit("--mxfp4 expects a single model.safetensors (model too large?)")
-        sd = {k: v.clone() for k, v in load_file(path).items()}  # the file is rewritten below
-        out = {}
-        for name, t in sd.items():
-            if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
-                # HF in-memory [E, in, out] -> file orientation [E, out, in], blocked along in
-                blocks, scales = mxfp4_encode(t.float().transpose(1, 2).contiguous(), torch)
-                out[name + "_blocks"] = blocks
-                out[name + "_scales"] = scales
-            else:
-                out[name] = t.contiguous()
-        save_file(out, path, metadata={"format": "pt"})
-        cpath = os.path.join(a.write_checkpoint, "config.json")
-        with open(cpath) as f:
-            c = json.load(f)
         c["quantization_config"] = MXFP4_QUANT
-        with open(cpath, "w") as f:
-            json.dump(c, f, indent=2)
-    print(f"wrote random checkpoint (seed {a.seed}, {'MXFP4' if a.mxfp4 else 'bf16'} experts) "
-          f"to {a.write_checkpoint}", file=sys.stderr)
-    return a.write_checkpoint
+    with open(os.path.join(a.write_checkpoint, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    del out
+    print(f"wrote random checkpoint (seed {a.seed}, {'MXFP4' if a.mxfp4 else 'bf16'} experts, "
+          f"HF experts {orient}) to {a.write_checkpoint}", file=sys.stderr)
+    return a.write_checkpoint, model
 
 
 def load_model(ckpt, device, torch, transformers):
@@ -256,8 +326,19 @@ def main(argv):
     import transformers
 
     torch.use_deterministic_algorithms(True, warn_only=True)
-    ckpt = write_random_checkpoint(a, torch, transformers) if a.random_weights else a.checkpoint
-    model, is_mxfp4, cfg = load_model(ckpt, a.device, torch, transformers)
+    try:  # plain fp32 matmuls on the GPU (no TF32)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    except Exception:
+        pass
+    if a.random_weights:
+        ckpt, model = write_random_checkpoint(a, torch, transformers)
+        with open(os.path.join(ckpt, "config.json")) as f:
+            cfg = json.load(f)
+        is_mxfp4 = a.mxfp4
+    else:
+        ckpt = a.checkpoint
+        model, is_mxfp4, cfg = load_model(ckpt, a.device, torch, transformers)
     variant = a.variant or ("mxfp4" if is_mxfp4 else "bf16")
     eos = a.eos_id
     if eos is None:
@@ -293,8 +374,12 @@ def main(argv):
                       "smallest top1-top2 logit gap along the way",
             "entries": [],
         }
-    manifest["models"][variant] = os.path.abspath(ckpt) + (
-        " (experts dequantised by transformers Mxfp4Config(dequantize=True))" if is_mxfp4 else "")
+    if a.random_weights:
+        note = " (random weights; HF ran on the in-memory model" + (
+            ", experts set to the dequantised MXFP4 values written)" if is_mxfp4 else ")")
+    else:
+        note = " (experts dequantised by transformers Mxfp4Config(dequantize=True))" if is_mxfp4 else ""
+    manifest["models"][variant] = os.path.abspath(ckpt) + note
 
     for name, ids in prompts.items():
         T = len(ids)
@@ -305,11 +390,15 @@ def main(argv):
         rows = logits[first:].contiguous().numpy().astype("<f4")
         rows.tofile(os.path.join(a.out, fname))
         cont, margin, stopped = greedy(model, ids, a.greedy, eos, torch, a.device)
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([ids], device=a.device), max_new_tokens=len(cont),
-                                 do_sample=False, use_cache=True,
-                                 eos_token_id=eos if stopped else None)
-        cached = gen[0, T:].tolist()
+        try:
+            with torch.no_grad():
+                gen = model.generate(torch.tensor([ids], device=a.device),
+                                     max_new_tokens=len(cont), do_sample=False, use_cache=True,
+                                     eos_token_id=eos if stopped else None)
+            cached = gen[0, T:].tolist()
+        except Exception as ex:  # informative only
+            print(f"generate() with a cache failed: {ex}", file=sys.stderr)
+            cached = None
         entry = {
             "variant": variant, "prompt": name, "n_prompt_tokens": T, "logits_file": fname,
             "shape": [T - first, V], "positions": [first, T],

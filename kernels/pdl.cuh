@@ -1,0 +1,47 @@
+/* pdl.cuh: programmatic dependent launch (PDL, sm_90) for the kernels of the
+ * decode step. A kernel launched by tw_pdl_launch may be scheduled while the
+ * kernel before it on the stream is still draining; it must begin with
+ * TW_PDL_WAIT(), which blocks until that kernel has completed and its writes
+ * are visible (griddepcontrol.wait), so the ordering of the stream is kept:
+ * only the launch latency overlaps. Inside a CUDA graph the launch becomes a
+ * programmatic edge. TW_PDL_WAIT() is a no-op for a kernel launched without
+ * the attribute. TWAIN_CUDA_PDL=0 in the environment turns PDL off (read
+ * once per process). CUDA C++ only; not a public header. */
+#ifndef TW_KERNELS_PDL_CUH
+#define TW_KERNELS_PDL_CUH
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TW_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define TW_PDL_WAIT() \
+  do {                \
+  } while (0)
+#endif
+
+/** 1 unless TWAIN_CUDA_PDL=0 (kernels/pdl.cu). */
+extern "C" int tw_cuda_pdl_enabled(void);
+
+/** Launch `kernel` like <<<grid, block, smem, stream>>>(args...), with the
+ *  programmatic stream serialization attribute when PDL is enabled. Returns
+ *  the launch error (also left for cudaGetLastError). */
+template <typename... KArgs, typename... Args>
+static inline cudaError_t tw_pdl_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                                        size_t smem, cudaStream_t stream, Args &&...args) {
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = at;
+  cfg.numAttrs = tw_cuda_pdl_enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+#endif
