@@ -144,15 +144,14 @@ if [ -s "$carry/bf16/experts.safetensors.xz" ]; then
     echo "bf16 checkpoint assembly failed: test_engine_cuda runs MXFP4 only"
 fi
 
-# (a) gpu tests
-if [ -z "${TW_SKIP_TESTS:-}" ]; then
-  tests=${TW_TESTS:-$(cat "$bin/tests.txt")}
-  # the engine first: it is the one the acceptance reads
-  tests="$(echo "$tests" | tr ' ' '\n' | grep -x test_engine_cuda) $(echo "$tests" | tr ' ' '\n' | grep -vx test_engine_cuda)"
-  for t in $tests; do
+# (a) gpu tests: run_tests WANTED_TIMEOUT TEST...
+run_tests() {
+  local want=$1 t r s start dur
+  shift
+  for t in "$@"; do
     [ -x "$bin/$t" ] || { add "$t" "MISSING" 0; continue; }
     start=$(date +%s)
-    timeout "$(tmo 150)" "$bin/$t" >"$stage/$t.log" 2>&1
+    timeout "$(tmo "$want")" "$bin/$t" >"$stage/$t.log" 2>&1
     r=$?
     { echo "==== $t (exit $r)"; cat "$stage/$t.log"; } >>"$logs/tests.log"
     dur=$(($(date +%s) - start))
@@ -162,6 +161,11 @@ if [ -z "${TW_SKIP_TESTS:-}" ]; then
     grep -E "^(FAIL|mxfp4 |bf16 |sampling|bf16 experts)" "$stage/$t.log" | tail -30
     add "$t" "$s" "$dur" "$(grep -c '^FAIL' "$stage/$t.log") FAIL lines"
   done
+}
+all_tests=$(echo ${TW_TESTS:-$(cat "$bin/tests.txt")})
+# the engine test first (the acceptance reads it); the kernel tests after the bench
+if [ -z "${TW_SKIP_TESTS:-}" ] && echo " $all_tests " | grep -q " test_engine_cuda "; then
+  run_tests 150 test_engine_cuda
 fi
 
 # (c) Hugging Face comparison (before the bench: it needs the GPU memory)
@@ -176,7 +180,7 @@ p = {f"p{i}": {"ids": [r.randrange(0, 200000) for _ in range(n)]} for i, n in en
 json.dump(p, open(sys.argv[1], "w"))
 EOF
   (
-    timeout "$(tmo 300)" python3 "$root/tests/reference/make_reference.py" --config 20b-4layer \
+    timeout "$(tmo 240)" python3 "$root/tests/reference/make_reference.py" --config 20b-4layer \
       --random-weights --seed 1 --mxfp4 --write-checkpoint "$hf/ckpt" \
       --prompts "$hf/prompts.json" --out "$hf/ref" --variant mxfp4 --greedy 12 --device cuda &&
       timeout "$(tmo 150)" "$bin/twain-compare-hf" --model "$hf/ckpt" --fixtures "$hf/ref" \
@@ -218,6 +222,12 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
     add "bench 20b b1, PDL off" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
       "$(($(date +%s) - start))"
   fi
+fi
+
+# (a, continued) the kernel tests
+if [ -z "${TW_SKIP_TESTS:-}" ]; then
+  # shellcheck disable=SC2046
+  run_tests 100 $(echo "$all_tests" | tr ' ' '\n' | grep -vx test_engine_cuda)
 fi
 
 # (d) hooks for other areas
