@@ -236,6 +236,15 @@ def write_random_checkpoint(a, torch, transformers):
               file=sys.stderr)
         rp = dict(hf_dict.pop("rope_scaling"), rope_theta=hf_dict.pop("rope_theta"))
         config = transformers.GptOssConfig(rope_parameters=rp, **hf_dict)
+    rp_eff = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if "yarn" not in str(rp_eff) and "rope_scaling" in hf_dict:
+        # this transformers dropped the legacy key: YaRN must reach the model (spec §2.5)
+        rp = dict(hf_dict.pop("rope_scaling"), rope_theta=hf_dict.pop("rope_theta"))
+        config = transformers.GptOssConfig(rope_parameters=rp, **hf_dict)
+        rp_eff = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    print(f"HF rope configuration: {rp_eff}", file=sys.stderr)
+    if "yarn" not in str(rp_eff):
+        raise SystemExit("make_reference: transformers did not take the YaRN rope configuration")
     try:
         config._attn_implementation = "eager"
     except Exception:
