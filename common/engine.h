@@ -116,6 +116,17 @@ typedef struct {
   float *logits_out;            /* may be NULL */
   const tw_sample_params_t *sample; /* may be NULL (greedy) */
   int32_t *next_token_out;      /* may be NULL */
+  /* Optional (NULL = none): per-layer progress, for overlapping the KV
+   * handoff with compute. Called on the calling thread, in layer order, for
+   * each internal chunk (positions chunk_start_pos .. chunk_start_pos +
+   * chunk_n_tokens - 1) once that layer's K/V for those positions are
+   * complete in the pool and safe to read by the transfer layer (for a
+   * device pool: the writes have finished on the device). The backend may
+   * call it late (after later layers were enqueued or computed), never
+   * early. It must not call the engine. */
+  void (*on_layer_done)(void *arg, int32_t layer, int32_t chunk_start_pos,
+                        int32_t chunk_n_tokens);
+  void *on_layer_arg;
 } tw_prefill_args_t;
 tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
 

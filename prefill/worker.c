@@ -56,6 +56,7 @@ typedef struct {
   size_t n_head_sums;
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
+    tw_metric_t *layer_sends, *layer_sends_overlapped;
   } m;
 } tw_prefiller_t;
 
@@ -204,6 +205,8 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
     tw_metric_observe(w->m.transfer, xms * 1e-3);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
+    tw_metric_add(w->m.layer_sends, (double)hr.layer_sends);
+    tw_metric_add(w->m.layer_sends_overlapped, (double)hr.layer_sends_in_engine);
     TW_DEBUG("prefill", "request %llu: %d tokens in %.2f ms, %lld kv bytes to %s in %.2f ms",
              (unsigned long long)r->request_id, n, pms, (long long)bytes, h->decode_worker, xms);
     tw_prefill_done(w, r->request_id, first, sums, (size_t)c->n_layers, bytes, pms, xms, 0, NULL);
@@ -293,6 +296,11 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->m.kv_bytes = tw_metrics_counter(M, "kv_bytes_sent_total", "kv bytes put to decode workers");
   w->m.requests = tw_metrics_counter(M, "prefill_requests_total", "prompts prefilled and handed off");
   w->m.failed = tw_metrics_counter(M, "prefill_failures_total", "prompts that failed");
+  w->m.layer_sends = tw_metrics_counter(M, "kv_layer_sends_total",
+                                        "kv puts issued for one layer's finished blocks");
+  w->m.layer_sends_overlapped = tw_metrics_counter(
+      M, "kv_layer_sends_overlapped_total",
+      "of those, issued from the engine's per-layer callback while later layers compute");
   TW_CHECK(tw_worker_link_open(&w->link, w->o.router, name, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
   w->link.ranks = w->id.size;
   w->link.kv_block_size = l->block_size;

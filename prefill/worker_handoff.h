@@ -1,10 +1,13 @@
-/* worker_handoff.h: a prompt's prefill and its KV handoff, overlapped chunk
- * by chunk (prefill worker, single rank). The prompt is run through the
- * engine in chunks of `chunk_tokens` positions (as the engine's own chunked
- * prefill does: earlier positions are already in the cache); as soon as a
- * chunk is done, every block it completed is put, for every layer, into the
- * decode worker's reserved blocks (non-blocking ucp_put_nbx), so the
- * transfer of chunk i runs while chunk i+1 computes. Sliding-window layers
+/* worker_handoff.h: a prompt's prefill and its KV handoff, overlapped layer
+ * by layer and chunk by chunk (prefill worker, single rank). The prompt is
+ * run through the engine in chunks of `chunk_tokens` positions (as the
+ * engine's own chunked prefill does: earlier positions are already in the
+ * cache). The engine reports each layer of each chunk as done
+ * (tw_prefill_args_t.on_layer_done); from that callback, every block of that
+ * layer the chunk completed is put into the decode worker's reserved blocks
+ * (non-blocking ucp_put_nbx), so the transfer of layer l runs while layers
+ * > l (and the next chunk) compute. Whatever a backend did not report is put
+ * after the chunk returns. Sliding-window layers
  * skip the blocks before their window (spec §2.6). After the last chunk the
  * endpoint is flushed: the caller reports PrefillDone only after this returns
  * TW_OK, i.e. once the KV is remotely complete. */
@@ -31,6 +34,8 @@ typedef struct {
   int32_t first_token;
   int64_t kv_bytes;             /* bytes put */
   double prefill_ms, transfer_ms; /* engine time; put + flush time */
+  int64_t layer_sends;          /* tw_kv_xfer_send_layer calls (one layer, some blocks) */
+  int64_t layer_sends_in_engine; /* of those, issued from on_layer_done (overlapped) */
 } tw_prefill_handoff_result_t;
 
 /** Prefill r->prompt_ids into the local blocks ids[nb] (covering the

@@ -46,6 +46,8 @@ typedef struct {
   float *scores;                            /* [n_threads, max_pos] */
   float *sample_scratch;                    /* [2V] */
   tw_cpu_tp_t tp;                           /* this rank's heads/experts/vocab (issue 6) */
+  const tw_prefill_args_t *layer_cb;        /* prefill: on_layer_done after each KV write */
+  int32_t layer_cb_start;                   /* first position of the current chunk */
 } tw_cpu_state_t;
 
 /* ---- model checks ---------------------------------------------------------- */
@@ -289,6 +291,8 @@ static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *toke
                sizeof(float) * (size_t)D);
       }
     }
+    if (s->layer_cb && s->layer_cb->on_layer_done) /* this layer's K/V of the chunk is final */
+      s->layer_cb->on_layer_done(s->layer_cb->on_layer_arg, l, s->layer_cb_start, (int32_t)T);
     tw_cpu_pool_run(s->pool, tw_cpu_attn_task, &a);
     /* row-parallel: this rank's columns of o_proj, bias once (rank 0), then the sum */
     tw_cpu_matmul_bf16_ld(s->pool, s->attn, T, QD, ow + q0, QDall,
@@ -347,7 +351,10 @@ static tw_status_t tw_cpu_prefill(tw_engine_t *e, const tw_prefill_args_t *args)
       rows[0] = (int32_t)(T - 1);
       n_rows = 1;
     }
+    s->layer_cb = args;
+    s->layer_cb_start = (int32_t)(args->start_pos + off);
     st = tw_cpu_forward(e, T, args->tokens + off, pos, rows, n_rows, dst);
+    s->layer_cb = NULL;
     if (st == TW_OK && last && args->all_logits && args->logits_out) last_row = dst + (T - 1) * V;
   }
   free(pos);

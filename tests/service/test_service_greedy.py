@@ -5,6 +5,8 @@ prompts (one over several blocks and past the 32-token sliding window); and
 the KV bytes the decode worker received equal what the prefill worker
 computed, checked by per-layer checksums (--verify-kv), with every block
 freed afterwards."""
+import json
+import os
 import sys
 
 import fixtures
@@ -78,6 +80,30 @@ try:
         pm["twain_kv_bytes_sent_total"], m["twain_kv_bytes_received_total"]))
     if pm["twain_kv_bytes_sent_total"] != m["twain_kv_bytes_received_total"]:
         print("FAIL: bytes sent != bytes received")
+        fails += 1
+    # per-layer overlap: every layer's finished blocks are put from the engine's
+    # on_layer_done callback, one put batch per (layer, chunk that completes
+    # blocks), all before the final flush. Expected count derived from the
+    # prompt lengths, the 32-token chunks, 16-token blocks and the model's
+    # layer types / window (config.json), independent of the worker's code.
+    cfg = json.load(open(os.path.join(svc.MODEL, "config.json")))
+    W, BS, CH = cfg["sliding_window"], 16, 32
+    prompts = list(cases.values()) + [cases["short_dog"], cases["system_water"]] + [cases["short_book"]] * 2
+    want = 0
+    for ids in prompts:
+        n = len(ids)
+        nb = (n + BS - 1) // BS
+        for lt in cfg["layer_types"]:
+            sent = (n - W) // BS if lt == "sliding_attention" and n > W else 0
+            for end in range(CH, n + CH, CH):
+                done = nb if end >= n else end // BS
+                if done > sent:
+                    want += 1
+                    sent = done
+    print("prefill: %d layer put batches, %d from the per-layer callback (expected %d)" % (
+        pm["twain_kv_layer_sends_total"], pm["twain_kv_layer_sends_overlapped_total"], want))
+    if pm["twain_kv_layer_sends_total"] != want or pm["twain_kv_layer_sends_overlapped_total"] != want:
+        print("FAIL: KV puts were not issued layer by layer from the engine callback")
         fails += 1
     cl.close()
 finally:
