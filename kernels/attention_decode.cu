@@ -336,7 +336,8 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   tw_pdl_launch(tw_attn_decode_split_kernel, dim3(grid), dim3(TW_DC_WARPS * 32), 0, stream, p);
   TW_CUDA_CHECK_LAUNCH("attention decode (split)");
   const int n_rows = n_seqs * p.nq;
-  tw_pdl_launch(tw_attn_decode_combine_kernel, dim3(TW_CDIV(n_rows, 4)), dim3(128), 0, stream, p, n_rows);
+  tw_pdl_launch(tw_attn_decode_combine_kernel, dim3(TW_CDIV(n_rows, 4)), dim3(128), 0, stream, p,
+                n_rows);
   TW_CUDA_CHECK_LAUNCH("attention decode (combine)");
   return TW_OK;
 }

@@ -40,7 +40,8 @@ extern "C" tw_status_t tw_cuda_embed(const void *table, int32_t V, int32_t H,
   if (T < 0 || V <= 0 || H <= 0 || H % 8)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "embed: bad sizes T=%d V=%d H=%d", T, V, H);
   if (T == 0) return TW_OK;
-  tw_pdl_launch(tw_embed_kernel, dim3(T), dim3(128), 0, stream, (const uint4 *)table, V, H / 8, tokens, x);
+  tw_pdl_launch(tw_embed_kernel, dim3(T), dim3(128), 0, stream, (const uint4 *)table, V, H / 8,
+                tokens, x);
   TW_CUDA_CHECK_LAUNCH("tw_embed_kernel");
   return TW_OK;
 }
@@ -110,7 +111,8 @@ extern "C" tw_status_t tw_cuda_argmax(const float *logits, int64_t ld, int32_t n
     return tw_err(TW_ERR_INVALID_ARGUMENT, "argmax: bad sizes rows=%d V=%d ld=%lld", n_rows, V,
                   (long long)ld);
   if (n_rows == 0) return TW_OK;
-  tw_pdl_launch(tw_argmax_kernel, dim3(n_rows), dim3(TW_SAMPLE_THREADS), 0, stream, logits, ld, V, out);
+  tw_pdl_launch(tw_argmax_kernel, dim3(n_rows), dim3(TW_SAMPLE_THREADS), 0, stream, logits, ld, V,
+                out);
   TW_CUDA_CHECK_LAUNCH("tw_argmax_kernel");
   return TW_OK;
 }
@@ -286,7 +288,8 @@ extern "C" tw_status_t tw_cuda_sample(const float *logits, int64_t ld, int32_t n
     return tw_err(TW_ERR_INVALID_ARGUMENT, "sample: bad sizes rows=%d V=%d ld=%lld", n_rows, V,
                   (long long)ld);
   if (n_rows == 0) return TW_OK;
-  tw_pdl_launch(tw_sample_kernel, dim3(n_rows), dim3(TW_SAMPLE_THREADS), 0, stream, logits, ld, V, params, out);
+  tw_pdl_launch(tw_sample_kernel, dim3(n_rows), dim3(TW_SAMPLE_THREADS), 0, stream, logits, ld, V,
+                params, out);
   TW_CUDA_CHECK_LAUNCH("tw_sample_kernel");
   return TW_OK;
 }

@@ -241,14 +241,20 @@ extern "C" tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
   dim3 g1(TW_CDIV(I, TW_MOE_ROWS_PER_BLOCK), slots), g2(TW_CDIV(H, TW_MOE_ROWS_PER_BLOCK), slots);
   const __nv_bfloat16 *xb = (const __nv_bfloat16 *)x;
   if (T == 1) {
-    tw_pdl_launch(tw_moe_gate_up_kernel<1>, dim3(g1), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(1, H), stream, *w, r->active, r->n_active, r->counts, r->offsets, r->sorted, k, xb, act);
+    tw_pdl_launch(tw_moe_gate_up_kernel<1>, dim3(g1), dim3(TW_MOE_WARPS * 32),
+                  tw_moe_smem_bytes(1, H), stream, *w, r->active, r->n_active, r->counts,
+                  r->offsets, r->sorted, k, xb, act);
     TW_CUDA_CHECK_LAUNCH("tw_moe_gate_up_kernel<1>");
-    tw_pdl_launch(tw_moe_down_kernel<1>, dim3(g2), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(1, I), stream, *w, r->active, r->n_active, r->counts, r->offsets, act, y);
+    tw_pdl_launch(tw_moe_down_kernel<1>, dim3(g2), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(1, I),
+                  stream, *w, r->active, r->n_active, r->counts, r->offsets, act, y);
     TW_CUDA_CHECK_LAUNCH("tw_moe_down_kernel<1>");
   } else {
-    tw_pdl_launch(tw_moe_gate_up_kernel<4>, dim3(g1), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(4, H), stream, *w, r->active, r->n_active, r->counts, r->offsets, r->sorted, k, xb, act);
+    tw_pdl_launch(tw_moe_gate_up_kernel<4>, dim3(g1), dim3(TW_MOE_WARPS * 32),
+                  tw_moe_smem_bytes(4, H), stream, *w, r->active, r->n_active, r->counts,
+                  r->offsets, r->sorted, k, xb, act);
     TW_CUDA_CHECK_LAUNCH("tw_moe_gate_up_kernel<4>");
-    tw_pdl_launch(tw_moe_down_kernel<4>, dim3(g2), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(4, I), stream, *w, r->active, r->n_active, r->counts, r->offsets, act, y);
+    tw_pdl_launch(tw_moe_down_kernel<4>, dim3(g2), dim3(TW_MOE_WARPS * 32), tw_moe_smem_bytes(4, I),
+                  stream, *w, r->active, r->n_active, r->counts, r->offsets, act, y);
     TW_CUDA_CHECK_LAUNCH("tw_moe_down_kernel<4>");
   }
   return tw_moe_combine_f32(r, T, H, y, out, stream);

@@ -239,19 +239,18 @@ extern "C" tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *r, const flo
   if (T <= 0 || T > r->max_tokens)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route: T=%d outside [1, %d]", T, r->max_tokens);
   if (T * r->k <= TW_ROUTE_FUSED_MAX) {
-    tw_pdl_launch(tw_moe_route_fused_kernel, dim3(1), dim3(256), 0, stream, logits, T, r->n_experts, r->k, r->topk_idx,
-                                                     r->topk_w, r->counts, r->offsets, r->sorted,
-                                                     r->pos_of, r->active, r->n_active);
+    tw_pdl_launch(tw_moe_route_fused_kernel, dim3(1), dim3(256), 0, stream, logits, T, r->n_experts,
+                  r->k, r->topk_idx, r->topk_w, r->counts, r->offsets, r->sorted, r->pos_of,
+                  r->active, r->n_active);
     TW_CUDA_CHECK_LAUNCH("tw_moe_route_fused_kernel");
     return TW_OK;
   }
   TW_CUDA_CHECK(cudaMemsetAsync(r->counts, 0, sizeof(int32_t) * (size_t)r->n_experts, stream));
-  tw_pdl_launch(tw_moe_topk_kernel, dim3(TW_CDIV(T, 8)), dim3(256), 0, stream, logits, T, r->n_experts, r->k,
-                                                        r->topk_idx, r->topk_w, r->counts);
+  tw_pdl_launch(tw_moe_topk_kernel, dim3(TW_CDIV(T, 8)), dim3(256), 0, stream, logits, T,
+                r->n_experts, r->k, r->topk_idx, r->topk_w, r->counts);
   TW_CUDA_CHECK_LAUNCH("tw_moe_topk_kernel");
-  tw_pdl_launch(tw_moe_sort_kernel, dim3(r->n_experts), dim3(256), 0, stream, r->topk_idx, T * r->k, r->n_experts,
-                                                       r->counts, r->offsets, r->sorted, r->pos_of,
-                                                       r->active, r->n_active);
+  tw_pdl_launch(tw_moe_sort_kernel, dim3(r->n_experts), dim3(256), 0, stream, r->topk_idx, T * r->k,
+                r->n_experts, r->counts, r->offsets, r->sorted, r->pos_of, r->active, r->n_active);
   TW_CUDA_CHECK_LAUNCH("tw_moe_sort_kernel");
   return TW_OK;
 }
@@ -281,8 +280,8 @@ __global__ void tw_moe_combine_kernel(const YT *__restrict__ y, const int32_t *_
 
 tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
                                const float *y, float *out, cudaStream_t stream) {
-  tw_pdl_launch(tw_moe_combine_kernel<float, false>, dim3(T), dim3(256), 0, stream, y, r->pos_of, r->topk_idx, r->topk_w,
-                                                             nullptr, H, r->k, out);
+  tw_pdl_launch(tw_moe_combine_kernel<float, false>, dim3(T), dim3(256), 0, stream, y, r->pos_of,
+                r->topk_idx, r->topk_w, nullptr, H, r->k, out);
   TW_CUDA_CHECK_LAUNCH("tw_moe_combine_kernel<f32>");
   return TW_OK;
 }
@@ -290,7 +289,8 @@ tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t 
 tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
                                 const __nv_bfloat16 *y, const float *bias, float *out,
                                 cudaStream_t stream) {
-  tw_pdl_launch(tw_moe_combine_kernel<__nv_bfloat16, true>, dim3(T), dim3(256), 0, stream, y, r->pos_of, r->topk_idx, r->topk_w, bias, H, r->k, out);
+  tw_pdl_launch(tw_moe_combine_kernel<__nv_bfloat16, true>, dim3(T), dim3(256), 0, stream, y,
+                r->pos_of, r->topk_idx, r->topk_w, bias, H, r->k, out);
   TW_CUDA_CHECK_LAUNCH("tw_moe_combine_kernel<bf16>");
   return TW_OK;
 }

@@ -87,13 +87,14 @@ extern "C" tw_status_t tw_cuda_rmsnorm_residual(float *x_resid, const void *mayb
   __nv_bfloat16 *o = static_cast<__nv_bfloat16 *>(out);
   dim3 grid((unsigned)n_tokens), block(TW_NORM_THREADS);
   if (!maybe_delta)
-    tw_pdl_launch(tw_rmsnorm_residual_kernel<0>, dim3(grid), dim3(block), 0, stream, x_resid, nullptr, w, eps, hidden, o);
+    tw_pdl_launch(tw_rmsnorm_residual_kernel<0>, dim3(grid), dim3(block), 0, stream, x_resid,
+                  nullptr, w, eps, hidden, o);
   else if (delta_dtype == TW_DTYPE_BF16)
-    tw_pdl_launch(tw_rmsnorm_residual_kernel<1>, dim3(grid), dim3(block), 0, stream, x_resid, maybe_delta, w, eps,
-                                                              hidden, o);
+    tw_pdl_launch(tw_rmsnorm_residual_kernel<1>, dim3(grid), dim3(block), 0, stream, x_resid,
+                  maybe_delta, w, eps, hidden, o);
   else
-    tw_pdl_launch(tw_rmsnorm_residual_kernel<2>, dim3(grid), dim3(block), 0, stream, x_resid, maybe_delta, w, eps,
-                                                              hidden, o);
+    tw_pdl_launch(tw_rmsnorm_residual_kernel<2>, dim3(grid), dim3(block), 0, stream, x_resid,
+                  maybe_delta, w, eps, hidden, o);
   TW_CUDA_CHECK_LAUNCH("rmsnorm_residual");
   return TW_OK;
 }
@@ -237,9 +238,10 @@ extern "C" tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, 
   if (head_dim % 4 == 0 && qkv_row_stride % 2 != 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "rope_kv_write: odd row stride %lld",
                   (long long)qkv_row_stride);
-  tw_pdl_launch(tw_rope_kv_write_kernel, dim3((unsigned)n_tokens), dim3(TW_ROPE_THREADS), 0, stream, static_cast<__nv_bfloat16 *>(qkv), qkv_row_stride, n_q_heads, n_kv_heads, head_dim,
-      positions, rope_cos, rope_sin, max_pos, maybe_slots,
-      static_cast<__nv_bfloat16 *>(kv_layer), block_size);
+  tw_pdl_launch(tw_rope_kv_write_kernel, dim3((unsigned)n_tokens), dim3(TW_ROPE_THREADS), 0, stream,
+                static_cast<__nv_bfloat16 *>(qkv), qkv_row_stride, n_q_heads, n_kv_heads, head_dim,
+                positions, rope_cos, rope_sin, max_pos, maybe_slots,
+                static_cast<__nv_bfloat16 *>(kv_layer), block_size);
   TW_CUDA_CHECK_LAUNCH("rope_kv_write");
   return TW_OK;
 }

@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <stdint.h>
 #include <utility>
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -26,7 +27,8 @@
 extern "C" int tw_cuda_pdl_enabled(void);
 
 /** Launch `kernel` like <<<grid, block, smem, stream>>>(args...), with the
- *  programmatic stream serialization attribute when PDL is enabled. Returns
+ *  programmatic stream serialization attribute when PDL is enabled and
+ *  `stream` is a created stream (not 0 / legacy / per-thread). Returns
  *  the launch error (also left for cudaGetLastError). */
 template <typename... KArgs, typename... Args>
 static inline cudaError_t tw_pdl_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block,
@@ -40,7 +42,9 @@ static inline cudaError_t tw_pdl_launch(void (*kernel)(KArgs...), dim3 grid, dim
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = at;
-  cfg.numAttrs = tw_cuda_pdl_enabled() ? 1 : 0;
+  /* only on created streams: the legacy / per-thread default streams (0, 1, 2)
+   * keep plain launches (their implicit synchronisation rules come first) */
+  cfg.numAttrs = tw_cuda_pdl_enabled() && (uintptr_t)stream > 2 ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
