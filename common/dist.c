@@ -387,7 +387,7 @@ static tw_status_t tw_dist_hello(tw_dist_t *d) {
 }
 
 static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t device) {
-  char cbind[288] = "", cconn[288] = "", hbind[288] = "", hconn[288] = "";
+  char cbind[288] = "", cconn[288] = "", hconn[288] = "";
   if (kind == TW_COLL_HOST) {
     TW_CHECK(tw_coll_create_host(&d->coll));
     if (tw_coll_size(d->coll) != d->id.size || tw_coll_rank(d->coll) != d->id.rank)
@@ -398,26 +398,46 @@ static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t devi
   } else if (!d->id.rendezvous[0]) {
     return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: nccl ranks need a rendezvous address");
   }
-  if (d->id.rendezvous[0]) {
-    TW_CHECK(tw_dist_endpoints(d->id.rendezvous, 0, cbind, cconn, sizeof cbind));
-    TW_CHECK(tw_dist_endpoints(d->id.rendezvous, 1, hbind, hconn, sizeof hbind));
-  }
+  if (d->id.rendezvous[0]) TW_CHECK(tw_dist_endpoints(d->id.rendezvous, 0, cbind, cconn, sizeof cbind));
   if (d->id.rank == 0) {
     TW_CHECK(tw_dist_bind(d, cbind, &d->ctrl, cconn, sizeof cconn));
-    TW_CHECK(tw_dist_bind(d, hbind, &d->hb, hconn, sizeof hconn));
+    /* the watchdog's socket: an ephemeral port (no second fixed port to
+     * collide with another worker's rendezvous), announced after the hello */
+    TW_CHECK(tw_dist_bind(d, d->id.rendezvous[0] ? "tcp://*:*" : "", &d->hb, hconn, sizeof hconn));
+    char last[288] = "";
+    size_t ll = sizeof last;
+    zmq_getsockopt(d->hb, ZMQ_LAST_ENDPOINT, last, &ll);
+    const char *port = strrchr(last, ':'), *host_end = strrchr(cconn, ':');
+    if (!port || !host_end)
+      return tw_err(TW_ERR_TRANSPORT, "dist: cannot tell the watchdog port (%s, %s)", last, cconn);
+    snprintf(hconn, sizeof hconn, "%.*s%s", (int)(host_end - cconn), cconn, port);
   }
-  if (!d->id.rendezvous[0]) { /* MPI launch without a rendezvous: rank 0's ports by broadcast */
+  if (!d->id.rendezvous[0]) /* MPI launch without a rendezvous: rank 0's port by broadcast */
     TW_CHECK(tw_coll_broadcast(d->coll, cconn, sizeof cconn, 0));
-    TW_CHECK(tw_coll_broadcast(d->coll, hconn, sizeof hconn, 0));
-  }
   if (d->id.rank != 0) {
     d->ctrl = tw_dist_socket(d, ZMQ_DEALER, d->id.rank);
-    d->hb = tw_dist_socket(d, ZMQ_DEALER, d->id.rank);
-    if (!d->ctrl || !d->hb || zmq_connect(d->ctrl, cconn) != 0 || zmq_connect(d->hb, hconn) != 0)
+    if (!d->ctrl || zmq_connect(d->ctrl, cconn) != 0)
       return tw_err(TW_ERR_TRANSPORT, "dist: rank %d cannot connect to rank 0 at %s: %s",
                     d->id.rank, cconn, zmq_strerror(errno));
   }
   TW_CHECK(tw_dist_hello(d));
+  if (d->id.rank == 0) {
+    for (int32_t r = 1; r < d->id.size; r++)
+      TW_CHECK(tw_dist_send_to(d->ctrl, r, hconn, strlen(hconn) + 1));
+  } else {
+    void *b = NULL;
+    size_t n = 0;
+    tw_status_t st = tw_dist_recv_frame(d->ctrl, TW_DIST_JOIN_MS, NULL, 0, &b, &n);
+    if (st == TW_INPROGRESS)
+      return tw_err(TW_ERR_UNAVAILABLE, "dist: rank %d: no watchdog address from rank 0", d->id.rank);
+    TW_CHECK(st);
+    snprintf(hconn, sizeof hconn, "%.*s", (int)(n ? n - 1 : 0), (const char *)b);
+    free(b);
+    d->hb = tw_dist_socket(d, ZMQ_DEALER, d->id.rank);
+    if (!d->hb || zmq_connect(d->hb, hconn) != 0)
+      return tw_err(TW_ERR_TRANSPORT, "dist: rank %d cannot connect the watchdog to %s: %s",
+                    d->id.rank, hconn, zmq_strerror(errno));
+  }
   if (kind == TW_COLL_NCCL) {
     uint8_t uid[TW_COLL_UID_BYTES];
     if (d->id.rank == 0) {

@@ -9,9 +9,10 @@
  *   - none of these: a group of one, unless `--tp N` asks tw_dist_spawn() to
  *     start the N ranks on this node.
  *
- * Control link. Rank 0 binds a ZeroMQ ROUTER (the rendezvous address, or an
+ * Control link. Rank 0 binds a ZeroMQ ROUTER (the rendezvous port, or an
  * ephemeral port on 127.0.0.1 sent to the others by MPI_Bcast); every other
- * rank connects a DEALER. Over it rank 0 hands out the NCCL unique id
+ * rank connects a DEALER. Only that one port is fixed: the watchdog's socket
+ * is ephemeral and announced over the control link. Over it rank 0 hands out the NCCL unique id
  * (cuda), broadcasts each step's plan (tw_dist_plan_send), and collects the
  * ranks' replies (tw_dist_reply / tw_dist_replies_recv). Rank 0 alone talks
  * to the router.
