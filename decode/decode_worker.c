@@ -260,6 +260,7 @@ static bool tw_decoder_verify_heads(tw_decoder_t *d, tw_dseq_t *s,
                                     const Twain__Internal__V1__DecodeRequest *r, char *msg,
                                     size_t msg_len) {
   int ok = 0, bad = 0;
+  if (tw_engine_kv_layout(d->engine)->on_device) return true; /* host pools only (kv_reshard.h) */
   bool same = tw_decode_ranks_verify(&d->rk, s->n_prompt, s->blocks,
                                      tw_kv_blocks_needed(d->blocks, s->n_prompt), r->head_checksums,
                                      r->n_head_checksums, &ok, &bad, msg, msg_len);

@@ -86,7 +86,8 @@ static tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
   }
   uint64_t sums[64];
   if (src->n_kv_heads_local > 64) return tw_err(TW_ERR_UNSUPPORTED, "more than 64 kv heads");
-  for (int32_t l = 0; l < c->n_layers; l++) {
+  /* device pools: no per-head checksums (kv_reshard.h reads host pools only) */
+  for (int32_t l = 0; !src->on_device && l < c->n_layers; l++) {
     int32_t f = tw_kv_layer_first_block(n, src->block_size, c->layer_types[l] == TW_LAYER_SLIDING,
                                         c->sliding_window);
     TW_CHECK(tw_kv_head_checksums(src, l, ids, f, nb, sums));

@@ -175,7 +175,7 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
       tw_metric_add(w->m.kv_bytes, (double)bytes);
       tw_metric_add(w->m.requests, 1);
       w->head_sums = hs;
-      w->n_head_sums = n_hs;
+      w->n_head_sums = tw_engine_kv_layout(w->engine)->on_device ? 0 : n_hs; /* host pools only */
       tw_prefill_done(w, r->request_id, first, NULL, 0, bytes, pms, xms, 0, NULL);
       w->head_sums = NULL;
       w->n_head_sums = 0;
