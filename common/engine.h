@@ -51,6 +51,11 @@ typedef struct {
   /* the worker's collective group (collective.h), borrowed; required when
    * tp_size or ep_size > 1 (each is then 1 or the group size). NULL default. */
   struct tw_coll *coll;
+  /* data-parallel attention (issue 6): with ep_size = the group size and
+   * tp_size = 1, each rank runs attention on its own sequences (its own
+   * batch and KV pool) and the MoE runs over every rank's tokens (EP). All
+   * ranks must call prefill/decode together (one forward per call per chunk). */
+  int32_t dp_attention;
 } tw_engine_params_t;
 
 #define TW_ENGINE_PARAMS_DEFAULT                                              \

@@ -246,6 +246,29 @@ static void tw_cpu_moe(const tw_engine_t *e, tw_cpu_state_t *s, const tw_layer_w
   }
 }
 
+/* Exchange the MoE buffers of the state with b (data-parallel attention runs
+ * the MoE over every rank's tokens in tp.all, engine_cpu_tp.h). */
+static void tw_cpu_moe_bufs_swap(tw_cpu_state_t *s, tw_cpu_moe_bufs_t *b) {
+#define TW_SWAP(f)      \
+  do {                  \
+    void *t_ = (void *)s->f; \
+    s->f = b->f;        \
+    b->f = t_;          \
+  } while (0)
+  TW_SWAP(xn);
+  TW_SWAP(proj);
+  TW_SWAP(router);
+  TW_SWAP(topk_idx);
+  TW_SWAP(topk_w);
+  TW_SWAP(exp_tok);
+  TW_SWAP(exp_w);
+  TW_SWAP(xe);
+  TW_SWAP(ue);
+  TW_SWAP(ae);
+  TW_SWAP(ye);
+#undef TW_SWAP
+}
+
 /* Run T tokens; write the logits of tokens rows[0..n_rows) to logits[n_rows, V]. */
 static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *tokens,
                                   const int32_t *positions, const int32_t *rows, int64_t n_rows,
@@ -300,8 +323,16 @@ static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *toke
     TW_CHECK(tw_cpu_tp_reduce_attn(&s->tp, s->proj, T * H));
     for (int64_t i = 0; i < T * H; i++) s->x[i] += s->proj[i];
     tw_cpu_rmsnorm(s->x, T, H, w->mlp_norm.data, c->rms_norm_eps, s->xn);
-    tw_cpu_moe(e, s, w, T);
-    TW_CHECK(tw_cpu_tp_reduce_moe(&s->tp, s->proj, T * H));
+    if (s->tp.dp) { /* dp attention: the MoE over every rank's tokens, then our rows */
+      TW_CHECK(tw_cpu_tp_dp_gather(&s->tp, c, s->xn, T));
+      tw_cpu_moe_bufs_swap(s, &s->tp.all);
+      tw_cpu_moe(e, s, w, s->tp.t_total);
+      tw_cpu_moe_bufs_swap(s, &s->tp.all);
+      TW_CHECK(tw_cpu_tp_dp_combine(&s->tp, H, s->proj, T));
+    } else {
+      tw_cpu_moe(e, s, w, T);
+      TW_CHECK(tw_cpu_tp_reduce_moe(&s->tp, s->proj, T * H));
+    }
     for (int64_t i = 0; i < T * H; i++) s->x[i] += s->proj[i];
   }
   if (n_rows > 0) {

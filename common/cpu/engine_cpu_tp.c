@@ -39,6 +39,11 @@ tw_status_t tw_cpu_tp_init(const tw_model_config_t *c, const tw_engine_params_t 
                    .ep_size = p->ep_size, .ep_rank = p->ep_rank};
   TW_CHECK(tw_cpu_tp_check_group("tp", p->tp_size, p->tp_rank, p->coll));
   TW_CHECK(tw_cpu_tp_check_group("ep", p->ep_size, p->ep_rank, p->coll));
+  if (p->dp_attention && (p->tp_size != 1 || p->ep_size < 2))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "cpu engine: dp_attention needs tp_size 1 (got %d) and ep_size > 1 (got %d)",
+                  p->tp_size, p->ep_size);
+  t.dp = p->dp_attention != 0;
   if (p->tp_size == 1 && p->ep_size == 1) t.coll = NULL;
   TW_CHECK(tw_cpu_tp_split("num_attention_heads", c->n_heads, p->tp_size, p->tp_rank, &t.q0,
                            &t.nq));
@@ -61,11 +66,93 @@ tw_status_t tw_cpu_tp_init(const tw_model_config_t *c, const tw_engine_params_t 
   return TW_OK;
 }
 
+static void tw_cpu_moe_bufs_free(tw_cpu_moe_bufs_t *b) {
+  free(b->xn);
+  free(b->proj);
+  free(b->router);
+  free(b->topk_idx);
+  free(b->topk_w);
+  free(b->exp_tok);
+  free(b->exp_w);
+  free(b->xe);
+  free(b->ue);
+  free(b->ae);
+  free(b->ye);
+  memset(b, 0, sizeof *b);
+}
+
 void tw_cpu_tp_fini(tw_cpu_tp_t *tp) {
   free(tp->lg_local);
   free(tp->lg_all);
   tp->lg_local = tp->lg_all = NULL;
   tp->cap_rows = 0;
+  tw_cpu_moe_bufs_free(&tp->all);
+  free(tp->dp_recv);
+  tp->dp_recv = NULL;
+  tp->cap_all = 0;
+}
+
+tw_status_t tw_cpu_tp_dp_gather(tw_cpu_tp_t *tp, const tw_model_config_t *c, const float *xn,
+                                int64_t T) {
+  const int32_t P = tw_coll_size(tp->coll), me = tw_coll_rank(tp->coll);
+  const int64_t H = c->hidden;
+  int64_t counts[64];
+  if (P > 64) return tw_err(TW_ERR_UNSUPPORTED, "cpu engine: dp over more than 64 ranks");
+  TW_CHECK(tw_coll_allgather(tp->coll, &T, counts, sizeof T));
+  tp->t_total = tp->t_off = tp->t_max = 0;
+  for (int32_t r = 0; r < P; r++) {
+    if (r == me) tp->t_off = tp->t_total;
+    tp->t_total += counts[r];
+    if (counts[r] > tp->t_max) tp->t_max = counts[r];
+  }
+  int64_t need = tp->t_total > P * tp->t_max ? tp->t_total : P * tp->t_max;
+  if (need > tp->cap_all) {
+    tw_cpu_moe_bufs_free(&tp->all);
+    free(tp->dp_recv);
+    size_t n = (size_t)need, f = sizeof(float), k = (size_t)c->n_experts_per_tok;
+    size_t h = (size_t)H, I = (size_t)c->intermediate;
+    tw_cpu_moe_bufs_t *b = &tp->all;
+    b->xn = malloc(n * h * f);
+    b->proj = malloc(n * h * f);
+    b->router = malloc(n * (size_t)c->n_experts * f);
+    b->topk_idx = malloc(n * k * sizeof(int32_t));
+    b->topk_w = malloc(n * k * f);
+    b->exp_tok = malloc(n * sizeof(int32_t));
+    b->exp_w = malloc(n * f);
+    b->xe = malloc(n * h * f);
+    b->ue = malloc(n * 2 * I * f);
+    b->ae = malloc(n * I * f);
+    b->ye = malloc(n * h * f);
+    tp->dp_recv = malloc(n * h * f);
+    if (!b->xn || !b->proj || !b->router || !b->topk_idx || !b->topk_w || !b->exp_tok ||
+        !b->exp_w || !b->xe || !b->ue || !b->ae || !b->ye || !tp->dp_recv) {
+      tw_cpu_moe_bufs_free(b);
+      free(tp->dp_recv);
+      tp->dp_recv = NULL;
+      tp->cap_all = 0;
+      return tw_err(TW_ERR_NO_MEMORY, "cpu engine: out of memory for the dp moe of %lld tokens",
+                    (long long)need);
+    }
+    tp->cap_all = need;
+  }
+  /* rows padded to t_max per rank, then packed in rank order */
+  float *send = tp->all.xe; /* free until the MoE runs */
+  memcpy(send, xn, sizeof(float) * (size_t)(T * H));
+  TW_CHECK(tw_coll_allgather(tp->coll, send, tp->dp_recv,
+                             (int64_t)sizeof(float) * tp->t_max * H));
+  int64_t off = 0;
+  for (int32_t r = 0; r < P; r++) {
+    memcpy(tp->all.xn + off * H, tp->dp_recv + (int64_t)r * tp->t_max * H,
+           sizeof(float) * (size_t)(counts[r] * H));
+    off += counts[r];
+  }
+  return TW_OK;
+}
+
+tw_status_t tw_cpu_tp_dp_combine(tw_cpu_tp_t *tp, int64_t H, float *proj, int64_t T) {
+  TW_CHECK(tw_coll_allreduce_sum_f32(tp->coll, tp->all.proj, tp->t_total * H));
+  memcpy(proj, tp->all.proj + tp->t_off * H, sizeof(float) * (size_t)(T * H));
+  return TW_OK;
 }
 
 tw_status_t tw_cpu_tp_reduce_attn(tw_cpu_tp_t *tp, float *x, int64_t n) {
@@ -74,7 +161,7 @@ tw_status_t tw_cpu_tp_reduce_attn(tw_cpu_tp_t *tp, float *x, int64_t n) {
 }
 
 tw_status_t tw_cpu_tp_reduce_moe(tw_cpu_tp_t *tp, float *x, int64_t n) {
-  if (tp->ep_size == 1) return TW_OK;
+  if (tp->ep_size == 1 || tp->dp) return TW_OK; /* dp: tw_cpu_tp_dp_combine */
   return tw_coll_allreduce_sum_f32(tp->coll, x, n);
 }
 

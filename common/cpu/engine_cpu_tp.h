@@ -30,6 +30,17 @@
 extern "C" {
 #endif
 
+/* The buffers the MoE of one forward uses, for T tokens (engine_cpu.c). */
+typedef struct {
+  float *xn, *proj;        /* [T, H] in / out */
+  float *router;           /* [T, E] */
+  int32_t *topk_idx;       /* [T, k] */
+  float *topk_w;           /* [T, k] */
+  int32_t *exp_tok;        /* [T] */
+  float *exp_w;            /* [T] */
+  float *xe, *ue, *ae, *ye; /* [T, H] [T, 2I] [T, I] [T, H] */
+} tw_cpu_moe_bufs_t;
+
 typedef struct {
   tw_coll_t *coll;         /* borrowed; NULL when tp_size = ep_size = 1 */
   int32_t tp_size, tp_rank, ep_size, ep_rank;
@@ -40,6 +51,12 @@ typedef struct {
   int64_t cap_rows;        /* logits rows the gather buffers hold */
   float *lg_local;         /* [cap_rows, vp] */
   float *lg_all;           /* [tp, cap_rows, vp] */
+  /* data-parallel attention (params.dp_attention): this forward's token
+   * counts over the group, and the MoE buffers for all of them */
+  int dp;
+  int64_t t_total, t_off, t_max, cap_all;
+  tw_cpu_moe_bufs_t all;   /* [cap_all] rows each */
+  float *dp_recv;          /* [size, t_max, H] */
 } tw_cpu_tp_t;
 
 /** Work out the shard of params->tp_rank/ep_rank for model config `c`.
@@ -57,6 +74,18 @@ tw_status_t tw_cpu_tp_reduce_attn(tw_cpu_tp_t *tp, float *x, int64_t n);
 /** Sum the MoE partial combines x f32 [n] over the EP group (nothing when
  *  ep_size = 1). Errors: those of tw_coll_allreduce. */
 tw_status_t tw_cpu_tp_reduce_moe(tw_cpu_tp_t *tp, float *x, int64_t n);
+
+/** Data-parallel attention: every rank's normalised MoE input rows. Gathers
+ *  the token counts of this forward, then the rows xn f32 [T, H] of every
+ *  rank into tp->all.xn [t_total, H] (rank order; this rank's rows start at
+ *  t_off), sizing tp->all for t_total tokens of config c.
+ *  Errors: TW_ERR_NO_MEMORY, those of tw_coll_allgather. */
+tw_status_t tw_cpu_tp_dp_gather(tw_cpu_tp_t *tp, const tw_model_config_t *c, const float *xn,
+                                int64_t T);
+/** Data-parallel attention: sum the MoE partial combines tp->all.proj
+ *  [t_total, H] over the group and copy this rank's rows into proj [T, H].
+ *  Errors: those of tw_coll_allreduce. */
+tw_status_t tw_cpu_tp_dp_combine(tw_cpu_tp_t *tp, int64_t H, float *proj, int64_t T);
 
 /** Unembedding of n_rows normalised rows xn f32 [n_rows, H] with lm_head
  *  bf16 [V, H] (spec §2.10): this rank's vocabulary rows, then the

@@ -33,6 +33,8 @@ typedef struct {
   int32_t table[TW_NBLK];
 } eng_t;
 
+static int32_t g_dp; /* data-parallel attention for the split engine */
+
 static int eng_init(eng_t *g, const tw_model_t *m, tw_coll_t *coll, int32_t tp, int32_t ep,
                     int32_t chunk) {
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
@@ -45,6 +47,7 @@ static int eng_init(eng_t *g, const tw_model_t *m, tw_coll_t *coll, int32_t tp, 
   p.tp_rank = tp > 1 ? tw_coll_rank(coll) : 0;
   p.ep_rank = ep > 1 ? tw_coll_rank(coll) : 0;
   p.coll = coll;
+  p.dp_attention = coll ? g_dp : 0;
   for (int i = 0; i < TW_NBLK; i++) g->table[i] = TW_NBLK - 1 - i; /* not in position order */
   return tw_engine_create(m, &p, &g->e) == TW_OK ? 0 : -1;
 }
@@ -145,6 +148,37 @@ static void check_batch(int rank, const char *cfg, eng_t *one, eng_t *par, const
   free(lb);
 }
 
+/* Data-parallel attention: each rank prefills and decodes its own prompt
+ * (different lengths), the MoE runs over both ranks' tokens. */
+static void check_dp(int rank, eng_t *one, eng_t *par, const tw_fx_entry_t *fx, int64_t V) {
+  const int64_t T = fx->n_ids;
+  float *a = malloc(sizeof(float) * T * V), *b = malloc(sizeof(float) * T * V);
+  int32_t na = -1, nb = -1;
+  tw_prefill_args_t pa = {.tokens = fx->ids, .n_tokens = (int32_t)T, .block_table = one->table,
+                          .n_blocks = TW_NBLK, .all_logits = true, .logits_out = a,
+                          .next_token_out = &na};
+  TW_EXPECT(tw_engine_prefill(one->e, &pa) == TW_OK, "tp1 prefill: %s", tw_last_error());
+  pa.block_table = par->table;
+  pa.logits_out = b;
+  pa.next_token_out = &nb;
+  TW_EXPECT(tw_engine_prefill(par->e, &pa) == TW_OK, "dp prefill: %s", tw_last_error());
+  double e1 = tw_test_rel_l2_ff(b, a, T * V);
+  double eh = tw_test_rel_l2_ff(b + (int64_t)fx->pos_begin * V, fx->logits,
+                                (int64_t)fx->n_rows * V);
+  printf("rank %d dp-ep2 %-12s prefill %lld tokens (own prompt): rel L2 %.3g vs TP 1, %.3g vs HF\n",
+         rank, fx->prompt, (long long)T, e1, eh);
+  TW_EXPECT(e1 <= TW_REL_L2_TP && eh <= TW_REL_L2_HF, "dp/%s: rel L2 %.3g / %.3g", fx->prompt, e1, eh);
+  int32_t ga[16], gb[16];
+  TW_EXPECT(greedy(one, na, (int32_t)T, 16, ga) == 0, "tp1 decode: %s", tw_last_error());
+  TW_EXPECT(greedy(par, nb, (int32_t)T, 16, gb) == 0, "dp decode: %s", tw_last_error());
+  int same = memcmp(ga, gb, sizeof ga) == 0 && memcmp(gb, fx->greedy, sizeof gb) == 0;
+  printf("rank %d dp-ep2 %-12s greedy 16 tokens: %s\n", rank, fx->prompt,
+         same ? "identical to TP 1 and HF" : "DIFFERENT");
+  TW_EXPECT(same, "dp/%s: greedy differs", fx->prompt);
+  free(a);
+  free(b);
+}
+
 int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: mpirun -np P %s TP EP\n", argv[0]);
@@ -152,6 +186,7 @@ int main(int argc, char **argv) {
   }
   int32_t tp = atoi(argv[1]), ep = atoi(argv[2]);
   int max_prompts = argc > 3 ? atoi(argv[3]) : 4; /* CI time: the full set for EP 2 TP 2 */
+  g_dp = argc > 4 && strcmp(argv[4], "dp") == 0;
   tw_coll_t *coll = NULL;
   if (tw_coll_create_host(&coll) != TW_OK) {
     fprintf(stderr, "host collective: %s\n", tw_last_error());
@@ -160,7 +195,7 @@ int main(int argc, char **argv) {
   int rank = tw_coll_rank(coll);
   tw_log_init("test_tp", rank);
   char cfg[32];
-  snprintf(cfg, sizeof(cfg), "ep%d-tp%d", ep, tp);
+  snprintf(cfg, sizeof(cfg), "ep%d-tp%d%s", ep, tp, g_dp ? "-dp" : "");
   const char *fixtures = getenv("TW_FIXTURES_DIR");
   if (!fixtures) fixtures = "tests/fixtures";
   char model_dir[1024], fx_dir[1024];
@@ -178,6 +213,18 @@ int main(int argc, char **argv) {
   for (; loaded < 4; loaded++)
     if (tw_fx_load(fx_dir, "mxfp4", tw_fx_prompts[loaded], &fx[loaded]) != 0) break;
   TW_EXPECT(loaded == 4, "fixtures: loaded %d of 4", loaded);
+  if (g_dp) { /* rank r runs prompt r: different sequences and lengths per rank */
+    eng_t one, par;
+    if (loaded == 4 && eng_init(&one, m, NULL, 1, 1, 8192) == 0 &&
+        eng_init(&par, m, coll, tp, ep, 8192) == 0) {
+      check_dp(rank, &one, &par, &fx[rank % 4], V);
+      tw_engine_destroy(one.e);
+      tw_engine_destroy(par.e);
+    } else {
+      TW_EXPECT(0, "engine create: %s", tw_last_error());
+    }
+    max_prompts = 0;
+  }
   for (int i = 0; i < loaded && i < max_prompts; i++) {
     eng_t one, par;
     if (eng_init(&one, m, NULL, 1, 1, 8192) != 0 || eng_init(&par, m, coll, tp, ep, 7) != 0) {
@@ -188,7 +235,7 @@ int main(int argc, char **argv) {
     tw_engine_destroy(one.e);
     tw_engine_destroy(par.e);
   }
-  if (loaded >= 2) {
+  if (loaded >= 2 && !g_dp) {
     eng_t one, par;
     if (eng_init(&one, m, NULL, 1, 1, 8192) == 0 && eng_init(&par, m, coll, tp, ep, 8192) == 0) {
       check_batch(rank, cfg, &one, &par, &fx[0], &fx[1], V);
