@@ -4,7 +4,9 @@
 
 #include "common/log.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -13,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -177,12 +180,26 @@ tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist
     *supervised_rc_p = tw_dist_supervise(child);
     return TW_OK;
   }
-  /* our own spawner: rank 0 is this process; the rendezvous is a free-ish
-   * port derived from the pid unless TWAIN_RENDEZVOUS is set */
+  /* our own spawner: rank 0 is this process; the rendezvous is a port the
+   * kernel just gave out on 127.0.0.1 unless TWAIN_RENDEZVOUS is set */
   char rv[256];
   const char *env_rv = getenv("TWAIN_RENDEZVOUS");
-  if (env_rv && *env_rv) snprintf(rv, sizeof rv, "%s", env_rv);
-  else snprintf(rv, sizeof rv, "tcp://127.0.0.1:%d", 20000 + (int)(getpid() % 20000) * 2);
+  if (env_rv && *env_rv) {
+    snprintf(rv, sizeof rv, "%s", env_rv);
+  } else {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = 0,
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
+        getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
+      int e = errno;
+      if (fd >= 0) close(fd);
+      return tw_err(TW_ERR_IO, "dist: cannot find a free port for the rendezvous: %s", strerror(e));
+    }
+    close(fd);
+    snprintf(rv, sizeof rv, "tcp://127.0.0.1:%d", (int)ntohs(sa.sin_port));
+  }
   char self[4096];
   ssize_t sl = readlink("/proc/self/exe", self, sizeof self - 1);
   if (sl <= 0) return tw_err(TW_ERR_IO, "dist: readlink /proc/self/exe: %s", strerror(errno));
@@ -238,7 +255,9 @@ static tw_status_t tw_dist_endpoints(const char *rv, int delta, char *bind, char
   int port = atoi(colon + 1);
   if (port <= 0 || port + delta > 65535)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: rendezvous '%s': bad port", rv);
-  snprintf(bind, n, "tcp://*:%d", port + delta);
+  /* a loopback rendezvous (one node, tests) binds loopback only, else every interface */
+  bool loop = strncmp(rv + 6, "127.", 4) == 0 || strncmp(rv + 6, "localhost:", 10) == 0;
+  snprintf(bind, n, "tcp://%s:%d", loop ? "127.0.0.1" : "*", port + delta);
   snprintf(conn, n, "%.*s:%d", (int)(colon - rv), rv, port + delta);
   return TW_OK;
 }
@@ -403,7 +422,8 @@ static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t devi
     TW_CHECK(tw_dist_bind(d, cbind, &d->ctrl, cconn, sizeof cconn));
     /* the watchdog's socket: an ephemeral port (no second fixed port to
      * collide with another worker's rendezvous), announced after the hello */
-    TW_CHECK(tw_dist_bind(d, d->id.rendezvous[0] ? "tcp://*:*" : "", &d->hb, hconn, sizeof hconn));
+    bool loop = !d->id.rendezvous[0] || strncmp(cbind, "tcp://127.0.0.1:", 16) == 0;
+    TW_CHECK(tw_dist_bind(d, loop ? "" : "tcp://*:*", &d->hb, hconn, sizeof hconn));
     char last[288] = "";
     size_t ll = sizeof last;
     zmq_getsockopt(d->hb, ZMQ_LAST_ENDPOINT, last, &ll);
