@@ -520,12 +520,16 @@ tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind, in
   return TW_OK;
 }
 
+void tw_dist_watchdog_stop(tw_dist_t *d) {
+  if (!d || d->magic != TW_DIST_MAGIC || !d->wd_started) return;
+  atomic_store(&d->wd_stop, 1);
+  pthread_join(d->wd, NULL);
+  d->wd_started = false;
+}
+
 void tw_dist_destroy(tw_dist_t *d) {
   if (!d || d->magic != TW_DIST_MAGIC) return;
-  if (d->wd_started) {
-    atomic_store(&d->wd_stop, 1);
-    pthread_join(d->wd, NULL);
-  }
+  tw_dist_watchdog_stop(d);
   if (d->ctrl) zmq_close(d->ctrl);
   if (d->hb) zmq_close(d->hb);
   if (d->zctx) zmq_ctx_term(d->zctx);

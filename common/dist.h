@@ -91,6 +91,9 @@ typedef void (*tw_dist_lost_fn)(const char *why);
  *  (a rank did not show up within 60 s), TW_ERR_NO_MEMORY. */
 tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind, int32_t device,
                            tw_dist_lost_fn on_lost, tw_dist_t **dist_p);
+/** Stop the watchdog (a clean stop: the other ranks are about to exit and
+ *  their silence must not end this one). NULL does nothing. */
+void tw_dist_watchdog_stop(tw_dist_t *dist);
 /** Stop the watchdog, close the link, leave the collective. NULL does nothing. */
 void tw_dist_destroy(tw_dist_t *dist);
 

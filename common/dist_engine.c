@@ -99,6 +99,7 @@ tw_status_t tw_dist_plan_user(tw_dist_t *d, const void *buf, size_t len) {
 
 tw_status_t tw_dist_plan_stop(tw_dist_t *d) {
   if (tw_dist_size(d) == 1) return TW_OK;
+  tw_dist_watchdog_stop(d); /* the others go now: their silence is expected */
   int32_t k = TW_PLAN_STOP;
   return tw_dist_plan_send(d, &k, sizeof k);
 }
@@ -189,7 +190,10 @@ tw_status_t tw_dist_follow_idle(tw_dist_t *d, tw_engine_t *e, tw_dist_hook_fn ho
     default: st = tw_err(TW_ERR_FORMAT, "dist: plan of unknown kind %d", k);
     }
     free(buf);
-    if (k == TW_PLAN_STOP) return TW_OK;
+    if (k == TW_PLAN_STOP) {
+      tw_dist_watchdog_stop(d); /* rank 0 is going away on purpose */
+      return TW_OK;
+    }
     if (st != TW_OK)
       TW_WARN("dist", "rank %d: plan %d failed: %s", tw_dist_rank(d), k, tw_last_error());
   }
