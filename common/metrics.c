@@ -1,4 +1,4 @@
-/* metrics.c: Prometheus text + /healthz over libmicrohttpd (see metrics.h). */
+/* metrics.c: Prometheus text, /healthz and /livez over libmicrohttpd (see metrics.h). */
 #include "common/metrics.h"
 
 #include "common/log.h"
@@ -119,6 +119,8 @@ static enum MHD_Result tw_metrics_answer(void *cls, struct MHD_Connection *conn,
   if (strcmp(url, "/metrics") == 0) {
     if (tw_metrics_render(m, &text) != TW_OK) return MHD_NO;
     ctype = "text/plain; version=0.0.4; charset=utf-8";
+  } else if (strcmp(url, "/livez") == 0) {
+    text = strdup("alive\n"); /* the process answers: 200 even while draining */
   } else if (strcmp(url, "/healthz") == 0) {
     pthread_mutex_lock(&m->mu);
     code = m->healthy ? MHD_HTTP_OK : MHD_HTTP_SERVICE_UNAVAILABLE;
@@ -128,7 +130,7 @@ static enum MHD_Result tw_metrics_answer(void *cls, struct MHD_Connection *conn,
     pthread_mutex_unlock(&m->mu);
   } else {
     code = MHD_HTTP_NOT_FOUND;
-    text = strdup("not found: try /metrics or /healthz\n");
+    text = strdup("not found: try /metrics, /healthz or /livez\n");
   }
   if (!text) return MHD_NO;
   struct MHD_Response *r =
@@ -143,7 +145,20 @@ static enum MHD_Result tw_metrics_answer(void *cls, struct MHD_Connection *conn,
   return ret;
 }
 
-tw_status_t tw_metrics_create(const char *process, int port, bool bind_any, tw_metrics_t **m_p) {
+tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_addr,
+                              tw_metrics_t **m_p) {
+  const char *addr = maybe_addr && *maybe_addr ? maybe_addr : "127.0.0.1";
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  struct sockaddr_in6 sa6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)port)};
+  bool v6 = false;
+  if (port > 65535)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "metrics port %d is not a TCP port", port);
+  if (inet_pton(AF_INET, addr, &sa.sin_addr) != 1) {
+    if (inet_pton(AF_INET6, addr, &sa6.sin6_addr) != 1)
+      return tw_err(TW_ERR_INVALID_ARGUMENT,
+                    "metrics address '%s' is not a numeric IPv4 or IPv6 address", addr);
+    v6 = true;
+  }
   tw_metrics_t *m = calloc(1, sizeof *m);
   if (!m) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the metrics registry");
   pthread_mutex_init(&m->mu, NULL);
@@ -152,20 +167,20 @@ tw_status_t tw_metrics_create(const char *process, int port, bool bind_any, tw_m
   snprintf(m->reason, sizeof m->reason, "ok");
   m->port = -1;
   if (port >= 0) {
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    sa.sin_addr.s_addr = htonl(bind_any ? INADDR_ANY : INADDR_LOOPBACK);
-    m->mhd = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD, (uint16_t)port, NULL, NULL,
-                              tw_metrics_answer, m, MHD_OPTION_SOCK_ADDR, &sa,
-                              MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | (v6 ? MHD_USE_IPv6 : 0);
+    const struct sockaddr *sock = v6 ? (const struct sockaddr *)&sa6 : (const struct sockaddr *)&sa;
+    m->mhd = MHD_start_daemon(flags, (uint16_t)port, NULL, NULL, tw_metrics_answer, m,
+                              MHD_OPTION_SOCK_ADDR, sock, MHD_OPTION_CONNECTION_TIMEOUT, 10u,
+                              MHD_OPTION_END);
     if (!m->mhd) {
       pthread_mutex_destroy(&m->mu);
       free(m);
-      return tw_err(TW_ERR_TRANSPORT, "cannot start the metrics http server on port %d", port);
+      return tw_err(TW_ERR_TRANSPORT, "cannot start the metrics http server on %s port %d", addr,
+                    port);
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(m->mhd, MHD_DAEMON_INFO_BIND_PORT);
     m->port = di ? di->port : port;
-    TW_INFO("metrics", "serving /metrics and /healthz on %s:%d", bind_any ? "0.0.0.0" : "127.0.0.1",
-            m->port);
+    TW_INFO("metrics", "serving /metrics and /healthz on %s:%d (and /livez)", addr, m->port);
   }
   *m_p = m;
   return TW_OK;

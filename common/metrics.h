@@ -3,7 +3,9 @@
  *
  *   GET /metrics  -> text/plain; version=0.0.4 (counters, gauges, histograms)
  *   GET /healthz  -> 200 "ok" while healthy, 503 "<reason>" otherwise
- *                    (draining or failed), for Kubernetes probes.
+ *                    (draining or failed): readiness (take traffic?).
+ *   GET /livez    -> 200 "alive" whenever the process answers, also while
+ *                    draining: liveness (restart only a wedged process).
  *
  * Metric names are prefixed "twain_"; every sample carries the label
  * process="<name>". Updates take a mutex (cheap next to a decode step) so the
@@ -26,11 +28,13 @@ extern "C" {
 typedef struct tw_metrics tw_metrics_t;
 typedef struct tw_metric tw_metric_t;
 
-/** Create the registry and, if port >= 0, start serving on 127.0.0.1:port
- *  (bind_any: all interfaces); port 0 picks a free one (see tw_metrics_port).
- *  Errors: TW_ERR_TRANSPORT (the HTTP server could not start on that port),
- *  TW_ERR_NO_MEMORY. */
-tw_status_t tw_metrics_create(const char *process, int port, bool bind_any,
+/** Create the registry and, if port >= 0, start serving on maybe_addr:port
+ *  (a numeric IPv4 or IPv6 address, "0.0.0.0" / "::" for all interfaces;
+ *  NULL or "" = 127.0.0.1); port 0 picks a free one (see tw_metrics_port).
+ *  Errors: TW_ERR_INVALID_ARGUMENT (address not numeric, port > 65535),
+ *  TW_ERR_TRANSPORT (the HTTP server could not start on that address and
+ *  port), TW_ERR_NO_MEMORY. */
+tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_addr,
                               tw_metrics_t **metrics_p);
 /** Stop the server and free everything. NULL does nothing. */
 void tw_metrics_destroy(tw_metrics_t *metrics);

@@ -12,7 +12,10 @@ static void usage(void) {
           "usage: twain-decode --model DIR --router tcp://HOST:PORT [--name NAME]\n"
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--max-batch N]\n"
           "         [--threads N] [--metrics-port P (-1 off, 0 ephemeral)] [--verify-kv]\n"
-          "         [--tp N] [--ep N]   tensor / expert parallel ranks (docs/parallelism.md)\n");
+          "         [--tp N] [--ep N]   tensor / expert parallel ranks (docs/parallelism.md)\n"
+          "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
+          "         [--drain-timeout SECONDS (default 600: SIGTERM finishes running sequences\n"
+          "           for at most this long)]\n");
 }
 
 int main(int argc, char **argv) {
@@ -45,6 +48,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--max-batch")) p.max_batch = atoi(v);
     else if (!strcmp(a, "--threads")) p.threads = atoi(v);
     else if (!strcmp(a, "--metrics-port")) p.metrics_port = atoi(v);
+    else if (!strcmp(a, "--metrics-addr")) p.metrics_addr = v;
+    else if (!strcmp(a, "--drain-timeout")) p.drain_timeout_s = atoi(v);
     else if (!strcmp(a, "--tp")) p.tp = atoi(v);
     else if (!strcmp(a, "--ep")) p.ep = atoi(v);
     else {
@@ -52,6 +57,10 @@ int main(int argc, char **argv) {
       usage();
       return 2;
     }
+  }
+  if (p.drain_timeout_s < 0) {
+    fprintf(stderr, "twain-decode: --drain-timeout %d < 0\n", p.drain_timeout_s);
+    return 2;
   }
   if (!p.model_dir || !p.router) {
     usage();

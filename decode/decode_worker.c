@@ -449,7 +449,7 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   char name[64];
   if (p->name) snprintf(name, sizeof name, "%s", p->name);
   else snprintf(name, sizeof name, "decode-%d", (int)getpid());
-  TW_CHECK(tw_metrics_create(name, p->metrics_port, false, &d->metrics));
+  TW_CHECK(tw_metrics_create(name, p->metrics_port, p->metrics_addr, &d->metrics));
   tw_metrics_t *M = d->metrics;
   d->m.running = tw_metrics_gauge(M, "decode_running_sequences", "sequences in the decode batch");
   d->m.reserved = tw_metrics_gauge(M, "decode_queue_depth", "reservations waiting for their kv");
@@ -533,7 +533,13 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
       tw_metrics_set_health(d.metrics, false, "draining");
       TW_INFO("decode", "draining: %d sequences to finish", d.n_seqs);
     }
-    if (d.draining && (d.n_seqs == 0 || tw_msg_clock_ns() - drain_since > 30000000000LL)) break;
+    if (d.draining && d.n_seqs > 0 &&
+        tw_msg_clock_ns() - drain_since > (int64_t)p->drain_timeout_s * 1000000000LL) {
+      TW_WARN("decode", "drain timeout (%d s): stopping with %d sequences unfinished",
+              p->drain_timeout_s, d.n_seqs);
+      break;
+    }
+    if (d.draining && d.n_seqs == 0) break;
     bool busy = false, reserved = false;
     for (int32_t i = 0; i < d.n_seqs; i++) {
       if (d.seqs[i]->state == TW_DSEQ_QUARANTINE) continue;
@@ -545,7 +551,8 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     tw_kv_xfer_progress(d.xfer);
     if (!busy) {
       int fd = tw_kv_xfer_wait_fd(d.xfer);
-      if (fd >= 0 || !reserved) tw_worker_link_wait(&d.link, fd, 20);
+      /* idle: sleep until the router or UCX wakes us (heartbeats have their own thread) */
+      if (fd >= 0 || !reserved) tw_worker_link_wait(&d.link, fd, reserved ? 20 : 200);
       tw_kv_xfer_progress(d.xfer);
     }
     /* take every message that is waiting, then step */

@@ -23,6 +23,8 @@ typedef struct {
   int32_t max_batch;
   int32_t threads;          /* cpu threads; 0 = all cores */
   int metrics_port;         /* -1: none, 0: ephemeral */
+  const char *metrics_addr; /* numeric address for /metrics, /healthz, /livez; NULL: 127.0.0.1 */
+  int32_t drain_timeout_s;  /* SIGTERM: finish running sequences for at most this long */
   bool verify_kv;           /* check per-layer checksums of received KV */
   int32_t reserve_timeout_ms; /* free a reservation never started after this */
   int32_t tp, ep;           /* ranks of this worker (issue 6): each 1 or the group size */
@@ -33,10 +35,11 @@ typedef struct {
 #define TW_DECODE_PARAMS_DEFAULT                                                        \
   ((tw_decode_params_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 2048, .block_size = 16, \
                         .max_batch = 64, .threads = 0, .metrics_port = 0,               \
-                        .verify_kv = false, .reserve_timeout_ms = 60000, .tp = 1, .ep = 1})
+                        .verify_kv = false, .reserve_timeout_ms = 60000, .tp = 1, .ep = 1, \
+                        .drain_timeout_s = 600})
 
 /** Run the daemon until SIGTERM/SIGINT, then drain (finish the running
- *  sequences, refuse new ones) and return.
+ *  sequences, refuse new ones; at most drain_timeout_s seconds) and return.
  *  Errors: whatever loading the model, creating the engine, the UCX
  *  transfer or the router connection returned. */
 tw_status_t tw_decode_worker_run(const tw_decode_params_t *params);

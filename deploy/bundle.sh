@@ -4,7 +4,7 @@
 # (the GPU machine, HPC nodes, the container's runtime stage).
 #
 #   bash deploy/bundle.sh [--build-dir DIR] [--out FILE.tar.gz] [--no-build]
-#                         [--system-cuda] [--with-model DIR]...
+#                         [--system-cuda] [--with-model DIR]... [--no-default-model]
 #
 # Layout: twain-VERSION-linux-ARCH/{bin,lib,lib/ucx,share/twain}. Every program
 # gets RUNPATH $ORIGIN/../lib, every library $ORIGIN, every UCX module
@@ -21,9 +21,14 @@
 #   --no-build        use the build tree as it is (default: configure + build)
 #   --system-cuda     do not carry the CUDA toolkit's libraries
 #   --with-model DIR  also carry a model folder under share/twain/models/
+#   --no-default-model  leave out the default tiny model (17 MB), which is
+#                     otherwise installed in share/twain/models/tiny-gptoss-wordnet-mxfp4,
+#                     where the programs look for their default model first
+#                     (relative to their own location, so the unpacked tree
+#                     works from anywhere without --model)
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-build=${TWAIN_BUILD_DIR:-build} out="" do_build=1 system_cuda=0 models=()
+build=${TWAIN_BUILD_DIR:-build} out="" do_build=1 system_cuda=0 models=() default_model=1
 while (($#)); do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
@@ -31,6 +36,7 @@ while (($#)); do
     --no-build) do_build=0; shift ;;
     --system-cuda) system_cuda=1; shift ;;
     --with-model) models+=("$2"); shift 2 ;;
+    --no-default-model) default_model=0; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "bundle.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -130,9 +136,11 @@ fi
   done
 }
 
+if ((default_model)); then models+=("$here/tests/fixtures/tiny-gptoss-wordnet-mxfp4"); fi
 for m in "${models[@]}"; do
   mkdir -p "$stage/share/twain/models"
-  cp -r "$m" "$stage/share/twain/models/$(basename "$m")"
+  # the default model may also have been named with --with-model: once
+  [ -e "$stage/share/twain/models/$(basename "$m")" ] || cp -rL "$m" "$stage/share/twain/models/$(basename "$m")"
 done
 cat > "$stage/share/twain/env.sh" <<'EOF'
 # Source this to put the bundle first on PATH (no LD_LIBRARY_PATH needed: the

@@ -5,6 +5,7 @@
 #include "offline.h"
 #include "worker.h"
 
+#include "common/install_paths.h"
 #include "common/log.h"
 
 #include <errno.h>
@@ -36,7 +37,7 @@ static void tw_prefill_usage(FILE *f) {
           "Worker daemon mode (when --router is given): serve prefill requests from a router.\n"
           "  --router EP --model DIR [--name N] [--backend B] [--kv-blocks N] [--block-size N]\n"
           "  [--threads N] [--metrics-port P]   (prefill/worker.h)\n",
-          TW_DEFAULT_MODEL_DIR);
+          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
 }
 
 /* Strict integer parse of an option value; -1 status on failure. */
@@ -75,8 +76,8 @@ static int tw_parse_stop_ids(const char *s, tw_offline_opts_t *o) {
 int main(int argc, char **argv) {
   tw_log_init("twain-prefill", 0);
   if (tw_prefill_worker_wanted(argc, argv)) return tw_prefill_worker_main(argc, argv);
-  tw_offline_opts_t o = {.model_dir = TW_DEFAULT_MODEL_DIR, .backend = TW_BACKEND_AUTO,
-                         .block_size = 16};
+  tw_offline_opts_t o = {.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR),
+                         .backend = TW_BACKEND_AUTO, .block_size = 16};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {

@@ -26,12 +26,16 @@
 /* KV older than this is never written (see issued_unix_ms in the proto);
  * decode workers quarantine cancelled reservations for longer (40 s). */
 #define TW_PREFILL_MAX_AGE_MS 20000
+/* Idle: block on the router socket this long (a message wakes it at once;
+ * heartbeats have their own thread), so an idle worker costs ~0 CPU. */
+#define TW_PREFILL_IDLE_WAIT_MS 200
 
 typedef struct {
   const char *model_dir, *router, *name;
   tw_backend_kind_t backend;
   int32_t kv_blocks, block_size, threads;
   int metrics_port;
+  const char *metrics_addr; /* NULL: 127.0.0.1 */
   int flush_timeout_ms;
   int32_t tp, ep; /* ranks of this worker (issue 6): each 1 or the group size */
   int32_t chunk_tokens; /* prefill chunk: its blocks are handed off while the next computes */
@@ -285,7 +289,7 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   char name[64];
   if (w->o.name) snprintf(name, sizeof name, "%s", w->o.name);
   else snprintf(name, sizeof name, "prefill-%d", (int)getpid());
-  TW_CHECK(tw_metrics_create(name, w->o.metrics_port, false, &w->metrics));
+  TW_CHECK(tw_metrics_create(name, w->o.metrics_port, w->o.metrics_addr, &w->metrics));
   tw_metrics_t *M = w->metrics;
   w->m.queue = tw_metrics_gauge(M, "prefill_queue_depth", "prompts waiting");
   w->m.queued_tokens = tw_metrics_gauge(M, "prefill_queued_prompt_tokens", "prompt tokens waiting");
@@ -331,7 +335,8 @@ static void tw_prefill_usage(void) {
   fprintf(stderr,
           "usage: twain-prefill --router tcp://HOST:PORT --model DIR [--name NAME]\n"
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
-          "         [--metrics-port P (-1 off, 0 ephemeral)] [--tp N] [--ep N] [--chunk-tokens N]\n"
+          "         [--metrics-port P (-1 off, 0 ephemeral)] [--metrics-addr ADDR (127.0.0.1)]\n"
+          "         [--tp N] [--ep N] [--chunk-tokens N]\n"
           "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
           "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n");
 }
@@ -359,6 +364,7 @@ int tw_prefill_worker_main(int argc, char **argv) {
     else if (!strcmp(a, "--block-size")) w.o.block_size = atoi(v);
     else if (!strcmp(a, "--threads")) w.o.threads = atoi(v);
     else if (!strcmp(a, "--metrics-port")) w.o.metrics_port = atoi(v);
+    else if (!strcmp(a, "--metrics-addr")) w.o.metrics_addr = v;
     else if (!strcmp(a, "--chunk-tokens")) w.o.chunk_tokens = atoi(v);
     else if (!strcmp(a, "--tp")) w.o.tp = atoi(v);
     else if (!strcmp(a, "--ep")) w.o.ep = atoi(v);
@@ -406,8 +412,14 @@ int tw_prefill_worker_main(int argc, char **argv) {
     }
     for (int k = 0; k < 1024; k++) {
       Twain__Internal__V1__Envelope *env = NULL;
-      tw_status_t rs = tw_worker_link_recv(&w.link, k == 0 && w.q_len == 0 ? 20 : 0, &env);
-      if (rs == TW_INPROGRESS) break;
+      tw_status_t rs =
+          tw_worker_link_recv(&w.link, k == 0 && w.q_len == 0 ? TW_PREFILL_IDLE_WAIT_MS : 0, &env);
+      if (rs == TW_ERR_TRANSPORT) { /* the socket fails at once: do not spin on it */
+        TW_WARN("prefill", "router socket: %s", tw_last_error());
+        struct timespec ts = {0, TW_PREFILL_IDLE_WAIT_MS * 1000000L};
+        nanosleep(&ts, NULL);
+      }
+      if (rs != TW_OK && rs != TW_ERR_FORMAT) break; /* nothing (more) waiting, or an error */
       if (rs == TW_OK) tw_prefill_on_msg(&w, env);
     }
     if (w.q_len) {

@@ -6,6 +6,7 @@
  * exits 0. Worker binaries are found next to this one or in the build tree. */
 #include "router/cli.h"
 
+#include "common/install_paths.h"
 #include "common/engine.h"
 #include "common/log.h"
 #include "router/router.h"
@@ -94,6 +95,7 @@ static int tw_find_program(const char *dir, const char *name, char *out, size_t 
 }
 
 static pid_t tw_spawn(char *const argv[]) {
+  pid_t parent = getpid();
   pid_t pid = fork();
   if (pid == 0) {
     sigset_t none;
@@ -101,6 +103,7 @@ static pid_t tw_spawn(char *const argv[]) {
     sigprocmask(SIG_SETMASK, &none, NULL);
     setpgid(0, 0); /* Ctrl-C reaches serve only; serve stops the workers in order */
     prctl(PR_SET_PDEATHSIG, SIGTERM); /* and if serve itself is killed, they drain */
+    if (getppid() != parent) _exit(1); /* serve died before prctl: do not linger */
     execv(argv[0], argv);
     fprintf(stderr, "twain serve: cannot run %s: %s\n", argv[0], strerror(errno));
     _exit(127);
@@ -115,17 +118,18 @@ static void tw_serve_usage(void) {
           "         [--metrics-port P] [--max-tokens-limit N] [--verify-kv]\n"
           "         [--prefill-tp N] [--prefill-ep N] [--decode-tp N] [--decode-ep N]\n"
           "           ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4\n"
-          "         [--workers tcp://HOST:PORT]\n"
+          "         [--workers tcp://HOST:PORT] [--metrics-addr ADDR] [--drain-timeout SECONDS]\n"
+          "           (passed to the router and the workers; workers' metrics ports are ephemeral)\n"
           "  defaults: model %s, --listen %s, 1 prefill + 1 decode, workers on an ephemeral\n"
           "  port (printed in the ready line: more workers may join there at any time)\n",
-          TW_DEFAULT_MODEL_DIR, TW_ROUTER_CLIENT_ENDPOINT);
+          tw_default_model_dir(TW_DEFAULT_MODEL_DIR), TW_ROUTER_CLIENT_ENDPOINT);
 }
 
 int tw_cli_serve(int argc, char **argv) {
   static tw_serve_t s; /* shared with the router thread */
   memset(&s, 0, sizeof s);
   s.rp = TW_ROUTER_PARAMS_DEFAULT;
-  s.rp.model_dir = TW_DEFAULT_MODEL_DIR;
+  s.rp.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   s.rp.worker_endpoint = "tcp://127.0.0.1:0";
   s.rp.on_bound = tw_serve_bound;
   s.rp.on_bound_arg = &s;
@@ -133,7 +137,7 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_ready_arg = &s;
   int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
   const char *par[4] = {NULL, NULL, NULL, NULL}; /* prefill tp, ep, decode tp, ep (issue 6) */
-  const char *backend = "auto", *kv_blocks = NULL;
+  const char *backend = "auto", *kv_blocks = NULL, *drain = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -162,7 +166,11 @@ int tw_cli_serve(int argc, char **argv) {
     else if (!strcmp(a, "--decode-tp")) par[2] = v;
     else if (!strcmp(a, "--decode-ep")) par[3] = v;
     else if (!strcmp(a, "--metrics-port")) s.rp.metrics_port = atoi(v);
-    else if (!strcmp(a, "--max-tokens-limit")) s.rp.max_tokens_limit = atoi(v);
+    else if (!strcmp(a, "--metrics-addr")) s.rp.metrics_addr = v;
+    else if (!strcmp(a, "--drain-timeout")) {
+      drain = v;
+      s.rp.drain_timeout_s = atoi(v);
+    } else if (!strcmp(a, "--max-tokens-limit")) s.rp.max_tokens_limit = atoi(v);
     else {
       fprintf(stderr, "twain serve: unknown option %s\n", a);
       tw_serve_usage();
@@ -228,7 +236,7 @@ int tw_cli_serve(int argc, char **argv) {
     bool pre = k < n_prefill;
     char name[64];
     snprintf(name, sizeof name, "%s-%d-%d", pre ? "prefill" : "decode", pre ? k : k - n_prefill, (int)getpid());
-    char *av[24];
+    char *av[32];
     int c = 0;
     av[c++] = pre ? prefill_bin : decode_bin;
     av[c++] = "--router";
@@ -246,6 +254,14 @@ int tw_cli_serve(int argc, char **argv) {
       av[c++] = (char *)kv_blocks;
     }
     if (!pre && verify) av[c++] = "--verify-kv";
+    if (!pre && drain) {
+      av[c++] = "--drain-timeout";
+      av[c++] = (char *)drain;
+    }
+    if (s.rp.metrics_addr) {
+      av[c++] = "--metrics-addr";
+      av[c++] = (char *)s.rp.metrics_addr;
+    }
     for (int q = 0; q < 2; q++) { /* --tp / --ep of this pool: the worker starts its ranks */
       const char *val = par[(pre ? 0 : 2) + q];
       if (!val) continue;
@@ -306,6 +322,7 @@ int tw_cli_serve(int argc, char **argv) {
       for (int k = 0; k < n; k++)
         if (pids[k] > 0) {
           TW_WARN("serve", "worker pid %d did not stop in 15 s: killing it", (int)pids[k]);
+          kill(-pids[k], SIGKILL); /* its process group: ranks it started too */
           kill(pids[k], SIGKILL);
           waitpid(pids[k], NULL, 0);
           pids[k] = 0;

@@ -6,6 +6,7 @@
 #include "router/cli_text.h"
 
 #include "common/harmony.h"
+#include "common/install_paths.h"
 #include "common/log.h"
 #include "common/tokenizer.h"
 
@@ -48,14 +49,15 @@ static void tw_text_usage(const char *cmd) {
                 "prints the parsed messages as JSON;\n  by default the ids follow a prompt ending "
                 "in <|start|>assistant;\n  --conversation: they start before any message (a "
                 "rendered prompt);\n  --events: print each parser event as a JSON line instead",
-          TW_DEFAULT_MODEL_DIR);
+          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
 }
 
 /* Parse options; returns -1 to continue, else the exit code. */
 static int tw_text_args(int argc, char **argv, tw_text_opts_t *o) {
   memset(o, 0, sizeof *o);
   o->cmd = argv[0];
-  snprintf(o->tokenizer, sizeof o->tokenizer, "%s/tokenizer.json", TW_DEFAULT_MODEL_DIR);
+  snprintf(o->tokenizer, sizeof o->tokenizer, "%s/tokenizer.json",
+           tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     int has_val = i + 1 < argc;

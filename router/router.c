@@ -380,7 +380,7 @@ static tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   char cep[256], wep[256];
   TW_CHECK(tw_msg_socket_open(r->zctx, ZMQ_ROUTER, p->client_endpoint, true, cep, sizeof cep, &r->csock));
   TW_CHECK(tw_msg_socket_open(r->zctx, ZMQ_ROUTER, p->worker_endpoint, true, wep, sizeof wep, &r->wsock));
-  TW_CHECK(tw_metrics_create("router", p->metrics_port, false, &r->metrics));
+  TW_CHECK(tw_metrics_create("router", p->metrics_port, p->metrics_addr, &r->metrics));
   tw_metrics_t *M = r->metrics;
   r->m.requests = tw_metrics_counter(M, "router_requests_total", "requests accepted");
   r->m.errors = tw_metrics_counter(M, "router_request_errors_total", "requests answered with an error");
@@ -427,10 +427,15 @@ tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *st
       tw_metrics_set_health(r.metrics, false, "draining");
       TW_INFO("router", "draining: %d requests in flight", r.n_reqs);
     }
-    if (r.draining && (r.n_reqs == 0 || now - drain_since > 10000000000LL)) break;
+    if (r.draining && r.n_reqs > 0 && now - drain_since > (int64_t)p->drain_timeout_s * 1000000000LL) {
+      TW_WARN("router", "drain timeout (%d s): failing %d requests", p->drain_timeout_s, r.n_reqs);
+      break;
+    }
+    if (r.draining && r.n_reqs == 0) break;
     zmq_pollitem_t items[2] = {{.socket = r.csock, .events = ZMQ_POLLIN},
                                {.socket = r.wsock, .events = ZMQ_POLLIN}};
-    int rc = zmq_poll(items, 2, 10);
+    /* idle (nothing in flight): wake only for messages, or every 100 ms to expire workers */
+    int rc = zmq_poll(items, 2, r.n_reqs ? 10 : 100);
     if (rc < 0 && errno != EINTR) {
       st = tw_err(TW_ERR_TRANSPORT, "zmq_poll failed: %s", zmq_strerror(errno));
       break;

@@ -23,6 +23,8 @@ typedef struct {
   const char *worker_endpoint;  /* bind; port 0 = ephemeral */
   const char *model_dir;        /* config.json + tokenizer.json */
   int metrics_port;             /* -1 off, 0 ephemeral */
+  const char *metrics_addr;     /* numeric; NULL: 127.0.0.1 */
+  int32_t drain_timeout_s;      /* SIGTERM: running requests get at most this long */
   int32_t max_prompt_tokens;    /* 0: the model's context minus 1 */
   int32_t max_tokens_limit;     /* largest max_tokens accepted */
   int32_t default_max_tokens;   /* when the request leaves it 0 */
@@ -41,7 +43,8 @@ typedef struct {
 #define TW_ROUTER_PARAMS_DEFAULT                                                      \
   ((tw_router_params_t){.client_endpoint = TW_ROUTER_CLIENT_ENDPOINT,                 \
                         .worker_endpoint = TW_ROUTER_WORKER_ENDPOINT,                 \
-                        .metrics_port = 0, .max_prompt_tokens = 0,                    \
+                        .metrics_port = 0, .drain_timeout_s = 30,                     \
+                        .max_prompt_tokens = 0,                                       \
                         .max_tokens_limit = 4096, .default_max_tokens = 512,          \
                         .max_requests = 2048, .default_deadline_ms = 600000,          \
                         .expire_ms = 1000})

@@ -3,6 +3,7 @@
  * scripts and tests wait for. */
 #include "router/router.h"
 
+#include "common/install_paths.h"
 #include "common/log.h"
 
 #include <signal.h>
@@ -39,13 +40,17 @@ static void tw_router_usage(void) {
           "         [--metrics-port P] [--max-prompt-tokens N] [--max-tokens-limit N]\n"
           "         [--default-max-tokens N] [--max-requests N] [--deadline-ms N]\n"
           "         [--expire-ms N] [--expect-prefill N] [--expect-decode N]\n"
+          "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
+          "         [--drain-timeout SECONDS (default 30: SIGTERM lets running requests\n"
+          "           finish for at most this long)]\n"
           "  defaults: --listen %s --workers %s, model %s\n",
-          TW_ROUTER_CLIENT_ENDPOINT, TW_ROUTER_WORKER_ENDPOINT, TW_DEFAULT_MODEL_DIR);
+          TW_ROUTER_CLIENT_ENDPOINT, TW_ROUTER_WORKER_ENDPOINT,
+          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
 }
 
 int tw_router_main(int argc, char **argv) {
   tw_router_params_t p = TW_ROUTER_PARAMS_DEFAULT;
-  p.model_dir = TW_DEFAULT_MODEL_DIR;
+  p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   p.on_bound = tw_router_print_bound;
   p.on_ready = tw_router_print_ready;
   for (int i = 1; i < argc; i++) {
@@ -63,6 +68,8 @@ int tw_router_main(int argc, char **argv) {
     else if (!strcmp(a, "--listen")) p.client_endpoint = v;
     else if (!strcmp(a, "--workers")) p.worker_endpoint = v;
     else if (!strcmp(a, "--metrics-port")) p.metrics_port = atoi(v);
+    else if (!strcmp(a, "--metrics-addr")) p.metrics_addr = v;
+    else if (!strcmp(a, "--drain-timeout")) p.drain_timeout_s = atoi(v);
     else if (!strcmp(a, "--max-prompt-tokens")) p.max_prompt_tokens = atoi(v);
     else if (!strcmp(a, "--max-tokens-limit")) p.max_tokens_limit = atoi(v);
     else if (!strcmp(a, "--default-max-tokens")) p.default_max_tokens = atoi(v);
@@ -76,6 +83,10 @@ int tw_router_main(int argc, char **argv) {
       tw_router_usage();
       return 2;
     }
+  }
+  if (p.drain_timeout_s < 0) {
+    fprintf(stderr, "twain-router: --drain-timeout %d < 0\n", p.drain_timeout_s);
+    return 2;
   }
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);

@@ -85,6 +85,9 @@ else
   out=$(cd / && env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH= "$root/bin/twain-prefill" --help 2>&1)
   check "bundled twain-prefill --help runs from / with LD_LIBRARY_PATH empty" 'grep -q -- --model <<<"$out"'
 fi
+deflt=$root/share/twain/models/tiny-gptoss-wordnet-mxfp4
+out=$(cd / && env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH= "$root/bin/twain-prefill" --help 2>&1)
+check "bundled twain-prefill's default model is the bundle's own ($deflt)" 'grep -qF -- "$deflt" <<<"$out"'
 for p in "$root"/bin/twain*; do
   check "$(basename "$p") --help exits 0" '(cd / && env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH= "$p" --help >/dev/null 2>&1)'
 done

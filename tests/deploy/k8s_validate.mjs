@@ -130,14 +130,24 @@ function checkPodTemplate(where, dep, isWorker) {
     checkArgs(cw, c);
     const portNames = new Set((c.ports || []).map((p) => p.name));
     // Readiness (and startup) on /healthz, which turns 503 while draining;
-    // liveness on /metrics, which stays 200 while the process drains (the
+    // liveness on /livez, which stays 200 while the process drains (the
     // kubelet probes liveness during termination too).
     for (const [probe, path, required] of [["readinessProbe", "/healthz", true], ["startupProbe", "/healthz", false],
-                                           ["livenessProbe", "/metrics", true]]) {
+                                           ["livenessProbe", "/livez", true]]) {
       const p = c[probe];
       if (!p) { if (required) fail(cw, `${probe} missing`); continue; }
       if (!p.httpGet || p.httpGet.path !== path) fail(cw, `${probe} must be httpGet ${path}`);
       else if (typeof p.httpGet.port === "string" && !portNames.has(p.httpGet.port)) fail(cw, `${probe} port ${p.httpGet.port} is not a container port`);
+    }
+    // the metrics server must listen beyond the pod's loopback for probes and scraping
+    const args = (c.args || []).map(String);
+    const argOf = (f) => { const i = args.indexOf(f); return i >= 0 ? args[i + 1] : undefined; };
+    if (argOf("--metrics-addr") !== "0.0.0.0") fail(cw, "--metrics-addr 0.0.0.0 missing (the daemons bind 127.0.0.1 by default)");
+    // router and decode drains are bounded by --drain-timeout: below the grace period
+    if (!isWorker || c.name === "decode") {
+      const dt = Number(argOf("--drain-timeout"));
+      if (!(dt > 0)) fail(cw, "--drain-timeout SECONDS missing (router and decode)");
+      else if (dt >= grace) fail(cw, `--drain-timeout ${dt} >= terminationGracePeriodSeconds ${grace}`);
     }
     const pre = c.lifecycle?.preStop?.exec?.command?.join(" ") || "";
     if (!/kill -TERM 1/.test(pre)) fail(cw, "preStop must start the drain (SIGTERM to the daemon) and wait for it");

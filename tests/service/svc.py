@@ -2,6 +2,7 @@
 internal protobuf classes (from the descriptor set protoc-c writes at build
 time), a cluster of real router/prefill/decode processes on 127.0.0.1 with
 ephemeral ports, and a ZeroMQ client. Every wait is bounded."""
+import atexit
 import os
 import re
 import signal
@@ -66,17 +67,49 @@ def _die_with_parent():
         pass
 
 
-class Proc:
-    """A child process whose stdout/stderr lines are collected by threads."""
+_ALL_PROCS = []
 
-    def __init__(self, argv, name):
+
+def kill_all():
+    """Teardown that cannot be skipped: SIGKILL every process (group) this test
+    started that is still alive, including what they started themselves
+    (mpirun ranks, serve's workers). Runs at exit, on SIGTERM/SIGINT and
+    after an exception in a test, so a failing test leaves nothing behind."""
+    for pr in _ALL_PROCS:
+        try:
+            os.killpg(pr.p.pid, signal.SIGKILL)  # own session: pgid == pid
+        except OSError:
+            pass
+        try:
+            pr.p.kill()
+            pr.p.wait(5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+def _on_term(sig, frame):
+    kill_all()
+    os._exit(128 + sig)
+
+
+atexit.register(kill_all)
+signal.signal(signal.SIGTERM, _on_term)
+
+
+class Proc:
+    """A child process whose stdout/stderr lines are collected by threads. It
+    runs in its own session (process group) so kill_all() reaches whatever it
+    starts; SIGKILLed if the test process dies (PR_SET_PDEATHSIG)."""
+
+    def __init__(self, argv, name, env=None):
         self.name = name
         self.argv = argv
         self.lines = []
         self.lock = threading.Lock()
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   stdin=subprocess.DEVNULL, text=True, errors="replace",
-                                  preexec_fn=_die_with_parent)
+                                  preexec_fn=_die_with_parent, start_new_session=True, env=env)
+        _ALL_PROCS.append(self)
         for stream in (self.p.stdout, self.p.stderr):
             threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
 
@@ -115,6 +148,10 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait(5)
+        try:  # anything it started and left behind
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except OSError:
+            pass
         return self.p.returncode
 
 

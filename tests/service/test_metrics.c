@@ -55,7 +55,10 @@ static int http_get(int port, const char *path, char *buf, size_t cap) {
 int main(void) {
   tw_log_init("test_metrics", 0);
   tw_metrics_t *m = NULL;
-  if (tw_metrics_create("unit", 0, false, &m) != 0) return 1;
+  tw_metrics_t *bad = NULL;
+  EXPECT(tw_metrics_create("unit", 0, "localhost", &bad) == TW_ERR_INVALID_ARGUMENT && !bad,
+         "a host name is refused (numeric addresses only)");
+  if (tw_metrics_create("unit", 0, NULL, &m) != 0) return 1;
   int port = tw_metrics_port(m);
   EXPECT(port > 0, "ephemeral port assigned");
   tw_metric_t *c = tw_metrics_counter(m, "things_total", "things");
@@ -92,9 +95,23 @@ int main(void) {
   EXPECT(http_get(port, "/healthz", buf, sizeof buf) > 0 && strstr(buf, " 503 ") &&
              strstr(buf, "draining"),
          "healthz 503 draining: %s", buf);
+  EXPECT(http_get(port, "/livez", buf, sizeof buf) > 0 && strstr(buf, " 200 ") &&
+             strstr(buf, "\r\n\r\nalive\n"),
+         "livez 200 while draining: %s", buf);
+  tw_metrics_set_health(m, true, NULL);
+  EXPECT(http_get(port, "/livez", buf, sizeof buf) > 0 && strstr(buf, " 200 "), "livez 200: %s",
+         buf);
   EXPECT(http_get(port, "/nope", buf, sizeof buf) > 0 && strstr(buf, " 404 "), "404");
   EXPECT(tw_metric_value(h) == 4, "histogram count");
   tw_metrics_destroy(m);
+  /* an explicit address: the loopback given by number */
+  m = NULL;
+  EXPECT(tw_metrics_create("unit", 0, "127.0.0.1", &m) == TW_OK && m, "explicit 127.0.0.1");
+  if (m) {
+    EXPECT(http_get(tw_metrics_port(m), "/livez", buf, sizeof buf) > 0 && strstr(buf, " 200 "),
+           "livez on an explicit address: %s", buf);
+    tw_metrics_destroy(m);
+  }
   printf("%s: %d failures\n", fails ? "FAIL" : "PASS", fails);
   return fails ? 1 : 0;
 }

@@ -1,0 +1,131 @@
+"""Operator behaviour of the daemons: --metrics-addr (an explicit numeric
+address is served, a host name is refused at start-up), /livez answers 200
+while /healthz is 503 during a drain, --drain-timeout bounds a decode
+worker's and the router's drain (a generation far longer than the timeout is
+cut: the daemon logs the timeout, exits 0, and the client gets UNAVAILABLE),
+an idle worker's process group holds no stray children, and the default
+model is found next to a relocated bundle (share/twain/models relative to the
+executable). Every wait is bounded; every process started is killed at exit
+(svc.kill_all)."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import fixtures
+import svc
+
+fails = 0
+
+
+def check(cond, what):
+    global fails
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        fails += 1
+
+
+def http_code(port, path):
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return -1
+
+
+def wait_code(port, path, want, timeout=10):
+    end = time.time() + timeout
+    code = None
+    while time.time() < end:
+        code = http_code(port, path)
+        if code == want:
+            return code
+        time.sleep(0.02)
+    return code
+
+
+def wait_tokens(cl, rid, n, timeout=60):
+    end = time.time() + timeout
+    while time.time() < end:
+        cl.pump(0.02)
+        if len(svc.tokens_of(cl.replies.get(rid, []))) >= n or cl.done(rid):
+            return
+    raise AssertionError("request %d produced fewer than %d tokens in %d s" % (rid, n, timeout))
+
+
+prompt = fixtures.ids("short_dog")
+# ---- a host name as --metrics-addr is refused with a clear error
+bad = subprocess.run([svc.bin_path("decode", "twain-decode"), "--router", "tcp://127.0.0.1:1", "--model",
+                      svc.MODEL, "--backend", "cpu", "--threads", "1", "--metrics-addr", "localhost"],
+                     capture_output=True, text=True, timeout=60)
+check(bad.returncode != 0 and "not a numeric IPv4 or IPv6 address" in bad.stderr,
+      "--metrics-addr localhost refused: rc %d, %r" % (bad.returncode, bad.stderr.strip()[-120:]))
+
+# ---- decode drain bounded by --drain-timeout; /livez 200 while /healthz is 503
+c = svc.Cluster(1, 1, router_args=["--drain-timeout", "2", "--max-tokens-limit", "4000"],
+                decode_args=["--drain-timeout", "2", "--metrics-addr", "127.0.0.1"])
+try:
+    d = c.decodes[0]
+    check(http_code(d.metrics_port, "/livez") == 200 and http_code(d.metrics_port, "/healthz") == 200,
+          "decode: /livez and /healthz 200 while serving")
+    check(http_code(c.router_metrics_port, "/livez") == 200, "router: /livez 200")
+    check(http_code(c.prefills[0].metrics_port, "/livez") == 200, "prefill: /livez 200")
+    cl = c.client()
+    rid = cl.send(svc.generate(prompt, 3900))
+    wait_tokens(cl, rid, 5)
+    d.p.send_signal(signal.SIGTERM)
+    check(wait_code(d.metrics_port, "/healthz", 503, 5) == 503, "decode draining: /healthz 503")
+    check(http_code(d.metrics_port, "/livez") == 200, "decode draining: /livez 200")
+    try:
+        rc = d.p.wait(60)
+    except subprocess.TimeoutExpired:
+        rc = None
+    check(rc == 0, "decode exits 0 after its drain timeout (rc %s)" % rc)
+    check(d.count(r"drain timeout \(2 s\): stopping with 1 sequences unfinished") == 1,
+          "decode logs the drain timeout with the sequence still running")
+    reps = cl.wait([rid], 30)[0]
+    check(reps[-1].error.code == svc.E["UNAVAILABLE"],
+          "the cut stream ends UNAVAILABLE (%s)" % reps[-1].error.message)
+    # ---- router drain bounded by --drain-timeout
+    c.add_decode()
+    c.wait_registered(1, 1)
+    rid = cl.send(svc.generate(prompt, 3900))
+    wait_tokens(cl, rid, 5)
+    c.router.p.send_signal(signal.SIGTERM)
+    check(wait_code(c.router_metrics_port, "/healthz", 503, 5) == 503, "router draining: /healthz 503")
+    check(http_code(c.router_metrics_port, "/livez") == 200, "router draining: /livez 200")
+    try:
+        rc = c.router.p.wait(60)
+    except subprocess.TimeoutExpired:
+        rc = None
+    check(rc == 0, "router exits 0 after its drain timeout (rc %s)" % rc)
+    check(c.router.count(r"drain timeout \(2 s\): failing 1 requests") == 1, "router logs the drain timeout")
+    reps = cl.wait([rid], 30)[0]
+    check(reps[-1].error.code == svc.E["UNAVAILABLE"], "the request ends UNAVAILABLE (%s)" % reps[-1].error.message)
+    cl.close()
+finally:
+    c.close()
+
+# ---- a relocated bundle finds its default model next to the executable
+tmp = tempfile.mkdtemp(prefix="tw_ops_")
+try:
+    os.makedirs(os.path.join(tmp, "bin"))
+    shutil.copy(svc.bin_path("router", "twain"), os.path.join(tmp, "bin", "twain"))
+    mdir = os.path.join(tmp, "share", "twain", "models", "tiny-gptoss-wordnet-mxfp4")
+    os.makedirs(os.path.dirname(mdir))
+    os.symlink(os.path.abspath(svc.MODEL), mdir)
+    r = subprocess.run([os.path.join(tmp, "bin", "twain"), "tokenize", "--help"], capture_output=True,
+                       text=True, timeout=30)
+    check(mdir in r.stdout + r.stderr, "relocated twain names %s as its default model" % mdir)
+finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+print("PASS" if not fails else "FAIL (%d)" % fails)
+sys.exit(1 if fails else 0)
