@@ -28,8 +28,13 @@ enum { TW_CUDA_H2D = 1, TW_CUDA_D2H = 2 };
 
 static tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   if (rt->lib) return TW_OK;
-  const char *names[] = {"libcudart.so", "libcudart.so.13", "libcudart.so.12"};
-  for (size_t i = 0; i < sizeof names / sizeof names[0] && !rt->lib; i++)
+  /* the runtime the engine already uses first (same instance, same device
+   * and context), then any */
+  const char *names[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so"};
+  const int n_names = (int)(sizeof names / sizeof names[0]);
+  for (int i = 0; i < n_names && !rt->lib; i++)
+    rt->lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  for (int i = 0; i < n_names && !rt->lib; i++)
     rt->lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
   if (!rt->lib)
     return tw_err(TW_ERR_UNSUPPORTED,
@@ -64,6 +69,7 @@ struct tw_kv_xfer {
   int n_peers;
   tw_cudart_t cudart;
   uint8_t *bounce;   /* pinned host bounce buffer (device sources, staging) */
+  bool send_mode_logged;
   tw_kv_xfer_stats_t stats;
 };
 
@@ -247,6 +253,11 @@ tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
   TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, rkey %zu bytes%s",
           (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, len,
           r->staged ? ", pinned host mirror" : "");
+  TW_INFO("kvx", "kv handoff mode (receive): %s",
+          !layout->on_device ? "host KV pool, registered in place"
+          : r->staged ? "device KV pool STAGED: puts land in a pinned host mirror, copied to the "
+                        "device per handoff (UCX has no CUDA support)"
+                      : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
   *region_p = r;
   return TW_OK;
 fail:
@@ -440,6 +451,14 @@ tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_
                   (int)dst->dtype, dst->block_size, dst->n_kv_heads, dst->head_dim);
   if (p->failed) return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
   if (!p->t_first_put_ns) p->t_first_put_ns = tw_now_ns();
+  if (!x->send_mode_logged) {
+    x->send_mode_logged = true;
+    TW_INFO("kvx", "kv handoff mode (send): %s, to a %s pool",
+            src->on_device ? "device KV pool STAGED: each block copied to a pinned host bounce "
+                             "buffer (cudaMemcpy D2H), then put"
+                           : "host KV pool, put in place",
+            dst->on_device ? "device (UCX cuda transports)" : "host (or pinned host mirror)");
+  }
   uint64_t h = maybe_checksum ? *maybe_checksum : TW_KV_FNV_INIT;
   for (int32_t i = first; i < n; i++) {
     char *blk = NULL;
