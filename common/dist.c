@@ -39,6 +39,7 @@ struct tw_dist {
   atomic_int wd_stop;
   tw_dist_lost_fn on_lost;
   int lost_ms;
+  char mon_ep[64];     /* inproc endpoint of the hb socket's monitor */
 };
 
 static int64_t tw_dist_now_ms(void) {
@@ -284,15 +285,50 @@ static tw_status_t tw_dist_bind(tw_dist_t *d, const char *bind, void **sock_p, c
 
 /* ---- watchdog ------------------------------------------------------------------- */
 
+/* End this process: the peer is gone. */
+static void tw_dist_lost(tw_dist_t *d, const char *why) {
+  TW_ERROR("dist", "%s: stopping this worker", why);
+  /* a collective waiting for the dead rank never returns, and rank 0's
+   * router heartbeat thread would keep the worker registered: end now */
+  if (d->on_lost) d->on_lost(why);
+  else kill(getpid(), SIGKILL);
+  atomic_store(&d->wd_stop, 1);
+}
+
 static void *tw_dist_watchdog(void *arg) {
   tw_dist_t *d = arg;
   int64_t start = tw_dist_now_ms(), last_ping = 0;
   int64_t seen[TW_DIST_MAX_RANKS];
   for (int i = 0; i < TW_DIST_MAX_RANKS; i++) seen[i] = start;
   char why[160];
+  /* a dead peer closes its TCP connection at once: the monitor's
+   * DISCONNECTED event is the fast path; pings catch a hung peer */
+  void *mon = zmq_socket(d->zctx, ZMQ_PAIR);
+  if (mon && zmq_connect(mon, d->mon_ep) != 0) {
+    zmq_close(mon);
+    mon = NULL;
+  }
   while (!atomic_load(&d->wd_stop)) {
-    zmq_pollitem_t it = {.socket = d->hb, .events = ZMQ_POLLIN};
-    if (zmq_poll(&it, 1, 20) > 0) {
+    zmq_pollitem_t it[2] = {{.socket = d->hb, .events = ZMQ_POLLIN},
+                            {.socket = mon, .events = ZMQ_POLLIN}};
+    int np = zmq_poll(it, mon ? 2 : 1, 20);
+    if (np > 0 && mon && (it[1].revents & ZMQ_POLLIN)) {
+      zmq_msg_t ev, addr;
+      zmq_msg_init(&ev);
+      zmq_msg_init(&addr);
+      int got = zmq_msg_recv(&ev, mon, 0) >= 6 && zmq_msg_recv(&addr, mon, 0) >= 0;
+      uint16_t event = 0;
+      if (got) memcpy(&event, zmq_msg_data(&ev), sizeof event);
+      zmq_msg_close(&ev);
+      zmq_msg_close(&addr);
+      if (got && event == ZMQ_EVENT_DISCONNECTED && !atomic_load(&d->wd_stop)) {
+        snprintf(why, sizeof why, "rank %d of %d: the connection to %s closed", d->id.rank,
+                 d->id.size, d->id.rank == 0 ? "a rank" : "rank 0");
+        tw_dist_lost(d, why);
+        break;
+      }
+    }
+    if (np > 0 && (it[0].revents & ZMQ_POLLIN)) {
       char id[16] = {0}, body[8];
       if (d->id.rank == 0) {
         int n = zmq_recv(d->hb, id, sizeof id - 1, ZMQ_DONTWAIT);
@@ -323,16 +359,12 @@ static void *tw_dist_watchdog(void *arg) {
       if (now - seen[r] > d->lost_ms) {
         snprintf(why, sizeof why, "rank %d of %d: no ping from rank %d for %lld ms", d->id.rank,
                  d->id.size, r, (long long)(now - seen[r]));
-        TW_ERROR("dist", "%s: stopping this worker", why);
-        /* a collective waiting for the dead rank never returns, and rank 0's
-         * router heartbeat thread would keep the worker registered: end now */
-        if (d->on_lost) d->on_lost(why);
-        else kill(getpid(), SIGKILL);
-        atomic_store(&d->wd_stop, 1);
+        tw_dist_lost(d, why);
         break;
       }
     }
   }
+  if (mon) zmq_close(mon);
   return NULL;
 }
 
@@ -480,6 +512,9 @@ static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t devi
     }
     TW_CHECK(tw_coll_create_nccl(uid, d->id.rank, d->id.size, device, NULL, &d->coll));
   }
+  snprintf(d->mon_ep, sizeof d->mon_ep, "inproc://tw-dist-mon-%p", (void *)d);
+  if (zmq_socket_monitor(d->hb, d->mon_ep, ZMQ_EVENT_DISCONNECTED) != 0)
+    return tw_err(TW_ERR_TRANSPORT, "dist: zmq_socket_monitor: %s", zmq_strerror(errno));
   if (pthread_create(&d->wd, NULL, tw_dist_watchdog, d) != 0)
     return tw_err(TW_ERR_INTERNAL, "dist: cannot start the watchdog thread");
   d->wd_started = true;

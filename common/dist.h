@@ -17,13 +17,15 @@
  * ranks' replies (tw_dist_reply / tw_dist_replies_recv). Rank 0 alone talks
  * to the router.
  *
- * Liveness. A watchdog thread per rank exchanges pings with rank 0 on a
- * second socket every TW_DIST_PING_MS. When rank 0 has not heard from a rank,
- * or a rank from rank 0, for TW_DIST_LOST_MS (or the parent that spawned it
- * is gone), the rank calls the `on_lost` callback given by main, which ends
- * the process: a collective that waits for a dead rank never returns, so the
- * whole worker has to go, and the router expires it (TW_WORKER_EXPIRE_MS)
- * once rank 0 stops heartbeating. */
+ * Liveness. A watchdog thread per rank watches its connection to rank 0 (a
+ * ZeroMQ monitor: a dead process closes its TCP connections at once, so a
+ * DISCONNECTED event means the peer is gone) and exchanges pings with rank 0
+ * every TW_DIST_PING_MS, so a hung peer is caught after TW_DIST_LOST_MS
+ * (TWAIN_DIST_LOST_MS; long enough not to take a loaded machine's stall for
+ * a hang). Either way, or when the parent that spawned it is gone, the rank
+ * calls `on_lost`, which ends the process: a collective that waits for a dead
+ * rank never returns, so the whole worker has to go, and the router expires
+ * it (TW_WORKER_EXPIRE_MS) once rank 0 stops heartbeating. */
 #ifndef TW_COMMON_DIST_H
 #define TW_COMMON_DIST_H
 
@@ -38,7 +40,7 @@ extern "C" {
 #endif
 
 #define TW_DIST_PING_MS 100
-#define TW_DIST_LOST_MS 500
+#define TW_DIST_LOST_MS 3000
 
 typedef enum {
   TW_DIST_LAUNCH_NONE = 0,  /* plain process: a group of one */

@@ -81,7 +81,8 @@ try:
     check(svc.metrics(c.decodes[0].metrics_port)["twain_kv_blocks_used"] == 0, "every decode block freed")
 
     # ---- 2. kill one rank of the TP 2 prefill worker
-    c.add_prefill(extra=[])  # a plain single-rank prefill worker
+    c.prefill_args = []  # the spare: a plain single-rank prefill worker
+    c.add_prefill()
     c.wait_registered(2, 1)
     victim = c.prefills[0]
     m = victim.wait_line(r"r1 .*rank 1 of 2 pid (\d+) following rank 0", 10)
@@ -116,7 +117,8 @@ try:
     c.prefills.remove(victim)
 
     # ---- 3. kill one rank of the EP 2 TP 2 decode worker mid-stream
-    spare_d = c.add_decode(extra=[])
+    c.decode_args = ["--verify-kv"]  # the spare: a plain single-rank decode worker
+    c.add_decode()
     c.wait_registered(1, 2)
     victim = c.decodes[0]
     pid1 = int(victim.wait_line(r"r1 .*rank 1 of 2 pid (\d+) following rank 0", 10).group(1))
