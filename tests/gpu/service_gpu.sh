@@ -1,0 +1,220 @@
+#!/usr/bin/env bash
+# service_gpu.sh: the disaggregated service on one GPU with the CUDA backend
+# (issue 4 "unchanged with the CUDA backend"), with the C programs only (the
+# GPU machine has no pyzmq). Two halves:
+#
+#   here:  bash tests/gpu/service_gpu.sh --stage [BUILD_DIR]
+#          builds twain, twain-prefill, twain-decode and twain-bench-kv-handoff
+#          in BUILD_DIR (default $TW_BUILD_DIR or build-cuda2, CUDA on) and
+#          stages them under .carry/gpu/svc/ (deploy/bundle.sh --system-cuda,
+#          recompressed with xz: the programs + the libraries and UCX modules
+#          the GPU machine lacks), next to run_gpu.sh's own carry.
+#   GPU:   bash tests/gpu/service_gpu.sh [BUILD_DIR]
+#          (run_gpu.sh runs it through TWAIN_GPU_EXTRA=tests/gpu/service_gpu.sh,
+#          cwd = checkout, $OUT set, LD_LIBRARY_PATH with the CUDA libraries).
+#          Uses BUILD_DIR's programs when given, else the staged bundle.
+#          1. `twain serve --backend cuda --prefill 1 --decode 1 --verify-kv`
+#             (both workers on GPU 0), waits for `ready` (bounded);
+#          2. for the 4 fixture prompts (tests/fixtures/tiny-gptoss-wordnet/
+#             prompts.json ids): `twain generate` greedy 32 tokens through
+#             router -> prefill -> UCX KV handoff -> decode, compared token for
+#             token with `twain-prefill --backend cuda --generate 32` in one
+#             process: PASS/FAIL per prompt;
+#          3. prints the KV handoff mode the workers logged (device KV pool
+#             STAGED through pinned host memory, or DIRECT over UCX cuda
+#             transports), and from the workers' /metrics: KV bytes sent and
+#             received, transfer time, per-layer put batches, KV checksums;
+#          4. stops serve with SIGINT (bounded; then SIGKILL of everything it
+#             started);
+#          5. twain-bench-kv-handoff --device (cudaMalloc'd pools), <= 30 s.
+#          Everything is bounded; the whole run stays under ~90 s
+#          (TW_SVC_GPU_BUDGET_S). Writes one log, $OUT/service_gpu.log. Exit 0
+#          when every prompt matched and the checksums held.
+set -u
+root=$(cd "$(dirname "$0")/../.." && pwd)
+stage_dir=$root/.carry/gpu/svc
+
+# ---------------------------------------------------------------- here ----
+if [ "${1:-}" = "--stage" ]; then
+  set -e
+  build=${2:-${TW_BUILD_DIR:-$root/build-cuda2}}
+  cmake -S "$root" -B "$build" -DTWAIN_WERROR="${TW_WERROR:-ON}" -DTWAIN_CUDA=ON >/dev/null
+  cmake --build "$build" -j2 --target twain twain-router twain-prefill twain-decode \
+    twain-bench-kv-handoff >"$build/service_gpu_build.log" 2>&1 ||
+    { grep -E "error|Error" "$build/service_gpu_build.log" | head -20; exit 1; }
+  mkdir -p "$stage_dir"
+  rm -f "$stage_dir/twain.tar.gz" "$stage_dir/twain.tar.xz"
+  bash "$root/deploy/bundle.sh" --no-build --build-dir "$build" --system-cuda --no-default-model \
+    --out "$stage_dir/twain.tar.gz" >/dev/null
+  # xz: the device call carries at most 64 MiB with the tracked tree
+  gzip -dc "$stage_dir/twain.tar.gz" | xz -T2 -6 >"$stage_dir/twain.tar.xz"
+  rm -f "$stage_dir/twain.tar.gz"
+  cp "$build/tests/bench/twain-bench-kv-handoff" "$stage_dir/"
+  du -sh "$stage_dir"
+  exit 0
+fi
+
+# ------------------------------------------------------- on the device ----
+out=${OUT:-/tmp/twain-svc-gpu}
+mkdir -p "$out"
+log=$out/service_gpu.log
+: >"$log"
+t_start=$(date +%s)
+budget=${TW_SVC_GPU_BUDGET_S:-85}
+tmo() { # tmo WANTED: at most WANTED seconds, cut to what is left of the budget
+  local left=$((t_start + budget - $(date +%s) - 2))
+  [ "$left" -lt 1 ] && left=1
+  if [ "$1" -lt "$left" ]; then echo "$1"; else echo "$left"; fi
+}
+say() { echo "$*" | tee -a "$log"; }
+work=$(mktemp -d "${TMPDIR:-/tmp}/twain-svc-gpu.XXXXXX")
+fails=0
+
+if [ -n "${1:-}" ] && [ -d "$1" ]; then
+  b=$(cd "$1" && pwd)
+  twain=$b/router/twain prefill=$b/prefill/twain-prefill bench=$b/tests/bench/twain-bench-kv-handoff
+  libdir=""
+else
+  if [ ! -s "$stage_dir/twain.tar.xz" ]; then
+    say "service_gpu: no staged programs: run 'bash tests/gpu/service_gpu.sh --stage' here and carry .carry/gpu"
+    exit 1
+  fi
+  if command -v xz >/dev/null 2>&1; then xz -dc "$stage_dir/twain.tar.xz" | tar -C "$work" -xf -; else
+    python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' \
+      "$stage_dir/twain.tar.xz" | tar -C "$work" -xf -
+  fi
+  bdir=$(echo "$work"/twain-*)
+  # shellcheck disable=SC1091
+  . "$bdir/share/twain/env.sh" # UCX_MODULE_DIR, NCCL_NVLS_ENABLE=0, PATH
+  twain=$bdir/bin/twain prefill=$bdir/bin/twain-prefill bench=$stage_dir/twain-bench-kv-handoff
+  libdir=$bdir/lib
+fi
+model=$root/tests/fixtures/tiny-gptoss-wordnet-mxfp4
+prompts=$root/tests/fixtures/tiny-gptoss-wordnet/prompts.json
+export TWAIN_LOG=${TWAIN_LOG:-info}
+backend=${TW_SVC_BACKEND:-cuda} # cpu: a dry run of this script on a machine without a GPU
+say "service_gpu: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); programs $(dirname "$twain")"
+
+# the prompts: NAME ids-comma-separated, and the one-process references
+python3 -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+for name in ("short_dog", "short_book", "system_water", "multiturn"):
+    print(name, ",".join(str(i) for i in d[name]["ids"]))' "$prompts" >"$work/prompts.txt"
+while read -r name ids; do echo "[$ids]" >"$work/$name.json"; done <"$work/prompts.txt"
+(
+  while read -r name _; do
+    timeout "$(tmo 40)" "$prefill" --model "$model" --backend "$backend" --prompt-tokens "$work/$name.json" \
+      --generate 32 >"$work/$name.ref" 2>"$work/$name.ref.err"
+  done <"$work/prompts.txt"
+) &
+ref_pid=$!
+
+# 1. serve on GPU 0 (own session: everything it starts is findable and killable)
+setsid "$twain" serve --model "$model" --backend "$backend" --prefill 1 --decode 1 --threads 2 \
+  --listen tcp://127.0.0.1:0 --metrics-port 0 --verify-kv >"$work/serve.log" 2>&1 &
+serve=$!
+ep=""
+end=$(($(date +%s) + $(tmo 45)))
+while [ "$(date +%s)" -lt "$end" ] && kill -0 "$serve" 2>/dev/null; do
+  ep=$(sed -n 's/.*ready.*clients at \([^ ]*\).*/\1/p' "$work/serve.log" | head -1)
+  [ -n "$ep" ] && break
+  sleep 0.2
+done
+workers=$(ps -o pid= --ppid "$serve" 2>/dev/null | tr '\n' ' ')
+stop_serve() {
+  if kill -0 "$serve" 2>/dev/null; then
+    kill -INT "$serve"
+    local end2=$(($(date +%s) + $(tmo 20)))
+    while kill -0 "$serve" 2>/dev/null && [ "$(date +%s)" -lt "$end2" ]; do sleep 0.2; done
+  fi
+  local left_over=0
+  for p in $serve $workers; do
+    if kill -0 "$p" 2>/dev/null; then left_over=1; kill -9 -- "-$p" "$p" 2>/dev/null; fi
+  done
+  wait "$serve" 2>/dev/null
+  serve_rc=$?
+  [ "$left_over" = 1 ] && serve_rc=killed
+}
+trap 'stop_serve; kill -9 "$ref_pid" 2>/dev/null; rm -rf "$work"' EXIT
+if [ -z "$ep" ]; then
+  say "FAIL serve: no 'ready' line within the bound (workers: $workers); its log:"
+  tail -40 "$work/serve.log" | tee -a "$log"
+  exit 1
+fi
+say "serve ready at $ep ($(($(date +%s) - t_start)) s; worker pids $workers)"
+
+# 2. the 4 prompts through the service
+while read -r name ids; do
+  timeout "$(tmo 20)" "$twain" generate --endpoint "$ep" --max-tokens 32 --timeout-ms 15000 "$ids" \
+    >"$work/$name.svc" 2>"$work/$name.svc.err"
+done <"$work/prompts.txt"
+wait "$ref_pid" 2>/dev/null
+while read -r name ids; do
+  got=$(tail -1 "$work/$name.svc" 2>/dev/null | tr -s ' ' ',' | sed 's/^,//; s/,$//')
+  ref=$(grep '^\[' "$work/$name.ref" 2>/dev/null | tail -1 | tr -d '[] ')
+  n=$(echo "$got" | tr ',' '\n' | grep -c .)
+  if [ -n "$ref" ] && [ "$got" = "$ref" ] && [ "$n" = 32 ]; then
+    say "PASS $name ($(echo "$ids" | tr ',' '\n' | wc -l) prompt tokens): 32 tokens identical to twain-prefill --generate"
+  else
+    fails=$((fails + 1))
+    say "FAIL $name: service [$got] vs one process [$ref]"
+    tail -3 "$work/$name.svc.err" "$work/$name.ref.err" 2>/dev/null | tee -a "$log"
+  fi
+done <"$work/prompts.txt"
+
+# 3. the handoff mode and the workers' metrics
+say "KV handoff mode (from the workers' logs):"
+grep -E "kv handoff mode|cuda memory (native|staged)|registered kv pool|engine.*(cuda|memory plan)" \
+  "$work/serve.log" | sed 's/^[^ ]* //' | sort -u | head -12 | sed 's/^/  /' | tee -a "$log"
+port_of() { sed -n "s/.*$1\[[0-9]*\].*serving \/metrics and \/healthz on [0-9.]*:\([0-9]*\).*/\1/p" "$work/serve.log" | head -1; }
+for w in twain-prefill twain-decode; do
+  p=$(port_of "$w")
+  [ -n "$p" ] || { say "  $w: no metrics port in the log"; continue; }
+  python3 - "$w" "$p" <<'EOF' | tee -a "$log"
+import re, sys, urllib.request
+name, port = sys.argv[1], int(sys.argv[2])
+text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5).read().decode()
+m = {}
+for line in text.splitlines():
+    if line and not line.startswith("#"):
+        k, v = line.rsplit(" ", 1)
+        m[re.sub(r"\{process=\"[^\"]*\"\}", "", k)] = float(v)
+g = lambda k: m.get("twain_" + k, float("nan"))
+if name == "twain-prefill":
+    n = g("kv_transfer_seconds_count")
+    print("  prefill: %d prompts, kv bytes sent %d, transfer (puts + flush) %.2f ms total / %.3f ms per prompt,"
+          " engine %.2f ms per prompt, layer put batches %d (%d from the per-layer callback)" % (
+          g("prefill_requests_total"), g("kv_bytes_sent_total"), g("kv_transfer_seconds_sum") * 1e3,
+          g("kv_transfer_seconds_sum") * 1e3 / max(n, 1), g("prefill_seconds_sum") * 1e3 / max(n, 1),
+          g("kv_layer_sends_total"), g("kv_layer_sends_overlapped_total")))
+else:
+    print("  decode: kv bytes received %d, layer checksums ok %d, mismatch %d, blocks used %d" % (
+          g("kv_bytes_received_total"), g("kv_checksum_ok_total"), g("kv_checksum_mismatch_total"),
+          g("kv_blocks_used")))
+    if g("kv_checksum_mismatch_total") != 0 or g("kv_checksum_ok_total") <= 0:
+        sys.exit(1)
+EOF
+  [ "${PIPESTATUS[0]}" = 0 ] || { fails=$((fails + 1)); say "FAIL $w metrics (checksums)"; }
+done
+
+# 4. stop serve cleanly
+stop_serve
+trap 'rm -rf "$work"' EXIT
+if [ "$serve_rc" = 0 ]; then say "serve stopped cleanly (exit 0)"; else
+  fails=$((fails + 1)); say "FAIL serve stop: exit $serve_rc"; fi
+grep -E " (ERROR|WARN) " "$work/serve.log" | head -10 | sed 's/^/  log: /' | tee -a "$log"
+{ echo "---- serve log (first 60 lines)"; head -60 "$work/serve.log"; } >>"$log"
+
+# 5. KV handoff bench with device memory
+if [ -x "$bench" ]; then
+  say "twain-bench-kv-handoff --device (bounded $(tmo 30) s):"
+  LD_LIBRARY_PATH=${libdir:+$libdir:}${LD_LIBRARY_PATH:-} timeout "$(tmo 30)" "$bench" --device --reps 5 \
+    --max-mib 64 2>"$work/bench.err" | tee -a "$log"
+  r=${PIPESTATUS[0]}
+  grep "kv handoff mode" "$work/bench.err" | sed 's/^[^ ]* /  /' | sort -u | tee -a "$log"
+  case $r in 0) ;; 77) say "  bench: no GPU (skipped)" ;; 124) say "  bench: cut at the time bound" ;;
+    *) say "  bench: exit $r"; tail -5 "$work/bench.err" | tee -a "$log" ;; esac
+fi
+say "service_gpu: $fails failure(s) in $(($(date +%s) - t_start)) s"
+[ "$fails" = 0 ]
