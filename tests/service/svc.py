@@ -70,11 +70,37 @@ def _die_with_parent():
 _ALL_PROCS = []
 
 
+def _descendants(pids):
+    """Every live descendant of pids (from /proc ppid links)."""
+    children = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % d) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], list(pids)
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def kill_all():
     """Teardown that cannot be skipped: SIGKILL every process (group) this test
-    started that is still alive, including what they started themselves
-    (mpirun ranks, serve's workers). Runs at exit, on SIGTERM/SIGINT and
-    after an exception in a test, so a failing test leaves nothing behind."""
+    started that is still alive, and everything they started themselves
+    (mpirun ranks, serve's workers, which sit in process groups of their own),
+    found through /proc before the parents die. Runs at exit and on SIGTERM,
+    so a failing or killed test leaves nothing behind."""
+    for pid in _descendants([pr.p.pid for pr in _ALL_PROCS if pr.p.poll() is None]):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     for pr in _ALL_PROCS:
         try:
             os.killpg(pr.p.pid, signal.SIGKILL)  # own session: pgid == pid
