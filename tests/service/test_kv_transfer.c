@@ -8,10 +8,11 @@
 #include "common/kv_transfer.h"
 #include "common/log.h"
 
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/select.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -122,6 +123,8 @@ int main(void) {
   if (pipe(p2c) || pipe(c2p)) return 1;
   pid_t pid = fork();
   if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed parent */
+    if (getppid() == 1) _exit(1);
     close(p2c[1]);
     close(c2p[0]);
     _exit(child(p2c[0], c2p[1]));
