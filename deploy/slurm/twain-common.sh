@@ -25,7 +25,10 @@
 #   TWAIN_ROUTER_HOST     address workers and clients use for the router (default:
 #                         the router node's hostname)
 #   TWAIN_LOG_DIR         logs (default: $SLURM_SUBMIT_DIR/twain-logs-$SLURM_JOB_ID)
-#   TWAIN_DRAIN_SECONDS   how long a drain may take before the hard stop (default 600)
+#   TWAIN_DRAIN_SECONDS   how long a drain may take before the hard stop (default 600);
+#                         also the router's and decode workers' own --drain-timeout
+#   TWAIN_METRICS_ADDR    address of every daemon's /metrics, /healthz, /livez
+#                         (default 127.0.0.1; 0.0.0.0 for a Prometheus on another node)
 #   TWAIN_WORKER_ARGS     extra arguments for every worker (e.g. --kv-blocks N)
 # Every environment started here keeps NVLink multicast off (NCCL_NVLS_ENABLE=0).
 # shellcheck shell=bash
@@ -62,6 +65,7 @@ tw_setup() { # common checks and defaults
 # Their srun pids go to tw_pids.
 tw_launch_workers() {
   local pool=$1 count=$2 tp=$3 ep=$4 nodelist=$5 gpn=$6 i port_base par=() prog hosts=() per_node
+  local ops=(--metrics-addr "${TWAIN_METRICS_ADDR:-127.0.0.1}")
   shift 6
   prog=$TWAIN_BIN/twain-$pool
   [ -x "$prog" ] || tw_die "no $prog"
@@ -70,6 +74,8 @@ tw_launch_workers() {
   else port_base=$((TWAIN_METRICS_PORT + 101)); fi
   # Parallelism flags only when a worker has more than one rank (issue 6).
   if ((tp > 1 || ep > 1)); then par=(--tp "$tp" --ep "$ep"); fi
+  # decode finishes its sequences on SIGTERM for at most the drain time
+  [ "$pool" = decode ] && ops+=(--drain-timeout "$TWAIN_DRAIN_SECONDS")
   if [ "$TWAIN_RANKS" = srun ]; then
     mapfile -t hosts < <(scontrol show hostnames "$nodelist")
     per_node=$((gpn / tp)); ((per_node >= 1)) || per_node=1
@@ -88,7 +94,7 @@ tw_launch_workers() {
     TWAIN_RENDEZVOUS=$rdv srun "$@" --nodes=1 "${layout[@]}" --exact --kill-on-bad-exit=1 --job-name="twain-$pool" \
       --output="$TWAIN_LOG_DIR/$name.log" \
       "$prog" --model "$TWAIN_MODEL" --router "$TWAIN_ROUTER" --backend "$TWAIN_BACKEND" \
-      --name "$name" --metrics-port "$((port_base ? port_base + i : 0))" "${par[@]}" ${TWAIN_WORKER_ARGS:-} &
+      --name "$name" --metrics-port "$((port_base ? port_base + i : 0))" "${ops[@]}" "${par[@]}" ${TWAIN_WORKER_ARGS:-} &
     tw_pids+=($!)
     tw_log "started $pool worker $name (TP $tp EP $ep, ranks: $TWAIN_RANKS) -> $TWAIN_LOG_DIR/$name.log"
   done
