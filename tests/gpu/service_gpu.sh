@@ -5,7 +5,7 @@
 #
 #   here:  bash tests/gpu/service_gpu.sh --stage [BUILD_DIR]
 #          builds twain, twain-prefill, twain-decode and twain-bench-kv-handoff
-#          in BUILD_DIR (default $TW_BUILD_DIR or build-cuda2, CUDA on) and
+#          in BUILD_DIR (default $TW_BUILD_DIR or build-gpu-svc, CUDA on) and
 #          stages them under .carry/gpu/svc/ (deploy/bundle.sh --system-cuda,
 #          recompressed with xz: the programs + the libraries and UCX modules
 #          the GPU machine lacks), next to run_gpu.sh's own carry.
@@ -37,7 +37,7 @@ stage_dir=$root/.carry/gpu/svc
 # ---------------------------------------------------------------- here ----
 if [ "${1:-}" = "--stage" ]; then
   set -e
-  build=${2:-${TW_BUILD_DIR:-$root/build-cuda2}}
+  build=${2:-${TW_BUILD_DIR:-$root/build-gpu-svc}}
   cmake -S "$root" -B "$build" -DTWAIN_WERROR="${TW_WERROR:-ON}" -DTWAIN_CUDA=ON >/dev/null
   cmake --build "$build" -j2 --target twain twain-router twain-prefill twain-decode \
     twain-bench-kv-handoff >"$build/service_gpu_build.log" 2>&1 ||
