@@ -97,9 +97,14 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
                                TW_DTYPE_F32, H, s));
     TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, ce->o, TW_DTYPE_F32, L->mlp_norm, c->rms_norm_eps, T,
                                       H, ce->xn, s));
-    TW_CE_OP(TW_CE_PROF_ROUTER, tw_cuda_gemm_bf16(ce->gemm, T, E, H, ce->xn, H, L->wr, H, L->br, ce->rlog,
-                               TW_DTYPE_F32, E, s));
-    TW_CE_OP(TW_CE_PROF_ROUTE, tw_cuda_moe_route(&ce->route, ce->rlog, T, s));
+    if (tw_cuda_moe_router_fused_supported(&ce->route, ce->xn, L->wr, T, H)) /* GEMV+top-k+sort */
+      TW_CE_OP(TW_CE_PROF_ROUTER, tw_cuda_moe_router_fused(&ce->route, ce->xn, L->wr, L->br, T, H,
+                                                           ce->rlog, s));
+    else {
+      TW_CE_OP(TW_CE_PROF_ROUTER, tw_cuda_gemm_bf16(ce->gemm, T, E, H, ce->xn, H, L->wr, H, L->br,
+                                                    ce->rlog, TW_DTYPE_F32, E, s));
+      TW_CE_OP(TW_CE_PROF_ROUTE, tw_cuda_moe_route(&ce->route, ce->rlog, T, s));
+    }
     if (ce->bf16_experts)
       TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(ce->gemm, &L->moe, &ce->route, T, ce->xn,
                                                    L->wdq, ce->moe_pre_ws, ce->moe_pre_bytes,

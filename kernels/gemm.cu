@@ -7,6 +7,7 @@
 #include "kernels/gemm.h"
 
 #include "kernels/cuda_common.h"
+#include "kernels/pdl.cuh"
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -172,6 +173,77 @@ __global__ void tw_gemm_bias_kernel(T *y, int64_t ldy, const T *bias, int N) {
   for (int n = threadIdx.x; n < N; n += blockDim.x) row[n] = (T)((float)row[n] + (float)bias[n]);
 }
 
+/* Small-M GEMV (the decode step's QKV and O projections at batch 1..4): one
+ * warp per output column n, 16-byte loads of w[n] (read once) and x rows,
+ * f32 accumulation, warp reduction, bias added and y written (f32 or bf16,
+ * rounded once) by lane 0. One kernel (no split-K reduction, no memset) and
+ * launched with PDL, so a decode graph has one node per projection. */
+#define TW_GEMV_MAX_M 4
+#define TW_GEMV_MAX_N 16384
+template <int M, typename YT>
+__global__ void __launch_bounds__(256)
+    tw_gemv_kernel(const __nv_bfloat16 *__restrict__ x, int64_t ldx,
+                   const __nv_bfloat16 *__restrict__ w, int64_t ldw, const YT *__restrict__ bias,
+                   YT *__restrict__ y, int64_t ldy, int N, int K) {
+  TW_PDL_WAIT();
+  const int n = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (n >= N) return;
+  const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)n * ldw);
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; m++) acc[m] = 0.0f;
+  const int nc = K / 8;
+#pragma unroll 4
+  for (int c = lane; c < nc; c += 32) {
+    const uint4 a = __ldg(wr + c);
+    const __nv_bfloat162 *pa = reinterpret_cast<const __nv_bfloat162 *>(&a);
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+      const uint4 b = *reinterpret_cast<const uint4 *>(x + (size_t)m * ldx + (size_t)c * 8);
+      const __nv_bfloat162 *pb = reinterpret_cast<const __nv_bfloat162 *>(&b);
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
+        acc[m] = fmaf(fa.x, fb.x, acc[m]);
+        acc[m] = fmaf(fa.y, fb.y, acc[m]);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; m++)
+    for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+  if (lane == 0) {
+    const float b = bias ? (float)bias[n] : 0.0f;
+#pragma unroll
+    for (int m = 0; m < M; m++) y[(size_t)m * ldy + n] = (YT)(acc[m] + b);
+  }
+}
+
+static int tw_gemv_env(void) {
+  static int v = -1;
+  if (v < 0) {
+    const char *s = getenv("TWAIN_CUDA_GEMV");
+    v = !(s && s[0] == '0');
+  }
+  return v;
+}
+
+template <typename YT>
+static void tw_gemv_launch(int32_t M, int32_t N, int32_t K, const void *x, int64_t ldx,
+                           const void *w, int64_t ldw, const void *bias, void *y, int64_t ldy,
+                           cudaStream_t stream) {
+  const __nv_bfloat16 *xb = (const __nv_bfloat16 *)x, *wb = (const __nv_bfloat16 *)w;
+  const YT *bb = (const YT *)bias;
+  YT *yy = (YT *)y;
+  dim3 grid((unsigned)TW_CDIV(N, 8)), block(256);
+  switch (M) {
+  case 1: tw_pdl_launch(tw_gemv_kernel<1, YT>, grid, block, 0, stream, xb, ldx, wb, ldw, bb, yy, ldy, N, K); break;
+  case 2: tw_pdl_launch(tw_gemv_kernel<2, YT>, grid, block, 0, stream, xb, ldx, wb, ldw, bb, yy, ldy, N, K); break;
+  case 3: tw_pdl_launch(tw_gemv_kernel<3, YT>, grid, block, 0, stream, xb, ldx, wb, ldw, bb, yy, ldy, N, K); break;
+  default: tw_pdl_launch(tw_gemv_kernel<4, YT>, grid, block, 0, stream, xb, ldx, wb, ldw, bb, yy, ldy, N, K); break;
+  }
+}
+
 extern "C" tw_status_t tw_cuda_gemm_bf16(tw_cuda_gemm_t *g, int32_t M, int32_t N, int32_t K,
                                          const void *x, int64_t ldx, const void *w, int64_t ldw,
                                          const void *maybe_bias, void *y, tw_dtype_t y_dtype,
@@ -179,6 +251,15 @@ extern "C" tw_status_t tw_cuda_gemm_bf16(tw_cuda_gemm_t *g, int32_t M, int32_t N
   if (!g) return tw_err(TW_ERR_INVALID_ARGUMENT, "gemm_bf16: gemm is NULL");
   TW_CHECK(tw_gemm_args_check("gemm_bf16", M, N, K, x, ldx, w, ldw, y, y_dtype, ldy));
   if (M == 0) return TW_OK;
+  if (M <= TW_GEMV_MAX_M && N <= TW_GEMV_MAX_N && K % 8 == 0 && ldx % 8 == 0 && ldw % 8 == 0 &&
+      !(((uintptr_t)x | (uintptr_t)w) & 15) && tw_gemv_env()) {
+    if (y_dtype == TW_DTYPE_F32)
+      tw_gemv_launch<float>(M, N, K, x, ldx, w, ldw, maybe_bias, y, ldy, stream);
+    else
+      tw_gemv_launch<__nv_bfloat16>(M, N, K, x, ldx, w, ldw, maybe_bias, y, ldy, stream);
+    TW_CUDA_CHECK_LAUNCH("tw_gemv_kernel");
+    return TW_OK;
+  }
   tw_gemm_entry_t *e = NULL;
   tw_status_t st = tw_gemm_entry_get(g, M, N, K, ldx, ldw, ldy, y_dtype, maybe_bias != NULL, &e);
   if (st == TW_ERR_UNSUPPORTED && maybe_bias) {

@@ -40,7 +40,9 @@ void tw_cuda_gemm_destroy(tw_cuda_gemm_t *gemm);
  *  stride ldy). maybe_bias has y_dtype too (bf16 bias for bf16 y, f32 for f32
  *  y: the cuBLASLt bias epilogue rule), or NULL. fp32 accumulation.
  *  Pointers must be 16-byte aligned and strides multiples of 8 elements.
- *  M == 0 does nothing.
+ *  M == 0 does nothing. M <= 4 with N <= 16384 runs one GEMV kernel (one
+ *  launch, PDL, bias fused; the decode step's projections) instead of
+ *  cuBLASLt, unless TWAIN_CUDA_GEMV=0 is in the environment.
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL pointer, non-positive N/K, negative
  *  M, stride smaller than the row, other y dtype), TW_ERR_UNSUPPORTED (no
  *  cuBLASLt algorithm for the shape), TW_ERR_CUDA (cuBLAS failure, named). */

@@ -60,6 +60,7 @@ typedef struct {
   int32_t *pos_of;    /* [T*k] sorted position of assignment a */
   int32_t *active;    /* [E] experts with counts > 0, increasing id (first n_active valid) */
   int32_t *n_active;  /* [1] */
+  int32_t *ticket;    /* [1] block counter of tw_cuda_moe_router_fused; 0 between launches */
 } tw_cuda_moe_route_t;
 
 /** Bytes of device memory for the routing arrays of up to max_tokens tokens. */
@@ -70,6 +71,27 @@ size_t tw_cuda_moe_route_bytes(int32_t max_tokens, int32_t n_experts, int32_t k)
  *  non-positive sizes, k > n_experts, n_experts > 1024 or k > 32, too small). */
 tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t max_tokens,
                                    int32_t n_experts, int32_t k, tw_cuda_moe_route_t *route_p);
+
+/** Whether tw_cuda_moe_router_fused takes T tokens of hidden size H from x
+ *  and w: 1 <= T <= 64, T <= route->max_tokens, T * E <= 2048, T * k <= 1024,
+ *  H % 8 == 0, x and w 16-byte aligned, and TWAIN_CUDA_FUSED_ROUTER is not
+ *  "0" in the environment. */
+int tw_cuda_moe_router_fused_supported(const tw_cuda_moe_route_t *route, const void *x,
+                                       const void *w, int32_t T, int32_t H);
+
+/** Router GEMV and tw_cuda_moe_route in one launch (spec §2.8; the decode
+ *  step's router): logits[t][e] = sum_h x[t][h] * w[e][h] + bias[e] with f32
+ *  accumulation, written to `logits` (device f32 [T, E]), then top-k,
+ *  softmax and the sort by expert into `route` exactly as tw_cuda_moe_route
+ *  on those logits. x bf16 [T, H] and w bf16 [E, H] (row stride H, device,
+ *  16-byte aligned); bias f32 [E] or NULL. Uses route->ticket (zeroed by
+ *  tw_cuda_moe_route_init, left zero). Grid depends only on E: capturable.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, misaligned), TW_ERR_UNSUPPORTED
+ *  (tw_cuda_moe_router_fused_supported is false: use a GEMM and
+ *  tw_cuda_moe_route), TW_ERR_CUDA. */
+tw_status_t tw_cuda_moe_router_fused(const tw_cuda_moe_route_t *route, const void *x,
+                                     const void *w, const float *bias, int32_t T, int32_t H,
+                                     float *logits, cudaStream_t stream);
 
 /** Set kernel attributes (large dynamic shared memory). Call once per process
  *  and device before any other function here. Errors: TW_ERR_CUDA. */

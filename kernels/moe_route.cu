@@ -11,6 +11,8 @@
 #include "kernels/moe_impl.h"
 
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
 
 #define TW_ROUTE_ALIGN 256
 
@@ -21,7 +23,7 @@ extern "C" size_t tw_cuda_moe_route_bytes(int32_t max_tokens, int32_t n_experts,
   size_t tk = (size_t)max_tokens * (size_t)k;
   return tw_align_up(tk * 4) * 4 /* topk_idx, topk_w, sorted, pos_of */ +
          tw_align_up((size_t)n_experts * 4) * 2 /* counts, active */ +
-         tw_align_up(((size_t)n_experts + 1) * 4) + tw_align_up(4);
+         tw_align_up(((size_t)n_experts + 1) * 4) + tw_align_up(4) * 2 /* n_active, ticket */;
 }
 
 extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t max_tokens,
@@ -50,7 +52,9 @@ extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t m
   r.counts = (int32_t *)p; p += tw_align_up((size_t)n_experts * 4);
   r.active = (int32_t *)p; p += tw_align_up((size_t)n_experts * 4);
   r.offsets = (int32_t *)p; p += tw_align_up(((size_t)n_experts + 1) * 4);
-  r.n_active = (int32_t *)p;
+  r.n_active = (int32_t *)p; p += tw_align_up(4);
+  r.ticket = (int32_t *)p;
+  TW_CUDA_CHECK(cudaMemset(r.ticket, 0, 4)); /* tw_cuda_moe_router_fused leaves it 0 */
   *route_p = r;
   return TW_OK;
 }
@@ -118,15 +122,17 @@ __global__ void tw_moe_topk_kernel(const float *__restrict__ logits, int T, int 
 /* Small T (T*k <= TW_ROUTE_FUSED_MAX): top-k, counts, offsets, active list
  * and the stable sort in one block of 256 threads (one launch per step). */
 #define TW_ROUTE_FUSED_MAX 1024
-__global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int T, int E, int k,
+/* The body of the single-block route: one block of 256 threads (8 warps);
+ * logits f32 [T, E] (global or shared). */
+static __device__ void tw_moe_route_block(const float *logits, int T, int E, int k,
                                           int32_t *__restrict__ topk_idx,
-                                          float *__restrict__ topk_w, int32_t *__restrict__ counts,
+                                          float *__restrict__ topk_w,
+                                          int32_t *__restrict__ counts,
                                           int32_t *__restrict__ offsets,
                                           int32_t *__restrict__ sorted,
                                           int32_t *__restrict__ pos_of,
                                           int32_t *__restrict__ active,
                                           int32_t *__restrict__ n_active) {
-  TW_PDL_WAIT();
   __shared__ int sel[8][32];
   __shared__ float selv[8][32];
   __shared__ int idx_s[TW_ROUTE_FUSED_MAX];
@@ -166,6 +172,113 @@ __global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int 
     sorted[p] = a;
     pos_of[a] = p;
   }
+}
+
+__global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int T, int E, int k,
+                                          int32_t *__restrict__ topk_idx,
+                                          float *__restrict__ topk_w, int32_t *__restrict__ counts,
+                                          int32_t *__restrict__ offsets,
+                                          int32_t *__restrict__ sorted,
+                                          int32_t *__restrict__ pos_of,
+                                          int32_t *__restrict__ active,
+                                          int32_t *__restrict__ n_active) {
+  TW_PDL_WAIT();
+  tw_moe_route_block(logits, T, E, k, topk_idx, topk_w, counts, offsets, sorted, pos_of, active,
+                     n_active);
+}
+
+/* Router GEMV + route in one launch: block e (256 threads) computes
+ * logits[t][e] = x[t] . w[e] + bias[e] for all t (f32 accumulation; 16-byte
+ * loads, 8 warps over H, then a fixed-order reduction), writes it to global
+ * memory; the last block to finish (ticket counter, reset to 0 by that block)
+ * reads all logits back into shared memory and runs tw_moe_route_block. */
+#define TW_ROUTER_FUSED_MAX_T 64
+#define TW_ROUTER_FUSED_MAX_TE 2048
+__global__ void __launch_bounds__(256)
+    tw_moe_router_fused_kernel(const __nv_bfloat16 *__restrict__ x,
+                               const __nv_bfloat16 *__restrict__ w,
+                               const float *__restrict__ bias, int T, int H, int E, int k,
+                               float *__restrict__ logits, int32_t *__restrict__ topk_idx,
+                               float *__restrict__ topk_w, int32_t *__restrict__ counts,
+                               int32_t *__restrict__ offsets, int32_t *__restrict__ sorted,
+                               int32_t *__restrict__ pos_of, int32_t *__restrict__ active,
+                               int32_t *__restrict__ n_active, int32_t *__restrict__ ticket) {
+  TW_PDL_WAIT();
+  __shared__ float part[8][TW_ROUTER_FUSED_MAX_T];
+  __shared__ float lg_s[TW_ROUTER_FUSED_MAX_TE];
+  __shared__ int last_s;
+  const int e = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nc = H / 8;
+  const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)e * H);
+  for (int t = 0; t < T; t++) {
+    const uint4 *xr = reinterpret_cast<const uint4 *>(x + (size_t)t * H);
+    float acc = 0.0f;
+    for (int c = threadIdx.x; c < nc; c += 256) {
+      uint4 a = __ldg(wr + c), b = xr[c];
+      const __nv_bfloat162 *pa = reinterpret_cast<const __nv_bfloat162 *>(&a);
+      const __nv_bfloat162 *pb = reinterpret_cast<const __nv_bfloat162 *>(&b);
+#pragma unroll
+      for (int i = 0; i < 4; i++) {
+        float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
+        acc = fmaf(fa.x, fb.x, acc);
+        acc = fmaf(fa.y, fb.y, acc);
+      }
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) part[warp][t] = acc;
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < T; t += blockDim.x) {
+    float v = 0.0f;
+    for (int q = 0; q < 8; q++) v += part[q][t];
+    logits[(size_t)t * E + e] = v + (bias ? bias[e] : 0.0f);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_s = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < T * E; i += blockDim.x) lg_s[i] = __ldcg(logits + i);
+  if (threadIdx.x == 0) *ticket = 0;
+  __syncthreads();
+  tw_moe_route_block(lg_s, T, E, k, topk_idx, topk_w, counts, offsets, sorted, pos_of, active,
+                     n_active);
+}
+
+static int tw_router_fused_env(void) {
+  static int v = -1;
+  if (v < 0) {
+    const char *s = getenv("TWAIN_CUDA_FUSED_ROUTER");
+    v = !(s && s[0] == '0');
+  }
+  return v;
+}
+
+extern "C" int tw_cuda_moe_router_fused_supported(const tw_cuda_moe_route_t *r, const void *x,
+                                                  const void *w, int32_t T, int32_t H) {
+  return r && x && w && !(((uintptr_t)x | (uintptr_t)w) & 15) && tw_router_fused_env() && T >= 1 && T <= TW_ROUTER_FUSED_MAX_T && T <= r->max_tokens &&
+         T * r->n_experts <= TW_ROUTER_FUSED_MAX_TE && T * r->k <= TW_ROUTE_FUSED_MAX && H > 0 &&
+         H % 8 == 0;
+}
+
+extern "C" tw_status_t tw_cuda_moe_router_fused(const tw_cuda_moe_route_t *r, const void *x,
+                                                const void *w, const float *bias, int32_t T,
+                                                int32_t H, float *logits, cudaStream_t stream) {
+  if (!r || !x || !w || !logits)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_router_fused: NULL argument");
+  if (((uintptr_t)x | (uintptr_t)w) & 15)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_router_fused: x or w not 16-byte aligned");
+  if (!tw_cuda_moe_router_fused_supported(r, x, w, T, H))
+    return tw_err(TW_ERR_UNSUPPORTED,
+                  "moe_router_fused: T=%d, H=%d, E=%d, k=%d outside its limits (T <= %d, T*E <= "
+                  "%d, H %% 8 == 0, 16-byte aligned) or turned off (TWAIN_CUDA_FUSED_ROUTER=0)",
+                  T, H, r->n_experts, r->k, TW_ROUTER_FUSED_MAX_T, TW_ROUTER_FUSED_MAX_TE);
+  tw_pdl_launch(tw_moe_router_fused_kernel, dim3(r->n_experts), dim3(256), 0, stream,
+                static_cast<const __nv_bfloat16 *>(x), static_cast<const __nv_bfloat16 *>(w),
+                bias, T, H, r->n_experts, r->k, logits, r->topk_idx, r->topk_w, r->counts,
+                r->offsets, r->sorted, r->pos_of, r->active, r->n_active, r->ticket);
+  TW_CUDA_CHECK_LAUNCH("tw_moe_router_fused_kernel");
+  return TW_OK;
 }
 
 /* One block (256 threads) per expert: its offset and active rank from the

@@ -3,7 +3,7 @@
 # Two halves:
 #
 #   here (no GPU):  bash tests/gpu/run_gpu.sh
-#       configures and builds build-cuda2 (TW_BUILD_DIR overrides), then stages
+#       configures and builds build-cuda3 (TW_BUILD_DIR overrides), then stages
 #       into .carry/gpu (ignored by git; carry `.carry/gpu` with the device call):
 #         bins.tar.xz   gpu test binaries, twain-bench-cuda, twain-compare-hf,
 #                       twain-bench-tokenizer and the shared libraries the GPU
@@ -21,21 +21,30 @@
 #           prefill 8192/32768/65536/128000, decode batch 1..256 at 8k and 32k;
 #       (c) the Hugging Face comparison (issue 5 item 3): a random 4-layer
 #           checkpoint with gpt-oss-20b's shapes and MXFP4 experts written by
-#           tests/reference/make_reference.py (transformers, fp32, GPU), then
-#           twain-compare-hf on it: relative L2 of the final logits <= 2e-2;
+#           tests/reference/make_reference.py (transformers, fp32, GPU; it also
+#           prints "bf16-sensitivity": HF in bf16 against HF in fp32, the
+#           model's own sensitivity), then twain-compare-hf --backend both on
+#           it: the CUDA engine and the fp32 CPU engine each against HF
+#           (relative L2 of the final logits <= 2e-2) and CUDA against CPU
+#           ("cuda-vs-cpu", rows 0..7 and 8.. apart);
 #       (d) hooks: tests/tokenizer/bench_reference.py with its corpus (and
 #           twain-bench-tokenizer beside it) when present; the script named by
 #           TWAIN_GPU_EXTRA when set (run with bash, cwd = checkout, $OUT set).
 #       Every part runs under its own timeout and a failure never stops the
 #       later parts. Full logs go to $OUT (at most 8 files); a short table is
 #       printed last.
-# Device environment knobs: TW_TESTS="test_moe test_gemm" limits the tests;
+# Device environment knobs: TW_QUICK=1 is the short run (about 3-4 minutes):
+# the gpu tests, the HF comparison, bench 20b and 120b prefill 8192 and decode
+# batch 1 at 8k and 32k (3 reps), 20b batch 1 with PDL off, with the fused
+# router off (TWAIN_CUDA_FUSED_ROUTER=0) and with the small-M GEMV off
+# (TWAIN_CUDA_GEMV=0), TWAIN_GPU_EXTRA; no tokenizer hook; under 300 s.
+# TW_TESTS="test_moe test_gemm" limits the tests;
 # TW_SKIP_BENCH=1, TW_SKIP_HF=1, TW_SKIP_TESTS=1 skip parts; TW_BENCH_ARGS
 # replaces the bench arguments (applied to each model run).
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 carry=$root/.carry/gpu
-build=${TW_BUILD_DIR:-$root/build-cuda2}
+build=${TW_BUILD_DIR:-$root/build-cuda3}
 shared=${TW_SHARED_DIR:-$root/../shared}
 
 # ---------------------------------------------------------------- here ----
@@ -108,7 +117,9 @@ logs=$out
 stage=${TMPDIR:-/tmp}/twain-gpu-stage
 rm -rf "$stage" && mkdir -p "$stage"
 t_all=$(date +%s)
-budget=${TW_GPU_BUDGET_S:-560} # the whole device call stays under this
+quick=${TW_QUICK:-}
+[ "$quick" = 0 ] && quick=""
+budget=${TW_GPU_BUDGET_S:-$([ -n "$quick" ] && echo 300 || echo 560)} # the whole call stays under this
 tmo() { # tmo WANTED: a timeout of at most WANTED, cut to the time left
   local left=$((t_all + budget - $(date +%s) - 10))
   [ "$left" -lt 5 ] && left=5
@@ -182,13 +193,15 @@ EOF
   (
     timeout "$(tmo 240)" python3 "$root/tests/reference/make_reference.py" --config 20b-4layer \
       --random-weights --seed 1 --mxfp4 --write-checkpoint "$hf/ckpt" \
-      --prompts "$hf/prompts.json" --out "$hf/ref" --variant mxfp4 --greedy 12 --device cuda &&
+      --prompts "$hf/prompts.json" --out "$hf/ref" --variant mxfp4 --greedy 12 --device cuda \
+      --bf16-sensitivity &&
       timeout "$(tmo 150)" "$bin/twain-compare-hf" --model "$hf/ckpt" --fixtures "$hf/ref" \
-        --variant mxfp4 --prompts p0,p1,p2 --max-rel 2e-2
+        --variant mxfp4 --prompts p0,p1,p2 --max-rel 2e-2 --backend both --threads 16
   ) >"$logs/hf_compare.log" 2>&1
   r=$?
   dur=$(($(date +%s) - start))
-  grep -E "^hf-compare|wrote random|Error|error:|Traceback" "$logs/hf_compare.log" | tail -12
+  grep -E "^hf-compare|^cuda-vs-cpu|^bf16-sensitivity|wrote random|Error|error:|Traceback" \
+    "$logs/hf_compare.log" | tail -20
   if [ $r -eq 0 ]; then s=PASS; else s="FAIL($r)"; fi
   add "hf-compare (20b shapes, 4 layers)" "$s" "$dur" \
     "$(grep '^hf-compare:' "$logs/hf_compare.log" | tail -1 | cut -c13-)"
@@ -200,7 +213,10 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
   for mdl in 20b 120b; do
     start=$(date +%s)
     # shellcheck disable=SC2086
-    if [ -n "${TW_BENCH_ARGS:-}" ]; then set -- ${TW_BENCH_ARGS}; else
+    if [ -n "${TW_BENCH_ARGS:-}" ]; then set -- ${TW_BENCH_ARGS}
+    elif [ -n "$quick" ]; then
+      set -- --prefill 8192 --batches 1 --contexts 8192,32768 --steps 30 --reps 3
+    else
       set -- --prefill 8192,32768,65536,128000 --batches 1,8,32,64,128,256 \
         --contexts 8192,32768 --steps 8 --reps 3
     fi
@@ -221,6 +237,22 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
     grep -E "decode batch|graph" "$logs/bench_20b_nopdl.log" | sed 's/^/[PDL off] /'
     add "bench 20b b1, PDL off" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
       "$(($(date +%s) - start))"
+    # batch-1 decode A/B: the fused router (GEMV + top-k + softmax in one kernel) off
+    start=$(date +%s)
+    TWAIN_CUDA_FUSED_ROUTER=0 timeout "$(tmo 80)" "$bin/twain-bench-cuda" --synthetic 20b \
+      --prefill "" --batches 1 --contexts 8192 --steps 30 >>"$logs/bench_20b_nopdl.log" 2>&1
+    r=$?
+    grep -E "decode batch|graph" "$logs/bench_20b_nopdl.log" | tail -2 | sed 's/^/[fused router off] /'
+    add "bench 20b b1, fused router off" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
+      "$(($(date +%s) - start))"
+    # and the small-M GEMV for the QKV/O projections off (cuBLASLt as before)
+    start=$(date +%s)
+    TWAIN_CUDA_GEMV=0 timeout "$(tmo 80)" "$bin/twain-bench-cuda" --synthetic 20b \
+      --prefill "" --batches 1 --contexts 8192 --steps 30 >>"$logs/bench_20b_nopdl.log" 2>&1
+    r=$?
+    grep -E "decode batch|graph" "$logs/bench_20b_nopdl.log" | tail -2 | sed 's/^/[gemv off] /'
+    add "bench 20b b1, gemv off" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
+      "$(($(date +%s) - start))"
   fi
 fi
 
@@ -231,7 +263,7 @@ if [ -z "${TW_SKIP_TESTS:-}" ]; then
 fi
 
 # (d) hooks for other areas
-if [ -f "$root/tests/tokenizer/bench_reference.py" ]; then
+if [ -z "$quick" ] && [ -f "$root/tests/tokenizer/bench_reference.py" ]; then
   start=$(date +%s)
   td=$stage/tokdata
   mkdir -p "$td"
@@ -269,7 +301,15 @@ fi
     grep -E "captured decode graph batch 1 " "$logs/bench_$mdl.log" | head -2 | sed "s/^/[$mdl] /"
   done
   if [ -f "$logs/bench_20b_nopdl.log" ]; then
-    grep -h "decode batch   1" "$logs/bench_20b_nopdl.log" | sed 's/^/[PDL off] /'
+    grep -h "decode batch   1" "$logs/bench_20b_nopdl.log" | head -1 | sed 's/^/[PDL off] /'
+    grep -h "decode batch   1" "$logs/bench_20b_nopdl.log" | sed -n 2p |
+      sed 's/^/[fused router off] /'
+    grep -h "decode batch   1" "$logs/bench_20b_nopdl.log" | sed -n 3p | sed 's/^/[gemv off] /'
+    grep -h "captured decode graph batch 1 " "$logs/bench_20b_nopdl.log" | sed 's/^/[A\/B] /'
+  fi
+  if [ -f "$logs/hf_compare.log" ]; then
+    echo "== HF comparison (random 4-layer 20b shapes) =="
+    grep -E "^bf16-sensitivity|^hf-compare|^cuda-vs-cpu" "$logs/hf_compare.log"
   fi
   bl=$(ls "$logs"/bench_20b.log "$logs"/bench_120b.log 2>/dev/null)
   if [ -n "$bl" ]; then

@@ -2,7 +2,8 @@
  * backend's tw_cpu_matmul_bf16 (f32 accumulate of the same bf16 operands) on
  * fresh random inputs: the gpt-oss linear layers (QKV 5120 x 2880, O 2880 x
  * 4096, router 128 x 2880 with f32 logits, unembedding 201088 x 2880), the
- * tiny model's, and edges (M = 1, sizes off the tiles). Outputs are poisoned
+ * tiny model's, and edges (M = 1, sizes off the tiles; M <= 4 takes the
+ * GEMV kernel). Outputs are poisoned
  * with NaN first, so an unwritten element fails.
  * Tolerance: bf16 outputs are rounded once (2^-9 relative), so rel L2 1e-2
  * (the bf16 bound); f32 outputs differ only by summation order: 1e-4. */
@@ -93,6 +94,10 @@ int main(void) {
       {"tiny_router", 3, 8, 256, 1, 1, 0}, {"expert", 300, 5760, 2880, 0, 0, 1},
       {"expert", 1, 2880, 2880, 0, 0, 1},  {"odd", 33, 160, 96, 1, 0, 1},
       {"repeat_qkv", 77, 5120, 2880, 0, 1, 0}, /* cached descriptors reused */
+      /* M <= 4: the GEMV kernel (one warp per column, PDL) instead of cuBLASLt */
+      {"qkv_gemv", 4, 5120, 2880, 0, 1, 0}, {"o_gemv", 3, 2880, 4096, 1, 1, 0},
+      {"o_gemv", 2, 2880, 4096, 1, 0, 0},   {"odd_gemv", 2, 163, 96, 0, 1, 0},
+      {"odd_gemv", 1, 9, 40, 1, 1, 0},
   };
   int rc = 0;
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) rc |= run(pool, g, &cases[i]);

@@ -14,7 +14,8 @@
  * gate_up output, the activations and the expert outputs to bf16 (8-bit
  * mantissa, 2^-9 relative each), hence 1e-2. Outputs are poisoned with NaN
  * before each run: a NaN or an unwritten value fails. Dequantisation must be
- * bit exact (every FP4 value times a power of two is a bf16). */
+ * bit exact (every FP4 value times a power of two is a bf16). The fused
+ * router (GEMV + top-k + sort) is checked against logits computed here. */
 #include "common/cpu/cpu_ops.h"
 #include "common/model.h"
 #include "kernels/moe.h"
@@ -270,6 +271,65 @@ static int test_dequant(void) {
   return bad ? 1 : 0;
 }
 
+/* tw_cuda_moe_router_fused (router GEMV + top-k + sort in one launch) against
+ * the logits computed here in double from the same bf16 inputs (|d| <= 1e-5
+ * of the sum of |terms|, the fp32 reordering bound) and check_route on the
+ * logits it wrote; launched twice in a row (the block ticket must come back
+ * to 0) and the second result checked. */
+static int run_router_case(const moe_case_t *c) {
+  int H = c->H, E = c->E, k = c->k, T = c->T, fails = 0;
+  uint16_t *xb = xmalloc((size_t)T * H * 2), *wb = xmalloc((size_t)E * H * 2);
+  float *bias = xmalloc((size_t)E * 4), *got = xmalloc((size_t)T * E * 4);
+  for (size_t i = 0; i < (size_t)T * H; i++) xb[i] = tt_f2bf(tt_normal(1.0f));
+  for (size_t i = 0; i < (size_t)E * H; i++) wb[i] = tt_f2bf(tt_normal(0.05f));
+  for (int e = 0; e < E; e++) bias[e] = tt_uniform(0.5f);
+  void *d_x, *d_w, *d_b, *d_lg, *d_route;
+  if (upload(&d_x, xb, (size_t)T * H * 2) || upload(&d_w, wb, (size_t)E * H * 2) ||
+      upload(&d_b, bias, (size_t)E * 4))
+    return 1;
+  TT_CUDA(cudaMalloc(&d_lg, (size_t)T * E * 4));
+  size_t rb = tw_cuda_moe_route_bytes(T, E, k);
+  TT_CUDA(cudaMalloc(&d_route, rb));
+  tw_cuda_moe_route_t r;
+  if (tw_cuda_moe_route_init(d_route, rb, T, E, k, &r) != TW_OK) return 1;
+  if (!tw_cuda_moe_router_fused_supported(&r, d_x, d_w, T, H)) {
+    printf("FAIL moe_router_fused(%s,T=%d,E=%d,H=%d): not supported\n", c->name, T, E, H);
+    return 1;
+  }
+  double worst = 0;
+  for (int rep = 0; rep < 2; rep++) {
+    TT_CUDA(cudaMemset(d_lg, 0xff, (size_t)T * E * 4)); /* NaN poison */
+    if (tw_cuda_moe_router_fused(&r, d_x, d_w, d_b, T, H, d_lg, 0) != TW_OK) {
+      printf("FAIL moe_router_fused(%s): %s\n", c->name, tw_last_error());
+      return 1;
+    }
+  }
+  TT_CUDA(cudaDeviceSynchronize());
+  TT_CUDA(cudaMemcpy(got, d_lg, (size_t)T * E * 4, cudaMemcpyDeviceToHost));
+  int32_t ticket = -1;
+  TT_CUDA(cudaMemcpy(&ticket, r.ticket, 4, cudaMemcpyDeviceToHost));
+  for (int t = 0; t < T; t++)
+    for (int e = 0; e < E; e++) {
+      double ref = bias[e], mag = fabs(bias[e]);
+      for (int h = 0; h < H; h++) {
+        double term = (double)tt_bf2f(xb[(size_t)t * H + h]) * tt_bf2f(wb[(size_t)e * H + h]);
+        ref += term;
+        mag += fabs(term);
+      }
+      double d = fabs(got[(size_t)t * E + e] - ref);
+      if (!(d <= 1e-5 * mag + 1e-6)) fails++;
+      if (!(d / (mag + 1e-30) <= worst)) worst = isfinite(d) ? d / (mag + 1e-30) : 1e30;
+    }
+  moe_case_t rc = *c;
+  int bad = check_route(&rc, &r, got);
+  bool ok = fails == 0 && ticket == 0;
+  printf("%s moe_router_fused(%s,H=%d,E=%d,k=%d,T=%d): %d logits off, worst |d|/sum|terms| %.2e, "
+         "ticket %d\n", ok ? "ok  " : "FAIL", c->name, H, E, k, T, fails, worst, ticket);
+  cudaFree(d_x); cudaFree(d_w); cudaFree(d_b); cudaFree(d_lg); cudaFree(d_route);
+  free(xb); free(wb); free(bias); free(got);
+  return (ok ? 0 : 1) | bad;
+}
+
 int main(void) {
   if (!tt_gpu_available()) {
     printf("SKIP: no GPU\n");
@@ -296,6 +356,13 @@ int main(void) {
   for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++) rc |= run_case(pool, gemm, &gemv[i], 0);
   for (size_t i = 0; i < sizeof gemm_cases / sizeof gemm_cases[0]; i++)
     rc |= run_case(pool, gemm, &gemm_cases[i], 1 + (int)(i % 2));
+  static const moe_case_t router[] = {
+      {"20b", 2880, 2880, 32, 4, 1},   {"20b", 2880, 2880, 32, 4, 61},
+      {"20b", 2880, 2880, 32, 4, 64},  {"120b", 2880, 2880, 128, 4, 1},
+      {"120b", 2880, 2880, 128, 4, 16}, {"tiny", 256, 512, 8, 2, 13},
+      {"odd", 96, 160, 5, 3, 7},
+  };
+  for (size_t i = 0; i < sizeof router / sizeof router[0]; i++) rc |= run_router_case(&router[i]);
   tw_cuda_gemm_destroy(gemm);
   tw_cpu_pool_destroy(pool);
   printf("%s\n", rc ? "test_moe: FAILED" : "test_moe: all passed");

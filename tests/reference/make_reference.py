@@ -93,6 +93,11 @@ def parse_args(argv):
     p.add_argument("--last-rows", type=int, default=0,
                    help="store only the last N rows of logits (0 = all positions)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--bf16-sensitivity", action="store_true",
+                   help="after the references: run the model again in bfloat16 (weights and "
+                        "activations, eager attention) and print per prompt the relative L2 of "
+                        "its logits against the float32 ones (all rows, rows 0..7, rows 8..): "
+                        "the model's own sensitivity to bf16 arithmetic")
     a = p.parse_args(argv)
     if a.config and not a.random_weights:
         p.error("--config needs --random-weights")
@@ -329,6 +334,33 @@ def greedy(model, ids, n, eos, torch, device):
     return out, margin, stopped
 
 
+def rel_l2(got, ref):
+    """||got - ref|| / ||ref|| over all elements (float64), inf when ref is 0."""
+    got, ref = got.double(), ref.double()
+    den = float(ref.norm())
+    return float((got - ref).norm()) / den if den > 0 else float("inf")
+
+
+def bf16_sensitivity(model, prompts, fp32_logits, device, torch):
+    """HF in bfloat16 (weights and activations, eager attention) against HF in
+    float32 on the same prompts: prints one 'bf16-sensitivity' line per prompt
+    with the relative L2 of the logits over all rows, rows 0..7 and rows 8..,
+    the worst row and the argmax agreement. Converts `model` in place."""
+    model.to(torch.bfloat16)
+    for name, ids in prompts.items():
+        ref = fp32_logits[name]
+        with torch.no_grad():
+            got = model(input_ids=torch.tensor([ids], device=device)).logits[0].float().cpu()
+        T = ref.shape[0]
+        rows = [rel_l2(got[r], ref[r]) for r in range(T)]
+        late = f"{rel_l2(got[8:], ref[8:]):.3e}" if T > 8 else "-"
+        same = int((got.argmax(dim=-1) == ref.argmax(dim=-1)).sum())
+        print(f"bf16-sensitivity {name}: {T} tokens, HF bf16 vs HF fp32 logits rel L2 "
+              f"{rel_l2(got, ref):.3e} (rows 0..7 {rel_l2(got[:8], ref[:8]):.3e}, rows 8.. {late}, "
+              f"worst row {max(rows):.3e} at {rows.index(max(rows))}), argmax {same}/{T}",
+              flush=True)
+
+
 def main(argv):
     a = parse_args(argv)
     import torch  # imported here so that --help works without torch
@@ -390,10 +422,13 @@ def main(argv):
         note = " (experts dequantised by transformers Mxfp4Config(dequantize=True))" if is_mxfp4 else ""
     manifest["models"][variant] = os.path.abspath(ckpt) + note
 
+    fp32_logits = {}
     for name, ids in prompts.items():
         T = len(ids)
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids], device=a.device)).logits[0].float().cpu()
+        if a.bf16_sensitivity:
+            fp32_logits[name] = logits
         first = max(0, T - a.last_rows) if a.last_rows > 0 else 0
         fname = f"{variant}_{name}_logits.f32.bin"
         rows = logits[first:].contiguous().numpy().astype("<f4")
@@ -428,6 +463,8 @@ def main(argv):
 
     with open(mpath, "w") as f:
         json.dump(manifest, f, indent=1)
+    if a.bf16_sensitivity:
+        bf16_sensitivity(model, prompts, fp32_logits, a.device, torch)
     ppath = os.path.join(a.out, "prompts.json")
     if not os.path.exists(ppath):
         with open(ppath, "w") as f:
