@@ -464,7 +464,10 @@ def main(argv):
     with open(mpath, "w") as f:
         json.dump(manifest, f, indent=1)
     if a.bf16_sensitivity:
-        bf16_sensitivity(model, prompts, fp32_logits, a.device, torch)
+        try:  # informative only: the references above are already written
+            bf16_sensitivity(model, prompts, fp32_logits, a.device, torch)
+        except Exception as ex:
+            print(f"bf16-sensitivity: failed: {type(ex).__name__}: {ex}", flush=True)
     ppath = os.path.join(a.out, "prompts.json")
     if not os.path.exists(ppath):
         with open(ppath, "w") as f:
