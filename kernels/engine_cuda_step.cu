@@ -19,6 +19,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const char *const tw_ce_prof_names[TW_CE_PROF_N] = {
@@ -52,8 +53,10 @@ void tw_ce_profile_log(const tw_ce_t *ce) {
   TW_INFO("engine", "%s", line);
 }
 
+/* kv_ev: NULL, or one event per layer, recorded once that layer's K/V
+ * writes are enqueued (prefill with on_layer_done, see tw_ce_prefill). */
 static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_seq_len,
-                                int32_t block_size) {
+                                int32_t block_size, cudaEvent_t *kv_ev) {
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
   int32_t H = c->hidden, E = c->n_experts, QKV = ce->qkv_dim, QD = ce->q_dim;
@@ -84,6 +87,7 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
     TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write(ce->qkv, QKV, T, c->n_heads, c->n_kv_heads, c->head_dim,
                                    ce->d_positions, ce->rope_cos, ce->rope_sin, ce->max_pos,
                                    ce->d_slots, kv, block_size, s));
+    if (kv_ev) TW_CUDA_CHECK(cudaEventRecord(kv_ev[l], s)); /* layer l's K/V of this chunk */
     sh.window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0;
     if (decode)
       TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_decode(&sh, ce->qkv, QKV, kv, L->sinks, T, ce->d_seq_lens,
@@ -149,7 +153,38 @@ static tw_cuda_sample_row_t tw_ce_sample_row(const tw_sample_params_t *sp, int64
   return r;
 }
 
+static tw_status_t tw_ce_prefill_chunks(tw_engine_t *e, const tw_prefill_args_t *a,
+                                        cudaEvent_t *kv_ev);
+
+/* Prefill; with a->on_layer_done, one event per layer marks its K/V writes:
+ * after a chunk is enqueued, each layer's event is waited for in order and
+ * the callback called, so the transfer of layer l runs while the GPU
+ * computes the layers after it (engine.h: late, never early). */
 tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
+  if (!a->on_layer_done) return tw_ce_prefill_chunks(e, a, NULL);
+  tw_ce_t *ce = (tw_ce_t *)e->backend;
+  int32_t L = ce->cfg->n_layers;
+  cudaEvent_t *ev = (cudaEvent_t *)calloc((size_t)L, sizeof(cudaEvent_t));
+  if (!ev) return tw_err(TW_ERR_NO_MEMORY, "cuda prefill: cannot allocate %d layer events", L);
+  tw_status_t st = TW_OK;
+  int32_t made = 0;
+  for (; made < L; made++) {
+    cudaError_t ce_err = cudaEventCreateWithFlags(&ev[made], cudaEventDisableTiming);
+    if (ce_err != cudaSuccess) {
+      st = tw_err(TW_ERR_CUDA, "cuda prefill: cudaEventCreate for layer %d: %s", made,
+                  cudaGetErrorString(ce_err));
+      break;
+    }
+  }
+  if (st == TW_OK) st = tw_ce_prefill_chunks(e, a, ev);
+  if (st != TW_OK) cudaStreamSynchronize(ce->stream); /* no event in use when destroyed */
+  for (int32_t l = 0; l < made; l++) cudaEventDestroy(ev[l]);
+  free(ev);
+  return st;
+}
+
+static tw_status_t tw_ce_prefill_chunks(tw_engine_t *e, const tw_prefill_args_t *a,
+                                        cudaEvent_t *kv_ev) {
   tw_ce_t *ce = (tw_ce_t *)e->backend;
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
@@ -178,7 +213,7 @@ tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
     TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_slots, ce->h_slots, (size_t)T * 4, cudaMemcpyHostToDevice, s));
     TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_cu, ce->h_cu, 8, cudaMemcpyHostToDevice, s));
     TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_start, ce->h_cu + 2, 4, cudaMemcpyHostToDevice, s));
-    TW_CHECK(tw_ce_layers(ce, T, 0, 0, bs));
+    TW_CHECK(tw_ce_layers(ce, T, 0, 0, bs, kv_ev));
     ce->prof_steps[0]++;
     const float *last_row = NULL;
     if (a->logits_out && a->all_logits) {
@@ -203,6 +238,11 @@ tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
       TW_CE_OP(TW_CE_PROF_SAMPLE, tw_cuda_sample(last_row, V, 1, V, ce->d_params, ce->d_next, s));
       TW_CUDA_CHECK(cudaMemcpyAsync(ce->h_next, ce->d_next, 4, cudaMemcpyDeviceToHost, s));
     }
+    if (kv_ev) /* the chunk is enqueued: hand each layer over as the GPU finishes its K/V */
+      for (int32_t l = 0; l < c->n_layers; l++) {
+        TW_CUDA_CHECK(cudaEventSynchronize(kv_ev[l]));
+        a->on_layer_done(a->on_layer_arg, l, a->start_pos + cs, T);
+      }
   }
   TW_CUDA_CHECK(cudaStreamSynchronize(s));
   if (a->next_token_out) *a->next_token_out = ce->h_next[0];
@@ -211,7 +251,7 @@ tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
 
 /* The device work of one decode step over B (bucketed) rows. */
 static tw_status_t tw_ce_decode_body(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs) {
-  TW_CHECK(tw_ce_layers(ce, B, 1, ctx, bs));
+  TW_CHECK(tw_ce_layers(ce, B, 1, ctx, bs, NULL));
   TW_CHECK(tw_ce_unembed(ce, 0, B));
   TW_CE_OP(TW_CE_PROF_SAMPLE, tw_cuda_sample(ce->logits, ce->cfg->vocab_size, B,
                                              ce->cfg->vocab_size, ce->d_params, ce->d_next,
