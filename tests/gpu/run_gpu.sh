@@ -29,7 +29,9 @@
 #           ("cuda-vs-cpu", rows 0..7 and 8.. apart);
 #       (d) hooks: tests/tokenizer/bench_reference.py with its corpus (and
 #           twain-bench-tokenizer beside it) when present; the script named by
-#           TWAIN_GPU_EXTRA when set (run with bash, cwd = checkout, $OUT set).
+#           TWAIN_GPU_EXTRA when set (run with bash, cwd = checkout, $OUT set;
+#           set it for the half here too: a script with a --stage half, e.g.
+#           tests/gpu/service_gpu.sh, is then staged into .carry/gpu as well).
 #       Every part runs under its own timeout and a failure never stops the
 #       later parts. Full logs go to $OUT (at most 8 files); a short table is
 #       printed last.
@@ -98,6 +100,12 @@ if [ "${1:-}" != "--device" ]; then
       mkdir -p "$carry/tok"
       xz -T2 -6 -c "$tj" >"$carry/tok/tokenizer.json.xz"
     fi
+  fi
+  # the TWAIN_GPU_EXTRA script's own staging, when it has one (tests/gpu/service_gpu.sh
+  # --stage: the service programs as a bundle in .carry/gpu/svc)
+  if [ -n "${TWAIN_GPU_EXTRA:-}" ] && [ -f "$root/$TWAIN_GPU_EXTRA" ] &&
+    grep -q -- '"--stage"' "$root/$TWAIN_GPU_EXTRA"; then
+    bash "$root/$TWAIN_GPU_EXTRA" --stage "$build" || echo "warning: $TWAIN_GPU_EXTRA --stage failed"
   fi
   du -sh "$carry"
   tracked=$(cd "$root" && git ls-files -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
