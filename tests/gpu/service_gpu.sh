@@ -111,7 +111,9 @@ while read -r name ids; do echo "[$ids]" >"$work/$name.json"; done <"$work/promp
 ref_pid=$!
 
 # 1. serve on GPU 0 (own session: everything it starts is findable and killable)
-setsid "$twain" serve --model "$model" --backend "$backend" --prefill 1 --decode 1 --threads 2 \
+ss=""
+command -v setsid >/dev/null 2>&1 && ss=setsid
+$ss "$twain" serve --model "$model" --backend "$backend" --prefill 1 --decode 1 --threads 2 \
   --listen tcp://127.0.0.1:0 --metrics-port 0 --verify-kv >"$work/serve.log" 2>&1 &
 serve=$!
 ep=""
