@@ -195,7 +195,7 @@ int main(int argc, char **argv) {
   if (write(p2c[1], "q", 1) < 0) return 1;
   waitpid(pid, NULL, 0);
   tw_kv_xfer_destroy(x);
-  free(src.base);
+  if (!device) free(src.base); /* a cudaMalloc'd pool goes with the process */
   free(ids);
   free(t);
   free(addr);

@@ -93,6 +93,11 @@ def parse_args(argv):
     p.add_argument("--last-rows", type=int, default=0,
                    help="store only the last N rows of logits (0 = all positions)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--router-bias-std", type=float, default=0.1,
+                   help="std of the random router biases (default 0.1). Random routers put many "
+                        "tokens at near-ties between the k-th and (k+1)-th expert, where bf16 "
+                        "rounding of the activations flips the choice; a larger bias spread "
+                        "widens the gaps between router logits, as trained routers have")
     p.add_argument("--bf16-sensitivity", action="store_true",
                    help="after the references: run the model again in bfloat16 (weights and "
                         "activations, eager attention) and print per prompt the relative L2 of "
@@ -146,7 +151,7 @@ def expert_orientation(model, torch):
                      ", ".join(n for n, _ in list(model.named_parameters())[:20]))
 
 
-def randomize_(model, seed, torch, orient):
+def randomize_(model, seed, torch, orient, router_bias_std=0.1):
     """Every parameter gets non-trivial values (biases and sinks included, so
     that a kernel ignoring one of them fails): matrices N(0, 1/sqrt(fan_in)),
     vectors N(0, 0.1), norm scales 1 + N(0, 0.1), sinks N(0, 1), embeddings N(0, 1).
@@ -168,6 +173,8 @@ def randomize_(model, seed, torch, orient):
             val = rn()
         elif "embed_tokens" in name:
             val = rn()
+        elif "router" in name and name.endswith("bias"):
+            val = router_bias_std * rn()
         elif name.endswith("bias") or len(shape) == 1:
             val = 0.1 * rn()
         elif "experts" in name:
@@ -259,7 +266,7 @@ def write_random_checkpoint(a, torch, transformers):
         model = transformers.GptOssForCausalLM(config)
     model = model.to(torch.float32).eval()
     orient = expert_orientation(model, torch)
-    randomize_(model, a.seed, torch, orient)
+    randomize_(model, a.seed, torch, orient, a.router_bias_std)
     H, I = config.hidden_size, config.intermediate_size
     out = {}
     with torch.no_grad():
