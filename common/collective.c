@@ -192,6 +192,17 @@ void tw_coll_destroy(tw_coll_t *c) {
   free(c);
 }
 
+tw_status_t tw_coll_nccl_set_stream(tw_coll_t *coll, void *stream) {
+  if (!coll || coll->kind != TW_COLL_NCCL)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "collective: set_stream needs an NCCL handle");
+#ifdef TWAIN_HAVE_NCCL
+  coll->stream = (cudaStream_t)stream;
+#else
+  (void)stream;
+#endif
+  return TW_OK;
+}
+
 tw_coll_kind_t tw_coll_kind(const tw_coll_t *c) { return c ? c->kind : TW_COLL_HOST; }
 int32_t tw_coll_rank(const tw_coll_t *c) { return c ? c->rank : 0; }
 int32_t tw_coll_size(const tw_coll_t *c) { return c ? c->size : 1; }

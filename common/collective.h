@@ -63,6 +63,13 @@ tw_status_t tw_coll_nccl_unique_id(uint8_t *uid_out);
 tw_status_t tw_coll_create_nccl(const uint8_t *uid, int32_t rank, int32_t size, int32_t device,
                                 void *stream, tw_coll_t **coll_p);
 
+/** NCCL only: enqueue this handle's collectives on `stream` (a cudaStream_t,
+ *  borrowed; NULL: the default stream) from now on. The CUDA engine passes
+ *  its own stream so the collectives are ordered with its kernels and
+ *  captured into its decode graphs, and sets NULL back when destroyed.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (NULL coll, or not an NCCL handle). */
+tw_status_t tw_coll_nccl_set_stream(tw_coll_t *coll, void *stream);
+
 /** Leave the group (MPI_Finalize for host if this handle initialised MPI;
  *  ncclCommDestroy). NULL does nothing. */
 void tw_coll_destroy(tw_coll_t *coll);

@@ -9,6 +9,7 @@
  * as f32. The KV pool is bf16 in the engine.h layout, zeroed at start. */
 #include "kernels/engine_cuda_impl.h"
 
+#include "common/collective.h"
 #include "common/log.h"
 #include "kernels/attention.h"
 #include "kernels/cuda_common.h"
@@ -142,8 +143,151 @@ static tw_status_t tw_ce_put_experts_t(tw_ce_up_t *u, const tw_tensor_t *t, int6
   return tw_ce_put(u, u->tmp, bytes, dst_p);
 }
 
+/* ---- tp/ep > 1: this rank's shard (engine_cuda_tp.cu has the split) ---- */
+
+/* Rows [r0, r0+nr) and columns [c0, c0+nc) of a tensor seen as [R, C]
+ * (R = shape[0], C the rest). */
+typedef struct {
+  const tw_tensor_t *t;
+  int64_t r0, nr, c0, nc;
+} tw_ce_blk_t;
+
+static tw_ce_blk_t tw_ce_rows(const tw_tensor_t *t, int64_t r0, int64_t nr) {
+  int64_t R = t->ndim > 0 ? t->shape[0] : 1;
+  tw_ce_blk_t b = {t, r0, nr, 0, R > 0 ? tw_ce_numel(t) / R : 0};
+  return b;
+}
+
+/* Upload blocks stacked contiguously, bf16/f32 converted to `to`; any other
+ * `to` (u8) copies bytes and wants the tensor's own dtype. */
+static tw_status_t tw_ce_put_blocks(tw_ce_up_t *u, const tw_ce_blk_t *b, int n, tw_dtype_t to,
+                                    const char *name, const void **dst_p) {
+  int cvt = to == TW_DTYPE_F32 || to == TW_DTYPE_BF16;
+  size_t total = 0;
+  for (int i = 0; i < n; i++) {
+    const tw_tensor_t *t = b[i].t;
+    int64_t R = t->ndim > 0 ? t->shape[0] : 1, C = R > 0 ? tw_ce_numel(t) / R : 0;
+    if (!t->data) return tw_err(TW_ERR_NOT_FOUND, "cuda engine: tensor %s[%d] is absent", name, i);
+    if (cvt ? (t->dtype != TW_DTYPE_F32 && t->dtype != TW_DTYPE_BF16) : t->dtype != to)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: tensor %s[%d] has dtype %s", name, i,
+                    tw_dtype_name(t->dtype));
+    if (b[i].r0 < 0 || b[i].r0 + b[i].nr > R || b[i].c0 < 0 || b[i].c0 + b[i].nc > C)
+      return tw_err(TW_ERR_INTERNAL, "cuda engine: shard of %s[%d] outside [%lld, %lld]", name,
+                    i, (long long)R, (long long)C);
+    total += (size_t)(b[i].nr * b[i].nc) * tw_dtype_size(cvt ? to : t->dtype);
+  }
+  if (!u->base) return tw_ce_put(u, NULL, total, dst_p);
+  TW_CHECK(tw_ce_tmp(u, total));
+  char *o = (char *)u->tmp;
+  for (int i = 0; i < n; i++) {
+    const tw_tensor_t *t = b[i].t;
+    int64_t C = tw_ce_numel(t) / (t->ndim > 0 ? t->shape[0] : 1);
+    size_t es = tw_dtype_size(t->dtype), os = tw_dtype_size(cvt ? to : t->dtype);
+    for (int64_t r = b[i].r0; r < b[i].r0 + b[i].nr; r++) {
+      int64_t si = r * C + b[i].c0;
+      if (!cvt || t->dtype == to) {
+        memcpy(o, (const char *)t->data + (size_t)si * es, (size_t)b[i].nc * es);
+      } else {
+        for (int64_t j = 0; j < b[i].nc; j++) {
+          if (to == TW_DTYPE_F32)
+            ((float *)o)[j] = tw_bf16_to_f32(((const uint16_t *)t->data)[si + j]);
+          else
+            ((uint16_t *)o)[j] = tw_f32_to_bf16(((const float *)t->data)[si + j]);
+        }
+      }
+      o += (size_t)b[i].nc * os;
+    }
+  }
+  return tw_ce_put(u, u->tmp, total, dst_p);
+}
+
+/* Rows [e0, e1) of an [E, ...] expert tensor; *dst_p is set so that global
+ * expert e's row is at the usual offset (only local experts are read). */
+static tw_status_t tw_ce_put_experts(tw_ce_up_t *u, const tw_ce_t *ce, const tw_tensor_t *t,
+                                     tw_dtype_t to, const char *name, const void **dst_p) {
+  tw_ce_blk_t b = tw_ce_rows(t, ce->e0, ce->e1 - ce->e0);
+  const void *p = NULL;
+  TW_CHECK(tw_ce_put_blocks(u, &b, 1, to, name, &p));
+  size_t row = (size_t)b.nc * tw_dtype_size(to == TW_DTYPE_F32 ? to : t->dtype);
+  *dst_p = p ? (const char *)p - (size_t)ce->e0 * row : NULL;
+  return TW_OK;
+}
+
+static tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
+  const tw_model_config_t *c = &m->config;
+  int64_t D = c->head_dim, QD = (int64_t)c->n_heads * D;
+  tw_ce_blk_t b[3];
+  TW_CHECK(tw_ce_put_as(u, &m->embed, TW_DTYPE_BF16, "embed", &ce->embed));
+  b[0] = tw_ce_rows(&m->lm_head, ce->v0, ce->nv);
+  TW_CHECK(tw_ce_put_blocks(u, b, 1, TW_DTYPE_BF16, "lm_head", &ce->lm_head));
+  TW_CHECK(tw_ce_put_as(u, &m->final_norm, TW_DTYPE_BF16, "final_norm", &ce->final_norm));
+  for (int l = 0; l < c->n_layers; l++) {
+    const tw_layer_weights_t *lw = &m->layers[l];
+    tw_ce_layer_t *d = &ce->layers[l];
+    const void *p;
+    TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
+    b[0] = tw_ce_rows(&lw->q_w, ce->q0 * D, ce->nq * D);
+    b[1] = tw_ce_rows(&lw->k_w, ce->kv0 * D, ce->nkv * D);
+    b[2] = tw_ce_rows(&lw->v_w, ce->kv0 * D, ce->nkv * D);
+    TW_CHECK(tw_ce_put_blocks(u, b, 3, TW_DTYPE_BF16, "qkv weight", &d->wqkv));
+    b[0] = tw_ce_rows(&lw->q_b, ce->q0 * D, ce->nq * D);
+    b[1] = tw_ce_rows(&lw->k_b, ce->kv0 * D, ce->nkv * D);
+    b[2] = tw_ce_rows(&lw->v_b, ce->kv0 * D, ce->nkv * D);
+    TW_CHECK(tw_ce_put_blocks(u, b, 3, TW_DTYPE_BF16, "qkv bias", &d->bqkv));
+    b[0] = (tw_ce_blk_t){&lw->o_w, 0, c->hidden, ce->q0 * D, ce->nq * D}; /* [H, NQ*D] columns */
+    if (b[0].t->ndim != 2 || b[0].t->shape[1] != QD)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: o_proj is not [%d, %lld]", c->hidden,
+                    (long long)QD);
+    TW_CHECK(tw_ce_put_blocks(u, b, 1, TW_DTYPE_BF16, "o_proj", &d->wo));
+    d->bo = NULL; /* the bias is added once, by tp rank 0 */
+    if (ce->tp_rank == 0) {
+      TW_CHECK(tw_ce_put_as(u, &lw->o_b, TW_DTYPE_F32, "o_proj bias", &p));
+      d->bo = (const float *)p;
+    }
+    b[0] = tw_ce_rows(&lw->sinks, ce->q0, ce->nq);
+    TW_CHECK(tw_ce_put_blocks(u, b, 1, TW_DTYPE_F32, "sinks", &p));
+    d->sinks = (const float *)p;
+    TW_CHECK(tw_ce_put_as(u, &lw->mlp_norm, TW_DTYPE_BF16, "mlp_norm", &d->mlp_norm));
+    TW_CHECK(tw_ce_put_as(u, &lw->router_w, TW_DTYPE_BF16, "router", &d->wr));
+    TW_CHECK(tw_ce_put_as(u, &lw->router_b, TW_DTYPE_F32, "router bias", &p));
+    d->br = (const float *)p;
+    tw_cuda_moe_weights_t *mw = &d->moe;
+    mw->n_experts = c->n_experts; /* global ids; only [e0, e1) are uploaded and read */
+    mw->hidden = c->hidden;
+    mw->intermediate = c->intermediate;
+    mw->swiglu_alpha = c->swiglu_alpha;
+    mw->swiglu_limit = c->swiglu_limit;
+    if (lw->experts_format == TW_EXPERTS_BF16) { /* tp > 1, ep = 1 (tw_ce_tp_init) */
+      int64_t E = c->n_experts, H = c->hidden, I = c->intermediate;
+      TW_CHECK(tw_ce_put_experts_t(u, &lw->gate_up, E, H, 2 * I, "gate_up_proj", &d->wdq));
+      TW_CHECK(tw_ce_put_experts_t(u, &lw->down, E, I, H, "down_proj", &p));
+      if (u->base && (const char *)p != (const char *)d->wdq + tw_ce_align((size_t)(E * 2 * I * H) * 2))
+        return tw_err(TW_ERR_INTERNAL, "cuda engine: layer %d bf16 experts not contiguous", l);
+      TW_CHECK(tw_ce_put_as(u, &lw->gate_up_bias, TW_DTYPE_F32, "gate_up_bias", &p));
+      mw->gate_up_bias = (const float *)p;
+      TW_CHECK(tw_ce_put_as(u, &lw->down_bias, TW_DTYPE_F32, "down_bias", &p));
+      mw->down_bias = (const float *)p;
+      continue;
+    }
+    TW_CHECK(tw_ce_put_experts(u, ce, &lw->gate_up_blocks, TW_DTYPE_U8, "gate_up_blocks", &p));
+    mw->gate_up_blocks = (const uint8_t *)p;
+    TW_CHECK(tw_ce_put_experts(u, ce, &lw->gate_up_scales, TW_DTYPE_U8, "gate_up_scales", &p));
+    mw->gate_up_scales = (const uint8_t *)p;
+    TW_CHECK(tw_ce_put_experts(u, ce, &lw->gate_up_bias, TW_DTYPE_F32, "gate_up_bias", &p));
+    mw->gate_up_bias = (const float *)p;
+    TW_CHECK(tw_ce_put_experts(u, ce, &lw->down_blocks, TW_DTYPE_U8, "down_blocks", &p));
+    mw->down_blocks = (const uint8_t *)p;
+    TW_CHECK(tw_ce_put_experts(u, ce, &lw->down_scales, TW_DTYPE_U8, "down_scales", &p));
+    mw->down_scales = (const uint8_t *)p;
+    TW_CHECK(tw_ce_put_experts(u, ce, &lw->down_bias, TW_DTYPE_F32, "down_bias", &p));
+    mw->down_bias = (const float *)p;
+  }
+  return TW_OK;
+}
+
 static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
   const tw_model_config_t *c = &m->config;
+  if (ce->tp > 1 || ce->ep > 1) return tw_ce_walk_shard(ce, m, u);
   TW_CHECK(tw_ce_put_as(u, &m->embed, TW_DTYPE_BF16, "embed", &ce->embed));
   TW_CHECK(tw_ce_put_as(u, &m->lm_head, TW_DTYPE_BF16, "lm_head", &ce->lm_head));
   TW_CHECK(tw_ce_put_as(u, &m->final_norm, TW_DTYPE_BF16, "final_norm", &ce->final_norm));
@@ -225,6 +369,10 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   ce->qkv = tw_ce_take(cv, R * (size_t)ce->qkv_dim * 2);
   ce->attn = tw_ce_take(cv, R * (size_t)ce->q_dim * 2);
   ce->logits = (float *)tw_ce_take(cv, lrows * V * 4);
+  if (ce->tp > 1) {
+    ce->lg_local = (float *)tw_ce_take(cv, lrows * (size_t)ce->vp * 4);
+    ce->lg_all = (float *)tw_ce_take(cv, (size_t)ce->tp * lrows * (size_t)ce->vp * 4);
+  }
   size_t rb = tw_cuda_moe_route_bytes((int32_t)R, c->n_experts, c->n_experts_per_tok);
   void *rmem = tw_ce_take(cv, rb);
   if (cv->base)
@@ -235,13 +383,13 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
                                                   c->intermediate);
   ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
   ce->moe_pre_bytes = 0;
-  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS || ce->bf16_experts) {
+  if ((R > (size_t)TW_CE_GEMV_MAX_TOKENS || ce->bf16_experts) && ce->ep == 1) {
     ce->moe_pre_bytes = tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts,
                                                      c->n_experts_per_tok, c->hidden,
                                                      c->intermediate, 0);
     ce->moe_pre_ws = tw_ce_take(cv, ce->moe_pre_bytes);
   }
-  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts) {
+  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->ep == 1) {
     ce->dq_bytes = tw_cuda_moe_dequant_bytes(c->n_experts, c->hidden, c->intermediate);
     ce->dq_buf[0] = tw_ce_take(cv, ce->dq_bytes);
     ce->dq_buf[1] = tw_ce_take(cv, ce->dq_bytes);
@@ -270,6 +418,7 @@ static void tw_ce_destroy(tw_engine_t *engine) {
       cudaEventDestroy(ce->prof_ev[1]);
     }
     tw_ce_graphs_destroy(ce);
+    if (ce->coll) tw_coll_nccl_set_stream(ce->coll, NULL); /* its stream is destroyed below */
     if (ce->dq_stream) {
       cudaStreamSynchronize(ce->dq_stream);
       cudaStreamDestroy(ce->dq_stream);
@@ -300,9 +449,7 @@ static tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_param
   const tw_model_config_t *c = &m->config;
   if (m->layers == NULL || c->n_layers <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: model has no layers");
-  if (p->tp_size != 1 || p->ep_size != 1)
-    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: tp_size %d / ep_size %d: only 1 is built",
-                  p->tp_size, p->ep_size);
+  (void)p; /* tp_size / ep_size: tw_ce_tp_init */
   for (int l = 1; l < c->n_layers; l++)
     if (m->layers[l].experts_format != m->layers[0].experts_format)
       return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: layer %d's experts format differs from "
@@ -350,8 +497,6 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->backend = ce;
   ce->layers = layers;
   ce->cfg = c;
-  ce->q_dim = c->n_heads * c->head_dim;
-  ce->qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
   ce->chunk = params->max_prefill_chunk;
   ce->max_batch = params->max_batch;
   ce->max_rows = ce->chunk > ce->max_batch ? ce->chunk : ce->max_batch;
@@ -372,6 +517,9 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   }
   TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->stream, cudaStreamNonBlocking), st, fail);
   TW_CHECK_GOTO(tw_cuda_gemm_create(0, &ce->gemm), st, fail);
+  TW_CHECK_GOTO(tw_ce_tp_init(ce, c, params, ce->bf16_experts), st, fail);
+  ce->q_dim = ce->nq * c->head_dim; /* local heads: all of them when tp = 1 */
+  ce->qkv_dim = (ce->nq + 2 * ce->nkv) * c->head_dim;
   if (ce->max_rows > TW_CE_GEMV_MAX_TOKENS) {
     TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->dq_stream, cudaStreamNonBlocking), st, fail);
     TW_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&ce->dq_start, cudaEventDisableTiming), st, fail);
@@ -415,7 +563,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   }
   /* workspace */
   {
-    tw_cuda_attn_shape_t sh = {c->n_heads, c->n_kv_heads, c->head_dim, params->kv_block_size, 0,
+    tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, c->head_dim, params->kv_block_size, 0,
                                0.125f};
     ce->attn_ws_bytes =
         tw_cuda_attention_decode_workspace_bytes(&sh, ce->max_batch, ce->max_pos);
@@ -426,6 +574,9 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   cv.base = (char *)ce->ws_arena;
   cv.off = 0;
   TW_CHECK_GOTO(tw_ce_carve(ce, &cv), st, fail);
+  /* ep > 1: the GEMV combine reads (weight 0) outputs of other ranks'
+   * assignments that are never written: start them finite */
+  if (ce->ep > 1) TW_CUDA_CHECK_GOTO(cudaMemset(ce->moe_dec_ws, 0, ce->moe_dec_bytes), st, fail);
   /* pinned staging */
   {
     size_t R = (size_t)ce->max_rows, B = (size_t)ce->max_batch;
@@ -444,7 +595,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     ce->h_block_tables = (int32_t *)h;
   }
   /* KV pool: what is asked, or most of the memory left */
-  kv_block_all = (size_t)c->n_layers * 2 * c->n_kv_heads * params->kv_block_size * c->head_dim * 2;
+  kv_block_all = (size_t)c->n_layers * 2 * ce->nkv * params->kv_block_size * c->head_dim * 2;
   TW_CUDA_CHECK_GOTO(cudaMemGetInfo(&free_b, &total_b), st, fail);
   if (n_blocks == 0) {
     size_t reserve = (size_t)2 << 30;
@@ -469,8 +620,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->kv.n_layers = c->n_layers;
   e->kv.n_blocks = (int32_t)n_blocks;
   e->kv.block_size = params->kv_block_size;
-  e->kv.n_kv_heads_local = c->n_kv_heads;
-  e->kv.kv_head_offset = 0;
+  e->kv.n_kv_heads_local = ce->nkv;
+  e->kv.kv_head_offset = ce->kv0;
   e->kv.head_dim = c->head_dim;
   e->kv.base = ce->kv_pool;
   e->kv.layer_stride_bytes = ce->kv_layer_stride_bytes;
@@ -486,6 +637,14 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
           tw_gib(ce->moe_pre_bytes + 2 * ce->dq_bytes), ce->chunk,
           ce->max_batch, tw_gib((size_t)ce->max_pos * c->head_dim * 4),
           (double)h_bytes / 1048576.0, tw_gib(free_b), tw_gib(total_b));
+  if (ce->tp > 1 || ce->ep > 1)
+    TW_INFO("engine",
+            "cuda shard: tp rank %d of %d (query heads [%d, %d), kv heads [%d, %d), vocabulary "
+            "[%d, %d)), ep rank %d of %d (experts [%d, %d)): weights %.3f GiB and kv pool "
+            "%.3f GiB on this rank",
+            ce->tp_rank, ce->tp, ce->q0, ce->q0 + ce->nq, ce->kv0, ce->kv0 + ce->nkv, ce->v0,
+            ce->v0 + ce->nv, ce->ep_rank, ce->ep, ce->e0, ce->e1, tw_gib(ce->warena_bytes),
+            tw_gib(ce->kv_bytes));
   *engine_p = e;
   return TW_OK;
 fail:

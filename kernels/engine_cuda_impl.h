@@ -96,6 +96,14 @@ typedef struct {
   int32_t *h_tokens, *h_positions, *h_slots, *h_seq_lens, *h_cu, *h_next, *h_counts,
       *h_block_tables;
   tw_cuda_sample_row_t *h_params;
+  /* tensor/expert parallelism (issue 6; engine_cuda_tp.cu). tp = ep = 1
+   * (coll NULL) leaves every path of the single-GPU engine unchanged. */
+  struct tw_coll *coll;   /* borrowed NCCL group; NULL when tp = ep = 1 */
+  int32_t tp, tp_rank, ep, ep_rank;
+  int32_t nq, q0, nkv, kv0; /* local query / kv heads [q0, q0+nq), [kv0, kv0+nkv) */
+  int32_t e0, e1;           /* local experts [e0, e1) */
+  int32_t v0, nv, vp;       /* local vocabulary rows [v0, v0+nv); vp = ceil(V / tp) to 8 */
+  float *lg_local, *lg_all; /* tp > 1: [lrows, vp] and [tp, lrows, vp] */
   /* decode graphs */
   tw_ce_graph_t graphs[TW_CE_MAX_GRAPHS];
   int32_t n_graphs;
@@ -106,6 +114,23 @@ typedef struct {
   double prof_ms[TW_CE_PROF_N];
   int64_t prof_steps[2]; /* prefill chunks, decode steps */
 } tw_ce_t;
+
+/** Work out this rank's shard from params into ce (tp/ep fields; all 1/full
+ *  ranges when tp = ep = 1) and check it (engine_cuda_tp.cu).
+ *  Errors: TW_ERR_UNSUPPORTED with the reason: a size other than 1 or the
+ *  group size, NQ/NKV/E not divisible, no NCCL group, bf16 experts or
+ *  data-parallel attention with ep > 1. */
+tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c, const tw_engine_params_t *p,
+                          int bf16_experts);
+/** Sum x f32 [n] (device) over the group on ce->stream (NCCL all-reduce). */
+tw_status_t tw_ce_tp_allreduce(tw_ce_t *ce, float *x, int64_t n);
+/** tp > 1: logits of `rows` normalised rows xn bf16 [rows, H] into
+ *  ce->logits [rows, V]: this rank's vocabulary rows, all-gather, scatter. */
+tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows);
+/** ep > 1: the MoE of T rows of ce->xn into ce->moe_out (partial sums of
+ *  this rank's experts, then the all-reduce): router, route, mask of the
+ *  other ranks' experts and GEMV in slices of TW_CE_GEMV_MAX_TOKENS rows. */
+tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
 
 /** The engine ops (engine_cuda_step.cu). */
 tw_status_t tw_ce_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);

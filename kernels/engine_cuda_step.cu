@@ -60,10 +60,10 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
   int32_t H = c->hidden, E = c->n_experts, QKV = ce->qkv_dim, QD = ce->q_dim;
-  tw_cuda_attn_shape_t sh = {c->n_heads, c->n_kv_heads, c->head_dim, block_size, 0,
+  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, c->head_dim, block_size, 0,
                              (float)(1.0 / sqrt((double)c->head_dim))};
   TW_CE_OP(TW_CE_PROF_EMBED, tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
-  bool gemm_moe = T > TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts;
+  bool gemm_moe = T > TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->ep == 1;
   if (gemm_moe) { /* layer 0's experts, after whatever ran before on s */
     TW_CUDA_CHECK(cudaEventRecord(ce->dq_start, s));
     TW_CUDA_CHECK(cudaStreamWaitEvent(ce->dq_stream, ce->dq_start, 0));
@@ -84,7 +84,7 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
                                       c->rms_norm_eps, T, H, ce->xn, s));
     TW_CE_OP(TW_CE_PROF_QKV, tw_cuda_gemm_bf16(ce->gemm, T, QKV, H, ce->xn, H, L->wqkv, H, L->bqkv, ce->qkv,
                                TW_DTYPE_BF16, QKV, s));
-    TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write(ce->qkv, QKV, T, c->n_heads, c->n_kv_heads, c->head_dim,
+    TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write(ce->qkv, QKV, T, ce->nq, ce->nkv, c->head_dim,
                                    ce->d_positions, ce->rope_cos, ce->rope_sin, ce->max_pos,
                                    ce->d_slots, kv, block_size, s));
     if (kv_ev) TW_CUDA_CHECK(cudaEventRecord(kv_ev[l], s)); /* layer l's K/V of this chunk */
@@ -99,8 +99,13 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
                                          ce->attn, s));
     TW_CE_OP(TW_CE_PROF_OPROJ, tw_cuda_gemm_bf16(ce->gemm, T, H, QD, ce->attn, QD, L->wo, QD, L->bo, ce->o,
                                TW_DTYPE_F32, H, s));
+    if (ce->tp > 1) TW_CE_OP(TW_CE_PROF_OPROJ, tw_ce_tp_allreduce(ce, ce->o, (int64_t)T * H));
     TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, ce->o, TW_DTYPE_F32, L->mlp_norm, c->rms_norm_eps, T,
                                       H, ce->xn, s));
+    if (ce->ep > 1) { /* router, masked GEMV on the local experts, all-reduce */
+      TW_CE_OP(TW_CE_PROF_MOE, tw_ce_ep_moe(ce, L, T));
+      continue;
+    }
     if (tw_cuda_moe_router_fused_supported(&ce->route, ce->xn, L->wr, T, H)) /* GEMV+top-k+sort */
       TW_CE_OP(TW_CE_PROF_ROUTER, tw_cuda_moe_router_fused(&ce->route, ce->xn, L->wr, L->br, T, H,
                                                            ce->rlog, s));
@@ -135,6 +140,10 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
 static tw_status_t tw_ce_unembed(tw_ce_t *ce, int32_t r0, int32_t rows) {
   const tw_model_config_t *c = ce->cfg;
   const char *xn = (const char *)ce->xn + (size_t)r0 * c->hidden * 2;
+  if (ce->tp > 1) { /* this rank's vocabulary rows, all-gathered */
+    TW_CE_OP(TW_CE_PROF_LMHEAD, tw_ce_tp_unembed(ce, xn, rows));
+    return TW_OK;
+  }
   TW_CE_OP(TW_CE_PROF_LMHEAD,
            tw_cuda_gemm_bf16(ce->gemm, rows, c->vocab_size, c->hidden, xn, c->hidden, ce->lm_head,
                              c->hidden, NULL, ce->logits, TW_DTYPE_F32, c->vocab_size, ce->stream));

@@ -268,10 +268,14 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
   fi
 fi
 
-# (a, continued) the kernel tests
+# (a, continued) the engine over two GPUs (TP 2, EP 2 TP 2 over NCCL against
+# TP 1; issue 6 item 2; SKIP on one GPU), then the kernel tests
+if [ -z "${TW_SKIP_TESTS:-}" ] && echo " $all_tests " | grep -q " test_engine_cuda_tp "; then
+  NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} run_tests 150 test_engine_cuda_tp
+fi
 if [ -z "${TW_SKIP_TESTS:-}" ]; then
   # shellcheck disable=SC2046
-  run_tests 100 $(echo "$all_tests" | tr ' ' '\n' | grep -vx test_engine_cuda)
+  run_tests 100 $(echo "$all_tests" | tr ' ' '\n' | grep -vx -e test_engine_cuda -e test_engine_cuda_tp)
 fi
 
 # (d) hooks for other areas
