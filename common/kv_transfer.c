@@ -134,8 +134,9 @@ tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
     st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_get_address failed: %s", ucs_status_string(us));
     goto fail;
   }
-  TW_INFO("kvx", "ucx worker up: address %zu bytes, cuda memory %s", x->address_len,
-          x->cuda_native ? "native" : "staged through pinned host memory");
+  /* how device pools travel is logged when one is registered: a CPU worker
+   * has none, and must not claim CUDA staging */
+  TW_INFO("kvx", "ucx worker up: address %zu bytes", x->address_len);
   *xfer_p = x;
   return TW_OK;
 fail:

@@ -135,6 +135,27 @@ tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to, const ProtobufCMes
   return tw_msg_send_to(sock, NULL, 0, false, msg);
 }
 
+bool tw_msg_ratelimit(tw_msg_ratelimit_t *rl, uint64_t *suppressed_p) {
+  int64_t now = tw_msg_clock_ns();
+  if (now - rl->window_start_ns >= 1000000000LL) {
+    rl->window_start_ns = now;
+    rl->n_in_window = 0;
+  }
+  if (rl->n_in_window >= TW_MSG_WARN_PER_S) {
+    rl->suppressed++;
+    return false;
+  }
+  rl->n_in_window++;
+  *suppressed_p = rl->suppressed;
+  rl->suppressed = 0;
+  return true;
+}
+
+void tw_msg_limit_size(void *sock) {
+  int64_t max = TW_MSG_MAX_BYTES;
+  zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
+}
+
 tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
                                char *maybe_bound, size_t bound_len, void **sock_p) {
   void *s = zmq_socket(ctx, type);
@@ -144,6 +165,7 @@ tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool b
   zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof hwm);
   zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
   if (type == ZMQ_ROUTER) zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+  tw_msg_limit_size(s);
   char ep[256];
   snprintf(ep, sizeof ep, "%s", endpoint);
   size_t el = strlen(ep);

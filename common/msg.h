@@ -7,7 +7,8 @@
  * the frames before it are the peer identity and, for REQ peers, an empty
  * delimiter; tw_msg_recv() keeps them so a reply can mirror them.
  * Receives are bounded: at most TW_MSG_MAX_FRAMES frames and
- * TW_MSG_MAX_BYTES bytes of payload; anything else is reported as
+ * TW_MSG_MAX_BYTES bytes of payload (sockets also carry ZMQ_MAXMSGSIZE, so
+ * libzmq drops a larger frame without holding it in memory); anything else is reported as
  * TW_ERR_FORMAT and fully drained, so one bad peer cannot wedge a socket. */
 #ifndef TW_COMMON_MSG_H
 #define TW_COMMON_MSG_H
@@ -59,6 +60,26 @@ tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to, const ProtobufCMes
 /** Same, with an explicit routing id (e.g. a worker id kept in a registry). */
 tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim,
                            const ProtobufCMessage *msg);
+
+/** Set ZMQ_MAXMSGSIZE = TW_MSG_MAX_BYTES on `sock` (before its bind or
+ *  connect): libzmq drops a larger frame as it arrives (and disconnects
+ *  that peer) instead of buffering it whole. tw_msg_socket_open() does
+ *  this for every socket it creates. */
+void tw_msg_limit_size(void *sock);
+
+/** Rate limit for per-message warnings (malformed frames from a peer):
+ *  zero-initialise; one per call site or per socket. Not thread-safe. */
+typedef struct {
+  int64_t window_start_ns;
+  int32_t n_in_window;
+  uint64_t suppressed;
+} tw_msg_ratelimit_t;
+#define TW_MSG_WARN_PER_S 5
+
+/** True when a warning may be logged now: at most TW_MSG_WARN_PER_S per
+ *  second. When it returns true, *suppressed_p is how many were refused
+ *  since the last one allowed (log "suppressed K" when non-zero). */
+bool tw_msg_ratelimit(tw_msg_ratelimit_t *rl, uint64_t *suppressed_p);
 
 /** Monotonic clock in nanoseconds. */
 int64_t tw_msg_clock_ns(void);

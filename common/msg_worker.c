@@ -30,14 +30,18 @@ void tw_worker_signals_install(void) {
   signal(SIGPIPE, SIG_IGN);
 }
 
-static void *tw_dealer_open(void *ctx, const char *endpoint, const char *id) {
+/* immediate: queue nothing while the connection is down (sends fail), so the
+ * heartbeat thread notices a router that is gone. */
+static void *tw_dealer_open(void *ctx, const char *endpoint, const char *id, int immediate) {
   void *s = zmq_socket(ctx, ZMQ_DEALER);
   if (!s) return NULL;
   int zero = 0, hwm = 100000;
+  zmq_setsockopt(s, ZMQ_IMMEDIATE, &immediate, sizeof immediate);
   zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
   zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof hwm);
   zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
   zmq_setsockopt(s, ZMQ_ROUTING_ID, id, strlen(id));
+  tw_msg_limit_size(s);
   if (zmq_connect(s, endpoint) != 0) {
     zmq_close(s);
     return NULL;
@@ -51,7 +55,7 @@ static void *tw_worker_hb_main(void *arg) {
   tw_worker_link_t *link = arg;
   char id[80];
   snprintf(id, sizeof id, "%s/hb", link->name);
-  void *s = tw_dealer_open(link->zctx, link->endpoint, id);
+  void *s = tw_dealer_open(link->zctx, link->endpoint, id, 1);
   if (!s) {
     TW_ERROR("worker", "heartbeat socket to %s failed: %s", link->endpoint, zmq_strerror(errno));
     return NULL;
@@ -69,7 +73,8 @@ static void *tw_worker_hb_main(void *arg) {
       }
       tw_msg_fini(&m);
     }
-    if (!atomic_load(&link->registered_a)) continue;
+    bool lost = atomic_load(&link->router_lost);
+    if (!atomic_load(&link->registered_a) && !lost) continue;
     Twain__Internal__V1__Capacity c;
     Twain__Internal__V1__Heartbeat hb = TWAIN__INTERNAL__V1__HEARTBEAT__INIT;
     pthread_mutex_lock(&link->mu);
@@ -81,7 +86,24 @@ static void *tw_worker_hb_main(void *arg) {
     Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
     env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT;
     env.heartbeat = &hb;
-    tw_msg_send(s, NULL, &env.base);
+    /* the heartbeat doubles as the probe of a lost router */
+    int64_t now = tw_msg_clock_ns();
+    if (tw_msg_send(s, NULL, &env.base) == TW_OK) {
+      link->lost_since_ns = 0;
+      if (lost) {
+        TW_INFO("worker", "the router at %s is reachable again: registering", link->endpoint);
+        atomic_store(&link->router_lost, 0);
+        atomic_store(&link->need_register, 1);
+      }
+    } else if (!lost) {
+      if (!link->lost_since_ns) link->lost_since_ns = now;
+      if (now - link->lost_since_ns > (int64_t)TW_WORKER_EXPIRE_MS * 1000000) {
+        TW_WARN("worker", "lost the router at %s (no connection for %d ms): will register again "
+                "as soon as it is back", link->endpoint, TW_WORKER_EXPIRE_MS);
+        atomic_store(&link->registered_a, 0);
+        atomic_store(&link->router_lost, 1);
+      }
+    }
   }
   zmq_close(s);
   return NULL;
@@ -94,7 +116,7 @@ tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint, co
   if (!link->zctx) return tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(errno));
   snprintf(link->name, sizeof link->name, "%s", name);
   snprintf(link->endpoint, sizeof link->endpoint, "%s", endpoint);
-  link->sock = tw_dealer_open(link->zctx, endpoint, name);
+  link->sock = tw_dealer_open(link->zctx, endpoint, name, 0);
   if (!link->sock) {
     int e = errno;
     zmq_ctx_term(link->zctx);
@@ -138,6 +160,10 @@ tw_status_t tw_worker_link_tick(tw_worker_link_t *link, const Twain__Internal__V
   link->cap = *cap;
   link->draining = draining;
   pthread_mutex_unlock(&link->mu);
+  if (atomic_load(&link->router_lost)) { /* logged once by the heartbeat thread */
+    link->registered = false;
+    return TW_OK; /* nothing to queue for a router that is not there */
+  }
   if (atomic_exchange(&link->need_register, 0)) {
     TW_WARN("worker", "router does not know %s: registering again", link->name);
     link->registered = false;
@@ -171,14 +197,21 @@ tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
   tw_status_t st = tw_msg_recv(link->sock, false, timeout_ms, &m);
   if (st != TW_OK) {
     tw_msg_fini(&m);
-    if (st == TW_ERR_FORMAT)
+    uint64_t sup = 0;
+    if (st == TW_ERR_FORMAT && tw_msg_ratelimit(&link->warn_rl, &sup)) {
+      if (sup) TW_WARN("worker", "suppressed %llu similar warnings", (unsigned long long)sup);
       TW_WARN("worker", "dropped a message from the router: %s", tw_last_error());
+    }
     return st;
   }
   Twain__Internal__V1__Envelope *env = twain__internal__v1__envelope__unpack(NULL, m.len, m.data);
   tw_msg_fini(&m);
   if (!env) {
-    TW_WARN("worker", "dropped an undecodable message from the router");
+    uint64_t sup = 0;
+    if (tw_msg_ratelimit(&link->warn_rl, &sup)) {
+      if (sup) TW_WARN("worker", "suppressed %llu similar warnings", (unsigned long long)sup);
+      TW_WARN("worker", "dropped an undecodable message from the router");
+    }
     return TW_ERR_FORMAT;
   }
   if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_REGISTER_ACK) {

@@ -4,7 +4,10 @@
  * router forgets us), heartbeats with capacity every TW_WORKER_HEARTBEAT_MS,
  * and the SIGTERM/SIGINT stop flag for graceful drain.
  * The router expires a worker it has not heard from for
- * TW_WORKER_EXPIRE_MS (proto/twain_internal.proto). */
+ * TW_WORKER_EXPIRE_MS (proto/twain_internal.proto). A worker whose router
+ * goes away (no connection for TW_WORKER_EXPIRE_MS) logs it once, keeps
+ * probing with its heartbeat and registers again when a router is back at
+ * the same endpoint; it does not exit by itself (stop it with SIGTERM). */
 #ifndef TW_COMMON_MSG_WORKER_H
 #define TW_COMMON_MSG_WORKER_H
 
@@ -48,6 +51,9 @@ typedef struct {
   Twain__Internal__V1__Capacity cap;
   bool draining;
   atomic_int hb_stop, registered_a, need_register;
+  atomic_int router_lost;     /* the heartbeat cannot reach the router (logged once) */
+  tw_msg_ratelimit_t warn_rl; /* malformed-message warnings (main thread) */
+  int64_t lost_since_ns;      /* heartbeat thread: router unreachable since (0: reachable) */
 } tw_worker_link_t;
 
 /** Connect to the router (endpoint e.g. "tcp://127.0.0.1:7401") with the

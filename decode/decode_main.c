@@ -1,26 +1,34 @@
 /* decode_main.c: `twain-decode`, the decode worker daemon (decode_worker.h). */
 #include "decode/decode_worker.h"
 
+#include "common/install_paths.h"
 #include "common/log.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef TW_DEFAULT_MODEL_DIR
+#define TW_DEFAULT_MODEL_DIR "tests/fixtures/tiny-gptoss-wordnet-mxfp4"
+#endif
+
 static void usage(void) {
   fprintf(stderr,
-          "usage: twain-decode --model DIR --router tcp://HOST:PORT [--name NAME]\n"
+          "usage: twain-decode --router tcp://HOST:PORT [--model DIR] [--name NAME]\n"
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--max-batch N]\n"
           "         [--threads N] [--metrics-port P (-1 off, 0 ephemeral)] [--verify-kv]\n"
           "         [--tp N] [--ep N]   tensor / expert parallel ranks (docs/parallelism.md)\n"
           "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
           "         [--drain-timeout SECONDS (default 600: SIGTERM finishes running sequences\n"
-          "           for at most this long)]\n");
+          "           for at most this long)]\n"
+          "  --model defaults to %s\n",
+          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
 }
 
 int main(int argc, char **argv) {
   tw_log_init("twain-decode", 0);
   tw_decode_params_t p = TW_DECODE_PARAMS_DEFAULT;
+  p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -62,7 +70,8 @@ int main(int argc, char **argv) {
     fprintf(stderr, "twain-decode: --drain-timeout %d < 0\n", p.drain_timeout_s);
     return 2;
   }
-  if (!p.model_dir || !p.router) {
+  if (!p.router) {
+    fprintf(stderr, "twain-decode: missing --router tcp://HOST:PORT (the router's worker endpoint)\n");
     usage();
     return 2;
   }

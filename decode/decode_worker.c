@@ -527,19 +527,26 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
   int64_t drain_since = 0;
   Twain__Internal__V1__Capacity cap;
   for (;;) {
+    /* quarantined reservations are no sequences: the drain does not wait for them */
+    int32_t n_live = 0, n_quarantined = 0;
+    for (int32_t i = 0; i < d.n_seqs; i++) {
+      n_quarantined += d.seqs[i]->state == TW_DSEQ_QUARANTINE;
+      n_live += d.seqs[i]->state != TW_DSEQ_QUARANTINE;
+    }
     if (tw_worker_stop_g && !d.draining) {
       d.draining = true;
       drain_since = tw_msg_clock_ns();
       tw_metrics_set_health(d.metrics, false, "draining");
-      TW_INFO("decode", "draining: %d sequences to finish", d.n_seqs);
+      TW_INFO("decode", "draining: %d sequences to finish (%d quarantined reservations released)",
+              n_live, n_quarantined);
     }
-    if (d.draining && d.n_seqs > 0 &&
+    if (d.draining && n_live > 0 &&
         tw_msg_clock_ns() - drain_since > (int64_t)p->drain_timeout_s * 1000000000LL) {
       TW_WARN("decode", "drain timeout (%d s): stopping with %d sequences unfinished",
-              p->drain_timeout_s, d.n_seqs);
+              p->drain_timeout_s, n_live);
       break;
     }
-    if (d.draining && d.n_seqs == 0) break;
+    if (d.draining && n_live == 0) break;
     bool busy = false, reserved = false;
     for (int32_t i = 0; i < d.n_seqs; i++) {
       if (d.seqs[i]->state == TW_DSEQ_QUARANTINE) continue;

@@ -6,6 +6,7 @@
 #include "common/dist_engine.h"
 #include "common/engine.h"
 #include "common/engine_impl.h"
+#include "common/install_paths.h"
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
@@ -21,6 +22,10 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#ifndef TW_DEFAULT_MODEL_DIR
+#define TW_DEFAULT_MODEL_DIR "tests/fixtures/tiny-gptoss-wordnet-mxfp4"
+#endif
 
 #define TW_PREFILL_MAX_QUEUE 4096
 /* KV older than this is never written (see issued_unix_ms in the proto);
@@ -333,12 +338,14 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
 
 static void tw_prefill_usage(void) {
   fprintf(stderr,
-          "usage: twain-prefill --router tcp://HOST:PORT --model DIR [--name NAME]\n"
+          "usage: twain-prefill --router tcp://HOST:PORT [--model DIR] [--name NAME]\n"
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
           "         [--metrics-port P (-1 off, 0 ephemeral)] [--metrics-addr ADDR (127.0.0.1)]\n"
           "         [--tp N] [--ep N] [--chunk-tokens N]\n"
           "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
-          "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n");
+          "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n"
+          "  --model defaults to %s\n",
+          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
 }
 
 int tw_prefill_worker_main(int argc, char **argv) {
@@ -374,7 +381,9 @@ int tw_prefill_worker_main(int argc, char **argv) {
       return 2;
     }
   }
-  if (!w.o.router || !w.o.model_dir) {
+  if (!w.o.model_dir) w.o.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
+  if (!w.o.router) {
+    fprintf(stderr, "twain-prefill: missing --router tcp://HOST:PORT (the router's worker endpoint)\n");
     tw_prefill_usage();
     return 2;
   }

@@ -3,7 +3,13 @@
  * containing "ready" once every worker has registered; on SIGINT/SIGTERM it
  * drains the router (running requests finish, new ones are refused), then
  * sends SIGTERM to every worker, waits for them (SIGKILL after 15 s) and
- * exits 0. Worker binaries are found next to this one or in the build tree. */
+ * exits 0. Worker binaries are found next to this one or in the build tree.
+ * Supervision: a worker process that dies is started again (as NAME-rK)
+ * after a backoff of 0.5 s doubling to 8 s, at most TW_SERVE_MAX_RESTARTS
+ * times in a row (a worker that ran TW_SERVE_STABLE_S resets the count);
+ * each death and restart is logged. Serve stops by itself only when every
+ * worker it started has used up its restarts and no worker at all (joined
+ * ones included) is registered with the router. */
 #include "router/cli.h"
 
 #include "common/install_paths.h"
@@ -31,6 +37,19 @@
 #endif
 
 #define TW_SERVE_MAX_WORKERS 64
+#define TW_SERVE_MAX_RESTARTS 5
+#define TW_SERVE_STABLE_S 60
+
+/* One worker process serve keeps running. */
+typedef struct {
+  char *av[32];
+  int ac_name;           /* index of the --name value in av */
+  char base[64], name[80];
+  pid_t pid;             /* 0: not running */
+  int restarts;          /* in a row */
+  int64_t started_ns, next_start_ns; /* next_start_ns > 0: restart due then */
+  bool gave_up;
+} tw_serve_slot_t;
 
 static volatile sig_atomic_t tw_serve_signal_g = 0;
 static void tw_serve_on_signal(int sig) { tw_serve_signal_g = sig; }
@@ -44,7 +63,21 @@ typedef struct {
   int ready;
   char worker_ep[256], client_ep[256];
   tw_status_t router_status;
+  int n_registered; /* workers registered with the router (any origin), under mu */
 } tw_serve_t;
+
+static void tw_serve_workers(void *arg, int32_t np, int32_t nd) {
+  tw_serve_t *s = arg;
+  pthread_mutex_lock(&s->mu);
+  s->n_registered = np + nd;
+  pthread_mutex_unlock(&s->mu);
+}
+
+static int64_t tw_serve_now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 
 static void tw_serve_bound(void *arg, const char *cep, const char *wep) {
   tw_serve_t *s = arg;
@@ -135,9 +168,15 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_bound_arg = &s;
   s.rp.on_ready = tw_serve_ready;
   s.rp.on_ready_arg = &s;
+  s.rp.on_workers = tw_serve_workers;
+  s.rp.on_workers_arg = &s;
   int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
   const char *par[4] = {NULL, NULL, NULL, NULL}; /* prefill tp, ep, decode tp, ep (issue 6) */
   const char *backend = "auto", *kv_blocks = NULL, *drain = NULL;
+  static const char *const value_flags[] = {
+      "--model", "--listen", "--workers", "--prefill", "--decode", "--backend", "--threads",
+      "--kv-blocks", "--prefill-tp", "--prefill-ep", "--decode-tp", "--decode-ep",
+      "--metrics-port", "--metrics-addr", "--drain-timeout", "--max-tokens-limit", NULL};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -148,11 +187,25 @@ int tw_cli_serve(int argc, char **argv) {
       verify = 1;
       continue;
     }
+    bool known = false;
+    for (const char *const *f = value_flags; *f && !known; f++) known = !strcmp(a, *f);
+    if (!known) {
+      fprintf(stderr, "twain serve: unknown option %s\n", a);
+      tw_serve_usage();
+      return 2;
+    }
     if (!v) {
       fprintf(stderr, "twain serve: %s needs a value\n", a);
       return 2;
     }
     i++;
+    long long nv = 0;
+    bool numeric = !strcmp(a, "--prefill") || !strcmp(a, "--decode") || !strcmp(a, "--threads") ||
+                   !strcmp(a, "--metrics-port") || !strcmp(a, "--drain-timeout") ||
+                   !strcmp(a, "--max-tokens-limit");
+    if (numeric && tw_cli_parse_int("twain serve", a, v, !strcmp(a, "--metrics-port") ? -1 : 0,
+                                    !strcmp(a, "--metrics-port") ? 65535 : INT32_MAX, &nv))
+      return 2;
     if (!strcmp(a, "--model")) s.rp.model_dir = v;
     else if (!strcmp(a, "--listen")) s.rp.client_endpoint = v;
     else if (!strcmp(a, "--workers")) s.rp.worker_endpoint = v;
@@ -228,15 +281,18 @@ int tw_cli_serve(int argc, char **argv) {
     fprintf(stderr, "twain serve: router failed: %s\n", tw_status_str(s.router_status));
     return 1;
   }
-  pid_t pids[TW_SERVE_MAX_WORKERS];
-  int n = 0;
+  static tw_serve_slot_t slots[TW_SERVE_MAX_WORKERS];
+  int n = n_prefill + n_decode;
   char tbuf[16];
   snprintf(tbuf, sizeof tbuf, "%d", threads);
-  for (int k = 0; k < n_prefill + n_decode; k++) {
+  for (int k = 0; k < n; k++) {
     bool pre = k < n_prefill;
-    char name[64];
-    snprintf(name, sizeof name, "%s-%d-%d", pre ? "prefill" : "decode", pre ? k : k - n_prefill, (int)getpid());
-    char *av[32];
+    tw_serve_slot_t *w = &slots[k];
+    memset(w, 0, sizeof *w);
+    snprintf(w->base, sizeof w->base, "%s-%d-%d", pre ? "prefill" : "decode", pre ? k : k - n_prefill,
+             (int)getpid());
+    snprintf(w->name, sizeof w->name, "%s", w->base);
+    char **av = w->av;
     int c = 0;
     av[c++] = pre ? prefill_bin : decode_bin;
     av[c++] = "--router";
@@ -244,7 +300,8 @@ int tw_cli_serve(int argc, char **argv) {
     av[c++] = "--model";
     av[c++] = (char *)s.rp.model_dir;
     av[c++] = "--name";
-    av[c++] = name;
+    w->ac_name = c;
+    av[c++] = w->name;
     av[c++] = "--backend";
     av[c++] = (char *)backend;
     av[c++] = "--threads";
@@ -269,35 +326,67 @@ int tw_cli_serve(int argc, char **argv) {
       av[c++] = (char *)val;
     }
     av[c] = NULL;
-    pids[n] = tw_spawn(av);
-    if (pids[n] > 0) n++;
+    w->pid = tw_spawn(av);
+    w->started_ns = tw_serve_now_ns();
+    if (w->pid < 0) w->pid = 0, w->next_start_ns = w->started_ns + 500000000LL;
   }
   TW_INFO("serve", "started %d workers (%d threads each), waiting for them to register", n, threads);
   int rc = 0;
-  for (;;) { /* watch the children until a signal */
+  for (;;) { /* supervise the children until a signal */
     if (tw_serve_signal_g) break;
     int status;
-    pid_t dead = waitpid(-1, &status, WNOHANG);
-    if (dead > 0) {
-      for (int k = 0; k < n; k++)
-        if (pids[k] == dead) {
-          TW_WARN("serve", "worker pid %d exited (%s %d)", (int)dead,
-                  WIFEXITED(status) ? "status" : "signal",
-                  WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-          pids[k] = 0;
+    pid_t dead;
+    int64_t now = tw_serve_now_ns();
+    while ((dead = waitpid(-1, &status, WNOHANG)) > 0) {
+      for (int k = 0; k < n; k++) {
+        tw_serve_slot_t *w = &slots[k];
+        if (w->pid != dead) continue;
+        w->pid = 0;
+        kill(-dead, SIGKILL); /* ranks it may have started in its process group */
+        if (now - w->started_ns > (int64_t)TW_SERVE_STABLE_S * 1000000000LL) w->restarts = 0;
+        if (w->restarts >= TW_SERVE_MAX_RESTARTS) {
+          w->gave_up = true;
+          TW_ERROR("serve", "worker %s (pid %d) exited (%s %d) after %d restarts in a row: not restarting it",
+                   w->name, (int)dead, WIFEXITED(status) ? "status" : "signal",
+                   WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), w->restarts);
+          continue;
         }
-      int alive = 0;
-      for (int k = 0; k < n; k++) alive += pids[k] > 0;
-      if (!alive) {
-        fprintf(stderr, "twain serve: every worker exited; stopping\n");
-        rc = 1;
-        break;
+        int64_t backoff_ms = 500LL << (w->restarts < 4 ? w->restarts : 4);
+        w->next_start_ns = now + backoff_ms * 1000000LL;
+        TW_WARN("serve", "worker %s (pid %d) exited (%s %d): restarting it in %lld ms (restart %d of %d)",
+                w->name, (int)dead, WIFEXITED(status) ? "status" : "signal",
+                WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), (long long)backoff_ms,
+                w->restarts + 1, TW_SERVE_MAX_RESTARTS);
       }
     }
+    int running = 0;
+    for (int k = 0; k < n; k++) {
+      tw_serve_slot_t *w = &slots[k];
+      if (!w->pid && !w->gave_up && w->next_start_ns && now >= w->next_start_ns) {
+        w->restarts++;
+        snprintf(w->name, sizeof w->name, "%s-r%d", w->base, w->restarts); /* a fresh routing id */
+        w->av[w->ac_name] = w->name;
+        w->pid = tw_spawn(w->av);
+        w->started_ns = now;
+        w->next_start_ns = 0;
+        if (w->pid > 0) {
+          TW_WARN("serve", "restarted worker %s as pid %d", w->name, (int)w->pid);
+        } else {
+          w->pid = 0;
+          w->next_start_ns = now + 1000000000LL;
+        }
+      }
+      running += w->pid > 0 || !w->gave_up;
+    }
     pthread_mutex_lock(&s.mu);
-    int router_gone = s.bound < 0;
+    int router_gone = s.bound < 0, registered = s.n_registered;
     pthread_mutex_unlock(&s.mu);
     if (router_gone) break;
+    if (!running && !registered) {
+      fprintf(stderr, "twain serve: every worker exited and none is registered; stopping\n");
+      rc = 1;
+      break;
+    }
     struct timespec ts = {0, 50 * 1000000};
     nanosleep(&ts, NULL);
   }
@@ -305,14 +394,14 @@ int tw_cli_serve(int argc, char **argv) {
   s.router_stop = 1;
   pthread_join(th, NULL);
   for (int k = 0; k < n; k++)
-    if (pids[k] > 0) kill(pids[k], SIGTERM);
+    if (slots[k].pid > 0) kill(slots[k].pid, SIGTERM);
   struct timespec t0;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   for (;;) {
     int alive = 0;
     for (int k = 0; k < n; k++) {
-      if (pids[k] <= 0) continue;
-      if (waitpid(pids[k], NULL, WNOHANG) == pids[k]) pids[k] = 0;
+      if (slots[k].pid <= 0) continue;
+      if (waitpid(slots[k].pid, NULL, WNOHANG) == slots[k].pid) slots[k].pid = 0;
       else alive++;
     }
     if (!alive) break;
@@ -320,12 +409,12 @@ int tw_cli_serve(int argc, char **argv) {
     clock_gettime(CLOCK_MONOTONIC, &t);
     if (t.tv_sec - t0.tv_sec > 15) {
       for (int k = 0; k < n; k++)
-        if (pids[k] > 0) {
-          TW_WARN("serve", "worker pid %d did not stop in 15 s: killing it", (int)pids[k]);
-          kill(-pids[k], SIGKILL); /* its process group: ranks it started too */
-          kill(pids[k], SIGKILL);
-          waitpid(pids[k], NULL, 0);
-          pids[k] = 0;
+        if (slots[k].pid > 0) {
+          TW_WARN("serve", "worker pid %d did not stop in 15 s: killing it", (int)slots[k].pid);
+          kill(-slots[k].pid, SIGKILL); /* its process group: ranks it started too */
+          kill(slots[k].pid, SIGKILL);
+          waitpid(slots[k].pid, NULL, 0);
+          slots[k].pid = 0;
         }
       break;
     }

@@ -211,6 +211,13 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return;
   }
+  for (size_t i = 0; s && i < s->n_stop_token_ids; i++) {
+    if (s->stop_token_ids[i] >= 0 && s->stop_token_ids[i] < r->config.vocab_size) continue;
+    snprintf(msg, sizeof msg, "stop_token_ids[%zu] = %d is outside the vocabulary [0, %d)", i,
+             s->stop_token_ids[i], r->config.vocab_size);
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return;
+  }
   int32_t max_tokens = s && s->max_tokens ? s->max_tokens : r->p->default_max_tokens;
   if (s && (s->max_tokens < 0 || (s->explicit_max_tokens && s->max_tokens == 0))) {
     snprintf(msg, sizeof msg, "max_tokens must be at least 1, got %d", s->max_tokens);
@@ -326,7 +333,12 @@ static void tw_router_on_cancel(tw_router_t *r, const tw_msg_t *from, const Twai
 static void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m) {
   Twain__V1__ClientRequest *cr = twain__v1__client_request__unpack(NULL, m->len, m->data);
   if (!cr) {
-    TW_WARN("router", "malformed protobuf from a client (%zu bytes)", m->len);
+    static tw_msg_ratelimit_t rl; /* a bad client must not flood the log */
+    uint64_t sup = 0;
+    if (tw_msg_ratelimit(&rl, &sup)) {
+      if (sup) TW_WARN("router", "suppressed %llu similar warnings", (unsigned long long)sup);
+      TW_WARN("router", "malformed protobuf from a client (%zu bytes)", m->len);
+    }
     tw_reply_raw(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
                  "malformed request: not a twain.v1.ClientRequest protobuf");
     return;
@@ -394,6 +406,7 @@ static tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   r->m.decode_workers = tw_metrics_gauge(M, "router_decode_workers", "registered decode workers");
   r->m.tokens = tw_metrics_counter(M, "router_tokens_streamed_total", "tokens sent to clients");
   r->m.expired = tw_metrics_counter(M, "router_workers_expired_total", "workers that stopped heartbeating");
+  tw_router_update_health(r); /* not ready until both pools have a worker */
   TW_INFO("router", "listening: clients %s, workers %s, metrics port %d", cep, wep,
           tw_metrics_port(r->metrics));
   if (p->on_bound) p->on_bound(p->on_bound_arg, cep, wep);
@@ -409,6 +422,15 @@ static void tw_router_fini(tw_router_t *r) {
   if (r->zctx) zmq_ctx_term(r->zctx);
   tw_metrics_destroy(r->metrics);
   tw_rchat_fini(r);
+}
+
+static void tw_router_warn_bad_frame(tw_router_t *r) {
+  (void)r;
+  static tw_msg_ratelimit_t rl;
+  uint64_t sup = 0;
+  if (!tw_msg_ratelimit(&rl, &sup)) return;
+  if (sup) TW_WARN("router", "suppressed %llu similar warnings", (unsigned long long)sup);
+  TW_WARN("router", "bad message on the worker socket: %s", tw_last_error());
 }
 
 tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *stop) {
@@ -446,7 +468,7 @@ tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *st
       tw_status_t rs = tw_msg_recv(r.wsock, true, 0, &m);
       if (rs == TW_INPROGRESS) break;
       if (rs == TW_OK) tw_router_on_worker_msg(&r, &m);
-      else TW_WARN("router", "bad message on the worker socket: %s", tw_last_error());
+      else tw_router_warn_bad_frame(&r);
       tw_msg_fini(&m);
     }
     for (int k = 0; k < 1024; k++) {

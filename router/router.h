@@ -38,6 +38,10 @@ typedef struct {
   /* called once when expect_* workers have registered */
   void (*on_ready)(void *arg);
   void *on_ready_arg;
+  /* maybe NULL: called on the router thread whenever the number of
+   * registered (not draining) workers per pool changes */
+  void (*on_workers)(void *arg, int32_t n_prefill, int32_t n_decode);
+  void *on_workers_arg;
 } tw_router_params_t;
 
 #define TW_ROUTER_PARAMS_DEFAULT                                                      \

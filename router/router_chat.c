@@ -215,6 +215,13 @@ static tw_status_t tw_role_parse(const char *s, tw_harmony_role_t *role_p) {
 
 static const char *tw_nz(const char *s) { return s && s[0] ? s : NULL; }
 
+/* True when s has no character other than ASCII whitespace. */
+static bool tw_blank(const char *s) {
+  for (; *s; s++)
+    if (!strchr(" \t\r\n\v\f", *s)) return false;
+  return true;
+}
+
 tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatRequest *cr) {
   tw_rchat_ctx_t *x = r->chat_ctx;
   if (cr->n_messages == 0) return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: messages is empty");
@@ -258,6 +265,8 @@ tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatReq
                                .channel = tw_nz(m->channel), .content_type = tw_nz(m->content_type),
                                .content = m->content ? m->content : ""};
     st = tw_role_parse(m->role, &hm.role);
+    if (st == TW_OK && hm.role == TW_HARMONY_ROLE_USER && tw_blank(hm.content))
+      st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: messages[%zu] (user) is empty or only whitespace", i);
     if (st == TW_OK) st = tw_harmony_conversation_add_message(&conv, &hm);
   }
   tw_token_ids_t ids;

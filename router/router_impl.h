@@ -110,6 +110,9 @@ void tw_router_schedule(tw_router_t *r, int64_t now_ns);
 tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
                                   Twain__Internal__V1__Envelope *env);
 int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool pool);
+/** /healthz: 503 "not ready: no ... worker registered" while a pool is
+ *  empty, 200 otherwise (left alone while draining). */
+void tw_router_update_health(tw_router_t *r);
 
 /* ---- router_chat.c ---- */
 tw_status_t tw_rchat_init(tw_router_t *r);

@@ -63,8 +63,23 @@ static void tw_reject_to(tw_router_t *r, const tw_msg_t *m, uint64_t rid, int co
 }
 
 static void tw_update_gauges(tw_router_t *r) {
-  tw_metric_set(r->m.prefill_workers, tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
-  tw_metric_set(r->m.decode_workers, tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE));
+  int32_t np = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL);
+  int32_t nd = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE);
+  tw_metric_set(r->m.prefill_workers, np);
+  tw_metric_set(r->m.decode_workers, nd);
+  tw_router_update_health(r);
+  if (r->p->on_workers) r->p->on_workers(r->p->on_workers_arg, np, nd);
+}
+
+void tw_router_update_health(tw_router_t *r) {
+  if (r->draining) return; /* "draining" stays */
+  int32_t np = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL);
+  int32_t nd = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE);
+  if (np && nd) tw_metrics_set_health(r->metrics, true, NULL);
+  else tw_metrics_set_health(r->metrics, false,
+                             !np && !nd ? "not ready: no prefill and no decode worker registered"
+                             : !np      ? "not ready: no prefill worker registered"
+                                        : "not ready: no decode worker registered");
 }
 
 static void tw_apply_capacity(tw_rworker_t *w, const Twain__Internal__V1__Capacity *c) {
@@ -262,7 +277,12 @@ static void tw_on_worker_tokens(tw_router_t *r, tw_rworker_t *w, const Twain__In
 void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
   Twain__Internal__V1__Envelope *env = twain__internal__v1__envelope__unpack(NULL, m->len, m->data);
   if (!env) {
-    TW_WARN("router", "malformed protobuf on the worker socket (%zu bytes)", m->len);
+    static tw_msg_ratelimit_t rl;
+    uint64_t sup = 0;
+    if (tw_msg_ratelimit(&rl, &sup)) {
+      if (sup) TW_WARN("router", "suppressed %llu similar warnings", (unsigned long long)sup);
+      TW_WARN("router", "malformed protobuf on the worker socket (%zu bytes)", m->len);
+    }
     tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, "malformed twain.internal.v1.Envelope");
     return;
   }
