@@ -537,6 +537,8 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
       d.draining = true;
       drain_since = tw_msg_clock_ns();
       tw_metrics_set_health(d.metrics, false, "draining");
+      for (int32_t i = d.n_seqs - 1; i >= 0; i--) /* nobody will write them any more */
+        if (d.seqs[i]->state == TW_DSEQ_QUARANTINE) tw_dseq_release(&d, i);
       TW_INFO("decode", "draining: %d sequences to finish (%d quarantined reservations released)",
               n_live, n_quarantined);
     }

@@ -1,4 +1,6 @@
 """Robustness found by a new-user test of the service:
+- a decode worker whose prefill peer died mid-handoff drains without
+  waiting for (or counting) its quarantined reservations;
 - CLI usage errors: loose numbers, --help, --reasoning, --date, unknown options
   (exit 2 naming the flag and the value); `twain chat` with no server fails
   fast instead of waiting out --timeout-ms;
@@ -184,6 +186,32 @@ try:
               "orphaned prefill worker logs the lost router once and keeps running")
     except AssertionError as e:
         check(False, "orphaned prefill worker logs the lost router: %s" % str(e)[:300])
+finally:
+    c.close()
+
+# ---- 4: the decode drain does not wait for (or count) quarantined reservations
+c = svc.Cluster(1, 1)
+try:
+    cl = c.client()
+    long_ids = (fixtures.long_prompt() * 10)[:1000]
+    rids = [cl.send(svc.generate(long_ids, 8)) for _ in range(12)]
+    end = time.time() + 10
+    while time.time() < end:  # until the decode worker holds reservations
+        cl.pump(0.01)
+        if svc.metrics(c.decodes[0].metrics_port).get("twain_kv_blocks_used", 0) > 0:
+            break
+    c.prefills[0].p.send_signal(signal.SIGKILL)  # mid-handoff: reservations get cancelled
+    try:
+        cl.wait(rids, 30)
+    except AssertionError as e:
+        print(str(e)[:200])
+    d = c.decodes[0]
+    rc = d.stop(signal.SIGTERM, 30)
+    m = re.search(r"draining: (\d+) sequences to finish \((\d+) quarantined", "\n".join(d.lines))
+    check(m is not None and m.group(1) == "0" and int(m.group(2)) > 0,
+          "decode drain: 0 sequences to finish, quarantined reported apart (%s)" % (m.group(0) if m else d.lines[-3:]))
+    check(rc == 0 and d.count(r"stopped: 0 kv blocks in use") == 1, "decode stops at once with every block free (rc %s)" % rc)
+    check(d.count(r"not returned to mpool") == 0, "no UCX mpool warnings at the decode shutdown")
 finally:
     c.close()
 
