@@ -35,7 +35,7 @@ static void tw_prefill_usage(FILE *f) {
           "  --help                this text\n"
           "\n"
           "Worker daemon mode (when --router is given): serve prefill requests from a router.\n"
-          "  --router EP --model DIR [--name N] [--backend B] [--kv-blocks N] [--block-size N]\n"
+          "  --router EP [--model DIR] [--name N] [--backend B] [--kv-blocks N] [--block-size N]\n"
           "  [--threads N] [--metrics-port P]   (prefill/worker.h)\n",
           tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
 }
