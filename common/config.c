@@ -20,14 +20,28 @@
 
 /* ---- typed field readers ------------------------------------------------ */
 
-/* Read an integer field that must fit int32. `where` prefixes the field name
- * for nested objects ("rope_scaling."). */
-static tw_status_t get_i32(const cJSON *obj, const char *where, const char *key, bool required,
-                           int32_t def, int32_t *out_p) {
+/* Look up `key` in `obj`: *it_p is the item, or NULL when the field is absent
+ * (or null) and not required. A required absent field is TW_ERR_NOT_FOUND
+ * naming it; `where` prefixes nested names ("rope_scaling."). */
+static tw_status_t get_field(const cJSON *obj, const char *where, const char *key, bool required,
+                             const cJSON **it_p) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
   if (!it || cJSON_IsNull(it)) {
     if (required)
       return tw_err(TW_ERR_NOT_FOUND, "config: required field '%s%s' is missing", where, key);
+    it = NULL;
+  }
+  *it_p = it;
+  return TW_OK;
+}
+
+/* Read an integer field that must fit int32. `where` prefixes the field name
+ * for nested objects ("rope_scaling."). */
+static tw_status_t get_i32(const cJSON *obj, const char *where, const char *key, bool required,
+                           int32_t def, int32_t *out_p) {
+  const cJSON *it;
+  TW_CHECK(get_field(obj, where, key, required, &it));
+  if (!it) {
     *out_p = def;
     return TW_OK;
   }
@@ -43,10 +57,9 @@ static tw_status_t get_i32(const cJSON *obj, const char *where, const char *key,
 
 static tw_status_t get_f64(const cJSON *obj, const char *where, const char *key, bool required,
                            double def, double *out_p) {
-  const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
-  if (!it || cJSON_IsNull(it)) {
-    if (required)
-      return tw_err(TW_ERR_NOT_FOUND, "config: required field '%s%s' is missing", where, key);
+  const cJSON *it;
+  TW_CHECK(get_field(obj, where, key, required, &it));
+  if (!it) {
     *out_p = def;
     return TW_OK;
   }
@@ -60,10 +73,9 @@ static tw_status_t get_f64(const cJSON *obj, const char *where, const char *key,
 
 static tw_status_t get_bool(const cJSON *obj, const char *where, const char *key, bool required,
                             bool def, bool *out_p) {
-  const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
-  if (!it || cJSON_IsNull(it)) {
-    if (required)
-      return tw_err(TW_ERR_NOT_FOUND, "config: required field '%s%s' is missing", where, key);
+  const cJSON *it;
+  TW_CHECK(get_field(obj, where, key, required, &it));
+  if (!it) {
     *out_p = def;
     return TW_OK;
   }
