@@ -8,7 +8,11 @@
 #          in BUILD_DIR (default $TW_BUILD_DIR or build-gpu-svc, CUDA on) and
 #          stages them under .carry/gpu/svc/ (deploy/bundle.sh --system-cuda,
 #          recompressed with xz: the programs + the libraries and UCX modules
-#          the GPU machine lacks), next to run_gpu.sh's own carry.
+#          the GPU machine lacks), next to run_gpu.sh's own carry. When
+#          deploy/build_ucx_cuda.sh has built UCX with CUDA transports
+#          (TW_UCX_CUDA=PREFIX, default build-ucx-cuda/install), its libraries
+#          and modules replace Debian's UCX in the bundle (TW_UCX_CUDA=none:
+#          keep Debian's).
 #   GPU:   bash tests/gpu/service_gpu.sh [BUILD_DIR]
 #          (run_gpu.sh runs it through TWAIN_GPU_EXTRA=tests/gpu/service_gpu.sh,
 #          cwd = checkout, $OUT set, LD_LIBRARY_PATH with the CUDA libraries).
@@ -46,6 +50,41 @@ if [ "${1:-}" = "--stage" ]; then
   rm -f "$stage_dir/twain.tar.gz" "$stage_dir/twain.tar.xz"
   bash "$root/deploy/bundle.sh" --no-build --build-dir "$build" --system-cuda --no-default-model \
     --out "$stage_dir/twain.tar.gz" >/dev/null
+  # UCX with CUDA transports (deploy/build_ucx_cuda.sh), when built: its
+  # libucp/libucs/libuct/libucm, ucx/ modules and ucx_info replace Debian's
+  # (same 1.13.1 ABI), so the workers can register device memory (kv_transfer
+  # logs DIRECT instead of STAGED). TW_UCX_CUDA=PREFIX, default
+  # build-ucx-cuda/install; TW_UCX_CUDA=none keeps Debian's UCX.
+  ucx_cuda=${TW_UCX_CUDA:-$root/build-ucx-cuda/install}
+  # shellcheck disable=SC2016  # $ORIGIN is for the dynamic loader, not the shell
+  if [ "$ucx_cuda" != none ] && compgen -G "$ucx_cuda/lib/ucx/libuct_cuda.so*" >/dev/null; then
+    uw=$(mktemp -d)
+    tar -C "$uw" -xzf "$stage_dir/twain.tar.gz"
+    ub=$(echo "$uw"/twain-*)
+    for l in libucp libucs libuct libucm; do
+      [ -e "$ucx_cuda/lib/$l.so.0" ] || { echo "service_gpu: $ucx_cuda/lib/$l.so.0 missing" >&2; rm -rf "$uw"; exit 1; }
+      rm -f "$ub/lib/$l.so"*
+      cp -L "$ucx_cuda/lib/$l.so.0" "$ub/lib/$l.so.0"
+      chmod u+w "$ub/lib/$l.so.0"
+      patchelf --set-rpath '$ORIGIN' "$ub/lib/$l.so.0"
+    done
+    rm -rf "$ub/lib/ucx"
+    mkdir -p "$ub/lib/ucx"
+    cp -P "$ucx_cuda"/lib/ucx/lib*.so* "$ub/lib/ucx/"
+    for f in "$ub"/lib/ucx/*.so*; do
+      if [ -f "$f" ] && [ ! -L "$f" ]; then chmod u+w "$f"; patchelf --set-rpath '$ORIGIN:$ORIGIN/..' "$f"; fi
+    done
+    cp "$ucx_cuda/bin/ucx_info" "$ub/bin/ucx_info"
+    chmod u+w "$ub/bin/ucx_info"
+    patchelf --set-rpath '$ORIGIN/../lib' "$ub/bin/ucx_info"
+    echo "UCX replaced by $ucx_cuda (CUDA transports; tests/gpu/service_gpu.sh --stage): $(cd "$ub/lib/ucx" && echo *)" \
+      >>"$ub/share/twain/MANIFEST.txt"
+    tar -C "$uw" -czf "$stage_dir/twain.tar.gz" "${ub##*/}"
+    rm -rf "$uw"
+    echo "service_gpu: UCX with CUDA transports from $ucx_cuda"
+  else
+    echo "service_gpu: Debian's UCX (no CUDA transports: KV handoff STAGED; deploy/build_ucx_cuda.sh builds one)"
+  fi
   # xz: the device call carries at most 64 MiB with the tracked tree
   gzip -dc "$stage_dir/twain.tar.gz" | xz -T2 -6 >"$stage_dir/twain.tar.xz"
   rm -f "$stage_dir/twain.tar.gz"

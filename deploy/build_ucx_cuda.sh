@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# deploy/build_ucx_cuda.sh: UCX 1.13.1 with the CUDA transports (cuda_copy,
+# cuda_ipc: libuct_cuda) from Debian 12's own source package, for carrying to
+# the GPU machine (Debian's libucx0 has no CUDA transports; MACHINES.md "UCX
+# with CUDA"). Run on the Debian 12 dev machine, as root (apt):
+#
+#   bash deploy/build_ucx_cuda.sh [PREFIX]
+#
+# PREFIX (default build-ucx-cuda/install in the checkout, ignored by git)
+# receives a stripped install (bin/ucx_info, lib/libuc{p,s,t,m}.so*,
+# lib/ucx/libuct_cuda.so*, ...). Sources and objects stay in build-ucx-cuda/.
+# Steps (each skipped when already done, so a second run is quick):
+#   1. apt: a deb-src entry for bookworm main and a deb entry for non-free
+#      (/etc/apt/sources.list.d/twain-ucx-cuda.sources), the build tools, and
+#      libnvidia-ml-dev + libnvidia-ml1 (nvml.h and libnvidia-ml.so, which
+#      configure --with-cuda needs) downloaded and unpacked under
+#      build-ucx-cuda/nvml, not installed (libnvidia-ml1 is driver-bound);
+#   2. apt-get source ucx (dpkg-source applies the Debian patches);
+#   3. ./autogen.sh (the upstream tarball has no configure script), configure
+#      --with-cuda=/usr/local/cuda --without-java --without-verbs ...;
+#   4. make -k install: test/apps/test_cuda_hook.c does not compile against
+#      CUDA 13 (cuCtxCreate takes 4 arguments), the libraries are unaffected;
+#      the checks afterwards fail the script if a library or the CUDA module is
+#      missing;
+#   5. strip, check with ucx_info, print the libuct_cuda path (last line).
+# Every step is bounded (timeout); about 2 minutes of compile on 2 cores.
+# Env: TW_UCX_JOBS (make -j, default 2), CUDA_HOME (default /usr/local/cuda).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+work=$here/build-ucx-cuda
+prefix=${1:-$work/install}
+case $prefix in /*) ;; *) prefix=$PWD/$prefix ;; esac
+cuda=${CUDA_HOME:-/usr/local/cuda}
+jobs=${TW_UCX_JOBS:-2}
+want_version=1.13.1
+die() { echo "build_ucx_cuda.sh: $*" >&2; exit 1; }
+say() { echo "build_ucx_cuda.sh: $*"; }
+
+check_install() { # 0 when PREFIX holds a UCX with the CUDA transports
+  [ -e "$prefix/.twain-ucx-cuda-done" ] || return 1   # written after strip + checks
+  [ -x "$prefix/bin/ucx_info" ] && [ -e "$prefix/lib/libucp.so.0" ] || return 1
+  compgen -G "$prefix/lib/ucx/libuct_cuda.so*" >/dev/null || return 1
+  env -u LD_LIBRARY_PATH "$prefix/bin/ucx_info" -v 2>/dev/null | grep -q -- "--with-cuda" || return 1
+}
+cuda_module() { find "$prefix/lib/ucx" -maxdepth 1 -type f -name 'libuct_cuda.so.*' | sort | head -1; }
+
+if check_install; then
+  say "already installed in $prefix ($(env -u LD_LIBRARY_PATH "$prefix/bin/ucx_info" -v | sed -n 's/^# Version //p' | head -1))"
+  cuda_module
+  exit 0
+fi
+
+if [ ! -x "$cuda/bin/nvcc" ] || [ ! -e "$cuda/include/cuda.h" ]; then
+  die "no CUDA toolkit at $cuda (set CUDA_HOME)"
+fi
+if ! grep -qs '^VERSION_CODENAME=bookworm' /etc/os-release; then
+  die "written for Debian 12 (bookworm): its ucx source package is $want_version"
+fi
+
+# ---- 1. apt: deb-src + non-free, build dependencies --------------------------------
+need_pkgs=(dpkg-dev autoconf automake libtool make pkg-config libnuma-dev)
+missing_pkgs=()
+for p in "${need_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing_pkgs+=("$p")
+done
+src_list=/etc/apt/sources.list.d/twain-ucx-cuda.sources
+need_src=0
+compgen -G "$work/ucx-$want_version*/" >/dev/null || need_src=1
+nvml=$work/nvml/root
+nvml_inc=$nvml/usr/include nvml_lib=$nvml/usr/lib/x86_64-linux-gnu/nvidia/current
+need_nvml=0
+[ -e "$nvml_inc/nvml.h" ] && [ -e "$nvml_lib/libnvidia-ml.so" ] || need_nvml=1
+if ((${#missing_pkgs[@]})) || ((need_src)) || ((need_nvml)); then
+  [ "$(id -u)" = 0 ] || die "apt steps need root (missing packages: ${missing_pkgs[*]:-none}; source needed: $need_src)"
+  if [ ! -e "$src_list" ]; then
+    say "adding $src_list (deb-src bookworm main, deb bookworm non-free)"
+    cat >"$src_list" <<'EOF'
+# added by twain deploy/build_ucx_cuda.sh: the ucx source package and
+# libnvidia-ml-dev (nvml.h) for building UCX with CUDA transports
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: bookworm
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm
+Components: non-free
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+  fi
+  say "apt-get update"
+  timeout 300 apt-get update -qq || die "apt-get update failed or took over 300 s"
+  if ((${#missing_pkgs[@]})); then
+    say "installing ${missing_pkgs[*]}"
+    DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -qq --no-install-recommends \
+      "${missing_pkgs[@]}" >/dev/null || die "apt-get install ${missing_pkgs[*]} failed"
+  fi
+fi
+# nvml.h (libnvidia-ml-dev) and libnvidia-ml.so to link against (libnvidia-ml1):
+# downloaded and unpacked under build-ucx-cuda/nvml, not installed (libnvidia-ml1
+# is part of the NVIDIA driver, which this machine has not got and which apt
+# cannot install beside it). At run time the GPU machine's driver provides
+# libnvidia-ml.so.1; the bundle does not carry it.
+if ((need_nvml)); then
+  mkdir -p "$nvml"
+  say "apt-get download libnvidia-ml-dev libnvidia-ml1 (unpacked in $nvml, not installed)"
+  rm -f "$work"/nvml/*.deb
+  (cd "$work/nvml" && timeout 300 apt-get download -qq libnvidia-ml-dev libnvidia-ml1 2>&1 |
+    grep -v 'unsandboxed' >&2) || true
+  for d in "$work"/nvml/libnvidia-ml-dev_*.deb "$work"/nvml/libnvidia-ml1_*.deb; do
+    [ -e "$d" ] || die "apt-get download libnvidia-ml-dev libnvidia-ml1 failed (Debian non-free in $src_list?)"
+    dpkg-deb -x "$d" "$nvml"
+  done
+fi
+[ -e "$nvml_inc/nvml.h" ] || die "nvml.h not in $nvml_inc (libnvidia-ml-dev)"
+[ -e "$nvml_lib/libnvidia-ml.so" ] || die "libnvidia-ml.so not in $nvml_lib (libnvidia-ml1)"
+
+# ---- 2. the source package (Debian patches applied by dpkg-source) -----------------
+mkdir -p "$work"
+if ((need_src)); then
+  say "apt-get source ucx in $work"
+  (cd "$work" && timeout 300 apt-get source -qq ucx >"$work/source.log" 2>&1) ||
+    { tail -20 "$work/source.log" >&2; die "apt-get source ucx failed (log $work/source.log)"; }
+fi
+src=$(find "$work" -maxdepth 1 -type d -name "ucx-$want_version*" | sort | head -1)
+[ -n "$src" ] || die "no ucx-$want_version source folder in $work (apt-get source gave: $(ls "$work"))"
+if [ -e "$src/debian/patches/series" ] && [ ! -d "$src/.pc" ]; then
+  die "$src has Debian patches but none applied (.pc missing): remove $src and rerun"
+fi
+
+# ---- 3. autogen + configure ---------------------------------------------------------
+cd "$src"
+if [ ! -x configure ]; then
+  say "./autogen.sh"
+  timeout 300 ./autogen.sh >"$work/autogen.log" 2>&1 || { tail -20 "$work/autogen.log" >&2; die "autogen.sh failed"; }
+fi
+if [ ! -e config.status ] || ! grep -q -- "--prefix=$prefix'" config.status 2>/dev/null; then
+  say "configure --prefix=$prefix --with-cuda=$cuda"
+  timeout 600 ./configure CPPFLAGS="-I$nvml_inc" LDFLAGS="-L$nvml_lib" --prefix="$prefix" --with-cuda="$cuda" --without-java --without-go \
+    --without-verbs --without-rdmacm --without-rocm --without-gdrcopy --without-knem --without-xpmem \
+    --without-ugni --disable-doxygen-doc --enable-mt --disable-debug --disable-assertions >"$work/configure.log" 2>&1 ||
+    { tail -30 "$work/configure.log" >&2; die "configure failed (log $work/configure.log)"; }
+fi
+grep -q '^#define HAVE_CUDA 1' config.h 2>/dev/null ||
+  die "configure did not enable CUDA (see 'checking for cuda' in $work/configure.log)"
+
+# ---- 4. make -k install --------------------------------------------------------------
+say "make -k -j$jobs install (log $work/make.log)"
+if ! timeout 1500 make -k -j"$jobs" install >"$work/make.log" 2>&1; then
+  say "make reported errors (expected: test/apps/test_cuda_hook.c under CUDA 13); first ones:"
+  grep -E ': (fatal )?error:' "$work/make.log" | sort -u | head -5 | sed 's/^/  /'
+fi
+
+# ---- 5. strip + check ----------------------------------------------------------------
+for f in "$prefix"/bin/* "$prefix"/lib/*.so.*.*.* "$prefix"/lib/ucx/*.so.*.*.*; do
+  [ -f "$f" ] && [ ! -L "$f" ] && head -c4 "$f" | grep -q ELF && strip --strip-unneeded "$f"
+done
+rm -f "$prefix"/lib/*.la "$prefix"/lib/ucx/*.la "$prefix"/lib/*.a "$prefix"/lib/ucx/*.a
+touch "$prefix/.twain-ucx-cuda-done"
+check_install || die "install in $prefix is incomplete (ucx_info, libucp.so.0 or lib/ucx/libuct_cuda.so* missing, or no --with-cuda): see $work/make.log"
+say "installed in $prefix ($(du -sh "$prefix/lib" | cut -f1) lib, stripped)"
+cuda_module
