@@ -13,6 +13,7 @@
  * decode pool is the pattern of the head it holds where a block was sent and
  * 0xEE everywhere else; the per-head checksums of each decode pool equal the
  * prefill side's; the bytes put are exactly the sent blocks' bytes. */
+#include "tests/test_io.h"
 #include "common/kv_reshard.h"
 #include "common/log.h"
 
@@ -63,26 +64,6 @@ static uint8_t pat(int layer, int j, int kv, int g, int64_t k) {
   return (uint8_t)(layer * 37 + j * 11 + kv * 5 + g * 13 + k * 7 + 1);
 }
 
-static int wr(int fd, const void *p, size_t n) {
-  const char *c = p;
-  while (n) {
-    ssize_t w = write(fd, c, n);
-    if (w <= 0) return -1;
-    c += w;
-    n -= (size_t)w;
-  }
-  return 0;
-}
-static int rd(int fd, void *p, size_t n) {
-  char *c = p;
-  while (n) {
-    ssize_t r = read(fd, c, n);
-    if (r <= 0) return -1;
-    c += r;
-    n -= (size_t)r;
-  }
-  return 0;
-}
 
 /* The prefill side: p ranks (one UCX worker each) put into d decode ranks. */
 static int child(int p, int d, int rfd, int wfd) {
@@ -91,11 +72,11 @@ static int child(int p, int d, int rfd, int wfd) {
   tw_kv_remote_layout_t rl[8];
   int32_t roff[8];
   for (int r = 0; r < d; r++) {
-    if (rd(rfd, &alen[r], sizeof alen[r]) || rd(rfd, &rlen[r], sizeof rlen[r])) return 2;
+    if (tw_test_read_all(rfd, &alen[r], sizeof alen[r]) || tw_test_read_all(rfd, &rlen[r], sizeof rlen[r])) return 2;
     addr[r] = malloc(alen[r]);
     rkey[r] = malloc(rlen[r]);
-    if (rd(rfd, addr[r], alen[r]) || rd(rfd, rkey[r], rlen[r]) || rd(rfd, &rl[r], sizeof rl[r]) ||
-        rd(rfd, &roff[r], sizeof roff[r]))
+    if (tw_test_read_all(rfd, addr[r], alen[r]) || tw_test_read_all(rfd, rkey[r], rlen[r]) || tw_test_read_all(rfd, &rl[r], sizeof rl[r]) ||
+        tw_test_read_all(rfd, &roff[r], sizeof roff[r]))
       return 2;
   }
   uint64_t sums[L * NKV];
@@ -133,9 +114,9 @@ static int child(int p, int d, int rfd, int wfd) {
       for (int g = 0; g < nh; g++) sums[l * NKV + off + g] = hs[g];
     }
   }
-  if (wr(wfd, sums, sizeof sums) || wr(wfd, &bytes, sizeof bytes)) return 7;
+  if (tw_test_write_all(wfd, sums, sizeof sums) || tw_test_write_all(wfd, &bytes, sizeof bytes)) return 7;
   char ack;
-  if (rd(rfd, &ack, 1)) return 8; /* keep the endpoints until the parent has checked */
+  if (tw_test_read_all(rfd, &ack, 1)) return 8; /* keep the endpoints until the parent has checked */
   for (int s = 0; s < p; s++) {
     tw_kv_xfer_destroy(x[s]);
     free(src[s].base);
@@ -178,12 +159,12 @@ static void run_pair(int p, int d) {
     const void *rkey = tw_kv_region_rkey(reg[r], &rlen);
     tw_kv_remote_layout_t rl;
     tw_kv_region_remote_layout(reg[r], &rl);
-    wr(p2c[1], &alen, sizeof alen);
-    wr(p2c[1], &rlen, sizeof rlen);
-    wr(p2c[1], addr, alen);
-    wr(p2c[1], rkey, rlen);
-    wr(p2c[1], &rl, sizeof rl);
-    wr(p2c[1], &off, sizeof off);
+    tw_test_write_all(p2c[1], &alen, sizeof alen);
+    tw_test_write_all(p2c[1], &rlen, sizeof rlen);
+    tw_test_write_all(p2c[1], addr, alen);
+    tw_test_write_all(p2c[1], rkey, rlen);
+    tw_test_write_all(p2c[1], &rl, sizeof rl);
+    tw_test_write_all(p2c[1], &off, sizeof off);
   }
   int ok = 0;
   for (int it = 0; it < 200000 && !ok; it++) { /* bounded: 200000 x 100 us at most */
@@ -196,7 +177,7 @@ static void run_pair(int p, int d) {
   }
   uint64_t sums[L * NKV];
   int64_t bytes = -1;
-  if (!ok || rd(c2p[0], sums, sizeof sums) || rd(c2p[0], &bytes, sizeof bytes)) {
+  if (!ok || tw_test_read_all(c2p[0], sums, sizeof sums) || tw_test_read_all(c2p[0], &bytes, sizeof bytes)) {
     EXPECT(0, "p=%d d=%d: the prefill side did not report", p, d);
     kill(pid, SIGKILL);
   } else {
@@ -233,7 +214,7 @@ static void run_pair(int p, int d) {
     EXPECT(bad_sums == 0, "p=%d d=%d: %d head checksums differ", p, d, bad_sums);
   }
   char ack = 1;
-  wr(p2c[1], &ack, 1);
+  tw_test_write_all(p2c[1], &ack, 1);
   int status = 0;
   waitpid(pid, &status, 0);
   EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "p=%d d=%d: prefill side exit %d", p, d,

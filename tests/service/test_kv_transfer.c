@@ -5,6 +5,7 @@
  * per-layer checksums. The parent checks that the received bytes equal the
  * pattern exactly, that nothing outside the reserved blocks changed, and
  * that the checksums of what arrived equal the checksums of what was sent. */
+#include "tests/test_io.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
 
@@ -48,26 +49,6 @@ static tw_kv_layout_t make_layout(void *base) {
 /* pattern byte of (layer, logical block j, byte b) */
 static uint8_t pat(int layer, int j, int64_t b) { return (uint8_t)(layer * 37 + j * 11 + b * 7 + 1); }
 
-static int write_all(int fd, const void *p, size_t n) {
-  const char *c = p;
-  while (n) {
-    ssize_t w = write(fd, c, n);
-    if (w <= 0) return -1;
-    c += w;
-    n -= (size_t)w;
-  }
-  return 0;
-}
-static int read_all(int fd, void *p, size_t n) {
-  char *c = p;
-  while (n) {
-    ssize_t r = read(fd, c, n);
-    if (r <= 0) return -1;
-    c += r;
-    n -= (size_t)r;
-  }
-  return 0;
-}
 
 static const int32_t dst_ids[5] = {7, 3, 30, 12, 0};
 static const int32_t src_ids[5] = {1, 2, 3, 4, 5};
@@ -76,9 +57,9 @@ static const int sliding[L] = {1, 0, 1, 0};
 static int child(int rfd, int wfd) {
   size_t alen, rlen;
   tw_kv_remote_layout_t rl;
-  if (read_all(rfd, &alen, sizeof alen) || read_all(rfd, &rlen, sizeof rlen)) return 2;
+  if (tw_test_read_all(rfd, &alen, sizeof alen) || tw_test_read_all(rfd, &rlen, sizeof rlen)) return 2;
   uint8_t *addr = malloc(alen), *rkey = malloc(rlen);
-  if (read_all(rfd, addr, alen) || read_all(rfd, rkey, rlen) || read_all(rfd, &rl, sizeof rl))
+  if (tw_test_read_all(rfd, addr, alen) || tw_test_read_all(rfd, rkey, rlen) || tw_test_read_all(rfd, &rl, sizeof rl))
     return 2;
   tw_kv_layout_t src = make_layout(NULL);
   src.base = calloc(1, (size_t)src.total_bytes);
@@ -101,10 +82,10 @@ static int child(int rfd, int wfd) {
   if (tw_kv_xfer_flush(x, peer, 10000)) return 5;
   tw_kv_xfer_stats_t s;
   tw_kv_xfer_stats(x, &s);
-  if (write_all(wfd, sums, sizeof sums) || write_all(wfd, &s.bytes_sent, sizeof s.bytes_sent))
+  if (tw_test_write_all(wfd, sums, sizeof sums) || tw_test_write_all(wfd, &s.bytes_sent, sizeof s.bytes_sent))
     return 6;
   char ack;
-  if (read_all(rfd, &ack, 1)) return 7; /* keep the endpoint until the parent has checked */
+  if (tw_test_read_all(rfd, &ack, 1)) return 7; /* keep the endpoint until the parent has checked */
   tw_kv_xfer_destroy(x);
   free(src.base);
   return 0;
@@ -143,11 +124,11 @@ int main(void) {
   tw_kv_remote_layout_t rl;
   tw_kv_region_remote_layout(reg, &rl);
   EXPECT(rl.remote_base == (uint64_t)(uintptr_t)pool.base, "host pool registered in place");
-  write_all(p2c[1], &alen, sizeof alen);
-  write_all(p2c[1], &rlen, sizeof rlen);
-  write_all(p2c[1], addr, alen);
-  write_all(p2c[1], rkey, rlen);
-  write_all(p2c[1], &rl, sizeof rl);
+  tw_test_write_all(p2c[1], &alen, sizeof alen);
+  tw_test_write_all(p2c[1], &rlen, sizeof rlen);
+  tw_test_write_all(p2c[1], addr, alen);
+  tw_test_write_all(p2c[1], rkey, rlen);
+  tw_test_write_all(p2c[1], &rl, sizeof rl);
   uint64_t sums[L];
   int64_t sent = 0;
   /* the child's progress does the work; ours only serves shm/tcp emulation */
@@ -161,7 +142,7 @@ int main(void) {
     if (select(c2p[0] + 1, &fds, NULL, NULL, &tv) > 0) ok = 1;
   }
   EXPECT(ok, "child reported within the bound");
-  if (!ok || read_all(c2p[0], sums, sizeof sums) || read_all(c2p[0], &sent, sizeof sent)) {
+  if (!ok || tw_test_read_all(c2p[0], sums, sizeof sums) || tw_test_read_all(c2p[0], &sent, sizeof sent)) {
     fprintf(stderr, "FAIL: child did not report\n");
     kill(pid, 9);
     return 1;
@@ -204,7 +185,7 @@ int main(void) {
   EXPECT(untouched, "blocks outside the handoff are untouched");
   EXPECT(sent == expect_bytes, "bytes sent %lld, expected %lld", (long long)sent,
          (long long)expect_bytes);
-  write_all(p2c[1], "k", 1);
+  tw_test_write_all(p2c[1], "k", 1);
   int status = 0;
   waitpid(pid, &status, 0);
   EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child exit %d", WEXITSTATUS(status));
