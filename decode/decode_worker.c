@@ -87,6 +87,10 @@ static void tw_dseq_release(tw_decoder_t *d, int32_t idx) {
   free(s->blocks);
   free(s);
   d->seqs[idx] = d->seqs[--d->n_seqs];
+  if (d->m.blocks_used) { /* at once, not at the end of the loop turn */
+    tw_metric_set(d->m.blocks_used, tw_kv_blocks_used_count(d->blocks));
+    tw_metric_set(d->m.blocks_free, tw_kv_blocks_free_count(d->blocks));
+  }
 }
 
 static int32_t tw_dseq_find(const tw_decoder_t *d, uint64_t id) {

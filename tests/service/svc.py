@@ -198,6 +198,20 @@ def metrics(port):
     return out
 
 
+def wait_metric(port, key, want, timeout=15):
+    """Polls a worker's /metrics until `key` equals `want` (gauges are set by
+    the worker loop after it sends the last reply, so a client can read the
+    old value for a moment); returns the last value read."""
+    end = time.time() + timeout
+    v = None
+    while time.time() < end:
+        v = metrics(port).get(key)
+        if v == want:
+            return v
+        time.sleep(0.05)
+    return v
+
+
 class Cluster:
     """A router plus workers as separate processes on 127.0.0.1."""
 

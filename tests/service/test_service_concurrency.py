@@ -59,11 +59,11 @@ try:
     for p in c.prefills:
         shares[p.worker_name] = svc.metrics(p.metrics_port)["twain_prefill_requests_total"]
     for p in c.decodes:
-        m = svc.metrics(p.metrics_port)
-        shares[p.worker_name] = m["twain_decode_tokens_total"]
-        if m["twain_kv_blocks_used"] != 0:
+        used = svc.wait_metric(p.metrics_port, "twain_kv_blocks_used", 0)
+        shares[p.worker_name] = svc.metrics(p.metrics_port)["twain_decode_tokens_total"]
+        if used != 0:
             fails += 1
-            print("FAIL: %s still holds %d blocks" % (p.worker_name, m["twain_kv_blocks_used"]))
+            print("FAIL: %s still holds %d blocks" % (p.worker_name, used))
     print("work per worker (prefills: prompts, decodes: tokens):", shares)
     if any(v <= 0 for v in shares.values()):
         fails += 1

@@ -21,17 +21,6 @@ def check(cond, what):
         fails += 1
 
 
-def wait_metric(port, key, want, timeout=15):
-    end = time.time() + timeout
-    v = None
-    while time.time() < end:
-        v = svc.metrics(port).get(key)
-        if v == want:
-            return v
-        time.sleep(0.05)
-    return v
-
-
 def wait_tokens(cl, rid, n, timeout=60):
     end = time.time() + timeout
     while time.time() < end:
@@ -57,7 +46,7 @@ try:
           "cancel: the stream ends with CANCELLED (%s)" % last.error.message)
     check(reps[1][-1].done and reps[1][-1].error.code == 0, "cancel: the cancel request is answered OK")
     for d in c.decodes:
-        check(wait_metric(d.metrics_port, "twain_kv_blocks_used", 0) == 0,
+        check(svc.wait_metric(d.metrics_port, "twain_kv_blocks_used", 0) == 0,
               "cancel: %s holds 0 kv blocks" % d.worker_name)
     # cancelling it again: NOT_FOUND, clearly
     creq2 = svc.ClientRequest()
@@ -70,10 +59,10 @@ try:
     grid = gone.send(svc.generate(prompt, 3000))
     wait_tokens(gone, grid, 5)
     gone.close()
-    check(wait_metric(c.router_metrics_port, "twain_router_running_requests", 0) == 0,
+    check(svc.wait_metric(c.router_metrics_port, "twain_router_running_requests", 0) == 0,
           "client gone: the router drops the request")
     for d in c.decodes:
-        check(wait_metric(d.metrics_port, "twain_kv_blocks_used", 0) == 0,
+        check(svc.wait_metric(d.metrics_port, "twain_kv_blocks_used", 0) == 0,
               "client gone: %s holds 0 kv blocks" % d.worker_name)
 
     # ---- kill -9 of a decode worker mid-stream

@@ -66,6 +66,7 @@ try:
         print("non-streamed reply differs:", nonstream)
         fails += 1
     n_req = len(cases) + 4
+    svc.wait_metric(c.decodes[0].metrics_port, "twain_kv_blocks_used", 0)
     m = svc.metrics(c.decodes[0].metrics_port)
     print("decode metrics: checksum ok %d, mismatch %d, blocks used %d" % (
         m["twain_kv_checksum_ok_total"], m["twain_kv_checksum_mismatch_total"], m["twain_kv_blocks_used"]))
