@@ -63,7 +63,14 @@ GPTOSS_20B_4LAYER = dict(TINY_CONFIG, **{
     "eos_token_id": 200002, "pad_token_id": 199999,
 })
 
-PRESETS = {"tiny": TINY_CONFIG, "20b-4layer": GPTOSS_20B_4LAYER}
+# The full models (spec 1.1): tests/bench/bench_hf.py times these with random weights.
+GPTOSS_20B = dict(GPTOSS_20B_4LAYER, num_hidden_layers=24,
+                  layer_types=["sliding_attention", "full_attention"] * 12)
+GPTOSS_120B = dict(GPTOSS_20B, num_hidden_layers=36, num_local_experts=128,
+                   layer_types=["sliding_attention", "full_attention"] * 18)
+
+PRESETS = {"tiny": TINY_CONFIG, "20b-4layer": GPTOSS_20B_4LAYER, "20b": GPTOSS_20B,
+           "120b": GPTOSS_120B}
 
 FP4_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 MXFP4_QUANT = {"quant_method": "mxfp4", "modules_to_not_convert": [
@@ -76,7 +83,8 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="existing HF checkpoint directory")
-    src.add_argument("--config", help="'tiny', '20b-4layer' or a config.json path (with --random-weights)")
+    src.add_argument("--config", help="'tiny', '20b-4layer', '20b', '120b' or a config.json path "
+                                      "(with --random-weights)")
     p.add_argument("--random-weights", action="store_true", help="random weights for --config")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--mxfp4", action="store_true",
@@ -230,15 +238,10 @@ def mxfp4_decode(blocks, scales, torch):
     return val.reshape(E, R, -1)
 
 
-def write_random_checkpoint(a, torch, transformers):
-    """Build a random GptOssForCausalLM on --device, write it in the HF file
-    layout that twain's loader reads (our own safetensors writer and config.json,
-    so nothing depends on transformers' save format) and return (dir, model):
-    the in-memory float32 model holds exactly the written values (bf16-rounded,
-    experts replaced by their dequantised MXFP4 values with --mxfp4)."""
-    from safetensors.torch import save_file
-    cfg_dict = load_config_dict(a.config)
-    cfg_dict.pop("quantization_config", None)
+def hf_config(cfg_dict, transformers):
+    """transformers.GptOssConfig for a config.json dict (no quantization_config):
+    the legacy rope_scaling spelling, else rope_parameters (transformers >= 5);
+    SystemExit when the YaRN rope configuration does not reach the config (spec 2.5)."""
     hf_dict = dict(cfg_dict)
     hf_dict.pop("model_type", None)  # a class attribute of GptOssConfig
     try:
@@ -257,6 +260,19 @@ def write_random_checkpoint(a, torch, transformers):
     print(f"HF rope configuration: {rp_eff}", file=sys.stderr)
     if "yarn" not in str(rp_eff):
         raise SystemExit("make_reference: transformers did not take the YaRN rope configuration")
+    return config
+
+
+def write_random_checkpoint(a, torch, transformers):
+    """Build a random GptOssForCausalLM on --device, write it in the HF file
+    layout that twain's loader reads (our own safetensors writer and config.json,
+    so nothing depends on transformers' save format) and return (dir, model):
+    the in-memory float32 model holds exactly the written values (bf16-rounded,
+    experts replaced by their dequantised MXFP4 values with --mxfp4)."""
+    from safetensors.torch import save_file
+    cfg_dict = load_config_dict(a.config)
+    cfg_dict.pop("quantization_config", None)
+    config = hf_config(cfg_dict, transformers)
     try:
         config._attn_implementation = "eager"
     except Exception:

@@ -42,21 +42,16 @@ DONTWAIT = NOBLOCK = 1
 SNDMORE = 2
 # poll events
 POLLIN, POLLOUT, POLLERR = 1, 2, 4
-# socket options: (number, kind) with kind 'i' (int), 'q' (int64/uint64), 'b' (bytes)
-_OPTS = {
-    "AFFINITY": (4, "q"), "ROUTING_ID": (5, "b"), "IDENTITY": (5, "b"), "SUBSCRIBE": (6, "b"),
-    "UNSUBSCRIBE": (7, "b"), "RATE": (8, "i"), "RECOVERY_IVL": (9, "i"), "SNDBUF": (11, "i"),
-    "RCVBUF": (12, "i"), "RCVMORE": (13, "i"), "FD": (14, "i"), "EVENTS": (15, "i"),
-    "TYPE": (16, "i"), "LINGER": (17, "i"), "RECONNECT_IVL": (18, "i"), "BACKLOG": (19, "i"),
-    "RECONNECT_IVL_MAX": (21, "i"), "MAXMSGSIZE": (22, "q"), "SNDHWM": (23, "i"),
-    "RCVHWM": (24, "i"), "MULTICAST_HOPS": (25, "i"), "RCVTIMEO": (27, "i"), "SNDTIMEO": (28, "i"),
-    "LAST_ENDPOINT": (32, "b"), "ROUTER_MANDATORY": (33, "i"), "TCP_KEEPALIVE": (34, "i"),
-    "IMMEDIATE": (39, "i"), "ROUTER_HANDOVER": (56, "i"), "HEARTBEAT_IVL": (75, "i"),
-    "HEARTBEAT_TTL": (76, "i"), "HEARTBEAT_TIMEOUT": (77, "i"), "CONNECT_TIMEOUT": (79, "i"),
-}
-for _name, (_num, _kind) in _OPTS.items():
-    globals()[_name] = _num
-_KIND = {num: kind for num, kind in _OPTS.values()}
+# socket options
+AFFINITY, ROUTING_ID, SUBSCRIBE, UNSUBSCRIBE, RATE, RECOVERY_IVL = 4, 5, 6, 7, 8, 9
+IDENTITY = ROUTING_ID
+SNDBUF, RCVBUF, RCVMORE, FD, EVENTS, TYPE, LINGER, RECONNECT_IVL, BACKLOG = 11, 12, 13, 14, 15, 16, 17, 18, 19
+RECONNECT_IVL_MAX, MAXMSGSIZE, SNDHWM, RCVHWM, MULTICAST_HOPS = 21, 22, 23, 24, 25
+RCVTIMEO, SNDTIMEO, LAST_ENDPOINT, ROUTER_MANDATORY, TCP_KEEPALIVE, IMMEDIATE = 27, 28, 32, 33, 34, 39
+ROUTER_HANDOVER, HEARTBEAT_IVL, HEARTBEAT_TTL, HEARTBEAT_TIMEOUT, CONNECT_TIMEOUT = 56, 75, 76, 77, 79
+# value kinds: 'q' int64/uint64, 'b' bytes, every other option int
+_KIND = {AFFINITY: "q", MAXMSGSIZE: "q", ROUTING_ID: "b", SUBSCRIBE: "b", UNSUBSCRIBE: "b",
+         LAST_ENDPOINT: "b"}
 
 _HAUSNUMERO = 156384712
 EAGAIN = _errno.EAGAIN
