@@ -29,6 +29,30 @@ tw_status_t tw_dist_engine_prefill(tw_dist_t *dist, tw_engine_t *engine,
  *  TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
 tw_status_t tw_dist_engine_decode(tw_dist_t *dist, tw_engine_t *engine,
                                   const tw_decode_args_t *args);
+/** One rank's part of a data-parallel decode step (tw_dist_engine_decode_dp). */
+typedef struct {
+  tw_decode_args_t args; /* this rank's sequences; n_seqs may be 0; logits_out must be NULL;
+                            next_tokens_out [n_seqs] receives their tokens */
+  int32_t pad_block;     /* a block of this rank's pool that no sequence uses: with
+                            n_seqs 0 the rank runs one padding row (token 0 at position 0)
+                            whose K/V land there and whose token is dropped */
+} tw_dist_dp_batch_t;
+
+/** Rank 0, data-parallel attention (tw_engine_params_t.dp_attention, every
+ *  rank its own sequences and pool): one decode step in which rank r runs
+ *  batches[r] (r = 0 .. size-1) on its engine. All ranks call the engine
+ *  even when their batch is empty (a padding row, see pad_block), because
+ *  the MoE's collectives need every rank; a step with no sequence on any
+ *  rank must not be made. Each other rank answers with its tokens, which
+ *  land in batches[r].args.next_tokens_out. Plan: u32 kind, i32 size, then
+ *  per rank i32 pad_block and the DECODE fields (see dist_engine.c).
+ *  Errors: those of tw_engine_decode on any rank (the message names the
+ *  rank), TW_ERR_INVALID_ARGUMENT (no sequence at all, logits_out set, more
+ *  than 64 ranks), TW_ERR_DEADLINE (a rank did not answer within 120 s),
+ *  TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
+tw_status_t tw_dist_engine_decode_dp(tw_dist_t *dist, tw_engine_t *engine,
+                                     const tw_dist_dp_batch_t *batches);
+
 /** Rank 0: send a daemon-defined plan (copied) to the other ranks' hook.
  *  Errors: TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
 tw_status_t tw_dist_plan_user(tw_dist_t *dist, const void *buf, size_t len);

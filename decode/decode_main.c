@@ -18,6 +18,8 @@ static void usage(void) {
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--max-batch N]\n"
           "         [--threads N] [--metrics-port P (-1 off, 0 ephemeral)] [--verify-kv]\n"
           "         [--tp N] [--ep N]   tensor / expert parallel ranks (docs/parallelism.md)\n"
+          "         [--dp N]   data-parallel attention: N ranks, each a replica with its own\n"
+          "           sequences and kv pool; needs --ep N and --tp 1 (cpu backend only)\n"
           "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
           "         [--drain-timeout SECONDS (default 600: SIGTERM finishes running sequences\n"
           "           for at most this long)]\n"
@@ -60,6 +62,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--drain-timeout")) p.drain_timeout_s = atoi(v);
     else if (!strcmp(a, "--tp")) p.tp = atoi(v);
     else if (!strcmp(a, "--ep")) p.ep = atoi(v);
+    else if (!strcmp(a, "--dp")) p.dp = atoi(v);
     else {
       fprintf(stderr, "twain-decode: unknown option %s\n", a);
       usage();

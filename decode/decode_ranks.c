@@ -2,8 +2,12 @@
  * the follower loop of a multi-rank decode worker (see decode_ranks.h).
  * Pool message (other rank -> 0 at start): u32 address length, address,
  * u32 rkey length, rkey, tw_kv_remote_layout_t, i32 kv_head_offset.
- * ADMIT plan: i32 n_prompt, i32 nb, i32 ids[nb], i32 n_sums, u64 sums[];
- * its reply: i32 ok_layers, i32 bad_layers, then a message. */
+ * ADMIT plan: i32 target (-1: every rank checks its own heads; r: rank r
+ * alone checks its whole pool, data-parallel attention), i32 per_layer (1:
+ * sums are per layer, 0: per [layer][kv head]), i32 n_prompt, i32 nb,
+ * i32 ids[nb], i32 n_sums, u64 sums[];
+ * its reply: i32 ok_layers, i32 bad_layers, then a message (a rank that is
+ * not the target answers n_layers, 0). */
 #include "decode/decode_ranks.h"
 
 #include "common/dist_engine.h"
@@ -134,6 +138,46 @@ void tw_decode_ranks_fill_handoff(tw_decode_ranks_t *rk, Twain__Internal__V1__Kv
   if (h->layout) h->layout->kv_head_offset = rk->ranks[0]->layout->kv_head_offset;
 }
 
+void tw_decode_ranks_handoff_dp(tw_decode_ranks_t *rk, int32_t r,
+                                Twain__Internal__V1__KvHandoff *h) {
+  const Twain__Internal__V1__KvRank *k = rk->ranks[r];
+  h->ucx_address = k->ucx_address;
+  h->rkey = k->rkey;
+  h->layout = k->layout;
+  h->n_ranks = 0;
+  h->ranks = NULL;
+}
+
+/* Check this rank's whole pool against per-layer sums (as
+ * tw_kv_xfer_send_layer computed them): counts of layers matching / not. */
+static void tw_decode_check_layers(tw_decode_ranks_t *rk, int32_t n_prompt, const int32_t *ids,
+                                   int32_t nb, const uint64_t *sums, size_t n_sums, int *ok,
+                                   int *bad, char *msg, size_t msg_len) {
+  const tw_model_config_t *c = &rk->model->config;
+  const tw_kv_layout_t *l = tw_engine_kv_layout(rk->engine);
+  *ok = *bad = 0;
+  if (n_sums != (size_t)c->n_layers) {
+    snprintf(msg, msg_len, "handoff carries %zu layer checksums, model has %d layers", n_sums,
+             c->n_layers);
+    *bad = c->n_layers;
+    return;
+  }
+  for (int32_t layer = 0; layer < c->n_layers; layer++) {
+    int32_t first = tw_kv_layer_first_block(n_prompt, l->block_size,
+                                            c->layer_types[layer] == TW_LAYER_SLIDING,
+                                            c->sliding_window);
+    uint64_t h = 0;
+    if (tw_kv_layer_checksum(l, layer, ids, first, nb, &h) == TW_OK && h == sums[layer]) {
+      (*ok)++;
+      continue;
+    }
+    if (!*bad)
+      snprintf(msg, msg_len, "kv checksum mismatch in layer %d: received %016llx, sent %016llx",
+               layer, (unsigned long long)h, (unsigned long long)sums[layer]);
+    (*bad)++;
+  }
+}
+
 /* Check this rank's heads: counts of layers fully matching / not. */
 static void tw_decode_check_own(tw_decode_ranks_t *rk, int32_t n_prompt, const int32_t *ids,
                                 int32_t nb, const uint64_t *sums, size_t n_sums, int *ok, int *bad,
@@ -166,18 +210,33 @@ static void tw_decode_check_own(tw_decode_ranks_t *rk, int32_t n_prompt, const i
   }
 }
 
-bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t n_prompt, const int32_t *ids,
-                            int32_t nb, const uint64_t *sums, size_t n_sums, int *ok_layers_p,
-                            int *bad_layers_p, char *msg, size_t msg_len) {
+/* This rank's part of a check: the target alone (or every rank for -1). */
+static void tw_decode_check(tw_decode_ranks_t *rk, int32_t target, bool per_layer,
+                            int32_t n_prompt, const int32_t *ids, int32_t nb, const uint64_t *sums,
+                            size_t n_sums, int *ok, int *bad, char *msg, size_t msg_len) {
+  if (target >= 0 && target != tw_dist_rank(rk->dist)) {
+    *ok = rk->model->config.n_layers; /* neutral for the min / max below */
+    *bad = 0;
+  } else if (per_layer) {
+    tw_decode_check_layers(rk, n_prompt, ids, nb, sums, n_sums, ok, bad, msg, msg_len);
+  } else {
+    tw_decode_check_own(rk, n_prompt, ids, nb, sums, n_sums, ok, bad, msg, msg_len);
+  }
+}
+
+bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t target, bool per_layer, int32_t n_prompt,
+                            const int32_t *ids, int32_t nb, const uint64_t *sums, size_t n_sums,
+                            int *ok_layers_p, int *bad_layers_p, char *msg, size_t msg_len) {
   int32_t size = tw_dist_size(rk->dist);
-  if (size > 1) {
-    size_t len = 4 * sizeof(int32_t) + sizeof(int32_t) * (size_t)nb + 8 * n_sums;
+  bool others = size > 1 && target != 0; /* rank 0's own pool needs no plan */
+  if (others) {
+    size_t len = 6 * sizeof(int32_t) + sizeof(int32_t) * (size_t)nb + 8 * n_sums;
     uint8_t *m = malloc(len), *p = m;
     if (!m) {
       snprintf(msg, msg_len, "decode rank 0: out of memory");
       return false;
     }
-    int32_t hdr[2] = {n_prompt, nb}, ns = (int32_t)n_sums;
+    int32_t hdr[4] = {target, per_layer, n_prompt, nb}, ns = (int32_t)n_sums;
     memcpy(p, hdr, sizeof hdr), p += sizeof hdr;
     memcpy(p, ids, sizeof(int32_t) * (size_t)nb), p += sizeof(int32_t) * (size_t)nb;
     memcpy(p, &ns, sizeof ns), p += sizeof ns;
@@ -190,9 +249,9 @@ bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t n_prompt, const int32
     }
   }
   int ok = 0, bad = 0;
-  tw_decode_check_own(rk, n_prompt, ids, nb, sums, n_sums, &ok, &bad, msg, msg_len);
+  tw_decode_check(rk, target, per_layer, n_prompt, ids, nb, sums, n_sums, &ok, &bad, msg, msg_len);
   int all_ok = ok, any_bad = bad; /* a layer is ok when every rank's heads of it matched */
-  if (size > 1) {
+  if (others) {
     void *bufs[64];
     size_t lens[64];
     if (tw_dist_replies_recv(rk->dist, 60000, bufs, lens) != TW_OK) {
@@ -218,21 +277,22 @@ bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t n_prompt, const int32
 static tw_status_t tw_decode_ranks_hook(void *ctx, const void *buf, size_t len) {
   tw_decode_ranks_t *rk = ctx;
   const uint8_t *p = buf, *end = p + len;
-  int32_t hdr[2] = {0, -1}, ns = -1;
+  int32_t hdr[4] = {0, 0, 0, -1}, ns = -1; /* target, per_layer, n_prompt, nb */
   int ok = 0, bad = rk->model->config.n_layers;
   char msg[256] = "malformed admit plan";
   if (len >= sizeof hdr) memcpy(hdr, p, sizeof hdr);
   const uint8_t *ids = p + sizeof hdr;
-  const uint8_t *q = hdr[1] > 0 ? ids + sizeof(int32_t) * (size_t)hdr[1] : end;
+  const uint8_t *q = hdr[3] > 0 && len >= sizeof hdr ? ids + sizeof(int32_t) * (size_t)hdr[3] : end;
   if (q + sizeof ns <= end) memcpy(&ns, q, sizeof ns);
   if (ns >= 0 && q + sizeof ns + 8 * (size_t)ns == end) {
-    int32_t *idv = malloc(sizeof(int32_t) * (size_t)hdr[1]);
+    int32_t *idv = malloc(sizeof(int32_t) * (size_t)hdr[3]);
     uint64_t *sv = malloc(8 * (size_t)(ns > 0 ? ns : 1));
     if (idv && sv) {
-      memcpy(idv, ids, sizeof(int32_t) * (size_t)hdr[1]);
+      memcpy(idv, ids, sizeof(int32_t) * (size_t)hdr[3]);
       memcpy(sv, q + sizeof ns, 8 * (size_t)ns);
       msg[0] = '\0';
-      tw_decode_check_own(rk, hdr[0], idv, hdr[1], sv, (size_t)ns, &ok, &bad, msg, sizeof msg);
+      tw_decode_check(rk, hdr[0], hdr[1] != 0, hdr[2], idv, hdr[3], sv, (size_t)ns, &ok, &bad,
+                      msg, sizeof msg);
     }
     free(idv);
     free(sv);

@@ -6,7 +6,11 @@
  * the decode ranks that hold them. Decode steps reach the other ranks as
  * plans (dist_engine.h); the per-head KV checksums of a handoff are checked
  * by each rank on its own heads (an ADMIT plan). The block manager lives on
- * rank 0 only: block ids mean the same blocks in every rank's pool. */
+ * rank 0 only: block ids mean the same blocks in every rank's pool.
+ * With data-parallel attention (--dp N) every rank's pool holds every kv
+ * head and its own sequences: rank 0 keeps one block manager per rank
+ * (decode_worker.c), a handoff names the one rank chosen
+ * (tw_decode_ranks_handoff_dp) and only that rank checks what it got. */
 #ifndef TW_DECODE_DECODE_RANKS_H
 #define TW_DECODE_DECODE_RANKS_H
 
@@ -43,13 +47,23 @@ void tw_decode_ranks_fini(tw_decode_ranks_t *rk);
  *  handoff borrows rk's storage. */
 void tw_decode_ranks_fill_handoff(tw_decode_ranks_t *rk, Twain__Internal__V1__KvHandoff *h);
 
-/** Rank 0: check the per-head checksums sums[L * NKV] of a prompt of
- *  n_prompt tokens in blocks ids on every rank (each on its own heads).
- *  *ok_layers_p / *bad_layers_p count the layers all of whose heads matched
- *  or not. Returns false with msg set on a mismatch or a failed rank. */
-bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t n_prompt, const int32_t *ids,
-                            int32_t nb, const uint64_t *sums, size_t n_sums, int *ok_layers_p,
-                            int *bad_layers_p, char *msg, size_t msg_len);
+/** Rank 0, data-parallel attention: fields 1-3 of the handoff become rank
+ *  r's pool (every kv head), with no ranks list, so any prefill worker puts
+ *  the whole KV there. The handoff borrows rk's storage. */
+void tw_decode_ranks_handoff_dp(tw_decode_ranks_t *rk, int32_t r,
+                                Twain__Internal__V1__KvHandoff *h);
+
+/** Rank 0: check the KV of a prompt of n_prompt tokens in blocks ids[nb]
+ *  against sums[n_sums] on the ranks that hold it: target -1, every rank on
+ *  its own heads (sums per [layer][kv head], L * NKV, re-sharded TP
+ *  handoffs); target r >= 0, rank r alone on its whole pool (data-parallel
+ *  attention, or a single rank), with per_layer sums [L] (as
+ *  tw_kv_xfer_send_layer computes them) or per-head sums. Rank 0's own pool
+ *  needs no plan. *ok_layers_p / *bad_layers_p count the layers that
+ *  matched or not. Returns false with msg set on a mismatch or a failed rank. */
+bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t target, bool per_layer, int32_t n_prompt,
+                            const int32_t *ids, int32_t nb, const uint64_t *sums, size_t n_sums,
+                            int *ok_layers_p, int *bad_layers_p, char *msg, size_t msg_len);
 
 /** The other ranks: follow rank 0's plans until it says stop, progressing
  *  UCX between them (received puts may need the target's progress). */

@@ -7,7 +7,14 @@
  * front, so a running sequence can never run out of KV mid-stream: a full
  * pool answers RESOURCE_EXHAUSTED at reservation time and the router queues
  * or tries another worker. Every exit path of a sequence goes through
- * tw_dseq_release(), which returns its blocks. */
+ * tw_dseq_release(), which returns its blocks.
+ *
+ * Data-parallel attention (--dp N, issue 6): rank 0 keeps one block manager
+ * per rank (each rank's pool minus its last block, the padding block of an
+ * empty step), places each reservation on the rank with the most free
+ * blocks, hands the prefill worker that rank's pool only, has that rank
+ * check the checksums, and runs every step as per-rank batches
+ * (tw_dist_engine_decode_dp). */
 #include "decode/decode_worker.h"
 
 #include "common/dist_engine.h"
@@ -39,6 +46,7 @@ typedef enum { TW_DSEQ_RESERVED = 1, TW_DSEQ_RUNNING = 2, TW_DSEQ_QUARANTINE = 3
 typedef struct {
   uint64_t id;
   tw_dseq_state_t state;
+  int32_t rank;       /* the dp rank whose pool holds its KV (0 without --dp) */
   int32_t *blocks;
   int32_t n_blocks;
   int32_t n_prompt;
@@ -56,7 +64,9 @@ typedef struct {
   const tw_decode_params_t *p;
   tw_model_t *model;
   tw_engine_t *engine;
-  tw_kv_blocks_t *blocks;
+  int32_t n_dp;                          /* attention replicas (1: no --dp) */
+  tw_kv_blocks_t *bm[TW_DECODE_MAX_DP];  /* rank 0: a block manager per dp rank */
+  int32_t pad[TW_DECODE_MAX_DP];         /* each dp rank's padding block (dist_engine.h) */
   tw_kv_xfer_t *xfer;
   tw_kv_region_t *region;
   tw_worker_link_t link;
@@ -76,21 +86,36 @@ typedef struct {
   struct {
     tw_metric_t *running, *reserved, *blocks_used, *blocks_free, *tpot, *tokens, *steps,
         *kv_bytes, *sum_ok, *sum_bad, *rejected;
+    tw_metric_t *dp_seqs[TW_DECODE_MAX_DP], *dp_tokens[TW_DECODE_MAX_DP],
+        *dp_used[TW_DECODE_MAX_DP];
   } m;
 } tw_decoder_t;
 
+/* Blocks over every dp rank's manager: which = 0 free, 1 used, 2 total. */
+static int32_t tw_decoder_blocks(const tw_decoder_t *d, int which) {
+  int32_t n = 0;
+  for (int32_t r = 0; r < d->n_dp; r++)
+    n += which == 0 ? tw_kv_blocks_free_count(d->bm[r])
+         : which == 1 ? tw_kv_blocks_used_count(d->bm[r]) : tw_kv_blocks_total(d->bm[r]);
+  return n;
+}
+
+static void tw_decoder_block_gauges(tw_decoder_t *d) {
+  tw_metric_set(d->m.blocks_used, tw_decoder_blocks(d, 1));
+  tw_metric_set(d->m.blocks_free, tw_decoder_blocks(d, 0));
+  for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++)
+    tw_metric_set(d->m.dp_used[r], tw_kv_blocks_used_count(d->bm[r]));
+}
+
 static void tw_dseq_release(tw_decoder_t *d, int32_t idx) {
   tw_dseq_t *s = d->seqs[idx];
-  if (s->n_blocks && tw_kv_blocks_free(d->blocks, s->n_blocks, s->blocks) != TW_OK)
+  if (s->n_blocks && tw_kv_blocks_free(d->bm[s->rank], s->n_blocks, s->blocks) != TW_OK)
     TW_ERROR("decode", "request %llu: could not free its %d blocks",
              (unsigned long long)s->id, s->n_blocks);
   free(s->blocks);
   free(s);
   d->seqs[idx] = d->seqs[--d->n_seqs];
-  if (d->m.blocks_used) { /* at once, not at the end of the loop turn */
-    tw_metric_set(d->m.blocks_used, tw_kv_blocks_used_count(d->blocks));
-    tw_metric_set(d->m.blocks_free, tw_kv_blocks_free_count(d->blocks));
-  }
+  if (d->m.blocks_used) tw_decoder_block_gauges(d); /* at once, not at the end of the loop turn */
 }
 
 static int32_t tw_dseq_find(const tw_decoder_t *d, uint64_t id) {
@@ -106,14 +131,19 @@ static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *
     waiting += d->seqs[i]->state == TW_DSEQ_RESERVED;
   }
   twain__internal__v1__capacity__init(c);
-  c->free_kv_blocks = tw_kv_blocks_free_count(d->blocks);
-  c->total_kv_blocks = tw_kv_blocks_total(d->blocks);
+  /* dp: sums over the replicas, plus the room of the emptiest one (a
+   * sequence's KV lives in one: the router's fit test, Capacity in
+   * twain_internal.proto) */
+  c->free_kv_blocks = tw_decoder_blocks(d, 0);
+  c->total_kv_blocks = tw_decoder_blocks(d, 2);
+  for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++)
+    if (tw_kv_blocks_free_count(d->bm[r]) > c->replica_free_kv_blocks)
+      c->replica_free_kv_blocks = tw_kv_blocks_free_count(d->bm[r]);
   c->running = running;
   c->queued = waiting;
   tw_metric_set(d->m.running, running);
   tw_metric_set(d->m.reserved, waiting);
-  tw_metric_set(d->m.blocks_used, tw_kv_blocks_used_count(d->blocks));
-  tw_metric_set(d->m.blocks_free, c->free_kv_blocks);
+  tw_decoder_block_gauges(d);
 }
 
 static void tw_send_tokens(tw_decoder_t *d, uint64_t id, const int32_t *toks, size_t n,
@@ -147,7 +177,10 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
   char msg[256] = "";
   tw_dseq_t *seq = NULL;
   int64_t n_tok = (int64_t)r->n_prompt_tokens + (r->max_tokens > 0 ? r->max_tokens : 1);
-  int32_t need = tw_kv_blocks_needed(d->blocks, n_tok);
+  int32_t need = tw_kv_blocks_needed(d->bm[0], n_tok);
+  int32_t rank = 0; /* dp: the replica with the most free blocks (ties: the lowest rank) */
+  for (int32_t k = 1; k < d->n_dp; k++)
+    if (tw_kv_blocks_free_count(d->bm[k]) > tw_kv_blocks_free_count(d->bm[rank])) rank = k;
   if (d->draining) {
     s.code = TWAIN__V1__CODE__UNAVAILABLE;
     snprintf(msg, sizeof msg, "decode worker %s is draining", d->link.name);
@@ -162,10 +195,11 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
   } else if (!(seq = calloc(1, sizeof *seq)) || !(seq->blocks = malloc(sizeof(int32_t) * (size_t)need))) {
     s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
     snprintf(msg, sizeof msg, "decode worker out of host memory");
-  } else if (tw_kv_blocks_alloc(d->blocks, need, seq->blocks) != TW_OK) {
+  } else if (tw_kv_blocks_alloc(d->bm[rank], need, seq->blocks) != TW_OK) {
     s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
-    snprintf(msg, sizeof msg, "decode worker %s has %d free kv blocks, request needs %d",
-             d->link.name, tw_kv_blocks_free_count(d->blocks), need);
+    snprintf(msg, sizeof msg, "decode worker %s has %d free kv blocks%s, request needs %d",
+             d->link.name, tw_kv_blocks_free_count(d->bm[rank]),
+             d->n_dp > 1 ? " in its emptiest dp rank" : "", need);
   }
   if (s.code) {
     if (seq) free(seq->blocks);
@@ -178,7 +212,7 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
       int32_t cap = d->cap_seqs ? d->cap_seqs * 2 : 64;
       tw_dseq_t **t = realloc(d->seqs, sizeof *t * (size_t)cap);
       if (!t) {
-        tw_kv_blocks_free(d->blocks, need, seq->blocks);
+        tw_kv_blocks_free(d->bm[rank], need, seq->blocks);
         free(seq->blocks);
         free(seq);
         s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
@@ -190,6 +224,7 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
       d->cap_seqs = cap;
     }
     seq->id = r->request_id;
+    seq->rank = rank;
     seq->state = TW_DSEQ_RESERVED;
     seq->n_blocks = need;
     seq->n_prompt = r->n_prompt_tokens;
@@ -217,12 +252,14 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     h.rkey.len = rlen;
     h.layout = &kl;
     /* only the prompt's blocks travel; the rest are for generated tokens */
-    h.n_block_ids = (size_t)tw_kv_blocks_needed(d->blocks, r->n_prompt_tokens);
+    h.n_block_ids = (size_t)tw_kv_blocks_needed(d->bm[rank], r->n_prompt_tokens);
     h.block_ids = seq->blocks;
     h.decode_worker = d->link.name;
-    tw_decode_ranks_fill_handoff(&d->rk, &h); /* every rank's pool when TP/EP > 1 */
+    if (d->n_dp > 1) tw_decode_ranks_handoff_dp(&d->rk, rank, &h); /* that replica's pool only */
+    else tw_decode_ranks_fill_handoff(&d->rk, &h); /* every rank's pool when TP/EP > 1 */
     out.handoff = &h;
-    TW_DEBUG("decode", "request %llu: reserved %d blocks", (unsigned long long)r->request_id, need);
+    TW_DEBUG("decode", "request %llu: reserved %d blocks on rank %d",
+             (unsigned long long)r->request_id, need, rank);
   }
 send:;
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
@@ -232,42 +269,20 @@ send:;
 }
 
 /* Compare the checksums the prefill worker computed over what it sent with
- * those of what arrived, layer by layer. */
-static bool tw_verify_kv(tw_decoder_t *d, tw_dseq_t *s, const Twain__Internal__V1__DecodeRequest *r,
-                         char *msg, size_t msg_len) {
-  const tw_model_config_t *c = &d->model->config;
-  const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
-  if ((int32_t)r->n_layer_checksums != c->n_layers) {
-    snprintf(msg, msg_len, "handoff carries %zu layer checksums, model has %d layers",
-             r->n_layer_checksums, c->n_layers);
-    return false;
-  }
-  int32_t nb = tw_kv_blocks_needed(d->blocks, s->n_prompt);
-  for (int32_t layer = 0; layer < c->n_layers; layer++) {
-    int32_t first = tw_kv_layer_first_block(s->n_prompt, l->block_size,
-                                            c->layer_types[layer] == TW_LAYER_SLIDING,
-                                            c->sliding_window);
-    uint64_t h = 0;
-    if (tw_kv_layer_checksum(l, layer, s->blocks, first, nb, &h) != TW_OK || h != r->layer_checksums[layer]) {
-      snprintf(msg, msg_len, "kv checksum mismatch in layer %d: received %016llx, sent %016llx",
-               layer, (unsigned long long)h, (unsigned long long)r->layer_checksums[layer]);
-      tw_metric_add(d->m.sum_bad, 1);
-      return false;
-    }
-    tw_metric_add(d->m.sum_ok, 1);
-  }
-  return true;
-}
-
-/* Re-sharded handoffs: every rank checks the per-head checksums of its heads. */
-static bool tw_decoder_verify_heads(tw_decoder_t *d, tw_dseq_t *s,
-                                    const Twain__Internal__V1__DecodeRequest *r, char *msg,
-                                    size_t msg_len) {
+ * those of what arrived, on the rank(s) that hold it: per layer (one pool
+ * had it all), or per head (re-sharded: every TP rank its heads). */
+static bool tw_decoder_verify(tw_decoder_t *d, tw_dseq_t *s,
+                              const Twain__Internal__V1__DecodeRequest *r, char *msg,
+                              size_t msg_len) {
+  bool per_layer = r->n_layer_checksums > 0;
+  /* per-head checksums read host pools only (kv_reshard.h) */
+  if (!per_layer && tw_engine_kv_layout(d->engine)->on_device) return true;
+  int32_t target = per_layer || d->n_dp > 1 ? s->rank : -1;
   int ok = 0, bad = 0;
-  if (tw_engine_kv_layout(d->engine)->on_device) return true; /* host pools only (kv_reshard.h) */
-  bool same = tw_decode_ranks_verify(&d->rk, s->n_prompt, s->blocks,
-                                     tw_kv_blocks_needed(d->blocks, s->n_prompt), r->head_checksums,
-                                     r->n_head_checksums, &ok, &bad, msg, msg_len);
+  bool same = tw_decode_ranks_verify(
+      &d->rk, target, per_layer, s->n_prompt, s->blocks, tw_kv_blocks_needed(d->bm[0], s->n_prompt),
+      per_layer ? r->layer_checksums : r->head_checksums,
+      per_layer ? r->n_layer_checksums : r->n_head_checksums, &ok, &bad, msg, msg_len);
   tw_metric_add(d->m.sum_ok, ok);
   tw_metric_add(d->m.sum_bad, bad);
   return same;
@@ -292,7 +307,7 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   tw_dseq_t *s = d->seqs[idx];
   const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
   const tw_model_config_t *c = &d->model->config;
-  int32_t nb = tw_kv_blocks_needed(d->blocks, s->n_prompt);
+  int32_t nb = tw_kv_blocks_needed(d->bm[0], s->n_prompt);
   if (r->n_prompt_tokens != s->n_prompt || r->first_token < 0 || r->first_token >= c->vocab_size ||
       r->max_tokens <= 0 || (int64_t)s->n_prompt + r->max_tokens > (int64_t)s->n_blocks * l->block_size) {
     snprintf(msg, sizeof msg, "decode for request %llu does not match its reservation",
@@ -302,9 +317,10 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     tw_dseq_release(d, idx);
     return;
   }
-  if (tw_kv_region_commit(d->region, s->blocks, nb) != TW_OK ||
-      (d->p->verify_kv && r->n_layer_checksums && !tw_verify_kv(d, s, r, msg, sizeof msg)) ||
-      (d->p->verify_kv && r->n_head_checksums && !tw_decoder_verify_heads(d, s, r, msg, sizeof msg))) {
+  /* (dp runs on host pools only, which need no commit; d->region is rank 0's) */
+  if ((s->rank == 0 && tw_kv_region_commit(d->region, s->blocks, nb) != TW_OK) ||
+      (d->p->verify_kv && (r->n_layer_checksums || r->n_head_checksums) &&
+       !tw_decoder_verify(d, s, r, msg, sizeof msg))) {
     if (!msg[0]) snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_ERROR("decode", "request %llu: %s", (unsigned long long)s->id, msg);
     tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
@@ -317,7 +333,9 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     bytes += (double)(nb - tw_kv_layer_first_block(s->n_prompt, l->block_size,
                                                    c->layer_types[layer] == TW_LAYER_SLIDING,
                                                    c->sliding_window)) * (double)l->block_bytes;
-  tw_metric_add(d->m.kv_bytes, bytes * tw_dist_size(d->dist)); /* every rank's pool got its part */
+  /* TP: every rank's pool got its part; dp: the one replica got it all */
+  tw_metric_add(d->m.kv_bytes, bytes * (d->n_dp > 1 ? 1 : tw_dist_size(d->dist)));
+  tw_metric_add(d->m.dp_seqs[s->rank], 1);
   s->state = TW_DSEQ_RUNNING;
   s->pos = s->n_prompt;
   s->token = r->first_token;
@@ -358,55 +376,68 @@ static void tw_on_cancel(tw_decoder_t *d, uint64_t id) {
   tw_dseq_release(d, idx);
 }
 
-/* One continuous-batching step over every running sequence. */
+/* One continuous-batching step over every running sequence: with --dp one
+ * batch per rank (its own sequences, at most max_batch each) in slots
+ * [r * max_batch, + max_batch) of the step scratch. */
 static tw_status_t tw_decoder_step(tw_decoder_t *d) {
-  int32_t n = 0;
-  /* more running than max_batch: start where the last step stopped, so every
+  const int32_t B = d->p->max_batch, R = d->n_dp;
+  int32_t cnt[TW_DECODE_MAX_DP] = {0}, n = 0, full = 0;
+  /* more running than fit: start where the last step stopped, so every
    * sequence gets its turn */
   int32_t start = d->n_seqs ? d->step_start % d->n_seqs : 0;
-  for (int32_t k = 0; k < d->n_seqs && n < d->p->max_batch; k++) {
+  for (int32_t k = 0; k < d->n_seqs && full < R; k++) {
     int32_t i = (start + k) % d->n_seqs;
     tw_dseq_t *s = d->seqs[i];
+    if (s->state != TW_DSEQ_RUNNING || cnt[s->rank] == B) continue;
     d->step_start = i + 1;
-    if (s->state != TW_DSEQ_RUNNING) continue;
-    d->batch[n] = s;
-    d->tok[n] = s->token;
-    d->pos[n] = s->pos;
-    d->tables[n] = s->blocks;
-    d->nb[n] = s->n_blocks;
-    d->samp[n] = s->sample;
+    int32_t j = s->rank * B + cnt[s->rank]++;
+    full += cnt[s->rank] == B;
+    d->batch[j] = s;
+    d->tok[j] = s->token;
+    d->pos[j] = s->pos;
+    d->tables[j] = s->blocks;
+    d->nb[j] = s->n_blocks;
+    d->samp[j] = s->sample;
     n++;
   }
   if (n == 0) return TW_OK;
   int64_t t0 = tw_msg_clock_ns();
-  tw_decode_args_t a = {.n_seqs = n, .tokens = d->tok, .positions = d->pos,
-                        .block_tables = d->tables, .n_blocks = d->nb, .sample = d->samp,
-                        .next_tokens_out = d->out};
-  tw_status_t st = tw_dist_engine_decode(d->dist, d->engine, &a); /* plan to the other ranks */
+  tw_dist_dp_batch_t bt[TW_DECODE_MAX_DP];
+  for (int32_t r = 0; r < R; r++)
+    bt[r] = (tw_dist_dp_batch_t){
+        .args = {.n_seqs = cnt[r], .tokens = d->tok + r * B, .positions = d->pos + r * B,
+                 .block_tables = d->tables + r * B, .n_blocks = d->nb + r * B,
+                 .sample = d->samp + r * B, .next_tokens_out = d->out + r * B},
+        .pad_block = d->pad[r]};
+  /* plan to the other ranks; dp: every rank its batch, empty ones a padding row */
+  tw_status_t st = R > 1 ? tw_dist_engine_decode_dp(d->dist, d->engine, bt)
+                         : tw_dist_engine_decode(d->dist, d->engine, &bt[0].args);
   int64_t t1 = tw_msg_clock_ns();
   tw_metric_add(d->m.steps, 1);
-  for (int32_t j = 0; j < n; j++) {
-    tw_dseq_t *s = d->batch[j];
-    int32_t idx = tw_dseq_find(d, s->id);
-    if (st != TW_OK) {
-      tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
-                     TWAIN__V1__CODE__INTERNAL, tw_last_error());
-      tw_dseq_release(d, idx);
-      continue;
+  for (int32_t r = 0; r < R; r++)
+    for (int32_t j = r * B; j < r * B + cnt[r]; j++) {
+      tw_dseq_t *s = d->batch[j];
+      int32_t idx = tw_dseq_find(d, s->id);
+      if (st != TW_OK) {
+        tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
+                       TWAIN__V1__CODE__INTERNAL, tw_last_error());
+        tw_dseq_release(d, idx);
+        continue;
+      }
+      tw_metric_observe(d->m.tpot, (double)(t1 - t0) * 1e-9);
+      tw_metric_add(d->m.tokens, 1);
+      if (R > 1) tw_metric_add(d->m.dp_tokens[r], 1);
+      s->token = d->out[j];
+      s->pos++;
+      s->generated++;
+      bool stop = tw_dseq_stops(s, s->token);
+      bool len = s->generated >= s->max_tokens;
+      tw_send_tokens(d, s->id, &s->token, 1, stop || len,
+                     stop ? TWAIN__V1__FINISH_REASON__FINISH_STOP
+                          : len ? TWAIN__V1__FINISH_REASON__FINISH_LENGTH : 0,
+                     0, NULL);
+      if (stop || len) tw_dseq_release(d, idx);
     }
-    tw_metric_observe(d->m.tpot, (double)(t1 - t0) * 1e-9);
-    tw_metric_add(d->m.tokens, 1);
-    s->token = d->out[j];
-    s->pos++;
-    s->generated++;
-    bool stop = tw_dseq_stops(s, s->token);
-    bool len = s->generated >= s->max_tokens;
-    tw_send_tokens(d, s->id, &s->token, 1, stop || len,
-                   stop ? TWAIN__V1__FINISH_REASON__FINISH_STOP
-                        : len ? TWAIN__V1__FINISH_REASON__FINISH_LENGTH : 0,
-                   0, NULL);
-    if (stop || len) tw_dseq_release(d, idx);
-  }
   return st;
 }
 
@@ -426,6 +457,7 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   ep.tp_rank = p->tp > 1 ? d->id.rank : 0;
   ep.ep_size = p->ep;
   ep.ep_rank = p->ep > 1 ? d->id.rank : 0;
+  ep.dp_attention = p->dp > 1;
   ep.coll = tw_dist_coll(d->dist);
   if (be == TW_BACKEND_CUDA) ep.device = d->id.local_rank;
   ep.backend = p->backend;
@@ -435,12 +467,24 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   ep.n_threads = p->threads;
   TW_CHECK(tw_engine_create(d->model, &ep, &d->engine));
   const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
-  TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &d->blocks));
   TW_CHECK(tw_kv_xfer_create(&d->xfer));
   TW_CHECK(tw_kv_region_register(d->xfer, l, &d->region));
   TW_CHECK(tw_decode_ranks_init(&d->rk, d->dist, d->engine, d->xfer, d->region, d->model));
-  if (d->id.rank != 0) return TW_OK; /* only rank 0 talks to the router */
-  int32_t B = p->max_batch;
+  if (d->id.rank != 0) return TW_OK; /* only rank 0 talks to the router and has block managers */
+  d->n_dp = p->dp > 1 ? p->dp : 1;
+  if (d->n_dp == 1) {
+    TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &d->bm[0]));
+    d->pad[0] = -1;
+  }
+  for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++) { /* the last block pads an empty step */
+    int32_t n = d->rk.ranks[r]->layout->n_blocks;
+    if (n < 2)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "decode: dp rank %d has %d kv blocks (need 2)", r,
+                    n);
+    TW_CHECK(tw_kv_blocks_create(n - 1, l->block_size, &d->bm[r]));
+    d->pad[r] = n - 1;
+  }
+  int32_t B = p->max_batch * d->n_dp; /* step scratch: max_batch slots per dp rank */
   d->tok = malloc(sizeof(int32_t) * (size_t)B);
   d->pos = malloc(sizeof(int32_t) * (size_t)B);
   d->nb = malloc(sizeof(int32_t) * (size_t)B);
@@ -467,6 +511,16 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   d->m.sum_ok = tw_metrics_counter(M, "kv_checksum_ok_total", "layers whose kv checksum matched");
   d->m.sum_bad = tw_metrics_counter(M, "kv_checksum_mismatch_total", "layers whose kv checksum differed");
   d->m.rejected = tw_metrics_counter(M, "decode_reservations_refused_total", "reservations refused");
+  for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++) {
+    char mn[96];
+    snprintf(mn, sizeof mn, "decode_dp_rank%d_sequences_total", r);
+    d->m.dp_seqs[r] = tw_metrics_counter(M, mn, "sequences whose kv this dp rank received");
+    snprintf(mn, sizeof mn, "decode_dp_rank%d_tokens_total", r);
+    d->m.dp_tokens[r] = tw_metrics_counter(M, mn, "tokens this dp rank generated");
+    snprintf(mn, sizeof mn, "decode_dp_rank%d_kv_blocks_used", r);
+    d->m.dp_used[r] =
+        tw_metrics_gauge(M, mn, "kv blocks reserved or in use in this dp rank's pool");
+  }
   TW_CHECK(tw_worker_link_open(&d->link, p->router, name, TWAIN__INTERNAL__V1__POOL__POOL_DECODE));
   d->link.ranks = d->id.size;
   d->link.kv_block_size = l->block_size;
@@ -476,6 +530,10 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
            tw_backend_name(tw_engine_backend(d->engine)));
   TW_INFO("decode", "%s: %s backend, %d kv blocks of %d tokens, max batch %d, router %s", name,
           d->link.backend, l->n_blocks, l->block_size, p->max_batch, p->router);
+  if (d->n_dp > 1)
+    TW_INFO("decode", "%s: data-parallel attention over %d ranks, %d kv blocks each (%d in all), "
+            "experts split over the %d ranks", name, d->n_dp, tw_kv_blocks_total(d->bm[0]),
+            tw_decoder_blocks(d, 2), d->n_dp);
   return TW_OK;
 }
 
@@ -487,7 +545,7 @@ static void tw_decoder_fini(tw_decoder_t *d) {
   tw_decode_ranks_fini(&d->rk);
   tw_kv_region_unregister(d->region);
   tw_kv_xfer_destroy(d->xfer);
-  tw_kv_blocks_destroy(d->blocks);
+  for (int32_t r = 0; r < TW_DECODE_MAX_DP; r++) tw_kv_blocks_destroy(d->bm[r]);
   tw_engine_destroy(d->engine);
   tw_dist_destroy(d->dist);
   tw_model_destroy(d->model);
@@ -506,6 +564,18 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
   if (p->tp < 1 || p->ep < 1 || (p->tp > 1 && p->ep > 1 && p->tp != p->ep))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "decode: --tp %d --ep %d: each >= 1, equal when both > 1",
                   p->tp, p->ep);
+  if (p->dp < 1 || p->dp > TW_DECODE_MAX_DP || (p->dp > 1 && (p->tp != 1 || p->ep != p->dp)))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "decode: --dp %d --tp %d --ep %d: data-parallel attention needs --dp N --ep N "
+                  "--tp 1 with 2 <= N <= %d (N ranks, each an attention replica with every kv "
+                  "head, the experts split over all N)",
+                  p->dp, p->tp, p->ep, TW_DECODE_MAX_DP);
+  if (p->dp > 1 && (p->backend == TW_BACKEND_CUDA ||
+                    (p->backend == TW_BACKEND_AUTO && tw_cuda_available())))
+    return tw_err(TW_ERR_UNSUPPORTED,
+                  "decode: --dp %d (data-parallel attention) runs on the cpu backend only; the "
+                  "cuda engine does not implement it: use --backend cpu, or --tp/--ep on a GPU",
+                  p->dp);
   TW_CHECK(tw_dist_identity_from_env(&d.id));
   int32_t ranks = p->tp > p->ep ? p->tp : p->ep;
   if (ranks > 1 && d.id.size == 1) {
@@ -604,7 +674,7 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
   }
   tw_decoder_capacity(&d, &cap);
   tw_worker_link_tick(&d.link, &cap, true, true);
-  TW_INFO("decode", "stopped: %d kv blocks in use", tw_kv_blocks_used_count(d.blocks));
+  TW_INFO("decode", "stopped: %d kv blocks in use", tw_decoder_blocks(&d, 1));
   tw_dist_plan_stop(d.dist);
   tw_decoder_fini(&d);
   return TW_OK;

@@ -3,7 +3,10 @@
  * handoff (publishing its UCX address, the rkey of its registered KV pool and
  * the pool layout), admits sequences whose KV the prefill worker has written
  * into a continuously batched decode loop, streams tokens to the router, and
- * frees a sequence's blocks on finish, cancel or failure. */
+ * frees a sequence's blocks on finish, cancel or failure. With --dp N the
+ * N ranks are attention replicas: rank 0 places each sequence on the rank
+ * with the most free blocks, whose pool receives its whole KV, and every
+ * step runs each rank's own batch (docs/parallelism.md). */
 #ifndef TW_DECODE_DECODE_WORKER_H
 #define TW_DECODE_DECODE_WORKER_H
 
@@ -28,6 +31,8 @@ typedef struct {
   bool verify_kv;           /* check per-layer checksums of received KV */
   int32_t reserve_timeout_ms; /* free a reservation never started after this */
   int32_t tp, ep;           /* ranks of this worker (issue 6): each 1 or the group size */
+  int32_t dp;               /* data-parallel attention replicas: 1, or the group size with
+                               ep = dp and tp = 1 (cpu backend; docs/parallelism.md) */
   int argc;                 /* the command line, for --tp self-spawn (dist.h) */
   char **argv;
 } tw_decode_params_t;
@@ -36,12 +41,16 @@ typedef struct {
   ((tw_decode_params_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 2048, .block_size = 16, \
                         .max_batch = 64, .threads = 0, .metrics_port = 0,               \
                         .verify_kv = false, .reserve_timeout_ms = 60000, .tp = 1, .ep = 1, \
-                        .drain_timeout_s = 600})
+                        .dp = 1, .drain_timeout_s = 600})
+
+#define TW_DECODE_MAX_DP 64 /* data-parallel ranks of one worker (the control link's limit) */
 
 /** Run the daemon until SIGTERM/SIGINT, then drain (finish the running
  *  sequences, refuse new ones; at most drain_timeout_s seconds) and return.
- *  Errors: whatever loading the model, creating the engine, the UCX
- *  transfer or the router connection returned. */
+ *  Errors: TW_ERR_INVALID_ARGUMENT (tp/ep/dp not a valid combination, named),
+ *  TW_ERR_UNSUPPORTED (dp > 1 on the cuda backend), whatever loading the
+ *  model, creating the engine, the UCX transfer or the router connection
+ *  returned. */
 tw_status_t tw_decode_worker_run(const tw_decode_params_t *params);
 
 #endif

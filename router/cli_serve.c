@@ -151,6 +151,8 @@ static void tw_serve_usage(void) {
           "         [--metrics-port P] [--max-tokens-limit N] [--verify-kv]\n"
           "         [--prefill-tp N] [--prefill-ep N] [--decode-tp N] [--decode-ep N]\n"
           "           ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4\n"
+          "         [--decode-dp N]   data-parallel attention replicas per decode worker\n"
+          "           (with --decode-ep N; cpu backend), e.g. --decode-dp 2 --decode-ep 2\n"
           "         [--workers tcp://HOST:PORT] [--metrics-addr ADDR] [--drain-timeout SECONDS]\n"
           "           (passed to the router and the workers; workers' metrics ports are ephemeral)\n"
           "  defaults: model %s, --listen %s, 1 prefill + 1 decode, workers on an ephemeral\n"
@@ -171,11 +173,12 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_workers = tw_serve_workers;
   s.rp.on_workers_arg = &s;
   int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
-  const char *par[4] = {NULL, NULL, NULL, NULL}; /* prefill tp, ep, decode tp, ep (issue 6) */
+  /* prefill tp, ep, decode tp, ep, dp (issue 6) */
+  const char *par[5] = {NULL, NULL, NULL, NULL, NULL};
   const char *backend = "auto", *kv_blocks = NULL, *drain = NULL;
   static const char *const value_flags[] = {
       "--model", "--listen", "--workers", "--prefill", "--decode", "--backend", "--threads",
-      "--kv-blocks", "--prefill-tp", "--prefill-ep", "--decode-tp", "--decode-ep",
+      "--kv-blocks", "--prefill-tp", "--prefill-ep", "--decode-tp", "--decode-ep", "--decode-dp",
       "--metrics-port", "--metrics-addr", "--drain-timeout", "--max-tokens-limit", NULL};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -218,6 +221,7 @@ int tw_cli_serve(int argc, char **argv) {
     else if (!strcmp(a, "--prefill-ep")) par[1] = v;
     else if (!strcmp(a, "--decode-tp")) par[2] = v;
     else if (!strcmp(a, "--decode-ep")) par[3] = v;
+    else if (!strcmp(a, "--decode-dp")) par[4] = v;
     else if (!strcmp(a, "--metrics-port")) s.rp.metrics_port = atoi(v);
     else if (!strcmp(a, "--metrics-addr")) s.rp.metrics_addr = v;
     else if (!strcmp(a, "--drain-timeout")) {
@@ -324,6 +328,10 @@ int tw_cli_serve(int argc, char **argv) {
       if (!val) continue;
       av[c++] = q ? "--ep" : "--tp";
       av[c++] = (char *)val;
+    }
+    if (!pre && par[4]) { /* --dp: the worker checks it against --ep/--tp and the backend */
+      av[c++] = "--dp";
+      av[c++] = (char *)par[4];
     }
     av[c] = NULL;
     w->pid = tw_spawn(av);

@@ -86,6 +86,7 @@ static void tw_apply_capacity(tw_rworker_t *w, const Twain__Internal__V1__Capaci
   if (!c) return;
   w->free_blocks = c->free_kv_blocks;
   w->total_blocks = c->total_kv_blocks;
+  w->replica_free_blocks = c->replica_free_kv_blocks;
   w->queued_tokens = c->queued_prompt_tokens;
 }
 
@@ -395,7 +396,10 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
        * there is exact, so take the smaller estimate */
       int32_t f = w->total_blocks - w->assigned_blocks;
       if (w->free_blocks < f) f = w->free_blocks;
-      if (f >= n && f > best_free) {
+      /* data-parallel attention: the sequence's KV goes to one replica, so it
+       * must fit there (the worker picks the emptiest); f, the sum, ranks */
+      bool fits = f >= n && (w->replica_free_blocks <= 0 || w->replica_free_blocks >= n);
+      if (fits && f > best_free) {
         best = w;
         best_free = f;
         need = n;

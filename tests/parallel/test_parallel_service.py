@@ -19,49 +19,22 @@
    complete, a new request is served by the remaining decode worker.
 Every wait is bounded."""
 import os
-import re
 import signal
-import sys
 import time
 
-import fixtures
 import svc
-
-fails = 0
-
-
-def check(cond, what):
-    global fails
-    print("%s: %s" % ("ok  " if cond else "FAIL", what), flush=True)
-    if not cond:
-        fails += 1
-
-
-def router_workers(c, kind):
-    return svc.metrics(c.router_metrics_port).get("twain_router_%s_workers" % kind, 0)
-
+from partest import (check, finish, router_workers, cases, greedy_at_once, kill_rank_streaming,
+                     wait_gone, error_summary, stop_all)
 
 N = 24
-cases = {
-    "short_dog": fixtures.ids("short_dog"),
-    "system_water": fixtures.ids("system_water"),
-    "long": fixtures.long_prompt(),
-    "multiturn": fixtures.ids("multiturn"),
-}
+cases = cases()
 refs = {name: svc.reference_generate(ids, N) for name, ids in cases.items()}
 
 c = svc.Cluster(1, 1, prefill_args=["--tp", "2"], decode_args=["--tp", "2", "--ep", "2", "--verify-kv"])
 try:
     cl = c.client()
     # ---- 1. greedy through TP 2 prefill -> EP 2 TP 2 decode
-    rids = {name: cl.send(svc.generate(ids, N)) for name, ids in cases.items()}
-    got = {name: svc.tokens_of(reps) for name, reps in zip(rids, cl.wait(list(rids.values()), 180))}
-    for name in cases:
-        check(got[name] == refs[name] and len(refs[name]) == N,
-              "%-12s prompt %3d tokens: greedy %s TP 1" % (
-                  name, len(cases[name]), "identical to" if got[name] == refs[name] else "DIFFERENT from"))
-        if got[name] != refs[name]:
-            print("  service:  ", got[name], "\n  reference:", refs[name])
+    greedy_at_once(cl, cases, refs, N)
     dm = svc.metrics(c.decodes[0].metrics_port)
     pm = svc.metrics(c.prefills[0].metrics_port)
     n_layers = 4
@@ -109,56 +82,26 @@ try:
     after = cl.wait([cl.send(svc.generate(prompt, N)) for _ in range(2)], 120)
     check(all(svc.tokens_of(r) == refs["long"] for r in after),
           "after the kill the router keeps serving (remaining prefill worker)")
-    end = time.time() + 10
-    while time.time() < end and victim.p.poll() is None:
-        time.sleep(0.05)
-    check(victim.p.poll() is not None, "the killed worker's other rank is gone too (exit %s)" % victim.p.poll())
-    c.procs.remove(victim)
-    c.prefills.remove(victim)
+    wait_gone(c, victim, c.prefills)
 
     # ---- 3. kill one rank of the EP 2 TP 2 decode worker mid-stream
     c.decode_args = ["--verify-kv"]  # the spare: a plain single-rank decode worker
     c.add_decode()
     c.wait_registered(1, 2)
     victim = c.decodes[0]
-    pid1 = int(victim.wait_line(r"r1 .*rank 1 of 2 pid (\d+) following rank 0", 10).group(1))
     time.sleep(0.5)  # heartbeats report the free blocks of both decode workers
     short = cases["short_dog"]
-    streams = [cl.send(svc.generate(short, 300)) for _ in range(6)]
-    end = time.time() + 60
-    while time.time() < end and not all(len(svc.tokens_of(cl.replies.get(r, []))) >= 3 or cl.done(r)
-                                        for r in streams):
-        cl.pump(0.02)
-    t_kill = time.time()
-    os.kill(pid1, signal.SIGKILL)
-    gone_at = None
-    while time.time() < t_kill + 10:
-        if router_workers(c, "decode") == 1:
-            gone_at = time.time() - t_kill
-            break
-        cl.pump(0.02)
-    check(gone_at is not None and gone_at <= 2.0,
-          "kill -9 of decode rank 1: worker out of the registry after %s s" % (
-              "%.2f" % gone_at if gone_at is not None else "> 10"))
-    res = cl.wait(streams, 120)
+    res = kill_rank_streaming(c, cl, victim, short, 6, "decode", 1, "decode rank 1")
     n_err = sum(1 for r in res if r[-1].error.code)
     n_ok = sum(1 for r in res if not r[-1].error.code and len(svc.tokens_of(r)) == 300)
-    check(n_ok + n_err == len(streams) and n_err > 0,
+    check(n_ok + n_err == len(res) and n_err > 0,
           "streams around the kill: %d on the killed worker failed (%s), %d completed elsewhere" % (
-              n_err, ", ".join(sorted({r[-1].error.message[:40] for r in res if r[-1].error.code})), n_ok))
+              n_err, error_summary(res), n_ok))
     after = cl.wait([cl.send(svc.generate(short, N))], 120)[0]
     check(svc.tokens_of(after) == svc.reference_generate(short, N),
           "after the kill the router keeps serving (remaining decode worker)")
-    end = time.time() + 10
-    while time.time() < end and victim.p.poll() is None:
-        time.sleep(0.05)
-    check(victim.p.poll() is not None, "the killed decode worker's other rank is gone too (exit %s)" % victim.p.poll())
-    c.procs.remove(victim)
-    c.decodes.remove(victim)
+    wait_gone(c, victim, c.decodes)
     cl.close()
 finally:
-    rcs = c.close()
-print("exit codes:", rcs)
-check(all(v == 0 for v in rcs.values()), "every daemon stopped cleanly on SIGTERM")
-print("PASS" if not fails else "FAIL (%d)" % fails)
-sys.exit(1 if fails else 0)
+    stop_all(c)
+finish()
