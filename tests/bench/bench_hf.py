@@ -678,8 +678,12 @@ def main(argv):
     twain = load_twain(a.twain)
     if a.twain:
         say("twain's numbers: %d points from %s" % (len(twain), ", ".join(a.twain)))
-    import torch  # here, so that --help and --selftest work without torch
-    import transformers
+    try:  # here, so that --help and --selftest work without torch
+        import torch
+        import transformers
+    except ImportError as ex:
+        say("cannot import torch/transformers (%s): nothing to measure here" % ex)
+        return 77
     env = {"transformers": transformers.__version__, "torch": torch.__version__,
            "kernels_package": _has_module("kernels"), "timing": "device synchronize + host clock per call"}
     if a.device.startswith("cuda"):

@@ -27,6 +27,13 @@
 #           it: the CUDA engine and the fp32 CPU engine each against HF
 #           (relative L2 of the final logits <= 2e-2) and CUDA against CPU
 #           ("cuda-vs-cpu", rows 0..7 and 8.. apart);
+#       (b2) with TW_HF_BENCH=1, right after (b): the same shapes through Hugging
+#           Face transformers (tests/bench/bench_hf.py, bf16, random weights;
+#           issue 5 item 4c) with twain's bench logs for the ratio: its log
+#           goes to hooks.log, its JSON to $OUT/bench_hf.json, its side-by-side
+#           table into the summary. TW_HF_BENCH_S bounds it (default 400 s, cut
+#           to what is left); TW_HF_BENCH_ARGS adds arguments (e.g. --model both
+#           to have 120b's 'does not fit' reason recorded, --attn sdpa);
 #       (d) hooks: tests/tokenizer/bench_reference.py with its corpus (and
 #           twain-bench-tokenizer beside it) when present; the script named by
 #           TWAIN_GPU_EXTRA when set (run with bash, cwd = checkout, $OUT set;
@@ -46,7 +53,17 @@
 # default 4: with the script's own default 0.1 the random router sits at near-ties where
 # bf16 flips expert choices, and HF's own bf16 run is then 4e-2..1.4e-1 off its fp32 run,
 # so no bf16 engine could meet 2e-2; measured 2026-11-29, docs/benchmarks.md); TW_BENCH_ARGS
-# replaces the bench arguments (applied to each model run).
+# replaces the bench arguments (applied to each model run; when set, the A/B runs are
+# skipped); TW_BENCH_MODELS="20b" limits the bench's models (default "20b 120b");
+# TW_EXTRA_S bounds the TWAIN_GPU_EXTRA script (default 240 s, 420 with TW_SVC_PY=1:
+# service_gpu.sh then also runs the Python service tests on the GPU).
+# The HF comparison, one call (twain's full 20b bench, then HF's):
+#   TW_HF_BENCH=1 TW_SKIP_TESTS=1 TW_SKIP_HF=1 TW_BENCH_MODELS=20b TW_BENCH_ARGS="--prefill
+#   8192,32768,65536,128000 --batches 1,8,32,64,128,256 --contexts 8192,32768 --steps 8
+#   --reps 3" bash tests/gpu/run_gpu.sh --device
+# The Python service tests on the GPU, one call (stage with TWAIN_GPU_EXTRA set here):
+#   TW_SKIP_TESTS=1 TW_SKIP_HF=1 TW_SKIP_BENCH=1 TWAIN_GPU_EXTRA=tests/gpu/service_gpu.sh
+#   TW_SVC_PY=1 bash tests/gpu/run_gpu.sh --device
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 carry=$root/.carry/gpu
@@ -222,7 +239,7 @@ fi
 
 # (b) the engine benchmark, one model at a time
 if [ -z "${TW_SKIP_BENCH:-}" ]; then
-  for mdl in 20b 120b; do
+  for mdl in ${TW_BENCH_MODELS:-20b 120b}; do
     start=$(date +%s)
     # shellcheck disable=SC2086
     if [ -n "${TW_BENCH_ARGS:-}" ]; then set -- ${TW_BENCH_ARGS}
@@ -268,6 +285,23 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
   fi
 fi
 
+# (b2) the same shapes through Hugging Face transformers, beside twain's numbers
+if [ -n "${TW_HF_BENCH:-}" ] && [ "${TW_HF_BENCH}" != 0 ]; then
+  start=$(date +%s)
+  hb=$(tmo "${TW_HF_BENCH_S:-400}")
+  tw=""
+  for f in "$logs/bench_20b.log" "$logs/bench_120b.log"; do [ -s "$f" ] && tw="$tw --twain $f"; done
+  echo "==== bench_hf.py (bounded $hb s)" >>"$logs/hooks.log"
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 timeout "$hb" python3 "$root/tests/bench/bench_hf.py" --budget-s $((hb - 15)) \
+    --json "$out/bench_hf.json" $tw ${TW_HF_BENCH_ARGS:-} >"$stage/bench_hf.log" 2>&1
+  r=$?
+  cat "$stage/bench_hf.log" >>"$logs/hooks.log"
+  grep -E "^\[hf " "$stage/bench_hf.log" | grep -E "prefill|decode|built|skipped" | tail -40
+  case $r in 0) s=PASS ;; 77) s=SKIP ;; 124) s=TIMEOUT ;; *) s="FAIL($r)" ;; esac
+  add "HF transformers bench (bench_hf.py)" "$s" "$(($(date +%s) - start))"
+fi
+
 # (a, continued) the engine over two GPUs (TP 2, EP 2 TP 2 over NCCL against
 # TP 1; issue 6 item 2; SKIP on one GPU), then the kernel tests
 if [ -z "${TW_SKIP_TESTS:-}" ] && echo " $all_tests " | grep -q " test_engine_cuda_tp "; then
@@ -301,7 +335,8 @@ if [ -n "${TWAIN_GPU_EXTRA:-}" ]; then
   if [ -f "$root/$TWAIN_GPU_EXTRA" ]; then x=$root/$TWAIN_GPU_EXTRA; else x=$TWAIN_GPU_EXTRA; fi
   mkdir -p "$out/extra"
   echo "==== TWAIN_GPU_EXTRA=$TWAIN_GPU_EXTRA" >>"$logs/hooks.log"
-  (cd "$root" && OUT=$out/extra timeout "$(tmo 240)" bash "$x") >>"$logs/hooks.log" 2>&1
+  xs=${TW_EXTRA_S:-$([ -n "${TW_SVC_PY:-}" ] && echo 420 || echo 240)}
+  (cd "$root" && OUT=$out/extra timeout "$(tmo "$xs")" bash "$x") >>"$logs/hooks.log" 2>&1
   r=$?
   tail -30 "$logs/hooks.log"
   add "extra: $(basename "$x")" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
@@ -326,6 +361,10 @@ fi
   if [ -f "$logs/hf_compare.log" ]; then
     echo "== HF comparison (random 4-layer 20b shapes) =="
     grep -E "^bf16-sensitivity|^hf-compare|^cuda-vs-cpu" "$logs/hf_compare.log"
+  fi
+  if [ -s "$stage/bench_hf.log" ]; then
+    echo "== Hugging Face transformers, same shapes (bench_hf.py; HF / twain = how many times faster twain is) =="
+    grep -E "^== Hugging|^\| |not measured" "$stage/bench_hf.log"
   fi
   bl=$(ls "$logs"/bench_20b.log "$logs"/bench_120b.log 2>/dev/null)
   if [ -n "$bl" ]; then

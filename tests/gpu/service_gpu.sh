@@ -31,9 +31,19 @@
 #          4. stops serve with SIGINT (bounded; then SIGKILL of everything it
 #             started);
 #          5. twain-bench-kv-handoff --device (cudaMalloc'd pools), <= 30 s.
-#          Everything is bounded; the whole run stays under ~90 s
+#          6. with TW_SVC_PY=1: the Python service tests (tests/service/
+#             test_service_*.py; TW_SVC_PY_TESTS="greedy robust ..." picks
+#             them) against the same programs, each behind a wrapper that turns
+#             the tests' `--backend cpu` into TW_SVC_BACKEND (cuda: every
+#             worker on GPU 0). No pyzmq there: tests/service/zmq_compat/ goes
+#             first on PYTHONPATH (zmq_ctypes.py over the bundle's
+#             libzmq.so.5); without google.protobuf, the staged pure-Python
+#             copy of Debian's (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python).
+#             Budget TW_SVC_PY_BUDGET_S (default 300), at most 240 s a test.
+#          Everything is bounded; steps 1-5 stay under ~90 s
 #          (TW_SVC_GPU_BUDGET_S). Writes one log, $OUT/service_gpu.log. Exit 0
-#          when every prompt matched and the checksums held.
+#          when every prompt matched, the checksums held and every Python test
+#          passed (or skipped).
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 stage_dir=$root/.carry/gpu/svc
@@ -44,7 +54,7 @@ if [ "${1:-}" = "--stage" ]; then
   build=${2:-${TW_BUILD_DIR:-$root/build-gpu-svc}}
   cmake -S "$root" -B "$build" -DTWAIN_WERROR="${TW_WERROR:-ON}" -DTWAIN_CUDA=ON >/dev/null
   cmake --build "$build" -j2 --target twain twain-router twain-prefill twain-decode \
-    twain-bench-kv-handoff >"$build/service_gpu_build.log" 2>&1 ||
+    twain-bench-kv-handoff twain_proto_desc >"$build/service_gpu_build.log" 2>&1 ||
     { grep -E "error|Error" "$build/service_gpu_build.log" | head -20; exit 1; }
   mkdir -p "$stage_dir"
   rm -f "$stage_dir/twain.tar.gz" "$stage_dir/twain.tar.xz"
@@ -89,6 +99,17 @@ if [ "${1:-}" = "--stage" ]; then
   gzip -dc "$stage_dir/twain.tar.gz" | xz -T2 -6 >"$stage_dir/twain.tar.xz"
   rm -f "$stage_dir/twain.tar.gz"
   cp "$build/tests/bench/twain-bench-kv-handoff" "$stage_dir/"
+  # for the Python service tests (TW_SVC_PY=1): the protobuf descriptor set, and
+  # Debian's pure-Python google.protobuf for a python that has none (no .so: the
+  # device's python is another version)
+  cp "$build/tests/service/twain.desc" "$stage_dir/"
+  pbroot=/usr/lib/python3/dist-packages
+  if [ -f "$pbroot/google/protobuf/descriptor_pool.py" ]; then
+    tar -C "$pbroot" --exclude='*.so' --exclude=__pycache__ -cf - google/protobuf | xz -T2 -6 \
+      >"$stage_dir/protobuf-py.tar.xz"
+  else
+    echo "service_gpu: no Debian python3-protobuf here: a python without google.protobuf cannot run the tests"
+  fi
   du -sh "$stage_dir"
   exit 0
 fi
@@ -112,6 +133,7 @@ fails=0
 if [ -n "${1:-}" ] && [ -d "$1" ]; then
   b=$(cd "$1" && pwd)
   twain=$b/router/twain prefill=$b/prefill/twain-prefill bench=$b/tests/bench/twain-bench-kv-handoff
+  router_bin=$b/router/twain-router decode_bin=$b/decode/twain-decode desc=$b/tests/service/twain.desc
   libdir=""
 else
   if [ ! -s "$stage_dir/twain.tar.xz" ]; then
@@ -126,6 +148,7 @@ else
   # shellcheck disable=SC1091
   . "$bdir/share/twain/env.sh" # UCX_MODULE_DIR, NCCL_NVLS_ENABLE=0, PATH
   twain=$bdir/bin/twain prefill=$bdir/bin/twain-prefill bench=$stage_dir/twain-bench-kv-handoff
+  router_bin=$bdir/bin/twain-router decode_bin=$bdir/bin/twain-decode desc=$stage_dir/twain.desc
   libdir=$bdir/lib
 fi
 model=$root/tests/fixtures/tiny-gptoss-wordnet-mxfp4
@@ -256,6 +279,71 @@ if [ -x "$bench" ]; then
   grep "kv handoff mode" "$work/bench.err" | sed 's/^[^ ]* /  /' | sort -u | tee -a "$log"
   case $r in 0) ;; 77) say "  bench: no GPU (skipped)" ;; 124) say "  bench: cut at the time bound" ;;
     *) say "  bench: exit $r"; tail -5 "$work/bench.err" | tee -a "$log" ;; esac
+fi
+
+# 6. the Python service tests, on this backend
+if [ -n "${TW_SVC_PY:-}" ]; then
+  py_t0=$(date +%s)
+  py_budget=${TW_SVC_PY_BUDGET_S:-300}
+  pyb=$work/pybuild
+  mkdir -p "$pyb/router" "$pyb/prefill" "$pyb/decode"
+  wrap() { # wrap REAL DEST: DEST runs REAL with the tests' '--backend cpu' as $backend
+    # shellcheck disable=SC2016  # the single-quoted lines are the wrapper's own code
+    printf '%s\n' '#!/usr/bin/env bash' "# tests/gpu/service_gpu.sh: $1, --backend cpu -> $backend" \
+      'a=(); p=""' 'for x in "$@"; do' \
+      "  if [ \"\$p\" = --backend ] && [ \"\$x\" = cpu ]; then x=$backend; fi" \
+      "  [ \"\$x\" = --backend=cpu ] && x=--backend=$backend" \
+      '  a+=("$x"); p=$x' 'done' "exec \"$1\" \"\${a[@]}\"" >"$2"
+    chmod +x "$2"
+  }
+  wrap "$twain" "$pyb/router/twain"
+  wrap "$router_bin" "$pyb/router/twain-router"
+  wrap "$prefill" "$pyb/prefill/twain-prefill"
+  wrap "$decode_bin" "$pyb/decode/twain-decode"
+  pp=$root/tests/service
+  zmq_note="pyzmq"
+  if ! python3 -c 'import zmq' 2>/dev/null; then
+    pp=$root/tests/service/zmq_compat:$pp
+    zmq_note="zmq_ctypes.py (no pyzmq)"
+    if [ -n "$libdir" ] && [ -e "$libdir/libzmq.so.5" ]; then export TW_LIBZMQ=$libdir/libzmq.so.5; fi
+  fi
+  pb_note="google.protobuf $(python3 -c 'import google.protobuf as g; print(g.__version__)' 2>/dev/null)"
+  if ! python3 -c 'import google.protobuf.descriptor_pool' 2>/dev/null; then
+    if [ -s "$stage_dir/protobuf-py.tar.xz" ]; then
+      mkdir -p "$work/pylib"
+      if command -v xz >/dev/null 2>&1; then xz -dc "$stage_dir/protobuf-py.tar.xz" | tar -C "$work/pylib" -xf -; else
+        python3 -c 'import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' \
+          "$stage_dir/protobuf-py.tar.xz" | tar -C "$work/pylib" -xf -
+      fi
+      pp=$pp:$work/pylib
+      export PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python
+      pb_note="Debian's pure-Python google.protobuf (staged)"
+    else
+      pb_note="no google.protobuf and none staged: the tests will fail to import"
+    fi
+  fi
+  say "Python service tests, backend $backend: $(python3 --version 2>&1), $zmq_note, $pb_note"
+  for t in ${TW_SVC_PY_TESTS:-greedy concurrency faults bad_input toolcall cli ops robust}; do
+    t=${t#test_service_}
+    t=${t%.py}
+    left=$((py_t0 + py_budget - $(date +%s)))
+    if [ "$left" -lt 20 ]; then
+      say "SKIP test_service_$t: the Python test budget (${py_budget} s) is spent"
+      continue
+    fi
+    [ "$left" -gt 240 ] && left=240
+    start=$(date +%s)
+    TW_BUILD_DIR=$pyb TW_MODEL_DIR=$model TW_FIXTURES_DIR=$root/tests/fixtures TW_PROTO_DESC=$desc \
+      PYTHONPATH=$pp TWAIN_LOG=info PYTHONUNBUFFERED=1 \
+      timeout "$left" python3 "$root/tests/service/test_service_$t.py" >"$work/py_$t.log" 2>&1
+    r=$?
+    case $r in 0) s=PASS ;; 77) s=SKIP ;; 124) s="TIMEOUT(${left}s)" ;; *) s="FAIL($r)" ;; esac
+    say "$s test_service_$t ($(($(date +%s) - start)) s)"
+    if [ "$s" != PASS ] && [ "$s" != SKIP ]; then
+      fails=$((fails + 1))
+      tail -25 "$work/py_$t.log" | sed 's/^/  /' | tee -a "$log"
+    fi
+  done
 fi
 say "service_gpu: $fails failure(s) in $(($(date +%s) - t_start)) s"
 [ "$fails" = 0 ]
