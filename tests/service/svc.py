@@ -137,13 +137,16 @@ class Proc:
         self.name = name
         self.argv = argv
         self.lines = []
+        self.settled = False
         self.lock = threading.Lock()
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   stdin=subprocess.DEVNULL, text=True, errors="replace",
                                   preexec_fn=_die_with_parent, start_new_session=True, env=env)
         _ALL_PROCS.append(self)
-        for stream in (self.p.stdout, self.p.stderr):
-            threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+        self.pumps = [threading.Thread(target=self._pump, args=(stream,), daemon=True)
+                      for stream in (self.p.stdout, self.p.stderr)]
+        for t in self.pumps:
+            t.start()
 
     def _pump(self, stream):
         for line in stream:
@@ -152,25 +155,63 @@ class Proc:
             if os.environ.get("TW_TEST_VERBOSE"):
                 print("[%s] %s" % (self.name, line.rstrip()), flush=True)
 
+    def settle(self, timeout=5.0):
+        """Once the process has exited: waits (bounded) until the reader
+        threads reached the end of its output, so `lines` holds every line it
+        wrote (they lag behind the process, more so on a loaded machine). A
+        no-op while it runs, or when something it started still holds the
+        pipes open past the bound."""
+        if self.p.poll() is None or self.settled:
+            return
+        end = time.time() + timeout
+        for t in self.pumps:
+            t.join(max(0.0, end - time.time()))
+        self.settled = True
+
     def wait_line(self, pattern, timeout=30.0):
         rx = re.compile(pattern)
         end = time.time() + timeout
         while time.time() < end:
+            exited = self.p.poll() is not None
+            if exited:
+                self.settle()
             with self.lock:
                 for line in self.lines:
                     m = rx.search(line)
                     if m:
                         return m
-            if self.p.poll() is not None:
+            if exited:
                 break
             time.sleep(0.02)
         raise AssertionError("%s: no line matching %r within %.0f s (exit %s); last lines:\n%s" % (
             self.name, pattern, timeout, self.p.poll(), "\n".join(self.lines[-30:])))
 
     def count(self, pattern):
+        """Lines matching pattern so far (every line, once the process exited)."""
+        self.settle()
         rx = re.compile(pattern)
         with self.lock:
             return sum(1 for line in self.lines if rx.search(line))
+
+    def wait_count(self, pattern, n, timeout=15.0):
+        """Polls (bounded) until at least n lines match pattern; returns the
+        count then, or the last count at the deadline."""
+        end = time.time() + timeout
+        got = self.count(pattern)
+        while got < n and time.time() < end:
+            time.sleep(0.02)
+            got = self.count(pattern)
+        return got
+
+    def seen(self, pattern, timeout=15.0):
+        """True once a line matches pattern (polled, bounded), else False: for a
+        line the process writes before the event the test waited for, which
+        the reader threads may not have collected yet."""
+        try:
+            self.wait_line(pattern, timeout)
+            return True
+        except AssertionError:
+            return False
 
     def stop(self, sig=signal.SIGTERM, timeout=20.0):
         if self.p.poll() is None:
@@ -184,6 +225,7 @@ class Proc:
             os.killpg(self.p.pid, signal.SIGKILL)
         except OSError:
             pass
+        self.settle()
         return self.p.returncode
 
 

@@ -62,7 +62,11 @@ try:
                         capture_output=True, text=True, timeout=120)
     check(ex.returncode == 0 and "book" in ex.stdout and "usage: prompt" in ex.stdout,
           "python client example: %r" % ex.stdout.strip()[:160])
-    pids = [int(p) for p in re.findall(r"registered: \w+ pool, backend \w+, pid (\d+)", "\n".join(serve.lines))]
+    # the registered lines (stderr) may reach us after the ready line (stdout)
+    reg = r"registered: \w+ pool, backend \w+, pid (\d+)"
+    serve.wait_count(reg, 2)
+    with serve.lock:
+        pids = [int(p) for p in re.findall(reg, "\n".join(serve.lines))]
     check(len(pids) == 2, "serve started 2 workers (pids %s)" % pids)
 finally:
     t0 = time.time()

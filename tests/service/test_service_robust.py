@@ -171,9 +171,9 @@ try:
                 n += 1
         time.sleep(1.1)
     s.send(b"\xff\xff\xff\xff")
-    time.sleep(0.5)
+    suppressed = c.router.seen(r"suppressed \d+ similar warnings")
     n_warn = c.router.count(r"malformed protobuf from a client")
-    check(n_warn <= 3 * 5 and c.router.count(r"suppressed \d+ similar warnings") >= 1,
+    check(n_warn <= 3 * 5 and suppressed,
           "malformed-frame warnings rate limited: %d lines for 121 frames, plus a suppressed count" % n_warn)
     s.close(0)
     # 1: a worker whose router died logs it once and keeps running
@@ -211,7 +211,6 @@ try:
     check(m is not None and m.group(1) == "0" and int(m.group(2)) > 0,
           "decode drain: 0 sequences to finish, quarantined reported apart (%s)" % (m.group(0) if m else d.lines[-3:]))
     check(rc == 0 and d.count(r"stopped: 0 kv blocks in use") == 1, "decode stops at once with every block free (rc %s)" % rc)
-    time.sleep(1.0)  # let the output threads read the last lines
     # known, not fixed: UCX's own receive-side requests towards the dead peer
     # (error handling mode NONE) are reported at ucp_worker_destroy
     print("note: %d UCX 'not returned to mpool' lines at the decode shutdown" % d.count(r"not returned to mpool"))
