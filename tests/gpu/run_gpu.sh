@@ -48,22 +48,23 @@
 # router off (TWAIN_CUDA_FUSED_ROUTER=0) and with the small-M GEMV off
 # (TWAIN_CUDA_GEMV=0), TWAIN_GPU_EXTRA; no tokenizer hook; under 300 s.
 # TW_TESTS="test_moe test_gemm" limits the tests;
-# TW_SKIP_BENCH=1, TW_SKIP_HF=1, TW_SKIP_TESTS=1 skip parts; TW_HF_ROUTER_BIAS_STD
-# sets the random checkpoint's router bias spread (make_reference.py --router-bias-std;
-# default 4: with the script's own default 0.1 the random router sits at near-ties where
-# bf16 flips expert choices, and HF's own bf16 run is then 4e-2..1.4e-1 off its fp32 run,
-# so no bf16 engine could meet 2e-2; measured 2026-11-29, docs/benchmarks.md); TW_BENCH_ARGS
-# replaces the bench arguments (applied to each model run; when set, the A/B runs are
-# skipped); TW_BENCH_MODELS="20b" limits the bench's models (default "20b 120b");
-# TW_EXTRA_S bounds the TWAIN_GPU_EXTRA script (default 240 s, 420 with TW_SVC_PY=1:
-# service_gpu.sh then also runs the Python service tests on the GPU).
+# TW_SKIP_BENCH=1, TW_SKIP_HF=1, TW_SKIP_TESTS=1, TW_SKIP_TOKENIZER=1 skip parts;
+# TW_HF_ROUTER_BIAS_STD sets the random checkpoint's router bias spread
+# (make_reference.py --router-bias-std; default 4: with the script's own default
+# 0.1 the random router sits at near-ties where bf16 flips expert choices, and
+# HF's own bf16 run is then 4e-2..1.4e-1 off its fp32 run, so no bf16 engine
+# could meet 2e-2; measured 2026-11-29, docs/benchmarks.md); TW_BENCH_ARGS
+# replaces the bench arguments (applied to each model run; when set, the A/B
+# runs are skipped); TW_BENCH_MODELS="20b" limits the bench's models (default
+# "20b 120b"); TW_EXTRA_S bounds the TWAIN_GPU_EXTRA script (default 240 s, 420
+# with TW_SVC_PY=1: service_gpu.sh then also runs the Python service tests).
 # The HF comparison, one call (twain's full 20b bench, then HF's):
-#   TW_HF_BENCH=1 TW_SKIP_TESTS=1 TW_SKIP_HF=1 TW_BENCH_MODELS=20b TW_BENCH_ARGS="--prefill
-#   8192,32768,65536,128000 --batches 1,8,32,64,128,256 --contexts 8192,32768 --steps 8
-#   --reps 3" bash tests/gpu/run_gpu.sh --device
+#   TW_HF_BENCH=1 TW_SKIP_TESTS=1 TW_SKIP_HF=1 TW_SKIP_TOKENIZER=1 TW_BENCH_MODELS=20b
+#   TW_BENCH_ARGS="--prefill 8192,32768,65536,128000 --batches 1,8,32,64,128,256
+#   --contexts 8192,32768 --steps 8 --reps 3" bash tests/gpu/run_gpu.sh --device
 # The Python service tests on the GPU, one call (stage with TWAIN_GPU_EXTRA set here):
-#   TW_SKIP_TESTS=1 TW_SKIP_HF=1 TW_SKIP_BENCH=1 TWAIN_GPU_EXTRA=tests/gpu/service_gpu.sh
-#   TW_SVC_PY=1 bash tests/gpu/run_gpu.sh --device
+#   TW_SKIP_TESTS=1 TW_SKIP_HF=1 TW_SKIP_BENCH=1 TW_SKIP_TOKENIZER=1 TW_SVC_PY=1
+#   TWAIN_GPU_EXTRA=tests/gpu/service_gpu.sh bash tests/gpu/run_gpu.sh --device
 set -u
 root=$(cd "$(dirname "$0")/../.." && pwd)
 carry=$root/.carry/gpu
@@ -313,7 +314,8 @@ if [ -z "${TW_SKIP_TESTS:-}" ]; then
 fi
 
 # (d) hooks for other areas
-if [ -z "$quick" ] && [ -f "$root/tests/tokenizer/bench_reference.py" ]; then
+if [ -z "$quick" ] && [ -z "${TW_SKIP_TOKENIZER:-}" ] &&
+  [ -f "$root/tests/tokenizer/bench_reference.py" ]; then
   start=$(date +%s)
   td=$stage/tokdata
   mkdir -p "$td"
@@ -364,7 +366,7 @@ fi
   fi
   if [ -s "$stage/bench_hf.log" ]; then
     echo "== Hugging Face transformers, same shapes (bench_hf.py; HF / twain = how many times faster twain is) =="
-    grep -E "^== Hugging|^\| |not measured" "$stage/bench_hf.log"
+    grep -E "^== Hugging|^\||not measured" "$stage/bench_hf.log"
   fi
   bl=$(ls "$logs"/bench_20b.log "$logs"/bench_120b.log 2>/dev/null)
   if [ -n "$bl" ]; then
