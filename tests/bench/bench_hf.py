@@ -524,12 +524,18 @@ class HFEngine:
 
     def repeat_cache(self, cache, B):
         """Every sequence gets sequence 0's keys/values: Cache.batch_repeat_interleave,
-        else each [1, heads, len, dim] tensor of the cache and its layers repeated."""
+        else its layers', else each [1, heads, len, dim] tensor of the cache and its
+        layers repeated."""
         if hasattr(cache, "batch_repeat_interleave"):
             cache.batch_repeat_interleave(B)
             return
+        layers = list(getattr(cache, "layers", []) or [])
+        if layers and all(hasattr(lay, "batch_repeat_interleave") for lay in layers):
+            for lay in layers:
+                lay.batch_repeat_interleave(B)
+            return
         n = 0
-        for obj in [cache] + list(getattr(cache, "layers", []) or []):
+        for obj in [cache] + layers:
             for k, v in list(vars(obj).items()):
                 if self.torch.is_tensor(v) and v.dim() == 4 and v.shape[0] == 1:
                     setattr(obj, k, v.repeat_interleave(B, 0))
