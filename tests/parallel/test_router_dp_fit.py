@@ -1,0 +1,114 @@
+"""The router's choice for a decode worker with data-parallel attention
+(issue 6 point 2): such a worker reports free_kv_blocks as the sum over its
+replicas and Capacity.replica_free_kv_blocks as the most free blocks of any
+one, and a sequence's KV must fit in one replica.
+
+A real router and two fake workers on 127.0.0.1 (a prefill and a decode
+worker speaking twain.internal.v1 over DEALER sockets, heartbeating every
+100 ms). The decode worker has 22 blocks of 16 tokens, 6 free in all but at
+most 3 in one replica; a request of 15 + 60 tokens needs 5 blocks: it fits
+the sum, not a replica, so no Reserve may reach the worker while that lasts
+(without the per-replica test the router sends it at once). Once a
+heartbeat reports a replica with 11 free blocks, the Reserve arrives. Every
+wait is bounded."""
+import time
+
+import fixtures
+import svc
+from partest import check, finish, stop_all
+
+zmq = svc.zmq
+c = svc.Cluster(0, 0)
+ctx = zmq.Context.instance()
+
+
+def fake(name, pool):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTING_ID, name.encode())
+    s.connect(c.worker_ep)
+    env = svc.Envelope()
+    g = env.register
+    g.pool = svc.E[pool]
+    g.name = name
+    g.ranks = 2
+    g.kv_block_size = 16
+    g.n_layers = 4
+    g.backend = "cpu"
+    return s, env
+
+
+dec, reg_d = fake("fake-dp-decode", "POOL_DECODE")
+pre, reg_p = fake("fake-prefill", "POOL_PREFILL")
+cap = {"free": 6, "total": 22, "replica": 3}
+
+
+def fill(capacity):
+    capacity.free_kv_blocks = cap["free"]
+    capacity.total_kv_blocks = cap["total"]
+    capacity.replica_free_kv_blocks = cap["replica"]
+
+
+fill(reg_d.register.capacity)
+dec.send(reg_d.SerializeToString())
+pre.send(reg_p.SerializeToString())
+
+
+def beat():
+    for s, name in ((dec, "fake-dp-decode"), (pre, "fake-prefill")):
+        env = svc.Envelope()
+        env.heartbeat.worker = name
+        if s is dec:
+            fill(env.heartbeat.capacity)
+        s.send(env.SerializeToString())
+
+
+def decode_messages(seconds):
+    """Heartbeat both fakes every 100 ms for `seconds`; the decode fake's messages."""
+    got, end, last = [], time.time() + seconds, 0.0
+    while time.time() < end:
+        if time.time() - last >= 0.1:
+            beat()
+            last = time.time()
+        if dec.poll(20):
+            e = svc.Envelope()
+            e.ParseFromString(dec.recv())
+            got.append(e)
+        while pre.poll(0):
+            pre.recv()
+    return got
+
+
+cl = None
+try:
+    acks = [e for e in decode_messages(2.0) if e.WhichOneof("body") == "register_ack"]
+    c.wait_registered(1, 1, 10)
+    check(len(acks) == 1, "the fake dp decode worker registered (ack %s)" % [a.register_ack.worker_id for a in acks])
+    cl = c.client()
+    rid = cl.send(svc.generate(fixtures.ids("short_dog"), 60, deadline_ms=30000))
+    early = [e for e in decode_messages(1.5) if e.WhichOneof("body") == "reserve"]
+    check(not early, "needs 5 blocks, 6 free in all but 3 in the emptiest replica: no Reserve (%d sent)" % len(early))
+    cap.update(free=14, replica=11)
+    late = []
+    end = time.time() + 10
+    while time.time() < end and not late:
+        late = [e for e in decode_messages(0.3) if e.WhichOneof("body") == "reserve"]
+    check(len(late) == 1 and late[0].reserve.n_prompt_tokens == 15 and late[0].reserve.max_tokens == 60,
+          "a replica with 11 free blocks: the Reserve arrives (%s)" % [
+              (e.reserve.n_prompt_tokens, e.reserve.max_tokens) for e in late])
+    # end the request: the decode worker is full after all, then both fakes go away
+    if late:
+        rep = svc.Envelope()
+        rep.reserved.request_id = late[0].reserve.request_id
+        rep.reserved.status.code = svc.E["RESOURCE_EXHAUSTED"]
+        rep.reserved.status.message = "full"
+        dec.send(rep.SerializeToString())
+    dec.close(0)
+    pre.close(0)
+    res = cl.wait([rid], 60)[0]
+    check(res[-1].error.code != 0, "the request then fails cleanly: %s" % res[-1].error.message)
+finally:
+    if cl:
+        cl.close()
+    stop_all(c, "the router stops cleanly on SIGTERM")
+finish()
