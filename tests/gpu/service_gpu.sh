@@ -287,13 +287,19 @@ if [ -n "${TW_SVC_PY:-}" ]; then
   py_budget=${TW_SVC_PY_BUDGET_S:-300}
   pyb=$work/pybuild
   mkdir -p "$pyb/router" "$pyb/prefill" "$pyb/decode"
-  wrap() { # wrap REAL DEST: DEST runs REAL with the tests' '--backend cpu' as $backend
+  wrap() { # wrap REAL DEST: DEST runs REAL with the tests' '--backend cpu' as $backend.
+    # A copy of DEST elsewhere (test_service_ops' relocated bundle) runs a copy of
+    # REAL beside itself, so the program's own location is the copy's (its default
+    # model is looked up there), with REAL's libraries on LD_LIBRARY_PATH.
     # shellcheck disable=SC2016  # the single-quoted lines are the wrapper's own code
     printf '%s\n' '#!/usr/bin/env bash' "# tests/gpu/service_gpu.sh: $1, --backend cpu -> $backend" \
       'a=(); p=""' 'for x in "$@"; do' \
       "  if [ \"\$p\" = --backend ] && [ \"\$x\" = cpu ]; then x=$backend; fi" \
       "  [ \"\$x\" = --backend=cpu ] && x=--backend=$backend" \
-      '  a+=("$x"); p=$x' 'done' "exec \"$1\" \"\${a[@]}\"" >"$2"
+      '  a+=("$x"); p=$x' 'done' "real=\"$1\"" 'me=$(readlink -f "$0")' \
+      "if [ \"\${me%/*}\" != \"$(readlink -f "$(dirname "$2")")\" ]; then" \
+      '  export LD_LIBRARY_PATH=${real%/*}/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}' \
+      '  cp "$real" "$me.real" && real=$me.real' 'fi' 'exec "$real" "${a[@]}"' >"$2"
     chmod +x "$2"
   }
   wrap "$twain" "$pyb/router/twain"
