@@ -39,8 +39,8 @@ cleanup() {
   # slurmstepd): found by their environment, ended by pid.
   for e in /proc/[0-9]*/environ; do
     pid=${e#/proc/}; pid=${pid%/environ}
-    if tr '\0' '\n' < "$e" 2>/dev/null | grep -qx "SLURM_CONF=$cluster/slurm.conf" &&
-       tr '\0' '\n' < "$e" 2>/dev/null | grep -q '^SLURM_JOB_ID='; then
+    if tr '\0' '\n' 2>/dev/null < "$e" | grep -qx "SLURM_CONF=$cluster/slurm.conf" &&
+       tr '\0' '\n' 2>/dev/null < "$e" | grep -q '^SLURM_JOB_ID='; then
       kill -KILL "$pid" 2>/dev/null
     fi
   done
@@ -52,9 +52,28 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'; }
+# A port the router binds later: below the kernel's ephemeral range when there
+# is room, so no outgoing connection (slurm's RPCs, curl) and no bind to port 0
+# elsewhere takes it between this check and the router's bind.
+free_port() {
+  python3 - <<'EOF'
+import random, socket
+lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for port in (random.sample(range(lo - 10000, lo), 100) if lo > 11024 else []) + [0]:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        port = s.getsockname()[1]
+    except OSError:
+        continue
+    finally:
+        s.close()
+    print(port)
+    break
+EOF
+}
 metric() { # NAME: the router's value of a gauge, or empty
-  curl -s --max-time 2 "http://127.0.0.1:$TWAIN_METRICS_PORT/metrics" 2>/dev/null |
+  curl -s --max-time 2 "http://127.0.0.1:$router_metrics_port/metrics" 2>/dev/null |
     awk -v n="$1" '$1 == n || index($1, n "{") == 1 {print $2; exit}'
 }
 wait_for() { # SECONDS DESCRIPTION CONDITION
@@ -76,7 +95,12 @@ export TWAIN_BIN=$tmp/bin TWAIN_MODEL=$src/tests/fixtures/tiny-gptoss-wordnet-mx
 export TWAIN_PREFILL_TP=1 TWAIN_PREFILL_EP=1 TWAIN_DECODE_TP=1 TWAIN_DECODE_EP=1
 export TWAIN_PREFILL_WORKERS=1 TWAIN_DECODE_WORKERS=1 TWAIN_WORKER_ARGS="--threads 1"
 export TWAIN_LISTEN_HOST=127.0.0.1 TWAIN_ROUTER_HOST=127.0.0.1 TWAIN_LOG_DIR=$tmp/logs TWAIN_DRAIN_SECONDS=30
-TWAIN_API_PORT=$(free_port) TWAIN_WORKER_PORT=$(free_port) TWAIN_METRICS_PORT=$(free_port)
+TWAIN_API_PORT=$(free_port) TWAIN_WORKER_PORT=$(free_port)
+for _ in 1 2 3; do [ "$TWAIN_WORKER_PORT" != "$TWAIN_API_PORT" ] && break; TWAIN_WORKER_PORT=$(free_port); done
+# Metrics ports 0: each daemon binds a free one as it starts. (A fixed base made
+# the workers use base + 1 and base + 101, ports nobody checked: a prefill
+# worker once failed on one in use.) The router's port is read from its log.
+TWAIN_METRICS_PORT=0 router_metrics_port=
 export TWAIN_API_PORT TWAIN_WORKER_PORT TWAIN_METRICS_PORT
 endpoint=tcp://127.0.0.1:$TWAIN_API_PORT
 chat() { timeout 60 "$tmp/bin/twain" chat --endpoint "$endpoint" --timeout-ms 45000 "$1"; }
@@ -86,6 +110,8 @@ cd "$tmp"
 job=$(sbatch --parsable --output="$tmp/service-%j.out" "$src/deploy/slurm/twain.sbatch")
 echo "service job $job"
 wait_for 60 "service job running" '[ "$(squeue -h -j "$job" -o %T | sort -u)" = RUNNING ]'
+wait_for 60 "router metrics port in its log" \
+  'router_metrics_port=$(sed -n "s/.* metrics port \([0-9][0-9]*\).*/\1/p" "$tmp/logs/router.log" 2>/dev/null | head -n 1); [ -n "$router_metrics_port" ]'
 wait_for 60 "router has 1 prefill + 1 decode worker" '[ "$(metric twain_router_prefill_workers)" = 1 ] && [ "$(metric twain_router_decode_workers)" = 1 ]'
 check "job comment names the router" 'squeue -h -j "$job" -o %k | grep -q "router=tcp://127.0.0.1:$TWAIN_WORKER_PORT"'
 
