@@ -68,12 +68,13 @@ def wait_health(port, code, timeout=15):
     return got
 
 
-def free_port():
+def dead_port():
+    """A port nobody listens on and nobody else can take while the test
+    runs (ctest -j runs other servers on ephemeral ports): bound, never
+    listening, so a connection to it is refused. Returns (socket, port)."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    return s, s.getsockname()[1]
 
 
 def vm_hwm_kb(pid):
@@ -118,7 +119,8 @@ r = run("chat", "--bogus", timeout=20)
 check(r.returncode == 2 and "unknown option --bogus" in r.stderr, "chat --bogus: unknown option")
 
 # ---- 2: no server: fail fast (the default --timeout-ms is 300000; this is bounded by 60 s)
-dead_ep = "tcp://127.0.0.1:%d" % free_port()
+dead_sock, dead = dead_port()
+dead_ep = "tcp://127.0.0.1:%d" % dead
 r = run("chat", "--endpoint", dead_ep, "hi", timeout=60)
 check(r.returncode == 1 and ("no answer from %s within 5000 ms (is `twain serve` running?)" % dead_ep) in r.stderr,
       "chat with no server fails fast: rc %s %r" % (r.returncode, r.stderr.strip()[:160]))
@@ -130,6 +132,7 @@ try:
 except (ValueError, KeyError, TypeError):
     ok = False
 check(ok, "chat --json with no server: a JSON error object (%r)" % r.stdout.strip()[:160])
+dead_sock.close()
 
 # ---- 1 (router side), 9, 10: standalone router; /healthz, worker defaults, orphan, rate limit
 c = svc.Cluster(1, 0)
