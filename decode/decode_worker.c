@@ -74,7 +74,7 @@ typedef struct {
   tw_dseq_t **seqs;
   int32_t n_seqs, cap_seqs;
   bool draining;
-  int32_t step_start; /* first table index tried by the next step */
+  int32_t step_start[TW_DECODE_MAX_DP]; /* per dp rank: first table index its next step tries */
   tw_dist_identity_t id; /* this rank and its group (issue 6, dist.h) */
   tw_dist_t *dist;
   tw_decode_ranks_t rk;
@@ -131,14 +131,17 @@ static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *
     waiting += d->seqs[i]->state == TW_DSEQ_RESERVED;
   }
   twain__internal__v1__capacity__init(c);
-  /* dp: sums over the replicas, plus the room of the emptiest one (a
-   * sequence's KV lives in one: the router's fit test, Capacity in
-   * twain_internal.proto) */
+  /* dp: sums over the replicas, plus the room of the emptiest one and the
+   * size of the largest (a sequence's KV lives in one: the router's fit
+   * test, Capacity in twain_internal.proto) */
   c->free_kv_blocks = tw_decoder_blocks(d, 0);
   c->total_kv_blocks = tw_decoder_blocks(d, 2);
-  for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++)
+  for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++) {
     if (tw_kv_blocks_free_count(d->bm[r]) > c->replica_free_kv_blocks)
       c->replica_free_kv_blocks = tw_kv_blocks_free_count(d->bm[r]);
+    if (tw_kv_blocks_total(d->bm[r]) > c->replica_total_kv_blocks)
+      c->replica_total_kv_blocks = tw_kv_blocks_total(d->bm[r]);
+  }
   c->running = running;
   c->queued = waiting;
   tw_metric_set(d->m.running, running);
@@ -376,29 +379,46 @@ static void tw_on_cancel(tw_decoder_t *d, uint64_t id) {
   tw_dseq_release(d, idx);
 }
 
+/* Put running sequence s into its rank's batch (slot s->rank * max_batch + k). */
+static void tw_decoder_batch_add(tw_decoder_t *d, tw_dseq_t *s, int32_t *cnt) {
+  int32_t j = s->rank * d->p->max_batch + cnt[s->rank]++;
+  d->batch[j] = s;
+  d->tok[j] = s->token;
+  d->pos[j] = s->pos;
+  d->tables[j] = s->blocks;
+  d->nb[j] = s->n_blocks;
+  d->samp[j] = s->sample;
+}
+
 /* One continuous-batching step over every running sequence: with --dp one
  * batch per rank (its own sequences, at most max_batch each) in slots
- * [r * max_batch, + max_batch) of the step scratch. */
+ * [r * max_batch, + max_batch) of the step scratch. A rank with more
+ * running sequences than max_batch takes them in turns: its batch starts
+ * after the last sequence it ran (its own step_start, so that another
+ * rank's batch cannot make it start at the same sequence again). */
 static tw_status_t tw_decoder_step(tw_decoder_t *d) {
   const int32_t B = d->p->max_batch, R = d->n_dp;
-  int32_t cnt[TW_DECODE_MAX_DP] = {0}, n = 0, full = 0;
-  /* more running than fit: start where the last step stopped, so every
-   * sequence gets its turn */
-  int32_t start = d->n_seqs ? d->step_start % d->n_seqs : 0;
-  for (int32_t k = 0; k < d->n_seqs && full < R; k++) {
-    int32_t i = (start + k) % d->n_seqs;
+  int32_t cnt[TW_DECODE_MAX_DP] = {0}, running[TW_DECODE_MAX_DP] = {0}, n = 0;
+  bool over = false;
+  for (int32_t i = 0; i < d->n_seqs; i++)
+    if (d->seqs[i]->state == TW_DSEQ_RUNNING) running[d->seqs[i]->rank]++;
+  for (int32_t i = 0; i < d->n_seqs; i++) { /* ranks with room for all of theirs */
     tw_dseq_t *s = d->seqs[i];
-    if (s->state != TW_DSEQ_RUNNING || cnt[s->rank] == B) continue;
-    d->step_start = i + 1;
-    int32_t j = s->rank * B + cnt[s->rank]++;
-    full += cnt[s->rank] == B;
-    d->batch[j] = s;
-    d->tok[j] = s->token;
-    d->pos[j] = s->pos;
-    d->tables[j] = s->blocks;
-    d->nb[j] = s->n_blocks;
-    d->samp[j] = s->sample;
+    if (s->state != TW_DSEQ_RUNNING) continue;
     n++;
+    if (running[s->rank] <= B) tw_decoder_batch_add(d, s, cnt);
+    else over = true;
+  }
+  for (int32_t r = 0; r < R && over; r++) { /* the others: B of theirs, in turns */
+    if (running[r] <= B) continue;
+    int32_t start = d->step_start[r] % d->n_seqs;
+    for (int32_t k = 0; k < d->n_seqs && cnt[r] < B; k++) {
+      int32_t i = (start + k) % d->n_seqs;
+      tw_dseq_t *s = d->seqs[i];
+      if (s->state != TW_DSEQ_RUNNING || s->rank != r) continue;
+      tw_decoder_batch_add(d, s, cnt);
+      d->step_start[r] = i + 1;
+    }
   }
   if (n == 0) return TW_OK;
   int64_t t0 = tw_msg_clock_ns();

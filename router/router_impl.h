@@ -36,6 +36,7 @@ typedef struct {
   int64_t last_seen_ns;
   int32_t free_blocks, total_blocks, block_size;
   int32_t replica_free_blocks; /* decode --dp: most free blocks of one replica; 0: not dp */
+  int32_t replica_total_blocks; /* decode --dp: most blocks of one replica; 0: not dp */
   int64_t queued_tokens;
   int32_t assigned_blocks;  /* blocks of this router's requests there (schedule) */
   int64_t requests;         /* handed to it, for tests and logs */

@@ -87,6 +87,7 @@ static void tw_apply_capacity(tw_rworker_t *w, const Twain__Internal__V1__Capaci
   w->free_blocks = c->free_kv_blocks;
   w->total_blocks = c->total_kv_blocks;
   w->replica_free_blocks = c->replica_free_kv_blocks;
+  w->replica_total_blocks = c->replica_total_kv_blocks;
   w->queued_tokens = c->queued_prompt_tokens;
 }
 
@@ -387,11 +388,24 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     }
     /* decode worker with the most free blocks that can hold prompt + max_tokens */
     tw_rworker_t *best = NULL;
-    int32_t best_free = -1, need = 0;
+    int32_t best_free = -1, need = 0, largest = 0, n_open = 0, n_never = 0;
+    bool largest_dp = false;
     for (int32_t i = 0; i < r->n_workers; i++) {
       tw_rworker_t *w = &r->workers[i];
       if (w->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE || w->draining) continue;
       int32_t n = (int32_t)(((int64_t)q->n_prompt + q->max_tokens + w->block_size - 1) / w->block_size);
+      /* what one sequence can ever get there: one replica's pool (dp) or the pool */
+      int32_t size = w->replica_total_blocks > 0 ? w->replica_total_blocks : w->total_blocks;
+      n_open++;
+      if (size > largest) {
+        largest = size;
+        largest_dp = w->replica_total_blocks > 0;
+      }
+      if (size > 0 && n > size) {
+        n_never++;
+        if (!need) need = n; /* for the message below */
+        continue;
+      }
       /* the heartbeat lags the reservations in flight; what this router holds
        * there is exact, so take the smaller estimate */
       int32_t f = w->total_blocks - w->assigned_blocks;
@@ -404,6 +418,15 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
         best_free = f;
         need = n;
       }
+    }
+    if (!best && n_open > 0 && n_never == n_open) {
+      /* larger than any decode worker (or dp replica) could ever hold: no
+       * wait for room helps, so say so now instead of at the deadline */
+      tw_router_fail(r, q, TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
+                     "request needs %d kv blocks (%d prompt + %d max_tokens tokens); the largest "
+                     "decode worker%s holds %d",
+                     need, q->n_prompt, q->max_tokens, largest_dp ? " replica (--dp)" : "", largest);
+      continue;
     }
     if (!best) continue; /* admission control: wait for room (or the deadline) */
     Twain__Internal__V1__Reserve rv = TWAIN__INTERNAL__V1__RESERVE__INIT;

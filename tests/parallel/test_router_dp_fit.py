@@ -9,8 +9,11 @@ worker speaking twain.internal.v1 over DEALER sockets, heartbeating every
 most 3 in one replica; a request of 15 + 60 tokens needs 5 blocks: it fits
 the sum, not a replica, so no Reserve may reach the worker while that lasts
 (without the per-replica test the router sends it at once). Once a
-heartbeat reports a replica with 11 free blocks, the Reserve arrives. Every
-wait is bounded."""
+heartbeat reports a replica with 11 free blocks, the Reserve arrives. A
+request needing more blocks than the largest replica holds
+(Capacity.replica_total_kv_blocks), or without dp the whole pool, is refused
+at once with RESOURCE_EXHAUSTED, never sent to the worker (it used to wait
+for its deadline). Every wait is bounded."""
 import time
 
 import fixtures
@@ -40,13 +43,14 @@ def fake(name, pool):
 
 dec, reg_d = fake("fake-dp-decode", "POOL_DECODE")
 pre, reg_p = fake("fake-prefill", "POOL_PREFILL")
-cap = {"free": 6, "total": 22, "replica": 3}
+cap = {"free": 6, "total": 22, "replica": 3, "replica_total": 11}
 
 
 def fill(capacity):
     capacity.free_kv_blocks = cap["free"]
     capacity.total_kv_blocks = cap["total"]
     capacity.replica_free_kv_blocks = cap["replica"]
+    capacity.replica_total_kv_blocks = cap["replica_total"]
 
 
 fill(reg_d.register.capacity)
@@ -96,6 +100,22 @@ try:
     check(len(late) == 1 and late[0].reserve.n_prompt_tokens == 15 and late[0].reserve.max_tokens == 60,
           "a replica with 11 free blocks: the Reserve arrives (%s)" % [
               (e.reserve.n_prompt_tokens, e.reserve.max_tokens) for e in late])
+    # never fits: more than the largest replica (dp) or the pool (no dp) holds
+    for replica_total, max_tokens, need, size in ((11, 180, 13, 11), (0, 400, 26, 22)):
+        cap.update(replica_total=replica_total, replica=min(replica_total, 11))
+        decode_messages(0.3)  # a heartbeat with it
+        rid2 = cl.send(svc.generate(fixtures.ids("short_dog"), max_tokens, deadline_ms=600000))
+        got = []
+        end = time.time() + 10
+        while time.time() < end and not cl.done(rid2):
+            got += [e for e in decode_messages(0.1) if e.WhichOneof("body") == "reserve"]
+            cl.pump(0.01)
+        err = cl.replies[rid2][-1].error if cl.done(rid2) else None
+        check(err is not None and err.code == svc.E["RESOURCE_EXHAUSTED"] and not got and
+              "needs %d kv blocks" % need in err.message and "holds %d" % size in err.message,
+              "%d blocks > %s of %d: refused at once, no Reserve (%s)" % (
+                  need, "a replica" if replica_total else "the pool", size,
+                  err.message if err is not None else "still queued after 10 s"))
     # end the request: the decode worker is full after all, then both fakes go away
     if late:
         rep = svc.Envelope()

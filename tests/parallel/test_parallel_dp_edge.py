@@ -1,0 +1,86 @@
+"""Edge cases of a decode worker with data-parallel attention (issue 6 point
+2) found by using it: `twain-decode --dp 2 --ep 2 --kv-blocks 24 --max-batch
+1`, real processes on 127.0.0.1, so each replica has 23 blocks of 16 tokens
+(the 24th pads idle steps) and runs one sequence per step.
+
+1. a request that fits the sum of the replicas (46 blocks) but not one
+   replica (15 + 380 tokens = 25 blocks > 23) can never be placed: the router
+   must refuse it at once with RESOURCE_EXHAUSTED naming the sizes, not keep
+   it queued until its deadline (10 minutes by default) while the client sees
+   nothing. Bounded here by a 60 s wait against a 600 s deadline.
+2. fairness inside a replica: three equal requests A, B, C (8 blocks each)
+   land on ranks 0, 1, 0 (most free blocks, ties to the lowest rank). With
+   one sequence per rank per step, A and C must take turns on rank 0, so A,
+   which started first, finishes first; a rotation shared by all ranks let
+   B's slot always end the step, so the next step started at C again and A
+   got no token until C had finished. Outputs equal TP 1.
+3. nothing leaked: the block gauges go back to 0, in all and per rank.
+Every wait is bounded; no assertion on time."""
+import time
+
+import fixtures
+import svc
+from partest import check, finish, stop_all
+
+
+def dp_seqs(port):
+    m = svc.metrics(port)
+    return [m.get("twain_decode_dp_rank%d_sequences_total" % r, -1) for r in range(2)]
+
+
+prompt = fixtures.ids("short_dog")
+N = 100
+c = svc.Cluster(1, 1, decode_args=["--dp", "2", "--ep", "2", "--kv-blocks", "24", "--max-batch", "1"])
+try:
+    cl = c.client()
+    dec = c.decodes[0]
+    port = dec.metrics_port
+    check(dec.count(r"data-parallel attention over 2 ranks, 23 kv blocks each \(46 in all\)") == 1,
+          "2 replicas of 23 kv blocks each (the 24th pads idle steps)")
+
+    # ---- 1. larger than any one replica, smaller than the sum
+    big = 380
+    need = (len(prompt) + big + 15) // 16
+    check(23 < need <= 46, "the big request needs %d blocks: more than one replica, not more than both" % need)
+    rid = cl.send(svc.generate(prompt, big, deadline_ms=600000))
+    try:
+        rep = cl.wait([rid], 60)[0]
+        err = rep[-1].error
+        check(err.code == svc.E["RESOURCE_EXHAUSTED"] and "%d kv blocks" % need in err.message,
+              "refused at once: code %d, %r" % (err.code, err.message))
+        check(not svc.tokens_of(rep), "and no token streamed")
+    except AssertionError as e:
+        check(False, "refused at once (still waiting after 60 s: %s)" % str(e)[:60])
+        cancel = svc.ClientRequest()
+        cancel.cancel.target_request_id = rid
+        cl.send(cancel)
+    check(svc.metrics(port).get("twain_decode_reservations_refused_total", -1) == 0,
+          "the router never sent it to the worker (no reservation refused there)")
+
+    # ---- 2. two sequences on one replica take turns
+    ref = svc.reference_generate(prompt, N)
+    s0 = dp_seqs(port)
+    rids = [cl.send(svc.generate(prompt, N)) for _ in range(3)]
+    order = []
+    end = time.time() + 180
+    while time.time() < end and len(order) < 3:
+        cl.pump(0.05)
+        order += [r for r in rids if cl.done(r) and r not in order]
+    res = cl.wait(rids, 5)
+    s1 = dp_seqs(port)
+    check([b - a for a, b in zip(s0, s1)] == [2, 1], "A and C on rank 0, B on rank 1: %s more" % (
+        [b - a for a, b in zip(s0, s1)]))
+    check(all(svc.tokens_of(r) == ref for r in res), "the three outputs equal TP 1")
+    a, b, cc = rids
+    check(order.index(a) < order.index(cc),
+          "A finishes before C on their shared replica (done order A B C = %s)" % [
+              "ABC"[rids.index(r)] for r in order])
+
+    # ---- 3. nothing leaked
+    used = svc.wait_metric(port, "twain_kv_blocks_used", 0)
+    per_rank = [svc.wait_metric(port, "twain_decode_dp_rank%d_kv_blocks_used" % r, 0) for r in range(2)]
+    check(used == 0 and per_rank == [0, 0], "every block freed: %s in all, %s per rank" % (used, per_rank))
+    cl.close()
+finally:
+    stop_all(c)
+finish()
