@@ -14,6 +14,7 @@
 
 #include "common/install_paths.h"
 #include "common/engine.h"
+#include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/log.h"
 #include "router/router.h"
 
@@ -237,6 +238,28 @@ int tw_cli_serve(int argc, char **argv) {
   tw_backend_kind_t bk;
   if (tw_backend_parse(backend, &bk) != TW_OK) {
     fprintf(stderr, "twain serve: %s\n", tw_last_error());
+    return 2;
+  }
+  /* each pool's parallelism (issue 6): whole numbers, and the decode worker's
+   * --dp rule, checked here so that a combination the worker refuses ends
+   * serve at once instead of restarting that worker until it gives up */
+  static const char *const par_flags[5] = {"--prefill-tp", "--prefill-ep", "--decode-tp",
+                                           "--decode-ep", "--decode-dp"};
+  long long pv[5] = {1, 1, 1, 1, 1};
+  for (int k = 0; k < 5; k++)
+    if (par[k] && tw_cli_parse_int("twain serve", par_flags[k], par[k], 1, 64, &pv[k])) return 2;
+  if (pv[4] > 1 && (pv[3] != pv[4] || pv[2] != 1)) {
+    fprintf(stderr,
+            "twain serve: --decode-dp N needs --decode-ep N and --decode-tp 1 (N ranks, each an "
+            "attention replica, the experts split over all N; docs/parallelism.md), got "
+            "--decode-dp %lld --decode-ep %lld --decode-tp %lld\n",
+            pv[4], pv[3], pv[2]);
+    return 2;
+  }
+  if (pv[4] > 1 && (bk == TW_BACKEND_CUDA || (bk == TW_BACKEND_AUTO && tw_cuda_available()))) {
+    fprintf(stderr, "twain serve: --decode-dp %lld (data-parallel attention) runs on the cpu "
+                    "backend only: add --backend cpu, or use --decode-tp/--decode-ep on a GPU\n",
+            pv[4]);
     return 2;
   }
   if (n_prefill < 1 || n_decode < 1 || n_prefill + n_decode > TW_SERVE_MAX_WORKERS) {

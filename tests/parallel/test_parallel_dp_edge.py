@@ -15,7 +15,12 @@
    B's slot always end the step, so the next step started at C again and A
    got no token until C had finished. Outputs equal TP 1.
 3. nothing leaked: the block gauges go back to 0, in all and per rank.
+0. `twain serve` with a --decode-dp combination the decode worker refuses
+   (--decode-dp 2 alone, with --decode-tp 2, a non-number) ends at once with
+   exit 2 and the rule, before starting anything: it used to restart the
+   refused worker 5 times and then stay up, never ready, until killed.
 Every wait is bounded; no assertion on time."""
+import subprocess
 import time
 
 import fixtures
@@ -27,6 +32,23 @@ def dp_seqs(port):
     m = svc.metrics(port)
     return [m.get("twain_decode_dp_rank%d_sequences_total" % r, -1) for r in range(2)]
 
+
+# ---- 0. serve refuses what the decode worker would refuse
+twain = svc.bin_path("router", "twain")
+for extra, want in ((["--decode-dp", "2"], "--decode-dp N needs --decode-ep N"),
+                    (["--decode-dp", "2", "--decode-ep", "2", "--decode-tp", "2"], "--decode-dp N needs --decode-ep N"),
+                    (["--decode-dp", "two", "--decode-ep", "2"], "--decode-dp must be an integer")):
+    pr = svc.Proc([twain, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "-1",
+                   "--backend", "cpu"] + extra, "serve-bad")
+    try:
+        rc = pr.p.wait(30)
+    except subprocess.TimeoutExpired:
+        rc = None
+    pr.stop(timeout=10)  # bounded, and whatever it started goes with it
+    err = "\n".join(pr.lines)
+    check(rc == 2 and want in err and "twain-decode" not in err,
+          "twain serve %s: exit %s before starting a worker, %r" % (
+              " ".join(extra), rc, (err.strip().splitlines() or ["(nothing)"])[0][:150]))
 
 prompt = fixtures.ids("short_dog")
 N = 100
