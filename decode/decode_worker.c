@@ -504,7 +504,8 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
     TW_CHECK(tw_kv_blocks_create(n - 1, l->block_size, &d->bm[r]));
     d->pad[r] = n - 1;
   }
-  int32_t B = p->max_batch * d->n_dp; /* step scratch: max_batch slots per dp rank */
+  /* step scratch: max_batch slots per dp rank (at most 65536 x 64: no overflow) */
+  int32_t B = p->max_batch * d->n_dp;
   d->tok = malloc(sizeof(int32_t) * (size_t)B);
   d->pos = malloc(sizeof(int32_t) * (size_t)B);
   d->nb = malloc(sizeof(int32_t) * (size_t)B);
@@ -584,6 +585,9 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
   if (p->tp < 1 || p->ep < 1 || (p->tp > 1 && p->ep > 1 && p->tp != p->ep))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "decode: --tp %d --ep %d: each >= 1, equal when both > 1",
                   p->tp, p->ep);
+  if (p->max_batch < 1 || p->max_batch > TW_DECODE_MAX_BATCH)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "decode: --max-batch %d: 1 to %d sequences per step%s",
+                  p->max_batch, TW_DECODE_MAX_BATCH, p->dp > 1 ? " and dp rank" : "");
   if (p->dp < 1 || p->dp > TW_DECODE_MAX_DP || (p->dp > 1 && (p->tp != 1 || p->ep != p->dp)))
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "decode: --dp %d --tp %d --ep %d: data-parallel attention needs --dp N --ep N "

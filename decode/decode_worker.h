@@ -44,10 +44,12 @@ typedef struct {
                         .dp = 1, .drain_timeout_s = 600})
 
 #define TW_DECODE_MAX_DP 64 /* data-parallel ranks of one worker (the control link's limit) */
+#define TW_DECODE_MAX_BATCH 65536 /* --max-batch: sequences per step (per dp rank) */
 
 /** Run the daemon until SIGTERM/SIGINT, then drain (finish the running
  *  sequences, refuse new ones; at most drain_timeout_s seconds) and return.
- *  Errors: TW_ERR_INVALID_ARGUMENT (tp/ep/dp not a valid combination, named),
+ *  Errors: TW_ERR_INVALID_ARGUMENT (tp/ep/dp not a valid combination, named;
+ *  max_batch outside [1, TW_DECODE_MAX_BATCH]),
  *  TW_ERR_UNSUPPORTED (dp > 1 on the cuda backend), whatever loading the
  *  model, creating the engine, the UCX transfer or the router connection
  *  returned. */

@@ -19,6 +19,8 @@
    (--decode-dp 2 alone, with --decode-tp 2, a non-number) ends at once with
    exit 2 and the rule, before starting anything: it used to restart the
    refused worker 5 times and then stay up, never ready, until killed.
+   twain-decode --dp 2 --max-batch 1500000000 is refused naming the flag
+   (max_batch x ranks used to overflow into "scratch for -1294967296").
 Every wait is bounded; no assertion on time."""
 import subprocess
 import time
@@ -49,6 +51,14 @@ for extra, want in ((["--decode-dp", "2"], "--decode-dp N needs --decode-ep N"),
     check(rc == 2 and want in err and "twain-decode" not in err,
           "twain serve %s: exit %s before starting a worker, %r" % (
               " ".join(extra), rc, (err.strip().splitlines() or ["(nothing)"])[0][:150]))
+
+# a per-rank batch so large that max_batch x ranks overflowed 32 bits: refused by name
+r = subprocess.run([svc.bin_path("decode", "twain-decode"), "--router", "tcp://127.0.0.1:9", "--model", svc.MODEL,
+                    "--backend", "cpu", "--dp", "2", "--ep", "2", "--max-batch", "1500000000"],
+                   capture_output=True, text=True, timeout=60)
+check(r.returncode != 0 and "--max-batch 1500000000: 1 to 65536" in r.stderr,
+      "twain-decode --dp 2 --max-batch 1500000000 refused (exit %d): %s" % (
+          r.returncode, (r.stderr.strip().splitlines() or ["(nothing)"])[0][-120:]))
 
 prompt = fixtures.ids("short_dog")
 N = 100
