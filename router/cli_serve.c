@@ -13,6 +13,7 @@
 #include "router/cli.h"
 
 #include "common/install_paths.h"
+#include "common/config.h"
 #include "common/engine.h"
 #include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/log.h"
@@ -145,6 +146,32 @@ static pid_t tw_spawn(char *const argv[]) {
   return pid;
 }
 
+/* Each pool's split against the model (docs/parallelism.md): --*-tp must
+ * divide the attention and KV heads, --*-ep the experts. pv: prefill tp, ep,
+ * decode tp, ep, dp. Returns -1 after printing the rule that fails, 0
+ * otherwise (also when config.json cannot be read: the router says why). */
+static int tw_serve_check_split(const char *model_dir, const long long pv[5]) {
+  char path[PATH_MAX];
+  tw_model_config_t c;
+  snprintf(path, sizeof path, "%s/config.json", model_dir);
+  if (tw_config_load(path, &c) != TW_OK) return 0;
+  for (int k = 0; k < 2; k++) {
+    const char *pool = k ? "decode" : "prefill";
+    long long tp = pv[2 * k], ep = pv[2 * k + 1];
+    if (tp > 1 && (c.n_kv_heads % tp || c.n_heads % tp)) {
+      fprintf(stderr, "twain serve: --%s-tp %lld does not divide the model's %d KV heads (%d query "
+                      "heads): use a divisor (docs/parallelism.md)\n", pool, tp, c.n_kv_heads, c.n_heads);
+      return -1;
+    }
+    if (ep > 1 && c.n_experts % ep) {
+      fprintf(stderr, "twain serve: --%s-ep %lld does not divide the model's %d experts: use a "
+                      "divisor (docs/parallelism.md)\n", pool, ep, c.n_experts);
+      return -1;
+    }
+  }
+  return 0;
+}
+
 static void tw_serve_usage(void) {
   fprintf(stderr,
           "usage: twain serve [--model DIR] [--listen tcp://HOST:PORT] [--prefill N] [--decode M]\n"
@@ -256,6 +283,7 @@ int tw_cli_serve(int argc, char **argv) {
             pv[4], pv[3], pv[2]);
     return 2;
   }
+  if (tw_serve_check_split(s.rp.model_dir, pv)) return 2;
   if (pv[4] > 1 && (bk == TW_BACKEND_CUDA || (bk == TW_BACKEND_AUTO && tw_cuda_available()))) {
     fprintf(stderr, "twain serve: --decode-dp %lld (data-parallel attention) runs on the cpu "
                     "backend only: add --backend cpu, or use --decode-tp/--decode-ep on a GPU\n",

@@ -16,7 +16,8 @@
    got no token until C had finished. Outputs equal TP 1.
 3. nothing leaked: the block gauges go back to 0, in all and per rank.
 0. `twain serve` with a --decode-dp combination the decode worker refuses
-   (--decode-dp 2 alone, with --decode-tp 2, a non-number) ends at once with
+   (--decode-dp 2 alone, with --decode-tp 2, a non-number, --decode-dp 3
+   --decode-ep 3 with the tiny model's 8 experts) ends at once with
    exit 2 and the rule, before starting anything: it used to restart the
    refused worker 5 times and then stay up, never ready, until killed.
    twain-decode --dp 2 --max-batch 1500000000 is refused naming the flag
@@ -39,7 +40,8 @@ def dp_seqs(port):
 twain = svc.bin_path("router", "twain")
 for extra, want in ((["--decode-dp", "2"], "--decode-dp N needs --decode-ep N"),
                     (["--decode-dp", "2", "--decode-ep", "2", "--decode-tp", "2"], "--decode-dp N needs --decode-ep N"),
-                    (["--decode-dp", "two", "--decode-ep", "2"], "--decode-dp must be an integer")):
+                    (["--decode-dp", "two", "--decode-ep", "2"], "--decode-dp must be an integer"),
+                    (["--decode-dp", "3", "--decode-ep", "3"], "--decode-ep 3 does not divide the model's 8 experts")):
     pr = svc.Proc([twain, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "-1",
                    "--backend", "cpu"] + extra, "serve-bad")
     try:
