@@ -412,7 +412,8 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       if (w->free_blocks < f) f = w->free_blocks;
       /* data-parallel attention: the sequence's KV goes to one replica, so it
        * must fit there (the worker picks the emptiest); f, the sum, ranks */
-      bool fits = f >= n && (w->replica_free_blocks <= 0 || w->replica_free_blocks >= n);
+      bool dp = w->replica_total_blocks > 0 || w->replica_free_blocks > 0;
+      bool fits = f >= n && (!dp || w->replica_free_blocks >= n);
       if (fits && f > best_free) {
         best = w;
         best_free = f;
@@ -442,10 +443,18 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     q->blocks_asked = need;
     best->assigned_blocks += need;
     best->requests++;
+    /* dp: the worker puts it in its emptiest replica; until the next
+     * heartbeat says how much room is left there, count it as gone, so that
+     * the same stale figure does not send more than that replica holds (each
+     * would come back RESOURCE_EXHAUSTED and retry) */
+    int32_t replica_before = best->replica_free_blocks;
+    if (best->replica_total_blocks > 0)
+      best->replica_free_blocks = replica_before > need ? replica_before - need : 0;
     if (tw_router_send_worker(r, best, &env) != TW_OK) {
       q->state = TW_REQ_QUEUED;
       q->dw = 0;
       best->assigned_blocks -= need;
+      best->replica_free_blocks = replica_before;
     }
   }
 }

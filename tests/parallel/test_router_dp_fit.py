@@ -13,7 +13,9 @@ heartbeat reports a replica with 11 free blocks, the Reserve arrives. A
 request needing more blocks than the largest replica holds
 (Capacity.replica_total_kv_blocks), or without dp the whole pool, is refused
 at once with RESOURCE_EXHAUSTED, never sent to the worker (it used to wait
-for its deadline). Every wait is bounded."""
+for its deadline). Two requests that each fit the emptiest replica but not
+together get one Reserve until the next heartbeat (the second used to be
+sent too, to come back RESOURCE_EXHAUSTED). Every wait is bounded."""
 import time
 
 import fixtures
@@ -116,6 +118,21 @@ try:
               "%d blocks > %s of %d: refused at once, no Reserve (%s)" % (
                   need, "a replica" if replica_total else "the pool", size,
                   err.message if err is not None else "still queued after 10 s"))
+    # two requests of 6 blocks at once, one replica of 11 free (22 in all):
+    # the first Reserve takes that room until the next heartbeat says
+    # otherwise, so the second waits instead of being sent to be refused
+    cap.update(free=22, total=22, replica=11, replica_total=11)
+    decode_messages(0.3)  # a heartbeat with it, then none for 0.5 s
+    pair = [cl.send(svc.generate(fixtures.ids("short_dog"), 81)) for _ in range(2)]
+    got, end = [], time.time() + 0.5
+    while time.time() < end:
+        if dec.poll(20):
+            e = svc.Envelope()
+            e.ParseFromString(dec.recv())
+            if e.WhichOneof("body") == "reserve":
+                got.append(e)
+    check(len(got) == 1, "two 6-block requests, one replica with 11 free: %d Reserve(s) before the "
+          "next heartbeat (1: the second waits)" % len(got))
     # end the request: the decode worker is full after all, then both fakes go away
     if late:
         rep = svc.Envelope()
@@ -127,6 +144,8 @@ try:
     pre.close(0)
     res = cl.wait([rid], 60)[0]
     check(res[-1].error.code != 0, "the request then fails cleanly: %s" % res[-1].error.message)
+    res = cl.wait(pair, 60)
+    check(all(r[-1].error.code != 0 for r in res), "so do the two others")
 finally:
     if cl:
         cl.close()
