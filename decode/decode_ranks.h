@@ -41,6 +41,8 @@ typedef struct {
 tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *dist, tw_engine_t *engine,
                                  tw_kv_xfer_t *xfer, tw_kv_region_t *region,
                                  const tw_model_t *model);
+/** Free the pool list rk holds (the borrowed handles stay); rk can be
+ *  initialised again. Safe on a zeroed rk. */
 void tw_decode_ranks_fini(tw_decode_ranks_t *rk);
 
 /** Rank 0: add every rank's pool to a handoff (nothing for one rank). The

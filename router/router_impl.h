@@ -97,6 +97,7 @@ void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
 /** New tokens for a request from its decode or prefill worker. */
 void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
                          bool finished, int finish_reason);
+/** The unfinished request with internal id `id` (changes on each requeue), or NULL. */
 tw_req_t *tw_router_find_req(tw_router_t *r, uint64_t id);
 /** Send Cancel for q to its workers (those that hold something). */
 void tw_router_cancel_workers(tw_router_t *r, tw_req_t *q);
@@ -109,8 +110,11 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m);
 void tw_router_expire_workers(tw_router_t *r, int64_t now_ns);
 /** Try to start queued requests (pick decode workers, send Reserve). */
 void tw_router_schedule(tw_router_t *r, int64_t now_ns);
+/** Send env (borrowed) to worker w; a failure is logged (WARN) and returned:
+ *  TW_ERR_UNAVAILABLE (queue full, worker gone), TW_ERR_TRANSPORT, as tw_msg_send_to. */
 tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
                                   Twain__Internal__V1__Envelope *env);
+/** Registered workers of `pool` that are not draining. */
 int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool pool);
 /** /healthz: 503 "not ready: no ... worker registered" while a pool is
  *  empty, 200 otherwise (left alone while draining). */
@@ -118,6 +122,7 @@ void tw_router_update_health(tw_router_t *r);
 
 /* ---- router_chat.c ---- */
 tw_status_t tw_rchat_init(tw_router_t *r);
+/** Free what tw_rchat_init loaded (tokenizer, Harmony); safe twice. */
 void tw_rchat_fini(tw_router_t *r);
 /** Render a ChatRequest to prompt ids + stop ids; creates q->hchat.
  *  Errors: TW_ERR_INVALID_ARGUMENT (bad message, tool schema...), with the
@@ -129,6 +134,7 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
                    Twain__V1__ServerReply *rep);
 /** At the end: the parsed messages into rep (and remaining deltas). */
 void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep);
+/** Free a chat request's parser state (no-op for generate requests). */
 void tw_rchat_free(tw_req_t *q);
 /** Default stop ids for generate requests (<|return|>, <|call|>) if known. */
 int32_t tw_rchat_default_stops(tw_router_t *r, int32_t *ids, int32_t cap);
