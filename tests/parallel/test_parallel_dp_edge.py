@@ -3,6 +3,13 @@
 1`, real processes on 127.0.0.1, so each replica has 23 blocks of 16 tokens
 (the 24th pads idle steps) and runs one sequence per step.
 
+0. `twain serve` with a --decode-dp combination the decode worker refuses
+   (--decode-dp 2 alone, with --decode-tp 2, a non-number, --decode-dp 3
+   --decode-ep 3 with the tiny model's 8 experts) ends at once with
+   exit 2 and the rule, before starting anything: it used to restart the
+   refused worker 5 times and then stay up, never ready, until killed.
+   twain-decode --dp 2 --max-batch 1500000000 is refused naming the flag
+   (max_batch x ranks used to overflow into "scratch for -1294967296").
 1. a request that fits the sum of the replicas (46 blocks) but not one
    replica (15 + 380 tokens = 25 blocks > 23) can never be placed: the router
    must refuse it at once with RESOURCE_EXHAUSTED naming the sizes, not keep
@@ -15,13 +22,6 @@
    B's slot always end the step, so the next step started at C again and A
    got no token until C had finished. Outputs equal TP 1.
 3. nothing leaked: the block gauges go back to 0, in all and per rank.
-0. `twain serve` with a --decode-dp combination the decode worker refuses
-   (--decode-dp 2 alone, with --decode-tp 2, a non-number, --decode-dp 3
-   --decode-ep 3 with the tiny model's 8 experts) ends at once with
-   exit 2 and the rule, before starting anything: it used to restart the
-   refused worker 5 times and then stay up, never ready, until killed.
-   twain-decode --dp 2 --max-batch 1500000000 is refused naming the flag
-   (max_batch x ranks used to overflow into "scratch for -1294967296").
 Every wait is bounded; no assertion on time."""
 import subprocess
 import time
