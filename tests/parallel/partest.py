@@ -60,13 +60,24 @@ def kill_rank_streaming(c, cl, victim, prompt, n_streams, kind, remaining, what)
     """Start n_streams long streams, SIGKILL rank 1 of `victim` once each has
     a few tokens, check the worker leaves the router's registry (its `kind`
     pool count drops to `remaining`) within 2 s; returns the streams'
-    replies once all ended."""
+    replies once all ended and how many of them ran on the victim at the
+    kill (its decode_running_sequences, polled until the streams' placement
+    adds up over the decode workers)."""
     pid1 = int(victim.wait_line(r"r1 .*rank 1 of 2 pid (\d+) following rank 0", 10).group(1))
     streams = [cl.send(svc.generate(prompt, 300)) for _ in range(n_streams)]
     end = time.time() + 60
     while time.time() < end and not all(len(svc.tokens_of(cl.replies.get(r, []))) >= 3 or cl.done(r)
                                         for r in streams):
         cl.pump(0.02)
+    end = time.time() + 15
+    while True:
+        running = {d.worker_name: svc.metrics(d.metrics_port).get("twain_decode_running_sequences", 0)
+                   for d in c.decodes}
+        live = sum(1 for r in streams if not cl.done(r))
+        if sum(running.values()) == live or time.time() > end:
+            break
+        cl.pump(0.02)
+    on_victim = int(running.get(victim.worker_name, 0))
     t_kill = time.time()
     os.kill(pid1, signal.SIGKILL)
     gone_at = None
@@ -78,7 +89,7 @@ def kill_rank_streaming(c, cl, victim, prompt, n_streams, kind, remaining, what)
     check(gone_at is not None and gone_at <= 2.0,
           "kill -9 of %s: worker out of the registry after %s s" % (
               what, "%.2f" % gone_at if gone_at is not None else "> 10"))
-    return cl.wait(streams, 120)
+    return cl.wait(streams, 120), on_victim
 
 
 def wait_gone(c, victim, pool):

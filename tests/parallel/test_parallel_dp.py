@@ -118,7 +118,7 @@ try:
           "free blocks are the sum over the 2 equal dp pools (%d)" % dm["twain_kv_blocks_free"])
 
     # ---- 5. kill -9 of dp rank 1 mid-stream
-    res = kill_rank_streaming(c, cl, dec, cases["short_dog"], 4, "decode", 0, "dp rank 1")
+    res, _ = kill_rank_streaming(c, cl, dec, cases["short_dog"], 4, "decode", 0, "dp rank 1")
     n_err = sum(1 for r in res if r[-1].error.code)
     check(n_err == len(res), "its %d streams ended with an error (%s)" % (
         n_err, error_summary(res)))

@@ -22,11 +22,11 @@ serve = svc.Proc([twain, "serve", "--listen", "tcp://127.0.0.1:0", "--threads", 
                   "--backend", "cpu", "--prefill-tp", "2"] + decode_par + ["--verify-kv"], "serve")
 try:
     ep = serve.wait_line(r"ready.*clients at (\S+)", 90).group(1)
-    check(serve.count(r"twain-prefill\[\d+\] r1 .*rank 1 of 2 pid \d+ following rank 0") == 1 and
-          serve.count(r"twain-decode\[\d+\] r1 .*rank 1 of 2 pid \d+ following rank 0") == 1,
+    check(serve.wait_count(r"twain-prefill\[\d+\] r1 .*rank 1 of 2 pid \d+ following rank 0", 1) == 1 and
+          serve.wait_count(r"twain-decode\[\d+\] r1 .*rank 1 of 2 pid \d+ following rank 0", 1) == 1,
           "serve started a 2-rank prefill worker and a 2-rank decode worker")
     if dp:
-        check(serve.count(r"twain-decode\[\d+\] .*data-parallel attention over 2 ranks") == 1,
+        check(serve.wait_count(r"twain-decode\[\d+\] .*data-parallel attention over 2 ranks", 1) == 1,
               "the decode worker's ranks are data-parallel attention replicas")
     ids = fixtures.ids("system_water")
     r = subprocess.run([twain, "generate", "--endpoint", ep, "--max-tokens", "20"] + [str(i) for i in ids],
