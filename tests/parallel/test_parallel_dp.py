@@ -57,10 +57,11 @@ try:
     cl = c.client()
     dec = c.decodes[0]
     port = dec.metrics_port
-    check(dec.count(r"r1 .*rank 1 of 2 pid \d+ following rank 0") == 1 and
-          dec.count(r"data-parallel attention over 2 ranks") == 1,
+    # written before it registered, but read through mpirun and our reader threads: waited for
+    check(dec.wait_count(r"r1 .*rank 1 of 2 pid \d+ following rank 0", 1) == 1 and
+          dec.wait_count(r"data-parallel attention over 2 ranks", 1) == 1,
           "the decode worker runs 2 ranks as data-parallel attention replicas")
-    check(dec.count(r"rank 1 pool: kv heads \[0,2\)") == 1, "dp rank 1's pool holds every kv head")
+    check(dec.wait_count(r"rank 1 pool: kv heads \[0,2\)", 1) == 1, "dp rank 1's pool holds every kv head")
 
     # ---- 1. four prompts at once through a single-rank prefill worker
     greedy_at_once(cl, cases, refs, N)

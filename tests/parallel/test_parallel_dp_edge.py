@@ -69,7 +69,8 @@ try:
     cl = c.client()
     dec = c.decodes[0]
     port = dec.metrics_port
-    check(dec.count(r"data-parallel attention over 2 ranks, 23 kv blocks each \(46 in all\)") == 1,
+    # written before it registered, but read through mpirun and our reader threads: waited for
+    check(dec.wait_count(r"data-parallel attention over 2 ranks, 23 kv blocks each \(46 in all\)", 1) == 1,
           "2 replicas of 23 kv blocks each (the 24th pads idle steps)")
 
     # ---- 1. larger than any one replica, smaller than the sum
