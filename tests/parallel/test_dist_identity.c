@@ -10,16 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int fails;
-#define EXPECT(c, ...)                                     \
-  do {                                                     \
-    if (!(c)) {                                            \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fputc('\n', stderr);                                 \
-      fails++;                                             \
-    }                                                      \
-  } while (0)
+#include "tests/test_expect.h"
 
 static const char *const all_vars[] = {
     "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "RANK",

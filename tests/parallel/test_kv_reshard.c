@@ -34,16 +34,7 @@
 #define NTOK 19 /* 5 blocks; the sliding layer needs positions >= 11: blocks 2..4 */
 #define NSENT 5
 
-static int fails;
-#define EXPECT(c, ...)                                     \
-  do {                                                     \
-    if (!(c)) {                                            \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fputc('\n', stderr);                                 \
-      fails++;                                             \
-    }                                                      \
-  } while (0)
+#include "tests/test_expect.h"
 
 static const int32_t dst_ids[NSENT] = {7, 3, 11, 0, 5};
 static const int32_t src_ids[NSENT] = {1, 2, 3, 4, 6};

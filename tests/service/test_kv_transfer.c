@@ -26,16 +26,7 @@
 #define WINDOW 32
 #define NTOK 75 /* 5 blocks, sliding layers need positions >= 43: blocks 2..4 */
 
-static int fails;
-#define EXPECT(c, ...)                           \
-  do {                                           \
-    if (!(c)) {                                  \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);              \
-      fputc('\n', stderr);                       \
-      fails++;                                   \
-    }                                            \
-  } while (0)
+#include "tests/test_expect.h"
 
 static tw_kv_layout_t make_layout(void *base) {
   tw_kv_layout_t l = {.dtype = TW_DTYPE_F32, .n_layers = L, .n_blocks = NB, .block_size = BS,

@@ -13,16 +13,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
-static int fails;
-#define EXPECT(c, ...)                                       \
-  do {                                                       \
-    if (!(c)) {                                              \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);   \
-      fprintf(stderr, __VA_ARGS__);                          \
-      fputc('\n', stderr);                                   \
-      fails++;                                               \
-    }                                                        \
-  } while (0)
+#include "tests/test_expect.h"
 
 /* GET path from 127.0.0.1:port; the whole response in buf. */
 static int http_get(int port, const char *path, char *buf, size_t cap) {
