@@ -69,14 +69,8 @@ def kill_rank_streaming(c, cl, victim, prompt, n_streams, kind, remaining, what)
     while time.time() < end and not all(len(svc.tokens_of(cl.replies.get(r, []))) >= 3 or cl.done(r)
                                         for r in streams):
         cl.pump(0.02)
-    end = time.time() + 15
-    while True:
-        running = {d.worker_name: svc.metrics(d.metrics_port).get("twain_decode_running_sequences", 0)
-                   for d in c.decodes}
-        live = sum(1 for r in streams if not cl.done(r))
-        if sum(running.values()) == live or time.time() > end:
-            break
-        cl.pump(0.02)
+    running = svc.running_by_worker(c.decodes, lambda: sum(1 for r in streams if not cl.done(r)),
+                                    lambda: cl.pump(0.02))
     on_victim = int(running.get(victim.worker_name, 0))
     t_kill = time.time()
     os.kill(pid1, signal.SIGKILL)

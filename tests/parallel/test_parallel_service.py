@@ -48,10 +48,8 @@ try:
           c.decodes[0].wait_count(r"r1 .*rank 1 of 2 pid \d+ following rank 0", 1) == 1,
           "both workers run two ranks")
     check(c.decodes[0].wait_count(r"rank 1 pool: kv heads \[1,2\)", 1) == 1, "decode rank 1 holds kv head 1 only")
-    end = time.time() + 10
-    while time.time() < end and svc.metrics(c.decodes[0].metrics_port)["twain_kv_blocks_used"] != 0:
-        time.sleep(0.05)
-    check(svc.metrics(c.decodes[0].metrics_port)["twain_kv_blocks_used"] == 0, "every decode block freed")
+    check(svc.wait_metric(c.decodes[0].metrics_port, "twain_kv_blocks_used", 0, 10) == 0,
+          "every decode block freed")
 
     # ---- 2. kill one rank of the TP 2 prefill worker
     c.prefill_args = []  # the spare: a plain single-rank prefill worker

@@ -260,6 +260,30 @@ def wait_metric(port, key, want, timeout=15):
     return v
 
 
+def wait_tokens(cl, rid, n, timeout=60):
+    """Pumps client cl until request rid has n tokens or ended; raises
+    AssertionError after timeout seconds."""
+    end = time.time() + timeout
+    while time.time() < end:
+        cl.pump(0.02)
+        if len(tokens_of(cl.replies.get(rid, []))) >= n or cl.done(rid):
+            return
+    raise AssertionError("request %d produced fewer than %d tokens in %d s" % (rid, n, timeout))
+
+
+def running_by_worker(decodes, want, idle, timeout=15):
+    """Where the router put the streams, read from the decode workers: polls
+    their twain_decode_running_sequences until they add up to want() (or
+    timeout), calling idle() between reads; returns {worker_name: count}."""
+    end = time.time() + timeout
+    while True:
+        running = {d.worker_name: metrics(d.metrics_port).get("twain_decode_running_sequences", 0)
+                   for d in decodes}
+        if sum(running.values()) == want() or time.time() > end:
+            return running
+        idle()
+
+
 class Cluster:
     """A router plus workers as separate processes on 127.0.0.1."""
 

@@ -21,14 +21,6 @@ def check(cond, what):
         fails += 1
 
 
-def wait_tokens(cl, rid, n, timeout=60):
-    end = time.time() + timeout
-    while time.time() < end:
-        cl.pump(0.02)
-        if len(svc.tokens_of(cl.replies.get(rid, []))) >= n or cl.done(rid):
-            return
-    raise AssertionError("request %d produced fewer than %d tokens in %d s" % (rid, n, timeout))
-
 
 prompt = fixtures.ids("short_dog")
 c = svc.Cluster(2, 2)
@@ -36,7 +28,7 @@ try:
     cl = c.client()
     # ---- explicit cancel mid-stream
     rid = cl.send(svc.generate(prompt, 3000))
-    wait_tokens(cl, rid, 5)
+    svc.wait_tokens(cl, rid, 5)
     creq = svc.ClientRequest()
     creq.cancel.target_request_id = rid
     cid = cl.send(creq)
@@ -57,7 +49,7 @@ try:
     # ---- the client goes away mid-stream
     gone = c.client()
     grid = gone.send(svc.generate(prompt, 3000))
-    wait_tokens(gone, grid, 5)
+    svc.wait_tokens(gone, grid, 5)
     gone.close()
     check(svc.wait_metric(c.router_metrics_port, "twain_router_running_requests", 0) == 0,
           "client gone: the router drops the request")
@@ -69,18 +61,12 @@ try:
     time.sleep(0.5)  # let heartbeats report the freed blocks, so both workers get streams
     rids = [cl.send(svc.generate(prompt, 400)) for _ in range(6)]
     for r in rids:
-        wait_tokens(cl, r, 3)
+        svc.wait_tokens(cl, r, 3)
     # Where the streams run is the router's choice (the most free blocks by the
     # last heartbeat: one sent before the frees above, late on a loaded
     # machine, puts all 6 on the other worker). Read it from the workers, so
     # the number of streams the kill must fail is known exactly.
-    end = time.time() + 15
-    while True:
-        running = {d.worker_name: svc.metrics(d.metrics_port).get("twain_decode_running_sequences", 0)
-                   for d in c.decodes}
-        if sum(running.values()) == len(rids) or time.time() > end:
-            break
-        time.sleep(0.05)
+    running = svc.running_by_worker(c.decodes, lambda: len(rids), lambda: time.sleep(0.05))
     for d in c.decodes:
         print("  before kill: %s %s" % (d.worker_name, {k: v for k, v in svc.metrics(d.metrics_port).items() if "blocks" in k or "running" in k}))
     victim = c.decodes[0] if running[c.decodes[0].worker_name] else c.decodes[1]

@@ -51,14 +51,6 @@ def wait_code(port, path, want, timeout=10):
     return code
 
 
-def wait_tokens(cl, rid, n, timeout=60):
-    end = time.time() + timeout
-    while time.time() < end:
-        cl.pump(0.02)
-        if len(svc.tokens_of(cl.replies.get(rid, []))) >= n or cl.done(rid):
-            return
-    raise AssertionError("request %d produced fewer than %d tokens in %d s" % (rid, n, timeout))
-
 
 prompt = fixtures.ids("short_dog")
 # ---- a host name as --metrics-addr is refused with a clear error
@@ -81,7 +73,7 @@ try:
     check(http_code(c.prefills[0].metrics_port, "/livez") == 200, "prefill: /livez 200")
     cl = c.client()
     rid = cl.send(svc.generate(prompt, 3900))
-    wait_tokens(cl, rid, 5)
+    svc.wait_tokens(cl, rid, 5)
     d.p.send_signal(signal.SIGTERM)
     check(wait_code(d.metrics_port, "/healthz", 503, 5) == 503, "decode draining: /healthz 503")
     check(http_code(d.metrics_port, "/livez") == 200, "decode draining: /livez 200")
@@ -99,7 +91,7 @@ try:
     c.add_decode()
     c.wait_registered(1, 1)
     rid = cl.send(svc.generate(prompt, 3900))
-    wait_tokens(cl, rid, 5)
+    svc.wait_tokens(cl, rid, 5)
     c.router.p.send_signal(signal.SIGTERM)
     check(wait_code(c.router_metrics_port, "/healthz", 503, 5) == 503, "router draining: /healthz 503")
     check(http_code(c.router_metrics_port, "/livez") == 200, "router draining: /livez 200")
