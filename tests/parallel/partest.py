@@ -5,26 +5,12 @@ count, and kill -9 of a rank while its worker streams. Every wait is
 bounded."""
 import os
 import signal
-import sys
 import time
 
 import fixtures
 import svc
 
-fails = 0
-
-
-def check(cond, what):
-    global fails
-    print("%s: %s" % ("ok  " if cond else "FAIL", what), flush=True)
-    if not cond:
-        fails += 1
-
-
-def finish():
-    """Print the verdict and exit 1 if any check failed."""
-    print("PASS" if not fails else "FAIL (%d)" % fails)
-    sys.exit(1 if fails else 0)
+from svc import check, finish  # noqa: F401  (the parallel tests import them from here)
 
 
 def router_workers(c, kind):

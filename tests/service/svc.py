@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -244,6 +245,24 @@ def metrics(port):
         key = re.sub(r"\{process=\"[^\"]*\"(,)?", "{", key).replace("{}", "")
         out[key] = float(val)
     return out
+
+
+fails = 0
+
+
+def check(cond, what):
+    """One test assertion: prints 'ok  : what' or 'FAIL: what' and counts the
+    failures, so a test reports every check before finish() decides."""
+    global fails
+    print("%s: %s" % ("ok  " if cond else "FAIL", what), flush=True)
+    if not cond:
+        fails += 1
+
+
+def finish():
+    """Print the verdict and exit 1 if any check failed."""
+    print("PASS" if not fails else "FAIL (%d)" % fails)
+    sys.exit(1 if fails else 0)
 
 
 def wait_metric(port, key, want, timeout=15):

@@ -10,7 +10,6 @@
    handoff for one that never existed, an impossible reservation, a prefill
    without handoff, a bad token id; then a real prefill -> UCX -> decode still
    works and matches the reference."""
-import sys
 import time
 
 import zmq
@@ -18,14 +17,7 @@ import zmq
 import fixtures
 import svc
 
-fails = 0
-
-
-def check(cond, what):
-    global fails
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        fails += 1
+from svc import check, finish
 
 
 E = svc.E
@@ -247,5 +239,4 @@ try:
 finally:
     check(dec.stop() == 0 and pre.stop() == 0, "workers stop cleanly on SIGTERM")
     rs.close(0)
-print("PASS" if not fails else "FAIL (%d)" % fails)
-sys.exit(1 if fails else 0)
+finish()

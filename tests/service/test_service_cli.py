@@ -15,14 +15,7 @@ import time
 import fixtures
 import svc
 
-fails = 0
-
-
-def check(cond, what):
-    global fails
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        fails += 1
+from svc import check, finish
 
 
 twain = svc.bin_path("router", "twain")
@@ -77,5 +70,4 @@ time.sleep(0.2)
 alive = [p for p in pids if os.path.exists("/proc/%d" % p) and
          open("/proc/%d/stat" % p).read().split()[2] != "Z"]
 check(not alive, "every worker process is gone (alive: %s)" % alive)
-print("PASS" if not fails else "FAIL (%d)" % fails)
-sys.exit(1 if fails else 0)
+finish()

@@ -5,20 +5,12 @@ the other clients finish; a prefill worker that freezes (SIGSTOP) before any
 token was sent has its requests retried elsewhere; the router keeps serving
 throughout and every daemon still alive stops cleanly."""
 import signal
-import sys
 import time
 
 import fixtures
 import svc
 
-fails = 0
-
-
-def check(cond, what):
-    global fails
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        fails += 1
+from svc import check, finish
 
 
 
@@ -126,5 +118,4 @@ finally:
     rcs = c.close()
 print("exit codes:", rcs)
 check(not any(rcs.values()), "every remaining daemon stops cleanly on SIGTERM")
-print("PASS" if not fails else "FAIL (%d)" % fails)
-sys.exit(1 if fails else 0)
+finish()

@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -20,14 +19,7 @@ import urllib.request
 import fixtures
 import svc
 
-fails = 0
-
-
-def check(cond, what):
-    global fails
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        fails += 1
+from svc import check, finish
 
 
 def http_code(port, path):
@@ -121,5 +113,4 @@ try:
 finally:
     shutil.rmtree(tmp, ignore_errors=True)
 
-print("PASS" if not fails else "FAIL (%d)" % fails)
-sys.exit(1 if fails else 0)
+finish()

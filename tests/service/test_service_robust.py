@@ -19,7 +19,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,14 +28,7 @@ import zmq
 import fixtures
 import svc
 
-fails = 0
-
-
-def check(cond, what):
-    global fails
-    print(("ok   " if cond else "FAIL ") + what, flush=True)
-    if not cond:
-        fails += 1
+from svc import check, finish
 
 
 twain = svc.bin_path("router", "twain")
@@ -285,5 +277,4 @@ try:
 finally:
     rc = serve.stop(signal.SIGINT, 40)
 check(rc == 0, "serve stops with 0 (rc %s)" % rc)
-print("PASS" if not fails else "FAIL (%d)" % fails)
-sys.exit(1 if fails else 0)
+finish()

@@ -7,7 +7,6 @@ messages and finish reason TOOL_CALL. The fake decode worker streams exactly
 the ids it was given, so this checks the router's Harmony streaming path and
 its protocol handling with workers it did not start."""
 import subprocess
-import sys
 import threading
 import time
 
@@ -16,14 +15,7 @@ import zmq
 import fixtures
 import svc
 
-fails = 0
-
-
-def check(cond, what):
-    global fails
-    print(("ok   " if cond else "FAIL ") + what)
-    if not cond:
-        fails += 1
+from svc import check, finish
 
 
 SCRIPT_TEXT = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
@@ -142,5 +134,4 @@ finally:
         fw.join(5)
     rc = router.stop()
 check(rc == 0, "router stops cleanly (%s)" % rc)
-print("PASS" if not fails else "FAIL (%d)" % fails)
-sys.exit(1 if fails else 0)
+finish()
