@@ -258,31 +258,26 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
     case $r in 0) s=PASS ;; 124) s=TIMEOUT ;; *) s="FAIL($r)" ;; esac
     add "bench gpt-oss-$mdl" "$s" "$dur"
   done
-  # batch-1 decode A/B: programmatic dependent launch off (the runs above have it on)
+  # batch-1 decode A/B: one optimisation off at a time (the runs above have
+  # them all on): programmatic dependent launch, the fused router (GEMV +
+  # top-k + softmax in one kernel), the small-M GEMV for the QKV/O
+  # projections (cuBLASLt as before)
+  b1_ab() { # b1_ab LABEL VAR=0
+    local start r
+    start=$(date +%s)
+    env "$2" timeout "$(tmo 80)" "$bin/twain-bench-cuda" --synthetic 20b --prefill "" \
+      --batches 1 --contexts 8192 --steps 30 >"$stage/bench_ab.log" 2>&1
+    r=$?
+    cat "$stage/bench_ab.log" >>"$logs/bench_20b_nopdl.log"
+    grep -E "decode batch|graph" "$stage/bench_ab.log" | sed "s/^/[$1] /"
+    add "bench 20b b1, $1" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
+      "$(($(date +%s) - start))"
+  }
   if [ -z "${TW_BENCH_ARGS:-}" ]; then
-    start=$(date +%s)
-    TWAIN_CUDA_PDL=0 timeout "$(tmo 80)" "$bin/twain-bench-cuda" --synthetic 20b --prefill "" \
-      --batches 1 --contexts 8192 --steps 30 >"$logs/bench_20b_nopdl.log" 2>&1
-    r=$?
-    grep -E "decode batch|graph" "$logs/bench_20b_nopdl.log" | sed 's/^/[PDL off] /'
-    add "bench 20b b1, PDL off" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
-      "$(($(date +%s) - start))"
-    # batch-1 decode A/B: the fused router (GEMV + top-k + softmax in one kernel) off
-    start=$(date +%s)
-    TWAIN_CUDA_FUSED_ROUTER=0 timeout "$(tmo 80)" "$bin/twain-bench-cuda" --synthetic 20b \
-      --prefill "" --batches 1 --contexts 8192 --steps 30 >>"$logs/bench_20b_nopdl.log" 2>&1
-    r=$?
-    grep -E "decode batch|graph" "$logs/bench_20b_nopdl.log" | tail -2 | sed 's/^/[fused router off] /'
-    add "bench 20b b1, fused router off" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
-      "$(($(date +%s) - start))"
-    # and the small-M GEMV for the QKV/O projections off (cuBLASLt as before)
-    start=$(date +%s)
-    TWAIN_CUDA_GEMV=0 timeout "$(tmo 80)" "$bin/twain-bench-cuda" --synthetic 20b \
-      --prefill "" --batches 1 --contexts 8192 --steps 30 >>"$logs/bench_20b_nopdl.log" 2>&1
-    r=$?
-    grep -E "decode batch|graph" "$logs/bench_20b_nopdl.log" | tail -2 | sed 's/^/[gemv off] /'
-    add "bench 20b b1, gemv off" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
-      "$(($(date +%s) - start))"
+    : >"$logs/bench_20b_nopdl.log"
+    b1_ab "PDL off" TWAIN_CUDA_PDL=0
+    b1_ab "fused router off" TWAIN_CUDA_FUSED_ROUTER=0
+    b1_ab "gemv off" TWAIN_CUDA_GEMV=0
   fi
 fi
 
