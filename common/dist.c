@@ -437,6 +437,34 @@ static tw_status_t tw_dist_hello(tw_dist_t *d) {
   return TW_OK;
 }
 
+/* Rank 0 sends buf to every other rank over the control link; each other
+ * rank receives it into buf: a NUL-terminated string of at most cap bytes
+ * (text), or exactly cap bytes. Errors: TW_ERR_UNAVAILABLE (nothing from
+ * rank 0 in time), TW_ERR_FORMAT (wrong size), TW_ERR_TRANSPORT. */
+static tw_status_t tw_dist_share(tw_dist_t *d, void *buf, size_t cap, bool text, const char *what) {
+  if (d->id.rank == 0) {
+    size_t len = text ? strlen(buf) + 1 : cap;
+    for (int32_t r = 1; r < d->id.size; r++) TW_CHECK(tw_dist_send_to(d->ctrl, r, buf, len));
+    return TW_OK;
+  }
+  void *b = NULL;
+  size_t n = 0;
+  tw_status_t st = tw_dist_recv_frame(d->ctrl, TW_DIST_JOIN_MS, NULL, 0, &b, &n);
+  if (st == TW_INPROGRESS)
+    return tw_err(TW_ERR_UNAVAILABLE, "dist: rank %d: no %s from rank 0", d->id.rank, what);
+  TW_CHECK(st);
+  if (text) {
+    snprintf(buf, cap, "%.*s", (int)(n ? n - 1 : 0), (const char *)b);
+  } else if (n != cap) {
+    free(b);
+    return tw_err(TW_ERR_FORMAT, "dist: %s of %zu bytes", what, n);
+  } else {
+    memcpy(buf, b, cap);
+  }
+  free(b);
+  return TW_OK;
+}
+
 static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t device) {
   char cbind[288] = "", cconn[288] = "", hconn[288] = "";
   if (kind == TW_COLL_HOST) {
@@ -473,18 +501,8 @@ static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t devi
                     d->id.rank, cconn, zmq_strerror(errno));
   }
   TW_CHECK(tw_dist_hello(d));
-  if (d->id.rank == 0) {
-    for (int32_t r = 1; r < d->id.size; r++)
-      TW_CHECK(tw_dist_send_to(d->ctrl, r, hconn, strlen(hconn) + 1));
-  } else {
-    void *b = NULL;
-    size_t n = 0;
-    tw_status_t st = tw_dist_recv_frame(d->ctrl, TW_DIST_JOIN_MS, NULL, 0, &b, &n);
-    if (st == TW_INPROGRESS)
-      return tw_err(TW_ERR_UNAVAILABLE, "dist: rank %d: no watchdog address from rank 0", d->id.rank);
-    TW_CHECK(st);
-    snprintf(hconn, sizeof hconn, "%.*s", (int)(n ? n - 1 : 0), (const char *)b);
-    free(b);
+  TW_CHECK(tw_dist_share(d, hconn, sizeof hconn, true, "watchdog address"));
+  if (d->id.rank != 0) {
     d->hb = tw_dist_socket(d, ZMQ_DEALER, d->id.rank);
     if (!d->hb || zmq_connect(d->hb, hconn) != 0)
       return tw_err(TW_ERR_TRANSPORT, "dist: rank %d cannot connect the watchdog to %s: %s",
@@ -492,24 +510,8 @@ static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t devi
   }
   if (kind == TW_COLL_NCCL) {
     uint8_t uid[TW_COLL_UID_BYTES];
-    if (d->id.rank == 0) {
-      TW_CHECK(tw_coll_nccl_unique_id(uid));
-      for (int32_t r = 1; r < d->id.size; r++)
-        TW_CHECK(tw_dist_send_to(d->ctrl, r, uid, sizeof uid));
-    } else {
-      void *b = NULL;
-      size_t n = 0;
-      tw_status_t st = tw_dist_recv_frame(d->ctrl, TW_DIST_JOIN_MS, NULL, 0, &b, &n);
-      if (st == TW_INPROGRESS)
-        return tw_err(TW_ERR_UNAVAILABLE, "dist: rank %d: no nccl id from rank 0", d->id.rank);
-      TW_CHECK(st);
-      if (n != sizeof uid) {
-        free(b);
-        return tw_err(TW_ERR_FORMAT, "dist: nccl id of %zu bytes", n);
-      }
-      memcpy(uid, b, sizeof uid);
-      free(b);
-    }
+    if (d->id.rank == 0) TW_CHECK(tw_coll_nccl_unique_id(uid));
+    TW_CHECK(tw_dist_share(d, uid, sizeof uid, false, "nccl id"));
     TW_CHECK(tw_coll_create_nccl(uid, d->id.rank, d->id.size, device, NULL, &d->coll));
   }
   snprintf(d->mon_ep, sizeof d->mon_ep, "inproc://tw-dist-mon-%p", (void *)d);
