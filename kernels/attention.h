@@ -65,15 +65,20 @@ tw_status_t tw_cuda_attention_prefill(const tw_cuda_attn_shape_t *shape, const v
                                       void *out, cudaStream_t stream);
 
 /** Bytes of device workspace tw_cuda_attention_decode needs for up to
- *  `max_seqs` sequences of at most `max_seq_len` keys each (the partial
- *  softmax state of every split, f32). Returns 0 for an invalid shape or
- *  non-positive counts. Allocate it once at engine creation. */
+ *  `max_seqs` sequences of at most `max_seq_len` keys each: one int32 split
+ *  counter per (sequence, KV head) first, then the partial softmax state of
+ *  every split (f32). Returns 0 for an invalid shape or non-positive counts.
+ *  Allocate it once at engine creation and zero it once (cudaMemset): the
+ *  counters must be zero before a call, and every call leaves them zero. */
 size_t tw_cuda_attention_decode_workspace_bytes(const tw_cuda_attn_shape_t *shape,
                                                 int32_t max_seqs, int32_t max_seq_len);
 
 /** Decode attention: one query token per sequence (batch of n_seqs), split
  *  along the keys (flash-decoding: partial (m, l, acc) per split into the
- *  workspace, then a combine kernel; the sink is counted in split 0 only).
+ *  workspace, merged by the last split to finish or by a combine kernel; a
+ *  sequence whose keys fit one split is written directly; the sink is
+ *  counted in split 0 only). The split grid follows max_seq_len; each
+ *  sequence spreads its own keys over all of it.
  *  Sequence s has seq_lens[s] keys (>= 1) at positions 0..seq_lens[s]-1 in
  *  the pool, its new token's K/V included; its query is at position
  *  seq_lens[s] - 1.
@@ -81,7 +86,8 @@ size_t tw_cuda_attention_decode_workspace_bytes(const tw_cuda_attn_shape_t *shap
  *    seq_lens     int32 [n_seqs], device, 1 <= seq_lens[s] <= max_seq_len
  *    max_seq_len  host upper bound of seq_lens (sizes the split grid)
  *    workspace    device, >= tw_cuda_attention_decode_workspace_bytes(shape,
- *                 n_seqs, max_seq_len) bytes; 256-byte aligned
+ *                 n_seqs, max_seq_len) bytes; 256-byte aligned; its first
+ *                 n_seqs * NKV int32 words zero (left zero on return)
  *    out          bf16 [n_seqs, NQ * D], device (every element written)
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL pointer, non-positive count, bad
  *  shape, workspace too small: the message gives the bytes needed),

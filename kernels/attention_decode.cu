@@ -9,9 +9,16 @@
  * w takes keys 16w..16w+15 of every tile; the 4 warps' (m, l, acc) are merged
  * in shared memory and written as the split's partial state (unnormalised
  * acc, log2-domain max m, denominator l). The sink is the initial state of
- * warp 0 of split 0 only.
- * Combine kernel: one warp per (sequence, query head) merges the splits and
- * writes bf16. */
+ * warp 0 of split 0 only. K/V tiles stream through NS stages of cp.async
+ * (NS - 1 tiles in flight while one is multiplied).
+ * The grid has S splits per (sequence, KV head); each sequence divides its
+ * own keys over them (chunk = its length / S, rounded up to a tile), so a
+ * sequence far below the context bucket the graph was captured for still
+ * uses every split. A sequence whose keys fit one split writes its output
+ * directly. Otherwise the splits are merged either by the last split CTA of
+ * the (sequence, KV head) to finish (a counter in the workspace, threadfence
+ * reduction; the default) or by a separate combine kernel, one warp per
+ * (sequence, query head) (TWAIN_CUDA_DC_FUSED=0). */
 #include "kernels/pdl.cuh"
 #include "kernels/attention.h"
 
@@ -19,6 +26,7 @@
 #include "kernels/cuda_common.h"
 
 #include <math.h>
+#include <stdlib.h>
 
 #define TW_DC_BN 64
 #define TW_DC_WARPS 4
@@ -34,26 +42,37 @@ typedef struct {
   const int32_t *seq_lens;
   const int32_t *block_tables;
   int32_t bt_stride;
-  int32_t nq, nkv, group, block_size, window, n_splits, chunk;
+  int32_t nq, nkv, group, block_size, window, n_splits, fused;
   float scale_log2;
   float *ws_m, *ws_l, *ws_acc; /* [B][NQ][S], [B][NQ][S], [B][NQ][S][D] */
+  int32_t *counters;           /* [B][NKV], zero between calls (fused merge) */
   __nv_bfloat16 *out;
 } tw_dc_params_t;
 
+/* Keys per split of a sequence with `len` keys over `n_splits` splits: a
+ * whole number of tiles. Its active splits are cdiv(len, chunk). */
+static __device__ __forceinline__ int tw_dc_chunk(int len, int n_splits) {
+  const int c = (len + n_splits - 1) / n_splits;
+  return max(TW_DC_BN, (c + TW_DC_BN - 1) / TW_DC_BN * TW_DC_BN);
+}
+
+template <int NS>
 static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_kernel(
     const tw_dc_params_t p) {
   TW_PDL_WAIT();
   constexpr int BN = TW_DC_BN, D = TW_ATTN_D, NT = TW_DC_WARPS * 32;
-  __shared__ __align__(128) uint8_t sbuf[2][2][BN * D * 2]; /* [stage][k|v], reused below */
+  __shared__ __align__(128) uint8_t sbuf[NS][2][BN * D * 2]; /* [stage][k|v], reused below */
   const int sp = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;
 
   const int hi = p.seq_lens[b];
   const int lo = p.window > 0 ? max(0, hi - p.window) : 0;
-  const int s_lo = lo + sp * p.chunk;
-  if (s_lo >= hi) return; /* empty split: the combine kernel skips it */
-  const int s_hi = min(hi, s_lo + p.chunk);
+  const int chunk = tw_dc_chunk(hi - lo, p.n_splits);
+  const int n_act = (hi - lo + chunk - 1) / chunk;
+  const int s_lo = lo + sp * chunk;
+  if (s_lo >= hi) return; /* empty split: nobody reads its state */
+  const int s_hi = min(hi, s_lo + chunk);
   const int32_t *bt = p.block_tables + (int64_t)b * p.bt_stride;
   const int bs = p.block_size;
   const int64_t head_elems = (int64_t)bs * D;
@@ -73,8 +92,11 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
                     ok ? src + (int64_t)p.nkv * head_elems : p.kv, ok);
     }
   };
-  load_kv(0, t_lo);
-  tw_cp_async_commit();
+#pragma unroll
+  for (int i = 0; i < NS - 1; i++) {
+    if (t_lo + i <= t_hi) load_kv(i, t_lo + i);
+    tw_cp_async_commit();
+  }
 
   /* Q fragments straight from global memory: row = query head within the group. */
   uint32_t qa[4][4];
@@ -105,10 +127,10 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
     for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
 
   for (int it = 0, kt = t_lo; kt <= t_hi; it++, kt++) {
-    const int st = it & 1;
-    if (kt + 1 <= t_hi) load_kv(st ^ 1, kt + 1);
+    const int st = it % NS;
+    if (kt + NS - 1 <= t_hi) load_kv((it + NS - 1) % NS, kt + NS - 1);
     tw_cp_async_commit();
-    tw_cp_async_wait<1>();
+    tw_cp_async_wait<NS - 1>();
     __syncthreads();
     const int k0 = kt * BN + warp * 16; /* this warp's 16 keys */
     if (k0 + 15 >= s_lo && k0 < s_hi) {
@@ -180,6 +202,7 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
   float *sm_m = reinterpret_cast<float *>(&sbuf[0][0][0]); /* [warp][16] */
   float *sm_l = sm_m + TW_DC_WARPS * 16;                    /* [warp][16] */
   float *sm_acc = sm_l + TW_DC_WARPS * 16;                  /* [warp][16][D] */
+  int *is_last = reinterpret_cast<int *>(sm_acc + TW_DC_WARPS * 16 * D); /* fused merge */
 #pragma unroll
   for (int hf = 0; hf < 2; hf++) {
     float lt = l[hf];
@@ -198,6 +221,7 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
     }
   }
   __syncthreads();
+  const int64_t row0 = (int64_t)b * p.nq + (int64_t)g * p.group; /* first query head */
   for (int i = tid; i < p.group * D; i += NT) {
     const int row = i / D, d = i % D;
     float mm = -INFINITY;
@@ -209,12 +233,69 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
       a += f * sm_acc[(w * 16 + row) * D + d];
       ll += f * sm_l[w * 16 + row];
     }
-    const int64_t idx = ((int64_t)b * p.nq + (int64_t)g * p.group + row) * p.n_splits + sp;
+    if (n_act == 1) { /* the only split (it holds the sink): final output */
+      p.out[(row0 + row) * D + d] = __float2bfloat16_rn(a / ll);
+      continue;
+    }
+    const int64_t idx = (row0 + row) * p.n_splits + sp;
     p.ws_acc[idx * D + d] = a;
     if (d == 0) {
       p.ws_m[idx] = mm;
       p.ws_l[idx] = ll;
     }
+  }
+  if (n_act == 1 || !p.fused) return;
+
+  /* Fused merge: the last of the n_act split CTAs of (b, g) to finish merges
+   * them all (threadfence reduction; it resets the counter for the next call). */
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int32_t *ctr = p.counters + (int64_t)b * p.nkv + g;
+    const int prev = atomicAdd(ctr, 1);
+    *is_last = prev == n_act - 1;
+    if (*is_last) *ctr = 0;
+  }
+  __syncthreads();
+  if (!*is_last) return;
+  __threadfence();
+  /* Per row (a warp each): the splits' maximum, then each split's weight
+   * 2^(m_s - max) / sum_s(2^(m_s - max) l_s) into shared memory. */
+  float *sw = reinterpret_cast<float *>(&sbuf[0][0][0]); /* [16][TW_DC_MAX_SPLITS] */
+  for (int row = warp; row < p.group; row += TW_DC_WARPS) {
+    const int64_t base = (row0 + row) * p.n_splits;
+    float mm = -INFINITY;
+    for (int sidx = lane; sidx < n_act; sidx += 32) mm = fmaxf(mm, __ldcg(p.ws_m + base + sidx));
+    for (int o = 16; o > 0; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+    float ll = 0.f; /* split 0 holds the sink, so mm is finite */
+    for (int sidx = lane; sidx < n_act; sidx += 32) {
+      const float f = tw_fast_exp2(__ldcg(p.ws_m + base + sidx) - mm);
+      sw[row * TW_DC_MAX_SPLITS + sidx] = f;
+      ll += f * __ldcg(p.ws_l + base + sidx);
+    }
+    for (int o = 16; o > 0; o >>= 1) ll += __shfl_xor_sync(0xffffffffu, ll, o);
+    const float inv = 1.f / ll;
+    for (int sidx = lane; sidx < n_act; sidx += 32) sw[row * TW_DC_MAX_SPLITS + sidx] *= inv;
+  }
+  __syncthreads();
+  /* thread = (row, 4 dims): the weighted sum of the splits' accumulators */
+  for (int i = tid; i < p.group * (D / 4); i += NT) {
+    const int row = i / (D / 4), d4 = i % (D / 4);
+    const float4 *a = reinterpret_cast<const float4 *>(p.ws_acc + (row0 + row) * p.n_splits * D) + d4;
+    const float *w = sw + row * TW_DC_MAX_SPLITS;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int sidx = 0; sidx < n_act; sidx++) {
+      const float f = w[sidx];
+      const float4 v = __ldcg(a + (int64_t)sidx * (D / 4));
+      o.x += f * v.x;
+      o.y += f * v.y;
+      o.z += f * v.z;
+      o.w += f * v.w;
+    }
+    __nv_bfloat162 *dst = reinterpret_cast<__nv_bfloat162 *>(p.out + (row0 + row) * D + 4 * d4);
+    dst[0] = __floats2bfloat162_rn(o.x, o.y);
+    dst[1] = __floats2bfloat162_rn(o.z, o.w);
   }
 }
 
@@ -228,7 +309,9 @@ static __global__ void __launch_bounds__(128) tw_attn_decode_combine_kernel(
   const int b = row / p.nq;
   const int hi = p.seq_lens[b];
   const int lo = p.window > 0 ? max(0, hi - p.window) : 0;
-  const int n_act = min(p.n_splits, (hi - lo + p.chunk - 1) / p.chunk);
+  const int chunk = tw_dc_chunk(hi - lo, p.n_splits);
+  const int n_act = (hi - lo + chunk - 1) / chunk;
+  if (n_act == 1) return; /* the split kernel wrote this row */
   const int64_t base = (int64_t)row * p.n_splits;
   float mm = -INFINITY;
   for (int s = lane; s < n_act; s += 32) mm = fmaxf(mm, p.ws_m[base + s]);
@@ -247,17 +330,40 @@ static __global__ void __launch_bounds__(128) tw_attn_decode_combine_kernel(
       __floats2bfloat162_rn(a0 * inv, a1 * inv);
 }
 
-/* Splits for a batch: enough CTAs to fill the GPU, at least
- * TW_DC_MIN_KEYS_PER_SPLIT keys each. `chunk_p` gets keys per split (x64). */
-static int tw_dc_splits(int n_seqs, int nkv, int keys, int *chunk_p) {
+/* Tuning from the environment, read at every call (a decode graph keeps
+ * what it was captured with; the workspace size follows TWAIN_CUDA_DC_CTAS
+ * when it is computed): TWAIN_CUDA_DC_CTAS (target split CTAs per call,
+ * default 528), TWAIN_CUDA_DC_STAGES (2 or 3 cp.async stages, default 3),
+ * TWAIN_CUDA_DC_FUSED (0: separate combine kernel; default 1). For A/B runs
+ * on the GPU machine and the kernel test; out-of-range values mean the
+ * default. */
+static int tw_dc_env(const char *name, int dflt, int lo, int hi) {
+  const char *v = getenv(name);
+  if (!v || !*v) return dflt;
+  const int x = atoi(v);
+  return x < lo || x > hi ? dflt : x;
+}
+static int tw_dc_target_ctas(void) {
+  return tw_dc_env("TWAIN_CUDA_DC_CTAS", TW_DC_TARGET_CTAS, 1, 1 << 20);
+}
+static int tw_dc_stages(void) { return tw_dc_env("TWAIN_CUDA_DC_STAGES", 3, 2, 3); }
+static int tw_dc_fused(void) { return tw_dc_env("TWAIN_CUDA_DC_FUSED", 1, 0, 1); }
+
+/* Splits per (sequence, KV head) for a batch whose sequences have at most
+ * `keys` keys: enough CTAs to fill the GPU, at least TW_DC_MIN_KEYS_PER_SPLIT
+ * keys each at `keys`. */
+static int tw_dc_splits(int n_seqs, int nkv, int keys) {
   int max_by_len = TW_CDIV(keys, TW_DC_MIN_KEYS_PER_SPLIT);
   if (max_by_len > TW_DC_MAX_SPLITS) max_by_len = TW_DC_MAX_SPLITS;
-  int want = TW_CDIV(TW_DC_TARGET_CTAS, n_seqs * nkv);
-  int s = want < max_by_len ? want : max_by_len;
-  if (s < 1) s = 1;
-  int chunk = TW_CDIV(TW_CDIV(keys, s), TW_DC_BN) * TW_DC_BN;
-  *chunk_p = chunk;
-  return TW_CDIV(keys, chunk);
+  const long long per = (long long)n_seqs * nkv;
+  const long long want = (tw_dc_target_ctas() + per - 1) / per;
+  int s = want < max_by_len ? (int)want : max_by_len;
+  return s < 1 ? 1 : s;
+}
+
+/* Bytes of the counter region at the start of the workspace. */
+static size_t tw_dc_counter_bytes(int n_seqs, int nkv) {
+  return ((size_t)n_seqs * nkv * sizeof(int32_t) + 255) & ~(size_t)255;
 }
 
 static bool tw_dc_shape_ok(const tw_cuda_attn_shape_t *sh) {
@@ -272,12 +378,12 @@ extern "C" size_t tw_cuda_attention_decode_workspace_bytes(const tw_cuda_attn_sh
   /* The window is ignored here so that one workspace serves every layer. */
   size_t best = 0;
   for (int b = 1; b <= max_seqs; b++) {
-    int chunk;
-    const int s = tw_dc_splits(b, shape->n_kv_heads, max_seq_len, &chunk);
+    const int s = tw_dc_splits(b, shape->n_kv_heads, max_seq_len);
     const size_t need = (size_t)b * shape->n_q_heads * s * (TW_ATTN_D + 2) * sizeof(float);
     if (need > best) best = need;
   }
-  return best + 1024; /* room to align the three arrays */
+  /* counters first, then room to align the three arrays */
+  return tw_dc_counter_bytes(max_seqs, shape->n_kv_heads) + best + 1024;
 }
 
 extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shape, const void *q,
@@ -310,7 +416,8 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
                   "attention decode: workspace of %zu bytes, %zu needed", workspace_bytes, need);
   const int keys = shape->window > 0 && shape->window < max_seq_len ? shape->window : max_seq_len;
   tw_dc_params_t p;
-  p.n_splits = tw_dc_splits(n_seqs, shape->n_kv_heads, keys, &p.chunk);
+  p.n_splits = tw_dc_splits(n_seqs, shape->n_kv_heads, keys);
+  p.fused = tw_dc_fused();
   p.q = static_cast<const __nv_bfloat16 *>(q);
   p.q_stride = q_row_stride;
   p.kv = static_cast<const __nv_bfloat16 *>(kv_layer);
@@ -326,6 +433,8 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   p.scale_log2 = shape->scale * TW_LOG2E;
   const size_t n_part = (size_t)n_seqs * p.nq * p.n_splits;
   uintptr_t w = ((uintptr_t)workspace + 255) & ~(uintptr_t)255;
+  p.counters = reinterpret_cast<int32_t *>(w);
+  w += tw_dc_counter_bytes(n_seqs, shape->n_kv_heads);
   p.ws_acc = reinterpret_cast<float *>(w);
   w += (n_part * TW_ATTN_D * sizeof(float) + 255) & ~(size_t)255;
   p.ws_m = reinterpret_cast<float *>(w);
@@ -333,8 +442,15 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   p.ws_l = reinterpret_cast<float *>(w);
   p.out = static_cast<__nv_bfloat16 *>(out);
   dim3 grid((unsigned)p.n_splits, (unsigned)p.nkv, (unsigned)n_seqs);
-  tw_pdl_launch(tw_attn_decode_split_kernel, dim3(grid), dim3(TW_DC_WARPS * 32), 0, stream, p);
+  if (tw_dc_stages() == 2)
+    tw_pdl_launch(tw_attn_decode_split_kernel<2>, dim3(grid), dim3(TW_DC_WARPS * 32), 0, stream,
+                  p);
+  else
+    tw_pdl_launch(tw_attn_decode_split_kernel<3>, dim3(grid), dim3(TW_DC_WARPS * 32), 0, stream,
+                  p);
   TW_CUDA_CHECK_LAUNCH("attention decode (split)");
+  /* one split per sequence: the split kernel wrote the output; fused: it merged */
+  if (p.n_splits == 1 || p.fused) return TW_OK;
   const int n_rows = n_seqs * p.nq;
   tw_pdl_launch(tw_attn_decode_combine_kernel, dim3(TW_CDIV(n_rows, 4)), dim3(128), 0, stream, p,
                 n_rows);

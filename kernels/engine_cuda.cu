@@ -574,6 +574,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   cv.base = (char *)ce->ws_arena;
   cv.off = 0;
   TW_CHECK_GOTO(tw_ce_carve(ce, &cv), st, fail);
+  /* decode attention: its split counters start at zero (attention.h) */
+  TW_CUDA_CHECK_GOTO(cudaMemset(ce->attn_ws, 0, ce->attn_ws_bytes), st, fail);
   /* ep > 1: the GEMV combine reads (weight 0) outputs of other ranks'
    * assignments that are never written: start them finite */
   if (ce->ep > 1) TW_CUDA_CHECK_GOTO(cudaMemset(ce->moe_dec_ws, 0, ce->moe_dec_bytes), st, fail);

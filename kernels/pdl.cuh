@@ -15,7 +15,21 @@
 #include <stdint.h>
 #include <utility>
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+/* TW_PDL_WAIT() also lets the next kernel on the stream launch as soon as
+ * every CTA of this one has passed its wait (griddepcontrol.launch_dependents;
+ * without it the next grid launches only when this one has exited): the
+ * next grid's launch and CTA placement then overlap this kernel's run, while
+ * its own TW_PDL_WAIT() still blocks until this kernel has completed. Every
+ * CTA of a PDL kernel must run TW_PDL_WAIT() before anything else, an early
+ * return included, so that completion stays ordered along the stream.
+ * Build with -DTW_PDL_EARLY_TRIGGER=0 to measure without the early launch. */
+#ifndef TW_PDL_EARLY_TRIGGER
+#define TW_PDL_EARLY_TRIGGER 1
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && TW_PDL_EARLY_TRIGGER
+#define TW_PDL_WAIT() \
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define TW_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #else
 #define TW_PDL_WAIT() \

@@ -76,7 +76,7 @@ if [ "${1:-}" != "--device" ]; then
   set -e
   cmake -S "$root" -B "$build" -DTWAIN_WERROR=${TW_WERROR:-ON} >/dev/null
   tests=$(cd "$build" && ctest -N -L gpu | awk '/Test +#/ {print $3}')
-  extra="twain-bench-cuda twain-compare-hf"
+  extra="twain-bench-cuda twain-compare-hf twain-bench-attention"
   if grep -q twain-bench-tokenizer "$root/tests/tokenizer/CMakeLists.txt" 2>/dev/null; then
     extra="$extra twain-bench-tokenizer"
   fi

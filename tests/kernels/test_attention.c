@@ -224,13 +224,22 @@ static int tt_prefill_case(const tt_shape_t *sh, int n_seqs, const int *start, c
 }
 
 /* Decode of a batch: sequence b has lens[b] keys, its query at lens[b]-1. */
-static int tt_decode_case(const tt_shape_t *sh, int n_seqs, const int *lens, const char *tag) {
-  char name[160];
+/* Decode over sequences of lens[]; `bound` is the host max_seq_len passed
+ * (0: the longest length; a decode graph passes its context bucket, up to 2x).
+ * The kernel runs twice: the second output must equal the first bit for bit
+ * and the split counters at the start of the workspace must be back at zero. */
+static int tt_decode_case(const tt_shape_t *sh, int n_seqs, const int *lens, int bound,
+                          const char *tag) {
+  char name[200];
   int max_len = 1;
   for (int b = 0; b < n_seqs; b++)
     if (lens[b] > max_len) max_len = lens[b];
-  snprintf(name, sizeof name, "attention_decode(%s,W=%d,B=%d,max_len=%d,%s)", sh->name,
-           sh->window, n_seqs, max_len, tag);
+  const int longest = max_len;
+  if (bound > max_len) max_len = bound;
+  const char *mode = getenv("TWAIN_CUDA_DC_MODE_NAME");
+  snprintf(name, sizeof name, "attention_decode(%s,W=%d,B=%d,longest=%d,bound=%d,%s%s%s)",
+           sh->name, sh->window, n_seqs, longest, max_len, tag, mode ? "," : "",
+           mode ? mode : "");
   tt_pool_t p;
   if (tt_pool_make(sh, n_seqs, lens, &p)) return 1;
   const int64_t q_stride = (int64_t)(sh->nq + 2 * sh->nkv) * D;
@@ -260,6 +269,7 @@ static int tt_decode_case(const tt_shape_t *sh, int n_seqs, const int *lens, con
   TT_CUDA(cudaMemcpy(d_bt, p.bt, sizeof(int32_t) * n_seqs * p.bt_stride, cudaMemcpyHostToDevice));
   TT_CUDA(cudaMemset(d_out, 0xff, sizeof(uint16_t) * n_seqs * sh->nq * D));
   TT_CUDA(cudaMemset(d_ws, 0xff, ws_bytes)); /* NaN: partials must all be written */
+  TT_CUDA(cudaMemset(d_ws, 0, sizeof(int32_t) * n_seqs * sh->nkv)); /* split counters */
 
   int rc = 0;
   if (tw_cuda_attention_decode(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, d_lens, d_bt,
@@ -278,6 +288,32 @@ static int tt_decode_case(const tt_shape_t *sh, int n_seqs, const int *lens, con
   TT_CUDA(cudaGetLastError());
   TT_CUDA(cudaMemcpy(out, d_out, sizeof(uint16_t) * n_seqs * sh->nq * D,
                      cudaMemcpyDeviceToHost));
+  { /* second run: same bits, counters back at zero */
+    uint16_t *out2 = malloc(sizeof(uint16_t) * n_seqs * sh->nq * D);
+    int32_t *ctr = malloc(sizeof(int32_t) * n_seqs * sh->nkv);
+    TT_CUDA(cudaMemset(d_out, 0xff, sizeof(uint16_t) * n_seqs * sh->nq * D));
+    if (tw_cuda_attention_decode(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, d_lens, d_bt,
+                                 p.bt_stride, max_len, d_ws, ws_bytes, d_out, 0) != TW_OK) {
+      printf("FAIL %s: second run failed\n", name);
+      rc = 1;
+    }
+    TT_CUDA(cudaDeviceSynchronize());
+    TT_CUDA(cudaMemcpy(out2, d_out, sizeof(uint16_t) * n_seqs * sh->nq * D,
+                       cudaMemcpyDeviceToHost));
+    TT_CUDA(cudaMemcpy(ctr, d_ws, sizeof(int32_t) * n_seqs * sh->nkv, cudaMemcpyDeviceToHost));
+    if (memcmp(out, out2, sizeof(uint16_t) * n_seqs * sh->nq * D) != 0) {
+      printf("FAIL %s: the second run's output differs from the first\n", name);
+      rc = 1;
+    }
+    for (int i = 0; i < n_seqs * sh->nkv; i++)
+      if (ctr[i] != 0) {
+        printf("FAIL %s: split counter %d is %d after the call (want 0)\n", name, i, ctr[i]);
+        rc = 1;
+        break;
+      }
+    free(out2);
+    free(ctr);
+  }
   tt_l2_t l2 = {0};
   double *scores = malloc(sizeof(double) * max_len), ref[D];
   for (int b = 0; b < n_seqs; b++)
@@ -429,18 +465,43 @@ int main(void) {
   {
     int lens[64];
     const int one = 1, mid = 3000;
-    fails += tt_decode_case(&real_full, 1, &one, "len1");
-    fails += tt_decode_case(&real_slide, 1, &mid, "len3000");
-    fails += tt_decode_case(&real_full, 1, &mid, "len3000");
+    fails += tt_decode_case(&real_full, 1, &one, 0, "len1");
+    fails += tt_decode_case(&real_slide, 1, &mid, 0, "len3000");
+    fails += tt_decode_case(&real_full, 1, &mid, 0, "len3000");
+    fails += tt_decode_case(&real_full, 1, &mid, 4096, "len3000");
     const int bs[] = {1, 8, 64};
     for (int i = 0; i < 3; i++) {
       tt_mixed_lens(bs[i], quick ? 3000 : 40000, lens);
-      fails += tt_decode_case(&real_full, bs[i], lens, "mixed");
-      fails += tt_decode_case(&real_slide, bs[i], lens, "mixed");
+      fails += tt_decode_case(&real_full, bs[i], lens, 0, "mixed");
+      fails += tt_decode_case(&real_slide, bs[i], lens, 0, "mixed");
     }
     tt_mixed_lens(8, 2000, lens);
-    fails += tt_decode_case(&tiny_full, 8, lens, "mixed");
-    fails += tt_decode_case(&tiny_slide, 8, lens, "mixed");
+    fails += tt_decode_case(&tiny_full, 8, lens, 0, "mixed");
+    fails += tt_decode_case(&tiny_slide, 8, lens, 0, "mixed");
+    /* The kernel's other configurations (attention_decode.cu reads them on
+     * every call): the separate combine kernel with 2 stages, and many small
+     * splits (a merge over up to 128 splits), each with a context bucket 2x
+     * the longest sequence as a decode graph has it. */
+    static const char *const modes[][3] = {{"0", "2", "528"}, {"1", "2", "4096"},
+                                           {"1", "3", "4096"}};
+    for (int m = 0; m < 3; m++) {
+      char mname[64];
+      snprintf(mname, sizeof mname, "fused=%s,stages=%s,ctas=%s", modes[m][0], modes[m][1],
+               modes[m][2]);
+      setenv("TWAIN_CUDA_DC_FUSED", modes[m][0], 1);
+      setenv("TWAIN_CUDA_DC_STAGES", modes[m][1], 1);
+      setenv("TWAIN_CUDA_DC_CTAS", modes[m][2], 1);
+      setenv("TWAIN_CUDA_DC_MODE_NAME", mname, 1);
+      const int big = quick ? 3000 : 33000;
+      fails += tt_decode_case(&real_full, 1, &big, 2 * big, "one");
+      fails += tt_decode_case(&real_slide, 1, &big, 2 * big, "one");
+      tt_mixed_lens(8, big, lens);
+      fails += tt_decode_case(&real_full, 8, lens, 2 * big, "mixed");
+    }
+    unsetenv("TWAIN_CUDA_DC_FUSED");
+    unsetenv("TWAIN_CUDA_DC_STAGES");
+    unsetenv("TWAIN_CUDA_DC_CTAS");
+    unsetenv("TWAIN_CUDA_DC_MODE_NAME");
   }
 variant_cases:
   if (variants) { /* the listed prefill kernel variants */
