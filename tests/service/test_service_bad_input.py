@@ -83,8 +83,19 @@ try:
     del ch.chat.messages[:]
     r = one(ch)
     check(r.error.code == E["INVALID_ARGUMENT"] and "empty" in r.error.message, "chat without messages: %s" % r.error.message)
-    r = one(svc.generate(prompt, 900, deadline_ms=300), 30)
-    check(r.error.code == E["DEADLINE_EXCEEDED"], "deadline: %s" % r.error.message)
+    # A deadline that passes mid-generation, on any backend: time a 300-token
+    # greedy generation first; the same prompt asking 900 tokens then gets
+    # that long (or a third of it, if the stream stopped early).
+    t0 = time.time()
+    rid = cl.send(svc.generate(prompt, 300))
+    reps = cl.wait([rid], 120)[0]
+    took_ms = (time.time() - t0) * 1000
+    n_cal = len(svc.tokens_of(reps))
+    dl = max(1, int(took_ms if n_cal >= 300 else took_ms / 3))
+    r = one(svc.generate(prompt, 900, deadline_ms=dl), 60)
+    check(r.error.code == E["DEADLINE_EXCEEDED"],
+          "deadline of %d ms (%d tokens took %.0f ms here): %s" % (dl, n_cal, took_ms,
+                                                                 r.error.message))
     rids = [cl.send(svc.generate(prompt, 200)) for _ in range(50)]
     res = cl.wait(rids, 120)
     codes = [x[-1].error.code for x in res]

@@ -22,6 +22,27 @@ import svc
 from svc import check, finish
 
 
+def outlasts(cl, rid, seconds):
+    """The premise of a drain-timeout check: request rid (3900 tokens) must
+    still be running `seconds` after the signal. Times 100 tokens after the
+    first 5 and returns (True when the rest would take more than twice
+    `seconds` at that rate, tokens/s). The CPU backend always qualifies; a
+    GPU decodes this 4096-position model faster than a 2 s timeout (the flag
+    takes whole seconds)."""
+    svc.wait_tokens(cl, rid, 5)
+    n0, t0 = len(svc.tokens_of(cl.replies.get(rid, []))), time.time()
+    svc.wait_tokens(cl, rid, n0 + 100)
+    n1, dt = len(svc.tokens_of(cl.replies.get(rid, []))), time.time() - t0
+    rate = (n1 - n0) / max(dt, 1e-6)
+    return (3900 - n1) / rate > 2 * seconds, rate
+
+
+def skip_fast(who, rate):
+    print("skip: %s drain-timeout cut: at %.0f tokens/s the 3900-token stream ends before "
+          "the 2 s timeout (premise of the check; it holds on the CPU backend)" % (who, rate),
+          flush=True)
+
+
 def http_code(port, path):
     try:
         with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=5) as r:
@@ -65,7 +86,7 @@ try:
     check(http_code(c.prefills[0].metrics_port, "/livez") == 200, "prefill: /livez 200")
     cl = c.client()
     rid = cl.send(svc.generate(prompt, 3900))
-    svc.wait_tokens(cl, rid, 5)
+    slow, rate = outlasts(cl, rid, 2)
     d.p.send_signal(signal.SIGTERM)
     check(wait_code(d.metrics_port, "/healthz", 503, 5) == 503, "decode draining: /healthz 503")
     check(http_code(d.metrics_port, "/livez") == 200, "decode draining: /livez 200")
@@ -74,16 +95,20 @@ try:
     except subprocess.TimeoutExpired:
         rc = None
     check(rc == 0, "decode exits 0 after its drain timeout (rc %s)" % rc)
-    check(d.count(r"drain timeout \(2 s\): stopping with 1 sequences unfinished") == 1,
-          "decode logs the drain timeout with the sequence still running")
     reps = cl.wait([rid], 30)[0]
-    check(reps[-1].error.code == svc.E["UNAVAILABLE"],
-          "the cut stream ends UNAVAILABLE (%s)" % reps[-1].error.message)
+    if slow:
+        check(d.count(r"drain timeout \(2 s\): stopping with 1 sequences unfinished") == 1,
+              "decode logs the drain timeout with the sequence still running")
+        check(reps[-1].error.code == svc.E["UNAVAILABLE"],
+              "the cut stream ends UNAVAILABLE (%s)" % reps[-1].error.message)
+    else:
+        skip_fast("decode", rate)
+        check(cl.done(rid), "the stream ended (%s)" % reps[-1].error.message)
     # ---- router drain bounded by --drain-timeout
     c.add_decode()
     c.wait_registered(1, 1)
     rid = cl.send(svc.generate(prompt, 3900))
-    svc.wait_tokens(cl, rid, 5)
+    slow, rate = outlasts(cl, rid, 2)
     c.router.p.send_signal(signal.SIGTERM)
     check(wait_code(c.router_metrics_port, "/healthz", 503, 5) == 503, "router draining: /healthz 503")
     check(http_code(c.router_metrics_port, "/livez") == 200, "router draining: /livez 200")
@@ -92,9 +117,15 @@ try:
     except subprocess.TimeoutExpired:
         rc = None
     check(rc == 0, "router exits 0 after its drain timeout (rc %s)" % rc)
-    check(c.router.count(r"drain timeout \(2 s\): failing 1 requests") == 1, "router logs the drain timeout")
     reps = cl.wait([rid], 30)[0]
-    check(reps[-1].error.code == svc.E["UNAVAILABLE"], "the request ends UNAVAILABLE (%s)" % reps[-1].error.message)
+    if slow:
+        check(c.router.count(r"drain timeout \(2 s\): failing 1 requests") == 1,
+              "router logs the drain timeout")
+        check(reps[-1].error.code == svc.E["UNAVAILABLE"],
+              "the request ends UNAVAILABLE (%s)" % reps[-1].error.message)
+    else:
+        skip_fast("router", rate)
+        check(cl.done(rid), "the request ended (%s)" % reps[-1].error.message)
     cl.close()
 finally:
     c.close()
