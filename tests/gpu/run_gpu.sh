@@ -61,7 +61,7 @@
 # The HF comparison, one call (twain's full 20b bench, then HF's):
 #   TW_HF_BENCH=1 TW_SKIP_TESTS=1 TW_SKIP_HF=1 TW_SKIP_TOKENIZER=1 TW_BENCH_MODELS=20b
 #   TW_BENCH_ARGS="--prefill 8192,32768,65536,128000 --batches 1,8,32,64,128,256
-#   --contexts 8192,32768 --steps 8 --reps 3" bash tests/gpu/run_gpu.sh --device
+#   --contexts 8192,32768 --steps 30 --reps 3" bash tests/gpu/run_gpu.sh --device
 # The Python service tests on the GPU, one call (stage with TWAIN_GPU_EXTRA set here):
 #   TW_SKIP_TESTS=1 TW_SKIP_HF=1 TW_SKIP_BENCH=1 TW_SKIP_TOKENIZER=1 TW_SVC_PY=1
 #   TWAIN_GPU_EXTRA=tests/gpu/service_gpu.sh bash tests/gpu/run_gpu.sh --device
@@ -248,7 +248,7 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
       set -- --prefill 8192 --batches 1 --contexts 8192,32768 --steps 30 --reps 3
     else
       set -- --prefill 8192,32768,65536,128000 --batches 1,8,32,64,128,256 \
-        --contexts 8192,32768 --steps 8 --reps 3
+        --contexts 8192,32768 --steps 30 --reps 3
     fi
     timeout "$(tmo $([ $mdl = 20b ] && echo 150 || echo 220))" \
       "$bin/twain-bench-cuda" --synthetic $mdl "$@" >"$logs/bench_$mdl.log" 2>&1
