@@ -84,13 +84,17 @@ try:
     r = one(ch)
     check(r.error.code == E["INVALID_ARGUMENT"] and "empty" in r.error.message, "chat without messages: %s" % r.error.message)
     # A deadline that passes mid-generation, on any backend: time a 300-token
-    # greedy generation first; the same prompt asking 900 tokens then gets
-    # that long (or a third of it, if the stream stopped early).
-    t0 = time.time()
-    rid = cl.send(svc.generate(prompt, 300))
-    reps = cl.wait([rid], 120)[0]
-    took_ms = (time.time() - t0) * 1000
-    n_cal = len(svc.tokens_of(reps))
+    # greedy generation (twice: the first run also pays one-off costs such as
+    # the CUDA backend's graph captures); the same prompt asking 900 tokens
+    # then gets that long (or a third of it, if the stream stopped early).
+    took_ms, n_cal = None, 0
+    for _ in range(2):
+        t0 = time.time()
+        rid = cl.send(svc.generate(prompt, 300))
+        reps = cl.wait([rid], 120)[0]
+        t = (time.time() - t0) * 1000
+        took_ms = t if took_ms is None else min(took_ms, t)
+        n_cal = len(svc.tokens_of(reps))
     dl = max(1, int(took_ms if n_cal >= 300 else took_ms / 3))
     r = one(svc.generate(prompt, 900, deadline_ms=dl), 60)
     check(r.error.code == E["DEADLINE_EXCEEDED"],
