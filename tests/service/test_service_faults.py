@@ -42,6 +42,10 @@ try:
     gone = c.client()
     grid = gone.send(svc.generate(prompt, 3000))
     svc.wait_tokens(gone, grid, 5)
+    # this backend's speed: the kill -9 streams below must outlast the kill
+    t0 = time.time()
+    svc.wait_tokens(gone, grid, 55)
+    rate = 50 / max(time.time() - t0, 1e-3)
     gone.close()
     check(svc.wait_metric(c.router_metrics_port, "twain_router_running_requests", 0) == 0,
           "client gone: the router drops the request")
@@ -51,7 +55,12 @@ try:
 
     # ---- kill -9 of a decode worker mid-stream
     time.sleep(0.5)  # let heartbeats report the freed blocks, so both workers get streams
-    rids = [cl.send(svc.generate(prompt, 400)) for _ in range(6)]
+    # long enough to be mid-stream at the kill on any backend: about 3 s of
+    # decoding at the rate measured above, at least 400 tokens and at most
+    # 3000 (the tiny model's context is 4096)
+    n_kill = max(400, min(3000, int(rate * 3)))
+    print("  kill -9 streams: %d tokens each (one stream decodes %.0f tokens/s here)" % (n_kill, rate))
+    rids = [cl.send(svc.generate(prompt, n_kill)) for _ in range(6)]
     for r in rids:
         svc.wait_tokens(cl, r, 3)
     # Where the streams run is the router's choice (the most free blocks by the
@@ -80,7 +89,8 @@ try:
             check(last.error.code == svc.E["UNAVAILABLE"] and "stopped responding" in last.error.message,
                   "kill -9: request %d got UNAVAILABLE after %.2f s: %s" % (r, err_at.get(r, -1), last.error.message))
         else:
-            check(n == 400 and last.finish_reason == svc.E["FINISH_LENGTH"], "kill -9: request %d finished (%d tokens)" % (r, n))
+            check(n == n_kill and last.finish_reason == svc.E["FINISH_LENGTH"],
+                  "kill -9: request %d finished (%d tokens)" % (r, n))
     n_unavail = sum(1 for code, _ in outcomes if code)
     check(0 < n_unavail == running[victim.worker_name],
           "kill -9: %d of %d streams failed, %d were on the killed worker" % (
@@ -103,6 +113,9 @@ try:
     if not ok:
         for r in res:
             print("   got", svc.tokens_of(r), r[-1].error)
+        for line in c.router.lines:  # what the router did with them
+            if "retrying" in line or "expired" in line or "failed" in line or "stale" in line:
+                print("   router:", line)
     check(ok, "frozen prefill: all 4 requests complete with the reference output")
     check(c.router.seen(r"retrying elsewhere"), "frozen prefill: the router retried requests elsewhere")
     frozen.p.send_signal(signal.SIGCONT)
