@@ -32,7 +32,11 @@
 #define TW_DC_WARPS 4
 #define TW_DC_MIN_KEYS_PER_SPLIT 256
 #define TW_DC_MAX_SPLITS 128
-#define TW_DC_TARGET_CTAS 528 /* about 4 per SM of an H200 (132 SMs) */
+/* Split CTAs per call: one wave of 4 CTAs per SM (48 KB of shared memory
+ * each) on an H200's 132 SMs. On the H200, 512 beat 528 (2 waves at batch 4
+ * and 16) by up to 26% at batch 4-16, 1024 was slower at batch 1-16, and
+ * from batch 64 (one split) all three agree within noise (docs/benchmarks.md). */
+#define TW_DC_TARGET_CTAS 512
 
 typedef struct {
   const __nv_bfloat16 *q;
@@ -333,7 +337,7 @@ static __global__ void __launch_bounds__(128) tw_attn_decode_combine_kernel(
 /* Tuning from the environment, read at every call (a decode graph keeps
  * what it was captured with; the workspace size follows TWAIN_CUDA_DC_CTAS
  * when it is computed): TWAIN_CUDA_DC_CTAS (target split CTAs per call,
- * default 528), TWAIN_CUDA_DC_STAGES (2 or 3 cp.async stages, default 3),
+ * default 512), TWAIN_CUDA_DC_STAGES (2 or 3 cp.async stages, default 3),
  * TWAIN_CUDA_DC_FUSED (0: separate combine kernel; default 1). For A/B runs
  * on the GPU machine and the kernel test; out-of-range values mean the
  * default. */
