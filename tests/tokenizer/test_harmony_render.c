@@ -11,22 +11,11 @@
 #include "common/harmony.h"
 #include "common/log.h"
 #include "common/tokenizer.h"
+#include "tests/test_expect.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int failures;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fputc('\n', stderr);                                 \
-      failures++;                                          \
-    }                                                      \
-  } while (0)
 
 static const int32_t spec_4_10[] = {
     200006, 17360,  200008, 3575,   553,    17554,  162016, 11,     261,    4410,   6439,
@@ -57,10 +46,10 @@ static void build_4_10(tw_harmony_conversation_t *c) {
   tw_harmony_conversation_set(c, &c->developer_instructions, "Always respond in riddles");
   tw_harmony_tool_t tool = {"get_current_weather",
                             "Gets the current weather in the provided location.", weather_schema};
-  if (tw_harmony_conversation_add_tool(c, &tool) != TW_OK) failures++;
+  if (tw_harmony_conversation_add_tool(c, &tool) != TW_OK) fails++;
   tw_harmony_message_t user = {.role = TW_HARMONY_ROLE_USER,
                                .content = "What is the weather like in SF?"};
-  if (tw_harmony_conversation_add_message(c, &user) != TW_OK) failures++;
+  if (tw_harmony_conversation_add_message(c, &user) != TW_OK) fails++;
 }
 
 /* Whether `needle` (n ids) occurs in `ids`. */
@@ -72,7 +61,7 @@ static int contains(const tw_token_ids_t *ids, const int32_t *needle, size_t n) 
 
 static void decode_str(const tw_tokenizer_t *tok, const tw_token_ids_t *ids, tw_tok_buf_t *out) {
   out->len = 0;
-  if (tw_tokenizer_decode(tok, ids->ids, ids->n, 0, out) != TW_OK) failures++;
+  if (tw_tokenizer_decode(tok, ids->ids, ids->n, 0, out) != TW_OK) fails++;
 }
 
 int main(int argc, char **argv) {
@@ -116,22 +105,22 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < sizeof vec / sizeof vec[0]; i++) {
     ids.n = 0;
     tw_status_t st = tw_tokenizer_encode(tok, vec[i].text, strlen(vec[i].text), vec[i].flags, &ids);
-    CHECK(st == TW_OK && ids.n == vec[i].n && !memcmp(ids.ids, vec[i].ids, vec[i].n * 4),
-          "vector %zu (\"%s\"): got %zu ids, first %d", i, vec[i].text, ids.n,
-          ids.n ? ids.ids[0] : -1);
+    EXPECT(st == TW_OK && ids.n == vec[i].n && !memcmp(ids.ids, vec[i].ids, vec[i].n * 4),
+           "vector %zu (\"%s\"): got %zu ids, first %d", i, vec[i].text, ids.n,
+           ids.n ? ids.ids[0] : -1);
   }
 
   /* spec §4.10, exactly */
   tw_harmony_conversation_t c;
   build_4_10(&c);
   ids.n = 0;
-  CHECK(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render 4.10: %s", tw_last_error());
+  EXPECT(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render 4.10: %s", tw_last_error());
   size_t n_spec = sizeof spec_4_10 / sizeof spec_4_10[0];
   size_t first_diff = 0;
   while (first_diff < ids.n && first_diff < n_spec && ids.ids[first_diff] == spec_4_10[first_diff])
     first_diff++;
-  CHECK(ids.n == n_spec && first_diff == n_spec, "spec 4.10: %zu ids (spec %zu), first difference "
-        "at %zu", ids.n, n_spec, first_diff);
+  EXPECT(ids.n == n_spec && first_diff == n_spec, "spec 4.10: %zu ids (spec %zu), first difference "
+         "at %zu", ids.n, n_spec, first_diff);
   printf("spec 4.10 example: %zu ids, %s\n", ids.n,
          ids.n == n_spec && first_diff == n_spec ? "identical" : "DIFFERENT");
 
@@ -139,12 +128,12 @@ int main(int argc, char **argv) {
   size_t n_full = ids.n;
   tw_token_ids_t lim;
   tw_token_ids_init(&lim);
-  CHECK(tw_harmony_render(h, &c, NULL, n_full, &lim) == TW_OK && lim.n == n_full, "limit = size");
+  EXPECT(tw_harmony_render(h, &c, NULL, n_full, &lim) == TW_OK && lim.n == n_full, "limit = size");
   lim.n = 0;
-  CHECK(tw_harmony_render(h, &c, NULL, n_full - 1, &lim) == TW_ERR_OUT_OF_RANGE && lim.n == 0,
-        "limit - 1 must be TW_ERR_OUT_OF_RANGE with nothing appended");
-  CHECK(strstr(tw_last_error(), "170") != NULL, "limit message names the size: %s",
-        tw_last_error());
+  EXPECT(tw_harmony_render(h, &c, NULL, n_full - 1, &lim) == TW_ERR_OUT_OF_RANGE && lim.n == 0,
+         "limit - 1 must be TW_ERR_OUT_OF_RANGE with nothing appended");
+  EXPECT(strstr(tw_last_error(), "170") != NULL, "limit message names the size: %s",
+         tw_last_error());
   tw_token_ids_fini(&lim);
   tw_harmony_conversation_fini(&c);
 
@@ -156,12 +145,12 @@ int main(int argc, char **argv) {
     tw_harmony_message_t u = {.role = TW_HARMONY_ROLE_USER, .content = "hi"};
     tw_harmony_conversation_add_message(&c, &u);
     ids.n = 0;
-    CHECK(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render effort");
+    EXPECT(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render effort");
     decode_str(tok, &ids, &text);
-    CHECK(strstr(text.data, efforts[e]) != NULL, "effort %d missing: %s", e, text.data);
+    EXPECT(strstr(text.data, efforts[e]) != NULL, "effort %d missing: %s", e, text.data);
     const char *expect_head = "<|start|>system<|message|>You are ChatGPT, a large language model "
                               "trained by OpenAI.\nKnowledge cutoff: 2024-06\n\nReasoning: ";
-    CHECK(strncmp(text.data, expect_head, strlen(expect_head)) == 0, "system head: %s", text.data);
+    EXPECT(strncmp(text.data, expect_head, strlen(expect_head)) == 0, "system head: %s", text.data);
     tw_harmony_conversation_fini(&c);
   }
 
@@ -174,7 +163,7 @@ int main(int argc, char **argv) {
   tw_harmony_message_t hi = {.role = TW_HARMONY_ROLE_USER, .content = "hi"};
   tw_harmony_conversation_add_message(&c, &hi);
   ids.n = 0;
-  CHECK(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render no tools");
+  EXPECT(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render no tools");
   decode_str(tok, &ids, &text);
   const char *expect_no_tools =
       "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
@@ -182,7 +171,7 @@ int main(int argc, char **argv) {
       "# Valid channels: analysis, commentary, final. Channel must be included for every "
       "message.<|end|><|start|>developer<|message|># Instructions\n\nBe terse.<|end|>"
       "<|start|>user<|message|>hi<|end|><|start|>assistant";
-  CHECK(!strcmp(text.data, expect_no_tools), "no-tools prompt:\n%s", text.data);
+  EXPECT(!strcmp(text.data, expect_no_tools), "no-tools prompt:\n%s", text.data);
   tw_harmony_conversation_fini(&c);
 
   /* tool call + tool result history (spec §4.8), analysis of the ongoing turn kept */
@@ -202,7 +191,7 @@ int main(int argc, char **argv) {
   };
   for (size_t i = 0; i < 4; i++) tw_harmony_conversation_add_message(&c, &msgs[i]);
   ids.n = 0;
-  CHECK(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render tool history");
+  EXPECT(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render tool history");
   decode_str(tok, &ids, &text);
   const char *expect_tail =
       "<|start|>user<|message|>Weather in SF?<|end|>"
@@ -212,15 +201,15 @@ int main(int argc, char **argv) {
       "<|constrain|>json<|message|>{\"location\":\"San Francisco, CA\"}<|call|>"
       "<|start|>functions.get_current_weather to=assistant<|channel|>commentary<|message|>"
       "{\"sunny\": true, \"temperature\": 20}<|end|><|start|>assistant";
-  CHECK(text.len >= strlen(expect_tail) &&
-        strcmp(text.data + text.len - strlen(expect_tail), expect_tail) == 0,
-        "tool history text:\n%s", text.data);
+  EXPECT(text.len >= strlen(expect_tail) &&
+         strcmp(text.data + text.len - strlen(expect_tail), expect_tail) == 0,
+         "tool history text:\n%s", text.data);
   int32_t call_and_start[] = {200012, 200006};
-  CHECK(contains(&ids, call_and_start, 2), "<|call|> (200012) then <|start|>");
+  EXPECT(contains(&ids, call_and_start, 2), "<|call|> (200012) then <|start|>");
   int32_t constrain_json[] = {220, 200003};
-  CHECK(contains(&ids, constrain_json, 2), "' ' then <|constrain|> as a special id");
-  CHECK(strstr(text.data, "Calls to these tools must go to the commentary channel: 'functions'.")
-        != NULL, "functions line in the system message");
+  EXPECT(contains(&ids, constrain_json, 2), "' ' then <|constrain|> as a special id");
+  EXPECT(strstr(text.data, "Calls to these tools must go to the commentary channel: 'functions'.")
+         != NULL, "functions line in the system message");
   /* the turn finishes: analysis before the first final is dropped (§4.9) */
   tw_harmony_message_t fin = {.role = TW_HARMONY_ROLE_ASSISTANT, .channel = "final",
                               .content = "It is sunny."};
@@ -228,16 +217,17 @@ int main(int argc, char **argv) {
   tw_harmony_conversation_add_message(&c, &fin);
   tw_harmony_conversation_add_message(&c, &next);
   ids.n = 0;
-  CHECK(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render multi-turn");
+  EXPECT(tw_harmony_render(h, &c, NULL, 0, &ids) == TW_OK, "render multi-turn");
   decode_str(tok, &ids, &text);
-  CHECK(strstr(text.data, "Need to use function") == NULL, "analysis of the finished turn dropped");
-  CHECK(strstr(text.data, "<|call|><|start|>functions.get_current_weather to=assistant") != NULL,
-        "earlier tool call and result kept");
+  EXPECT(strstr(text.data, "Need to use function") == NULL,
+         "analysis of the finished turn dropped");
+  EXPECT(strstr(text.data, "<|call|><|start|>functions.get_current_weather to=assistant") != NULL,
+         "earlier tool call and result kept");
   c.drop_analysis = TW_HARMONY_DROP_NONE;
   ids.n = 0;
   tw_harmony_render(h, &c, NULL, 0, &ids);
   decode_str(tok, &ids, &text);
-  CHECK(strstr(text.data, "Need to use function") != NULL, "DROP_NONE keeps analysis");
+  EXPECT(strstr(text.data, "Need to use function") != NULL, "DROP_NONE keeps analysis");
   tw_harmony_conversation_fini(&c);
 
   /* user text with special-token strings stays text */
@@ -250,14 +240,14 @@ int main(int argc, char **argv) {
   tw_harmony_render(h, &c, NULL, 0, &ids);
   size_t n_special = 0;
   for (size_t i = 0; i < ids.n; i++) n_special += tw_tokenizer_is_special(tok, ids.ids[i]);
-  CHECK(n_special == 4, "only the renderer's 4 specials (start, message, end, start): %zu",
-        n_special);
+  EXPECT(n_special == 4, "only the renderer's 4 specials (start, message, end, start): %zu",
+         n_special);
   tw_harmony_conversation_fini(&c);
 
   tw_token_ids_fini(&ids);
   tw_tok_buf_fini(&text);
   tw_harmony_destroy(h);
   tw_tokenizer_destroy(tok);
-  printf("%s\n", failures ? "FAILED" : "all harmony render checks passed");
-  return failures ? 1 : 0;
+  printf("%s\n", fails ? "FAILED" : "all harmony render checks passed");
+  return fails ? 1 : 0;
 }

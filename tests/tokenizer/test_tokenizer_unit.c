@@ -7,22 +7,11 @@
  * skip-special decoding, very long pieces, and loader errors. */
 #include "common/log.h"
 #include "common/tokenizer.h"
+#include "tests/test_expect.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int failures;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fputc('\n', stderr);                                 \
-      failures++;                                          \
-    }                                                      \
-  } while (0)
 
 static int32_t byte_token(const tw_tokenizer_t *tok, unsigned char b) {
   for (int32_t id = 0; id < tw_tokenizer_n_ids(tok); id++) {
@@ -41,10 +30,10 @@ static void stream_bytes(const tw_tokenizer_t *tok, const char *in, size_t n, tw
   tw_tok_stream_init(&s, tok, 0);
   out->len = 0;
   for (size_t i = 0; i < n; i++) {
-    if (tw_tok_stream_push(&s, byte_token(tok, (unsigned char)in[i]), out) != TW_OK) failures++;
+    if (tw_tok_stream_push(&s, byte_token(tok, (unsigned char)in[i]), out) != TW_OK) fails++;
     if (emitted_after_each) emitted_after_each[i] = out->len;
   }
-  if (tw_tok_stream_finish(&s, out) != TW_OK) failures++;
+  if (tw_tok_stream_finish(&s, out) != TW_OK) fails++;
 }
 
 #define FFFD "\xef\xbf\xbd"
@@ -58,16 +47,16 @@ int main(int argc, char **argv) {
     return 1;
   }
   int32_t id;
-  CHECK(tw_tokenizer_n_ids(tok) == 8021, "n_ids %d", tw_tokenizer_n_ids(tok));
-  CHECK(tw_tokenizer_find_added(tok, "<|start|>", &id) == TW_OK && id == 8008, "<|start|> %d", id);
-  CHECK(tw_tokenizer_find_added(tok, "<|return|>", &id) == TW_OK && id == 8004, "<|return|>");
-  CHECK(tw_tokenizer_find_added(tok, "<|call|>", &id) == TW_OK && id == 8014, "<|call|>");
-  CHECK(tw_tokenizer_find_added(tok, "<|nope|>", &id) == TW_ERR_NOT_FOUND, "unknown added");
-  CHECK(tw_tokenizer_is_special(tok, 8009) && !tw_tokenizer_is_special(tok, 100), "is_special");
+  EXPECT(tw_tokenizer_n_ids(tok) == 8021, "n_ids %d", tw_tokenizer_n_ids(tok));
+  EXPECT(tw_tokenizer_find_added(tok, "<|start|>", &id) == TW_OK && id == 8008, "<|start|> %d", id);
+  EXPECT(tw_tokenizer_find_added(tok, "<|return|>", &id) == TW_OK && id == 8004, "<|return|>");
+  EXPECT(tw_tokenizer_find_added(tok, "<|call|>", &id) == TW_OK && id == 8014, "<|call|>");
+  EXPECT(tw_tokenizer_find_added(tok, "<|nope|>", &id) == TW_ERR_NOT_FOUND, "unknown added");
+  EXPECT(tw_tokenizer_is_special(tok, 8009) && !tw_tokenizer_is_special(tok, 100), "is_special");
   const char *b;
   size_t bn;
-  CHECK(tw_tokenizer_token_bytes(tok, 8021, &b, &bn) == TW_ERR_OUT_OF_RANGE, "id past the end");
-  CHECK(tw_tokenizer_token_bytes(tok, -1, &b, &bn) == TW_ERR_OUT_OF_RANGE, "negative id");
+  EXPECT(tw_tokenizer_token_bytes(tok, 8021, &b, &bn) == TW_ERR_OUT_OF_RANGE, "id past the end");
+  EXPECT(tw_tokenizer_token_bytes(tok, -1, &b, &bn) == TW_ERR_OUT_OF_RANGE, "negative id");
 
   tw_token_ids_t ids;
   tw_token_ids_init(&ids);
@@ -85,34 +74,34 @@ int main(int argc, char **argv) {
     tw_status_t st = tw_tokenizer_encode(tok, bad[i].s, bad[i].n, 0, &ids);
     char want[64];
     snprintf(want, sizeof want, "offset %zu", bad[i].off);
-    CHECK(st == TW_ERR_INVALID_ARGUMENT && ids.n == 1 && strstr(tw_last_error(), want),
-          "bad utf-8 %zu: st %d n %zu msg %s", i, st, ids.n, tw_last_error());
+    EXPECT(st == TW_ERR_INVALID_ARGUMENT && ids.n == 1 && strstr(tw_last_error(), want),
+           "bad utf-8 %zu: st %d n %zu msg %s", i, st, ids.n, tw_last_error());
     ids.n = 0;
   }
-  CHECK(tw_tokenizer_encode(tok, "", 0, 0, &ids) == TW_OK && ids.n == 0, "empty text");
+  EXPECT(tw_tokenizer_encode(tok, "", 0, 0, &ids) == TW_OK && ids.n == 0, "empty text");
 
   /* special tokens: by content with the flag, as text without */
   const char *sp = "<|start|>user<|message|>hi<|end|>";
   ids.n = 0;
-  CHECK(tw_tokenizer_encode(tok, sp, strlen(sp), TW_TOK_ALLOW_SPECIAL, &ids) == TW_OK &&
-            ids.n >= 5 && ids.ids[0] == 8008 && ids.ids[ids.n - 1] == 8009,
-        "allow special: %zu ids", ids.n);
+  EXPECT(tw_tokenizer_encode(tok, sp, strlen(sp), TW_TOK_ALLOW_SPECIAL, &ids) == TW_OK &&
+             ids.n >= 5 && ids.ids[0] == 8008 && ids.ids[ids.n - 1] == 8009,
+         "allow special: %zu ids", ids.n);
   tw_tok_buf_t text;
   tw_tok_buf_init(&text);
-  CHECK(tw_tokenizer_decode(tok, ids.ids, ids.n, TW_TOK_SKIP_SPECIAL, &text) == TW_OK &&
-            !strcmp(text.data, "userhi"), "skip special: %s", text.data);
+  EXPECT(tw_tokenizer_decode(tok, ids.ids, ids.n, TW_TOK_SKIP_SPECIAL, &text) == TW_OK &&
+             !strcmp(text.data, "userhi"), "skip special: %s", text.data);
   text.len = 0;
-  CHECK(tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && !strcmp(text.data, sp),
-        "decode with specials: %s", text.data);
+  EXPECT(tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && !strcmp(text.data, sp),
+         "decode with specials: %s", text.data);
   ids.n = 0;
   tw_tokenizer_encode(tok, sp, strlen(sp), 0, &ids);
   int n_special = 0;
   for (size_t i = 0; i < ids.n; i++) n_special += tw_tokenizer_is_special(tok, ids.ids[i]);
-  CHECK(n_special == 0, "ordinary encoding made %d special ids", n_special);
+  EXPECT(n_special == 0, "ordinary encoding made %d special ids", n_special);
   int32_t bad_ids[] = {5, 9000};
   text.len = 0;
-  CHECK(tw_tokenizer_decode(tok, bad_ids, 2, 0, &text) == TW_ERR_OUT_OF_RANGE && text.len == 0,
-        "decode of an unknown id");
+  EXPECT(tw_tokenizer_decode(tok, bad_ids, 2, 0, &text) == TW_ERR_OUT_OF_RANGE && text.len == 0,
+         "decode of an unknown id");
 
   /* a very long piece (BPE heap path): decodes back to itself */
   size_t long_n = 100000;
@@ -120,9 +109,9 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < long_n; i++) longw[i] = "abcdefghij"[(i * 7 + i / 13) % 10];
   ids.n = 0;
   text.len = 0;
-  CHECK(tw_tokenizer_encode(tok, longw, long_n, 0, &ids) == TW_OK &&
-            tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && text.len == long_n &&
-            !memcmp(text.data, longw, long_n), "long word round trip");
+  EXPECT(tw_tokenizer_encode(tok, longw, long_n, 0, &ids) == TW_OK &&
+             tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && text.len == long_n &&
+             !memcmp(text.data, longw, long_n), "long word round trip");
   free(longw);
 
   /* regression: the BPE heap keeps stale entries; "thethe..." overflowed an
@@ -132,52 +121,52 @@ int main(int argc, char **argv) {
   for (size_t i = 0; i < long_n; i++) longw[i] = "the"[i % 3];
   ids.n = 0;
   text.len = 0;
-  CHECK(tw_tokenizer_encode(tok, longw, long_n, 0, &ids) == TW_OK &&
-            tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && text.len == long_n &&
-            !memcmp(text.data, longw, long_n), "2 MB 'thethe...' word round trip");
+  EXPECT(tw_tokenizer_encode(tok, longw, long_n, 0, &ids) == TW_OK &&
+             tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && text.len == long_n &&
+             !memcmp(text.data, longw, long_n), "2 MB 'thethe...' word round trip");
   /* 1 MB whitespace runs (the \s+(?!\S) lookahead backtracks over them) */
   for (size_t i = 0; i < long_n; i++) longw[i] = i < long_n / 2 ? ' ' : '\n';
   longw[long_n - 1] = 'x';
   ids.n = 0;
   text.len = 0;
-  CHECK(tw_tokenizer_encode(tok, longw, long_n, 0, &ids) == TW_OK &&
-            tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && text.len == long_n &&
-            !memcmp(text.data, longw, long_n), "1 MB blank runs round trip");
+  EXPECT(tw_tokenizer_encode(tok, longw, long_n, 0, &ids) == TW_OK &&
+             tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && text.len == long_n &&
+             !memcmp(text.data, longw, long_n), "1 MB blank runs round trip");
   free(longw);
 
   /* stream decoder */
   size_t after[8];
   stream_bytes(tok, "\xe2\x82\xac", 3, &text, after);
-  CHECK(after[0] == 0 && after[1] == 0 && !strcmp(text.data, "\xe2\x82\xac"),
-        "euro held until complete");
+  EXPECT(after[0] == 0 && after[1] == 0 && !strcmp(text.data, "\xe2\x82\xac"),
+         "euro held until complete");
   stream_bytes(tok, "\xe2\x82" "A", 3, &text, NULL);
-  CHECK(!strcmp(text.data, FFFD "A"), "E2 82 A -> one U+FFFD then A: %s", text.data);
+  EXPECT(!strcmp(text.data, FFFD "A"), "E2 82 A -> one U+FFFD then A: %s", text.data);
   stream_bytes(tok, "\xe2" "A", 2, &text, NULL);
-  CHECK(!strcmp(text.data, FFFD "A"), "E2 A -> U+FFFD A");
+  EXPECT(!strcmp(text.data, FFFD "A"), "E2 A -> U+FFFD A");
   stream_bytes(tok, "\xed\xa0\x80", 3, &text, NULL);
-  CHECK(!strcmp(text.data, FFFD FFFD FFFD), "surrogate bytes -> 3 U+FFFD: %s", text.data);
+  EXPECT(!strcmp(text.data, FFFD FFFD FFFD), "surrogate bytes -> 3 U+FFFD: %s", text.data);
   stream_bytes(tok, "\xf0\x9f", 2, &text, NULL);
-  CHECK(!strcmp(text.data, FFFD), "unfinished at the end -> one U+FFFD at finish");
+  EXPECT(!strcmp(text.data, FFFD), "unfinished at the end -> one U+FFFD at finish");
   stream_bytes(tok, "\xff" "a\xc3\xa9", 4, &text, after);
-  CHECK(!strcmp(text.data, FFFD "a\xc3\xa9") && after[0] == 3, "FF at once, then a, e-acute");
+  EXPECT(!strcmp(text.data, FFFD "a\xc3\xa9") && after[0] == 3, "FF at once, then a, e-acute");
   stream_bytes(tok, "\xf0\x9f\x91\x8d\xf0\x9f\x8f\xbd", 8, &text, after);
-  CHECK(after[2] == 0 && after[3] == 4 && after[6] == 4 && after[7] == 8,
-        "thumbs up + skin tone: whole characters only");
+  EXPECT(after[2] == 0 && after[3] == 4 && after[6] == 4 && after[7] == 8,
+         "thumbs up + skin tone: whole characters only");
 
   /* loader errors */
   tw_tokenizer_t *t2;
-  CHECK(tw_tokenizer_load("/nonexistent/tokenizer.json", &t2) == TW_ERR_IO, "missing file");
-  CHECK(tw_tokenizer_load_json("{", 1, &t2) == TW_ERR_FORMAT, "not JSON");
+  EXPECT(tw_tokenizer_load("/nonexistent/tokenizer.json", &t2) == TW_ERR_IO, "missing file");
+  EXPECT(tw_tokenizer_load_json("{", 1, &t2) == TW_ERR_FORMAT, "not JSON");
   const char *no_bpe = "{\"model\":{\"type\":\"WordPiece\",\"vocab\":{}}}";
-  CHECK(tw_tokenizer_load_json(no_bpe, strlen(no_bpe), &t2) == TW_ERR_FORMAT, "not BPE");
+  EXPECT(tw_tokenizer_load_json(no_bpe, strlen(no_bpe), &t2) == TW_ERR_FORMAT, "not BPE");
   const char *few = "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0},\"merges\":[]},"
                     "\"pre_tokenizer\":{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\s+\"}}}";
-  CHECK(tw_tokenizer_load_json(few, strlen(few), &t2) == TW_ERR_FORMAT &&
-            strstr(tw_last_error(), "has no token"), "missing byte tokens: %s", tw_last_error());
+  EXPECT(tw_tokenizer_load_json(few, strlen(few), &t2) == TW_ERR_FORMAT &&
+             strstr(tw_last_error(), "has no token"), "missing byte tokens: %s", tw_last_error());
 
   tw_token_ids_fini(&ids);
   tw_tok_buf_fini(&text);
   tw_tokenizer_destroy(tok);
-  printf("%s\n", failures ? "FAILED" : "tokenizer unit checks passed");
-  return failures ? 1 : 0;
+  printf("%s\n", fails ? "FAILED" : "tokenizer unit checks passed");
+  return fails ? 1 : 0;
 }
