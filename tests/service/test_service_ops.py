@@ -64,6 +64,30 @@ def wait_code(port, path, want, timeout=10):
     return code
 
 
+def drain_cut(cl, who, proc, port, log_re, log_what, cut, ended):
+    """SIGTERM daemon `proc` (metrics on `port`, started with --drain-timeout
+    2) while a 3900-token stream of client cl runs: /healthz 503 and /livez
+    200 while it drains, exit 0; when the stream outlasts the timeout (see
+    outlasts), `log_re` logged once and the stream cut with UNAVAILABLE."""
+    rid = cl.send(svc.generate(prompt, 3900))
+    slow, rate = outlasts(cl, rid, 2)
+    proc.p.send_signal(signal.SIGTERM)
+    check(wait_code(port, "/healthz", 503, 5) == 503, "%s draining: /healthz 503" % who)
+    check(http_code(port, "/livez") == 200, "%s draining: /livez 200" % who)
+    try:
+        rc = proc.p.wait(60)
+    except subprocess.TimeoutExpired:
+        rc = None
+    check(rc == 0, "%s exits 0 after its drain timeout (rc %s)" % (who, rc))
+    reps = cl.wait([rid], 30)[0]
+    if slow:
+        check(proc.count(log_re) == 1, log_what)
+        check(reps[-1].error.code == svc.E["UNAVAILABLE"],
+              "%s ends UNAVAILABLE (%s)" % (cut, reps[-1].error.message))
+    else:
+        skip_fast(who, rate)
+        check(cl.done(rid), "%s ended (%s)" % (ended, reps[-1].error.message))
+
 
 prompt = fixtures.ids("short_dog")
 # ---- a host name as --metrics-addr is refused with a clear error
@@ -85,47 +109,16 @@ try:
     check(http_code(c.router_metrics_port, "/livez") == 200, "router: /livez 200")
     check(http_code(c.prefills[0].metrics_port, "/livez") == 200, "prefill: /livez 200")
     cl = c.client()
-    rid = cl.send(svc.generate(prompt, 3900))
-    slow, rate = outlasts(cl, rid, 2)
-    d.p.send_signal(signal.SIGTERM)
-    check(wait_code(d.metrics_port, "/healthz", 503, 5) == 503, "decode draining: /healthz 503")
-    check(http_code(d.metrics_port, "/livez") == 200, "decode draining: /livez 200")
-    try:
-        rc = d.p.wait(60)
-    except subprocess.TimeoutExpired:
-        rc = None
-    check(rc == 0, "decode exits 0 after its drain timeout (rc %s)" % rc)
-    reps = cl.wait([rid], 30)[0]
-    if slow:
-        check(d.count(r"drain timeout \(2 s\): stopping with 1 sequences unfinished") == 1,
-              "decode logs the drain timeout with the sequence still running")
-        check(reps[-1].error.code == svc.E["UNAVAILABLE"],
-              "the cut stream ends UNAVAILABLE (%s)" % reps[-1].error.message)
-    else:
-        skip_fast("decode", rate)
-        check(cl.done(rid), "the stream ended (%s)" % reps[-1].error.message)
+    drain_cut(cl, "decode", d, d.metrics_port,
+              r"drain timeout \(2 s\): stopping with 1 sequences unfinished",
+              "decode logs the drain timeout with the sequence still running",
+              "the cut stream", "the stream")
     # ---- router drain bounded by --drain-timeout
     c.add_decode()
     c.wait_registered(1, 1)
-    rid = cl.send(svc.generate(prompt, 3900))
-    slow, rate = outlasts(cl, rid, 2)
-    c.router.p.send_signal(signal.SIGTERM)
-    check(wait_code(c.router_metrics_port, "/healthz", 503, 5) == 503, "router draining: /healthz 503")
-    check(http_code(c.router_metrics_port, "/livez") == 200, "router draining: /livez 200")
-    try:
-        rc = c.router.p.wait(60)
-    except subprocess.TimeoutExpired:
-        rc = None
-    check(rc == 0, "router exits 0 after its drain timeout (rc %s)" % rc)
-    reps = cl.wait([rid], 30)[0]
-    if slow:
-        check(c.router.count(r"drain timeout \(2 s\): failing 1 requests") == 1,
-              "router logs the drain timeout")
-        check(reps[-1].error.code == svc.E["UNAVAILABLE"],
-              "the request ends UNAVAILABLE (%s)" % reps[-1].error.message)
-    else:
-        skip_fast("router", rate)
-        check(cl.done(rid), "the request ended (%s)" % reps[-1].error.message)
+    drain_cut(cl, "router", c.router, c.router_metrics_port,
+              r"drain timeout \(2 s\): failing 1 requests", "router logs the drain timeout",
+              "the request", "the request")
     cl.close()
 finally:
     c.close()
