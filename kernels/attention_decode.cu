@@ -354,13 +354,13 @@ static int tw_dc_stages(void) { return tw_dc_env("TWAIN_CUDA_DC_STAGES", 3, 2, 3
 static int tw_dc_fused(void) { return tw_dc_env("TWAIN_CUDA_DC_FUSED", 1, 0, 1); }
 
 /* Splits per (sequence, KV head) for a batch whose sequences have at most
- * `keys` keys: enough CTAs to fill the GPU, at least TW_DC_MIN_KEYS_PER_SPLIT
- * keys each at `keys`. */
-static int tw_dc_splits(int n_seqs, int nkv, int keys) {
+ * `keys` keys: about `target_ctas` CTAs (tw_dc_target_ctas), at least
+ * TW_DC_MIN_KEYS_PER_SPLIT keys each at `keys`. */
+static int tw_dc_splits(int n_seqs, int nkv, int keys, int target_ctas) {
   int max_by_len = TW_CDIV(keys, TW_DC_MIN_KEYS_PER_SPLIT);
   if (max_by_len > TW_DC_MAX_SPLITS) max_by_len = TW_DC_MAX_SPLITS;
   const long long per = (long long)n_seqs * nkv;
-  const long long want = (tw_dc_target_ctas() + per - 1) / per;
+  const long long want = (target_ctas + per - 1) / per;
   int s = want < max_by_len ? (int)want : max_by_len;
   return s < 1 ? 1 : s;
 }
@@ -381,8 +381,9 @@ extern "C" size_t tw_cuda_attention_decode_workspace_bytes(const tw_cuda_attn_sh
   if (!tw_dc_shape_ok(shape) || max_seqs <= 0 || max_seq_len <= 0) return 0;
   /* The window is ignored here so that one workspace serves every layer. */
   size_t best = 0;
+  const int target = tw_dc_target_ctas(); /* read once, not once per batch size */
   for (int b = 1; b <= max_seqs; b++) {
-    const int s = tw_dc_splits(b, shape->n_kv_heads, max_seq_len);
+    const int s = tw_dc_splits(b, shape->n_kv_heads, max_seq_len, target);
     const size_t need = (size_t)b * shape->n_q_heads * s * (TW_ATTN_D + 2) * sizeof(float);
     if (need > best) best = need;
   }
@@ -420,7 +421,7 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
                   "attention decode: workspace of %zu bytes, %zu needed", workspace_bytes, need);
   const int keys = shape->window > 0 && shape->window < max_seq_len ? shape->window : max_seq_len;
   tw_dc_params_t p;
-  p.n_splits = tw_dc_splits(n_seqs, shape->n_kv_heads, keys);
+  p.n_splits = tw_dc_splits(n_seqs, shape->n_kv_heads, keys, tw_dc_target_ctas());
   p.fused = tw_dc_fused();
   p.q = static_cast<const __nv_bfloat16 *>(q);
   p.q_stride = q_row_stride;
