@@ -233,7 +233,7 @@ static tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t
     b[0] = tw_ce_rows(&lw->q_b, ce->q0 * D, ce->nq * D);
     b[1] = tw_ce_rows(&lw->k_b, ce->kv0 * D, ce->nkv * D);
     b[2] = tw_ce_rows(&lw->v_b, ce->kv0 * D, ce->nkv * D);
-    TW_CHECK(tw_ce_put_blocks(u, b, 3, TW_DTYPE_BF16, "qkv bias", &d->bqkv));
+    TW_CHECK(tw_ce_put_blocks(u, b, 3, TW_DTYPE_F32, "qkv bias", &d->bqkv));
     b[0] = (tw_ce_blk_t){&lw->o_w, 0, c->hidden, ce->q0 * D, ce->nq * D}; /* [H, NQ*D] columns */
     if (b[0].t->ndim != 2 || b[0].t->shape[1] != QD)
       return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: o_proj is not [%d, %lld]", c->hidden,
@@ -297,9 +297,11 @@ static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
     const void *p;
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
     const tw_tensor_t *wq[3] = {&lw->q_w, &lw->k_w, &lw->v_w};
-    const tw_tensor_t *bq[3] = {&lw->q_b, &lw->k_b, &lw->v_b};
+    const tw_ce_blk_t bq[3] = {tw_ce_rows(&lw->q_b, 0, c->n_heads * c->head_dim),
+                               tw_ce_rows(&lw->k_b, 0, c->n_kv_heads * c->head_dim),
+                               tw_ce_rows(&lw->v_b, 0, c->n_kv_heads * c->head_dim)};
     TW_CHECK(tw_ce_put_stack(u, wq, 3, TW_DTYPE_BF16, "qkv weight", &d->wqkv));
-    TW_CHECK(tw_ce_put_stack(u, bq, 3, TW_DTYPE_BF16, "qkv bias", &d->bqkv));
+    TW_CHECK(tw_ce_put_blocks(u, bq, 3, TW_DTYPE_F32, "qkv bias", &d->bqkv)); /* f32 QKV output */
     TW_CHECK(tw_ce_put_as(u, &lw->o_w, TW_DTYPE_BF16, "o_proj", &d->wo));
     TW_CHECK(tw_ce_put_as(u, &lw->o_b, TW_DTYPE_F32, "o_proj bias", &p));
     d->bo = (const float *)p;
@@ -366,7 +368,8 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   ce->moe_out = (float *)tw_ce_take(cv, R * H * 4);
   ce->rlog = (float *)tw_ce_take(cv, R * E * 4);
   ce->xn = tw_ce_take(cv, R * H * 2);
-  ce->qkv = tw_ce_take(cv, R * (size_t)ce->qkv_dim * 2);
+  ce->qkv = tw_ce_take(cv, R * (size_t)ce->qkv_dim * 4); /* f32: rounded once, after RoPE */
+  ce->q = tw_ce_take(cv, R * (size_t)ce->q_dim * 2);
   ce->attn = tw_ce_take(cv, R * (size_t)ce->q_dim * 2);
   ce->logits = (float *)tw_ce_take(cv, lrows * V * 4);
   if (ce->tp > 1) {
@@ -384,12 +387,15 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
   ce->moe_pre_bytes = 0;
   if ((R > (size_t)TW_CE_GEMV_MAX_TOKENS || ce->bf16_experts) && ce->ep == 1) {
-    ce->moe_pre_bytes = tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts,
-                                                     c->n_experts_per_tok, c->hidden,
-                                                     c->intermediate, 0);
+    ce->moe_pre_bytes =
+        ce->moe_grouped
+            ? tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts_per_tok, c->hidden,
+                                           c->intermediate)
+            : tw_cuda_moe_prefill_cublas_ws_bytes((int32_t)R, c->n_experts, c->n_experts_per_tok,
+                                                  c->hidden, c->intermediate, 0);
     ce->moe_pre_ws = tw_ce_take(cv, ce->moe_pre_bytes);
   }
-  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->ep == 1) {
+  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->ep == 1 && !ce->moe_grouped) {
     ce->dq_bytes = tw_cuda_moe_dequant_bytes(c->n_experts, c->hidden, c->intermediate);
     ce->dq_buf[0] = tw_ce_take(cv, ce->dq_bytes);
     ce->dq_buf[1] = tw_ce_take(cv, ce->dq_bytes);
@@ -503,8 +509,16 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   ce->max_pos = c->max_position_embeddings;
   ce->max_blocks_per_seq = (ce->max_pos + params->kv_block_size - 1) / params->kv_block_size;
   ce->bf16_experts = c->n_layers > 0 && model->layers[0].experts_format == TW_EXPERTS_BF16;
-  /* the bf16-expert MoE reads per-expert counts on the host: not capturable */
-  ce->use_graphs = !ce->bf16_experts;
+  {
+    /* the grouped-GEMM MoE (Hopper) needs no host sync; TWAIN_CUDA_MOE_CUBLAS=1
+     * (read once here) selects the per-expert cuBLAS path instead, for A/B runs */
+    const char *mc = getenv("TWAIN_CUDA_MOE_CUBLAS");
+    ce->moe_grouped = tw_cuda_moe_grouped_supported(c->hidden, c->intermediate) &&
+                      !(mc && mc[0] == '1');
+  }
+  /* the cuBLAS MoE reads per-expert counts on the host: not capturable, so
+   * without the grouped path only GEMV-MoE steps of MXFP4 experts are graphed */
+  ce->use_graphs = ce->moe_grouped || !ce->bf16_experts;
   {
     /* debug knob, read once here: per-op timing with a sync after each op */
     const char *pv = getenv("TWAIN_CUDA_PROFILE");
@@ -520,7 +534,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   TW_CHECK_GOTO(tw_ce_tp_init(ce, c, params, ce->bf16_experts), st, fail);
   ce->q_dim = ce->nq * c->head_dim; /* local heads: all of them when tp = 1 */
   ce->qkv_dim = (ce->nq + 2 * ce->nkv) * c->head_dim;
-  if (ce->max_rows > TW_CE_GEMV_MAX_TOKENS) {
+  if (ce->max_rows > TW_CE_GEMV_MAX_TOKENS && !ce->moe_grouped) {
     TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->dq_stream, cudaStreamNonBlocking), st, fail);
     TW_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&ce->dq_start, cudaEventDisableTiming), st, fail);
     for (int i = 0; i < 2; i++) {
@@ -631,11 +645,12 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->kv.total_bytes = (int64_t)ce->kv_bytes;
   TW_INFO("engine",
           "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens), "
-          "workspace %.2f GiB (moe gemm path %.2f incl. 2 dequantised layers, chunk %d, max "
+          "workspace %.2f GiB (moe %s path %.2f, chunk %d, max "
           "batch %d), rope %.2f GiB, "
           "pinned host %.1f MiB; %.2f of %.2f GiB free before the pool",
           tw_gib(ce->warena_bytes), tw_gib(ce->kv_bytes), (long long)n_blocks,
           params->kv_block_size, tw_gib(ce->ws_bytes),
+          ce->moe_grouped ? "grouped-gemm" : "cublas (incl. 2 dequantised layers)",
           tw_gib(ce->moe_pre_bytes + 2 * ce->dq_bytes), ce->chunk,
           ce->max_batch, tw_gib((size_t)ce->max_pos * c->head_dim * 4),
           (double)h_bytes / 1048576.0, tw_gib(free_b), tw_gib(total_b));

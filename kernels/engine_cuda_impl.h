@@ -18,8 +18,9 @@ extern "C" {
 #endif
 
 #define TW_CE_MAX_GRAPHS 96
-/* Decode batches up to this size run the MoE by GEMV (no host sync: the whole
- * step is one CUDA graph); larger ones use the dequantise + GEMM path. */
+/* Decode batches up to this size run the MoE by GEMV of MXFP4 experts; larger
+ * ones (and prefill chunks) the GEMM path: tw_cuda_moe_prefill (grouped GEMMs,
+ * no host sync) or, without it, tw_cuda_moe_prefill_cublas. */
 #define TW_CE_GEMV_MAX_TOKENS 64
 /* Rows of logits computed per unembedding GEMM when all logits are asked. */
 #define TW_CE_LOGIT_ROWS 256
@@ -33,7 +34,7 @@ enum {
 typedef struct {
   const void *attn_norm; /* bf16 [H] */
   const void *wqkv;      /* bf16 [NQ*D + 2*NKV*D, H] (q, k, v rows stacked) */
-  const void *bqkv;      /* bf16 [NQ*D + 2*NKV*D] */
+  const void *bqkv;      /* f32 [NQ*D + 2*NKV*D] (the QKV GEMM writes f32) */
   const void *wo;        /* bf16 [H, NQ*D] */
   const float *bo;       /* f32 [H] */
   const float *sinks;    /* f32 [NQ] */
@@ -56,7 +57,8 @@ typedef struct {
 typedef struct {
   const tw_model_config_t *cfg;
   int32_t qkv_dim, q_dim; /* (NQ + 2 NKV) D, NQ D */
-  int bf16_experts; /* every MoE runs the GEMM path on layers[l].wdq (no graphs) */
+  int bf16_experts; /* every MoE runs the GEMM path on layers[l].wdq */
+  int moe_grouped;  /* MoE GEMM path = tw_cuda_moe_prefill (no host sync), else cuBLAS */
   cudaStream_t stream;
   tw_cuda_gemm_t *gemm;
   /* weights: one device arena */
@@ -77,7 +79,7 @@ typedef struct {
   int32_t max_rows; /* max(chunk, max_batch) */
   int32_t max_batch;
   float *x, *o, *moe_out, *rlog, *logits;
-  void *xn, *qkv, *attn;
+  void *xn, *qkv, *q, *attn; /* qkv: f32 QKV GEMM output; q: rotated bf16 queries */
   tw_cuda_moe_route_t route;
   void *moe_dec_ws, *moe_pre_ws, *attn_ws;
   /* MoE GEMM path: layer l+1's experts are dequantised on dq_stream into

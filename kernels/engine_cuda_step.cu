@@ -1,11 +1,13 @@
 /* engine_cuda_step.cu: the forward pass of the CUDA engine (spec §2): chunked
  * prefill of one sequence and batched decode, the latter captured into one
- * CUDA graph per (batch bucket, context bucket) when its MoE runs by GEMV.
- * Inside a step nothing synchronises the host except: the MoE prefill path
- * (reads per-expert counts once per layer, for large token counts only) and
- * the copy-out of the results the caller asked for at the end.
+ * CUDA graph per (batch bucket, context bucket). Inside a step nothing
+ * synchronises the host but the copy-out of the results the caller asked for
+ * at the end. Exception: on GPUs without the grouped-GEMM MoE (compute
+ * capability other than 9.0, or TWAIN_CUDA_MOE_CUBLAS=1) the MoE of more than
+ * TW_CE_GEMV_MAX_TOKENS rows runs the cuBLAS path, which reads the per-expert
+ * counts on the host once per layer; those decode steps are not graphed.
  *
- * Per layer: x (f32 residual) -> RMSNorm -> QKV GEMM (+bias, bf16) -> RoPE +
+ * Per layer: x (f32 residual) -> RMSNorm -> QKV GEMM (+bias, f32) -> RoPE (bf16 q) +
  * paged KV write -> attention -> O GEMM (+bias, f32) -> residual add + RMSNorm
  * -> router GEMM (f32 logits, spec §2.8) -> top-k/sort -> MoE (f32 out) ->
  * residual add at the next norm. */
@@ -63,7 +65,7 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
   tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, c->head_dim, block_size, 0,
                              (float)(1.0 / sqrt((double)c->head_dim))};
   TW_CE_OP(TW_CE_PROF_EMBED, tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
-  bool gemm_moe = T > TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->ep == 1;
+  bool gemm_moe = T > TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->ep == 1 && !ce->moe_grouped;
   if (gemm_moe) { /* layer 0's experts, after whatever ran before on s */
     TW_CUDA_CHECK(cudaEventRecord(ce->dq_start, s));
     TW_CUDA_CHECK(cudaStreamWaitEvent(ce->dq_stream, ce->dq_start, 0));
@@ -82,19 +84,22 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
     void *kv = (char *)ce->kv_pool + (size_t)l * (size_t)ce->kv_layer_stride_bytes;
     TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, l ? ce->moe_out : NULL, TW_DTYPE_F32, L->attn_norm,
                                       c->rms_norm_eps, T, H, ce->xn, s));
+    /* QKV in f32, rounded to bf16 once after RoPE (q for the attention, k and v
+     * into the cache): one rounding instead of two */
     TW_CE_OP(TW_CE_PROF_QKV, tw_cuda_gemm_bf16(ce->gemm, T, QKV, H, ce->xn, H, L->wqkv, H, L->bqkv, ce->qkv,
-                               TW_DTYPE_BF16, QKV, s));
-    TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write(ce->qkv, QKV, T, ce->nq, ce->nkv, c->head_dim,
-                                   ce->d_positions, ce->rope_cos, ce->rope_sin, ce->max_pos,
-                                   ce->d_slots, kv, block_size, s));
+                               TW_DTYPE_F32, QKV, s));
+    TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write_f32((const float *)ce->qkv, QKV, T, ce->nq,
+                                   ce->nkv, c->head_dim, ce->d_positions, ce->rope_cos,
+                                   ce->rope_sin, ce->max_pos, ce->d_slots, kv, block_size, ce->q,
+                                   QD, s));
     if (kv_ev) TW_CUDA_CHECK(cudaEventRecord(kv_ev[l], s)); /* layer l's K/V of this chunk */
     sh.window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0;
     if (decode)
-      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_decode(&sh, ce->qkv, QKV, kv, L->sinks, T, ce->d_seq_lens,
+      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_decode(&sh, ce->q, QD, kv, L->sinks, T, ce->d_seq_lens,
                                         ce->d_block_tables, ce->max_blocks_per_seq, max_seq_len,
                                         ce->attn_ws, ce->attn_ws_bytes, ce->attn, s));
     else
-      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_prefill(&sh, ce->qkv, QKV, kv, L->sinks, 1, T, ce->d_cu,
+      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_prefill(&sh, ce->q, QD, kv, L->sinks, 1, T, ce->d_cu,
                                          ce->d_start, ce->d_block_tables, ce->max_blocks_per_seq,
                                          ce->attn, s));
     TW_CE_OP(TW_CE_PROF_OPROJ, tw_cuda_gemm_bf16(ce->gemm, T, H, QD, ce->attn, QD, L->wo, QD, L->bo, ce->o,
@@ -114,19 +119,25 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
                                                     ce->rlog, TW_DTYPE_F32, E, s));
       TW_CE_OP(TW_CE_PROF_ROUTE, tw_cuda_moe_route(&ce->route, ce->rlog, T, s));
     }
-    if (ce->bf16_experts)
-      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(ce->gemm, &L->moe, &ce->route, T, ce->xn,
-                                                   L->wdq, ce->moe_pre_ws, ce->moe_pre_bytes,
-                                                   ce->h_counts, ce->moe_out, s));
+    if (ce->moe_grouped && (ce->bf16_experts || T > TW_CE_GEMV_MAX_TOKENS))
+      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(&L->moe, &ce->route, T, ce->xn,
+                                                   ce->bf16_experts ? L->wdq : NULL,
+                                                   ce->moe_pre_ws, ce->moe_pre_bytes,
+                                                   ce->moe_out, s));
+    else if (ce->bf16_experts)
+      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill_cublas(ce->gemm, &L->moe, &ce->route, T,
+                                                          ce->xn, L->wdq, ce->moe_pre_ws,
+                                                          ce->moe_pre_bytes, ce->h_counts,
+                                                          ce->moe_out, s));
     else if (T <= TW_CE_GEMV_MAX_TOKENS)
       TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_decode(&L->moe, &ce->route, T, ce->xn, ce->moe_dec_ws,
                                   ce->moe_dec_bytes, ce->moe_out, s));
     else {
       TW_CUDA_CHECK(cudaStreamWaitEvent(s, ce->dq_done[l % 2], 0));
-      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(ce->gemm, &L->moe, &ce->route, T, ce->xn,
-                                                   ce->dq_buf[l % 2], ce->moe_pre_ws,
-                                                   ce->moe_pre_bytes, ce->h_counts, ce->moe_out,
-                                                   s));
+      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill_cublas(ce->gemm, &L->moe, &ce->route, T,
+                                                          ce->xn, ce->dq_buf[l % 2],
+                                                          ce->moe_pre_ws, ce->moe_pre_bytes,
+                                                          ce->h_counts, ce->moe_out, s));
       TW_CUDA_CHECK(cudaEventRecord(ce->dq_free[l % 2], s));
     }
   }
@@ -361,7 +372,7 @@ tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a) {
                                   (size_t)mbps * 4, (size_t)maxnb * 4, (size_t)B,
                                   cudaMemcpyHostToDevice, s));
   bool graphed = false;
-  if (ce->use_graphs && B <= TW_CE_GEMV_MAX_TOKENS) {
+  if (ce->use_graphs && (ce->moe_grouped || B <= TW_CE_GEMV_MAX_TOKENS)) {
     cudaGraphExec_t exec = NULL;
     tw_status_t st = tw_ce_graph_get(ce, B, ctx, bs, &exec);
     if (st < 0) {

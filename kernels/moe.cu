@@ -193,7 +193,7 @@ extern "C" tw_status_t tw_cuda_moe_setup(void) {
       cudaFuncSetAttribute(tw_moe_down_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, mx));
   TW_CUDA_CHECK(
       cudaFuncSetAttribute(tw_moe_down_kernel<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, mx));
-  return TW_OK;
+  return tw_moe_grouped_setup();
 }
 
 static tw_status_t tw_moe_weights_check(const char *fn, const tw_cuda_moe_weights_t *w,
@@ -354,26 +354,57 @@ extern "C" tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w,
   return TW_OK;
 }
 
-extern "C" size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t n_experts, int32_t k,
-                                               int32_t hidden, int32_t intermediate,
-                                               int with_dequant) {
+extern "C" size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidden,
+                                               int32_t intermediate) {
+  size_t tk = (size_t)max_tokens * (size_t)k;
+  return tw_al256(tk * (size_t)intermediate * 2) + tw_al256(tk * (size_t)hidden * 4);
+}
+
+extern "C" tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w,
+                                           const tw_cuda_moe_route_t *r, int32_t T, const void *x,
+                                           const void *maybe_wbf16, void *workspace,
+                                           size_t workspace_bytes, float *out,
+                                           cudaStream_t stream) {
+  TW_CHECK(tw_moe_weights_check("moe_prefill", w, r, T, x, out, maybe_wbf16 != NULL));
+  int H = w->hidden, I = w->intermediate, k = r->k;
+  if (!tw_cuda_moe_grouped_supported(H, I))
+    return tw_err(TW_ERR_UNSUPPORTED,
+                  "moe_prefill: grouped GEMM needs compute capability 9.0 and H, I <= 6144 "
+                  "(H=%d I=%d); use the cuBLAS path", H, I);
+  size_t need = tw_cuda_moe_prefill_ws_bytes(T, k, H, I);
+  if (!workspace || workspace_bytes < need)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: workspace %zu bytes, %zu needed",
+                  workspace_bytes, need);
+  size_t tk = (size_t)T * k;
+  char *act = (char *)workspace;
+  float *y = (float *)(act + tw_al256(tk * I * 2));
+  TW_CHECK(tw_moe_grouped_run(w, r, T, x, maybe_wbf16, act, y, stream));
+  return tw_moe_combine_f32(r, T, H, y, out, stream);
+}
+
+extern "C" size_t tw_cuda_moe_prefill_cublas_ws_bytes(int32_t max_tokens, int32_t n_experts,
+                                                      int32_t k, int32_t hidden,
+                                                      int32_t intermediate, int with_dequant) {
   size_t tk = (size_t)max_tokens * (size_t)k, H = (size_t)hidden, I = (size_t)intermediate;
   size_t wbytes = with_dequant ? tw_cuda_moe_dequant_bytes(n_experts, hidden, intermediate) : 0;
   return wbytes + tw_al256(tk * H * 2) + tw_al256(tk * 2 * I * 2) + tw_al256(tk * I * 2) +
          tw_al256(tk * H * 2);
 }
 
-extern "C" tw_status_t tw_cuda_moe_prefill(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
-                                           const tw_cuda_moe_route_t *r, int32_t T, const void *x,
-                                           const void *maybe_wdq, void *workspace,
-                                           size_t workspace_bytes, int32_t *host_counts,
-                                           float *out, cudaStream_t stream) {
-  TW_CHECK(tw_moe_weights_check("moe_prefill", w, r, T, x, out, maybe_wdq != NULL));
-  if (!gemm || !host_counts) return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: NULL argument");
+extern "C" tw_status_t tw_cuda_moe_prefill_cublas(tw_cuda_gemm_t *gemm,
+                                                  const tw_cuda_moe_weights_t *w,
+                                                  const tw_cuda_moe_route_t *r, int32_t T,
+                                                  const void *x, const void *maybe_wdq,
+                                                  void *workspace, size_t workspace_bytes,
+                                                  int32_t *host_counts, float *out,
+                                                  cudaStream_t stream) {
+  TW_CHECK(tw_moe_weights_check("moe_prefill_cublas", w, r, T, x, out, maybe_wdq != NULL));
+  if (!gemm || !host_counts)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill_cublas: NULL argument");
   int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k;
-  size_t need = tw_cuda_moe_prefill_ws_bytes(T, E, k, H, I, maybe_wdq == NULL);
+  size_t need = tw_cuda_moe_prefill_cublas_ws_bytes(T, E, k, H, I, maybe_wdq == NULL);
   if (!workspace || workspace_bytes < need)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: workspace %zu bytes, %zu needed",
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill_cublas: workspace %zu bytes, %zu needed",
                   workspace_bytes, need);
   size_t tk = (size_t)T * k;
   char *p = (char *)workspace;

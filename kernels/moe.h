@@ -9,10 +9,14 @@
  *            gate_up pass and bias into the down pass; a combine kernel sums
  *            the k expert outputs with their routing weights. No host sync,
  *            fixed grids: capturable in CUDA graphs.
- *   prefill: for large T. Dequantises the layer's active experts to a bf16
- *            workspace, gathers the tokens by expert and runs one tensor-core
- *            GEMM per expert (cuBLAS), SwiGLU and combine kernels around them.
- *            Reads the per-expert counts on the host (one sync per layer).
+ *   prefill: for large T (and bf16 experts). Two grouped tensor-core GEMMs
+ *            over all experts (moe_grouped.cu, Hopper wgmma) that read the
+ *            per-expert counts on the device: gate_up gathers the token rows
+ *            and dequantises MXFP4 tiles on the fly, with bias + SwiGLU fused;
+ *            down; then the combine. No host sync, fixed grids: capturable.
+ *            On GPUs without wgmma (compute capability other than 9.0) the
+ *            cuBLAS path: dequantise, gather, one cuBLAS GEMM per expert,
+ *            which reads the counts on the host (one sync per layer).
  *
  * Expert weights stay MXFP4 in device memory in the checkpoint layout (spec
  * §3.4): gate_up blocks [E, 2I, H/32, 16] u8 + scales [E, 2I, H/32] u8 (E8M0),
@@ -130,25 +134,57 @@ size_t tw_cuda_moe_dequant_bytes(int32_t n_experts, int32_t hidden, int32_t inte
 tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w, const int32_t *maybe_counts,
                                 void *wdq, cudaStream_t stream);
 
-/** Bytes of the prefill workspace for up to max_tokens tokens: gathered
- *  inputs [T*k, H], gate_up output [T*k, 2I], activations [T*k, I] and
- *  expert outputs [T*k, H], all bf16, plus the dequantised experts
- *  (tw_cuda_moe_dequant_bytes) when with_dequant is non-zero. */
-size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t n_experts, int32_t k,
-                                    int32_t hidden, int32_t intermediate, int with_dequant);
+/** Whether tw_cuda_moe_prefill runs here for experts of hidden size H and
+ *  intermediate size I: the current device has compute capability 9.0
+ *  (wgmma), H and I are positive multiples of 32 and at most 6144. */
+int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediate);
 
-/** MoE of T tokens through tensor-core GEMMs (see the file comment). Same
- *  operands as tw_cuda_moe_decode, plus the gemm handle, a pinned host
- *  buffer host_counts [E] (cudaMallocHost) and maybe_wdq: this layer's
- *  experts already dequantised by tw_cuda_moe_dequant (complete on `stream`
- *  before this call's work starts), or NULL to dequantise the active experts
- *  here into the workspace (then sized with_dequant). Synchronises the host
- *  once, to read the per-expert counts. Not capturable.
+/** Bytes of the tw_cuda_moe_prefill workspace for up to max_tokens tokens:
+ *  activations bf16 [T*k, I] and expert outputs f32 [T*k, H]. */
+size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidden,
+                                    int32_t intermediate);
+
+/** MoE of T tokens through two grouped tensor-core GEMMs whose per-expert
+ *  row counts come from `route` on the device (see the file comment): no
+ *  host synchronisation, grids that depend only on T, k, E, H and I, so it
+ *  can be captured in a CUDA graph. x bf16 [T, H] (device, row stride H);
+ *  route computed from the same tokens; maybe_wbf16: this layer's experts
+ *  as bf16 in the layout of tw_cuda_moe_dequant (bf16 checkpoints), or NULL
+ *  to read the MXFP4 experts of w (dequantised tile by tile on chip, the
+ *  same bf16 values as tw_cuda_mxfp4_dequant). workspace device >=
+ *  tw_cuda_moe_prefill_ws_bytes(T, k, H, I); out f32 [T, H], every element
+ *  written. Products are bf16 x bf16 with f32 accumulation; bias, SwiGLU and
+ *  the expert outputs stay f32, the activations are rounded to bf16.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, sizes, workspace too small),
+ *  TW_ERR_UNSUPPORTED (tw_cuda_moe_grouped_supported is false: use
+ *  tw_cuda_moe_prefill_cublas), TW_ERR_CUDA. */
+tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *route,
+                                int32_t T, const void *x, const void *maybe_wbf16,
+                                void *workspace, size_t workspace_bytes, float *out,
+                                cudaStream_t stream);
+
+/** Bytes of the tw_cuda_moe_prefill_cublas workspace for up to max_tokens
+ *  tokens: gathered inputs [T*k, H], gate_up output [T*k, 2I], activations
+ *  [T*k, I] and expert outputs [T*k, H], all bf16, plus the dequantised
+ *  experts (tw_cuda_moe_dequant_bytes) when with_dequant is non-zero. */
+size_t tw_cuda_moe_prefill_cublas_ws_bytes(int32_t max_tokens, int32_t n_experts, int32_t k,
+                                           int32_t hidden, int32_t intermediate,
+                                           int with_dequant);
+
+/** The MoE of tw_cuda_moe_prefill through one cuBLAS GEMM per expert, for
+ *  GPUs without wgmma (and the benchmark's reference). Same operands plus
+ *  the gemm handle, a pinned host buffer host_counts [E] (cudaMallocHost)
+ *  and maybe_wdq: this layer's experts already dequantised by
+ *  tw_cuda_moe_dequant (complete on `stream` before this call's work
+ *  starts), or NULL to dequantise the active experts here into the
+ *  workspace (then sized with_dequant). Synchronises the host once, to read
+ *  the per-expert counts. Not capturable.
  *  Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
-tw_status_t tw_cuda_moe_prefill(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
-                                const tw_cuda_moe_route_t *route, int32_t T, const void *x,
-                                const void *maybe_wdq, void *workspace, size_t workspace_bytes,
-                                int32_t *host_counts, float *out, cudaStream_t stream);
+tw_status_t tw_cuda_moe_prefill_cublas(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
+                                       const tw_cuda_moe_route_t *route, int32_t T, const void *x,
+                                       const void *maybe_wdq, void *workspace,
+                                       size_t workspace_bytes, int32_t *host_counts, float *out,
+                                       cudaStream_t stream);
 
 /** Dequantise MXFP4 rows to bf16 (spec §3.4): n_rows rows of n_cols (a
  *  multiple of 32) from blocks [n_rows, n_cols/32, 16] and scales

@@ -31,4 +31,13 @@ tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32_t T, int32_t
                                 const __nv_bfloat16 *y, const float *bias, float *out,
                                 cudaStream_t stream);
 
+/* grouped GEMM path (moe_grouped.cu): kernel attributes, and the two
+ * grouped GEMMs act = SwiGLU(gather(x) W1^T + b1), y = act W2^T + b2 of
+ * tw_cuda_moe_prefill (act bf16 [T*k, I], y f32 [T*k, H]). */
+extern "C" tw_status_t tw_moe_grouped_setup(void);
+extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
+                                          const tw_cuda_moe_route_t *r, int32_t T,
+                                          const void *x, const void *maybe_wbf16, void *act,
+                                          float *y, cudaStream_t stream);
+
 #endif

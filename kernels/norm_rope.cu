@@ -216,6 +216,82 @@ static __global__ void __launch_bounds__(TW_ROPE_THREADS)
   }
 }
 
+/* The f32-input variant: q and k rotated in fp32 from the unrounded QKV GEMM
+ * output, rounded to bf16 once (q into q_out, k into the pool); v rounded once
+ * into the pool. One block per token; work item = (head, dim pair j, j+D/2). */
+static __global__ void __launch_bounds__(TW_ROPE_THREADS)
+    tw_rope_kv_write_f32_kernel(const float *__restrict__ qkv, int64_t stride, int nq, int nkv,
+                                int D, const int32_t *__restrict__ positions,
+                                const float *__restrict__ tcos, const float *__restrict__ tsin,
+                                int max_pos, const int32_t *__restrict__ slots,
+                                __nv_bfloat16 *__restrict__ pool, int block_size,
+                                __nv_bfloat16 *__restrict__ q_out, int64_t q_stride) {
+  TW_PDL_WAIT();
+  const int64_t t = blockIdx.x;
+  int p = positions[t];
+  p = p < 0 ? 0 : (p >= max_pos ? max_pos - 1 : p);
+  const int nhalf = D >> 1;
+  const float *row = qkv + t * stride;
+  const int slot = slots ? slots[t] : -1;
+  int64_t kbase = 0, vbase = 0;
+  if (slot >= 0) {
+    const int64_t blk = slot / block_size, s = slot % block_size;
+    kbase = ((blk * 2 + 0) * nkv) * (int64_t)block_size * D + s * D;
+    vbase = ((blk * 2 + 1) * nkv) * (int64_t)block_size * D + s * D;
+  }
+  const int64_t head_stride_pool = (int64_t)block_size * D;
+  const float *c = tcos + (int64_t)p * nhalf, *sn = tsin + (int64_t)p * nhalf;
+  const int n_items = (nq + (slot >= 0 ? nkv : 0)) * nhalf;
+  for (int it = threadIdx.x; it < n_items; it += blockDim.x) {
+    const int h = it / nhalf, j = it % nhalf;
+    const float *x = row + (int64_t)h * D;
+    const float a = x[j], b = x[j + nhalf];
+    const __nv_bfloat16 ra = __float2bfloat16_rn(a * c[j] - b * sn[j]);
+    const __nv_bfloat16 rb = __float2bfloat16_rn(b * c[j] + a * sn[j]);
+    __nv_bfloat16 *o = h < nq ? q_out + t * q_stride + (int64_t)h * D
+                              : pool + kbase + (int64_t)(h - nq) * head_stride_pool;
+    o[j] = ra;
+    o[j + nhalf] = rb;
+  }
+  if (slot >= 0) {
+    const float *v = row + (int64_t)(nq + nkv) * D;
+    for (int it = threadIdx.x; it < nkv * D; it += blockDim.x) {
+      const int g = it / D, d = it % D;
+      pool[vbase + (int64_t)g * head_stride_pool + d] = __float2bfloat16_rn(v[it]);
+    }
+  }
+}
+
+extern "C" tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_row_stride,
+                                                 int32_t n_tokens, int32_t n_q_heads,
+                                                 int32_t n_kv_heads, int32_t head_dim,
+                                                 const int32_t *positions, const float *rope_cos,
+                                                 const float *rope_sin, int32_t max_pos,
+                                                 const int32_t *maybe_slots, void *kv_layer,
+                                                 int32_t block_size, void *q_out,
+                                                 int64_t q_row_stride, cudaStream_t stream) {
+  if (!qkv || !q_out || !positions || !rope_cos || !rope_sin || (maybe_slots && !kv_layer))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "rope_kv_write_f32: NULL qkv, q_out, positions, tables or kv_layer (with slots)");
+  if (n_tokens < 0 || n_q_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || head_dim % 2 ||
+      head_dim > 256 || max_pos <= 0 || block_size <= 0 ||
+      qkv_row_stride < (int64_t)(n_q_heads + 2 * n_kv_heads) * head_dim ||
+      q_row_stride < (int64_t)n_q_heads * head_dim)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "rope_kv_write_f32: bad n_tokens %d, heads %d/%d, head_dim %d, max_pos %d, "
+                  "block_size %d or row strides %lld/%lld",
+                  n_tokens, n_q_heads, n_kv_heads, head_dim, max_pos, block_size,
+                  (long long)qkv_row_stride, (long long)q_row_stride);
+  if (n_tokens == 0) return TW_OK;
+  tw_pdl_launch(tw_rope_kv_write_f32_kernel, dim3((unsigned)n_tokens), dim3(TW_ROPE_THREADS), 0,
+                stream, qkv, qkv_row_stride, n_q_heads, n_kv_heads, head_dim, positions,
+                rope_cos, rope_sin, max_pos, maybe_slots,
+                static_cast<__nv_bfloat16 *>(kv_layer), block_size,
+                static_cast<__nv_bfloat16 *>(q_out), q_row_stride);
+  TW_CUDA_CHECK_LAUNCH("rope_kv_write_f32");
+  return TW_OK;
+}
+
 extern "C" tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, int32_t n_tokens,
                                              int32_t n_q_heads, int32_t n_kv_heads,
                                              int32_t head_dim, const int32_t *positions,

@@ -73,6 +73,27 @@ tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, int32_t n_t
                                   const int32_t *maybe_slots, void *kv_layer,
                                   int32_t block_size, cudaStream_t stream);
 
+/** tw_cuda_rope_kv_write for the f32 output of the QKV GEMM, so that q, k and
+ *  v are rounded to bf16 once (after the rotation) instead of twice (GEMM
+ *  output, then rotation). qkv: f32, row t at qkv + t * qkv_row_stride
+ *  (elements), [q: NQ * D][k: NKV * D][v: NKV * D], not modified. The
+ *  rotation is the one of tw_cuda_rope_kv_write (fp32 math); the rotated q
+ *  goes to q_out (bf16, row t at q_out + t * q_row_stride, NQ * D values);
+ *  if maybe_slots is not NULL and maybe_slots[t] >= 0, the rotated k and
+ *  bf16(v) of every kv head go into kv_layer at slot maybe_slots[t] (k is
+ *  not kept otherwise). n_tokens == 0 does nothing.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (NULL qkv/q_out/positions/tables,
+ *  kv_layer NULL while maybe_slots is given, n_tokens < 0, head counts <= 0,
+ *  head_dim odd or > 256, qkv_row_stride < (NQ + 2 NKV) * D, q_row_stride <
+ *  NQ * D, block_size <= 0), TW_ERR_CUDA. */
+tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_row_stride, int32_t n_tokens,
+                                      int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
+                                      const int32_t *positions, const float *rope_cos,
+                                      const float *rope_sin, int32_t max_pos,
+                                      const int32_t *maybe_slots, void *kv_layer,
+                                      int32_t block_size, void *q_out, int64_t q_row_stride,
+                                      cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

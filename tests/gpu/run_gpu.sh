@@ -76,7 +76,7 @@ if [ "${1:-}" != "--device" ]; then
   set -e
   cmake -S "$root" -B "$build" -DTWAIN_WERROR=${TW_WERROR:-ON} >/dev/null
   tests=$(cd "$build" && ctest -N -L gpu | awk '/Test +#/ {print $3}')
-  extra="twain-bench-cuda twain-compare-hf twain-bench-attention"
+  extra="twain-bench-cuda twain-compare-hf twain-bench-attention twain-bench-moe"
   if grep -q twain-bench-tokenizer "$root/tests/tokenizer/CMakeLists.txt" 2>/dev/null; then
     extra="$extra twain-bench-tokenizer"
   fi
@@ -240,7 +240,9 @@ fi
 
 # (b) the engine benchmark, one model at a time
 if [ -z "${TW_SKIP_BENCH:-}" ]; then
+  : >"$logs/bench_20b_nopdl.log"
   for mdl in ${TW_BENCH_MODELS:-20b 120b}; do
+    [ "$mdl" = none ] && continue
     start=$(date +%s)
     # shellcheck disable=SC2086
     if [ -n "${TW_BENCH_ARGS:-}" ]; then set -- ${TW_BENCH_ARGS}
@@ -273,8 +275,16 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
     add "bench 20b b1, $1" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
       "$(($(date +%s) - start))"
   }
-  if [ -z "${TW_BENCH_ARGS:-}" ]; then
-    : >"$logs/bench_20b_nopdl.log"
+  # the prefill MoE kernels alone (grouped GEMM against the cuBLAS path); its
+  # log goes with the A/B runs
+  start=$(date +%s)
+  timeout "$(tmo 90)" "$bin/twain-bench-moe" ${TW_BENCH_MOE_ARGS:-} >"$stage/bench_moe.log" 2>&1
+  r=$?
+  { echo "==== twain-bench-moe (exit $r)"; cat "$stage/bench_moe.log"; } >>"$logs/bench_20b_nopdl.log"
+  grep -E "^\||experts|failed|error" "$stage/bench_moe.log" | tail -20
+  add "bench moe (grouped vs cublas)" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
+    "$(($(date +%s) - start))"
+  if [ -z "${TW_BENCH_ARGS:-}" ] && [ "${TW_BENCH_MODELS:-}" != none ]; then
     b1_ab "PDL off" TWAIN_CUDA_PDL=0
     b1_ab "fused router off" TWAIN_CUDA_FUSED_ROUTER=0
     b1_ab "gemv off" TWAIN_CUDA_GEMV=0

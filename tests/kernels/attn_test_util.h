@@ -104,6 +104,14 @@ static inline int tt_l2_report(const char *name, const tt_l2_t *a, double tol) {
   return ok ? 0 : 1;
 }
 
+/* How many of n floats differ from want bit for bit (NaN poison never equals
+ * a written value). */
+static inline long tt_count_bits_differ(const float *got, const float *want, size_t n) {
+  long d = 0;
+  for (size_t i = 0; i < n; i++) d += memcmp(&got[i], &want[i], sizeof(float)) != 0;
+  return d;
+}
+
 static inline int tt_gpu_available(void) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;

@@ -101,7 +101,26 @@ static int run_variant(const char *model_dir, const char *fx_dir, const char *va
     EXPECT(st == TW_OK, "prefill %s: %s", f->prompt, tw_last_error());
     if (st != TW_OK) return 1;
     int same = 0;
-    for (int i = 0; i < f->n_ids; i++) same += argmax_row(lg + (size_t)i * V, V) == f->argmax[i];
+    for (int i = 0; i < f->n_ids; i++) {
+      const float *row = lg + (size_t)i * V;
+      int am = argmax_row(row, V);
+      if (am == f->argmax[i]) {
+        same++;
+        continue;
+      }
+      /* a differing position: our gap between the two tokens, and HF's where
+       * its logit row is stored (a near-tie in both is a rounding flip) */
+      int r = i - f->pos_begin;
+      if (r >= 0 && r < f->n_rows) {
+        const float *ref = f->logits + (size_t)r * V;
+        printf("  %s %s position %d: ours %d, HF %d; our gap %.4f, HF gap %.4f\n", variant,
+               f->prompt, i, am, f->argmax[i], row[am] - row[f->argmax[i]],
+               ref[f->argmax[i]] - ref[am]);
+      } else {
+        printf("  %s %s position %d: ours %d, HF %d; our gap %.4f (HF row not stored)\n", variant,
+               f->prompt, i, am, f->argmax[i], row[am] - row[f->argmax[i]]);
+      }
+    }
     double e2 = 0, r2 = 0;
     for (int r = 0; r < f->n_rows; r++)
       for (int v = 0; v < V; v++) {

@@ -4,8 +4,11 @@
  * fresh random inputs: gpt-oss shapes (H = I = 2880, E = 32 and 128, top-4)
  * and edges (T = 1, the tiny model's H 256 / I 512 / E 8 / top-2, widths off
  * the 32-row tiles, prefill chunks with experts left empty), through the
- * GEMV path (T = 1 and T > 1 kernel variants) and the GEMM path
- * (dequantising inside, or on experts dequantised beforehand).
+ * GEMV path (T = 1 and T > 1 kernel variants) and the GEMM paths: the
+ * grouped GEMM (on MXFP4 experts and on the same experts dequantised to bf16,
+ * which must agree bit for bit; rerun and captured in a CUDA graph, which
+ * must give the same bits) and the cuBLAS path (dequantising inside, or on
+ * experts dequantised beforehand).
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
@@ -22,6 +25,8 @@
 #include "attn_test_util.h"
 
 #include <stdbool.h>
+
+#define N_GROUPED_CFG 5 /* kernel configurations of kernels/moe_grouped.cu */
 
 typedef struct {
   const char *name;
@@ -162,16 +167,90 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
   return ok ? 0 : 1;
 }
 
-/* mode 0: GEMV path; 1: GEMM path dequantising inside; 2: GEMM path on
- * experts dequantised beforehand by tw_cuda_moe_dequant (the engine's way). */
-static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t *c, int mode) {
-  bool prefill = mode != 0;
+/* Run the MoE path of `mode` into d_out (poisoned with NaN first) and copy
+ * it to out. mode 0: GEMV; 1: grouped GEMM on the MXFP4 experts; 2: grouped
+ * GEMM on bf16 experts (d_wdq); 3: cuBLAS path dequantising inside; 4: cuBLAS
+ * path on d_wdq. stream: where to run (graph capture uses its own). */
+static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
+                    const tw_cuda_moe_route_t *r, const moe_case_t *c, int mode, const void *d_x,
+                    const void *d_wdq, void *d_ws, size_t wsb, int32_t *hc, float *d_out,
+                    float *out, cudaStream_t stream) {
+  int T = c->T;
+  TT_CUDA(cudaMemset(d_out, 0xff, (size_t)T * c->H * 4)); /* NaN poison */
+  TT_CUDA(cudaDeviceSynchronize());
+  tw_status_t st;
+  switch (mode) {
+  case 0: st = tw_cuda_moe_decode(w, r, T, d_x, d_ws, wsb, d_out, stream); break;
+  case 1: st = tw_cuda_moe_prefill(w, r, T, d_x, NULL, d_ws, wsb, d_out, stream); break;
+  case 2: st = tw_cuda_moe_prefill(w, r, T, d_x, d_wdq, d_ws, wsb, d_out, stream); break;
+  case 3: st = tw_cuda_moe_prefill_cublas(gemm, w, r, T, d_x, NULL, d_ws, wsb, hc, d_out, stream); break;
+  default: st = tw_cuda_moe_prefill_cublas(gemm, w, r, T, d_x, d_wdq, d_ws, wsb, hc, d_out, stream);
+  }
+  if (st != TW_OK) {
+    printf("FAIL moe(%s, mode %d): status %s: %s\n", c->name, mode, tw_status_str(st),
+           tw_last_error());
+    return 1;
+  }
+  TT_CUDA(cudaDeviceSynchronize());
+  TT_CUDA(cudaMemcpy(out, d_out, (size_t)T * c->H * 4, cudaMemcpyDeviceToHost));
+  return 0;
+}
+
+/* The grouped path once more, captured in a CUDA graph on a fresh stream and
+ * replayed twice: capture fails if the path synchronises the host; each
+ * replay must give `want` bit for bit. */
+static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
+                        const moe_case_t *c, const void *d_x, void *d_ws, size_t wsb,
+                        float *d_out, float *out, const float *want) {
+  cudaStream_t s;
+  TT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t g = NULL;
+  cudaGraphExec_t ge = NULL;
+  TT_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  tw_status_t st = tw_cuda_moe_prefill(w, r, c->T, d_x, NULL, d_ws, wsb, d_out, s);
+  cudaError_t ce = cudaStreamEndCapture(s, &g);
+  if (st != TW_OK || ce != cudaSuccess || cudaGraphInstantiate(&ge, g, 0) != cudaSuccess) {
+    printf("FAIL moe_grouped_graph(%s,T=%d): capture: %s / %s\n", c->name, c->T,
+           st != TW_OK ? tw_last_error() : "ok", cudaGetErrorString(ce));
+    cudaGetLastError();
+    return 1;
+  }
+  size_t n = (size_t)c->T * c->H;
+  long diff = 0;
+  for (int rep = 0; rep < 2; rep++) {
+    TT_CUDA(cudaMemset(d_out, 0xff, n * 4));
+    TT_CUDA(cudaDeviceSynchronize());
+    TT_CUDA(cudaGraphLaunch(ge, s));
+    TT_CUDA(cudaStreamSynchronize(s));
+    TT_CUDA(cudaMemcpy(out, d_out, n * 4, cudaMemcpyDeviceToHost));
+    diff += tt_count_bits_differ(out, want, n);
+  }
+  printf("%s moe_grouped_graph(cfg %s,%s,T=%d): captured without a host sync, %ld values differ "
+         "from the eager run over 2 replays\n", diff ? "FAIL" : "ok  ",
+         getenv("TWAIN_CUDA_MOE_CFG") ? getenv("TWAIN_CUDA_MOE_CFG") : "default", c->name, c->T,
+         diff);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+  return diff ? 1 : 0;
+}
+
+/* kind 0: GEMV path. kind 1: GEMM paths: the grouped GEMM on MXFP4 experts
+ * (also run twice: same bits; and captured in a graph), the grouped GEMM on
+ * the same experts dequantised to bf16 beforehand (must equal the MXFP4 run
+ * bit for bit: the on-chip dequantisation gives the same bf16 weights), and
+ * the cuBLAS path (dequantising inside when cublas_mode is 3, on the
+ * dequantised experts when 4). Every output against the CPU reference. */
+static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t *c, int kind,
+                    int cublas_mode) {
+  bool prefill = kind != 0;
   int H = c->H, I = c->I, E = c->E, k = c->k, T = c->T, rc = 0;
   host_experts_t h;
   fill_experts(c, &h);
   uint16_t *xb = xmalloc((size_t)T * H * 2);
   float *x = xmalloc((size_t)T * H * 4), *logits = xmalloc((size_t)T * E * 4);
   float *out = xmalloc((size_t)T * H * 4), *ref = xmalloc((size_t)T * H * 4);
+  float *out1 = xmalloc((size_t)T * H * 4);
   for (size_t i = 0; i < (size_t)T * H; i++) {
     xb[i] = tt_f2bf(tt_normal(1.0f));
     x[i] = tt_bf2f(xb[i]);
@@ -195,7 +274,6 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   w.down_bias = p;
   if (upload(&d_x, xb, (size_t)T * H * 2) || upload(&d_logits, logits, (size_t)T * E * 4)) return 1;
   TT_CUDA(cudaMalloc(&d_out, (size_t)T * H * 4));
-  TT_CUDA(cudaMemset(d_out, 0xff, (size_t)T * H * 4)); /* NaN poison */
   size_t rb = tw_cuda_moe_route_bytes(T, E, k);
   TT_CUDA(cudaMalloc(&d_route, rb));
   tw_cuda_moe_route_t r;
@@ -203,39 +281,83 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   if (tw_cuda_moe_route(&r, d_logits, T, 0) != TW_OK) return 1;
   TT_CUDA(cudaDeviceSynchronize());
   rc |= check_route(c, &r, logits);
-  size_t wsb = prefill ? tw_cuda_moe_prefill_ws_bytes(T, E, k, H, I, mode == 1)
-                       : tw_cuda_moe_decode_ws_bytes(T, k, H, I);
+  size_t wsb = tw_cuda_moe_decode_ws_bytes(T, k, H, I);
+  if (prefill) {
+    size_t a = tw_cuda_moe_prefill_ws_bytes(T, k, H, I);
+    size_t b = tw_cuda_moe_prefill_cublas_ws_bytes(T, E, k, H, I, 1);
+    wsb = a > b ? a : b;
+  }
   TT_CUDA(cudaMalloc(&d_ws, wsb));
   void *d_wdq = NULL;
-  if (mode == 2) {
+  if (prefill) {
     TT_CUDA(cudaMalloc(&d_wdq, tw_cuda_moe_dequant_bytes(E, H, I)));
     if (tw_cuda_moe_dequant(&w, NULL, d_wdq, 0) != TW_OK) return 1;
   }
   int32_t *hc;
   TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
-  tw_status_t st = prefill ? tw_cuda_moe_prefill(gemm, &w, &r, T, d_x, d_wdq, d_ws, wsb, hc, d_out, 0)
-                           : tw_cuda_moe_decode(&w, &r, T, d_x, d_ws, wsb, d_out, 0);
-  if (st != TW_OK) {
-    printf("FAIL moe(%s): status %s: %s\n", c->name, tw_status_str(st), tw_last_error());
-    return 1;
-  }
-  TT_CUDA(cudaDeviceSynchronize());
-  TT_CUDA(cudaMemcpy(out, d_out, (size_t)T * H * 4, cudaMemcpyDeviceToHost));
   moe_reference(pool, c, &h, x, logits, ref);
-  tt_l2_t acc = {0};
-  for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&acc, out[i], ref[i]);
-  char name[160];
-  snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)",
-           mode == 0 ? "gemv" : mode == 1 ? "gemm" : "gemm_predequant",
-           c->name, H, I, E, k, T);
-  rc |= tt_l2_report(name, &acc, prefill ? 1e-2 : 1e-3);
+  /* (mode, grouped kernel configuration) pairs: every configuration of
+   * moe_grouped.cu (TWAIN_CUDA_MOE_CFG) runs the grouped modes */
+  int modes[2 * N_GROUPED_CFG + 2], cfgs[2 * N_GROUPED_CFG + 2], n_modes = 0;
+  bool grouped = prefill && tw_cuda_moe_grouped_supported(H, I);
+  if (!prefill) modes[n_modes++] = 0;
+  if (grouped) {
+    for (int cfg = 0; cfg < N_GROUPED_CFG; cfg++) {
+      cfgs[n_modes] = cfg;
+      modes[n_modes++] = 1;
+      cfgs[n_modes] = cfg;
+      modes[n_modes++] = 2;
+    }
+  } else if (prefill) {
+    printf("SKIP moe_grouped(%s): no grouped GEMM on this GPU\n", c->name);
+  }
+  if (prefill) modes[n_modes++] = cublas_mode;
+  for (int mi = 0; mi < n_modes; mi++) {
+    int mode = modes[mi];
+    if (mode == 1 || mode == 2) {
+      char v[8];
+      snprintf(v, sizeof v, "%d", cfgs[mi]);
+      setenv("TWAIN_CUDA_MOE_CFG", v, 1);
+    } else {
+      unsetenv("TWAIN_CUDA_MOE_CFG");
+    }
+    if (run_mode(gemm, &w, &r, c, mode, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out, 0)) {
+      rc = 1;
+      continue;
+    }
+    tt_l2_t acc = {0};
+    for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&acc, out[i], ref[i]);
+    static const char *const names[] = {"gemv", "grouped_mxfp4", "grouped_bf16", "cublas",
+                                        "cublas_predequant"};
+    char name[160];
+    snprintf(name, sizeof name, "moe_%s%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode],
+             mode == 1 || mode == 2 ? (const char *[]){"", "_cfg1", "_cfg2", "_cfg3", "_cfg4"}[cfgs[mi]] : "",
+             c->name, H, I, E, k, T);
+    rc |= tt_l2_report(name, &acc, prefill ? 1e-2 : 1e-3);
+    if (mode == 1) {
+      memcpy(out1, out, (size_t)T * H * 4);
+      /* deterministic: a second run gives the same bits */
+      if (run_mode(gemm, &w, &r, c, 1, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out, 0)) rc = 1;
+      long d = tt_count_bits_differ(out, out1, (size_t)T * H);
+      printf("%s moe_grouped_rerun(cfg %d,%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ",
+             cfgs[mi], c->name, T, d);
+      rc |= d != 0;
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1);
+    } else if (mode == 2) {
+      long d = tt_count_bits_differ(out, out1, (size_t)T * H);
+      printf("%s moe_grouped_mxfp4_vs_bf16(cfg %d,%s,T=%d): %ld values differ (on-chip "
+             "dequantisation must give the same bf16 weights)\n", d ? "FAIL" : "ok  ", cfgs[mi],
+             c->name, T, d);
+      rc |= d != 0;
+    }
+  }
   cudaFree((void *)w.gate_up_blocks); cudaFree((void *)w.gate_up_scales);
   cudaFree((void *)w.down_blocks); cudaFree((void *)w.down_scales);
   cudaFree((void *)w.gate_up_bias); cudaFree((void *)w.down_bias);
   cudaFree(d_x); cudaFree(d_logits); cudaFree(d_out); cudaFree(d_route); cudaFree(d_ws);
   if (d_wdq) cudaFree(d_wdq);
   cudaFreeHost(hc);
-  free(xb); free(x); free(logits); free(out); free(ref);
+  free(xb); free(x); free(logits); free(out); free(out1); free(ref);
   free_experts(&h);
   return rc;
 }
@@ -348,14 +470,19 @@ int main(void) {
       {"tiny", 256, 512, 8, 2, 1},     {"tiny", 256, 512, 8, 2, 13},
       {"odd", 96, 160, 5, 3, 70},
   };
+  /* prefill shapes: one token; many row tiles per expert (20b T=1024: ~128
+   * rows each); experts of a few rows and empty ones (120b); K tails of 32
+   * and column tiles cut by N (odd: K = 96 and 160, N = 320 and 96) */
   static const moe_case_t gemm_cases[] = {
-      {"20b", 2880, 2880, 32, 4, 1},    {"20b", 2880, 2880, 32, 4, 300},
-      {"120b", 2880, 2880, 128, 4, 97}, {"tiny", 256, 512, 8, 2, 75},
-      {"odd", 96, 160, 5, 3, 33},
+      {"20b", 2880, 2880, 32, 4, 1},     {"20b", 2880, 2880, 32, 4, 300},
+      {"20b", 2880, 2880, 32, 4, 1024},  {"120b", 2880, 2880, 128, 4, 97},
+      {"120b", 2880, 2880, 128, 4, 600}, {"tiny", 256, 512, 8, 2, 75},
+      {"odd", 96, 160, 5, 3, 33},        {"odd", 96, 160, 5, 3, 300},
   };
-  for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++) rc |= run_case(pool, gemm, &gemv[i], 0);
+  for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++)
+    rc |= run_case(pool, gemm, &gemv[i], 0, 0);
   for (size_t i = 0; i < sizeof gemm_cases / sizeof gemm_cases[0]; i++)
-    rc |= run_case(pool, gemm, &gemm_cases[i], 1 + (int)(i % 2));
+    rc |= run_case(pool, gemm, &gemm_cases[i], 1, 3 + (int)(i % 2));
   static const moe_case_t router[] = {
       {"20b", 2880, 2880, 32, 4, 1},   {"20b", 2880, 2880, 32, 4, 61},
       {"20b", 2880, 2880, 32, 4, 64},  {"120b", 2880, 2880, 128, 4, 1},

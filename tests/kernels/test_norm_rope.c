@@ -262,6 +262,99 @@ static int tt_rope_case(int T, int nq, int nkv, const float *d_cos, const float 
   return rc;
 }
 
+/* tw_cuda_rope_kv_write_f32: f32 QKV rows (padded stride), q out to its own
+ * bf16 buffer (padded stride), k and v into the pool. q and k against the
+ * rotation in double (rel L2 <= 4e-3: one bf16 rounding is <= 2^-9 per value,
+ * where the bf16-input path allows 1e-2); v must be exactly bf16(v) (round to
+ * nearest even); q_out padding, qkv and unwritten slots unchanged. */
+static int tt_rope_f32_case(int T, int nq, int nkv, const float *d_cos, const float *d_sin,
+                            int max_pos) {
+  char name[128];
+  const int D = 64, half = 32, bs = 16;
+  snprintf(name, sizeof name, "rope_kv_write_f32(NQ=%d,NKV=%d,T=%d)", nq, nkv, T);
+  const int64_t stride = (int64_t)(nq + 2 * nkv) * D + 4, qstride = (int64_t)nq * D + 8;
+  const size_t n = (size_t)T * stride, nqo = (size_t)T * qstride;
+  float *qkv = malloc(n * 4), *qkv_after = malloc(n * 4);
+  uint16_t *qo = malloc(nqo * 2);
+  int32_t *pos = malloc(4 * T), *slots = malloc(4 * T);
+  const int n_blocks = (T + bs - 1) / bs + 2, n_slots = n_blocks * bs;
+  const size_t pool_elems = (size_t)n_blocks * 2 * nkv * bs * D;
+  uint16_t *pool = malloc(pool_elems * 2);
+  for (size_t i = 0; i < n; i++) qkv[i] = tt_normal(2.0f);
+  for (int t = 0; t < T; t++) {
+    pos[t] = t == 0 ? max_pos - 1 : (t == 1 ? 0 : tt_randint(0, max_pos - 1));
+    slots[t] = (t % 5 == 3) ? -1 : (n_slots - 1 - t); /* some tokens write no KV */
+  }
+  void *d_qkv, *d_pool, *d_qo;
+  int32_t *d_pos, *d_slots;
+  TT_CUDA(cudaMalloc(&d_qkv, n * 4));
+  TT_CUDA(cudaMalloc(&d_qo, nqo * 2));
+  TT_CUDA(cudaMalloc(&d_pool, pool_elems * 2));
+  TT_CUDA(cudaMalloc((void **)&d_pos, 4 * T));
+  TT_CUDA(cudaMalloc((void **)&d_slots, 4 * T));
+  TT_CUDA(cudaMemcpy(d_qkv, qkv, n * 4, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_pos, pos, 4 * T, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_slots, slots, 4 * T, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemset(d_pool, 0xff, pool_elems * 2));
+  TT_CUDA(cudaMemset(d_qo, 0xff, nqo * 2));
+  tw_status_t st = tw_cuda_rope_kv_write_f32(d_qkv, stride, T, nq, nkv, D, d_pos, d_cos, d_sin,
+                                             max_pos, d_slots, d_pool, bs, d_qo, qstride, 0);
+  if (st != TW_OK) {
+    printf("FAIL %s: status %d: %s\n", name, (int)st, tw_last_error());
+    return 1;
+  }
+  TT_CUDA(cudaDeviceSynchronize());
+  TT_CUDA(cudaMemcpy(qkv_after, d_qkv, n * 4, cudaMemcpyDeviceToHost));
+  TT_CUDA(cudaMemcpy(qo, d_qo, nqo * 2, cudaMemcpyDeviceToHost));
+  TT_CUDA(cudaMemcpy(pool, d_pool, pool_elems * 2, cudaMemcpyDeviceToHost));
+  double inv[32];
+  tt_inv_freq(D, inv);
+  tt_l2_t l2 = {0};
+  long bad = 0;
+  char *written = calloc(n_slots, 1);
+  for (int t = 0; t < T; t++) {
+    const float *xin = qkv + t * stride;
+    const int slot = slots[t], blk = slot / bs, sl = slot % bs;
+    if (slot >= 0) written[slot] = 1;
+    for (int h = 0; h < nq + nkv; h++) {
+      if (h >= nq && slot < 0) continue;
+      for (int i = 0; i < half; i++) {
+        const double a = xin[h * D + i], b = xin[h * D + i + half];
+        const double C = TT_CONC * cos(pos[t] * inv[i]), S = TT_CONC * sin(pos[t] * inv[i]);
+        const uint16_t *o =
+            h < nq ? qo + t * qstride + h * D
+                   : pool + (((size_t)blk * 2 + 0) * nkv + (h - nq)) * bs * D + (size_t)sl * D;
+        tt_l2_add(&l2, tt_bf2f(o[i]), a * C - b * S);
+        tt_l2_add(&l2, tt_bf2f(o[i + half]), b * C + a * S);
+      }
+    }
+    for (int64_t k = nq * D; k < qstride; k++) bad += qo[t * qstride + k] != 0xffff;
+    if (slot < 0) continue;
+    for (int g = 0; g < nkv; g++)
+      for (int d = 0; d < D; d++)
+        bad += pool[(((size_t)blk * 2 + 1) * nkv + g) * bs * D + (size_t)sl * D + d] !=
+               tt_f2bf(xin[(nq + nkv + g) * D + d]);
+  }
+  bad += memcmp(qkv, qkv_after, n * 4) != 0;
+  for (int sidx = 0; sidx < n_slots; sidx++) {
+    if (written[sidx]) continue;
+    const int blk = sidx / bs, sl = sidx % bs;
+    for (int kv = 0; kv < 2; kv++)
+      for (int g = 0; g < nkv; g++)
+        for (int d = 0; d < D; d++)
+          bad += pool[(((size_t)blk * 2 + kv) * nkv + g) * bs * D + sl * D + d] != 0xffff;
+  }
+  int rc = tt_l2_report(name, &l2, 4e-3);
+  if (bad) {
+    printf("FAIL %s: %ld values wrong (v in the pool, q padding, qkv or unwritten slots)\n", name,
+           bad);
+    rc = 1;
+  }
+  free(written); free(qkv); free(qkv_after); free(qo); free(pos); free(slots); free(pool);
+  cudaFree(d_qkv); cudaFree(d_qo); cudaFree(d_pool); cudaFree(d_pos); cudaFree(d_slots);
+  return rc;
+}
+
 int main(void) {
   tt_seed();
   int fails = tt_table_case();
@@ -288,6 +381,8 @@ int main(void) {
   for (int i = 0; i < 4; i++) {
     fails += tt_rope_case(Tr[i], 64, 8, d_cos, d_sin, max_pos);
     fails += tt_rope_case(Tr[i], 4, 2, d_cos, d_sin, max_pos);
+    fails += tt_rope_f32_case(Tr[i], 64, 8, d_cos, d_sin, max_pos);
+    fails += tt_rope_f32_case(Tr[i], 4, 2, d_cos, d_sin, max_pos);
   }
   free(c);
   free(s);
