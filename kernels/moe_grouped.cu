@@ -3,38 +3,42 @@
  * prefill chunk never waits on the host and the path can be captured in a
  * CUDA graph.
  *
- * One kernel, two epilogues:
+ * One kernel, two epilogues (p runs over the T*k (token, slot) assignments
+ * sorted by expert):
  *   gate_up: act[p] = SwiGLU(x[sorted[p] / k] W1_e^T + b1_e)   (spec §2.9)
- *            A rows gathered from the token rows, N = 2I interleaved
- *            gate/linear columns, the pair (2i, 2i+1) lands in one thread.
- *   down:    y[p] = act[p] W2_e^T  (bias and routing weight in the combine)
- * where p runs over the T*k (token, slot) assignments sorted by expert.
+ *   down:    y[p] = act[p] W2_e^T + b2_e  (f32; the routing weights in the combine)
  *
- * Tiles: a CTA computes BM = 128 rows (assignments of one expert) by BN = 128
- * output columns, K in steps of 64. blockIdx.x is the column tile, blockIdx.y
- * counts row tiles expert by expert: expert e has ceil(counts[e] / 128)
- * tiles, found by a warp scan of the device counts; the grid is launched for
- * the upper bound floor(T*k / 128) + min(E, T*k) and the spare CTAs exit.
+ * The product is computed transposed, C^T = W X^T: a CTA takes 128 weight
+ * rows (two warpgroups of 64) for 128 assignments of one expert, K in steps
+ * of 64, with Hopper wgmma m64n128k16 reading the weights from registers (A)
+ * and the assignment rows from shared memory (B, K-major, 128-byte swizzle;
+ * gate_up gathers them from the token rows with cp.async). blockIdx.x is the
+ * weight-row tile, blockIdx.y counts row tiles expert by expert: expert e has
+ * ceil(counts[e] / 128) tiles, found by a warp scan of the device counts; the
+ * grid is launched for the upper bound floor(T*k / 128) + min(E, T*k) and the
+ * spare CTAs exit.
  *
- * Two warpgroups each own 64 rows and issue Hopper wgmma m64n128k16 (A and B
- * from shared memory, 128-byte swizzle, f32 accumulators). Expert weights stay
- * MXFP4 in global memory: a stage holds the raw 16-byte blocks (4.25 bits per
- * weight read from DRAM), and all threads dequantise the stage into a bf16
- * tile (double-buffered) while the tensor cores work on the previous one.
- * FP4 E2M1 -> bf16 takes byte permutes through two 8-entry tables (high and
- * low byte of each magnitude), the sign bits, and one bf16x2 multiply by the
- * block's E8M0 scale (a power of two, so exact: the same bf16 values as
- * tw_mxfp4_dequant). bf16 experts (checkpoints stored in bf16) use the same
- * pipeline with a copy instead of the dequantisation.
+ * Expert weights stay MXFP4 in global memory (4.25 bits per weight read):
+ * each warp copies the raw blocks of its 16 weight rows into a stage and
+ * converts them straight into its mma A fragments: fragment row g needs
+ * bytes t, t+4, ..., t+28 of the row's 32 bytes of a k-tile (byte t of each
+ * word), gathered four at a time with byte permutes. FP4 E2M1 -> bf16 takes
+ * byte permutes through two 8-entry tables (high and low byte of each
+ * magnitude), the sign bits, and one bf16x2 multiply by the block's E8M0
+ * scale (a power of two, so exact: the same bf16 values as
+ * tw_mxfp4_dequant). bf16 experts (bf16 checkpoints) load their fragments
+ * with ldmatrix instead. For gate_up, fragment row r < 8 of warp w is the gate
+ * row 2i and r + 8 the linear row 2i + 1 of i = n0/2 + 8w + r, so a SwiGLU
+ * pair lands in one thread.
  *
- * Pipeline (S stages of cp.async, one commit group per k-tile):
- *   wait tile kt; barrier; dequantise raw[kt % S] -> B[kt & 1]; proxy fence;
- *   barrier; wgmma(A[kt % S], B[kt & 1]); wait for wgmma(kt - 1); warpgroup
- *   barrier; load tile kt + S - 1 into stage (kt - 1) % S.
- * Each warpgroup loads its own A rows, so its wait for its own wgmma(kt - 1)
- * frees them; raw stage (kt - 1) % S was consumed before the second barrier
- * of iteration kt - 1; B[kt & 1] is rewritten two iterations later, after
- * every thread has waited for wgmma(kt - 1). */
+ * Pipeline: 4 cp.async stages (assignment rows + raw weights), prefetch depth
+ * 3; per k-tile one barrier, the fragments, 4 wgmma, and a wait for them:
+ * ptxas serialises wgmma whose register operands are produced while an
+ * earlier one is in flight (warning C7513), so the overlap of conversion and
+ * tensor work comes from the other warpgroups of the SM (two CTAs per SM).
+ * Measured against the other layouts tried (weights dequantised into a shared
+ * bf16 tile, 3 or 4 warpgroups, warp-specialised producers): this one was the
+ * fastest, docs/benchmarks.md. */
 #include "kernels/pdl.cuh"
 #include "kernels/attention_mma.cuh"
 #include "kernels/cuda_common.h"
@@ -44,8 +48,10 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#define TW_GG_BM 128
+#define TW_GG_BM 128      /* assignment rows (of one expert) per CTA */
+#define TW_GG_BW 128      /* weight rows (output columns) per CTA: two warpgroups */
 #define TW_GG_THREADS 256
+#define TW_GG_STAGES 4
 #define TW_GG_MAX_K 8192 /* scales of the CTA's rows stay in shared memory */
 
 enum { TW_GG_MXFP4 = 0, TW_GG_BF16 = 1 };
@@ -64,19 +70,6 @@ typedef struct {
   int E, N, K;
   void *out; /* SwiGLU: bf16 [T*k, N/2]; plain: f32 [T*k, N] */
 } tw_gg_args_t;
-
-static __host__ __device__ constexpr int tw_gg_raw_bytes(int fmt, int bn) {
-  return fmt == TW_GG_MXFP4 ? bn * 32 : bn * 128;
-}
-
-/* Dynamic shared memory: A [S][128][64] bf16, B [2][BN][64] bf16, raw
- * [S][raw stage], scales [BN][K/32 + 1] (MXFP4), plus 1024 bytes of slack
- * for the alignment of the swizzled tiles. */
-static size_t tw_gg_smem_bytes(int fmt, int bn, int stages, int K) {
-  size_t kbp = (size_t)K / 32 + 1;
-  return 1024 + (size_t)stages * TW_GG_BM * 128 + 2 * (size_t)bn * 128 +
-         (size_t)stages * tw_gg_raw_bytes(fmt, bn) + (fmt == TW_GG_MXFP4 ? (size_t)bn * kbp : 0);
-}
 
 /* 8 FP4 E2M1 values (one 32-bit word of an MXFP4 block, value 2i in the low
  * nibble of byte i) times the bf16x2 scale sc2, as 8 bf16 in value order. */
@@ -104,10 +97,6 @@ static __device__ __forceinline__ uint4 tw_fp4x8_to_bf16(uint32_t w, uint32_t sc
     ow[q] = *reinterpret_cast<uint32_t *>(&v);
   }
   return o;
-}
-
-static __device__ __forceinline__ void tw_gg_bar(int id) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(128) : "memory");
 }
 
 /* Which expert and which of its row tiles CTA row blockIdx.y computes (warp
@@ -164,175 +153,12 @@ static __device__ __forceinline__ uint32_t tw_gg_scale2(uint32_t s) {
   return s ? (s << 7) * 0x10001u : 0x00400040u;
 }
 
-template <int FMT, int EPI, int BN, int S>
-static __global__ void __launch_bounds__(TW_GG_THREADS, BN == 128 && S <= 3 ? 2 : 1)
-    tw_gg_kernel(const tw_gg_args_t p) {
-  constexpr int BM = TW_GG_BM, RST = tw_gg_raw_bytes(FMT, BN), N8 = BN / 8;
-  constexpr int RCH = FMT == TW_GG_MXFP4 ? BN * 2 / TW_GG_THREADS : BN * 8 / TW_GG_THREADS;
-  extern __shared__ __align__(1024) uint8_t tw_gg_smem[];
-  __shared__ int s_tile[4];
-  TW_PDL_WAIT();
-  uint8_t *sA = tw_gg_smem + ((1024 - (tw_smem_u32(tw_gg_smem) & 1023)) & 1023);
-  uint8_t *sB = sA + S * BM * 128;
-  uint8_t *sR = sB + 2 * BN * 128;
-  uint8_t *sS = sR + S * RST;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-
-  if (warp == 0) tw_gg_find_tile(p, BM, lane, s_tile);
-  __syncthreads();
-  const int e = s_tile[0];
-  if (e < 0) return; /* spare CTA of the upper-bound grid */
-  const int m0 = s_tile[1], rows = min(BM, s_tile[2] - m0), off = s_tile[3] + m0;
-  const int N = p.N, K = p.K, KT = (K + 63) / 64, KB = K / 32, KBP = KB + 1;
-  const int n0 = blockIdx.x * BN;
-
-  /* A: warpgroup wg copies its rows 64 wg + (tid & 127) / 8 + 16 i, chunk tid & 7. */
-  const int ach = tid & 7;
-  const __nv_bfloat16 *asrc[4];
-  bool aok[4];
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const int r = wg * 64 + ((tid & 127) >> 3) + 16 * i;
-    aok[i] = r < rows;
-    int64_t row = off + r;
-    if (aok[i] && p.sorted) row = p.sorted[row] / p.k_top;
-    asrc[i] = aok[i] ? p.a + row * K + ach * 8 : p.a;
-  }
-  /* raw B: chunk c = tid + 256 i of the stage; MXFP4: row c / 2, block half
-   * c % 2; bf16: row c / 8, 16-byte chunk c % 8. Rows past N repeat row N-1
-   * (computed, never stored). */
-  const uint8_t *bsrc[RCH];
-#pragma unroll
-  for (int i = 0; i < RCH; i++) {
-    const int c = tid + TW_GG_THREADS * i;
-    if (FMT == TW_GG_MXFP4) {
-      const int gn = min(n0 + (c >> 1), N - 1);
-      bsrc[i] = p.wq + (((int64_t)e * N + gn) * KB) * 16 + (c & 1) * 16;
-    } else {
-      const int gn = min(n0 + (c >> 3), N - 1);
-      bsrc[i] = reinterpret_cast<const uint8_t *>(p.wh + ((int64_t)e * N + gn) * K + (c & 7) * 8);
-    }
-  }
-  if (FMT == TW_GG_MXFP4)
-    tw_gg_load_scales(p, e, BN, [&](int r) { return n0 + r; }, sS, TW_GG_THREADS);
-
-  auto load_stage = [&](int kt, int st) {
-    const uint32_t a_st = tw_smem_u32(sA + st * BM * 128);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      const int r = wg * 64 + ((tid & 127) >> 3) + 16 * i;
-      const bool ok = aok[i] && kt * 64 + ach * 8 < K;
-      tw_cp_async16(a_st + tw_swz(r, ach), ok ? asrc[i] + kt * 64 : p.a, ok);
-    }
-    const uint32_t r_st = tw_smem_u32(sR + st * RST);
-#pragma unroll
-    for (int i = 0; i < RCH; i++) {
-      const int c = tid + TW_GG_THREADS * i;
-      if (FMT == TW_GG_MXFP4) {
-        const bool ok = 2 * kt + (c & 1) < KB;
-        tw_cp_async16(r_st + c * 16, ok ? bsrc[i] + kt * 32 : p.wq, ok);
-      } else {
-        const bool ok = kt * 64 + (c & 7) * 8 < K;
-        tw_cp_async16(r_st + tw_swz(c >> 3, c & 7), ok ? bsrc[i] + kt * 128 : p.wq, ok);
-      }
-    }
-  };
-
-  float acc[N8][4];
-#pragma unroll
-  for (int j = 0; j < N8; j++)
-#pragma unroll
-    for (int q = 0; q < 4; q++) acc[j][q] = 0.f;
-
-#pragma unroll
-  for (int s = 0; s < S - 1; s++) {
-    if (s < KT) load_stage(s, s);
-    tw_cp_async_commit();
-  }
-  for (int kt = 0; kt < KT; kt++) {
-    const int st = kt % S;
-    uint8_t *b_tile = sB + (kt & 1) * BN * 128;
-    tw_cp_async_wait<S - 2>();
-    __syncthreads();
-    if (FMT == TW_GG_MXFP4) {
-      /* word w = tid + 256 i: row w / 8, word w % 8 of the row's 32 bytes,
-       * which becomes 16-byte chunk w % 8 of the bf16 row */
-#pragma unroll
-      for (int i = 0; i < BN / 32; i++) {
-        const int w = tid + TW_GG_THREADS * i, n = w >> 3, q8 = w & 7;
-        const uint32_t raw = *reinterpret_cast<const uint32_t *>(sR + st * RST + w * 4);
-        const uint32_t sc = sS[n * KBP + 2 * kt + (q8 >> 2)];
-        *reinterpret_cast<uint4 *>(b_tile + tw_swz(n, q8)) =
-            tw_fp4x8_to_bf16(raw, tw_gg_scale2(sc));
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < BN / 32; i++) {
-        const int c = tid + i * TW_GG_THREADS;
-        reinterpret_cast<uint4 *>(b_tile)[c] =
-            reinterpret_cast<const uint4 *>(sR + st * RST)[c];
-      }
-    }
-    tw_fence_proxy_async(); /* cp.async and st.shared data -> wgmma operand reads */
-    __syncthreads();
-    const uint32_t a_base = tw_smem_u32(sA + st * BM * 128) + (uint32_t)wg * 64 * 128;
-    const uint32_t b_base = tw_smem_u32(b_tile);
-    tw_reg_fence(acc);
-    tw_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++)
-      tw_wgmma_ss(acc, tw_wgmma_desc(a_base + kk * 32), tw_wgmma_desc(b_base + kk * 32), 1);
-    tw_wgmma_commit();
-    tw_reg_fence(acc);
-    tw_wgmma_wait<1>(); /* wgmma(kt - 1) of this warpgroup is done */
-    tw_gg_bar(1 + wg);
-    if (kt + S - 1 < KT) load_stage(kt + S - 1, (kt + S - 1) % S);
-    tw_cp_async_commit();
-  }
-  tw_wgmma_wait0();
-  tw_reg_fence(acc);
-
-  /* Epilogue: rows r and r + 8 of this warp's 16, columns n0 + 8 j + 2 t, +1. */
-  const int r0 = wg * 64 + (warp & 3) * 16 + (lane >> 2), t2 = (lane & 3) * 2;
-#pragma unroll
-  for (int h = 0; h < 2; h++) {
-    const int r = r0 + 8 * h;
-    if (r >= rows) continue;
-    const int64_t prow = off + r;
-    const float *b = p.bias + (int64_t)e * N;
-#pragma unroll
-    for (int j = 0; j < N8; j++) {
-      const int n = n0 + j * 8 + t2;
-      if (n >= N) continue;
-      const float v0 = acc[j][2 * h] + b[n], v1 = acc[j][2 * h + 1] + b[n + 1];
-      if (EPI == TW_GG_SWIGLU)
-        reinterpret_cast<__nv_bfloat16 *>(p.out)[prow * (N / 2) + n / 2] =
-            __float2bfloat16(tw_swiglu(v0, v1, p.alpha, p.limit));
-      else
-        *reinterpret_cast<float2 *>(reinterpret_cast<float *>(p.out) + prow * N + n) =
-            make_float2(v0, v1);
-    }
-  }
-}
-
-/* ---- weights-as-A variant ----------------------------------------------------
- * The transposed product C^T = W X^T: a CTA computes 128 weight rows (two
- * warpgroups of 64) for BT tokens of one expert, with wgmma m64nBTk16 taking
- * the weights from registers (A) and the tokens from shared memory (B,
- * K-major, the gathered rows as in the kernel above). Each warp converts only
- * its own 16 weight rows, straight from the raw MXFP4 stage into the mma A
- * fragments (no bf16 weight tile in shared memory, no second barrier):
- * fragment row g needs bytes t, t+4, ..., t+28 of the row's 32 bytes of a
- * k-tile (byte t of each word), gathered four at a time with byte permutes.
- * gate_up: fragment row r < 8 of warp w is the gate row 2i, r + 8 the linear
- * row 2i + 1 of i = n0/2 + 8w + r, so SwiGLU pairs land in one thread.
- * The token tile and the raw weights are S-stage cp.async with a prefetch
- * depth of S - 1 (stage (kt - 1) % S is refilled after the barrier of
- * iteration kt, once every warpgroup has completed wgmma(kt - 1)). */
-template <int FMT, int EPI, int BT, int S, int WG>
-static __global__ void __launch_bounds__(128 * WG, WG == 2 ? 2 : 1)
-    tw_gg_rs_kernel(const tw_gg_args_t p) {
-  constexpr int NT = 128 * WG, BW = 64 * WG, N8 = BT / 8, XCH = (BT * 8 + NT - 1) / NT;
+/* The grouped GEMM kernel (see the file comment). FMT: TW_GG_MXFP4 or
+ * TW_GG_BF16 weights; EPI: TW_GG_SWIGLU or TW_GG_PLAIN. */
+template <int FMT, int EPI>
+static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw_gg_args_t p) {
+  constexpr int NT = TW_GG_THREADS, BW = TW_GG_BW, BT = TW_GG_BM, S = TW_GG_STAGES;
+  constexpr int N8 = BT / 8, XCH = BT * 8 / NT;
   constexpr int RROW = FMT == TW_GG_MXFP4 ? 32 : 128, RST = BW * RROW;
   extern __shared__ __align__(1024) uint8_t tw_gg_smem[];
   __shared__ int s_tile[4];
@@ -358,8 +184,7 @@ static __global__ void __launch_bounds__(128 * WG, WG == 2 ? 2 : 1)
   };
   if (FMT == TW_GG_MXFP4) tw_gg_load_scales(p, e, BW, grow, sS, NT);
 
-  /* token rows: chunk c = tid + NT i of a stage is row c / 8, 16-byte chunk
-   * c % 8 (chunks past the tile's BT rows are not copied) */
+  /* assignment rows: chunk c = tid + NT i of a stage is row c / 8, 16-byte chunk c % 8 */
   const int xch = tid & 7;
   const __nv_bfloat16 *xsrc[XCH];
   uint32_t xok = 0;
@@ -391,7 +216,6 @@ static __global__ void __launch_bounds__(128 * WG, WG == 2 ? 2 : 1)
 #pragma unroll
     for (int i = 0; i < XCH; i++) {
       const int r = (tid >> 3) + NT / 8 * i;
-      if (BT * 8 % NT != 0 && r >= BT) break;
       const bool ok = ((xok >> i) & 1) && kt * 64 + xch * 8 < K;
       tw_cp_async16(x_st + tw_swz(r, xch), ok ? xsrc[i] + kt * 64 : p.a, ok);
     }
@@ -443,10 +267,8 @@ static __global__ void __launch_bounds__(128 * WG, WG == 2 ? 2 : 1)
   for (int j = 0; j < N8; j++)
 #pragma unroll
     for (int q = 0; q < 4; q++) acc[j][q] = 0.f;
-  /* ptxas serialises wgmma whose register operands are produced while an
-   * earlier wgmma is in flight (warning C7513), so each k-tile completes its
-   * wgmma before the next fragments are made: the overlap comes from the
-   * other warpgroups on the SM (two CTAs per SM at BT = 128). */
+  /* each k-tile completes its wgmma before the next fragments are made
+   * (see the file comment: C7513) */
   uint32_t af[4][4];
 #pragma unroll
   for (int s = 0; s < S - 1; s++) {
@@ -499,65 +321,30 @@ static __global__ void __launch_bounds__(128 * WG, WG == 2 ? 2 : 1)
     }
 }
 
-static size_t tw_gg_rs_smem_bytes(int fmt, int bt, int stages, int wg, int K) {
-  size_t kbp = (size_t)K / 32 + 1, bw = 64 * (size_t)wg;
-  return 1024 + (size_t)stages * ((size_t)bt * 128 + bw * (fmt == TW_GG_MXFP4 ? 32 : 128)) +
-         (fmt == TW_GG_MXFP4 ? bw * kbp : 0);
+/* Dynamic shared memory: S stages of [128 rows][64] bf16 assignment rows and
+ * raw weights ([128 rows][32 bytes] MXFP4, [128][64] bf16), the MXFP4 scales
+ * [128][K/32 + 1], and 1024 bytes of slack for the swizzle alignment. */
+static size_t tw_gg_smem_bytes(int fmt, int K) {
+  size_t kbp = (size_t)K / 32 + 1;
+  return 1024 + (size_t)TW_GG_STAGES * ((size_t)TW_GG_BM * 128 +
+                                        (size_t)TW_GG_BW * (fmt == TW_GG_MXFP4 ? 32 : 128)) +
+         (fmt == TW_GG_MXFP4 ? (size_t)TW_GG_BW * kbp : 0);
 }
-/* Kernel configurations (TWAIN_CUDA_MOE_CFG):
- *   0: weights dequantised to a shared bf16 tile, BN 128, 3 stages (two CTAs
- *      per SM)
- *   1: weights as A from registers, 2 warpgroups (128 weight rows), 128
- *      tokens per CTA, 4 stages (two CTAs per SM)
- *   2: the same with 3 warpgroups (192 weight rows: 5760 and 2880 divide)
- *   3: the same with 4 warpgroups (256 weight rows)
- *   4: 3 warpgroups with 6 stages
- * (measured: docs/benchmarks.md). */
 typedef void (*tw_gg_fn)(const tw_gg_args_t);
-#define TW_GG_CFGS 5
-template <int FMT, int EPI>
-static tw_gg_fn tw_gg_pick_t(int cfg) {
-  switch (cfg) {
-  case 0: return tw_gg_kernel<FMT, EPI, 128, 3>;
-  case 1: return tw_gg_rs_kernel<FMT, EPI, 128, 4, 2>;
-  case 2: return tw_gg_rs_kernel<FMT, EPI, 128, 4, 3>;
-  case 3: return tw_gg_rs_kernel<FMT, EPI, 128, 4, 4>;
-  default: return tw_gg_rs_kernel<FMT, EPI, 128, 6, 3>;
-  }
-}
-static tw_gg_fn tw_gg_pick(int fmt, int epi, int cfg) {
+static tw_gg_fn tw_gg_pick(int fmt, int epi) {
   if (fmt == TW_GG_MXFP4)
-    return epi == TW_GG_SWIGLU ? tw_gg_pick_t<0, 0>(cfg) : tw_gg_pick_t<0, 1>(cfg);
-  return epi == TW_GG_SWIGLU ? tw_gg_pick_t<1, 0>(cfg) : tw_gg_pick_t<1, 1>(cfg);
-}
-/* warpgroups of the weights-as-A configurations */
-static int tw_gg_cfg_wg(int cfg) { return cfg == 4 ? 3 : cfg + 1; }
-static size_t tw_gg_cfg_smem(int fmt, int cfg, int K) {
-  return cfg == 0 ? tw_gg_smem_bytes(fmt, 128, 3, K)
-                  : tw_gg_rs_smem_bytes(fmt, 128, cfg == 4 ? 6 : 4, tw_gg_cfg_wg(cfg), K);
-}
-/* threads per CTA and output columns (weight rows) per CTA */
-static int tw_gg_cfg_threads(int cfg) { return cfg == 0 ? TW_GG_THREADS : 128 * tw_gg_cfg_wg(cfg); }
-static int tw_gg_cfg_bn(int cfg) { return cfg == 0 ? 128 : 64 * tw_gg_cfg_wg(cfg); }
-
-/* Kernel configuration: TWAIN_CUDA_MOE_CFG (0..6, see above) when set, else
- * 0 (measured fastest, docs/benchmarks.md). Read per call (benchmarks set it). */
-static int tw_gg_cfg(void) {
-  const char *s = getenv("TWAIN_CUDA_MOE_CFG");
-  if (s && s[0] >= '0' && s[0] < '0' + TW_GG_CFGS && s[1] == '\0') return s[0] - '0';
-  return 0;
+    return epi == TW_GG_SWIGLU ? tw_gg_kernel<TW_GG_MXFP4, TW_GG_SWIGLU>
+                               : tw_gg_kernel<TW_GG_MXFP4, TW_GG_PLAIN>;
+  return epi == TW_GG_SWIGLU ? tw_gg_kernel<TW_GG_BF16, TW_GG_SWIGLU>
+                             : tw_gg_kernel<TW_GG_BF16, TW_GG_PLAIN>;
 }
 
 extern "C" tw_status_t tw_moe_grouped_setup(void) {
   for (int fmt = 0; fmt < 2; fmt++)
     for (int epi = 0; epi < 2; epi++)
-      for (int cfg = 0; cfg < TW_GG_CFGS; cfg++) {
-        size_t smem = tw_gg_cfg_smem(fmt, cfg, TW_GG_MAX_K);
-        if (smem > 226 * 1024) smem = 226 * 1024; /* 227 KiB opt-in less 1 KiB static */
-        TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gg_pick(fmt, epi, cfg),
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)smem));
-      }
+      TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gg_pick(fmt, epi),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)tw_gg_smem_bytes(fmt, TW_GG_MAX_K)));
   return TW_OK;
 }
 
@@ -570,21 +357,18 @@ extern "C" int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediat
     return 0;
   }
   /* wgmma exists only as sm_90a machine code (compute capability 9.0); the
-   * shared-memory plan holds K up to TW_GG_MAX_K (the BN 256 configurations
-   * up to 6144: their scales take more room) */
+   * shared-memory plan holds the scales of K up to TW_GG_MAX_K */
   return major == 9 && minor == 0 && hidden > 0 && intermediate > 0 && hidden % 32 == 0 &&
-         intermediate % 32 == 0 && hidden <= 6144 && intermediate <= 6144;
+         intermediate % 32 == 0 && hidden <= TW_GG_MAX_K && intermediate <= TW_GG_MAX_K;
 }
 
 /* One grouped GEMM over the route's experts (see the file comment). */
 static tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk,
                                 cudaStream_t stream) {
-  int cfg = tw_gg_cfg();
-  if (fmt == TW_GG_BF16 && cfg == 4) cfg = 2; /* 6 bf16 weight stages do not fit */
   const int tiles_m = tk / TW_GG_BM + (a->E < tk ? a->E : tk);
-  dim3 grid(TW_CDIV(a->N, tw_gg_cfg_bn(cfg)), tiles_m);
-  tw_pdl_launch(tw_gg_pick(fmt, epi, cfg), grid, dim3(tw_gg_cfg_threads(cfg)),
-                tw_gg_cfg_smem(fmt, cfg, a->K), stream, *a);
+  dim3 grid(TW_CDIV(a->N, TW_GG_BW), tiles_m);
+  tw_pdl_launch(tw_gg_pick(fmt, epi), grid, dim3(TW_GG_THREADS), tw_gg_smem_bytes(fmt, a->K),
+                stream, *a);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gg_kernel(gate_up)" : "tw_gg_kernel(down)");
   return TW_OK;
 }

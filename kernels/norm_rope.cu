@@ -148,6 +148,29 @@ extern "C" tw_status_t tw_cuda_rope_table_fill(const tw_model_config_t *config, 
 
 #define TW_ROPE_THREADS 128
 
+/* Token t of a RoPE + KV-write launch: its position clamped to [0, max_pos),
+ * its cache slot (-1: none) and, for a slot, the element offsets of its K
+ * and V rows of kv head 0 in the layer's pool (engine.h layout). */
+typedef struct {
+  int p, slot;
+  int64_t kbase, vbase;
+} tw_rope_tok_t;
+static __device__ __forceinline__ tw_rope_tok_t tw_rope_tok(int64_t t, const int32_t *positions,
+                                                          int max_pos, const int32_t *slots,
+                                                          int nkv, int D, int block_size) {
+  tw_rope_tok_t r;
+  r.p = positions[t];
+  r.p = r.p < 0 ? 0 : (r.p >= max_pos ? max_pos - 1 : r.p);
+  r.slot = slots ? slots[t] : -1;
+  r.kbase = r.vbase = 0;
+  if (r.slot >= 0) {
+    const int64_t blk = r.slot / block_size, s = r.slot % block_size;
+    r.kbase = ((blk * 2 + 0) * nkv) * (int64_t)block_size * D + s * D;
+    r.vbase = ((blk * 2 + 1) * nkv) * (int64_t)block_size * D + s * D;
+  }
+  return r;
+}
+
 /* One block per token. Rotation work items are (head, pair-of-pairs): each
  * handles dims (2j, 2j+1) and (2j+nhalf, 2j+1+nhalf) with bf16x2 accesses. */
 static __global__ void __launch_bounds__(TW_ROPE_THREADS)
@@ -158,19 +181,12 @@ static __global__ void __launch_bounds__(TW_ROPE_THREADS)
                             __nv_bfloat16 *__restrict__ pool, int block_size) {
   TW_PDL_WAIT();
   const int64_t t = blockIdx.x;
-  int p = positions[t];
-  p = p < 0 ? 0 : (p >= max_pos ? max_pos - 1 : p);
   const int nhalf = D >> 1, hp = nhalf >> 1; /* hp: bf16x2 pairs per nhalf (D % 4 == 0 path) */
   __nv_bfloat16 *row = qkv + t * stride;
-  const int slot = slots ? slots[t] : -1;
-  int64_t kbase = 0, vbase = 0;
-  if (slot >= 0) {
-    const int64_t blk = slot / block_size, s = slot % block_size;
-    kbase = ((blk * 2 + 0) * nkv) * (int64_t)block_size * D + s * D;
-    vbase = ((blk * 2 + 1) * nkv) * (int64_t)block_size * D + s * D;
-  }
-  const int64_t head_stride_pool = (int64_t)block_size * D;
-  const float *c = tcos + (int64_t)p * nhalf, *sn = tsin + (int64_t)p * nhalf;
+  const tw_rope_tok_t tk = tw_rope_tok(t, positions, max_pos, slots, nkv, D, block_size);
+  const int slot = tk.slot;
+  const int64_t kbase = tk.kbase, vbase = tk.vbase, head_stride_pool = (int64_t)block_size * D;
+  const float *c = tcos + (int64_t)tk.p * nhalf, *sn = tsin + (int64_t)tk.p * nhalf;
   if ((D & 3) == 0) {
     const int n_items = (nq + nkv) * hp;
     for (int it = threadIdx.x; it < n_items; it += blockDim.x) {
@@ -228,19 +244,12 @@ static __global__ void __launch_bounds__(TW_ROPE_THREADS)
                                 __nv_bfloat16 *__restrict__ q_out, int64_t q_stride) {
   TW_PDL_WAIT();
   const int64_t t = blockIdx.x;
-  int p = positions[t];
-  p = p < 0 ? 0 : (p >= max_pos ? max_pos - 1 : p);
   const int nhalf = D >> 1;
   const float *row = qkv + t * stride;
-  const int slot = slots ? slots[t] : -1;
-  int64_t kbase = 0, vbase = 0;
-  if (slot >= 0) {
-    const int64_t blk = slot / block_size, s = slot % block_size;
-    kbase = ((blk * 2 + 0) * nkv) * (int64_t)block_size * D + s * D;
-    vbase = ((blk * 2 + 1) * nkv) * (int64_t)block_size * D + s * D;
-  }
-  const int64_t head_stride_pool = (int64_t)block_size * D;
-  const float *c = tcos + (int64_t)p * nhalf, *sn = tsin + (int64_t)p * nhalf;
+  const tw_rope_tok_t tk = tw_rope_tok(t, positions, max_pos, slots, nkv, D, block_size);
+  const int slot = tk.slot;
+  const int64_t kbase = tk.kbase, vbase = tk.vbase, head_stride_pool = (int64_t)block_size * D;
+  const float *c = tcos + (int64_t)tk.p * nhalf, *sn = tsin + (int64_t)tk.p * nhalf;
   const int n_items = (nq + (slot >= 0 ? nkv : 0)) * nhalf;
   for (int it = threadIdx.x; it < n_items; it += blockDim.x) {
     const int h = it / nhalf, j = it % nhalf;

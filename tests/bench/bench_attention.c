@@ -11,6 +11,8 @@
  * (default: all, through tw_cuda_attention_prefill and its own variant choice). */
 #include "kernels/attention.h"
 
+#include "bench_util.h"
+
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -22,17 +24,7 @@
 #define NKV 8
 #define D 64
 #define BS 16
-#define TFLOPS_CEIL 742.0 /* bf16 GEMM, MACHINES.md */
-#define GBS_CEIL 4200.0   /* device copy, read + write, MACHINES.md */
 
-#define CK(call)                                                                      \
-  do {                                                                                \
-    cudaError_t e_ = (call);                                                          \
-    if (e_ != cudaSuccess) {                                                          \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return 1;                                                                       \
-    }                                                                                 \
-  } while (0)
 
 #define RAND_BYTES (64u << 20)
 static uint16_t *g_rand_dev; /* 64 MiB of random bf16 on the device */
@@ -45,10 +37,6 @@ static int fill_random(void *dst, size_t bytes) {
   return 0;
 }
 
-static int cmp_float(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
 
 /* Tuning entry of attention_prefill.cu (not in attention.h). */
 tw_status_t tw_cuda_attention_prefill_variant(

@@ -2,9 +2,7 @@
  * the gpt-oss shapes (H = I = 2880, top-4; 20b: 32 experts, 120b: 128) for
  * T tokens, with random MXFP4 experts (E8M0 scales 2^-8..2^-4) and random
  * router logits (about T*4/E rows per expert):
- *   grouped    tw_cuda_moe_prefill on the MXFP4 experts (no host sync), in
- *              each kernel configuration (TWAIN_CUDA_MOE_CFG 0..4: the layout,
- *              warpgroups per CTA; see kernels/moe_grouped.cu)
+ *   grouped    tw_cuda_moe_prefill on the MXFP4 experts (no host sync)
  *   cublas     tw_cuda_moe_prefill_cublas on experts dequantised beforehand
  *              (the engine's previous path: the dequantisation ran on a side
  *              stream, one layer ahead), host sync included
@@ -18,6 +16,8 @@
 #include "kernels/gemm.h"
 #include "kernels/moe.h"
 
+#include "bench_util.h"
+
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -25,18 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TFLOPS_CEIL 742.0
-#define N_CFG 5 /* kernel configurations of moe_grouped.cu (TWAIN_CUDA_MOE_CFG) */
 #define REPS 7
 
-#define CK(call)                                                                      \
-  do {                                                                                \
-    cudaError_t e_ = (call);                                                          \
-    if (e_ != cudaSuccess) {                                                          \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      return 1;                                                                       \
-    }                                                                                 \
-  } while (0)
 #define TWK(call)                                                                  \
   do {                                                                             \
     if ((call) != TW_OK) {                                                         \
@@ -58,10 +48,6 @@ static float normal(void) {
   return (float)(sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2));
 }
 
-static int cmp_float(const void *a, const void *b) {
-  float x = *(const float *)a, y = *(const float *)b;
-  return (x > y) - (x < y);
-}
 
 /* Random bytes in [lo, lo + span) over n bytes of device memory (host staging). */
 static int fill_bytes(void *d, size_t n, int lo, int span) {
@@ -192,19 +178,8 @@ static int bench_model(const char *name, int E, const int *Ts, int nT, tw_cuda_g
     CK(cudaStreamSynchronize(s));
     ctx_t c = {gemm, &w, &r, T, x, wdq, ws, wsz, hc, out, s};
     double flop = 2.0 * T * k * (2.0 * I * H + (double)H * I);
-    double g[N_CFG], best = 1e30;
-    for (int cfg = 0; cfg < N_CFG; cfg++) {
-      char v[2] = {(char)('0' + cfg), 0};
-      setenv("TWAIN_CUDA_MOE_CFG", v, 1);
-      g[cfg] = time_ms(&c, RUN_GROUPED);
-      if (g[cfg] < 0) {
-        fprintf(stderr, "bench_moe: grouped cfg %d failed: %s\n", cfg, tw_last_error());
-        return 1;
-      }
-      if (g[cfg] < best) best = g[cfg];
-    }
-    unsetenv("TWAIN_CUDA_MOE_CFG");
-    /* sanity: grouped (default stages) against cuBLAS */
+    double best = time_ms(&c, RUN_GROUPED);
+    /* sanity: grouped against cuBLAS */
     double rel = -1;
     {
       ctx_t c2 = c;
@@ -228,14 +203,13 @@ static int bench_model(const char *name, int E, const int *Ts, int nT, tw_cuda_g
     }
     double cb = time_ms(&c, RUN_CUBLAS);
     double dq = time_ms(&c, RUN_DEQUANT);
-    if (cb < 0 || dq < 0) {
+    if (best < 0 || cb < 0 || dq < 0) {
       fprintf(stderr, "bench_moe: a run failed: %s\n", tw_last_error());
       return 1;
     }
-    printf("| %s | %d | %d |", name, T, T * k);
-    for (int cfg = 0; cfg < N_CFG; cfg++) printf(" %.3f |", g[cfg]);
-    printf(" %.0f (%.0f%%) | %.3f | %.0f | %.3f | %.2fx | %.1e |\n", flop / best / 1e9,
-           100.0 * flop / best / 1e9 / TFLOPS_CEIL, cb, flop / cb / 1e9, dq, cb / best, rel);
+    printf("| %s | %d | %d | %.3f | %.0f (%.0f%%) | %.3f | %.0f | %.3f | %.2fx | %.1e |\n", name,
+           T, T * k, best, flop / best / 1e9, 100.0 * flop / best / 1e9 / TFLOPS_CEIL, cb,
+           flop / cb / 1e9, dq, cb / best, rel);
     fflush(stdout);
   }
   cudaFree(gub); cudaFree(gus); cudaFree(dnb); cudaFree(dns); cudaFree(gbias); cudaFree(dbias);
@@ -279,11 +253,8 @@ int main(int argc, char **argv) {
   TWK(tw_cuda_gemm_create(0, &gemm));
   printf("prefill MoE block, ms (median of %d); TFLOP/s of the expert GEMMs (%% of %.0f)\n", REPS,
          TFLOPS_CEIL);
-  printf("| model | T | T*k |");
-  for (int cfg = 0; cfg < N_CFG; cfg++) printf(" cfg %d |", cfg);
-  printf(" grouped best TFLOP/s | cublas | cublas TFLOP/s | dequant | cublas/grouped | rel L2 |\n|");
-  for (int i = 0; i < N_CFG + 9; i++) printf("---|");
-  printf("\n");
+  printf("| model | T | T*k | grouped | grouped TFLOP/s | cublas | cublas TFLOP/s | dequant | "
+         "cublas/grouped | rel L2 |\n|---|---|---|---|---|---|---|---|---|---|\n");
   int rc = bench_model("20b", 32, Ts, nT, gemm, s) || bench_model("120b", 128, Ts, nT, gemm, s);
   tw_cuda_gemm_destroy(gemm);
   cudaStreamDestroy(s);

@@ -26,8 +26,6 @@
 
 #include <stdbool.h>
 
-#define N_GROUPED_CFG 5 /* kernel configurations of kernels/moe_grouped.cu */
-
 typedef struct {
   const char *name;
   int H, I, E, k, T;
@@ -225,10 +223,8 @@ static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_
     TT_CUDA(cudaMemcpy(out, d_out, n * 4, cudaMemcpyDeviceToHost));
     diff += tt_count_bits_differ(out, want, n);
   }
-  printf("%s moe_grouped_graph(cfg %s,%s,T=%d): captured without a host sync, %ld values differ "
-         "from the eager run over 2 replays\n", diff ? "FAIL" : "ok  ",
-         getenv("TWAIN_CUDA_MOE_CFG") ? getenv("TWAIN_CUDA_MOE_CFG") : "default", c->name, c->T,
-         diff);
+  printf("%s moe_grouped_graph(%s,T=%d): captured without a host sync, %ld values differ from "
+         "the eager run over 2 replays\n", diff ? "FAIL" : "ok  ", c->name, c->T, diff);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
@@ -296,31 +292,18 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   int32_t *hc;
   TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
   moe_reference(pool, c, &h, x, logits, ref);
-  /* (mode, grouped kernel configuration) pairs: every configuration of
-   * moe_grouped.cu (TWAIN_CUDA_MOE_CFG) runs the grouped modes */
-  int modes[2 * N_GROUPED_CFG + 2], cfgs[2 * N_GROUPED_CFG + 2], n_modes = 0;
+  int modes[4], n_modes = 0;
   bool grouped = prefill && tw_cuda_moe_grouped_supported(H, I);
   if (!prefill) modes[n_modes++] = 0;
   if (grouped) {
-    for (int cfg = 0; cfg < N_GROUPED_CFG; cfg++) {
-      cfgs[n_modes] = cfg;
-      modes[n_modes++] = 1;
-      cfgs[n_modes] = cfg;
-      modes[n_modes++] = 2;
-    }
+    modes[n_modes++] = 1;
+    modes[n_modes++] = 2;
   } else if (prefill) {
     printf("SKIP moe_grouped(%s): no grouped GEMM on this GPU\n", c->name);
   }
   if (prefill) modes[n_modes++] = cublas_mode;
   for (int mi = 0; mi < n_modes; mi++) {
     int mode = modes[mi];
-    if (mode == 1 || mode == 2) {
-      char v[8];
-      snprintf(v, sizeof v, "%d", cfgs[mi]);
-      setenv("TWAIN_CUDA_MOE_CFG", v, 1);
-    } else {
-      unsetenv("TWAIN_CUDA_MOE_CFG");
-    }
     if (run_mode(gemm, &w, &r, c, mode, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out, 0)) {
       rc = 1;
       continue;
@@ -330,24 +313,22 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     static const char *const names[] = {"gemv", "grouped_mxfp4", "grouped_bf16", "cublas",
                                         "cublas_predequant"};
     char name[160];
-    snprintf(name, sizeof name, "moe_%s%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode],
-             mode == 1 || mode == 2 ? (const char *[]){"", "_cfg1", "_cfg2", "_cfg3", "_cfg4"}[cfgs[mi]] : "",
-             c->name, H, I, E, k, T);
+    snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode], c->name, H,
+             I, E, k, T);
     rc |= tt_l2_report(name, &acc, prefill ? 1e-2 : 1e-3);
     if (mode == 1) {
       memcpy(out1, out, (size_t)T * H * 4);
       /* deterministic: a second run gives the same bits */
       if (run_mode(gemm, &w, &r, c, 1, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out, 0)) rc = 1;
       long d = tt_count_bits_differ(out, out1, (size_t)T * H);
-      printf("%s moe_grouped_rerun(cfg %d,%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ",
-             cfgs[mi], c->name, T, d);
+      printf("%s moe_grouped_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", c->name,
+             T, d);
       rc |= d != 0;
       rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1);
     } else if (mode == 2) {
       long d = tt_count_bits_differ(out, out1, (size_t)T * H);
-      printf("%s moe_grouped_mxfp4_vs_bf16(cfg %d,%s,T=%d): %ld values differ (on-chip "
-             "dequantisation must give the same bf16 weights)\n", d ? "FAIL" : "ok  ", cfgs[mi],
-             c->name, T, d);
+      printf("%s moe_grouped_mxfp4_vs_bf16(%s,T=%d): %ld values differ (on-chip dequantisation "
+             "must give the same bf16 weights)\n", d ? "FAIL" : "ok  ", c->name, T, d);
       rc |= d != 0;
     }
   }

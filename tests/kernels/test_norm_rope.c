@@ -165,6 +165,22 @@ static int tt_rmsnorm_case(int T, int H, int mode) {
   return rc;
 }
 
+/* Values of the pool's slots not marked in `written` that are no longer the
+ * 0xffff poison (K and V of every kv head). */
+static long tt_unwritten_changed(const uint16_t *pool, const char *written, int n_slots, int nkv,
+                                 int bs, int D) {
+  long bad = 0;
+  for (int sidx = 0; sidx < n_slots; sidx++) {
+    if (written[sidx]) continue;
+    const int blk = sidx / bs, sl = sidx % bs;
+    for (int kv = 0; kv < 2; kv++)
+      for (int g = 0; g < nkv; g++)
+        for (int d = 0; d < D; d++)
+          bad += pool[(((size_t)blk * 2 + kv) * nkv + g) * bs * D + sl * D + d] != 0xffff;
+  }
+  return bad;
+}
+
 static int tt_rope_case(int T, int nq, int nkv, const float *d_cos, const float *d_sin,
                         int max_pos) {
   char name[128];
@@ -234,14 +250,7 @@ static int tt_rope_case(int T, int nq, int nkv, const float *d_cos, const float 
         pool_bad += pv != xin[(nq + nkv + g) * D + d];
       }
   }
-  for (int sidx = 0; sidx < n_slots; sidx++) {
-    if (written[sidx]) continue;
-    const int blk = sidx / bs, sl = sidx % bs;
-    for (int kv = 0; kv < 2; kv++)
-      for (int g = 0; g < nkv; g++)
-        for (int d = 0; d < D; d++)
-          pool_bad += pool[(((size_t)blk * 2 + kv) * nkv + g) * bs * D + sl * D + d] != 0xffff;
-  }
+  pool_bad += tt_unwritten_changed(pool, written, n_slots, nkv, bs, D);
   int rc = tt_l2_report(name, &l2, 1e-2);
   if (pool_bad || v_changed) {
     printf("FAIL %s: %ld pool values wrong, %ld v/padding values changed in qkv\n", name,
@@ -336,14 +345,7 @@ static int tt_rope_f32_case(int T, int nq, int nkv, const float *d_cos, const fl
                tt_f2bf(xin[(nq + nkv + g) * D + d]);
   }
   bad += memcmp(qkv, qkv_after, n * 4) != 0;
-  for (int sidx = 0; sidx < n_slots; sidx++) {
-    if (written[sidx]) continue;
-    const int blk = sidx / bs, sl = sidx % bs;
-    for (int kv = 0; kv < 2; kv++)
-      for (int g = 0; g < nkv; g++)
-        for (int d = 0; d < D; d++)
-          bad += pool[(((size_t)blk * 2 + kv) * nkv + g) * bs * D + sl * D + d] != 0xffff;
-  }
+  bad += tt_unwritten_changed(pool, written, n_slots, nkv, bs, D);
   int rc = tt_l2_report(name, &l2, 4e-3);
   if (bad) {
     printf("FAIL %s: %ld values wrong (v in the pool, q padding, qkv or unwritten slots)\n", name,
