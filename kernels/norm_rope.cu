@@ -234,7 +234,10 @@ static __global__ void __launch_bounds__(TW_ROPE_THREADS)
 
 /* The f32-input variant: q and k rotated in fp32 from the unrounded QKV GEMM
  * output, rounded to bf16 once (q into q_out, k into the pool); v rounded once
- * into the pool. One block per token; work item = (head, dim pair j, j+D/2). */
+ * into the pool. Grid (token, item block): a thread takes one item, either a
+ * rotation pair-of-pairs (head h, dims j, j+1 and j+D/2, j+1+D/2: float2 in,
+ * bf16x2 out) or a pair of v values, so a decode step's few tokens still
+ * spread over several blocks. D % 4 == 0. */
 static __global__ void __launch_bounds__(TW_ROPE_THREADS)
     tw_rope_kv_write_f32_kernel(const float *__restrict__ qkv, int64_t stride, int nq, int nkv,
                                 int D, const int32_t *__restrict__ positions,
@@ -244,30 +247,30 @@ static __global__ void __launch_bounds__(TW_ROPE_THREADS)
                                 __nv_bfloat16 *__restrict__ q_out, int64_t q_stride) {
   TW_PDL_WAIT();
   const int64_t t = blockIdx.x;
-  const int nhalf = D >> 1;
+  const int nhalf = D >> 1, hp = nhalf >> 1;
   const float *row = qkv + t * stride;
   const tw_rope_tok_t tk = tw_rope_tok(t, positions, max_pos, slots, nkv, D, block_size);
-  const int slot = tk.slot;
-  const int64_t kbase = tk.kbase, vbase = tk.vbase, head_stride_pool = (int64_t)block_size * D;
-  const float *c = tcos + (int64_t)tk.p * nhalf, *sn = tsin + (int64_t)tk.p * nhalf;
-  const int n_items = (nq + (slot >= 0 ? nkv : 0)) * nhalf;
-  for (int it = threadIdx.x; it < n_items; it += blockDim.x) {
-    const int h = it / nhalf, j = it % nhalf;
+  const int64_t head_stride_pool = (int64_t)block_size * D;
+  const int it = blockIdx.y * blockDim.x + threadIdx.x;
+  const int n_rot = (nq + (tk.slot >= 0 ? nkv : 0)) * hp;
+  if (it < n_rot) {
+    const int h = it / hp, j = (it % hp) * 2;
     const float *x = row + (int64_t)h * D;
-    const float a = x[j], b = x[j + nhalf];
-    const __nv_bfloat16 ra = __float2bfloat16_rn(a * c[j] - b * sn[j]);
-    const __nv_bfloat16 rb = __float2bfloat16_rn(b * c[j] + a * sn[j]);
+    const float *c = tcos + (int64_t)tk.p * nhalf, *sn = tsin + (int64_t)tk.p * nhalf;
+    const float2 a = *reinterpret_cast<const float2 *>(x + j);
+    const float2 b = *reinterpret_cast<const float2 *>(x + j + nhalf);
+    const float c0 = c[j], c1 = c[j + 1], s0 = sn[j], s1 = sn[j + 1];
     __nv_bfloat16 *o = h < nq ? q_out + t * q_stride + (int64_t)h * D
-                              : pool + kbase + (int64_t)(h - nq) * head_stride_pool;
-    o[j] = ra;
-    o[j + nhalf] = rb;
-  }
-  if (slot >= 0) {
-    const float *v = row + (int64_t)(nq + nkv) * D;
-    for (int it = threadIdx.x; it < nkv * D; it += blockDim.x) {
-      const int g = it / D, d = it % D;
-      pool[vbase + (int64_t)g * head_stride_pool + d] = __float2bfloat16_rn(v[it]);
-    }
+                              : pool + tk.kbase + (int64_t)(h - nq) * head_stride_pool;
+    *reinterpret_cast<__nv_bfloat162 *>(o + j) =
+        __floats2bfloat162_rn(a.x * c0 - b.x * s0, a.y * c1 - b.y * s1);
+    *reinterpret_cast<__nv_bfloat162 *>(o + j + nhalf) =
+        __floats2bfloat162_rn(b.x * c0 + a.x * s0, b.y * c1 + a.y * s1);
+  } else if (tk.slot >= 0 && it - n_rot < nkv * nhalf) {
+    const int v2 = it - n_rot, g = v2 / nhalf, d = (v2 % nhalf) * 2;
+    const float2 v = *reinterpret_cast<const float2 *>(row + (int64_t)(nq + nkv + g) * D + d);
+    *reinterpret_cast<__nv_bfloat162 *>(pool + tk.vbase + (int64_t)g * head_stride_pool + d) =
+        __floats2bfloat162_rn(v.x, v.y);
   }
 }
 
@@ -282,17 +285,20 @@ extern "C" tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_r
   if (!qkv || !q_out || !positions || !rope_cos || !rope_sin || (maybe_slots && !kv_layer))
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "rope_kv_write_f32: NULL qkv, q_out, positions, tables or kv_layer (with slots)");
-  if (n_tokens < 0 || n_q_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || head_dim % 2 ||
+  if (n_tokens < 0 || n_q_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || head_dim % 4 ||
       head_dim > 256 || max_pos <= 0 || block_size <= 0 ||
-      qkv_row_stride < (int64_t)(n_q_heads + 2 * n_kv_heads) * head_dim ||
-      q_row_stride < (int64_t)n_q_heads * head_dim)
+      qkv_row_stride < (int64_t)(n_q_heads + 2 * n_kv_heads) * head_dim || qkv_row_stride % 2 ||
+      q_row_stride < (int64_t)n_q_heads * head_dim || q_row_stride % 2)
     return tw_err(TW_ERR_INVALID_ARGUMENT,
-                  "rope_kv_write_f32: bad n_tokens %d, heads %d/%d, head_dim %d, max_pos %d, "
-                  "block_size %d or row strides %lld/%lld",
+                  "rope_kv_write_f32: bad n_tokens %d, heads %d/%d, head_dim %d (a multiple of "
+                  "4), max_pos %d, block_size %d or row strides %lld/%lld (even)",
                   n_tokens, n_q_heads, n_kv_heads, head_dim, max_pos, block_size,
                   (long long)qkv_row_stride, (long long)q_row_stride);
   if (n_tokens == 0) return TW_OK;
-  tw_pdl_launch(tw_rope_kv_write_f32_kernel, dim3((unsigned)n_tokens), dim3(TW_ROPE_THREADS), 0,
+  const int items = (n_q_heads + n_kv_heads) * (head_dim / 4) + n_kv_heads * (head_dim / 2);
+  tw_pdl_launch(tw_rope_kv_write_f32_kernel,
+                dim3((unsigned)n_tokens, (unsigned)TW_CDIV(items, TW_ROPE_THREADS)),
+                dim3(TW_ROPE_THREADS), 0,
                 stream, qkv, qkv_row_stride, n_q_heads, n_kv_heads, head_dim, positions,
                 rope_cos, rope_sin, max_pos, maybe_slots,
                 static_cast<__nv_bfloat16 *>(kv_layer), block_size,

@@ -84,8 +84,8 @@ tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, int32_t n_t
  *  not kept otherwise). n_tokens == 0 does nothing.
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL qkv/q_out/positions/tables,
  *  kv_layer NULL while maybe_slots is given, n_tokens < 0, head counts <= 0,
- *  head_dim odd or > 256, qkv_row_stride < (NQ + 2 NKV) * D, q_row_stride <
- *  NQ * D, block_size <= 0), TW_ERR_CUDA. */
+ *  head_dim not a multiple of 4 or > 256, qkv_row_stride < (NQ + 2 NKV) * D
+ *  or odd, q_row_stride < NQ * D or odd, block_size <= 0), TW_ERR_CUDA. */
 tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_row_stride, int32_t n_tokens,
                                       int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                       const int32_t *positions, const float *rope_cos,
