@@ -17,7 +17,9 @@
 extern "C" {
 #endif
 
-#define TW_CE_MAX_GRAPHS 96
+/* decode graphs kept: (batch bucket, context bucket) pairs; every batch size
+ * is graphed, 9 x 10 buckets at max_batch 256 and 131k context */
+#define TW_CE_MAX_GRAPHS 160
 /* Decode batches up to this size run the MoE by GEMV of MXFP4 experts; larger
  * ones (and prefill chunks) the GEMM path: tw_cuda_moe_prefill (grouped GEMMs,
  * no host sync) or, without it, tw_cuda_moe_prefill_cublas. */

@@ -369,13 +369,18 @@ extern "C" tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w,
   int H = w->hidden, I = w->intermediate, k = r->k;
   if (!tw_cuda_moe_grouped_supported(H, I))
     return tw_err(TW_ERR_UNSUPPORTED,
-                  "moe_prefill: grouped GEMM needs compute capability 9.0 and H, I <= 6144 "
+                  "moe_prefill: grouped GEMM needs compute capability 9.0 and H, I <= 8192 "
                   "(H=%d I=%d); use the cuBLAS path", H, I);
   size_t need = tw_cuda_moe_prefill_ws_bytes(T, k, H, I);
   if (!workspace || workspace_bytes < need)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: workspace %zu bytes, %zu needed",
                   workspace_bytes, need);
+  if (((uintptr_t)x | (uintptr_t)workspace) & 15)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: x or workspace not 16-byte aligned");
   size_t tk = (size_t)T * k;
+  if (tk / 128 + (size_t)w->n_experts > 65535)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "moe_prefill: %zu assignments exceed the grid (at most 128 * (65535 - E))", tk);
   char *act = (char *)workspace;
   float *y = (float *)(act + tw_al256(tk * I * 2));
   TW_CHECK(tw_moe_grouped_run(w, r, T, x, maybe_wbf16, act, y, stream));

@@ -136,7 +136,9 @@ tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w, const int32_t *m
 
 /** Whether tw_cuda_moe_prefill runs here for experts of hidden size H and
  *  intermediate size I: the current device has compute capability 9.0
- *  (wgmma), H and I are positive multiples of 32 and at most 6144. */
+ *  (wgmma), H and I are positive multiples of 32 and at most 8192 (the
+ *  scales of a CTA's 128 weight rows stay in shared memory; above about 7900
+ *  only one CTA fits per SM, slower but correct). */
 int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediate);
 
 /** Bytes of the tw_cuda_moe_prefill workspace for up to max_tokens tokens:
@@ -153,9 +155,14 @@ size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidde
  *  to read the MXFP4 experts of w (dequantised tile by tile on chip, the
  *  same bf16 values as tw_cuda_mxfp4_dequant). workspace device >=
  *  tw_cuda_moe_prefill_ws_bytes(T, k, H, I); out f32 [T, H], every element
- *  written. Products are bf16 x bf16 with f32 accumulation; bias, SwiGLU and
- *  the expert outputs stay f32, the activations are rounded to bf16.
- *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, sizes, workspace too small),
+ *  written. x and workspace 16-byte aligned (cp.async), T * k at most
+ *  128 * (65535 - E) (the grid's row tiles). Products are bf16 x bf16 with
+ *  f32 accumulation; bias, SwiGLU and the expert outputs stay f32, the
+ *  activations are rounded to bf16. The on-chip dequantisation multiplies
+ *  by the E8M0 scale in bf16: exact, as tw_cuda_mxfp4_dequant, for the
+ *  normal range of scales (bytes 1..254; 0 and 255 are untested extremes).
+ *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, sizes, misaligned x or workspace,
+ *  T * k too large, workspace too small),
  *  TW_ERR_UNSUPPORTED (tw_cuda_moe_grouped_supported is false: use
  *  tw_cuda_moe_prefill_cublas), TW_ERR_CUDA. */
 tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *route,

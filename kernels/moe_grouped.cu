@@ -223,13 +223,13 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
     if (FMT == TW_GG_MXFP4) {
       const int r = lane >> 1, h = lane & 1;
       const bool ok = 2 * kt + h < KB;
-      tw_cp_async16(r_st + r * 32 + ((h ^ ((r >> 2) & 1)) * 16), ok ? wsrc[0] + kt * 32 : p.wq, ok);
+      tw_cp_async16(r_st + r * 32 + ((h ^ ((r >> 2) & 1)) * 16), ok ? wsrc[0] + kt * 32 : (const uint8_t *)p.a, ok);
     } else {
 #pragma unroll
       for (int i = 0; i < 4; i++) {
         const int c = lane + 32 * i;
         const bool ok = kt * 64 + (c & 7) * 8 < K;
-        tw_cp_async16(r_st + tw_swz(c >> 3, c & 7), ok ? wsrc[i] + kt * 128 : p.wq, ok);
+        tw_cp_async16(r_st + tw_swz(c >> 3, c & 7), ok ? wsrc[i] + kt * 128 : (const uint8_t *)p.a, ok);
       }
     }
   };

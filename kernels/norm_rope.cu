@@ -294,6 +294,8 @@ extern "C" tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_r
                   "4), max_pos %d, block_size %d or row strides %lld/%lld (even)",
                   n_tokens, n_q_heads, n_kv_heads, head_dim, max_pos, block_size,
                   (long long)qkv_row_stride, (long long)q_row_stride);
+  if (((uintptr_t)qkv & 7) || ((uintptr_t)q_out & 3))
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "rope_kv_write_f32: qkv or q_out misaligned");
   if (n_tokens == 0) return TW_OK;
   const int items = (n_q_heads + n_kv_heads) * (head_dim / 4) + n_kv_heads * (head_dim / 2);
   tw_pdl_launch(tw_rope_kv_write_f32_kernel,

@@ -82,10 +82,12 @@ tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, int32_t n_t
  *  if maybe_slots is not NULL and maybe_slots[t] >= 0, the rotated k and
  *  bf16(v) of every kv head go into kv_layer at slot maybe_slots[t] (k is
  *  not kept otherwise). n_tokens == 0 does nothing.
+ *  qkv 8-byte and q_out 4-byte aligned (float2 reads, bf16x2 writes).
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL qkv/q_out/positions/tables,
  *  kv_layer NULL while maybe_slots is given, n_tokens < 0, head counts <= 0,
- *  head_dim not a multiple of 4 or > 256, qkv_row_stride < (NQ + 2 NKV) * D
- *  or odd, q_row_stride < NQ * D or odd, block_size <= 0), TW_ERR_CUDA. */
+ *  head_dim not a multiple of 4 or > 256, max_pos <= 0, qkv_row_stride <
+ *  (NQ + 2 NKV) * D or odd, q_row_stride < NQ * D or odd, block_size <= 0,
+ *  misaligned qkv or q_out), TW_ERR_CUDA. */
 tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_row_stride, int32_t n_tokens,
                                       int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
                                       const int32_t *positions, const float *rope_cos,

@@ -271,13 +271,26 @@ static int tt_rope_case(int T, int nq, int nkv, const float *d_cos, const float 
   return rc;
 }
 
+/* Whether bf16 `got` is one rounding of a*c - b*s (or a*c + b*s, sign in
+ * b*s) computed in fp32: within half a bf16 ulp of the exact value, plus the
+ * fp32 error of the products and the sum (a generous 2^-22 of the terms).
+ * Rounding the inputs to bf16 first leaves errors near 2^-9 of the terms. */
+static int tt_one_rounding(uint16_t got, double ac, double bs) {
+  const double exact = ac + bs, g = tt_bf2f(got);
+  int e = 0;
+  frexp(g, &e);
+  const double half_ulp = g != 0.0 ? ldexp(1.0, e - 9) : 0.0;
+  return fabs(g - exact) <= half_ulp + ldexp(fabs(ac) + fabs(bs), -22) + ldexp(fabs(exact), -23);
+}
+
 /* tw_cuda_rope_kv_write_f32: f32 QKV rows (padded stride), q out to its own
  * bf16 buffer (padded stride), k and v into the pool. q and k against the
- * rotation in double (rel L2 <= 4e-3: one bf16 rounding is <= 2^-9 per value,
- * where the bf16-input path allows 1e-2); v must be exactly bf16(v) (round to
- * nearest even); q_out padding, qkv and unwritten slots unchanged. */
+ * rotation in double (rel L2 <= 4e-3), and every rotated value must be one
+ * bf16 rounding of the fp32 rotation with the same tables
+ * (tt_one_rounding); v must be exactly bf16(v); q_out padding, qkv and
+ * unwritten slots unchanged. */
 static int tt_rope_f32_case(int T, int nq, int nkv, const float *d_cos, const float *d_sin,
-                            int max_pos) {
+                            const float *h_cos, const float *h_sin, int max_pos) {
   char name[128];
   const int D = 64, half = 32, bs = 16;
   snprintf(name, sizeof name, "rope_kv_write_f32(NQ=%d,NKV=%d,T=%d)", nq, nkv, T);
@@ -319,7 +332,7 @@ static int tt_rope_f32_case(int T, int nq, int nkv, const float *d_cos, const fl
   double inv[32];
   tt_inv_freq(D, inv);
   tt_l2_t l2 = {0};
-  long bad = 0;
+  long bad = 0, n_off = 0, n_rounded = 0;
   char *written = calloc(n_slots, 1);
   for (int t = 0; t < T; t++) {
     const float *xin = qkv + t * stride;
@@ -335,6 +348,10 @@ static int tt_rope_f32_case(int T, int nq, int nkv, const float *d_cos, const fl
                    : pool + (((size_t)blk * 2 + 0) * nkv + (h - nq)) * bs * D + (size_t)sl * D;
         tt_l2_add(&l2, tt_bf2f(o[i]), a * C - b * S);
         tt_l2_add(&l2, tt_bf2f(o[i + half]), b * C + a * S);
+        const double fc = h_cos[(size_t)pos[t] * half + i], fs = h_sin[(size_t)pos[t] * half + i];
+        n_rounded += 2;
+        n_off += !tt_one_rounding(o[i], a * fc, -b * fs);
+        n_off += !tt_one_rounding(o[i + half], b * fc, a * fs);
       }
     }
     for (int64_t k = nq * D; k < qstride; k++) bad += qo[t * qstride + k] != 0xffff;
@@ -352,6 +369,9 @@ static int tt_rope_f32_case(int T, int nq, int nkv, const float *d_cos, const fl
            bad);
     rc = 1;
   }
+  printf("%s %s: %ld of %ld rotated values are not one bf16 rounding of the fp32 rotation\n",
+         n_off ? "FAIL" : "ok  ", name, n_off, n_rounded);
+  rc |= n_off != 0;
   free(written); free(qkv); free(qkv_after); free(qo); free(pos); free(slots); free(pool);
   cudaFree(d_qkv); cudaFree(d_qo); cudaFree(d_pool); cudaFree(d_pos); cudaFree(d_slots);
   return rc;
@@ -383,8 +403,8 @@ int main(void) {
   for (int i = 0; i < 4; i++) {
     fails += tt_rope_case(Tr[i], 64, 8, d_cos, d_sin, max_pos);
     fails += tt_rope_case(Tr[i], 4, 2, d_cos, d_sin, max_pos);
-    fails += tt_rope_f32_case(Tr[i], 64, 8, d_cos, d_sin, max_pos);
-    fails += tt_rope_f32_case(Tr[i], 4, 2, d_cos, d_sin, max_pos);
+    fails += tt_rope_f32_case(Tr[i], 64, 8, d_cos, d_sin, c, s, max_pos);
+    fails += tt_rope_f32_case(Tr[i], 4, 2, d_cos, d_sin, c, s, max_pos);
   }
   free(c);
   free(s);
