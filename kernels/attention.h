@@ -44,7 +44,7 @@ typedef struct {
  *  variable-length sequences in one launch. Query i of sequence s (token row
  *  t = cu_seqlens[s] + i) is at position start_pos[s] + i and attends to keys
  *  0..pos of its own sequence (window-limited), all read from the paged pool:
- *  the K/V of the new tokens must already be written (tw_cuda_rope_kv_write),
+ *  the K/V of the new tokens must already be written (tw_cuda_rope_kv_write_f32),
  *  those of positions < start_pos[s] come from earlier chunks.
  *    q           bf16 rows [n_tokens], see the file comment (q_row_stride in elements)
  *    kv_layer    bf16 pool of this layer

@@ -329,6 +329,13 @@ __global__ void tw_moe_swiglu_kernel(const __nv_bfloat162 *__restrict__ u,
 
 static size_t tw_al256(size_t n) { return (n + 255) / 256 * 256; }
 
+/* Where the down experts start in a dequantised layer (the layout of
+ * tw_cuda_moe_dequant_bytes: gate_up bf16 [E, 2I, H], then down bf16
+ * [E, H, I] at the next 256-byte boundary). */
+static char *tw_moe_wdq_down(const void *wdq, int E, int H, int I) {
+  return (char *)wdq + tw_al256((size_t)E * 2 * I * H * 2);
+}
+
 extern "C" size_t tw_cuda_moe_dequant_bytes(int32_t n_experts, int32_t hidden,
                                             int32_t intermediate) {
   size_t E = (size_t)n_experts, H = (size_t)hidden, I = (size_t)intermediate;
@@ -343,7 +350,7 @@ extern "C" tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w,
   if (E <= 0 || H <= 0 || H % 32 || I <= 0 || I % 32)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_dequant: bad shape E=%d H=%d I=%d", E, H, I);
   __nv_bfloat16 *w1 = (__nv_bfloat16 *)wdq;
-  __nv_bfloat16 *w2 = (__nv_bfloat16 *)((char *)wdq + tw_al256((size_t)E * 2 * I * H * 2));
+  __nv_bfloat16 *w2 = (__nv_bfloat16 *)tw_moe_wdq_down(wdq, E, H, I);
   int64_t nb1 = (int64_t)E * 2 * I * (H / 32), nb2 = (int64_t)E * H * (I / 32);
   tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb1 * 4, 256), 256, 0, stream>>>(
       w->gate_up_blocks, w->gate_up_scales, nb1, H / 32, 2 * (int64_t)I, maybe_counts, w1);
@@ -378,12 +385,10 @@ extern "C" tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w,
   if (((uintptr_t)x | (uintptr_t)workspace) & 15)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_prefill: x or workspace not 16-byte aligned");
   size_t tk = (size_t)T * k;
-  if (tk / 128 + (size_t)w->n_experts > 65535)
-    return tw_err(TW_ERR_INVALID_ARGUMENT,
-                  "moe_prefill: %zu assignments exceed the grid (at most 128 * (65535 - E))", tk);
   char *act = (char *)workspace;
   float *y = (float *)(act + tw_al256(tk * I * 2));
-  TW_CHECK(tw_moe_grouped_run(w, r, T, x, maybe_wbf16, act, y, stream));
+  const void *w2h = maybe_wbf16 ? tw_moe_wdq_down(maybe_wbf16, w->n_experts, H, I) : NULL;
+  TW_CHECK(tw_moe_grouped_run(w, r, T, x, maybe_wbf16, w2h, act, y, stream));
   return tw_moe_combine_f32(r, T, H, y, out, stream);
 }
 
@@ -419,8 +424,7 @@ extern "C" tw_status_t tw_cuda_moe_prefill_cublas(tw_cuda_gemm_t *gemm,
     p += tw_cuda_moe_dequant_bytes(E, H, I);
   }
   const __nv_bfloat16 *w1 = (const __nv_bfloat16 *)wdq;
-  const __nv_bfloat16 *w2 =
-      (const __nv_bfloat16 *)(wdq + tw_al256((size_t)E * 2 * I * H * 2));
+  const __nv_bfloat16 *w2 = (const __nv_bfloat16 *)tw_moe_wdq_down(wdq, E, H, I);
 #define TW_CARVE(ptr, type, n)                              \
   type *ptr = (type *)p;                                    \
   p += tw_al256((size_t)(n) * sizeof(type))

@@ -223,13 +223,15 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
     if (FMT == TW_GG_MXFP4) {
       const int r = lane >> 1, h = lane & 1;
       const bool ok = 2 * kt + h < KB;
-      tw_cp_async16(r_st + r * 32 + ((h ^ ((r >> 2) & 1)) * 16), ok ? wsrc[0] + kt * 32 : (const uint8_t *)p.a, ok);
+      tw_cp_async16(r_st + r * 32 + ((h ^ ((r >> 2) & 1)) * 16),
+                    ok ? wsrc[0] + kt * 32 : (const uint8_t *)p.a, ok);
     } else {
 #pragma unroll
       for (int i = 0; i < 4; i++) {
         const int c = lane + 32 * i;
         const bool ok = kt * 64 + (c & 7) * 8 < K;
-        tw_cp_async16(r_st + tw_swz(c >> 3, c & 7), ok ? wsrc[i] + kt * 128 : (const uint8_t *)p.a, ok);
+        tw_cp_async16(r_st + tw_swz(c >> 3, c & 7),
+                      ok ? wsrc[i] + kt * 128 : (const uint8_t *)p.a, ok);
       }
     }
   };
@@ -375,16 +377,17 @@ static tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk,
 
 extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
                                           const tw_cuda_moe_route_t *r, int32_t T,
-                                          const void *x, const void *maybe_wbf16,
-                                          void *act, float *y, cudaStream_t stream) {
+                                          const void *x, const void *w1_bf16,
+                                          const void *w2_bf16, void *act, float *y,
+                                          cudaStream_t stream) {
   const int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k, tk = T * k;
-  const int fmt = maybe_wbf16 ? TW_GG_BF16 : TW_GG_MXFP4;
-  const __nv_bfloat16 *w1h = NULL, *w2h = NULL;
-  if (maybe_wbf16) {
-    w1h = (const __nv_bfloat16 *)maybe_wbf16;
-    w2h = (const __nv_bfloat16 *)((const char *)maybe_wbf16 +
-                                  ((size_t)E * 2 * I * H * 2 + 255) / 256 * 256);
-  }
+  if (tk / TW_GG_BM + E > 65535) /* the grid's row tiles (gridDim.y) */
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "moe_prefill: %d assignments exceed the grid (at most %d * (65535 - E))", tk,
+                  TW_GG_BM);
+  const int fmt = w1_bf16 ? TW_GG_BF16 : TW_GG_MXFP4;
+  const __nv_bfloat16 *w1h = (const __nv_bfloat16 *)w1_bf16;
+  const __nv_bfloat16 *w2h = (const __nv_bfloat16 *)w2_bf16;
   tw_gg_args_t a = {};
   a.a = (const __nv_bfloat16 *)x;
   a.sorted = r->sorted;

@@ -3,8 +3,9 @@
  * semantics in norm_rope.h.
  *
  * Both kernels are memory-bound one-pass kernels: RMSNorm reads x (and
- * delta) once and writes x and out once; RoPE reads each q/k/v element once
- * and writes it once (plus once more into the pool for k and v). */
+ * delta) once and writes x and out once; RoPE reads each f32 q/k/v element
+ * once and writes it once as bf16 (q to its own buffer, k and v into the
+ * pool). */
 #include "kernels/pdl.cuh"
 #include "kernels/norm_rope.h"
 
@@ -171,70 +172,9 @@ static __device__ __forceinline__ tw_rope_tok_t tw_rope_tok(int64_t t, const int
   return r;
 }
 
-/* One block per token. Rotation work items are (head, pair-of-pairs): each
- * handles dims (2j, 2j+1) and (2j+nhalf, 2j+1+nhalf) with bf16x2 accesses. */
-static __global__ void __launch_bounds__(TW_ROPE_THREADS)
-    tw_rope_kv_write_kernel(__nv_bfloat16 *__restrict__ qkv, int64_t stride, int nq, int nkv,
-                            int D, const int32_t *__restrict__ positions,
-                            const float *__restrict__ tcos, const float *__restrict__ tsin,
-                            int max_pos, const int32_t *__restrict__ slots,
-                            __nv_bfloat16 *__restrict__ pool, int block_size) {
-  TW_PDL_WAIT();
-  const int64_t t = blockIdx.x;
-  const int nhalf = D >> 1, hp = nhalf >> 1; /* hp: bf16x2 pairs per nhalf (D % 4 == 0 path) */
-  __nv_bfloat16 *row = qkv + t * stride;
-  const tw_rope_tok_t tk = tw_rope_tok(t, positions, max_pos, slots, nkv, D, block_size);
-  const int slot = tk.slot;
-  const int64_t kbase = tk.kbase, vbase = tk.vbase, head_stride_pool = (int64_t)block_size * D;
-  const float *c = tcos + (int64_t)tk.p * nhalf, *sn = tsin + (int64_t)tk.p * nhalf;
-  if ((D & 3) == 0) {
-    const int n_items = (nq + nkv) * hp;
-    for (int it = threadIdx.x; it < n_items; it += blockDim.x) {
-      const int h = it / hp, j = (it % hp) * 2;
-      __nv_bfloat16 *x = row + (int64_t)h * D;
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(x + j));
-      const float2 b =
-          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(x + j + nhalf));
-      const float c0 = c[j], c1 = c[j + 1], s0 = sn[j], s1 = sn[j + 1];
-      const __nv_bfloat162 ra = __floats2bfloat162_rn(a.x * c0 - b.x * s0, a.y * c1 - b.y * s1);
-      const __nv_bfloat162 rb = __floats2bfloat162_rn(b.x * c0 + a.x * s0, b.y * c1 + a.y * s1);
-      *reinterpret_cast<__nv_bfloat162 *>(x + j) = ra;
-      *reinterpret_cast<__nv_bfloat162 *>(x + j + nhalf) = rb;
-      if (slot >= 0 && h >= nq) {
-        __nv_bfloat16 *k = pool + kbase + (int64_t)(h - nq) * head_stride_pool;
-        *reinterpret_cast<__nv_bfloat162 *>(k + j) = ra;
-        *reinterpret_cast<__nv_bfloat162 *>(k + j + nhalf) = rb;
-      }
-    }
-  } else {
-    const int n_items = (nq + nkv) * nhalf;
-    for (int it = threadIdx.x; it < n_items; it += blockDim.x) {
-      const int h = it / nhalf, j = it % nhalf;
-      __nv_bfloat16 *x = row + (int64_t)h * D;
-      const float a = __bfloat162float(x[j]), b = __bfloat162float(x[j + nhalf]);
-      const __nv_bfloat16 ra = __float2bfloat16_rn(a * c[j] - b * sn[j]);
-      const __nv_bfloat16 rb = __float2bfloat16_rn(b * c[j] + a * sn[j]);
-      x[j] = ra;
-      x[j + nhalf] = rb;
-      if (slot >= 0 && h >= nq) {
-        __nv_bfloat16 *k = pool + kbase + (int64_t)(h - nq) * head_stride_pool;
-        k[j] = ra;
-        k[j + nhalf] = rb;
-      }
-    }
-  }
-  if (slot >= 0) { /* v: plain copy, element-wise (D*nkv elements, tiny) */
-    const __nv_bfloat16 *v = row + (int64_t)(nq + nkv) * D;
-    for (int it = threadIdx.x; it < nkv * D; it += blockDim.x) {
-      const int g = it / D, d = it % D;
-      pool[vbase + (int64_t)g * head_stride_pool + d] = v[it];
-    }
-  }
-}
-
-/* The f32-input variant: q and k rotated in fp32 from the unrounded QKV GEMM
- * output, rounded to bf16 once (q into q_out, k into the pool); v rounded once
- * into the pool. Grid (token, item block): a thread takes one item, either a
+/* q and k rotated in fp32 from the unrounded QKV GEMM output, rounded to
+ * bf16 once (q into q_out, k into the pool); v rounded once into the pool.
+ * Grid (token, item block): a thread takes one item, either a
  * rotation pair-of-pairs (head h, dims j, j+1 and j+D/2, j+1+D/2: float2 in,
  * bf16x2 out) or a pair of v values, so a decode step's few tokens still
  * spread over several blocks. D % 4 == 0. */
@@ -309,32 +249,3 @@ extern "C" tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_r
   return TW_OK;
 }
 
-extern "C" tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, int32_t n_tokens,
-                                             int32_t n_q_heads, int32_t n_kv_heads,
-                                             int32_t head_dim, const int32_t *positions,
-                                             const float *rope_cos, const float *rope_sin,
-                                             int32_t max_pos, const int32_t *maybe_slots,
-                                             void *kv_layer, int32_t block_size,
-                                             cudaStream_t stream) {
-  if (!qkv || !positions || !rope_cos || !rope_sin || (maybe_slots && !kv_layer))
-    return tw_err(TW_ERR_INVALID_ARGUMENT,
-                  "rope_kv_write: NULL qkv, positions, tables or kv_layer (with slots)");
-  if (n_tokens < 0 || n_q_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || head_dim % 2 ||
-      head_dim > 256 || max_pos <= 0 || block_size <= 0 ||
-      qkv_row_stride < (int64_t)(n_q_heads + 2 * n_kv_heads) * head_dim)
-    return tw_err(TW_ERR_INVALID_ARGUMENT,
-                  "rope_kv_write: bad n_tokens %d, heads %d/%d, head_dim %d, max_pos %d, "
-                  "block_size %d or row stride %lld",
-                  n_tokens, n_q_heads, n_kv_heads, head_dim, max_pos, block_size,
-                  (long long)qkv_row_stride);
-  if (n_tokens == 0) return TW_OK;
-  if (head_dim % 4 == 0 && qkv_row_stride % 2 != 0)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "rope_kv_write: odd row stride %lld",
-                  (long long)qkv_row_stride);
-  tw_pdl_launch(tw_rope_kv_write_kernel, dim3((unsigned)n_tokens), dim3(TW_ROPE_THREADS), 0, stream,
-                static_cast<__nv_bfloat16 *>(qkv), qkv_row_stride, n_q_heads, n_kv_heads, head_dim,
-                positions, rope_cos, rope_sin, max_pos, maybe_slots,
-                static_cast<__nv_bfloat16 *>(kv_layer), block_size);
-  TW_CUDA_CHECK_LAUNCH("rope_kv_write");
-  return TW_OK;
-}

@@ -50,38 +50,21 @@ tw_status_t tw_cuda_rmsnorm_residual(float *x_resid, const void *maybe_delta,
 tw_status_t tw_cuda_rope_table_fill(const tw_model_config_t *config, int32_t max_pos,
                                     float *cos_out, float *sin_out);
 
-/** RoPE on q and k of the fused QKV buffer, in place, plus the KV-cache write.
- *  qkv: bf16, row t at qkv + t * qkv_row_stride (elements) holding
- *  [q: NQ * D][k: NKV * D][v: NKV * D]. For each token t at position
- *  p = positions[t] (clamped to [0, max_pos)), every q and k head is rotated
- *  half-split (x'[i] = x[i] C - x[i+D/2] S, x'[i+D/2] = x[i+D/2] C + x[i] S,
- *  C/S from the tables of tw_cuda_rope_table_fill, fp32 math, bf16 result
- *  written back into qkv). If maybe_slots is not NULL and maybe_slots[t] >= 0,
- *  the rotated k and the (unrotated) v of every kv head are also written into
- *  kv_layer (bf16 pool of this layer, engine.h layout) at slot
- *  maybe_slots[t] = block_id * block_size + p % block_size.
+/** RoPE on q and k of the QKV GEMM's f32 output, plus the KV-cache write,
+ *  each value rounded to bf16 once, after the rotation. qkv: f32, row t at
+ *  qkv + t * qkv_row_stride (elements) holding [q: NQ * D][k: NKV * D]
+ *  [v: NKV * D], not modified. For each token t at position p = positions[t]
+ *  (clamped to [0, max_pos)), every q and k head is rotated half-split
+ *  (x'[i] = x[i] C - x[i+D/2] S, x'[i+D/2] = x[i+D/2] C + x[i] S, C/S from
+ *  the tables of tw_cuda_rope_table_fill, fp32 math). The rotated q goes to
+ *  q_out (bf16, row t at q_out + t * q_row_stride, NQ * D values); if
+ *  maybe_slots is not NULL and maybe_slots[t] >= 0, the rotated k and
+ *  bf16(v) of every kv head go into kv_layer (bf16 pool of this layer,
+ *  engine.h layout) at slot maybe_slots[t] = block_id * block_size +
+ *  p % block_size (k is not kept otherwise).
  *    positions int32 [n_tokens], device; rope_cos/rope_sin f32 [max_pos, D/2],
  *    device; maybe_slots int32 [n_tokens], device, or NULL.
  *  n_tokens == 0 does nothing.
- *  Errors: TW_ERR_INVALID_ARGUMENT (NULL qkv/positions/tables, kv_layer NULL
- *  while maybe_slots is given, n_tokens < 0, head counts <= 0, head_dim odd or
- *  > 256, qkv_row_stride < (NQ + 2 NKV) * D, block_size <= 0), TW_ERR_CUDA. */
-tw_status_t tw_cuda_rope_kv_write(void *qkv, int64_t qkv_row_stride, int32_t n_tokens,
-                                  int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
-                                  const int32_t *positions, const float *rope_cos,
-                                  const float *rope_sin, int32_t max_pos,
-                                  const int32_t *maybe_slots, void *kv_layer,
-                                  int32_t block_size, cudaStream_t stream);
-
-/** tw_cuda_rope_kv_write for the f32 output of the QKV GEMM, so that q, k and
- *  v are rounded to bf16 once (after the rotation) instead of twice (GEMM
- *  output, then rotation). qkv: f32, row t at qkv + t * qkv_row_stride
- *  (elements), [q: NQ * D][k: NKV * D][v: NKV * D], not modified. The
- *  rotation is the one of tw_cuda_rope_kv_write (fp32 math); the rotated q
- *  goes to q_out (bf16, row t at q_out + t * q_row_stride, NQ * D values);
- *  if maybe_slots is not NULL and maybe_slots[t] >= 0, the rotated k and
- *  bf16(v) of every kv head go into kv_layer at slot maybe_slots[t] (k is
- *  not kept otherwise). n_tokens == 0 does nothing.
  *  qkv 8-byte and q_out 4-byte aligned (float2 reads, bf16x2 writes).
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL qkv/q_out/positions/tables,
  *  kv_layer NULL while maybe_slots is given, n_tokens < 0, head counts <= 0,

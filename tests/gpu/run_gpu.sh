@@ -56,7 +56,9 @@
 # could meet 2e-2; measured 2026-11-29, docs/benchmarks.md); TW_BENCH_ARGS
 # replaces the bench arguments (applied to each model run; when set, the A/B
 # runs are skipped); TW_BENCH_MODELS="20b" limits the bench's models (default
-# "20b 120b"); TW_EXTRA_S bounds the TWAIN_GPU_EXTRA script (default 240 s, 420
+# "20b 120b"; "none": only twain-bench-moe, the prefill MoE kernels against
+# cuBLAS, which always runs with the bench; TW_BENCH_MOE_ARGS="8192" sets its
+# token counts; its log goes into bench_20b_nopdl.log); TW_EXTRA_S bounds the TWAIN_GPU_EXTRA script (default 240 s, 420
 # with TW_SVC_PY=1: service_gpu.sh then also runs the Python service tests).
 # The HF comparison, one call (twain's full 20b bench, then HF's):
 #   TW_HF_BENCH=1 TW_SKIP_TESTS=1 TW_SKIP_HF=1 TW_SKIP_TOKENIZER=1 TW_BENCH_MODELS=20b

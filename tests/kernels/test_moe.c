@@ -165,25 +165,25 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
   return ok ? 0 : 1;
 }
 
-/* Run the MoE path of `mode` into d_out (poisoned with NaN first) and copy
- * it to out. mode 0: GEMV; 1: grouped GEMM on the MXFP4 experts; 2: grouped
- * GEMM on bf16 experts (d_wdq); 3: cuBLAS path dequantising inside; 4: cuBLAS
- * path on d_wdq. stream: where to run (graph capture uses its own). */
+/* Run the MoE path of `mode` on the default stream into d_out (poisoned with
+ * NaN first) and copy it to out. mode 0: GEMV; 1: grouped GEMM on the MXFP4
+ * experts; 2: grouped GEMM on bf16 experts (d_wdq); 3: cuBLAS path
+ * dequantising inside; 4: cuBLAS path on d_wdq. */
 static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
                     const tw_cuda_moe_route_t *r, const moe_case_t *c, int mode, const void *d_x,
                     const void *d_wdq, void *d_ws, size_t wsb, int32_t *hc, float *d_out,
-                    float *out, cudaStream_t stream) {
+                    float *out) {
   int T = c->T;
   TT_CUDA(cudaMemset(d_out, 0xff, (size_t)T * c->H * 4)); /* NaN poison */
   TT_CUDA(cudaDeviceSynchronize());
+  const void *wdq = mode == 2 || mode == 4 ? d_wdq : NULL;
   tw_status_t st;
-  switch (mode) {
-  case 0: st = tw_cuda_moe_decode(w, r, T, d_x, d_ws, wsb, d_out, stream); break;
-  case 1: st = tw_cuda_moe_prefill(w, r, T, d_x, NULL, d_ws, wsb, d_out, stream); break;
-  case 2: st = tw_cuda_moe_prefill(w, r, T, d_x, d_wdq, d_ws, wsb, d_out, stream); break;
-  case 3: st = tw_cuda_moe_prefill_cublas(gemm, w, r, T, d_x, NULL, d_ws, wsb, hc, d_out, stream); break;
-  default: st = tw_cuda_moe_prefill_cublas(gemm, w, r, T, d_x, d_wdq, d_ws, wsb, hc, d_out, stream);
-  }
+  if (mode == 0)
+    st = tw_cuda_moe_decode(w, r, T, d_x, d_ws, wsb, d_out, 0);
+  else if (mode <= 2)
+    st = tw_cuda_moe_prefill(w, r, T, d_x, wdq, d_ws, wsb, d_out, 0);
+  else
+    st = tw_cuda_moe_prefill_cublas(gemm, w, r, T, d_x, wdq, d_ws, wsb, hc, d_out, 0);
   if (st != TW_OK) {
     printf("FAIL moe(%s, mode %d): status %s: %s\n", c->name, mode, tw_status_str(st),
            tw_last_error());
@@ -304,7 +304,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   if (prefill) modes[n_modes++] = cublas_mode;
   for (int mi = 0; mi < n_modes; mi++) {
     int mode = modes[mi];
-    if (run_mode(gemm, &w, &r, c, mode, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out, 0)) {
+    if (run_mode(gemm, &w, &r, c, mode, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out)) {
       rc = 1;
       continue;
     }
@@ -319,7 +319,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     if (mode == 1) {
       memcpy(out1, out, (size_t)T * H * 4);
       /* deterministic: a second run gives the same bits */
-      if (run_mode(gemm, &w, &r, c, 1, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out, 0)) rc = 1;
+      if (run_mode(gemm, &w, &r, c, 1, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out)) rc = 1;
       long d = tt_count_bits_differ(out, out1, (size_t)T * H);
       printf("%s moe_grouped_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", c->name,
              T, d);

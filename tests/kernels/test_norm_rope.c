@@ -7,10 +7,10 @@
  *  - RMSNorm: x_resid after the add must equal the f32 sum exactly (one f32
  *    add, same rounding on both sides); out bf16 within relative L2 1e-2
  *    (bf16 output rounding is ~2^-9).
- *  - RoPE: q and k within relative L2 1e-2 of a float64 rotation with
- *    float64 angles (bf16 output rounding dominates); the pool must hold the
- *    rotated k and the unrotated v bit-exactly at each token's slot, and every
- *    other slot must keep its NaN poison.
+ *  - RoPE (f32 QKV in, bf16 out): q and k within relative L2 4e-3 of a
+ *    float64 rotation with float64 angles, and each value one bf16 rounding
+ *    of the fp32 rotation; the pool must hold bf16(v) bit-exactly at each
+ *    token's slot, and every other slot must keep its NaN poison.
  *  - the RoPE table is also compared with the CPU backend's
  *    tw_cpu_rope_init/tw_cpu_rope_table (host only).
  * Exit 77 when no GPU is usable (after the host-only table checks). */
@@ -181,96 +181,6 @@ static long tt_unwritten_changed(const uint16_t *pool, const char *written, int 
   return bad;
 }
 
-static int tt_rope_case(int T, int nq, int nkv, const float *d_cos, const float *d_sin,
-                        int max_pos) {
-  char name[128];
-  const int D = 64, half = 32, bs = 16;
-  snprintf(name, sizeof name, "rope_kv_write(NQ=%d,NKV=%d,T=%d)", nq, nkv, T);
-  const int64_t stride = (int64_t)(nq + 2 * nkv) * D + 8; /* padded rows */
-  const size_t n = (size_t)T * stride;
-  uint16_t *qkv = malloc(n * 2), *res = malloc(n * 2);
-  int32_t *pos = malloc(4 * T), *slots = malloc(4 * T);
-  const int n_blocks = (T + bs - 1) / bs + 2, n_slots = n_blocks * bs;
-  const size_t pool_elems = (size_t)n_blocks * 2 * nkv * bs * D;
-  uint16_t *pool = malloc(pool_elems * 2);
-  int *perm = malloc(sizeof(int) * n_slots);
-  for (size_t i = 0; i < n; i++) qkv[i] = tt_rand_bf16(2.0f);
-  for (int i = 0; i < n_slots; i++) perm[i] = i;
-  for (int i = n_slots - 1; i > 0; i--) {
-    int j = tt_randint(0, i), t = perm[i];
-    perm[i] = perm[j];
-    perm[j] = t;
-  }
-  for (int t = 0; t < T; t++) {
-    pos[t] = t == 0 ? max_pos - 1 : (t == 1 ? 0 : tt_randint(0, max_pos - 1));
-    slots[t] = (t % 5 == 3) ? -1 : perm[t]; /* some tokens write no KV */
-  }
-  void *d_qkv, *d_pool;
-  int32_t *d_pos, *d_slots;
-  TT_CUDA(cudaMalloc(&d_qkv, n * 2));
-  TT_CUDA(cudaMalloc(&d_pool, pool_elems * 2));
-  TT_CUDA(cudaMalloc((void **)&d_pos, 4 * T));
-  TT_CUDA(cudaMalloc((void **)&d_slots, 4 * T));
-  TT_CUDA(cudaMemcpy(d_qkv, qkv, n * 2, cudaMemcpyHostToDevice));
-  TT_CUDA(cudaMemcpy(d_pos, pos, 4 * T, cudaMemcpyHostToDevice));
-  TT_CUDA(cudaMemcpy(d_slots, slots, 4 * T, cudaMemcpyHostToDevice));
-  TT_CUDA(cudaMemset(d_pool, 0xff, pool_elems * 2));
-  tw_status_t st = tw_cuda_rope_kv_write(d_qkv, stride, T, nq, nkv, D, d_pos, d_cos, d_sin,
-                                         max_pos, d_slots, d_pool, bs, 0);
-  if (st != TW_OK) {
-    printf("FAIL %s: status %d\n", name, (int)st);
-    return 1;
-  }
-  TT_CUDA(cudaDeviceSynchronize());
-  TT_CUDA(cudaMemcpy(res, d_qkv, n * 2, cudaMemcpyDeviceToHost));
-  TT_CUDA(cudaMemcpy(pool, d_pool, pool_elems * 2, cudaMemcpyDeviceToHost));
-  double inv[32];
-  tt_inv_freq(D, inv);
-  tt_l2_t l2 = {0};
-  long pool_bad = 0, v_changed = 0;
-  char *written = calloc(n_slots, 1);
-  for (int t = 0; t < T; t++) {
-    const uint16_t *xin = qkv + t * stride, *xout = res + t * stride;
-    for (int h = 0; h < nq + nkv; h++)
-      for (int i = 0; i < half; i++) {
-        const double a = tt_bf2f(xin[h * D + i]), b = tt_bf2f(xin[h * D + i + half]);
-        const double C = TT_CONC * cos(pos[t] * inv[i]), S = TT_CONC * sin(pos[t] * inv[i]);
-        tt_l2_add(&l2, tt_bf2f(xout[h * D + i]), a * C - b * S);
-        tt_l2_add(&l2, tt_bf2f(xout[h * D + i + half]), b * C + a * S);
-      }
-    for (int k = (nq + 2 * nkv) * D - nkv * D; k < stride; k++) v_changed += xin[k] != xout[k];
-    if (slots[t] < 0) continue;
-    written[slots[t]] = 1;
-    const int blk = slots[t] / bs, sl = slots[t] % bs;
-    for (int g = 0; g < nkv; g++)
-      for (int d = 0; d < D; d++) {
-        const uint16_t pk = pool[(((size_t)blk * 2 + 0) * nkv + g) * bs * D + sl * D + d];
-        const uint16_t pv = pool[(((size_t)blk * 2 + 1) * nkv + g) * bs * D + sl * D + d];
-        pool_bad += pk != xout[(nq + g) * D + d];
-        pool_bad += pv != xin[(nq + nkv + g) * D + d];
-      }
-  }
-  pool_bad += tt_unwritten_changed(pool, written, n_slots, nkv, bs, D);
-  int rc = tt_l2_report(name, &l2, 1e-2);
-  if (pool_bad || v_changed) {
-    printf("FAIL %s: %ld pool values wrong, %ld v/padding values changed in qkv\n", name,
-           pool_bad, v_changed);
-    rc = 1;
-  }
-  free(written);
-  free(qkv);
-  free(res);
-  free(pos);
-  free(slots);
-  free(pool);
-  free(perm);
-  cudaFree(d_qkv);
-  cudaFree(d_pool);
-  cudaFree(d_pos);
-  cudaFree(d_slots);
-  return rc;
-}
-
 /* Whether bf16 `got` is one rounding of a*c - b*s (or a*c + b*s, sign in
  * b*s) computed in fp32: within half a bf16 ulp of the exact value, plus the
  * fp32 error of the products and the sum (a generous 2^-22 of the terms).
@@ -401,8 +311,6 @@ int main(void) {
   TT_CUDA(cudaMemcpy(d_sin, s, sizeof(float) * max_pos * 32, cudaMemcpyHostToDevice));
   const int Tr[] = {1, 7, 129, 1000};
   for (int i = 0; i < 4; i++) {
-    fails += tt_rope_case(Tr[i], 64, 8, d_cos, d_sin, max_pos);
-    fails += tt_rope_case(Tr[i], 4, 2, d_cos, d_sin, max_pos);
     fails += tt_rope_f32_case(Tr[i], 64, 8, d_cos, d_sin, c, s, max_pos);
     fails += tt_rope_f32_case(Tr[i], 4, 2, d_cos, d_sin, c, s, max_pos);
   }
