@@ -163,7 +163,7 @@ static __device__ __forceinline__ uint32_t tw_gg_scale2(uint32_t s) {
  * padding when experts hold few tokens (decode), at the price of reading a
  * busy expert's weights once per BT of its tokens. */
 template <int FMT, int EPI, int BT>
-static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw_gg_args_t p) {
+static __global__ void __launch_bounds__(TW_GG_THREADS, BT <= 32 ? 3 : 2) tw_gg_kernel(const tw_gg_args_t p) {
   constexpr int NT = TW_GG_THREADS, BW = TW_GG_BW, S = TW_GG_STAGES(BT);
   /* 16-byte chunks of a stage's BT x 64 assignment rows per thread (BT = 16:
    * half the threads copy one) */
