@@ -64,6 +64,15 @@ static const void *tw_rd(tw_rd_t *r, size_t n) {
   return q;
 }
 
+/* Copy the next n bytes into dst (a value that needs more than 4-byte
+ * alignment, such as tw_sample_params_t, sits at any offset in a plan and is
+ * never read through a cast pointer); false when the plan is short. */
+static bool tw_rd_copy(tw_rd_t *r, void *dst, size_t n) {
+  const void *q = tw_rd(r, n);
+  if (q && n) memcpy(dst, q, n);
+  return q != NULL;
+}
+
 static tw_status_t tw_dist_send_buf(tw_dist_t *d, tw_buf_t *b, int bad) {
   tw_status_t st = bad ? tw_err(TW_ERR_NO_MEMORY, "dist: out of memory for a plan")
                        : tw_dist_plan_send(d, b->p, b->len);
@@ -197,8 +206,9 @@ tw_status_t tw_dist_plan_stop(tw_dist_t *d) {
 
 static tw_status_t tw_follow_prefill(tw_engine_t *e, tw_rd_t *r) {
   const int32_t *h = tw_rd(r, 4 * sizeof(int32_t));
-  const tw_sample_params_t *sp = tw_rd(r, sizeof(tw_sample_params_t));
-  if (!h || !sp || h[0] < 0 || h[2] < 0) return tw_err(TW_ERR_FORMAT, "dist: short prefill plan");
+  tw_sample_params_t sp;
+  if (!h || !tw_rd_copy(r, &sp, sizeof sp) || h[0] < 0 || h[2] < 0)
+    return tw_err(TW_ERR_FORMAT, "dist: short prefill plan");
   const int32_t *tokens = tw_rd(r, sizeof(int32_t) * (size_t)h[0]);
   const int32_t *table = tw_rd(r, sizeof(int32_t) * (size_t)h[2]);
   if (!tokens || !table) return tw_err(TW_ERR_FORMAT, "dist: short prefill plan");
@@ -211,7 +221,7 @@ static tw_status_t tw_follow_prefill(tw_engine_t *e, tw_rd_t *r) {
   }
   tw_prefill_args_t a = {.tokens = tokens, .n_tokens = h[0], .start_pos = h[1],
                          .block_table = table, .n_blocks = h[2], .all_logits = (flags & 1) != 0,
-                         .logits_out = logits, .sample = (flags & 8) ? sp : NULL,
+                         .logits_out = logits, .sample = (flags & 8) ? &sp : NULL,
                          .next_token_out = (flags & 6) ? &tok : NULL};
   tw_status_t st = tw_engine_prefill(e, &a);
   free(logits);
@@ -219,25 +229,31 @@ static tw_status_t tw_follow_prefill(tw_engine_t *e, tw_rd_t *r) {
 }
 
 /* One batch's DECODE fields as views into the plan; the block-table pointers
- * [n] and a token buffer [n] are malloc'd into *tabs_p / *next_p (the
- * caller frees both, also on error). next_tokens_out is set when the plan
+ * [n], a token buffer [n] and the sampling parameters [n] (copied out of the
+ * plan: they need 8-byte alignment) are malloc'd into *tabs_p / *next_p /
+ * *samp_p (the caller frees all three, also on error; *samp_p stays NULL
+ * without samples). next_tokens_out is set when the plan
  * wants tokens. n 0 only with allow_empty. */
 static tw_status_t tw_plan_read_decode(tw_rd_t *r, bool allow_empty, tw_decode_args_t *a,
-                                       const int32_t ***tabs_p, int32_t **next_p) {
+                                       const int32_t ***tabs_p, int32_t **next_p,
+                                       tw_sample_params_t **samp_p) {
   const int32_t *h = tw_rd(r, 2 * sizeof(int32_t));
   if (!h || h[0] < 0 || (h[0] == 0 && !allow_empty))
     return tw_err(TW_ERR_FORMAT, "dist: short decode plan");
   int32_t n = h[0], flags = h[1];
   size_t v = sizeof(int32_t) * (size_t)n;
   const int32_t *tokens = tw_rd(r, v), *pos = tw_rd(r, v), *nb = tw_rd(r, v);
-  const tw_sample_params_t *sp = (flags & 8) ? tw_rd(r, sizeof(tw_sample_params_t) * (size_t)n) : NULL;
-  if (!tokens || !pos || !nb || ((flags & 8) && !sp))
-    return tw_err(TW_ERR_FORMAT, "dist: short decode plan");
+  if (!tokens || !pos || !nb) return tw_err(TW_ERR_FORMAT, "dist: short decode plan");
   const int32_t **tabs = malloc(sizeof(*tabs) * (size_t)(n ? n : 1));
   int32_t *next = malloc(v ? v : 1);
+  tw_sample_params_t *sp = (flags & 8) ? malloc(sizeof(*sp) * (size_t)(n ? n : 1)) : NULL;
   *tabs_p = tabs;
   *next_p = next;
-  if (!tabs || !next) return tw_err(TW_ERR_NO_MEMORY, "dist: out of memory for a decode plan");
+  *samp_p = sp;
+  if (!tabs || !next || ((flags & 8) && !sp))
+    return tw_err(TW_ERR_NO_MEMORY, "dist: out of memory for a decode plan");
+  if (sp && !tw_rd_copy(r, sp, sizeof(*sp) * (size_t)n))
+    return tw_err(TW_ERR_FORMAT, "dist: short decode plan");
   for (int32_t i = 0; i < n; i++) {
     tabs[i] = nb[i] >= 0 ? tw_rd(r, sizeof(int32_t) * (size_t)nb[i]) : NULL;
     if (!tabs[i]) return tw_err(TW_ERR_FORMAT, "dist: short decode plan (table %d)", i);
@@ -251,10 +267,12 @@ static tw_status_t tw_follow_decode(tw_engine_t *e, tw_rd_t *r) {
   tw_decode_args_t a;
   const int32_t **tabs = NULL;
   int32_t *next = NULL;
-  tw_status_t st = tw_plan_read_decode(r, false, &a, &tabs, &next);
+  tw_sample_params_t *samp = NULL;
+  tw_status_t st = tw_plan_read_decode(r, false, &a, &tabs, &next, &samp);
   if (st == TW_OK) st = tw_engine_decode(e, &a);
   free(tabs);
   free(next);
+  free(samp);
   return st;
 }
 
@@ -267,6 +285,7 @@ static tw_status_t tw_follow_decode_dp(tw_dist_t *d, tw_engine_t *e, tw_rd_t *r)
   tw_decode_args_t a = {0};
   const int32_t **tabs = NULL;
   int32_t *next = NULL, pad = -1;
+  tw_sample_params_t *samp = NULL;
   tw_status_t st = TW_OK;
   if (!size || *size != tw_dist_size(d))
     st = tw_err(TW_ERR_FORMAT, "dist: dp decode plan for %d ranks, the group has %d",
@@ -275,9 +294,11 @@ static tw_status_t tw_follow_decode_dp(tw_dist_t *d, tw_engine_t *e, tw_rd_t *r)
     const int32_t *pb = tw_rd(r, sizeof(int32_t));
     free(tabs);
     free(next);
+    free(samp);
     tabs = NULL;
     next = NULL;
-    st = pb ? tw_plan_read_decode(r, true, &a, &tabs, &next)
+    samp = NULL;
+    st = pb ? tw_plan_read_decode(r, true, &a, &tabs, &next, &samp)
             : tw_err(TW_ERR_FORMAT, "dist: short dp decode plan (rank %d)", k);
     if (pb) pad = *pb;
   }
@@ -301,6 +322,7 @@ static tw_status_t tw_follow_decode_dp(tw_dist_t *d, tw_engine_t *e, tw_rd_t *r)
   free(rep);
   free(tabs);
   free(next);
+  free(samp);
   return st != TW_OK ? st : rs;
 }
 
