@@ -2,6 +2,7 @@
 #include "common/msg.h"
 
 #include "common/log.h"
+#include "proto/twain_api.pb-c.h"
 
 #include <zmq.h>
 
@@ -186,4 +187,20 @@ tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool b
   }
   *sock_p = s;
   return TW_OK;
+}
+
+int tw_status_wire_code(tw_status_t st) {
+  switch (st) {
+    case TW_OK: case TW_INPROGRESS: return TWAIN__V1__CODE__OK;
+    case TW_ERR_INVALID_ARGUMENT: case TW_ERR_FORMAT: case TW_ERR_OUT_OF_RANGE:
+      return TWAIN__V1__CODE__INVALID_ARGUMENT;
+    case TW_ERR_NOT_FOUND: return TWAIN__V1__CODE__NOT_FOUND;
+    case TW_ERR_UNSUPPORTED: return TWAIN__V1__CODE__UNIMPLEMENTED;
+    case TW_ERR_CANCELLED: return TWAIN__V1__CODE__CANCELLED;
+    case TW_ERR_DEADLINE: return TWAIN__V1__CODE__DEADLINE_EXCEEDED;
+    case TW_ERR_NO_MEMORY: case TW_ERR_EXHAUSTED: return TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
+    case TW_ERR_UNAVAILABLE: case TW_ERR_TRANSPORT: return TWAIN__V1__CODE__UNAVAILABLE;
+    case TW_ERR_IO: case TW_ERR_CUDA: case TW_ERR_NCCL: case TW_ERR_INTERNAL: break;
+  }
+  return TWAIN__V1__CODE__INTERNAL;
 }

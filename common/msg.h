@@ -92,6 +92,14 @@ int64_t tw_msg_clock_ns(void);
 tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
                                char *maybe_bound, size_t bound_len, void **sock_p);
 
+/** The one map from a status to the code clients and workers see on the wire
+ *  (twain.v1.Code, proto/twain_api.proto: gRPC's numbers). Request faults are
+ *  INVALID_ARGUMENT (FORMAT, OUT_OF_RANGE too), NOT_FOUND, UNIMPLEMENTED
+ *  (UNSUPPORTED), CANCELLED, DEADLINE_EXCEEDED; resources RESOURCE_EXHAUSTED;
+ *  peers UNAVAILABLE (TRANSPORT too: the router retries both); everything
+ *  else (i/o, device, internal) INTERNAL. TW_OK and TW_INPROGRESS are OK. */
+int tw_status_wire_code(tw_status_t st);
+
 #ifdef __cplusplus
 }
 #endif

@@ -31,21 +31,6 @@ const char *tw_status_str(tw_status_t s) {
   return "unknown status";
 }
 
-const char *tw_status_grpc_name(tw_status_t s) {
-  switch (s) {
-    case TW_OK: case TW_INPROGRESS: return "OK";
-    case TW_ERR_INVALID_ARGUMENT: case TW_ERR_FORMAT: return "INVALID_ARGUMENT";
-    case TW_ERR_OUT_OF_RANGE: return "INVALID_ARGUMENT";
-    case TW_ERR_NOT_FOUND: return "NOT_FOUND";
-    case TW_ERR_UNSUPPORTED: return "UNIMPLEMENTED";
-    case TW_ERR_CANCELLED: return "CANCELLED";
-    case TW_ERR_DEADLINE: return "DEADLINE_EXCEEDED";
-    case TW_ERR_NO_MEMORY: case TW_ERR_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case TW_ERR_UNAVAILABLE: case TW_ERR_TRANSPORT: return "UNAVAILABLE";
-    default: return "INTERNAL";
-  }
-}
-
 static void tw_store(const char *fmt, va_list ap) {
   vsnprintf(tw_last_error_buf, sizeof tw_last_error_buf, fmt, ap);
 }

@@ -46,11 +46,6 @@ typedef enum {
 /** Short stable name of a status ("ok", "invalid argument", ...). Never NULL. */
 const char *tw_status_str(tw_status_t status);
 
-/** gRPC-style code name for a status as clients see it
- *  (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED,
- *  CANCELLED, INTERNAL, NOT_FOUND, UNIMPLEMENTED, OK). Never NULL. */
-const char *tw_status_grpc_name(tw_status_t status);
-
 /** Record an error: format the message, store it as this thread's last error,
  *  log it at level error with file:line, and return `status` unchanged so the
  *  caller can write `return tw_err(TW_ERR_FORMAT, "...")`. Use the macro. */

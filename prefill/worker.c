@@ -103,18 +103,6 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
             tw_last_error());
 }
 
-static int tw_code_of(tw_status_t st) {
-  switch (st) {
-    case TW_ERR_INVALID_ARGUMENT: case TW_ERR_OUT_OF_RANGE: case TW_ERR_FORMAT:
-      return TWAIN__V1__CODE__INVALID_ARGUMENT;
-    case TW_ERR_EXHAUSTED: case TW_ERR_NO_MEMORY: return TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
-    case TW_ERR_UNAVAILABLE: case TW_ERR_TRANSPORT: case TW_ERR_DEADLINE:
-      return TWAIN__V1__CODE__UNAVAILABLE;
-    case TW_ERR_UNSUPPORTED: return TWAIN__V1__CODE__UNIMPLEMENTED;
-    default: return TWAIN__V1__CODE__INTERNAL;
-  }
-}
-
 static bool tw_prefill_stale(const Twain__Internal__V1__PrefillRequest *r) {
   struct timespec wall;
   clock_gettime(CLOCK_REALTIME, &wall);
@@ -177,7 +165,7 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
     if (st != TW_OK) {
       snprintf(msg, sizeof msg, "%s", tw_last_error());
       TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
-      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_code_of(st), msg);
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_status_wire_code(st), msg);
     } else {
       tw_metric_observe(w->m.prefill, pms * 1e-3);
       tw_metric_observe(w->m.transfer, xms * 1e-3);
@@ -208,7 +196,7 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
   if (st != TW_OK) {
     snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
-    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_code_of(st), msg);
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_status_wire_code(st), msg);
   } else {
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);

@@ -13,18 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int tw_code_of_status(tw_status_t st) {
-  switch (st) {
-    case TW_ERR_INVALID_ARGUMENT: case TW_ERR_FORMAT: case TW_ERR_OUT_OF_RANGE:
-      return TWAIN__V1__CODE__INVALID_ARGUMENT;
-    case TW_ERR_NOT_FOUND: return TWAIN__V1__CODE__NOT_FOUND;
-    case TW_ERR_UNSUPPORTED: return TWAIN__V1__CODE__UNIMPLEMENTED;
-    case TW_ERR_EXHAUSTED: case TW_ERR_NO_MEMORY: return TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
-    case TW_ERR_UNAVAILABLE: return TWAIN__V1__CODE__UNAVAILABLE;
-    default: return TWAIN__V1__CODE__INTERNAL;
-  }
-}
-
 tw_req_t *tw_router_find_req(tw_router_t *r, uint64_t id) {
   for (int32_t i = 0; i < r->n_reqs; i++)
     if (r->reqs[i]->id == id && !r->reqs[i]->done) return r->reqs[i];
@@ -301,7 +289,7 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     }
   }
   if (st != TW_OK) {
-    tw_reply_raw(r, from, cr->request_id, tw_code_of_status(st), tw_last_error());
+    tw_reply_raw(r, from, cr->request_id, tw_status_wire_code(st), tw_last_error());
     tw_req_free(q);
     return;
   }
