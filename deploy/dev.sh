@@ -4,6 +4,9 @@
 #   bash deploy/dev.sh demo   # twain serve (default tiny model) + one chat request
 #   bash deploy/dev.sh test   # full ctest suite (GPU tests skip without a GPU)
 #   bash deploy/dev.sh build  # dependencies + build only
+#   bash deploy/dev.sh sanitize  # the suite again: Debug, ASan + UBSan (halt on error)
+#   bash deploy/dev.sh tsan   # router and threaded CPU backend tests under TSan
+#   bash deploy/dev.sh lint   # clang-tidy over the daemons' C code, clang-format on changed lines
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$here"
@@ -14,9 +17,9 @@ PKGS="build-essential cmake pkg-config git libzmq3-dev libprotobuf-c-dev protobu
       python3 python3-zmq python3-protobuf libopenmpi-dev openmpi-bin curl
       shellcheck patchelf slurm-wlm munge"
 
-install_deps() {
+install_deps() { # [extra packages...]
   local missing=()
-  for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  for p in $PKGS "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   # Node.js and npm (tokenizer reference, manifest validators): keep a node
   # that is already there (it may come from elsewhere with npm built in).
   command -v node >/dev/null 2>&1 || missing+=(nodejs)
@@ -29,10 +32,23 @@ install_deps() {
   fi
 }
 
-do_build() {
+do_build() { # [extra cmake arguments...]
   local werror=OFF; [ "${CI:-}" = true ] && werror=ON
-  cmake -S . -B "$build" -DTWAIN_WERROR=$werror ${TWAIN_CMAKE_ARGS:-} >/dev/null
+  cmake -S . -B "$build" -DTWAIN_WERROR=$werror "$@" ${TWAIN_CMAKE_ARGS:-} >/dev/null
   cmake --build "$build" -j"$(nproc)"
+}
+
+# Sanitizer runs: any finding ends its process with an error, so the test
+# that started it fails. Tests' timeouts (set for an optimised build) are
+# scaled by TWAIN_TEST_TIME_SCALE (tests/CMakeLists.txt, tests/service/svc.py).
+# UCX's malloc hooks would fight ASan's allocator: off (UCX_MEM_*).
+san_env() {
+  export ASAN_OPTIONS=halt_on_error=1:abort_on_error=0:detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=0
+  export LSAN_OPTIONS=suppressions=$here/.ci/lsan.supp:print_suppressions=0
+  export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+  export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$here/.ci/tsan.supp
+  export UCX_MEM_MALLOC_HOOKS=no UCX_MEM_EVENTS=no
+  export TWAIN_TEST_TIME_SCALE=${TWAIN_TEST_TIME_SCALE:-4}
 }
 
 case "${1:-demo}" in
@@ -40,6 +56,18 @@ case "${1:-demo}" in
   test)
     install_deps; do_build
     cd "$build" && ctest --output-on-failure -j"$(nproc)" ${TWAIN_CTEST_ARGS:-} ;;
+  sanitize)
+    install_deps; san_env
+    build=${TWAIN_SAN_BUILD_DIR:-build-asan}
+    do_build -DCMAKE_BUILD_TYPE=Debug -DTWAIN_CUDA=OFF -DTWAIN_SANITIZE=address,undefined \
+             -DTWAIN_TEST_TIME_SCALE="$TWAIN_TEST_TIME_SCALE"
+    cd "$build" && ctest --output-on-failure -j"$(nproc)" ${TWAIN_CTEST_ARGS:-} ;;
+  tsan)
+    install_deps; san_env
+    build=${TWAIN_TSAN_BUILD_DIR:-build-tsan}
+    do_build -DCMAKE_BUILD_TYPE=Debug -DTWAIN_CUDA=OFF -DTWAIN_SANITIZE=thread \
+             -DTWAIN_TEST_TIME_SCALE="$TWAIN_TEST_TIME_SCALE"
+    cd "$build" && ctest --output-on-failure -j"$(nproc)" -L tsan ${TWAIN_CTEST_ARGS:-} ;;
   demo)
     install_deps; do_build
     # twain serve (default tiny model, default endpoint) in the background,
@@ -56,5 +84,9 @@ case "${1:-demo}" in
     rc=0; "$build/router/twain" chat "What does the word 'dog' mean?" || rc=$?
     kill -TERM "$pid"; wait "$pid" || rc=$?
     exit $rc ;;
-  *) echo "usage: deploy/dev.sh demo|test|build" >&2; exit 2 ;;
+  lint)
+    install_deps clang-format clang-tidy; do_build
+    .ci/tidy "$build"
+    .ci/format-check ;;
+  *) echo "usage: deploy/dev.sh demo|test|build|sanitize|tsan|lint" >&2; exit 2 ;;
 esac

@@ -346,7 +346,7 @@ int tw_cli_serve(int argc, char **argv) {
     memset(w, 0, sizeof *w);
     snprintf(w->base, sizeof w->base, "%s-%d-%d", pre ? "prefill" : "decode", pre ? k : k - n_prefill,
              (int)getpid());
-    snprintf(w->name, sizeof w->name, "%s", w->base);
+    memcpy(w->name, w->base, sizeof w->base); /* name[80] holds base[64] */
     char **av = w->av;
     int c = 0;
     av[c++] = pre ? prefill_bin : decode_bin;
@@ -423,7 +423,9 @@ int tw_cli_serve(int argc, char **argv) {
       tw_serve_slot_t *w = &slots[k];
       if (!w->pid && !w->gave_up && w->next_start_ns && now >= w->next_start_ns) {
         w->restarts++;
-        snprintf(w->name, sizeof w->name, "%s-r%d", w->base, w->restarts); /* a fresh routing id */
+        char name[sizeof w->name]; /* via a local: -Wrestrict cannot tell name from base */
+        snprintf(name, sizeof name, "%s-r%d", w->base, w->restarts); /* a fresh routing id */
+        memcpy(w->name, name, sizeof name);
         w->av[w->ac_name] = w->name;
         w->pid = tw_spawn(w->av);
         w->started_ns = now;

@@ -47,33 +47,37 @@ static void write_ids(const char *path, const int32_t *ids, int32_t n) {
 }
 
 static void check_prompt(const char *bin, const char *model, const tw_fx_entry_t *fx) {
-  char ids_path[128], dump_path[128], cmd[1024], out[4096];
-  snprintf(ids_path, sizeof(ids_path), "%s/%s.json", tmpdir, fx->prompt);
-  snprintf(dump_path, sizeof(dump_path), "%s/%s.bin", tmpdir, fx->prompt);
+  char ids_path[256], dump_path[256], cmd[2048], out[4096];
+  int ni = snprintf(ids_path, sizeof(ids_path), "%s/%s.json", tmpdir, fx->prompt);
+  int nd = snprintf(dump_path, sizeof(dump_path), "%s/%s.bin", tmpdir, fx->prompt);
+  int nc = snprintf(cmd, sizeof(cmd),
+                    "'%s' --model '%s' --backend cpu --threads 2 --prompt-tokens '%s' "
+                    "--dump-logits '%s' --generate 48 2>/dev/null",
+                    bin, model, ids_path, dump_path);
+  if (ni >= (int)sizeof(ids_path) || nd >= (int)sizeof(dump_path) || nc >= (int)sizeof(cmd)) {
+    EXPECT(0, "%s: paths too long for the command line", fx->prompt);
+    return;
+  }
   write_ids(ids_path, fx->ids, fx->n_ids);
-  snprintf(cmd, sizeof(cmd),
-           "'%s' --model '%s' --backend cpu --threads 2 --prompt-tokens '%s' --dump-logits '%s' "
-           "--generate 48 2>/dev/null",
-           bin, model, ids_path, dump_path);
   int rc = run(cmd, out, sizeof(out));
-  TW_EXPECT(rc == 0, "%s: exit status %d", fx->prompt, rc);
+  EXPECT(rc == 0, "%s: exit status %d", fx->prompt, rc);
   cJSON *arr = cJSON_Parse(out);
   int n = cJSON_IsArray(arr) ? cJSON_GetArraySize(arr) : -1;
   int same = n == fx->n_greedy;
   for (int i = 0; same && i < n; i++)
     same = (int32_t)cJSON_GetArrayItem(arr, i)->valuedouble == fx->greedy[i];
   cJSON_Delete(arr);
-  TW_EXPECT(same, "%s: --generate 48 printed '%s'", fx->prompt, out);
+  EXPECT(same, "%s: --generate 48 printed '%s'", fx->prompt, out);
   long len = 0;
   float *logits = (float *)tw_fx_read_file(dump_path, &len);
-  TW_EXPECT(logits && len == (long)fx->n_ids * fx->vocab * 4, "%s: dump has %ld bytes", fx->prompt,
+  EXPECT(logits && len == (long)fx->n_ids * fx->vocab * 4, "%s: dump has %ld bytes", fx->prompt,
             len);
   if (logits && len == (long)fx->n_ids * fx->vocab * 4) {
     double e = tw_test_rel_l2_ff(logits + (int64_t)fx->pos_begin * fx->vocab, fx->logits,
                                  (int64_t)fx->n_rows * fx->vocab);
     printf("twain-prefill %-12s dump rel L2 %.3g, generate 48: %s\n", fx->prompt, e,
            same ? "identical" : "DIFFERENT");
-    TW_EXPECT(e <= 1e-4, "%s: dumped logits rel L2 %.3g", fx->prompt, e);
+    EXPECT(e <= 1e-4, "%s: dumped logits rel L2 %.3g", fx->prompt, e);
   }
   free(logits);
   /* stop ids: generation ends after the first stop id, which is printed */
@@ -88,7 +92,7 @@ static void check_prompt(const char *bin, const char *model, const tw_fx_entry_t
   for (int i = 0; i <= first; i++)
     snprintf(want + strlen(want), sizeof(want) - strlen(want), i ? ", %d" : "%d", fx->greedy[i]);
   strcat(want, "]\n");
-  TW_EXPECT(rc == 0 && strcmp(out, want) == 0, "%s: --stop-ids printed '%s', want '%s'",
+  EXPECT(rc == 0 && strcmp(out, want) == 0, "%s: --stop-ids printed '%s', want '%s'",
             fx->prompt, out, want);
   unlink(ids_path);
   unlink(dump_path);
@@ -113,7 +117,7 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 4; i++) {
     tw_fx_entry_t fx;
     if (tw_fx_load(fx_dir, "mxfp4", tw_fx_prompts[i], &fx) != 0) {
-      TW_EXPECT(0, "cannot load fixture %s", tw_fx_prompts[i]);
+      EXPECT(0, "cannot load fixture %s", tw_fx_prompts[i]);
       continue;
     }
     check_prompt(bin, model, &fx);
@@ -125,23 +129,23 @@ int main(int argc, char **argv) {
   const int32_t bad_ids[2] = {8008, 9000}; /* 9000 >= vocab 8064 */
   write_ids(path, bad_ids, 2);
   snprintf(cmd, sizeof(cmd), "'%s' --model '%s' --prompt-tokens '%s' 2>/dev/null", bin, model, path);
-  TW_EXPECT(run(cmd, NULL, 0) == 1, "token id outside the vocabulary must exit 1");
+  EXPECT(run(cmd, NULL, 0) == 1, "token id outside the vocabulary must exit 1");
   FILE *f = fopen(path, "w");
   if (f) {
     fputs("{\"ids\": [1, 2]}", f);
     fclose(f);
   }
-  TW_EXPECT(run(cmd, NULL, 0) == 1, "a JSON object instead of an array must exit 1");
+  EXPECT(run(cmd, NULL, 0) == 1, "a JSON object instead of an array must exit 1");
   unlink(path);
   snprintf(cmd, sizeof(cmd), "'%s' --model '%s/nope' --prompt-tokens '%s' 2>/dev/null", bin,
            tmpdir, path);
-  TW_EXPECT(run(cmd, NULL, 0) == 1, "a missing prompt file must exit 1");
+  EXPECT(run(cmd, NULL, 0) == 1, "a missing prompt file must exit 1");
   snprintf(cmd, sizeof(cmd), "'%s' --generate -3 --prompt-tokens x 2>/dev/null", bin);
-  TW_EXPECT(run(cmd, NULL, 0) == 2, "a negative --generate must exit 2");
+  EXPECT(run(cmd, NULL, 0) == 2, "a negative --generate must exit 2");
   snprintf(cmd, sizeof(cmd), "'%s' --frobnicate 1 2>/dev/null", bin);
-  TW_EXPECT(run(cmd, NULL, 0) == 2, "an unknown option must exit 2");
+  EXPECT(run(cmd, NULL, 0) == 2, "an unknown option must exit 2");
   snprintf(cmd, sizeof(cmd), "'%s' --help", bin);
-  TW_EXPECT(run(cmd, NULL, 0) == 0, "--help exits 0");
+  EXPECT(run(cmd, NULL, 0) == 0, "--help exits 0");
   rmdir(tmpdir);
-  return tw_test_result("test_prefill_cli");
+  return tw_test_exit("test_prefill_cli");
 }

@@ -51,7 +51,7 @@ def kill_rank_streaming(c, cl, victim, prompt, n_streams, kind, remaining, what)
     adds up over the decode workers)."""
     pid1 = int(victim.wait_line(r"r1 .*rank 1 of 2 pid (\d+) following rank 0", 10).group(1))
     streams = [cl.send(svc.generate(prompt, 300)) for _ in range(n_streams)]
-    end = time.time() + 60
+    end = svc.deadline(60)
     while time.time() < end and not all(len(svc.tokens_of(cl.replies.get(r, []))) >= 3 or cl.done(r)
                                         for r in streams):
         cl.pump(0.02)
@@ -74,7 +74,7 @@ def kill_rank_streaming(c, cl, victim, prompt, n_streams, kind, remaining, what)
 
 def wait_gone(c, victim, pool):
     """The killed worker's other rank ends too (bounded); forget it."""
-    end = time.time() + 10
+    end = svc.deadline(10)
     while time.time() < end and victim.p.poll() is None:
         time.sleep(0.05)
     check(victim.p.poll() is not None, "the killed worker's other rank is gone too (exit %s)" % victim.p.poll())

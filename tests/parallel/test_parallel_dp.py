@@ -99,7 +99,7 @@ try:
     c.procs.remove(first)
     c.prefills.remove(first)
     check(rc_first == 0, "the single-rank prefill worker stopped cleanly (rc %s)" % rc_first)
-    end = time.time() + 10
+    end = svc.deadline(10)
     while time.time() < end and router_workers(c, "prefill") != 1:
         time.sleep(0.05)
     ok0 = svc.metrics(port)["twain_kv_checksum_ok_total"]

@@ -97,7 +97,7 @@ try:
     s0 = dp_seqs(port)
     rids = [cl.send(svc.generate(prompt, N)) for _ in range(3)]
     order = []
-    end = time.time() + 180
+    end = svc.deadline(180)
     while time.time() < end and len(order) < 3:
         cl.pump(0.05)
         order += [r for r in rids if cl.done(r) and r not in order]

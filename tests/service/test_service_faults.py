@@ -74,7 +74,7 @@ try:
     t_kill = time.time()
     victim.p.send_signal(signal.SIGKILL)
     err_at = {}
-    end = time.time() + 120
+    end = svc.deadline(120)
     while time.time() < end and not all(cl.done(r) for r in rids):
         cl.pump(0.01)
         for r in rids:

@@ -50,7 +50,7 @@ def healthz(port):
 
 
 def wait_health(port, code, timeout=15):
-    end = time.time() + timeout
+    end = svc.deadline(timeout)
     got = None
     while time.time() < end:
         got = healthz(port)
@@ -158,7 +158,7 @@ try:
     for burst in range(2):
         for _ in range(60):
             s.send(b"\xff\xff\xff\xff")
-        end = time.time() + 10
+        end = svc.deadline(10)
         n = 0
         while time.time() < end and n < 60:
             if s.poll(200):
@@ -190,7 +190,7 @@ try:
     cl = c.client()
     long_ids = (fixtures.long_prompt() * 10)[:1000]
     rids = [cl.send(svc.generate(long_ids, 8)) for _ in range(12)]
-    end = time.time() + 10
+    end = svc.deadline(10)
     while time.time() < end:  # until the decode worker holds reservations
         cl.pump(0.01)
         if svc.metrics(c.decodes[0].metrics_port).get("twain_kv_blocks_used", 0) > 0:
