@@ -19,7 +19,7 @@ const char *tw_default_model_dir(const char *fallback) {
   char *up = strrchr(self, '/');
   if (!up) return fallback;
   *up = '\0';
-  const char *sub = TW_BUNDLE_MODEL_SUBDIR + 3; /* after "../" */
+  const char *sub = &TW_BUNDLE_MODEL_SUBDIR[3]; /* after "../" */
   char probe[PATH_MAX];
   snprintf(probe, sizeof probe, "%s/%s/config.json", self, sub);
   if (access(probe, R_OK) != 0) return fallback;

@@ -28,12 +28,12 @@
 #define TW_FP4(n) (((n) & 8) ? -TW_FP4_MAG((n) & 7) : TW_FP4_MAG((n) & 7))
 #define TW_FP4_PAIR(b) {{TW_FP4((b) & 15), TW_FP4((b) >> 4)}}
 #define TW_FP4_ROW(h)                                                                        \
-  TW_FP4_PAIR(h * 16 + 0), TW_FP4_PAIR(h * 16 + 1), TW_FP4_PAIR(h * 16 + 2),                 \
-  TW_FP4_PAIR(h * 16 + 3), TW_FP4_PAIR(h * 16 + 4), TW_FP4_PAIR(h * 16 + 5),                 \
-  TW_FP4_PAIR(h * 16 + 6), TW_FP4_PAIR(h * 16 + 7), TW_FP4_PAIR(h * 16 + 8),                 \
-  TW_FP4_PAIR(h * 16 + 9), TW_FP4_PAIR(h * 16 + 10), TW_FP4_PAIR(h * 16 + 11),               \
-  TW_FP4_PAIR(h * 16 + 12), TW_FP4_PAIR(h * 16 + 13), TW_FP4_PAIR(h * 16 + 14),              \
-  TW_FP4_PAIR(h * 16 + 15)
+  TW_FP4_PAIR((h) * 16 + 0), TW_FP4_PAIR((h) * 16 + 1), TW_FP4_PAIR((h) * 16 + 2),                 \
+  TW_FP4_PAIR((h) * 16 + 3), TW_FP4_PAIR((h) * 16 + 4), TW_FP4_PAIR((h) * 16 + 5),                 \
+  TW_FP4_PAIR((h) * 16 + 6), TW_FP4_PAIR((h) * 16 + 7), TW_FP4_PAIR((h) * 16 + 8),                 \
+  TW_FP4_PAIR((h) * 16 + 9), TW_FP4_PAIR((h) * 16 + 10), TW_FP4_PAIR((h) * 16 + 11),               \
+  TW_FP4_PAIR((h) * 16 + 12), TW_FP4_PAIR((h) * 16 + 13), TW_FP4_PAIR((h) * 16 + 14),              \
+  TW_FP4_PAIR((h) * 16 + 15)
 static const union {
   float f[2];
   uint64_t u; /* both values as one 8-byte lane */
