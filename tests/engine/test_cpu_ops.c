@@ -35,9 +35,9 @@ static void test_rmsnorm(void) {
   }
   tw_cpu_rmsnorm(x, T, H, w, (float)eps, y);
   double e = tw_test_rel_l2_f(y, ref, T * H);
-  TW_EXPECT(e < 1e-6, "rmsnorm rel l2 %.3g", e);
+  EXPECT(e < 1e-6, "rmsnorm rel l2 %.3g", e);
   tw_cpu_rmsnorm(x, T, H, w, (float)eps, x); /* in place */
-  TW_EXPECT(memcmp(x, y, sizeof(y)) == 0, "rmsnorm in place differs");
+  EXPECT(memcmp(x, y, sizeof(y)) == 0, "rmsnorm in place differs");
 }
 
 /* ---- RoPE §2.5 ---- */
@@ -67,19 +67,19 @@ static void test_rope(void) {
   double inv[32], conc;
   tw_cpu_rope_init(&c, inv, &conc);
   for (int i = 0; i < 32; i++)
-    TW_EXPECT(fabs(inv[i] - spec_inv_freq[i]) <= 1e-6 * spec_inv_freq[i],
+    EXPECT(fabs(inv[i] - spec_inv_freq[i]) <= 1e-6 * spec_inv_freq[i],
               "inv_freq[%d] %.10g vs spec %.10g", i, inv[i], spec_inv_freq[i]);
-  TW_EXPECT(fabs(conc - 1.3465735902799727) < 1e-12, "concentration %.17g", conc);
+  EXPECT(fabs(conc - 1.3465735902799727) < 1e-12, "concentration %.17g", conc);
   /* independent formula: low/high not rounded, L0 = 4096 */
   double low = 32.0 * log(4096.0 / (32.0 * 2 * M_PI)) / log(150000.0);
   double high = 32.0 * log(4096.0 / (1.0 * 2 * M_PI)) / log(150000.0);
-  TW_EXPECT(fabs(low - 8.092779115512402) < 1e-12 && fabs(high - 17.39802450158856) < 1e-12,
+  EXPECT(fabs(low - 8.092779115512402) < 1e-12 && fabs(high - 17.39802450158856) < 1e-12,
             "low %.15g high %.15g", low, high);
   for (int i = 0; i < 32; i++) {
     double base = pow(150000.0, 2.0 * i / 64.0);
     double r = fmin(fmax((i - low) / (high - low), 0.0), 1.0);
     double want = 1.0 / (32.0 * base) * r + 1.0 / base * (1 - r);
-    TW_EXPECT(fabs(inv[i] - want) <= 1e-12 * want, "inv_freq[%d] formula", i);
+    EXPECT(fabs(inv[i] - want) <= 1e-12 * want, "inv_freq[%d] formula", i);
   }
   /* (C, S) samples of the spec table, concentration included */
   static const struct { int64_t p; int i; double C, S; } cs[] = {
@@ -89,16 +89,16 @@ static void test_rope(void) {
   for (size_t k = 0; k < sizeof(cs) / sizeof(cs[0]); k++) {
     float C[32], S[32];
     tw_cpu_rope_table(inv, 32, conc, cs[k].p, C, S);
-    TW_EXPECT(fabs(C[cs[k].i] - cs[k].C) <= 1e-6 * fabs(cs[k].C), "C[%lld][%d] %.9f vs %.8f",
+    EXPECT(fabs(C[cs[k].i] - cs[k].C) <= 1e-6 * fabs(cs[k].C), "C[%lld][%d] %.9f vs %.8f",
               (long long)cs[k].p, cs[k].i, C[cs[k].i], cs[k].C);
-    TW_EXPECT(fabs(S[cs[k].i] - cs[k].S) <= 1e-6 * fabs(cs[k].S), "S[%lld][%d] %.9f vs %.8f",
+    EXPECT(fabs(S[cs[k].i] - cs[k].S) <= 1e-6 * fabs(cs[k].S), "S[%lld][%d] %.9f vs %.8f",
               (long long)cs[k].p, cs[k].i, S[cs[k].i], cs[k].S);
   }
   /* truncate = true rounds low/high (wrong for gpt-oss, but must follow the flag) */
   c.rope_truncate = true;
   double inv_t[32], conc_t;
   tw_cpu_rope_init(&c, inv_t, &conc_t);
-  TW_EXPECT(fabs(inv_t[9] - 3.162075228e-02) <= 1e-6 * 3.162075228e-02, "truncated inv_freq_9 %.10g",
+  EXPECT(fabs(inv_t[9] - 3.162075228e-02) <= 1e-6 * 3.162075228e-02, "truncated inv_freq_9 %.10g",
             inv_t[9]);
   /* rotation: half-split pairs (i, i+32) on several heads */
   uint64_t seed = 7;
@@ -117,7 +117,7 @@ static void test_rope(void) {
     }
   tw_cpu_rope_apply(x, NH, D, C, S);
   double e = tw_test_rel_l2_f(x, ref, NH * D);
-  TW_EXPECT(e < 1e-6, "rope apply rel l2 %.3g", e);
+  EXPECT(e < 1e-6, "rope apply rel l2 %.3g", e);
 }
 
 /* ---- attention §2.6 ---- */
@@ -198,7 +198,7 @@ static void test_attention(void) {
       memset(out, 0, sizeof(out));
       tw_cpu_attention(q, 8, 0, 8, &kv, a.table, pos, win, sinks, 0.125f, scores, out);
       double e = tw_test_rel_l2_f(out, ref, 8 * 64);
-      TW_EXPECT(e < 1e-5, "attention pos %lld window %d rel l2 %.3g", (long long)pos, win, e);
+      EXPECT(e < 1e-5, "attention pos %lld window %d rel l2 %.3g", (long long)pos, win, e);
     }
   }
   /* off-by-one at exactly W: at pos W-1 the window still holds every key
@@ -207,17 +207,17 @@ static void test_attention(void) {
   float full[8 * 64], slid[8 * 64];
   tw_cpu_attention(q, 8, 0, 8, &kv, a.table, W - 1, 0, sinks, 0.125f, scores, full);
   tw_cpu_attention(q, 8, 0, 8, &kv, a.table, W - 1, W, sinks, 0.125f, scores, slid);
-  TW_EXPECT(memcmp(full, slid, sizeof(full)) == 0, "window W at pos W-1 must see all W keys");
+  EXPECT(memcmp(full, slid, sizeof(full)) == 0, "window W at pos W-1 must see all W keys");
   tw_cpu_attention(q, 8, 0, 8, &kv, a.table, W, 0, sinks, 0.125f, scores, full);
   tw_cpu_attention(q, 8, 0, 8, &kv, a.table, W, W, sinks, 0.125f, scores, slid);
-  TW_EXPECT(tw_test_rel_l2_ff(slid, full, 8 * 64) > 1e-4, "window W at pos W must drop key 0");
+  EXPECT(tw_test_rel_l2_ff(slid, full, 8 * 64) > 1e-4, "window W at pos W must drop key 0");
   /* sinks matter: a huge sink shrinks the output towards zero */
   float big[8];
   for (int h = 0; h < 8; h++) big[h] = 30.0f;
   tw_cpu_attention(q, 8, 0, 8, &kv, a.table, 50, 0, big, 0.125f, scores, out);
   double mx = 0;
   for (int i = 0; i < 8 * 64; i++) mx = fmax(mx, fabs(out[i]));
-  TW_EXPECT(mx < 1e-6, "sink 30 should absorb the softmax, max |out| %.3g", mx);
+  EXPECT(mx < 1e-6, "sink 30 should absorb the softmax, max |out| %.3g", mx);
   free(a.pool);
   free(a.table);
   free(a.K);
@@ -230,10 +230,10 @@ static void test_router(void) {
   int32_t idx[3];
   float w[3];
   tw_cpu_router_topk(z, 6, 2, idx, w);
-  TW_EXPECT(idx[0] == 1 && idx[1] == 3, "ties must pick the lowest indices: got %d %d", idx[0], idx[1]);
-  TW_EXPECT(fabsf(w[0] - 0.5f) < 1e-7f && fabsf(w[1] - 0.5f) < 1e-7f, "tie weights %g %g", w[0], w[1]);
+  EXPECT(idx[0] == 1 && idx[1] == 3, "ties must pick the lowest indices: got %d %d", idx[0], idx[1]);
+  EXPECT(fabsf(w[0] - 0.5f) < 1e-7f && fabsf(w[1] - 0.5f) < 1e-7f, "tie weights %g %g", w[0], w[1]);
   tw_cpu_router_topk(z, 6, 3, idx, w);
-  TW_EXPECT(idx[0] == 1 && idx[1] == 3 && idx[2] == 4, "top-3 %d %d %d", idx[0], idx[1], idx[2]);
+  EXPECT(idx[0] == 1 && idx[1] == 3 && idx[2] == 4, "top-3 %d %d %d", idx[0], idx[1], idx[2]);
   uint64_t seed = 5;
   for (int trial = 0; trial < 20; trial++) {
     float l[32];
@@ -250,9 +250,9 @@ static void test_router(void) {
     double den = 0;
     for (int j = 0; j < 4; j++) den += exp((double)l[order[j]]);
     for (int j = 0; j < 4; j++) {
-      TW_EXPECT(id4[j] == order[j], "trial %d rank %d: %d vs %d", trial, j, id4[j], order[j]);
+      EXPECT(id4[j] == order[j], "trial %d rank %d: %d vs %d", trial, j, id4[j], order[j]);
       double want = exp((double)l[order[j]]) / den;
-      TW_EXPECT(fabs(w4[j] - want) < 1e-6, "trial %d weight %d: %g vs %g", trial, j, w4[j], want);
+      EXPECT(fabs(w4[j] - want) < 1e-6, "trial %d weight %d: %g vs %g", trial, j, w4[j], want);
     }
   }
 }
@@ -269,13 +269,13 @@ static void test_swiglu(void) {
     double g = fmin((double)u[2 * i], 7.0);
     double l = fmin(fmax((double)u[2 * i + 1], -7.0), 7.0);
     double want = g / (1.0 + exp(-1.702 * g)) * (l + 1.0);
-    TW_EXPECT(fabs(a[i] - want) <= 1e-6 * fmax(1.0, fabs(want)), "swiglu[%d] %.9g vs %.9g", i, a[i],
+    EXPECT(fabs(a[i] - want) <= 1e-6 * fmax(1.0, fabs(want)), "swiglu[%d] %.9g vs %.9g", i, a[i],
               want);
   }
   /* spot values: gate 8 clamps to 7; gate -9 is not clamped below */
-  TW_EXPECT(fabs(a[1] - 7.0 / (1 + exp(-1.702 * 7)) * 2.0) < 1e-5, "gate above limit");
-  TW_EXPECT(fabs(a[2] - (-9.0 / (1 + exp(1.702 * 9)) * 3.0)) < 1e-7, "gate below -limit");
-  TW_EXPECT(fabs(a[4] - 1.0 / (1 + exp(-1.702)) * -6.0) < 1e-5, "linear clamped at -7, +1");
+  EXPECT(fabs(a[1] - 7.0 / (1 + exp(-1.702 * 7)) * 2.0) < 1e-5, "gate above limit");
+  EXPECT(fabs(a[2] - (-9.0 / (1 + exp(1.702 * 9)) * 3.0)) < 1e-7, "gate below -limit");
+  EXPECT(fabs(a[4] - 1.0 / (1 + exp(-1.702)) * -6.0) < 1e-5, "linear clamped at -7, +1");
 }
 
 /* ---- matmuls ---- */
@@ -305,10 +305,10 @@ static void test_matmul_bf16(tw_cpu_pool_t *pool) {
         }
       tw_cpu_matmul_bf16(pool, x, T, K, w, b, N, y);
       double e = tw_test_rel_l2_f(y, ref, T * N);
-      TW_EXPECT(e < 1e-5, "matmul_bf16(T=%lld,N=%lld) rel l2 %.3g", (long long)T, (long long)N, e);
+      EXPECT(e < 1e-5, "matmul_bf16(T=%lld,N=%lld) rel l2 %.3g", (long long)T, (long long)N, e);
       tw_cpu_matmul_bf16_kn(pool, x, T, K, wkn, b, N, y);
       e = tw_test_rel_l2_f(y, refkn, T * N);
-      TW_EXPECT(e < 1e-5, "matmul_bf16_kn(T=%lld,N=%lld) rel l2 %.3g", (long long)T, (long long)N, e);
+      EXPECT(e < 1e-5, "matmul_bf16_kn(T=%lld,N=%lld) rel l2 %.3g", (long long)T, (long long)N, e);
       free(x); free(y); free(w); free(b); free(wkn); free(ref); free(refkn);
     }
 }
@@ -325,7 +325,7 @@ static void test_matmul_mxfp4(tw_cpu_pool_t *pool) {
   uint8_t blk[16] = {0x2F}, sc = 126;
   float row[32];
   tw_cpu_mxfp4_row(blk, &sc, 1, row);
-  TW_EXPECT(row[0] == -3.0f && row[1] == 0.5f && row[2] == 0.0f, "worked example %g %g", row[0], row[1]);
+  EXPECT(row[0] == -3.0f && row[1] == 0.5f && row[2] == 0.0f, "worked example %g %g", row[0], row[1]);
   /* every byte under every scale: same values as the loader's dequantiser */
   for (int scale = 0; scale < 255; scale++) { /* 255 is NaN in OCP, inf here: not compared */
     uint8_t blocks[16 * 16], scales[16];
@@ -334,7 +334,7 @@ static void test_matmul_mxfp4(tw_cpu_pool_t *pool) {
     for (int g = 0; g < 16; g++) scales[g] = (uint8_t)scale;
     tw_cpu_mxfp4_row(blocks, scales, 16, ours);
     tw_mxfp4_dequant_row(blocks, scales, 16, loader);
-    TW_EXPECT(memcmp(ours, loader, sizeof(ours)) == 0, "mxfp4 row vs loader at scale %d", scale);
+    EXPECT(memcmp(ours, loader, sizeof(ours)) == 0, "mxfp4 row vs loader at scale %d", scale);
   }
   uint64_t seed = 9;
   const int64_t K = 96 * 8, Ns[] = {3, 64}, Ts[] = {1, 4};
@@ -364,7 +364,7 @@ static void test_matmul_mxfp4(tw_cpu_pool_t *pool) {
         }
       tw_cpu_matmul_mxfp4(pool, x, T, K, blocks, scales, b, N, y);
       double e = tw_test_rel_l2_f(y, ref, T * N);
-      TW_EXPECT(e < 1e-5, "matmul_mxfp4(T=%lld,N=%lld) rel l2 %.3g", (long long)T, (long long)N, e);
+      EXPECT(e < 1e-5, "matmul_mxfp4(T=%lld,N=%lld) rel l2 %.3g", (long long)T, (long long)N, e);
       free(blocks); free(scales); free(b); free(x); free(y); free(dense); free(ref);
     }
 }
@@ -385,5 +385,5 @@ int main(void) {
   test_matmul_mxfp4(NULL);
   test_matmul_mxfp4(pool);
   tw_cpu_pool_destroy(pool);
-  return tw_test_result("test_cpu_ops");
+  return tw_test_exit("test_cpu_ops");
 }

@@ -21,7 +21,7 @@ static void check_still_works(tw_engine_t *e, const tw_fx_entry_t *fx, const int
                           .next_token_out = &next};
   tw_status_t st = tw_engine_prefill(e, &pa);
   double err = tw_test_rel_l2_ff(logits, fx->logits, fx->n_rows * V);
-  TW_EXPECT(st == TW_OK && err <= 1e-4 && next == fx->greedy[0],
+  EXPECT(st == TW_OK && err <= 1e-4 && next == fx->greedy[0],
             "after %s: status %d, rel L2 %.3g, next %d", after, st, err, next);
   free(logits);
 }
@@ -43,32 +43,32 @@ int main(void) {
 
   /* backend names */
   tw_backend_kind_t kind = TW_BACKEND_CPU;
-  TW_EXPECT(tw_backend_parse("gpu", &kind) == TW_ERR_INVALID_ARGUMENT && kind == TW_BACKEND_CPU,
+  EXPECT(tw_backend_parse("gpu", &kind) == TW_ERR_INVALID_ARGUMENT && kind == TW_BACKEND_CPU,
             "parse 'gpu'");
-  TW_EXPECT(tw_backend_parse("cuda", &kind) == TW_OK && kind == TW_BACKEND_CUDA, "parse cuda");
-  TW_EXPECT(strcmp(tw_backend_name(TW_BACKEND_CPU), "cpu") == 0, "name cpu");
+  EXPECT(tw_backend_parse("cuda", &kind) == TW_OK && kind == TW_BACKEND_CUDA, "parse cuda");
+  EXPECT(strcmp(tw_backend_name(TW_BACKEND_CPU), "cpu") == 0, "name cpu");
 
   /* create: bad params */
   tw_engine_t *e = NULL;
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
   p.backend = TW_BACKEND_CPU;
   p.kv_block_size = 0;
-  TW_EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "kv_block_size 0");
+  EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "kv_block_size 0");
   p = TW_ENGINE_PARAMS_DEFAULT;
   p.backend = TW_BACKEND_CPU;
   p.max_batch = -1;
-  TW_EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "max_batch -1");
+  EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "max_batch -1");
   p.max_batch = 256;
   p.tp_size = 2;
   /* TP/EP > 1 needs the worker's collective group (issue 6, params.coll) */
-  TW_EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "cpu tp_size 2 without coll");
+  EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "cpu tp_size 2 without coll");
   p.tp_size = 1;
   p.ep_rank = 1;
-  TW_EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "ep_rank 1 of 1");
+  EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_INVALID_ARGUMENT && !e, "ep_rank 1 of 1");
   p.ep_rank = 0;
   if (!tw_cuda_available()) {
     p.backend = TW_BACKEND_CUDA;
-    TW_EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_UNSUPPORTED && !e, "cuda without a GPU");
+    EXPECT(tw_engine_create(m, &p, &e) == TW_ERR_UNSUPPORTED && !e, "cuda without a GPU");
   }
 
   p = TW_ENGINE_PARAMS_DEFAULT;
@@ -76,11 +76,11 @@ int main(void) {
   p.kv_num_blocks = 8;
   p.max_batch = 2;
   p.n_threads = 2;
-  TW_EXPECT(tw_engine_create(m, &p, &e) == TW_OK && e, "create");
-  if (!e) return tw_test_result("test_engine_errors");
-  TW_EXPECT(tw_engine_backend(e) == TW_BACKEND_CPU, "backend cpu");
+  EXPECT(tw_engine_create(m, &p, &e) == TW_OK && e, "create");
+  if (!e) return tw_test_exit("test_engine_errors");
+  EXPECT(tw_engine_backend(e) == TW_BACKEND_CPU, "backend cpu");
   const tw_kv_layout_t *kv = tw_engine_kv_layout(e);
-  TW_EXPECT(kv && kv->n_blocks == 8 && kv->block_size == 16 && kv->dtype == TW_DTYPE_F32 &&
+  EXPECT(kv && kv->n_blocks == 8 && kv->block_size == 16 && kv->dtype == TW_DTYPE_F32 &&
                 kv->n_kv_heads_local == 2 && kv->head_dim == 64 && kv->n_layers == 4 &&
                 kv->block_bytes == 2 * 2 * 16 * 64 * 4 &&
                 kv->layer_stride_bytes == 8 * kv->block_bytes &&
@@ -96,37 +96,37 @@ int main(void) {
   tw_prefill_args_t pa = {.tokens = toks, .n_tokens = 3, .block_table = table, .n_blocks = 8,
                           .logits_out = &sentinel, .next_token_out = &next};
   toks[1] = V;
-  TW_EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "token id V");
+  EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "token id V");
   toks[1] = -1;
-  TW_EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "token id -1");
-  TW_EXPECT(strstr(tw_last_error(), "tokens[1]") != NULL, "message names the token: %s",
+  EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "token id -1");
+  EXPECT(strstr(tw_last_error(), "tokens[1]") != NULL, "message names the token: %s",
             tw_last_error());
   toks[1] = 305;
   pa.n_tokens = 0;
-  TW_EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "n_tokens 0");
+  EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "n_tokens 0");
   pa.n_tokens = 3;
   pa.start_pos = 15;
   pa.n_blocks = 1; /* 16 positions, 18 needed */
-  TW_EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "block table too short");
-  TW_EXPECT(strstr(tw_last_error(), "too short") != NULL, "message: %s", tw_last_error());
+  EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "block table too short");
+  EXPECT(strstr(tw_last_error(), "too short") != NULL, "message: %s", tw_last_error());
   pa.start_pos = 0;
   pa.n_blocks = 8;
   int32_t bad_table[8] = {0, 1, 2, 3, 4, 5, 6, 8}; /* 8 is outside a pool of 8 */
   pa.block_table = bad_table;
   pa.start_pos = 7 * 16;
-  TW_EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "block id out of the pool");
+  EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "block id out of the pool");
   pa.block_table = table;
   pa.start_pos = max_pos - 2;
   pa.n_blocks = 8;
-  TW_EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_OUT_OF_RANGE, "positions beyond max_position");
+  EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_OUT_OF_RANGE, "positions beyond max_position");
   pa.start_pos = -1;
-  TW_EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "negative start_pos");
+  EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "negative start_pos");
   pa.start_pos = 0;
   pa.tokens = NULL;
-  TW_EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "NULL tokens");
-  TW_EXPECT(tw_engine_prefill(e, NULL) == TW_ERR_INVALID_ARGUMENT, "NULL args");
-  TW_EXPECT(tw_engine_prefill(NULL, &pa) == TW_ERR_INVALID_ARGUMENT, "NULL engine");
-  TW_EXPECT(next == -12345 && sentinel == 42.0f, "outputs written on error");
+  EXPECT(tw_engine_prefill(e, &pa) == TW_ERR_INVALID_ARGUMENT, "NULL tokens");
+  EXPECT(tw_engine_prefill(e, NULL) == TW_ERR_INVALID_ARGUMENT, "NULL args");
+  EXPECT(tw_engine_prefill(NULL, &pa) == TW_ERR_INVALID_ARGUMENT, "NULL engine");
+  EXPECT(next == -12345 && sentinel == 42.0f, "outputs written on error");
   check_still_works(e, &fx, table, 8, "prefill errors");
 
   /* decode errors */
@@ -135,29 +135,29 @@ int main(void) {
   int32_t dnext[3] = {-7, -7, -7};
   tw_decode_args_t da = {.n_seqs = 3, .tokens = dt, .positions = dp, .block_tables = dtabs,
                          .n_blocks = dnb, .next_tokens_out = dnext};
-  TW_EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "n_seqs 3 > max_batch 2");
-  TW_EXPECT(strstr(tw_last_error(), "max_batch") != NULL, "message: %s", tw_last_error());
+  EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "n_seqs 3 > max_batch 2");
+  EXPECT(strstr(tw_last_error(), "max_batch") != NULL, "message: %s", tw_last_error());
   da.n_seqs = 0;
-  TW_EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "n_seqs 0");
+  EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "n_seqs 0");
   da.n_seqs = 1;
   dt[0] = V + 5;
-  TW_EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode token id");
+  EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode token id");
   dt[0] = 8008;
   dp[0] = -1;
-  TW_EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode position -1");
+  EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode position -1");
   dp[0] = max_pos;
-  TW_EXPECT(tw_engine_decode(e, &da) == TW_ERR_OUT_OF_RANGE, "decode position max_pos");
+  EXPECT(tw_engine_decode(e, &da) == TW_ERR_OUT_OF_RANGE, "decode position max_pos");
   dp[0] = 16;
   dnb[0] = 1; /* position 16 needs 2 blocks */
-  TW_EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode table too short");
+  EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode table too short");
   dnb[0] = 8;
   dtabs[0] = bad_table;
   dp[0] = 7 * 16 + 3;
-  TW_EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode block id out of pool");
+  EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode block id out of pool");
   dtabs[0] = table;
   da.positions = NULL;
-  TW_EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode NULL positions");
-  TW_EXPECT(dnext[0] == -7, "decode output written on error");
+  EXPECT(tw_engine_decode(e, &da) == TW_ERR_INVALID_ARGUMENT, "decode NULL positions");
+  EXPECT(dnext[0] == -7, "decode output written on error");
   check_still_works(e, &fx, table, 8, "decode errors");
 
   /* and a valid decode step continues the greedy path */
@@ -165,11 +165,11 @@ int main(void) {
   const int32_t *tab = table;
   tw_decode_args_t ok = {.n_seqs = 1, .tokens = &tok, .positions = &pos, .block_tables = &tab,
                          .n_blocks = &nb, .next_tokens_out = &out};
-  TW_EXPECT(tw_engine_decode(e, &ok) == TW_OK && out == fx.greedy[1], "decode after errors: %d vs %d",
+  EXPECT(tw_engine_decode(e, &ok) == TW_OK && out == fx.greedy[1], "decode after errors: %d vs %d",
             out, fx.greedy[1]);
   tw_engine_destroy(e);
   tw_engine_destroy(NULL);
   tw_fx_free(&fx);
   tw_model_destroy(m);
-  return tw_test_result("test_engine_errors");
+  return tw_test_exit("test_engine_errors");
 }

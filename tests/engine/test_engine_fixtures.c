@@ -67,7 +67,7 @@ static double rel_l2_rows(const float *a, const float *ref, int64_t n) {
 static void check_entry(const tw_model_t *m, const char *variant, const tw_fx_entry_t *fx) {
   ctx_t c;
   if (ctx_init(&c, m, 8192, 2) != 0) {
-    TW_EXPECT(0, "engine setup failed: %s", tw_last_error());
+    EXPECT(0, "engine setup failed: %s", tw_last_error());
     return;
   }
   const int64_t V = c.vocab, T = fx->n_ids;
@@ -79,7 +79,7 @@ static void check_entry(const tw_model_t *m, const char *variant, const tw_fx_en
                           .block_table = c.table, .n_blocks = c.n_table, .all_logits = true,
                           .logits_out = full, .next_token_out = &next};
   tw_status_t st = tw_engine_prefill(c.engine, &pa);
-  TW_EXPECT(st == TW_OK, "%s/%s prefill: %s", variant, fx->prompt, tw_last_error());
+  EXPECT(st == TW_OK, "%s/%s prefill: %s", variant, fx->prompt, tw_last_error());
   double e = rel_l2_rows(full + (int64_t)fx->pos_begin * V, fx->logits, (int64_t)fx->n_rows * V);
   int argmax_ok = 0;
   for (int64_t t = 0; t < T; t++) {
@@ -91,8 +91,8 @@ static void check_entry(const tw_model_t *m, const char *variant, const tw_fx_en
   printf("%s %-12s prefill: rel L2 %.3g over %d rows (positions %d..%d), argmax %d/%lld\n", variant,
          fx->prompt, e, fx->n_rows, fx->pos_begin, fx->pos_begin + fx->n_rows - 1, argmax_ok,
          (long long)T);
-  TW_EXPECT(e <= TW_REL_L2_HF, "%s/%s: logits rel L2 %.3g", variant, fx->prompt, e);
-  TW_EXPECT(argmax_ok == T, "%s/%s: argmax agrees at %d of %lld positions", variant, fx->prompt,
+  EXPECT(e <= TW_REL_L2_HF, "%s/%s: logits rel L2 %.3g", variant, fx->prompt, e);
+  EXPECT(argmax_ok == T, "%s/%s: argmax agrees at %d of %lld positions", variant, fx->prompt,
             argmax_ok, (long long)T);
 
   /* 2. greedy continuation through the KV cache */
@@ -106,7 +106,7 @@ static void check_entry(const tw_model_t *m, const char *variant, const tw_fx_en
                            .n_blocks = &nb, .next_tokens_out = &out};
     st = tw_engine_decode(c.engine, &da);
     if (st != TW_OK) {
-      TW_EXPECT(0, "%s/%s decode step %d: %s", variant, fx->prompt, i, tw_last_error());
+      EXPECT(0, "%s/%s decode step %d: %s", variant, fx->prompt, i, tw_last_error());
       break;
     }
     gen[n_gen++] = out;
@@ -119,7 +119,7 @@ static void check_entry(const tw_model_t *m, const char *variant, const tw_fx_en
   printf("%s %-12s greedy %d tokens: %s", variant, fx->prompt, n_want,
          same ? "identical\n" : "DIFFERENT");
   if (!same) printf(" (first difference at %d)\n", first_diff);
-  TW_EXPECT(same, "%s/%s: greedy continuation differs at %d", variant, fx->prompt, first_diff);
+  EXPECT(same, "%s/%s: greedy continuation differs at %d", variant, fx->prompt, first_diff);
   ctx_fini(&c);
 
   /* 3a. chunks of 7 (one thread, to vary the split too) */
@@ -129,7 +129,7 @@ static void check_entry(const tw_model_t *m, const char *variant, const tw_fx_en
     pa.next_token_out = NULL;
     st = tw_engine_prefill(c.engine, &pa);
     e = rel_l2_rows(other, full, T * V);
-    TW_EXPECT(st == TW_OK && e <= TW_REL_L2_SELF, "%s/%s chunk 7: rel L2 %.3g vs one prefill",
+    EXPECT(st == TW_OK && e <= TW_REL_L2_SELF, "%s/%s chunk 7: rel L2 %.3g vs one prefill",
               variant, fx->prompt, e);
     printf("%s %-12s chunked(7) vs one prefill: rel L2 %.3g\n", variant, fx->prompt, e);
     ctx_fini(&c);
@@ -148,7 +148,7 @@ static void check_entry(const tw_model_t *m, const char *variant, const tw_fx_en
     st = tw_engine_prefill(c.engine, &p1);
     if (st == TW_OK) st = tw_engine_prefill(c.engine, &p2);
     e = rel_l2_rows(other, full, T * V);
-    TW_EXPECT(st == TW_OK && e <= TW_REL_L2_SELF, "%s/%s start_pos %d: rel L2 %.3g", variant,
+    EXPECT(st == TW_OK && e <= TW_REL_L2_SELF, "%s/%s start_pos %d: rel L2 %.3g", variant,
               fx->prompt, split, e);
     printf("%s %-12s prefill 0..%d + start_pos %d: rel L2 %.3g\n", variant, fx->prompt, split - 1,
            split, e);
@@ -160,7 +160,7 @@ static void check_entry(const tw_model_t *m, const char *variant, const tw_fx_en
     p2.next_token_out = &tok;
     st = tw_engine_prefill(c.engine, &p2);
     e = rel_l2_rows(last, full + (T - 1) * V, V);
-    TW_EXPECT(st == TW_OK && e <= TW_REL_L2_SELF && tok == fx->greedy[0],
+    EXPECT(st == TW_OK && e <= TW_REL_L2_SELF && tok == fx->greedy[0],
               "%s/%s last-row prefill: rel L2 %.3g, token %d", variant, fx->prompt, e, tok);
     free(last);
     ctx_fini(&c);
@@ -180,7 +180,7 @@ static void check_entry(const tw_model_t *m, const char *variant, const tw_fx_en
       st = tw_engine_decode(c.engine, &da);
     }
     e = rel_l2_rows(other, full, T * V);
-    TW_EXPECT(st == TW_OK && e <= TW_REL_L2_SELF, "%s/%s token by token: rel L2 %.3g", variant,
+    EXPECT(st == TW_OK && e <= TW_REL_L2_SELF, "%s/%s token by token: rel L2 %.3g", variant,
               fx->prompt, e);
     printf("%s %-12s decode token by token vs one prefill: rel L2 %.3g\n", variant, fx->prompt, e);
     ctx_fini(&c);
@@ -203,7 +203,7 @@ static void check_batched_decode(const tw_model_t *m, const tw_fx_entry_t *a,
                           .n_blocks = 12};
   tw_prefill_args_t pb = {.tokens = b->ids, .n_tokens = b->n_ids - 1, .block_table = tb,
                           .n_blocks = nb_b};
-  TW_EXPECT(tw_engine_prefill(c.engine, &pa) == TW_OK && tw_engine_prefill(c.engine, &pb) == TW_OK,
+  EXPECT(tw_engine_prefill(c.engine, &pa) == TW_OK && tw_engine_prefill(c.engine, &pb) == TW_OK,
             "batched: prefills");
   float *both = malloc(sizeof(float) * 2 * V);
   int32_t toks[2] = {a->ids[a->n_ids - 1], b->ids[b->n_ids - 1]};
@@ -211,13 +211,13 @@ static void check_batched_decode(const tw_model_t *m, const tw_fx_entry_t *a,
   const int32_t *tabs[2] = {c.table, tb};
   tw_decode_args_t da = {.n_seqs = 2, .tokens = toks, .positions = pos, .block_tables = tabs,
                          .n_blocks = nbs, .logits_out = both};
-  TW_EXPECT(tw_engine_decode(c.engine, &da) == TW_OK, "batched decode: %s", tw_last_error());
+  EXPECT(tw_engine_decode(c.engine, &da) == TW_OK, "batched decode: %s", tw_last_error());
   const tw_fx_entry_t *fx[2] = {a, b};
   for (int s = 0; s < 2; s++) {
     int32_t last = fx[s]->n_ids - 1 - fx[s]->pos_begin;
     double e = rel_l2_rows(both + s * V, fx[s]->logits + (int64_t)last * V, V);
     printf("batched decode, sequence %d (%s): rel L2 %.3g vs HF last row\n", s, fx[s]->prompt, e);
-    TW_EXPECT(e <= TW_REL_L2_HF, "batched decode sequence %d: rel L2 %.3g", s, e);
+    EXPECT(e <= TW_REL_L2_HF, "batched decode sequence %d: rel L2 %.3g", s, e);
   }
   free(both);
   ctx_fini(&c);
@@ -253,17 +253,17 @@ int main(int argc, char **argv) {
   int loaded = 0;
   for (int i = 0; i < 4; i++) {
     if (tw_fx_load(fx_dir, variant, tw_fx_prompts[i], &fx[i]) != 0) {
-      TW_EXPECT(0, "cannot load fixture %s/%s", variant, tw_fx_prompts[i]);
+      EXPECT(0, "cannot load fixture %s/%s", variant, tw_fx_prompts[i]);
       break;
     }
     loaded++;
-    TW_EXPECT(fx[i].vocab == m->config.vocab_size, "vocab %d vs model %d", fx[i].vocab,
+    EXPECT(fx[i].vocab == m->config.vocab_size, "vocab %d vs model %d", fx[i].vocab,
               m->config.vocab_size);
     check_entry(m, variant, &fx[i]);
   }
   if (loaded == 4) check_batched_decode(m, &fx[2], &fx[0]);
   for (int i = 0; i < loaded; i++) tw_fx_free(&fx[i]);
   tw_model_destroy(m);
-  return tw_test_result(strcmp(variant, "bf16") == 0 ? "test_engine_fixtures bf16"
+  return tw_test_exit(strcmp(variant, "bf16") == 0 ? "test_engine_fixtures bf16"
                                                      : "test_engine_fixtures mxfp4");
 }

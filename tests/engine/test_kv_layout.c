@@ -44,7 +44,7 @@ int main(void) {
   uint64_t seed = 3;
   for (int i = 0; i < T; i++) toks[i] = (int32_t)(tw_test_rand_u64(&seed) % 8000);
   tw_prefill_args_t pa = {.tokens = toks, .n_tokens = T, .block_table = table, .n_blocks = 8};
-  TW_EXPECT(tw_engine_prefill(e, &pa) == TW_OK, "prefill: %s", tw_last_error());
+  EXPECT(tw_engine_prefill(e, &pa) == TW_OK, "prefill: %s", tw_last_error());
 
   /* YaRN inv_freq and concentration from the spec formula, in double */
   double inv[64], conc = 0.1 * log(c->rope_factor) + 1.0;
@@ -93,7 +93,7 @@ int main(void) {
       const float *vp = (const float *)(b + ((int64_t)1 * NKV + g) * head_bytes + slot * D * 4);
       double ek = tw_test_rel_l2_f(kp, kr, D), ev = tw_test_rel_l2_f(vp, v, D);
       worst = fmax(worst, fmax(ek, ev));
-      TW_EXPECT(ek < 1e-5 && ev < 1e-5, "pos %d kv head %d: K rel L2 %.3g, V rel L2 %.3g", pos, g,
+      EXPECT(ek < 1e-5 && ev < 1e-5, "pos %d kv head %d: K rel L2 %.3g, V rel L2 %.3g", pos, g,
                 ek, ev);
     }
   }
@@ -112,13 +112,13 @@ int main(void) {
       if (!used) nonzero_unused += nz;
       if (used && l == c->n_layers - 1) nonzero_l3 += nz;
     }
-  TW_EXPECT(nonzero_l3 == 8, "last layer: %d of 8 used blocks hold data", nonzero_l3);
-  TW_EXPECT(nonzero_unused == 0, "%d unused blocks were written", nonzero_unused);
-  TW_EXPECT(kv->total_bytes == (int64_t)c->n_layers * kv->layer_stride_bytes &&
+  EXPECT(nonzero_l3 == 8, "last layer: %d of 8 used blocks hold data", nonzero_l3);
+  EXPECT(nonzero_unused == 0, "%d unused blocks were written", nonzero_unused);
+  EXPECT(kv->total_bytes == (int64_t)c->n_layers * kv->layer_stride_bytes &&
                 kv->layer_stride_bytes == kv->n_blocks * kv->block_bytes &&
                 kv->block_bytes == 2LL * NKV * kv->block_size * D * 4,
             "layout sizes");
   tw_engine_destroy(e);
   tw_model_destroy(m);
-  return tw_test_result("test_kv_layout");
+  return tw_test_exit("test_kv_layout");
 }

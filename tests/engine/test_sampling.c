@@ -13,7 +13,7 @@ static int32_t sample1(const float *z, int32_t v, float temp, int32_t k, float p
   tw_sample_params_t sp = {.temperature = temp, .top_k = k, .top_p = p, .seed = seed};
   int32_t tok = -1;
   tw_status_t st = tw_sample(z, v, &sp, pos, NULL, &tok);
-  TW_EXPECT(st == TW_OK, "tw_sample status %d", st);
+  EXPECT(st == TW_OK, "tw_sample status %d", st);
   return tok;
 }
 
@@ -43,8 +43,8 @@ static void check_distribution(const float *z, int v, float temp, int32_t k, flo
   int bad;
   double x = chi2(count, want, v, N, &bad);
   /* keep-1 degrees of freedom (<= 7): P(chi2 > 30) < 1e-4 */
-  TW_EXPECT(bad == 0, "temp %g k %d p %g: %d draws outside the kept set", temp, k, p, bad);
-  TW_EXPECT(x < 30.0, "temp %g k %d p %g: chi-square %.2f over %d tokens", temp, k, p, x, keep);
+  EXPECT(bad == 0, "temp %g k %d p %g: %d draws outside the kept set", temp, k, p, bad);
+  EXPECT(x < 30.0, "temp %g k %d p %g: chi-square %.2f over %d tokens", temp, k, p, x, keep);
 }
 
 /* The documented rules of sampling.c, written out with a full sort. */
@@ -102,13 +102,13 @@ static int32_t reference_sample(const float *logits, int v, float temp, int32_t 
 int main(void) {
   const float ties[5] = {1.0f, 5.0f, 2.0f, 5.0f, -1.0f};
   int32_t tok = -1;
-  TW_EXPECT(tw_sample(ties, 5, NULL, 0, NULL, &tok) == TW_OK && tok == 1, "greedy tie -> 1, got %d", tok);
+  EXPECT(tw_sample(ties, 5, NULL, 0, NULL, &tok) == TW_OK && tok == 1, "greedy tie -> 1, got %d", tok);
   tw_sample_params_t g = TW_SAMPLE_PARAMS_GREEDY;
-  TW_EXPECT(tw_sample(ties, 5, &g, 0, NULL, &tok) == TW_OK && tok == 1, "greedy params tie");
-  TW_EXPECT(sample1(ties, 5, 1.0f, 1, 1.0f, 7, 3) == 1, "top-k 1 with a tie picks the lowest id");
+  EXPECT(tw_sample(ties, 5, &g, 0, NULL, &tok) == TW_OK && tok == 1, "greedy params tie");
+  EXPECT(sample1(ties, 5, 1.0f, 1, 1.0f, 7, 3) == 1, "top-k 1 with a tie picks the lowest id");
   tw_sample_params_t nanp = {.temperature = NAN, .top_p = 1.0f};
-  TW_EXPECT(tw_sample(ties, 5, &nanp, 0, NULL, &tok) == TW_ERR_INVALID_ARGUMENT, "NaN temperature");
-  TW_EXPECT(tw_sample(ties, 0, NULL, 0, NULL, &tok) == TW_ERR_INVALID_ARGUMENT, "vocab 0");
+  EXPECT(tw_sample(ties, 5, &nanp, 0, NULL, &tok) == TW_ERR_INVALID_ARGUMENT, "NaN temperature");
+  EXPECT(tw_sample(ties, 0, NULL, 0, NULL, &tok) == TW_ERR_INVALID_ARGUMENT, "vocab 0");
 
   uint64_t s = 77;
   enum { V = 1000 };
@@ -118,17 +118,17 @@ int main(void) {
     for (int i = 0; i < V; i++) z[i] = (float)tw_test_uniform(&s, -2, 2);
     int32_t greedy;
     tw_sample(z, V, NULL, pos, NULL, &greedy);
-    TW_EXPECT(sample1(z, V, 0.8f, 1, 1.0f, 5, pos) == greedy, "top-k 1 != greedy at %lld", (long long)pos);
-    TW_EXPECT(sample1(z, V, 1.0f, 0, 1e-6f, 5, pos) == greedy, "tiny top-p != greedy at %lld", (long long)pos);
+    EXPECT(sample1(z, V, 0.8f, 1, 1.0f, 5, pos) == greedy, "top-k 1 != greedy at %lld", (long long)pos);
+    EXPECT(sample1(z, V, 1.0f, 0, 1e-6f, 5, pos) == greedy, "tiny top-p != greedy at %lld", (long long)pos);
     int32_t a = sample1(z, V, 1.0f, 0, 1.0f, 99, pos), b = sample1(z, V, 1.0f, 0, 1.0f, 99, pos);
     tw_sample_params_t sp = {.temperature = 1.0f, .top_k = 50, .top_p = 0.9f, .seed = 99};
     int32_t c = -1;
     tw_sample(z, V, &sp, pos, scratch, &c); /* caller scratch gives the same draw */
-    TW_EXPECT(a == b, "same seed, same token at %lld", (long long)pos);
-    TW_EXPECT(c == sample1(z, V, 1.0f, 50, 0.9f, 99, pos), "scratch vs own buffer at %lld", (long long)pos);
+    EXPECT(a == b, "same seed, same token at %lld", (long long)pos);
+    EXPECT(c == sample1(z, V, 1.0f, 50, 0.9f, 99, pos), "scratch vs own buffer at %lld", (long long)pos);
     differ += sample1(z, V, 1.0f, 0, 1.0f, 100, pos) != a;
   }
-  TW_EXPECT(differ > 150, "seeds 99 and 100 agree too often: %d of 200 differ", differ);
+  EXPECT(differ > 150, "seeds 99 and 100 agree too often: %d of 200 differ", differ);
 
   /* the documented rules, against a full-sort reference: top-p alone (the
    * pre-filtered path), top-k alone, both */
@@ -143,16 +143,16 @@ int main(void) {
     mismatches += sample1(z, V, 1.0f, 7, 1.0f, 13, pos) != reference_sample(z, V, 1.0f, 7, 1.0f, 13, pos);
     mismatches += sample1(z, V, 1.0f, 0, 1.0f, 14, pos) != reference_sample(z, V, 1.0f, 0, 1.0f, 14, pos);
   }
-  TW_EXPECT(mismatches == 0, "%d of 1000 draws differ from the full-sort reference", mismatches);
+  EXPECT(mismatches == 0, "%d of 1000 draws differ from the full-sort reference", mismatches);
 
   double mean = 0;
   for (int64_t i = 0; i < 10000; i++) {
     double u = tw_sample_uniform(3, i);
-    TW_EXPECT(u >= 0.0 && u < 1.0, "uniform out of range %g", u);
+    EXPECT(u >= 0.0 && u < 1.0, "uniform out of range %g", u);
     mean += u;
   }
-  TW_EXPECT(fabs(mean / 10000 - 0.5) < 0.01, "uniform mean %g", mean / 10000);
-  TW_EXPECT(tw_sample_uniform(3, 5) == tw_sample_uniform(3, 5), "uniform is a pure function");
+  EXPECT(fabs(mean / 10000 - 0.5) < 0.01, "uniform mean %g", mean / 10000);
+  EXPECT(tw_sample_uniform(3, 5) == tw_sample_uniform(3, 5), "uniform is a pure function");
 
   /* distributions: z sorted descending so the kept set is a prefix */
   const float zd[8] = {2.0f, 1.5f, 1.2f, 0.4f, 0.0f, -0.5f, -1.0f, -3.0f};
@@ -161,5 +161,5 @@ int main(void) {
   check_distribution(zd, 8, 1.0f, 3, 1.0f, 3);
   /* top-p 0.7 at temp 1: p = .395 .240 .177 .080 ... cumulative reaches 0.7 at 3 tokens */
   check_distribution(zd, 8, 1.0f, 0, 0.7f, 3);
-  return tw_test_result("test_sampling");
+  return tw_test_exit("test_sampling");
 }

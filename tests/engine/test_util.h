@@ -1,23 +1,13 @@
-/* test_util.h: tiny helpers shared by the engine tests: a failure counter
- * with file:line messages, a seeded xorshift generator, relative L2 error. */
+/* test_util.h: tiny helpers shared by the engine tests: a seeded xorshift
+ * generator and relative L2 error (assertions: tests/test_expect.h). */
 #ifndef TW_TESTS_ENGINE_TEST_UTIL_H
 #define TW_TESTS_ENGINE_TEST_UTIL_H
+
+#include "tests/test_expect.h"
 
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
-
-static int tw_test_failures = 0;
-
-#define TW_EXPECT(cond, ...)                                          \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      tw_test_failures++;                                             \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                   \
-      fprintf(stderr, "\n");                                          \
-    }                                                                 \
-  } while (0)
 
 /* xorshift64*: deterministic test inputs. */
 static inline uint64_t tw_test_rand_u64(uint64_t *s) {
@@ -55,13 +45,5 @@ static inline double tw_test_rel_l2_ff(const float *a, const float *ref, int64_t
   return den > 0.0 ? sqrt(num / den) : sqrt(num);
 }
 
-static inline int tw_test_result(const char *name) {
-  if (tw_test_failures) {
-    fprintf(stderr, "%s: %d failure(s)\n", name, tw_test_failures);
-    return 1;
-  }
-  printf("%s: all checks passed\n", name);
-  return 0;
-}
 
 #endif

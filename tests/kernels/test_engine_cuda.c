@@ -27,6 +27,7 @@
 #include "common/model.h"
 #include "common/sampling.h"
 #include "tests/engine/fixture_util.h"
+#include "tests/test_expect.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -43,18 +44,6 @@
 
 #define N_PROMPTS 4
 #define BLOCKS_PER_SEQ 24 /* 384 positions >= 298 + 48 */
-
-static int fails;
-
-#define EXPECT(cond, ...)                   \
-  do {                                      \
-    if (!(cond)) {                          \
-      printf("FAIL ");                      \
-      printf(__VA_ARGS__);                  \
-      printf("\n");                         \
-      fails++;                              \
-    }                                       \
-  } while (0)
 
 static int argmax_row(const float *r, int V) {
   int b = 0;

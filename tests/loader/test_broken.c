@@ -115,18 +115,18 @@ static void test_headers(void) {
   EXPECT_OK(tw_safetensors_parse(buf_g, (int64_t)(8 + n + 48), "good", &f));
   if (f) {
     EXPECT_EQ_I64(tw_safetensors_count(f), 11);
-    EXPECT(strcmp(tw_safetensors_metadata(f, "format"), "pt") == 0);
-    EXPECT(tw_safetensors_metadata(f, "nope") == NULL);
-    EXPECT(tw_safetensors_find(f, "absent") == NULL);
+    EXPECT_TRUE(strcmp(tw_safetensors_metadata(f, "format"), "pt") == 0);
+    EXPECT_TRUE(tw_safetensors_metadata(f, "nope") == NULL);
+    EXPECT_TRUE(tw_safetensors_find(f, "absent") == NULL);
     const tw_safetensors_tensor_t *t = tw_safetensors_find(f, "scalar");
-    EXPECT(t && t->ndim == 0 && t->n_elems == 1 && t->n_bytes == 8 && t->dtype == TW_DTYPE_I64);
-    EXPECT(t && (const uint8_t *)t->data == buf_g + 8 + n + 16);
+    EXPECT_TRUE(t && t->ndim == 0 && t->n_elems == 1 && t->n_bytes == 8 && t->dtype == TW_DTYPE_I64);
+    EXPECT_TRUE(t && (const uint8_t *)t->data == buf_g + 8 + n + 16);
     t = tw_safetensors_find(f, "empty");
-    EXPECT(t && t->n_bytes == 0 && t->shape[1] == 5);
+    EXPECT_TRUE(t && t->n_bytes == 0 && t->shape[1] == 5);
     t = tw_safetensors_find(f, "e4m3");
-    EXPECT(t && t->dtype == TW_DTYPE_F8_E4M3 && t->n_bytes == 3);
+    EXPECT_TRUE(t && t->dtype == TW_DTYPE_F8_E4M3 && t->n_bytes == 3);
     t = tw_safetensors_find(f, "f64");
-    EXPECT(t && t->dtype == TW_DTYPE_F64 && t->begin == 40);
+    EXPECT_TRUE(t && t->dtype == TW_DTYPE_F64 && t->begin == 40);
     EXPECT_EQ_I64(tw_safetensors_data_bytes(f), 48);
     tw_safetensors_destroy(f);
   }
@@ -150,15 +150,15 @@ static void test_files(void) {
              "/nonexistent/x.safetensors: cannot open");
   EXPECT_ERR(tw_safetensors_open(tmp_g, &f), TW_ERR_IO, "not a regular file");
   path_in(p, sizeof p, tmp_g, "short.safetensors");
-  EXPECT(stw_write_text(p, "abc") == 0);
+  EXPECT_TRUE(stw_write_text(p, "abc") == 0);
   EXPECT_ERR(tw_safetensors_open(p, &f), TW_ERR_FORMAT, "short.safetensors: file is 3 bytes");
   path_in(p, sizeof p, tmp_g, "empty.safetensors");
-  EXPECT(stw_write_text(p, "") == 0);
+  EXPECT_TRUE(stw_write_text(p, "") == 0);
   EXPECT_ERR(tw_safetensors_open(p, &f), TW_ERR_FORMAT, "file is 0 bytes");
   path_in(p, sizeof p, tmp_g, "len.safetensors");
-  EXPECT(stw_write_raw(p, 5000, "{}", NULL, 10) == 0);
+  EXPECT_TRUE(stw_write_raw(p, 5000, "{}", NULL, 10) == 0);
   EXPECT_ERR(tw_safetensors_open(p, &f), TW_ERR_FORMAT, "len.safetensors: header length 5000");
-  EXPECT(f == NULL);
+  EXPECT_TRUE(f == NULL);
 }
 
 /* A checkpoint directory with the fixture's config (or `config_text`) and a
@@ -168,14 +168,14 @@ static char *make_dir(const stw_tensor_t *t, int n, const char *config_text) {
   char p[4096], src[4200];
   path_in(p, sizeof p, dir, "config.json");
   if (config_text) {
-    EXPECT(stw_write_text(p, config_text) == 0);
+    EXPECT_TRUE(stw_write_text(p, config_text) == 0);
   } else {
     snprintf(src, sizeof src, "%s/config.json", fixture_g);
-    EXPECT(stw_copy(src, p) == 0);
+    EXPECT_TRUE(stw_copy(src, p) == 0);
   }
   if (t) {
     path_in(p, sizeof p, dir, "model.safetensors");
-    EXPECT(stw_write(p, t, n) == 0);
+    EXPECT_TRUE(stw_write(p, t, n) == 0);
   }
   return dir;
 }
@@ -184,7 +184,7 @@ static tw_status_t load_dir(char *dir) {
   tw_model_t *m = NULL;
   tw_status_t st = tw_model_load(dir, &m);
   tw_model_destroy(m);
-  if (st != TW_OK) EXPECT(m == NULL);
+  if (st != TW_OK) EXPECT_TRUE(m == NULL);
   stw_rmtree(dir);
   free(dir);
   return st;
@@ -255,7 +255,7 @@ static void test_checkpoints(void) {
     path_in(p, sizeof p, dir, "model.safetensors");
     int64_t n = 0;
     char *bytes = stw_slurp(p, &n);
-    EXPECT(truncate(p, n - 1000) == 0);
+    EXPECT_TRUE(truncate(p, n - 1000) == 0);
     free(bytes);
     EXPECT_ERR(load_dir(dir), TW_ERR_FORMAT, "lies beyond the data section");
   }
@@ -305,13 +305,13 @@ static char *make_sharded(void (*edit)(cJSON *weight_map, cJSON *root), const ch
       cJSON_AddStringToObject(wm, model_g[i].name, name);
     }
     path_in(p, sizeof p, dir, name);
-    EXPECT(stw_write(p, part, k) == 0);
+    EXPECT_TRUE(stw_write(p, part, k) == 0);
   }
   if (edit) edit(wm, root);
   char *text = cJSON_Print(root);
   char p[4096];
   path_in(p, sizeof p, dir, "model.safetensors.index.json");
-  EXPECT(stw_write_text(p, raw_index ? raw_index : text) == 0);
+  EXPECT_TRUE(stw_write_text(p, raw_index ? raw_index : text) == 0);
   free(text);
   cJSON_Delete(root);
   return dir;

@@ -49,7 +49,7 @@ static void check_20b(const tw_model_config_t *c) {
   EXPECT_EQ_I64(c->n_heads, 64);
   EXPECT_EQ_I64(c->n_kv_heads, 8);
   EXPECT_EQ_I64(c->sliding_window, 128);
-  EXPECT(c->attention_bias);
+  EXPECT_TRUE(c->attention_bias);
   EXPECT_EQ_F64(c->swiglu_limit, 7.0f);
   EXPECT_EQ_F64(c->swiglu_alpha, 1.702f);
   EXPECT_EQ_F64(c->rms_norm_eps, 1e-5f);
@@ -58,13 +58,13 @@ static void check_20b(const tw_model_config_t *c) {
   EXPECT_EQ_F64(c->rope_beta_fast, 32.0);
   EXPECT_EQ_F64(c->rope_beta_slow, 1.0);
   EXPECT_EQ_I64(c->rope_original_max_pos, 4096);
-  EXPECT(!c->rope_truncate);
+  EXPECT_TRUE(!c->rope_truncate);
   EXPECT_EQ_I64(c->initial_context_length, 4096);
   EXPECT_EQ_I64(c->max_position_embeddings, 131072);
-  EXPECT(!c->tie_word_embeddings);
+  EXPECT_TRUE(!c->tie_word_embeddings);
   EXPECT_EQ_I64(c->eos_token_id, 200002);
   EXPECT_EQ_I64(c->pad_token_id, 199999);
-  EXPECT(c->mxfp4);
+  EXPECT_TRUE(c->mxfp4);
   for (int i = 0; i < 24; i++)
     EXPECT_EQ_I64(c->layer_types[i], i % 2 == 0 ? TW_LAYER_SLIDING : TW_LAYER_FULL);
   EXPECT_EQ_I64(tw_config_kv_bytes_per_token(c, 2), 2048); /* spec §3.7 */
@@ -87,7 +87,7 @@ static void test_tiny(const char *fixtures) {
   EXPECT_EQ_I64(c.n_heads, 4);
   EXPECT_EQ_I64(c.n_kv_heads, 2);
   EXPECT_EQ_I64(c.sliding_window, 32);
-  EXPECT(c.attention_bias);
+  EXPECT_TRUE(c.attention_bias);
   EXPECT_EQ_F64(c.swiglu_limit, 7.0f);
   EXPECT_EQ_F64(c.swiglu_alpha, 1.702f); /* not in the file: the default */
   EXPECT_EQ_F64(c.rms_norm_eps, 1e-5f);
@@ -96,13 +96,13 @@ static void test_tiny(const char *fixtures) {
   EXPECT_EQ_F64(c.rope_beta_fast, 32.0);
   EXPECT_EQ_F64(c.rope_beta_slow, 1.0);
   EXPECT_EQ_I64(c.rope_original_max_pos, 4096);
-  EXPECT(!c.rope_truncate);
+  EXPECT_TRUE(!c.rope_truncate);
   EXPECT_EQ_I64(c.initial_context_length, 4096);
   EXPECT_EQ_I64(c.max_position_embeddings, 4096);
-  EXPECT(!c.tie_word_embeddings);
+  EXPECT_TRUE(!c.tie_word_embeddings);
   EXPECT_EQ_I64(c.eos_token_id, 8004);
   EXPECT_EQ_I64(c.pad_token_id, 8001);
-  EXPECT(c.mxfp4);
+  EXPECT_TRUE(c.mxfp4);
   EXPECT_EQ_I64(c.layer_types[0], TW_LAYER_SLIDING);
   EXPECT_EQ_I64(c.layer_types[1], TW_LAYER_FULL);
   EXPECT_EQ_I64(c.layer_types[2], TW_LAYER_SLIDING);
@@ -149,7 +149,7 @@ static void test_missing(void) {
     memset(&c, 0x5a, sizeof c);
     tw_model_config_t before = c;
     EXPECT_ERR(parse_mut(NULL, required[i], NULL, &c), TW_ERR_NOT_FOUND, required[i]);
-    EXPECT(memcmp(&before, &c, sizeof c) == 0); /* output untouched on error */
+    EXPECT_TRUE(memcmp(&before, &c, sizeof c) == 0); /* output untouched on error */
   }
   EXPECT_ERR(parse_mut("rope_scaling", "factor", NULL, &c), TW_ERR_NOT_FOUND,
              "rope_scaling.factor");
@@ -176,7 +176,7 @@ static void test_missing(void) {
   EXPECT_OK(parse_mut(NULL, "eos_token_id", NULL, &c));
   EXPECT_EQ_I64(c.eos_token_id, -1);
   EXPECT_OK(parse_mut(NULL, "quantization_config", NULL, &c));
-  EXPECT(!c.mxfp4);
+  EXPECT_TRUE(!c.mxfp4);
   EXPECT_OK(parse_mut(NULL, "layer_types", NULL, &c)); /* HF default: alternating */
   EXPECT_EQ_I64(c.layer_types[0], TW_LAYER_SLIDING);
   EXPECT_EQ_I64(c.layer_types[23], TW_LAYER_FULL);
@@ -259,7 +259,7 @@ static void test_bad_values(void) {
   EXPECT_OK(parse_mut(NULL, "swiglu_alpha", "1.5", &c));
   EXPECT_EQ_F64(c.swiglu_alpha, 1.5f);
   EXPECT_OK(parse_mut("rope_scaling", "truncate", "true", &c));
-  EXPECT(c.rope_truncate);
+  EXPECT_TRUE(c.rope_truncate);
 }
 
 /* The newer spelling: rope_parameters with rope_theta inside, no top-level

@@ -79,10 +79,10 @@ int main(int argc, char **argv) {
   tw_model_destroy(m);
   return 77;
 #endif
-  EXPECT(rss1 - rss0 < 2048);
-  EXPECT(peak1 - peak0 < 2048);
-  EXPECT(rss2 - rss0 >= weights_kib * 9 / 10);
-  EXPECT(rss2 - rss0 <= weights_kib + 2048);
+  EXPECT_TRUE(rss1 - rss0 < 2048);
+  EXPECT_TRUE(peak1 - peak0 < 2048);
+  EXPECT_TRUE(rss2 - rss0 >= weights_kib * 9 / 10);
+  EXPECT_TRUE(rss2 - rss0 <= weights_kib + 2048);
   tw_model_destroy(m);
   return CHECK_DONE("test_load_rss");
 }

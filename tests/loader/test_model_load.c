@@ -20,7 +20,7 @@ static uint16_t bf16_at(const tw_tensor_t *t, int64_t i) {
 
 static void expect_shape(const tw_tensor_t *t, tw_dtype_t dt, int ndim, int64_t a, int64_t b,
                          int64_t c, int64_t d) {
-  EXPECT(t->data != NULL);
+  EXPECT_TRUE(t->data != NULL);
   EXPECT_EQ_I64(t->dtype, dt);
   EXPECT_EQ_I64(t->ndim, ndim);
   const int64_t want[4] = {a, b, c, d};
@@ -42,7 +42,7 @@ static void test_mxfp4(const char *fixtures) {
   EXPECT_EQ_I64(impl->n_tensors, 79); /* README: 79 tensors */
   EXPECT_EQ_I64(impl->n_files, 1);
   EXPECT_EQ_I64(m->config.n_layers, 4);
-  EXPECT(m->config.mxfp4);
+  EXPECT_TRUE(m->config.mxfp4);
   /* 16,632,736 file bytes minus 8 + 8504 header bytes */
   EXPECT_EQ_I64(m->weight_bytes, 16632736 - 8 - 8504);
   expect_shape(&m->embed, TW_DTYPE_BF16, 2, 8064, 256, 0, 0);
@@ -64,7 +64,7 @@ static void test_mxfp4(const char *fixtures) {
     expect_shape(&w->down_blocks, TW_DTYPE_U8, 4, 8, 256, 16, 16);
     expect_shape(&w->down_scales, TW_DTYPE_U8, 3, 8, 256, 16, 0);
     expect_shape(&w->down_bias, TW_DTYPE_BF16, 2, 8, 256, 0, 0);
-    EXPECT(w->gate_up.data == NULL && w->down.data == NULL);
+    EXPECT_TRUE(w->gate_up.data == NULL && w->down.data == NULL);
   }
   /* raw values (python json+struct) */
   EXPECT_EQ_I64(bf16_at(&m->embed, 0), 0x3d18);
@@ -90,7 +90,7 @@ static void test_bf16(const char *shared) {
   if (!m) return;
   const tw_model_impl_t *impl = m->impl;
   EXPECT_EQ_I64(impl->n_tensors, 71); /* README: 71 tensors */
-  EXPECT(!m->config.mxfp4);
+  EXPECT_TRUE(!m->config.mxfp4);
   EXPECT_EQ_I64(m->weight_bytes, 35113024 - 8 - 7640);
   expect_shape(&m->embed, TW_DTYPE_BF16, 2, 8064, 256, 0, 0);
   for (int l = 0; l < 4; l++) {
@@ -100,7 +100,7 @@ static void test_bf16(const char *shared) {
     expect_shape(&w->gate_up_bias, TW_DTYPE_BF16, 2, 8, 1024, 0, 0);
     expect_shape(&w->down, TW_DTYPE_BF16, 3, 8, 512, 256, 0);
     expect_shape(&w->down_bias, TW_DTYPE_BF16, 2, 8, 256, 0, 0);
-    EXPECT(w->gate_up_blocks.data == NULL && w->down_scales.data == NULL);
+    EXPECT_TRUE(w->gate_up_blocks.data == NULL && w->down_scales.data == NULL);
   }
   EXPECT_EQ_I64(bf16_at(&m->embed, 0), 0x3d18);
   EXPECT_EQ_I64(bf16_at(&m->embed, 1), 0x3d78);

@@ -20,9 +20,9 @@ static void expect_same(const tw_tensor_t *a, const tw_tensor_t *b, const char *
       (a->data && memcmp(a->data, b->data, (size_t)a->n_bytes) != 0)) {
     fprintf(stderr, "FAILED: layer %d %s differs between single-file and sharded loads\n", l,
             what);
-    check_failures_g++;
+    fails++;
   }
-  if (a->data && a->data == b->data) check_failures_g++; /* must be separate mappings */
+  if (a->data && a->data == b->data) fails++; /* must be separate mappings */
 }
 
 static void compare_models(const tw_model_t *a, const tw_model_t *b) {
@@ -48,12 +48,12 @@ static char *make_sharded(const char *src_dir, int n_shards) {
   char src[4096], dst[4096];
   snprintf(src, sizeof src, "%s/config.json", src_dir);
   snprintf(dst, sizeof dst, "%s/config.json", dir);
-  EXPECT(stw_copy(src, dst) == 0);
+  EXPECT_TRUE(stw_copy(src, dst) == 0);
   snprintf(src, sizeof src, "%s/model.safetensors", src_dir);
   static stw_tensor_t all[256], part[256];
   void *buf = NULL;
   int n = stw_read(src, all, 256, &buf);
-  EXPECT(n > 0);
+  EXPECT_TRUE(n > 0);
   cJSON *index = cJSON_CreateObject();
   cJSON *meta = cJSON_AddObjectToObject(index, "metadata");
   cJSON *wm = cJSON_AddObjectToObject(index, "weight_map");
@@ -69,12 +69,12 @@ static char *make_sharded(const char *src_dir, int n_shards) {
       total += all[i].n_bytes;
     }
     snprintf(dst, sizeof dst, "%s/%s", dir, name);
-    EXPECT(stw_write(dst, part, k) == 0);
+    EXPECT_TRUE(stw_write(dst, part, k) == 0);
   }
   cJSON_AddNumberToObject(meta, "total_size", (double)total);
   char *text = cJSON_Print(index);
   snprintf(dst, sizeof dst, "%s/model.safetensors.index.json", dir);
-  EXPECT(stw_write_text(dst, text) == 0);
+  EXPECT_TRUE(stw_write_text(dst, text) == 0);
   free(text);
   cJSON_Delete(index);
   free(buf);

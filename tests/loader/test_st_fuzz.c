@@ -44,7 +44,7 @@ static void check_parse(const uint8_t *buf, int64_t n) {
           t->n_bytes != t->n_elems * (int64_t)tw_dtype_size(t->dtype) ||
           tw_safetensors_find(f, t->name) != t) {
         fprintf(stderr, "FAILED: tensor '%s' escapes the buffer or is inconsistent\n", t->name);
-        check_failures_g++;
+        fails++;
       }
     }
     tw_safetensors_destroy(f);
@@ -52,7 +52,7 @@ static void check_parse(const uint8_t *buf, int64_t n) {
     n_err_g++;
     if (st != TW_ERR_FORMAT || f != NULL || tw_last_error()[0] == '\0') {
       fprintf(stderr, "FAILED: status %s, message \"%s\"\n", tw_status_str(st), tw_last_error());
-      check_failures_g++;
+      fails++;
     }
   }
 }
@@ -111,7 +111,7 @@ int main(void) {
            fixtures ? fixtures : "tests/fixtures");
   int64_t n = 0;
   uint8_t *orig = (uint8_t *)stw_slurp(path, &n);
-  EXPECT(orig != NULL);
+  EXPECT_TRUE(orig != NULL);
   if (!orig) return CHECK_DONE("test_st_fuzz");
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | orig[i];
@@ -169,7 +169,7 @@ int main(void) {
            fixtures ? fixtures : "tests/fixtures");
   int64_t cn = 0;
   char *ctext = stw_slurp(cpath, &cn);
-  EXPECT(ctext != NULL);
+  EXPECT_TRUE(ctext != NULL);
   char *cwork = ctext ? malloc((size_t)cn + 1) : NULL;
   int c_ok = 0, c_err = 0;
   for (int it = 0; cwork && it < 1000; it++) {
@@ -185,11 +185,11 @@ int main(void) {
     tw_status_t st = tw_config_parse(cwork, &c);
     if (st == TW_OK) {
       c_ok++;
-      EXPECT(c.n_layers > 0 && c.n_layers <= TW_MAX_LAYERS && c.hidden > 0 && c.n_kv_heads > 0 &&
+      EXPECT_TRUE(c.n_layers > 0 && c.n_layers <= TW_MAX_LAYERS && c.hidden > 0 && c.n_kv_heads > 0 &&
              c.n_heads % c.n_kv_heads == 0);
     } else {
       c_err++;
-      EXPECT(tw_last_error()[0] != '\0');
+      EXPECT_TRUE(tw_last_error()[0] != '\0');
     }
   }
   fprintf(stderr, "config fuzz: 1000 iterations, %d parsed, %d rejected\n", c_ok, c_err);
@@ -197,7 +197,7 @@ int main(void) {
   free(ctext);
   tw_log_level_g = TW_LOG_INFO;
   fprintf(stderr, "fuzz: %d iterations, %d parsed, %d rejected\n", N_ITERS + 1, n_ok_g, n_err_g);
-  EXPECT(n_err_g > N_ITERS / 2); /* the corruptions are mostly caught */
+  EXPECT_TRUE(n_err_g > N_ITERS / 2); /* the corruptions are mostly caught */
   free(work);
   free(header);
   free(orig);

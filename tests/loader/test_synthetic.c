@@ -17,7 +17,7 @@ static void same_layout(const tw_tensor_t *a, const tw_tensor_t *b, const char *
   if ((a->data == NULL) != (b->data == NULL) || a->dtype != b->dtype || a->ndim != b->ndim ||
       a->n_bytes != b->n_bytes || memcmp(a->shape, b->shape, sizeof a->shape) != 0) {
     fprintf(stderr, "FAILED: %s: synthetic layout differs from the checkpoint\n", what);
-    check_failures_g++;
+    fails++;
   }
 }
 
@@ -56,13 +56,13 @@ static void moments(const tw_tensor_t *t, double *mean_p, double *sd_p) {
 static void check_values(const tw_model_t *m) {
   double mean, sd;
   moments(&m->embed, &mean, &sd);
-  EXPECT(fabs(mean) < 0.001 && fabs(sd - 0.02) < 0.001);
+  EXPECT_TRUE(fabs(mean) < 0.001 && fabs(sd - 0.02) < 0.001);
   moments(&m->layers[0].q_w, &mean, &sd);
-  EXPECT(fabs(mean) < 0.001 && fabs(sd - 0.02) < 0.001);
+  EXPECT_TRUE(fabs(mean) < 0.001 && fabs(sd - 0.02) < 0.001);
   moments(&m->layers[1].attn_norm, &mean, &sd);
-  EXPECT(fabs(mean - 1.0) < 0.01 && sd < 0.05);
+  EXPECT_TRUE(fabs(mean - 1.0) < 0.01 && sd < 0.05);
   moments(&m->final_norm, &mean, &sd);
-  EXPECT(fabs(mean - 1.0) < 0.01);
+  EXPECT_TRUE(fabs(mean - 1.0) < 0.01);
   /* 4 sinks per layer are too few for moments: pool them */
   double s2 = 0;
   int n = 0;
@@ -70,7 +70,7 @@ static void check_values(const tw_model_t *m) {
     const uint16_t *h = m->layers[l].sinks.data;
     for (int i = 0; i < m->config.n_heads; i++, n++) s2 += pow(tw_bf16_to_f32(h[i]), 2);
   }
-  EXPECT(s2 / n > 0.1 && s2 / n < 5.0);
+  EXPECT_TRUE(s2 / n > 0.1 && s2 / n < 5.0);
   if (m->layers[0].experts_format == TW_EXPERTS_MXFP4) {
     const tw_tensor_t *sc = &m->layers[2].down_scales, *bl = &m->layers[2].gate_up_blocks;
     const uint8_t *s = sc->data, *b = bl->data;
@@ -78,13 +78,13 @@ static void check_values(const tw_model_t *m) {
     for (int64_t i = 0; i < sc->n_bytes; i++) count[s[i]]++;
     for (int v = 0; v < 256; v++)
       if (v < 118 || v > 122) EXPECT_EQ_I64(count[v], 0);
-    for (int v = 118; v <= 122; v++) EXPECT(count[v] > sc->n_bytes / 5 * 8 / 10);
+    for (int v = 118; v <= 122; v++) EXPECT_TRUE(count[v] > sc->n_bytes / 5 * 8 / 10);
     int64_t nib[16] = {0};
     for (int64_t i = 0; i < bl->n_bytes; i++) {
       nib[b[i] & 15]++;
       nib[b[i] >> 4]++;
     }
-    for (int v = 0; v < 16; v++) EXPECT(fabs((double)nib[v] / (2.0 * bl->n_bytes) - 1.0 / 16) < 0.005);
+    for (int v = 0; v < 16; v++) EXPECT_TRUE(fabs((double)nib[v] / (2.0 * bl->n_bytes) - 1.0 / 16) < 0.005);
   }
 }
 
@@ -94,13 +94,13 @@ static void check_seed(const tw_model_config_t *c) {
   EXPECT_OK(tw_model_synthetic(c, 42, &b));
   EXPECT_OK(tw_model_synthetic(c, 43, &d));
   if (a && b && d) {
-    EXPECT(memcmp(a->embed.data, b->embed.data, (size_t)a->embed.n_bytes) == 0);
-    EXPECT(memcmp(a->layers[3].down_bias.data, b->layers[3].down_bias.data,
+    EXPECT_TRUE(memcmp(a->embed.data, b->embed.data, (size_t)a->embed.n_bytes) == 0);
+    EXPECT_TRUE(memcmp(a->layers[3].down_bias.data, b->layers[3].down_bias.data,
                   (size_t)a->layers[3].down_bias.n_bytes) == 0);
-    EXPECT(memcmp(a->embed.data, d->embed.data, (size_t)a->embed.n_bytes) != 0);
-    EXPECT(memcmp(a->lm_head.data, d->lm_head.data, (size_t)a->lm_head.n_bytes) != 0);
+    EXPECT_TRUE(memcmp(a->embed.data, d->embed.data, (size_t)a->embed.n_bytes) != 0);
+    EXPECT_TRUE(memcmp(a->lm_head.data, d->lm_head.data, (size_t)a->lm_head.n_bytes) != 0);
     /* different tensors get different streams */
-    EXPECT(memcmp(a->layers[0].q_b.data, a->layers[1].q_b.data,
+    EXPECT_TRUE(memcmp(a->layers[0].q_b.data, a->layers[1].q_b.data,
                   (size_t)a->layers[0].q_b.n_bytes) != 0);
     check_values(a);
   }
@@ -140,6 +140,6 @@ int main(void) {
   memset(&bad, 0, sizeof bad);
   tw_model_t *m = NULL;
   EXPECT_ERR(tw_model_synthetic(&bad, 1, &m), TW_ERR_INVALID_ARGUMENT, "non-positive");
-  EXPECT(m == NULL);
+  EXPECT_TRUE(m == NULL);
   return CHECK_DONE("test_synthetic");
 }

@@ -82,14 +82,14 @@ static void check_prompt(int rank, const char *cfg, eng_t *one, eng_t *par,
   tw_prefill_args_t pa = {.tokens = fx->ids, .n_tokens = (int32_t)T, .block_table = one->table,
                           .n_blocks = TW_NBLK, .all_logits = true, .logits_out = a,
                           .next_token_out = &na};
-  TW_EXPECT(tw_engine_prefill(one->e, &pa) == TW_OK, "tp1 prefill: %s", tw_last_error());
+  EXPECT(tw_engine_prefill(one->e, &pa) == TW_OK, "tp1 prefill: %s", tw_last_error());
   /* the split engine: two calls (the second from start_pos), chunks of 7 */
   tw_prefill_args_t p1 = {.tokens = fx->ids, .n_tokens = split, .block_table = par->table,
                           .n_blocks = TW_NBLK, .all_logits = true, .logits_out = b};
   tw_prefill_args_t p2 = {.tokens = fx->ids + split, .n_tokens = (int32_t)T - split,
                           .start_pos = split, .block_table = par->table, .n_blocks = TW_NBLK,
                           .all_logits = true, .logits_out = b + split * V, .next_token_out = &nb};
-  TW_EXPECT(tw_engine_prefill(par->e, &p1) == TW_OK && tw_engine_prefill(par->e, &p2) == TW_OK,
+  EXPECT(tw_engine_prefill(par->e, &p1) == TW_OK && tw_engine_prefill(par->e, &p2) == TW_OK,
             "%s prefill: %s", cfg, tw_last_error());
   double e1 = tw_test_rel_l2_ff(b, a, T * V);
   double eh = tw_test_rel_l2_ff(b + (int64_t)fx->pos_begin * V, fx->logits,
@@ -98,14 +98,14 @@ static void check_prompt(int rank, const char *cfg, eng_t *one, eng_t *par,
   for (int64_t t = 0; t < T; t++) am += argmax(b + t * V, V) == fx->argmax[t];
   printf("rank %d %s %-12s prefill %lld tokens: rel L2 %.3g vs TP 1, %.3g vs HF, argmax %d/%lld\n",
          rank, cfg, fx->prompt, (long long)T, e1, eh, am, (long long)T);
-  TW_EXPECT(e1 <= TW_REL_L2_TP, "%s/%s: rel L2 %.3g vs TP 1", cfg, fx->prompt, e1);
-  TW_EXPECT(eh <= TW_REL_L2_HF, "%s/%s: rel L2 %.3g vs HF", cfg, fx->prompt, eh);
-  TW_EXPECT(am == T, "%s/%s: argmax agrees at %d of %lld", cfg, fx->prompt, am, (long long)T);
-  TW_EXPECT(na == nb, "%s/%s: first token %d vs TP 1 %d", cfg, fx->prompt, nb, na);
+  EXPECT(e1 <= TW_REL_L2_TP, "%s/%s: rel L2 %.3g vs TP 1", cfg, fx->prompt, e1);
+  EXPECT(eh <= TW_REL_L2_HF, "%s/%s: rel L2 %.3g vs HF", cfg, fx->prompt, eh);
+  EXPECT(am == T, "%s/%s: argmax agrees at %d of %lld", cfg, fx->prompt, am, (long long)T);
+  EXPECT(na == nb, "%s/%s: first token %d vs TP 1 %d", cfg, fx->prompt, nb, na);
 
   int32_t ga[64], gb[64], n = fx->n_greedy < 64 ? fx->n_greedy : 64;
-  TW_EXPECT(greedy(one, na, (int32_t)T, n, ga) == 0, "tp1 decode: %s", tw_last_error());
-  TW_EXPECT(greedy(par, nb, (int32_t)T, n, gb) == 0, "%s decode: %s", cfg, tw_last_error());
+  EXPECT(greedy(one, na, (int32_t)T, n, ga) == 0, "tp1 decode: %s", tw_last_error());
+  EXPECT(greedy(par, nb, (int32_t)T, n, gb) == 0, "%s decode: %s", cfg, tw_last_error());
   int diff_tp1 = -1, diff_hf = -1;
   for (int32_t i = 0; i < n; i++) {
     if (gb[i] != ga[i] && diff_tp1 < 0) diff_tp1 = i;
@@ -113,8 +113,8 @@ static void check_prompt(int rank, const char *cfg, eng_t *one, eng_t *par,
   }
   printf("rank %d %s %-12s greedy %d tokens: %s TP 1, %s HF\n", rank, cfg, fx->prompt, n,
          diff_tp1 < 0 ? "identical to" : "DIFFERENT from", diff_hf < 0 ? "identical to" : "DIFFERENT from");
-  TW_EXPECT(diff_tp1 < 0, "%s/%s: greedy differs from TP 1 at %d", cfg, fx->prompt, diff_tp1);
-  TW_EXPECT(diff_hf < 0, "%s/%s: greedy differs from HF at %d", cfg, fx->prompt, diff_hf);
+  EXPECT(diff_tp1 < 0, "%s/%s: greedy differs from TP 1 at %d", cfg, fx->prompt, diff_tp1);
+  EXPECT(diff_hf < 0, "%s/%s: greedy differs from HF at %d", cfg, fx->prompt, diff_hf);
   free(a);
   free(b);
 }
@@ -137,13 +137,13 @@ static void check_batch(int rank, const char *cfg, eng_t *one, eng_t *par, const
     const int32_t *tabs[2] = {tx, ty};
     tw_decode_args_t da = {.n_seqs = 2, .tokens = toks, .positions = pos, .block_tables = tabs,
                            .n_blocks = nbs, .logits_out = outs[k]};
-    TW_EXPECT(tw_engine_prefill(g->e, &px) == TW_OK && tw_engine_prefill(g->e, &py) == TW_OK &&
+    EXPECT(tw_engine_prefill(g->e, &px) == TW_OK && tw_engine_prefill(g->e, &py) == TW_OK &&
                   tw_engine_decode(g->e, &da) == TW_OK,
               "%s batch: %s", k ? cfg : "tp1", tw_last_error());
   }
   double e = tw_test_rel_l2_ff(lb, la, 2 * V);
   printf("rank %d %s batched decode of 2: rel L2 %.3g vs TP 1\n", rank, cfg, e);
-  TW_EXPECT(e <= TW_REL_L2_TP, "%s batched decode: rel L2 %.3g", cfg, e);
+  EXPECT(e <= TW_REL_L2_TP, "%s batched decode: rel L2 %.3g", cfg, e);
   free(la);
   free(lb);
 }
@@ -157,24 +157,24 @@ static void check_dp(int rank, eng_t *one, eng_t *par, const tw_fx_entry_t *fx, 
   tw_prefill_args_t pa = {.tokens = fx->ids, .n_tokens = (int32_t)T, .block_table = one->table,
                           .n_blocks = TW_NBLK, .all_logits = true, .logits_out = a,
                           .next_token_out = &na};
-  TW_EXPECT(tw_engine_prefill(one->e, &pa) == TW_OK, "tp1 prefill: %s", tw_last_error());
+  EXPECT(tw_engine_prefill(one->e, &pa) == TW_OK, "tp1 prefill: %s", tw_last_error());
   pa.block_table = par->table;
   pa.logits_out = b;
   pa.next_token_out = &nb;
-  TW_EXPECT(tw_engine_prefill(par->e, &pa) == TW_OK, "dp prefill: %s", tw_last_error());
+  EXPECT(tw_engine_prefill(par->e, &pa) == TW_OK, "dp prefill: %s", tw_last_error());
   double e1 = tw_test_rel_l2_ff(b, a, T * V);
   double eh = tw_test_rel_l2_ff(b + (int64_t)fx->pos_begin * V, fx->logits,
                                 (int64_t)fx->n_rows * V);
   printf("rank %d dp-ep2 %-12s prefill %lld tokens (own prompt): rel L2 %.3g vs TP 1, %.3g vs HF\n",
          rank, fx->prompt, (long long)T, e1, eh);
-  TW_EXPECT(e1 <= TW_REL_L2_TP && eh <= TW_REL_L2_HF, "dp/%s: rel L2 %.3g / %.3g", fx->prompt, e1, eh);
+  EXPECT(e1 <= TW_REL_L2_TP && eh <= TW_REL_L2_HF, "dp/%s: rel L2 %.3g / %.3g", fx->prompt, e1, eh);
   int32_t ga[16], gb[16];
-  TW_EXPECT(greedy(one, na, (int32_t)T, 16, ga) == 0, "tp1 decode: %s", tw_last_error());
-  TW_EXPECT(greedy(par, nb, (int32_t)T, 16, gb) == 0, "dp decode: %s", tw_last_error());
+  EXPECT(greedy(one, na, (int32_t)T, 16, ga) == 0, "tp1 decode: %s", tw_last_error());
+  EXPECT(greedy(par, nb, (int32_t)T, 16, gb) == 0, "dp decode: %s", tw_last_error());
   int same = memcmp(ga, gb, sizeof ga) == 0 && memcmp(gb, fx->greedy, sizeof gb) == 0;
   printf("rank %d dp-ep2 %-12s greedy 16 tokens: %s\n", rank, fx->prompt,
          same ? "identical to TP 1 and HF" : "DIFFERENT");
-  TW_EXPECT(same, "dp/%s: greedy differs", fx->prompt);
+  EXPECT(same, "dp/%s: greedy differs", fx->prompt);
   free(a);
   free(b);
 }
@@ -212,7 +212,7 @@ int main(int argc, char **argv) {
   int loaded = 0;
   for (; loaded < 4; loaded++)
     if (tw_fx_load(fx_dir, "mxfp4", tw_fx_prompts[loaded], &fx[loaded]) != 0) break;
-  TW_EXPECT(loaded == 4, "fixtures: loaded %d of 4", loaded);
+  EXPECT(loaded == 4, "fixtures: loaded %d of 4", loaded);
   if (g_dp) { /* rank r runs prompt r: different sequences and lengths per rank */
     eng_t one, par;
     if (loaded == 4 && eng_init(&one, m, NULL, 1, 1, 8192) == 0 &&
@@ -221,14 +221,14 @@ int main(int argc, char **argv) {
       tw_engine_destroy(one.e);
       tw_engine_destroy(par.e);
     } else {
-      TW_EXPECT(0, "engine create: %s", tw_last_error());
+      EXPECT(0, "engine create: %s", tw_last_error());
     }
     max_prompts = 0;
   }
   for (int i = 0; i < loaded && i < max_prompts; i++) {
     eng_t one, par;
     if (eng_init(&one, m, NULL, 1, 1, 8192) != 0 || eng_init(&par, m, coll, tp, ep, 7) != 0) {
-      TW_EXPECT(0, "engine create: %s", tw_last_error());
+      EXPECT(0, "engine create: %s", tw_last_error());
       break;
     }
     check_prompt(rank, cfg, &one, &par, &fx[i], V);
@@ -242,11 +242,11 @@ int main(int argc, char **argv) {
       tw_engine_destroy(one.e);
       tw_engine_destroy(par.e);
     } else {
-      TW_EXPECT(0, "engine create: %s", tw_last_error());
+      EXPECT(0, "engine create: %s", tw_last_error());
     }
   }
   for (int i = 0; i < loaded; i++) tw_fx_free(&fx[i]);
   tw_model_destroy(m);
   tw_coll_destroy(coll);
-  return tw_test_result(cfg);
+  return tw_test_exit(cfg);
 }

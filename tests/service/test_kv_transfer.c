@@ -169,8 +169,35 @@ static int wait_report(tw_kv_xfer_t *x, int fd) {
   return 0;
 }
 
+/* The checksum against published FNV-1a 64 test vectors (the FNV reference
+ * test suite: "" -> offset basis, "a", "foobar"), never against values this
+ * code computes: for the bytes, continued across calls, and for a layer whose
+ * blocks, taken in block-table order (ids 5 then 2), hold "foo" and "bar". */
+static void checksum_known_answers(void) {
+  EXPECT(tw_kv_fnv1a(TW_KV_FNV_INIT, "", 0) == 0xcbf29ce484222325ull, "fnv1a64(\"\")");
+  EXPECT(tw_kv_fnv1a(TW_KV_FNV_INIT, "a", 1) == 0xaf63dc4c8601ec8cull, "fnv1a64(\"a\")");
+  EXPECT(tw_kv_fnv1a(TW_KV_FNV_INIT, "foobar", 6) == 0x85944171f73967e8ull, "fnv1a64(\"foobar\")");
+  EXPECT(tw_kv_fnv1a(tw_kv_fnv1a(TW_KV_FNV_INIT, "foo", 3), "bar", 3) == 0x85944171f73967e8ull,
+         "fnv1a64 continued: \"foo\" then \"bar\"");
+  char mem[2 * 8 * 3];
+  memset(mem, 'x', sizeof mem);
+  tw_kv_layout_t p = {.dtype = TW_DTYPE_F32, .n_layers = 2, .n_blocks = 8, .block_size = 1,
+                      .n_kv_heads_local = 1, .head_dim = 1, .base = mem, .block_bytes = 3,
+                      .layer_stride_bytes = 8 * 3, .total_bytes = sizeof mem};
+  memcpy(mem + 24 + 5 * 3, "foo", 3); /* layer 1, block 5 */
+  memcpy(mem + 24 + 2 * 3, "bar", 3); /* layer 1, block 2 */
+  const int32_t ids[3] = {7, 5, 2};
+  uint64_t h = 0;
+  EXPECT(tw_kv_layer_checksum(&p, 1, ids, 1, 3, &h) == TW_OK && h == 0x85944171f73967e8ull,
+         "layer checksum of blocks 5, 2 (\"foo\", \"bar\"): %016llx", (unsigned long long)h);
+  EXPECT(tw_kv_layer_checksum(&p, 1, ids, 3, 3, &h) == TW_OK && h == 0xcbf29ce484222325ull,
+         "layer checksum of no block: the offset basis");
+  EXPECT(tw_kv_layer_checksum(&p, 2, ids, 1, 3, &h) == TW_ERR_INVALID_ARGUMENT, "layer outside the pool");
+}
+
 int main(void) {
   tw_log_init("test_kv_transfer", 0);
+  checksum_known_answers();
   /* sliding-window block selection, by hand: positions >= n - W */
   EXPECT(tw_kv_layer_first_block(75, 16, 1, 32) == 2, "75 tokens, W=32: first block 2");
   EXPECT(tw_kv_layer_first_block(75, 16, 0, 32) == 0, "full layer: block 0");

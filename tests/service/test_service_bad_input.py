@@ -120,7 +120,7 @@ try:
     env.tokens.tokens.extend([1, 2, 3])
     fake.send(env.SerializeToString())
     got = []
-    end = time.time() + 10
+    end = svc.deadline(10)
     while time.time() < end and len(got) < 2:
         if fake.poll(100):
             e = svc.Envelope()
@@ -152,7 +152,7 @@ pre = svc.Proc([svc.bin_path("prefill", "twain-prefill"), "--router", ep, "--mod
 
 
 def recv_from(name, pred, timeout=20):
-    end = time.time() + timeout
+    end = svc.deadline(timeout)
     while time.time() < end:
         if rs.poll(50):
             ident, data = rs.recv_multipart()
@@ -234,6 +234,35 @@ try:
     check(e.prefill_done.status.code == E["INVALID_ARGUMENT"], "prefill: bad token id -> %s" % e.prefill_done.status.message)
     del pr.prefill.prompt_ids[:]
     pr.prefill.prompt_ids.extend(prompt)
+    # a handoff whose KV does not match what the prefill worker says it sent
+    # (one layer's checksum off by one bit): --verify-kv must refuse it, fail
+    # the request with a message naming the layer, and free its blocks
+    rv.reserve.request_id = 22
+    send(b"fd", rv)
+    bad_h = recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved").reserved.handoff
+    bad_pr = svc.Envelope()
+    bad_pr.CopyFrom(pr)
+    bad_pr.prefill.request_id = 22
+    bad_pr.prefill.handoff.CopyFrom(bad_h)
+    send(b"fp", bad_pr)
+    bad_done = recv_from(b"fp", lambda e: e.WhichOneof("body") == "prefill_done").prefill_done
+    check(bad_done.status.code == 0 and len(bad_done.layer_checksums) == 4, "prefill: kv handed off (22)")
+    bd = svc.Envelope()
+    bd.decode.request_id = 22
+    bd.decode.n_prompt_tokens = len(prompt)
+    bd.decode.first_token = bad_done.first_token
+    bd.decode.max_tokens = 12
+    sums = list(bad_done.layer_checksums)
+    sums[2] ^= 1
+    bd.decode.layer_checksums.extend(sums)
+    send(b"fd", bd)
+    t = recv_from(b"fd", lambda e: e.WhichOneof("body") == "tokens" and e.tokens.request_id == 22).tokens
+    check(t.finished and len(t.tokens) == 0 and t.finish_reason == E["FINISH_ERROR"] and
+          t.status.code == E["INTERNAL"] and "checksum mismatch in layer 2" in t.status.message,
+          "decode --verify-kv: a corrupted handoff is refused (%s: %s)" % (t.status.code, t.status.message))
+    dport = int(dec.wait_line(r"serving /metrics and /healthz on 127\.0\.0\.1:(\d+)", 5).group(1))
+    check(svc.metrics(dport).get("twain_kv_checksum_mismatch_total") == 1,
+          "decode: the refused handoff is counted")
     send(b"fp", pr)
     done = recv_from(b"fp", lambda e: e.WhichOneof("body") == "prefill_done").prefill_done
     check(done.status.code == 0 and len(done.layer_checksums) == 4, "prefill: still serves, kv handed off")
@@ -244,7 +273,7 @@ try:
     d.decode.layer_checksums.extend(done.layer_checksums)
     send(b"fd", d)
     toks = [done.first_token]
-    end = time.time() + 30
+    end = svc.deadline(30)
     while time.time() < end:
         t = recv_from(b"fd", lambda e: e.WhichOneof("body") == "tokens").tokens
         toks.extend(t.tokens)

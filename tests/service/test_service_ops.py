@@ -38,9 +38,8 @@ def outlasts(cl, rid, seconds):
 
 
 def skip_fast(who, rate):
-    print("skip: %s drain-timeout cut: at %.0f tokens/s the 3900-token stream ends before "
-          "the 2 s timeout (premise of the check; it holds on the CPU backend)" % (who, rate),
-          flush=True)
+    svc.skip_part("%s drain-timeout cut: at %.0f tokens/s the 3900-token stream ends before "
+                  "the 2 s timeout (premise of the check; it holds on the CPU backend)" % (who, rate))
 
 
 def http_code(port, path):
@@ -54,7 +53,7 @@ def http_code(port, path):
 
 
 def wait_code(port, path, want, timeout=10):
-    end = time.time() + timeout
+    end = svc.deadline(timeout)
     code = None
     while time.time() < end:
         code = http_code(port, path)

@@ -12,24 +12,11 @@
 #include "common/harmony.h"
 #include "common/log.h"
 #include "common/tokenizer.h"
+#include "tests/test_expect.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int failures;
-
-#define CHECK(cond, ...)                                                  \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      fprintf(stderr, "FAIL %s:%d [%s]: ", __FILE__, __LINE__, tw_case_g); \
-      fprintf(stderr, __VA_ARGS__);                                       \
-      fputc('\n', stderr);                                                \
-      failures++;                                                         \
-    }                                                                     \
-  } while (0)
-
-static const char *tw_case_g = "";
 
 /* ---- recorder ----------------------------------------------------------- */
 
@@ -144,30 +131,30 @@ static void run(const tw_harmony_t *h, int in_header_of, const tw_token_ids_t *i
   r->stop = -1;
   tw_harmony_parser_t *p;
   if (tw_harmony_parser_create(h, in_header_of, on_event, r, &p) != TW_OK) {
-    failures++;
+    fails++;
     return;
   }
   for (size_t i = 0; i < ids->n; i++)
-    if (tw_harmony_parser_push(p, ids->ids[i]) != TW_OK) failures++;
-  if (finish && tw_harmony_parser_finish(p) != TW_OK) failures++;
+    if (tw_harmony_parser_push(p, ids->ids[i]) != TW_OK) fails++;
+  if (finish && tw_harmony_parser_finish(p) != TW_OK) fails++;
   tw_harmony_parser_destroy(p);
 }
 
 static void check_msg(const rec_t *r, int i, const char *role, const char *recipient,
                       const char *channel, const char *ctype, const char *content) {
   if (i >= r->n_msg) {
-    CHECK(0, "message %d missing (%d messages)", i, r->n_msg);
+    EXPECT(0, "message %d missing (%d messages)", i, r->n_msg);
     return;
   }
   const rec_msg_t *m = &r->msg[i];
-  CHECK(!strcmp(m->role, role), "msg %d role %s, want %s", i, m->role, role);
-  CHECK(!strcmp(m->recipient, recipient), "msg %d recipient %s, want %s", i, m->recipient,
+  EXPECT(!strcmp(m->role, role), "msg %d role %s, want %s", i, m->role, role);
+  EXPECT(!strcmp(m->recipient, recipient), "msg %d recipient %s, want %s", i, m->recipient,
         recipient);
-  CHECK(!strcmp(m->channel, channel), "msg %d channel %s, want %s", i, m->channel, channel);
-  CHECK(!strcmp(m->ctype, ctype), "msg %d content type %s, want %s", i, m->ctype, ctype);
-  CHECK(!strcmp(m->content, content), "msg %d content \"%s\", want \"%s\"", i, m->content,
+  EXPECT(!strcmp(m->channel, channel), "msg %d channel %s, want %s", i, m->channel, channel);
+  EXPECT(!strcmp(m->ctype, ctype), "msg %d content type %s, want %s", i, m->ctype, ctype);
+  EXPECT(!strcmp(m->content, content), "msg %d content \"%s\", want \"%s\"", i, m->content,
         content);
-  CHECK(!strcmp(m->deltas, m->content), "msg %d deltas \"%s\" != content", i, m->deltas);
+  EXPECT(!strcmp(m->deltas, m->content), "msg %d deltas \"%s\" != content", i, m->deltas);
 }
 
 static void cases(const tw_tokenizer_t *tok, const tw_harmony_t *h) {
@@ -176,86 +163,86 @@ static void cases(const tw_tokenizer_t *tok, const tw_harmony_t *h) {
   rec_t r;
   const int A = TW_HARMONY_ROLE_ASSISTANT;
 
-  tw_case_g = "analysis then final, return";
+  tw_test_case = "analysis then final, return";
   build(tok, "<|channel|>analysis<|message|>User asks. Simple.<|end|><|start|>assistant<|channel|>"
              "final<|message|>Answer: caf\xc3\xa9 \xf0\x9f\x98\x80!<|return|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 2 && r.n_errors == 0 && r.stop == TW_HARMONY_STOP_RETURN && r.n_calls == 0,
+  EXPECT(r.n_msg == 2 && r.n_errors == 0 && r.stop == TW_HARMONY_STOP_RETURN && r.n_calls == 0,
         "msgs %d errors %d (%s) stop %d", r.n_msg, r.n_errors, r.last_error, r.stop);
   check_msg(&r, 0, "assistant", "-", "analysis", "-", "User asks. Simple.");
   check_msg(&r, 1, "assistant", "-", "final", "-", "Answer: caf\xc3\xa9 \xf0\x9f\x98\x80!");
 
-  tw_case_g = "tool-call arguments split into one token per byte while streaming";
+  tw_test_case = "tool-call arguments split into one token per byte while streaming";
   build(tok, "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
              "{bytes:{\"location\":\"Z\xc3\xbcrich \xe6\x9d\xb1\xe4\xba\xac\"}}<|call|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 1 && r.n_errors == 0 && r.stop == TW_HARMONY_STOP_CALL && r.n_calls == 1,
+  EXPECT(r.n_msg == 1 && r.n_errors == 0 && r.stop == TW_HARMONY_STOP_CALL && r.n_calls == 1,
         "msgs %d errors %d (%s) stop %d calls %d", r.n_msg, r.n_errors, r.last_error, r.stop,
         r.n_calls);
   check_msg(&r, 0, "assistant", "functions.get_weather", "commentary", "<|constrain|>json",
             "{\"location\":\"Z\xc3\xbcrich \xe6\x9d\xb1\xe4\xba\xac\"}");
-  CHECK(r.n_calls >= 1 && !strcmp(r.call_recipient[0], "functions.get_weather") &&
+  EXPECT(r.n_calls >= 1 && !strcmp(r.call_recipient[0], "functions.get_weather") &&
         !strcmp(r.call_args[0], "{\"location\":\"Z\xc3\xbcrich \xe6\x9d\xb1\xe4\xba\xac\"}"),
         "call %s %s", r.call_recipient[0], r.call_args[0]);
-  CHECK(r.msg[0].n_deltas >= 20 && r.bad_utf8_delta == 0,
+  EXPECT(r.msg[0].n_deltas >= 20 && r.bad_utf8_delta == 0,
         "%d deltas, %d not whole UTF-8 (split characters must be held back)", r.msg[0].n_deltas,
         r.bad_utf8_delta);
 
-  tw_case_g = "recipient before the channel, bare json content type";
+  tw_test_case = "recipient before the channel, bare json content type";
   build(tok, " to=functions.lookup<|channel|>commentary json<|message|>{\"q\": 1}<|call|>", &ids);
   run(h, A, &ids, 1, &r);
   check_msg(&r, 0, "assistant", "functions.lookup", "commentary", "json", "{\"q\": 1}");
-  CHECK(r.n_calls == 1 && r.n_errors == 0 && r.stop == TW_HARMONY_STOP_CALL, "calls %d errors %d",
+  EXPECT(r.n_calls == 1 && r.n_errors == 0 && r.stop == TW_HARMONY_STOP_CALL, "calls %d errors %d",
         r.n_calls, r.n_errors);
 
-  tw_case_g = "recipient inside the channel part, <|constrain|> glued to it";
+  tw_test_case = "recipient inside the channel part, <|constrain|> glued to it";
   build(tok, "<|channel|>commentary to=functions.lookup<|constrain|>json<|message|>{}<|call|>", &ids);
   run(h, A, &ids, 1, &r);
   check_msg(&r, 0, "assistant", "functions.lookup", "commentary", "<|constrain|>json", "{}");
-  CHECK(r.n_calls == 1 && r.n_errors == 0, "calls %d errors %d", r.n_calls, r.n_errors);
+  EXPECT(r.n_calls == 1 && r.n_errors == 0, "calls %d errors %d", r.n_calls, r.n_errors);
 
-  tw_case_g = "tool call ended by <|return|> instead of <|call|>";
+  tw_test_case = "tool call ended by <|return|> instead of <|call|>";
   build(tok, "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
              "{\"city\":\"Paris\"}<|return|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_calls == 1 && !strcmp(r.call_args[0], "{\"city\":\"Paris\"}"),
+  EXPECT(r.n_calls == 1 && !strcmp(r.call_args[0], "{\"city\":\"Paris\"}"),
         "the tool call must not be lost: %d calls", r.n_calls);
-  CHECK(r.stop == TW_HARMONY_STOP_RETURN && r.n_errors == 1, "stop %d errors %d", r.stop,
+  EXPECT(r.stop == TW_HARMONY_STOP_RETURN && r.n_errors == 1, "stop %d errors %d", r.stop,
         r.n_errors);
 
-  tw_case_g = "answer straight to the final channel";
+  tw_test_case = "answer straight to the final channel";
   build(tok, "<|channel|>final<|message|>Paris.<|return|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 1 && r.n_errors == 0 && r.stop == TW_HARMONY_STOP_RETURN, "msgs %d errors %d",
+  EXPECT(r.n_msg == 1 && r.n_errors == 0 && r.stop == TW_HARMONY_STOP_RETURN, "msgs %d errors %d",
         r.n_msg, r.n_errors);
   check_msg(&r, 0, "assistant", "-", "final", "-", "Paris.");
 
-  tw_case_g = "<|start|>assistant repeated between messages and at the beginning";
+  tw_test_case = "<|start|>assistant repeated between messages and at the beginning";
   build(tok, "<|start|>assistant<|channel|>analysis<|message|>hm<|end|><|start|>assistant"
              "<|start|>assistant<|channel|>final<|message|>ok<|return|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 2 && r.n_errors == 0, "msgs %d errors %d (%s)", r.n_msg, r.n_errors,
+  EXPECT(r.n_msg == 2 && r.n_errors == 0, "msgs %d errors %d (%s)", r.n_msg, r.n_errors,
         r.last_error);
   check_msg(&r, 0, "assistant", "-", "analysis", "-", "hm");
   check_msg(&r, 1, "assistant", "-", "final", "-", "ok");
 
-  tw_case_g = "header without <|start|> after <|end|>";
+  tw_test_case = "header without <|start|> after <|end|>";
   build(tok, "<|channel|>analysis<|message|>a<|end|><|channel|>final<|message|>b<|return|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 2 && r.n_errors == 0, "msgs %d errors %d (%s)", r.n_msg, r.n_errors,
+  EXPECT(r.n_msg == 2 && r.n_errors == 0, "msgs %d errors %d (%s)", r.n_msg, r.n_errors,
         r.last_error);
   check_msg(&r, 1, "assistant", "-", "final", "-", "b");
 
-  tw_case_g = "text header without <|start|>: an assistant message, reported";
+  tw_test_case = "text header without <|start|>: an assistant message, reported";
   build(tok, "<|channel|>analysis<|message|>a<|end|>\n\n<|start|>assistant<|channel|>final"
              "<|message|>b<|end|>assistant<|channel|>final<|message|>c<|return|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 3 && r.n_errors == 1, "msgs %d errors %d (%s)", r.n_msg, r.n_errors,
+  EXPECT(r.n_msg == 3 && r.n_errors == 1, "msgs %d errors %d (%s)", r.n_msg, r.n_errors,
         r.last_error);
   check_msg(&r, 1, "assistant", "-", "final", "-", "b");
   check_msg(&r, 2, "assistant", "-", "final", "-", "c");
 
-  tw_case_g = "multi-turn history with earlier tool calls and results";
+  tw_test_case = "multi-turn history with earlier tool calls and results";
   build(tok, "<|start|>user<|message|>Weather in SF?<|end|>"
              "<|start|>assistant<|channel|>analysis<|message|>Use the tool.<|end|>"
              "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
@@ -265,22 +252,22 @@ static void cases(const tw_tokenizer_t *tok, const tw_harmony_t *h) {
              "<|start|>assistant<|channel|>final<|message|>Sunny.<|end|>"
              "<|start|>user<|message|>Thanks<|end|><|start|>assistant", &ids);
   run(h, -1, &ids, 1, &r);
-  CHECK(r.n_msg == 6 && r.n_errors == 0 && r.n_calls == 1 && r.stop == TW_HARMONY_STOP_CALL,
+  EXPECT(r.n_msg == 6 && r.n_errors == 0 && r.n_calls == 1 && r.stop == TW_HARMONY_STOP_CALL,
         "msgs %d errors %d (%s) calls %d", r.n_msg, r.n_errors, r.last_error, r.n_calls);
   check_msg(&r, 0, "user", "-", "-", "-", "Weather in SF?");
   check_msg(&r, 2, "assistant", "functions.get_weather", "commentary", "<|constrain|>json",
             "{\"location\":\"SF\"}");
   check_msg(&r, 3, "tool", "assistant", "commentary", "-", "{\"sunny\": true}");
-  CHECK(!strcmp(r.msg[3].author, "functions.get_weather"), "tool author %s", r.msg[3].author);
+  EXPECT(!strcmp(r.msg[3].author, "functions.get_weather"), "tool author %s", r.msg[3].author);
   check_msg(&r, 5, "user", "-", "-", "-", "Thanks");
 
-  tw_case_g = "unexpected specials inside content: error events, text kept";
+  tw_test_case = "unexpected specials inside content: error events, text kept";
   build(tok, "<|channel|>final<|message|>Hi<|message|> there<|channel|>!<|end|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 1 && r.n_errors == 2, "msgs %d errors %d", r.n_msg, r.n_errors);
+  EXPECT(r.n_msg == 1 && r.n_errors == 2, "msgs %d errors %d", r.n_msg, r.n_errors);
   check_msg(&r, 0, "assistant", "-", "final", "-", "Hi there!");
 
-  tw_case_g = "ids without text (reserved range) are reported, not fatal";
+  tw_test_case = "ids without text (reserved range) are reported, not fatal";
   build(tok, "<|channel|>final<|message|>a", &ids);
   tw_token_ids_push(&ids, tw_tokenizer_n_ids(tok) + 7);
   tw_token_ids_push(&ids, -3);
@@ -292,36 +279,36 @@ static void cases(const tw_tokenizer_t *tok, const tw_harmony_t *h) {
     tw_token_ids_fini(&tail);
   }
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 1 && r.n_errors == 2 && r.stop == TW_HARMONY_STOP_RETURN, "msgs %d errors %d",
+  EXPECT(r.n_msg == 1 && r.n_errors == 2 && r.stop == TW_HARMONY_STOP_RETURN, "msgs %d errors %d",
         r.n_msg, r.n_errors);
   check_msg(&r, 0, "assistant", "-", "final", "-", "ab");
 
-  tw_case_g = "message not ended before the next <|start|>";
+  tw_test_case = "message not ended before the next <|start|>";
   build(tok, "<|channel|>analysis<|message|>thinking<|start|>assistant<|channel|>final<|message|>"
              "done<|return|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 2 && r.n_errors == 1, "msgs %d errors %d", r.n_msg, r.n_errors);
+  EXPECT(r.n_msg == 2 && r.n_errors == 1, "msgs %d errors %d", r.n_msg, r.n_errors);
   check_msg(&r, 0, "assistant", "-", "analysis", "-", "thinking");
   check_msg(&r, 1, "assistant", "-", "final", "-", "done");
 
-  tw_case_g = "garbage header: skipped, parser resynchronises at <|start|>";
+  tw_test_case = "garbage header: skipped, parser resynchronises at <|start|>";
   build(tok, "<|start|><|channel|><|message|>lost<|end|><|start|>assistant<|channel|>final"
              "<|message|>found<|return|>", &ids);
   run(h, -1, &ids, 1, &r);
-  CHECK(r.n_msg >= 1 && r.n_errors >= 1, "msgs %d errors %d", r.n_msg, r.n_errors);
-  CHECK(r.n_msg >= 1 && !strcmp(r.msg[r.n_msg - 1].content, "found"), "last message %s",
+  EXPECT(r.n_msg >= 1 && r.n_errors >= 1, "msgs %d errors %d", r.n_msg, r.n_errors);
+  EXPECT(r.n_msg >= 1 && !strcmp(r.msg[r.n_msg - 1].content, "found"), "last message %s",
         r.msg[r.n_msg ? r.n_msg - 1 : 0].content);
 
-  tw_case_g = "cut off inside tool-call arguments (max tokens): no tool call";
+  tw_test_case = "cut off inside tool-call arguments (max tokens): no tool call";
   build(tok, "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\":", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 1 && r.n_calls == 0 && r.n_errors == 1 && r.stop == -1,
+  EXPECT(r.n_msg == 1 && r.n_calls == 0 && r.n_errors == 1 && r.stop == -1,
         "msgs %d calls %d errors %d", r.n_msg, r.n_calls, r.n_errors);
 
-  tw_case_g = "an emoji split over four byte tokens comes out in one delta";
+  tw_test_case = "an emoji split over four byte tokens comes out in one delta";
   build(tok, "<|channel|>final<|message|>{bytes:\xf0\x9f\x91\x8d}<|end|>", &ids);
   run(h, A, &ids, 1, &r);
-  CHECK(r.n_msg == 1 && r.msg[0].n_deltas == 1 && r.bad_utf8_delta == 0,
+  EXPECT(r.n_msg == 1 && r.msg[0].n_deltas == 1 && r.bad_utf8_delta == 0,
         "deltas %d", r.msg[0].n_deltas);
   check_msg(&r, 0, "assistant", "-", "final", "-", "\xf0\x9f\x91\x8d");
 
@@ -334,7 +321,7 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; i++) {
     FILE *f = fopen(argv[i], "rb");
     if (!f) {
-      printf("skip %s (missing; setup.sh fetches the real tokenizer)\n", argv[i]);
+      tw_test_skip_part("%s (missing; setup.sh fetches the real tokenizer)", argv[i]);
       continue;
     }
     fclose(f);
@@ -344,13 +331,13 @@ int main(int argc, char **argv) {
       fprintf(stderr, "FAIL: load %s: %s\n", argv[i], tw_last_error());
       return 1;
     }
-    int before = failures;
+    int before = fails;
     cases(tok, h);
-    printf("%s: parser cases %s\n", argv[i], failures == before ? "passed" : "FAILED");
+    printf("%s: parser cases %s\n", argv[i], fails == before ? "passed" : "FAILED");
     tw_harmony_destroy(h);
     tw_tokenizer_destroy(tok);
     ran++;
   }
-  if (!ran) return 77;
-  return failures ? 1 : 0;
+  if (!ran) return TW_TEST_SKIP;
+  return tw_test_exit("test_harmony_parse");
 }
