@@ -27,13 +27,14 @@ typedef struct {
   uint64_t *sums;
   int64_t bytes, t_put_ns;
   int64_t layer_sends, layer_sends_in_engine;
+  int64_t t_last_layer_ns; /* when the last layer's compute was reported done */
   tw_status_t st; /* first error (the callback cannot return one) */
 } tw_handoff_state_t;
 
 /* Put layer l's blocks that are final once positions < end are computed. */
 static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool in_engine) {
   if (s->st != TW_OK || l < 0 || l >= s->n_layers) return;
-  int32_t done = end >= s->n ? s->nb : end / s->src->block_size;
+  int32_t done = tw_kv_blocks_final(end, s->n, s->nb, s->src->block_size);
   if (done <= s->sent[l]) return;
   int64_t t0 = tw_msg_clock_ns();
   if (tw_prefill_handoff_stale(s->r, s->ctx->max_age_ms)) {
@@ -41,8 +42,11 @@ static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool 
                    (unsigned long long)s->r->request_id, (long long)s->ctx->max_age_ms);
     return;
   }
+  /* device pools: checksums read everything back, so only for a verifier */
+  bool sums = s->r->handoff->checksums || !s->src->on_device;
   s->st = tw_kv_xfer_send_layer(s->ctx->xfer, s->peer, s->src, &s->rl, l, s->ids,
-                                s->r->handoff->block_ids, s->sent[l], done, &s->sums[l]);
+                                s->r->handoff->block_ids, s->sent[l], done,
+                                sums ? &s->sums[l] : NULL);
   if (s->st == TW_OK) {
     s->bytes += (int64_t)(done - s->sent[l]) * s->src->block_bytes;
     s->sent[l] = done;
@@ -54,7 +58,9 @@ static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool 
 
 /* tw_prefill_args_t.on_layer_done: layer l of positions start..start+T-1 is in the pool. */
 static void tw_handoff_on_layer(void *arg, int32_t layer, int32_t start, int32_t n_tokens) {
-  tw_handoff_send(arg, layer, start + n_tokens, true);
+  tw_handoff_state_t *s = arg;
+  if (layer == s->n_layers - 1) s->t_last_layer_ns = tw_msg_clock_ns();
+  tw_handoff_send(s, layer, start + n_tokens, true);
 }
 
 tw_status_t tw_prefill_handoff_run(const tw_prefill_handoff_ctx_t *ctx,
@@ -94,7 +100,9 @@ tw_status_t tw_prefill_handoff_run(const tw_prefill_handoff_ctx_t *ctx,
                            .next_token_out = last ? &first : NULL,
                            .on_layer_done = tw_handoff_on_layer, .on_layer_arg = &s};
     int64_t t0 = tw_msg_clock_ns();
+    s.t_last_layer_ns = 0;
     TW_CHECK(tw_engine_prefill(ctx->engine, &a));
+    if (!s.t_last_layer_ns) s.t_last_layer_ns = tw_msg_clock_ns(); /* nothing reported */
     /* a backend that reported nothing (or not everything): the rest now */
     for (int32_t l = 0; l < c->n_layers; l++) tw_handoff_send(&s, l, off + T, false);
     t_total += tw_msg_clock_ns() - t0;
@@ -102,7 +110,8 @@ tw_status_t tw_prefill_handoff_run(const tw_prefill_handoff_ctx_t *ctx,
   }
   int64_t t2 = tw_msg_clock_ns();
   TW_CHECK(tw_kv_xfer_flush(ctx->xfer, s.peer, ctx->flush_timeout_ms));
-  int64_t t_flush = tw_msg_clock_ns() - t2;
+  int64_t t3 = tw_msg_clock_ns(), t_flush = t3 - t2;
+  out->tail_ms = (double)(t3 - s.t_last_layer_ns) * 1e-6;
   out->first_token = first;
   out->kv_bytes = s.bytes;
   out->prefill_ms = (double)(t_total - s.t_put_ns) * 1e-6;

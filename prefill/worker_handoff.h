@@ -36,11 +36,14 @@ typedef struct {
   double prefill_ms, transfer_ms; /* engine time; put + flush time */
   int64_t layer_sends;          /* tw_kv_xfer_send_layer calls (one layer, some blocks) */
   int64_t layer_sends_in_engine; /* of those, issued from on_layer_done (overlapped) */
+  double tail_ms;               /* last layer's compute reported done -> flush complete */
 } tw_prefill_handoff_result_t;
 
 /** Prefill r->prompt_ids into the local blocks ids[nb] (covering the
  *  prompt) and hand the KV to r->handoff. sums[n_layers] receives the FNV-1a
- *  64 of each layer's bytes sent. On error *out is untouched.
+ *  64 of each layer's bytes sent (for a device pool only when
+ *  r->handoff->checksums: they read the KV back to the host; else
+ *  TW_KV_FNV_INIT). On error *out is untouched.
  *  Errors: from tw_engine_prefill (bad token id: TW_ERR_INVALID_ARGUMENT),
  *  tw_kv_xfer_peer/send_layer/flush (TW_ERR_TRANSPORT, TW_ERR_UNAVAILABLE,
  *  TW_ERR_UNSUPPORTED for a layout mismatch), TW_ERR_DEADLINE (the request
