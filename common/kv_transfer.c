@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #define TW_KV_XFER_MAGIC 0x7478666bu /* "kfxt" */
@@ -115,6 +116,7 @@ struct tw_kv_xfer {
   ucp_address_t *address;
   size_t address_len;
   bool cuda_native;
+  bool proto_v2;      /* UCX protocols v2: puts may go over zero-copy rma_bw lanes */
   tw_kv_peer_t *peers[TW_KV_MAX_PEERS];
   int n_peers;
   tw_cudart_t cudart;
@@ -159,17 +161,13 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len) {
   return h;
 }
 
-tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
-  tw_kv_xfer_t *x = calloc(1, sizeof *x);
-  if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
-  x->magic = TW_KV_XFER_MAGIC;
-  tw_status_t st = TW_OK;
+/* ucp_init (RMA, WAKEUP) with UCX's configuration from the environment,
+ * protocols v2 forced on when `v2`; then whether CUDA memory is supported. */
+static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
   ucp_config_t *cfg = NULL;
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
-  if (us != UCS_OK) {
-    st = tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
-    goto fail;
-  }
+  if (us != UCS_OK) return tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
+  x->proto_v2 = v2 && ucp_config_modify(cfg, "PROTO_ENABLE", "y") == UCS_OK;
   /* WAKEUP: the receiving side sleeps on the worker's event fd (see
    * tw_kv_xfer_wait_fd); emulated puts and flushes need its progress */
   ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES,
@@ -177,15 +175,39 @@ tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   us = ucp_init(&params, cfg, &x->ctx);
   ucp_config_release(cfg);
   if (us != UCS_OK) {
-    st = tw_err(TW_ERR_TRANSPORT, "ucp_init failed: %s", ucs_status_string(us));
-    goto fail;
+    x->ctx = NULL;
+    return tw_err(TW_ERR_TRANSPORT, "ucp_init failed: %s", ucs_status_string(us));
   }
   ucp_context_attr_t attr = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
   if (ucp_context_query(x->ctx, &attr) == UCS_OK)
     x->cuda_native = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  return TW_OK;
+}
+
+tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
+  tw_kv_xfer_t *x = calloc(1, sizeof *x);
+  if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
+  x->magic = TW_KV_XFER_MAGIC;
+  tw_status_t st = TW_OK;
+  /* UCX 1.13's default (v1) RMA protocols put only over lanes with put
+   * short/bcopy, which cuda_ipc lacks (it is zero-copy only): a put into CUDA
+   * memory would be emulated with active messages. Its protocols v2 put over
+   * the zero-copy rma_bw lanes, cuda_ipc included. So with CUDA support, and
+   * unless UCX_PROTO_ENABLE says otherwise, the context is made again with
+   * v2. */
+  const char *proto_env = getenv("UCX_PROTO_ENABLE");
+  TW_CHECK_GOTO(tw_kv_ucp_init(x, false), st, fail);
+  if (x->cuda_native && !proto_env) {
+    ucp_cleanup(x->ctx);
+    x->ctx = NULL;
+    TW_CHECK_GOTO(tw_kv_ucp_init(x, true), st, fail);
+  } else {
+    x->proto_v2 = proto_env && (proto_env[0] == 'y' || proto_env[0] == 'Y' ||
+                                proto_env[0] == '1' || !strcasecmp(proto_env, "on"));
+  }
   ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                             .thread_mode = UCS_THREAD_MODE_SINGLE};
-  us = ucp_worker_create(x->ctx, &wp, &x->worker);
+  ucs_status_t us = ucp_worker_create(x->ctx, &wp, &x->worker);
   if (us != UCS_OK) {
     st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_create failed: %s", ucs_status_string(us));
     goto fail;
@@ -197,7 +219,8 @@ tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   }
   /* how device pools travel is logged when one is registered: a CPU worker
    * has none, and must not claim CUDA staging */
-  TW_INFO("kvx", "ucx worker up: address %zu bytes", x->address_len);
+  TW_INFO("kvx", "ucx worker up: address %zu bytes, CUDA memory %s, protocols %s",
+          x->address_len, x->cuda_native ? "supported" : "not supported", x->proto_v2 ? "v2" : "v1");
   *xfer_p = x;
   return TW_OK;
 fail:
@@ -451,15 +474,18 @@ static void tw_kv_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
 
 /* Which transports the endpoint's lanes use, from ucp_ep_print_info (UCX
  * 1.13 has no query for it): "lane[i]:  n:<tl>/<device> md[..] -> ..." per
- * lane, then "put[i]: ..." for each lane that carries puts (RMA). A device
- * pool may only be put into over an RMA lane whose transport reaches CUDA
- * memory (cuda_ipc): without one, UCX emulates the put with active messages
- * and the receiver's UCX writes the payload into the destination address
- * with a host memcpy (ucp rma_sw), a segfault on a device pointer. That is
- * the crash the first direct-path trial hit (decode worker SIGSEGV at the
- * first handoff, the prefill worker's flush timing out). */
+ * lane, then "put[i]: ..." for each lane that carries puts (RMA, protocols
+ * v1). A device pool may only be put into over a lane whose transport
+ * reaches CUDA memory (cuda_ipc): without one, UCX emulates the put with
+ * active messages and the receiver's UCX writes the payload into the
+ * destination address with a host memcpy (ucp rma_sw), a segfault on a
+ * device pointer. That is the crash the first direct-path trial hit (decode
+ * worker SIGSEGV at the first handoff, the prefill worker's flush timing
+ * out): with protocols v1, UCX 1.13 never selects cuda_ipc as an RMA lane
+ * (RMA lanes need put short/bcopy; cuda_ipc is zero-copy only), so every put
+ * into the registered device pool was emulated. */
 #define TW_KV_MAX_LANES 16
-static void tw_kv_ep_lanes(tw_kv_peer_t *p) {
+static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
   char *text = NULL;
   size_t len = 0;
   FILE *f = open_memstream(&text, &len);
@@ -489,7 +515,9 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p) {
   size_t used = 0;
   for (int i = 0; i < TW_KV_MAX_LANES; i++) {
     if (!tl[i][0]) continue;
-    if (put[i] && strcmp(tl[i], "cuda_ipc") == 0) p->cuda_ipc = true;
+    /* v1: an RMA lane (put[i]); v2: puts use the zero-copy rma_bw lanes,
+     * and with RMA alone a cuda_ipc lane is one of those */
+    if ((put[i] || proto_v2) && strcmp(tl[i], "cuda_ipc") == 0) p->cuda_ipc = true;
     int w = snprintf(p->lanes + used, sizeof p->lanes - used, "%s%s%s", used ? " " : "", tl[i],
                      put[i] ? "(put)" : "");
     if (w < 0 || (size_t)w >= sizeof p->lanes - used) break;
@@ -542,7 +570,7 @@ tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address
       return tw_err(TW_ERR_TRANSPORT, "ucp_ep_create to a decode worker failed: %s",
                     ucs_status_string(us));
     }
-    tw_kv_ep_lanes(p);
+    tw_kv_ep_lanes(p, x->proto_v2);
     x->peers[x->n_peers++] = p;
   }
   if (!p->rkey || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {

@@ -21,9 +21,11 @@
  *    UCS_MEMORY_TYPE_CUDA (UCX built with CUDA, detected at run time with
  *    UCP_ATTR_FIELD_MEMORY_TYPES); the prefill side's device pool is
  *    registered as CUDA memory too and put device to device. Only over an
- *    endpoint with a cuda_ipc RMA lane: otherwise UCX would emulate the put
- *    and its receiver would memcpy into the device pointer on the host
- *    (TW_ERR_UNSUPPORTED instead);
+ *    endpoint with a cuda_ipc lane that carries puts: otherwise UCX would
+ *    emulate the put and its receiver would memcpy into the device pointer
+ *    on the host (TW_ERR_UNSUPPORTED instead). UCX 1.13 puts over cuda_ipc
+ *    (zero-copy only) with its protocols v2 alone, so a context with CUDA
+ *    support is made with UCX_PROTO_ENABLE=y unless the environment sets it;
  *  - staged: a device pool into a host-registered decode pool (UCX without
  *    CUDA): device-to-host copies on the ring's own stream, several chunks
  *    ahead of the puts, into a bounded ring (4 x 8 MiB pinned) on the sender.
