@@ -23,7 +23,8 @@ def tokenize(text):
 class FakeWorkers(threading.Thread):
     """script: ids, or f(prompt_ids) -> ids. token_delay: seconds between
     streamed ids (0: all at once). The decode side stops at a stop id of the
-    request, at its max_tokens, or at the script's end."""
+    request, at its max_tokens, or at the script's end; while `hold` is set
+    it sends nothing after each request's first id."""
 
     def __init__(self, endpoint, script, token_delay=0.0):
         super().__init__(daemon=True)
@@ -50,6 +51,7 @@ class FakeWorkers(threading.Thread):
             s.send(e.SerializeToString())
             self.socks[name] = s
         self.stop = False
+        self.hold = False      # True: streams wait (tests line requests up)
 
     def _ids(self, prompt):
         return list(self.script(prompt) if callable(self.script) else self.script)
@@ -131,7 +133,8 @@ class FakeWorkers(threading.Thread):
                 else:
                     continue
                 s.send(out.SerializeToString())
-            self._pump_streams(dec)
+            if not self.hold:
+                self._pump_streams(dec)
 
     def close(self):
         self.stop = True
