@@ -8,8 +8,7 @@
 
 #include <microhttpd.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
+#include <sys/socket.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -54,15 +53,18 @@ void tw_http_out(tw_hconn_t *c, const char *s, size_t len) {
   tw_tok_buf_append(&c->out, s, len);
 }
 
-void tw_http_sse_data(tw_hconn_t *c, cJSON *obj) {
+/* prefix, obj as JSON (deleted), "\n\n" */
+static void tw_http_out_json(tw_hconn_t *c, const char *prefix, cJSON *obj) {
   char *t = cJSON_PrintUnformatted(obj);
   cJSON_Delete(obj);
   if (!t) return;
-  tw_http_out(c, "data: ", 6);
+  tw_http_out(c, prefix, strlen(prefix));
   tw_http_out(c, t, strlen(t));
   tw_http_out(c, "\n\n", 2);
   free(t);
 }
+
+void tw_http_sse_data(tw_hconn_t *c, cJSON *obj) { tw_http_out_json(c, "data: ", obj); }
 
 void tw_http_sse_event(tw_hconn_t *c, const char *type, cJSON *obj) {
   cJSON *o = cJSON_CreateObject();
@@ -75,15 +77,9 @@ void tw_http_sse_event(tw_hconn_t *c, const char *type, cJSON *obj) {
     it = next;
   }
   cJSON_Delete(obj);
-  char *t = cJSON_PrintUnformatted(o);
-  cJSON_Delete(o);
-  if (!t) return;
-  tw_http_out(c, "event: ", 7);
-  tw_http_out(c, type, strlen(type));
-  tw_http_out(c, "\ndata: ", 7);
-  tw_http_out(c, t, strlen(t));
-  tw_http_out(c, "\n\n", 2);
-  free(t);
+  char prefix[160];
+  snprintf(prefix, sizeof prefix, "event: %s\ndata: ", type);
+  tw_http_out_json(c, prefix, o);
 }
 
 static cJSON *tw_http_error_obj(unsigned status, const char *param, const char *msg) {
@@ -413,18 +409,10 @@ tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   *h_p = NULL;
   const tw_router_params_t *p = r->p;
   if (p->http_port < 0) return TW_OK;
-  const char *addr = p->http_addr && *p->http_addr ? p->http_addr : "127.0.0.1";
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p->http_port)};
-  struct sockaddr_in6 sa6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)p->http_port)};
-  bool v6 = false;
-  if (p->http_port > 65535)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "HTTP port %d is not a TCP port", p->http_port);
-  if (inet_pton(AF_INET, addr, &sa.sin_addr) != 1) {
-    if (inet_pton(AF_INET6, addr, &sa6.sin6_addr) != 1)
-      return tw_err(TW_ERR_INVALID_ARGUMENT,
-                    "HTTP address '%s' is not a numeric IPv4 or IPv6 address", addr);
-    v6 = true;
-  }
+  struct sockaddr_storage ss;
+  bool v6;
+  const char *addr;
+  TW_CHECK(tw_metrics_listen_addr("HTTP", p->http_addr, p->http_port, &ss, &v6, &addr));
   tw_http_t *h = calloc(1, sizeof *h);
   if (!h) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the HTTP server");
   h->r = r;
@@ -443,7 +431,7 @@ tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   }
   unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG |
                    (v6 ? MHD_USE_IPv6 : 0);
-  const struct sockaddr *sock = v6 ? (const struct sockaddr *)&sa6 : (const struct sockaddr *)&sa;
+  const struct sockaddr *sock = (const struct sockaddr *)&ss;
   h->d = MHD_start_daemon(flags, (uint16_t)p->http_port, NULL, NULL, tw_http_access, h,
                           MHD_OPTION_SOCK_ADDR, sock, MHD_OPTION_CONNECTION_TIMEOUT, 300u,
                           MHD_OPTION_CONNECTION_LIMIT, 4096u,

@@ -26,41 +26,43 @@ static const cJSON *tw_field(const cJSON *o, const char *k) {
   return v && !cJSON_IsNull(v) ? v : NULL;
 }
 
+/* A typed field: true with *v NULL when absent or null, true with *v set
+ * when it has the type, false after a 400 naming it otherwise. */
+typedef enum { TW_T_NUMBER, TW_T_INTEGER, TW_T_BOOL } tw_jtype_t;
+
+static bool tw_typed(tw_hconn_t *c, const cJSON *o, const char *k, tw_jtype_t t, const cJSON **v) {
+  static const char *const want[] = {"a number", "an integer", "true or false"};
+  *v = tw_field(o, k);
+  bool ok = !*v || (t == TW_T_BOOL ? cJSON_IsBool(*v)
+                                   : cJSON_IsNumber(*v) && (t == TW_T_NUMBER ||
+                                                           (*v)->valuedouble == floor((*v)->valuedouble)));
+  if (!ok) tw_http_fail(c, 400, k, "'%s' must be %s", k, want[t]);
+  return ok;
+}
+
 static bool tw_num(tw_hconn_t *c, const cJSON *o, const char *k, double *out) {
-  const cJSON *v = tw_field(o, k);
-  if (!v) return true;
-  if (!cJSON_IsNumber(v)) {
-    tw_http_fail(c, 400, k, "'%s' must be a number", k);
-    return false;
-  }
-  *out = v->valuedouble;
+  const cJSON *v;
+  if (!tw_typed(c, o, k, TW_T_NUMBER, &v)) return false;
+  if (v) *out = v->valuedouble;
   return true;
 }
 
 static bool tw_int(tw_hconn_t *c, const cJSON *o, const char *k, double lo, double hi,
                    int64_t *out) {
-  const cJSON *v = tw_field(o, k);
-  if (!v) return true;
-  if (!cJSON_IsNumber(v) || v->valuedouble != floor(v->valuedouble)) {
-    tw_http_fail(c, 400, k, "'%s' must be an integer", k);
-    return false;
-  }
-  if (v->valuedouble < lo || v->valuedouble > hi) {
+  const cJSON *v;
+  if (!tw_typed(c, o, k, TW_T_INTEGER, &v)) return false;
+  if (v && (v->valuedouble < lo || v->valuedouble > hi)) {
     tw_http_fail(c, 400, k, "'%s' = %.0f is outside [%.0f, %.0f]", k, v->valuedouble, lo, hi);
     return false;
   }
-  *out = (int64_t)v->valuedouble;
+  if (v) *out = (int64_t)v->valuedouble;
   return true;
 }
 
 static bool tw_bool(tw_hconn_t *c, const cJSON *o, const char *k, bool *out) {
-  const cJSON *v = tw_field(o, k);
-  if (!v) return true;
-  if (!cJSON_IsBool(v)) {
-    tw_http_fail(c, 400, k, "'%s' must be true or false", k);
-    return false;
-  }
-  *out = cJSON_IsTrue(v);
+  const cJSON *v;
+  if (!tw_typed(c, o, k, TW_T_BOOL, &v)) return false;
+  if (v) *out = cJSON_IsTrue(v);
   return true;
 }
 
@@ -608,22 +610,55 @@ static cJSON *tw_usage(const tw_hconn_t *c, bool responses) {
 
 /* ---- chat completions ---- */
 
-static cJSON *tw_chat_chunk(tw_hconn_t *c, cJSON *delta, const char *finish) {
+/* {id, object, created, model, choices: [choice]} (choice NULL: []), with
+ * the choice's logprobs null and finish_reason (NULL: null). */
+static cJSON *tw_envelope(const tw_hconn_t *c, const char *id_prefix, const char *object,
+                          cJSON *choice, const char *finish) {
   char id[48];
-  snprintf(id, sizeof id, "chatcmpl-%llx", (unsigned long long)c->serial);
+  snprintf(id, sizeof id, "%s%llx", id_prefix, (unsigned long long)c->serial);
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "id", id);
-  cJSON_AddStringToObject(o, "object", "chat.completion.chunk");
+  cJSON_AddStringToObject(o, "object", object);
   cJSON_AddNumberToObject(o, "created", (double)c->created);
   cJSON_AddStringToObject(o, "model", c->h->model);
-  cJSON *ch = cJSON_CreateObject();
-  cJSON_AddNumberToObject(ch, "index", 0);
-  cJSON_AddItemToObject(ch, "delta", delta ? delta : cJSON_CreateObject());
-  cJSON_AddNullToObject(ch, "logprobs");
-  if (finish) cJSON_AddStringToObject(ch, "finish_reason", finish);
-  else cJSON_AddNullToObject(ch, "finish_reason");
-  cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "choices"), ch);
+  cJSON *arr = cJSON_AddArrayToObject(o, "choices");
+  if (!choice) return o;
+  cJSON_AddNumberToObject(choice, "index", 0);
+  cJSON_AddNullToObject(choice, "logprobs");
+  if (finish) cJSON_AddStringToObject(choice, "finish_reason", finish);
+  else cJSON_AddNullToObject(choice, "finish_reason");
+  cJSON_AddItemToArray(arr, choice);
   return o;
+}
+
+/* The end of a chat or completions stream: the chunk with the finish
+ * reason, the usage chunk if asked for, [DONE]. */
+static void tw_stream_end(tw_hconn_t *c, const char *id_prefix, const char *object, cJSON *last) {
+  tw_http_sse_data(c, last);
+  if (c->include_usage) {
+    cJSON *o = tw_envelope(c, id_prefix, object, NULL, NULL);
+    cJSON_AddItemToObject(o, "usage", tw_usage(c, false));
+    tw_http_sse_data(c, o);
+  }
+  tw_http_out(c, "data: [DONE]\n\n", 14);
+  c->finished = true;
+}
+
+static cJSON *tw_chat_chunk(tw_hconn_t *c, cJSON *delta, const char *finish) {
+  cJSON *ch = cJSON_CreateObject();
+  cJSON_AddItemToObject(ch, "delta", delta ? delta : cJSON_CreateObject());
+  return tw_envelope(c, "chatcmpl-", "chat.completion.chunk", ch, finish);
+}
+
+/* {id, type: function, function: {name, arguments}} of call item `it`. */
+static cJSON *tw_call_obj(const tw_hitem_t *it) {
+  cJSON *call = cJSON_CreateObject();
+  cJSON_AddStringToObject(call, "id", it->id);
+  cJSON_AddStringToObject(call, "type", "function");
+  cJSON *fn = cJSON_AddObjectToObject(call, "function");
+  cJSON_AddStringToObject(fn, "name", it->name ? it->name : "");
+  cJSON_AddStringToObject(fn, "arguments", it->text.data ? it->text.data : "");
+  return call;
 }
 
 static int tw_call_index(const tw_hconn_t *c, int item) {
@@ -635,13 +670,8 @@ static int tw_call_index(const tw_hconn_t *c, int item) {
 static void tw_chat_open(tw_hconn_t *c, int i) {
   const tw_hitem_t *it = &c->items[i];
   if (it->kind != TW_HI_CALL) return;
-  cJSON *d = cJSON_CreateObject(), *call = cJSON_CreateObject();
+  cJSON *d = cJSON_CreateObject(), *call = tw_call_obj(it);
   cJSON_AddNumberToObject(call, "index", tw_call_index(c, i));
-  cJSON_AddStringToObject(call, "id", it->id);
-  cJSON_AddStringToObject(call, "type", "function");
-  cJSON *fn = cJSON_AddObjectToObject(call, "function");
-  cJSON_AddStringToObject(fn, "name", it->name ? it->name : "");
-  cJSON_AddStringToObject(fn, "arguments", it->text.data ? it->text.data : "");
   cJSON_AddItemToArray(cJSON_AddArrayToObject(d, "tool_calls"), call);
   tw_http_sse_data(c, tw_chat_chunk(c, d, NULL));
 }
@@ -696,26 +726,10 @@ static void tw_chat_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
   if (!rep->done) return;
   const char *finish = tw_chat_finish(c);
   if (c->stream) {
-    tw_http_sse_data(c, tw_chat_chunk(c, NULL, finish));
-    if (c->include_usage) {
-      cJSON *o = tw_chat_chunk(c, NULL, NULL);
-      cJSON_ReplaceItemInObject(o, "choices", cJSON_CreateArray());
-      cJSON_AddItemToObject(o, "usage", tw_usage(c, false));
-      tw_http_sse_data(c, o);
-    }
-    tw_http_out(c, "data: [DONE]\n\n", 14);
-    c->finished = true;
+    tw_stream_end(c, "chatcmpl-", "chat.completion.chunk", tw_chat_chunk(c, NULL, finish));
     return;
   }
-  char id[48];
-  snprintf(id, sizeof id, "chatcmpl-%llx", (unsigned long long)c->serial);
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddStringToObject(o, "id", id);
-  cJSON_AddStringToObject(o, "object", "chat.completion");
-  cJSON_AddNumberToObject(o, "created", (double)c->created);
-  cJSON_AddStringToObject(o, "model", c->h->model);
   cJSON *ch = cJSON_CreateObject(), *msg = cJSON_AddObjectToObject(ch, "message");
-  cJSON_AddNumberToObject(ch, "index", 0);
   cJSON_AddStringToObject(msg, "role", "assistant");
   char *content = tw_join(c, TW_HI_TEXT), *reasoning = tw_join(c, TW_HI_REASONING);
   bool calls = false;
@@ -728,26 +742,20 @@ static void tw_chat_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
   free(reasoning);
   if (calls) {
     cJSON *arr = cJSON_AddArrayToObject(msg, "tool_calls");
-    for (int i = 0; i < c->n_items; i++) {
-      const tw_hitem_t *it = &c->items[i];
-      if (it->kind != TW_HI_CALL) continue;
-      cJSON *call = cJSON_CreateObject();
-      cJSON_AddStringToObject(call, "id", it->id);
-      cJSON_AddStringToObject(call, "type", "function");
-      cJSON *fn = cJSON_AddObjectToObject(call, "function");
-      cJSON_AddStringToObject(fn, "name", it->name ? it->name : "");
-      cJSON_AddStringToObject(fn, "arguments", it->text.data ? it->text.data : "");
-      cJSON_AddItemToArray(arr, call);
-    }
+    for (int i = 0; i < c->n_items; i++)
+      if (c->items[i].kind == TW_HI_CALL) cJSON_AddItemToArray(arr, tw_call_obj(&c->items[i]));
   }
-  cJSON_AddNullToObject(ch, "logprobs");
-  cJSON_AddStringToObject(ch, "finish_reason", finish);
-  cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "choices"), ch);
+  cJSON *o = tw_envelope(c, "chatcmpl-", "chat.completion", ch, finish);
   cJSON_AddItemToObject(o, "usage", tw_usage(c, false));
   tw_http_answer_json(c, o);
 }
 
 /* ---- responses ---- */
+
+/* The item id of a call (its call id is "call_X": "fc_X"). */
+static void tw_fc_id(const tw_hitem_t *it, char *buf, size_t len) {
+  snprintf(buf, len, "fc_%s", it->id + 5);
+}
 
 static cJSON *tw_resp_item(const tw_hconn_t *c, int i, bool done) {
   const tw_hitem_t *it = &c->items[i];
@@ -755,7 +763,7 @@ static cJSON *tw_resp_item(const tw_hconn_t *c, int i, bool done) {
   cJSON *o = cJSON_CreateObject();
   if (it->kind == TW_HI_CALL) {
     char fid[48];
-    snprintf(fid, sizeof fid, "fc_%s", it->id + 5);
+    tw_fc_id(it, fid, sizeof fid);
     cJSON_AddStringToObject(o, "type", "function_call");
     cJSON_AddStringToObject(o, "id", fid);
     cJSON_AddStringToObject(o, "call_id", it->id);
@@ -824,7 +832,7 @@ static void tw_resp_end_item(tw_hconn_t *c, int i) {
   cJSON *e;
   if (it->kind == TW_HI_CALL) {
     char fid[48];
-    snprintf(fid, sizeof fid, "fc_%s", it->id + 5);
+    tw_fc_id(it, fid, sizeof fid);
     e = cJSON_CreateObject();
     cJSON_AddStringToObject(e, "item_id", fid);
     cJSON_AddNumberToObject(e, "output_index", i);
@@ -861,7 +869,7 @@ static void tw_resp_open(tw_hconn_t *c, int i) {
   if (it->kind == TW_HI_CALL) {
     if (it->text.len) { /* a call that arrived whole */
       char fid[48];
-      snprintf(fid, sizeof fid, "fc_%s", it->id + 5);
+      tw_fc_id(it, fid, sizeof fid);
       e = cJSON_CreateObject();
       cJSON_AddStringToObject(e, "item_id", fid);
       cJSON_AddNumberToObject(e, "output_index", i);
@@ -885,7 +893,7 @@ static void tw_resp_delta(tw_hconn_t *c, int i, const char *text, size_t len) {
   cJSON *e = cJSON_CreateObject();
   if (it->kind == TW_HI_CALL) {
     char fid[48];
-    snprintf(fid, sizeof fid, "fc_%s", it->id + 5);
+    tw_fc_id(it, fid, sizeof fid);
     cJSON_AddStringToObject(e, "item_id", fid);
     cJSON_AddNumberToObject(e, "output_index", i);
     cJSON_AddStringToObject(e, "delta", t);
@@ -931,23 +939,11 @@ static void tw_resp_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
 /* ---- completions ---- */
 
 static cJSON *tw_cmpl_object(tw_hconn_t *c, const char *text, size_t len, const char *finish) {
-  char id[48];
-  snprintf(id, sizeof id, "cmpl-%llx", (unsigned long long)c->serial);
-  cJSON *o = cJSON_CreateObject();
-  cJSON_AddStringToObject(o, "id", id);
-  cJSON_AddStringToObject(o, "object", "text_completion");
-  cJSON_AddNumberToObject(o, "created", (double)c->created);
-  cJSON_AddStringToObject(o, "model", c->h->model);
   cJSON *ch = cJSON_CreateObject();
   char *t = strndup(text ? text : "", len);
-  cJSON_AddNumberToObject(ch, "index", 0);
   cJSON_AddStringToObject(ch, "text", t ? t : "");
   free(t);
-  cJSON_AddNullToObject(ch, "logprobs");
-  if (finish) cJSON_AddStringToObject(ch, "finish_reason", finish);
-  else cJSON_AddNullToObject(ch, "finish_reason");
-  cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "choices"), ch);
-  return o;
+  return tw_envelope(c, "cmpl-", "text_completion", ch, finish);
 }
 
 static void tw_cmpl_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
@@ -993,16 +989,7 @@ static void tw_cmpl_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
     tw_http_sse_data(c, tw_cmpl_object(c, c->ctext.data + c->ctext_sent, end - c->ctext_sent, NULL));
     c->ctext_sent = end;
   }
-  if (!done) return;
-  tw_http_sse_data(c, tw_cmpl_object(c, "", 0, finish));
-  if (c->include_usage) {
-    cJSON *o = tw_cmpl_object(c, "", 0, NULL);
-    cJSON_ReplaceItemInObject(o, "choices", cJSON_CreateArray());
-    cJSON_AddItemToObject(o, "usage", tw_usage(c, false));
-    tw_http_sse_data(c, o);
-  }
-  tw_http_out(c, "data: [DONE]\n\n", 14);
-  c->finished = true;
+  if (done) tw_stream_end(c, "cmpl-", "text_completion", tw_cmpl_object(c, "", 0, finish));
 }
 
 void tw_hoai_on_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
