@@ -228,7 +228,9 @@ static ssize_t tw_http_sse_reader(void *cls, uint64_t pos, char *buf, size_t max
     return (ssize_t)n;
   }
   if (c->finished) return MHD_CONTENT_READER_END_OF_STREAM;
-  return 0; /* external polling: asked again at the next MHD_run */
+  c->suspended = true; /* until tw_http_wake: new output or a keepalive */
+  MHD_suspend_connection(c->mc);
+  return 0;
 }
 
 static enum MHD_Result tw_http_queue_sse(tw_hconn_t *c) {
@@ -467,8 +469,10 @@ void tw_http_run(tw_http_t *h) {
     h->last_tick_ns = now;
     for (tw_hconn_t *c = h->conns; c; c = c->next)
       if (c->sse && !c->finished && c->out.len == c->out_off &&
-          now - c->last_write_ns > TW_HTTP_KEEPALIVE_NS)
+          now - c->last_write_ns > TW_HTTP_KEEPALIVE_NS) {
         tw_http_out(c, ": keepalive\n\n", 13);
+        tw_http_wake(c);
+      }
   }
   MHD_run(h->d);
 }

@@ -51,6 +51,7 @@ struct tw_rchat {
   tw_metric_t *unexpected;
   uint64_t req_id;
   int32_t n_unexpected;
+  bool finishing; /* in parser_finish: a message cut by max_tokens or a stop is expected */
 };
 
 static char *tw_dup(const char *s) { return s ? strdup(s) : NULL; }
@@ -164,6 +165,11 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
       }
       break;
     case TW_HARMONY_EV_ERROR: /* the text generated so far still reaches the client */
+      if (c->finishing) {
+        TW_DEBUG("router", "request %llu: harmony parser at the end: %s", (unsigned long long)c->req_id,
+                 ev->text ? ev->text : "");
+        break;
+      }
       tw_metric_add(c->unexpected, 1);
       if (c->n_unexpected++ == 0)
         TW_WARN("router", "request %llu: unexpected model output (token %d): %s; answering with "
@@ -330,6 +336,7 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
 void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   struct tw_rchat *c = q->hchat;
   if (!c) return;
+  c->finishing = true;
   tw_harmony_parser_finish(c->parser); /* reports a message cut off by max_tokens */
   rep->deltas = c->dptr;
   rep->n_deltas = c->stream ? c->n_deltas : 0;
