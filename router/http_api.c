@@ -8,6 +8,8 @@
 
 #include <microhttpd.h>
 
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/socket.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -234,6 +236,10 @@ static ssize_t tw_http_sse_reader(void *cls, uint64_t pos, char *buf, size_t max
 }
 
 static enum MHD_Result tw_http_queue_sse(tw_hconn_t *c) {
+  /* each event goes out as it is made: no Nagle wait for the previous ACK */
+  const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c->mc, MHD_CONNECTION_INFO_CONNECTION_FD);
+  int one = 1;
+  if (ci) setsockopt(ci->connect_fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   struct MHD_Response *resp =
       MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024, tw_http_sse_reader, c, NULL);
   if (!resp) return MHD_NO;
