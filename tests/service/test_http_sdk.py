@@ -1,7 +1,7 @@
 """The official OpenAI Node SDK (npm `openai`, pinned in sdk/package-lock.json)
-against twain's OpenAI-compatible HTTP API on a real cluster (router with
---http-port and --api-key, CPU prefill and decode workers, the default tiny
-model): models, chat completions plain and streamed (and the SDK's stream
+against twain's OpenAI-compatible HTTP API of `twain serve` (on by default;
+ephemeral beside an ephemeral --listen; --api-key; CPU prefill and decode
+workers, the default tiny model): models, chat completions plain and streamed (and the SDK's stream
 helper), responses plain and streamed (and its stream helper), completions
 plain and streamed. The SDK must parse every answer and stream, and each
 text must equal the protobuf API's answer to the same greedy request."""
@@ -34,12 +34,14 @@ def run(argv, data=None):
     return subprocess.run(argv, input=data, capture_output=True, text=True, timeout=120, check=True).stdout
 
 
-cl = svc.Cluster(router_args=["--http-port", "0", "--api-key", KEY])
+serve = svc.Proc([svc.bin_path("router", "twain"), "serve", "--listen", "tcp://127.0.0.1:0", "--threads", "1",
+                  "--metrics-port", "0", "--backend", "cpu", "--api-key", KEY], "serve")
 try:
-    url = cl.router.wait_line(r"serving the OpenAI API on (http://127\.0\.0\.1:\d+/v1)", 10).group(1)
+    url = serve.wait_line(r"serving the OpenAI API on (http://127\.0\.0\.1:\d+/v1)", 30).group(1)
+    ep = serve.wait_line(r"twain serve: ready: .* clients at (\S+)", 120).group(1)
     # the protobuf API's answers to the same greedy requests
-    c = cl.client()
-    req = svc.chat(QUESTION, 48, stream=False, date="", reasoning="low")
+    c = svc.Client(ep)
+    req = svc.chat(QUESTION, 96, stream=False, date="", reasoning="low")
     req.api_key = KEY
     ref = c.wait([c.send(req)], 180)[0][-1]
     check(ref.error.code == 0, "protobuf chat answered (%s)" % ref.error.message)
@@ -93,6 +95,6 @@ try:
           "completions.create: text equals the protobuf generate answer (%r)" % cm.get("text"))
     check(out.get("completions_stream", {}).get("text") == ctext, "completions stream: the same text")
 finally:
-    rcs = cl.close()
-check(all(v == 0 for v in rcs.values()), "cluster stops cleanly (%s)" % rcs)
+    rc = serve.stop()
+check(rc == 0, "twain serve stops cleanly (%s)" % rc)
 finish()

@@ -11,9 +11,9 @@ const [baseURL, model, apiKey, question, prompt] = process.argv.slice(2);
 const client = new OpenAI({ baseURL, apiKey, timeout: 120000, maxRetries: 0 });
 const out = { sdk: JSON.parse(await import("fs").then((fs) =>
   fs.readFileSync(new URL("./node_modules/openai/package.json", import.meta.url)))).version };
-const chatReq = { model, messages: [{ role: "user", content: question }], max_tokens: 48,
+const chatReq = { model, messages: [{ role: "user", content: question }], max_tokens: 96,
                   temperature: 0, reasoning_effort: "low" };
-const respReq = { model, input: question, max_output_tokens: 48, temperature: 0,
+const respReq = { model, input: question, max_output_tokens: 96, temperature: 0,
                   reasoning: { effort: "low" } };
 
 out.models = (await client.models.list()).data.map((m) => m.id);
