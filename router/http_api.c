@@ -460,6 +460,14 @@ tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   return TW_OK;
 }
 
+/* Whether the client closed its end (EOF waiting on the socket): a
+ * connection suspended while its request runs is not read by libmicrohttpd. */
+static bool tw_http_peer_closed(tw_hconn_t *c) {
+  const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c->mc, MHD_CONNECTION_INFO_CONNECTION_FD);
+  char b;
+  return ci && recv(ci->connect_fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
 void tw_http_run(tw_http_t *h) {
   if (!h) return;
   if (h->pending_cancel) {
@@ -471,14 +479,21 @@ void tw_http_run(tw_http_t *h) {
       }
   }
   int64_t now = tw_msg_clock_ns();
-  if (now - h->last_tick_ns > 1000000000LL) { /* idle streams: an SSE comment */
+  if (now - h->last_tick_ns > 1000000000LL) { /* once a second */
     h->last_tick_ns = now;
-    for (tw_hconn_t *c = h->conns; c; c = c->next)
-      if (c->sse && !c->finished && c->out.len == c->out_off &&
-          now - c->last_write_ns > TW_HTTP_KEEPALIVE_NS) {
-        tw_http_out(c, ": keepalive\n\n", 13);
+    for (tw_hconn_t *c = h->conns; c; c = c->next) {
+      if (!c->submitted || c->finished) continue;
+      if (c->suspended && tw_http_peer_closed(c)) { /* gone while waiting: cancel now */
+        TW_INFO("http", "request %llu: the client went away (closed while waiting): cancelling it",
+                (unsigned long long)c->serial);
+        tw_http_cancel(h, c); /* its CANCELLED answer wakes the connection, which then closes */
+        continue;
+      }
+      if (c->sse && c->out.len == c->out_off && now - c->last_write_ns > TW_HTTP_KEEPALIVE_NS) {
+        tw_http_out(c, ": keepalive\n\n", 13); /* an idle stream: an SSE comment */
         tw_http_wake(c);
       }
+    }
   }
   MHD_run(h->d);
 }

@@ -4,6 +4,7 @@ requests than --max-requests (429), a deadline (504), a client that
 disconnects mid-stream (its request is cancelled at the workers and the
 router drops it), 256 concurrent SSE streams that all complete, and /health
 before workers register (503). The router keeps serving after each."""
+import json
 import socket
 import threading
 import time
@@ -109,6 +110,27 @@ try:
         time.sleep(0.05)
     check(svc.metrics(mport).get("twain_router_running_requests") == 0, "the router dropped it")
     check(router.seen(r"client went away .*cancelling", 5), "the router logs the cancellation")
+    # a non-streamed request whose client hangs up while it runs
+    fw.token_delay = 0.5  # its ids take 7.5 s
+    with fw.lock:
+        seen_before = set(fw.prompts)
+    body = json.dumps({"messages": USER}).encode()
+    s = socket.create_connection((api.host, api.port), timeout=5)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+              b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    end = time.time() + 10
+    while time.time() < end and not (set(fw.prompts) - seen_before):
+        time.sleep(0.02)
+    s.close()
+    t_close = time.time()
+    with fw.lock:
+        new = set(fw.prompts) - seen_before
+    rid = new.pop() if new else None
+    while time.time() < t_close + 10 and rid not in fw.cancelled:
+        time.sleep(0.05)
+    check(rid is not None and rid in fw.cancelled and time.time() - t_close < 4,
+          "a non-streamed request whose client hung up is cancelled at the workers after %.1f s "
+          "(its %d ids take 7.5 s)" % (time.time() - t_close, len(SCRIPT)))
     s = socket.create_connection((api.host, api.port), timeout=5)  # a half-sent request, then gone
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
     s.close()
