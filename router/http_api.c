@@ -459,8 +459,11 @@ tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   h->fd = di ? di->epoll_fd : -1;
   di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
   h->port = di ? di->port : p->http_port;
-  TW_INFO("http", "serving the OpenAI API on http://%s%s%s:%d/v1 (model \"%s\"%s)", v6 ? "[" : "",
-          addr, v6 ? "]" : "", h->port, h->model, p->api_key && p->api_key[0] ? ", API key required" : "");
+  char url[300];
+  snprintf(url, sizeof url, "http://%s%s%s:%d/v1", v6 ? "[" : "", addr, v6 ? "]" : "", h->port);
+  TW_INFO("http", "serving the OpenAI API on %s (model \"%s\"%s)", url, h->model,
+          p->api_key && p->api_key[0] ? ", API key required" : "");
+  if (p->on_http) p->on_http(p->on_http_arg, url);
   *h_p = h;
   return TW_OK;
 }
