@@ -92,7 +92,11 @@ static cJSON *tw_usage(const tw_hconn_t *c, bool responses) {
   cJSON_AddNumberToObject(u, "total_tokens", c->prompt_tokens + c->completion_tokens);
   if (responses) {
     cJSON_AddNumberToObject(cJSON_AddObjectToObject(u, "input_tokens_details"), "cached_tokens", 0);
-    cJSON_AddNumberToObject(cJSON_AddObjectToObject(u, "output_tokens_details"), "reasoning_tokens", 0);
+    cJSON_AddNumberToObject(cJSON_AddObjectToObject(u, "output_tokens_details"), "reasoning_tokens",
+                            c->reasoning_tokens);
+  } else if (c->kind == TW_HK_CHAT) {
+    cJSON_AddNumberToObject(cJSON_AddObjectToObject(u, "completion_tokens_details"), "reasoning_tokens",
+                            c->reasoning_tokens);
   }
   return u;
 }
@@ -491,6 +495,7 @@ void tw_hoai_on_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
   if (rep->usage && rep->done) {
     c->prompt_tokens = rep->usage->prompt_tokens;
     c->completion_tokens = rep->usage->completion_tokens;
+    c->reasoning_tokens = rep->usage->reasoning_tokens;
   }
   if (rep->done) c->finish = rep->finish_reason;
   if (c->kind == TW_HK_CHAT) tw_chat_reply(c, rep);
