@@ -4,6 +4,7 @@
 #define TW_COMMON_ENGINE_IMPL_H
 
 #include "common/engine.h"
+#include "common/mem_plan.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -25,7 +26,17 @@ struct tw_engine {
   tw_engine_params_t params;
   tw_kv_layout_t kv;
   void *backend;            /* backend-private state */
+  int weights_origin;       /* tw_engine_weights_origin */
 };
+
+/** The backend-independent part of the memory plan's input from the
+ *  engine params (role, workers on the device, utilization, overrides);
+ *  the backend adds the device's size, weights, KV dtype, workspace. */
+void tw_engine_plan_input(const tw_model_t *model, const tw_engine_params_t *params,
+                          tw_mem_plan_in_t *in);
+/** Log a plan at INFO and take its kv blocks, and its max batch and prefill
+ *  chunk where params has none (0). */
+void tw_engine_plan_apply(const tw_mem_plan_t *plan, tw_engine_params_t *params);
 
 /** CPU backend constructor (common/cpu/engine_cpu.c). */
 tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params_t *params,

@@ -203,10 +203,13 @@ tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *plan_p) {
                 tw_gib(in->total_bytes), tw_gib(budget), util, np, nd, tw_gib(W), copies,
                 copies == 1 ? "y" : "ies",
                 copies == 1 && np + nd > 1 ? " (shared by the workers)" : "");
-  tw_mem_line(p, "memory plan: runtime reserve %.2f GiB x %d processes (context, cuBLAS, "
-              "allocator slack); KV %.1f KiB a token (%d layers x %d kv heads x %d x 2 x %d "
-              "bytes), blocks of %d tokens", tw_gib(reserve), np + nd, kv_tok / 1024.0,
-              c->n_layers, kvh, c->head_dim, in->kv_elem_bytes, in->block_size);
+  char rs[128] = "no runtime reserve";
+  if (reserve)
+    snprintf(rs, sizeof rs, "runtime reserve %.2f GiB x %d processes (context, cuBLAS, allocator "
+             "slack)", tw_gib(reserve), np + nd);
+  tw_mem_line(p, "memory plan: %s; KV %.1f KiB a token (%d layers x %d kv heads x %d x 2 x %d "
+              "bytes), blocks of %d tokens", rs, kv_tok / 1024.0, c->n_layers, kvh, c->head_dim,
+              in->kv_elem_bytes, in->block_size);
   if (np)
     tw_mem_line(p, "memory plan: each prefill worker: token budget %d, workspace %.2f GiB, kv pool "
                 "%.2f GiB = %d blocks (%lld tokens: prompts until their handoff)", T, tw_gib(pws),

@@ -24,6 +24,9 @@ extern "C" {
  * ones (and prefill chunks) the GEMM path: tw_cuda_moe_prefill (grouped GEMMs,
  * no host sync) or, without it, tw_cuda_moe_prefill_cublas. */
 #define TW_CE_GEMV_MAX_TOKENS 64
+/* Device bytes the memory plan sets aside per captured decode graph (an
+ * estimate: the instantiated graph's kernel nodes and parameters). */
+#define TW_CE_GRAPH_BYTES ((int64_t)4 << 20)
 /* Rows of logits computed per unembedding GEMM when all logits are asked. */
 #define TW_CE_LOGIT_ROWS 256
 
@@ -63,9 +66,14 @@ typedef struct {
   int moe_grouped;  /* MoE GEMM path = tw_cuda_moe_prefill (no host sync), else cuBLAS */
   cudaStream_t stream;
   tw_cuda_gemm_t *gemm;
-  /* weights: one device arena */
+  /* weights: one device arena, own or mapped (engine_cuda_share.cu) */
   void *warena;
   size_t warena_bytes;
+  int warena_imported;  /* mapped from another worker through CUDA IPC */
+  int share_exported;   /* published for the other workers */
+  int share_fd;         /* the share lock while uploading; -1 otherwise */
+  uint64_t share_fp;
+  char share_path[1024];
   const void *embed, *lm_head, *final_norm;
   tw_ce_layer_t *layers;
   float *rope_cos, *rope_sin;
@@ -77,6 +85,7 @@ typedef struct {
   /* workspace: one device arena */
   void *ws_arena;
   size_t ws_bytes;
+  int32_t block_size; /* KV block (tokens) */
   int32_t chunk;    /* prefill chunk (tokens) */
   int32_t max_rows; /* max(chunk, max_batch) */
   int32_t max_batch;
@@ -135,6 +144,21 @@ tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows);
  *  this rank's experts, then the all-reduce): router, route, mask of the
  *  other ranks' experts and GEMV in slices of TW_CE_GEMV_MAX_TOKENS rows. */
 tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
+
+/** Weights shared through CUDA IPC (engine_cuda_share.cu; engine.h
+ *  weights_share_dir). Open: map the arena of `bytes` published by a live
+ *  worker for this device and shard (*imported_p = 1: the weights are there,
+ *  build pointers only), or allocate it (*imported_p = 0) holding the share
+ *  lock; the caller uploads, then calls publish. Errors: TW_ERR_IO (lock or
+ *  record file), TW_ERR_DEADLINE (another worker held the lock for 900 s),
+ *  TW_ERR_NO_MEMORY. */
+tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m, const tw_engine_params_t *p,
+                             size_t bytes, int *imported_p);
+/** Publish the uploaded arena's IPC handle and release the lock.
+ *  Errors: TW_ERR_CUDA (no handle), TW_ERR_IO (record not written). */
+tw_status_t tw_ce_share_publish(tw_ce_t *ce, int device);
+/** Unmap (imported) or free (own; its record removed if exported) the arena. */
+void tw_ce_share_close(tw_ce_t *ce);
 
 /** The engine ops (engine_cuda_step.cu). */
 tw_status_t tw_ce_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);

@@ -44,6 +44,9 @@ typedef struct {
   int flush_timeout_ms;
   int32_t tp, ep; /* ranks of this worker (issue 6): each 1 or the group size */
   int32_t chunk_tokens; /* prefill chunk: its blocks are handed off while the next computes */
+  double gpu_memory_utilization; /* 0: 0.90 (mem_plan.h) */
+  int32_t colocated_prefill, colocated_decode; /* workers on this device; 0, 0: alone */
+  const char *share_weights_dir; /* cuda: one copy of the weights (engine.h) */
 } tw_prefill_opts_t;
 
 typedef struct {
@@ -280,8 +283,14 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   if (be == TW_BACKEND_CUDA) ep.device = w->id.local_rank;
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
-  ep.kv_num_blocks = w->o.kv_blocks;
+  ep.kv_num_blocks = w->o.kv_blocks; /* 0: planned (mem_plan.h) */
   ep.max_batch = 1;
+  ep.max_prefill_chunk = 0;          /* planned: the token budget */
+  ep.mem_role = TW_MEM_ROLE_PREFILL;
+  ep.mem_prefill_workers = w->o.colocated_prefill;
+  ep.mem_decode_workers = w->o.colocated_decode;
+  ep.mem_utilization = w->o.gpu_memory_utilization;
+  ep.weights_share_dir = w->o.share_weights_dir;
   ep.n_threads = w->o.threads;
   TW_CHECK(tw_engine_create(w->model, &ep, &w->engine));
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
@@ -342,6 +351,10 @@ static void tw_prefill_usage(void) {
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
           "         [--metrics-port P (-1 off, 0 ephemeral)] [--metrics-addr ADDR (127.0.0.1)]\n"
           "         [--tp N] [--ep N] [--chunk-tokens N]\n"
+          "         [--gpu-memory-utilization F (default 0.90)] [--colocated P,D (prefill and\n"
+          "           decode workers on this device, this one included; default this one alone)]\n"
+          "         [--share-weights DIR (cuda: one copy of the weights for the workers of DIR)]\n"
+          "  --kv-blocks defaults to the memory plan (docs/operations.md)\n"
           "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
           "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n"
           "  --model defaults to %s\n",
@@ -351,7 +364,7 @@ static void tw_prefill_usage(void) {
 int tw_prefill_worker_main(int argc, char **argv) {
   static tw_prefiller_t w; /* large queue array: not on the stack */
   memset(&w, 0, sizeof w);
-  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,
+  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 0, .block_size = 16,
                             .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,
                             .chunk_tokens = 512};
   for (int i = 1; i < argc; i++) {
@@ -375,6 +388,16 @@ int tw_prefill_worker_main(int argc, char **argv) {
     else if (!strcmp(a, "--chunk-tokens")) w.o.chunk_tokens = atoi(v);
     else if (!strcmp(a, "--tp")) w.o.tp = atoi(v);
     else if (!strcmp(a, "--ep")) w.o.ep = atoi(v);
+    else if (!strcmp(a, "--gpu-memory-utilization")) {
+      if (tw_mem_parse_utilization(v, &w.o.gpu_memory_utilization) != TW_OK) return 2;
+    } else if (!strcmp(a, "--colocated")) {
+      if (tw_mem_parse_colocated(v, &w.o.colocated_prefill, &w.o.colocated_decode) != TW_OK)
+        return 2;
+      if (w.o.colocated_prefill < 1) {
+        fprintf(stderr, "twain-prefill: --colocated %s counts no prefill worker (this one)\n", v);
+        return 2;
+      }
+    } else if (!strcmp(a, "--share-weights")) w.o.share_weights_dir = v;
     else {
       fprintf(stderr, "twain-prefill: unknown option %s in daemon mode\n", a);
       tw_prefill_usage();

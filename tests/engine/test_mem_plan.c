@@ -24,20 +24,7 @@
 
 static tw_model_config_t gptoss(int big) {
   tw_model_config_t c;
-  memset(&c, 0, sizeof c);
-  c.n_layers = big ? 36 : 24;
-  c.n_experts = big ? 128 : 32;
-  c.n_experts_per_tok = 4;
-  c.vocab_size = 201088;
-  c.hidden = 2880;
-  c.intermediate = 2880;
-  c.head_dim = 64;
-  c.n_heads = 64;
-  c.n_kv_heads = 8;
-  c.sliding_window = 128;
-  c.max_position_embeddings = 131072;
-  c.mxfp4 = true;
-  for (int l = 0; l < c.n_layers; l++) c.layer_types[l] = l % 2 ? TW_LAYER_FULL : TW_LAYER_SLIDING;
+  tw_config_gptoss(big, &c);
   return c;
 }
 
