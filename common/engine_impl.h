@@ -44,6 +44,13 @@ tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params
 /** CUDA backend constructor (kernels/engine_cuda.cu); only when TWAIN_HAVE_CUDA. */
 tw_status_t tw_cuda_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
                                   tw_engine_t **engine_p);
+/** Device bytes of the CUDA engine's workspace (tp = ep = 1) for decode
+ *  steps of max_batch sequences and prefill chunks of `chunk` tokens, with
+ *  the grouped-GEMM MoE (Hopper) or the cuBLAS one: what the memory plan
+ *  reserves (kernels/engine_cuda.cu); no device is touched. -1 on a bad
+ *  config. Only when TWAIN_HAVE_CUDA. */
+int64_t tw_cuda_engine_workspace_bytes(const tw_model_config_t *c, int32_t block_size,
+                                       int32_t max_batch, int32_t chunk, int grouped_moe);
 /** Whether a CUDA device is usable at run time (false without TWAIN_HAVE_CUDA). */
 int tw_cuda_available(void);
 

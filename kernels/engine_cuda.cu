@@ -497,6 +497,27 @@ static int64_t tw_ce_ws_fn(void *arg, int32_t max_batch, int32_t chunk) {
   return (int64_t)(cv.off + tw_ce_rope_bytes(&t));
 }
 
+extern "C" int64_t tw_cuda_engine_workspace_bytes(const tw_model_config_t *c,
+                                                  int32_t block_size, int32_t max_batch,
+                                                  int32_t chunk, int grouped_moe) {
+  tw_ce_t *t = (tw_ce_t *)calloc(1, sizeof *t);
+  if (!t) return -1;
+  tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT; /* tp = ep = 1: no device, no group */
+  t->cfg = c;
+  t->block_size = block_size;
+  t->max_pos = c->max_position_embeddings;
+  t->max_blocks_per_seq = (t->max_pos + block_size - 1) / block_size;
+  t->moe_grouped = grouped_moe;
+  int64_t bytes = -1;
+  if (tw_ce_tp_init(t, c, &p, 0) == TW_OK) {
+    t->q_dim = t->nq * c->head_dim;
+    t->qkv_dim = (t->nq + 2 * t->nkv) * c->head_dim;
+    bytes = tw_ce_ws_fn(t, max_batch, chunk);
+  }
+  free(t);
+  return bytes;
+}
+
 extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
                                              const tw_engine_params_t *params,
                                              tw_engine_t **engine_p) {
@@ -528,6 +549,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   ce->layers = layers;
   ce->cfg = c;
   ce->share_fd = -1;
+  ce->share_users_fd = -1;
   ce->block_size = params->kv_block_size;
   ce->chunk = params->max_prefill_chunk; /* 0 with a memory plan: planned below */
   ce->max_batch = params->max_batch;

@@ -11,6 +11,7 @@
 #include "kernels/moe.h"
 
 #include <cuda_runtime.h>
+#include <pthread.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -73,7 +74,12 @@ typedef struct {
   int share_exported;   /* published for the other workers */
   int share_fd;         /* the share lock while uploading; -1 otherwise */
   uint64_t share_fp;
-  char share_path[1024];
+  char share_path[1024];   /* the record (.ipc) */
+  int share_users_fd;      /* importer: shared lock on the users file */
+  int32_t share_owner;     /* importer: the exporter's pid, watched */
+  pthread_t share_watch;
+  int share_watching;
+  volatile int share_stop;
   const void *embed, *lm_head, *final_norm;
   tw_ce_layer_t *layers;
   float *rope_cos, *rope_sin;

@@ -7,14 +7,23 @@
  * without uploading anything.
  *
  * Files, in the directory (0700, made by `twain serve` for its workers):
- *   weights-dev<D>-tp<T>r<R>-ep<E>r<Q>.lock  flock(2): held while uploading
- *   weights-dev<D>-tp<T>r<R>-ep<E>r<Q>.ipc   tw_ce_share_rec_t (0600)
+ *   weights-dev<D>-tp<T>r<R>-ep<E>r<Q>.lock   flock(2): held while uploading
+ *   weights-dev<D>-tp<T>r<R>-ep<E>r<Q>.ipc    tw_ce_share_rec_t (0600)
+ *   weights-dev<D>-tp<T>r<R>-ep<E>r<Q>.users  flock(2): shared by every importer
  * A record is used only when its magic, version, device, size and model
  * fingerprint match and its process is alive; otherwise (a stale file) the
- * engine uploads its own copy and publishes that. The memory stays valid
- * while the exporting process lives (CUDA IPC: the exporter owns it): when
- * it exits, the importers' next steps fail and their supervisor restarts
- * them, and a restarted worker finds no live record and uploads again. */
+ * engine uploads its own copy and publishes that.
+ * Lifetime: the memory belongs to the exporter, and freeing it while another
+ * process maps it is undefined (cudaIpcOpenMemHandle). So an importer holds
+ * a shared lock on the users file while it maps the arena, and the
+ * exporter, when destroyed, first removes its record (no new importer) and
+ * then waits for an exclusive lock on the users file (every importer gone,
+ * at most TW_CE_SHARE_WAIT_S) before it frees the arena: a draining decode
+ * worker keeps its weights while the prefill worker that exported them has
+ * stopped. If the exporter dies anyway (killed), each importer's watch
+ * thread sees it within a second and ends its process with status 70
+ * rather than compute on freed memory; its supervisor restarts it, and the
+ * restarted worker finds no live record and uploads a copy again. */
 #include "kernels/engine_cuda_impl.h"
 
 #include "common/log.h"
@@ -22,6 +31,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -68,6 +78,24 @@ static void tw_ce_share_name(const tw_ce_t *ce, const char *dir, int device, con
                              char *out, size_t len) {
   snprintf(out, len, "%s/weights-dev%d-tp%dr%d-ep%dr%d.%s", dir, device, ce->tp, ce->tp_rank,
            ce->ep, ce->ep_rank, ext);
+}
+
+/* The importer's watch thread: the exporter's pid, checked every 200 ms. */
+static void *tw_ce_share_watch(void *arg) {
+  tw_ce_t *ce = (tw_ce_t *)arg;
+  int ticks = 0;
+  while (!ce->share_stop) {
+    struct timespec ts = {0, 200 * 1000000};
+    nanosleep(&ts, NULL);
+    if (++ticks % 5) continue; /* the pid once a second, the stop flag 5 times */
+    if (kill(ce->share_owner, 0) != 0 && errno == ESRCH && !ce->share_stop) {
+      TW_ERROR("engine", "the worker that holds the shared weights (pid %d) exited: this "
+               "process stops now (status 70) rather than compute on freed memory; it is "
+               "restarted with weights of its own", (int)ce->share_owner);
+      _exit(70);
+    }
+  }
+  return NULL;
 }
 
 static bool tw_ce_share_read(const char *path, tw_ce_share_rec_t *r) {
@@ -124,10 +152,24 @@ extern "C" tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m,
     if (r.magic == TW_CE_SHARE_MAGIC && r.version == TW_CE_SHARE_VERSION && r.device == p->device &&
         r.bytes == bytes && r.fingerprint == fp && alive) {
       void *ptr = NULL;
-      cudaError_t ce_err = cudaIpcOpenMemHandle(&ptr, r.handle, cudaIpcMemLazyEnablePeerAccess);
+      char users[1024];
+      tw_ce_share_name(ce, p->weights_share_dir, p->device, "users", users, sizeof users);
+      int ufd = open(users, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+      /* a shared lock on the users file: the exporter keeps the arena while we map it;
+       * refused while the exporter is freeing it */
+      bool held = ufd >= 0 && flock(ufd, LOCK_SH | LOCK_NB) == 0;
+      cudaError_t ce_err = held ? cudaIpcOpenMemHandle(&ptr, r.handle,
+                                                       cudaIpcMemLazyEnablePeerAccess)
+                                : cudaErrorInvalidValue;
       if (ce_err == cudaSuccess) {
         ce->warena = ptr;
         ce->warena_imported = 1;
+        ce->share_users_fd = ufd;
+        ce->share_owner = r.pid;
+        if (pthread_create(&ce->share_watch, NULL, tw_ce_share_watch, ce) == 0)
+          ce->share_watching = 1;
+        else
+          TW_WARN("engine", "weights: no watch thread on the exporter (pid %d)", (int)r.pid);
         *imported_p = 1;
         flock(fd, LOCK_UN);
         close(fd);
@@ -136,8 +178,9 @@ extern "C" tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m,
         return TW_OK;
       }
       cudaGetLastError();
-      TW_WARN("engine", "weights: cannot open the CUDA IPC handle of pid %d (%s): uploading an "
-              "own copy", (int)r.pid, cudaGetErrorString(ce_err));
+      if (ufd >= 0) close(ufd);
+      TW_WARN("engine", "weights: cannot map the weights of pid %d (%s): uploading an own copy",
+              (int)r.pid, held ? cudaGetErrorString(ce_err) : "it is freeing them");
     } else {
       TW_INFO("engine", "weights: %s is stale or of another model (pid %d %s): uploading and "
               "exporting a copy", ce->share_path, (int)r.pid, alive ? "alive" : "gone");
@@ -200,12 +243,42 @@ extern "C" void tw_ce_share_close(tw_ce_t *ce) {
     ce->share_fd = -1;
   }
   if (ce->warena_imported) {
+    ce->share_stop = 1;
+    if (ce->share_watching) pthread_join(ce->share_watch, NULL);
     cudaIpcCloseMemHandle(ce->warena);
+    close(ce->share_users_fd); /* releases the shared lock: the exporter may free */
   } else if (ce->warena) {
     tw_ce_share_rec_t r;
-    /* no new worker may map memory that is about to be freed */
-    if (ce->share_exported && tw_ce_share_read(ce->share_path, &r) && r.pid == (int32_t)getpid())
-      unlink(ce->share_path);
+    if (ce->share_exported) {
+      /* no new worker may map memory that is about to be freed; then wait
+       * for the workers that map it (bounded) */
+      if (tw_ce_share_read(ce->share_path, &r) && r.pid == (int32_t)getpid())
+        unlink(ce->share_path);
+      char users[1100];
+      snprintf(users, sizeof users, "%.*susers", (int)(strlen(ce->share_path) - 3),
+               ce->share_path);
+      int ufd = open(users, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+      struct timespec t0, now;
+      clock_gettime(CLOCK_MONOTONIC, &t0);
+      int64_t next_log_s = 0;
+      while (ufd >= 0 && flock(ufd, LOCK_EX | LOCK_NB) != 0) {
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        int64_t waited = (int64_t)(now.tv_sec - t0.tv_sec);
+        if (waited >= TW_CE_SHARE_WAIT_S) {
+          TW_WARN("engine", "weights: other workers still map them after %d s: freeing anyway",
+                  TW_CE_SHARE_WAIT_S);
+          break;
+        }
+        if (waited >= next_log_s) {
+          TW_INFO("engine", "weights: waiting for the other workers on this GPU to stop using "
+                  "them before freeing (%lld s)", (long long)waited);
+          next_log_s += 15;
+        }
+        struct timespec ts = {0, 100 * 1000000};
+        nanosleep(&ts, NULL);
+      }
+      if (ufd >= 0) close(ufd);
+    }
     cudaFree(ce->warena);
   }
   ce->warena = NULL;

@@ -35,6 +35,52 @@ static int64_t ws_model(void *arg, int32_t max_batch, int32_t chunk) {
   return 64 * MIB + rows * 256 * 1024 + lrows * c->vocab_size * 4;
 }
 
+#ifdef TWAIN_HAVE_CUDA
+#include "common/engine_impl.h"
+/* the CUDA engine's own workspace (grouped-GEMM MoE, as on Hopper) */
+static int64_t ws_cuda(void *arg, int32_t max_batch, int32_t chunk) {
+  return tw_cuda_engine_workspace_bytes(arg, 16, max_batch, chunk, 1);
+}
+
+/* The plans docs/operations.md quotes: 20b and 120b, one prefill and one
+ * decode worker sharing one H200 and one copy of the weights, with the
+ * engine's real workspace and 4 MiB a decode graph. */
+static void test_cuda_workspace(const tw_model_config_t *c20, const tw_model_config_t *c120) {
+  for (int big = 0; big < 2; big++) {
+    const tw_model_config_t *c = big ? c120 : c20;
+    tw_mem_plan_in_t in;
+    memset(&in, 0, sizeof in);
+    in.total_bytes = H200;
+    in.cfg = c;
+    in.kv_elem_bytes = 2;
+    in.block_size = 16;
+    in.n_prefill = in.n_decode = 1;
+    in.shared_weights = true;
+    in.role = TW_MEM_ROLE_DECODE;
+    in.ws_bytes = ws_cuda;
+    in.ws_arg = (void *)c;
+    in.graph_bytes = 4 * MIB;
+    tw_mem_plan_t p;
+    tw_status_t st = tw_mem_plan(&in, &p);
+    printf("-- cuda workspace, %s, H200, 1 prefill + 1 decode, shared weights\n",
+           big ? "120b" : "20b");
+    for (int i = 0; i < p.n_lines; i++) printf("   %s\n", p.lines[i]);
+    /* a decode workspace between 0.1 and 4 GiB at max batch 1,024 or 512;
+     * the prefill worker's at 8,192 tokens between 0.5 and 8 GiB */
+    int64_t ws = tw_cuda_engine_workspace_bytes(c, 16, 1, 8192, 1);
+    TW_EXPECT(st == TW_OK && ws > GIB / 2 && ws < 8 * GIB, "%s: prefill workspace %lld",
+              big ? "120b" : "20b", (long long)ws);
+    TW_EXPECT(p.workspace_bytes > GIB / 10 && p.workspace_bytes < 4 * GIB, "decode ws %lld",
+              (long long)p.workspace_bytes);
+    /* 120b keeps more than 40 GiB of decode KV at max batch >= 256; 20b
+     * more than 90 GiB at 1,024 */
+    TW_EXPECT(big ? p.kv_bytes > 40 * GIB && p.max_batch >= 256
+                  : p.kv_bytes > 90 * GIB && p.max_batch == 1024,
+              "kv %.2f GiB batch %d", p.kv_bytes / (double)GIB, p.max_batch);
+  }
+}
+#endif
+
 static tw_mem_plan_in_t gpu_in(const tw_model_config_t *c, int64_t total, int np, int nd,
                                bool shared, tw_mem_role_t role) {
   tw_mem_plan_in_t in;
@@ -94,6 +140,9 @@ int main(void) {
   tw_mem_plan_t p;
   tw_mem_plan_in_t in;
   test_weights(&c20, &c120);
+#ifdef TWAIN_HAVE_CUDA
+  test_cuda_workspace(&c20, &c120);
+#endif
   /* budget = 0.90 x 143,771 MiB = 135.68 GB on an H200 (the C and Python
    * products differ by rounding only: checked through the block counts) */
 

@@ -138,16 +138,37 @@ static pid_t spawn(const char *self, const char *dir, const char *out, const cha
   return pid;
 }
 
-/* The child's "ready N" line within WAIT_S: N, or -2 (no line), -77 (skip). */
-static int read_ready(pid_t pid, int fd) {
+/* A child's exit status within WAIT_S (killed after: 124). */
+static int wait_exit(pid_t pid) {
+  double t0 = now_s();
+  int st = 0;
+  while (now_s() - t0 < WAIT_S) {
+    pid_t r = waitpid(pid, &st, WNOHANG);
+    if (r == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+    if (r < 0) return 127; /* not a child of ours */
+    usleep(20000);
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &st, 0);
+  return 124;
+}
+
+/* The child's "ready N" line within WAIT_S: N; or, when it ends without
+ * one, -77 for a skip (exit 77, *exit_p set) or -2 (*exit_p set when it
+ * exited, else left at -1). */
+static int read_ready(pid_t pid, int fd, int *exit_p) {
   char buf[64];
   size_t n = 0;
   double t0 = now_s();
+  *exit_p = -1;
   while (now_s() - t0 < WAIT_S && n < sizeof buf - 1) {
     struct pollfd pf = {fd, POLLIN, 0};
     if (poll(&pf, 1, 500) > 0) {
       ssize_t r = read(fd, buf + n, sizeof buf - 1 - n);
-      if (r <= 0) break;
+      if (r <= 0) { /* it closed its stdout: it is ending */
+        *exit_p = wait_exit(pid);
+        return *exit_p == 77 ? -77 : -2;
+      }
       n += (size_t)r;
       buf[n] = '\0';
       if (strchr(buf, '\n')) {
@@ -156,21 +177,7 @@ static int read_ready(pid_t pid, int fd) {
       }
     }
   }
-  int st = 0;
-  if (waitpid(pid, &st, WNOHANG) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 77) return -77;
   return -2;
-}
-
-static int wait_exit(pid_t pid) {
-  double t0 = now_s();
-  int st = 0;
-  while (now_s() - t0 < WAIT_S) {
-    if (waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-    usleep(20000);
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, &st, 0);
-  return 124;
 }
 
 static long read_all(const char *path, char **data) {
@@ -197,29 +204,28 @@ int main(int argc, char **argv) {
   const char *names[3] = {"a", "b", "c"};
   for (int i = 0; i < 3; i++) snprintf(out[i], sizeof out[i], "%s/logits-%s", dir, names[i]);
   snprintf(rec, sizeof rec, "%s/weights-dev0-tp1r0-ep1r0.ipc", dir);
-  int fails = 0, in_a, out_a, in_b, out_b, in_c, out_c;
+  int fails = 0, in_a, out_a, in_b, out_b, in_c, out_c, xa, xb, xc;
   pid_t a = spawn(argv[0], dir, out[0], "prefill", 1, &in_a, &out_a);
-  int ra = read_ready(a, out_a);
+  int ra = read_ready(a, out_a, &xa);
   if (ra == -77) {
     printf("no usable GPU: skipped\n");
     close(in_a);
-    wait_exit(a);
     rmdir(dir);
     return 77;
   }
   struct stat sb;
   bool published = stat(rec, &sb) == 0 && (sb.st_mode & 0777) == 0600;
   pid_t b = spawn(argv[0], dir, out[1], "decode", 0, &in_b, &out_b);
-  int rb = read_ready(b, out_b);
+  int rb = read_ready(b, out_b, &xb);
   close(in_b);
-  int xb = wait_exit(b);
+  if (xb < 0) xb = wait_exit(b);
   close(in_a); /* A may free its weights now */
-  int xa = wait_exit(a);
+  if (xa < 0) xa = wait_exit(a);
   bool removed = stat(rec, &sb) != 0;
   pid_t c = spawn(argv[0], "-", out[2], "decode", 0, &in_c, &out_c);
-  int rc_ = read_ready(c, out_c);
+  int rc_ = read_ready(c, out_c, &xc);
   close(in_c);
-  int xc = wait_exit(c);
+  if (xc < 0) xc = wait_exit(c);
   printf("A (exporter): ready %d exit %d; B (importer): ready %d exit %d; C (own copy): ready %d "
          "exit %d; record published 0600 %d, removed after A %d\n",
          ra, xa, rb, xb, rc_, xc, published, removed);
@@ -241,9 +247,12 @@ int main(int argc, char **argv) {
     free(d[i]);
     unlink(out[i]);
   }
-  char lock[1100];
-  snprintf(lock, sizeof lock, "%s/weights-dev0-tp1r0-ep1r0.lock", dir);
-  unlink(lock);
+  char other[1100];
+  const char *exts[2] = {"lock", "users"};
+  for (int i = 0; i < 2; i++) {
+    snprintf(other, sizeof other, "%s/weights-dev0-tp1r0-ep1r0.%s", dir, exts[i]);
+    unlink(other);
+  }
   unlink(rec);
   rmdir(dir);
   printf(fails ? "test_weights_share: FAILED\n" : "test_weights_share: passed\n");
