@@ -9,7 +9,10 @@
  * 256 KiB of activations a token row (rows = max(max batch, chunk)), a f32
  * logits row of the vocabulary per decode sequence (at least 256 rows), and
  * 64 MiB of fixed buffers; 4 MiB a decode graph. Every expected figure
- * below is worked out by hand in its comment. */
+ * below is worked out by hand in its comment. With the CUDA backend built,
+ * the 20b and 120b plans on one H200 are also made with the engine's own
+ * workspace (tw_cuda_engine_workspace_bytes), printed (docs/operations.md
+ * quotes them) and checked against bounds. */
 #include "common/mem_plan.h"
 
 #include "test_util.h"
@@ -35,6 +38,24 @@ static int64_t ws_model(void *arg, int32_t max_batch, int32_t chunk) {
   return 64 * MIB + rows * 256 * 1024 + lrows * c->vocab_size * 4;
 }
 
+static tw_mem_plan_in_t gpu_in(const tw_model_config_t *c, int64_t total, int np, int nd,
+                               bool shared, tw_mem_role_t role) {
+  tw_mem_plan_in_t in;
+  memset(&in, 0, sizeof in);
+  in.total_bytes = total;
+  in.cfg = c;
+  in.kv_elem_bytes = 2;
+  in.block_size = 16;
+  in.n_prefill = np;
+  in.n_decode = nd;
+  in.shared_weights = shared;
+  in.role = role;
+  in.ws_bytes = ws_model;
+  in.ws_arg = (void *)c;
+  in.graph_bytes = 4 * MIB;
+  return in;
+}
+
 #ifdef TWAIN_HAVE_CUDA
 #include "common/engine_impl.h"
 /* the CUDA engine's own workspace (grouped-GEMM MoE, as on Hopper) */
@@ -48,18 +69,8 @@ static int64_t ws_cuda(void *arg, int32_t max_batch, int32_t chunk) {
 static void test_cuda_workspace(const tw_model_config_t *c20, const tw_model_config_t *c120) {
   for (int big = 0; big < 2; big++) {
     const tw_model_config_t *c = big ? c120 : c20;
-    tw_mem_plan_in_t in;
-    memset(&in, 0, sizeof in);
-    in.total_bytes = H200;
-    in.cfg = c;
-    in.kv_elem_bytes = 2;
-    in.block_size = 16;
-    in.n_prefill = in.n_decode = 1;
-    in.shared_weights = true;
-    in.role = TW_MEM_ROLE_DECODE;
+    tw_mem_plan_in_t in = gpu_in(c, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
     in.ws_bytes = ws_cuda;
-    in.ws_arg = (void *)c;
-    in.graph_bytes = 4 * MIB;
     tw_mem_plan_t p;
     tw_status_t st = tw_mem_plan(&in, &p);
     printf("-- cuda workspace, %s, H200, 1 prefill + 1 decode, shared weights\n",
@@ -80,24 +91,6 @@ static void test_cuda_workspace(const tw_model_config_t *c20, const tw_model_con
   }
 }
 #endif
-
-static tw_mem_plan_in_t gpu_in(const tw_model_config_t *c, int64_t total, int np, int nd,
-                               bool shared, tw_mem_role_t role) {
-  tw_mem_plan_in_t in;
-  memset(&in, 0, sizeof in);
-  in.total_bytes = total;
-  in.cfg = c;
-  in.kv_elem_bytes = 2;
-  in.block_size = 16;
-  in.n_prefill = np;
-  in.n_decode = nd;
-  in.shared_weights = shared;
-  in.role = role;
-  in.ws_bytes = ws_model;
-  in.ws_arg = (void *)c;
-  in.graph_bytes = 4 * MIB;
-  return in;
-}
 
 static void show(const char *what, const tw_mem_plan_t *p) {
   printf("-- %s\n", what);
