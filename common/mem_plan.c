@@ -140,7 +140,7 @@ tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *plan_p) {
   bool fits = false;
   for (int32_t k = 0; k < n_try && !fits; k++) {
     T = in->prefill_tokens ? in->prefill_tokens : budgets[k];
-    pws = np ? tw_mem_ws(in, 1, T) : 0;
+    pws = np ? tw_mem_ws(in, TW_MEM_PREFILL_SEQS, T) : 0;
     left = budget - fixed - (int64_t)np * pws;
     if (left <= 0) continue;
     pkv = 0;
@@ -187,7 +187,7 @@ tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *plan_p) {
                        (nd ? (int64_t)nd * (d.ws + d.graphs + p->decode_kv_bytes) : 0);
   if (p->unplanned_bytes < 0) p->unplanned_bytes = 0;
   bool pre = in->role == TW_MEM_ROLE_PREFILL;
-  p->max_batch = pre ? 1 : d.b;
+  p->max_batch = pre ? TW_MEM_PREFILL_SEQS : d.b;
   p->prefill_tokens = pre ? T : d.b;
   p->kv_blocks = pre ? pblocks : dblocks;
   p->workspace_bytes = pre ? pws : d.ws + d.graphs;

@@ -44,6 +44,7 @@ extern "C" {
 #define TW_MEM_MAX_BATCH 1024      /* largest decode graph bucket */
 #define TW_MEM_TOKENS_PER_SEQ 1024 /* a planned max batch leaves this many KV tokens each */
 #define TW_MEM_PREFILL_TOKENS 8192 /* prefill token budget when memory allows */
+#define TW_MEM_PREFILL_SEQS 64     /* prompts in one prefill batch (twain-prefill --batch-seqs) */
 #define TW_MEM_MIN_DECODE_TOKENS 4096 /* smallest decode KV pool the plan accepts */
 #define TW_MEM_GRAPH_CTX_MIN 256   /* smallest decode graph context bucket (engine_cuda_step.cu) */
 #define TW_MEM_MAX_LINES 10
@@ -87,7 +88,7 @@ typedef struct {
 typedef struct {
   /* this worker */
   int32_t kv_blocks;
-  int32_t max_batch;       /* decode: sequences per step; prefill: 1 */
+  int32_t max_batch;       /* decode: sequences per step; prefill: prompts a batch */
   int32_t prefill_tokens;  /* prefill: token budget per forward; decode: rows of its workspace */
   int64_t workspace_bytes; /* its workspace (+ decode graphs) */
   int64_t kv_bytes;

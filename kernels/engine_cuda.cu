@@ -382,12 +382,12 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   if (cv->base)
     TW_CHECK(tw_cuda_moe_route_init(rmem, rb, (int32_t)R, c->n_experts, c->n_experts_per_tok,
                                     &ce->route));
-  int32_t gemv_rows = (int32_t)(R < TW_CE_GEMV_MAX_TOKENS ? R : TW_CE_GEMV_MAX_TOKENS);
+  int32_t gemv_rows = (int32_t)(R < (size_t)ce->gemv_max ? R : (size_t)ce->gemv_max);
   ce->moe_dec_bytes = tw_cuda_moe_decode_ws_bytes(gemv_rows, c->n_experts_per_tok, c->hidden,
                                                   c->intermediate);
   ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
   ce->moe_pre_bytes = 0;
-  if ((R > (size_t)TW_CE_GEMV_MAX_TOKENS || ce->bf16_experts) && ce->ep == 1) {
+  if ((R > (size_t)ce->gemv_max || ce->bf16_experts) && ce->ep == 1) {
     ce->moe_pre_bytes =
         ce->moe_grouped
             ? tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts_per_tok, c->hidden,
@@ -406,8 +406,8 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   ce->d_positions = (int32_t *)tw_ce_take(cv, R * 4);
   ce->d_slots = (int32_t *)tw_ce_take(cv, R * 4);
   ce->d_seq_lens = (int32_t *)tw_ce_take(cv, B * 4);
-  ce->d_cu = (int32_t *)tw_ce_take(cv, 2 * 4);
-  ce->d_start = (int32_t *)tw_ce_take(cv, 4);
+  ce->d_cu = (int32_t *)tw_ce_take(cv, (B + 1) * 4);
+  ce->d_start = (int32_t *)tw_ce_take(cv, B * 4);
   ce->d_block_tables = (int32_t *)tw_ce_take(cv, B * (size_t)ce->max_blocks_per_seq * 4);
   ce->d_next = (int32_t *)tw_ce_take(cv, B * 4);
   ce->d_params = (tw_cuda_sample_row_t *)tw_ce_take(cv, B * sizeof(tw_cuda_sample_row_t));
@@ -450,7 +450,7 @@ static void tw_ce_destroy(tw_engine_t *engine) {
   free(engine);
 }
 
-static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill, tw_ce_decode};
+static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill_pass, tw_ce_decode};
 
 static tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_params_t *p) {
   const tw_model_config_t *c = &m->config;
@@ -508,6 +508,7 @@ extern "C" int64_t tw_cuda_engine_workspace_bytes(const tw_model_config_t *c,
   t->max_pos = c->max_position_embeddings;
   t->max_blocks_per_seq = (t->max_pos + block_size - 1) / block_size;
   t->moe_grouped = grouped_moe;
+  t->gemv_max = grouped_moe ? TW_CE_GEMV_GROUPED_DEFAULT : TW_CE_GEMV_MAX_TOKENS; /* defaults */
   int64_t bytes = -1;
   if (tw_ce_tp_init(t, c, &p, 0) == TW_OK) {
     t->q_dim = t->nq * c->head_dim;
@@ -562,6 +563,22 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     const char *mc = getenv("TWAIN_CUDA_MOE_CUBLAS");
     ce->moe_grouped = tw_cuda_moe_grouped_supported(c->hidden, c->intermediate) &&
                       !(mc && mc[0] == '1');
+    /* GEMV MoE up to gemv_max rows: TW_CE_GEMV_MAX_TOKENS without the grouped
+     * path, TW_CE_GEMV_GROUPED_DEFAULT with it; TWAIN_CUDA_MOE_GEMV_MAX (read
+     * once here, 0..TW_CE_GEMV_MAX_TOKENS) overrides for A/B runs. EP > 1
+     * always runs its GEMV slices (engine_cuda_tp.cu). */
+    const char *gv = getenv("TWAIN_CUDA_MOE_GEMV_MAX");
+    char *end = NULL;
+    long g = gv && *gv ? strtol(gv, &end, 10) : -1;
+    if (gv && *gv && (*end || g < 0 || g > TW_CE_GEMV_MAX_TOKENS)) {
+      TW_WARN("engine", "TWAIN_CUDA_MOE_GEMV_MAX=%s is not in 0..%d: ignored", gv,
+              TW_CE_GEMV_MAX_TOKENS);
+      g = -1;
+    }
+    ce->gemv_max = g >= 0 ? (int32_t)g
+                   : ce->moe_grouped ? TW_CE_GEMV_GROUPED_DEFAULT
+                                     : TW_CE_GEMV_MAX_TOKENS;
+    if (!ce->moe_grouped || ce->bf16_experts) ce->gemv_max = TW_CE_GEMV_MAX_TOKENS;
   }
   /* the cuBLAS MoE reads per-expert counts on the host: not capturable, so
    * without the grouped path only GEMV-MoE steps of MXFP4 experts are graphed */
@@ -667,7 +684,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   /* pinned staging */
   {
     size_t R = (size_t)ce->max_rows, B = (size_t)ce->max_batch;
-    h_bytes = R * 3 * 4 + B * 2 * 4 + 16 + (size_t)c->n_experts * 4 +
+    h_bytes = R * 3 * 4 + B * 2 * 4 + (2 * B + 2) * 4 + (size_t)c->n_experts * 4 +
               B * (size_t)ce->max_blocks_per_seq * 4 + B * sizeof(tw_cuda_sample_row_t) + 64;
     TW_CUDA_CHECK_GOTO(cudaMallocHost(&ce->h_arena, h_bytes), st, fail);
     char *h = (char *)ce->h_arena;
@@ -677,7 +694,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     ce->h_slots = (int32_t *)h; h += R * 4;
     ce->h_seq_lens = (int32_t *)h; h += B * 4;
     ce->h_next = (int32_t *)h; h += B * 4;
-    ce->h_cu = (int32_t *)h; h += 16;
+    ce->h_cu = (int32_t *)h; h += (2 * B + 2) * 4; /* prefill cu [B + 1], then start [B] */
     ce->h_counts = (int32_t *)h; h += (size_t)c->n_experts * 4;
     ce->h_block_tables = (int32_t *)h;
   }

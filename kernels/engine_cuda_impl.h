@@ -18,16 +18,24 @@
 extern "C" {
 #endif
 
-/* decode graphs kept: (batch bucket, context bucket) pairs; every batch size
- * is graphed, 9 x 10 buckets at max_batch 256 and 131k context */
+/* decode graphs kept: (batch bucket, context bucket) pairs. Batches whose
+ * attention split count follows the context have one graph per context
+ * bucket (gpt-oss on one GPU: batches below 64, 7 x 10 buckets at 131k
+ * context), larger ones one graph for every context (29 more up to batch
+ * 1,024); see tw_ce_batch_bucket */
 #define TW_CE_MAX_GRAPHS 160
-/* Decode batches up to this size run the MoE by GEMV of MXFP4 experts; larger
- * ones (and prefill chunks) the GEMM path: tw_cuda_moe_prefill (grouped GEMMs,
- * no host sync) or, without it, tw_cuda_moe_prefill_cublas. */
+/* Decode batches up to this size may run the MoE by GEMV of MXFP4 experts
+ * (the workspace holds this many rows); which ones do is ce->gemv_max. Larger
+ * ones (and prefill chunks) take the GEMM path: tw_cuda_moe_prefill (grouped
+ * GEMMs, no host sync) or, without it, tw_cuda_moe_prefill_cublas. */
 #define TW_CE_GEMV_MAX_TOKENS 64
 /* Device bytes the memory plan sets aside per captured decode graph (an
  * estimate: the instantiated graph's kernel nodes and parameters). */
 #define TW_CE_GRAPH_BYTES ((int64_t)4 << 20)
+/* Decode batches at or below which the MoE runs as a GEMV when the grouped
+ * GEMMs exist (measured on the H200, docs/benchmarks.md: above it the
+ * few-token grouped tiles read each expert once and win). */
+#define TW_CE_GEMV_GROUPED_DEFAULT 2
 /* Rows of logits computed per unembedding GEMM when all logits are asked. */
 #define TW_CE_LOGIT_ROWS 256
 
@@ -65,6 +73,7 @@ typedef struct {
   int32_t qkv_dim, q_dim; /* (NQ + 2 NKV) D, NQ D */
   int bf16_experts; /* every MoE runs the GEMM path on layers[l].wdq */
   int moe_grouped;  /* MoE GEMM path = tw_cuda_moe_prefill (no host sync), else cuBLAS */
+  int32_t gemv_max; /* MXFP4 MoE rows at or below which the GEMV runs (<= TW_CE_GEMV_MAX_TOKENS) */
   cudaStream_t stream;
   tw_cuda_gemm_t *gemm;
   /* weights: one device arena, own or mapped (engine_cuda_share.cu) */
@@ -127,7 +136,8 @@ typedef struct {
   tw_ce_graph_t graphs[TW_CE_MAX_GRAPHS];
   int32_t n_graphs;
   int use_graphs;
-  /* TWAIN_CUDA_PROFILE=1: eager steps, each op timed with events (debug) */
+  /* TWAIN_CUDA_PROFILE=1: eager steps, each op timed with events (debug);
+   * 1 until the third decode step resets the sums (first calls excluded), then 2 */
   int profile;
   cudaEvent_t prof_ev[2];
   double prof_ms[TW_CE_PROF_N];
@@ -165,9 +175,12 @@ tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m, const tw_engine_p
 tw_status_t tw_ce_share_publish(tw_ce_t *ce, int device);
 /** Unmap (imported) or free (own; its record removed if exported) the arena. */
 void tw_ce_share_close(tw_ce_t *ce);
+/** The decode graph batch bucket for n live sequences (1 <= n <= max_batch):
+ *  the padded batch a step runs (engine_cuda_step.cu). */
+int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch);
 
 /** The engine ops (engine_cuda_step.cu). */
-tw_status_t tw_ce_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
+tw_status_t tw_ce_prefill_pass(tw_engine_t *engine, const tw_prefill_pass_t *pass);
 tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
 /** Log the per-op times gathered in profile mode (engine_cuda_step.cu). */
 void tw_ce_profile_log(const tw_ce_t *ce);

@@ -4,6 +4,7 @@
  *   twain chat     [--endpoint EP] [--reasoning low|medium|high] [--date YYYY-MM-DD]
  *                  [--show-analysis] [--json] "text"
  *   twain generate [--endpoint EP] [--max-tokens N] [--stop-ids A,B] [--json] ID...
+ *   twain bench    [--endpoint EP] [--num-requests N] [--concurrency C] [--json FILE] ...
  *   twain router   (the router daemon alone, as twain-router)
  * Each returns the process exit code (0 ok, 1 failed, 2 bad usage; chat: 3 when
  * max_tokens cut the answer before the final channel). */
@@ -13,6 +14,8 @@
 int tw_cli_serve(int argc, char **argv);
 int tw_cli_chat(int argc, char **argv);
 int tw_cli_generate(int argc, char **argv);
+/** `twain bench`: the serving benchmark (router/cli_bench.c, docs/benchmarks.md). */
+int tw_cli_bench(int argc, char **argv);
 int tw_cli_router(int argc, char **argv);
 
 /** Parse `text`, the value of option `flag` of program `prog`, as a whole

@@ -3,6 +3,11 @@
  *   (a) prefill of one sequence (batch 1) at 8192, 32768, 65536, 128000
  *       tokens: latency, cost per million input tokens at $3.00 per GPU-hour,
  *       ratio to the yardstick (in-house FP8 engine, one H200);
+ *   (a') with --prefill-batch SxL,...: S prompts of L tokens each as one
+ *       batched (variable-length) prefill, tw_engine_prefill_batch, in
+ *       passes of --chunk tokens (engine max_prefill_chunk, default 8192):
+ *       latency of the whole batch and prompt tokens/s (e.g. 1x1024 against
+ *       32x1024: short prompts at batch-1 rates or not);
  *   (b) decode steps at batch 1, 8, 32, 64, 128, 256 and contexts 8192 and
  *       32768: tokens/s per sequence and per GPU, cost per million output
  *       tokens; configurations whose KV cache does not fit are skipped.
@@ -19,11 +24,12 @@
  *
  * Usage: twain-bench-cuda [--model DIR | --synthetic 20b|120b|both]
  *          [--prefill 8192,32768,...] [--batches 1,8,...] [--contexts 8192,...]
- *          [--steps N] [--reps N] */
+ *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N] */
 #include "common/engine.h"
 #include "common/log.h"
 #include "common/model.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,6 +78,22 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* "SxL,SxL,...": counts into s_out, lengths into l_out. */
+static int parse_pairs(const char *s, int *s_out, int *l_out) {
+  int n = 0;
+  while (*s && n < MAXL) {
+    s_out[n] = atoi(s);
+    const char *x = strchr(s, 'x');
+    const char *c = strchr(s, ',');
+    if (!x || (c && x > c)) break;
+    l_out[n] = atoi(x + 1);
+    if (s_out[n] > 0 && l_out[n] > 0) n++;
+    if (!c) break;
+    s = c + 1;
+  }
+  return n;
+}
+
 static int parse_list(const char *s, int *out) {
   int n = 0;
   while (*s && n < MAXL) {
@@ -83,12 +105,45 @@ static int parse_list(const char *s, int *out) {
   return n;
 }
 
+/* The machine's ceilings (measured on the H200, shared/design/MACHINES.md):
+ * device copy counting read plus write, and bf16 dense GEMM. */
+#define COPY_BYTES_PER_S 4.20e12
+#define BF16_FLOP_PER_S 742e12
+
+/* The fewest bytes a decode step of B sequences at context ctx must move and
+ * the FLOPs it must do (spec §2), for the roofline columns:
+ *   bytes: the dense weights once (QKV, O, router, norms: bf16; lm_head: bf16
+ *   V x H), the experts the batch selects once (MXFP4: 4.25 bits a weight;
+ *   E (1 - (1 - k/E)^B) distinct experts per layer under uniform routing),
+ *   each sequence's keys and values (bf16; full layers ctx keys, sliding
+ *   layers the window), and the step's KV writes;
+ *   flops: 2 x (dense + k experts' weights) per token, plus attention's
+ *   2 x 2 x keys x NQ x D per token and layer. */
+static void decode_cost(const tw_model_config_t *c, int B, int ctx, double *bytes,
+                        double *flops) {
+  const double H = c->hidden, I = c->intermediate, D = c->head_dim, NQ = c->n_heads,
+               NKV = c->n_kv_heads, E = c->n_experts, k = c->n_experts_per_tok;
+  const double dense_l = H * (NQ + 2 * NKV) * D + NQ * D * H + E * H; /* QKV, O, router */
+  const double expert = 2 * I * H + H * I;                            /* gate_up + down */
+  const double sel = E * (1.0 - pow(1.0 - k / E, (double)B));
+  double by = (double)c->vocab_size * H * 2, fl = 2.0 * B * c->vocab_size * H;
+  for (int l = 0; l < c->n_layers; l++) {
+    const double keys =
+        c->layer_types[l] == TW_LAYER_SLIDING && c->sliding_window < ctx ? c->sliding_window : ctx;
+    by += dense_l * 2 + sel * expert * 4.25 / 8 + B * keys * 2 * NKV * D * 2 + B * 2 * NKV * D * 2;
+    fl += 2.0 * B * (dense_l + k * expert) + 4.0 * B * keys * NQ * D;
+  }
+  *bytes = by;
+  *flops = fl;
+}
+
 typedef struct {
   char model[32];
   char kind[16];
   int a, b; /* prefill: tokens, 0; decode: batch, context */
   double t; /* seconds: prefill latency or decode step */
   double yard;
+  double bytes, flops; /* decode: the step's floor (decode_cost) */
   int skipped;
 } row_t;
 
@@ -101,14 +156,71 @@ static int32_t rand_tok(int V) {
   return (int32_t)((rng >> 8) % (uint32_t)(V < 200000 ? V : 200000));
 }
 
+/* Batched prefills of pb_s[i] prompts of pb_l[i] tokens (distinct random
+ * tokens per prompt, distinct blocks): the (a') rows. */
+static void bench_prefill_batch(const char *name, tw_engine_t *e, const tw_model_t *m,
+                                const int *pb_s, const int *pb_l, int n_pb, int reps) {
+  const tw_kv_layout_t *kv = tw_engine_kv_layout(e);
+  int bs = kv->block_size, V = m->config.vocab_size, pool = kv->n_blocks;
+  for (int i = 0; i < n_pb; i++) {
+    int S = pb_s[i], L = pb_l[i], per = (L + bs - 1) / bs;
+    row_t *r = &rows[n_rows++];
+    snprintf(r->model, sizeof r->model, "%s", name);
+    snprintf(r->kind, sizeof r->kind, "prefill-batch");
+    r->a = S;
+    r->b = L;
+    if ((long)S * per > pool || L > m->config.max_position_embeddings) {
+      r->skipped = 1;
+      printf("[%s] prefill batch %d x %d: skipped (needs %ld KV blocks, pool %d)\n", name, S, L,
+             (long)S * per, pool);
+      continue;
+    }
+    int32_t *toks = malloc(sizeof(int32_t) * (size_t)S * L);
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)S * per);
+    int32_t *first = malloc(sizeof(int32_t) * (size_t)S);
+    tw_prefill_seq_t *seqs = malloc(sizeof(tw_prefill_seq_t) * (size_t)S);
+    for (long k = 0; k < (long)S * L; k++) toks[k] = rand_tok(V);
+    for (long k = 0; k < (long)S * per; k++) table[k] = (int32_t)k;
+    for (int q = 0; q < S; q++)
+      seqs[q] = (tw_prefill_seq_t){.tokens = toks + (size_t)q * L, .n_tokens = L,
+                                   .block_table = table + (size_t)q * per, .n_blocks = per,
+                                   .next_token_out = &first[q]};
+    tw_prefill_batch_args_t a = {.n_seqs = S, .seqs = seqs};
+    double ts[17];
+    int n = 0;
+    for (int k = 0; k <= reps; k++) { /* k = 0: warm-up (workspace, cuBLASLt heuristics) */
+      double t0 = now_s();
+      if (tw_engine_prefill_batch(e, &a) != TW_OK) {
+        fprintf(stderr, "prefill batch failed: %s\n", tw_last_error());
+        r->skipped = 1;
+        break;
+      }
+      if (k > 0) ts[n++] = now_s() - t0;
+    }
+    if (!r->skipped) {
+      r->t = median(ts, n);
+      printf("[%s] prefill batch %3d x %6d tokens: %.3f s (%.0f tok/s, median of %d)\n", name, S,
+             L, r->t, (double)S * L / r->t, n);
+      fflush(stdout);
+    }
+    free(toks);
+    free(table);
+    free(first);
+    free(seqs);
+  }
+}
+
 static void bench_model(const char *name, const tw_model_t *m, const double *yard, const int *pre,
-                        int n_pre, const int *bat, int n_bat, const int *ctxs, int n_ctx,
-                        int steps, int reps) {
+                        int n_pre, const int *pb_s, const int *pb_l, int n_pb, int chunk,
+                        const int *bat, int n_bat, const int *ctxs, int n_ctx, int steps,
+                        int reps) {
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
   p.backend = TW_BACKEND_CUDA;
   int maxb = 1;
   for (int i = 0; i < n_bat; i++) maxb = bat[i] > maxb ? bat[i] : maxb;
+  for (int i = 0; i < n_pb; i++) maxb = pb_s[i] > maxb ? pb_s[i] : maxb;
   p.max_batch = maxb;
+  if (chunk > 0) p.max_prefill_chunk = chunk;
   tw_engine_t *e = NULL;
   double t0 = now_s();
   if (tw_engine_create(m, &p, &e) != TW_OK) {
@@ -166,6 +278,7 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
            pre[i] / r->t, nr);
     fflush(stdout);
   }
+  bench_prefill_batch(name, e, m, pb_s, pb_l, n_pb, reps);
   for (int ci = 0; ci < n_ctx; ci++) {
     int ctx = ctxs[ci];
     int per_seq = (ctx + steps + 2 + bs - 1) / bs;
@@ -183,6 +296,7 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
       snprintf(r->kind, sizeof r->kind, "decode");
       r->a = B;
       r->b = ctx;
+      decode_cost(&m->config, B, ctx, &r->bytes, &r->flops);
       if ((long)B * per_seq > pool) {
         r->skipped = 1;
         printf("[%s] decode batch %d ctx %d: skipped (KV needs %ld blocks, pool %d)\n", name, B,
@@ -218,8 +332,12 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
       }
       if (!r->skipped) {
         r->t = median(ts, n);
-        printf("[%s] decode batch %3d ctx %6d: %.3f ms/step, %.1f tok/s/seq, %.0f tok/s/GPU\n",
-               name, B, ctx, r->t * 1e3, 1.0 / r->t, B / r->t);
+        const double floor_s = fmax(r->bytes / COPY_BYTES_PER_S, r->flops / BF16_FLOP_PER_S);
+        printf("[%s] decode batch %3d ctx %6d: %.3f ms/step, %.1f tok/s/seq, %.0f tok/s/GPU; "
+               "%.2f GB, %.2f TFLOP a step: %.0f GB/s, %.0f TFLOP/s, %.0f%% of the %s ceiling\n",
+               name, B, ctx, r->t * 1e3, 1.0 / r->t, B / r->t, r->bytes / 1e9, r->flops / 1e12,
+               r->bytes / r->t / 1e9, r->flops / r->t / 1e12, 100.0 * floor_s / r->t,
+               r->bytes / COPY_BYTES_PER_S >= r->flops / BF16_FLOP_PER_S ? "copy" : "bf16 GEMM");
         fflush(stdout);
       }
       free(tk); free(pos); free(nbs); free(out); free(tabs);
@@ -236,6 +354,7 @@ int main(int argc, char **argv) {
   int pre[MAXL] = {8192, 32768, 65536, 128000}, n_pre = 4;
   int bat[MAXL] = {1, 8, 32, 64, 128, 256}, n_bat = 6;
   int ctx[MAXL] = {8192, 32768}, n_ctx = 2;
+  int pb_s[MAXL], pb_l[MAXL], n_pb = 0, chunk = 0;
   int steps = 20, reps = 3;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -244,11 +363,14 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--prefill")) n_pre = parse_list(v, pre), i++;
     else if (!strcmp(a, "--batches")) n_bat = parse_list(v, bat), i++;
     else if (!strcmp(a, "--contexts")) n_ctx = parse_list(v, ctx), i++;
+    else if (!strcmp(a, "--prefill-batch")) n_pb = parse_pairs(v, pb_s, pb_l), i++;
+    else if (!strcmp(a, "--chunk")) chunk = atoi(v), i++;
     else if (!strcmp(a, "--steps")) steps = atoi(v), i++;
     else if (!strcmp(a, "--reps")) reps = atoi(v), i++;
     else {
       fprintf(stderr, "usage: %s [--model DIR | --synthetic 20b|120b|both] [--prefill LIST] "
-              "[--batches LIST] [--contexts LIST] [--steps N] [--reps N]\n", argv[0]);
+              "[--prefill-batch SxL,...] [--chunk N] [--batches LIST] [--contexts LIST] "
+              "[--steps N] [--reps N]\n", argv[0]);
       return 2;
     }
   }
@@ -270,8 +392,8 @@ int main(int argc, char **argv) {
       fprintf(stderr, "cannot load %s: %s\n", model_dir, tw_last_error());
       return 1;
     }
-    bench_model("checkpoint", m, m->config.n_experts > 32 ? y120 : y20, pre, n_pre, bat, n_bat,
-                ctx, n_ctx, steps, reps);
+    bench_model("checkpoint", m, m->config.n_experts > 32 ? y120 : y20, pre, n_pre, pb_s, pb_l,
+                n_pb, chunk, bat, n_bat, ctx, n_ctx, steps, reps);
     tw_model_destroy(m);
   } else {
     for (int big = 0; big < 2; big++) {
@@ -289,30 +411,39 @@ int main(int argc, char **argv) {
       }
       printf("[%s] synthetic weights in %.1f s\n", big ? "gpt-oss-120b" : "gpt-oss-20b",
              now_s() - t0);
-      bench_model(big ? "gpt-oss-120b" : "gpt-oss-20b", m, big ? y120 : y20, pre, n_pre, bat,
-                  n_bat, ctx, n_ctx, steps, reps);
+      bench_model(big ? "gpt-oss-120b" : "gpt-oss-20b", m, big ? y120 : y20, pre, n_pre, pb_s,
+                  pb_l, n_pb, chunk, bat, n_bat, ctx, n_ctx, steps, reps);
       tw_model_destroy(m);
     }
   }
-  printf("\n| model | run | tokens / batch | context | time | throughput | $/M tokens | vs yardstick |\n");
-  printf("|---|---|---|---|---|---|---|---|\n");
+  printf("\n| model | run | tokens / batch | context | time | throughput | $/M tokens | vs yardstick "
+         "| bytes, FLOPs / step | of ceiling |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (int i = 0; i < n_rows; i++) {
     row_t *r = &rows[i];
     if (r->skipped) {
-      printf("| %s | %s | %d | %s | n/a | n/a | n/a | skipped |\n", r->model, r->kind, r->a,
+      printf("| %s | %s | %d | %s | n/a | n/a | n/a | skipped | | |\n", r->model, r->kind, r->a,
              r->b ? "" : "-");
       continue;
     }
-    if (!strcmp(r->kind, "prefill")) {
+    if (!strcmp(r->kind, "prefill-batch")) {
+      double cost = PRICE_PER_HOUR / 3600.0 * r->t / ((double)r->a * r->b) * 1e6;
+      printf("| %s | prefill batch | %d x %d | - | %.3f s | %.0f tok/s | %.4f | - |\n", r->model,
+             r->a, r->b, r->t, (double)r->a * r->b / r->t, cost);
+    } else if (!strcmp(r->kind, "prefill")) {
       double cost = PRICE_PER_HOUR / 3600.0 * r->t / r->a * 1e6;
-      printf("| %s | prefill | %d | - | %.3f s | %.0f tok/s | %.4f | %.2fx (%.3f s) |\n", r->model,
+      printf("| %s | prefill | %d | - | %.3f s | %.0f tok/s | %.4f | %.2fx (%.3f s) | | |\n", r->model,
              r->a, r->t, r->a / r->t, cost, r->t / r->yard, r->yard);
     } else {
       double cost = PRICE_PER_HOUR / 3600.0 * r->t / r->a * 1e6;
       double goal = strstr(r->model, "120b") ? 180.0 : 300.0;
-      printf("| %s | decode | %d | %d | %.2f ms/step | %.1f tok/s/seq, %.0f tok/s/GPU | %.3f | %s |\n",
+      const double fb = r->bytes / COPY_BYTES_PER_S, ff = r->flops / BF16_FLOP_PER_S;
+      printf("| %s | decode | %d | %d | %.2f ms/step | %.1f tok/s/seq, %.0f tok/s/GPU | %.3f | %s "
+             "| %.2f GB, %.2f TFLOP | %.0f%% (%s) |\n",
              r->model, r->a, r->b, r->t * 1e3, 1.0 / r->t, r->a / r->t, cost,
-             r->a == 1 ? (1.0 / r->t >= goal ? "meets b1 goal" : "below b1 goal") : "-");
+             r->a == 1 ? (1.0 / r->t >= goal ? "meets b1 goal" : "below b1 goal") : "-",
+             r->bytes / 1e9, r->flops / 1e12, 100.0 * fmax(fb, ff) / r->t,
+             fb >= ff ? "copy" : "GEMM");
     }
   }
   return 0;

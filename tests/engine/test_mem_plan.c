@@ -78,7 +78,7 @@ static void test_cuda_workspace(const tw_model_config_t *c20, const tw_model_con
     for (int i = 0; i < p.n_lines; i++) printf("   %s\n", p.lines[i]);
     /* a decode workspace between 0.1 and 4 GiB at max batch 1,024 or 512;
      * the prefill worker's at 8,192 tokens between 0.5 and 8 GiB */
-    int64_t ws = tw_cuda_engine_workspace_bytes(c, 16, 1, 8192, 1);
+    int64_t ws = tw_cuda_engine_workspace_bytes(c, 16, 64, 8192, 1);
     TW_EXPECT(st == TW_OK && ws > GIB / 2 && ws < 8 * GIB, "%s: prefill workspace %lld",
               big ? "120b" : "20b", (long long)ws);
     TW_EXPECT(p.workspace_bytes > GIB / 10 && p.workspace_bytes < 4 * GIB, "decode ws %lld",
@@ -154,7 +154,7 @@ int main(void) {
             has_line(&p, "this decode worker: kv pool 151583 blocks"), "lines");
 
   /* 20b, H200, prefill + decode with a copy each: left = budget - 2 W -
-   * 2 GiB - prefill ws (64 MiB + 8192 x 256 KiB + 256 x V x 4); prefill kv:
+   * 2 GiB - prefill ws (64 prompts: 64 MiB + 8192 x 256 KiB + 256 x V x 4); prefill kv:
    * context 131,072 + 8,192 tokens = 8,704 blocks (under left / 8 = 263k
    * tokens); decode: the rest at max batch 1,024 = 120,920 blocks */
   in = gpu_in(&c20, H200, 1, 1, false, TW_MEM_ROLE_DECODE);
@@ -164,7 +164,7 @@ int main(void) {
             p.weight_copies, p.max_batch, p.kv_blocks, p.prefill_kv_blocks);
   in.role = TW_MEM_ROLE_PREFILL; /* the other worker's view: the same plan, its own share */
   TW_EXPECT(plan(&in, &p, "20b H200 1+1 separate: prefill") == TW_OK, "%s", tw_last_error());
-  TW_EXPECT(p.kv_blocks == 8704 && p.max_batch == 1 && p.prefill_tokens == 8192 &&
+  TW_EXPECT(p.kv_blocks == 8704 && p.max_batch == 64 && p.prefill_tokens == 8192 &&
             p.decode_kv_blocks == 120920, "blocks %d batch %d tokens %d decode %d", p.kv_blocks,
             p.max_batch, p.prefill_tokens, p.decode_kv_blocks);
   /* shared weights: the decode pool gains one copy, 13,774,924,416 / (16 x
