@@ -189,6 +189,15 @@ tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool b
   return TW_OK;
 }
 
+tw_status_t tw_msg_note_failure(tw_status_t st, const char *who, const char *what) {
+  static _Thread_local tw_msg_ratelimit_t rl;
+  uint64_t sup = 0;
+  if (st < 0 && tw_msg_ratelimit(&rl, &sup))
+    TW_WARN(who, "%s: %s (%llu like it suppressed)", what, tw_last_error(),
+            (unsigned long long)sup);
+  return st;
+}
+
 int tw_status_wire_code(tw_status_t st) {
   switch (st) {
     case TW_OK: case TW_INPROGRESS: return TWAIN__V1__CODE__OK;

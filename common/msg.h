@@ -81,6 +81,12 @@ typedef struct {
  *  since the last one allowed (log "suppressed K" when non-zero). */
 bool tw_msg_ratelimit(tw_msg_ratelimit_t *rl, uint64_t *suppressed_p);
 
+/** Note a failed send whose failure leaves the caller nothing to do (the
+ *  peer is gone or its queue is full; it retries or times out on its own):
+ *  a warning "<what>: <last error>" from `who`, at most TW_MSG_WARN_PER_S a
+ *  second per thread. Nothing when st >= 0. Returns st. */
+tw_status_t tw_msg_note_failure(tw_status_t st, const char *who, const char *what);
+
 /** Monotonic clock in nanoseconds. */
 int64_t tw_msg_clock_ns(void);
 

@@ -18,6 +18,20 @@
 extern "C" {
 #endif
 
+/** Put before a function returning tw_status_t whose status must not be
+ *  dropped: GCC then warns (an error with TWAIN_WERROR) at a call that
+ *  ignores it. A status ignored on purpose goes through TW_IGNORE, with a
+ *  comment saying why. */
+#define TW_NODISCARD __attribute__((warn_unused_result))
+
+/** Evaluate a status-returning call whose failure needs no action here
+ *  (already logged, or best effort on a path that is failing anyway). */
+#define TW_IGNORE(expr)                        \
+  do {                                         \
+    tw_status_t tw_ignored_ = (expr);          \
+    (void)tw_ignored_;                         \
+  } while (0)
+
 typedef enum {
   TW_OK = 0,
   TW_INPROGRESS = 1,

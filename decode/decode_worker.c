@@ -225,7 +225,7 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
       int32_t cap = d->cap_seqs ? d->cap_seqs * 2 : 64;
       tw_dseq_t **t = realloc(d->seqs, sizeof *t * (size_t)cap);
       if (!t) {
-        tw_kv_blocks_free(d->bm[rank], need, seq->blocks);
+        TW_IGNORE(tw_kv_blocks_free(d->bm[rank], need, seq->blocks)); /* just allocated */
         free(seq->blocks);
         free(seq);
         s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
@@ -279,7 +279,8 @@ send:;
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVED;
   env.reserved = &out;
-  tw_worker_link_send(&d->link, &env);
+  tw_msg_note_failure(tw_worker_link_send(&d->link, &env), "decode",
+                      "cannot answer a reservation (the router expires it)");
 }
 
 /* Compare the checksums the prefill worker computed over what it sent with
@@ -315,7 +316,8 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     snprintf(msg, sizeof msg, "decode for request %llu: no reservation (cancelled or expired)",
              (unsigned long long)r->request_id);
     TW_WARN("decode", "%s", msg);
-    tw_worker_link_reject(&d->link, r->request_id, TWAIN__V1__CODE__NOT_FOUND, msg);
+    tw_msg_note_failure(tw_worker_link_reject(&d->link, r->request_id, TWAIN__V1__CODE__NOT_FOUND, msg),
+                        "decode", "cannot send a reject to the router");
     return;
   }
   tw_dseq_t *s = d->seqs[idx];
@@ -480,7 +482,7 @@ static tw_status_t tw_decoder_step(tw_decoder_t *d) {
       int32_t idx = tw_dseq_find(d, s->id);
       if (st != TW_OK) {
         tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
-                       TWAIN__V1__CODE__INTERNAL, tw_last_error());
+                       tw_status_wire_code(st), tw_last_error());
         tw_dseq_release(d, idx);
         continue;
       }
@@ -671,6 +673,7 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     return st;
   }
   int64_t drain_since = 0;
+  tw_status_t fatal = TW_OK; /* a sticky device error ends the loop */
   Twain__Internal__V1__Capacity cap;
   for (;;) {
     /* quarantined reservations are no sequences: the drain does not wait for them */
@@ -723,8 +726,9 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
         case TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL: tw_on_cancel(&d, env->cancel->request_id); break;
         default:
           TW_WARN("decode", "ignoring a message of type %d from the router", (int)env->body_case);
-          tw_worker_link_reject(&d.link, 0, TWAIN__V1__CODE__UNIMPLEMENTED,
-                                "decode worker: unexpected message type");
+          tw_msg_note_failure(tw_worker_link_reject(&d.link, 0, TWAIN__V1__CODE__UNIMPLEMENTED,
+                                                    "decode worker: unexpected message type"),
+                              "decode", "cannot send a reject to the router");
       }
       twain__internal__v1__envelope__free_unpacked(env, NULL);
     }
@@ -741,14 +745,23 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
       }
     }
     tw_decoder_commits(&d);
-    tw_decoder_step(&d);
+    /* a failed step has failed its sequences (each told why); a device
+     * error is sticky (STYLE.md "Errors"): stop taking work and exit */
+    tw_status_t ss = tw_decoder_step(&d);
+    if (ss == TW_ERR_CUDA || ss == TW_ERR_NCCL) {
+      TW_ERROR("decode", "device error in a decode step, stopping: %s", tw_last_error());
+      fatal = ss;
+      break;
+    }
     tw_decoder_capacity(&d, &cap);
-    tw_worker_link_tick(&d.link, &cap, d.draining, false);
+    tw_msg_note_failure(tw_worker_link_tick(&d.link, &cap, d.draining, false), "decode",
+                        "cannot register with the router (retried)");
   }
   tw_decoder_capacity(&d, &cap);
-  tw_worker_link_tick(&d.link, &cap, true, true);
+  tw_msg_note_failure(tw_worker_link_tick(&d.link, &cap, true, true), "decode",
+                      "cannot tell the router we stop");
   TW_INFO("decode", "stopped: %d kv blocks in use", tw_decoder_blocks(&d, 1));
-  tw_dist_plan_stop(d.dist);
+  tw_msg_note_failure(tw_dist_plan_stop(d.dist), "decode", "cannot stop the other ranks");
   tw_decoder_fini(&d);
-  return TW_OK;
+  return fatal;
 }

@@ -425,7 +425,8 @@ static void tw_ce_destroy(tw_engine_t *engine) {
       cudaEventDestroy(ce->prof_ev[1]);
     }
     tw_ce_graphs_destroy(ce);
-    if (ce->coll) tw_coll_nccl_set_stream(ce->coll, NULL); /* its stream is destroyed below */
+    /* its stream is destroyed below; cannot fail: the handle is the NCCL one it was set on */
+    if (ce->coll) TW_IGNORE(tw_coll_nccl_set_stream(ce->coll, NULL));
     if (ce->dq_stream) {
       cudaStreamSynchronize(ce->dq_stream);
       cudaStreamDestroy(ce->dq_stream);

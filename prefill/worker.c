@@ -154,7 +154,7 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
   double pms = 0, xms = 0;
   tw_status_t st = hs ? tw_prefill_ranks_run(&w->rk, r, ids, nb, &first, &bytes, hs, &pms, &xms)
                       : tw_err(TW_ERR_NO_MEMORY, "prefill worker out of host memory");
-  tw_kv_blocks_free(w->blocks, nb, ids);
+  TW_IGNORE(tw_kv_blocks_free(w->blocks, nb, ids)); /* ours, allocated above */
   if (st != TW_OK) {
     snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
@@ -394,8 +394,9 @@ static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *
     }
   } else {
     TW_WARN("prefill", "ignoring a message of type %d from the router", (int)env->body_case);
-    tw_worker_link_reject(&w->link, 0, TWAIN__V1__CODE__UNIMPLEMENTED,
-                          "prefill worker: unexpected message type");
+    tw_msg_note_failure(tw_worker_link_reject(&w->link, 0, TWAIN__V1__CODE__UNIMPLEMENTED,
+                                              "prefill worker: unexpected message type"),
+                        "prefill", "cannot send a reject to the router");
   }
   twain__internal__v1__envelope__free_unpacked(env, NULL);
 }
@@ -626,11 +627,12 @@ int tw_prefill_worker_main(int argc, char **argv) {
     }
     tw_prefill_next(&w);
     tw_prefill_capacity(&w, &cap);
-    tw_worker_link_tick(&w.link, &cap, w.draining, false);
+    tw_msg_note_failure(tw_worker_link_tick(&w.link, &cap, w.draining, false), "prefill",
+                        "cannot register with the router (retried)");
     if (w.draining && w.q_len == 0) break;
   }
   TW_INFO("prefill", "stopped");
-  tw_dist_plan_stop(w.dist);
+  tw_msg_note_failure(tw_dist_plan_stop(w.dist), "prefill", "cannot stop the other ranks");
   tw_prefiller_fini(&w);
   return 0;
 }

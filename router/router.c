@@ -82,8 +82,9 @@ void tw_router_cancel_workers(tw_router_t *r, tw_req_t *q) {
   env.cancel = &c;
   tw_rworker_t *d = q->dw ? tw_router_worker(r, q->dw) : NULL;
   tw_rworker_t *p = q->state == TW_REQ_PREFILLING && q->pw ? tw_router_worker(r, q->pw) : NULL;
-  if (d && q->state != TW_REQ_QUEUED) tw_router_send_worker(r, d, &env);
-  if (p) tw_router_send_worker(r, p, &env);
+  /* best effort: a worker that misses it expires the request itself (logged there) */
+  if (d && q->state != TW_REQ_QUEUED) TW_IGNORE(tw_router_send_worker(r, d, &env));
+  if (p) TW_IGNORE(tw_router_send_worker(r, p, &env));
 }
 
 static void tw_fill_timings(tw_req_t *q, int64_t now, Twain__V1__Timings *t, Twain__V1__Usage *u) {

@@ -83,7 +83,10 @@ static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
   bool final = c->channel && strcmp(c->channel, "final") == 0;
   if (final && c->n_stops) {
     size_t old = c->final_text.len;
-    tw_tok_buf_append(&c->final_text, text, len);
+    if (tw_tok_buf_append(&c->final_text, text, len) != TW_OK) { /* out of memory: logged */
+      c->stop_hit = true; /* stops can no longer be found: end the answer here */
+      return;
+    }
     for (size_t i = 0; i < c->n_stops; i++) {
       const char *hit = c->final_text.data ? strstr(c->final_text.data, c->stops[i]) : NULL;
       if (!hit) continue;
@@ -270,13 +273,16 @@ tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatReq
   /* leading system/developer messages are the developer instructions */
   tw_tok_buf_t instr;
   tw_tok_buf_init(&instr);
-  if (tw_nz(cr->instructions)) tw_tok_buf_append(&instr, cr->instructions, strlen(cr->instructions));
+  if (st == TW_OK && tw_nz(cr->instructions))
+    st = tw_tok_buf_append(&instr, cr->instructions, strlen(cr->instructions));
   size_t i = 0;
   for (; i < cr->n_messages && st == TW_OK; i++) {
     const Twain__V1__Message *m = cr->messages[i];
     if (!m->role || (strcmp(m->role, "system") && strcmp(m->role, "developer"))) break;
-    if (instr.len) tw_tok_buf_append(&instr, "\n\n", 2);
-    tw_tok_buf_append(&instr, m->content ? m->content : "", m->content ? strlen(m->content) : 0);
+    if (instr.len) st = tw_tok_buf_append(&instr, "\n\n", 2);
+    if (st == TW_OK)
+      st = tw_tok_buf_append(&instr, m->content ? m->content : "",
+                             m->content ? strlen(m->content) : 0);
   }
   if (st == TW_OK && instr.len)
     st = tw_harmony_conversation_set(&conv, &conv.developer_instructions, instr.data);
@@ -331,7 +337,8 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
   tw_feed_reset(c);
   for (size_t i = 0; i < n && !c->stop_hit; i++) {
     bool was = c->in_analysis;
-    tw_harmony_parser_push(c->parser, toks[i]);
+    /* the parser fails only for want of memory (logged): end the answer there */
+    if (tw_harmony_parser_push(c->parser, toks[i]) != TW_OK) c->stop_hit = true;
     c->n_reasoning += was && c->in_analysis; /* a text id of an analysis message */
   }
   rep->deltas = c->dptr;
@@ -345,7 +352,8 @@ void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   struct tw_rchat *c = q->hchat;
   if (!c) return;
   c->finishing = true;
-  tw_harmony_parser_finish(c->parser); /* reports a message cut off by max_tokens */
+  /* reports a message cut off by max_tokens; fails only for want of memory (logged) */
+  TW_IGNORE(tw_harmony_parser_finish(c->parser));
   rep->deltas = c->dptr;
   rep->n_deltas = c->stream ? c->n_deltas : 0;
   rep->tool_calls = c->cptr;

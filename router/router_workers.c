@@ -59,7 +59,7 @@ static void tw_reject_to(tw_router_t *r, const tw_msg_t *m, uint64_t rid, int co
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT;
   env.reject = &rj;
-  tw_msg_send(r->wsock, m, &env.base);
+  tw_msg_note_failure(tw_msg_send(r->wsock, m, &env.base), "router", "cannot send a reject to a worker");
 }
 
 static void tw_update_gauges(tw_router_t *r) {
@@ -129,7 +129,8 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REGISTER_ACK;
   env.register_ack = &ack;
-  tw_router_send_worker(r, w, &env);
+  /* logged there; the worker registers again until it hears the ack */
+  TW_IGNORE(tw_router_send_worker(r, w, &env));
   tw_update_gauges(r);
 }
 
@@ -160,7 +161,8 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
       Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
       env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL;
       env.cancel = &c;
-      tw_router_send_worker(r, w, &env);
+      /* logged there; an unclaimed reservation expires on the worker */
+      TW_IGNORE(tw_router_send_worker(r, w, &env));
     }
     return;
   }

@@ -149,9 +149,12 @@ int main(int argc, char **argv) {
   }
   double rss_engine = peak_rss_mib();
   tw_kv_blocks_t *kb = NULL;
-  tw_kv_blocks_create(p.kv_num_blocks, bs, &kb);
   int32_t *tables = malloc(sizeof(int32_t) * (size_t)blocks_per_seq * (batch + 1));
-  tw_kv_blocks_alloc(kb, blocks_per_seq * (batch + 1), tables);
+  if (!tables || tw_kv_blocks_create(p.kv_num_blocks, bs, &kb) != TW_OK ||
+      tw_kv_blocks_alloc(kb, blocks_per_seq * (batch + 1), tables) != TW_OK) {
+    fprintf(stderr, "bench: cannot set up %d kv blocks: %s\n", p.kv_num_blocks, tw_last_error());
+    return 1;
+  }
   int32_t *prompt = malloc(sizeof(int32_t) * (size_t)prompt_len);
   uint64_t s = 0x9e3779b97f4a7c15ull;
   int32_t ordinary = c->vocab_size > 8000 ? 8000 : c->vocab_size; /* below the special ids */

@@ -247,7 +247,8 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
     int n = 8192 < max_tok ? 8192 : max_tok;
     tw_prefill_args_t a = {.tokens = toks, .n_tokens = n, .block_table = table,
                            .n_blocks = (n + bs - 1) / bs, .next_token_out = &nt};
-    if ((n + bs - 1) / bs <= pool) tw_engine_prefill(e, &a);
+    if ((n + bs - 1) / bs <= pool && tw_engine_prefill(e, &a) != TW_OK) /* warm-up */
+      fprintf(stderr, "bench: warm-up prefill failed: %s\n", tw_last_error());
   }
   for (int i = 0; i < n_pre; i++) {
     row_t *r = &rows[n_rows++];
@@ -290,7 +291,10 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
       int32_t nt;
       tw_prefill_args_t a = {.tokens = toks, .n_tokens = ctx, .block_table = table,
                              .n_blocks = per_seq, .next_token_out = &nt};
-      tw_engine_prefill(e, &a);
+      if (tw_engine_prefill(e, &a) != TW_OK) {
+        fprintf(stderr, "bench: prefill of %d tokens failed: %s\n", ctx, tw_last_error());
+        continue;
+      }
     }
     for (int bi = 0; bi < n_bat; bi++) {
       int B = bat[bi];

@@ -46,7 +46,8 @@ static void on_bound(void *arg, const char *c, const char *w) {
 
 static void *router_main(void *arg) {
   tw_bench_t *b = arg;
-  tw_router_run(&b->p, &b->stop);
+  if (tw_router_run(&b->p, &b->stop) != TW_OK)
+    fprintf(stderr, "bench: the router stopped: %s\n", tw_last_error());
   return NULL;
 }
 
@@ -66,7 +67,9 @@ typedef struct {
   void *ctx;
 } fake_t;
 
-static void send_env(void *s, Twain__Internal__V1__Envelope *e) { tw_msg_send(s, NULL, &e->base); }
+static void send_env(void *s, Twain__Internal__V1__Envelope *e) {
+  tw_msg_note_failure(tw_msg_send(s, NULL, &e->base), "bench", "fake worker send");
+}
 
 static void fake_register(void *s, const char *name, Twain__Internal__V1__Pool pool) {
   Twain__Internal__V1__Capacity c = TWAIN__INTERNAL__V1__CAPACITY__INIT;
@@ -96,8 +99,11 @@ static void fake_heartbeat(void *s) {
 static void *fake_main(void *arg) {
   fake_t *f = arg;
   void *pre, *dec;
-  tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &pre);
-  tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &dec);
+  if (tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &pre) != TW_OK ||
+      tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &dec) != TW_OK) {
+    fprintf(stderr, "bench: fake workers cannot connect: %s\n", tw_last_error());
+    return NULL;
+  }
   fake_register(pre, "fake-prefill", TWAIN__INTERNAL__V1__POOL__POOL_PREFILL);
   fake_register(dec, "fake-decode", TWAIN__INTERNAL__V1__POOL__POOL_DECODE);
   fseq_t *seqs = malloc(sizeof(fseq_t) * 8192);
@@ -207,7 +213,7 @@ static long run_protobuf(void *cl, bench_mode_t mode, int S, int T, uint64_t *ri
       r.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_CHAT;
       r.chat = &ch;
     }
-    tw_msg_send(cl, NULL, &r.base);
+    tw_msg_note_failure(tw_msg_send(cl, NULL, &r.base), "bench", "client send");
   }
   int done = 0;
   long toks = 0;
@@ -361,7 +367,10 @@ int main(int argc, char **argv) {
   struct timespec ts = {0, 500000000};
   nanosleep(&ts, NULL);
   void *cl;
-  tw_msg_socket_open(ctx, ZMQ_DEALER, b.cep, false, NULL, 0, &cl);
+  if (tw_msg_socket_open(ctx, ZMQ_DEALER, b.cep, false, NULL, 0, &cl) != TW_OK) {
+    fprintf(stderr, "bench: the client cannot connect: %s\n", tw_last_error());
+    return 1;
+  }
   printf("# router overhead per streamed token (fake workers, no engine), tcp loopback\n");
   printf("# %-18s %8s %8s %10s %18s %14s\n", "client", "streams", "tokens", "total", "router_cpu_us/tok",
          "client_tok/s");

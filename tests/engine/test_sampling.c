@@ -116,14 +116,14 @@ int main(void) {
   int differ = 0;
   for (int64_t pos = 0; pos < 200; pos++) {
     for (int i = 0; i < V; i++) z[i] = (float)tw_test_uniform(&s, -2, 2);
-    int32_t greedy;
-    tw_sample(z, V, NULL, pos, NULL, &greedy);
+    int32_t greedy = -1;
+    EXPECT_OK(tw_sample(z, V, NULL, pos, NULL, &greedy));
     EXPECT(sample1(z, V, 0.8f, 1, 1.0f, 5, pos) == greedy, "top-k 1 != greedy at %lld", (long long)pos);
     EXPECT(sample1(z, V, 1.0f, 0, 1e-6f, 5, pos) == greedy, "tiny top-p != greedy at %lld", (long long)pos);
     int32_t a = sample1(z, V, 1.0f, 0, 1.0f, 99, pos), b = sample1(z, V, 1.0f, 0, 1.0f, 99, pos);
     tw_sample_params_t sp = {.temperature = 1.0f, .top_k = 50, .top_p = 0.9f, .seed = 99};
     int32_t c = -1;
-    tw_sample(z, V, &sp, pos, scratch, &c); /* caller scratch gives the same draw */
+    EXPECT_OK(tw_sample(z, V, &sp, pos, scratch, &c)); /* caller scratch gives the same draw */
     EXPECT(a == b, "same seed, same token at %lld", (long long)pos);
     EXPECT(c == sample1(z, V, 1.0f, 50, 0.9f, 99, pos), "scratch vs own buffer at %lld", (long long)pos);
     differ += sample1(z, V, 1.0f, 0, 1.0f, 100, pos) != a;

@@ -88,9 +88,8 @@ static int test_sample(int V, int n_rows) {
         printf("  row %d (T=%.2f k=%d p=%.2f): gpu %d cpu %d\n", r, rows[r].temperature,
                rows[r].top_k, rows[r].top_p, got[r], want[r]);
     }
-    int32_t am;
-    tw_sample(lg + (size_t)r * V, V, NULL, 0, NULL, &am);
-    bad_am += got_am[r] != am;
+    int32_t am = -1;
+    bad_am += tw_sample(lg + (size_t)r * V, V, NULL, 0, NULL, &am) != TW_OK || got_am[r] != am;
   }
   printf("%s sample(V=%d,rows=%d): %d tokens differ from tw_sample\n", bad ? "FAIL" : "ok  ", V,
          n_rows, bad);

@@ -174,7 +174,7 @@ static int run_variant(const char *model_dir, const char *fx_dir, const char *va
                              .n_blocks = BLOCKS_PER_SEQ, .logits_out = lg, .sample = &sp,
                              .next_token_out = &tok};
       if (tw_engine_prefill(e, &a) != TW_OK) return 1;
-      tw_sample(lg, V, &sp, f->n_ids, NULL, &want);
+      EXPECT_OK(tw_sample(lg, V, &sp, f->n_ids, NULL, &want));
       bad += tok != want;
     }
     printf("sampling: %d of 8 GPU draws differ from tw_sample\n", bad);

@@ -72,14 +72,14 @@ static int run_rank(int argc, char **argv, const char *mode) {
   }
   printf("rank 0: 20 plans to %d ranks, %d wrong answers\n", TW_NRANKS - 1, bad);
   if (strcmp(mode, "die") == 0) {
-    tw_dist_plan_user(d, "die", 3);
+    if (tw_dist_plan_user(d, "die", 3) != TW_OK) return 9;
     for (int i = 0; i < 100; i++) { /* the watchdog ends this process long before 10 s */
       struct timespec ts = {0, 100000000};
       nanosleep(&ts, NULL);
     }
     return 7; /* not reached when the watchdog works */
   }
-  tw_dist_plan_stop(d);
+  if (tw_dist_plan_stop(d) != TW_OK) bad++;
   int children_ok = 1;
   for (int r = 1; r < TW_NRANKS; r++) {
     int status = 0;

@@ -48,7 +48,8 @@ static void on_event(void *user, const tw_harmony_event_t *ev) {
       if (!f->open) fz_fail(f, "delta outside a message");
       if (!ev->text_len || !tw_utf8_valid(ev->text, ev->text_len, NULL))
         fz_fail(f, "delta empty or not UTF-8");
-      tw_tok_buf_append(&f->deltas, ev->text, ev->text_len);
+      if (tw_tok_buf_append(&f->deltas, ev->text, ev->text_len) != TW_OK)
+        fz_fail(f, "out of memory keeping the deltas");
       break;
     case TW_HARMONY_EV_MESSAGE_END:
       if (!f->open) fz_fail(f, "end without start");
@@ -107,7 +108,10 @@ int main(int argc, char **argv) {
   tw_token_ids_t frag_ids[14];
   for (int i = 0; i < 14; i++) {
     tw_token_ids_init(&frag_ids[i]);
-    tw_tokenizer_encode(tok, frags[i], strlen(frags[i]), 0, &frag_ids[i]);
+    if (tw_tokenizer_encode(tok, frags[i], strlen(frags[i]), 0, &frag_ids[i]) != TW_OK) {
+      fprintf(stderr, "FAIL: cannot encode \"%s\": %s\n", frags[i], tw_last_error());
+      return 1;
+    }
   }
   int32_t byte_ids[256];
   for (int b = 0; b < 256; b++) byte_ids[b] = -1;

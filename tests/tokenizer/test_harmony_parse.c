@@ -102,7 +102,7 @@ static void build(const tw_tokenizer_t *tok, const char *script, tw_token_ids_t 
   while (*p) {
     if (!strncmp(p, "{bytes:", 7)) {
       const char *e = strchr(p, '}');
-      for (const char *q = p + 7; q < e; q++) tw_token_ids_push(ids, byte_token(tok, (unsigned char)*q));
+      for (const char *q = p + 7; q < e; q++) EXPECT_OK(tw_token_ids_push(ids, byte_token(tok, (unsigned char)*q)));
       p = e + 1;
       continue;
     }
@@ -112,7 +112,7 @@ static void build(const tw_tokenizer_t *tok, const char *script, tw_token_ids_t 
       snprintf(name, sizeof name, "%.*s", (int)(e + 2 - p), p);
       int32_t id;
       if (tw_tokenizer_find_added(tok, name, &id) == TW_OK) {
-        tw_token_ids_push(ids, id);
+        EXPECT_OK(tw_token_ids_push(ids, id));
         p = e + 2;
         continue;
       }
@@ -120,7 +120,7 @@ static void build(const tw_tokenizer_t *tok, const char *script, tw_token_ids_t 
     size_t n = 0;
     while (p[n] && strncmp(p + n, "{bytes:", 7) && strncmp(p + n, "<|", 2)) n++;
     if (n == 0) n = 2; /* a "<|" that is not a token: text */
-    tw_tokenizer_encode(tok, p, n, 0, ids);
+    EXPECT_OK(tw_tokenizer_encode(tok, p, n, 0, ids));
     p += n;
   }
 }
@@ -269,13 +269,13 @@ static void cases(const tw_tokenizer_t *tok, const tw_harmony_t *h) {
 
   tw_test_case = "ids without text (reserved range) are reported, not fatal";
   build(tok, "<|channel|>final<|message|>a", &ids);
-  tw_token_ids_push(&ids, tw_tokenizer_n_ids(tok) + 7);
-  tw_token_ids_push(&ids, -3);
+  EXPECT_OK(tw_token_ids_push(&ids, tw_tokenizer_n_ids(tok) + 7));
+  EXPECT_OK(tw_token_ids_push(&ids, -3));
   {
     tw_token_ids_t tail;
     tw_token_ids_init(&tail);
     build(tok, "b<|return|>", &tail);
-    for (size_t i = 0; i < tail.n; i++) tw_token_ids_push(&ids, tail.ids[i]);
+    for (size_t i = 0; i < tail.n; i++) EXPECT_OK(tw_token_ids_push(&ids, tail.ids[i]));
     tw_token_ids_fini(&tail);
   }
   run(h, A, &ids, 1, &r);

@@ -70,7 +70,7 @@ int main(int argc, char **argv) {
       {"\xff", 1, 0},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-    tw_token_ids_push(&ids, 42);
+    EXPECT_OK(tw_token_ids_push(&ids, 42));
     tw_status_t st = tw_tokenizer_encode(tok, bad[i].s, bad[i].n, 0, &ids);
     char want[64];
     snprintf(want, sizeof want, "offset %zu", bad[i].off);
@@ -94,7 +94,7 @@ int main(int argc, char **argv) {
   EXPECT(tw_tokenizer_decode(tok, ids.ids, ids.n, 0, &text) == TW_OK && !strcmp(text.data, sp),
          "decode with specials: %s", text.data);
   ids.n = 0;
-  tw_tokenizer_encode(tok, sp, strlen(sp), 0, &ids);
+  EXPECT_OK(tw_tokenizer_encode(tok, sp, strlen(sp), 0, &ids));
   int n_special = 0;
   for (size_t i = 0; i < ids.n; i++) n_special += tw_tokenizer_is_special(tok, ids.ids[i]);
   EXPECT(n_special == 0, "ordinary encoding made %d special ids", n_special);
