@@ -167,6 +167,11 @@ tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args
   return engine->ops->prefill(engine, args);
 }
 
+tw_status_t tw_engine_warmup(tw_engine_t *engine) {
+  TW_CHECK(tw_engine_check(engine, "warmup"));
+  return engine->ops->warmup ? engine->ops->warmup(engine) : TW_OK;
+}
+
 tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args) {
   TW_CHECK(tw_engine_check(engine, "decode"));
   if (!args) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine decode: args is NULL");

@@ -16,6 +16,7 @@ typedef struct {
   void (*destroy)(tw_engine_t *engine);
   tw_status_t (*prefill)(tw_engine_t *engine, const tw_prefill_args_t *args);
   tw_status_t (*decode)(tw_engine_t *engine, const tw_decode_args_t *args);
+  tw_status_t (*warmup)(tw_engine_t *engine); /* NULL: nothing to prepare */
 } tw_engine_ops_t;
 
 struct tw_engine {

@@ -3,6 +3,7 @@
  * i32 nb, i32 ids[nb], then the packed PrefillRequest. Reply (others -> 0):
  * i32 status, i64 bytes, u64 head_sums[L * NKV], then a message. */
 #include "prefill/prefill_ranks.h"
+#include "prefill/worker_handoff.h"
 
 #include "common/dist_engine.h"
 #include "common/kv_reshard.h"
@@ -26,14 +27,6 @@ static void tw_remote_layout(const Twain__Internal__V1__KvLayout *k, tw_kv_remot
                                .head_dim = k->head_dim, .layer_stride_bytes = k->layer_stride_bytes,
                                .block_bytes = k->block_bytes, .remote_base = k->remote_base,
                                .total_bytes = k->total_bytes};
-}
-
-static bool tw_prefill_too_old(const tw_prefill_ranks_t *rk,
-                               const Twain__Internal__V1__PrefillRequest *r) {
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
-  return rk->max_age_ms > 0 && r->issued_unix_ms && now - r->issued_unix_ms > rk->max_age_ms;
 }
 
 /* This rank's part: engine prefill, then its heads into every decode rank. */
@@ -74,8 +67,10 @@ static tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
     tw_kv_peer_t *peer = NULL;
     TW_CHECK(tw_kv_xfer_peer(rk->xfer, addr->data, addr->len, rkey->data, rkey->len, &peer));
     for (int32_t l = 0; l < c->n_layers; l++) {
-      if (tw_prefill_too_old(rk, r))
-        return tw_err(TW_ERR_DEADLINE, "request %llu is older than %d ms: not writing its kv",
+      if (tw_prefill_handoff_stale(r, rk->max_age_ms))
+        return tw_err(TW_ERR_DEADLINE,
+                      "request %llu was handed to this prefill worker more than %d ms ago: not "
+                      "writing its kv (its decode blocks may have been reused)",
                       (unsigned long long)r->request_id, rk->max_age_ms);
       int32_t f = tw_kv_layer_first_block(n, src->block_size,
                                           c->layer_types[l] == TW_LAYER_SLIDING, c->sliding_window);

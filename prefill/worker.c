@@ -28,8 +28,12 @@
 #endif
 
 #define TW_PREFILL_MAX_QUEUE 4096
-/* KV older than this is never written (see issued_unix_ms in the proto);
- * decode workers quarantine cancelled reservations for longer (40 s). */
+/* KV is never written more than this long after the router handed the
+ * request to a prefill worker (issued_unix_ms in the proto: the KV-write
+ * guard of worker_handoff.c and prefill_ranks.c); decode workers quarantine
+ * cancelled or expired reservations for longer (40 s). Time in the router's
+ * queue does not count (the router stamps a request when it leaves it), and
+ * the router's backpressure window keeps this worker's queue far shorter. */
 #define TW_PREFILL_MAX_AGE_MS 20000
 /* Idle: block on the router socket this long (a message wakes it at once;
  * heartbeats have their own thread), so an idle worker costs ~0 CPU. */
@@ -113,13 +117,6 @@ static int tw_code_of(tw_status_t st) {
     case TW_ERR_UNSUPPORTED: return TWAIN__V1__CODE__UNIMPLEMENTED;
     default: return TWAIN__V1__CODE__INTERNAL;
   }
-}
-
-static bool tw_prefill_stale(const Twain__Internal__V1__PrefillRequest *r) {
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
-  return r->issued_unix_ms && now - r->issued_unix_ms > TW_PREFILL_MAX_AGE_MS;
 }
 
 /* Run one prompt and hand its KV over. */
@@ -437,14 +434,20 @@ int tw_prefill_worker_main(int argc, char **argv) {
       w.q_len--;
       if (e) {
         w.queued_tokens -= (int64_t)e->prefill->n_prompt_ids;
-        if (w.draining)
+        int64_t waited = tw_prefill_age_ms(e->prefill);
+        char why[200];
+        if (w.draining) {
           tw_prefill_done(&w, e->prefill->request_id, -1, NULL, 0, 0, 0, 0,
                           TWAIN__V1__CODE__UNAVAILABLE, "prefill worker is draining");
-        else if (tw_prefill_stale(e->prefill))
+        } else if (waited > TW_PREFILL_MAX_AGE_MS) {
+          /* not the client's failure: the router reserves again (its queue time is free) */
+          snprintf(why, sizeof why, "request waited %lld ms in the prefill queue, past the %d ms "
+                   "kv-write guard: reserve again", (long long)waited, TW_PREFILL_MAX_AGE_MS);
           tw_prefill_done(&w, e->prefill->request_id, -1, NULL, 0, 0, 0, 0,
-                          TWAIN__V1__CODE__DEADLINE_EXCEEDED, "prefill request is stale");
-        else
+                          TWAIN__V1__CODE__UNAVAILABLE, why);
+        } else {
           tw_prefill_one(&w, e->prefill);
+        }
         twain__internal__v1__envelope__free_unpacked(e, NULL);
       }
     }

@@ -50,7 +50,13 @@ tw_status_t tw_prefill_handoff_run(const tw_prefill_handoff_ctx_t *ctx,
                                    int32_t nb, const tw_sample_params_t *sp, uint64_t *sums,
                                    tw_prefill_handoff_result_t *out);
 
-/** Whether the request is older than max_age_ms (wall clock, issued_unix_ms). */
+/** Milliseconds since the router handed request r to a prefill worker
+ *  (wall clock - issued_unix_ms; 0 when unset). Time in the router's own
+ *  queue is not in it: the router stamps a request when it sends it. */
+int64_t tw_prefill_age_ms(const Twain__Internal__V1__PrefillRequest *r);
+
+/** Whether the request is older than max_age_ms (> 0; tw_prefill_age_ms):
+ *  the KV-write guard of the prefill worker. */
 int tw_prefill_handoff_stale(const Twain__Internal__V1__PrefillRequest *r, int64_t max_age_ms);
 
 #endif
