@@ -12,7 +12,8 @@
  * nothing waits in a worker's queue long enough to go stale and none
  * starves. A prefill worker's window is the prompt tokens it prefills in
  * TW_ROUTER_PREFILL_QUEUE_S at its measured speed (at most
- * prefill_window_tokens; one request until the first is measured). */
+ * prefill_window_tokens; TW_ROUTER_PREFILL_FIRST_WINDOW until one prompt
+ * is measured). */
 #include "router/router_impl.h"
 
 #include "common/log.h"
@@ -26,6 +27,8 @@
 /* Seconds of prefill work a prefill worker is given at a time: far below the
  * prefill worker's 20 s KV-write guard, enough to keep it busy (and to batch). */
 #define TW_ROUTER_PREFILL_QUEUE_S 4.0
+/* The window of a prefill worker whose speed is not measured yet (tokens). */
+#define TW_ROUTER_PREFILL_FIRST_WINDOW 4096
 
 tw_rworker_t *tw_router_worker(tw_router_t *r, uint64_t serial) {
   for (int32_t i = 0; i < r->n_workers; i++)
@@ -188,7 +191,9 @@ static tw_rworker_t *tw_pick_prefill(tw_router_t *r, int32_t n_prompt) {
     tw_rworker_t *p = &r->workers[i];
     if (p->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL || p->draining) continue;
     double window = r->p->prefill_window_tokens;
-    if (p->tok_per_s * TW_ROUTER_PREFILL_QUEUE_S < window) window = p->tok_per_s * TW_ROUTER_PREFILL_QUEUE_S;
+    double known = p->tok_per_s > 0 ? p->tok_per_s * TW_ROUTER_PREFILL_QUEUE_S
+                                    : TW_ROUTER_PREFILL_FIRST_WINDOW;
+    if (known < window) window = known;
     if (n_prompt > 0 && p->inflight_tokens > 0 && (double)(p->inflight_tokens + n_prompt) > window)
       continue;
     int64_t load = p->queued_tokens > p->inflight_tokens ? p->queued_tokens : p->inflight_tokens;
@@ -431,9 +436,6 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       }
       continue;
     }
-    /* backpressure: a prefill worker must have room before anything is reserved */
-    tw_rworker_t *pf = tw_pick_prefill(r, q->n_prompt);
-    if (!pf) break; /* every window is full: this one and those behind it wait, in order */
     /* decode worker with the most free blocks that can hold prompt + max_tokens */
     tw_rworker_t *best = NULL;
     int32_t best_free = -1, need = 0, largest = 0, n_open = 0, n_never = 0;
@@ -478,6 +480,9 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       continue;
     }
     if (!best) break; /* admission control: wait for room (or the deadline), in order */
+    /* backpressure: a prefill worker must have room before anything is reserved */
+    tw_rworker_t *pf = tw_pick_prefill(r, q->n_prompt);
+    if (!pf) break; /* every window is full: this one and those behind it wait, in order */
     Twain__Internal__V1__Reserve rv = TWAIN__INTERNAL__V1__RESERVE__INIT;
     rv.request_id = q->id;
     rv.n_prompt_tokens = q->n_prompt;
