@@ -121,7 +121,8 @@ typedef struct {
   tw_ce_graph_t graphs[TW_CE_MAX_GRAPHS];
   int32_t n_graphs;
   int use_graphs;
-  /* TWAIN_CUDA_PROFILE=1: eager steps, each op timed with events (debug) */
+  /* TWAIN_CUDA_PROFILE=1: eager steps, each op timed with events (debug);
+   * 1 until the third decode step resets the sums (first calls excluded), then 2 */
   int profile;
   cudaEvent_t prof_ev[2];
   double prof_ms[TW_CE_PROF_N];
@@ -150,7 +151,7 @@ tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
 int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch);
 
 /** The engine ops (engine_cuda_step.cu). */
-tw_status_t tw_ce_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
+tw_status_t tw_ce_prefill_pass(tw_engine_t *engine, const tw_prefill_pass_t *pass);
 tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
 /** Capture the decode graph of every (batch, context) bucket (tw_engine_warmup). */
 tw_status_t tw_ce_warmup(tw_engine_t *engine);

@@ -282,10 +282,21 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
       tw_router_fail(r, q, d->status->code, "%s", why);
     return;
   }
-  double ms = d->prefill_ms + d->transfer_ms; /* the worker's speed, for its window */
-  if (ms > 0) {
-    double rate = q->n_prompt / (ms * 1e-3);
-    w->tok_per_s = w->tok_per_s > 0 ? 0.7 * w->tok_per_s + 0.3 * rate : rate;
+  /* the worker's speed, for its window: the prompts of one batch share its
+   * engine time (prefill_ms), so a batch counts once, with all its tokens */
+  if (d->prefill_ms > 0 && d->prefill_ms == w->batch_ms) {
+    w->batch_tokens += q->n_prompt;
+    if (d->transfer_ms > w->batch_xfer_ms) w->batch_xfer_ms = d->transfer_ms;
+  } else if (d->prefill_ms > 0) {
+    if (w->batch_tokens > 0) { /* the previous batch is complete */
+      double rate = (double)w->batch_tokens / ((w->batch_ms + w->batch_xfer_ms) * 1e-3);
+      w->tok_per_s = w->tok_per_s > 0 ? 0.7 * w->tok_per_s + 0.3 * rate : rate;
+    }
+    w->batch_ms = d->prefill_ms;
+    w->batch_xfer_ms = d->transfer_ms;
+    w->batch_tokens = q->n_prompt;
+    if (w->tok_per_s <= 0) /* a first estimate at once (a lower bound) */
+      w->tok_per_s = (double)q->n_prompt / ((d->prefill_ms + d->transfer_ms) * 1e-3);
   }
   tw_rworker_t *dw = tw_router_worker(r, q->dw);
   if (!dw) {
