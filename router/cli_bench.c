@@ -629,6 +629,8 @@ static void tw_bench_usage(FILE *f) {
           "  --cancel-prob / --disconnect-prob: that share of requests is cancelled / its\n"
           "  client disconnects after a random number of tokens. --model DIR: the model's\n"
           "  config.json gives the vocabulary (default %s).\n"
+          "  A request with no reply for --timeout-ms (default 600000; keep it above the\n"
+          "  longest wait in the service's queue) counts as lost.\n"
           "  Exit 0 when every request is accounted for and every streamed count equals its\n"
           "  usage, 1 otherwise (lost requests, mismatches), 2 bad usage.\n",
           TW_ROUTER_CLIENT_ENDPOINT, tw_default_model_dir(TW_DEFAULT_MODEL_DIR));

@@ -22,10 +22,10 @@ tmp = tempfile.mkdtemp(prefix="twover")
 STALE = ("stale", "older than", "kv-write guard", "not writing its kv")
 
 
-def bench(ep, *args, timeout=300):
+def bench(ep, *args, timeout=420):
     path = os.path.join(tmp, "b%d.json" % len(os.listdir(tmp)))
     r = subprocess.run([twain, "bench", "--endpoint", ep, "--model", svc.MODEL, "--json", path, "--quiet",
-                        "--timeout-ms", "120000"] + [str(a) for a in args],
+                        "--timeout-ms", "400000"] + [str(a) for a in args],
                        capture_output=True, text=True, timeout=timeout)
     return r, (json.load(open(path)) if os.path.exists(path) else None)
 

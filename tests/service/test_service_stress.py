@@ -29,8 +29,8 @@ try:
     r = subprocess.run([twain, "bench", "--endpoint", ep, "--model", svc.MODEL, "--json", path, "--quiet",
                         "--num-requests", str(N), "--concurrency", "512", "--input-len", "16",
                         "--output-len", "32", "--range-ratio", "0.5", "--cancel-prob", "0.1",
-                        "--disconnect-prob", "0.1", "--seed", "15", "--timeout-ms", "60000"],
-                       capture_output=True, text=True, timeout=540)
+                        "--disconnect-prob", "0.1", "--seed", "15", "--timeout-ms", "400000"],
+                       capture_output=True, text=True, timeout=840)
     j = json.load(open(path)) if os.path.exists(path) else None
     check(r.returncode == 0 and j is not None, "bench exit 0 (%s)" % r.stderr.strip()[-300:])
     if j:
