@@ -27,6 +27,12 @@ typedef struct {
   tw_kv_xfer_t *xfer;           /* borrowed */
   int flush_timeout_ms;
   int64_t max_age_ms;           /* refuse to write KV for older requests */
+  /* Optional (NULL = none): called on the engine's thread from every
+   * per-layer callback of a batch, e.g. to finish the previous batch's
+   * handoff (tw_prefill_handoff_finish) while this one computes. It must not
+   * call the engine. */
+  void (*on_layer)(void *arg);
+  void *on_layer_arg;
 } tw_prefill_handoff_ctx_t;
 
 typedef struct {
@@ -35,6 +41,7 @@ typedef struct {
   double prefill_ms, transfer_ms; /* engine time; put + flush time */
   int64_t layer_sends;          /* tw_kv_xfer_send_layer calls (one layer, some blocks) */
   int64_t layer_sends_in_engine; /* of those, issued from on_layer_done (overlapped) */
+  double tail_ms;               /* its last layer's compute reported done -> its flush complete */
 } tw_prefill_handoff_result_t;
 
 /** One prompt of a batch: in r, ids, nb, sp, sums; out the rest. */
@@ -43,7 +50,9 @@ typedef struct {
   const int32_t *ids;           /* local blocks covering the prompt */
   int32_t nb;
   tw_sample_params_t sp;
-  uint64_t *sums;               /* [n_layers]: FNV-1a 64 of each layer's bytes sent */
+  uint64_t *sums;               /* [n_layers]: FNV-1a 64 of each layer's bytes sent (a device
+                                 * pool: only when r->handoff->checksums, as they read the KV
+                                 * back to the host; else TW_KV_FNV_INIT) */
   tw_status_t st;               /* this prompt's outcome */
   char msg[256];                /* its error message when st != TW_OK */
   tw_prefill_handoff_result_t out; /* valid when st == TW_OK */
@@ -64,6 +73,19 @@ typedef struct {
  *  prompts one by one to find the bad one), TW_ERR_NO_MEMORY. */
 tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
                                      tw_prefill_handoff_item_t *items, int32_t n);
+
+/** tw_prefill_handoff_batch in two halves, so that a batch's flush can wait
+ *  until the next batch computes (batch i's handoff overlapped with batch
+ *  i+1's compute). start: the engine run and every put, nothing flushed;
+ *  returns what tw_prefill_handoff_batch returns and, in *b_p, the batch to
+ *  finish (NULL only on TW_ERR_NO_MEMORY / TW_ERR_INTERNAL, every item then
+ *  failed with it). ctx and items must stay valid until finish. finish: the
+ *  flushes and every item's status and result, then frees b (NULL: nothing). */
+typedef struct tw_prefill_handoff_batch tw_prefill_handoff_batch_t;
+tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
+                                     tw_prefill_handoff_item_t *items, int32_t n,
+                                     tw_prefill_handoff_batch_t **b_p);
+void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b);
 
 /** Milliseconds since the router handed request r to a prefill worker
  *  (wall clock - issued_unix_ms; 0 when unset). Time in the router's own

@@ -13,6 +13,7 @@
 #include "common/status.h"
 
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define TW_ROUTER_CLIENT_ENDPOINT "tcp://127.0.0.1:7400"
@@ -40,6 +41,9 @@ typedef struct {
   const char *served_model_name;/* /v1/models id; NULL: the model directory's name */
   int64_t http_max_body;        /* bytes; a larger request body gets 413 */
   const char *api_key;          /* NULL: none; else required on both APIs */
+  /* maybe NULL: called once the HTTP API listens, with its base URL */
+  void (*on_http)(void *arg, const char *url);
+  void *on_http_arg;
   /* called once both sockets are bound, with the actual endpoints */
   void (*on_bound)(void *arg, const char *client_ep, const char *worker_ep);
   void *on_bound_arg;
@@ -71,9 +75,10 @@ typedef struct {
  *  config or tokenizer), TW_ERR_NO_MEMORY. */
 tw_status_t tw_router_run(const tw_router_params_t *params, volatile sig_atomic_t *stop);
 
-/** Read the API key from the first line of `path` into *key_p (static
- *  storage). Returns -1 after printing why (cannot read, empty), else 0. */
-int tw_router_read_key(const char *prog, const char *path, const char **key_p);
+/** Read the API key from the first line of `path` into key[len] (NUL-
+ *  terminated, cut at len - 1 bytes). Returns -1 after printing why (cannot
+ *  read, empty), else 0. */
+int tw_router_read_key(const char *prog, const char *path, char *key, size_t len);
 
 /** `twain-router` / `twain router` command line. Returns the exit code. */
 int tw_router_main(int argc, char **argv);

@@ -1,10 +1,16 @@
 """The HTTP API's limits with fake workers (fake_workers.py): the API key on
 both APIs (401 / UNAUTHENTICATED), a body over --http-max-body (413), more
 requests than --max-requests (429), a deadline (504), a client that
-disconnects mid-stream (its request is cancelled at the workers and the
-router drops it), 256 concurrent SSE streams that all complete, and /health
-before workers register (503). The router keeps serving after each."""
+disconnects mid-stream or while it waits (its request is cancelled at the
+workers and the router drops it), 256 concurrent SSE streams that all
+complete, and /health and a request before workers register (503). The router keeps serving after each."""
+import atexit
+import json
+import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 
@@ -20,11 +26,25 @@ USER = [{"role": "user", "content": "Tell me about dogs."}]
 ANSWER = "Dogs are loyal companions and good friends."
 SCRIPT = fake_workers.tokenize("<|channel|>final<|message|>" + ANSWER + "<|return|>")
 
+# ---- the key from a file (its first line); a missing or empty file is a usage error ----
+tmp = tempfile.mkdtemp()
+keyfile = os.path.join(tmp, "key")
+with open(keyfile, "w") as f:
+    f.write(KEY + "\n# comment lines after the first are ignored\n")
+open(os.path.join(tmp, "empty"), "w").close()
+atexit.register(shutil.rmtree, tmp, True)
+for path, why in ((os.path.join(tmp, "missing"), "cannot read"), (os.path.join(tmp, "empty"), "is empty")):
+    p = subprocess.run([svc.bin_path("router", "twain-router"), "--api-key-file", path], capture_output=True,
+                       text=True, timeout=30)
+    check(p.returncode == 2 and why in p.stderr, "--api-key-file %s: exit 2, %r" % (os.path.basename(path),
+                                                                                 p.stderr.strip()))
+
 # ---- a router with a key and small limits; slow fake workers ----
 router = svc.Proc([svc.bin_path("router", "twain-router"), "--model", svc.MODEL,
                    "--listen", "tcp://127.0.0.1:0", "--workers", "tcp://127.0.0.1:0", "--metrics-port", "0",
-                   "--http-port", "0", "--api-key", KEY, "--http-max-body", "65536", "--max-requests", "4",
+                   "--http-port", "0", "--api-key-file", keyfile, "--http-max-body", "65536", "--max-requests", "4",
                    "--deadline-ms", "3000", "--served-model-name", "twain-test", "--expect-prefill", "1",
+                   "--expire-ms", "10000",
                    "--expect-decode", "1"], "router")
 m = router.wait_line(r"listening clients=(\S+) workers=(\S+)", 30)
 url = router.wait_line(r"serving the OpenAI API on (http://127\.0\.0\.1:\d+)/v1", 10).group(1)
@@ -33,6 +53,9 @@ api = http_client.Api(url, key=KEY)
 st, h = api.get("/health")
 check(st == 503 and h["status"] == "unavailable" and "worker" in h["reason"],
       "/health before any worker registered: 503 (%s)" % h)
+st, r = api.post("/v1/chat/completions", {"messages": USER})
+check(st == 503 and r["error"]["type"] == "service_unavailable_error",
+      "a request with no worker registered: 503 (UNAVAILABLE) (%s)" % r)
 fw = fake_workers.FakeWorkers(m.group(2), SCRIPT, token_delay=0.1)
 fw.start()
 router.wait_line(r"twain-router: ready", 30)
@@ -109,6 +132,27 @@ try:
         time.sleep(0.05)
     check(svc.metrics(mport).get("twain_router_running_requests") == 0, "the router dropped it")
     check(router.seen(r"client went away .*cancelling", 5), "the router logs the cancellation")
+    # a non-streamed request whose client hangs up while it runs
+    fw.token_delay = 0.5  # its ids take 7.5 s
+    with fw.lock:
+        seen_before = set(fw.prompts)
+    body = json.dumps({"messages": USER}).encode()
+    s = socket.create_connection((api.host, api.port), timeout=5)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+              b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    end = time.time() + 10
+    while time.time() < end and not (set(fw.prompts) - seen_before):
+        time.sleep(0.02)
+    s.close()
+    t_close = time.time()
+    with fw.lock:
+        new = set(fw.prompts) - seen_before
+    rid = new.pop() if new else None
+    while time.time() < t_close + 10 and rid not in fw.cancelled:
+        time.sleep(0.05)
+    check(rid is not None and rid in fw.cancelled and time.time() - t_close < 4,
+          "a non-streamed request whose client hung up is cancelled at the workers after %.1f s "
+          "(its %d ids take 7.5 s)" % (time.time() - t_close, len(SCRIPT)))
     s = socket.create_connection((api.host, api.port), timeout=5)  # a half-sent request, then gone
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
     s.close()
