@@ -64,6 +64,7 @@ typedef struct {
   int bound;      /* 1 bound, -1 failed */
   int ready;
   char worker_ep[256], client_ep[256];
+  char http_url[320];   /* "" when the HTTP API is off */
   tw_status_t router_status;
   int n_registered; /* workers registered with the router (any origin), under mu */
 } tw_serve_t;
@@ -91,10 +92,15 @@ static void tw_serve_bound(void *arg, const char *cep, const char *wep) {
   pthread_mutex_unlock(&s->mu);
 }
 
+static void tw_serve_http(void *arg, const char *url) { /* router thread, before on_ready */
+  tw_serve_t *s = arg;
+  snprintf(s->http_url, sizeof s->http_url, "OpenAI API at %s, ", url);
+}
+
 static void tw_serve_ready(void *arg) {
   tw_serve_t *s = arg;
-  printf("twain serve: ready: %d prefill + %d decode workers (join at %s), clients at %s\n",
-         s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->client_ep);
+  printf("twain serve: ready: %d prefill + %d decode workers (join at %s), %sclients at %s\n",
+         s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->http_url, s->client_ep);
   fflush(stdout);
   pthread_mutex_lock(&s->mu);
   s->ready = 1;
@@ -202,6 +208,8 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_ready = tw_serve_ready;
   s.rp.on_ready_arg = &s;
   s.rp.on_workers = tw_serve_workers;
+  s.rp.on_http = tw_serve_http;
+  s.rp.on_http_arg = &s;
   s.rp.on_workers_arg = &s;
   int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */

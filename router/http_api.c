@@ -117,6 +117,7 @@ void tw_http_fail(tw_hconn_t *c, unsigned status, const char *param, const char 
   if (c->finished) return;
   TW_LOG(status >= 500 ? TW_LOG_INFO : TW_LOG_DEBUG, "http", "request %llu: %u %s",
          (unsigned long long)c->serial, status, msg);
+  tw_metric_add(c->h->m_errors, 1);
   if (!c->sse) {
     tw_http_set_answer(c, status, tw_http_error_obj(status, param, msg));
     return;
@@ -358,6 +359,7 @@ static enum MHD_Result tw_http_access(void *cls, struct MHD_Connection *mc, cons
     if (h->conns) h->conns->prev = c;
     h->conns = c;
     *ptr = c;
+    tw_metric_add(h->m_requests, 1);
     tw_http_route(c, url, method);
     if (c->finished) return tw_http_queue_answer(c);
     return MHD_YES;
@@ -427,6 +429,9 @@ tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   h->fd = -1;
   h->created = (int64_t)time(NULL);
   h->last_tick_ns = tw_msg_clock_ns();
+  h->m_requests = tw_metrics_counter(r->metrics, "router_http_requests_total", "HTTP API requests");
+  h->m_errors = tw_metrics_counter(r->metrics, "router_http_errors_total",
+                                   "HTTP API requests answered with an error (status >= 400)");
   if (p->served_model_name && p->served_model_name[0]) {
     snprintf(h->model, sizeof h->model, "%s", p->served_model_name);
   } else { /* the model directory's name */
@@ -454,8 +459,11 @@ tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   h->fd = di ? di->epoll_fd : -1;
   di = MHD_get_daemon_info(h->d, MHD_DAEMON_INFO_BIND_PORT);
   h->port = di ? di->port : p->http_port;
-  TW_INFO("http", "serving the OpenAI API on http://%s%s%s:%d/v1 (model \"%s\"%s)", v6 ? "[" : "",
-          addr, v6 ? "]" : "", h->port, h->model, p->api_key && p->api_key[0] ? ", API key required" : "");
+  char url[300];
+  snprintf(url, sizeof url, "http://%s%s%s:%d/v1", v6 ? "[" : "", addr, v6 ? "]" : "", h->port);
+  TW_INFO("http", "serving the OpenAI API on %s (model \"%s\"%s)", url, h->model,
+          p->api_key && p->api_key[0] ? ", API key required" : "");
+  if (p->on_http) p->on_http(p->on_http_arg, url);
   *h_p = h;
   return TW_OK;
 }

@@ -87,6 +87,7 @@ struct tw_http {
   char model[256];
   int64_t created;
   int64_t last_tick_ns;
+  tw_metric_t *m_requests, *m_errors;
 };
 
 /* ---- http_api.c ---- */

@@ -38,6 +38,9 @@ typedef struct {
   const char *served_model_name;/* /v1/models id; NULL: the model directory's name */
   int64_t http_max_body;        /* bytes; a larger request body gets 413 */
   const char *api_key;          /* NULL: none; else required on both APIs */
+  /* maybe NULL: called once the HTTP API listens, with its base URL */
+  void (*on_http)(void *arg, const char *url);
+  void *on_http_arg;
   /* called once both sockets are bound, with the actual endpoints */
   void (*on_bound)(void *arg, const char *client_ep, const char *worker_ep);
   void *on_bound_arg;

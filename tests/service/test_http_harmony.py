@@ -248,6 +248,10 @@ try:
     check(after >= before + 2, "router_harmony_unexpected_total counts them (%s -> %s)" % (before, after))
     check(router.seen(r"unexpected model output .*inside a message header", 5),
           "the router logs the unexpected output")
+    m = svc.metrics(mport)
+    check(m.get("twain_router_http_requests_total", 0) == 24 and m.get("twain_router_http_errors_total") == 1,
+          "router_http_requests_total / _errors_total (%s / %s: one 400 so far)" % (
+              m.get("twain_router_http_requests_total"), m.get("twain_router_http_errors_total")))
     script("<|channel|>final<|message|>Cut off in the mid")
     st, r = api.post("/v1/chat/completions", {"messages": USER, "max_tokens": 7})
     check(st == 200 and r["choices"][0]["finish_reason"] == "length" and

@@ -37,8 +37,8 @@ def run(argv, data=None):
 serve = svc.Proc([svc.bin_path("router", "twain"), "serve", "--listen", "tcp://127.0.0.1:0", "--threads", "1",
                   "--metrics-port", "0", "--backend", "cpu", "--api-key", KEY], "serve")
 try:
-    url = serve.wait_line(r"serving the OpenAI API on (http://127\.0\.0\.1:\d+/v1)", 30).group(1)
-    ep = serve.wait_line(r"twain serve: ready: .* clients at (\S+)", 120).group(1)
+    m = serve.wait_line(r"twain serve: ready: .*, OpenAI API at (http://127\.0\.0\.1:\d+/v1), clients at (\S+)", 120)
+    url, ep = m.group(1), m.group(2)
     # the protobuf API's answers to the same greedy requests
     c = svc.Client(ep)
     req = svc.chat(QUESTION, 96, stream=False, date="", reasoning="low")
