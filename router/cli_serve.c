@@ -65,6 +65,7 @@ typedef struct {
   int ready;
   char worker_ep[256], client_ep[256];
   char http_url[320];   /* "" when the HTTP API is off */
+  char api_key[512];    /* from --api-key-file */
   tw_status_t router_status;
   int n_registered; /* workers registered with the router (any origin), under mu */
 } tw_serve_t;
@@ -274,7 +275,8 @@ int tw_cli_serve(int argc, char **argv) {
     else if (!strcmp(a, "--served-model-name")) s.rp.served_model_name = v;
     else if (!strcmp(a, "--api-key")) s.rp.api_key = v;
     else if (!strcmp(a, "--api-key-file")) {
-      if (tw_router_read_key("twain serve", v, &s.rp.api_key)) return 2;
+      if (tw_router_read_key("twain serve", v, s.api_key, sizeof s.api_key)) return 2;
+      s.rp.api_key = s.api_key;
     }
     else {
       fprintf(stderr, "twain serve: unknown option %s\n", a);

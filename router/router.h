@@ -13,6 +13,7 @@
 #include "common/status.h"
 
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define TW_ROUTER_CLIENT_ENDPOINT "tcp://127.0.0.1:7400"
@@ -71,9 +72,10 @@ typedef struct {
  *  config or tokenizer), TW_ERR_NO_MEMORY. */
 tw_status_t tw_router_run(const tw_router_params_t *params, volatile sig_atomic_t *stop);
 
-/** Read the API key from the first line of `path` into *key_p (static
- *  storage). Returns -1 after printing why (cannot read, empty), else 0. */
-int tw_router_read_key(const char *prog, const char *path, const char **key_p);
+/** Read the API key from the first line of `path` into key[len] (NUL-
+ *  terminated, cut at len - 1 bytes). Returns -1 after printing why (cannot
+ *  read, empty), else 0. */
+int tw_router_read_key(const char *prog, const char *path, char *key, size_t len);
 
 /** `twain-router` / `twain router` command line. Returns the exit code. */
 int tw_router_main(int argc, char **argv);

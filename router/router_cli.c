@@ -52,14 +52,13 @@ static void tw_router_usage(void) {
           tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
 }
 
-int tw_router_read_key(const char *prog, const char *path, const char **key_p) {
-  static char key[512];
+int tw_router_read_key(const char *prog, const char *path, char *key, size_t len) {
   FILE *f = fopen(path, "r");
   if (!f) {
     fprintf(stderr, "%s: cannot read the API key file %s: %s\n", prog, path, strerror(errno));
     return -1;
   }
-  size_t n = fread(key, 1, sizeof key - 1, f);
+  size_t n = fread(key, 1, len - 1, f);
   fclose(f);
   key[n] = '\0';
   key[strcspn(key, "\r\n")] = '\0'; /* the first line */
@@ -67,7 +66,6 @@ int tw_router_read_key(const char *prog, const char *path, const char **key_p) {
     fprintf(stderr, "%s: the API key file %s is empty\n", prog, path);
     return -1;
   }
-  *key_p = key;
   return 0;
 }
 
@@ -76,6 +74,7 @@ int tw_router_main(int argc, char **argv) {
   p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   p.on_bound = tw_router_print_bound;
   p.on_ready = tw_router_print_ready;
+  char key[512];
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -107,7 +106,8 @@ int tw_router_main(int argc, char **argv) {
     else if (!strcmp(a, "--http-max-body")) p.http_max_body = atoll(v);
     else if (!strcmp(a, "--api-key")) p.api_key = v;
     else if (!strcmp(a, "--api-key-file")) {
-      if (tw_router_read_key("twain-router", v, &p.api_key)) return 2;
+      if (tw_router_read_key("twain-router", v, key, sizeof key)) return 2;
+      p.api_key = key;
     }
     else {
       fprintf(stderr, "twain-router: unknown option %s\n", a);
