@@ -172,6 +172,8 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);
     tw_metric_observe(w->m.tail, w->rk.tail_ms * 1e-3);
+    tw_metric_add(w->m.layer_sends, (double)w->rk.layer_sends); /* rank 0's */
+    tw_metric_add(w->m.layer_sends_overlapped, (double)w->rk.layer_sends_in_engine);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
     TW_DEBUG("prefill", "request %llu: %lld kv bytes, handoff tail %.2f ms after the last layer",
