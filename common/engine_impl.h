@@ -55,6 +55,7 @@ typedef struct {
   /* one prefill pass (above); arguments already checked by engine.c */
   tw_status_t (*prefill_pass)(tw_engine_t *engine, const tw_prefill_pass_t *pass);
   tw_status_t (*decode)(tw_engine_t *engine, const tw_decode_args_t *args);
+  tw_status_t (*warmup)(tw_engine_t *engine); /* NULL: nothing to prepare */
 } tw_engine_ops_t;
 
 struct tw_engine {

@@ -226,6 +226,9 @@ static tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t
     const tw_layer_weights_t *lw = &m->layers[l];
     tw_ce_layer_t *d = &ce->layers[l];
     const void *p;
+    if (u->base && l % 8 == 0) /* the upload pass: progress for the log */
+      TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
+              (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
     b[0] = tw_ce_rows(&lw->q_w, ce->q0 * D, ce->nq * D);
     b[1] = tw_ce_rows(&lw->k_w, ce->kv0 * D, ce->nkv * D);
@@ -296,6 +299,9 @@ static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
     const tw_layer_weights_t *lw = &m->layers[l];
     tw_ce_layer_t *d = &ce->layers[l];
     const void *p;
+    if (u->base && l % 8 == 0) /* the upload pass: progress for the log */
+      TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
+              (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
     const tw_tensor_t *wq[3] = {&lw->q_w, &lw->k_w, &lw->v_w};
     const tw_ce_blk_t bq[3] = {tw_ce_rows(&lw->q_b, 0, c->n_heads * c->head_dim),
@@ -450,7 +456,8 @@ static void tw_ce_destroy(tw_engine_t *engine) {
   free(engine);
 }
 
-static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill_pass, tw_ce_decode};
+static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill_pass, tw_ce_decode,
+                                          tw_ce_warmup};
 
 static tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_params_t *p) {
   const tw_model_config_t *c = &m->config;
