@@ -226,7 +226,7 @@ static tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t
     const tw_layer_weights_t *lw = &m->layers[l];
     tw_ce_layer_t *d = &ce->layers[l];
     const void *p;
-    if (u->base && l % 8 == 0) /* the upload pass: progress for the log */
+    if (u->base && !u->views && l % 8 == 0) /* the upload pass: progress for the log */
       TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
               (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
@@ -299,7 +299,7 @@ static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
     const tw_layer_weights_t *lw = &m->layers[l];
     tw_ce_layer_t *d = &ce->layers[l];
     const void *p;
-    if (u->base && l % 8 == 0) /* the upload pass: progress for the log */
+    if (u->base && !u->views && l % 8 == 0) /* the upload pass: progress for the log */
       TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
               (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
