@@ -29,8 +29,12 @@
 #endif
 
 #define TW_PREFILL_MAX_QUEUE 4096
-/* KV older than this is never written (see issued_unix_ms in the proto);
- * decode workers quarantine cancelled reservations for longer (40 s). */
+/* KV is never written more than this long after the router handed the
+ * request to a prefill worker (issued_unix_ms in the proto: the KV-write
+ * guard of worker_handoff.c and prefill_ranks.c); decode workers quarantine
+ * cancelled or expired reservations for longer (40 s). Time in the router's
+ * queue does not count (the router stamps a request when it leaves it), and
+ * the router's backpressure window keeps this worker's queue far shorter. */
 #define TW_PREFILL_MAX_AGE_MS 20000
 /* Idle: block on the router socket this long (a message wakes it at once;
  * heartbeats have their own thread), so an idle worker costs ~0 CPU. */
@@ -46,9 +50,12 @@ typedef struct {
   int32_t tp, ep; /* ranks of this worker (issue 6): each 1 or the group size */
   /* tokens of one forward pass: queued prompts are batched up to it (a longer
    * prompt runs alone, split over passes); each layer's blocks are handed off
-   * while the next layers compute */
+   * while the next layers compute. 0: the memory plan's token budget */
   int32_t chunk_tokens;
   int32_t batch_seqs; /* most prompts in one batch */
+  double gpu_memory_utilization; /* 0: 0.90 (mem_plan.h) */
+  int32_t colocated_prefill, colocated_decode; /* workers on this device; 0, 0: alone */
+  const char *share_weights_dir; /* cuda: one copy of the weights (engine.h) */
 } tw_prefill_opts_t;
 
 typedef struct {
@@ -66,13 +73,23 @@ typedef struct {
   tw_dist_identity_t id; /* this rank (dist.h) */
   tw_dist_t *dist;
   tw_prefill_ranks_t rk;
-  tw_prefill_handoff_item_t *batch;                /* [batch_seqs] */
-  Twain__Internal__V1__Envelope **batch_envs;       /* [batch_seqs] */
+  /* two batch buffers: the batch computing and the one whose handoff
+   * finishes meanwhile (pending), [batch_seqs] each */
+  tw_prefill_handoff_item_t *batch[2];
+  Twain__Internal__V1__Envelope **batch_envs[2];
+  int cur; /* the buffer the next batch fills */
+  tw_prefill_handoff_ctx_t hc;
+  struct {
+    tw_prefill_handoff_batch_t *b; /* NULL: none */
+    tw_prefill_handoff_item_t *items;
+    Twain__Internal__V1__Envelope **envs;
+    int32_t n;
+  } pending;
   const uint64_t *head_sums; /* for the next PrefillDone (re-sharded handoffs) */
   size_t n_head_sums;
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
-    tw_metric_t *layer_sends, *layer_sends_overlapped, *batches, *tail;
+    tw_metric_t *layer_sends, *layer_sends_overlapped, *batches, *overlapped, *tail;
   } m;
 } tw_prefiller_t;
 
@@ -122,13 +139,6 @@ static int tw_code_of(tw_status_t st) {
   }
 }
 
-static bool tw_prefill_stale(const Twain__Internal__V1__PrefillRequest *r) {
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
-  return r->issued_unix_ms && now - r->issued_unix_ms > TW_PREFILL_MAX_AGE_MS;
-}
-
 static tw_sample_params_t tw_prefill_sampling(const Twain__Internal__V1__PrefillRequest *r) {
   tw_sample_params_t sp = TW_SAMPLE_PARAMS_GREEDY;
   if (r->sampling) {
@@ -162,6 +172,8 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);
     tw_metric_observe(w->m.tail, w->rk.tail_ms * 1e-3);
+    tw_metric_add(w->m.layer_sends, (double)w->rk.layer_sends); /* rank 0's */
+    tw_metric_add(w->m.layer_sends_overlapped, (double)w->rk.layer_sends_in_engine);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
     TW_DEBUG("prefill", "request %llu: %lld kv bytes, handoff tail %.2f ms after the last layer",
@@ -177,10 +189,10 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
 
 /* Check a queued prompt and take its local blocks into *it. Returns 1 when
  * it is ready, 0 when it was answered with an error (nothing held), -1 when
- * its blocks are not free now (it stays queued: an earlier prompt of the
- * batch holds them until the batch is done). */
+ * may_wait and its blocks are not free now (it stays queued: the batch being
+ * formed or the pending one holds them). */
 static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r,
-                              bool batch_empty, tw_prefill_handoff_item_t *it) {
+                              bool may_wait, tw_prefill_handoff_item_t *it) {
   const tw_model_config_t *c = &w->model->config;
   const Twain__Internal__V1__KvHandoff *h = r->handoff;
   int32_t n = (int32_t)r->n_prompt_ids;
@@ -197,7 +209,7 @@ static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__Pref
     tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return 0;
   }
-  if (!batch_empty && tw_kv_blocks_free_count(w->blocks) < nb) return -1;
+  if (may_wait && tw_kv_blocks_free_count(w->blocks) < nb) return -1;
   int32_t *ids = malloc(sizeof(int32_t) * (size_t)nb);
   uint64_t *sums = calloc((size_t)c->n_layers, sizeof(uint64_t));
   if (!ids || !sums) {
@@ -220,22 +232,11 @@ static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__Pref
   return 1;
 }
 
-/* Run a batch of prepared prompts (one variable-length engine prefill) and
- * answer each; frees their blocks. A batch the engine refuses on its
- * argument checks (nothing ran) is run again prompt by prompt, so only the
- * bad prompt fails. */
-static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *items, int32_t n) {
+/* Answer each prompt of a finished batch (PrefillDone, metrics), free its
+ * blocks, ids, checksums and request. */
+static void tw_prefill_answer(tw_prefiller_t *w, tw_prefill_handoff_item_t *items,
+                              Twain__Internal__V1__Envelope **envs, int32_t n) {
   const tw_model_config_t *c = &w->model->config;
-  tw_prefill_handoff_ctx_t hc = {.engine = w->engine, .model = w->model, .xfer = w->xfer,
-                                 .flush_timeout_ms = w->o.flush_timeout_ms,
-                                 .max_age_ms = TW_PREFILL_MAX_AGE_MS};
-  tw_status_t st = tw_prefill_handoff_batch(&hc, items, n);
-  if (n > 1 && (st == TW_ERR_INVALID_ARGUMENT || st == TW_ERR_OUT_OF_RANGE)) {
-    TW_INFO("prefill", "batch of %d refused (%s): running its prompts one by one", n,
-            tw_last_error());
-    for (int32_t i = 0; i < n; i++) tw_prefill_handoff_batch(&hc, &items[i], 1);
-  }
-  tw_metric_add(w->m.batches, 1);
   for (int32_t i = 0; i < n; i++) {
     tw_prefill_handoff_item_t *it = &items[i];
     const Twain__Internal__V1__PrefillRequest *r = it->r;
@@ -262,7 +263,56 @@ static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *i
     }
     free((void *)it->ids);
     free(it->sums);
+    twain__internal__v1__envelope__free_unpacked(envs[i], NULL);
   }
+}
+
+/* Flush and answer the pending batch, if any. */
+static void tw_prefill_finish_pending(tw_prefiller_t *w) {
+  tw_prefill_handoff_batch_t *b = w->pending.b;
+  if (!b) return;
+  w->pending.b = NULL;
+  tw_prefill_handoff_finish(b);
+  tw_prefill_answer(w, w->pending.items, w->pending.envs, w->pending.n);
+}
+
+/* hc.on_layer: from the next batch's per-layer callbacks, so the previous
+ * batch's flush and answers overlap that batch's compute. */
+static void tw_prefill_on_engine_layer(void *arg) {
+  tw_prefiller_t *w = arg;
+  if (!w->pending.b) return;
+  tw_metric_add(w->m.overlapped, 1);
+  tw_prefill_finish_pending(w);
+}
+
+/* Run a batch of prepared prompts (one variable-length engine prefill); its
+ * handoff is finished and its prompts answered now, or, when more prompts
+ * wait, during the next batch's compute (pending). A batch the engine
+ * refuses on its argument checks (nothing ran) is run again prompt by
+ * prompt, so only the bad prompt fails. */
+static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *items,
+                                 Twain__Internal__V1__Envelope **envs, int32_t n) {
+  tw_prefill_handoff_batch_t *b = NULL;
+  tw_status_t st = tw_prefill_handoff_start(&w->hc, items, n, &b);
+  tw_prefill_finish_pending(w); /* when this batch's engine run reported no layer */
+  tw_metric_add(w->m.batches, 1);
+  if (n > 1 && (st == TW_ERR_INVALID_ARGUMENT || st == TW_ERR_OUT_OF_RANGE)) {
+    TW_INFO("prefill", "batch of %d refused (%s): running its prompts one by one", n,
+            tw_last_error());
+    tw_prefill_handoff_finish(b);
+    b = NULL;
+    for (int32_t i = 0; i < n; i++) tw_prefill_handoff_batch(&w->hc, &items[i], 1);
+  }
+  if (b && w->q_len > 0 && !w->draining) {
+    w->pending.b = b;
+    w->pending.items = items;
+    w->pending.envs = envs;
+    w->pending.n = n;
+    w->cur ^= 1; /* the next batch fills the other buffer */
+    return;
+  }
+  tw_prefill_handoff_finish(b);
+  tw_prefill_answer(w, items, envs, n);
 }
 
 /* Take the next work off the queue: prompts in arrival order up to the
@@ -270,8 +320,8 @@ static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *i
  * prompts, as one batch; a prompt longer than the budget goes alone (the
  * engine splits it over passes); a multi-rank prompt goes alone. */
 static void tw_prefill_next(tw_prefiller_t *w) {
-  tw_prefill_handoff_item_t *items = w->batch;
-  Twain__Internal__V1__Envelope **envs = w->batch_envs;
+  tw_prefill_handoff_item_t *items = w->batch[w->cur];
+  Twain__Internal__V1__Envelope **envs = w->batch_envs[w->cur];
   int32_t n = 0;
   int64_t tokens = 0;
   while (w->q_len && n < w->o.batch_seqs) {
@@ -279,10 +329,18 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     const Twain__Internal__V1__PrefillRequest *r = e ? e->prefill : NULL;
     bool ranks = r && tw_prefill_ranks_wanted(&w->rk, r);
     if (r && n > 0 && (ranks || tokens + (int64_t)r->n_prompt_ids > w->o.chunk_tokens)) break;
-    bool stale = r && !w->draining && tw_prefill_stale(r);
+    if (ranks) tw_prefill_finish_pending(w); /* it runs alone, after every earlier handoff */
+    /* queued past the KV-write guard: back to the router, which reserves it
+     * again (not the client's failure; its queue time there is free) */
+    int64_t waited = r && !w->draining ? tw_prefill_age_ms(r) : 0;
+    bool stale = waited > TW_PREFILL_MAX_AGE_MS;
     int ready = 0;
     if (r && !w->draining && !stale) {
-      ready = tw_prefill_prepare(w, r, n == 0, &items[n]);
+      ready = tw_prefill_prepare(w, r, n > 0 || w->pending.b, &items[n]);
+      if (ready < 0 && n == 0) { /* the pending batch holds the blocks: finish it first */
+        tw_prefill_finish_pending(w);
+        continue;
+      }
       if (ready < 0) break; /* waits for this batch's blocks */
     }
     w->q_head = (w->q_head + 1) % TW_PREFILL_MAX_QUEUE;
@@ -292,9 +350,12 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     if (w->draining)
       tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__UNAVAILABLE,
                       "prefill worker is draining");
-    else if (stale)
-      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__DEADLINE_EXCEEDED,
-                      "prefill request is stale");
+    else if (stale) {
+      char why[200];
+      snprintf(why, sizeof why, "request waited %lld ms in the prefill queue, past the %d ms "
+               "kv-write guard: reserve again", (long long)waited, TW_PREFILL_MAX_AGE_MS);
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__UNAVAILABLE, why);
+    }
     if (!ready) {
       twain__internal__v1__envelope__free_unpacked(e, NULL);
       continue;
@@ -309,9 +370,11 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     envs[n++] = e;
     tokens += (int64_t)r->n_prompt_ids;
   }
-  if (n == 0) return;
-  tw_prefill_batch_run(w, items, n);
-  for (int32_t i = 0; i < n; i++) twain__internal__v1__envelope__free_unpacked(envs[i], NULL);
+  if (n == 0) {
+    tw_prefill_finish_pending(w); /* nothing to overlap it with */
+    return;
+  }
+  tw_prefill_batch_run(w, items, envs, n);
 }
 
 static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity *cap) {
@@ -355,11 +418,13 @@ static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *
 }
 
 static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
-  w->batch = calloc((size_t)w->o.batch_seqs, sizeof *w->batch);
-  w->batch_envs = calloc((size_t)w->o.batch_seqs, sizeof *w->batch_envs);
-  if (!w->batch || !w->batch_envs)
-    return tw_err(TW_ERR_NO_MEMORY, "prefill worker: out of memory for batches of %d prompts",
-                  w->o.batch_seqs);
+  for (int k = 0; k < 2; k++) {
+    w->batch[k] = calloc((size_t)w->o.batch_seqs, sizeof *w->batch[k]);
+    w->batch_envs[k] = calloc((size_t)w->o.batch_seqs, sizeof *w->batch_envs[k]);
+    if (!w->batch[k] || !w->batch_envs[k])
+      return tw_err(TW_ERR_NO_MEMORY, "prefill worker: out of memory for batches of %d prompts",
+                    w->o.batch_seqs);
+  }
   TW_CHECK(tw_model_load(w->o.model_dir, &w->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
   tw_backend_kind_t be = w->o.backend;
@@ -375,14 +440,24 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   if (be == TW_BACKEND_CUDA) ep.device = w->id.local_rank;
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
-  ep.kv_num_blocks = w->o.kv_blocks;
+  ep.kv_num_blocks = w->o.kv_blocks; /* 0: planned (mem_plan.h) */
   ep.max_batch = w->o.batch_seqs;
-  ep.max_prefill_chunk = w->o.chunk_tokens;
+  ep.max_prefill_chunk = w->o.chunk_tokens; /* 0: planned, the token budget */
+  ep.mem_role = TW_MEM_ROLE_PREFILL;
+  ep.mem_prefill_workers = w->o.colocated_prefill;
+  ep.mem_decode_workers = w->o.colocated_decode;
+  ep.mem_utilization = w->o.gpu_memory_utilization;
+  ep.weights_share_dir = w->o.share_weights_dir;
   ep.n_threads = w->o.threads;
   TW_CHECK(tw_engine_create(w->model, &ep, &w->engine));
+  w->o.chunk_tokens = tw_engine_params(w->engine)->max_prefill_chunk; /* planned or given */
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
   TW_CHECK(tw_kv_xfer_create(&w->xfer));
+  w->hc = (tw_prefill_handoff_ctx_t){.engine = w->engine, .model = w->model, .xfer = w->xfer,
+                                     .flush_timeout_ms = w->o.flush_timeout_ms,
+                                     .max_age_ms = TW_PREFILL_MAX_AGE_MS,
+                                     .on_layer = tw_prefill_on_engine_layer, .on_layer_arg = w};
   w->rk = (tw_prefill_ranks_t){.dist = w->dist, .engine = w->engine, .xfer = w->xfer,
                                .model = w->model, .flush_timeout_ms = w->o.flush_timeout_ms,
                                .max_age_ms = TW_PREFILL_MAX_AGE_MS};
@@ -412,6 +487,9 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->m.batches = tw_metrics_counter(M, "prefill_batches_total",
                                     "engine prefill batches (prompts run as one variable-length "
                                     "prefill)");
+  w->m.overlapped = tw_metrics_counter(M, "prefill_batch_handoffs_overlapped_total",
+                                       "batches whose kv flush and answers ran while the next "
+                                       "batch computed");
   TW_CHECK(tw_worker_link_open(&w->link, w->o.router, name, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
   w->link.ranks = w->id.size;
   w->link.kv_block_size = l->block_size;
@@ -429,8 +507,11 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
     Twain__Internal__V1__Envelope *e = w->queue[(w->q_head + i) % TW_PREFILL_MAX_QUEUE];
     if (e) twain__internal__v1__envelope__free_unpacked(e, NULL);
   }
-  free(w->batch);
-  free(w->batch_envs);
+  tw_prefill_finish_pending(w);
+  for (int k = 0; k < 2; k++) {
+    free(w->batch[k]);
+    free(w->batch_envs[k]);
+  }
   if (w->link.sock) tw_worker_link_close(&w->link);
   tw_metrics_destroy(w->metrics);
   tw_kv_xfer_destroy(w->xfer);
@@ -445,8 +526,16 @@ static void tw_prefill_usage(void) {
           "usage: twain-prefill --router tcp://HOST:PORT [--model DIR] [--name NAME]\n"
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
           "         [--metrics-port P (-1 off, 0 ephemeral)] [--metrics-addr ADDR (127.0.0.1)]\n"
-          "         [--tp N] [--ep N] [--chunk-tokens N]\n"
-          "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
+          "         [--tp N] [--ep N] [--chunk-tokens N] [--batch-seqs N (64)]\n"
+          "         [--gpu-memory-utilization F (default 0.90)] [--colocated P,D (prefill and\n"
+          "           decode workers on this device, this one included; default this one alone)]\n"
+          "         [--share-weights DIR (cuda: one copy of the weights for the workers of DIR)]\n"
+          "  --chunk-tokens: prompt tokens in one forward pass: queued prompts are prefilled\n"
+          "  together up to it (at most --batch-seqs of them), a longer prompt alone in\n"
+          "  chunks of it; multi-rank workers (--tp/--ep > 1) prefill one prompt at a time.\n"
+          "  A batch's KV handoff finishes while the next batch computes. --chunk-tokens and\n"
+          "  --kv-blocks default to the memory plan (docs/operations.md): 8192 tokens, and a\n"
+          "  pool for a prompt of the full context plus one pass in flight\n"          "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
           "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n"
           "  --model defaults to %s\n",
           tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
@@ -455,9 +544,9 @@ static void tw_prefill_usage(void) {
 int tw_prefill_worker_main(int argc, char **argv) {
   static tw_prefiller_t w; /* large queue array: not on the stack */
   memset(&w, 0, sizeof w);
-  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,
+  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 0, .block_size = 16,
                             .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,
-                            .chunk_tokens = 8192, .batch_seqs = 64};
+                            .chunk_tokens = 0, .batch_seqs = 64}; /* 0: planned */
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!v) {
@@ -480,6 +569,16 @@ int tw_prefill_worker_main(int argc, char **argv) {
     else if (!strcmp(a, "--batch-seqs")) w.o.batch_seqs = atoi(v);
     else if (!strcmp(a, "--tp")) w.o.tp = atoi(v);
     else if (!strcmp(a, "--ep")) w.o.ep = atoi(v);
+    else if (!strcmp(a, "--gpu-memory-utilization")) {
+      if (tw_mem_parse_utilization(v, &w.o.gpu_memory_utilization) != TW_OK) return 2;
+    } else if (!strcmp(a, "--colocated")) {
+      if (tw_mem_parse_colocated(v, &w.o.colocated_prefill, &w.o.colocated_decode) != TW_OK)
+        return 2;
+      if (w.o.colocated_prefill < 1) {
+        fprintf(stderr, "twain-prefill: --colocated %s counts no prefill worker (this one)\n", v);
+        return 2;
+      }
+    } else if (!strcmp(a, "--share-weights")) w.o.share_weights_dir = v;
     else {
       fprintf(stderr, "twain-prefill: unknown option %s in daemon mode\n", a);
       tw_prefill_usage();
@@ -492,8 +591,9 @@ int tw_prefill_worker_main(int argc, char **argv) {
     tw_prefill_usage();
     return 2;
   }
-  if (w.o.chunk_tokens <= 0 || w.o.batch_seqs <= 0) {
-    fprintf(stderr, "twain-prefill: --chunk-tokens %d and --batch-seqs %d must be > 0\n",
+  if (w.o.chunk_tokens < 0 || w.o.batch_seqs <= 0) {
+    fprintf(stderr, "twain-prefill: --chunk-tokens %d must be >= 0 (0: the memory plan's token "
+            "budget) and --batch-seqs %d > 0\n",
             w.o.chunk_tokens, w.o.batch_seqs);
     return 2;
   }

@@ -13,6 +13,7 @@
 #include "common/status.h"
 
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define TW_ROUTER_CLIENT_ENDPOINT "tcp://127.0.0.1:7400"
@@ -29,6 +30,8 @@ typedef struct {
   int32_t max_tokens_limit;     /* largest max_tokens accepted */
   int32_t default_max_tokens;   /* when the request leaves it 0 */
   int32_t max_requests;         /* queued + running, beyond: RESOURCE_EXHAUSTED */
+  int32_t prefill_window_tokens; /* prompt tokens in flight per prefill worker (reserving or
+                                  * prefilling); the rest wait in the router's queue, in order */
   int32_t default_deadline_ms;
   int32_t expire_ms;            /* worker silence before it is expired */
   int32_t expect_prefill, expect_decode; /* print "ready" once this many registered */
@@ -60,6 +63,7 @@ typedef struct {
                         .max_prompt_tokens = 0,                                       \
                         .max_tokens_limit = 4096, .default_max_tokens = 512,          \
                         .max_requests = 2048, .default_deadline_ms = 600000,          \
+                        .prefill_window_tokens = 16384,                               \
                         .expire_ms = 1000, .http_port = -1,                           \
                         .http_max_body = 8 << 20})
 #define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */
@@ -71,9 +75,10 @@ typedef struct {
  *  config or tokenizer), TW_ERR_NO_MEMORY. */
 tw_status_t tw_router_run(const tw_router_params_t *params, volatile sig_atomic_t *stop);
 
-/** Read the API key from the first line of `path` into *key_p (static
- *  storage). Returns -1 after printing why (cannot read, empty), else 0. */
-int tw_router_read_key(const char *prog, const char *path, const char **key_p);
+/** Read the API key from the first line of `path` into key[len] (NUL-
+ *  terminated, cut at len - 1 bytes). Returns -1 after printing why (cannot
+ *  read, empty), else 0. */
+int tw_router_read_key(const char *prog, const char *path, char *key, size_t len);
 
 /** `twain-router` / `twain router` command line. Returns the exit code. */
 int tw_router_main(int argc, char **argv);

@@ -41,6 +41,9 @@ static void tw_router_usage(void) {
           "         [--metrics-port P] [--max-prompt-tokens N] [--max-tokens-limit N]\n"
           "         [--default-max-tokens N] [--max-requests N] [--deadline-ms N]\n"
           "         [--expire-ms N] [--expect-prefill N] [--expect-decode N]\n"
+          "         [--prefill-window-tokens N (default 16384: at most this many prompt\n"
+          "           tokens handed to one prefill worker at a time, fewer if it is slow:\n"
+          "           4 s of its measured work; the rest wait in the router's queue)]\n"
           "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
           "         [--drain-timeout SECONDS (default 30: SIGTERM lets running requests\n"
           "           finish for at most this long)]\n"
@@ -52,14 +55,13 @@ static void tw_router_usage(void) {
           tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
 }
 
-int tw_router_read_key(const char *prog, const char *path, const char **key_p) {
-  static char key[512];
+int tw_router_read_key(const char *prog, const char *path, char *key, size_t len) {
   FILE *f = fopen(path, "r");
   if (!f) {
     fprintf(stderr, "%s: cannot read the API key file %s: %s\n", prog, path, strerror(errno));
     return -1;
   }
-  size_t n = fread(key, 1, sizeof key - 1, f);
+  size_t n = fread(key, 1, len - 1, f);
   fclose(f);
   key[n] = '\0';
   key[strcspn(key, "\r\n")] = '\0'; /* the first line */
@@ -67,7 +69,6 @@ int tw_router_read_key(const char *prog, const char *path, const char **key_p) {
     fprintf(stderr, "%s: the API key file %s is empty\n", prog, path);
     return -1;
   }
-  *key_p = key;
   return 0;
 }
 
@@ -76,6 +77,7 @@ int tw_router_main(int argc, char **argv) {
   p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   p.on_bound = tw_router_print_bound;
   p.on_ready = tw_router_print_ready;
+  char key[512];
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -97,6 +99,7 @@ int tw_router_main(int argc, char **argv) {
     else if (!strcmp(a, "--max-tokens-limit")) p.max_tokens_limit = atoi(v);
     else if (!strcmp(a, "--default-max-tokens")) p.default_max_tokens = atoi(v);
     else if (!strcmp(a, "--max-requests")) p.max_requests = atoi(v);
+    else if (!strcmp(a, "--prefill-window-tokens")) p.prefill_window_tokens = atoi(v);
     else if (!strcmp(a, "--deadline-ms")) p.default_deadline_ms = atoi(v);
     else if (!strcmp(a, "--expire-ms")) p.expire_ms = atoi(v);
     else if (!strcmp(a, "--expect-prefill")) p.expect_prefill = atoi(v);
@@ -107,7 +110,8 @@ int tw_router_main(int argc, char **argv) {
     else if (!strcmp(a, "--http-max-body")) p.http_max_body = atoll(v);
     else if (!strcmp(a, "--api-key")) p.api_key = v;
     else if (!strcmp(a, "--api-key-file")) {
-      if (tw_router_read_key("twain-router", v, &p.api_key)) return 2;
+      if (tw_router_read_key("twain-router", v, key, sizeof key)) return 2;
+      p.api_key = key;
     }
     else {
       fprintf(stderr, "twain-router: unknown option %s\n", a);

@@ -24,7 +24,8 @@
  *
  * Usage: twain-bench-cuda [--model DIR | --synthetic 20b|120b|both]
  *          [--prefill 8192,32768,...] [--batches 1,8,...] [--contexts 8192,...]
- *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N] */
+ *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N]
+ * (a list may be "none": e.g. --prefill none --batches none for (a') alone). */
 #include "common/engine.h"
 #include "common/log.h"
 #include "common/model.h"
@@ -94,8 +95,10 @@ static int parse_pairs(const char *s, int *s_out, int *l_out) {
   return n;
 }
 
+/* "A,B,...", or "none" for an empty list. */
 static int parse_list(const char *s, int *out) {
   int n = 0;
+  if (!strcmp(s, "none")) return 0;
   while (*s && n < MAXL) {
     out[n++] = atoi(s);
     const char *c = strchr(s, ',');
