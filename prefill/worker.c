@@ -35,16 +35,6 @@
  * heartbeats have their own thread), so an idle worker costs ~0 CPU. */
 #define TW_PREFILL_IDLE_WAIT_MS 200
 
-typedef struct {
-  const char *model_dir, *router, *name;
-  tw_backend_kind_t backend;
-  int32_t kv_blocks, block_size, threads;
-  int metrics_port;
-  const char *metrics_addr; /* NULL: 127.0.0.1 */
-  int flush_timeout_ms;
-  int32_t tp, ep; /* ranks of this worker (issue 6): each 1 or the group size */
-  int32_t chunk_tokens; /* prefill chunk: its blocks are handed off while the next computes */
-} tw_prefill_opts_t;
 
 typedef struct {
   tw_prefill_opts_t o;
@@ -68,12 +58,6 @@ typedef struct {
     tw_metric_t *layer_sends, *layer_sends_overlapped;
   } m;
 } tw_prefiller_t;
-
-int tw_prefill_worker_wanted(int argc, char **argv) {
-  for (int i = 1; i < argc; i++)
-    if (!strcmp(argv[i], "--router")) return 1;
-  return 0;
-}
 
 static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const uint64_t *sums,
                             size_t n_sums, int64_t bytes, double prefill_ms, double transfer_ms,
@@ -336,57 +320,10 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
   tw_model_destroy(w->model);
 }
 
-static void tw_prefill_usage(void) {
-  fprintf(stderr,
-          "usage: twain-prefill --router tcp://HOST:PORT [--model DIR] [--name NAME]\n"
-          "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
-          "         [--metrics-port P (-1 off, 0 ephemeral)] [--metrics-addr ADDR (127.0.0.1)]\n"
-          "         [--tp N] [--ep N] [--chunk-tokens N]\n"
-          "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
-          "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n"
-          "  --model defaults to %s\n",
-          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
-}
-
-int tw_prefill_worker_main(int argc, char **argv) {
+int tw_prefill_worker_main(const tw_prefill_opts_t *opts, int argc, char **argv) {
   static tw_prefiller_t w; /* large queue array: not on the stack */
   memset(&w, 0, sizeof w);
-  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,
-                            .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,
-                            .chunk_tokens = 512};
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!v) {
-      fprintf(stderr, "twain-prefill: %s needs a value\n", a);
-      tw_prefill_usage();
-      return 2;
-    }
-    i++;
-    if (!strcmp(a, "--router")) w.o.router = v;
-    else if (!strcmp(a, "--model")) w.o.model_dir = v;
-    else if (!strcmp(a, "--name")) w.o.name = v;
-    else if (!strcmp(a, "--backend")) {
-      if (tw_backend_parse(v, &w.o.backend) != TW_OK) return 2;
-    } else if (!strcmp(a, "--kv-blocks")) w.o.kv_blocks = atoi(v);
-    else if (!strcmp(a, "--block-size")) w.o.block_size = atoi(v);
-    else if (!strcmp(a, "--threads")) w.o.threads = atoi(v);
-    else if (!strcmp(a, "--metrics-port")) w.o.metrics_port = atoi(v);
-    else if (!strcmp(a, "--metrics-addr")) w.o.metrics_addr = v;
-    else if (!strcmp(a, "--chunk-tokens")) w.o.chunk_tokens = atoi(v);
-    else if (!strcmp(a, "--tp")) w.o.tp = atoi(v);
-    else if (!strcmp(a, "--ep")) w.o.ep = atoi(v);
-    else {
-      fprintf(stderr, "twain-prefill: unknown option %s in daemon mode\n", a);
-      tw_prefill_usage();
-      return 2;
-    }
-  }
-  if (!w.o.model_dir) w.o.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
-  if (!w.o.router) {
-    fprintf(stderr, "twain-prefill: missing --router tcp://HOST:PORT (the router's worker endpoint)\n");
-    tw_prefill_usage();
-    return 2;
-  }
+  w.o = *opts;
   if (w.o.tp < 1 || w.o.ep < 1 || (w.o.tp > 1 && w.o.ep > 1 && w.o.tp != w.o.ep)) {
     fprintf(stderr, "twain-prefill: --tp %d --ep %d: each >= 1, equal when both > 1\n", w.o.tp,
             w.o.ep);

@@ -5,6 +5,7 @@
  *                  [--show-analysis] [--json] "text"
  *   twain generate [--endpoint EP] [--max-tokens N] [--stop-ids A,B] [--json] ID...
  *   twain router   (the router daemon alone, as twain-router)
+ * Each declares its options as a common/opts.h table (--help lists them).
  * Each returns the process exit code (0 ok, 1 failed, 2 bad usage; chat: 3 when
  * max_tokens cut the answer before the final channel). */
 #ifndef TW_ROUTER_CLI_H
@@ -14,16 +15,5 @@ int tw_cli_serve(int argc, char **argv);
 int tw_cli_chat(int argc, char **argv);
 int tw_cli_generate(int argc, char **argv);
 int tw_cli_router(int argc, char **argv);
-
-/** Parse `text`, the value of option `flag` of program `prog`, as a whole
- *  decimal integer (no sign-less junk, no trailing characters, no
- *  overflow) in [lo, hi]. Returns 0 with *out set, or -1 after printing
- *  "PROG: FLAG must be an integer in [LO, HI], got 'TEXT'" on stderr. */
-int tw_cli_parse_int(const char *prog, const char *flag, const char *text, long long lo,
-                     long long hi, long long *out);
-
-/** Same for a finite decimal number (strtod syntax) in [lo, hi]. */
-int tw_cli_parse_double(const char *prog, const char *flag, const char *text, double lo, double hi,
-                        double *out);
 
 #endif

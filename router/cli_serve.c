@@ -17,6 +17,7 @@
 #include "common/engine.h"
 #include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/log.h"
+#include "common/opts.h"
 #include "router/router.h"
 
 #include <errno.h>
@@ -150,42 +151,26 @@ static pid_t tw_spawn(char *const argv[]) {
  * divide the attention and KV heads, --*-ep the experts. pv: prefill tp, ep,
  * decode tp, ep, dp. Returns -1 after printing the rule that fails, 0
  * otherwise (also when config.json cannot be read: the router says why). */
-static int tw_serve_check_split(const char *model_dir, const long long pv[5]) {
+static int tw_serve_check_split(const char *model_dir, const int pv[5]) {
   char path[PATH_MAX];
   tw_model_config_t c;
   snprintf(path, sizeof path, "%s/config.json", model_dir);
   if (tw_config_load(path, &c) != TW_OK) return 0;
   for (int k = 0; k < 2; k++) {
     const char *pool = k ? "decode" : "prefill";
-    long long tp = pv[2 * k], ep = pv[2 * k + 1];
+    int tp = pv[2 * k], ep = pv[2 * k + 1];
     if (tp > 1 && (c.n_kv_heads % tp || c.n_heads % tp)) {
-      fprintf(stderr, "twain serve: --%s-tp %lld does not divide the model's %d KV heads (%d query "
+      fprintf(stderr, "twain serve: --%s-tp %d does not divide the model's %d KV heads (%d query "
                       "heads): use a divisor (docs/parallelism.md)\n", pool, tp, c.n_kv_heads, c.n_heads);
       return -1;
     }
     if (ep > 1 && c.n_experts % ep) {
-      fprintf(stderr, "twain serve: --%s-ep %lld does not divide the model's %d experts: use a "
+      fprintf(stderr, "twain serve: --%s-ep %d does not divide the model's %d experts: use a "
                       "divisor (docs/parallelism.md)\n", pool, ep, c.n_experts);
       return -1;
     }
   }
   return 0;
-}
-
-static void tw_serve_usage(void) {
-  fprintf(stderr,
-          "usage: twain serve [--model DIR] [--listen tcp://HOST:PORT] [--prefill N] [--decode M]\n"
-          "         [--backend auto|cpu|cuda] [--threads T (per worker)] [--kv-blocks N]\n"
-          "         [--metrics-port P] [--max-tokens-limit N] [--verify-kv]\n"
-          "         [--prefill-tp N] [--prefill-ep N] [--decode-tp N] [--decode-ep N]\n"
-          "           ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4\n"
-          "         [--decode-dp N]   data-parallel attention replicas per decode worker\n"
-          "           (with --decode-ep N; cpu backend), e.g. --decode-dp 2 --decode-ep 2\n"
-          "         [--workers tcp://HOST:PORT] [--metrics-addr ADDR] [--drain-timeout SECONDS]\n"
-          "           (passed to the router and the workers; workers' metrics ports are ephemeral)\n"
-          "  defaults: model %s, --listen %s, 1 prefill + 1 decode, workers on an ephemeral\n"
-          "  port (printed in the ready line: more workers may join there at any time)\n",
-          tw_default_model_dir(TW_DEFAULT_MODEL_DIR), TW_ROUTER_CLIENT_ENDPOINT);
 }
 
 int tw_cli_serve(int argc, char **argv) {
@@ -200,92 +185,61 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_ready_arg = &s;
   s.rp.on_workers = tw_serve_workers;
   s.rp.on_workers_arg = &s;
-  int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
+  int n_prefill = 1, n_decode = 1, threads = -1, kv_blocks = 0;
+  bool verify = false;
+  tw_backend_kind_t bk = TW_BACKEND_AUTO;
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */
-  const char *par[5] = {NULL, NULL, NULL, NULL, NULL};
-  const char *backend = "auto", *kv_blocks = NULL, *drain = NULL;
-  static const char *const value_flags[] = {
-      "--model", "--listen", "--workers", "--prefill", "--decode", "--backend", "--threads",
-      "--kv-blocks", "--prefill-tp", "--prefill-ep", "--decode-tp", "--decode-ep", "--decode-dp",
-      "--metrics-port", "--metrics-addr", "--drain-timeout", "--max-tokens-limit", NULL};
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      tw_serve_usage();
-      return 0;
-    }
-    if (!strcmp(a, "--verify-kv")) {
-      verify = 1;
-      continue;
-    }
-    bool known = false;
-    for (const char *const *f = value_flags; *f && !known; f++) known = !strcmp(a, *f);
-    if (!known) {
-      fprintf(stderr, "twain serve: unknown option %s\n", a);
-      tw_serve_usage();
-      return 2;
-    }
-    if (!v) {
-      fprintf(stderr, "twain serve: %s needs a value\n", a);
-      return 2;
-    }
-    i++;
-    long long nv = 0;
-    bool numeric = !strcmp(a, "--prefill") || !strcmp(a, "--decode") || !strcmp(a, "--threads") ||
-                   !strcmp(a, "--metrics-port") || !strcmp(a, "--drain-timeout") ||
-                   !strcmp(a, "--max-tokens-limit");
-    if (numeric && tw_cli_parse_int("twain serve", a, v, !strcmp(a, "--metrics-port") ? -1 : 0,
-                                    !strcmp(a, "--metrics-port") ? 65535 : INT32_MAX, &nv))
-      return 2;
-    if (!strcmp(a, "--model")) s.rp.model_dir = v;
-    else if (!strcmp(a, "--listen")) s.rp.client_endpoint = v;
-    else if (!strcmp(a, "--workers")) s.rp.worker_endpoint = v;
-    else if (!strcmp(a, "--prefill")) n_prefill = atoi(v);
-    else if (!strcmp(a, "--decode")) n_decode = atoi(v);
-    else if (!strcmp(a, "--backend")) backend = v;
-    else if (!strcmp(a, "--threads")) threads = atoi(v);
-    else if (!strcmp(a, "--kv-blocks")) kv_blocks = v;
-    else if (!strcmp(a, "--prefill-tp")) par[0] = v;
-    else if (!strcmp(a, "--prefill-ep")) par[1] = v;
-    else if (!strcmp(a, "--decode-tp")) par[2] = v;
-    else if (!strcmp(a, "--decode-ep")) par[3] = v;
-    else if (!strcmp(a, "--decode-dp")) par[4] = v;
-    else if (!strcmp(a, "--metrics-port")) s.rp.metrics_port = atoi(v);
-    else if (!strcmp(a, "--metrics-addr")) s.rp.metrics_addr = v;
-    else if (!strcmp(a, "--drain-timeout")) {
-      drain = v;
-      s.rp.drain_timeout_s = atoi(v);
-    } else if (!strcmp(a, "--max-tokens-limit")) s.rp.max_tokens_limit = atoi(v);
-    else {
-      fprintf(stderr, "twain serve: unknown option %s\n", a);
-      tw_serve_usage();
-      return 2;
-    }
-  }
-  tw_backend_kind_t bk;
-  if (tw_backend_parse(backend, &bk) != TW_OK) {
-    fprintf(stderr, "twain serve: %s\n", tw_last_error());
-    return 2;
-  }
-  /* each pool's parallelism (issue 6): whole numbers, and the decode worker's
-   * --dp rule, checked here so that a combination the worker refuses ends
-   * serve at once instead of restarting that worker until it gives up */
-  static const char *const par_flags[5] = {"--prefill-tp", "--prefill-ep", "--decode-tp",
-                                           "--decode-ep", "--decode-dp"};
-  long long pv[5] = {1, 1, 1, 1, 1};
-  for (int k = 0; k < 5; k++)
-    if (par[k] && tw_cli_parse_int("twain serve", par_flags[k], par[k], 1, 64, &pv[k])) return 2;
+  int pv[5] = {1, 1, 1, 1, 1};
+  tw_opt_t opts[] = {
+      TW_OPT_STR("model", &s.rp.model_dir, "DIR", "checkpoint directory"),
+      TW_OPT_STR("listen", &s.rp.client_endpoint, "tcp://HOST:PORT", "client endpoint"),
+      TW_OPT_STR("workers", &s.rp.worker_endpoint, "tcp://HOST:PORT",
+                 "worker endpoint (port 0: ephemeral, printed in the ready line;\n"
+                 "more workers may join there at any time)"),
+      TW_OPT_INT("prefill", &n_prefill, 1, TW_SERVE_MAX_WORKERS - 1, "N", "prefill workers"),
+      TW_OPT_INT("decode", &n_decode, 1, TW_SERVE_MAX_WORKERS - 1, "M", "decode workers"),
+      TW_OPT_FN("backend", &bk, tw_backend_opt, "auto|cpu|cuda", "the workers' engine backend (default auto)"),
+      TW_OPT_INT("threads", &threads, -1, 4096, "T",
+                 "cpu threads per worker (-1: the cores shared between the workers)"),
+      TW_OPT_INT("kv-blocks", &kv_blocks, 0, INT32_MAX, "N",
+                 "decode workers' KV pool in blocks (0: the worker's default)"),
+      TW_OPT_FLAG("verify-kv", &verify, "decode workers check the checksums of received KV"),
+      TW_OPT_INT("prefill-tp", &pv[0], 1, 64, "N",
+                 "ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4"),
+      TW_OPT_INT("prefill-ep", &pv[1], 1, 64, "N", "expert parallel ranks per prefill worker"),
+      TW_OPT_INT("decode-tp", &pv[2], 1, 64, "N", "tensor parallel ranks per decode worker"),
+      TW_OPT_INT("decode-ep", &pv[3], 1, 64, "N", "expert parallel ranks per decode worker"),
+      TW_OPT_INT("decode-dp", &pv[4], 1, 64, "N",
+                 "data-parallel attention replicas per decode worker\n"
+                 "(with --decode-ep N; cpu backend), e.g. --decode-dp 2 --decode-ep 2"),
+      TW_OPT_INT("metrics-port", &s.rp.metrics_port, -1, 65535, "PORT",
+                 "the router's /metrics port (-1 off, 0 ephemeral)"),
+      TW_OPT_STR("metrics-addr", &s.rp.metrics_addr, "ADDR",
+                 "numeric address of every metrics port (default 127.0.0.1)"),
+      TW_ROUTER_OPT_ROWS(s.rp),
+  };
+  tw_opts_spec_t spec = {
+      .prog = "twain serve",
+      .description = "The router plus prefill and decode worker processes on this machine.",
+      .env_prefix = "TWAIN_SERVE_", .opts = opts, .n_opts = sizeof opts / sizeof opts[0],
+      .config = true};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
+  const char *backend = tw_backend_name(bk);
+  /* each pool's parallelism (issue 6): the decode worker's --dp rule, checked
+   * here so that a combination the worker refuses ends serve at once instead
+   * of restarting that worker until it gives up */
   if (pv[4] > 1 && (pv[3] != pv[4] || pv[2] != 1)) {
     fprintf(stderr,
             "twain serve: --decode-dp N needs --decode-ep N and --decode-tp 1 (N ranks, each an "
             "attention replica, the experts split over all N; docs/parallelism.md), got "
-            "--decode-dp %lld --decode-ep %lld --decode-tp %lld\n",
+            "--decode-dp %d --decode-ep %d --decode-tp %d\n",
             pv[4], pv[3], pv[2]);
     return 2;
   }
   if (tw_serve_check_split(s.rp.model_dir, pv)) return 2;
   if (pv[4] > 1 && (bk == TW_BACKEND_CUDA || (bk == TW_BACKEND_AUTO && tw_cuda_available()))) {
-    fprintf(stderr, "twain serve: --decode-dp %lld (data-parallel attention) runs on the cpu "
+    fprintf(stderr, "twain serve: --decode-dp %d (data-parallel attention) runs on the cpu "
                     "backend only: add --backend cpu, or use --decode-tp/--decode-ep on a GPU\n",
             pv[4]);
     return 2;
@@ -338,8 +292,10 @@ int tw_cli_serve(int argc, char **argv) {
   }
   static tw_serve_slot_t slots[TW_SERVE_MAX_WORKERS];
   int n = n_prefill + n_decode;
-  char tbuf[16];
-  snprintf(tbuf, sizeof tbuf, "%d", threads);
+  /* numbers passed to every worker: threads, kv-blocks, drain-timeout, tp/ep per pool, dp */
+  static char num[8][16];
+  const int numv[8] = {threads, kv_blocks, s.rp.drain_timeout_s, pv[0], pv[1], pv[2], pv[3], pv[4]};
+  for (int q = 0; q < 8; q++) snprintf(num[q], sizeof num[q], "%d", numv[q]);
   for (int k = 0; k < n; k++) {
     bool pre = k < n_prefill;
     tw_serve_slot_t *w = &slots[k];
@@ -360,29 +316,30 @@ int tw_cli_serve(int argc, char **argv) {
     av[c++] = "--backend";
     av[c++] = (char *)backend;
     av[c++] = "--threads";
-    av[c++] = tbuf;
+    av[c++] = num[0];
     if (!pre && kv_blocks) {
       av[c++] = "--kv-blocks";
-      av[c++] = (char *)kv_blocks;
+      av[c++] = num[1];
     }
     if (!pre && verify) av[c++] = "--verify-kv";
-    if (!pre && drain) {
+    if (!pre && tw_opts_given(&spec, "drain-timeout")) {
       av[c++] = "--drain-timeout";
-      av[c++] = (char *)drain;
+      av[c++] = num[2];
     }
     if (s.rp.metrics_addr) {
       av[c++] = "--metrics-addr";
       av[c++] = (char *)s.rp.metrics_addr;
     }
     for (int q = 0; q < 2; q++) { /* --tp / --ep of this pool: the worker starts its ranks */
-      const char *val = par[(pre ? 0 : 2) + q];
-      if (!val) continue;
+      int at = (pre ? 0 : 2) + q;
+      static const char *const pool_flag[4] = {"prefill-tp", "prefill-ep", "decode-tp", "decode-ep"};
+      if (!tw_opts_given(&spec, pool_flag[at])) continue;
       av[c++] = q ? "--ep" : "--tp";
-      av[c++] = (char *)val;
+      av[c++] = num[3 + at];
     }
-    if (!pre && par[4]) { /* --dp: the worker checks it against --ep/--tp and the backend */
+    if (!pre && tw_opts_given(&spec, "decode-dp")) { /* the worker checks it against --ep/--tp */
       av[c++] = "--dp";
-      av[c++] = (char *)par[4];
+      av[c++] = num[7];
     }
     av[c] = NULL;
     w->pid = tw_spawn(av);

@@ -10,6 +10,7 @@
 #ifndef TW_ROUTER_ROUTER_H
 #define TW_ROUTER_ROUTER_H
 
+#include "common/opts.h"
 #include "common/status.h"
 
 #include <signal.h>
@@ -52,6 +53,24 @@ typedef struct {
                         .max_tokens_limit = 4096, .default_max_tokens = 512,          \
                         .max_requests = 2048, .default_deadline_ms = 600000,          \
                         .expire_ms = 1000})
+
+/** The router's limits as common/opts.h rows on a tw_router_params_t `p`:
+ *  one list for twain-router and `twain serve`, which passes them all on. */
+#define TW_ROUTER_OPT_ROWS(p)                                                                   \
+  TW_OPT_INT("drain-timeout", &(p).drain_timeout_s, 0, INT32_MAX, "SECONDS",                   \
+             "on SIGTERM, running requests finish for at most this long"),                    \
+      TW_OPT_INT("max-prompt-tokens", &(p).max_prompt_tokens, 0, INT32_MAX, "N",               \
+                 "longest prompt accepted (0: the model's context minus 1)"),                  \
+      TW_OPT_INT("max-tokens-limit", &(p).max_tokens_limit, 1, INT32_MAX, "N",                 \
+                 "largest max_tokens a request may ask for"),                                  \
+      TW_OPT_INT("default-max-tokens", &(p).default_max_tokens, 1, INT32_MAX, "N",             \
+                 "max_tokens of a request that leaves it 0"),                                  \
+      TW_OPT_INT("max-requests", &(p).max_requests, 1, INT32_MAX, "N",                         \
+                 "requests queued + running; beyond: RESOURCE_EXHAUSTED"),                     \
+      TW_OPT_INT("deadline-ms", &(p).default_deadline_ms, 1, INT32_MAX, "MS",                  \
+                 "deadline of a request that sets none"),                                      \
+      TW_OPT_INT("expire-ms", &(p).expire_ms, 1, INT32_MAX, "MS",                              \
+                 "a worker silent this long is expired")
 
 /** Run until *stop becomes non-zero (SIGTERM/SIGINT in the callers), then
  *  drain: stop accepting requests (UNAVAILABLE), let running ones finish for

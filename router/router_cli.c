@@ -5,8 +5,10 @@
 
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/opts.h"
 
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,60 +36,31 @@ static void tw_router_print_ready(void *arg) {
   fflush(stdout);
 }
 
-static void tw_router_usage(void) {
-  fprintf(stderr,
-          "usage: twain-router [--model DIR] [--listen tcp://HOST:PORT] [--workers tcp://HOST:PORT]\n"
-          "         [--metrics-port P] [--max-prompt-tokens N] [--max-tokens-limit N]\n"
-          "         [--default-max-tokens N] [--max-requests N] [--deadline-ms N]\n"
-          "         [--expire-ms N] [--expect-prefill N] [--expect-decode N]\n"
-          "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
-          "         [--drain-timeout SECONDS (default 30: SIGTERM lets running requests\n"
-          "           finish for at most this long)]\n"
-          "  defaults: --listen %s --workers %s, model %s\n",
-          TW_ROUTER_CLIENT_ENDPOINT, TW_ROUTER_WORKER_ENDPOINT,
-          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
-}
-
+/* The router's options (opts.h), shared by twain-router and `twain router`. */
 int tw_router_main(int argc, char **argv) {
   tw_router_params_t p = TW_ROUTER_PARAMS_DEFAULT;
   p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   p.on_bound = tw_router_print_bound;
   p.on_ready = tw_router_print_ready;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      tw_router_usage();
-      return 0;
-    }
-    if (!v) {
-      fprintf(stderr, "twain-router: %s needs a value\n", a);
-      return 2;
-    }
-    i++;
-    if (!strcmp(a, "--model")) p.model_dir = v;
-    else if (!strcmp(a, "--listen")) p.client_endpoint = v;
-    else if (!strcmp(a, "--workers")) p.worker_endpoint = v;
-    else if (!strcmp(a, "--metrics-port")) p.metrics_port = atoi(v);
-    else if (!strcmp(a, "--metrics-addr")) p.metrics_addr = v;
-    else if (!strcmp(a, "--drain-timeout")) p.drain_timeout_s = atoi(v);
-    else if (!strcmp(a, "--max-prompt-tokens")) p.max_prompt_tokens = atoi(v);
-    else if (!strcmp(a, "--max-tokens-limit")) p.max_tokens_limit = atoi(v);
-    else if (!strcmp(a, "--default-max-tokens")) p.default_max_tokens = atoi(v);
-    else if (!strcmp(a, "--max-requests")) p.max_requests = atoi(v);
-    else if (!strcmp(a, "--deadline-ms")) p.default_deadline_ms = atoi(v);
-    else if (!strcmp(a, "--expire-ms")) p.expire_ms = atoi(v);
-    else if (!strcmp(a, "--expect-prefill")) p.expect_prefill = atoi(v);
-    else if (!strcmp(a, "--expect-decode")) p.expect_decode = atoi(v);
-    else {
-      fprintf(stderr, "twain-router: unknown option %s\n", a);
-      tw_router_usage();
-      return 2;
-    }
-  }
-  if (p.drain_timeout_s < 0) {
-    fprintf(stderr, "twain-router: --drain-timeout %d < 0\n", p.drain_timeout_s);
-    return 2;
-  }
+  tw_opt_t opts[] = {
+      TW_OPT_STR("model", &p.model_dir, "DIR", "checkpoint directory (config.json, tokenizer.json)"),
+      TW_OPT_STR("listen", &p.client_endpoint, "tcp://HOST:PORT", "client endpoint (port 0: ephemeral)"),
+      TW_OPT_STR("workers", &p.worker_endpoint, "tcp://HOST:PORT", "worker endpoint (port 0: ephemeral)"),
+      TW_OPT_INT("metrics-port", &p.metrics_port, -1, 65535, "PORT",
+                 "/metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),
+      TW_OPT_STR("metrics-addr", &p.metrics_addr, "ADDR",
+                 "numeric address of the metrics port (0.0.0.0: all interfaces)"),
+      TW_ROUTER_OPT_ROWS(p),
+      TW_OPT_INT("expect-prefill", &p.expect_prefill, 0, INT32_MAX, "N",
+                 "print \"ready\" once N prefill (and --expect-decode) workers registered"),
+      TW_OPT_INT("expect-decode", &p.expect_decode, 0, INT32_MAX, "N", "see --expect-prefill"),
+  };
+  tw_opts_spec_t spec = {.prog = argv[0] && !strcmp(argv[0], "router") ? "twain router" : "twain-router",
+                         .description = "The router daemon: clients' requests to prefill and decode workers.",
+                         .env_prefix = "TWAIN_ROUTER_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0], .config = true};
+  int rc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (rc != TW_OPTS_RUN) return rc;
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = tw_router_on_signal;

@@ -22,6 +22,7 @@
  *          [--steps N] [--reps N] */
 #include "common/engine.h"
 #include "common/log.h"
+#include "common/opts.h"
 #include "common/model.h"
 
 #include <stdio.h>
@@ -72,15 +73,22 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-static int parse_list(const char *s, int *out) {
-  int n = 0;
-  while (*s && n < MAXL) {
-    out[n++] = atoi(s);
-    const char *c = strchr(s, ',');
-    if (!c) break;
-    s = c + 1;
-  }
-  return n;
+/* A --prefill/--batches/--contexts list (opts.h TW_OPT_FN): positive
+ * numbers separated by commas, at most MAXL; "" is the empty list. */
+typedef struct {
+  int v[MAXL];
+  int n;
+} int_list_t;
+
+static int parse_list(const char *s, void *dst, char *err, size_t errlen) {
+  int_list_t *l = dst;
+  if (tw_opts_id_list(s, l->v, MAXL, &l->n, err, errlen)) return -1;
+  for (int i = 0; i < l->n; i++)
+    if (l->v[i] < 1) {
+      snprintf(err, errlen, "must be positive numbers separated by commas, got '%s'", s);
+      return -1;
+    }
+  return 0;
 }
 
 typedef struct {
@@ -233,29 +241,24 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
 int main(int argc, char **argv) {
   tw_log_init("twain-bench-cuda", 0);
   const char *model_dir = NULL, *syn = "both";
-  int pre[MAXL] = {8192, 32768, 65536, 128000}, n_pre = 4;
-  int bat[MAXL] = {1, 8, 32, 64, 128, 256}, n_bat = 6;
-  int ctx[MAXL] = {8192, 32768}, n_ctx = 2;
+  int_list_t pl = {{8192, 32768, 65536, 128000}, 4}, bl = {{1, 8, 32, 64, 128, 256}, 6},
+             cl = {{8192, 32768}, 2};
   int steps = 20, reps = 3;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
-    if (!strcmp(a, "--model")) model_dir = v, i++;
-    else if (!strcmp(a, "--synthetic")) syn = v, i++;
-    else if (!strcmp(a, "--prefill")) n_pre = parse_list(v, pre), i++;
-    else if (!strcmp(a, "--batches")) n_bat = parse_list(v, bat), i++;
-    else if (!strcmp(a, "--contexts")) n_ctx = parse_list(v, ctx), i++;
-    else if (!strcmp(a, "--steps")) steps = atoi(v), i++;
-    else if (!strcmp(a, "--reps")) reps = atoi(v), i++;
-    else {
-      fprintf(stderr, "usage: %s [--model DIR | --synthetic 20b|120b|both] [--prefill LIST] "
-              "[--batches LIST] [--contexts LIST] [--steps N] [--reps N]\n", argv[0]);
-      return 2;
-    }
-  }
-  if (steps < 1) steps = 1;
-  if (steps > 500) steps = 500;
-  if (reps < 1) reps = 1;
-  if (reps > 16) reps = 16;
+  tw_opt_t opts[] = {
+      TW_OPT_STR("model", &model_dir, "DIR", "a checkpoint instead of synthetic weights"),
+      TW_OPT_STR("synthetic", &syn, "20b|120b|both", "synthetic gpt-oss shapes"),
+      TW_OPT_FN("prefill", &pl, parse_list, "LIST", "prefill lengths (default 8192,32768,65536,128000)"),
+      TW_OPT_FN("batches", &bl, parse_list, "LIST", "decode batch sizes (default 1,8,32,64,128,256)"),
+      TW_OPT_FN("contexts", &cl, parse_list, "LIST", "decode context lengths (default 8192,32768)"),
+      TW_OPT_INT("steps", &steps, 1, 500, "N", "decode steps per point"),
+      TW_OPT_INT("reps", &reps, 1, 16, "N", "repetitions (the median is reported)"),
+  };
+  tw_opts_spec_t spec = {.prog = "twain-bench-cuda", .description = "CUDA backend prefill and decode throughput.",
+                         .env_prefix = "TWAIN_BENCH_CUDA_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0]};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
+  int *pre = pl.v, n_pre = pl.n, *bat = bl.v, n_bat = bl.n, *ctx = cl.v, n_ctx = cl.n;
   {
     const char *pdl = getenv("TWAIN_CUDA_PDL");
     printf("[bench] programmatic dependent launch %s (TWAIN_CUDA_PDL=%s); kernels per decode "

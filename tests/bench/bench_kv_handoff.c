@@ -13,6 +13,7 @@
  * Prints one line per size: bytes, median and min latency, GB/s. */
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/opts.h"
 #include "common/msg.h"
 
 #include <dlfcn.h>
@@ -61,17 +62,20 @@ static int cmp_d(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
   tw_log_init("bench-kv", 0);
-  int reps = 20, max_mib = 256, device = 0;
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--device")) device = 1;
-    else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--max-mib") && i + 1 < argc) max_mib = atoi(argv[++i]);
-    else {
-      fprintf(stderr, "usage: twain-bench-kv-handoff [--reps N] [--max-mib M] [--device]\n");
-      return 2;
-    }
-  }
-  if (reps < 1) reps = 1;
+  int reps = 20, max_mib = 256;
+  bool device_flag = false;
+  tw_opt_t opts[] = {
+      TW_OPT_INT("reps", &reps, 1, 1000000, "N", "repetitions per size"),
+      TW_OPT_INT("max-mib", &max_mib, 1, 1 << 20, "M", "largest handoff in MiB"),
+      TW_OPT_FLAG("device", &device_flag, "KV in GPU memory"),
+  };
+  tw_opts_spec_t spec = {.prog = "twain-bench-kv-handoff",
+                         .description = "KV handoff over UCX between two processes.",
+                         .env_prefix = "TWAIN_BENCH_KV_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0]};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
+  int device = device_flag;
   int64_t block_bytes = 2LL * NKV * BS * HD * 4;
   int32_t max_blocks = (int32_t)(((int64_t)max_mib << 20) / (block_bytes * L));
   if (max_blocks < 1) max_blocks = 1;

@@ -7,6 +7,7 @@
  * token rate seen by the client.
  *   twain-bench-router [--tokens N (per configuration, default 51200)] */
 #include "common/log.h"
+#include "common/opts.h"
 #include "common/msg.h"
 #include "proto/twain_api.pb-c.h"
 #include "proto/twain_internal.pb-c.h"
@@ -160,9 +161,13 @@ static double thread_cpu_s(pthread_t th) {
 
 int main(int argc, char **argv) {
   tw_log_init("bench-router", 0);
-  long total = 51200;
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (!strcmp(argv[i], "--tokens")) total = atol(argv[i + 1]);
+  long long total = 51200;
+  tw_opt_t opts[] = {TW_OPT_LONG("tokens", &total, 1, 1LL << 40, "N", "tokens to stream")};
+  tw_opts_spec_t spec = {.prog = "twain-bench-router",
+                         .description = "Router overhead: one fake worker, many clients.",
+                         .env_prefix = "TWAIN_BENCH_ROUTER_", .opts = opts, .n_opts = 1};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
   static tw_bench_t b;
   b.p = TW_ROUTER_PARAMS_DEFAULT;
   b.p.model_dir = TW_DEFAULT_MODEL_DIR;
