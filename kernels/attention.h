@@ -73,6 +73,15 @@ tw_status_t tw_cuda_attention_prefill(const tw_cuda_attn_shape_t *shape, const v
 size_t tw_cuda_attention_decode_workspace_bytes(const tw_cuda_attn_shape_t *shape,
                                                 int32_t max_seqs, int32_t max_seq_len);
 
+/** Splits per (sequence, KV head) that tw_cuda_attention_decode uses for
+ *  n_seqs sequences of at most `keys` keys (the window, for sliding layers):
+ *  about TWAIN_CUDA_DC_CTAS CTAs in all, bounded by the keys. Callers that
+ *  cache per-context launches (the engine's decode graphs) use it to tell
+ *  when the context no longer changes the launch. Returns 0 for an invalid
+ *  shape or non-positive counts. */
+int tw_cuda_attention_decode_splits(const tw_cuda_attn_shape_t *shape, int32_t n_seqs,
+                                    int32_t keys);
+
 /** Decode attention: one query token per sequence (batch of n_seqs), split
  *  along the keys (flash-decoding: partial (m, l, acc) per split into the
  *  workspace, merged by the last split to finish or by a combine kernel; a

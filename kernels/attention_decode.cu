@@ -375,6 +375,12 @@ static bool tw_dc_shape_ok(const tw_cuda_attn_shape_t *sh) {
          sh->scale > 0.f && sh->window >= 0 && sh->block_size > 0;
 }
 
+extern "C" int tw_cuda_attention_decode_splits(const tw_cuda_attn_shape_t *shape,
+                                               int32_t n_seqs, int32_t keys) {
+  if (!tw_dc_shape_ok(shape) || n_seqs <= 0 || keys <= 0) return 0;
+  return tw_dc_splits(n_seqs, shape->n_kv_heads, keys, tw_dc_target_ctas());
+}
+
 extern "C" size_t tw_cuda_attention_decode_workspace_bytes(const tw_cuda_attn_shape_t *shape,
                                                            int32_t max_seqs,
                                                            int32_t max_seq_len) {

@@ -381,12 +381,12 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   if (cv->base)
     TW_CHECK(tw_cuda_moe_route_init(rmem, rb, (int32_t)R, c->n_experts, c->n_experts_per_tok,
                                     &ce->route));
-  int32_t gemv_rows = (int32_t)(R < TW_CE_GEMV_MAX_TOKENS ? R : TW_CE_GEMV_MAX_TOKENS);
+  int32_t gemv_rows = (int32_t)(R < (size_t)ce->gemv_max ? R : (size_t)ce->gemv_max);
   ce->moe_dec_bytes = tw_cuda_moe_decode_ws_bytes(gemv_rows, c->n_experts_per_tok, c->hidden,
                                                   c->intermediate);
   ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
   ce->moe_pre_bytes = 0;
-  if ((R > (size_t)TW_CE_GEMV_MAX_TOKENS || ce->bf16_experts) && ce->ep == 1) {
+  if ((R > (size_t)ce->gemv_max || ce->bf16_experts) && ce->ep == 1) {
     ce->moe_pre_bytes =
         ce->moe_grouped
             ? tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts_per_tok, c->hidden,
@@ -515,6 +515,22 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     const char *mc = getenv("TWAIN_CUDA_MOE_CUBLAS");
     ce->moe_grouped = tw_cuda_moe_grouped_supported(c->hidden, c->intermediate) &&
                       !(mc && mc[0] == '1');
+    /* GEMV MoE up to gemv_max rows: TW_CE_GEMV_MAX_TOKENS without the grouped
+     * path, TW_CE_GEMV_GROUPED_DEFAULT with it; TWAIN_CUDA_MOE_GEMV_MAX (read
+     * once here, 0..TW_CE_GEMV_MAX_TOKENS) overrides for A/B runs. EP > 1
+     * always runs its GEMV slices (engine_cuda_tp.cu). */
+    const char *gv = getenv("TWAIN_CUDA_MOE_GEMV_MAX");
+    char *end = NULL;
+    long g = gv && *gv ? strtol(gv, &end, 10) : -1;
+    if (gv && *gv && (*end || g < 0 || g > TW_CE_GEMV_MAX_TOKENS)) {
+      TW_WARN("engine", "TWAIN_CUDA_MOE_GEMV_MAX=%s is not in 0..%d: ignored", gv,
+              TW_CE_GEMV_MAX_TOKENS);
+      g = -1;
+    }
+    ce->gemv_max = g >= 0 ? (int32_t)g
+                   : ce->moe_grouped ? TW_CE_GEMV_GROUPED_DEFAULT
+                                     : TW_CE_GEMV_MAX_TOKENS;
+    if (!ce->moe_grouped || ce->bf16_experts) ce->gemv_max = TW_CE_GEMV_MAX_TOKENS;
   }
   /* the cuBLAS MoE reads per-expert counts on the host: not capturable, so
    * without the grouped path only GEMV-MoE steps of MXFP4 experts are graphed */

@@ -17,13 +17,21 @@
 extern "C" {
 #endif
 
-/* decode graphs kept: (batch bucket, context bucket) pairs; every batch size
- * is graphed, 9 x 10 buckets at max_batch 256 and 131k context */
+/* decode graphs kept: (batch bucket, context bucket) pairs. Batches whose
+ * attention split count follows the context have one graph per context
+ * bucket (gpt-oss on one GPU: batches below 64, 7 x 10 buckets at 131k
+ * context), larger ones one graph for every context (29 more up to batch
+ * 1,024); see tw_ce_batch_bucket */
 #define TW_CE_MAX_GRAPHS 160
-/* Decode batches up to this size run the MoE by GEMV of MXFP4 experts; larger
- * ones (and prefill chunks) the GEMM path: tw_cuda_moe_prefill (grouped GEMMs,
- * no host sync) or, without it, tw_cuda_moe_prefill_cublas. */
+/* Decode batches up to this size may run the MoE by GEMV of MXFP4 experts
+ * (the workspace holds this many rows); which ones do is ce->gemv_max. Larger
+ * ones (and prefill chunks) take the GEMM path: tw_cuda_moe_prefill (grouped
+ * GEMMs, no host sync) or, without it, tw_cuda_moe_prefill_cublas. */
 #define TW_CE_GEMV_MAX_TOKENS 64
+/* Decode batches at or below which the MoE runs as a GEMV when the grouped
+ * GEMMs exist (measured on the H200, docs/benchmarks.md: above it the
+ * few-token grouped tiles read each expert once and win). */
+#define TW_CE_GEMV_GROUPED_DEFAULT 2
 /* Rows of logits computed per unembedding GEMM when all logits are asked. */
 #define TW_CE_LOGIT_ROWS 256
 
@@ -61,6 +69,7 @@ typedef struct {
   int32_t qkv_dim, q_dim; /* (NQ + 2 NKV) D, NQ D */
   int bf16_experts; /* every MoE runs the GEMM path on layers[l].wdq */
   int moe_grouped;  /* MoE GEMM path = tw_cuda_moe_prefill (no host sync), else cuBLAS */
+  int32_t gemv_max; /* MXFP4 MoE rows at or below which the GEMV runs (<= TW_CE_GEMV_MAX_TOKENS) */
   cudaStream_t stream;
   tw_cuda_gemm_t *gemm;
   /* weights: one device arena */
@@ -135,6 +144,10 @@ tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows);
  *  this rank's experts, then the all-reduce): router, route, mask of the
  *  other ranks' experts and GEMV in slices of TW_CE_GEMV_MAX_TOKENS rows. */
 tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
+
+/** The decode graph batch bucket for n live sequences (1 <= n <= max_batch):
+ *  the padded batch a step runs (engine_cuda_step.cu). */
+int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch);
 
 /** The engine ops (engine_cuda_step.cu). */
 tw_status_t tw_ce_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);

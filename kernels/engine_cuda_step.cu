@@ -65,7 +65,7 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
   tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, c->head_dim, block_size, 0,
                              (float)(1.0 / sqrt((double)c->head_dim))};
   TW_CE_OP(TW_CE_PROF_EMBED, tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
-  bool gemm_moe = T > TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->ep == 1 && !ce->moe_grouped;
+  bool gemm_moe = T > ce->gemv_max && !ce->bf16_experts && ce->ep == 1 && !ce->moe_grouped;
   if (gemm_moe) { /* layer 0's experts, after whatever ran before on s */
     TW_CUDA_CHECK(cudaEventRecord(ce->dq_start, s));
     TW_CUDA_CHECK(cudaStreamWaitEvent(ce->dq_stream, ce->dq_start, 0));
@@ -119,7 +119,7 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
                                                     ce->rlog, TW_DTYPE_F32, E, s));
       TW_CE_OP(TW_CE_PROF_ROUTE, tw_cuda_moe_route(&ce->route, ce->rlog, T, s));
     }
-    if (ce->moe_grouped && (ce->bf16_experts || T > TW_CE_GEMV_MAX_TOKENS))
+    if (ce->moe_grouped && (ce->bf16_experts || T > ce->gemv_max))
       TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(&L->moe, &ce->route, T, ce->xn,
                                                    ce->bf16_experts ? L->wdq : NULL,
                                                    ce->moe_pre_ws, ce->moe_pre_bytes,
@@ -290,6 +290,29 @@ static int32_t tw_pow2_at_least(int32_t v, int32_t lo) {
   return p;
 }
 
+/* The decode graph's batch bucket for n sequences: powers of two up to 16,
+ * then steps of 16 to 256 (at most 23% padding, at 65), 32 to 512 and 64
+ * to 1,024 (at most 12%), capped at max_batch. */
+int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch) {
+  int32_t b = n <= 16 ? tw_pow2_at_least(n, 1)
+              : n <= 256 ? (n + 15) / 16 * 16
+              : n <= 512 ? (n + 31) / 32 * 32
+                         : (n + 63) / 64 * 64;
+  return b > max_batch ? max_batch : b;
+}
+
+/* The graph's context bucket: powers of two from 256, capped at max_pos; one
+ * bucket (max_pos) for batches whose attention splits do not depend on the
+ * context (tw_cuda_attention_decode_splits at the shortest and the longest). */
+static int32_t tw_ce_ctx_bucket(const tw_ce_t *ce, int32_t B, int32_t maxlen) {
+  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, ce->cfg->head_dim, 16, 0, 1.0f};
+  if (tw_cuda_attention_decode_splits(&sh, B, 1) ==
+      tw_cuda_attention_decode_splits(&sh, B, ce->max_pos))
+    return ce->max_pos;
+  int32_t ctx = tw_pow2_at_least(maxlen, 256);
+  return ctx > ce->max_pos ? ce->max_pos : ctx;
+}
+
 /* Find or capture the graph of (B, ctx). On a capture failure graphs are
  * turned off for this engine (eager launches from then on). */
 static tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs,
@@ -335,8 +358,7 @@ tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a) {
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
   int32_t bs = e->kv.block_size, V = c->vocab_size, n = a->n_seqs;
-  int32_t B = tw_pow2_at_least(n, 1);
-  if (B > ce->max_batch) B = ce->max_batch;
+  int32_t B = tw_ce_batch_bucket(n, ce->max_batch);
   int32_t maxlen = 1, maxnb = 1, mbps = ce->max_blocks_per_seq;
   for (int32_t i = 0; i < n; i++) {
     int32_t p = a->positions[i];
@@ -358,8 +380,7 @@ tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a) {
     ce->h_block_tables[(size_t)i * mbps] = 0;
     ce->h_params[i] = tw_ce_sample_row(NULL, 0);
   }
-  int32_t ctx = tw_pow2_at_least(maxlen, 256);
-  if (ctx > ce->max_pos) ctx = ce->max_pos;
+  int32_t ctx = tw_ce_ctx_bucket(ce, B, maxlen);
   TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_tokens, ce->h_tokens, (size_t)B * 4, cudaMemcpyHostToDevice, s));
   TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_positions, ce->h_positions, (size_t)B * 4,
                                 cudaMemcpyHostToDevice, s));
@@ -372,7 +393,7 @@ tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a) {
                                   (size_t)mbps * 4, (size_t)maxnb * 4, (size_t)B,
                                   cudaMemcpyHostToDevice, s));
   bool graphed = false;
-  if (ce->use_graphs && (ce->moe_grouped || B <= TW_CE_GEMV_MAX_TOKENS)) {
+  if (ce->use_graphs && (ce->moe_grouped || B <= ce->gemv_max)) {
     cudaGraphExec_t exec = NULL;
     tw_status_t st = tw_ce_graph_get(ce, B, ctx, bs, &exec);
     if (st < 0) {

@@ -48,10 +48,13 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#define TW_GG_BM 128      /* assignment rows (of one expert) per CTA */
+#define TW_GG_BM 128      /* largest assignment-row tile (of one expert) per CTA */
+#define TW_GG_BM_MIN 16   /* smallest: decode, few tokens per expert */
 #define TW_GG_BW 128      /* weight rows (output columns) per CTA: two warpgroups */
 #define TW_GG_THREADS 256
-#define TW_GG_STAGES 4
+/* cp.async stages by assignment tile: a small tile leaves shared memory for
+ * deeper weight prefetch, which is what a few-token (memory-bound) tile needs */
+#define TW_GG_STAGES(bt) ((bt) >= 128 ? 4 : (bt) >= 64 ? 6 : 8)
 #define TW_GG_MAX_K 8192 /* scales of the CTA's rows stay in shared memory */
 
 enum { TW_GG_MXFP4 = 0, TW_GG_BF16 = 1 };
@@ -154,11 +157,17 @@ static __device__ __forceinline__ uint32_t tw_gg_scale2(uint32_t s) {
 }
 
 /* The grouped GEMM kernel (see the file comment). FMT: TW_GG_MXFP4 or
- * TW_GG_BF16 weights; EPI: TW_GG_SWIGLU or TW_GG_PLAIN. */
-template <int FMT, int EPI>
-static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw_gg_args_t p) {
-  constexpr int NT = TW_GG_THREADS, BW = TW_GG_BW, BT = TW_GG_BM, S = TW_GG_STAGES;
-  constexpr int N8 = BT / 8, XCH = BT * 8 / NT;
+ * TW_GG_BF16 weights; EPI: TW_GG_SWIGLU or TW_GG_PLAIN; BT: assignment rows
+ * per CTA (the wgmma N: 16, 32, 64 or 128). A tile of BT rows reads its
+ * expert's 128 weight rows once, so the smaller BT the less tensor work is
+ * padding when experts hold few tokens (decode), at the price of reading a
+ * busy expert's weights once per BT of its tokens. */
+template <int FMT, int EPI, int BT>
+static __global__ void __launch_bounds__(TW_GG_THREADS, BT <= 32 ? 3 : 2) tw_gg_kernel(const tw_gg_args_t p) {
+  constexpr int NT = TW_GG_THREADS, BW = TW_GG_BW, S = TW_GG_STAGES(BT);
+  /* 16-byte chunks of a stage's BT x 64 assignment rows per thread (BT = 16:
+   * half the threads copy one) */
+  constexpr int N8 = BT / 8, XCH = (BT * 8 + NT - 1) / NT;
   constexpr int RROW = FMT == TW_GG_MXFP4 ? 32 : 128, RST = BW * RROW;
   extern __shared__ __align__(1024) uint8_t tw_gg_smem[];
   __shared__ int s_tile[4];
@@ -191,7 +200,7 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
 #pragma unroll
   for (int i = 0; i < XCH; i++) {
     const int r = (tid >> 3) + NT / 8 * i;
-    const bool ok = r < rows;
+    const bool ok = r < rows && r < BT;
     int64_t row = off + r;
     if (ok && p.sorted) row = p.sorted[row] / p.k_top;
     xsrc[i] = ok ? p.a + row * K + xch * 8 : p.a;
@@ -216,6 +225,7 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
 #pragma unroll
     for (int i = 0; i < XCH; i++) {
       const int r = (tid >> 3) + NT / 8 * i;
+      if (r >= BT) break; /* BT = 16: rows of the stage run out before the threads */
       const bool ok = ((xok >> i) & 1) && kt * 64 + xch * 8 < K;
       tw_cp_async16(x_st + tw_swz(r, xch), ok ? xsrc[i] + kt * 64 : p.a, ok);
     }
@@ -323,31 +333,57 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
     }
 }
 
-/* Dynamic shared memory: S stages of [128 rows][64] bf16 assignment rows and
+/* Dynamic shared memory: S stages of [bt rows][64] bf16 assignment rows and
  * raw weights ([128 rows][32 bytes] MXFP4, [128][64] bf16), the MXFP4 scales
  * [128][K/32 + 1], and 1024 bytes of slack for the swizzle alignment. */
-static size_t tw_gg_smem_bytes(int fmt, int K) {
+static size_t tw_gg_smem_bytes(int fmt, int bt, int K) {
   size_t kbp = (size_t)K / 32 + 1;
-  return 1024 + (size_t)TW_GG_STAGES * ((size_t)TW_GG_BM * 128 +
-                                        (size_t)TW_GG_BW * (fmt == TW_GG_MXFP4 ? 32 : 128)) +
+  return 1024 + (size_t)TW_GG_STAGES(bt) * ((size_t)bt * 128 +
+                                            (size_t)TW_GG_BW * (fmt == TW_GG_MXFP4 ? 32 : 128)) +
          (fmt == TW_GG_MXFP4 ? (size_t)TW_GG_BW * kbp : 0);
 }
 typedef void (*tw_gg_fn)(const tw_gg_args_t);
-static tw_gg_fn tw_gg_pick(int fmt, int epi) {
+template <int BT>
+static tw_gg_fn tw_gg_pick_bt(int fmt, int epi) {
   if (fmt == TW_GG_MXFP4)
-    return epi == TW_GG_SWIGLU ? tw_gg_kernel<TW_GG_MXFP4, TW_GG_SWIGLU>
-                               : tw_gg_kernel<TW_GG_MXFP4, TW_GG_PLAIN>;
-  return epi == TW_GG_SWIGLU ? tw_gg_kernel<TW_GG_BF16, TW_GG_SWIGLU>
-                             : tw_gg_kernel<TW_GG_BF16, TW_GG_PLAIN>;
+    return epi == TW_GG_SWIGLU ? tw_gg_kernel<TW_GG_MXFP4, TW_GG_SWIGLU, BT>
+                               : tw_gg_kernel<TW_GG_MXFP4, TW_GG_PLAIN, BT>;
+  return epi == TW_GG_SWIGLU ? tw_gg_kernel<TW_GG_BF16, TW_GG_SWIGLU, BT>
+                             : tw_gg_kernel<TW_GG_BF16, TW_GG_PLAIN, BT>;
+}
+static tw_gg_fn tw_gg_pick(int fmt, int epi, int bt) {
+  switch (bt) {
+  case 16: return tw_gg_pick_bt<16>(fmt, epi);
+  case 32: return tw_gg_pick_bt<32>(fmt, epi);
+  case 64: return tw_gg_pick_bt<64>(fmt, epi);
+  default: return tw_gg_pick_bt<128>(fmt, epi);
+  }
 }
 
 extern "C" tw_status_t tw_moe_grouped_setup(void) {
-  for (int fmt = 0; fmt < 2; fmt++)
-    for (int epi = 0; epi < 2; epi++)
-      TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gg_pick(fmt, epi),
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)tw_gg_smem_bytes(fmt, TW_GG_MAX_K)));
+  for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
+    for (int fmt = 0; fmt < 2; fmt++)
+      for (int epi = 0; epi < 2; epi++)
+        TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gg_pick(fmt, epi, bt),
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)tw_gg_smem_bytes(fmt, bt, TW_GG_MAX_K)));
   return TW_OK;
+}
+
+/* The assignment tile for tk assignments over E experts: the smallest of 16,
+ * 32, 64, 128 that holds an expert's mean load, so a balanced route fills
+ * most of one tile per expert (decode), and full 128-row tiles once experts
+ * hold 64 tokens or more (prefill). TWAIN_CUDA_MOE_BT forces one (read once). */
+static int tw_gg_tile_rows(int tk, int E) {
+  static int forced = -1;
+  if (forced < 0) {
+    const char *v = getenv("TWAIN_CUDA_MOE_BT");
+    int f = v ? atoi(v) : 0;
+    forced = (f == 16 || f == 32 || f == 64 || f == 128) ? f : 0;
+  }
+  if (forced) return forced;
+  const int mean = (tk + E - 1) / (E > 0 ? E : 1);
+  return mean <= 16 ? 16 : mean <= 32 ? 32 : mean <= 64 ? 64 : 128;
 }
 
 extern "C" int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediate) {
@@ -365,12 +401,12 @@ extern "C" int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediat
 }
 
 /* One grouped GEMM over the route's experts (see the file comment). */
-static tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk,
+static tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk, int bt,
                                 cudaStream_t stream) {
-  const int tiles_m = tk / TW_GG_BM + (a->E < tk ? a->E : tk);
+  const int tiles_m = tk / bt + (a->E < tk ? a->E : tk);
   dim3 grid(TW_CDIV(a->N, TW_GG_BW), tiles_m);
-  tw_pdl_launch(tw_gg_pick(fmt, epi), grid, dim3(TW_GG_THREADS), tw_gg_smem_bytes(fmt, a->K),
-                stream, *a);
+  tw_pdl_launch(tw_gg_pick(fmt, epi, bt), grid, dim3(TW_GG_THREADS),
+                tw_gg_smem_bytes(fmt, bt, a->K), stream, *a);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gg_kernel(gate_up)" : "tw_gg_kernel(down)");
   return TW_OK;
 }
@@ -381,10 +417,11 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
                                           const void *w2_bf16, void *act, float *y,
                                           cudaStream_t stream) {
   const int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k, tk = T * k;
-  if (tk / TW_GG_BM + E > 65535) /* the grid's row tiles (gridDim.y) */
+  const int bt = tw_gg_tile_rows(tk, E);
+  if (tk / bt + E > 65535) /* the grid's row tiles (gridDim.y) */
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "moe_prefill: %d assignments exceed the grid (at most %d * (65535 - E))", tk,
-                  TW_GG_BM);
+                  bt);
   const int fmt = w1_bf16 ? TW_GG_BF16 : TW_GG_MXFP4;
   const __nv_bfloat16 *w1h = (const __nv_bfloat16 *)w1_bf16;
   const __nv_bfloat16 *w2h = (const __nv_bfloat16 *)w2_bf16;
@@ -404,7 +441,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.N = 2 * I;
   a.K = H;
   a.out = act;
-  TW_CHECK(tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, stream));
+  TW_CHECK(tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, bt, stream));
   a.a = (const __nv_bfloat16 *)act;
   a.sorted = NULL;
   a.wq = w->down_blocks;
@@ -414,5 +451,5 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.N = H;
   a.K = I;
   a.out = y;
-  return tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, stream);
+  return tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);
 }

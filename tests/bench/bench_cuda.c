@@ -25,6 +25,7 @@
 #include "common/opts.h"
 #include "common/model.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,12 +92,45 @@ static int parse_list(const char *s, void *dst, char *err, size_t errlen) {
   return 0;
 }
 
+/* The machine's ceilings (measured on the H200, shared/design/MACHINES.md):
+ * device copy counting read plus write, and bf16 dense GEMM. */
+#define COPY_BYTES_PER_S 4.20e12
+#define BF16_FLOP_PER_S 742e12
+
+/* The fewest bytes a decode step of B sequences at context ctx must move and
+ * the FLOPs it must do (spec §2), for the roofline columns:
+ *   bytes: the dense weights once (QKV, O, router, norms: bf16; lm_head: bf16
+ *   V x H), the experts the batch selects once (MXFP4: 4.25 bits a weight;
+ *   E (1 - (1 - k/E)^B) distinct experts per layer under uniform routing),
+ *   each sequence's keys and values (bf16; full layers ctx keys, sliding
+ *   layers the window), and the step's KV writes;
+ *   flops: 2 x (dense + k experts' weights) per token, plus attention's
+ *   2 x 2 x keys x NQ x D per token and layer. */
+static void decode_cost(const tw_model_config_t *c, int B, int ctx, double *bytes,
+                        double *flops) {
+  const double H = c->hidden, I = c->intermediate, D = c->head_dim, NQ = c->n_heads,
+               NKV = c->n_kv_heads, E = c->n_experts, k = c->n_experts_per_tok;
+  const double dense_l = H * (NQ + 2 * NKV) * D + NQ * D * H + E * H; /* QKV, O, router */
+  const double expert = 2 * I * H + H * I;                            /* gate_up + down */
+  const double sel = E * (1.0 - pow(1.0 - k / E, (double)B));
+  double by = (double)c->vocab_size * H * 2, fl = 2.0 * B * c->vocab_size * H;
+  for (int l = 0; l < c->n_layers; l++) {
+    const double keys =
+        c->layer_types[l] == TW_LAYER_SLIDING && c->sliding_window < ctx ? c->sliding_window : ctx;
+    by += dense_l * 2 + sel * expert * 4.25 / 8 + B * keys * 2 * NKV * D * 2 + B * 2 * NKV * D * 2;
+    fl += 2.0 * B * (dense_l + k * expert) + 4.0 * B * keys * NQ * D;
+  }
+  *bytes = by;
+  *flops = fl;
+}
+
 typedef struct {
   char model[32];
   char kind[16];
   int a, b; /* prefill: tokens, 0; decode: batch, context */
   double t; /* seconds: prefill latency or decode step */
   double yard;
+  double bytes, flops; /* decode: the step's floor (decode_cost) */
   int skipped;
 } row_t;
 
@@ -191,6 +225,7 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
       snprintf(r->kind, sizeof r->kind, "decode");
       r->a = B;
       r->b = ctx;
+      decode_cost(&m->config, B, ctx, &r->bytes, &r->flops);
       if ((long)B * per_seq > pool) {
         r->skipped = 1;
         printf("[%s] decode batch %d ctx %d: skipped (KV needs %ld blocks, pool %d)\n", name, B,
@@ -226,8 +261,12 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
       }
       if (!r->skipped) {
         r->t = median(ts, n);
-        printf("[%s] decode batch %3d ctx %6d: %.3f ms/step, %.1f tok/s/seq, %.0f tok/s/GPU\n",
-               name, B, ctx, r->t * 1e3, 1.0 / r->t, B / r->t);
+        const double floor_s = fmax(r->bytes / COPY_BYTES_PER_S, r->flops / BF16_FLOP_PER_S);
+        printf("[%s] decode batch %3d ctx %6d: %.3f ms/step, %.1f tok/s/seq, %.0f tok/s/GPU; "
+               "%.2f GB, %.2f TFLOP a step: %.0f GB/s, %.0f TFLOP/s, %.0f%% of the %s ceiling\n",
+               name, B, ctx, r->t * 1e3, 1.0 / r->t, B / r->t, r->bytes / 1e9, r->flops / 1e12,
+               r->bytes / r->t / 1e9, r->flops / r->t / 1e12, 100.0 * floor_s / r->t,
+               r->bytes / COPY_BYTES_PER_S >= r->flops / BF16_FLOP_PER_S ? "copy" : "bf16 GEMM");
         fflush(stdout);
       }
       free(tk); free(pos); free(nbs); free(out); free(tabs);
@@ -297,25 +336,30 @@ int main(int argc, char **argv) {
       tw_model_destroy(m);
     }
   }
-  printf("\n| model | run | tokens / batch | context | time | throughput | $/M tokens | vs yardstick |\n");
-  printf("|---|---|---|---|---|---|---|---|\n");
+  printf("\n| model | run | tokens / batch | context | time | throughput | $/M tokens | vs yardstick "
+         "| bytes, FLOPs / step | of ceiling |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|\n");
   for (int i = 0; i < n_rows; i++) {
     row_t *r = &rows[i];
     if (r->skipped) {
-      printf("| %s | %s | %d | %s | n/a | n/a | n/a | skipped |\n", r->model, r->kind, r->a,
+      printf("| %s | %s | %d | %s | n/a | n/a | n/a | skipped | | |\n", r->model, r->kind, r->a,
              r->b ? "" : "-");
       continue;
     }
     if (!strcmp(r->kind, "prefill")) {
       double cost = PRICE_PER_HOUR / 3600.0 * r->t / r->a * 1e6;
-      printf("| %s | prefill | %d | - | %.3f s | %.0f tok/s | %.4f | %.2fx (%.3f s) |\n", r->model,
+      printf("| %s | prefill | %d | - | %.3f s | %.0f tok/s | %.4f | %.2fx (%.3f s) | | |\n", r->model,
              r->a, r->t, r->a / r->t, cost, r->t / r->yard, r->yard);
     } else {
       double cost = PRICE_PER_HOUR / 3600.0 * r->t / r->a * 1e6;
       double goal = strstr(r->model, "120b") ? 180.0 : 300.0;
-      printf("| %s | decode | %d | %d | %.2f ms/step | %.1f tok/s/seq, %.0f tok/s/GPU | %.3f | %s |\n",
+      const double fb = r->bytes / COPY_BYTES_PER_S, ff = r->flops / BF16_FLOP_PER_S;
+      printf("| %s | decode | %d | %d | %.2f ms/step | %.1f tok/s/seq, %.0f tok/s/GPU | %.3f | %s "
+             "| %.2f GB, %.2f TFLOP | %.0f%% (%s) |\n",
              r->model, r->a, r->b, r->t * 1e3, 1.0 / r->t, r->a / r->t, cost,
-             r->a == 1 ? (1.0 / r->t >= goal ? "meets b1 goal" : "below b1 goal") : "-");
+             r->a == 1 ? (1.0 / r->t >= goal ? "meets b1 goal" : "below b1 goal") : "-",
+             r->bytes / 1e9, r->flops / 1e12, 100.0 * fmax(fb, ff) / r->t,
+             fb >= ff ? "copy" : "GEMM");
     }
   }
   return 0;

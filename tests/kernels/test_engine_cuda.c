@@ -17,7 +17,12 @@
  * Finally a sampled token (temperature, top-k, top-p, seed) drawn on the GPU
  * must equal tw_sample on the host over the engine's own logits.
  * The same checks (sampling aside) then run on the bf16-expert checkpoint
- * (spec §3.5) against the bf16 references, when they are reachable. */
+ * (spec §3.5) against the bf16 references, when they are reachable.
+ * Last, every decode batch bucket up to 1,024 (MXFP4): n copies of the four
+ * prompts decode 3 teacher-forced steps together, and each copy's greedy
+ * tokens must equal its prompt's tokens at batch 1 (the batch-1 step runs the
+ * GEMV MoE, larger ones the grouped GEMMs at every assignment tile, padded
+ * to their graph bucket). */
 #include "common/engine.h"
 #include "common/model.h"
 #include "common/sampling.h"
@@ -201,6 +206,102 @@ static int is_dir_with(const char *dir, const char *file) {
   return f != NULL;
 }
 
+#define BK_SEQS 1024
+#define BK_STEPS 3
+/* The bucket check of the file comment. */
+static int run_buckets(const char *model_dir, const char *fx_dir) {
+  printf("== decode buckets: batches 1..%d against batch 1\n", BK_SEQS);
+  tw_model_t *m = NULL;
+  if (tw_model_load(model_dir, &m) != TW_OK) {
+    printf("FAIL cannot load %s: %s\n", model_dir, tw_last_error());
+    return 1;
+  }
+  tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
+  p.backend = TW_BACKEND_CUDA;
+  p.kv_num_blocks = BK_SEQS * BLOCKS_PER_SEQ + 8;
+  p.max_batch = BK_SEQS;
+  p.max_prefill_chunk = 512;
+  tw_engine_t *e = NULL;
+  if (tw_engine_create(m, &p, &e) != TW_OK) {
+    printf("FAIL engine create: %s\n", tw_last_error());
+    tw_model_destroy(m);
+    return 1;
+  }
+  tw_fx_entry_t fx[N_PROMPTS];
+  for (int s = 0; s < N_PROMPTS; s++)
+    if (tw_fx_load(fx_dir, "mxfp4", tw_fx_prompts[s], &fx[s]) != 0) return 1;
+  int32_t *tables = malloc((size_t)BK_SEQS * BLOCKS_PER_SEQ * 4);
+  const int32_t **tabs = malloc((size_t)BK_SEQS * sizeof *tabs);
+  int32_t *tok = malloc((size_t)BK_SEQS * 4), *pos = malloc((size_t)BK_SEQS * 4);
+  int32_t *nbs = malloc((size_t)BK_SEQS * 4), *out = malloc((size_t)BK_SEQS * 4);
+  int32_t ref[N_PROMPTS][BK_STEPS];
+  int rc = 0;
+  /* copy i: prompt i % 4 prefilled into its own blocks (ids spread over the pool) */
+  for (int i = 0; i < BK_SEQS && !rc; i++) {
+    tw_fx_entry_t *f = &fx[i % N_PROMPTS];
+    int32_t *t = tables + (size_t)i * BLOCKS_PER_SEQ;
+    for (int b = 0; b < BLOCKS_PER_SEQ; b++) t[b] = 8 + b * BK_SEQS + (i * 7919) % BK_SEQS;
+    tabs[i] = t;
+    nbs[i] = BLOCKS_PER_SEQ;
+    int32_t next = -1;
+    tw_prefill_args_t a = {.tokens = f->ids, .n_tokens = f->n_ids, .block_table = t,
+                           .n_blocks = BLOCKS_PER_SEQ, .next_token_out = &next};
+    if (tw_engine_prefill(e, &a) != TW_OK) {
+      printf("FAIL bucket prefill %d: %s\n", i, tw_last_error());
+      rc = 1;
+    }
+  }
+  /* n copies, BK_STEPS teacher-forced steps from the end of each prompt */
+  static const int ns[] = {1, 2, 3, 4, 5, 8, 12, 16, 17, 24, 31, 40, 64, 65, 96, 100, 129,
+                           200, 256, 257, 300, 480, 512, 513, 640, 777, 1000, 1024};
+  for (size_t ni = 0; ni < sizeof ns / sizeof ns[0] && !rc; ni++) {
+    const int n = ns[ni];
+    int differ = 0;
+    for (int step = 0; step < BK_STEPS && !rc; step++) {
+      for (int i = 0; i < n; i++) {
+        tw_fx_entry_t *f = &fx[i % N_PROMPTS];
+        tok[i] = f->greedy[step];
+        pos[i] = f->n_ids + step;
+      }
+      if (n == 1) { /* batch 1, one prompt at a time: the reference */
+        for (int s = 0; s < N_PROMPTS; s++) {
+          tw_fx_entry_t *f = &fx[s];
+          int32_t t1 = f->greedy[step], p1 = f->n_ids + step, nb1 = BLOCKS_PER_SEQ;
+          tw_decode_args_t d = {.n_seqs = 1, .tokens = &t1, .positions = &p1,
+                                .block_tables = &tabs[s], .n_blocks = &nb1,
+                                .next_tokens_out = &ref[s][step]};
+          if (tw_engine_decode(e, &d) != TW_OK) rc = 1;
+        }
+        continue;
+      }
+      tw_decode_args_t d = {.n_seqs = n, .tokens = tok, .positions = pos, .block_tables = tabs,
+                            .n_blocks = nbs, .next_tokens_out = out};
+      if (tw_engine_decode(e, &d) != TW_OK) {
+        printf("FAIL bucket decode n=%d: %s\n", n, tw_last_error());
+        rc = 1;
+        break;
+      }
+      for (int i = 0; i < n; i++) differ += out[i] != ref[i % N_PROMPTS][step];
+    }
+    if (n == 1) {
+      for (int s = 0; s < N_PROMPTS; s++)
+        for (int step = 0; step < BK_STEPS; step++)
+          if (ref[s][step] != fx[s].greedy[step + 1])
+            printf("  note: batch-1 %s step %d: %d, HF %d\n", fx[s].prompt, step, ref[s][step],
+                   fx[s].greedy[step + 1]);
+      continue;
+    }
+    printf("%s decode bucket n=%-4d: %d of %d tokens differ from batch 1\n",
+           differ ? "FAIL" : "ok  ", n, differ, n * BK_STEPS);
+    EXPECT(differ == 0, "decode batch %d: %d tokens differ from batch 1", n, differ);
+  }
+  for (int s = 0; s < N_PROMPTS; s++) tw_fx_free(&fx[s]);
+  free(tables); free(tabs); free(tok); free(pos); free(nbs); free(out);
+  tw_engine_destroy(e);
+  tw_model_destroy(m);
+  return rc;
+}
+
 int main(void) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
@@ -213,6 +314,7 @@ int main(void) {
   snprintf(model_dir, sizeof model_dir, "%s/tiny-gptoss-wordnet-mxfp4", fixtures);
   snprintf(fx_dir, sizeof fx_dir, "%s/tiny-gptoss-wordnet", fixtures);
   int r = run_variant(model_dir, fx_dir, "mxfp4", 1);
+  r |= run_buckets(model_dir, fx_dir);
   /* bf16 experts (spec §3.5): the bf16 model and its references live beside
    * the checkout (../shared) or where TW_BF16_MODEL_DIR / TW_BF16_FIXTURES_DIR
    * say (tests/gpu/run_gpu.sh carries them to the GPU machine) */

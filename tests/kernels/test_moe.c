@@ -253,6 +253,9 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   }
   for (size_t i = 0; i < (size_t)T * E; i++) logits[i] = tt_normal(2.0f);
   if (T > 3) logits[(size_t)3 * E + 1] = logits[(size_t)3 * E + 2]; /* a tie */
+  if (strstr(c->name, "hot")) /* ragged: every token on experts 0..k-1, the rest empty */
+    for (int t = 0; t < T; t++)
+      for (int j = 0; j < k; j++) logits[(size_t)t * E + j] += 40.0f;
   tw_cuda_moe_weights_t w = {E, H, I, NULL, NULL, NULL, NULL, NULL, NULL, 1.702f, 7.0f};
   size_t n_gu = (size_t)E * 2 * I * (H / 32), n_dn = (size_t)E * H * (I / 32);
   void *d_x, *d_logits, *d_out, *d_route, *d_ws, *p;
@@ -451,14 +454,23 @@ int main(void) {
       {"tiny", 256, 512, 8, 2, 1},     {"tiny", 256, 512, 8, 2, 13},
       {"odd", 96, 160, 5, 3, 70},
   };
-  /* prefill shapes: one token; many row tiles per expert (20b T=1024: ~128
-   * rows each); experts of a few rows and empty ones (120b); K tails of 32
-   * and column tiles cut by N (odd: K = 96 and 160, N = 320 and 96) */
+  /* grouped shapes, each assignment tile (kernels/moe_grouped.cu picks the
+   * smallest of 16/32/64/128 rows that holds the mean expert load): one
+   * token and decode batches (20b T=1/16/64, 120b T=97/256: tile 16); many
+   * row tiles per expert (20b T=1024: tile 128, ~128 rows each); 64 (20b
+   * T=300, odd T=300 at 128); 32 (120b T=600, tiny T=75, odd T=33); experts of
+   * a few rows and empty ones (120b); ragged "hot" loads where every token
+   * goes to the same k experts and the others are empty (many 16-row tiles
+   * of one expert); K tails of 32 and column tiles cut by N (odd: K = 96 and
+   * 160, N = 320 and 96) */
   static const moe_case_t gemm_cases[] = {
       {"20b", 2880, 2880, 32, 4, 1},     {"20b", 2880, 2880, 32, 4, 300},
       {"20b", 2880, 2880, 32, 4, 1024},  {"120b", 2880, 2880, 128, 4, 97},
       {"120b", 2880, 2880, 128, 4, 600}, {"tiny", 256, 512, 8, 2, 75},
       {"odd", 96, 160, 5, 3, 33},        {"odd", 96, 160, 5, 3, 300},
+      {"20b", 2880, 2880, 32, 4, 16},    {"20b", 2880, 2880, 32, 4, 64},
+      {"20b-hot", 2880, 2880, 32, 4, 64}, {"120b", 2880, 2880, 128, 4, 256},
+      {"120b-hot", 2880, 2880, 128, 4, 100}, {"odd-hot", 96, 160, 5, 3, 41},
   };
   for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++)
     rc |= run_case(pool, gemm, &gemv[i], 0, 0);
