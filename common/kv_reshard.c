@@ -1,11 +1,12 @@
 /* kv_reshard.c: head-sliced KV puts and per-head checksums (kv_reshard.h).
- * The puts reuse tw_kv_xfer_send_layer on views that describe exactly one
- * run of heads as a one-block, one-layer pool on each side, so the UCX
- * handling (endpoints, rkeys, bounce buffers for device pools, stats) stays
- * in kv_transfer.c. */
+ * The puts go through tw_kv_xfer_put, so the UCX handling (endpoints, rkeys,
+ * paths, the bounce ring, stats) stays in kv_transfer.c. */
 #include "common/kv_reshard.h"
 
 #include "common/log.h"
+
+/* Blocks per gathered put when the remote run is contiguous (2 pieces each). */
+#define TW_RESHARD_GATHER_BLOCKS 64
 
 tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *peer, const tw_kv_layout_t *src,
                                      const tw_kv_remote_layout_t *dst, int32_t dst_head_offset,
@@ -28,37 +29,52 @@ tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *peer, const 
   int64_t run = (int64_t)(b - a) * head_bytes;
   int64_t dst_half = (int64_t)dst->n_kv_heads * head_bytes; /* K part of a remote block */
   int64_t src_half = (int64_t)src->n_kv_heads_local * head_bytes;
-  tw_kv_layout_t sv = *src;
-  sv.n_layers = 1;
-  sv.n_blocks = 1;
-  sv.n_kv_heads_local = b - a;
-  sv.block_bytes = run;
-  sv.layer_stride_bytes = run;
-  sv.total_bytes = run;
-  tw_kv_remote_layout_t dv = *dst;
-  dv.n_layers = 1;
-  dv.n_blocks = 1;
-  dv.n_kv_heads = b - a;
-  dv.block_bytes = run;
-  dv.layer_stride_bytes = run;
-  dv.total_bytes = run;
-  const int32_t zero = 0;
-  for (int32_t i = first; i < n; i++) {
-    if (src_ids[i] < 0 || src_ids[i] >= src->n_blocks || dst_ids[i] < 0 ||
-        dst_ids[i] >= dst->n_blocks)
+  /* the remote block is exactly [K run | V run] when the overlap is all of
+   * its heads: then consecutive remote blocks are one contiguous range */
+  bool dst_whole = b - a == dst->n_kv_heads, src_whole = b - a == src->n_kv_heads_local;
+  const char *lbase = (const char *)src->base + layer * src->layer_stride_bytes +
+                      (int64_t)(a - src->kv_head_offset) * head_bytes;
+  uint64_t rbase = dst->remote_base + (uint64_t)(layer * dst->layer_stride_bytes) +
+                   (uint64_t)((a - dst_head_offset) * head_bytes);
+  tw_kv_seg_t segs[2 * TW_RESHARD_GATHER_BLOCKS];
+  for (int32_t i = first; i < n;) {
+    int32_t k = tw_kv_run_length(src_ids, dst_ids, i, n);
+    if (src_ids[i] < 0 || src_ids[i] + k > src->n_blocks || dst_ids[i] < 0 ||
+        dst_ids[i] + k > dst->n_blocks)
       return tw_err(TW_ERR_INVALID_ARGUMENT,
-                    "kv re-sharding: block %d -> %d outside the pools (%d, %d blocks)", src_ids[i],
-                    dst_ids[i], src->n_blocks, dst->n_blocks);
-    for (int kv = 0; kv < 2; kv++) {
-      sv.base = (char *)src->base + layer * src->layer_stride_bytes +
-                (int64_t)src_ids[i] * src->block_bytes + kv * src_half +
-                (int64_t)(a - src->kv_head_offset) * head_bytes;
-      dv.remote_base = dst->remote_base + (uint64_t)(layer * dst->layer_stride_bytes) +
-                       (uint64_t)dst_ids[i] * (uint64_t)dst->block_bytes +
-                       (uint64_t)(kv * dst_half) + (uint64_t)((a - dst_head_offset) * head_bytes);
-      TW_CHECK(tw_kv_xfer_send_layer(x, peer, &sv, &dv, 0, &zero, &zero, 0, 1, NULL));
-      *bytes_p += run;
+                    "kv re-sharding: blocks %d..%d -> %d..%d outside the pools (%d, %d blocks)",
+                    src_ids[i], src_ids[i] + k - 1, dst_ids[i], dst_ids[i] + k - 1, src->n_blocks,
+                    dst->n_blocks);
+    if (dst_whole && src_whole) { /* the same heads: whole blocks, one put per run */
+      tw_kv_seg_t seg = {lbase + (int64_t)src_ids[i] * src->block_bytes, (int64_t)k * src->block_bytes};
+      TW_CHECK(tw_kv_xfer_put(x, peer, src, dst, &seg, 1,
+                              rbase + (uint64_t)dst_ids[i] * (uint64_t)dst->block_bytes, NULL));
+      *bytes_p += seg.bytes;
+    } else if (dst_whole) { /* remote contiguous, local K and V runs apart: gather */
+      for (int32_t j0 = 0; j0 < k; j0 += TW_RESHARD_GATHER_BLOCKS) {
+        int32_t m = k - j0 < TW_RESHARD_GATHER_BLOCKS ? k - j0 : TW_RESHARD_GATHER_BLOCKS;
+        for (int32_t j = 0; j < m; j++)
+          for (int kv = 0; kv < 2; kv++)
+            segs[2 * j + kv] = (tw_kv_seg_t){
+                lbase + (int64_t)(src_ids[i] + j0 + j) * src->block_bytes + kv * src_half, run};
+        TW_CHECK(tw_kv_xfer_put(x, peer, src, dst, segs, 2 * m,
+                                rbase + (uint64_t)(dst_ids[i] + j0) * (uint64_t)dst->block_bytes,
+                                NULL));
+        *bytes_p += 2 * m * run;
+      }
+    } else { /* the remote K and V runs lie apart: one put each */
+      for (int32_t j = 0; j < k; j++)
+        for (int kv = 0; kv < 2; kv++) {
+          tw_kv_seg_t seg = {lbase + (int64_t)(src_ids[i] + j) * src->block_bytes + kv * src_half,
+                             run};
+          TW_CHECK(tw_kv_xfer_put(x, peer, src, dst, &seg, 1,
+                                  rbase + (uint64_t)(dst_ids[i] + j) * (uint64_t)dst->block_bytes +
+                                      (uint64_t)(kv * dst_half),
+                                  NULL));
+          *bytes_p += run;
+        }
     }
+    i += k;
   }
   return TW_OK;
 }

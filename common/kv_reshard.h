@@ -5,8 +5,7 @@
  * within one (layer, block, k|v) the heads a rank holds are one contiguous
  * run. Each prefill rank puts, for every decode rank whose heads overlap its
  * own, the overlapping run straight into that rank's pool with UCX
- * (tw_kv_xfer_send_layer on a one-run view of each side): no rank gathers
- * another's heads. Per-head checksums let each decode rank verify exactly
+ * (tw_kv_xfer_put): no rank gathers another's heads. Per-head checksums let each decode rank verify exactly
  * what it received. */
 #ifndef TW_COMMON_KV_RESHARD_H
 #define TW_COMMON_KV_RESHARD_H
@@ -32,7 +31,11 @@ static inline void tw_kv_heads_overlap(int32_t s0, int32_t sn, int32_t d0, int32
 /** Put blocks src_ids[first..n) of `layer` of the local pool `src` (heads
  *  [src->kv_head_offset, + n_kv_heads_local)) into blocks dst_ids[first..n)
  *  of the remote pool `dst`, which holds heads [dst_head_offset, +
- *  dst->n_kv_heads): only the overlapping heads, one put per (block, k|v).
+ *  dst->n_kv_heads): only the overlapping heads. Puts per run of blocks
+ *  consecutive on both sides (tw_kv_run_length): one when both pools hold
+ *  the same heads; one per 64 blocks when the remote pool holds only the
+ *  overlap (its blocks are then [K run | V run], contiguous: the local runs
+ *  are gathered); else one per (block, k|v), the remote runs lying apart.
  *  Adds the bytes put to *bytes_p. Non-blocking like tw_kv_xfer_send_layer:
  *  tw_kv_xfer_flush(peer) makes them remotely visible.
  *  Errors: TW_ERR_UNSUPPORTED (dtype, block size or head_dim differ),

@@ -14,17 +14,31 @@
 #define TW_KV_MAX_PEERS 64
 #define TW_KV_BOUNCE_BYTES (4u << 20)
 
-/* ---- CUDA runtime through dlopen (staging only) ---- */
+/* ---- CUDA runtime through dlopen (staging, device checksums) ---- */
 typedef int (*tw_cuda_memcpy_fn)(void *, const void *, size_t, int);
+typedef int (*tw_cuda_memcpy_async_fn)(void *, const void *, size_t, int, void *);
 typedef int (*tw_cuda_host_alloc_fn)(void **, size_t, unsigned);
 typedef int (*tw_cuda_free_host_fn)(void *);
+typedef int (*tw_cuda_stream_create_fn)(void **, unsigned);
+typedef int (*tw_cuda_ptr_fn)(void *);
+typedef int (*tw_cuda_event_create_fn)(void **, unsigned);
+typedef int (*tw_cuda_event_record_fn)(void *, void *);
 typedef struct {
   void *lib;
   tw_cuda_memcpy_fn memcpy_;
+  tw_cuda_memcpy_async_fn memcpy_async;
   tw_cuda_host_alloc_fn host_alloc;
   tw_cuda_free_host_fn free_host;
+  tw_cuda_stream_create_fn stream_create;   /* cudaStreamCreateWithFlags */
+  tw_cuda_ptr_fn stream_destroy;
+  tw_cuda_event_create_fn event_create;     /* cudaEventCreateWithFlags */
+  tw_cuda_event_record_fn event_record;
+  tw_cuda_ptr_fn event_sync;                /* cudaEventSynchronize */
+  tw_cuda_ptr_fn event_destroy;
+  tw_cuda_ptr_fn free_;                     /* cudaFree(NULL): binds the primary context */
 } tw_cudart_t;
 enum { TW_CUDA_H2D = 1, TW_CUDA_D2H = 2 };
+enum { TW_CUDA_STREAM_NON_BLOCKING = 1, TW_CUDA_EVENT_DISABLE_TIMING = 2 };
 
 static tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   if (rt->lib) return TW_OK;
@@ -40,12 +54,42 @@ static tw_status_t tw_cudart_load(tw_cudart_t *rt) {
     return tw_err(TW_ERR_UNSUPPORTED,
                   "device KV pool needs staging but libcudart cannot be loaded: %s", dlerror());
   rt->memcpy_ = (tw_cuda_memcpy_fn)dlsym(rt->lib, "cudaMemcpy");
+  rt->memcpy_async = (tw_cuda_memcpy_async_fn)dlsym(rt->lib, "cudaMemcpyAsync");
   rt->host_alloc = (tw_cuda_host_alloc_fn)dlsym(rt->lib, "cudaHostAlloc");
   rt->free_host = (tw_cuda_free_host_fn)dlsym(rt->lib, "cudaFreeHost");
-  if (!rt->memcpy_ || !rt->host_alloc || !rt->free_host)
-    return tw_err(TW_ERR_UNSUPPORTED, "libcudart lacks cudaMemcpy/cudaHostAlloc/cudaFreeHost");
+  rt->stream_create = (tw_cuda_stream_create_fn)dlsym(rt->lib, "cudaStreamCreateWithFlags");
+  rt->stream_destroy = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaStreamDestroy");
+  rt->event_create = (tw_cuda_event_create_fn)dlsym(rt->lib, "cudaEventCreateWithFlags");
+  rt->event_record = (tw_cuda_event_record_fn)dlsym(rt->lib, "cudaEventRecord");
+  rt->event_sync = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaEventSynchronize");
+  rt->event_destroy = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaEventDestroy");
+  rt->free_ = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaFree");
+  if (!rt->memcpy_ || !rt->memcpy_async || !rt->host_alloc || !rt->free_host ||
+      !rt->stream_create || !rt->stream_destroy || !rt->event_create || !rt->event_record ||
+      !rt->event_sync || !rt->event_destroy || !rt->free_) {
+    dlclose(rt->lib);
+    *rt = (tw_cudart_t){0};
+    return tw_err(TW_ERR_UNSUPPORTED, "libcudart lacks the copy, stream or event entry points");
+  }
   return TW_OK;
 }
+
+/* ---- the sender's bounded ring of bounce buffers ----
+ * Used for device sources that cannot be put directly (staged path: the
+ * copies run on the ring's own stream, chunk k+1..k+R-1 copying while chunk
+ * k is put) and to gather scattered local pieces (re-sharding) into one
+ * contiguous put. A slot is reused only once its put completed locally. */
+#define TW_KV_RING_SLOTS 4
+#define TW_KV_RING_SLOT_BYTES ((int64_t)8 << 20)
+typedef struct {
+  uint8_t *mem;        /* TW_KV_RING_SLOTS x TW_KV_RING_SLOT_BYTES */
+  bool pinned;         /* cudaHostAlloc (device sources) or malloc */
+  ucp_mem_h memh;
+  void *stream;        /* cudaStream_t of the device-to-host copies */
+  void *req[TW_KV_RING_SLOTS];    /* in-flight put from the slot */
+  void *event[TW_KV_RING_SLOTS];  /* cudaEvent_t: the copy into the slot is done */
+  uint32_t next;       /* next slot to fill */
+} tw_kv_ring_t;
 
 struct tw_kv_peer {
   uint8_t *address;
@@ -55,6 +99,9 @@ struct tw_kv_peer {
   ucp_ep_h ep;
   ucp_rkey_h rkey;
   int failed;
+  bool cuda_ipc;          /* the endpoint has an RMA lane over cuda_ipc */
+  char lanes[160];        /* the endpoint's transports, for logs */
+  unsigned logged_paths;  /* bit per tw_kv_path_t already logged */
   int64_t t_first_put_ns; /* 0 when nothing is in flight */
 };
 
@@ -68,8 +115,11 @@ struct tw_kv_xfer {
   tw_kv_peer_t *peers[TW_KV_MAX_PEERS];
   int n_peers;
   tw_cudart_t cudart;
-  uint8_t *bounce;   /* pinned host bounce buffer (device sources, staging) */
-  bool send_mode_logged;
+  tw_kv_ring_t ring;
+  /* the local device pool registered as CUDA memory (direct puts) */
+  void *src_base;
+  int64_t src_bytes;
+  ucp_mem_h src_memh;
   tw_kv_xfer_stats_t stats;
 };
 
@@ -144,6 +194,8 @@ fail:
   return st;
 }
 
+static void tw_kv_ring_free(tw_kv_xfer_t *x);
+
 static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   if (!p) return;
   if (p->rkey) ucp_rkey_destroy(p->rkey);
@@ -166,9 +218,10 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
   if (!x) return;
   for (int i = 0; i < x->n_peers; i++) tw_kv_peer_close(x, x->peers[i]);
   if (x->address) ucp_worker_release_address(x->worker, x->address);
+  tw_kv_ring_free(x);
+  if (x->src_memh) ucp_mem_unmap(x->ctx, x->src_memh);
   if (x->worker) ucp_worker_destroy(x->worker);
   if (x->ctx) ucp_cleanup(x->ctx);
-  if (x->bounce && x->cudart.free_host) x->cudart.free_host(x->bounce);
   if (x->cudart.lib) dlclose(x->cudart.lib);
   x->magic = 0;
   free(x);
@@ -314,6 +367,54 @@ static void tw_kv_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
   TW_WARN("kvx", "ucx endpoint to a decode worker failed: %s", ucs_status_string(status));
 }
 
+/* Which transports the endpoint's lanes use, from ucp_ep_print_info (UCX
+ * 1.13 has no query for it): "lane[i]:  n:<tl>/<device> md[..] -> ..." per
+ * lane, then "put[i]: ..." for each lane that carries puts (RMA). A device
+ * pool may only be put into over an RMA lane whose transport reaches CUDA
+ * memory (cuda_ipc): without one, UCX emulates the put with active messages
+ * and the receiver's UCX writes the payload into the destination address
+ * with a host memcpy (ucp rma_sw), a segfault on a device pointer. That is
+ * the crash the first direct-path trial hit (decode worker SIGSEGV at the
+ * first handoff, the prefill worker's flush timing out). */
+#define TW_KV_MAX_LANES 16
+static void tw_kv_ep_lanes(tw_kv_peer_t *p) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  p->lanes[0] = 0;
+  p->cuda_ipc = false;
+  if (!f) return;
+  ucp_ep_print_info(p->ep, f);
+  fclose(f);
+  if (!text) return;
+  char tl[TW_KV_MAX_LANES][24] = {{0}};
+  bool put[TW_KV_MAX_LANES] = {false};
+  for (char *line = text, *nl; line && *line; line = nl ? nl + 1 : NULL) {
+    nl = strchr(line, '\n');
+    if (nl) *nl = 0;
+    const char *q;
+    int i = -1, n = 0;
+    if ((q = strstr(line, "lane[")) && sscanf(q, "lane[%d]: %*d:%n", &i, &n) == 1 && n > 0 &&
+        i >= 0 && i < TW_KV_MAX_LANES) {
+      size_t k = strcspn(q + n, "/ ");
+      snprintf(tl[i], sizeof tl[i], "%.*s", (int)k, q + n);
+    } else if ((q = strstr(line, "put[")) && sscanf(q, "put[%d]", &i) == 1 && i >= 0 &&
+               i < TW_KV_MAX_LANES) {
+      put[i] = true;
+    }
+  }
+  free(text);
+  size_t used = 0;
+  for (int i = 0; i < TW_KV_MAX_LANES; i++) {
+    if (!tl[i][0]) continue;
+    if (put[i] && strcmp(tl[i], "cuda_ipc") == 0) p->cuda_ipc = true;
+    int w = snprintf(p->lanes + used, sizeof p->lanes - used, "%s%s%s", used ? " " : "", tl[i],
+                     put[i] ? "(put)" : "");
+    if (w < 0 || (size_t)w >= sizeof p->lanes - used) break;
+    used += (size_t)w;
+  }
+}
+
 tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address_len,
                             const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
   tw_kv_peer_t *p = NULL;
@@ -359,6 +460,7 @@ tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address
       return tw_err(TW_ERR_TRANSPORT, "ucp_ep_create to a decode worker failed: %s",
                     ucs_status_string(us));
     }
+    tw_kv_ep_lanes(p);
     x->peers[x->n_peers++] = p;
   }
   if (!p->rkey || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
@@ -395,46 +497,268 @@ static tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32
   return TW_OK;
 }
 
-/* Host view of a block: the block itself, or a copy in `bounce` for device pools. */
-static tw_status_t tw_kv_host_view(tw_cudart_t *rt, uint8_t **bounce, const tw_kv_layout_t *l,
-                                   char *blk, const char **view_p) {
-  if (!l->on_device) {
-    *view_p = blk;
-    return TW_OK;
-  }
-  TW_CHECK(tw_cudart_load(rt));
-  if (!*bounce) {
-    void *b = NULL;
-    if (rt->host_alloc(&b, TW_KV_BOUNCE_BYTES, 0) != 0)
-      return tw_err(TW_ERR_NO_MEMORY, "cudaHostAlloc of the kv bounce buffer failed");
-    *bounce = b;
-  }
-  if ((size_t)l->block_bytes > TW_KV_BOUNCE_BYTES)
-    return tw_err(TW_ERR_UNSUPPORTED, "kv block of %lld bytes exceeds the bounce buffer",
-                  (long long)l->block_bytes);
-  if (rt->memcpy_(*bounce, blk, (size_t)l->block_bytes, TW_CUDA_D2H) != 0)
-    return tw_err(TW_ERR_CUDA, "cudaMemcpy of a kv block to the host failed");
-  *view_p = (const char *)*bounce;
-  return TW_OK;
-}
-
-/* Wait for one put request (used when the source is a reused bounce buffer). */
-static tw_status_t tw_kv_wait(tw_kv_xfer_t *x, void *req) {
+/* Wait (progressing, at most 10 s) for a put request, then free it. */
+static tw_status_t tw_kv_req_wait(tw_kv_xfer_t *x, void **req_p) {
+  void *req = *req_p;
+  *req_p = NULL;
   if (req == NULL) return TW_OK;
-  if (UCS_PTR_IS_ERR(req))
-    return tw_err(TW_ERR_TRANSPORT, "ucp_put_nbx failed: %s",
-                  ucs_status_string(UCS_PTR_STATUS(req)));
   ucs_status_t s;
   int64_t deadline = tw_now_ns() + 10 * 1000000000LL;
   while ((s = ucp_request_check_status(req)) == UCS_INPROGRESS) {
     ucp_worker_progress(x->worker);
     if (tw_now_ns() > deadline) {
       ucp_request_free(req);
-      return tw_err(TW_ERR_DEADLINE, "ucx put of a staged kv block did not complete in 10 s");
+      return tw_err(TW_ERR_DEADLINE, "a ucx put from the kv bounce ring did not complete in 10 s");
     }
   }
   ucp_request_free(req);
   if (s != UCS_OK) return tw_err(TW_ERR_TRANSPORT, "ucx put failed: %s", ucs_status_string(s));
+  return TW_OK;
+}
+
+static void tw_kv_ring_free(tw_kv_xfer_t *x) {
+  tw_kv_ring_t *g = &x->ring;
+  for (int k = 0; k < TW_KV_RING_SLOTS; k++) {
+    (void)tw_kv_req_wait(x, &g->req[k]);
+    if (g->event[k]) {
+      x->cudart.event_sync(g->event[k]); /* no copy may still write the slot */
+      x->cudart.event_destroy(g->event[k]);
+    }
+  }
+  if (g->stream) x->cudart.stream_destroy(g->stream);
+  if (g->memh) ucp_mem_unmap(x->ctx, g->memh);
+  if (g->mem && g->pinned) x->cudart.free_host(g->mem);
+  else free(g->mem);
+  *g = (tw_kv_ring_t){0};
+}
+
+/* The ring, pinned with its stream and events when it serves device sources. */
+static tw_status_t tw_kv_ring_init(tw_kv_xfer_t *x, bool device) {
+  tw_kv_ring_t *g = &x->ring;
+  if (g->mem && (g->pinned || !device)) return TW_OK;
+  if (g->mem) tw_kv_ring_free(x); /* a host ring, now needed for device copies */
+  size_t bytes = (size_t)TW_KV_RING_SLOTS * (size_t)TW_KV_RING_SLOT_BYTES;
+  if (device) {
+    TW_CHECK(tw_cudart_load(&x->cudart));
+    void *m = NULL;
+    if (x->cudart.host_alloc(&m, bytes, 0) != 0)
+      return tw_err(TW_ERR_NO_MEMORY, "cudaHostAlloc of the %zu-byte kv bounce ring failed", bytes);
+    g->mem = m;
+    g->pinned = true;
+    if (x->cudart.stream_create(&g->stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
+      g->stream = NULL;
+      tw_kv_ring_free(x);
+      return tw_err(TW_ERR_CUDA, "cudaStreamCreate for the kv bounce ring failed");
+    }
+    for (int k = 0; k < TW_KV_RING_SLOTS; k++)
+      if (x->cudart.event_create(&g->event[k], TW_CUDA_EVENT_DISABLE_TIMING) != 0) {
+        g->event[k] = NULL;
+        tw_kv_ring_free(x);
+        return tw_err(TW_ERR_CUDA, "cudaEventCreate for the kv bounce ring failed");
+      }
+  } else if (!(g->mem = malloc(bytes))) {
+    return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the %zu-byte kv gather ring", bytes);
+  }
+  /* registered once, so a put from a slot needs no registration of its own */
+  ucp_mem_map_params_t mp = {
+      .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+      .address = g->mem, .length = bytes, .memory_type = UCS_MEMORY_TYPE_HOST};
+  if (ucp_mem_map(x->ctx, &mp, &g->memh) != UCS_OK) g->memh = NULL; /* puts still work */
+  TW_DEBUG("kvx", "kv bounce ring: %d slots of %lld bytes, %s", TW_KV_RING_SLOTS,
+           (long long)TW_KV_RING_SLOT_BYTES, device ? "pinned" : "pageable");
+  return TW_OK;
+}
+
+/* Bind the CUDA primary context to this thread (UCX's cuda transports use the
+ * driver API in the calling thread) and register the local device pool once
+ * as CUDA memory, so a direct put neither detects the memory type nor
+ * registers the buffer. Registration failure only costs speed. */
+static tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_layout_t *src) {
+  if (x->src_base == src->base && x->src_bytes == src->total_bytes) return TW_OK;
+  TW_CHECK(tw_cudart_load(&x->cudart));
+  if (x->cudart.free_(NULL) != 0)
+    return tw_err(TW_ERR_CUDA, "no CUDA context for the device kv pool in this thread");
+  if (x->src_memh) ucp_mem_unmap(x->ctx, x->src_memh);
+  x->src_memh = NULL;
+  ucp_mem_map_params_t mp = {
+      .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+      .address = src->base, .length = (size_t)src->total_bytes,
+      .memory_type = UCS_MEMORY_TYPE_CUDA};
+  ucs_status_t us = ucp_mem_map(x->ctx, &mp, &x->src_memh);
+  if (us != UCS_OK) {
+    x->src_memh = NULL;
+    TW_WARN("kvx", "ucp_mem_map of the local device kv pool (%lld bytes) failed: %s; puts "
+            "register per request", (long long)src->total_bytes, ucs_status_string(us));
+  }
+  x->src_base = src->base;
+  x->src_bytes = src->total_bytes;
+  return TW_OK;
+}
+
+/* Stream the concatenated segments through the ring in slot-sized chunks:
+ * fill (host memcpy, or cudaMemcpyAsync on the ring's stream for a device
+ * source, up to TW_KV_RING_SLOTS chunks ahead), then checksum and (if `put`)
+ * put each chunk to raddr + its offset. A slot is refilled only after its
+ * previous put completed locally. */
+static tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
+                                  const tw_kv_seg_t *segs, int32_t n_segs, int64_t total,
+                                  uint64_t raddr, uint64_t *h, bool put) {
+  TW_CHECK(tw_kv_ring_init(x, device));
+  tw_kv_ring_t *g = &x->ring;
+  const int64_t S = TW_KV_RING_SLOT_BYTES;
+  int64_t n_chunks = (total + S - 1) / S, copied = 0, sent = 0, so = 0;
+  int32_t si = 0;
+  int slot_of[TW_KV_RING_SLOTS];
+  while (sent < n_chunks) {
+    while (copied < n_chunks && copied < sent + TW_KV_RING_SLOTS) {
+      int k = (int)(g->next++ % TW_KV_RING_SLOTS);
+      TW_CHECK(tw_kv_req_wait(x, &g->req[k]));
+      int64_t len = total - copied * S < S ? total - copied * S : S;
+      uint8_t *dst = g->mem + (int64_t)k * S;
+      for (int64_t done = 0; done < len && si < n_segs;) {
+        int64_t piece = segs[si].bytes - so < len - done ? segs[si].bytes - so : len - done;
+        if (device) {
+          if (piece > 0 && x->cudart.memcpy_async(dst + done, (const char *)segs[si].ptr + so,
+                                                  (size_t)piece, TW_CUDA_D2H, g->stream) != 0)
+            return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of %lld kv bytes to the bounce ring failed",
+                          (long long)piece);
+        } else if (piece > 0) {
+          memcpy(dst + done, (const char *)segs[si].ptr + so, (size_t)piece);
+        }
+        done += piece;
+        so += piece;
+        if (so == segs[si].bytes) {
+          si++;
+          so = 0;
+        }
+      }
+      if (device && x->cudart.event_record(g->event[k], g->stream) != 0)
+        return tw_err(TW_ERR_CUDA, "cudaEventRecord on the kv bounce ring failed");
+      slot_of[copied % TW_KV_RING_SLOTS] = k;
+      copied++;
+    }
+    int k = slot_of[sent % TW_KV_RING_SLOTS];
+    int64_t len = total - sent * S < S ? total - sent * S : S;
+    const uint8_t *src = g->mem + (int64_t)k * S;
+    if (device && x->cudart.event_sync(g->event[k]) != 0)
+      return tw_err(TW_ERR_CUDA, "a kv copy to the bounce ring failed");
+    if (h) *h = tw_kv_fnv1a(*h, src, (size_t)len);
+    if (put) {
+      ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+                                 .memory_type = UCS_MEMORY_TYPE_HOST};
+      if (g->memh) {
+        prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        prm.memh = g->memh;
+      }
+      void *req = ucp_put_nbx(p->ep, src, (size_t)len, raddr + (uint64_t)(sent * S), p->rkey, &prm);
+      if (UCS_PTR_IS_ERR(req))
+        return tw_err(TW_ERR_TRANSPORT, "ucp_put_nbx of %lld staged kv bytes failed: %s",
+                      (long long)len, ucs_status_string(UCS_PTR_STATUS(req)));
+      g->req[k] = req;
+      x->stats.puts++;
+      if (device) x->stats.staged_bytes += len;
+    }
+    sent++;
+  }
+  return TW_OK;
+}
+
+tw_kv_path_t tw_kv_xfer_path(const tw_kv_peer_t *p, bool src_on_device, bool dst_on_device) {
+  if (dst_on_device) return p->cuda_ipc ? TW_KV_PATH_DIRECT_CUDA_IPC : TW_KV_PATH_UNREACHABLE;
+  return src_on_device ? TW_KV_PATH_STAGED : TW_KV_PATH_HOST;
+}
+
+const char *tw_kv_path_name(tw_kv_path_t path) {
+  switch (path) {
+    case TW_KV_PATH_HOST: return "host";
+    case TW_KV_PATH_DIRECT_CUDA_IPC: return "direct cuda_ipc";
+    case TW_KV_PATH_STAGED: return "staged";
+    default: return "unreachable";
+  }
+}
+
+const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *p) { return p->lanes; }
+
+tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
+                           const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
+                           int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
+  if (p->failed) return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
+  int64_t total = 0;
+  const char *lo = src->base, *hi = (const char *)src->base + src->total_bytes;
+  for (int32_t i = 0; i < n_segs; i++) {
+    const char *a = segs[i].ptr;
+    if (segs[i].bytes < 0 || a < lo || a + segs[i].bytes > hi)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "kv put: piece %d (%lld bytes) is outside the local pool",
+                    i, (long long)segs[i].bytes);
+    total += segs[i].bytes;
+  }
+  if (total == 0) return TW_OK;
+  if (raddr < dst->remote_base || dst->total_bytes < total ||
+      raddr - dst->remote_base > (uint64_t)(dst->total_bytes - total))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "kv put of %lld bytes at remote offset %llu is outside the remote pool (%lld bytes)",
+                  (long long)total, (unsigned long long)(raddr - dst->remote_base),
+                  (long long)dst->total_bytes);
+  tw_kv_path_t path = tw_kv_xfer_path(p, src->on_device, dst->on_device);
+  if (!(p->logged_paths & (1u << path))) {
+    p->logged_paths |= 1u << path;
+    TW_INFO("kvx", "kv handoff path to a decode worker: %s (%s pool -> %s pool; ucx lanes: %s)",
+            tw_kv_path_name(path), src->on_device ? "device" : "host",
+            dst->on_device ? "device" : "host", p->lanes[0] ? p->lanes : "unknown");
+  }
+  if (!p->t_first_put_ns) p->t_first_put_ns = tw_now_ns();
+  uint64_t *h = maybe_checksum;
+  switch (path) {
+    case TW_KV_PATH_UNREACHABLE:
+      return tw_err(TW_ERR_UNSUPPORTED,
+                    "the decode worker's kv pool is device memory but no ucx lane to it reaches "
+                    "CUDA memory (lanes: %s); a put would be emulated and written by the host "
+                    "into device memory. Both workers need the CUDA-enabled UCX "
+                    "(deploy/build_ucx_cuda.sh) with cuda_ipc in UCX_TLS, or neither",
+                    p->lanes[0] ? p->lanes : "unknown");
+    case TW_KV_PATH_STAGED:
+      TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, true));
+      break;
+    case TW_KV_PATH_HOST:
+      if (n_segs > 1) { /* gather into one put */
+        TW_CHECK(tw_kv_ring_put(x, p, false, segs, n_segs, total, raddr, h, true));
+        break;
+      }
+      __attribute__((fallthrough)); /* one piece: put in place */
+    case TW_KV_PATH_DIRECT_CUDA_IPC: {
+      ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+                                 .memory_type = src->on_device ? UCS_MEMORY_TYPE_CUDA
+                                                               : UCS_MEMORY_TYPE_HOST};
+      if (src->on_device) {
+        TW_CHECK(tw_kv_src_register(x, src));
+        if (x->src_memh) {
+          prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+          prm.memh = x->src_memh;
+        }
+      }
+      uint64_t off = 0;
+      for (int32_t i = 0; i < n_segs; i++) {
+        if (segs[i].bytes == 0) continue;
+        void *req = ucp_put_nbx(p->ep, segs[i].ptr, (size_t)segs[i].bytes, raddr + off, p->rkey, &prm);
+        if (UCS_PTR_IS_ERR(req))
+          return tw_err(TW_ERR_TRANSPORT, "ucp_put_nbx of %lld kv bytes failed: %s",
+                        (long long)segs[i].bytes, ucs_status_string(UCS_PTR_STATUS(req)));
+        if (req) ucp_request_free(req); /* completion is tracked by the endpoint flush */
+        off += (uint64_t)segs[i].bytes;
+        x->stats.puts++;
+        if (path == TW_KV_PATH_DIRECT_CUDA_IPC) x->stats.direct_bytes += segs[i].bytes;
+      }
+      if (h && src->on_device) /* read back through the ring: no put */
+        TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, false));
+      else if (h)
+        for (int32_t i = 0; i < n_segs; i++) *h = tw_kv_fnv1a(*h, segs[i].ptr, (size_t)segs[i].bytes);
+      break;
+    }
+  }
+  x->stats.bytes_sent += total;
+  ucp_worker_progress(x->worker);
   return TW_OK;
 }
 
@@ -450,44 +774,29 @@ tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_
                   "dim=%d): re-sharding is not implemented",
                   (int)src->dtype, src->block_size, src->n_kv_heads_local, src->head_dim,
                   (int)dst->dtype, dst->block_size, dst->n_kv_heads, dst->head_dim);
-  if (p->failed) return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
-  if (!p->t_first_put_ns) p->t_first_put_ns = tw_now_ns();
-  if (!x->send_mode_logged) {
-    x->send_mode_logged = true;
-    TW_INFO("kvx", "kv handoff mode (send): %s, to a %s pool",
-            src->on_device ? "device KV pool STAGED: each block copied to a pinned host bounce "
-                             "buffer (cudaMemcpy D2H), then put"
-                           : "host KV pool, put in place",
-            dst->on_device ? "device (UCX cuda transports)" : "host (or pinned host mirror)");
-  }
   uint64_t h = maybe_checksum ? *maybe_checksum : TW_KV_FNV_INIT;
-  for (int32_t i = first; i < n; i++) {
-    char *blk = NULL;
+  for (int32_t i = first; i < n;) {
+    int32_t k = tw_kv_run_length(src_ids, dst_ids, i, n);
+    char *blk = NULL, *last = NULL;
     TW_CHECK(tw_kv_block_ptr(src, layer, src_ids[i], &blk));
-    if (dst_ids[i] < 0 || dst_ids[i] >= dst->n_blocks)
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "remote kv block %d outside the pool of %d blocks",
-                    dst_ids[i], dst->n_blocks);
-    const char *view = NULL;
-    TW_CHECK(tw_kv_host_view(&x->cudart, &x->bounce, src, blk, &view));
-    if (maybe_checksum) h = tw_kv_fnv1a(h, view, (size_t)src->block_bytes);
+    TW_CHECK(tw_kv_block_ptr(src, layer, src_ids[i] + k - 1, &last));
+    if (dst_ids[i] < 0 || dst_ids[i] + k > dst->n_blocks)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "remote kv blocks %d..%d outside the pool of %d blocks",
+                    dst_ids[i], dst_ids[i] + k - 1, dst->n_blocks);
+    tw_kv_seg_t seg = {.ptr = blk, .bytes = (int64_t)k * src->block_bytes};
     uint64_t raddr = dst->remote_base + (uint64_t)(layer * dst->layer_stride_bytes) +
                      (uint64_t)dst_ids[i] * (uint64_t)dst->block_bytes;
-    ucp_request_param_t prm = {.op_attr_mask = 0};
-    void *req = ucp_put_nbx(p->ep, view, (size_t)src->block_bytes, raddr, p->rkey, &prm);
-    if (src->on_device) {
-      TW_CHECK(tw_kv_wait(x, req)); /* the bounce buffer is reused by the next block */
-    } else if (UCS_PTR_IS_ERR(req)) {
-      return tw_err(TW_ERR_TRANSPORT, "ucp_put_nbx of kv block %d layer %d failed: %s",
-                    src_ids[i], layer, ucs_status_string(UCS_PTR_STATUS(req)));
-    } else if (req) {
-      ucp_request_free(req); /* completion is tracked by the endpoint flush */
-    }
-    x->stats.bytes_sent += src->block_bytes;
-    x->stats.puts++;
+    TW_CHECK(tw_kv_xfer_put(x, p, src, dst, &seg, 1, raddr, maybe_checksum ? &h : NULL));
+    i += k;
   }
   if (maybe_checksum) *maybe_checksum = h;
-  ucp_worker_progress(x->worker);
   return TW_OK;
+}
+
+int32_t tw_kv_run_length(const int32_t *src_ids, const int32_t *dst_ids, int32_t i, int32_t n) {
+  int32_t k = 1;
+  while (i + k < n && src_ids[i + k] == src_ids[i] + k && dst_ids[i + k] == dst_ids[i] + k) k++;
+  return k;
 }
 
 tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
@@ -518,6 +827,7 @@ tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
     p->failed = 1;
     return tw_err(TW_ERR_UNAVAILABLE, "kv transfer flush failed: %s", ucs_status_string(s));
   }
+  for (int k = 0; k < TW_KV_RING_SLOTS; k++) TW_CHECK(tw_kv_req_wait(x, &x->ring.req[k]));
   x->stats.flushes++;
   if (p->t_first_put_ns) {
     x->stats.transfer_seconds += (double)(tw_now_ns() - p->t_first_put_ns) * 1e-9;
@@ -530,16 +840,20 @@ tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer, cons
                                  int32_t first, int32_t n, uint64_t *checksum_p) {
   uint64_t h = TW_KV_FNV_INIT;
   tw_cudart_t rt = {0};
-  uint8_t *bounce = NULL;
+  uint8_t *copy = NULL;
   tw_status_t st = TW_OK;
+  if (pool->on_device && (st = tw_cudart_load(&rt)) == TW_OK &&
+      !(copy = malloc((size_t)pool->block_bytes)))
+    st = tw_err(TW_ERR_NO_MEMORY, "cannot allocate a %lld-byte kv block copy",
+                (long long)pool->block_bytes);
   for (int32_t i = first; i < n && st == TW_OK; i++) {
     char *blk = NULL;
-    const char *view = NULL;
     st = tw_kv_block_ptr(pool, layer, ids[i], &blk);
-    if (st == TW_OK) st = tw_kv_host_view(&rt, &bounce, pool, blk, &view);
-    if (st == TW_OK) h = tw_kv_fnv1a(h, view, (size_t)pool->block_bytes);
+    if (st == TW_OK && copy && rt.memcpy_(copy, blk, (size_t)pool->block_bytes, TW_CUDA_D2H) != 0)
+      st = tw_err(TW_ERR_CUDA, "cudaMemcpy of kv block %d to the host failed", ids[i]);
+    if (st == TW_OK) h = tw_kv_fnv1a(h, copy ? (const char *)copy : blk, (size_t)pool->block_bytes);
   }
-  if (bounce) rt.free_host(bounce);
+  free(copy);
   if (rt.lib) dlclose(rt.lib);
   if (st == TW_OK) *checksum_p = h;
   return st;

@@ -9,14 +9,27 @@
  * ready). Completion is only reported after an endpoint flush, i.e. when the
  * data is remotely visible (ucp_put_nbx completing locally is not enough).
  *
- * Memory types. Host pools are registered directly. For a device pool the
- * context is asked at run time whether UCX handles CUDA memory
- * (UCP_ATTR_FIELD_MEMORY_TYPES); if not (Debian's UCX), both sides stage
- * through pinned host memory (cudaHostAlloc, loaded with dlopen so the
- * library needs no CUDA at link time): the sender copies a block to a
- * pinned bounce buffer before the put, the receiver registers a pinned host
- * mirror of its pool and copies the received blocks into device memory in
- * tw_kv_region_commit(). Not thread-safe: one thread per tw_kv_xfer_t. */
+ * Puts are as large as the layouts allow: a run of blocks that are
+ * consecutive in both pools is one put (tw_kv_xfer_send_layer), and pieces
+ * that land contiguously on the remote side but lie apart locally (a
+ * re-sharded head run, kv_reshard.h) are gathered into one put through a
+ * bounded ring of bounce buffers (tw_kv_xfer_put).
+ *
+ * Paths (chosen per endpoint and pool pair, logged once per pair):
+ *  - host: host pool to host pool, put in place;
+ *  - direct cuda_ipc: the decode pool is device memory registered as
+ *    UCS_MEMORY_TYPE_CUDA (UCX built with CUDA, detected at run time with
+ *    UCP_ATTR_FIELD_MEMORY_TYPES); the prefill side's device pool is
+ *    registered as CUDA memory too and put device to device. Only over an
+ *    endpoint with a cuda_ipc RMA lane: otherwise UCX would emulate the put
+ *    and its receiver would memcpy into the device pointer on the host
+ *    (TW_ERR_UNSUPPORTED instead);
+ *  - staged: a device pool into a host-registered decode pool (UCX without
+ *    CUDA): device-to-host copies on the ring's own stream, several chunks
+ *    ahead of the puts, into a bounded ring (4 x 8 MiB pinned) on the sender.
+ *    The receiver registers a pinned host mirror of its pool and copies the
+ *    received blocks into device memory in tw_kv_region_commit().
+ * Not thread-safe: one thread per tw_kv_xfer_t. */
 #ifndef TW_COMMON_KV_TRANSFER_H
 #define TW_COMMON_KV_TRANSFER_H
 
@@ -57,7 +70,23 @@ typedef struct {
   int64_t puts;
   int64_t flushes;
   double transfer_seconds;   /* summed wall time from first put to flush done */
+  int64_t direct_bytes;      /* of bytes_sent, put device to device (cuda_ipc) */
+  int64_t staged_bytes;      /* of bytes_sent, copied through the bounce ring from a device */
 } tw_kv_xfer_stats_t;
+
+/** How bytes go from a local pool to a remote one (see the file comment). */
+typedef enum {
+  TW_KV_PATH_HOST = 0,
+  TW_KV_PATH_DIRECT_CUDA_IPC = 1,
+  TW_KV_PATH_STAGED = 2,
+  TW_KV_PATH_UNREACHABLE = 3, /* device pool, no cuda_ipc lane: refused */
+} tw_kv_path_t;
+
+/** One piece of a local pool: `bytes` bytes at `ptr`. */
+typedef struct {
+  const void *ptr;
+  int64_t bytes;
+} tw_kv_seg_t;
 
 /** Create a ucp context (RMA feature) and one worker.
  *  Errors: TW_ERR_TRANSPORT (ucp_init/ucp_worker_create failed, with the
@@ -113,13 +142,14 @@ int32_t tw_kv_layer_first_block(int32_t n_tokens, int32_t block_size, bool slidi
 
 /** Put one layer's blocks: local blocks src_ids[first..n) of `src` (the prefill
  *  engine's pool) into remote blocks dst_ids[first..n) of the peer's pool,
- *  non-blocking. If maybe_checksum is set, the FNV-1a 64 of the bytes sent
+ *  non-blocking, one put per run of blocks consecutive on both sides
+ *  (tw_kv_run_length), over the path tw_kv_xfer_path gives. If maybe_checksum is set, the FNV-1a 64 of the bytes sent
  *  (in block order) continues from *maybe_checksum (start it at
  *  TW_KV_FNV_INIT), so a layer sent in several calls, chunk by chunk, gets
  *  the checksum of all its blocks.
  *  Errors: TW_ERR_UNSUPPORTED (layouts differ in dtype, block size, heads or
- *  head_dim: re-sharding is not implemented), TW_ERR_INVALID_ARGUMENT (block
- *  id out of a pool), TW_ERR_TRANSPORT (ucp_put_nbx failed), TW_ERR_CUDA. */
+ *  head_dim: kv_reshard.h handles that), TW_ERR_INVALID_ARGUMENT (block id
+ *  out of a pool), those of tw_kv_xfer_put. */
 tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
                                   const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
                                   int32_t layer, const int32_t *src_ids, const int32_t *dst_ids,
@@ -130,6 +160,33 @@ tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
  *  Errors: TW_ERR_DEADLINE (timed out), TW_ERR_UNAVAILABLE (the peer failed;
  *  the endpoint is dropped from the cache), TW_ERR_TRANSPORT. */
 tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, int timeout_ms);
+
+/** The path puts from a local pool (on device or not) to a remote pool take
+ *  over this endpoint, from its lanes (ucp_ep_print_info) and the pools. */
+tw_kv_path_t tw_kv_xfer_path(const tw_kv_peer_t *peer, bool src_on_device, bool dst_on_device);
+const char *tw_kv_path_name(tw_kv_path_t path);
+/** The endpoint's transports, e.g. "self posix(put) cuda_ipc(put)" (borrowed). */
+const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *peer);
+
+/** Put the local pieces segs[n_segs] of `src`, concatenated, into the remote
+ *  range [raddr, raddr + their total) of the peer's pool `dst`, non-blocking
+ *  (tw_kv_xfer_flush completes it): one put per piece when the pieces can be
+ *  put in place, else gathered through the bounce ring, one put per ring slot
+ *  (8 MiB). If maybe_checksum is set, the FNV-1a 64 of the bytes continues
+ *  from it (device sources are read back through the ring for it).
+ *  Errors: TW_ERR_INVALID_ARGUMENT (a piece outside `src`, the range outside
+ *  `dst`), TW_ERR_UNSUPPORTED (a device pool without a cuda_ipc lane to it),
+ *  TW_ERR_UNAVAILABLE (the endpoint failed), TW_ERR_TRANSPORT (ucp_put_nbx),
+ *  TW_ERR_CUDA, TW_ERR_NO_MEMORY (the ring), TW_ERR_DEADLINE (a ring slot's
+ *  put did not complete in 10 s). */
+tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, const tw_kv_layout_t *src,
+                           const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
+                           int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum);
+
+/** Length of the run of blocks starting at index i (< n) that are consecutive
+ *  in both id lists: src_ids[i + j] == src_ids[i] + j and the same for
+ *  dst_ids, j < result. At least 1. */
+int32_t tw_kv_run_length(const int32_t *src_ids, const int32_t *dst_ids, int32_t i, int32_t n);
 
 /** FNV-1a 64 over bytes, continuing from `h` (start with TW_KV_FNV_INIT). */
 #define TW_KV_FNV_INIT 0xcbf29ce484222325ull

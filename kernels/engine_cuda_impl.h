@@ -121,7 +121,8 @@ typedef struct {
   tw_ce_graph_t graphs[TW_CE_MAX_GRAPHS];
   int32_t n_graphs;
   int use_graphs;
-  /* TWAIN_CUDA_PROFILE=1: eager steps, each op timed with events (debug) */
+  /* TWAIN_CUDA_PROFILE=1: eager steps, each op timed with events (debug);
+   * 1 until the third decode step resets the sums (first calls excluded), then 2 */
   int profile;
   cudaEvent_t prof_ev[2];
   double prof_ms[TW_CE_PROF_N];

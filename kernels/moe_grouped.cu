@@ -163,7 +163,7 @@ static __device__ __forceinline__ uint32_t tw_gg_scale2(uint32_t s) {
  * padding when experts hold few tokens (decode), at the price of reading a
  * busy expert's weights once per BT of its tokens. */
 template <int FMT, int EPI, int BT>
-static __global__ void __launch_bounds__(TW_GG_THREADS, BT <= 32 ? 3 : 2) tw_gg_kernel(const tw_gg_args_t p) {
+static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw_gg_args_t p) {
   constexpr int NT = TW_GG_THREADS, BW = TW_GG_BW, S = TW_GG_STAGES(BT);
   /* 16-byte chunks of a stage's BT x 64 assignment rows per thread (BT = 16:
    * half the threads copy one) */
@@ -371,9 +371,11 @@ extern "C" tw_status_t tw_moe_grouped_setup(void) {
 }
 
 /* The assignment tile for tk assignments over E experts: the smallest of 16,
- * 32, 64, 128 that holds an expert's mean load, so a balanced route fills
- * most of one tile per expert (decode), and full 128-row tiles once experts
- * hold 64 tokens or more (prefill). TWAIN_CUDA_MOE_BT forces one (read once). */
+ * 32, 64, 128 that holds twice an expert's mean load (decode: most experts
+ * in one tile, the busier ones in two), full 128-row tiles from 64 tokens per
+ * expert (prefill). Measured on the H200 (docs/benchmarks.md, 20b decode at
+ * batch 16..1,024): each step of this rule was the fastest tile at its load.
+ * TWAIN_CUDA_MOE_BT forces one (read once). */
 static int tw_gg_tile_rows(int tk, int E) {
   static int forced = -1;
   if (forced < 0) {
@@ -382,8 +384,8 @@ static int tw_gg_tile_rows(int tk, int E) {
     forced = (f == 16 || f == 32 || f == 64 || f == 128) ? f : 0;
   }
   if (forced) return forced;
-  const int mean = (tk + E - 1) / (E > 0 ? E : 1);
-  return mean <= 16 ? 16 : mean <= 32 ? 32 : mean <= 64 ? 64 : 128;
+  const int twice = 2 * ((tk + E - 1) / (E > 0 ? E : 1));
+  return twice <= 16 ? 16 : twice <= 32 ? 32 : twice <= 64 ? 64 : 128;
 }
 
 extern "C" int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediate) {

@@ -4,6 +4,7 @@
  *   twain chat     [--endpoint EP] [--reasoning low|medium|high] [--date YYYY-MM-DD]
  *                  [--show-analysis] [--json] "text"
  *   twain generate [--endpoint EP] [--max-tokens N] [--stop-ids A,B] [--json] ID...
+ *   twain bench    [--endpoint EP] [--num-requests N] [--concurrency C] [--json FILE] ...
  *   twain router   (the router daemon alone, as twain-router)
  * Each declares its options as a common/opts.h table (--help lists them).
  * Each returns the process exit code (0 ok, 1 failed, 2 bad usage; chat: 3 when
@@ -14,6 +15,8 @@
 int tw_cli_serve(int argc, char **argv);
 int tw_cli_chat(int argc, char **argv);
 int tw_cli_generate(int argc, char **argv);
+/** `twain bench`: the serving benchmark (router/cli_bench.c, docs/benchmarks.md). */
+int tw_cli_bench(int argc, char **argv);
 int tw_cli_router(int argc, char **argv);
 
 #endif

@@ -12,7 +12,12 @@
  * what it sent and its byte count. The parent checks: every byte of every
  * decode pool is the pattern of the head it holds where a block was sent and
  * 0xEE everywhere else; the per-head checksums of each decode pool equal the
- * prefill side's; the bytes put are exactly the sent blocks' bytes. */
+ * prefill side's; the bytes put are exactly the sent blocks' bytes. Twice:
+ * with scattered block ids (every block its own run), and with ids
+ * consecutive on both sides, where the number of puts is checked: one per
+ * layer when both pools hold the same heads, one (gathered) per layer when
+ * the decode pool holds fewer, 2 per block when it holds more (its K and V
+ * runs lie apart). */
 #include "tests/test_io.h"
 #include "common/kv_reshard.h"
 #include "common/log.h"
@@ -36,8 +41,11 @@
 
 #include "tests/test_expect.h"
 
-static const int32_t dst_ids[NSENT] = {7, 3, 11, 0, 5};
-static const int32_t src_ids[NSENT] = {1, 2, 3, 4, 6};
+static const int32_t scattered_dst[NSENT] = {7, 3, 11, 0, 5};
+static const int32_t scattered_src[NSENT] = {1, 2, 3, 4, 6};
+static const int32_t run_dst[NSENT] = {3, 4, 5, 6, 7};
+static const int32_t run_src[NSENT] = {1, 2, 3, 4, 5};
+static const int32_t *dst_ids = scattered_dst, *src_ids = scattered_src;
 static const int sliding[L] = {1, 0};
 #define HEAD_BYTES ((int64_t)BS * HD * 4)
 
@@ -71,7 +79,7 @@ static int child(int p, int d, int rfd, int wfd) {
       return 2;
   }
   uint64_t sums[L * NKV];
-  int64_t bytes = 0;
+  int64_t bytes = 0, puts = 0;
   tw_kv_xfer_t *x[8] = {0};
   tw_kv_layout_t src[8];
   for (int s = 0; s < p; s++) {
@@ -104,8 +112,13 @@ static int child(int p, int d, int rfd, int wfd) {
       if (tw_kv_head_checksums(&src[s], l, src_ids, first, NSENT, hs)) return 6;
       for (int g = 0; g < nh; g++) sums[l * NKV + off + g] = hs[g];
     }
+    tw_kv_xfer_stats_t st;
+    tw_kv_xfer_stats(x[s], &st);
+    puts += st.puts;
   }
-  if (tw_test_write_all(wfd, sums, sizeof sums) || tw_test_write_all(wfd, &bytes, sizeof bytes)) return 7;
+  if (tw_test_write_all(wfd, sums, sizeof sums) || tw_test_write_all(wfd, &bytes, sizeof bytes) ||
+      tw_test_write_all(wfd, &puts, sizeof puts))
+    return 7;
   char ack;
   if (tw_test_read_all(rfd, &ack, 1)) return 8; /* keep the endpoints until the parent has checked */
   for (int s = 0; s < p; s++) {
@@ -167,16 +180,22 @@ static void run_pair(int p, int d) {
     if (select(c2p[0] + 1, &fds, NULL, NULL, &tv) > 0) ok = 1;
   }
   uint64_t sums[L * NKV];
-  int64_t bytes = -1;
-  if (!ok || tw_test_read_all(c2p[0], sums, sizeof sums) || tw_test_read_all(c2p[0], &bytes, sizeof bytes)) {
+  int64_t bytes = -1, puts = -1;
+  if (!ok || tw_test_read_all(c2p[0], sums, sizeof sums) || tw_test_read_all(c2p[0], &bytes, sizeof bytes) ||
+      tw_test_read_all(c2p[0], &puts, sizeof puts)) {
     EXPECT(0, "p=%d d=%d: the prefill side did not report", p, d);
     kill(pid, SIGKILL);
   } else {
-    int64_t want_bytes = 0;
+    int64_t want_bytes = 0, want_puts = 0;
     int bad_bytes = 0, bad_sums = 0;
     for (int l = 0; l < L; l++) {
       int first = tw_kv_layer_first_block(NTOK, BS, sliding[l], WINDOW);
-      want_bytes += (int64_t)(NSENT - first) * 2 * NKV * HEAD_BYTES;
+      int64_t nk = NSENT - first;
+      want_bytes += nk * 2 * NKV * HEAD_BYTES;
+      /* max(p, d) (prefill rank, decode rank) pairs share heads */
+      int pairs = p > d ? p : d;
+      if (src_ids == run_src) want_puts += pairs * (p > d ? 2 * nk : 1);
+      else want_puts += pairs * (p > d ? 2 * nk : nk);
       for (int r = 0; r < d; r++) {
         int nh = NKV / d, off = r * nh;
         for (int b = 0; b < NB; b++) {
@@ -196,9 +215,13 @@ static void run_pair(int p, int d) {
         for (int g = 0; g < nh; g++) bad_sums += hs[g] != sums[l * NKV + off + g];
       }
     }
-    printf("prefill TP %d -> decode TP %d: %lld bytes put (%lld expected), %d wrong bytes, "
-           "%d of %d head checksums differ\n",
-           p, d, (long long)bytes, (long long)want_bytes, bad_bytes, bad_sums, L * NKV);
+    printf("prefill TP %d -> decode TP %d (%s ids): %lld bytes put (%lld expected) in %lld puts "
+           "(%lld expected), %d wrong bytes, %d of %d head checksums differ\n",
+           p, d, src_ids == run_src ? "consecutive" : "scattered", (long long)bytes,
+           (long long)want_bytes, (long long)puts, (long long)want_puts, bad_bytes, bad_sums,
+           L * NKV);
+    EXPECT(puts == want_puts, "p=%d d=%d: %lld puts, expected %lld", p, d, (long long)puts,
+           (long long)want_puts);
     EXPECT(bytes == want_bytes, "p=%d d=%d: bytes %lld != %lld", p, d, (long long)bytes,
            (long long)want_bytes);
     EXPECT(bad_bytes == 0, "p=%d d=%d: %d wrong bytes", p, d, bad_bytes);
@@ -227,9 +250,13 @@ int main(void) {
   tw_kv_heads_overlap(0, 2, 4, 4, &a, &b);
   EXPECT(b <= a, "[0,2) & [4,8) empty");
   const int tps[4] = {1, 2, 4, 8};
-  for (int i = 0; i < 4; i++)
-    for (int k = 0; k < 4; k++) run_pair(tps[i], tps[k]);
+  for (int mode = 0; mode < 2; mode++) {
+    src_ids = mode ? run_src : scattered_src;
+    dst_ids = mode ? run_dst : scattered_dst;
+    for (int i = 0; i < 4; i++)
+      for (int k = 0; k < 4; k++) run_pair(tps[i], tps[k]);
+  }
   if (fails) fprintf(stderr, "test_kv_reshard: %d failure(s)\n", fails);
-  else printf("test_kv_reshard: all 16 pairs passed\n");
+  else printf("test_kv_reshard: all 16 pairs passed, scattered and consecutive ids\n");
   return fails ? 1 : 0;
 }

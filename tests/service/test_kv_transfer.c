@@ -4,7 +4,13 @@
  * sliding layers) into the parent's reserved blocks, flushes, and reports
  * per-layer checksums. The parent checks that the received bytes equal the
  * pattern exactly, that nothing outside the reserved blocks changed, and
- * that the checksums of what arrived equal the checksums of what was sent. */
+ * that the checksums of what arrived equal the checksums of what was sent.
+ * Runs of blocks consecutive on both sides go as one put each (counted).
+ * With this UCX (no CUDA transports in CI) a device destination pool is
+ * refused with TW_ERR_UNSUPPORTED before anything is put, never emulated.
+ * Then the bounce ring: 48 pieces of 1 MiB, taken from the child's buffer in
+ * reverse order, gathered into one remote range (6 ring chunks through 4
+ * slots, so slots are reused), must arrive exactly in that order. */
 #include "tests/test_io.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
@@ -25,6 +31,8 @@
 #define HD 64
 #define WINDOW 32
 #define NTOK 75 /* 5 blocks, sliding layers need positions >= 43: blocks 2..4 */
+#define RING_PIECES 48
+#define RING_PIECE ((int64_t)1 << 20)
 
 #include "tests/test_expect.h"
 
@@ -40,8 +48,19 @@ static tw_kv_layout_t make_layout(void *base) {
 /* pattern byte of (layer, logical block j, byte b) */
 static uint8_t pat(int layer, int j, int64_t b) { return (uint8_t)(layer * 37 + j * 11 + b * 7 + 1); }
 
+/* one flat "pool" of RING_PIECES pieces (a layout the transfer layer accepts) */
+static tw_kv_layout_t flat_layout(void *base) {
+  tw_kv_layout_t l = {.dtype = TW_DTYPE_F32, .n_layers = 1, .n_blocks = RING_PIECES,
+                      .block_size = BS, .n_kv_heads_local = NKV, .head_dim = HD, .base = base,
+                      .block_bytes = RING_PIECE, .layer_stride_bytes = RING_PIECE * RING_PIECES,
+                      .total_bytes = RING_PIECE * RING_PIECES};
+  return l;
+}
+static uint8_t ring_pat(int piece, int64_t b) { return (uint8_t)(piece * 29 + b * 3 + (b >> 12)); }
 
-static const int32_t dst_ids[5] = {7, 3, 30, 12, 0};
+
+/* runs on both sides: (1,2)->(7,8), 3->30, (4,5)->(12,13) */
+static const int32_t dst_ids[5] = {7, 8, 30, 12, 13};
 static const int32_t src_ids[5] = {1, 2, 3, 4, 5};
 static const int sliding[L] = {1, 0, 1, 0};
 
@@ -62,6 +81,34 @@ static int child(int rfd, int wfd) {
   tw_kv_xfer_t *x = NULL;
   tw_kv_peer_t *peer = NULL;
   if (tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 3;
+  /* this UCX has no cuda_ipc lane: host paths only, a device pool refused */
+  if (tw_kv_xfer_path(peer, false, false) != TW_KV_PATH_HOST ||
+      tw_kv_xfer_path(peer, true, false) != TW_KV_PATH_STAGED)
+    return 10;
+  if (!tw_kv_xfer_cuda_native(x) &&
+      tw_kv_xfer_path(peer, false, true) != TW_KV_PATH_UNREACHABLE)
+    return 11;
+  if (!tw_kv_xfer_peer_lanes(peer)[0]) return 12;
+  tw_kv_remote_layout_t dev = rl;
+  dev.on_device = true;
+  if (!tw_kv_xfer_cuda_native(x) &&
+      tw_kv_xfer_send_layer(x, peer, &src, &dev, 0, src_ids, dst_ids, 0, 5, NULL) != TW_ERR_UNSUPPORTED)
+    return 13;
+  /* out of the pools: refused, nothing put */
+  tw_kv_seg_t outside = {(const char *)src.base + src.total_bytes - 8, 16};
+  if (tw_kv_xfer_put(x, peer, &src, &rl, &outside, 1, rl.remote_base, NULL) != TW_ERR_INVALID_ARGUMENT)
+    return 14;
+  tw_kv_seg_t inside = {src.base, 16};
+  if (tw_kv_xfer_put(x, peer, &src, &rl, &inside, 1, rl.remote_base + rl.total_bytes - 8, NULL) !=
+      TW_ERR_INVALID_ARGUMENT)
+    return 15;
+  const int32_t tail_src[2] = {0, 1}, tail_dst[2] = {NB - 1, NB};
+  if (tw_kv_xfer_send_layer(x, peer, &src, &rl, 0, tail_src, tail_dst, 0, 2, NULL) !=
+      TW_ERR_INVALID_ARGUMENT)
+    return 16;
+  tw_kv_xfer_stats_t s0;
+  tw_kv_xfer_stats(x, &s0);
+  if (s0.puts != 0 || s0.bytes_sent != 0) return 17;
   uint64_t sums[L];
   for (int l = 0; l < L; l++) { /* in two calls, as a chunked prefill does */
     int first = tw_kv_layer_first_block(NTOK, BS, sliding[l], WINDOW);
@@ -73,12 +120,52 @@ static int child(int rfd, int wfd) {
   if (tw_kv_xfer_flush(x, peer, 10000)) return 5;
   tw_kv_xfer_stats_t s;
   tw_kv_xfer_stats(x, &s);
-  if (tw_test_write_all(wfd, sums, sizeof sums) || tw_test_write_all(wfd, &s.bytes_sent, sizeof s.bytes_sent))
+  if (tw_test_write_all(wfd, sums, sizeof sums) || tw_test_write_all(wfd, &s.bytes_sent, sizeof s.bytes_sent) ||
+      tw_test_write_all(wfd, &s.puts, sizeof s.puts))
     return 6;
   char ack;
   if (tw_test_read_all(rfd, &ack, 1)) return 7; /* keep the endpoint until the parent has checked */
+  /* the bounce ring: pieces in reverse order, gathered into one range */
+  size_t rlen2;
+  tw_kv_remote_layout_t rl2;
+  if (tw_test_read_all(rfd, &rlen2, sizeof rlen2)) return 20;
+  uint8_t *rkey2 = malloc(rlen2);
+  if (tw_test_read_all(rfd, rkey2, rlen2) || tw_test_read_all(rfd, &rl2, sizeof rl2)) return 20;
+  tw_kv_layout_t flat = flat_layout(malloc((size_t)RING_PIECE * RING_PIECES));
+  tw_kv_seg_t segs[RING_PIECES];
+  for (int i = 0; i < RING_PIECES; i++) {
+    uint8_t *b = (uint8_t *)flat.base + (int64_t)i * RING_PIECE;
+    for (int64_t k = 0; k < RING_PIECE; k++) b[k] = ring_pat(i, k);
+    segs[RING_PIECES - 1 - i] = (tw_kv_seg_t){b, RING_PIECE};
+  }
+  uint64_t h = TW_KV_FNV_INIT;
+  if (tw_kv_xfer_peer(x, addr, alen, rkey2, rlen2, &peer) ||
+      tw_kv_xfer_put(x, peer, &flat, &rl2, segs, RING_PIECES, rl2.remote_base, &h) ||
+      tw_kv_xfer_flush(x, peer, 10000))
+    return 21;
+  tw_kv_xfer_stats_t s2;
+  tw_kv_xfer_stats(x, &s2);
+  int64_t ring_puts = s2.puts - s.puts;
+  if (tw_test_write_all(wfd, &h, sizeof h) || tw_test_write_all(wfd, &ring_puts, sizeof ring_puts))
+    return 22;
+  if (tw_test_read_all(rfd, &ack, 1)) return 23;
   tw_kv_xfer_destroy(x);
+  free(flat.base);
+  free(rkey2);
   free(src.base);
+  return 0;
+}
+
+/* Progress our worker until the child writes to fd (bounded: 200000 x 100 us). */
+static int wait_report(tw_kv_xfer_t *x, int fd) {
+  for (int it = 0; it < 200000; it++) {
+    tw_kv_xfer_progress(x);
+    fd_set fds;
+    FD_ZERO(&fds);
+    FD_SET(fd, &fds);
+    struct timeval tv = {0, 100};
+    if (select(fd + 1, &fds, NULL, NULL, &tv) > 0) return 1;
+  }
   return 0;
 }
 
@@ -121,19 +208,12 @@ int main(void) {
   tw_test_write_all(p2c[1], rkey, rlen);
   tw_test_write_all(p2c[1], &rl, sizeof rl);
   uint64_t sums[L];
-  int64_t sent = 0;
+  int64_t sent = 0, puts = 0;
   /* the child's progress does the work; ours only serves shm/tcp emulation */
-  int ok = 0;
-  for (int it = 0; it < 200000 && !ok; it++) {
-    tw_kv_xfer_progress(x);
-    fd_set fds;
-    FD_ZERO(&fds);
-    FD_SET(c2p[0], &fds);
-    struct timeval tv = {0, 100};
-    if (select(c2p[0] + 1, &fds, NULL, NULL, &tv) > 0) ok = 1;
-  }
+  int ok = wait_report(x, c2p[0]);
   EXPECT(ok, "child reported within the bound");
-  if (!ok || tw_test_read_all(c2p[0], sums, sizeof sums) || tw_test_read_all(c2p[0], &sent, sizeof sent)) {
+  if (!ok || tw_test_read_all(c2p[0], sums, sizeof sums) || tw_test_read_all(c2p[0], &sent, sizeof sent) ||
+      tw_test_read_all(c2p[0], &puts, sizeof puts)) {
     fprintf(stderr, "FAIL: child did not report\n");
     kill(pid, 9);
     return 1;
@@ -176,13 +256,59 @@ int main(void) {
   EXPECT(untouched, "blocks outside the handoff are untouched");
   EXPECT(sent == expect_bytes, "bytes sent %lld, expected %lld", (long long)sent,
          (long long)expect_bytes);
+  /* full layers: (1,2) + 3 in the first call, (4,5) in the second = 3 puts;
+   * sliding layers (from index 2): 3, then (4,5) = 2 puts */
+  EXPECT(puts == 3 + 2 + 3 + 2, "puts %lld, expected 10 (one per run of consecutive blocks)",
+         (long long)puts);
   tw_test_write_all(p2c[1], "k", 1);
+  /* the bounce ring */
+  tw_kv_layout_t flat = flat_layout(malloc((size_t)RING_PIECE * RING_PIECES));
+  memset(flat.base, 0xEE, (size_t)flat.total_bytes);
+  tw_kv_region_t *reg2 = NULL;
+  EXPECT(tw_kv_region_register(x, &flat, &reg2) == TW_OK, "register the ring target");
+  if (reg2) {
+    rkey = tw_kv_region_rkey(reg2, &rlen);
+    tw_kv_region_remote_layout(reg2, &rl);
+    tw_test_write_all(p2c[1], &rlen, sizeof rlen);
+    tw_test_write_all(p2c[1], rkey, rlen);
+    tw_test_write_all(p2c[1], &rl, sizeof rl);
+    ok = wait_report(x, c2p[0]);
+    uint64_t h = 0;
+    int64_t ring_puts = 0;
+    EXPECT(ok && tw_test_read_all(c2p[0], &h, sizeof h) == 0 &&
+               tw_test_read_all(c2p[0], &ring_puts, sizeof ring_puts) == 0,
+           "the ring transfer reported");
+    int64_t bad = -1;
+    uint64_t want = TW_KV_FNV_INIT;
+    for (int i = 0; i < RING_PIECES && bad < 0; i++) {
+      const uint8_t *b = (const uint8_t *)flat.base + (int64_t)i * RING_PIECE;
+      int piece = RING_PIECES - 1 - i;
+      for (int64_t k = 0; k < RING_PIECE && bad < 0; k++) {
+        uint8_t v = ring_pat(piece, k);
+        if (b[k] != v) bad = (int64_t)i * RING_PIECE + k;
+      }
+    }
+    for (int i = RING_PIECES - 1; i >= 0; i--) {
+      uint8_t piece_bytes[256];
+      for (int64_t k = 0; k < RING_PIECE; k += 256) {
+        for (int q = 0; q < 256; q++) piece_bytes[q] = ring_pat(i, k + q);
+        want = tw_kv_fnv1a(want, piece_bytes, 256);
+      }
+    }
+    EXPECT(bad < 0, "ring: byte %lld of the gathered range wrong", (long long)bad);
+    EXPECT(h == want, "ring: checksum of the gathered bytes");
+    /* 48 MiB through 8 MiB slots: 6 puts */
+    EXPECT(ring_puts == 6, "ring: %lld puts, expected 6 (one per 8 MiB slot)", (long long)ring_puts);
+    tw_test_write_all(p2c[1], "k", 1);
+  }
   int status = 0;
   waitpid(pid, &status, 0);
   EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child exit %d", WEXITSTATUS(status));
   tw_kv_region_unregister(reg);
+  tw_kv_region_unregister(reg2);
   tw_kv_xfer_destroy(x);
   free(pool.base);
+  free(flat.base);
   printf("%s: %d failures\n", fails ? "FAIL" : "PASS", fails);
   return fails ? 1 : 0;
 }
