@@ -36,6 +36,7 @@ PROGS = [
          positional=["hi"]),
     prog([TWAIN, "generate"], "TWAIN_GENERATE_", ["--endpoint", "--max-tokens", "--stop-ids", "--seed"],
          positional=["1"]),
+    prog([TWAIN, "bench"], "TWAIN_BENCH_", ["--endpoint", "--num-requests", "--request-rate", "--dataset"]),
     prog([TWAIN, "router"], "TWAIN_ROUTER_", ["--model", "--listen", "--max-requests"], config=True),
     prog([TWAIN, "tokenize"], "TWAIN_TOKENIZE_", ["--model", "--tokenizer", "--allow-special"]),
     prog([TWAIN, "detokenize"], "TWAIN_DETOKENIZE_", ["--model", "--skip-special"]),
