@@ -22,17 +22,20 @@
  * each warp copies the raw blocks of its 16 weight rows into a stage and
  * converts them straight into its mma A fragments: fragment row g needs
  * bytes t, t+4, ..., t+28 of the row's 32 bytes of a k-tile (byte t of each
- * word), gathered four at a time with byte permutes. FP4 E2M1 -> bf16 takes
- * byte permutes through two 8-entry tables (high and low byte of each
- * magnitude), the sign bits, and one bf16x2 multiply by the block's E8M0
- * scale (a power of two, so exact: the same bf16 values as
- * tw_mxfp4_dequant). bf16 experts (bf16 checkpoints) load their fragments
+ * word). Each such byte (two E2M1 values) becomes its bf16x2 pair by one
+ * lookup in a 256-entry shared-memory table kept once per lane (32 KB, built
+ * by the CTA at start; lane l reads bank l, so no conflicts), then one bf16x2
+ * multiply by the block's E8M0 scale (a power of two, so exact: the same bf16
+ * values as tw_mxfp4_dequant): about four instructions per two weights
+ * (byte permute, address, load, multiply), where register-only conversion
+ * took about eight; the conversion is what bounds the kernel when experts
+ * hold few tokens (decode; measured, docs/benchmarks.md). bf16 experts (bf16 checkpoints) load their fragments
  * with ldmatrix instead. For gate_up, fragment row r < 8 of warp w is the gate
  * row 2i and r + 8 the linear row 2i + 1 of i = n0/2 + 8w + r, so a SwiGLU
  * pair lands in one thread.
  *
- * Pipeline: 4 cp.async stages (assignment rows + raw weights), prefetch depth
- * 3; per k-tile one barrier, the fragments, 4 wgmma, and a wait for them:
+ * Pipeline: 3 to 8 cp.async stages by tile (assignment rows + raw weights,
+ * TW_GG_STAGES), prefetch depth S - 1; per k-tile one barrier, the fragments, 4 wgmma, and a wait for them:
  * ptxas serialises wgmma whose register operands are produced while an
  * earlier one is in flight (warning C7513), so the overlap of conversion and
  * tensor work comes from the other warpgroups of the SM (two CTAs per SM).
@@ -52,9 +55,16 @@
 #define TW_GG_BM_MIN 16   /* smallest: decode, few tokens per expert */
 #define TW_GG_BW 128      /* weight rows (output columns) per CTA: two warpgroups */
 #define TW_GG_THREADS 256
-/* cp.async stages by assignment tile: a small tile leaves shared memory for
- * deeper weight prefetch, which is what a few-token (memory-bound) tile needs */
-#define TW_GG_STAGES(bt) ((bt) >= 128 ? 4 : (bt) >= 64 ? 6 : 8)
+/* cp.async stages by weight format and assignment tile: a small tile leaves
+ * shared memory for deeper weight prefetch, which a few-token tile needs;
+ * MXFP4 CTAs also hold the 32 KB conversion table (two CTAs per SM) */
+#define TW_GG_STAGES(fmt, bt)                                                 \
+  ((fmt) == TW_GG_MXFP4 ? ((bt) >= 128 ? 3 : (bt) >= 64 ? 4 : 8)              \
+                        : ((bt) >= 128 ? 4 : (bt) >= 64 ? 6 : 8))
+/* FP4 pair -> bf16x2 table: 256 entries (a byte: two E2M1 values) x 32 lane
+ * copies (entry e of lane l at word 32 e + l, so a warp's lookups never share
+ * a bank) */
+#define TW_GG_LUT_BYTES (256 * 32 * 4)
 #define TW_GG_MAX_K 8192 /* scales of the CTA's rows stay in shared memory */
 
 enum { TW_GG_MXFP4 = 0, TW_GG_BF16 = 1 };
@@ -74,32 +84,16 @@ typedef struct {
   void *out; /* SwiGLU: bf16 [T*k, N/2]; plain: f32 [T*k, N] */
 } tw_gg_args_t;
 
-/* 8 FP4 E2M1 values (one 32-bit word of an MXFP4 block, value 2i in the low
- * nibble of byte i) times the bf16x2 scale sc2, as 8 bf16 in value order. */
-static __device__ __forceinline__ uint4 tw_fp4x8_to_bf16(uint32_t w, uint32_t sc2) {
-  const uint32_t idx = w & 0x77777777u, idx2 = idx >> 16;
-  /* bytes of the bf16 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 by 3-bit index */
-  const uint32_t hi_a = __byte_perm(0x3F3F3F00u, 0x40404040u, idx);
-  const uint32_t lo_a = __byte_perm(0xC0800000u, 0xC0804000u, idx);
-  const uint32_t hi_b = __byte_perm(0x3F3F3F00u, 0x40404040u, idx2);
-  const uint32_t lo_b = __byte_perm(0xC0800000u, 0xC0804000u, idx2);
-  uint32_t r[4] = {__byte_perm(lo_a, hi_a, 0x5140), __byte_perm(lo_a, hi_a, 0x7362),
-                   __byte_perm(lo_b, hi_b, 0x5140), __byte_perm(lo_b, hi_b, 0x7362)};
-  /* sign of nibble 2q at bit 8q+3, of nibble 2q+1 at 8q+7 -> bits 15 and 31 of r[q] */
-  const uint32_t sg = w & 0x88888888u, sg4 = sg << 4;
-  r[0] |= __byte_perm(sg4, sg, 0x4000) & 0x80008000u;
-  r[1] |= __byte_perm(sg4, sg, 0x5111) & 0x80008000u;
-  r[2] |= __byte_perm(sg4, sg, 0x6222) & 0x80008000u;
-  r[3] |= __byte_perm(sg4, sg, 0x7333) & 0x80008000u;
-  const __nv_bfloat162 s = *reinterpret_cast<const __nv_bfloat162 *>(&sc2);
-  uint4 o;
-  uint32_t *ow = reinterpret_cast<uint32_t *>(&o);
-#pragma unroll
-  for (int q = 0; q < 4; q++) {
-    __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&r[q]), s);
-    ow[q] = *reinterpret_cast<uint32_t *>(&v);
-  }
-  return o;
+/* The two E2M1 values of byte e (value 2i in the low nibble, spec §3.4) as
+ * bf16x2 (low half first): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 by the low
+ * three bits, the sign in bit 3; exact in bf16. */
+static __device__ __forceinline__ uint32_t tw_fp4_bf16(uint32_t n) {
+  const uint32_t ex = (n >> 1) & 3, m = n & 1; /* 2^(ex-1) (1 + m/2); ex = 0: m/2 */
+  const uint32_t mag = ex ? ((126 + ex) << 7) | (m << 6) : (m ? 0x3F00u : 0u);
+  return mag | ((n & 8u) << 12);
+}
+static __device__ __forceinline__ uint32_t tw_fp4x2_bf16(uint32_t e) {
+  return tw_fp4_bf16(e & 15) | (tw_fp4_bf16((e >> 4) & 15) << 16);
 }
 
 /* Which expert and which of its row tiles CTA row blockIdx.y computes (warp
@@ -164,7 +158,8 @@ static __device__ __forceinline__ uint32_t tw_gg_scale2(uint32_t s) {
  * busy expert's weights once per BT of its tokens. */
 template <int FMT, int EPI, int BT>
 static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw_gg_args_t p) {
-  constexpr int NT = TW_GG_THREADS, BW = TW_GG_BW, S = TW_GG_STAGES(BT);
+  constexpr int NT = TW_GG_THREADS, BW = TW_GG_BW, S = TW_GG_STAGES(FMT, BT);
+  constexpr int LUT = FMT == TW_GG_MXFP4 ? TW_GG_LUT_BYTES : 0;
   /* 16-byte chunks of a stage's BT x 64 assignment rows per thread (BT = 16:
    * half the threads copy one) */
   constexpr int N8 = BT / 8, XCH = (BT * 8 + NT - 1) / NT;
@@ -172,10 +167,14 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
   extern __shared__ __align__(1024) uint8_t tw_gg_smem[];
   __shared__ int s_tile[4];
   TW_PDL_WAIT();
-  uint8_t *sX = tw_gg_smem + ((1024 - (tw_smem_u32(tw_gg_smem) & 1023)) & 1023);
+  uint32_t *sL = reinterpret_cast<uint32_t *>(
+      tw_gg_smem + ((1024 - (tw_smem_u32(tw_gg_smem) & 1023)) & 1023));
+  uint8_t *sX = reinterpret_cast<uint8_t *>(sL) + LUT;
   uint8_t *sR = sX + S * BT * 128;
   uint8_t *sS = sR + S * RST;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  if (FMT == TW_GG_MXFP4)
+    for (int i = tid; i < LUT / 4; i += NT) sL[i] = tw_fp4x2_bf16((uint32_t)i >> 5);
   if (warp == 0) tw_gg_find_tile(p, BT, lane, s_tile);
   __syncthreads();
   const int e = s_tile[0];
@@ -250,20 +249,26 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
     const uint8_t *rb = sR + st * RST + 16 * warp * RROW;
     if (FMT == TW_GG_MXFP4) {
       const int sw = (g >> 2) & 1; /* rows g and g + 8 share it */
-      const uint32_t sel = (uint32_t)t | ((uint32_t)(t + 4) << 4);
+      const uint32_t sel = 0x4440u | (uint32_t)t; /* byte t to the low byte, zeros above */
+      const uint32_t *lut = sL + lane;
 #pragma unroll
       for (int hr = 0; hr < 2; hr++) { /* row g, then g + 8 */
         const int r = g + 8 * hr, cr = 16 * warp + r;
 #pragma unroll
         for (int h = 0; h < 2; h++) { /* words 0-3 (steps 0, 1), 4-7 (steps 2, 3) */
           const uint4 w = *reinterpret_cast<const uint4 *>(rb + r * 32 + ((h ^ sw) * 16));
-          const uint32_t z = __byte_perm(__byte_perm(w.x, w.y, sel), __byte_perm(w.z, w.w, sel),
-                                         0x5410);
-          const uint4 v = tw_fp4x8_to_bf16(z, tw_gg_scale2(sS[cr * KBP + 2 * kt + h]));
-          af[2 * h][hr] = v.x;         /* step 2h: a0 (row g) / a1 (row g + 8) */
-          af[2 * h][2 + hr] = v.y;     /* a2 / a3 */
-          af[2 * h + 1][hr] = v.z;
-          af[2 * h + 1][2 + hr] = v.w;
+          const uint32_t sc = tw_gg_scale2(sS[cr * KBP + 2 * kt + h]);
+          const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162 *>(&sc);
+          /* byte t of word j = the pair at k 8 j + 2 t of this k-tile half */
+          auto cv = [&](uint32_t word) {
+            const uint32_t v = lut[__byte_perm(word, 0, sel) * 32];
+            __nv_bfloat162 o = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&v), s2);
+            return *reinterpret_cast<uint32_t *>(&o);
+          };
+          af[2 * h][hr] = cv(w.x);         /* step 2h: a0 (row g) / a1 (row g + 8) */
+          af[2 * h][2 + hr] = cv(w.y);     /* a2 / a3 */
+          af[2 * h + 1][hr] = cv(w.z);
+          af[2 * h + 1][2 + hr] = cv(w.w);
         }
       }
     } else {
@@ -333,14 +338,15 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
     }
 }
 
-/* Dynamic shared memory: S stages of [bt rows][64] bf16 assignment rows and
- * raw weights ([128 rows][32 bytes] MXFP4, [128][64] bf16), the MXFP4 scales
- * [128][K/32 + 1], and 1024 bytes of slack for the swizzle alignment. */
+/* Dynamic shared memory: the MXFP4 conversion table (TW_GG_LUT_BYTES), S
+ * stages of [bt rows][64] bf16 assignment rows and raw weights ([128 rows][32
+ * bytes] MXFP4, [128][64] bf16), the MXFP4 scales [128][K/32 + 1], and 1024
+ * bytes of slack for the swizzle alignment. */
 static size_t tw_gg_smem_bytes(int fmt, int bt, int K) {
   size_t kbp = (size_t)K / 32 + 1;
-  return 1024 + (size_t)TW_GG_STAGES(bt) * ((size_t)bt * 128 +
-                                            (size_t)TW_GG_BW * (fmt == TW_GG_MXFP4 ? 32 : 128)) +
-         (fmt == TW_GG_MXFP4 ? (size_t)TW_GG_BW * kbp : 0);
+  return 1024 + (size_t)TW_GG_STAGES(fmt, bt) * ((size_t)bt * 128 +
+                                                 (size_t)TW_GG_BW * (fmt == TW_GG_MXFP4 ? 32 : 128)) +
+         (fmt == TW_GG_MXFP4 ? (size_t)TW_GG_BW * kbp + TW_GG_LUT_BYTES : 0);
 }
 typedef void (*tw_gg_fn)(const tw_gg_args_t);
 template <int BT>

@@ -48,7 +48,9 @@ int main(int argc, char **argv) {
                  "(one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) did"),
       TW_OPT_INT("ep", &w.ep, 1, 64, "N", "daemon: expert parallel ranks"),
       TW_OPT_INT("chunk-tokens", &w.chunk_tokens, 1, INT32_MAX, "N",
-                 "daemon: prefill chunk; its KV is handed off while the next computes"),
+                 "daemon: tokens of one forward pass: queued prompts are batched up\n"
+                 "to it (a longer prompt runs alone, split over passes)"),
+      TW_OPT_INT("batch-seqs", &w.batch_seqs, 1, INT32_MAX, "N", "daemon: most prompts in one batch"),
       /* offline mode */
       TW_OPT_STR("prompt-tokens", &o.prompt_tokens_path, "FILE",
                  "offline mode: JSON array of prompt token ids"),

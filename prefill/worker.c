@@ -1,6 +1,7 @@
 /* worker.c: the prefill worker daemon (see worker.h). One thread for the work
- * (the heartbeat has its own, msg_worker.h), a FIFO of requests; cancels and
- * new requests are read between prompts. */
+ * (the heartbeat has its own, msg_worker.h), a FIFO of requests taken in
+ * batches (one variable-length engine prefill per batch, worker_handoff.h);
+ * cancels and new requests are read between batches. */
 #include "prefill/worker.h"
 
 #include "common/dist_engine.h"
@@ -51,11 +52,13 @@ typedef struct {
   tw_dist_identity_t id; /* this rank (dist.h) */
   tw_dist_t *dist;
   tw_prefill_ranks_t rk;
+  tw_prefill_handoff_item_t *batch;                /* [batch_seqs] */
+  Twain__Internal__V1__Envelope **batch_envs;       /* [batch_seqs] */
   const uint64_t *head_sums; /* for the next PrefillDone (re-sharded handoffs) */
   size_t n_head_sums;
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
-    tw_metric_t *layer_sends, *layer_sends_overlapped;
+    tw_metric_t *layer_sends, *layer_sends_overlapped, *batches;
   } m;
 } tw_prefiller_t;
 
@@ -106,42 +109,7 @@ static bool tw_prefill_stale(const Twain__Internal__V1__PrefillRequest *r) {
   return r->issued_unix_ms && now - r->issued_unix_ms > TW_PREFILL_MAX_AGE_MS;
 }
 
-/* Run one prompt and hand its KV over. */
-static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r) {
-  const tw_model_config_t *c = &w->model->config;
-  const Twain__Internal__V1__KvHandoff *h = r->handoff;
-  int32_t n = (int32_t)r->n_prompt_ids;
-  char msg[256];
-  if (!h || !h->layout || n <= 0) {
-    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
-                    "prefill request without prompt or kv handoff");
-    return;
-  }
-  int32_t nb = tw_kv_blocks_needed(w->blocks, n);
-  if ((int32_t)h->n_block_ids < nb) {
-    snprintf(msg, sizeof msg, "handoff has %zu blocks, the prompt of %d tokens needs %d",
-             h->n_block_ids, n, nb);
-    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
-    return;
-  }
-  int32_t *ids = malloc(sizeof(int32_t) * (size_t)nb);
-  uint64_t *sums = calloc((size_t)c->n_layers, sizeof(uint64_t));
-  if (!ids || !sums) {
-    free(ids);
-    free(sums);
-    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
-                    "prefill worker out of host memory");
-    return;
-  }
-  tw_status_t st = tw_kv_blocks_alloc(w->blocks, nb, ids);
-  if (st != TW_OK) {
-    free(ids);
-    free(sums);
-    snprintf(msg, sizeof msg, "prompt of %d tokens needs %d kv blocks, prefill pool has %d", n, nb,
-             tw_kv_blocks_total(w->blocks));
-    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
-    return;
-  }
+static tw_sample_params_t tw_prefill_sampling(const Twain__Internal__V1__PrefillRequest *r) {
   tw_sample_params_t sp = TW_SAMPLE_PARAMS_GREEDY;
   if (r->sampling) {
     sp.temperature = r->sampling->temperature;
@@ -149,46 +117,23 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
     sp.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
     sp.seed = r->sampling->seed;
   }
-  if (tw_prefill_ranks_wanted(&w->rk, r)) { /* TP ranks here or there: re-sharded (issue 6) */
-    size_t n_hs = (size_t)c->n_layers * (size_t)c->n_kv_heads;
-    uint64_t *hs = calloc(n_hs, sizeof(uint64_t));
-    int32_t first = -1;
-    int64_t bytes = 0;
-    double pms = 0, xms = 0;
-    st = hs ? tw_prefill_ranks_run(&w->rk, r, ids, nb, &first, &bytes, hs, &pms, &xms)
-            : tw_err(TW_ERR_NO_MEMORY, "prefill worker out of host memory");
-    tw_kv_blocks_free(w->blocks, nb, ids);
-    if (st != TW_OK) {
-      snprintf(msg, sizeof msg, "%s", tw_last_error());
-      TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
-      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_code_of(st), msg);
-    } else {
-      tw_metric_observe(w->m.prefill, pms * 1e-3);
-      tw_metric_observe(w->m.transfer, xms * 1e-3);
-      tw_metric_add(w->m.kv_bytes, (double)bytes);
-      tw_metric_add(w->m.requests, 1);
-      w->head_sums = hs;
-      w->n_head_sums = tw_engine_kv_layout(w->engine)->on_device ? 0 : n_hs; /* host pools only */
-      tw_prefill_done(w, r->request_id, first, NULL, 0, bytes, pms, xms, 0, NULL);
-      w->head_sums = NULL;
-      w->n_head_sums = 0;
-    }
-    free(hs);
-    free(ids);
-    free(sums);
-    return;
-  }
-  /* chunked prefill, each chunk's finished blocks put while the next computes */
-  tw_prefill_handoff_ctx_t hc = {.engine = w->engine, .model = w->model, .xfer = w->xfer,
-                                 .chunk_tokens = w->o.chunk_tokens,
-                                 .flush_timeout_ms = w->o.flush_timeout_ms,
-                                 .max_age_ms = TW_PREFILL_MAX_AGE_MS};
-  tw_prefill_handoff_result_t hr = {.first_token = -1};
-  st = tw_prefill_handoff_run(&hc, r, ids, nb, &sp, sums, &hr);
+  return sp;
+}
+
+/* A prompt that needs the multi-rank path (TP ranks here or a TP decode
+ * worker, issue 6): alone, re-sharded. ids[nb] are its local blocks. */
+static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r,
+                                 int32_t *ids, int32_t nb) {
+  const tw_model_config_t *c = &w->model->config;
+  char msg[256];
+  size_t n_hs = (size_t)c->n_layers * (size_t)c->n_kv_heads;
+  uint64_t *hs = calloc(n_hs, sizeof(uint64_t));
+  int32_t first = -1;
+  int64_t bytes = 0;
+  double pms = 0, xms = 0;
+  tw_status_t st = hs ? tw_prefill_ranks_run(&w->rk, r, ids, nb, &first, &bytes, hs, &pms, &xms)
+                      : tw_err(TW_ERR_NO_MEMORY, "prefill worker out of host memory");
   tw_kv_blocks_free(w->blocks, nb, ids);
-  int32_t first = hr.first_token;
-  int64_t bytes = hr.kv_bytes;
-  double pms = hr.prefill_ms, xms = hr.transfer_ms;
   if (st != TW_OK) {
     snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
@@ -198,14 +143,150 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
     tw_metric_observe(w->m.transfer, xms * 1e-3);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
-    tw_metric_add(w->m.layer_sends, (double)hr.layer_sends);
-    tw_metric_add(w->m.layer_sends_overlapped, (double)hr.layer_sends_in_engine);
-    TW_DEBUG("prefill", "request %llu: %d tokens in %.2f ms, %lld kv bytes to %s in %.2f ms",
-             (unsigned long long)r->request_id, n, pms, (long long)bytes, h->decode_worker, xms);
-    tw_prefill_done(w, r->request_id, first, sums, (size_t)c->n_layers, bytes, pms, xms, 0, NULL);
+    w->head_sums = hs;
+    w->n_head_sums = tw_engine_kv_layout(w->engine)->on_device ? 0 : n_hs; /* host pools only */
+    tw_prefill_done(w, r->request_id, first, NULL, 0, bytes, pms, xms, 0, NULL);
+    w->head_sums = NULL;
+    w->n_head_sums = 0;
   }
-  free(ids);
-  free(sums);
+  free(hs);
+}
+
+/* Check a queued prompt and take its local blocks into *it. Returns 1 when
+ * it is ready, 0 when it was answered with an error (nothing held), -1 when
+ * its blocks are not free now (it stays queued: an earlier prompt of the
+ * batch holds them until the batch is done). */
+static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r,
+                              bool batch_empty, tw_prefill_handoff_item_t *it) {
+  const tw_model_config_t *c = &w->model->config;
+  const Twain__Internal__V1__KvHandoff *h = r->handoff;
+  int32_t n = (int32_t)r->n_prompt_ids;
+  char msg[256];
+  if (!h || !h->layout || n <= 0) {
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                    "prefill request without prompt or kv handoff");
+    return 0;
+  }
+  int32_t nb = tw_kv_blocks_needed(w->blocks, n);
+  if ((int32_t)h->n_block_ids < nb) {
+    snprintf(msg, sizeof msg, "handoff has %zu blocks, the prompt of %d tokens needs %d",
+             h->n_block_ids, n, nb);
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return 0;
+  }
+  if (!batch_empty && tw_kv_blocks_free_count(w->blocks) < nb) return -1;
+  int32_t *ids = malloc(sizeof(int32_t) * (size_t)nb);
+  uint64_t *sums = calloc((size_t)c->n_layers, sizeof(uint64_t));
+  if (!ids || !sums) {
+    free(ids);
+    free(sums);
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
+                    "prefill worker out of host memory");
+    return 0;
+  }
+  if (tw_kv_blocks_alloc(w->blocks, nb, ids) != TW_OK) {
+    free(ids);
+    free(sums);
+    snprintf(msg, sizeof msg, "prompt of %d tokens needs %d kv blocks, prefill pool has %d", n, nb,
+             tw_kv_blocks_total(w->blocks));
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return 0;
+  }
+  *it = (tw_prefill_handoff_item_t){.r = r, .ids = ids, .nb = nb, .sp = tw_prefill_sampling(r),
+                                    .sums = sums};
+  return 1;
+}
+
+/* Run a batch of prepared prompts (one variable-length engine prefill) and
+ * answer each; frees their blocks. A batch the engine refuses on its
+ * argument checks (nothing ran) is run again prompt by prompt, so only the
+ * bad prompt fails. */
+static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *items, int32_t n) {
+  const tw_model_config_t *c = &w->model->config;
+  tw_prefill_handoff_ctx_t hc = {.engine = w->engine, .model = w->model, .xfer = w->xfer,
+                                 .flush_timeout_ms = w->o.flush_timeout_ms,
+                                 .max_age_ms = TW_PREFILL_MAX_AGE_MS};
+  tw_status_t st = tw_prefill_handoff_batch(&hc, items, n);
+  if (n > 1 && (st == TW_ERR_INVALID_ARGUMENT || st == TW_ERR_OUT_OF_RANGE)) {
+    TW_INFO("prefill", "batch of %d refused (%s): running its prompts one by one", n,
+            tw_last_error());
+    for (int32_t i = 0; i < n; i++) tw_prefill_handoff_batch(&hc, &items[i], 1);
+  }
+  tw_metric_add(w->m.batches, 1);
+  for (int32_t i = 0; i < n; i++) {
+    tw_prefill_handoff_item_t *it = &items[i];
+    const Twain__Internal__V1__PrefillRequest *r = it->r;
+    tw_kv_blocks_free(w->blocks, it->nb, it->ids);
+    const tw_prefill_handoff_result_t *hr = &it->out;
+    if (it->st != TW_OK) {
+      TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, it->msg);
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, tw_code_of(it->st), it->msg);
+    } else {
+      tw_metric_observe(w->m.prefill, hr->prefill_ms * 1e-3);
+      tw_metric_observe(w->m.transfer, hr->transfer_ms * 1e-3);
+      tw_metric_add(w->m.kv_bytes, (double)hr->kv_bytes);
+      tw_metric_add(w->m.requests, 1);
+      tw_metric_add(w->m.layer_sends, (double)hr->layer_sends);
+      tw_metric_add(w->m.layer_sends_overlapped, (double)hr->layer_sends_in_engine);
+      TW_DEBUG("prefill",
+               "request %llu: %zu tokens in a batch of %d, %.2f ms, %lld kv bytes to %s in %.2f ms",
+               (unsigned long long)r->request_id, r->n_prompt_ids, n, hr->prefill_ms,
+               (long long)hr->kv_bytes, r->handoff->decode_worker, hr->transfer_ms);
+      tw_prefill_done(w, r->request_id, hr->first_token, it->sums, (size_t)c->n_layers,
+                      hr->kv_bytes, hr->prefill_ms, hr->transfer_ms, 0, NULL);
+    }
+    free((void *)it->ids);
+    free(it->sums);
+  }
+}
+
+/* Take the next work off the queue: prompts in arrival order up to the
+ * token budget of one forward pass (--chunk-tokens) and --batch-seqs
+ * prompts, as one batch; a prompt longer than the budget goes alone (the
+ * engine splits it over passes); a multi-rank prompt goes alone. */
+static void tw_prefill_next(tw_prefiller_t *w) {
+  tw_prefill_handoff_item_t *items = w->batch;
+  Twain__Internal__V1__Envelope **envs = w->batch_envs;
+  int32_t n = 0;
+  int64_t tokens = 0;
+  while (w->q_len && n < w->o.batch_seqs) {
+    Twain__Internal__V1__Envelope *e = w->queue[w->q_head];
+    const Twain__Internal__V1__PrefillRequest *r = e ? e->prefill : NULL;
+    bool ranks = r && tw_prefill_ranks_wanted(&w->rk, r);
+    if (r && n > 0 && (ranks || tokens + (int64_t)r->n_prompt_ids > w->o.chunk_tokens)) break;
+    bool stale = r && !w->draining && tw_prefill_stale(r);
+    int ready = 0;
+    if (r && !w->draining && !stale) {
+      ready = tw_prefill_prepare(w, r, n == 0, &items[n]);
+      if (ready < 0) break; /* waits for this batch's blocks */
+    }
+    w->q_head = (w->q_head + 1) % TW_PREFILL_MAX_QUEUE;
+    w->q_len--;
+    if (!e) continue; /* cancelled */
+    w->queued_tokens -= (int64_t)r->n_prompt_ids;
+    if (w->draining)
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__UNAVAILABLE,
+                      "prefill worker is draining");
+    else if (stale)
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__DEADLINE_EXCEEDED,
+                      "prefill request is stale");
+    if (!ready) {
+      twain__internal__v1__envelope__free_unpacked(e, NULL);
+      continue;
+    }
+    if (ranks) { /* n == 0 here */
+      tw_prefill_ranks_one(w, r, (int32_t *)items[0].ids, items[0].nb);
+      free((void *)items[0].ids);
+      free(items[0].sums);
+      twain__internal__v1__envelope__free_unpacked(e, NULL);
+      return;
+    }
+    envs[n++] = e;
+    tokens += (int64_t)r->n_prompt_ids;
+  }
+  if (n == 0) return;
+  tw_prefill_batch_run(w, items, n);
+  for (int32_t i = 0; i < n; i++) twain__internal__v1__envelope__free_unpacked(envs[i], NULL);
 }
 
 static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity *cap) {
@@ -249,6 +330,11 @@ static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *
 }
 
 static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
+  w->batch = calloc((size_t)w->o.batch_seqs, sizeof *w->batch);
+  w->batch_envs = calloc((size_t)w->o.batch_seqs, sizeof *w->batch_envs);
+  if (!w->batch || !w->batch_envs)
+    return tw_err(TW_ERR_NO_MEMORY, "prefill worker: out of memory for batches of %d prompts",
+                  w->o.batch_seqs);
   TW_CHECK(tw_model_load(w->o.model_dir, &w->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
   tw_backend_kind_t be = w->o.backend;
@@ -265,7 +351,8 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
   ep.kv_num_blocks = w->o.kv_blocks;
-  ep.max_batch = 1;
+  ep.max_batch = w->o.batch_seqs;
+  ep.max_prefill_chunk = w->o.chunk_tokens;
   ep.n_threads = w->o.threads;
   TW_CHECK(tw_engine_create(w->model, &ep, &w->engine));
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
@@ -294,6 +381,9 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->m.layer_sends_overlapped = tw_metrics_counter(
       M, "kv_layer_sends_overlapped_total",
       "of those, issued from the engine's per-layer callback while later layers compute");
+  w->m.batches = tw_metrics_counter(M, "prefill_batches_total",
+                                    "engine prefill batches (prompts run as one variable-length "
+                                    "prefill)");
   TW_CHECK(tw_worker_link_open(&w->link, w->o.router, name, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
   w->link.ranks = w->id.size;
   w->link.kv_block_size = l->block_size;
@@ -311,6 +401,8 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
     Twain__Internal__V1__Envelope *e = w->queue[(w->q_head + i) % TW_PREFILL_MAX_QUEUE];
     if (e) twain__internal__v1__envelope__free_unpacked(e, NULL);
   }
+  free(w->batch);
+  free(w->batch_envs);
   if (w->link.sock) tw_worker_link_close(&w->link);
   tw_metrics_destroy(w->metrics);
   tw_kv_xfer_destroy(w->xfer);
@@ -368,23 +460,7 @@ int tw_prefill_worker_main(const tw_prefill_opts_t *opts, int argc, char **argv)
       if (rs != TW_OK && rs != TW_ERR_FORMAT) break; /* nothing (more) waiting, or an error */
       if (rs == TW_OK) tw_prefill_on_msg(&w, env);
     }
-    if (w.q_len) {
-      Twain__Internal__V1__Envelope *e = w.queue[w.q_head];
-      w.q_head = (w.q_head + 1) % TW_PREFILL_MAX_QUEUE;
-      w.q_len--;
-      if (e) {
-        w.queued_tokens -= (int64_t)e->prefill->n_prompt_ids;
-        if (w.draining)
-          tw_prefill_done(&w, e->prefill->request_id, -1, NULL, 0, 0, 0, 0,
-                          TWAIN__V1__CODE__UNAVAILABLE, "prefill worker is draining");
-        else if (tw_prefill_stale(e->prefill))
-          tw_prefill_done(&w, e->prefill->request_id, -1, NULL, 0, 0, 0, 0,
-                          TWAIN__V1__CODE__DEADLINE_EXCEEDED, "prefill request is stale");
-        else
-          tw_prefill_one(&w, e->prefill);
-        twain__internal__v1__envelope__free_unpacked(e, NULL);
-      }
-    }
+    tw_prefill_next(&w);
     tw_prefill_capacity(&w, &cap);
     tw_worker_link_tick(&w.link, &cap, w.draining, false);
     if (w.draining && w.q_len == 0) break;

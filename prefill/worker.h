@@ -1,8 +1,9 @@
 /* worker.h: the prefill worker daemon mode of `twain-prefill` (ARCHITECTURE.md
  * item 2): `twain-prefill --router tcp://HOST:PORT --model DIR ...`.
  * It registers with the router (pool prefill, capacity = queued prompt
- * tokens), runs each PrefillRequest's prompt through the engine into its own
- * KV pool, samples the first token, writes the prompt's KV layer by layer into
+ * tokens), runs the queued PrefillRequests' prompts through the engine into
+ * its own KV pool, several at a time as one variable-length prefill up to a
+ * token budget (--chunk-tokens, --batch-seqs), samples each first token, writes the prompt's KV layer by layer into
  * the blocks the decode worker reserved (UCX puts, sliding layers only their
  * window, kv_transfer.h), flushes for remote completion and only then answers
  * PrefillDone with the first token and per-layer checksums. */
@@ -22,13 +23,17 @@ typedef struct {
   const char *metrics_addr; /* NULL: 127.0.0.1 */
   int flush_timeout_ms;
   int32_t tp, ep; /* ranks of this worker (issue 6): each 1 or the group size */
-  int32_t chunk_tokens; /* prefill chunk: its blocks are handed off while the next computes */
+  /* tokens of one forward pass: queued prompts are batched up to it (a longer
+   * prompt runs alone, split over passes); each layer's blocks are handed off
+   * while the next layers compute */
+  int32_t chunk_tokens;
+  int32_t batch_seqs; /* most prompts in one batch */
 } tw_prefill_opts_t;
 
 #define TW_PREFILL_OPTS_DEFAULT                                                              \
   ((tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,       \
                        .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,       \
-                       .chunk_tokens = 512})
+                       .chunk_tokens = 8192, .batch_seqs = 64})
 
 /** Run the daemon with `opts` until SIGTERM/SIGINT (then finish the request
  *  in progress, refuse the queued ones and return). argc/argv: the command

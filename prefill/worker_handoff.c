@@ -5,6 +5,8 @@
 #include "common/log.h"
 #include "common/msg.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
 
 int tw_prefill_handoff_stale(const Twain__Internal__V1__PrefillRequest *r, int64_t max_age_ms) {
@@ -52,62 +54,124 @@ static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool 
   s->t_put_ns += tw_msg_clock_ns() - t0;
 }
 
-/* tw_prefill_args_t.on_layer_done: layer l of positions start..start+T-1 is in the pool. */
-static void tw_handoff_on_layer(void *arg, int32_t layer, int32_t start, int32_t n_tokens) {
-  tw_handoff_send(arg, layer, start + n_tokens, true);
+/* One request's handoff set up: its endpoint, the first block each layer sends. */
+static tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
+  const Twain__Internal__V1__KvLayout *hl = s->r->handoff->layout;
+  const Twain__Internal__V1__KvHandoff *h = s->r->handoff;
+  const tw_model_config_t *c = &s->ctx->model->config;
+  s->rl = (tw_kv_remote_layout_t){.dtype = (tw_dtype_t)hl->dtype, .on_device = hl->on_device,
+                                  .n_layers = hl->n_layers, .n_blocks = hl->n_blocks,
+                                  .block_size = hl->block_size, .n_kv_heads = hl->n_kv_heads,
+                                  .head_dim = hl->head_dim,
+                                  .layer_stride_bytes = hl->layer_stride_bytes,
+                                  .block_bytes = hl->block_bytes, .remote_base = hl->remote_base,
+                                  .total_bytes = hl->total_bytes};
+  TW_CHECK(tw_kv_xfer_peer(s->ctx->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
+                           h->rkey.len, &s->peer));
+  for (int32_t l = 0; l < c->n_layers; l++) {
+    s->sent[l] = tw_kv_layer_first_block(s->n, s->src->block_size,
+                                         c->layer_types[l] == TW_LAYER_SLIDING, c->sliding_window);
+    s->sums[l] = TW_KV_FNV_INIT;
+  }
+  return TW_OK;
 }
 
-tw_status_t tw_prefill_handoff_run(const tw_prefill_handoff_ctx_t *ctx,
-                                   const Twain__Internal__V1__PrefillRequest *r, const int32_t *ids,
-                                   int32_t nb, const tw_sample_params_t *sp, uint64_t *sums,
-                                   tw_prefill_handoff_result_t *out) {
+/* tw_prefill_batch_args_t.on_layer_done: layer l of request seq's positions
+ * start..start+T-1 is in the pool. */
+static void tw_handoff_on_batch_layer(void *arg, int32_t seq, int32_t layer, int32_t start,
+                                      int32_t n_tokens) {
+  tw_handoff_state_t *states = arg;
+  tw_handoff_send(&states[seq], layer, start + n_tokens, true);
+}
+
+tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
+                                     tw_prefill_handoff_item_t *items, int32_t n) {
   const tw_model_config_t *c = &ctx->model->config;
-  const Twain__Internal__V1__KvHandoff *h = r->handoff;
-  const Twain__Internal__V1__KvLayout *hl = h->layout;
   if (c->n_layers > TW_MAX_LAYERS) return tw_err(TW_ERR_INTERNAL, "too many layers");
-  tw_handoff_state_t s = {.ctx = ctx, .r = r, .src = tw_engine_kv_layout(ctx->engine), .ids = ids,
-                           .nb = nb, .n = (int32_t)r->n_prompt_ids, .n_layers = c->n_layers,
-                           .sums = sums, .st = TW_OK};
-  s.rl = (tw_kv_remote_layout_t){.dtype = (tw_dtype_t)hl->dtype, .on_device = hl->on_device,
-                                 .n_layers = hl->n_layers, .n_blocks = hl->n_blocks,
-                                 .block_size = hl->block_size, .n_kv_heads = hl->n_kv_heads,
-                                 .head_dim = hl->head_dim,
-                                 .layer_stride_bytes = hl->layer_stride_bytes,
-                                 .block_bytes = hl->block_bytes, .remote_base = hl->remote_base,
-                                 .total_bytes = hl->total_bytes};
-  TW_CHECK(tw_kv_xfer_peer(ctx->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
-                           h->rkey.len, &s.peer));
-  for (int32_t l = 0; l < c->n_layers; l++) {
-    s.sent[l] = tw_kv_layer_first_block(s.n, s.src->block_size,
-                                        c->layer_types[l] == TW_LAYER_SLIDING, c->sliding_window);
-    sums[l] = TW_KV_FNV_INIT;
+  if (n <= 0) return tw_err(TW_ERR_INVALID_ARGUMENT, "prefill handoff: empty batch");
+  tw_handoff_state_t *states = calloc((size_t)n, sizeof *states);
+  tw_prefill_seq_t *seqs = calloc((size_t)n, sizeof *seqs);
+  int32_t *firsts = calloc((size_t)n, sizeof *firsts);
+  if (!states || !seqs || !firsts) {
+    free(states);
+    free(seqs);
+    free(firsts);
+    return tw_err(TW_ERR_NO_MEMORY, "prefill handoff: out of memory for a batch of %d", n);
   }
-  int32_t first = -1;
-  int64_t t_total = 0;
-  int32_t chunk = ctx->chunk_tokens > 0 ? ctx->chunk_tokens : s.n;
-  for (int32_t off = 0; off < s.n; off += chunk) {
-    int32_t T = s.n - off < chunk ? s.n - off : chunk;
-    bool last = off + T == s.n;
-    /* layer l's blocks are put from on_layer_done while layers > l compute */
-    tw_prefill_args_t a = {.tokens = r->prompt_ids + off, .n_tokens = T, .start_pos = off,
-                           .block_table = ids, .n_blocks = nb, .sample = last ? sp : NULL,
-                           .next_token_out = last ? &first : NULL,
-                           .on_layer_done = tw_handoff_on_layer, .on_layer_arg = &s};
-    int64_t t0 = tw_msg_clock_ns();
-    TW_CHECK(tw_engine_prefill(ctx->engine, &a));
+  const tw_kv_layout_t *src = tw_engine_kv_layout(ctx->engine);
+  int32_t n_seqs = 0;
+  for (int32_t i = 0; i < n; i++) {
+    tw_prefill_handoff_item_t *it = &items[i];
+    it->out = (tw_prefill_handoff_result_t){.first_token = -1};
+    tw_handoff_state_t *s = &states[n_seqs];
+    *s = (tw_handoff_state_t){.ctx = ctx, .r = it->r, .src = src, .ids = it->ids, .nb = it->nb,
+                              .n = (int32_t)it->r->n_prompt_ids, .n_layers = c->n_layers,
+                              .sums = it->sums, .st = TW_OK};
+    it->st = tw_handoff_begin(s);
+    if (it->st != TW_OK) {
+      snprintf(it->msg, sizeof it->msg, "%s", tw_last_error());
+      continue;
+    }
+    int32_t k = n_seqs++;
+    it->seq = k;
+    firsts[k] = -1;
+    seqs[k] = (tw_prefill_seq_t){.tokens = it->r->prompt_ids, .n_tokens = s->n,
+                                 .block_table = it->ids, .n_blocks = it->nb, .sample = &it->sp,
+                                 .next_token_out = &firsts[k]};
+  }
+  tw_status_t est = TW_OK;
+  int64_t t0 = tw_msg_clock_ns(), t_engine = 0;
+  if (n_seqs > 0) {
+    /* layer l's blocks of every request are put from on_layer_done while
+     * layers > l compute (and the next pass, for a prompt split over passes) */
+    tw_prefill_batch_args_t ba = {.n_seqs = n_seqs, .seqs = seqs,
+                                  .on_layer_done = tw_handoff_on_batch_layer,
+                                  .on_layer_arg = states};
+    est = tw_engine_prefill_batch(ctx->engine, &ba);
     /* a backend that reported nothing (or not everything): the rest now */
-    for (int32_t l = 0; l < c->n_layers; l++) tw_handoff_send(&s, l, off + T, false);
-    t_total += tw_msg_clock_ns() - t0;
-    TW_CHECK(s.st);
+    for (int32_t k = 0; est == TW_OK && k < n_seqs; k++)
+      for (int32_t l = 0; l < c->n_layers; l++) tw_handoff_send(&states[k], l, states[k].n, false);
+    t_engine = tw_msg_clock_ns() - t0;
   }
-  int64_t t2 = tw_msg_clock_ns();
-  TW_CHECK(tw_kv_xfer_flush(ctx->xfer, s.peer, ctx->flush_timeout_ms));
-  int64_t t_flush = tw_msg_clock_ns() - t2;
-  out->first_token = first;
-  out->kv_bytes = s.bytes;
-  out->prefill_ms = (double)(t_total - s.t_put_ns) * 1e-6;
-  out->transfer_ms = (double)(s.t_put_ns + t_flush) * 1e-6;
-  out->layer_sends = s.layer_sends;
-  out->layer_sends_in_engine = s.layer_sends_in_engine;
-  return TW_OK;
+  char emsg[256] = "";
+  if (est != TW_OK) snprintf(emsg, sizeof emsg, "%s", tw_last_error());
+  int64_t t_puts = 0;
+  for (int32_t k = 0; k < n_seqs; k++) t_puts += states[k].t_put_ns;
+  for (int32_t i = 0; i < n; i++) {
+    tw_prefill_handoff_item_t *it = &items[i];
+    if (it->st != TW_OK) continue;
+    tw_handoff_state_t *s = &states[it->seq];
+    if (est != TW_OK) {
+      it->st = est;
+      snprintf(it->msg, sizeof it->msg, "%s", emsg);
+      continue;
+    }
+    if (s->st == TW_OK) { /* remote completion; a failed peer is dropped from the cache */
+      int64_t t2 = tw_msg_clock_ns();
+      s->st = tw_kv_xfer_flush(ctx->xfer, s->peer, ctx->flush_timeout_ms);
+      s->t_put_ns += tw_msg_clock_ns() - t2;
+      if (s->st != TW_OK) /* the other requests to that peer fail with it, unflushed */
+        for (int32_t k = 0; k < n_seqs; k++)
+          if (k != it->seq && states[k].peer == s->peer && states[k].st == TW_OK) {
+            states[k].st = s->st;
+            states[k].peer = NULL;
+          }
+    }
+    it->st = s->st;
+    if (it->st != TW_OK) {
+      snprintf(it->msg, sizeof it->msg, "%s", tw_last_error());
+      continue;
+    }
+    it->out.first_token = firsts[it->seq];
+    it->out.kv_bytes = s->bytes;
+    /* the batch's engine time less every put issued during it (all requests') */
+    it->out.prefill_ms = (double)(t_engine - t_puts) * 1e-6;
+    it->out.transfer_ms = (double)s->t_put_ns * 1e-6;
+    it->out.layer_sends = s->layer_sends;
+    it->out.layer_sends_in_engine = s->layer_sends_in_engine;
+  }
+  free(states);
+  free(seqs);
+  free(firsts);
+  return est;
 }

@@ -3,6 +3,11 @@
  *   (a) prefill of one sequence (batch 1) at 8192, 32768, 65536, 128000
  *       tokens: latency, cost per million input tokens at $3.00 per GPU-hour,
  *       ratio to the yardstick (in-house FP8 engine, one H200);
+ *   (a') with --prefill-batch SxL,...: S prompts of L tokens each as one
+ *       batched (variable-length) prefill, tw_engine_prefill_batch, in
+ *       passes of --chunk tokens (engine max_prefill_chunk, default 8192):
+ *       latency of the whole batch and prompt tokens/s (e.g. 1x1024 against
+ *       32x1024: short prompts at batch-1 rates or not);
  *   (b) decode steps at batch 1, 8, 32, 64, 128, 256 and contexts 8192 and
  *       32768: tokens/s per sequence and per GPU, cost per million output
  *       tokens; configurations whose KV cache does not fit are skipped.
@@ -19,13 +24,14 @@
  *
  * Usage: twain-bench-cuda [--model DIR | --synthetic 20b|120b|both]
  *          [--prefill 8192,32768,...] [--batches 1,8,...] [--contexts 8192,...]
- *          [--steps N] [--reps N] */
+ *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N] */
 #include "common/engine.h"
 #include "common/log.h"
 #include "common/opts.h"
 #include "common/model.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,6 +98,35 @@ static int parse_list(const char *s, void *dst, char *err, size_t errlen) {
   return 0;
 }
 
+/* --prefill-batch "SxL,SxL,...": S sequences of L tokens each (opts.h TW_OPT_FN). */
+typedef struct {
+  int s[MAXL], l[MAXL];
+  int n;
+} pair_list_t;
+
+static int parse_pairs(const char *text, void *dst, char *err, size_t errlen) {
+  pair_list_t *p = dst;
+  char buf[512];
+  p->n = 0;
+  if (snprintf(buf, sizeof buf, "%s", text) >= (int)sizeof buf) {
+    snprintf(err, errlen, "is too long");
+    return -1;
+  }
+  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+    char *x = strchr(t, 'x');
+    long long a = 0, b = 0;
+    if (x) *x = '\0'; /* t: the count, x + 1: the length */
+    if (p->n == MAXL || !x || tw_opts_ll(t, 1, INT32_MAX, &a) || tw_opts_ll(x + 1, 1, INT32_MAX, &b)) {
+      snprintf(err, errlen, "must be at most %d SxL pairs (sequences x tokens) separated by commas, got '%s'",
+               MAXL, text);
+      return -1;
+    }
+    p->s[p->n] = (int)a;
+    p->l[p->n++] = (int)b;
+  }
+  return 0;
+}
+
 /* The machine's ceilings (measured on the H200, shared/design/MACHINES.md):
  * device copy counting read plus write, and bf16 dense GEMM. */
 #define COPY_BYTES_PER_S 4.20e12
@@ -143,14 +178,71 @@ static int32_t rand_tok(int V) {
   return (int32_t)((rng >> 8) % (uint32_t)(V < 200000 ? V : 200000));
 }
 
+/* Batched prefills of pb_s[i] prompts of pb_l[i] tokens (distinct random
+ * tokens per prompt, distinct blocks): the (a') rows. */
+static void bench_prefill_batch(const char *name, tw_engine_t *e, const tw_model_t *m,
+                                const int *pb_s, const int *pb_l, int n_pb, int reps) {
+  const tw_kv_layout_t *kv = tw_engine_kv_layout(e);
+  int bs = kv->block_size, V = m->config.vocab_size, pool = kv->n_blocks;
+  for (int i = 0; i < n_pb; i++) {
+    int S = pb_s[i], L = pb_l[i], per = (L + bs - 1) / bs;
+    row_t *r = &rows[n_rows++];
+    snprintf(r->model, sizeof r->model, "%s", name);
+    snprintf(r->kind, sizeof r->kind, "prefill-batch");
+    r->a = S;
+    r->b = L;
+    if ((long)S * per > pool || L > m->config.max_position_embeddings) {
+      r->skipped = 1;
+      printf("[%s] prefill batch %d x %d: skipped (needs %ld KV blocks, pool %d)\n", name, S, L,
+             (long)S * per, pool);
+      continue;
+    }
+    int32_t *toks = malloc(sizeof(int32_t) * (size_t)S * L);
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)S * per);
+    int32_t *first = malloc(sizeof(int32_t) * (size_t)S);
+    tw_prefill_seq_t *seqs = malloc(sizeof(tw_prefill_seq_t) * (size_t)S);
+    for (long k = 0; k < (long)S * L; k++) toks[k] = rand_tok(V);
+    for (long k = 0; k < (long)S * per; k++) table[k] = (int32_t)k;
+    for (int q = 0; q < S; q++)
+      seqs[q] = (tw_prefill_seq_t){.tokens = toks + (size_t)q * L, .n_tokens = L,
+                                   .block_table = table + (size_t)q * per, .n_blocks = per,
+                                   .next_token_out = &first[q]};
+    tw_prefill_batch_args_t a = {.n_seqs = S, .seqs = seqs};
+    double ts[17];
+    int n = 0;
+    for (int k = 0; k <= reps; k++) { /* k = 0: warm-up (workspace, cuBLASLt heuristics) */
+      double t0 = now_s();
+      if (tw_engine_prefill_batch(e, &a) != TW_OK) {
+        fprintf(stderr, "prefill batch failed: %s\n", tw_last_error());
+        r->skipped = 1;
+        break;
+      }
+      if (k > 0) ts[n++] = now_s() - t0;
+    }
+    if (!r->skipped) {
+      r->t = median(ts, n);
+      printf("[%s] prefill batch %3d x %6d tokens: %.3f s (%.0f tok/s, median of %d)\n", name, S,
+             L, r->t, (double)S * L / r->t, n);
+      fflush(stdout);
+    }
+    free(toks);
+    free(table);
+    free(first);
+    free(seqs);
+  }
+}
+
 static void bench_model(const char *name, const tw_model_t *m, const double *yard, const int *pre,
-                        int n_pre, const int *bat, int n_bat, const int *ctxs, int n_ctx,
-                        int steps, int reps) {
+                        int n_pre, const int *pb_s, const int *pb_l, int n_pb, int chunk,
+                        const int *bat, int n_bat, const int *ctxs, int n_ctx, int steps,
+                        int reps) {
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
   p.backend = TW_BACKEND_CUDA;
   int maxb = 1;
   for (int i = 0; i < n_bat; i++) maxb = bat[i] > maxb ? bat[i] : maxb;
+  for (int i = 0; i < n_pb; i++) maxb = pb_s[i] > maxb ? pb_s[i] : maxb;
   p.max_batch = maxb;
+  if (chunk > 0) p.max_prefill_chunk = chunk;
   tw_engine_t *e = NULL;
   double t0 = now_s();
   if (tw_engine_create(m, &p, &e) != TW_OK) {
@@ -208,6 +300,7 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
            pre[i] / r->t, nr);
     fflush(stdout);
   }
+  bench_prefill_batch(name, e, m, pb_s, pb_l, n_pb, reps);
   for (int ci = 0; ci < n_ctx; ci++) {
     int ctx = ctxs[ci];
     int per_seq = (ctx + steps + 2 + bs - 1) / bs;
@@ -282,11 +375,14 @@ int main(int argc, char **argv) {
   const char *model_dir = NULL, *syn = "both";
   int_list_t pl = {{8192, 32768, 65536, 128000}, 4}, bl = {{1, 8, 32, 64, 128, 256}, 6},
              cl = {{8192, 32768}, 2};
-  int steps = 20, reps = 3;
+  pair_list_t pbl = {.n = 0};
+  int steps = 20, reps = 3, chunk = 0;
   tw_opt_t opts[] = {
       TW_OPT_STR("model", &model_dir, "DIR", "a checkpoint instead of synthetic weights"),
       TW_OPT_STR("synthetic", &syn, "20b|120b|both", "synthetic gpt-oss shapes"),
       TW_OPT_FN("prefill", &pl, parse_list, "LIST", "prefill lengths (default 8192,32768,65536,128000)"),
+      TW_OPT_FN("prefill-batch", &pbl, parse_pairs, "SxL,...", "batched prefill: S prompts of L tokens"),
+      TW_OPT_INT("chunk", &chunk, 0, INT32_MAX, "N", "prefill chunk tokens (0: the engine's)"),
       TW_OPT_FN("batches", &bl, parse_list, "LIST", "decode batch sizes (default 1,8,32,64,128,256)"),
       TW_OPT_FN("contexts", &cl, parse_list, "LIST", "decode context lengths (default 8192,32768)"),
       TW_OPT_INT("steps", &steps, 1, 500, "N", "decode steps per point"),
@@ -298,6 +394,7 @@ int main(int argc, char **argv) {
   int prc = tw_opts_parse(&spec, argc, argv, NULL);
   if (prc != TW_OPTS_RUN) return prc;
   int *pre = pl.v, n_pre = pl.n, *bat = bl.v, n_bat = bl.n, *ctx = cl.v, n_ctx = cl.n;
+  int *pb_s = pbl.s, *pb_l = pbl.l, n_pb = pbl.n;
   {
     const char *pdl = getenv("TWAIN_CUDA_PDL");
     printf("[bench] programmatic dependent launch %s (TWAIN_CUDA_PDL=%s); kernels per decode "
@@ -312,8 +409,8 @@ int main(int argc, char **argv) {
       fprintf(stderr, "cannot load %s: %s\n", model_dir, tw_last_error());
       return 1;
     }
-    bench_model("checkpoint", m, m->config.n_experts > 32 ? y120 : y20, pre, n_pre, bat, n_bat,
-                ctx, n_ctx, steps, reps);
+    bench_model("checkpoint", m, m->config.n_experts > 32 ? y120 : y20, pre, n_pre, pb_s, pb_l,
+                n_pb, chunk, bat, n_bat, ctx, n_ctx, steps, reps);
     tw_model_destroy(m);
   } else {
     for (int big = 0; big < 2; big++) {
@@ -331,8 +428,8 @@ int main(int argc, char **argv) {
       }
       printf("[%s] synthetic weights in %.1f s\n", big ? "gpt-oss-120b" : "gpt-oss-20b",
              now_s() - t0);
-      bench_model(big ? "gpt-oss-120b" : "gpt-oss-20b", m, big ? y120 : y20, pre, n_pre, bat,
-                  n_bat, ctx, n_ctx, steps, reps);
+      bench_model(big ? "gpt-oss-120b" : "gpt-oss-20b", m, big ? y120 : y20, pre, n_pre, pb_s,
+                  pb_l, n_pb, chunk, bat, n_bat, ctx, n_ctx, steps, reps);
       tw_model_destroy(m);
     }
   }
@@ -346,7 +443,11 @@ int main(int argc, char **argv) {
              r->b ? "" : "-");
       continue;
     }
-    if (!strcmp(r->kind, "prefill")) {
+    if (!strcmp(r->kind, "prefill-batch")) {
+      double cost = PRICE_PER_HOUR / 3600.0 * r->t / ((double)r->a * r->b) * 1e6;
+      printf("| %s | prefill batch | %d x %d | - | %.3f s | %.0f tok/s | %.4f | - |\n", r->model,
+             r->a, r->b, r->t, (double)r->a * r->b / r->t, cost);
+    } else if (!strcmp(r->kind, "prefill")) {
       double cost = PRICE_PER_HOUR / 3600.0 * r->t / r->a * 1e6;
       printf("| %s | prefill | %d | - | %.3f s | %.0f tok/s | %.4f | %.2fx (%.3f s) | | |\n", r->model,
              r->a, r->t, r->a / r->t, cost, r->t / r->yard, r->yard);
