@@ -58,7 +58,7 @@ typedef struct {
   size_t n_head_sums;
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
-    tw_metric_t *layer_sends, *layer_sends_overlapped, *batches;
+    tw_metric_t *layer_sends, *layer_sends_overlapped, *batches, *tail;
   } m;
 } tw_prefiller_t;
 
@@ -141,8 +141,11 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
   } else {
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);
+    tw_metric_observe(w->m.tail, w->rk.tail_ms * 1e-3);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
+    TW_DEBUG("prefill", "request %llu: %lld kv bytes, handoff tail %.2f ms after the last layer",
+             (unsigned long long)r->request_id, (long long)bytes, w->rk.tail_ms);
     w->head_sums = hs;
     w->n_head_sums = tw_engine_kv_layout(w->engine)->on_device ? 0 : n_hs; /* host pools only */
     tw_prefill_done(w, r->request_id, first, NULL, 0, bytes, pms, xms, 0, NULL);
@@ -228,10 +231,12 @@ static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *i
       tw_metric_add(w->m.requests, 1);
       tw_metric_add(w->m.layer_sends, (double)hr->layer_sends);
       tw_metric_add(w->m.layer_sends_overlapped, (double)hr->layer_sends_in_engine);
+      tw_metric_observe(w->m.tail, hr->tail_ms * 1e-3);
       TW_DEBUG("prefill",
-               "request %llu: %zu tokens in a batch of %d, %.2f ms, %lld kv bytes to %s in %.2f ms",
+               "request %llu: %zu tokens in a batch of %d, %.2f ms, %lld kv bytes to %s in %.2f ms, "
+               "tail %.2f ms after the last layer",
                (unsigned long long)r->request_id, r->n_prompt_ids, n, hr->prefill_ms,
-               (long long)hr->kv_bytes, r->handoff->decode_worker, hr->transfer_ms);
+               (long long)hr->kv_bytes, r->handoff->decode_worker, hr->transfer_ms, hr->tail_ms);
       tw_prefill_done(w, r->request_id, hr->first_token, it->sums, (size_t)c->n_layers,
                       hr->kv_bytes, hr->prefill_ms, hr->transfer_ms, 0, NULL);
     }
@@ -376,6 +381,9 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->m.kv_bytes = tw_metrics_counter(M, "kv_bytes_sent_total", "kv bytes put to decode workers");
   w->m.requests = tw_metrics_counter(M, "prefill_requests_total", "prompts prefilled and handed off");
   w->m.failed = tw_metrics_counter(M, "prefill_failures_total", "prompts that failed");
+  w->m.tail = tw_metrics_histogram(M, "kv_handoff_tail_seconds",
+                                   "kv handoff time left after the last layer's compute, per prompt",
+                                   tw_metrics_latency_buckets, tw_metrics_latency_n);
   w->m.layer_sends = tw_metrics_counter(M, "kv_layer_sends_total",
                                         "kv puts issued for one layer's finished blocks");
   w->m.layer_sends_overlapped = tw_metrics_counter(

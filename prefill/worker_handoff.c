@@ -29,13 +29,14 @@ typedef struct {
   uint64_t *sums;
   int64_t bytes, t_put_ns;
   int64_t layer_sends, layer_sends_in_engine;
+  int64_t t_last_layer_ns; /* when the last layer's compute was reported done */
   tw_status_t st; /* first error (the callback cannot return one) */
 } tw_handoff_state_t;
 
 /* Put layer l's blocks that are final once positions < end are computed. */
 static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool in_engine) {
   if (s->st != TW_OK || l < 0 || l >= s->n_layers) return;
-  int32_t done = end >= s->n ? s->nb : end / s->src->block_size;
+  int32_t done = tw_kv_blocks_final(end, s->n, s->nb, s->src->block_size);
   if (done <= s->sent[l]) return;
   int64_t t0 = tw_msg_clock_ns();
   if (tw_prefill_handoff_stale(s->r, s->ctx->max_age_ms)) {
@@ -43,8 +44,11 @@ static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool 
                    (unsigned long long)s->r->request_id, (long long)s->ctx->max_age_ms);
     return;
   }
+  /* device pools: checksums read everything back, so only for a verifier */
+  bool sums = s->r->handoff->checksums || !s->src->on_device;
   s->st = tw_kv_xfer_send_layer(s->ctx->xfer, s->peer, s->src, &s->rl, l, s->ids,
-                                s->r->handoff->block_ids, s->sent[l], done, &s->sums[l]);
+                                s->r->handoff->block_ids, s->sent[l], done,
+                                sums ? &s->sums[l] : NULL);
   if (s->st == TW_OK) {
     s->bytes += (int64_t)(done - s->sent[l]) * s->src->block_bytes;
     s->sent[l] = done;
@@ -81,6 +85,7 @@ static tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
 static void tw_handoff_on_batch_layer(void *arg, int32_t seq, int32_t layer, int32_t start,
                                       int32_t n_tokens) {
   tw_handoff_state_t *states = arg;
+  if (layer == states[seq].n_layers - 1) states[seq].t_last_layer_ns = tw_msg_clock_ns();
   tw_handoff_send(&states[seq], layer, start + n_tokens, true);
 }
 
@@ -132,6 +137,8 @@ tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
     for (int32_t k = 0; est == TW_OK && k < n_seqs; k++)
       for (int32_t l = 0; l < c->n_layers; l++) tw_handoff_send(&states[k], l, states[k].n, false);
     t_engine = tw_msg_clock_ns() - t0;
+    for (int32_t k = 0; k < n_seqs; k++) /* a backend that reported nothing */
+      if (!states[k].t_last_layer_ns) states[k].t_last_layer_ns = t0 + t_engine;
   }
   char emsg[256] = "";
   if (est != TW_OK) snprintf(emsg, sizeof emsg, "%s", tw_last_error());
@@ -149,7 +156,9 @@ tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
     if (s->st == TW_OK) { /* remote completion; a failed peer is dropped from the cache */
       int64_t t2 = tw_msg_clock_ns();
       s->st = tw_kv_xfer_flush(ctx->xfer, s->peer, ctx->flush_timeout_ms);
-      s->t_put_ns += tw_msg_clock_ns() - t2;
+      int64_t t3 = tw_msg_clock_ns();
+      s->t_put_ns += t3 - t2;
+      it->out.tail_ms = (double)(t3 - s->t_last_layer_ns) * 1e-6;
       if (s->st != TW_OK) /* the other requests to that peer fail with it, unflushed */
         for (int32_t k = 0; k < n_seqs; k++)
           if (k != it->seq && states[k].peer == s->peer && states[k].st == TW_OK) {

@@ -35,6 +35,7 @@ typedef struct {
   double prefill_ms, transfer_ms; /* engine time; put + flush time */
   int64_t layer_sends;          /* tw_kv_xfer_send_layer calls (one layer, some blocks) */
   int64_t layer_sends_in_engine; /* of those, issued from on_layer_done (overlapped) */
+  double tail_ms;               /* its last layer's compute reported done -> its flush complete */
 } tw_prefill_handoff_result_t;
 
 /** One prompt of a batch: in r, ids, nb, sp, sums; out the rest. */
@@ -43,7 +44,9 @@ typedef struct {
   const int32_t *ids;           /* local blocks covering the prompt */
   int32_t nb;
   tw_sample_params_t sp;
-  uint64_t *sums;               /* [n_layers]: FNV-1a 64 of each layer's bytes sent */
+  uint64_t *sums;               /* [n_layers]: FNV-1a 64 of each layer's bytes sent (a device
+                                 * pool: only when r->handoff->checksums, as they read the KV
+                                 * back to the host; else TW_KV_FNV_INIT) */
   tw_status_t st;               /* this prompt's outcome */
   char msg[256];                /* its error message when st != TW_OK */
   tw_prefill_handoff_result_t out; /* valid when st == TW_OK */

@@ -109,9 +109,12 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
     zmq_ctx_term(ctx);
     return 1;
   }
-  size_t len = protobuf_c_message_get_packed_size(&req->base);
+  Twain__V1__ClientRequest keyed = *req; /* a router run with --api-key wants it */
+  const char *key = getenv("TWAIN_API_KEY");
+  if (key && key[0]) keyed.api_key = (char *)key;
+  size_t len = protobuf_c_message_get_packed_size(&keyed.base);
   uint8_t *buf = malloc(len ? len : 1);
-  protobuf_c_message_pack(&req->base, buf);
+  protobuf_c_message_pack(&keyed.base, buf);
   if (zmq_send(s, buf, len, 0) < 0) {
     if (zmq_errno() == EAGAIN)
       tw_call_fail(err, prog, "UNAVAILABLE", "no answer from %s within %d ms (is `twain serve` running?)",

@@ -65,6 +65,7 @@ typedef struct {
   int bound;      /* 1 bound, -1 failed */
   int ready;
   char worker_ep[256], client_ep[256];
+  char http_url[320];   /* "" when the HTTP API is off */
   tw_status_t router_status;
   int n_registered; /* workers registered with the router (any origin), under mu */
 } tw_serve_t;
@@ -92,10 +93,15 @@ static void tw_serve_bound(void *arg, const char *cep, const char *wep) {
   pthread_mutex_unlock(&s->mu);
 }
 
+static void tw_serve_http(void *arg, const char *url) { /* router thread, before on_ready */
+  tw_serve_t *s = arg;
+  snprintf(s->http_url, sizeof s->http_url, "OpenAI API at %s, ", url);
+}
+
 static void tw_serve_ready(void *arg) {
   tw_serve_t *s = arg;
-  printf("twain serve: ready: %d prefill + %d decode workers (join at %s), clients at %s\n",
-         s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->client_ep);
+  printf("twain serve: ready: %d prefill + %d decode workers (join at %s), %sclients at %s\n",
+         s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->http_url, s->client_ep);
   fflush(stdout);
   pthread_mutex_lock(&s->mu);
   s->ready = 1;
@@ -184,7 +190,10 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_ready = tw_serve_ready;
   s.rp.on_ready_arg = &s;
   s.rp.on_workers = tw_serve_workers;
+  s.rp.on_http = tw_serve_http;
+  s.rp.on_http_arg = &s;
   s.rp.on_workers_arg = &s;
+  s.rp.http_port = TW_ROUTER_HTTP_PORT;
   int n_prefill = 1, n_decode = 1, threads = -1, kv_blocks = 0;
   bool verify = false;
   tw_backend_kind_t bk = TW_BACKEND_AUTO;
@@ -217,6 +226,9 @@ int tw_cli_serve(int argc, char **argv) {
       TW_OPT_STR("metrics-addr", &s.rp.metrics_addr, "ADDR",
                  "numeric address of every metrics port (default 127.0.0.1)"),
       TW_ROUTER_OPT_ROWS(s.rp),
+      TW_OPT_INT("http-port", &s.rp.http_port, -1, 65535, "PORT",
+                 "OpenAI-compatible HTTP API (-1 off, 0 ephemeral; default\n"
+                 "ephemeral when --listen has port 0)"),
   };
   tw_opts_spec_t spec = {
       .prog = "twain serve",
@@ -225,6 +237,9 @@ int tw_cli_serve(int argc, char **argv) {
       .config = true};
   int prc = tw_opts_parse(&spec, argc, argv, NULL);
   if (prc != TW_OPTS_RUN) return prc;
+  size_t el = strlen(s.rp.client_endpoint); /* the HTTP API: ephemeral beside an ephemeral --listen */
+  if (!tw_opts_given(&spec, "http-port") && el > 2 && !strcmp(s.rp.client_endpoint + el - 2, ":0"))
+    s.rp.http_port = 0;
   const char *backend = tw_backend_name(bk);
   /* each pool's parallelism (issue 6): the decode worker's --dp rule, checked
    * here so that a combination the worker refuses ends serve at once instead

@@ -33,6 +33,15 @@ typedef struct {
   int32_t default_deadline_ms;
   int32_t expire_ms;            /* worker silence before it is expired */
   int32_t expect_prefill, expect_decode; /* print "ready" once this many registered */
+  /* OpenAI-compatible HTTP API (router/http_api.h, docs/api.md) */
+  int http_port;                /* -1 off, 0 ephemeral */
+  const char *http_addr;        /* numeric; NULL: 127.0.0.1 */
+  const char *served_model_name;/* /v1/models id; NULL: the model directory's name */
+  long long http_max_body;      /* bytes; a larger request body gets 413 */
+  const char *api_key;          /* NULL: none; else required on both APIs */
+  /* maybe NULL: called once the HTTP API listens, with its base URL */
+  void (*on_http)(void *arg, const char *url);
+  void *on_http_arg;
   /* called once both sockets are bound, with the actual endpoints */
   void (*on_bound)(void *arg, const char *client_ep, const char *worker_ep);
   void *on_bound_arg;
@@ -52,7 +61,9 @@ typedef struct {
                         .max_prompt_tokens = 0,                                       \
                         .max_tokens_limit = 4096, .default_max_tokens = 512,          \
                         .max_requests = 2048, .default_deadline_ms = 600000,          \
-                        .expire_ms = 1000})
+                        .expire_ms = 1000, .http_port = -1,                           \
+                        .http_max_body = 8 << 20})
+#define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */
 
 /** The router's limits as common/opts.h rows on a tw_router_params_t `p`:
  *  one list for twain-router and `twain serve`, which passes them all on. */
@@ -70,7 +81,18 @@ typedef struct {
       TW_OPT_INT("deadline-ms", &(p).default_deadline_ms, 1, INT32_MAX, "MS",                  \
                  "deadline of a request that sets none"),                                      \
       TW_OPT_INT("expire-ms", &(p).expire_ms, 1, INT32_MAX, "MS",                              \
-                 "a worker silent this long is expired")
+                 "a worker silent this long is expired"),                                      \
+      TW_OPT_STR("http-addr", &(p).http_addr, "ADDR",                                           \
+                 "numeric address of the HTTP API (default 127.0.0.1; 0.0.0.0: all)"),          \
+      TW_OPT_STR("served-model-name", &(p).served_model_name, "NAME",                           \
+                 "the model's name in /v1/models and the metrics' model_name label\n"          \
+                 "(default: ORG/NAME of a Hugging Face snapshot, else the directory's name)"), \
+      TW_OPT_LONG("http-max-body", &(p).http_max_body, 1, 1LL << 40, "BYTES",                    \
+                  "largest HTTP request body (larger: 413)"),                                   \
+      TW_OPT_STR("api-key", &(p).api_key, "KEY",                                                \
+                 "required on the HTTP and protobuf APIs (default: none)"),                    \
+      TW_OPT_FN("api-key-file", &(p).api_key, tw_router_key_file_opt, "PATH",                   \
+                "read --api-key from the first line of PATH")
 
 /** Run until *stop becomes non-zero (SIGTERM/SIGINT in the callers), then
  *  drain: stop accepting requests (UNAVAILABLE), let running ones finish for
@@ -78,6 +100,11 @@ typedef struct {
  *  Errors: TW_ERR_TRANSPORT (cannot bind), TW_ERR_IO/TW_ERR_FORMAT (model
  *  config or tokenizer), TW_ERR_NO_MEMORY. */
 tw_status_t tw_router_run(const tw_router_params_t *params, volatile sig_atomic_t *stop);
+
+/** The --api-key-file option's parser (common/opts.h TW_OPT_FN; dst: const
+ *  char **): the first line of the file at `path` (static storage). 0, or -1
+ *  with why in err (cannot read, empty). */
+int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen);
 
 /** `twain-router` / `twain router` command line. Returns the exit code. */
 int tw_router_main(int argc, char **argv);

@@ -47,6 +47,11 @@ struct tw_rchat {
   tw_tok_buf_t final_text;
   bool stop_hit;
   bool stream;
+  /* model output the parser did not expect: counted, logged once per request */
+  tw_metric_t *unexpected;
+  uint64_t req_id;
+  int32_t n_unexpected;
+  bool finishing; /* in parser_finish: a message cut by max_tokens or a stop is expected */
 };
 
 static char *tw_dup(const char *s) { return s ? strdup(s) : NULL; }
@@ -159,8 +164,19 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
         c->cptr[c->n_calls++] = t;
       }
       break;
-    case TW_HARMONY_EV_ERROR:
-      TW_DEBUG("router", "harmony parser: %s", ev->text ? ev->text : "");
+    case TW_HARMONY_EV_ERROR: /* the text generated so far still reaches the client */
+      if (c->finishing) {
+        TW_DEBUG("router", "request %llu: harmony parser at the end: %s", (unsigned long long)c->req_id,
+                 ev->text ? ev->text : "");
+        break;
+      }
+      tw_metric_add(c->unexpected, 1);
+      if (c->n_unexpected++ == 0)
+        TW_WARN("router", "request %llu: unexpected model output (token %d): %s; answering with "
+                "what was generated", (unsigned long long)c->req_id, ev->token, ev->text ? ev->text : "");
+      else
+        TW_DEBUG("router", "request %llu: harmony parser: %s", (unsigned long long)c->req_id,
+                 ev->text ? ev->text : "");
       break;
     default: break;
   }
@@ -188,6 +204,12 @@ void tw_rchat_fini(tw_router_t *r) {
   tw_tokenizer_destroy(x->tok);
   free(x);
   r->chat_ctx = NULL;
+}
+
+void tw_rchat_tokenizer(tw_router_t *r, const tw_tokenizer_t **tok_p, tw_tok_encoder_t **enc_p) {
+  tw_rchat_ctx_t *x = r->chat_ctx;
+  *tok_p = x->tok;
+  *enc_p = x->enc;
 }
 
 int32_t tw_rchat_default_stops(tw_router_t *r, int32_t *ids, int32_t cap) {
@@ -229,6 +251,8 @@ tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatReq
   if (!c) return tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
   q->hchat = c;
   c->stream = cr->stream;
+  c->unexpected = r->m.harmony_unexpected;
+  c->req_id = q->id;
   tw_tok_buf_init(&c->final_text);
   tw_harmony_conversation_t conv;
   tw_harmony_conversation_init(&conv);
@@ -312,6 +336,7 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
 void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   struct tw_rchat *c = q->hchat;
   if (!c) return;
+  c->finishing = true;
   tw_harmony_parser_finish(c->parser); /* reports a message cut off by max_tokens */
   rep->deltas = c->dptr;
   rep->n_deltas = c->stream ? c->n_deltas : 0;

@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "common/opts.h"
 
+#include <errno.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -36,6 +37,25 @@ static void tw_router_print_ready(void *arg) {
   fflush(stdout);
 }
 
+int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen) {
+  static char key[512];
+  FILE *f = fopen(path, "r");
+  if (!f) {
+    snprintf(err, errlen, "cannot read the API key file %s: %s", path, strerror(errno));
+    return -1;
+  }
+  size_t n = fread(key, 1, sizeof key - 1, f);
+  fclose(f);
+  key[n] = '\0';
+  key[strcspn(key, "\r\n")] = '\0'; /* the first line */
+  if (!key[0]) {
+    snprintf(err, errlen, "the API key file %s is empty", path);
+    return -1;
+  }
+  *(const char **)dst = key;
+  return 0;
+}
+
 /* The router's options (opts.h), shared by twain-router and `twain router`. */
 int tw_router_main(int argc, char **argv) {
   tw_router_params_t p = TW_ROUTER_PARAMS_DEFAULT;
@@ -51,6 +71,8 @@ int tw_router_main(int argc, char **argv) {
       TW_OPT_STR("metrics-addr", &p.metrics_addr, "ADDR",
                  "numeric address of the metrics port (0.0.0.0: all interfaces)"),
       TW_ROUTER_OPT_ROWS(p),
+      TW_OPT_INT("http-port", &p.http_port, -1, 65535, "PORT",
+                 "OpenAI-compatible HTTP API port (-1 off, 0 ephemeral)"),
       TW_OPT_INT("expect-prefill", &p.expect_prefill, 0, INT32_MAX, "N",
                  "print \"ready\" once N prefill (and --expect-decode) workers registered"),
       TW_OPT_INT("expect-decode", &p.expect_decode, 0, INT32_MAX, "N", "see --expect-prefill"),
