@@ -35,7 +35,7 @@ static void tw_opts_free_kept(void) {
   tw_opts_n_kept_g = 0;
 }
 
-static const char *tw_opts_keep(const char *s) {
+const char *tw_opts_keep(const char *s) {
   char **grown = realloc(tw_opts_kept_g, (tw_opts_n_kept_g + 1) * sizeof *grown);
   char *copy = strdup(s);
   if (!grown || !copy) {
@@ -102,7 +102,7 @@ static int tw_opts_bool(const char *t, bool *out) {
  * command line). Returns 0, or -1 after printing why on stderr. */
 static int tw_opts_set(const tw_opts_spec_t *spec, tw_opt_t *o, const char *text,
                        const char *origin) {
-  char err[256] = "";
+  char err[1024] = "";
   long long v = 0;
   int bad = 0;
   switch (o->kind) {
@@ -111,7 +111,9 @@ static int tw_opts_set(const tw_opts_spec_t *spec, tw_opt_t *o, const char *text
     if (bad) snprintf(err, sizeof err, "is a flag: 1/true/yes/on or 0/false/no/off, got '%s'", text);
     break;
   case TW_OPT_KIND_STR:
-    *(const char **)o->dst = text;
+    if (o->parse) bad = o->parse(text, o->dst, err, sizeof err);
+    else *(const char **)o->dst = text;
+    if (bad && !err[0]) snprintf(err, sizeof err, "got a bad value '%s'", text);
     break;
   case TW_OPT_KIND_INT:
   case TW_OPT_KIND_LONG:

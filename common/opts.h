@@ -30,7 +30,8 @@ extern "C" {
 
 typedef enum {
   TW_OPT_KIND_FLAG,   /* bool *: set to true when given (no value on the command line) */
-  TW_OPT_KIND_STR,    /* const char **: the value (strings stay valid for the process) */
+  TW_OPT_KIND_STR,    /* const char **: the value (strings stay valid for the process);
+                         with a parse function, it stores what it makes of the value */
   TW_OPT_KIND_INT,    /* int *: a decimal integer in [lo, hi] */
   TW_OPT_KIND_LONG,   /* long long *: a decimal integer in [lo, hi] */
   TW_OPT_KIND_DOUBLE, /* double *: a finite decimal number in [dlo, dhi] */
@@ -64,6 +65,9 @@ typedef struct {
   {.name = (n), .kind = TW_OPT_KIND_FLAG, .dst = _Generic((p), bool *: (p)), .help = (h)}
 #define TW_OPT_STR(n, p, meta, h) \
   {.name = (n), .kind = TW_OPT_KIND_STR, .dst = _Generic((p), const char **: (p)), \
+   .metavar = (meta), .help = (h)}
+#define TW_OPT_STR_FN(n, p, fn, meta, h) \
+  {.name = (n), .kind = TW_OPT_KIND_STR, .dst = _Generic((p), const char **: (p)), .parse = (fn), \
    .metavar = (meta), .help = (h)}
 #define TW_OPT_INT(n, p, lo_, hi_, meta, h) \
   {.name = (n), .kind = TW_OPT_KIND_INT, .dst = _Generic((p), int *: (p)), .lo = (lo_), \
@@ -118,6 +122,11 @@ bool tw_opts_given(const tw_opts_spec_t *spec, const char *name);
  *  got 'TEXT'" on stderr. For values that are not options (ids in a list). */
 int tw_opts_int(const char *prog, const char *what, const char *text, long long lo, long long hi,
                 long long *out);
+
+/** A copy of `s` that stays valid for the life of the process (freed at
+ *  exit), for parse functions that make a new string; NULL when out of
+ *  memory. */
+const char *tw_opts_keep(const char *s);
 
 /** tw_opts_int without the message: 0 with *out set, or -1. */
 int tw_opts_ll(const char *text, long long lo, long long hi, long long *out);

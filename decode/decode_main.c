@@ -3,6 +3,8 @@
 
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/msg_worker.h"
+#include "common/model_path.h"
 #include "common/opts.h"
 
 #include <stdint.h>
@@ -20,7 +22,9 @@ int main(int argc, char **argv) {
   p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   tw_opt_t opts[] = {
       TW_OPT_STR("router", &p.router, "tcp://HOST:PORT", "the router's worker endpoint (required)"),
-      TW_OPT_STR("model", &p.model_dir, "DIR", "checkpoint directory"),
+      TW_OPT_STR_FN("model", &p.model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
       TW_OPT_STR("name", &p.name, "NAME", "routing id (default decode-<pid>)"),
       TW_OPT_FN("backend", &p.backend, tw_backend_opt, "auto|cpu|cuda", "engine backend"),
       TW_OPT_INT("kv-blocks", &p.kv_blocks, 1, INT32_MAX, "N", "KV cache pool size in blocks"),
@@ -35,6 +39,11 @@ int main(int argc, char **argv) {
       TW_OPT_INT("drain-timeout", &p.drain_timeout_s, 0, INT32_MAX, "SECONDS",
                  "on SIGTERM, finish running sequences for at most this long"),
       TW_OPT_FLAG("verify-kv", &p.verify_kv, "check the per-layer checksums of received KV"),
+      TW_OPT_INT("log-stats-interval", &p.log_stats_interval_s, 0, 86400, "SECONDS",
+                 "a stats line (running, waiting, KV use, tok/s) this often while busy\n"
+                 "(0: none)"),
+      TW_OPT_STR("served-model-name", &p.served_model_name, "NAME",
+                 "model_name label of the metrics (default: from --model)"),
       TW_OPT_INT("tp", &p.tp, 1, 64, "N", "tensor parallel ranks (docs/parallelism.md)"),
       TW_OPT_INT("ep", &p.ep, 1, 64, "N", "expert parallel ranks"),
       TW_OPT_INT("dp", &p.dp, 1, TW_DECODE_MAX_DP, "N",
@@ -56,5 +65,7 @@ int main(int argc, char **argv) {
   p.argc = argc;
   p.argv = argv;
   tw_status_t st = tw_decode_worker_run(&p);
-  return st == TW_OK ? 0 : 1;
+  if (st != TW_OK && !tw_worker_started_g)
+    TW_ERROR("decode", "cannot start: %s: %s", tw_status_str(st), tw_last_error());
+  return tw_worker_exit_code(st); /* 78: a configuration error, `twain serve` stops */
 }

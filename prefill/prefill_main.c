@@ -7,6 +7,7 @@
 
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/model_path.h"
 #include "common/opts.h"
 
 #include <errno.h>
@@ -30,7 +31,9 @@ int main(int argc, char **argv) {
   w.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   tw_offline_opts_t o = {.block_size = 16};
   tw_opt_t opts[] = {
-      TW_OPT_STR("model", &w.model_dir, "DIR", "checkpoint directory"),
+      TW_OPT_STR_FN("model", &w.model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
       TW_OPT_FN("backend", &w.backend, tw_backend_opt, "auto|cpu|cuda", "engine backend"),
       TW_OPT_INT("threads", &w.threads, 0, 4096, "N", "cpu threads (0: all cores)"),
       TW_OPT_INT("block-size", &w.block_size, 1, 1 << 20, "N", "KV block size in tokens"),
@@ -51,6 +54,11 @@ int main(int argc, char **argv) {
                  "daemon: tokens of one forward pass: queued prompts are batched up\n"
                  "to it (a longer prompt runs alone, split over passes)"),
       TW_OPT_INT("batch-seqs", &w.batch_seqs, 1, INT32_MAX, "N", "daemon: most prompts in one batch"),
+      TW_OPT_INT("log-stats-interval", &w.log_stats_interval_s, 0, 86400, "SECONDS",
+                 "daemon: a stats line (waiting prompts, prompt tok/s) this often while\n"
+                 "busy (0: none)"),
+      TW_OPT_STR("served-model-name", &w.served_model_name, "NAME",
+                 "daemon: model_name label of the metrics (default: from --model)"),
       /* offline mode */
       TW_OPT_STR("prompt-tokens", &o.prompt_tokens_path, "FILE",
                  "offline mode: JSON array of prompt token ids"),

@@ -11,6 +11,8 @@
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/model_path.h"
+#include "common/worker_stats.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/msg_worker.h"
@@ -39,6 +41,7 @@
 
 typedef struct {
   tw_prefill_opts_t o;
+  tw_worker_stats_t stats; /* the periodic stats line */
   tw_model_t *model;
   tw_engine_t *engine;
   tw_kv_blocks_t *blocks;
@@ -144,6 +147,7 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
     tw_metric_observe(w->m.tail, w->rk.tail_ms * 1e-3);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
+    tw_worker_stats_add(&w->stats, (int64_t)r->n_prompt_ids, 1);
     TW_DEBUG("prefill", "request %llu: %lld kv bytes, handoff tail %.2f ms after the last layer",
              (unsigned long long)r->request_id, (long long)bytes, w->rk.tail_ms);
     w->head_sums = hs;
@@ -229,6 +233,7 @@ static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *i
       tw_metric_observe(w->m.transfer, hr->transfer_ms * 1e-3);
       tw_metric_add(w->m.kv_bytes, (double)hr->kv_bytes);
       tw_metric_add(w->m.requests, 1);
+      tw_worker_stats_add(&w->stats, (int64_t)r->n_prompt_ids, 0);
       tw_metric_add(w->m.layer_sends, (double)hr->layer_sends);
       tw_metric_add(w->m.layer_sends_overlapped, (double)hr->layer_sends_in_engine);
       tw_metric_observe(w->m.tail, hr->tail_ms * 1e-3);
@@ -302,6 +307,10 @@ static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity
   cap->total_kv_blocks = tw_kv_blocks_total(w->blocks);
   tw_metric_set(w->m.queue, w->q_len);
   tw_metric_set(w->m.queued_tokens, (double)w->queued_tokens);
+  double tok_s, steps_s;
+  if (tw_worker_stats_due(&w->stats, tw_msg_clock_ns(), w->q_len > 0, &tok_s, &steps_s))
+    TW_INFO("prefill", "stats: waiting %d prompts (%lld tokens), prompt %.1f tok/s", w->q_len,
+            (long long)w->queued_tokens, tok_s);
 }
 
 static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *env) {
@@ -372,6 +381,10 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   else snprintf(name, sizeof name, "prefill-%d", (int)getpid());
   TW_CHECK(tw_metrics_create(name, w->o.metrics_port, w->o.metrics_addr, &w->metrics));
   tw_metrics_t *M = w->metrics;
+  char model_name[256]; /* the model_name label, as the router's (model_path.h) */
+  tw_model_name(w->o.served_model_name, w->o.model_dir, model_name, sizeof model_name);
+  tw_metrics_set_label(M, "model_name", model_name);
+  w->stats.interval_s = w->o.log_stats_interval_s;
   w->m.queue = tw_metrics_gauge(M, "prefill_queue_depth", "prompts waiting");
   w->m.queued_tokens = tw_metrics_gauge(M, "prefill_queued_prompt_tokens", "prompt tokens waiting");
   w->m.prefill = tw_metrics_histogram(M, "prefill_seconds", "engine prefill time per prompt",
@@ -429,20 +442,23 @@ int tw_prefill_worker_main(const tw_prefill_opts_t *opts, int argc, char **argv)
             w.o.ep);
     return 2;
   }
-  if (tw_dist_identity_from_env(&w.id) != TW_OK) return 2;
+  if (tw_dist_identity_from_env(&w.id) != TW_OK) return TW_WORKER_EXIT_CONFIG;
   int32_t ranks = w.o.tp > w.o.ep ? w.o.tp : w.o.ep;
   if (ranks > 1 && w.id.size == 1) {
     int rc = -1;
-    if (tw_dist_spawn(argc, argv, ranks, w.o.backend != TW_BACKEND_CUDA, &w.id, &rc) != TW_OK)
-      return 1;
+    tw_status_t sst = tw_dist_spawn(argc, argv, ranks, w.o.backend != TW_BACKEND_CUDA, &w.id, &rc);
+    if (sst != TW_OK) return tw_worker_exit_code(sst);
     if (rc >= 0) return rc; /* this process supervised the ranks (mpirun), now done */
   }
   tw_log_init("twain-prefill", w.id.rank);
   tw_worker_signals_install();
-  if (tw_prefiller_init(&w) != TW_OK) {
+  tw_status_t ist = tw_prefiller_init(&w);
+  if (ist != TW_OK) {
+    TW_ERROR("prefill", "cannot start: %s: %s", tw_status_str(ist), tw_last_error());
     tw_prefiller_fini(&w);
-    return 1;
+    return tw_worker_exit_code(ist); /* a configuration error (msg_worker.h) */
   }
+  tw_worker_started_g = 1;
   if (w.id.rank != 0) { /* follow rank 0's plans until it says stop (or dies: dist.h) */
     TW_INFO("prefill", "rank %d of %d pid %d following rank 0", w.id.rank, w.id.size, (int)getpid());
     tw_status_t fs = tw_dist_follow(w.dist, w.engine, tw_prefill_ranks_hook, &w.rk, NULL);

@@ -28,12 +28,15 @@ typedef struct {
    * while the next layers compute */
   int32_t chunk_tokens;
   int32_t batch_seqs; /* most prompts in one batch */
+  int log_stats_interval_s; /* a stats line every this many seconds while busy; 0: none */
+  const char *served_model_name; /* metrics' model_name label; NULL: from model_dir */
 } tw_prefill_opts_t;
 
 #define TW_PREFILL_OPTS_DEFAULT                                                              \
   ((tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,       \
                        .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,       \
-                       .chunk_tokens = 8192, .batch_seqs = 64})
+                       .chunk_tokens = 8192, .batch_seqs = 64,       \
+                       .log_stats_interval_s = 5})
 
 /** Run the daemon with `opts` until SIGTERM/SIGINT (then finish the request
  *  in progress, refuse the queued ones and return). argc/argv: the command

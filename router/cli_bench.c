@@ -17,6 +17,7 @@
 #include "common/config.h"
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/model_path.h"
 #include "common/msg.h"
 #include "common/opts.h"
 #include "proto/twain_api.pb-c.h"
@@ -645,7 +646,8 @@ static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
       TW_OPT_FLAG("chat", &o->chat, "rendered chats of random words instead of random ids\n"
                                     "(outputs may stop early)"),
       TW_OPT_LONG("seed", &seed, 0, LLONG_MAX, "S", "random seed"),
-      TW_OPT_STR("model", &o->model_dir, "DIR", "the model whose config.json gives the vocabulary"),
+      TW_OPT_STR_FN("model", &o->model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "the model whose config.json gives the vocabulary"),
       TW_OPT_DOUBLE("cancel-prob", &o->cancel_prob, 0, 1, "P",
                     "that share of requests is cancelled after a random number of tokens"),
       TW_OPT_DOUBLE("disconnect-prob", &o->disconnect_prob, 0, 1, "P",

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Exit code of `twain chat` when max_tokens cut the answer before the final
  * channel produced any text (docs/api.md "Clients"). */
@@ -199,12 +200,26 @@ typedef struct {
   bool newline_due;
   bool got_final;     /* some final-channel text arrived */
   int finish_reason;  /* of the done reply */
+  char *final;        /* the final channel's text (interactive: the next turn's history) */
+  size_t final_len;
 } tw_chat_state_t;
+
+static void tw_chat_keep_final(tw_chat_state_t *c, const char *text) {
+  size_t n = strlen(text);
+  char *grown = realloc(c->final, c->final_len + n + 1);
+  if (!grown) return; /* the history loses this piece; the answer was printed */
+  memcpy(grown + c->final_len, text, n + 1);
+  c->final = grown;
+  c->final_len += n;
+}
 
 static void tw_chat_on_reply(void *user, const Twain__V1__ServerReply *rep) {
   tw_chat_state_t *c = user;
   for (size_t i = 0; i < rep->n_deltas; i++)
-    if (!strcmp(rep->deltas[i]->channel, "final") && rep->deltas[i]->content[0]) c->got_final = true;
+    if (!strcmp(rep->deltas[i]->channel, "final") && rep->deltas[i]->content[0]) {
+      c->got_final = true;
+      tw_chat_keep_final(c, rep->deltas[i]->content);
+    }
   for (size_t i = 0; i < rep->n_messages; i++)
     if (!strcmp(rep->messages[i]->channel, "final")) c->got_final = true;
   if (rep->done) c->finish_reason = rep->finish_reason;
@@ -291,6 +306,125 @@ static void tw_print_json_error(const tw_call_err_t *e) {
   cJSON_Delete(o);
 }
 
+/* All of `f` as a string (malloc'ed), NULL on a read error or no memory. */
+static char *tw_read_all(FILE *f) {
+  size_t cap = 4096, n = 0;
+  char *buf = malloc(cap);
+  for (size_t got; buf && (got = fread(buf + n, 1, cap - n - 1, f)) > 0;) {
+    n += got;
+    if (cap - n - 1 == 0) {
+      char *grown = realloc(buf, cap * 2);
+      if (!grown) free(buf);
+      buf = grown;
+      cap *= 2;
+    }
+  }
+  if (buf && ferror(f)) {
+    free(buf);
+    return NULL;
+  }
+  if (buf) buf[n] = '\0';
+  return buf;
+}
+
+/* One chat request with `chat`'s messages, printed as it streams (or as
+ * JSON); fills st. Returns the exit code (TW_CLI_EXIT_CUT: cut by max_tokens). */
+static int tw_chat_once(const tw_client_opts_t *o, Twain__V1__ChatRequest *chat, uint64_t id,
+                        tw_chat_state_t *st) {
+  Twain__V1__ClientRequest req = TWAIN__V1__CLIENT_REQUEST__INIT;
+  req.request_id = id;
+  req.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_CHAT;
+  req.chat = chat;
+  tw_call_err_t err = {{0}, {0}};
+  int rc = tw_client_call(o, &req, tw_chat_on_reply, st, "twain chat", &err);
+  if (o->json && rc == 0) {
+    char *txt = cJSON_PrintUnformatted(st->out);
+    printf("%s\n", txt);
+    free(txt);
+  } else if (o->json) {
+    tw_print_json_error(&err);
+  }
+  if (rc == 0 && !o->json && !st->got_final &&
+      st->finish_reason == TWAIN__V1__FINISH_REASON__FINISH_LENGTH) {
+    fprintf(stderr,
+            "twain chat: no answer: finish reason LENGTH: max_tokens cut the analysis before the "
+            "final channel (raise --max-tokens, or see it with --show-analysis)\n");
+    rc = TW_CLI_EXIT_CUT;
+  }
+  return rc;
+}
+
+#define TW_CHAT_MAX_TURNS 256
+
+/* One message `text` (in != NULL: none), or a conversation read line by line
+ * from `in`: each line is the next user turn, sent with every turn before it
+ * and the assistant's final answers; "/exit", "/quit" or end of input ends it. */
+static int tw_chat_turns(const tw_client_opts_t *o, Twain__V1__ChatRequest *chat, const char *text,
+                         FILE *in) {
+  static Twain__V1__Message turns[2 * TW_CHAT_MAX_TURNS];
+  static Twain__V1__Message *msgs[2 * TW_CHAT_MAX_TURNS];
+  char *owned[2 * TW_CHAT_MAX_TURNS] = {0};
+  size_t n = 0;
+  int rc = 0;
+  char *line = NULL;
+  size_t line_cap = 0;
+  if (in)
+    fprintf(stderr, "twain chat: connected to %s; one message per line, Ctrl-D or /exit ends\n",
+            o->endpoint);
+  for (uint64_t id = 1;; id++) {
+    const char *user_text = text;
+    if (in) {
+      fprintf(stderr, "> ");
+      fflush(stderr);
+      ssize_t got = getline(&line, &line_cap, in);
+      if (got < 0) {
+        fputc('\n', stderr);
+        break;
+      }
+      line[strcspn(line, "\r\n")] = '\0';
+      if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
+      if (!line[0]) continue;
+      if (n + 2 > 2 * TW_CHAT_MAX_TURNS) {
+        fprintf(stderr, "twain chat: %d turns: start a new conversation\n", TW_CHAT_MAX_TURNS);
+        rc = 1;
+        break;
+      }
+      user_text = owned[n] = strdup(line);
+    }
+    turns[n] = (Twain__V1__Message)TWAIN__V1__MESSAGE__INIT;
+    turns[n].role = "user";
+    turns[n].content = (char *)user_text;
+    msgs[n] = &turns[n];
+    n++;
+    chat->messages = msgs;
+    chat->n_messages = n;
+    tw_chat_state_t st = {.o = o, .out = cJSON_CreateObject()};
+    rc = tw_chat_once(o, chat, id, &st);
+    cJSON_Delete(st.out);
+    if (!in) {
+      free(st.final);
+      break;
+    }
+    if (rc != 0 && rc != TW_CLI_EXIT_CUT) { /* the turn failed: the user may retry it */
+      free(owned[--n]);
+      owned[n] = NULL;
+      free(st.final);
+      continue;
+    }
+    turns[n] = (Twain__V1__Message)TWAIN__V1__MESSAGE__INIT;
+    turns[n].role = "assistant";
+    turns[n].channel = "final";
+    owned[n] = st.final ? st.final : strdup("");
+    turns[n].content = owned[n];
+    msgs[n] = &turns[n];
+    n++;
+    rc = 0;
+  }
+  free(line);
+  for (size_t k = 0; k < n; k++) free(owned[k]);
+  return rc;
+}
+
 int tw_cli_chat(int argc, char **argv) {
   tw_client_opts_t o = TW_CLIENT_OPTS_DEFAULT;
   Twain__V1__ChatRequest chat = TWAIN__V1__CHAT_REQUEST__INIT;
@@ -313,47 +447,42 @@ int tw_cli_chat(int argc, char **argv) {
   snprintf(epilog, sizeof epilog,
            "Exit 0 ok, 1 failed, 2 bad usage, %d: max_tokens cut the answer before the final\n"
            "channel.", TW_CLI_EXIT_CUT);
-  tw_opts_spec_t spec = {.prog = "twain chat", .synopsis = "[OPTIONS] \"text\"",
-                         .description = "Send one chat request to a running service and print the answer.",
+  tw_opts_spec_t spec = {.prog = "twain chat", .synopsis = "[OPTIONS] [\"text\"]",
+                         .description = "Send a chat request to a running service and print the answer.\n"
+                                        "Without text: stdin is the message, or, on a terminal, an\n"
+                                        "interactive conversation (one message per line, /exit ends).",
                          .epilog = epilog, .env_prefix = "TWAIN_CHAT_", .opts = opts,
-                         .n_opts = sizeof opts / sizeof opts[0], .min_args = 1, .max_args = 1};
+                         .n_opts = sizeof opts / sizeof opts[0], .min_args = 0, .max_args = 1};
   int i = 0, prc = tw_opts_parse(&spec, argc, argv, &i);
   if (prc != TW_OPTS_RUN) return prc;
   o.max_tokens_set = tw_opts_given(&spec, "max-tokens");
   chat.date = (char *)date;
   chat.instructions = (char *)system;
-  Twain__V1__Message user = TWAIN__V1__MESSAGE__INIT;
-  user.role = "user";
-  user.content = argv[i];
-  Twain__V1__Message *msgs[1] = {&user};
-  chat.messages = msgs;
-  chat.n_messages = 1;
   Twain__V1__SamplingParams sp = TWAIN__V1__SAMPLING_PARAMS__INIT;
   tw_client_sampling(&o, &sp);
   chat.sampling = &sp;
   chat.stream = !o.json;
-  Twain__V1__ClientRequest req = TWAIN__V1__CLIENT_REQUEST__INIT;
-  req.request_id = 1;
-  req.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_CHAT;
-  req.chat = &chat;
-  tw_chat_state_t st = {.o = &o, .out = cJSON_CreateObject()};
-  tw_call_err_t err = {{0}, {0}};
-  int rc = tw_client_call(&o, &req, tw_chat_on_reply, &st, "twain chat", &err);
-  if (o.json && rc == 0) {
-    char *txt = cJSON_PrintUnformatted(st.out);
-    printf("%s\n", txt);
-    free(txt);
-  } else if (o.json) {
-    tw_print_json_error(&err);
+  if (i < argc) return tw_chat_turns(&o, &chat, argv[i], NULL);
+  if (isatty(STDIN_FILENO)) { /* no text on a terminal: an interactive conversation */
+    if (o.json) {
+      fprintf(stderr, "twain chat: --json needs the text (an argument or stdin)\n");
+      return 2;
+    }
+    return tw_chat_turns(&o, &chat, NULL, stdin);
   }
-  if (rc == 0 && !o.json && !st.got_final &&
-      st.finish_reason == TWAIN__V1__FINISH_REASON__FINISH_LENGTH) {
-    fprintf(stderr,
-            "twain chat: no answer: finish reason LENGTH: max_tokens cut the analysis before the "
-            "final channel (raise --max-tokens, or see it with --show-analysis)\n");
-    rc = TW_CLI_EXIT_CUT;
+  char *text = tw_read_all(stdin); /* piped: the whole input is the message */
+  if (!text) {
+    fprintf(stderr, "twain chat: cannot read the message from stdin\n");
+    return 1;
   }
-  cJSON_Delete(st.out);
+  if (!text[strspn(text, " \t\r\n")]) {
+    fprintf(stderr, "twain chat: no message: give the text as an argument or on stdin, or run it on "
+                    "a terminal for a conversation\n");
+    free(text);
+    return 2;
+  }
+  int rc = tw_chat_turns(&o, &chat, text, NULL);
+  free(text);
   return rc;
 }
 
@@ -408,20 +537,26 @@ int tw_cli_generate(int argc, char **argv) {
       TW_CLIENT_OPT_ROWS(o),
       TW_OPT_FN("stop-ids", &e, tw_stop_ids_opt, "A,B,...", "stop after one of these ids"),
   };
-  tw_opts_spec_t spec = {.prog = "twain generate", .synopsis = "[OPTIONS] ID [ID...]",
+  tw_opts_spec_t spec = {.prog = "twain generate", .synopsis = "[OPTIONS] [ID...]",
                          .description = "Send prompt token ids to a running service and print the "
-                                        "generated ids\n(ids may also be one \"1,2,3\").",
+                                        "generated ids\n(ids may also be one \"1,2,3\"; none: read "
+                                        "from stdin, e.g. `twain tokenize | twain generate`).",
                          .env_prefix = "TWAIN_GENERATE_", .opts = opts,
-                         .n_opts = sizeof opts / sizeof opts[0], .min_args = 1, .max_args = -1};
+                         .n_opts = sizeof opts / sizeof opts[0], .min_args = 0, .max_args = -1};
   int i = 0, prc = tw_opts_parse(&spec, argc, argv, &i);
   if (prc != TW_OPTS_RUN) return prc;
   o.max_tokens_set = tw_opts_given(&spec, "max-tokens");
+  char *piped = NULL; /* no ids as arguments: they come on stdin (not a terminal) */
+  if (i >= argc && !isatty(STDIN_FILENO) && !(piped = tw_read_all(stdin))) {
+    fprintf(stderr, "twain generate: cannot read the ids from stdin\n");
+    return 1;
+  }
   int32_t *ids = malloc(sizeof(int32_t) * 65536);
   size_t n = 0;
-  int bad = 0;
-  for (; i < argc && !bad; i++) {
-    char *save = NULL, *buf = strdup(argv[i]);
-    for (char *t = strtok_r(buf, ", []", &save); t && !bad; t = strtok_r(NULL, ", []", &save)) {
+  int bad = !ids;
+  for (; (piped || i < argc) && !bad; i++) {
+    char *save = NULL, *buf = piped ? piped : strdup(argv[i]);
+    for (char *t = strtok_r(buf, ", []\n\t\r", &save); t && !bad; t = strtok_r(NULL, ", []\n\t\r", &save)) {
       long long v;
       if (n == 65536) {
         fprintf(stderr, "twain generate: more than 65536 prompt token ids\n");
@@ -433,9 +568,12 @@ int tw_cli_generate(int argc, char **argv) {
       }
     }
     free(buf);
+    if (piped) break;
   }
   if (bad || n == 0) {
-    if (!bad) fprintf(stderr, "twain generate: missing the prompt token ids\n");
+    if (!bad)
+      fprintf(stderr, "twain generate: missing the prompt token ids (arguments, or a JSON array or "
+                      "numbers on stdin)\n");
     free(ids);
     return 2;
   }

@@ -7,9 +7,13 @@
  * Supervision: a worker process that dies is started again (as NAME-rK)
  * after a backoff of 0.5 s doubling to 8 s, at most TW_SERVE_MAX_RESTARTS
  * times in a row (a worker that ran TW_SERVE_STABLE_S resets the count);
- * each death and restart is logged. Serve stops by itself only when every
- * worker it started has used up its restarts and no worker at all (joined
- * ones included) is registered with the router. */
+ * each death and restart is logged. Restarts are for crashes of a serving
+ * worker only: a worker that exits with a usage (2) or configuration error
+ * (TW_WORKER_EXIT_CONFIG: bad model, no GPU, ...), or dies before the service
+ * was ready, stops serve at once (exit TW_WORKER_EXIT_CONFIG, or 1 for a
+ * death by signal) after its own error line. Serve also stops by itself when
+ * every worker it started has used up its restarts and no worker at all
+ * (joined ones included) is registered with the router. */
 #include "router/cli.h"
 
 #include "common/install_paths.h"
@@ -17,10 +21,15 @@
 #include "common/engine.h"
 #include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/log.h"
+#include "common/msg_worker.h"
+#include "common/model_path.h"
 #include "common/opts.h"
 #include "router/router.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
@@ -45,9 +54,10 @@
 
 /* One worker process serve keeps running. */
 typedef struct {
-  char *av[32];
+  char *av[40];
   int ac_name;           /* index of the --name value in av */
   char base[64], name[80];
+  char mport[16];        /* its --metrics-port */
   pid_t pid;             /* 0: not running */
   int restarts;          /* in a row */
   int64_t started_ns, next_start_ns; /* next_start_ns > 0: restart due then */
@@ -66,6 +76,7 @@ typedef struct {
   int ready;
   char worker_ep[256], client_ep[256];
   char http_url[320];   /* "" when the HTTP API is off */
+  char metrics[2048];   /* "router http://ADDR:P/metrics, prefill-0 ..." ("" when off) */
   tw_status_t router_status;
   int n_registered; /* workers registered with the router (any origin), under mu */
 } tw_serve_t;
@@ -102,6 +113,7 @@ static void tw_serve_ready(void *arg) {
   tw_serve_t *s = arg;
   printf("twain serve: ready: %d prefill + %d decode workers (join at %s), %sclients at %s\n",
          s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->http_url, s->client_ep);
+  if (s->metrics[0]) printf("twain serve: metrics: %s\n", s->metrics);
   fflush(stdout);
   pthread_mutex_lock(&s->mu);
   s->ready = 1;
@@ -116,6 +128,21 @@ static void *tw_serve_router_thread(void *arg) {
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
   return NULL;
+}
+
+/* A free TCP port on addr (127.0.0.1 when NULL) for a daemon's metrics, or 0
+ * (ephemeral: that daemon logs its own) when none can be had. */
+static int tw_serve_free_port(const char *addr) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (addr && inet_pton(AF_INET, addr, &a.sin_addr) != 1) a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+    port = ntohs(a.sin_port);
+  if (fd >= 0) close(fd);
+  return port;
 }
 
 /* Find a sibling program: next to this executable, in ../<dir>/, or in the
@@ -200,7 +227,9 @@ int tw_cli_serve(int argc, char **argv) {
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */
   int pv[5] = {1, 1, 1, 1, 1};
   tw_opt_t opts[] = {
-      TW_OPT_STR("model", &s.rp.model_dir, "DIR", "checkpoint directory"),
+      TW_OPT_STR_FN("model", &s.rp.model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
       TW_OPT_STR("listen", &s.rp.client_endpoint, "tcp://HOST:PORT", "client endpoint"),
       TW_OPT_STR("workers", &s.rp.worker_endpoint, "tcp://HOST:PORT",
                  "worker endpoint (port 0: ephemeral, printed in the ready line;\n"
@@ -253,6 +282,11 @@ int tw_cli_serve(int argc, char **argv) {
     return 2;
   }
   if (tw_serve_check_split(s.rp.model_dir, pv)) return 2;
+  if (bk == TW_BACKEND_CUDA && !tw_cuda_available()) {
+    fprintf(stderr, "twain serve: --backend cuda: no CUDA GPU is usable on this machine (none "
+                    "visible, or no driver): use --backend cpu, or auto to pick what is there\n");
+    return TW_WORKER_EXIT_CONFIG;
+  }
   if (pv[4] > 1 && (bk == TW_BACKEND_CUDA || (bk == TW_BACKEND_AUTO && tw_cuda_available()))) {
     fprintf(stderr, "twain serve: --decode-dp %d (data-parallel attention) runs on the cpu "
                     "backend only: add --backend cpu, or use --decode-tp/--decode-ep on a GPU\n",
@@ -273,6 +307,30 @@ int tw_cli_serve(int argc, char **argv) {
       tw_find_program("decode", "twain-decode", decode_bin, sizeof decode_bin)) {
     fprintf(stderr, "twain serve: cannot find twain-prefill and twain-decode next to this program\n");
     return 1;
+  }
+  /* predictable metrics addresses (printed once ready): --metrics-port P
+   * gives the router P and the workers P+1, P+2, ... in order; 0 picks free
+   * ports here; -1 turns them all off */
+  int mport[TW_SERVE_MAX_WORKERS + 1];
+  const char *maddr = s.rp.metrics_addr ? s.rp.metrics_addr : "127.0.0.1";
+  for (int k = 0; k <= n_prefill + n_decode; k++)
+    mport[k] = s.rp.metrics_port < 0 ? -1
+               : s.rp.metrics_port > 0 ? s.rp.metrics_port + k
+                                       : tw_serve_free_port(s.rp.metrics_addr);
+  if (s.rp.metrics_port > 0 && s.rp.metrics_port + n_prefill + n_decode > 65535) {
+    fprintf(stderr, "twain serve: --metrics-port %d: the workers' ports (up to %d) pass 65535\n",
+            s.rp.metrics_port, s.rp.metrics_port + n_prefill + n_decode);
+    return 2;
+  }
+  s.rp.metrics_port = mport[0];
+  for (int k = 0, at = 0; k <= n_prefill + n_decode && mport[0] >= 0; k++) {
+    char who[32];
+    if (k == 0) snprintf(who, sizeof who, "router");
+    else snprintf(who, sizeof who, "%s-%d", k <= n_prefill ? "prefill" : "decode",
+                  k <= n_prefill ? k - 1 : k - 1 - n_prefill);
+    if (mport[k] > 0 && at < (int)sizeof s.metrics)
+      at += snprintf(s.metrics + at, sizeof s.metrics - (size_t)at, "%s%s http://%s:%d/metrics",
+                     at ? ", " : "", who, maddr, mport[k]);
   }
   s.rp.expect_prefill = n_prefill;
   s.rp.expect_decode = n_decode;
@@ -345,6 +403,13 @@ int tw_cli_serve(int argc, char **argv) {
       av[c++] = "--metrics-addr";
       av[c++] = (char *)s.rp.metrics_addr;
     }
+    snprintf(w->mport, sizeof w->mport, "%d", mport[k + 1]);
+    av[c++] = "--metrics-port";
+    av[c++] = w->mport;
+    if (s.rp.served_model_name) {
+      av[c++] = "--served-model-name";
+      av[c++] = (char *)s.rp.served_model_name;
+    }
     for (int q = 0; q < 2; q++) { /* --tp / --ep of this pool: the worker starts its ranks */
       int at = (pre ? 0 : 2) + q;
       static const char *const pool_flag[4] = {"prefill-tp", "prefill-ep", "decode-tp", "decode-ep"};
@@ -362,7 +427,7 @@ int tw_cli_serve(int argc, char **argv) {
     if (w->pid < 0) w->pid = 0, w->next_start_ns = w->started_ns + 500000000LL;
   }
   TW_INFO("serve", "started %d workers (%d threads each), waiting for them to register", n, threads);
-  int rc = 0;
+  int rc = 0, fatal = 0;
   for (;;) { /* supervise the children until a signal */
     if (tw_serve_signal_g) break;
     int status;
@@ -374,6 +439,23 @@ int tw_cli_serve(int argc, char **argv) {
         if (w->pid != dead) continue;
         w->pid = 0;
         kill(-dead, SIGKILL); /* ranks it may have started in its process group */
+        int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        pthread_mutex_lock(&s.mu);
+        bool was_ready = s.ready;
+        pthread_mutex_unlock(&s.mu);
+        if (code == 2 || code == TW_WORKER_EXIT_CONFIG || !was_ready) {
+          /* fail fast: restarting cannot fix a configuration, and a worker
+           * that never served has no crash to recover from */
+          fprintf(stderr, "twain serve: worker %s (pid %d) %s (%s %d; its error is above): stopping\n",
+                  w->name, (int)dead,
+                  code == 2 || code == TW_WORKER_EXIT_CONFIG
+                      ? "could not start: a configuration or environment error"
+                      : "died before the service was ready",
+                  code >= 0 ? "exit status" : "signal", code >= 0 ? code : WTERMSIG(status));
+          w->gave_up = true;
+          fatal = code >= 0 ? TW_WORKER_EXIT_CONFIG : 1;
+          continue;
+        }
         if (now - w->started_ns > (int64_t)TW_SERVE_STABLE_S * 1000000000LL) w->restarts = 0;
         if (w->restarts >= TW_SERVE_MAX_RESTARTS) {
           w->gave_up = true;
@@ -409,6 +491,10 @@ int tw_cli_serve(int argc, char **argv) {
       }
       running += w->pid > 0 || !w->gave_up;
     }
+    if (fatal) {
+      rc = fatal;
+      break;
+    }
     pthread_mutex_lock(&s.mu);
     int router_gone = s.bound < 0, registered = s.n_registered;
     pthread_mutex_unlock(&s.mu);
@@ -424,8 +510,14 @@ int tw_cli_serve(int argc, char **argv) {
   TW_INFO("serve", "stopping: draining the router, then the workers");
   s.router_stop = 1;
   pthread_join(th, NULL);
-  for (int k = 0; k < n; k++)
-    if (slots[k].pid > 0) kill(slots[k].pid, SIGTERM);
+  pthread_mutex_lock(&s.mu);
+  bool served = s.ready;
+  pthread_mutex_unlock(&s.mu);
+  for (int k = 0; k < n; k++) {
+    if (slots[k].pid <= 0) continue;
+    if (fatal && !served) kill(-slots[k].pid, SIGKILL); /* nothing to drain: do not wait for a load */
+    kill(slots[k].pid, fatal && !served ? SIGKILL : SIGTERM);
+  }
   struct timespec t0;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   for (;;) {

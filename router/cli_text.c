@@ -8,6 +8,7 @@
 #include "common/harmony.h"
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/model_path.h"
 #include "common/opts.h"
 #include "common/tokenizer.h"
 
@@ -39,7 +40,9 @@ static int tw_text_args(int argc, char **argv, tw_text_opts_t *o) {
   long long max_prompt = 0;
   tw_opt_t all[] = {
       TW_OPT_STR("tokenizer", &tokenizer, "FILE", "a Hugging Face tokenizer.json of gpt-oss's kind"),
-      TW_OPT_STR("model", &model, "DIR", "use DIR/tokenizer.json"),
+      TW_OPT_STR_FN("model", &model, tw_model_opt, "DIR|ORG/NAME",
+                    "use DIR/tokenizer.json;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
       TW_OPT_FLAG("allow-special", &o->allow_special,
                   "special-token strings in the text become their ids"),
       TW_OPT_FLAG("skip-special", &o->skip_special, "leave special tokens out of the text"),

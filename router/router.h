@@ -27,7 +27,7 @@ typedef struct {
   const char *metrics_addr;     /* numeric; NULL: 127.0.0.1 */
   int32_t drain_timeout_s;      /* SIGTERM: running requests get at most this long */
   int32_t max_prompt_tokens;    /* 0: the model's context minus 1 */
-  int32_t max_tokens_limit;     /* largest max_tokens accepted */
+  int32_t max_tokens_limit;     /* largest max_tokens accepted; 0: the model's context minus 1 */
   int32_t default_max_tokens;   /* when the request leaves it 0 */
   int32_t max_requests;         /* queued + running, beyond: RESOURCE_EXHAUSTED */
   int32_t default_deadline_ms;
@@ -42,6 +42,7 @@ typedef struct {
   /* maybe NULL: called once the HTTP API listens, with its base URL */
   void (*on_http)(void *arg, const char *url);
   void *on_http_arg;
+  bool disable_log_requests;    /* no INFO line per finished request */
   /* called once both sockets are bound, with the actual endpoints */
   void (*on_bound)(void *arg, const char *client_ep, const char *worker_ep);
   void *on_bound_arg;
@@ -59,7 +60,7 @@ typedef struct {
                         .worker_endpoint = TW_ROUTER_WORKER_ENDPOINT,                 \
                         .metrics_port = 0, .drain_timeout_s = 30,                     \
                         .max_prompt_tokens = 0,                                       \
-                        .max_tokens_limit = 4096, .default_max_tokens = 512,          \
+                        .max_tokens_limit = 0, .default_max_tokens = 512,             \
                         .max_requests = 2048, .default_deadline_ms = 600000,          \
                         .expire_ms = 1000, .http_port = -1,                           \
                         .http_max_body = 8 << 20})
@@ -72,8 +73,9 @@ typedef struct {
              "on SIGTERM, running requests finish for at most this long"),                    \
       TW_OPT_INT("max-prompt-tokens", &(p).max_prompt_tokens, 0, INT32_MAX, "N",               \
                  "longest prompt accepted (0: the model's context minus 1)"),                  \
-      TW_OPT_INT("max-tokens-limit", &(p).max_tokens_limit, 1, INT32_MAX, "N",                 \
-                 "largest max_tokens a request may ask for"),                                  \
+      TW_OPT_INT("max-tokens-limit", &(p).max_tokens_limit, 0, INT32_MAX, "N",                 \
+                 "largest max_tokens a request may ask for (0: the model's context\n"         \
+                 "minus 1)"),                                                                   \
       TW_OPT_INT("default-max-tokens", &(p).default_max_tokens, 1, INT32_MAX, "N",             \
                  "max_tokens of a request that leaves it 0"),                                  \
       TW_OPT_INT("max-requests", &(p).max_requests, 1, INT32_MAX, "N",                         \
@@ -92,7 +94,9 @@ typedef struct {
       TW_OPT_STR("api-key", &(p).api_key, "KEY",                                                \
                  "required on the HTTP and protobuf APIs (default: none)"),                    \
       TW_OPT_FN("api-key-file", &(p).api_key, tw_router_key_file_opt, "PATH",                   \
-                "read --api-key from the first line of PATH")
+                "read --api-key from the first line of PATH"),                                \
+      TW_OPT_FLAG("disable-log-requests", &(p).disable_log_requests,                             \
+                  "no INFO line per finished request")
 
 /** Run until *stop becomes non-zero (SIGTERM/SIGINT in the callers), then
  *  drain: stop accepting requests (UNAVAILABLE), let running ones finish for

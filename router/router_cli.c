@@ -5,6 +5,7 @@
 
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/model_path.h"
 #include "common/opts.h"
 
 #include <errno.h>
@@ -63,7 +64,9 @@ int tw_router_main(int argc, char **argv) {
   p.on_bound = tw_router_print_bound;
   p.on_ready = tw_router_print_ready;
   tw_opt_t opts[] = {
-      TW_OPT_STR("model", &p.model_dir, "DIR", "checkpoint directory (config.json, tokenizer.json)"),
+      TW_OPT_STR_FN("model", &p.model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory (config.json, tokenizer.json);\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
       TW_OPT_STR("listen", &p.client_endpoint, "tcp://HOST:PORT", "client endpoint (port 0: ephemeral)"),
       TW_OPT_STR("workers", &p.worker_endpoint, "tcp://HOST:PORT", "worker endpoint (port 0: ephemeral)"),
       TW_OPT_INT("metrics-port", &p.metrics_port, -1, 65535, "PORT",

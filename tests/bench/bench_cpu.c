@@ -17,6 +17,7 @@
 #include "common/engine.h"
 #include "common/kv_blocks.h"
 #include "common/log.h"
+#include "common/model_path.h"
 #include "common/opts.h"
 #include "common/model.h"
 
@@ -74,7 +75,9 @@ int main(int argc, char **argv) {
   const char *model_dir = TW_DEFAULT_MODEL_DIR;
   int threads = 0, prompt_len = 512, decode_steps = 128, repeat = 3, synthetic = 0;
   tw_opt_t opts[] = {
-      TW_OPT_STR("model", &model_dir, "DIR", "checkpoint directory"),
+      TW_OPT_STR_FN("model", &model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
       TW_OPT_INT("synthetic-20b", &synthetic, 0, 24, "L",
                  "synthetic gpt-oss-20b shapes with L layers instead of --model (0: off)"),
       TW_OPT_INT("threads", &threads, 0, 1024, "N", "cpu threads (0: all cores)"),

@@ -27,6 +27,7 @@
  *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N] */
 #include "common/engine.h"
 #include "common/log.h"
+#include "common/model_path.h"
 #include "common/opts.h"
 #include "common/model.h"
 
@@ -378,7 +379,9 @@ int main(int argc, char **argv) {
   pair_list_t pbl = {.n = 0};
   int steps = 20, reps = 3, chunk = 0;
   tw_opt_t opts[] = {
-      TW_OPT_STR("model", &model_dir, "DIR", "a checkpoint instead of synthetic weights"),
+      TW_OPT_STR_FN("model", &model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "a checkpoint instead of synthetic weights;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
       TW_OPT_STR("synthetic", &syn, "20b|120b|both", "synthetic gpt-oss shapes"),
       TW_OPT_FN("prefill", &pl, parse_list, "LIST", "prefill lengths (default 8192,32768,65536,128000)"),
       TW_OPT_FN("prefill-batch", &pbl, parse_pairs, "SxL,...", "batched prefill: S prompts of L tokens"),

@@ -238,6 +238,19 @@ const adapterMetrics = new Set();
   for (const r of rules || []) if (r.name?.as) adapterMetrics.add(r.name.as);
   if (!adapterMetrics.size) fail("prometheus-adapter", "no rules with name.as");
 }
+// The Grafana dashboard's ConfigMap (grafana/): valid, loadable by the
+// sidecar, and the JSON a dashboard with panels that query twain metrics.
+{
+  const objs = parseDocs("grafana", render(join(root, "grafana")));
+  for (const o of objs) { nObjects++; await validateSchema(`grafana ${nameOf(o)}`, o); }
+  const cm = objs.find((o) => o.kind === "ConfigMap");
+  if (!cm || cm.metadata?.labels?.grafana_dashboard !== "1") fail("grafana", "no ConfigMap labelled grafana_dashboard: \"1\"");
+  let dash = null;
+  try { dash = JSON.parse(cm?.data?.["twain-dashboard.json"] ?? ""); } catch (e) { fail("grafana", `dashboard JSON: ${e.message}`); }
+  const exprs = (dash?.panels || []).flatMap((p) => (p.targets || []).map((t) => t.expr || ""));
+  if (exprs.length < 8 || !exprs.every((e) => /twain_[a-z_]+/.test(e))) fail("grafana", `${exprs.length} panel queries, each must read a twain_ metric`);
+  else console.log(`rendered grafana: dashboard "${dash.title}", ${dash.panels.length} panels, ${exprs.length} queries`);
+}
 for (const t of targets) {
   let text;
   try { text = render(join(root, t)); } catch (e) { fail(t, `kustomize build failed: ${e.stderr || e.message}`); continue; }

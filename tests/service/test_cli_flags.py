@@ -53,7 +53,7 @@ PROGS = [
          config=True),
     prog([svc.bin_path("tests", "bench", "twain-bench-cpu")], "TWAIN_BENCH_CPU_", ["--model", "--threads"]),
     prog([svc.bin_path("tests", "bench", "twain-bench-router")], "TWAIN_BENCH_ROUTER_", ["--tokens"]),
-    prog([svc.bin_path("tests", "bench", "twain-bench-kv-handoff")], "TWAIN_BENCH_KV_", ["--reps", "--max-mib"]),
+    prog([svc.bin_path("tests", "bench", "twain-bench-kv-handoff")], "TWAIN_BENCH_KV_", ["--reps", "--tokens", "--device"]),
 ]
 # built with the CUDA backend only (nvcc found at configure time)
 for path, env, must in ((("tests", "bench", "twain-bench-cuda"), "TWAIN_BENCH_CUDA_", ["--steps", "--batches"]),
@@ -144,7 +144,7 @@ r = run([TWAIN, "chat", "--endpoint=" + dead, "--connect-timeout-ms=300", "hi"])
 check(r.returncode == 1 and ("no answer from %s within 300 ms" % dead) in r.stderr,
       "chat --endpoint=EP --connect-timeout-ms=300: %r" % r.stderr.strip()[-120:])
 r = run([TWAIN, "generate", "--endpoint", dead], env={"TWAIN_GENERATE_CONNECT_TIMEOUT_MS": "250"}, timeout=30)
-check(r.returncode == 2 and "missing argument" in r.stderr, "generate without ids: usage error (%r)" % r.stderr.strip()[-120:])
+check(r.returncode == 2 and "missing the prompt token ids" in r.stderr, "generate without ids: usage error (%r)" % r.stderr.strip()[-120:])
 r = run([TWAIN, "generate", "--endpoint", dead, "1,2"], env={"TWAIN_GENERATE_CONNECT_TIMEOUT_MS": "250"})
 check(r.returncode == 1 and ("no answer from %s within 250 ms" % dead) in r.stderr,
       "TWAIN_GENERATE_CONNECT_TIMEOUT_MS=250 is used: %r" % r.stderr.strip()[-120:])
