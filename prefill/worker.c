@@ -55,13 +55,23 @@ typedef struct {
   tw_dist_identity_t id; /* this rank (dist.h) */
   tw_dist_t *dist;
   tw_prefill_ranks_t rk;
-  tw_prefill_handoff_item_t *batch;                /* [batch_seqs] */
-  Twain__Internal__V1__Envelope **batch_envs;       /* [batch_seqs] */
+  /* two batch buffers: the batch computing and the one whose handoff
+   * finishes meanwhile (pending), [batch_seqs] each */
+  tw_prefill_handoff_item_t *batch[2];
+  Twain__Internal__V1__Envelope **batch_envs[2];
+  int cur; /* the buffer the next batch fills */
+  tw_prefill_handoff_ctx_t hc;
+  struct {
+    tw_prefill_handoff_batch_t *b; /* NULL: none */
+    tw_prefill_handoff_item_t *items;
+    Twain__Internal__V1__Envelope **envs;
+    int32_t n;
+  } pending;
   const uint64_t *head_sums; /* for the next PrefillDone (re-sharded handoffs) */
   size_t n_head_sums;
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
-    tw_metric_t *layer_sends, *layer_sends_overlapped, *batches, *tail;
+    tw_metric_t *layer_sends, *layer_sends_overlapped, *batches, *overlapped, *tail;
   } m;
 } tw_prefiller_t;
 
@@ -161,10 +171,10 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
 
 /* Check a queued prompt and take its local blocks into *it. Returns 1 when
  * it is ready, 0 when it was answered with an error (nothing held), -1 when
- * its blocks are not free now (it stays queued: an earlier prompt of the
- * batch holds them until the batch is done). */
+ * may_wait and its blocks are not free now (it stays queued: the batch being
+ * formed or the pending one holds them). */
 static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r,
-                              bool batch_empty, tw_prefill_handoff_item_t *it) {
+                              bool may_wait, tw_prefill_handoff_item_t *it) {
   const tw_model_config_t *c = &w->model->config;
   const Twain__Internal__V1__KvHandoff *h = r->handoff;
   int32_t n = (int32_t)r->n_prompt_ids;
@@ -181,7 +191,7 @@ static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__Pref
     tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return 0;
   }
-  if (!batch_empty && tw_kv_blocks_free_count(w->blocks) < nb) return -1;
+  if (may_wait && tw_kv_blocks_free_count(w->blocks) < nb) return -1;
   int32_t *ids = malloc(sizeof(int32_t) * (size_t)nb);
   uint64_t *sums = calloc((size_t)c->n_layers, sizeof(uint64_t));
   if (!ids || !sums) {
@@ -204,22 +214,11 @@ static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__Pref
   return 1;
 }
 
-/* Run a batch of prepared prompts (one variable-length engine prefill) and
- * answer each; frees their blocks. A batch the engine refuses on its
- * argument checks (nothing ran) is run again prompt by prompt, so only the
- * bad prompt fails. */
-static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *items, int32_t n) {
+/* Answer each prompt of a finished batch (PrefillDone, metrics), free its
+ * blocks, ids, checksums and request. */
+static void tw_prefill_answer(tw_prefiller_t *w, tw_prefill_handoff_item_t *items,
+                              Twain__Internal__V1__Envelope **envs, int32_t n) {
   const tw_model_config_t *c = &w->model->config;
-  tw_prefill_handoff_ctx_t hc = {.engine = w->engine, .model = w->model, .xfer = w->xfer,
-                                 .flush_timeout_ms = w->o.flush_timeout_ms,
-                                 .max_age_ms = TW_PREFILL_MAX_AGE_MS};
-  tw_status_t st = tw_prefill_handoff_batch(&hc, items, n);
-  if (n > 1 && (st == TW_ERR_INVALID_ARGUMENT || st == TW_ERR_OUT_OF_RANGE)) {
-    TW_INFO("prefill", "batch of %d refused (%s): running its prompts one by one", n,
-            tw_last_error());
-    for (int32_t i = 0; i < n; i++) tw_prefill_handoff_batch(&hc, &items[i], 1);
-  }
-  tw_metric_add(w->m.batches, 1);
   for (int32_t i = 0; i < n; i++) {
     tw_prefill_handoff_item_t *it = &items[i];
     const Twain__Internal__V1__PrefillRequest *r = it->r;
@@ -247,7 +246,56 @@ static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *i
     }
     free((void *)it->ids);
     free(it->sums);
+    twain__internal__v1__envelope__free_unpacked(envs[i], NULL);
   }
+}
+
+/* Flush and answer the pending batch, if any. */
+static void tw_prefill_finish_pending(tw_prefiller_t *w) {
+  tw_prefill_handoff_batch_t *b = w->pending.b;
+  if (!b) return;
+  w->pending.b = NULL;
+  tw_prefill_handoff_finish(b);
+  tw_prefill_answer(w, w->pending.items, w->pending.envs, w->pending.n);
+}
+
+/* hc.on_layer: from the next batch's per-layer callbacks, so the previous
+ * batch's flush and answers overlap that batch's compute. */
+static void tw_prefill_on_engine_layer(void *arg) {
+  tw_prefiller_t *w = arg;
+  if (!w->pending.b) return;
+  tw_metric_add(w->m.overlapped, 1);
+  tw_prefill_finish_pending(w);
+}
+
+/* Run a batch of prepared prompts (one variable-length engine prefill); its
+ * handoff is finished and its prompts answered now, or, when more prompts
+ * wait, during the next batch's compute (pending). A batch the engine
+ * refuses on its argument checks (nothing ran) is run again prompt by
+ * prompt, so only the bad prompt fails. */
+static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *items,
+                                 Twain__Internal__V1__Envelope **envs, int32_t n) {
+  tw_prefill_handoff_batch_t *b = NULL;
+  tw_status_t st = tw_prefill_handoff_start(&w->hc, items, n, &b);
+  tw_prefill_finish_pending(w); /* when this batch's engine run reported no layer */
+  tw_metric_add(w->m.batches, 1);
+  if (n > 1 && (st == TW_ERR_INVALID_ARGUMENT || st == TW_ERR_OUT_OF_RANGE)) {
+    TW_INFO("prefill", "batch of %d refused (%s): running its prompts one by one", n,
+            tw_last_error());
+    tw_prefill_handoff_finish(b);
+    b = NULL;
+    for (int32_t i = 0; i < n; i++) tw_prefill_handoff_batch(&w->hc, &items[i], 1);
+  }
+  if (b && w->q_len > 0 && !w->draining) {
+    w->pending.b = b;
+    w->pending.items = items;
+    w->pending.envs = envs;
+    w->pending.n = n;
+    w->cur ^= 1; /* the next batch fills the other buffer */
+    return;
+  }
+  tw_prefill_handoff_finish(b);
+  tw_prefill_answer(w, items, envs, n);
 }
 
 /* Take the next work off the queue: prompts in arrival order up to the
@@ -255,8 +303,8 @@ static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *i
  * prompts, as one batch; a prompt longer than the budget goes alone (the
  * engine splits it over passes); a multi-rank prompt goes alone. */
 static void tw_prefill_next(tw_prefiller_t *w) {
-  tw_prefill_handoff_item_t *items = w->batch;
-  Twain__Internal__V1__Envelope **envs = w->batch_envs;
+  tw_prefill_handoff_item_t *items = w->batch[w->cur];
+  Twain__Internal__V1__Envelope **envs = w->batch_envs[w->cur];
   int32_t n = 0;
   int64_t tokens = 0;
   while (w->q_len && n < w->o.batch_seqs) {
@@ -264,10 +312,15 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     const Twain__Internal__V1__PrefillRequest *r = e ? e->prefill : NULL;
     bool ranks = r && tw_prefill_ranks_wanted(&w->rk, r);
     if (r && n > 0 && (ranks || tokens + (int64_t)r->n_prompt_ids > w->o.chunk_tokens)) break;
+    if (ranks) tw_prefill_finish_pending(w); /* it runs alone, after every earlier handoff */
     bool stale = r && !w->draining && tw_prefill_stale(r);
     int ready = 0;
     if (r && !w->draining && !stale) {
-      ready = tw_prefill_prepare(w, r, n == 0, &items[n]);
+      ready = tw_prefill_prepare(w, r, n > 0 || w->pending.b, &items[n]);
+      if (ready < 0 && n == 0) { /* the pending batch holds the blocks: finish it first */
+        tw_prefill_finish_pending(w);
+        continue;
+      }
       if (ready < 0) break; /* waits for this batch's blocks */
     }
     w->q_head = (w->q_head + 1) % TW_PREFILL_MAX_QUEUE;
@@ -294,9 +347,11 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     envs[n++] = e;
     tokens += (int64_t)r->n_prompt_ids;
   }
-  if (n == 0) return;
-  tw_prefill_batch_run(w, items, n);
-  for (int32_t i = 0; i < n; i++) twain__internal__v1__envelope__free_unpacked(envs[i], NULL);
+  if (n == 0) {
+    tw_prefill_finish_pending(w); /* nothing to overlap it with */
+    return;
+  }
+  tw_prefill_batch_run(w, items, envs, n);
 }
 
 static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity *cap) {
@@ -344,11 +399,13 @@ static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *
 }
 
 static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
-  w->batch = calloc((size_t)w->o.batch_seqs, sizeof *w->batch);
-  w->batch_envs = calloc((size_t)w->o.batch_seqs, sizeof *w->batch_envs);
-  if (!w->batch || !w->batch_envs)
-    return tw_err(TW_ERR_NO_MEMORY, "prefill worker: out of memory for batches of %d prompts",
-                  w->o.batch_seqs);
+  for (int k = 0; k < 2; k++) {
+    w->batch[k] = calloc((size_t)w->o.batch_seqs, sizeof *w->batch[k]);
+    w->batch_envs[k] = calloc((size_t)w->o.batch_seqs, sizeof *w->batch_envs[k]);
+    if (!w->batch[k] || !w->batch_envs[k])
+      return tw_err(TW_ERR_NO_MEMORY, "prefill worker: out of memory for batches of %d prompts",
+                    w->o.batch_seqs);
+  }
   TW_CHECK(tw_model_load(w->o.model_dir, &w->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
   tw_backend_kind_t be = w->o.backend;
@@ -372,6 +429,10 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
   TW_CHECK(tw_kv_xfer_create(&w->xfer));
+  w->hc = (tw_prefill_handoff_ctx_t){.engine = w->engine, .model = w->model, .xfer = w->xfer,
+                                     .flush_timeout_ms = w->o.flush_timeout_ms,
+                                     .max_age_ms = TW_PREFILL_MAX_AGE_MS,
+                                     .on_layer = tw_prefill_on_engine_layer, .on_layer_arg = w};
   w->rk = (tw_prefill_ranks_t){.dist = w->dist, .engine = w->engine, .xfer = w->xfer,
                                .model = w->model, .flush_timeout_ms = w->o.flush_timeout_ms,
                                .max_age_ms = TW_PREFILL_MAX_AGE_MS};
@@ -405,6 +466,9 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->m.batches = tw_metrics_counter(M, "prefill_batches_total",
                                     "engine prefill batches (prompts run as one variable-length "
                                     "prefill)");
+  w->m.overlapped = tw_metrics_counter(M, "prefill_batch_handoffs_overlapped_total",
+                                       "batches whose kv flush and answers ran while the next "
+                                       "batch computed");
   TW_CHECK(tw_worker_link_open(&w->link, w->o.router, name, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
   w->link.ranks = w->id.size;
   w->link.kv_block_size = l->block_size;
@@ -422,8 +486,11 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
     Twain__Internal__V1__Envelope *e = w->queue[(w->q_head + i) % TW_PREFILL_MAX_QUEUE];
     if (e) twain__internal__v1__envelope__free_unpacked(e, NULL);
   }
-  free(w->batch);
-  free(w->batch_envs);
+  tw_prefill_finish_pending(w);
+  for (int k = 0; k < 2; k++) {
+    free(w->batch[k]);
+    free(w->batch_envs[k]);
+  }
   if (w->link.sock) tw_worker_link_close(&w->link);
   tw_metrics_destroy(w->metrics);
   tw_kv_xfer_destroy(w->xfer);

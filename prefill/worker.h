@@ -33,7 +33,7 @@ typedef struct {
 } tw_prefill_opts_t;
 
 #define TW_PREFILL_OPTS_DEFAULT                                                              \
-  ((tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,       \
+  ((tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 1024, .block_size = 16,       \
                        .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,       \
                        .chunk_tokens = 8192, .batch_seqs = 64,       \
                        .log_stats_interval_s = 5})

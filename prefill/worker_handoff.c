@@ -80,35 +80,111 @@ static tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
   return TW_OK;
 }
 
+/* A batch between its engine run and its flush. */
+struct tw_prefill_handoff_batch {
+  const tw_prefill_handoff_ctx_t *ctx;
+  tw_prefill_handoff_item_t *items;
+  int32_t n, n_seqs;
+  tw_handoff_state_t *states; /* [n_seqs] */
+  int32_t *firsts;            /* [n_seqs] */
+  tw_status_t est;            /* the engine's status */
+  char emsg[256];
+  int64_t t_engine, t_puts;
+};
+
 /* tw_prefill_batch_args_t.on_layer_done: layer l of request seq's positions
  * start..start+T-1 is in the pool. */
 static void tw_handoff_on_batch_layer(void *arg, int32_t seq, int32_t layer, int32_t start,
                                       int32_t n_tokens) {
-  tw_handoff_state_t *states = arg;
-  if (layer == states[seq].n_layers - 1) states[seq].t_last_layer_ns = tw_msg_clock_ns();
-  tw_handoff_send(&states[seq], layer, start + n_tokens, true);
+  tw_prefill_handoff_batch_t *b = arg;
+  tw_handoff_state_t *s = &b->states[seq];
+  if (layer == s->n_layers - 1) s->t_last_layer_ns = tw_msg_clock_ns();
+  tw_handoff_send(s, layer, start + n_tokens, true);
+  if (b->ctx->on_layer) b->ctx->on_layer(b->ctx->on_layer_arg);
 }
 
-tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
-                                     tw_prefill_handoff_item_t *items, int32_t n) {
-  const tw_model_config_t *c = &ctx->model->config;
-  if (c->n_layers > TW_MAX_LAYERS) return tw_err(TW_ERR_INTERNAL, "too many layers");
-  if (n <= 0) return tw_err(TW_ERR_INVALID_ARGUMENT, "prefill handoff: empty batch");
-  tw_handoff_state_t *states = calloc((size_t)n, sizeof *states);
-  tw_prefill_seq_t *seqs = calloc((size_t)n, sizeof *seqs);
-  int32_t *firsts = calloc((size_t)n, sizeof *firsts);
-  if (!states || !seqs || !firsts) {
-    free(states);
-    free(seqs);
-    free(firsts);
-    return tw_err(TW_ERR_NO_MEMORY, "prefill handoff: out of memory for a batch of %d", n);
+void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b) {
+  if (!b) return;
+  const tw_prefill_handoff_ctx_t *ctx = b->ctx;
+  for (int32_t i = 0; i < b->n; i++) {
+    tw_prefill_handoff_item_t *it = &b->items[i];
+    if (it->st != TW_OK) continue;
+    tw_handoff_state_t *s = &b->states[it->seq];
+    if (b->est != TW_OK) {
+      it->st = b->est;
+      snprintf(it->msg, sizeof it->msg, "%s", b->emsg);
+      continue;
+    }
+    if (s->st == TW_OK) { /* remote completion; a failed peer is dropped from the cache */
+      int64_t t2 = tw_msg_clock_ns();
+      s->st = tw_kv_xfer_flush(ctx->xfer, s->peer, ctx->flush_timeout_ms);
+      int64_t t3 = tw_msg_clock_ns();
+      s->t_put_ns += t3 - t2;
+      /* with the flush deferred to the next batch's compute this includes
+       * the wait for it: the time until the prompt can be answered */
+      it->out.tail_ms = (double)(t3 - s->t_last_layer_ns) * 1e-6;
+      if (s->st != TW_OK) /* the other requests to that peer fail with it, unflushed */
+        for (int32_t k = 0; k < b->n_seqs; k++)
+          if (k != it->seq && b->states[k].peer == s->peer && b->states[k].st == TW_OK) {
+            b->states[k].st = s->st;
+            b->states[k].peer = NULL;
+          }
+    }
+    it->st = s->st;
+    if (it->st != TW_OK) {
+      snprintf(it->msg, sizeof it->msg, "%s", tw_last_error());
+      continue;
+    }
+    it->out.first_token = b->firsts[it->seq];
+    it->out.kv_bytes = s->bytes;
+    /* the batch's engine time less every put issued during it (all requests') */
+    it->out.prefill_ms = (double)(b->t_engine - b->t_puts) * 1e-6;
+    it->out.transfer_ms = (double)s->t_put_ns * 1e-6;
+    it->out.layer_sends = s->layer_sends;
+    it->out.layer_sends_in_engine = s->layer_sends_in_engine;
   }
+  free(b->states);
+  free(b->firsts);
+  free(b);
+}
+
+tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
+                                     tw_prefill_handoff_item_t *items, int32_t n,
+                                     tw_prefill_handoff_batch_t **b_p) {
+  const tw_model_config_t *c = &ctx->model->config;
+  *b_p = NULL;
+  tw_status_t st = TW_OK;
+  if (c->n_layers > TW_MAX_LAYERS) st = tw_err(TW_ERR_INTERNAL, "too many layers");
+  tw_prefill_handoff_batch_t *b = st == TW_OK ? calloc(1, sizeof *b) : NULL;
+  tw_prefill_seq_t *seqs = calloc((size_t)(n > 0 ? n : 1), sizeof *seqs);
+  if (b) {
+    b->states = calloc((size_t)(n > 0 ? n : 1), sizeof *b->states);
+    b->firsts = calloc((size_t)(n > 0 ? n : 1), sizeof *b->firsts);
+  }
+  if (st == TW_OK && (!b || !seqs || !b->states || !b->firsts))
+    st = tw_err(TW_ERR_NO_MEMORY, "prefill handoff: out of memory for a batch of %d", n);
+  if (st != TW_OK) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s", tw_last_error());
+    for (int32_t i = 0; i < n; i++) {
+      items[i].st = st;
+      snprintf(items[i].msg, sizeof items[i].msg, "%s", msg);
+    }
+    if (b) {
+      free(b->states);
+      free(b->firsts);
+    }
+    free(b);
+    free(seqs);
+    return tw_err(st, "%s", msg);
+  }
+  *b = (tw_prefill_handoff_batch_t){.ctx = ctx, .items = items, .n = n, .states = b->states,
+                                    .firsts = b->firsts, .est = TW_OK};
   const tw_kv_layout_t *src = tw_engine_kv_layout(ctx->engine);
-  int32_t n_seqs = 0;
   for (int32_t i = 0; i < n; i++) {
     tw_prefill_handoff_item_t *it = &items[i];
     it->out = (tw_prefill_handoff_result_t){.first_token = -1};
-    tw_handoff_state_t *s = &states[n_seqs];
+    tw_handoff_state_t *s = &b->states[b->n_seqs];
     *s = (tw_handoff_state_t){.ctx = ctx, .r = it->r, .src = src, .ids = it->ids, .nb = it->nb,
                               .n = (int32_t)it->r->n_prompt_ids, .n_layers = c->n_layers,
                               .sums = it->sums, .st = TW_OK};
@@ -117,70 +193,39 @@ tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
       snprintf(it->msg, sizeof it->msg, "%s", tw_last_error());
       continue;
     }
-    int32_t k = n_seqs++;
+    int32_t k = b->n_seqs++;
     it->seq = k;
-    firsts[k] = -1;
+    b->firsts[k] = -1;
     seqs[k] = (tw_prefill_seq_t){.tokens = it->r->prompt_ids, .n_tokens = s->n,
                                  .block_table = it->ids, .n_blocks = it->nb, .sample = &it->sp,
-                                 .next_token_out = &firsts[k]};
+                                 .next_token_out = &b->firsts[k]};
   }
-  tw_status_t est = TW_OK;
-  int64_t t0 = tw_msg_clock_ns(), t_engine = 0;
-  if (n_seqs > 0) {
+  int64_t t0 = tw_msg_clock_ns();
+  if (b->n_seqs > 0) {
     /* layer l's blocks of every request are put from on_layer_done while
      * layers > l compute (and the next pass, for a prompt split over passes) */
-    tw_prefill_batch_args_t ba = {.n_seqs = n_seqs, .seqs = seqs,
-                                  .on_layer_done = tw_handoff_on_batch_layer,
-                                  .on_layer_arg = states};
-    est = tw_engine_prefill_batch(ctx->engine, &ba);
+    tw_prefill_batch_args_t ba = {.n_seqs = b->n_seqs, .seqs = seqs,
+                                  .on_layer_done = tw_handoff_on_batch_layer, .on_layer_arg = b};
+    b->est = tw_engine_prefill_batch(ctx->engine, &ba);
     /* a backend that reported nothing (or not everything): the rest now */
-    for (int32_t k = 0; est == TW_OK && k < n_seqs; k++)
-      for (int32_t l = 0; l < c->n_layers; l++) tw_handoff_send(&states[k], l, states[k].n, false);
-    t_engine = tw_msg_clock_ns() - t0;
-    for (int32_t k = 0; k < n_seqs; k++) /* a backend that reported nothing */
-      if (!states[k].t_last_layer_ns) states[k].t_last_layer_ns = t0 + t_engine;
+    for (int32_t k = 0; b->est == TW_OK && k < b->n_seqs; k++)
+      for (int32_t l = 0; l < c->n_layers; l++)
+        tw_handoff_send(&b->states[k], l, b->states[k].n, false);
+    b->t_engine = tw_msg_clock_ns() - t0;
+    for (int32_t k = 0; k < b->n_seqs; k++) /* a backend that reported nothing */
+      if (!b->states[k].t_last_layer_ns) b->states[k].t_last_layer_ns = t0 + b->t_engine;
+    if (b->est != TW_OK) snprintf(b->emsg, sizeof b->emsg, "%s", tw_last_error());
   }
-  char emsg[256] = "";
-  if (est != TW_OK) snprintf(emsg, sizeof emsg, "%s", tw_last_error());
-  int64_t t_puts = 0;
-  for (int32_t k = 0; k < n_seqs; k++) t_puts += states[k].t_put_ns;
-  for (int32_t i = 0; i < n; i++) {
-    tw_prefill_handoff_item_t *it = &items[i];
-    if (it->st != TW_OK) continue;
-    tw_handoff_state_t *s = &states[it->seq];
-    if (est != TW_OK) {
-      it->st = est;
-      snprintf(it->msg, sizeof it->msg, "%s", emsg);
-      continue;
-    }
-    if (s->st == TW_OK) { /* remote completion; a failed peer is dropped from the cache */
-      int64_t t2 = tw_msg_clock_ns();
-      s->st = tw_kv_xfer_flush(ctx->xfer, s->peer, ctx->flush_timeout_ms);
-      int64_t t3 = tw_msg_clock_ns();
-      s->t_put_ns += t3 - t2;
-      it->out.tail_ms = (double)(t3 - s->t_last_layer_ns) * 1e-6;
-      if (s->st != TW_OK) /* the other requests to that peer fail with it, unflushed */
-        for (int32_t k = 0; k < n_seqs; k++)
-          if (k != it->seq && states[k].peer == s->peer && states[k].st == TW_OK) {
-            states[k].st = s->st;
-            states[k].peer = NULL;
-          }
-    }
-    it->st = s->st;
-    if (it->st != TW_OK) {
-      snprintf(it->msg, sizeof it->msg, "%s", tw_last_error());
-      continue;
-    }
-    it->out.first_token = firsts[it->seq];
-    it->out.kv_bytes = s->bytes;
-    /* the batch's engine time less every put issued during it (all requests') */
-    it->out.prefill_ms = (double)(t_engine - t_puts) * 1e-6;
-    it->out.transfer_ms = (double)s->t_put_ns * 1e-6;
-    it->out.layer_sends = s->layer_sends;
-    it->out.layer_sends_in_engine = s->layer_sends_in_engine;
-  }
-  free(states);
+  for (int32_t k = 0; k < b->n_seqs; k++) b->t_puts += b->states[k].t_put_ns;
   free(seqs);
-  free(firsts);
-  return est;
+  *b_p = b;
+  return b->est != TW_OK ? tw_err(b->est, "%s", b->emsg) : TW_OK;
+}
+
+tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
+                                     tw_prefill_handoff_item_t *items, int32_t n) {
+  tw_prefill_handoff_batch_t *b = NULL;
+  tw_status_t st = tw_prefill_handoff_start(ctx, items, n, &b);
+  tw_prefill_handoff_finish(b);
+  return st;
 }

@@ -27,6 +27,12 @@ typedef struct {
   tw_kv_xfer_t *xfer;           /* borrowed */
   int flush_timeout_ms;
   int64_t max_age_ms;           /* refuse to write KV for older requests */
+  /* Optional (NULL = none): called on the engine's thread from every
+   * per-layer callback of a batch, e.g. to finish the previous batch's
+   * handoff (tw_prefill_handoff_finish) while this one computes. It must not
+   * call the engine. */
+  void (*on_layer)(void *arg);
+  void *on_layer_arg;
 } tw_prefill_handoff_ctx_t;
 
 typedef struct {
@@ -67,6 +73,19 @@ typedef struct {
  *  prompts one by one to find the bad one), TW_ERR_NO_MEMORY. */
 tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
                                      tw_prefill_handoff_item_t *items, int32_t n);
+
+/** tw_prefill_handoff_batch in two halves, so that a batch's flush can wait
+ *  until the next batch computes (batch i's handoff overlapped with batch
+ *  i+1's compute). start: the engine run and every put, nothing flushed;
+ *  returns what tw_prefill_handoff_batch returns and, in *b_p, the batch to
+ *  finish (NULL only on TW_ERR_NO_MEMORY / TW_ERR_INTERNAL, every item then
+ *  failed with it). ctx and items must stay valid until finish. finish: the
+ *  flushes and every item's status and result, then frees b (NULL: nothing). */
+typedef struct tw_prefill_handoff_batch tw_prefill_handoff_batch_t;
+tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
+                                     tw_prefill_handoff_item_t *items, int32_t n,
+                                     tw_prefill_handoff_batch_t **b_p);
+void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b);
 
 /** Whether the request is older than max_age_ms (wall clock, issued_unix_ms). */
 int tw_prefill_handoff_stale(const Twain__Internal__V1__PrefillRequest *r, int64_t max_age_ms);

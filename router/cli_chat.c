@@ -37,11 +37,13 @@ typedef struct {
   bool max_tokens_set;
   double temperature;
   long long seed;
+  const char *api_key; /* $TWAIN_API_KEY: for a router run with --api-key */
 } tw_client_opts_t;
 
-#define TW_CLIENT_OPTS_DEFAULT                                          \
-  ((tw_client_opts_t){.endpoint = TW_ROUTER_CLIENT_ENDPOINT, .timeout_ms = 300000, \
-                      .connect_timeout_ms = TW_CLI_CONNECT_TIMEOUT_MS})
+#define TW_CLIENT_OPTS_DEFAULT                                                         \
+  ((tw_client_opts_t){.endpoint = TW_ROUTER_CLIENT_ENDPOINT, .timeout_ms = 300000,   \
+                      .connect_timeout_ms = TW_CLI_CONNECT_TIMEOUT_MS,              \
+                      .api_key = getenv("TWAIN_API_KEY")})
 
 /* The options chat and generate share (opts.h rows), on tw_client_opts_t o. */
 #define TW_CLIENT_OPT_ROWS(o)                                                                   \
@@ -110,9 +112,8 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
     zmq_ctx_term(ctx);
     return 1;
   }
-  Twain__V1__ClientRequest keyed = *req; /* a router run with --api-key wants it */
-  const char *key = getenv("TWAIN_API_KEY");
-  if (key && key[0]) keyed.api_key = (char *)key;
+  Twain__V1__ClientRequest keyed = *req;
+  if (o->api_key && o->api_key[0]) keyed.api_key = (char *)o->api_key;
   size_t len = protobuf_c_message_get_packed_size(&keyed.base);
   uint8_t *buf = malloc(len ? len : 1);
   protobuf_c_message_pack(&keyed.base, buf);

@@ -77,6 +77,7 @@ typedef struct {
   char worker_ep[256], client_ep[256];
   char http_url[320];   /* "" when the HTTP API is off */
   char metrics[2048];   /* "router http://ADDR:P/metrics, prefill-0 ..." ("" when off) */
+  char api_key[512];    /* from --api-key-file */
   tw_status_t router_status;
   int n_registered; /* workers registered with the router (any origin), under mu */
 } tw_serve_t;

@@ -62,7 +62,7 @@ typedef struct tw_hconn {
   tw_hitem_t *items;
   int n_items, cap_items;
   bool sent_head;      /* chat: the role chunk; responses: created/in_progress */
-  int32_t prompt_tokens, completion_tokens;
+  int32_t prompt_tokens, completion_tokens, reasoning_tokens;
   int finish;          /* Twain__V1__FinishReason */
   int64_t seq;         /* responses: sequence_number */
   /* completions */

@@ -14,6 +14,7 @@
 #include "common/status.h"
 
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define TW_ROUTER_CLIENT_ENDPOINT "tcp://127.0.0.1:7400"
@@ -106,8 +107,8 @@ typedef struct {
 tw_status_t tw_router_run(const tw_router_params_t *params, volatile sig_atomic_t *stop);
 
 /** The --api-key-file option's parser (common/opts.h TW_OPT_FN; dst: const
- *  char **): the first line of the file at `path` (static storage). 0, or -1
- *  with why in err (cannot read, empty). */
+ *  char **): the first line of the file at `path` (at most 511 bytes; kept for
+ *  the process, tw_opts_keep). 0, or -1 with why in err (cannot read, empty). */
 int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen);
 
 /** `twain-router` / `twain router` command line. Returns the exit code. */

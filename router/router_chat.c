@@ -52,6 +52,8 @@ struct tw_rchat {
   uint64_t req_id;
   int32_t n_unexpected;
   bool finishing; /* in parser_finish: a message cut by max_tokens or a stop is expected */
+  bool in_analysis; /* inside an analysis message's text (not addressed to a tool) */
+  int32_t n_reasoning; /* ids of analysis text, for usage.reasoning_tokens */
 };
 
 static char *tw_dup(const char *s) { return s ? strdup(s) : NULL; }
@@ -124,9 +126,11 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
       tw_header_set(&c->recipient, ev->recipient);
       tw_header_set(&c->content_type, ev->content_type);
       c->first_delta = true;
+      c->in_analysis = ev->channel && !strcmp(ev->channel, "analysis") && !ev->recipient;
       break;
     case TW_HARMONY_EV_TEXT_DELTA: tw_on_text(c, ev->text, ev->text_len); break;
     case TW_HARMONY_EV_MESSAGE_END:
+      c->in_analysis = false;
       if (c->n_msgs < TW_RCHAT_MAX) {
         Twain__V1__Message *m = &c->msgs[c->n_msgs];
         twain__v1__message__init(m);
@@ -325,7 +329,11 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
   struct tw_rchat *c = q->hchat;
   if (!c) return false;
   tw_feed_reset(c);
-  for (size_t i = 0; i < n && !c->stop_hit; i++) tw_harmony_parser_push(c->parser, toks[i]);
+  for (size_t i = 0; i < n && !c->stop_hit; i++) {
+    bool was = c->in_analysis;
+    tw_harmony_parser_push(c->parser, toks[i]);
+    c->n_reasoning += was && c->in_analysis; /* a text id of an analysis message */
+  }
   rep->deltas = c->dptr;
   rep->n_deltas = c->n_deltas;
   rep->tool_calls = c->cptr;
@@ -344,6 +352,7 @@ void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   rep->n_tool_calls = c->n_calls;
   rep->messages = c->mptr;
   rep->n_messages = c->n_msgs;
+  if (rep->usage) rep->usage->reasoning_tokens = c->n_reasoning;
   if (rep->finish_reason == TWAIN__V1__FINISH_REASON__FINISH_STOP && q->n_out > 0) {
     tw_rchat_ctx_t *x = r->chat_ctx;
     if (q->out[q->n_out - 1] == x->stop_call) rep->finish_reason = TWAIN__V1__FINISH_REASON__FINISH_TOOL_CALL;

@@ -39,7 +39,7 @@ static void tw_router_print_ready(void *arg) {
 }
 
 int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen) {
-  static char key[512];
+  char key[512];
   FILE *f = fopen(path, "r");
   if (!f) {
     snprintf(err, errlen, "cannot read the API key file %s: %s", path, strerror(errno));
@@ -53,7 +53,12 @@ int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen
     snprintf(err, errlen, "the API key file %s is empty", path);
     return -1;
   }
-  *(const char **)dst = key;
+  const char *kept = tw_opts_keep(key); /* valid for the process, like the option strings */
+  if (!kept) {
+    snprintf(err, errlen, "out of memory");
+    return -1;
+  }
+  *(const char **)dst = kept;
   return 0;
 }
 

@@ -24,7 +24,8 @@
  *
  * Usage: twain-bench-cuda [--model DIR | --synthetic 20b|120b|both]
  *          [--prefill 8192,32768,...] [--batches 1,8,...] [--contexts 8192,...]
- *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N] */
+ *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N]
+ * (a list may be "none": e.g. --prefill none --batches none for (a') alone). */
 #include "common/engine.h"
 #include "common/log.h"
 #include "common/model_path.h"
@@ -90,6 +91,10 @@ typedef struct {
 
 static int parse_list(const char *s, void *dst, char *err, size_t errlen) {
   int_list_t *l = dst;
+  if (!strcmp(s, "none")) { /* the empty list, like "" */
+    l->n = 0;
+    return 0;
+  }
   if (tw_opts_id_list(s, l->v, MAXL, &l->n, err, errlen)) return -1;
   for (int i = 0; i < l->n; i++)
     if (l->v[i] < 1) {

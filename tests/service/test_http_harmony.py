@@ -138,6 +138,10 @@ try:
     check(st == 200 and msg["content"] == "Hello there, friend." and msg["reasoning_content"] == "The user greets."
           and "tool_calls" not in msg and r["choices"][0]["finish_reason"] == "stop",
           "final after analysis: content and reasoning_content apart (%s)" % msg)
+    n_reasoning = len(fake_workers.tokenize("The user greets."))
+    check(st == 200 and r["usage"]["completion_tokens_details"]["reasoning_tokens"] == n_reasoning,
+          "usage.completion_tokens_details.reasoning_tokens counts the analysis text ids (%s, want %d)" % (
+              r.get("usage"), n_reasoning))
     st, ev = api.stream("/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}})
     content, reasoning, calls = chat_text(ev)
     first = ev[0][1]["choices"][0]["delta"] if ev else {}
@@ -155,7 +159,8 @@ try:
     check(st == 200 and [o["type"] for o in r["output"]] == ["reasoning", "message"] and
           r["output"][1]["content"][0]["text"] == "Hello there, friend." and
           r["output"][0]["content"][0]["text"] == "The user greets." and r["status"] == "completed" and
-          r["usage"]["output_tokens"] == len(fw.script),
+          r["usage"]["output_tokens"] == len(fw.script) and
+          r["usage"]["output_tokens_details"]["reasoning_tokens"] == n_reasoning,
           "/v1/responses: reasoning item, message item with output_text, usage (%s)" % r.get("output"))
     st, ev = api.stream("/v1/responses", {"input": "Hi"})
     names = [n for n, _ in ev]

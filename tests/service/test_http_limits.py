@@ -1,11 +1,16 @@
 """The HTTP API's limits with fake workers (fake_workers.py): the API key on
 both APIs (401 / UNAUTHENTICATED), a body over --http-max-body (413), more
 requests than --max-requests (429), a deadline (504), a client that
-disconnects mid-stream (its request is cancelled at the workers and the
-router drops it), 256 concurrent SSE streams that all complete, and /health
-before workers register (503). The router keeps serving after each."""
+disconnects mid-stream or while it waits (its request is cancelled at the
+workers and the router drops it), 256 concurrent SSE streams that all
+complete, and /health and a request before workers register (503). The router keeps serving after each."""
+import atexit
 import json
+import os
+import shutil
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 
@@ -21,11 +26,25 @@ USER = [{"role": "user", "content": "Tell me about dogs."}]
 ANSWER = "Dogs are loyal companions and good friends."
 SCRIPT = fake_workers.tokenize("<|channel|>final<|message|>" + ANSWER + "<|return|>")
 
+# ---- the key from a file (its first line); a missing or empty file is a usage error ----
+tmp = tempfile.mkdtemp()
+keyfile = os.path.join(tmp, "key")
+with open(keyfile, "w") as f:
+    f.write(KEY + "\n# comment lines after the first are ignored\n")
+open(os.path.join(tmp, "empty"), "w").close()
+atexit.register(shutil.rmtree, tmp, True)
+for path, why in ((os.path.join(tmp, "missing"), "cannot read"), (os.path.join(tmp, "empty"), "is empty")):
+    p = subprocess.run([svc.bin_path("router", "twain-router"), "--api-key-file", path], capture_output=True,
+                       text=True, timeout=30)
+    check(p.returncode == 2 and why in p.stderr, "--api-key-file %s: exit 2, %r" % (os.path.basename(path),
+                                                                                 p.stderr.strip()))
+
 # ---- a router with a key and small limits; slow fake workers ----
 router = svc.Proc([svc.bin_path("router", "twain-router"), "--model", svc.MODEL,
                    "--listen", "tcp://127.0.0.1:0", "--workers", "tcp://127.0.0.1:0", "--metrics-port", "0",
-                   "--http-port", "0", "--api-key", KEY, "--http-max-body", "65536", "--max-requests", "4",
+                   "--http-port", "0", "--api-key-file", keyfile, "--http-max-body", "65536", "--max-requests", "4",
                    "--deadline-ms", "3000", "--served-model-name", "twain-test", "--expect-prefill", "1",
+                   "--expire-ms", "10000",
                    "--expect-decode", "1"], "router")
 m = router.wait_line(r"listening clients=(\S+) workers=(\S+)", 30)
 url = router.wait_line(r"serving the OpenAI API on (http://127\.0\.0\.1:\d+)/v1", 10).group(1)
@@ -34,6 +53,9 @@ api = http_client.Api(url, key=KEY)
 st, h = api.get("/health")
 check(st == 503 and h["status"] == "unavailable" and "worker" in h["reason"],
       "/health before any worker registered: 503 (%s)" % h)
+st, r = api.post("/v1/chat/completions", {"messages": USER})
+check(st == 503 and r["error"]["type"] == "service_unavailable_error",
+      "a request with no worker registered: 503 (UNAVAILABLE) (%s)" % r)
 fw = fake_workers.FakeWorkers(m.group(2), SCRIPT, token_delay=0.1)
 fw.start()
 router.wait_line(r"twain-router: ready", 30)

@@ -5,7 +5,8 @@ and every prompt's greedy output still equals `twain-prefill --generate` of
 that prompt alone in one process, token for token. The decode worker checks
 every layer's KV against the checksum the prefill worker sent (--verify-kv),
 all blocks are freed afterwards, and the prefill worker's metrics show fewer
-engine batches than prompts (the prompts did share passes)."""
+engine batches than prompts (the prompts did share passes) and at least one
+batch whose handoff finished while the next batch computed."""
 import sys
 
 import fixtures
@@ -55,6 +56,13 @@ try:
         fails += 1
     if not 1 <= pm["twain_prefill_batches_total"] < n_req:
         print("FAIL: the queued prompts were not prefilled together")
+        fails += 1
+    # the long prompt's batch had prompts queued behind it: its flush and
+    # answers ran during the next batch's compute
+    print("prefill: %d batch handoffs finished while the next batch computed" %
+          pm["twain_prefill_batch_handoffs_overlapped_total"])
+    if pm["twain_prefill_batch_handoffs_overlapped_total"] < 1:
+        print("FAIL: no batch's handoff overlapped the next batch's compute")
         fails += 1
     cl.close()
 finally:

@@ -21,7 +21,8 @@ assert SCRIPT[-1] == fixtures.CALL
 
 
 router = svc.Proc([svc.bin_path("router", "twain-router"), "--model", svc.MODEL, "--listen", "tcp://127.0.0.1:0",
-                   "--workers", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--expect-prefill", "1",
+                   "--workers", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--expire-ms", "10000",
+                   "--expect-prefill", "1",
                    "--expect-decode", "1"], "router")
 fw = None
 try:
