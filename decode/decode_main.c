@@ -6,6 +6,7 @@
 #include "common/msg_worker.h"
 #include "common/model_path.h"
 #include "common/opts.h"
+#include "common/mem_plan.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -20,6 +21,7 @@ int main(int argc, char **argv) {
   tw_log_init("twain-decode", 0);
   tw_decode_params_t p = TW_DECODE_PARAMS_DEFAULT;
   p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
+  tw_mem_colocated_t colocated = {&p.colocated_prefill, &p.colocated_decode};
   tw_opt_t opts[] = {
       TW_OPT_STR("router", &p.router, "tcp://HOST:PORT", "the router's worker endpoint (required)"),
       TW_OPT_STR_FN("model", &p.model_dir, tw_model_opt, "DIR|ORG/NAME",
@@ -27,10 +29,18 @@ int main(int argc, char **argv) {
                     "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
       TW_OPT_STR("name", &p.name, "NAME", "routing id (default decode-<pid>)"),
       TW_OPT_FN("backend", &p.backend, tw_backend_opt, "auto|cpu|cuda", "engine backend"),
-      TW_OPT_INT("kv-blocks", &p.kv_blocks, 1, INT32_MAX, "N", "KV cache pool size in blocks"),
+      TW_OPT_INT("kv-blocks", &p.kv_blocks, 0, INT32_MAX, "N",
+                 "KV cache pool size in blocks (0: the memory plan, docs/operations.md)"),
       TW_OPT_INT("block-size", &p.block_size, 1, 1 << 20, "N", "KV block size in tokens"),
-      TW_OPT_INT("max-batch", &p.max_batch, 1, TW_DECODE_MAX_BATCH, "N",
-                 "sequences per decode step (per dp rank)"),
+      TW_OPT_INT("max-batch", &p.max_batch, 0, TW_DECODE_MAX_BATCH, "N",
+                 "sequences per decode step, per dp rank (0: the memory plan)"),
+      TW_OPT_DOUBLE("gpu-memory-utilization", &p.gpu_memory_utilization, 0, 1, "F",
+                    "share of the device for its workers (0: 0.90)"),
+      TW_OPT_FN("colocated", &colocated, tw_mem_colocated_opt, "P,D",
+                "prefill and decode workers on this device, this one included\n"
+                "(default this one alone)"),
+      TW_OPT_STR("share-weights", &p.share_weights_dir, "DIR",
+                 "cuda: one copy of the weights for the workers of DIR"),
       TW_OPT_INT("threads", &p.threads, 0, 4096, "N", "cpu threads (0: all cores)"),
       TW_OPT_INT("metrics-port", &p.metrics_port, -1, 65535, "PORT",
                  "/metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),
@@ -57,6 +67,11 @@ int main(int argc, char **argv) {
                          .n_opts = sizeof opts / sizeof opts[0], .config = true};
   int rc = tw_opts_parse(&spec, argc, argv, NULL);
   if (rc != TW_OPTS_RUN) return rc;
+  if (tw_opts_given(&spec, "colocated") && p.colocated_decode < 1) {
+    fprintf(stderr, "twain-decode: --colocated %d,%d counts no decode worker (this one)\n",
+            p.colocated_prefill, p.colocated_decode);
+    return 2;
+  }
   if (!p.router) {
     fprintf(stderr, "twain-decode: missing --router tcp://HOST:PORT (the router's worker endpoint; "
                     "see --help)\n");

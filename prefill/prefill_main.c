@@ -7,6 +7,7 @@
 
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/mem_plan.h"
 #include "common/model_path.h"
 #include "common/opts.h"
 
@@ -30,6 +31,7 @@ int main(int argc, char **argv) {
   tw_prefill_opts_t w = TW_PREFILL_OPTS_DEFAULT;
   w.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   tw_offline_opts_t o = {.block_size = 16};
+  tw_mem_colocated_t colocated = {&w.colocated_prefill, &w.colocated_decode};
   tw_opt_t opts[] = {
       TW_OPT_STR_FN("model", &w.model_dir, tw_model_opt, "DIR|ORG/NAME",
                     "checkpoint directory;\n"
@@ -41,7 +43,15 @@ int main(int argc, char **argv) {
       TW_OPT_STR("router", &w.router, "tcp://HOST:PORT",
                  "daemon mode: the router's worker endpoint"),
       TW_OPT_STR("name", &w.name, "NAME", "daemon: routing id (default prefill-<pid>)"),
-      TW_OPT_INT("kv-blocks", &w.kv_blocks, 1, INT32_MAX, "N", "daemon: local KV pool in blocks"),
+      TW_OPT_INT("kv-blocks", &w.kv_blocks, 0, INT32_MAX, "N",
+                 "daemon: local KV pool in blocks (0: the memory plan, docs/operations.md)"),
+      TW_OPT_DOUBLE("gpu-memory-utilization", &w.gpu_memory_utilization, 0, 1, "F",
+                    "daemon: share of the device for its workers (0: 0.90)"),
+      TW_OPT_FN("colocated", &colocated, tw_mem_colocated_opt, "P,D",
+                "daemon: prefill and decode workers on this device, this one\n"
+                "included (default this one alone)"),
+      TW_OPT_STR("share-weights", &w.share_weights_dir, "DIR",
+                 "daemon, cuda: one copy of the weights for the workers of DIR"),
       TW_OPT_INT("metrics-port", &w.metrics_port, -1, 65535, "PORT",
                  "daemon: /metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),
       TW_OPT_STR("metrics-addr", &w.metrics_addr, "ADDR",
@@ -50,9 +60,9 @@ int main(int argc, char **argv) {
                  "daemon: tensor parallel ranks (docs/parallelism.md); started here\n"
                  "(one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) did"),
       TW_OPT_INT("ep", &w.ep, 1, 64, "N", "daemon: expert parallel ranks"),
-      TW_OPT_INT("chunk-tokens", &w.chunk_tokens, 1, INT32_MAX, "N",
+      TW_OPT_INT("chunk-tokens", &w.chunk_tokens, 0, INT32_MAX, "N",
                  "daemon: tokens of one forward pass: queued prompts are batched up\n"
-                 "to it (a longer prompt runs alone, split over passes)"),
+                 "to it (a longer prompt runs alone, split over passes; 0: planned)"),
       TW_OPT_INT("batch-seqs", &w.batch_seqs, 1, INT32_MAX, "N", "daemon: most prompts in one batch"),
       TW_OPT_INT("log-stats-interval", &w.log_stats_interval_s, 0, 86400, "SECONDS",
                  "daemon: a stats line (waiting prompts, prompt tok/s) this often while\n"
@@ -79,6 +89,11 @@ int main(int argc, char **argv) {
       .config = true};
   int rc = tw_opts_parse(&spec, argc, argv, NULL);
   if (rc != TW_OPTS_RUN) return rc;
+  if (tw_opts_given(&spec, "colocated") && w.colocated_prefill < 1) {
+    fprintf(stderr, "twain-prefill: --colocated %d,%d counts no prefill worker (this one)\n",
+            w.colocated_prefill, w.colocated_decode);
+    return 2;
+  }
   if (w.router) return tw_prefill_worker_main(&w, argc, argv);
   if (!o.prompt_tokens_path) {
     fprintf(stderr,

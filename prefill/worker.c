@@ -155,6 +155,8 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);
     tw_metric_observe(w->m.tail, w->rk.tail_ms * 1e-3);
+    tw_metric_add(w->m.layer_sends, (double)w->rk.layer_sends); /* rank 0's */
+    tw_metric_add(w->m.layer_sends_overlapped, (double)w->rk.layer_sends_in_engine);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
     tw_worker_stats_add(&w->stats, (int64_t)r->n_prompt_ids, 1);
@@ -421,11 +423,17 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   if (be == TW_BACKEND_CUDA) ep.device = w->id.local_rank;
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
-  ep.kv_num_blocks = w->o.kv_blocks;
+  ep.kv_num_blocks = w->o.kv_blocks; /* 0: planned (mem_plan.h) */
   ep.max_batch = w->o.batch_seqs;
-  ep.max_prefill_chunk = w->o.chunk_tokens;
+  ep.max_prefill_chunk = w->o.chunk_tokens; /* 0: planned, the token budget */
+  ep.mem_role = TW_MEM_ROLE_PREFILL;
+  ep.mem_prefill_workers = w->o.colocated_prefill;
+  ep.mem_decode_workers = w->o.colocated_decode;
+  ep.mem_utilization = w->o.gpu_memory_utilization;
+  ep.weights_share_dir = w->o.share_weights_dir;
   ep.n_threads = w->o.threads;
   TW_CHECK(tw_engine_create(w->model, &ep, &w->engine));
+  w->o.chunk_tokens = tw_engine_params(w->engine)->max_prefill_chunk; /* planned or given */
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
   TW_CHECK(tw_kv_xfer_create(&w->xfer));

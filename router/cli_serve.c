@@ -13,7 +13,12 @@
  * was ready, stops serve at once (exit TW_WORKER_EXIT_CONFIG, or 1 for a
  * death by signal) after its own error line. Serve also stops by itself when
  * every worker it started has used up its restarts and no worker at all
- * (joined ones included) is registered with the router. */
+ * (joined ones included) is registered with the router.
+ * Memory: every worker is told how many prefill and decode workers share its
+ * device (--colocated P,D) so that each takes its planned share of it
+ * (mem_plan.h, docs/operations.md), and on a GPU they share one copy of the
+ * weights through CUDA IPC (--share-weights, a 0700 directory made for this
+ * serve and removed when it stops). */
 #include "router/cli.h"
 
 #include "common/install_paths.h"
@@ -21,12 +26,14 @@
 #include "common/engine.h"
 #include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/log.h"
+#include "common/mem_plan.h"
 #include "common/msg_worker.h"
 #include "common/model_path.h"
 #include "common/opts.h"
 #include "router/router.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -54,7 +61,7 @@
 
 /* One worker process serve keeps running. */
 typedef struct {
-  char *av[40];
+  char *av[48];
   int ac_name;           /* index of the --name value in av */
   char base[64], name[80];
   char mport[16];        /* its --metrics-port */
@@ -207,6 +214,32 @@ static int tw_serve_check_split(const char *model_dir, const int pv[5]) {
   return 0;
 }
 
+/* The directory of the shared-weights records (engine_cuda_share.cu): made
+ * 0700 for this serve; emptied and removed when it stops. "" when none. */
+static void tw_serve_share_dir(char *out, size_t len) {
+  const char *rt = getenv("XDG_RUNTIME_DIR");
+  snprintf(out, len, "%s/twain-serve-XXXXXX", rt && *rt && access(rt, W_OK) == 0 ? rt : "/tmp");
+  if (!mkdtemp(out)) {
+    TW_WARN("serve", "cannot make a directory for sharing the weights (%s): each worker loads "
+            "its own copy", strerror(errno));
+    out[0] = '\0';
+  }
+}
+
+static void tw_serve_share_dir_remove(const char *dir) {
+  if (!dir[0]) return;
+  DIR *d = opendir(dir);
+  struct dirent *e;
+  char path[PATH_MAX];
+  while (d && (e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    unlink(path);
+  }
+  if (d) closedir(d);
+  if (rmdir(dir) != 0) TW_WARN("serve", "cannot remove %s: %s", dir, strerror(errno));
+}
+
 int tw_cli_serve(int argc, char **argv) {
   static tw_serve_t s; /* shared with the router thread */
   memset(&s, 0, sizeof s);
@@ -222,8 +255,9 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_http_arg = &s;
   s.rp.on_workers_arg = &s;
   s.rp.http_port = TW_ROUTER_HTTP_PORT;
-  int n_prefill = 1, n_decode = 1, threads = -1, kv_blocks = 0;
-  bool verify = false;
+  int n_prefill = 1, n_decode = 1, threads = -1, kv_blocks = 0, max_batch = 0;
+  double mem_util = 0;
+  bool verify = false, no_share = false;
   tw_backend_kind_t bk = TW_BACKEND_AUTO;
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */
   int pv[5] = {1, 1, 1, 1, 1};
@@ -241,7 +275,15 @@ int tw_cli_serve(int argc, char **argv) {
       TW_OPT_INT("threads", &threads, -1, 4096, "T",
                  "cpu threads per worker (-1: the cores shared between the workers)"),
       TW_OPT_INT("kv-blocks", &kv_blocks, 0, INT32_MAX, "N",
-                 "decode workers' KV pool in blocks (0: the worker's default)"),
+                 "decode workers' KV pool in blocks (0: the memory plan,\n"
+                 "docs/operations.md)"),
+      TW_OPT_INT("max-batch", &max_batch, 0, INT32_MAX, "N",
+                 "decode workers' sequences per step (0: the memory plan)"),
+      TW_OPT_DOUBLE("gpu-memory-utilization", &mem_util, 0, 1, "F",
+                    "share of each GPU for its workers (0: 0.90)"),
+      TW_OPT_FLAG("no-share-weights", &no_share,
+                  "each worker loads its own copy of the weights (default on a GPU:\n"
+                  "one copy shared through CUDA IPC)"),
       TW_OPT_FLAG("verify-kv", &verify, "decode workers check the checksums of received KV"),
       TW_OPT_INT("prefill-tp", &pv[0], 1, 64, "N",
                  "ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4"),
@@ -370,6 +412,15 @@ int tw_cli_serve(int argc, char **argv) {
   static char num[8][16];
   const int numv[8] = {threads, kv_blocks, s.rp.drain_timeout_s, pv[0], pv[1], pv[2], pv[3], pv[4]};
   for (int q = 0; q < 8; q++) snprintf(num[q], sizeof num[q], "%d", numv[q]);
+  char colo[32], mbuf[16], ubuf[32];
+  snprintf(mbuf, sizeof mbuf, "%d", max_batch);
+  snprintf(ubuf, sizeof ubuf, "%.17g", mem_util);
+  /* every worker of both pools starts on the same device(s): the memory plan
+   * splits each between them, and on a GPU they share one weights copy */
+  snprintf(colo, sizeof colo, "%d,%d", n_prefill, n_decode);
+  static char share_dir[PATH_MAX];
+  share_dir[0] = '\0';
+  if (!no_share && bk != TW_BACKEND_CPU) tw_serve_share_dir(share_dir, sizeof share_dir);
   for (int k = 0; k < n; k++) {
     bool pre = k < n_prefill;
     tw_serve_slot_t *w = &slots[k];
@@ -394,6 +445,20 @@ int tw_cli_serve(int argc, char **argv) {
     if (!pre && kv_blocks) {
       av[c++] = "--kv-blocks";
       av[c++] = num[1];
+    }
+    if (!pre && max_batch) {
+      av[c++] = "--max-batch";
+      av[c++] = mbuf;
+    }
+    av[c++] = "--colocated";
+    av[c++] = colo;
+    if (mem_util > 0) {
+      av[c++] = "--gpu-memory-utilization";
+      av[c++] = ubuf;
+    }
+    if (share_dir[0]) {
+      av[c++] = "--share-weights";
+      av[c++] = share_dir;
     }
     if (!pre && verify) av[c++] = "--verify-kv";
     if (!pre && tw_opts_given(&spec, "drain-timeout")) {
@@ -545,6 +610,7 @@ int tw_cli_serve(int argc, char **argv) {
     struct timespec ts = {0, 20 * 1000000};
     nanosleep(&ts, NULL);
   }
+  tw_serve_share_dir_remove(share_dir);
   printf("twain serve: stopped\n");
   fflush(stdout);
   return rc ? rc : s.router_status == TW_OK ? 0 : 1;
