@@ -59,7 +59,7 @@ for extra, want in ((["--decode-dp", "2"], "--decode-dp N needs --decode-ep N"),
 r = subprocess.run([svc.bin_path("decode", "twain-decode"), "--router", "tcp://127.0.0.1:9", "--model", svc.MODEL,
                     "--backend", "cpu", "--dp", "2", "--ep", "2", "--max-batch", "1500000000"],
                    capture_output=True, text=True, timeout=60)
-check(r.returncode == 2 and "--max-batch must be an integer in [1, 65536], got '1500000000'" in r.stderr,
+check(r.returncode == 2 and "--max-batch must be an integer in [0, 65536], got '1500000000'" in r.stderr,
       "twain-decode --dp 2 --max-batch 1500000000 refused (exit %d): %s" % (
           r.returncode, (r.stderr.strip().splitlines() or ["(nothing)"])[0][-120:]))
 
