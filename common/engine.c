@@ -369,6 +369,11 @@ tw_status_t tw_engine_prefill_batch(tw_engine_t *engine, const tw_prefill_batch_
   return tw_prefill_plan_run(engine, &p);
 }
 
+tw_status_t tw_engine_warmup(tw_engine_t *engine) {
+  TW_CHECK(tw_engine_check(engine, "warmup"));
+  return engine->ops->warmup ? engine->ops->warmup(engine) : TW_OK;
+}
+
 tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args) {
   TW_CHECK(tw_engine_check(engine, "decode"));
   if (!args) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine decode: args is NULL");

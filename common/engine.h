@@ -224,6 +224,15 @@ typedef struct {
 } tw_decode_args_t;
 tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args);
 
+/** Prepare everything decode steps would otherwise prepare on first use, so
+ *  that the first requests do not pay for it: the CUDA backend captures the
+ *  decode graph of every (batch bucket, context bucket) its max_batch and
+ *  the model's context allow (logging progress); the CPU backend has
+ *  nothing to do. A daemon calls it before it registers as ready. Errors:
+ *  TW_ERR_INVALID_ARGUMENT (not an engine), TW_ERR_CUDA (a capture failed:
+ *  graphs are then off and decode runs eagerly, correct but slower). */
+tw_status_t tw_engine_warmup(tw_engine_t *engine);
+
 #ifdef __cplusplus
 }
 #endif

@@ -38,10 +38,11 @@
 
 #define TW_DSEQ_MAX_STOP 16
 
-/* QUARANTINE: a reservation cancelled before its KV arrived. A prefill worker
- * may still be writing into those blocks (one-sided puts cannot be revoked),
- * so they stay out of the free list for TW_DSEQ_QUARANTINE_MS, longer than a
- * prefill worker ever writes for a request (TW_PREFILL_MAX_AGE_MS, 20 s). */
+/* QUARANTINE: a reservation cancelled or expired before its KV arrived. A
+ * prefill worker may still be writing into those blocks (one-sided puts
+ * cannot be revoked), so they stay out of the free list for
+ * TW_DSEQ_QUARANTINE_MS, longer than a prefill worker ever writes for a
+ * request (TW_PREFILL_MAX_AGE_MS, 20 s after the router handed it over). */
 /* COMMITTING: the KV is in (staged pool: in the pinned mirror) and its copy
  * to the device runs on the region's own stream; the sequence joins the
  * decode batches once the copy is done, so a handoff never stalls a step. */
@@ -550,6 +551,10 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   ep.n_threads = p->threads;
   TW_CHECK(tw_engine_create(d->model, &ep, &d->engine));
   d->max_batch = tw_engine_params(d->engine)->max_batch;
+  /* ready means ready: weights uploaded and the kv pool allocated (above),
+   * decode graphs captured (here), all before registering with the router */
+  if (tw_engine_warmup(d->engine) != TW_OK)
+    TW_WARN("decode", "warmup: %s (decode runs without graphs)", tw_last_error());
   const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
   TW_CHECK(tw_kv_xfer_create(&d->xfer));
   TW_CHECK(tw_kv_region_register(d->xfer, l, &d->region));
@@ -760,8 +765,10 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     for (int32_t i = d.n_seqs - 1; i >= 0; i--) {
       tw_dseq_t *s = d.seqs[i];
       if (s->state == TW_DSEQ_RESERVED && now - s->t_ns > (int64_t)p->reserve_timeout_ms * 1000000) {
-        TW_WARN("decode", "request %llu: reservation expired", (unsigned long long)s->id);
-        tw_dseq_release(&d, i);
+        TW_WARN("decode", "request %llu: reservation expired: %d blocks quarantined",
+                (unsigned long long)s->id, s->n_blocks);
+        s->state = TW_DSEQ_QUARANTINE; /* a late prefill may still write there */
+        s->t_ns = now;
       } else if (s->state == TW_DSEQ_QUARANTINE &&
                  (now - s->t_ns > (int64_t)TW_DSEQ_QUARANTINE_MS * 1000000 || d.draining)) {
         tw_dseq_release(&d, i);

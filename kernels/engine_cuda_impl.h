@@ -182,6 +182,8 @@ int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch);
 /** The engine ops (engine_cuda_step.cu). */
 tw_status_t tw_ce_prefill_pass(tw_engine_t *engine, const tw_prefill_pass_t *pass);
 tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
+/** Capture the decode graph of every (batch, context) bucket (tw_engine_warmup). */
+tw_status_t tw_ce_warmup(tw_engine_t *engine);
 /** Log the per-op times gathered in profile mode (engine_cuda_step.cu). */
 void tw_ce_profile_log(const tw_ce_t *ce);
 /** Destroy the captured graphs (engine_cuda_step.cu). */

@@ -3,6 +3,7 @@
  * i32 nb, i32 ids[nb], then the packed PrefillRequest. Reply (others -> 0):
  * i32 status, i64 bytes, u64 head_sums[L * NKV], then a message. */
 #include "prefill/prefill_ranks.h"
+#include "prefill/worker_handoff.h"
 
 #include "common/dist_engine.h"
 #include "common/kv_reshard.h"
@@ -26,14 +27,6 @@ static void tw_remote_layout(const Twain__Internal__V1__KvLayout *k, tw_kv_remot
                                .head_dim = k->head_dim, .layer_stride_bytes = k->layer_stride_bytes,
                                .block_bytes = k->block_bytes, .remote_base = k->remote_base,
                                .total_bytes = k->total_bytes};
-}
-
-static bool tw_prefill_too_old(const tw_prefill_ranks_t *rk,
-                               const Twain__Internal__V1__PrefillRequest *r) {
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
-  return rk->max_age_ms > 0 && r->issued_unix_ms && now - r->issued_unix_ms > rk->max_age_ms;
 }
 
 /* A decode rank whose kv heads overlap this prefill rank's. */
@@ -67,8 +60,10 @@ static void tw_rank_send(tw_rank_send_t *s, int32_t l, int32_t end, bool in_engi
   if (s->st != TW_OK || l < 0 || l >= s->n_layers) return;
   int32_t done = tw_kv_blocks_final(end, s->n, s->nb, s->src->block_size);
   if (done <= s->sent[l]) return;
-  if (tw_prefill_too_old(s->rk, s->r)) {
-    s->st = tw_err(TW_ERR_DEADLINE, "request %llu is older than %d ms: not writing its kv",
+  if (tw_prefill_handoff_stale(s->r, s->rk->max_age_ms)) {
+    s->st = tw_err(TW_ERR_DEADLINE,
+                   "request %llu was handed to this prefill worker more than %d ms ago: not "
+                   "writing its kv (its decode blocks may have been reused)",
                    (unsigned long long)s->r->request_id, s->rk->max_age_ms);
     return;
   }

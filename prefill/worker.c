@@ -31,8 +31,12 @@
 #endif
 
 #define TW_PREFILL_MAX_QUEUE 4096
-/* KV older than this is never written (see issued_unix_ms in the proto);
- * decode workers quarantine cancelled reservations for longer (40 s). */
+/* KV is never written more than this long after the router handed the
+ * request to a prefill worker (issued_unix_ms in the proto: the KV-write
+ * guard of worker_handoff.c and prefill_ranks.c); decode workers quarantine
+ * cancelled or expired reservations for longer (40 s). Time in the router's
+ * queue does not count (the router stamps a request when it leaves it), and
+ * the router's backpressure window keeps this worker's queue far shorter. */
 #define TW_PREFILL_MAX_AGE_MS 20000
 /* Idle: block on the router socket this long (a message wakes it at once;
  * heartbeats have their own thread), so an idle worker costs ~0 CPU. */
@@ -113,13 +117,6 @@ static int tw_code_of(tw_status_t st) {
     case TW_ERR_UNSUPPORTED: return TWAIN__V1__CODE__UNIMPLEMENTED;
     default: return TWAIN__V1__CODE__INTERNAL;
   }
-}
-
-static bool tw_prefill_stale(const Twain__Internal__V1__PrefillRequest *r) {
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
-  return r->issued_unix_ms && now - r->issued_unix_ms > TW_PREFILL_MAX_AGE_MS;
 }
 
 static tw_sample_params_t tw_prefill_sampling(const Twain__Internal__V1__PrefillRequest *r) {
@@ -315,7 +312,10 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     bool ranks = r && tw_prefill_ranks_wanted(&w->rk, r);
     if (r && n > 0 && (ranks || tokens + (int64_t)r->n_prompt_ids > w->o.chunk_tokens)) break;
     if (ranks) tw_prefill_finish_pending(w); /* it runs alone, after every earlier handoff */
-    bool stale = r && !w->draining && tw_prefill_stale(r);
+    /* queued past the KV-write guard: back to the router, which reserves it
+     * again (not the client's failure; its queue time there is free) */
+    int64_t waited = r && !w->draining ? tw_prefill_age_ms(r) : 0;
+    bool stale = waited > TW_PREFILL_MAX_AGE_MS;
     int ready = 0;
     if (r && !w->draining && !stale) {
       ready = tw_prefill_prepare(w, r, n > 0 || w->pending.b, &items[n]);
@@ -332,9 +332,12 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     if (w->draining)
       tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__UNAVAILABLE,
                       "prefill worker is draining");
-    else if (stale)
-      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__DEADLINE_EXCEEDED,
-                      "prefill request is stale");
+    else if (stale) {
+      char why[200];
+      snprintf(why, sizeof why, "request waited %lld ms in the prefill queue, past the %d ms "
+               "kv-write guard: reserve again", (long long)waited, TW_PREFILL_MAX_AGE_MS);
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__UNAVAILABLE, why);
+    }
     if (!ready) {
       twain__internal__v1__envelope__free_unpacked(e, NULL);
       continue;

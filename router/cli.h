@@ -18,5 +18,7 @@ int tw_cli_generate(int argc, char **argv);
 /** `twain bench`: the serving benchmark (router/cli_bench.c, docs/benchmarks.md). */
 int tw_cli_bench(int argc, char **argv);
 int tw_cli_router(int argc, char **argv);
+/** `twain write-checkpoint`: a random checkpoint of gpt-oss shapes (router/cli_ckpt.c). */
+int tw_cli_write_checkpoint(int argc, char **argv);
 
 #endif

@@ -31,6 +31,8 @@ typedef struct {
   int32_t max_tokens_limit;     /* largest max_tokens accepted; 0: the model's context minus 1 */
   int32_t default_max_tokens;   /* when the request leaves it 0 */
   int32_t max_requests;         /* queued + running, beyond: RESOURCE_EXHAUSTED */
+  int32_t prefill_window_tokens; /* prompt tokens in flight per prefill worker (reserving or
+                                  * prefilling); the rest wait in the router's queue, in order */
   int32_t default_deadline_ms;
   int32_t expire_ms;            /* worker silence before it is expired */
   int32_t expect_prefill, expect_decode; /* print "ready" once this many registered */
@@ -63,6 +65,7 @@ typedef struct {
                         .max_prompt_tokens = 0,                                       \
                         .max_tokens_limit = 0, .default_max_tokens = 512,             \
                         .max_requests = 2048, .default_deadline_ms = 600000,          \
+                        .prefill_window_tokens = 16384,                               \
                         .expire_ms = 1000, .http_port = -1,                           \
                         .http_max_body = 8 << 20})
 #define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */
@@ -81,6 +84,9 @@ typedef struct {
                  "max_tokens of a request that leaves it 0"),                                  \
       TW_OPT_INT("max-requests", &(p).max_requests, 1, INT32_MAX, "N",                         \
                  "requests queued + running; beyond: RESOURCE_EXHAUSTED"),                     \
+      TW_OPT_INT("prefill-window-tokens", &(p).prefill_window_tokens, 1, INT32_MAX, "N",        \
+                 "prompt tokens handed to one prefill worker at a time (fewer if it\n"        \
+                 "is slow: 4 s of its measured work); the rest wait in the router's queue"), \
       TW_OPT_INT("deadline-ms", &(p).default_deadline_ms, 1, INT32_MAX, "MS",                  \
                  "deadline of a request that sets none"),                                      \
       TW_OPT_INT("expire-ms", &(p).expire_ms, 1, INT32_MAX, "MS",                              \
