@@ -90,6 +90,10 @@ tw_status_t tw_cuda_engine_create(const tw_model_t *model, const tw_engine_param
  *  config. Only when TWAIN_HAVE_CUDA. */
 int64_t tw_cuda_engine_workspace_bytes(const tw_model_config_t *c, int32_t block_size,
                                        int32_t max_batch, int32_t chunk, int grouped_moe);
+/** Decode graphs the CUDA engine captures at most (tp = ep = 1) for decode
+ *  steps of up to max_batch sequences (its batch and context buckets); no
+ *  device is touched. -1 on a bad config. Only when TWAIN_HAVE_CUDA. */
+int32_t tw_cuda_engine_graph_count(const tw_model_config_t *c, int32_t max_batch);
 /** Whether a CUDA device is usable at run time (false without TWAIN_HAVE_CUDA). */
 int tw_cuda_available(void);
 

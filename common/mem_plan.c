@@ -65,7 +65,9 @@ static tw_mem_dec_t tw_mem_decode_fit(const tw_mem_plan_in_t *in, int64_t per, i
   for (int32_t b = fixed ? fixed : cap_b; b >= 1;) {
     d.b = b;
     d.ws = tw_mem_ws(in, b, b);
-    d.n_graphs = in->graph_bytes > 0 ? tw_mem_buckets(b, 1) * ctx_buckets : 0;
+    d.n_graphs = in->graph_bytes <= 0 ? 0
+                 : in->graph_count ? in->graph_count(in->ws_arg, b)
+                                   : tw_mem_buckets(b, 1) * ctx_buckets;
     d.graphs = (int64_t)d.n_graphs * in->graph_bytes;
     d.kv = per - d.ws - d.graphs;
     if (fixed || d.kv >= (int64_t)b * TW_MEM_TOKENS_PER_SEQ * kv_tok) break;

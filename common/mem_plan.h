@@ -78,6 +78,9 @@ typedef struct {
   tw_mem_ws_fn ws_bytes;   /* the backend's workspace (NULL: none) */
   void *ws_arg;
   int64_t graph_bytes;     /* device bytes per captured decode graph (0: no graphs) */
+  /* decode graphs captured at most for a max batch (called with ws_arg);
+   * NULL: one per power-of-two batch bucket and context bucket from 256 */
+  int32_t (*graph_count)(void *arg, int32_t max_batch);
   int64_t process_reserve; /* per process; 0: TW_MEM_PROCESS_RESERVE; < 0: none */
   int32_t max_batch_cap;   /* 0: TW_MEM_MAX_BATCH */
   int64_t kv_cap_bytes;    /* most KV bytes per worker; 0: no cap */

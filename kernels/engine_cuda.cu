@@ -226,7 +226,7 @@ static tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t
     const tw_layer_weights_t *lw = &m->layers[l];
     tw_ce_layer_t *d = &ce->layers[l];
     const void *p;
-    if (u->base && l % 8 == 0) /* the upload pass: progress for the log */
+    if (u->base && !u->views && l % 8 == 0) /* the upload pass: progress for the log */
       TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
               (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
@@ -299,7 +299,7 @@ static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
     const tw_layer_weights_t *lw = &m->layers[l];
     tw_ce_layer_t *d = &ce->layers[l];
     const void *p;
-    if (u->base && l % 8 == 0) /* the upload pass: progress for the log */
+    if (u->base && !u->views && l % 8 == 0) /* the upload pass: progress for the log */
       TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
               (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
@@ -504,26 +504,64 @@ static int64_t tw_ce_ws_fn(void *arg, int32_t max_batch, int32_t chunk) {
   return (int64_t)(cv.off + tw_ce_rope_bytes(&t));
 }
 
-extern "C" int64_t tw_cuda_engine_workspace_bytes(const tw_model_config_t *c,
-                                                  int32_t block_size, int32_t max_batch,
-                                                  int32_t chunk, int grouped_moe) {
+/* The memory plan's decode graph count (mem_plan.h): one graph per batch
+ * bucket of tw_ce_batch_bucket up to max_batch, times the context buckets
+ * (powers of two from 256 to the context) for the batches whose attention
+ * splits follow the context (as tw_ce_ctx_bucket in engine_cuda_step.cu
+ * decides), at most TW_CE_MAX_GRAPHS kept. */
+static int32_t tw_ce_graphs_fn(void *arg, int32_t max_batch) {
+  const tw_ce_t *ce = (const tw_ce_t *)arg;
+  if (!ce->use_graphs) return 0;
+  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, ce->cfg->head_dim, 16, 0, 1.0f};
+  int32_t n_ctx = 1, n = 0, last = 0;
+  for (int32_t p = 256; p < ce->max_pos; p *= 2) n_ctx++;
+  for (int32_t b = 1; b <= max_batch; b++) {
+    int32_t B = tw_ce_batch_bucket(b, max_batch);
+    if (B == last) continue; /* buckets grow with b */
+    last = B;
+    n += tw_cuda_attention_decode_splits(&sh, B, 1) ==
+                 tw_cuda_attention_decode_splits(&sh, B, ce->max_pos)
+             ? 1
+             : n_ctx;
+  }
+  return n < TW_CE_MAX_GRAPHS ? n : TW_CE_MAX_GRAPHS;
+}
+
+/* A single-GPU (tp = ep = 1) engine state for sizing, no device touched. */
+static tw_ce_t *tw_ce_sizing(const tw_model_config_t *c, int32_t block_size, int grouped_moe) {
   tw_ce_t *t = (tw_ce_t *)calloc(1, sizeof *t);
-  if (!t) return -1;
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT; /* tp = ep = 1: no device, no group */
+  if (!t) return NULL;
   t->cfg = c;
   t->block_size = block_size;
   t->max_pos = c->max_position_embeddings;
   t->max_blocks_per_seq = (t->max_pos + block_size - 1) / block_size;
   t->moe_grouped = grouped_moe;
+  t->use_graphs = 1;
   t->gemv_max = grouped_moe ? TW_CE_GEMV_GROUPED_DEFAULT : TW_CE_GEMV_MAX_TOKENS; /* defaults */
-  int64_t bytes = -1;
-  if (tw_ce_tp_init(t, c, &p, 0) == TW_OK) {
-    t->q_dim = t->nq * c->head_dim;
-    t->qkv_dim = (t->nq + 2 * t->nkv) * c->head_dim;
-    bytes = tw_ce_ws_fn(t, max_batch, chunk);
+  if (tw_ce_tp_init(t, c, &p, 0) != TW_OK) {
+    free(t);
+    return NULL;
   }
+  t->q_dim = t->nq * c->head_dim;
+  t->qkv_dim = (t->nq + 2 * t->nkv) * c->head_dim;
+  return t;
+}
+
+extern "C" int64_t tw_cuda_engine_workspace_bytes(const tw_model_config_t *c,
+                                                  int32_t block_size, int32_t max_batch,
+                                                  int32_t chunk, int grouped_moe) {
+  tw_ce_t *t = tw_ce_sizing(c, block_size, grouped_moe);
+  int64_t bytes = t ? tw_ce_ws_fn(t, max_batch, chunk) : -1;
   free(t);
   return bytes;
+}
+
+extern "C" int32_t tw_cuda_engine_graph_count(const tw_model_config_t *c, int32_t max_batch) {
+  tw_ce_t *t = tw_ce_sizing(c, 16, 1);
+  int32_t n = t ? tw_ce_graphs_fn(t, max_batch) : -1;
+  free(t);
+  return n;
 }
 
 extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
@@ -636,6 +674,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     in.ws_bytes = tw_ce_ws_fn;
     in.ws_arg = ce;
     in.graph_bytes = ce->use_graphs ? TW_CE_GRAPH_BYTES : 0;
+    in.graph_count = tw_ce_graphs_fn;
     TW_CHECK_GOTO(tw_mem_plan(&in, &plan), st, fail);
     tw_engine_plan_apply(&plan, &e->params);
     ce->chunk = e->params.max_prefill_chunk;

@@ -62,15 +62,19 @@ static tw_mem_plan_in_t gpu_in(const tw_model_config_t *c, int64_t total, int np
 static int64_t ws_cuda(void *arg, int32_t max_batch, int32_t chunk) {
   return tw_cuda_engine_workspace_bytes(arg, 16, max_batch, chunk, 1);
 }
+static int32_t graphs_cuda(void *arg, int32_t max_batch) {
+  return tw_cuda_engine_graph_count(arg, max_batch);
+}
 
 /* The plans docs/operations.md quotes: 20b and 120b, one prefill and one
  * decode worker sharing one H200 and one copy of the weights, with the
- * engine's real workspace and 4 MiB a decode graph. */
+ * engine's real workspace and graph count and 4 MiB a decode graph. */
 static void test_cuda_workspace(const tw_model_config_t *c20, const tw_model_config_t *c120) {
   for (int big = 0; big < 2; big++) {
     const tw_model_config_t *c = big ? c120 : c20;
     tw_mem_plan_in_t in = gpu_in(c, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
     in.ws_bytes = ws_cuda;
+    in.graph_count = graphs_cuda;
     tw_mem_plan_t p;
     tw_status_t st = tw_mem_plan(&in, &p);
     printf("-- cuda workspace, %s, H200, 1 prefill + 1 decode, shared weights\n",
