@@ -499,7 +499,7 @@ static tw_status_t tw_decoder_step(tw_decoder_t *d) {
       int32_t idx = tw_dseq_find(d, s->id);
       if (st != TW_OK) {
         tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
-                       tw_status_wire_code(st), tw_last_error());
+                       tw_status_wire_code(st < 0 ? st : TW_ERR_INTERNAL), tw_last_error());
         tw_dseq_release(d, idx);
         continue;
       }
