@@ -1,6 +1,7 @@
 /* msg.c: ZeroMQ framing of protobuf messages (see msg.h). */
 #include "common/msg.h"
 
+#include "common/link_auth.h"
 #include "common/log.h"
 
 #include <zmq.h>
@@ -158,6 +159,12 @@ void tw_msg_limit_size(void *sock) {
 
 tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
                                char *maybe_bound, size_t bound_len, void **sock_p) {
+  return tw_msg_socket_open_auth(ctx, type, endpoint, bind, NULL, maybe_bound, bound_len, sock_p);
+}
+
+tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint, bool bind,
+                                    const tw_auth_keys_t *maybe_keys, char *maybe_bound, size_t bound_len,
+                                    void **sock_p) {
   void *s = zmq_socket(ctx, type);
   if (!s) return tw_err(TW_ERR_TRANSPORT, "zmq_socket failed: %s", zmq_strerror(errno));
   int zero = 0, one = 1, hwm = 100000;
@@ -166,6 +173,13 @@ tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool b
   zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
   if (type == ZMQ_ROUTER) zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
   tw_msg_limit_size(s);
+  if (maybe_keys) {
+    tw_status_t as = bind ? tw_auth_server(s, maybe_keys) : tw_auth_client(s, maybe_keys);
+    if (as != TW_OK) {
+      zmq_close(s);
+      return as;
+    }
+  }
   char ep[256];
   snprintf(ep, sizeof ep, "%s", endpoint);
   size_t el = strlen(ep);

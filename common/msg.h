@@ -13,6 +13,7 @@
 #ifndef TW_COMMON_MSG_H
 #define TW_COMMON_MSG_H
 
+#include "common/link_auth.h"
 #include "common/status.h"
 
 #include <protobuf-c/protobuf-c.h>
@@ -91,6 +92,14 @@ int64_t tw_msg_clock_ns(void);
  *  Errors: TW_ERR_TRANSPORT naming the endpoint and errno text. */
 tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
                                char *maybe_bound, size_t bound_len, void **sock_p);
+
+/** Same, with link security: `maybe_keys` non-NULL makes a bound socket a
+ *  CURVE server and a connected one a CURVE client of that key set
+ *  (common/link_auth.h; a ZAP handler must run on `ctx` for a server).
+ *  Errors: those of tw_msg_socket_open and tw_auth_server/tw_auth_client. */
+tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint, bool bind,
+                                    const tw_auth_keys_t *maybe_keys, char *maybe_bound, size_t bound_len,
+                                    void **sock_p);
 
 #ifdef __cplusplus
 }

@@ -6,6 +6,7 @@
  *   twain generate [--endpoint EP] [--max-tokens N] [--stop-ids A,B] [--json] ID...
  *   twain bench    [--endpoint EP] [--num-requests N] [--concurrency C] [--json FILE] ...
  *   twain router   (the router daemon alone, as twain-router)
+ *   twain keygen   FILE|-  (link keys for the router and workers)
  * Each returns the process exit code (0 ok, 1 failed, 2 bad usage; chat: 3 when
  * max_tokens cut the answer before the final channel). */
 #ifndef TW_ROUTER_CLI_H
@@ -17,6 +18,8 @@ int tw_cli_generate(int argc, char **argv);
 /** `twain bench`: the serving benchmark (router/cli_bench.c, docs/benchmarks.md). */
 int tw_cli_bench(int argc, char **argv);
 int tw_cli_router(int argc, char **argv);
+/** `twain keygen FILE|-`: a new link key set (common/link_auth.h). */
+int tw_cli_keygen(int argc, char **argv);
 
 /** Parse `text`, the value of option `flag` of program `prog`, as a whole
  *  decimal integer (no sign-less junk, no trailing characters, no

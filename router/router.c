@@ -390,8 +390,12 @@ static tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   r->zctx = zmq_ctx_new();
   if (!r->zctx) return tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(errno));
   char cep[256], wep[256];
+  TW_CHECK(tw_auth_keys_from_env("router worker socket", &r->keys));
+  TW_CHECK(tw_auth_guard_start(r->zctx, &r->keys, "router worker socket", true, &r->guard));
   TW_CHECK(tw_msg_socket_open(r->zctx, ZMQ_ROUTER, p->client_endpoint, true, cep, sizeof cep, &r->csock));
-  TW_CHECK(tw_msg_socket_open(r->zctx, ZMQ_ROUTER, p->worker_endpoint, true, wep, sizeof wep, &r->wsock));
+  TW_CHECK(tw_msg_socket_open_auth(r->zctx, ZMQ_ROUTER, p->worker_endpoint, true, &r->keys, wep,
+                                   sizeof wep, &r->wsock));
+  TW_CHECK(tw_auth_guard_watch(r->guard, r->wsock, "worker socket"));
   TW_CHECK(tw_metrics_create("router", p->metrics_port, p->metrics_addr, &r->metrics));
   tw_metrics_t *M = r->metrics;
   r->m.requests = tw_metrics_counter(M, "router_requests_total", "requests accepted");
@@ -407,7 +411,8 @@ static tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   r->m.tokens = tw_metrics_counter(M, "router_tokens_streamed_total", "tokens sent to clients");
   r->m.expired = tw_metrics_counter(M, "router_workers_expired_total", "workers that stopped heartbeating");
   tw_router_update_health(r); /* not ready until both pools have a worker */
-  TW_INFO("router", "listening: clients %s, workers %s, metrics port %d", cep, wep,
+  TW_INFO("router", "listening: clients %s, workers %s (%s), metrics port %d", cep, wep,
+          r->keys.plaintext ? "PLAINTEXT, unauthenticated" : "CURVE, authenticated",
           tw_metrics_port(r->metrics));
   if (p->on_bound) p->on_bound(p->on_bound_arg, cep, wep);
   return TW_OK;
@@ -419,6 +424,8 @@ static void tw_router_fini(tw_router_t *r) {
   free(r->workers);
   if (r->csock) zmq_close(r->csock);
   if (r->wsock) zmq_close(r->wsock);
+  tw_auth_guard_stop(r->guard);
+  memset(&r->keys, 0, sizeof r->keys);
   if (r->zctx) zmq_ctx_term(r->zctx);
   tw_metrics_destroy(r->metrics);
   tw_rchat_fini(r);

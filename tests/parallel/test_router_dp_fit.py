@@ -31,10 +31,7 @@ ctx = zmq.Context.instance()
 
 
 def fake(name, pool):
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.ROUTING_ID, name.encode())
-    s.connect(c.worker_ep)
+    s = svc.worker_socket(ctx, name.encode(), c.worker_ep)
     env = svc.Envelope()
     g = env.register
     g.pool = svc.E[pool]
