@@ -2,13 +2,13 @@
  * the internal links (see link_auth.h). */
 #include "common/link_auth.h"
 
+#include "common/file_read.h"
 #include "common/log.h"
 #include "common/msg.h"
 
 #include <zmq.h>
 
 #include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -88,43 +88,18 @@ tw_status_t tw_auth_keys_parse(const char *text, tw_auth_keys_t *k) {
 }
 
 tw_status_t tw_auth_keys_load_file(const char *path, tw_auth_keys_t *k) {
-  /* O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below */
-  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return tw_err(TW_ERR_IO, "link keys: cannot open %s: %s", path, strerror(errno));
   struct stat st;
-  tw_status_t s = TW_OK;
+  if (stat(path, &st) == 0 && S_ISREG(st.st_mode) && (st.st_mode & 077))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "link keys: %s can be read or written by other users (mode %03o): chmod 600 it",
+                  path, (unsigned)(st.st_mode & 0777));
   char *buf = NULL;
-  if (fstat(fd, &st) != 0) {
-    s = tw_err(TW_ERR_IO, "link keys: cannot stat %s: %s", path, strerror(errno));
-  } else if (!S_ISREG(st.st_mode)) {
-    s = tw_err(TW_ERR_INVALID_ARGUMENT, "link keys: %s is not a regular file", path);
-  } else if (st.st_size > TW_AUTH_MAX_FILE) {
-    s = tw_err(TW_ERR_INVALID_ARGUMENT, "link keys: %s is %lld bytes, over the limit of %d", path,
-               (long long)st.st_size, TW_AUTH_MAX_FILE);
-  } else if (st.st_mode & 077) {
-    s = tw_err(TW_ERR_INVALID_ARGUMENT,
-               "link keys: %s can be read or written by other users (mode %03o): chmod 600 it", path,
-               (unsigned)(st.st_mode & 0777));
-  } else if (!(buf = calloc(1, (size_t)st.st_size + 1))) {
-    s = tw_err(TW_ERR_NO_MEMORY, "link keys: out of memory");
-  } else {
-    size_t got = 0;
-    while (got < (size_t)st.st_size) {
-      ssize_t r = read(fd, buf + got, (size_t)st.st_size - got);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) break;
-      got += (size_t)r;
-    }
-    buf[got] = '\0';
-    if (got != (size_t)st.st_size || memchr(buf, '\0', got))
-      s = tw_err(TW_ERR_IO, "link keys: short or binary read of %s", path);
-    else s = tw_auth_keys_parse(buf, k);
-  }
-  close(fd);
-  if (buf) {
-    memset(buf, 0, (size_t)st.st_size);
-    free(buf);
-  }
+  size_t len = 0;
+  TW_CHECK(tw_file_read(path, TW_AUTH_MAX_FILE, "link keys", &buf, &len));
+  tw_status_t s = memchr(buf, '\0', len) ? tw_err(TW_ERR_INVALID_ARGUMENT, "link keys: %s is binary", path)
+                                          : tw_auth_keys_parse(buf, k);
+  memset(buf, 0, len);
+  free(buf);
   return s;
 }
 

@@ -186,6 +186,7 @@ tw_status_t tw_worker_link_tick(tw_worker_link_t *link, const Twain__Internal__V
   }
   if (atomic_exchange(&link->need_register, 0)) {
     TW_WARN("worker", "router does not know %s: registering again", link->name);
+    atomic_fetch_add(&link->epoch, 1);
     link->registered = false;
     atomic_store(&link->registered_a, 0);
     link->last_register_ns = 0;

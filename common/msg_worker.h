@@ -52,6 +52,8 @@ typedef struct {
   bool draining;
   atomic_int hb_stop, registered_a, need_register;
   atomic_int router_lost;     /* the heartbeat cannot reach the router (logged once) */
+  atomic_uint epoch;          /* +1 each time the router forgot us (we register again):
+                               * the work it gave us before is void */
   tw_msg_ratelimit_t warn_rl; /* malformed-message warnings (main thread) */
   int64_t lost_since_ns;      /* heartbeat thread: router unreachable since (0: reachable) */
   tw_auth_keys_t keys;        /* CURVE client keys of both sockets (common/link_auth.h) */

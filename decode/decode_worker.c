@@ -364,6 +364,28 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   }
 }
 
+/* The router forgot this worker (it expired it during a stall, or restarted):
+ * it will never send the handoffs or read the tokens of what it reserved or
+ * started here, so free it all now instead of when reservations time out and
+ * sequences reach max_tokens (a drain would wait for them). Reservations go
+ * to quarantine: a prefill worker may still be writing into them. */
+static void tw_decoder_forget_all(tw_decoder_t *d) {
+  int32_t n = 0;
+  int64_t now = tw_msg_clock_ns();
+  for (int32_t i = d->n_seqs - 1; i >= 0; i--) {
+    tw_dseq_t *s = d->seqs[i];
+    if (s->state == TW_DSEQ_RESERVED) {
+      s->state = TW_DSEQ_QUARANTINE;
+      s->t_ns = now;
+      n++;
+    } else if (s->state == TW_DSEQ_RUNNING) {
+      tw_dseq_release(d, i);
+      n++;
+    }
+  }
+  if (n) TW_WARN("decode", "the router forgot this worker: dropped %d reservations and sequences", n);
+}
+
 static void tw_on_cancel(tw_decoder_t *d, uint64_t id) {
   int32_t idx = tw_dseq_find(d, id);
   if (idx < 0 || d->seqs[idx]->state == TW_DSEQ_QUARANTINE) return; /* already finished */
@@ -623,6 +645,7 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     return st;
   }
   int64_t drain_since = 0;
+  unsigned epoch = 0; /* link.epoch seen */
   Twain__Internal__V1__Capacity cap;
   for (;;) {
     /* quarantined reservations are no sequences: the drain does not wait for them */
@@ -691,6 +714,10 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
                  (now - s->t_ns > (int64_t)TW_DSEQ_QUARANTINE_MS * 1000000 || d.draining)) {
         tw_dseq_release(&d, i);
       }
+    }
+    if (atomic_load(&d.link.epoch) != epoch) {
+      epoch = atomic_load(&d.link.epoch);
+      tw_decoder_forget_all(&d);
     }
     tw_decoder_step(&d);
     tw_decoder_capacity(&d, &cap);

@@ -15,7 +15,12 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define TW_RMAX_STOP 16
+/* A pool empty this long (a worker stalled past its expiry, restarting):
+ * requests that wait for it, new or retried, get UNAVAILABLE; until then they
+ * wait (or reach their deadline) and run when a worker comes back. */
+#define TW_ROUTER_POOL_GRACE_MS 5000
+#define TW_RMAX_USER_STOP 16 /* stop_token_ids a request may give; more: INVALID_ARGUMENT */
+#define TW_RMAX_STOP (TW_RMAX_USER_STOP + 2) /* + chat's <|return|> and <|call|> */
 
 typedef enum {
   TW_REQ_QUEUED = 0,    /* waiting for a decode worker with room */
@@ -82,6 +87,7 @@ typedef struct {
   int32_t n_reqs, cap_reqs;
   int32_t max_prompt;
   bool draining, ready_sent;
+  int64_t empty_since_ns[2];   /* prefill, decode: when the pool last became empty (0: it has workers) */
   void *chat_ctx;              /* tokenizer + Harmony encoder (router_chat.c) */
   struct {
     tw_metric_t *requests, *errors, *ttft, *tpot, *queue, *running, *prefill_workers,
@@ -90,6 +96,16 @@ typedef struct {
 } tw_router_t;
 
 /* ---- router.c ---- */
+/** Bind the sockets, load config and tokenizer, start the metrics server
+ *  (tw_router_run's set-up; also the fuzz harnesses'). Call tw_router_fini
+ *  whatever it returns. Errors: those of tw_config_load, tw_rchat_init,
+ *  tw_auth_keys_from_env, tw_msg_socket_open_auth, tw_metrics_create. */
+tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p);
+void tw_router_fini(tw_router_t *r);
+/** Handle one message from a client (validate, enqueue or answer). */
+void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m);
+/** Deadlines, gauges, and freeing finished requests. */
+void tw_router_sweep(tw_router_t *r, int64_t now_ns);
 /** Reply to a request's client. On a vanished client, cancels the request. */
 void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep);
 /** Finish a request with an error code/message (v1 Code): reply, cancel its

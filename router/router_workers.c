@@ -29,9 +29,20 @@ static tw_rworker_t *tw_worker_by_id(tw_router_t *r, const uint8_t *id, size_t l
   return NULL;
 }
 
-static tw_rworker_t *tw_worker_by_name(tw_router_t *r, const char *name) {
-  for (int32_t i = 0; i < r->n_workers; i++)
-    if (strcmp(r->workers[i].name, name) == 0) return &r->workers[i];
+/* The worker a heartbeat for `name` speaks for: one of that name whose
+ * registration came from the sender itself or whose heartbeat socket the
+ * sender is (routing id "<id>/hb", msg_worker.c). The routing id is bound to
+ * the authenticated connection (CURVE), so another peer cannot speak for a
+ * worker by naming it; it gets the same NOT_FOUND as for a name nobody has. */
+static tw_rworker_t *tw_worker_of_heartbeat(tw_router_t *r, const tw_msg_t *m, const char *name) {
+  for (int32_t i = 0; i < r->n_workers; i++) {
+    tw_rworker_t *w = &r->workers[i];
+    if (strcmp(w->name, name) != 0) continue;
+    if (m->id_len == w->id_len && memcmp(m->id, w->id, w->id_len) == 0) return w;
+    if (m->id_len == w->id_len + 3 && memcmp(m->id, w->id, w->id_len) == 0 &&
+        memcmp(m->id + w->id_len, "/hb", 3) == 0)
+      return w;
+  }
   return NULL;
 }
 
@@ -65,6 +76,12 @@ static void tw_reject_to(tw_router_t *r, const tw_msg_t *m, uint64_t rid, int co
 static void tw_update_gauges(tw_router_t *r) {
   int32_t np = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL);
   int32_t nd = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE);
+  int64_t now = tw_msg_clock_ns();
+  for (int k = 0; k < 2; k++) {
+    int32_t n = k ? nd : np;
+    if (n) r->empty_since_ns[k] = 0;
+    else if (!r->empty_since_ns[k]) r->empty_since_ns[k] = now;
+  }
   tw_metric_set(r->m.prefill_workers, np);
   tw_metric_set(r->m.decode_workers, nd);
   tw_router_update_health(r);
@@ -133,6 +150,35 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
   tw_update_gauges(r);
 }
 
+/* A twain.v1.Code a worker may report for a request; anything else becomes
+ * INTERNAL so clients only ever see codes of the API. */
+static int tw_known_code(int code) {
+  switch (code) {
+    case TWAIN__V1__CODE__CANCELLED: case TWAIN__V1__CODE__UNKNOWN:
+    case TWAIN__V1__CODE__INVALID_ARGUMENT: case TWAIN__V1__CODE__DEADLINE_EXCEEDED:
+    case TWAIN__V1__CODE__NOT_FOUND: case TWAIN__V1__CODE__RESOURCE_EXHAUSTED:
+    case TWAIN__V1__CODE__UNIMPLEMENTED: case TWAIN__V1__CODE__INTERNAL:
+    case TWAIN__V1__CODE__UNAVAILABLE:
+      return code;
+    default:
+      return TWAIN__V1__CODE__INTERNAL;
+  }
+}
+
+/* Token ids a worker sends must be ids of the model: fails the request (the
+ * worker is broken or hostile) and returns false otherwise. */
+static bool tw_tokens_valid(tw_router_t *r, tw_rworker_t *w, tw_req_t *q, const int32_t *toks, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (toks[i] >= 0 && toks[i] < r->config.vocab_size) continue;
+    TW_WARN("router", "worker %s sent token id %d outside the vocabulary [0, %d) for request %llu",
+            w->name, toks[i], r->config.vocab_size, (unsigned long long)q->id);
+    tw_router_fail(r, q, TWAIN__V1__CODE__INTERNAL, "worker %s sent an invalid token id (%d)", w->name,
+                   toks[i]);
+    return false;
+  }
+  return true;
+}
+
 /* Requeue (if nothing reached the client yet) or fail a request whose worker
  * went away or refused it. */
 static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *why) {
@@ -173,7 +219,8 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
       q->retry_after_ns = tw_msg_clock_ns() + 20 * 1000000;
       return;
     }
-    tw_router_fail(r, q, rs->status->code, "%s", rs->status->message ? rs->status->message : "reserve failed");
+    tw_router_fail(r, q, tw_known_code(rs->status->code), "%s",
+                   rs->status->message ? rs->status->message : "reserve failed");
     return;
   }
   /* prefill worker with the fewest queued prompt tokens */
@@ -229,9 +276,10 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
         d->status->code == TWAIN__V1__CODE__DEADLINE_EXCEEDED)
       tw_retry_or_fail(r, q, d->status->code, why);
     else
-      tw_router_fail(r, q, d->status->code, "%s", why);
+      tw_router_fail(r, q, tw_known_code(d->status->code), "%s", why);
     return;
   }
+  if (!tw_tokens_valid(r, w, q, &d->first_token, 1)) return;
   tw_rworker_t *dw = tw_router_worker(r, q->dw);
   if (!dw) {
     tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "decode worker went away during prefill");
@@ -267,25 +315,41 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
 
 static void tw_on_worker_tokens(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__Tokens *t) {
   tw_req_t *q = tw_router_find_req(r, t->request_id);
-  if (!q || q->state != TW_REQ_DECODING || q->dw != w->serial) return;
+  if (!q || q->state != TW_REQ_DECODING || q->dw != w->serial) return; /* not this worker's */
   if (t->status && t->status->code) {
-    tw_router_fail(r, q, t->status->code, "decode failed on %s: %s", w->name,
+    tw_router_fail(r, q, tw_known_code(t->status->code), "decode failed on %s: %s", w->name,
                    t->status->message ? t->status->message : "");
     return;
   }
-  tw_router_on_tokens(r, q, t->tokens, t->n_tokens, t->finished, t->finish_reason);
+  if (!tw_tokens_valid(r, w, q, t->tokens, t->n_tokens)) return;
+  int reason = t->finish_reason;
+  if (reason != TWAIN__V1__FINISH_REASON__FINISH_NONE && reason != TWAIN__V1__FINISH_REASON__FINISH_STOP &&
+      reason != TWAIN__V1__FINISH_REASON__FINISH_LENGTH && reason != TWAIN__V1__FINISH_REASON__FINISH_TOOL_CALL) {
+    TW_WARN("router", "worker %s sent finish reason %d for request %llu", w->name, reason,
+            (unsigned long long)q->id);
+    tw_router_fail(r, q, TWAIN__V1__CODE__INTERNAL, "worker %s sent an invalid finish reason (%d)",
+                   w->name, reason);
+    return;
+  }
+  tw_router_on_tokens(r, q, t->tokens, t->n_tokens, t->finished, reason);
 }
 
 void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
   Twain__Internal__V1__Envelope *env = twain__internal__v1__envelope__unpack(NULL, m->len, m->data);
-  if (!env) {
+  bool strings_ok = env && tw_msg_check_strings(&twain__internal__v1__envelope__descriptor, m->data,
+                                                 m->len) == TW_OK;
+  if (!strings_ok) {
     static tw_msg_ratelimit_t rl;
     uint64_t sup = 0;
     if (tw_msg_ratelimit(&rl, &sup)) {
       if (sup) TW_WARN("router", "suppressed %llu similar warnings", (unsigned long long)sup);
-      TW_WARN("router", "malformed protobuf on the worker socket (%zu bytes)", m->len);
+      TW_WARN("router", "malformed protobuf on the worker socket (%zu bytes)%s%s", m->len,
+              env ? ": " : "", env ? tw_last_error() : "");
     }
-    tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, "malformed twain.internal.v1.Envelope");
+    tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                 env ? "Envelope with a string that is not UTF-8 or holds a NUL byte"
+                     : "malformed twain.internal.v1.Envelope");
+    if (env) twain__internal__v1__envelope__free_unpacked(env, NULL);
     return;
   }
   int64_t now = tw_msg_clock_ns();
@@ -297,7 +361,7 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
   tw_rworker_t *w = NULL;
   if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT && env->heartbeat->worker &&
       env->heartbeat->worker[0])
-    w = tw_worker_by_name(r, env->heartbeat->worker);
+    w = tw_worker_of_heartbeat(r, m, env->heartbeat->worker);
   else
     w = tw_worker_by_id(r, m->id, m->id_len);
   if (!w) { /* expired, or the router restarted: ask it to register again */
@@ -324,7 +388,7 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
               (unsigned long long)rj->request_id, rj->status && rj->status->message ? rj->status->message : "");
       tw_req_t *q = rj->request_id ? tw_router_find_req(r, rj->request_id) : NULL;
       if (q && (q->dw == w->serial || q->pw == w->serial))
-        tw_router_fail(r, q, rj->status ? rj->status->code : TWAIN__V1__CODE__INTERNAL, "worker %s: %s",
+        tw_router_fail(r, q, rj->status ? tw_known_code(rj->status->code) : TWAIN__V1__CODE__INTERNAL, "worker %s: %s",
                        w->name, rj->status && rj->status->message ? rj->status->message : "rejected");
       break;
     }
@@ -375,15 +439,17 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
   for (int32_t k = 0; k < r->n_reqs; k++) {
     tw_req_t *q = r->reqs[k];
     if (q->done || q->state != TW_REQ_QUEUED || now < q->retry_after_ns) continue;
-    if (tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) == 0 ||
-        tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL) == 0) {
-      if (q->attempts == 0 && now - q->t_arrival_ns > 2000000000LL) {
-        tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered",
-                       tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) ? "prefill" : "decode");
-      } else if (q->attempts > 0) {
-        tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "worker failed and no other %s worker is registered",
-                       tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) ? "prefill" : "decode");
-      }
+    bool no_decode = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) == 0;
+    if (no_decode || tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL) == 0) {
+      /* a stalled or restarting worker costs latency, not the request: wait
+       * for the pool to come back for TW_ROUTER_POOL_GRACE_MS (counted from
+       * when it emptied, or from arrival if later) or until the deadline */
+      int64_t since = r->empty_since_ns[no_decode ? 1 : 0];
+      if (!since || since < q->t_arrival_ns) since = q->t_arrival_ns;
+      if (now - since > (int64_t)TW_ROUTER_POOL_GRACE_MS * 1000000)
+        tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered (for %d ms)%s",
+                       no_decode ? "decode" : "prefill", TW_ROUTER_POOL_GRACE_MS,
+                       q->attempts ? " after its worker failed" : "");
       continue;
     }
     /* decode worker with the most free blocks that can hold prompt + max_tokens */

@@ -108,6 +108,21 @@ if BUILD and os.path.exists(os.path.join(BUILD, "router", "twain")):
     link_keys()  # every process a test starts inherits the set
 
 P, E = load_protos()
+
+
+def register_envelope(name, pool, ranks=1, free_blocks=0):
+    """The Register a fake worker sends: `pool` "POOL_PREFILL" or
+    "POOL_DECODE", 16-token blocks, 4 layers, cpu backend."""
+    env = P["twain.internal.v1.Envelope"]()
+    g = env.register
+    g.pool = E[pool]
+    g.name = name
+    g.ranks = ranks
+    g.kv_block_size = 16
+    g.n_layers = 4
+    g.backend = "cpu"
+    g.capacity.free_kv_blocks = g.capacity.total_kv_blocks = free_blocks
+    return env
 ClientRequest = P["twain.v1.ClientRequest"]
 ServerReply = P["twain.v1.ServerReply"]
 Envelope = P["twain.internal.v1.Envelope"]

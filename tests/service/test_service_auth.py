@@ -22,15 +22,7 @@ ROUTER = svc.bin_path("router", "twain-router")
 
 
 def register(sock, name, pool):
-    env = svc.Envelope()
-    env.register.pool = E[pool]
-    env.register.name = name
-    env.register.ranks = 1
-    env.register.kv_block_size = 16
-    env.register.n_layers = 4
-    env.register.backend = "cpu"
-    env.register.capacity.free_kv_blocks = 1000
-    sock.send(env.SerializeToString())
+    sock.send(svc.register_envelope(name, pool, free_blocks=1000).SerializeToString())
 
 
 def drain(sock, seconds):
@@ -85,6 +77,38 @@ try:
           "the plaintext peer is refused and logged")
     plain.close()
     other_key.close()
+
+    # forged heartbeats from a peer that holds the keys (a compromised or
+    # misconfigured worker): naming a real worker changes nothing, and a real
+    # name and an unknown one get the same answer (no name oracle)
+    victim = c.decodes[0].worker_name
+
+    def heartbeat(sock, name, draining):
+        env = svc.Envelope()
+        env.heartbeat.worker = name
+        env.heartbeat.draining = draining
+        env.heartbeat.capacity.free_kv_blocks = 0
+        sock.send(env.SerializeToString())
+
+    answers = {}
+    for rid_ in (b"forger", b"forger/hb"):
+        f = svc.worker_socket(ctx, rid_, c.worker_ep)
+        for name in (victim, "nobody-has-this-name"):
+            heartbeat(f, name, True)
+            got = drain(f, 1.0)
+            answers[(rid_, name)] = [(e.WhichOneof("body"), e.reject.status.code, e.reject.status.message)
+                                     for e in got]
+        f.close()
+    vals = list(answers.values())
+    check(all(v == vals[0] for v in vals) and vals[0] and vals[0][0][1] == E["NOT_FOUND"],
+          "forged heartbeats: the victim's name and an unknown name get the same reply: %s" % vals[0])
+    time.sleep(0.5)
+    m = svc.metrics(c.router_metrics_port)
+    check(m.get("twain_router_decode_workers") == 1 and not c.router.count("worker %s is draining" % victim),
+          "a forged draining heartbeat does not take %s out of service (%s decode workers)" % (
+              victim, m.get("twain_router_decode_workers")))
+    res = cl.wait([cl.send(svc.generate(prompt, 8)) for _ in range(2)], 60)
+    check(all(r[-1].error.code == 0 for r in res), "requests still served after the forgeries")
 finally:
     rcs = c.close()
 check(not any(rcs.values()), "router and workers stop cleanly: %s" % rcs)

@@ -35,10 +35,7 @@ class FakeWorkers(threading.Thread):
         self.ctx = zmq.Context.instance()
         self.socks = {}
         for name, pool in ((b"fake-prefill", "POOL_PREFILL"), (b"fake-decode", "POOL_DECODE")):
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.ROUTING_ID, name)
-            s.connect(endpoint)
+            s = svc.worker_socket(self.ctx, name, endpoint)
             e = svc.Envelope()
             e.register.pool = svc.E[pool]
             e.register.name = name.decode()

@@ -12,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 static int32_t byte_token(const tw_tokenizer_t *tok, unsigned char b) {
   for (int32_t id = 0; id < tw_tokenizer_n_ids(tok); id++) {
@@ -156,6 +158,16 @@ int main(int argc, char **argv) {
   /* loader errors */
   tw_tokenizer_t *t2;
   EXPECT(tw_tokenizer_load("/nonexistent/tokenizer.json", &t2) == TW_ERR_IO, "missing file");
+  /* a FIFO nobody writes (a loader that waits hangs here) and a device: refused at once */
+  char fifo[64];
+  snprintf(fifo, sizeof fifo, "/tmp/tw_tok_fifo_%d.json", (int)getpid());
+  EXPECT(mkfifo(fifo, 0600) == 0, "mkfifo");
+  EXPECT(tw_tokenizer_load(fifo, &t2) == TW_ERR_INVALID_ARGUMENT &&
+             strstr(tw_last_error(), "is not a regular file"), "FIFO: %s", tw_last_error());
+  unlink(fifo);
+  EXPECT(tw_tokenizer_load("/dev/zero", &t2) == TW_ERR_INVALID_ARGUMENT &&
+             strstr(tw_last_error(), "tokenizer /dev/zero is not a regular file"),
+         "/dev/zero: %s", tw_last_error());
   EXPECT(tw_tokenizer_load_json("{", 1, &t2) == TW_ERR_FORMAT, "not JSON");
   const char *no_bpe = "{\"model\":{\"type\":\"WordPiece\",\"vocab\":{}}}";
   EXPECT(tw_tokenizer_load_json(no_bpe, strlen(no_bpe), &t2) == TW_ERR_FORMAT, "not BPE");
