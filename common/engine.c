@@ -7,6 +7,8 @@
 #include "common/engine_impl.h"
 #include "common/log.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 tw_status_t tw_backend_parse(const char *name, tw_backend_kind_t *kind_p) {
@@ -146,25 +148,177 @@ static tw_status_t tw_engine_check_sample(const char *op, int64_t i, const tw_sa
   return TW_OK;
 }
 
+/* Every check of one prefill sequence; `seq` names it in the messages of a batch (-1: alone). */
+static tw_status_t tw_engine_check_prefill_seq(const tw_engine_t *e, int32_t seq,
+                                               const tw_prefill_seq_t *q) {
+  char op[48];
+  if (seq < 0) snprintf(op, sizeof op, "prefill");
+  else snprintf(op, sizeof op, "prefill_batch: seqs[%d]", seq);
+  if (q->n_tokens <= 0)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine %s: n_tokens %d <= 0", op, q->n_tokens);
+  if (!q->tokens) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine %s: tokens is NULL", op);
+  if (q->start_pos < 0)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine %s: start_pos %d < 0", op, q->start_pos);
+  int64_t end = (int64_t)q->start_pos + q->n_tokens;
+  int32_t max_pos = e->model->config.max_position_embeddings;
+  if (end > max_pos)
+    return tw_err(TW_ERR_OUT_OF_RANGE,
+                  "engine %s: positions %d..%lld beyond max_position_embeddings %d", op,
+                  q->start_pos, (long long)end - 1, max_pos);
+  for (int32_t i = 0; i < q->n_tokens; i++)
+    TW_CHECK(tw_engine_check_token(e, op, "tokens", i, q->tokens[i]));
+  TW_CHECK(tw_engine_check_blocks(e, op, seq < 0 ? 0 : seq, q->block_table, q->n_blocks, end));
+  TW_CHECK(tw_engine_check_sample(op, seq < 0 ? 0 : seq, q->sample));
+  return TW_OK;
+}
+
+/* No block written by two sequences of a batch (the blocks of positions
+ * start_pos.. of each; earlier positions may be shared, they are only read). */
+static tw_status_t tw_engine_check_disjoint(const tw_engine_t *e, const tw_prefill_batch_args_t *a) {
+  if (a->n_seqs < 2) return TW_OK;
+  uint8_t *used = calloc((size_t)e->kv.n_blocks, 1);
+  if (!used) return tw_err(TW_ERR_NO_MEMORY, "engine prefill_batch: out of memory");
+  int32_t bs = e->kv.block_size;
+  tw_status_t st = TW_OK;
+  for (int32_t i = 0; i < a->n_seqs && st == TW_OK; i++) {
+    const tw_prefill_seq_t *q = &a->seqs[i];
+    int32_t b0 = q->start_pos / bs, b1 = (q->start_pos + q->n_tokens - 1) / bs;
+    for (int32_t b = b0; b <= b1 && st == TW_OK; b++)
+      if (used[q->block_table[b]])
+        st = tw_err(TW_ERR_INVALID_ARGUMENT,
+                    "engine prefill_batch: seqs[%d] writes block %d that an earlier sequence "
+                    "of the batch also writes",
+                    i, q->block_table[b]);
+    for (int32_t b = b0; b <= b1; b++) used[q->block_table[b]] = 1;
+  }
+  free(used);
+  return st;
+}
+
+/* One prefill call being planned into passes (the chunking of engine.h). */
+typedef struct {
+  const tw_prefill_seq_t *seqs;
+  int32_t n_seqs;
+  float *all_logits; /* tw_engine_prefill with all_logits: [n_tokens, V] of its one sequence */
+  const tw_prefill_batch_args_t *batch; /* its on_layer_done, or NULL */
+  const tw_prefill_args_t *single;      /* its on_layer_done, or NULL */
+  /* the pass in flight */
+  const tw_prefill_seg_t *segs;
+  const int32_t *seg_seq; /* sequence of each segment */
+  int32_t n_segs;
+} tw_prefill_plan_t;
+
+/* tw_prefill_pass_t.on_pass_layer: the caller's per-sequence callback. */
+static void tw_prefill_plan_layer(void *arg, int32_t layer) {
+  const tw_prefill_plan_t *p = arg;
+  for (int32_t s = 0; s < p->n_segs; s++) {
+    const tw_prefill_seg_t *g = &p->segs[s];
+    if (p->batch)
+      p->batch->on_layer_done(p->batch->on_layer_arg, p->seg_seq[s], layer, g->start_pos,
+                              g->n_tokens);
+    else
+      p->single->on_layer_done(p->single->on_layer_arg, layer, g->start_pos, g->n_tokens);
+  }
+}
+
+/* Pack the sequences into passes of at most max_prefill_chunk tokens and
+ * max_batch segments, in order, and run them. */
+static tw_status_t tw_prefill_plan_run(tw_engine_t *e, tw_prefill_plan_t *p) {
+  const int64_t V = e->model->config.vocab_size;
+  const int32_t budget = e->params.max_prefill_chunk;
+  const int32_t max_segs = p->n_seqs < e->params.max_batch ? p->n_seqs : e->params.max_batch;
+  bool has_cb = (p->batch && p->batch->on_layer_done) || (p->single && p->single->on_layer_done);
+  size_t n = (size_t)max_segs;
+  tw_prefill_seg_t *segs = malloc(n * sizeof *segs);
+  int32_t *seg_seq = malloc(n * sizeof *seg_seq), *out_seq = malloc(n * sizeof *out_seq);
+  int32_t *next = malloc(n * sizeof *next);
+  float **rows = malloc(n * sizeof *rows);
+  tw_sample_params_t *sample = malloc(n * sizeof *sample);
+  int64_t *sample_pos = malloc(n * sizeof *sample_pos);
+  tw_status_t st = TW_OK;
+  if (!segs || !seg_seq || !out_seq || !next || !rows || !sample || !sample_pos)
+    st = tw_err(TW_ERR_NO_MEMORY, "engine prefill: out of memory for a plan of %d sequences",
+                p->n_seqs);
+  int32_t i = 0, off = 0; /* next sequence, and how many of its tokens already ran */
+  while (st == TW_OK && i < p->n_seqs) {
+    int32_t ns = 0, nt = 0, n_out = 0;
+    bool want_tokens = false;
+    while (i < p->n_seqs && ns < max_segs && nt < budget) {
+      const tw_prefill_seq_t *q = &p->seqs[i];
+      int32_t take = q->n_tokens - off < budget - nt ? q->n_tokens - off : budget - nt;
+      bool last = off + take == q->n_tokens;
+      segs[ns] = (tw_prefill_seg_t){.tokens = q->tokens + off, .n_tokens = take,
+                                    .start_pos = q->start_pos + off,
+                                    .block_table = q->block_table, .n_blocks = q->n_blocks,
+                                    .out = -1};
+      if (last && (q->logits_out || q->next_token_out)) {
+        segs[ns].out = n_out;
+        out_seq[n_out] = i;
+        rows[n_out] = q->logits_out;
+        sample[n_out] = q->sample ? *q->sample : TW_SAMPLE_PARAMS_GREEDY;
+        sample_pos[n_out] = (int64_t)q->start_pos + q->n_tokens; /* the token that follows */
+        want_tokens |= q->next_token_out != NULL;
+        n_out++;
+      }
+      seg_seq[ns++] = i;
+      nt += take;
+      if (last) {
+        i++;
+        off = 0;
+      } else {
+        off += take;
+      }
+    }
+    p->segs = segs;
+    p->seg_seq = seg_seq;
+    p->n_segs = ns;
+    tw_prefill_pass_t pass = {
+        .n_segs = ns, .n_tokens = nt, .n_out = n_out, .segs = segs,
+        .all_logits = p->all_logits
+                          ? p->all_logits + (int64_t)(segs[0].start_pos - p->seqs[0].start_pos) * V
+                          : NULL,
+        .logits_rows = rows, .sample = sample, .sample_pos = sample_pos,
+        .next_tokens = want_tokens ? next : NULL,
+        .on_pass_layer = has_cb ? tw_prefill_plan_layer : NULL, .on_pass_arg = p};
+    st = e->ops->prefill_pass(e, &pass);
+    for (int32_t k = 0; st == TW_OK && want_tokens && k < n_out; k++)
+      if (p->seqs[out_seq[k]].next_token_out) *p->seqs[out_seq[k]].next_token_out = next[k];
+  }
+  free(segs);
+  free(seg_seq);
+  free(out_seq);
+  free(next);
+  free(rows);
+  free(sample);
+  free(sample_pos);
+  return st;
+}
+
 tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args) {
   TW_CHECK(tw_engine_check(engine, "prefill"));
   if (!args) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine prefill: args is NULL");
-  if (args->n_tokens <= 0)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine prefill: n_tokens %d <= 0", args->n_tokens);
-  if (!args->tokens) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine prefill: tokens is NULL");
-  if (args->start_pos < 0)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine prefill: start_pos %d < 0", args->start_pos);
-  int64_t end = (int64_t)args->start_pos + args->n_tokens;
-  int32_t max_pos = engine->model->config.max_position_embeddings;
-  if (end > max_pos)
-    return tw_err(TW_ERR_OUT_OF_RANGE,
-                  "engine prefill: positions %d..%lld beyond max_position_embeddings %d",
-                  args->start_pos, (long long)end - 1, max_pos);
-  for (int32_t i = 0; i < args->n_tokens; i++)
-    TW_CHECK(tw_engine_check_token(engine, "prefill", "tokens", i, args->tokens[i]));
-  TW_CHECK(tw_engine_check_blocks(engine, "prefill", 0, args->block_table, args->n_blocks, end));
-  TW_CHECK(tw_engine_check_sample("prefill", 0, args->sample));
-  return engine->ops->prefill(engine, args);
+  bool all = args->all_logits && args->logits_out;
+  tw_prefill_seq_t q = {.tokens = args->tokens, .n_tokens = args->n_tokens,
+                        .start_pos = args->start_pos, .block_table = args->block_table,
+                        .n_blocks = args->n_blocks, .logits_out = all ? NULL : args->logits_out,
+                        .sample = args->sample, .next_token_out = args->next_token_out};
+  TW_CHECK(tw_engine_check_prefill_seq(engine, -1, &q));
+  tw_prefill_plan_t p = {.seqs = &q, .n_seqs = 1, .all_logits = all ? args->logits_out : NULL,
+                         .single = args};
+  return tw_prefill_plan_run(engine, &p);
+}
+
+tw_status_t tw_engine_prefill_batch(tw_engine_t *engine, const tw_prefill_batch_args_t *args) {
+  TW_CHECK(tw_engine_check(engine, "prefill_batch"));
+  if (!args) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine prefill_batch: args is NULL");
+  if (args->n_seqs <= 0 || !args->seqs)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine prefill_batch: n_seqs %d (> 0) or seqs NULL",
+                  args->n_seqs);
+  for (int32_t i = 0; i < args->n_seqs; i++)
+    TW_CHECK(tw_engine_check_prefill_seq(engine, i, &args->seqs[i]));
+  TW_CHECK(tw_engine_check_disjoint(engine, args));
+  tw_prefill_plan_t p = {.seqs = args->seqs, .n_seqs = args->n_seqs, .batch = args};
+  return tw_prefill_plan_run(engine, &p);
 }
 
 tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args) {

@@ -135,6 +135,47 @@ typedef struct {
 } tw_prefill_args_t;
 tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
 
+/** Batched (variable-length) prefill: several sequences' prompt tokens in
+ *  as few forward passes as the engine's budget allows. Each sequence is as
+ *  in tw_engine_prefill (its own tokens, start_pos and block table; positions
+ *  before start_pos already in the cache). The engine concatenates the
+ *  sequences' tokens (cu_seqlens style) into passes of at most
+ *  max_prefill_chunk tokens and max_batch sequences, in the order given; a
+ *  sequence that does not fit the rest of a pass is split and continues at
+ *  the start of the next one. Every token-parallel op (norms, QKV, O, MoE)
+ *  runs on the concatenation; attention runs per sequence over its own
+ *  blocks (causal, sliding window, sinks as in tw_engine_prefill). The
+ *  results of each sequence equal those of tw_engine_prefill of that
+ *  sequence alone (bit for bit on the cpu backend; on cuda up to the
+ *  order of float sums inside the GEMM tiles).
+ *  Errors: those of tw_engine_prefill for any sequence (the message names
+ *  it, and no sequence has run), TW_ERR_INVALID_ARGUMENT (n_seqs <= 0,
+ *  seqs NULL, two sequences sharing a block id in the positions they
+ *  write), TW_ERR_NO_MEMORY, TW_ERR_CUDA. */
+typedef struct {
+  const int32_t *tokens;            /* [n_tokens] */
+  int32_t n_tokens;                 /* > 0 */
+  int32_t start_pos;                /* >= 0 */
+  const int32_t *block_table;       /* [n_blocks], covers start_pos + n_tokens */
+  int32_t n_blocks;
+  float *logits_out;                /* NULL, or host f32 [V]: the last position's logits */
+  const tw_sample_params_t *sample; /* NULL = greedy */
+  int32_t *next_token_out;          /* NULL, or the sampled token after the last position */
+} tw_prefill_seq_t;
+
+typedef struct {
+  int32_t n_seqs;
+  const tw_prefill_seq_t *seqs;     /* [n_seqs] */
+  /* Optional: as tw_prefill_args_t.on_layer_done, per sequence: layer
+   * `layer` of positions chunk_start_pos .. + chunk_n_tokens - 1 of
+   * sequence `seq` (index into seqs) is complete in the pool. Called on the
+   * calling thread, never early; must not call the engine. */
+  void (*on_layer_done)(void *arg, int32_t seq, int32_t layer, int32_t chunk_start_pos,
+                        int32_t chunk_n_tokens);
+  void *on_layer_arg;
+} tw_prefill_batch_args_t;
+tw_status_t tw_engine_prefill_batch(tw_engine_t *engine, const tw_prefill_batch_args_t *args);
+
 /** One decode step for a batch of sequences: sequence i feeds tokens[i] at
  *  positions[i] (its K/V is appended at that position) and gets the logits
  *  of the next position. Sequences may have any lengths and join or leave

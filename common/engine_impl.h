@@ -11,10 +11,48 @@ extern "C" {
 
 #define TW_ENGINE_MAGIC 0x7477656eu /* "twen" */
 
+/* One segment of a prefill pass: consecutive positions of one sequence. */
+typedef struct {
+  const int32_t *tokens;      /* [n_tokens] */
+  int32_t n_tokens;
+  int32_t start_pos;
+  const int32_t *block_table; /* [n_blocks] */
+  int32_t n_blocks;
+  int32_t out;                /* -1, or the output row of its last position (below) */
+} tw_prefill_seg_t;
+
+/* One forward pass of a prefill, planned by engine.c (the chunking to
+ * max_prefill_chunk tokens and max_batch segments, which rows come out and
+ * at which positions they are sampled live there, once for all backends).
+ * The backend runs the n_tokens = sum of segs[].n_tokens tokens as one
+ * batch (token row t of segment s is row cu[s] + t, cu the running sum)
+ * and then produces:
+ *   all_logits: NULL, or host f32 [n_tokens, V]: every row's logits (only
+ *     planned for a pass of one segment).
+ *   for each output row k < n_out (the last row of the segment whose
+ *     out == k; outs are 0, 1, ... in segment order):
+ *     logits_rows[k] NULL or host f32 [V]: that row's logits;
+ *     next_tokens (NULL = no sampling) [n_out]: the token sampled from it with
+ *     sample[k] at position sample_pos[k] (tw_sample, sampling.h).
+ * on_pass_layer (may be NULL): called with (arg, layer) once layer's K/V of
+ * every segment is complete in the pool (the engine.h on_layer_done rules). */
+typedef struct {
+  int32_t n_segs, n_tokens, n_out;
+  const tw_prefill_seg_t *segs;
+  float *all_logits;
+  float *const *logits_rows;          /* [n_out] */
+  const tw_sample_params_t *sample;   /* [n_out], always set */
+  const int64_t *sample_pos;          /* [n_out] */
+  int32_t *next_tokens;               /* [n_out] or NULL */
+  void (*on_pass_layer)(void *arg, int32_t layer);
+  void *on_pass_arg;
+} tw_prefill_pass_t;
+
 typedef struct {
   const char *name;
   void (*destroy)(tw_engine_t *engine);
-  tw_status_t (*prefill)(tw_engine_t *engine, const tw_prefill_args_t *args);
+  /* one prefill pass (above); arguments already checked by engine.c */
+  tw_status_t (*prefill_pass)(tw_engine_t *engine, const tw_prefill_pass_t *pass);
   tw_status_t (*decode)(tw_engine_t *engine, const tw_decode_args_t *args);
 } tw_engine_ops_t;
 

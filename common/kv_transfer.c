@@ -8,6 +8,7 @@
 #include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 #define TW_KV_XFER_MAGIC 0x7478666bu /* "kfxt" */
@@ -34,11 +35,13 @@ typedef struct {
   tw_cuda_event_create_fn event_create;     /* cudaEventCreateWithFlags */
   tw_cuda_event_record_fn event_record;
   tw_cuda_ptr_fn event_sync;                /* cudaEventSynchronize */
+  tw_cuda_ptr_fn event_query;               /* cudaEventQuery */
   tw_cuda_ptr_fn event_destroy;
   tw_cuda_ptr_fn free_;                     /* cudaFree(NULL): binds the primary context */
 } tw_cudart_t;
 enum { TW_CUDA_H2D = 1, TW_CUDA_D2H = 2 };
 enum { TW_CUDA_STREAM_NON_BLOCKING = 1, TW_CUDA_EVENT_DISABLE_TIMING = 2 };
+enum { TW_CUDA_NOT_READY = 600 }; /* cudaErrorNotReady */
 
 static tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   if (rt->lib) return TW_OK;
@@ -62,11 +65,12 @@ static tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   rt->event_create = (tw_cuda_event_create_fn)dlsym(rt->lib, "cudaEventCreateWithFlags");
   rt->event_record = (tw_cuda_event_record_fn)dlsym(rt->lib, "cudaEventRecord");
   rt->event_sync = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaEventSynchronize");
+  rt->event_query = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaEventQuery");
   rt->event_destroy = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaEventDestroy");
   rt->free_ = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaFree");
   if (!rt->memcpy_ || !rt->memcpy_async || !rt->host_alloc || !rt->free_host ||
       !rt->stream_create || !rt->stream_destroy || !rt->event_create || !rt->event_record ||
-      !rt->event_sync || !rt->event_destroy || !rt->free_) {
+      !rt->event_sync || !rt->event_query || !rt->event_destroy || !rt->free_) {
     dlclose(rt->lib);
     *rt = (tw_cudart_t){0};
     return tw_err(TW_ERR_UNSUPPORTED, "libcudart lacks the copy, stream or event entry points");
@@ -112,6 +116,7 @@ struct tw_kv_xfer {
   ucp_address_t *address;
   size_t address_len;
   bool cuda_native;
+  bool proto_v2;      /* UCX protocols v2: puts may go over zero-copy rma_bw lanes */
   tw_kv_peer_t *peers[TW_KV_MAX_PEERS];
   int n_peers;
   tw_cudart_t cudart;
@@ -123,6 +128,9 @@ struct tw_kv_xfer {
   tw_kv_xfer_stats_t stats;
 };
 
+/* Commits in flight per staged region (tickets complete in order). */
+#define TW_KV_MAX_COMMITS 64
+
 struct tw_kv_region {
   tw_kv_xfer_t *xfer;
   tw_kv_layout_t layout;
@@ -131,6 +139,11 @@ struct tw_kv_region {
   ucp_mem_h memh;
   void *rkey;
   size_t rkey_len;
+  /* staged: mirror -> device copies on their own stream, one event per commit */
+  void *stream;
+  void *event[TW_KV_MAX_COMMITS];
+  uint64_t next_ticket;  /* the last ticket handed out */
+  uint64_t done_ticket;  /* every ticket <= this one is complete */
 };
 
 static int64_t tw_now_ns(void) {
@@ -148,17 +161,13 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len) {
   return h;
 }
 
-tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
-  tw_kv_xfer_t *x = calloc(1, sizeof *x);
-  if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
-  x->magic = TW_KV_XFER_MAGIC;
-  tw_status_t st = TW_OK;
+/* ucp_init (RMA, WAKEUP) with UCX's configuration from the environment,
+ * protocols v2 forced on when `v2`; then whether CUDA memory is supported. */
+static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
   ucp_config_t *cfg = NULL;
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
-  if (us != UCS_OK) {
-    st = tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
-    goto fail;
-  }
+  if (us != UCS_OK) return tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
+  x->proto_v2 = v2 && ucp_config_modify(cfg, "PROTO_ENABLE", "y") == UCS_OK;
   /* WAKEUP: the receiving side sleeps on the worker's event fd (see
    * tw_kv_xfer_wait_fd); emulated puts and flushes need its progress */
   ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES,
@@ -166,15 +175,39 @@ tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   us = ucp_init(&params, cfg, &x->ctx);
   ucp_config_release(cfg);
   if (us != UCS_OK) {
-    st = tw_err(TW_ERR_TRANSPORT, "ucp_init failed: %s", ucs_status_string(us));
-    goto fail;
+    x->ctx = NULL;
+    return tw_err(TW_ERR_TRANSPORT, "ucp_init failed: %s", ucs_status_string(us));
   }
   ucp_context_attr_t attr = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
   if (ucp_context_query(x->ctx, &attr) == UCS_OK)
     x->cuda_native = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  return TW_OK;
+}
+
+tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
+  tw_kv_xfer_t *x = calloc(1, sizeof *x);
+  if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
+  x->magic = TW_KV_XFER_MAGIC;
+  tw_status_t st = TW_OK;
+  /* UCX 1.13's default (v1) RMA protocols put only over lanes with put
+   * short/bcopy, which cuda_ipc lacks (it is zero-copy only): a put into CUDA
+   * memory would be emulated with active messages. Its protocols v2 put over
+   * the zero-copy rma_bw lanes, cuda_ipc included. So with CUDA support, and
+   * unless UCX_PROTO_ENABLE says otherwise, the context is made again with
+   * v2. */
+  const char *proto_env = getenv("UCX_PROTO_ENABLE");
+  TW_CHECK_GOTO(tw_kv_ucp_init(x, false), st, fail);
+  if (x->cuda_native && !proto_env) {
+    ucp_cleanup(x->ctx);
+    x->ctx = NULL;
+    TW_CHECK_GOTO(tw_kv_ucp_init(x, true), st, fail);
+  } else {
+    x->proto_v2 = proto_env && (proto_env[0] == 'y' || proto_env[0] == 'Y' ||
+                                proto_env[0] == '1' || !strcasecmp(proto_env, "on"));
+  }
   ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                             .thread_mode = UCS_THREAD_MODE_SINGLE};
-  us = ucp_worker_create(x->ctx, &wp, &x->worker);
+  ucs_status_t us = ucp_worker_create(x->ctx, &wp, &x->worker);
   if (us != UCS_OK) {
     st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_create failed: %s", ucs_status_string(us));
     goto fail;
@@ -186,7 +219,8 @@ tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   }
   /* how device pools travel is logged when one is registered: a CPU worker
    * has none, and must not claim CUDA staging */
-  TW_INFO("kvx", "ucx worker up: address %zu bytes", x->address_len);
+  TW_INFO("kvx", "ucx worker up: address %zu bytes, CUDA memory %s, protocols %s",
+          x->address_len, x->cuda_native ? "supported" : "not supported", x->proto_v2 ? "v2" : "v1");
   *xfer_p = x;
   return TW_OK;
 fail:
@@ -261,8 +295,12 @@ tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
   r->registered = layout->base;
   tw_status_t st = TW_OK;
   ucs_memory_type_t mt = UCS_MEMORY_TYPE_HOST;
+  /* TWAIN_KV_PATH=staged: stage even with CUDA transports (prefill workers
+   * without them, nodes without a cuda_ipc path, the staged benchmark) */
+  const char *want = getenv("TWAIN_KV_PATH");
+  bool force_staged = want && strcmp(want, "staged") == 0;
   if (layout->on_device) {
-    if (x->cuda_native) {
+    if (x->cuda_native && !force_staged) {
       mt = UCS_MEMORY_TYPE_CUDA;
     } else {
       TW_CHECK_GOTO(tw_cudart_load(&x->cudart), st, fail);
@@ -273,6 +311,17 @@ tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
         goto fail;
       }
       r->staged = true;
+      if (x->cudart.stream_create(&r->stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
+        r->stream = NULL;
+        st = tw_err(TW_ERR_CUDA, "cudaStreamCreate for the kv commit copies failed");
+        goto fail;
+      }
+      for (int k = 0; k < TW_KV_MAX_COMMITS; k++)
+        if (x->cudart.event_create(&r->event[k], TW_CUDA_EVENT_DISABLE_TIMING) != 0) {
+          r->event[k] = NULL;
+          st = tw_err(TW_ERR_CUDA, "cudaEventCreate for the kv commit copies failed");
+          goto fail;
+        }
     }
   }
   ucp_mem_map_params_t mp = {
@@ -309,8 +358,11 @@ tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
           r->staged ? ", pinned host mirror" : "");
   TW_INFO("kvx", "kv handoff mode (receive): %s",
           !layout->on_device ? "host KV pool, registered in place"
-          : r->staged ? "device KV pool STAGED: puts land in a pinned host mirror, copied to the "
-                        "device per handoff (UCX has no CUDA support)"
+          : r->staged ? (x->cuda_native
+                             ? "device KV pool STAGED (TWAIN_KV_PATH=staged): puts land in a pinned "
+                               "host mirror, copied to the device per handoff"
+                             : "device KV pool STAGED: puts land in a pinned host mirror, copied to "
+                               "the device per handoff (UCX has no CUDA support)")
                       : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
   *region_p = r;
   return TW_OK;
@@ -321,6 +373,12 @@ fail:
 
 void tw_kv_region_unregister(tw_kv_region_t *r) {
   if (!r) return;
+  for (int k = 0; k < TW_KV_MAX_COMMITS; k++)
+    if (r->event[k]) {
+      r->xfer->cudart.event_sync(r->event[k]); /* no copy may still read the mirror */
+      r->xfer->cudart.event_destroy(r->event[k]);
+    }
+  if (r->stream) r->xfer->cudart.stream_destroy(r->stream);
   if (r->memh) ucp_mem_unmap(r->xfer->ctx, r->memh);
   if (r->staged && r->registered) r->xfer->cudart.free_host(r->registered);
   free(r->rkey);
@@ -347,18 +405,65 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *
                                .total_bytes = l->total_bytes};
 }
 
-tw_status_t tw_kv_region_commit(tw_kv_region_t *r, const int32_t *ids, int32_t n) {
+tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *r, uint64_t ticket) {
+  if (ticket <= r->done_ticket) return TW_OK;
+  if (ticket > r->next_ticket)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "kv commit ticket %llu was never handed out",
+                  (unsigned long long)ticket);
+  int e = r->xfer->cudart.event_query(r->event[ticket % TW_KV_MAX_COMMITS]);
+  if (e == TW_CUDA_NOT_READY) return TW_INPROGRESS;
+  if (e != 0) return tw_err(TW_ERR_CUDA, "a kv commit copy to the device failed (cuda error %d)", e);
+  r->done_ticket = ticket; /* one stream: the earlier ones are done too */
+  return TW_OK;
+}
+
+tw_status_t tw_kv_region_commit_start(tw_kv_region_t *r, const int32_t *ids, int32_t n,
+                                      uint64_t *ticket_p) {
+  *ticket_p = 0;
   if (!r->staged) return TW_OK;
   const tw_kv_layout_t *l = &r->layout;
+  for (int32_t i = 0; i < n; i++)
+    if (ids[i] < 0 || ids[i] >= l->n_blocks)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "kv commit: block %d outside the pool of %d", ids[i],
+                    l->n_blocks);
+  /* the event slot of the new ticket must be free: its ticket - MAX done */
+  uint64_t t = r->next_ticket + 1;
+  if (t - r->done_ticket >= TW_KV_MAX_COMMITS) {
+    uint64_t old = t - TW_KV_MAX_COMMITS;
+    if (r->xfer->cudart.event_sync(r->event[old % TW_KV_MAX_COMMITS]) != 0)
+      return tw_err(TW_ERR_CUDA, "a kv commit copy to the device failed");
+    r->done_ticket = old;
+  }
+  tw_cudart_t *rt = &r->xfer->cudart;
   for (int32_t layer = 0; layer < l->n_layers; layer++)
-    for (int32_t i = 0; i < n; i++) {
+    for (int32_t i = 0, k; i < n; i += k) { /* one copy per run of consecutive blocks */
+      k = tw_kv_run_length(ids, ids, i, n);
       int64_t off = layer * l->layer_stride_bytes + (int64_t)ids[i] * l->block_bytes;
-      if (r->xfer->cudart.memcpy_((char *)l->base + off, (char *)r->registered + off,
-                                  (size_t)l->block_bytes, TW_CUDA_H2D) != 0)
-        return tw_err(TW_ERR_CUDA, "cudaMemcpy of kv block %d layer %d to the device failed",
-                      ids[i], layer);
+      if (rt->memcpy_async((char *)l->base + off, (char *)r->registered + off,
+                           (size_t)(k * l->block_bytes), TW_CUDA_H2D, r->stream) != 0)
+        return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of kv blocks %d..%d layer %d to the device failed",
+                      ids[i], ids[i] + k - 1, layer);
     }
+  if (rt->event_record(r->event[t % TW_KV_MAX_COMMITS], r->stream) != 0)
+    return tw_err(TW_ERR_CUDA, "cudaEventRecord after the kv commit copies failed");
+  r->next_ticket = t;
+  *ticket_p = t;
   return TW_OK;
+}
+
+tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *r, uint64_t ticket) {
+  tw_status_t st = tw_kv_region_commit_poll(r, ticket);
+  if (st != TW_INPROGRESS) return st;
+  if (r->xfer->cudart.event_sync(r->event[ticket % TW_KV_MAX_COMMITS]) != 0)
+    return tw_err(TW_ERR_CUDA, "a kv commit copy to the device failed");
+  r->done_ticket = ticket;
+  return TW_OK;
+}
+
+tw_status_t tw_kv_region_commit(tw_kv_region_t *r, const int32_t *ids, int32_t n) {
+  uint64_t t = 0;
+  TW_CHECK(tw_kv_region_commit_start(r, ids, n, &t));
+  return tw_kv_region_commit_wait(r, t);
 }
 
 static void tw_kv_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
@@ -369,15 +474,18 @@ static void tw_kv_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
 
 /* Which transports the endpoint's lanes use, from ucp_ep_print_info (UCX
  * 1.13 has no query for it): "lane[i]:  n:<tl>/<device> md[..] -> ..." per
- * lane, then "put[i]: ..." for each lane that carries puts (RMA). A device
- * pool may only be put into over an RMA lane whose transport reaches CUDA
- * memory (cuda_ipc): without one, UCX emulates the put with active messages
- * and the receiver's UCX writes the payload into the destination address
- * with a host memcpy (ucp rma_sw), a segfault on a device pointer. That is
- * the crash the first direct-path trial hit (decode worker SIGSEGV at the
- * first handoff, the prefill worker's flush timing out). */
+ * lane, then "put[i]: ..." for each lane that carries puts (RMA, protocols
+ * v1). A device pool may only be put into over a lane whose transport
+ * reaches CUDA memory (cuda_ipc): without one, UCX emulates the put with
+ * active messages and the receiver's UCX writes the payload into the
+ * destination address with a host memcpy (ucp rma_sw), a segfault on a
+ * device pointer. That is the crash the first direct-path trial hit (decode
+ * worker SIGSEGV at the first handoff, the prefill worker's flush timing
+ * out): with protocols v1, UCX 1.13 never selects cuda_ipc as an RMA lane
+ * (RMA lanes need put short/bcopy; cuda_ipc is zero-copy only), so every put
+ * into the registered device pool was emulated. */
 #define TW_KV_MAX_LANES 16
-static void tw_kv_ep_lanes(tw_kv_peer_t *p) {
+static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
   char *text = NULL;
   size_t len = 0;
   FILE *f = open_memstream(&text, &len);
@@ -407,7 +515,9 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p) {
   size_t used = 0;
   for (int i = 0; i < TW_KV_MAX_LANES; i++) {
     if (!tl[i][0]) continue;
-    if (put[i] && strcmp(tl[i], "cuda_ipc") == 0) p->cuda_ipc = true;
+    /* v1: an RMA lane (put[i]); v2: puts use the zero-copy rma_bw lanes,
+     * and with RMA alone a cuda_ipc lane is one of those */
+    if ((put[i] || proto_v2) && strcmp(tl[i], "cuda_ipc") == 0) p->cuda_ipc = true;
     int w = snprintf(p->lanes + used, sizeof p->lanes - used, "%s%s%s", used ? " " : "", tl[i],
                      put[i] ? "(put)" : "");
     if (w < 0 || (size_t)w >= sizeof p->lanes - used) break;
@@ -460,7 +570,7 @@ tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address
       return tw_err(TW_ERR_TRANSPORT, "ucp_ep_create to a decode worker failed: %s",
                     ucs_status_string(us));
     }
-    tw_kv_ep_lanes(p);
+    tw_kv_ep_lanes(p, x->proto_v2);
     x->peers[x->n_peers++] = p;
   }
   if (!p->rkey || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
@@ -486,6 +596,10 @@ int32_t tw_kv_layer_first_block(int32_t n_tokens, int32_t block_size, bool slidi
                                 int32_t window) {
   if (!sliding || n_tokens <= window) return 0;
   return (n_tokens - window) / block_size;
+}
+
+int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int32_t block_size) {
+  return end >= n_tokens ? n_blocks : end / block_size;
 }
 
 static tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32_t id,

@@ -21,14 +21,17 @@
  *    UCS_MEMORY_TYPE_CUDA (UCX built with CUDA, detected at run time with
  *    UCP_ATTR_FIELD_MEMORY_TYPES); the prefill side's device pool is
  *    registered as CUDA memory too and put device to device. Only over an
- *    endpoint with a cuda_ipc RMA lane: otherwise UCX would emulate the put
- *    and its receiver would memcpy into the device pointer on the host
- *    (TW_ERR_UNSUPPORTED instead);
+ *    endpoint with a cuda_ipc lane that carries puts: otherwise UCX would
+ *    emulate the put and its receiver would memcpy into the device pointer
+ *    on the host (TW_ERR_UNSUPPORTED instead). UCX 1.13 puts over cuda_ipc
+ *    (zero-copy only) with its protocols v2 alone, so a context with CUDA
+ *    support is made with UCX_PROTO_ENABLE=y unless the environment sets it;
  *  - staged: a device pool into a host-registered decode pool (UCX without
  *    CUDA): device-to-host copies on the ring's own stream, several chunks
  *    ahead of the puts, into a bounded ring (4 x 8 MiB pinned) on the sender.
  *    The receiver registers a pinned host mirror of its pool and copies the
- *    received blocks into device memory in tw_kv_region_commit().
+ *    received blocks into device memory in tw_kv_region_commit(). A
+ *    receiver stages also with CUDA transports when TWAIN_KV_PATH=staged.
  * Not thread-safe: one thread per tw_kv_xfer_t. */
 #ifndef TW_COMMON_KV_TRANSFER_H
 #define TW_COMMON_KV_TRANSFER_H
@@ -120,10 +123,28 @@ void tw_kv_region_unregister(tw_kv_region_t *region);
 const void *tw_kv_region_rkey(const tw_kv_region_t *region, size_t *len_p);
 void tw_kv_region_remote_layout(const tw_kv_region_t *region, tw_kv_remote_layout_t *out);
 /** After PrefillDone: make the received blocks visible to the engine (copy
- *  mirror -> device when staging; nothing for host or native pools).
- *  Errors: TW_ERR_CUDA. */
+ *  mirror -> device when staging, one copy per run of consecutive blocks per
+ *  layer; nothing for host or native pools), waiting for the copies.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool), TW_ERR_CUDA. */
 tw_status_t tw_kv_region_commit(tw_kv_region_t *region, const int32_t *block_ids,
                                 int32_t n_blocks);
+/** The same without waiting: the copies are enqueued on the region's own
+ *  stream (cudaMemcpyAsync from the pinned mirror, so they overlap the
+ *  engine's decode steps on its stream) and *ticket_p names them (0: nothing
+ *  to copy, already complete). The blocks must not be read by the engine, or
+ *  reused, before tw_kv_region_commit_poll says TW_OK. Up to 64 commits may
+ *  be in flight; a 65th waits for the oldest.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool), TW_ERR_CUDA. */
+tw_status_t tw_kv_region_commit_start(tw_kv_region_t *region, const int32_t *block_ids,
+                                      int32_t n_blocks, uint64_t *ticket_p);
+/** TW_OK once the commit `ticket` (and every earlier one) is on the device,
+ *  TW_INPROGRESS while its copies run. Never blocks.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (a ticket never handed out), TW_ERR_CUDA
+ *  (a copy failed). */
+tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *region, uint64_t ticket);
+/** Block until the commit `ticket` is on the device. Errors: those of
+ *  tw_kv_region_commit_poll. */
+tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *region, uint64_t ticket);
 
 /** Endpoint to a remote worker by address; cached, so repeated handoffs to the
  *  same decode worker reuse it. The rkey is (re)unpacked if it changed.
@@ -139,6 +160,12 @@ tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *xfer, const void *address, size_t addr
  *  ceil(n_tokens/block_size) - 1. */
 int32_t tw_kv_layer_first_block(int32_t n_tokens, int32_t block_size, bool sliding,
                                 int32_t window);
+
+/** How many of a prompt's n_blocks blocks (n_tokens positions, block_size
+ *  per block) are final once positions < end are computed: all of them when
+ *  end >= n_tokens, else end / block_size (the block holding position `end`
+ *  is still being written). */
+int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int32_t block_size);
 
 /** Put one layer's blocks: local blocks src_ids[first..n) of `src` (the prefill
  *  engine's pool) into remote blocks dst_ids[first..n) of the peer's pool,

@@ -161,20 +161,37 @@ void tw_raise_nofile(void) {
   pthread_once(&once, tw_raise_nofile_once);
 }
 
+tw_status_t tw_metrics_listen_addr(const char *what, const char *maybe_addr, int port,
+                                   struct sockaddr_storage *ss, bool *v6_p, const char **addr_p) {
+  const char *addr = maybe_addr && *maybe_addr ? maybe_addr : "127.0.0.1";
+  memset(ss, 0, sizeof *ss);
+  struct sockaddr_in *sa = (struct sockaddr_in *)ss;
+  struct sockaddr_in6 *sa6 = (struct sockaddr_in6 *)ss;
+  if (port > 65535)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "%s port %d is not a TCP port", what, port);
+  *v6_p = false;
+  *addr_p = addr;
+  if (inet_pton(AF_INET, addr, &sa->sin_addr) == 1) {
+    sa->sin_family = AF_INET;
+    sa->sin_port = htons((uint16_t)port);
+    return TW_OK;
+  }
+  memset(ss, 0, sizeof *ss);
+  if (inet_pton(AF_INET6, addr, &sa6->sin6_addr) != 1)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "%s address '%s' is not a numeric IPv4 or IPv6 address", what, addr);
+  sa6->sin6_family = AF_INET6;
+  sa6->sin6_port = htons((uint16_t)port);
+  *v6_p = true;
+  return TW_OK;
+}
+
 tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_addr,
                               tw_metrics_t **m_p) {
-  const char *addr = maybe_addr && *maybe_addr ? maybe_addr : "127.0.0.1";
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-  struct sockaddr_in6 sa6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)port)};
-  bool v6 = false;
-  if (port > 65535)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "metrics port %d is not a TCP port", port);
-  if (inet_pton(AF_INET, addr, &sa.sin_addr) != 1) {
-    if (inet_pton(AF_INET6, addr, &sa6.sin6_addr) != 1)
-      return tw_err(TW_ERR_INVALID_ARGUMENT,
-                    "metrics address '%s' is not a numeric IPv4 or IPv6 address", addr);
-    v6 = true;
-  }
+  struct sockaddr_storage ss;
+  bool v6;
+  const char *addr;
+  TW_CHECK(tw_metrics_listen_addr("metrics", maybe_addr, port, &ss, &v6, &addr));
   tw_metrics_t *m = calloc(1, sizeof *m);
   if (!m) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the metrics registry");
   pthread_mutex_init(&m->mu, NULL);
@@ -188,7 +205,7 @@ tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_a
      * health checks answer while thousands of idle connections are open;
      * idle ones are closed after 10 s */
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | (v6 ? MHD_USE_IPv6 : 0);
-    const struct sockaddr *sock = v6 ? (const struct sockaddr *)&sa6 : (const struct sockaddr *)&sa;
+    const struct sockaddr *sock = (const struct sockaddr *)&ss;
     m->mhd = MHD_start_daemon(flags, (uint16_t)port, NULL, NULL, tw_metrics_answer, m,
                               MHD_OPTION_SOCK_ADDR, sock, MHD_OPTION_CONNECTION_TIMEOUT, 10u,
                               MHD_OPTION_CONNECTION_LIMIT, (unsigned)TW_METRICS_MAX_CONNECTIONS,

@@ -45,6 +45,14 @@ void tw_raise_nofile(void);
  *  port), TW_ERR_NO_MEMORY. */
 tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_addr,
                               tw_metrics_t **metrics_p);
+/** A numeric listen address for an HTTP server of this process (metrics,
+ *  the router's HTTP API): maybe_addr (IPv4 or IPv6; NULL or "" =
+ *  127.0.0.1) and port into *ss, *v6_p = IPv6, *addr_p = the address text
+ *  used. `what` names the server in errors. Errors: TW_ERR_INVALID_ARGUMENT
+ *  (not numeric, port > 65535). */
+struct sockaddr_storage;
+tw_status_t tw_metrics_listen_addr(const char *what, const char *maybe_addr, int port,
+                                   struct sockaddr_storage *ss, bool *v6_p, const char **addr_p);
 /** Stop the server and free everything. NULL does nothing. */
 void tw_metrics_destroy(tw_metrics_t *metrics);
 /** The TCP port being served, or -1 if none. */

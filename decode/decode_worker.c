@@ -40,7 +40,15 @@
  * may still be writing into those blocks (one-sided puts cannot be revoked),
  * so they stay out of the free list for TW_DSEQ_QUARANTINE_MS, longer than a
  * prefill worker ever writes for a request (TW_PREFILL_MAX_AGE_MS, 20 s). */
-typedef enum { TW_DSEQ_RESERVED = 1, TW_DSEQ_RUNNING = 2, TW_DSEQ_QUARANTINE = 3 } tw_dseq_state_t;
+/* COMMITTING: the KV is in (staged pool: in the pinned mirror) and its copy
+ * to the device runs on the region's own stream; the sequence joins the
+ * decode batches once the copy is done, so a handoff never stalls a step. */
+typedef enum {
+  TW_DSEQ_RESERVED = 1,
+  TW_DSEQ_RUNNING = 2,
+  TW_DSEQ_QUARANTINE = 3,
+  TW_DSEQ_COMMITTING = 4
+} tw_dseq_state_t;
 #define TW_DSEQ_QUARANTINE_MS 40000
 
 typedef struct {
@@ -58,6 +66,7 @@ typedef struct {
   int32_t stop[TW_DSEQ_MAX_STOP];
   int32_t n_stop;
   int64_t t_ns;       /* reservation time, then last step time */
+  uint64_t commit;    /* COMMITTING: the kv region's commit ticket */
 } tw_dseq_t;
 
 typedef struct {
@@ -127,7 +136,7 @@ static int32_t tw_dseq_find(const tw_decoder_t *d, uint64_t id) {
 static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *c) {
   int32_t running = 0, waiting = 0;
   for (int32_t i = 0; i < d->n_seqs; i++) {
-    running += d->seqs[i]->state == TW_DSEQ_RUNNING;
+    running += d->seqs[i]->state == TW_DSEQ_RUNNING || d->seqs[i]->state == TW_DSEQ_COMMITTING;
     waiting += d->seqs[i]->state == TW_DSEQ_RESERVED;
   }
   twain__internal__v1__capacity__init(c);
@@ -256,6 +265,7 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     h.layout = &kl;
     /* only the prompt's blocks travel; the rest are for generated tokens */
     h.n_block_ids = (size_t)tw_kv_blocks_needed(d->bm[rank], r->n_prompt_tokens);
+    h.checksums = d->p->verify_kv;
     h.block_ids = seq->blocks;
     h.decode_worker = d->link.name;
     if (d->n_dp > 1) tw_decode_ranks_handoff_dp(&d->rk, rank, &h); /* that replica's pool only */
@@ -320,11 +330,19 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     tw_dseq_release(d, idx);
     return;
   }
-  /* (dp runs on host pools only, which need no commit; d->region is rank 0's) */
-  if ((s->rank == 0 && tw_kv_region_commit(d->region, s->blocks, nb) != TW_OK) ||
-      (d->p->verify_kv && (r->n_layer_checksums || r->n_head_checksums) &&
-       !tw_decoder_verify(d, s, r, msg, sizeof msg))) {
+  /* Staged pools: the mirror -> device copy is only started here (dp runs on
+   * host pools, which need none; d->region is rank 0's). Verification reads
+   * the pool, so it waits for the copy (a debugging aid). */
+  bool verify = d->p->verify_kv && (r->n_layer_checksums || r->n_head_checksums);
+  uint64_t ticket = 0;
+  tw_status_t cst = s->rank == 0 ? tw_kv_region_commit_start(d->region, s->blocks, nb, &ticket) : TW_OK;
+  if (cst == TW_OK && verify && ticket) {
+    cst = tw_kv_region_commit_wait(d->region, ticket);
+    ticket = 0;
+  }
+  if (cst != TW_OK || (verify && !tw_decoder_verify(d, s, r, msg, sizeof msg))) {
     if (!msg[0]) snprintf(msg, sizeof msg, "%s", tw_last_error());
+    if (ticket) (void)tw_kv_region_commit_wait(d->region, ticket); /* before the blocks are reused */
     TW_ERROR("decode", "request %llu: %s", (unsigned long long)s->id, msg);
     tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
                    TWAIN__V1__CODE__INTERNAL, msg);
@@ -339,7 +357,8 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   /* TP: every rank's pool got its part; dp: the one replica got it all */
   tw_metric_add(d->m.kv_bytes, bytes * (d->n_dp > 1 ? 1 : tw_dist_size(d->dist)));
   tw_metric_add(d->m.dp_seqs[s->rank], 1);
-  s->state = TW_DSEQ_RUNNING;
+  s->state = ticket ? TW_DSEQ_COMMITTING : TW_DSEQ_RUNNING;
+  s->commit = ticket;
   s->pos = s->n_prompt;
   s->token = r->first_token;
   s->generated = 1;
@@ -359,6 +378,7 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   if (tw_dseq_stops(s, s->token) || s->generated >= s->max_tokens) {
     int reason = tw_dseq_stops(s, s->token) ? TWAIN__V1__FINISH_REASON__FINISH_STOP
                                             : TWAIN__V1__FINISH_REASON__FINISH_LENGTH;
+    if (ticket) (void)tw_kv_region_commit_wait(d->region, ticket); /* before the blocks are reused */
     tw_send_tokens(d, s->id, NULL, 0, true, reason, 0, NULL);
     tw_dseq_release(d, idx);
   }
@@ -386,12 +406,31 @@ static void tw_decoder_forget_all(tw_decoder_t *d) {
   if (n) TW_WARN("decode", "the router forgot this worker: dropped %d reservations and sequences", n);
 }
 
+/* Sequences whose staged kv copy finished join the decode batches. */
+static void tw_decoder_commits(tw_decoder_t *d) {
+  for (int32_t i = d->n_seqs - 1; i >= 0; i--) {
+    tw_dseq_t *s = d->seqs[i];
+    if (s->state != TW_DSEQ_COMMITTING) continue;
+    tw_status_t st = tw_kv_region_commit_poll(d->region, s->commit);
+    if (st == TW_OK) {
+      s->state = TW_DSEQ_RUNNING;
+    } else if (st != TW_INPROGRESS) {
+      char msg[256];
+      snprintf(msg, sizeof msg, "request %llu: %s", (unsigned long long)s->id, tw_last_error());
+      TW_ERROR("decode", "%s", msg);
+      tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
+                     TWAIN__V1__CODE__INTERNAL, msg);
+      tw_dseq_release(d, i);
+    }
+  }
+}
+
 static void tw_on_cancel(tw_decoder_t *d, uint64_t id) {
   int32_t idx = tw_dseq_find(d, id);
   if (idx < 0 || d->seqs[idx]->state == TW_DSEQ_QUARANTINE) return; /* already finished */
   tw_dseq_t *s = d->seqs[idx];
-  if (s->state == TW_DSEQ_RESERVED) {
-    TW_DEBUG("decode", "request %llu cancelled before its kv arrived: %d blocks quarantined",
+  if (s->state == TW_DSEQ_RESERVED || s->state == TW_DSEQ_COMMITTING) {
+    TW_DEBUG("decode", "request %llu cancelled before its kv was in place: %d blocks quarantined",
              (unsigned long long)id, s->n_blocks);
     s->state = TW_DSEQ_QUARANTINE;
     s->t_ns = tw_msg_clock_ns();
@@ -673,7 +712,7 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     bool busy = false, reserved = false;
     for (int32_t i = 0; i < d.n_seqs; i++) {
       if (d.seqs[i]->state == TW_DSEQ_QUARANTINE) continue;
-      busy |= d.seqs[i]->state == TW_DSEQ_RUNNING;
+      busy |= d.seqs[i]->state == TW_DSEQ_RUNNING || d.seqs[i]->state == TW_DSEQ_COMMITTING;
       reserved |= d.seqs[i]->state == TW_DSEQ_RESERVED;
     }
     /* UCX wire-up, emulated puts and flushes from prefill workers need our
@@ -719,6 +758,7 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
       epoch = atomic_load(&d.link.epoch);
       tw_decoder_forget_all(&d);
     }
+    tw_decoder_commits(&d);
     tw_decoder_step(&d);
     tw_decoder_capacity(&d, &cap);
     tw_worker_link_tick(&d.link, &cap, d.draining, false);

@@ -21,6 +21,17 @@
 #   --no-build        use the build tree as it is (default: configure + build)
 #   --system-cuda     do not carry the CUDA toolkit's libraries
 #   --with-model DIR  also carry a model folder under share/twain/models/
+#   --ucx PREFIX      carry UCX from the install PREFIX instead of the one the
+#                     programs were linked with (same ABI): libucp, libucs,
+#                     libuct, libucm, its ucx/ transport modules and ucx_info.
+#                     For the UCX with CUDA transports (cuda_copy, cuda_ipc:
+#                     the direct device-to-device KV handoff) that
+#                     deploy/build_ucx_cuda.sh builds, or the container's
+#                     /opt/ucx. Default: $TWAIN_UCX_PREFIX; else, for a build
+#                     with the CUDA backend, build-ucx-cuda/install when
+#                     deploy/build_ucx_cuda.sh has finished it; "none": the
+#                     linked one. The manifest says which UCX was carried and
+#                     whether it has the CUDA transports.
 #   --no-default-model  leave out the default tiny model (17 MB), which is
 #                     otherwise installed in share/twain/models/tiny-gptoss-wordnet-mxfp4,
 #                     where the programs look for their default model first
@@ -29,6 +40,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${TWAIN_BUILD_DIR:-build} out="" do_build=1 system_cuda=0 models=() default_model=1
+ucx_prefix=${TWAIN_UCX_PREFIX:-}
 while (($#)); do
   case $1 in
     --build-dir) build=$2; shift 2 ;;
@@ -37,6 +49,7 @@ while (($#)); do
     --system-cuda) system_cuda=1; shift ;;
     --with-model) models+=("$2"); shift 2 ;;
     --no-default-model) default_model=0; shift ;;
+    --ucx) ucx_prefix=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "bundle.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -47,6 +60,18 @@ command -v patchelf >/dev/null || { echo "bundle.sh: patchelf not found (Debian 
 if ((do_build)); then
   cmake -S "$here" -B "$build" >/dev/null
   cmake --build "$build" -j"$(nproc)"
+fi
+
+# ---- which UCX -------------------------------------------------------------------
+if [ -z "$ucx_prefix" ] && [ -e "$here/build-ucx-cuda/install/.twain-ucx-cuda-done" ] &&
+   env -u LD_LIBRARY_PATH ldd "$build/decode/twain-decode" 2>/dev/null | grep -q libcudart; then
+  ucx_prefix=$here/build-ucx-cuda/install
+fi
+[ "$ucx_prefix" = none ] && ucx_prefix=""
+if [ -n "$ucx_prefix" ]; then
+  for l in libucp libucs libuct libucm; do
+    [ -e "$ucx_prefix/lib/$l.so.0" ] || { echo "bundle.sh: --ucx $ucx_prefix: no lib/$l.so.0" >&2; exit 1; }
+  done
 fi
 
 # ---- the programs ---------------------------------------------------------------
@@ -83,6 +108,8 @@ is_system_lib() { # SONAME PATH
   return 1
 }
 
+ucx_lib() { case $1 in libucp.so.*|libucs.so.*|libuct.so.*|libucm.so.*) return 0 ;; esac; return 1; }
+
 declare -A carried=()
 missing=()
 collect() { # ELF [optional]: carry its dependency closure (ldd gives the whole closure)
@@ -91,11 +118,16 @@ collect() { # ELF [optional]: carry its dependency closure (ldd gives the whole 
     case $line in
       *"=> not found"*)
         so=$(awk '{print $1}' <<<"$line")
+        if [ -n "$ucx_prefix" ] && ucx_lib "$so"; then
+          [ -n "${carried[$so]:-}" ] || { carried[$so]=$ucx_prefix/lib/$so; cp -L "$ucx_prefix/lib/$so" "$stage/lib/$so"; chmod u+w "$stage/lib/$so"; }
+          continue
+        fi
         is_system_lib "$so" "" || [ -n "$optional" ] || missing+=("$so (needed by ${elf##*/})") ;;
       *"=> /"*)
         so=$(awk '{print $1}' <<<"$line"); path=$(awk '{print $3}' <<<"$line")
         is_system_lib "$so" "$path" && continue
         case $path in */ucx/lib*) continue ;; esac   # a UCX module: carried in lib/ucx below
+        if [ -n "$ucx_prefix" ] && ucx_lib "$so"; then path=$ucx_prefix/lib/$so; fi
         [ -n "${carried[$so]:-}" ] && continue
         carried[$so]=$path
         cp -L "$path" "$stage/lib/$so"
@@ -105,7 +137,12 @@ collect() { # ELF [optional]: carry its dependency closure (ldd gives the whole 
 }
 
 for p in "${progs[@]}"; do cp "$p" "$stage/bin/"; collect "$p"; done
+if [ -n "$ucx_prefix" ]; then   # what the carried UCX itself needs
+  for l in libucp libucs libuct libucm; do collect "$ucx_prefix/lib/$l.so.0"; done
+fi
 ucx_info=$(command -v ucx_info || true)
+[ -z "$ucx_prefix" ] || ucx_info=$ucx_prefix/bin/ucx_info
+[ -x "$ucx_info" ] || ucx_info=""
 if [ -n "$ucx_info" ]; then cp "$ucx_info" "$stage/bin/"; collect "$ucx_info"; fi
 
 # UCX loads its transports (cma, ib, rdmacm, cuda_copy, cuda_ipc...) with dlopen
@@ -157,6 +194,11 @@ EOF
   echo "carried libraries (soname <- source):"
   for so in $(printf '%s\n' "${!carried[@]}" | sort); do echo "  $so <- ${carried[$so]}"; done
   echo "UCX modules: $(cd "$stage/lib/ucx" && echo *)"
+  if compgen -G "$stage/lib/ucx/libuct_cuda.so*" >/dev/null; then
+    echo "UCX: ${ucx_prefix:-as linked}, with CUDA transports (direct device-to-device KV handoff)"
+  else
+    echo "UCX: ${ucx_prefix:-as linked}, without CUDA transports (device KV pools are staged)"
+  fi
 } > "$stage/share/twain/MANIFEST.txt"
 
 # ---- check: every carried dependency resolves inside the tree -------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # deploy/dev.sh: install what twain needs on Debian 12, build it, and either
 # run the main job (demo) or the tests (test). Idempotent; used by README and CI.
-#   bash deploy/dev.sh demo   # twain serve (default tiny model) + one chat request
+#   bash deploy/dev.sh demo   # twain serve (default tiny model) + one chat request (protobuf) + one over HTTP
 #   bash deploy/dev.sh test   # full ctest suite (GPU tests skip without a GPU)
 #   bash deploy/dev.sh build  # dependencies + build only
 set -euo pipefail
@@ -54,6 +54,14 @@ case "${1:-demo}" in
     grep -q 'twain serve: ready' "$log" || { echo "dev.sh: twain serve not ready after 120 s" >&2; cat "$log" >&2; kill "$pid"; exit 1; }
     grep 'twain serve: ready' "$log"
     rc=0; "$build/router/twain" chat "What does the word 'dog' mean?" || rc=$?
+    # the same service over its OpenAI-compatible HTTP API (docs/api.md)
+    url=$(sed -n 's|.*serving the OpenAI API on \(http://[^ ]*/v1\).*|\1|p' "$log" | head -n1)
+    if [ -n "$url" ]; then
+      echo "POST $url/chat/completions"
+      curl -sS --max-time 120 "$url/chat/completions" -H 'Content-Type: application/json' \
+        -d '{"max_tokens": 128, "reasoning_effort": "low", "messages": [{"role": "user", "content": "What does the word dog mean?"}]}' || rc=$?
+      echo
+    fi
     kill -TERM "$pid"; wait "$pid" || rc=$?
     exit $rc ;;
   *) echo "usage: deploy/dev.sh demo|test|build" >&2; exit 2 ;;

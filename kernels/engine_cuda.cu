@@ -405,8 +405,8 @@ static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   ce->d_positions = (int32_t *)tw_ce_take(cv, R * 4);
   ce->d_slots = (int32_t *)tw_ce_take(cv, R * 4);
   ce->d_seq_lens = (int32_t *)tw_ce_take(cv, B * 4);
-  ce->d_cu = (int32_t *)tw_ce_take(cv, 2 * 4);
-  ce->d_start = (int32_t *)tw_ce_take(cv, 4);
+  ce->d_cu = (int32_t *)tw_ce_take(cv, (B + 1) * 4);
+  ce->d_start = (int32_t *)tw_ce_take(cv, B * 4);
   ce->d_block_tables = (int32_t *)tw_ce_take(cv, B * (size_t)ce->max_blocks_per_seq * 4);
   ce->d_next = (int32_t *)tw_ce_take(cv, B * 4);
   ce->d_params = (tw_cuda_sample_row_t *)tw_ce_take(cv, B * sizeof(tw_cuda_sample_row_t));
@@ -449,7 +449,7 @@ static void tw_ce_destroy(tw_engine_t *engine) {
   free(engine);
 }
 
-static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill, tw_ce_decode};
+static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill_pass, tw_ce_decode};
 
 static tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_params_t *p) {
   const tw_model_config_t *c = &m->config;
@@ -612,7 +612,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   /* pinned staging */
   {
     size_t R = (size_t)ce->max_rows, B = (size_t)ce->max_batch;
-    h_bytes = R * 3 * 4 + B * 2 * 4 + 16 + (size_t)c->n_experts * 4 +
+    h_bytes = R * 3 * 4 + B * 2 * 4 + (2 * B + 2) * 4 + (size_t)c->n_experts * 4 +
               B * (size_t)ce->max_blocks_per_seq * 4 + B * sizeof(tw_cuda_sample_row_t) + 64;
     TW_CUDA_CHECK_GOTO(cudaMallocHost(&ce->h_arena, h_bytes), st, fail);
     char *h = (char *)ce->h_arena;
@@ -622,7 +622,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     ce->h_slots = (int32_t *)h; h += R * 4;
     ce->h_seq_lens = (int32_t *)h; h += B * 4;
     ce->h_next = (int32_t *)h; h += B * 4;
-    ce->h_cu = (int32_t *)h; h += 16;
+    ce->h_cu = (int32_t *)h; h += (2 * B + 2) * 4; /* prefill cu [B + 1], then start [B] */
     ce->h_counts = (int32_t *)h; h += (size_t)c->n_experts * 4;
     ce->h_block_tables = (int32_t *)h;
   }

@@ -151,7 +151,7 @@ tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
 int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch);
 
 /** The engine ops (engine_cuda_step.cu). */
-tw_status_t tw_ce_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
+tw_status_t tw_ce_prefill_pass(tw_engine_t *engine, const tw_prefill_pass_t *pass);
 tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
 /** Log the per-op times gathered in profile mode (engine_cuda_step.cu). */
 void tw_ce_profile_log(const tw_ce_t *ce);

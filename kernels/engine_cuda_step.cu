@@ -55,10 +55,12 @@ void tw_ce_profile_log(const tw_ce_t *ce) {
   TW_INFO("engine", "%s", line);
 }
 
-/* kv_ev: NULL, or one event per layer, recorded once that layer's K/V
- * writes are enqueued (prefill with on_layer_done, see tw_ce_prefill). */
+/* T token rows: a decode step (one row per sequence) or a prefill pass of
+ * n_seqs sequences (rows concatenated, ce->d_cu / d_start / d_block_tables).
+ * kv_ev: NULL, or one event per layer, recorded once that layer's K/V
+ * writes are enqueued (prefill with on_pass_layer, see tw_ce_prefill_pass). */
 static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_seq_len,
-                                int32_t block_size, cudaEvent_t *kv_ev) {
+                                int32_t block_size, int32_t n_seqs, cudaEvent_t *kv_ev) {
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
   int32_t H = c->hidden, E = c->n_experts, QKV = ce->qkv_dim, QD = ce->q_dim;
@@ -99,7 +101,7 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
                                         ce->d_block_tables, ce->max_blocks_per_seq, max_seq_len,
                                         ce->attn_ws, ce->attn_ws_bytes, ce->attn, s));
     else
-      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_prefill(&sh, ce->q, QD, kv, L->sinks, 1, T, ce->d_cu,
+      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_prefill(&sh, ce->q, QD, kv, L->sinks, n_seqs, T, ce->d_cu,
                                          ce->d_start, ce->d_block_tables, ce->max_blocks_per_seq,
                                          ce->attn, s));
     TW_CE_OP(TW_CE_PROF_OPROJ, tw_cuda_gemm_bf16(ce->gemm, T, H, QD, ce->attn, QD, L->wo, QD, L->bo, ce->o,
@@ -173,15 +175,15 @@ static tw_cuda_sample_row_t tw_ce_sample_row(const tw_sample_params_t *sp, int64
   return r;
 }
 
-static tw_status_t tw_ce_prefill_chunks(tw_engine_t *e, const tw_prefill_args_t *a,
-                                        cudaEvent_t *kv_ev);
+static tw_status_t tw_ce_pass_run(tw_engine_t *e, const tw_prefill_pass_t *p, cudaEvent_t *kv_ev);
 
-/* Prefill; with a->on_layer_done, one event per layer marks its K/V writes:
- * after a chunk is enqueued, each layer's event is waited for in order and
- * the callback called, so the transfer of layer l runs while the GPU
- * computes the layers after it (engine.h: late, never early). */
-tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
-  if (!a->on_layer_done) return tw_ce_prefill_chunks(e, a, NULL);
+/* One prefill pass (engine_impl.h); with p->on_pass_layer, one event per
+ * layer marks its K/V writes: after the pass is enqueued, each layer's event
+ * is waited for in order and the callback called, so the transfer of layer
+ * l runs while the GPU computes the layers after it (engine.h: late, never
+ * early). */
+tw_status_t tw_ce_prefill_pass(tw_engine_t *e, const tw_prefill_pass_t *p) {
+  if (!p->on_pass_layer) return tw_ce_pass_run(e, p, NULL);
   tw_ce_t *ce = (tw_ce_t *)e->backend;
   int32_t L = ce->cfg->n_layers;
   cudaEvent_t *ev = (cudaEvent_t *)calloc((size_t)L, sizeof(cudaEvent_t));
@@ -196,82 +198,105 @@ tw_status_t tw_ce_prefill(tw_engine_t *e, const tw_prefill_args_t *a) {
       break;
     }
   }
-  if (st == TW_OK) st = tw_ce_prefill_chunks(e, a, ev);
+  if (st == TW_OK) st = tw_ce_pass_run(e, p, ev);
   if (st != TW_OK) cudaStreamSynchronize(ce->stream); /* no event in use when destroyed */
   for (int32_t l = 0; l < made; l++) cudaEventDestroy(ev[l]);
   free(ev);
   return st;
 }
 
-static tw_status_t tw_ce_prefill_chunks(tw_engine_t *e, const tw_prefill_args_t *a,
-                                        cudaEvent_t *kv_ev) {
+/* The pass's tokens as one batch of rows: per token its position and KV
+ * slot, per segment its row range (cu), first position and block table row
+ * (the prefill attention walks the segments' query tiles in one launch). */
+static tw_status_t tw_ce_pass_run(tw_engine_t *e, const tw_prefill_pass_t *p, cudaEvent_t *kv_ev) {
   tw_ce_t *ce = (tw_ce_t *)e->backend;
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
-  int32_t bs = e->kv.block_size, V = c->vocab_size, n = a->n_tokens;
-  int32_t nb = a->n_blocks < ce->max_blocks_per_seq ? a->n_blocks : ce->max_blocks_per_seq;
+  const int32_t bs = e->kv.block_size, V = c->vocab_size, T = p->n_tokens, ns = p->n_segs;
+  const int32_t mbps = ce->max_blocks_per_seq;
+  if (T > ce->chunk || ns > ce->max_batch) /* engine.c plans within both */
+    return tw_err(TW_ERR_INTERNAL, "cuda prefill: pass of %d tokens / %d sequences over %d / %d",
+                  T, ns, ce->chunk, ce->max_batch);
   TW_CUDA_CHECK(cudaStreamSynchronize(s)); /* staging buffers are free */
-  memcpy(ce->h_block_tables, a->block_table, (size_t)nb * 4);
-  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_block_tables, ce->h_block_tables, (size_t)nb * 4,
-                                cudaMemcpyHostToDevice, s));
-  for (int32_t cs = 0; cs < n; cs += ce->chunk) {
-    int32_t T = n - cs < ce->chunk ? n - cs : ce->chunk;
-    bool last = cs + T == n;
-    if (cs > 0) TW_CUDA_CHECK(cudaStreamSynchronize(s));
-    for (int32_t i = 0; i < T; i++) {
-      int32_t p = a->start_pos + cs + i;
-      ce->h_tokens[i] = a->tokens[cs + i];
-      ce->h_positions[i] = p;
-      ce->h_slots[i] = a->block_table[p / bs] * bs + p % bs;
+  int32_t *h_start = ce->h_cu + ns + 1; /* [ns] after cu [ns + 1] */
+  int32_t maxnb = 1, t = 0;
+  ce->h_cu[0] = 0;
+  for (int32_t g = 0; g < ns; g++) {
+    const tw_prefill_seg_t *sg = &p->segs[g];
+    int32_t nb = sg->n_blocks < mbps ? sg->n_blocks : mbps;
+    if (nb > maxnb) maxnb = nb;
+    memcpy(ce->h_block_tables + (size_t)g * mbps, sg->block_table, (size_t)nb * 4);
+    h_start[g] = sg->start_pos;
+    for (int32_t i = 0; i < sg->n_tokens; i++, t++) {
+      int32_t pos = sg->start_pos + i;
+      ce->h_tokens[t] = sg->tokens[i];
+      ce->h_positions[t] = pos;
+      ce->h_slots[t] = sg->block_table[pos / bs] * bs + pos % bs;
     }
-    ce->h_cu[0] = 0;
-    ce->h_cu[1] = T;
-    ce->h_cu[2] = a->start_pos + cs;
-    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_tokens, ce->h_tokens, (size_t)T * 4, cudaMemcpyHostToDevice, s));
-    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_positions, ce->h_positions, (size_t)T * 4,
-                                  cudaMemcpyHostToDevice, s));
-    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_slots, ce->h_slots, (size_t)T * 4, cudaMemcpyHostToDevice, s));
-    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_cu, ce->h_cu, 8, cudaMemcpyHostToDevice, s));
-    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_start, ce->h_cu + 2, 4, cudaMemcpyHostToDevice, s));
-    TW_CHECK(tw_ce_layers(ce, T, 0, 0, bs, kv_ev));
-    ce->prof_steps[0]++;
-    const float *last_row = NULL;
-    if (a->logits_out && a->all_logits) {
-      for (int32_t r0 = 0; r0 < T; r0 += TW_CE_LOGIT_ROWS) {
-        int32_t rows = T - r0 < TW_CE_LOGIT_ROWS ? T - r0 : TW_CE_LOGIT_ROWS;
-        TW_CHECK(tw_ce_unembed(ce, r0, rows));
-        TW_CUDA_CHECK(cudaMemcpyAsync(a->logits_out + (size_t)(cs + r0) * V, ce->logits,
-                                      (size_t)rows * V * 4, cudaMemcpyDeviceToHost, s));
-        last_row = ce->logits + (size_t)(rows - 1) * V;
-      }
-    } else if (last && (a->logits_out || a->next_token_out)) {
-      TW_CHECK(tw_ce_unembed(ce, T - 1, 1));
-      last_row = ce->logits;
-      if (a->logits_out)
-        TW_CUDA_CHECK(cudaMemcpyAsync(a->logits_out, ce->logits, (size_t)V * 4,
-                                      cudaMemcpyDeviceToHost, s));
-    }
-    if (last && a->next_token_out) {
-      ce->h_params[0] = tw_ce_sample_row(a->sample, (int64_t)a->start_pos + n);
-      TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_params, ce->h_params, sizeof(tw_cuda_sample_row_t),
-                                    cudaMemcpyHostToDevice, s));
-      TW_CE_OP(TW_CE_PROF_SAMPLE, tw_cuda_sample(last_row, V, 1, V, ce->d_params, ce->d_next, s));
-      TW_CUDA_CHECK(cudaMemcpyAsync(ce->h_next, ce->d_next, 4, cudaMemcpyDeviceToHost, s));
-    }
-    if (kv_ev) /* the chunk is enqueued: hand each layer over as the GPU finishes its K/V */
-      for (int32_t l = 0; l < c->n_layers; l++) {
-        TW_CUDA_CHECK(cudaEventSynchronize(kv_ev[l]));
-        a->on_layer_done(a->on_layer_arg, l, a->start_pos + cs, T);
-      }
+    ce->h_cu[g + 1] = t;
   }
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_tokens, ce->h_tokens, (size_t)T * 4, cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_positions, ce->h_positions, (size_t)T * 4,
+                                cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_slots, ce->h_slots, (size_t)T * 4, cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_cu, ce->h_cu, (size_t)(ns + 1) * 4, cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_start, h_start, (size_t)ns * 4, cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpy2DAsync(ce->d_block_tables, (size_t)mbps * 4, ce->h_block_tables,
+                                  (size_t)mbps * 4, (size_t)maxnb * 4, (size_t)ns,
+                                  cudaMemcpyHostToDevice, s));
+  TW_CHECK(tw_ce_layers(ce, T, 0, 0, bs, ns, kv_ev));
+  ce->prof_steps[0]++;
+  if (p->all_logits)
+    for (int32_t r0 = 0; r0 < T; r0 += TW_CE_LOGIT_ROWS) {
+      int32_t rows = T - r0 < TW_CE_LOGIT_ROWS ? T - r0 : TW_CE_LOGIT_ROWS;
+      TW_CHECK(tw_ce_unembed(ce, r0, rows));
+      TW_CUDA_CHECK(cudaMemcpyAsync(p->all_logits + (size_t)r0 * V, ce->logits,
+                                    (size_t)rows * V * 4, cudaMemcpyDeviceToHost, s));
+    }
+  bool rows_wanted = p->next_tokens != NULL;
+  for (int32_t k = 0; k < p->n_out; k++) rows_wanted |= p->logits_rows[k] != NULL;
+  if (p->n_out > 0 && rows_wanted) {
+    /* the segments' last rows of xn to rows 0..n_out-1, in order: output k
+     * comes from row >= its segment index >= k, and rows < k are written
+     * only by earlier copies, so copying in place never reads a moved row */
+    const size_t row_bytes = (size_t)c->hidden * 2;
+    for (int32_t g = 0; g < ns; g++) {
+      int32_t k = p->segs[g].out, src = ce->h_cu[g + 1] - 1;
+      if (k < 0 || k == src) continue;
+      TW_CUDA_CHECK(cudaMemcpyAsync((char *)ce->xn + (size_t)k * row_bytes,
+                                    (const char *)ce->xn + (size_t)src * row_bytes, row_bytes,
+                                    cudaMemcpyDeviceToDevice, s));
+    }
+    TW_CHECK(tw_ce_unembed(ce, 0, p->n_out));
+    for (int32_t k = 0; k < p->n_out; k++)
+      if (p->logits_rows[k])
+        TW_CUDA_CHECK(cudaMemcpyAsync(p->logits_rows[k], ce->logits + (size_t)k * V,
+                                      (size_t)V * 4, cudaMemcpyDeviceToHost, s));
+    if (p->next_tokens) {
+      for (int32_t k = 0; k < p->n_out; k++)
+        ce->h_params[k] = tw_ce_sample_row(&p->sample[k], p->sample_pos[k]);
+      TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_params, ce->h_params,
+                                    (size_t)p->n_out * sizeof(tw_cuda_sample_row_t),
+                                    cudaMemcpyHostToDevice, s));
+      TW_CE_OP(TW_CE_PROF_SAMPLE,
+               tw_cuda_sample(ce->logits, V, p->n_out, V, ce->d_params, ce->d_next, s));
+      TW_CUDA_CHECK(cudaMemcpyAsync(ce->h_next, ce->d_next, (size_t)p->n_out * 4,
+                                    cudaMemcpyDeviceToHost, s));
+    }
+  }
+  if (kv_ev) /* the pass is enqueued: hand each layer over as the GPU finishes its K/V */
+    for (int32_t l = 0; l < c->n_layers; l++) {
+      TW_CUDA_CHECK(cudaEventSynchronize(kv_ev[l]));
+      p->on_pass_layer(p->on_pass_arg, l);
+    }
   TW_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (a->next_token_out) *a->next_token_out = ce->h_next[0];
+  if (p->next_tokens) memcpy(p->next_tokens, ce->h_next, (size_t)p->n_out * 4);
   return TW_OK;
 }
 
 /* The device work of one decode step over B (bucketed) rows. */
 static tw_status_t tw_ce_decode_body(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs) {
-  TW_CHECK(tw_ce_layers(ce, B, 1, ctx, bs, NULL));
+  TW_CHECK(tw_ce_layers(ce, B, 1, ctx, bs, B, NULL));
   TW_CHECK(tw_ce_unembed(ce, 0, B));
   TW_CE_OP(TW_CE_PROF_SAMPLE, tw_cuda_sample(ce->logits, ce->cfg->vocab_size, B,
                                              ce->cfg->vocab_size, ce->d_params, ce->d_next,

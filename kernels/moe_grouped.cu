@@ -138,10 +138,10 @@ template <typename RowOf>
 static __device__ __forceinline__ void tw_gg_load_scales(const tw_gg_args_t &p, int e, int rows,
                                                          RowOf grow, uint8_t *sS, int nthreads) {
   const int KB = p.K / 32, KBP = KB + 1;
-  for (int i = threadIdx.x; i < rows * KBP; i += nthreads) {
-    const int r = i / KBP, b = i - r * KBP;
-    const int gr = min(grow(r), p.N - 1);
-    sS[i] = b < KB ? p.ws[((int64_t)e * p.N + gr) * KB + b] : (uint8_t)127;
+  /* two threads a row, alternate bytes: no division in the loop */
+  for (int r = threadIdx.x >> 1; r < rows; r += nthreads >> 1) {
+    const uint8_t *src = p.ws + ((int64_t)e * p.N + min(grow(r), p.N - 1)) * KB;
+    for (int b = threadIdx.x & 1; b < KBP; b += 2) sS[r * KBP + b] = b < KB ? src[b] : (uint8_t)127;
   }
 }
 
@@ -173,8 +173,13 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
   uint8_t *sR = sX + S * BT * 128;
   uint8_t *sS = sR + S * RST;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  if (FMT == TW_GG_MXFP4)
-    for (int i = tid; i < LUT / 4; i += NT) sL[i] = tw_fp4x2_bf16((uint32_t)i >> 5);
+  if (FMT == TW_GG_MXFP4) /* entry i: its 32 lane copies, 16-byte chunks rotated by i (no conflicts) */
+    for (int i = tid; i < 256; i += NT) {
+      const uint32_t v = tw_fp4x2_bf16((uint32_t)i);
+#pragma unroll
+      for (int j = 0; j < 8; j++)
+        reinterpret_cast<uint4 *>(sL)[i * 8 + ((j + i) & 7)] = make_uint4(v, v, v, v);
+    }
   if (warp == 0) tw_gg_find_tile(p, BT, lane, s_tile);
   __syncthreads();
   const int e = s_tile[0];

@@ -3,8 +3,10 @@
  * sends the request and its local block ids as a plan to the other ranks
  * (dist_engine.h), then every rank (rank 0 included) runs
  * tw_prefill_rank_run: the engine prefill (the collectives of TP/EP inside),
- * then puts its own KV heads into the decode ranks that hold them
- * (kv_reshard.h), flushes, and computes the per-head checksums. The other
+ * putting its own KV heads into the decode ranks that hold them
+ * (kv_reshard.h) layer by layer as the engine reports each layer done
+ * (on_layer_done: layer l moves while layers > l compute), then flushes and
+ * computes the per-head checksums. The other
  * ranks answer rank 0 with status, bytes and checksums; rank 0 merges them
  * into the PrefillDone. This path also serves a single-rank prefill worker
  * whose decode worker is TP > 1 (KvHandoff.ranks). */
@@ -26,6 +28,9 @@ typedef struct {
   const tw_model_t *model;  /* borrowed */
   int flush_timeout_ms;
   int max_age_ms;           /* refuse to write kv of older requests (0: no check) */
+  /* out, of this rank's last handoff: ms from the last layer's compute
+   * reported done to every put remotely complete (the handoff's tail) */
+  double tail_ms;
 } tw_prefill_ranks_t;
 
 /** Whether request r needs this path: more than one rank here, or a decode

@@ -1,6 +1,7 @@
 /* worker.c: the prefill worker daemon (see worker.h). One thread for the work
- * (the heartbeat has its own, msg_worker.h), a FIFO of requests; cancels and
- * new requests are read between prompts. */
+ * (the heartbeat has its own, msg_worker.h), a FIFO of requests taken in
+ * batches (one variable-length engine prefill per batch, worker_handoff.h);
+ * cancels and new requests are read between batches. */
 #include "prefill/worker.h"
 
 #include "common/dist_engine.h"
@@ -43,7 +44,11 @@ typedef struct {
   const char *metrics_addr; /* NULL: 127.0.0.1 */
   int flush_timeout_ms;
   int32_t tp, ep; /* ranks of this worker (issue 6): each 1 or the group size */
-  int32_t chunk_tokens; /* prefill chunk: its blocks are handed off while the next computes */
+  /* tokens of one forward pass: queued prompts are batched up to it (a longer
+   * prompt runs alone, split over passes); each layer's blocks are handed off
+   * while the next layers compute */
+  int32_t chunk_tokens;
+  int32_t batch_seqs; /* most prompts in one batch */
 } tw_prefill_opts_t;
 
 typedef struct {
@@ -61,11 +66,23 @@ typedef struct {
   tw_dist_identity_t id; /* this rank (dist.h) */
   tw_dist_t *dist;
   tw_prefill_ranks_t rk;
+  /* two batch buffers: the batch computing and the one whose handoff
+   * finishes meanwhile (pending), [batch_seqs] each */
+  tw_prefill_handoff_item_t *batch[2];
+  Twain__Internal__V1__Envelope **batch_envs[2];
+  int cur; /* the buffer the next batch fills */
+  tw_prefill_handoff_ctx_t hc;
+  struct {
+    tw_prefill_handoff_batch_t *b; /* NULL: none */
+    tw_prefill_handoff_item_t *items;
+    Twain__Internal__V1__Envelope **envs;
+    int32_t n;
+  } pending;
   const uint64_t *head_sums; /* for the next PrefillDone (re-sharded handoffs) */
   size_t n_head_sums;
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
-    tw_metric_t *layer_sends, *layer_sends_overlapped;
+    tw_metric_t *layer_sends, *layer_sends_overlapped, *batches, *overlapped, *tail;
   } m;
 } tw_prefiller_t;
 
@@ -122,42 +139,7 @@ static bool tw_prefill_stale(const Twain__Internal__V1__PrefillRequest *r) {
   return r->issued_unix_ms && now - r->issued_unix_ms > TW_PREFILL_MAX_AGE_MS;
 }
 
-/* Run one prompt and hand its KV over. */
-static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r) {
-  const tw_model_config_t *c = &w->model->config;
-  const Twain__Internal__V1__KvHandoff *h = r->handoff;
-  int32_t n = (int32_t)r->n_prompt_ids;
-  char msg[256];
-  if (!h || !h->layout || n <= 0) {
-    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
-                    "prefill request without prompt or kv handoff");
-    return;
-  }
-  int32_t nb = tw_kv_blocks_needed(w->blocks, n);
-  if ((int32_t)h->n_block_ids < nb) {
-    snprintf(msg, sizeof msg, "handoff has %zu blocks, the prompt of %d tokens needs %d",
-             h->n_block_ids, n, nb);
-    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
-    return;
-  }
-  int32_t *ids = malloc(sizeof(int32_t) * (size_t)nb);
-  uint64_t *sums = calloc((size_t)c->n_layers, sizeof(uint64_t));
-  if (!ids || !sums) {
-    free(ids);
-    free(sums);
-    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
-                    "prefill worker out of host memory");
-    return;
-  }
-  tw_status_t st = tw_kv_blocks_alloc(w->blocks, nb, ids);
-  if (st != TW_OK) {
-    free(ids);
-    free(sums);
-    snprintf(msg, sizeof msg, "prompt of %d tokens needs %d kv blocks, prefill pool has %d", n, nb,
-             tw_kv_blocks_total(w->blocks));
-    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
-    return;
-  }
+static tw_sample_params_t tw_prefill_sampling(const Twain__Internal__V1__PrefillRequest *r) {
   tw_sample_params_t sp = TW_SAMPLE_PARAMS_GREEDY;
   if (r->sampling) {
     sp.temperature = r->sampling->temperature;
@@ -165,46 +147,23 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
     sp.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
     sp.seed = r->sampling->seed;
   }
-  if (tw_prefill_ranks_wanted(&w->rk, r)) { /* TP ranks here or there: re-sharded (issue 6) */
-    size_t n_hs = (size_t)c->n_layers * (size_t)c->n_kv_heads;
-    uint64_t *hs = calloc(n_hs, sizeof(uint64_t));
-    int32_t first = -1;
-    int64_t bytes = 0;
-    double pms = 0, xms = 0;
-    st = hs ? tw_prefill_ranks_run(&w->rk, r, ids, nb, &first, &bytes, hs, &pms, &xms)
-            : tw_err(TW_ERR_NO_MEMORY, "prefill worker out of host memory");
-    tw_kv_blocks_free(w->blocks, nb, ids);
-    if (st != TW_OK) {
-      snprintf(msg, sizeof msg, "%s", tw_last_error());
-      TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
-      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_code_of(st), msg);
-    } else {
-      tw_metric_observe(w->m.prefill, pms * 1e-3);
-      tw_metric_observe(w->m.transfer, xms * 1e-3);
-      tw_metric_add(w->m.kv_bytes, (double)bytes);
-      tw_metric_add(w->m.requests, 1);
-      w->head_sums = hs;
-      w->n_head_sums = tw_engine_kv_layout(w->engine)->on_device ? 0 : n_hs; /* host pools only */
-      tw_prefill_done(w, r->request_id, first, NULL, 0, bytes, pms, xms, 0, NULL);
-      w->head_sums = NULL;
-      w->n_head_sums = 0;
-    }
-    free(hs);
-    free(ids);
-    free(sums);
-    return;
-  }
-  /* chunked prefill, each chunk's finished blocks put while the next computes */
-  tw_prefill_handoff_ctx_t hc = {.engine = w->engine, .model = w->model, .xfer = w->xfer,
-                                 .chunk_tokens = w->o.chunk_tokens,
-                                 .flush_timeout_ms = w->o.flush_timeout_ms,
-                                 .max_age_ms = TW_PREFILL_MAX_AGE_MS};
-  tw_prefill_handoff_result_t hr = {.first_token = -1};
-  st = tw_prefill_handoff_run(&hc, r, ids, nb, &sp, sums, &hr);
+  return sp;
+}
+
+/* A prompt that needs the multi-rank path (TP ranks here or a TP decode
+ * worker, issue 6): alone, re-sharded. ids[nb] are its local blocks. */
+static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r,
+                                 int32_t *ids, int32_t nb) {
+  const tw_model_config_t *c = &w->model->config;
+  char msg[256];
+  size_t n_hs = (size_t)c->n_layers * (size_t)c->n_kv_heads;
+  uint64_t *hs = calloc(n_hs, sizeof(uint64_t));
+  int32_t first = -1;
+  int64_t bytes = 0;
+  double pms = 0, xms = 0;
+  tw_status_t st = hs ? tw_prefill_ranks_run(&w->rk, r, ids, nb, &first, &bytes, hs, &pms, &xms)
+                      : tw_err(TW_ERR_NO_MEMORY, "prefill worker out of host memory");
   tw_kv_blocks_free(w->blocks, nb, ids);
-  int32_t first = hr.first_token;
-  int64_t bytes = hr.kv_bytes;
-  double pms = hr.prefill_ms, xms = hr.transfer_ms;
   if (st != TW_OK) {
     snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
@@ -212,16 +171,202 @@ static void tw_prefill_one(tw_prefiller_t *w, const Twain__Internal__V1__Prefill
   } else {
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);
+    tw_metric_observe(w->m.tail, w->rk.tail_ms * 1e-3);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
-    tw_metric_add(w->m.layer_sends, (double)hr.layer_sends);
-    tw_metric_add(w->m.layer_sends_overlapped, (double)hr.layer_sends_in_engine);
-    TW_DEBUG("prefill", "request %llu: %d tokens in %.2f ms, %lld kv bytes to %s in %.2f ms",
-             (unsigned long long)r->request_id, n, pms, (long long)bytes, h->decode_worker, xms);
-    tw_prefill_done(w, r->request_id, first, sums, (size_t)c->n_layers, bytes, pms, xms, 0, NULL);
+    TW_DEBUG("prefill", "request %llu: %lld kv bytes, handoff tail %.2f ms after the last layer",
+             (unsigned long long)r->request_id, (long long)bytes, w->rk.tail_ms);
+    w->head_sums = hs;
+    w->n_head_sums = tw_engine_kv_layout(w->engine)->on_device ? 0 : n_hs; /* host pools only */
+    tw_prefill_done(w, r->request_id, first, NULL, 0, bytes, pms, xms, 0, NULL);
+    w->head_sums = NULL;
+    w->n_head_sums = 0;
   }
-  free(ids);
-  free(sums);
+  free(hs);
+}
+
+/* Check a queued prompt and take its local blocks into *it. Returns 1 when
+ * it is ready, 0 when it was answered with an error (nothing held), -1 when
+ * may_wait and its blocks are not free now (it stays queued: the batch being
+ * formed or the pending one holds them). */
+static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r,
+                              bool may_wait, tw_prefill_handoff_item_t *it) {
+  const tw_model_config_t *c = &w->model->config;
+  const Twain__Internal__V1__KvHandoff *h = r->handoff;
+  int32_t n = (int32_t)r->n_prompt_ids;
+  char msg[256];
+  if (!h || !h->layout || n <= 0) {
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                    "prefill request without prompt or kv handoff");
+    return 0;
+  }
+  int32_t nb = tw_kv_blocks_needed(w->blocks, n);
+  if ((int32_t)h->n_block_ids < nb) {
+    snprintf(msg, sizeof msg, "handoff has %zu blocks, the prompt of %d tokens needs %d",
+             h->n_block_ids, n, nb);
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return 0;
+  }
+  if (may_wait && tw_kv_blocks_free_count(w->blocks) < nb) return -1;
+  int32_t *ids = malloc(sizeof(int32_t) * (size_t)nb);
+  uint64_t *sums = calloc((size_t)c->n_layers, sizeof(uint64_t));
+  if (!ids || !sums) {
+    free(ids);
+    free(sums);
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
+                    "prefill worker out of host memory");
+    return 0;
+  }
+  if (tw_kv_blocks_alloc(w->blocks, nb, ids) != TW_OK) {
+    free(ids);
+    free(sums);
+    snprintf(msg, sizeof msg, "prompt of %d tokens needs %d kv blocks, prefill pool has %d", n, nb,
+             tw_kv_blocks_total(w->blocks));
+    tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return 0;
+  }
+  *it = (tw_prefill_handoff_item_t){.r = r, .ids = ids, .nb = nb, .sp = tw_prefill_sampling(r),
+                                    .sums = sums};
+  return 1;
+}
+
+/* Answer each prompt of a finished batch (PrefillDone, metrics), free its
+ * blocks, ids, checksums and request. */
+static void tw_prefill_answer(tw_prefiller_t *w, tw_prefill_handoff_item_t *items,
+                              Twain__Internal__V1__Envelope **envs, int32_t n) {
+  const tw_model_config_t *c = &w->model->config;
+  for (int32_t i = 0; i < n; i++) {
+    tw_prefill_handoff_item_t *it = &items[i];
+    const Twain__Internal__V1__PrefillRequest *r = it->r;
+    tw_kv_blocks_free(w->blocks, it->nb, it->ids);
+    const tw_prefill_handoff_result_t *hr = &it->out;
+    if (it->st != TW_OK) {
+      TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, it->msg);
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, tw_code_of(it->st), it->msg);
+    } else {
+      tw_metric_observe(w->m.prefill, hr->prefill_ms * 1e-3);
+      tw_metric_observe(w->m.transfer, hr->transfer_ms * 1e-3);
+      tw_metric_add(w->m.kv_bytes, (double)hr->kv_bytes);
+      tw_metric_add(w->m.requests, 1);
+      tw_metric_add(w->m.layer_sends, (double)hr->layer_sends);
+      tw_metric_add(w->m.layer_sends_overlapped, (double)hr->layer_sends_in_engine);
+      tw_metric_observe(w->m.tail, hr->tail_ms * 1e-3);
+      TW_DEBUG("prefill",
+               "request %llu: %zu tokens in a batch of %d, %.2f ms, %lld kv bytes to %s in %.2f ms, "
+               "tail %.2f ms after the last layer",
+               (unsigned long long)r->request_id, r->n_prompt_ids, n, hr->prefill_ms,
+               (long long)hr->kv_bytes, r->handoff->decode_worker, hr->transfer_ms, hr->tail_ms);
+      tw_prefill_done(w, r->request_id, hr->first_token, it->sums, (size_t)c->n_layers,
+                      hr->kv_bytes, hr->prefill_ms, hr->transfer_ms, 0, NULL);
+    }
+    free((void *)it->ids);
+    free(it->sums);
+    twain__internal__v1__envelope__free_unpacked(envs[i], NULL);
+  }
+}
+
+/* Flush and answer the pending batch, if any. */
+static void tw_prefill_finish_pending(tw_prefiller_t *w) {
+  tw_prefill_handoff_batch_t *b = w->pending.b;
+  if (!b) return;
+  w->pending.b = NULL;
+  tw_prefill_handoff_finish(b);
+  tw_prefill_answer(w, w->pending.items, w->pending.envs, w->pending.n);
+}
+
+/* hc.on_layer: from the next batch's per-layer callbacks, so the previous
+ * batch's flush and answers overlap that batch's compute. */
+static void tw_prefill_on_engine_layer(void *arg) {
+  tw_prefiller_t *w = arg;
+  if (!w->pending.b) return;
+  tw_metric_add(w->m.overlapped, 1);
+  tw_prefill_finish_pending(w);
+}
+
+/* Run a batch of prepared prompts (one variable-length engine prefill); its
+ * handoff is finished and its prompts answered now, or, when more prompts
+ * wait, during the next batch's compute (pending). A batch the engine
+ * refuses on its argument checks (nothing ran) is run again prompt by
+ * prompt, so only the bad prompt fails. */
+static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *items,
+                                 Twain__Internal__V1__Envelope **envs, int32_t n) {
+  tw_prefill_handoff_batch_t *b = NULL;
+  tw_status_t st = tw_prefill_handoff_start(&w->hc, items, n, &b);
+  tw_prefill_finish_pending(w); /* when this batch's engine run reported no layer */
+  tw_metric_add(w->m.batches, 1);
+  if (n > 1 && (st == TW_ERR_INVALID_ARGUMENT || st == TW_ERR_OUT_OF_RANGE)) {
+    TW_INFO("prefill", "batch of %d refused (%s): running its prompts one by one", n,
+            tw_last_error());
+    tw_prefill_handoff_finish(b);
+    b = NULL;
+    for (int32_t i = 0; i < n; i++) tw_prefill_handoff_batch(&w->hc, &items[i], 1);
+  }
+  if (b && w->q_len > 0 && !w->draining) {
+    w->pending.b = b;
+    w->pending.items = items;
+    w->pending.envs = envs;
+    w->pending.n = n;
+    w->cur ^= 1; /* the next batch fills the other buffer */
+    return;
+  }
+  tw_prefill_handoff_finish(b);
+  tw_prefill_answer(w, items, envs, n);
+}
+
+/* Take the next work off the queue: prompts in arrival order up to the
+ * token budget of one forward pass (--chunk-tokens) and --batch-seqs
+ * prompts, as one batch; a prompt longer than the budget goes alone (the
+ * engine splits it over passes); a multi-rank prompt goes alone. */
+static void tw_prefill_next(tw_prefiller_t *w) {
+  tw_prefill_handoff_item_t *items = w->batch[w->cur];
+  Twain__Internal__V1__Envelope **envs = w->batch_envs[w->cur];
+  int32_t n = 0;
+  int64_t tokens = 0;
+  while (w->q_len && n < w->o.batch_seqs) {
+    Twain__Internal__V1__Envelope *e = w->queue[w->q_head];
+    const Twain__Internal__V1__PrefillRequest *r = e ? e->prefill : NULL;
+    bool ranks = r && tw_prefill_ranks_wanted(&w->rk, r);
+    if (r && n > 0 && (ranks || tokens + (int64_t)r->n_prompt_ids > w->o.chunk_tokens)) break;
+    if (ranks) tw_prefill_finish_pending(w); /* it runs alone, after every earlier handoff */
+    bool stale = r && !w->draining && tw_prefill_stale(r);
+    int ready = 0;
+    if (r && !w->draining && !stale) {
+      ready = tw_prefill_prepare(w, r, n > 0 || w->pending.b, &items[n]);
+      if (ready < 0 && n == 0) { /* the pending batch holds the blocks: finish it first */
+        tw_prefill_finish_pending(w);
+        continue;
+      }
+      if (ready < 0) break; /* waits for this batch's blocks */
+    }
+    w->q_head = (w->q_head + 1) % TW_PREFILL_MAX_QUEUE;
+    w->q_len--;
+    if (!e) continue; /* cancelled */
+    w->queued_tokens -= (int64_t)r->n_prompt_ids;
+    if (w->draining)
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__UNAVAILABLE,
+                      "prefill worker is draining");
+    else if (stale)
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__DEADLINE_EXCEEDED,
+                      "prefill request is stale");
+    if (!ready) {
+      twain__internal__v1__envelope__free_unpacked(e, NULL);
+      continue;
+    }
+    if (ranks) { /* n == 0 here */
+      tw_prefill_ranks_one(w, r, (int32_t *)items[0].ids, items[0].nb);
+      free((void *)items[0].ids);
+      free(items[0].sums);
+      twain__internal__v1__envelope__free_unpacked(e, NULL);
+      return;
+    }
+    envs[n++] = e;
+    tokens += (int64_t)r->n_prompt_ids;
+  }
+  if (n == 0) {
+    tw_prefill_finish_pending(w); /* nothing to overlap it with */
+    return;
+  }
+  tw_prefill_batch_run(w, items, envs, n);
 }
 
 static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity *cap) {
@@ -265,6 +410,13 @@ static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *
 }
 
 static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
+  for (int k = 0; k < 2; k++) {
+    w->batch[k] = calloc((size_t)w->o.batch_seqs, sizeof *w->batch[k]);
+    w->batch_envs[k] = calloc((size_t)w->o.batch_seqs, sizeof *w->batch_envs[k]);
+    if (!w->batch[k] || !w->batch_envs[k])
+      return tw_err(TW_ERR_NO_MEMORY, "prefill worker: out of memory for batches of %d prompts",
+                    w->o.batch_seqs);
+  }
   TW_CHECK(tw_model_load(w->o.model_dir, &w->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
   tw_backend_kind_t be = w->o.backend;
@@ -281,12 +433,17 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
   ep.kv_num_blocks = w->o.kv_blocks;
-  ep.max_batch = 1;
+  ep.max_batch = w->o.batch_seqs;
+  ep.max_prefill_chunk = w->o.chunk_tokens;
   ep.n_threads = w->o.threads;
   TW_CHECK(tw_engine_create(w->model, &ep, &w->engine));
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
   TW_CHECK(tw_kv_xfer_create(&w->xfer));
+  w->hc = (tw_prefill_handoff_ctx_t){.engine = w->engine, .model = w->model, .xfer = w->xfer,
+                                     .flush_timeout_ms = w->o.flush_timeout_ms,
+                                     .max_age_ms = TW_PREFILL_MAX_AGE_MS,
+                                     .on_layer = tw_prefill_on_engine_layer, .on_layer_arg = w};
   w->rk = (tw_prefill_ranks_t){.dist = w->dist, .engine = w->engine, .xfer = w->xfer,
                                .model = w->model, .flush_timeout_ms = w->o.flush_timeout_ms,
                                .max_age_ms = TW_PREFILL_MAX_AGE_MS};
@@ -305,11 +462,20 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->m.kv_bytes = tw_metrics_counter(M, "kv_bytes_sent_total", "kv bytes put to decode workers");
   w->m.requests = tw_metrics_counter(M, "prefill_requests_total", "prompts prefilled and handed off");
   w->m.failed = tw_metrics_counter(M, "prefill_failures_total", "prompts that failed");
+  w->m.tail = tw_metrics_histogram(M, "kv_handoff_tail_seconds",
+                                   "kv handoff time left after the last layer's compute, per prompt",
+                                   tw_metrics_latency_buckets, tw_metrics_latency_n);
   w->m.layer_sends = tw_metrics_counter(M, "kv_layer_sends_total",
                                         "kv puts issued for one layer's finished blocks");
   w->m.layer_sends_overlapped = tw_metrics_counter(
       M, "kv_layer_sends_overlapped_total",
       "of those, issued from the engine's per-layer callback while later layers compute");
+  w->m.batches = tw_metrics_counter(M, "prefill_batches_total",
+                                    "engine prefill batches (prompts run as one variable-length "
+                                    "prefill)");
+  w->m.overlapped = tw_metrics_counter(M, "prefill_batch_handoffs_overlapped_total",
+                                       "batches whose kv flush and answers ran while the next "
+                                       "batch computed");
   TW_CHECK(tw_worker_link_open(&w->link, w->o.router, name, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
   w->link.ranks = w->id.size;
   w->link.kv_block_size = l->block_size;
@@ -327,6 +493,11 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
     Twain__Internal__V1__Envelope *e = w->queue[(w->q_head + i) % TW_PREFILL_MAX_QUEUE];
     if (e) twain__internal__v1__envelope__free_unpacked(e, NULL);
   }
+  tw_prefill_finish_pending(w);
+  for (int k = 0; k < 2; k++) {
+    free(w->batch[k]);
+    free(w->batch_envs[k]);
+  }
   if (w->link.sock) tw_worker_link_close(&w->link);
   tw_metrics_destroy(w->metrics);
   tw_kv_xfer_destroy(w->xfer);
@@ -339,9 +510,14 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
 static void tw_prefill_usage(void) {
   fprintf(stderr,
           "usage: twain-prefill --router tcp://HOST:PORT [--model DIR] [--name NAME]\n"
-          "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
+          "         [--backend auto|cpu|cuda] [--kv-blocks N (1024)] [--block-size N] [--threads N]\n"
           "         [--metrics-port P (-1 off, 0 ephemeral)] [--metrics-addr ADDR (127.0.0.1)]\n"
-          "         [--tp N] [--ep N] [--chunk-tokens N]\n"
+          "         [--tp N] [--ep N] [--chunk-tokens N (8192)] [--batch-seqs N (64)]\n"
+          "  --chunk-tokens: prompt tokens in one forward pass: queued prompts are prefilled\n"
+          "  together up to it (at most --batch-seqs of them), a longer prompt alone in\n"
+          "  chunks of it; multi-rank workers (--tp/--ep > 1) prefill one prompt at a time.\n"
+          "  A batch's KV handoff finishes while the next batch computes, so --kv-blocks\n"
+          "  holds two passes (1024 blocks of 16 = 2 x 8192 tokens)\n"
           "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
           "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n"
           "  --model defaults to %s\n",
@@ -351,9 +527,9 @@ static void tw_prefill_usage(void) {
 int tw_prefill_worker_main(int argc, char **argv) {
   static tw_prefiller_t w; /* large queue array: not on the stack */
   memset(&w, 0, sizeof w);
-  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 512, .block_size = 16,
+  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 1024, .block_size = 16,
                             .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,
-                            .chunk_tokens = 512};
+                            .chunk_tokens = 8192, .batch_seqs = 64};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!v) {
@@ -373,6 +549,7 @@ int tw_prefill_worker_main(int argc, char **argv) {
     else if (!strcmp(a, "--metrics-port")) w.o.metrics_port = atoi(v);
     else if (!strcmp(a, "--metrics-addr")) w.o.metrics_addr = v;
     else if (!strcmp(a, "--chunk-tokens")) w.o.chunk_tokens = atoi(v);
+    else if (!strcmp(a, "--batch-seqs")) w.o.batch_seqs = atoi(v);
     else if (!strcmp(a, "--tp")) w.o.tp = atoi(v);
     else if (!strcmp(a, "--ep")) w.o.ep = atoi(v);
     else {
@@ -385,6 +562,11 @@ int tw_prefill_worker_main(int argc, char **argv) {
   if (!w.o.router) {
     fprintf(stderr, "twain-prefill: missing --router tcp://HOST:PORT (the router's worker endpoint)\n");
     tw_prefill_usage();
+    return 2;
+  }
+  if (w.o.chunk_tokens <= 0 || w.o.batch_seqs <= 0) {
+    fprintf(stderr, "twain-prefill: --chunk-tokens %d and --batch-seqs %d must be > 0\n",
+            w.o.chunk_tokens, w.o.batch_seqs);
     return 2;
   }
   if (w.o.tp < 1 || w.o.ep < 1 || (w.o.tp > 1 && w.o.ep > 1 && w.o.tp != w.o.ep)) {
@@ -431,23 +613,7 @@ int tw_prefill_worker_main(int argc, char **argv) {
       if (rs != TW_OK && rs != TW_ERR_FORMAT) break; /* nothing (more) waiting, or an error */
       if (rs == TW_OK) tw_prefill_on_msg(&w, env);
     }
-    if (w.q_len) {
-      Twain__Internal__V1__Envelope *e = w.queue[w.q_head];
-      w.q_head = (w.q_head + 1) % TW_PREFILL_MAX_QUEUE;
-      w.q_len--;
-      if (e) {
-        w.queued_tokens -= (int64_t)e->prefill->n_prompt_ids;
-        if (w.draining)
-          tw_prefill_done(&w, e->prefill->request_id, -1, NULL, 0, 0, 0, 0,
-                          TWAIN__V1__CODE__UNAVAILABLE, "prefill worker is draining");
-        else if (tw_prefill_stale(e->prefill))
-          tw_prefill_done(&w, e->prefill->request_id, -1, NULL, 0, 0, 0, 0,
-                          TWAIN__V1__CODE__DEADLINE_EXCEEDED, "prefill request is stale");
-        else
-          tw_prefill_one(&w, e->prefill);
-        twain__internal__v1__envelope__free_unpacked(e, NULL);
-      }
-    }
+    tw_prefill_next(&w);
     tw_prefill_capacity(&w, &cap);
     tw_worker_link_tick(&w.link, &cap, w.draining, false);
     if (w.draining && w.q_len == 0) break;

@@ -1,8 +1,9 @@
 /* worker.h: the prefill worker daemon mode of `twain-prefill` (ARCHITECTURE.md
  * item 2): `twain-prefill --router tcp://HOST:PORT --model DIR ...`.
  * It registers with the router (pool prefill, capacity = queued prompt
- * tokens), runs each PrefillRequest's prompt through the engine into its own
- * KV pool, samples the first token, writes the prompt's KV layer by layer into
+ * tokens), runs the queued PrefillRequests' prompts through the engine into
+ * its own KV pool, several at a time as one variable-length prefill up to a
+ * token budget (--chunk-tokens, --batch-seqs), samples each first token, writes the prompt's KV layer by layer into
  * the blocks the decode worker reserved (UCX puts, sliding layers only their
  * window, kv_transfer.h), flushes for remote completion and only then answers
  * PrefillDone with the first token and per-layer checksums. */

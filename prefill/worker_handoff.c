@@ -5,6 +5,8 @@
 #include "common/log.h"
 #include "common/msg.h"
 
+#include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
 
 int tw_prefill_handoff_stale(const Twain__Internal__V1__PrefillRequest *r, int64_t max_age_ms) {
@@ -27,13 +29,14 @@ typedef struct {
   uint64_t *sums;
   int64_t bytes, t_put_ns;
   int64_t layer_sends, layer_sends_in_engine;
+  int64_t t_last_layer_ns; /* when the last layer's compute was reported done */
   tw_status_t st; /* first error (the callback cannot return one) */
 } tw_handoff_state_t;
 
 /* Put layer l's blocks that are final once positions < end are computed. */
 static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool in_engine) {
   if (s->st != TW_OK || l < 0 || l >= s->n_layers) return;
-  int32_t done = end >= s->n ? s->nb : end / s->src->block_size;
+  int32_t done = tw_kv_blocks_final(end, s->n, s->nb, s->src->block_size);
   if (done <= s->sent[l]) return;
   int64_t t0 = tw_msg_clock_ns();
   if (tw_prefill_handoff_stale(s->r, s->ctx->max_age_ms)) {
@@ -41,8 +44,11 @@ static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool 
                    (unsigned long long)s->r->request_id, (long long)s->ctx->max_age_ms);
     return;
   }
+  /* device pools: checksums read everything back, so only for a verifier */
+  bool sums = s->r->handoff->checksums || !s->src->on_device;
   s->st = tw_kv_xfer_send_layer(s->ctx->xfer, s->peer, s->src, &s->rl, l, s->ids,
-                                s->r->handoff->block_ids, s->sent[l], done, &s->sums[l]);
+                                s->r->handoff->block_ids, s->sent[l], done,
+                                sums ? &s->sums[l] : NULL);
   if (s->st == TW_OK) {
     s->bytes += (int64_t)(done - s->sent[l]) * s->src->block_bytes;
     s->sent[l] = done;
@@ -52,62 +58,174 @@ static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool 
   s->t_put_ns += tw_msg_clock_ns() - t0;
 }
 
-/* tw_prefill_args_t.on_layer_done: layer l of positions start..start+T-1 is in the pool. */
-static void tw_handoff_on_layer(void *arg, int32_t layer, int32_t start, int32_t n_tokens) {
-  tw_handoff_send(arg, layer, start + n_tokens, true);
+/* One request's handoff set up: its endpoint, the first block each layer sends. */
+static tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
+  const Twain__Internal__V1__KvLayout *hl = s->r->handoff->layout;
+  const Twain__Internal__V1__KvHandoff *h = s->r->handoff;
+  const tw_model_config_t *c = &s->ctx->model->config;
+  s->rl = (tw_kv_remote_layout_t){.dtype = (tw_dtype_t)hl->dtype, .on_device = hl->on_device,
+                                  .n_layers = hl->n_layers, .n_blocks = hl->n_blocks,
+                                  .block_size = hl->block_size, .n_kv_heads = hl->n_kv_heads,
+                                  .head_dim = hl->head_dim,
+                                  .layer_stride_bytes = hl->layer_stride_bytes,
+                                  .block_bytes = hl->block_bytes, .remote_base = hl->remote_base,
+                                  .total_bytes = hl->total_bytes};
+  TW_CHECK(tw_kv_xfer_peer(s->ctx->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
+                           h->rkey.len, &s->peer));
+  for (int32_t l = 0; l < c->n_layers; l++) {
+    s->sent[l] = tw_kv_layer_first_block(s->n, s->src->block_size,
+                                         c->layer_types[l] == TW_LAYER_SLIDING, c->sliding_window);
+    s->sums[l] = TW_KV_FNV_INIT;
+  }
+  return TW_OK;
 }
 
-tw_status_t tw_prefill_handoff_run(const tw_prefill_handoff_ctx_t *ctx,
-                                   const Twain__Internal__V1__PrefillRequest *r, const int32_t *ids,
-                                   int32_t nb, const tw_sample_params_t *sp, uint64_t *sums,
-                                   tw_prefill_handoff_result_t *out) {
+/* A batch between its engine run and its flush. */
+struct tw_prefill_handoff_batch {
+  const tw_prefill_handoff_ctx_t *ctx;
+  tw_prefill_handoff_item_t *items;
+  int32_t n, n_seqs;
+  tw_handoff_state_t *states; /* [n_seqs] */
+  int32_t *firsts;            /* [n_seqs] */
+  tw_status_t est;            /* the engine's status */
+  char emsg[256];
+  int64_t t_engine, t_puts;
+};
+
+/* tw_prefill_batch_args_t.on_layer_done: layer l of request seq's positions
+ * start..start+T-1 is in the pool. */
+static void tw_handoff_on_batch_layer(void *arg, int32_t seq, int32_t layer, int32_t start,
+                                      int32_t n_tokens) {
+  tw_prefill_handoff_batch_t *b = arg;
+  tw_handoff_state_t *s = &b->states[seq];
+  if (layer == s->n_layers - 1) s->t_last_layer_ns = tw_msg_clock_ns();
+  tw_handoff_send(s, layer, start + n_tokens, true);
+  if (b->ctx->on_layer) b->ctx->on_layer(b->ctx->on_layer_arg);
+}
+
+void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b) {
+  if (!b) return;
+  const tw_prefill_handoff_ctx_t *ctx = b->ctx;
+  for (int32_t i = 0; i < b->n; i++) {
+    tw_prefill_handoff_item_t *it = &b->items[i];
+    if (it->st != TW_OK) continue;
+    tw_handoff_state_t *s = &b->states[it->seq];
+    if (b->est != TW_OK) {
+      it->st = b->est;
+      snprintf(it->msg, sizeof it->msg, "%s", b->emsg);
+      continue;
+    }
+    if (s->st == TW_OK) { /* remote completion; a failed peer is dropped from the cache */
+      int64_t t2 = tw_msg_clock_ns();
+      s->st = tw_kv_xfer_flush(ctx->xfer, s->peer, ctx->flush_timeout_ms);
+      int64_t t3 = tw_msg_clock_ns();
+      s->t_put_ns += t3 - t2;
+      /* with the flush deferred to the next batch's compute this includes
+       * the wait for it: the time until the prompt can be answered */
+      it->out.tail_ms = (double)(t3 - s->t_last_layer_ns) * 1e-6;
+      if (s->st != TW_OK) /* the other requests to that peer fail with it, unflushed */
+        for (int32_t k = 0; k < b->n_seqs; k++)
+          if (k != it->seq && b->states[k].peer == s->peer && b->states[k].st == TW_OK) {
+            b->states[k].st = s->st;
+            b->states[k].peer = NULL;
+          }
+    }
+    it->st = s->st;
+    if (it->st != TW_OK) {
+      snprintf(it->msg, sizeof it->msg, "%s", tw_last_error());
+      continue;
+    }
+    it->out.first_token = b->firsts[it->seq];
+    it->out.kv_bytes = s->bytes;
+    /* the batch's engine time less every put issued during it (all requests') */
+    it->out.prefill_ms = (double)(b->t_engine - b->t_puts) * 1e-6;
+    it->out.transfer_ms = (double)s->t_put_ns * 1e-6;
+    it->out.layer_sends = s->layer_sends;
+    it->out.layer_sends_in_engine = s->layer_sends_in_engine;
+  }
+  free(b->states);
+  free(b->firsts);
+  free(b);
+}
+
+tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
+                                     tw_prefill_handoff_item_t *items, int32_t n,
+                                     tw_prefill_handoff_batch_t **b_p) {
   const tw_model_config_t *c = &ctx->model->config;
-  const Twain__Internal__V1__KvHandoff *h = r->handoff;
-  const Twain__Internal__V1__KvLayout *hl = h->layout;
-  if (c->n_layers > TW_MAX_LAYERS) return tw_err(TW_ERR_INTERNAL, "too many layers");
-  tw_handoff_state_t s = {.ctx = ctx, .r = r, .src = tw_engine_kv_layout(ctx->engine), .ids = ids,
-                           .nb = nb, .n = (int32_t)r->n_prompt_ids, .n_layers = c->n_layers,
-                           .sums = sums, .st = TW_OK};
-  s.rl = (tw_kv_remote_layout_t){.dtype = (tw_dtype_t)hl->dtype, .on_device = hl->on_device,
-                                 .n_layers = hl->n_layers, .n_blocks = hl->n_blocks,
-                                 .block_size = hl->block_size, .n_kv_heads = hl->n_kv_heads,
-                                 .head_dim = hl->head_dim,
-                                 .layer_stride_bytes = hl->layer_stride_bytes,
-                                 .block_bytes = hl->block_bytes, .remote_base = hl->remote_base,
-                                 .total_bytes = hl->total_bytes};
-  TW_CHECK(tw_kv_xfer_peer(ctx->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
-                           h->rkey.len, &s.peer));
-  for (int32_t l = 0; l < c->n_layers; l++) {
-    s.sent[l] = tw_kv_layer_first_block(s.n, s.src->block_size,
-                                        c->layer_types[l] == TW_LAYER_SLIDING, c->sliding_window);
-    sums[l] = TW_KV_FNV_INIT;
+  *b_p = NULL;
+  tw_status_t st = TW_OK;
+  if (c->n_layers > TW_MAX_LAYERS) st = tw_err(TW_ERR_INTERNAL, "too many layers");
+  tw_prefill_handoff_batch_t *b = st == TW_OK ? calloc(1, sizeof *b) : NULL;
+  tw_prefill_seq_t *seqs = calloc((size_t)(n > 0 ? n : 1), sizeof *seqs);
+  if (b) {
+    b->states = calloc((size_t)(n > 0 ? n : 1), sizeof *b->states);
+    b->firsts = calloc((size_t)(n > 0 ? n : 1), sizeof *b->firsts);
   }
-  int32_t first = -1;
-  int64_t t_total = 0;
-  int32_t chunk = ctx->chunk_tokens > 0 ? ctx->chunk_tokens : s.n;
-  for (int32_t off = 0; off < s.n; off += chunk) {
-    int32_t T = s.n - off < chunk ? s.n - off : chunk;
-    bool last = off + T == s.n;
-    /* layer l's blocks are put from on_layer_done while layers > l compute */
-    tw_prefill_args_t a = {.tokens = r->prompt_ids + off, .n_tokens = T, .start_pos = off,
-                           .block_table = ids, .n_blocks = nb, .sample = last ? sp : NULL,
-                           .next_token_out = last ? &first : NULL,
-                           .on_layer_done = tw_handoff_on_layer, .on_layer_arg = &s};
-    int64_t t0 = tw_msg_clock_ns();
-    TW_CHECK(tw_engine_prefill(ctx->engine, &a));
+  if (st == TW_OK && (!b || !seqs || !b->states || !b->firsts))
+    st = tw_err(TW_ERR_NO_MEMORY, "prefill handoff: out of memory for a batch of %d", n);
+  if (st != TW_OK) {
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s", tw_last_error());
+    for (int32_t i = 0; i < n; i++) {
+      items[i].st = st;
+      snprintf(items[i].msg, sizeof items[i].msg, "%s", msg);
+    }
+    if (b) {
+      free(b->states);
+      free(b->firsts);
+    }
+    free(b);
+    free(seqs);
+    return tw_err(st, "%s", msg);
+  }
+  *b = (tw_prefill_handoff_batch_t){.ctx = ctx, .items = items, .n = n, .states = b->states,
+                                    .firsts = b->firsts, .est = TW_OK};
+  const tw_kv_layout_t *src = tw_engine_kv_layout(ctx->engine);
+  for (int32_t i = 0; i < n; i++) {
+    tw_prefill_handoff_item_t *it = &items[i];
+    it->out = (tw_prefill_handoff_result_t){.first_token = -1};
+    tw_handoff_state_t *s = &b->states[b->n_seqs];
+    *s = (tw_handoff_state_t){.ctx = ctx, .r = it->r, .src = src, .ids = it->ids, .nb = it->nb,
+                              .n = (int32_t)it->r->n_prompt_ids, .n_layers = c->n_layers,
+                              .sums = it->sums, .st = TW_OK};
+    it->st = tw_handoff_begin(s);
+    if (it->st != TW_OK) {
+      snprintf(it->msg, sizeof it->msg, "%s", tw_last_error());
+      continue;
+    }
+    int32_t k = b->n_seqs++;
+    it->seq = k;
+    b->firsts[k] = -1;
+    seqs[k] = (tw_prefill_seq_t){.tokens = it->r->prompt_ids, .n_tokens = s->n,
+                                 .block_table = it->ids, .n_blocks = it->nb, .sample = &it->sp,
+                                 .next_token_out = &b->firsts[k]};
+  }
+  int64_t t0 = tw_msg_clock_ns();
+  if (b->n_seqs > 0) {
+    /* layer l's blocks of every request are put from on_layer_done while
+     * layers > l compute (and the next pass, for a prompt split over passes) */
+    tw_prefill_batch_args_t ba = {.n_seqs = b->n_seqs, .seqs = seqs,
+                                  .on_layer_done = tw_handoff_on_batch_layer, .on_layer_arg = b};
+    b->est = tw_engine_prefill_batch(ctx->engine, &ba);
     /* a backend that reported nothing (or not everything): the rest now */
-    for (int32_t l = 0; l < c->n_layers; l++) tw_handoff_send(&s, l, off + T, false);
-    t_total += tw_msg_clock_ns() - t0;
-    TW_CHECK(s.st);
+    for (int32_t k = 0; b->est == TW_OK && k < b->n_seqs; k++)
+      for (int32_t l = 0; l < c->n_layers; l++)
+        tw_handoff_send(&b->states[k], l, b->states[k].n, false);
+    b->t_engine = tw_msg_clock_ns() - t0;
+    for (int32_t k = 0; k < b->n_seqs; k++) /* a backend that reported nothing */
+      if (!b->states[k].t_last_layer_ns) b->states[k].t_last_layer_ns = t0 + b->t_engine;
+    if (b->est != TW_OK) snprintf(b->emsg, sizeof b->emsg, "%s", tw_last_error());
   }
-  int64_t t2 = tw_msg_clock_ns();
-  TW_CHECK(tw_kv_xfer_flush(ctx->xfer, s.peer, ctx->flush_timeout_ms));
-  int64_t t_flush = tw_msg_clock_ns() - t2;
-  out->first_token = first;
-  out->kv_bytes = s.bytes;
-  out->prefill_ms = (double)(t_total - s.t_put_ns) * 1e-6;
-  out->transfer_ms = (double)(s.t_put_ns + t_flush) * 1e-6;
-  out->layer_sends = s.layer_sends;
-  out->layer_sends_in_engine = s.layer_sends_in_engine;
-  return TW_OK;
+  for (int32_t k = 0; k < b->n_seqs; k++) b->t_puts += b->states[k].t_put_ns;
+  free(seqs);
+  *b_p = b;
+  return b->est != TW_OK ? tw_err(b->est, "%s", b->emsg) : TW_OK;
+}
+
+tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
+                                     tw_prefill_handoff_item_t *items, int32_t n) {
+  tw_prefill_handoff_batch_t *b = NULL;
+  tw_status_t st = tw_prefill_handoff_start(ctx, items, n, &b);
+  tw_prefill_handoff_finish(b);
+  return st;
 }

@@ -64,6 +64,7 @@ typedef struct {
   bool max_tokens_set;
   float temperature;
   uint64_t seed;
+  const char *api_key; /* $TWAIN_API_KEY: for a router run with --api-key */
 } tw_client_opts_t;
 
 static const char *tw_code_name(int code) {
@@ -121,9 +122,11 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
     zmq_ctx_term(ctx);
     return 1;
   }
-  size_t len = protobuf_c_message_get_packed_size(&req->base);
+  Twain__V1__ClientRequest keyed = *req;
+  if (o->api_key && o->api_key[0]) keyed.api_key = (char *)o->api_key;
+  size_t len = protobuf_c_message_get_packed_size(&keyed.base);
   uint8_t *buf = malloc(len ? len : 1);
-  protobuf_c_message_pack(&req->base, buf);
+  protobuf_c_message_pack(&keyed.base, buf);
   if (zmq_send(s, buf, len, 0) < 0) {
     if (zmq_errno() == EAGAIN)
       tw_call_fail(err, prog, "UNAVAILABLE", "no answer from %s within %d ms (is `twain serve` running?)",
@@ -202,6 +205,7 @@ static int tw_client_parse(int argc, char **argv, tw_client_opts_t *o, const cha
   o->endpoint = TW_ROUTER_CLIENT_ENDPOINT;
   o->timeout_ms = 300000;
   o->connect_timeout_ms = TW_CLI_CONNECT_TIMEOUT_MS;
+  o->api_key = getenv("TWAIN_API_KEY");
   int i = 1;
   for (; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;

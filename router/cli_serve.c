@@ -65,6 +65,8 @@ typedef struct {
   int bound;      /* 1 bound, -1 failed */
   int ready;
   char worker_ep[256], client_ep[256];
+  char http_url[320];   /* "" when the HTTP API is off */
+  char api_key[512];    /* from --api-key-file */
   tw_status_t router_status;
   int n_registered; /* workers registered with the router (any origin), under mu */
 } tw_serve_t;
@@ -92,10 +94,15 @@ static void tw_serve_bound(void *arg, const char *cep, const char *wep) {
   pthread_mutex_unlock(&s->mu);
 }
 
+static void tw_serve_http(void *arg, const char *url) { /* router thread, before on_ready */
+  tw_serve_t *s = arg;
+  snprintf(s->http_url, sizeof s->http_url, "OpenAI API at %s, ", url);
+}
+
 static void tw_serve_ready(void *arg) {
   tw_serve_t *s = arg;
-  printf("twain serve: ready: %d prefill + %d decode workers (join at %s), clients at %s\n",
-         s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->client_ep);
+  printf("twain serve: ready: %d prefill + %d decode workers (join at %s), %sclients at %s\n",
+         s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->http_url, s->client_ep);
   fflush(stdout);
   pthread_mutex_lock(&s->mu);
   s->ready = 1;
@@ -202,10 +209,13 @@ static void tw_serve_usage(void) {
           "         [--decode-dp N]   data-parallel attention replicas per decode worker\n"
           "           (with --decode-ep N; cpu backend), e.g. --decode-dp 2 --decode-ep 2\n"
           "         [--workers tcp://HOST:PORT] [--metrics-addr ADDR] [--drain-timeout SECONDS]\n"
+          "         [--http-port P (OpenAI-compatible HTTP API, default %d; -1 off; 0 ephemeral,\n"
+          "           the default when --listen has port 0)] [--http-addr ADDR (default 127.0.0.1)]\n"
+          "         [--served-model-name NAME] [--api-key KEY | --api-key-file PATH]\n"
           "           (passed to the router and the workers; workers' metrics ports are ephemeral)\n"
           "  defaults: model %s, --listen %s, 1 prefill + 1 decode, workers on an ephemeral\n"
           "  port (printed in the ready line: more workers may join there at any time)\n",
-          tw_default_model_dir(TW_DEFAULT_MODEL_DIR), TW_ROUTER_CLIENT_ENDPOINT);
+          TW_ROUTER_HTTP_PORT, tw_default_model_dir(TW_DEFAULT_MODEL_DIR), TW_ROUTER_CLIENT_ENDPOINT);
 }
 
 int tw_cli_serve(int argc, char **argv) {
@@ -219,6 +229,8 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_ready = tw_serve_ready;
   s.rp.on_ready_arg = &s;
   s.rp.on_workers = tw_serve_workers;
+  s.rp.on_http = tw_serve_http;
+  s.rp.on_http_arg = &s;
   s.rp.on_workers_arg = &s;
   int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */
@@ -227,7 +239,9 @@ int tw_cli_serve(int argc, char **argv) {
   static const char *const value_flags[] = {
       "--model", "--listen", "--workers", "--prefill", "--decode", "--backend", "--threads",
       "--kv-blocks", "--prefill-tp", "--prefill-ep", "--decode-tp", "--decode-ep", "--decode-dp",
-      "--metrics-port", "--metrics-addr", "--drain-timeout", "--max-tokens-limit", NULL};
+      "--metrics-port", "--metrics-addr", "--drain-timeout", "--max-tokens-limit",
+      "--http-port", "--http-addr", "--served-model-name", "--api-key", "--api-key-file", NULL};
+  const char *http_port = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -276,12 +290,26 @@ int tw_cli_serve(int argc, char **argv) {
       drain = v;
       s.rp.drain_timeout_s = atoi(v);
     } else if (!strcmp(a, "--max-tokens-limit")) s.rp.max_tokens_limit = atoi(v);
+    else if (!strcmp(a, "--http-port")) http_port = v;
+    else if (!strcmp(a, "--http-addr")) s.rp.http_addr = v;
+    else if (!strcmp(a, "--served-model-name")) s.rp.served_model_name = v;
+    else if (!strcmp(a, "--api-key")) s.rp.api_key = v;
+    else if (!strcmp(a, "--api-key-file")) {
+      if (tw_router_read_key("twain serve", v, s.api_key, sizeof s.api_key)) return 2;
+      s.rp.api_key = s.api_key;
+    }
     else {
       fprintf(stderr, "twain serve: unknown option %s\n", a);
       tw_serve_usage();
       return 2;
     }
   }
+  /* the HTTP API: on by default; ephemeral beside an ephemeral --listen */
+  long long hp = TW_ROUTER_HTTP_PORT;
+  size_t el = strlen(s.rp.client_endpoint);
+  if (el > 2 && !strcmp(s.rp.client_endpoint + el - 2, ":0")) hp = 0;
+  if (http_port && tw_cli_parse_int("twain serve", "--http-port", http_port, -1, 65535, &hp)) return 2;
+  s.rp.http_port = (int)hp;
   tw_backend_kind_t bk;
   if (tw_backend_parse(backend, &bk) != TW_OK) {
     fprintf(stderr, "twain serve: %s\n", tw_last_error());

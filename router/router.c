@@ -5,6 +5,7 @@
 
 #include "common/log.h"
 #include "common/tokenizer.h"
+#include "router/http_api.h"
 
 #include <zmq.h>
 
@@ -68,6 +69,23 @@ static void tw_utf8_escape(const char *in, char *out, size_t cap) {
   out[o] = '\0';
 }
 
+/* Send a reply to a ZeroMQ client or an HTTP connection (http_api.h). */
+static tw_status_t tw_router_send_client(tw_router_t *r, const uint8_t *id, size_t id_len,
+                                         bool delim, Twain__V1__ServerReply *rep) {
+  if (tw_http_owns(id, id_len)) return tw_http_on_reply(r->http, id, id_len, rep);
+  return tw_msg_send_to(r->csock, id, id_len, delim, &rep->base);
+}
+
+bool tw_router_key_ok(const tw_router_t *r, const char *key) {
+  const char *want = r->p->api_key;
+  if (!want || !want[0]) return true;
+  if (!key) key = "";
+  size_t lw = strlen(want), lk = strlen(key);
+  unsigned char diff = (unsigned char)(lw != lk);
+  for (size_t i = 0; i < lw; i++) diff |= (unsigned char)(want[i] ^ key[i < lk ? i : 0]);
+  return diff == 0;
+}
+
 /* Reply to a client that has no request object (bad input). */
 static void tw_reply_raw(tw_router_t *r, const tw_msg_t *from, uint64_t rid, int code,
                          const char *msg) {
@@ -84,12 +102,12 @@ static void tw_reply_raw(tw_router_t *r, const tw_msg_t *from, uint64_t rid, int
     rep.finish_reason = TWAIN__V1__FINISH_REASON__FINISH_ERROR;
     tw_metric_add(r->m.errors, 1);
   }
-  tw_msg_send(r->csock, from, &rep.base);
+  tw_router_send_client(r, from->id, from->id_len, from->delim, &rep);
 }
 
 void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   rep->request_id = q->client_rid;
-  tw_status_t st = tw_msg_send_to(r->csock, q->cid, q->cid_len, q->cdelim, &rep->base);
+  tw_status_t st = tw_router_send_client(r, q->cid, q->cid_len, q->cdelim, rep);
   if (st != TW_OK && !q->done) {
     TW_INFO("router", "request %llu: client gone (%s): cancelling", (unsigned long long)q->id,
             tw_last_error());
@@ -385,6 +403,16 @@ void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m) {
     twain__v1__client_request__free_unpacked(cr, NULL);
     return;
   }
+  if (!tw_router_key_ok(r, cr->api_key))
+    tw_reply_raw(r, m, cr->request_id, TWAIN__V1__CODE__UNAUTHENTICATED,
+                 cr->api_key && cr->api_key[0] ? "api_key is wrong" :
+                 "this router requires an API key: set api_key (twain chat: TWAIN_API_KEY)");
+  else
+    tw_router_dispatch(r, m, cr);
+  twain__v1__client_request__free_unpacked(cr, NULL);
+}
+
+void tw_router_dispatch(tw_router_t *r, const tw_msg_t *m, Twain__V1__ClientRequest *cr) {
   switch (cr->body_case) {
     case TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE:
     case TWAIN__V1__CLIENT_REQUEST__BODY_CHAT: tw_router_on_request(r, m, cr); break;
@@ -393,7 +421,6 @@ void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m) {
       tw_reply_raw(r, m, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT,
                    "unknown request type: set one of generate, chat or cancel");
   }
-  twain__v1__client_request__free_unpacked(cr, NULL);
 }
 
 /* Deadlines, then drop finished requests (the only place requests are freed). */
@@ -453,6 +480,9 @@ tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   r->m.tokens = tw_metrics_counter(M, "router_tokens_streamed_total", "tokens sent to clients");
   r->m.expired = tw_metrics_counter(M, "router_workers_expired_total", "workers that stopped heartbeating");
   r->empty_since_ns[0] = r->empty_since_ns[1] = tw_msg_clock_ns(); /* no worker yet */
+  r->m.harmony_unexpected = tw_metrics_counter(M, "router_harmony_unexpected_total",
+                                               "model output the Harmony parser did not expect");
+  TW_CHECK(tw_http_start(r, &r->http));
   tw_router_update_health(r); /* not ready until both pools have a worker */
   TW_INFO("router", "listening: clients %s, workers %s (%s), metrics port %d", cep, wep,
           r->keys.plaintext ? "PLAINTEXT, unauthenticated" : "CURVE, authenticated",
@@ -462,6 +492,8 @@ tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
 }
 
 void tw_router_fini(tw_router_t *r) {
+  tw_http_stop(r->http); /* first: its connections may still name requests */
+  r->http = NULL;
   for (int32_t i = 0; i < r->n_reqs; i++) tw_req_free(r->reqs[i]);
   free(r->reqs);
   free(r->workers);
@@ -504,10 +536,11 @@ tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *st
       break;
     }
     if (r.draining && r.n_reqs == 0) break;
-    zmq_pollitem_t items[2] = {{.socket = r.csock, .events = ZMQ_POLLIN},
-                               {.socket = r.wsock, .events = ZMQ_POLLIN}};
+    zmq_pollitem_t items[3] = {{.socket = r.csock, .events = ZMQ_POLLIN},
+                               {.socket = r.wsock, .events = ZMQ_POLLIN},
+                               {.fd = tw_http_fd(r.http), .events = ZMQ_POLLIN}};
     /* idle (nothing in flight): wake only for messages, or every 100 ms to expire workers */
-    int rc = zmq_poll(items, 2, r.n_reqs ? 10 : 100);
+    int rc = zmq_poll(items, r.http ? 3 : 2, r.n_reqs ? 10 : 100);
     if (rc < 0 && errno != EINTR) {
       st = tw_err(TW_ERR_TRANSPORT, "zmq_poll failed: %s", zmq_strerror(errno));
       break;
@@ -530,6 +563,7 @@ tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *st
         tw_reply_raw(&r, &m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, tw_last_error());
       tw_msg_fini(&m);
     }
+    tw_http_run(r.http); /* new HTTP requests; writes what the replies queued */
     now = tw_msg_clock_ns();
     tw_router_expire_workers(&r, now);
     tw_router_schedule(&r, now);
@@ -542,6 +576,7 @@ tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *st
   }
   for (int32_t i = 0; i < r.n_reqs; i++)
     tw_router_fail(&r, r.reqs[i], TWAIN__V1__CODE__UNAVAILABLE, "router is shutting down");
+  tw_http_run(r.http); /* those answers, to HTTP clients */
   TW_INFO("router", "stopped");
   tw_router_fini(&r);
   return st;

@@ -13,6 +13,7 @@
 #include "common/status.h"
 
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define TW_ROUTER_CLIENT_ENDPOINT "tcp://127.0.0.1:7400"
@@ -32,6 +33,15 @@ typedef struct {
   int32_t default_deadline_ms;
   int32_t expire_ms;            /* worker silence before it is expired */
   int32_t expect_prefill, expect_decode; /* print "ready" once this many registered */
+  /* OpenAI-compatible HTTP API (router/http_api.h, docs/api.md) */
+  int http_port;                /* -1 off, 0 ephemeral */
+  const char *http_addr;        /* numeric; NULL: 127.0.0.1 */
+  const char *served_model_name;/* /v1/models id; NULL: the model directory's name */
+  int64_t http_max_body;        /* bytes; a larger request body gets 413 */
+  const char *api_key;          /* NULL: none; else required on both APIs */
+  /* maybe NULL: called once the HTTP API listens, with its base URL */
+  void (*on_http)(void *arg, const char *url);
+  void *on_http_arg;
   /* called once both sockets are bound, with the actual endpoints */
   void (*on_bound)(void *arg, const char *client_ep, const char *worker_ep);
   void *on_bound_arg;
@@ -51,7 +61,9 @@ typedef struct {
                         .max_prompt_tokens = 0,                                       \
                         .max_tokens_limit = 4096, .default_max_tokens = 512,          \
                         .max_requests = 2048, .default_deadline_ms = 600000,          \
-                        .expire_ms = 1000})
+                        .expire_ms = 1000, .http_port = -1,                           \
+                        .http_max_body = 8 << 20})
+#define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */
 
 /** Run until *stop becomes non-zero (SIGTERM/SIGINT in the callers), then
  *  drain: stop accepting requests (UNAVAILABLE), let running ones finish for
@@ -59,6 +71,11 @@ typedef struct {
  *  Errors: TW_ERR_TRANSPORT (cannot bind), TW_ERR_IO/TW_ERR_FORMAT (model
  *  config or tokenizer), TW_ERR_NO_MEMORY. */
 tw_status_t tw_router_run(const tw_router_params_t *params, volatile sig_atomic_t *stop);
+
+/** Read the API key from the first line of `path` into key[len] (NUL-
+ *  terminated, cut at len - 1 bytes). Returns -1 after printing why (cannot
+ *  read, empty), else 0. */
+int tw_router_read_key(const char *prog, const char *path, char *key, size_t len);
 
 /** `twain-router` / `twain router` command line. Returns the exit code. */
 int tw_router_main(int argc, char **argv);

@@ -47,6 +47,13 @@ struct tw_rchat {
   tw_tok_buf_t final_text;
   bool stop_hit;
   bool stream;
+  /* model output the parser did not expect: counted, logged once per request */
+  tw_metric_t *unexpected;
+  uint64_t req_id;
+  int32_t n_unexpected;
+  bool finishing; /* in parser_finish: a message cut by max_tokens or a stop is expected */
+  bool in_analysis; /* inside an analysis message's text (not addressed to a tool) */
+  int32_t n_reasoning; /* ids of analysis text, for usage.reasoning_tokens */
 };
 
 static char *tw_dup(const char *s) { return s ? strdup(s) : NULL; }
@@ -119,9 +126,11 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
       tw_header_set(&c->recipient, ev->recipient);
       tw_header_set(&c->content_type, ev->content_type);
       c->first_delta = true;
+      c->in_analysis = ev->channel && !strcmp(ev->channel, "analysis") && !ev->recipient;
       break;
     case TW_HARMONY_EV_TEXT_DELTA: tw_on_text(c, ev->text, ev->text_len); break;
     case TW_HARMONY_EV_MESSAGE_END:
+      c->in_analysis = false;
       if (c->n_msgs < TW_RCHAT_MAX) {
         Twain__V1__Message *m = &c->msgs[c->n_msgs];
         twain__v1__message__init(m);
@@ -159,8 +168,19 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
         c->cptr[c->n_calls++] = t;
       }
       break;
-    case TW_HARMONY_EV_ERROR:
-      TW_DEBUG("router", "harmony parser: %s", ev->text ? ev->text : "");
+    case TW_HARMONY_EV_ERROR: /* the text generated so far still reaches the client */
+      if (c->finishing) {
+        TW_DEBUG("router", "request %llu: harmony parser at the end: %s", (unsigned long long)c->req_id,
+                 ev->text ? ev->text : "");
+        break;
+      }
+      tw_metric_add(c->unexpected, 1);
+      if (c->n_unexpected++ == 0)
+        TW_WARN("router", "request %llu: unexpected model output (token %d): %s; answering with "
+                "what was generated", (unsigned long long)c->req_id, ev->token, ev->text ? ev->text : "");
+      else
+        TW_DEBUG("router", "request %llu: harmony parser: %s", (unsigned long long)c->req_id,
+                 ev->text ? ev->text : "");
       break;
     default: break;
   }
@@ -188,6 +208,12 @@ void tw_rchat_fini(tw_router_t *r) {
   tw_tokenizer_destroy(x->tok);
   free(x);
   r->chat_ctx = NULL;
+}
+
+void tw_rchat_tokenizer(tw_router_t *r, const tw_tokenizer_t **tok_p, tw_tok_encoder_t **enc_p) {
+  tw_rchat_ctx_t *x = r->chat_ctx;
+  *tok_p = x->tok;
+  *enc_p = x->enc;
 }
 
 int32_t tw_rchat_default_stops(tw_router_t *r, int32_t *ids, int32_t cap) {
@@ -229,6 +255,8 @@ tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatReq
   if (!c) return tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
   q->hchat = c;
   c->stream = cr->stream;
+  c->unexpected = r->m.harmony_unexpected;
+  c->req_id = q->id;
   tw_tok_buf_init(&c->final_text);
   tw_harmony_conversation_t conv;
   tw_harmony_conversation_init(&conv);
@@ -303,7 +331,11 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
   struct tw_rchat *c = q->hchat;
   if (!c) return false;
   tw_feed_reset(c);
-  for (size_t i = 0; i < n && !c->stop_hit; i++) tw_harmony_parser_push(c->parser, toks[i]);
+  for (size_t i = 0; i < n && !c->stop_hit; i++) {
+    bool was = c->in_analysis;
+    tw_harmony_parser_push(c->parser, toks[i]);
+    c->n_reasoning += was && c->in_analysis; /* a text id of an analysis message */
+  }
   rep->deltas = c->dptr;
   rep->n_deltas = c->n_deltas;
   rep->tool_calls = c->cptr;
@@ -314,6 +346,7 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
 void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   struct tw_rchat *c = q->hchat;
   if (!c) return;
+  c->finishing = true;
   tw_harmony_parser_finish(c->parser); /* reports a message cut off by max_tokens */
   rep->deltas = c->dptr;
   rep->n_deltas = c->stream ? c->n_deltas : 0;
@@ -321,6 +354,7 @@ void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   rep->n_tool_calls = c->n_calls;
   rep->messages = c->mptr;
   rep->n_messages = c->n_msgs;
+  if (rep->usage) rep->usage->reasoning_tokens = c->n_reasoning;
   if (rep->finish_reason == TWAIN__V1__FINISH_REASON__FINISH_STOP && q->n_out > 0) {
     tw_rchat_ctx_t *x = r->chat_ctx;
     if (q->out[q->n_out - 1] == x->stop_call) rep->finish_reason = TWAIN__V1__FINISH_REASON__FINISH_TOOL_CALL;

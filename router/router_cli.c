@@ -6,6 +6,7 @@
 #include "common/install_paths.h"
 #include "common/log.h"
 
+#include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,9 +44,29 @@ static void tw_router_usage(void) {
           "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
           "         [--drain-timeout SECONDS (default 30: SIGTERM lets running requests\n"
           "           finish for at most this long)]\n"
+          "         [--http-port P (OpenAI-compatible HTTP API; default -1: off)] [--http-addr ADDR]\n"
+          "         [--served-model-name NAME] [--http-max-body BYTES (default 8 MiB)]\n"
+          "         [--api-key KEY | --api-key-file PATH (required on the HTTP and protobuf APIs)]\n"
           "  defaults: --listen %s --workers %s, model %s\n",
           TW_ROUTER_CLIENT_ENDPOINT, TW_ROUTER_WORKER_ENDPOINT,
           tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
+}
+
+int tw_router_read_key(const char *prog, const char *path, char *key, size_t len) {
+  FILE *f = fopen(path, "r");
+  if (!f) {
+    fprintf(stderr, "%s: cannot read the API key file %s: %s\n", prog, path, strerror(errno));
+    return -1;
+  }
+  size_t n = fread(key, 1, len - 1, f);
+  fclose(f);
+  key[n] = '\0';
+  key[strcspn(key, "\r\n")] = '\0'; /* the first line */
+  if (!key[0]) {
+    fprintf(stderr, "%s: the API key file %s is empty\n", prog, path);
+    return -1;
+  }
+  return 0;
 }
 
 int tw_router_main(int argc, char **argv) {
@@ -53,6 +74,7 @@ int tw_router_main(int argc, char **argv) {
   p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   p.on_bound = tw_router_print_bound;
   p.on_ready = tw_router_print_ready;
+  char key[512];
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -78,6 +100,15 @@ int tw_router_main(int argc, char **argv) {
     else if (!strcmp(a, "--expire-ms")) p.expire_ms = atoi(v);
     else if (!strcmp(a, "--expect-prefill")) p.expect_prefill = atoi(v);
     else if (!strcmp(a, "--expect-decode")) p.expect_decode = atoi(v);
+    else if (!strcmp(a, "--http-port")) p.http_port = atoi(v);
+    else if (!strcmp(a, "--http-addr")) p.http_addr = v;
+    else if (!strcmp(a, "--served-model-name")) p.served_model_name = v;
+    else if (!strcmp(a, "--http-max-body")) p.http_max_body = atoll(v);
+    else if (!strcmp(a, "--api-key")) p.api_key = v;
+    else if (!strcmp(a, "--api-key-file")) {
+      if (tw_router_read_key("twain-router", v, key, sizeof key)) return 2;
+      p.api_key = key;
+    }
     else {
       fprintf(stderr, "twain-router: unknown option %s\n", a);
       tw_router_usage();

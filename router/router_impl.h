@@ -9,6 +9,7 @@
 #include "common/config.h"
 #include "common/metrics.h"
 #include "common/msg.h"
+#include "common/tokenizer.h"
 #include "proto/twain_api.pb-c.h"
 #include "proto/twain_internal.pb-c.h"
 
@@ -30,6 +31,7 @@ typedef enum {
 } tw_req_state_t;
 
 typedef struct tw_rchat tw_rchat_t; /* Harmony state of a chat request */
+typedef struct tw_http tw_http_t;   /* the HTTP API (http_api.c) */
 
 typedef struct {
   uint64_t serial;      /* never reused; 0 = none */
@@ -89,9 +91,10 @@ typedef struct {
   bool draining, ready_sent;
   int64_t empty_since_ns[2];   /* prefill, decode: when the pool last became empty (0: it has workers) */
   void *chat_ctx;              /* tokenizer + Harmony encoder (router_chat.c) */
+  tw_http_t *http;             /* NULL: no HTTP API */
   struct {
     tw_metric_t *requests, *errors, *ttft, *tpot, *queue, *running, *prefill_workers,
-        *decode_workers, *tokens, *expired;
+        *decode_workers, *tokens, *expired, *harmony_unexpected;
   } m;
 } tw_router_t;
 
@@ -112,6 +115,13 @@ void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep);
  *  workers' work, mark it done. */
 void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
+/** Handle one decoded client request (generate, chat or cancel) from `from`
+ *  (a ZeroMQ peer or an HTTP connection, http_api.h); every outcome is a
+ *  reply to `from`. The caller checked the API key. */
+void tw_router_dispatch(tw_router_t *r, const tw_msg_t *from, Twain__V1__ClientRequest *cr);
+/** Whether `key` is the router's API key (constant time); true when the
+ *  router has none. */
+bool tw_router_key_ok(const tw_router_t *r, const char *key);
 /** New tokens for a request from its decode or prefill worker. */
 void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
                          bool finished, int finish_reason);
@@ -154,6 +164,8 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
 void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep);
 /** Free a chat request's parser state (no-op for generate requests). */
 void tw_rchat_free(tw_req_t *q);
+/** The router's tokenizer and its encoder (router thread only). */
+void tw_rchat_tokenizer(tw_router_t *r, const tw_tokenizer_t **tok_p, tw_tok_encoder_t **enc_p);
 /** Default stop ids for generate requests (<|return|>, <|call|>) if known. */
 int32_t tw_rchat_default_stops(tw_router_t *r, int32_t *ids, int32_t cap);
 

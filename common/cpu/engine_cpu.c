@@ -2,8 +2,8 @@
  * gpt-oss forward pass (spec §2).
  *
  * One forward runs a batch of T tokens, each with its own position and block
- * table: a prefill chunk (one sequence, consecutive positions) or a decode
- * step (one token of each of T sequences). Per layer it writes all T tokens'
+ * table: a prefill pass (consecutive positions of one or more sequences,
+ * concatenated) or a decode step (one token of each of T sequences). Per layer it writes all T tokens'
  * K/V into the pool first, then attends; causality comes from each token
  * reading only positions <= its own, so the two cases share one code path.
  * Weights are read in place from the model mmap (cpu_ops.h); activations,
@@ -46,8 +46,7 @@ typedef struct {
   float *scores;                            /* [n_threads, max_pos] */
   float *sample_scratch;                    /* [2V] */
   tw_cpu_tp_t tp;                           /* this rank's heads/experts/vocab (issue 6) */
-  const tw_prefill_args_t *layer_cb;        /* prefill: on_layer_done after each KV write */
-  int32_t layer_cb_start;                   /* first position of the current chunk */
+  const tw_prefill_pass_t *layer_cb;        /* prefill: on_pass_layer after each KV write */
 } tw_cpu_state_t;
 
 /* ---- model checks ---------------------------------------------------------- */
@@ -314,8 +313,8 @@ static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *toke
                sizeof(float) * (size_t)D);
       }
     }
-    if (s->layer_cb && s->layer_cb->on_layer_done) /* this layer's K/V of the chunk is final */
-      s->layer_cb->on_layer_done(s->layer_cb->on_layer_arg, l, s->layer_cb_start, (int32_t)T);
+    if (s->layer_cb && s->layer_cb->on_pass_layer) /* this layer's K/V of the pass is final */
+      s->layer_cb->on_pass_layer(s->layer_cb->on_pass_arg, l);
     tw_cpu_pool_run(s->pool, tw_cpu_attn_task, &a);
     /* row-parallel: this rank's columns of o_proj, bias once (rank 0), then the sum */
     tw_cpu_matmul_bf16_ld(s->pool, s->attn, T, QD, ow + q0, QDall,
@@ -347,54 +346,57 @@ static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *toke
 
 /* ---- engine ops ----------------------------------------------------------------- */
 
-static tw_status_t tw_cpu_prefill(tw_engine_t *e, const tw_prefill_args_t *args) {
+/* One prefill pass (engine_impl.h): the segments' tokens as one batch, each
+ * token with its own position and block table, so attention stays within
+ * its sequence; every row's result is the same as in a pass of its segment
+ * alone (the matmuls and norms compute each row the same way whatever T). */
+static tw_status_t tw_cpu_prefill_pass(tw_engine_t *e, const tw_prefill_pass_t *p) {
   tw_cpu_state_t *s = e->backend;
-  const int64_t V = e->model->config.vocab_size;
-  const int64_t chunk = e->params.max_prefill_chunk;
-  int want_sample = args->next_token_out != NULL;
-  float *last_row = args->logits_out;
-  if (!args->logits_out && want_sample) {
-    TW_CHECK(tw_cpu_logits_ensure(e, s, 1));
-    last_row = s->logits;
-  }
-  int32_t *pos = NULL;
-  int64_t first_chunk = args->n_tokens < chunk ? args->n_tokens : chunk;
-  TW_CHECK(tw_cpu_scratch_ensure(e, s, first_chunk));
-  pos = malloc(sizeof(int32_t) * (size_t)first_chunk * 2);
-  if (!pos) return tw_err(TW_ERR_NO_MEMORY, "cpu prefill: out of memory");
-  int32_t *rows = pos + first_chunk;
-  tw_status_t st = TW_OK;
-  for (int64_t off = 0; off < args->n_tokens && st == TW_OK; off += chunk) {
-    int64_t T = args->n_tokens - off < chunk ? args->n_tokens - off : chunk;
-    int last = off + T == args->n_tokens;
-    for (int64_t t = 0; t < T; t++) {
-      pos[t] = (int32_t)(args->start_pos + off + t);
-      s->tables[t] = args->block_table;
-      rows[t] = (int32_t)t;
+  const int64_t V = e->model->config.vocab_size, T = p->n_tokens;
+  TW_CHECK(tw_cpu_scratch_ensure(e, s, T));
+  int32_t *tokens = malloc(sizeof(int32_t) * (size_t)T * 3);
+  if (!tokens) return tw_err(TW_ERR_NO_MEMORY, "cpu prefill: out of memory for %lld tokens",
+                             (long long)T);
+  int32_t *pos = tokens + T, *rows = pos + T;
+  int64_t t = 0, n_rows = 0;
+  for (int32_t g = 0; g < p->n_segs; g++) {
+    const tw_prefill_seg_t *sg = &p->segs[g];
+    for (int32_t i = 0; i < sg->n_tokens; i++, t++) {
+      tokens[t] = sg->tokens[i];
+      pos[t] = sg->start_pos + i;
+      s->tables[t] = sg->block_table;
     }
-    float *dst = NULL;
-    int64_t n_rows = 0;
-    if (args->all_logits && args->logits_out) {
-      dst = args->logits_out + off * V;
-      n_rows = T;
-    } else if (last && last_row) {
-      dst = last_row;
-      rows[0] = (int32_t)(T - 1);
-      n_rows = 1;
-    }
-    s->layer_cb = args;
-    s->layer_cb_start = (int32_t)(args->start_pos + off);
-    st = tw_cpu_forward(e, T, args->tokens + off, pos, rows, n_rows, dst);
-    s->layer_cb = NULL;
-    if (st == TW_OK && last && args->all_logits && args->logits_out) last_row = dst + (T - 1) * V;
+    if (sg->out >= 0) rows[n_rows++] = (int32_t)(t - 1); /* out rows come in segment order */
   }
-  free(pos);
-  TW_CHECK(st);
-  if (want_sample)
-    TW_CHECK(tw_sample(last_row, (int32_t)V, args->sample,
-                       (int64_t)args->start_pos + args->n_tokens, s->sample_scratch,
-                       args->next_token_out));
-  return TW_OK;
+  float *dst = NULL;
+  if (p->all_logits) { /* every row; the output rows are read from there */
+    for (int64_t r = 0; r < T; r++) rows[r] = (int32_t)r;
+    n_rows = T;
+    dst = p->all_logits;
+  } else if (n_rows > 0) {
+    tw_status_t st = tw_cpu_logits_ensure(e, s, n_rows);
+    if (st != TW_OK) {
+      free(tokens);
+      return st;
+    }
+    dst = s->logits;
+  }
+  s->layer_cb = p;
+  tw_status_t st = tw_cpu_forward(e, T, tokens, pos, rows, n_rows, dst);
+  s->layer_cb = NULL;
+  for (int32_t g = 0, k = 0, end = 0; st == TW_OK && g < p->n_segs; g++) {
+    const tw_prefill_seg_t *sg = &p->segs[g];
+    end += sg->n_tokens;
+    if (sg->out < 0) continue;
+    const float *row = dst + (p->all_logits ? (int64_t)(end - 1) : (int64_t)k++) * V;
+    if (p->logits_rows[sg->out])
+      memcpy(p->logits_rows[sg->out], row, sizeof(float) * (size_t)V);
+    if (p->next_tokens)
+      st = tw_sample(row, (int32_t)V, &p->sample[sg->out], p->sample_pos[sg->out],
+                     s->sample_scratch, &p->next_tokens[sg->out]);
+  }
+  free(tokens);
+  return st;
 }
 
 static tw_status_t tw_cpu_decode(tw_engine_t *e, const tw_decode_args_t *args) {
@@ -445,7 +447,8 @@ static void tw_cpu_destroy(tw_engine_t *e) {
 }
 
 static const tw_engine_ops_t tw_cpu_ops = {
-    .name = "cpu", .destroy = tw_cpu_destroy, .prefill = tw_cpu_prefill, .decode = tw_cpu_decode};
+    .name = "cpu", .destroy = tw_cpu_destroy, .prefill_pass = tw_cpu_prefill_pass,
+    .decode = tw_cpu_decode};
 
 tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
                                  tw_engine_t **engine_p) {

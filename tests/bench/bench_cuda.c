@@ -3,6 +3,11 @@
  *   (a) prefill of one sequence (batch 1) at 8192, 32768, 65536, 128000
  *       tokens: latency, cost per million input tokens at $3.00 per GPU-hour,
  *       ratio to the yardstick (in-house FP8 engine, one H200);
+ *   (a') with --prefill-batch SxL,...: S prompts of L tokens each as one
+ *       batched (variable-length) prefill, tw_engine_prefill_batch, in
+ *       passes of --chunk tokens (engine max_prefill_chunk, default 8192):
+ *       latency of the whole batch and prompt tokens/s (e.g. 1x1024 against
+ *       32x1024: short prompts at batch-1 rates or not);
  *   (b) decode steps at batch 1, 8, 32, 64, 128, 256 and contexts 8192 and
  *       32768: tokens/s per sequence and per GPU, cost per million output
  *       tokens; configurations whose KV cache does not fit are skipped.
@@ -19,7 +24,8 @@
  *
  * Usage: twain-bench-cuda [--model DIR | --synthetic 20b|120b|both]
  *          [--prefill 8192,32768,...] [--batches 1,8,...] [--contexts 8192,...]
- *          [--steps N] [--reps N] */
+ *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N]
+ * (a list may be "none": e.g. --prefill none --batches none for (a') alone). */
 #include "common/engine.h"
 #include "common/log.h"
 #include "common/model.h"
@@ -73,8 +79,26 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* "SxL,SxL,...": counts into s_out, lengths into l_out. */
+static int parse_pairs(const char *s, int *s_out, int *l_out) {
+  int n = 0;
+  while (*s && n < MAXL) {
+    s_out[n] = atoi(s);
+    const char *x = strchr(s, 'x');
+    const char *c = strchr(s, ',');
+    if (!x || (c && x > c)) break;
+    l_out[n] = atoi(x + 1);
+    if (s_out[n] > 0 && l_out[n] > 0) n++;
+    if (!c) break;
+    s = c + 1;
+  }
+  return n;
+}
+
+/* "A,B,...", or "none" for an empty list. */
 static int parse_list(const char *s, int *out) {
   int n = 0;
+  if (!strcmp(s, "none")) return 0;
   while (*s && n < MAXL) {
     out[n++] = atoi(s);
     const char *c = strchr(s, ',');
@@ -135,14 +159,71 @@ static int32_t rand_tok(int V) {
   return (int32_t)((rng >> 8) % (uint32_t)(V < 200000 ? V : 200000));
 }
 
+/* Batched prefills of pb_s[i] prompts of pb_l[i] tokens (distinct random
+ * tokens per prompt, distinct blocks): the (a') rows. */
+static void bench_prefill_batch(const char *name, tw_engine_t *e, const tw_model_t *m,
+                                const int *pb_s, const int *pb_l, int n_pb, int reps) {
+  const tw_kv_layout_t *kv = tw_engine_kv_layout(e);
+  int bs = kv->block_size, V = m->config.vocab_size, pool = kv->n_blocks;
+  for (int i = 0; i < n_pb; i++) {
+    int S = pb_s[i], L = pb_l[i], per = (L + bs - 1) / bs;
+    row_t *r = &rows[n_rows++];
+    snprintf(r->model, sizeof r->model, "%s", name);
+    snprintf(r->kind, sizeof r->kind, "prefill-batch");
+    r->a = S;
+    r->b = L;
+    if ((long)S * per > pool || L > m->config.max_position_embeddings) {
+      r->skipped = 1;
+      printf("[%s] prefill batch %d x %d: skipped (needs %ld KV blocks, pool %d)\n", name, S, L,
+             (long)S * per, pool);
+      continue;
+    }
+    int32_t *toks = malloc(sizeof(int32_t) * (size_t)S * L);
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)S * per);
+    int32_t *first = malloc(sizeof(int32_t) * (size_t)S);
+    tw_prefill_seq_t *seqs = malloc(sizeof(tw_prefill_seq_t) * (size_t)S);
+    for (long k = 0; k < (long)S * L; k++) toks[k] = rand_tok(V);
+    for (long k = 0; k < (long)S * per; k++) table[k] = (int32_t)k;
+    for (int q = 0; q < S; q++)
+      seqs[q] = (tw_prefill_seq_t){.tokens = toks + (size_t)q * L, .n_tokens = L,
+                                   .block_table = table + (size_t)q * per, .n_blocks = per,
+                                   .next_token_out = &first[q]};
+    tw_prefill_batch_args_t a = {.n_seqs = S, .seqs = seqs};
+    double ts[17];
+    int n = 0;
+    for (int k = 0; k <= reps; k++) { /* k = 0: warm-up (workspace, cuBLASLt heuristics) */
+      double t0 = now_s();
+      if (tw_engine_prefill_batch(e, &a) != TW_OK) {
+        fprintf(stderr, "prefill batch failed: %s\n", tw_last_error());
+        r->skipped = 1;
+        break;
+      }
+      if (k > 0) ts[n++] = now_s() - t0;
+    }
+    if (!r->skipped) {
+      r->t = median(ts, n);
+      printf("[%s] prefill batch %3d x %6d tokens: %.3f s (%.0f tok/s, median of %d)\n", name, S,
+             L, r->t, (double)S * L / r->t, n);
+      fflush(stdout);
+    }
+    free(toks);
+    free(table);
+    free(first);
+    free(seqs);
+  }
+}
+
 static void bench_model(const char *name, const tw_model_t *m, const double *yard, const int *pre,
-                        int n_pre, const int *bat, int n_bat, const int *ctxs, int n_ctx,
-                        int steps, int reps) {
+                        int n_pre, const int *pb_s, const int *pb_l, int n_pb, int chunk,
+                        const int *bat, int n_bat, const int *ctxs, int n_ctx, int steps,
+                        int reps) {
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
   p.backend = TW_BACKEND_CUDA;
   int maxb = 1;
   for (int i = 0; i < n_bat; i++) maxb = bat[i] > maxb ? bat[i] : maxb;
+  for (int i = 0; i < n_pb; i++) maxb = pb_s[i] > maxb ? pb_s[i] : maxb;
   p.max_batch = maxb;
+  if (chunk > 0) p.max_prefill_chunk = chunk;
   tw_engine_t *e = NULL;
   double t0 = now_s();
   if (tw_engine_create(m, &p, &e) != TW_OK) {
@@ -200,6 +281,7 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
            pre[i] / r->t, nr);
     fflush(stdout);
   }
+  bench_prefill_batch(name, e, m, pb_s, pb_l, n_pb, reps);
   for (int ci = 0; ci < n_ctx; ci++) {
     int ctx = ctxs[ci];
     int per_seq = (ctx + steps + 2 + bs - 1) / bs;
@@ -275,6 +357,7 @@ int main(int argc, char **argv) {
   int pre[MAXL] = {8192, 32768, 65536, 128000}, n_pre = 4;
   int bat[MAXL] = {1, 8, 32, 64, 128, 256}, n_bat = 6;
   int ctx[MAXL] = {8192, 32768}, n_ctx = 2;
+  int pb_s[MAXL], pb_l[MAXL], n_pb = 0, chunk = 0;
   int steps = 20, reps = 3;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -283,11 +366,14 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--prefill")) n_pre = parse_list(v, pre), i++;
     else if (!strcmp(a, "--batches")) n_bat = parse_list(v, bat), i++;
     else if (!strcmp(a, "--contexts")) n_ctx = parse_list(v, ctx), i++;
+    else if (!strcmp(a, "--prefill-batch")) n_pb = parse_pairs(v, pb_s, pb_l), i++;
+    else if (!strcmp(a, "--chunk")) chunk = atoi(v), i++;
     else if (!strcmp(a, "--steps")) steps = atoi(v), i++;
     else if (!strcmp(a, "--reps")) reps = atoi(v), i++;
     else {
       fprintf(stderr, "usage: %s [--model DIR | --synthetic 20b|120b|both] [--prefill LIST] "
-              "[--batches LIST] [--contexts LIST] [--steps N] [--reps N]\n", argv[0]);
+              "[--prefill-batch SxL,...] [--chunk N] [--batches LIST] [--contexts LIST] "
+              "[--steps N] [--reps N]\n", argv[0]);
       return 2;
     }
   }
@@ -309,8 +395,8 @@ int main(int argc, char **argv) {
       fprintf(stderr, "cannot load %s: %s\n", model_dir, tw_last_error());
       return 1;
     }
-    bench_model("checkpoint", m, m->config.n_experts > 32 ? y120 : y20, pre, n_pre, bat, n_bat,
-                ctx, n_ctx, steps, reps);
+    bench_model("checkpoint", m, m->config.n_experts > 32 ? y120 : y20, pre, n_pre, pb_s, pb_l,
+                n_pb, chunk, bat, n_bat, ctx, n_ctx, steps, reps);
     tw_model_destroy(m);
   } else {
     for (int big = 0; big < 2; big++) {
@@ -328,8 +414,8 @@ int main(int argc, char **argv) {
       }
       printf("[%s] synthetic weights in %.1f s\n", big ? "gpt-oss-120b" : "gpt-oss-20b",
              now_s() - t0);
-      bench_model(big ? "gpt-oss-120b" : "gpt-oss-20b", m, big ? y120 : y20, pre, n_pre, bat,
-                  n_bat, ctx, n_ctx, steps, reps);
+      bench_model(big ? "gpt-oss-120b" : "gpt-oss-20b", m, big ? y120 : y20, pre, n_pre, pb_s,
+                  pb_l, n_pb, chunk, bat, n_bat, ctx, n_ctx, steps, reps);
       tw_model_destroy(m);
     }
   }
@@ -343,7 +429,11 @@ int main(int argc, char **argv) {
              r->b ? "" : "-");
       continue;
     }
-    if (!strcmp(r->kind, "prefill")) {
+    if (!strcmp(r->kind, "prefill-batch")) {
+      double cost = PRICE_PER_HOUR / 3600.0 * r->t / ((double)r->a * r->b) * 1e6;
+      printf("| %s | prefill batch | %d x %d | - | %.3f s | %.0f tok/s | %.4f | - |\n", r->model,
+             r->a, r->b, r->t, (double)r->a * r->b / r->t, cost);
+    } else if (!strcmp(r->kind, "prefill")) {
       double cost = PRICE_PER_HOUR / 3600.0 * r->t / r->a * 1e6;
       printf("| %s | prefill | %d | - | %.3f s | %.0f tok/s | %.4f | %.2fx (%.3f s) | | |\n", r->model,
              r->a, r->t, r->a / r->t, cost, r->t / r->yard, r->yard);

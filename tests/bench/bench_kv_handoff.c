@@ -1,21 +1,41 @@
-/* bench_kv_handoff.c: KV handoff latency and bandwidth over UCX by size
- * (kv_transfer.h), between two processes on this host: a "decode" child
- * registers a host pool, the "prefill" parent puts N blocks per layer into it
- * and flushes (remote completion), as tw_kv_xfer_send_layer + flush do in a
- * real handoff. Block = 16 tokens x 8 kv heads x 64 dims x K,V in f32
- * (64 KiB, gpt-oss layout), 24 layers as gpt-oss-20b.
- *   twain-bench-kv-handoff [--reps N] [--max-mib M] [--device]
- * --device: both pools in GPU memory (cudaMalloc on device 0, libcudart
- * loaded at run time): registered directly when UCX has CUDA support, else
- * staged through pinned host memory as kv_transfer.h describes (the
- * receiver's mirror-to-device copy, tw_kv_region_commit, is timed as part of
- * each handoff). Exit 77 when no GPU can be used.
- * Prints one line per size: bytes, median and min latency, GB/s. */
+/* bench_kv_handoff.c: the KV handoff of one prompt between two processes on
+ * this host over UCX (kv_transfer.h), by prompt length, with gpt-oss-20b's
+ * KV shapes: 24 layers, every other one (0, 2, ...) sliding with a 128-token
+ * window (only the blocks holding its last 128 positions move, spec §2.6),
+ * blocks of 16 tokens x 8 kv heads x 64 dims x K,V in bf16 (32 KiB).
+ * A "decode" child registers its pool and sleeps on the UCX event fd as the
+ * decode worker does; the "prefill" parent puts every layer's blocks
+ * (tw_kv_xfer_send_layer: one put per run of consecutive blocks, ids
+ * 0..n-1 on both sides as fresh block managers hand out) and flushes (remote
+ * completion); on the staged path the child then copies the received blocks
+ * from its pinned mirror into its device pool (tw_kv_region_commit), timed
+ * as part of the handoff.
+ *
+ *   twain-bench-kv-handoff [--device] [--staged] [--tokens N[,N...]] [--reps N]
+ *
+ * --device  both pools cudaMalloc'd on GPU 0 (libcudart loaded at run time;
+ *           exit 77 when no GPU can be used). The path is the one the code
+ *           picks: direct cuda_ipc when UCX has CUDA transports and a
+ *           cuda_ipc lane joins the two processes, else staged.
+ * --staged  the decode side stages even with CUDA transports
+ *           (TWAIN_KV_PATH=staged): the staged path's numbers on a machine
+ *           that also has the direct one.
+ * --tokens  prompt lengths (default 1024,8192,32768, and 131072 with --device)
+ * --reps    timed handoffs per length after 2 warm-ups (default 10)
+ * Prints the path and the endpoint's UCX transports, then per prompt length:
+ * KV bytes, puts per handoff, median and min latency, effective GB/s (bytes /
+ * median latency).
+ *
+ * On the GPU machine, both paths in one call (stages this benchmark and the
+ * bundle with the CUDA-enabled UCX, deploy/build_ucx_cuda.sh; see
+ * tests/gpu/service_gpu.sh and docs/benchmarks.md):
+ *   here:  bash deploy/build_ucx_cuda.sh && bash tests/gpu/service_gpu.sh --stage
+ *   GPU:   TW_SVC_KV_ONLY=1 bash tests/gpu/service_gpu.sh */
+#include "tests/cudart_dl.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
 #include "common/msg.h"
 
-#include <dlfcn.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,111 +47,119 @@
 #define BS 16
 #define NKV 8
 #define HD 64
+#define WINDOW 128
+#define MAX_LENGTHS 16
 
-static tw_kv_layout_t layout(int32_t n_blocks, void *base) {
-  tw_kv_layout_t l = {.dtype = TW_DTYPE_F32, .n_layers = L, .n_blocks = n_blocks, .block_size = BS,
-                      .n_kv_heads_local = NKV, .head_dim = HD, .base = base};
-  l.block_bytes = 2LL * NKV * BS * HD * 4;
+static tw_kv_layout_t layout(int32_t n_blocks, bool device, void *base) {
+  tw_kv_layout_t l = {.dtype = TW_DTYPE_BF16, .on_device = device, .n_layers = L,
+                      .n_blocks = n_blocks, .block_size = BS, .n_kv_heads_local = NKV,
+                      .head_dim = HD, .base = base};
+  l.block_bytes = 2LL * NKV * BS * HD * 2;
   l.layer_stride_bytes = l.block_bytes * n_blocks;
   l.total_bytes = l.layer_stride_bytes * L;
   return l;
 }
 
-/* cudaMalloc'd memory through a run-time loaded libcudart (NULL: none). */
-static void *tw_bench_device_alloc(size_t bytes) {
-  const char *names[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so"};
-  void *lib = NULL;
-  for (size_t i = 0; i < sizeof names / sizeof names[0] && !lib; i++)
-    lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-  if (!lib) return NULL;
-  int (*set_device)(int) = (int (*)(int))dlsym(lib, "cudaSetDevice");
-  int (*malloc_)(void **, size_t) = (int (*)(void **, size_t))dlsym(lib, "cudaMalloc");
-  int (*memset_)(void *, int, size_t) = (int (*)(void *, int, size_t))dlsym(lib, "cudaMemset");
-  void *p = NULL;
-  if (!set_device || !malloc_ || !memset_ || set_device(0) != 0 || malloc_(&p, bytes) != 0)
-    return NULL;
-  if (memset_(p, 0x5a, bytes) != 0) return NULL;
-  return p; /* freed at exit */
-}
+static bool sliding(int32_t layer) { return layer % 2 == 0; }
 
 static int cmp_d(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
 }
 
+/* The decode side: register, publish, then serve 'c' N (commit blocks
+ * 0..N-1, answer 'k' or 'e') until 'q' or EOF. */
+static int decode_side(int32_t n_blocks, bool device, bool staged, int rfd, int wfd) {
+  if (staged) setenv("TWAIN_KV_PATH", "staged", 1);
+  tw_test_cudart_t rt;
+  tw_kv_layout_t pool = layout(n_blocks, device, NULL);
+  size_t zero = 0;
+  if (device) {
+    if (tw_test_cudart_load(&rt) == 0) pool.base = tw_test_device_alloc(&rt, (size_t)pool.total_bytes, 0);
+  } else {
+    pool.base = calloc(1, (size_t)pool.total_bytes);
+  }
+  tw_kv_xfer_t *x = NULL;
+  tw_kv_region_t *reg = NULL;
+  if (!pool.base || tw_kv_xfer_create(&x) || tw_kv_region_register(x, &pool, &reg)) {
+    if (write(wfd, &zero, sizeof zero) < 0) return 4;
+    return pool.base ? 2 : device ? 77 : 2;
+  }
+  size_t alen, rlen;
+  const void *a = tw_kv_xfer_address(x, &alen), *rk = tw_kv_region_rkey(reg, &rlen);
+  tw_kv_remote_layout_t rl;
+  tw_kv_region_remote_layout(reg, &rl);
+  if (write(wfd, &alen, sizeof alen) < 0 || write(wfd, &rlen, sizeof rlen) < 0 ||
+      write(wfd, a, alen) < 0 || write(wfd, rk, rlen) < 0 || write(wfd, &rl, sizeof rl) < 0)
+    return 3;
+  int32_t *all = malloc(sizeof(int32_t) * (size_t)n_blocks);
+  for (int32_t i = 0; all && i < n_blocks; i++) all[i] = i;
+  for (;;) {
+    tw_kv_xfer_progress(x);
+    int efd = tw_kv_xfer_wait_fd(x);
+    struct pollfd pfd[2] = {{.fd = rfd, .events = POLLIN}, {.fd = efd, .events = POLLIN}};
+    if (poll(pfd, efd >= 0 ? 2 : 1, efd >= 0 ? 100 : 0) > 0 && (pfd[0].revents & (POLLIN | POLLHUP))) {
+      char cmd = 0;
+      int32_t n = 0;
+      if (read(rfd, &cmd, 1) != 1 || cmd != 'c') break;
+      if (read(rfd, &n, sizeof n) != sizeof n || !all || n > n_blocks) break;
+      tw_status_t cs = tw_kv_region_commit(reg, all, n);
+      if (write(wfd, cs == TW_OK ? "k" : "e", 1) < 0) break;
+    }
+  }
+  free(all);
+  tw_kv_region_unregister(reg);
+  tw_kv_xfer_destroy(x);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   tw_log_init("bench-kv", 0);
-  int reps = 20, max_mib = 256, device = 0;
+  int reps = 10;
+  bool device = false, staged = false;
+  int32_t lengths[MAX_LENGTHS], n_lengths = 0;
   for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--device")) device = 1;
-    else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
-    else if (!strcmp(argv[i], "--max-mib") && i + 1 < argc) max_mib = atoi(argv[++i]);
-    else {
-      fprintf(stderr, "usage: twain-bench-kv-handoff [--reps N] [--max-mib M] [--device]\n");
+    if (!strcmp(argv[i], "--device")) {
+      device = true;
+    } else if (!strcmp(argv[i], "--staged")) {
+      staged = true;
+    } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
+      reps = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
+      for (char *tok = strtok(argv[++i], ","); tok && n_lengths < MAX_LENGTHS; tok = strtok(NULL, ","))
+        if (atoi(tok) > 0) lengths[n_lengths++] = atoi(tok);
+    } else {
+      fprintf(stderr, "usage: twain-bench-kv-handoff [--device] [--staged] [--tokens N[,N...]] "
+                      "[--reps N]\n");
       return 2;
     }
   }
   if (reps < 1) reps = 1;
-  int64_t block_bytes = 2LL * NKV * BS * HD * 4;
-  int32_t max_blocks = (int32_t)(((int64_t)max_mib << 20) / (block_bytes * L));
-  if (max_blocks < 1) max_blocks = 1;
+  if (n_lengths == 0) {
+    const int32_t def[4] = {1024, 8192, 32768, 131072};
+    for (int i = 0; i < (device ? 4 : 3); i++) lengths[n_lengths++] = def[i];
+  }
+  int32_t max_tokens = 0;
+  for (int i = 0; i < n_lengths; i++) max_tokens = lengths[i] > max_tokens ? lengths[i] : max_tokens;
+  int32_t max_blocks = (max_tokens + BS - 1) / BS;
   int p2c[2], c2p[2];
   if (pipe(p2c) || pipe(c2p)) return 1;
-  pid_t pid = fork();
-  if (pid == 0) { /* decode side: register, publish, progress until told to stop */
+  fflush(NULL);
+  pid_t pid = fork(); /* before any CUDA call: a context does not survive fork */
+  if (pid == 0) {
     close(p2c[1]);
     close(c2p[0]);
-    tw_kv_layout_t pool = layout(max_blocks, NULL);
-    pool.on_device = device;
-    pool.base = device ? tw_bench_device_alloc((size_t)pool.total_bytes)
-                       : calloc(1, (size_t)pool.total_bytes);
-    tw_kv_xfer_t *x;
-    tw_kv_region_t *reg;
-    if (!pool.base) {
-      size_t zero = 0;
-      if (write(c2p[1], &zero, sizeof zero) < 0) _exit(4);
-      _exit(device ? 77 : 2);
-    }
-    if (tw_kv_xfer_create(&x) || tw_kv_region_register(x, &pool, &reg)) _exit(2);
-    size_t alen, rlen;
-    const void *a = tw_kv_xfer_address(x, &alen), *rk = tw_kv_region_rkey(reg, &rlen);
-    tw_kv_remote_layout_t rl;
-    tw_kv_region_remote_layout(reg, &rl);
-    if (write(c2p[1], &alen, sizeof alen) < 0 || write(c2p[1], &rlen, sizeof rlen) < 0 ||
-        write(c2p[1], a, alen) < 0 || write(c2p[1], rk, rlen) < 0 || write(c2p[1], &rl, sizeof rl) < 0)
-      _exit(3);
-    /* the receiver sleeps on the UCX event fd like the decode worker does, so
-     * it does not steal a core from the sender */
-    int32_t *all = malloc(sizeof(int32_t) * (size_t)max_blocks);
-    for (int32_t i = 0; all && i < max_blocks; i++) all[i] = i;
-    for (;;) {
-      tw_kv_xfer_progress(x);
-      int efd = tw_kv_xfer_wait_fd(x);
-      struct pollfd pfd[2] = {{.fd = p2c[0], .events = POLLIN}, {.fd = efd, .events = POLLIN}};
-      if (poll(pfd, efd >= 0 ? 2 : 1, efd >= 0 ? 100 : 0) > 0 && (pfd[0].revents & POLLIN)) {
-        /* 'c' N: commit blocks 0..N-1 (staged mirror -> device), answer 'k'; 'q': stop */
-        char cmd = 0;
-        int32_t n = 0;
-        if (read(p2c[0], &cmd, 1) != 1 || cmd != 'c') break;
-        if (read(p2c[0], &n, sizeof n) != sizeof n || !all) break;
-        tw_status_t cs = tw_kv_region_commit(reg, all, n);
-        if (write(c2p[1], cs == TW_OK ? "k" : "e", 1) < 0) break;
-      }
-    }
-    free(all);
-    tw_kv_region_unregister(reg);
-    tw_kv_xfer_destroy(x);
-    _exit(0);
+    _exit(decode_side(max_blocks, device, staged, p2c[0], c2p[1]));
   }
   close(p2c[0]);
   close(c2p[1]);
-  size_t alen, rlen;
+  size_t alen = 0, rlen = 0;
   tw_kv_remote_layout_t rl;
-  if (read(c2p[0], &alen, sizeof alen) != sizeof alen) return 1;
-  if (alen == 0) {
+  if (read(c2p[0], &alen, sizeof alen) != sizeof alen || alen == 0) {
     int st = 0;
     waitpid(pid, &st, 0);
-    fprintf(stderr, "bench-kv: no GPU memory for the receiving pool: skipped\n");
+    fprintf(stderr, "bench-kv: the decode side could not set up its pool%s\n",
+                    device ? " (no usable GPU?)" : "");
     return WIFEXITED(st) && WEXITSTATUS(st) == 77 ? 77 : 1;
   }
   if (read(c2p[0], &rlen, sizeof rlen) != sizeof rlen) return 1;
@@ -139,57 +167,63 @@ int main(int argc, char **argv) {
   if (read(c2p[0], addr, alen) != (ssize_t)alen || read(c2p[0], rkey, rlen) != (ssize_t)rlen ||
       read(c2p[0], &rl, sizeof rl) != sizeof rl)
     return 1;
-  tw_kv_layout_t src = layout(max_blocks, NULL);
-  src.on_device = device;
-  src.base = device ? tw_bench_device_alloc((size_t)src.total_bytes) : malloc((size_t)src.total_bytes);
+  tw_kv_layout_t src = layout(max_blocks, device, NULL);
+  tw_test_cudart_t rt;
+  if (device) {
+    if (tw_test_cudart_load(&rt) == 0) src.base = tw_test_device_alloc(&rt, (size_t)src.total_bytes, 0x5a);
+  } else if ((src.base = malloc((size_t)src.total_bytes))) {
+    memset(src.base, 0x5a, (size_t)src.total_bytes);
+  }
   if (!src.base) {
     fprintf(stderr, "bench-kv: cannot allocate the sending pool%s\n", device ? " on the GPU" : "");
     if (write(p2c[1], "q", 1) < 0) return 1;
     waitpid(pid, NULL, 0);
     return device ? 77 : 1;
   }
-  if (!device) memset(src.base, 0x5a, (size_t)src.total_bytes);
   int32_t *ids = malloc(sizeof(int32_t) * (size_t)max_blocks);
+  double *t = malloc(sizeof(double) * (size_t)reps);
+  if (!ids || !t) return 1;
   for (int32_t i = 0; i < max_blocks; i++) ids[i] = i;
   tw_kv_xfer_t *x;
   tw_kv_peer_t *peer;
   if (tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 1;
-  printf("# kv handoff over UCX, %s, 2 processes; block %lld B, %d layers; reps %d\n",
-         !device ? "host memory"
-         : tw_kv_xfer_cuda_native(x) ? "device memory DIRECT (UCX cuda transports; sender still "
-                                       "stages through a pinned bounce buffer)"
-                                     : "device memory STAGED through pinned host memory "
-                                       "(+ receiver's mirror->device commit)",
-         (long long)block_bytes, L, reps);
-  printf("# %10s %8s %8s %12s %12s %10s\n", "bytes", "blocks", "layers", "median_us", "min_us", "GB/s");
-  double *t = malloc(sizeof(double) * (size_t)reps);
-  /* sizes: 1 block of 1 layer, then n blocks x 24 layers */
-  int32_t sizes[32], layers_of[32], ns = 0;
-  sizes[ns] = 1;
-  layers_of[ns++] = 1;
-  for (int32_t n = 1; n <= max_blocks && ns < 32; n *= 4) {
-    sizes[ns] = n;
-    layers_of[ns++] = L;
-  }
-  for (int s = 0; s < ns; s++) {
-    int32_t n = sizes[s], nl = layers_of[s];
+  tw_kv_path_t path = tw_kv_xfer_path(peer, device, rl.on_device);
+  bool commit = device && !rl.on_device; /* the receiver's mirror -> device copy */
+  printf("# kv handoff of one prompt, gpt-oss-20b shapes (%d layers, sliding every other with a "
+         "%d-token window, %lld-byte blocks), 2 processes, %s pools\n",
+         L, WINDOW, (long long)src.block_bytes, device ? "device" : "host");
+  printf("# path: %s%s; ucx lanes: %s; reps %d (+2 warm-ups)\n", tw_kv_path_name(path),
+         commit ? " (+ the receiver's mirror -> device copy)" : "", tw_kv_xfer_peer_lanes(peer), reps);
+  printf("# %8s %10s %8s %11s %11s %8s\n", "tokens", "MiB", "puts", "median_ms", "min_ms", "GB/s");
+  for (int s = 0; s < n_lengths; s++) {
+    int32_t n_tok = lengths[s], nb = (n_tok + BS - 1) / BS;
+    double bytes = 0;
+    for (int32_t l = 0; l < L; l++)
+      bytes += (double)(nb - tw_kv_layer_first_block(n_tok, BS, sliding(l), WINDOW)) *
+               (double)src.block_bytes;
+    tw_kv_xfer_stats_t s0, s1;
     for (int r = -2; r < reps; r++) { /* 2 warm-ups */
+      tw_kv_xfer_stats(x, &s0);
       int64_t t0 = tw_msg_clock_ns();
-      for (int32_t l = 0; l < nl; l++)
-        if (tw_kv_xfer_send_layer(x, peer, &src, &rl, l, ids, ids, 0, n, NULL)) return 1;
+      for (int32_t l = 0; l < L; l++)
+        if (tw_kv_xfer_send_layer(x, peer, &src, &rl, l, ids, ids,
+                                  tw_kv_layer_first_block(n_tok, BS, sliding(l), WINDOW), nb, NULL)) {
+          fprintf(stderr, "bench-kv: %s\n", tw_last_error());
+          return 1;
+        }
       if (tw_kv_xfer_flush(x, peer, 60000)) return 1;
-      if (device) { /* the receiver makes the blocks visible on its device */
+      if (commit) {
         char ack = 0;
-        if (write(p2c[1], "c", 1) < 0 || write(p2c[1], &n, sizeof n) < 0 ||
+        if (write(p2c[1], "c", 1) < 0 || write(p2c[1], &nb, sizeof nb) < 0 ||
             read(c2p[0], &ack, 1) != 1 || ack != 'k')
           return 1;
       }
-      if (r >= 0) t[r] = (double)(tw_msg_clock_ns() - t0) * 1e-3;
+      if (r >= 0) t[r] = (double)(tw_msg_clock_ns() - t0) * 1e-6;
+      tw_kv_xfer_stats(x, &s1);
     }
     qsort(t, (size_t)reps, sizeof(double), cmp_d);
-    double bytes = (double)n * nl * (double)block_bytes;
-    printf("  %10.0f %8d %8d %12.1f %12.1f %10.2f\n", bytes, n, nl, t[reps / 2], t[0],
-           bytes / (t[reps / 2] * 1e-6) * 1e-9);
+    printf("  %8d %10.1f %8lld %11.3f %11.3f %8.2f\n", n_tok, bytes / (1 << 20),
+           (long long)(s1.puts - s0.puts), t[reps / 2], t[0], bytes / (t[reps / 2] * 1e-3) * 1e-9);
     fflush(stdout);
   }
   if (write(p2c[1], "q", 1) < 0) return 1;

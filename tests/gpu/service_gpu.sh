@@ -40,6 +40,14 @@
 #             libzmq.so.5); without google.protobuf, the staged pure-Python
 #             copy of Debian's (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python).
 #             Budget TW_SVC_PY_BUDGET_S (default 300), at most 240 s a test.
+#          TW_SVC_KV_ONLY=1: only the KV handoff device to device (issue 16),
+#          then stop: nvidia-smi topo -m, UCX's CUDA transports (ucx_info),
+#          test_kv_transfer_gpu (two processes, direct and staged paths, exact
+#          bytes) and twain-bench-kv-handoff --device by prompt length (1k,
+#          8k, 32k, 128k tokens of gpt-oss-20b) over the path the code picks
+#          (direct with the CUDA-enabled UCX) and --staged; budget 300 s.
+#          One call on the GPU machine (after --stage here, carry .carry/gpu):
+#            TW_SVC_KV_ONLY=1 bash tests/gpu/service_gpu.sh
 #          Everything is bounded; steps 1-5 stay under ~90 s
 #          (TW_SVC_GPU_BUDGET_S). Writes one log, $OUT/service_gpu.log. Exit 0
 #          when every prompt matched, the checksums held and every Python test
@@ -54,43 +62,22 @@ if [ "${1:-}" = "--stage" ]; then
   build=${2:-${TW_BUILD_DIR:-$root/build-gpu-svc}}
   cmake -S "$root" -B "$build" -DTWAIN_WERROR="${TW_WERROR:-ON}" -DTWAIN_CUDA=ON >/dev/null
   cmake --build "$build" -j2 --target twain twain-router twain-prefill twain-decode \
-    twain-bench-kv-handoff twain_proto_desc >"$build/service_gpu_build.log" 2>&1 ||
+    twain-bench-kv-handoff test_kv_transfer_gpu twain_proto_desc >"$build/service_gpu_build.log" 2>&1 ||
     { grep -E "error|Error" "$build/service_gpu_build.log" | head -20; exit 1; }
   mkdir -p "$stage_dir"
   rm -f "$stage_dir/twain.tar.gz" "$stage_dir/twain.tar.xz"
-  bash "$root/deploy/bundle.sh" --no-build --build-dir "$build" --system-cuda --no-default-model \
-    --out "$stage_dir/twain.tar.gz" >/dev/null
-  # UCX with CUDA transports (deploy/build_ucx_cuda.sh), when built: its
-  # libucp/libucs/libuct/libucm, ucx/ modules and ucx_info replace Debian's
-  # (same 1.13.1 ABI), so the workers can register device memory (kv_transfer
-  # logs DIRECT instead of STAGED). TW_UCX_CUDA=PREFIX, default
-  # build-ucx-cuda/install; TW_UCX_CUDA=none keeps Debian's UCX.
+  # UCX with CUDA transports (deploy/build_ucx_cuda.sh), when built: bundle.sh
+  # carries its libraries, modules and ucx_info instead of Debian's (same
+  # 1.13.1 ABI), so the workers put device to device (kv_transfer logs the
+  # path). TW_UCX_CUDA=PREFIX, default build-ucx-cuda/install; TW_UCX_CUDA=none
+  # keeps Debian's UCX.
   ucx_cuda=${TW_UCX_CUDA:-$root/build-ucx-cuda/install}
-  # shellcheck disable=SC2016  # $ORIGIN is for the dynamic loader, not the shell
-  if [ "$ucx_cuda" != none ] && compgen -G "$ucx_cuda/lib/ucx/libuct_cuda.so*" >/dev/null; then
-    uw=$(mktemp -d)
-    tar -C "$uw" -xzf "$stage_dir/twain.tar.gz"
-    ub=$(echo "$uw"/twain-*)
-    for l in libucp libucs libuct libucm; do
-      [ -e "$ucx_cuda/lib/$l.so.0" ] || { echo "service_gpu: $ucx_cuda/lib/$l.so.0 missing" >&2; rm -rf "$uw"; exit 1; }
-      rm -f "$ub/lib/$l.so"*
-      cp -L "$ucx_cuda/lib/$l.so.0" "$ub/lib/$l.so.0"
-      chmod u+w "$ub/lib/$l.so.0"
-      patchelf --set-rpath '$ORIGIN' "$ub/lib/$l.so.0"
-    done
-    rm -rf "$ub/lib/ucx"
-    mkdir -p "$ub/lib/ucx"
-    cp -P "$ucx_cuda"/lib/ucx/lib*.so* "$ub/lib/ucx/"
-    for f in "$ub"/lib/ucx/*.so*; do
-      if [ -f "$f" ] && [ ! -L "$f" ]; then chmod u+w "$f"; patchelf --set-rpath '$ORIGIN:$ORIGIN/..' "$f"; fi
-    done
-    cp "$ucx_cuda/bin/ucx_info" "$ub/bin/ucx_info"
-    chmod u+w "$ub/bin/ucx_info"
-    patchelf --set-rpath '$ORIGIN/../lib' "$ub/bin/ucx_info"
-    echo "UCX replaced by $ucx_cuda (CUDA transports; tests/gpu/service_gpu.sh --stage): $(cd "$ub/lib/ucx" && echo *)" \
-      >>"$ub/share/twain/MANIFEST.txt"
-    tar -C "$uw" -czf "$stage_dir/twain.tar.gz" "${ub##*/}"
-    rm -rf "$uw"
+  if [ "$ucx_cuda" != none ] && ! compgen -G "$ucx_cuda/lib/ucx/libuct_cuda.so*" >/dev/null; then
+    ucx_cuda=none
+  fi
+  bash "$root/deploy/bundle.sh" --no-build --build-dir "$build" --system-cuda --no-default-model \
+    --ucx "$ucx_cuda" --out "$stage_dir/twain.tar.gz" >/dev/null
+  if [ "$ucx_cuda" != none ]; then
     echo "service_gpu: UCX with CUDA transports from $ucx_cuda"
   else
     echo "service_gpu: Debian's UCX (no CUDA transports: KV handoff STAGED; deploy/build_ucx_cuda.sh builds one)"
@@ -98,7 +85,7 @@ if [ "${1:-}" = "--stage" ]; then
   # xz: the device call carries at most 64 MiB with the tracked tree
   gzip -dc "$stage_dir/twain.tar.gz" | xz -T2 -6 >"$stage_dir/twain.tar.xz"
   rm -f "$stage_dir/twain.tar.gz"
-  cp "$build/tests/bench/twain-bench-kv-handoff" "$stage_dir/"
+  cp "$build/tests/bench/twain-bench-kv-handoff" "$build/tests/service/test_kv_transfer_gpu" "$stage_dir/"
   # for the Python service tests (TW_SVC_PY=1): the protobuf descriptor set, and
   # Debian's pure-Python google.protobuf for a python that has none (no .so: the
   # device's python is another version)
@@ -121,6 +108,7 @@ log=$out/service_gpu.log
 : >"$log"
 t_start=$(date +%s)
 budget=${TW_SVC_GPU_BUDGET_S:-85}
+[ -n "${TW_SVC_KV_ONLY:-}" ] && budget=${TW_SVC_GPU_BUDGET_S:-300}
 tmo() { # tmo WANTED: at most WANTED seconds, cut to what is left of the budget
   local left=$((t_start + budget - $(date +%s) - 2))
   [ "$left" -lt 1 ] && left=1
@@ -133,6 +121,7 @@ fails=0
 if [ -n "${1:-}" ] && [ -d "$1" ]; then
   b=$(cd "$1" && pwd)
   twain=$b/router/twain prefill=$b/prefill/twain-prefill bench=$b/tests/bench/twain-bench-kv-handoff
+  kvtest=$b/tests/service/test_kv_transfer_gpu
   router_bin=$b/router/twain-router decode_bin=$b/decode/twain-decode desc=$b/tests/service/twain.desc
   libdir=""
 else
@@ -148,6 +137,7 @@ else
   # shellcheck disable=SC1091
   . "$bdir/share/twain/env.sh" # UCX_MODULE_DIR, NCCL_NVLS_ENABLE=0, PATH
   twain=$bdir/bin/twain prefill=$bdir/bin/twain-prefill bench=$stage_dir/twain-bench-kv-handoff
+  kvtest=$stage_dir/test_kv_transfer_gpu
   router_bin=$bdir/bin/twain-router decode_bin=$bdir/bin/twain-decode desc=$stage_dir/twain.desc
   libdir=$bdir/lib
 fi
@@ -156,6 +146,31 @@ prompts=$root/tests/fixtures/tiny-gptoss-wordnet/prompts.json
 export TWAIN_LOG=${TWAIN_LOG:-info}
 backend=${TW_SVC_BACKEND:-cuda} # cpu: a dry run of this script on a machine without a GPU
 say "service_gpu: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1); programs $(dirname "$twain")"
+
+# KV handoff only (TW_SVC_KV_ONLY=1): the GPU test and the benchmark, both paths
+if [ -n "${TW_SVC_KV_ONLY:-}" ]; then
+  export LD_LIBRARY_PATH=${libdir:+$libdir:}${LD_LIBRARY_PATH:-}
+  { nvidia-smi topo -m 2>/dev/null || true; } | tee -a "$log"
+  say "UCX: $(ucx_info -v 2>/dev/null | sed -n 's/^# Version //p' | head -1); CUDA transports: $(ucx_info -d 2>/dev/null | sed -n 's/.*Transport: \(cuda[a-z_]*\).*/\1/p' | sort -u | tr '\n' ' ')"
+  kv_fail=0
+  say "test_kv_transfer_gpu (bounded $(tmo 90) s):"
+  timeout "$(tmo 90)" "$kvtest" 2>"$work/kvtest.err" | tee -a "$log"
+  r=${PIPESTATUS[0]}
+  grep -E "kvx|ERROR|WARN" "$work/kvtest.err" | sed 's/^[^ ]* /  /' | sort -u | head -20 | tee -a "$log"
+  say "  exit $r (0 passed, 77 skipped: see above)"
+  [ "$r" = 0 ] || [ "$r" = 77 ] || kv_fail=1
+  for mode in "" --staged; do
+    say "twain-bench-kv-handoff --device $mode (bounded $(tmo 120) s):"
+    # shellcheck disable=SC2086  # $mode: no option or one
+    timeout "$(tmo 120)" "$bench" --device $mode --reps "${TW_KV_REPS:-5}" 2>"$work/bench.err" | tee -a "$log"
+    r=${PIPESTATUS[0]}
+    grep -E "kv handoff|ERROR|WARN" "$work/bench.err" | sed 's/^[^ ]* /  /' | sort -u | head -10 | tee -a "$log"
+    say "  exit $r"
+    [ "$r" = 0 ] || kv_fail=1
+  done
+  rm -rf "$work"
+  exit "$kv_fail"
+fi
 
 # the prompts: NAME ids-comma-separated, and the one-process references
 python3 -c '
@@ -274,9 +289,9 @@ grep -E " (ERROR|WARN) " "$work/serve.log" | head -10 | sed 's/^/  log: /' | tee
 if [ -x "$bench" ]; then
   say "twain-bench-kv-handoff --device (bounded $(tmo 30) s):"
   LD_LIBRARY_PATH=${libdir:+$libdir:}${LD_LIBRARY_PATH:-} timeout "$(tmo 30)" "$bench" --device --reps 5 \
-    --max-mib 64 2>"$work/bench.err" | tee -a "$log"
+    --tokens 1024,8192 2>"$work/bench.err" | tee -a "$log"
   r=${PIPESTATUS[0]}
-  grep "kv handoff mode" "$work/bench.err" | sed 's/^[^ ]* /  /' | sort -u | tee -a "$log"
+  grep -E "kv handoff (mode|path)" "$work/bench.err" | sed 's/^[^ ]* /  /' | sort -u | tee -a "$log"
   case $r in 0) ;; 77) say "  bench: no GPU (skipped)" ;; 124) say "  bench: cut at the time bound" ;;
     *) say "  bench: exit $r"; tail -5 "$work/bench.err" | tee -a "$log" ;; esac
 fi

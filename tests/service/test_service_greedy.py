@@ -24,9 +24,11 @@ assert len(cases["long"]) > 96 and len(cases["system_water"]) > 32
 
 # 32-token prefill chunks: the KV of each chunk is handed off while the next
 # one computes; the output must still equal the single-chunk reference
+# (--batch-seqs 1: one prompt per pass, so the put batches counted below follow
+# each prompt's own chunks; batched prompts: test_service_prefill_batch.py)
 # --max-batch 3 with 9 requests in flight: sequences wait for a batch slot and
 # take turns, and the output must not depend on the batch composition
-c = svc.Cluster(1, 1, decode_args=["--verify-kv", "--max-batch", "3"], prefill_args=["--chunk-tokens", "32"])
+c = svc.Cluster(1, 1, decode_args=["--verify-kv", "--max-batch", "3"], prefill_args=["--chunk-tokens", "32", "--batch-seqs", "1"])
 try:
     cl = c.client()
     rids = {name: cl.send(svc.generate(ids, N)) for name, ids in cases.items()}

@@ -6,12 +6,7 @@ functions.get_weather with <|constrain|>json arguments ending in <|call|>
 messages and finish reason TOOL_CALL. The fake decode worker streams exactly
 the ids it was given, so this checks the router's Harmony streaming path and
 its protocol handling with workers it did not start."""
-import subprocess
-import threading
-import time
-
-import zmq
-
+import fake_workers
 import fixtures
 import svc
 
@@ -21,79 +16,18 @@ from svc import check, finish
 SCRIPT_TEXT = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
                "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
                "{\"city\":\"Paris\"}<|call|>")
-tok = subprocess.run([svc.bin_path("router", "twain"), "tokenize", "--model", svc.MODEL, "--allow-special"],
-                     input=SCRIPT_TEXT, capture_output=True, text=True, timeout=60, check=True)
-SCRIPT = [int(x) for x in tok.stdout.strip().strip("[]").split(",")]
+SCRIPT = fake_workers.tokenize(SCRIPT_TEXT)
 assert SCRIPT[-1] == fixtures.CALL
 
 
-class FakeWorkers(threading.Thread):
-    """A prefill and a decode worker speaking twain.internal.v1 from one thread."""
-
-    def __init__(self, endpoint):
-        super().__init__(daemon=True)
-        self.ctx = zmq.Context.instance()
-        self.socks = {}
-        for name, pool in ((b"fake-prefill", "POOL_PREFILL"), (b"fake-decode", "POOL_DECODE")):
-            s = svc.worker_socket(self.ctx, name, endpoint)
-            e = svc.Envelope()
-            e.register.pool = svc.E[pool]
-            e.register.name = name.decode()
-            e.register.kv_block_size = 16
-            e.register.capacity.free_kv_blocks = e.register.capacity.total_kv_blocks = 1000
-            s.send(e.SerializeToString())
-            self.socks[name] = s
-        self.stop = False
-        self.seen = []
-
-    def run(self):
-        last_hb = 0
-        poller = zmq.Poller()
-        for s in self.socks.values():
-            poller.register(s, zmq.POLLIN)
-        while not self.stop:
-            if time.time() - last_hb > 0.2:
-                for s in self.socks.values():
-                    e = svc.Envelope()
-                    e.heartbeat.capacity.free_kv_blocks = e.heartbeat.capacity.total_kv_blocks = 1000
-                    s.send(e.SerializeToString())
-                last_hb = time.time()
-            for s, _ in poller.poll(50):
-                e = svc.Envelope()
-                e.ParseFromString(s.recv())
-                kind = e.WhichOneof("body")
-                self.seen.append(kind)
-                out = svc.Envelope()
-                if kind == "reserve":
-                    out.reserved.request_id = e.reserve.request_id
-                    out.reserved.handoff.block_ids.extend([0])
-                    out.reserved.handoff.layout.n_layers = 4
-                elif kind == "prefill":
-                    out.prefill_done.request_id = e.prefill.request_id
-                    out.prefill_done.first_token = SCRIPT[0]
-                elif kind == "decode":
-                    for i, t in enumerate(SCRIPT[1:]):
-                        o = svc.Envelope()
-                        o.tokens.request_id = e.decode.request_id
-                        o.tokens.tokens.append(t)
-                        o.tokens.finished = t in e.decode.stop_token_ids or i == len(SCRIPT) - 2
-                        o.tokens.finish_reason = svc.E["FINISH_STOP"] if o.tokens.finished else 0
-                        s.send(o.SerializeToString())
-                        if o.tokens.finished:
-                            break
-                    continue
-                else:
-                    continue
-                s.send(out.SerializeToString())
-
-
 router = svc.Proc([svc.bin_path("router", "twain-router"), "--model", svc.MODEL, "--listen", "tcp://127.0.0.1:0",
-                   "--workers", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--expect-prefill", "1",
+                   "--workers", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--expire-ms", "10000",
+                   "--expect-prefill", "1",
                    "--expect-decode", "1"], "router")
 fw = None
 try:
     m = router.wait_line(r"listening clients=(\S+) workers=(\S+)", 30)
-    fw = FakeWorkers(m.group(2))
+    fw = fake_workers.FakeWorkers(m.group(2), SCRIPT)
     fw.start()
     router.wait_line(r"twain-router: ready", 30)
     cl = svc.Client(m.group(1))

@@ -1,0 +1,325 @@
+"""The OpenAI-compatible HTTP API against exact model output: twain-router
+with fake workers (fake_workers.py) that generate scripted Harmony ids, so
+every known way gpt-oss output goes wrong in OpenAI-compatible servers is
+driven through the real router, its Harmony parser and the HTTP layer:
+tool calls ending in <|call|> or <|return|>, arguments streamed over many
+tokens, a final answer after analysis, output only on commentary, a
+recipient in the channel part of the header (or the role part), earlier
+reasoning and tool results carried into the next prompt, reasoning effort
+in the system message, an unexpected token inside a header. Then bad input:
+malformed JSON, wrong types, unknown fields, unsupported parameters, wrong
+model, unknown paths; the router keeps serving throughout."""
+import json
+import subprocess
+
+import fake_workers
+import http_client
+import svc
+
+from http_client import chat_text, finish_reason
+from svc import check, finish
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+RESP_TOOLS = [dict(type="function", **TOOLS[0]["function"])]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        "{\"city\":\"Paris\"}")
+
+
+def render(conv, text=False):
+    """The prompt `twain render` makes of an OpenAI chat conversation."""
+    argv = [svc.bin_path("router", "twain"), "render", "--model", svc.MODEL] + (["--text"] if text else [])
+    out = subprocess.run(argv, input=json.dumps(conv), capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    return out if text else json.loads(out)
+
+
+def detok(ids):
+    return subprocess.run([svc.bin_path("router", "twain"), "detokenize", "--model", svc.MODEL],
+                          input=json.dumps(ids), capture_output=True, text=True, timeout=60,
+                          check=True).stdout
+
+
+router, fw, ep, url = fake_workers.router_with_fakes([0])
+api = http_client.Api(url)
+mport = int(router.wait_line(r"metrics port (\d+)", 10).group(1))
+
+
+def script(text, delay=0.0):
+    fw.script = fake_workers.tokenize(text)
+    fw.token_delay = delay
+
+
+def last_prompt():
+    with fw.lock:
+        return fw.prompts[max(fw.prompts)]
+
+
+try:
+    # ---- models, health ----
+    st, models = api.get("/v1/models")
+    check(st == 200 and models["object"] == "list" and
+          [m["id"] for m in models["data"]] == ["tiny-gptoss-wordnet-mxfp4"],
+          "GET /v1/models lists the model directory's name (%s)" % models)
+    st, one = api.get("/v1/models/tiny-gptoss-wordnet-mxfp4")
+    check(st == 200 and one["id"] == "tiny-gptoss-wordnet-mxfp4", "GET /v1/models/ID")
+    st, h = api.get("/health")
+    check(st == 200 and h["status"] == "ok", "GET /health: 200 with workers registered (%s)" % h)
+
+    # ---- 1. a tool call ending with <|call|> ----
+    script(CALL + "<|call|>")
+    st, r = api.post("/v1/chat/completions", {"model": "tiny-gptoss-wordnet-mxfp4", "messages": USER,
+                                               "tools": TOOLS})
+    msg = r["choices"][0]["message"] if st == 200 else {}
+    calls = msg.get("tool_calls") or []
+    check(st == 200 and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather" and
+          json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"} and
+          calls[0]["type"] == "function" and calls[0]["id"],
+          "<|call|>: one tool call get_weather {city: Paris} (%s)" % r)
+    check(st == 200 and msg.get("content") is None and msg.get("reasoning_content") == "Need the weather.",
+          "<|call|>: no content, the analysis as reasoning_content (%r, %r)" % (
+              msg.get("content"), msg.get("reasoning_content")))
+    check(st == 200 and r["choices"][0]["finish_reason"] == "tool_calls", "<|call|>: finish_reason tool_calls")
+    n_script = len(fw.script)
+    check(st == 200 and r["usage"]["completion_tokens"] == n_script and
+          r["usage"]["prompt_tokens"] == len(last_prompt()) and
+          r["usage"]["total_tokens"] == n_script + len(last_prompt()),
+          "usage counts the real ids: %s (script %d, prompt %d)" % (r.get("usage"), n_script, len(last_prompt())))
+    check(last_prompt() == render({"messages": USER, "tools": TOOLS}),
+          "the prompt with the tool is what `twain render` makes of the same JSON")
+
+    # ---- 2. a tool call ending with <|return|> ----
+    script(CALL + "<|return|>")
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "tools": TOOLS})
+    calls = r["choices"][0]["message"].get("tool_calls") or [] if st == 200 else []
+    check(st == 200 and len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+          and r["choices"][0]["finish_reason"] == "tool_calls" and r["choices"][0]["message"]["content"] is None,
+          "<|return|> after a tool call: still a tool call, not content (%s)" % r)
+    st, r = api.post("/v1/responses", {"input": "What is the weather in Paris?", "tools": RESP_TOOLS})
+    fcs = [o for o in r.get("output", []) if o["type"] == "function_call"]
+    check(st == 200 and len(fcs) == 1 and fcs[0]["name"] == "get_weather" and
+          json.loads(fcs[0]["arguments"]) == {"city": "Paris"} and fcs[0]["call_id"] and
+          [o["type"] for o in r["output"]] == ["reasoning", "function_call"],
+          "/v1/responses: reasoning then one function_call item (%s)" % r.get("output"))
+
+    # ---- 3. tool-call arguments streamed across many tokens ----
+    args = '{"city":"San Francisco","unit":"celsius","days":[1,2,3],"note":"bring an umbrella"}'
+    script("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>" + args + "<|call|>",
+           delay=0.005)
+    st, ev = api.stream("/v1/chat/completions", {"messages": USER, "tools": TOOLS})
+    content, reasoning, calls = chat_text(ev)
+    arg_chunks = [tc for _, d in ev if d != "[DONE]" and d.get("choices")
+                  for tc in d["choices"][0]["delta"].get("tool_calls") or []
+                  if (tc.get("function") or {}).get("arguments")]
+    check(st == 200 and len(calls) == 1 and calls[0]["name"] == "get_weather" and calls[0]["arguments"] == args,
+          "streamed tool call: name once, arguments reassembled exactly (%s)" % calls)
+    check(len(arg_chunks) >= 10 and all(tc["index"] == 0 for tc in arg_chunks),
+          "arguments arrive as they are generated: %d argument deltas, all index 0" % len(arg_chunks))
+    head = [tc for _, d in ev if d != "[DONE]" and d.get("choices")
+            for tc in d["choices"][0]["delta"].get("tool_calls") or [] if tc.get("id")]
+    check(len(head) == 1 and head[0]["type"] == "function" and head[0]["function"]["name"] == "get_weather",
+          "the first tool-call delta has index, id, type and name")
+    check(finish_reason(ev) == "tool_calls" and ev[-1] == (None, "[DONE]") and content == "",
+          "stream ends with finish_reason tool_calls and [DONE]")
+    st, ev = api.stream("/v1/responses", {"input": "Weather?", "tools": RESP_TOOLS})
+    deltas = [d["delta"] for n, d in ev if n == "response.function_call_arguments.delta"]
+    done = [d["arguments"] for n, d in ev if n == "response.function_call_arguments.done"]
+    check(st == 200 and len(deltas) >= 10 and "".join(deltas) == args and done == [args],
+          "/v1/responses streams function_call_arguments deltas (%d) and done" % len(deltas))
+
+    # ---- 4. a final answer after analysis ----
+    script("<|channel|>analysis<|message|>The user greets.<|end|><|start|>assistant"
+           "<|channel|>final<|message|>Hello there, friend.<|return|>", delay=0.002)
+    st, r = api.post("/v1/chat/completions", {"messages": USER})
+    msg = r["choices"][0]["message"] if st == 200 else {}
+    check(st == 200 and msg["content"] == "Hello there, friend." and msg["reasoning_content"] == "The user greets."
+          and "tool_calls" not in msg and r["choices"][0]["finish_reason"] == "stop",
+          "final after analysis: content and reasoning_content apart (%s)" % msg)
+    n_reasoning = len(fake_workers.tokenize("The user greets."))
+    check(st == 200 and r["usage"]["completion_tokens_details"]["reasoning_tokens"] == n_reasoning,
+          "usage.completion_tokens_details.reasoning_tokens counts the analysis text ids (%s, want %d)" % (
+              r.get("usage"), n_reasoning))
+    st, ev = api.stream("/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}})
+    content, reasoning, calls = chat_text(ev)
+    first = ev[0][1]["choices"][0]["delta"] if ev else {}
+    usage = [d["usage"] for _, d in ev if d != "[DONE]" and d.get("usage")]
+    check(st == 200 and content == "Hello there, friend." and reasoning == "The user greets." and not calls,
+          "streamed: reasoning_content deltas then content deltas (%r / %r)" % (reasoning, content))
+    order = ["r" if d["choices"][0]["delta"].get("reasoning_content") else "c"
+             for _, d in ev if d != "[DONE]" and d.get("choices") and
+             (d["choices"][0]["delta"].get("reasoning_content") or d["choices"][0]["delta"].get("content"))]
+    check(first.get("role") == "assistant" and len(order) > 4 and order == sorted(order, reverse=True),
+          "role first, every reasoning delta before the first content delta (%s)" % "".join(order))
+    check(len(usage) == 1 and usage[0]["completion_tokens"] == len(fw.script) and
+          ev[-2][1]["choices"] == [], "stream_options.include_usage: one usage chunk, real counts (%s)" % usage)
+    st, r = api.post("/v1/responses", {"input": "Hi", "instructions": "Be brief."})
+    check(st == 200 and [o["type"] for o in r["output"]] == ["reasoning", "message"] and
+          r["output"][1]["content"][0]["text"] == "Hello there, friend." and
+          r["output"][0]["content"][0]["text"] == "The user greets." and r["status"] == "completed" and
+          r["usage"]["output_tokens"] == len(fw.script) and
+          r["usage"]["output_tokens_details"]["reasoning_tokens"] == n_reasoning,
+          "/v1/responses: reasoning item, message item with output_text, usage (%s)" % r.get("output"))
+    st, ev = api.stream("/v1/responses", {"input": "Hi"})
+    names = [n for n, _ in ev]
+    text = "".join(d["delta"] for n, d in ev if n == "response.output_text.delta")
+    rtext = "".join(d["delta"] for n, d in ev if n == "response.reasoning_text.delta")
+    seqs = [d["sequence_number"] for _, d in ev]
+    check(st == 200 and names[:2] == ["response.created", "response.in_progress"] and
+          names[-1] == "response.completed" and names.count("response.output_item.added") == 2 and
+          names.count("response.output_item.done") == 2 and text == "Hello there, friend." and
+          rtext == "The user greets." and seqs == list(range(len(seqs))),
+          "/v1/responses stream: created, in_progress, items added/done, deltas, completed, sequence numbers")
+    fin = ev[-1][1]["response"] if ev else {}
+    check(fin.get("usage", {}).get("output_tokens") == len(fw.script) and len(fin.get("output", [])) == 2,
+          "response.completed carries the output and usage")
+
+    # ---- 5. output only on commentary, no tools ----
+    script("<|channel|>commentary<|message|>Only commentary here.<|end|>")
+    st, r = api.post("/v1/chat/completions", {"messages": USER})
+    check(st == 200 and r["choices"][0]["message"]["content"] == "Only commentary here." and
+          r["choices"][0]["finish_reason"] == "stop",
+          "commentary without a recipient is content, not lost (%s)" % r.get("choices"))
+    st, ev = api.stream("/v1/chat/completions", {"messages": USER})
+    check(chat_text(ev)[0] == "Only commentary here.", "streamed commentary is content too")
+
+    # ---- 6. multi-turn: earlier reasoning and tool results reach the prompt ----
+    script("<|channel|>final<|message|>It is sunny in Paris.<|return|>")
+    turns = USER + [
+        {"role": "assistant", "content": None, "reasoning_content": "Need the weather.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"sky\":\"sunny\"}"}]
+    st, r = api.post("/v1/chat/completions", {"messages": turns, "tools": TOOLS})
+    prompt = last_prompt()
+    text = detok(prompt)
+    check(st == 200 and r["choices"][0]["message"]["content"] == "It is sunny in Paris.",
+          "multi-turn answer (%s)" % r.get("choices"))
+    check(prompt == render({"messages": turns, "tools": TOOLS}),
+          "multi-turn prompt equals `twain render` of the same conversation")
+    check("Need the weather." in text and "to=functions.get_weather" in text and '{"sky":"sunny"}' in text
+          and "functions.get_weather to=assistant" in text,
+          "the prompt carries the earlier reasoning, the call and the tool result")
+    items = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "Need the weather."}]},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": "{\"city\":\"Paris\"}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "{\"sky\":\"sunny\"}"}]
+    st, r = api.post("/v1/responses", {"input": items, "tools": RESP_TOOLS})
+    check(st == 200 and last_prompt() == prompt,
+          "/v1/responses items (reasoning, function_call, function_call_output) render the same prompt")
+
+    # ---- 7. a recipient in the channel part of the header (and in the role part) ----
+    script("<|channel|>analysis to=functions.get_weather<|message|>{\"city\":\"Oslo\"}<|call|>")
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "tools": TOOLS})
+    calls = r["choices"][0]["message"].get("tool_calls") or [] if st == 200 else []
+    check(len(calls) == 1 and calls[0]["function"]["name"] == "get_weather" and
+          json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"} and
+          r["choices"][0]["message"]["reasoning_content"] is None,
+          "recipient after the channel (even on analysis): a tool call, not reasoning (%s)" % r.get("choices"))
+    script("<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+           "{\"city\":\"Rome\"}<|call|>")
+    st, ev = api.stream("/v1/chat/completions", {"messages": USER, "tools": TOOLS})
+    content, reasoning, calls = chat_text(ev)
+    check(len(calls) == 1 and calls[0]["name"] == "get_weather" and calls[0]["arguments"] == '{"city":"Rome"}'
+          and content == "", "recipient in the role part, streamed: a tool call (%s)" % calls)
+
+    # ---- 8. reasoning_effort reaches the system message ----
+    script("<|channel|>final<|message|>ok<|return|>")
+    for effort in ("low", "high"):
+        st, r = api.post("/v1/chat/completions", {"messages": USER, "reasoning_effort": effort})
+        text = detok(last_prompt())
+        check(st == 200 and ("Reasoning: %s" % effort) in text and
+              last_prompt() == render({"messages": USER, "reasoning_effort": effort}),
+              "reasoning_effort %s: 'Reasoning: %s' in the system message" % (effort, effort))
+    st, r = api.post("/v1/responses", {"input": "Hi", "reasoning": {"effort": "high"}})
+    check(st == 200 and "Reasoning: high" in detok(last_prompt()), "/v1/responses reasoning.effort high")
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "reasoning_effort": "extreme"})
+    check(st == 400 and "reasoning_effort" in r["error"]["message"], "reasoning_effort extreme: 400")
+
+    # ---- 9. an unexpected token in the middle of a header ----
+    before = svc.metrics(mport).get("twain_router_harmony_unexpected_total", 0)
+    script("<|channel|>final<|end|><|start|>assistant<|channel|>final<|message|>Recovered answer.<|return|>")
+    st, r = api.post("/v1/chat/completions", {"messages": USER})
+    check(st == 200 and r["choices"][0]["message"]["content"] == "Recovered answer.",
+          "<|end|> inside a header: 200 with what was generated, never a 500 (%s %s)" % (st, r))
+    st, ev = api.stream("/v1/chat/completions", {"messages": USER})
+    check(st == 200 and chat_text(ev)[0] == "Recovered answer." and ev[-1][1] == "[DONE]",
+          "streamed: the same text, the stream ends normally")
+    after = svc.metrics(mport).get("twain_router_harmony_unexpected_total", 0)
+    check(after >= before + 2, "router_harmony_unexpected_total counts them (%s -> %s)" % (before, after))
+    check(router.seen(r"unexpected model output .*inside a message header", 5),
+          "the router logs the unexpected output")
+    m = svc.metrics(mport)
+    check(m.get("twain_router_http_requests_total", 0) == 24 and m.get("twain_router_http_errors_total") == 1,
+          "router_http_requests_total / _errors_total (%s / %s: one 400 so far)" % (
+              m.get("twain_router_http_requests_total"), m.get("twain_router_http_errors_total")))
+    script("<|channel|>final<|message|>Cut off in the mid")
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "max_tokens": 7})
+    check(st == 200 and r["choices"][0]["finish_reason"] == "length" and
+          r["usage"]["completion_tokens"] == 7 and r["choices"][0]["message"]["content"],
+          "max_tokens: finish_reason length, partial content kept (%s)" % r.get("choices"))
+
+    # ---- completions ----
+    script("The dog barked.<|return|>")
+    st, r = api.post("/v1/completions", {"prompt": "Once", "max_tokens": 50})
+    check(st == 200 and r["object"] == "text_completion" and r["choices"][0]["text"] == "The dog barked." and
+          r["choices"][0]["finish_reason"] == "stop" and r["usage"]["prompt_tokens"] == len(last_prompt()),
+          "/v1/completions: text, finish_reason, usage (%s)" % r)
+    ids = fake_workers.tokenize("Once upon")
+    st, r = api.post("/v1/completions", {"prompt": ids, "max_tokens": 50, "stop": [" barked"]})
+    check(st == 200 and last_prompt() == ids and r["choices"][0]["text"] == "The dog" and
+          r["choices"][0]["finish_reason"] == "stop",
+          "/v1/completions: token-id prompt, stop string cuts the text (%s)" % r.get("choices"))
+    st, ev = api.stream("/v1/completions", {"prompt": "Once", "max_tokens": 3})
+    text = "".join(d["choices"][0]["text"] for _, d in ev if d != "[DONE]" and d["choices"])
+    fr = [d["choices"][0]["finish_reason"] for _, d in ev if d != "[DONE]" and d["choices"]][-1]
+    check(st == 200 and text == detok(fw.script[:3]) and fr == "length" and ev[-1][1] == "[DONE]",
+          "/v1/completions streamed, max_tokens 3: finish_reason length (%r)" % text)
+
+    # ---- bad input: a clear 4xx, the router keeps serving ----
+    st, r = api.post("/v1/chat/completions", raw='{"messages": [{"role": "user", "content": "hi"}')
+    check(st == 400 and r["error"]["type"] == "invalid_request_error" and "not valid JSON" in r["error"]["message"],
+          "malformed JSON: 400 (%s)" % r)
+    for body, param in (({"messages": "hi"}, "messages"), ({"messages": USER, "max_tokens": "5"}, "max_tokens"),
+                        ({"messages": USER, "stream": "yes"}, "stream"),
+                        ({"messages": USER, "temperature": "hot"}, "temperature"),
+                        ({"messages": USER, "n": 2}, "n"),
+                        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+                        ({"messages": USER, "logprobs": True}, "logprobs"),
+                        ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                          "tools": TOOLS}, "tool_choice")):
+        st, r = api.post("/v1/chat/completions", body)
+        check(st == 400 and r["error"]["param"] == param and param in r["error"]["message"],
+              "%s: 400 naming %s (%s)" % (json.dumps(body)[:60], param, r))
+    st, r = api.post("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"})
+    check(st == 400 and r["error"]["param"] == "previous_response_id", "previous_response_id: 400 (%s)" % r)
+    st, r = api.post("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
+    check(st == 400 and "wizard" in r["error"]["message"], "unknown role: 400 (%s)" % r)
+    st, r = api.post("/v1/chat/completions", {"model": "gpt-4o", "messages": USER})
+    check(st == 404 and r["error"]["code"] == "model_not_found", "another model: 404 model_not_found")
+    st, r = api.get("/v1/nothing")
+    check(st == 404 and r["error"]["type"] == "not_found_error", "unknown path: 404")
+    st, r = api.get("/v1/chat/completions")
+    check(st == 405, "GET on a POST endpoint: 405")
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "max_tokens": 100000})
+    check(st == 400 and "max_tokens" in r["error"]["message"], "max_tokens over the limit: 400 from the router")
+    script("<|channel|>final<|message|>Still here.<|return|>")
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "user": "u1", "metadata": {"a": "b"},
+                                               "some_future_field": [1, 2], "tool_choice": "none",
+                                               "tools": TOOLS, "temperature": 0.5, "seed": 7, "top_p": 0.9})
+    check(st == 200 and r["choices"][0]["message"]["content"] == "Still here." and
+          last_prompt() == render({"messages": USER}),
+          "unknown fields ignored; tool_choice none renders no tools; the router still serves")
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "tools": TOOLS,
+                                               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    check(st == 200 and "Call the function get_weather now." in detok(last_prompt()),
+          "a named tool_choice steers the developer message")
+finally:
+    fw.close()
+    rc = router.stop()
+check(rc == 0, "router stops cleanly (%s)" % rc)
+finish()

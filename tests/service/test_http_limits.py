@@ -1,0 +1,208 @@
+"""The HTTP API's limits with fake workers (fake_workers.py): the API key on
+both APIs (401 / UNAUTHENTICATED), a body over --http-max-body (413), more
+requests than --max-requests (429), a deadline (504), a client that
+disconnects mid-stream or while it waits (its request is cancelled at the
+workers and the router drops it), 256 concurrent SSE streams that all
+complete, and /health and a request before workers register (503). The router keeps serving after each."""
+import atexit
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+
+import fake_workers
+import http_client
+import svc
+
+from http_client import chat_text
+from svc import check, finish
+
+KEY = "sk-test-7f3a"
+USER = [{"role": "user", "content": "Tell me about dogs."}]
+ANSWER = "Dogs are loyal companions and good friends."
+SCRIPT = fake_workers.tokenize("<|channel|>final<|message|>" + ANSWER + "<|return|>")
+
+# ---- the key from a file (its first line); a missing or empty file is a usage error ----
+tmp = tempfile.mkdtemp()
+keyfile = os.path.join(tmp, "key")
+with open(keyfile, "w") as f:
+    f.write(KEY + "\n# comment lines after the first are ignored\n")
+open(os.path.join(tmp, "empty"), "w").close()
+atexit.register(shutil.rmtree, tmp, True)
+for path, why in ((os.path.join(tmp, "missing"), "cannot read"), (os.path.join(tmp, "empty"), "is empty")):
+    p = subprocess.run([svc.bin_path("router", "twain-router"), "--api-key-file", path], capture_output=True,
+                       text=True, timeout=30)
+    check(p.returncode == 2 and why in p.stderr, "--api-key-file %s: exit 2, %r" % (os.path.basename(path),
+                                                                                 p.stderr.strip()))
+
+# ---- a router with a key and small limits; slow fake workers ----
+router = svc.Proc([svc.bin_path("router", "twain-router"), "--model", svc.MODEL,
+                   "--listen", "tcp://127.0.0.1:0", "--workers", "tcp://127.0.0.1:0", "--metrics-port", "0",
+                   "--http-port", "0", "--api-key-file", keyfile, "--http-max-body", "65536", "--max-requests", "4",
+                   "--deadline-ms", "3000", "--served-model-name", "twain-test", "--expect-prefill", "1",
+                   "--expire-ms", "10000",
+                   "--expect-decode", "1"], "router")
+m = router.wait_line(r"listening clients=(\S+) workers=(\S+)", 30)
+url = router.wait_line(r"serving the OpenAI API on (http://127\.0\.0\.1:\d+)/v1", 10).group(1)
+mport = int(router.wait_line(r"metrics port (\d+)", 10).group(1))
+api = http_client.Api(url, key=KEY)
+st, h = api.get("/health")
+check(st == 503 and h["status"] == "unavailable" and "worker" in h["reason"],
+      "/health before any worker registered: 503 (%s)" % h)
+st, r = api.post("/v1/chat/completions", {"messages": USER})
+check(st == 503 and r["error"]["type"] == "service_unavailable_error",
+      "a request with no worker registered: 503 (UNAVAILABLE) (%s)" % r)
+fw = fake_workers.FakeWorkers(m.group(2), SCRIPT, token_delay=0.1)
+fw.start()
+router.wait_line(r"twain-router: ready", 30)
+try:
+    st, h = api.get("/health")
+    check(st == 200, "/health with workers: 200")
+    # ---- API key ----
+    st, r = api.get("/v1/models", key="")
+    check(st == 401 and r["error"]["type"] == "authentication_error" and "Missing" in r["error"]["message"],
+          "no key: 401 (%s)" % r)
+    st, r = api.post("/v1/chat/completions", {"messages": USER}, key="sk-wrong")
+    check(st == 401 and "Incorrect" in r["error"]["message"], "wrong key: 401 (%s)" % r)
+    st, r = api.get("/v1/models")
+    check(st == 200 and r["data"][0]["id"] == "twain-test", "right key: 200, --served-model-name (%s)" % r)
+    cl = svc.Client(m.group(1))
+    rep = cl.wait([cl.send(svc.chat("Dogs?", 8))], 10)[0][-1]
+    check(rep.error.code == svc.E["UNAUTHENTICATED"], "protobuf without api_key: UNAUTHENTICATED (%s)" % rep.error.message)
+    req = svc.chat("Dogs?", 8)
+    req.api_key = "sk-wrong"
+    rep = cl.wait([cl.send(req)], 10)[0][-1]
+    check(rep.error.code == svc.E["UNAUTHENTICATED"], "protobuf with a wrong api_key: UNAUTHENTICATED")
+    req = svc.chat("Dogs?", 64)
+    req.api_key = KEY
+    reps = cl.wait([cl.send(req)], 30)[0]
+    check(reps[-1].error.code == 0 and "".join(d.content for r in reps for d in r.deltas) == ANSWER,
+          "protobuf with the key: served (%s)" % reps[-1].error.message)
+    cl.close()
+
+    # ---- body limit ----
+    big = {"messages": [{"role": "user", "content": "x" * 100000}]}
+    st, r = api.post("/v1/chat/completions", big)
+    check(st == 413 and "limit" in r["error"]["message"], "a 100 kB body over --http-max-body 65536: 413 (%s)" % r)
+
+    # ---- deadline: 504 ----
+    fw.token_delay = 0.5  # 30 ids: 15 s, over the 3 s deadline
+    st, r = api.post("/v1/chat/completions", {"messages": USER})
+    check(st == 504 and r["error"]["type"] == "timeout_error", "past --deadline-ms: 504 (%s)" % r)
+    fw.token_delay = 0.1
+
+    # ---- 429: more than --max-requests in flight ----
+    results = []
+
+    def one():
+        results.append(api.stream("/v1/chat/completions", {"messages": USER}))
+
+    started = [threading.Thread(target=one) for _ in range(4)]
+    for t in started:
+        t.start()
+    end = time.time() + 10
+    while time.time() < end and svc.metrics(mport).get("twain_router_running_requests", 0) < 4:
+        time.sleep(0.02)
+    st, r = api.post("/v1/chat/completions", {"messages": USER})
+    check(st == 429 and r["error"]["type"] == "rate_limit_error" and "too many" in r["error"]["message"],
+          "a 5th request with --max-requests 4: 429 (%s)" % r)
+    for t in started:
+        t.join(30)
+    check(len(results) == 4 and all(s == 200 and chat_text(ev)[0] == ANSWER for s, ev in results),
+          "the 4 streams in flight complete")
+
+    # ---- a client that disconnects mid-stream ----
+    fw.token_delay = 0.2
+    with fw.lock:
+        seen_before = set(fw.prompts)
+    st, ev = api.stream("/v1/chat/completions", {"messages": USER}, on_event=lambda i, e: i >= 3)
+    check(st == 200 and len(ev) == 4, "read 4 events, then hang up")
+    with fw.lock:
+        rid = (set(fw.prompts) - seen_before).pop()
+    end = time.time() + 10
+    while time.time() < end and rid not in fw.cancelled:
+        time.sleep(0.05)
+    check(rid in fw.cancelled, "the decode worker got a Cancel for the abandoned request (frees its blocks)")
+    end = time.time() + 5
+    while time.time() < end and svc.metrics(mport).get("twain_router_running_requests", 0) != 0:
+        time.sleep(0.05)
+    check(svc.metrics(mport).get("twain_router_running_requests") == 0, "the router dropped it")
+    check(router.seen(r"client went away .*cancelling", 5), "the router logs the cancellation")
+    # a non-streamed request whose client hangs up while it runs
+    fw.token_delay = 0.5  # its ids take 7.5 s
+    with fw.lock:
+        seen_before = set(fw.prompts)
+    body = json.dumps({"messages": USER}).encode()
+    s = socket.create_connection((api.host, api.port), timeout=5)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+              b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    end = time.time() + 10
+    while time.time() < end and not (set(fw.prompts) - seen_before):
+        time.sleep(0.02)
+    s.close()
+    t_close = time.time()
+    with fw.lock:
+        new = set(fw.prompts) - seen_before
+    rid = new.pop() if new else None
+    while time.time() < t_close + 10 and rid not in fw.cancelled:
+        time.sleep(0.05)
+    check(rid is not None and rid in fw.cancelled and time.time() - t_close < 4,
+          "a non-streamed request whose client hung up is cancelled at the workers after %.1f s "
+          "(its %d ids take 7.5 s)" % (time.time() - t_close, len(SCRIPT)))
+    s = socket.create_connection((api.host, api.port), timeout=5)  # a half-sent request, then gone
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
+    s.close()
+    fw.token_delay = 0.0
+    st, r = api.post("/v1/chat/completions", {"messages": USER})
+    check(st == 200 and r["choices"][0]["message"]["content"] == ANSWER, "the router keeps serving")
+finally:
+    fw.close()
+    rc = router.stop()
+check(rc == 0, "router stops cleanly (%s)" % rc)
+
+# ---- 256 concurrent SSE streams ----
+router, fw, ep, url = fake_workers.router_with_fakes(SCRIPT, token_delay=0.02)
+rport = int(router.wait_line(r"metrics port (\d+)", 10).group(1))
+api = http_client.Api(url, timeout=120)
+N = 256
+out = [None] * N
+
+
+def stream(i):
+    try:
+        out[i] = api.stream("/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}})
+    except Exception as e:  # noqa: BLE001 -- reported below
+        out[i] = (0, repr(e))
+
+
+try:
+    fw.hold = True  # every stream stays open until all N are in flight
+    t0 = time.time()
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(N)]
+    for t in threads:
+        t.start()
+    end = time.time() + 120
+    running = 0
+    while time.time() < end and running < N:
+        time.sleep(0.1)
+        running = svc.metrics(rport).get("twain_router_running_requests", 0)
+    check(running == N, "%d streams in flight at once (router_running_requests %d)" % (N, running))
+    fw.hold = False
+    for t in threads:
+        t.join(max(1.0, 180 - (time.time() - t0)))
+    ok = [o for o in out if o and o[0] == 200 and chat_text(o[1])[0] == ANSWER and o[1][-1][1] == "[DONE]"]
+    bad = [o for o in out if o not in ok]
+    check(len(ok) == N, "%d concurrent SSE streams: %d complete with the full answer in %.1f s%s" % (
+        N, len(ok), time.time() - t0, "" if not bad else "; first bad: %r" % (bad[0],)))
+    usage = [d["usage"]["completion_tokens"] for o in ok for _, d in o[1] if d != "[DONE]" and d.get("usage")]
+    check(usage == [len(SCRIPT)] * N, "each stream's usage counts its %d ids" % len(SCRIPT))
+    check(len(fw.prompts) == N, "the workers saw %d requests" % len(fw.prompts))
+finally:
+    fw.close()
+    rc = router.stop()
+check(rc == 0, "router stops cleanly (%s)" % rc)
+finish()
