@@ -210,7 +210,6 @@ static tw_status_t bind_tensor(tw_model_t *m, const tw_tensor_spec_t *sp) {
                   "%s: tensor '%s' has the wrong %s: expected %s %s, found %s %s",
                   tw_safetensors_path(f), sp->name, dtype_ok ? "shape" : "dtype",
                   tw_dtype_name(sp->dtype), want, tw_dtype_name(t->dtype), got);
-  TW_CHECK(check_finite(tw_safetensors_path(f), sp->name, t->dtype, t->data, t->n_bytes));
   if ((uintptr_t)t->data % tw_dtype_size(t->dtype) != 0)
     impl->n_misaligned++; /* legal, but element loads through typed pointers are not */
   tw_tensor_t *v = sp->dst;
@@ -285,6 +284,22 @@ static tw_status_t load_into(tw_model_t *m, const char *dir) {
     TW_WARN("loader", "%s: %lld tensors in the files are not used by the model", dir,
             (long long)(in_files - impl->n_tensors));
   return TW_OK;
+}
+
+tw_status_t tw_model_check_finite(const tw_model_t *m) {
+  const tw_model_impl_t *impl = m->impl;
+  const double t0 = now_s();
+  tw_model_specs_t specs;
+  TW_CHECK(tw_model_specs_build(&m->config, (tw_model_t *)m, &specs));
+  tw_status_t st = TW_OK;
+  for (int64_t i = 0; i < specs.n && st == TW_OK; i++) {
+    const tw_tensor_t *t = specs.specs[i].dst;
+    if (t->data) st = check_finite(impl->source, specs.specs[i].name, t->dtype, t->data, t->n_bytes);
+  }
+  tw_model_specs_fini(&specs);
+  if (st == TW_OK)
+    TW_INFO("loader", "weights checked: no NaN or infinity (%.3f s)", now_s() - t0);
+  return st;
 }
 
 tw_status_t tw_model_load(const char *dir, tw_model_t **model_p) {

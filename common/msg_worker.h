@@ -42,6 +42,8 @@ typedef struct {
   int32_t ranks;
   int32_t kv_block_size, n_layers, vocab_size;
   char backend[16];
+  ProtobufCBinaryData *kv_addresses; /* decode: each rank's UCX address (borrowed), sent in Register */
+  size_t n_kv_addresses;
   bool registered;  /* RegisterAck seen */
   int64_t last_register_ns;
   /* heartbeat thread: its own socket; reads cap/draining under mu */

@@ -87,6 +87,7 @@ typedef struct {
   tw_dist_identity_t id; /* this rank and its group (issue 6, dist.h) */
   tw_dist_t *dist;
   tw_decode_ranks_t rk;
+  ProtobufCBinaryData kv_addr[64]; /* each rank's UCX address, for Register (borrowed) */
   /* step scratch */
   int32_t *tok, *pos, *nb, *out;
   const int32_t **tables;
@@ -528,6 +529,7 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   d->p = p;
   d->id = *id;
   TW_CHECK(tw_model_load(p->model_dir, &d->model));
+  TW_CHECK(tw_model_check_finite(d->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
   tw_backend_kind_t be = p->backend;
   if (be == TW_BACKEND_AUTO) be = tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;
@@ -608,6 +610,15 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   d->link.kv_block_size = l->block_size;
   d->link.n_layers = l->n_layers;
   d->link.vocab_size = d->model->config.vocab_size;
+  /* the addresses handoffs will name: the router forwards no others */
+  size_t alen = 0;
+  d->kv_addr[0].data = (uint8_t *)tw_kv_xfer_address(d->xfer, &alen);
+  d->kv_addr[0].len = alen;
+  size_t n_addr = 1;
+  for (int32_t k = 1; k < d->rk.n_ranks && n_addr < sizeof d->kv_addr / sizeof d->kv_addr[0]; k++)
+    d->kv_addr[n_addr++] = d->rk.ranks[k]->ucx_address;
+  d->link.kv_addresses = d->kv_addr;
+  d->link.n_kv_addresses = n_addr;
   snprintf(d->link.backend, sizeof d->link.backend, "%s",
            tw_backend_name(tw_engine_backend(d->engine)));
   TW_INFO("decode", "%s: %s backend, %d kv blocks of %d tokens, max batch %d, router %s", name,

@@ -496,6 +496,7 @@ void tw_router_fini(tw_router_t *r) {
   r->http = NULL;
   for (int32_t i = 0; i < r->n_reqs; i++) tw_req_free(r->reqs[i]);
   free(r->reqs);
+  for (int32_t i = 0; i < r->n_workers; i++) tw_rworker_free_addrs(&r->workers[i]);
   free(r->workers);
   if (r->csock) zmq_close(r->csock);
   if (r->wsock) zmq_close(r->wsock);

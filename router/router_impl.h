@@ -47,6 +47,8 @@ typedef struct {
   int64_t queued_tokens;
   int32_t assigned_blocks;  /* blocks of this router's requests there (schedule) */
   int64_t requests;         /* handed to it, for tests and logs */
+  ProtobufCBinaryData *kv_addrs; /* decode: the UCX addresses it registered (owned) */
+  int32_t n_kv_addrs;
 } tw_rworker_t;
 
 typedef struct {
@@ -131,6 +133,8 @@ tw_req_t *tw_router_find_req(tw_router_t *r, uint64_t id);
 void tw_router_cancel_workers(tw_router_t *r, tw_req_t *q);
 
 /* ---- router_workers.c ---- */
+/** Free the UCX addresses a worker registered (NULL-safe fields). */
+void tw_rworker_free_addrs(tw_rworker_t *w);
 tw_rworker_t *tw_router_worker(tw_router_t *r, uint64_t serial);
 /** Handle one message on the worker socket. */
 void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m);

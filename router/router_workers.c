@@ -108,6 +108,44 @@ static void tw_apply_capacity(tw_rworker_t *w, const Twain__Internal__V1__Capaci
   w->queued_tokens = c->queued_prompt_tokens;
 }
 
+void tw_rworker_free_addrs(tw_rworker_t *w) {
+  for (int32_t i = 0; i < w->n_kv_addrs; i++) free(w->kv_addrs[i].data);
+  free(w->kv_addrs);
+  w->kv_addrs = NULL;
+  w->n_kv_addrs = 0;
+}
+
+/* Keep the UCX addresses a decode worker registered (at most 64 of 64 KiB). */
+static void tw_keep_addrs(tw_rworker_t *w, const Twain__Internal__V1__Register *g) {
+  tw_rworker_free_addrs(w);
+  size_t n = g->n_kv_addresses < 64 ? g->n_kv_addresses : 64;
+  if (!n || !(w->kv_addrs = calloc(n, sizeof *w->kv_addrs))) return;
+  for (size_t i = 0; i < n; i++) {
+    size_t len = g->kv_addresses[i].len;
+    if (!len || len > 65536 || !(w->kv_addrs[w->n_kv_addrs].data = malloc(len))) continue;
+    memcpy(w->kv_addrs[w->n_kv_addrs].data, g->kv_addresses[i].data, len);
+    w->kv_addrs[w->n_kv_addrs++].len = len;
+  }
+}
+
+/* A handoff may name only UCX addresses its decode worker registered: the
+ * prefill worker makes endpoints to them, and UCX aborts on some malformed
+ * addresses (a poisoned handoff must never reach a prefill worker). */
+static bool tw_handoff_vouched(const tw_rworker_t *w, const Twain__Internal__V1__KvHandoff *h) {
+  if (!h) return true; /* nothing to connect to; the prefill worker refuses it */
+  size_t n = 1 + h->n_ranks;
+  for (size_t k = 0; k < n; k++) {
+    const ProtobufCBinaryData *a = k == 0 ? &h->ucx_address
+                                          : (h->ranks[k - 1] ? &h->ranks[k - 1]->ucx_address : NULL);
+    if (!a || !a->len) continue;
+    bool known = false;
+    for (int32_t i = 0; i < w->n_kv_addrs && !known; i++)
+      known = w->kv_addrs[i].len == a->len && !memcmp(w->kv_addrs[i].data, a->data, a->len);
+    if (!known) return false;
+  }
+  return true;
+}
+
 static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Internal__V1__Register *g) {
   if (g->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL && g->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE) {
     tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, "register: pool must be prefill or decode");
@@ -138,6 +176,7 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
   w->draining = false;
   w->last_seen_ns = tw_msg_clock_ns();
   tw_apply_capacity(w, g->capacity);
+  tw_keep_addrs(w, g);
   TW_INFO("router", "worker %s registered: %s pool, backend %s, pid %d, %d/%d free kv blocks", w->name,
           w->pool == TWAIN__INTERNAL__V1__POOL__POOL_PREFILL ? "prefill" : "decode",
           g->backend ? g->backend : "?", g->pid, w->free_blocks, w->total_blocks);
@@ -221,6 +260,13 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
     }
     tw_router_fail(r, q, tw_known_code(rs->status->code), "%s",
                    rs->status->message ? rs->status->message : "reserve failed");
+    return;
+  }
+  if (!tw_handoff_vouched(w, rs->handoff)) {
+    TW_WARN("router", "decode worker %s sent a handoff for request %llu naming a UCX address it "
+            "did not register: refused", w->name, (unsigned long long)q->id);
+    tw_router_fail(r, q, TWAIN__V1__CODE__INTERNAL,
+                   "decode worker %s sent an invalid handoff (unregistered UCX address)", w->name);
     return;
   }
   /* prefill worker with the fewest queued prompt tokens */
@@ -423,6 +469,7 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
         tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
       }
     }
+    tw_rworker_free_addrs(w);
     r->workers[i] = r->workers[--r->n_workers];
     i--;
     tw_update_gauges(r);

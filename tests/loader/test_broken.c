@@ -184,6 +184,13 @@ static char *make_dir(const stw_tensor_t *t, int n, const char *config_text) {
 static tw_status_t load_dir(char *dir) {
   tw_model_t *m = NULL;
   tw_status_t st = tw_model_load(dir, &m);
+  if (st == TW_OK) { /* what a worker does before it serves */
+    st = tw_model_check_finite(m);
+    if (st != TW_OK) {
+      tw_model_destroy(m);
+      m = NULL;
+    }
+  }
   tw_model_destroy(m);
   if (st != TW_OK) EXPECT(m == NULL);
   stw_rmtree(dir);

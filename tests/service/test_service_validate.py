@@ -3,7 +3,9 @@ hold the link keys (so what is tested is the router, not the link security):
 - from workers: token ids outside the vocabulary (-1, 2^31-1), an unknown
   finish reason (99) and an unknown error code (999) fail that request with
   INTERNAL and a message that says so; tokens for a request the worker does
-  not hold are dropped; the router keeps serving;
+  not hold are dropped; a handoff naming a UCX address the decode worker did
+  not register is refused before any prefill worker sees it; the router
+  keeps serving;
 - from clients: a date that is not a real YYYY-MM-DD (or that carries text),
   a NUL byte in any string (content, stop strings), invalid UTF-8 in a role,
   a 17th stop_token_id: each an INVALID_ARGUMENT naming the field, and every
@@ -95,6 +97,36 @@ try:
     ok2 = run(5, [6, 7], finish_reason=E["FINISH_LENGTH"])
     check(ok2.error.code == 0 and svc.tokens_of(cl.replies[ok2.request_id]) == [5, 6, 7],
           "after all that the router still serves: tokens %s" % svc.tokens_of(cl.replies[ok2.request_id]))
+
+    # a handoff naming a UCX address the decode worker did not register never
+    # reaches a prefill worker (UCX aborts on some malformed addresses)
+    reg = svc.register_envelope("fake-decode", "POOL_DECODE", free_blocks=1000)
+    reg.register.kv_addresses.append(b"\x01the-real-address")
+    dec.send(reg.SerializeToString())
+    recv(dec, "register_ack")
+    for addr, ok_ in ((b"\x02\xff garbage", False), (b"\x01the-real-address", True)):
+        rid = cl.send(svc.generate(fixtures.ids("short_dog"), 8, deadline_ms=60000))
+        rv = recv(dec, "reserve")
+        out = svc.Envelope()
+        out.reserved.request_id = rv.reserve.request_id
+        out.reserved.handoff.block_ids.append(0)
+        out.reserved.handoff.ucx_address = addr
+        dec.send(out.SerializeToString())
+        if ok_:
+            pr = recv(pre, "prefill")
+            check(pr.prefill.handoff.ucx_address == addr, "the registered address is forwarded")
+            cancel = svc.ClientRequest()
+            cancel.cancel.target_request_id = rid
+            cl.wait([cl.send(cancel), rid], 30)
+        else:
+            r = cl.wait([rid], 30)[0][-1]
+            try:
+                recv(pre, "prefill", timeout=1)
+                leaked = True
+            except AssertionError:
+                leaked = False
+            check(r.error.code == E["INTERNAL"] and "unregistered UCX address" in r.error.message and not leaked,
+                  "a handoff with an unregistered UCX address: INTERNAL, no PrefillRequest (%s)" % r.error.message)
 
     # ---- clients
     def ask(req, raw=None):
