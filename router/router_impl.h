@@ -16,10 +16,13 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* A pool empty this long (a worker stalled past its expiry, restarting):
- * requests that wait for it, new or retried, get UNAVAILABLE; until then they
- * wait (or reach their deadline) and run when a worker comes back. */
+/* A pool whose last worker expired (stalled past its expiry, restarting)
+ * may come back: requests that wait for it, new or retried, get UNAVAILABLE
+ * only after this long; until then they wait (or reach their deadline) and
+ * run when a worker registers. A pool that is empty otherwise (none ever
+ * registered, the last one drained): TW_ROUTER_POOL_EMPTY_MS. */
 #define TW_ROUTER_POOL_GRACE_MS 5000
+#define TW_ROUTER_POOL_EMPTY_MS 2000
 #define TW_RMAX_USER_STOP 16 /* stop_token_ids a request may give; more: INVALID_ARGUMENT */
 #define TW_RMAX_STOP (TW_RMAX_USER_STOP + 2) /* + chat's <|return|> and <|call|> */
 
@@ -92,6 +95,7 @@ typedef struct {
   int32_t max_prompt;
   bool draining, ready_sent;
   int64_t empty_since_ns[2];   /* prefill, decode: when the pool last became empty (0: it has workers) */
+  bool empty_by_expiry[2];     /* ... because its last worker stopped heartbeating (a stall?) */
   void *chat_ctx;              /* tokenizer + Harmony encoder (router_chat.c) */
   tw_http_t *http;             /* NULL: no HTTP API */
   struct {

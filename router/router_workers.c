@@ -79,7 +79,7 @@ static void tw_update_gauges(tw_router_t *r) {
   int64_t now = tw_msg_clock_ns();
   for (int k = 0; k < 2; k++) {
     int32_t n = k ? nd : np;
-    if (n) r->empty_since_ns[k] = 0;
+    if (n) r->empty_since_ns[k] = 0, r->empty_by_expiry[k] = false;
     else if (!r->empty_since_ns[k]) r->empty_since_ns[k] = now;
   }
   tw_metric_set(r->m.prefill_workers, np);
@@ -469,8 +469,12 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
         tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
       }
     }
+    Twain__Internal__V1__Pool pool = w->pool;
+    int k = pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? 1 : 0;
     tw_rworker_free_addrs(w);
     r->workers[i] = r->workers[--r->n_workers];
+    if (tw_router_count_workers(r, pool) == 0 && !r->empty_by_expiry[k])
+      r->empty_by_expiry[k] = true, r->empty_since_ns[k] = now;
     i--;
     tw_update_gauges(r);
   }
@@ -491,11 +495,13 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       /* a stalled or restarting worker costs latency, not the request: wait
        * for the pool to come back for TW_ROUTER_POOL_GRACE_MS (counted from
        * when it emptied, or from arrival if later) or until the deadline */
-      int64_t since = r->empty_since_ns[no_decode ? 1 : 0];
+      int k = no_decode ? 1 : 0;
+      int64_t since = r->empty_since_ns[k];
       if (!since || since < q->t_arrival_ns) since = q->t_arrival_ns;
-      if (now - since > (int64_t)TW_ROUTER_POOL_GRACE_MS * 1000000)
+      int grace_ms = r->empty_by_expiry[k] ? TW_ROUTER_POOL_GRACE_MS : TW_ROUTER_POOL_EMPTY_MS;
+      if (now - since > (int64_t)grace_ms * 1000000)
         tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered (for %d ms)%s",
-                       no_decode ? "decode" : "prefill", TW_ROUTER_POOL_GRACE_MS,
+                       no_decode ? "decode" : "prefill", grace_ms,
                        q->attempts ? " after its worker failed" : "");
       continue;
     }
