@@ -411,3 +411,30 @@ tw_status_t tw_config_load(const char *path, tw_model_config_t *config_p) {
 int64_t tw_config_kv_bytes_per_token(const tw_model_config_t *config, int elem_bytes) {
   return 2 * (int64_t)config->n_kv_heads * config->head_dim * elem_bytes;
 }
+
+void tw_config_gptoss(int big, tw_model_config_t *c) {
+  memset(c, 0, sizeof *c);
+  c->n_layers = big ? 36 : 24;
+  c->n_experts = big ? 128 : 32;
+  c->n_experts_per_tok = 4;
+  c->vocab_size = 201088;
+  c->hidden = c->intermediate = 2880;
+  c->head_dim = 64;
+  c->n_heads = 64;
+  c->n_kv_heads = 8;
+  c->sliding_window = 128;
+  c->attention_bias = true;
+  c->swiglu_limit = 7.0f;
+  c->swiglu_alpha = 1.702f;
+  c->rms_norm_eps = 1e-5f;
+  c->rope_theta = 150000.0;
+  c->rope_factor = 32.0;
+  c->rope_beta_fast = 32.0;
+  c->rope_beta_slow = 1.0;
+  c->rope_original_max_pos = c->initial_context_length = 4096;
+  c->max_position_embeddings = 131072;
+  c->eos_token_id = 200002;
+  c->pad_token_id = 199999;
+  c->mxfp4 = true;
+  for (int l = 0; l < c->n_layers; l++) c->layer_types[l] = l % 2 ? TW_LAYER_FULL : TW_LAYER_SLIDING;
+}

@@ -61,6 +61,14 @@ tw_status_t tw_config_load(const char *path, tw_model_config_t *config_p);
 /** Parse config.json text (same errors as tw_config_load, minus TW_ERR_IO). */
 tw_status_t tw_config_parse(const char *json_text, tw_model_config_t *config_p);
 
+/** The published configuration of gpt-oss-20b (big = 0: 24 layers, 32
+ *  experts) or gpt-oss-120b (big = 1: 36 layers, 128 experts), as their
+ *  config.json gives it (spec §1.1): H = I = 2880, 64 query and 8 KV heads of
+ *  64, vocabulary 201,088, window 128 on the even (sliding) layers, YaRN
+ *  factor 32 over 4,096, context 131,072, MXFP4 experts. For planning and
+ *  benchmarks where no checkpoint is at hand. */
+void tw_config_gptoss(int big, tw_model_config_t *config_p);
+
 /** Bytes of K+V per token per layer at `elem_bytes` per value:
  *  2 * n_kv_heads * head_dim * elem_bytes (spec §3.7). */
 int64_t tw_config_kv_bytes_per_token(const tw_model_config_t *config, int elem_bytes);

@@ -44,11 +44,18 @@ static tw_status_t tw_engine_params_check(const tw_engine_params_t *p) {
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: kv_block_size %d <= 0", p->kv_block_size);
   if (p->kv_num_blocks < 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: kv_num_blocks %d < 0", p->kv_num_blocks);
-  if (p->max_batch <= 0)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: max_batch %d <= 0", p->max_batch);
-  if (p->max_prefill_chunk <= 0)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: max_prefill_chunk %d <= 0",
-                  p->max_prefill_chunk);
+  /* with a memory plan, 0 = planned */
+  int32_t lo = p->mem_role ? 0 : 1;
+  if (p->max_batch < lo)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: max_batch %d < %d", p->max_batch, lo);
+  if (p->max_prefill_chunk < lo)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: max_prefill_chunk %d < %d",
+                  p->max_prefill_chunk, lo);
+  if (p->mem_role < 0 || p->mem_role > 2 || p->mem_prefill_workers < 0 ||
+      p->mem_decode_workers < 0 || p->mem_utilization < 0 || p->mem_utilization > 1)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "engine: memory plan role %d, %d prefill + %d decode workers, utilization %.3f",
+                  p->mem_role, p->mem_prefill_workers, p->mem_decode_workers, p->mem_utilization);
   if (p->n_threads < 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: n_threads %d < 0", p->n_threads);
   if (p->tp_size < 1 || p->tp_rank < 0 || p->tp_rank >= p->tp_size)
@@ -104,6 +111,41 @@ static tw_status_t tw_engine_check(const tw_engine_t *engine, const char *op) {
 const tw_kv_layout_t *tw_engine_kv_layout(const tw_engine_t *engine) {
   if (tw_engine_check(engine, "kv_layout") != TW_OK) return NULL;
   return &engine->kv;
+}
+
+const tw_engine_params_t *tw_engine_params(const tw_engine_t *engine) {
+  if (tw_engine_check(engine, "params") != TW_OK) return NULL;
+  return &engine->params;
+}
+
+int tw_engine_weights_origin(const tw_engine_t *engine) {
+  if (tw_engine_check(engine, "weights_origin") != TW_OK) return 0;
+  return engine->weights_origin;
+}
+
+void tw_engine_plan_input(const tw_model_t *model, const tw_engine_params_t *p,
+                          tw_mem_plan_in_t *in) {
+  memset(in, 0, sizeof *in);
+  in->cfg = &model->config;
+  in->utilization = p->mem_utilization;
+  in->block_size = p->kv_block_size;
+  in->role = (tw_mem_role_t)p->mem_role;
+  in->n_prefill = p->mem_prefill_workers;
+  in->n_decode = p->mem_decode_workers;
+  if (in->n_prefill + in->n_decode == 0) { /* this worker alone */
+    in->n_prefill = p->mem_role == TW_MEM_ROLE_PREFILL;
+    in->n_decode = p->mem_role == TW_MEM_ROLE_DECODE;
+  }
+  in->kv_blocks = p->kv_num_blocks;
+  in->max_batch = p->mem_role == TW_MEM_ROLE_DECODE ? p->max_batch : 0;
+  in->prefill_tokens = p->mem_role == TW_MEM_ROLE_PREFILL ? p->max_prefill_chunk : 0;
+}
+
+void tw_engine_plan_apply(const tw_mem_plan_t *plan, tw_engine_params_t *p) {
+  tw_mem_plan_log(plan, "engine");
+  p->kv_num_blocks = plan->kv_blocks; /* the plan keeps an override */
+  if (!p->max_batch) p->max_batch = plan->max_batch;
+  if (!p->max_prefill_chunk) p->max_prefill_chunk = plan->prefill_tokens;
 }
 
 tw_backend_kind_t tw_engine_backend(const tw_engine_t *engine) {
@@ -319,6 +361,11 @@ tw_status_t tw_engine_prefill_batch(tw_engine_t *engine, const tw_prefill_batch_
   TW_CHECK(tw_engine_check_disjoint(engine, args));
   tw_prefill_plan_t p = {.seqs = args->seqs, .n_seqs = args->n_seqs, .batch = args};
   return tw_prefill_plan_run(engine, &p);
+}
+
+tw_status_t tw_engine_warmup(tw_engine_t *engine) {
+  TW_CHECK(tw_engine_check(engine, "warmup"));
+  return engine->ops->warmup ? engine->ops->warmup(engine) : TW_OK;
 }
 
 tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args) {

@@ -56,6 +56,20 @@ typedef struct {
    * batch and KV pool) and the MoE runs over every rank's tokens (EP). All
    * ranks must call prefill/decode together (one forward per call per chunk). */
   int32_t dp_attention;
+  /* memory plan (mem_plan.h). With mem_role set (1 prefill, 2 decode), the
+   * engine plans its memory once its weights are in place: kv_num_blocks,
+   * max_batch and max_prefill_chunk at 0 are planned, non-zero ones override.
+   * mem_role 0 keeps the fixed counts above (kv_num_blocks 0: most of the
+   * memory left, as before). */
+  int32_t mem_role;
+  int32_t mem_prefill_workers, mem_decode_workers; /* on this device, this one
+                                                    * included; 0, 0: this one alone */
+  double mem_utilization;  /* share of the device the workers on it use; 0: 0.90 */
+  /* cuda: a directory private to the workers of one service (0700): the
+   * first engine to create its weights there exports them through CUDA IPC,
+   * the others on the same device and shard map that copy instead of
+   * uploading their own. NULL: an own copy. */
+  const char *weights_share_dir;
 } tw_engine_params_t;
 
 #define TW_ENGINE_PARAMS_DEFAULT                                              \
@@ -95,6 +109,16 @@ void tw_engine_destroy(tw_engine_t *engine);
 
 /** Layout of the KV pool (valid until destroy). */
 const tw_kv_layout_t *tw_engine_kv_layout(const tw_engine_t *engine);
+
+/** The parameters the engine runs with: those given, with the backend and
+ *  the memory plan's kv_num_blocks, max_batch and max_prefill_chunk filled
+ *  in (valid until destroy). */
+const tw_engine_params_t *tw_engine_params(const tw_engine_t *engine);
+
+/** Where this engine's weights live: 0 its own copy, 1 its own copy that it
+ *  exports to the other workers (weights_share_dir), 2 another worker's copy
+ *  mapped through CUDA IPC. */
+int tw_engine_weights_origin(const tw_engine_t *engine);
 
 /** The backend actually used (never AUTO). */
 tw_backend_kind_t tw_engine_backend(const tw_engine_t *engine);
@@ -195,6 +219,15 @@ typedef struct {
   int32_t *next_tokens_out;           /* may be NULL */
 } tw_decode_args_t;
 tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args);
+
+/** Prepare everything decode steps would otherwise prepare on first use, so
+ *  that the first requests do not pay for it: the CUDA backend captures the
+ *  decode graph of every (batch bucket, context bucket) its max_batch and
+ *  the model's context allow (logging progress); the CPU backend has
+ *  nothing to do. A daemon calls it before it registers as ready. Errors:
+ *  TW_ERR_INVALID_ARGUMENT (not an engine), TW_ERR_CUDA (a capture failed:
+ *  graphs are then off and decode runs eagerly, correct but slower). */
+tw_status_t tw_engine_warmup(tw_engine_t *engine);
 
 #ifdef __cplusplus
 }

@@ -132,7 +132,7 @@ tw_status_t tw_model_specs_build(const tw_model_config_t *c, tw_model_t *m,
     ADD(&w->sinks, TW_INIT_SINK, B, 1, NQ, 0, 0, 0, "self_attn.sinks");
     s.specs[s.n - 1].alt_f32 = true; /* sinks: bf16 in the checkpoint, f32 accepted */
     ADD(&w->mlp_norm, TW_INIT_NORM, B, 1, H, 0, 0, 0, "post_attention_layernorm.weight");
-    ADD(&w->router_w, TW_INIT_WEIGHT, B, 2, E, H, 0, 0, "mlp.router.weight");
+    ADD(&w->router_w, TW_INIT_ROUTER, B, 2, E, H, 0, 0, "mlp.router.weight");
     ADD(&w->router_b, TW_INIT_WEIGHT, B, 1, E, 0, 0, 0, "mlp.router.bias");
     if (w->experts_format == TW_EXPERTS_MXFP4) {
       ADD(&w->gate_up_blocks, TW_INIT_FP4, U, 4, E, 2 * I, H / 32, 16,
@@ -157,6 +157,12 @@ tw_status_t tw_model_specs_build(const tw_model_config_t *c, tw_model_t *m,
   spec_add(&s, &m->lm_head, TW_INIT_WEIGHT, B, 2, V, H, 0, 0, "lm_head.weight", 0);
   *specs_p = s;
   return TW_OK;
+}
+
+int64_t tw_tensor_spec_bytes(const tw_tensor_spec_t *spec) {
+  int64_t n = (int64_t)tw_dtype_size(spec->dtype);
+  for (int d = 0; d < spec->ndim; d++) n *= spec->shape[d];
+  return n;
 }
 
 void tw_model_specs_fini(tw_model_specs_t *specs) {

@@ -117,6 +117,31 @@ tw_status_t tw_model_check_finite(const tw_model_t *model);
 tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
                                tw_model_t **model_p);
 
+/** What tw_model_write_synthetic wrote (or would write). */
+typedef struct {
+  int64_t total_bytes; /* tensor bytes, the index's metadata.total_size */
+  int64_t n_tensors;
+  int32_t n_shards;
+  double seconds;      /* writing time (0 for a plan) */
+} tw_model_write_info_t;
+
+/** Write a checkpoint of `config`'s shapes (MXFP4 experts: config->mxfp4
+ *  must be set) into `dir` (created if missing) in the Hugging Face layout
+ *  (spec §3.1, §3.2): the tensors in file order split into shards of at most
+ *  max_shard_bytes (one tensor may exceed it alone), named
+ *  model-0000k-of-0000N.safetensors (k from 0, N the last index), plus
+ *  model.safetensors.index.json (metadata.total_size, weight_map). Values
+ *  are tw_model_synthetic's for `seed`, so tw_model_load of the result
+ *  equals tw_model_synthetic(config, seed) byte for byte. Streams: memory
+ *  is one 4 MiB buffer per thread (threads 0: one per core); progress is
+ *  logged every 10 %. config.json, the tokenizer and the rest are the
+ *  caller's (`twain write-checkpoint`). plan_only: fill *info, write
+ *  nothing. Errors: TW_ERR_INVALID_ARGUMENT (no MXFP4, sizes not multiples
+ *  of 32, shard size <= 0), TW_ERR_IO (naming the file), TW_ERR_NO_MEMORY. */
+tw_status_t tw_model_write_synthetic(const tw_model_config_t *config, const char *dir,
+                                     uint64_t seed, int64_t max_shard_bytes, int threads,
+                                     bool plan_only, tw_model_write_info_t *info);
+
 /** Unmap and free. NULL does nothing. */
 void tw_model_destroy(tw_model_t *model);
 

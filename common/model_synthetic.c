@@ -1,9 +1,12 @@
 /* model_synthetic.c: tw_model_synthetic: weights with the real shapes and
  * dtypes of a config and seeded random values of realistic scale, for
  * benchmarks without a checkpoint. One anonymous mapping holds every tensor
- * (one arena per lifetime); it is filled by one thread per core in 4 MiB
- * chunks, each chunk with its own RNG stream seeded by (seed, tensor, chunk),
- * so the values do not depend on the thread count. */
+ * (one arena per lifetime), filled by tw_synthetic_fill: one thread per core
+ * in 4 MiB chunks, each chunk with its own RNG stream seeded by (seed, chunk),
+ * so the values do not depend on the thread count. The same fill writes
+ * random checkpoints to disk (`twain write-checkpoint`, router/cli_ckpt.c),
+ * so a checkpoint written with a seed loads as the synthetic model of that
+ * seed, byte for byte. */
 #include "common/model.h"
 
 #include "common/log.h"
@@ -13,6 +16,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -20,22 +24,19 @@
 #include <unistd.h>
 
 #define TW_SYN_ALIGN 256
-#define TW_SYN_CHUNK_BYTES ((int64_t)4 << 20)
 #define TW_SYN_MAX_THREADS 64
-
-typedef struct {
-  const tw_tensor_spec_t *spec;
-  uint8_t *data;
-  int64_t n_bytes;
-  int64_t first_chunk; /* global chunk index of this tensor's first chunk */
-} tw_syn_tensor_t;
 
 typedef struct {
   tw_syn_tensor_t *tensors;
   int64_t n_tensors;
   int64_t n_chunks;
   uint64_t seed;
+  tw_syn_sink_fn sink;
+  void *ctx;
   atomic_llong next_chunk;
+  atomic_int failed;
+  tw_status_t st; /* the first error (under `failed`) */
+  char msg[512];
 } tw_syn_job_t;
 
 static uint64_t splitmix64(uint64_t *s) {
@@ -67,10 +68,9 @@ static inline float rng_normal(uint64_t *s) {
   return ((float)sum - 131070.0f) * (1.7320508f / 65536.0f);
 }
 
-static void fill_chunk(const tw_syn_tensor_t *t, int64_t chunk, uint64_t seed) {
-  int64_t off = (chunk - t->first_chunk) * TW_SYN_CHUNK_BYTES;
-  int64_t n = t->n_bytes - off < TW_SYN_CHUNK_BYTES ? t->n_bytes - off : TW_SYN_CHUNK_BYTES;
-  uint8_t *p = t->data + off;
+/* n bytes of tensor t's global chunk `chunk` into p. */
+static void fill_chunk(const tw_syn_tensor_t *t, int64_t chunk, uint64_t seed, uint8_t *p,
+                       int64_t n) {
   uint64_t sm = seed ^ ((uint64_t)chunk * 0xd1342543de82ef95ull);
   uint64_t s = splitmix64(&sm) | 1;
   switch (t->spec->init) {
@@ -91,6 +91,11 @@ static void fill_chunk(const tw_syn_tensor_t *t, int64_t chunk, uint64_t seed) {
     default: {
       float mean = t->spec->init == TW_INIT_NORM ? 1.0f : 0.0f;
       float sd = t->spec->init == TW_INIT_SINK ? 1.0f : 0.02f;
+      /* the router: logits z = W t of a normed t (rms ~1) get sd ~2, so the
+       * top-k choice is decisive (a trained router's softmax is peaked)
+       * while every expert's logit has the same law: balanced on average */
+      if (t->spec->init == TW_INIT_ROUTER && t->spec->ndim == 2 && t->spec->shape[1] > 0)
+        sd = 2.0f / sqrtf((float)t->spec->shape[1]);
       uint16_t *h = (uint16_t *)p;
       int64_t n_el = n / 2;
       for (int64_t i = 0; i < n_el; i++) h[i] = tw_f32_to_bf16(mean + sd * rng_normal(&s));
@@ -101,16 +106,71 @@ static void fill_chunk(const tw_syn_tensor_t *t, int64_t chunk, uint64_t seed) {
 
 static void *fill_worker(void *arg) {
   tw_syn_job_t *job = arg;
+  uint8_t *buf = NULL;
   int64_t t = 0;
-  for (;;) {
+  while (!atomic_load(&job->failed)) {
     int64_t c = atomic_fetch_add(&job->next_chunk, 1);
     if (c >= job->n_chunks) break;
     while (t + 1 < job->n_tensors && job->tensors[t + 1].first_chunk <= c) t++;
     /* chunks are claimed in increasing order, but other threads move ahead:
      * the search above only ever moves forward for this thread */
-    fill_chunk(&job->tensors[t], c, job->seed);
+    const tw_syn_tensor_t *x = &job->tensors[t];
+    int64_t off = (c - x->first_chunk) * TW_SYN_CHUNK_BYTES;
+    int64_t n = x->n_bytes - off < TW_SYN_CHUNK_BYTES ? x->n_bytes - off : TW_SYN_CHUNK_BYTES;
+    if (x->data) {
+      fill_chunk(x, c, job->seed, x->data + off, n);
+      continue;
+    }
+    if (!buf && !(buf = malloc((size_t)TW_SYN_CHUNK_BYTES))) {
+      if (atomic_exchange(&job->failed, 1) == 0)
+        job->st = tw_err(TW_ERR_NO_MEMORY, "synthetic fill: cannot allocate a chunk buffer");
+      break;
+    }
+    fill_chunk(x, c, job->seed, buf, n);
+    tw_status_t st = job->sink(job->ctx, x, off, buf, n);
+    if (st != TW_OK && atomic_exchange(&job->failed, 1) == 0) {
+      job->st = st;
+      snprintf(job->msg, sizeof job->msg, "%s", tw_last_error());
+    }
   }
+  free(buf);
   return NULL;
+}
+
+tw_status_t tw_synthetic_fill(tw_syn_tensor_t *ts, int64_t n_tensors, uint64_t seed,
+                              int max_threads, tw_syn_sink_fn sink, void *ctx, int *threads_p) {
+  int64_t chunks = 0;
+  for (int64_t i = 0; i < n_tensors; i++) {
+    ts[i].first_chunk = chunks;
+    chunks += (ts[i].n_bytes + TW_SYN_CHUNK_BYTES - 1) / TW_SYN_CHUNK_BYTES;
+    if (!ts[i].data && !sink)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "synthetic fill: %s has no data and no sink",
+                    ts[i].spec->name);
+  }
+  tw_syn_job_t job;
+  memset(&job, 0, sizeof job);
+  job.tensors = ts;
+  job.n_tensors = n_tensors;
+  job.n_chunks = chunks;
+  job.seed = seed;
+  job.sink = sink;
+  job.ctx = ctx;
+  job.st = TW_OK;
+  atomic_init(&job.next_chunk, 0);
+  atomic_init(&job.failed, 0);
+  long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
+  int n_threads = max_threads > 0 ? max_threads : n_cpu < 1 ? 1 : (int)n_cpu;
+  if (n_threads > TW_SYN_MAX_THREADS) n_threads = TW_SYN_MAX_THREADS;
+  if (n_threads > chunks) n_threads = chunks > 0 ? (int)chunks : 1;
+  pthread_t tids[TW_SYN_MAX_THREADS];
+  int started = 0;
+  for (; started < n_threads; started++)
+    if (pthread_create(&tids[started], NULL, fill_worker, &job) != 0) break;
+  if (started == 0) fill_worker(&job); /* no thread could start: fill here */
+  for (int i = 0; i < started; i++) pthread_join(tids[i], NULL);
+  if (threads_p) *threads_p = started ? started : 1;
+  if (job.st != TW_OK && job.msg[0]) return tw_err(job.st, "%s", job.msg);
+  return job.st;
 }
 
 static double now_s(void) {
@@ -147,15 +207,10 @@ tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
     goto fail;
   }
   size_t total = 0;
-  int64_t chunks = 0;
   for (int64_t i = 0; i < specs.n; i++) {
-    const tw_tensor_spec_t *sp = &specs.specs[i];
-    int64_t n = (int64_t)tw_dtype_size(sp->dtype);
-    for (int d = 0; d < sp->ndim; d++) n *= sp->shape[d];
-    ts[i].spec = sp;
+    int64_t n = tw_tensor_spec_bytes(&specs.specs[i]);
+    ts[i].spec = &specs.specs[i];
     ts[i].n_bytes = n;
-    ts[i].first_chunk = chunks;
-    chunks += (n + TW_SYN_CHUNK_BYTES - 1) / TW_SYN_CHUNK_BYTES;
     ts[i].data = (uint8_t *)(uintptr_t)total; /* offset for now */
     total += ((size_t)n + TW_SYN_ALIGN - 1) / TW_SYN_ALIGN * TW_SYN_ALIGN;
   }
@@ -181,28 +236,15 @@ tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
     m->weight_bytes += ts[i].n_bytes;
   }
   impl->n_tensors = specs.n;
-
-  tw_syn_job_t job;
-  job.tensors = ts;
-  job.n_tensors = specs.n;
-  job.n_chunks = chunks;
-  job.seed = seed;
-  atomic_init(&job.next_chunk, 0);
-  long n_cpu = sysconf(_SC_NPROCESSORS_ONLN);
-  int n_threads = n_cpu < 1 ? 1 : n_cpu > TW_SYN_MAX_THREADS ? TW_SYN_MAX_THREADS : (int)n_cpu;
-  if (n_threads > chunks) n_threads = (int)chunks;
-  pthread_t tids[TW_SYN_MAX_THREADS];
-  int started = 0;
-  for (; started < n_threads; started++)
-    if (pthread_create(&tids[started], NULL, fill_worker, &job) != 0) break;
-  if (started == 0) fill_worker(&job); /* no thread could start: fill here */
-  for (int i = 0; i < started; i++) pthread_join(tids[i], NULL);
+  int started = 1;
+  st = tw_synthetic_fill(ts, specs.n, seed, 0, NULL, NULL, &started);
+  if (st != TW_OK) goto fail;
 
   TW_INFO("loader", "synthetic model: %d layers, %s experts, %lld tensors, %lld bytes "
           "(%.2f GiB), seed %llu, %d threads, %.2f s",
           config->n_layers, config->mxfp4 ? "mxfp4" : "bf16", (long long)specs.n,
           (long long)m->weight_bytes, (double)m->weight_bytes / (1024.0 * 1024.0 * 1024.0),
-          (unsigned long long)seed, started ? started : 1, now_s() - t0);
+          (unsigned long long)seed, started, now_s() - t0);
   free(ts);
   tw_model_specs_fini(&specs);
   *model_p = m;

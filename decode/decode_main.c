@@ -3,6 +3,7 @@
 
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/mem_plan.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +17,10 @@ static void usage(void) {
   fprintf(stderr,
           "usage: twain-decode --router tcp://HOST:PORT [--model DIR] [--name NAME]\n"
           "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--max-batch N]\n"
+          "           (--kv-blocks and --max-batch default to the memory plan: docs/operations.md)\n"
+          "         [--gpu-memory-utilization F (default 0.90)] [--colocated P,D (prefill and\n"
+          "           decode workers on this device, this one included; default this one alone)]\n"
+          "         [--share-weights DIR (cuda: one copy of the weights for the workers of DIR)]\n"
           "         [--threads N] [--metrics-port P (-1 off, 0 ephemeral)] [--verify-kv]\n"
           "         [--tp N] [--ep N]   tensor / expert parallel ranks (docs/parallelism.md)\n"
           "         [--dp N]   data-parallel attention: N ranks, each a replica with its own\n"
@@ -56,6 +61,15 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "--kv-blocks")) p.kv_blocks = atoi(v);
     else if (!strcmp(a, "--block-size")) p.block_size = atoi(v);
     else if (!strcmp(a, "--max-batch")) p.max_batch = atoi(v);
+    else if (!strcmp(a, "--gpu-memory-utilization")) {
+      if (tw_mem_parse_utilization(v, &p.gpu_memory_utilization) != TW_OK) return 2;
+    } else if (!strcmp(a, "--colocated")) {
+      if (tw_mem_parse_colocated(v, &p.colocated_prefill, &p.colocated_decode) != TW_OK) return 2;
+      if (p.colocated_decode < 1) {
+        fprintf(stderr, "twain-decode: --colocated %s counts no decode worker (this one)\n", v);
+        return 2;
+      }
+    } else if (!strcmp(a, "--share-weights")) p.share_weights_dir = v;
     else if (!strcmp(a, "--threads")) p.threads = atoi(v);
     else if (!strcmp(a, "--metrics-port")) p.metrics_port = atoi(v);
     else if (!strcmp(a, "--metrics-addr")) p.metrics_addr = v;

@@ -210,11 +210,24 @@ static void tw_decode_check_own(tw_decode_ranks_t *rk, int32_t n_prompt, const i
   }
 }
 
-/* This rank's part of a check: the target alone (or every rank for -1). */
+/* The admit plan's target for "copy your staged blocks to the device". */
+#define TW_DECODE_TARGET_COMMIT (-2)
+
+/* This rank's part of a check: the target alone (or every rank for -1); or
+ * of a commit (TW_DECODE_TARGET_COMMIT: the other ranks copy their staged
+ * mirror's blocks to the device, rank 0 does its own asynchronously). */
 static void tw_decode_check(tw_decode_ranks_t *rk, int32_t target, bool per_layer,
                             int32_t n_prompt, const int32_t *ids, int32_t nb, const uint64_t *sums,
                             size_t n_sums, int *ok, int *bad, char *msg, size_t msg_len) {
-  if (target >= 0 && target != tw_dist_rank(rk->dist)) {
+  if (target == TW_DECODE_TARGET_COMMIT) {
+    *ok = rk->model->config.n_layers;
+    *bad = 0;
+    if (tw_dist_rank(rk->dist) != 0 && tw_kv_region_commit(rk->region, ids, nb) != TW_OK) {
+      snprintf(msg, msg_len, "%s", tw_last_error());
+      *ok = 0;
+      *bad = rk->model->config.n_layers;
+    }
+  } else if (target >= 0 && target != tw_dist_rank(rk->dist)) {
     *ok = rk->model->config.n_layers; /* neutral for the min / max below */
     *bad = 0;
   } else if (per_layer) {
@@ -272,6 +285,17 @@ bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t target, bool per_laye
   *ok_layers_p = all_ok;
   *bad_layers_p = any_bad;
   return any_bad == 0;
+}
+
+tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, const int32_t *ids, int32_t nb) {
+  if (tw_dist_size(rk->dist) == 1) return TW_OK;
+  int ok = 0, bad = 0;
+  char msg[256] = "";
+  const uint64_t none = 0;
+  if (!tw_decode_ranks_verify(rk, TW_DECODE_TARGET_COMMIT, false, 0, ids, nb, &none, 0, &ok, &bad,
+                              msg, sizeof msg))
+    return tw_err(TW_ERR_CUDA, "kv commit on the decode ranks: %s", msg);
+  return TW_OK;
 }
 
 static tw_status_t tw_decode_ranks_hook(void *ctx, const void *buf, size_t len) {

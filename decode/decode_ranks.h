@@ -67,6 +67,14 @@ bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t target, bool per_laye
                             const int32_t *ids, int32_t nb, const uint64_t *sums, size_t n_sums,
                             int *ok_layers_p, int *bad_layers_p, char *msg, size_t msg_len);
 
+/** Rank 0 of a TP decode worker whose pools are staged (UCX without CUDA
+ *  memory support): have every other rank copy blocks ids[nb] from its
+ *  pinned mirror to its device pool (tw_kv_region_commit), waiting for all
+ *  of them; rank 0 commits its own pool itself. A group of one: nothing.
+ *  Errors: TW_ERR_CUDA (a rank's copy failed, or a rank did not answer; the
+ *  message names it). */
+tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, const int32_t *ids, int32_t nb);
+
 /** The other ranks: follow rank 0's plans until it says stop, progressing
  *  UCX between them (received puts may need the target's progress). */
 tw_status_t tw_decode_ranks_follow(tw_decode_ranks_t *rk);

@@ -36,10 +36,11 @@
 
 #define TW_DSEQ_MAX_STOP 16
 
-/* QUARANTINE: a reservation cancelled before its KV arrived. A prefill worker
- * may still be writing into those blocks (one-sided puts cannot be revoked),
- * so they stay out of the free list for TW_DSEQ_QUARANTINE_MS, longer than a
- * prefill worker ever writes for a request (TW_PREFILL_MAX_AGE_MS, 20 s). */
+/* QUARANTINE: a reservation cancelled or expired before its KV arrived. A
+ * prefill worker may still be writing into those blocks (one-sided puts
+ * cannot be revoked), so they stay out of the free list for
+ * TW_DSEQ_QUARANTINE_MS, longer than a prefill worker ever writes for a
+ * request (TW_PREFILL_MAX_AGE_MS, 20 s after the router handed it over). */
 /* COMMITTING: the KV is in (staged pool: in the pinned mirror) and its copy
  * to the device runs on the region's own stream; the sequence joins the
  * decode batches once the copy is done, so a handoff never stalls a step. */
@@ -74,6 +75,7 @@ typedef struct {
   tw_model_t *model;
   tw_engine_t *engine;
   int32_t n_dp;                          /* attention replicas (1: no --dp) */
+  int32_t max_batch;                     /* sequences per step and dp rank (planned or --max-batch) */
   tw_kv_blocks_t *bm[TW_DECODE_MAX_DP];  /* rank 0: a block manager per dp rank */
   int32_t pad[TW_DECODE_MAX_DP];         /* each dp rank's padding block (dist_engine.h) */
   tw_kv_xfer_t *xfer;
@@ -337,6 +339,8 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   bool verify = d->p->verify_kv && (r->n_layer_checksums || r->n_head_checksums);
   uint64_t ticket = 0;
   tw_status_t cst = s->rank == 0 ? tw_kv_region_commit_start(d->region, s->blocks, nb, &ticket) : TW_OK;
+  /* TP: the other ranks' staged pools too (same UCX, so staged alike) */
+  if (cst == TW_OK && ticket && d->n_dp == 1) cst = tw_decode_ranks_commit(&d->rk, s->blocks, nb);
   if (cst == TW_OK && verify && ticket) {
     cst = tw_kv_region_commit_wait(d->region, ticket);
     ticket = 0;
@@ -443,7 +447,7 @@ static void tw_on_cancel(tw_decoder_t *d, uint64_t id) {
 
 /* Put running sequence s into its rank's batch (slot s->rank * max_batch + k). */
 static void tw_decoder_batch_add(tw_decoder_t *d, tw_dseq_t *s, int32_t *cnt) {
-  int32_t j = s->rank * d->p->max_batch + cnt[s->rank]++;
+  int32_t j = s->rank * d->max_batch + cnt[s->rank]++;
   d->batch[j] = s;
   d->tok[j] = s->token;
   d->pos[j] = s->pos;
@@ -459,7 +463,7 @@ static void tw_decoder_batch_add(tw_decoder_t *d, tw_dseq_t *s, int32_t *cnt) {
  * after the last sequence it ran (its own step_start, so that another
  * rank's batch cannot make it start at the same sequence again). */
 static tw_status_t tw_decoder_step(tw_decoder_t *d) {
-  const int32_t B = d->p->max_batch, R = d->n_dp;
+  const int32_t B = d->max_batch, R = d->n_dp;
   int32_t cnt[TW_DECODE_MAX_DP] = {0}, running[TW_DECODE_MAX_DP] = {0}, n = 0;
   bool over = false;
   for (int32_t i = 0; i < d->n_seqs; i++)
@@ -545,10 +549,21 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   if (be == TW_BACKEND_CUDA) ep.device = d->id.local_rank;
   ep.backend = p->backend;
   ep.kv_block_size = p->block_size;
-  ep.kv_num_blocks = p->kv_blocks;
-  ep.max_batch = p->max_batch;
+  ep.kv_num_blocks = p->kv_blocks; /* 0: planned (mem_plan.h) */
+  ep.max_batch = p->max_batch;     /* 0: planned */
+  ep.max_prefill_chunk = 0;        /* planned: decode workers do not prefill */
+  ep.mem_role = TW_MEM_ROLE_DECODE;
+  ep.mem_prefill_workers = p->colocated_prefill;
+  ep.mem_decode_workers = p->colocated_decode;
+  ep.mem_utilization = p->gpu_memory_utilization;
+  ep.weights_share_dir = p->share_weights_dir;
   ep.n_threads = p->threads;
   TW_CHECK(tw_engine_create(d->model, &ep, &d->engine));
+  d->max_batch = tw_engine_params(d->engine)->max_batch;
+  /* ready means ready: weights uploaded and the kv pool allocated (above),
+   * decode graphs captured (here), all before registering with the router */
+  if (tw_engine_warmup(d->engine) != TW_OK)
+    TW_WARN("decode", "warmup: %s (decode runs without graphs)", tw_last_error());
   const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
   TW_CHECK(tw_kv_xfer_create(&d->xfer));
   TW_CHECK(tw_kv_region_register(d->xfer, l, &d->region));
@@ -568,7 +583,7 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
     d->pad[r] = n - 1;
   }
   /* step scratch: max_batch slots per dp rank (at most 65536 x 64: no overflow) */
-  int32_t B = p->max_batch * d->n_dp;
+  int32_t B = d->max_batch * d->n_dp;
   d->tok = malloc(sizeof(int32_t) * (size_t)B);
   d->pos = malloc(sizeof(int32_t) * (size_t)B);
   d->nb = malloc(sizeof(int32_t) * (size_t)B);
@@ -622,7 +637,7 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   snprintf(d->link.backend, sizeof d->link.backend, "%s",
            tw_backend_name(tw_engine_backend(d->engine)));
   TW_INFO("decode", "%s: %s backend, %d kv blocks of %d tokens, max batch %d, router %s", name,
-          d->link.backend, l->n_blocks, l->block_size, p->max_batch, p->router);
+          d->link.backend, l->n_blocks, l->block_size, d->max_batch, p->router);
   if (d->n_dp > 1)
     TW_INFO("decode", "%s: data-parallel attention over %d ranks, %d kv blocks each (%d in all), "
             "experts split over the %d ranks", name, d->n_dp, tw_kv_blocks_total(d->bm[0]),
@@ -657,8 +672,9 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
   if (p->tp < 1 || p->ep < 1 || (p->tp > 1 && p->ep > 1 && p->tp != p->ep))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "decode: --tp %d --ep %d: each >= 1, equal when both > 1",
                   p->tp, p->ep);
-  if (p->max_batch < 1 || p->max_batch > TW_DECODE_MAX_BATCH)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "decode: --max-batch %d: 1 to %d sequences per step%s",
+  if (p->max_batch < 0 || p->max_batch > TW_DECODE_MAX_BATCH)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "decode: --max-batch %d: 1 to %d sequences per step%s (0: planned)",
                   p->max_batch, TW_DECODE_MAX_BATCH, p->dp > 1 ? " and dp rank" : "");
   if (p->dp < 1 || p->dp > TW_DECODE_MAX_DP || (p->dp > 1 && (p->tp != 1 || p->ep != p->dp)))
     return tw_err(TW_ERR_INVALID_ARGUMENT,
@@ -758,8 +774,10 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     for (int32_t i = d.n_seqs - 1; i >= 0; i--) {
       tw_dseq_t *s = d.seqs[i];
       if (s->state == TW_DSEQ_RESERVED && now - s->t_ns > (int64_t)p->reserve_timeout_ms * 1000000) {
-        TW_WARN("decode", "request %llu: reservation expired", (unsigned long long)s->id);
-        tw_dseq_release(&d, i);
+        TW_WARN("decode", "request %llu: reservation expired: %d blocks quarantined",
+                (unsigned long long)s->id, s->n_blocks);
+        s->state = TW_DSEQ_QUARANTINE; /* a late prefill may still write there */
+        s->t_ns = now;
       } else if (s->state == TW_DSEQ_QUARANTINE &&
                  (now - s->t_ns > (int64_t)TW_DSEQ_QUARANTINE_MS * 1000000 || d.draining)) {
         tw_dseq_release(&d, i);

@@ -21,9 +21,14 @@ typedef struct {
   const char *router;       /* worker endpoint of the router */
   const char *name;         /* NULL: decode-<pid> */
   tw_backend_kind_t backend;
-  int32_t kv_blocks;        /* KV pool size in blocks */
+  int32_t kv_blocks;        /* KV pool size in blocks; 0: the memory plan's (mem_plan.h) */
   int32_t block_size;
-  int32_t max_batch;
+  int32_t max_batch;        /* sequences per step; 0: the memory plan's */
+  double gpu_memory_utilization; /* share of the device for its workers; 0: 0.90 */
+  int32_t colocated_prefill, colocated_decode; /* workers on this device, this one
+                                                * included; 0, 0: this one alone */
+  const char *share_weights_dir; /* cuda: one copy of the weights for the workers
+                                  * of this directory (engine.h); NULL: own copy */
   int32_t threads;          /* cpu threads; 0 = all cores */
   int metrics_port;         /* -1: none, 0: ephemeral */
   const char *metrics_addr; /* numeric address for /metrics, /healthz, /livez; NULL: 127.0.0.1 */
@@ -38,8 +43,8 @@ typedef struct {
 } tw_decode_params_t;
 
 #define TW_DECODE_PARAMS_DEFAULT                                                        \
-  ((tw_decode_params_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 2048, .block_size = 16, \
-                        .max_batch = 64, .threads = 0, .metrics_port = 0,               \
+  ((tw_decode_params_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 0, .block_size = 16,    \
+                        .max_batch = 0, .threads = 0, .metrics_port = 0,                \
                         .verify_kv = false, .reserve_timeout_ms = 60000, .tp = 1, .ep = 1, \
                         .dp = 1, .drain_timeout_s = 600})
 
@@ -49,7 +54,7 @@ typedef struct {
 /** Run the daemon until SIGTERM/SIGINT, then drain (finish the running
  *  sequences, refuse new ones; at most drain_timeout_s seconds) and return.
  *  Errors: TW_ERR_INVALID_ARGUMENT (tp/ep/dp not a valid combination, named;
- *  max_batch outside [1, TW_DECODE_MAX_BATCH]),
+ *  max_batch outside [0, TW_DECODE_MAX_BATCH]),
  *  TW_ERR_UNSUPPORTED (dp > 1 on the cuda backend), whatever loading the
  *  model, creating the engine, the UCX transfer or the router connection
  *  returned. */

@@ -38,6 +38,7 @@ typedef struct {
   size_t off;
   void *tmp;    /* host conversion buffer */
   size_t tmp_bytes;
+  int views;    /* 1: the arena holds the weights already (CUDA IPC): pointers only */
 } tw_ce_up_t;
 
 static tw_status_t tw_ce_tmp(tw_ce_up_t *u, size_t bytes) {
@@ -63,7 +64,7 @@ static tw_status_t tw_ce_put(tw_ce_up_t *u, const void *src, size_t n_bytes, con
     *dst_p = NULL;
     return TW_OK;
   }
-  TW_CUDA_CHECK(cudaMemcpy(u->base + at, src, n_bytes, cudaMemcpyHostToDevice));
+  if (!u->views) TW_CUDA_CHECK(cudaMemcpy(u->base + at, src, n_bytes, cudaMemcpyHostToDevice));
   *dst_p = u->base + at;
   return TW_OK;
 }
@@ -80,7 +81,7 @@ static tw_status_t tw_ce_put_as(tw_ce_up_t *u, const tw_tensor_t *t, tw_dtype_t 
     return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: tensor %s has dtype %s, want bf16 or f32",
                   name, tw_dtype_name(t->dtype));
   size_t bytes = (size_t)n * tw_dtype_size(to);
-  if (!u->base) return tw_ce_put(u, NULL, bytes, dst_p);
+  if (!u->base || u->views) return tw_ce_put(u, NULL, bytes, dst_p);
   TW_CHECK(tw_ce_tmp(u, bytes));
   for (int64_t i = 0; i < n; i++) {
     if (to == TW_DTYPE_F32)
@@ -105,7 +106,7 @@ static tw_status_t tw_ce_put_stack(tw_ce_up_t *u, const tw_tensor_t *const *ts, 
   size_t at = u->off;
   u->off += tw_ce_align(total);
   *dst_p = u->base ? u->base + at : NULL;
-  if (!u->base) return TW_OK;
+  if (!u->base || u->views) return TW_OK;
   size_t o = 0;
   for (int i = 0; i < n; i++) {
     TW_CUDA_CHECK(cudaMemcpy(u->base + at + o, ts[i]->data, (size_t)ts[i]->n_bytes,
@@ -129,7 +130,7 @@ static tw_status_t tw_ce_put_experts_t(tw_ce_up_t *u, const tw_tensor_t *t, int6
     return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: tensor %s has dtype %s, want bf16 or f32",
                   name, tw_dtype_name(t->dtype));
   size_t bytes = (size_t)(E * R * C) * 2;
-  if (!u->base) return tw_ce_put(u, NULL, bytes, dst_p);
+  if (!u->base || u->views) return tw_ce_put(u, NULL, bytes, dst_p);
   TW_CHECK(tw_ce_tmp(u, bytes));
   uint16_t *o = (uint16_t *)u->tmp;
   for (int64_t e = 0; e < E; e++)
@@ -176,7 +177,7 @@ static tw_status_t tw_ce_put_blocks(tw_ce_up_t *u, const tw_ce_blk_t *b, int n, 
                     i, (long long)R, (long long)C);
     total += (size_t)(b[i].nr * b[i].nc) * tw_dtype_size(cvt ? to : t->dtype);
   }
-  if (!u->base) return tw_ce_put(u, NULL, total, dst_p);
+  if (!u->base || u->views) return tw_ce_put(u, NULL, total, dst_p);
   TW_CHECK(tw_ce_tmp(u, total));
   char *o = (char *)u->tmp;
   for (int i = 0; i < n; i++) {
@@ -225,6 +226,9 @@ static tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t
     const tw_layer_weights_t *lw = &m->layers[l];
     tw_ce_layer_t *d = &ce->layers[l];
     const void *p;
+    if (u->base && !u->views && l % 8 == 0) /* the upload pass: progress for the log */
+      TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
+              (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
     b[0] = tw_ce_rows(&lw->q_w, ce->q0 * D, ce->nq * D);
     b[1] = tw_ce_rows(&lw->k_w, ce->kv0 * D, ce->nkv * D);
@@ -295,6 +299,9 @@ static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
     const tw_layer_weights_t *lw = &m->layers[l];
     tw_ce_layer_t *d = &ce->layers[l];
     const void *p;
+    if (u->base && !u->views && l % 8 == 0) /* the upload pass: progress for the log */
+      TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
+              (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
     const tw_tensor_t *wq[3] = {&lw->q_w, &lw->k_w, &lw->v_w};
     const tw_ce_blk_t bq[3] = {tw_ce_rows(&lw->q_b, 0, c->n_heads * c->head_dim),
@@ -435,7 +442,7 @@ static void tw_ce_destroy(tw_engine_t *engine) {
       }
     }
     tw_cuda_gemm_destroy(ce->gemm);
-    if (ce->warena) cudaFree(ce->warena);
+    tw_ce_share_close(ce); /* the weight arena: own, exported or mapped */
     if (ce->kv_pool) cudaFree(ce->kv_pool);
     if (ce->ws_arena) cudaFree(ce->ws_arena);
     if (ce->rope_cos) cudaFree(ce->rope_cos);
@@ -449,7 +456,8 @@ static void tw_ce_destroy(tw_engine_t *engine) {
   free(engine);
 }
 
-static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill_pass, tw_ce_decode};
+static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill_pass, tw_ce_decode,
+                                          tw_ce_warmup};
 
 static tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_params_t *p) {
   const tw_model_config_t *c = &m->config;
@@ -473,6 +481,89 @@ static tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_param
 
 static double tw_gib(size_t b) { return (double)b / (1024.0 * 1024.0 * 1024.0); }
 
+static size_t tw_ce_rope_bytes(const tw_ce_t *ce) {
+  return 2 * (size_t)ce->max_pos * (ce->cfg->head_dim / 2) * sizeof(float);
+}
+
+static size_t tw_ce_attn_ws_bytes(const tw_ce_t *ce) {
+  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, ce->cfg->head_dim, ce->block_size, 0, 0.125f};
+  return tw_cuda_attention_decode_workspace_bytes(&sh, ce->max_batch, ce->max_pos);
+}
+
+/* The memory plan's workspace (mem_plan.h tw_mem_ws_fn): the carve of
+ * tw_ce_carve sized for (max_batch, chunk) on a copy of the engine, plus the
+ * RoPE tables. */
+static int64_t tw_ce_ws_fn(void *arg, int32_t max_batch, int32_t chunk) {
+  tw_ce_t t = *(const tw_ce_t *)arg;
+  t.max_batch = max_batch;
+  t.chunk = chunk;
+  t.max_rows = chunk > max_batch ? chunk : max_batch;
+  t.attn_ws_bytes = tw_ce_attn_ws_bytes(&t);
+  tw_ce_carve_t cv = {NULL, 0};
+  if (tw_ce_carve(&t, &cv) < 0) return INT64_MAX / 4; /* never: sizing allocates nothing */
+  return (int64_t)(cv.off + tw_ce_rope_bytes(&t));
+}
+
+/* The memory plan's decode graph count (mem_plan.h): one graph per batch
+ * bucket of tw_ce_batch_bucket up to max_batch, times the context buckets
+ * (powers of two from 256 to the context) for the batches whose attention
+ * splits follow the context (as tw_ce_ctx_bucket in engine_cuda_step.cu
+ * decides), at most TW_CE_MAX_GRAPHS kept. */
+static int32_t tw_ce_graphs_fn(void *arg, int32_t max_batch) {
+  const tw_ce_t *ce = (const tw_ce_t *)arg;
+  if (!ce->use_graphs) return 0;
+  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, ce->cfg->head_dim, 16, 0, 1.0f};
+  int32_t n_ctx = 1, n = 0, last = 0;
+  for (int32_t p = 256; p < ce->max_pos; p *= 2) n_ctx++;
+  for (int32_t b = 1; b <= max_batch; b++) {
+    int32_t B = tw_ce_batch_bucket(b, max_batch);
+    if (B == last) continue; /* buckets grow with b */
+    last = B;
+    n += tw_cuda_attention_decode_splits(&sh, B, 1) ==
+                 tw_cuda_attention_decode_splits(&sh, B, ce->max_pos)
+             ? 1
+             : n_ctx;
+  }
+  return n < TW_CE_MAX_GRAPHS ? n : TW_CE_MAX_GRAPHS;
+}
+
+/* A single-GPU (tp = ep = 1) engine state for sizing, no device touched. */
+static tw_ce_t *tw_ce_sizing(const tw_model_config_t *c, int32_t block_size, int grouped_moe) {
+  tw_ce_t *t = (tw_ce_t *)calloc(1, sizeof *t);
+  tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT; /* tp = ep = 1: no device, no group */
+  if (!t) return NULL;
+  t->cfg = c;
+  t->block_size = block_size;
+  t->max_pos = c->max_position_embeddings;
+  t->max_blocks_per_seq = (t->max_pos + block_size - 1) / block_size;
+  t->moe_grouped = grouped_moe;
+  t->use_graphs = 1;
+  t->gemv_max = grouped_moe ? TW_CE_GEMV_GROUPED_DEFAULT : TW_CE_GEMV_MAX_TOKENS; /* defaults */
+  if (tw_ce_tp_init(t, c, &p, 0) != TW_OK) {
+    free(t);
+    return NULL;
+  }
+  t->q_dim = t->nq * c->head_dim;
+  t->qkv_dim = (t->nq + 2 * t->nkv) * c->head_dim;
+  return t;
+}
+
+extern "C" int64_t tw_cuda_engine_workspace_bytes(const tw_model_config_t *c,
+                                                  int32_t block_size, int32_t max_batch,
+                                                  int32_t chunk, int grouped_moe) {
+  tw_ce_t *t = tw_ce_sizing(c, block_size, grouped_moe);
+  int64_t bytes = t ? tw_ce_ws_fn(t, max_batch, chunk) : -1;
+  free(t);
+  return bytes;
+}
+
+extern "C" int32_t tw_cuda_engine_graph_count(const tw_model_config_t *c, int32_t max_batch) {
+  tw_ce_t *t = tw_ce_sizing(c, 16, 1);
+  int32_t n = t ? tw_ce_graphs_fn(t, max_batch) : -1;
+  free(t);
+  return n;
+}
+
 extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
                                              const tw_engine_params_t *params,
                                              tw_engine_t **engine_p) {
@@ -486,7 +577,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   tw_ce_t *ce = (tw_ce_t *)calloc(1, sizeof(*ce));
   tw_ce_layer_t *layers = (tw_ce_layer_t *)calloc((size_t)c->n_layers, sizeof(*layers));
   tw_status_t st = TW_OK;
-  tw_ce_up_t up = {NULL, 0, NULL, 0};
+  tw_ce_up_t up = {NULL, 0, NULL, 0, 0};
   tw_ce_carve_t cv = {NULL, 0};
   size_t free_b = 0, total_b = 0, kv_block_all = 0, h_bytes = 0;
   int64_t n_blocks = params->kv_num_blocks;
@@ -503,9 +594,11 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->backend = ce;
   ce->layers = layers;
   ce->cfg = c;
-  ce->chunk = params->max_prefill_chunk;
+  ce->share_fd = -1;
+  ce->share_users_fd = -1;
+  ce->block_size = params->kv_block_size;
+  ce->chunk = params->max_prefill_chunk; /* 0 with a memory plan: planned below */
   ce->max_batch = params->max_batch;
-  ce->max_rows = ce->chunk > ce->max_batch ? ce->chunk : ce->max_batch;
   ce->max_pos = c->max_position_embeddings;
   ce->max_blocks_per_seq = (ce->max_pos + params->kv_block_size - 1) / params->kv_block_size;
   ce->bf16_experts = c->n_layers > 0 && model->layers[0].experts_format == TW_EXPERTS_BF16;
@@ -550,6 +643,45 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   TW_CHECK_GOTO(tw_ce_tp_init(ce, c, params, ce->bf16_experts), st, fail);
   ce->q_dim = ce->nq * c->head_dim; /* local heads: all of them when tp = 1 */
   ce->qkv_dim = (ce->nq + 2 * ce->nkv) * c->head_dim;
+  /* weights: an own arena, or one copy shared by the workers on this GPU */
+  TW_CHECK_GOTO(tw_ce_walk(ce, model, &up), st, fail);
+  ce->warena_bytes = up.off;
+  if (params->weights_share_dir) {
+    TW_CHECK_GOTO(tw_ce_share_open(ce, model, params, ce->warena_bytes, &up.views), st, fail);
+  } else {
+    TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->warena, ce->warena_bytes), st, fail);
+  }
+  up.base = (char *)ce->warena;
+  up.off = 0;
+  st = tw_ce_walk(ce, model, &up); /* views: pointers only, nothing uploaded */
+  free(up.tmp);
+  up.tmp = NULL;
+  if (st < 0) goto fail;
+  if (ce->share_fd >= 0) TW_CHECK_GOTO(tw_ce_share_publish(ce, params->device), st, fail);
+  e->weights_origin = ce->warena_imported ? 2 : ce->share_exported ? 1 : 0;
+  /* the memory plan, now that the weights are in place (mem_plan.h) */
+  if (params->mem_role) {
+    tw_mem_plan_in_t in;
+    tw_mem_plan_t plan;
+    tw_engine_plan_input(model, params, &in);
+    TW_CUDA_CHECK_GOTO(cudaMemGetInfo(&free_b, &total_b), st, fail);
+    in.total_bytes = (int64_t)total_b;
+    in.free_bytes = (int64_t)free_b;
+    in.weight_bytes = (int64_t)ce->warena_bytes;
+    in.kv_elem_bytes = 2;
+    in.kv_heads = ce->nkv;
+    in.shared_weights = params->weights_share_dir != NULL;
+    in.ws_bytes = tw_ce_ws_fn;
+    in.ws_arg = ce;
+    in.graph_bytes = ce->use_graphs ? TW_CE_GRAPH_BYTES : 0;
+    in.graph_count = tw_ce_graphs_fn;
+    TW_CHECK_GOTO(tw_mem_plan(&in, &plan), st, fail);
+    tw_engine_plan_apply(&plan, &e->params);
+    ce->chunk = e->params.max_prefill_chunk;
+    ce->max_batch = e->params.max_batch;
+    n_blocks = e->params.kv_num_blocks;
+  }
+  ce->max_rows = ce->chunk > ce->max_batch ? ce->chunk : ce->max_batch;
   if (ce->max_rows > TW_CE_GEMV_MAX_TOKENS && !ce->moe_grouped) {
     TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->dq_stream, cudaStreamNonBlocking), st, fail);
     TW_CUDA_CHECK_GOTO(cudaEventCreateWithFlags(&ce->dq_start, cudaEventDisableTiming), st, fail);
@@ -560,15 +692,6 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
                          fail);
     }
   }
-  /* weights */
-  TW_CHECK_GOTO(tw_ce_walk(ce, model, &up), st, fail);
-  ce->warena_bytes = up.off;
-  TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->warena, ce->warena_bytes), st, fail);
-  up.base = (char *)ce->warena;
-  up.off = 0;
-  st = tw_ce_walk(ce, model, &up);
-  free(up.tmp);
-  if (st < 0) goto fail;
   /* RoPE tables */
   {
     size_t tb = (size_t)ce->max_pos * (c->head_dim / 2) * sizeof(float);
@@ -592,12 +715,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     if (st < 0) goto fail;
   }
   /* workspace */
-  {
-    tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, c->head_dim, params->kv_block_size, 0,
-                               0.125f};
-    ce->attn_ws_bytes =
-        tw_cuda_attention_decode_workspace_bytes(&sh, ce->max_batch, ce->max_pos);
-  }
+  ce->attn_ws_bytes = tw_ce_attn_ws_bytes(ce);
   TW_CHECK_GOTO(tw_ce_carve(ce, &cv), st, fail);
   ce->ws_bytes = cv.off;
   TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->ws_arena, ce->ws_bytes), st, fail);
@@ -681,6 +799,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   *engine_p = e;
   return TW_OK;
 fail:
+  free(up.tmp);
   tw_ce_destroy(e);
   return st;
 }

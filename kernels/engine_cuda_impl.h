@@ -11,6 +11,7 @@
 #include "kernels/moe.h"
 
 #include <cuda_runtime.h>
+#include <pthread.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -28,6 +29,9 @@ extern "C" {
  * ones (and prefill chunks) take the GEMM path: tw_cuda_moe_prefill (grouped
  * GEMMs, no host sync) or, without it, tw_cuda_moe_prefill_cublas. */
 #define TW_CE_GEMV_MAX_TOKENS 64
+/* Device bytes the memory plan sets aside per captured decode graph (an
+ * estimate: the instantiated graph's kernel nodes and parameters). */
+#define TW_CE_GRAPH_BYTES ((int64_t)4 << 20)
 /* Decode batches at or below which the MoE runs as a GEMV when the grouped
  * GEMMs exist (measured on the H200, docs/benchmarks.md: above it the
  * few-token grouped tiles read each expert once and win). */
@@ -72,9 +76,19 @@ typedef struct {
   int32_t gemv_max; /* MXFP4 MoE rows at or below which the GEMV runs (<= TW_CE_GEMV_MAX_TOKENS) */
   cudaStream_t stream;
   tw_cuda_gemm_t *gemm;
-  /* weights: one device arena */
+  /* weights: one device arena, own or mapped (engine_cuda_share.cu) */
   void *warena;
   size_t warena_bytes;
+  int warena_imported;  /* mapped from another worker through CUDA IPC */
+  int share_exported;   /* published for the other workers */
+  int share_fd;         /* the share lock while uploading; -1 otherwise */
+  uint64_t share_fp;
+  char share_path[1024];   /* the record (.ipc) */
+  int share_users_fd;      /* importer: shared lock on the users file */
+  int32_t share_owner;     /* importer: the exporter's pid, watched */
+  pthread_t share_watch;
+  int share_watching;
+  volatile int share_stop;
   const void *embed, *lm_head, *final_norm;
   tw_ce_layer_t *layers;
   float *rope_cos, *rope_sin;
@@ -86,6 +100,7 @@ typedef struct {
   /* workspace: one device arena */
   void *ws_arena;
   size_t ws_bytes;
+  int32_t block_size; /* KV block (tokens) */
   int32_t chunk;    /* prefill chunk (tokens) */
   int32_t max_rows; /* max(chunk, max_batch) */
   int32_t max_batch;
@@ -146,6 +161,20 @@ tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows);
  *  other ranks' experts and GEMV in slices of TW_CE_GEMV_MAX_TOKENS rows. */
 tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
 
+/** Weights shared through CUDA IPC (engine_cuda_share.cu; engine.h
+ *  weights_share_dir). Open: map the arena of `bytes` published by a live
+ *  worker for this device and shard (*imported_p = 1: the weights are there,
+ *  build pointers only), or allocate it (*imported_p = 0) holding the share
+ *  lock; the caller uploads, then calls publish. Errors: TW_ERR_IO (lock or
+ *  record file), TW_ERR_DEADLINE (another worker held the lock for 900 s),
+ *  TW_ERR_NO_MEMORY. */
+tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m, const tw_engine_params_t *p,
+                             size_t bytes, int *imported_p);
+/** Publish the uploaded arena's IPC handle and release the lock.
+ *  Errors: TW_ERR_CUDA (no handle), TW_ERR_IO (record not written). */
+tw_status_t tw_ce_share_publish(tw_ce_t *ce, int device);
+/** Unmap (imported) or free (own; its record removed if exported) the arena. */
+void tw_ce_share_close(tw_ce_t *ce);
 /** The decode graph batch bucket for n live sequences (1 <= n <= max_batch):
  *  the padded batch a step runs (engine_cuda_step.cu). */
 int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch);
@@ -153,6 +182,8 @@ int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch);
 /** The engine ops (engine_cuda_step.cu). */
 tw_status_t tw_ce_prefill_pass(tw_engine_t *engine, const tw_prefill_pass_t *pass);
 tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
+/** Capture the decode graph of every (batch, context) bucket (tw_engine_warmup). */
+tw_status_t tw_ce_warmup(tw_engine_t *engine);
 /** Log the per-op times gathered in profile mode (engine_cuda_step.cu). */
 void tw_ce_profile_log(const tw_ce_t *ce);
 /** Destroy the captured graphs (engine_cuda_step.cu). */

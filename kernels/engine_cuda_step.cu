@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static const char *const tw_ce_prof_names[TW_CE_PROF_N] = {
     "embed", "norm", "qkv", "rope+kv", "attention", "o_proj", "router", "route", "moe", "lm_head",
@@ -375,6 +376,62 @@ static tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t 
   TW_INFO("engine", "captured decode graph batch %d ctx %d: %zu nodes (%.1f per layer)", B, ctx,
           n_nodes, (double)n_nodes / ce->cfg->n_layers);
   *exec_p = exec;
+  return TW_OK;
+}
+
+tw_status_t tw_ce_warmup(tw_engine_t *e) {
+  tw_ce_t *ce = (tw_ce_t *)e->backend;
+  if (!ce->use_graphs) {
+    TW_INFO("engine", "decode graphs are off on this engine: nothing to capture");
+    return TW_OK;
+  }
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  /* every (batch bucket, context bucket) tw_ce_decode can pick: each batch
+   * bucket of 1..max_batch rows, each context bucket of a longest sequence
+   * of 256, 512 .. max_pos positions */
+  int32_t n_want = 0, prev_b = 0;
+  for (int32_t n = 1; n <= ce->max_batch; n++) {
+    int32_t B = tw_ce_batch_bucket(n, ce->max_batch);
+    if (B == prev_b || !(ce->moe_grouped || B <= ce->gemv_max)) continue;
+    prev_b = B;
+    for (int32_t len = 256, prev_x = 0;; len = len * 2 > ce->max_pos ? ce->max_pos : len * 2) {
+      int32_t x = tw_ce_ctx_bucket(ce, B, len);
+      n_want += x != prev_x;
+      prev_x = x;
+      if (len >= ce->max_pos) break;
+    }
+  }
+  TW_INFO("engine", "capturing %d decode graphs (batch buckets up to %d, contexts up to %d)%s",
+          n_want, ce->max_batch, ce->max_pos,
+          n_want > TW_CE_MAX_GRAPHS ? ": more than are kept, the largest batches stay lazy" : "");
+  int32_t done = 0;
+  prev_b = 0;
+  for (int32_t n = 1; n <= ce->max_batch && done < TW_CE_MAX_GRAPHS; n++) {
+    int32_t B = tw_ce_batch_bucket(n, ce->max_batch);
+    if (B == prev_b || !(ce->moe_grouped || B <= ce->gemv_max)) continue;
+    prev_b = B;
+    for (int32_t len = 256, prev_x = 0; done < TW_CE_MAX_GRAPHS;
+         len = len * 2 > ce->max_pos ? ce->max_pos : len * 2) {
+      int32_t x = tw_ce_ctx_bucket(ce, B, len);
+      if (x != prev_x) {
+        cudaGraphExec_t exec = NULL;
+        tw_status_t st = tw_ce_graph_get(ce, B, x, e->kv.block_size, &exec);
+        if (st < 0) {
+          TW_WARN("engine", "decode graphs off after a capture failure: %s", tw_last_error());
+          ce->use_graphs = 0;
+          return st;
+        }
+        done++;
+      }
+      prev_x = x;
+      if (len >= ce->max_pos) break;
+    }
+    TW_INFO("engine", "decode graphs: %d of %d captured (batch bucket %d)", done, n_want, B);
+  }
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  TW_INFO("engine", "decode graphs ready: %d captured in %.1f s", ce->n_graphs,
+          (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
   return TW_OK;
 }
 

@@ -3,6 +3,7 @@
  * i32 nb, i32 ids[nb], then the packed PrefillRequest. Reply (others -> 0):
  * i32 status, i64 bytes, u64 head_sums[L * NKV], then a message. */
 #include "prefill/prefill_ranks.h"
+#include "prefill/worker_handoff.h"
 
 #include "common/dist_engine.h"
 #include "common/kv_reshard.h"
@@ -28,14 +29,6 @@ static void tw_remote_layout(const Twain__Internal__V1__KvLayout *k, tw_kv_remot
                                .total_bytes = k->total_bytes};
 }
 
-static bool tw_prefill_too_old(const tw_prefill_ranks_t *rk,
-                               const Twain__Internal__V1__PrefillRequest *r) {
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
-  return rk->max_age_ms > 0 && r->issued_unix_ms && now - r->issued_unix_ms > rk->max_age_ms;
-}
-
 /* A decode rank whose kv heads overlap this prefill rank's. */
 typedef struct {
   tw_kv_peer_t *peer;
@@ -56,18 +49,21 @@ typedef struct {
   int32_t n_dst;
   int32_t sent[TW_MAX_LAYERS]; /* next block to put, per layer */
   int64_t bytes;
+  int64_t layer_sends, layer_sends_in_engine; /* as tw_prefill_handoff_result_t */
   int64_t t_last_layer_ns;     /* when the last layer's compute was reported done */
   tw_status_t st;              /* first error (the callback cannot return one) */
 } tw_rank_send_t;
 
 /* Put layer l's blocks that are final once positions < end are computed,
  * this rank's heads into every decode rank that holds some of them. */
-static void tw_rank_send(tw_rank_send_t *s, int32_t l, int32_t end) {
+static void tw_rank_send(tw_rank_send_t *s, int32_t l, int32_t end, bool in_engine) {
   if (s->st != TW_OK || l < 0 || l >= s->n_layers) return;
   int32_t done = tw_kv_blocks_final(end, s->n, s->nb, s->src->block_size);
   if (done <= s->sent[l]) return;
-  if (tw_prefill_too_old(s->rk, s->r)) {
-    s->st = tw_err(TW_ERR_DEADLINE, "request %llu is older than %d ms: not writing its kv",
+  if (tw_prefill_handoff_stale(s->r, s->rk->max_age_ms)) {
+    s->st = tw_err(TW_ERR_DEADLINE,
+                   "request %llu was handed to this prefill worker more than %d ms ago: not "
+                   "writing its kv (its decode blocks may have been reused)",
                    (unsigned long long)s->r->request_id, s->rk->max_age_ms);
     return;
   }
@@ -75,14 +71,18 @@ static void tw_rank_send(tw_rank_send_t *s, int32_t l, int32_t end) {
     s->st = tw_kv_reshard_send_layer(s->rk->xfer, s->dst[d].peer, s->src, &s->dst[d].rl,
                                      s->dst[d].head_offset, l, s->ids, s->r->handoff->block_ids,
                                      s->sent[l], done, &s->bytes);
-  if (s->st == TW_OK) s->sent[l] = done;
+  if (s->st == TW_OK) {
+    s->sent[l] = done;
+    s->layer_sends++;
+    s->layer_sends_in_engine += in_engine;
+  }
 }
 
 /* tw_prefill_args_t.on_layer_done: layer l of positions start..start+T-1 is in the pool. */
 static void tw_rank_on_layer(void *arg, int32_t layer, int32_t start, int32_t n_tokens) {
   tw_rank_send_t *s = arg;
   if (layer == s->n_layers - 1) s->t_last_layer_ns = tw_msg_clock_ns();
-  tw_rank_send(s, layer, start + n_tokens);
+  tw_rank_send(s, layer, start + n_tokens, true);
 }
 
 /* This rank's part: engine prefill, its heads put into every decode rank
@@ -144,12 +144,14 @@ static tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
   *t_mid_p = tw_msg_clock_ns();
   if (!s->t_last_layer_ns) s->t_last_layer_ns = *t_mid_p; /* a backend that reported nothing */
   /* what the backend did not report (or a failed callback's error) */
-  for (int32_t l = 0; st == TW_OK && l < c->n_layers; l++) tw_rank_send(s, l, n);
+  for (int32_t l = 0; st == TW_OK && l < c->n_layers; l++) tw_rank_send(s, l, n, false);
   if (st == TW_OK) st = s->st;
   for (int32_t d = 0; st == TW_OK && d < s->n_dst; d++)
     st = tw_kv_xfer_flush(rk->xfer, s->dst[d].peer, rk->flush_timeout_ms);
   int64_t bytes = s->bytes;
   rk->tail_ms = (double)(tw_msg_clock_ns() - s->t_last_layer_ns) * 1e-6;
+  rk->layer_sends = s->layer_sends;
+  rk->layer_sends_in_engine = s->layer_sends_in_engine;
   free(s);
   TW_CHECK(st);
   uint64_t sums[64];

@@ -31,6 +31,10 @@ typedef struct {
   /* out, of this rank's last handoff: ms from the last layer's compute
    * reported done to every put remotely complete (the handoff's tail) */
   double tail_ms;
+  /* out, of this rank's last handoff: put batches of one layer's finished
+   * blocks (to every decode rank that holds some of this rank's heads), and
+   * of those the ones issued from the engine's on_layer_done */
+  int64_t layer_sends, layer_sends_in_engine;
 } tw_prefill_ranks_t;
 
 /** Whether request r needs this path: more than one rank here, or a decode

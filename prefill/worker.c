@@ -29,8 +29,12 @@
 #endif
 
 #define TW_PREFILL_MAX_QUEUE 4096
-/* KV older than this is never written (see issued_unix_ms in the proto);
- * decode workers quarantine cancelled reservations for longer (40 s). */
+/* KV is never written more than this long after the router handed the
+ * request to a prefill worker (issued_unix_ms in the proto: the KV-write
+ * guard of worker_handoff.c and prefill_ranks.c); decode workers quarantine
+ * cancelled or expired reservations for longer (40 s). Time in the router's
+ * queue does not count (the router stamps a request when it leaves it), and
+ * the router's backpressure window keeps this worker's queue far shorter. */
 #define TW_PREFILL_MAX_AGE_MS 20000
 /* Idle: block on the router socket this long (a message wakes it at once;
  * heartbeats have their own thread), so an idle worker costs ~0 CPU. */
@@ -46,9 +50,12 @@ typedef struct {
   int32_t tp, ep; /* ranks of this worker (issue 6): each 1 or the group size */
   /* tokens of one forward pass: queued prompts are batched up to it (a longer
    * prompt runs alone, split over passes); each layer's blocks are handed off
-   * while the next layers compute */
+   * while the next layers compute. 0: the memory plan's token budget */
   int32_t chunk_tokens;
   int32_t batch_seqs; /* most prompts in one batch */
+  double gpu_memory_utilization; /* 0: 0.90 (mem_plan.h) */
+  int32_t colocated_prefill, colocated_decode; /* workers on this device; 0, 0: alone */
+  const char *share_weights_dir; /* cuda: one copy of the weights (engine.h) */
 } tw_prefill_opts_t;
 
 typedef struct {
@@ -132,13 +139,6 @@ static int tw_code_of(tw_status_t st) {
   }
 }
 
-static bool tw_prefill_stale(const Twain__Internal__V1__PrefillRequest *r) {
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
-  return r->issued_unix_ms && now - r->issued_unix_ms > TW_PREFILL_MAX_AGE_MS;
-}
-
 static tw_sample_params_t tw_prefill_sampling(const Twain__Internal__V1__PrefillRequest *r) {
   tw_sample_params_t sp = TW_SAMPLE_PARAMS_GREEDY;
   if (r->sampling) {
@@ -172,6 +172,8 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);
     tw_metric_observe(w->m.tail, w->rk.tail_ms * 1e-3);
+    tw_metric_add(w->m.layer_sends, (double)w->rk.layer_sends); /* rank 0's */
+    tw_metric_add(w->m.layer_sends_overlapped, (double)w->rk.layer_sends_in_engine);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
     TW_DEBUG("prefill", "request %llu: %lld kv bytes, handoff tail %.2f ms after the last layer",
@@ -328,7 +330,10 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     bool ranks = r && tw_prefill_ranks_wanted(&w->rk, r);
     if (r && n > 0 && (ranks || tokens + (int64_t)r->n_prompt_ids > w->o.chunk_tokens)) break;
     if (ranks) tw_prefill_finish_pending(w); /* it runs alone, after every earlier handoff */
-    bool stale = r && !w->draining && tw_prefill_stale(r);
+    /* queued past the KV-write guard: back to the router, which reserves it
+     * again (not the client's failure; its queue time there is free) */
+    int64_t waited = r && !w->draining ? tw_prefill_age_ms(r) : 0;
+    bool stale = waited > TW_PREFILL_MAX_AGE_MS;
     int ready = 0;
     if (r && !w->draining && !stale) {
       ready = tw_prefill_prepare(w, r, n > 0 || w->pending.b, &items[n]);
@@ -345,9 +350,12 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     if (w->draining)
       tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__UNAVAILABLE,
                       "prefill worker is draining");
-    else if (stale)
-      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__DEADLINE_EXCEEDED,
-                      "prefill request is stale");
+    else if (stale) {
+      char why[200];
+      snprintf(why, sizeof why, "request waited %lld ms in the prefill queue, past the %d ms "
+               "kv-write guard: reserve again", (long long)waited, TW_PREFILL_MAX_AGE_MS);
+      tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__UNAVAILABLE, why);
+    }
     if (!ready) {
       twain__internal__v1__envelope__free_unpacked(e, NULL);
       continue;
@@ -433,11 +441,17 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   if (be == TW_BACKEND_CUDA) ep.device = w->id.local_rank;
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
-  ep.kv_num_blocks = w->o.kv_blocks;
+  ep.kv_num_blocks = w->o.kv_blocks; /* 0: planned (mem_plan.h) */
   ep.max_batch = w->o.batch_seqs;
-  ep.max_prefill_chunk = w->o.chunk_tokens;
+  ep.max_prefill_chunk = w->o.chunk_tokens; /* 0: planned, the token budget */
+  ep.mem_role = TW_MEM_ROLE_PREFILL;
+  ep.mem_prefill_workers = w->o.colocated_prefill;
+  ep.mem_decode_workers = w->o.colocated_decode;
+  ep.mem_utilization = w->o.gpu_memory_utilization;
+  ep.weights_share_dir = w->o.share_weights_dir;
   ep.n_threads = w->o.threads;
   TW_CHECK(tw_engine_create(w->model, &ep, &w->engine));
+  w->o.chunk_tokens = tw_engine_params(w->engine)->max_prefill_chunk; /* planned or given */
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
   TW_CHECK(tw_kv_xfer_create(&w->xfer));
@@ -511,15 +525,18 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
 static void tw_prefill_usage(void) {
   fprintf(stderr,
           "usage: twain-prefill --router tcp://HOST:PORT [--model DIR] [--name NAME]\n"
-          "         [--backend auto|cpu|cuda] [--kv-blocks N (1024)] [--block-size N] [--threads N]\n"
+          "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
           "         [--metrics-port P (-1 off, 0 ephemeral)] [--metrics-addr ADDR (127.0.0.1)]\n"
-          "         [--tp N] [--ep N] [--chunk-tokens N (8192)] [--batch-seqs N (64)]\n"
+          "         [--tp N] [--ep N] [--chunk-tokens N] [--batch-seqs N (64)]\n"
+          "         [--gpu-memory-utilization F (default 0.90)] [--colocated P,D (prefill and\n"
+          "           decode workers on this device, this one included; default this one alone)]\n"
+          "         [--share-weights DIR (cuda: one copy of the weights for the workers of DIR)]\n"
           "  --chunk-tokens: prompt tokens in one forward pass: queued prompts are prefilled\n"
           "  together up to it (at most --batch-seqs of them), a longer prompt alone in\n"
           "  chunks of it; multi-rank workers (--tp/--ep > 1) prefill one prompt at a time.\n"
-          "  A batch's KV handoff finishes while the next batch computes, so --kv-blocks\n"
-          "  holds two passes (1024 blocks of 16 = 2 x 8192 tokens)\n"
-          "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
+          "  A batch's KV handoff finishes while the next batch computes. --chunk-tokens and\n"
+          "  --kv-blocks default to the memory plan (docs/operations.md): 8192 tokens, and a\n"
+          "  pool for a prompt of the full context plus one pass in flight\n"          "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
           "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n"
           "  --model defaults to %s\n",
           tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
@@ -528,9 +545,9 @@ static void tw_prefill_usage(void) {
 int tw_prefill_worker_main(int argc, char **argv) {
   static tw_prefiller_t w; /* large queue array: not on the stack */
   memset(&w, 0, sizeof w);
-  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 1024, .block_size = 16,
+  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 0, .block_size = 16,
                             .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,
-                            .chunk_tokens = 8192, .batch_seqs = 64};
+                            .chunk_tokens = 0, .batch_seqs = 64}; /* 0: planned */
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!v) {
@@ -553,6 +570,16 @@ int tw_prefill_worker_main(int argc, char **argv) {
     else if (!strcmp(a, "--batch-seqs")) w.o.batch_seqs = atoi(v);
     else if (!strcmp(a, "--tp")) w.o.tp = atoi(v);
     else if (!strcmp(a, "--ep")) w.o.ep = atoi(v);
+    else if (!strcmp(a, "--gpu-memory-utilization")) {
+      if (tw_mem_parse_utilization(v, &w.o.gpu_memory_utilization) != TW_OK) return 2;
+    } else if (!strcmp(a, "--colocated")) {
+      if (tw_mem_parse_colocated(v, &w.o.colocated_prefill, &w.o.colocated_decode) != TW_OK)
+        return 2;
+      if (w.o.colocated_prefill < 1) {
+        fprintf(stderr, "twain-prefill: --colocated %s counts no prefill worker (this one)\n", v);
+        return 2;
+      }
+    } else if (!strcmp(a, "--share-weights")) w.o.share_weights_dir = v;
     else {
       fprintf(stderr, "twain-prefill: unknown option %s in daemon mode\n", a);
       tw_prefill_usage();
@@ -565,8 +592,9 @@ int tw_prefill_worker_main(int argc, char **argv) {
     tw_prefill_usage();
     return 2;
   }
-  if (w.o.chunk_tokens <= 0 || w.o.batch_seqs <= 0) {
-    fprintf(stderr, "twain-prefill: --chunk-tokens %d and --batch-seqs %d must be > 0\n",
+  if (w.o.chunk_tokens < 0 || w.o.batch_seqs <= 0) {
+    fprintf(stderr, "twain-prefill: --chunk-tokens %d must be >= 0 (0: the memory plan's token "
+            "budget) and --batch-seqs %d > 0\n",
             w.o.chunk_tokens, w.o.batch_seqs);
     return 2;
   }

@@ -9,11 +9,15 @@
 #include <stdlib.h>
 #include <time.h>
 
-int tw_prefill_handoff_stale(const Twain__Internal__V1__PrefillRequest *r, int64_t max_age_ms) {
+int64_t tw_prefill_age_ms(const Twain__Internal__V1__PrefillRequest *r) {
   struct timespec wall;
   clock_gettime(CLOCK_REALTIME, &wall);
   int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
-  return r->issued_unix_ms && now - r->issued_unix_ms > max_age_ms;
+  return r->issued_unix_ms ? now - r->issued_unix_ms : 0;
+}
+
+int tw_prefill_handoff_stale(const Twain__Internal__V1__PrefillRequest *r, int64_t max_age_ms) {
+  return max_age_ms > 0 && tw_prefill_age_ms(r) > max_age_ms;
 }
 
 /* State shared by the chunk loop and the engine's on_layer_done callback. */
@@ -40,7 +44,9 @@ static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool 
   if (done <= s->sent[l]) return;
   int64_t t0 = tw_msg_clock_ns();
   if (tw_prefill_handoff_stale(s->r, s->ctx->max_age_ms)) {
-    s->st = tw_err(TW_ERR_DEADLINE, "request %llu is older than %lld ms: not writing its kv",
+    s->st = tw_err(TW_ERR_DEADLINE,
+                   "request %llu was handed to this prefill worker more than %lld ms ago: not "
+                   "writing its kv (its decode blocks may have been reused)",
                    (unsigned long long)s->r->request_id, (long long)s->ctx->max_age_ms);
     return;
   }

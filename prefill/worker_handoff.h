@@ -87,7 +87,13 @@ tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
                                      tw_prefill_handoff_batch_t **b_p);
 void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b);
 
-/** Whether the request is older than max_age_ms (wall clock, issued_unix_ms). */
+/** Milliseconds since the router handed request r to a prefill worker
+ *  (wall clock - issued_unix_ms; 0 when unset). Time in the router's own
+ *  queue is not in it: the router stamps a request when it sends it. */
+int64_t tw_prefill_age_ms(const Twain__Internal__V1__PrefillRequest *r);
+
+/** Whether the request is older than max_age_ms (> 0; tw_prefill_age_ms):
+ *  the KV-write guard of the prefill worker. */
 int tw_prefill_handoff_stale(const Twain__Internal__V1__PrefillRequest *r, int64_t max_age_ms);
 
 #endif

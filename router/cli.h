@@ -20,6 +20,8 @@ int tw_cli_bench(int argc, char **argv);
 int tw_cli_router(int argc, char **argv);
 /** `twain keygen FILE|-`: a new link key set (common/link_auth.h). */
 int tw_cli_keygen(int argc, char **argv);
+/** `twain write-checkpoint`: a random checkpoint of gpt-oss shapes (router/cli_ckpt.c). */
+int tw_cli_write_checkpoint(int argc, char **argv);
 
 /** Parse `text`, the value of option `flag` of program `prog`, as a whole
  *  decimal integer (no sign-less junk, no trailing characters, no

@@ -18,6 +18,7 @@
 #include "common/install_paths.h"
 #include "common/log.h"
 #include "common/msg.h"
+#include "common/sampling.h"
 #include "proto/twain_api.pb-c.h"
 #include "router/router.h"
 
@@ -98,26 +99,25 @@ typedef struct {
   int32_t mismatches; /* requests whose streamed count differs from usage */
 } tw_bench_t;
 
-/* ---- deterministic randomness (splitmix64) ---- */
+/* ---- deterministic randomness: draw k of a seed is tw_sample_uniform(seed, k) ---- */
 
-static uint64_t tw_rng_next(uint64_t *s) {
-  uint64_t z = (*s += 0x9E3779B97F4A7C15ULL);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
+typedef struct {
+  uint64_t seed;
+  int64_t n; /* draws so far */
+} tw_bench_rng_t;
 
 /* Uniform in [0, 1). */
-static double tw_rng_unit(uint64_t *s) { return (double)(tw_rng_next(s) >> 11) * 0x1.0p-53; }
+static double tw_rng_unit(tw_bench_rng_t *s) { return tw_sample_uniform(s->seed, s->n++); }
 
 /* Uniform integer in [lo, hi]. */
-static int32_t tw_rng_range(uint64_t *s, int32_t lo, int32_t hi) {
+static int32_t tw_rng_range(tw_bench_rng_t *s, int32_t lo, int32_t hi) {
   if (hi <= lo) return lo;
-  return lo + (int32_t)(tw_rng_next(s) % (uint64_t)(hi - lo + 1));
+  int32_t v = lo + (int32_t)floor(tw_rng_unit(s) * ((double)hi - lo + 1));
+  return v > hi ? hi : v;
 }
 
 /* Standard normal (Box-Muller). */
-static double tw_rng_normal(uint64_t *s) {
+static double tw_rng_normal(tw_bench_rng_t *s) {
   double u1 = tw_rng_unit(s), u2 = tw_rng_unit(s);
   if (u1 < 1e-300) u1 = 1e-300;
   return sqrt(-2.0 * log(u1)) * cos(2.0 * M_PI * u2);
@@ -130,7 +130,7 @@ static double tw_bench_now_s(void) { return (double)tw_msg_clock_ns() * 1e-9; }
  * its answer out, prompts under 1,024 and prompt + output under 2,048
  * tokens): input median ~130 tokens (mean ~230), output median ~200 (mean
  * ~280). Not the real data set: a local, seeded stand-in with its shape. */
-static void tw_bench_sharegpt_len(uint64_t *s, int32_t *in, int32_t *out) {
+static void tw_bench_sharegpt_len(tw_bench_rng_t *s, int32_t *in, int32_t *out) {
   for (int tries = 0; tries < 64; tries++) {
     int32_t i = (int32_t)lround(exp(4.87 + 1.05 * tw_rng_normal(s)));
     int32_t o = (int32_t)lround(exp(5.30 + 0.80 * tw_rng_normal(s)));
@@ -154,7 +154,7 @@ static const char *const tw_bench_words[] = {
 
 static tw_status_t tw_bench_make_requests(tw_bench_t *b) {
   const tw_bench_opts_t *o = &b->o;
-  uint64_t s = o->seed;
+  tw_bench_rng_t s = {o->seed, 0};
   b->r = calloc((size_t)o->n, sizeof *b->r);
   if (!b->r) return tw_err(TW_ERR_NO_MEMORY, "bench: out of memory for %d requests", o->n);
   /* prompt ids below the first special token (eos is among them) */
@@ -629,6 +629,8 @@ static void tw_bench_usage(FILE *f) {
           "  --cancel-prob / --disconnect-prob: that share of requests is cancelled / its\n"
           "  client disconnects after a random number of tokens. --model DIR: the model's\n"
           "  config.json gives the vocabulary (default %s).\n"
+          "  A request with no reply for --timeout-ms (default 600000; keep it above the\n"
+          "  longest wait in the service's queue) counts as lost.\n"
           "  Exit 0 when every request is accounted for and every streamed count equals its\n"
           "  usage, 1 otherwise (lost requests, mismatches), 2 bad usage.\n",
           TW_ROUTER_CLIENT_ENDPOINT, tw_default_model_dir(TW_DEFAULT_MODEL_DIR));

@@ -9,7 +9,12 @@
  * times in a row (a worker that ran TW_SERVE_STABLE_S resets the count);
  * each death and restart is logged. Serve stops by itself only when every
  * worker it started has used up its restarts and no worker at all (joined
- * ones included) is registered with the router. */
+ * ones included) is registered with the router.
+ * Memory: every worker is told how many prefill and decode workers share its
+ * device (--colocated P,D) so that each takes its planned share of it
+ * (mem_plan.h, docs/operations.md), and on a GPU they share one copy of the
+ * weights through CUDA IPC (--share-weights, a 0700 directory made for this
+ * serve and removed when it stops). */
 #include "router/cli.h"
 
 #include "common/install_paths.h"
@@ -18,8 +23,10 @@
 #include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/link_auth.h"
 #include "common/log.h"
+#include "common/mem_plan.h"
 #include "router/router.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
@@ -45,7 +52,7 @@
 
 /* One worker process serve keeps running. */
 typedef struct {
-  char *av[32];
+  char *av[48];
   int ac_name;           /* index of the --name value in av */
   char base[64], name[80];
   pid_t pid;             /* 0: not running */
@@ -199,10 +206,39 @@ static int tw_serve_check_split(const char *model_dir, const long long pv[5]) {
   return 0;
 }
 
+/* The directory of the shared-weights records (engine_cuda_share.cu): made
+ * 0700 for this serve; emptied and removed when it stops. "" when none. */
+static void tw_serve_share_dir(char *out, size_t len) {
+  const char *rt = getenv("XDG_RUNTIME_DIR");
+  snprintf(out, len, "%s/twain-serve-XXXXXX", rt && *rt && access(rt, W_OK) == 0 ? rt : "/tmp");
+  if (!mkdtemp(out)) {
+    TW_WARN("serve", "cannot make a directory for sharing the weights (%s): each worker loads "
+            "its own copy", strerror(errno));
+    out[0] = '\0';
+  }
+}
+
+static void tw_serve_share_dir_remove(const char *dir) {
+  if (!dir[0]) return;
+  DIR *d = opendir(dir);
+  struct dirent *e;
+  char path[PATH_MAX];
+  while (d && (e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    unlink(path);
+  }
+  if (d) closedir(d);
+  if (rmdir(dir) != 0) TW_WARN("serve", "cannot remove %s: %s", dir, strerror(errno));
+}
+
 static void tw_serve_usage(void) {
   fprintf(stderr,
           "usage: twain serve [--model DIR] [--listen tcp://HOST:PORT] [--prefill N] [--decode M]\n"
           "         [--backend auto|cpu|cuda] [--threads T (per worker)] [--kv-blocks N]\n"
+          "         [--max-batch N] [--gpu-memory-utilization F] [--no-share-weights]\n"
+          "           decode kv blocks / max batch (default: the memory plan, docs/operations.md),\n"
+          "           share of each GPU for its workers (0.90), one weights copy per worker\n"
           "         [--metrics-port P] [--max-tokens-limit N] [--verify-kv]\n"
           "         [--prefill-tp N] [--prefill-ep N] [--decode-tp N] [--decode-ep N]\n"
           "           ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4\n"
@@ -235,12 +271,15 @@ int tw_cli_serve(int argc, char **argv) {
   int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */
   const char *par[5] = {NULL, NULL, NULL, NULL, NULL};
-  const char *backend = "auto", *kv_blocks = NULL, *drain = NULL;
+  const char *backend = "auto", *kv_blocks = NULL, *drain = NULL, *max_batch = NULL,
+             *mem_util = NULL;
+  int share_weights = 1;
   static const char *const value_flags[] = {
       "--model", "--listen", "--workers", "--prefill", "--decode", "--backend", "--threads",
       "--kv-blocks", "--prefill-tp", "--prefill-ep", "--decode-tp", "--decode-ep", "--decode-dp",
-      "--metrics-port", "--metrics-addr", "--drain-timeout", "--max-tokens-limit",
-      "--http-port", "--http-addr", "--served-model-name", "--api-key", "--api-key-file", NULL};
+      "--metrics-port", "--metrics-addr", "--drain-timeout", "--max-tokens-limit", "--max-batch",
+      "--gpu-memory-utilization", "--http-port", "--http-addr", "--served-model-name",
+      "--api-key", "--api-key-file", NULL};
   const char *http_port = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -250,6 +289,10 @@ int tw_cli_serve(int argc, char **argv) {
     }
     if (!strcmp(a, "--verify-kv")) {
       verify = 1;
+      continue;
+    }
+    if (!strcmp(a, "--no-share-weights")) {
+      share_weights = 0;
       continue;
     }
     bool known = false;
@@ -267,7 +310,7 @@ int tw_cli_serve(int argc, char **argv) {
     long long nv = 0;
     bool numeric = !strcmp(a, "--prefill") || !strcmp(a, "--decode") || !strcmp(a, "--threads") ||
                    !strcmp(a, "--metrics-port") || !strcmp(a, "--drain-timeout") ||
-                   !strcmp(a, "--max-tokens-limit");
+                   !strcmp(a, "--max-tokens-limit") || !strcmp(a, "--max-batch");
     if (numeric && tw_cli_parse_int("twain serve", a, v, !strcmp(a, "--metrics-port") ? -1 : 0,
                                     !strcmp(a, "--metrics-port") ? 65535 : INT32_MAX, &nv))
       return 2;
@@ -279,6 +322,15 @@ int tw_cli_serve(int argc, char **argv) {
     else if (!strcmp(a, "--backend")) backend = v;
     else if (!strcmp(a, "--threads")) threads = atoi(v);
     else if (!strcmp(a, "--kv-blocks")) kv_blocks = v;
+    else if (!strcmp(a, "--max-batch")) max_batch = v;
+    else if (!strcmp(a, "--gpu-memory-utilization")) {
+      double u;
+      if (tw_mem_parse_utilization(v, &u) != TW_OK) {
+        fprintf(stderr, "twain serve: %s\n", tw_last_error());
+        return 2;
+      }
+      mem_util = v;
+    }
     else if (!strcmp(a, "--prefill-tp")) par[0] = v;
     else if (!strcmp(a, "--prefill-ep")) par[1] = v;
     else if (!strcmp(a, "--decode-tp")) par[2] = v;
@@ -387,8 +439,14 @@ int tw_cli_serve(int argc, char **argv) {
   }
   static tw_serve_slot_t slots[TW_SERVE_MAX_WORKERS];
   int n = n_prefill + n_decode;
-  char tbuf[16];
+  char tbuf[16], colo[32];
   snprintf(tbuf, sizeof tbuf, "%d", threads);
+  /* every worker of both pools starts on the same device(s): the memory plan
+   * splits each between them, and on a GPU they share one weights copy */
+  snprintf(colo, sizeof colo, "%d,%d", n_prefill, n_decode);
+  static char share_dir[PATH_MAX];
+  share_dir[0] = '\0';
+  if (share_weights && bk != TW_BACKEND_CPU) tw_serve_share_dir(share_dir, sizeof share_dir);
   for (int k = 0; k < n; k++) {
     bool pre = k < n_prefill;
     tw_serve_slot_t *w = &slots[k];
@@ -413,6 +471,20 @@ int tw_cli_serve(int argc, char **argv) {
     if (!pre && kv_blocks) {
       av[c++] = "--kv-blocks";
       av[c++] = (char *)kv_blocks;
+    }
+    if (!pre && max_batch) {
+      av[c++] = "--max-batch";
+      av[c++] = (char *)max_batch;
+    }
+    av[c++] = "--colocated";
+    av[c++] = colo;
+    if (mem_util) {
+      av[c++] = "--gpu-memory-utilization";
+      av[c++] = (char *)mem_util;
+    }
+    if (share_dir[0]) {
+      av[c++] = "--share-weights";
+      av[c++] = share_dir;
     }
     if (!pre && verify) av[c++] = "--verify-kv";
     if (!pre && drain) {
@@ -529,6 +601,7 @@ int tw_cli_serve(int argc, char **argv) {
     struct timespec ts = {0, 20 * 1000000};
     nanosleep(&ts, NULL);
   }
+  tw_serve_share_dir_remove(share_dir);
   printf("twain serve: stopped\n");
   fflush(stdout);
   return rc ? rc : s.router_status == TW_OK ? 0 : 1;

@@ -396,9 +396,10 @@ static void tw_submit_responses(tw_hconn_t *c, const cJSON *root) {
   tw_hsampling_t s = {0};
   if (!tw_unsupported(c, root, unsup, sizeof unsup / sizeof unsup[0])) return;
   const cJSON *text = tw_field(root, "text");
-  if (text && tw_field(text, "format")) {
-    static const tw_unsup_t fmt[] = {{"format", TW_U_NOT_TEXT}};
-    if (!tw_unsupported(c, text, fmt, 1)) return;
+  const cJSON *ftype = tw_field(tw_field(text, "format"), "type");
+  if (tw_field(text, "format") && !(cJSON_IsString(ftype) && !strcmp(ftype->valuestring, "text"))) {
+    tw_http_fail(c, 400, "text.format", "'text.format' other than text is not supported by this server");
+    return;
   }
   if (!tw_common(c, root, "max_output_tokens", NULL, 0, false, &s)) return;
   const cJSON *input = tw_field(root, "input");

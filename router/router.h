@@ -30,6 +30,8 @@ typedef struct {
   int32_t max_tokens_limit;     /* largest max_tokens accepted */
   int32_t default_max_tokens;   /* when the request leaves it 0 */
   int32_t max_requests;         /* queued + running, beyond: RESOURCE_EXHAUSTED */
+  int32_t prefill_window_tokens; /* prompt tokens in flight per prefill worker (reserving or
+                                  * prefilling); the rest wait in the router's queue, in order */
   int32_t default_deadline_ms;
   int32_t expire_ms;            /* worker silence before it is expired */
   int32_t expect_prefill, expect_decode; /* print "ready" once this many registered */
@@ -61,6 +63,7 @@ typedef struct {
                         .max_prompt_tokens = 0,                                       \
                         .max_tokens_limit = 4096, .default_max_tokens = 512,          \
                         .max_requests = 2048, .default_deadline_ms = 600000,          \
+                        .prefill_window_tokens = 16384,                               \
                         .expire_ms = 1000, .http_port = -1,                           \
                         .http_max_body = 8 << 20})
 #define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */

@@ -41,6 +41,9 @@ static void tw_router_usage(void) {
           "         [--metrics-port P] [--max-prompt-tokens N] [--max-tokens-limit N]\n"
           "         [--default-max-tokens N] [--max-requests N] [--deadline-ms N]\n"
           "         [--expire-ms N] [--expect-prefill N] [--expect-decode N]\n"
+          "         [--prefill-window-tokens N (default 16384: at most this many prompt\n"
+          "           tokens handed to one prefill worker at a time, fewer if it is slow:\n"
+          "           4 s of its measured work; the rest wait in the router's queue)]\n"
           "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
           "         [--drain-timeout SECONDS (default 30: SIGTERM lets running requests\n"
           "           finish for at most this long)]\n"
@@ -96,6 +99,7 @@ int tw_router_main(int argc, char **argv) {
     else if (!strcmp(a, "--max-tokens-limit")) p.max_tokens_limit = atoi(v);
     else if (!strcmp(a, "--default-max-tokens")) p.default_max_tokens = atoi(v);
     else if (!strcmp(a, "--max-requests")) p.max_requests = atoi(v);
+    else if (!strcmp(a, "--prefill-window-tokens")) p.prefill_window_tokens = atoi(v);
     else if (!strcmp(a, "--deadline-ms")) p.default_deadline_ms = atoi(v);
     else if (!strcmp(a, "--expire-ms")) p.expire_ms = atoi(v);
     else if (!strcmp(a, "--expect-prefill")) p.expect_prefill = atoi(v);

@@ -49,6 +49,11 @@ typedef struct {
   int32_t replica_total_blocks; /* decode --dp: most blocks of one replica; 0: not dp */
   int64_t queued_tokens;
   int32_t assigned_blocks;  /* blocks of this router's requests there (schedule) */
+  int64_t inflight_tokens;  /* prefill: prompt tokens of this router's requests reserving
+                             * or prefilling there (schedule: the backpressure window) */
+  double tok_per_s;         /* prefill: measured prompt tokens per second (EMA); 0: none yet */
+  double batch_ms, batch_xfer_ms; /* prefill: the last batch's engine and longest put time */
+  int64_t batch_tokens;     /* prefill: its prompt tokens so far */
   int64_t requests;         /* handed to it, for tests and logs */
   ProtobufCBinaryData *kv_addrs; /* decode: the UCX addresses it registered (owned) */
   int32_t n_kv_addrs;
@@ -68,7 +73,7 @@ typedef struct {
   int32_t stop_ids[TW_RMAX_STOP];
   int32_t n_stop;
   tw_req_state_t state;
-  uint64_t dw, pw;             /* worker serials */
+  uint64_t dw, pw;             /* worker serials (pw: chosen before the Reserve) */
   int32_t attempts;
   int64_t retry_after_ns;
   int32_t blocks_asked;

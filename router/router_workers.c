@@ -5,7 +5,15 @@
  *          token, after the KV is remotely complete)--> router
  *          --DecodeRequest--> decode worker --Tokens...--> router --> client.
  * A request whose worker dies before any token reached the client is retried
- * elsewhere (up to 3 attempts); after that the client gets UNAVAILABLE. */
+ * elsewhere (up to 3 attempts); after that the client gets UNAVAILABLE.
+ * Backpressure: a queued request leaves the queue only when a prefill worker
+ * has room in its window and a decode worker has the blocks, in arrival
+ * order: a request that cannot start holds back the ones behind it, so
+ * nothing waits in a worker's queue long enough to go stale and none
+ * starves. A prefill worker's window is the prompt tokens it prefills in
+ * TW_ROUTER_PREFILL_QUEUE_S at its measured speed (at most
+ * prefill_window_tokens; TW_ROUTER_PREFILL_FIRST_WINDOW until one prompt
+ * is measured). */
 #include "router/router_impl.h"
 
 #include "common/log.h"
@@ -16,6 +24,11 @@
 #include <time.h>
 
 #define TW_ROUTER_MAX_ATTEMPTS 3
+/* Seconds of prefill work a prefill worker is given at a time: far below the
+ * prefill worker's 20 s KV-write guard, enough to keep it busy (and to batch). */
+#define TW_ROUTER_PREFILL_QUEUE_S 4.0
+/* The window of a prefill worker whose speed is not measured yet (tokens). */
+#define TW_ROUTER_PREFILL_FIRST_WINDOW 4096
 
 tw_rworker_t *tw_router_worker(tw_router_t *r, uint64_t serial) {
   for (int32_t i = 0; i < r->n_workers; i++)
@@ -234,6 +247,49 @@ static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *
   tw_router_fail(r, q, code, "%s", why);
 }
 
+/* This router's prompt tokens reserving or prefilling on each worker
+ * (tw_rworker_t.inflight_tokens), and the blocks it asked of each decode
+ * worker (assigned_blocks). */
+static void tw_count_inflight(tw_router_t *r) {
+  for (int32_t i = 0; i < r->n_workers; i++) {
+    r->workers[i].assigned_blocks = 0;
+    r->workers[i].inflight_tokens = 0;
+  }
+  for (int32_t k = 0; k < r->n_reqs; k++) {
+    tw_req_t *q = r->reqs[k];
+    if (q->done || q->state == TW_REQ_QUEUED) continue;
+    tw_rworker_t *w = tw_router_worker(r, q->dw);
+    if (w) w->assigned_blocks += q->blocks_asked;
+    w = q->state != TW_REQ_DECODING && q->pw ? tw_router_worker(r, q->pw) : NULL;
+    if (w) w->inflight_tokens += q->n_prompt;
+  }
+}
+
+/* The prefill worker with the least in flight (this router's exact count, or
+ * the heartbeat's queue when larger: other routers' work) that can take
+ * n_prompt more tokens within its window (an idle one always can); n_prompt
+ * 0: any, window ignored. NULL when none can. */
+static tw_rworker_t *tw_pick_prefill(tw_router_t *r, int32_t n_prompt) {
+  tw_rworker_t *best = NULL;
+  int64_t best_load = 0;
+  for (int32_t i = 0; i < r->n_workers; i++) {
+    tw_rworker_t *p = &r->workers[i];
+    if (p->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL || p->draining) continue;
+    double window = r->p->prefill_window_tokens;
+    double known = p->tok_per_s > 0 ? p->tok_per_s * TW_ROUTER_PREFILL_QUEUE_S
+                                    : TW_ROUTER_PREFILL_FIRST_WINDOW;
+    if (known < window) window = known;
+    if (n_prompt > 0 && p->inflight_tokens > 0 && (double)(p->inflight_tokens + n_prompt) > window)
+      continue;
+    int64_t load = p->queued_tokens > p->inflight_tokens ? p->queued_tokens : p->inflight_tokens;
+    if (!best || load < best_load) {
+      best = p;
+      best_load = load;
+    }
+  }
+  return best;
+}
+
 static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__Reserved *rs) {
   TW_DEBUG("router", "request %llu: reserved on %s (%s)", (unsigned long long)rs->request_id, w->name,
            rs->status && rs->status->code ? rs->status->message : "ok");
@@ -253,7 +309,8 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
     if (rs->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED ||
         rs->status->code == TWAIN__V1__CODE__UNAVAILABLE) { /* full or draining: wait in the queue */
       q->state = TW_REQ_QUEUED;
-      q->dw = 0;
+      q->dw = q->pw = 0;
+      q->attempts--; /* a refused reservation is no failed attempt */
       q->id = r->next_req_id++;
       q->retry_after_ns = tw_msg_clock_ns() + 20 * 1000000;
       return;
@@ -269,23 +326,11 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
                    "decode worker %s sent an invalid handoff (unregistered UCX address)", w->name);
     return;
   }
-  /* prefill worker with the fewest queued prompt tokens */
-  tw_rworker_t *best = NULL;
-  int64_t best_load = 0;
-  for (int32_t i = 0; i < r->n_workers; i++) {
-    tw_rworker_t *p = &r->workers[i];
-    if (p->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL || p->draining) continue;
-    /* what this router has in flight there is exact; the heartbeat adds other routers' */
-    int64_t known = 0;
-    for (int32_t k = 0; k < r->n_reqs; k++)
-      if (!r->reqs[k]->done && r->reqs[k]->state == TW_REQ_PREFILLING && r->reqs[k]->pw == p->serial)
-        known += r->reqs[k]->n_prompt;
-    int64_t load = p->queued_tokens > known ? p->queued_tokens : known;
-    if (!best || load < best_load) {
-      best = p;
-      best_load = load;
-    }
-  }
+  /* the prefill worker schedule chose (its window counted this prompt), or,
+   * if it went away or drains meanwhile, the least loaded one */
+  tw_rworker_t *best = q->pw ? tw_router_worker(r, q->pw) : NULL;
+  if (best && best->draining) best = NULL;
+  if (!best) best = tw_pick_prefill(r, 0);
   if (!best) {
     tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no prefill worker is registered");
     return;
@@ -315,15 +360,36 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
   if (d->status && d->status->code) {
     char why[300];
     snprintf(why, sizeof why, "prefill failed on %s: %s", w->name, d->status->message ? d->status->message : "");
-    /* UNAVAILABLE: draining; RESOURCE_EXHAUSTED: queue full; DEADLINE_EXCEEDED:
-     * it waited past the prefill worker's 20 s KV-write guard. None sent a token. */
+    /* UNAVAILABLE: draining, or it waited in the worker's queue past the 20 s
+     * KV-write guard; RESOURCE_EXHAUSTED: queue full: the worker's state, not
+     * the request's, so it waits in the queue again without spending an
+     * attempt (its deadline bounds that). DEADLINE_EXCEEDED: the KV-write
+     * guard stopped a prefill that ran too long: an attempt. None sent a token. */
     if (d->status->code == TWAIN__V1__CODE__UNAVAILABLE ||
-        d->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED ||
-        d->status->code == TWAIN__V1__CODE__DEADLINE_EXCEEDED)
+        d->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED) {
+      q->attempts--;
+      tw_retry_or_fail(r, q, d->status->code, why);
+    } else if (d->status->code == TWAIN__V1__CODE__DEADLINE_EXCEEDED)
       tw_retry_or_fail(r, q, d->status->code, why);
     else
       tw_router_fail(r, q, tw_known_code(d->status->code), "%s", why);
     return;
+  }
+  /* the worker's speed, for its window: the prompts of one batch share its
+   * engine time (prefill_ms), so a batch counts once, with all its tokens */
+  if (d->prefill_ms > 0 && d->prefill_ms == w->batch_ms) {
+    w->batch_tokens += q->n_prompt;
+    if (d->transfer_ms > w->batch_xfer_ms) w->batch_xfer_ms = d->transfer_ms;
+  } else if (d->prefill_ms > 0) {
+    if (w->batch_tokens > 0) { /* the previous batch is complete */
+      double rate = (double)w->batch_tokens / ((w->batch_ms + w->batch_xfer_ms) * 1e-3);
+      w->tok_per_s = w->tok_per_s > 0 ? 0.7 * w->tok_per_s + 0.3 * rate : rate;
+    }
+    w->batch_ms = d->prefill_ms;
+    w->batch_xfer_ms = d->transfer_ms;
+    w->batch_tokens = q->n_prompt;
+    if (w->tok_per_s <= 0) /* a first estimate at once (a lower bound) */
+      w->tok_per_s = (double)q->n_prompt / ((d->prefill_ms + d->transfer_ms) * 1e-3);
   }
   if (!tw_tokens_valid(r, w, q, &d->first_token, 1)) return;
   tw_rworker_t *dw = tw_router_worker(r, q->dw);
@@ -481,12 +547,7 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
 }
 
 void tw_router_schedule(tw_router_t *r, int64_t now) {
-  for (int32_t i = 0; i < r->n_workers; i++) r->workers[i].assigned_blocks = 0;
-  for (int32_t k = 0; k < r->n_reqs; k++) {
-    tw_req_t *q = r->reqs[k];
-    tw_rworker_t *w = !q->done && q->state != TW_REQ_QUEUED ? tw_router_worker(r, q->dw) : NULL;
-    if (w) w->assigned_blocks += q->blocks_asked;
-  }
+  tw_count_inflight(r);
   for (int32_t k = 0; k < r->n_reqs; k++) {
     tw_req_t *q = r->reqs[k];
     if (q->done || q->state != TW_REQ_QUEUED || now < q->retry_after_ns) continue;
@@ -495,10 +556,10 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       /* a stalled or restarting worker costs latency, not the request: wait
        * for the pool to come back for TW_ROUTER_POOL_GRACE_MS (counted from
        * when it emptied, or from arrival if later) or until the deadline */
-      int k = no_decode ? 1 : 0;
-      int64_t since = r->empty_since_ns[k];
+      int pk = no_decode ? 1 : 0;
+      int64_t since = r->empty_since_ns[pk];
       if (!since || since < q->t_arrival_ns) since = q->t_arrival_ns;
-      int grace_ms = r->empty_by_expiry[k] ? TW_ROUTER_POOL_GRACE_MS : TW_ROUTER_POOL_EMPTY_MS;
+      int grace_ms = r->empty_by_expiry[pk] ? TW_ROUTER_POOL_GRACE_MS : TW_ROUTER_POOL_EMPTY_MS;
       if (now - since > (int64_t)grace_ms * 1000000)
         tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered (for %d ms)%s",
                        no_decode ? "decode" : "prefill", grace_ms,
@@ -548,7 +609,10 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
                      need, q->n_prompt, q->max_tokens, largest_dp ? " replica (--dp)" : "", largest);
       continue;
     }
-    if (!best) continue; /* admission control: wait for room (or the deadline) */
+    if (!best) break; /* admission control: wait for room (or the deadline), in order */
+    /* backpressure: a prefill worker must have room before anything is reserved */
+    tw_rworker_t *pf = tw_pick_prefill(r, q->n_prompt);
+    if (!pf) break; /* every window is full: this one and those behind it wait, in order */
     Twain__Internal__V1__Reserve rv = TWAIN__INTERNAL__V1__RESERVE__INIT;
     rv.request_id = q->id;
     rv.n_prompt_tokens = q->n_prompt;
@@ -558,9 +622,11 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     env.reserve = &rv;
     q->attempts++;
     q->dw = best->serial;
+    q->pw = pf->serial;
     q->state = TW_REQ_RESERVING;
     q->blocks_asked = need;
     best->assigned_blocks += need;
+    pf->inflight_tokens += q->n_prompt;
     best->requests++;
     /* dp: the worker puts it in its emptiest replica; until the next
      * heartbeat says how much room is left there, count it as gone, so that
@@ -571,8 +637,10 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       best->replica_free_blocks = replica_before > need ? replica_before - need : 0;
     if (tw_router_send_worker(r, best, &env) != TW_OK) {
       q->state = TW_REQ_QUEUED;
-      q->dw = 0;
+      q->dw = q->pw = 0;
+      q->attempts--;
       best->assigned_blocks -= need;
+      pf->inflight_tokens -= q->n_prompt;
       best->replica_free_blocks = replica_before;
     }
   }

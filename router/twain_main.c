@@ -23,6 +23,8 @@ static const tw_command_t tw_commands[] = {
     {"chat", tw_cli_chat, "send one chat request to a running service and print the answer"},
     {"generate", tw_cli_generate, "send prompt ids to a running service and print the ids"},
     {"bench", tw_cli_bench, "serving benchmark: N requests against a running service (TTFT, TPOT, tok/s)"},
+    {"write-checkpoint", tw_cli_write_checkpoint,
+     "write random gpt-oss-20b/120b-shaped weights in the Hugging Face MXFP4 layout"},
     {"router", tw_cli_router, "run the router daemon alone (as twain-router)"},
     {"keygen", tw_cli_keygen, "write a new key set for the internal links (CURVE) to FILE"},
     {"tokenize", tw_cli_tokenize, "UTF-8 text on stdin -> token ids as a JSON array"},

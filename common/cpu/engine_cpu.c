@@ -21,8 +21,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define TW_CPU_KV_CAP_BYTES (1ll << 30) /* default pool: at most 1 GiB */
+/* planned max batch: a cpu decode step costs in proportion to its rows */
+#define TW_CPU_MAX_BATCH 64
 
 typedef struct {
   tw_cpu_pool_t *pool;
@@ -456,6 +459,23 @@ tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params
   tw_cpu_tp_t tp;
   TW_CHECK(tw_cpu_tp_init(c, params, &tp));
   TW_CHECK(tw_cpu_check_model(model));
+  tw_engine_params_t planned = *params;
+  if (params->mem_role) { /* the host rule of the memory plan (mem_plan.h) */
+    tw_mem_plan_in_t in;
+    tw_mem_plan_t plan;
+    tw_engine_plan_input(model, params, &in);
+    in.total_bytes = (int64_t)sysconf(_SC_PHYS_PAGES) * (int64_t)sysconf(_SC_PAGESIZE);
+    in.weight_bytes = model->weight_bytes;
+    in.kv_elem_bytes = (int32_t)sizeof(float);
+    in.kv_heads = tp.nkv;
+    in.shared_weights = true;   /* mapped read-only: the page cache holds one copy */
+    in.process_reserve = -1;    /* no device context */
+    in.max_batch_cap = TW_CPU_MAX_BATCH;
+    in.kv_cap_bytes = TW_CPU_KV_CAP_BYTES;
+    TW_CHECK(tw_mem_plan(&in, &plan));
+    tw_engine_plan_apply(&plan, &planned);
+  }
+  params = &planned;
   tw_engine_t *e = calloc(1, sizeof(*e));
   tw_cpu_state_t *s = calloc(1, sizeof(*s));
   if (!e || !s) {

@@ -125,8 +125,10 @@ int main(void) {
     printf("no GPU: skipped\n");
     return 77;
   }
+  const char *fixtures = getenv("TW_FIXTURES_DIR"); /* set by tests/gpu/run_gpu.sh */
+  if (!fixtures) fixtures = TW_TEST_FIXTURES_DIR;
   char dir[512];
-  snprintf(dir, sizeof dir, "%s/tiny-gptoss-wordnet-mxfp4", TW_TEST_FIXTURES_DIR);
+  snprintf(dir, sizeof dir, "%s/tiny-gptoss-wordnet-mxfp4", fixtures);
   tw_model_t *m = NULL;
   if (tw_model_load(dir, &m) != TW_OK) {
     printf("FAIL cannot load %s: %s\n", dir, tw_last_error());

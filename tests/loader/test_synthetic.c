@@ -2,8 +2,11 @@
  * views, dtypes, shapes, byte counts) that the real tiny checkpoints have,
  * for MXFP4 and bf16 experts; values are seeded (same seed, same bytes) and of
  * the advertised scale (weights ~N(0, 0.02), norms ~1, sinks ~N(0, 1), E8M0
- * scales 118..122, FP4 nibbles uniform). */
+ * scales 118..122, FP4 nibbles uniform, router rows N(0, 4/H)); a checkpoint
+ * written by tw_model_write_synthetic (sharded, index) loads through the
+ * real loader as exactly the synthetic model of its seed. */
 #include "check.h"
+#include "st_writer.h"
 
 #include "common/model.h"
 #include "common/model_impl.h"
@@ -71,6 +74,10 @@ static void check_values(const tw_model_t *m) {
     for (int i = 0; i < m->config.n_heads; i++, n++) s2 += pow(tw_bf16_to_f32(h[i]), 2);
   }
   EXPECT(s2 / n > 0.1 && s2 / n < 5.0);
+  /* router: sd 2/sqrt(H), so logits of a unit-rms input have sd ~2 */
+  moments(&m->layers[0].router_w, &mean, &sd);
+  double want = 2.0 / sqrt((double)m->config.hidden);
+  EXPECT(fabs(mean) < 0.1 * want && fabs(sd - want) < 0.05 * want);
   if (m->layers[0].experts_format == TW_EXPERTS_MXFP4) {
     const tw_tensor_t *sc = &m->layers[2].down_scales, *bl = &m->layers[2].gate_up_blocks;
     const uint8_t *s = sc->data, *b = bl->data;
@@ -109,6 +116,66 @@ static void check_seed(const tw_model_config_t *c) {
   tw_model_destroy(d);
 }
 
+static int64_t count_files(const char *dir, const char *suffix) {
+  int64_t n = 0;
+  char path[4200];
+  for (int k = 0; k < 64; k++)
+    for (int of = k; of < 64; of++) {
+      snprintf(path, sizeof path, "%s/model-%05d-of-%05d%s", dir, k, of, suffix);
+      FILE *f = fopen(path, "r");
+      if (f) {
+        n++;
+        fclose(f);
+      }
+    }
+  return n;
+}
+
+/* Write c's checkpoint in shards of at most 1 MiB, load it, compare with
+ * the synthetic model of the same seed, tensor by tensor. */
+static void check_written(const char *fixture_dir, tw_model_config_t c) {
+  char *dir = stw_tmpdir("twwrite");
+  char src[4200], dst[4200];
+  snprintf(src, sizeof src, "%s/config.json", fixture_dir);
+  snprintf(dst, sizeof dst, "%s/config.json", dir);
+  EXPECT(stw_copy(src, dst) == 0);
+  tw_model_write_info_t plan, info;
+  EXPECT_OK(tw_model_write_synthetic(&c, dir, 5, 1 << 20, 3, true, &plan));
+  EXPECT_EQ_I64(count_files(dir, ".safetensors"), 0); /* a plan writes nothing */
+  EXPECT_OK(tw_model_write_synthetic(&c, dir, 5, 1 << 20, 3, false, &info));
+  EXPECT_EQ_I64(info.total_bytes, plan.total_bytes);
+  EXPECT(info.n_shards > 2);
+  EXPECT_EQ_I64(count_files(dir, ".safetensors"), info.n_shards);
+  tw_model_t *disk = NULL, *syn = NULL;
+  EXPECT_OK(tw_model_load(dir, &disk));
+  EXPECT_OK(tw_model_synthetic(&c, 5, &syn));
+  if (disk && syn) {
+    compare_layout(syn, disk);
+    EXPECT_EQ_I64(disk->weight_bytes, info.total_bytes);
+    EXPECT(memcmp(disk->embed.data, syn->embed.data, (size_t)syn->embed.n_bytes) == 0);
+    EXPECT(memcmp(disk->lm_head.data, syn->lm_head.data, (size_t)syn->lm_head.n_bytes) == 0);
+    for (int l = 0; l < c.n_layers; l++) {
+      const tw_layer_weights_t *x = &disk->layers[l], *y = &syn->layers[l];
+#define SAME_BYTES(f) EXPECT(memcmp(x->f.data, y->f.data, (size_t)y->f.n_bytes) == 0)
+      SAME_BYTES(q_w); SAME_BYTES(sinks); SAME_BYTES(router_w); SAME_BYTES(router_b);
+      SAME_BYTES(gate_up_blocks); SAME_BYTES(gate_up_scales); SAME_BYTES(down_blocks);
+      SAME_BYTES(down_bias); SAME_BYTES(mlp_norm);
+#undef SAME_BYTES
+    }
+  }
+  tw_model_destroy(disk);
+  tw_model_destroy(syn);
+  /* an unwritable place fails with the path in the message */
+  EXPECT_ERR(tw_model_write_synthetic(&c, "/proc/no/such/dir", 5, 1 << 20, 1, false, &info),
+             TW_ERR_IO, "/proc/no/such/dir");
+  tw_model_config_t bf = c;
+  bf.mxfp4 = false;
+  EXPECT_ERR(tw_model_write_synthetic(&bf, dir, 5, 1 << 20, 1, false, &info),
+             TW_ERR_INVALID_ARGUMENT, "MXFP4");
+  stw_rmtree(dir);
+  free(dir);
+}
+
 static void check_against(const char *dir) {
   tw_model_t *real = NULL, *syn = NULL;
   EXPECT_OK(tw_model_load(dir, &real));
@@ -128,6 +195,14 @@ int main(void) {
   char dir[4096];
   snprintf(dir, sizeof dir, "%s/tiny-gptoss-wordnet-mxfp4", fixtures ? fixtures : "tests/fixtures");
   check_against(dir);
+  tw_model_t *fx = NULL;
+  EXPECT_OK(tw_model_load(dir, &fx));
+  if (fx) {
+    tw_model_config_t c = fx->config;
+    c.mxfp4 = true;
+    tw_model_destroy(fx);
+    check_written(dir, c);
+  }
   snprintf(dir, sizeof dir, "%s/models/tiny-gptoss-wordnet", shared ? shared : "../shared");
   char probe[4200];
   snprintf(probe, sizeof probe, "%s/config.json", dir);

@@ -44,6 +44,11 @@ try:
     check(pm["twain_kv_bytes_sent_total"] == dm["twain_kv_bytes_received_total"] > 0,
           "kv bytes: %d sent by the prefill ranks, %d received by the decode ranks" % (
               pm["twain_kv_bytes_sent_total"], dm["twain_kv_bytes_received_total"]))
+    # every layer's heads were put from the engine's per-layer callback, while
+    # the layers after it computed (rank 0's puts; none left for after the engine)
+    check(pm["twain_kv_layer_sends_overlapped_total"] == pm["twain_kv_layer_sends_total"] > 0,
+          "tp prefill: %d of %d layer put batches overlapped with compute" % (
+              pm["twain_kv_layer_sends_overlapped_total"], pm["twain_kv_layer_sends_total"]))
     check(c.prefills[0].wait_count(r"r1 .*rank 1 of 2 pid \d+ following rank 0", 1) == 1 and
           c.decodes[0].wait_count(r"r1 .*rank 1 of 2 pid \d+ following rank 0", 1) == 1,
           "both workers run two ranks")

@@ -297,6 +297,9 @@ try:
               "%s: 400 naming %s (%s)" % (json.dumps(body)[:60], param, r))
     st, r = api.post("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"})
     check(st == 400 and r["error"]["param"] == "previous_response_id", "previous_response_id: 400 (%s)" % r)
+    st, r = api.post("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                          "schema": {"type": "object"}}}})
+    check(st == 400 and r["error"]["param"] == "text.format", "text.format json_schema: 400 (%s)" % r)
     st, r = api.post("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
     check(st == 400 and "wizard" in r["error"]["message"], "unknown role: 400 (%s)" % r)
     st, r = api.post("/v1/chat/completions", {"model": "gpt-4o", "messages": USER})

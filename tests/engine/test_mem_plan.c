@@ -1,0 +1,305 @@
+/* test_mem_plan.c: the memory plan (common/mem_plan.h) on gpt-oss-20b and
+ * gpt-oss-120b shapes, one or two workers on a device, separate or shared
+ * weights, GPUs of given sizes (H200, H100, a 24 GB card), the cpu rule,
+ * flags overriding, errors.
+ *
+ * Device sizes are what cudaMemGetInfo reports as total: H200 143,771 MiB,
+ * H100 SXM 80 GB 81,559 MiB, a 24 GB card 24,564 MiB (nvidia-smi). The
+ * workspace is a stand-in with the CUDA engine's shape (tw_ce_carve):
+ * 256 KiB of activations a token row (rows = max(max batch, chunk)), a f32
+ * logits row of the vocabulary per decode sequence (at least 256 rows), and
+ * 64 MiB of fixed buffers; 4 MiB a decode graph. Every expected figure
+ * below is worked out by hand in its comment. With the CUDA backend built,
+ * the 20b and 120b plans on one H200 are also made with the engine's own
+ * workspace (tw_cuda_engine_workspace_bytes), printed (docs/operations.md
+ * quotes them) and checked against bounds. */
+#include "common/mem_plan.h"
+
+#include "test_util.h"
+
+#include <string.h>
+
+#define MIB ((int64_t)1 << 20)
+#define GIB ((int64_t)1 << 30)
+#define H200 (143771 * MIB)
+#define H100 (81559 * MIB)
+#define CARD24 (24564 * MIB)
+
+static tw_model_config_t gptoss(int big) {
+  tw_model_config_t c;
+  tw_config_gptoss(big, &c);
+  return c;
+}
+
+static int64_t ws_model(void *arg, int32_t max_batch, int32_t chunk) {
+  const tw_model_config_t *c = arg;
+  int64_t rows = max_batch > chunk ? max_batch : chunk;
+  int64_t lrows = max_batch > 256 ? max_batch : 256;
+  return 64 * MIB + rows * 256 * 1024 + lrows * c->vocab_size * 4;
+}
+
+static tw_mem_plan_in_t gpu_in(const tw_model_config_t *c, int64_t total, int np, int nd,
+                               bool shared, tw_mem_role_t role) {
+  tw_mem_plan_in_t in;
+  memset(&in, 0, sizeof in);
+  in.total_bytes = total;
+  in.cfg = c;
+  in.kv_elem_bytes = 2;
+  in.block_size = 16;
+  in.n_prefill = np;
+  in.n_decode = nd;
+  in.shared_weights = shared;
+  in.role = role;
+  in.ws_bytes = ws_model;
+  in.ws_arg = (void *)c;
+  in.graph_bytes = 4 * MIB;
+  return in;
+}
+
+#ifdef TWAIN_HAVE_CUDA
+#include "common/engine_impl.h"
+/* the CUDA engine's own workspace (grouped-GEMM MoE, as on Hopper) */
+static int64_t ws_cuda(void *arg, int32_t max_batch, int32_t chunk) {
+  return tw_cuda_engine_workspace_bytes(arg, 16, max_batch, chunk, 1);
+}
+static int32_t graphs_cuda(void *arg, int32_t max_batch) {
+  return tw_cuda_engine_graph_count(arg, max_batch);
+}
+
+/* The plans docs/operations.md quotes: 20b and 120b, one prefill and one
+ * decode worker sharing one H200 and one copy of the weights, with the
+ * engine's real workspace and graph count and 4 MiB a decode graph. */
+static void test_cuda_workspace(const tw_model_config_t *c20, const tw_model_config_t *c120) {
+  for (int big = 0; big < 2; big++) {
+    const tw_model_config_t *c = big ? c120 : c20;
+    tw_mem_plan_in_t in = gpu_in(c, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
+    in.ws_bytes = ws_cuda;
+    in.graph_count = graphs_cuda;
+    tw_mem_plan_t p;
+    tw_status_t st = tw_mem_plan(&in, &p);
+    printf("-- cuda workspace, %s, H200, 1 prefill + 1 decode, shared weights\n",
+           big ? "120b" : "20b");
+    for (int i = 0; i < p.n_lines; i++) printf("   %s\n", p.lines[i]);
+    /* a decode workspace between 0.1 and 4 GiB at max batch 1,024 or 512;
+     * the prefill worker's at 8,192 tokens between 0.5 and 8 GiB */
+    int64_t ws = tw_cuda_engine_workspace_bytes(c, 16, 64, 8192, 1);
+    TW_EXPECT(st == TW_OK && ws > GIB / 2 && ws < 8 * GIB, "%s: prefill workspace %lld",
+              big ? "120b" : "20b", (long long)ws);
+    TW_EXPECT(p.workspace_bytes > GIB / 10 && p.workspace_bytes < 4 * GIB, "decode ws %lld",
+              (long long)p.workspace_bytes);
+    /* 120b keeps more than 40 GiB of decode KV at max batch >= 256; 20b
+     * more than 90 GiB at 1,024 */
+    TW_EXPECT(big ? p.kv_bytes > 40 * GIB && p.max_batch >= 256
+                  : p.kv_bytes > 90 * GIB && p.max_batch == 1024,
+              "kv %.2f GiB batch %d", p.kv_bytes / (double)GIB, p.max_batch);
+  }
+}
+#endif
+
+static void show(const char *what, const tw_mem_plan_t *p) {
+  printf("-- %s\n", what);
+  for (int i = 0; i < p->n_lines; i++) printf("   %s\n", p->lines[i]);
+}
+
+static bool has_line(const tw_mem_plan_t *p, const char *needle) {
+  for (int i = 0; i < p->n_lines; i++)
+    if (strstr(p->lines[i], needle)) return true;
+  return false;
+}
+
+static tw_status_t plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *p, const char *what) {
+  tw_status_t st = tw_mem_plan(in, p);
+  if (st == TW_OK) show(what, p);
+  else printf("-- %s: %s\n", what, tw_last_error());
+  return st;
+}
+
+static void test_weights(const tw_model_config_t *c20, const tw_model_config_t *c120) {
+  int64_t mx, rest;
+  /* 20b: 24 layers x 32 experts x (2I x H + H x I) values x (1/2 + 1/32)
+   * bytes = 10,152,345,600; the whole ~13.77 GB against the Hugging Face
+   * checkpoint's 13.76 GB (its biases are bf16, ours f32: a little more) */
+  int64_t w = tw_mem_weight_bytes(c20, &mx, &rest);
+  TW_EXPECT(mx == 10152345600LL, "20b mxfp4 bytes %lld", (long long)mx);
+  TW_EXPECT(w == mx + rest && w > 13.6e9 && w < 14.0e9, "20b weights %lld", (long long)w);
+  /* 120b: 36 x 128 experts: 60,914,073,600; the whole ~65.3 GB (checkpoint 65.25 GB) */
+  w = tw_mem_weight_bytes(c120, &mx, &rest);
+  TW_EXPECT(mx == 60914073600LL, "120b mxfp4 bytes %lld", (long long)mx);
+  TW_EXPECT(w == mx + rest && w > 64.5e9 && w < 66.5e9, "120b weights %lld", (long long)w);
+  tw_model_config_t b = *c20;
+  b.mxfp4 = false; /* bf16 experts: 2 bytes a value */
+  w = tw_mem_weight_bytes(&b, &mx, &rest);
+  TW_EXPECT(mx == 0 && rest > 2 * 10152345600LL * 32 / 17, "bf16 experts %lld", (long long)rest);
+}
+
+int main(void) {
+  tw_model_config_t c20 = gptoss(0), c120 = gptoss(1);
+  tw_mem_plan_t p;
+  tw_mem_plan_in_t in;
+  test_weights(&c20, &c120);
+#ifdef TWAIN_HAVE_CUDA
+  test_cuda_workspace(&c20, &c120);
+#endif
+  /* budget = 0.90 x 143,771 MiB = 135.68 GB on an H200 (the C and Python
+   * products differ by rounding only: checked through the block counts) */
+
+  /* 20b, H200, a decode worker alone: KV 24 x 2 x 8 x 64 x 2 = 48 KiB a
+   * token; max batch 1,024: workspace 64 MiB + 1024 x 256 KiB + 1024 x
+   * 201,088 x 4 = 1,159,200,768, graphs 11 batch x 10 context buckets x
+   * 4 MiB; kv = budget - 13,774,924,416 - 1 GiB - ws - graphs =
+   * 119.21 GB = 151,583 blocks of 16 x 48 KiB */
+  in = gpu_in(&c20, H200, 0, 1, false, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(plan(&in, &p, "20b H200 decode alone") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.max_batch == 1024 && p.kv_blocks == 151583, "batch %d blocks %d", p.max_batch,
+            p.kv_blocks);
+  TW_EXPECT(p.weight_copies == 1 && p.workspace_bytes == 1159200768LL + 110 * 4 * MIB,
+            "copies %d ws %lld", p.weight_copies, (long long)p.workspace_bytes);
+  TW_EXPECT(p.n_lines >= 4 && has_line(&p, "max batch 1024") &&
+            has_line(&p, "this decode worker: kv pool 151583 blocks"), "lines");
+
+  /* 20b, H200, prefill + decode with a copy each: left = budget - 2 W -
+   * 2 GiB - prefill ws (64 prompts: 64 MiB + 8192 x 256 KiB + 256 x V x 4); prefill kv:
+   * context 131,072 + 8,192 tokens = 8,704 blocks (under left / 8 = 263k
+   * tokens); decode: the rest at max batch 1,024 = 120,920 blocks */
+  in = gpu_in(&c20, H200, 1, 1, false, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(plan(&in, &p, "20b H200 1+1 separate: decode") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.weight_copies == 2 && p.max_batch == 1024 && p.kv_blocks == 120920 &&
+            p.prefill_kv_blocks == 8704, "copies %d batch %d blocks %d prefill %d",
+            p.weight_copies, p.max_batch, p.kv_blocks, p.prefill_kv_blocks);
+  in.role = TW_MEM_ROLE_PREFILL; /* the other worker's view: the same plan, its own share */
+  TW_EXPECT(plan(&in, &p, "20b H200 1+1 separate: prefill") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.kv_blocks == 8704 && p.max_batch == 64 && p.prefill_tokens == 8192 &&
+            p.decode_kv_blocks == 120920, "blocks %d batch %d tokens %d decode %d", p.kv_blocks,
+            p.max_batch, p.prefill_tokens, p.decode_kv_blocks);
+  /* shared weights: the decode pool gains one copy, 13,774,924,416 / (16 x
+   * 48 KiB) = 17,516 blocks more */
+  in = gpu_in(&c20, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(plan(&in, &p, "20b H200 1+1 shared: decode") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.weight_copies == 1 && p.kv_blocks == 120920 + 17516, "copies %d blocks %d",
+            p.weight_copies, p.kv_blocks);
+
+  /* 120b, H200, prefill + decode sharing one copy: KV 72 KiB a token;
+   * left / 8 = 111,528 tokens < context + 8,192: the prefill pool is 6,971
+   * blocks; decode at 1,024 would leave 740 tokens a sequence (< 1,024), at
+   * 512 it leaves 1,497: max batch 512, 47,918 blocks (52.6 GiB) */
+  in = gpu_in(&c120, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(plan(&in, &p, "120b H200 1+1 shared: decode") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.max_batch == 512 && p.kv_blocks == 47918 && p.prefill_kv_blocks == 6971,
+            "batch %d blocks %d prefill %d", p.max_batch, p.kv_blocks, p.prefill_kv_blocks);
+  TW_EXPECT(p.kv_bytes > 50 * GIB, "120b decode kv %.2f GiB", p.kv_bytes / (double)GIB);
+  TW_EXPECT(!has_line(&p, "warning"), "no warning");
+  /* two copies of the 120b weights (121.7 GiB + reserves of a 126.4 GiB
+   * budget) leave a decode pool smaller than one context: planned at a
+   * small batch, with the warning that names sharing */
+  in.shared_weights = false;
+  TW_EXPECT(plan(&in, &p, "120b H200 1+1 separate") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.max_batch <= 8 && p.kv_bytes < GIB && has_line(&p, "sharing one copy"),
+            "batch %d kv %lld", p.max_batch, (long long)p.kv_bytes);
+
+  /* H100 80 GB: 120b alone decodes at a smaller batch; shared with a
+   * prefill worker too (pools of 2 x 8,192 tokens for prefill) */
+  in = gpu_in(&c120, H100, 0, 1, false, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(plan(&in, &p, "120b H100 decode alone") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.max_batch == 128 && p.kv_blocks > 8000 && p.kv_blocks < 8800, "batch %d blocks %d",
+            p.max_batch, p.kv_blocks);
+  in = gpu_in(&c120, H100, 1, 1, true, TW_MEM_ROLE_PREFILL);
+  TW_EXPECT(plan(&in, &p, "120b H100 1+1 shared: prefill") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.kv_blocks == 1024 && p.prefill_tokens == 8192 && p.decode_max_batch == 64,
+            "blocks %d tokens %d decode batch %d", p.kv_blocks, p.prefill_tokens,
+            p.decode_max_batch);
+  in = gpu_in(&c20, H100, 1, 1, false, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(plan(&in, &p, "20b H100 1+1 separate") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.max_batch == 512, "batch %d", p.max_batch);
+
+  /* a 24 GB card: 120b does not fit, with an error that says so */
+  in = gpu_in(&c120, CARD24, 0, 1, false, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(plan(&in, &p, "120b 24 GB") == TW_ERR_NO_MEMORY, "120b on 24 GB");
+  TW_EXPECT(strstr(tw_last_error(), "60.84 GiB") && strstr(tw_last_error(), "more memory"),
+            "message: %s", tw_last_error());
+  TW_EXPECT(p.kv_blocks == 0 && p.n_lines == 0, "plan zeroed on error");
+  /* 20b: two copies do not fit (the error names sharing), one shared does */
+  in = gpu_in(&c20, CARD24, 1, 1, false, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(plan(&in, &p, "20b 24 GB separate") == TW_ERR_NO_MEMORY, "20b x2 on 24 GB");
+  TW_EXPECT(strstr(tw_last_error(), "share one copy"), "message: %s", tw_last_error());
+  in.shared_weights = true;
+  TW_EXPECT(plan(&in, &p, "20b 24 GB shared") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.max_batch == 64 && p.kv_blocks > 4000, "batch %d blocks %d", p.max_batch,
+            p.kv_blocks);
+
+  /* flags override this worker's figures; the rest of the plan stands */
+  in = gpu_in(&c20, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
+  in.kv_blocks = 2048;
+  TW_EXPECT(plan(&in, &p, "--kv-blocks 2048") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.kv_blocks == 2048 && p.kv_bytes == 2048LL * 16 * 49152 && p.max_batch == 1024 &&
+            has_line(&p, "from --kv-blocks"), "blocks %d batch %d", p.kv_blocks, p.max_batch);
+  in.kv_blocks = 0;
+  in.max_batch = 64; /* a smaller batch: smaller workspace, fewer graphs, a larger pool */
+  TW_EXPECT(plan(&in, &p, "--max-batch 64") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.max_batch == 64 && p.kv_blocks > 120920 + 17516 && has_line(&p, "from --max-batch"),
+            "batch %d blocks %d", p.max_batch, p.kv_blocks);
+  /* 64 x 131,072 tokens = 524,288 blocks: the pool is never larger */
+  in.max_batch = 2;
+  TW_EXPECT(plan(&in, &p, "--max-batch 2") == TW_OK && p.kv_blocks == 2 * 8192, "blocks %d",
+            p.kv_blocks);
+  in = gpu_in(&c20, H200, 1, 1, true, TW_MEM_ROLE_PREFILL);
+  in.prefill_tokens = 2048; /* context + 2,048 tokens = 8,320 blocks */
+  TW_EXPECT(plan(&in, &p, "prefill 2048") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.prefill_tokens == 2048 && p.kv_blocks == 8320, "tokens %d blocks %d",
+            p.prefill_tokens, p.kv_blocks);
+  in = gpu_in(&c120, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
+  in.utilization = 0.5; /* 70.2 GiB: 120b leaves little, still a pool */
+  TW_EXPECT(plan(&in, &p, "utilization 0.5") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.budget_bytes == H200 / 2 && p.max_batch < 512, "budget %lld batch %d",
+            (long long)p.budget_bytes, p.max_batch);
+
+  /* free memory below this worker's share: its pool is cut to what is free
+   * (minus 256 MiB); far below, an error */
+  in = gpu_in(&c20, H200, 0, 1, false, TW_MEM_ROLE_DECODE);
+  in.free_bytes = 20 * GIB; /* (20 GiB - 256 MiB - ws - graphs) / 786,432 */
+  TW_EXPECT(plan(&in, &p, "free 20 GiB") == TW_OK, "%s", tw_last_error());
+  int64_t room = 20 * GIB - 256 * MIB - (1159200768LL + 110 * 4 * MIB);
+  TW_EXPECT(p.kv_blocks == room / 786432 && has_line(&p, "cut from 151583"), "blocks %d",
+            p.kv_blocks);
+  in.free_bytes = 1 * GIB;
+  TW_EXPECT(plan(&in, &p, "free 1 GiB") == TW_ERR_NO_MEMORY, "1 GiB free");
+  TW_EXPECT(strstr(tw_last_error(), "only 1.00 GiB"), "message %s", tw_last_error());
+
+  /* the cpu rule: f32 KV, shared (mapped) weights, no reserve, at most
+   * 64 sequences and 1 GiB of KV a worker */
+  in = gpu_in(&c20, 64 * GIB, 1, 1, true, TW_MEM_ROLE_DECODE);
+  in.kv_elem_bytes = 4;
+  in.process_reserve = -1;
+  in.graph_bytes = 0;
+  in.max_batch_cap = 64;
+  in.kv_cap_bytes = GIB; /* 1 GiB / (16 x 96 KiB) = 682 blocks */
+  TW_EXPECT(plan(&in, &p, "cpu 64 GiB") == TW_OK, "%s", tw_last_error());
+  TW_EXPECT(p.max_batch == 64 && p.kv_blocks == 682, "batch %d blocks %d", p.max_batch,
+            p.kv_blocks);
+
+  /* bad input */
+  in = gpu_in(&c20, H200, 1, 0, false, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(tw_mem_plan(&in, &p) == TW_ERR_INVALID_ARGUMENT, "decode role without a decode worker");
+  in = gpu_in(&c20, H200, 0, 0, false, TW_MEM_ROLE_DECODE);
+  TW_EXPECT(tw_mem_plan(&in, &p) == TW_ERR_INVALID_ARGUMENT, "no workers");
+  in = gpu_in(&c20, H200, 0, 1, false, TW_MEM_ROLE_DECODE);
+  in.utilization = 1.5;
+  TW_EXPECT(tw_mem_plan(&in, &p) == TW_ERR_INVALID_ARGUMENT, "utilization 1.5");
+  in.utilization = 0;
+  in.kv_blocks = -1;
+  TW_EXPECT(tw_mem_plan(&in, &p) == TW_ERR_INVALID_ARGUMENT, "negative override");
+  TW_EXPECT(tw_mem_plan(NULL, &p) == TW_ERR_INVALID_ARGUMENT, "NULL input");
+
+  /* flag parsers */
+  double u = 0;
+  TW_EXPECT(tw_mem_parse_utilization("0.85", &u) == TW_OK && u == 0.85, "0.85 -> %f", u);
+  TW_EXPECT(tw_mem_parse_utilization("1", &u) == TW_OK && u == 1.0, "1");
+  TW_EXPECT(tw_mem_parse_utilization("0", &u) == TW_ERR_INVALID_ARGUMENT, "0");
+  TW_EXPECT(tw_mem_parse_utilization("1.2", &u) == TW_ERR_INVALID_ARGUMENT, "1.2");
+  TW_EXPECT(tw_mem_parse_utilization("0.9x", &u) == TW_ERR_INVALID_ARGUMENT, "0.9x");
+  int32_t a = -1, b = -1;
+  TW_EXPECT(tw_mem_parse_colocated("1,2", &a, &b) == TW_OK && a == 1 && b == 2, "1,2");
+  TW_EXPECT(tw_mem_parse_colocated("0,0", &a, &b) == TW_ERR_INVALID_ARGUMENT, "0,0");
+  TW_EXPECT(tw_mem_parse_colocated("1", &a, &b) == TW_ERR_INVALID_ARGUMENT, "1");
+  TW_EXPECT(tw_mem_parse_colocated("1,2,3", &a, &b) == TW_ERR_INVALID_ARGUMENT, "1,2,3");
+  return tw_test_result("test_mem_plan");
+}
