@@ -26,6 +26,12 @@ tw_status_t tw_backend_parse(const char *name, tw_backend_kind_t *kind_p) {
   return TW_OK;
 }
 
+int tw_backend_opt(const char *text, void *dst, char *err, size_t errlen) {
+  if (tw_backend_parse(text, dst) == TW_OK) return 0;
+  snprintf(err, errlen, "must be auto, cpu or cuda, got '%s'", text);
+  return -1;
+}
+
 const char *tw_backend_name(tw_backend_kind_t kind) {
   switch (kind) {
   case TW_BACKEND_AUTO: return "auto";

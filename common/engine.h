@@ -34,6 +34,10 @@ typedef enum {
 
 /** Parse "auto"/"cpu"/"cuda". Errors: TW_ERR_INVALID_ARGUMENT naming the value. */
 tw_status_t tw_backend_parse(const char *name, tw_backend_kind_t *kind_p);
+
+/** The --backend option's parser (opts.h TW_OPT_FN; dst: tw_backend_kind_t *):
+ *  0 with *dst set, or -1 with "must be auto, cpu or cuda, got 'X'" in err. */
+int tw_backend_opt(const char *text, void *dst, char *err, size_t errlen);
 const char *tw_backend_name(tw_backend_kind_t kind);
 
 typedef struct {

@@ -289,3 +289,10 @@ tw_status_t tw_mem_parse_colocated(const char *s, int32_t *n_prefill_p, int32_t 
   *n_decode_p = b;
   return TW_OK;
 }
+
+int tw_mem_colocated_opt(const char *text, void *dst, char *err, size_t errlen) {
+  const tw_mem_colocated_t *c = dst;
+  if (tw_mem_parse_colocated(text, c->n_prefill, c->n_decode) == TW_OK) return 0;
+  snprintf(err, errlen, "%s", tw_last_error());
+  return -1;
+}

@@ -30,6 +30,7 @@
 #include "common/status.h"
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -133,6 +134,15 @@ tw_status_t tw_mem_parse_utilization(const char *s, double *out_p);
 /** Parse --colocated P,D (prefill and decode workers on this device, this
  *  one included; each 0..64, not both 0). Errors: TW_ERR_INVALID_ARGUMENT. */
 tw_status_t tw_mem_parse_colocated(const char *s, int32_t *n_prefill_p, int32_t *n_decode_p);
+
+/** Where --colocated P,D goes: the two counts of a worker's options. */
+typedef struct {
+  int32_t *n_prefill, *n_decode;
+} tw_mem_colocated_t;
+
+/** The --colocated option's parser (common/opts.h TW_OPT_FN; dst:
+ *  tw_mem_colocated_t *): tw_mem_parse_colocated, its message in err. */
+int tw_mem_colocated_opt(const char *text, void *dst, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

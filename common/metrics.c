@@ -25,6 +25,7 @@ struct tw_metric {
   tw_metric_kind_t kind;
   char name[96];
   char help[160];
+  char label[160]; /* its own label, rendered key="value"; "" none */
   double value;
   double bounds[TW_METRICS_MAX_BUCKETS];
   uint64_t counts[TW_METRICS_MAX_BUCKETS + 1];
@@ -36,6 +37,7 @@ struct tw_metric {
 struct tw_metrics {
   pthread_mutex_t mu;
   char process[64];
+  char labels[320]; /* ,key="value" pairs every sample carries after process */
   tw_metric_t metrics[TW_METRICS_MAX];
   int n;
   bool healthy;
@@ -74,24 +76,56 @@ static void tw_sb_printf(tw_sb_t *sb, const char *fmt, ...) {
   }
 }
 
-static void tw_metric_render(tw_sb_t *sb, const tw_metrics_t *m, const tw_metric_t *x) {
+/* x's samples; HELP and TYPE only for the first of the metrics that share
+ * its name (labeled variants are registered one after another). */
+static void tw_metric_render(tw_sb_t *sb, const tw_metrics_t *m, const tw_metric_t *x,
+                             const tw_metric_t *prev) {
   static const char *const kinds[] = {"counter", "gauge", "histogram"};
-  tw_sb_printf(sb, "# HELP %s %s\n# TYPE %s %s\n", x->name, x->help, x->name, kinds[x->kind]);
+  if (!prev || strcmp(prev->name, x->name))
+    tw_sb_printf(sb, "# HELP %s %s\n# TYPE %s %s\n", x->name, x->help, x->name, kinds[x->kind]);
+  char lab[sizeof m->process + sizeof m->labels + sizeof x->label + 16];
+  snprintf(lab, sizeof lab, "process=\"%s\"%s%s%s", m->process, m->labels, x->label[0] ? "," : "",
+           x->label);
   if (x->kind != TW_M_HISTOGRAM) {
-    tw_sb_printf(sb, "%s{process=\"%s\"} %.17g\n", x->name, m->process, x->value);
+    tw_sb_printf(sb, "%s{%s} %.17g\n", x->name, lab, x->value);
     return;
   }
   uint64_t cum = 0;
   for (int i = 0; i < x->n_bounds; i++) {
     cum += x->counts[i];
-    tw_sb_printf(sb, "%s_bucket{process=\"%s\",le=\"%g\"} %llu\n", x->name, m->process,
-                 x->bounds[i], (unsigned long long)cum);
+    tw_sb_printf(sb, "%s_bucket{%s,le=\"%g\"} %llu\n", x->name, lab, x->bounds[i],
+                 (unsigned long long)cum);
   }
   cum += x->counts[x->n_bounds];
-  tw_sb_printf(sb, "%s_bucket{process=\"%s\",le=\"+Inf\"} %llu\n", x->name, m->process,
-               (unsigned long long)cum);
-  tw_sb_printf(sb, "%s_sum{process=\"%s\"} %.17g\n%s_count{process=\"%s\"} %llu\n", x->name,
-               m->process, x->sum, x->name, m->process, (unsigned long long)x->count);
+  tw_sb_printf(sb, "%s_bucket{%s,le=\"+Inf\"} %llu\n", x->name, lab, (unsigned long long)cum);
+  tw_sb_printf(sb, "%s_sum{%s} %.17g\n%s_count{%s} %llu\n", x->name, lab, x->sum, x->name, lab,
+               (unsigned long long)x->count);
+}
+
+/* key="value" with the value escaped for the exposition format (\\, \", \n). */
+static void tw_metrics_label_text(char *out, size_t len, const char *key, const char *value) {
+  size_t n = (size_t)snprintf(out, len, "%s=\"", key);
+  for (const char *p = value; *p && n + 3 < len; p++) {
+    if (*p == '\\' || *p == '"') out[n++] = '\\';
+    if (*p == '\n') {
+      out[n++] = '\\';
+      out[n++] = 'n';
+    } else {
+      out[n++] = *p;
+    }
+  }
+  if (n + 1 < len) out[n++] = '"';
+  out[n < len ? n : len - 1] = '\0';
+}
+
+void tw_metrics_set_label(tw_metrics_t *m, const char *key, const char *value) {
+  if (!m) return;
+  char one[192];
+  tw_metrics_label_text(one, sizeof one, key, value);
+  pthread_mutex_lock(&m->mu);
+  size_t n = strlen(m->labels);
+  snprintf(m->labels + n, sizeof m->labels - n, ",%s", one);
+  pthread_mutex_unlock(&m->mu);
 }
 
 tw_status_t tw_metrics_render(tw_metrics_t *m, char **text_p) {
@@ -99,7 +133,7 @@ tw_status_t tw_metrics_render(tw_metrics_t *m, char **text_p) {
   if (!sb.buf) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the metrics text");
   sb.buf[0] = '\0';
   pthread_mutex_lock(&m->mu);
-  for (int i = 0; i < m->n; i++) tw_metric_render(&sb, m, &m->metrics[i]);
+  for (int i = 0; i < m->n; i++) tw_metric_render(&sb, m, &m->metrics[i], i ? &m->metrics[i - 1] : NULL);
   pthread_mutex_unlock(&m->mu);
   if (sb.oom) {
     free(sb.buf);
@@ -252,6 +286,15 @@ static tw_metric_t *tw_metrics_add(tw_metrics_t *m, tw_metric_kind_t kind, const
 
 tw_metric_t *tw_metrics_counter(tw_metrics_t *m, const char *name, const char *help) {
   return tw_metrics_add(m, TW_M_COUNTER, name, help);
+}
+tw_metric_t *tw_metrics_counter_labeled(tw_metrics_t *m, const char *name, const char *help,
+                                        const char *key, const char *value) {
+  tw_metric_t *x = tw_metrics_add(m, TW_M_COUNTER, name, help);
+  if (!x) return NULL;
+  pthread_mutex_lock(&m->mu);
+  tw_metrics_label_text(x->label, sizeof x->label, key, value);
+  pthread_mutex_unlock(&m->mu);
+  return x;
 }
 tw_metric_t *tw_metrics_gauge(tw_metrics_t *m, const char *name, const char *help) {
   return tw_metrics_add(m, TW_M_GAUGE, name, help);

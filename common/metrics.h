@@ -8,7 +8,7 @@
  *                    draining: liveness (restart only a wedged process).
  *
  * Metric names are prefixed "twain_"; every sample carries the label
- * process="<name>". Updates take a mutex (cheap next to a decode step) so the
+ * process="<name>" and the registry's labels (tw_metrics_set_label). Updates take a mutex (cheap next to a decode step) so the
  * HTTP thread always reads a consistent snapshot. */
 #ifndef TW_COMMON_METRICS_H
 #define TW_COMMON_METRICS_H
@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define TW_METRICS_MAX 48
+#define TW_METRICS_MAX 96
 #define TW_METRICS_MAX_BUCKETS 24
 
 typedef struct tw_metrics tw_metrics_t;
@@ -62,6 +62,16 @@ int tw_metrics_port(const tw_metrics_t *metrics);
  *  registry is full (TW_METRICS_MAX); updates on NULL do nothing. */
 tw_metric_t *tw_metrics_counter(tw_metrics_t *metrics, const char *name, const char *help);
 tw_metric_t *tw_metrics_gauge(tw_metrics_t *metrics, const char *name, const char *help);
+/** A counter with one label of its own (key="value", e.g. finished_reason=
+ *  "stop"): register the values of one name one after another; they share
+ *  one HELP/TYPE. NULL when the registry is full. */
+tw_metric_t *tw_metrics_counter_labeled(tw_metrics_t *metrics, const char *name, const char *help,
+                                        const char *key, const char *value);
+/** Add key="value" to every sample of the registry, after process (e.g.
+ *  model_name="gpt-oss-20b", so that dashboards made for vLLM's names can
+ *  filter by model; docs/operations.md). The value is escaped. Call before
+ *  serving. */
+void tw_metrics_set_label(tw_metrics_t *metrics, const char *key, const char *value);
 /** Histogram with ascending upper bounds[n] (n <= TW_METRICS_MAX_BUCKETS; +Inf
  *  is implicit). */
 tw_metric_t *tw_metrics_histogram(tw_metrics_t *metrics, const char *name, const char *help,

@@ -14,6 +14,11 @@
 #include <unistd.h>
 
 volatile sig_atomic_t tw_worker_stop_g = 0;
+volatile sig_atomic_t tw_worker_started_g = 0;
+
+int tw_worker_exit_code(tw_status_t st) {
+  return st == TW_OK ? 0 : tw_worker_started_g ? 1 : TW_WORKER_EXIT_CONFIG;
+}
 
 static void tw_worker_on_signal(int sig) {
   (void)sig;

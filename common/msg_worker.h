@@ -28,6 +28,23 @@ extern "C" {
 #define TW_WORKER_HEARTBEAT_MS 200
 #define TW_WORKER_EXPIRE_MS 1000
 
+/** Exit status of a worker daemon that could not start because of its
+ *  configuration or environment (a bad option value, a model that is missing
+ *  or unreadable, no GPU for --backend cuda, a parallelism the model or the
+ *  backend refuses): sysexits.h EX_CONFIG. Restarting cannot help, so
+ *  `twain serve` stops at once on it (and on 2, a usage error); any other
+ *  failure of a worker that was serving is a crash, and is restarted. */
+#define TW_WORKER_EXIT_CONFIG 78
+
+/** Set to 1 by a worker once it has started (model loaded, engine created,
+ *  router link open): a failure after that is a crash, before it a
+ *  configuration error. tw_worker_exit_code() reads it. */
+extern volatile sig_atomic_t tw_worker_started_g;
+
+/** The process exit code for a worker that ends with status `st`: 0 for
+ *  TW_OK, 1 once tw_worker_started_g is set, else TW_WORKER_EXIT_CONFIG. */
+int tw_worker_exit_code(tw_status_t st);
+
 /** Set by SIGTERM/SIGINT once tw_worker_signals_install() ran: 1 = drain. */
 extern volatile sig_atomic_t tw_worker_stop_g;
 /** Install SIGTERM/SIGINT handlers that set tw_worker_stop_g (and ignore SIGPIPE). */

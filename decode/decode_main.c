@@ -3,8 +3,12 @@
 
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/msg_worker.h"
+#include "common/model_path.h"
+#include "common/opts.h"
 #include "common/mem_plan.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,87 +17,70 @@
 #define TW_DEFAULT_MODEL_DIR "tests/fixtures/tiny-gptoss-wordnet-mxfp4"
 #endif
 
-static void usage(void) {
-  fprintf(stderr,
-          "usage: twain-decode --router tcp://HOST:PORT [--model DIR] [--name NAME]\n"
-          "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--max-batch N]\n"
-          "           (--kv-blocks and --max-batch default to the memory plan: docs/operations.md)\n"
-          "         [--gpu-memory-utilization F (default 0.90)] [--colocated P,D (prefill and\n"
-          "           decode workers on this device, this one included; default this one alone)]\n"
-          "         [--share-weights DIR (cuda: one copy of the weights for the workers of DIR)]\n"
-          "         [--threads N] [--metrics-port P (-1 off, 0 ephemeral)] [--verify-kv]\n"
-          "         [--tp N] [--ep N]   tensor / expert parallel ranks (docs/parallelism.md)\n"
-          "         [--dp N]   data-parallel attention: N ranks, each a replica with its own\n"
-          "           sequences and kv pool; needs --ep N and --tp 1 (cpu backend only)\n"
-          "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
-          "         [--drain-timeout SECONDS (default 600: SIGTERM finishes running sequences\n"
-          "           for at most this long)]\n"
-          "  --model defaults to %s\n",
-          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
-}
-
 int main(int argc, char **argv) {
   tw_log_init("twain-decode", 0);
   tw_decode_params_t p = TW_DECODE_PARAMS_DEFAULT;
   p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "--verify-kv")) {
-      p.verify_kv = true;
-      continue;
-    }
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      usage();
-      return 0;
-    }
-    if (!v) {
-      fprintf(stderr, "twain-decode: %s needs a value\n", a);
-      usage();
-      return 2;
-    }
-    i++;
-    if (!strcmp(a, "--model")) p.model_dir = v;
-    else if (!strcmp(a, "--router")) p.router = v;
-    else if (!strcmp(a, "--name")) p.name = v;
-    else if (!strcmp(a, "--backend")) {
-      if (tw_backend_parse(v, &p.backend) != TW_OK) return 2;
-    } else if (!strcmp(a, "--kv-blocks")) p.kv_blocks = atoi(v);
-    else if (!strcmp(a, "--block-size")) p.block_size = atoi(v);
-    else if (!strcmp(a, "--max-batch")) p.max_batch = atoi(v);
-    else if (!strcmp(a, "--gpu-memory-utilization")) {
-      if (tw_mem_parse_utilization(v, &p.gpu_memory_utilization) != TW_OK) return 2;
-    } else if (!strcmp(a, "--colocated")) {
-      if (tw_mem_parse_colocated(v, &p.colocated_prefill, &p.colocated_decode) != TW_OK) return 2;
-      if (p.colocated_decode < 1) {
-        fprintf(stderr, "twain-decode: --colocated %s counts no decode worker (this one)\n", v);
-        return 2;
-      }
-    } else if (!strcmp(a, "--share-weights")) p.share_weights_dir = v;
-    else if (!strcmp(a, "--threads")) p.threads = atoi(v);
-    else if (!strcmp(a, "--metrics-port")) p.metrics_port = atoi(v);
-    else if (!strcmp(a, "--metrics-addr")) p.metrics_addr = v;
-    else if (!strcmp(a, "--drain-timeout")) p.drain_timeout_s = atoi(v);
-    else if (!strcmp(a, "--tp")) p.tp = atoi(v);
-    else if (!strcmp(a, "--ep")) p.ep = atoi(v);
-    else if (!strcmp(a, "--dp")) p.dp = atoi(v);
-    else {
-      fprintf(stderr, "twain-decode: unknown option %s\n", a);
-      usage();
-      return 2;
-    }
-  }
-  if (p.drain_timeout_s < 0) {
-    fprintf(stderr, "twain-decode: --drain-timeout %d < 0\n", p.drain_timeout_s);
+  tw_mem_colocated_t colocated = {&p.colocated_prefill, &p.colocated_decode};
+  tw_opt_t opts[] = {
+      TW_OPT_STR("router", &p.router, "tcp://HOST:PORT", "the router's worker endpoint (required)"),
+      TW_OPT_STR_FN("model", &p.model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
+      TW_OPT_STR("name", &p.name, "NAME", "routing id (default decode-<pid>)"),
+      TW_OPT_FN("backend", &p.backend, tw_backend_opt, "auto|cpu|cuda", "engine backend"),
+      TW_OPT_INT("kv-blocks", &p.kv_blocks, 0, INT32_MAX, "N",
+                 "KV cache pool size in blocks (0: the memory plan, docs/operations.md)"),
+      TW_OPT_INT("block-size", &p.block_size, 1, 1 << 20, "N", "KV block size in tokens"),
+      TW_OPT_INT("max-batch", &p.max_batch, 0, TW_DECODE_MAX_BATCH, "N",
+                 "sequences per decode step, per dp rank (0: the memory plan)"),
+      TW_OPT_DOUBLE("gpu-memory-utilization", &p.gpu_memory_utilization, 0, 1, "F",
+                    "share of the device for its workers (0: 0.90)"),
+      TW_OPT_FN("colocated", &colocated, tw_mem_colocated_opt, "P,D",
+                "prefill and decode workers on this device, this one included\n"
+                "(default this one alone)"),
+      TW_OPT_STR("share-weights", &p.share_weights_dir, "DIR",
+                 "cuda: one copy of the weights for the workers of DIR"),
+      TW_OPT_INT("threads", &p.threads, 0, 4096, "N", "cpu threads (0: all cores)"),
+      TW_OPT_INT("metrics-port", &p.metrics_port, -1, 65535, "PORT",
+                 "/metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),
+      TW_OPT_STR("metrics-addr", &p.metrics_addr, "ADDR",
+                 "numeric address of the metrics port (default 127.0.0.1; 0.0.0.0: all)"),
+      TW_OPT_INT("drain-timeout", &p.drain_timeout_s, 0, INT32_MAX, "SECONDS",
+                 "on SIGTERM, finish running sequences for at most this long"),
+      TW_OPT_FLAG("verify-kv", &p.verify_kv, "check the per-layer checksums of received KV"),
+      TW_OPT_INT("log-stats-interval", &p.log_stats_interval_s, 0, 86400, "SECONDS",
+                 "a stats line (running, waiting, KV use, tok/s) this often while busy\n"
+                 "(0: none)"),
+      TW_OPT_STR("served-model-name", &p.served_model_name, "NAME",
+                 "model_name label of the metrics (default: from --model)"),
+      TW_OPT_INT("tp", &p.tp, 1, 64, "N", "tensor parallel ranks (docs/parallelism.md)"),
+      TW_OPT_INT("ep", &p.ep, 1, 64, "N", "expert parallel ranks"),
+      TW_OPT_INT("dp", &p.dp, 1, TW_DECODE_MAX_DP, "N",
+                 "data-parallel attention: N ranks, each a replica with its own\n"
+                 "sequences and KV pool; needs --ep N and --tp 1 (cpu backend only)"),
+  };
+  tw_opts_spec_t spec = {.prog = "twain-decode", .synopsis = "--router tcp://HOST:PORT [OPTIONS]",
+                         .description = "The decode worker daemon: runs the decode steps of the "
+                                        "sequences a router hands it.",
+                         .env_prefix = "TWAIN_DECODE_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0], .config = true};
+  int rc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (rc != TW_OPTS_RUN) return rc;
+  if (tw_opts_given(&spec, "colocated") && p.colocated_decode < 1) {
+    fprintf(stderr, "twain-decode: --colocated %d,%d counts no decode worker (this one)\n",
+            p.colocated_prefill, p.colocated_decode);
     return 2;
   }
   if (!p.router) {
-    fprintf(stderr, "twain-decode: missing --router tcp://HOST:PORT (the router's worker endpoint)\n");
-    usage();
+    fprintf(stderr, "twain-decode: missing --router tcp://HOST:PORT (the router's worker endpoint; "
+                    "see --help)\n");
     return 2;
   }
   p.argc = argc;
   p.argv = argv;
   tw_status_t st = tw_decode_worker_run(&p);
-  return st == TW_OK ? 0 : 1;
+  if (st != TW_OK && !tw_worker_started_g)
+    TW_ERROR("decode", "cannot start: %s: %s", tw_status_str(st), tw_last_error());
+  return tw_worker_exit_code(st); /* 78: a configuration error, `twain serve` stops */
 }

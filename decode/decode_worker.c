@@ -24,6 +24,8 @@
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/model_path.h"
+#include "common/worker_stats.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/msg_worker.h"
@@ -100,7 +102,9 @@ typedef struct {
         *kv_bytes, *sum_ok, *sum_bad, *rejected;
     tw_metric_t *dp_seqs[TW_DECODE_MAX_DP], *dp_tokens[TW_DECODE_MAX_DP],
         *dp_used[TW_DECODE_MAX_DP];
+    tw_metric_t *kv_usage;
   } m;
+  tw_worker_stats_t stats; /* the periodic stats line */
 } tw_decoder_t;
 
 /* Blocks over every dp rank's manager: which = 0 free, 1 used, 2 total. */
@@ -113,8 +117,10 @@ static int32_t tw_decoder_blocks(const tw_decoder_t *d, int which) {
 }
 
 static void tw_decoder_block_gauges(tw_decoder_t *d) {
-  tw_metric_set(d->m.blocks_used, tw_decoder_blocks(d, 1));
+  int32_t used = tw_decoder_blocks(d, 1), total = tw_decoder_blocks(d, 2);
+  tw_metric_set(d->m.blocks_used, used);
   tw_metric_set(d->m.blocks_free, tw_decoder_blocks(d, 0));
+  tw_metric_set(d->m.kv_usage, total ? (double)used / total : 0);
   for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++)
     tw_metric_set(d->m.dp_used[r], tw_kv_blocks_used_count(d->bm[r]));
 }
@@ -159,6 +165,13 @@ static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *
   tw_metric_set(d->m.running, running);
   tw_metric_set(d->m.reserved, waiting);
   tw_decoder_block_gauges(d);
+  double tok_s, steps_s;
+  if (tw_worker_stats_due(&d->stats, tw_msg_clock_ns(), running || waiting, &tok_s, &steps_s)) {
+    int32_t used = tw_decoder_blocks(d, 1), total = tw_decoder_blocks(d, 2);
+    TW_INFO("decode", "stats: running %d seqs, waiting %d, KV cache %.1f%% (%d of %d blocks), "
+                      "generation %.1f tok/s, %.1f steps/s",
+            running, waiting, total ? 100.0 * used / total : 0.0, used, total, tok_s, steps_s);
+  }
 }
 
 static void tw_send_tokens(tw_decoder_t *d, uint64_t id, const int32_t *toks, size_t n,
@@ -500,6 +513,7 @@ static tw_status_t tw_decoder_step(tw_decoder_t *d) {
                          : tw_dist_engine_decode(d->dist, d->engine, &bt[0].args);
   int64_t t1 = tw_msg_clock_ns();
   tw_metric_add(d->m.steps, 1);
+  tw_worker_stats_add(&d->stats, 0, 1);
   for (int32_t r = 0; r < R; r++)
     for (int32_t j = r * B; j < r * B + cnt[r]; j++) {
       tw_dseq_t *s = d->batch[j];
@@ -512,6 +526,7 @@ static tw_status_t tw_decoder_step(tw_decoder_t *d) {
       }
       tw_metric_observe(d->m.tpot, (double)(t1 - t0) * 1e-9);
       tw_metric_add(d->m.tokens, 1);
+      tw_worker_stats_add(&d->stats, 1, 0);
       if (R > 1) tw_metric_add(d->m.dp_tokens[r], 1);
       s->token = d->out[j];
       s->pos++;
@@ -598,6 +613,9 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   else snprintf(name, sizeof name, "decode-%d", (int)getpid());
   TW_CHECK(tw_metrics_create(name, p->metrics_port, p->metrics_addr, &d->metrics));
   tw_metrics_t *M = d->metrics;
+  char model_name[256]; /* the model_name label, as the router's (model_path.h) */
+  tw_model_name(p->served_model_name, p->model_dir, model_name, sizeof model_name);
+  tw_metrics_set_label(M, "model_name", model_name);
   d->m.running = tw_metrics_gauge(M, "decode_running_sequences", "sequences in the decode batch");
   d->m.reserved = tw_metrics_gauge(M, "decode_queue_depth", "reservations waiting for their kv");
   d->m.blocks_used = tw_metrics_gauge(M, "kv_blocks_used", "kv blocks reserved or in use");
@@ -606,6 +624,9 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
                                    tw_metrics_latency_buckets, tw_metrics_latency_n);
   d->m.tokens = tw_metrics_counter(M, "decode_tokens_total", "tokens generated");
   d->m.steps = tw_metrics_counter(M, "decode_steps_total", "decode steps run");
+  d->m.kv_usage = tw_metrics_gauge(M, "kv_cache_usage_perc",
+                                   "KV cache blocks in use, a fraction in [0, 1] (vLLM's name)");
+  d->stats.interval_s = p->log_stats_interval_s;
   d->m.kv_bytes = tw_metrics_counter(M, "kv_bytes_received_total", "kv bytes handed in");
   d->m.sum_ok = tw_metrics_counter(M, "kv_checksum_ok_total", "layers whose kv checksum matched");
   d->m.sum_bad = tw_metrics_counter(M, "kv_checksum_mismatch_total", "layers whose kv checksum differed");
@@ -694,7 +715,10 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     int rc = -1;
     TW_CHECK(tw_dist_spawn(p->argc, p->argv, ranks, p->backend != TW_BACKEND_CUDA, &d.id, &rc));
     if (rc == 0) return TW_OK; /* this process supervised the ranks (mpirun), now done */
-    if (rc > 0) return tw_err(TW_ERR_UNAVAILABLE, "decode: the ranks ended with status %d", rc);
+    if (rc > 0) {
+      tw_worker_started_g = rc != TW_WORKER_EXIT_CONFIG; /* the ranks' own verdict */
+      return tw_err(TW_ERR_UNAVAILABLE, "decode: the ranks ended with status %d", rc);
+    }
   }
   tw_log_init("twain-decode", d.id.rank);
   tw_worker_signals_install();
@@ -704,6 +728,7 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     tw_decoder_fini(&d);
     return st;
   }
+  tw_worker_started_g = 1; /* from here on a failure is a crash (msg_worker.h) */
   if (d.id.rank != 0) { /* follow rank 0's plans until it says stop (or dies: dist.h) */
     TW_INFO("decode", "rank %d of %d pid %d following rank 0", d.id.rank, d.id.size, (int)getpid());
     st = tw_decode_ranks_follow(&d.rk);

@@ -38,6 +38,8 @@ typedef struct {
   int32_t tp, ep;           /* ranks of this worker (issue 6): each 1 or the group size */
   int32_t dp;               /* data-parallel attention replicas: 1, or the group size with
                                ep = dp and tp = 1 (cpu backend; docs/parallelism.md) */
+  int log_stats_interval_s; /* a stats line every this many seconds while busy; 0: none */
+  const char *served_model_name; /* metrics' model_name label; NULL: from model_dir */
   int argc;                 /* the command line, for --tp self-spawn (dist.h) */
   char **argv;
 } tw_decode_params_t;
@@ -46,7 +48,7 @@ typedef struct {
   ((tw_decode_params_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 0, .block_size = 16,    \
                         .max_batch = 0, .threads = 0, .metrics_port = 0,                \
                         .verify_kv = false, .reserve_timeout_ms = 60000, .tp = 1, .ep = 1, \
-                        .dp = 1, .drain_timeout_s = 600})
+                        .dp = 1, .drain_timeout_s = 600, .log_stats_interval_s = 5})
 
 #define TW_DECODE_MAX_DP 64 /* data-parallel ranks of one worker (the control link's limit) */
 #define TW_DECODE_MAX_BATCH 65536 /* --max-batch: sequences per step (per dp rank) */

@@ -179,6 +179,19 @@ for m in "${models[@]}"; do
   # the default model may also have been named with --with-model: once
   [ -e "$stage/share/twain/models/$(basename "$m")" ] || cp -rL "$m" "$stage/share/twain/models/$(basename "$m")"
 done
+# The API for clients in other languages: the .proto files, their descriptor
+# set (what the Python client builds its classes from) and the Python client
+# module with its example (share/twain/python: runs as is, docs/api.md).
+mkdir -p "$stage/share/twain/proto" "$stage/share/twain/python"
+cp "$here"/proto/*.proto "$stage/share/twain/proto/"
+if [ -f "$build/tests/service/twain.desc" ]; then
+  cp "$build/tests/service/twain.desc" "$stage/share/twain/proto/twain.desc"
+else
+  protoc_c=$(command -v protoc-c || command -v protoc-gen-c || true)
+  [ -n "$protoc_c" ] || { echo "bundle.sh: no twain.desc in the build and no protoc-c to make it" >&2; exit 1; }
+  "$protoc_c" --descriptor_set_out="$stage/share/twain/proto/twain.desc" -I"$here" "$here"/proto/*.proto
+fi
+cp "$here/proto/python/twain_client.py" "$here/tests/service/client_example.py" "$stage/share/twain/python/"
 cat > "$stage/share/twain/env.sh" <<'EOF'
 # Source this to put the bundle first on PATH (no LD_LIBRARY_PATH needed: the
 # programs find their libraries through RUNPATH $ORIGIN/../lib).

@@ -1,12 +1,15 @@
-/* prefill_main.c: the twain-prefill program. With --prompt-tokens it runs
- * the offline mode (offline.h): one prompt, logits dump, greedy
- * continuation. The worker daemon mode comes later; it will be chosen when
- * --prompt-tokens is absent. Exit status: 0 ok, 1 run failed, 2 bad usage. */
+/* prefill_main.c: the twain-prefill program. With --router it is the prefill
+ * worker daemon (worker.h); with --prompt-tokens it runs the offline mode
+ * (offline.h): one prompt, logits dump, greedy continuation. One option table
+ * serves both. Exit status: 0 ok, 1 run failed, 2 bad usage. */
 #include "offline.h"
 #include "worker.h"
 
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/mem_plan.h"
+#include "common/model_path.h"
+#include "common/opts.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -17,107 +20,91 @@
 #define TW_DEFAULT_MODEL_DIR "tests/fixtures/tiny-gptoss-wordnet-mxfp4"
 #endif
 
-static void tw_prefill_usage(FILE *f) {
-  fprintf(f,
-          "usage: twain-prefill [options]\n"
-          "\n"
-          "Offline mode (when --prompt-tokens is given): run one prompt through the engine.\n"
-          "  --model DIR           checkpoint directory (default %s)\n"
-          "  --backend NAME        auto, cpu or cuda (default auto)\n"
-          "  --prompt-tokens FILE  JSON array of prompt token ids\n"
-          "  --dump-logits FILE    write float32 little-endian logits [T, vocab] of every\n"
-          "                        prompt position\n"
-          "  --generate N          continue greedily for N tokens (KV-cache decode) and print\n"
-          "                        them as a JSON array on stdout\n"
-          "  --stop-ids A,B,...    stop generating after one of these ids (default: none)\n"
-          "  --threads N           CPU worker threads (default 0 = all cores)\n"
-          "  --block-size N        KV block size in tokens (default 16)\n"
-          "  --help                this text\n"
-          "\n"
-          "Worker daemon mode (when --router is given): serve prefill requests from a router.\n"
-          "  --router EP [--model DIR] [--name N] [--backend B] [--kv-blocks N] [--block-size N]\n"
-          "  [--threads N] [--metrics-port P]   (prefill/worker.h)\n",
-          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
-}
-
-/* Strict integer parse of an option value; -1 status on failure. */
-static int tw_parse_int(const char *opt, const char *s, long lo, long hi, int32_t *out) {
-  char *end = NULL;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi) {
-    fprintf(stderr, "twain-prefill: %s expects an integer in [%ld, %ld], got '%s'\n", opt, lo, hi,
-            s);
-    return -1;
-  }
-  *out = (int32_t)v;
-  return 0;
-}
-
-static int tw_parse_stop_ids(const char *s, tw_offline_opts_t *o) {
-  char buf[512];
-  if (strlen(s) >= sizeof(buf)) {
-    fprintf(stderr, "twain-prefill: --stop-ids list too long\n");
-    return -1;
-  }
-  strcpy(buf, s);
-  o->n_stop_ids = 0;
-  for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-    if (o->n_stop_ids == TW_OFFLINE_MAX_STOP_IDS) {
-      fprintf(stderr, "twain-prefill: at most %d --stop-ids\n", TW_OFFLINE_MAX_STOP_IDS);
-      return -1;
-    }
-    if (tw_parse_int("--stop-ids", tok, 0, INT32_MAX, &o->stop_ids[o->n_stop_ids]) != 0) return -1;
-    o->n_stop_ids++;
-  }
-  return 0;
+/* --stop-ids A,B,...: replaces the list (opts.h TW_OPT_FN). */
+static int tw_parse_stop_ids(const char *s, void *dst, char *err, size_t errlen) {
+  tw_offline_opts_t *o = dst;
+  return tw_opts_id_list(s, o->stop_ids, TW_OFFLINE_MAX_STOP_IDS, &o->n_stop_ids, err, errlen);
 }
 
 int main(int argc, char **argv) {
   tw_log_init("twain-prefill", 0);
-  if (tw_prefill_worker_wanted(argc, argv)) return tw_prefill_worker_main(argc, argv);
-  tw_offline_opts_t o = {.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR),
-                         .backend = TW_BACKEND_AUTO, .block_size = 16};
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      tw_prefill_usage(stdout);
-      return 0;
-    }
-    if (i + 1 >= argc) {
-      fprintf(stderr, "twain-prefill: unknown option or missing value: %s (see --help)\n", a);
-      return 2;
-    }
-    const char *v = argv[++i];
-    int bad = 0;
-    if (strcmp(a, "--model") == 0) {
-      o.model_dir = v;
-    } else if (strcmp(a, "--backend") == 0) {
-      bad = tw_backend_parse(v, &o.backend) != TW_OK;
-    } else if (strcmp(a, "--prompt-tokens") == 0) {
-      o.prompt_tokens_path = v;
-    } else if (strcmp(a, "--dump-logits") == 0) {
-      o.maybe_dump_logits_path = v;
-    } else if (strcmp(a, "--generate") == 0) {
-      bad = tw_parse_int(a, v, 0, INT32_MAX, &o.generate) != 0;
-    } else if (strcmp(a, "--stop-ids") == 0) {
-      bad = tw_parse_stop_ids(v, &o) != 0;
-    } else if (strcmp(a, "--threads") == 0) {
-      bad = tw_parse_int(a, v, 0, 4096, &o.n_threads) != 0;
-    } else if (strcmp(a, "--block-size") == 0) {
-      bad = tw_parse_int(a, v, 1, 1 << 20, &o.block_size) != 0;
-    } else {
-      fprintf(stderr, "twain-prefill: unknown option %s (see --help)\n", a);
-      return 2;
-    }
-    if (bad) return 2;
+  tw_prefill_opts_t w = TW_PREFILL_OPTS_DEFAULT;
+  w.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
+  tw_offline_opts_t o = {.block_size = 16};
+  tw_mem_colocated_t colocated = {&w.colocated_prefill, &w.colocated_decode};
+  tw_opt_t opts[] = {
+      TW_OPT_STR_FN("model", &w.model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
+      TW_OPT_FN("backend", &w.backend, tw_backend_opt, "auto|cpu|cuda", "engine backend"),
+      TW_OPT_INT("threads", &w.threads, 0, 4096, "N", "cpu threads (0: all cores)"),
+      TW_OPT_INT("block-size", &w.block_size, 1, 1 << 20, "N", "KV block size in tokens"),
+      /* worker daemon mode */
+      TW_OPT_STR("router", &w.router, "tcp://HOST:PORT",
+                 "daemon mode: the router's worker endpoint"),
+      TW_OPT_STR("name", &w.name, "NAME", "daemon: routing id (default prefill-<pid>)"),
+      TW_OPT_INT("kv-blocks", &w.kv_blocks, 0, INT32_MAX, "N",
+                 "daemon: local KV pool in blocks (0: the memory plan, docs/operations.md)"),
+      TW_OPT_DOUBLE("gpu-memory-utilization", &w.gpu_memory_utilization, 0, 1, "F",
+                    "daemon: share of the device for its workers (0: 0.90)"),
+      TW_OPT_FN("colocated", &colocated, tw_mem_colocated_opt, "P,D",
+                "daemon: prefill and decode workers on this device, this one\n"
+                "included (default this one alone)"),
+      TW_OPT_STR("share-weights", &w.share_weights_dir, "DIR",
+                 "daemon, cuda: one copy of the weights for the workers of DIR"),
+      TW_OPT_INT("metrics-port", &w.metrics_port, -1, 65535, "PORT",
+                 "daemon: /metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),
+      TW_OPT_STR("metrics-addr", &w.metrics_addr, "ADDR",
+                 "daemon: numeric address of the metrics port (default 127.0.0.1)"),
+      TW_OPT_INT("tp", &w.tp, 1, 64, "N",
+                 "daemon: tensor parallel ranks (docs/parallelism.md); started here\n"
+                 "(one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) did"),
+      TW_OPT_INT("ep", &w.ep, 1, 64, "N", "daemon: expert parallel ranks"),
+      TW_OPT_INT("chunk-tokens", &w.chunk_tokens, 0, INT32_MAX, "N",
+                 "daemon: tokens of one forward pass: queued prompts are batched up\n"
+                 "to it (a longer prompt runs alone, split over passes; 0: planned)"),
+      TW_OPT_INT("batch-seqs", &w.batch_seqs, 1, INT32_MAX, "N", "daemon: most prompts in one batch"),
+      TW_OPT_INT("log-stats-interval", &w.log_stats_interval_s, 0, 86400, "SECONDS",
+                 "daemon: a stats line (waiting prompts, prompt tok/s) this often while\n"
+                 "busy (0: none)"),
+      TW_OPT_STR("served-model-name", &w.served_model_name, "NAME",
+                 "daemon: model_name label of the metrics (default: from --model)"),
+      /* offline mode */
+      TW_OPT_STR("prompt-tokens", &o.prompt_tokens_path, "FILE",
+                 "offline mode: JSON array of prompt token ids"),
+      TW_OPT_STR("dump-logits", &o.maybe_dump_logits_path, "FILE",
+                 "offline: write float32 little-endian logits [T, vocab] of every\n"
+                 "prompt position"),
+      TW_OPT_INT("generate", &o.generate, 0, INT32_MAX, "N",
+                 "offline: continue greedily for N tokens and print them as a JSON\n"
+                 "array on stdout"),
+      TW_OPT_FN("stop-ids", &o, tw_parse_stop_ids, "A,B,...",
+                "offline: stop generating after one of these ids"),
+  };
+  tw_opts_spec_t spec = {
+      .prog = "twain-prefill", .synopsis = "--router tcp://HOST:PORT [OPTIONS] | --prompt-tokens FILE [OPTIONS]",
+      .description = "Worker daemon mode (--router): serve prefill requests from a router.\n"
+                     "Offline mode (--prompt-tokens): run one prompt through the engine.",
+      .env_prefix = "TWAIN_PREFILL_", .opts = opts, .n_opts = sizeof opts / sizeof opts[0],
+      .config = true};
+  int rc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (rc != TW_OPTS_RUN) return rc;
+  if (tw_opts_given(&spec, "colocated") && w.colocated_prefill < 1) {
+    fprintf(stderr, "twain-prefill: --colocated %d,%d counts no prefill worker (this one)\n",
+            w.colocated_prefill, w.colocated_decode);
+    return 2;
   }
+  if (w.router) return tw_prefill_worker_main(&w, argc, argv);
   if (!o.prompt_tokens_path) {
     fprintf(stderr,
             "twain-prefill: give --prompt-tokens FILE for the offline mode, or --router "
             "tcp://HOST:PORT for the worker daemon (see --help)\n");
     return 2;
   }
+  o.model_dir = w.model_dir;
+  o.backend = w.backend;
+  o.n_threads = w.threads;
+  o.block_size = w.block_size;
   tw_status_t st = tw_offline_run(&o, stdout);
   if (st != TW_OK) {
     fprintf(stderr, "twain-prefill: %s: %s\n", tw_status_str(st), tw_last_error());

@@ -11,6 +11,8 @@
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/model_path.h"
+#include "common/worker_stats.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/msg_worker.h"
@@ -40,26 +42,10 @@
  * heartbeats have their own thread), so an idle worker costs ~0 CPU. */
 #define TW_PREFILL_IDLE_WAIT_MS 200
 
-typedef struct {
-  const char *model_dir, *router, *name;
-  tw_backend_kind_t backend;
-  int32_t kv_blocks, block_size, threads;
-  int metrics_port;
-  const char *metrics_addr; /* NULL: 127.0.0.1 */
-  int flush_timeout_ms;
-  int32_t tp, ep; /* ranks of this worker (issue 6): each 1 or the group size */
-  /* tokens of one forward pass: queued prompts are batched up to it (a longer
-   * prompt runs alone, split over passes); each layer's blocks are handed off
-   * while the next layers compute. 0: the memory plan's token budget */
-  int32_t chunk_tokens;
-  int32_t batch_seqs; /* most prompts in one batch */
-  double gpu_memory_utilization; /* 0: 0.90 (mem_plan.h) */
-  int32_t colocated_prefill, colocated_decode; /* workers on this device; 0, 0: alone */
-  const char *share_weights_dir; /* cuda: one copy of the weights (engine.h) */
-} tw_prefill_opts_t;
 
 typedef struct {
   tw_prefill_opts_t o;
+  tw_worker_stats_t stats; /* the periodic stats line */
   tw_model_t *model;
   tw_engine_t *engine;
   tw_kv_blocks_t *blocks;
@@ -92,12 +78,6 @@ typedef struct {
     tw_metric_t *layer_sends, *layer_sends_overlapped, *batches, *overlapped, *tail;
   } m;
 } tw_prefiller_t;
-
-int tw_prefill_worker_wanted(int argc, char **argv) {
-  for (int i = 1; i < argc; i++)
-    if (!strcmp(argv[i], "--router")) return 1;
-  return 0;
-}
 
 static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const uint64_t *sums,
                             size_t n_sums, int64_t bytes, double prefill_ms, double transfer_ms,
@@ -176,6 +156,7 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
     tw_metric_add(w->m.layer_sends_overlapped, (double)w->rk.layer_sends_in_engine);
     tw_metric_add(w->m.kv_bytes, (double)bytes);
     tw_metric_add(w->m.requests, 1);
+    tw_worker_stats_add(&w->stats, (int64_t)r->n_prompt_ids, 1);
     TW_DEBUG("prefill", "request %llu: %lld kv bytes, handoff tail %.2f ms after the last layer",
              (unsigned long long)r->request_id, (long long)bytes, w->rk.tail_ms);
     w->head_sums = hs;
@@ -250,6 +231,7 @@ static void tw_prefill_answer(tw_prefiller_t *w, tw_prefill_handoff_item_t *item
       tw_metric_observe(w->m.transfer, hr->transfer_ms * 1e-3);
       tw_metric_add(w->m.kv_bytes, (double)hr->kv_bytes);
       tw_metric_add(w->m.requests, 1);
+      tw_worker_stats_add(&w->stats, (int64_t)r->n_prompt_ids, 0);
       tw_metric_add(w->m.layer_sends, (double)hr->layer_sends);
       tw_metric_add(w->m.layer_sends_overlapped, (double)hr->layer_sends_in_engine);
       tw_metric_observe(w->m.tail, hr->tail_ms * 1e-3);
@@ -385,6 +367,10 @@ static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity
   cap->total_kv_blocks = tw_kv_blocks_total(w->blocks);
   tw_metric_set(w->m.queue, w->q_len);
   tw_metric_set(w->m.queued_tokens, (double)w->queued_tokens);
+  double tok_s, steps_s;
+  if (tw_worker_stats_due(&w->stats, tw_msg_clock_ns(), w->q_len > 0, &tok_s, &steps_s))
+    TW_INFO("prefill", "stats: waiting %d prompts (%lld tokens), prompt %.1f tok/s", w->q_len,
+            (long long)w->queued_tokens, tok_s);
 }
 
 static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *env) {
@@ -468,6 +454,10 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   else snprintf(name, sizeof name, "prefill-%d", (int)getpid());
   TW_CHECK(tw_metrics_create(name, w->o.metrics_port, w->o.metrics_addr, &w->metrics));
   tw_metrics_t *M = w->metrics;
+  char model_name[256]; /* the model_name label, as the router's (model_path.h) */
+  tw_model_name(w->o.served_model_name, w->o.model_dir, model_name, sizeof model_name);
+  tw_metrics_set_label(M, "model_name", model_name);
+  w->stats.interval_s = w->o.log_stats_interval_s;
   w->m.queue = tw_metrics_gauge(M, "prefill_queue_depth", "prompts waiting");
   w->m.queued_tokens = tw_metrics_gauge(M, "prefill_queued_prompt_tokens", "prompt tokens waiting");
   w->m.prefill = tw_metrics_histogram(M, "prefill_seconds", "engine prefill time per prompt",
@@ -522,101 +512,32 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
   tw_model_destroy(w->model);
 }
 
-static void tw_prefill_usage(void) {
-  fprintf(stderr,
-          "usage: twain-prefill --router tcp://HOST:PORT [--model DIR] [--name NAME]\n"
-          "         [--backend auto|cpu|cuda] [--kv-blocks N] [--block-size N] [--threads N]\n"
-          "         [--metrics-port P (-1 off, 0 ephemeral)] [--metrics-addr ADDR (127.0.0.1)]\n"
-          "         [--tp N] [--ep N] [--chunk-tokens N] [--batch-seqs N (64)]\n"
-          "         [--gpu-memory-utilization F (default 0.90)] [--colocated P,D (prefill and\n"
-          "           decode workers on this device, this one included; default this one alone)]\n"
-          "         [--share-weights DIR (cuda: one copy of the weights for the workers of DIR)]\n"
-          "  --chunk-tokens: prompt tokens in one forward pass: queued prompts are prefilled\n"
-          "  together up to it (at most --batch-seqs of them), a longer prompt alone in\n"
-          "  chunks of it; multi-rank workers (--tp/--ep > 1) prefill one prompt at a time.\n"
-          "  A batch's KV handoff finishes while the next batch computes. --chunk-tokens and\n"
-          "  --kv-blocks default to the memory plan (docs/operations.md): 8192 tokens, and a\n"
-          "  pool for a prompt of the full context plus one pass in flight\n"          "  --tp N / --ep N: tensor / expert parallel ranks (docs/parallelism.md); started\n"
-          "  here (one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) already did\n"
-          "  --model defaults to %s\n",
-          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
-}
-
-int tw_prefill_worker_main(int argc, char **argv) {
+int tw_prefill_worker_main(const tw_prefill_opts_t *opts, int argc, char **argv) {
   static tw_prefiller_t w; /* large queue array: not on the stack */
   memset(&w, 0, sizeof w);
-  w.o = (tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 0, .block_size = 16,
-                            .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,
-                            .chunk_tokens = 0, .batch_seqs = 64}; /* 0: planned */
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!v) {
-      fprintf(stderr, "twain-prefill: %s needs a value\n", a);
-      tw_prefill_usage();
-      return 2;
-    }
-    i++;
-    if (!strcmp(a, "--router")) w.o.router = v;
-    else if (!strcmp(a, "--model")) w.o.model_dir = v;
-    else if (!strcmp(a, "--name")) w.o.name = v;
-    else if (!strcmp(a, "--backend")) {
-      if (tw_backend_parse(v, &w.o.backend) != TW_OK) return 2;
-    } else if (!strcmp(a, "--kv-blocks")) w.o.kv_blocks = atoi(v);
-    else if (!strcmp(a, "--block-size")) w.o.block_size = atoi(v);
-    else if (!strcmp(a, "--threads")) w.o.threads = atoi(v);
-    else if (!strcmp(a, "--metrics-port")) w.o.metrics_port = atoi(v);
-    else if (!strcmp(a, "--metrics-addr")) w.o.metrics_addr = v;
-    else if (!strcmp(a, "--chunk-tokens")) w.o.chunk_tokens = atoi(v);
-    else if (!strcmp(a, "--batch-seqs")) w.o.batch_seqs = atoi(v);
-    else if (!strcmp(a, "--tp")) w.o.tp = atoi(v);
-    else if (!strcmp(a, "--ep")) w.o.ep = atoi(v);
-    else if (!strcmp(a, "--gpu-memory-utilization")) {
-      if (tw_mem_parse_utilization(v, &w.o.gpu_memory_utilization) != TW_OK) return 2;
-    } else if (!strcmp(a, "--colocated")) {
-      if (tw_mem_parse_colocated(v, &w.o.colocated_prefill, &w.o.colocated_decode) != TW_OK)
-        return 2;
-      if (w.o.colocated_prefill < 1) {
-        fprintf(stderr, "twain-prefill: --colocated %s counts no prefill worker (this one)\n", v);
-        return 2;
-      }
-    } else if (!strcmp(a, "--share-weights")) w.o.share_weights_dir = v;
-    else {
-      fprintf(stderr, "twain-prefill: unknown option %s in daemon mode\n", a);
-      tw_prefill_usage();
-      return 2;
-    }
-  }
-  if (!w.o.model_dir) w.o.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
-  if (!w.o.router) {
-    fprintf(stderr, "twain-prefill: missing --router tcp://HOST:PORT (the router's worker endpoint)\n");
-    tw_prefill_usage();
-    return 2;
-  }
-  if (w.o.chunk_tokens < 0 || w.o.batch_seqs <= 0) {
-    fprintf(stderr, "twain-prefill: --chunk-tokens %d must be >= 0 (0: the memory plan's token "
-            "budget) and --batch-seqs %d > 0\n",
-            w.o.chunk_tokens, w.o.batch_seqs);
-    return 2;
-  }
+  w.o = *opts;
   if (w.o.tp < 1 || w.o.ep < 1 || (w.o.tp > 1 && w.o.ep > 1 && w.o.tp != w.o.ep)) {
     fprintf(stderr, "twain-prefill: --tp %d --ep %d: each >= 1, equal when both > 1\n", w.o.tp,
             w.o.ep);
     return 2;
   }
-  if (tw_dist_identity_from_env(&w.id) != TW_OK) return 2;
+  if (tw_dist_identity_from_env(&w.id) != TW_OK) return TW_WORKER_EXIT_CONFIG;
   int32_t ranks = w.o.tp > w.o.ep ? w.o.tp : w.o.ep;
   if (ranks > 1 && w.id.size == 1) {
     int rc = -1;
-    if (tw_dist_spawn(argc, argv, ranks, w.o.backend != TW_BACKEND_CUDA, &w.id, &rc) != TW_OK)
-      return 1;
+    tw_status_t sst = tw_dist_spawn(argc, argv, ranks, w.o.backend != TW_BACKEND_CUDA, &w.id, &rc);
+    if (sst != TW_OK) return tw_worker_exit_code(sst);
     if (rc >= 0) return rc; /* this process supervised the ranks (mpirun), now done */
   }
   tw_log_init("twain-prefill", w.id.rank);
   tw_worker_signals_install();
-  if (tw_prefiller_init(&w) != TW_OK) {
+  tw_status_t ist = tw_prefiller_init(&w);
+  if (ist != TW_OK) {
+    TW_ERROR("prefill", "cannot start: %s: %s", tw_status_str(ist), tw_last_error());
     tw_prefiller_fini(&w);
-    return 1;
+    return tw_worker_exit_code(ist); /* a configuration error (msg_worker.h) */
   }
+  tw_worker_started_g = 1;
   if (w.id.rank != 0) { /* follow rank 0's plans until it says stop (or dies: dist.h) */
     TW_INFO("prefill", "rank %d of %d pid %d following rank 0", w.id.rank, w.id.size, (int)getpid());
     tw_status_t fs = tw_dist_follow(w.dist, w.engine, tw_prefill_ranks_hook, &w.rk, NULL);

@@ -7,6 +7,7 @@
  *   twain bench    [--endpoint EP] [--num-requests N] [--concurrency C] [--json FILE] ...
  *   twain router   (the router daemon alone, as twain-router)
  *   twain keygen   FILE|-  (link keys for the router and workers)
+ * Each declares its options as a common/opts.h table (--help lists them).
  * Each returns the process exit code (0 ok, 1 failed, 2 bad usage; chat: 3 when
  * max_tokens cut the answer before the final channel). */
 #ifndef TW_ROUTER_CLI_H
@@ -22,16 +23,5 @@ int tw_cli_router(int argc, char **argv);
 int tw_cli_keygen(int argc, char **argv);
 /** `twain write-checkpoint`: a random checkpoint of gpt-oss shapes (router/cli_ckpt.c). */
 int tw_cli_write_checkpoint(int argc, char **argv);
-
-/** Parse `text`, the value of option `flag` of program `prog`, as a whole
- *  decimal integer (no sign-less junk, no trailing characters, no
- *  overflow) in [lo, hi]. Returns 0 with *out set, or -1 after printing
- *  "PROG: FLAG must be an integer in [LO, HI], got 'TEXT'" on stderr. */
-int tw_cli_parse_int(const char *prog, const char *flag, const char *text, long long lo,
-                     long long hi, long long *out);
-
-/** Same for a finite decimal number (strtod syntax) in [lo, hi]. */
-int tw_cli_parse_double(const char *prog, const char *flag, const char *text, double lo, double hi,
-                        double *out);
 
 #endif

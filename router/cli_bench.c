@@ -17,7 +17,9 @@
 #include "common/config.h"
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/model_path.h"
 #include "common/msg.h"
+#include "common/opts.h"
 #include "common/sampling.h"
 #include "proto/twain_api.pb-c.h"
 #include "router/router.h"
@@ -612,108 +614,72 @@ static int tw_bench_report(tw_bench_t *b) {
   return rc;
 }
 
-static void tw_bench_usage(FILE *f) {
-  fprintf(f,
-          "usage: twain bench [--endpoint EP] [--num-requests N] [--concurrency C]\n"
-          "         [--request-rate R] [--dataset random|sharegpt] [--input-len N]\n"
-          "         [--output-len N] [--range-ratio X] [--chat] [--seed S] [--model DIR]\n"
-          "         [--cancel-prob P] [--disconnect-prob P] [--deadline-ms N] [--timeout-ms N]\n"
-          "         [--connect-timeout-ms N] [--json FILE] [--quiet]\n"
-          "  Drives a running service (default endpoint %s) with N requests (default 100)\n"
-          "  at most C at a time (default 1; with --request-rate: unlimited) arriving as a\n"
-          "  Poisson process of R requests/s (default: all at once). Lengths: fixed\n"
-          "  (--input-len/--output-len, default 1024/128), uniform in [L(1-X), L(1+X)]\n"
-          "  (--range-ratio X), or ShareGPT-like (--dataset sharegpt, seeded). Prompts are\n"
-          "  random token ids (raw generate: no stop ids, outputs have exactly their length)\n"
-          "  or, with --chat, rendered chats of random words (outputs may stop early).\n"
-          "  --cancel-prob / --disconnect-prob: that share of requests is cancelled / its\n"
-          "  client disconnects after a random number of tokens. --model DIR: the model's\n"
-          "  config.json gives the vocabulary (default %s).\n"
-          "  A request with no reply for --timeout-ms (default 600000; keep it above the\n"
-          "  longest wait in the service's queue) counts as lost.\n"
-          "  Exit 0 when every request is accounted for and every streamed count equals its\n"
-          "  usage, 1 otherwise (lost requests, mismatches), 2 bad usage.\n",
-          TW_ROUTER_CLIENT_ENDPOINT, tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
-}
-
-/* Parse the options into o; 0 ok, 1 --help shown, -1 usage error. */
-static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
-  const char *P = "twain bench";
-  bool conc_set = false;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) return 1;
-    if (!strcmp(a, "--chat")) { o->chat = true; continue; }
-    if (!strcmp(a, "--quiet")) { o->quiet = true; continue; }
-    if (i + 1 >= argc) {
-      fprintf(stderr, "%s: %s\n", P, a[0] == '-' ? "option needs a value" : "unexpected argument");
-      fprintf(stderr, "%s: at '%s'\n", P, a);
-      return -1;
-    }
-    const char *v = argv[++i];
-    long long n = 0;
-    double d = 0;
-    int bad = 0;
-    if (!strcmp(a, "--endpoint")) o->endpoint = v;
-    else if (!strcmp(a, "--model")) o->model_dir = v;
-    else if (!strcmp(a, "--json")) o->json_path = v;
-    else if (!strcmp(a, "--dataset")) {
-      if (!strcmp(v, "random")) o->dataset = TW_DS_RANDOM;
-      else if (!strcmp(v, "sharegpt")) o->dataset = TW_DS_SHAREGPT;
-      else {
-        fprintf(stderr, "%s: --dataset must be random or sharegpt, got '%s'\n", P, v);
-        bad = -1;
-      }
-    } else if (!strcmp(a, "--num-requests")) {
-      bad = tw_cli_parse_int(P, a, v, 1, 10000000, &n);
-      o->n = (int32_t)n;
-    } else if (!strcmp(a, "--concurrency")) {
-      bad = tw_cli_parse_int(P, a, v, 1, 100000, &n);
-      o->concurrency = (int32_t)n;
-      conc_set = true;
-    } else if (!strcmp(a, "--input-len")) {
-      bad = tw_cli_parse_int(P, a, v, 1, 1 << 24, &n);
-      o->in_len = (int32_t)n;
-    } else if (!strcmp(a, "--output-len")) {
-      bad = tw_cli_parse_int(P, a, v, 1, 1 << 24, &n);
-      o->out_len = (int32_t)n;
-    } else if (!strcmp(a, "--seed")) {
-      bad = tw_cli_parse_int(P, a, v, 0, LLONG_MAX, &n);
-      o->seed = (uint64_t)n;
-    } else if (!strcmp(a, "--timeout-ms")) {
-      bad = tw_cli_parse_int(P, a, v, 1, INT_MAX, &n);
-      o->timeout_ms = (int)n;
-    } else if (!strcmp(a, "--connect-timeout-ms")) {
-      bad = tw_cli_parse_int(P, a, v, 1, INT_MAX, &n);
-      o->connect_timeout_ms = (int)n;
-    } else if (!strcmp(a, "--deadline-ms")) {
-      bad = tw_cli_parse_int(P, a, v, 0, UINT32_MAX, &n);
-      o->deadline_ms = (int)n;
-    } else if (!strcmp(a, "--range-ratio")) {
-      bad = tw_cli_parse_double(P, a, v, 0, 0.999, &d);
-      o->range_ratio = d;
-    } else if (!strcmp(a, "--request-rate")) {
-      bad = tw_cli_parse_double(P, a, v, 0, 1e9, &d);
-      o->rate = d;
-    } else if (!strcmp(a, "--cancel-prob")) {
-      bad = tw_cli_parse_double(P, a, v, 0, 1, &d);
-      o->cancel_prob = d;
-    } else if (!strcmp(a, "--disconnect-prob")) {
-      bad = tw_cli_parse_double(P, a, v, 0, 1, &d);
-      o->disconnect_prob = d;
-    } else {
-      fprintf(stderr, "%s: unknown option %s\n", P, a);
-      bad = -1;
-    }
-    if (bad) return -1;
-  }
-  if (o->cancel_prob + o->disconnect_prob > 1) {
-    fprintf(stderr, "%s: --cancel-prob + --disconnect-prob must be at most 1\n", P);
+/* --dataset random|sharegpt (common/opts.h TW_OPT_FN). */
+static int tw_bench_dataset_opt(const char *v, void *dst, char *err, size_t errlen) {
+  tw_bench_dataset_t *d = dst;
+  if (!strcmp(v, "random")) *d = TW_DS_RANDOM;
+  else if (!strcmp(v, "sharegpt")) *d = TW_DS_SHAREGPT;
+  else {
+    snprintf(err, errlen, "must be random or sharegpt, got '%s'", v);
     return -1;
   }
-  if (!conc_set) o->concurrency = o->rate > 0 ? o->n : 1;
-  if (o->concurrency > o->n) o->concurrency = o->n;
   return 0;
+}
+
+/* Parse the options into o (common/opts.h); TW_OPTS_RUN, or the exit code. */
+static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
+  const char *P = "twain bench";
+  long long seed = (long long)o->seed;
+  tw_opt_t opts[] = {
+      TW_OPT_STR("endpoint", &o->endpoint, "EP", "the router's client endpoint"),
+      TW_OPT_INT("num-requests", &o->n, 1, 10000000, "N", "requests in all"),
+      TW_OPT_INT("concurrency", &o->concurrency, 1, 100000, "C",
+                 "at most C at a time (default 1; with --request-rate: unlimited)"),
+      TW_OPT_DOUBLE("request-rate", &o->rate, 0, 1e9, "R",
+                    "Poisson arrivals of R requests/s (0: all at once)"),
+      TW_OPT_FN("dataset", &o->dataset, tw_bench_dataset_opt, "random|sharegpt",
+                "lengths: fixed/uniform, or ShareGPT-like (seeded) (default random)"),
+      TW_OPT_INT("input-len", &o->in_len, 1, 1 << 24, "N", "prompt tokens (chat: words)"),
+      TW_OPT_INT("output-len", &o->out_len, 1, 1 << 24, "N", "max_tokens of each request"),
+      TW_OPT_DOUBLE("range-ratio", &o->range_ratio, 0, 0.999, "X",
+                    "lengths uniform in [L(1-X), L(1+X)]"),
+      TW_OPT_FLAG("chat", &o->chat, "rendered chats of random words instead of random ids\n"
+                                    "(outputs may stop early)"),
+      TW_OPT_LONG("seed", &seed, 0, LLONG_MAX, "S", "random seed"),
+      TW_OPT_STR_FN("model", &o->model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "the model whose config.json gives the vocabulary"),
+      TW_OPT_DOUBLE("cancel-prob", &o->cancel_prob, 0, 1, "P",
+                    "that share of requests is cancelled after a random number of tokens"),
+      TW_OPT_DOUBLE("disconnect-prob", &o->disconnect_prob, 0, 1, "P",
+                    "that share of clients disconnects after a random number of tokens"),
+      TW_OPT_INT("deadline-ms", &o->deadline_ms, 0, INT_MAX, "MS", "each request's deadline (0: the server's)"),
+      TW_OPT_INT("timeout-ms", &o->timeout_ms, 1, INT_MAX, "MS",
+                 "a request with no reply this long counts as lost (keep it above the\n"
+                 "longest wait in the service's queue)"),
+      TW_OPT_INT("connect-timeout-ms", &o->connect_timeout_ms, 1, INT_MAX, "MS",
+                 "bound on the wait for the server"),
+      TW_OPT_STR("json", &o->json_path, "FILE", "write the results as JSON"),
+      TW_OPT_FLAG("quiet", &o->quiet, "no progress on stderr"),
+  };
+  tw_opts_spec_t spec = {
+      .prog = P,
+      .description = "Drive a running service with N requests and report tok/s, req/s, TTFT, TPOT,\n"
+                     "ITL and E2E percentiles and failures by code. Prompts are random token ids\n"
+                     "(raw generate: no stop ids, outputs have exactly their length) or, with\n"
+                     "--chat, rendered chats.",
+      .epilog = "Exit 0 when every request is accounted for and every streamed count equals its\n"
+                "usage, 1 otherwise (lost requests, mismatches), 2 bad usage.",
+      .env_prefix = "TWAIN_BENCH_", .opts = opts, .n_opts = sizeof opts / sizeof opts[0]};
+  int rc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (rc != TW_OPTS_RUN) return rc;
+  o->seed = (uint64_t)seed;
+  if (o->cancel_prob + o->disconnect_prob > 1) {
+    fprintf(stderr, "%s: --cancel-prob + --disconnect-prob must be at most 1\n", P);
+    return 2;
+  }
+  if (!tw_opts_given(&spec, "concurrency")) o->concurrency = o->rate > 0 ? o->n : 1;
+  if (o->concurrency > o->n) o->concurrency = o->n;
+  return TW_OPTS_RUN;
 }
 
 int tw_cli_bench(int argc, char **argv) {
@@ -722,16 +688,9 @@ int tw_cli_bench(int argc, char **argv) {
   b.o = (tw_bench_opts_t){.endpoint = TW_ROUTER_CLIENT_ENDPOINT, .n = 100, .in_len = 1024,
                           .out_len = 128, .seed = 0, .timeout_ms = 600000,
                           .connect_timeout_ms = 5000};
+  b.o.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   int pr = tw_bench_parse(argc, argv, &b.o);
-  if (pr == 1) {
-    tw_bench_usage(stdout);
-    return 0;
-  }
-  if (pr < 0) {
-    tw_bench_usage(stderr);
-    return 2;
-  }
-  if (!b.o.model_dir) b.o.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
+  if (pr != TW_OPTS_RUN) return pr;
   char path[4096];
   snprintf(path, sizeof path, "%s/config.json", b.o.model_dir);
   if (tw_config_load(path, &b.config) != TW_OK) {

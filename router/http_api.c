@@ -5,6 +5,7 @@
 #include "router/http_impl.h"
 
 #include "common/log.h"
+#include "common/model_path.h"
 
 #include <microhttpd.h>
 
@@ -432,16 +433,7 @@ tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   h->m_requests = tw_metrics_counter(r->metrics, "router_http_requests_total", "HTTP API requests");
   h->m_errors = tw_metrics_counter(r->metrics, "router_http_errors_total",
                                    "HTTP API requests answered with an error (status >= 400)");
-  if (p->served_model_name && p->served_model_name[0]) {
-    snprintf(h->model, sizeof h->model, "%s", p->served_model_name);
-  } else { /* the model directory's name */
-    char dir[4096];
-    snprintf(dir, sizeof dir, "%s", p->model_dir);
-    size_t n = strlen(dir);
-    while (n > 1 && dir[n - 1] == '/') dir[--n] = '\0';
-    const char *slash = strrchr(dir, '/');
-    snprintf(h->model, sizeof h->model, "%s", slash ? slash + 1 : dir);
-  }
+  tw_model_name(p->served_model_name, p->model_dir, h->model, sizeof h->model);
   unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG |
                    (v6 ? MHD_USE_IPv6 : 0);
   const struct sockaddr *sock = (const struct sockaddr *)&ss;

@@ -6,6 +6,7 @@
 #include "common/log.h"
 #include "common/tokenizer.h"
 #include "router/http_api.h"
+#include "common/model_path.h"
 
 #include <zmq.h>
 
@@ -101,6 +102,8 @@ static void tw_reply_raw(tw_router_t *r, const tw_msg_t *from, uint64_t rid, int
     rep.error = &e;
     rep.finish_reason = TWAIN__V1__FINISH_REASON__FINISH_ERROR;
     tw_metric_add(r->m.errors, 1);
+    if (code > 0 && code < (int)(sizeof r->m.by_code / sizeof r->m.by_code[0]))
+      tw_metric_add(r->m.by_code[code], 1);
   }
   tw_router_send_client(r, from->id, from->id_len, from->delim, &rep);
 }
@@ -138,6 +141,41 @@ static void tw_fill_timings(tw_req_t *q, int64_t now, Twain__V1__Timings *t, Twa
   t->token_ms = q->token_ms;
 }
 
+static const char *tw_v1_enum_name(const ProtobufCEnumDescriptor *d, int v, const char *dflt) {
+  const ProtobufCEnumValue *x = protobuf_c_enum_descriptor_get_value(d, v);
+  return x ? x->name : dflt;
+}
+
+/* A request is over (reply sent): its metrics under vLLM's names, and one
+ * INFO line unless --disable-log-requests (finish reason, or the error code). */
+static void tw_router_finished(tw_router_t *r, const tw_req_t *q, int64_t now, int finish_reason,
+                               int code) {
+  double e2e = (double)(now - q->t_arrival_ns) * 1e-9;
+  double queue = (double)((q->t_sched_ns ? q->t_sched_ns : now) - q->t_arrival_ns) * 1e-9;
+  double ttft = q->t_first_ns ? (double)(q->t_first_ns - q->t_arrival_ns) * 1e-9 : 0;
+  double tpot = q->n_out > 1 ? (double)(q->t_last_ns - q->t_first_ns) * 1e-9 / (q->n_out - 1) : 0;
+  tw_metric_add(r->m.prompt_tokens, q->n_prompt);
+  tw_metric_add(r->m.generation_tokens, q->n_out);
+  tw_metric_observe(r->m.e2e, e2e);
+  tw_metric_observe(r->m.queue_time, queue);
+  if (q->n_out > 1) tw_metric_observe(r->m.v_tpot, tpot);
+  int fr = finish_reason == TWAIN__V1__FINISH_REASON__FINISH_LENGTH      ? 1
+           : finish_reason == TWAIN__V1__FINISH_REASON__FINISH_CANCELLED ? 2
+           : code                                                        ? -1
+                                                                         : 0;
+  if (fr >= 0) tw_metric_add(r->m.finished[fr], 1);
+  if (code > 0 && code < (int)(sizeof r->m.by_code / sizeof r->m.by_code[0]))
+    tw_metric_add(r->m.by_code[code], 1);
+  if (r->p->disable_log_requests) return;
+  const char *reason = fr == 1 ? "length" : fr == 2 ? "abort" : fr == 0 ? "stop" : "error";
+  TW_INFO("router",
+          "request %llu finished: %s%s%s, prompt %d tokens, output %d tokens, ttft %.1f ms, tpot "
+          "%.2f ms, e2e %.1f ms, queue %.1f ms",
+          (unsigned long long)q->id, reason, code && fr != 2 ? " " : "",
+          code && fr != 2 ? tw_v1_enum_name(&twain__v1__code__descriptor, code, "UNKNOWN") : "",
+          q->n_prompt, q->n_out, ttft * 1e3, tpot * 1e3, e2e * 1e3, queue * 1e3);
+}
+
 void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...) {
   if (q->done) return;
   char raw[512], msg[1024];
@@ -167,6 +205,7 @@ void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
   }
   tw_router_reply(r, q, &rep);
   tw_metric_add(r->m.errors, 1);
+  tw_router_finished(r, q, tw_msg_clock_ns(), rep.finish_reason, code);
   q->done = true;
 }
 
@@ -181,6 +220,7 @@ void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_
     if (q->n_out == 0) {
       q->t_first_ns = now;
       tw_metric_observe(r->m.ttft, (double)(now - q->t_arrival_ns) * 1e-9);
+      tw_metric_observe(r->m.v_ttft, (double)(now - q->t_arrival_ns) * 1e-9);
     } else {
       tw_metric_observe(r->m.tpot, (double)(now - q->t_last_ns) * 1e-9);
     }
@@ -220,7 +260,9 @@ void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_
   rep.token_ids = q->stream ? (int32_t *)toks : q->out;
   rep.n_token_ids = q->stream ? n : (size_t)q->n_out;
   if (q->chat) tw_rchat_finish(r, q, &rep);
+  bool gone = q->done; /* the client vanished before: not a finished request */
   tw_router_reply(r, q, &rep);
+  if (!gone) tw_router_finished(r, q, now, rep.finish_reason, 0);
   q->done = true;
 }
 
@@ -279,9 +321,9 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return;
   }
-  if (max_tokens > r->p->max_tokens_limit) {
+  if (max_tokens > r->max_tokens_limit) {
     snprintf(msg, sizeof msg, "max_tokens %d exceeds this server's limit of %d", max_tokens,
-             r->p->max_tokens_limit);
+             r->max_tokens_limit);
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return;
   }
@@ -444,6 +486,8 @@ void tw_router_sweep(tw_router_t *r, int64_t now) {
   r->n_reqs = j;
   tw_metric_set(r->m.running, running);
   tw_metric_set(r->m.queue, queued);
+  tw_metric_set(r->m.running_v, running);
+  tw_metric_set(r->m.waiting_v, queued);
 }
 
 tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
@@ -455,6 +499,8 @@ tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   snprintf(path, sizeof path, "%s/config.json", p->model_dir);
   TW_CHECK(tw_config_load(path, &r->config));
   r->max_prompt = p->max_prompt_tokens > 0 ? p->max_prompt_tokens : r->config.max_position_embeddings - 1;
+  r->max_tokens_limit =
+      p->max_tokens_limit > 0 ? p->max_tokens_limit : r->config.max_position_embeddings - 1;
   TW_CHECK(tw_rchat_init(r));
   r->zctx = zmq_ctx_new();
   if (!r->zctx) return tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(errno));
@@ -482,6 +528,38 @@ tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   r->empty_since_ns[0] = r->empty_since_ns[1] = tw_msg_clock_ns(); /* no worker yet */
   r->m.harmony_unexpected = tw_metrics_counter(M, "router_harmony_unexpected_total",
                                                "model output the Harmony parser did not expect");
+  /* vLLM's names (vllm:X is twain_X) with a model_name label: dashboards made
+   * for vLLM work on twain by replacing the prefix (docs/operations.md) */
+  char model_name[256];
+  tw_model_name(p->served_model_name, p->model_dir, model_name, sizeof model_name);
+  tw_metrics_set_label(M, "model_name", model_name);
+  r->m.prompt_tokens = tw_metrics_counter(M, "prompt_tokens_total", "prompt tokens of finished requests");
+  r->m.generation_tokens =
+      tw_metrics_counter(M, "generation_tokens_total", "tokens generated for finished requests");
+  r->m.v_ttft = tw_metrics_histogram(M, "time_to_first_token_seconds", "time to first token",
+                                     tw_metrics_latency_buckets, tw_metrics_latency_n);
+  r->m.v_tpot = tw_metrics_histogram(M, "time_per_output_token_seconds",
+                                     "mean time per output token after the first, per request",
+                                     tw_metrics_latency_buckets, tw_metrics_latency_n);
+  r->m.e2e = tw_metrics_histogram(M, "e2e_request_latency_seconds", "arrival to the last reply",
+                                  tw_metrics_latency_buckets, tw_metrics_latency_n);
+  r->m.queue_time = tw_metrics_histogram(M, "request_queue_time_seconds",
+                                         "arrival to the first prefill worker",
+                                         tw_metrics_latency_buckets, tw_metrics_latency_n);
+  r->m.running_v = tw_metrics_gauge(M, "num_requests_running", "requests in prefill or decode");
+  r->m.waiting_v = tw_metrics_gauge(M, "num_requests_waiting", "requests waiting for workers");
+  static const char *const reasons[3] = {"stop", "length", "abort"};
+  for (int k = 0; k < 3; k++)
+    r->m.finished[k] = tw_metrics_counter_labeled(M, "request_success_total",
+                                                  "finished requests by finish reason",
+                                                  "finished_reason", reasons[k]);
+  for (unsigned k = 0; k < twain__v1__code__descriptor.n_values; k++) {
+    int v = twain__v1__code__descriptor.values[k].value;
+    if (v > 0 && v < (int)(sizeof r->m.by_code / sizeof r->m.by_code[0]))
+      r->m.by_code[v] = tw_metrics_counter_labeled(M, "request_errors_total",
+                                                   "requests answered with an error, by code", "code",
+                                                   twain__v1__code__descriptor.values[k].name);
+  }
   TW_CHECK(tw_http_start(r, &r->http));
   tw_router_update_health(r); /* not ready until both pools have a worker */
   TW_INFO("router", "listening: clients %s, workers %s (%s), metrics port %d", cep, wep,

@@ -10,6 +10,7 @@
 #ifndef TW_ROUTER_ROUTER_H
 #define TW_ROUTER_ROUTER_H
 
+#include "common/opts.h"
 #include "common/status.h"
 
 #include <signal.h>
@@ -27,7 +28,7 @@ typedef struct {
   const char *metrics_addr;     /* numeric; NULL: 127.0.0.1 */
   int32_t drain_timeout_s;      /* SIGTERM: running requests get at most this long */
   int32_t max_prompt_tokens;    /* 0: the model's context minus 1 */
-  int32_t max_tokens_limit;     /* largest max_tokens accepted */
+  int32_t max_tokens_limit;     /* largest max_tokens accepted; 0: the model's context minus 1 */
   int32_t default_max_tokens;   /* when the request leaves it 0 */
   int32_t max_requests;         /* queued + running, beyond: RESOURCE_EXHAUSTED */
   int32_t prefill_window_tokens; /* prompt tokens in flight per prefill worker (reserving or
@@ -39,11 +40,12 @@ typedef struct {
   int http_port;                /* -1 off, 0 ephemeral */
   const char *http_addr;        /* numeric; NULL: 127.0.0.1 */
   const char *served_model_name;/* /v1/models id; NULL: the model directory's name */
-  int64_t http_max_body;        /* bytes; a larger request body gets 413 */
+  long long http_max_body;      /* bytes; a larger request body gets 413 */
   const char *api_key;          /* NULL: none; else required on both APIs */
   /* maybe NULL: called once the HTTP API listens, with its base URL */
   void (*on_http)(void *arg, const char *url);
   void *on_http_arg;
+  bool disable_log_requests;    /* no INFO line per finished request */
   /* called once both sockets are bound, with the actual endpoints */
   void (*on_bound)(void *arg, const char *client_ep, const char *worker_ep);
   void *on_bound_arg;
@@ -61,12 +63,47 @@ typedef struct {
                         .worker_endpoint = TW_ROUTER_WORKER_ENDPOINT,                 \
                         .metrics_port = 0, .drain_timeout_s = 30,                     \
                         .max_prompt_tokens = 0,                                       \
-                        .max_tokens_limit = 4096, .default_max_tokens = 512,          \
+                        .max_tokens_limit = 0, .default_max_tokens = 512,             \
                         .max_requests = 2048, .default_deadline_ms = 600000,          \
                         .prefill_window_tokens = 16384,                               \
                         .expire_ms = 1000, .http_port = -1,                           \
                         .http_max_body = 8 << 20})
 #define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */
+
+/** The router's limits as common/opts.h rows on a tw_router_params_t `p`:
+ *  one list for twain-router and `twain serve`, which passes them all on. */
+#define TW_ROUTER_OPT_ROWS(p)                                                                   \
+  TW_OPT_INT("drain-timeout", &(p).drain_timeout_s, 0, INT32_MAX, "SECONDS",                   \
+             "on SIGTERM, running requests finish for at most this long"),                    \
+      TW_OPT_INT("max-prompt-tokens", &(p).max_prompt_tokens, 0, INT32_MAX, "N",               \
+                 "longest prompt accepted (0: the model's context minus 1)"),                  \
+      TW_OPT_INT("max-tokens-limit", &(p).max_tokens_limit, 0, INT32_MAX, "N",                 \
+                 "largest max_tokens a request may ask for (0: the model's context\n"         \
+                 "minus 1)"),                                                                   \
+      TW_OPT_INT("default-max-tokens", &(p).default_max_tokens, 1, INT32_MAX, "N",             \
+                 "max_tokens of a request that leaves it 0"),                                  \
+      TW_OPT_INT("max-requests", &(p).max_requests, 1, INT32_MAX, "N",                         \
+                 "requests queued + running; beyond: RESOURCE_EXHAUSTED"),                     \
+      TW_OPT_INT("prefill-window-tokens", &(p).prefill_window_tokens, 1, INT32_MAX, "N",        \
+                 "prompt tokens handed to one prefill worker at a time (fewer if it\n"        \
+                 "is slow: 4 s of its measured work); the rest wait in the router's queue"), \
+      TW_OPT_INT("deadline-ms", &(p).default_deadline_ms, 1, INT32_MAX, "MS",                  \
+                 "deadline of a request that sets none"),                                      \
+      TW_OPT_INT("expire-ms", &(p).expire_ms, 1, INT32_MAX, "MS",                              \
+                 "a worker silent this long is expired"),                                      \
+      TW_OPT_STR("http-addr", &(p).http_addr, "ADDR",                                           \
+                 "numeric address of the HTTP API (default 127.0.0.1; 0.0.0.0: all)"),          \
+      TW_OPT_STR("served-model-name", &(p).served_model_name, "NAME",                           \
+                 "the model's name in /v1/models and the metrics' model_name label\n"          \
+                 "(default: ORG/NAME of a Hugging Face snapshot, else the directory's name)"), \
+      TW_OPT_LONG("http-max-body", &(p).http_max_body, 1, 1LL << 40, "BYTES",                    \
+                  "largest HTTP request body (larger: 413)"),                                   \
+      TW_OPT_STR("api-key", &(p).api_key, "KEY",                                                \
+                 "required on the HTTP and protobuf APIs (default: none)"),                    \
+      TW_OPT_FN("api-key-file", &(p).api_key, tw_router_key_file_opt, "PATH",                   \
+                "read --api-key from the first line of PATH"),                                \
+      TW_OPT_FLAG("disable-log-requests", &(p).disable_log_requests,                             \
+                  "no INFO line per finished request")
 
 /** Run until *stop becomes non-zero (SIGTERM/SIGINT in the callers), then
  *  drain: stop accepting requests (UNAVAILABLE), let running ones finish for
@@ -75,10 +112,10 @@ typedef struct {
  *  config or tokenizer), TW_ERR_NO_MEMORY. */
 tw_status_t tw_router_run(const tw_router_params_t *params, volatile sig_atomic_t *stop);
 
-/** Read the API key from the first line of `path` into key[len] (NUL-
- *  terminated, cut at len - 1 bytes). Returns -1 after printing why (cannot
- *  read, empty), else 0. */
-int tw_router_read_key(const char *prog, const char *path, char *key, size_t len);
+/** The --api-key-file option's parser (common/opts.h TW_OPT_FN; dst: const
+ *  char **): the first line of the file at `path` (at most 511 bytes; kept for
+ *  the process, tw_opts_keep). 0, or -1 with why in err (cannot read, empty). */
+int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen);
 
 /** `twain-router` / `twain router` command line. Returns the exit code. */
 int tw_router_main(int argc, char **argv);

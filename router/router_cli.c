@@ -5,9 +5,12 @@
 
 #include "common/install_paths.h"
 #include "common/log.h"
+#include "common/model_path.h"
+#include "common/opts.h"
 
 #include <errno.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,94 +38,59 @@ static void tw_router_print_ready(void *arg) {
   fflush(stdout);
 }
 
-static void tw_router_usage(void) {
-  fprintf(stderr,
-          "usage: twain-router [--model DIR] [--listen tcp://HOST:PORT] [--workers tcp://HOST:PORT]\n"
-          "         [--metrics-port P] [--max-prompt-tokens N] [--max-tokens-limit N]\n"
-          "         [--default-max-tokens N] [--max-requests N] [--deadline-ms N]\n"
-          "         [--expire-ms N] [--expect-prefill N] [--expect-decode N]\n"
-          "         [--prefill-window-tokens N (default 16384: at most this many prompt\n"
-          "           tokens handed to one prefill worker at a time, fewer if it is slow:\n"
-          "           4 s of its measured work; the rest wait in the router's queue)]\n"
-          "         [--metrics-addr ADDR (default 127.0.0.1; 0.0.0.0 = all interfaces)]\n"
-          "         [--drain-timeout SECONDS (default 30: SIGTERM lets running requests\n"
-          "           finish for at most this long)]\n"
-          "         [--http-port P (OpenAI-compatible HTTP API; default -1: off)] [--http-addr ADDR]\n"
-          "         [--served-model-name NAME] [--http-max-body BYTES (default 8 MiB)]\n"
-          "         [--api-key KEY | --api-key-file PATH (required on the HTTP and protobuf APIs)]\n"
-          "  defaults: --listen %s --workers %s, model %s\n",
-          TW_ROUTER_CLIENT_ENDPOINT, TW_ROUTER_WORKER_ENDPOINT,
-          tw_default_model_dir(TW_DEFAULT_MODEL_DIR));
-}
-
-int tw_router_read_key(const char *prog, const char *path, char *key, size_t len) {
+int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen) {
+  char key[512];
   FILE *f = fopen(path, "r");
   if (!f) {
-    fprintf(stderr, "%s: cannot read the API key file %s: %s\n", prog, path, strerror(errno));
+    snprintf(err, errlen, "cannot read the API key file %s: %s", path, strerror(errno));
     return -1;
   }
-  size_t n = fread(key, 1, len - 1, f);
+  size_t n = fread(key, 1, sizeof key - 1, f);
   fclose(f);
   key[n] = '\0';
   key[strcspn(key, "\r\n")] = '\0'; /* the first line */
   if (!key[0]) {
-    fprintf(stderr, "%s: the API key file %s is empty\n", prog, path);
+    snprintf(err, errlen, "the API key file %s is empty", path);
     return -1;
   }
+  const char *kept = tw_opts_keep(key); /* valid for the process, like the option strings */
+  if (!kept) {
+    snprintf(err, errlen, "out of memory");
+    return -1;
+  }
+  *(const char **)dst = kept;
   return 0;
 }
 
+/* The router's options (opts.h), shared by twain-router and `twain router`. */
 int tw_router_main(int argc, char **argv) {
   tw_router_params_t p = TW_ROUTER_PARAMS_DEFAULT;
   p.model_dir = tw_default_model_dir(TW_DEFAULT_MODEL_DIR);
   p.on_bound = tw_router_print_bound;
   p.on_ready = tw_router_print_ready;
-  char key[512];
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-      tw_router_usage();
-      return 0;
-    }
-    if (!v) {
-      fprintf(stderr, "twain-router: %s needs a value\n", a);
-      return 2;
-    }
-    i++;
-    if (!strcmp(a, "--model")) p.model_dir = v;
-    else if (!strcmp(a, "--listen")) p.client_endpoint = v;
-    else if (!strcmp(a, "--workers")) p.worker_endpoint = v;
-    else if (!strcmp(a, "--metrics-port")) p.metrics_port = atoi(v);
-    else if (!strcmp(a, "--metrics-addr")) p.metrics_addr = v;
-    else if (!strcmp(a, "--drain-timeout")) p.drain_timeout_s = atoi(v);
-    else if (!strcmp(a, "--max-prompt-tokens")) p.max_prompt_tokens = atoi(v);
-    else if (!strcmp(a, "--max-tokens-limit")) p.max_tokens_limit = atoi(v);
-    else if (!strcmp(a, "--default-max-tokens")) p.default_max_tokens = atoi(v);
-    else if (!strcmp(a, "--max-requests")) p.max_requests = atoi(v);
-    else if (!strcmp(a, "--prefill-window-tokens")) p.prefill_window_tokens = atoi(v);
-    else if (!strcmp(a, "--deadline-ms")) p.default_deadline_ms = atoi(v);
-    else if (!strcmp(a, "--expire-ms")) p.expire_ms = atoi(v);
-    else if (!strcmp(a, "--expect-prefill")) p.expect_prefill = atoi(v);
-    else if (!strcmp(a, "--expect-decode")) p.expect_decode = atoi(v);
-    else if (!strcmp(a, "--http-port")) p.http_port = atoi(v);
-    else if (!strcmp(a, "--http-addr")) p.http_addr = v;
-    else if (!strcmp(a, "--served-model-name")) p.served_model_name = v;
-    else if (!strcmp(a, "--http-max-body")) p.http_max_body = atoll(v);
-    else if (!strcmp(a, "--api-key")) p.api_key = v;
-    else if (!strcmp(a, "--api-key-file")) {
-      if (tw_router_read_key("twain-router", v, key, sizeof key)) return 2;
-      p.api_key = key;
-    }
-    else {
-      fprintf(stderr, "twain-router: unknown option %s\n", a);
-      tw_router_usage();
-      return 2;
-    }
-  }
-  if (p.drain_timeout_s < 0) {
-    fprintf(stderr, "twain-router: --drain-timeout %d < 0\n", p.drain_timeout_s);
-    return 2;
-  }
+  tw_opt_t opts[] = {
+      TW_OPT_STR_FN("model", &p.model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory (config.json, tokenizer.json);\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
+      TW_OPT_STR("listen", &p.client_endpoint, "tcp://HOST:PORT", "client endpoint (port 0: ephemeral)"),
+      TW_OPT_STR("workers", &p.worker_endpoint, "tcp://HOST:PORT", "worker endpoint (port 0: ephemeral)"),
+      TW_OPT_INT("metrics-port", &p.metrics_port, -1, 65535, "PORT",
+                 "/metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),
+      TW_OPT_STR("metrics-addr", &p.metrics_addr, "ADDR",
+                 "numeric address of the metrics port (0.0.0.0: all interfaces)"),
+      TW_ROUTER_OPT_ROWS(p),
+      TW_OPT_INT("http-port", &p.http_port, -1, 65535, "PORT",
+                 "OpenAI-compatible HTTP API port (-1 off, 0 ephemeral)"),
+      TW_OPT_INT("expect-prefill", &p.expect_prefill, 0, INT32_MAX, "N",
+                 "print \"ready\" once N prefill (and --expect-decode) workers registered"),
+      TW_OPT_INT("expect-decode", &p.expect_decode, 0, INT32_MAX, "N", "see --expect-prefill"),
+  };
+  tw_opts_spec_t spec = {.prog = argv[0] && !strcmp(argv[0], "router") ? "twain router" : "twain-router",
+                         .description = "The router daemon: clients' requests to prefill and decode workers.",
+                         .env_prefix = "TWAIN_ROUTER_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0], .config = true};
+  int rc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (rc != TW_OPTS_RUN) return rc;
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = tw_router_on_signal;

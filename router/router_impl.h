@@ -81,6 +81,7 @@ typedef struct {
   int32_t *out;                /* [max_tokens] all produced tokens */
   float *token_ms;             /* [max_tokens] gap before each token */
   int64_t t_arrival_ns, t_deadline_ns, t_first_ns, t_last_ns;
+  int64_t t_sched_ns;          /* first handed to a prefill worker (queue time); 0: not yet */
   tw_rchat_t *hchat;           /* chat only */
   bool done;                   /* finished: freed at the loop top */
 } tw_req_t;
@@ -98,6 +99,7 @@ typedef struct {
   tw_req_t **reqs;
   int32_t n_reqs, cap_reqs;
   int32_t max_prompt;
+  int32_t max_tokens_limit;    /* --max-tokens-limit, 0: the model's context minus 1 */
   bool draining, ready_sent;
   int64_t empty_since_ns[2];   /* prefill, decode: when the pool last became empty (0: it has workers) */
   bool empty_by_expiry[2];     /* ... because its last worker stopped heartbeating (a stall?) */
@@ -106,6 +108,11 @@ typedef struct {
   struct {
     tw_metric_t *requests, *errors, *ttft, *tpot, *queue, *running, *prefill_workers,
         *decode_workers, *tokens, *expired, *harmony_unexpected;
+    /* named as vLLM's (vllm:X is twain_X; docs/operations.md "Metrics") */
+    tw_metric_t *prompt_tokens, *generation_tokens, *v_ttft, *v_tpot, *e2e, *queue_time,
+        *running_v, *waiting_v;
+    tw_metric_t *finished[3]; /* request_success_total{finished_reason=stop|length|abort} */
+    tw_metric_t *by_code[17]; /* request_errors_total{code=...}, by v1 Code */
   } m;
 } tw_router_t;
 

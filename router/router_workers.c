@@ -349,6 +349,7 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   env.prefill = &pr;
   q->pw = best->serial;
   q->state = TW_REQ_PREFILLING;
+  if (!q->t_sched_ns) q->t_sched_ns = tw_msg_clock_ns(); /* end of its queue time */
   best->requests++;
   if (tw_router_send_worker(r, best, &env) != TW_OK)
     tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "prefill worker unreachable");

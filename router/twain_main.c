@@ -8,6 +8,7 @@
 #include "router/cli_text.h"
 
 #include "common/log.h"
+#include "common/opts.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -34,7 +35,8 @@ static const tw_command_t tw_commands[] = {
 };
 
 static void tw_usage(FILE *f) {
-  fprintf(f, "usage: twain COMMAND [OPTIONS]   (twain COMMAND --help for its options)\n\n");
+  fprintf(f, "usage: twain COMMAND [OPTIONS]   (twain COMMAND --help for its options)\n"
+             "       twain --version\n\n");
   for (size_t i = 0; i < sizeof tw_commands / sizeof tw_commands[0]; i++)
     fprintf(f, "  %-12s %s\n", tw_commands[i].name, tw_commands[i].summary);
 }
@@ -45,6 +47,10 @@ int main(int argc, char **argv) {
       !strcmp(argv[1], "help")) {
     tw_usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
+  }
+  if (!strcmp(argv[1], "--version")) {
+    printf("twain %s\n", tw_opts_version());
+    return 0;
   }
   for (size_t i = 0; i < sizeof tw_commands / sizeof tw_commands[0]; i++)
     if (!strcmp(argv[1], tw_commands[i].name)) return tw_commands[i].fn(argc - 1, argv + 1);

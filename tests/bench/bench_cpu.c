@@ -17,6 +17,8 @@
 #include "common/engine.h"
 #include "common/kv_blocks.h"
 #include "common/log.h"
+#include "common/model_path.h"
+#include "common/opts.h"
 #include "common/model.h"
 
 #include <errno.h>
@@ -40,15 +42,6 @@ static double peak_rss_mib(void) {
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
   return (double)ru.ru_maxrss / 1024.0; /* KiB on Linux */
-}
-
-static int parse_int(const char *s, int lo, int hi, int *out) {
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < lo || v > hi) return -1;
-  *out = (int)v;
-  return 0;
 }
 
 /* gpt-oss-20b config.json (spec §1.1) with num_hidden_layers = %d. */
@@ -77,41 +70,26 @@ static tw_status_t tw_bench_synthetic(int n_layers, tw_model_t **m_p) {
   return tw_model_synthetic(&c, 1, m_p);
 }
 
-static void usage(void) {
-  printf("usage: twain-bench-cpu [--model DIR | --synthetic-20b L] [--threads N] [--prompt-len P]\n"
-         "                       [--decode-steps N] [--repeat R]\n"
-         "defaults: --model %s --threads 0 (all cores) --prompt-len 512 --decode-steps 128 "
-         "--repeat 3\n",
-         TW_DEFAULT_MODEL_DIR);
-}
-
 int main(int argc, char **argv) {
   tw_log_init("twain-bench-cpu", 0);
   const char *model_dir = TW_DEFAULT_MODEL_DIR;
   int threads = 0, prompt_len = 512, decode_steps = 128, repeat = 3, synthetic = 0;
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--help") == 0) {
-      usage();
-      return 0;
-    }
-    if (i + 1 >= argc) {
-      fprintf(stderr, "twain-bench-cpu: missing value for %s\n", argv[i]);
-      return 2;
-    }
-    const char *a = argv[i], *v = argv[++i];
-    int bad = 0;
-    if (strcmp(a, "--model") == 0) model_dir = v;
-    else if (strcmp(a, "--threads") == 0) bad = parse_int(v, 0, 1024, &threads);
-    else if (strcmp(a, "--prompt-len") == 0) bad = parse_int(v, 1, 1 << 20, &prompt_len);
-    else if (strcmp(a, "--decode-steps") == 0) bad = parse_int(v, 1, 1 << 20, &decode_steps);
-    else if (strcmp(a, "--repeat") == 0) bad = parse_int(v, 1, 100, &repeat);
-    else if (strcmp(a, "--synthetic-20b") == 0) bad = parse_int(v, 1, 24, &synthetic);
-    else bad = -1;
-    if (bad) {
-      fprintf(stderr, "twain-bench-cpu: bad option %s %s (see --help)\n", a, v);
-      return 2;
-    }
-  }
+  tw_opt_t opts[] = {
+      TW_OPT_STR_FN("model", &model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "checkpoint directory;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
+      TW_OPT_INT("synthetic-20b", &synthetic, 0, 24, "L",
+                 "synthetic gpt-oss-20b shapes with L layers instead of --model (0: off)"),
+      TW_OPT_INT("threads", &threads, 0, 1024, "N", "cpu threads (0: all cores)"),
+      TW_OPT_INT("prompt-len", &prompt_len, 1, 1 << 20, "P", "prompt tokens"),
+      TW_OPT_INT("decode-steps", &decode_steps, 1, 1 << 20, "N", "decode steps"),
+      TW_OPT_INT("repeat", &repeat, 1, 100, "R", "repetitions (the best is reported)"),
+  };
+  tw_opts_spec_t spec = {.prog = "twain-bench-cpu", .description = "CPU backend prefill and decode throughput.",
+                         .env_prefix = "TWAIN_BENCH_CPU_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0]};
+  int rc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (rc != TW_OPTS_RUN) return rc;
   double rss0 = peak_rss_mib();
   char synth_name[64];
   if (synthetic) {

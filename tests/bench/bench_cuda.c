@@ -28,9 +28,12 @@
  * (a list may be "none": e.g. --prefill none --batches none for (a') alone). */
 #include "common/engine.h"
 #include "common/log.h"
+#include "common/model_path.h"
+#include "common/opts.h"
 #include "common/model.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -79,33 +82,55 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-/* "SxL,SxL,...": counts into s_out, lengths into l_out. */
-static int parse_pairs(const char *s, int *s_out, int *l_out) {
-  int n = 0;
-  while (*s && n < MAXL) {
-    s_out[n] = atoi(s);
-    const char *x = strchr(s, 'x');
-    const char *c = strchr(s, ',');
-    if (!x || (c && x > c)) break;
-    l_out[n] = atoi(x + 1);
-    if (s_out[n] > 0 && l_out[n] > 0) n++;
-    if (!c) break;
-    s = c + 1;
+/* A --prefill/--batches/--contexts list (opts.h TW_OPT_FN): positive
+ * numbers separated by commas, at most MAXL; "" is the empty list. */
+typedef struct {
+  int v[MAXL];
+  int n;
+} int_list_t;
+
+static int parse_list(const char *s, void *dst, char *err, size_t errlen) {
+  int_list_t *l = dst;
+  if (!strcmp(s, "none")) { /* the empty list, like "" */
+    l->n = 0;
+    return 0;
   }
-  return n;
+  if (tw_opts_id_list(s, l->v, MAXL, &l->n, err, errlen)) return -1;
+  for (int i = 0; i < l->n; i++)
+    if (l->v[i] < 1) {
+      snprintf(err, errlen, "must be positive numbers separated by commas, got '%s'", s);
+      return -1;
+    }
+  return 0;
 }
 
-/* "A,B,...", or "none" for an empty list. */
-static int parse_list(const char *s, int *out) {
-  int n = 0;
-  if (!strcmp(s, "none")) return 0;
-  while (*s && n < MAXL) {
-    out[n++] = atoi(s);
-    const char *c = strchr(s, ',');
-    if (!c) break;
-    s = c + 1;
+/* --prefill-batch "SxL,SxL,...": S sequences of L tokens each (opts.h TW_OPT_FN). */
+typedef struct {
+  int s[MAXL], l[MAXL];
+  int n;
+} pair_list_t;
+
+static int parse_pairs(const char *text, void *dst, char *err, size_t errlen) {
+  pair_list_t *p = dst;
+  char buf[512];
+  p->n = 0;
+  if (snprintf(buf, sizeof buf, "%s", text) >= (int)sizeof buf) {
+    snprintf(err, errlen, "is too long");
+    return -1;
   }
-  return n;
+  for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+    char *x = strchr(t, 'x');
+    long long a = 0, b = 0;
+    if (x) *x = '\0'; /* t: the count, x + 1: the length */
+    if (p->n == MAXL || !x || tw_opts_ll(t, 1, INT32_MAX, &a) || tw_opts_ll(x + 1, 1, INT32_MAX, &b)) {
+      snprintf(err, errlen, "must be at most %d SxL pairs (sequences x tokens) separated by commas, got '%s'",
+               MAXL, text);
+      return -1;
+    }
+    p->s[p->n] = (int)a;
+    p->l[p->n++] = (int)b;
+  }
+  return 0;
 }
 
 /* The machine's ceilings (measured on the H200, shared/design/MACHINES.md):
@@ -354,33 +379,30 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
 int main(int argc, char **argv) {
   tw_log_init("twain-bench-cuda", 0);
   const char *model_dir = NULL, *syn = "both";
-  int pre[MAXL] = {8192, 32768, 65536, 128000}, n_pre = 4;
-  int bat[MAXL] = {1, 8, 32, 64, 128, 256}, n_bat = 6;
-  int ctx[MAXL] = {8192, 32768}, n_ctx = 2;
-  int pb_s[MAXL], pb_l[MAXL], n_pb = 0, chunk = 0;
-  int steps = 20, reps = 3;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
-    if (!strcmp(a, "--model")) model_dir = v, i++;
-    else if (!strcmp(a, "--synthetic")) syn = v, i++;
-    else if (!strcmp(a, "--prefill")) n_pre = parse_list(v, pre), i++;
-    else if (!strcmp(a, "--batches")) n_bat = parse_list(v, bat), i++;
-    else if (!strcmp(a, "--contexts")) n_ctx = parse_list(v, ctx), i++;
-    else if (!strcmp(a, "--prefill-batch")) n_pb = parse_pairs(v, pb_s, pb_l), i++;
-    else if (!strcmp(a, "--chunk")) chunk = atoi(v), i++;
-    else if (!strcmp(a, "--steps")) steps = atoi(v), i++;
-    else if (!strcmp(a, "--reps")) reps = atoi(v), i++;
-    else {
-      fprintf(stderr, "usage: %s [--model DIR | --synthetic 20b|120b|both] [--prefill LIST] "
-              "[--prefill-batch SxL,...] [--chunk N] [--batches LIST] [--contexts LIST] "
-              "[--steps N] [--reps N]\n", argv[0]);
-      return 2;
-    }
-  }
-  if (steps < 1) steps = 1;
-  if (steps > 500) steps = 500;
-  if (reps < 1) reps = 1;
-  if (reps > 16) reps = 16;
+  int_list_t pl = {{8192, 32768, 65536, 128000}, 4}, bl = {{1, 8, 32, 64, 128, 256}, 6},
+             cl = {{8192, 32768}, 2};
+  pair_list_t pbl = {.n = 0};
+  int steps = 20, reps = 3, chunk = 0;
+  tw_opt_t opts[] = {
+      TW_OPT_STR_FN("model", &model_dir, tw_model_opt, "DIR|ORG/NAME",
+                    "a checkpoint instead of synthetic weights;\n"
+                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
+      TW_OPT_STR("synthetic", &syn, "20b|120b|both", "synthetic gpt-oss shapes"),
+      TW_OPT_FN("prefill", &pl, parse_list, "LIST", "prefill lengths (default 8192,32768,65536,128000)"),
+      TW_OPT_FN("prefill-batch", &pbl, parse_pairs, "SxL,...", "batched prefill: S prompts of L tokens"),
+      TW_OPT_INT("chunk", &chunk, 0, INT32_MAX, "N", "prefill chunk tokens (0: the engine's)"),
+      TW_OPT_FN("batches", &bl, parse_list, "LIST", "decode batch sizes (default 1,8,32,64,128,256)"),
+      TW_OPT_FN("contexts", &cl, parse_list, "LIST", "decode context lengths (default 8192,32768)"),
+      TW_OPT_INT("steps", &steps, 1, 500, "N", "decode steps per point"),
+      TW_OPT_INT("reps", &reps, 1, 16, "N", "repetitions (the median is reported)"),
+  };
+  tw_opts_spec_t spec = {.prog = "twain-bench-cuda", .description = "CUDA backend prefill and decode throughput.",
+                         .env_prefix = "TWAIN_BENCH_CUDA_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0]};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
+  int *pre = pl.v, n_pre = pl.n, *bat = bl.v, n_bat = bl.n, *ctx = cl.v, n_ctx = cl.n;
+  int *pb_s = pbl.s, *pb_l = pbl.l, n_pb = pbl.n;
   {
     const char *pdl = getenv("TWAIN_CUDA_PDL");
     printf("[bench] programmatic dependent launch %s (TWAIN_CUDA_PDL=%s); kernels per decode "

@@ -34,6 +34,7 @@
 #include "tests/cudart_dl.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/opts.h"
 #include "common/msg.h"
 
 #include <poll.h>
@@ -113,28 +114,44 @@ static int decode_side(int32_t n_blocks, bool device, bool staged, int rfd, int 
   return 0;
 }
 
+/* --tokens N[,N...]: positive prompt lengths (opts.h TW_OPT_FN). */
+static int parse_tokens(const char *text, void *dst, char *err, size_t errlen) {
+  struct {
+    int32_t *v;
+    int *n;
+  } *t = dst;
+  if (tw_opts_id_list(text, t->v, MAX_LENGTHS, t->n, err, errlen)) return -1;
+  for (int i = 0; i < *t->n; i++)
+    if (t->v[i] < 1) {
+      snprintf(err, errlen, "must be positive lengths separated by commas, got '%s'", text);
+      return -1;
+    }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   tw_log_init("bench-kv", 0);
   int reps = 10;
   bool device = false, staged = false;
-  int32_t lengths[MAX_LENGTHS], n_lengths = 0;
-  for (int i = 1; i < argc; i++) {
-    if (!strcmp(argv[i], "--device")) {
-      device = true;
-    } else if (!strcmp(argv[i], "--staged")) {
-      staged = true;
-    } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
-      reps = atoi(argv[++i]);
-    } else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) {
-      for (char *tok = strtok(argv[++i], ","); tok && n_lengths < MAX_LENGTHS; tok = strtok(NULL, ","))
-        if (atoi(tok) > 0) lengths[n_lengths++] = atoi(tok);
-    } else {
-      fprintf(stderr, "usage: twain-bench-kv-handoff [--device] [--staged] [--tokens N[,N...]] "
-                      "[--reps N]\n");
-      return 2;
-    }
-  }
-  if (reps < 1) reps = 1;
+  int32_t lengths[MAX_LENGTHS];
+  int n_lengths = 0;
+  struct tokens_opt {
+    int32_t *v;
+    int *n;
+  } tok = {lengths, &n_lengths};
+  tw_opt_t opts[] = {
+      TW_OPT_FLAG("device", &device, "both pools in GPU memory (exit 77 without a GPU)"),
+      TW_OPT_FLAG("staged", &staged, "the decode side stages even with CUDA transports"),
+      TW_OPT_FN("tokens", &tok, parse_tokens, "N[,N...]",
+                "prompt lengths (default 1024,8192,32768, and 131072 with --device)"),
+      TW_OPT_INT("reps", &reps, 1, 1000000, "N", "timed handoffs per length after 2 warm-ups"),
+  };
+  tw_opts_spec_t spec = {.prog = "twain-bench-kv-handoff",
+                         .description = "The KV handoff of one prompt between two processes over UCX.",
+                         .env_prefix = "TWAIN_BENCH_KV_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0]};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
   if (n_lengths == 0) {
     const int32_t def[4] = {1024, 8192, 32768, 131072};
     for (int i = 0; i < (device ? 4 : 3); i++) lengths[n_lengths++] = def[i];

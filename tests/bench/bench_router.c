@@ -11,6 +11,7 @@
  * CPU clock) and the wall-clock token rate seen by the client.
  *   twain-bench-router [--tokens N (per configuration, default 51200)] */
 #include "common/log.h"
+#include "common/opts.h"
 #include "common/msg.h"
 #include "common/tokenizer.h"
 #include "proto/twain_api.pb-c.h"
@@ -324,9 +325,13 @@ static int free_port(void) {
 
 int main(int argc, char **argv) {
   tw_log_init("bench-router", 0);
-  long total = 51200;
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (!strcmp(argv[i], "--tokens")) total = atol(argv[i + 1]);
+  long long total = 51200;
+  tw_opt_t opts[] = {TW_OPT_LONG("tokens", &total, 1, 1LL << 40, "N", "tokens to stream")};
+  tw_opts_spec_t spec = {.prog = "twain-bench-router",
+                         .description = "Router overhead: one fake worker, many clients.",
+                         .env_prefix = "TWAIN_BENCH_ROUTER_", .opts = opts, .n_opts = 1};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
   tw_tokenizer_t *tok;
   tw_token_ids_t ids;
   tw_token_ids_init(&ids);

@@ -91,5 +91,30 @@ check "bundled twain-prefill's default model is the bundle's own ($deflt)" 'grep
 for p in "$root"/bin/twain*; do
   check "$(basename "$p") --help exits 0" '(cd / && env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH= "$p" --help >/dev/null 2>&1)'
 done
+# The Python client example from the bundle alone: its module and descriptor
+# set are found beside it, against the bundled `twain serve`.
+check "bundle ships the .proto files and the descriptor set" \
+  '[ -s "$root/share/twain/proto/twain_api.proto" ] && [ -s "$root/share/twain/proto/twain.desc" ]'
+(cd / && env -i PATH=/usr/bin:/bin HOME="$tmp" LD_LIBRARY_PATH= timeout 120 "$root/bin/twain" serve --backend cpu \
+   --threads 1 --listen tcp://127.0.0.1:0 --metrics-port -1 --http-port -1 >"$tmp/serve.out" 2>&1) &
+serve_pid=$!
+ep=""
+for _ in $(seq 1 600); do
+  ep=$(sed -n 's/.*twain serve: ready.*clients at \(tcp:[^ ]*\).*/\1/p' "$tmp/serve.out")
+  [ -n "$ep" ] && break
+  kill -0 "$serve_pid" 2>/dev/null || break
+  sleep 0.1
+done
+check "bundled twain serve is ready ($ep)" '[ -n "$ep" ]'
+ex=$(cd / && env -i PATH=/usr/bin:/bin timeout 120 python3 "$root/share/twain/python/client_example.py" \
+     --endpoint "$ep" "What does the word 'book' mean?" 2>&1) || true
+check "the bundle's Python client example answers: ${ex:0:160}" 'grep -q "usage: prompt" <<<"$ex"'
+imp=$(cd / && env -i PATH=/usr/bin:/bin PYTHONPATH="$root/share/twain/python" python3 -c \
+      'import twain_client; print(twain_client.find_descriptor_set())' 2>&1) || true
+check "twain_client imports from the bundle and finds its descriptor set ($imp)" \
+  '[ "$(readlink -f "$imp")" = "$(readlink -f "$root/share/twain/proto/twain.desc")" ]'
+pkill -TERM -P "$serve_pid" 2>/dev/null || true
+kill -TERM "$serve_pid" 2>/dev/null || true
+wait "$serve_pid" 2>/dev/null || true
 echo "bundle_test: $fails failure(s)"
 [ "$fails" = 0 ]

@@ -8,7 +8,8 @@
 //
 // usage: node k8s_validate.mjs KUSTOMIZE_BIN DEPLOY_K8S_DIR [SRC_DIR]
 // With SRC_DIR, every container's command-line flags are checked against the
-// options the program really parses (its "--flag" strings in router/,
+// options the program really parses (the rows of its common/opts.h table,
+// TW_OPT_*("name", ...), in router/,
 // prefill/ or decode/), "--flag value" form, as the daemons expect.
 // Exit 0 when everything passes; 1 with one line per problem otherwise.
 import { execFileSync } from "node:child_process";
@@ -86,10 +87,11 @@ function knownFlags(prog) {
   if (!srcDir || !programFolder[prog]) return null;
   if (!flagCache.has(prog)) {
     const dir = join(srcDir, programFolder[prog]);
-    const flags = new Set();
+    const flags = new Set(["--config"]); /* every daemon's, from the parser itself */
     for (const f of readdirSync(dir)) {
-      if (!f.endsWith(".c")) continue;
-      for (const m of readFileSync(join(dir, f), "utf8").matchAll(/"(--[a-z][a-z0-9-]*)"/g)) flags.add(m[1]);
+      if (!f.endsWith(".c") && !f.endsWith(".h")) continue;
+      for (const m of readFileSync(join(dir, f), "utf8").matchAll(/TW_OPT_[A-Z_]+\(\s*"([a-z][a-z0-9-]*)"/g))
+        flags.add("--" + m[1]);
     }
     flagCache.set(prog, flags);
   }
@@ -104,7 +106,10 @@ function checkArgs(where, c) {
   for (let i = 0; i < args.length; i++) {
     const a = String(args[i]);
     if (!a.startsWith("--")) { fail(where, `argument ${i} '${a}' is not a --flag (values follow their flag)`); continue; }
-    if (a.includes("=")) { fail(where, `'${a}': ${prog} takes "--flag value", not "--flag=value"`); continue; }
+    if (a.includes("=")) { /* --flag=value: one argument */
+      if (!flags.has(a.slice(0, a.indexOf("=")))) fail(where, `${prog} has no option ${a.slice(0, a.indexOf("="))}`);
+      continue;
+    }
     if (!flags.has(a)) fail(where, `${prog} has no option ${a}`);
     if (i + 1 >= args.length || String(args[i + 1]).startsWith("--")) fail(where, `${a} has no value`);
     i++;
@@ -237,6 +242,19 @@ const adapterMetrics = new Set();
   const rules = cm ? parseYaml(cm.data["config.yaml"]).rules : [];
   for (const r of rules || []) if (r.name?.as) adapterMetrics.add(r.name.as);
   if (!adapterMetrics.size) fail("prometheus-adapter", "no rules with name.as");
+}
+// The Grafana dashboard's ConfigMap (grafana/): valid, loadable by the
+// sidecar, and the JSON a dashboard with panels that query twain metrics.
+{
+  const objs = parseDocs("grafana", render(join(root, "grafana")));
+  for (const o of objs) { nObjects++; await validateSchema(`grafana ${nameOf(o)}`, o); }
+  const cm = objs.find((o) => o.kind === "ConfigMap");
+  if (!cm || cm.metadata?.labels?.grafana_dashboard !== "1") fail("grafana", "no ConfigMap labelled grafana_dashboard: \"1\"");
+  let dash = null;
+  try { dash = JSON.parse(cm?.data?.["twain-dashboard.json"] ?? ""); } catch (e) { fail("grafana", `dashboard JSON: ${e.message}`); }
+  const exprs = (dash?.panels || []).flatMap((p) => (p.targets || []).map((t) => t.expr || ""));
+  if (exprs.length < 8 || !exprs.every((e) => /twain_[a-z_]+/.test(e))) fail("grafana", `${exprs.length} panel queries, each must read a twain_ metric`);
+  else console.log(`rendered grafana: dashboard "${dash.title}", ${dash.panels.length} panels, ${exprs.length} queries`);
 }
 for (const t of targets) {
   let text;

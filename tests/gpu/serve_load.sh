@@ -26,6 +26,11 @@
 #             with 10% cancels and 10% disconnects, then the decode and prefill
 #             workers' KV blocks in use from their /metrics (must be 0);
 #          5. stops serve (SIGINT, then SIGKILL of what is left), removes DIR.
+#          After each benchmark every daemon's /metrics goes to
+#          $OUT/metrics_M_cC.txt. TW_LOAD_MPS=1 runs the workers under the CUDA
+#          MPS control daemon (started here with its pipe and log directories
+#          under the work directory, stopped at the end), so prefill and decode
+#          kernels of the two processes share the GPU instead of taking turns.
 #          A table of every run is printed last. Bounded by TW_LOAD_BUDGET_S
 #          (default 540). TW_LOAD_BACKEND=cpu with TW_LOAD_MODELS=tiny is a
 #          dry run on a machine without a GPU.
@@ -94,6 +99,20 @@ say "serve_load: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheade
 table=""
 rc=0
 shm=${TW_LOAD_DIR:-/dev/shm}
+mps=""
+if [ "${TW_LOAD_MPS:-}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+  export CUDA_MPS_PIPE_DIRECTORY=$work/mps-pipe CUDA_MPS_LOG_DIRECTORY=$work/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && mps=1 && say "serve_load: CUDA MPS control daemon started"
+fi
+metrics_dump() { # metrics_dump FILE: every daemon's /metrics of the serve log
+  local port
+  : >"$1"
+  for port in $(sed -n 's/.*serving \/metrics.* on [0-9.]*:\([0-9][0-9]*\).*/\1/p' "$2" | sort -u); do
+    echo "# ---- port $port" >>"$1"
+    curl -s --max-time 5 "http://127.0.0.1:$port/metrics" >>"$1" 2>/dev/null
+  done
+}
 for m in ${TW_LOAD_MODELS:-20b 120b}; do
   [ "$(left)" -lt 60 ] && { say "serve_load: budget spent before $m"; rc=1; break; }
   dir=$shm/twain-load-$m
@@ -136,6 +155,7 @@ for m in ${TW_LOAD_MODELS:-20b 120b}; do
         --json "$out/bench_${m}_c$c.json" >"$work/bench_${m}_c$c.log" 2>&1
       r=$?
       cat "$work/bench_${m}_c$c.log" >>"$log"
+      metrics_dump "$out/metrics_${m}_c$c.txt" "$out/serve_$m.log"
       line=$(python3 - "$out/bench_${m}_c$c.json" "$m" "$c" "$r" <<'EOF'
 import json, sys
 m, c, r = sys.argv[2:5]
@@ -161,12 +181,9 @@ EOF
       r=$?
       tail -25 "$work/robust.log" >>"$log"
       sleep 2
-      inuse=""
-      for port in $(sed -n 's/.*metrics at [^ ]*:\([0-9][0-9]*\).*/\1/p' "$out/serve_$m.log" | sort -u); do
-        v=$(curl -s "http://127.0.0.1:$port/metrics" 2>/dev/null | grep -E '^twain_(decode|prefill)_kv_blocks_in_use' | awk '{s+=$2} END {print s+0}')
-        inuse="$inuse $port:$v"
-      done
-      say "serve_load: robustness run exit $r; kv blocks in use after it (metrics port:blocks):$inuse"
+      metrics_dump "$out/metrics_${m}_robust.txt" "$out/serve_$m.log"
+      say "serve_load: robustness run exit $r; kv blocks in use after it:" \
+        "$(grep -E "kv_blocks_used" "$out/metrics_${m}_robust.txt" | grep -v '^#' | tr '\n' ' ')"
       [ "$r" -eq 0 ] || rc=1
     fi
   fi
@@ -183,5 +200,6 @@ say ""
 say "| model | concurrency | requests | output tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | completed | failed |"
 say "|---|---|---|---|---|---|---|---|---|---|"
 printf "%b" "$table" | tee -a "$log"
+[ -n "$mps" ] && echo quit | nvidia-cuda-mps-control
 rm -rf "$work"
 exit $rc

@@ -258,7 +258,7 @@ m = {}
 for line in text.splitlines():
     if line and not line.startswith("#"):
         k, v = line.rsplit(" ", 1)
-        m[re.sub(r"\{process=\"[^\"]*\"\}", "", k)] = float(v)
+        m[re.sub(r"\{process=\"[^\"]*\"(,model_name=\"[^\"]*\")?\}", "", k)] = float(v)
 g = lambda k: m.get("twain_" + k, float("nan"))
 if name == "twain-prefill":
     n = g("kv_transfer_seconds_count")

@@ -22,6 +22,7 @@
  *          [--threads N] */
 #include "common/engine.h"
 #include "common/model.h"
+#include "common/opts.h"
 #include "tests/engine/fixture_util.h"
 
 #include <math.h>
@@ -151,24 +152,24 @@ static tw_engine_t *make_engine(tw_model_t *m, tw_backend_kind_t kind, int threa
 
 int main(int argc, char **argv) {
   const char *model_dir = NULL, *fx_dir = NULL, *variant = "mxfp4", *backend = "cuda";
-  char plist[512] = "p0,p1,p2";
+  const char *plist = "p0,p1,p2";
   double max_rel = 2e-2;
   int threads = 16;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
-    if (!strcmp(a, "--model")) model_dir = v, i++;
-    else if (!strcmp(a, "--fixtures")) fx_dir = v, i++;
-    else if (!strcmp(a, "--variant")) variant = v, i++;
-    else if (!strcmp(a, "--prompts")) snprintf(plist, sizeof plist, "%s", v), i++;
-    else if (!strcmp(a, "--max-rel")) max_rel = atof(v), i++;
-    else if (!strcmp(a, "--backend")) backend = v, i++;
-    else if (!strcmp(a, "--threads")) threads = atoi(v), i++;
-    else {
-      fprintf(stderr, "usage: %s --model DIR --fixtures DIR [--variant V] [--prompts a,b] "
-              "[--max-rel X] [--backend cuda|cpu|both] [--threads N]\n", argv[0]);
-      return 2;
-    }
-  }
+  tw_opt_t opts[] = {
+      TW_OPT_STR("model", &model_dir, "DIR", "checkpoint (required)"),
+      TW_OPT_STR("fixtures", &fx_dir, "DIR", "Hugging Face reference outputs (required)"),
+      TW_OPT_STR("variant", &variant, "V", "fixture variant"),
+      TW_OPT_STR("prompts", &plist, "a,b", "prompt names"),
+      TW_OPT_DOUBLE("max-rel", &max_rel, 0, 1e9, "X", "largest relative logit error accepted"),
+      TW_OPT_STR("backend", &backend, "cuda|cpu|both", "backends compared"),
+      TW_OPT_INT("threads", &threads, 0, 4096, "N", "cpu threads"),
+  };
+  tw_opts_spec_t spec = {.prog = "twain-compare-hf",
+                         .description = "Engine logits against Hugging Face reference outputs.",
+                         .env_prefix = "TWAIN_COMPARE_HF_", .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0]};
+  int prc = tw_opts_parse(&spec, argc, argv, NULL);
+  if (prc != TW_OPTS_RUN) return prc;
   int use_cuda = !strcmp(backend, "cuda") || !strcmp(backend, "both");
   int use_cpu = !strcmp(backend, "cpu") || !strcmp(backend, "both");
   if (!model_dir || !fx_dir || (!use_cuda && !use_cpu)) {
@@ -178,7 +179,9 @@ int main(int argc, char **argv) {
   }
   char *names[MAX_PROMPTS];
   int np = 0;
-  for (char *t = strtok(plist, ","); t && np < MAX_PROMPTS; t = strtok(NULL, ",")) names[np++] = t;
+  char pbuf[512];
+  snprintf(pbuf, sizeof pbuf, "%s", plist);
+  for (char *t = strtok(pbuf, ","); t && np < MAX_PROMPTS; t = strtok(NULL, ",")) names[np++] = t;
   tw_model_t *m = NULL;
   if (tw_model_load(model_dir, &m) != TW_OK) {
     printf("hf-compare: FAIL cannot load %s: %s\n", model_dir, tw_last_error());

@@ -8,8 +8,9 @@
    --decode-ep 3 with the tiny model's 8 experts) ends at once with
    exit 2 and the rule, before starting anything: it used to restart the
    refused worker 5 times and then stay up, never ready, until killed.
-   twain-decode --dp 2 --max-batch 1500000000 is refused naming the flag
-   (max_batch x ranks used to overflow into "scratch for -1294967296").
+   twain-decode --dp 2 --max-batch 1500000000 is refused naming the flag, by
+   the option parser (max_batch x ranks used to overflow into "scratch for
+   -1294967296").
 1. a request that fits the sum of the replicas (46 blocks) but not one
    replica (15 + 380 tokens = 25 blocks > 23) can never be placed: the router
    must refuse it at once with RESOURCE_EXHAUSTED naming the sizes, not keep
@@ -58,7 +59,7 @@ for extra, want in ((["--decode-dp", "2"], "--decode-dp N needs --decode-ep N"),
 r = subprocess.run([svc.bin_path("decode", "twain-decode"), "--router", "tcp://127.0.0.1:9", "--model", svc.MODEL,
                     "--backend", "cpu", "--dp", "2", "--ep", "2", "--max-batch", "1500000000"],
                    capture_output=True, text=True, timeout=60)
-check(r.returncode != 0 and "--max-batch 1500000000: 1 to 65536" in r.stderr,
+check(r.returncode == 2 and "--max-batch must be an integer in [0, 65536], got '1500000000'" in r.stderr,
       "twain-decode --dp 2 --max-batch 1500000000 refused (exit %d): %s" % (
           r.returncode, (r.stderr.strip().splitlines() or ["(nothing)"])[0][-120:]))
 

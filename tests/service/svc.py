@@ -306,7 +306,8 @@ def metrics(port):
         if line.startswith("#") or not line.strip():
             continue
         key, val = line.rsplit(" ", 1)
-        key = re.sub(r"\{process=\"[^\"]*\"(,)?", "{", key).replace("{}", "")
+        key = re.sub(r"\{process=\"[^\"]*\"(,)?", "{", key)
+        key = re.sub(r"model_name=\"[^\"]*\",?", "", key).replace("{}", "")  # every sample has it
         out[key] = float(val)
     return out
 

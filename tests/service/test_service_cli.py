@@ -48,6 +48,46 @@ try:
     r = run("generate", "--endpoint", ep, "--max-tokens", "20", *[str(i) for i in ids])
     got = [int(x) for x in r.stdout.split()]
     check(r.returncode == 0 and got == svc.reference_generate(ids, 20), "twain generate equals the reference")
+    # no ids as arguments: they come on stdin (a JSON array, or numbers)
+    for stdin in (json.dumps(ids), " ".join(str(i) for i in ids) + "\n"):
+        g = subprocess.run([twain, "generate", "--endpoint", ep, "--max-tokens", "20"], input=stdin,
+                           capture_output=True, text=True, timeout=120)
+        check(g.returncode == 0 and [int(x) for x in g.stdout.split()] == got,
+              "twain generate with the ids on stdin (%r...): %r" % (stdin[:12], g.stdout.strip()[:80]))
+    # no text: a piped stdin is the message; on a terminal, a conversation
+    c = subprocess.run([twain, "chat", "--endpoint", ep], input="What does the word 'dog' mean?\n",
+                       capture_output=True, text=True, timeout=120)
+    check(c.returncode == 0 and "genus Canis" in c.stdout, "twain chat with the text on stdin: %r" % c.stdout[:80])
+    import pty
+    master, slave = pty.openpty()
+    ic = subprocess.Popen([twain, "chat", "--endpoint", ep], stdin=slave, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    os.close(slave)
+    os.write(master, b"What does the word 'dog' mean?\nAnd the word 'book'?\n/exit\n")
+    try:
+        iout, ierr = ic.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        ic.kill()
+        iout, ierr = ic.communicate()
+    os.close(master)
+    answers = [l for l in iout.splitlines() if l.strip()]
+    check(ic.returncode == 0 and len(answers) == 2 and "genus Canis" in answers[0] and ierr.count("> ") >= 3,
+          "interactive twain chat: two turns, then /exit (rc %s, %r)" % (ic.returncode, answers))
+    turns = [int(x) for x in re.findall(r"request \d+ finished: \w+, prompt (\d+) tokens, output (\d+)",
+                                         "\n".join(serve.lines))[-2:] for x in x]
+    # alone, the second question would be about as long as the first (75 tokens)
+    check(len(turns) == 4 and turns[2] > turns[0] + 40,
+          "the second turn carries the first question and answer (prompt, output tokens: %s)" % turns)
+    # every daemon's metrics address, printed once ready
+    mline = serve.wait_line(r"twain serve: metrics: (.*)", 10)
+    urls = re.findall(r"(router|prefill-0|decode-0) (http://127\.0\.0\.1:\d+/metrics)", mline.group(1) if mline else "")
+    check(len(urls) == 3, "serve prints the router's and each worker's metrics address: %s" % urls)
+    for who, url in urls:
+        import urllib.request
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+        want = "router" if who == "router" else who.split("-")[0]
+        check(('process="%s' % want) in text and 'model_name="' in text, "%s serves its metrics at %s" % (who, url))
     r = run("generate", "--endpoint", ep, "--max-tokens", "0", *[str(i) for i in ids])
     check(r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr, "twain generate --max-tokens 0: %s" % r.stderr.strip())
     ex = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "client_example.py"),

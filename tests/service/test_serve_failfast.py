@@ -1,0 +1,89 @@
+"""Fail fast: `twain serve` whose worker cannot start because of its
+configuration or environment stops at once with that error instead of
+restarting it (it used to restart each worker five times over 17 s):
+- a model whose config and tokenizer are fine (the router loads them) but
+  whose weights are not there: the workers exit 78 naming the file, serve
+  exits 78 within 3 s;
+- a bad option value reaching a worker (TWAIN_DECODE_MAX_BATCH=abc from the
+  environment): the decode worker exits 2 naming it, serve exits within 3 s;
+- `--backend cuda` on a machine without a GPU: serve exits 78 within 3 s
+  naming the cause, and so does a lone twain-decode (78: its own check);
+- a worker that was serving and is killed is still restarted (the restart
+  policy is for crashes only).
+Every wait is bounded."""
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import svc
+from svc import check, finish
+
+TWAIN = svc.bin_path("router", "twain")
+LIMIT_S = 3.0
+
+
+def serve(args, env=None, timeout=30):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("TWAIN_") or k == "TWAIN_LOG"}
+    e.update(env or {})
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([TWAIN, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "-1",
+                            "--backend", "cpu", "--threads", "1"] + args,
+                           capture_output=True, text=True, timeout=timeout, env=e)
+        return r, time.monotonic() - t0
+    except subprocess.TimeoutExpired as ex:
+        return subprocess.CompletedProcess(ex.cmd, -1, "", str(ex.stderr or "")), time.monotonic() - t0
+
+
+tmp = tempfile.mkdtemp(prefix="tw_failfast_")
+broken = os.path.join(tmp, "no-weights")
+os.makedirs(broken)
+for f in ("config.json", "tokenizer.json", "generation_config.json"):
+    shutil.copy(os.path.join(svc.MODEL, f), broken)
+
+r, dt = serve(["--model", broken])
+check(r.returncode == 78 and dt < LIMIT_S, "bad model: serve exit 78 in %.2f s (< %.0f s): rc %d" % (dt, LIMIT_S, r.returncode))
+check("could not start: a configuration or environment error" in r.stderr and broken in r.stderr
+      and "restarting" not in r.stderr,
+      "bad model: the worker's error and serve's verdict, no restart: %r" % r.stderr.strip()[-400:])
+
+r, dt = serve([], env={"TWAIN_DECODE_MAX_BATCH": "abc"})
+check(r.returncode == 78 and dt < LIMIT_S, "bad worker option: serve exit 78 in %.2f s: rc %d" % (dt, r.returncode))
+check("environment TWAIN_DECODE_MAX_BATCH: --max-batch must be an integer" in r.stderr
+      and "exit status 2" in r.stderr and "restarting" not in r.stderr,
+      "bad worker option: named, no restart: %r" % r.stderr.strip()[-300:])
+
+gpu = os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")
+if not gpu:
+    r, dt = serve(["--backend", "cuda"])
+    check(r.returncode == 78 and dt < LIMIT_S and "--backend cuda: no CUDA GPU is usable" in r.stderr,
+          "--backend cuda without a GPU: serve exit 78 in %.2f s: %r" % (dt, r.stderr.strip()[-200:]))
+    t0 = time.monotonic()
+    d = subprocess.run([svc.bin_path("decode", "twain-decode"), "--router", "tcp://127.0.0.1:9", "--backend", "cuda",
+                        "--model", svc.MODEL], capture_output=True, text=True, timeout=30)
+    dt = time.monotonic() - t0
+    check(d.returncode == 78 and dt < LIMIT_S and "cannot start" in d.stderr,
+          "twain-decode --backend cuda without a GPU: exit 78 in %.2f s: %r" % (dt, d.stderr.strip()[-200:]))
+
+# a serving worker that dies is restarted (crash), serve stays up
+e = {k: v for k, v in os.environ.items() if not k.startswith("TWAIN_") or k == "TWAIN_LOG"}
+serve_p = svc.Proc([TWAIN, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--http-port", "-1",
+                    "--backend", "cpu", "--threads", "1"], "serve", env=e)
+serve_p.wait_line(r"twain serve: ready", 60)
+kids = subprocess.run(["pgrep", "-P", str(serve_p.p.pid), "-f", "twain-decode"], capture_output=True,
+                      text=True).stdout.split()
+check(len(kids) == 1, "one decode worker child: %s" % kids)
+if kids:
+    os.kill(int(kids[0]), signal.SIGKILL)
+check(serve_p.seen(r"restarted worker decode-0", 30) and serve_p.p.poll() is None,
+      "a killed serving worker is restarted, serve stays up")
+rc = serve_p.stop(signal.SIGTERM, 30)
+check(rc == 0, "serve stops cleanly (rc %s)" % rc)
+shutil.rmtree(tmp, ignore_errors=True)
+if gpu and not svc.fails:
+    print("SKIP: the --backend cuda checks need a machine without a GPU")
+    raise SystemExit(77)
+finish()
