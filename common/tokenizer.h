@@ -128,7 +128,9 @@ void tw_tok_encoder_destroy(tw_tok_encoder_t *enc);
 
 /** Encode `len` bytes of UTF-8 `text`, appending the ids to `out`.
  *  flags: TW_TOK_ALLOW_SPECIAL or 0. Errors: TW_ERR_INVALID_ARGUMENT (text is
- *  not valid UTF-8: the message gives the byte offset; nothing is appended),
+ *  not valid UTF-8: the message gives the byte offset; nothing is appended;
+ *  or a run the PCRE2 pre-tokenizer cannot split within its match limits,
+ *  e.g. megabytes of whitespace),
  *  TW_ERR_NO_MEMORY, TW_ERR_INTERNAL (a PCRE2 match failure). On error `out`
  *  is left as it was. */
 tw_status_t tw_tok_encoder_encode(tw_tok_encoder_t *enc, const char *text, size_t len,

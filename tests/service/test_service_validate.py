@@ -8,8 +8,9 @@ hold the link keys (so what is tested is the router, not the link security):
   keeps serving;
 - from clients: a date that is not a real YYYY-MM-DD (or that carries text),
   a NUL byte in any string (content, stop strings), invalid UTF-8 in a role,
-  a 17th stop_token_id: each an INVALID_ARGUMENT naming the field, and every
-  reply parses (its error message is valid UTF-8)."""
+  a 17th stop_token_id, 20 MiB of whitespace: each an INVALID_ARGUMENT naming
+  the field or the cause, and every reply parses (its error message is valid
+  UTF-8)."""
 import time
 
 import fixtures
@@ -166,6 +167,9 @@ try:
     r = ask(q, raw=lambda b: b.replace(b"uZZZ", b"u\xff\xfeZ"))
     check(r.error.code == E["INVALID_ARGUMENT"] and "role is not valid UTF-8 at offset 1" in r.error.message,
           "invalid UTF-8 in a role: INVALID_ARGUMENT and a reply that parses (%s)" % r.error.message)
+    r = ask(svc.chat("hello" + " " * (20 << 20) + "world"))
+    check(r.error.code == E["INVALID_ARGUMENT"],
+          "20 MiB of spaces in a message: INVALID_ARGUMENT, never INTERNAL (%s)" % r.error.message[:120])
     r = ask(svc.generate(fixtures.ids("short_dog"), 4, stop_ids=list(range(1, 18))))
     check(r.error.code == E["INVALID_ARGUMENT"] and "at most 16" in r.error.message,
           "17 stop_token_ids: INVALID_ARGUMENT, none dropped silently (%s)" % r.error.message)

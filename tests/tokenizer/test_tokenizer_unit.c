@@ -155,6 +155,20 @@ int main(int argc, char **argv) {
   EXPECT(after[2] == 0 && after[3] == 4 && after[6] == 4 && after[7] == 8,
          "thumbs up + skin tone: whole characters only");
 
+  /* 20 MiB of spaces: the pre-tokenizer's matcher gives up; that is the
+   * caller's input (INVALID_ARGUMENT, nothing appended), not an internal error */
+  {
+    size_t big = (size_t)20 << 20;
+    char *spaces = malloc(big);
+    memset(spaces, ' ', big);
+    size_t before = ids.n;
+    tw_status_t bst = tw_tokenizer_encode(tok, spaces, big, 0, &ids);
+    EXPECT(bst == TW_OK || (bst == TW_ERR_INVALID_ARGUMENT && ids.n == before &&
+                            strstr(tw_last_error(), "cannot be tokenized")),
+           "20 MiB of spaces: tokenized or INVALID_ARGUMENT, got %d: %s", (int)bst, tw_last_error());
+    free(spaces);
+  }
+
   /* loader errors */
   tw_tokenizer_t *t2;
   EXPECT(tw_tokenizer_load("/nonexistent/tokenizer.json", &t2) == TW_ERR_IO, "missing file");
