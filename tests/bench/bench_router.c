@@ -32,6 +32,7 @@
 #include <time.h>
 
 typedef struct {
+  tw_auth_keys_t keys; /* the link keys of the router and the fake workers */
   tw_router_params_t p;
   volatile sig_atomic_t stop;
   char cep[256], wep[256];
@@ -97,8 +98,8 @@ static void fake_heartbeat(void *s) {
 static void *fake_main(void *arg) {
   fake_t *f = arg;
   void *pre, *dec;
-  tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &pre);
-  tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &dec);
+  tw_msg_socket_open_auth(f->ctx, ZMQ_DEALER, f->b->wep, false, &f->b->keys, NULL, 0, &pre);
+  tw_msg_socket_open_auth(f->ctx, ZMQ_DEALER, f->b->wep, false, &f->b->keys, NULL, 0, &dec);
   fake_register(pre, "fake-prefill", TWAIN__INTERNAL__V1__POOL__POOL_PREFILL);
   fake_register(dec, "fake-decode", TWAIN__INTERNAL__V1__POOL__POOL_DECODE);
   fseq_t *seqs = malloc(sizeof(fseq_t) * 8192);
@@ -354,6 +355,10 @@ int main(int argc, char **argv) {
   b.p.on_bound = on_bound;
   b.p.on_bound_arg = &b;
   b.p.max_requests = 8192;
+  if (tw_auth_keys_generate(&b.keys) != TW_OK || tw_auth_keys_export(&b.keys, TW_AUTH_KEYS_ENV) != TW_OK) {
+    fprintf(stderr, "bench-router: %s\n", tw_last_error());
+    return 1;
+  }
   pthread_t rt, ft;
   pthread_create(&rt, NULL, router_main, &b);
   for (int i = 0; i < 1000 && !__atomic_load_n(&b.bound, __ATOMIC_SEQ_CST); i++) {
