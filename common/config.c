@@ -6,6 +6,8 @@
  * original HF name, and rope_parameters, the newer one, §1.1 notes). */
 #include "common/config.h"
 
+#include "common/file_read.h"
+
 #include "common/log.h"
 
 #include <cjson/cJSON.h>
@@ -17,6 +19,8 @@
 #include <string.h>
 
 #define TW_CONFIG_MAX_FILE_BYTES (16 << 20) /* a config.json is a few KiB */
+#define TW_CONFIG_MAX_ROPE_THETA 1e12
+#define TW_CONFIG_MAX_ROPE_FACTOR 1024.0
 
 /* ---- typed field readers ------------------------------------------------ */
 
@@ -163,9 +167,11 @@ static tw_status_t parse_rope(const cJSON *root, tw_model_config_t *c) {
   /* transformers' YaRN defaults truncate to true when the key is absent;
    * gpt-oss sets it to false explicitly. */
   TW_CHECK(get_bool(rope, where, "truncate", false, true, &c->rope_truncate));
-  if (c->rope_factor < 1.0)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "config: field '%sfactor' = %g must be >= 1", where,
-                  c->rope_factor);
+  /* gpt-oss: factor 32; far beyond that the YaRN ramp and mscale are
+   * meaningless (a checkpoint error, not a model) */
+  if (!(c->rope_factor >= 1.0 && c->rope_factor <= TW_CONFIG_MAX_ROPE_FACTOR))
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "config: field '%sfactor' = %g must be in [1, %g]", where,
+                  c->rope_factor, TW_CONFIG_MAX_ROPE_FACTOR);
   if (c->rope_beta_fast <= 0 || c->rope_beta_slow <= 0 ||
       c->rope_beta_fast < c->rope_beta_slow)
     return tw_err(TW_ERR_INVALID_ARGUMENT,
@@ -204,9 +210,10 @@ static tw_status_t parse_rope(const cJSON *root, tw_model_config_t *c) {
     return tw_err(TW_ERR_NOT_FOUND, "config: required field 'rope_theta' is missing (top level "
                                     "or in rope_parameters)");
   }
-  if (c->rope_theta <= 0)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "config: field 'rope_theta' = %g must be positive",
-                  c->rope_theta);
+  /* gpt-oss: 150000; below 1 the frequencies grow with the dimension */
+  if (!(c->rope_theta >= 1.0 && c->rope_theta <= TW_CONFIG_MAX_ROPE_THETA))
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "config: field 'rope_theta' = %g must be in [1, %g]",
+                  c->rope_theta, TW_CONFIG_MAX_ROPE_THETA);
   return TW_OK;
 }
 
@@ -388,31 +395,14 @@ tw_status_t tw_config_parse(const char *json_text, tw_model_config_t *config_p) 
 
 tw_status_t tw_config_load(const char *path, tw_model_config_t *config_p) {
   if (!path || !config_p) return tw_err(TW_ERR_INVALID_ARGUMENT, "config: NULL argument");
-  FILE *f = fopen(path, "rb");
-  if (!f) return tw_err(TW_ERR_IO, "config: cannot open %s: %s", path, strerror(errno));
-  char *buf = malloc(TW_CONFIG_MAX_FILE_BYTES + 1);
-  if (!buf) {
-    fclose(f);
-    return tw_err(TW_ERR_NO_MEMORY, "config: out of memory reading %s", path);
-  }
-  size_t n = fread(buf, 1, TW_CONFIG_MAX_FILE_BYTES + 1, f);
-  int read_err = ferror(f);
-  fclose(f);
-  tw_status_t st;
-  if (read_err) {
-    st = tw_err(TW_ERR_IO, "config: cannot read %s", path);
-  } else if (n > TW_CONFIG_MAX_FILE_BYTES) {
-    st = tw_err(TW_ERR_FORMAT, "config: %s is larger than %d bytes", path,
-                TW_CONFIG_MAX_FILE_BYTES);
-  } else {
-    buf[n] = '\0';
-    st = tw_config_parse(buf, config_p);
-    if (st != TW_OK) {
-      /* say which file, keeping the field message of the parser */
-      char msg[768];
-      snprintf(msg, sizeof msg, "%s", tw_last_error());
-      tw_err_quiet(st, "%s (in %s)", msg, path);
-    }
+  char *buf = NULL;
+  TW_CHECK(tw_file_read(path, TW_CONFIG_MAX_FILE_BYTES, "config", &buf, NULL));
+  tw_status_t st = tw_config_parse(buf, config_p);
+  if (st != TW_OK) {
+    /* say which file, keeping the field message of the parser */
+    char msg[768];
+    snprintf(msg, sizeof msg, "%s", tw_last_error());
+    tw_err_quiet(st, "%s (in %s)", msg, path);
   }
   free(buf);
   return st;

@@ -2,6 +2,7 @@
  * liveness watchdog of a multi-rank worker (see dist.h). */
 #include "common/dist.h"
 
+#include "common/link_auth.h"
 #include "common/log.h"
 
 #include <arpa/inet.h>
@@ -40,7 +41,17 @@ struct tw_dist {
   tw_dist_lost_fn on_lost;
   int lost_ms;
   char mon_ep[64];     /* inproc endpoint of the hb socket's monitor */
+  tw_auth_keys_t keys; /* CURVE: rank 0 serves, the other ranks are clients */
+  tw_auth_guard_t *guard;
 };
+
+/* The group's link keys: TWAIN_DIST_KEYS (a throwaway set tw_dist_spawn made
+ * for the ranks it starts), else the deployment's (link_auth.h). */
+static tw_status_t tw_dist_keys(tw_auth_keys_t *k) {
+  const char *t = getenv(TW_DIST_KEYS_ENV);
+  if (t && *t) return tw_auth_keys_parse(t, k);
+  return tw_auth_keys_from_env("worker rank links", k);
+}
 
 static int64_t tw_dist_now_ms(void) {
   struct timespec ts;
@@ -143,6 +154,14 @@ tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist
   if (n < 1 || n > TW_DIST_MAX_RANKS)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: --tp %d outside [1, %d]", n, TW_DIST_MAX_RANKS);
   setenv("NCCL_NVLS_ENABLE", "0", 0); /* lent machines: NVLink multicast stays off */
+  const char *dk = getenv(TW_DIST_KEYS_ENV);
+  if (!dk || !*dk) { /* ranks of this host only: a set nobody else ever sees */
+    tw_auth_keys_t k;
+    TW_CHECK(tw_auth_keys_generate(&k));
+    tw_status_t ks = tw_auth_keys_export(&k, TW_DIST_KEYS_ENV);
+    memset(&k, 0, sizeof k);
+    TW_CHECK(ks);
+  }
   if (use_mpi) {
     char np[16];
     snprintf(np, sizeof np, "%d", n);
@@ -240,6 +259,10 @@ static void *tw_dist_socket(tw_dist_t *d, int type, int rank) {
   if (!s) return NULL;
   int zero = 0;
   zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
+  if ((type == ZMQ_ROUTER ? tw_auth_server(s, &d->keys) : tw_auth_client(s, &d->keys)) != TW_OK) {
+    zmq_close(s);
+    return NULL;
+  }
   if (type == ZMQ_DEALER) {
     char rid[16];
     snprintf(rid, sizeof rid, "r%d", rank);
@@ -480,6 +503,7 @@ static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t devi
   if (d->id.rendezvous[0]) TW_CHECK(tw_dist_endpoints(d->id.rendezvous, 0, cbind, cconn, sizeof cbind));
   if (d->id.rank == 0) {
     TW_CHECK(tw_dist_bind(d, cbind, &d->ctrl, cconn, sizeof cconn));
+    TW_CHECK(tw_auth_guard_watch(d->guard, d->ctrl, "rank control link"));
     /* the watchdog's socket: an ephemeral port (no second fixed port to
      * collide with another worker's rendezvous), announced after the hello */
     bool loop = !d->id.rendezvous[0] || strncmp(cbind, "tcp://127.0.0.1:", 16) == 0;
@@ -499,6 +523,7 @@ static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t devi
     if (!d->ctrl || zmq_connect(d->ctrl, cconn) != 0)
       return tw_err(TW_ERR_TRANSPORT, "dist: rank %d cannot connect to rank 0 at %s: %s",
                     d->id.rank, cconn, zmq_strerror(errno));
+    TW_CHECK(tw_auth_guard_watch(d->guard, d->ctrl, "rank control link"));
   }
   TW_CHECK(tw_dist_hello(d));
   TW_CHECK(tw_dist_share(d, hconn, sizeof hconn, true, "watchdog address"));
@@ -548,7 +573,10 @@ tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind, in
   struct sigaction sa = {0};
   sa.sa_handler = tw_dist_on_usr1;
   sigaction(SIGUSR1, &sa, NULL);
-  tw_status_t st = tw_dist_setup(d, kind, device);
+  tw_status_t st = tw_dist_keys(&d->keys);
+  if (st == TW_OK)
+    st = tw_auth_guard_start(d->zctx, &d->keys, "worker rank links", id->rank == 0, &d->guard);
+  if (st == TW_OK) st = tw_dist_setup(d, kind, device);
   if (st != TW_OK) {
     tw_dist_destroy(d);
     return st;
@@ -569,6 +597,8 @@ void tw_dist_destroy(tw_dist_t *d) {
   tw_dist_watchdog_stop(d);
   if (d->ctrl) zmq_close(d->ctrl);
   if (d->hb) zmq_close(d->hb);
+  tw_auth_guard_stop(d->guard);
+  memset(&d->keys, 0, sizeof d->keys);
   if (d->zctx) zmq_ctx_term(d->zctx);
   tw_coll_destroy(d->coll);
   d->magic = 0;

@@ -25,7 +25,13 @@
  * a hang). Either way, or when the parent that spawned it is gone, the rank
  * calls `on_lost`, which ends the process: a collective that waits for a dead
  * rank never returns, so the whole worker has to go, and the router expires
- * it (TW_WORKER_EXPIRE_MS) once rank 0 stops heartbeating. */
+ * it (TW_WORKER_EXPIRE_MS) once rank 0 stops heartbeating.
+ *
+ * Security. Both links are ZeroMQ CURVE, rank 0 the server with a ZAP handler
+ * that admits only the group's client key (common/link_auth.h). The keys are
+ * TWAIN_DIST_KEYS, which tw_dist_spawn fills with a fresh set for the ranks
+ * it starts, else the deployment's link keys (TWAIN_KEYS_FILE for ranks that
+ * srun or mpirun start across hosts). */
 #ifndef TW_COMMON_DIST_H
 #define TW_COMMON_DIST_H
 
@@ -41,6 +47,7 @@ extern "C" {
 
 #define TW_DIST_PING_MS 100
 #define TW_DIST_LOST_MS 3000
+#define TW_DIST_KEYS_ENV "TWAIN_DIST_KEYS"
 
 typedef enum {
   TW_DIST_LAUNCH_NONE = 0,  /* plain process: a group of one */
@@ -72,7 +79,8 @@ tw_status_t tw_dist_identity_from_env(tw_dist_identity_t *id_p);
  *  (cuda) it forks N - 1 children that exec argv with RANK, WORLD_SIZE,
  *  LOCAL_RANK and TWAIN_RENDEZVOUS set (and die with their parent), and
  *  returns in the parent with *id_p = rank 0. NCCL_NVLS_ENABLE=0 is set
- *  unless already present. Errors: TW_ERR_INVALID_ARGUMENT (n < 1),
+ *  unless already present, and TWAIN_DIST_KEYS (a fresh link key set the
+ *  ranks inherit) unless already present. Errors: TW_ERR_INVALID_ARGUMENT (n < 1),
  *  TW_ERR_IO (exec/fork failed, with strerror). */
 tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist_identity_t *id_p,
                           int *supervised_rc_p);
@@ -88,7 +96,8 @@ typedef void (*tw_dist_lost_fn)(const char *why);
 /** Join the group: the collective (host: MPI; nccl: the unique id from rank
  *  0 over the control link, device `device`), the control link and the
  *  watchdog. A group of one makes a handle with a NULL collective link.
- *  Errors: TW_ERR_INVALID_ARGUMENT (identity and MPI disagree),
+ *  Errors: TW_ERR_INVALID_ARGUMENT (identity and MPI disagree; no link keys
+ *  for a group of more than one),
  *  TW_ERR_TRANSPORT (ZeroMQ), those of tw_coll_create_*, TW_ERR_UNAVAILABLE
  *  (a rank did not show up within 60 s), TW_ERR_NO_MEMORY. */
 tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind, int32_t device,

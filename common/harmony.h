@@ -22,6 +22,7 @@
 #include "common/status.h"
 #include "common/tokenizer.h"
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -97,6 +98,11 @@ typedef struct {
 
 void tw_harmony_conversation_init(tw_harmony_conversation_t *conv);
 void tw_harmony_conversation_fini(tw_harmony_conversation_t *conv);
+
+/** Whether `date` is a real calendar date YYYY-MM-DD (Gregorian, leap years
+ *  included), the only form the system message's "Current date:" line takes
+ *  (spec §4.5). An empty string is not a date. */
+bool tw_harmony_date_valid(const char *date);
 
 /** Set (copy) one of the conversation's string fields, e.g.
  *  tw_harmony_conversation_set(&c, &c.current_date, "2025-06-28"). `value` NULL

@@ -112,6 +112,16 @@ static tw_status_t tw_dup_utf8(const char *s, const char *what, const char **out
   return TW_OK;
 }
 
+bool tw_harmony_date_valid(const char *v) {
+  static const int mdays[12] = {31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+  if (!v || strlen(v) != 10 || v[4] != '-' || v[7] != '-') return false;
+  for (int k = 0; k < 10; k++)
+    if (k != 4 && k != 7 && (v[k] < '0' || v[k] > '9')) return false;
+  int y = atoi(v), m = atoi(v + 5), d = atoi(v + 8);
+  bool leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+  return m >= 1 && m <= 12 && d >= 1 && d <= mdays[m - 1] && (m != 2 || d < 29 || leap);
+}
+
 tw_status_t tw_harmony_conversation_set(tw_harmony_conversation_t *c, const char **field,
                                         const char *value) {
   const char *d;

@@ -8,6 +8,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <sys/resource.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -179,6 +180,21 @@ static enum MHD_Result tw_metrics_answer(void *cls, struct MHD_Connection *conn,
   return ret;
 }
 
+static void tw_raise_nofile_once(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max) return;
+  rlim_t was = rl.rlim_cur;
+  rl.rlim_cur = rl.rlim_max;
+  if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+    TW_DEBUG("metrics", "descriptor limit raised from %llu to %llu", (unsigned long long)was,
+             (unsigned long long)rl.rlim_max);
+}
+
+void tw_raise_nofile(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, tw_raise_nofile_once);
+}
+
 tw_status_t tw_metrics_listen_addr(const char *what, const char *maybe_addr, int port,
                                    struct sockaddr_storage *ss, bool *v6_p, const char **addr_p) {
   const char *addr = maybe_addr && *maybe_addr ? maybe_addr : "127.0.0.1";
@@ -218,10 +234,15 @@ tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_a
   snprintf(m->reason, sizeof m->reason, "ok");
   m->port = -1;
   if (port >= 0) {
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | (v6 ? MHD_USE_IPv6 : 0);
+    tw_raise_nofile();
+    /* epoll (MHD_USE_AUTO on Linux), not select(): no FD_SETSIZE ceiling, so
+     * health checks answer while thousands of idle connections are open;
+     * idle ones are closed after 10 s */
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_AUTO | (v6 ? MHD_USE_IPv6 : 0);
     const struct sockaddr *sock = (const struct sockaddr *)&ss;
     m->mhd = MHD_start_daemon(flags, (uint16_t)port, NULL, NULL, tw_metrics_answer, m,
                               MHD_OPTION_SOCK_ADDR, sock, MHD_OPTION_CONNECTION_TIMEOUT, 10u,
+                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)TW_METRICS_MAX_CONNECTIONS,
                               MHD_OPTION_END);
     if (!m->mhd) {
       pthread_mutex_destroy(&m->mu);

@@ -28,9 +28,18 @@ extern "C" {
 typedef struct tw_metrics tw_metrics_t;
 typedef struct tw_metric tw_metric_t;
 
+#define TW_METRICS_MAX_CONNECTIONS 16384 /* open HTTP connections; idle ones close after 10 s */
+
+/** Raise this process's soft RLIMIT_NOFILE to its hard limit (once; a
+ *  server holding thousands of connections needs more than the usual 1024
+ *  descriptors). tw_metrics_create calls it. */
+void tw_raise_nofile(void);
+
 /** Create the registry and, if port >= 0, start serving on maybe_addr:port
  *  (a numeric IPv4 or IPv6 address, "0.0.0.0" / "::" for all interfaces;
  *  NULL or "" = 127.0.0.1); port 0 picks a free one (see tw_metrics_port).
+ *  The server polls with epoll (no select() ceiling), holds up to
+ *  TW_METRICS_MAX_CONNECTIONS connections and closes idle ones after 10 s.
  *  Errors: TW_ERR_INVALID_ARGUMENT (address not numeric, port > 65535),
  *  TW_ERR_TRANSPORT (the HTTP server could not start on that address and
  *  port), TW_ERR_NO_MEMORY. */

@@ -101,6 +101,14 @@ struct tw_model {
  *  file and tensor. */
 tw_status_t tw_model_load(const char *dir, tw_model_t **model_p);
 
+/** Read every weight of a loaded model once and refuse a NaN or infinity
+ *  (bf16/f16/f32 exponent all ones; MXFP4 E8M0 scales 0xFF, OCP MX §5.4.1),
+ *  which would make every logit NaN. Separate from tw_model_load, which maps
+ *  the files without reading them: a worker calls it before it serves (its
+ *  engine reads the weights then anyway). Errors: TW_ERR_INVALID_ARGUMENT
+ *  naming the file, the tensor and the first bad element; TW_ERR_NO_MEMORY. */
+tw_status_t tw_model_check_finite(const tw_model_t *model);
+
 /** Synthetic weights with the real shapes and dtypes of `config` (MXFP4
  *  experts if config->mxfp4), seeded random values of realistic scale, for
  *  benchmarks where no checkpoint is present. Errors: TW_ERR_NO_MEMORY,

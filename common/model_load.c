@@ -4,6 +4,8 @@
  * shape against the config (spec §3.2, §3.5) and validates the index. */
 #include "common/model.h"
 
+#include "common/file_read.h"
+
 #include "common/log.h"
 #include "common/model_impl.h"
 #include "common/safetensors.h"
@@ -80,24 +82,7 @@ static int cmp_entry(const void *a, const void *b) {
 }
 
 static tw_status_t read_text(const char *path, char **text_p) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return tw_err(TW_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-  char *buf = malloc(TW_INDEX_MAX_BYTES + 1);
-  if (!buf) {
-    fclose(f);
-    return tw_err(TW_ERR_NO_MEMORY, "%s: out of memory", path);
-  }
-  size_t n = fread(buf, 1, TW_INDEX_MAX_BYTES + 1, f);
-  int bad = ferror(f);
-  fclose(f);
-  if (bad || n > TW_INDEX_MAX_BYTES) {
-    free(buf);
-    return bad ? tw_err(TW_ERR_IO, "%s: read failed", path)
-               : tw_err(TW_ERR_FORMAT, "%s: larger than %d bytes", path, TW_INDEX_MAX_BYTES);
-  }
-  buf[n] = '\0';
-  *text_p = buf;
-  return TW_OK;
+  return tw_file_read(path, TW_INDEX_MAX_BYTES, "checkpoint index", text_p, NULL);
 }
 
 /* Parse the index, open each shard it names once, and check that every
@@ -209,6 +194,39 @@ static const tw_safetensors_tensor_t *lookup(const tw_model_impl_t *impl, const 
   return tw_safetensors_find(impl->files[0], name);
 }
 
+/* A NaN or an infinity in a weight makes every logit NaN (greedy then picks
+ * token 0 forever): refuse the checkpoint, naming the tensor and the first
+ * bad element. bf16/f16/f32: exponent all ones; U8 "_scales" of MXFP4
+ * experts: E8M0 0xFF is NaN (OCP MX spec §5.4.1). The MXFP4 values
+ * themselves (E2M1) have no NaN or infinity. One pass over the bytes. */
+static tw_status_t check_finite(const char *file, const char *name, tw_dtype_t dtype,
+                                const uint8_t *p, int64_t n_bytes) {
+  int64_t bad = -1;
+  if (dtype == TW_DTYPE_BF16 || dtype == TW_DTYPE_F16) {
+    uint16_t mask = dtype == TW_DTYPE_BF16 ? 0x7F80 : 0x7C00;
+    for (int64_t i = 0; i + 2 <= n_bytes && bad < 0; i += 2) {
+      uint16_t v;
+      memcpy(&v, p + i, 2);
+      if ((v & mask) == mask) bad = i / 2;
+    }
+  } else if (dtype == TW_DTYPE_F32) {
+    for (int64_t i = 0; i + 4 <= n_bytes && bad < 0; i += 4) {
+      uint32_t v;
+      memcpy(&v, p + i, 4);
+      if ((v & 0x7F800000u) == 0x7F800000u) bad = i / 4;
+    }
+  } else if (dtype == TW_DTYPE_U8) {
+    size_t nl = strlen(name);
+    if (nl < 7 || strcmp(name + nl - 7, "_scales") != 0) return TW_OK;
+    const void *ff = memchr(p, 0xFF, (size_t)n_bytes);
+    if (ff) bad = (const uint8_t *)ff - p;
+  }
+  if (bad < 0) return TW_OK;
+  return tw_err(TW_ERR_INVALID_ARGUMENT,
+                "%s: tensor '%s' holds a NaN or infinity (element %lld): the checkpoint is corrupt",
+                file, name, (long long)bad);
+}
+
 static tw_status_t bind_tensor(tw_model_t *m, const tw_tensor_spec_t *sp) {
   tw_model_impl_t *impl = m->impl;
   const tw_safetensors_t *f = NULL;
@@ -302,6 +320,22 @@ static tw_status_t load_into(tw_model_t *m, const char *dir) {
     TW_WARN("loader", "%s: %lld tensors in the files are not used by the model", dir,
             (long long)(in_files - impl->n_tensors));
   return TW_OK;
+}
+
+tw_status_t tw_model_check_finite(const tw_model_t *m) {
+  const tw_model_impl_t *impl = m->impl;
+  const double t0 = now_s();
+  tw_model_specs_t specs;
+  TW_CHECK(tw_model_specs_build(&m->config, (tw_model_t *)m, &specs));
+  tw_status_t st = TW_OK;
+  for (int64_t i = 0; i < specs.n && st == TW_OK; i++) {
+    const tw_tensor_t *t = specs.specs[i].dst;
+    if (t->data) st = check_finite(impl->source, specs.specs[i].name, t->dtype, t->data, t->n_bytes);
+  }
+  tw_model_specs_fini(&specs);
+  if (st == TW_OK)
+    TW_INFO("loader", "weights checked: no NaN or infinity (%.3f s)", now_s() - t0);
+  return st;
 }
 
 tw_status_t tw_model_load(const char *dir, tw_model_t **model_p) {

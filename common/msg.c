@@ -1,8 +1,10 @@
 /* msg.c: ZeroMQ framing of protobuf messages (see msg.h). */
 #include "common/msg.h"
 
+#include "common/link_auth.h"
 #include "common/log.h"
 #include "proto/twain_api.pb-c.h"
+#include "common/tokenizer.h"
 
 #include <zmq.h>
 
@@ -136,6 +138,60 @@ tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to, const ProtobufCMes
   return tw_msg_send_to(sock, NULL, 0, false, msg);
 }
 
+static bool tw_pb_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
+  uint64_t x = 0;
+  for (int shift = 0; shift < 64 && *p < end; shift += 7) {
+    uint8_t b = *(*p)++;
+    x |= (uint64_t)(b & 0x7F) << shift;
+    if (!(b & 0x80)) {
+      *v = x;
+      return true;
+    }
+  }
+  return false;
+}
+
+static tw_status_t tw_pb_check(const ProtobufCMessageDescriptor *d, const uint8_t *p,
+                               const uint8_t *end, int depth, char *path, size_t path_len) {
+  if (depth > 32) return tw_err_quiet(TW_ERR_FORMAT, "message nested deeper than 32 levels");
+  while (p < end) {
+    uint64_t key, n;
+    if (!tw_pb_varint(&p, end, &key)) return TW_OK; /* unpack accepted it; nothing to add */
+    switch (key & 7) {
+      case 0: if (!tw_pb_varint(&p, end, &n)) return TW_OK; continue;
+      case 1: p += 8; continue;
+      case 5: p += 4; continue;
+      case 2: break;
+      default: return TW_OK;
+    }
+    if (!tw_pb_varint(&p, end, &n) || n > (uint64_t)(end - p)) return TW_OK;
+    const ProtobufCFieldDescriptor *f = protobuf_c_message_descriptor_get_field(d, (unsigned)(key >> 3));
+    size_t pl = strlen(path);
+    if (f && (f->type == PROTOBUF_C_TYPE_STRING || f->type == PROTOBUF_C_TYPE_MESSAGE))
+      snprintf(path + pl, path_len - pl, "%s%s", pl ? "." : "", f->name);
+    if (f && f->type == PROTOBUF_C_TYPE_STRING) {
+      const void *nul = memchr(p, 0, (size_t)n);
+      size_t bad = 0;
+      if (nul)
+        return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "%s contains a NUL byte at offset %zu", path,
+                            (size_t)((const uint8_t *)nul - p));
+      if (!tw_utf8_valid((const char *)p, (size_t)n, &bad))
+        return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "%s is not valid UTF-8 at offset %zu", path, bad);
+    } else if (f && f->type == PROTOBUF_C_TYPE_MESSAGE) {
+      TW_CHECK(tw_pb_check(f->descriptor, p, p + n, depth + 1, path, path_len));
+    }
+    path[pl] = '\0';
+    p += n;
+  }
+  return TW_OK;
+}
+
+tw_status_t tw_msg_check_strings(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
+                                 size_t len) {
+  char path[256] = "";
+  return tw_pb_check(desc, data, data + len, 0, path, sizeof path);
+}
+
 bool tw_msg_ratelimit(tw_msg_ratelimit_t *rl, uint64_t *suppressed_p) {
   int64_t now = tw_msg_clock_ns();
   if (now - rl->window_start_ns >= 1000000000LL) {
@@ -159,6 +215,12 @@ void tw_msg_limit_size(void *sock) {
 
 tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
                                char *maybe_bound, size_t bound_len, void **sock_p) {
+  return tw_msg_socket_open_auth(ctx, type, endpoint, bind, NULL, maybe_bound, bound_len, sock_p);
+}
+
+tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint, bool bind,
+                                    const tw_auth_keys_t *maybe_keys, char *maybe_bound, size_t bound_len,
+                                    void **sock_p) {
   void *s = zmq_socket(ctx, type);
   if (!s) return tw_err(TW_ERR_TRANSPORT, "zmq_socket failed: %s", zmq_strerror(errno));
   int zero = 0, one = 1, hwm = 100000;
@@ -167,6 +229,13 @@ tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool b
   zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
   if (type == ZMQ_ROUTER) zmq_setsockopt(s, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
   tw_msg_limit_size(s);
+  if (maybe_keys) {
+    tw_status_t as = bind ? tw_auth_server(s, maybe_keys) : tw_auth_client(s, maybe_keys);
+    if (as != TW_OK) {
+      zmq_close(s);
+      return as;
+    }
+  }
   char ep[256];
   snprintf(ep, sizeof ep, "%s", endpoint);
   size_t el = strlen(ep);

@@ -13,6 +13,7 @@
 #ifndef TW_COMMON_MSG_H
 #define TW_COMMON_MSG_H
 
+#include "common/link_auth.h"
 #include "common/status.h"
 
 #include <protobuf-c/protobuf-c.h>
@@ -61,6 +62,18 @@ tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to, const ProtobufCMes
 tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim,
                            const ProtobufCMessage *msg);
 
+/** Check every string field of a packed protobuf of type `desc` (nested
+ *  messages included, by their descriptors) as proto3 requires and as C
+ *  code needs: valid UTF-8 and no NUL byte (protobuf-c neither validates
+ *  UTF-8 nor reports a NUL, after which strlen() would silently drop the
+ *  rest). Call it on a message that unpacked. Returns TW_OK, or
+ *  TW_ERR_INVALID_ARGUMENT (quiet: the caller replies) with a message that
+ *  names the field ("messages.content contains a NUL byte at offset 5",
+ *  "... is not valid UTF-8 at offset 3"); TW_ERR_FORMAT for a message nested
+ *  deeper than 32 levels. */
+tw_status_t tw_msg_check_strings(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
+                                 size_t len);
+
 /** Set ZMQ_MAXMSGSIZE = TW_MSG_MAX_BYTES on `sock` (before its bind or
  *  connect): libzmq drops a larger frame as it arrives (and disconnects
  *  that peer) instead of buffering it whole. tw_msg_socket_open() does
@@ -105,6 +118,14 @@ tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool b
  *  peers UNAVAILABLE (TRANSPORT too: the router retries both); everything
  *  else (i/o, device, internal) INTERNAL. TW_OK and TW_INPROGRESS are OK. */
 int tw_status_wire_code(tw_status_t st);
+
+/** Same, with link security: `maybe_keys` non-NULL makes a bound socket a
+ *  CURVE server and a connected one a CURVE client of that key set
+ *  (common/link_auth.h; a ZAP handler must run on `ctx` for a server).
+ *  Errors: those of tw_msg_socket_open and tw_auth_server/tw_auth_client. */
+tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint, bool bind,
+                                    const tw_auth_keys_t *maybe_keys, char *maybe_bound, size_t bound_len,
+                                    void **sock_p);
 
 #ifdef __cplusplus
 }

@@ -37,9 +37,14 @@ void tw_worker_signals_install(void) {
 
 /* immediate: queue nothing while the connection is down (sends fail), so the
  * heartbeat thread notices a router that is gone. */
-static void *tw_dealer_open(void *ctx, const char *endpoint, const char *id, int immediate) {
+static void *tw_dealer_open(void *ctx, const char *endpoint, const char *id, int immediate,
+                            const tw_auth_keys_t *keys) {
   void *s = zmq_socket(ctx, ZMQ_DEALER);
   if (!s) return NULL;
+  if (tw_auth_client(s, keys) != TW_OK) {
+    zmq_close(s);
+    return NULL;
+  }
   int zero = 0, hwm = 100000;
   zmq_setsockopt(s, ZMQ_IMMEDIATE, &immediate, sizeof immediate);
   zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
@@ -60,7 +65,7 @@ static void *tw_worker_hb_main(void *arg) {
   tw_worker_link_t *link = arg;
   char id[80];
   snprintf(id, sizeof id, "%s/hb", link->name);
-  void *s = tw_dealer_open(link->zctx, link->endpoint, id, 1);
+  void *s = tw_dealer_open(link->zctx, link->endpoint, id, 1, &link->keys);
   if (!s) {
     TW_ERROR("worker", "heartbeat socket to %s failed: %s", link->endpoint, zmq_strerror(errno));
     return NULL;
@@ -117,13 +122,23 @@ static void *tw_worker_hb_main(void *arg) {
 tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint, const char *name,
                                 Twain__Internal__V1__Pool pool) {
   memset(link, 0, sizeof *link);
+  TW_CHECK(tw_auth_keys_from_env("worker link to the router", &link->keys));
   link->zctx = zmq_ctx_new();
   if (!link->zctx) return tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(errno));
   snprintf(link->name, sizeof link->name, "%s", name);
   snprintf(link->endpoint, sizeof link->endpoint, "%s", endpoint);
-  link->sock = tw_dealer_open(link->zctx, endpoint, name, 0);
+  tw_status_t gs = tw_auth_guard_start(link->zctx, &link->keys, "worker link", false, &link->guard);
+  if (gs != TW_OK) {
+    zmq_ctx_term(link->zctx);
+    link->zctx = NULL;
+    return gs;
+  }
+  link->sock = tw_dealer_open(link->zctx, endpoint, name, 0, &link->keys);
+  if (link->sock) tw_auth_guard_watch(link->guard, link->sock, "router link");
   if (!link->sock) {
     int e = errno;
+    tw_auth_guard_stop(link->guard);
+    link->guard = NULL;
     zmq_ctx_term(link->zctx);
     link->zctx = NULL;
     return tw_err(TW_ERR_TRANSPORT, "cannot connect to the router at %s: %s", endpoint,
@@ -135,6 +150,8 @@ tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint, co
   pthread_mutex_init(&link->mu, NULL);
   if (pthread_create(&link->hb_thread, NULL, tw_worker_hb_main, link) != 0) {
     zmq_close(link->sock);
+    tw_auth_guard_stop(link->guard);
+    link->guard = NULL;
     zmq_ctx_term(link->zctx);
     link->sock = link->zctx = NULL;
     return tw_err(TW_ERR_INTERNAL, "cannot start the heartbeat thread");
@@ -151,6 +168,9 @@ void tw_worker_link_close(tw_worker_link_t *link) {
     link->hb_started = false;
   }
   if (link->sock) zmq_close(link->sock);
+  tw_auth_guard_stop(link->guard);
+  link->guard = NULL;
+  memset(&link->keys, 0, sizeof link->keys);
   if (link->zctx) zmq_ctx_term(link->zctx);
   link->sock = link->zctx = NULL;
 }
@@ -171,6 +191,7 @@ tw_status_t tw_worker_link_tick(tw_worker_link_t *link, const Twain__Internal__V
   }
   if (atomic_exchange(&link->need_register, 0)) {
     TW_WARN("worker", "router does not know %s: registering again", link->name);
+    atomic_fetch_add(&link->epoch, 1);
     link->registered = false;
     atomic_store(&link->registered_a, 0);
     link->last_register_ns = 0;
@@ -189,6 +210,8 @@ tw_status_t tw_worker_link_tick(tw_worker_link_t *link, const Twain__Internal__V
   r.kv_block_size = link->kv_block_size;
   r.n_layers = link->n_layers;
   r.vocab_size = link->vocab_size;
+  r.kv_addresses = link->kv_addresses;
+  r.n_kv_addresses = link->n_kv_addresses;
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REGISTER;
   env.register_ = &r;

@@ -59,6 +59,8 @@ typedef struct {
   int32_t ranks;
   int32_t kv_block_size, n_layers, vocab_size;
   char backend[16];
+  ProtobufCBinaryData *kv_addresses; /* decode: each rank's UCX address (borrowed), sent in Register */
+  size_t n_kv_addresses;
   bool registered;  /* RegisterAck seen */
   int64_t last_register_ns;
   /* heartbeat thread: its own socket; reads cap/draining under mu */
@@ -69,13 +71,19 @@ typedef struct {
   bool draining;
   atomic_int hb_stop, registered_a, need_register;
   atomic_int router_lost;     /* the heartbeat cannot reach the router (logged once) */
+  atomic_uint epoch;          /* +1 each time the router forgot us (we register again):
+                               * the work it gave us before is void */
   tw_msg_ratelimit_t warn_rl; /* malformed-message warnings (main thread) */
   int64_t lost_since_ns;      /* heartbeat thread: router unreachable since (0: reachable) */
+  tw_auth_keys_t keys;        /* CURVE client keys of both sockets (common/link_auth.h) */
+  tw_auth_guard_t *guard;     /* logs a router that refuses our key */
 } tw_worker_link_t;
 
 /** Connect to the router (endpoint e.g. "tcp://127.0.0.1:7401") with the
  *  routing id `name` and start the heartbeat thread (routing id
- *  "<name>/hb"). Errors: TW_ERR_TRANSPORT, TW_ERR_INTERNAL (thread). */
+ *  "<name>/hb"). Both sockets are CURVE clients with the link keys of the
+ *  environment (tw_auth_keys_from_env). Errors: TW_ERR_INVALID_ARGUMENT (no
+ *  or bad link keys), TW_ERR_TRANSPORT, TW_ERR_INTERNAL (thread). */
 tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint, const char *name,
                                 Twain__Internal__V1__Pool pool);
 void tw_worker_link_close(tw_worker_link_t *link);

@@ -313,7 +313,7 @@ tw_status_t tw_safetensors_open(const char *path, tw_safetensors_t **file_p) {
   if (!path || !file_p) return tw_err(TW_ERR_INVALID_ARGUMENT, "safetensors: NULL argument");
   int fd;
   do {
-    fd = open(path, O_RDONLY | O_CLOEXEC);
+    fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC); /* a FIFO: refused below, not waited on */
   } while (fd < 0 && errno == EINTR);
   if (fd < 0)
     return tw_err(errno == ENOENT ? TW_ERR_NOT_FOUND : TW_ERR_IO, "%s: cannot open: %s", path,

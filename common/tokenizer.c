@@ -3,6 +3,8 @@
  * Encoding lives in tokenizer_encode.c. */
 #include "common/tokenizer.h"
 
+#include "common/file_read.h"
+
 #include "common/log.h"
 #include "common/tokenizer_impl.h"
 
@@ -395,31 +397,9 @@ tw_status_t tw_tokenizer_load_json(const char *json, size_t len, tw_tokenizer_t 
 }
 
 tw_status_t tw_tokenizer_load(const char *path, tw_tokenizer_t **tok_p) {
-  FILE *f = fopen(path, "rb");
-  if (!f) return tw_err(TW_ERR_IO, "cannot open tokenizer %s: %s", path, strerror(errno));
   char *buf = NULL;
-  size_t len = 0, cap = 0;
-  for (;;) {
-    if (cap - len < 65536) {
-      cap = cap ? cap * 2 : 1 << 20;
-      char *nb = realloc(buf, cap);
-      if (!nb) {
-        free(buf);
-        fclose(f);
-        return tw_err(TW_ERR_NO_MEMORY, "cannot read tokenizer %s: out of memory", path);
-      }
-      buf = nb;
-    }
-    size_t got = fread(buf + len, 1, cap - len, f);
-    len += got;
-    if (got == 0) break;
-  }
-  int bad = ferror(f);
-  fclose(f);
-  if (bad) {
-    free(buf);
-    return tw_err(TW_ERR_IO, "cannot read tokenizer %s: read error", path);
-  }
+  size_t len = 0;
+  TW_CHECK(tw_file_read(path, TW_TOKENIZER_MAX_FILE_BYTES, "tokenizer", &buf, &len));
   tw_status_t st = tw_tokenizer_load_json(buf, len, tok_p);
   free(buf);
   if (st == TW_OK) TW_DEBUG("tok", "loaded %s: %d ids", path, (*tok_p)->n_ids);

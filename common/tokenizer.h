@@ -82,8 +82,13 @@ tw_status_t tw_tok_buf_append(tw_tok_buf_t *b, const void *data, size_t len);
 
 /* ---- loading ----------------------------------------------------------- */
 
-/** Load a tokenizer.json file. Errors: TW_ERR_IO (cannot read), TW_ERR_FORMAT
- *  (not JSON, not model.type BPE, a vocab key that is not byte-level, a merge
+#define TW_TOKENIZER_MAX_FILE_BYTES ((size_t)256 << 20) /* o200k's tokenizer.json: 27 MiB */
+
+/** Load a tokenizer.json file: a regular file of at most
+ *  TW_TOKENIZER_MAX_FILE_BYTES. Errors: TW_ERR_IO (cannot open or read),
+ *  TW_ERR_INVALID_ARGUMENT (a FIFO, a device,
+ *  a directory: refused without reading), TW_ERR_FORMAT (too large,
+ *  not JSON, not model.type BPE, a vocab key that is not byte-level, a merge
  *  whose parts or result are missing, a byte without a token, a pre-tokenizer
  *  without a Split regex), TW_ERR_UNSUPPORTED (a regex PCRE2 cannot compile),
  *  TW_ERR_NO_MEMORY. On success *tok_p owns everything (tw_tokenizer_destroy). */
@@ -123,7 +128,9 @@ void tw_tok_encoder_destroy(tw_tok_encoder_t *enc);
 
 /** Encode `len` bytes of UTF-8 `text`, appending the ids to `out`.
  *  flags: TW_TOK_ALLOW_SPECIAL or 0. Errors: TW_ERR_INVALID_ARGUMENT (text is
- *  not valid UTF-8: the message gives the byte offset; nothing is appended),
+ *  not valid UTF-8: the message gives the byte offset; nothing is appended;
+ *  or a run the PCRE2 pre-tokenizer cannot split within its match limits,
+ *  e.g. megabytes of whitespace),
  *  TW_ERR_NO_MEMORY, TW_ERR_INTERNAL (a PCRE2 match failure). On error `out`
  *  is left as it was. */
 tw_status_t tw_tok_encoder_encode(tw_tok_encoder_t *enc, const char *text, size_t len,

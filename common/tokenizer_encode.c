@@ -361,6 +361,14 @@ static tw_status_t tw_tok_ordinary(struct tw_tok_encoder *e, const char *text, s
     if (rc < 0) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(rc, msg, sizeof msg);
+      /* the input, not the tokenizer: e.g. megabytes of one whitespace run
+       * exceed the matcher's limits; the caller can shorten it */
+      if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT ||
+          rc == PCRE2_ERROR_HEAPLIMIT || rc == PCRE2_ERROR_JIT_STACKLIMIT)
+        return tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
+                            "text cannot be tokenized at byte %zu (%s): a run of %zu bytes the "
+                            "pre-tokenizer cannot split within its limits; shorten it",
+                            pos, (const char *)msg, len - pos);
       return tw_err(TW_ERR_INTERNAL, "tokenizer regex failed at byte %zu: %s", pos,
                     (const char *)msg);
     }

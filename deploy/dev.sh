@@ -15,7 +15,7 @@ build=${TWAIN_BUILD_DIR:-build}
 PKGS="build-essential cmake pkg-config git libzmq3-dev libprotobuf-c-dev protobuf-c-compiler
       libucx-dev ucx-utils libpcre2-dev libcjson-dev libmicrohttpd-dev libcmocka-dev
       python3 python3-zmq python3-protobuf libopenmpi-dev openmpi-bin curl
-      shellcheck patchelf slurm-wlm munge"
+      shellcheck patchelf slurm-wlm munge clang libclang-rt-14-dev"
 
 install_deps() { # [extra packages...]
   local missing=()

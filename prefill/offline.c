@@ -117,6 +117,7 @@ tw_status_t tw_offline_run(const tw_offline_opts_t *o, FILE *out) {
   tw_status_t st;
   TW_CHECK(tw_offline_read_tokens(o->prompt_tokens_path, &ids, &n_ids));
   TW_CHECK_GOTO(tw_model_load(o->model_dir, &model), st, out);
+  TW_CHECK_GOTO(tw_model_check_finite(model), st, out);
   const tw_model_config_t *c = &model->config;
   int64_t total = (int64_t)n_ids + o->generate;
   if (total > c->max_position_embeddings) {

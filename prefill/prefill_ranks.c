@@ -115,8 +115,8 @@ static tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
     const Twain__Internal__V1__KvLayout *kl = h->n_ranks ? h->ranks[d]->layout : h->layout;
     const ProtobufCBinaryData *addr = h->n_ranks ? &h->ranks[d]->ucx_address : &h->ucx_address;
     const ProtobufCBinaryData *rkey = h->n_ranks ? &h->ranks[d]->rkey : &h->rkey;
-    if (!kl) {
-      st = tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff rank %zu has no layout", d);
+    if (!kl || !addr->len || !rkey->len) {
+      st = tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff rank %zu has no layout, UCX address or rkey", d);
       break;
     }
     int32_t a0, a1;

@@ -401,6 +401,7 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
                     w->o.batch_seqs);
   }
   TW_CHECK(tw_model_load(w->o.model_dir, &w->model));
+  TW_CHECK(tw_model_check_finite(w->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
   tw_backend_kind_t be = w->o.backend;
   if (be == TW_BACKEND_AUTO) be = tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;

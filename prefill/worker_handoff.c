@@ -76,6 +76,8 @@ static tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
                                   .layer_stride_bytes = hl->layer_stride_bytes,
                                   .block_bytes = hl->block_bytes, .remote_base = hl->remote_base,
                                   .total_bytes = hl->total_bytes};
+  if (!h->ucx_address.len || !h->rkey.len) /* never hand UCX an empty address */
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff has no UCX address or rkey");
   TW_CHECK(tw_kv_xfer_peer(s->ctx->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
                            h->rkey.len, &s->peer));
   for (int32_t l = 0; l < c->n_layers; l++) {

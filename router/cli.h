@@ -6,6 +6,7 @@
  *   twain generate [--endpoint EP] [--max-tokens N] [--stop-ids A,B] [--json] ID...
  *   twain bench    [--endpoint EP] [--num-requests N] [--concurrency C] [--json FILE] ...
  *   twain router   (the router daemon alone, as twain-router)
+ *   twain keygen   FILE|-  (link keys for the router and workers)
  * Each declares its options as a common/opts.h table (--help lists them).
  * Each returns the process exit code (0 ok, 1 failed, 2 bad usage; chat: 3 when
  * max_tokens cut the answer before the final channel). */
@@ -18,6 +19,8 @@ int tw_cli_generate(int argc, char **argv);
 /** `twain bench`: the serving benchmark (router/cli_bench.c, docs/benchmarks.md). */
 int tw_cli_bench(int argc, char **argv);
 int tw_cli_router(int argc, char **argv);
+/** `twain keygen FILE|-`: a new link key set (common/link_auth.h). */
+int tw_cli_keygen(int argc, char **argv);
 /** `twain write-checkpoint`: a random checkpoint of gpt-oss shapes (router/cli_ckpt.c). */
 int tw_cli_write_checkpoint(int argc, char **argv);
 

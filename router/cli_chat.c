@@ -3,6 +3,8 @@
  * the one with done = true (bounded by --timeout-ms). */
 #include "router/cli.h"
 
+#include "common/harmony.h"
+
 #include "common/log.h"
 #include "common/msg.h"
 #include "common/opts.h"
@@ -258,16 +260,7 @@ static void tw_chat_on_reply(void *user, const Twain__V1__ServerReply *rep) {
 /* --date: YYYY-MM-DD with a real month and day (or empty: no date line).
  * 0 ok, -1 not. */
 static int tw_date_check(const char *v) {
-  static const int mdays[12] = {31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
-  bool shape = strlen(v) == 10 && v[4] == '-' && v[7] == '-';
-  for (int k = 0; shape && k < 10; k++)
-    if (k != 4 && k != 7 && !isdigit((unsigned char)v[k])) shape = false;
-  if (!v[0]) return 0;
-  if (shape) {
-    int y = atoi(v), m = atoi(v + 5), d = atoi(v + 8);
-    bool leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
-    if (m >= 1 && m <= 12 && d >= 1 && d <= mdays[m - 1] && (m != 2 || d < 29 || leap)) return 0;
-  }
+  if (!v[0] || tw_harmony_date_valid(v)) return 0;
   return -1;
 }
 

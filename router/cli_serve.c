@@ -25,6 +25,7 @@
 #include "common/config.h"
 #include "common/engine.h"
 #include "common/engine_impl.h" /* tw_cuda_available */
+#include "common/link_auth.h"
 #include "common/log.h"
 #include "common/mem_plan.h"
 #include "common/msg_worker.h"
@@ -169,6 +170,25 @@ static int tw_find_program(const char *dir, const char *name, char *out, size_t 
   }
   snprintf(out, len, "%s/%s/%s", TW_BUILD_DIR, dir, name);
   return access(out, X_OK) == 0 ? 0 : -1;
+}
+
+/* The link keys of this serve's router and workers: the operator's
+ * (TWAIN_KEYS / TWAIN_KEYS_FILE), an explicit TWAIN_INSECURE_PLAINTEXT=1, or
+ * a fresh set in TWAIN_KEYS that only the processes started here inherit. */
+static int tw_serve_link_keys(void) {
+  const char *k = getenv(TW_AUTH_KEYS_ENV), *f = getenv(TW_AUTH_KEYS_FILE_ENV);
+  const char *p = getenv(TW_AUTH_PLAINTEXT_ENV);
+  if ((k && *k) || (f && *f) || (p && !strcmp(p, "1"))) return 0;
+  tw_auth_keys_t keys;
+  tw_status_t st = tw_auth_keys_generate(&keys);
+  if (st == TW_OK) st = tw_auth_keys_export(&keys, TW_AUTH_KEYS_ENV);
+  memset(&keys, 0, sizeof keys);
+  if (st != TW_OK) {
+    fprintf(stderr, "twain serve: %s\n", tw_last_error());
+    return -1;
+  }
+  TW_INFO("serve", "internal links: CURVE with a key set made for this run");
+  return 0;
 }
 
 static pid_t tw_spawn(char *const argv[]) {
@@ -377,6 +397,7 @@ int tw_cli_serve(int argc, char **argv) {
   }
   s.rp.expect_prefill = n_prefill;
   s.rp.expect_decode = n_decode;
+  if (tw_serve_link_keys() != 0) return 1;
   pthread_mutex_init(&s.mu, NULL);
   pthread_cond_init(&s.cv, NULL);
   /* signals: only this thread takes them */

@@ -4,6 +4,7 @@
 #include "router/router_impl.h"
 
 #include "common/log.h"
+#include "common/tokenizer.h"
 #include "router/http_api.h"
 #include "common/model_path.h"
 
@@ -30,6 +31,33 @@ static void tw_req_free(tw_req_t *q) {
   free(q);
 }
 
+/* Error messages go out in a proto3 string, which must be UTF-8: whatever
+ * they quote (a client's role or tool name, a worker's text) that is not
+ * becomes "\xNN" escapes. Writes at most cap - 1 bytes to out, on a UTF-8
+ * boundary. */
+static void tw_utf8_escape(const char *in, char *out, size_t cap) {
+  size_t len = strlen(in), o = 0, i = 0;
+  while (i < len) {
+    size_t bad = len - i;
+    size_t n = tw_utf8_valid(in + i, len - i, &bad) ? len - i : bad; /* the valid run */
+    if (n > cap - 1 - o) { /* full: cut on a character boundary */
+      n = cap - 1 - o;
+      while (n && ((unsigned char)in[i + n] & 0xC0) == 0x80) n--;
+      memcpy(out + o, in + i, n);
+      o += n;
+      break;
+    }
+    memcpy(out + o, in + i, n);
+    o += n;
+    i += n;
+    if (i == len || o + 4 > cap - 1) break;
+    snprintf(out + o, 5, "\\x%02X", (unsigned char)in[i]);
+    o += 4;
+    i++;
+  }
+  out[o] = '\0';
+}
+
 /* Send a reply to a ZeroMQ client or an HTTP connection (http_api.h). */
 static tw_status_t tw_router_send_client(tw_router_t *r, const uint8_t *id, size_t id_len,
                                          bool delim, Twain__V1__ServerReply *rep) {
@@ -52,11 +80,13 @@ static void tw_reply_raw(tw_router_t *r, const tw_msg_t *from, uint64_t rid, int
                          const char *msg) {
   Twain__V1__ServerReply rep = TWAIN__V1__SERVER_REPLY__INIT;
   Twain__V1__Error e = TWAIN__V1__ERROR__INIT;
+  char safe[1024];
   rep.request_id = rid;
   rep.done = true;
   if (code) {
+    tw_utf8_escape(msg ? msg : "", safe, sizeof safe);
     e.code = code;
-    e.message = (char *)msg;
+    e.message = safe;
     rep.error = &e;
     rep.finish_reason = TWAIN__V1__FINISH_REASON__FINISH_ERROR;
     tw_metric_add(r->m.errors, 1);
@@ -137,11 +167,12 @@ static void tw_router_finished(tw_router_t *r, const tw_req_t *q, int64_t now, i
 
 void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...) {
   if (q->done) return;
-  char msg[512];
+  char raw[512], msg[1024];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
+  vsnprintf(raw, sizeof raw, fmt, ap);
   va_end(ap);
+  tw_utf8_escape(raw, msg, sizeof msg);
   TW_INFO("router", "request %llu failed: %s", (unsigned long long)q->id, msg);
   tw_router_cancel_workers(r, q);
   Twain__V1__ServerReply rep = TWAIN__V1__SERVER_REPLY__INIT;
@@ -257,6 +288,12 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     return;
   }
   if (tw_sampling_check(s, msg, sizeof msg) != TW_OK) {
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return;
+  }
+  if (s && s->n_stop_token_ids > TW_RMAX_USER_STOP) {
+    snprintf(msg, sizeof msg, "stop_token_ids: at most %d ids, got %zu", TW_RMAX_USER_STOP,
+             s->n_stop_token_ids);
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return;
   }
@@ -379,7 +416,7 @@ static void tw_router_on_cancel(tw_router_t *r, const tw_msg_t *from, const Twai
   tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__NOT_FOUND, msg);
 }
 
-static void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m) {
+void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m) {
   Twain__V1__ClientRequest *cr = twain__v1__client_request__unpack(NULL, m->len, m->data);
   if (!cr) {
     static tw_msg_ratelimit_t rl; /* a bad client must not flood the log */
@@ -390,6 +427,11 @@ static void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m) {
     }
     tw_reply_raw(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
                  "malformed request: not a twain.v1.ClientRequest protobuf");
+    return;
+  }
+  if (tw_msg_check_strings(&twain__v1__client_request__descriptor, m->data, m->len) != TW_OK) {
+    tw_reply_raw(r, m, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, tw_last_error());
+    twain__v1__client_request__free_unpacked(cr, NULL);
     return;
   }
   if (!tw_router_key_ok(r, cr->api_key))
@@ -413,7 +455,7 @@ void tw_router_dispatch(tw_router_t *r, const tw_msg_t *m, Twain__V1__ClientRequ
 }
 
 /* Deadlines, then drop finished requests (the only place requests are freed). */
-static void tw_router_sweep(tw_router_t *r, int64_t now) {
+void tw_router_sweep(tw_router_t *r, int64_t now) {
   int32_t running = 0, queued = 0;
   for (int32_t i = 0; i < r->n_reqs; i++) {
     tw_req_t *q = r->reqs[i];
@@ -437,7 +479,7 @@ static void tw_router_sweep(tw_router_t *r, int64_t now) {
   tw_metric_set(r->m.waiting_v, queued);
 }
 
-static tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
+tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   memset(r, 0, sizeof *r);
   r->p = p;
   r->next_worker_serial = 1;
@@ -452,8 +494,12 @@ static tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   r->zctx = zmq_ctx_new();
   if (!r->zctx) return tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(errno));
   char cep[256], wep[256];
+  TW_CHECK(tw_auth_keys_from_env("router worker socket", &r->keys));
+  TW_CHECK(tw_auth_guard_start(r->zctx, &r->keys, "router worker socket", true, &r->guard));
   TW_CHECK(tw_msg_socket_open(r->zctx, ZMQ_ROUTER, p->client_endpoint, true, cep, sizeof cep, &r->csock));
-  TW_CHECK(tw_msg_socket_open(r->zctx, ZMQ_ROUTER, p->worker_endpoint, true, wep, sizeof wep, &r->wsock));
+  TW_CHECK(tw_msg_socket_open_auth(r->zctx, ZMQ_ROUTER, p->worker_endpoint, true, &r->keys, wep,
+                                   sizeof wep, &r->wsock));
+  TW_CHECK(tw_auth_guard_watch(r->guard, r->wsock, "worker socket"));
   TW_CHECK(tw_metrics_create("router", p->metrics_port, p->metrics_addr, &r->metrics));
   tw_metrics_t *M = r->metrics;
   r->m.requests = tw_metrics_counter(M, "router_requests_total", "requests accepted");
@@ -468,6 +514,7 @@ static tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   r->m.decode_workers = tw_metrics_gauge(M, "router_decode_workers", "registered decode workers");
   r->m.tokens = tw_metrics_counter(M, "router_tokens_streamed_total", "tokens sent to clients");
   r->m.expired = tw_metrics_counter(M, "router_workers_expired_total", "workers that stopped heartbeating");
+  r->empty_since_ns[0] = r->empty_since_ns[1] = tw_msg_clock_ns(); /* no worker yet */
   r->m.harmony_unexpected = tw_metrics_counter(M, "router_harmony_unexpected_total",
                                                "model output the Harmony parser did not expect");
   /* vLLM's names (vllm:X is twain_X) with a model_name label: dashboards made
@@ -504,20 +551,24 @@ static tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   }
   TW_CHECK(tw_http_start(r, &r->http));
   tw_router_update_health(r); /* not ready until both pools have a worker */
-  TW_INFO("router", "listening: clients %s, workers %s, metrics port %d", cep, wep,
+  TW_INFO("router", "listening: clients %s, workers %s (%s), metrics port %d", cep, wep,
+          r->keys.plaintext ? "PLAINTEXT, unauthenticated" : "CURVE, authenticated",
           tw_metrics_port(r->metrics));
   if (p->on_bound) p->on_bound(p->on_bound_arg, cep, wep);
   return TW_OK;
 }
 
-static void tw_router_fini(tw_router_t *r) {
+void tw_router_fini(tw_router_t *r) {
   tw_http_stop(r->http); /* first: its connections may still name requests */
   r->http = NULL;
   for (int32_t i = 0; i < r->n_reqs; i++) tw_req_free(r->reqs[i]);
   free(r->reqs);
+  for (int32_t i = 0; i < r->n_workers; i++) tw_rworker_free_addrs(&r->workers[i]);
   free(r->workers);
   if (r->csock) zmq_close(r->csock);
   if (r->wsock) zmq_close(r->wsock);
+  tw_auth_guard_stop(r->guard);
+  memset(&r->keys, 0, sizeof r->keys);
   if (r->zctx) zmq_ctx_term(r->zctx);
   tw_metrics_destroy(r->metrics);
   tw_rchat_fini(r);

@@ -264,7 +264,9 @@ tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatReq
   tw_harmony_conversation_t conv;
   tw_harmony_conversation_init(&conv);
   tw_status_t st = TW_OK;
-  if (tw_nz(cr->date)) st = tw_harmony_conversation_set(&conv, &conv.current_date, cr->date);
+  if (tw_nz(cr->date) && !tw_harmony_date_valid(cr->date)) /* it goes into the system message */
+    st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: date must be a date YYYY-MM-DD (or empty)");
+  else if (tw_nz(cr->date)) st = tw_harmony_conversation_set(&conv, &conv.current_date, cr->date);
   switch (cr->reasoning) {
     case TWAIN__V1__REASONING_EFFORT__REASONING_LOW: conv.reasoning_effort = TW_HARMONY_EFFORT_LOW; break;
     case TWAIN__V1__REASONING_EFFORT__REASONING_HIGH: conv.reasoning_effort = TW_HARMONY_EFFORT_HIGH; break;

@@ -16,7 +16,15 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define TW_RMAX_STOP 16
+/* A pool whose last worker expired (stalled past its expiry, restarting)
+ * may come back: requests that wait for it, new or retried, get UNAVAILABLE
+ * only after this long; until then they wait (or reach their deadline) and
+ * run when a worker registers. A pool that is empty otherwise (none ever
+ * registered, the last one drained): TW_ROUTER_POOL_EMPTY_MS. */
+#define TW_ROUTER_POOL_GRACE_MS 5000
+#define TW_ROUTER_POOL_EMPTY_MS 2000
+#define TW_RMAX_USER_STOP 16 /* stop_token_ids a request may give; more: INVALID_ARGUMENT */
+#define TW_RMAX_STOP (TW_RMAX_USER_STOP + 2) /* + chat's <|return|> and <|call|> */
 
 typedef enum {
   TW_REQ_QUEUED = 0,    /* waiting for a decode worker with room */
@@ -47,6 +55,8 @@ typedef struct {
   double batch_ms, batch_xfer_ms; /* prefill: the last batch's engine and longest put time */
   int64_t batch_tokens;     /* prefill: its prompt tokens so far */
   int64_t requests;         /* handed to it, for tests and logs */
+  ProtobufCBinaryData *kv_addrs; /* decode: the UCX addresses it registered (owned) */
+  int32_t n_kv_addrs;
 } tw_rworker_t;
 
 typedef struct {
@@ -80,6 +90,8 @@ typedef struct {
   const tw_router_params_t *p;
   tw_model_config_t config;
   void *zctx, *csock, *wsock;
+  tw_auth_keys_t keys;     /* the worker socket's CURVE keys (common/link_auth.h) */
+  tw_auth_guard_t *guard;  /* its ZAP handler: only holders of the client key register */
   tw_metrics_t *metrics;
   tw_rworker_t *workers;
   int32_t n_workers, cap_workers;
@@ -89,6 +101,8 @@ typedef struct {
   int32_t max_prompt;
   int32_t max_tokens_limit;    /* --max-tokens-limit, 0: the model's context minus 1 */
   bool draining, ready_sent;
+  int64_t empty_since_ns[2];   /* prefill, decode: when the pool last became empty (0: it has workers) */
+  bool empty_by_expiry[2];     /* ... because its last worker stopped heartbeating (a stall?) */
   void *chat_ctx;              /* tokenizer + Harmony encoder (router_chat.c) */
   tw_http_t *http;             /* NULL: no HTTP API */
   struct {
@@ -103,6 +117,16 @@ typedef struct {
 } tw_router_t;
 
 /* ---- router.c ---- */
+/** Bind the sockets, load config and tokenizer, start the metrics server
+ *  (tw_router_run's set-up; also the fuzz harnesses'). Call tw_router_fini
+ *  whatever it returns. Errors: those of tw_config_load, tw_rchat_init,
+ *  tw_auth_keys_from_env, tw_msg_socket_open_auth, tw_metrics_create. */
+tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p);
+void tw_router_fini(tw_router_t *r);
+/** Handle one message from a client (validate, enqueue or answer). */
+void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m);
+/** Deadlines, gauges, and freeing finished requests. */
+void tw_router_sweep(tw_router_t *r, int64_t now_ns);
 /** Reply to a request's client. On a vanished client, cancels the request. */
 void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep);
 /** Finish a request with an error code/message (v1 Code): reply, cancel its
@@ -125,6 +149,8 @@ tw_req_t *tw_router_find_req(tw_router_t *r, uint64_t id);
 void tw_router_cancel_workers(tw_router_t *r, tw_req_t *q);
 
 /* ---- router_workers.c ---- */
+/** Free the UCX addresses a worker registered (NULL-safe fields). */
+void tw_rworker_free_addrs(tw_rworker_t *w);
 tw_rworker_t *tw_router_worker(tw_router_t *r, uint64_t serial);
 /** Handle one message on the worker socket. */
 void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m);

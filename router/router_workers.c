@@ -42,9 +42,20 @@ static tw_rworker_t *tw_worker_by_id(tw_router_t *r, const uint8_t *id, size_t l
   return NULL;
 }
 
-static tw_rworker_t *tw_worker_by_name(tw_router_t *r, const char *name) {
-  for (int32_t i = 0; i < r->n_workers; i++)
-    if (strcmp(r->workers[i].name, name) == 0) return &r->workers[i];
+/* The worker a heartbeat for `name` speaks for: one of that name whose
+ * registration came from the sender itself or whose heartbeat socket the
+ * sender is (routing id "<id>/hb", msg_worker.c). The routing id is bound to
+ * the authenticated connection (CURVE), so another peer cannot speak for a
+ * worker by naming it; it gets the same NOT_FOUND as for a name nobody has. */
+static tw_rworker_t *tw_worker_of_heartbeat(tw_router_t *r, const tw_msg_t *m, const char *name) {
+  for (int32_t i = 0; i < r->n_workers; i++) {
+    tw_rworker_t *w = &r->workers[i];
+    if (strcmp(w->name, name) != 0) continue;
+    if (m->id_len == w->id_len && memcmp(m->id, w->id, w->id_len) == 0) return w;
+    if (m->id_len == w->id_len + 3 && memcmp(m->id, w->id, w->id_len) == 0 &&
+        memcmp(m->id + w->id_len, "/hb", 3) == 0)
+      return w;
+  }
   return NULL;
 }
 
@@ -78,6 +89,12 @@ static void tw_reject_to(tw_router_t *r, const tw_msg_t *m, uint64_t rid, int co
 static void tw_update_gauges(tw_router_t *r) {
   int32_t np = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL);
   int32_t nd = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE);
+  int64_t now = tw_msg_clock_ns();
+  for (int k = 0; k < 2; k++) {
+    int32_t n = k ? nd : np;
+    if (n) r->empty_since_ns[k] = 0, r->empty_by_expiry[k] = false;
+    else if (!r->empty_since_ns[k]) r->empty_since_ns[k] = now;
+  }
   tw_metric_set(r->m.prefill_workers, np);
   tw_metric_set(r->m.decode_workers, nd);
   tw_router_update_health(r);
@@ -102,6 +119,44 @@ static void tw_apply_capacity(tw_rworker_t *w, const Twain__Internal__V1__Capaci
   w->replica_free_blocks = c->replica_free_kv_blocks;
   w->replica_total_blocks = c->replica_total_kv_blocks;
   w->queued_tokens = c->queued_prompt_tokens;
+}
+
+void tw_rworker_free_addrs(tw_rworker_t *w) {
+  for (int32_t i = 0; i < w->n_kv_addrs; i++) free(w->kv_addrs[i].data);
+  free(w->kv_addrs);
+  w->kv_addrs = NULL;
+  w->n_kv_addrs = 0;
+}
+
+/* Keep the UCX addresses a decode worker registered (at most 64 of 64 KiB). */
+static void tw_keep_addrs(tw_rworker_t *w, const Twain__Internal__V1__Register *g) {
+  tw_rworker_free_addrs(w);
+  size_t n = g->n_kv_addresses < 64 ? g->n_kv_addresses : 64;
+  if (!n || !(w->kv_addrs = calloc(n, sizeof *w->kv_addrs))) return;
+  for (size_t i = 0; i < n; i++) {
+    size_t len = g->kv_addresses[i].len;
+    if (!len || len > 65536 || !(w->kv_addrs[w->n_kv_addrs].data = malloc(len))) continue;
+    memcpy(w->kv_addrs[w->n_kv_addrs].data, g->kv_addresses[i].data, len);
+    w->kv_addrs[w->n_kv_addrs++].len = len;
+  }
+}
+
+/* A handoff may name only UCX addresses its decode worker registered: the
+ * prefill worker makes endpoints to them, and UCX aborts on some malformed
+ * addresses (a poisoned handoff must never reach a prefill worker). */
+static bool tw_handoff_vouched(const tw_rworker_t *w, const Twain__Internal__V1__KvHandoff *h) {
+  if (!h) return true; /* nothing to connect to; the prefill worker refuses it */
+  size_t n = 1 + h->n_ranks;
+  for (size_t k = 0; k < n; k++) {
+    const ProtobufCBinaryData *a = k == 0 ? &h->ucx_address
+                                          : (h->ranks[k - 1] ? &h->ranks[k - 1]->ucx_address : NULL);
+    if (!a || !a->len) continue;
+    bool known = false;
+    for (int32_t i = 0; i < w->n_kv_addrs && !known; i++)
+      known = w->kv_addrs[i].len == a->len && !memcmp(w->kv_addrs[i].data, a->data, a->len);
+    if (!known) return false;
+  }
+  return true;
 }
 
 static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Internal__V1__Register *g) {
@@ -134,6 +189,7 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
   w->draining = false;
   w->last_seen_ns = tw_msg_clock_ns();
   tw_apply_capacity(w, g->capacity);
+  tw_keep_addrs(w, g);
   TW_INFO("router", "worker %s registered: %s pool, backend %s, pid %d, %d/%d free kv blocks", w->name,
           w->pool == TWAIN__INTERNAL__V1__POOL__POOL_PREFILL ? "prefill" : "decode",
           g->backend ? g->backend : "?", g->pid, w->free_blocks, w->total_blocks);
@@ -145,6 +201,35 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
   /* logged there; the worker registers again until it hears the ack */
   TW_IGNORE(tw_router_send_worker(r, w, &env));
   tw_update_gauges(r);
+}
+
+/* A twain.v1.Code a worker may report for a request; anything else becomes
+ * INTERNAL so clients only ever see codes of the API. */
+static int tw_known_code(int code) {
+  switch (code) {
+    case TWAIN__V1__CODE__CANCELLED: case TWAIN__V1__CODE__UNKNOWN:
+    case TWAIN__V1__CODE__INVALID_ARGUMENT: case TWAIN__V1__CODE__DEADLINE_EXCEEDED:
+    case TWAIN__V1__CODE__NOT_FOUND: case TWAIN__V1__CODE__RESOURCE_EXHAUSTED:
+    case TWAIN__V1__CODE__UNIMPLEMENTED: case TWAIN__V1__CODE__INTERNAL:
+    case TWAIN__V1__CODE__UNAVAILABLE:
+      return code;
+    default:
+      return TWAIN__V1__CODE__INTERNAL;
+  }
+}
+
+/* Token ids a worker sends must be ids of the model: fails the request (the
+ * worker is broken or hostile) and returns false otherwise. */
+static bool tw_tokens_valid(tw_router_t *r, tw_rworker_t *w, tw_req_t *q, const int32_t *toks, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (toks[i] >= 0 && toks[i] < r->config.vocab_size) continue;
+    TW_WARN("router", "worker %s sent token id %d outside the vocabulary [0, %d) for request %llu",
+            w->name, toks[i], r->config.vocab_size, (unsigned long long)q->id);
+    tw_router_fail(r, q, TWAIN__V1__CODE__INTERNAL, "worker %s sent an invalid token id (%d)", w->name,
+                   toks[i]);
+    return false;
+  }
+  return true;
 }
 
 /* Requeue (if nothing reached the client yet) or fail a request whose worker
@@ -232,7 +317,15 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
       q->retry_after_ns = tw_msg_clock_ns() + 20 * 1000000;
       return;
     }
-    tw_router_fail(r, q, rs->status->code, "%s", rs->status->message ? rs->status->message : "reserve failed");
+    tw_router_fail(r, q, tw_known_code(rs->status->code), "%s",
+                   rs->status->message ? rs->status->message : "reserve failed");
+    return;
+  }
+  if (!tw_handoff_vouched(w, rs->handoff)) {
+    TW_WARN("router", "decode worker %s sent a handoff for request %llu naming a UCX address it "
+            "did not register: refused", w->name, (unsigned long long)q->id);
+    tw_router_fail(r, q, TWAIN__V1__CODE__INTERNAL,
+                   "decode worker %s sent an invalid handoff (unregistered UCX address)", w->name);
     return;
   }
   /* the prefill worker schedule chose (its window counted this prompt), or,
@@ -282,7 +375,7 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
     } else if (d->status->code == TWAIN__V1__CODE__DEADLINE_EXCEEDED)
       tw_retry_or_fail(r, q, d->status->code, why);
     else
-      tw_router_fail(r, q, d->status->code, "%s", why);
+      tw_router_fail(r, q, tw_known_code(d->status->code), "%s", why);
     return;
   }
   /* the worker's speed, for its window: the prompts of one batch share its
@@ -301,6 +394,7 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
     if (w->tok_per_s <= 0) /* a first estimate at once (a lower bound) */
       w->tok_per_s = (double)q->n_prompt / ((d->prefill_ms + d->transfer_ms) * 1e-3);
   }
+  if (!tw_tokens_valid(r, w, q, &d->first_token, 1)) return;
   tw_rworker_t *dw = tw_router_worker(r, q->dw);
   if (!dw) {
     tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "decode worker went away during prefill");
@@ -336,25 +430,41 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
 
 static void tw_on_worker_tokens(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__Tokens *t) {
   tw_req_t *q = tw_router_find_req(r, t->request_id);
-  if (!q || q->state != TW_REQ_DECODING || q->dw != w->serial) return;
+  if (!q || q->state != TW_REQ_DECODING || q->dw != w->serial) return; /* not this worker's */
   if (t->status && t->status->code) {
-    tw_router_fail(r, q, t->status->code, "decode failed on %s: %s", w->name,
+    tw_router_fail(r, q, tw_known_code(t->status->code), "decode failed on %s: %s", w->name,
                    t->status->message ? t->status->message : "");
     return;
   }
-  tw_router_on_tokens(r, q, t->tokens, t->n_tokens, t->finished, t->finish_reason);
+  if (!tw_tokens_valid(r, w, q, t->tokens, t->n_tokens)) return;
+  int reason = t->finish_reason;
+  if (reason != TWAIN__V1__FINISH_REASON__FINISH_NONE && reason != TWAIN__V1__FINISH_REASON__FINISH_STOP &&
+      reason != TWAIN__V1__FINISH_REASON__FINISH_LENGTH && reason != TWAIN__V1__FINISH_REASON__FINISH_TOOL_CALL) {
+    TW_WARN("router", "worker %s sent finish reason %d for request %llu", w->name, reason,
+            (unsigned long long)q->id);
+    tw_router_fail(r, q, TWAIN__V1__CODE__INTERNAL, "worker %s sent an invalid finish reason (%d)",
+                   w->name, reason);
+    return;
+  }
+  tw_router_on_tokens(r, q, t->tokens, t->n_tokens, t->finished, reason);
 }
 
 void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
   Twain__Internal__V1__Envelope *env = twain__internal__v1__envelope__unpack(NULL, m->len, m->data);
-  if (!env) {
+  bool strings_ok = env && tw_msg_check_strings(&twain__internal__v1__envelope__descriptor, m->data,
+                                                 m->len) == TW_OK;
+  if (!strings_ok) {
     static tw_msg_ratelimit_t rl;
     uint64_t sup = 0;
     if (tw_msg_ratelimit(&rl, &sup)) {
       if (sup) TW_WARN("router", "suppressed %llu similar warnings", (unsigned long long)sup);
-      TW_WARN("router", "malformed protobuf on the worker socket (%zu bytes)", m->len);
+      TW_WARN("router", "malformed protobuf on the worker socket (%zu bytes)%s%s", m->len,
+              env ? ": " : "", env ? tw_last_error() : "");
     }
-    tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, "malformed twain.internal.v1.Envelope");
+    tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                 env ? "Envelope with a string that is not UTF-8 or holds a NUL byte"
+                     : "malformed twain.internal.v1.Envelope");
+    if (env) twain__internal__v1__envelope__free_unpacked(env, NULL);
     return;
   }
   int64_t now = tw_msg_clock_ns();
@@ -366,7 +476,7 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
   tw_rworker_t *w = NULL;
   if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT && env->heartbeat->worker &&
       env->heartbeat->worker[0])
-    w = tw_worker_by_name(r, env->heartbeat->worker);
+    w = tw_worker_of_heartbeat(r, m, env->heartbeat->worker);
   else
     w = tw_worker_by_id(r, m->id, m->id_len);
   if (!w) { /* expired, or the router restarted: ask it to register again */
@@ -393,7 +503,7 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
               (unsigned long long)rj->request_id, rj->status && rj->status->message ? rj->status->message : "");
       tw_req_t *q = rj->request_id ? tw_router_find_req(r, rj->request_id) : NULL;
       if (q && (q->dw == w->serial || q->pw == w->serial))
-        tw_router_fail(r, q, rj->status ? rj->status->code : TWAIN__V1__CODE__INTERNAL, "worker %s: %s",
+        tw_router_fail(r, q, rj->status ? tw_known_code(rj->status->code) : TWAIN__V1__CODE__INTERNAL, "worker %s: %s",
                        w->name, rj->status && rj->status->message ? rj->status->message : "rejected");
       break;
     }
@@ -428,7 +538,12 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
         tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
       }
     }
+    Twain__Internal__V1__Pool pool = w->pool;
+    int k = pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? 1 : 0;
+    tw_rworker_free_addrs(w);
     r->workers[i] = r->workers[--r->n_workers];
+    if (tw_router_count_workers(r, pool) == 0 && !r->empty_by_expiry[k])
+      r->empty_by_expiry[k] = true, r->empty_since_ns[k] = now;
     i--;
     tw_update_gauges(r);
   }
@@ -439,15 +554,19 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
   for (int32_t k = 0; k < r->n_reqs; k++) {
     tw_req_t *q = r->reqs[k];
     if (q->done || q->state != TW_REQ_QUEUED || now < q->retry_after_ns) continue;
-    if (tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) == 0 ||
-        tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL) == 0) {
-      if (q->attempts == 0 && now - q->t_arrival_ns > 2000000000LL) {
-        tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered",
-                       tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) ? "prefill" : "decode");
-      } else if (q->attempts > 0) {
-        tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "worker failed and no other %s worker is registered",
-                       tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) ? "prefill" : "decode");
-      }
+    bool no_decode = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) == 0;
+    if (no_decode || tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL) == 0) {
+      /* a stalled or restarting worker costs latency, not the request: wait
+       * for the pool to come back for TW_ROUTER_POOL_GRACE_MS (counted from
+       * when it emptied, or from arrival if later) or until the deadline */
+      int pk = no_decode ? 1 : 0;
+      int64_t since = r->empty_since_ns[pk];
+      if (!since || since < q->t_arrival_ns) since = q->t_arrival_ns;
+      int grace_ms = r->empty_by_expiry[pk] ? TW_ROUTER_POOL_GRACE_MS : TW_ROUTER_POOL_EMPTY_MS;
+      if (now - since > (int64_t)grace_ms * 1000000)
+        tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered (for %d ms)%s",
+                       no_decode ? "decode" : "prefill", grace_ms,
+                       q->attempts ? " after its worker failed" : "");
       continue;
     }
     /* decode worker with the most free blocks that can hold prompt + max_tokens */

@@ -27,6 +27,7 @@ static const tw_command_t tw_commands[] = {
     {"write-checkpoint", tw_cli_write_checkpoint,
      "write random gpt-oss-20b/120b-shaped weights in the Hugging Face MXFP4 layout"},
     {"router", tw_cli_router, "run the router daemon alone (as twain-router)"},
+    {"keygen", tw_cli_keygen, "write a new key set for the internal links (CURVE) to FILE"},
     {"tokenize", tw_cli_tokenize, "UTF-8 text on stdin -> token ids as a JSON array"},
     {"detokenize", tw_cli_detokenize, "token ids on stdin -> the text (raw bytes)"},
     {"render", tw_cli_render, "a conversation (OpenAI chat JSON) on stdin -> Harmony prompt ids"},

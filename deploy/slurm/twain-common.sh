@@ -30,6 +30,10 @@
 #   TWAIN_METRICS_ADDR    address of every daemon's /metrics, /healthz, /livez
 #                         (default 127.0.0.1; 0.0.0.0 for a Prometheus on another node)
 #   TWAIN_WORKER_ARGS     extra arguments for every worker (e.g. --kv-blocks N)
+#   TWAIN_KEYS_FILE       the link keys (CURVE) of the router and the workers: a file
+#                         that only the job's user can read (mode 600), on a filesystem
+#                         every node sees (default $HOME/.twain/link.keys, made with
+#                         `twain keygen` when missing)
 # Every environment started here keeps NVLink multicast off (NCCL_NVLS_ENABLE=0).
 # shellcheck shell=bash
 
@@ -56,7 +60,27 @@ tw_setup() { # common checks and defaults
   TWAIN_LOG_DIR=${TWAIN_LOG_DIR:-${SLURM_SUBMIT_DIR:-$PWD}/twain-logs-$SLURM_JOB_ID}
   TWAIN_DRAIN_SECONDS=${TWAIN_DRAIN_SECONDS:-600}
   mkdir -p "$TWAIN_LOG_DIR"
+  tw_keys
   tw_pids=()
+}
+
+tw_keys() { # TWAIN_KEYS_FILE: exists, private, exported to every step
+  TWAIN_KEYS_FILE=${TWAIN_KEYS_FILE:-$HOME/.twain/link.keys}
+  if [ ! -e "$TWAIN_KEYS_FILE" ]; then
+    (umask 077 && mkdir -p "$(dirname "$TWAIN_KEYS_FILE")")
+    # keygen never overwrites: a job that loses the race uses the winner's file
+    "$TWAIN_BIN/twain" keygen "$TWAIN_KEYS_FILE" >/dev/null 2>&1 || [ -e "$TWAIN_KEYS_FILE" ] ||
+      tw_die "cannot make the link keys $TWAIN_KEYS_FILE with $TWAIN_BIN/twain keygen"
+    tw_log "made the link keys $TWAIN_KEYS_FILE"
+  fi
+  if [ ! -f "$TWAIN_KEYS_FILE" ] || [ ! -O "$TWAIN_KEYS_FILE" ]; then
+    tw_die "TWAIN_KEYS_FILE=$TWAIN_KEYS_FILE is not a regular file of this user"
+  fi
+  case $(stat -c %a "$TWAIN_KEYS_FILE") in
+    600|400) ;;
+    *) tw_die "TWAIN_KEYS_FILE=$TWAIN_KEYS_FILE must be readable by its owner only (chmod 600)" ;;
+  esac
+  export TWAIN_KEYS_FILE
 }
 
 # tw_launch_workers POOL COUNT TP EP NODELIST GPUS_PER_NODE [SRUN_OPTIONS...]:

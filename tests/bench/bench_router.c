@@ -32,6 +32,7 @@
 #include <time.h>
 
 typedef struct {
+  tw_auth_keys_t keys; /* the link keys of the router and the fake workers */
   tw_router_params_t p;
   volatile sig_atomic_t stop;
   char cep[256], wep[256];
@@ -47,8 +48,7 @@ static void on_bound(void *arg, const char *c, const char *w) {
 
 static void *router_main(void *arg) {
   tw_bench_t *b = arg;
-  if (tw_router_run(&b->p, &b->stop) != TW_OK)
-    fprintf(stderr, "bench: the router stopped: %s\n", tw_last_error());
+  tw_router_run(&b->p, &b->stop);
   return NULL;
 }
 
@@ -68,9 +68,7 @@ typedef struct {
   void *ctx;
 } fake_t;
 
-static void send_env(void *s, Twain__Internal__V1__Envelope *e) {
-  tw_msg_note_failure(tw_msg_send(s, NULL, &e->base), "bench", "fake worker send");
-}
+static void send_env(void *s, Twain__Internal__V1__Envelope *e) { tw_msg_send(s, NULL, &e->base); }
 
 static void fake_register(void *s, const char *name, Twain__Internal__V1__Pool pool) {
   Twain__Internal__V1__Capacity c = TWAIN__INTERNAL__V1__CAPACITY__INIT;
@@ -100,11 +98,8 @@ static void fake_heartbeat(void *s) {
 static void *fake_main(void *arg) {
   fake_t *f = arg;
   void *pre, *dec;
-  if (tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &pre) != TW_OK ||
-      tw_msg_socket_open(f->ctx, ZMQ_DEALER, f->b->wep, false, NULL, 0, &dec) != TW_OK) {
-    fprintf(stderr, "bench: fake workers cannot connect: %s\n", tw_last_error());
-    return NULL;
-  }
+  tw_msg_socket_open_auth(f->ctx, ZMQ_DEALER, f->b->wep, false, &f->b->keys, NULL, 0, &pre);
+  tw_msg_socket_open_auth(f->ctx, ZMQ_DEALER, f->b->wep, false, &f->b->keys, NULL, 0, &dec);
   fake_register(pre, "fake-prefill", TWAIN__INTERNAL__V1__POOL__POOL_PREFILL);
   fake_register(dec, "fake-decode", TWAIN__INTERNAL__V1__POOL__POOL_DECODE);
   fseq_t *seqs = malloc(sizeof(fseq_t) * 8192);
@@ -214,7 +209,7 @@ static long run_protobuf(void *cl, bench_mode_t mode, int S, int T, uint64_t *ri
       r.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_CHAT;
       r.chat = &ch;
     }
-    tw_msg_note_failure(tw_msg_send(cl, NULL, &r.base), "bench", "client send");
+    tw_msg_send(cl, NULL, &r.base);
   }
   int done = 0;
   long toks = 0;
@@ -360,6 +355,10 @@ int main(int argc, char **argv) {
   b.p.on_bound = on_bound;
   b.p.on_bound_arg = &b;
   b.p.max_requests = 8192;
+  if (tw_auth_keys_generate(&b.keys) != TW_OK || tw_auth_keys_export(&b.keys, TW_AUTH_KEYS_ENV) != TW_OK) {
+    fprintf(stderr, "bench-router: %s\n", tw_last_error());
+    return 1;
+  }
   pthread_t rt, ft;
   pthread_create(&rt, NULL, router_main, &b);
   for (int i = 0; i < 1000 && !__atomic_load_n(&b.bound, __ATOMIC_SEQ_CST); i++) {
@@ -372,10 +371,7 @@ int main(int argc, char **argv) {
   struct timespec ts = {0, 500000000};
   nanosleep(&ts, NULL);
   void *cl;
-  if (tw_msg_socket_open(ctx, ZMQ_DEALER, b.cep, false, NULL, 0, &cl) != TW_OK) {
-    fprintf(stderr, "bench: the client cannot connect: %s\n", tw_last_error());
-    return 1;
-  }
+  tw_msg_socket_open(ctx, ZMQ_DEALER, b.cep, false, NULL, 0, &cl);
   printf("# router overhead per streamed token (fake workers, no engine), tcp loopback\n");
   printf("# %-18s %8s %8s %10s %18s %14s\n", "client", "streams", "tokens", "total", "router_cpu_us/tok",
          "client_tok/s");

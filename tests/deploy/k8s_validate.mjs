@@ -157,6 +157,11 @@ function checkPodTemplate(where, dep, isWorker) {
     const pre = c.lifecycle?.preStop?.exec?.command?.join(" ") || "";
     if (!/kill -TERM 1/.test(pre)) fail(cw, "preStop must start the drain (SIGTERM to the daemon) and wait for it");
     if (envValue(c, "NCCL_NVLS_ENABLE") !== "0") fail(cw, "NCCL_NVLS_ENABLE=0 missing");
+    // internal links: CURVE keys from a Secret, never plaintext (common/link_auth.h)
+    const keys = (c.env || []).find((e) => e.name === "TWAIN_KEYS");
+    if (!keys?.valueFrom?.secretKeyRef?.name || !keys.valueFrom.secretKeyRef.key)
+      fail(cw, "TWAIN_KEYS must come from a Secret (secretKeyRef): the link keys");
+    if ((c.env || []).some((e) => e.name === "TWAIN_INSECURE_PLAINTEXT")) fail(cw, "TWAIN_INSECURE_PLAINTEXT set: links unencrypted");
     const declared = new Set((c.env || []).map((e) => e.name));
     for (const a of [...(c.command || []), ...(c.args || [])]) {
       for (const m of String(a).matchAll(/\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g))

@@ -95,6 +95,7 @@ export TWAIN_BIN=$tmp/bin TWAIN_MODEL=$src/tests/fixtures/tiny-gptoss-wordnet-mx
 export TWAIN_PREFILL_TP=1 TWAIN_PREFILL_EP=1 TWAIN_DECODE_TP=1 TWAIN_DECODE_EP=1
 export TWAIN_PREFILL_WORKERS=1 TWAIN_DECODE_WORKERS=1 TWAIN_WORKER_ARGS="--threads 1"
 export TWAIN_LISTEN_HOST=127.0.0.1 TWAIN_ROUTER_HOST=127.0.0.1 TWAIN_LOG_DIR=$tmp/logs TWAIN_DRAIN_SECONDS=30
+export TWAIN_KEYS_FILE=$tmp/keys/link.keys # made by the first job (tw_keys)
 TWAIN_API_PORT=$(free_port) TWAIN_WORKER_PORT=$(free_port)
 for _ in 1 2 3; do [ "$TWAIN_WORKER_PORT" != "$TWAIN_API_PORT" ] && break; TWAIN_WORKER_PORT=$(free_port); done
 # Metrics ports 0: each daemon binds a free one as it starts. (A fixed base made
@@ -113,6 +114,7 @@ wait_for 60 "service job running" '[ "$(squeue -h -j "$job" -o %T | sort -u)" = 
 wait_for 60 "router metrics port in its log" \
   'router_metrics_port=$(sed -n "s/.* metrics port \([0-9][0-9]*\).*/\1/p" "$tmp/logs/router.log" 2>/dev/null | head -n 1); [ -n "$router_metrics_port" ]'
 wait_for 60 "router has 1 prefill + 1 decode worker" '[ "$(metric twain_router_prefill_workers)" = 1 ] && [ "$(metric twain_router_decode_workers)" = 1 ]'
+check "the job made a private link key file" '[ "$(stat -c %a "$TWAIN_KEYS_FILE")" = 600 ] && grep -q "server-public" "$TWAIN_KEYS_FILE"'
 check "job comment names the router" 'squeue -h -j "$job" -o %k | grep -q "router=tcp://127.0.0.1:$TWAIN_WORKER_PORT"'
 
 # 2. chat through the router

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* ---- in-memory headers --------------------------------------------------- */
@@ -183,6 +184,13 @@ static char *make_dir(const stw_tensor_t *t, int n, const char *config_text) {
 static tw_status_t load_dir(char *dir) {
   tw_model_t *m = NULL;
   tw_status_t st = tw_model_load(dir, &m);
+  if (st == TW_OK) { /* what a worker does before it serves */
+    st = tw_model_check_finite(m);
+    if (st != TW_OK) {
+      tw_model_destroy(m);
+      m = NULL;
+    }
+  }
   tw_model_destroy(m);
   if (st != TW_OK) EXPECT_TRUE(m == NULL);
   stw_rmtree(dir);
@@ -288,6 +296,75 @@ static void test_checkpoints(void) {
   free(cfg);
 }
 
+/* ---- poisoned weights, absurd config values, files that are not files ---- */
+
+/* The fixture with one tensor's bytes copied and `bytes` written at `off`. */
+static tw_status_t load_poisoned(const char *name, int64_t off, const void *bytes, size_t n) {
+  static stw_tensor_t t[128];
+  memcpy(t, model_g, sizeof t);
+  int i = find_g(name);
+  uint8_t *copy = malloc((size_t)t[i].n_bytes);
+  memcpy(copy, t[i].data, (size_t)t[i].n_bytes);
+  memcpy(copy + off, bytes, n);
+  t[i].data = copy;
+  tw_status_t st = load_dir(make_dir(t, n_model_g, NULL));
+  free(copy);
+  return st;
+}
+
+/* The fixture's config with `key` (in the top level and in both rope
+ * objects, wherever it is) set to v. */
+static char *config_with(const char *key, double v) {
+  char src[4200];
+  snprintf(src, sizeof src, "%s/config.json", fixture_g);
+  char *cfg = stw_slurp(src, NULL);
+  cJSON *root = cJSON_Parse(cfg);
+  free(cfg);
+  cJSON *objs[3] = {root, cJSON_GetObjectItem(root, "rope_parameters"),
+                    cJSON_GetObjectItem(root, "rope_scaling")};
+  for (int k = 0; k < 3; k++)
+    if (objs[k] && cJSON_GetObjectItem(objs[k], key))
+      cJSON_ReplaceItemInObject(objs[k], key, cJSON_CreateNumber(v));
+  char *text = cJSON_Print(root);
+  cJSON_Delete(root);
+  return text;
+}
+
+static void test_poison(void) {
+  const uint16_t nan_bf16 = 0x7FC0, inf_bf16 = 0x7F80;
+  const uint8_t nan_e8m0 = 0xFF;
+  EXPECT_ERR(load_poisoned("lm_head.weight", 14, &nan_bf16, 2), TW_ERR_INVALID_ARGUMENT,
+             "tensor 'lm_head.weight' holds a NaN or infinity (element 7)");
+  EXPECT_ERR(load_poisoned("model.norm.weight", 0, &inf_bf16, 2), TW_ERR_INVALID_ARGUMENT,
+             "tensor 'model.norm.weight' holds a NaN or infinity (element 0)");
+  EXPECT_ERR(load_poisoned("model.layers.2.self_attn.sinks", 2, &nan_bf16, 2),
+             TW_ERR_INVALID_ARGUMENT, "tensor 'model.layers.2.self_attn.sinks' holds a NaN");
+  EXPECT_ERR(load_poisoned("model.layers.1.self_attn.q_proj.weight", 1000, &inf_bf16, 2),
+             TW_ERR_INVALID_ARGUMENT, "'model.layers.1.self_attn.q_proj.weight' holds a NaN or infinity (element 500)");
+  EXPECT_ERR(load_poisoned("model.layers.3.mlp.experts.down_proj_scales", 5, &nan_e8m0, 1),
+             TW_ERR_INVALID_ARGUMENT, "'model.layers.3.mlp.experts.down_proj_scales' holds a NaN");
+
+  char *c1 = config_with("rope_theta", 1e-300), *c2 = config_with("factor", 1e300);
+  EXPECT_ERR(load_dir(make_dir(model_g, n_model_g, c1)), TW_ERR_INVALID_ARGUMENT,
+             "field 'rope_theta' = 1e-300 must be in [1, 1e+12]");
+  EXPECT_ERR(load_dir(make_dir(model_g, n_model_g, c2)), TW_ERR_INVALID_ARGUMENT,
+             "factor' = 1e+300 must be in [1, 1024]");
+  free(c1);
+  free(c2);
+
+  /* FIFOs (nobody ever writes them: a loader that waits hangs here) and a
+   * device are refused at once, without reading */
+  char p[4096];
+  char *dir = make_dir(NULL, 0, NULL);
+  path_in(p, sizeof p, dir, "model.safetensors");
+  EXPECT(mkfifo(p, 0600) == 0);
+  EXPECT_ERR(load_dir(dir), TW_ERR_IO, "model.safetensors: not a regular file");
+  dir = make_dir(model_g, n_model_g, NULL);
+  path_in(p, sizeof p, dir, "config.json");
+  EXPECT(unlink(p) == 0 && mkfifo(p, 0600) == 0);
+  EXPECT_ERR(load_dir(dir), TW_ERR_INVALID_ARGUMENT, "config.json is not a regular file");
+}
+
 /* ---- sharded index -------------------------------------------------------- */
 
 /* Two shards (even/odd tensors) and an index; `edit` changes the index. */
@@ -380,6 +457,7 @@ int main(void) {
   test_files();
   if (n_model_g == 79) {
     test_checkpoints();
+    test_poison();
     test_index();
   }
   /* still serving: the good checkpoint loads after all of the above */

@@ -31,18 +31,8 @@ ctx = zmq.Context.instance()
 
 
 def fake(name, pool):
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.setsockopt(zmq.ROUTING_ID, name.encode())
-    s.connect(c.worker_ep)
-    env = svc.Envelope()
-    g = env.register
-    g.pool = svc.E[pool]
-    g.name = name
-    g.ranks = 2
-    g.kv_block_size = 16
-    g.n_layers = 4
-    g.backend = "cpu"
+    s = svc.worker_socket(ctx, name.encode(), c.worker_ep)
+    env = svc.register_envelope(name, pool, ranks=2)
     return s, env
 
 

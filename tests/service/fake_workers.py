@@ -39,16 +39,8 @@ class FakeWorkers(threading.Thread):
         self.pending = {}      # request_id -> ids, between prefill and decode
         self.streams = {}      # request_id -> [ids left, stop ids, max, next time]
         for name, pool in ((b"fake-prefill", "POOL_PREFILL"), (b"fake-decode", "POOL_DECODE")):
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.ROUTING_ID, name)
-            s.connect(endpoint)
-            e = svc.Envelope()
-            e.register.pool = svc.E[pool]
-            e.register.name = name.decode()
-            e.register.kv_block_size = 16
-            e.register.capacity.free_kv_blocks = e.register.capacity.total_kv_blocks = 100000
-            s.send(e.SerializeToString())
+            s = svc.worker_socket(self.ctx, name, endpoint)  # with the link keys
+            s.send(svc.register_envelope(name.decode(), pool, ranks=0, free_blocks=100000).SerializeToString())
             self.socks[name] = s
         self.stop = False
         self.hold = False      # True: streams wait (tests line requests up)

@@ -5,8 +5,10 @@ ephemeral ports, and a ZeroMQ client. Every wait is bounded."""
 import atexit
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -66,7 +68,69 @@ def load_protos(path=DESC):
     return ns, enums
 
 
+def link_keys():
+    """The link keys (common/link_auth.h) every process of the tests' clusters
+    shares: made once per test process with `twain keygen` into a private
+    temporary file, published as TWAIN_KEYS_FILE so children inherit it;
+    returns {name: key} (e.g. "client-secret") for fake workers."""
+    global _LINK_KEYS
+    if _LINK_KEYS is None:
+        path = os.environ.get("TWAIN_KEYS_FILE")
+        if not path:
+            d = tempfile.mkdtemp(prefix="tw_keys_")
+            atexit.register(shutil.rmtree, d, True)
+            path = os.path.join(d, "link.keys")
+            subprocess.run([os.path.join(BUILD, "router", "twain"), "keygen", path], check=True,
+                           timeout=30)
+            os.environ["TWAIN_KEYS_FILE"] = path
+        keys = {}
+        with open(path) as f:
+            for line in f:
+                if "=" in line and not line.startswith("#"):
+                    k, v = line.split("=", 1)
+                    keys[k.strip()] = v.strip()
+        _LINK_KEYS = keys
+    return _LINK_KEYS
+
+
+_LINK_KEYS = None
+
+
+def worker_socket(ctx, routing_id, endpoint, keys=None):
+    """A DEALER to the router's worker endpoint, as a worker makes it: CURVE
+    with the link keys (keys=False: plaintext, as an intruder would try;
+    a dict: those keys instead)."""
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.ROUTING_ID, routing_id)
+    if keys is not False:
+        k = keys if keys else link_keys()
+        s.setsockopt(zmq.CURVE_SERVERKEY, k["server-public"].encode())
+        s.setsockopt(zmq.CURVE_PUBLICKEY, k["client-public"].encode())
+        s.setsockopt(zmq.CURVE_SECRETKEY, k["client-secret"].encode())
+    s.connect(endpoint)
+    return s
+
+
+if BUILD and os.path.exists(os.path.join(BUILD, "router", "twain")):
+    link_keys()  # every process a test starts inherits the set
+
 P, E = load_protos()
+
+
+def register_envelope(name, pool, ranks=1, free_blocks=0):
+    """The Register a fake worker sends: `pool` "POOL_PREFILL" or
+    "POOL_DECODE", 16-token blocks, 4 layers, cpu backend."""
+    env = P["twain.internal.v1.Envelope"]()
+    g = env.register
+    g.pool = E[pool]
+    g.name = name
+    g.ranks = ranks
+    g.kv_block_size = 16
+    g.n_layers = 4
+    g.backend = "cpu"
+    g.capacity.free_kv_blocks = g.capacity.total_kv_blocks = free_blocks
+    return env
 ClientRequest = P["twain.v1.ClientRequest"]
 ServerReply = P["twain.v1.ServerReply"]
 Envelope = P["twain.internal.v1.Envelope"]

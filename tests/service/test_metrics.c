@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/time.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "tests/test_expect.h"
@@ -41,6 +42,22 @@ static int http_get(int port, const char *path, char *buf, size_t cap) {
   buf[len] = '\0';
   close(s);
   return (int)len;
+}
+
+/* Open `n` idle TCP connections to 127.0.0.1:port (fds into fds[]); returns
+ * how many connected. */
+static int hold_connections(int port, int *fds, int n) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  int k = 0;
+  for (; k < n; k++) {
+    fds[k] = socket(AF_INET, SOCK_STREAM, 0);
+    if (fds[k] < 0 || connect(fds[k], (struct sockaddr *)&a, sizeof a) != 0) {
+      if (fds[k] >= 0) close(fds[k]);
+      break;
+    }
+  }
+  return k;
 }
 
 int main(void) {
@@ -82,6 +99,24 @@ int main(void) {
   EXPECT(http_get(port, "/healthz", buf, sizeof buf) > 0 && strstr(buf, " 200 ") &&
              strstr(buf, "\r\n\r\nok\n"),
          "healthz ok: %s", buf);
+  /* 2,000 idle connections held open (a select() server stops at 1,024
+   * descriptors): /healthz still answers, and again once they are gone */
+  {
+    enum { N_IDLE = 2000 };
+    static int fds[N_IDLE];
+    int held = hold_connections(port, fds, N_IDLE);
+    EXPECT(held == N_IDLE, "held %d of %d idle connections", held, N_IDLE);
+    struct timespec pause = {0, 200 * 1000 * 1000}; /* the server accepts them all */
+    nanosleep(&pause, NULL);
+    buf[0] = '\0';
+    EXPECT(http_get(port, "/healthz", buf, sizeof buf) > 0 && strstr(buf, " 200 "),
+           "healthz answers while %d idle connections are open: '%.40s'", held, buf);
+    EXPECT(http_get(port, "/metrics", buf, sizeof buf) > 0 && strstr(buf, " 200 "),
+           "metrics answer while %d idle connections are open", held);
+    for (int i = 0; i < held; i++) close(fds[i]);
+    EXPECT(http_get(port, "/healthz", buf, sizeof buf) > 0 && strstr(buf, " 200 "),
+           "healthz answers after they closed");
+  }
   tw_metrics_set_health(m, false, "draining");
   EXPECT(http_get(port, "/healthz", buf, sizeof buf) > 0 && strstr(buf, " 503 ") &&
              strstr(buf, "draining"),

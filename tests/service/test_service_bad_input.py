@@ -110,10 +110,7 @@ try:
 
     # worker socket: garbage, an unregistered worker, results for unknown requests
     ctx = zmq.Context.instance()
-    fake = ctx.socket(zmq.DEALER)
-    fake.setsockopt(zmq.LINGER, 0)
-    fake.setsockopt(zmq.ROUTING_ID, b"impostor")
-    fake.connect(c.worker_ep)
+    fake = svc.worker_socket(ctx, b"impostor", c.worker_ep)
     fake.send(b"\x00\x01garbage")
     env = svc.Envelope()
     env.tokens.request_id = 999999
@@ -143,6 +140,8 @@ check(not any(rcs.values()), "router and workers stop cleanly: %s" % rcs)
 ctx = zmq.Context.instance()
 rs = ctx.socket(zmq.ROUTER)
 rs.setsockopt(zmq.LINGER, 0)
+rs.setsockopt(zmq.CURVE_SERVER, 1)  # the workers only talk CURVE, to the key set's server
+rs.setsockopt(zmq.CURVE_SECRETKEY, svc.link_keys()["server-secret"].encode())
 port = rs.bind_to_random_port("tcp://127.0.0.1")
 ep = "tcp://127.0.0.1:%d" % port
 dec = svc.Proc([svc.bin_path("decode", "twain-decode"), "--router", ep, "--model", svc.MODEL, "--name", "fd",

@@ -12,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 static int32_t byte_token(const tw_tokenizer_t *tok, unsigned char b) {
   for (int32_t id = 0; id < tw_tokenizer_n_ids(tok); id++) {
@@ -153,9 +155,33 @@ int main(int argc, char **argv) {
   EXPECT(after[2] == 0 && after[3] == 4 && after[6] == 4 && after[7] == 8,
          "thumbs up + skin tone: whole characters only");
 
+  /* 20 MiB of spaces: the pre-tokenizer's matcher gives up; that is the
+   * caller's input (INVALID_ARGUMENT, nothing appended), not an internal error */
+  {
+    size_t big = (size_t)20 << 20;
+    char *spaces = malloc(big);
+    memset(spaces, ' ', big);
+    size_t before = ids.n;
+    tw_status_t bst = tw_tokenizer_encode(tok, spaces, big, 0, &ids);
+    EXPECT(bst == TW_OK || (bst == TW_ERR_INVALID_ARGUMENT && ids.n == before &&
+                            strstr(tw_last_error(), "cannot be tokenized")),
+           "20 MiB of spaces: tokenized or INVALID_ARGUMENT, got %d: %s", (int)bst, tw_last_error());
+    free(spaces);
+  }
+
   /* loader errors */
   tw_tokenizer_t *t2;
   EXPECT(tw_tokenizer_load("/nonexistent/tokenizer.json", &t2) == TW_ERR_IO, "missing file");
+  /* a FIFO nobody writes (a loader that waits hangs here) and a device: refused at once */
+  char fifo[64];
+  snprintf(fifo, sizeof fifo, "/tmp/tw_tok_fifo_%d.json", (int)getpid());
+  EXPECT(mkfifo(fifo, 0600) == 0, "mkfifo");
+  EXPECT(tw_tokenizer_load(fifo, &t2) == TW_ERR_INVALID_ARGUMENT &&
+             strstr(tw_last_error(), "is not a regular file"), "FIFO: %s", tw_last_error());
+  unlink(fifo);
+  EXPECT(tw_tokenizer_load("/dev/zero", &t2) == TW_ERR_INVALID_ARGUMENT &&
+             strstr(tw_last_error(), "tokenizer /dev/zero is not a regular file"),
+         "/dev/zero: %s", tw_last_error());
   EXPECT(tw_tokenizer_load_json("{", 1, &t2) == TW_ERR_FORMAT, "not JSON");
   const char *no_bpe = "{\"model\":{\"type\":\"WordPiece\",\"vocab\":{}}}";
   EXPECT(tw_tokenizer_load_json(no_bpe, strlen(no_bpe), &t2) == TW_ERR_FORMAT, "not BPE");

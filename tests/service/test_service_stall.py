@@ -1,0 +1,50 @@
+"""A worker that stalls (SIGSTOP for 3 s, three times its 1 s expiry) costs
+latency, not requests (issue 19 item 8): the router expires it, and every
+request that had no token yet waits for the pool to come back (the worker
+registers again when it resumes) and is served; only streams that already had
+tokens from the stalled decode worker may end UNAVAILABLE. Once for the only
+prefill worker, once for the only decode worker."""
+import os
+import signal
+import time
+
+import fixtures
+import svc
+
+from svc import check, finish
+
+prompt = fixtures.ids("short_dog")
+N = 32
+c = svc.Cluster(1, 1)
+try:
+    cl = c.client()
+    cl.wait([cl.send(svc.generate(prompt, 4))], 60)  # warm
+    for victim, pool in ((c.prefills[0], "prefill"), (c.decodes[0], "decode")):
+        expired_before = c.router.count(r"worker %s expired" % victim.worker_name)
+        rids = [cl.send(svc.generate(prompt, 48, deadline_ms=120000)) for _ in range(N)]
+        end = time.time() + 0.3
+        while time.time() < end:
+            cl.pump(0.02)
+        os.kill(victim.p.pid, signal.SIGSTOP)
+        t0 = time.time()
+        while time.time() < t0 + 3.0:
+            cl.pump(0.02)
+        os.kill(victim.p.pid, signal.SIGCONT)
+        res = cl.wait(rids, 180)
+        expired = c.router.count(r"worker %s expired" % victim.worker_name) - expired_before
+        no_token_failed = [r[-1].error.message for r in res if r[-1].error.code and not svc.tokens_of(r)]
+        served = sum(1 for r in res if r[-1].error.code == 0)
+        with_tokens_failed = [r[-1].error.code for r in res if r[-1].error.code and svc.tokens_of(r)]
+        check(expired == 1, "the 3 s stall of the %s worker expired it (premise): %d" % (pool, expired))
+        check(not no_token_failed,
+              "%s stall: %d of %d requests without a token failed %s" % (
+                  pool, len(no_token_failed), N, no_token_failed[:2]))
+        cut = [(r[-1].error.code, r[-1].error.message) for r in res if r[-1].error.code and svc.tokens_of(r)]
+        check(all(code == svc.E["UNAVAILABLE"] for code, _ in cut),
+              "%s stall: %d served, %d streams cut after tokens, all UNAVAILABLE (%s)" % (
+                  pool, served, len(cut), sorted(set(cut))[:3]))
+        c.wait_registered(1, 1, 30)
+finally:
+    rcs = c.close()
+check(not any(rcs.values()), "router and workers stop cleanly: %s" % rcs)
+finish()
