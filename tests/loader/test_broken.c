@@ -357,11 +357,11 @@ static void test_poison(void) {
   char p[4096];
   char *dir = make_dir(NULL, 0, NULL);
   path_in(p, sizeof p, dir, "model.safetensors");
-  EXPECT(mkfifo(p, 0600) == 0);
+  EXPECT_TRUE(mkfifo(p, 0600) == 0);
   EXPECT_ERR(load_dir(dir), TW_ERR_IO, "model.safetensors: not a regular file");
   dir = make_dir(model_g, n_model_g, NULL);
   path_in(p, sizeof p, dir, "config.json");
-  EXPECT(unlink(p) == 0 && mkfifo(p, 0600) == 0);
+  EXPECT_TRUE(unlink(p) == 0 && mkfifo(p, 0600) == 0);
   EXPECT_ERR(load_dir(dir), TW_ERR_INVALID_ARGUMENT, "config.json is not a regular file");
 }
 
