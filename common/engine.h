@@ -221,6 +221,13 @@ typedef struct {
   float *logits_out;                  /* may be NULL */
   const tw_sample_params_t *sample;   /* [n_seqs] or NULL */
   int32_t *next_tokens_out;           /* may be NULL */
+  /* NULL, or called on the calling thread while the step computes: CUDA,
+   * again and again instead of blocking in the stream sync; CPU (which
+   * computes on the calling thread), once before each layer. For work that
+   * must not wait a whole step, e.g. the decode worker's UCX progress that
+   * lands other workers' KV puts. Must not call the engine. */
+  void (*while_running)(void *arg);
+  void *while_running_arg;
 } tw_decode_args_t;
 tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args);
 

@@ -475,6 +475,14 @@ static void tw_decoder_batch_add(tw_decoder_t *d, tw_dseq_t *s, int32_t *cnt) {
  * running sequences than max_batch takes them in turns: its batch starts
  * after the last sequence it ran (its own step_start, so that another
  * rank's batch cannot make it start at the same sequence again). */
+/* While the GPU computes a step: progress UCX, so that prefill workers' KV
+ * puts into this worker's pool (emulated over active messages on the staged
+ * path: they move only while we progress) and their flushes land at transfer
+ * speed instead of one progress call per decode step (measured on the H200
+ * with gpt-oss-20b shapes: 357 ms per 28 MB handoff, 2.6 requests/s, while
+ * the step was 10 ms). */
+static void tw_decoder_kv_progress(void *xfer) { tw_kv_xfer_progress((tw_kv_xfer_t *)xfer); }
+
 static tw_status_t tw_decoder_step(tw_decoder_t *d) {
   const int32_t B = d->max_batch, R = d->n_dp;
   int32_t cnt[TW_DECODE_MAX_DP] = {0}, running[TW_DECODE_MAX_DP] = {0}, n = 0;
@@ -506,7 +514,8 @@ static tw_status_t tw_decoder_step(tw_decoder_t *d) {
     bt[r] = (tw_dist_dp_batch_t){
         .args = {.n_seqs = cnt[r], .tokens = d->tok + r * B, .positions = d->pos + r * B,
                  .block_tables = d->tables + r * B, .n_blocks = d->nb + r * B,
-                 .sample = d->samp + r * B, .next_tokens_out = d->out + r * B},
+                 .sample = d->samp + r * B, .next_tokens_out = d->out + r * B,
+                 .while_running = tw_decoder_kv_progress, .while_running_arg = d->xfer},
         .pad_block = d->pad[r]};
   /* plan to the other ranks; dp: every rank its batch, empty ones a padding row */
   tw_status_t st = R > 1 ? tw_dist_engine_decode_dp(d->dist, d->engine, bt)

@@ -498,6 +498,15 @@ tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a) {
   if (a->logits_out)
     TW_CUDA_CHECK(cudaMemcpyAsync(a->logits_out, ce->logits, (size_t)n * V * 4,
                                   cudaMemcpyDeviceToHost, s));
+  if (a->while_running) { /* poll the step, giving the caller the waiting time */
+    for (;;) {
+      cudaError_t q = cudaStreamQuery(s);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady)
+        return tw_err(TW_ERR_CUDA, "decode step: %s", cudaGetErrorString(q));
+      a->while_running(a->while_running_arg);
+    }
+  }
   TW_CUDA_CHECK(cudaStreamSynchronize(s));
   if (a->next_tokens_out) memcpy(a->next_tokens_out, ce->h_next, (size_t)n * 4);
   return TW_OK;

@@ -50,6 +50,10 @@ typedef struct {
   float *sample_scratch;                    /* [2V] */
   tw_cpu_tp_t tp;                           /* this rank's heads/experts/vocab (issue 6) */
   const tw_prefill_pass_t *layer_cb;        /* prefill: on_pass_layer after each KV write */
+  /* the running decode step's tw_decode_args_t.while_running, called once
+   * per layer (NULL outside a decode step) */
+  void (*while_running)(void *arg);
+  void *while_running_arg;
 } tw_cpu_state_t;
 
 /* ---- model checks ---------------------------------------------------------- */
@@ -291,6 +295,7 @@ static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *toke
   }
   for (int32_t l = 0; l < c->n_layers; l++) {
     const tw_layer_weights_t *w = &m->layers[l];
+    if (s->while_running) s->while_running(s->while_running_arg);
     tw_cpu_rmsnorm(s->x, T, H, w->attn_norm.data, c->rms_norm_eps, s->xn);
     const uint16_t *qw = w->q_w.data, *qb = w->q_b.data, *kw = w->k_w.data, *kb = w->k_b.data;
     const uint16_t *vw = w->v_w.data, *vb = w->v_b.data, *ow = w->o_w.data;
@@ -417,7 +422,10 @@ static tw_status_t tw_cpu_decode(tw_engine_t *e, const tw_decode_args_t *args) {
     rows[i] = (int32_t)i;
     s->tables[i] = args->block_tables[i];
   }
+  s->while_running = args->while_running;
+  s->while_running_arg = args->while_running_arg;
   tw_status_t st = tw_cpu_forward(e, n, args->tokens, args->positions, rows, logits ? n : 0, logits);
+  s->while_running = NULL;
   free(rows);
   TW_CHECK(st);
   if (args->next_tokens_out) {

@@ -34,6 +34,9 @@ typedef struct {
   int32_t vocab;
 } ctx_t;
 
+/* tw_decode_args_t.while_running: counts its calls */
+static void count_call(void *arg) { (*(int *)arg)++; }
+
 static int ctx_init(ctx_t *c, const tw_model_t *m, int32_t chunk, int32_t n_threads) {
   memset(c, 0, sizeof(*c));
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
@@ -209,9 +212,15 @@ static void check_batched_decode(const tw_model_t *m, const tw_fx_entry_t *a,
   int32_t toks[2] = {a->ids[a->n_ids - 1], b->ids[b->n_ids - 1]};
   int32_t pos[2] = {a->n_ids - 1, b->n_ids - 1}, nbs[2] = {12, nb_b};
   const int32_t *tabs[2] = {c.table, tb};
+  int hook_calls = 0;
   tw_decode_args_t da = {.n_seqs = 2, .tokens = toks, .positions = pos, .block_tables = tabs,
-                         .n_blocks = nbs, .logits_out = both};
+                         .n_blocks = nbs, .logits_out = both, .while_running = count_call,
+                         .while_running_arg = &hook_calls};
   TW_EXPECT(tw_engine_decode(c.engine, &da) == TW_OK, "batched decode: %s", tw_last_error());
+  /* the cpu backend gives the caller the time before each layer (engine.h) */
+  TW_EXPECT(hook_calls == tw_engine_kv_layout(c.engine)->n_layers,
+            "while_running called %d times, %d layers", hook_calls,
+            tw_engine_kv_layout(c.engine)->n_layers);
   const tw_fx_entry_t *fx[2] = {a, b};
   for (int s = 0; s < 2; s++) {
     int32_t last = fx[s]->n_ids - 1 - fx[s]->pos_begin;

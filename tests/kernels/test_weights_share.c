@@ -43,7 +43,9 @@ static int child(const char *dir, const char *out, const char *role, int hold) {
   if (!tw_cuda_available()) return 77;
   tw_model_t *m = NULL;
   char model_dir[1024];
-  snprintf(model_dir, sizeof model_dir, "%s/tiny-gptoss-wordnet-mxfp4", TW_TEST_FIXTURES_DIR);
+  const char *fixtures = getenv("TW_FIXTURES_DIR"); /* set by tests/gpu/run_gpu.sh */
+  snprintf(model_dir, sizeof model_dir, "%s/tiny-gptoss-wordnet-mxfp4",
+           fixtures ? fixtures : TW_TEST_FIXTURES_DIR);
   if (tw_model_load(model_dir, &m) != TW_OK) {
     fprintf(stderr, "child %s: load: %s\n", role, tw_last_error());
     return 1;
