@@ -63,11 +63,10 @@ static int argmax_row(const float *r, int V) {
   return b;
 }
 
-/* One checkpoint (variant "mxfp4" or "bf16") against its HF fixtures: the
- * checks of the file comment; the sampling check only when `sampling`. */
-static int run_variant(const char *model_dir, const char *fx_dir, const char *variant,
-                       int sampling) {
-  printf("== %s experts: %s against %s\n", variant, model_dir, fx_dir);
+/* Load model_dir and make a CUDA engine of kv_blocks blocks, max_batch and
+ * prefill chunk `chunk`; 0 on success (*m_p, *e_p set), 1 with a FAIL line. */
+static int open_engine(const char *model_dir, int32_t kv_blocks, int32_t max_batch, int32_t chunk,
+                       tw_model_t **m_p, tw_engine_t **e_p) {
   tw_model_t *m = NULL;
   if (tw_model_load(model_dir, &m) != TW_OK) {
     printf("FAIL cannot load %s: %s\n", model_dir, tw_last_error());
@@ -75,14 +74,26 @@ static int run_variant(const char *model_dir, const char *fx_dir, const char *va
   }
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
   p.backend = TW_BACKEND_CUDA;
-  p.kv_num_blocks = N_PROMPTS * BLOCKS_PER_SEQ + 8;
-  p.max_batch = 8;
-  p.max_prefill_chunk = 100;
-  tw_engine_t *e = NULL;
-  if (tw_engine_create(m, &p, &e) != TW_OK) {
+  p.kv_num_blocks = kv_blocks;
+  p.max_batch = max_batch;
+  p.max_prefill_chunk = chunk;
+  if (tw_engine_create(m, &p, e_p) != TW_OK) {
     printf("FAIL engine create: %s\n", tw_last_error());
+    tw_model_destroy(m);
     return 1;
   }
+  *m_p = m;
+  return 0;
+}
+
+/* One checkpoint (variant "mxfp4" or "bf16") against its HF fixtures: the
+ * checks of the file comment; the sampling check only when `sampling`. */
+static int run_variant(const char *model_dir, const char *fx_dir, const char *variant,
+                       int sampling) {
+  printf("== %s experts: %s against %s\n", variant, model_dir, fx_dir);
+  tw_model_t *m = NULL;
+  tw_engine_t *e = NULL;
+  if (open_engine(model_dir, N_PROMPTS * BLOCKS_PER_SEQ + 8, 8, 100, &m, &e)) return 1;
   int V = m->config.vocab_size;
   tw_fx_entry_t fx[N_PROMPTS];
   int32_t tables[N_PROMPTS][BLOCKS_PER_SEQ];
@@ -212,21 +223,8 @@ static int is_dir_with(const char *dir, const char *file) {
 static int run_buckets(const char *model_dir, const char *fx_dir) {
   printf("== decode buckets: batches 1..%d against batch 1\n", BK_SEQS);
   tw_model_t *m = NULL;
-  if (tw_model_load(model_dir, &m) != TW_OK) {
-    printf("FAIL cannot load %s: %s\n", model_dir, tw_last_error());
-    return 1;
-  }
-  tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
-  p.backend = TW_BACKEND_CUDA;
-  p.kv_num_blocks = BK_SEQS * BLOCKS_PER_SEQ + 8;
-  p.max_batch = BK_SEQS;
-  p.max_prefill_chunk = 512;
   tw_engine_t *e = NULL;
-  if (tw_engine_create(m, &p, &e) != TW_OK) {
-    printf("FAIL engine create: %s\n", tw_last_error());
-    tw_model_destroy(m);
-    return 1;
-  }
+  if (open_engine(model_dir, BK_SEQS * BLOCKS_PER_SEQ + 8, BK_SEQS, 512, &m, &e)) return 1;
   tw_fx_entry_t fx[N_PROMPTS];
   for (int s = 0; s < N_PROMPTS; s++)
     if (tw_fx_load(fx_dir, "mxfp4", tw_fx_prompts[s], &fx[s]) != 0) return 1;
