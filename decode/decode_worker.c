@@ -821,10 +821,6 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
         tw_dseq_release(&d, i);
       }
     }
-    if (atomic_load(&d.link.epoch) != epoch) {
-      epoch = atomic_load(&d.link.epoch);
-      tw_decoder_forget_all(&d);
-    }
     tw_decoder_commits(&d);
     /* a failed step has failed its sequences (each told why); a device
      * error is sticky (STYLE.md "Errors"): stop taking work and exit */
@@ -837,6 +833,12 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     tw_decoder_capacity(&d, &cap);
     tw_msg_note_failure(tw_worker_link_tick(&d.link, &cap, d.draining, false), "decode",
                         "cannot register with the router (retried)");
+    /* right after the tick that registered again: before any message of the
+     * new registration (a Reserve) can be taken, so only old work is dropped */
+    if (atomic_load(&d.link.epoch) != epoch) {
+      epoch = atomic_load(&d.link.epoch);
+      tw_decoder_forget_all(&d);
+    }
   }
   tw_decoder_capacity(&d, &cap);
   tw_msg_note_failure(tw_worker_link_tick(&d.link, &cap, true, true), "decode",
