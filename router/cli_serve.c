@@ -253,7 +253,8 @@ static void tw_serve_share_dir_remove(const char *dir) {
   char path[PATH_MAX];
   while (d && (e = readdir(d)) != NULL) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    int n = snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    if (n < 0 || (size_t)n >= sizeof path) continue; /* no such path: never a truncated one */
     unlink(path);
   }
   if (d) closedir(d);
