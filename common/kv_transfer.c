@@ -13,6 +13,7 @@
 
 #define TW_KV_XFER_MAGIC 0x7478666bu /* "kfxt" */
 #define TW_KV_MAX_PEERS 64
+#define TW_KV_MAX_RX_REGIONS 16
 #define TW_KV_BOUNCE_BYTES (4u << 20)
 
 /* ---- CUDA runtime through dlopen (staging, device checksums) ---- */
@@ -78,6 +79,19 @@ static tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   return TW_OK;
 }
 
+/* ---- active messages into a staged receiver's ring (kv_transfer.h) ----
+ * One message per piece: this header, then the piece's bytes (rendezvous). */
+#define TW_KV_AM_ID 0x4b56u /* "KV" */
+typedef struct {
+  uint64_t base;   /* the receiving pool's published remote_base (which region) */
+  uint64_t offset; /* destination offset in that pool */
+  uint64_t len;    /* bytes of the piece */
+  uint64_t tag;    /* the handoff (request id) */
+} tw_kv_am_hdr_t;
+/* Sends from a pool in place (host sources) in flight per peer; headers
+ * stay put until their send completes. */
+#define TW_KV_AM_INFLIGHT 256
+
 /* ---- the sender's bounded ring of bounce buffers ----
  * Used for device sources that cannot be put directly (staged path: the
  * copies run on the ring's own stream, chunk k+1..k+R-1 copying while chunk
@@ -92,6 +106,7 @@ typedef struct {
   void *stream;        /* cudaStream_t of the device-to-host copies */
   void *req[TW_KV_RING_SLOTS];    /* in-flight put from the slot */
   void *event[TW_KV_RING_SLOTS];  /* cudaEvent_t: the copy into the slot is done */
+  tw_kv_am_hdr_t hdr[TW_KV_RING_SLOTS]; /* the active message header of the slot's send */
   uint32_t next;       /* next slot to fill */
 } tw_kv_ring_t;
 
@@ -107,6 +122,9 @@ struct tw_kv_peer {
   char lanes[160];        /* the endpoint's transports, for logs */
   unsigned logged_paths;  /* bit per tw_kv_path_t already logged */
   int64_t t_first_put_ns; /* 0 when nothing is in flight */
+  void *am_req[TW_KV_AM_INFLIGHT]; /* active messages sent in place, in flight */
+  tw_kv_am_hdr_t am_hdr[TW_KV_AM_INFLIGHT];
+  int n_am;
 };
 
 struct tw_kv_xfer {
@@ -126,24 +144,48 @@ struct tw_kv_xfer {
   int64_t src_bytes;
   ucp_mem_h src_memh;
   tw_kv_xfer_stats_t stats;
+  /* regions that receive into a bounce ring (the active message handler's) */
+  tw_kv_region_t *rx[TW_KV_MAX_RX_REGIONS];
+  int n_rx;
 };
 
-/* Commits in flight per staged region (tickets complete in order). */
-#define TW_KV_MAX_COMMITS 64
+/* A piece that found every slot of the ring in use: its rendezvous
+ * descriptor (or eager data) waits here, in arrival order. */
+typedef struct {
+  tw_kv_am_hdr_t h;
+  void *desc;      /* rendezvous descriptor, or eager data kept by UCX */
+  void *copy;      /* eager data UCX would not keep: our copy (malloc) */
+  bool rndv;
+} tw_kv_rx_pending_t;
+
+/* The receive request of a slot: its region and index. */
+typedef struct {
+  tw_kv_region_t *r;
+  int32_t slot;
+} tw_kv_rx_slot_ctx_t;
 
 struct tw_kv_region {
   tw_kv_xfer_t *xfer;
   tw_kv_layout_t layout;
-  void *registered;   /* the pool itself, or its pinned host mirror */
-  bool staged;
+  void *registered;   /* the pool itself (NULL when staged: nothing is registered) */
+  bool staged;        /* receives into a bounce ring */
   ucp_mem_h memh;
   void *rkey;
   size_t rkey_len;
-  /* staged: mirror -> device copies on their own stream, one event per commit */
+  /* staged: the ring, its pinned slots, the copies' stream and events */
+  tw_kv_rxring_t *ring;
+  uint8_t *slots;
+  int32_t n_slots;
+  int64_t slot_bytes;
+  bool slots_pinned;
+  ucp_mem_h slots_memh;
   void *stream;
-  void *event[TW_KV_MAX_COMMITS];
-  uint64_t next_ticket;  /* the last ticket handed out */
-  uint64_t done_ticket;  /* every ticket <= this one is complete */
+  void **event;        /* [n_slots] */
+  tw_kv_rx_slot_ctx_t *slot_ctx; /* [n_slots] */
+  tw_kv_rx_pending_t *pending;   /* FIFO: [head, head + n_pending) mod cap_pending */
+  int32_t head, n_pending, cap_pending;
+  int32_t receiving;   /* slots whose receive request is in flight */
+  int64_t dropped;     /* pieces refused (bad header, out of memory) */
 };
 
 static int64_t tw_now_ns(void) {
@@ -170,8 +212,9 @@ static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
   x->proto_v2 = v2 && ucp_config_modify(cfg, "PROTO_ENABLE", "y") == UCS_OK;
   /* WAKEUP: the receiving side sleeps on the worker's event fd (see
    * tw_kv_xfer_wait_fd); emulated puts and flushes need its progress */
+  /* AM: pieces into a staged receiver's bounce ring (kv_transfer.h) */
   ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES,
-                         .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP};
+                         .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP};
   us = ucp_init(&params, cfg, &x->ctx);
   ucp_config_release(cfg);
   if (us != UCS_OK) {
@@ -183,6 +226,9 @@ static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
     x->cuda_native = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   return TW_OK;
 }
+
+static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_length, void *data,
+                                  size_t length, const ucp_am_recv_param_t *param);
 
 tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   tw_kv_xfer_t *x = calloc(1, sizeof *x);
@@ -210,6 +256,16 @@ tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   ucs_status_t us = ucp_worker_create(x->ctx, &wp, &x->worker);
   if (us != UCS_OK) {
     st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_create failed: %s", ucs_status_string(us));
+    goto fail;
+  }
+  /* pieces for a staged pool of this worker (tw_kv_am_recv, defined below) */
+  ucp_am_handler_param_t ah = {
+      .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG,
+      .id = TW_KV_AM_ID, .cb = tw_kv_am_recv, .arg = x};
+  us = ucp_worker_set_am_recv_handler(x->worker, &ah);
+  if (us != UCS_OK) {
+    st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_set_am_recv_handler failed: %s", ucs_status_string(us));
     goto fail;
   }
   us = ucp_worker_get_address(x->worker, &x->address, &x->address_len);
@@ -243,6 +299,11 @@ static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
       ucp_request_free(req);
     }
   }
+  for (int i = 0; i < p->n_am; i++) { /* completed (or cancelled) by the close */
+    for (int k = 0; k < 100000 && ucp_request_check_status(p->am_req[i]) == UCS_INPROGRESS; k++)
+      ucp_worker_progress(x->worker);
+    ucp_request_free(p->am_req[i]);
+  }
   free(p->address);
   free(p->rkey_buf);
   free(p);
@@ -266,8 +327,178 @@ const void *tw_kv_xfer_address(const tw_kv_xfer_t *x, size_t *len_p) {
   return x->address;
 }
 bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *x) { return x->cuda_native; }
+/* ---- the staged receive path: pieces into the region's bounce ring ---- */
+
+/* The ring's copy step: cudaMemcpyAsync on the region's stream and an event
+ * per slot (device pools), or memcpy (host pools, tests and benchmarks). */
+static tw_status_t tw_kv_rx_cuda_start(void *ctx, int32_t slot, void *dst, const void *src,
+                                       size_t len) {
+  tw_kv_region_t *r = ctx;
+  tw_cudart_t *rt = &r->xfer->cudart;
+  if (rt->memcpy_async(dst, src, len, TW_CUDA_H2D, r->stream) != 0)
+    return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of %zu staged kv bytes to the device failed", len);
+  if (rt->event_record(r->event[slot], r->stream) != 0)
+    return tw_err(TW_ERR_CUDA, "cudaEventRecord after a staged kv copy failed");
+  return TW_OK;
+}
+static tw_status_t tw_kv_rx_cuda_poll(void *ctx, int32_t slot) {
+  tw_kv_region_t *r = ctx;
+  int e = r->xfer->cudart.event_query(r->event[slot]);
+  if (e == TW_CUDA_NOT_READY) return TW_INPROGRESS;
+  if (e != 0) return tw_err(TW_ERR_CUDA, "a staged kv copy to the device failed (cuda error %d)", e);
+  return TW_OK;
+}
+static tw_status_t tw_kv_rx_host_start(void *ctx, int32_t slot, void *dst, const void *src,
+                                       size_t len) {
+  (void)ctx;
+  (void)slot;
+  memcpy(dst, src, len);
+  return TW_OK;
+}
+static tw_status_t tw_kv_rx_host_poll(void *ctx, int32_t slot) {
+  (void)ctx;
+  (void)slot;
+  return TW_OK;
+}
+
+static tw_kv_region_t *tw_kv_rx_find(tw_kv_xfer_t *x, uint64_t base) {
+  for (int i = 0; i < x->n_rx; i++)
+    if ((uint64_t)(uintptr_t)x->rx[i]->layout.base == base) return x->rx[i];
+  return NULL;
+}
+
+/* A slot's receive finished (rendezvous fetch into the slot). */
+static void tw_kv_rx_recv_done(void *request, ucs_status_t status, size_t length, void *user_data) {
+  tw_kv_rx_slot_ctx_t *c = user_data;
+  c->r->receiving--;
+  if (status != UCS_OK)
+    TW_WARN("kvx", "a staged kv piece of %zu bytes was not received: %s (its sender failed?)",
+            length, ucs_status_string(status));
+  TW_IGNORE(tw_kv_rxring_filled(c->r->ring, c->slot, status == UCS_OK)); /* logged by tw_err */
+  if (request) ucp_request_free(request);
+}
+
+/* Take piece `q` into a free slot: TW_OK (taken: received or its receive
+ * started), TW_INPROGRESS (no slot free: it waits), or an error (the piece
+ * is refused and released). */
+static tw_status_t tw_kv_rx_take(tw_kv_region_t *r, tw_kv_rx_pending_t *q) {
+  int32_t k = -1;
+  void *buf = NULL;
+  tw_status_t st = tw_kv_rxring_acquire(r->ring, (int64_t)q->h.offset, (int64_t)q->h.len,
+                                        (uint32_t)q->h.tag, &k, &buf);
+  if (st == TW_INPROGRESS) return st;
+  if (st != TW_OK) {
+    r->dropped++;
+    if (q->rndv || !q->copy) ucp_am_data_release(r->xfer->worker, q->desc);
+    free(q->copy);
+    return st;
+  }
+  if (!q->rndv) { /* eager: the bytes are here already */
+    memcpy(buf, q->copy ? q->copy : q->desc, (size_t)q->h.len);
+    if (q->copy) free(q->copy);
+    else ucp_am_data_release(r->xfer->worker, q->desc);
+    return tw_kv_rxring_filled(r->ring, k, true);
+  }
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                             UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+                             .cb.recv_am = tw_kv_rx_recv_done,
+                             .user_data = &r->slot_ctx[k],
+                             .memory_type = UCS_MEMORY_TYPE_HOST};
+  if (r->slots_memh) {
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    prm.memh = r->slots_memh;
+  }
+  void *req = ucp_am_recv_data_nbx(r->xfer->worker, q->desc, buf, (size_t)q->h.len, &prm);
+  if (UCS_PTR_IS_ERR(req)) {
+    TW_WARN("kvx", "ucp_am_recv_data_nbx of a %llu-byte staged kv piece failed: %s",
+            (unsigned long long)q->h.len, ucs_status_string(UCS_PTR_STATUS(req)));
+    return tw_kv_rxring_filled(r->ring, k, false);
+  }
+  if (req == NULL) return tw_kv_rxring_filled(r->ring, k, true); /* done at once */
+  r->receiving++;
+  return TW_OK;
+}
+
+static bool tw_kv_rx_queue(tw_kv_region_t *r, const tw_kv_rx_pending_t *q) {
+  if (r->n_pending == r->cap_pending) {
+    int32_t cap = r->cap_pending ? 2 * r->cap_pending : 64;
+    tw_kv_rx_pending_t *np = malloc(sizeof *np * (size_t)cap);
+    if (!np) return false;
+    for (int32_t i = 0; i < r->n_pending; i++)
+      np[i] = r->pending[(r->head + i) % r->cap_pending];
+    free(r->pending);
+    r->pending = np;
+    r->head = 0;
+    r->cap_pending = cap;
+  }
+  r->pending[(r->head + r->n_pending++) % r->cap_pending] = *q;
+  return true;
+}
+
+/* UCX's active message callback (in ucp_worker_progress). */
+static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_length, void *data,
+                                  size_t length, const ucp_am_recv_param_t *param) {
+  tw_kv_xfer_t *x = arg;
+  tw_kv_rx_pending_t q = {.desc = data,
+                          .rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0};
+  tw_kv_region_t *r = NULL;
+  if (header_length == sizeof q.h) memcpy(&q.h, header, sizeof q.h);
+  if (header_length != sizeof q.h || q.h.len != length || !(r = tw_kv_rx_find(x, q.h.base))) {
+    TW_WARN("kvx", "refusing a kv piece of %zu bytes: %s", length,
+            header_length != sizeof q.h ? "malformed header"
+            : q.h.len != length         ? "its length does not match its header"
+                                        : "no staged pool of this worker at that address");
+    return q.rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+  }
+  if (r->n_pending == 0) { /* else behind the waiting ones, in order */
+    tw_status_t st = tw_kv_rx_take(r, &q);
+    if (st == TW_OK) return UCS_OK;
+    if (st != TW_INPROGRESS) return q.rndv ? UCS_OK : UCS_OK; /* refused and released */
+  }
+  bool keep = q.rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
+  if (!keep) { /* eager data that UCX frees on return: copy it */
+    if (!(q.copy = malloc(length))) {
+      r->dropped++;
+      TW_ERROR("kvx", "out of memory for a waiting %zu-byte kv piece: dropped", length);
+      return UCS_OK;
+    }
+    memcpy(q.copy, data, length);
+  }
+  if (!tw_kv_rx_queue(r, &q)) {
+    r->dropped++;
+    free(q.copy);
+    TW_ERROR("kvx", "out of memory queueing a %zu-byte kv piece: dropped", length);
+    return q.rndv ? UCS_ERR_NO_MEMORY : UCS_OK;
+  }
+  return keep ? UCS_INPROGRESS : UCS_OK;
+}
+
+/* Free the slots whose copies are done, then give them to waiting pieces. */
+static tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
+  tw_status_t first = tw_kv_rxring_poll(r->ring, NULL);
+  while (r->n_pending > 0) {
+    tw_kv_rx_pending_t *q = &r->pending[r->head];
+    tw_status_t st = tw_kv_rx_take(r, q);
+    if (st == TW_INPROGRESS) break;
+    if (st != TW_OK && first == TW_OK) first = st;
+    r->head = (r->head + 1) % r->cap_pending;
+    r->n_pending--;
+  }
+  return first;
+}
+
 void tw_kv_xfer_progress(tw_kv_xfer_t *x) {
-  while (ucp_worker_progress(x->worker)) {
+  for (int round = 0; round < 64; round++) {
+    int events = 0;
+    while (ucp_worker_progress(x->worker)) events++;
+    int32_t moved = 0;
+    for (int i = 0; i < x->n_rx; i++) {
+      tw_kv_region_t *r = x->rx[i];
+      int32_t before = r->n_pending;
+      TW_IGNORE(tw_kv_rx_pump(r)); /* a failed copy is logged; its blocks never land */
+      moved += before - r->n_pending;
+    }
+    if (!events && !moved) break;
   }
 }
 void tw_kv_xfer_stats(const tw_kv_xfer_t *x, tw_kv_xfer_stats_t *out) { *out = x->stats; }
@@ -277,6 +508,12 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
   if (ucp_worker_get_efd(x->worker, &fd) != UCS_OK) return -1;
   for (int i = 0; i < 64; i++) {
     tw_kv_xfer_progress(x);
+    /* copies out of a ring finish without a UCX event: do not sleep on them */
+    for (int k = 0; k < x->n_rx; k++) {
+      tw_kv_rxring_stats_t s;
+      tw_kv_rxring_stats(x->rx[k]->ring, &s);
+      if (s.slots_in_use > 0 || x->rx[k]->n_pending > 0) return -1;
+    }
     ucs_status_t s = ucp_worker_arm(x->worker);
     if (s == UCS_OK) return fd;
     if (s != UCS_ERR_BUSY) return -1;
@@ -284,52 +521,99 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
   return -1; /* events keep coming: do not sleep */
 }
 
+/* The ring of a staged region: pinned slots (device pools) or malloc'd ones
+ * (a host pool asked to stage), the copies' stream and events. */
+static tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r, const tw_kv_region_params_t *prm) {
+  tw_kv_xfer_t *x = r->xfer;
+  const tw_kv_layout_t *l = &r->layout;
+  TW_CHECK(tw_kv_rxring_size_from_env(&r->n_slots, &r->slot_bytes));
+  if (prm && prm->n_slots > 0) r->n_slots = prm->n_slots;
+  if (prm && prm->slot_bytes > 0) r->slot_bytes = prm->slot_bytes;
+  if (x->n_rx == TW_KV_MAX_RX_REGIONS)
+    return tw_err(TW_ERR_EXHAUSTED, "at most %d staged kv pools per ucx worker", TW_KV_MAX_RX_REGIONS);
+  size_t bytes = (size_t)r->n_slots * (size_t)r->slot_bytes;
+  r->event = calloc((size_t)r->n_slots, sizeof *r->event);
+  r->slot_ctx = calloc((size_t)r->n_slots, sizeof *r->slot_ctx);
+  if (!r->event || !r->slot_ctx) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv staging ring");
+  tw_kv_rxring_params_t rp = {.pool = l->base, .n_layers = l->n_layers, .n_blocks = l->n_blocks,
+                              .block_bytes = l->block_bytes,
+                              .layer_stride_bytes = l->layer_stride_bytes,
+                              .total_bytes = l->total_bytes, .n_slots = r->n_slots,
+                              .slot_bytes = r->slot_bytes};
+  if (l->on_device) {
+    TW_CHECK(tw_cudart_load(&x->cudart));
+    void *m = NULL;
+    if (x->cudart.host_alloc(&m, bytes, 0) != 0)
+      return tw_err(TW_ERR_NO_MEMORY, "cudaHostAlloc of the %zu-byte kv staging ring failed", bytes);
+    r->slots = m;
+    r->slots_pinned = true;
+    if (x->cudart.stream_create(&r->stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
+      r->stream = NULL;
+      return tw_err(TW_ERR_CUDA, "cudaStreamCreate for the kv staging copies failed");
+    }
+    for (int32_t k = 0; k < r->n_slots; k++)
+      if (x->cudart.event_create(&r->event[k], TW_CUDA_EVENT_DISABLE_TIMING) != 0) {
+        r->event[k] = NULL;
+        return tw_err(TW_ERR_CUDA, "cudaEventCreate for the kv staging copies failed");
+      }
+    rp.copy = (tw_kv_rxring_copy_t){tw_kv_rx_cuda_start, tw_kv_rx_cuda_poll, r};
+  } else {
+    if (!(r->slots = malloc(bytes)))
+      return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the %zu-byte kv staging ring", bytes);
+    rp.copy = (tw_kv_rxring_copy_t){tw_kv_rx_host_start, tw_kv_rx_host_poll, r};
+  }
+  rp.slots_mem = r->slots;
+  for (int32_t k = 0; k < r->n_slots; k++) r->slot_ctx[k] = (tw_kv_rx_slot_ctx_t){r, k};
+  TW_CHECK(tw_kv_rxring_create(&rp, &r->ring));
+  ucp_mem_map_params_t mp = {
+      .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+      .address = r->slots, .length = bytes, .memory_type = UCS_MEMORY_TYPE_HOST};
+  if (ucp_mem_map(x->ctx, &mp, &r->slots_memh) != UCS_OK) r->slots_memh = NULL; /* still works */
+  x->rx[x->n_rx++] = r;
+  return TW_OK;
+}
+
 tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
                                   tw_kv_region_t **region_p) {
+  return tw_kv_region_register_ex(x, layout, NULL, region_p);
+}
+
+tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
+                                     const tw_kv_region_params_t *prm, tw_kv_region_t **region_p) {
   if (!layout || !layout->base || layout->total_bytes <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv region: empty pool layout");
   tw_kv_region_t *r = calloc(1, sizeof *r);
   if (!r) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv region");
   r->xfer = x;
   r->layout = *layout;
-  r->registered = layout->base;
   tw_status_t st = TW_OK;
-  ucs_memory_type_t mt = UCS_MEMORY_TYPE_HOST;
   /* TWAIN_KV_PATH=staged: stage even with CUDA transports (prefill workers
    * without them, nodes without a cuda_ipc path, the staged benchmark) */
   const char *want = getenv("TWAIN_KV_PATH");
   bool force_staged = want && strcmp(want, "staged") == 0;
-  if (layout->on_device) {
-    if (x->cuda_native && !force_staged) {
-      mt = UCS_MEMORY_TYPE_CUDA;
-    } else {
-      TW_CHECK_GOTO(tw_cudart_load(&x->cudart), st, fail);
-      if (x->cudart.host_alloc(&r->registered, (size_t)layout->total_bytes, 0) != 0) {
-        r->registered = NULL;
-        st = tw_err(TW_ERR_NO_MEMORY, "cudaHostAlloc of a %lld-byte kv mirror failed",
-                    (long long)layout->total_bytes);
-        goto fail;
-      }
-      r->staged = true;
-      if (x->cudart.stream_create(&r->stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
-        r->stream = NULL;
-        st = tw_err(TW_ERR_CUDA, "cudaStreamCreate for the kv commit copies failed");
-        goto fail;
-      }
-      for (int k = 0; k < TW_KV_MAX_COMMITS; k++)
-        if (x->cudart.event_create(&r->event[k], TW_CUDA_EVENT_DISABLE_TIMING) != 0) {
-          r->event[k] = NULL;
-          st = tw_err(TW_ERR_CUDA, "cudaEventCreate for the kv commit copies failed");
-          goto fail;
-        }
-    }
+  r->staged = (prm && prm->staging_ring) ||
+              (layout->on_device && (!x->cuda_native || force_staged));
+  if (r->staged) {
+    TW_CHECK_GOTO(tw_kv_rx_ring_init(r, prm), st, fail);
+    TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, STAGED receive: a ring "
+            "of %d x %lld MiB %s bounce buffers (TWAIN_KV_STAGING_SLOTS, TWAIN_KV_STAGING_SLOT_MB), "
+            "copied to the pool on its own stream; no pinned mirror%s",
+            (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, r->n_slots,
+            (long long)(r->slot_bytes >> 20), r->slots_pinned ? "pinned" : "host",
+            !layout->on_device ? " (host pool, staged on request)"
+            : x->cuda_native   ? " (TWAIN_KV_PATH=staged)"
+                               : " (UCX has no CUDA support)");
+    *region_p = r;
+    return TW_OK;
   }
+  r->registered = layout->base;
   ucp_mem_map_params_t mp = {
       .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                     UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
       .address = r->registered,
       .length = (size_t)layout->total_bytes,
-      .memory_type = mt};
+      .memory_type = layout->on_device ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST};
   ucs_status_t us = ucp_mem_map(x->ctx, &mp, &r->memh);
   if (us != UCS_OK) {
     r->memh = NULL;
@@ -353,17 +637,11 @@ tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
   memcpy(r->rkey, buf, len);
   r->rkey_len = len;
   ucp_rkey_buffer_release(buf);
-  TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, rkey %zu bytes%s",
-          (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, len,
-          r->staged ? ", pinned host mirror" : "");
+  TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, rkey %zu bytes",
+          (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, len);
   TW_INFO("kvx", "kv handoff mode (receive): %s",
           !layout->on_device ? "host KV pool, registered in place"
-          : r->staged ? (x->cuda_native
-                             ? "device KV pool STAGED (TWAIN_KV_PATH=staged): puts land in a pinned "
-                               "host mirror, copied to the device per handoff"
-                             : "device KV pool STAGED: puts land in a pinned host mirror, copied to "
-                               "the device per handoff (UCX has no CUDA support)")
-                      : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
+                             : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
   *region_p = r;
   return TW_OK;
 fail:
@@ -373,14 +651,29 @@ fail:
 
 void tw_kv_region_unregister(tw_kv_region_t *r) {
   if (!r) return;
-  for (int k = 0; k < TW_KV_MAX_COMMITS; k++)
-    if (r->event[k]) {
-      r->xfer->cudart.event_sync(r->event[k]); /* no copy may still read the mirror */
-      r->xfer->cudart.event_destroy(r->event[k]);
-    }
-  if (r->stream) r->xfer->cudart.stream_destroy(r->stream);
-  if (r->memh) ucp_mem_unmap(r->xfer->ctx, r->memh);
-  if (r->staged && r->registered) r->xfer->cudart.free_host(r->registered);
+  tw_kv_xfer_t *x = r->xfer;
+  for (int i = 0; i < x->n_rx; i++)
+    if (x->rx[i] == r) x->rx[i] = x->rx[--x->n_rx];
+  /* no receive or copy may still write a slot or the pool */
+  for (int i = 0; i < 100000 && r->receiving > 0; i++) ucp_worker_progress(x->worker);
+  if (r->ring && tw_kv_rxring_drain(r->ring, 10000) != TW_OK)
+    TW_WARN("kvx", "unregistering a staged kv pool with copies still running");
+  for (int32_t i = 0; i < r->n_pending; i++) { /* their senders see them dropped */
+    tw_kv_rx_pending_t *q = &r->pending[(r->head + i) % r->cap_pending];
+    if (q->copy) free(q->copy);
+    else ucp_am_data_release(x->worker, q->desc);
+  }
+  free(r->pending);
+  for (int32_t k = 0; r->event && k < r->n_slots; k++)
+    if (r->event[k]) x->cudart.event_destroy(r->event[k]);
+  if (r->stream) x->cudart.stream_destroy(r->stream);
+  if (r->slots_memh) ucp_mem_unmap(x->ctx, r->slots_memh);
+  if (r->slots && r->slots_pinned) x->cudart.free_host(r->slots);
+  else free(r->slots);
+  tw_kv_rxring_destroy(r->ring);
+  free(r->event);
+  free(r->slot_ctx);
+  if (r->memh) ucp_mem_unmap(x->ctx, r->memh);
   free(r->rkey);
   free(r);
 }
@@ -393,7 +686,7 @@ const void *tw_kv_region_rkey(const tw_kv_region_t *r, size_t *len_p) {
 void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *o) {
   const tw_kv_layout_t *l = &r->layout;
   *o = (tw_kv_remote_layout_t){.dtype = l->dtype,
-                               .on_device = l->on_device && !r->staged,
+                               .on_device = l->on_device,
                                .n_layers = l->n_layers,
                                .n_blocks = l->n_blocks,
                                .block_size = l->block_size,
@@ -401,71 +694,46 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *
                                .head_dim = l->head_dim,
                                .layer_stride_bytes = l->layer_stride_bytes,
                                .block_bytes = l->block_bytes,
-                               .remote_base = (uint64_t)(uintptr_t)r->registered,
-                               .total_bytes = l->total_bytes};
+                               .remote_base = (uint64_t)(uintptr_t)l->base,
+                               .total_bytes = l->total_bytes,
+                               .staging_slot_bytes = r->staged ? r->slot_bytes : 0};
 }
 
-tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *r, uint64_t ticket) {
-  if (ticket <= r->done_ticket) return TW_OK;
-  if (ticket > r->next_ticket)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "kv commit ticket %llu was never handed out",
-                  (unsigned long long)ticket);
-  int e = r->xfer->cudart.event_query(r->event[ticket % TW_KV_MAX_COMMITS]);
-  if (e == TW_CUDA_NOT_READY) return TW_INPROGRESS;
-  if (e != 0) return tw_err(TW_ERR_CUDA, "a kv commit copy to the device failed (cuda error %d)", e);
-  r->done_ticket = ticket; /* one stream: the earlier ones are done too */
-  return TW_OK;
-}
-
-tw_status_t tw_kv_region_commit_start(tw_kv_region_t *r, const int32_t *ids, int32_t n,
-                                      uint64_t *ticket_p) {
-  *ticket_p = 0;
+tw_status_t tw_kv_region_landed(tw_kv_region_t *r, uint64_t tag, const int32_t *ids, int32_t n,
+                                const int32_t *firsts) {
   if (!r->staged) return TW_OK;
-  const tw_kv_layout_t *l = &r->layout;
-  for (int32_t i = 0; i < n; i++)
-    if (ids[i] < 0 || ids[i] >= l->n_blocks)
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "kv commit: block %d outside the pool of %d", ids[i],
-                    l->n_blocks);
-  /* the event slot of the new ticket must be free: its ticket - MAX done */
-  uint64_t t = r->next_ticket + 1;
-  if (t - r->done_ticket >= TW_KV_MAX_COMMITS) {
-    uint64_t old = t - TW_KV_MAX_COMMITS;
-    if (r->xfer->cudart.event_sync(r->event[old % TW_KV_MAX_COMMITS]) != 0)
-      return tw_err(TW_ERR_CUDA, "a kv commit copy to the device failed");
-    r->done_ticket = old;
+  tw_status_t st = tw_kv_rx_pump(r);
+  if (st != TW_OK) return st;
+  return tw_kv_rxring_landed(r->ring, (uint32_t)tag, ids, n, firsts);
+}
+
+tw_status_t tw_kv_region_commit(tw_kv_region_t *r, uint64_t tag, const int32_t *ids, int32_t n,
+                                const int32_t *firsts, int timeout_ms) {
+  int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
+  for (;;) {
+    tw_kv_xfer_progress(r->xfer);
+    tw_status_t st = tw_kv_region_landed(r, tag, ids, n, firsts);
+    if (st != TW_INPROGRESS) return st;
+    if (tw_now_ns() > deadline)
+      return tw_err(TW_ERR_DEADLINE, "the kv of handoff %llu was not all in the pool within %d ms",
+                    (unsigned long long)tag, timeout_ms);
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, NULL);
   }
-  tw_cudart_t *rt = &r->xfer->cudart;
-  for (int32_t layer = 0; layer < l->n_layers; layer++)
-    for (int32_t i = 0, k; i < n; i += k) { /* one copy per run of consecutive blocks */
-      k = tw_kv_run_length(ids, ids, i, n);
-      int64_t off = layer * l->layer_stride_bytes + (int64_t)ids[i] * l->block_bytes;
-      if (rt->memcpy_async((char *)l->base + off, (char *)r->registered + off,
-                           (size_t)(k * l->block_bytes), TW_CUDA_H2D, r->stream) != 0)
-        return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of kv blocks %d..%d layer %d to the device failed",
-                      ids[i], ids[i] + k - 1, layer);
-    }
-  if (rt->event_record(r->event[t % TW_KV_MAX_COMMITS], r->stream) != 0)
-    return tw_err(TW_ERR_CUDA, "cudaEventRecord after the kv commit copies failed");
-  r->next_ticket = t;
-  *ticket_p = t;
-  return TW_OK;
 }
 
-tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *r, uint64_t ticket) {
-  tw_status_t st = tw_kv_region_commit_poll(r, ticket);
-  if (st != TW_INPROGRESS) return st;
-  if (r->xfer->cudart.event_sync(r->event[ticket % TW_KV_MAX_COMMITS]) != 0)
-    return tw_err(TW_ERR_CUDA, "a kv commit copy to the device failed");
-  r->done_ticket = ticket;
-  return TW_OK;
+bool tw_kv_region_staging_stats(const tw_kv_region_t *r, tw_kv_rxring_stats_t *out) {
+  if (!r->ring) return false;
+  tw_kv_rxring_stats(r->ring, out);
+  return true;
 }
 
-tw_status_t tw_kv_region_commit(tw_kv_region_t *r, const int32_t *ids, int32_t n) {
-  uint64_t t = 0;
-  TW_CHECK(tw_kv_region_commit_start(r, ids, n, &t));
-  return tw_kv_region_commit_wait(r, t);
+void tw_kv_layer_firsts(const tw_model_config_t *c, int32_t n_tokens, int32_t block_size,
+                        int32_t *firsts) {
+  for (int32_t l = 0; l < c->n_layers; l++)
+    firsts[l] = tw_kv_layer_first_block(n_tokens, block_size, c->layer_types[l] == TW_LAYER_SLIDING,
+                                        c->sliding_window);
 }
-
 static void tw_kv_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
   tw_kv_peer_t *p = arg;
   p->failed = 1;
@@ -573,7 +841,8 @@ tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address
     tw_kv_ep_lanes(p, x->proto_v2);
     x->peers[x->n_peers++] = p;
   }
-  if (!p->rkey || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
+  /* a staged receiver publishes no rkey: its pieces go as active messages */
+  if (rkey_len && (!p->rkey || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0)) {
     if (p->rkey) ucp_rkey_destroy(p->rkey);
     p->rkey = NULL;
     free(p->rkey_buf);
@@ -716,12 +985,82 @@ static tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_layout_t *src
  * source, up to TW_KV_RING_SLOTS chunks ahead), then checksum and (if `put`)
  * put each chunk to raddr + its offset. A slot is refilled only after its
  * previous put completed locally. */
+/* Wait (progressing, at most timeout_ms) until the active messages sent in
+ * place to `p` completed (the receiver fetched them), freeing them.
+ * Errors: TW_ERR_DEADLINE (the peer is marked failed), TW_ERR_UNAVAILABLE
+ * (a send failed). */
+static tw_status_t tw_kv_am_wait(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
+  int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
+  ucs_status_t bad = UCS_OK;
+  for (int i = 0; i < p->n_am; i++) {
+    ucs_status_t s;
+    while ((s = ucp_request_check_status(p->am_req[i])) == UCS_INPROGRESS) {
+      ucp_worker_progress(x->worker);
+      if (tw_now_ns() > deadline) {
+        p->failed = 1; /* the endpoint is dropped; its close completes these */
+        return tw_err(TW_ERR_DEADLINE,
+                      "the decode worker did not take %d staged kv pieces within %d ms",
+                      p->n_am - i, timeout_ms);
+      }
+    }
+    if (s != UCS_OK && bad == UCS_OK) bad = s;
+    ucp_request_free(p->am_req[i]);
+    p->am_req[i] = NULL;
+  }
+  p->n_am = 0;
+  if (bad != UCS_OK) {
+    p->failed = 1;
+    return tw_err(TW_ERR_UNAVAILABLE, "a staged kv piece was refused by the decode worker: %s",
+                  ucs_status_string(bad));
+  }
+  return TW_OK;
+}
+
+typedef enum {
+  TW_KV_RING_READ = 0, /* checksum only */
+  TW_KV_RING_PUT = 1,  /* put each chunk to raddr + its offset */
+  TW_KV_RING_AM = 2,   /* send each chunk into the receiver's bounce ring (dst) */
+} tw_kv_ring_mode_t;
+
+/* The largest piece a staged receiver takes (one of its slots, at most one
+ * of ours). */
+static int64_t tw_kv_am_chunk(const tw_kv_remote_layout_t *dst) {
+  return dst->staging_slot_bytes < TW_KV_RING_SLOT_BYTES ? dst->staging_slot_bytes
+                                                         : TW_KV_RING_SLOT_BYTES;
+}
+
+/* Send `len` bytes at `buf` as one active message to the staged receiver
+ * `dst`, landing at raddr (forced rendezvous: the receiver fetches it when
+ * it has a slot). *hdr must stay put until the request completes. */
+static tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_remote_layout_t *dst,
+                                 const void *buf, int64_t len, uint64_t raddr, ucp_mem_h memh,
+                                 ucs_memory_type_t mt, tw_kv_am_hdr_t *hdr, void **req_p) {
+  *hdr = (tw_kv_am_hdr_t){.base = dst->remote_base, .offset = raddr - dst->remote_base,
+                          .len = (uint64_t)len, .tag = dst->handoff_tag};
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+                             .flags = UCP_AM_SEND_FLAG_RNDV,
+                             .memory_type = mt};
+  if (memh) {
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    prm.memh = memh;
+  }
+  void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_ID, hdr, sizeof *hdr, buf, (size_t)len, &prm);
+  if (UCS_PTR_IS_ERR(req))
+    return tw_err(TW_ERR_TRANSPORT, "ucp_am_send_nbx of %lld kv bytes failed: %s", (long long)len,
+                  ucs_status_string(UCS_PTR_STATUS(req)));
+  *req_p = req;
+  x->stats.puts++;
+  x->stats.ring_bytes += len;
+  return TW_OK;
+}
+
 static tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
                                   const tw_kv_seg_t *segs, int32_t n_segs, int64_t total,
-                                  uint64_t raddr, uint64_t *h, bool put) {
+                                  uint64_t raddr, uint64_t *h, tw_kv_ring_mode_t mode,
+                                  const tw_kv_remote_layout_t *dst) {
   TW_CHECK(tw_kv_ring_init(x, device));
   tw_kv_ring_t *g = &x->ring;
-  const int64_t S = TW_KV_RING_SLOT_BYTES;
+  const int64_t S = mode == TW_KV_RING_AM ? tw_kv_am_chunk(dst) : TW_KV_RING_SLOT_BYTES;
   int64_t n_chunks = (total + S - 1) / S, copied = 0, sent = 0, so = 0;
   int32_t si = 0;
   int slot_of[TW_KV_RING_SLOTS];
@@ -730,16 +1069,16 @@ static tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
       int k = (int)(g->next++ % TW_KV_RING_SLOTS);
       TW_CHECK(tw_kv_req_wait(x, &g->req[k]));
       int64_t len = total - copied * S < S ? total - copied * S : S;
-      uint8_t *dst = g->mem + (int64_t)k * S;
+      uint8_t *slot = g->mem + (int64_t)k * TW_KV_RING_SLOT_BYTES;
       for (int64_t done = 0; done < len && si < n_segs;) {
         int64_t piece = segs[si].bytes - so < len - done ? segs[si].bytes - so : len - done;
         if (device) {
-          if (piece > 0 && x->cudart.memcpy_async(dst + done, (const char *)segs[si].ptr + so,
+          if (piece > 0 && x->cudart.memcpy_async(slot + done, (const char *)segs[si].ptr + so,
                                                   (size_t)piece, TW_CUDA_D2H, g->stream) != 0)
             return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of %lld kv bytes to the bounce ring failed",
                           (long long)piece);
         } else if (piece > 0) {
-          memcpy(dst + done, (const char *)segs[si].ptr + so, (size_t)piece);
+          memcpy(slot + done, (const char *)segs[si].ptr + so, (size_t)piece);
         }
         done += piece;
         so += piece;
@@ -755,11 +1094,15 @@ static tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
     }
     int k = slot_of[sent % TW_KV_RING_SLOTS];
     int64_t len = total - sent * S < S ? total - sent * S : S;
-    const uint8_t *src = g->mem + (int64_t)k * S;
+    const uint8_t *src = g->mem + (int64_t)k * TW_KV_RING_SLOT_BYTES;
     if (device && x->cudart.event_sync(g->event[k]) != 0)
       return tw_err(TW_ERR_CUDA, "a kv copy to the bounce ring failed");
     if (h) *h = tw_kv_fnv1a(*h, src, (size_t)len);
-    if (put) {
+    if (mode == TW_KV_RING_AM) {
+      TW_CHECK(tw_kv_am_send(x, p, dst, src, len, raddr + (uint64_t)(sent * S), g->memh,
+                             UCS_MEMORY_TYPE_HOST, &g->hdr[k], &g->req[k]));
+      if (device) x->stats.staged_bytes += len;
+    } else if (mode == TW_KV_RING_PUT) {
       ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
                                  .memory_type = UCS_MEMORY_TYPE_HOST};
       if (g->memh) {
@@ -784,8 +1127,15 @@ tw_kv_path_t tw_kv_xfer_path(const tw_kv_peer_t *p, bool src_on_device, bool dst
   return src_on_device ? TW_KV_PATH_STAGED : TW_KV_PATH_HOST;
 }
 
+tw_kv_path_t tw_kv_xfer_path_to(const tw_kv_peer_t *p, bool src_on_device,
+                                const tw_kv_remote_layout_t *dst) {
+  return dst->staging_slot_bytes > 0 ? TW_KV_PATH_STAGED_RECV
+                                     : tw_kv_xfer_path(p, src_on_device, dst->on_device);
+}
+
 const char *tw_kv_path_name(tw_kv_path_t path) {
   switch (path) {
+    case TW_KV_PATH_STAGED_RECV: return "staged (the receiver's bounce ring)";
     case TW_KV_PATH_HOST: return "host";
     case TW_KV_PATH_DIRECT_CUDA_IPC: return "direct cuda_ipc";
     case TW_KV_PATH_STAGED: return "staged";
@@ -815,7 +1165,9 @@ tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_
                   "kv put of %lld bytes at remote offset %llu is outside the remote pool (%lld bytes)",
                   (long long)total, (unsigned long long)(raddr - dst->remote_base),
                   (long long)dst->total_bytes);
-  tw_kv_path_t path = tw_kv_xfer_path(p, src->on_device, dst->on_device);
+  tw_kv_path_t path = tw_kv_xfer_path_to(p, src->on_device, dst);
+  if (path != TW_KV_PATH_STAGED_RECV && !p->rkey)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "kv put: the decode worker published no rkey for its pool");
   if (!(p->logged_paths & (1u << path))) {
     p->logged_paths |= 1u << path;
     TW_INFO("kvx", "kv handoff path to a decode worker: %s (%s pool -> %s pool; ucx lanes: %s)",
@@ -832,12 +1184,28 @@ tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_
                     "into device memory. Both workers need the CUDA-enabled UCX "
                     "(deploy/build_ucx_cuda.sh) with cuda_ipc in UCX_TLS, or neither",
                     p->lanes[0] ? p->lanes : "unknown");
+    case TW_KV_PATH_STAGED_RECV:
+      if (src->on_device || n_segs > 1) { /* through our ring: a device copy, or a gather */
+        TW_CHECK(tw_kv_ring_put(x, p, src->on_device, segs, n_segs, total, raddr, h, TW_KV_RING_AM,
+                                dst));
+        break;
+      }
+      /* one host piece: sent in place, a slot's worth at a time */
+      for (int64_t off = 0, C = tw_kv_am_chunk(dst); off < total; off += C) {
+        if (p->n_am == TW_KV_AM_INFLIGHT) TW_CHECK(tw_kv_am_wait(x, p, 10000));
+        int64_t len = total - off < C ? total - off : C;
+        TW_CHECK(tw_kv_am_send(x, p, dst, (const char *)segs[0].ptr + off, len, raddr + (uint64_t)off,
+                               NULL, UCS_MEMORY_TYPE_HOST, &p->am_hdr[p->n_am], &p->am_req[p->n_am]));
+        if (p->am_req[p->n_am]) p->n_am++;
+      }
+      if (h) *h = tw_kv_fnv1a(*h, segs[0].ptr, (size_t)total);
+      break;
     case TW_KV_PATH_STAGED:
-      TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, true));
+      TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, TW_KV_RING_PUT, dst));
       break;
     case TW_KV_PATH_HOST:
       if (n_segs > 1) { /* gather into one put */
-        TW_CHECK(tw_kv_ring_put(x, p, false, segs, n_segs, total, raddr, h, true));
+        TW_CHECK(tw_kv_ring_put(x, p, false, segs, n_segs, total, raddr, h, TW_KV_RING_PUT, dst));
         break;
       }
       __attribute__((fallthrough)); /* one piece: put in place */
@@ -865,7 +1233,7 @@ tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_
         if (path == TW_KV_PATH_DIRECT_CUDA_IPC) x->stats.direct_bytes += segs[i].bytes;
       }
       if (h && src->on_device) /* read back through the ring: no put */
-        TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, false));
+        TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, TW_KV_RING_READ, dst));
       else if (h)
         for (int32_t i = 0; i < n_segs; i++) *h = tw_kv_fnv1a(*h, segs[i].ptr, (size_t)segs[i].bytes);
       break;
@@ -914,6 +1282,9 @@ int32_t tw_kv_run_length(const int32_t *src_ids, const int32_t *dst_ids, int32_t
 }
 
 tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
+  /* active messages complete when the receiver fetched them (an endpoint
+   * flush does not wait for a rendezvous the receiver has not started) */
+  if (p->n_am) TW_CHECK(tw_kv_am_wait(x, p, timeout_ms));
   ucp_request_param_t prm = {.op_attr_mask = 0};
   void *req = ucp_ep_flush_nbx(p->ep, &prm);
   if (UCS_PTR_IS_ERR(req)) {

@@ -68,12 +68,15 @@ bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t target, bool per_laye
                             int *ok_layers_p, int *bad_layers_p, char *msg, size_t msg_len);
 
 /** Rank 0 of a TP decode worker whose pools are staged (UCX without CUDA
- *  memory support): have every other rank copy blocks ids[nb] from its
- *  pinned mirror to its device pool (tw_kv_region_commit), waiting for all
- *  of them; rank 0 commits its own pool itself. A group of one: nothing.
- *  Errors: TW_ERR_CUDA (a rank's copy failed, or a rank did not answer; the
- *  message names it). */
-tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, const int32_t *ids, int32_t nb);
+ *  memory support): wait until every other rank has every byte of handoff
+ *  `tag` (the request id) for blocks ids[nb] of a prompt of n_prompt tokens
+ *  in its device pool (tw_kv_region_commit there; the prefill worker has
+ *  flushed, so only copies out of their bounce rings remain); rank 0 polls
+ *  its own pool itself. A group of one: nothing.
+ *  Errors: TW_ERR_CUDA (a rank's pieces did not land or a copy failed, or a
+ *  rank did not answer; the message names it). */
+tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, uint64_t tag, int32_t n_prompt,
+                                   const int32_t *ids, int32_t nb);
 
 /** The other ranks: follow rank 0's plans until it says stop, progressing
  *  UCX between them (received puts may need the target's progress). */

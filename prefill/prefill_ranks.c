@@ -26,7 +26,8 @@ static void tw_remote_layout(const Twain__Internal__V1__KvLayout *k, tw_kv_remot
                                .block_size = k->block_size, .n_kv_heads = k->n_kv_heads,
                                .head_dim = k->head_dim, .layer_stride_bytes = k->layer_stride_bytes,
                                .block_bytes = k->block_bytes, .remote_base = k->remote_base,
-                               .total_bytes = k->total_bytes};
+                               .total_bytes = k->total_bytes,
+                               .staging_slot_bytes = k->staging_slot_bytes};
 }
 
 /* A decode rank whose kv heads overlap this prefill rank's. */
@@ -115,7 +116,7 @@ static tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
     const Twain__Internal__V1__KvLayout *kl = h->n_ranks ? h->ranks[d]->layout : h->layout;
     const ProtobufCBinaryData *addr = h->n_ranks ? &h->ranks[d]->ucx_address : &h->ucx_address;
     const ProtobufCBinaryData *rkey = h->n_ranks ? &h->ranks[d]->rkey : &h->rkey;
-    if (!kl || !addr->len || !rkey->len) {
+    if (!kl || !addr->len || (!rkey->len && kl->staging_slot_bytes <= 0)) { /* staged: no rkey */
       st = tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff rank %zu has no layout, UCX address or rkey", d);
       break;
     }
@@ -129,6 +130,7 @@ static tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
     }
     tw_rank_dst_t *dd = &s->dst[s->n_dst];
     tw_remote_layout(kl, &dd->rl);
+    dd->rl.handoff_tag = r->request_id;
     dd->head_offset = kl->kv_head_offset;
     st = tw_kv_xfer_peer(rk->xfer, addr->data, addr->len, rkey->data, rkey->len, &dd->peer);
     if (st == TW_OK) s->n_dst++;

@@ -75,8 +75,11 @@ static tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
                                   .head_dim = hl->head_dim,
                                   .layer_stride_bytes = hl->layer_stride_bytes,
                                   .block_bytes = hl->block_bytes, .remote_base = hl->remote_base,
-                                  .total_bytes = hl->total_bytes};
-  if (!h->ucx_address.len || !h->rkey.len) /* never hand UCX an empty address */
+                                  .total_bytes = hl->total_bytes,
+                                  .staging_slot_bytes = hl->staging_slot_bytes,
+                                  .handoff_tag = s->r->request_id};
+  /* never hand UCX an empty address; only a staged pool has no rkey */
+  if (!h->ucx_address.len || (!h->rkey.len && hl->staging_slot_bytes <= 0))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff has no UCX address or rkey");
   TW_CHECK(tw_kv_xfer_peer(s->ctx->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
                            h->rkey.len, &s->peer));
