@@ -105,7 +105,7 @@ static int decode_side(int32_t n_blocks, bool device, bool staged, int rfd, int 
     tw_kv_xfer_progress(x);
     int efd = tw_kv_xfer_wait_fd(x);
     struct pollfd pfd[2] = {{.fd = rfd, .events = POLLIN}, {.fd = efd, .events = POLLIN}};
-    if (poll(pfd, efd >= 0 && !getenv("BUSY") ? 2 : 1, efd >= 0 && !getenv("BUSY") ? 100 : 0) > 0 && (pfd[0].revents & (POLLIN | POLLHUP))) {
+    if (poll(pfd, efd >= 0 ? 2 : 1, efd >= 0 ? 100 : 0) > 0 && (pfd[0].revents & (POLLIN | POLLHUP))) {
       char cmd = 0;
       int32_t n = 0, firsts[L];
       uint64_t tag = 0;
