@@ -589,11 +589,14 @@ tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_layout_t *layo
   r->layout = *layout;
   tw_status_t st = TW_OK;
   /* TWAIN_KV_PATH=staged: stage even with CUDA transports (prefill workers
-   * without them, nodes without a cuda_ipc path, the staged benchmark) */
+   * without them, nodes without a cuda_ipc path, the staged benchmark), and
+   * even a host pool */
   const char *want = getenv("TWAIN_KV_PATH");
   bool force_staged = want && strcmp(want, "staged") == 0;
-  r->staged = (prm && prm->staging_ring) ||
-              (layout->on_device && (!x->cuda_native || force_staged));
+  /* a host pool stages only when asked (tests, benchmarks: the staged
+   * receive path on a machine without a GPU, copies out of the ring by
+   * memcpy) */
+  r->staged = (prm && prm->staging_ring) || force_staged || (layout->on_device && !x->cuda_native);
   if (r->staged) {
     TW_CHECK_GOTO(tw_kv_rx_ring_init(r, prm), st, fail);
     TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, STAGED receive: a ring "
@@ -601,7 +604,7 @@ tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_layout_t *layo
             "copied to the pool on its own stream; no pinned mirror%s",
             (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, r->n_slots,
             (long long)(r->slot_bytes >> 20), r->slots_pinned ? "pinned" : "host",
-            !layout->on_device ? " (host pool, staged on request)"
+            !layout->on_device ? " (host pool, staged on request: TWAIN_KV_PATH=staged)"
             : x->cuda_native   ? " (TWAIN_KV_PATH=staged)"
                                : " (UCX has no CUDA support)");
     *region_p = r;

@@ -30,7 +30,9 @@
  *    device-to-host copies on the sender ring's own stream, several chunks
  *    ahead of the puts, into a bounded ring (4 x 8 MiB pinned) on the sender;
  *  - staged (receiver's ring): a device decode pool that this UCX cannot
- *    reach (no CUDA transports, or TWAIN_KV_PATH=staged) is not registered
+ *    reach (no CUDA transports, or TWAIN_KV_PATH=staged, which stages a
+ *    host pool too: the same path on a machine without a GPU, copies out
+ *    of the ring by memcpy) is not registered
  *    at all, and no pinned mirror of it exists. The sender sends each piece
  *    (at most one receiver slot, from its pool or its own ring for a device
  *    source) as a UCX active message forced to rendezvous, whose header
