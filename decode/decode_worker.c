@@ -375,7 +375,8 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   int32_t firsts[TW_MAX_LAYERS];
   tw_kv_layer_firsts(c, s->n_prompt, l->block_size, firsts);
   tw_kv_rxring_stats_t rs;
-  bool staged = s->rank == 0 && tw_kv_region_staging_stats(d->region, &rs);
+  /* kv_in_place: the prefill worker copied into the device pool itself */
+  bool staged = s->rank == 0 && !r->kv_in_place && tw_kv_region_staging_stats(d->region, &rs);
   tw_status_t cst = staged ? tw_kv_region_landed(d->region, s->id, s->blocks, nb, firsts) : TW_OK;
   if (cst == TW_INPROGRESS && verify)
     cst = tw_kv_region_commit(d->region, s->id, s->blocks, nb, firsts, TW_DSEQ_COMMIT_MS);
