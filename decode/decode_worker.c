@@ -18,17 +18,18 @@
 #include "decode/decode_worker.h"
 
 #include "common/dist_engine.h"
-#include "common/engine_impl.h"
 #include "decode/decode_ranks.h"
 
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/mem_plan.h"
 #include "common/model_path.h"
 #include "common/worker_stats.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/msg_worker.h"
+#include "common/proto_engine.h"
 #include "proto/twain_api.pb-c.h"
 
 #include <stdio.h>
@@ -260,17 +261,7 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     d->seqs[d->n_seqs++] = seq;
     tw_kv_remote_layout_t rl;
     tw_kv_region_remote_layout(d->region, &rl);
-    kl.dtype = rl.dtype;
-    kl.on_device = rl.on_device;
-    kl.n_layers = rl.n_layers;
-    kl.block_size = rl.block_size;
-    kl.n_kv_heads = rl.n_kv_heads;
-    kl.head_dim = rl.head_dim;
-    kl.layer_stride_bytes = rl.layer_stride_bytes;
-    kl.block_bytes = rl.block_bytes;
-    kl.remote_base = rl.remote_base;
-    kl.total_bytes = rl.total_bytes;
-    kl.n_blocks = rl.n_blocks;
+    tw_proto_kv_layout_from_remote(&rl, 0, &kl);
     size_t alen, rlen;
     const void *addr = tw_kv_xfer_address(d->xfer, &alen);
     const void *rkey = tw_kv_region_rkey(d->region, &rlen);
@@ -383,13 +374,7 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   s->token = r->first_token;
   s->generated = 1;
   s->max_tokens = r->max_tokens;
-  s->sample = TW_SAMPLE_PARAMS_GREEDY;
-  if (r->sampling) {
-    s->sample.temperature = r->sampling->temperature;
-    s->sample.top_k = r->sampling->top_k;
-    s->sample.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
-    s->sample.seed = r->sampling->seed;
-  }
+  s->sample = tw_proto_sample_params(r->sampling);
   s->n_stop = 0;
   for (size_t i = 0; i < r->n_stop_token_ids && s->n_stop < TW_DSEQ_MAX_STOP; i++)
     s->stop[s->n_stop++] = r->stop_token_ids[i];
@@ -561,9 +546,8 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   TW_CHECK(tw_model_load(p->model_dir, &d->model));
   TW_CHECK(tw_model_check_finite(d->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
-  tw_backend_kind_t be = p->backend;
-  if (be == TW_BACKEND_AUTO) be = tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;
-  TW_CHECK(tw_dist_create(&d->id, be == TW_BACKEND_CUDA ? TW_COLL_NCCL : TW_COLL_HOST,
+  tw_backend_caps_t caps = tw_backend_caps(p->backend);
+  TW_CHECK(tw_dist_create(&d->id, caps.on_device ? TW_COLL_NCCL : TW_COLL_HOST,
                           d->id.local_rank, NULL, &d->dist));
   tw_engine_params_t ep = TW_ENGINE_PARAMS_DEFAULT;
   ep.tp_size = p->tp;
@@ -572,7 +556,7 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
   ep.ep_rank = p->ep > 1 ? d->id.rank : 0;
   ep.dp_attention = p->dp > 1;
   ep.coll = tw_dist_coll(d->dist);
-  if (be == TW_BACKEND_CUDA) ep.device = d->id.local_rank;
+  if (caps.on_device) ep.device = d->id.local_rank;
   ep.backend = p->backend;
   ep.kv_block_size = p->block_size;
   ep.kv_num_blocks = p->kv_blocks; /* 0: planned (mem_plan.h) */
@@ -714,12 +698,11 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
                   "--tp 1 with 2 <= N <= %d (N ranks, each an attention replica with every kv "
                   "head, the experts split over all N)",
                   p->dp, p->tp, p->ep, TW_DECODE_MAX_DP);
-  if (p->dp > 1 && (p->backend == TW_BACKEND_CUDA ||
-                    (p->backend == TW_BACKEND_AUTO && tw_cuda_available())))
+  if (p->dp > 1 && !tw_backend_caps(p->backend).dp_attention)
     return tw_err(TW_ERR_UNSUPPORTED,
                   "decode: --dp %d (data-parallel attention) runs on the cpu backend only; the "
-                  "cuda engine does not implement it: use --backend cpu, or --tp/--ep on a GPU",
-                  p->dp);
+                  "%s engine does not implement it: use --backend cpu, or --tp/--ep on a GPU",
+                  p->dp, tw_backend_name(tw_backend_resolve(p->backend)));
   TW_CHECK(tw_dist_identity_from_env(&d.id));
   int32_t ranks = p->tp > p->ep ? p->tp : p->ep;
   if (ranks > 1 && d.id.size == 1) {

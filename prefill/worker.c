@@ -6,16 +6,17 @@
 
 #include "common/dist_engine.h"
 #include "common/engine.h"
-#include "common/engine_impl.h"
 #include "common/install_paths.h"
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/mem_plan.h"
 #include "common/model_path.h"
 #include "common/worker_stats.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/msg_worker.h"
+#include "common/proto_engine.h"
 #include "prefill/prefill_ranks.h"
 #include "prefill/worker_handoff.h"
 #include "proto/twain_api.pb-c.h"
@@ -107,17 +108,6 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
             tw_last_error());
 }
 
-static tw_sample_params_t tw_prefill_sampling(const Twain__Internal__V1__PrefillRequest *r) {
-  tw_sample_params_t sp = TW_SAMPLE_PARAMS_GREEDY;
-  if (r->sampling) {
-    sp.temperature = r->sampling->temperature;
-    sp.top_k = r->sampling->top_k;
-    sp.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
-    sp.seed = r->sampling->seed;
-  }
-  return sp;
-}
-
 /* A prompt that needs the multi-rank path (TP ranks here or a TP decode
  * worker, issue 6): alone, re-sharded. ids[nb] are its local blocks. */
 static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r,
@@ -196,7 +186,7 @@ static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__Pref
     tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return 0;
   }
-  *it = (tw_prefill_handoff_item_t){.r = r, .ids = ids, .nb = nb, .sp = tw_prefill_sampling(r),
+  *it = (tw_prefill_handoff_item_t){.r = r, .ids = ids, .nb = nb, .sp = tw_proto_sample_params(r->sampling),
                                     .sums = sums};
   return 1;
 }
@@ -302,8 +292,8 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     if (ranks) tw_prefill_finish_pending(w); /* it runs alone, after every earlier handoff */
     /* queued past the KV-write guard: back to the router, which reserves it
      * again (not the client's failure; its queue time there is free) */
-    int64_t waited = r && !w->draining ? tw_prefill_age_ms(r) : 0;
-    bool stale = waited > TW_PREFILL_MAX_AGE_MS;
+    int64_t waited = 0;
+    bool stale = r && !w->draining && tw_proto_stale(r->issued_unix_ms, TW_PREFILL_MAX_AGE_MS, &waited);
     int ready = 0;
     if (r && !w->draining && !stale) {
       ready = tw_prefill_prepare(w, r, n > 0 || w->pending.b, &items[n]);
@@ -403,9 +393,8 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   TW_CHECK(tw_model_load(w->o.model_dir, &w->model));
   TW_CHECK(tw_model_check_finite(w->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
-  tw_backend_kind_t be = w->o.backend;
-  if (be == TW_BACKEND_AUTO) be = tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;
-  TW_CHECK(tw_dist_create(&w->id, be == TW_BACKEND_CUDA ? TW_COLL_NCCL : TW_COLL_HOST,
+  tw_backend_caps_t caps = tw_backend_caps(w->o.backend);
+  TW_CHECK(tw_dist_create(&w->id, caps.on_device ? TW_COLL_NCCL : TW_COLL_HOST,
                           w->id.local_rank, NULL, &w->dist));
   tw_engine_params_t ep = TW_ENGINE_PARAMS_DEFAULT;
   ep.tp_size = w->o.tp;
@@ -413,7 +402,7 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   ep.ep_size = w->o.ep;
   ep.ep_rank = w->o.ep > 1 ? w->id.rank : 0;
   ep.coll = tw_dist_coll(w->dist);
-  if (be == TW_BACKEND_CUDA) ep.device = w->id.local_rank;
+  if (caps.on_device) ep.device = w->id.local_rank;
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
   ep.kv_num_blocks = w->o.kv_blocks; /* 0: planned (mem_plan.h) */

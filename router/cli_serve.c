@@ -24,7 +24,6 @@
 #include "common/install_paths.h"
 #include "common/config.h"
 #include "common/engine.h"
-#include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/link_auth.h"
 #include "common/log.h"
 #include "common/mem_plan.h"
@@ -346,12 +345,12 @@ int tw_cli_serve(int argc, char **argv) {
     return 2;
   }
   if (tw_serve_check_split(s.rp.model_dir, pv)) return 2;
-  if (bk == TW_BACKEND_CUDA && !tw_cuda_available()) {
+  if (bk == TW_BACKEND_CUDA && !tw_backend_usable(bk)) {
     fprintf(stderr, "twain serve: --backend cuda: no CUDA GPU is usable on this machine (none "
                     "visible, or no driver): use --backend cpu, or auto to pick what is there\n");
     return TW_WORKER_EXIT_CONFIG;
   }
-  if (pv[4] > 1 && (bk == TW_BACKEND_CUDA || (bk == TW_BACKEND_AUTO && tw_cuda_available()))) {
+  if (pv[4] > 1 && !tw_backend_caps(bk).dp_attention) {
     fprintf(stderr, "twain serve: --decode-dp %d (data-parallel attention) runs on the cpu "
                     "backend only: add --backend cpu, or use --decode-tp/--decode-ep on a GPU\n",
             pv[4]);

@@ -17,11 +17,11 @@
 #include "router/router_impl.h"
 
 #include "common/log.h"
+#include "common/proto_engine.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define TW_ROUTER_MAX_ATTEMPTS 3
 /* Seconds of prefill work a prefill worker is given at a time: far below the
@@ -343,9 +343,7 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   pr.n_prompt_ids = (size_t)q->n_prompt;
   pr.sampling = &q->sampling;
   pr.handoff = rs->handoff;
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  pr.issued_unix_ms = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
+  pr.issued_unix_ms = tw_proto_unix_ms(); /* the workers' staleness clock (proto_engine.h) */
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL;
   env.prefill = &pr;

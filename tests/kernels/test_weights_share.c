@@ -15,7 +15,6 @@
  * tokens bit-identical to A's and C's, and A's record removed when A exits.
  * Exits 77 (skipped) without a usable GPU. Every wait is bounded. */
 #include "common/engine.h"
-#include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/log.h"
 #include "common/model.h"
 
@@ -40,7 +39,7 @@
 static int child(const char *dir, const char *out, const char *role, int hold) {
   tw_log_init("test_weights_share", 0);
   int origin_want = !strcmp(dir, "-") ? 0 : hold ? 1 : 2;
-  if (!tw_cuda_available()) return 77;
+  if (!tw_backend_usable(TW_BACKEND_CUDA)) return 77;
   tw_model_t *m = NULL;
   char model_dir[1024];
   const char *fixtures = getenv("TW_FIXTURES_DIR"); /* set by tests/gpu/run_gpu.sh */
