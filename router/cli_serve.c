@@ -411,13 +411,7 @@ int tw_cli_serve(int argc, char **argv) {
     fprintf(stderr, "twain serve: cannot start the router thread\n");
     return 1;
   }
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = tw_serve_on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, NULL);
-  sigaction(SIGINT, &sa, NULL);
-  signal(SIGPIPE, SIG_IGN);
+  tw_stop_signals_install(tw_serve_on_signal);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   pthread_mutex_lock(&s.mu);
   while (!s.bound) pthread_cond_wait(&s.cv, &s.mu);

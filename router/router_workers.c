@@ -17,6 +17,7 @@
 #include "router/router_impl.h"
 
 #include "common/log.h"
+#include "common/msg_worker.h" /* tw_reject_msg */
 #include "common/proto_engine.h"
 
 #include <stdio.h>
@@ -74,16 +75,9 @@ tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
 }
 
 static void tw_reject_to(tw_router_t *r, const tw_msg_t *m, uint64_t rid, int code, const char *msg) {
-  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
-  s.code = code;
-  s.message = (char *)msg;
-  Twain__Internal__V1__Reject rj = TWAIN__INTERNAL__V1__REJECT__INIT;
-  rj.request_id = rid;
-  rj.status = &s;
-  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
-  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT;
-  env.reject = &rj;
-  tw_msg_note_failure(tw_msg_send(r->wsock, m, &env.base), "router", "cannot send a reject to a worker");
+  tw_reject_msg_t rm;
+  tw_msg_note_failure(tw_msg_send(r->wsock, m, &tw_reject_msg(&rm, rid, code, msg)->base), "router",
+                      "cannot send a reject to a worker");
 }
 
 static void tw_update_gauges(tw_router_t *r) {
