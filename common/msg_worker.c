@@ -263,6 +263,15 @@ tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
   return TW_OK;
 }
 
+Twain__Internal__V1__Status *tw_reply_status(Twain__Internal__V1__Status *s, int code,
+                                             const char *message) {
+  if (!code) return NULL;
+  twain__internal__v1__status__init(s);
+  s->code = code;
+  s->message = (char *)message;
+  return s;
+}
+
 const Twain__Internal__V1__Envelope *tw_reject_msg(tw_reject_msg_t *m, uint64_t request_id,
                                                    int code, const char *message) {
   twain__internal__v1__status__init(&m->status);

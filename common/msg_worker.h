@@ -115,6 +115,12 @@ tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
  *  (-1: none) is readable. Returns nothing; callers then receive with 0. */
 void tw_worker_link_wait(tw_worker_link_t *link, int maybe_fd, int timeout_ms);
 
+/** The status of a worker's answer (PrefillDone, Tokens, Reject): NULL for
+ *  code 0 (success: no status on the wire), else `s` initialised with the
+ *  v1 code and the message (borrowed: it must outlive the send). */
+Twain__Internal__V1__Status *tw_reply_status(Twain__Internal__V1__Status *s, int code,
+                                             const char *message);
+
 /** A Reject envelope (the storage of its parts in one place). */
 typedef struct {
   Twain__Internal__V1__Status status;

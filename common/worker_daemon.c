@@ -7,8 +7,18 @@
 #include "proto/twain_api.pb-c.h"
 
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+bool tw_worker_colocated_ok(const tw_opts_spec_t *spec, const char *role, int32_t n_prefill,
+                            int32_t n_decode) {
+  int32_t mine = strcmp(role, "prefill") == 0 ? n_prefill : n_decode;
+  if (!tw_opts_given(spec, "colocated") || mine >= 1) return true;
+  fprintf(stderr, "%s: --colocated %d,%d counts no %s worker (this one)\n", spec->prog, n_prefill,
+          n_decode, role);
+  return false;
+}
 
 tw_status_t tw_worker_dist_create(tw_worker_t *w, tw_backend_kind_t backend) {
   tw_coll_kind_t kind = tw_backend_caps(backend).on_device ? TW_COLL_NCCL : TW_COLL_HOST;

@@ -104,6 +104,13 @@ extern "C" {
       TW_OPT_STR("served-model-name", &(o)->served_model_name, "NAME",                           \
                  D "model_name label of the metrics (default: from --model)")
 
+/** After tw_opts_parse of a table with TW_WORKER_OPTS: false, with
+ *  "PROG: --colocated P,D counts no ROLE worker (this one)" on stderr (a
+ *  usage error: exit 2), when --colocated was given and counts no worker of
+ *  this daemon's role ("prefill": n_prefill < 1, else n_decode < 1). */
+bool tw_worker_colocated_ok(const tw_opts_spec_t *spec, const char *role, int32_t n_prefill,
+                            int32_t n_decode);
+
 /** Messages taken from the router in one loop turn at most. */
 #define TW_WORKER_PUMP_MAX 1024
 

@@ -41,11 +41,7 @@ int main(int argc, char **argv) {
                          .n_opts = sizeof opts / sizeof opts[0], .config = true};
   int rc = tw_opts_parse(&spec, argc, argv, NULL);
   if (rc != TW_OPTS_RUN) return rc;
-  if (tw_opts_given(&spec, "colocated") && p.colocated_decode < 1) {
-    fprintf(stderr, "twain-decode: --colocated %d,%d counts no decode worker (this one)\n",
-            p.colocated_prefill, p.colocated_decode);
-    return 2;
-  }
+  if (!tw_worker_colocated_ok(&spec, "decode", p.colocated_prefill, p.colocated_decode)) return 2;
   if (!p.router) {
     fprintf(stderr, "twain-decode: missing --router tcp://HOST:PORT (the router's worker endpoint; "
                     "see --help)\n");

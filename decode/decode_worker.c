@@ -176,17 +176,13 @@ static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *
 static void tw_send_tokens(tw_decoder_t *d, uint64_t id, const int32_t *toks, size_t n,
                            bool finished, int finish_reason, int code, const char *msg) {
   Twain__Internal__V1__Tokens t = TWAIN__INTERNAL__V1__TOKENS__INIT;
-  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
+  Twain__Internal__V1__Status s;
   t.request_id = id;
   t.n_tokens = n;
   t.tokens = (int32_t *)toks;
   t.finished = finished;
   t.finish_reason = finish_reason;
-  if (code) {
-    s.code = code;
-    s.message = (char *)msg;
-    t.status = &s;
-  }
+  t.status = tw_reply_status(&s, code, msg);
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_TOKENS;
   env.tokens = &t;

@@ -59,11 +59,7 @@ int main(int argc, char **argv) {
       .config = true};
   int rc = tw_opts_parse(&spec, argc, argv, NULL);
   if (rc != TW_OPTS_RUN) return rc;
-  if (tw_opts_given(&spec, "colocated") && w.colocated_prefill < 1) {
-    fprintf(stderr, "twain-prefill: --colocated %d,%d counts no prefill worker (this one)\n",
-            w.colocated_prefill, w.colocated_decode);
-    return 2;
-  }
+  if (!tw_worker_colocated_ok(&spec, "prefill", w.colocated_prefill, w.colocated_decode)) return 2;
   if (w.router) return tw_prefill_worker_main(&w, argc, argv);
   if (!o.prompt_tokens_path) {
     fprintf(stderr,

@@ -81,7 +81,7 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
                             size_t n_sums, int64_t bytes, double prefill_ms, double transfer_ms,
                             int code, const char *msg) {
   Twain__Internal__V1__PrefillDone d = TWAIN__INTERNAL__V1__PREFILL_DONE__INIT;
-  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
+  Twain__Internal__V1__Status s;
   d.request_id = id;
   d.first_token = first;
   d.layer_checksums = (uint64_t *)sums;
@@ -91,12 +91,8 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
   d.transfer_ms = transfer_ms;
   d.head_checksums = (uint64_t *)w->head_sums;
   d.n_head_checksums = w->n_head_sums;
-  if (code) {
-    s.code = code;
-    s.message = (char *)msg;
-    d.status = &s;
-    tw_metric_add(w->m.failed, 1);
-  }
+  d.status = tw_reply_status(&s, code, msg);
+  if (code) tw_metric_add(w->m.failed, 1);
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL_DONE;
   env.prefill_done = &d;
