@@ -41,7 +41,12 @@
  * tensor work comes from the other warpgroups of the SM (two CTAs per SM).
  * Measured against the other layouts tried (weights dequantised into a shared
  * bf16 tile, 3 or 4 warpgroups, warp-specialised producers): this one was the
- * fastest, docs/benchmarks.md. */
+ * fastest, docs/benchmarks.md.
+ *
+ * A second kernel for the same grid and epilogues, tw_gm_kernel (mma.sync,
+ * MXFP4 converted in registers once per CTA for all rows of the tile; see
+ * its comment below), runs the tiles named by TWAIN_CUDA_MOE_MMA /
+ * tw_cuda_moe_set_mma_tiles (default: none). */
 #include "kernels/pdl.cuh"
 #include "kernels/attention_mma.cuh"
 #include "kernels/cuda_common.h"
