@@ -361,11 +361,11 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
 /* Append a tw_kv_ipc_desc_t of the device pool to the region's rkey blob
  * (the direct path, see above). Failure only costs the direct path: logged,
  * the blob stays the ucx rkey alone. TWAIN_KV_IPC=0 turns it off. */
-static void tw_kv_ipc_export(tw_kv_region_t *r) {
+static bool tw_kv_ipc_export(tw_kv_region_t *r) {
   const char *off = getenv("TWAIN_KV_IPC");
   if (off && strcmp(off, "0") == 0) {
     TW_INFO("kvx", "kv pool not exported over CUDA IPC (TWAIN_KV_IPC=0)");
-    return;
+    return false;
   }
   tw_cudart_t *rt = &r->xfer->cudart;
   tw_kv_ipc_desc_t d;
@@ -373,14 +373,14 @@ static void tw_kv_ipc_export(tw_kv_region_t *r) {
   if (tw_cudart_load(rt) != TW_OK || !rt->ipc_get || !rt->ipc_open || !rt->ipc_close ||
       !rt->get_device) {
     TW_WARN("kvx", "kv pool not exported over CUDA IPC: the CUDA runtime lacks IPC");
-    return;
+    return false;
   }
   int e = rt->get_device(&d.device);
   if (e == 0) e = rt->ipc_get(&d.handle, r->layout.base);
   if (e != 0) {
     TW_WARN("kvx", "kv pool not exported over CUDA IPC: cudaIpcGetMemHandle failed (cuda error %d)",
             e);
-    return;
+    return false;
   }
   tw_kv_boot_id(d.boot_id);
   d.pid = (int32_t)getpid();
@@ -391,13 +391,14 @@ static void tw_kv_ipc_export(tw_kv_region_t *r) {
   uint8_t *blob = realloc(r->rkey, r->rkey_len + sizeof d);
   if (!blob) {
     TW_WARN("kvx", "kv pool not exported over CUDA IPC: out of memory");
-    return;
+    return false;
   }
   memcpy(blob + r->rkey_len, &d, sizeof d);
   r->rkey = blob;
   r->rkey_len += sizeof d;
   TW_INFO("kvx", "kv pool exported over CUDA IPC (device %d, %lld bytes): prefill workers on "
           "this host copy into it device to device", d.device, (long long)d.pool_bytes);
+  return true;
 }
 
 /* Split a published rkey blob into the ucx rkey and an optional descriptor. */
@@ -465,6 +466,25 @@ tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
    * without them, nodes without a cuda_ipc path, the staged benchmark) */
   const char *want = getenv("TWAIN_KV_PATH");
   bool force_staged = want && strcmp(want, "staged") == 0;
+  /* TWAIN_KV_PATH=ipc: one host (twain serve): the device pool is reached
+   * over CUDA IPC alone, no ucx registration and no host mirror */
+  if (layout->on_device && want && strcmp(want, "ipc") == 0) {
+    r->rkey = malloc(1);
+    r->rkey_len = 0;
+    if (!r->rkey) {
+      st = tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv rkey blob");
+      goto fail;
+    }
+    if (!tw_kv_ipc_export(r)) {
+      st = tw_err(TW_ERR_UNSUPPORTED, "TWAIN_KV_PATH=ipc, but the device kv pool cannot be exported "
+                  "over CUDA IPC (see the warning above); unset it to use ucx");
+      goto fail;
+    }
+    TW_INFO("kvx", "kv handoff mode (receive): device KV pool over CUDA IPC only "
+            "(TWAIN_KV_PATH=ipc): prefill workers on this host copy into it, nothing else can");
+    *region_p = r;
+    return TW_OK;
+  }
   if (layout->on_device) {
     if (x->cuda_native && !force_staged) {
       mt = UCS_MEMORY_TYPE_CUDA;
@@ -519,7 +539,7 @@ tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
   memcpy(r->rkey, buf, len);
   r->rkey_len = len;
   ucp_rkey_buffer_release(buf);
-  if (layout->on_device) tw_kv_ipc_export(r);
+  if (layout->on_device) (void)tw_kv_ipc_export(r); /* optional: logged when it fails */
   TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, rkey %zu bytes%s",
           (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, len,
           r->staged ? ", pinned host mirror" : "");
@@ -740,7 +760,7 @@ tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address
     tw_kv_ep_lanes(p, x->proto_v2);
     x->peers[x->n_peers++] = p;
   }
-  if (!p->rkey || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
+  if (!p->rkey_buf || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
     tw_kv_ipc_desc_t desc;
     bool has = false;
     size_t ucx_len = tw_kv_rkey_split(rkey, rkey_len, &desc, &has);
@@ -759,7 +779,10 @@ tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address
     if (!p->rkey_buf) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate an rkey copy");
     memcpy(p->rkey_buf, rkey, rkey_len);
     p->rkey_len = rkey_len;
-    ucs_status_t us = ucx_len ? ucp_ep_rkey_unpack(p->ep, p->rkey_buf, &p->rkey) : UCS_ERR_INVALID_PARAM;
+    /* an empty ucx part: a pool reachable over CUDA IPC alone (TWAIN_KV_PATH=ipc) */
+    ucs_status_t us = ucx_len ? ucp_ep_rkey_unpack(p->ep, p->rkey_buf, &p->rkey)
+                      : has   ? UCS_OK
+                              : UCS_ERR_INVALID_PARAM;
     if (us != UCS_OK) {
       p->rkey = NULL;
       p->rkey_len = 0;
@@ -961,6 +984,7 @@ static tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
 
 tw_kv_path_t tw_kv_xfer_path(const tw_kv_peer_t *p, bool src_on_device, bool dst_on_device) {
   if (src_on_device && p->ipc_ptr && p->ipc_allowed) return TW_KV_PATH_DIRECT_CUDA_IPC;
+  if (!p->rkey) return TW_KV_PATH_UNREACHABLE; /* a pool exported over CUDA IPC alone */
   if (dst_on_device) return p->cuda_ipc ? TW_KV_PATH_DIRECT_UCX : TW_KV_PATH_UNREACHABLE;
   return src_on_device ? TW_KV_PATH_STAGED : TW_KV_PATH_HOST;
 }
@@ -1030,6 +1054,12 @@ tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_
   }
   switch (path) {
     case TW_KV_PATH_UNREACHABLE:
+      if (!p->rkey)
+        return tw_err(TW_ERR_UNSUPPORTED,
+                      "the decode worker's kv pool is reachable over CUDA IPC only "
+                      "(TWAIN_KV_PATH=ipc there) and this worker cannot map it (%s pool here, or "
+                      "another host or IPC namespace): unset TWAIN_KV_PATH on the decode worker",
+                      src->on_device ? "a device" : "a host");
       return tw_err(TW_ERR_UNSUPPORTED,
                     "the decode worker's kv pool is device memory but no ucx lane to it reaches "
                     "CUDA memory (lanes: %s); a put would be emulated and written by the host "
