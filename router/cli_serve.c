@@ -17,7 +17,7 @@
  * Memory: every worker is told how many prefill and decode workers share its
  * device (--colocated P,D) so that each takes its planned share of it
  * (mem_plan.h, docs/operations.md), and on a GPU they share one copy of the
- * weights through CUDA IPC (--share-weights, a 0700 directory made for this
+ * weights (--share-weights, a 0700 directory made for this
  * serve and removed when it stops). */
 #include "router/cli.h"
 
