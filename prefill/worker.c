@@ -489,17 +489,24 @@ static void tw_prefill_op_drain(void *arg) {
   TW_INFO("prefill", "draining: refusing %d queued prompts", w->q_len);
 }
 
-/* Idle: block on the router socket (a message wakes it at once). */
+/* Idle (no prompt queued, no batch whose handoff is to finish): block on
+ * the router socket (a message wakes it at once). */
 static int tw_prefill_op_wait_ms(void *arg, int *fd_p) {
+  tw_prefiller_t *w = arg;
   (void)fd_p;
-  return ((tw_prefiller_t *)arg)->q_len == 0 ? TW_PREFILL_IDLE_WAIT_MS : 0;
+  return w->q_len == 0 && !w->pending.b ? TW_PREFILL_IDLE_WAIT_MS : 0;
 }
 
 static bool tw_prefill_op_msg(void *arg, Twain__Internal__V1__Envelope *env) {
   return tw_prefill_on_msg(arg, env);
 }
 
-static int32_t tw_prefill_op_pending(void *arg) { return ((tw_prefiller_t *)arg)->q_len; }
+/* What a drain waits for: the queue (refused) and the batch whose handoff
+ * finishes during the next one (answered). */
+static int32_t tw_prefill_op_pending(void *arg) {
+  tw_prefiller_t *w = arg;
+  return w->q_len + (w->pending.b ? 1 : 0);
+}
 
 static tw_status_t tw_prefill_op_work(void *arg) {
   tw_prefill_next(arg);
