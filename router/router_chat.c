@@ -35,7 +35,7 @@ struct tw_rchat {
   Twain__V1__ToolCall calls[TW_RCHAT_MAX];
   Twain__V1__ToolCall *cptr[TW_RCHAT_MAX];
   size_t n_calls;
-  char *feed_strings[4 * TW_RCHAT_MAX];
+  char *feed_strings[7 * TW_RCHAT_MAX]; /* 4 per delta, 3 per tool call: never full */
   size_t n_feed_strings;
   /* finished messages (owned) */
   Twain__V1__Message msgs[TW_RCHAT_MAX];
@@ -66,6 +66,24 @@ static char *tw_feed_str(struct tw_rchat *c, const char *s, size_t len) {
   d[len] = '\0';
   c->feed_strings[c->n_feed_strings++] = d;
   return d;
+}
+
+/* Append text to d->content, a string of this feed's (grown in place: a
+ * message's text may come in many pieces within one feed). Out of memory:
+ * the piece is dropped and logged. */
+static void tw_feed_append(struct tw_rchat *c, Twain__V1__Delta *d, const char *text, size_t len) {
+  for (size_t i = c->n_feed_strings; i-- > 0;) {
+    if (c->feed_strings[i] != d->content) continue;
+    size_t ol = strlen(d->content);
+    char *m = realloc(d->content, ol + len + 1);
+    if (!m) break;
+    memcpy(m + ol, text, len);
+    m[ol + len] = '\0';
+    c->feed_strings[i] = d->content = m;
+    return;
+  }
+  TW_WARN("router", "request %llu: out of memory: %zu bytes of output text dropped",
+          (unsigned long long)c->req_id, len);
 }
 
 static void tw_feed_reset(struct tw_rchat *c) {
@@ -101,11 +119,7 @@ static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
   if (c->n_deltas && !c->first_delta) d = c->dptr[c->n_deltas - 1];
   if (d && d->channel == NULL) d = NULL;
   if (d) { /* same message as the last delta of this feed: concatenate */
-    size_t ol = strlen(d->content);
-    char *m = tw_feed_str(c, d->content, ol + len);
-    memcpy(m + ol, text, len);
-    m[ol + len] = '\0';
-    d->content = m;
+    tw_feed_append(c, d, text, len);
     return;
   }
   if (c->n_deltas == TW_RCHAT_MAX) return;

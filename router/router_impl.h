@@ -137,6 +137,11 @@ void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
  *  (a ZeroMQ peer or an HTTP connection, http_api.h); every outcome is a
  *  reply to `from`. The caller checked the API key. */
 void tw_router_dispatch(tw_router_t *r, const tw_msg_t *from, Twain__V1__ClientRequest *cr);
+/** Error messages go out in a proto3 string or a JSON body, which must be
+ *  UTF-8: whatever they quote (a client's role or tool name, a model name, a
+ *  worker's text) that is not becomes "\xNN" escapes. Writes at most cap - 1
+ *  bytes (cap >= 1) and a NUL to out, cut on a UTF-8 boundary. */
+void tw_utf8_escape(const char *in, char *out, size_t cap);
 /** Whether `key` is the router's API key (constant time); true when the
  *  router has none. */
 bool tw_router_key_ok(const tw_router_t *r, const char *key);
