@@ -57,6 +57,7 @@ typedef struct {
   int64_t requests;         /* handed to it, for tests and logs */
   ProtobufCBinaryData *kv_addrs; /* decode: the UCX addresses it registered (owned) */
   int32_t n_kv_addrs;
+  uint64_t instance;        /* Register.instance: this process start (0: not given) */
 } tw_rworker_t;
 
 typedef struct {
@@ -75,6 +76,8 @@ typedef struct {
   tw_req_state_t state;
   uint64_t dw, pw;             /* worker serials (pw: chosen before the Reserve) */
   int32_t attempts;
+  uint64_t expired_instance;   /* the worker whose expiry requeued it last (0: none): if that
+                                * process registers again it was a stall: attempts-- */
   int64_t retry_after_ns;
   int32_t blocks_asked;
   int32_t n_out;               /* tokens produced so far */
