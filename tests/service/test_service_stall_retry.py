@@ -17,10 +17,10 @@ prompt = [1, 2, 3, 4]
 
 for new_instance in (False, True):
     what = "a new process each time" if new_instance else "the same process (stalled)"
-    router, fw, ep, url = fake_workers.router_with_fakes(SCRIPT, extra=["--expire-ms", "600"])
+    router, fw, ep, url = fake_workers.router_with_fakes(SCRIPT, extra=["--expire-ms", "2000"])
     fw.close()  # this test's own fakes: instance and stalls
     fw = fake_workers.FakeWorkers(router.wait_line(r"listening clients=(\S+) workers=(\S+)", 5).group(2),
-                                  SCRIPT, instance=1000 + new_instance, stall_prefills=4, stall_s=1.5,
+                                  SCRIPT, instance=1000 + new_instance, stall_prefills=4, stall_s=3.5,
                                   new_instance=new_instance)
     fw.start()
     try:
