@@ -232,17 +232,21 @@ static bool tw_tokens_valid(tw_router_t *r, tw_rworker_t *w, tw_req_t *q, const 
   return true;
 }
 
+void tw_router_requeue(tw_router_t *r, tw_req_t *q, bool cancel, int64_t delay_ns) {
+  if (cancel) tw_router_cancel_workers(r, q);
+  q->id = r->next_req_id++; /* late messages about the old attempt are ignored */
+  q->state = TW_REQ_QUEUED;
+  q->dw = q->pw = 0;
+  q->retry_after_ns = tw_msg_clock_ns() + delay_ns;
+}
+
 /* Requeue (if nothing reached the client yet) or fail a request whose worker
  * went away or refused it. */
 static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *why) {
   if (q->done) return;
   if (q->n_out == 0 && q->attempts < TW_ROUTER_MAX_ATTEMPTS) {
     TW_INFO("router", "request %llu: %s; retrying elsewhere", (unsigned long long)q->id, why);
-    tw_router_cancel_workers(r, q);
-    q->id = r->next_req_id++; /* late messages about the old attempt are ignored */
-    q->state = TW_REQ_QUEUED;
-    q->dw = q->pw = 0;
-    q->retry_after_ns = tw_msg_clock_ns() + 20 * 1000000;
+    tw_router_requeue(r, q, true, 20 * 1000000);
     return;
   }
   tw_router_fail(r, q, code, "%s", why);

@@ -319,8 +319,9 @@ try:
           "unknown fields ignored; tool_choice none renders no tools; the router still serves")
     st, r = api.post("/v1/chat/completions", {"messages": USER, "tools": TOOLS,
                                                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    check(st == 200 and "Call the function get_weather now." in detok(last_prompt()),
-          "a named tool_choice steers the developer message")
+    check(st == 200 and last_prompt() == render({"messages": USER, "tools": TOOLS}) + fake_workers.tokenize(
+              "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"),
+          "a named tool_choice ends the prompt with that call's header (test_http_tool_choice covers it all)")
 finally:
     fw.close()
     rc = router.stop()
