@@ -79,6 +79,7 @@ struct tw_rchat {
   int32_t n_stop;
   tw_tok_stream_t pick_dec;
   tw_tok_buf_t pick;   /* what the pass wrote */
+  uint64_t pick_id;    /* the attempt (q->id) it comes from: a retried pass starts over */
 };
 
 static char *tw_dup(const char *s) { return s ? strdup(s) : NULL; }
@@ -474,6 +475,11 @@ tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *tok
   struct tw_rchat *c = q->hchat;
   tw_rchat_ctx_t *x = r->chat_ctx;
   *chosen_p = false;
+  if (c->pick_id != q->id) { /* the first ids of this attempt (the pass may be retried) */
+    c->pick_id = q->id;
+    c->pick.len = 0;
+    tw_tok_stream_init(&c->pick_dec, x->tok, 0);
+  }
   bool special = false;
   for (size_t i = 0; i < n && !special; i++) {
     for (size_t k = 0; k < sizeof x->pass_stops / sizeof x->pass_stops[0]; k++)
@@ -484,6 +490,8 @@ tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *tok
   TW_CHECK(tw_tok_stream_finish(&c->pick_dec, &c->pick));
   TW_CHECK(tw_tok_buf_append(&c->pick, "", 0));
   const char *name = c->names[tw_pick_tool(c->pick.data, c->names, c->n_names)];
+  for (size_t i = 0; i < c->pick.len; i++) /* one log line, whatever the model wrote */
+    if ((unsigned char)c->pick.data[i] < 0x20 || c->pick.data[i] == '"') c->pick.data[i] = '?';
   TW_DEBUG("router", "request %llu: tool_choice required: the model wrote \"%s\" after \"to\": "
            "calling functions.%s", (unsigned long long)q->id, c->pick.data, name);
   size_t n_base = c->base.n;

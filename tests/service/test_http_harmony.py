@@ -374,6 +374,13 @@ try:
                                                               {"role": "user", "content": "Hi"}]}) and
           "# Instructions\n\nAnswer in one word." in detok(last_prompt()),
           "responses instructions become the developer message's instructions")
+    roles = [{"role": "system", "content": "You answer about weather."},
+             {"role": "developer", "content": "Use metric units."}] + USER
+    st, r = api.post("/v1/chat/completions", {"messages": roles})
+    text = detok(last_prompt())
+    check(st == 200 and last_prompt() == render({"messages": roles}) and
+          "You answer about weather.\n\nUse metric units." in text and text.count("<|start|>developer") == 1,
+          "chat system and developer messages become the developer message's instructions")
 finally:
     fw.close()
     rc = router.stop()

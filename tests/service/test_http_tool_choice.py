@@ -35,7 +35,15 @@ RESP_TOOLS = [dict(type="function", **t["function"]) for t in TOOLS]
 USER = [{"role": "user", "content": "What time is it in Tokyo?"}]
 ARGS = '{"tz":"Asia/Tokyo"}'
 NAMED = {"type": "function", "function": {"name": "get_time"}}
-tok = fake_workers.tokenize
+_tok_cache = {}
+
+
+def tok(text):
+    """Token ids of text (a copy; each distinct text tokenized once)."""
+    if text not in _tok_cache:
+        _tok_cache[text] = fake_workers.tokenize(text)
+    return list(_tok_cache[text])
+
 
 
 def render(conv):
@@ -70,9 +78,12 @@ def _wait(cond, timeout=10):
 
 def chooser(pick_text, args=ARGS + "<|call|>"):
     """A script for 'required': the choice pass writes pick_text, the call
-    writes args."""
+    writes args (tokenized here: the fake workers' thread must never wait on
+    a subprocess, or it misses its heartbeats on a loaded machine)."""
+    pick, call = tok(pick_text), tok(args)
+
     def f(prompt):
-        return tok(pick_text) if prompt[-len(PASS_TAIL):] == PASS_TAIL else tok(args)
+        return pick if prompt[-len(PASS_TAIL):] == PASS_TAIL else call
     return f
 
 
