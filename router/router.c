@@ -4,6 +4,7 @@
 #include "router/router_impl.h"
 
 #include "common/log.h"
+#include "common/proto_engine.h"
 #include "common/tokenizer.h"
 #include "router/http_api.h"
 #include "common/model_path.h"
@@ -346,13 +347,7 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
   q->t_arrival_ns = tw_msg_clock_ns();
   int64_t dl = cr->deadline_ms ? (int64_t)cr->deadline_ms : (int64_t)r->p->default_deadline_ms;
   q->t_deadline_ns = q->t_arrival_ns + dl * 1000000;
-  twain__internal__v1__sampling__init(&q->sampling);
-  if (s) {
-    q->sampling.temperature = s->temperature;
-    q->sampling.top_p = s->top_p;
-    q->sampling.top_k = s->top_k;
-    q->sampling.seed = s->seed;
-  }
+  tw_proto_sampling_from_api(s, &q->sampling);
   tw_status_t st = TW_OK;
   if (cr->body_case == TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE) {
     const Twain__V1__GenerateRequest *g = cr->generate;
