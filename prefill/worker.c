@@ -411,7 +411,7 @@ static tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->o.chunk_tokens = tw_engine_params(w->engine)->max_prefill_chunk; /* planned or given */
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
-  TW_CHECK(tw_kv_xfer_create(&w->xfer));
+  TW_CHECK(tw_kv_xfer_create_bound(w->o.router, &w->xfer));
   tw_kv_xfer_set_direct_ipc(w->xfer, true); /* PrefillDone.kv_in_place tells the decode worker */
   w->hc = (tw_prefill_handoff_ctx_t){.engine = w->engine, .model = w->model, .xfer = w->xfer,
                                      .flush_timeout_ms = w->o.flush_timeout_ms,
