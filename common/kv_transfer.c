@@ -5,11 +5,18 @@
 
 #include <ucp/api/ucp.h>
 
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <dlfcn.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -269,12 +276,101 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len) {
   return h;
 }
 
+/* ---- network devices ---- */
+
+/* The interface holding local address `a` (IFF_LOOPBACK's when a is NULL). */
+static bool tw_kv_iface_of(const struct sockaddr *a, char *name, size_t cap) {
+  struct ifaddrs *ifs = NULL;
+  if (getifaddrs(&ifs) != 0) return false;
+  bool found = false;
+  for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next) {
+    const struct sockaddr *ia = i->ifa_addr;
+    if (!ia) continue;
+    if (!a) found = (i->ifa_flags & IFF_LOOPBACK) && ia->sa_family == AF_INET;
+    else if (ia->sa_family == AF_INET && a->sa_family == AF_INET)
+      found = ((const struct sockaddr_in *)ia)->sin_addr.s_addr ==
+              ((const struct sockaddr_in *)a)->sin_addr.s_addr;
+    else if (ia->sa_family == AF_INET6 && a->sa_family == AF_INET6)
+      found = !memcmp(&((const struct sockaddr_in6 *)ia)->sin6_addr,
+                      &((const struct sockaddr_in6 *)a)->sin6_addr, sizeof(struct in6_addr));
+    if (found) snprintf(name, cap, "%s", i->ifa_name);
+  }
+  freeifaddrs(ifs);
+  return found;
+}
+
+/* The local address the kernel would use to reach host:port (a UDP
+ * connect() sends nothing), then its interface. */
+static tw_status_t tw_kv_route_iface(const char *host, const char *port, char *name, size_t cap) {
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_DGRAM}, *res = NULL;
+  int rc = getaddrinfo(host, port, &hints, &res);
+  if (rc != 0)
+    return tw_err(TW_ERR_NOT_FOUND, "router host \"%s\" does not resolve: %s", host, gai_strerror(rc));
+  bool found = false;
+  for (struct addrinfo *ai = res; ai && !found; ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    struct sockaddr_storage local;
+    socklen_t len = sizeof local;
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        getsockname(fd, (struct sockaddr *)&local, &len) == 0)
+      found = tw_kv_iface_of((const struct sockaddr *)&local, name, cap);
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return found ? TW_OK : tw_err(TW_ERR_NOT_FOUND, "no local interface routes to the router host \"%s\"", host);
+}
+
+tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap) {
+  char name[IF_NAMESIZE + 1] = "";
+  if (!strncmp(endpoint, "ipc://", 6) || !strncmp(endpoint, "inproc://", 9)) {
+    if (!tw_kv_iface_of(NULL, name, sizeof name))
+      return tw_err(TW_ERR_NOT_FOUND, "no loopback interface on this host");
+  } else if (!strncmp(endpoint, "tcp://", 6)) {
+    char host[256];
+    const char *h = strchr(endpoint + 6, ';'); /* ZeroMQ's "tcp://SOURCE;HOST:PORT" */
+    h = h ? h + 1 : endpoint + 6;
+    const char *colon = strrchr(h, ':');
+    if (!colon || colon == h || !colon[1] || (size_t)(colon - h) >= sizeof host)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "router endpoint %s: want tcp://HOST:PORT", endpoint);
+    size_t hl = (size_t)(colon - h);
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2; /* [v6] */
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    TW_CHECK(tw_kv_route_iface(host, colon + 1, name, sizeof name));
+  } else {
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "router endpoint %s: not tcp://, ipc:// or inproc://", endpoint);
+  }
+  size_t n = (size_t)snprintf(out, cap, "%s", name);
+  if (n >= cap) return tw_err(TW_ERR_OUT_OF_RANGE, "network device list over %zu bytes", cap);
+  DIR *d = opendir("/sys/class/infiniband"); /* RDMA ports: no socket listens there */
+  for (struct dirent *e; d && (e = readdir(d)) != NULL;) {
+    if (e->d_name[0] == '.') continue;
+    char path[512];
+    snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports", e->d_name);
+    DIR *pd = opendir(path);
+    for (struct dirent *pe; pd && (pe = readdir(pd)) != NULL;) {
+      if (pe->d_name[0] == '.') continue;
+      n += (size_t)snprintf(out + n, n < cap ? cap - n : 0, ",%s:%s", e->d_name, pe->d_name);
+    }
+    if (pd) closedir(pd);
+  }
+  if (d) closedir(d);
+  if (n >= cap) return tw_err(TW_ERR_OUT_OF_RANGE, "network device list over %zu bytes", cap);
+  return TW_OK;
+}
+
 /* ucp_init (RMA, WAKEUP) with UCX's configuration from the environment,
- * protocols v2 forced on when `v2`; then whether CUDA memory is supported. */
-static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
+ * protocols v2 forced on when `v2`, NET_DEVICES `devices` unless NULL; then
+ * whether CUDA memory is supported. */
+static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const char *devices) {
   ucp_config_t *cfg = NULL;
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
   if (us != UCS_OK) return tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
+  if (devices && (us = ucp_config_modify(cfg, "NET_DEVICES", devices)) != UCS_OK) {
+    ucp_config_release(cfg);
+    return tw_err(TW_ERR_TRANSPORT, "UCX NET_DEVICES=%s: %s", devices, ucs_status_string(us));
+  }
   x->proto_v2 = v2 && ucp_config_modify(cfg, "PROTO_ENABLE", "y") == UCS_OK;
   /* WAKEUP: the receiving side sleeps on the worker's event fd (see
    * tw_kv_xfer_wait_fd); emulated puts and flushes need its progress */
@@ -296,7 +392,22 @@ static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
 static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_length, void *data,
                                   size_t length, const ucp_am_recv_param_t *param);
 
-tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
+tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) { return tw_kv_xfer_create_bound(NULL, xfer_p); }
+
+tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, tw_kv_xfer_t **xfer_p) {
+  char devs[1024];
+  const char *devices = NULL, *env = getenv("UCX_NET_DEVICES");
+  if (router_endpoint && env && *env) {
+    TW_INFO("kvx", "UCX network devices %s (UCX_NET_DEVICES)", env);
+  } else if (router_endpoint) {
+    if (tw_kv_net_devices(router_endpoint, devs, sizeof devs) == TW_OK) {
+      devices = devs;
+      TW_INFO("kvx", "UCX network devices %s: the interface of the router link %s (UCX_NET_DEVICES "
+              "picks others, \"all\" every one)", devs, router_endpoint);
+    } else {
+      TW_WARN("kvx", "UCX network devices: every one UCX finds (%s; set UCX_NET_DEVICES)", tw_last_error());
+    }
+  }
   tw_kv_xfer_t *x = calloc(1, sizeof *x);
   if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
   x->magic = TW_KV_XFER_MAGIC;
@@ -308,11 +419,11 @@ tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
    * unless UCX_PROTO_ENABLE says otherwise, the context is made again with
    * v2. */
   const char *proto_env = getenv("UCX_PROTO_ENABLE");
-  TW_CHECK_GOTO(tw_kv_ucp_init(x, false), st, fail);
+  TW_CHECK_GOTO(tw_kv_ucp_init(x, false, devices), st, fail);
   if (x->cuda_native && !proto_env) {
     ucp_cleanup(x->ctx);
     x->ctx = NULL;
-    TW_CHECK_GOTO(tw_kv_ucp_init(x, true), st, fail);
+    TW_CHECK_GOTO(tw_kv_ucp_init(x, true, devices), st, fail);
   } else {
     x->proto_v2 = proto_env && (proto_env[0] == 'y' || proto_env[0] == 'Y' ||
                                 proto_env[0] == '1' || !strcasecmp(proto_env, "on"));

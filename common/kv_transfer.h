@@ -122,6 +122,25 @@ typedef struct {
  *  Errors: TW_ERR_TRANSPORT (ucp_init/ucp_worker_create failed, with the
  *  UCS status text), TW_ERR_NO_MEMORY. */
 tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p);
+/** As tw_kv_xfer_create, with UCX's network devices bound for a worker
+ *  whose router link is `router_endpoint` (a ZeroMQ endpoint): the operator's
+ *  UCX_NET_DEVICES when set (UCX reads it; "all" is UCX's default), else
+ *  tw_kv_net_devices of the endpoint, so UCX's TCP transport listens only on
+ *  the interface the router link uses (loopback for 127.0.0.1). Logged
+ *  either way. When no interface can be derived, UCX's default is kept and
+ *  a warning says so. NULL endpoint: as tw_kv_xfer_create. Errors: as
+ *  tw_kv_xfer_create. */
+tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, tw_kv_xfer_t **xfer_p);
+/** UCX_NET_DEVICES for a worker whose router link is `endpoint`: the name of
+ *  the local interface that routes to its host ("tcp://HOST:PORT",
+ *  "tcp://SRC;HOST:PORT", "[v6]" hosts; ipc:// and inproc:// are this host:
+ *  the loopback interface), then every RDMA port (/sys/class/infiniband,
+ *  "mlx5_0:1"; RDMA listens on no socket). Writes a NUL-terminated list of at
+ *  most cap - 1 bytes to out. Errors: TW_ERR_INVALID_ARGUMENT (not a tcp,
+ *  ipc or inproc endpoint, no port), TW_ERR_NOT_FOUND (the host does not
+ *  resolve, no route, or no interface holds the local address),
+ *  TW_ERR_OUT_OF_RANGE (the list does not fit in cap). */
+tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap);
 /** Destroy endpoints, regions' rkeys and the worker. NULL does nothing. */
 void tw_kv_xfer_destroy(tw_kv_xfer_t *xfer);
 

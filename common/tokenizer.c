@@ -563,6 +563,12 @@ tw_status_t tw_tok_stream_push(tw_tok_stream_t *s, int32_t id, tw_tok_buf_t *out
   return TW_OK;
 }
 
+tw_status_t tw_utf8_lossy(const char *s, size_t len, tw_tok_buf_t *out) {
+  size_t keep = 0;
+  TW_CHECK(tw_tok_stream_emit((const unsigned char *)s, len, out, &keep));
+  return keep ? tw_tok_buf_append(out, tw_replacement, 3) : TW_OK;
+}
+
 tw_status_t tw_tok_stream_finish(tw_tok_stream_t *s, tw_tok_buf_t *out) {
   if (s->n_pending) {
     s->n_pending = 0;

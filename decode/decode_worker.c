@@ -608,7 +608,7 @@ static tw_status_t tw_decoder_init(tw_decoder_t *d) {
   if (tw_engine_warmup(d->engine) != TW_OK)
     TW_WARN("decode", "warmup: %s (decode runs without graphs)", tw_last_error());
   const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
-  TW_CHECK(tw_kv_xfer_create(&d->xfer));
+  TW_CHECK(tw_kv_xfer_create_bound(p->router, &d->xfer));
   TW_CHECK(tw_kv_region_register(d->xfer, l, &d->region));
   TW_CHECK(tw_decode_ranks_init(&d->rk, d->wk.dist, d->engine, d->xfer, d->region, d->model));
   if (d->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router and has block managers */

@@ -32,11 +32,7 @@ static void tw_req_free(tw_req_t *q) {
   free(q);
 }
 
-/* Error messages go out in a proto3 string, which must be UTF-8: whatever
- * they quote (a client's role or tool name, a worker's text) that is not
- * becomes "\xNN" escapes. Writes at most cap - 1 bytes to out, on a UTF-8
- * boundary. */
-static void tw_utf8_escape(const char *in, char *out, size_t cap) {
+void tw_utf8_escape(const char *in, char *out, size_t cap) {
   size_t len = strlen(in), o = 0, i = 0;
   while (i < len) {
     size_t bad = len - i;
@@ -201,6 +197,23 @@ void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
 
 void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
                          bool finished, int finish_reason) {
+  if (q->chat && tw_rchat_choosing(q)) { /* tool_choice required: which function */
+    bool chosen = false;
+    if (tw_rchat_choice_feed(r, q, toks, n, finished, &chosen) != TW_OK) {
+      tw_router_fail(r, q, TWAIN__V1__CODE__RESOURCE_EXHAUSTED, "router out of memory");
+    } else if (chosen && q->n_prompt > r->max_prompt) {
+      tw_router_fail(r, q, TWAIN__V1__CODE__INVALID_ARGUMENT, "rendered prompt of %d tokens (with the "
+                     "call's header) exceeds the limit of %d", q->n_prompt, r->max_prompt);
+    } else if (chosen && (int64_t)q->n_prompt + q->max_tokens > r->config.max_position_embeddings) {
+      tw_router_fail(r, q, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                     "prompt of %d tokens (with the call's header) + max_tokens %d exceeds the model "
+                     "context of %d", q->n_prompt, q->max_tokens, r->config.max_position_embeddings);
+    } else if (chosen) { /* now the call itself, from a new prefill */
+      tw_router_requeue(r, q, !finished, 0);
+      q->attempts = 0;
+    }
+    return;
+  }
   int64_t now = tw_msg_clock_ns();
   size_t room = (size_t)(q->max_tokens - q->n_out);
   if (n > room) n = room; /* never more than asked for */
@@ -366,7 +379,7 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
                       "prompt of %d tokens + max_tokens %d exceeds the model context of %d",
                       q->n_prompt, max_tokens, r->config.max_position_embeddings);
-  q->max_tokens = max_tokens;
+  q->max_tokens = st == TW_OK ? tw_rchat_pass_max_tokens(r, q, max_tokens) : max_tokens;
   if (st == TW_OK) {
     q->out = malloc(sizeof(int32_t) * (size_t)max_tokens);
     q->token_ms = malloc(sizeof(float) * (size_t)max_tokens);

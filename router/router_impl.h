@@ -57,6 +57,7 @@ typedef struct {
   int64_t requests;         /* handed to it, for tests and logs */
   ProtobufCBinaryData *kv_addrs; /* decode: the UCX addresses it registered (owned) */
   int32_t n_kv_addrs;
+  uint64_t instance;        /* Register.instance: this process start (0: not given) */
 } tw_rworker_t;
 
 typedef struct {
@@ -75,6 +76,8 @@ typedef struct {
   tw_req_state_t state;
   uint64_t dw, pw;             /* worker serials (pw: chosen before the Reserve) */
   int32_t attempts;
+  uint64_t expired_instance;   /* the worker whose expiry requeued it last (0: none): if that
+                                * process registers again it was a stall: attempts-- */
   int64_t retry_after_ns;
   int32_t blocks_asked;
   int32_t n_out;               /* tokens produced so far */
@@ -137,6 +140,11 @@ void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
  *  (a ZeroMQ peer or an HTTP connection, http_api.h); every outcome is a
  *  reply to `from`. The caller checked the API key. */
 void tw_router_dispatch(tw_router_t *r, const tw_msg_t *from, Twain__V1__ClientRequest *cr);
+/** Error messages go out in a proto3 string or a JSON body, which must be
+ *  UTF-8: whatever they quote (a client's role or tool name, a model name, a
+ *  worker's text) that is not becomes "\xNN" escapes. Writes at most cap - 1
+ *  bytes (cap >= 1) and a NUL to out, cut on a UTF-8 boundary. */
+void tw_utf8_escape(const char *in, char *out, size_t cap);
 /** Whether `key` is the router's API key (constant time); true when the
  *  router has none. */
 bool tw_router_key_ok(const tw_router_t *r, const char *key);
@@ -162,6 +170,10 @@ void tw_router_schedule(tw_router_t *r, int64_t now_ns);
  *  TW_ERR_UNAVAILABLE (queue full, worker gone), TW_ERR_TRANSPORT, as tw_msg_send_to. */
 tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
                                   Twain__Internal__V1__Envelope *env);
+/** Run q again from the start under a new internal id (late messages about
+ *  the old one are ignored): back to QUEUED, schedulable `delay_ns` from now;
+ *  `cancel`: first tell its workers to drop what they hold for it. */
+void tw_router_requeue(tw_router_t *r, tw_req_t *q, bool cancel, int64_t delay_ns);
 /** Registered workers of `pool` that are not draining. */
 int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool pool);
 /** /healthz: 503 "not ready: no ... worker registered" while a pool is
@@ -182,6 +194,23 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
                    Twain__V1__ServerReply *rep);
 /** At the end: the parsed messages into rep (and remaining deltas). */
 void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep);
+/** Whether q is in the choice pass of tool_choice REQUIRED among several
+ *  tools (twain_api.proto ChatRequest.tool_choice): its prompt ends in
+ *  "<|channel|>commentary to", it stops at the next Harmony special id, and
+ *  its ids go to tw_rchat_choice_feed, never to the client. */
+bool tw_rchat_choosing(const tw_req_t *q);
+/** The max_tokens q runs with first: `max_tokens` (the request's), or during
+ *  the choice pass only enough for "=functions.NAME" of its longest name and
+ *  one id more (the request's is restored when the function is chosen). */
+int32_t tw_rchat_pass_max_tokens(tw_router_t *r, tw_req_t *q, int32_t max_tokens);
+/** Ids of the choice pass (`finished`: the worker ended it). Once it has
+ *  ended (finished, or a Harmony special id) picks the function, sets
+ *  *chosen_p, and turns q into the forced call: q->prompt = the rendered
+ *  prompt + that call's header, the request's max_tokens and stop ids, the
+ *  parser past the header; the caller runs q again from the start
+ *  (tw_router_requeue). Errors: TW_ERR_NO_MEMORY. */
+tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
+                                 bool finished, bool *chosen_p);
 /** Free a chat request's parser state (no-op for generate requests). */
 void tw_rchat_free(tw_req_t *q);
 /** The router's tokenizer and its encoder (router thread only). */
