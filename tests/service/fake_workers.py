@@ -166,10 +166,11 @@ class FakeWorkers(threading.Thread):
         self.join(5)
 
 
-def router_with_fakes(script, token_delay=0.0, extra=()):
-    """A twain-router (HTTP API on an ephemeral port) with fake workers; a
-    worker is expired only after 10 s of silence, so a loaded machine that
-    starves the fakes' heartbeat thread does not make them vanish.
+def router_with_fakes(script, token_delay=0.0, extra=(), **fake_kw):
+    """A twain-router (HTTP API on an ephemeral port) with fake workers
+    (FakeWorkers(..., **fake_kw)); a worker is expired only after 10 s of
+    silence (unless extra sets --expire-ms), so a loaded machine that starves
+    the fakes' heartbeat thread does not make them vanish.
     Returns (router Proc, FakeWorkers, client endpoint, http base url)."""
     router = svc.Proc([svc.bin_path("router", "twain-router"), "--model", svc.MODEL,
                        "--listen", "tcp://127.0.0.1:0", "--workers", "tcp://127.0.0.1:0",
@@ -177,7 +178,7 @@ def router_with_fakes(script, token_delay=0.0, extra=()):
                        "--expect-prefill", "1", "--expect-decode", "1"] + list(extra), "router")
     m = router.wait_line(r"listening clients=(\S+) workers=(\S+)", 30)
     url = router.wait_line(r"serving the OpenAI API on (http://127\.0\.0\.1:\d+)/v1", 10).group(1)
-    fw = FakeWorkers(m.group(2), script, token_delay)
+    fw = FakeWorkers(m.group(2), script, token_delay, **fake_kw)
     fw.start()
     router.wait_line(r"twain-router: ready", 30)
     return router, fw, m.group(1), url

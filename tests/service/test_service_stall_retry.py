@@ -17,12 +17,11 @@ prompt = [1, 2, 3, 4]
 
 for new_instance in (False, True):
     what = "a new process each time" if new_instance else "the same process (stalled)"
-    router, fw, ep, url = fake_workers.router_with_fakes(SCRIPT, extra=["--expire-ms", "2000"])
-    fw.close()  # this test's own fakes: instance and stalls
-    fw = fake_workers.FakeWorkers(router.wait_line(r"listening clients=(\S+) workers=(\S+)", 5).group(2),
-                                  SCRIPT, instance=1000 + new_instance, stall_prefills=4, stall_s=3.5,
-                                  new_instance=new_instance)
-    fw.start()
+    # expiry 3 s against heartbeats every 0.2 s: a loaded machine does not
+    # expire the fakes that are not stalled; each stall outlasts the expiry
+    router, fw, ep, url = fake_workers.router_with_fakes(
+        SCRIPT, extra=["--expire-ms", "3000"], instance=1000 + new_instance, stall_prefills=4,
+        stall_s=4.5, new_instance=new_instance)
     try:
         cl = svc.Client(ep)
         res = cl.wait([cl.send(svc.generate(prompt, 4, deadline_ms=60000))], 60)[0]
