@@ -43,7 +43,7 @@ enum { TW_CUDA_H2D = 1, TW_CUDA_D2H = 2 };
 enum { TW_CUDA_STREAM_NON_BLOCKING = 1, TW_CUDA_EVENT_DISABLE_TIMING = 2 };
 enum { TW_CUDA_NOT_READY = 600 }; /* cudaErrorNotReady */
 
-static tw_status_t tw_cudart_load(tw_cudart_t *rt) {
+static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   if (rt->lib) return TW_OK;
   /* the runtime the engine already uses first (same instance, same device
    * and context), then any */
@@ -163,7 +163,7 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len) {
 
 /* ucp_init (RMA, WAKEUP) with UCX's configuration from the environment,
  * protocols v2 forced on when `v2`; then whether CUDA memory is supported. */
-static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
+static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
   ucp_config_t *cfg = NULL;
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
   if (us != UCS_OK) return tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
@@ -184,7 +184,7 @@ static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
   return TW_OK;
 }
 
-tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
+TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   tw_kv_xfer_t *x = calloc(1, sizeof *x);
   if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
   x->magic = TW_KV_XFER_MAGIC;
@@ -284,8 +284,8 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
   return -1; /* events keep coming: do not sleep */
 }
 
-tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
-                                  tw_kv_region_t **region_p) {
+TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
+                                               tw_kv_region_t **region_p) {
   if (!layout || !layout->base || layout->total_bytes <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv region: empty pool layout");
   tw_kv_region_t *r = calloc(1, sizeof *r);
@@ -405,7 +405,7 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *
                                .total_bytes = l->total_bytes};
 }
 
-tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *r, uint64_t ticket) {
+TW_NODISCARD tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *r, uint64_t ticket) {
   if (ticket <= r->done_ticket) return TW_OK;
   if (ticket > r->next_ticket)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv commit ticket %llu was never handed out",
@@ -417,8 +417,8 @@ tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *r, uint64_t ticket) {
   return TW_OK;
 }
 
-tw_status_t tw_kv_region_commit_start(tw_kv_region_t *r, const int32_t *ids, int32_t n,
-                                      uint64_t *ticket_p) {
+TW_NODISCARD tw_status_t tw_kv_region_commit_start(tw_kv_region_t *r, const int32_t *ids, int32_t n,
+                                                   uint64_t *ticket_p) {
   *ticket_p = 0;
   if (!r->staged) return TW_OK;
   const tw_kv_layout_t *l = &r->layout;
@@ -451,7 +451,7 @@ tw_status_t tw_kv_region_commit_start(tw_kv_region_t *r, const int32_t *ids, int
   return TW_OK;
 }
 
-tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *r, uint64_t ticket) {
+TW_NODISCARD tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *r, uint64_t ticket) {
   tw_status_t st = tw_kv_region_commit_poll(r, ticket);
   if (st != TW_INPROGRESS) return st;
   if (r->xfer->cudart.event_sync(r->event[ticket % TW_KV_MAX_COMMITS]) != 0)
@@ -460,7 +460,7 @@ tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *r, uint64_t ticket) {
   return TW_OK;
 }
 
-tw_status_t tw_kv_region_commit(tw_kv_region_t *r, const int32_t *ids, int32_t n) {
+TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *r, const int32_t *ids, int32_t n) {
   uint64_t t = 0;
   TW_CHECK(tw_kv_region_commit_start(r, ids, n, &t));
   return tw_kv_region_commit_wait(r, t);
@@ -525,8 +525,8 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
   }
 }
 
-tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address_len,
-                            const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
+TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address_len,
+                                         const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
   tw_kv_peer_t *p = NULL;
   for (int i = 0; i < x->n_peers; i++) {
     tw_kv_peer_t *q = x->peers[i];
@@ -602,8 +602,8 @@ int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int3
   return end >= n_tokens ? n_blocks : end / block_size;
 }
 
-static tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32_t id,
-                                   char **ptr_p) {
+static TW_NODISCARD tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32_t id,
+                                                char **ptr_p) {
   if (layer < 0 || layer >= l->n_layers || id < 0 || id >= l->n_blocks)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv block %d of layer %d is outside the pool (%d x %d)",
                   id, layer, l->n_layers, l->n_blocks);
@@ -612,7 +612,7 @@ static tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32
 }
 
 /* Wait (progressing, at most 10 s) for a put request, then free it. */
-static tw_status_t tw_kv_req_wait(tw_kv_xfer_t *x, void **req_p) {
+static TW_NODISCARD tw_status_t tw_kv_req_wait(tw_kv_xfer_t *x, void **req_p) {
   void *req = *req_p;
   *req_p = NULL;
   if (req == NULL) return TW_OK;
@@ -647,7 +647,7 @@ static void tw_kv_ring_free(tw_kv_xfer_t *x) {
 }
 
 /* The ring, pinned with its stream and events when it serves device sources. */
-static tw_status_t tw_kv_ring_init(tw_kv_xfer_t *x, bool device) {
+static TW_NODISCARD tw_status_t tw_kv_ring_init(tw_kv_xfer_t *x, bool device) {
   tw_kv_ring_t *g = &x->ring;
   if (g->mem && (g->pinned || !device)) return TW_OK;
   if (g->mem) tw_kv_ring_free(x); /* a host ring, now needed for device copies */
@@ -688,7 +688,7 @@ static tw_status_t tw_kv_ring_init(tw_kv_xfer_t *x, bool device) {
  * driver API in the calling thread) and register the local device pool once
  * as CUDA memory, so a direct put neither detects the memory type nor
  * registers the buffer. Registration failure only costs speed. */
-static tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_layout_t *src) {
+static TW_NODISCARD tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_layout_t *src) {
   if (x->src_base == src->base && x->src_bytes == src->total_bytes) return TW_OK;
   TW_CHECK(tw_cudart_load(&x->cudart));
   if (x->cudart.free_(NULL) != 0)
@@ -716,9 +716,10 @@ static tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_layout_t *src
  * source, up to TW_KV_RING_SLOTS chunks ahead), then checksum and (if `put`)
  * put each chunk to raddr + its offset. A slot is refilled only after its
  * previous put completed locally. */
-static tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
-                                  const tw_kv_seg_t *segs, int32_t n_segs, int64_t total,
-                                  uint64_t raddr, uint64_t *h, bool put) {
+static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
+                                               const tw_kv_seg_t *segs, int32_t n_segs,
+                                               int64_t total, uint64_t raddr, uint64_t *h,
+                                               bool put) {
   TW_CHECK(tw_kv_ring_init(x, device));
   tw_kv_ring_t *g = &x->ring;
   const int64_t S = TW_KV_RING_SLOT_BYTES;
@@ -795,9 +796,9 @@ const char *tw_kv_path_name(tw_kv_path_t path) {
 
 const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *p) { return p->lanes; }
 
-tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
-                           const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
-                           int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
+TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
+                                        const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
+                                        int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
   if (p->failed) return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
   int64_t total = 0;
   const char *lo = src->base, *hi = (const char *)src->base + src->total_bytes;
@@ -876,10 +877,11 @@ tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_
   return TW_OK;
 }
 
-tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
-                                  const tw_kv_remote_layout_t *dst, int32_t layer,
-                                  const int32_t *src_ids, const int32_t *dst_ids, int32_t first,
-                                  int32_t n, uint64_t *maybe_checksum) {
+TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p,
+                                               const tw_kv_layout_t *src,
+                                               const tw_kv_remote_layout_t *dst, int32_t layer,
+                                               const int32_t *src_ids, const int32_t *dst_ids,
+                                               int32_t first, int32_t n, uint64_t *maybe_checksum) {
   if (src->dtype != dst->dtype || src->block_size != dst->block_size ||
       src->n_kv_heads_local != dst->n_kv_heads || src->head_dim != dst->head_dim ||
       src->block_bytes != dst->block_bytes || src->n_layers != dst->n_layers)
@@ -913,7 +915,7 @@ int32_t tw_kv_run_length(const int32_t *src_ids, const int32_t *dst_ids, int32_t
   return k;
 }
 
-tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
+TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
   ucp_request_param_t prm = {.op_attr_mask = 0};
   void *req = ucp_ep_flush_nbx(p->ep, &prm);
   if (UCS_PTR_IS_ERR(req)) {
@@ -950,8 +952,9 @@ tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
   return TW_OK;
 }
 
-tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer, const int32_t *ids,
-                                 int32_t first, int32_t n, uint64_t *checksum_p) {
+TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer,
+                                              const int32_t *ids, int32_t first, int32_t n,
+                                              uint64_t *checksum_p) {
   uint64_t h = TW_KV_FNV_INIT;
   tw_cudart_t rt = {0};
   uint8_t *copy = NULL;

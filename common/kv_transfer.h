@@ -94,7 +94,7 @@ typedef struct {
 /** Create a ucp context (RMA feature) and one worker.
  *  Errors: TW_ERR_TRANSPORT (ucp_init/ucp_worker_create failed, with the
  *  UCS status text), TW_ERR_NO_MEMORY. */
-tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p);
+TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p);
 /** Destroy endpoints, regions' rkeys and the worker. NULL does nothing. */
 void tw_kv_xfer_destroy(tw_kv_xfer_t *xfer);
 
@@ -116,8 +116,8 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *xfer);
  *  Errors: TW_ERR_INVALID_ARGUMENT (empty layout), TW_ERR_TRANSPORT
  *  (ucp_mem_map/ucp_rkey_pack), TW_ERR_UNSUPPORTED (device pool, no native
  *  support and no libcudart), TW_ERR_NO_MEMORY. */
-tw_status_t tw_kv_region_register(tw_kv_xfer_t *xfer, const tw_kv_layout_t *layout,
-                                  tw_kv_region_t **region_p);
+TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *xfer, const tw_kv_layout_t *layout,
+                                               tw_kv_region_t **region_p);
 void tw_kv_region_unregister(tw_kv_region_t *region);
 /** Packed rkey (borrowed) and the layout to publish in a KvHandoff. */
 const void *tw_kv_region_rkey(const tw_kv_region_t *region, size_t *len_p);
@@ -126,8 +126,8 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *region, tw_kv_remote_layou
  *  mirror -> device when staging, one copy per run of consecutive blocks per
  *  layer; nothing for host or native pools), waiting for the copies.
  *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool), TW_ERR_CUDA. */
-tw_status_t tw_kv_region_commit(tw_kv_region_t *region, const int32_t *block_ids,
-                                int32_t n_blocks);
+TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *region, const int32_t *block_ids,
+                                             int32_t n_blocks);
 /** The same without waiting: the copies are enqueued on the region's own
  *  stream (cudaMemcpyAsync from the pinned mirror, so they overlap the
  *  engine's decode steps on its stream) and *ticket_p names them (0: nothing
@@ -135,22 +135,23 @@ tw_status_t tw_kv_region_commit(tw_kv_region_t *region, const int32_t *block_ids
  *  reused, before tw_kv_region_commit_poll says TW_OK. Up to 64 commits may
  *  be in flight; a 65th waits for the oldest.
  *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool), TW_ERR_CUDA. */
-tw_status_t tw_kv_region_commit_start(tw_kv_region_t *region, const int32_t *block_ids,
-                                      int32_t n_blocks, uint64_t *ticket_p);
+TW_NODISCARD tw_status_t tw_kv_region_commit_start(tw_kv_region_t *region, const int32_t *block_ids,
+                                                   int32_t n_blocks, uint64_t *ticket_p);
 /** TW_OK once the commit `ticket` (and every earlier one) is on the device,
  *  TW_INPROGRESS while its copies run. Never blocks.
  *  Errors: TW_ERR_INVALID_ARGUMENT (a ticket never handed out), TW_ERR_CUDA
  *  (a copy failed). */
-tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *region, uint64_t ticket);
+TW_NODISCARD tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *region, uint64_t ticket);
 /** Block until the commit `ticket` is on the device. Errors: those of
  *  tw_kv_region_commit_poll. */
-tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *region, uint64_t ticket);
+TW_NODISCARD tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *region, uint64_t ticket);
 
 /** Endpoint to a remote worker by address; cached, so repeated handoffs to the
  *  same decode worker reuse it. The rkey is (re)unpacked if it changed.
  *  Errors: TW_ERR_TRANSPORT (ucp_ep_create/ucp_ep_rkey_unpack), TW_ERR_NO_MEMORY. */
-tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *xfer, const void *address, size_t address_len,
-                            const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p);
+TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *xfer, const void *address,
+                                         size_t address_len, const void *rkey, size_t rkey_len,
+                                         tw_kv_peer_t **peer_p);
 
 /** Which blocks of a prompt of n_tokens a layer needs on the decode side:
  *  all of them for full-attention layers, for sliding layers only those that
@@ -177,16 +178,17 @@ int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int3
  *  Errors: TW_ERR_UNSUPPORTED (layouts differ in dtype, block size, heads or
  *  head_dim: kv_reshard.h handles that), TW_ERR_INVALID_ARGUMENT (block id
  *  out of a pool), those of tw_kv_xfer_put. */
-tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
-                                  const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
-                                  int32_t layer, const int32_t *src_ids, const int32_t *dst_ids,
-                                  int32_t first, int32_t n, uint64_t *maybe_checksum);
+TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
+                                               const tw_kv_layout_t *src,
+                                               const tw_kv_remote_layout_t *dst, int32_t layer,
+                                               const int32_t *src_ids, const int32_t *dst_ids,
+                                               int32_t first, int32_t n, uint64_t *maybe_checksum);
 
 /** Wait until every put to `peer` is remotely complete (ucp_ep_flush_nbx),
  *  progressing the worker, for at most timeout_ms.
  *  Errors: TW_ERR_DEADLINE (timed out), TW_ERR_UNAVAILABLE (the peer failed;
  *  the endpoint is dropped from the cache), TW_ERR_TRANSPORT. */
-tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, int timeout_ms);
+TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, int timeout_ms);
 
 /** The path puts from a local pool (on device or not) to a remote pool take
  *  over this endpoint, from its lanes (ucp_ep_print_info) and the pools. */
@@ -206,9 +208,10 @@ const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *peer);
  *  TW_ERR_UNAVAILABLE (the endpoint failed), TW_ERR_TRANSPORT (ucp_put_nbx),
  *  TW_ERR_CUDA, TW_ERR_NO_MEMORY (the ring), TW_ERR_DEADLINE (a ring slot's
  *  put did not complete in 10 s). */
-tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, const tw_kv_layout_t *src,
-                           const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
-                           int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum);
+TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
+                                        const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
+                                        const tw_kv_seg_t *segs, int32_t n_segs, uint64_t raddr,
+                                        uint64_t *maybe_checksum);
 
 /** Length of the run of blocks starting at index i (< n) that are consecutive
  *  in both id lists: src_ids[i + j] == src_ids[i] + j and the same for
@@ -222,8 +225,9 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len);
 /** Checksum of blocks ids[first..n) of `layer` in a local pool, computed the
  *  same way as tw_kv_xfer_send_layer (host pools, or device pools through a
  *  copy). Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA, TW_ERR_NO_MEMORY. */
-tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer, const int32_t *ids,
-                                 int32_t first, int32_t n, uint64_t *checksum_p);
+TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer,
+                                              const int32_t *ids, int32_t first, int32_t n,
+                                              uint64_t *checksum_p);
 
 #ifdef __cplusplus
 }

@@ -87,6 +87,7 @@ typedef struct {
   tw_dseq_t **seqs;
   int32_t n_seqs, cap_seqs;
   bool draining;
+  tw_status_t device_error; /* a sticky CUDA/NCCL error outside a step (a KV commit): stop */
   int32_t step_start[TW_DECODE_MAX_DP]; /* per dp rank: first table index its next step tries */
   tw_dist_identity_t id; /* this rank and its group (issue 6, dist.h) */
   tw_dist_t *dist;
@@ -324,6 +325,13 @@ static bool tw_dseq_stops(const tw_dseq_t *s, int32_t tok) {
   return false;
 }
 
+/* Remember a sticky device error (STYLE.md "Errors") found outside a decode
+ * step; the loop stops taking work when it sees one. Other errors were
+ * logged and answered where they happened. */
+static void tw_decoder_note_device(tw_decoder_t *d, tw_status_t st) {
+  if ((st == TW_ERR_CUDA || st == TW_ERR_NCCL) && d->device_error == TW_OK) d->device_error = st;
+}
+
 static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeRequest *r) {
   int32_t idx = tw_dseq_find(d, r->request_id);
   char msg[256] = "";
@@ -362,7 +370,8 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   }
   if (cst != TW_OK || (verify && !tw_decoder_verify(d, s, r, msg, sizeof msg))) {
     if (!msg[0]) snprintf(msg, sizeof msg, "%s", tw_last_error());
-    if (ticket) (void)tw_kv_region_commit_wait(d->region, ticket); /* before the blocks are reused */
+    if (ticket) /* before the blocks are reused; its own failure is logged there */
+      tw_decoder_note_device(d, tw_kv_region_commit_wait(d->region, ticket));
     TW_ERROR("decode", "request %llu: %s", (unsigned long long)s->id, msg);
     tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
                    TWAIN__V1__CODE__INTERNAL, msg);
@@ -398,8 +407,18 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   if (tw_dseq_stops(s, s->token) || s->generated >= s->max_tokens) {
     int reason = tw_dseq_stops(s, s->token) ? TWAIN__V1__FINISH_REASON__FINISH_STOP
                                             : TWAIN__V1__FINISH_REASON__FINISH_LENGTH;
-    if (ticket) (void)tw_kv_region_commit_wait(d->region, ticket); /* before the blocks are reused */
-    tw_send_tokens(d, s->id, NULL, 0, true, reason, 0, NULL);
+    if (ticket) { /* before the blocks are reused: a failed commit fails the request */
+      tw_status_t ws = tw_kv_region_commit_wait(d->region, ticket);
+      tw_decoder_note_device(d, ws);
+      if (ws != TW_OK) {
+        reason = TWAIN__V1__FINISH_REASON__FINISH_ERROR;
+        snprintf(msg, sizeof msg, "%s", tw_last_error());
+      }
+    }
+    if (reason == TWAIN__V1__FINISH_REASON__FINISH_ERROR)
+      tw_send_tokens(d, s->id, NULL, 0, true, reason, TWAIN__V1__CODE__INTERNAL, msg);
+    else
+      tw_send_tokens(d, s->id, NULL, 0, true, reason, 0, NULL);
     tw_dseq_release(d, idx);
   }
 }
@@ -438,6 +457,7 @@ static void tw_decoder_commits(tw_decoder_t *d) {
       char msg[256];
       snprintf(msg, sizeof msg, "request %llu: %s", (unsigned long long)s->id, tw_last_error());
       TW_ERROR("decode", "%s", msg);
+      tw_decoder_note_device(d, st);
       tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
                      TWAIN__V1__CODE__INTERNAL, msg);
       tw_dseq_release(d, i);
@@ -485,7 +505,7 @@ static void tw_decoder_batch_add(tw_decoder_t *d, tw_dseq_t *s, int32_t *cnt) {
  * the step was 10 ms). */
 static void tw_decoder_kv_progress(void *xfer) { tw_kv_xfer_progress((tw_kv_xfer_t *)xfer); }
 
-static tw_status_t tw_decoder_step(tw_decoder_t *d) {
+static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
   const int32_t B = d->max_batch, R = d->n_dp;
   int32_t cnt[TW_DECODE_MAX_DP] = {0}, running[TW_DECODE_MAX_DP] = {0}, n = 0;
   bool over = false;
@@ -553,8 +573,8 @@ static tw_status_t tw_decoder_step(tw_decoder_t *d) {
   return st;
 }
 
-static tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
-                                   const tw_dist_identity_t *id) {
+static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
+                                                const tw_dist_identity_t *id) {
   memset(d, 0, sizeof *d);
   d->p = p;
   d->id = *id;
@@ -698,7 +718,7 @@ static void tw_decoder_fini(tw_decoder_t *d) {
   free(d->batch);
 }
 
-tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
+TW_NODISCARD tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
   tw_decoder_t d;
   memset(&d, 0, sizeof d);
   if (p->tp < 1 || p->ep < 1 || (p->tp > 1 && p->ep > 1 && p->tp != p->ep))
@@ -824,6 +844,11 @@ tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
     tw_decoder_commits(&d);
     /* a failed step has failed its sequences (each told why); a device
      * error is sticky (STYLE.md "Errors"): stop taking work and exit */
+    if (d.device_error != TW_OK) {
+      TW_ERROR("decode", "device error in a KV commit, stopping");
+      fatal = d.device_error;
+      break;
+    }
     tw_status_t ss = tw_decoder_step(&d);
     if (ss == TW_ERR_CUDA || ss == TW_ERR_NCCL) {
       TW_ERROR("decode", "device error in a decode step, stopping: %s", tw_last_error());

@@ -60,6 +60,6 @@ typedef struct {
  *  TW_ERR_UNSUPPORTED (dp > 1 on the cuda backend), whatever loading the
  *  model, creating the engine, the UCX transfer or the router connection
  *  returned. */
-tw_status_t tw_decode_worker_run(const tw_decode_params_t *params);
+TW_NODISCARD tw_status_t tw_decode_worker_run(const tw_decode_params_t *params);
 
 #endif

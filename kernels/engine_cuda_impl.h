@@ -149,17 +149,17 @@ typedef struct {
  *  Errors: TW_ERR_UNSUPPORTED with the reason: a size other than 1 or the
  *  group size, NQ/NKV/E not divisible, no NCCL group, bf16 experts or
  *  data-parallel attention with ep > 1. */
-tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c, const tw_engine_params_t *p,
-                          int bf16_experts);
+TW_NODISCARD tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c,
+                                       const tw_engine_params_t *p, int bf16_experts);
 /** Sum x f32 [n] (device) over the group on ce->stream (NCCL all-reduce). */
-tw_status_t tw_ce_tp_allreduce(tw_ce_t *ce, float *x, int64_t n);
+TW_NODISCARD tw_status_t tw_ce_tp_allreduce(tw_ce_t *ce, float *x, int64_t n);
 /** tp > 1: logits of `rows` normalised rows xn bf16 [rows, H] into
  *  ce->logits [rows, V]: this rank's vocabulary rows, all-gather, scatter. */
-tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows);
+TW_NODISCARD tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows);
 /** ep > 1: the MoE of T rows of ce->xn into ce->moe_out (partial sums of
  *  this rank's experts, then the all-reduce): router, route, mask of the
  *  other ranks' experts and GEMV in slices of TW_CE_GEMV_MAX_TOKENS rows. */
-tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
+TW_NODISCARD tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
 
 /** Weights shared through CUDA IPC (engine_cuda_share.cu; engine.h
  *  weights_share_dir). Open: map the arena of `bytes` published by a live
@@ -168,11 +168,12 @@ tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
  *  lock; the caller uploads, then calls publish. Errors: TW_ERR_IO (lock or
  *  record file), TW_ERR_DEADLINE (another worker held the lock for 900 s),
  *  TW_ERR_NO_MEMORY. */
-tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m, const tw_engine_params_t *p,
-                             size_t bytes, int *imported_p);
+TW_NODISCARD tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m,
+                                          const tw_engine_params_t *p, size_t bytes,
+                                          int *imported_p);
 /** Publish the uploaded arena's IPC handle and release the lock.
  *  Errors: TW_ERR_CUDA (no handle), TW_ERR_IO (record not written). */
-tw_status_t tw_ce_share_publish(tw_ce_t *ce, int device);
+TW_NODISCARD tw_status_t tw_ce_share_publish(tw_ce_t *ce, int device);
 /** Unmap (imported) or free (own; its record removed if exported) the arena. */
 void tw_ce_share_close(tw_ce_t *ce);
 /** The decode graph batch bucket for n live sequences (1 <= n <= max_batch):
@@ -180,10 +181,10 @@ void tw_ce_share_close(tw_ce_t *ce);
 int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch);
 
 /** The engine ops (engine_cuda_step.cu). */
-tw_status_t tw_ce_prefill_pass(tw_engine_t *engine, const tw_prefill_pass_t *pass);
-tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
+TW_NODISCARD tw_status_t tw_ce_prefill_pass(tw_engine_t *engine, const tw_prefill_pass_t *pass);
+TW_NODISCARD tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
 /** Capture the decode graph of every (batch, context) bucket (tw_engine_warmup). */
-tw_status_t tw_ce_warmup(tw_engine_t *engine);
+TW_NODISCARD tw_status_t tw_ce_warmup(tw_engine_t *engine);
 /** Log the per-op times gathered in profile mode (engine_cuda_step.cu). */
 void tw_ce_profile_log(const tw_ce_t *ce);
 /** Destroy the captured graphs (engine_cuda_step.cu). */

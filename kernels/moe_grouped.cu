@@ -414,7 +414,7 @@ extern "C" int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediat
 }
 
 /* One grouped GEMM over the route's experts (see the file comment). */
-static tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk, int bt,
+static TW_NODISCARD tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk, int bt,
                                 cudaStream_t stream) {
   const int tiles_m = tk / bt + (a->E < tk ? a->E : tk);
   dim3 grid(TW_CDIV(a->N, TW_GG_BW), tiles_m);

@@ -189,7 +189,7 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
   }
 }
 
-tw_status_t tw_rchat_init(tw_router_t *r) {
+TW_NODISCARD tw_status_t tw_rchat_init(tw_router_t *r) {
   tw_rchat_ctx_t *x = calloc(1, sizeof *x);
   if (!x) return tw_err(TW_ERR_NO_MEMORY, "router: cannot allocate the chat context");
   r->chat_ctx = x;
@@ -227,7 +227,7 @@ int32_t tw_rchat_default_stops(tw_router_t *r, int32_t *ids, int32_t cap) {
   return n;
 }
 
-static tw_status_t tw_role_parse(const char *s, tw_harmony_role_t *role_p) {
+static TW_NODISCARD tw_status_t tw_role_parse(const char *s, tw_harmony_role_t *role_p) {
   static const struct { const char *n; tw_harmony_role_t r; } roles[] = {
       {"system", TW_HARMONY_ROLE_SYSTEM}, {"developer", TW_HARMONY_ROLE_DEVELOPER},
       {"user", TW_HARMONY_ROLE_USER},     {"assistant", TW_HARMONY_ROLE_ASSISTANT},
@@ -251,7 +251,8 @@ static bool tw_blank(const char *s) {
   return true;
 }
 
-tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatRequest *cr) {
+TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
+                                        const Twain__V1__ChatRequest *cr) {
   tw_rchat_ctx_t *x = r->chat_ctx;
   if (cr->n_messages == 0) return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: messages is empty");
   struct tw_rchat *c = calloc(1, sizeof *c);

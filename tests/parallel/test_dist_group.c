@@ -24,7 +24,7 @@
 
 #define TW_NRANKS 3
 
-static tw_status_t hook(void *ctx, const void *buf, size_t len) {
+static TW_NODISCARD tw_status_t hook(void *ctx, const void *buf, size_t len) {
   tw_dist_t *d = ctx;
   if (len == 3 && memcmp(buf, "die", 3) == 0) {
     if (tw_dist_rank(d) == 2) raise(SIGKILL);
