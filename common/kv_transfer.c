@@ -6,10 +6,12 @@
 #include <ucp/api/ucp.h>
 
 #include <dlfcn.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <unistd.h>
 
 #define TW_KV_XFER_MAGIC 0x7478666bu /* "kfxt" */
 #define TW_KV_MAX_PEERS 64
@@ -24,6 +26,13 @@ typedef int (*tw_cuda_stream_create_fn)(void **, unsigned);
 typedef int (*tw_cuda_ptr_fn)(void *);
 typedef int (*tw_cuda_event_create_fn)(void **, unsigned);
 typedef int (*tw_cuda_event_record_fn)(void *, void *);
+/* cudaIpcMemHandle_t: 64 opaque bytes, passed by value */
+typedef struct {
+  char reserved[64];
+} tw_cuda_ipc_handle_t;
+typedef int (*tw_cuda_ipc_get_fn)(tw_cuda_ipc_handle_t *, void *);
+typedef int (*tw_cuda_ipc_open_fn)(void **, tw_cuda_ipc_handle_t, unsigned);
+typedef int (*tw_cuda_get_device_fn)(int *);
 typedef struct {
   void *lib;
   tw_cuda_memcpy_fn memcpy_;
@@ -38,10 +47,52 @@ typedef struct {
   tw_cuda_ptr_fn event_query;               /* cudaEventQuery */
   tw_cuda_ptr_fn event_destroy;
   tw_cuda_ptr_fn free_;                     /* cudaFree(NULL): binds the primary context */
+  /* CUDA IPC (the direct path); NULL when the runtime lacks them */
+  tw_cuda_ipc_get_fn ipc_get;       /* cudaIpcGetMemHandle */
+  tw_cuda_ipc_open_fn ipc_open;     /* cudaIpcOpenMemHandle */
+  tw_cuda_ptr_fn ipc_close;         /* cudaIpcCloseMemHandle */
+  tw_cuda_get_device_fn get_device; /* cudaGetDevice */
 } tw_cudart_t;
-enum { TW_CUDA_H2D = 1, TW_CUDA_D2H = 2 };
+enum { TW_CUDA_H2D = 1, TW_CUDA_D2H = 2, TW_CUDA_DEFAULT = 4 };
+enum { TW_CUDA_IPC_LAZY_PEER = 1 }; /* cudaIpcMemLazyEnablePeerAccess */
 enum { TW_CUDA_STREAM_NON_BLOCKING = 1, TW_CUDA_EVENT_DISABLE_TIMING = 2 };
 enum { TW_CUDA_NOT_READY = 600 }; /* cudaErrorNotReady */
+
+/* ---- the direct path over CUDA IPC ----
+ * UCX 1.13's RMA puts never reach CUDA memory over cuda_ipc: its rma_bw
+ * lanes serve the rendezvous protocols, and a put into a CUDA region is
+ * emulated (on the H200 the endpoint between two workers of one GPU lists
+ * only sysv/posix lanes, with or without protocols v2). So a decode worker
+ * whose pool is device memory also exports the pool with
+ * cudaIpcGetMemHandle and appends this descriptor to the rkey blob it
+ * publishes; a prefill worker on the same host (same boot id) whose pool is
+ * device memory opens it once per decode worker (cudaIpcOpenMemHandle, peer
+ * access enabled lazily across GPUs) and copies each run of blocks device to
+ * device with cudaMemcpyAsync on its own stream; the flush waits for the
+ * copies. A descriptor that cannot be opened (another host, another IPC
+ * namespace, no peer access) falls back to the UCX paths, logged once. The
+ * decode worker learns from PrefillDone.kv_in_place that nothing is left to
+ * commit from its host mirror. */
+#define TW_KV_IPC_MAGIC "TWKVIPC1"
+typedef struct {
+  char boot_id[40];            /* /proc/sys/kernel/random/boot_id of the owner's host */
+  int32_t pid;                 /* the owner's process (a process cannot open its own) */
+  int32_t device;              /* the owner's CUDA device ordinal */
+  tw_cuda_ipc_handle_t handle; /* of the pool's allocation (its base) */
+  int64_t pool_bytes;
+  uint32_t ucx_rkey_len; /* the bytes before this descriptor */
+  uint32_t desc_bytes;   /* sizeof(tw_kv_ipc_desc_t) */
+  char magic[8];         /* TW_KV_IPC_MAGIC, last: found from the blob's end */
+} tw_kv_ipc_desc_t;
+
+static void tw_kv_boot_id(char out[40]) {
+  memset(out, 0, 40);
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (!f) return;
+  if (!fgets(out, 40, f)) out[0] = 0;
+  fclose(f);
+  out[strcspn(out, "\n")] = 0;
+}
 
 static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   if (rt->lib) return TW_OK;
@@ -68,6 +119,10 @@ static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   rt->event_query = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaEventQuery");
   rt->event_destroy = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaEventDestroy");
   rt->free_ = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaFree");
+  rt->ipc_get = (tw_cuda_ipc_get_fn)dlsym(rt->lib, "cudaIpcGetMemHandle");
+  rt->ipc_open = (tw_cuda_ipc_open_fn)dlsym(rt->lib, "cudaIpcOpenMemHandle");
+  rt->ipc_close = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaIpcCloseMemHandle");
+  rt->get_device = (tw_cuda_get_device_fn)dlsym(rt->lib, "cudaGetDevice");
   if (!rt->memcpy_ || !rt->memcpy_async || !rt->host_alloc || !rt->free_host ||
       !rt->stream_create || !rt->stream_destroy || !rt->event_create || !rt->event_record ||
       !rt->event_sync || !rt->event_query || !rt->event_destroy || !rt->free_) {
@@ -104,6 +159,14 @@ struct tw_kv_peer {
   ucp_rkey_h rkey;
   int failed;
   bool cuda_ipc;          /* the endpoint has an RMA lane over cuda_ipc */
+  /* the direct path: the decode worker's device pool mapped here over CUDA
+   * IPC (tw_kv_ipc_desc_t in its rkey blob), copied into device to device */
+  bool has_ipc; /* the rkey blob carries a descriptor for this host */
+  tw_kv_ipc_desc_t ipc;
+  void *ipc_ptr;          /* cudaIpcOpenMemHandle of ipc.handle, or NULL */
+  bool ipc_failed;        /* opening it failed once: UCX paths from then on */
+  bool ipc_pending;       /* copies enqueued since the last flush */
+  bool ipc_allowed;       /* the xfer's setting at the last tw_kv_xfer_peer */
   char lanes[160];        /* the endpoint's transports, for logs */
   unsigned logged_paths;  /* bit per tw_kv_path_t already logged */
   int64_t t_first_put_ns; /* 0 when nothing is in flight */
@@ -126,6 +189,9 @@ struct tw_kv_xfer {
   int64_t src_bytes;
   ucp_mem_h src_memh;
   tw_kv_xfer_stats_t stats;
+  bool ipc_allowed; /* tw_kv_xfer_set_direct_ipc */
+  void *ipc_stream; /* cudaStream_t of the direct-path copies */
+  void *ipc_event;  /* recorded at a flush: the copies are done */
 };
 
 /* Commits in flight per staged region (tickets complete in order). */
@@ -137,7 +203,7 @@ struct tw_kv_region {
   void *registered;   /* the pool itself, or its pinned host mirror */
   bool staged;
   ucp_mem_h memh;
-  void *rkey;
+  void *rkey; /* the packed ucx rkey, then a tw_kv_ipc_desc_t when exported */
   size_t rkey_len;
   /* staged: mirror -> device copies on their own stream, one event per commit */
   void *stream;
@@ -232,6 +298,10 @@ static void tw_kv_ring_free(tw_kv_xfer_t *x);
 
 static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   if (!p) return;
+  if (p->ipc_ptr) {
+    if (p->ipc_pending && x->ipc_stream) x->cudart.event_sync(x->ipc_event); /* no copy in flight */
+    x->cudart.ipc_close(p->ipc_ptr);
+  }
   if (p->rkey) ucp_rkey_destroy(p->rkey);
   if (p->ep) {
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
@@ -253,6 +323,8 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
   for (int i = 0; i < x->n_peers; i++) tw_kv_peer_close(x, x->peers[i]);
   if (x->address) ucp_worker_release_address(x->worker, x->address);
   tw_kv_ring_free(x);
+  if (x->ipc_event) x->cudart.event_destroy(x->ipc_event);
+  if (x->ipc_stream) x->cudart.stream_destroy(x->ipc_stream);
   if (x->src_memh) ucp_mem_unmap(x->ctx, x->src_memh);
   if (x->worker) ucp_worker_destroy(x->worker);
   if (x->ctx) ucp_cleanup(x->ctx);
@@ -266,6 +338,8 @@ const void *tw_kv_xfer_address(const tw_kv_xfer_t *x, size_t *len_p) {
   return x->address;
 }
 bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *x) { return x->cuda_native; }
+void tw_kv_xfer_set_direct_ipc(tw_kv_xfer_t *x, bool allow) { x->ipc_allowed = allow; }
+
 void tw_kv_xfer_progress(tw_kv_xfer_t *x) {
   while (ucp_worker_progress(x->worker)) {
   }
@@ -284,6 +358,107 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
   return -1; /* events keep coming: do not sleep */
 }
 
+/* Append a tw_kv_ipc_desc_t of the device pool to the region's rkey blob
+ * (the direct path, see above). Failure only costs the direct path: logged,
+ * the blob stays the ucx rkey alone. TWAIN_KV_IPC=0 turns it off. */
+static bool tw_kv_ipc_export(tw_kv_region_t *r) {
+  const char *off = getenv("TWAIN_KV_IPC");
+  if (off && strcmp(off, "0") == 0) {
+    TW_INFO("kvx", "kv pool not exported over CUDA IPC (TWAIN_KV_IPC=0)");
+    return false;
+  }
+  tw_cudart_t *rt = &r->xfer->cudart;
+  tw_kv_ipc_desc_t d;
+  memset(&d, 0, sizeof d);
+  if (tw_cudart_load(rt) != TW_OK || !rt->ipc_get || !rt->ipc_open || !rt->ipc_close ||
+      !rt->get_device) {
+    TW_WARN("kvx", "kv pool not exported over CUDA IPC: the CUDA runtime lacks IPC");
+    return false;
+  }
+  int e = rt->get_device(&d.device);
+  if (e == 0) e = rt->ipc_get(&d.handle, r->layout.base);
+  if (e != 0) {
+    TW_WARN("kvx", "kv pool not exported over CUDA IPC: cudaIpcGetMemHandle failed (cuda error %d)",
+            e);
+    return false;
+  }
+  tw_kv_boot_id(d.boot_id);
+  d.pid = (int32_t)getpid();
+  d.pool_bytes = r->layout.total_bytes;
+  d.ucx_rkey_len = (uint32_t)r->rkey_len;
+  d.desc_bytes = (uint32_t)sizeof d;
+  memcpy(d.magic, TW_KV_IPC_MAGIC, sizeof d.magic);
+  uint8_t *blob = realloc(r->rkey, r->rkey_len + sizeof d);
+  if (!blob) {
+    TW_WARN("kvx", "kv pool not exported over CUDA IPC: out of memory");
+    return false;
+  }
+  memcpy(blob + r->rkey_len, &d, sizeof d);
+  r->rkey = blob;
+  r->rkey_len += sizeof d;
+  TW_INFO("kvx",
+          "kv pool exported over CUDA IPC (device %d, %lld bytes): prefill workers on "
+          "this host copy into it device to device",
+          d.device, (long long)d.pool_bytes);
+  return true;
+}
+
+/* Split a published rkey blob into the ucx rkey and an optional descriptor. */
+static size_t tw_kv_rkey_split(const void *blob, size_t len, tw_kv_ipc_desc_t *desc, bool *has) {
+  *has = false;
+  if (len < sizeof *desc) return len;
+  memcpy(desc, (const uint8_t *)blob + len - sizeof *desc, sizeof *desc);
+  if (memcmp(desc->magic, TW_KV_IPC_MAGIC, sizeof desc->magic) != 0 ||
+      desc->desc_bytes != sizeof *desc || desc->ucx_rkey_len != len - sizeof *desc)
+    return len;
+  desc->boot_id[sizeof desc->boot_id - 1] = 0;
+  *has = true;
+  return desc->ucx_rkey_len;
+}
+
+/* Open the peer's descriptor once (a device source, same host, another
+ * process); on failure the peer keeps the UCX paths. */
+static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
+  if (!p->has_ipc || p->ipc_ptr || p->ipc_failed) return;
+  p->ipc_failed = true; /* until it opens */
+  char boot[40];
+  tw_kv_boot_id(boot);
+  const char *off = getenv("TWAIN_KV_IPC");
+  const char *why = NULL;
+  if (off && strcmp(off, "0") == 0)
+    why = "TWAIN_KV_IPC=0";
+  else if (!boot[0] || strcmp(boot, p->ipc.boot_id) != 0)
+    why = "another host";
+  else if (p->ipc.pid == (int32_t)getpid())
+    why = "the same process";
+  else if (tw_cudart_load(&x->cudart) != TW_OK || !x->cudart.ipc_open)
+    why = "no CUDA IPC";
+  if (!why) {
+    if (!x->ipc_stream &&
+        (x->cudart.stream_create(&x->ipc_stream, TW_CUDA_STREAM_NON_BLOCKING) != 0 ||
+         x->cudart.event_create(&x->ipc_event, TW_CUDA_EVENT_DISABLE_TIMING) != 0)) {
+      why = "cannot create its stream";
+    } else {
+      int e = x->cudart.ipc_open(&p->ipc_ptr, p->ipc.handle, TW_CUDA_IPC_LAZY_PEER);
+      if (e != 0) {
+        p->ipc_ptr = NULL;
+        TW_WARN("kvx",
+                "cudaIpcOpenMemHandle of a decode worker's kv pool (pid %d, device %d) "
+                "failed (cuda error %d): its handoffs take the ucx path",
+                (int)p->ipc.pid, (int)p->ipc.device, e);
+        return;
+      }
+      p->ipc_failed = false;
+      TW_INFO("kvx",
+              "kv pool of decode worker pid %d (device %d, %lld bytes) mapped over CUDA "
+              "IPC: handoffs to it are direct device-to-device copies",
+              (int)p->ipc.pid, (int)p->ipc.device, (long long)p->ipc.pool_bytes);
+      return;
+    }
+  }
+  TW_INFO("kvx", "a decode worker's CUDA IPC kv descriptor is not used (%s): ucx path", why);
+}
+
 TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
                                                tw_kv_region_t **region_p) {
   if (!layout || !layout->base || layout->total_bytes <= 0)
@@ -299,6 +474,27 @@ TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layo
    * without them, nodes without a cuda_ipc path, the staged benchmark) */
   const char *want = getenv("TWAIN_KV_PATH");
   bool force_staged = want && strcmp(want, "staged") == 0;
+  /* TWAIN_KV_PATH=ipc: one host (twain serve): the device pool is reached
+   * over CUDA IPC alone, no ucx registration and no host mirror */
+  if (layout->on_device && want && strcmp(want, "ipc") == 0) {
+    r->rkey = malloc(1);
+    r->rkey_len = 0;
+    if (!r->rkey) {
+      st = tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv rkey blob");
+      goto fail;
+    }
+    if (!tw_kv_ipc_export(r)) {
+      st = tw_err(TW_ERR_UNSUPPORTED,
+                  "TWAIN_KV_PATH=ipc, but the device kv pool cannot be exported "
+                  "over CUDA IPC (see the warning above); unset it to use ucx");
+      goto fail;
+    }
+    TW_INFO("kvx",
+            "kv handoff mode (receive): device KV pool over CUDA IPC only "
+            "(TWAIN_KV_PATH=ipc): prefill workers on this host copy into it, nothing else can");
+    *region_p = r;
+    return TW_OK;
+  }
   if (layout->on_device) {
     if (x->cuda_native && !force_staged) {
       mt = UCS_MEMORY_TYPE_CUDA;
@@ -353,6 +549,7 @@ TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layo
   memcpy(r->rkey, buf, len);
   r->rkey_len = len;
   ucp_rkey_buffer_release(buf);
+  if (layout->on_device) (void)tw_kv_ipc_export(r); /* optional: logged when it fails */
   TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, rkey %zu bytes%s",
           (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, len,
           r->staged ? ", pinned host mirror" : "");
@@ -573,7 +770,18 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
     tw_kv_ep_lanes(p, x->proto_v2);
     x->peers[x->n_peers++] = p;
   }
-  if (!p->rkey || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
+  if (!p->rkey_buf || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
+    tw_kv_ipc_desc_t desc;
+    bool has = false;
+    size_t ucx_len = tw_kv_rkey_split(rkey, rkey_len, &desc, &has);
+    if (p->ipc_ptr && (!has || memcmp(&desc.handle, &p->ipc.handle, sizeof desc.handle) != 0)) {
+      if (p->ipc_pending) x->cudart.event_sync(x->ipc_event);
+      x->cudart.ipc_close(p->ipc_ptr);
+      p->ipc_ptr = NULL;
+    }
+    if (!has || memcmp(&desc, &p->ipc, sizeof desc) != 0) p->ipc_failed = false;
+    p->has_ipc = has;
+    if (has) p->ipc = desc;
     if (p->rkey) ucp_rkey_destroy(p->rkey);
     p->rkey = NULL;
     free(p->rkey_buf);
@@ -581,13 +789,19 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
     if (!p->rkey_buf) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate an rkey copy");
     memcpy(p->rkey_buf, rkey, rkey_len);
     p->rkey_len = rkey_len;
-    ucs_status_t us = ucp_ep_rkey_unpack(p->ep, p->rkey_buf, &p->rkey);
+    /* an empty ucx part: a pool reachable over CUDA IPC alone (TWAIN_KV_PATH=ipc) */
+    ucs_status_t us = ucx_len ? ucp_ep_rkey_unpack(p->ep, p->rkey_buf, &p->rkey)
+                      : has   ? UCS_OK
+                              : UCS_ERR_INVALID_PARAM;
     if (us != UCS_OK) {
       p->rkey = NULL;
       p->rkey_len = 0;
       return tw_err(TW_ERR_TRANSPORT, "ucp_ep_rkey_unpack failed: %s", ucs_status_string(us));
     }
   }
+  p->ipc_allowed = x->ipc_allowed;
+  if (p->ipc_allowed)
+    tw_kv_ipc_open(x, p); /* once per descriptor: the path is known before the first put */
   *peer_p = p;
   return TW_OK;
 }
@@ -781,7 +995,9 @@ static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p,
 }
 
 tw_kv_path_t tw_kv_xfer_path(const tw_kv_peer_t *p, bool src_on_device, bool dst_on_device) {
-  if (dst_on_device) return p->cuda_ipc ? TW_KV_PATH_DIRECT_CUDA_IPC : TW_KV_PATH_UNREACHABLE;
+  if (src_on_device && p->ipc_ptr && p->ipc_allowed) return TW_KV_PATH_DIRECT_CUDA_IPC;
+  if (!p->rkey) return TW_KV_PATH_UNREACHABLE; /* a pool exported over CUDA IPC alone */
+  if (dst_on_device) return p->cuda_ipc ? TW_KV_PATH_DIRECT_UCX : TW_KV_PATH_UNREACHABLE;
   return src_on_device ? TW_KV_PATH_STAGED : TW_KV_PATH_HOST;
 }
 
@@ -789,6 +1005,7 @@ const char *tw_kv_path_name(tw_kv_path_t path) {
   switch (path) {
     case TW_KV_PATH_HOST: return "host";
     case TW_KV_PATH_DIRECT_CUDA_IPC: return "direct cuda_ipc";
+    case TW_KV_PATH_DIRECT_UCX: return "direct ucx cuda_ipc";
     case TW_KV_PATH_STAGED: return "staged";
     default: return "unreachable";
   }
@@ -817,6 +1034,13 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
                   (long long)total, (unsigned long long)(raddr - dst->remote_base),
                   (long long)dst->total_bytes);
   tw_kv_path_t path = tw_kv_xfer_path(p, src->on_device, dst->on_device);
+  if (path == TW_KV_PATH_DIRECT_CUDA_IPC &&
+      (int64_t)(raddr - dst->remote_base) + total > p->ipc.pool_bytes)
+    return tw_err(
+        TW_ERR_INVALID_ARGUMENT,
+        "kv copy of %lld bytes at remote offset %llu is outside the mapped pool (%lld bytes)",
+        (long long)total, (unsigned long long)(raddr - dst->remote_base),
+        (long long)p->ipc.pool_bytes);
   if (!(p->logged_paths & (1u << path))) {
     p->logged_paths |= 1u << path;
     TW_INFO("kvx", "kv handoff path to a decode worker: %s (%s pool -> %s pool; ucx lanes: %s)",
@@ -825,8 +1049,33 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
   }
   if (!p->t_first_put_ns) p->t_first_put_ns = tw_now_ns();
   uint64_t *h = maybe_checksum;
+  if (path == TW_KV_PATH_DIRECT_CUDA_IPC) {
+    char *d = (char *)p->ipc_ptr + (raddr - dst->remote_base);
+    for (int32_t i = 0; i < n_segs; i++) {
+      if (segs[i].bytes == 0) continue;
+      if (x->cudart.memcpy_async(d, segs[i].ptr, (size_t)segs[i].bytes, TW_CUDA_DEFAULT,
+                                 x->ipc_stream) != 0)
+        return tw_err(TW_ERR_CUDA,
+                      "cudaMemcpyAsync of %lld kv bytes into the decode worker's "
+                      "pool (CUDA IPC) failed",
+                      (long long)segs[i].bytes);
+      d += segs[i].bytes;
+      x->stats.puts++;
+      x->stats.direct_bytes += segs[i].bytes;
+    }
+    p->ipc_pending = true;
+    if (h) TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, false));
+    x->stats.bytes_sent += total;
+    return TW_OK;
+  }
   switch (path) {
     case TW_KV_PATH_UNREACHABLE:
+      if (!p->rkey)
+        return tw_err(TW_ERR_UNSUPPORTED,
+                      "the decode worker's kv pool is reachable over CUDA IPC only "
+                      "(TWAIN_KV_PATH=ipc there) and this worker cannot map it (%s pool here, or "
+                      "another host or IPC namespace): unset TWAIN_KV_PATH on the decode worker",
+                      src->on_device ? "a device" : "a host");
       return tw_err(TW_ERR_UNSUPPORTED,
                     "the decode worker's kv pool is device memory but no ucx lane to it reaches "
                     "CUDA memory (lanes: %s); a put would be emulated and written by the host "
@@ -842,7 +1091,8 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
         break;
       }
       __attribute__((fallthrough)); /* one piece: put in place */
-    case TW_KV_PATH_DIRECT_CUDA_IPC: {
+    case TW_KV_PATH_DIRECT_CUDA_IPC: /* handled above */
+    case TW_KV_PATH_DIRECT_UCX: {
       ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
                                  .memory_type = src->on_device ? UCS_MEMORY_TYPE_CUDA
                                                                : UCS_MEMORY_TYPE_HOST};
@@ -863,7 +1113,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
         if (req) ucp_request_free(req); /* completion is tracked by the endpoint flush */
         off += (uint64_t)segs[i].bytes;
         x->stats.puts++;
-        if (path == TW_KV_PATH_DIRECT_CUDA_IPC) x->stats.direct_bytes += segs[i].bytes;
+        if (path == TW_KV_PATH_DIRECT_UCX) x->stats.direct_bytes += segs[i].bytes;
       }
       if (h && src->on_device) /* read back through the ring: no put */
         TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, false));
@@ -916,6 +1166,25 @@ int32_t tw_kv_run_length(const int32_t *src_ids, const int32_t *dst_ids, int32_t
 }
 
 TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
+  if (p->ipc_pending) { /* the direct copies: done on the device once the event is */
+    if (x->cudart.event_record(x->ipc_event, x->ipc_stream) != 0)
+      return tw_err(TW_ERR_CUDA, "cudaEventRecord after the direct kv copies failed");
+    int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
+    int e;
+    while ((e = x->cudart.event_query(x->ipc_event)) == TW_CUDA_NOT_READY) {
+      if (tw_now_ns() > deadline)
+        return tw_err(TW_ERR_DEADLINE, "direct kv copies did not complete within %d ms",
+                      timeout_ms);
+      struct timespec ts = {0, 20000};
+      nanosleep(&ts, NULL);
+    }
+    if (e != 0)
+      return tw_err(TW_ERR_CUDA,
+                    "a direct kv copy into the decode worker's pool failed (cuda "
+                    "error %d)",
+                    e);
+    p->ipc_pending = false;
+  }
   ucp_request_param_t prm = {.op_attr_mask = 0};
   void *req = ucp_ep_flush_nbx(p->ep, &prm);
   if (UCS_PTR_IS_ERR(req)) {

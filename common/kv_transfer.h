@@ -83,6 +83,7 @@ typedef enum {
   TW_KV_PATH_DIRECT_CUDA_IPC = 1,
   TW_KV_PATH_STAGED = 2,
   TW_KV_PATH_UNREACHABLE = 3, /* device pool, no cuda_ipc lane: refused */
+  TW_KV_PATH_DIRECT_UCX = 4,  /* device to device, UCX put over a cuda_ipc lane */
 } tw_kv_path_t;
 
 /** One piece of a local pool: `bytes` bytes at `ptr`. */
@@ -102,6 +103,14 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *xfer);
 const void *tw_kv_xfer_address(const tw_kv_xfer_t *xfer, size_t *len_p);
 /** Whether this UCX handles CUDA device memory natively (run-time query). */
 bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *xfer);
+/** Whether handoffs from this side may take the direct CUDA IPC path (a
+ *  decode pool on this host exported in its rkey blob, mapped here and copied
+ *  into device to device; see kv_transfer.c). Off by default: only a sender
+ *  that tells the receiver the KV is in place (PrefillDone.kv_in_place) turns
+ *  it on, since a staged receiver would otherwise copy its stale host mirror
+ *  over the blocks. Applies to peers from the next tw_kv_xfer_peer call. */
+void tw_kv_xfer_set_direct_ipc(tw_kv_xfer_t *xfer, bool allow);
+
 /** Progress the worker once (call from the owner's loop). */
 void tw_kv_xfer_progress(tw_kv_xfer_t *xfer);
 void tw_kv_xfer_stats(const tw_kv_xfer_t *xfer, tw_kv_xfer_stats_t *stats_p);

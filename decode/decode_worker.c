@@ -361,7 +361,10 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
    * the pool, so it waits for the copy (a debugging aid). */
   bool verify = d->p->verify_kv && (r->n_layer_checksums || r->n_head_checksums);
   uint64_t ticket = 0;
-  tw_status_t cst = s->rank == 0 ? tw_kv_region_commit_start(d->region, s->blocks, nb, &ticket) : TW_OK;
+  /* kv_in_place: the prefill worker copied into the device pool itself */
+  tw_status_t cst = s->rank == 0 && !r->kv_in_place
+                        ? tw_kv_region_commit_start(d->region, s->blocks, nb, &ticket)
+                        : TW_OK;
   /* TP: the other ranks' staged pools too (same UCX, so staged alike) */
   if (cst == TW_OK && ticket && d->n_dp == 1) cst = tw_decode_ranks_commit(&d->rk, s->blocks, nb);
   if (cst == TW_OK && verify && ticket) {

@@ -596,7 +596,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   ce->layers = layers;
   ce->cfg = c;
   ce->share_fd = -1;
-  ce->share_users_fd = -1;
+  ce->share_mem_fd = -1;
+  ce->share_sock = -1;
   ce->block_size = params->kv_block_size;
   ce->chunk = params->max_prefill_chunk; /* 0 with a memory plan: planned below */
   ce->max_batch = params->max_batch;

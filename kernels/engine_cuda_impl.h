@@ -79,15 +79,21 @@ typedef struct {
   /* weights: one device arena, own or mapped (engine_cuda_share.cu) */
   void *warena;
   size_t warena_bytes;
-  int warena_imported;  /* mapped from another worker through CUDA IPC */
-  int share_exported;   /* published for the other workers */
+  int warena_imported;  /* mapped from another worker (its shareable handle) */
+  int share_exported;   /* uploaded here and offered to the other workers */
   int share_fd;         /* the share lock while uploading; -1 otherwise */
   uint64_t share_fp;
-  char share_path[1024];   /* the record (.ipc) */
-  int share_users_fd;      /* importer: shared lock on the users file */
-  int32_t share_owner;     /* importer: the exporter's pid, watched */
-  pthread_t share_watch;
-  int share_watching;
+  char share_path[1024]; /* this holder's socket (<base>.<pid>.sock) */
+  char share_base[1024]; /* <dir>/weights-dev<D>-tp<T>r<R>-ep<E>r<Q> */
+  int share_device;
+  /* the arena from the CUDA virtual memory API (engine_cuda_share.cu) */
+  int warena_vmm;
+  unsigned long long vmm_handle; /* CUmemGenericAllocationHandle */
+  size_t vmm_bytes;              /* reserved and mapped: bytes rounded to the granularity */
+  int share_mem_fd;              /* the arena's POSIX file descriptor handle, served; -1 */
+  int share_sock;                /* the listening socket; -1 */
+  pthread_t share_thread;        /* serves share_mem_fd to the workers that connect */
+  int share_serving;
   volatile int share_stop;
   const void *embed, *lm_head, *final_norm;
   tw_ce_layer_t *layers;
@@ -161,20 +167,23 @@ TW_NODISCARD tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t r
  *  other ranks' experts and GEMV in slices of TW_CE_GEMV_MAX_TOKENS rows. */
 TW_NODISCARD tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
 
-/** Weights shared through CUDA IPC (engine_cuda_share.cu; engine.h
- *  weights_share_dir). Open: map the arena of `bytes` published by a live
- *  worker for this device and shard (*imported_p = 1: the weights are there,
- *  build pointers only), or allocate it (*imported_p = 0) holding the share
- *  lock; the caller uploads, then calls publish. Errors: TW_ERR_IO (lock or
- *  record file), TW_ERR_DEADLINE (another worker held the lock for 900 s),
- *  TW_ERR_NO_MEMORY. */
+/** Weights shared between the workers on a GPU (engine_cuda_share.cu;
+ *  engine.h weights_share_dir). Open: map the arena of `bytes` that a live
+ *  worker for this device and shard holds, received as a file descriptor
+ *  over its socket (*imported_p = 1: the weights are there, build pointers
+ *  only), or allocate it (*imported_p = 0) holding the share lock; the
+ *  caller uploads, then calls publish. Errors: TW_ERR_IO (the lock or the
+ *  directory), TW_ERR_DEADLINE (another worker held the lock for 900 s),
+ *  TW_ERR_NO_MEMORY, TW_ERR_CUDA (the virtual memory API failed). */
 TW_NODISCARD tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m,
                                           const tw_engine_params_t *p, size_t bytes,
                                           int *imported_p);
-/** Publish the uploaded arena's IPC handle and release the lock.
- *  Errors: TW_ERR_CUDA (no handle), TW_ERR_IO (record not written). */
+/** Offer the uploaded arena to the other workers (its socket) and release
+ *  the lock. Errors: TW_ERR_CUDA (no shareable handle), TW_ERR_IO (the
+ *  socket). */
 TW_NODISCARD tw_status_t tw_ce_share_publish(tw_ce_t *ce, int device);
-/** Unmap (imported) or free (own; its record removed if exported) the arena. */
+/** Stop serving the arena, then unmap it and release this process's
+ *  reference (the memory lives on while another worker maps it). */
 void tw_ce_share_close(tw_ce_t *ce);
 /** The decode graph batch bucket for n live sequences (1 <= n <= max_batch):
  *  the padded batch a step runs (engine_cuda_step.cu). */

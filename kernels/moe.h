@@ -144,6 +144,23 @@ TW_NODISCARD tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w,
  *  only one CTA fits per SM, slower but correct). */
 int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediate);
 
+/** The assignment tiles of tw_cuda_moe_prefill (16, 32, 64 or 128 rows of
+ *  one expert per CTA, chosen from the mean expert load) whose MXFP4 experts
+ *  run the decode kernel of moe_grouped.cu (mma.sync, each weight converted
+ *  in registers once per CTA and used for every row of the tile) instead of
+ *  the wgmma kernel: a mask, the OR of those tile sizes (0: none, 240: all).
+ *  Initialised once from TWAIN_CUDA_MOE_MMA ("all", or a comma list such as
+ *  "16,32"; unset, empty or "0": none, the default). Same operands, results
+ *  within the GEMM path's tolerance (bf16 products, f32 sums in another
+ *  order); no host sync, capturable. A graph captured before a change keeps
+ *  the kernels it captured. */
+uint32_t tw_cuda_moe_mma_tiles(void);
+
+/** Set the mask of tw_cuda_moe_mma_tiles (bits other than 16, 32, 64, 128
+ *  are ignored); for tests and benchmarks that compare the two kernels in one
+ *  process. Not thread-safe against concurrent MoE calls. */
+void tw_cuda_moe_set_mma_tiles(uint32_t tiles);
+
 /** Bytes of the tw_cuda_moe_prefill workspace for up to max_tokens tokens:
  *  activations bf16 [T*k, I] and expert outputs f32 [T*k, H]. */
 size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidden,

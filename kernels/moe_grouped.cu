@@ -41,7 +41,12 @@
  * tensor work comes from the other warpgroups of the SM (two CTAs per SM).
  * Measured against the other layouts tried (weights dequantised into a shared
  * bf16 tile, 3 or 4 warpgroups, warp-specialised producers): this one was the
- * fastest, docs/benchmarks.md. */
+ * fastest, docs/benchmarks.md.
+ *
+ * A second kernel for the same grid and epilogues, tw_gm_kernel (mma.sync,
+ * MXFP4 converted in registers once per CTA for all rows of the tile; see
+ * its comment below), runs the tiles named by TWAIN_CUDA_MOE_MMA /
+ * tw_cuda_moe_set_mma_tiles (default: none). */
 #include "kernels/pdl.cuh"
 #include "kernels/attention_mma.cuh"
 #include "kernels/cuda_common.h"
@@ -50,6 +55,8 @@
 
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define TW_GG_BM 128      /* largest assignment-row tile (of one expert) per CTA */
 #define TW_GG_BM_MIN 16   /* smallest: decode, few tokens per expert */
@@ -371,6 +378,324 @@ static tw_gg_fn tw_gg_pick(int fmt, int epi, int bt) {
   }
 }
 
+/* ---- decode kernel: mma.sync, MXFP4 converted in registers once per CTA ----
+ *
+ * For assignment tiles of few rows (decode) the wgmma kernel above is bound
+ * by instructions and per-k-tile latency, not by bytes (docs/benchmarks.md):
+ * its register-A wgmma is serialised by ptxas (C7513) and waited for every
+ * k-tile. This variant (TWAIN_CUDA_MOE_MMA, tw_cuda_moe_set_mma_tiles) keeps
+ * the grid, the tile rule and the epilogues, and changes the inner loop:
+ *
+ * - A CTA is 4 warps; warp w owns CTA rows 32 w .. 32 w + 31 (two m16 tiles,
+ *   the row order of grow() above) and all BT assignment rows, as n8 tiles of
+ *   mma.sync m16n8k16 (bf16 in, f32 accumulators): each weight is converted
+ *   once per CTA and used for every token of the tile; n8 tiles past the
+ *   tile's rows are skipped (padding costs at most 7 columns, not BT - rows).
+ * - K in steps of 128: a stage holds 64 bytes of each of the 128 weight rows
+ *   (4 MXFP4 blocks) and BT x 128 bf16 assignment values, copied by cp.async
+ *   TW_GM_STAGES deep; one CTA barrier per step.
+ * - Lane (g, t) reads block t of its rows g and g + 8 (one 16-byte load per
+ *   row and step) and turns each 32-bit word (E2M1 values v0..v7) into four
+ *   bf16x2 registers (v_i, v_i+4), i = 0..3, by shifts, masks and one
+ *   integer multiply (3-4 instructions a pair, no table): the bits
+ *   (n & 7) << 6 | (n & 8) << 12 are the FP4 value times 2^-126 (E2M1 with
+ *   e = 0 lands on the bf16 subnormals), and one bf16x2 multiply by
+ *   2^(s - 1) (the E8M0 scale 2^(s - 127) times 2^126) gives the same exact
+ *   bf16 weight as tw_mxfp4_dequant (scales above 2^1 take two multiplies).
+ *   Word j of the block feeds k-steps 2j and 2j + 1; the k order inside an
+ *   mma is a permutation, the same for both operands: the assignment rows are
+ *   stored with each group of 8 values reordered to (v0, v4, v1, v5, v2, v6,
+ *   v3, v7), so one 16-byte load gives the B registers of two steps. gate_up
+ *   reads them from a gathered, reordered copy of its token rows
+ *   (tw_gm_gather_kernel, in the expert-output buffer, which down overwrites
+ *   later); its SwiGLU epilogue writes the activations in that order for down.
+ * - Token rows in a stage are 256 bytes; chunk c of row r is stored at
+ *   c ^ ((c >> 3) << 1) ^ (r & 1), so the 8 lanes of a quarter warp (two
+ *   rows, four chunks 4 t + j) hit 8 different 16-byte bank groups. */
+#define TW_GM_THREADS 128 /* 4 warps x 32 weight rows = TW_GG_BW */
+#define TW_GM_STAGES(bt) ((bt) <= 16 ? 4 : (bt) <= 64 ? 3 : 2)
+
+/* The four bf16x2 pairs (v_i, v_i+4), i = 0..3, of the eight E2M1 values of
+ * w (v_j in bits 4j..4j+3), each value as the bf16 bits
+ * (n & 7) << 6 | (n & 8) << 12 = the FP4 value times 2^-126. The multiplies
+ * add two shifted copies of masked nibbles that never overlap. */
+static __device__ __forceinline__ void tw_gm_fp4x8(uint32_t w, uint32_t r[4]) {
+  r[0] = ((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u;       /* v0, v4: << 6 and << 12 */
+  r[1] = ((w & 0x00F000F0u) * 0x104u) & 0x81C081C0u;        /* v1, v5: << 2 and << 8 */
+  r[2] = (((w >> 2) & 0x03C003C0u) * 0x41u) & 0x81C081C0u;  /* v2, v6: >> 2 and << 4 */
+  r[3] = (w & 0x80008000u) | ((w >> 6) & 0x01C001C0u);      /* v3, v7: sign in place */
+}
+static __device__ __forceinline__ uint32_t tw_gm_mul(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r =
+      __hmul2(*reinterpret_cast<__nv_bfloat162 *>(&a), *reinterpret_cast<__nv_bfloat162 *>(&b));
+  return *reinterpret_cast<uint32_t *>(&r);
+}
+/* Eight bf16 values (v0..v7 as four bf16x2 words) in the B order (v0, v4),
+ * (v1, v5), (v2, v6), (v3, v7). */
+static __device__ __forceinline__ uint4 tw_gm_perm8(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                    __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+}
+/* Where value i of a row sits in that order. */
+static __device__ __forceinline__ int tw_gm_pos(int i) {
+  return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1);
+}
+/* 16-byte chunk c (0..15) of token row r in a stage, as a chunk index. */
+static __device__ __forceinline__ int tw_gm_xswz(int c, int r) {
+  return c ^ (((c >> 3) & 1) << 1) ^ (r & 1);
+}
+
+/* xg[p] = x[sorted[p] / k], each group of 8 values in the B order; rows of
+ * h8 16-byte chunks. */
+static __global__ void tw_gm_gather_kernel(const uint4 *__restrict__ x,
+                                           const int32_t *__restrict__ sorted, int k, int h8,
+                                           int tk, uint4 *__restrict__ xg) {
+  TW_PDL_WAIT();
+  const int64_t n = (int64_t)tk * h8;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t pr = i / h8;
+    const int c = (int)(i - pr * h8);
+    xg[i] = tw_gm_perm8(x[(int64_t)(sorted[pr] / k) * h8 + c]);
+  }
+}
+
+/* The decode grouped GEMM (see above). EPI: TW_GG_SWIGLU (act in the B
+ * order) or TW_GG_PLAIN; BT: assignment rows per CTA (16, 32, 64, 128);
+ * p.a: the assignment rows in the B order (p.sorted unused), MXFP4 weights. */
+template <int EPI, int BT>
+static __global__ void __launch_bounds__(TW_GM_THREADS, BT <= 32 ? 3 : 2)
+    tw_gm_kernel(const tw_gg_args_t p) {
+  constexpr int NT = TW_GM_THREADS, BW = TW_GG_BW, S = TW_GM_STAGES(BT), NJ = BT / 8;
+  constexpr int WST = BW * 64;  /* weight bytes of a stage: 128 rows x 4 blocks */
+  constexpr int XST = BT * 256; /* token bytes of a stage: BT rows x 128 bf16 */
+  constexpr int XCH = BT / 8;   /* token chunks per thread and stage (16 per row) */
+  extern __shared__ __align__(16) uint8_t tw_gm_smem[];
+  __shared__ int s_tile[4];
+  TW_PDL_WAIT();
+  uint8_t *sW = tw_gm_smem, *sX = sW + S * WST, *sS = sX + S * XST;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  if (warp == 0) tw_gg_find_tile(p, BT, lane, s_tile);
+  __syncthreads();
+  const int e = s_tile[0];
+  if (e < 0) return; /* spare CTA of the upper-bound grid */
+  const int m0 = s_tile[1], rows = min(BT, s_tile[2] - m0), off = s_tile[3] + m0;
+  const int rows8 = (rows + 7) & ~7; /* token rows copied (the rest of the last n8 tile zeroed) */
+  const int N = p.N, K = p.K, KB = K / 32, KT = (K + 127) / 128, KBP = 4 * (KT | 1);
+  const int n0 = blockIdx.x * BW;
+  auto grow = [&](int cr) { /* global weight row of CTA row cr, as tw_gg_kernel */
+    if (EPI == TW_GG_SWIGLU) {
+      const int i = n0 / 2 + 8 * (cr >> 4) + (cr & 7);
+      return 2 * i + ((cr >> 3) & 1);
+    }
+    return n0 + cr;
+  };
+  /* copies: weight chunk wc of CTA rows tid / 4 + 32 q; token chunk xc of
+   * rows tid / 16 + 8 i */
+  const int wc = tid & 3, xc = tid & 15;
+  const uint8_t *wsrc[4];
+#pragma unroll
+  for (int q = 0; q < 4; q++) {
+    const int gr = min(grow((tid >> 2) + 32 * q), N - 1);
+    wsrc[q] = p.wq + ((int64_t)e * N + gr) * KB * 16 + wc * 16;
+  }
+  const __nv_bfloat16 *xsrc = p.a + (int64_t)(off + (tid >> 4)) * K + xc * 8;
+  auto load_stage = [&](int kt, int st) {
+    const uint32_t w_st = tw_smem_u32(sW + st * WST) + (tid >> 2) * 64 + wc * 16;
+    const bool wok = 4 * kt + wc < KB;
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+      tw_cp_async16(w_st + 32 * 64 * q, wok ? wsrc[q] + kt * 64 : (const uint8_t *)p.wq, wok);
+    const uint32_t x_st = tw_smem_u32(sX + st * XST);
+    const bool kok = kt * 128 + xc * 8 < K;
+#pragma unroll
+    for (int i = 0; i < XCH; i++) {
+      const int r = (tid >> 4) + 8 * i;
+      if (r >= rows8) break; /* rows8 is a multiple of 8: the same for the whole pass */
+      const bool ok = kok && r < rows;
+      tw_cp_async16(x_st + r * 256 + tw_gm_xswz(xc, r) * 16,
+                    ok ? xsrc + (int64_t)8 * i * K + kt * 128 : p.a, ok);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < S - 1; s++) {
+    if (s < KT) load_stage(s, s);
+    tw_cp_async_commit();
+  }
+  /* the CTA's E8M0 scales [128][KBP] (pad columns: 127, i.e. 1, read only
+   * against zero-filled weights), loaded while the first stages are in flight */
+  for (int r = warp; r < BW; r += NT / 32) {
+    const uint8_t *src = p.ws + ((int64_t)e * N + min(grow(r), N - 1)) * KB;
+#pragma unroll 4
+    for (int b = lane; b < KBP; b += 32) sS[r * KBP + b] = b < KB ? src[b] : (uint8_t)127;
+  }
+
+  float acc[2][NJ][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) acc[mt][j][q] = 0.f;
+  const int rowA = 32 * warp + g; /* CTA row of fragment row g of m-tile 0 */
+  for (int kt = 0; kt < KT; kt++) {
+    const int st = kt % S;
+    tw_cp_async_wait<S - 2>(); /* stage kt: this thread's copies */
+    __syncthreads();           /* everyone's copies (and the scales); stage kt - 1 is free */
+    if (kt + S - 1 < KT) load_stage(kt + S - 1, (kt + S - 1) % S);
+    tw_cp_async_commit();
+    const uint8_t *wst = sW + st * WST, *xst = sX + st * XST;
+    uint32_t raw[2][2][4], m1[2][2], sc[2][2];
+    bool big = false;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+      for (int h = 0; h < 2; h++) { /* fragment rows g (h = 0) and g + 8 */
+        const int cr = rowA + 16 * mt + 8 * h;
+        const uint4 v = *reinterpret_cast<const uint4 *>(wst + cr * 64 + t * 16);
+        raw[mt][h][0] = v.x;
+        raw[mt][h][1] = v.y;
+        raw[mt][h][2] = v.z;
+        raw[mt][h][3] = v.w;
+        const uint32_t s = sS[cr * KBP + 4 * kt + t];
+        sc[mt][h] = s;
+        big |= s > 128;
+        /* bf16x2 2^(s - 1) (exponent field s + 126); above s = 128: 2^126, then 2^(s - 127) */
+        m1[mt][h] = s > 128 ? 0x7E807E80u : ((s + 126u) << 7) * 0x10001u;
+      }
+    const bool any_big = __any_sync(0xffffffffu, big);
+#pragma unroll
+    for (int w = 0; w < 4; w++) { /* word w of the block: k-steps 2w and 2w + 1 */
+      uint32_t a[2][2][4];          /* [m-tile][step][A register] */
+#pragma unroll
+      for (int mt = 0; mt < 2; mt++) {
+        uint32_t lo[4], hi[4];
+        tw_gm_fp4x8(raw[mt][0][w], lo);
+        tw_gm_fp4x8(raw[mt][1][w], hi);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+          lo[i] = tw_gm_mul(lo[i], m1[mt][0]);
+          hi[i] = tw_gm_mul(hi[i], m1[mt][1]);
+        }
+        if (any_big) {
+          const uint32_t b0 = sc[mt][0] > 128 ? (sc[mt][0] << 7) * 0x10001u : 0x3F803F80u;
+          const uint32_t b1 = sc[mt][1] > 128 ? (sc[mt][1] << 7) * 0x10001u : 0x3F803F80u;
+#pragma unroll
+          for (int i = 0; i < 4; i++) {
+            lo[i] = tw_gm_mul(lo[i], b0);
+            hi[i] = tw_gm_mul(hi[i], b1);
+          }
+        }
+        /* step 2w: pairs 0 (k 2t..) and 1 (k 2t + 8..); step 2w + 1: pairs 2, 3 */
+        a[mt][0][0] = lo[0];
+        a[mt][0][1] = hi[0];
+        a[mt][0][2] = lo[1];
+        a[mt][0][3] = hi[1];
+        a[mt][1][0] = lo[2];
+        a[mt][1][1] = hi[2];
+        a[mt][1][2] = lo[3];
+        a[mt][1][3] = hi[3];
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; j++) {
+        if (8 * j >= rows) break; /* the same for the whole CTA */
+        const int r = 8 * j + g;
+        const uint4 b =
+            *reinterpret_cast<const uint4 *>(xst + r * 256 + tw_gm_xswz(4 * t + w, r) * 16);
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+          tw_mma16816(acc[mt][j], a[mt][0], b.x, b.y);
+          tw_mma16816(acc[mt][j], a[mt][1], b.z, b.w);
+        }
+      }
+    }
+  }
+
+  /* Epilogue: acc[mt][j] = (fragment rows g, g + 8 of m-tile 2 warp + mt) x
+   * (assignments 8 j + 2 t, + 1 of the tile). */
+  const float *bias = p.bias + (int64_t)e * N;
+#pragma unroll
+  for (int mt = 0; mt < 2; mt++) {
+    const int mi = 2 * warp + mt;
+    if (EPI == TW_GG_SWIGLU) {
+      const int i = n0 / 2 + 8 * mi + g;
+      if (2 * i >= N) continue;
+      const float bg = bias[2 * i], bl = bias[2 * i + 1];
+      const int pi = tw_gm_pos(i);
+#pragma unroll
+      for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+          const int m = 8 * j + 2 * t + c;
+          if (m >= rows) continue;
+          reinterpret_cast<__nv_bfloat16 *>(p.out)[(int64_t)(off + m) * (N / 2) + pi] =
+              __float2bfloat16(tw_swiglu(acc[mt][j][c] + bg, acc[mt][j][2 + c] + bl, p.alpha,
+                                         p.limit));
+        }
+    } else {
+      const int n = n0 + 16 * mi + g;
+      const float b0 = n < N ? bias[n] : 0.f, b8 = n + 8 < N ? bias[n + 8] : 0.f;
+#pragma unroll
+      for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+          const int m = 8 * j + 2 * t + c;
+          if (m >= rows) continue;
+          float *y = reinterpret_cast<float *>(p.out) + (int64_t)(off + m) * N;
+          if (n < N) y[n] = acc[mt][j][c] + b0;
+          if (n + 8 < N) y[n + 8] = acc[mt][j][2 + c] + b8;
+        }
+    }
+  }
+}
+
+/* Dynamic shared memory of tw_gm_kernel: S stages of 128 x 64 weight bytes
+ * and bt x 256 token bytes, then the scales [128][4 (KT | 1)]. */
+static size_t tw_gm_smem_bytes(int bt, int K) {
+  const size_t kt = (size_t)(K + 127) / 128;
+  return (size_t)TW_GM_STAGES(bt) * ((size_t)TW_GG_BW * 64 + (size_t)bt * 256) +
+         (size_t)TW_GG_BW * 4 * (kt | 1);
+}
+static tw_gg_fn tw_gm_pick(int epi, int bt) {
+  switch (bt) {
+  case 16: return epi == TW_GG_SWIGLU ? tw_gm_kernel<TW_GG_SWIGLU, 16> : tw_gm_kernel<TW_GG_PLAIN, 16>;
+  case 32: return epi == TW_GG_SWIGLU ? tw_gm_kernel<TW_GG_SWIGLU, 32> : tw_gm_kernel<TW_GG_PLAIN, 32>;
+  case 64: return epi == TW_GG_SWIGLU ? tw_gm_kernel<TW_GG_SWIGLU, 64> : tw_gm_kernel<TW_GG_PLAIN, 64>;
+  default: return epi == TW_GG_SWIGLU ? tw_gm_kernel<TW_GG_SWIGLU, 128> : tw_gm_kernel<TW_GG_PLAIN, 128>;
+  }
+}
+
+/* Which assignment tiles take tw_gm_kernel: a mask, the OR of the tile sizes
+ * (16 | 32 | 64 | 128), from TWAIN_CUDA_MOE_MMA (read once: "all", or a
+ * comma list such as "16,32"; unset, empty or "0": none) unless
+ * tw_cuda_moe_set_mma_tiles set it. */
+static int tw_gm_mask = -1;
+static uint32_t tw_gm_tiles(void) {
+  if (tw_gm_mask < 0) {
+    const char *v = getenv("TWAIN_CUDA_MOE_MMA");
+    uint32_t m = 0;
+    while (v && *v) {
+      char *end = NULL;
+      if (!strncmp(v, "all", 3)) {
+        m |= 16 | 32 | 64 | 128;
+        end = (char *)v + 3;
+      } else {
+        const long b = strtol(v, &end, 10);
+        if (end == v) break;
+        if (b == 16 || b == 32 || b == 64 || b == 128) m |= (uint32_t)b;
+      }
+      v = *end == ',' ? end + 1 : end;
+      if (*end && *end != ',') break;
+    }
+    tw_gm_mask = (int)m;
+  }
+  return (uint32_t)tw_gm_mask;
+}
+extern "C" uint32_t tw_cuda_moe_mma_tiles(void) { return tw_gm_tiles(); }
+extern "C" void tw_cuda_moe_set_mma_tiles(uint32_t tiles) {
+  tw_gm_mask = (int)(tiles & (16 | 32 | 64 | 128));
+}
+
 extern "C" tw_status_t tw_moe_grouped_setup(void) {
   for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
     for (int fmt = 0; fmt < 2; fmt++)
@@ -378,6 +703,11 @@ extern "C" tw_status_t tw_moe_grouped_setup(void) {
         TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gg_pick(fmt, epi, bt),
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)tw_gg_smem_bytes(fmt, bt, TW_GG_MAX_K)));
+  for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
+    for (int epi = 0; epi < 2; epi++)
+      TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gm_pick(epi, bt),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)tw_gm_smem_bytes(bt, TW_GG_MAX_K)));
   return TW_OK;
 }
 
@@ -424,6 +754,50 @@ static TW_NODISCARD tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int
   return TW_OK;
 }
 
+/* The decode kernel's MoE: gather + reorder the token rows into y (free
+ * until down writes it), gate_up into act (B order), down into y. */
+static TW_NODISCARD tw_status_t tw_gm_run(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
+                             int32_t T, const void *x, void *act, float *y, int bt,
+                             cudaStream_t stream) {
+  const int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k, tk = T * k;
+  const int tiles_m = tk / bt + (E < tk ? E : tk);
+  uint4 *xg = reinterpret_cast<uint4 *>(y);
+  const int64_t chunks = (int64_t)tk * (H / 8);
+  const int blocks = (int)(TW_CDIV(chunks, 256) < 2048 ? TW_CDIV(chunks, 256) : 2048);
+  tw_pdl_launch(tw_gm_gather_kernel, dim3(blocks), dim3(256), 0, stream,
+                reinterpret_cast<const uint4 *>(x), (const int32_t *)r->sorted, k, H / 8, tk, xg);
+  TW_CUDA_CHECK_LAUNCH("tw_gm_gather_kernel");
+  tw_gg_args_t a = {};
+  a.a = reinterpret_cast<const __nv_bfloat16 *>(xg);
+  a.sorted = NULL;
+  a.k_top = k;
+  a.wq = w->gate_up_blocks;
+  a.ws = w->gate_up_scales;
+  a.bias = w->gate_up_bias;
+  a.alpha = w->swiglu_alpha;
+  a.limit = w->swiglu_limit;
+  a.counts = r->counts;
+  a.offsets = r->offsets;
+  a.E = E;
+  a.N = 2 * I;
+  a.K = H;
+  a.out = act;
+  tw_pdl_launch(tw_gm_pick(TW_GG_SWIGLU, bt), dim3(TW_CDIV(a.N, TW_GG_BW), tiles_m),
+                dim3(TW_GM_THREADS), tw_gm_smem_bytes(bt, a.K), stream, a);
+  TW_CUDA_CHECK_LAUNCH("tw_gm_kernel(gate_up)");
+  a.a = reinterpret_cast<const __nv_bfloat16 *>(act);
+  a.wq = w->down_blocks;
+  a.ws = w->down_scales;
+  a.bias = w->down_bias;
+  a.N = H;
+  a.K = I;
+  a.out = y;
+  tw_pdl_launch(tw_gm_pick(TW_GG_PLAIN, bt), dim3(TW_CDIV(a.N, TW_GG_BW), tiles_m),
+                dim3(TW_GM_THREADS), tw_gm_smem_bytes(bt, a.K), stream, a);
+  TW_CUDA_CHECK_LAUNCH("tw_gm_kernel(down)");
+  return TW_OK;
+}
+
 extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
                                           const tw_cuda_moe_route_t *r, int32_t T,
                                           const void *x, const void *w1_bf16,
@@ -436,6 +810,8 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
                   "moe_prefill: %d assignments exceed the grid (at most %d * (65535 - E))", tk,
                   bt);
   const int fmt = w1_bf16 ? TW_GG_BF16 : TW_GG_MXFP4;
+  if (fmt == TW_GG_MXFP4 && (tw_gm_tiles() & (uint32_t)bt))
+    return tw_gm_run(w, r, T, x, act, y, bt, stream);
   const __nv_bfloat16 *w1h = (const __nv_bfloat16 *)w1_bf16;
   const __nv_bfloat16 *w2h = (const __nv_bfloat16 *)w2_bf16;
   tw_gg_args_t a = {};

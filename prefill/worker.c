@@ -72,6 +72,7 @@ typedef struct {
     int32_t n;
   } pending;
   const uint64_t *head_sums; /* for the next PrefillDone (re-sharded handoffs) */
+  bool kv_in_place;          /* for the next PrefillDone (direct CUDA IPC handoff) */
   size_t n_head_sums;
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
@@ -93,6 +94,7 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
   d.transfer_ms = transfer_ms;
   d.head_checksums = (uint64_t *)w->head_sums;
   d.n_head_checksums = w->n_head_sums;
+  d.kv_in_place = w->kv_in_place;
   if (code) {
     s.code = code;
     s.message = (char *)msg;
@@ -232,8 +234,10 @@ static void tw_prefill_answer(tw_prefiller_t *w, tw_prefill_handoff_item_t *item
                "tail %.2f ms after the last layer",
                (unsigned long long)r->request_id, r->n_prompt_ids, n, hr->prefill_ms,
                (long long)hr->kv_bytes, r->handoff->decode_worker, hr->transfer_ms, hr->tail_ms);
+      w->kv_in_place = hr->kv_in_place;
       tw_prefill_done(w, r->request_id, hr->first_token, it->sums, (size_t)c->n_layers,
                       hr->kv_bytes, hr->prefill_ms, hr->transfer_ms, 0, NULL);
+      w->kv_in_place = false;
     }
     free((void *)it->ids);
     free(it->sums);
@@ -336,7 +340,10 @@ static void tw_prefill_next(tw_prefiller_t *w) {
       continue;
     }
     if (ranks) { /* n == 0 here */
+      /* the multi-rank path reports no kv_in_place: it puts over UCX only */
+      tw_kv_xfer_set_direct_ipc(w->xfer, false);
       tw_prefill_ranks_one(w, r, (int32_t *)items[0].ids, items[0].nb);
+      tw_kv_xfer_set_direct_ipc(w->xfer, true);
       free((void *)items[0].ids);
       free(items[0].sums);
       twain__internal__v1__envelope__free_unpacked(e, NULL);
@@ -435,6 +442,7 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
   TW_CHECK(tw_kv_xfer_create(&w->xfer));
+  tw_kv_xfer_set_direct_ipc(w->xfer, true); /* PrefillDone.kv_in_place tells the decode worker */
   w->hc = (tw_prefill_handoff_ctx_t){.engine = w->engine, .model = w->model, .xfer = w->xfer,
                                      .flush_timeout_ms = w->o.flush_timeout_ms,
                                      .max_age_ms = TW_PREFILL_MAX_AGE_MS,

@@ -42,6 +42,7 @@ typedef struct {
   int64_t layer_sends;          /* tw_kv_xfer_send_layer calls (one layer, some blocks) */
   int64_t layer_sends_in_engine; /* of those, issued from on_layer_done (overlapped) */
   double tail_ms;               /* its last layer's compute reported done -> its flush complete */
+  bool kv_in_place;             /* copied into the decode worker's device pool (CUDA IPC) */
 } tw_prefill_handoff_result_t;
 
 /** One prompt of a batch: in r, ids, nb, sp, sums; out the rest. */

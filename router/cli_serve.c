@@ -357,6 +357,15 @@ int tw_cli_serve(int argc, char **argv) {
             pv[4]);
     return 2;
   }
+  /* Every worker runs on this host: with one rank a worker (the handoff that
+   * copies over CUDA IPC, common/kv_transfer.h) a device KV pool is handed
+   * over CUDA IPC alone, with no host mirror of it to pin. Multi-rank
+   * handoffs put over UCX. TWAIN_KV_PATH set by the operator wins. */
+  bool one_rank = pv[0] == 1 && pv[1] == 1 && pv[2] == 1 && pv[3] == 1 && pv[4] == 1;
+  if (one_rank && !getenv("TWAIN_KV_PATH") && setenv("TWAIN_KV_PATH", "ipc", 1) != 0) {
+    fprintf(stderr, "twain serve: setenv failed\n");
+    return 1;
+  }
   if (n_prefill < 1 || n_decode < 1 || n_prefill + n_decode > TW_SERVE_MAX_WORKERS) {
     fprintf(stderr, "twain serve: need 1..%d workers, at least one of each pool\n", TW_SERVE_MAX_WORKERS);
     return 2;

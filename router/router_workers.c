@@ -412,6 +412,7 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
   dr.n_layer_checksums = d->n_layer_checksums;
   dr.head_checksums = d->head_checksums; /* re-sharded handoffs (issue 6) */
   dr.n_head_checksums = d->n_head_checksums;
+  dr.kv_in_place = d->kv_in_place;
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_DECODE;
   env.decode = &dr;

@@ -15,7 +15,9 @@
  *
  * --device  both pools cudaMalloc'd on GPU 0 (libcudart loaded at run time;
  *           exit 77 when no GPU can be used). The path is the one the code
- *           picks: direct cuda_ipc when UCX has CUDA transports and a
+ *           picks: direct cuda_ipc (the decode pool mapped over CUDA IPC,
+ *           device-to-device copies) on one host, else direct over UCX when
+ *           it has CUDA transports and a
  *           cuda_ipc lane joins the two processes, else staged.
  * --staged  the decode side stages even with CUDA transports
  *           (TWAIN_KV_PATH=staged): the staged path's numbers on a machine
@@ -162,6 +164,9 @@ int main(int argc, char **argv) {
   int p2c[2], c2p[2];
   if (pipe(p2c) || pipe(c2p)) return 1;
   fflush(NULL);
+  /* --staged: the staged path even where the decode pool is exported over
+   * CUDA IPC (the sender then does not map it) */
+  if (staged) setenv("TWAIN_KV_IPC", "0", 1);
   pid_t pid = fork(); /* before any CUDA call: a context does not survive fork */
   if (pid == 0) {
     close(p2c[1]);
@@ -203,9 +208,12 @@ int main(int argc, char **argv) {
   for (int32_t i = 0; i < max_blocks; i++) ids[i] = i;
   tw_kv_xfer_t *x;
   tw_kv_peer_t *peer;
-  if (tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 1;
+  if (tw_kv_xfer_create(&x)) return 1;
+  tw_kv_xfer_set_direct_ipc(x, true); /* the receiver commits only when the path is staged */
+  if (tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 1;
   tw_kv_path_t path = tw_kv_xfer_path(peer, device, rl.on_device);
-  bool commit = device && !rl.on_device; /* the receiver's mirror -> device copy */
+  /* the receiver's mirror -> device copy, unless the bytes went straight into its device pool */
+  bool commit = device && !rl.on_device && path != TW_KV_PATH_DIRECT_CUDA_IPC;
   printf("# kv handoff of one prompt, gpt-oss-20b shapes (%d layers, sliding every other with a "
          "%d-token window, %lld-byte blocks), 2 processes, %s pools\n",
          L, WINDOW, (long long)src.block_bytes, device ? "device" : "host");

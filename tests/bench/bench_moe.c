@@ -13,7 +13,14 @@
  * ceiling of MACHINES.md. CUDA events after a warm-up, median of 7 runs. The
  * grouped and cuBLAS outputs are compared (relative L2; above 1e-2 the
  * benchmark fails) as a sanity check.
- * Usage: twain-bench-moe [T,T,...] (default 128,1024,8192). */
+ * --decode: decode batches instead (default T = 16, 64, 256, 512, 1024):
+ * the grouped GEMM's wgmma kernel ("old") against its decode kernel ("new",
+ * TWAIN_CUDA_MOE_MMA, kernels/moe_grouped.cu) in one process, at the tile
+ * tw_cuda_moe_prefill picks, with the bytes the block must move (the selected
+ * experts once, the token rows, activations and outputs), TB/s and TFLOP/s
+ * of each, old/new and the relative L2 of new against old (above 1e-3 the
+ * benchmark fails).
+ * Usage: twain-bench-moe [--decode] [T,T,...] (default 128,1024,8192). */
 #include "kernels/gemm.h"
 #include "kernels/moe.h"
 
@@ -112,42 +119,60 @@ static double time_ms(const ctx_t *c, run_kind_t k) {
   return t[REPS / 2];
 }
 
-static int bench_model(const char *name, int E, const int *Ts, int nT, tw_cuda_gemm_t *gemm,
-                       cudaStream_t s) {
+/* One model's layer of experts and inputs on the device (random MXFP4
+ * experts, E8M0 scales 2^-8..2^-4, zero biases, N(0,1) bf16 tokens and
+ * router logits) for up to Tmax tokens. */
+typedef struct {
+  int E, H, I, k, Tmax;
+  tw_cuda_moe_weights_t w;
+  tw_cuda_moe_route_t r;
+  void *gub, *gus, *dnb, *dns, *gbias, *dbias, *x, *logits, *rmem, *wdq, *ws, *out, *out2;
+  size_t wsz;
+  int32_t *hc;
+} model_t;
+
+static void model_free(model_t *m) {
+  cudaFree(m->gub); cudaFree(m->gus); cudaFree(m->dnb); cudaFree(m->dns); cudaFree(m->gbias);
+  cudaFree(m->dbias); cudaFree(m->x); cudaFree(m->logits); cudaFree(m->rmem); cudaFree(m->wdq);
+  cudaFree(m->ws); cudaFree(m->out); cudaFree(m->out2);
+  cudaFreeHost(m->hc);
+}
+
+static int model_init(model_t *m, int E, int Tmax, int with_dequant, cudaStream_t s) {
   const int H = 2880, I = 2880, k = 4;
-  int Tmax = 0;
-  for (int i = 0; i < nT; i++) Tmax = Ts[i] > Tmax ? Ts[i] : Tmax;
+  memset(m, 0, sizeof *m);
+  m->E = E, m->H = H, m->I = I, m->k = k, m->Tmax = Tmax;
   size_t n_gu = (size_t)E * 2 * I * (H / 32), n_dn = (size_t)E * H * (I / 32);
   tw_cuda_moe_weights_t w = {E, H, I, NULL, NULL, NULL, NULL, NULL, NULL, 1.702f, 7.0f};
-  void *gub, *gus, *dnb, *dns, *gbias, *dbias, *x, *logits, *rmem, *wdq, *ws, *out, *out2;
-  CK(cudaMalloc(&gub, n_gu * 16));
-  CK(cudaMalloc(&gus, n_gu));
-  CK(cudaMalloc(&dnb, n_dn * 16));
-  CK(cudaMalloc(&dns, n_dn));
-  CK(cudaMalloc(&gbias, (size_t)E * 2 * I * 4));
-  CK(cudaMalloc(&dbias, (size_t)E * H * 4));
-  if (fill_bytes(gub, n_gu * 16, 0, 256) || fill_bytes(dnb, n_dn * 16, 0, 256) ||
-      fill_bytes(gus, n_gu, 119, 5) || fill_bytes(dns, n_dn, 119, 5))
+  CK(cudaMalloc(&m->gub, n_gu * 16));
+  CK(cudaMalloc(&m->gus, n_gu));
+  CK(cudaMalloc(&m->dnb, n_dn * 16));
+  CK(cudaMalloc(&m->dns, n_dn));
+  CK(cudaMalloc(&m->gbias, (size_t)E * 2 * I * 4));
+  CK(cudaMalloc(&m->dbias, (size_t)E * H * 4));
+  if (fill_bytes(m->gub, n_gu * 16, 0, 256) || fill_bytes(m->dnb, n_dn * 16, 0, 256) ||
+      fill_bytes(m->gus, n_gu, 119, 5) || fill_bytes(m->dns, n_dn, 119, 5))
     return 1;
-  CK(cudaMemset(gbias, 0, (size_t)E * 2 * I * 4));
-  CK(cudaMemset(dbias, 0, (size_t)E * H * 4));
-  w.gate_up_blocks = gub;
-  w.gate_up_scales = gus;
-  w.down_blocks = dnb;
-  w.down_scales = dns;
-  w.gate_up_bias = gbias;
-  w.down_bias = dbias;
+  CK(cudaMemset(m->gbias, 0, (size_t)E * 2 * I * 4));
+  CK(cudaMemset(m->dbias, 0, (size_t)E * H * 4));
+  w.gate_up_blocks = m->gub;
+  w.gate_up_scales = m->gus;
+  w.down_blocks = m->dnb;
+  w.down_scales = m->dns;
+  w.gate_up_bias = m->gbias;
+  w.down_bias = m->dbias;
+  m->w = w;
   size_t rb = tw_cuda_moe_route_bytes(Tmax, E, k);
   size_t wsa = tw_cuda_moe_prefill_ws_bytes(Tmax, k, H, I);
-  size_t wsb = tw_cuda_moe_prefill_cublas_ws_bytes(Tmax, E, k, H, I, 0);
-  size_t wsz = wsa > wsb ? wsa : wsb;
-  CK(cudaMalloc(&x, (size_t)Tmax * H * 2));
-  CK(cudaMalloc(&logits, (size_t)Tmax * E * 4));
-  CK(cudaMalloc(&rmem, rb));
-  CK(cudaMalloc(&wdq, tw_cuda_moe_dequant_bytes(E, H, I)));
-  CK(cudaMalloc(&ws, wsz));
-  CK(cudaMalloc(&out, (size_t)Tmax * H * 4));
-  CK(cudaMalloc(&out2, (size_t)Tmax * H * 4));
+  size_t wsb = with_dequant ? tw_cuda_moe_prefill_cublas_ws_bytes(Tmax, E, k, H, I, 0) : 0;
+  m->wsz = wsa > wsb ? wsa : wsb;
+  CK(cudaMalloc(&m->x, (size_t)Tmax * H * 2));
+  CK(cudaMalloc(&m->logits, (size_t)Tmax * E * 4));
+  CK(cudaMalloc(&m->rmem, rb));
+  if (with_dequant) CK(cudaMalloc(&m->wdq, tw_cuda_moe_dequant_bytes(E, H, I)));
+  CK(cudaMalloc(&m->ws, m->wsz));
+  CK(cudaMalloc(&m->out, (size_t)Tmax * H * 4));
+  CK(cudaMalloc(&m->out2, (size_t)Tmax * H * 4));
   {
     uint16_t *hx = malloc((size_t)Tmax * H * 2);
     float *hl = malloc((size_t)Tmax * E * 4);
@@ -159,49 +184,62 @@ static int bench_model(const char *name, int E, const int *Ts, int nT, tw_cuda_g
       hx[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     }
     for (size_t i = 0; i < (size_t)Tmax * E; i++) hl[i] = normal();
-    CK(cudaMemcpy(x, hx, (size_t)Tmax * H * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(logits, hl, (size_t)Tmax * E * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(m->x, hx, (size_t)Tmax * H * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(m->logits, hl, (size_t)Tmax * E * 4, cudaMemcpyHostToDevice));
     free(hx);
     free(hl);
   }
-  int32_t *hc;
-  CK(cudaMallocHost((void **)&hc, (size_t)E * 4));
-  tw_cuda_moe_route_t r;
-  TWK(tw_cuda_moe_route_init(rmem, rb, Tmax, E, k, &r));
-  TWK(tw_cuda_moe_dequant(&w, NULL, wdq, s));
+  CK(cudaMallocHost((void **)&m->hc, (size_t)E * 4));
+  TWK(tw_cuda_moe_route_init(m->rmem, rb, Tmax, E, k, &m->r));
+  if (with_dequant) TWK(tw_cuda_moe_dequant(&m->w, NULL, m->wdq, s));
   CK(cudaStreamSynchronize(s));
+  return 0;
+}
+
+/* Relative L2 of a against b over n floats of device memory (1e30 when not finite). */
+static double rel_l2_dev(const void *da, const void *db, size_t n) {
+  float *a = malloc(n * 4), *b = malloc(n * 4);
+  double e2 = 0, r2 = 0;
+  if (!a || !b || cudaMemcpy(a, da, n * 4, cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemcpy(b, db, n * 4, cudaMemcpyDeviceToHost) != cudaSuccess) {
+    free(a);
+    free(b);
+    return 1e30;
+  }
+  for (size_t j = 0; j < n; j++) {
+    double d = (double)a[j] - b[j];
+    e2 += d * d;
+    r2 += (double)b[j] * b[j];
+  }
+  free(a);
+  free(b);
+  return isfinite(e2) && r2 > 0 ? sqrt(e2 / r2) : 1e30;
+}
+
+static int bench_model(const char *name, int E, const int *Ts, int nT, tw_cuda_gemm_t *gemm,
+                       cudaStream_t s) {
+  int Tmax = 0;
+  for (int i = 0; i < nT; i++) Tmax = Ts[i] > Tmax ? Ts[i] : Tmax;
+  model_t m;
+  if (model_init(&m, E, Tmax, 1, s)) return 1;
+  const int H = m.H, I = m.I, k = m.k;
+  size_t n_gu = (size_t)E * 2 * I * (H / 32), n_dn = (size_t)E * H * (I / 32);
   double mxfp4_gb = (double)(n_gu + n_dn) * 17.0 / 1e9;
   printf("gpt-oss-%s experts: E=%d H=%d I=%d top-%d, MXFP4 %.2f GB per layer, bf16 %.2f GB\n",
          name, E, H, I, k, mxfp4_gb, (double)tw_cuda_moe_dequant_bytes(E, H, I) / 1e9);
   for (int i = 0; i < nT; i++) {
     int T = Ts[i];
-    TWK(tw_cuda_moe_route(&r, logits, T, s));
+    TWK(tw_cuda_moe_route(&m.r, m.logits, T, s));
     CK(cudaStreamSynchronize(s));
-    ctx_t c = {gemm, &w, &r, T, x, wdq, ws, wsz, hc, out, s};
+    ctx_t c = {gemm, &m.w, &m.r, T, m.x, m.wdq, m.ws, m.wsz, m.hc, m.out, s};
     double flop = 2.0 * T * k * (2.0 * I * H + (double)H * I);
     double best = time_ms(&c, RUN_GROUPED);
     /* sanity: grouped against cuBLAS */
-    double rel = -1;
-    {
-      ctx_t c2 = c;
-      c2.out = out2;
-      if (run_once(&c, RUN_GROUPED) != TW_OK || run_once(&c2, RUN_CUBLAS) != TW_OK) return 1;
-      CK(cudaStreamSynchronize(s));
-      size_t n = (size_t)T * H;
-      float *a = malloc(n * 4), *b = malloc(n * 4);
-      if (!a || !b) return 1;
-      CK(cudaMemcpy(a, out, n * 4, cudaMemcpyDeviceToHost));
-      CK(cudaMemcpy(b, out2, n * 4, cudaMemcpyDeviceToHost));
-      double e2 = 0, r2 = 0;
-      for (size_t j = 0; j < n; j++) {
-        double d = (double)a[j] - b[j];
-        e2 += d * d;
-        r2 += (double)b[j] * b[j];
-      }
-      rel = isfinite(e2) && r2 > 0 ? sqrt(e2 / r2) : 1e30;
-      free(a);
-      free(b);
-    }
+    ctx_t c2 = c;
+    c2.out = m.out2;
+    if (run_once(&c, RUN_GROUPED) != TW_OK || run_once(&c2, RUN_CUBLAS) != TW_OK) return 1;
+    CK(cudaStreamSynchronize(s));
+    double rel = rel_l2_dev(m.out, m.out2, (size_t)T * H);
     double cb = time_ms(&c, RUN_CUBLAS);
     double dq = time_ms(&c, RUN_DEQUANT);
     if (!(rel <= 1e-2)) {
@@ -217,25 +255,92 @@ static int bench_model(const char *name, int E, const int *Ts, int nT, tw_cuda_g
            flop / cb / 1e9, dq, cb / best, rel);
     fflush(stdout);
   }
-  cudaFree(gub); cudaFree(gus); cudaFree(dnb); cudaFree(dns); cudaFree(gbias); cudaFree(dbias);
-  cudaFree(x); cudaFree(logits); cudaFree(rmem); cudaFree(wdq); cudaFree(ws); cudaFree(out);
-  cudaFree(out2);
-  cudaFreeHost(hc);
+  model_free(&m);
+  return 0;
+}
+
+/* Decode shapes: tw_cuda_moe_prefill with the wgmma kernel ("old",
+ * tw_cuda_moe_set_mma_tiles(0)) against the decode kernel ("new", every
+ * tile), at the tile the rule picks (or TWAIN_CUDA_MOE_BT). Bytes: the
+ * MXFP4 blocks, scales and biases of the experts the route selects (each
+ * once) plus the token rows in (bf16), the activations (bf16) and expert
+ * outputs (f32) written and read once, and the output (f32): the floor a
+ * step's MoE must move. */
+static int bench_decode(const char *name, int E, const int *Ts, int nT, cudaStream_t s) {
+  int Tmax = 0;
+  for (int i = 0; i < nT; i++) Tmax = Ts[i] > Tmax ? Ts[i] : Tmax;
+  model_t m;
+  if (model_init(&m, E, Tmax, 0, s)) return 1;
+  const int H = m.H, I = m.I, k = m.k;
+  const double per_expert = (double)2 * I * (H / 32) * 17 + (double)H * (I / 32) * 17 +
+                            (double)(2 * I + H) * 4;
+  const char *forced = getenv("TWAIN_CUDA_MOE_BT");
+  const uint32_t keep = tw_cuda_moe_mma_tiles();
+  for (int i = 0; i < nT; i++) {
+    const int T = Ts[i], tk = T * k;
+    TWK(tw_cuda_moe_route(&m.r, m.logits, T, s));
+    CK(cudaMemcpyAsync(m.hc, m.r.counts, (size_t)E * 4, cudaMemcpyDeviceToHost, s));
+    CK(cudaStreamSynchronize(s));
+    int active = 0, maxc = 0;
+    for (int e = 0; e < E; e++) {
+      active += m.hc[e] > 0;
+      maxc = m.hc[e] > maxc ? m.hc[e] : maxc;
+    }
+    const int twice = 2 * ((tk + E - 1) / E);
+    const int tile = twice <= 16 ? 16 : twice <= 32 ? 32 : twice <= 64 ? 64 : 128;
+    const double bytes = active * per_expert + (double)T * H * (2 + 4) +
+                         (double)tk * (I * 2 * 2 + H * 4 * 2);
+    const double flop = 2.0 * tk * (2.0 * I * H + (double)H * I);
+    ctx_t c = {NULL, &m.w, &m.r, T, m.x, NULL, m.ws, m.wsz, m.hc, m.out, s};
+    ctx_t c2 = c;
+    c2.out = m.out2;
+    tw_cuda_moe_set_mma_tiles(0);
+    const double t_old = time_ms(&c, RUN_GROUPED);
+    tw_cuda_moe_set_mma_tiles(16 | 32 | 64 | 128);
+    const double t_new = time_ms(&c2, RUN_GROUPED);
+    tw_cuda_moe_set_mma_tiles(keep);
+    if (t_old < 0 || t_new < 0) {
+      fprintf(stderr, "bench_moe: a run failed: %s\n", tw_last_error());
+      return 1;
+    }
+    const double rel = rel_l2_dev(m.out2, m.out, (size_t)T * H);
+    printf("| %s | %d | %s%d | %d (max %d) | %.1f | %.1f | %.3f | %.2f | %.0f | %.3f | %.2f | "
+           "%.0f | %.2fx | %.1e |\n",
+           name, T, forced ? "forced " : "", forced ? atoi(forced) : tile, active, maxc,
+           bytes / 1e6, flop / 1e9, t_old, bytes / t_old / 1e9, flop / t_old / 1e9, t_new,
+           bytes / t_new / 1e9, flop / t_new / 1e9, t_old / t_new, rel);
+    fflush(stdout);
+    if (!(rel <= 1e-3)) {
+      fprintf(stderr, "bench_moe: old and new kernels differ (rel L2 %.2e > 1e-3)\n", rel);
+      return 1;
+    }
+  }
+  model_free(&m);
   return 0;
 }
 
 int main(int argc, char **argv) {
-  int Ts[16] = {128, 1024, 8192}, nT = 3;
-  if (argc > 1) {
-    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
-      printf("usage: twain-bench-moe [T,T,...]   (tokens per call; default 128,1024,8192)\n");
-      return 0;
-    }
+  int Ts[16] = {128, 1024, 8192}, nT = 3, decode = 0, ai = 1;
+  if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
+    printf("usage: twain-bench-moe [--decode] [T,T,...]\n"
+           "  tokens per call; default 128,1024,8192 (prefill: grouped GEMM against cuBLAS)\n"
+           "  --decode: the grouped GEMM's wgmma kernel against its decode kernel\n"
+           "            (TWAIN_CUDA_MOE_MMA), default 16,64,256,512,1024\n");
+    return 0;
+  }
+  if (argc > ai && !strcmp(argv[ai], "--decode")) {
+    decode = 1;
+    ai++;
+    static const int dT[] = {16, 64, 256, 512, 1024};
+    nT = 5;
+    memcpy(Ts, dT, sizeof dT);
+  }
+  if (argc > ai) {
     nT = 0;
-    for (char *p = argv[1]; *p && nT < 16;) {
+    for (char *p = argv[ai]; *p && nT < 16;) {
       long v = strtol(p, &p, 10);
       if (v <= 0 || v > 65536) {
-        fprintf(stderr, "twain-bench-moe: bad token count list '%s'\n", argv[1]);
+        fprintf(stderr, "twain-bench-moe: bad token count list '%s'\n", argv[ai]);
         return 2;
       }
       Ts[nT++] = (int)v;
@@ -252,16 +357,28 @@ int main(int argc, char **argv) {
     return 77;
   }
   cudaStream_t s;
-  tw_cuda_gemm_t *gemm = NULL;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   TWK(tw_cuda_moe_setup());
-  TWK(tw_cuda_gemm_create(0, &gemm));
-  printf("prefill MoE block, ms (median of %d); TFLOP/s of the expert GEMMs (%% of %.0f)\n", REPS,
-         TFLOPS_CEIL);
-  printf("| model | T | T*k | grouped | grouped TFLOP/s | cublas | cublas TFLOP/s | dequant | "
-         "cublas/grouped | rel L2 |\n|---|---|---|---|---|---|---|---|---|---|\n");
-  int rc = bench_model("20b", 32, Ts, nT, gemm, s) || bench_model("120b", 128, Ts, nT, gemm, s);
-  tw_cuda_gemm_destroy(gemm);
+  int rc;
+  if (decode) {
+    printf("decode MoE block, ms (median of %d): grouped GEMM, wgmma kernel (old) against the "
+           "decode kernel (new); TB/s of the bytes a step must move, TFLOP/s of the expert "
+           "GEMMs (ceilings %.2f TB/s copy, %.0f TFLOP/s)\n",
+           REPS, GBS_CEIL / 1000.0, TFLOPS_CEIL);
+    printf("| model | T | tile | experts used (max rows) | MB | GFLOP | old ms | old TB/s | old "
+           "TFLOP/s | new ms | new TB/s | new TFLOP/s | old/new | rel L2 new vs old |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    rc = bench_decode("20b", 32, Ts, nT, s) || bench_decode("120b", 128, Ts, nT, s);
+  } else {
+    tw_cuda_gemm_t *gemm = NULL;
+    TWK(tw_cuda_gemm_create(0, &gemm));
+    printf("prefill MoE block, ms (median of %d); TFLOP/s of the expert GEMMs (%% of %.0f)\n",
+           REPS, TFLOPS_CEIL);
+    printf("| model | T | T*k | grouped | grouped TFLOP/s | cublas | cublas TFLOP/s | dequant | "
+           "cublas/grouped | rel L2 |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    rc = bench_model("20b", 32, Ts, nT, gemm, s) || bench_model("120b", 128, Ts, nT, gemm, s);
+    tw_cuda_gemm_destroy(gemm);
+  }
   cudaStreamDestroy(s);
   return rc;
 }

@@ -47,7 +47,8 @@
 # batch 1 at 8k and 32k (3 reps), 20b batch 1 with PDL off, with the fused
 # router off (TWAIN_CUDA_FUSED_ROUTER=0) and with the small-M GEMV off
 # (TWAIN_CUDA_GEMV=0), TWAIN_GPU_EXTRA; no tokenizer hook; under 300 s.
-# TW_TESTS="test_moe test_gemm" limits the tests;
+# TW_TESTS="test_moe test_gemm" limits the tests (test_engine_cuda runs twice,
+# the second time with TWAIN_CUDA_MOE_MMA=all; TW_SKIP_MMA=1 drops that run);
 # TW_SKIP_BENCH=1, TW_SKIP_HF=1, TW_SKIP_TESTS=1, TW_SKIP_TOKENIZER=1 skip parts;
 # TW_HF_ROUTER_BIAS_STD sets the random checkpoint's router bias spread
 # (make_reference.py --router-bias-std; default 4: with the script's own default
@@ -196,19 +197,25 @@ run_tests() {
     start=$(date +%s)
     timeout "$(tmo "$want")" "$bin/$t" >"$stage/$t.log" 2>&1
     r=$?
-    { echo "==== $t (exit $r)"; cat "$stage/$t.log"; } >>"$logs/tests.log"
+    { echo "==== $t${TW_RUN_NOTE:+ ($TW_RUN_NOTE)} (exit $r)"; cat "$stage/$t.log"; } >>"$logs/tests.log"
     dur=$(($(date +%s) - start))
     case $r in
       0) s=PASS ;; 77) s=SKIP ;; 124) s=TIMEOUT ;; *) s="FAIL($r)" ;;
     esac
     grep -E "^(FAIL|mxfp4 |bf16 |sampling|bf16 experts)" "$stage/$t.log" | tail -30
-    add "$t" "$s" "$dur" "$(grep -c '^FAIL' "$stage/$t.log") FAIL lines"
+    add "$t${TW_RUN_NOTE:+ ($TW_RUN_NOTE)}" "$s" "$dur" "$(grep -c '^FAIL' "$stage/$t.log") FAIL lines"
   done
 }
 all_tests=$(echo ${TW_TESTS:-$(cat "$bin/tests.txt")})
 # the engine test first (the acceptance reads it); the kernel tests after the bench
 if [ -z "${TW_SKIP_TESTS:-}" ] && echo " $all_tests " | grep -q " test_engine_cuda "; then
   run_tests 150 test_engine_cuda
+  # once more with the MoE decode kernel on every tile (TWAIN_CUDA_MOE_MMA,
+  # off by default): the fixtures and every decode bucket against batch 1
+  # (TW_SKIP_MMA=1 skips it)
+  if [ -z "${TW_SKIP_MMA:-}" ]; then
+    TWAIN_CUDA_MOE_MMA=all TW_RUN_NOTE="TWAIN_CUDA_MOE_MMA=all" run_tests 150 test_engine_cuda
+  fi
 fi
 
 # (c) Hugging Face comparison (before the bench: it needs the GPU memory)
@@ -285,6 +292,18 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
   { echo "==== twain-bench-moe (exit $r)"; cat "$stage/bench_moe.log"; } >>"$logs/bench_20b_nopdl.log"
   grep -E "^\||experts|failed|error" "$stage/bench_moe.log" | tail -20
   add "bench moe (grouped vs cublas)" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
+    "$(($(date +%s) - start))"
+  # the decode MoE: the grouped GEMM's wgmma kernel against its decode kernel
+  # (TWAIN_CUDA_MOE_MMA) at T = 16..1024 (TW_BENCH_MOE_DECODE_ARGS="64,256")
+  start=$(date +%s)
+  # shellcheck disable=SC2086
+  timeout "$(tmo 90)" "$bin/twain-bench-moe" --decode ${TW_BENCH_MOE_DECODE_ARGS:-} \
+    >"$stage/bench_moe_dec.log" 2>&1
+  r=$?
+  { echo "==== twain-bench-moe --decode (exit $r)"; cat "$stage/bench_moe_dec.log"; } \
+    >>"$logs/bench_20b_nopdl.log"
+  grep -E "^\||failed|error|differ" "$stage/bench_moe_dec.log" | tail -20
+  add "bench moe decode (wgmma vs mma)" "$([ $r -eq 0 ] && echo PASS || echo "FAIL($r)")" \
     "$(($(date +%s) - start))"
   if [ -z "${TW_BENCH_ARGS:-}" ] && [ "${TW_BENCH_MODELS:-}" != none ]; then
     b1_ab "PDL off" TWAIN_CUDA_PDL=0

@@ -25,6 +25,12 @@
 #          4. TW_LOAD_ROBUST=1 (20b only): 2,000 requests at concurrency 512
 #             with 10% cancels and 10% disconnects, then the decode and prefill
 #             workers' KV blocks in use from their /metrics (must be 0);
+#          TW_LOAD_LONG=1: 4 prompts of 32,768 tokens one at a time, then the
+#             prefill worker's handoff tail (twain_kv_handoff_tail_seconds);
+#          TW_LOAD_KILL=1: 600 requests (2,048 in / 64 out) at concurrency 64
+#             while the decode worker, then the prefill worker, is killed with
+#             SIGKILL (twain serve restarts them): every request must end
+#             (completed, or a clear failure), none lost, no KV block in use;
 #          5. stops serve (SIGINT, then SIGKILL of what is left), removes DIR.
 #          After each benchmark every daemon's /metrics goes to
 #          $OUT/metrics_M_cC.txt. TW_LOAD_MPS=1 runs the workers under the CUDA
@@ -174,6 +180,41 @@ EOF
       table="$table$line\n"
       [ "$r" -eq 0 ] || rc=1
     done
+    if [ "${TW_LOAD_LONG:-}" = 1 ] && [ "$(left)" -gt 60 ]; then
+      # issue 16: a 32k-token prompt's handoff against its last layer's compute
+      timeout "$(tmo 120)" "$twain" bench --endpoint "$ep" --model "$dir" --num-requests 4 \
+        --concurrency 1 --input-len 32768 --output-len 16 --json "$out/bench_${m}_long.json" \
+        >"$work/long.log" 2>&1
+      r=$?
+      tail -25 "$work/long.log" >>"$log"
+      metrics_dump "$out/metrics_${m}_long.txt" "$out/serve_$m.log"
+      say "serve_load: $m 32k-token prompts exit $r; $(grep -hE '^twain_(kv_handoff_tail_seconds|prefill_seconds|kv_transfer_seconds)_(sum|count)' "$out/metrics_${m}_long.txt" | tr '\n' ' ')"
+      [ "$r" -eq 0 ] || rc=1
+    fi
+    if [ "${TW_LOAD_KILL:-}" = 1 ] && [ "$(left)" -gt 90 ]; then
+      # issue 16: kill -9 of each worker mid-handoff under load; twain serve
+      # restarts it; every request ends (completed or a clear failure), none
+      # is lost, and no KV block stays in use
+      "$twain" bench --endpoint "$ep" --model "$dir" --num-requests 600 --concurrency 64 \
+        --input-len 2048 --output-len 64 --timeout-ms 120000 \
+        --json "$out/bench_${m}_kill.json" >"$work/kill.log" 2>&1 &
+      bp=$!
+      for role in decode prefill; do
+        sleep 6
+        pid=$(sed -n "s/.*twain-$role\[\([0-9]*\)\].*/\1/p" "$out/serve_$m.log" | tail -1)
+        [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null && say "serve_load: killed twain-$role pid $pid (kill -9)"
+      done
+      end=$(($(date +%s) + $(tmo 150)))
+      while kill -0 "$bp" 2>/dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 1; done
+      kill -0 "$bp" 2>/dev/null && { kill "$bp"; say "serve_load: kill run: the bench did not end in time"; }
+      wait "$bp"
+      r=$?
+      tail -22 "$work/kill.log" >>"$log"
+      grep -E "exited|restart|killed|signal" "$out/serve_$m.log" | tail -8 | tee -a "$log"
+      sleep 3
+      metrics_dump "$out/metrics_${m}_kill.txt" "$out/serve_$m.log"
+      say "serve_load: kill run exit $r: $(grep -E '^(  (completed|failed|lost)|Requests)' "$work/kill.log" | tr -s ' ' | tr '\n' ' '); kv blocks in use after it: $(grep -E "kv_blocks_used" "$out/metrics_${m}_kill.txt" | grep -v '^#' | tr '\n' ' ')"
+    fi
     if [ "${TW_LOAD_ROBUST:-}" = 1 ] && [ "$m" = 20b ] && [ "$(left)" -gt 60 ]; then
       timeout "$(tmo 200)" "$twain" bench --endpoint "$ep" --model "$dir" --num-requests 2000 \
         --concurrency 512 --input-len 256 --output-len 64 --range-ratio 0.5 --cancel-prob 0.1 \

@@ -8,7 +8,13 @@
  * grouped GEMM (on MXFP4 experts and on the same experts dequantised to bf16,
  * which must agree bit for bit; rerun and captured in a CUDA graph, which
  * must give the same bits) and the cuBLAS path (dequantising inside, or on
- * experts dequantised beforehand).
+ * experts dequantised beforehand). The grouped GEMM's decode kernel
+ * (tw_cuda_moe_set_mma_tiles: mma.sync, weights converted in registers) runs
+ * every grouped case too, at whichever tile the case picks: against the
+ * reference, against the wgmma kernel's output (relative L2 <= 1e-3: the
+ * same bf16 products summed in another order), rerun and captured in a graph
+ * (same bits); "bigscale" cases use E8M0 scales up to 2^4, which take its
+ * two-multiply conversion.
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
@@ -30,6 +36,8 @@ typedef struct {
   const char *name;
   int H, I, E, k, T;
 } moe_case_t;
+
+#define MMA_ALL (16u | 32u | 64u | 128u) /* tw_cuda_moe_set_mma_tiles: every tile */
 
 typedef struct {
   uint8_t *gu_b, *gu_s, *dn_b, *dn_s;
@@ -56,8 +64,10 @@ static void fill_experts(const moe_case_t *c, host_experts_t *h) {
   h->dn_bias = xmalloc(E * H * 4);
   for (size_t i = 0; i < n_gu * 16; i++) h->gu_b[i] = (uint8_t)tt_rng_u64();
   for (size_t i = 0; i < n_dn * 16; i++) h->dn_b[i] = (uint8_t)tt_rng_u64();
-  for (size_t i = 0; i < n_gu; i++) h->gu_s[i] = (uint8_t)tt_randint(119, 123);
-  for (size_t i = 0; i < n_dn; i++) h->dn_s[i] = (uint8_t)tt_randint(119, 123);
+  /* scales 2^-8..2^-4; "bigscale": 2^-3..2^4 (bytes above 128 = scales above 2) */
+  const int slo = strstr(c->name, "bigscale") ? 124 : 119, shi = slo == 124 ? 131 : 123;
+  for (size_t i = 0; i < n_gu; i++) h->gu_s[i] = (uint8_t)tt_randint(slo, shi);
+  for (size_t i = 0; i < n_dn; i++) h->dn_s[i] = (uint8_t)tt_randint(slo, shi);
   for (size_t i = 0; i < E * 2 * I; i++) h->gu_bias[i] = tt_uniform(0.5f);
   for (size_t i = 0; i < E * H; i++) h->dn_bias[i] = tt_uniform(0.5f);
 }
@@ -168,7 +178,8 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
 /* Run the MoE path of `mode` on the default stream into d_out (poisoned with
  * NaN first) and copy it to out. mode 0: GEMV; 1: grouped GEMM on the MXFP4
  * experts; 2: grouped GEMM on bf16 experts (d_wdq); 3: cuBLAS path
- * dequantising inside; 4: cuBLAS path on d_wdq. */
+ * dequantising inside; 4: cuBLAS path on d_wdq; 5: grouped GEMM on the MXFP4
+ * experts through the decode kernel (every tile). */
 static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
                     const tw_cuda_moe_route_t *r, const moe_case_t *c, int mode, const void *d_x,
                     const void *d_wdq, void *d_ws, size_t wsb, int32_t *hc, float *d_out,
@@ -178,9 +189,10 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
   TT_CUDA(cudaDeviceSynchronize());
   const void *wdq = mode == 2 || mode == 4 ? d_wdq : NULL;
   tw_status_t st;
+  tw_cuda_moe_set_mma_tiles(mode == 5 ? MMA_ALL : 0);
   if (mode == 0)
     st = tw_cuda_moe_decode(w, r, T, d_x, d_ws, wsb, d_out, 0);
-  else if (mode <= 2)
+  else if (mode <= 2 || mode == 5)
     st = tw_cuda_moe_prefill(w, r, T, d_x, wdq, d_ws, wsb, d_out, 0);
   else
     st = tw_cuda_moe_prefill_cublas(gemm, w, r, T, d_x, wdq, d_ws, wsb, hc, d_out, 0);
@@ -199,7 +211,8 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
  * replay must give `want` bit for bit. */
 static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
                         const moe_case_t *c, const void *d_x, void *d_ws, size_t wsb,
-                        float *d_out, float *out, const float *want) {
+                        float *d_out, float *out, const float *want, uint32_t mma) {
+  tw_cuda_moe_set_mma_tiles(mma);
   cudaStream_t s;
   TT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaGraph_t g = NULL;
@@ -208,7 +221,7 @@ static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_
   tw_status_t st = tw_cuda_moe_prefill(w, r, c->T, d_x, NULL, d_ws, wsb, d_out, s);
   cudaError_t ce = cudaStreamEndCapture(s, &g);
   if (st != TW_OK || ce != cudaSuccess || cudaGraphInstantiate(&ge, g, 0) != cudaSuccess) {
-    printf("FAIL moe_grouped_graph(%s,T=%d): capture: %s / %s\n", c->name, c->T,
+    printf("FAIL moe_grouped_graph(%s,T=%d,mma=%u): capture: %s / %s\n", c->name, c->T, mma,
            st != TW_OK ? tw_last_error() : "ok", cudaGetErrorString(ce));
     cudaGetLastError();
     return 1;
@@ -223,8 +236,9 @@ static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_
     TT_CUDA(cudaMemcpy(out, d_out, n * 4, cudaMemcpyDeviceToHost));
     diff += tt_count_bits_differ(out, want, n);
   }
-  printf("%s moe_grouped_graph(%s,T=%d): captured without a host sync, %ld values differ from "
-         "the eager run over 2 replays\n", diff ? "FAIL" : "ok  ", c->name, c->T, diff);
+  printf("%s moe_grouped_graph(%s,T=%d,mma=%u): captured without a host sync, %ld values "
+         "differ from the eager run over 2 replays\n", diff ? "FAIL" : "ok  ", c->name, c->T, mma,
+         diff);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
@@ -246,7 +260,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   uint16_t *xb = xmalloc((size_t)T * H * 2);
   float *x = xmalloc((size_t)T * H * 4), *logits = xmalloc((size_t)T * E * 4);
   float *out = xmalloc((size_t)T * H * 4), *ref = xmalloc((size_t)T * H * 4);
-  float *out1 = xmalloc((size_t)T * H * 4);
+  float *out1 = xmalloc((size_t)T * H * 4), *out5 = xmalloc((size_t)T * H * 4);
   for (size_t i = 0; i < (size_t)T * H; i++) {
     xb[i] = tt_f2bf(tt_normal(1.0f));
     x[i] = tt_bf2f(xb[i]);
@@ -295,12 +309,13 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   int32_t *hc;
   TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
   moe_reference(pool, c, &h, x, logits, ref);
-  int modes[4], n_modes = 0;
+  int modes[5], n_modes = 0;
   bool grouped = prefill && tw_cuda_moe_grouped_supported(H, I);
   if (!prefill) modes[n_modes++] = 0;
   if (grouped) {
     modes[n_modes++] = 1;
     modes[n_modes++] = 2;
+    modes[n_modes++] = 5;
   } else if (prefill) {
     printf("SKIP moe_grouped(%s): no grouped GEMM on this GPU\n", c->name);
   }
@@ -314,7 +329,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     tt_l2_t acc = {0};
     for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&acc, out[i], ref[i]);
     static const char *const names[] = {"gemv", "grouped_mxfp4", "grouped_bf16", "cublas",
-                                        "cublas_predequant"};
+                                        "cublas_predequant", "grouped_mma"};
     char name[160];
     snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode], c->name, H,
              I, E, k, T);
@@ -327,21 +342,35 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       printf("%s moe_grouped_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", c->name,
              T, d);
       rc |= d != 0;
-      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1);
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1, 0);
     } else if (mode == 2) {
       long d = tt_count_bits_differ(out, out1, (size_t)T * H);
       printf("%s moe_grouped_mxfp4_vs_bf16(%s,T=%d): %ld values differ (on-chip dequantisation "
              "must give the same bf16 weights)\n", d ? "FAIL" : "ok  ", c->name, T, d);
       rc |= d != 0;
+    } else if (mode == 5) {
+      /* the decode kernel: against the wgmma kernel, rerun, graph */
+      memcpy(out5, out, (size_t)T * H * 4);
+      tt_l2_t ab = {0};
+      for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&ab, out5[i], out1[i]);
+      snprintf(name, sizeof name, "moe_grouped_mma_vs_wgmma(%s,T=%d)", c->name, T);
+      rc |= tt_l2_report(name, &ab, 1e-3);
+      if (run_mode(gemm, &w, &r, c, 5, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out)) rc = 1;
+      long d = tt_count_bits_differ(out, out5, (size_t)T * H);
+      printf("%s moe_grouped_mma_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ",
+             c->name, T, d);
+      rc |= d != 0;
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5, MMA_ALL);
     }
   }
+  tw_cuda_moe_set_mma_tiles(0);
   cudaFree((void *)w.gate_up_blocks); cudaFree((void *)w.gate_up_scales);
   cudaFree((void *)w.down_blocks); cudaFree((void *)w.down_scales);
   cudaFree((void *)w.gate_up_bias); cudaFree((void *)w.down_bias);
   cudaFree(d_x); cudaFree(d_logits); cudaFree(d_out); cudaFree(d_route); cudaFree(d_ws);
   if (d_wdq) cudaFree(d_wdq);
   cudaFreeHost(hc);
-  free(xb); free(x); free(logits); free(out); free(out1); free(ref);
+  free(xb); free(x); free(logits); free(out); free(out1); free(out5); free(ref);
   free_experts(&h);
   return rc;
 }
@@ -462,7 +491,10 @@ int main(void) {
    * a few rows and empty ones (120b); ragged "hot" loads where every token
    * goes to the same k experts and the others are empty (many 16-row tiles
    * of one expert); K tails of 32 and column tiles cut by N (odd: K = 96 and
-   * 160, N = 320 and 96) */
+   * 160, N = 320 and 96); the tile is the smallest holding twice the mean
+   * load, so 20b T=100 takes 32 and odd T=300 128; bigscale: E8M0 scales
+   * above 2 (the decode kernel's two-multiply conversion), at tiles 16 (20b
+   * T=40) and 128 (odd T=300); 120b T=3: 12 experts of one row */
   static const moe_case_t gemm_cases[] = {
       {"20b", 2880, 2880, 32, 4, 1},     {"20b", 2880, 2880, 32, 4, 300},
       {"20b", 2880, 2880, 32, 4, 1024},  {"120b", 2880, 2880, 128, 4, 97},
@@ -471,6 +503,8 @@ int main(void) {
       {"20b", 2880, 2880, 32, 4, 16},    {"20b", 2880, 2880, 32, 4, 64},
       {"20b-hot", 2880, 2880, 32, 4, 64}, {"120b", 2880, 2880, 128, 4, 256},
       {"120b-hot", 2880, 2880, 128, 4, 100}, {"odd-hot", 96, 160, 5, 3, 41},
+      {"20b-bigscale", 2880, 2880, 32, 4, 40}, {"odd-bigscale", 96, 160, 5, 3, 300},
+      {"120b", 2880, 2880, 128, 4, 3},   {"20b", 2880, 2880, 32, 4, 100},
   };
   for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++)
     rc |= run_case(pool, gemm, &gemv[i], 0, 0);

@@ -1,19 +1,25 @@
-/* test_weights_share.c: one copy of the weights for two worker processes on
- * one GPU through CUDA IPC (engine.h weights_share_dir,
- * kernels/engine_cuda_share.cu), with the memory plan of co-located workers.
+/* test_weights_share.c: one copy of the weights for worker processes on one
+ * GPU (engine.h weights_share_dir, kernels/engine_cuda_share.cu), with the
+ * memory plan of co-located workers, and the copy's lifetime: it outlives
+ * the worker that uploaded it.
  *
  * The parent never touches CUDA (a forked CUDA context is unusable): it runs
- * this program three times on the tiny MXFP4 fixture model:
+ * this program four times on the tiny MXFP4 fixture model:
  *   A  --child DIR OUT prefill hold: plans as the prefill worker of 1 + 1,
- *      uploads and exports the weights (origin 1), writes its logits, and
- *      keeps the weights alive until its stdin closes;
- *   B  --child DIR OUT decode: plans as the decode worker, maps A's weights
- *      (origin 2: nothing uploaded), writes its logits;
+ *      uploads and offers the weights (origin 1), writes its logits, holds;
+ *   B  --child DIR OUT decode hold: plans as the decode worker, maps A's
+ *      weights (origin 2: nothing uploaded), writes its logits, holds;
+ *      then A is killed (SIGKILL) and B, told "again", computes once more on
+ *      the weights A uploaded;
+ *   D  --child DIR OUT decode: a restarted worker: maps the weights from B,
+ *      the surviving holder (origin 2), A's socket being stale;
  *   C  --child - OUT decode: an own copy (origin 0), for reference.
- * Each child prefills the same 16-token prompt (all logits) and runs one
- * decode step on the greedy token. Checks: the origins, B's logits and
- * tokens bit-identical to A's and C's, and A's record removed when A exits.
- * Exits 77 (skipped) without a usable GPU. Every wait is bounded. */
+ * Each computation prefills the same 16-token prompt (all logits) and runs
+ * one decode step on the greedy token. Checks: the origins, every logit and
+ * token of B (before and after A died) and D bit-identical to A's and C's,
+ * A's socket 0600 while it holds, removed once D found it stale, and B's
+ * removed when B exits. Exits 77 (skipped) without a usable GPU. Every wait
+ * is bounded. */
 #include "common/engine.h"
 #include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/log.h"
@@ -37,9 +43,43 @@
 #define N_PROMPT 16
 #define WAIT_S 300
 
+/* Prefill the 16-token prompt (all logits), one decode step; write the
+ * logits and both tokens to `out`. 0 when written. */
+static int compute(tw_engine_t *e, const tw_model_t *m, const char *out, const char *role) {
+  int V = m->config.vocab_size, rc = 0;
+  float *lg = malloc(sizeof(float) * (size_t)V * (N_PROMPT + 1));
+  int32_t toks[N_PROMPT], table[2] = {0, 1}, next = -1, next2 = -1;
+  for (int i = 0; i < N_PROMPT; i++) toks[i] = (i * 37 + 11) % V;
+  tw_prefill_args_t pa = {.tokens = toks, .n_tokens = N_PROMPT, .start_pos = 0,
+                          .block_table = table, .n_blocks = 2, .all_logits = true,
+                          .logits_out = lg, .next_token_out = &next};
+  int32_t pos = N_PROMPT, nb = 2;
+  const int32_t *tables[1] = {table};
+  if (!lg || tw_engine_prefill(e, &pa) != TW_OK) {
+    fprintf(stderr, "child %s: prefill failed: %s\n", role, tw_last_error());
+    rc = 1;
+  } else {
+    tw_decode_args_t da = {.n_seqs = 1, .tokens = &next, .positions = &pos, .block_tables = tables,
+                           .n_blocks = &nb, .logits_out = lg + (size_t)N_PROMPT * V,
+                           .next_tokens_out = &next2};
+    if (tw_engine_decode(e, &da) != TW_OK) {
+      fprintf(stderr, "child %s: decode: %s\n", role, tw_last_error());
+      rc = 1;
+    }
+  }
+  FILE *f = rc ? NULL : fopen(out, "wb");
+  if (!rc && (!f || fwrite(lg, sizeof(float), (size_t)V * (N_PROMPT + 1), f) !=
+                        (size_t)V * (N_PROMPT + 1) ||
+              fwrite(&next, 4, 1, f) != 1 || fwrite(&next2, 4, 1, f) != 1))
+    rc = 1;
+  if (f && fclose(f) != 0) rc = 1;
+  free(lg);
+  return rc;
+}
+
 static int child(const char *dir, const char *out, const char *role, int hold) {
   tw_log_init("test_weights_share", 0);
-  int origin_want = !strcmp(dir, "-") ? 0 : hold ? 1 : 2;
+  int origin_want = !strcmp(dir, "-") ? 0 : !strcmp(role, "prefill") ? 1 : 2;
   if (!tw_cuda_available()) return 77;
   tw_model_t *m = NULL;
   char model_dir[1024];
@@ -71,43 +111,25 @@ static int child(const char *dir, const char *out, const char *role, int hold) {
   const tw_engine_params_t *ep = tw_engine_params(e);
   fprintf(stderr, "child %s: origin %d, kv blocks %d, max batch %d, chunk %d\n", role, origin,
           ep->kv_num_blocks, ep->max_batch, ep->max_prefill_chunk);
-  int V = m->config.vocab_size, rc = 0;
-  float *lg = malloc(sizeof(float) * (size_t)V * (N_PROMPT + 1));
-  int32_t toks[N_PROMPT], table[2] = {0, 1}, next = -1, next2 = -1;
-  for (int i = 0; i < N_PROMPT; i++) toks[i] = (i * 37 + 11) % V;
-  tw_prefill_args_t pa = {.tokens = toks, .n_tokens = N_PROMPT, .start_pos = 0,
-                          .block_table = table, .n_blocks = 2, .all_logits = true,
-                          .logits_out = lg, .next_token_out = &next};
-  int32_t pos = N_PROMPT, nb = 2;
-  const int32_t *tables[1] = {table};
-  if (!lg || origin != origin_want || ep->kv_num_blocks < 2 ||
-      tw_engine_prefill(e, &pa) != TW_OK) {
-    fprintf(stderr, "child %s: origin %d (want %d) or prefill failed: %s\n", role, origin,
-            origin_want, tw_last_error());
-    rc = 1;
-  } else {
-    tw_decode_args_t da = {.n_seqs = 1, .tokens = &next, .positions = &pos, .block_tables = tables,
-                           .n_blocks = &nb, .logits_out = lg + (size_t)N_PROMPT * V,
-                           .next_tokens_out = &next2};
-    if (tw_engine_decode(e, &da) != TW_OK) {
-      fprintf(stderr, "child %s: decode: %s\n", role, tw_last_error());
-      rc = 1;
-    }
-  }
-  FILE *f = rc ? NULL : fopen(out, "wb");
-  if (!rc && (!f || fwrite(lg, sizeof(float), (size_t)V * (N_PROMPT + 1), f) !=
-                        (size_t)V * (N_PROMPT + 1) ||
-              fwrite(&next, 4, 1, f) != 1 || fwrite(&next2, 4, 1, f) != 1))
-    rc = 1;
-  if (f && fclose(f) != 0) rc = 1;
+  int rc = origin != origin_want || ep->kv_num_blocks < 2;
+  if (rc)
+    fprintf(stderr, "child %s: origin %d (want %d), kv blocks %d\n", role, origin, origin_want,
+            ep->kv_num_blocks);
+  if (!rc) rc = compute(e, m, out, role);
   printf("ready %d\n", rc ? -1 : origin);
   fflush(stdout);
-  if (hold) { /* keep the exported weights alive until the parent closes stdin */
-    char b[64];
-    while (read(0, b, sizeof b) > 0) {
+  if (hold) { /* hold the weights; "again": compute once more (OUT.2); EOF: exit */
+    char line[64];
+    while (fgets(line, sizeof line, stdin)) {
+      if (strncmp(line, "again", 5) != 0) continue;
+      char out2[1200];
+      snprintf(out2, sizeof out2, "%.1100s.2", out);
+      int r2 = compute(e, m, out2, role);
+      printf("ready %d\n", r2 ? -1 : origin);
+      fflush(stdout);
+      rc |= r2;
     }
   }
-  free(lg);
   tw_engine_destroy(e);
   tw_model_destroy(m);
   return rc;
@@ -202,12 +224,13 @@ int main(int argc, char **argv) {
     perror("mkdtemp");
     return 1;
   }
-  char out[3][1100], rec[1100];
-  const char *names[3] = {"a", "b", "c"};
-  for (int i = 0; i < 3; i++) snprintf(out[i], sizeof out[i], "%s/logits-%s", dir, names[i]);
-  snprintf(rec, sizeof rec, "%s/weights-dev0-tp1r0-ep1r0.ipc", dir);
-  int fails = 0, in_a, out_a, in_b, out_b, in_c, out_c, xa, xb, xc;
-  pid_t a = spawn(argv[0], dir, out[0], "prefill", 1, &in_a, &out_a);
+  enum { A, B, D, C, N_OUT };
+  char out[N_OUT + 1][1100], sock_a[1100], sock_b[1100];
+  const char *names[N_OUT] = {"a", "b", "d", "c"};
+  for (int i = 0; i < N_OUT; i++) snprintf(out[i], sizeof out[i], "%s/logits-%s", dir, names[i]);
+  snprintf(out[N_OUT], sizeof out[N_OUT], "%.1090s.2", out[B]); /* B after A died */
+  int fails = 0, in_a, out_a, in_b, out_b, in_c, out_c, in_d, out_d, xa = -1, xb, xc, xd;
+  pid_t a = spawn(argv[0], dir, out[A], "prefill", 1, &in_a, &out_a);
   int ra = read_ready(a, out_a, &xa);
   if (ra == -77) {
     printf("no usable GPU: skipped\n");
@@ -215,47 +238,64 @@ int main(int argc, char **argv) {
     rmdir(dir);
     return 77;
   }
+  snprintf(sock_a, sizeof sock_a, "%s/weights-dev0-tp1r0-ep1r0.%d.sock", dir, (int)a);
   struct stat sb;
-  bool published = stat(rec, &sb) == 0 && (sb.st_mode & 0777) == 0600;
-  pid_t b = spawn(argv[0], dir, out[1], "decode", 0, &in_b, &out_b);
+  bool offered = stat(sock_a, &sb) == 0 && S_ISSOCK(sb.st_mode) && (sb.st_mode & 0777) == 0600;
+  pid_t b = spawn(argv[0], dir, out[B], "decode", 1, &in_b, &out_b);
   int rb = read_ready(b, out_b, &xb);
+  snprintf(sock_b, sizeof sock_b, "%s/weights-dev0-tp1r0-ep1r0.%d.sock", dir, (int)b);
+  /* the uploader dies without cleaning up; B keeps computing on its weights */
+  kill(a, SIGKILL);
+  xa = wait_exit(a);
+  close(in_a);
+  bool again_sent = write(in_b, "again\n", 6) == 6;
+  int rb2 = again_sent ? read_ready(b, out_b, &xb) : -2;
+  /* a restarted worker maps the copy from B, the survivor */
+  pid_t d = spawn(argv[0], dir, out[D], "decode", 0, &in_d, &out_d);
+  int rd = read_ready(d, out_d, &xd);
+  close(in_d);
+  if (xd < 0) xd = wait_exit(d);
+  bool stale_removed = stat(sock_a, &sb) != 0;
   close(in_b);
   if (xb < 0) xb = wait_exit(b);
-  close(in_a); /* A may free its weights now */
-  if (xa < 0) xa = wait_exit(a);
-  bool removed = stat(rec, &sb) != 0;
-  pid_t c = spawn(argv[0], "-", out[2], "decode", 0, &in_c, &out_c);
+  bool b_removed = stat(sock_b, &sb) != 0;
+  pid_t c = spawn(argv[0], "-", out[C], "decode", 0, &in_c, &out_c);
   int rc_ = read_ready(c, out_c, &xc);
   close(in_c);
   if (xc < 0) xc = wait_exit(c);
-  printf("A (exporter): ready %d exit %d; B (importer): ready %d exit %d; C (own copy): ready %d "
-         "exit %d; record published 0600 %d, removed after A %d\n",
-         ra, xa, rb, xb, rc_, xc, published, removed);
-  if (ra != 1 || xa != 0 || rb != 2 || xb != 0 || rc_ != 0 || xc != 0 || !published || !removed) {
-    printf("FAIL: origins 1/2/0 and clean exits expected, the record published then removed\n");
+  printf("A (uploader): ready %d, killed (exit %d); B: ready %d, again after A died %d, exit %d; "
+         "D (after A): ready %d exit %d; C (own copy): ready %d exit %d; A's socket 0600 %d, "
+         "removed as stale %d; B's removed at its exit %d\n",
+         ra, xa, rb, rb2, xb, rd, xd, rc_, xc, offered, stale_removed, b_removed);
+  if (ra != 1 || rb != 2 || rb2 != 2 || xb != 0 || rd != 2 || xd != 0 || rc_ != 0 || xc != 0 ||
+      !offered || !stale_removed || !b_removed) {
+    printf("FAIL: origins 1/2/2/2/0, clean exits but A's, A's socket offered 0600, then removed "
+           "as stale, B's removed at its exit\n");
     fails++;
   }
-  char *d[3] = {NULL, NULL, NULL};
-  long n[3];
-  for (int i = 0; i < 3; i++) n[i] = read_all(out[i], &d[i]);
-  if (n[0] <= 8 || n[0] != n[1] || n[0] != n[2] || memcmp(d[0], d[1], (size_t)n[0]) ||
-      memcmp(d[0], d[2], (size_t)n[0])) {
-    printf("FAIL: logits and tokens of A, B, C differ (%ld, %ld, %ld bytes)\n", n[0], n[1], n[2]);
+  char *dd[N_OUT + 1] = {NULL};
+  long n[N_OUT + 1];
+  for (int i = 0; i <= N_OUT; i++) n[i] = read_all(out[i], &dd[i]);
+  int same = n[A] > 8;
+  for (int i = 1; i <= N_OUT; i++)
+    same = same && n[i] == n[A] && memcmp(dd[A], dd[i], (size_t)n[A]) == 0;
+  if (!same) {
+    printf("FAIL: logits and tokens differ (A %ld, B %ld, D %ld, C %ld, B after A %ld bytes)\n",
+           n[A], n[B], n[D], n[C], n[N_OUT]);
     fails++;
   } else {
-    printf("A, B and C: %ld bytes of logits and tokens, bit-identical\n", n[0]);
+    printf("A, B, B after A was killed, D and C: %ld bytes of logits and tokens, bit-identical\n",
+           n[A]);
   }
-  for (int i = 0; i < 3; i++) {
-    free(d[i]);
+  for (int i = 0; i <= N_OUT; i++) {
+    free(dd[i]);
     unlink(out[i]);
   }
   char other[1100];
-  const char *exts[2] = {"lock", "users"};
-  for (int i = 0; i < 2; i++) {
-    snprintf(other, sizeof other, "%s/weights-dev0-tp1r0-ep1r0.%s", dir, exts[i]);
-    unlink(other);
-  }
-  unlink(rec);
+  snprintf(other, sizeof other, "%s/weights-dev0-tp1r0-ep1r0.lock", dir);
+  unlink(other);
+  unlink(sock_a);
+  unlink(sock_b);
   rmdir(dir);
   printf(fails ? "test_weights_share: FAILED\n" : "test_weights_share: passed\n");
   return fails ? 1 : 0;

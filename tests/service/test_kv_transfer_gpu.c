@@ -1,22 +1,23 @@
 /* test_kv_transfer_gpu.c: the KV handoff device to device, two processes on
  * one GPU (label gpu; exit 77 where no GPU is usable).
  *
- * Twice: over the direct path (both pools cudaMalloc'd, the decode pool
- * registered as CUDA memory, puts over cuda_ipc) and over the staged path
+ * Twice, each half in its own process: over the direct path (both pools
+ * cudaMalloc'd; the decode pool exported over CUDA IPC in its rkey blob, the
+ * sender maps it and copies device to device) and over the staged path
  * (TWAIN_KV_PATH=staged in the decode process: its pool gets a pinned host
- * mirror, the sender copies through its bounce ring). A forked "decode"
- * child fills its device pool with 0xEE and registers it; the "prefill"
- * parent fills its device pool with a pattern naming (layer, logical block,
- * byte), puts full and sliding layers (the window's blocks only) with runs of
- * consecutive blocks and single blocks, with per-layer checksums read back
- * from the device, and flushes. The child then commits (staged: mirror to
- * device), copies its whole pool to the host and counts the bytes that
- * differ from what must be there: the pattern in the sent blocks, 0xEE
- * everywhere else. The parent checks the path each side took and that the
- * checksums equal those of the pattern.
+ * mirror; TWAIN_KV_IPC=0 in the sender: it copies through its bounce ring and
+ * puts over UCX). A forked "decode" child fills its device pool with 0xEE and
+ * registers it; the "prefill" parent fills its device pool with a pattern
+ * naming (layer, logical block, byte), sends full and sliding layers (the
+ * window's blocks only) with runs of consecutive blocks and single blocks,
+ * with per-layer checksums read back from the device, and flushes. The child
+ * then commits (staged only: mirror to device), copies its whole pool to the
+ * host and counts the bytes that differ from what must be there: the pattern
+ * in the sent blocks, 0xEE everywhere else. The parent checks the path it
+ * took and that the checksums equal those of the pattern.
  *
- * Direct path unavailable (UCX without CUDA transports, or no cuda_ipc lane
- * between the processes): the staged half still runs and must pass; the test
+ * Direct path unavailable (the pool could not be mapped over CUDA IPC): the
+ * staged half still runs and must pass; the test
  * then says so and exits 77, since the direct path was not tested. */
 #include "tests/cudart_dl.h"
 #include "tests/test_io.h"
@@ -103,7 +104,8 @@ static int decode_child(bool staged, int rfd, int wfd) {
   }
   int64_t bad = -1;
   uint8_t *host = malloc((size_t)pool.total_bytes);
-  if (cmd == 'c' && host && tw_kv_region_commit(reg, dst_ids, NSENT) == TW_OK &&
+  /* staged: the mirror -> device copy; direct: the bytes are in the pool already */
+  if (cmd == 'c' && host && (!staged || tw_kv_region_commit(reg, dst_ids, NSENT) == TW_OK) &&
       rt.memcpy_(host, pool.base, (size_t)pool.total_bytes, 2) == 0) {
     bad = 0;
     for (int l = 0; l < L; l++)
@@ -131,6 +133,8 @@ static int decode_child(bool staged, int rfd, int wfd) {
 /* One half: 0 passed, 1 failed, 77 no GPU, 78 direct path unavailable. */
 static int run(bool staged) {
   const char *name = staged ? "staged" : "direct";
+  /* staged: the sender must not map the decode pool over CUDA IPC */
+  if (staged) setenv("TWAIN_KV_IPC", "0", 1);
   int p2c[2], c2p[2];
   if (pipe(p2c) || pipe(c2p)) return 1;
   fflush(NULL);
@@ -160,11 +164,6 @@ static int run(bool staged) {
       tw_test_read_all(c2p[0], addr, alen) || tw_test_read_all(c2p[0], rkey, rlen) ||
       tw_test_read_all(c2p[0], &rl, sizeof rl))
     goto done;
-  if (!staged && !rl.on_device) {
-    printf("direct: the decode side's UCX has no CUDA memory support: its pool is staged\n");
-    result = 78;
-    goto done;
-  }
   tw_test_cudart_t rt;
   tw_kv_layout_t src = layout_of(NULL);
   uint8_t *fill = malloc((size_t)src.total_bytes);
@@ -184,11 +183,13 @@ static int run(bool staged) {
   int cp = rt.memcpy_(src.base, fill, (size_t)src.total_bytes, 1);
   free(fill);
   tw_kv_peer_t *peer = NULL;
-  if (cp != 0 || tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) goto done;
+  if (cp != 0 || tw_kv_xfer_create(&x)) goto done;
+  tw_kv_xfer_set_direct_ipc(x, true); /* the child commits only in the staged half */
+  if (tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) goto done;
   tw_kv_path_t path = tw_kv_xfer_path(peer, true, rl.on_device);
   printf("%s: path %s, ucx lanes %s\n", name, tw_kv_path_name(path), tw_kv_xfer_peer_lanes(peer));
   if (!staged && path != TW_KV_PATH_DIRECT_CUDA_IPC) {
-    printf("direct: no cuda_ipc lane between the two processes\n");
+    printf("direct: the decode pool could not be mapped over CUDA IPC\n");
     result = 78;
     goto done;
   }
@@ -238,14 +239,26 @@ done:
   return result;
 }
 
+/* Each half in its own process: a CUDA context does not survive fork, and
+ * a half's sender creates one before the next half forks its receiver. */
+static int run_apart(bool staged) {
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid < 0) return 1;
+  if (pid == 0) _exit(run(staged));
+  int st = 0;
+  if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st)) return 1;
+  return WEXITSTATUS(st);
+}
+
 int main(void) {
   tw_log_init("test_kv_transfer_gpu", 0);
-  int staged = run(true);
+  int staged = run_apart(true);
   if (staged == 77) {
     printf("SKIP: no GPU\n");
     return 77;
   }
-  int direct = run(false);
+  int direct = run_apart(false);
   printf("staged path: %s; direct path: %s\n", staged == 0 ? "PASS" : "FAIL",
          direct == 0 ? "PASS" : direct == 78 ? "NOT AVAILABLE" : direct == 77 ? "no GPU" : "FAIL");
   if (staged != 0 || (direct != 0 && direct != 78 && direct != 77)) return 1;
