@@ -68,6 +68,24 @@ static char *tw_feed_str(struct tw_rchat *c, const char *s, size_t len) {
   return d;
 }
 
+/* Grow `s`, a string of this feed (from tw_feed_str), by text[len], in
+ * place: its slot keeps it, so a long message fed in many pieces uses one
+ * slot. NULL (s unchanged) when out of memory or s is not a feed string
+ * (the "" of a full feed). */
+static char *tw_feed_grow(struct tw_rchat *c, char *s, const char *text, size_t len) {
+  for (size_t i = c->n_feed_strings; i-- > 0;) {
+    if (c->feed_strings[i] != s) continue;
+    size_t ol = strlen(s);
+    char *m = realloc(s, ol + len + 1);
+    if (!m) return NULL;
+    memcpy(m + ol, text, len);
+    m[ol + len] = '\0';
+    c->feed_strings[i] = m;
+    return m;
+  }
+  return NULL;
+}
+
 static void tw_feed_reset(struct tw_rchat *c) {
   for (size_t i = 0; i < c->n_feed_strings; i++) free(c->feed_strings[i]);
   c->n_feed_strings = c->n_deltas = c->n_calls = 0;
@@ -101,12 +119,11 @@ static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
   if (c->n_deltas && !c->first_delta) d = c->dptr[c->n_deltas - 1];
   if (d && d->channel == NULL) d = NULL;
   if (d) { /* same message as the last delta of this feed: concatenate */
-    size_t ol = strlen(d->content);
-    char *m = tw_feed_str(c, d->content, ol + len);
-    memcpy(m + ol, text, len);
-    m[ol + len] = '\0';
-    d->content = m;
-    return;
+    char *m = tw_feed_grow(c, d->content, text, len);
+    if (m) {
+      d->content = m;
+      return;
+    } /* else: the text goes out as a delta of its own */
   }
   if (c->n_deltas == TW_RCHAT_MAX) return;
   d = &c->deltas[c->n_deltas];
