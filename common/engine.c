@@ -45,6 +45,25 @@ const char *tw_backend_name(tw_backend_kind_t kind) {
 int tw_cuda_available(void) { return 0; }
 #endif
 
+tw_backend_kind_t tw_backend_resolve(tw_backend_kind_t kind) {
+  if (kind == TW_BACKEND_AUTO) return tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;
+  return kind;
+}
+
+bool tw_backend_usable(tw_backend_kind_t kind) {
+  switch (tw_backend_resolve(kind)) {
+    case TW_BACKEND_CPU: return true;
+    case TW_BACKEND_CUDA: return tw_cuda_available() != 0;
+    default: return false;
+  }
+}
+
+tw_backend_caps_t tw_backend_caps(tw_backend_kind_t kind) {
+  if (tw_backend_resolve(kind) == TW_BACKEND_CUDA)
+    return (tw_backend_caps_t){.on_device = true, .dp_attention = false};
+  return (tw_backend_caps_t){.on_device = false, .dp_attention = true};
+}
+
 static TW_NODISCARD tw_status_t tw_engine_params_check(const tw_engine_params_t *p) {
   if (p->kv_block_size <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: kv_block_size %d <= 0", p->kv_block_size);
@@ -79,8 +98,7 @@ TW_NODISCARD tw_status_t tw_engine_create(const tw_model_t *model, const tw_engi
   if (!engine_p) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: engine_p is NULL");
   tw_engine_params_t p = params ? *params : TW_ENGINE_PARAMS_DEFAULT;
   TW_CHECK(tw_engine_params_check(&p));
-  tw_backend_kind_t kind = p.backend;
-  if (kind == TW_BACKEND_AUTO) kind = tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;
+  tw_backend_kind_t kind = tw_backend_resolve(p.backend);
   p.backend = kind;
   switch (kind) {
   case TW_BACKEND_CPU: return tw_cpu_engine_create(model, &p, engine_p);

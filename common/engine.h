@@ -40,6 +40,34 @@ TW_NODISCARD tw_status_t tw_backend_parse(const char *name, tw_backend_kind_t *k
 int tw_backend_opt(const char *text, void *dst, char *err, size_t errlen);
 const char *tw_backend_name(tw_backend_kind_t kind);
 
+/** The backend `kind` stands for on this machine: TW_BACKEND_AUTO is cuda
+ *  when this build has CUDA and a GPU is usable at run time, else cpu; cpu
+ *  and cuda are returned as they are (whether cuda can run here is
+ *  tw_engine_create's to answer: TW_ERR_UNSUPPORTED). Probes the CUDA driver
+ *  on the first call (auto only). */
+tw_backend_kind_t tw_backend_resolve(tw_backend_kind_t kind);
+
+/** Whether `kind` (auto resolved as tw_backend_resolve) can create an
+ *  engine on this machine: cpu always, cuda with a CUDA build and a usable
+ *  GPU. */
+bool tw_backend_usable(tw_backend_kind_t kind);
+
+/** What a backend implements, for daemons to check options against before
+ *  they create an engine (tw_backend_caps). */
+typedef struct {
+  /* computes on a GPU: one device per rank (tw_engine_params_t.device), the
+   * ranks of a worker exchange device buffers over NCCL (collective.h
+   * TW_COLL_NCCL); false: host memory, MPI (TW_COLL_HOST) */
+  bool on_device;
+  /* data-parallel attention (tw_engine_params_t.dp_attention) */
+  bool dp_attention;
+} tw_backend_caps_t;
+
+/** The capabilities of backend `kind` (auto resolved as tw_backend_resolve):
+ *  cpu {on_device false, dp_attention true}, cuda {on_device true,
+ *  dp_attention false}. */
+tw_backend_caps_t tw_backend_caps(tw_backend_kind_t kind);
+
 typedef struct {
   tw_backend_kind_t backend;
   int32_t kv_block_size;   /* tokens per KV block (default 16) */

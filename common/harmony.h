@@ -173,6 +173,19 @@ TW_NODISCARD tw_status_t tw_harmony_render(const tw_harmony_t *h,
                                            tw_tok_encoder_t *maybe_enc, size_t max_prompt_tokens,
                                            tw_token_ids_t *out);
 
+/** The header of an assistant message to a function, as the model writes it
+ *  after <|start|>assistant (spec §4.2, the recipient in the channel part):
+ *  <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>,
+ *  appended to `out`; the text between the special ids is one ordinary piece
+ *  (as `twain tokenize --allow-special` encodes the same string). A prompt
+ *  that ends with it makes the next generated ids that call's arguments
+ *  (tool_choice, docs/api.md). name NULL: only "<|channel|>commentary to",
+ *  for the model to write "=functions.NAME" itself. enc: an encoder of h's
+ *  tokenizer (this thread's). Errors: TW_ERR_INVALID_ARGUMENT (name empty or
+ *  not UTF-8), TW_ERR_NO_MEMORY; on error `out` is left as it was. */
+TW_NODISCARD tw_status_t tw_harmony_render_call_header(const tw_harmony_t *h, const char *name,
+                                                       tw_tok_encoder_t *enc, tw_token_ids_t *out);
+
 /** The system message text (spec §4.5) and the developer message text (spec
  *  §4.6, "" if there is none) of `conv`, appended to `out` (for tests/tools). */
 TW_NODISCARD tw_status_t tw_harmony_system_text(const tw_harmony_conversation_t *conv,

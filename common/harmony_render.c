@@ -402,3 +402,31 @@ TW_NODISCARD tw_status_t tw_harmony_render(const tw_harmony_t *h,
   if (!maybe_enc) tw_tok_encoder_destroy(r.enc);
   return st;
 }
+
+TW_NODISCARD tw_status_t tw_harmony_render_call_header(const tw_harmony_t *h, const char *name,
+                                                       tw_tok_encoder_t *enc, tw_token_ids_t *out) {
+  if (name && !name[0])
+    return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "harmony: a call header needs a function name");
+  tw_render_ctx_t r = {.h = h, .enc = enc, .out = out};
+  size_t start = out->n;
+  tw_status_t st = tw_special(&r, TW_HT_CHANNEL);
+  if (st == TW_OK && !name) st = tw_text(&r, "commentary to", 13);
+  if (st == TW_OK && name) {
+    static const char pre[] = "commentary to=functions.";
+    size_t n = strlen(name);
+    char *t = malloc(sizeof pre + n + 1);
+    if (!t) st = tw_err(TW_ERR_NO_MEMORY, "harmony: out of memory");
+    else {
+      memcpy(t, pre, sizeof pre - 1);
+      memcpy(t + sizeof pre - 1, name, n);
+      t[sizeof pre - 1 + n] = ' ';
+      st = tw_text(&r, t, sizeof pre + n); /* "commentary to=functions.NAME " */
+      free(t);
+    }
+    if (st == TW_OK) st = tw_special(&r, TW_HT_CONSTRAIN);
+    if (st == TW_OK) st = tw_text(&r, "json", 4);
+    if (st == TW_OK) st = tw_special(&r, TW_HT_MESSAGE);
+  }
+  if (st < 0) out->n = start;
+  return st;
+}

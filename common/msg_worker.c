@@ -25,15 +25,17 @@ static void tw_worker_on_signal(int sig) {
   tw_worker_stop_g = 1;
 }
 
-void tw_worker_signals_install(void) {
+void tw_stop_signals_install(void (*on_signal)(int)) {
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
-  sa.sa_handler = tw_worker_on_signal;
+  sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, NULL);
   sigaction(SIGINT, &sa, NULL);
   signal(SIGPIPE, SIG_IGN);
 }
+
+void tw_worker_signals_install(void) { tw_stop_signals_install(tw_worker_on_signal); }
 
 /* immediate: queue nothing while the connection is down (sends fail), so the
  * heartbeat thread notices a router that is gone. */
@@ -274,18 +276,33 @@ TW_NODISCARD tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout
   return TW_OK;
 }
 
+Twain__Internal__V1__Status *tw_reply_status(Twain__Internal__V1__Status *s, int code,
+                                             const char *message) {
+  if (!code) return NULL;
+  twain__internal__v1__status__init(s);
+  s->code = code;
+  s->message = (char *)message;
+  return s;
+}
+
+const Twain__Internal__V1__Envelope *tw_reject_msg(tw_reject_msg_t *m, uint64_t request_id,
+                                                   int code, const char *message) {
+  twain__internal__v1__status__init(&m->status);
+  m->status.code = code;
+  m->status.message = (char *)message;
+  twain__internal__v1__reject__init(&m->reject);
+  m->reject.request_id = request_id;
+  m->reject.status = &m->status;
+  twain__internal__v1__envelope__init(&m->env);
+  m->env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT;
+  m->env.reject = &m->reject;
+  return &m->env;
+}
+
 TW_NODISCARD tw_status_t tw_worker_link_reject(tw_worker_link_t *link, uint64_t request_id,
                                                int code, const char *message) {
-  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
-  s.code = code;
-  s.message = (char *)message;
-  Twain__Internal__V1__Reject r = TWAIN__INTERNAL__V1__REJECT__INIT;
-  r.request_id = request_id;
-  r.status = &s;
-  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
-  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT;
-  env.reject = &r;
-  return tw_worker_link_send(link, &env);
+  tw_reject_msg_t m;
+  return tw_worker_link_send(link, tw_reject_msg(&m, request_id, code, message));
 }
 
 void tw_worker_link_wait(tw_worker_link_t *link, int maybe_fd, int timeout_ms) {

@@ -50,6 +50,12 @@ extern volatile sig_atomic_t tw_worker_stop_g;
 /** Install SIGTERM/SIGINT handlers that set tw_worker_stop_g (and ignore SIGPIPE). */
 void tw_worker_signals_install(void);
 
+/** The stop signals of every daemon (workers, router, twain serve): SIGTERM
+ *  and SIGINT call `on_signal` (which must only set a flag: async-signal
+ *  safety), SIGPIPE is ignored (a peer that went away is a failed send, not
+ *  the end of the process). */
+void tw_stop_signals_install(void (*on_signal)(int));
+
 typedef struct {
   void *zctx;       /* owned */
   void *sock;       /* DEALER to the router (main thread only) */
@@ -110,6 +116,25 @@ TW_NODISCARD tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout
 /** Wait up to timeout_ms until the router socket has input or maybe_fd
  *  (-1: none) is readable. Returns nothing; callers then receive with 0. */
 void tw_worker_link_wait(tw_worker_link_t *link, int maybe_fd, int timeout_ms);
+
+/** The status of a worker's answer (PrefillDone, Tokens, Reject): NULL for
+ *  code 0 (success: no status on the wire), else `s` initialised with the
+ *  v1 code and the message (borrowed: it must outlive the send). */
+Twain__Internal__V1__Status *tw_reply_status(Twain__Internal__V1__Status *s, int code,
+                                             const char *message);
+
+/** A Reject envelope (the storage of its parts in one place). */
+typedef struct {
+  Twain__Internal__V1__Status status;
+  Twain__Internal__V1__Reject reject;
+  Twain__Internal__V1__Envelope env;
+} tw_reject_msg_t;
+
+/** Fill m with a Reject of request_id (0: of a message, not a request)
+ *  with a v1 code and message (borrowed: it must outlive the send), as
+ *  both ends of the worker link send it; returns &m->env. */
+const Twain__Internal__V1__Envelope *tw_reject_msg(tw_reject_msg_t *m, uint64_t request_id,
+                                                   int code, const char *message);
 
 /** Send a Reject for request_id with a v1 code and message. */
 TW_NODISCARD tw_status_t tw_worker_link_reject(tw_worker_link_t *link, uint64_t request_id,

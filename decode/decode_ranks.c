@@ -13,6 +13,7 @@
 #include "common/dist_engine.h"
 #include "common/kv_reshard.h"
 #include "common/log.h"
+#include "common/proto_engine.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,23 +33,11 @@ static Twain__Internal__V1__KvRank *tw_kv_rank_new(const void *addr, size_t alen
     return NULL;
   }
   twain__internal__v1__kv_rank__init(k);
-  twain__internal__v1__kv_layout__init(l);
+  tw_proto_kv_layout_from_remote(rl, head_offset, l);
   memcpy(a, addr, alen);
   memcpy(r, rkey, rlen);
   k->ucx_address = (ProtobufCBinaryData){.len = alen, .data = a};
   k->rkey = (ProtobufCBinaryData){.len = rlen, .data = r};
-  l->dtype = rl->dtype;
-  l->on_device = rl->on_device;
-  l->n_layers = rl->n_layers;
-  l->block_size = rl->block_size;
-  l->n_kv_heads = rl->n_kv_heads;
-  l->head_dim = rl->head_dim;
-  l->layer_stride_bytes = rl->layer_stride_bytes;
-  l->block_bytes = rl->block_bytes;
-  l->remote_base = rl->remote_base;
-  l->total_bytes = rl->total_bytes;
-  l->n_blocks = rl->n_blocks;
-  l->kv_head_offset = head_offset;
   k->layout = l;
   return k;
 }

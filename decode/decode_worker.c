@@ -18,17 +18,19 @@
 #include "decode/decode_worker.h"
 
 #include "common/dist_engine.h"
-#include "common/engine_impl.h"
 #include "decode/decode_ranks.h"
 
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/mem_plan.h"
 #include "common/model_path.h"
 #include "common/worker_stats.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/msg_worker.h"
+#include "common/worker_daemon.h"
+#include "common/proto_engine.h"
 #include "proto/twain_api.pb-c.h"
 
 #include <stdio.h>
@@ -52,7 +54,7 @@ typedef enum {
   TW_DSEQ_QUARANTINE = 3,
   TW_DSEQ_COMMITTING = 4
 } tw_dseq_state_t;
-#define TW_DSEQ_QUARANTINE_MS (40000 * TW_SLOW_BUILD) /* dist.h */
+#define TW_DSEQ_QUARANTINE_MS 40000
 
 typedef struct {
   uint64_t id;
@@ -82,15 +84,12 @@ typedef struct {
   int32_t pad[TW_DECODE_MAX_DP];         /* each dp rank's padding block (dist_engine.h) */
   tw_kv_xfer_t *xfer;
   tw_kv_region_t *region;
-  tw_worker_link_t link;
-  tw_metrics_t *metrics;
+  tw_worker_t wk; /* the daemon skeleton: rank, router link, metrics, drain (worker_daemon.h) */
   tw_dseq_t **seqs;
   int32_t n_seqs, cap_seqs;
-  bool draining;
-  tw_status_t device_error; /* a sticky CUDA/NCCL error outside a step (a KV commit): stop */
   int32_t step_start[TW_DECODE_MAX_DP]; /* per dp rank: first table index its next step tries */
-  tw_dist_identity_t id; /* this rank and its group (issue 6, dist.h) */
-  tw_dist_t *dist;
+  bool idle;                            /* this loop turn found no sequence to step */
+  tw_status_t device_error; /* a sticky CUDA/NCCL error outside a step (a KV commit): stop */
   tw_decode_ranks_t rk;
   ProtobufCBinaryData kv_addr[64]; /* each rank's UCX address, for Register (borrowed) */
   /* step scratch */
@@ -178,21 +177,17 @@ static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *
 static void tw_send_tokens(tw_decoder_t *d, uint64_t id, const int32_t *toks, size_t n,
                            bool finished, int finish_reason, int code, const char *msg) {
   Twain__Internal__V1__Tokens t = TWAIN__INTERNAL__V1__TOKENS__INIT;
-  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
+  Twain__Internal__V1__Status s;
   t.request_id = id;
   t.n_tokens = n;
   t.tokens = (int32_t *)toks;
   t.finished = finished;
   t.finish_reason = finish_reason;
-  if (code) {
-    s.code = code;
-    s.message = (char *)msg;
-    t.status = &s;
-  }
+  t.status = tw_reply_status(&s, code, msg);
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_TOKENS;
   env.tokens = &t;
-  if (tw_worker_link_send(&d->link, &env) != TW_OK)
+  if (tw_worker_link_send(&d->wk.link, &env) != TW_OK)
     TW_WARN("decode", "request %llu: cannot send tokens to the router: %s",
             (unsigned long long)id, tw_last_error());
 }
@@ -210,9 +205,9 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
   int32_t rank = 0; /* dp: the replica with the most free blocks (ties: the lowest rank) */
   for (int32_t k = 1; k < d->n_dp; k++)
     if (tw_kv_blocks_free_count(d->bm[k]) > tw_kv_blocks_free_count(d->bm[rank])) rank = k;
-  if (d->draining) {
+  if (d->wk.draining) {
     s.code = TWAIN__V1__CODE__UNAVAILABLE;
-    snprintf(msg, sizeof msg, "decode worker %s is draining", d->link.name);
+    snprintf(msg, sizeof msg, "decode worker %s is draining", d->wk.link.name);
   } else if (r->n_prompt_tokens <= 0 || tw_dseq_find(d, r->request_id) >= 0) {
     s.code = TWAIN__V1__CODE__INVALID_ARGUMENT;
     snprintf(msg, sizeof msg, "reserve for request %llu: %s", (unsigned long long)r->request_id,
@@ -227,7 +222,7 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
   } else if (tw_kv_blocks_alloc(d->bm[rank], need, seq->blocks) != TW_OK) {
     s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
     snprintf(msg, sizeof msg, "decode worker %s has %d free kv blocks%s, request needs %d",
-             d->link.name, tw_kv_blocks_free_count(d->bm[rank]),
+             d->wk.link.name, tw_kv_blocks_free_count(d->bm[rank]),
              d->n_dp > 1 ? " in its emptiest dp rank" : "", need);
   }
   if (s.code) {
@@ -261,17 +256,7 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     d->seqs[d->n_seqs++] = seq;
     tw_kv_remote_layout_t rl;
     tw_kv_region_remote_layout(d->region, &rl);
-    kl.dtype = rl.dtype;
-    kl.on_device = rl.on_device;
-    kl.n_layers = rl.n_layers;
-    kl.block_size = rl.block_size;
-    kl.n_kv_heads = rl.n_kv_heads;
-    kl.head_dim = rl.head_dim;
-    kl.layer_stride_bytes = rl.layer_stride_bytes;
-    kl.block_bytes = rl.block_bytes;
-    kl.remote_base = rl.remote_base;
-    kl.total_bytes = rl.total_bytes;
-    kl.n_blocks = rl.n_blocks;
+    tw_proto_kv_layout_from_remote(&rl, 0, &kl);
     size_t alen, rlen;
     const void *addr = tw_kv_xfer_address(d->xfer, &alen);
     const void *rkey = tw_kv_region_rkey(d->region, &rlen);
@@ -284,7 +269,7 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     h.n_block_ids = (size_t)tw_kv_blocks_needed(d->bm[rank], r->n_prompt_tokens);
     h.checksums = d->p->verify_kv;
     h.block_ids = seq->blocks;
-    h.decode_worker = d->link.name;
+    h.decode_worker = d->wk.link.name;
     if (d->n_dp > 1) tw_decode_ranks_handoff_dp(&d->rk, rank, &h); /* that replica's pool only */
     else tw_decode_ranks_fill_handoff(&d->rk, &h); /* every rank's pool when TP/EP > 1 */
     out.handoff = &h;
@@ -295,7 +280,7 @@ send:;
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVED;
   env.reserved = &out;
-  tw_msg_note_failure(tw_worker_link_send(&d->link, &env), "decode",
+  tw_msg_note_failure(tw_worker_link_send(&d->wk.link, &env), "decode",
                       "cannot answer a reservation (the router expires it)");
 }
 
@@ -339,7 +324,7 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     snprintf(msg, sizeof msg, "decode for request %llu: no reservation (cancelled or expired)",
              (unsigned long long)r->request_id);
     TW_WARN("decode", "%s", msg);
-    tw_msg_note_failure(tw_worker_link_reject(&d->link, r->request_id, TWAIN__V1__CODE__NOT_FOUND, msg),
+    tw_msg_note_failure(tw_worker_link_reject(&d->wk.link, r->request_id, TWAIN__V1__CODE__NOT_FOUND, msg),
                         "decode", "cannot send a reject to the router");
     return;
   }
@@ -387,7 +372,7 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
                                                    c->layer_types[layer] == TW_LAYER_SLIDING,
                                                    c->sliding_window)) * (double)l->block_bytes;
   /* TP: every rank's pool got its part; dp: the one replica got it all */
-  tw_metric_add(d->m.kv_bytes, bytes * (d->n_dp > 1 ? 1 : tw_dist_size(d->dist)));
+  tw_metric_add(d->m.kv_bytes, bytes * (d->n_dp > 1 ? 1 : tw_dist_size(d->wk.dist)));
   tw_metric_add(d->m.dp_seqs[s->rank], 1);
   s->state = ticket ? TW_DSEQ_COMMITTING : TW_DSEQ_RUNNING;
   s->commit = ticket;
@@ -395,13 +380,7 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   s->token = r->first_token;
   s->generated = 1;
   s->max_tokens = r->max_tokens;
-  s->sample = TW_SAMPLE_PARAMS_GREEDY;
-  if (r->sampling) {
-    s->sample.temperature = r->sampling->temperature;
-    s->sample.top_k = r->sampling->top_k;
-    s->sample.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
-    s->sample.seed = r->sampling->seed;
-  }
+  s->sample = tw_proto_sample_params(r->sampling);
   s->n_stop = 0;
   for (size_t i = 0; i < r->n_stop_token_ids && s->n_stop < TW_DSEQ_MAX_STOP; i++)
     s->stop[s->n_stop++] = r->stop_token_ids[i];
@@ -543,8 +522,8 @@ static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
                  .while_running = tw_decoder_kv_progress, .while_running_arg = d->xfer},
         .pad_block = d->pad[r]};
   /* plan to the other ranks; dp: every rank its batch, empty ones a padding row */
-  tw_status_t st = R > 1 ? tw_dist_engine_decode_dp(d->dist, d->engine, bt)
-                         : tw_dist_engine_decode(d->dist, d->engine, &bt[0].args);
+  tw_status_t st = R > 1 ? tw_dist_engine_decode_dp(d->wk.dist, d->engine, bt)
+                         : tw_dist_engine_decode(d->wk.dist, d->engine, &bt[0].args);
   int64_t t1 = tw_msg_clock_ns();
   tw_metric_add(d->m.steps, 1);
   tw_worker_stats_add(&d->stats, 0, 1);
@@ -576,26 +555,20 @@ static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
   return st;
 }
 
-static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode_params_t *p,
-                                                const tw_dist_identity_t *id) {
-  memset(d, 0, sizeof *d);
-  d->p = p;
-  d->id = *id;
+static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
+  const tw_decode_params_t *p = d->p;
   TW_CHECK(tw_model_load(p->model_dir, &d->model));
   TW_CHECK(tw_model_check_finite(d->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
-  tw_backend_kind_t be = p->backend;
-  if (be == TW_BACKEND_AUTO) be = tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;
-  TW_CHECK(tw_dist_create(&d->id, be == TW_BACKEND_CUDA ? TW_COLL_NCCL : TW_COLL_HOST,
-                          d->id.local_rank, NULL, &d->dist));
+  TW_CHECK(tw_worker_dist_create(&d->wk, p->backend));
   tw_engine_params_t ep = TW_ENGINE_PARAMS_DEFAULT;
   ep.tp_size = p->tp;
-  ep.tp_rank = p->tp > 1 ? d->id.rank : 0;
+  ep.tp_rank = p->tp > 1 ? d->wk.id.rank : 0;
   ep.ep_size = p->ep;
-  ep.ep_rank = p->ep > 1 ? d->id.rank : 0;
+  ep.ep_rank = p->ep > 1 ? d->wk.id.rank : 0;
   ep.dp_attention = p->dp > 1;
-  ep.coll = tw_dist_coll(d->dist);
-  if (be == TW_BACKEND_CUDA) ep.device = d->id.local_rank;
+  ep.coll = tw_dist_coll(d->wk.dist);
+  if (tw_backend_caps(p->backend).on_device) ep.device = d->wk.id.local_rank;
   ep.backend = p->backend;
   ep.kv_block_size = p->block_size;
   ep.kv_num_blocks = p->kv_blocks; /* 0: planned (mem_plan.h) */
@@ -616,8 +589,8 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode
   const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
   TW_CHECK(tw_kv_xfer_create(&d->xfer));
   TW_CHECK(tw_kv_region_register(d->xfer, l, &d->region));
-  TW_CHECK(tw_decode_ranks_init(&d->rk, d->dist, d->engine, d->xfer, d->region, d->model));
-  if (d->id.rank != 0) return TW_OK; /* only rank 0 talks to the router and has block managers */
+  TW_CHECK(tw_decode_ranks_init(&d->rk, d->wk.dist, d->engine, d->xfer, d->region, d->model));
+  if (d->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router and has block managers */
   d->n_dp = p->dp > 1 ? p->dp : 1;
   if (d->n_dp == 1) {
     TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &d->bm[0]));
@@ -642,14 +615,9 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode
   d->batch = malloc(sizeof(tw_dseq_t *) * (size_t)B);
   if (!d->tok || !d->pos || !d->nb || !d->out || !d->tables || !d->samp || !d->batch)
     return tw_err(TW_ERR_NO_MEMORY, "decode: cannot allocate step scratch for %d sequences", B);
-  char name[64];
-  if (p->name) snprintf(name, sizeof name, "%s", p->name);
-  else snprintf(name, sizeof name, "decode-%d", (int)getpid());
-  TW_CHECK(tw_metrics_create(name, p->metrics_port, p->metrics_addr, &d->metrics));
-  tw_metrics_t *M = d->metrics;
-  char model_name[256]; /* the model_name label, as the router's (model_path.h) */
-  tw_model_name(p->served_model_name, p->model_dir, model_name, sizeof model_name);
-  tw_metrics_set_label(M, "model_name", model_name);
+  TW_CHECK(tw_worker_metrics_open(&d->wk, p->name, p->metrics_port, p->metrics_addr,
+                                  p->served_model_name, p->model_dir));
+  tw_metrics_t *M = d->wk.metrics;
   d->m.running = tw_metrics_gauge(M, "decode_running_sequences", "sequences in the decode batch");
   d->m.reserved = tw_metrics_gauge(M, "decode_queue_depth", "reservations waiting for their kv");
   d->m.blocks_used = tw_metrics_gauge(M, "kv_blocks_used", "kv blocks reserved or in use");
@@ -675,11 +643,9 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode
     d->m.dp_used[r] =
         tw_metrics_gauge(M, mn, "kv blocks reserved or in use in this dp rank's pool");
   }
-  TW_CHECK(tw_worker_link_open(&d->link, p->router, name, TWAIN__INTERNAL__V1__POOL__POOL_DECODE));
-  d->link.ranks = d->id.size;
-  d->link.kv_block_size = l->block_size;
-  d->link.n_layers = l->n_layers;
-  d->link.vocab_size = d->model->config.vocab_size;
+  TW_CHECK(tw_worker_connect(&d->wk, p->router, TWAIN__INTERNAL__V1__POOL__POOL_DECODE,
+                             l->block_size, l->n_layers, d->model->config.vocab_size,
+                             tw_backend_name(tw_engine_backend(d->engine))));
   /* the addresses handoffs will name: the router forwards no others */
   size_t alen = 0;
   d->kv_addr[0].data = (uint8_t *)tw_kv_xfer_address(d->xfer, &alen);
@@ -687,15 +653,13 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode
   size_t n_addr = 1;
   for (int32_t k = 1; k < d->rk.n_ranks && n_addr < sizeof d->kv_addr / sizeof d->kv_addr[0]; k++)
     d->kv_addr[n_addr++] = d->rk.ranks[k]->ucx_address;
-  d->link.kv_addresses = d->kv_addr;
-  d->link.n_kv_addresses = n_addr;
-  snprintf(d->link.backend, sizeof d->link.backend, "%s",
-           tw_backend_name(tw_engine_backend(d->engine)));
-  TW_INFO("decode", "%s: %s backend, %d kv blocks of %d tokens, max batch %d, router %s", name,
-          d->link.backend, l->n_blocks, l->block_size, d->max_batch, p->router);
+  d->wk.link.kv_addresses = d->kv_addr;
+  d->wk.link.n_kv_addresses = n_addr;
+  TW_INFO("decode", "%s: %s backend, %d kv blocks of %d tokens, max batch %d, router %s", d->wk.name,
+          d->wk.link.backend, l->n_blocks, l->block_size, d->max_batch, p->router);
   if (d->n_dp > 1)
     TW_INFO("decode", "%s: data-parallel attention over %d ranks, %d kv blocks each (%d in all), "
-            "experts split over the %d ranks", name, d->n_dp, tw_kv_blocks_total(d->bm[0]),
+            "experts split over the %d ranks", d->wk.name, d->n_dp, tw_kv_blocks_total(d->bm[0]),
             tw_decoder_blocks(d, 2), d->n_dp);
   return TW_OK;
 }
@@ -703,14 +667,14 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d, const tw_decode
 static void tw_decoder_fini(tw_decoder_t *d) {
   while (d->n_seqs) tw_dseq_release(d, d->n_seqs - 1);
   free(d->seqs);
-  if (d->link.sock) tw_worker_link_close(&d->link);
-  tw_metrics_destroy(d->metrics);
+  if (d->wk.link.sock) tw_worker_link_close(&d->wk.link);
+  tw_metrics_destroy(d->wk.metrics);
   tw_decode_ranks_fini(&d->rk);
   tw_kv_region_unregister(d->region);
   tw_kv_xfer_destroy(d->xfer);
   for (int32_t r = 0; r < TW_DECODE_MAX_DP; r++) tw_kv_blocks_destroy(d->bm[r]);
   tw_engine_destroy(d->engine);
-  tw_dist_destroy(d->dist);
+  tw_dist_destroy(d->wk.dist);
   tw_model_destroy(d->model);
   free(d->tok);
   free(d->pos);
@@ -721,9 +685,125 @@ static void tw_decoder_fini(tw_decoder_t *d) {
   free(d->batch);
 }
 
-TW_NODISCARD tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
-  tw_decoder_t d;
-  memset(&d, 0, sizeof d);
+/* The skeleton's hooks (worker_daemon.h). */
+static TW_NODISCARD tw_status_t tw_decode_op_init(void *arg) { return tw_decoder_init(arg); }
+static void tw_decode_op_fini(void *arg) { tw_decoder_fini(arg); }
+static TW_NODISCARD tw_status_t tw_decode_op_follow(void *arg) {
+  return tw_decode_ranks_follow(&((tw_decoder_t *)arg)->rk);
+}
+
+/* Sequences a drain waits for: quarantined reservations are none. */
+static int32_t tw_decode_op_pending(void *arg) {
+  tw_decoder_t *d = arg;
+  int32_t n_live = 0;
+  for (int32_t i = 0; i < d->n_seqs; i++) n_live += d->seqs[i]->state != TW_DSEQ_QUARANTINE;
+  return n_live;
+}
+
+static void tw_decode_op_drain(void *arg) {
+  tw_decoder_t *d = arg;
+  int32_t n_live = tw_decode_op_pending(d), n_quarantined = d->n_seqs - n_live;
+  for (int32_t i = d->n_seqs - 1; i >= 0; i--) /* nobody will write them any more */
+    if (d->seqs[i]->state == TW_DSEQ_QUARANTINE) tw_dseq_release(d, i);
+  TW_INFO("decode", "draining: %d sequences to finish (%d quarantined reservations released)",
+          n_live, n_quarantined);
+}
+
+/* UCX wire-up, emulated puts and flushes from prefill workers need our
+ * progress: an idle worker sleeps on the router socket and the UCX event fd
+ * together (heartbeats have their own thread). */
+static int tw_decode_op_wait_ms(void *arg, int *fd_p) {
+  tw_decoder_t *d = arg;
+  bool busy = false, reserved = false;
+  for (int32_t i = 0; i < d->n_seqs; i++) {
+    if (d->seqs[i]->state == TW_DSEQ_QUARANTINE) continue;
+    busy |= d->seqs[i]->state == TW_DSEQ_RUNNING || d->seqs[i]->state == TW_DSEQ_COMMITTING;
+    reserved |= d->seqs[i]->state == TW_DSEQ_RESERVED;
+  }
+  d->idle = !busy;
+  tw_kv_xfer_progress(d->xfer);
+  if (busy) return 0;
+  *fd_p = tw_kv_xfer_wait_fd(d->xfer);
+  if (*fd_p < 0 && reserved) return 0; /* no fd to wake us for the KV: poll it */
+  return reserved ? 20 : 200;
+}
+
+static void tw_decode_op_after_wait(void *arg) {
+  tw_decoder_t *d = arg;
+  if (d->idle) tw_kv_xfer_progress(d->xfer);
+}
+
+static bool tw_decode_op_msg(void *arg, Twain__Internal__V1__Envelope *env) {
+  tw_decoder_t *d = arg;
+  switch (env->body_case) {
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVE: tw_on_reserve(d, env->reserve); break;
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_DECODE: tw_on_decode(d, env->decode); break;
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL:
+      tw_on_cancel(d, env->cancel->request_id);
+      break;
+    default: return false;
+  }
+  twain__internal__v1__envelope__free_unpacked(env, NULL);
+  return true;
+}
+
+/* Reservations whose handoff never came, staged copies done, one step. */
+static TW_NODISCARD tw_status_t tw_decode_op_work(void *arg) {
+  tw_decoder_t *d = arg;
+  int64_t now = tw_msg_clock_ns();
+  for (int32_t i = d->n_seqs - 1; i >= 0; i--) { /* the router lost these reservations */
+    tw_dseq_t *s = d->seqs[i];
+    if (s->state == TW_DSEQ_RESERVED &&
+        now - s->t_ns > (int64_t)d->p->reserve_timeout_ms * 1000000) {
+      TW_WARN("decode", "request %llu: reservation expired: %d blocks quarantined",
+              (unsigned long long)s->id, s->n_blocks);
+      s->state = TW_DSEQ_QUARANTINE; /* a late prefill may still write there */
+      s->t_ns = now;
+    } else if (s->state == TW_DSEQ_QUARANTINE &&
+               (now - s->t_ns > (int64_t)TW_DSEQ_QUARANTINE_MS * 1000000 || d->wk.draining)) {
+      tw_dseq_release(d, i);
+    }
+  }
+  tw_decoder_commits(d);
+  if (d->device_error != TW_OK) {
+    TW_ERROR("decode", "device error in a KV commit, stopping");
+    return d->device_error;
+  }
+  /* a failed step has failed its sequences (each told why); a device
+   * error is sticky (STYLE.md "Errors"): stop taking work and exit */
+  tw_status_t ss = tw_decoder_step(d);
+  if (ss == TW_ERR_CUDA || ss == TW_ERR_NCCL) {
+    TW_ERROR("decode", "device error in a decode step, stopping: %s", tw_last_error());
+    return ss;
+  }
+  return TW_OK;
+}
+
+static void tw_decode_op_capacity(void *arg, Twain__Internal__V1__Capacity *cap) {
+  tw_decoder_capacity(arg, cap);
+}
+
+static void tw_decode_op_forgotten(void *arg) { tw_decoder_forget_all(arg); }
+
+static void tw_decode_op_stop(void *arg) {
+  TW_INFO("decode", "stopped: %d kv blocks in use", tw_decoder_blocks(arg, 1));
+}
+
+static const tw_worker_ops_t tw_decode_ops = {.init = tw_decode_op_init,
+                                              .fini = tw_decode_op_fini,
+                                              .follow = tw_decode_op_follow,
+                                              .on_drain = tw_decode_op_drain,
+                                              .wait_ms = tw_decode_op_wait_ms,
+                                              .after_wait = tw_decode_op_after_wait,
+                                              .on_msg = tw_decode_op_msg,
+                                              .pending = tw_decode_op_pending,
+                                              .work = tw_decode_op_work,
+                                              .capacity = tw_decode_op_capacity,
+                                              .on_forgotten = tw_decode_op_forgotten,
+                                              .on_stop = tw_decode_op_stop};
+
+/* The options a worker cannot start with (before any rank starts). */
+static TW_NODISCARD tw_status_t tw_decode_params_check(const tw_decode_params_t *p) {
   if (p->tp < 1 || p->ep < 1 || (p->tp > 1 && p->ep > 1 && p->tp != p->ep))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "decode: --tp %d --ep %d: each >= 1, equal when both > 1",
                   p->tp, p->ep);
@@ -737,142 +817,27 @@ TW_NODISCARD tw_status_t tw_decode_worker_run(const tw_decode_params_t *p) {
                   "--tp 1 with 2 <= N <= %d (N ranks, each an attention replica with every kv "
                   "head, the experts split over all N)",
                   p->dp, p->tp, p->ep, TW_DECODE_MAX_DP);
-  if (p->dp > 1 && (p->backend == TW_BACKEND_CUDA ||
-                    (p->backend == TW_BACKEND_AUTO && tw_cuda_available())))
+  if (p->dp > 1 && !tw_backend_caps(p->backend).dp_attention)
     return tw_err(TW_ERR_UNSUPPORTED,
                   "decode: --dp %d (data-parallel attention) runs on the cpu backend only; the "
-                  "cuda engine does not implement it: use --backend cpu, or --tp/--ep on a GPU",
-                  p->dp);
-  TW_CHECK(tw_dist_identity_from_env(&d.id));
-  int32_t ranks = p->tp > p->ep ? p->tp : p->ep;
-  if (ranks > 1 && d.id.size == 1) {
-    int rc = -1;
-    TW_CHECK(tw_dist_spawn(p->argc, p->argv, ranks, p->backend != TW_BACKEND_CUDA, &d.id, &rc));
-    if (rc == 0) return TW_OK; /* this process supervised the ranks (mpirun), now done */
-    if (rc > 0) {
-      tw_worker_started_g = rc != TW_WORKER_EXIT_CONFIG; /* the ranks' own verdict */
-      return tw_err(TW_ERR_UNAVAILABLE, "decode: the ranks ended with status %d", rc);
-    }
-  }
-  tw_log_init("twain-decode", d.id.rank);
-  tw_worker_signals_install();
-  tw_dist_identity_t id = d.id;
-  tw_status_t st = tw_decoder_init(&d, p, &id);
+                  "%s engine does not implement it: use --backend cpu, or --tp/--ep on a GPU",
+                  p->dp, tw_backend_name(tw_backend_resolve(p->backend)));
+  return TW_OK;
+}
+
+int tw_decode_worker_main(const tw_decode_params_t *p) {
+  tw_status_t st = tw_decode_params_check(p);
   if (st != TW_OK) {
-    tw_decoder_fini(&d);
-    return st;
+    TW_ERROR("decode", "cannot start: %s: %s", tw_status_str(st), tw_last_error());
+    return tw_worker_exit_code(st); /* 78: a configuration error, `twain serve` stops */
   }
-  tw_worker_started_g = 1; /* from here on a failure is a crash (msg_worker.h) */
-  if (d.id.rank != 0) { /* follow rank 0's plans until it says stop (or dies: dist.h) */
-    TW_INFO("decode", "rank %d of %d pid %d following rank 0", d.id.rank, d.id.size, (int)getpid());
-    st = tw_decode_ranks_follow(&d.rk);
-    tw_decoder_fini(&d);
-    return st;
-  }
-  int64_t drain_since = 0;
-  tw_status_t fatal = TW_OK; /* a sticky device error ends the loop */
-  unsigned epoch = 0; /* link.epoch seen */
-  Twain__Internal__V1__Capacity cap;
-  for (;;) {
-    /* quarantined reservations are no sequences: the drain does not wait for them */
-    int32_t n_live = 0, n_quarantined = 0;
-    for (int32_t i = 0; i < d.n_seqs; i++) {
-      n_quarantined += d.seqs[i]->state == TW_DSEQ_QUARANTINE;
-      n_live += d.seqs[i]->state != TW_DSEQ_QUARANTINE;
-    }
-    if (tw_worker_stop_g && !d.draining) {
-      d.draining = true;
-      drain_since = tw_msg_clock_ns();
-      tw_metrics_set_health(d.metrics, false, "draining");
-      for (int32_t i = d.n_seqs - 1; i >= 0; i--) /* nobody will write them any more */
-        if (d.seqs[i]->state == TW_DSEQ_QUARANTINE) tw_dseq_release(&d, i);
-      TW_INFO("decode", "draining: %d sequences to finish (%d quarantined reservations released)",
-              n_live, n_quarantined);
-    }
-    if (d.draining && n_live > 0 &&
-        tw_msg_clock_ns() - drain_since > (int64_t)p->drain_timeout_s * 1000000000LL) {
-      TW_WARN("decode", "drain timeout (%d s): stopping with %d sequences unfinished",
-              p->drain_timeout_s, n_live);
-      break;
-    }
-    if (d.draining && n_live == 0) break;
-    bool busy = false, reserved = false;
-    for (int32_t i = 0; i < d.n_seqs; i++) {
-      if (d.seqs[i]->state == TW_DSEQ_QUARANTINE) continue;
-      busy |= d.seqs[i]->state == TW_DSEQ_RUNNING || d.seqs[i]->state == TW_DSEQ_COMMITTING;
-      reserved |= d.seqs[i]->state == TW_DSEQ_RESERVED;
-    }
-    /* UCX wire-up, emulated puts and flushes from prefill workers need our
-     * progress: sleep on the router socket and the UCX event fd together */
-    tw_kv_xfer_progress(d.xfer);
-    if (!busy) {
-      int fd = tw_kv_xfer_wait_fd(d.xfer);
-      /* idle: sleep until the router or UCX wakes us (heartbeats have their own thread) */
-      if (fd >= 0 || !reserved) tw_worker_link_wait(&d.link, fd, reserved ? 20 : 200);
-      tw_kv_xfer_progress(d.xfer);
-    }
-    /* take every message that is waiting, then step */
-    for (int k = 0; k < 1024; k++) {
-      Twain__Internal__V1__Envelope *env = NULL;
-      tw_status_t rs = tw_worker_link_recv(&d.link, 0, &env);
-      if (rs == TW_INPROGRESS && k > 0) break;
-      if (rs == TW_INPROGRESS) break;
-      if (rs != TW_OK) continue;
-      switch (env->body_case) {
-        case TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVE: tw_on_reserve(&d, env->reserve); break;
-        case TWAIN__INTERNAL__V1__ENVELOPE__BODY_DECODE: tw_on_decode(&d, env->decode); break;
-        case TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL: tw_on_cancel(&d, env->cancel->request_id); break;
-        default:
-          TW_WARN("decode", "ignoring a message of type %d from the router", (int)env->body_case);
-          tw_msg_note_failure(tw_worker_link_reject(&d.link, 0, TWAIN__V1__CODE__UNIMPLEMENTED,
-                                                    "decode worker: unexpected message type"),
-                              "decode", "cannot send a reject to the router");
-      }
-      twain__internal__v1__envelope__free_unpacked(env, NULL);
-    }
-    /* reservations whose handoff never came (router lost them) */
-    int64_t now = tw_msg_clock_ns();
-    for (int32_t i = d.n_seqs - 1; i >= 0; i--) {
-      tw_dseq_t *s = d.seqs[i];
-      if (s->state == TW_DSEQ_RESERVED && now - s->t_ns > (int64_t)p->reserve_timeout_ms * 1000000) {
-        TW_WARN("decode", "request %llu: reservation expired: %d blocks quarantined",
-                (unsigned long long)s->id, s->n_blocks);
-        s->state = TW_DSEQ_QUARANTINE; /* a late prefill may still write there */
-        s->t_ns = now;
-      } else if (s->state == TW_DSEQ_QUARANTINE &&
-                 (now - s->t_ns > (int64_t)TW_DSEQ_QUARANTINE_MS * 1000000 || d.draining)) {
-        tw_dseq_release(&d, i);
-      }
-    }
-    tw_decoder_commits(&d);
-    /* a failed step has failed its sequences (each told why); a device
-     * error is sticky (STYLE.md "Errors"): stop taking work and exit */
-    if (d.device_error != TW_OK) {
-      TW_ERROR("decode", "device error in a KV commit, stopping");
-      fatal = d.device_error;
-      break;
-    }
-    tw_status_t ss = tw_decoder_step(&d);
-    if (ss == TW_ERR_CUDA || ss == TW_ERR_NCCL) {
-      TW_ERROR("decode", "device error in a decode step, stopping: %s", tw_last_error());
-      fatal = ss;
-      break;
-    }
-    tw_decoder_capacity(&d, &cap);
-    tw_msg_note_failure(tw_worker_link_tick(&d.link, &cap, d.draining, false), "decode",
-                        "cannot register with the router (retried)");
-    /* right after the tick that registered again: before any message of the
-     * new registration (a Reserve) can be taken, so only old work is dropped */
-    if (atomic_load(&d.link.epoch) != epoch) {
-      epoch = atomic_load(&d.link.epoch);
-      tw_decoder_forget_all(&d);
-    }
-  }
-  tw_decoder_capacity(&d, &cap);
-  tw_msg_note_failure(tw_worker_link_tick(&d.link, &cap, true, true), "decode",
-                      "cannot tell the router we stop");
-  TW_INFO("decode", "stopped: %d kv blocks in use", tw_decoder_blocks(&d, 1));
-  tw_msg_note_failure(tw_dist_plan_stop(d.dist), "decode", "cannot stop the other ranks");
-  tw_decoder_fini(&d);
-  return fatal;
+  static tw_decoder_t d; /* one per process */
+  memset(&d, 0, sizeof d);
+  d.p = p;
+  d.wk = (tw_worker_t){.prog = "twain-decode", .role = "decode", .unit = "sequences",
+                       .ranks = p->tp > p->ep ? p->tp : p->ep,
+                       .use_mpi = p->backend != TW_BACKEND_CUDA, .argc = p->argc,
+                       .argv = p->argv, .drain_timeout_s = p->drain_timeout_s,
+                       .ops = &tw_decode_ops, .arg = &d};
+  return tw_worker_main(&d.wk);
 }

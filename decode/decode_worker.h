@@ -53,13 +53,16 @@ typedef struct {
 #define TW_DECODE_MAX_DP 64 /* data-parallel ranks of one worker (the control link's limit) */
 #define TW_DECODE_MAX_BATCH 65536 /* --max-batch: sequences per step (per dp rank) */
 
-/** Run the daemon until SIGTERM/SIGINT, then drain (finish the running
- *  sequences, refuse new ones; at most drain_timeout_s seconds) and return.
- *  Errors: TW_ERR_INVALID_ARGUMENT (tp/ep/dp not a valid combination, named;
- *  max_batch outside [0, TW_DECODE_MAX_BATCH]),
- *  TW_ERR_UNSUPPORTED (dp > 1 on the cuda backend), whatever loading the
- *  model, creating the engine, the UCX transfer or the router connection
- *  returned. */
-TW_NODISCARD tw_status_t tw_decode_worker_run(const tw_decode_params_t *params);
+/** Run the daemon (common/worker_daemon.h) until SIGTERM/SIGINT, then drain
+ *  (finish the running sequences, refuse new ones; at most drain_timeout_s
+ *  seconds) and return the process exit code: 0 after the drain (or the
+ *  code of the ranks this process started and supervised), 1 for a failure
+ *  once serving (a device error in a step), TW_WORKER_EXIT_CONFIG (logged
+ *  "cannot start: ...") when it could not start: tp/ep/dp not a valid
+ *  combination (named), max_batch outside [0, TW_DECODE_MAX_BATCH], dp > 1
+ *  on a backend without data-parallel attention (tw_backend_caps), or what
+ *  loading the model, creating the engine, the UCX transfer or the router
+ *  connection returned. */
+int tw_decode_worker_main(const tw_decode_params_t *params);
 
 #endif

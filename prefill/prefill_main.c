@@ -10,6 +10,7 @@
 #include "common/mem_plan.h"
 #include "common/model_path.h"
 #include "common/opts.h"
+#include "common/worker_daemon.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -33,42 +34,11 @@ int main(int argc, char **argv) {
   tw_offline_opts_t o = {.block_size = 16};
   tw_mem_colocated_t colocated = {&w.colocated_prefill, &w.colocated_decode};
   tw_opt_t opts[] = {
-      TW_OPT_STR_FN("model", &w.model_dir, tw_model_opt, "DIR|ORG/NAME",
-                    "checkpoint directory;\n"
-                    "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
-      TW_OPT_FN("backend", &w.backend, tw_backend_opt, "auto|cpu|cuda", "engine backend"),
-      TW_OPT_INT("threads", &w.threads, 0, 4096, "N", "cpu threads (0: all cores)"),
-      TW_OPT_INT("block-size", &w.block_size, 1, 1 << 20, "N", "KV block size in tokens"),
-      /* worker daemon mode */
-      TW_OPT_STR("router", &w.router, "tcp://HOST:PORT",
-                 "daemon mode: the router's worker endpoint"),
-      TW_OPT_STR("name", &w.name, "NAME", "daemon: routing id (default prefill-<pid>)"),
-      TW_OPT_INT("kv-blocks", &w.kv_blocks, 0, INT32_MAX, "N",
-                 "daemon: local KV pool in blocks (0: the memory plan, docs/operations.md)"),
-      TW_OPT_DOUBLE("gpu-memory-utilization", &w.gpu_memory_utilization, 0, 1, "F",
-                    "daemon: share of the device for its workers (0: 0.90)"),
-      TW_OPT_FN("colocated", &colocated, tw_mem_colocated_opt, "P,D",
-                "daemon: prefill and decode workers on this device, this one\n"
-                "included (default this one alone)"),
-      TW_OPT_STR("share-weights", &w.share_weights_dir, "DIR",
-                 "daemon, cuda: one copy of the weights for the workers of DIR"),
-      TW_OPT_INT("metrics-port", &w.metrics_port, -1, 65535, "PORT",
-                 "daemon: /metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),
-      TW_OPT_STR("metrics-addr", &w.metrics_addr, "ADDR",
-                 "daemon: numeric address of the metrics port (default 127.0.0.1)"),
-      TW_OPT_INT("tp", &w.tp, 1, 64, "N",
-                 "daemon: tensor parallel ranks (docs/parallelism.md); started here\n"
-                 "(one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) did"),
-      TW_OPT_INT("ep", &w.ep, 1, 64, "N", "daemon: expert parallel ranks"),
+      TW_WORKER_OPTS(&w, &colocated, "daemon: ", "prefill", "waiting prompts, prompt tok/s"),
       TW_OPT_INT("chunk-tokens", &w.chunk_tokens, 0, INT32_MAX, "N",
                  "daemon: tokens of one forward pass: queued prompts are batched up\n"
                  "to it (a longer prompt runs alone, split over passes; 0: planned)"),
       TW_OPT_INT("batch-seqs", &w.batch_seqs, 1, INT32_MAX, "N", "daemon: most prompts in one batch"),
-      TW_OPT_INT("log-stats-interval", &w.log_stats_interval_s, 0, 86400, "SECONDS",
-                 "daemon: a stats line (waiting prompts, prompt tok/s) this often while\n"
-                 "busy (0: none)"),
-      TW_OPT_STR("served-model-name", &w.served_model_name, "NAME",
-                 "daemon: model_name label of the metrics (default: from --model)"),
       /* offline mode */
       TW_OPT_STR("prompt-tokens", &o.prompt_tokens_path, "FILE",
                  "offline mode: JSON array of prompt token ids"),
@@ -89,11 +59,7 @@ int main(int argc, char **argv) {
       .config = true};
   int rc = tw_opts_parse(&spec, argc, argv, NULL);
   if (rc != TW_OPTS_RUN) return rc;
-  if (tw_opts_given(&spec, "colocated") && w.colocated_prefill < 1) {
-    fprintf(stderr, "twain-prefill: --colocated %d,%d counts no prefill worker (this one)\n",
-            w.colocated_prefill, w.colocated_decode);
-    return 2;
-  }
+  if (!tw_worker_colocated_ok(&spec, "prefill", w.colocated_prefill, w.colocated_decode)) return 2;
   if (w.router) return tw_prefill_worker_main(&w, argc, argv);
   if (!o.prompt_tokens_path) {
     fprintf(stderr,

@@ -9,6 +9,7 @@
 #include "common/kv_reshard.h"
 #include "common/log.h"
 #include "common/msg.h"
+#include "common/proto_engine.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,15 +19,6 @@
 int tw_prefill_ranks_wanted(const tw_prefill_ranks_t *rk,
                             const Twain__Internal__V1__PrefillRequest *r) {
   return tw_dist_size(rk->dist) > 1 || (r->handoff && r->handoff->n_ranks > 0);
-}
-
-static void tw_remote_layout(const Twain__Internal__V1__KvLayout *k, tw_kv_remote_layout_t *o) {
-  *o = (tw_kv_remote_layout_t){.dtype = (tw_dtype_t)k->dtype, .on_device = k->on_device,
-                               .n_layers = k->n_layers, .n_blocks = k->n_blocks,
-                               .block_size = k->block_size, .n_kv_heads = k->n_kv_heads,
-                               .head_dim = k->head_dim, .layer_stride_bytes = k->layer_stride_bytes,
-                               .block_bytes = k->block_bytes, .remote_base = k->remote_base,
-                               .total_bytes = k->total_bytes};
 }
 
 /* A decode rank whose kv heads overlap this prefill rank's. */
@@ -60,13 +52,8 @@ static void tw_rank_send(tw_rank_send_t *s, int32_t l, int32_t end, bool in_engi
   if (s->st != TW_OK || l < 0 || l >= s->n_layers) return;
   int32_t done = tw_kv_blocks_final(end, s->n, s->nb, s->src->block_size);
   if (done <= s->sent[l]) return;
-  if (tw_prefill_handoff_stale(s->r, s->rk->max_age_ms)) {
-    s->st = tw_err(TW_ERR_DEADLINE,
-                   "request %llu was handed to this prefill worker more than %d ms ago: not "
-                   "writing its kv (its decode blocks may have been reused)",
-                   (unsigned long long)s->r->request_id, s->rk->max_age_ms);
-    return;
-  }
+  s->st = tw_proto_kv_write_guard(s->r->request_id, s->r->issued_unix_ms, s->rk->max_age_ms);
+  if (s->st != TW_OK) return;
   for (int32_t d = 0; d < s->n_dst && s->st == TW_OK; d++)
     s->st = tw_kv_reshard_send_layer(s->rk->xfer, s->dst[d].peer, s->src, &s->dst[d].rl,
                                      s->dst[d].head_offset, l, s->ids, s->r->handoff->block_ids,
@@ -98,13 +85,7 @@ static TW_NODISCARD tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
   const Twain__Internal__V1__KvHandoff *h = r->handoff;
   int32_t n = (int32_t)r->n_prompt_ids;
   if (c->n_layers > TW_MAX_LAYERS) return tw_err(TW_ERR_INTERNAL, "too many layers");
-  tw_sample_params_t sp = TW_SAMPLE_PARAMS_GREEDY;
-  if (r->sampling) {
-    sp.temperature = r->sampling->temperature;
-    sp.top_k = r->sampling->top_k;
-    sp.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
-    sp.seed = r->sampling->seed;
-  }
+  tw_sample_params_t sp = tw_proto_sample_params(r->sampling);
   tw_rank_send_t *s = calloc(1, sizeof *s);
   if (!s) return tw_err(TW_ERR_NO_MEMORY, "prefill rank: out of memory for the handoff state");
   *s = (tw_rank_send_t){.rk = rk, .r = r, .src = src, .ids = ids, .nb = nb, .n = n,
@@ -129,7 +110,7 @@ static TW_NODISCARD tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
       break;
     }
     tw_rank_dst_t *dd = &s->dst[s->n_dst];
-    tw_remote_layout(kl, &dd->rl);
+    tw_proto_kv_layout_to_remote(kl, &dd->rl);
     dd->head_offset = kl->kv_head_offset;
     st = tw_kv_xfer_peer(rk->xfer, addr->data, addr->len, rkey->data, rkey->len, &dd->peer);
     if (st == TW_OK) s->n_dst++;

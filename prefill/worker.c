@@ -6,16 +6,18 @@
 
 #include "common/dist_engine.h"
 #include "common/engine.h"
-#include "common/engine_impl.h"
 #include "common/install_paths.h"
 #include "common/kv_blocks.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/mem_plan.h"
 #include "common/model_path.h"
 #include "common/worker_stats.h"
 #include "common/metrics.h"
 #include "common/model.h"
 #include "common/msg_worker.h"
+#include "common/worker_daemon.h"
+#include "common/proto_engine.h"
 #include "prefill/prefill_ranks.h"
 #include "prefill/worker_handoff.h"
 #include "proto/twain_api.pb-c.h"
@@ -37,8 +39,8 @@
  * cancelled or expired reservations for longer (40 s). Time in the router's
  * queue does not count (the router stamps a request when it leaves it), and
  * the router's backpressure window keeps this worker's queue far shorter. */
-#define TW_PREFILL_MAX_AGE_MS (20000 * TW_SLOW_BUILD) /* dist.h */
-/* Idle: block on the router socket this long (a message wakes it at once;
+#define TW_PREFILL_MAX_AGE_MS 20000
+/* Idle: wait on the router socket this long (a message wakes it at once;
  * heartbeats have their own thread), so an idle worker costs ~0 CPU. */
 #define TW_PREFILL_IDLE_WAIT_MS 200
 
@@ -50,14 +52,10 @@ typedef struct {
   tw_engine_t *engine;
   tw_kv_blocks_t *blocks;
   tw_kv_xfer_t *xfer;
-  tw_worker_link_t link;
-  tw_metrics_t *metrics;
+  tw_worker_t wk; /* the daemon skeleton: rank, router link, metrics, drain (worker_daemon.h) */
   Twain__Internal__V1__Envelope *queue[TW_PREFILL_MAX_QUEUE]; /* ring of PrefillRequests */
   int q_head, q_len;
   int64_t queued_tokens;
-  bool draining;
-  tw_dist_identity_t id; /* this rank (dist.h) */
-  tw_dist_t *dist;
   tw_prefill_ranks_t rk;
   /* two batch buffers: the batch computing and the one whose handoff
    * finishes meanwhile (pending), [batch_seqs] each */
@@ -84,7 +82,7 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
                             size_t n_sums, int64_t bytes, double prefill_ms, double transfer_ms,
                             int code, const char *msg) {
   Twain__Internal__V1__PrefillDone d = TWAIN__INTERNAL__V1__PREFILL_DONE__INIT;
-  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
+  Twain__Internal__V1__Status s;
   d.request_id = id;
   d.first_token = first;
   d.layer_checksums = (uint64_t *)sums;
@@ -95,29 +93,14 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
   d.head_checksums = (uint64_t *)w->head_sums;
   d.n_head_checksums = w->n_head_sums;
   d.kv_in_place = w->kv_in_place;
-  if (code) {
-    s.code = code;
-    s.message = (char *)msg;
-    d.status = &s;
-    tw_metric_add(w->m.failed, 1);
-  }
+  d.status = tw_reply_status(&s, code, msg);
+  if (code) tw_metric_add(w->m.failed, 1);
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL_DONE;
   env.prefill_done = &d;
-  if (tw_worker_link_send(&w->link, &env) != TW_OK)
+  if (tw_worker_link_send(&w->wk.link, &env) != TW_OK)
     TW_WARN("prefill", "request %llu: cannot answer the router: %s", (unsigned long long)id,
             tw_last_error());
-}
-
-static tw_sample_params_t tw_prefill_sampling(const Twain__Internal__V1__PrefillRequest *r) {
-  tw_sample_params_t sp = TW_SAMPLE_PARAMS_GREEDY;
-  if (r->sampling) {
-    sp.temperature = r->sampling->temperature;
-    sp.top_k = r->sampling->top_k;
-    sp.top_p = r->sampling->top_p > 0 ? r->sampling->top_p : 1.0f;
-    sp.seed = r->sampling->seed;
-  }
-  return sp;
 }
 
 /* A prompt that needs the multi-rank path (TP ranks here or a TP decode
@@ -198,7 +181,7 @@ static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__Pref
     tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return 0;
   }
-  *it = (tw_prefill_handoff_item_t){.r = r, .ids = ids, .nb = nb, .sp = tw_prefill_sampling(r),
+  *it = (tw_prefill_handoff_item_t){.r = r, .ids = ids, .nb = nb, .sp = tw_proto_sample_params(r->sampling),
                                     .sums = sums};
   return 1;
 }
@@ -282,7 +265,7 @@ static void tw_prefill_batch_run(tw_prefiller_t *w, tw_prefill_handoff_item_t *i
     /* each item carries its own status (answered by tw_prefill_answer) */
     for (int32_t i = 0; i < n; i++) TW_IGNORE(tw_prefill_handoff_batch(&w->hc, &items[i], 1));
   }
-  if (b && w->q_len > 0 && !w->draining) {
+  if (b && w->q_len > 0 && !w->wk.draining) {
     w->pending.b = b;
     w->pending.items = items;
     w->pending.envs = envs;
@@ -311,10 +294,10 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     if (ranks) tw_prefill_finish_pending(w); /* it runs alone, after every earlier handoff */
     /* queued past the KV-write guard: back to the router, which reserves it
      * again (not the client's failure; its queue time there is free) */
-    int64_t waited = r && !w->draining ? tw_prefill_age_ms(r) : 0;
-    bool stale = waited > TW_PREFILL_MAX_AGE_MS;
+    int64_t waited = 0;
+    bool stale = r && !w->wk.draining && tw_proto_stale(r->issued_unix_ms, TW_PREFILL_MAX_AGE_MS, &waited);
     int ready = 0;
-    if (r && !w->draining && !stale) {
+    if (r && !w->wk.draining && !stale) {
       ready = tw_prefill_prepare(w, r, n > 0 || w->pending.b, &items[n]);
       if (ready < 0 && n == 0) { /* the pending batch holds the blocks: finish it first */
         tw_prefill_finish_pending(w);
@@ -326,7 +309,7 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     w->q_len--;
     if (!e) continue; /* cancelled */
     w->queued_tokens -= (int64_t)r->n_prompt_ids;
-    if (w->draining)
+    if (w->wk.draining)
       tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__UNAVAILABLE,
                       "prefill worker is draining");
     else if (stale) {
@@ -373,35 +356,30 @@ static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity
             (long long)w->queued_tokens, tok_s);
 }
 
-static void tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *env) {
+static bool tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *env) {
   if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL) {
-    if (w->draining || w->q_len == TW_PREFILL_MAX_QUEUE) {
+    if (w->wk.draining || w->q_len == TW_PREFILL_MAX_QUEUE) {
       tw_prefill_done(w, env->prefill->request_id, -1, NULL, 0, 0, 0, 0,
-                      w->draining ? TWAIN__V1__CODE__UNAVAILABLE : TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
-                      w->draining ? "prefill worker is draining" : "prefill queue is full");
+                      w->wk.draining ? TWAIN__V1__CODE__UNAVAILABLE : TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
+                      w->wk.draining ? "prefill worker is draining" : "prefill queue is full");
       twain__internal__v1__envelope__free_unpacked(env, NULL);
-      return;
+      return true;
     }
     w->queue[(w->q_head + w->q_len++) % TW_PREFILL_MAX_QUEUE] = env;
     w->queued_tokens += (int64_t)env->prefill->n_prompt_ids;
-    return;
+    return true;
   }
-  if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL) {
-    for (int i = 0; i < w->q_len; i++) {
-      Twain__Internal__V1__Envelope **e = &w->queue[(w->q_head + i) % TW_PREFILL_MAX_QUEUE];
-      if (*e && (*e)->prefill->request_id == env->cancel->request_id) {
-        w->queued_tokens -= (int64_t)(*e)->prefill->n_prompt_ids;
-        twain__internal__v1__envelope__free_unpacked(*e, NULL);
-        *e = NULL; /* skipped when it reaches the head */
-      }
+  if (env->body_case != TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL) return false;
+  for (int i = 0; i < w->q_len; i++) {
+    Twain__Internal__V1__Envelope **e = &w->queue[(w->q_head + i) % TW_PREFILL_MAX_QUEUE];
+    if (*e && (*e)->prefill->request_id == env->cancel->request_id) {
+      w->queued_tokens -= (int64_t)(*e)->prefill->n_prompt_ids;
+      twain__internal__v1__envelope__free_unpacked(*e, NULL);
+      *e = NULL; /* skipped when it reaches the head */
     }
-  } else {
-    TW_WARN("prefill", "ignoring a message of type %d from the router", (int)env->body_case);
-    tw_msg_note_failure(tw_worker_link_reject(&w->link, 0, TWAIN__V1__CODE__UNIMPLEMENTED,
-                                              "prefill worker: unexpected message type"),
-                        "prefill", "cannot send a reject to the router");
   }
   twain__internal__v1__envelope__free_unpacked(env, NULL);
+  return true;
 }
 
 static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
@@ -415,17 +393,14 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   TW_CHECK(tw_model_load(w->o.model_dir, &w->model));
   TW_CHECK(tw_model_check_finite(w->model));
   /* the rank group (issue 6): MPI for the cpu backend, NCCL for cuda */
-  tw_backend_kind_t be = w->o.backend;
-  if (be == TW_BACKEND_AUTO) be = tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU;
-  TW_CHECK(tw_dist_create(&w->id, be == TW_BACKEND_CUDA ? TW_COLL_NCCL : TW_COLL_HOST,
-                          w->id.local_rank, NULL, &w->dist));
+  TW_CHECK(tw_worker_dist_create(&w->wk, w->o.backend));
   tw_engine_params_t ep = TW_ENGINE_PARAMS_DEFAULT;
   ep.tp_size = w->o.tp;
-  ep.tp_rank = w->o.tp > 1 ? w->id.rank : 0;
+  ep.tp_rank = w->o.tp > 1 ? w->wk.id.rank : 0;
   ep.ep_size = w->o.ep;
-  ep.ep_rank = w->o.ep > 1 ? w->id.rank : 0;
-  ep.coll = tw_dist_coll(w->dist);
-  if (be == TW_BACKEND_CUDA) ep.device = w->id.local_rank;
+  ep.ep_rank = w->o.ep > 1 ? w->wk.id.rank : 0;
+  ep.coll = tw_dist_coll(w->wk.dist);
+  if (tw_backend_caps(w->o.backend).on_device) ep.device = w->wk.id.local_rank;
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
   ep.kv_num_blocks = w->o.kv_blocks; /* 0: planned (mem_plan.h) */
@@ -447,18 +422,13 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
                                      .flush_timeout_ms = w->o.flush_timeout_ms,
                                      .max_age_ms = TW_PREFILL_MAX_AGE_MS,
                                      .on_layer = tw_prefill_on_engine_layer, .on_layer_arg = w};
-  w->rk = (tw_prefill_ranks_t){.dist = w->dist, .engine = w->engine, .xfer = w->xfer,
+  w->rk = (tw_prefill_ranks_t){.dist = w->wk.dist, .engine = w->engine, .xfer = w->xfer,
                                .model = w->model, .flush_timeout_ms = w->o.flush_timeout_ms,
                                .max_age_ms = TW_PREFILL_MAX_AGE_MS};
-  if (w->id.rank != 0) return TW_OK; /* only rank 0 talks to the router */
-  char name[64];
-  if (w->o.name) snprintf(name, sizeof name, "%s", w->o.name);
-  else snprintf(name, sizeof name, "prefill-%d", (int)getpid());
-  TW_CHECK(tw_metrics_create(name, w->o.metrics_port, w->o.metrics_addr, &w->metrics));
-  tw_metrics_t *M = w->metrics;
-  char model_name[256]; /* the model_name label, as the router's (model_path.h) */
-  tw_model_name(w->o.served_model_name, w->o.model_dir, model_name, sizeof model_name);
-  tw_metrics_set_label(M, "model_name", model_name);
+  if (w->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router */
+  TW_CHECK(tw_worker_metrics_open(&w->wk, w->o.name, w->o.metrics_port, w->o.metrics_addr,
+                                  w->o.served_model_name, w->o.model_dir));
+  tw_metrics_t *M = w->wk.metrics;
   w->stats.interval_s = w->o.log_stats_interval_s;
   w->m.queue = tw_metrics_gauge(M, "prefill_queue_depth", "prompts waiting");
   w->m.queued_tokens = tw_metrics_gauge(M, "prefill_queued_prompt_tokens", "prompt tokens waiting");
@@ -483,15 +453,11 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->m.overlapped = tw_metrics_counter(M, "prefill_batch_handoffs_overlapped_total",
                                        "batches whose kv flush and answers ran while the next "
                                        "batch computed");
-  TW_CHECK(tw_worker_link_open(&w->link, w->o.router, name, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL));
-  w->link.ranks = w->id.size;
-  w->link.kv_block_size = l->block_size;
-  w->link.n_layers = l->n_layers;
-  w->link.vocab_size = w->model->config.vocab_size;
-  snprintf(w->link.backend, sizeof w->link.backend, "%s",
-           tw_backend_name(tw_engine_backend(w->engine)));
-  TW_INFO("prefill", "%s: %s backend, local pool %d blocks of %d tokens, router %s", name,
-          w->link.backend, l->n_blocks, l->block_size, w->o.router);
+  TW_CHECK(tw_worker_connect(&w->wk, w->o.router, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL,
+                             l->block_size, l->n_layers, w->model->config.vocab_size,
+                             tw_backend_name(tw_engine_backend(w->engine))));
+  TW_INFO("prefill", "%s: %s backend, local pool %d blocks of %d tokens, router %s", w->wk.name,
+          w->wk.link.backend, l->n_blocks, l->block_size, w->o.router);
   return TW_OK;
 }
 
@@ -505,14 +471,65 @@ static void tw_prefiller_fini(tw_prefiller_t *w) {
     free(w->batch[k]);
     free(w->batch_envs[k]);
   }
-  if (w->link.sock) tw_worker_link_close(&w->link);
-  tw_metrics_destroy(w->metrics);
+  if (w->wk.link.sock) tw_worker_link_close(&w->wk.link);
+  tw_metrics_destroy(w->wk.metrics);
   tw_kv_xfer_destroy(w->xfer);
   tw_kv_blocks_destroy(w->blocks);
   tw_engine_destroy(w->engine);
-  tw_dist_destroy(w->dist);
+  tw_dist_destroy(w->wk.dist);
   tw_model_destroy(w->model);
 }
+
+/* The skeleton's hooks (worker_daemon.h). */
+static TW_NODISCARD tw_status_t tw_prefill_op_init(void *arg) { return tw_prefiller_init(arg); }
+static void tw_prefill_op_fini(void *arg) { tw_prefiller_fini(arg); }
+
+static TW_NODISCARD tw_status_t tw_prefill_op_follow(void *arg) {
+  tw_prefiller_t *w = arg;
+  return tw_dist_follow(w->wk.dist, w->engine, tw_prefill_ranks_hook, &w->rk, NULL);
+}
+
+static void tw_prefill_op_drain(void *arg) {
+  tw_prefiller_t *w = arg;
+  TW_INFO("prefill", "draining: refusing %d queued prompts", w->q_len);
+}
+
+/* Idle: block on the router socket (a message wakes it at once). */
+static int tw_prefill_op_wait_ms(void *arg, int *fd_p) {
+  (void)fd_p;
+  return ((tw_prefiller_t *)arg)->q_len == 0 ? TW_PREFILL_IDLE_WAIT_MS : 0;
+}
+
+static bool tw_prefill_op_msg(void *arg, Twain__Internal__V1__Envelope *env) {
+  return tw_prefill_on_msg(arg, env);
+}
+
+static int32_t tw_prefill_op_pending(void *arg) { return ((tw_prefiller_t *)arg)->q_len; }
+
+static TW_NODISCARD tw_status_t tw_prefill_op_work(void *arg) {
+  tw_prefill_next(arg);
+  return TW_OK;
+}
+
+static void tw_prefill_op_capacity(void *arg, Twain__Internal__V1__Capacity *cap) {
+  tw_prefill_capacity(arg, cap);
+}
+
+static void tw_prefill_op_stop(void *arg) {
+  (void)arg;
+  TW_INFO("prefill", "stopped");
+}
+
+static const tw_worker_ops_t tw_prefill_ops = {.init = tw_prefill_op_init,
+                                               .fini = tw_prefill_op_fini,
+                                               .follow = tw_prefill_op_follow,
+                                               .on_drain = tw_prefill_op_drain,
+                                               .wait_ms = tw_prefill_op_wait_ms,
+                                               .on_msg = tw_prefill_op_msg,
+                                               .pending = tw_prefill_op_pending,
+                                               .work = tw_prefill_op_work,
+                                               .capacity = tw_prefill_op_capacity,
+                                               .on_stop = tw_prefill_op_stop};
 
 int tw_prefill_worker_main(const tw_prefill_opts_t *opts, int argc, char **argv) {
   static tw_prefiller_t w; /* large queue array: not on the stack */
@@ -523,56 +540,10 @@ int tw_prefill_worker_main(const tw_prefill_opts_t *opts, int argc, char **argv)
             w.o.ep);
     return 2;
   }
-  if (tw_dist_identity_from_env(&w.id) != TW_OK) return TW_WORKER_EXIT_CONFIG;
-  int32_t ranks = w.o.tp > w.o.ep ? w.o.tp : w.o.ep;
-  if (ranks > 1 && w.id.size == 1) {
-    int rc = -1;
-    tw_status_t sst = tw_dist_spawn(argc, argv, ranks, w.o.backend != TW_BACKEND_CUDA, &w.id, &rc);
-    if (sst != TW_OK) return tw_worker_exit_code(sst);
-    if (rc >= 0) return rc; /* this process supervised the ranks (mpirun), now done */
-  }
-  tw_log_init("twain-prefill", w.id.rank);
-  tw_worker_signals_install();
-  tw_status_t ist = tw_prefiller_init(&w);
-  if (ist != TW_OK) {
-    TW_ERROR("prefill", "cannot start: %s: %s", tw_status_str(ist), tw_last_error());
-    tw_prefiller_fini(&w);
-    return tw_worker_exit_code(ist); /* a configuration error (msg_worker.h) */
-  }
-  tw_worker_started_g = 1;
-  if (w.id.rank != 0) { /* follow rank 0's plans until it says stop (or dies: dist.h) */
-    TW_INFO("prefill", "rank %d of %d pid %d following rank 0", w.id.rank, w.id.size, (int)getpid());
-    tw_status_t fs = tw_dist_follow(w.dist, w.engine, tw_prefill_ranks_hook, &w.rk, NULL);
-    tw_prefiller_fini(&w);
-    return fs == TW_OK ? 0 : 1;
-  }
-  Twain__Internal__V1__Capacity cap;
-  for (;;) {
-    if (tw_worker_stop_g && !w.draining) {
-      w.draining = true;
-      tw_metrics_set_health(w.metrics, false, "draining");
-      TW_INFO("prefill", "draining: refusing %d queued prompts", w.q_len);
-    }
-    for (int k = 0; k < 1024; k++) {
-      Twain__Internal__V1__Envelope *env = NULL;
-      tw_status_t rs =
-          tw_worker_link_recv(&w.link, k == 0 && w.q_len == 0 ? TW_PREFILL_IDLE_WAIT_MS : 0, &env);
-      if (rs == TW_ERR_TRANSPORT) { /* the socket fails at once: do not spin on it */
-        TW_WARN("prefill", "router socket: %s", tw_last_error());
-        struct timespec ts = {0, TW_PREFILL_IDLE_WAIT_MS * 1000000L};
-        nanosleep(&ts, NULL);
-      }
-      if (rs != TW_OK && rs != TW_ERR_FORMAT) break; /* nothing (more) waiting, or an error */
-      if (rs == TW_OK) tw_prefill_on_msg(&w, env);
-    }
-    tw_prefill_next(&w);
-    tw_prefill_capacity(&w, &cap);
-    tw_msg_note_failure(tw_worker_link_tick(&w.link, &cap, w.draining, false), "prefill",
-                        "cannot register with the router (retried)");
-    if (w.draining && w.q_len == 0) break;
-  }
-  TW_INFO("prefill", "stopped");
-  tw_msg_note_failure(tw_dist_plan_stop(w.dist), "prefill", "cannot stop the other ranks");
-  tw_prefiller_fini(&w);
-  return 0;
+  w.wk = (tw_worker_t){.prog = "twain-prefill", .role = "prefill", .unit = "prompts",
+                       .ranks = w.o.tp > w.o.ep ? w.o.tp : w.o.ep,
+                       .use_mpi = w.o.backend != TW_BACKEND_CUDA, .argc = argc, .argv = argv,
+                       .drain_timeout_s = -1, /* the queue is refused, the batch finishes */
+                       .ops = &tw_prefill_ops, .arg = &w};
+  return tw_worker_main(&w.wk);
 }

@@ -4,21 +4,10 @@
 
 #include "common/log.h"
 #include "common/msg.h"
+#include "common/proto_engine.h"
 
 #include <stdio.h>
 #include <stdlib.h>
-#include <time.h>
-
-int64_t tw_prefill_age_ms(const Twain__Internal__V1__PrefillRequest *r) {
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  int64_t now = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
-  return r->issued_unix_ms ? now - r->issued_unix_ms : 0;
-}
-
-int tw_prefill_handoff_stale(const Twain__Internal__V1__PrefillRequest *r, int64_t max_age_ms) {
-  return max_age_ms > 0 && tw_prefill_age_ms(r) > max_age_ms;
-}
 
 /* State shared by the chunk loop and the engine's on_layer_done callback. */
 typedef struct {
@@ -43,13 +32,8 @@ static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool 
   int32_t done = tw_kv_blocks_final(end, s->n, s->nb, s->src->block_size);
   if (done <= s->sent[l]) return;
   int64_t t0 = tw_msg_clock_ns();
-  if (tw_prefill_handoff_stale(s->r, s->ctx->max_age_ms)) {
-    s->st = tw_err(TW_ERR_DEADLINE,
-                   "request %llu was handed to this prefill worker more than %lld ms ago: not "
-                   "writing its kv (its decode blocks may have been reused)",
-                   (unsigned long long)s->r->request_id, (long long)s->ctx->max_age_ms);
-    return;
-  }
+  s->st = tw_proto_kv_write_guard(s->r->request_id, s->r->issued_unix_ms, s->ctx->max_age_ms);
+  if (s->st != TW_OK) return;
   /* device pools: checksums read everything back, so only for a verifier */
   bool sums = s->r->handoff->checksums || !s->src->on_device;
   s->st = tw_kv_xfer_send_layer(s->ctx->xfer, s->peer, s->src, &s->rl, l, s->ids,
@@ -69,13 +53,7 @@ static TW_NODISCARD tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
   const Twain__Internal__V1__KvLayout *hl = s->r->handoff->layout;
   const Twain__Internal__V1__KvHandoff *h = s->r->handoff;
   const tw_model_config_t *c = &s->ctx->model->config;
-  s->rl = (tw_kv_remote_layout_t){.dtype = (tw_dtype_t)hl->dtype, .on_device = hl->on_device,
-                                  .n_layers = hl->n_layers, .n_blocks = hl->n_blocks,
-                                  .block_size = hl->block_size, .n_kv_heads = hl->n_kv_heads,
-                                  .head_dim = hl->head_dim,
-                                  .layer_stride_bytes = hl->layer_stride_bytes,
-                                  .block_bytes = hl->block_bytes, .remote_base = hl->remote_base,
-                                  .total_bytes = hl->total_bytes};
+  tw_proto_kv_layout_to_remote(hl, &s->rl);
   if (!h->ucx_address.len || !h->rkey.len) /* never hand UCX an empty address */
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff has no UCX address or rkey");
   TW_CHECK(tw_kv_xfer_peer(s->ctx->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,

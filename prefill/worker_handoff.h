@@ -26,7 +26,7 @@ typedef struct {
   const tw_model_t *model;      /* borrowed */
   tw_kv_xfer_t *xfer;           /* borrowed */
   int flush_timeout_ms;
-  int64_t max_age_ms;           /* refuse to write KV for older requests */
+  int64_t max_age_ms;           /* refuse to write KV for older requests (proto_engine.h) */
   /* Optional (NULL = none): called on the engine's thread from every
    * per-layer callback of a batch, e.g. to finish the previous batch's
    * handoff (tw_prefill_handoff_finish) while this one computes. It must not
@@ -87,14 +87,5 @@ TW_NODISCARD tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t
                                                   tw_prefill_handoff_item_t *items, int32_t n,
                                                   tw_prefill_handoff_batch_t **b_p);
 void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b);
-
-/** Milliseconds since the router handed request r to a prefill worker
- *  (wall clock - issued_unix_ms; 0 when unset). Time in the router's own
- *  queue is not in it: the router stamps a request when it sends it. */
-int64_t tw_prefill_age_ms(const Twain__Internal__V1__PrefillRequest *r);
-
-/** Whether the request is older than max_age_ms (> 0; tw_prefill_age_ms):
- *  the KV-write guard of the prefill worker. */
-int tw_prefill_handoff_stale(const Twain__Internal__V1__PrefillRequest *r, int64_t max_age_ms);
 
 #endif

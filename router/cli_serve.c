@@ -17,14 +17,13 @@
  * Memory: every worker is told how many prefill and decode workers share its
  * device (--colocated P,D) so that each takes its planned share of it
  * (mem_plan.h, docs/operations.md), and on a GPU they share one copy of the
- * weights through CUDA IPC (--share-weights, a 0700 directory made for this
+ * weights (--share-weights, a 0700 directory made for this
  * serve and removed when it stops). */
 #include "router/cli.h"
 
 #include "common/install_paths.h"
 #include "common/config.h"
 #include "common/engine.h"
-#include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/link_auth.h"
 #include "common/log.h"
 #include "common/mem_plan.h"
@@ -346,12 +345,12 @@ int tw_cli_serve(int argc, char **argv) {
     return 2;
   }
   if (tw_serve_check_split(s.rp.model_dir, pv)) return 2;
-  if (bk == TW_BACKEND_CUDA && !tw_cuda_available()) {
+  if (bk == TW_BACKEND_CUDA && !tw_backend_usable(bk)) {
     fprintf(stderr, "twain serve: --backend cuda: no CUDA GPU is usable on this machine (none "
                     "visible, or no driver): use --backend cpu, or auto to pick what is there\n");
     return TW_WORKER_EXIT_CONFIG;
   }
-  if (pv[4] > 1 && (bk == TW_BACKEND_CUDA || (bk == TW_BACKEND_AUTO && tw_cuda_available()))) {
+  if (pv[4] > 1 && !tw_backend_caps(bk).dp_attention) {
     fprintf(stderr, "twain serve: --decode-dp %d (data-parallel attention) runs on the cpu "
                     "backend only: add --backend cpu, or use --decode-tp/--decode-ep on a GPU\n",
             pv[4]);
@@ -421,13 +420,7 @@ int tw_cli_serve(int argc, char **argv) {
     fprintf(stderr, "twain serve: cannot start the router thread\n");
     return 1;
   }
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = tw_serve_on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, NULL);
-  sigaction(SIGINT, &sa, NULL);
-  signal(SIGPIPE, SIG_IGN);
+  tw_stop_signals_install(tw_serve_on_signal);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   pthread_mutex_lock(&s.mu);
   while (!s.bound) pthread_cond_wait(&s.cv, &s.mu);

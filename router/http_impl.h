@@ -74,6 +74,8 @@ typedef struct tw_hconn {
   int n_stops;
   size_t max_stop;
   int32_t n_seen;      /* generated ids read so far */
+  /* responses: the request's tool_choice and tools, echoed in the response object */
+  cJSON *echo_tool_choice, *echo_tools;
   struct tw_hconn *next, *prev;
 } tw_hconn_t;
 

@@ -176,8 +176,10 @@ static void tw_dispatch(tw_hconn_t *c, Twain__V1__ClientRequest *cr) {
 /* ---- chat and responses: a conversation to a ChatRequest ---- */
 
 /* tool_choice: auto (default), none (no tools rendered), required or a named
- * function (steered by a line of developer instructions; generation is not
- * constrained). `named` is the function's name in both shapes. */
+ * function ({"type":"function","function":{"name"}} in chat, {"type":
+ * "function","name"} in responses): the router enforces the last two by
+ * writing the call's header into the prompt (twain_api.proto ChatRequest
+ * tool_choice, docs/api.md "Tool choice"). */
 static void tw_submit_conversation(tw_hconn_t *c, tw_harmony_conversation_t *conv,
                                    const cJSON *tool_choice, tw_hsampling_t *s) {
   const char *only = NULL;
@@ -213,8 +215,6 @@ static void tw_submit_conversation(tw_hconn_t *c, tw_harmony_conversation_t *con
   Twain__V1__Message **mp = calloc(nm + 1, sizeof *mp);
   Twain__V1__FunctionTool *tools = calloc(nt + 1, sizeof *tools);
   Twain__V1__FunctionTool **tp = calloc(nt + 1, sizeof *tp);
-  tw_tok_buf_t instr;
-  tw_tok_buf_init(&instr);
   if (!msgs || !mp || !tools || !tp) {
     tw_http_fail(c, 503, NULL, "router out of memory");
     goto out;
@@ -231,10 +231,9 @@ static void tw_submit_conversation(tw_hconn_t *c, tw_harmony_conversation_t *con
     mp[i] = &msgs[i];
   }
   bool found = !only;
-  for (size_t i = 0; i < nt && !none; i++) {
+  for (size_t i = 0; i < nt; i++) { /* none: the router renders no tools */
     const tw_harmony_tool_t *t = &conv->tools[i];
-    if (only && strcmp(only, t->name) != 0) continue;
-    found = true;
+    found |= only && !strcmp(only, t->name);
     twain__v1__function_tool__init(&tools[chat.n_tools]);
     tools[chat.n_tools].name = (char *)t->name;
     tools[chat.n_tools].description = (char *)(t->description ? t->description : "");
@@ -246,18 +245,11 @@ static void tw_submit_conversation(tw_hconn_t *c, tw_harmony_conversation_t *con
     tw_http_fail(c, 400, "tool_choice", "'tool_choice' names \"%s\", which is not in 'tools'", only);
     goto out;
   }
-  tw_status_t as = TW_OK;
-  if (conv->developer_instructions)
-    as = tw_tok_buf_append(&instr, conv->developer_instructions,
-                           strlen(conv->developer_instructions));
-  if (as == TW_OK && (required || only)) {
-    char note[320];
-    if (only) snprintf(note, sizeof note, "Call the function %s now.", only);
-    else snprintf(note, sizeof note, "Call one of the functions now.");
-    if (instr.len) as = tw_tok_buf_append(&instr, "\n\n", 2);
-    if (as == TW_OK) as = tw_tok_buf_append(&instr, note, strlen(note));
-  }
-  if (!tw_http_check(c, as)) goto out; /* 500 */
+  chat.tool_choice = none       ? TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_NONE
+                     : required ? TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_REQUIRED
+                     : only     ? TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_FUNCTION
+                                : TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_AUTO;
+  chat.tool_choice_name = (char *)(only ? only : "");
   chat.messages = mp;
   chat.n_messages = nm;
   chat.tools = tp;
@@ -265,7 +257,7 @@ static void tw_submit_conversation(tw_hconn_t *c, tw_harmony_conversation_t *con
                    : conv->reasoning_effort == TW_HARMONY_EFFORT_HIGH ? TWAIN__V1__REASONING_EFFORT__REASONING_HIGH
                                                                       : TWAIN__V1__REASONING_EFFORT__REASONING_MEDIUM;
   chat.date = (char *)(conv->current_date ? conv->current_date : "");
-  chat.instructions = instr.data ? instr.data : (char *)"";
+  chat.instructions = (char *)(conv->developer_instructions ? conv->developer_instructions : "");
   s->sp.stop = s->stop;
   s->sp.n_stop = s->n_stop;
   chat.sampling = &s->sp;
@@ -275,7 +267,6 @@ static void tw_submit_conversation(tw_hconn_t *c, tw_harmony_conversation_t *con
   cr.chat = &chat;
   tw_dispatch(c, &cr);
 out:
-  tw_tok_buf_fini(&instr);
   free(msgs);
   free(mp);
   free(tools);
@@ -439,6 +430,9 @@ static void tw_submit_responses(tw_hconn_t *c, const cJSON *root) {
   const char *bad = tw_resp_input(input, msgs, err, sizeof err, &bad_status);
   const cJSON *tools = tw_field(root, "tools");
   if (tools) cJSON_AddItemToObject(chat, "tools", cJSON_Duplicate(tools, true));
+  const cJSON *tool_choice = tw_field(root, "tool_choice");
+  c->echo_tool_choice = tool_choice ? cJSON_Duplicate(tool_choice, true) : NULL;
+  c->echo_tools = cJSON_IsArray(tools) ? cJSON_Duplicate(tools, true) : NULL;
   const cJSON *effort = tw_field(tw_field(root, "reasoning"), "effort");
   if (effort) cJSON_AddItemToObject(chat, "reasoning_effort", cJSON_Duplicate(effort, true));
   char *txt = bad ? NULL : cJSON_PrintUnformatted(chat);

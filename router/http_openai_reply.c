@@ -321,8 +321,10 @@ static cJSON *tw_resp_object(const tw_hconn_t *c, const char *status) {
   else
     cJSON_AddNullToObject(o, "incomplete_details");
   cJSON_AddBoolToObject(o, "parallel_tool_calls", false);
-  cJSON_AddStringToObject(o, "tool_choice", "auto");
-  cJSON_AddArrayToObject(o, "tools");
+  if (c->echo_tool_choice) cJSON_AddItemToObject(o, "tool_choice", cJSON_Duplicate(c->echo_tool_choice, true));
+  else cJSON_AddStringToObject(o, "tool_choice", "auto");
+  if (c->echo_tools) cJSON_AddItemToObject(o, "tools", cJSON_Duplicate(c->echo_tools, true));
+  else cJSON_AddArrayToObject(o, "tools");
   if (done) cJSON_AddItemToObject(o, "usage", tw_usage(c, true));
   else cJSON_AddNullToObject(o, "usage");
   return o;
@@ -525,4 +527,7 @@ void tw_hoai_free(tw_hconn_t *c) {
   for (int i = 0; i < c->n_stops; i++) free(c->stops[i]);
   c->n_stops = 0;
   if (c->kind == TW_HK_COMPLETIONS) tw_tok_buf_fini(&c->ctext);
+  cJSON_Delete(c->echo_tool_choice);
+  cJSON_Delete(c->echo_tools);
+  c->echo_tool_choice = c->echo_tools = NULL;
 }

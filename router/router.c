@@ -4,6 +4,7 @@
 #include "router/router_impl.h"
 
 #include "common/log.h"
+#include "common/proto_engine.h"
 #include "common/tokenizer.h"
 #include "router/http_api.h"
 #include "common/model_path.h"
@@ -203,6 +204,23 @@ void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
 
 void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
                          bool finished, int finish_reason) {
+  if (q->chat && tw_rchat_choosing(q)) { /* tool_choice required: which function */
+    bool chosen = false;
+    if (tw_rchat_choice_feed(r, q, toks, n, finished, &chosen) != TW_OK) {
+      tw_router_fail(r, q, TWAIN__V1__CODE__RESOURCE_EXHAUSTED, "router out of memory");
+    } else if (chosen && q->n_prompt > r->max_prompt) {
+      tw_router_fail(r, q, TWAIN__V1__CODE__INVALID_ARGUMENT, "rendered prompt of %d tokens (with the "
+                     "call's header) exceeds the limit of %d", q->n_prompt, r->max_prompt);
+    } else if (chosen && (int64_t)q->n_prompt + q->max_tokens > r->config.max_position_embeddings) {
+      tw_router_fail(r, q, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                     "prompt of %d tokens (with the call's header) + max_tokens %d exceeds the model "
+                     "context of %d", q->n_prompt, q->max_tokens, r->config.max_position_embeddings);
+    } else if (chosen) { /* now the call itself, from a new prefill */
+      tw_router_requeue(r, q, !finished, 0);
+      q->attempts = 0;
+    }
+    return;
+  }
   int64_t now = tw_msg_clock_ns();
   size_t room = (size_t)(q->max_tokens - q->n_out);
   if (n > room) n = room; /* never more than asked for */
@@ -333,13 +351,7 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
   q->t_arrival_ns = tw_msg_clock_ns();
   int64_t dl = cr->deadline_ms ? (int64_t)cr->deadline_ms : (int64_t)r->p->default_deadline_ms;
   q->t_deadline_ns = q->t_arrival_ns + dl * 1000000;
-  twain__internal__v1__sampling__init(&q->sampling);
-  if (s) {
-    q->sampling.temperature = s->temperature;
-    q->sampling.top_p = s->top_p;
-    q->sampling.top_k = s->top_k;
-    q->sampling.seed = s->seed;
-  }
+  tw_proto_sampling_from_api(s, &q->sampling);
   tw_status_t st = TW_OK;
   if (cr->body_case == TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE) {
     const Twain__V1__GenerateRequest *g = cr->generate;
@@ -375,7 +387,7 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
                       "prompt of %d tokens + max_tokens %d exceeds the model context of %d",
                       q->n_prompt, max_tokens, r->config.max_position_embeddings);
-  q->max_tokens = max_tokens;
+  q->max_tokens = st == TW_OK ? tw_rchat_pass_max_tokens(r, q, max_tokens) : max_tokens;
   if (st == TW_OK) {
     q->out = malloc(sizeof(int32_t) * (size_t)max_tokens);
     q->token_ms = malloc(sizeof(float) * (size_t)max_tokens);

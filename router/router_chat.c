@@ -3,7 +3,17 @@
  * common/harmony.h); generated ids go through the streaming Harmony parser
  * and come back as per-channel deltas, tool calls and, at the end, the parsed
  * messages. Generation stops on <|return|> or <|call|> (spec §4.4) or on a
- * stop string in the final channel. */
+ * stop string in the final channel.
+ *
+ * tool_choice (twain_api.proto ChatRequest): FUNCTION, and REQUIRED with one
+ * tool, append the call's header as the model writes it to the rendered
+ * prompt and feed the same ids to the parser, so generation starts inside
+ * that call's arguments; the answer ends when the call does (<|call|>, or
+ * <|end|>/<|return|>: nothing that follows a forced call is kept). REQUIRED
+ * with several tools first runs a choice pass (prompt ending in
+ * "<|channel|>commentary to", a few ids, stopped at any Harmony special id,
+ * nothing streamed): the function it names becomes the forced call, run from
+ * a new prefill (router.c requeues the request). */
 #include "router/router_impl.h"
 
 #include "common/harmony.h"
@@ -19,6 +29,8 @@ typedef struct {
   tw_tok_encoder_t *enc;
   tw_harmony_t *h;
   int32_t stop_return, stop_call;
+  /* the choice pass stops at any of these (after the name comes one of them) */
+  int32_t pass_stops[7];
 } tw_rchat_ctx_t;
 
 #define TW_RCHAT_MAX 256 /* deltas/tool calls per feed, messages per request */
@@ -54,6 +66,20 @@ struct tw_rchat {
   bool finishing; /* in parser_finish: a message cut by max_tokens or a stop is expected */
   bool in_analysis; /* inside an analysis message's text (not addressed to a tool) */
   int32_t n_reasoning; /* ids of analysis text, for usage.reasoning_tokens */
+  /* tool_choice REQUIRED among several tools: the choice pass (its prompt
+   * ends in "<|channel|>commentary to"; the model writes "=functions.NAME") */
+  bool choosing;
+  bool forced;         /* the answer is the call whose header the router wrote */
+  bool forced_done;    /* ... and that call ended: the answer is complete */
+  char **names;        /* the declared functions (owned) */
+  size_t n_names;
+  tw_token_ids_t base; /* the rendered prompt, without the header */
+  int32_t max_tokens;  /* the request's, while the pass runs with fewer */
+  int32_t stop_ids[TW_RMAX_STOP]; /* the request's stop ids, likewise */
+  int32_t n_stop;
+  tw_tok_stream_t pick_dec;
+  tw_tok_buf_t pick;   /* what the pass wrote */
+  uint64_t pick_id;    /* the attempt (q->id) it comes from: a retried pass starts over */
 };
 
 static char *tw_dup(const char *s) { return s ? strdup(s) : NULL; }
@@ -178,6 +204,10 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
       }
       break;
     case TW_HARMONY_EV_TOOL_CALL:
+      if (c->forced) { /* the forced call ended (<|call|>, or <|end|>: nothing may follow it) */
+        c->forced_done = true;
+        c->stop_hit = true;
+      }
       if (c->n_calls < TW_RCHAT_MAX) {
         Twain__V1__ToolCall *t = &c->calls[c->n_calls];
         twain__v1__tool_call__init(t);
@@ -217,6 +247,9 @@ TW_NODISCARD tw_status_t tw_rchat_init(tw_router_t *r) {
   TW_CHECK(tw_harmony_create(x->tok, &x->h));
   x->stop_return = tw_harmony_token(x->h, "<|return|>");
   x->stop_call = tw_harmony_token(x->h, "<|call|>");
+  static const char *const pass[] = {"<|return|>", "<|call|>", "<|constrain|>", "<|message|>",
+                                     "<|channel|>", "<|start|>", "<|end|>"};
+  for (size_t i = 0; i < sizeof pass / sizeof pass[0]; i++) x->pass_stops[i] = tw_harmony_token(x->h, pass[i]);
   return TW_OK;
 }
 
@@ -260,6 +293,42 @@ static TW_NODISCARD tw_status_t tw_role_parse(const char *s, tw_harmony_role_t *
 }
 
 static const char *tw_nz(const char *s) { return s && s[0] ? s : NULL; }
+
+/* Feed the ids of a header the router wrote into the parser (which starts in
+ * the assistant's header), as if the model had generated them: the call's
+ * MESSAGE_START, so the ids generated next are its arguments. */
+static TW_NODISCARD tw_status_t tw_parser_prime(struct tw_rchat *c, const int32_t *ids, size_t n) {
+  for (size_t i = 0; i < n; i++) TW_CHECK(tw_harmony_parser_push(c->parser, ids[i]));
+  tw_feed_reset(c);
+  c->forced = true;
+  return TW_OK;
+}
+
+/* The declared function the choice pass named. Its text (after "to") is
+ * "=functions.NAME ..." when the model follows the format: without "=" and
+ * "functions.", the longest declared name it starts with that is followed by
+ * a character no function name has ([A-Za-z0-9_-] only); else the name that
+ * shares the longest prefix with it; the first declared one on a tie. */
+static size_t tw_pick_tool(const char *text, char *const *names, size_t n) {
+  while (*text == ' ') text++;
+  if (*text == '=') text++;
+  if (!strncmp(text, "functions.", 10)) text += 10;
+  size_t best = 0, best_len = 0;
+  bool exact = false;
+  for (size_t i = 0; i < n; i++) {
+    size_t k = 0;
+    while (names[i][k] && names[i][k] == text[k]) k++;
+    char next = text[k];
+    bool whole = !names[i][k] && !(next == '_' || next == '-' || (next >= '0' && next <= '9') ||
+                                   ((next | 0x20) >= 'a' && (next | 0x20) <= 'z'));
+    if ((whole && (!exact || k > best_len)) || (!exact && !whole && k > best_len)) {
+      best = i;
+      best_len = k;
+      exact = whole;
+    }
+  }
+  return best;
+}
 
 /* True when s has no character other than ASCII whitespace. */
 static bool tw_blank(const char *s) {
@@ -307,7 +376,34 @@ TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
   if (st == TW_OK && instr.len)
     st = tw_harmony_conversation_set(&conv, &conv.developer_instructions, instr.data);
   tw_tok_buf_fini(&instr);
-  for (size_t k = 0; k < cr->n_tools && st == TW_OK; k++) {
+  /* tool_choice (twain_api.proto ChatRequest): the call to force, if any */
+  const char *forced = NULL;
+  int choice = cr->tool_choice;
+  if (st == TW_OK && choice > TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_FUNCTION)
+    st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: tool_choice %d is not AUTO, NONE, REQUIRED "
+                      "or FUNCTION", choice);
+  if (st == TW_OK && choice >= TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_REQUIRED && cr->n_tools == 0)
+    st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: tool_choice %s asks for a tool call but "
+                      "there are no tools", choice == TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_REQUIRED
+                                                ? "REQUIRED" : "FUNCTION");
+  if (st == TW_OK && choice == TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_FUNCTION) {
+    for (size_t k = 0; k < cr->n_tools && !forced; k++)
+      if (cr->tools[k]->name && cr->tool_choice_name && !strcmp(cr->tools[k]->name, cr->tool_choice_name))
+        forced = cr->tools[k]->name;
+    if (!forced)
+      st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: tool_choice_name \"%s\" is not one of the tools",
+                        cr->tool_choice_name ? cr->tool_choice_name : "");
+  }
+  if (st == TW_OK && choice == TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_REQUIRED && cr->n_tools == 1)
+    forced = cr->tools[0]->name; /* the only one: nothing to choose */
+  else if (st == TW_OK && choice == TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_REQUIRED) {
+    c->choosing = true;
+    c->names = calloc(cr->n_tools, sizeof *c->names);
+    for (size_t k = 0; c->names && k < cr->n_tools; k++)
+      if ((c->names[c->n_names] = strdup(cr->tools[k]->name ? cr->tools[k]->name : ""))) c->n_names++;
+    if (c->n_names < cr->n_tools) st = tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
+  }
+  for (size_t k = 0; k < cr->n_tools && st == TW_OK && choice != TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_NONE; k++) {
     tw_harmony_tool_t t = {.name = cr->tools[k]->name,
                            .description = cr->tools[k]->description ? cr->tools[k]->description : "",
                            .parameters_json = tw_nz(cr->tools[k]->parameters_json)};
@@ -327,6 +423,15 @@ TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
   tw_token_ids_init(&ids);
   if (st == TW_OK) st = tw_harmony_render(x->h, &conv, x->enc, (size_t)r->max_prompt, &ids);
   tw_harmony_conversation_fini(&conv);
+  size_t n_rendered = ids.n;
+  tw_token_ids_init(&c->base);
+  if (st == TW_OK && c->choosing) {
+    for (size_t k = 0; k < ids.n && st == TW_OK; k++) st = tw_token_ids_push(&c->base, ids.ids[k]);
+    tw_tok_stream_init(&c->pick_dec, x->tok, 0);
+    tw_tok_buf_init(&c->pick);
+  }
+  if (st == TW_OK && (forced || c->choosing))
+    st = tw_harmony_render_call_header(x->h, forced, x->enc, &ids);
   if (st == TW_OK) {
     q->prompt = malloc(sizeof(int32_t) * (ids.n ? ids.n : 1));
     if (!q->prompt) st = tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
@@ -338,6 +443,7 @@ TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
   tw_token_ids_fini(&ids);
   if (st == TW_OK)
     st = tw_harmony_parser_create(x->h, TW_HARMONY_ROLE_ASSISTANT, tw_on_event, c, &c->parser);
+  if (st == TW_OK && forced) st = tw_parser_prime(c, q->prompt + n_rendered, (size_t)q->n_prompt - n_rendered);
   const Twain__V1__SamplingParams *s = cr->sampling;
   if (st == TW_OK && s && s->n_stop) {
     c->stops = calloc(s->n_stop, sizeof(char *));
@@ -347,7 +453,79 @@ TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
   q->n_stop = tw_rchat_default_stops(r, q->stop_ids, TW_RMAX_STOP);
   for (size_t k = 0; s && k < s->n_stop_token_ids && q->n_stop < TW_RMAX_STOP; k++)
     q->stop_ids[q->n_stop++] = s->stop_token_ids[k];
+  if (st == TW_OK && c->choosing) { /* the pass stops after the name */
+    memcpy(c->stop_ids, q->stop_ids, sizeof q->stop_ids);
+    c->n_stop = q->n_stop;
+    q->n_stop = 0;
+    for (size_t k = 0; k < sizeof x->pass_stops / sizeof x->pass_stops[0]; k++)
+      if (x->pass_stops[k] >= 0) q->stop_ids[q->n_stop++] = x->pass_stops[k];
+  }
   return st;
+}
+
+bool tw_rchat_choosing(const tw_req_t *q) { return q->hchat && q->hchat->choosing; }
+
+int32_t tw_rchat_pass_max_tokens(tw_router_t *r, tw_req_t *q, int32_t max_tokens) {
+  struct tw_rchat *c = q->hchat;
+  if (!c || !c->choosing) return max_tokens;
+  tw_rchat_ctx_t *x = r->chat_ctx;
+  c->max_tokens = max_tokens;
+  int32_t most = 1;
+  tw_token_ids_t t;
+  tw_token_ids_init(&t);
+  for (size_t i = 0; i < c->n_names; i++) { /* "=functions.NAME" and the id after it */
+    t.n = 0;
+    size_t len = strlen(c->names[i]);
+    char *s = malloc(len + 12);
+    if (!s) continue;
+    memcpy(s, "=functions.", 11);
+    memcpy(s + 11, c->names[i], len + 1);
+    if (tw_tok_encoder_encode(x->enc, s, len + 11, 0, &t) == TW_OK && (int32_t)t.n + 1 > most)
+      most = (int32_t)t.n + 1;
+    free(s);
+  }
+  tw_token_ids_fini(&t);
+  return most < max_tokens ? most : max_tokens;
+}
+
+TW_NODISCARD tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks,
+                                              size_t n, bool finished, bool *chosen_p) {
+  struct tw_rchat *c = q->hchat;
+  tw_rchat_ctx_t *x = r->chat_ctx;
+  *chosen_p = false;
+  if (c->pick_id != q->id) { /* the first ids of this attempt (the pass may be retried) */
+    c->pick_id = q->id;
+    c->pick.len = 0;
+    tw_tok_stream_init(&c->pick_dec, x->tok, 0);
+  }
+  bool special = false;
+  for (size_t i = 0; i < n && !special; i++) {
+    for (size_t k = 0; k < sizeof x->pass_stops / sizeof x->pass_stops[0]; k++)
+      special |= toks[i] == x->pass_stops[k];
+    if (!special) TW_CHECK(tw_tok_stream_push(&c->pick_dec, toks[i], &c->pick));
+  }
+  if (!special && !finished) return TW_OK;
+  TW_CHECK(tw_tok_stream_finish(&c->pick_dec, &c->pick));
+  TW_CHECK(tw_tok_buf_append(&c->pick, "", 0));
+  const char *name = c->names[tw_pick_tool(c->pick.data, c->names, c->n_names)];
+  for (size_t i = 0; i < c->pick.len; i++) /* one log line, whatever the model wrote */
+    if ((unsigned char)c->pick.data[i] < 0x20 || c->pick.data[i] == '"') c->pick.data[i] = '?';
+  TW_DEBUG("router", "request %llu: tool_choice required: the model wrote \"%s\" after \"to\": "
+           "calling functions.%s", (unsigned long long)q->id, c->pick.data, name);
+  size_t n_base = c->base.n;
+  TW_CHECK(tw_harmony_render_call_header(x->h, name, x->enc, &c->base));
+  int32_t *p = realloc(q->prompt, sizeof(int32_t) * c->base.n);
+  if (!p) return tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
+  memcpy(p, c->base.ids, sizeof(int32_t) * c->base.n);
+  q->prompt = p;
+  q->n_prompt = (int32_t)c->base.n;
+  TW_CHECK(tw_parser_prime(c, c->base.ids + n_base, c->base.n - n_base));
+  memcpy(q->stop_ids, c->stop_ids, sizeof q->stop_ids);
+  q->n_stop = c->n_stop;
+  q->max_tokens = c->max_tokens;
+  c->choosing = false;
+  *chosen_p = true;
+  return TW_OK;
 }
 
 bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
@@ -383,7 +561,8 @@ void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   if (rep->usage) rep->usage->reasoning_tokens = c->n_reasoning;
   if (rep->finish_reason == TWAIN__V1__FINISH_REASON__FINISH_STOP && q->n_out > 0) {
     tw_rchat_ctx_t *x = r->chat_ctx;
-    if (q->out[q->n_out - 1] == x->stop_call) rep->finish_reason = TWAIN__V1__FINISH_REASON__FINISH_TOOL_CALL;
+    if (q->out[q->n_out - 1] == x->stop_call || c->forced_done)
+      rep->finish_reason = TWAIN__V1__FINISH_REASON__FINISH_TOOL_CALL;
   }
 }
 
@@ -408,6 +587,10 @@ void tw_rchat_free(tw_req_t *q) {
   }
   for (size_t i = 0; i < c->n_stops; i++) free(c->stops[i]);
   free(c->stops);
+  for (size_t i = 0; i < c->n_names; i++) free(c->names[i]);
+  free(c->names);
+  tw_token_ids_fini(&c->base);
+  tw_tok_buf_fini(&c->pick);
   tw_tok_buf_fini(&c->final_text);
   free(c);
   q->hchat = NULL;

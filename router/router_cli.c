@@ -6,6 +6,7 @@
 #include "common/install_paths.h"
 #include "common/log.h"
 #include "common/model_path.h"
+#include "common/msg_worker.h" /* tw_stop_signals_install */
 #include "common/opts.h"
 
 #include <errno.h>
@@ -91,13 +92,7 @@ int tw_router_main(int argc, char **argv) {
                          .n_opts = sizeof opts / sizeof opts[0], .config = true};
   int rc = tw_opts_parse(&spec, argc, argv, NULL);
   if (rc != TW_OPTS_RUN) return rc;
-  struct sigaction sa;
-  memset(&sa, 0, sizeof sa);
-  sa.sa_handler = tw_router_on_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, NULL);
-  sigaction(SIGINT, &sa, NULL);
-  signal(SIGPIPE, SIG_IGN);
+  tw_stop_signals_install(tw_router_on_signal);
   tw_status_t st = tw_router_run(&p, &tw_router_stop_g);
   if (st != TW_OK) {
     fprintf(stderr, "twain-router: %s: %s\n", tw_status_str(st), tw_last_error());

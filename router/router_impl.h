@@ -162,6 +162,10 @@ void tw_router_schedule(tw_router_t *r, int64_t now_ns);
  *  TW_ERR_UNAVAILABLE (queue full, worker gone), TW_ERR_TRANSPORT, as tw_msg_send_to. */
 TW_NODISCARD tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
                                                Twain__Internal__V1__Envelope *env);
+/** Run q again from the start under a new internal id (late messages about
+ *  the old one are ignored): back to QUEUED, schedulable `delay_ns` from now;
+ *  `cancel`: first tell its workers to drop what they hold for it. */
+void tw_router_requeue(tw_router_t *r, tw_req_t *q, bool cancel, int64_t delay_ns);
 /** Registered workers of `pool` that are not draining. */
 int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool pool);
 /** /healthz: 503 "not ready: no ... worker registered" while a pool is
@@ -183,6 +187,23 @@ bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
                    Twain__V1__ServerReply *rep);
 /** At the end: the parsed messages into rep (and remaining deltas). */
 void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep);
+/** Whether q is in the choice pass of tool_choice REQUIRED among several
+ *  tools (twain_api.proto ChatRequest.tool_choice): its prompt ends in
+ *  "<|channel|>commentary to", it stops at the next Harmony special id, and
+ *  its ids go to tw_rchat_choice_feed, never to the client. */
+bool tw_rchat_choosing(const tw_req_t *q);
+/** The max_tokens q runs with first: `max_tokens` (the request's), or during
+ *  the choice pass only enough for "=functions.NAME" of its longest name and
+ *  one id more (the request's is restored when the function is chosen). */
+int32_t tw_rchat_pass_max_tokens(tw_router_t *r, tw_req_t *q, int32_t max_tokens);
+/** Ids of the choice pass (`finished`: the worker ended it). Once it has
+ *  ended (finished, or a Harmony special id) picks the function, sets
+ *  *chosen_p, and turns q into the forced call: q->prompt = the rendered
+ *  prompt + that call's header, the request's max_tokens and stop ids, the
+ *  parser past the header; the caller runs q again from the start
+ *  (tw_router_requeue). Errors: TW_ERR_NO_MEMORY. */
+TW_NODISCARD tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks,
+                                              size_t n, bool finished, bool *chosen_p);
 /** Free a chat request's parser state (no-op for generate requests). */
 void tw_rchat_free(tw_req_t *q);
 /** The router's tokenizer and its encoder (router thread only). */

@@ -17,11 +17,12 @@
 #include "router/router_impl.h"
 
 #include "common/log.h"
+#include "common/msg_worker.h" /* tw_reject_msg */
+#include "common/proto_engine.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define TW_ROUTER_MAX_ATTEMPTS 3
 /* Seconds of prefill work a prefill worker is given at a time: far below the
@@ -74,16 +75,9 @@ TW_NODISCARD tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_
 }
 
 static void tw_reject_to(tw_router_t *r, const tw_msg_t *m, uint64_t rid, int code, const char *msg) {
-  Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
-  s.code = code;
-  s.message = (char *)msg;
-  Twain__Internal__V1__Reject rj = TWAIN__INTERNAL__V1__REJECT__INIT;
-  rj.request_id = rid;
-  rj.status = &s;
-  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
-  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT;
-  env.reject = &rj;
-  tw_msg_note_failure(tw_msg_send(r->wsock, m, &env.base), "router", "cannot send a reject to a worker");
+  tw_reject_msg_t rm;
+  tw_msg_note_failure(tw_msg_send(r->wsock, m, &tw_reject_msg(&rm, rid, code, msg)->base), "router",
+                      "cannot send a reject to a worker");
 }
 
 static void tw_update_gauges(tw_router_t *r) {
@@ -232,17 +226,21 @@ static bool tw_tokens_valid(tw_router_t *r, tw_rworker_t *w, tw_req_t *q, const 
   return true;
 }
 
+void tw_router_requeue(tw_router_t *r, tw_req_t *q, bool cancel, int64_t delay_ns) {
+  if (cancel) tw_router_cancel_workers(r, q);
+  q->id = r->next_req_id++; /* late messages about the old attempt are ignored */
+  q->state = TW_REQ_QUEUED;
+  q->dw = q->pw = 0;
+  q->retry_after_ns = tw_msg_clock_ns() + delay_ns;
+}
+
 /* Requeue (if nothing reached the client yet) or fail a request whose worker
  * went away or refused it. */
 static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *why) {
   if (q->done) return;
   if (q->n_out == 0 && q->attempts < TW_ROUTER_MAX_ATTEMPTS) {
     TW_INFO("router", "request %llu: %s; retrying elsewhere", (unsigned long long)q->id, why);
-    tw_router_cancel_workers(r, q);
-    q->id = r->next_req_id++; /* late messages about the old attempt are ignored */
-    q->state = TW_REQ_QUEUED;
-    q->dw = q->pw = 0;
-    q->retry_after_ns = tw_msg_clock_ns() + 20 * 1000000;
+    tw_router_requeue(r, q, true, 20 * 1000000);
     return;
   }
   tw_router_fail(r, q, code, "%s", why);
@@ -343,9 +341,7 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   pr.n_prompt_ids = (size_t)q->n_prompt;
   pr.sampling = &q->sampling;
   pr.handoff = rs->handoff;
-  struct timespec wall;
-  clock_gettime(CLOCK_REALTIME, &wall);
-  pr.issued_unix_ms = (int64_t)wall.tv_sec * 1000 + wall.tv_nsec / 1000000;
+  pr.issued_unix_ms = tw_proto_unix_ms(); /* the workers' staleness clock (proto_engine.h) */
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL;
   env.prefill = &pr;

@@ -10,7 +10,8 @@
 // With SRC_DIR, every container's command-line flags are checked against the
 // options the program really parses (the rows of its common/opts.h table,
 // TW_OPT_*("name", ...), in router/,
-// prefill/ or decode/), "--flag value" form, as the daemons expect.
+// prefill/ or decode/, and common/worker_daemon.h's TW_WORKER_OPTS for the
+// workers), "--flag value" form, as the daemons expect.
 // Exit 0 when everything passes; 1 with one line per problem otherwise.
 import { execFileSync } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
@@ -88,10 +89,15 @@ function knownFlags(prog) {
   if (!flagCache.has(prog)) {
     const dir = join(srcDir, programFolder[prog]);
     const flags = new Set(["--config"]); /* every daemon's, from the parser itself */
+    const scan = (text) => {
+      for (const m of text.matchAll(/TW_OPT_[A-Z_]+\(\s*"([a-z][a-z0-9-]*)"/g)) flags.add("--" + m[1]);
+    };
     for (const f of readdirSync(dir)) {
       if (!f.endsWith(".c") && !f.endsWith(".h")) continue;
-      for (const m of readFileSync(join(dir, f), "utf8").matchAll(/TW_OPT_[A-Z_]+\(\s*"([a-z][a-z0-9-]*)"/g))
-        flags.add("--" + m[1]);
+      const text = readFileSync(join(dir, f), "utf8");
+      scan(text);
+      /* the options every worker daemon takes (common/worker_daemon.h) */
+      if (/TW_WORKER_OPTS\(/.test(text)) scan(readFileSync(join(srcDir, "common", "worker_daemon.h"), "utf8"));
     }
     flagCache.set(prog, flags);
   }

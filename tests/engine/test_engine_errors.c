@@ -47,6 +47,20 @@ int main(void) {
             "parse 'gpu'");
   EXPECT(tw_backend_parse("cuda", &kind) == TW_OK && kind == TW_BACKEND_CUDA, "parse cuda");
   EXPECT(strcmp(tw_backend_name(TW_BACKEND_CPU), "cpu") == 0, "name cpu");
+  /* resolving and capabilities (engine.h): what the daemons check options against */
+  EXPECT(tw_backend_resolve(TW_BACKEND_CPU) == TW_BACKEND_CPU, "resolve cpu");
+  EXPECT(tw_backend_resolve(TW_BACKEND_CUDA) == TW_BACKEND_CUDA, "resolve cuda");
+  EXPECT(tw_backend_resolve(TW_BACKEND_AUTO) ==
+             (tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU), "resolve auto");
+  EXPECT(tw_backend_usable(TW_BACKEND_CPU), "cpu is usable everywhere");
+  EXPECT(tw_backend_usable(TW_BACKEND_CUDA) == (tw_cuda_available() != 0), "cuda usable");
+  EXPECT(tw_backend_usable(TW_BACKEND_AUTO), "auto is usable everywhere");
+  EXPECT(!tw_backend_caps(TW_BACKEND_CPU).on_device && tw_backend_caps(TW_BACKEND_CPU).dp_attention,
+         "cpu: host memory, data-parallel attention");
+  EXPECT(tw_backend_caps(TW_BACKEND_CUDA).on_device && !tw_backend_caps(TW_BACKEND_CUDA).dp_attention,
+         "cuda: on the device, no data-parallel attention");
+  EXPECT(tw_backend_caps(TW_BACKEND_AUTO).on_device == tw_backend_usable(TW_BACKEND_CUDA),
+         "auto: the caps of what it resolves to");
 
   /* create: bad params */
   tw_engine_t *e = NULL;

@@ -21,7 +21,6 @@
  * removed when B exits. Exits 77 (skipped) without a usable GPU. Every wait
  * is bounded. */
 #include "common/engine.h"
-#include "common/engine_impl.h" /* tw_cuda_available */
 #include "common/log.h"
 #include "common/model.h"
 
@@ -80,7 +79,7 @@ static int compute(tw_engine_t *e, const tw_model_t *m, const char *out, const c
 static int child(const char *dir, const char *out, const char *role, int hold) {
   tw_log_init("test_weights_share", 0);
   int origin_want = !strcmp(dir, "-") ? 0 : !strcmp(role, "prefill") ? 1 : 2;
-  if (!tw_cuda_available()) return 77;
+  if (!tw_backend_usable(TW_BACKEND_CUDA)) return 77;
   tw_model_t *m = NULL;
   char model_dir[1024];
   const char *fixtures = getenv("TW_FIXTURES_DIR"); /* set by tests/gpu/run_gpu.sh */

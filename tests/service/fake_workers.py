@@ -2,7 +2,8 @@
 from one thread, with no engine: each request's generated ids come from a
 script (a list of ids, or a function of the prompt ids returning one), so
 tests can drive the router's Harmony parser and its APIs with exact model
-output. Records every prompt it was sent and every cancel it got. Every wait
+output. Records every prompt (and its sampling parameters) it was sent and
+every cancel it got. Every wait
 is bounded."""
 import threading
 import time
@@ -34,6 +35,7 @@ class FakeWorkers(threading.Thread):
         self.socks = {}
         self.lock = threading.Lock()
         self.prompts = {}      # request_id -> prompt ids
+        self.sampling = {}     # request_id -> (temperature, top_p, top_k, seed) of its PrefillRequest
         self.cancelled = set()
         self.seen = []
         self.pending = {}      # request_id -> ids, between prefill and decode
@@ -106,6 +108,8 @@ class FakeWorkers(threading.Thread):
                     ids = self._ids(list(e.prefill.prompt_ids))
                     with self.lock:
                         self.prompts[rid] = list(e.prefill.prompt_ids)
+                        sp = e.prefill.sampling
+                        self.sampling[rid] = (sp.temperature, sp.top_p, sp.top_k, sp.seed)
                     self.pending[rid] = ids  # streamed once decode starts
                     out.prefill_done.request_id = rid
                     out.prefill_done.first_token = ids[0]

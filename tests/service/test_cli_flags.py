@@ -152,6 +152,19 @@ check(r.returncode == 1 and ("no answer from %s within 250 ms" % dead) in r.stde
       "TWAIN_GENERATE_CONNECT_TIMEOUT_MS=250 is used: %r" % r.stderr.strip()[-120:])
 s.close()
 
+# the OpenAI-compatible HTTP API: on by default in `twain serve`, on 127.0.0.1:7402
+# (test_http_sdk runs it without --http-port); off by default in twain-router
+r = run([TWAIN, "serve", "--help"])
+rows = {m.group(1): m.group(0) for m in (ROW.match(l) for l in r.stdout.splitlines()) if m}
+check(re.search(r"\(default 7402\)$", r.stdout, re.M) and "--http-port" in rows and
+      "default 127.0.0.1" in rows.get("--http-addr", "") and "--served-model-name" in rows and
+      "--api-key" in rows and "--api-key-file" in rows,
+      "twain serve --help: --http-port (default 7402), --http-addr (default 127.0.0.1), --served-model-name, "
+      "--api-key, --api-key-file")
+r = run([svc.bin_path("router", "twain-router"), "--help"])
+check(re.search(r"^  --http-port PORT .*\(default -1\)$", r.stdout, re.M),
+      "twain-router --help: --http-port (default -1: off unless asked for)")
+
 # --config FILE for the daemons and serve
 with tempfile.TemporaryDirectory() as tmp:
     bad = os.path.join(tmp, "bad.conf")

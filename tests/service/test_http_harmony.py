@@ -8,7 +8,10 @@ recipient in the channel part of the header (or the role part), earlier
 reasoning and tool results carried into the next prompt, reasoning effort
 in the system message, an unexpected token inside a header. Then bad input:
 malformed JSON, wrong types, unknown fields, unsupported parameters, wrong
-model, unknown paths; the router keeps serving throughout."""
+model, unknown paths; the router keeps serving throughout. Last, the
+parameters reach the request: temperature, top_p and seed (recorded by the
+fake prefill worker), max_completion_tokens, chat stop strings, Responses
+max_output_tokens (incomplete) and instructions."""
 import json
 import subprocess
 
@@ -319,8 +322,65 @@ try:
           "unknown fields ignored; tool_choice none renders no tools; the router still serves")
     st, r = api.post("/v1/chat/completions", {"messages": USER, "tools": TOOLS,
                                                "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    check(st == 200 and "Call the function get_weather now." in detok(last_prompt()),
-          "a named tool_choice steers the developer message")
+    check(st == 200 and last_prompt() == render({"messages": USER, "tools": TOOLS}) + fake_workers.tokenize(
+              "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"),
+          "a named tool_choice ends the prompt with that call's header (test_http_tool_choice covers it all)")
+
+    # ---- parameters reach the request: sampling, max tokens, stop, instructions ----
+    def last_sampling():
+        with fw.lock:
+            return fw.sampling[max(fw.sampling)]
+
+    def near(a, b):
+        return abs(a - b) < 1e-6
+
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "temperature": 0.5, "top_p": 0.9, "seed": 7})
+    t, p, k, seed = last_sampling()
+    check(st == 200 and near(t, 0.5) and near(p, 0.9) and seed == 7,
+          "chat temperature / top_p / seed reach the workers (%s)" % (last_sampling(),))
+    st, r = api.post("/v1/chat/completions", {"messages": USER})
+    check(st == 200 and near(last_sampling()[0], 1.0) and near(last_sampling()[1], 1.0),
+          "chat without temperature samples at 1, OpenAI's default (%s)" % (last_sampling(),))
+    st, r = api.post("/v1/responses", {"input": "Hi", "temperature": 0, "top_p": 0.8})
+    check(st == 200 and near(last_sampling()[0], 0.0) and near(last_sampling()[1], 0.8),
+          "responses temperature / top_p reach the workers (%s)" % (last_sampling(),))
+    st, r = api.post("/v1/completions", {"prompt": "Once", "seed": 123, "temperature": 0.7})
+    check(st == 200 and last_sampling()[3] == 123 and near(last_sampling()[0], 0.7),
+          "completions seed / temperature reach the workers (%s)" % (last_sampling(),))
+
+    script("<|channel|>final<|message|>Hello there, friend, how are you today?<|return|>")
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5})
+    check(st == 200 and r["usage"]["completion_tokens"] == 5 and r["choices"][0]["finish_reason"] == "length",
+          "max_completion_tokens 5: 5 ids, finish_reason length (%s)" % r.get("usage"))
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 6, "max_tokens": 50})
+    check(st == 200 and r["usage"]["completion_tokens"] == 6,
+          "max_completion_tokens wins over the older max_tokens (%s)" % r.get("usage"))
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "stop": [" friend", "zzz"]})
+    check(st == 200 and r["choices"][0]["message"]["content"] == "Hello there," and
+          r["choices"][0]["finish_reason"] == "stop", "chat stop strings cut the final text (%s)" % r.get("choices"))
+    st, ev = api.stream("/v1/chat/completions", {"messages": USER, "stop": " there"})
+    check(st == 200 and chat_text(ev)[0] == "Hello" and finish_reason(ev) == "stop",
+          "streamed chat with a stop string: the text before it (%r)" % chat_text(ev)[0])
+
+    st, r = api.post("/v1/responses", {"input": "Hi", "max_output_tokens": 5})
+    check(st == 200 and r["status"] == "incomplete" and
+          r["incomplete_details"] == {"reason": "max_output_tokens"} and r["usage"]["output_tokens"] == 5,
+          "responses max_output_tokens 5: status incomplete, 5 output tokens (%s)" % r.get("usage"))
+    st, ev = api.stream("/v1/responses", {"input": "Hi", "max_output_tokens": 5})
+    check(st == 200 and ev[-1][0] == "response.incomplete" and ev[-1][1]["response"]["status"] == "incomplete",
+          "streamed: ends with response.incomplete")
+    st, r = api.post("/v1/responses", {"input": "Hi", "instructions": "Answer in one word."})
+    check(st == 200 and last_prompt() == render({"messages": [{"role": "developer", "content": "Answer in one word."},
+                                                              {"role": "user", "content": "Hi"}]}) and
+          "# Instructions\n\nAnswer in one word." in detok(last_prompt()),
+          "responses instructions become the developer message's instructions")
+    roles = [{"role": "system", "content": "You answer about weather."},
+             {"role": "developer", "content": "Use metric units."}] + USER
+    st, r = api.post("/v1/chat/completions", {"messages": roles})
+    text = detok(last_prompt())
+    check(st == 200 and last_prompt() == render({"messages": roles}) and
+          "You answer about weather.\n\nUse metric units." in text and text.count("<|start|>developer") == 1,
+          "chat system and developer messages become the developer message's instructions")
 finally:
     fw.close()
     rc = router.stop()

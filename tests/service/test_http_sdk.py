@@ -3,8 +3,10 @@ against twain's OpenAI-compatible HTTP API of `twain serve` (on by default;
 ephemeral beside an ephemeral --listen; --api-key; CPU prefill and decode
 workers, the default tiny model): models, chat completions plain and streamed (and the SDK's stream
 helper), responses plain and streamed (and its stream helper), completions
-plain and streamed. The SDK must parse every answer and stream, and each
-text must equal the protobuf API's answer to the same greedy request."""
+plain and streamed, and tool_choice (a named function and "required" among
+two tools) in chat completions and responses, plain and streamed. The SDK
+must parse every answer and stream, and each text (each tool call's name and
+arguments) must equal the protobuf API's answer to the same greedy request."""
 import json
 import os
 import subprocess
@@ -17,6 +19,11 @@ from svc import check, finish
 KEY = "sk-sdk-test"
 QUESTION = "What does the word 'dog' mean?"
 PROMPT = "The word dog means"
+TOOL_QUESTION = "What is the weather in Paris?"
+TOOLS = [{"type": "function", "function": {"name": n, "description": d, "parameters": {
+    "type": "object", "properties": {p: {"type": "string"}}, "required": [p]}}}
+    for n, d, p in (("get_weather", "Current weather for a city.", "city"),
+                    ("get_time", "Current time in a time zone.", "tz"))]
 SDK = os.environ.get("TW_SDK_DIR", os.path.join(svc.BUILD, "tests", "service", "sdk"))
 if not os.path.exists(os.path.join(SDK, "node_modules", "openai")):
     print("FAIL: the OpenAI SDK is not installed in %s (the http_sdk_setup fixture does it)" % SDK)
@@ -52,12 +59,34 @@ try:
     gref = c.wait([c.send(g)], 180)[0][-1]
     ctext = run([svc.bin_path("router", "twain"), "detokenize", "--model", svc.MODEL, "--skip-special"],
                 json.dumps(list(gref.token_ids)))
+    # ... and to the same tool_choice requests (ChatRequest.tool_choice)
+    tool_refs = {}
+    for label, choice, name in (("named", "TOOL_CHOICE_FUNCTION", "get_time"),
+                                ("required", "TOOL_CHOICE_REQUIRED", "")):
+        treq = svc.chat(TOOL_QUESTION, 96, stream=False, date="")
+        treq.api_key = KEY
+        treq.chat.sampling.explicit_max_tokens = True
+        for t in TOOLS:
+            ft = treq.chat.tools.add()
+            ft.name, ft.description = t["function"]["name"], t["function"]["description"]
+            ft.parameters_json = json.dumps(t["function"]["parameters"])
+        treq.chat.tool_choice = svc.E[choice]
+        treq.chat.tool_choice_name = name
+        tool_refs[label] = c.wait([c.send(treq)], 180)[0][-1]
+        tr = tool_refs[label]
+        check(tr.error.code == 0 and len(tr.tool_calls) == 1 and
+              tr.tool_calls[0].recipient in ("functions.get_weather", "functions.get_time") and
+              (not name or tr.tool_calls[0].recipient == "functions." + name) and
+              tr.finish_reason == svc.E["FINISH_TOOL_CALL"],
+              "protobuf tool_choice %s: one call to %s, FINISH_TOOL_CALL (%s %s)" % (
+                  label, tr.tool_calls[0].recipient if tr.tool_calls else None, tr.error.message,
+                  tr.finish_reason))
     c.close()
     check(len(content + reasoning) > 0 and len(ctext) > 0, "the references are not empty (%r / %r / %r)" % (
         reasoning[:40], content[:40], ctext[:40]))
 
     p = subprocess.run(["node", os.path.join(SDK, "http_sdk.mjs"), url, "tiny-gptoss-wordnet-mxfp4", KEY,
-                        QUESTION, PROMPT], capture_output=True, text=True, timeout=600)
+                        QUESTION, PROMPT, TOOL_QUESTION, json.dumps(TOOLS)], capture_output=True, text=True, timeout=600)
     check(p.returncode == 0, "the SDK parsed every answer and stream (exit %d)%s" % (
         p.returncode, "" if p.returncode == 0 else ": " + p.stderr[-2000:]))
     out = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {}
@@ -94,6 +123,20 @@ try:
     check(cm.get("text") == ctext and cm.get("usage", {}).get("completion_tokens") == len(gref.token_ids),
           "completions.create: text equals the protobuf generate answer (%r)" % cm.get("text"))
     check(out.get("completions_stream", {}).get("text") == ctext, "completions stream: the same text")
+    for label, tr in tool_refs.items():
+        want = [(tc.recipient[len("functions."):], tc.arguments) for tc in tr.tool_calls]
+        t = out.get("tools", {}).get(label, {})
+        for part in ("chat", "chat_stream", "chat_helper", "responses", "responses_helper"):
+            calls = (t.get(part) or {}).get("calls") or []
+            got = [(x.get("name"), x.get("arguments")) for x in calls]
+            check(got == want and all(isinstance(x.get("arguments"), str) and x.get("id") and
+                                      x.get("type") in ("function", "function_call") for x in calls),
+                  "tool_choice %s, %s: the SDK parsed one call %s with string arguments equal to the "
+                  "protobuf answer's (%s)" % (label, part, want[0][0] if want else None, got))
+        for part in ("chat", "chat_stream", "chat_helper"):
+            check((t.get(part) or {}).get("finish") == "tool_calls",
+                  "tool_choice %s, %s: finish_reason tool_calls" % (label, part))
+        check((t.get("chat") or {}).get("content") is None, "tool_choice %s: no content beside the call" % label)
 finally:
     rc = serve.stop()
 check(rc == 0, "twain serve stops cleanly (%s)" % rc)

@@ -230,6 +230,35 @@ int main(int argc, char **argv) {
   EXPECT(strstr(text.data, "Need to use function") != NULL, "DROP_NONE keeps analysis");
   tw_harmony_conversation_fini(&c);
 
+  /* the header of a forced call (tool_choice), as the model writes it */
+  {
+    static const char hdr[] = "<|channel|>commentary to=functions.get_current_weather <|constrain|>json<|message|>";
+    tw_token_ids_t want;
+    tw_token_ids_init(&want);
+    EXPECT_OK(tw_tokenizer_encode(tok, hdr, strlen(hdr), TW_TOK_ALLOW_SPECIAL, &want));
+    tw_tok_encoder_t *enc;
+    EXPECT_OK(tw_tok_encoder_create(tok, &enc));
+    ids.n = 0;
+    EXPECT_OK(tw_token_ids_push(&ids, 7)); /* appended after what is there */
+    EXPECT_OK(tw_harmony_render_call_header(h, "get_current_weather", enc, &ids));
+    EXPECT(ids.n == want.n + 1 && ids.ids[0] == 7 && !memcmp(ids.ids + 1, want.ids, want.n * 4),
+           "call header: %zu ids after the one there, as `tokenize --allow-special` of the text (%zu)",
+           ids.n - 1, want.n);
+    EXPECT(ids.n > 4 && ids.ids[1] == 200005 && ids.ids[ids.n - 1] == 200008 && ids.ids[ids.n - 3] == 200003,
+           "call header: <|channel|> ... <|constrain|> json <|message|>");
+    ids.n = 0;
+    EXPECT_OK(tw_harmony_render_call_header(h, NULL, enc, &ids));
+    decode_str(tok, &ids, &text);
+    EXPECT(!strcmp(text.data, "<|channel|>commentary to"), "choice prefix: %s", text.data);
+    size_t n = ids.n;
+    EXPECT(tw_harmony_render_call_header(h, "", enc, &ids) == TW_ERR_INVALID_ARGUMENT && ids.n == n,
+           "an empty name: INVALID_ARGUMENT, nothing appended");
+    EXPECT(tw_harmony_render_call_header(h, "bad\xff", enc, &ids) == TW_ERR_INVALID_ARGUMENT && ids.n == n,
+           "a name that is not UTF-8: INVALID_ARGUMENT, nothing appended");
+    tw_tok_encoder_destroy(enc);
+    tw_token_ids_fini(&want);
+  }
+
   /* user text with special-token strings stays text */
   tw_harmony_conversation_init(&c);
   c.include_system = 0;

@@ -1,13 +1,14 @@
 // http_sdk.mjs URL MODEL KEY: the official OpenAI Node SDK (pinned in
 // package-lock.json) against twain's HTTP API: models, chat completions
 // (plain, streamed, the stream helper), responses (plain, streamed, the
-// stream helper), completions (plain, streamed); greedy requests. Prints one
+// stream helper), completions (plain, streamed), tool_choice named and
+// required (chat and responses, plain and streamed); greedy requests. Prints one
 // JSON object with what the SDK parsed; test_http_sdk.py compares it with the
 // protobuf API's answers. Any SDK error (a response or event it cannot
 // parse) ends the script with exit 1.
 import OpenAI from "openai";
 
-const [baseURL, model, apiKey, question, prompt] = process.argv.slice(2);
+const [baseURL, model, apiKey, question, prompt, toolQuestion, toolsJson] = process.argv.slice(2);
 const client = new OpenAI({ baseURL, apiKey, timeout: 120000, maxRetries: 0 });
 const out = { sdk: JSON.parse(await import("fs").then((fs) =>
   fs.readFileSync(new URL("./node_modules/openai/package.json", import.meta.url)))).version };
@@ -66,4 +67,44 @@ let ctext = "";
 for await (const c of await client.completions.create({ model, prompt, max_tokens: 16, temperature: 0, stream: true }))
   ctext += c.choices[0]?.text ?? "";
 out.completions_stream = { text: ctext };
+// tool_choice enforced: a named function and "required" (two tools), in
+// chat completions (plain, streamed by hand, the stream helper that
+// accumulates tool-call deltas) and responses (plain, the stream helper)
+const tools = JSON.parse(toolsJson);
+const respTools = tools.map((t) => ({ type: "function", ...t.function }));
+const calls = (m) => (m.tool_calls ?? []).map((c) => ({ id: c.id, type: c.type, name: c.function.name,
+                                                       arguments: c.function.arguments }));
+const fcalls = (r) => r.output.filter((o) => o.type === "function_call")
+  .map((o) => ({ id: o.call_id, type: o.type, name: o.name, arguments: o.arguments }));
+out.tools = {};
+for (const [label, chatChoice, respChoice] of [
+  ["named", { type: "function", function: { name: "get_time" } }, { type: "function", name: "get_time" }],
+  ["required", "required", "required"]]) {
+  const req = { model, messages: [{ role: "user", content: toolQuestion }], tools, tool_choice: chatChoice,
+                max_tokens: 96, temperature: 0 };
+  const plain = await client.chat.completions.create(req);
+  const t = out.tools[label] = { chat: { calls: calls(plain.choices[0].message), finish: plain.choices[0].finish_reason,
+                                         content: plain.choices[0].message.content } };
+  const acc = {};
+  let sfinish = null;
+  for await (const chunk of await client.chat.completions.create({ ...req, stream: true })) {
+    const c = chunk.choices[0];
+    if (!c) continue;
+    sfinish = c.finish_reason ?? sfinish;
+    for (const d of c.delta.tool_calls ?? []) {
+      const a = acc[d.index] ??= { id: null, type: null, name: null, arguments: "" };
+      a.id = d.id ?? a.id;
+      a.type = d.type ?? a.type;
+      a.name = d.function?.name ?? a.name;
+      a.arguments += d.function?.arguments ?? "";
+    }
+  }
+  t.chat_stream = { calls: Object.values(acc), finish: sfinish };
+  const h = await client.chat.completions.stream(req).finalChatCompletion();
+  t.chat_helper = { calls: calls(h.choices[0].message), finish: h.choices[0].finish_reason };
+  const rreq = { model, input: toolQuestion, tools: respTools, tool_choice: respChoice, max_output_tokens: 96,
+                 temperature: 0 };
+  t.responses = { calls: fcalls(await client.responses.create(rreq)) };
+  t.responses_helper = { calls: fcalls(await client.responses.stream(rreq).finalResponse()) };
+}
 process.stdout.write(JSON.stringify(out) + "\n");
