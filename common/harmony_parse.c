@@ -159,9 +159,11 @@ static int tw_parse_header(tw_harmony_parser_t *p, int32_t token) {
   static const char ch_marker[] = "<|channel|>", ct_marker[] = "<|constrain|>";
   const size_t chn = sizeof ch_marker - 1, ctn = sizeof ct_marker - 1;
   memset(p->has, 0, sizeof p->has);
-  /* work on a copy where the channel part is blanked out */
+  /* work on a copy where the channel part is blanked out; the model's bytes
+   * may not be UTF-8, the fields (a recipient, a channel) must be */
   p->scratch.len = 0;
-  if (tw_tok_buf_append(&p->scratch, p->header.data ? p->header.data : "", p->header.len) != TW_OK)
+  if (tw_utf8_lossy(p->header.data ? p->header.data : "", p->header.len, &p->scratch) != TW_OK ||
+      tw_tok_buf_append(&p->scratch, "", 0) != TW_OK)
     return 0;
   char *s = p->scratch.data;
   size_t len = p->scratch.len;

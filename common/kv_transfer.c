@@ -5,16 +5,24 @@
 
 #include <ucp/api/ucp.h>
 
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <dlfcn.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #define TW_KV_XFER_MAGIC 0x7478666bu /* "kfxt" */
 #define TW_KV_MAX_PEERS 64
+#define TW_KV_MAX_RX_REGIONS 16
 #define TW_KV_BOUNCE_BYTES (4u << 20)
 
 /* ---- CUDA runtime through dlopen (staging, device checksums) ---- */
@@ -48,10 +56,10 @@ typedef struct {
   tw_cuda_ptr_fn event_destroy;
   tw_cuda_ptr_fn free_;                     /* cudaFree(NULL): binds the primary context */
   /* CUDA IPC (the direct path); NULL when the runtime lacks them */
-  tw_cuda_ipc_get_fn ipc_get;       /* cudaIpcGetMemHandle */
-  tw_cuda_ipc_open_fn ipc_open;     /* cudaIpcOpenMemHandle */
-  tw_cuda_ptr_fn ipc_close;         /* cudaIpcCloseMemHandle */
-  tw_cuda_get_device_fn get_device; /* cudaGetDevice */
+  tw_cuda_ipc_get_fn ipc_get;               /* cudaIpcGetMemHandle */
+  tw_cuda_ipc_open_fn ipc_open;             /* cudaIpcOpenMemHandle */
+  tw_cuda_ptr_fn ipc_close;                 /* cudaIpcCloseMemHandle */
+  tw_cuda_get_device_fn get_device;         /* cudaGetDevice */
 } tw_cudart_t;
 enum { TW_CUDA_H2D = 1, TW_CUDA_D2H = 2, TW_CUDA_DEFAULT = 4 };
 enum { TW_CUDA_IPC_LAZY_PEER = 1 }; /* cudaIpcMemLazyEnablePeerAccess */
@@ -75,14 +83,14 @@ enum { TW_CUDA_NOT_READY = 600 }; /* cudaErrorNotReady */
  * commit from its host mirror. */
 #define TW_KV_IPC_MAGIC "TWKVIPC1"
 typedef struct {
-  char boot_id[40];            /* /proc/sys/kernel/random/boot_id of the owner's host */
-  int32_t pid;                 /* the owner's process (a process cannot open its own) */
-  int32_t device;              /* the owner's CUDA device ordinal */
-  tw_cuda_ipc_handle_t handle; /* of the pool's allocation (its base) */
+  char boot_id[40];             /* /proc/sys/kernel/random/boot_id of the owner's host */
+  int32_t pid;                  /* the owner's process (a process cannot open its own) */
+  int32_t device;               /* the owner's CUDA device ordinal */
+  tw_cuda_ipc_handle_t handle;  /* of the pool's allocation (its base) */
   int64_t pool_bytes;
-  uint32_t ucx_rkey_len; /* the bytes before this descriptor */
-  uint32_t desc_bytes;   /* sizeof(tw_kv_ipc_desc_t) */
-  char magic[8];         /* TW_KV_IPC_MAGIC, last: found from the blob's end */
+  uint32_t ucx_rkey_len;        /* the bytes before this descriptor */
+  uint32_t desc_bytes;          /* sizeof(tw_kv_ipc_desc_t) */
+  char magic[8];                /* TW_KV_IPC_MAGIC, last: found from the blob's end */
 } tw_kv_ipc_desc_t;
 
 static void tw_kv_boot_id(char out[40]) {
@@ -133,6 +141,19 @@ static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   return TW_OK;
 }
 
+/* ---- active messages into a staged receiver's ring (kv_transfer.h) ----
+ * One message per piece: this header, then the piece's bytes (rendezvous). */
+#define TW_KV_AM_ID 0x4b56u /* "KV" */
+typedef struct {
+  uint64_t base;   /* the receiving pool's published remote_base (which region) */
+  uint64_t offset; /* destination offset in that pool */
+  uint64_t len;    /* bytes of the piece */
+  uint64_t tag;    /* the handoff (request id) */
+} tw_kv_am_hdr_t;
+/* Sends from a pool in place (host sources) in flight per peer; headers
+ * stay put until their send completes. */
+#define TW_KV_AM_INFLIGHT 256
+
 /* ---- the sender's bounded ring of bounce buffers ----
  * Used for device sources that cannot be put directly (staged path: the
  * copies run on the ring's own stream, chunk k+1..k+R-1 copying while chunk
@@ -147,6 +168,7 @@ typedef struct {
   void *stream;        /* cudaStream_t of the device-to-host copies */
   void *req[TW_KV_RING_SLOTS];    /* in-flight put from the slot */
   void *event[TW_KV_RING_SLOTS];  /* cudaEvent_t: the copy into the slot is done */
+  tw_kv_am_hdr_t hdr[TW_KV_RING_SLOTS]; /* the active message header of the slot's send */
   uint32_t next;       /* next slot to fill */
 } tw_kv_ring_t;
 
@@ -161,7 +183,7 @@ struct tw_kv_peer {
   bool cuda_ipc;          /* the endpoint has an RMA lane over cuda_ipc */
   /* the direct path: the decode worker's device pool mapped here over CUDA
    * IPC (tw_kv_ipc_desc_t in its rkey blob), copied into device to device */
-  bool has_ipc; /* the rkey blob carries a descriptor for this host */
+  bool has_ipc;           /* the rkey blob carries a descriptor for this host */
   tw_kv_ipc_desc_t ipc;
   void *ipc_ptr;          /* cudaIpcOpenMemHandle of ipc.handle, or NULL */
   bool ipc_failed;        /* opening it failed once: UCX paths from then on */
@@ -170,6 +192,9 @@ struct tw_kv_peer {
   char lanes[160];        /* the endpoint's transports, for logs */
   unsigned logged_paths;  /* bit per tw_kv_path_t already logged */
   int64_t t_first_put_ns; /* 0 when nothing is in flight */
+  void *am_req[TW_KV_AM_INFLIGHT]; /* active messages sent in place, in flight */
+  tw_kv_am_hdr_t am_hdr[TW_KV_AM_INFLIGHT];
+  int n_am;
 };
 
 struct tw_kv_xfer {
@@ -189,27 +214,51 @@ struct tw_kv_xfer {
   int64_t src_bytes;
   ucp_mem_h src_memh;
   tw_kv_xfer_stats_t stats;
-  bool ipc_allowed; /* tw_kv_xfer_set_direct_ipc */
-  void *ipc_stream; /* cudaStream_t of the direct-path copies */
-  void *ipc_event;  /* recorded at a flush: the copies are done */
+  /* regions that receive into a bounce ring (the active message handler's) */
+  tw_kv_region_t *rx[TW_KV_MAX_RX_REGIONS];
+  int n_rx;
+  bool ipc_allowed;   /* tw_kv_xfer_set_direct_ipc */
+  void *ipc_stream;   /* cudaStream_t of the direct-path copies */
+  void *ipc_event;    /* recorded at a flush: the copies are done */
 };
 
-/* Commits in flight per staged region (tickets complete in order). */
-#define TW_KV_MAX_COMMITS 64
+/* A piece that found every slot of the ring in use: its rendezvous
+ * descriptor (or eager data) waits here, in arrival order. */
+typedef struct {
+  tw_kv_am_hdr_t h;
+  void *desc;      /* rendezvous descriptor, or eager data kept by UCX */
+  void *copy;      /* eager data UCX would not keep: our copy (malloc) */
+  bool rndv;
+} tw_kv_rx_pending_t;
+
+/* The receive request of a slot: its region and index. */
+typedef struct {
+  tw_kv_region_t *r;
+  int32_t slot;
+} tw_kv_rx_slot_ctx_t;
 
 struct tw_kv_region {
   tw_kv_xfer_t *xfer;
   tw_kv_layout_t layout;
-  void *registered;   /* the pool itself, or its pinned host mirror */
-  bool staged;
+  void *registered;   /* the pool itself (NULL when staged: nothing is registered) */
+  bool staged;        /* receives into a bounce ring */
   ucp_mem_h memh;
-  void *rkey; /* the packed ucx rkey, then a tw_kv_ipc_desc_t when exported */
+  void *rkey;         /* the packed ucx rkey, then a tw_kv_ipc_desc_t when exported */
   size_t rkey_len;
-  /* staged: mirror -> device copies on their own stream, one event per commit */
+  /* staged: the ring, its pinned slots, the copies' stream and events */
+  tw_kv_rxring_t *ring;
+  uint8_t *slots;
+  int32_t n_slots;
+  int64_t slot_bytes;
+  bool slots_pinned;
+  ucp_mem_h slots_memh;
   void *stream;
-  void *event[TW_KV_MAX_COMMITS];
-  uint64_t next_ticket;  /* the last ticket handed out */
-  uint64_t done_ticket;  /* every ticket <= this one is complete */
+  void **event;        /* [n_slots] */
+  tw_kv_rx_slot_ctx_t *slot_ctx; /* [n_slots] */
+  tw_kv_rx_pending_t *pending;   /* FIFO: [head, head + n_pending) mod cap_pending */
+  int32_t head, n_pending, cap_pending;
+  int32_t receiving;   /* slots whose receive request is in flight */
+  int64_t dropped;     /* pieces refused (bad header, out of memory) */
 };
 
 static int64_t tw_now_ns(void) {
@@ -227,18 +276,107 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len) {
   return h;
 }
 
+/* ---- network devices ---- */
+
+/* The interface holding local address `a` (IFF_LOOPBACK's when a is NULL). */
+static bool tw_kv_iface_of(const struct sockaddr *a, char *name, size_t cap) {
+  struct ifaddrs *ifs = NULL;
+  if (getifaddrs(&ifs) != 0) return false;
+  bool found = false;
+  for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next) {
+    const struct sockaddr *ia = i->ifa_addr;
+    if (!ia) continue;
+    if (!a) found = (i->ifa_flags & IFF_LOOPBACK) && ia->sa_family == AF_INET;
+    else if (ia->sa_family == AF_INET && a->sa_family == AF_INET)
+      found = ((const struct sockaddr_in *)ia)->sin_addr.s_addr ==
+              ((const struct sockaddr_in *)a)->sin_addr.s_addr;
+    else if (ia->sa_family == AF_INET6 && a->sa_family == AF_INET6)
+      found = !memcmp(&((const struct sockaddr_in6 *)ia)->sin6_addr,
+                      &((const struct sockaddr_in6 *)a)->sin6_addr, sizeof(struct in6_addr));
+    if (found) snprintf(name, cap, "%s", i->ifa_name);
+  }
+  freeifaddrs(ifs);
+  return found;
+}
+
+/* The local address the kernel would use to reach host:port (a UDP
+ * connect() sends nothing), then its interface. */
+static TW_NODISCARD tw_status_t tw_kv_route_iface(const char *host, const char *port, char *name, size_t cap) {
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_DGRAM}, *res = NULL;
+  int rc = getaddrinfo(host, port, &hints, &res);
+  if (rc != 0)
+    return tw_err(TW_ERR_NOT_FOUND, "router host \"%s\" does not resolve: %s", host, gai_strerror(rc));
+  bool found = false;
+  for (struct addrinfo *ai = res; ai && !found; ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    struct sockaddr_storage local;
+    socklen_t len = sizeof local;
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        getsockname(fd, (struct sockaddr *)&local, &len) == 0)
+      found = tw_kv_iface_of((const struct sockaddr *)&local, name, cap);
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return found ? TW_OK : tw_err(TW_ERR_NOT_FOUND, "no local interface routes to the router host \"%s\"", host);
+}
+
+TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap) {
+  char name[IF_NAMESIZE + 1] = "";
+  if (!strncmp(endpoint, "ipc://", 6) || !strncmp(endpoint, "inproc://", 9)) {
+    if (!tw_kv_iface_of(NULL, name, sizeof name))
+      return tw_err(TW_ERR_NOT_FOUND, "no loopback interface on this host");
+  } else if (!strncmp(endpoint, "tcp://", 6)) {
+    char host[256];
+    const char *h = strchr(endpoint + 6, ';'); /* ZeroMQ's "tcp://SOURCE;HOST:PORT" */
+    h = h ? h + 1 : endpoint + 6;
+    const char *colon = strrchr(h, ':');
+    if (!colon || colon == h || !colon[1] || (size_t)(colon - h) >= sizeof host)
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "router endpoint %s: want tcp://HOST:PORT", endpoint);
+    size_t hl = (size_t)(colon - h);
+    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2; /* [v6] */
+    memcpy(host, h, hl);
+    host[hl] = '\0';
+    TW_CHECK(tw_kv_route_iface(host, colon + 1, name, sizeof name));
+  } else {
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "router endpoint %s: not tcp://, ipc:// or inproc://", endpoint);
+  }
+  size_t n = (size_t)snprintf(out, cap, "%s", name);
+  if (n >= cap) return tw_err(TW_ERR_OUT_OF_RANGE, "network device list over %zu bytes", cap);
+  DIR *d = opendir("/sys/class/infiniband"); /* RDMA ports: no socket listens there */
+  for (struct dirent *e; d && (e = readdir(d)) != NULL;) {
+    if (e->d_name[0] == '.') continue;
+    char path[512];
+    snprintf(path, sizeof path, "/sys/class/infiniband/%s/ports", e->d_name);
+    DIR *pd = opendir(path);
+    for (struct dirent *pe; pd && (pe = readdir(pd)) != NULL;) {
+      if (pe->d_name[0] == '.') continue;
+      n += (size_t)snprintf(out + n, n < cap ? cap - n : 0, ",%s:%s", e->d_name, pe->d_name);
+    }
+    if (pd) closedir(pd);
+  }
+  if (d) closedir(d);
+  if (n >= cap) return tw_err(TW_ERR_OUT_OF_RANGE, "network device list over %zu bytes", cap);
+  return TW_OK;
+}
+
 /* ucp_init (RMA, WAKEUP) with UCX's configuration from the environment,
- * protocols v2 forced on when `v2`; then whether CUDA memory is supported. */
-static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
+ * protocols v2 forced on when `v2`, NET_DEVICES `devices` unless NULL; then
+ * whether CUDA memory is supported. */
+static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const char *devices) {
   ucp_config_t *cfg = NULL;
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
-  if (us != UCS_OK)
-    return tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
+  if (us != UCS_OK) return tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
+  if (devices && (us = ucp_config_modify(cfg, "NET_DEVICES", devices)) != UCS_OK) {
+    ucp_config_release(cfg);
+    return tw_err(TW_ERR_TRANSPORT, "UCX NET_DEVICES=%s: %s", devices, ucs_status_string(us));
+  }
   x->proto_v2 = v2 && ucp_config_modify(cfg, "PROTO_ENABLE", "y") == UCS_OK;
   /* WAKEUP: the receiving side sleeps on the worker's event fd (see
    * tw_kv_xfer_wait_fd); emulated puts and flushes need its progress */
+  /* AM: pieces into a staged receiver's bounce ring (kv_transfer.h) */
   ucp_params_t params = {.field_mask = UCP_PARAM_FIELD_FEATURES,
-                         .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP};
+                         .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP};
   us = ucp_init(&params, cfg, &x->ctx);
   ucp_config_release(cfg);
   if (us != UCS_OK) {
@@ -251,7 +389,25 @@ static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2) {
   return TW_OK;
 }
 
-TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
+static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_length, void *data,
+                                  size_t length, const ucp_am_recv_param_t *param);
+
+TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) { return tw_kv_xfer_create_bound(NULL, xfer_p); }
+
+TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, tw_kv_xfer_t **xfer_p) {
+  char devs[1024];
+  const char *devices = NULL, *env = getenv("UCX_NET_DEVICES");
+  if (router_endpoint && env && *env) {
+    TW_INFO("kvx", "UCX network devices %s (UCX_NET_DEVICES)", env);
+  } else if (router_endpoint) {
+    if (tw_kv_net_devices(router_endpoint, devs, sizeof devs) == TW_OK) {
+      devices = devs;
+      TW_INFO("kvx", "UCX network devices %s: the interface of the router link %s (UCX_NET_DEVICES "
+              "picks others, \"all\" every one)", devs, router_endpoint);
+    } else {
+      TW_WARN("kvx", "UCX network devices: every one UCX finds (%s; set UCX_NET_DEVICES)", tw_last_error());
+    }
+  }
   tw_kv_xfer_t *x = calloc(1, sizeof *x);
   if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
   x->magic = TW_KV_XFER_MAGIC;
@@ -263,11 +419,11 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
    * unless UCX_PROTO_ENABLE says otherwise, the context is made again with
    * v2. */
   const char *proto_env = getenv("UCX_PROTO_ENABLE");
-  TW_CHECK_GOTO(tw_kv_ucp_init(x, false), st, fail);
+  TW_CHECK_GOTO(tw_kv_ucp_init(x, false, devices), st, fail);
   if (x->cuda_native && !proto_env) {
     ucp_cleanup(x->ctx);
     x->ctx = NULL;
-    TW_CHECK_GOTO(tw_kv_ucp_init(x, true), st, fail);
+    TW_CHECK_GOTO(tw_kv_ucp_init(x, true, devices), st, fail);
   } else {
     x->proto_v2 = proto_env && (proto_env[0] == 'y' || proto_env[0] == 'Y' ||
                                 proto_env[0] == '1' || !strcasecmp(proto_env, "on"));
@@ -277,6 +433,16 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   ucs_status_t us = ucp_worker_create(x->ctx, &wp, &x->worker);
   if (us != UCS_OK) {
     st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_create failed: %s", ucs_status_string(us));
+    goto fail;
+  }
+  /* pieces for a staged pool of this worker (tw_kv_am_recv, defined below) */
+  ucp_am_handler_param_t ah = {
+      .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG,
+      .id = TW_KV_AM_ID, .cb = tw_kv_am_recv, .arg = x};
+  us = ucp_worker_set_am_recv_handler(x->worker, &ah);
+  if (us != UCS_OK) {
+    st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_set_am_recv_handler failed: %s", ucs_status_string(us));
     goto fail;
   }
   us = ucp_worker_get_address(x->worker, &x->address, &x->address_len);
@@ -314,6 +480,11 @@ static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
       ucp_request_free(req);
     }
   }
+  for (int i = 0; i < p->n_am; i++) { /* completed (or cancelled) by the close */
+    for (int k = 0; k < 100000 && ucp_request_check_status(p->am_req[i]) == UCS_INPROGRESS; k++)
+      ucp_worker_progress(x->worker);
+    ucp_request_free(p->am_req[i]);
+  }
   free(p->address);
   free(p->rkey_buf);
   free(p);
@@ -339,10 +510,179 @@ const void *tw_kv_xfer_address(const tw_kv_xfer_t *x, size_t *len_p) {
   return x->address;
 }
 bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *x) { return x->cuda_native; }
+/* ---- the staged receive path: pieces into the region's bounce ring ---- */
+
+/* The ring's copy step: cudaMemcpyAsync on the region's stream and an event
+ * per slot (device pools), or memcpy (host pools, tests and benchmarks). */
+static TW_NODISCARD tw_status_t tw_kv_rx_cuda_start(void *ctx, int32_t slot, void *dst, const void *src,
+                                       size_t len) {
+  tw_kv_region_t *r = ctx;
+  tw_cudart_t *rt = &r->xfer->cudart;
+  if (rt->memcpy_async(dst, src, len, TW_CUDA_H2D, r->stream) != 0)
+    return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of %zu staged kv bytes to the device failed", len);
+  if (rt->event_record(r->event[slot], r->stream) != 0)
+    return tw_err(TW_ERR_CUDA, "cudaEventRecord after a staged kv copy failed");
+  return TW_OK;
+}
+static TW_NODISCARD tw_status_t tw_kv_rx_cuda_poll(void *ctx, int32_t slot) {
+  tw_kv_region_t *r = ctx;
+  int e = r->xfer->cudart.event_query(r->event[slot]);
+  if (e == TW_CUDA_NOT_READY) return TW_INPROGRESS;
+  if (e != 0) return tw_err(TW_ERR_CUDA, "a staged kv copy to the device failed (cuda error %d)", e);
+  return TW_OK;
+}
+static TW_NODISCARD tw_status_t tw_kv_rx_host_start(void *ctx, int32_t slot, void *dst, const void *src,
+                                       size_t len) {
+  (void)ctx;
+  (void)slot;
+  memcpy(dst, src, len);
+  return TW_OK;
+}
+static TW_NODISCARD tw_status_t tw_kv_rx_host_poll(void *ctx, int32_t slot) {
+  (void)ctx;
+  (void)slot;
+  return TW_OK;
+}
+
+static tw_kv_region_t *tw_kv_rx_find(tw_kv_xfer_t *x, uint64_t base) {
+  for (int i = 0; i < x->n_rx; i++)
+    if ((uint64_t)(uintptr_t)x->rx[i]->layout.base == base) return x->rx[i];
+  return NULL;
+}
+
+/* A slot's receive finished (rendezvous fetch into the slot). */
+static void tw_kv_rx_recv_done(void *request, ucs_status_t status, size_t length, void *user_data) {
+  tw_kv_rx_slot_ctx_t *c = user_data;
+  c->r->receiving--;
+  if (status != UCS_OK)
+    TW_WARN("kvx", "a staged kv piece of %zu bytes was not received: %s (its sender failed?)",
+            length, ucs_status_string(status));
+  TW_IGNORE(tw_kv_rxring_filled(c->r->ring, c->slot, status == UCS_OK)); /* logged by tw_err */
+  if (request) ucp_request_free(request);
+}
+
+/* Take piece `q` into a free slot: TW_OK (taken: received or its receive
+ * started), TW_INPROGRESS (no slot free: it waits), or an error (the piece
+ * is refused and released). */
+static TW_NODISCARD tw_status_t tw_kv_rx_take(tw_kv_region_t *r, tw_kv_rx_pending_t *q) {
+  int32_t k = -1;
+  void *buf = NULL;
+  tw_status_t st = tw_kv_rxring_acquire(r->ring, (int64_t)q->h.offset, (int64_t)q->h.len,
+                                        (uint32_t)q->h.tag, &k, &buf);
+  if (st == TW_INPROGRESS) return st;
+  if (st != TW_OK) {
+    r->dropped++;
+    if (q->rndv || !q->copy) ucp_am_data_release(r->xfer->worker, q->desc);
+    free(q->copy);
+    return st;
+  }
+  if (!q->rndv) { /* eager: the bytes are here already */
+    memcpy(buf, q->copy ? q->copy : q->desc, (size_t)q->h.len);
+    if (q->copy) free(q->copy);
+    else ucp_am_data_release(r->xfer->worker, q->desc);
+    return tw_kv_rxring_filled(r->ring, k, true);
+  }
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                                             UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+                             .cb.recv_am = tw_kv_rx_recv_done,
+                             .user_data = &r->slot_ctx[k],
+                             .memory_type = UCS_MEMORY_TYPE_HOST};
+  if (r->slots_memh) {
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    prm.memh = r->slots_memh;
+  }
+  void *req = ucp_am_recv_data_nbx(r->xfer->worker, q->desc, buf, (size_t)q->h.len, &prm);
+  if (UCS_PTR_IS_ERR(req)) {
+    TW_WARN("kvx", "ucp_am_recv_data_nbx of a %llu-byte staged kv piece failed: %s",
+            (unsigned long long)q->h.len, ucs_status_string(UCS_PTR_STATUS(req)));
+    return tw_kv_rxring_filled(r->ring, k, false);
+  }
+  if (req == NULL) return tw_kv_rxring_filled(r->ring, k, true); /* done at once */
+  r->receiving++;
+  return TW_OK;
+}
+
+static bool tw_kv_rx_queue(tw_kv_region_t *r, const tw_kv_rx_pending_t *q) {
+  if (r->n_pending == r->cap_pending) {
+    int32_t cap = r->cap_pending ? 2 * r->cap_pending : 64;
+    tw_kv_rx_pending_t *np = malloc(sizeof *np * (size_t)cap);
+    if (!np) return false;
+    for (int32_t i = 0; i < r->n_pending; i++)
+      np[i] = r->pending[(r->head + i) % r->cap_pending];
+    free(r->pending);
+    r->pending = np;
+    r->head = 0;
+    r->cap_pending = cap;
+  }
+  r->pending[(r->head + r->n_pending++) % r->cap_pending] = *q;
+  return true;
+}
+
+/* UCX's active message callback (in ucp_worker_progress). */
+static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_length, void *data,
+                                  size_t length, const ucp_am_recv_param_t *param) {
+  tw_kv_xfer_t *x = arg;
+  tw_kv_rx_pending_t q = {.desc = data,
+                          .rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0};
+  tw_kv_region_t *r = NULL;
+  if (header_length == sizeof q.h) memcpy(&q.h, header, sizeof q.h);
+  if (header_length != sizeof q.h || q.h.len != length || !(r = tw_kv_rx_find(x, q.h.base))) {
+    TW_WARN("kvx", "refusing a kv piece of %zu bytes: %s", length,
+            header_length != sizeof q.h ? "malformed header"
+            : q.h.len != length         ? "its length does not match its header"
+                                        : "no staged pool of this worker at that address");
+    return q.rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+  }
+  if (r->n_pending == 0) { /* else behind the waiting ones, in order */
+    tw_status_t st = tw_kv_rx_take(r, &q);
+    if (st == TW_OK) return UCS_OK;
+    if (st != TW_INPROGRESS) return q.rndv ? UCS_OK : UCS_OK; /* refused and released */
+  }
+  bool keep = q.rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
+  if (!keep) { /* eager data that UCX frees on return: copy it */
+    if (!(q.copy = malloc(length))) {
+      r->dropped++;
+      TW_ERROR("kvx", "out of memory for a waiting %zu-byte kv piece: dropped", length);
+      return UCS_OK;
+    }
+    memcpy(q.copy, data, length);
+  }
+  if (!tw_kv_rx_queue(r, &q)) {
+    r->dropped++;
+    free(q.copy);
+    TW_ERROR("kvx", "out of memory queueing a %zu-byte kv piece: dropped", length);
+    return q.rndv ? UCS_ERR_NO_MEMORY : UCS_OK;
+  }
+  return keep ? UCS_INPROGRESS : UCS_OK;
+}
+
+/* Free the slots whose copies are done, then give them to waiting pieces. */
+static TW_NODISCARD tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
+  tw_status_t first = tw_kv_rxring_poll(r->ring, NULL);
+  while (r->n_pending > 0) {
+    tw_kv_rx_pending_t *q = &r->pending[r->head];
+    tw_status_t st = tw_kv_rx_take(r, q);
+    if (st == TW_INPROGRESS) break;
+    if (st != TW_OK && first == TW_OK) first = st;
+    r->head = (r->head + 1) % r->cap_pending;
+    r->n_pending--;
+  }
+  return first;
+}
 void tw_kv_xfer_set_direct_ipc(tw_kv_xfer_t *x, bool allow) { x->ipc_allowed = allow; }
 
 void tw_kv_xfer_progress(tw_kv_xfer_t *x) {
-  while (ucp_worker_progress(x->worker)) {
+  for (int round = 0; round < 64; round++) {
+    int events = 0;
+    while (ucp_worker_progress(x->worker)) events++;
+    int32_t moved = 0;
+    for (int i = 0; i < x->n_rx; i++) {
+      tw_kv_region_t *r = x->rx[i];
+      int32_t before = r->n_pending;
+      TW_IGNORE(tw_kv_rx_pump(r)); /* a failed copy is logged; its blocks never land */
+      moved += before - r->n_pending;
+    }
+    if (!events && !moved) break;
   }
 }
 void tw_kv_xfer_stats(const tw_kv_xfer_t *x, tw_kv_xfer_stats_t *out) { *out = x->stats; }
@@ -352,11 +692,70 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
   if (ucp_worker_get_efd(x->worker, &fd) != UCS_OK) return -1;
   for (int i = 0; i < 64; i++) {
     tw_kv_xfer_progress(x);
+    /* copies out of a ring finish without a UCX event: do not sleep on them */
+    for (int k = 0; k < x->n_rx; k++) {
+      tw_kv_rxring_stats_t s;
+      tw_kv_rxring_stats(x->rx[k]->ring, &s);
+      if (s.slots_in_use > 0 || x->rx[k]->n_pending > 0) return -1;
+    }
     ucs_status_t s = ucp_worker_arm(x->worker);
     if (s == UCS_OK) return fd;
     if (s != UCS_ERR_BUSY) return -1;
   }
   return -1; /* events keep coming: do not sleep */
+}
+
+/* The ring of a staged region: pinned slots (device pools) or malloc'd ones
+ * (a host pool asked to stage), the copies' stream and events. */
+static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r, const tw_kv_region_params_t *prm) {
+  tw_kv_xfer_t *x = r->xfer;
+  const tw_kv_layout_t *l = &r->layout;
+  TW_CHECK(tw_kv_rxring_size_from_env(&r->n_slots, &r->slot_bytes));
+  if (prm && prm->n_slots > 0) r->n_slots = prm->n_slots;
+  if (prm && prm->slot_bytes > 0) r->slot_bytes = prm->slot_bytes;
+  if (x->n_rx == TW_KV_MAX_RX_REGIONS)
+    return tw_err(TW_ERR_EXHAUSTED, "at most %d staged kv pools per ucx worker", TW_KV_MAX_RX_REGIONS);
+  size_t bytes = (size_t)r->n_slots * (size_t)r->slot_bytes;
+  r->event = calloc((size_t)r->n_slots, sizeof *r->event);
+  r->slot_ctx = calloc((size_t)r->n_slots, sizeof *r->slot_ctx);
+  if (!r->event || !r->slot_ctx) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv staging ring");
+  tw_kv_rxring_params_t rp = {.pool = l->base, .n_layers = l->n_layers, .n_blocks = l->n_blocks,
+                              .block_bytes = l->block_bytes,
+                              .layer_stride_bytes = l->layer_stride_bytes,
+                              .total_bytes = l->total_bytes, .n_slots = r->n_slots,
+                              .slot_bytes = r->slot_bytes};
+  if (l->on_device) {
+    TW_CHECK(tw_cudart_load(&x->cudart));
+    void *m = NULL;
+    if (x->cudart.host_alloc(&m, bytes, 0) != 0)
+      return tw_err(TW_ERR_NO_MEMORY, "cudaHostAlloc of the %zu-byte kv staging ring failed", bytes);
+    r->slots = m;
+    r->slots_pinned = true;
+    if (x->cudart.stream_create(&r->stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
+      r->stream = NULL;
+      return tw_err(TW_ERR_CUDA, "cudaStreamCreate for the kv staging copies failed");
+    }
+    for (int32_t k = 0; k < r->n_slots; k++)
+      if (x->cudart.event_create(&r->event[k], TW_CUDA_EVENT_DISABLE_TIMING) != 0) {
+        r->event[k] = NULL;
+        return tw_err(TW_ERR_CUDA, "cudaEventCreate for the kv staging copies failed");
+      }
+    rp.copy = (tw_kv_rxring_copy_t){tw_kv_rx_cuda_start, tw_kv_rx_cuda_poll, r};
+  } else {
+    if (!(r->slots = malloc(bytes)))
+      return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the %zu-byte kv staging ring", bytes);
+    rp.copy = (tw_kv_rxring_copy_t){tw_kv_rx_host_start, tw_kv_rx_host_poll, r};
+  }
+  rp.slots_mem = r->slots;
+  for (int32_t k = 0; k < r->n_slots; k++) r->slot_ctx[k] = (tw_kv_rx_slot_ctx_t){r, k};
+  TW_CHECK(tw_kv_rxring_create(&rp, &r->ring));
+  ucp_mem_map_params_t mp = {
+      .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+      .address = r->slots, .length = bytes, .memory_type = UCS_MEMORY_TYPE_HOST};
+  if (ucp_mem_map(x->ctx, &mp, &r->slots_memh) != UCS_OK) r->slots_memh = NULL; /* still works */
+  x->rx[x->n_rx++] = r;
+  return TW_OK;
 }
 
 /* Append a tw_kv_ipc_desc_t of the device pool to the region's rkey blob
@@ -397,10 +796,8 @@ static bool tw_kv_ipc_export(tw_kv_region_t *r) {
   memcpy(blob + r->rkey_len, &d, sizeof d);
   r->rkey = blob;
   r->rkey_len += sizeof d;
-  TW_INFO("kvx",
-          "kv pool exported over CUDA IPC (device %d, %lld bytes): prefill workers on "
-          "this host copy into it device to device",
-          d.device, (long long)d.pool_bytes);
+  TW_INFO("kvx", "kv pool exported over CUDA IPC (device %d, %lld bytes): prefill workers on "
+          "this host copy into it device to device", d.device, (long long)d.pool_bytes);
   return true;
 }
 
@@ -426,14 +823,10 @@ static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   tw_kv_boot_id(boot);
   const char *off = getenv("TWAIN_KV_IPC");
   const char *why = NULL;
-  if (off && strcmp(off, "0") == 0)
-    why = "TWAIN_KV_IPC=0";
-  else if (!boot[0] || strcmp(boot, p->ipc.boot_id) != 0)
-    why = "another host";
-  else if (p->ipc.pid == (int32_t)getpid())
-    why = "the same process";
-  else if (tw_cudart_load(&x->cudart) != TW_OK || !x->cudart.ipc_open)
-    why = "no CUDA IPC";
+  if (off && strcmp(off, "0") == 0) why = "TWAIN_KV_IPC=0";
+  else if (!boot[0] || strcmp(boot, p->ipc.boot_id) != 0) why = "another host";
+  else if (p->ipc.pid == (int32_t)getpid()) why = "the same process";
+  else if (tw_cudart_load(&x->cudart) != TW_OK || !x->cudart.ipc_open) why = "no CUDA IPC";
   if (!why) {
     if (!x->ipc_stream &&
         (x->cudart.stream_create(&x->ipc_stream, TW_CUDA_STREAM_NON_BLOCKING) != 0 ||
@@ -443,15 +836,13 @@ static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
       int e = x->cudart.ipc_open(&p->ipc_ptr, p->ipc.handle, TW_CUDA_IPC_LAZY_PEER);
       if (e != 0) {
         p->ipc_ptr = NULL;
-        TW_WARN("kvx",
-                "cudaIpcOpenMemHandle of a decode worker's kv pool (pid %d, device %d) "
+        TW_WARN("kvx", "cudaIpcOpenMemHandle of a decode worker's kv pool (pid %d, device %d) "
                 "failed (cuda error %d): its handoffs take the ucx path",
                 (int)p->ipc.pid, (int)p->ipc.device, e);
         return;
       }
       p->ipc_failed = false;
-      TW_INFO("kvx",
-              "kv pool of decode worker pid %d (device %d, %lld bytes) mapped over CUDA "
+      TW_INFO("kvx", "kv pool of decode worker pid %d (device %d, %lld bytes) mapped over CUDA "
               "IPC: handoffs to it are direct device-to-device copies",
               (int)p->ipc.pid, (int)p->ipc.device, (long long)p->ipc.pool_bytes);
       return;
@@ -461,18 +852,22 @@ static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
 }
 
 TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
-                                               tw_kv_region_t **region_p) {
+                                  tw_kv_region_t **region_p) {
+  return tw_kv_region_register_ex(x, layout, NULL, region_p);
+}
+
+TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
+                                     const tw_kv_region_params_t *prm, tw_kv_region_t **region_p) {
   if (!layout || !layout->base || layout->total_bytes <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv region: empty pool layout");
   tw_kv_region_t *r = calloc(1, sizeof *r);
   if (!r) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv region");
   r->xfer = x;
   r->layout = *layout;
-  r->registered = layout->base;
   tw_status_t st = TW_OK;
-  ucs_memory_type_t mt = UCS_MEMORY_TYPE_HOST;
   /* TWAIN_KV_PATH=staged: stage even with CUDA transports (prefill workers
-   * without them, nodes without a cuda_ipc path, the staged benchmark) */
+   * without them, nodes without a cuda_ipc path, the staged benchmark), and
+   * even a host pool */
   const char *want = getenv("TWAIN_KV_PATH");
   bool force_staged = want && strcmp(want, "staged") == 0;
   /* TWAIN_KV_PATH=ipc: one host (twain serve): the device pool is reached
@@ -485,48 +880,47 @@ TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layo
       goto fail;
     }
     if (!tw_kv_ipc_export(r)) {
-      st = tw_err(TW_ERR_UNSUPPORTED,
-                  "TWAIN_KV_PATH=ipc, but the device kv pool cannot be exported "
+      st = tw_err(TW_ERR_UNSUPPORTED, "TWAIN_KV_PATH=ipc, but the device kv pool cannot be exported "
                   "over CUDA IPC (see the warning above); unset it to use ucx");
       goto fail;
     }
-    TW_INFO("kvx",
-            "kv handoff mode (receive): device KV pool over CUDA IPC only "
+    TW_INFO("kvx", "kv handoff mode (receive): device KV pool over CUDA IPC only "
             "(TWAIN_KV_PATH=ipc): prefill workers on this host copy into it, nothing else can");
     *region_p = r;
     return TW_OK;
   }
-  if (layout->on_device) {
-    if (x->cuda_native && !force_staged) {
-      mt = UCS_MEMORY_TYPE_CUDA;
-    } else {
-      TW_CHECK_GOTO(tw_cudart_load(&x->cudart), st, fail);
-      if (x->cudart.host_alloc(&r->registered, (size_t)layout->total_bytes, 0) != 0) {
-        r->registered = NULL;
-        st = tw_err(TW_ERR_NO_MEMORY, "cudaHostAlloc of a %lld-byte kv mirror failed",
-                    (long long)layout->total_bytes);
-        goto fail;
-      }
-      r->staged = true;
-      if (x->cudart.stream_create(&r->stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
-        r->stream = NULL;
-        st = tw_err(TW_ERR_CUDA, "cudaStreamCreate for the kv commit copies failed");
-        goto fail;
-      }
-      for (int k = 0; k < TW_KV_MAX_COMMITS; k++)
-        if (x->cudart.event_create(&r->event[k], TW_CUDA_EVENT_DISABLE_TIMING) != 0) {
-          r->event[k] = NULL;
-          st = tw_err(TW_ERR_CUDA, "cudaEventCreate for the kv commit copies failed");
-          goto fail;
-        }
+  /* a host pool stages only when asked (tests, benchmarks: the staged
+   * receive path on a machine without a GPU, copies out of the ring by
+   * memcpy) */
+  r->staged = (prm && prm->staging_ring) || force_staged || (layout->on_device && !x->cuda_native);
+  if (r->staged) {
+    TW_CHECK_GOTO(tw_kv_rx_ring_init(r, prm), st, fail);
+    /* no ucx rkey: an empty blob, plus a CUDA IPC descriptor of a device
+     * pool (a prefill worker on this host may copy into it directly) */
+    if (!(r->rkey = malloc(sizeof(tw_kv_ipc_desc_t)))) {
+      st = tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv rkey blob");
+      goto fail;
     }
+    r->rkey_len = 0;
+    if (layout->on_device) (void)tw_kv_ipc_export(r); /* optional: logged when it fails */
+    TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, STAGED receive: a ring "
+            "of %d x %lld MiB %s bounce buffers (TWAIN_KV_STAGING_SLOTS, TWAIN_KV_STAGING_SLOT_MB), "
+            "copied to the pool on its own stream; no pinned mirror%s",
+            (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, r->n_slots,
+            (long long)(r->slot_bytes >> 20), r->slots_pinned ? "pinned" : "host",
+            !layout->on_device ? " (host pool, staged on request: TWAIN_KV_PATH=staged)"
+            : x->cuda_native   ? " (TWAIN_KV_PATH=staged)"
+                               : " (UCX has no CUDA support)");
+    *region_p = r;
+    return TW_OK;
   }
+  r->registered = layout->base;
   ucp_mem_map_params_t mp = {
       .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                     UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
       .address = r->registered,
       .length = (size_t)layout->total_bytes,
-      .memory_type = mt};
+      .memory_type = layout->on_device ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST};
   ucs_status_t us = ucp_mem_map(x->ctx, &mp, &r->memh);
   if (us != UCS_OK) {
     r->memh = NULL;
@@ -551,17 +945,11 @@ TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layo
   r->rkey_len = len;
   ucp_rkey_buffer_release(buf);
   if (layout->on_device) (void)tw_kv_ipc_export(r); /* optional: logged when it fails */
-  TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, rkey %zu bytes%s",
-          (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, len,
-          r->staged ? ", pinned host mirror" : "");
+  TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, rkey %zu bytes",
+          (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, len);
   TW_INFO("kvx", "kv handoff mode (receive): %s",
           !layout->on_device ? "host KV pool, registered in place"
-          : r->staged ? (x->cuda_native
-                             ? "device KV pool STAGED (TWAIN_KV_PATH=staged): puts land in a pinned "
-                               "host mirror, copied to the device per handoff"
-                             : "device KV pool STAGED: puts land in a pinned host mirror, copied to "
-                               "the device per handoff (UCX has no CUDA support)")
-                      : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
+                             : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
   *region_p = r;
   return TW_OK;
 fail:
@@ -571,14 +959,29 @@ fail:
 
 void tw_kv_region_unregister(tw_kv_region_t *r) {
   if (!r) return;
-  for (int k = 0; k < TW_KV_MAX_COMMITS; k++)
-    if (r->event[k]) {
-      r->xfer->cudart.event_sync(r->event[k]); /* no copy may still read the mirror */
-      r->xfer->cudart.event_destroy(r->event[k]);
-    }
-  if (r->stream) r->xfer->cudart.stream_destroy(r->stream);
-  if (r->memh) ucp_mem_unmap(r->xfer->ctx, r->memh);
-  if (r->staged && r->registered) r->xfer->cudart.free_host(r->registered);
+  tw_kv_xfer_t *x = r->xfer;
+  for (int i = 0; i < x->n_rx; i++)
+    if (x->rx[i] == r) x->rx[i] = x->rx[--x->n_rx];
+  /* no receive or copy may still write a slot or the pool */
+  for (int i = 0; i < 100000 && r->receiving > 0; i++) ucp_worker_progress(x->worker);
+  if (r->ring && tw_kv_rxring_drain(r->ring, 10000) != TW_OK)
+    TW_WARN("kvx", "unregistering a staged kv pool with copies still running");
+  for (int32_t i = 0; i < r->n_pending; i++) { /* their senders see them dropped */
+    tw_kv_rx_pending_t *q = &r->pending[(r->head + i) % r->cap_pending];
+    if (q->copy) free(q->copy);
+    else ucp_am_data_release(x->worker, q->desc);
+  }
+  free(r->pending);
+  for (int32_t k = 0; r->event && k < r->n_slots; k++)
+    if (r->event[k]) x->cudart.event_destroy(r->event[k]);
+  if (r->stream) x->cudart.stream_destroy(r->stream);
+  if (r->slots_memh) ucp_mem_unmap(x->ctx, r->slots_memh);
+  if (r->slots && r->slots_pinned) x->cudart.free_host(r->slots);
+  else free(r->slots);
+  tw_kv_rxring_destroy(r->ring);
+  free(r->event);
+  free(r->slot_ctx);
+  if (r->memh) ucp_mem_unmap(x->ctx, r->memh);
   free(r->rkey);
   free(r);
 }
@@ -591,7 +994,7 @@ const void *tw_kv_region_rkey(const tw_kv_region_t *r, size_t *len_p) {
 void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *o) {
   const tw_kv_layout_t *l = &r->layout;
   *o = (tw_kv_remote_layout_t){.dtype = l->dtype,
-                               .on_device = l->on_device && !r->staged,
+                               .on_device = l->on_device,
                                .n_layers = l->n_layers,
                                .n_blocks = l->n_blocks,
                                .block_size = l->block_size,
@@ -599,71 +1002,46 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *
                                .head_dim = l->head_dim,
                                .layer_stride_bytes = l->layer_stride_bytes,
                                .block_bytes = l->block_bytes,
-                               .remote_base = (uint64_t)(uintptr_t)r->registered,
-                               .total_bytes = l->total_bytes};
+                               .remote_base = (uint64_t)(uintptr_t)l->base,
+                               .total_bytes = l->total_bytes,
+                               .staging_slot_bytes = r->staged ? r->slot_bytes : 0};
 }
 
-TW_NODISCARD tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *r, uint64_t ticket) {
-  if (ticket <= r->done_ticket) return TW_OK;
-  if (ticket > r->next_ticket)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "kv commit ticket %llu was never handed out",
-                  (unsigned long long)ticket);
-  int e = r->xfer->cudart.event_query(r->event[ticket % TW_KV_MAX_COMMITS]);
-  if (e == TW_CUDA_NOT_READY) return TW_INPROGRESS;
-  if (e != 0) return tw_err(TW_ERR_CUDA, "a kv commit copy to the device failed (cuda error %d)", e);
-  r->done_ticket = ticket; /* one stream: the earlier ones are done too */
-  return TW_OK;
-}
-
-TW_NODISCARD tw_status_t tw_kv_region_commit_start(tw_kv_region_t *r, const int32_t *ids, int32_t n,
-                                                   uint64_t *ticket_p) {
-  *ticket_p = 0;
+TW_NODISCARD tw_status_t tw_kv_region_landed(tw_kv_region_t *r, uint64_t tag, const int32_t *ids, int32_t n,
+                                const int32_t *firsts) {
   if (!r->staged) return TW_OK;
-  const tw_kv_layout_t *l = &r->layout;
-  for (int32_t i = 0; i < n; i++)
-    if (ids[i] < 0 || ids[i] >= l->n_blocks)
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "kv commit: block %d outside the pool of %d", ids[i],
-                    l->n_blocks);
-  /* the event slot of the new ticket must be free: its ticket - MAX done */
-  uint64_t t = r->next_ticket + 1;
-  if (t - r->done_ticket >= TW_KV_MAX_COMMITS) {
-    uint64_t old = t - TW_KV_MAX_COMMITS;
-    if (r->xfer->cudart.event_sync(r->event[old % TW_KV_MAX_COMMITS]) != 0)
-      return tw_err(TW_ERR_CUDA, "a kv commit copy to the device failed");
-    r->done_ticket = old;
+  tw_status_t st = tw_kv_rx_pump(r);
+  if (st != TW_OK) return st;
+  return tw_kv_rxring_landed(r->ring, (uint32_t)tag, ids, n, firsts);
+}
+
+TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *r, uint64_t tag, const int32_t *ids, int32_t n,
+                                const int32_t *firsts, int timeout_ms) {
+  int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
+  for (;;) {
+    tw_kv_xfer_progress(r->xfer);
+    tw_status_t st = tw_kv_region_landed(r, tag, ids, n, firsts);
+    if (st != TW_INPROGRESS) return st;
+    if (tw_now_ns() > deadline)
+      return tw_err(TW_ERR_DEADLINE, "the kv of handoff %llu was not all in the pool within %d ms",
+                    (unsigned long long)tag, timeout_ms);
+    struct timespec ts = {0, 20000};
+    nanosleep(&ts, NULL);
   }
-  tw_cudart_t *rt = &r->xfer->cudart;
-  for (int32_t layer = 0; layer < l->n_layers; layer++)
-    for (int32_t i = 0, k; i < n; i += k) { /* one copy per run of consecutive blocks */
-      k = tw_kv_run_length(ids, ids, i, n);
-      int64_t off = layer * l->layer_stride_bytes + (int64_t)ids[i] * l->block_bytes;
-      if (rt->memcpy_async((char *)l->base + off, (char *)r->registered + off,
-                           (size_t)(k * l->block_bytes), TW_CUDA_H2D, r->stream) != 0)
-        return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of kv blocks %d..%d layer %d to the device failed",
-                      ids[i], ids[i] + k - 1, layer);
-    }
-  if (rt->event_record(r->event[t % TW_KV_MAX_COMMITS], r->stream) != 0)
-    return tw_err(TW_ERR_CUDA, "cudaEventRecord after the kv commit copies failed");
-  r->next_ticket = t;
-  *ticket_p = t;
-  return TW_OK;
 }
 
-TW_NODISCARD tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *r, uint64_t ticket) {
-  tw_status_t st = tw_kv_region_commit_poll(r, ticket);
-  if (st != TW_INPROGRESS) return st;
-  if (r->xfer->cudart.event_sync(r->event[ticket % TW_KV_MAX_COMMITS]) != 0)
-    return tw_err(TW_ERR_CUDA, "a kv commit copy to the device failed");
-  r->done_ticket = ticket;
-  return TW_OK;
+bool tw_kv_region_staging_stats(const tw_kv_region_t *r, tw_kv_rxring_stats_t *out) {
+  if (!r->ring) return false;
+  tw_kv_rxring_stats(r->ring, out);
+  return true;
 }
 
-TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *r, const int32_t *ids, int32_t n) {
-  uint64_t t = 0;
-  TW_CHECK(tw_kv_region_commit_start(r, ids, n, &t));
-  return tw_kv_region_commit_wait(r, t);
+void tw_kv_layer_firsts(const tw_model_config_t *c, int32_t n_tokens, int32_t block_size,
+                        int32_t *firsts) {
+  for (int32_t l = 0; l < c->n_layers; l++)
+    firsts[l] = tw_kv_layer_first_block(n_tokens, block_size, c->layer_types[l] == TW_LAYER_SLIDING,
+                                        c->sliding_window);
 }
-
 static void tw_kv_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
   tw_kv_peer_t *p = arg;
   p->failed = 1;
@@ -724,7 +1102,7 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
 }
 
 TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address_len,
-                                         const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
+                            const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
   tw_kv_peer_t *p = NULL;
   for (int i = 0; i < x->n_peers; i++) {
     tw_kv_peer_t *q = x->peers[i];
@@ -791,9 +1169,9 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
     memcpy(p->rkey_buf, rkey, rkey_len);
     p->rkey_len = rkey_len;
     /* an empty ucx part: a pool reachable over CUDA IPC alone (TWAIN_KV_PATH=ipc) */
-    ucs_status_t us = ucx_len ? ucp_ep_rkey_unpack(p->ep, p->rkey_buf, &p->rkey)
-                      : has   ? UCS_OK
-                              : UCS_ERR_INVALID_PARAM;
+    /* an empty ucx part: a pool reachable over CUDA IPC alone
+     * (TWAIN_KV_PATH=ipc), or a staged receiver (pieces into its ring) */
+    ucs_status_t us = ucx_len ? ucp_ep_rkey_unpack(p->ep, p->rkey_buf, &p->rkey) : UCS_OK;
     if (us != UCS_OK) {
       p->rkey = NULL;
       p->rkey_len = 0;
@@ -801,8 +1179,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
     }
   }
   p->ipc_allowed = x->ipc_allowed;
-  if (p->ipc_allowed)
-    tw_kv_ipc_open(x, p); /* once per descriptor: the path is known before the first put */
+  if (p->ipc_allowed) tw_kv_ipc_open(x, p); /* once per descriptor: the path is known before the first put */
   *peer_p = p;
   return TW_OK;
 }
@@ -818,7 +1195,7 @@ int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int3
 }
 
 static TW_NODISCARD tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32_t id,
-                                                char **ptr_p) {
+                                   char **ptr_p) {
   if (layer < 0 || layer >= l->n_layers || id < 0 || id >= l->n_blocks)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv block %d of layer %d is outside the pool (%d x %d)",
                   id, layer, l->n_layers, l->n_blocks);
@@ -931,13 +1308,82 @@ static TW_NODISCARD tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_
  * source, up to TW_KV_RING_SLOTS chunks ahead), then checksum and (if `put`)
  * put each chunk to raddr + its offset. A slot is refilled only after its
  * previous put completed locally. */
+/* Wait (progressing, at most timeout_ms) until the active messages sent in
+ * place to `p` completed (the receiver fetched them), freeing them.
+ * Errors: TW_ERR_DEADLINE (the peer is marked failed), TW_ERR_UNAVAILABLE
+ * (a send failed). */
+static TW_NODISCARD tw_status_t tw_kv_am_wait(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
+  int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
+  ucs_status_t bad = UCS_OK;
+  for (int i = 0; i < p->n_am; i++) {
+    ucs_status_t s;
+    while ((s = ucp_request_check_status(p->am_req[i])) == UCS_INPROGRESS) {
+      ucp_worker_progress(x->worker);
+      if (tw_now_ns() > deadline) {
+        p->failed = 1; /* the endpoint is dropped; its close completes these */
+        return tw_err(TW_ERR_DEADLINE,
+                      "the decode worker did not take %d staged kv pieces within %d ms",
+                      p->n_am - i, timeout_ms);
+      }
+    }
+    if (s != UCS_OK && bad == UCS_OK) bad = s;
+    ucp_request_free(p->am_req[i]);
+    p->am_req[i] = NULL;
+  }
+  p->n_am = 0;
+  if (bad != UCS_OK) {
+    p->failed = 1;
+    return tw_err(TW_ERR_UNAVAILABLE, "a staged kv piece was refused by the decode worker: %s",
+                  ucs_status_string(bad));
+  }
+  return TW_OK;
+}
+
+typedef enum {
+  TW_KV_RING_READ = 0, /* checksum only */
+  TW_KV_RING_PUT = 1,  /* put each chunk to raddr + its offset */
+  TW_KV_RING_AM = 2,   /* send each chunk into the receiver's bounce ring (dst) */
+} tw_kv_ring_mode_t;
+
+/* The largest piece a staged receiver takes (one of its slots, at most one
+ * of ours). */
+static int64_t tw_kv_am_chunk(const tw_kv_remote_layout_t *dst) {
+  return dst->staging_slot_bytes < TW_KV_RING_SLOT_BYTES ? dst->staging_slot_bytes
+                                                         : TW_KV_RING_SLOT_BYTES;
+}
+
+/* Send `len` bytes at `buf` as one active message to the staged receiver
+ * `dst`, landing at raddr (forced rendezvous: the receiver fetches it when
+ * it has a slot). *hdr must stay put until the request completes. */
+static TW_NODISCARD tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_remote_layout_t *dst,
+                                 const void *buf, int64_t len, uint64_t raddr, ucp_mem_h memh,
+                                 ucs_memory_type_t mt, tw_kv_am_hdr_t *hdr, void **req_p) {
+  *hdr = (tw_kv_am_hdr_t){.base = dst->remote_base, .offset = raddr - dst->remote_base,
+                          .len = (uint64_t)len, .tag = dst->handoff_tag};
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+                             .flags = UCP_AM_SEND_FLAG_RNDV,
+                             .memory_type = mt};
+  if (memh) {
+    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    prm.memh = memh;
+  }
+  void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_ID, hdr, sizeof *hdr, buf, (size_t)len, &prm);
+  if (UCS_PTR_IS_ERR(req))
+    return tw_err(TW_ERR_TRANSPORT, "ucp_am_send_nbx of %lld kv bytes failed: %s", (long long)len,
+                  ucs_status_string(UCS_PTR_STATUS(req)));
+  *req_p = req;
+  x->stats.puts++;
+  x->stats.ring_bytes += len;
+  return TW_OK;
+}
+
 static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
-                                               const tw_kv_seg_t *segs, int32_t n_segs,
-                                               int64_t total, uint64_t raddr, uint64_t *h,
-                                               bool put) {
+                                  const tw_kv_seg_t *segs, int32_t n_segs, int64_t total,
+                                  uint64_t raddr, uint64_t *h, tw_kv_ring_mode_t mode,
+                                  const tw_kv_remote_layout_t *dst) {
   TW_CHECK(tw_kv_ring_init(x, device));
   tw_kv_ring_t *g = &x->ring;
-  const int64_t S = TW_KV_RING_SLOT_BYTES;
+  const int64_t S = mode == TW_KV_RING_AM ? tw_kv_am_chunk(dst) : TW_KV_RING_SLOT_BYTES;
   int64_t n_chunks = (total + S - 1) / S, copied = 0, sent = 0, so = 0;
   int32_t si = 0;
   int slot_of[TW_KV_RING_SLOTS];
@@ -946,16 +1392,16 @@ static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p,
       int k = (int)(g->next++ % TW_KV_RING_SLOTS);
       TW_CHECK(tw_kv_req_wait(x, &g->req[k]));
       int64_t len = total - copied * S < S ? total - copied * S : S;
-      uint8_t *dst = g->mem + (int64_t)k * S;
+      uint8_t *slot = g->mem + (int64_t)k * TW_KV_RING_SLOT_BYTES;
       for (int64_t done = 0; done < len && si < n_segs;) {
         int64_t piece = segs[si].bytes - so < len - done ? segs[si].bytes - so : len - done;
         if (device) {
-          if (piece > 0 && x->cudart.memcpy_async(dst + done, (const char *)segs[si].ptr + so,
+          if (piece > 0 && x->cudart.memcpy_async(slot + done, (const char *)segs[si].ptr + so,
                                                   (size_t)piece, TW_CUDA_D2H, g->stream) != 0)
             return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of %lld kv bytes to the bounce ring failed",
                           (long long)piece);
         } else if (piece > 0) {
-          memcpy(dst + done, (const char *)segs[si].ptr + so, (size_t)piece);
+          memcpy(slot + done, (const char *)segs[si].ptr + so, (size_t)piece);
         }
         done += piece;
         so += piece;
@@ -971,11 +1417,15 @@ static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p,
     }
     int k = slot_of[sent % TW_KV_RING_SLOTS];
     int64_t len = total - sent * S < S ? total - sent * S : S;
-    const uint8_t *src = g->mem + (int64_t)k * S;
+    const uint8_t *src = g->mem + (int64_t)k * TW_KV_RING_SLOT_BYTES;
     if (device && x->cudart.event_sync(g->event[k]) != 0)
       return tw_err(TW_ERR_CUDA, "a kv copy to the bounce ring failed");
     if (h) *h = tw_kv_fnv1a(*h, src, (size_t)len);
-    if (put) {
+    if (mode == TW_KV_RING_AM) {
+      TW_CHECK(tw_kv_am_send(x, p, dst, src, len, raddr + (uint64_t)(sent * S), g->memh,
+                             UCS_MEMORY_TYPE_HOST, &g->hdr[k], &g->req[k]));
+      if (device) x->stats.staged_bytes += len;
+    } else if (mode == TW_KV_RING_PUT) {
       ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
                                  .memory_type = UCS_MEMORY_TYPE_HOST};
       if (g->memh) {
@@ -1002,8 +1452,16 @@ tw_kv_path_t tw_kv_xfer_path(const tw_kv_peer_t *p, bool src_on_device, bool dst
   return src_on_device ? TW_KV_PATH_STAGED : TW_KV_PATH_HOST;
 }
 
+tw_kv_path_t tw_kv_xfer_path_to(const tw_kv_peer_t *p, bool src_on_device,
+                                const tw_kv_remote_layout_t *dst) {
+  if (src_on_device && p->ipc_ptr && p->ipc_allowed) return TW_KV_PATH_DIRECT_CUDA_IPC;
+  return dst->staging_slot_bytes > 0 ? TW_KV_PATH_STAGED_RECV
+                                     : tw_kv_xfer_path(p, src_on_device, dst->on_device);
+}
+
 const char *tw_kv_path_name(tw_kv_path_t path) {
   switch (path) {
+    case TW_KV_PATH_STAGED_RECV: return "staged (the receiver's bounce ring)";
     case TW_KV_PATH_HOST: return "host";
     case TW_KV_PATH_DIRECT_CUDA_IPC: return "direct cuda_ipc";
     case TW_KV_PATH_DIRECT_UCX: return "direct ucx cuda_ipc";
@@ -1015,8 +1473,8 @@ const char *tw_kv_path_name(tw_kv_path_t path) {
 const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *p) { return p->lanes; }
 
 TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
-                                        const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
-                                        int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
+                           const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
+                           int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
   if (p->failed) return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
   int64_t total = 0;
   const char *lo = src->base, *hi = (const char *)src->base + src->total_bytes;
@@ -1034,14 +1492,12 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
                   "kv put of %lld bytes at remote offset %llu is outside the remote pool (%lld bytes)",
                   (long long)total, (unsigned long long)(raddr - dst->remote_base),
                   (long long)dst->total_bytes);
-  tw_kv_path_t path = tw_kv_xfer_path(p, src->on_device, dst->on_device);
-  if (path == TW_KV_PATH_DIRECT_CUDA_IPC &&
-      (int64_t)(raddr - dst->remote_base) + total > p->ipc.pool_bytes)
-    return tw_err(
-        TW_ERR_INVALID_ARGUMENT,
-        "kv copy of %lld bytes at remote offset %llu is outside the mapped pool (%lld bytes)",
-        (long long)total, (unsigned long long)(raddr - dst->remote_base),
-        (long long)p->ipc.pool_bytes);
+  tw_kv_path_t path = tw_kv_xfer_path_to(p, src->on_device, dst);
+  if (path == TW_KV_PATH_DIRECT_CUDA_IPC && (int64_t)(raddr - dst->remote_base) + total > p->ipc.pool_bytes)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "kv copy of %lld bytes at remote offset %llu is outside the mapped pool (%lld bytes)",
+                  (long long)total, (unsigned long long)(raddr - dst->remote_base),
+                  (long long)p->ipc.pool_bytes);
   if (!(p->logged_paths & (1u << path))) {
     p->logged_paths |= 1u << path;
     TW_INFO("kvx", "kv handoff path to a decode worker: %s (%s pool -> %s pool; ucx lanes: %s)",
@@ -1056,16 +1512,14 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
       if (segs[i].bytes == 0) continue;
       if (x->cudart.memcpy_async(d, segs[i].ptr, (size_t)segs[i].bytes, TW_CUDA_DEFAULT,
                                  x->ipc_stream) != 0)
-        return tw_err(TW_ERR_CUDA,
-                      "cudaMemcpyAsync of %lld kv bytes into the decode worker's "
-                      "pool (CUDA IPC) failed",
-                      (long long)segs[i].bytes);
+        return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of %lld kv bytes into the decode worker's "
+                      "pool (CUDA IPC) failed", (long long)segs[i].bytes);
       d += segs[i].bytes;
       x->stats.puts++;
       x->stats.direct_bytes += segs[i].bytes;
     }
     p->ipc_pending = true;
-    if (h) TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, false));
+    if (h) TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, TW_KV_RING_READ, dst));
     x->stats.bytes_sent += total;
     return TW_OK;
   }
@@ -1083,12 +1537,28 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
                     "into device memory. Both workers need the CUDA-enabled UCX "
                     "(deploy/build_ucx_cuda.sh) with cuda_ipc in UCX_TLS, or neither",
                     p->lanes[0] ? p->lanes : "unknown");
+    case TW_KV_PATH_STAGED_RECV:
+      if (src->on_device || n_segs > 1) { /* through our ring: a device copy, or a gather */
+        TW_CHECK(tw_kv_ring_put(x, p, src->on_device, segs, n_segs, total, raddr, h, TW_KV_RING_AM,
+                                dst));
+        break;
+      }
+      /* one host piece: sent in place, a slot's worth at a time */
+      for (int64_t off = 0, C = tw_kv_am_chunk(dst); off < total; off += C) {
+        if (p->n_am == TW_KV_AM_INFLIGHT) TW_CHECK(tw_kv_am_wait(x, p, 10000));
+        int64_t len = total - off < C ? total - off : C;
+        TW_CHECK(tw_kv_am_send(x, p, dst, (const char *)segs[0].ptr + off, len, raddr + (uint64_t)off,
+                               NULL, UCS_MEMORY_TYPE_HOST, &p->am_hdr[p->n_am], &p->am_req[p->n_am]));
+        if (p->am_req[p->n_am]) p->n_am++;
+      }
+      if (h) *h = tw_kv_fnv1a(*h, segs[0].ptr, (size_t)total);
+      break;
     case TW_KV_PATH_STAGED:
-      TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, true));
+      TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, TW_KV_RING_PUT, dst));
       break;
     case TW_KV_PATH_HOST:
       if (n_segs > 1) { /* gather into one put */
-        TW_CHECK(tw_kv_ring_put(x, p, false, segs, n_segs, total, raddr, h, true));
+        TW_CHECK(tw_kv_ring_put(x, p, false, segs, n_segs, total, raddr, h, TW_KV_RING_PUT, dst));
         break;
       }
       __attribute__((fallthrough)); /* one piece: put in place */
@@ -1117,7 +1587,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
         if (path == TW_KV_PATH_DIRECT_UCX) x->stats.direct_bytes += segs[i].bytes;
       }
       if (h && src->on_device) /* read back through the ring: no put */
-        TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, false));
+        TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, TW_KV_RING_READ, dst));
       else if (h)
         for (int32_t i = 0; i < n_segs; i++) *h = tw_kv_fnv1a(*h, segs[i].ptr, (size_t)segs[i].bytes);
       break;
@@ -1128,11 +1598,10 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
   return TW_OK;
 }
 
-TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p,
-                                               const tw_kv_layout_t *src,
-                                               const tw_kv_remote_layout_t *dst, int32_t layer,
-                                               const int32_t *src_ids, const int32_t *dst_ids,
-                                               int32_t first, int32_t n, uint64_t *maybe_checksum) {
+TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
+                                  const tw_kv_remote_layout_t *dst, int32_t layer,
+                                  const int32_t *src_ids, const int32_t *dst_ids, int32_t first,
+                                  int32_t n, uint64_t *maybe_checksum) {
   if (src->dtype != dst->dtype || src->block_size != dst->block_size ||
       src->n_kv_heads_local != dst->n_kv_heads || src->head_dim != dst->head_dim ||
       src->block_bytes != dst->block_bytes || src->n_layers != dst->n_layers)
@@ -1167,6 +1636,8 @@ int32_t tw_kv_run_length(const int32_t *src_ids, const int32_t *dst_ids, int32_t
 }
 
 TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
+  /* pieces for a staged receiver: done when it has answered each */
+  if (p->n_am) TW_CHECK(tw_kv_am_wait(x, p, timeout_ms));
   if (p->ipc_pending) { /* the direct copies: done on the device once the event is */
     if (x->cudart.event_record(x->ipc_event, x->ipc_stream) != 0)
       return tw_err(TW_ERR_CUDA, "cudaEventRecord after the direct kv copies failed");
@@ -1174,16 +1645,13 @@ TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int 
     int e;
     while ((e = x->cudart.event_query(x->ipc_event)) == TW_CUDA_NOT_READY) {
       if (tw_now_ns() > deadline)
-        return tw_err(TW_ERR_DEADLINE, "direct kv copies did not complete within %d ms",
-                      timeout_ms);
+        return tw_err(TW_ERR_DEADLINE, "direct kv copies did not complete within %d ms", timeout_ms);
       struct timespec ts = {0, 20000};
       nanosleep(&ts, NULL);
     }
     if (e != 0)
-      return tw_err(TW_ERR_CUDA,
-                    "a direct kv copy into the decode worker's pool failed (cuda "
-                    "error %d)",
-                    e);
+      return tw_err(TW_ERR_CUDA, "a direct kv copy into the decode worker's pool failed (cuda "
+                    "error %d)", e);
     p->ipc_pending = false;
   }
   ucp_request_param_t prm = {.op_attr_mask = 0};
@@ -1222,9 +1690,8 @@ TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int 
   return TW_OK;
 }
 
-TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer,
-                                              const int32_t *ids, int32_t first, int32_t n,
-                                              uint64_t *checksum_p) {
+TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer, const int32_t *ids,
+                                 int32_t first, int32_t n, uint64_t *checksum_p) {
   uint64_t h = TW_KV_FNV_INIT;
   tw_cudart_t rt = {0};
   uint8_t *copy = NULL;

@@ -26,17 +26,34 @@
  *    on the host (TW_ERR_UNSUPPORTED instead). UCX 1.13 puts over cuda_ipc
  *    (zero-copy only) with its protocols v2 alone, so a context with CUDA
  *    support is made with UCX_PROTO_ENABLE=y unless the environment sets it;
- *  - staged: a device pool into a host-registered decode pool (UCX without
- *    CUDA): device-to-host copies on the ring's own stream, several chunks
- *    ahead of the puts, into a bounded ring (4 x 8 MiB pinned) on the sender.
- *    The receiver registers a pinned host mirror of its pool and copies the
- *    received blocks into device memory in tw_kv_region_commit(). A
- *    receiver stages also with CUDA transports when TWAIN_KV_PATH=staged.
+ *  - staged (sender): a device pool into a host-registered decode pool:
+ *    device-to-host copies on the sender ring's own stream, several chunks
+ *    ahead of the puts, into a bounded ring (4 x 8 MiB pinned) on the sender;
+ *  - staged (receiver's ring): a device decode pool that this UCX cannot
+ *    reach (no CUDA transports, or TWAIN_KV_PATH=staged, which stages a
+ *    host pool too: the same path on a machine without a GPU, copies out
+ *    of the ring by memcpy) is not registered
+ *    at all, and no pinned mirror of it exists. The sender sends each piece
+ *    (at most one receiver slot, from its pool or its own ring for a device
+ *    source) as a UCX active message forced to rendezvous, whose header
+ *    names the pool, the destination offset and the handoff (request id).
+ *    The receiver (kv_rxring.h) fetches a piece into a free slot of its
+ *    bounded ring of pinned buffers (TWAIN_KV_STAGING_SLOTS x
+ *    TWAIN_KV_STAGING_SLOT_MB, default 16 x 8 MiB), copies the slot to the
+ *    pool on its own stream (cudaMemcpyAsync, then an event), and frees the
+ *    slot when that event completes. With every slot in use, a piece's
+ *    rendezvous waits (the sender's send and flush do not complete):
+ *    back-pressure without any unbounded buffer. The decode worker uses a
+ *    sequence's blocks once tw_kv_region_landed says every byte of every
+ *    block sent for that request is on the device; it never waits for it.
+ *    Chosen over a credit scheme because the rendezvous is the credit:
+ *    UCX already holds the sender until the receiver offers a buffer.
  * Not thread-safe: one thread per tw_kv_xfer_t. */
 #ifndef TW_COMMON_KV_TRANSFER_H
 #define TW_COMMON_KV_TRANSFER_H
 
 #include "common/engine.h"
+#include "common/kv_rxring.h"
 #include "common/status.h"
 
 #include <stdbool.h>
@@ -65,6 +82,12 @@ typedef struct {
   int64_t block_bytes;
   uint64_t remote_base;   /* registered base address in the owner process */
   int64_t total_bytes;
+  /* > 0: the pool takes pieces of at most this many bytes into its bounce
+   * ring as active messages (staged receive; no rkey) */
+  int64_t staging_slot_bytes;
+  /* the sender's: names the handoff (its request id) in each piece sent to a
+   * staged receiver, which counts a block complete for that handoff only */
+  uint64_t handoff_tag;
 } tw_kv_remote_layout_t;
 
 /** Counters since creation (for metrics). */
@@ -75,6 +98,8 @@ typedef struct {
   double transfer_seconds;   /* summed wall time from first put to flush done */
   int64_t direct_bytes;      /* of bytes_sent, put device to device (cuda_ipc) */
   int64_t staged_bytes;      /* of bytes_sent, copied through the bounce ring from a device */
+  int64_t ring_bytes;        /* of bytes_sent, sent into a receiver's bounce ring (active
+                              * messages, counted in puts) */
 } tw_kv_xfer_stats_t;
 
 /** How bytes go from a local pool to a remote one (see the file comment). */
@@ -84,6 +109,7 @@ typedef enum {
   TW_KV_PATH_STAGED = 2,
   TW_KV_PATH_UNREACHABLE = 3, /* device pool, no cuda_ipc lane: refused */
   TW_KV_PATH_DIRECT_UCX = 4,  /* device to device, UCX put over a cuda_ipc lane */
+  TW_KV_PATH_STAGED_RECV = 5, /* pieces into the receiver's bounce ring (staged receive) */
 } tw_kv_path_t;
 
 /** One piece of a local pool: `bytes` bytes at `ptr`. */
@@ -96,6 +122,25 @@ typedef struct {
  *  Errors: TW_ERR_TRANSPORT (ucp_init/ucp_worker_create failed, with the
  *  UCS status text), TW_ERR_NO_MEMORY. */
 TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p);
+/** As tw_kv_xfer_create, with UCX's network devices bound for a worker
+ *  whose router link is `router_endpoint` (a ZeroMQ endpoint): the operator's
+ *  UCX_NET_DEVICES when set (UCX reads it; "all" is UCX's default), else
+ *  tw_kv_net_devices of the endpoint, so UCX's TCP transport listens only on
+ *  the interface the router link uses (loopback for 127.0.0.1). Logged
+ *  either way. When no interface can be derived, UCX's default is kept and
+ *  a warning says so. NULL endpoint: as tw_kv_xfer_create. Errors: as
+ *  tw_kv_xfer_create. */
+TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, tw_kv_xfer_t **xfer_p);
+/** UCX_NET_DEVICES for a worker whose router link is `endpoint`: the name of
+ *  the local interface that routes to its host ("tcp://HOST:PORT",
+ *  "tcp://SRC;HOST:PORT", "[v6]" hosts; ipc:// and inproc:// are this host:
+ *  the loopback interface), then every RDMA port (/sys/class/infiniband,
+ *  "mlx5_0:1"; RDMA listens on no socket). Writes a NUL-terminated list of at
+ *  most cap - 1 bytes to out. Errors: TW_ERR_INVALID_ARGUMENT (not a tcp,
+ *  ipc or inproc endpoint, no port), TW_ERR_NOT_FOUND (the host does not
+ *  resolve, no route, or no interface holds the local address),
+ *  TW_ERR_OUT_OF_RANGE (the list does not fit in cap). */
+TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap);
 /** Destroy endpoints, regions' rkeys and the worker. NULL does nothing. */
 void tw_kv_xfer_destroy(tw_kv_xfer_t *xfer);
 
@@ -120,47 +165,63 @@ void tw_kv_xfer_stats(const tw_kv_xfer_t *xfer, tw_kv_xfer_stats_t *stats_p);
  *  caller must not sleep (events pending, or no wakeup support). */
 int tw_kv_xfer_wait_fd(tw_kv_xfer_t *xfer);
 
+/** How a region receives (tw_kv_region_register_ex). */
+typedef struct {
+  /* take pieces into a bounce ring even for a host pool (tests and
+   * benchmarks of the staged receive path on a machine without a GPU: the
+   * copy out of a slot is then a memcpy) */
+  bool staging_ring;
+  int32_t n_slots;      /* 0: TWAIN_KV_STAGING_SLOTS or its default (kv_rxring.h) */
+  int64_t slot_bytes;   /* 0: TWAIN_KV_STAGING_SLOT_MB or its default */
+} tw_kv_region_params_t;
+
 /** Register a KV pool for remote writes. Host pools are mapped in place;
- *  a device pool without native CUDA support gets a pinned host mirror.
- *  Errors: TW_ERR_INVALID_ARGUMENT (empty layout), TW_ERR_TRANSPORT
- *  (ucp_mem_map/ucp_rkey_pack), TW_ERR_UNSUPPORTED (device pool, no native
- *  support and no libcudart), TW_ERR_NO_MEMORY. */
+ *  a device pool without native CUDA support (or with TWAIN_KV_PATH=staged)
+ *  gets the staged receive path: a bounded ring of pinned bounce buffers
+ *  (kv_rxring.h), sized by TWAIN_KV_STAGING_SLOTS / _SLOT_MB and logged.
+ *  Errors: TW_ERR_INVALID_ARGUMENT (empty layout, a bad ring size setting),
+ *  TW_ERR_TRANSPORT (ucp_mem_map/ucp_rkey_pack), TW_ERR_UNSUPPORTED (device
+ *  pool, no native support and no libcudart), TW_ERR_CUDA (the ring's stream
+ *  or events), TW_ERR_NO_MEMORY. */
 TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *xfer, const tw_kv_layout_t *layout,
-                                               tw_kv_region_t **region_p);
+                                  tw_kv_region_t **region_p);
+/** The same with explicit receive parameters (NULL: as tw_kv_region_register). */
+TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *xfer, const tw_kv_layout_t *layout,
+                                     const tw_kv_region_params_t *params,
+                                     tw_kv_region_t **region_p);
+/** Unregister; waits (at most 10 s) for the ring's copies. NULL does nothing. */
 void tw_kv_region_unregister(tw_kv_region_t *region);
-/** Packed rkey (borrowed) and the layout to publish in a KvHandoff. */
+/** Packed rkey (borrowed; length 0 for a staged receiver, which takes no
+ *  puts) and the layout to publish in a KvHandoff. */
 const void *tw_kv_region_rkey(const tw_kv_region_t *region, size_t *len_p);
 void tw_kv_region_remote_layout(const tw_kv_region_t *region, tw_kv_remote_layout_t *out);
-/** After PrefillDone: make the received blocks visible to the engine (copy
- *  mirror -> device when staging, one copy per run of consecutive blocks per
- *  layer; nothing for host or native pools), waiting for the copies.
- *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool), TW_ERR_CUDA. */
-TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *region, const int32_t *block_ids,
-                                             int32_t n_blocks);
-/** The same without waiting: the copies are enqueued on the region's own
- *  stream (cudaMemcpyAsync from the pinned mirror, so they overlap the
- *  engine's decode steps on its stream) and *ticket_p names them (0: nothing
- *  to copy, already complete). The blocks must not be read by the engine, or
- *  reused, before tw_kv_region_commit_poll says TW_OK. Up to 64 commits may
- *  be in flight; a 65th waits for the oldest.
- *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool), TW_ERR_CUDA. */
-TW_NODISCARD tw_status_t tw_kv_region_commit_start(tw_kv_region_t *region, const int32_t *block_ids,
-                                                   int32_t n_blocks, uint64_t *ticket_p);
-/** TW_OK once the commit `ticket` (and every earlier one) is on the device,
- *  TW_INPROGRESS while its copies run. Never blocks.
- *  Errors: TW_ERR_INVALID_ARGUMENT (a ticket never handed out), TW_ERR_CUDA
- *  (a copy failed). */
-TW_NODISCARD tw_status_t tw_kv_region_commit_poll(tw_kv_region_t *region, uint64_t ticket);
-/** Block until the commit `ticket` is on the device. Errors: those of
- *  tw_kv_region_commit_poll. */
-TW_NODISCARD tw_status_t tw_kv_region_commit_wait(tw_kv_region_t *region, uint64_t ticket);
+/** Whether every byte of handoff `tag` (the request id) for blocks
+ *  ids[firsts[l]..n) of every layer l (firsts NULL: from 0) is in the pool:
+ *  TW_OK, or TW_INPROGRESS while pieces are on their way or being copied out
+ *  of the ring. Progresses the region's ring (frees slots whose copies are
+ *  done, starts waiting pieces); never blocks. Host and native pools: TW_OK
+ *  (puts land in place; the sender's flush completed them).
+ *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool), TW_ERR_CUDA (a
+ *  copy out of the ring failed: its piece never counts). */
+TW_NODISCARD tw_status_t tw_kv_region_landed(tw_kv_region_t *region, uint64_t tag, const int32_t *ids,
+                                int32_t n, const int32_t *firsts);
+/** tw_kv_region_landed until TW_OK, progressing the worker, at most
+ *  timeout_ms. Errors: those of tw_kv_region_landed, TW_ERR_DEADLINE. */
+TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *region, uint64_t tag, const int32_t *ids,
+                                int32_t n, const int32_t *firsts, int timeout_ms);
+/** The staged receive ring's counters; false (nothing written) when the
+ *  region has none. */
+bool tw_kv_region_staging_stats(const tw_kv_region_t *region, tw_kv_rxring_stats_t *stats_p);
+/** The first block each layer is sent of a prompt of n_tokens
+ *  (tw_kv_layer_first_block per layer type): firsts[c->n_layers]. */
+void tw_kv_layer_firsts(const tw_model_config_t *c, int32_t n_tokens, int32_t block_size,
+                        int32_t *firsts);
 
 /** Endpoint to a remote worker by address; cached, so repeated handoffs to the
  *  same decode worker reuse it. The rkey is (re)unpacked if it changed.
  *  Errors: TW_ERR_TRANSPORT (ucp_ep_create/ucp_ep_rkey_unpack), TW_ERR_NO_MEMORY. */
-TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *xfer, const void *address,
-                                         size_t address_len, const void *rkey, size_t rkey_len,
-                                         tw_kv_peer_t **peer_p);
+TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *xfer, const void *address, size_t address_len,
+                            const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p);
 
 /** Which blocks of a prompt of n_tokens a layer needs on the decode side:
  *  all of them for full-attention layers, for sliding layers only those that
@@ -188,10 +249,9 @@ int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int3
  *  head_dim: kv_reshard.h handles that), TW_ERR_INVALID_ARGUMENT (block id
  *  out of a pool), those of tw_kv_xfer_put. */
 TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
-                                               const tw_kv_layout_t *src,
-                                               const tw_kv_remote_layout_t *dst, int32_t layer,
-                                               const int32_t *src_ids, const int32_t *dst_ids,
-                                               int32_t first, int32_t n, uint64_t *maybe_checksum);
+                                  const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
+                                  int32_t layer, const int32_t *src_ids, const int32_t *dst_ids,
+                                  int32_t first, int32_t n, uint64_t *maybe_checksum);
 
 /** Wait until every put to `peer` is remotely complete (ucp_ep_flush_nbx),
  *  progressing the worker, for at most timeout_ms.
@@ -202,6 +262,11 @@ TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer
 /** The path puts from a local pool (on device or not) to a remote pool take
  *  over this endpoint, from its lanes (ucp_ep_print_info) and the pools. */
 tw_kv_path_t tw_kv_xfer_path(const tw_kv_peer_t *peer, bool src_on_device, bool dst_on_device);
+/** The path puts from a local pool to the remote pool `dst` take: into its
+ *  bounce ring when it is staged (dst->staging_slot_bytes > 0), else
+ *  tw_kv_xfer_path's. */
+tw_kv_path_t tw_kv_xfer_path_to(const tw_kv_peer_t *peer, bool src_on_device,
+                                const tw_kv_remote_layout_t *dst);
 const char *tw_kv_path_name(tw_kv_path_t path);
 /** The endpoint's transports, e.g. "self posix(put) cuda_ipc(put)" (borrowed). */
 const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *peer);
@@ -217,10 +282,9 @@ const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *peer);
  *  TW_ERR_UNAVAILABLE (the endpoint failed), TW_ERR_TRANSPORT (ucp_put_nbx),
  *  TW_ERR_CUDA, TW_ERR_NO_MEMORY (the ring), TW_ERR_DEADLINE (a ring slot's
  *  put did not complete in 10 s). */
-TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
-                                        const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
-                                        const tw_kv_seg_t *segs, int32_t n_segs, uint64_t raddr,
-                                        uint64_t *maybe_checksum);
+TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, const tw_kv_layout_t *src,
+                           const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
+                           int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum);
 
 /** Length of the run of blocks starting at index i (< n) that are consecutive
  *  in both id lists: src_ids[i + j] == src_ids[i] + j and the same for
@@ -234,9 +298,8 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len);
 /** Checksum of blocks ids[first..n) of `layer` in a local pool, computed the
  *  same way as tw_kv_xfer_send_layer (host pools, or device pools through a
  *  copy). Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA, TW_ERR_NO_MEMORY. */
-TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer,
-                                              const int32_t *ids, int32_t first, int32_t n,
-                                              uint64_t *checksum_p);
+TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer, const int32_t *ids,
+                                 int32_t first, int32_t n, uint64_t *checksum_p);
 
 #ifdef __cplusplus
 }

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -125,6 +126,9 @@ TW_NODISCARD tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char 
                                              const char *name, Twain__Internal__V1__Pool pool) {
   memset(link, 0, sizeof *link);
   TW_CHECK(tw_auth_keys_from_env("worker link to the router", &link->keys));
+  if (getrandom(&link->instance, sizeof link->instance, 0) != (ssize_t)sizeof link->instance)
+    link->instance = (uint64_t)tw_msg_clock_ns() ^ ((uint64_t)getpid() << 32); /* unique enough */
+  if (!link->instance) link->instance = 1;
   link->zctx = zmq_ctx_new();
   if (!link->zctx) return tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(errno));
   snprintf(link->name, sizeof link->name, "%s", name);
@@ -221,6 +225,7 @@ TW_NODISCARD tw_status_t tw_worker_link_tick(tw_worker_link_t *link,
   r.ranks = link->ranks;
   r.capacity = &c;
   r.pid = (int32_t)getpid();
+  r.instance = link->instance;
   r.backend = link->backend;
   r.kv_block_size = link->kv_block_size;
   r.n_layers = link->n_layers;

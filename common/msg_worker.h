@@ -83,6 +83,7 @@ typedef struct {
   int64_t lost_since_ns;      /* heartbeat thread: router unreachable since (0: reachable) */
   tw_auth_keys_t keys;        /* CURVE client keys of both sockets (common/link_auth.h) */
   tw_auth_guard_t *guard;     /* logs a router that refuses our key */
+  uint64_t instance;          /* random per process start, sent in Register */
 } tw_worker_link_t;
 
 /** Connect to the router (endpoint e.g. "tcp://127.0.0.1:7401") with the

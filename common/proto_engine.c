@@ -31,7 +31,8 @@ void tw_proto_kv_layout_to_remote(const Twain__Internal__V1__KvLayout *k,
                                  .head_dim = k->head_dim,
                                  .layer_stride_bytes = k->layer_stride_bytes,
                                  .block_bytes = k->block_bytes, .remote_base = k->remote_base,
-                                 .total_bytes = k->total_bytes};
+                                 .total_bytes = k->total_bytes,
+                                 .staging_slot_bytes = k->staging_slot_bytes};
 }
 
 void tw_proto_kv_layout_from_remote(const tw_kv_remote_layout_t *rl, int32_t kv_head_offset,
@@ -49,6 +50,7 @@ void tw_proto_kv_layout_from_remote(const tw_kv_remote_layout_t *rl, int32_t kv_
   out->total_bytes = rl->total_bytes;
   out->n_blocks = rl->n_blocks;
   out->kv_head_offset = kv_head_offset;
+  out->staging_slot_bytes = rl->staging_slot_bytes;
 }
 
 int64_t tw_proto_unix_ms(void) {

@@ -161,6 +161,11 @@ TW_NODISCARD tw_status_t tw_tok_stream_push(tw_tok_stream_t *s, int32_t id, tw_t
 /** End of stream: a held-back unfinished sequence becomes U+FFFD. */
 TW_NODISCARD tw_status_t tw_tok_stream_finish(tw_tok_stream_t *s, tw_tok_buf_t *out);
 
+/** Append `len` bytes to `out` as valid UTF-8: what is not becomes U+FFFD,
+ *  one per maximal invalid subpart (as tw_tok_stream_push; an unfinished
+ *  sequence at the end: one more). Errors: TW_ERR_NO_MEMORY. */
+TW_NODISCARD tw_status_t tw_utf8_lossy(const char *s, size_t len, tw_tok_buf_t *out);
+
 /** Whether `len` bytes are valid UTF-8 (no surrogates, no overlongs, <= U+10FFFF).
  *  If not and bad_offset_p is non-NULL, *bad_offset_p is the first bad byte. */
 int tw_utf8_valid(const char *s, size_t len, size_t *bad_offset_p);

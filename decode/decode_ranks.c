@@ -5,7 +5,8 @@
  * ADMIT plan: i32 target (-1: every rank checks its own heads; r: rank r
  * alone checks its whole pool, data-parallel attention), i32 per_layer (1:
  * sums are per layer, 0: per [layer][kv head]), i32 n_prompt, i32 nb,
- * i32 ids[nb], i32 n_sums, u64 sums[];
+ * i32 ids[nb], i32 n_sums, u64 sums[] (a commit, target -2: n_prompt is the
+ * prompt's length and sums[0] the handoff's tag, its request id);
  * its reply: i32 ok_layers, i32 bad_layers, then a message (a rank that is
  * not the target answers n_layers, 0). */
 #include "decode/decode_ranks.h"
@@ -50,9 +51,9 @@ static void tw_kv_rank_free(Twain__Internal__V1__KvRank *k) {
   free(k);
 }
 
-TW_NODISCARD tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *dist,
-                                              tw_engine_t *engine, tw_kv_xfer_t *xfer,
-                                              tw_kv_region_t *region, const tw_model_t *model) {
+TW_NODISCARD tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *dist, tw_engine_t *engine,
+                                 tw_kv_xfer_t *xfer, tw_kv_region_t *region,
+                                 const tw_model_t *model) {
   *rk = (tw_decode_ranks_t){.dist = dist, .engine = engine, .xfer = xfer, .region = region,
                             .model = model};
   int32_t size = tw_dist_size(dist);
@@ -201,17 +202,25 @@ static void tw_decode_check_own(tw_decode_ranks_t *rk, int32_t n_prompt, const i
 
 /* The admit plan's target for "copy your staged blocks to the device". */
 #define TW_DECODE_TARGET_COMMIT (-2)
+/* How long another rank waits for a handoff's pieces to land (its prefill
+ * worker has flushed: only the copies out of the ring remain). */
+#define TW_DECODE_COMMIT_MS 30000
 
 /* This rank's part of a check: the target alone (or every rank for -1); or
- * of a commit (TW_DECODE_TARGET_COMMIT: the other ranks copy their staged
- * mirror's blocks to the device, rank 0 does its own asynchronously). */
+ * of a commit (TW_DECODE_TARGET_COMMIT: the other ranks wait until every
+ * byte of handoff sums[0] is in their staged pools; rank 0 polls its own). */
 static void tw_decode_check(tw_decode_ranks_t *rk, int32_t target, bool per_layer,
                             int32_t n_prompt, const int32_t *ids, int32_t nb, const uint64_t *sums,
                             size_t n_sums, int *ok, int *bad, char *msg, size_t msg_len) {
   if (target == TW_DECODE_TARGET_COMMIT) {
     *ok = rk->model->config.n_layers;
     *bad = 0;
-    if (tw_dist_rank(rk->dist) != 0 && tw_kv_region_commit(rk->region, ids, nb) != TW_OK) {
+    int32_t firsts[TW_MAX_LAYERS];
+    tw_kv_layer_firsts(&rk->model->config, n_prompt, tw_engine_kv_layout(rk->engine)->block_size,
+                       firsts);
+    if (tw_dist_rank(rk->dist) != 0 &&
+        (n_sums != 1 ||
+         tw_kv_region_commit(rk->region, sums[0], ids, nb, firsts, TW_DECODE_COMMIT_MS) != TW_OK)) {
       snprintf(msg, msg_len, "%s", tw_last_error());
       *ok = 0;
       *bad = rk->model->config.n_layers;
@@ -276,14 +285,13 @@ bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t target, bool per_laye
   return any_bad == 0;
 }
 
-TW_NODISCARD tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, const int32_t *ids,
-                                                int32_t nb) {
+TW_NODISCARD tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, uint64_t tag, int32_t n_prompt,
+                                   const int32_t *ids, int32_t nb) {
   if (tw_dist_size(rk->dist) == 1) return TW_OK;
   int ok = 0, bad = 0;
   char msg[256] = "";
-  const uint64_t none = 0;
-  if (!tw_decode_ranks_verify(rk, TW_DECODE_TARGET_COMMIT, false, 0, ids, nb, &none, 0, &ok, &bad,
-                              msg, sizeof msg))
+  if (!tw_decode_ranks_verify(rk, TW_DECODE_TARGET_COMMIT, false, n_prompt, ids, nb, &tag, 1, &ok,
+                              &bad, msg, sizeof msg))
     return tw_err(TW_ERR_CUDA, "kv commit on the decode ranks: %s", msg);
   return TW_OK;
 }

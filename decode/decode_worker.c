@@ -45,9 +45,12 @@
  * cannot be revoked), so they stay out of the free list for
  * TW_DSEQ_QUARANTINE_MS, longer than a prefill worker ever writes for a
  * request (TW_PREFILL_MAX_AGE_MS, 20 s after the router handed it over). */
-/* COMMITTING: the KV is in (staged pool: in the pinned mirror) and its copy
- * to the device runs on the region's own stream; the sequence joins the
- * decode batches once the copy is done, so a handoff never stalls a step. */
+/* COMMITTING: the prefill worker is done (PrefillDone) but on a staged pool
+ * some pieces are still in the bounce ring or being copied to the device on
+ * the ring's own stream (kv_transfer.h); the sequence joins the decode
+ * batches once every byte of its blocks is on the device
+ * (tw_kv_region_landed, polled each loop turn), so a handoff never stalls a
+ * step. One that has not landed within TW_DSEQ_COMMIT_MS fails. */
 typedef enum {
   TW_DSEQ_RESERVED = 1,
   TW_DSEQ_RUNNING = 2,
@@ -55,6 +58,7 @@ typedef enum {
   TW_DSEQ_COMMITTING = 4
 } tw_dseq_state_t;
 #define TW_DSEQ_QUARANTINE_MS 40000
+#define TW_DSEQ_COMMIT_MS 30000
 
 typedef struct {
   uint64_t id;
@@ -71,7 +75,7 @@ typedef struct {
   int32_t stop[TW_DSEQ_MAX_STOP];
   int32_t n_stop;
   int64_t t_ns;       /* reservation time, then last step time */
-  uint64_t commit;    /* COMMITTING: the kv region's commit ticket */
+  int64_t t_commit_ns; /* COMMITTING: since when */
 } tw_dseq_t;
 
 typedef struct {
@@ -88,8 +92,7 @@ typedef struct {
   tw_dseq_t **seqs;
   int32_t n_seqs, cap_seqs;
   int32_t step_start[TW_DECODE_MAX_DP]; /* per dp rank: first table index its next step tries */
-  bool idle;                            /* this loop turn found no sequence to step */
-  tw_status_t device_error; /* a sticky CUDA/NCCL error outside a step (a KV commit): stop */
+  bool idle;      /* this loop turn found no sequence to step */
   tw_decode_ranks_t rk;
   ProtobufCBinaryData kv_addr[64]; /* each rank's UCX address, for Register (borrowed) */
   /* step scratch */
@@ -100,6 +103,9 @@ typedef struct {
   struct {
     tw_metric_t *running, *reserved, *blocks_used, *blocks_free, *tpot, *tokens, *steps,
         *kv_bytes, *sum_ok, *sum_bad, *rejected;
+    /* the staged receive ring (kv_rxring.h); counters advance by deltas */
+    tw_metric_t *stg_bytes, *stg_waits, *stg_failed, *stg_slots, *stg_busy;
+    tw_kv_rxring_stats_t stg_seen;
     tw_metric_t *dp_seqs[TW_DECODE_MAX_DP], *dp_tokens[TW_DECODE_MAX_DP],
         *dp_used[TW_DECODE_MAX_DP];
     tw_metric_t *kv_usage;
@@ -165,6 +171,16 @@ static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *
   tw_metric_set(d->m.running, running);
   tw_metric_set(d->m.reserved, waiting);
   tw_decoder_block_gauges(d);
+  tw_kv_rxring_stats_t rs;
+  if (d->m.stg_bytes && tw_kv_region_staging_stats(d->region, &rs)) {
+    tw_kv_rxring_stats_t *o = &d->m.stg_seen;
+    tw_metric_add(d->m.stg_bytes, (double)(rs.bytes_landed - o->bytes_landed));
+    tw_metric_add(d->m.stg_waits, (double)(rs.full_waits - o->full_waits));
+    tw_metric_add(d->m.stg_failed, (double)(rs.pieces_failed - o->pieces_failed));
+    tw_metric_add(d->m.stg_busy, rs.busy_seconds - o->busy_seconds);
+    tw_metric_set(d->m.stg_slots, rs.slots_in_use);
+    *o = rs;
+  }
   double tok_s, steps_s;
   if (tw_worker_stats_due(&d->stats, tw_msg_clock_ns(), running || waiting, &tok_s, &steps_s)) {
     int32_t used = tw_decoder_blocks(d, 1), total = tw_decoder_blocks(d, 2);
@@ -310,13 +326,6 @@ static bool tw_dseq_stops(const tw_dseq_t *s, int32_t tok) {
   return false;
 }
 
-/* Remember a sticky device error (STYLE.md "Errors") found outside a decode
- * step; the loop stops taking work when it sees one. Other errors were
- * logged and answered where they happened. */
-static void tw_decoder_note_device(tw_decoder_t *d, tw_status_t st) {
-  if ((st == TW_ERR_CUDA || st == TW_ERR_NCCL) && d->device_error == TW_OK) d->device_error = st;
-}
-
 static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeRequest *r) {
   int32_t idx = tw_dseq_find(d, r->request_id);
   char msg[256] = "";
@@ -341,29 +350,35 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     tw_dseq_release(d, idx);
     return;
   }
-  /* Staged pools: the mirror -> device copy is only started here (dp runs on
-   * host pools, which need none; d->region is rank 0's). Verification reads
-   * the pool, so it waits for the copy (a debugging aid). */
+  /* Staged pools: pieces may still be in the bounce ring or on their way to
+   * the device; the sequence waits in COMMITTING, polled without blocking.
+   * Verification reads the pool, so it waits for them (a debugging aid); so
+   * do the other TP ranks (rank 0 waits for their answer; the prefill
+   * worker's flush means only the copies out of their rings remain). */
   bool verify = d->p->verify_kv && (r->n_layer_checksums || r->n_head_checksums);
-  uint64_t ticket = 0;
+  int32_t firsts[TW_MAX_LAYERS];
+  tw_kv_layer_firsts(c, s->n_prompt, l->block_size, firsts);
+  tw_kv_rxring_stats_t rs;
   /* kv_in_place: the prefill worker copied into the device pool itself */
-  tw_status_t cst = s->rank == 0 && !r->kv_in_place
-                        ? tw_kv_region_commit_start(d->region, s->blocks, nb, &ticket)
-                        : TW_OK;
-  /* TP: the other ranks' staged pools too (same UCX, so staged alike) */
-  if (cst == TW_OK && ticket && d->n_dp == 1) cst = tw_decode_ranks_commit(&d->rk, s->blocks, nb);
-  if (cst == TW_OK && verify && ticket) {
-    cst = tw_kv_region_commit_wait(d->region, ticket);
-    ticket = 0;
-  }
+  bool staged = s->rank == 0 && !r->kv_in_place && tw_kv_region_staging_stats(d->region, &rs);
+  tw_status_t cst = staged ? tw_kv_region_landed(d->region, s->id, s->blocks, nb, firsts) : TW_OK;
+  if (cst == TW_INPROGRESS && verify)
+    cst = tw_kv_region_commit(d->region, s->id, s->blocks, nb, firsts, TW_DSEQ_COMMIT_MS);
+  bool landed = cst == TW_OK;
+  if (cst == TW_INPROGRESS) cst = TW_OK;
+  if (cst == TW_OK && staged && d->n_dp == 1)
+    cst = tw_decode_ranks_commit(&d->rk, s->id, s->n_prompt, s->blocks, nb);
   if (cst != TW_OK || (verify && !tw_decoder_verify(d, s, r, msg, sizeof msg))) {
     if (!msg[0]) snprintf(msg, sizeof msg, "%s", tw_last_error());
-    if (ticket) /* before the blocks are reused; its own failure is logged there */
-      tw_decoder_note_device(d, tw_kv_region_commit_wait(d->region, ticket));
     TW_ERROR("decode", "request %llu: %s", (unsigned long long)s->id, msg);
     tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
                    TWAIN__V1__CODE__INTERNAL, msg);
-    tw_dseq_release(d, idx);
+    if (staged && !landed) { /* pieces may still land in its blocks */
+      s->state = TW_DSEQ_QUARANTINE;
+      s->t_ns = tw_msg_clock_ns();
+    } else {
+      tw_dseq_release(d, idx);
+    }
     return;
   }
   double bytes = 0; /* what the prefill worker put: sliding layers only their window */
@@ -374,8 +389,8 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   /* TP: every rank's pool got its part; dp: the one replica got it all */
   tw_metric_add(d->m.kv_bytes, bytes * (d->n_dp > 1 ? 1 : tw_dist_size(d->wk.dist)));
   tw_metric_add(d->m.dp_seqs[s->rank], 1);
-  s->state = ticket ? TW_DSEQ_COMMITTING : TW_DSEQ_RUNNING;
-  s->commit = ticket;
+  s->state = landed ? TW_DSEQ_RUNNING : TW_DSEQ_COMMITTING;
+  s->t_commit_ns = tw_msg_clock_ns();
   s->pos = s->n_prompt;
   s->token = r->first_token;
   s->generated = 1;
@@ -389,19 +404,13 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   if (tw_dseq_stops(s, s->token) || s->generated >= s->max_tokens) {
     int reason = tw_dseq_stops(s, s->token) ? TWAIN__V1__FINISH_REASON__FINISH_STOP
                                             : TWAIN__V1__FINISH_REASON__FINISH_LENGTH;
-    if (ticket) { /* before the blocks are reused: a failed commit fails the request */
-      tw_status_t ws = tw_kv_region_commit_wait(d->region, ticket);
-      tw_decoder_note_device(d, ws);
-      if (ws != TW_OK) {
-        reason = TWAIN__V1__FINISH_REASON__FINISH_ERROR;
-        snprintf(msg, sizeof msg, "%s", tw_last_error());
-      }
+    tw_send_tokens(d, s->id, NULL, 0, true, reason, 0, NULL);
+    if (!landed) { /* its last pieces land soon (the prefill worker flushed): not into reused blocks */
+      s->state = TW_DSEQ_COMMITTING;
+      s->max_tokens = 0; /* released, not run, once landed (tw_decoder_commits) */
+    } else {
+      tw_dseq_release(d, idx);
     }
-    if (reason == TWAIN__V1__FINISH_REASON__FINISH_ERROR)
-      tw_send_tokens(d, s->id, NULL, 0, true, reason, TWAIN__V1__CODE__INTERNAL, msg);
-    else
-      tw_send_tokens(d, s->id, NULL, 0, true, reason, 0, NULL);
-    tw_dseq_release(d, idx);
   }
 }
 
@@ -427,23 +436,35 @@ static void tw_decoder_forget_all(tw_decoder_t *d) {
   if (n) TW_WARN("decode", "the router forgot this worker: dropped %d reservations and sequences", n);
 }
 
-/* Sequences whose staged kv copy finished join the decode batches. */
+/* Sequences whose staged kv is all on the device join the decode batches
+ * (those already finished by their first token are released); one that
+ * does not land in time fails, its blocks quarantined. */
 static void tw_decoder_commits(tw_decoder_t *d) {
+  const tw_model_config_t *c = &d->model->config;
+  int32_t block_size = tw_engine_kv_layout(d->engine)->block_size;
+  int64_t now = tw_msg_clock_ns();
   for (int32_t i = d->n_seqs - 1; i >= 0; i--) {
     tw_dseq_t *s = d->seqs[i];
     if (s->state != TW_DSEQ_COMMITTING) continue;
-    tw_status_t st = tw_kv_region_commit_poll(d->region, s->commit);
+    int32_t firsts[TW_MAX_LAYERS];
+    tw_kv_layer_firsts(c, s->n_prompt, block_size, firsts);
+    tw_status_t st = tw_kv_region_landed(d->region, s->id, s->blocks,
+                                         tw_kv_blocks_needed(d->bm[0], s->n_prompt), firsts);
     if (st == TW_OK) {
-      s->state = TW_DSEQ_RUNNING;
-    } else if (st != TW_INPROGRESS) {
-      char msg[256];
-      snprintf(msg, sizeof msg, "request %llu: %s", (unsigned long long)s->id, tw_last_error());
-      TW_ERROR("decode", "%s", msg);
-      tw_decoder_note_device(d, st);
+      if (s->max_tokens == 0) tw_dseq_release(d, i); /* finished by its first token */
+      else s->state = TW_DSEQ_RUNNING;
+      continue;
+    }
+    if (st == TW_INPROGRESS && now - s->t_commit_ns <= (int64_t)TW_DSEQ_COMMIT_MS * 1000000) continue;
+    char msg[256];
+    snprintf(msg, sizeof msg, "request %llu: %s", (unsigned long long)s->id,
+             st == TW_INPROGRESS ? "its kv did not all reach the device within 30 s" : tw_last_error());
+    TW_ERROR("decode", "%s", msg);
+    if (s->max_tokens > 0)
       tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
                      TWAIN__V1__CODE__INTERNAL, msg);
-      tw_dseq_release(d, i);
-    }
+    s->state = TW_DSEQ_QUARANTINE; /* pieces may still land there */
+    s->t_ns = now;
   }
 }
 
@@ -587,7 +608,7 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   if (tw_engine_warmup(d->engine) != TW_OK)
     TW_WARN("decode", "warmup: %s (decode runs without graphs)", tw_last_error());
   const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
-  TW_CHECK(tw_kv_xfer_create(&d->xfer));
+  TW_CHECK(tw_kv_xfer_create_bound(p->router, &d->xfer));
   TW_CHECK(tw_kv_region_register(d->xfer, l, &d->region));
   TW_CHECK(tw_decode_ranks_init(&d->rk, d->wk.dist, d->engine, d->xfer, d->region, d->model));
   if (d->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router and has block managers */
@@ -633,6 +654,18 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   d->m.sum_ok = tw_metrics_counter(M, "kv_checksum_ok_total", "layers whose kv checksum matched");
   d->m.sum_bad = tw_metrics_counter(M, "kv_checksum_mismatch_total", "layers whose kv checksum differed");
   d->m.rejected = tw_metrics_counter(M, "decode_reservations_refused_total", "reservations refused");
+  tw_kv_rxring_stats_t rs;
+  if (tw_kv_region_staging_stats(d->region, &rs)) { /* the staged receive ring */
+    d->m.stg_bytes = tw_metrics_counter(M, "kv_staging_bytes_total",
+                                        "kv bytes copied from the bounce ring to the device pool");
+    d->m.stg_waits = tw_metrics_counter(M, "kv_staging_full_waits_total",
+                                        "kv pieces that found every bounce slot in use (back-pressure)");
+    d->m.stg_failed = tw_metrics_counter(M, "kv_staging_pieces_failed_total",
+                                         "kv pieces whose receive or copy to the device failed");
+    d->m.stg_busy = tw_metrics_counter(M, "kv_staging_busy_seconds_total",
+                                       "seconds with at least one bounce slot in use");
+    d->m.stg_slots = tw_metrics_gauge(M, "kv_staging_slots_in_use", "bounce slots in use");
+  }
   for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++) {
     char mn[96];
     snprintf(mn, sizeof mn, "decode_dp_rank%d_sequences_total", r);
@@ -738,9 +771,7 @@ static bool tw_decode_op_msg(void *arg, Twain__Internal__V1__Envelope *env) {
   switch (env->body_case) {
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVE: tw_on_reserve(d, env->reserve); break;
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_DECODE: tw_on_decode(d, env->decode); break;
-    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL:
-      tw_on_cancel(d, env->cancel->request_id);
-      break;
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL: tw_on_cancel(d, env->cancel->request_id); break;
     default: return false;
   }
   twain__internal__v1__envelope__free_unpacked(env, NULL);
@@ -753,8 +784,7 @@ static TW_NODISCARD tw_status_t tw_decode_op_work(void *arg) {
   int64_t now = tw_msg_clock_ns();
   for (int32_t i = d->n_seqs - 1; i >= 0; i--) { /* the router lost these reservations */
     tw_dseq_t *s = d->seqs[i];
-    if (s->state == TW_DSEQ_RESERVED &&
-        now - s->t_ns > (int64_t)d->p->reserve_timeout_ms * 1000000) {
+    if (s->state == TW_DSEQ_RESERVED && now - s->t_ns > (int64_t)d->p->reserve_timeout_ms * 1000000) {
       TW_WARN("decode", "request %llu: reservation expired: %d blocks quarantined",
               (unsigned long long)s->id, s->n_blocks);
       s->state = TW_DSEQ_QUARANTINE; /* a late prefill may still write there */
@@ -765,10 +795,6 @@ static TW_NODISCARD tw_status_t tw_decode_op_work(void *arg) {
     }
   }
   tw_decoder_commits(d);
-  if (d->device_error != TW_OK) {
-    TW_ERROR("decode", "device error in a KV commit, stopping");
-    return d->device_error;
-  }
   /* a failed step has failed its sequences (each told why); a device
    * error is sticky (STYLE.md "Errors"): stop taking work and exit */
   tw_status_t ss = tw_decoder_step(d);
@@ -789,18 +815,13 @@ static void tw_decode_op_stop(void *arg) {
   TW_INFO("decode", "stopped: %d kv blocks in use", tw_decoder_blocks(arg, 1));
 }
 
-static const tw_worker_ops_t tw_decode_ops = {.init = tw_decode_op_init,
-                                              .fini = tw_decode_op_fini,
-                                              .follow = tw_decode_op_follow,
-                                              .on_drain = tw_decode_op_drain,
-                                              .wait_ms = tw_decode_op_wait_ms,
-                                              .after_wait = tw_decode_op_after_wait,
-                                              .on_msg = tw_decode_op_msg,
-                                              .pending = tw_decode_op_pending,
-                                              .work = tw_decode_op_work,
-                                              .capacity = tw_decode_op_capacity,
-                                              .on_forgotten = tw_decode_op_forgotten,
-                                              .on_stop = tw_decode_op_stop};
+static const tw_worker_ops_t tw_decode_ops = {
+    .init = tw_decode_op_init, .fini = tw_decode_op_fini, .follow = tw_decode_op_follow,
+    .on_drain = tw_decode_op_drain, .wait_ms = tw_decode_op_wait_ms,
+    .after_wait = tw_decode_op_after_wait, .on_msg = tw_decode_op_msg,
+    .pending = tw_decode_op_pending, .work = tw_decode_op_work,
+    .capacity = tw_decode_op_capacity, .on_forgotten = tw_decode_op_forgotten,
+    .on_stop = tw_decode_op_stop};
 
 /* The options a worker cannot start with (before any rank starts). */
 static TW_NODISCARD tw_status_t tw_decode_params_check(const tw_decode_params_t *p) {

@@ -48,7 +48,7 @@ do_build() { # [extra cmake arguments...]
 # The ASan + UBSan pass leaves out what it would only repeat: the libFuzzer
 # harnesses (ctest `fuzz`) are built with ASan + UBSan already and run in
 # the plain pass; and it runs the chaos soak for TW_SOAK_SECONDS=60 instead
-# of 150 (the same chaos events, fewer rounds of them), without its router
+# of 180 (the same chaos events, fewer rounds of them), without its router
 # RSS bound (TW_SOAK_RSS_CHECK=0: ASan's quarantine keeps freed memory
 # resident; the plain pass checks the bound).
 san_env() {

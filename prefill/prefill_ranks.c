@@ -97,7 +97,7 @@ static TW_NODISCARD tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
     const Twain__Internal__V1__KvLayout *kl = h->n_ranks ? h->ranks[d]->layout : h->layout;
     const ProtobufCBinaryData *addr = h->n_ranks ? &h->ranks[d]->ucx_address : &h->ucx_address;
     const ProtobufCBinaryData *rkey = h->n_ranks ? &h->ranks[d]->rkey : &h->rkey;
-    if (!kl || !addr->len || !rkey->len) {
+    if (!kl || !addr->len || (!rkey->len && kl->staging_slot_bytes <= 0)) { /* staged: no rkey */
       st = tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff rank %zu has no layout, UCX address or rkey", d);
       break;
     }
@@ -111,6 +111,7 @@ static TW_NODISCARD tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
     }
     tw_rank_dst_t *dd = &s->dst[s->n_dst];
     tw_proto_kv_layout_to_remote(kl, &dd->rl);
+    dd->rl.handoff_tag = r->request_id;
     dd->head_offset = kl->kv_head_offset;
     st = tw_kv_xfer_peer(rk->xfer, addr->data, addr->len, rkey->data, rkey->len, &dd->peer);
     if (st == TW_OK) s->n_dst++;

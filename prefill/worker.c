@@ -416,7 +416,7 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->o.chunk_tokens = tw_engine_params(w->engine)->max_prefill_chunk; /* planned or given */
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
-  TW_CHECK(tw_kv_xfer_create(&w->xfer));
+  TW_CHECK(tw_kv_xfer_create_bound(w->o.router, &w->xfer));
   tw_kv_xfer_set_direct_ipc(w->xfer, true); /* PrefillDone.kv_in_place tells the decode worker */
   w->hc = (tw_prefill_handoff_ctx_t){.engine = w->engine, .model = w->model, .xfer = w->xfer,
                                      .flush_timeout_ms = w->o.flush_timeout_ms,
@@ -494,17 +494,24 @@ static void tw_prefill_op_drain(void *arg) {
   TW_INFO("prefill", "draining: refusing %d queued prompts", w->q_len);
 }
 
-/* Idle: block on the router socket (a message wakes it at once). */
+/* Idle (no prompt queued, no batch whose handoff is to finish): block on
+ * the router socket (a message wakes it at once). */
 static int tw_prefill_op_wait_ms(void *arg, int *fd_p) {
+  tw_prefiller_t *w = arg;
   (void)fd_p;
-  return ((tw_prefiller_t *)arg)->q_len == 0 ? TW_PREFILL_IDLE_WAIT_MS : 0;
+  return w->q_len == 0 && !w->pending.b ? TW_PREFILL_IDLE_WAIT_MS : 0;
 }
 
 static bool tw_prefill_op_msg(void *arg, Twain__Internal__V1__Envelope *env) {
   return tw_prefill_on_msg(arg, env);
 }
 
-static int32_t tw_prefill_op_pending(void *arg) { return ((tw_prefiller_t *)arg)->q_len; }
+/* What a drain waits for: the queue (refused) and the batch whose handoff
+ * finishes during the next one (answered). */
+static int32_t tw_prefill_op_pending(void *arg) {
+  tw_prefiller_t *w = arg;
+  return w->q_len + (w->pending.b ? 1 : 0);
+}
 
 static TW_NODISCARD tw_status_t tw_prefill_op_work(void *arg) {
   tw_prefill_next(arg);

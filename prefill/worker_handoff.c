@@ -54,7 +54,9 @@ static TW_NODISCARD tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
   const Twain__Internal__V1__KvHandoff *h = s->r->handoff;
   const tw_model_config_t *c = &s->ctx->model->config;
   tw_proto_kv_layout_to_remote(hl, &s->rl);
-  if (!h->ucx_address.len || !h->rkey.len) /* never hand UCX an empty address */
+  s->rl.handoff_tag = s->r->request_id; /* names its pieces to a staged receiver */
+  /* never hand UCX an empty address; only a staged pool has no rkey */
+  if (!h->ucx_address.len || (!h->rkey.len && hl->staging_slot_bytes <= 0))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff has no UCX address or rkey");
   TW_CHECK(tw_kv_xfer_peer(s->ctx->xfer, h->ucx_address.data, h->ucx_address.len, h->rkey.data,
                            h->rkey.len, &s->peer));
@@ -128,7 +130,7 @@ void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b) {
     it->out.transfer_ms = (double)s->t_put_ns * 1e-6;
     it->out.layer_sends = s->layer_sends;
     it->out.layer_sends_in_engine = s->layer_sends_in_engine;
-    it->out.kv_in_place = tw_kv_xfer_path(s->peer, s->src->on_device, s->rl.on_device) ==
+    it->out.kv_in_place = tw_kv_xfer_path_to(s->peer, s->src->on_device, &s->rl) ==
                           TW_KV_PATH_DIRECT_CUDA_IPC;
   }
   free(b->states);

@@ -137,12 +137,13 @@ void tw_http_answer_json(tw_hconn_t *c, cJSON *obj) {
 }
 
 void tw_http_fail(tw_hconn_t *c, unsigned status, const char *param, const char *fmt, ...) {
-  char msg[768];
+  char raw[768], msg[1024]; /* msg: raw with what is not UTF-8 escaped */
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
+  vsnprintf(raw, sizeof raw, fmt, ap);
   va_end(ap);
   if (c->finished) return;
+  tw_utf8_escape(raw, msg, sizeof msg);
   TW_LOG(status >= 500 ? TW_LOG_INFO : TW_LOG_DEBUG, "http", "request %llu: %u %s",
          (unsigned long long)c->serial, status, msg);
   tw_metric_add(c->h->m_errors, 1);

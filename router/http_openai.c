@@ -515,7 +515,35 @@ out:
   tw_token_ids_fini(&ids);
 }
 
+/* JSON text is UTF-8 (RFC 8259 §8.1), and a string here cannot hold U+0000:
+ * cJSON would end the string there and drop the rest, so a NUL byte or
+ * "\u0000" is refused rather than cut. False after a 400 saying which. */
+static bool tw_body_ok(tw_hconn_t *c) {
+  const char *b = c->body.data;
+  size_t len = c->body.len, bad = 0;
+  if (b && !tw_utf8_valid(b, len, &bad)) {
+    tw_http_fail(c, 400, NULL, "the request body is not valid UTF-8 (byte %zu)", bad);
+    return false;
+  }
+  if (b && memchr(b, 0, len)) {
+    tw_http_fail(c, 400, NULL, "the request body holds a NUL byte (byte %zu)",
+                 (size_t)((const char *)memchr(b, 0, len) - b));
+    return false;
+  }
+  for (size_t i = 0; i + 1 < len; i++) {
+    if (b[i] != '\\') continue;
+    if (b[i + 1] == 'u' && i + 6 <= len && !memcmp(b + i + 2, "0000", 4)) {
+      tw_http_fail(c, 400, NULL, "a string in the request body holds U+0000 (\\u0000 at byte %zu), "
+                   "which this server does not accept", i);
+      return false;
+    }
+    i++; /* the escaped character */
+  }
+  return true;
+}
+
 void tw_hoai_submit(tw_hconn_t *c) {
+  if (!tw_body_ok(c)) return;
   cJSON *root = cJSON_ParseWithLength(c->body.data ? c->body.data : "", c->body.len);
   if (!root) {
     const char *at = cJSON_GetErrorPtr();

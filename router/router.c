@@ -32,11 +32,7 @@ static void tw_req_free(tw_req_t *q) {
   free(q);
 }
 
-/* Error messages go out in a proto3 string, which must be UTF-8: whatever
- * they quote (a client's role or tool name, a worker's text) that is not
- * becomes "\xNN" escapes. Writes at most cap - 1 bytes to out, on a UTF-8
- * boundary. */
-static void tw_utf8_escape(const char *in, char *out, size_t cap) {
+void tw_utf8_escape(const char *in, char *out, size_t cap) {
   size_t len = strlen(in), o = 0, i = 0;
   while (i < len) {
     size_t bad = len - i;

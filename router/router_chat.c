@@ -47,7 +47,7 @@ struct tw_rchat {
   Twain__V1__ToolCall calls[TW_RCHAT_MAX];
   Twain__V1__ToolCall *cptr[TW_RCHAT_MAX];
   size_t n_calls;
-  char *feed_strings[4 * TW_RCHAT_MAX];
+  char *feed_strings[7 * TW_RCHAT_MAX]; /* 4 per delta, 3 per tool call: never full */
   size_t n_feed_strings;
   /* finished messages (owned) */
   Twain__V1__Message msgs[TW_RCHAT_MAX];
@@ -94,22 +94,22 @@ static char *tw_feed_str(struct tw_rchat *c, const char *s, size_t len) {
   return d;
 }
 
-/* Grow `s`, a string of this feed (from tw_feed_str), by text[len], in
- * place: its slot keeps it, so a long message fed in many pieces uses one
- * slot. NULL (s unchanged) when out of memory or s is not a feed string
- * (the "" of a full feed). */
-static char *tw_feed_grow(struct tw_rchat *c, char *s, const char *text, size_t len) {
+/* Append text to d->content, a string of this feed's (grown in place: a
+ * message's text may come in many pieces within one feed). Out of memory:
+ * the piece is dropped and logged. */
+static void tw_feed_append(struct tw_rchat *c, Twain__V1__Delta *d, const char *text, size_t len) {
   for (size_t i = c->n_feed_strings; i-- > 0;) {
-    if (c->feed_strings[i] != s) continue;
-    size_t ol = strlen(s);
-    char *m = realloc(s, ol + len + 1);
-    if (!m) return NULL;
+    if (c->feed_strings[i] != d->content) continue;
+    size_t ol = strlen(d->content);
+    char *m = realloc(d->content, ol + len + 1);
+    if (!m) break;
     memcpy(m + ol, text, len);
     m[ol + len] = '\0';
-    c->feed_strings[i] = m;
-    return m;
+    c->feed_strings[i] = d->content = m;
+    return;
   }
-  return NULL;
+  TW_WARN("router", "request %llu: out of memory: %zu bytes of output text dropped",
+          (unsigned long long)c->req_id, len);
 }
 
 static void tw_feed_reset(struct tw_rchat *c) {
@@ -145,11 +145,8 @@ static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
   if (c->n_deltas && !c->first_delta) d = c->dptr[c->n_deltas - 1];
   if (d && d->channel == NULL) d = NULL;
   if (d) { /* same message as the last delta of this feed: concatenate */
-    char *m = tw_feed_grow(c, d->content, text, len);
-    if (m) {
-      d->content = m;
-      return;
-    } /* else: the text goes out as a delta of its own */
+    tw_feed_append(c, d, text, len);
+    return;
   }
   if (c->n_deltas == TW_RCHAT_MAX) return;
   d = &c->deltas[c->n_deltas];
@@ -337,8 +334,7 @@ static bool tw_blank(const char *s) {
   return true;
 }
 
-TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
-                                        const Twain__V1__ChatRequest *cr) {
+TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatRequest *cr) {
   tw_rchat_ctx_t *x = r->chat_ctx;
   if (cr->n_messages == 0) return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: messages is empty");
   struct tw_rchat *c = calloc(1, sizeof *c);
@@ -488,8 +484,8 @@ int32_t tw_rchat_pass_max_tokens(tw_router_t *r, tw_req_t *q, int32_t max_tokens
   return most < max_tokens ? most : max_tokens;
 }
 
-TW_NODISCARD tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks,
-                                              size_t n, bool finished, bool *chosen_p) {
+TW_NODISCARD tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
+                                 bool finished, bool *chosen_p) {
   struct tw_rchat *c = q->hchat;
   tw_rchat_ctx_t *x = r->chat_ctx;
   *chosen_p = false;

@@ -57,6 +57,7 @@ typedef struct {
   int64_t requests;         /* handed to it, for tests and logs */
   ProtobufCBinaryData *kv_addrs; /* decode: the UCX addresses it registered (owned) */
   int32_t n_kv_addrs;
+  uint64_t instance;        /* Register.instance: this process start (0: not given) */
 } tw_rworker_t;
 
 typedef struct {
@@ -75,6 +76,8 @@ typedef struct {
   tw_req_state_t state;
   uint64_t dw, pw;             /* worker serials (pw: chosen before the Reserve) */
   int32_t attempts;
+  uint64_t expired_instance;   /* the worker whose expiry requeued it last (0: none): if that
+                                * process registers again it was a stall: attempts-- */
   int64_t retry_after_ns;
   int32_t blocks_asked;
   int32_t n_out;               /* tokens produced so far */
@@ -137,6 +140,11 @@ void tw_router_fail(tw_router_t *r, tw_req_t *q, int code, const char *fmt, ...)
  *  (a ZeroMQ peer or an HTTP connection, http_api.h); every outcome is a
  *  reply to `from`. The caller checked the API key. */
 void tw_router_dispatch(tw_router_t *r, const tw_msg_t *from, Twain__V1__ClientRequest *cr);
+/** Error messages go out in a proto3 string or a JSON body, which must be
+ *  UTF-8: whatever they quote (a client's role or tool name, a model name, a
+ *  worker's text) that is not becomes "\xNN" escapes. Writes at most cap - 1
+ *  bytes (cap >= 1) and a NUL to out, cut on a UTF-8 boundary. */
+void tw_utf8_escape(const char *in, char *out, size_t cap);
 /** Whether `key` is the router's API key (constant time); true when the
  *  router has none. */
 bool tw_router_key_ok(const tw_router_t *r, const char *key);

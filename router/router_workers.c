@@ -5,7 +5,10 @@
  *          token, after the KV is remotely complete)--> router
  *          --DecodeRequest--> decode worker --Tokens...--> router --> client.
  * A request whose worker dies before any token reached the client is retried
- * elsewhere (up to 3 attempts); after that the client gets UNAVAILABLE.
+ * elsewhere (up to 3 attempts); after that the client gets UNAVAILABLE. A
+ * worker that was only stalled (expired, then the same process registers
+ * again: Register.instance) gives its requests their attempts back: a pause
+ * costs latency, not requests.
  * Backpressure: a queued request leaves the queue only when a prefill worker
  * has room in its window and a decode worker has the blocks, in arrival
  * order: a request that cannot start holds back the ones behind it, so
@@ -184,6 +187,19 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
   w->last_seen_ns = tw_msg_clock_ns();
   tw_apply_capacity(w, g->capacity);
   tw_keep_addrs(w, g);
+  w->instance = g->instance;
+  if (g->instance) { /* back after its expiry: a stall, not a failure of its requests */
+    int32_t n = 0;
+    for (int32_t k = 0; k < r->n_reqs; k++) {
+      tw_req_t *q = r->reqs[k];
+      if (q->done || q->expired_instance != g->instance) continue;
+      q->expired_instance = 0;
+      if (q->attempts > 0) q->attempts--, n++;
+    }
+    if (n)
+      TW_INFO("router", "worker %s is back (the same process: it was stalled): %d requests it held "
+              "keep their attempts", g->name ? g->name : "", n);
+  }
   TW_INFO("router", "worker %s registered: %s pool, backend %s, pid %d, %d/%d free kv blocks", w->name,
           w->pool == TWAIN__INTERNAL__V1__POOL__POOL_PREFILL ? "prefill" : "decode",
           g->backend ? g->backend : "?", g->pid, w->free_blocks, w->total_blocks);
@@ -523,17 +539,14 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
     for (int32_t k = 0; k < r->n_reqs; k++) {
       tw_req_t *q = r->reqs[k];
       if (q->done || q->state == TW_REQ_QUEUED) continue;
-      if (q->dw == dead) {
-        q->dw = 0; /* nothing to cancel there */
-        char why[160];
-        snprintf(why, sizeof why, "decode worker %s stopped responding", w->name);
-        tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
-      } else if (q->pw == dead && q->state == TW_REQ_PREFILLING) {
-        q->pw = 0;
-        char why[160];
-        snprintf(why, sizeof why, "prefill worker %s stopped responding", w->name);
-        tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
-      }
+      bool on_dw = q->dw == dead, on_pw = q->pw == dead && q->state == TW_REQ_PREFILLING;
+      if (!on_dw && !on_pw) continue;
+      if (on_dw) q->dw = 0; /* nothing to cancel there */
+      else q->pw = 0;
+      char why[160];
+      snprintf(why, sizeof why, "%s worker %s stopped responding", on_dw ? "decode" : "prefill", w->name);
+      tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
+      if (!q->done) q->expired_instance = w->instance;
     }
     Twain__Internal__V1__Pool pool = w->pool;
     int k = pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? 1 : 0;

@@ -7,9 +7,9 @@
  * decode worker does; the "prefill" parent puts every layer's blocks
  * (tw_kv_xfer_send_layer: one put per run of consecutive blocks, ids
  * 0..n-1 on both sides as fresh block managers hand out) and flushes (remote
- * completion); on the staged path the child then copies the received blocks
- * from its pinned mirror into its device pool (tw_kv_region_commit), timed
- * as part of the handoff.
+ * completion); on the staged path the child then waits until every byte has
+ * come out of its bounce ring into its pool (tw_kv_region_commit), timed as
+ * part of the handoff.
  *
  *   twain-bench-kv-handoff [--device] [--staged] [--tokens N[,N...]] [--reps N]
  *
@@ -21,7 +21,11 @@
  *           cuda_ipc lane joins the two processes, else staged.
  * --staged  the decode side stages even with CUDA transports
  *           (TWAIN_KV_PATH=staged): the staged path's numbers on a machine
- *           that also has the direct one.
+ *           that also has the direct one. With host pools (no --device), the
+ *           decode side's host pool receives through the same bounce ring
+ *           (copies out of it by memcpy): the ring's protocol cost on a
+ *           machine without a GPU. Ring size: TWAIN_KV_STAGING_SLOTS,
+ *           TWAIN_KV_STAGING_SLOT_MB.
  * --tokens  prompt lengths (default 1024,8192,32768, and 131072 with --device)
  * --reps    timed handoffs per length after 2 warm-ups (default 10)
  * Prints the path and the endpoint's UCX transports, then per prompt length:
@@ -70,8 +74,9 @@ static int cmp_d(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
-/* The decode side: register, publish, then serve 'c' N (commit blocks
- * 0..N-1, answer 'k' or 'e') until 'q' or EOF. */
+/* The decode side: register, publish, then serve 'c' N T (wait until blocks
+ * 0..ceil(N / BS) - 1 of a prompt of N tokens hold handoff T, answer 'k' or
+ * 'e') until 'q' or EOF. */
 static int decode_side(int32_t n_blocks, bool device, bool staged, int rfd, int wfd) {
   if (staged) setenv("TWAIN_KV_PATH", "staged", 1);
   tw_test_cudart_t rt;
@@ -84,7 +89,8 @@ static int decode_side(int32_t n_blocks, bool device, bool staged, int rfd, int 
   }
   tw_kv_xfer_t *x = NULL;
   tw_kv_region_t *reg = NULL;
-  if (!pool.base || tw_kv_xfer_create(&x) || tw_kv_region_register(x, &pool, &reg)) {
+  tw_kv_region_params_t rp = {.staging_ring = staged && !device};
+  if (!pool.base || tw_kv_xfer_create(&x) || tw_kv_region_register_ex(x, &pool, &rp, &reg)) {
     if (write(wfd, &zero, sizeof zero) < 0) return 4;
     return pool.base ? 2 : device ? 77 : 2;
   }
@@ -103,10 +109,14 @@ static int decode_side(int32_t n_blocks, bool device, bool staged, int rfd, int 
     struct pollfd pfd[2] = {{.fd = rfd, .events = POLLIN}, {.fd = efd, .events = POLLIN}};
     if (poll(pfd, efd >= 0 ? 2 : 1, efd >= 0 ? 100 : 0) > 0 && (pfd[0].revents & (POLLIN | POLLHUP))) {
       char cmd = 0;
-      int32_t n = 0;
+      int32_t n = 0, firsts[L];
+      uint64_t tag = 0;
       if (read(rfd, &cmd, 1) != 1 || cmd != 'c') break;
-      if (read(rfd, &n, sizeof n) != sizeof n || !all || n > n_blocks) break;
-      tw_status_t cs = tw_kv_region_commit(reg, all, n);
+      if (read(rfd, &n, sizeof n) != sizeof n || read(rfd, &tag, sizeof tag) != sizeof tag || !all ||
+          (n + BS - 1) / BS > n_blocks)
+        break;
+      for (int32_t l = 0; l < L; l++) firsts[l] = tw_kv_layer_first_block(n, BS, sliding(l), WINDOW);
+      tw_status_t cs = tw_kv_region_commit(reg, tag, all, (n + BS - 1) / BS, firsts, 60000);
       if (write(wfd, cs == TW_OK ? "k" : "e", 1) < 0) break;
     }
   }
@@ -209,16 +219,20 @@ int main(int argc, char **argv) {
   tw_kv_xfer_t *x;
   tw_kv_peer_t *peer;
   if (tw_kv_xfer_create(&x)) return 1;
-  tw_kv_xfer_set_direct_ipc(x, true); /* the receiver commits only when the path is staged */
+  tw_kv_xfer_set_direct_ipc(x, true); /* the receiver waits only when the path is staged */
   if (tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 1;
-  tw_kv_path_t path = tw_kv_xfer_path(peer, device, rl.on_device);
-  /* the receiver's mirror -> device copy, unless the bytes went straight into its device pool */
-  bool commit = device && !rl.on_device && path != TW_KV_PATH_DIRECT_CUDA_IPC;
+  tw_kv_path_t path = tw_kv_xfer_path_to(peer, device, &rl);
+  /* the receiver's copies out of its ring, unless the bytes went straight into its device pool */
+  bool commit = rl.staging_slot_bytes > 0 && path == TW_KV_PATH_STAGED_RECV;
   printf("# kv handoff of one prompt, gpt-oss-20b shapes (%d layers, sliding every other with a "
          "%d-token window, %lld-byte blocks), 2 processes, %s pools\n",
          L, WINDOW, (long long)src.block_bytes, device ? "device" : "host");
   printf("# path: %s%s; ucx lanes: %s; reps %d (+2 warm-ups)\n", tw_kv_path_name(path),
-         commit ? " (+ the receiver's mirror -> device copy)" : "", tw_kv_xfer_peer_lanes(peer), reps);
+         commit ? " (+ the receiver's copies out of its ring)" : "", tw_kv_xfer_peer_lanes(peer),
+         reps);
+  if (commit)
+    printf("# receiver's ring: slots of %lld MiB (TWAIN_KV_STAGING_SLOTS x TWAIN_KV_STAGING_SLOT_MB)\n",
+           (long long)(rl.staging_slot_bytes >> 20));
   printf("# %8s %10s %8s %11s %11s %8s\n", "tokens", "MiB", "puts", "median_ms", "min_ms", "GB/s");
   for (int s = 0; s < n_lengths; s++) {
     int32_t n_tok = lengths[s], nb = (n_tok + BS - 1) / BS;
@@ -228,6 +242,7 @@ int main(int argc, char **argv) {
                (double)src.block_bytes;
     tw_kv_xfer_stats_t s0, s1;
     for (int r = -2; r < reps; r++) { /* 2 warm-ups */
+      rl.handoff_tag = (uint64_t)s * 1000000 + (uint64_t)(r + 3); /* one per handoff */
       tw_kv_xfer_stats(x, &s0);
       int64_t t0 = tw_msg_clock_ns();
       for (int32_t l = 0; l < L; l++)
@@ -239,7 +254,8 @@ int main(int argc, char **argv) {
       if (tw_kv_xfer_flush(x, peer, 60000)) return 1;
       if (commit) {
         char ack = 0;
-        if (write(p2c[1], "c", 1) < 0 || write(p2c[1], &nb, sizeof nb) < 0 ||
+        if (write(p2c[1], "c", 1) < 0 || write(p2c[1], &n_tok, sizeof n_tok) < 0 ||
+            write(p2c[1], &rl.handoff_tag, sizeof rl.handoff_tag) < 0 ||
             read(c2p[0], &ack, 1) != 1 || ack != 'k')
           return 1;
       }

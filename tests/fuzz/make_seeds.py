@@ -84,3 +84,70 @@ e.reject.request_id = 1
 e.reject.status.code = 14
 e.reject.status.message = "draining"
 put("fuzz_router_worker", 4, b"\x00" + e.SerializeToString())
+
+# fuzz_http_request: byte 0 = endpoint (bits 0-1: chat, responses, completions) + the number
+# of generated tokens (bits 2-7), then the JSON body, then the tokens (2 bytes each, little
+# endian) in the fixture's own vocabulary (byte-level BPE: greedy longest match here)
+with open(os.path.join(fixture, "tokenizer.json"), encoding="utf-8") as f:
+    tokj = __import__("json").load(f)
+vocab = tokj["model"]["vocab"]
+special = {a["content"]: a["id"] for a in tokj["added_tokens"]}
+b2u = {}
+n = 0
+for b in range(256):  # GPT-2's byte -> unicode map
+    if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255:
+        b2u[b] = chr(b)
+    else:
+        b2u[b] = chr(256 + n)
+        n += 1
+
+
+def toks(*parts):
+    out = []
+    for p in parts:
+        if p in special:
+            out.append(special[p])
+            continue
+        s = "".join(b2u[b] for b in p.encode())
+        while s:
+            k = max(k for k in range(1, len(s) + 1) if s[:k] in vocab)
+            out.append(vocab[s[:k]])
+            s = s[k:]
+    return out
+
+
+def http_seed(i, kind, body, ids):
+    assert len(ids) < 64
+    put("fuzz_http_request", i, bytes([kind | len(ids) << 2]) + body.encode() +
+        b"".join(struct.pack("<H", v) for v in ids))
+
+
+final = toks("<|channel|>", "final", "<|message|>", " the dog ran", "<|return|>")
+think = toks("<|channel|>", "analysis", "<|message|>", "a dog is an animal", "<|end|>", "<|start|>",
+             "assistant") + final
+call = toks("<|channel|>", "commentary to=functions.calc ", "<|constrain|>", "json", "<|message|>",
+            '{"a":1}', "<|call|>")
+http_seed(0, 0, '{"messages":[{"role":"user","content":"What is a dog?"}],"max_tokens":40}', think)
+http_seed(1, 0, '{"model":"tiny-gptoss-wordnet-mxfp4","messages":[{"role":"system","content":"Be '
+          'brief."},{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage"'
+          ':true},"temperature":0.5,"top_p":0.9,"seed":7,"stop":["ran"]}', final)
+http_seed(2, 0, '{"messages":[{"role":"user","content":"add 1"}],"tools":[{"type":"function",'
+          '"function":{"name":"calc","description":"adds","parameters":{"type":"object",'
+          '"properties":{"a":{"type":"number"}}}}}],"tool_choice":"required","reasoning_effort":'
+          '"high"}', call)
+http_seed(3, 0, '{"messages":[{"role":"user","content":"add"},{"role":"assistant","content":"",'
+          '"tool_calls":[{"id":"c1","type":"function","function":{"name":"calc","arguments":'
+          '"{\\"a\\":1}"}}]},{"role":"tool","tool_call_id":"c1","content":"2"}],"tools":[{"type":'
+          '"function","function":{"name":"calc","parameters":{}}}],"stream":true}', final)
+http_seed(4, 1, '{"input":"What is a dog?","instructions":"Be brief.","reasoning":{"effort":"low"},'
+          '"max_output_tokens":30,"stream":true}', think)
+http_seed(5, 1, '{"input":[{"type":"message","role":"user","content":[{"type":"input_text","text":'
+          '"add"}]},{"type":"function_call","call_id":"c1","name":"calc","arguments":"{}"},{"type":'
+          '"function_call_output","call_id":"c1","output":"2"},{"type":"reasoning","summary":[{'
+          '"text":"done"}]}],"tools":[{"type":"function","name":"calc","parameters":{}}],'
+          '"tool_choice":{"type":"function","name":"calc"}}', call)
+http_seed(6, 2, '{"prompt":"the dog","max_tokens":8,"stop":["\\n","ran"],"stream":true}',
+          toks(" ran and", " ran\n"))
+http_seed(7, 2, '{"prompt":[[1,2,3,4]],"max_tokens":4,"best_of":1}', toks(" dog cat"))
+http_seed(8, 0, '{"messages":[{"role":"user","content":"x"}],"n":2}', [])
+http_seed(9, 2, '{"prompt":"caf\\u00e9 \\u4e2d","echo":true}', [])

@@ -21,7 +21,8 @@ while (($#)); do
   esac
 done
 out=${out:-$build/fuzz-out}
-((${#names[@]})) || names=(fuzz_tokenizer fuzz_harmony_parse fuzz_checkpoint fuzz_router_client fuzz_router_worker)
+((${#names[@]})) || names=(fuzz_tokenizer fuzz_harmony_parse fuzz_checkpoint fuzz_router_client fuzz_router_worker
+                    fuzz_http_request)
 command -v clang >/dev/null || { echo "run.sh: no clang (apt-get install clang)"; exit 1; }
 
 flags="-O1 -g -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
@@ -44,9 +45,10 @@ for n in "${names[@]}"; do
   "$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=65536 \
     -print_final_stats=1 -artifact_prefix="$work/" "$work/corpus" "$src/tests/fuzz/corpus/$n" \
     >"$work/fuzz.log" 2>&1 || rc=$?
+  # (a crash on the first input leaves no "cov:" line: grep finds nothing)
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$work/fuzz.log" | tail -1)
-  cov=$(grep -o 'cov: [0-9]*' "$work/fuzz.log" | tail -1 | cut -d' ' -f2)
-  ft=$(grep -o 'ft: [0-9]*' "$work/fuzz.log" | tail -1 | cut -d' ' -f2)
+  cov=$(grep -o 'cov: [0-9]*' "$work/fuzz.log" | tail -1 | cut -d' ' -f2 || true)
+  ft=$(grep -o 'ft: [0-9]*' "$work/fuzz.log" | tail -1 | cut -d' ' -f2 || true)
   if ((rc)); then
     echo "FAIL $n: exit $rc after ${execs:-?} runs; crash input: $(ls "$work"/crash-* "$work"/timeout-* "$work"/oom-* 2>/dev/null | head -1)"
     grep -m5 -E 'ERROR|runtime error|SUMMARY' "$work/fuzz.log" || true

@@ -17,7 +17,11 @@
  * consecutive on both sides, where the number of puts is checked: one per
  * layer when both pools hold the same heads, one (gathered) per layer when
  * the decode pool holds fewer, 2 per block when it holds more (its K and V
- * runs lie apart). */
+ * runs lie apart). A third time, scattered ids again, with every decode pool
+ * a staged receiver (kv_transfer.h: no rkey, pieces of at most one 1 KiB slot
+ * fetched into a ring of 3 slots, copied into the pool, here by memcpy):
+ * every pool is checked only once the handoff has landed in it, and the
+ * bytes copied out of the rings must equal the bytes put, piece for piece. */
 #include "tests/test_io.h"
 #include "common/kv_reshard.h"
 #include "common/log.h"
@@ -46,6 +50,8 @@ static const int32_t scattered_src[NSENT] = {1, 2, 3, 4, 6};
 static const int32_t run_dst[NSENT] = {3, 4, 5, 6, 7};
 static const int32_t run_src[NSENT] = {1, 2, 3, 4, 5};
 static const int32_t *dst_ids = scattered_dst, *src_ids = scattered_src;
+static int staged; /* the decode pools receive through a bounce ring */
+#define TAG 5      /* the handoff's tag (a request id) */
 static const int sliding[L] = {1, 0};
 #define HEAD_BYTES ((int64_t)BS * HD * 4)
 
@@ -96,6 +102,7 @@ static int child(int p, int d, int rfd, int wfd) {
           }
     if (tw_kv_xfer_create(&x[s])) return 3;
     for (int r = 0; r < d; r++) {
+      rl[r].handoff_tag = TAG;
       tw_kv_peer_t *peer = NULL;
       if (tw_kv_xfer_peer(x[s], addr[r], alen[r], rkey[r], rlen[r], &peer)) return 3;
       for (int l = 0; l < L; l++) {
@@ -152,7 +159,8 @@ static void run_pair(int p, int d) {
     pool[r] = layout_of(nh, off, NULL);
     pool[r].base = malloc((size_t)pool[r].total_bytes);
     memset(pool[r].base, 0xEE, (size_t)pool[r].total_bytes);
-    if (tw_kv_xfer_create(&x[r]) || tw_kv_region_register(x[r], &pool[r], &reg[r])) {
+    tw_kv_region_params_t prm = {.staging_ring = staged, .n_slots = 3, .slot_bytes = 1024};
+    if (tw_kv_xfer_create(&x[r]) || tw_kv_region_register_ex(x[r], &pool[r], &prm, &reg[r])) {
       EXPECT(0, "decode rank %d: ucx setup", r);
       kill(pid, SIGKILL);
       waitpid(pid, NULL, 0);
@@ -186,8 +194,19 @@ static void run_pair(int p, int d) {
     EXPECT(0, "p=%d d=%d: the prefill side did not report", p, d);
     kill(pid, SIGKILL);
   } else {
-    int64_t want_bytes = 0, want_puts = 0;
+    int64_t want_bytes = 0, want_puts = 0, landed = 0, pieces = 0;
     int bad_bytes = 0, bad_sums = 0;
+    for (int r = 0; r < d && staged; r++) { /* staged: once every piece is in the pool */
+      int32_t firsts[L];
+      for (int l = 0; l < L; l++) firsts[l] = tw_kv_layer_first_block(NTOK, BS, sliding[l], WINDOW);
+      EXPECT(tw_kv_region_commit(reg[r], TAG, dst_ids, NSENT, firsts, 10000) == TW_OK,
+             "p=%d d=%d: the handoff landed in decode rank %d", p, d, r);
+      tw_kv_rxring_stats_t rs;
+      EXPECT(tw_kv_region_staging_stats(reg[r], &rs) && rs.slots_in_use == 0 && rs.slots_peak <= 3,
+             "p=%d d=%d rank %d: ring idle", p, d, r);
+      landed += rs.bytes_landed;
+      pieces += rs.pieces;
+    }
     for (int l = 0; l < L; l++) {
       int first = tw_kv_layer_first_block(NTOK, BS, sliding[l], WINDOW);
       int64_t nk = NSENT - first;
@@ -215,13 +234,20 @@ static void run_pair(int p, int d) {
         for (int g = 0; g < nh; g++) bad_sums += hs[g] != sums[l * NKV + off + g];
       }
     }
-    printf("prefill TP %d -> decode TP %d (%s ids): %lld bytes put (%lld expected) in %lld puts "
+    printf("prefill TP %d -> decode TP %d (%s ids%s): %lld bytes put (%lld expected) in %lld puts "
            "(%lld expected), %d wrong bytes, %d of %d head checksums differ\n",
-           p, d, src_ids == run_src ? "consecutive" : "scattered", (long long)bytes,
+           p, d, src_ids == run_src ? "consecutive" : "scattered", staged ? ", staged" : "",
+           (long long)bytes,
            (long long)want_bytes, (long long)puts, (long long)want_puts, bad_bytes, bad_sums,
            L * NKV);
-    EXPECT(puts == want_puts, "p=%d d=%d: %lld puts, expected %lld", p, d, (long long)puts,
-           (long long)want_puts);
+    if (staged) { /* pieces of at most a slot: more than puts */
+      EXPECT(landed == want_bytes && pieces == puts && puts >= want_puts,
+             "p=%d d=%d staged: %lld bytes landed (want %lld), %lld pieces landed of %lld sent", p, d,
+             (long long)landed, (long long)want_bytes, (long long)pieces, (long long)puts);
+    } else {
+      EXPECT(puts == want_puts, "p=%d d=%d: %lld puts, expected %lld", p, d, (long long)puts,
+             (long long)want_puts);
+    }
     EXPECT(bytes == want_bytes, "p=%d d=%d: bytes %lld != %lld", p, d, (long long)bytes,
            (long long)want_bytes);
     EXPECT(bad_bytes == 0, "p=%d d=%d: %d wrong bytes", p, d, bad_bytes);
@@ -250,13 +276,14 @@ int main(void) {
   tw_kv_heads_overlap(0, 2, 4, 4, &a, &b);
   EXPECT(b <= a, "[0,2) & [4,8) empty");
   const int tps[4] = {1, 2, 4, 8};
-  for (int mode = 0; mode < 2; mode++) {
-    src_ids = mode ? run_src : scattered_src;
-    dst_ids = mode ? run_dst : scattered_dst;
+  for (int mode = 0; mode < 3; mode++) {
+    src_ids = mode == 1 ? run_src : scattered_src;
+    dst_ids = mode == 1 ? run_dst : scattered_dst;
+    staged = mode == 2;
     for (int i = 0; i < 4; i++)
       for (int k = 0; k < 4; k++) run_pair(tps[i], tps[k]);
   }
   if (fails) fprintf(stderr, "test_kv_reshard: %d failure(s)\n", fails);
-  else printf("test_kv_reshard: all 16 pairs passed, scattered and consecutive ids\n");
+  else printf("test_kv_reshard: all 16 pairs passed, scattered and consecutive ids, and staged\n");
   return fails ? 1 : 0;
 }

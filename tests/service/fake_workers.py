@@ -25,14 +25,23 @@ class FakeWorkers(threading.Thread):
     """script: ids, or f(prompt_ids) -> ids. token_delay: seconds between
     streamed ids (0: all at once). The decode side stops at a stop id of the
     request, at its max_tokens, or at the script's end; while `hold` is set
-    it sends nothing after each request's first id."""
+    it sends nothing after each request's first id. instance: Register.instance
+    (0: none). stall_prefills: that many PrefillRequests make the prefill side
+    go silent (no heartbeat, no answer, what arrives meanwhile dropped) for
+    stall_s, then register again, with the same instance (a stalled process)
+    or, with new_instance, another (a restarted one)."""
 
-    def __init__(self, endpoint, script, token_delay=0.0):
+    def __init__(self, endpoint, script, token_delay=0.0, instance=0, stall_prefills=0, stall_s=0.8,
+                 new_instance=False):
         super().__init__(daemon=True)
         self.ctx = zmq.Context.instance()
         self.script = script
         self.token_delay = token_delay
         self.socks = {}
+        self.instance = instance
+        self.stall_prefills, self.stall_s, self.new_instance = stall_prefills, stall_s, new_instance
+        self.silent_until = 0
+        self.stalls = 0
         self.lock = threading.Lock()
         self.prompts = {}      # request_id -> prompt ids
         self.sampling = {}     # request_id -> (temperature, top_p, top_k, seed) of its PrefillRequest
@@ -42,10 +51,16 @@ class FakeWorkers(threading.Thread):
         self.streams = {}      # request_id -> [ids left, stop ids, max, next time]
         for name, pool in ((b"fake-prefill", "POOL_PREFILL"), (b"fake-decode", "POOL_DECODE")):
             s = svc.worker_socket(self.ctx, name, endpoint)  # with the link keys
-            s.send(svc.register_envelope(name.decode(), pool, ranks=0, free_blocks=100000).SerializeToString())
             self.socks[name] = s
+            self._register(name)
         self.stop = False
         self.hold = False      # True: streams wait (tests line requests up)
+
+    def _register(self, name):
+        pool = "POOL_PREFILL" if name == b"fake-prefill" else "POOL_DECODE"
+        env = svc.register_envelope(name.decode(), pool, ranks=0, free_blocks=100000)
+        env.register.instance = self.instance
+        self.socks[name].send(env.SerializeToString())
 
     def _ids(self, prompt):
         return list(self.script(prompt) if callable(self.script) else self.script)
@@ -85,9 +100,17 @@ class FakeWorkers(threading.Thread):
         for s in self.socks.values():
             poller.register(s, zmq.POLLIN)
         dec = self.socks[b"fake-decode"]
+        pre = self.socks[b"fake-prefill"]
         while not self.stop:
+            if self.silent_until and time.time() >= self.silent_until:  # resumed
+                self.silent_until = 0
+                if self.new_instance:
+                    self.instance += 1
+                self._register(b"fake-prefill")
             if time.time() - last_hb > 0.2:
                 for s in self.socks.values():
+                    if s is pre and self.silent_until:
+                        continue
                     e = svc.Envelope()
                     e.heartbeat.capacity.free_kv_blocks = e.heartbeat.capacity.total_kv_blocks = 100000
                     s.send(e.SerializeToString())
@@ -96,6 +119,12 @@ class FakeWorkers(threading.Thread):
                 e = svc.Envelope()
                 e.ParseFromString(s.recv())
                 kind = e.WhichOneof("body")
+                if s is pre and self.silent_until:
+                    continue  # stalled: the work of before is void once it registers again
+                if kind == "prefill" and self.stalls < self.stall_prefills:
+                    self.stalls += 1
+                    self.silent_until = time.time() + self.stall_s
+                    continue
                 with self.lock:
                     self.seen.append(kind)
                 out = svc.Envelope()

@@ -307,12 +307,29 @@ try:
     check(st == 400 and "wizard" in r["error"]["message"], "unknown role: 400 (%s)" % r)
     st, r = api.post("/v1/chat/completions", {"model": "gpt-4o", "messages": USER})
     check(st == 404 and r["error"]["code"] == "model_not_found", "another model: 404 model_not_found")
+    # bytes cJSON would pass through or cut: refused, and every answer is UTF-8 JSON (.decode() in post)
+    for raw, why in ((b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "not valid UTF-8 (byte 46)"),
+                     (b'{"model": "\xff", "messages": []}', "not valid UTF-8 (byte 11)"),
+                     (b'{"messages": [{"role": "user", "content": "a\x00b"}]}', "NUL byte (byte 44)"),
+                     (b'{"messages": [{"role": "user", "content": "a\\u0000b"}]}', "U+0000 (\\u0000 at byte 44)")):
+        st, r = api.post("/v1/chat/completions", raw=raw)
+        check(st == 400 and why in r["error"]["message"], "%r: 400 %r (%s)" % (raw[:50], why, r))
     st, r = api.get("/v1/nothing")
     check(st == 404 and r["error"]["type"] == "not_found_error", "unknown path: 404")
     st, r = api.get("/v1/chat/completions")
     check(st == 405, "GET on a POST endpoint: 405")
     st, r = api.post("/v1/chat/completions", {"messages": USER, "max_tokens": 100000})
     check(st == 400 and "max_tokens" in r["error"]["message"], "max_tokens over the limit: 400 from the router")
+    # a long answer in one message of the decode worker: 1,200 text pieces of one Harmony
+    # message in one feed of the router's parser (they once overflowed its string table)
+    script("<|channel|>final<|message|>" + " dog" * 1200 + "<|return|>")
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "max_tokens": 1300})
+    check(st == 200 and r["choices"][0]["message"]["content"] == " dog" * 1200 and
+          r["usage"]["completion_tokens"] == len(fw.script),
+          "1,200 pieces of text in one worker message: all of them answered (%d of %d characters, "
+          "%s of %d tokens, finish %s)" % (len(r["choices"][0]["message"]["content"] or ""), 4 * 1200,
+                                           r["usage"]["completion_tokens"], len(fw.script),
+                                           r["choices"][0]["finish_reason"]))
     script("<|channel|>final<|message|>Still here.<|return|>")
     st, r = api.post("/v1/chat/completions", {"messages": USER, "user": "u1", "metadata": {"a": "b"},
                                                "some_future_field": [1, 2], "tool_choice": "none",

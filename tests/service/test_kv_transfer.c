@@ -195,9 +195,30 @@ static void checksum_known_answers(void) {
   EXPECT(tw_kv_layer_checksum(&p, 2, ids, 1, 3, &h) == TW_ERR_INVALID_ARGUMENT, "layer outside the pool");
 }
 
+/* UCX's network devices from the router endpoint: loopback here (RDMA ports,
+ * if this host has any, follow after a comma). */
+static void net_devices(void) {
+  char d[256];
+  static const char *const lo[] = {"tcp://127.0.0.1:7401", "tcp://lo;127.0.0.1:7401",
+                                   "tcp://localhost:9", "ipc:///tmp/twain-router", "inproc://r"};
+  for (size_t i = 0; i < sizeof lo / sizeof lo[0]; i++) {
+    tw_status_t st = tw_kv_net_devices(lo[i], d, sizeof d);
+    EXPECT(st == TW_OK && !strncmp(d, "lo", 2) && (d[2] == '\0' || d[2] == ','),
+           "%s: devices \"%s\" start with lo (%s)", lo[i], st == TW_OK ? d : "", tw_last_error());
+  }
+  EXPECT(tw_kv_net_devices("udp://127.0.0.1:1", d, sizeof d) == TW_ERR_INVALID_ARGUMENT,
+         "udp:// is no router endpoint");
+  EXPECT(tw_kv_net_devices("tcp://127.0.0.1", d, sizeof d) == TW_ERR_INVALID_ARGUMENT, "no port");
+  EXPECT(tw_kv_net_devices("tcp://no-such-host.invalid:1", d, sizeof d) == TW_ERR_NOT_FOUND,
+         "a host that does not resolve: NOT_FOUND");
+  EXPECT(tw_kv_net_devices("tcp://127.0.0.1:7401", d, 2) == TW_ERR_OUT_OF_RANGE,
+         "a list that does not fit: OUT_OF_RANGE");
+}
+
 int main(void) {
   tw_log_init("test_kv_transfer", 0);
   checksum_known_answers();
+  net_devices();
   /* sliding-window block selection, by hand: positions >= n - W */
   EXPECT(tw_kv_layer_first_block(75, 16, 1, 32) == 2, "75 tokens, W=32: first block 2");
   EXPECT(tw_kv_layer_first_block(75, 16, 0, 32) == 0, "full layer: block 0");

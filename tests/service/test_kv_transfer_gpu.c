@@ -4,17 +4,20 @@
  * Twice, each half in its own process: over the direct path (both pools
  * cudaMalloc'd; the decode pool exported over CUDA IPC in its rkey blob, the
  * sender maps it and copies device to device) and over the staged path
- * (TWAIN_KV_PATH=staged in the decode process: its pool gets a pinned host
- * mirror; TWAIN_KV_IPC=0 in the sender: it copies through its bounce ring and
- * puts over UCX). A forked "decode" child fills its device pool with 0xEE and
- * registers it; the "prefill" parent fills its device pool with a pattern
- * naming (layer, logical block, byte), sends full and sliding layers (the
- * window's blocks only) with runs of consecutive blocks and single blocks,
- * with per-layer checksums read back from the device, and flushes. The child
- * then commits (staged only: mirror to device), copies its whole pool to the
- * host and counts the bytes that differ from what must be there: the pattern
- * in the sent blocks, 0xEE everywhere else. The parent checks the path it
- * took and that the checksums equal those of the pattern.
+ * (TWAIN_KV_PATH=staged in the decode process: its pool is not registered at
+ * all; TWAIN_KV_IPC=0 in both: the sender copies through its bounce ring and
+ * sends each piece into the receiver's ring of pinned slots, copied to the
+ * device on the receiver's stream). A forked "decode" child fills its device
+ * pool with 0xEE and registers it; the "prefill" parent fills its device pool
+ * with a pattern naming (layer, logical block, byte), sends full and sliding
+ * layers (the window's blocks only) with runs of consecutive blocks and
+ * single blocks, with per-layer checksums read back from the device, and
+ * flushes. The child then waits until every byte has landed (staged: out of
+ * its ring; direct: at once), copies its whole pool to the host and counts
+ * the bytes that differ from what must be there: the pattern in the sent
+ * blocks, 0xEE everywhere else (a sliding layer's blocks below its window
+ * included). The parent checks the path it took and that the checksums
+ * equal those of the pattern.
  *
  * Direct path unavailable (the pool could not be mapped over CUDA IPC): the
  * staged half still runs and must pass; the test
@@ -39,6 +42,7 @@
 #define NKV 8
 #define HD 64
 #define WINDOW 128
+#define TAG 42 /* the handoff's tag, known to both sides */
 #define NSENT 22
 #define NTOK (NSENT * BS - 5) /* sliding layers: blocks from (NTOK - WINDOW) / BS = 13 */
 #define BLOCK_BYTES ((int64_t)2 * NKV * BS * HD * 2) /* bf16 */
@@ -104,8 +108,11 @@ static int decode_child(bool staged, int rfd, int wfd) {
   }
   int64_t bad = -1;
   uint8_t *host = malloc((size_t)pool.total_bytes);
-  /* staged: the mirror -> device copy; direct: the bytes are in the pool already */
-  if (cmd == 'c' && host && (!staged || tw_kv_region_commit(reg, dst_ids, NSENT) == TW_OK) &&
+  int32_t firsts[L];
+  for (int l = 0; l < L; l++) firsts[l] = first_of(l);
+  /* staged: every piece out of the ring; direct: the bytes are in the pool already */
+  if (cmd == 'c' && host &&
+      tw_kv_region_commit(reg, TAG, dst_ids, NSENT, firsts, 20000) == TW_OK &&
       rt.memcpy_(host, pool.base, (size_t)pool.total_bytes, 2) == 0) {
     bad = 0;
     for (int l = 0; l < L; l++)
@@ -114,13 +121,9 @@ static int decode_child(bool staged, int rfd, int wfd) {
         for (int q = 0; q < NSENT; q++)
           if (dst_ids[q] == b) j = q;
         const uint8_t *p = host + l * pool.layer_stride_bytes + b * pool.block_bytes;
-        /* a sliding layer's blocks of the request below its window hold
-         * anything after the commit (the staged path copies every layer's
-         * blocks of the request from the mirror; attention never reads them,
-         * kv_transfer.h); every other byte is exact */
-        if (j >= 0 && j < first_of(l)) continue;
+        /* a sliding layer's blocks below its window were not sent: 0xEE */
         for (int64_t k = 0; k < pool.block_bytes; k++)
-          bad += p[k] != (j >= 0 ? pat(l, j, k) : 0xEE);
+          bad += p[k] != (j >= first_of(l) ? pat(l, j, k) : 0xEE);
       }
   }
   free(host);
@@ -164,6 +167,7 @@ static int run(bool staged) {
       tw_test_read_all(c2p[0], addr, alen) || tw_test_read_all(c2p[0], rkey, rlen) ||
       tw_test_read_all(c2p[0], &rl, sizeof rl))
     goto done;
+  rl.handoff_tag = TAG;
   tw_test_cudart_t rt;
   tw_kv_layout_t src = layout_of(NULL);
   uint8_t *fill = malloc((size_t)src.total_bytes);
@@ -184,16 +188,16 @@ static int run(bool staged) {
   free(fill);
   tw_kv_peer_t *peer = NULL;
   if (cp != 0 || tw_kv_xfer_create(&x)) goto done;
-  tw_kv_xfer_set_direct_ipc(x, true); /* the child commits only in the staged half */
+  tw_kv_xfer_set_direct_ipc(x, true);
   if (tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) goto done;
-  tw_kv_path_t path = tw_kv_xfer_path(peer, true, rl.on_device);
+  tw_kv_path_t path = tw_kv_xfer_path_to(peer, true, &rl);
   printf("%s: path %s, ucx lanes %s\n", name, tw_kv_path_name(path), tw_kv_xfer_peer_lanes(peer));
   if (!staged && path != TW_KV_PATH_DIRECT_CUDA_IPC) {
     printf("direct: the decode pool could not be mapped over CUDA IPC\n");
     result = 78;
     goto done;
   }
-  EXPECT(path == (staged ? TW_KV_PATH_STAGED : TW_KV_PATH_DIRECT_CUDA_IPC), "%s: path %s", name,
+  EXPECT(path == (staged ? TW_KV_PATH_STAGED_RECV : TW_KV_PATH_DIRECT_CUDA_IPC), "%s: path %s", name,
          tw_kv_path_name(path));
   uint64_t sums[L];
   for (int l = 0; l < L; l++) {
@@ -223,6 +227,7 @@ static int run(bool staged) {
          (long long)s.staged_bytes, (long long)bad);
   EXPECT(bad == 0, "%s: %lld wrong bytes in the decode pool", name, (long long)bad);
   EXPECT((staged ? s.staged_bytes : s.direct_bytes) == s.bytes_sent, "%s: bytes by path", name);
+  EXPECT(!staged || s.ring_bytes == s.bytes_sent, "%s: every byte into the receiver's ring", name);
   result = fails ? 1 : 0;
 done:
   close(p2c[1]); /* the child stops waiting */

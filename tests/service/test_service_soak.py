@@ -1,5 +1,5 @@
 """Chaos soak (issue 19 item 9), CPU backend, bounded: 2 prefill + 2 decode
-workers under a steady load of streams for TW_SOAK_SECONDS (default 150),
+workers under a steady load of streams for TW_SOAK_SECONDS (default 180),
 while a chaos loop pauses workers (SIGSTOP/SIGCONT, 0.5-3 s), kills one
 (SIGKILL) and starts a replacement, and clients cancel streams and vanish
 mid-stream. At the end: every request that was sent got a terminal reply
@@ -15,7 +15,7 @@ import svc
 
 from svc import check, finish
 
-SECONDS = float(os.environ.get("TW_SOAK_SECONDS", "150"))
+SECONDS = float(os.environ.get("TW_SOAK_SECONDS", "180"))
 # The ASan pass (deploy/dev.sh sanitize) sets TW_SOAK_RSS_CHECK=0: ASan's
 # quarantine keeps freed memory resident, so RSS growth there says nothing
 # about leaks; the plain pass of this test checks it.

@@ -1,5 +1,7 @@
 """A worker that stalls (SIGSTOP for 3 s, three times its 1 s expiry) costs
-latency, not requests (issue 19 item 8): the router expires it, and every
+latency, not requests (issue 19 item 8 and its acceptance test: 256
+concurrent streams, zero requests without a token fail): the router expires
+it, and every
 request that had no token yet waits for the pool to come back (the worker
 registers again when it resumes) and is served; only streams that already had
 tokens from the stalled decode worker may end UNAVAILABLE. Once for the only
@@ -14,14 +16,14 @@ import svc
 from svc import check, finish
 
 prompt = fixtures.ids("short_dog")
-N = 32
+N = 256  # concurrent streams, as the issue's acceptance test
 c = svc.Cluster(1, 1)
 try:
     cl = c.client()
     cl.wait([cl.send(svc.generate(prompt, 4))], 60)  # warm
     for victim, pool in ((c.prefills[0], "prefill"), (c.decodes[0], "decode")):
         expired_before = c.router.count(r"worker %s expired" % victim.worker_name)
-        rids = [cl.send(svc.generate(prompt, 48, deadline_ms=120000)) for _ in range(N)]
+        rids = [cl.send(svc.generate(prompt, 16, deadline_ms=240000)) for _ in range(N)]
         end = time.time() + 0.3
         while time.time() < end:
             cl.pump(0.02)
@@ -30,12 +32,14 @@ try:
         while time.time() < t0 + 3.0:
             cl.pump(0.02)
         os.kill(victim.p.pid, signal.SIGCONT)
-        res = cl.wait(rids, 180)
+        t_stall = time.time()
+        res = cl.wait(rids, 240)
+        print("%s stall: all %d streams ended %.1f s after SIGCONT" % (pool, N, time.time() - t_stall))
         expired = c.router.count(r"worker %s expired" % victim.worker_name) - expired_before
         no_token_failed = [r[-1].error.message for r in res if r[-1].error.code and not svc.tokens_of(r)]
         served = sum(1 for r in res if r[-1].error.code == 0)
         with_tokens_failed = [r[-1].error.code for r in res if r[-1].error.code and svc.tokens_of(r)]
-        check(expired == 1, "the 3 s stall of the %s worker expired it (premise): %d" % (pool, expired))
+        check(expired >= 1, "the 3 s stall of the %s worker expired it (premise): %d" % (pool, expired))
         check(not no_token_failed,
               "%s stall: %d of %d requests without a token failed %s" % (
                   pool, len(no_token_failed), N, no_token_failed[:2]))

@@ -1,0 +1,266 @@
+/* test_kv_staged.c: the staged KV receive path over UCX between processes on
+ * loopback, on host memory (the copy out of a slot is a memcpy; on a GPU it
+ * is a cudaMemcpyAsync, kv_transfer.h).
+ *
+ * The parent is the decode side: a host pool registered as a staged
+ * receiver with a ring of 3 slots of 64 KiB (no rkey published), filled with
+ * 0xEE. Three forked "prefill" children in turn:
+ *  1. sends handoff 1: 40 blocks of 16 KiB in one run for full layers (10
+ *     pieces of 64 KiB each: the ring is full most of the time), the window's
+ *     blocks for sliding layers, and a gathered put of 8 pieces taken in
+ *     reverse order (through the sender's own ring), then flushes. The parent
+ *     checks that handoff 1 is complete only for its own tag, every sent byte
+ *     exact, every other byte untouched, and the ring's counters: bytes copied
+ *     out equal the bytes sent, back-pressure happened, no slot in use.
+ *  2. starts handoff 2 into the same blocks and is killed (SIGKILL) after
+ *     half of its pieces: the parent's ring must come back to no slot in use
+ *     with handoff 2 never complete;
+ *  3. sends handoff 3 into the same blocks: complete and exact, so the
+ *     receiver keeps serving after a sender died mid-transfer. */
+#include "tests/test_io.h"
+#include "common/kv_transfer.h"
+#include "common/log.h"
+
+#include "tests/test_expect.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/select.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define L 4
+#define NB 64
+#define BS 16
+#define NKV 2
+#define HD 64
+#define WINDOW 64
+#define NSENT 40
+#define NTOK (NSENT * BS) /* 640 positions: sliding layers need blocks 36..39 */
+#define SLOTS 3
+#define SLOT_BYTES ((int64_t)64 << 10)
+#define GATHER 8 /* gathered pieces, one block each, into blocks 50..57 of layer 0 */
+
+static const int sliding[L] = {1, 0, 1, 0};
+
+static tw_kv_layout_t make_layout(void *base) {
+  tw_kv_layout_t l = {.dtype = TW_DTYPE_F32, .n_layers = L, .n_blocks = NB, .block_size = BS,
+                      .n_kv_heads_local = NKV, .head_dim = HD, .base = base};
+  l.block_bytes = 2LL * NKV * BS * HD * 4;
+  l.layer_stride_bytes = l.block_bytes * NB;
+  l.total_bytes = l.layer_stride_bytes * L;
+  return l;
+}
+
+/* pattern byte of handoff t, (layer, logical block j, byte b) */
+static uint8_t pat(int t, int layer, int j, int64_t b) {
+  return (uint8_t)(t * 101 + layer * 37 + j * 11 + b * 7 + (b >> 8) + 1);
+}
+static int first_of(int l) { return tw_kv_layer_first_block(NTOK, BS, sliding[l], WINDOW); }
+
+/* A prefill side: fill its pool for handoff t, send it (all of it, or
+ * die after `die_after` layers), report the stats. */
+static int child(int t, int die_after, int rfd, int wfd) {
+  size_t alen, rlen;
+  tw_kv_remote_layout_t rl;
+  if (tw_test_read_all(rfd, &alen, sizeof alen) || tw_test_read_all(rfd, &rlen, sizeof rlen)) return 2;
+  uint8_t *addr = malloc(alen);
+  if (!addr || tw_test_read_all(rfd, addr, alen) || tw_test_read_all(rfd, &rl, sizeof rl)) return 2;
+  tw_kv_layout_t src = make_layout(NULL);
+  src.base = calloc(1, (size_t)src.total_bytes);
+  if (!src.base) return 2;
+  for (int l = 0; l < L; l++)
+    for (int j = 0; j < NB; j++) {
+      uint8_t *b = (uint8_t *)src.base + l * src.layer_stride_bytes + j * src.block_bytes;
+      for (int64_t k = 0; k < src.block_bytes; k++) b[k] = pat(t, l, j, k);
+    }
+  int32_t ids[NSENT];
+  for (int j = 0; j < NSENT; j++) ids[j] = j;
+  tw_kv_xfer_t *x = NULL;
+  tw_kv_peer_t *peer = NULL;
+  if (tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, NULL, 0, &peer)) return 3;
+  if (tw_kv_xfer_path_to(peer, false, &rl) != TW_KV_PATH_STAGED_RECV) return 4;
+  rl.handoff_tag = (uint64_t)t;
+  for (int l = 0; l < L; l++) {
+    if (l == die_after) {
+      for (int i = 0; i < 1000; i++) tw_kv_xfer_progress(x); /* some pieces on their way */
+      raise(SIGKILL);
+    }
+    if (tw_kv_xfer_send_layer(x, peer, &src, &rl, l, ids, ids, first_of(l), NSENT, NULL)) return 5;
+  }
+  /* the gather: blocks 50..57 of layer 0 from local blocks 57..50 */
+  tw_kv_seg_t segs[GATHER];
+  for (int i = 0; i < GATHER; i++)
+    segs[i] = (tw_kv_seg_t){(const char *)src.base + (int64_t)(50 + GATHER - 1 - i) * src.block_bytes,
+                            src.block_bytes};
+  if (tw_kv_xfer_put(x, peer, &src, &rl, segs, GATHER, rl.remote_base + 50 * (uint64_t)src.block_bytes,
+                     NULL))
+    return 6;
+  if (tw_kv_xfer_flush(x, peer, 20000)) return 7;
+  tw_kv_xfer_stats_t s;
+  tw_kv_xfer_stats(x, &s);
+  if (tw_test_write_all(wfd, &s, sizeof s)) return 8;
+  char ack;
+  if (tw_test_read_all(rfd, &ack, 1)) return 9; /* keep the endpoint until the parent has checked */
+  tw_kv_xfer_destroy(x);
+  free(src.base);
+  free(addr);
+  return 0;
+}
+
+/* Progress the receiver until fd is readable (bounded: 200000 x 100 us). */
+static int wait_readable(tw_kv_xfer_t *x, int fd) {
+  for (int it = 0; it < 200000; it++) {
+    tw_kv_xfer_progress(x);
+    fd_set fds;
+    FD_ZERO(&fds);
+    FD_SET(fd, &fds);
+    struct timeval tv = {0, 100};
+    if (select(fd + 1, &fds, NULL, NULL, &tv) > 0) return 1;
+  }
+  return 0;
+}
+
+/* Bytes of the pool that differ from handoff t's pattern where it was sent,
+ * or from 0xEE elsewhere (with_gather: blocks 50..57 of layer 0 too). */
+static int64_t wrong_bytes(const tw_kv_layout_t *pool, int t, bool with_gather) {
+  int64_t bad = 0;
+  for (int l = 0; l < L; l++)
+    for (int b = 0; b < NB; b++) {
+      const uint8_t *p = (const uint8_t *)pool->base + l * pool->layer_stride_bytes + b * pool->block_bytes;
+      bool sent = b < NSENT && b >= first_of(l);
+      bool gathered = with_gather && l == 0 && b >= 50 && b < 50 + GATHER;
+      for (int64_t k = 0; k < pool->block_bytes; k++) {
+        uint8_t want = sent ? pat(t, l, b, k) : gathered ? pat(t, l, 50 + GATHER - 1 - (b - 50), k) : 0xEE;
+        bad += p[k] != want;
+      }
+    }
+  return bad;
+}
+
+/* One prefill child for handoff t; 0 when it reported (stats in *s). */
+static pid_t spawn(int t, int die_after, tw_kv_xfer_t *x, tw_kv_region_t *reg, int *to_child,
+                   int *from_child) {
+  int p2c[2], c2p[2];
+  if (pipe(p2c) || pipe(c2p)) return -1;
+  pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(p2c[1]);
+    close(c2p[0]);
+    _exit(child(t, die_after, p2c[0], c2p[1]));
+  }
+  close(p2c[0]);
+  close(c2p[1]);
+  size_t alen, rlen;
+  const void *addr = tw_kv_xfer_address(x, &alen);
+  tw_kv_region_rkey(reg, &rlen);
+  tw_kv_remote_layout_t rl;
+  tw_kv_region_remote_layout(reg, &rl);
+  if (tw_test_write_all(p2c[1], &alen, sizeof alen) || tw_test_write_all(p2c[1], &rlen, sizeof rlen) ||
+      tw_test_write_all(p2c[1], addr, alen) || tw_test_write_all(p2c[1], &rl, sizeof rl))
+    return -1;
+  *to_child = p2c[1];
+  *from_child = c2p[0];
+  return pid;
+}
+
+int main(void) {
+  tw_log_init("test_kv_staged", 0);
+  tw_kv_layout_t pool = make_layout(NULL);
+  pool.base = malloc((size_t)pool.total_bytes);
+  if (!pool.base) return 1;
+  memset(pool.base, 0xEE, (size_t)pool.total_bytes);
+  tw_kv_xfer_t *x = NULL;
+  tw_kv_region_t *reg = NULL;
+  tw_kv_region_params_t prm = {.staging_ring = true, .n_slots = SLOTS, .slot_bytes = SLOT_BYTES};
+  if (tw_kv_xfer_create(&x) || tw_kv_region_register_ex(x, &pool, &prm, &reg)) return 1;
+  size_t rlen = 1;
+  tw_kv_region_rkey(reg, &rlen);
+  tw_kv_remote_layout_t rl;
+  tw_kv_region_remote_layout(reg, &rl);
+  EXPECT(rlen == 0 && rl.staging_slot_bytes == SLOT_BYTES, "staged: no rkey, slots of %lld bytes published",
+         (long long)rl.staging_slot_bytes);
+  int32_t ids[NSENT], firsts[L], gids[GATHER];
+  for (int j = 0; j < NSENT; j++) ids[j] = j;
+  for (int j = 0; j < GATHER; j++) gids[j] = 50 + j;
+  const int32_t gfirsts[L] = {0, GATHER, GATHER, GATHER}; /* layer 0 only */
+  for (int l = 0; l < L; l++) firsts[l] = first_of(l);
+  int64_t want_bytes = (int64_t)GATHER * pool.block_bytes;
+  for (int l = 0; l < L; l++) want_bytes += (int64_t)(NSENT - first_of(l)) * pool.block_bytes;
+
+  /* 1: a whole handoff */
+  int to = -1, from = -1;
+  pid_t pid = spawn(1, -1, x, reg, &to, &from);
+  tw_kv_xfer_stats_t s = {0};
+  int ok = pid > 0 && wait_readable(x, from) && tw_test_read_all(from, &s, sizeof s) == 0;
+  EXPECT(ok, "handoff 1 reported");
+  EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS, "handoff 2 is not there");
+  EXPECT(tw_kv_region_commit(reg, 1, ids, NSENT, firsts, 10000) == TW_OK &&
+             tw_kv_region_commit(reg, 1, gids, GATHER, gfirsts, 10000) == TW_OK,
+         "handoff 1 landed");
+  EXPECT(wrong_bytes(&pool, 1, true) == 0, "handoff 1: %lld wrong bytes", (long long)wrong_bytes(&pool, 1, true));
+  tw_kv_rxring_stats_t rs;
+  EXPECT(tw_kv_region_staging_stats(reg, &rs), "staging stats");
+  printf("handoff 1: %lld bytes in %lld pieces (%lld sent as pieces), %lld waits for a slot, peak %d slots\n",
+         (long long)rs.bytes_landed, (long long)rs.pieces, (long long)s.ring_bytes,
+         (long long)rs.full_waits, rs.slots_peak);
+  EXPECT(s.bytes_sent == want_bytes && s.ring_bytes == want_bytes, "sent %lld bytes as pieces (%lld), want %lld",
+         (long long)s.bytes_sent, (long long)s.ring_bytes, (long long)want_bytes);
+  EXPECT(rs.bytes_landed == want_bytes, "copied out of the ring: %lld, want %lld", (long long)rs.bytes_landed,
+         (long long)want_bytes);
+  /* full layers: 40 blocks = 640 KiB = 10 pieces; sliding: 4 blocks = 1 piece; gather: 2 pieces */
+  EXPECT(rs.pieces == 2 * 10 + 2 * 1 + 2 && s.puts == rs.pieces, "pieces: %lld received, %lld sent, want 24",
+         (long long)rs.pieces, (long long)s.puts);
+  EXPECT(rs.full_waits > 0 && rs.slots_peak <= SLOTS, "back-pressure: %lld waits, peak %d of %d slots",
+         (long long)rs.full_waits, rs.slots_peak, SLOTS);
+  EXPECT(rs.slots_in_use == 0 && rs.pieces_failed == 0, "ring idle, nothing failed");
+  TW_IGNORE(tw_test_write_all(to, "k", 1)); /* the child ends either way */
+  int st = 0;
+  waitpid(pid, &st, 0);
+  EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child 1 exit %d", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  close(to);
+  close(from);
+
+  /* 2: a sender killed after 2 of its 4 layers */
+  pid = spawn(2, 2, x, reg, &to, &from);
+  st = 0;
+  for (int it = 0; it < 100000 && pid > 0 && waitpid(pid, &st, WNOHANG) == 0; it++) tw_kv_xfer_progress(x);
+  EXPECT(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "child 2 was killed mid-transfer");
+  int in_use = -1;
+  for (int it = 0; it < 20000; it++) { /* bounded: 20000 x 100 us */
+    tw_kv_xfer_progress(x);
+    TW_IGNORE(tw_kv_region_landed(reg, 2, ids, NSENT, firsts)); /* pumps the ring */
+    EXPECT(tw_kv_region_staging_stats(reg, &rs), "staging stats");
+    in_use = rs.slots_in_use;
+    if (in_use == 0 && it > 100) break;
+    usleep(100);
+  }
+  EXPECT(in_use == 0, "after the killed sender: %d slots still in use", in_use);
+  EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS, "handoff 2 never completes");
+  close(to);
+  close(from);
+
+  /* 3: the receiver keeps serving */
+  pid = spawn(3, -1, x, reg, &to, &from);
+  ok = pid > 0 && wait_readable(x, from) && tw_test_read_all(from, &s, sizeof s) == 0;
+  EXPECT(ok, "handoff 3 reported");
+  EXPECT(tw_kv_region_commit(reg, 3, ids, NSENT, firsts, 10000) == TW_OK &&
+             tw_kv_region_commit(reg, 3, gids, GATHER, gfirsts, 10000) == TW_OK,
+         "handoff 3 landed");
+  EXPECT(wrong_bytes(&pool, 3, true) == 0, "handoff 3: %lld wrong bytes", (long long)wrong_bytes(&pool, 3, true));
+  EXPECT(tw_kv_region_landed(reg, 1, ids, NSENT, firsts) == TW_INPROGRESS, "handoff 1 no longer counts");
+  TW_IGNORE(tw_test_write_all(to, "k", 1));
+  st = 0;
+  waitpid(pid, &st, 0);
+  EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child 3 exit %d", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  close(to);
+  close(from);
+  tw_kv_region_unregister(reg);
+  tw_kv_xfer_destroy(x);
+  free(pool.base);
+  return tw_test_exit("test_kv_staged");
+}
