@@ -36,7 +36,8 @@ static int64_t tw_rx_now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static TW_NODISCARD tw_status_t tw_env_int(const char *name, long lo, long hi, long def, long *out) {
+static TW_NODISCARD tw_status_t tw_env_int(const char *name, long lo, long hi, long def,
+                                           long *out) {
   const char *v = getenv(name);
   *out = def;
   if (!v || !*v) return TW_OK;
@@ -59,7 +60,8 @@ TW_NODISCARD tw_status_t tw_kv_rxring_size_from_env(int32_t *n_slots_p, int64_t 
   return TW_OK;
 }
 
-TW_NODISCARD tw_status_t tw_kv_rxring_create(const tw_kv_rxring_params_t *p, tw_kv_rxring_t **ring_p) {
+TW_NODISCARD tw_status_t tw_kv_rxring_create(const tw_kv_rxring_params_t *p,
+                                             tw_kv_rxring_t **ring_p) {
   *ring_p = NULL;
   if (!p->pool || !p->slots_mem || p->n_slots < 1 || p->slot_bytes <= 0 || p->n_layers < 1 ||
       p->n_blocks < 1 || p->block_bytes <= 0 || p->block_bytes > INT32_MAX ||
@@ -99,8 +101,8 @@ static void tw_rx_slot_free(tw_kv_rxring_t *r, int32_t k) {
     r->stats.busy_seconds += (double)(tw_rx_now_ns() - r->t_busy_ns) * 1e-9;
 }
 
-TW_NODISCARD tw_status_t tw_kv_rxring_acquire(tw_kv_rxring_t *r, int64_t offset, int64_t len, uint32_t tag,
-                                 int32_t *slot_p, void **buf_p) {
+TW_NODISCARD tw_status_t tw_kv_rxring_acquire(tw_kv_rxring_t *r, int64_t offset, int64_t len,
+                                              uint32_t tag, int32_t *slot_p, void **buf_p) {
   if (len <= 0 || len > r->p.slot_bytes || offset < 0 || offset > r->p.total_bytes - len)
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "kv staging: a piece of %lld bytes at offset %lld does not fit a %lld-byte slot "
@@ -200,8 +202,8 @@ TW_NODISCARD tw_status_t tw_kv_rxring_drain(tw_kv_rxring_t *r, int timeout_ms) {
   }
 }
 
-TW_NODISCARD tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *r, uint32_t tag, const int32_t *ids,
-                                int32_t n, const int32_t *firsts) {
+TW_NODISCARD tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *r, uint32_t tag,
+                                             const int32_t *ids, int32_t n, const int32_t *firsts) {
   const tw_kv_rxring_params_t *p = &r->p;
   tw_status_t st = TW_OK;
   for (int32_t l = 0; l < p->n_layers; l++)

@@ -41,7 +41,8 @@ typedef struct tw_kv_rxring tw_kv_rxring_t;
  *  TW_OK once the last copy started from `slot` is done, TW_INPROGRESS while
  *  it runs, an error (with tw_err's message) when it failed. */
 typedef struct {
-  TW_NODISCARD tw_status_t (*start)(void *ctx, int32_t slot, void *dst, const void *src, size_t len);
+  TW_NODISCARD tw_status_t (*start)(void *ctx, int32_t slot, void *dst, const void *src,
+                                    size_t len);
   TW_NODISCARD tw_status_t (*poll)(void *ctx, int32_t slot);
   void *ctx;
 } tw_kv_rxring_copy_t;
@@ -86,7 +87,8 @@ TW_NODISCARD tw_status_t tw_kv_rxring_size_from_env(int32_t *n_slots_p, int64_t 
 /** Create a ring. Errors: TW_ERR_INVALID_ARGUMENT (no pool or slots, fewer
  *  than 1 slot, a block over 2 GiB, a stride shorter than a layer's blocks),
  *  TW_ERR_NO_MEMORY (the per-block counters: 8 bytes per layer and block). */
-TW_NODISCARD tw_status_t tw_kv_rxring_create(const tw_kv_rxring_params_t *p, tw_kv_rxring_t **ring_p);
+TW_NODISCARD tw_status_t tw_kv_rxring_create(const tw_kv_rxring_params_t *p,
+                                             tw_kv_rxring_t **ring_p);
 /** Free the ring's own memory (not the slots or the pool). The caller waits
  *  for the copies first (tw_kv_rxring_drain). NULL does nothing. */
 void tw_kv_rxring_destroy(tw_kv_rxring_t *ring);
@@ -96,8 +98,8 @@ void tw_kv_rxring_destroy(tw_kv_rxring_t *ring);
  *  into). TW_INPROGRESS when every slot is in use (nothing taken: retry after
  *  tw_kv_rxring_poll freed one). Errors: TW_ERR_INVALID_ARGUMENT (len <= 0,
  *  longer than a slot, or the range outside the pool). */
-TW_NODISCARD tw_status_t tw_kv_rxring_acquire(tw_kv_rxring_t *ring, int64_t offset, int64_t len, uint32_t tag,
-                                 int32_t *slot_p, void **buf_p);
+TW_NODISCARD tw_status_t tw_kv_rxring_acquire(tw_kv_rxring_t *ring, int64_t offset, int64_t len,
+                                              uint32_t tag, int32_t *slot_p, void **buf_p);
 /** The piece of `slot` has arrived (ok) or its receive failed (!ok: the slot
  *  is freed, its bytes never count). Starts the copy to the pool.
  *  Errors: TW_ERR_INVALID_ARGUMENT (a slot not taken), those of copy.start
@@ -115,8 +117,8 @@ TW_NODISCARD tw_status_t tw_kv_rxring_drain(tw_kv_rxring_t *ring, int timeout_ms
  *  from 0) hold every byte of handoff `tag`, copied; TW_INPROGRESS while
  *  some are missing. Never blocks.
  *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool). */
-TW_NODISCARD tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *ring, uint32_t tag, const int32_t *ids,
-                                int32_t n, const int32_t *firsts);
+TW_NODISCARD tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *ring, uint32_t tag,
+                                             const int32_t *ids, int32_t n, const int32_t *firsts);
 
 void tw_kv_rxring_stats(const tw_kv_rxring_t *ring, tw_kv_rxring_stats_t *stats_p);
 /** Slots and their size (for logs and senders). */

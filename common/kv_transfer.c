@@ -301,7 +301,8 @@ static bool tw_kv_iface_of(const struct sockaddr *a, char *name, size_t cap) {
 
 /* The local address the kernel would use to reach host:port (a UDP
  * connect() sends nothing), then its interface. */
-static TW_NODISCARD tw_status_t tw_kv_route_iface(const char *host, const char *port, char *name, size_t cap) {
+static TW_NODISCARD tw_status_t tw_kv_route_iface(const char *host, const char *port, char *name,
+                                                  size_t cap) {
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_DGRAM}, *res = NULL;
   int rc = getaddrinfo(host, port, &hints, &res);
   if (rc != 0)
@@ -392,9 +393,12 @@ static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const c
 static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_length, void *data,
                                   size_t length, const ucp_am_recv_param_t *param);
 
-TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) { return tw_kv_xfer_create_bound(NULL, xfer_p); }
+TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
+  return tw_kv_xfer_create_bound(NULL, xfer_p);
+}
 
-TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, tw_kv_xfer_t **xfer_p) {
+TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
+                                                 tw_kv_xfer_t **xfer_p) {
   char devs[1024];
   const char *devices = NULL, *env = getenv("UCX_NET_DEVICES");
   if (router_endpoint && env && *env) {
@@ -514,8 +518,8 @@ bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *x) { return x->cuda_native; }
 
 /* The ring's copy step: cudaMemcpyAsync on the region's stream and an event
  * per slot (device pools), or memcpy (host pools, tests and benchmarks). */
-static TW_NODISCARD tw_status_t tw_kv_rx_cuda_start(void *ctx, int32_t slot, void *dst, const void *src,
-                                       size_t len) {
+static TW_NODISCARD tw_status_t tw_kv_rx_cuda_start(void *ctx, int32_t slot, void *dst,
+                                                    const void *src, size_t len) {
   tw_kv_region_t *r = ctx;
   tw_cudart_t *rt = &r->xfer->cudart;
   if (rt->memcpy_async(dst, src, len, TW_CUDA_H2D, r->stream) != 0)
@@ -531,8 +535,8 @@ static TW_NODISCARD tw_status_t tw_kv_rx_cuda_poll(void *ctx, int32_t slot) {
   if (e != 0) return tw_err(TW_ERR_CUDA, "a staged kv copy to the device failed (cuda error %d)", e);
   return TW_OK;
 }
-static TW_NODISCARD tw_status_t tw_kv_rx_host_start(void *ctx, int32_t slot, void *dst, const void *src,
-                                       size_t len) {
+static TW_NODISCARD tw_status_t tw_kv_rx_host_start(void *ctx, int32_t slot, void *dst,
+                                                    const void *src, size_t len) {
   (void)ctx;
   (void)slot;
   memcpy(dst, src, len);
@@ -707,7 +711,8 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
 
 /* The ring of a staged region: pinned slots (device pools) or malloc'd ones
  * (a host pool asked to stage), the copies' stream and events. */
-static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r, const tw_kv_region_params_t *prm) {
+static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
+                                                   const tw_kv_region_params_t *prm) {
   tw_kv_xfer_t *x = r->xfer;
   const tw_kv_layout_t *l = &r->layout;
   TW_CHECK(tw_kv_rxring_size_from_env(&r->n_slots, &r->slot_bytes));
@@ -852,12 +857,13 @@ static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
 }
 
 TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
-                                  tw_kv_region_t **region_p) {
+                                               tw_kv_region_t **region_p) {
   return tw_kv_region_register_ex(x, layout, NULL, region_p);
 }
 
 TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
-                                     const tw_kv_region_params_t *prm, tw_kv_region_t **region_p) {
+                                                  const tw_kv_region_params_t *prm,
+                                                  tw_kv_region_t **region_p) {
   if (!layout || !layout->base || layout->total_bytes <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv region: empty pool layout");
   tw_kv_region_t *r = calloc(1, sizeof *r);
@@ -1007,16 +1013,16 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *
                                .staging_slot_bytes = r->staged ? r->slot_bytes : 0};
 }
 
-TW_NODISCARD tw_status_t tw_kv_region_landed(tw_kv_region_t *r, uint64_t tag, const int32_t *ids, int32_t n,
-                                const int32_t *firsts) {
+TW_NODISCARD tw_status_t tw_kv_region_landed(tw_kv_region_t *r, uint64_t tag, const int32_t *ids,
+                                             int32_t n, const int32_t *firsts) {
   if (!r->staged) return TW_OK;
   tw_status_t st = tw_kv_rx_pump(r);
   if (st != TW_OK) return st;
   return tw_kv_rxring_landed(r->ring, (uint32_t)tag, ids, n, firsts);
 }
 
-TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *r, uint64_t tag, const int32_t *ids, int32_t n,
-                                const int32_t *firsts, int timeout_ms) {
+TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *r, uint64_t tag, const int32_t *ids,
+                                             int32_t n, const int32_t *firsts, int timeout_ms) {
   int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
   for (;;) {
     tw_kv_xfer_progress(r->xfer);
@@ -1102,7 +1108,7 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
 }
 
 TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address_len,
-                            const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
+                                         const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
   tw_kv_peer_t *p = NULL;
   for (int i = 0; i < x->n_peers; i++) {
     tw_kv_peer_t *q = x->peers[i];
@@ -1195,7 +1201,7 @@ int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int3
 }
 
 static TW_NODISCARD tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32_t id,
-                                   char **ptr_p) {
+                                                char **ptr_p) {
   if (layer < 0 || layer >= l->n_layers || id < 0 || id >= l->n_blocks)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv block %d of layer %d is outside the pool (%d x %d)",
                   id, layer, l->n_layers, l->n_blocks);
@@ -1355,9 +1361,11 @@ static int64_t tw_kv_am_chunk(const tw_kv_remote_layout_t *dst) {
 /* Send `len` bytes at `buf` as one active message to the staged receiver
  * `dst`, landing at raddr (forced rendezvous: the receiver fetches it when
  * it has a slot). *hdr must stay put until the request completes. */
-static TW_NODISCARD tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_remote_layout_t *dst,
-                                 const void *buf, int64_t len, uint64_t raddr, ucp_mem_h memh,
-                                 ucs_memory_type_t mt, tw_kv_am_hdr_t *hdr, void **req_p) {
+static TW_NODISCARD tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p,
+                                              const tw_kv_remote_layout_t *dst, const void *buf,
+                                              int64_t len, uint64_t raddr, ucp_mem_h memh,
+                                              ucs_memory_type_t mt, tw_kv_am_hdr_t *hdr,
+                                              void **req_p) {
   *hdr = (tw_kv_am_hdr_t){.base = dst->remote_base, .offset = raddr - dst->remote_base,
                           .len = (uint64_t)len, .tag = dst->handoff_tag};
   ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
@@ -1378,9 +1386,10 @@ static TW_NODISCARD tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p, 
 }
 
 static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
-                                  const tw_kv_seg_t *segs, int32_t n_segs, int64_t total,
-                                  uint64_t raddr, uint64_t *h, tw_kv_ring_mode_t mode,
-                                  const tw_kv_remote_layout_t *dst) {
+                                               const tw_kv_seg_t *segs, int32_t n_segs,
+                                               int64_t total, uint64_t raddr, uint64_t *h,
+                                               tw_kv_ring_mode_t mode,
+                                               const tw_kv_remote_layout_t *dst) {
   TW_CHECK(tw_kv_ring_init(x, device));
   tw_kv_ring_t *g = &x->ring;
   const int64_t S = mode == TW_KV_RING_AM ? tw_kv_am_chunk(dst) : TW_KV_RING_SLOT_BYTES;
@@ -1473,8 +1482,8 @@ const char *tw_kv_path_name(tw_kv_path_t path) {
 const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *p) { return p->lanes; }
 
 TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
-                           const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
-                           int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
+                                        const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
+                                        int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
   if (p->failed) return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
   int64_t total = 0;
   const char *lo = src->base, *hi = (const char *)src->base + src->total_bytes;
@@ -1598,10 +1607,11 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
   return TW_OK;
 }
 
-TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
-                                  const tw_kv_remote_layout_t *dst, int32_t layer,
-                                  const int32_t *src_ids, const int32_t *dst_ids, int32_t first,
-                                  int32_t n, uint64_t *maybe_checksum) {
+TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p,
+                                               const tw_kv_layout_t *src,
+                                               const tw_kv_remote_layout_t *dst, int32_t layer,
+                                               const int32_t *src_ids, const int32_t *dst_ids,
+                                               int32_t first, int32_t n, uint64_t *maybe_checksum) {
   if (src->dtype != dst->dtype || src->block_size != dst->block_size ||
       src->n_kv_heads_local != dst->n_kv_heads || src->head_dim != dst->head_dim ||
       src->block_bytes != dst->block_bytes || src->n_layers != dst->n_layers)
@@ -1690,8 +1700,9 @@ TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int 
   return TW_OK;
 }
 
-TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer, const int32_t *ids,
-                                 int32_t first, int32_t n, uint64_t *checksum_p) {
+TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer,
+                                              const int32_t *ids, int32_t first, int32_t n,
+                                              uint64_t *checksum_p) {
   uint64_t h = TW_KV_FNV_INIT;
   tw_cudart_t rt = {0};
   uint8_t *copy = NULL;

@@ -56,11 +56,12 @@ void tw_msg_fini(tw_msg_t *msg);
  *  message received from the peer; NULL on DEALER/REQ sockets). Never
  *  blocks: a full queue or a vanished peer (ZMQ_ROUTER_MANDATORY) is
  *  TW_ERR_UNAVAILABLE; other failures TW_ERR_TRANSPORT. */
-TW_NODISCARD tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to, const ProtobufCMessage *msg);
+TW_NODISCARD tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to,
+                                     const ProtobufCMessage *msg);
 
 /** Same, with an explicit routing id (e.g. a worker id kept in a registry). */
 TW_NODISCARD tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim,
-                           const ProtobufCMessage *msg);
+                                        const ProtobufCMessage *msg);
 
 /** Check every string field of a packed protobuf of type `desc` (nested
  *  messages included, by their descriptors) as proto3 requires and as C
@@ -71,8 +72,8 @@ TW_NODISCARD tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_le
  *  names the field ("messages.content contains a NUL byte at offset 5",
  *  "... is not valid UTF-8 at offset 3"); TW_ERR_FORMAT for a message nested
  *  deeper than 32 levels. */
-TW_NODISCARD tw_status_t tw_msg_check_strings(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
-                                 size_t len);
+TW_NODISCARD tw_status_t tw_msg_check_strings(const ProtobufCMessageDescriptor *desc,
+                                              const uint8_t *data, size_t len);
 
 /** Set ZMQ_MAXMSGSIZE = TW_MSG_MAX_BYTES on `sock` (before its bind or
  *  connect): libzmq drops a larger frame as it arrives (and disconnects
@@ -111,7 +112,7 @@ int64_t tw_msg_clock_ns(void);
  *  actual endpoint is written to maybe_bound[bound_len].
  *  Errors: TW_ERR_TRANSPORT naming the endpoint and errno text. */
 TW_NODISCARD tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
-                               char *maybe_bound, size_t bound_len, void **sock_p);
+                                            char *maybe_bound, size_t bound_len, void **sock_p);
 
 /** The one map from a status to the code clients and workers see on the wire
  *  (twain.v1.Code, proto/twain_api.proto: gRPC's numbers). Request faults are
@@ -125,9 +126,10 @@ int tw_status_wire_code(tw_status_t st);
  *  CURVE server and a connected one a CURVE client of that key set
  *  (common/link_auth.h; a ZAP handler must run on `ctx` for a server).
  *  Errors: those of tw_msg_socket_open and tw_auth_server/tw_auth_client. */
-TW_NODISCARD tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint, bool bind,
-                                    const tw_auth_keys_t *maybe_keys, char *maybe_bound, size_t bound_len,
-                                    void **sock_p);
+TW_NODISCARD tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint,
+                                                 bool bind, const tw_auth_keys_t *maybe_keys,
+                                                 char *maybe_bound, size_t bound_len,
+                                                 void **sock_p);
 
 #ifdef __cplusplus
 }

@@ -377,7 +377,8 @@ static TW_NODISCARD tw_status_t tw_tok_build(struct tw_tokenizer *t, const cJSON
   return tw_tok_regex_compile(t, pattern);
 }
 
-TW_NODISCARD tw_status_t tw_tokenizer_load_json(const char *json, size_t len, tw_tokenizer_t **tok_p) {
+TW_NODISCARD tw_status_t tw_tokenizer_load_json(const char *json, size_t len,
+                                                tw_tokenizer_t **tok_p) {
   cJSON *root = cJSON_ParseWithLength(json, len);
   if (!root) return tw_err(TW_ERR_FORMAT, "tokenizer.json: not valid JSON");
   struct tw_tokenizer *t = calloc(1, sizeof *t);
@@ -426,7 +427,8 @@ void tw_tokenizer_destroy(tw_tokenizer_t *t) {
 
 int32_t tw_tokenizer_n_ids(const tw_tokenizer_t *t) { return t->n_ids; }
 
-TW_NODISCARD tw_status_t tw_tokenizer_find_added(const tw_tokenizer_t *t, const char *content, int32_t *id_p) {
+TW_NODISCARD tw_status_t tw_tokenizer_find_added(const tw_tokenizer_t *t, const char *content,
+                                                 int32_t *id_p) {
   size_t n = strlen(content);
   for (size_t i = 0; i < t->n_added; i++) {
     if (t->added[i].len == n && memcmp(t->added[i].content, content, n) == 0) {
@@ -441,8 +443,8 @@ int tw_tokenizer_is_special(const tw_tokenizer_t *t, int32_t id) {
   return id >= 0 && id < t->n_ids && (t->tok_flags[id] & TW_TOK_F_SPECIAL);
 }
 
-TW_NODISCARD tw_status_t tw_tokenizer_token_bytes(const tw_tokenizer_t *t, int32_t id, const char **bytes_p,
-                                     size_t *len_p) {
+TW_NODISCARD tw_status_t tw_tokenizer_token_bytes(const tw_tokenizer_t *t, int32_t id,
+                                                  const char **bytes_p, size_t *len_p) {
   if (id < 0 || id >= t->n_ids || t->tok_len[id] == TW_TOK_NO_TOKEN)
     return tw_err_quiet(TW_ERR_OUT_OF_RANGE, "token id %d has no bytes (tokenizer has %d ids)",
                         id, t->n_ids);
@@ -454,7 +456,7 @@ TW_NODISCARD tw_status_t tw_tokenizer_token_bytes(const tw_tokenizer_t *t, int32
 /* ---- decoding ---------------------------------------------------------- */
 
 TW_NODISCARD tw_status_t tw_tokenizer_decode(const tw_tokenizer_t *t, const int32_t *ids, size_t n,
-                                unsigned flags, tw_tok_buf_t *out) {
+                                             unsigned flags, tw_tok_buf_t *out) {
   size_t total = 0;
   for (size_t i = 0; i < n; i++) {
     int32_t id = ids[i];
@@ -484,8 +486,8 @@ static const char tw_replacement[3] = {(char)0xEF, (char)0xBF, (char)0xBD};
 
 /* Emit the valid part of p[0..n) to out; return how many trailing bytes form an
  * unfinished sequence (to keep). */
-static TW_NODISCARD tw_status_t tw_tok_stream_emit(const unsigned char *p, size_t n, tw_tok_buf_t *out,
-                                      size_t *keep_p) {
+static TW_NODISCARD tw_status_t tw_tok_stream_emit(const unsigned char *p, size_t n,
+                                                   tw_tok_buf_t *out, size_t *keep_p) {
   size_t i = 0, run = 0;
   while (i < n) {
     int k = tw_utf8_seq(p + i, n - i);

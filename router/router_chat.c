@@ -334,7 +334,8 @@ static bool tw_blank(const char *s) {
   return true;
 }
 
-TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatRequest *cr) {
+TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
+                                        const Twain__V1__ChatRequest *cr) {
   tw_rchat_ctx_t *x = r->chat_ctx;
   if (cr->n_messages == 0) return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: messages is empty");
   struct tw_rchat *c = calloc(1, sizeof *c);
@@ -484,8 +485,8 @@ int32_t tw_rchat_pass_max_tokens(tw_router_t *r, tw_req_t *q, int32_t max_tokens
   return most < max_tokens ? most : max_tokens;
 }
 
-TW_NODISCARD tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
-                                 bool finished, bool *chosen_p) {
+TW_NODISCARD tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks,
+                                              size_t n, bool finished, bool *chosen_p) {
   struct tw_rchat *c = q->hchat;
   tw_rchat_ctx_t *x = r->chat_ctx;
   *chosen_p = false;
