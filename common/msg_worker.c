@@ -232,6 +232,7 @@ TW_NODISCARD tw_status_t tw_worker_link_tick(tw_worker_link_t *link,
   r.vocab_size = link->vocab_size;
   r.kv_addresses = link->kv_addresses;
   r.n_kv_addresses = link->n_kv_addresses;
+  r.kv_pools = link->kv_pools;
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REGISTER;
   env.register_ = &r;

@@ -67,6 +67,7 @@ typedef struct {
   char backend[16];
   ProtobufCBinaryData *kv_addresses; /* decode: each rank's UCX address (borrowed), sent in Register */
   size_t n_kv_addresses;
+  Twain__Internal__V1__KvHandoff *kv_pools; /* decode: its pools (borrowed), sent in Register */
   bool registered;  /* RegisterAck seen */
   int64_t last_register_ns;
   /* heartbeat thread: its own socket; reads cap/draining under mu */

@@ -128,16 +128,6 @@ void tw_decode_ranks_fill_handoff(tw_decode_ranks_t *rk, Twain__Internal__V1__Kv
   if (h->layout) h->layout->kv_head_offset = rk->ranks[0]->layout->kv_head_offset;
 }
 
-void tw_decode_ranks_handoff_dp(tw_decode_ranks_t *rk, int32_t r,
-                                Twain__Internal__V1__KvHandoff *h) {
-  const Twain__Internal__V1__KvRank *k = rk->ranks[r];
-  h->ucx_address = k->ucx_address;
-  h->rkey = k->rkey;
-  h->layout = k->layout;
-  h->n_ranks = 0;
-  h->ranks = NULL;
-}
-
 /* Check this rank's whole pool against per-layer sums (as
  * tw_kv_xfer_send_layer computed them): counts of layers matching / not. */
 static void tw_decode_check_layers(tw_decode_ranks_t *rk, int32_t n_prompt, const int32_t *ids,

@@ -10,7 +10,8 @@
  * With data-parallel attention (--dp N) every rank's pool holds every kv
  * head and its own sequences: rank 0 keeps one block manager per rank
  * (decode_worker.c), a handoff names the one rank chosen
- * (tw_decode_ranks_handoff_dp) and only that rank checks what it got. */
+ * (KvHandoff.replica; the router puts that rank's pool in fields 1-3) and
+ * only that rank checks what it got. */
 #ifndef TW_DECODE_DECODE_RANKS_H
 #define TW_DECODE_DECODE_RANKS_H
 
@@ -45,15 +46,10 @@ TW_NODISCARD tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *
  *  initialised again. Safe on a zeroed rk. */
 void tw_decode_ranks_fini(tw_decode_ranks_t *rk);
 
-/** Rank 0: add every rank's pool to a handoff (nothing for one rank). The
- *  handoff borrows rk's storage. */
+/** Rank 0: add every rank's pool to a handoff (nothing for one rank): the
+ *  pools a decode worker registers (Register.kv_pools). The handoff borrows
+ *  rk's storage. */
 void tw_decode_ranks_fill_handoff(tw_decode_ranks_t *rk, Twain__Internal__V1__KvHandoff *h);
-
-/** Rank 0, data-parallel attention: fields 1-3 of the handoff become rank
- *  r's pool (every kv head), with no ranks list, so any prefill worker puts
- *  the whole KV there. The handoff borrows rk's storage. */
-void tw_decode_ranks_handoff_dp(tw_decode_ranks_t *rk, int32_t r,
-                                Twain__Internal__V1__KvHandoff *h);
 
 /** Rank 0: check the KV of a prompt of n_prompt tokens in blocks ids[nb]
  *  against sums[n_sums] on the ranks that hold it: target -1, every rank on

@@ -95,6 +95,10 @@ typedef struct {
   bool idle;      /* this loop turn found no sequence to step */
   tw_decode_ranks_t rk;
   ProtobufCBinaryData kv_addr[64]; /* each rank's UCX address, for Register (borrowed) */
+  /* its pools, once, in Register: rank 0's address, rkey and layout, and
+   * every rank's (TP, or --dp replicas) in pools.ranks (borrowed) */
+  Twain__Internal__V1__KvHandoff pools;
+  Twain__Internal__V1__KvLayout pools_layout;
   /* step scratch */
   int32_t *tok, *pos, *nb, *out;
   const int32_t **tables;
@@ -212,7 +216,6 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
   Twain__Internal__V1__Reserved out = TWAIN__INTERNAL__V1__RESERVED__INIT;
   Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
   Twain__Internal__V1__KvHandoff h = TWAIN__INTERNAL__V1__KV_HANDOFF__INIT;
-  Twain__Internal__V1__KvLayout kl = TWAIN__INTERNAL__V1__KV_LAYOUT__INIT;
   out.request_id = r->request_id;
   char msg[256] = "";
   tw_dseq_t *seq = NULL;
@@ -270,24 +273,14 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     seq->n_prompt = r->n_prompt_tokens;
     seq->t_ns = tw_msg_clock_ns();
     d->seqs[d->n_seqs++] = seq;
-    tw_kv_remote_layout_t rl;
-    tw_kv_region_remote_layout(d->region, &rl);
-    tw_proto_kv_layout_from_remote(&rl, 0, &kl);
-    size_t alen, rlen;
-    const void *addr = tw_kv_xfer_address(d->xfer, &alen);
-    const void *rkey = tw_kv_region_rkey(d->region, &rlen);
-    h.ucx_address.data = (uint8_t *)addr;
-    h.ucx_address.len = alen;
-    h.rkey.data = (uint8_t *)rkey;
-    h.rkey.len = rlen;
-    h.layout = &kl;
+    /* the pools' UCX address, rkey and layout went once, in Register
+     * (tw_decoder_pools); the router adds them to the prefill request */
     /* only the prompt's blocks travel; the rest are for generated tokens */
     h.n_block_ids = (size_t)tw_kv_blocks_needed(d->bm[rank], r->n_prompt_tokens);
     h.checksums = d->p->verify_kv;
     h.block_ids = seq->blocks;
     h.decode_worker = d->wk.link.name;
-    if (d->n_dp > 1) tw_decode_ranks_handoff_dp(&d->rk, rank, &h); /* that replica's pool only */
-    else tw_decode_ranks_fill_handoff(&d->rk, &h); /* every rank's pool when TP/EP > 1 */
+    if (d->n_dp > 1) h.replica = rank + 1; /* that replica's pool only */
     out.handoff = &h;
     TW_DEBUG("decode", "request %llu: reserved %d blocks on rank %d",
              (unsigned long long)r->request_id, need, rank);
@@ -576,6 +569,25 @@ static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
   return st;
 }
 
+/* What a prefill worker needs of this worker's pools, sent once in
+ * Register: rank 0's UCX address, rkey and layout; with TP (or --dp) every
+ * rank's in `ranks` (a Reserved then names a --dp replica by number). */
+static void tw_decoder_pools(tw_decoder_t *d) {
+  tw_kv_remote_layout_t rl;
+  tw_kv_region_remote_layout(d->region, &rl);
+  tw_proto_kv_layout_from_remote(&rl, 0, &d->pools_layout);
+  Twain__Internal__V1__KvHandoff *h = &d->pools;
+  twain__internal__v1__kv_handoff__init(h);
+  size_t alen, rlen;
+  h->ucx_address.data = (uint8_t *)tw_kv_xfer_address(d->xfer, &alen);
+  h->ucx_address.len = alen;
+  h->rkey.data = (uint8_t *)tw_kv_region_rkey(d->region, &rlen);
+  h->rkey.len = rlen;
+  h->layout = &d->pools_layout;
+  h->decode_worker = d->wk.link.name;
+  tw_decode_ranks_fill_handoff(&d->rk, h); /* every rank's pool when TP/EP > 1 or --dp */
+}
+
 static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   const tw_decode_params_t *p = d->p;
   TW_CHECK(tw_model_load(p->model_dir, &d->model));
@@ -688,6 +700,8 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
     d->kv_addr[n_addr++] = d->rk.ranks[k]->ucx_address;
   d->wk.link.kv_addresses = d->kv_addr;
   d->wk.link.n_kv_addresses = n_addr;
+  tw_decoder_pools(d);
+  d->wk.link.kv_pools = &d->pools;
   TW_INFO("decode", "%s: %s backend, %d kv blocks of %d tokens, max batch %d, router %s", d->wk.name,
           d->wk.link.backend, l->n_blocks, l->block_size, d->max_batch, p->router);
   if (d->n_dp > 1)

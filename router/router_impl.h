@@ -57,6 +57,9 @@ typedef struct {
   int64_t requests;         /* handed to it, for tests and logs */
   ProtobufCBinaryData *kv_addrs; /* decode: the UCX addresses it registered (owned) */
   int32_t n_kv_addrs;
+  /* decode: the pools it registered (Register.kv_pools, a deep copy), put
+   * into the handoff of each of its reservations that names none */
+  Twain__Internal__V1__KvHandoff *kv_pools;
   uint64_t instance;        /* Register.instance: this process start (0: not given) */
 } tw_rworker_t;
 

@@ -123,9 +123,14 @@ void tw_rworker_free_addrs(tw_rworker_t *w) {
   free(w->kv_addrs);
   w->kv_addrs = NULL;
   w->n_kv_addrs = 0;
+  if (w->kv_pools) twain__internal__v1__kv_handoff__free_unpacked(w->kv_pools, NULL);
+  w->kv_pools = NULL;
 }
 
-/* Keep the UCX addresses a decode worker registered (at most 64 of 64 KiB). */
+static bool tw_handoff_vouched(const tw_rworker_t *w, const Twain__Internal__V1__KvHandoff *h);
+
+/* Keep the UCX addresses a decode worker registered (at most 64 of 64 KiB),
+ * and its pools. */
 static void tw_keep_addrs(tw_rworker_t *w, const Twain__Internal__V1__Register *g) {
   tw_rworker_free_addrs(w);
   size_t n = g->n_kv_addresses < 64 ? g->n_kv_addresses : 64;
@@ -136,6 +141,52 @@ static void tw_keep_addrs(tw_rworker_t *w, const Twain__Internal__V1__Register *
     memcpy(w->kv_addrs[w->n_kv_addrs].data, g->kv_addresses[i].data, len);
     w->kv_addrs[w->n_kv_addrs++].len = len;
   }
+  /* its pools: kept only when they name registered addresses (the prefill
+   * worker connects to them), as a deep copy (pack, unpack) */
+  if (!g->kv_pools || !tw_handoff_vouched(w, g->kv_pools)) {
+    if (g->kv_pools)
+      TW_WARN("router", "decode worker %s registered kv pools naming an unregistered UCX address: "
+              "ignored", w->name);
+    return;
+  }
+  size_t n_bytes = twain__internal__v1__kv_handoff__get_packed_size(g->kv_pools);
+  uint8_t *buf = malloc(n_bytes ? n_bytes : 1);
+  if (!buf) return; /* its reservations then fail clearly (no pools) */
+  twain__internal__v1__kv_handoff__pack(g->kv_pools, buf);
+  w->kv_pools = twain__internal__v1__kv_handoff__unpack(NULL, n_bytes, buf);
+  free(buf);
+}
+
+/* A reservation's handoff as the prefill worker needs it: one that names no
+ * UCX address (pools sent at registration) gets the registered pools, or
+ * with --dp the one replica's (KvHandoff.replica), in *full (borrowing the
+ * worker's copy). A worker that registered no pools has its handoff
+ * forwarded as it is (the prefill worker refuses one without an address).
+ * Returns NULL when it names a replica this worker never registered. */
+static const Twain__Internal__V1__KvHandoff *tw_handoff_complete(const tw_rworker_t *w,
+                                                                const Twain__Internal__V1__KvHandoff *h,
+                                                                Twain__Internal__V1__KvHandoff *full) {
+  if (!h || h->ucx_address.len) return h; /* the pools came with it (vouched separately) */
+  const Twain__Internal__V1__KvHandoff *p = w->kv_pools;
+  if (!p) return h;
+  if (h->replica < 0 || (size_t)h->replica > p->n_ranks) return NULL;
+  *full = *h;
+  full->replica = 0;
+  if (h->replica > 0) { /* --dp: that replica's pool holds every kv head */
+    const Twain__Internal__V1__KvRank *k = p->ranks[h->replica - 1];
+    full->ucx_address = k->ucx_address;
+    full->rkey = k->rkey;
+    full->layout = k->layout;
+    full->n_ranks = 0;
+    full->ranks = NULL;
+  } else {
+    full->ucx_address = p->ucx_address;
+    full->rkey = p->rkey;
+    full->layout = p->layout;
+    full->n_ranks = p->n_ranks;
+    full->ranks = p->ranks;
+  }
+  return full;
 }
 
 /* A handoff may name only UCX addresses its decode worker registered: the
@@ -356,7 +407,16 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   pr.prompt_ids = q->prompt;
   pr.n_prompt_ids = (size_t)q->n_prompt;
   pr.sampling = &q->sampling;
-  pr.handoff = rs->handoff;
+  Twain__Internal__V1__KvHandoff full;
+  const Twain__Internal__V1__KvHandoff *h = tw_handoff_complete(w, rs->handoff, &full);
+  if (!h) {
+    TW_WARN("router", "decode worker %s reserved request %llu naming no pools it registered: refused",
+            w->name, (unsigned long long)q->id);
+    tw_router_fail(r, q, TWAIN__V1__CODE__INTERNAL,
+                   "decode worker %s sent a handoff without its kv pools", w->name);
+    return;
+  }
+  pr.handoff = (Twain__Internal__V1__KvHandoff *)h;
   pr.issued_unix_ms = tw_proto_unix_ms(); /* the workers' staleness clock (proto_engine.h) */
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL;

@@ -170,8 +170,11 @@ def send(name, env):
 
 
 try:
+    pools = None  # the decode worker's pools, sent once in Register (kept as the router does)
     for name in (b"fd", b"fp"):
-        recv_from(name, lambda e: e.WhichOneof("body") == "register")
+        reg = recv_from(name, lambda e: e.WhichOneof("body") == "register")
+        if name == b"fd":
+            pools = reg.register.kv_pools
         ack = svc.Envelope()
         ack.register_ack.worker_id = name.decode()
         send(name, ack)
@@ -224,6 +227,16 @@ try:
     rv.reserve.max_tokens = 12
     send(b"fd", rv)
     h = recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved").reserved.handoff
+    check(h.ucx_address == b"" and pools.ucx_address != b"" and pools.layout.n_blocks > 0,
+          "decode: the reservation names only its blocks, the pools came in Register")
+
+    def with_pools(handoff):  # what the router adds to a reservation's handoff
+        full = svc.Envelope().prefill.handoff
+        full.CopyFrom(handoff)
+        full.ucx_address, full.rkey = pools.ucx_address, pools.rkey
+        full.layout.CopyFrom(pools.layout)
+        return full
+    h = with_pools(h)
     pr.prefill.request_id = 21
     pr.prefill.handoff.CopyFrom(h)
     del pr.prefill.prompt_ids[:]
@@ -238,7 +251,7 @@ try:
     # the request with a message naming the layer, and free its blocks
     rv.reserve.request_id = 22
     send(b"fd", rv)
-    bad_h = recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved").reserved.handoff
+    bad_h = with_pools(recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved").reserved.handoff)
     bad_pr = svc.Envelope()
     bad_pr.CopyFrom(pr)
     bad_pr.prefill.request_id = 22

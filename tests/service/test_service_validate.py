@@ -129,6 +129,65 @@ try:
             check(r.error.code == E["INTERNAL"] and "unregistered UCX address" in r.error.message and not leaked,
                   "a handoff with an unregistered UCX address: INTERNAL, no PrefillRequest (%s)" % r.error.message)
 
+    # pools sent once at registration (Register.kv_pools): a reservation that
+    # names no address gets them from the router; with --dp the replica it
+    # names; a worker that registered none has its pool-less reservation refused
+    def reserve_with(handoff_fill):
+        rid = cl.send(svc.generate(fixtures.ids("short_dog"), 8, deadline_ms=60000))
+        rv = recv(dec, "reserve")
+        out = svc.Envelope()
+        out.reserved.request_id = rv.reserve.request_id
+        out.reserved.handoff.block_ids.extend([3, 4])
+        handoff_fill(out.reserved.handoff)
+        dec.send(out.SerializeToString())
+        return rid
+
+    def finish_req(rid):
+        cancel = svc.ClientRequest()
+        cancel.cancel.target_request_id = rid
+        cl.wait([cl.send(cancel), rid], 30)
+
+    reg = svc.register_envelope("fake-decode", "POOL_DECODE", free_blocks=1000)
+    reg.register.kv_addresses.extend([b"\x01rank-0", b"\x01rank-1"])
+    pools = reg.register.kv_pools
+    pools.ucx_address = b"\x01rank-0"
+    pools.rkey = b"rkey-0"
+    pools.layout.n_blocks = 77
+    for i in range(2):
+        k = pools.ranks.add()
+        k.ucx_address = b"\x01rank-%d" % i
+        k.rkey = b"rkey-%d" % i
+        k.layout.n_blocks = 70 + i
+        k.layout.kv_head_offset = 0
+    dec.send(reg.SerializeToString())
+    recv(dec, "register_ack")
+    rid = reserve_with(lambda h: None)
+    pr = recv(pre, "prefill").prefill
+    check(pr.handoff.ucx_address == b"\x01rank-0" and pr.handoff.rkey == b"rkey-0" and
+          pr.handoff.layout.n_blocks == 77 and len(pr.handoff.ranks) == 2 and
+          list(pr.handoff.block_ids) == [3, 4] and pr.handoff.replica == 0,
+          "registered pools: the prefill request carries them with the reserved blocks")
+    finish_req(rid)
+    rid = reserve_with(lambda h: setattr(h, "replica", 2))
+    pr = recv(pre, "prefill").prefill
+    check(pr.handoff.ucx_address == b"\x01rank-1" and pr.handoff.rkey == b"rkey-1" and
+          pr.handoff.layout.n_blocks == 71 and len(pr.handoff.ranks) == 0 and pr.handoff.replica == 0,
+          "--dp replica 2: the prefill request carries rank 1's pool alone")
+    finish_req(rid)
+    rid = reserve_with(lambda h: setattr(h, "replica", 3))
+    r = cl.wait([rid], 30)[0][-1]
+    check(r.error.code == E["INTERNAL"] and "without its kv pools" in r.error.message,
+          "a replica the worker never registered: INTERNAL (%s)" % r.error.message)
+    reg = svc.register_envelope("fake-decode", "POOL_DECODE", free_blocks=1000)
+    reg.register.kv_addresses.append(b"\x01rank-0")
+    dec.send(reg.SerializeToString())  # registered again, without pools
+    recv(dec, "register_ack")
+    rid = reserve_with(lambda h: None)
+    pr = recv(pre, "prefill").prefill
+    check(pr.handoff.ucx_address == b"" and list(pr.handoff.block_ids) == [3, 4],
+          "no pools registered: the handoff goes as it is (the prefill worker refuses it)")
+    finish_req(rid)
+
     # ---- clients
     def ask(req, raw=None):
         if raw is None:
