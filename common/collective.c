@@ -48,7 +48,7 @@ int tw_coll_have(tw_coll_kind_t kind) {
   return 0;
 }
 
-static tw_status_t tw_coll_check(const tw_coll_t *c, const char *op) {
+static TW_NODISCARD tw_status_t tw_coll_check(const tw_coll_t *c, const char *op) {
   if (!c) return tw_err(TW_ERR_INVALID_ARGUMENT, "collective %s: handle is NULL", op);
   if (c->magic != TW_COLL_MAGIC)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "collective %s: not a live handle (magic %08x)", op,
@@ -59,7 +59,7 @@ static tw_status_t tw_coll_check(const tw_coll_t *c, const char *op) {
 /* ---- MPI ------------------------------------------------------------------ */
 
 #ifdef TWAIN_HAVE_MPI
-static tw_status_t tw_mpi_err(int rc, const char *what) {
+static TW_NODISCARD tw_status_t tw_mpi_err(int rc, const char *what) {
   char msg[MPI_MAX_ERROR_STRING];
   int len = 0;
   if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof(msg), "code %d", rc);
@@ -72,7 +72,7 @@ static tw_status_t tw_mpi_err(int rc, const char *what) {
   } while (0)
 #endif
 
-tw_status_t tw_coll_create_host(tw_coll_t **coll_p) {
+TW_NODISCARD tw_status_t tw_coll_create_host(tw_coll_t **coll_p) {
 #ifdef TWAIN_HAVE_MPI
   int inited = 0, provided = 0, was_inited;
   TW_MPI_CHECK(MPI_Initialized(&inited));
@@ -115,7 +115,7 @@ tw_status_t tw_coll_create_host(tw_coll_t **coll_p) {
   } while (0)
 #endif
 
-tw_status_t tw_coll_nccl_unique_id(uint8_t *uid_out) {
+TW_NODISCARD tw_status_t tw_coll_nccl_unique_id(uint8_t *uid_out) {
 #ifdef TWAIN_HAVE_NCCL
   ncclUniqueId id;
   TW_NCCL_CHECK(ncclGetUniqueId(&id));
@@ -127,8 +127,8 @@ tw_status_t tw_coll_nccl_unique_id(uint8_t *uid_out) {
 #endif
 }
 
-tw_status_t tw_coll_create_nccl(const uint8_t *uid, int32_t rank, int32_t size, int32_t device,
-                                void *stream, tw_coll_t **coll_p) {
+TW_NODISCARD tw_status_t tw_coll_create_nccl(const uint8_t *uid, int32_t rank, int32_t size,
+                                             int32_t device, void *stream, tw_coll_t **coll_p) {
   if (size < 1 || rank < 0 || rank >= size)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "collective nccl: rank %d of size %d", rank, size);
 #ifdef TWAIN_HAVE_NCCL
@@ -192,7 +192,7 @@ void tw_coll_destroy(tw_coll_t *c) {
   free(c);
 }
 
-tw_status_t tw_coll_nccl_set_stream(tw_coll_t *coll, void *stream) {
+TW_NODISCARD tw_status_t tw_coll_nccl_set_stream(tw_coll_t *coll, void *stream) {
   if (!coll || coll->kind != TW_COLL_NCCL)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "collective: set_stream needs an NCCL handle");
 #ifdef TWAIN_HAVE_NCCL
@@ -209,7 +209,7 @@ int32_t tw_coll_size(const tw_coll_t *c) { return c ? c->size : 1; }
 
 /* ---- operations ------------------------------------------------------------- */
 
-tw_status_t tw_coll_allreduce_sum_f32(tw_coll_t *c, float *buf, int64_t n) {
+TW_NODISCARD tw_status_t tw_coll_allreduce_sum_f32(tw_coll_t *c, float *buf, int64_t n) {
   TW_CHECK(tw_coll_check(c, "allreduce"));
   if (n < 0 || (n > 0 && !buf))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "collective allreduce: buf %p, n %lld", (void *)buf,
@@ -234,7 +234,8 @@ tw_status_t tw_coll_allreduce_sum_f32(tw_coll_t *c, float *buf, int64_t n) {
   return tw_err(TW_ERR_INTERNAL, "collective allreduce: kind %d not built", (int)c->kind);
 }
 
-tw_status_t tw_coll_allgather(tw_coll_t *c, const void *send, void *recv, int64_t bytes) {
+TW_NODISCARD tw_status_t tw_coll_allgather(tw_coll_t *c, const void *send, void *recv,
+                                           int64_t bytes) {
   TW_CHECK(tw_coll_check(c, "allgather"));
   if (bytes < 0 || (bytes > 0 && (!send || !recv)))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "collective allgather: send %p recv %p bytes %lld",
@@ -264,7 +265,7 @@ tw_status_t tw_coll_allgather(tw_coll_t *c, const void *send, void *recv, int64_
   return tw_err(TW_ERR_INTERNAL, "collective allgather: kind %d not built", (int)c->kind);
 }
 
-tw_status_t tw_coll_broadcast(tw_coll_t *c, void *buf, int64_t bytes, int32_t root) {
+TW_NODISCARD tw_status_t tw_coll_broadcast(tw_coll_t *c, void *buf, int64_t bytes, int32_t root) {
   TW_CHECK(tw_coll_check(c, "broadcast"));
   if (root < 0 || root >= c->size)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "collective broadcast: root %d of size %d", root,
@@ -291,7 +292,7 @@ tw_status_t tw_coll_broadcast(tw_coll_t *c, void *buf, int64_t bytes, int32_t ro
   return tw_err(TW_ERR_INTERNAL, "collective broadcast: kind %d not built", (int)c->kind);
 }
 
-tw_status_t tw_coll_barrier(tw_coll_t *c) {
+TW_NODISCARD tw_status_t tw_coll_barrier(tw_coll_t *c) {
   TW_CHECK(tw_coll_check(c, "barrier"));
   if (c->size == 1) return TW_OK;
 #ifdef TWAIN_HAVE_MPI

@@ -47,11 +47,11 @@ int tw_coll_have(tw_coll_kind_t kind);
  *  a group of one (singleton).
  *  Errors: TW_ERR_UNSUPPORTED (built without MPI), TW_ERR_TRANSPORT (an MPI
  *  call failed, with MPI's error string), TW_ERR_NO_MEMORY. */
-tw_status_t tw_coll_create_host(tw_coll_t **coll_p);
+TW_NODISCARD tw_status_t tw_coll_create_host(tw_coll_t **coll_p);
 
 /** Rank 0 only: make an NCCL unique id (uid_out[TW_COLL_UID_BYTES]) to hand
  *  to every rank. Errors: TW_ERR_UNSUPPORTED (no NCCL), TW_ERR_NCCL. */
-tw_status_t tw_coll_nccl_unique_id(uint8_t *uid_out);
+TW_NODISCARD tw_status_t tw_coll_nccl_unique_id(uint8_t *uid_out);
 
 /** Join an NCCL group of `size` ranks as `rank` on CUDA device `device`,
  *  with the id from rank 0; `stream` is the cudaStream_t (NULL: default
@@ -60,15 +60,15 @@ tw_status_t tw_coll_nccl_unique_id(uint8_t *uid_out);
  *  NCCL_NVLS_ENABLE=0 unless the environment says otherwise (docs).
  *  Errors: TW_ERR_INVALID_ARGUMENT (rank/size), TW_ERR_UNSUPPORTED (no
  *  NCCL), TW_ERR_CUDA, TW_ERR_NCCL, TW_ERR_NO_MEMORY. */
-tw_status_t tw_coll_create_nccl(const uint8_t *uid, int32_t rank, int32_t size, int32_t device,
-                                void *stream, tw_coll_t **coll_p);
+TW_NODISCARD tw_status_t tw_coll_create_nccl(const uint8_t *uid, int32_t rank, int32_t size,
+                                             int32_t device, void *stream, tw_coll_t **coll_p);
 
 /** NCCL only: enqueue this handle's collectives on `stream` (a cudaStream_t,
  *  borrowed; NULL: the default stream) from now on. The CUDA engine passes
  *  its own stream so the collectives are ordered with its kernels and
  *  captured into its decode graphs, and sets NULL back when destroyed.
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL coll, or not an NCCL handle). */
-tw_status_t tw_coll_nccl_set_stream(tw_coll_t *coll, void *stream);
+TW_NODISCARD tw_status_t tw_coll_nccl_set_stream(tw_coll_t *coll, void *stream);
 
 /** Leave the group (MPI_Finalize for host if this handle initialised MPI;
  *  ncclCommDestroy). NULL does nothing. */
@@ -82,20 +82,21 @@ int32_t tw_coll_size(const tw_coll_t *coll);
 /** In-place sum over ranks of buf f32 [n]: every rank gets the sum.
  *  Errors: TW_ERR_INVALID_ARGUMENT (n < 0, NULL buf), TW_ERR_TRANSPORT (MPI),
  *  TW_ERR_NCCL. */
-tw_status_t tw_coll_allreduce_sum_f32(tw_coll_t *coll, float *buf, int64_t n);
+TW_NODISCARD tw_status_t tw_coll_allreduce_sum_f32(tw_coll_t *coll, float *buf, int64_t n);
 
 /** Gather `bytes` from every rank: recv[r * bytes ...] = rank r's send.
  *  recv holds size * bytes; send may not alias recv.
  *  Errors as allreduce. */
-tw_status_t tw_coll_allgather(tw_coll_t *coll, const void *send, void *recv, int64_t bytes);
+TW_NODISCARD tw_status_t tw_coll_allgather(tw_coll_t *coll, const void *send, void *recv,
+                                           int64_t bytes);
 
 /** Broadcast `bytes` of buf from rank `root` to every rank.
  *  Errors as allreduce, plus TW_ERR_INVALID_ARGUMENT (root out of range). */
-tw_status_t tw_coll_broadcast(tw_coll_t *coll, void *buf, int64_t bytes, int32_t root);
+TW_NODISCARD tw_status_t tw_coll_broadcast(tw_coll_t *coll, void *buf, int64_t bytes, int32_t root);
 
 /** Wait for every rank (host: MPI_Barrier; nccl: a 1-float all-reduce).
  *  Errors as allreduce. */
-tw_status_t tw_coll_barrier(tw_coll_t *coll);
+TW_NODISCARD tw_status_t tw_coll_barrier(tw_coll_t *coll);
 
 #ifdef __cplusplus
 }

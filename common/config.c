@@ -27,8 +27,8 @@
 /* Look up `key` in `obj`: *it_p is the item, or NULL when the field is absent
  * (or null) and not required. A required absent field is TW_ERR_NOT_FOUND
  * naming it; `where` prefixes nested names ("rope_scaling."). */
-static tw_status_t get_field(const cJSON *obj, const char *where, const char *key, bool required,
-                             const cJSON **it_p) {
+static TW_NODISCARD tw_status_t get_field(const cJSON *obj, const char *where, const char *key,
+                                          bool required, const cJSON **it_p) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
   if (!it || cJSON_IsNull(it)) {
     if (required)
@@ -41,8 +41,8 @@ static tw_status_t get_field(const cJSON *obj, const char *where, const char *ke
 
 /* Read an integer field that must fit int32. `where` prefixes the field name
  * for nested objects ("rope_scaling."). */
-static tw_status_t get_i32(const cJSON *obj, const char *where, const char *key, bool required,
-                           int32_t def, int32_t *out_p) {
+static TW_NODISCARD tw_status_t get_i32(const cJSON *obj, const char *where, const char *key,
+                                        bool required, int32_t def, int32_t *out_p) {
   const cJSON *it;
   TW_CHECK(get_field(obj, where, key, required, &it));
   if (!it) {
@@ -59,8 +59,8 @@ static tw_status_t get_i32(const cJSON *obj, const char *where, const char *key,
   return TW_OK;
 }
 
-static tw_status_t get_f64(const cJSON *obj, const char *where, const char *key, bool required,
-                           double def, double *out_p) {
+static TW_NODISCARD tw_status_t get_f64(const cJSON *obj, const char *where, const char *key,
+                                        bool required, double def, double *out_p) {
   const cJSON *it;
   TW_CHECK(get_field(obj, where, key, required, &it));
   if (!it) {
@@ -75,8 +75,8 @@ static tw_status_t get_f64(const cJSON *obj, const char *where, const char *key,
   return TW_OK;
 }
 
-static tw_status_t get_bool(const cJSON *obj, const char *where, const char *key, bool required,
-                            bool def, bool *out_p) {
+static TW_NODISCARD tw_status_t get_bool(const cJSON *obj, const char *where, const char *key,
+                                         bool required, bool def, bool *out_p) {
   const cJSON *it;
   TW_CHECK(get_field(obj, where, key, required, &it));
   if (!it) {
@@ -90,7 +90,7 @@ static tw_status_t get_bool(const cJSON *obj, const char *where, const char *key
 }
 
 /* A positive integer field (sizes, counts). */
-static tw_status_t get_pos_i32(const cJSON *obj, const char *key, int32_t *out_p) {
+static TW_NODISCARD tw_status_t get_pos_i32(const cJSON *obj, const char *key, int32_t *out_p) {
   int32_t v = 0;
   TW_CHECK(get_i32(obj, "", key, true, 0, &v));
   if (v <= 0)
@@ -101,7 +101,7 @@ static tw_status_t get_pos_i32(const cJSON *obj, const char *key, int32_t *out_p
 
 /* eos_token_id / pad_token_id: an int, a list of ints (first one is used),
  * null or absent (-1). */
-static tw_status_t get_token_id(const cJSON *obj, const char *key, int32_t *out_p) {
+static TW_NODISCARD tw_status_t get_token_id(const cJSON *obj, const char *key, int32_t *out_p) {
   const cJSON *it = cJSON_GetObjectItemCaseSensitive(obj, key);
   if (cJSON_IsArray(it)) {
     const cJSON *first = it->child;
@@ -133,7 +133,7 @@ static tw_status_t get_token_id(const cJSON *obj, const char *key, int32_t *out_
 
 /* RoPE / YaRN block (spec §2.5). `rope` is rope_parameters or rope_scaling;
  * `other`, if both are present, must agree with it on every shared field. */
-static tw_status_t parse_rope(const cJSON *root, tw_model_config_t *c) {
+static TW_NODISCARD tw_status_t parse_rope(const cJSON *root, tw_model_config_t *c) {
   const cJSON *params = cJSON_GetObjectItemCaseSensitive(root, "rope_parameters");
   const cJSON *scaling = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
   if (cJSON_IsNull(params)) params = NULL;
@@ -219,7 +219,7 @@ static tw_status_t parse_rope(const cJSON *root, tw_model_config_t *c) {
 
 /* layer_types: one of "sliding_attention"/"full_attention" per layer; if
  * absent, transformers' GptOssConfig default: alternating, sliding first. */
-static tw_status_t parse_layer_types(const cJSON *root, tw_model_config_t *c) {
+static TW_NODISCARD tw_status_t parse_layer_types(const cJSON *root, tw_model_config_t *c) {
   const cJSON *lt = cJSON_GetObjectItemCaseSensitive(root, "layer_types");
   if (!lt || cJSON_IsNull(lt)) {
     for (int32_t i = 0; i < c->n_layers; i++)
@@ -252,7 +252,7 @@ static tw_status_t parse_layer_types(const cJSON *root, tw_model_config_t *c) {
   return TW_OK;
 }
 
-static tw_status_t parse_root(const cJSON *root, tw_model_config_t *c) {
+static TW_NODISCARD tw_status_t parse_root(const cJSON *root, tw_model_config_t *c) {
   if (!cJSON_IsObject(root)) return tw_err(TW_ERR_FORMAT, "config: top level is not an object");
 
   TW_CHECK(get_pos_i32(root, "num_hidden_layers", &c->n_layers));
@@ -376,7 +376,7 @@ static tw_status_t parse_root(const cJSON *root, tw_model_config_t *c) {
   return TW_OK;
 }
 
-tw_status_t tw_config_parse(const char *json_text, tw_model_config_t *config_p) {
+TW_NODISCARD tw_status_t tw_config_parse(const char *json_text, tw_model_config_t *config_p) {
   if (!json_text || !config_p)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "config: NULL argument");
   cJSON *root = cJSON_Parse(json_text);
@@ -393,7 +393,7 @@ tw_status_t tw_config_parse(const char *json_text, tw_model_config_t *config_p) 
   return st;
 }
 
-tw_status_t tw_config_load(const char *path, tw_model_config_t *config_p) {
+TW_NODISCARD tw_status_t tw_config_load(const char *path, tw_model_config_t *config_p) {
   if (!path || !config_p) return tw_err(TW_ERR_INVALID_ARGUMENT, "config: NULL argument");
   char *buf = NULL;
   TW_CHECK(tw_file_read(path, TW_CONFIG_MAX_FILE_BYTES, "config", &buf, NULL));

@@ -56,10 +56,10 @@ typedef struct {
  *  wrong type), TW_ERR_NOT_FOUND (a required field is missing: the message
  *  names it), TW_ERR_INVALID_ARGUMENT (a value out of range or inconsistent,
  *  e.g. n_heads not a multiple of n_kv_heads; the message names the field). */
-tw_status_t tw_config_load(const char *path, tw_model_config_t *config_p);
+TW_NODISCARD tw_status_t tw_config_load(const char *path, tw_model_config_t *config_p);
 
 /** Parse config.json text (same errors as tw_config_load, minus TW_ERR_IO). */
-tw_status_t tw_config_parse(const char *json_text, tw_model_config_t *config_p);
+TW_NODISCARD tw_status_t tw_config_parse(const char *json_text, tw_model_config_t *config_p);
 
 /** The published configuration of gpt-oss-20b (big = 0: 24 layers, 32
  *  experts) or gpt-oss-120b (big = 1: 36 layers, 128 experts), as their

@@ -47,7 +47,7 @@ struct tw_dist {
 
 /* The group's link keys: TWAIN_DIST_KEYS (a throwaway set tw_dist_spawn made
  * for the ranks it starts), else the deployment's (link_auth.h). */
-static tw_status_t tw_dist_keys(tw_auth_keys_t *k) {
+static TW_NODISCARD tw_status_t tw_dist_keys(tw_auth_keys_t *k) {
   const char *t = getenv(TW_DIST_KEYS_ENV);
   if (t && *t) return tw_auth_keys_parse(t, k);
   return tw_auth_keys_from_env("worker rank links", k);
@@ -61,7 +61,7 @@ static int64_t tw_dist_now_ms(void) {
 
 /* ---- identity ------------------------------------------------------------- */
 
-static tw_status_t tw_dist_env_int(const char *name, int32_t *out, bool *found) {
+static TW_NODISCARD tw_status_t tw_dist_env_int(const char *name, int32_t *out, bool *found) {
   const char *s = getenv(name);
   *found = s && *s;
   if (!*found) return TW_OK;
@@ -74,7 +74,7 @@ static tw_status_t tw_dist_env_int(const char *name, int32_t *out, bool *found) 
   return TW_OK;
 }
 
-tw_status_t tw_dist_identity_from_env(tw_dist_identity_t *id_p) {
+TW_NODISCARD tw_status_t tw_dist_identity_from_env(tw_dist_identity_t *id_p) {
   static const char *const names[3][3] = {
       {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
       {"RANK", "WORLD_SIZE", "LOCAL_RANK"},
@@ -148,8 +148,8 @@ static int tw_dist_supervise(pid_t child) {
   }
 }
 
-tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist_identity_t *id_p,
-                          int *supervised_rc_p) {
+TW_NODISCARD tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi,
+                                       tw_dist_identity_t *id_p, int *supervised_rc_p) {
   *supervised_rc_p = -1;
   if (n < 1 || n > TW_DIST_MAX_RANKS)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: --tp %d outside [1, %d]", n, TW_DIST_MAX_RANKS);
@@ -272,7 +272,8 @@ static void *tw_dist_socket(tw_dist_t *d, int type, int rank) {
 }
 
 /* tcp://HOST:PORT -> bind on every interface at PORT+delta, connect to HOST:PORT+delta */
-static tw_status_t tw_dist_endpoints(const char *rv, int delta, char *bind, char *conn, size_t n) {
+static TW_NODISCARD tw_status_t tw_dist_endpoints(const char *rv, int delta, char *bind, char *conn,
+                                                  size_t n) {
   const char *colon = strrchr(rv, ':');
   if (strncmp(rv, "tcp://", 6) != 0 || !colon || colon < rv + 6)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: rendezvous '%s' is not tcp://HOST:PORT", rv);
@@ -288,8 +289,8 @@ static tw_status_t tw_dist_endpoints(const char *rv, int delta, char *bind, char
 
 /* Rank 0: ROUTER bound to `bind` ("" = 127.0.0.1 ephemeral); the address to
  * connect to is written to conn. */
-static tw_status_t tw_dist_bind(tw_dist_t *d, const char *bind, void **sock_p, char *conn,
-                                size_t n) {
+static TW_NODISCARD tw_status_t tw_dist_bind(tw_dist_t *d, const char *bind, void **sock_p,
+                                             char *conn, size_t n) {
   void *s = tw_dist_socket(d, ZMQ_ROUTER, 0);
   if (!s) return tw_err(TW_ERR_TRANSPORT, "dist: zmq_socket: %s", zmq_strerror(errno));
   const char *ep = bind[0] ? bind : "tcp://127.0.0.1:*";
@@ -393,8 +394,8 @@ static void *tw_dist_watchdog(void *arg) {
 
 /* ---- create / destroy ----------------------------------------------------------- */
 
-static tw_status_t tw_dist_recv_frame(void *s, int timeout_ms, char *id, size_t id_len,
-                                      void **buf_p, size_t *len_p) {
+static TW_NODISCARD tw_status_t tw_dist_recv_frame(void *s, int timeout_ms, char *id, size_t id_len,
+                                                   void **buf_p, size_t *len_p) {
   zmq_pollitem_t it = {.socket = s, .events = ZMQ_POLLIN};
   int rc = zmq_poll(&it, 1, timeout_ms);
   if (rc < 0 && errno == EINTR) return TW_INPROGRESS; /* a signal: the caller polls again */
@@ -424,7 +425,8 @@ static tw_status_t tw_dist_recv_frame(void *s, int timeout_ms, char *id, size_t 
   return TW_OK;
 }
 
-static tw_status_t tw_dist_send_to(void *s, int32_t rank, const void *buf, size_t len) {
+static TW_NODISCARD tw_status_t tw_dist_send_to(void *s, int32_t rank, const void *buf,
+                                                size_t len) {
   char rid[16];
   snprintf(rid, sizeof rid, "r%d", rank);
   if (zmq_send(s, rid, strlen(rid), ZMQ_SNDMORE) < 0 || zmq_send(s, buf, len, 0) < 0)
@@ -434,7 +436,7 @@ static tw_status_t tw_dist_send_to(void *s, int32_t rank, const void *buf, size_
 
 /* Rank 0 waits for a HELLO from every other rank (so plans are never sent
  * before a rank is connected); the others send theirs. */
-static tw_status_t tw_dist_hello(tw_dist_t *d) {
+static TW_NODISCARD tw_status_t tw_dist_hello(tw_dist_t *d) {
   if (d->id.rank != 0) {
     uint32_t h[2] = {TW_DIST_MSG_HELLO, (uint32_t)d->id.rank};
     if (zmq_send(d->ctrl, h, sizeof h, 0) < 0)
@@ -464,7 +466,8 @@ static tw_status_t tw_dist_hello(tw_dist_t *d) {
  * rank receives it into buf: a NUL-terminated string of at most cap bytes
  * (text), or exactly cap bytes. Errors: TW_ERR_UNAVAILABLE (nothing from
  * rank 0 in time), TW_ERR_FORMAT (wrong size), TW_ERR_TRANSPORT. */
-static tw_status_t tw_dist_share(tw_dist_t *d, void *buf, size_t cap, bool text, const char *what) {
+static TW_NODISCARD tw_status_t tw_dist_share(tw_dist_t *d, void *buf, size_t cap, bool text,
+                                              const char *what) {
   if (d->id.rank == 0) {
     size_t len = text ? strlen(buf) + 1 : cap;
     for (int32_t r = 1; r < d->id.size; r++) TW_CHECK(tw_dist_send_to(d->ctrl, r, buf, len));
@@ -488,7 +491,7 @@ static tw_status_t tw_dist_share(tw_dist_t *d, void *buf, size_t cap, bool text,
   return TW_OK;
 }
 
-static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t device) {
+static TW_NODISCARD tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t device) {
   char cbind[288] = "", cconn[288] = "", hconn[288] = "";
   if (kind == TW_COLL_HOST) {
     TW_CHECK(tw_coll_create_host(&d->coll));
@@ -550,8 +553,9 @@ static tw_status_t tw_dist_setup(tw_dist_t *d, tw_coll_kind_t kind, int32_t devi
   return TW_OK;
 }
 
-tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind, int32_t device,
-                           tw_dist_lost_fn on_lost, tw_dist_t **dist_p) {
+TW_NODISCARD tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind,
+                                        int32_t device, tw_dist_lost_fn on_lost,
+                                        tw_dist_t **dist_p) {
   if (!id || id->size < 1 || id->size > TW_DIST_MAX_RANKS || id->rank < 0 || id->rank >= id->size)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "dist: bad identity");
   tw_dist_t *d = calloc(1, sizeof(*d));
@@ -611,24 +615,26 @@ tw_coll_t *tw_dist_coll(tw_dist_t *d) { return d ? d->coll : NULL; }
 
 /* ---- plans and replies ----------------------------------------------------------- */
 
-tw_status_t tw_dist_plan_send(tw_dist_t *d, const void *buf, size_t len) {
+TW_NODISCARD tw_status_t tw_dist_plan_send(tw_dist_t *d, const void *buf, size_t len) {
   if (d->id.rank != 0) return tw_err(TW_ERR_INTERNAL, "dist: plan_send on rank %d", d->id.rank);
   for (int32_t r = 1; r < d->id.size; r++) TW_CHECK(tw_dist_send_to(d->ctrl, r, buf, len));
   return TW_OK;
 }
 
-tw_status_t tw_dist_plan_recv(tw_dist_t *d, int timeout_ms, void **buf_p, size_t *len_p) {
+TW_NODISCARD tw_status_t tw_dist_plan_recv(tw_dist_t *d, int timeout_ms, void **buf_p,
+                                           size_t *len_p) {
   if (d->id.rank == 0) return tw_err(TW_ERR_INTERNAL, "dist: plan_recv on rank 0");
   return tw_dist_recv_frame(d->ctrl, timeout_ms, NULL, 0, buf_p, len_p);
 }
 
-tw_status_t tw_dist_reply(tw_dist_t *d, const void *buf, size_t len) {
+TW_NODISCARD tw_status_t tw_dist_reply(tw_dist_t *d, const void *buf, size_t len) {
   if (zmq_send(d->ctrl, buf, len, 0) < 0)
     return tw_err(TW_ERR_TRANSPORT, "dist: reply to rank 0: %s", zmq_strerror(errno));
   return TW_OK;
 }
 
-tw_status_t tw_dist_replies_recv(tw_dist_t *d, int timeout_ms, void **bufs, size_t *lens) {
+TW_NODISCARD tw_status_t tw_dist_replies_recv(tw_dist_t *d, int timeout_ms, void **bufs,
+                                              size_t *lens) {
   for (int32_t r = 0; r < d->id.size; r++) {
     bufs[r] = NULL;
     lens[r] = 0;

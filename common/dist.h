@@ -46,7 +46,13 @@ extern "C" {
 #endif
 
 #define TW_DIST_PING_MS 100
-#define TW_DIST_LOST_MS 3000
+/* TW_SLOW_BUILD: how many times slower this build runs than an optimised
+ * one (1; a sanitizer build sets TWAIN_TEST_TIME_SCALE, CMakeLists.txt).
+ * Timers that take a slow peer for a dead one are stretched by it. */
+#ifndef TW_SLOW_BUILD
+#define TW_SLOW_BUILD 1
+#endif
+#define TW_DIST_LOST_MS (3000 * TW_SLOW_BUILD)
 #define TW_DIST_KEYS_ENV "TWAIN_DIST_KEYS"
 
 typedef enum {
@@ -67,7 +73,7 @@ typedef struct {
  *  from option parsing (STYLE: getenv only in config parsing).
  *  Errors: TW_ERR_INVALID_ARGUMENT (a malformed number, rank outside
  *  [0, size), size > 1 without a rendezvous for ENV/SLURM). */
-tw_status_t tw_dist_identity_from_env(tw_dist_identity_t *id_p);
+TW_NODISCARD tw_status_t tw_dist_identity_from_env(tw_dist_identity_t *id_p);
 
 /** `--tp N` on one node: start the N ranks of this worker. With `use_mpi`
  *  (cpu backend: the host collective is MPI) this process starts
@@ -82,8 +88,8 @@ tw_status_t tw_dist_identity_from_env(tw_dist_identity_t *id_p);
  *  unless already present, and TWAIN_DIST_KEYS (a fresh link key set the
  *  ranks inherit) unless already present. Errors: TW_ERR_INVALID_ARGUMENT (n < 1),
  *  TW_ERR_IO (exec/fork failed, with strerror). */
-tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi, tw_dist_identity_t *id_p,
-                          int *supervised_rc_p);
+TW_NODISCARD tw_status_t tw_dist_spawn(int argc, char **argv, int32_t n, int use_mpi,
+                                       tw_dist_identity_t *id_p, int *supervised_rc_p);
 
 typedef struct tw_dist tw_dist_t;
 
@@ -100,8 +106,9 @@ typedef void (*tw_dist_lost_fn)(const char *why);
  *  for a group of more than one),
  *  TW_ERR_TRANSPORT (ZeroMQ), those of tw_coll_create_*, TW_ERR_UNAVAILABLE
  *  (a rank did not show up within 60 s), TW_ERR_NO_MEMORY. */
-tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind, int32_t device,
-                           tw_dist_lost_fn on_lost, tw_dist_t **dist_p);
+TW_NODISCARD tw_status_t tw_dist_create(const tw_dist_identity_t *id, tw_coll_kind_t kind,
+                                        int32_t device, tw_dist_lost_fn on_lost,
+                                        tw_dist_t **dist_p);
 /** Stop the watchdog (a clean stop: the other ranks are about to exit and
  *  their silence must not end this one). NULL does nothing. */
 void tw_dist_watchdog_stop(tw_dist_t *dist);
@@ -115,18 +122,19 @@ tw_coll_t *tw_dist_coll(tw_dist_t *dist);
 
 /** Rank 0: send one plan message (copied) to every other rank, in order.
  *  Errors: TW_ERR_TRANSPORT. */
-tw_status_t tw_dist_plan_send(tw_dist_t *dist, const void *buf, size_t len);
+TW_NODISCARD tw_status_t tw_dist_plan_send(tw_dist_t *dist, const void *buf, size_t len);
 /** Other ranks: receive the next plan (malloc'd into *buf_p, free() it),
  *  waiting at most timeout_ms (-1: forever). TW_INPROGRESS on timeout.
  *  Errors: TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
-tw_status_t tw_dist_plan_recv(tw_dist_t *dist, int timeout_ms, void **buf_p, size_t *len_p);
+TW_NODISCARD tw_status_t tw_dist_plan_recv(tw_dist_t *dist, int timeout_ms, void **buf_p,
+                                           size_t *len_p);
 /** Other ranks: send a reply to rank 0. Errors: TW_ERR_TRANSPORT. */
-tw_status_t tw_dist_reply(tw_dist_t *dist, const void *buf, size_t len);
+TW_NODISCARD tw_status_t tw_dist_reply(tw_dist_t *dist, const void *buf, size_t len);
 /** Rank 0: one reply from each other rank, bufs_out[r] (malloc'd, r = 1..
  *  size-1; [0] is set to NULL) and lens_out[r], within timeout_ms.
  *  Errors: TW_ERR_DEADLINE (a rank did not answer), TW_ERR_TRANSPORT. */
-tw_status_t tw_dist_replies_recv(tw_dist_t *dist, int timeout_ms, void **bufs_out,
-                                 size_t *lens_out);
+TW_NODISCARD tw_status_t tw_dist_replies_recv(tw_dist_t *dist, int timeout_ms, void **bufs_out,
+                                              size_t *lens_out);
 
 #ifdef __cplusplus
 }

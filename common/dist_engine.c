@@ -73,14 +73,15 @@ static bool tw_rd_copy(tw_rd_t *r, void *dst, size_t n) {
   return q != NULL;
 }
 
-static tw_status_t tw_dist_send_buf(tw_dist_t *d, tw_buf_t *b, int bad) {
+static TW_NODISCARD tw_status_t tw_dist_send_buf(tw_dist_t *d, tw_buf_t *b, int bad) {
   tw_status_t st = bad ? tw_err(TW_ERR_NO_MEMORY, "dist: out of memory for a plan")
                        : tw_dist_plan_send(d, b->p, b->len);
   free(b->p);
   return st;
 }
 
-tw_status_t tw_dist_engine_prefill(tw_dist_t *d, tw_engine_t *e, const tw_prefill_args_t *a) {
+TW_NODISCARD tw_status_t tw_dist_engine_prefill(tw_dist_t *d, tw_engine_t *e,
+                                                const tw_prefill_args_t *a) {
   if (tw_dist_size(d) > 1) {
     tw_buf_t b = {0};
     int32_t flags = (a->all_logits ? 1 : 0) | (a->logits_out ? 2 : 0) |
@@ -109,7 +110,8 @@ static int tw_plan_put_decode(tw_buf_t *b, const tw_decode_args_t *a) {
   return bad;
 }
 
-tw_status_t tw_dist_engine_decode(tw_dist_t *d, tw_engine_t *e, const tw_decode_args_t *a) {
+TW_NODISCARD tw_status_t tw_dist_engine_decode(tw_dist_t *d, tw_engine_t *e,
+                                               const tw_decode_args_t *a) {
   if (tw_dist_size(d) > 1) {
     tw_buf_t b = {0};
     int bad = tw_buf_i32(&b, TW_PLAN_DECODE) | tw_plan_put_decode(&b, a);
@@ -125,7 +127,8 @@ tw_status_t tw_dist_engine_decode(tw_dist_t *d, tw_engine_t *e, const tw_decode_
  * by the padding row too, so one rank's bad batch fails its sequences
  * instead of leaving the other ranks in a collective forever; the refusal
  * is returned (tw_last_error() keeps its message: a success sets none). */
-static tw_status_t tw_dp_run(tw_engine_t *e, const tw_decode_args_t *a, int32_t pad_block) {
+static TW_NODISCARD tw_status_t tw_dp_run(tw_engine_t *e, const tw_decode_args_t *a,
+                                          int32_t pad_block) {
   tw_status_t st = TW_OK;
   if (a->n_seqs > 0) {
     st = tw_engine_decode(e, a);
@@ -139,7 +142,8 @@ static tw_status_t tw_dp_run(tw_engine_t *e, const tw_decode_args_t *a, int32_t 
   return st != TW_OK ? st : ps;
 }
 
-tw_status_t tw_dist_engine_decode_dp(tw_dist_t *d, tw_engine_t *e, const tw_dist_dp_batch_t *bt) {
+TW_NODISCARD tw_status_t tw_dist_engine_decode_dp(tw_dist_t *d, tw_engine_t *e,
+                                                  const tw_dist_dp_batch_t *bt) {
   const int32_t size = tw_dist_size(d);
   int64_t total = 0;
   if (size > 64)
@@ -188,14 +192,14 @@ tw_status_t tw_dist_engine_decode_dp(tw_dist_t *d, tw_engine_t *e, const tw_dist
   return TW_OK;
 }
 
-tw_status_t tw_dist_plan_user(tw_dist_t *d, const void *buf, size_t len) {
+TW_NODISCARD tw_status_t tw_dist_plan_user(tw_dist_t *d, const void *buf, size_t len) {
   if (tw_dist_size(d) == 1) return TW_OK;
   tw_buf_t b = {0};
   int bad = tw_buf_i32(&b, TW_PLAN_USER) | tw_buf_put(&b, buf, len);
   return tw_dist_send_buf(d, &b, bad);
 }
 
-tw_status_t tw_dist_plan_stop(tw_dist_t *d) {
+TW_NODISCARD tw_status_t tw_dist_plan_stop(tw_dist_t *d) {
   if (tw_dist_size(d) == 1) return TW_OK;
   tw_dist_watchdog_stop(d); /* the others go now: their silence is expected */
   int32_t k = TW_PLAN_STOP;
@@ -204,7 +208,7 @@ tw_status_t tw_dist_plan_stop(tw_dist_t *d) {
 
 /* ---- the follower side ------------------------------------------------------ */
 
-static tw_status_t tw_follow_prefill(tw_engine_t *e, tw_rd_t *r) {
+static TW_NODISCARD tw_status_t tw_follow_prefill(tw_engine_t *e, tw_rd_t *r) {
   const int32_t *h = tw_rd(r, 4 * sizeof(int32_t));
   tw_sample_params_t sp;
   if (!h || !tw_rd_copy(r, &sp, sizeof sp) || h[0] < 0 || h[2] < 0)
@@ -234,9 +238,9 @@ static tw_status_t tw_follow_prefill(tw_engine_t *e, tw_rd_t *r) {
  * *samp_p (the caller frees all three, also on error; *samp_p stays NULL
  * without samples). next_tokens_out is set when the plan
  * wants tokens. n 0 only with allow_empty. */
-static tw_status_t tw_plan_read_decode(tw_rd_t *r, bool allow_empty, tw_decode_args_t *a,
-                                       const int32_t ***tabs_p, int32_t **next_p,
-                                       tw_sample_params_t **samp_p) {
+static TW_NODISCARD tw_status_t tw_plan_read_decode(tw_rd_t *r, bool allow_empty,
+                                                    tw_decode_args_t *a, const int32_t ***tabs_p,
+                                                    int32_t **next_p, tw_sample_params_t **samp_p) {
   const int32_t *h = tw_rd(r, 2 * sizeof(int32_t));
   if (!h || h[0] < 0 || (h[0] == 0 && !allow_empty))
     return tw_err(TW_ERR_FORMAT, "dist: short decode plan");
@@ -263,7 +267,7 @@ static tw_status_t tw_plan_read_decode(tw_rd_t *r, bool allow_empty, tw_decode_a
   return TW_OK;
 }
 
-static tw_status_t tw_follow_decode(tw_engine_t *e, tw_rd_t *r) {
+static TW_NODISCARD tw_status_t tw_follow_decode(tw_engine_t *e, tw_rd_t *r) {
   tw_decode_args_t a;
   const int32_t **tabs = NULL;
   int32_t *next = NULL;
@@ -279,7 +283,7 @@ static tw_status_t tw_follow_decode(tw_engine_t *e, tw_rd_t *r) {
 /* A DP step: skip the sections of the ranks before this one, run ours (or a
  * padding row), answer rank 0 with our tokens; always answer, so rank 0
  * sees a failure here instead of waiting. */
-static tw_status_t tw_follow_decode_dp(tw_dist_t *d, tw_engine_t *e, tw_rd_t *r) {
+static TW_NODISCARD tw_status_t tw_follow_decode_dp(tw_dist_t *d, tw_engine_t *e, tw_rd_t *r) {
   const int32_t me = tw_dist_rank(d);
   const int32_t *size = tw_rd(r, sizeof(int32_t));
   tw_decode_args_t a = {0};
@@ -326,13 +330,14 @@ static tw_status_t tw_follow_decode_dp(tw_dist_t *d, tw_engine_t *e, tw_rd_t *r)
   return st != TW_OK ? st : rs;
 }
 
-tw_status_t tw_dist_follow(tw_dist_t *d, tw_engine_t *e, tw_dist_hook_fn hook, void *ctx,
-                           volatile int *maybe_stop) {
+TW_NODISCARD tw_status_t tw_dist_follow(tw_dist_t *d, tw_engine_t *e, tw_dist_hook_fn hook,
+                                        void *ctx, volatile int *maybe_stop) {
   return tw_dist_follow_idle(d, e, hook, NULL, ctx, maybe_stop);
 }
 
-tw_status_t tw_dist_follow_idle(tw_dist_t *d, tw_engine_t *e, tw_dist_hook_fn hook,
-                                void (*idle)(void *ctx), void *ctx, volatile int *maybe_stop) {
+TW_NODISCARD tw_status_t tw_dist_follow_idle(tw_dist_t *d, tw_engine_t *e, tw_dist_hook_fn hook,
+                                             void (*idle)(void *ctx), void *ctx,
+                                             volatile int *maybe_stop) {
   for (;;) {
     if (maybe_stop && *maybe_stop) return TW_OK;
     void *buf = NULL;

@@ -19,16 +19,16 @@ extern "C" {
 
 /** A daemon-defined plan on a non-zero rank: `buf` (borrowed) is what rank 0
  *  gave tw_dist_plan_user. Returns the status to log; the loop goes on. */
-typedef tw_status_t (*tw_dist_hook_fn)(void *ctx, const void *buf, size_t len);
+typedef TW_NODISCARD tw_status_t (*tw_dist_hook_fn)(void *ctx, const void *buf, size_t len);
 
 /** Rank 0: plan + tw_engine_prefill. Errors: those of tw_engine_prefill,
  *  TW_ERR_TRANSPORT (plan not sent), TW_ERR_NO_MEMORY. */
-tw_status_t tw_dist_engine_prefill(tw_dist_t *dist, tw_engine_t *engine,
-                                   const tw_prefill_args_t *args);
+TW_NODISCARD tw_status_t tw_dist_engine_prefill(tw_dist_t *dist, tw_engine_t *engine,
+                                                const tw_prefill_args_t *args);
 /** Rank 0: plan + tw_engine_decode. Errors as tw_engine_decode, plus
  *  TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
-tw_status_t tw_dist_engine_decode(tw_dist_t *dist, tw_engine_t *engine,
-                                  const tw_decode_args_t *args);
+TW_NODISCARD tw_status_t tw_dist_engine_decode(tw_dist_t *dist, tw_engine_t *engine,
+                                               const tw_decode_args_t *args);
 /** One rank's part of a data-parallel decode step (tw_dist_engine_decode_dp). */
 typedef struct {
   tw_decode_args_t args; /* this rank's sequences; n_seqs may be 0; logits_out must be NULL;
@@ -50,27 +50,28 @@ typedef struct {
  *  rank), TW_ERR_INVALID_ARGUMENT (no sequence at all, logits_out set, more
  *  than 64 ranks), TW_ERR_DEADLINE (a rank did not answer within 120 s),
  *  TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
-tw_status_t tw_dist_engine_decode_dp(tw_dist_t *dist, tw_engine_t *engine,
-                                     const tw_dist_dp_batch_t *batches);
+TW_NODISCARD tw_status_t tw_dist_engine_decode_dp(tw_dist_t *dist, tw_engine_t *engine,
+                                                  const tw_dist_dp_batch_t *batches);
 
 /** Rank 0: send a daemon-defined plan (copied) to the other ranks' hook.
  *  Errors: TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
-tw_status_t tw_dist_plan_user(tw_dist_t *dist, const void *buf, size_t len);
+TW_NODISCARD tw_status_t tw_dist_plan_user(tw_dist_t *dist, const void *buf, size_t len);
 /** Rank 0: tell the other ranks to return from tw_dist_follow. */
-tw_status_t tw_dist_plan_stop(tw_dist_t *dist);
+TW_NODISCARD tw_status_t tw_dist_plan_stop(tw_dist_t *dist);
 
 /** Non-zero ranks: run plans until rank 0 says stop (TW_OK) or
  *  *maybe_stop_flag becomes non-zero. Engine errors are logged and the loop
  *  goes on (rank 0 sees the same error from the same call).
  *  Errors: TW_ERR_TRANSPORT (the control link failed), TW_ERR_FORMAT (a plan
  *  that does not decode), TW_ERR_NO_MEMORY. */
-tw_status_t tw_dist_follow(tw_dist_t *dist, tw_engine_t *engine, tw_dist_hook_fn hook, void *ctx,
-                           volatile int *maybe_stop_flag);
+TW_NODISCARD tw_status_t tw_dist_follow(tw_dist_t *dist, tw_engine_t *engine, tw_dist_hook_fn hook,
+                                        void *ctx, volatile int *maybe_stop_flag);
 
 /** tw_dist_follow that calls idle(ctx) every 2 ms between plans (e.g. to
  *  progress a UCX worker whose pool receives puts). */
-tw_status_t tw_dist_follow_idle(tw_dist_t *dist, tw_engine_t *engine, tw_dist_hook_fn hook,
-                                void (*idle)(void *ctx), void *ctx, volatile int *maybe_stop_flag);
+TW_NODISCARD tw_status_t tw_dist_follow_idle(tw_dist_t *dist, tw_engine_t *engine,
+                                             tw_dist_hook_fn hook, void (*idle)(void *ctx),
+                                             void *ctx, volatile int *maybe_stop_flag);
 
 #ifdef __cplusplus
 }

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-tw_status_t tw_backend_parse(const char *name, tw_backend_kind_t *kind_p) {
+TW_NODISCARD tw_status_t tw_backend_parse(const char *name, tw_backend_kind_t *kind_p) {
   if (!name) return tw_err(TW_ERR_INVALID_ARGUMENT, "backend: name is NULL");
   if (strcmp(name, "auto") == 0) {
     *kind_p = TW_BACKEND_AUTO;
@@ -52,9 +52,9 @@ tw_backend_kind_t tw_backend_resolve(tw_backend_kind_t kind) {
 
 bool tw_backend_usable(tw_backend_kind_t kind) {
   switch (tw_backend_resolve(kind)) {
-  case TW_BACKEND_CPU: return true;
-  case TW_BACKEND_CUDA: return tw_cuda_available() != 0;
-  default: return false;
+    case TW_BACKEND_CPU: return true;
+    case TW_BACKEND_CUDA: return tw_cuda_available() != 0;
+    default: return false;
   }
 }
 
@@ -64,7 +64,7 @@ tw_backend_caps_t tw_backend_caps(tw_backend_kind_t kind) {
   return (tw_backend_caps_t){.on_device = false, .dp_attention = true};
 }
 
-static tw_status_t tw_engine_params_check(const tw_engine_params_t *p) {
+static TW_NODISCARD tw_status_t tw_engine_params_check(const tw_engine_params_t *p) {
   if (p->kv_block_size <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: kv_block_size %d <= 0", p->kv_block_size);
   if (p->kv_num_blocks < 0)
@@ -92,8 +92,8 @@ static tw_status_t tw_engine_params_check(const tw_engine_params_t *p) {
   return TW_OK;
 }
 
-tw_status_t tw_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
-                             tw_engine_t **engine_p) {
+TW_NODISCARD tw_status_t tw_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
+                                          tw_engine_t **engine_p) {
   if (!model) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: model is NULL");
   if (!engine_p) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: engine_p is NULL");
   tw_engine_params_t p = params ? *params : TW_ENGINE_PARAMS_DEFAULT;
@@ -124,7 +124,7 @@ void tw_engine_destroy(tw_engine_t *engine) {
   engine->ops->destroy(engine);
 }
 
-static tw_status_t tw_engine_check(const tw_engine_t *engine, const char *op) {
+static TW_NODISCARD tw_status_t tw_engine_check(const tw_engine_t *engine, const char *op) {
   if (!engine) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine %s: engine is NULL", op);
   if (engine->magic != TW_ENGINE_MAGIC)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine %s: not a live engine (magic %08x)", op,
@@ -178,8 +178,9 @@ tw_backend_kind_t tw_engine_backend(const tw_engine_t *engine) {
 }
 
 /* A sequence's KV span [0, end): the table must cover it with ids of the pool. */
-static tw_status_t tw_engine_check_blocks(const tw_engine_t *e, const char *op, int32_t seq,
-                                          const int32_t *table, int32_t n_blocks, int64_t end) {
+static TW_NODISCARD tw_status_t tw_engine_check_blocks(const tw_engine_t *e, const char *op,
+                                                       int32_t seq, const int32_t *table,
+                                                       int32_t n_blocks, int64_t end) {
   int64_t bs = e->kv.block_size;
   int64_t need = (end + bs - 1) / bs;
   if (n_blocks < 0 || (n_blocks > 0 && !table))
@@ -198,8 +199,8 @@ static tw_status_t tw_engine_check_blocks(const tw_engine_t *e, const char *op, 
   return TW_OK;
 }
 
-static tw_status_t tw_engine_check_token(const tw_engine_t *e, const char *op, const char *what,
-                                         int64_t i, int32_t token) {
+static TW_NODISCARD tw_status_t tw_engine_check_token(const tw_engine_t *e, const char *op,
+                                                      const char *what, int64_t i, int32_t token) {
   int32_t vocab = e->model->config.vocab_size;
   if (token < 0 || token >= vocab)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine %s: %s[%lld] = %d outside the vocabulary [0, %d)",
@@ -207,7 +208,8 @@ static tw_status_t tw_engine_check_token(const tw_engine_t *e, const char *op, c
   return TW_OK;
 }
 
-static tw_status_t tw_engine_check_sample(const char *op, int64_t i, const tw_sample_params_t *s) {
+static TW_NODISCARD tw_status_t tw_engine_check_sample(const char *op, int64_t i,
+                                                       const tw_sample_params_t *s) {
   if (s && s->temperature != s->temperature)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine %s: sample[%lld].temperature is NaN", op,
                   (long long)i);
@@ -215,8 +217,8 @@ static tw_status_t tw_engine_check_sample(const char *op, int64_t i, const tw_sa
 }
 
 /* Every check of one prefill sequence; `seq` names it in the messages of a batch (-1: alone). */
-static tw_status_t tw_engine_check_prefill_seq(const tw_engine_t *e, int32_t seq,
-                                               const tw_prefill_seq_t *q) {
+static TW_NODISCARD tw_status_t tw_engine_check_prefill_seq(const tw_engine_t *e, int32_t seq,
+                                                            const tw_prefill_seq_t *q) {
   char op[48];
   if (seq < 0) snprintf(op, sizeof op, "prefill");
   else snprintf(op, sizeof op, "prefill_batch: seqs[%d]", seq);
@@ -240,7 +242,8 @@ static tw_status_t tw_engine_check_prefill_seq(const tw_engine_t *e, int32_t seq
 
 /* No block written by two sequences of a batch (the blocks of positions
  * start_pos.. of each; earlier positions may be shared, they are only read). */
-static tw_status_t tw_engine_check_disjoint(const tw_engine_t *e, const tw_prefill_batch_args_t *a) {
+static TW_NODISCARD tw_status_t tw_engine_check_disjoint(const tw_engine_t *e,
+                                                         const tw_prefill_batch_args_t *a) {
   if (a->n_seqs < 2) return TW_OK;
   uint8_t *used = calloc((size_t)e->kv.n_blocks, 1);
   if (!used) return tw_err(TW_ERR_NO_MEMORY, "engine prefill_batch: out of memory");
@@ -289,7 +292,7 @@ static void tw_prefill_plan_layer(void *arg, int32_t layer) {
 
 /* Pack the sequences into passes of at most max_prefill_chunk tokens and
  * max_batch segments, in order, and run them. */
-static tw_status_t tw_prefill_plan_run(tw_engine_t *e, tw_prefill_plan_t *p) {
+static TW_NODISCARD tw_status_t tw_prefill_plan_run(tw_engine_t *e, tw_prefill_plan_t *p) {
   const int64_t V = e->model->config.vocab_size;
   const int32_t budget = e->params.max_prefill_chunk;
   const int32_t max_segs = p->n_seqs < e->params.max_batch ? p->n_seqs : e->params.max_batch;
@@ -360,7 +363,7 @@ static tw_status_t tw_prefill_plan_run(tw_engine_t *e, tw_prefill_plan_t *p) {
   return st;
 }
 
-tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args) {
+TW_NODISCARD tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args) {
   TW_CHECK(tw_engine_check(engine, "prefill"));
   if (!args) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine prefill: args is NULL");
   bool all = args->all_logits && args->logits_out;
@@ -374,7 +377,8 @@ tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args
   return tw_prefill_plan_run(engine, &p);
 }
 
-tw_status_t tw_engine_prefill_batch(tw_engine_t *engine, const tw_prefill_batch_args_t *args) {
+TW_NODISCARD tw_status_t tw_engine_prefill_batch(tw_engine_t *engine,
+                                                 const tw_prefill_batch_args_t *args) {
   TW_CHECK(tw_engine_check(engine, "prefill_batch"));
   if (!args) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine prefill_batch: args is NULL");
   if (args->n_seqs <= 0 || !args->seqs)
@@ -387,12 +391,12 @@ tw_status_t tw_engine_prefill_batch(tw_engine_t *engine, const tw_prefill_batch_
   return tw_prefill_plan_run(engine, &p);
 }
 
-tw_status_t tw_engine_warmup(tw_engine_t *engine) {
+TW_NODISCARD tw_status_t tw_engine_warmup(tw_engine_t *engine) {
   TW_CHECK(tw_engine_check(engine, "warmup"));
   return engine->ops->warmup ? engine->ops->warmup(engine) : TW_OK;
 }
 
-tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args) {
+TW_NODISCARD tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args) {
   TW_CHECK(tw_engine_check(engine, "decode"));
   if (!args) return tw_err(TW_ERR_INVALID_ARGUMENT, "engine decode: args is NULL");
   if (args->n_seqs <= 0)

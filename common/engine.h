@@ -33,7 +33,7 @@ typedef enum {
 } tw_backend_kind_t;
 
 /** Parse "auto"/"cpu"/"cuda". Errors: TW_ERR_INVALID_ARGUMENT naming the value. */
-tw_status_t tw_backend_parse(const char *name, tw_backend_kind_t *kind_p);
+TW_NODISCARD tw_status_t tw_backend_parse(const char *name, tw_backend_kind_t *kind_p);
 
 /** The --backend option's parser (opts.h TW_OPT_FN; dst: tw_backend_kind_t *):
  *  0 with *dst set, or -1 with "must be auto, cpu or cuda, got 'X'" in err. */
@@ -133,8 +133,8 @@ typedef struct tw_engine tw_engine_t;
  *  engine). Allocates the KV pool and workspaces and logs the memory plan.
  *  Errors: TW_ERR_INVALID_ARGUMENT (bad params, named), TW_ERR_UNSUPPORTED
  *  (backend not built or no GPU), TW_ERR_NO_MEMORY, TW_ERR_CUDA. */
-tw_status_t tw_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
-                             tw_engine_t **engine_p);
+TW_NODISCARD tw_status_t tw_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
+                                          tw_engine_t **engine_p);
 
 /** Free everything. NULL does nothing. */
 void tw_engine_destroy(tw_engine_t *engine);
@@ -189,7 +189,7 @@ typedef struct {
                         int32_t chunk_n_tokens);
   void *on_layer_arg;
 } tw_prefill_args_t;
-tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
+TW_NODISCARD tw_status_t tw_engine_prefill(tw_engine_t *engine, const tw_prefill_args_t *args);
 
 /** Batched (variable-length) prefill: several sequences' prompt tokens in
  *  as few forward passes as the engine's budget allows. Each sequence is as
@@ -230,7 +230,8 @@ typedef struct {
                         int32_t chunk_n_tokens);
   void *on_layer_arg;
 } tw_prefill_batch_args_t;
-tw_status_t tw_engine_prefill_batch(tw_engine_t *engine, const tw_prefill_batch_args_t *args);
+TW_NODISCARD tw_status_t tw_engine_prefill_batch(tw_engine_t *engine,
+                                                 const tw_prefill_batch_args_t *args);
 
 /** One decode step for a batch of sequences: sequence i feeds tokens[i] at
  *  positions[i] (its K/V is appended at that position) and gets the logits
@@ -257,7 +258,7 @@ typedef struct {
   void (*while_running)(void *arg);
   void *while_running_arg;
 } tw_decode_args_t;
-tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args);
+TW_NODISCARD tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args);
 
 /** Prepare everything decode steps would otherwise prepare on first use, so
  *  that the first requests do not pay for it: the CUDA backend captures the
@@ -266,7 +267,7 @@ tw_status_t tw_engine_decode(tw_engine_t *engine, const tw_decode_args_t *args);
  *  nothing to do. A daemon calls it before it registers as ready. Errors:
  *  TW_ERR_INVALID_ARGUMENT (not an engine), TW_ERR_CUDA (a capture failed:
  *  graphs are then off and decode runs eagerly, correct but slower). */
-tw_status_t tw_engine_warmup(tw_engine_t *engine);
+TW_NODISCARD tw_status_t tw_engine_warmup(tw_engine_t *engine);
 
 #ifdef __cplusplus
 }

@@ -53,9 +53,9 @@ typedef struct {
   const char *name;
   void (*destroy)(tw_engine_t *engine);
   /* one prefill pass (above); arguments already checked by engine.c */
-  tw_status_t (*prefill_pass)(tw_engine_t *engine, const tw_prefill_pass_t *pass);
-  tw_status_t (*decode)(tw_engine_t *engine, const tw_decode_args_t *args);
-  tw_status_t (*warmup)(tw_engine_t *engine); /* NULL: nothing to prepare */
+  TW_NODISCARD tw_status_t (*prefill_pass)(tw_engine_t *engine, const tw_prefill_pass_t *pass);
+  TW_NODISCARD tw_status_t (*decode)(tw_engine_t *engine, const tw_decode_args_t *args);
+  TW_NODISCARD tw_status_t (*warmup)(tw_engine_t *engine); /* NULL: nothing to prepare */
 } tw_engine_ops_t;
 
 struct tw_engine {
@@ -78,11 +78,13 @@ void tw_engine_plan_input(const tw_model_t *model, const tw_engine_params_t *par
 void tw_engine_plan_apply(const tw_mem_plan_t *plan, tw_engine_params_t *params);
 
 /** CPU backend constructor (common/cpu/engine_cpu.c). */
-tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
-                                 tw_engine_t **engine_p);
+TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
+                                              const tw_engine_params_t *params,
+                                              tw_engine_t **engine_p);
 /** CUDA backend constructor (kernels/engine_cuda.cu); only when TWAIN_HAVE_CUDA. */
-tw_status_t tw_cuda_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
-                                  tw_engine_t **engine_p);
+TW_NODISCARD tw_status_t tw_cuda_engine_create(const tw_model_t *model,
+                                               const tw_engine_params_t *params,
+                                               tw_engine_t **engine_p);
 /** Device bytes of the CUDA engine's workspace (tp = ep = 1) for decode
  *  steps of max_batch sequences and prefill chunks of `chunk` tokens, with
  *  the grouped-GEMM MoE (Hopper) or the cuBLAS one: what the memory plan

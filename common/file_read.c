@@ -9,8 +9,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-tw_status_t tw_file_read(const char *path, size_t max_bytes, const char *what, char **buf_p,
-                         size_t *len_p) {
+TW_NODISCARD tw_status_t tw_file_read(const char *path, size_t max_bytes, const char *what,
+                                      char **buf_p, size_t *len_p) {
   *buf_p = NULL;
   if (len_p) *len_p = 0;
   /* O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below */

@@ -18,8 +18,8 @@ extern "C" {
  *  "tokenizer"). Errors: TW_ERR_IO (cannot open, e.g. no such file, or
  *  read), TW_ERR_INVALID_ARGUMENT (not a regular file), TW_ERR_FORMAT
  *  (larger than max_bytes), TW_ERR_NO_MEMORY. */
-tw_status_t tw_file_read(const char *path, size_t max_bytes, const char *what, char **buf_p,
-                         size_t *len_p);
+TW_NODISCARD tw_status_t tw_file_read(const char *path, size_t max_bytes, const char *what,
+                                      char **buf_p, size_t *len_p);
 
 #ifdef __cplusplus
 }

@@ -107,20 +107,20 @@ bool tw_harmony_date_valid(const char *date);
 /** Set (copy) one of the conversation's string fields, e.g.
  *  tw_harmony_conversation_set(&c, &c.current_date, "2025-06-28"). `value` NULL
  *  clears it. TW_ERR_INVALID_ARGUMENT if value is not UTF-8; TW_ERR_NO_MEMORY. */
-tw_status_t tw_harmony_conversation_set(tw_harmony_conversation_t *conv, const char **field,
-                                        const char *value);
+TW_NODISCARD tw_status_t tw_harmony_conversation_set(tw_harmony_conversation_t *conv,
+                                                     const char **field, const char *value);
 
 /** Append a copy of *msg. Errors: TW_ERR_INVALID_ARGUMENT (a role outside the
  *  enum, a TOOL message without a name, content NULL, a string that is not
  *  UTF-8: the message says which field), TW_ERR_NO_MEMORY. */
-tw_status_t tw_harmony_conversation_add_message(tw_harmony_conversation_t *conv,
-                                                const tw_harmony_message_t *msg);
+TW_NODISCARD tw_status_t tw_harmony_conversation_add_message(tw_harmony_conversation_t *conv,
+                                                             const tw_harmony_message_t *msg);
 
 /** Append a copy of a function tool. Errors: TW_ERR_INVALID_ARGUMENT (no name,
  *  parameters_json that is not JSON or not a JSON object, not UTF-8),
  *  TW_ERR_NO_MEMORY. */
-tw_status_t tw_harmony_conversation_add_tool(tw_harmony_conversation_t *conv,
-                                             const tw_harmony_tool_t *tool);
+TW_NODISCARD tw_status_t tw_harmony_conversation_add_tool(tw_harmony_conversation_t *conv,
+                                                          const tw_harmony_tool_t *tool);
 
 /** Fill an initialised conversation from OpenAI chat-completions JSON:
  *  {"messages":[{role, content (string or [{type:text,text}]), name,
@@ -141,8 +141,8 @@ tw_status_t tw_harmony_conversation_add_tool(tw_harmony_conversation_t *conv,
  *  unknown role, missing content, a tool whose parameters are not an object,
  *  a string that is not UTF-8, a tool result whose tool cannot be found, a bad
  *  reasoning_effort. TW_ERR_NO_MEMORY. */
-tw_status_t tw_harmony_conversation_from_openai_json(tw_harmony_conversation_t *conv,
-                                                     const char *json, size_t len);
+TW_NODISCARD tw_status_t tw_harmony_conversation_from_openai_json(tw_harmony_conversation_t *conv,
+                                                                  const char *json, size_t len);
 
 /* ---- renderer ----------------------------------------------------------- */
 
@@ -152,7 +152,7 @@ typedef struct tw_harmony tw_harmony_t;
  *  special tokens by content (spec §4.1). TW_ERR_FORMAT if one of <|start|>,
  *  <|end|>, <|message|>, <|channel|>, <|constrain|>, <|return|>, <|call|> is
  *  missing. Read-only after creation: may be shared by threads. */
-tw_status_t tw_harmony_create(const tw_tokenizer_t *tok, tw_harmony_t **h_p);
+TW_NODISCARD tw_status_t tw_harmony_create(const tw_tokenizer_t *tok, tw_harmony_t **h_p);
 void tw_harmony_destroy(tw_harmony_t *h);
 
 /** The tokenizer it was created with. */
@@ -168,9 +168,10 @@ int32_t tw_harmony_token(const tw_harmony_t *h, const char *content);
  *  numbers). Other errors: TW_ERR_INVALID_ARGUMENT (a TOOL message without a
  *  name, tool parameters that are not a JSON object), TW_ERR_NO_MEMORY. On
  *  error `out` is left as it was. */
-tw_status_t tw_harmony_render(const tw_harmony_t *h, const tw_harmony_conversation_t *conv,
-                              tw_tok_encoder_t *maybe_enc, size_t max_prompt_tokens,
-                              tw_token_ids_t *out);
+TW_NODISCARD tw_status_t tw_harmony_render(const tw_harmony_t *h,
+                                           const tw_harmony_conversation_t *conv,
+                                           tw_tok_encoder_t *maybe_enc, size_t max_prompt_tokens,
+                                           tw_token_ids_t *out);
 
 /** The header of an assistant message to a function, as the model writes it
  *  after <|start|>assistant (spec §4.2, the recipient in the channel part):
@@ -182,20 +183,22 @@ tw_status_t tw_harmony_render(const tw_harmony_t *h, const tw_harmony_conversati
  *  for the model to write "=functions.NAME" itself. enc: an encoder of h's
  *  tokenizer (this thread's). Errors: TW_ERR_INVALID_ARGUMENT (name empty or
  *  not UTF-8), TW_ERR_NO_MEMORY; on error `out` is left as it was. */
-tw_status_t tw_harmony_render_call_header(const tw_harmony_t *h, const char *name,
-                                          tw_tok_encoder_t *enc, tw_token_ids_t *out);
+TW_NODISCARD tw_status_t tw_harmony_render_call_header(const tw_harmony_t *h, const char *name,
+                                                       tw_tok_encoder_t *enc, tw_token_ids_t *out);
 
 /** The system message text (spec §4.5) and the developer message text (spec
  *  §4.6, "" if there is none) of `conv`, appended to `out` (for tests/tools). */
-tw_status_t tw_harmony_system_text(const tw_harmony_conversation_t *conv, tw_tok_buf_t *out);
-tw_status_t tw_harmony_developer_text(const tw_harmony_conversation_t *conv, tw_tok_buf_t *out);
+TW_NODISCARD tw_status_t tw_harmony_system_text(const tw_harmony_conversation_t *conv,
+                                                tw_tok_buf_t *out);
+TW_NODISCARD tw_status_t tw_harmony_developer_text(const tw_harmony_conversation_t *conv,
+                                                   tw_tok_buf_t *out);
 
 /** JSON Schema -> the TypeScript-like type of spec §4.6 (harmony-rs
  *  json_schema_to_typescript), appended to `out`. `indent` is the current
  *  indentation ("" at the top). TW_ERR_NO_MEMORY. */
 struct cJSON;
-tw_status_t tw_harmony_schema_to_ts(const struct cJSON *schema, const char *indent,
-                                    tw_tok_buf_t *out);
+TW_NODISCARD tw_status_t tw_harmony_schema_to_ts(const struct cJSON *schema, const char *indent,
+                                                 tw_tok_buf_t *out);
 
 /* ---- parser ------------------------------------------------------------- */
 
@@ -239,19 +242,19 @@ typedef struct tw_harmony_parser tw_harmony_parser_t;
  *  <|start|>assistant (pass TW_HARMONY_ROLE_ASSISTANT); pass -1 to start
  *  before any message (parsing a whole rendered conversation). Events go to
  *  fn(user, ev) during push/finish. TW_ERR_NO_MEMORY. */
-tw_status_t tw_harmony_parser_create(const tw_harmony_t *h, int in_header_of,
-                                     tw_harmony_event_fn fn, void *user,
-                                     tw_harmony_parser_t **p_p);
+TW_NODISCARD tw_status_t tw_harmony_parser_create(const tw_harmony_t *h, int in_header_of,
+                                                  tw_harmony_event_fn fn, void *user,
+                                                  tw_harmony_parser_t **p_p);
 void tw_harmony_parser_destroy(tw_harmony_parser_t *p);
 
 /** Feed one generated id. Unexpected ids become ERROR events, never a failure;
  *  the only error is TW_ERR_NO_MEMORY. */
-tw_status_t tw_harmony_parser_push(tw_harmony_parser_t *p, int32_t token);
+TW_NODISCARD tw_status_t tw_harmony_parser_push(tw_harmony_parser_t *p, int32_t token);
 
 /** End of generation (e.g. max tokens): an unfinished message is reported
  *  (ERROR, then MESSAGE_END with what it had; no TOOL_CALL for cut-off
  *  arguments). TW_ERR_NO_MEMORY. */
-tw_status_t tw_harmony_parser_finish(tw_harmony_parser_t *p);
+TW_NODISCARD tw_status_t tw_harmony_parser_finish(tw_harmony_parser_t *p);
 
 /** Name of a role ("system" ... "tool"). Never NULL. */
 const char *tw_harmony_role_str(tw_harmony_role_t role);

@@ -14,7 +14,7 @@
 
 #define BAD(...) tw_err_quiet(TW_ERR_INVALID_ARGUMENT, __VA_ARGS__)
 
-static tw_status_t tw_check_utf8(const char *s, const char *path) {
+static TW_NODISCARD tw_status_t tw_check_utf8(const char *s, const char *path) {
   size_t bad;
   if (s && !tw_utf8_valid(s, strlen(s), &bad))
     return BAD("%s is not valid UTF-8 (bad byte 0x%02x at offset %zu)", path,
@@ -24,7 +24,8 @@ static tw_status_t tw_check_utf8(const char *s, const char *path) {
 
 /* Message content: a string, null, or [{type: text, text}...] joined. The
  * result (malloc'd, "" for null/absent) goes to *out_p. */
-static tw_status_t tw_content_text(const cJSON *content, const char *path, char **out_p) {
+static TW_NODISCARD tw_status_t tw_content_text(const cJSON *content, const char *path,
+                                                char **out_p) {
   tw_tok_buf_t b;
   tw_tok_buf_init(&b);
   tw_status_t st = TW_OK;
@@ -63,15 +64,15 @@ static const char *tw_str(const cJSON *obj, const char *key) {
   return cJSON_IsString(v) ? v->valuestring : NULL;
 }
 
-static tw_status_t tw_add(tw_harmony_conversation_t *c, tw_harmony_role_t role, const char *name,
-                          const char *recipient, const char *channel, const char *ctype,
-                          const char *content) {
+static TW_NODISCARD tw_status_t tw_add(tw_harmony_conversation_t *c, tw_harmony_role_t role,
+                                       const char *name, const char *recipient, const char *channel,
+                                       const char *ctype, const char *content) {
   tw_harmony_message_t m = {.role = role, .name = name, .recipient = recipient,
                             .channel = channel, .content_type = ctype, .content = content};
   return tw_harmony_conversation_add_message(c, &m);
 }
 
-static tw_status_t tw_tools(tw_harmony_conversation_t *c, const cJSON *tools) {
+static TW_NODISCARD tw_status_t tw_tools(tw_harmony_conversation_t *c, const cJSON *tools) {
   if (!tools || cJSON_IsNull(tools)) return TW_OK;
   if (!cJSON_IsArray(tools)) return BAD("tools must be an array");
   int i = 0;
@@ -124,8 +125,8 @@ static const char *tw_call_name(const cJSON *messages, const cJSON *upto, const 
   return NULL;
 }
 
-static tw_status_t tw_assistant(tw_harmony_conversation_t *c, const cJSON *m, const char *path,
-                                const char *content) {
+static TW_NODISCARD tw_status_t tw_assistant(tw_harmony_conversation_t *c, const cJSON *m,
+                                             const char *path, const char *content) {
   const char *thinking = tw_str(m, "thinking");
   if (!thinking) thinking = tw_str(m, "reasoning_content");
   if (!thinking) thinking = tw_str(m, "reasoning");
@@ -172,7 +173,7 @@ static tw_status_t tw_assistant(tw_harmony_conversation_t *c, const cJSON *m, co
   return TW_OK;
 }
 
-static tw_status_t tw_messages(tw_harmony_conversation_t *c, const cJSON *messages) {
+static TW_NODISCARD tw_status_t tw_messages(tw_harmony_conversation_t *c, const cJSON *messages) {
   if (!cJSON_IsArray(messages)) return BAD("messages must be an array");
   tw_tok_buf_t instr;
   tw_tok_buf_init(&instr);
@@ -243,8 +244,8 @@ static tw_status_t tw_messages(tw_harmony_conversation_t *c, const cJSON *messag
   return st;
 }
 
-tw_status_t tw_harmony_conversation_from_openai_json(tw_harmony_conversation_t *c,
-                                                     const char *json, size_t len) {
+TW_NODISCARD tw_status_t tw_harmony_conversation_from_openai_json(tw_harmony_conversation_t *c,
+                                                                  const char *json, size_t len) {
   cJSON *root = cJSON_ParseWithLength(json, len);
   if (!root) {
     const char *at = cJSON_GetErrorPtr();

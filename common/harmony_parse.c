@@ -49,9 +49,9 @@ struct tw_harmony_parser {
 
 enum { F_AUTHOR, F_RECIPIENT, F_CHANNEL, F_CTYPE };
 
-tw_status_t tw_harmony_parser_create(const tw_harmony_t *h, int in_header_of,
-                                     tw_harmony_event_fn fn, void *user,
-                                     tw_harmony_parser_t **p_p) {
+TW_NODISCARD tw_status_t tw_harmony_parser_create(const tw_harmony_t *h, int in_header_of,
+                                                  tw_harmony_event_fn fn, void *user,
+                                                  tw_harmony_parser_t **p_p) {
   tw_harmony_parser_t *p = calloc(1, sizeof *p);
   if (!p) return tw_err(TW_ERR_NO_MEMORY, "harmony parser: out of memory");
   p->h = h;
@@ -265,7 +265,7 @@ static void tw_begin_header(tw_harmony_parser_t *p, int default_role) {
   p->implicit_header = 0;
 }
 
-static tw_status_t tw_begin_content(tw_harmony_parser_t *p, int32_t token) {
+static TW_NODISCARD tw_status_t tw_begin_content(tw_harmony_parser_t *p, int32_t token) {
   /* "<|channel|>final<|message|>" straight after <|end|> is a known variant;
    * a header of other text without <|start|> is reported */
   if (p->implicit_header && (p->header.len < 11 || memcmp(p->header.data, "<|channel|>", 11)))
@@ -287,7 +287,7 @@ static tw_status_t tw_begin_content(tw_harmony_parser_t *p, int32_t token) {
 
 /* End the current message. `how`: END/CALL/RETURN token index, or -1 when cut
  * off (no tool call then). */
-static tw_status_t tw_end_message(tw_harmony_parser_t *p, int how, int32_t token) {
+static TW_NODISCARD tw_status_t tw_end_message(tw_harmony_parser_t *p, int how, int32_t token) {
   p->delta.len = 0;
   TW_CHECK(tw_tok_stream_finish(&p->stream, &p->delta));
   if (p->delta.len) {
@@ -321,7 +321,7 @@ static int tw_which(const tw_harmony_parser_t *p, int32_t token) {
   return -1;
 }
 
-tw_status_t tw_harmony_parser_push(tw_harmony_parser_t *p, int32_t token) {
+TW_NODISCARD tw_status_t tw_harmony_parser_push(tw_harmony_parser_t *p, int32_t token) {
   int w = tw_which(p, token);
   char nb[96];
   const char *b;
@@ -423,7 +423,7 @@ tw_status_t tw_harmony_parser_push(tw_harmony_parser_t *p, int32_t token) {
   return TW_OK;
 }
 
-tw_status_t tw_harmony_parser_finish(tw_harmony_parser_t *p) {
+TW_NODISCARD tw_status_t tw_harmony_parser_finish(tw_harmony_parser_t *p) {
   switch (p->state) {
     case TW_PS_CONTENT:
       tw_emit_error(p, -1, "generation ended inside a message (no <|end|>, <|call|> or "

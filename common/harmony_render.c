@@ -32,7 +32,7 @@ const char *tw_harmony_role_str(tw_harmony_role_t role) {
 
 /* ---- the format bound to a tokenizer ------------------------------------ */
 
-tw_status_t tw_harmony_create(const tw_tokenizer_t *tok, tw_harmony_t **h_p) {
+TW_NODISCARD tw_status_t tw_harmony_create(const tw_tokenizer_t *tok, tw_harmony_t **h_p) {
   static const char *const names[TW_HT_COUNT] = {
       [TW_HT_START] = "<|start|>",     [TW_HT_END] = "<|end|>",
       [TW_HT_MESSAGE] = "<|message|>", [TW_HT_CHANNEL] = "<|channel|>",
@@ -96,7 +96,7 @@ void tw_harmony_conversation_fini(tw_harmony_conversation_t *c) {
 }
 
 /* Copy a string that must be UTF-8; `what` names it in the error. */
-static tw_status_t tw_dup_utf8(const char *s, const char *what, const char **out_p) {
+static TW_NODISCARD tw_status_t tw_dup_utf8(const char *s, const char *what, const char **out_p) {
   if (!s) {
     *out_p = NULL;
     return TW_OK;
@@ -122,8 +122,8 @@ bool tw_harmony_date_valid(const char *v) {
   return m >= 1 && m <= 12 && d >= 1 && d <= mdays[m - 1] && (m != 2 || d < 29 || leap);
 }
 
-tw_status_t tw_harmony_conversation_set(tw_harmony_conversation_t *c, const char **field,
-                                        const char *value) {
+TW_NODISCARD tw_status_t tw_harmony_conversation_set(tw_harmony_conversation_t *c,
+                                                     const char **field, const char *value) {
   const char *d;
   TW_CHECK(tw_dup_utf8(value, "conversation field", &d));
   tw_free_str(*field);
@@ -131,8 +131,8 @@ tw_status_t tw_harmony_conversation_set(tw_harmony_conversation_t *c, const char
   return TW_OK;
 }
 
-tw_status_t tw_harmony_conversation_add_message(tw_harmony_conversation_t *c,
-                                                const tw_harmony_message_t *msg) {
+TW_NODISCARD tw_status_t tw_harmony_conversation_add_message(tw_harmony_conversation_t *c,
+                                                             const tw_harmony_message_t *msg) {
   if ((unsigned)msg->role > TW_HARMONY_ROLE_TOOL)
     return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "message %zu: unknown role %d", c->n_messages,
                   (int)msg->role);
@@ -171,8 +171,8 @@ fail:
   return st;
 }
 
-tw_status_t tw_harmony_conversation_add_tool(tw_harmony_conversation_t *c,
-                                             const tw_harmony_tool_t *tool) {
+TW_NODISCARD tw_status_t tw_harmony_conversation_add_tool(tw_harmony_conversation_t *c,
+                                                          const tw_harmony_tool_t *tool) {
   if (!tool->name || !tool->name[0])
     return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "tool %zu: the name is missing", c->n_tools);
   if (tool->parameters_json) {
@@ -210,7 +210,8 @@ fail:
 
 #define APPEND(s) TW_CHECK(tw_tok_buf_append(out, (s), strlen(s)))
 
-tw_status_t tw_harmony_system_text(const tw_harmony_conversation_t *c, tw_tok_buf_t *out) {
+TW_NODISCARD tw_status_t tw_harmony_system_text(const tw_harmony_conversation_t *c,
+                                                tw_tok_buf_t *out) {
   static const char *const effort[] = {"low", "medium", "high"};
   APPEND(c->model_identity ? c->model_identity : TW_HARMONY_IDENTITY);
   APPEND("\nKnowledge cutoff: ");
@@ -228,7 +229,7 @@ tw_status_t tw_harmony_system_text(const tw_harmony_conversation_t *c, tw_tok_bu
 }
 
 /* Lines as Rust's str::lines: split on \n, a trailing \r dropped, no empty last line. */
-static tw_status_t tw_comment_lines(const char *text, tw_tok_buf_t *out) {
+static TW_NODISCARD tw_status_t tw_comment_lines(const char *text, tw_tok_buf_t *out) {
   const char *p = text;
   while (*p) {
     const char *nl = strchr(p, '\n');
@@ -242,7 +243,8 @@ static tw_status_t tw_comment_lines(const char *text, tw_tok_buf_t *out) {
   return TW_OK;
 }
 
-tw_status_t tw_harmony_developer_text(const tw_harmony_conversation_t *c, tw_tok_buf_t *out) {
+TW_NODISCARD tw_status_t tw_harmony_developer_text(const tw_harmony_conversation_t *c,
+                                                   tw_tok_buf_t *out) {
   int sections = 0;
   if (c->developer_instructions) {
     APPEND("# Instructions\n\n");
@@ -285,11 +287,11 @@ typedef struct {
   tw_token_ids_t *out;
 } tw_render_ctx_t;
 
-static tw_status_t tw_text(tw_render_ctx_t *r, const char *s, size_t n) {
+static TW_NODISCARD tw_status_t tw_text(tw_render_ctx_t *r, const char *s, size_t n) {
   return n ? tw_tok_encoder_encode(r->enc, s, n, 0, r->out) : TW_OK;
 }
 
-static tw_status_t tw_text2(tw_render_ctx_t *r, const char *a, const char *b) {
+static TW_NODISCARD tw_status_t tw_text2(tw_render_ctx_t *r, const char *a, const char *b) {
   size_t na = strlen(a), nb = strlen(b);
   char stackbuf[256];
   char *buf = na + nb <= sizeof stackbuf ? stackbuf : malloc(na + nb);
@@ -301,14 +303,14 @@ static tw_status_t tw_text2(tw_render_ctx_t *r, const char *a, const char *b) {
   return st;
 }
 
-static tw_status_t tw_special(tw_render_ctx_t *r, int which) {
+static TW_NODISCARD tw_status_t tw_special(tw_render_ctx_t *r, int which) {
   return tw_token_ids_push(r->out, r->h->ids[which]);
 }
 
-static tw_status_t tw_render_message(tw_render_ctx_t *r, tw_harmony_role_t role, const char *name,
-                                     const char *recipient, const char *channel,
-                                     const char *content_type, const char *content,
-                                     size_t content_len) {
+static TW_NODISCARD tw_status_t tw_render_message(tw_render_ctx_t *r, tw_harmony_role_t role,
+                                                  const char *name, const char *recipient,
+                                                  const char *channel, const char *content_type,
+                                                  const char *content, size_t content_len) {
   TW_CHECK(tw_special(r, TW_HT_START));
   if (role == TW_HARMONY_ROLE_TOOL) {
     if (!name) return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "a tool message has no tool name");
@@ -339,7 +341,8 @@ static tw_status_t tw_render_message(tw_render_ctx_t *r, tw_harmony_role_t role,
   return tw_special(r, role == TW_HARMONY_ROLE_ASSISTANT && recipient ? TW_HT_CALL : TW_HT_END);
 }
 
-static tw_status_t tw_render_all(tw_render_ctx_t *r, const tw_harmony_conversation_t *c) {
+static TW_NODISCARD tw_status_t tw_render_all(tw_render_ctx_t *r,
+                                              const tw_harmony_conversation_t *c) {
   tw_tok_buf_t text;
   tw_tok_buf_init(&text);
   tw_status_t st = TW_OK;
@@ -383,9 +386,10 @@ done:
   return st;
 }
 
-tw_status_t tw_harmony_render(const tw_harmony_t *h, const tw_harmony_conversation_t *c,
-                              tw_tok_encoder_t *maybe_enc, size_t max_prompt_tokens,
-                              tw_token_ids_t *out) {
+TW_NODISCARD tw_status_t tw_harmony_render(const tw_harmony_t *h,
+                                           const tw_harmony_conversation_t *c,
+                                           tw_tok_encoder_t *maybe_enc, size_t max_prompt_tokens,
+                                           tw_token_ids_t *out) {
   tw_render_ctx_t r = {.h = h, .enc = maybe_enc, .out = out};
   if (!r.enc) TW_CHECK(tw_tok_encoder_create(h->tok, &r.enc));
   size_t start = out->n;
@@ -399,8 +403,8 @@ tw_status_t tw_harmony_render(const tw_harmony_t *h, const tw_harmony_conversati
   return st;
 }
 
-tw_status_t tw_harmony_render_call_header(const tw_harmony_t *h, const char *name,
-                                          tw_tok_encoder_t *enc, tw_token_ids_t *out) {
+TW_NODISCARD tw_status_t tw_harmony_render_call_header(const tw_harmony_t *h, const char *name,
+                                                       tw_tok_encoder_t *enc, tw_token_ids_t *out) {
   if (name && !name[0])
     return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "harmony: a call header needs a function name");
   tw_render_ctx_t r = {.h = h, .enc = enc, .out = out};

@@ -30,7 +30,8 @@ static int tw_schema_nullable(const cJSON *s) {
 
 /* "default: X" per the rules: quoted for a string on a non-enum schema, bare
  * for a string on an enum, compact JSON otherwise. */
-static tw_status_t tw_schema_default(const cJSON *schema, const cJSON *def, tw_tok_buf_t *out) {
+static TW_NODISCARD tw_status_t tw_schema_default(const cJSON *schema, const cJSON *def,
+                                                  tw_tok_buf_t *out) {
   APPEND("default: ");
   if (cJSON_IsString(def)) {
     if (!tw_schema_is_enum(schema)) APPEND("\"");
@@ -46,7 +47,8 @@ static tw_status_t tw_schema_default(const cJSON *schema, const cJSON *def, tw_t
 }
 
 /* The type of `variant` with " | null" added when it is nullable. */
-static tw_status_t tw_schema_variant(const cJSON *variant, const char *indent, tw_tok_buf_t *out) {
+static TW_NODISCARD tw_status_t tw_schema_variant(const cJSON *variant, const char *indent,
+                                                  tw_tok_buf_t *out) {
   size_t start = out->len;
   TW_CHECK(tw_harmony_schema_to_ts(variant, indent, out));
   if (tw_schema_nullable(variant) && !strstr(out->data + start, "null")) APPEND(" | null");
@@ -54,7 +56,8 @@ static tw_status_t tw_schema_variant(const cJSON *variant, const char *indent, t
 }
 
 /* Top-level oneOf: "\n<indent> | T // comments" per variant. */
-static tw_status_t tw_schema_one_of_top(const cJSON *arr, const char *indent, tw_tok_buf_t *out) {
+static TW_NODISCARD tw_status_t tw_schema_one_of_top(const cJSON *arr, const char *indent,
+                                                     tw_tok_buf_t *out) {
   char sub[512];
   snprintf(sub, sizeof sub, "%s   ", indent);
   const cJSON *v;
@@ -76,8 +79,9 @@ static tw_status_t tw_schema_one_of_top(const cJSON *arr, const char *indent, tw
 }
 
 /* A property whose schema has oneOf: comments above, "name?:" then variant lines. */
-static tw_status_t tw_schema_one_of_prop(const cJSON *val, const cJSON *arr, const char *key,
-                                         int required, const char *indent, tw_tok_buf_t *out) {
+static TW_NODISCARD tw_status_t tw_schema_one_of_prop(const cJSON *val, const cJSON *arr,
+                                                      const char *key, int required,
+                                                      const char *indent, tw_tok_buf_t *out) {
   const char *prop_desc = tw_schema_str(val, "description");
   const cJSON *first = cJSON_GetArrayItem(arr, 0);
   const char *first_desc = first ? tw_schema_str(first, "description") : NULL;
@@ -134,7 +138,8 @@ static int tw_schema_required(const cJSON *schema, const char *key) {
   return 0;
 }
 
-static tw_status_t tw_schema_object(const cJSON *schema, const char *indent, tw_tok_buf_t *out) {
+static TW_NODISCARD tw_status_t tw_schema_object(const cJSON *schema, const char *indent,
+                                                 tw_tok_buf_t *out) {
   const char *desc = tw_schema_str(schema, "description");
   if (desc) {
     APPEND(indent);
@@ -203,7 +208,8 @@ static tw_status_t tw_schema_object(const cJSON *schema, const char *indent, tw_
   return TW_OK;
 }
 
-tw_status_t tw_harmony_schema_to_ts(const cJSON *schema, const char *indent, tw_tok_buf_t *out) {
+TW_NODISCARD tw_status_t tw_harmony_schema_to_ts(const cJSON *schema, const char *indent,
+                                                 tw_tok_buf_t *out) {
   if (strlen(indent) > 400) {
     APPEND("any"); /* absurdly deep nesting: stop (keeps the indent buffers bounded) */
     return TW_OK;

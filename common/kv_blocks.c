@@ -16,7 +16,8 @@ struct tw_kv_blocks {
   int32_t *pending;   /* [n_blocks] scratch for validating a free call; all zero between calls */
 };
 
-tw_status_t tw_kv_blocks_create(int32_t n_blocks, int32_t block_size, tw_kv_blocks_t **mgr_p) {
+TW_NODISCARD tw_status_t tw_kv_blocks_create(int32_t n_blocks, int32_t block_size,
+                                             tw_kv_blocks_t **mgr_p) {
   if (n_blocks <= 0) return tw_err(TW_ERR_INVALID_ARGUMENT, "kv blocks: n_blocks %d <= 0", n_blocks);
   if (block_size <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv blocks: block_size %d <= 0", block_size);
@@ -51,7 +52,7 @@ int32_t tw_kv_blocks_needed(const tw_kv_blocks_t *mgr, int64_t n_tokens) {
   return (int32_t)((n_tokens + mgr->block_size - 1) / mgr->block_size);
 }
 
-tw_status_t tw_kv_blocks_alloc(tw_kv_blocks_t *mgr, int32_t n, int32_t *ids_out) {
+TW_NODISCARD tw_status_t tw_kv_blocks_alloc(tw_kv_blocks_t *mgr, int32_t n, int32_t *ids_out) {
   if (n < 0) return tw_err(TW_ERR_INVALID_ARGUMENT, "kv blocks: alloc of %d blocks", n);
   if (n > mgr->n_free)
     return tw_err_quiet(TW_ERR_EXHAUSTED, "kv blocks: %d requested, %d free of %d", n,
@@ -64,7 +65,7 @@ tw_status_t tw_kv_blocks_alloc(tw_kv_blocks_t *mgr, int32_t n, int32_t *ids_out)
   return TW_OK;
 }
 
-tw_status_t tw_kv_blocks_free(tw_kv_blocks_t *mgr, int32_t n, const int32_t *ids) {
+TW_NODISCARD tw_status_t tw_kv_blocks_free(tw_kv_blocks_t *mgr, int32_t n, const int32_t *ids) {
   if (n < 0) return tw_err(TW_ERR_INVALID_ARGUMENT, "kv blocks: free of %d blocks", n);
   tw_status_t st = TW_OK;
   int32_t checked = 0;

@@ -18,7 +18,8 @@ typedef struct tw_kv_blocks tw_kv_blocks_t;
 
 /** Create a manager of `n_blocks` blocks of `block_size` tokens.
  *  Errors: TW_ERR_INVALID_ARGUMENT (n_blocks or block_size <= 0), TW_ERR_NO_MEMORY. */
-tw_status_t tw_kv_blocks_create(int32_t n_blocks, int32_t block_size, tw_kv_blocks_t **mgr_p);
+TW_NODISCARD tw_status_t tw_kv_blocks_create(int32_t n_blocks, int32_t block_size,
+                                             tw_kv_blocks_t **mgr_p);
 void tw_kv_blocks_destroy(tw_kv_blocks_t *mgr);
 
 /** Blocks needed for n_tokens positions: ceil(n_tokens / block_size). */
@@ -27,12 +28,12 @@ int32_t tw_kv_blocks_needed(const tw_kv_blocks_t *mgr, int64_t n_tokens);
 /** Allocate n blocks into ids_out[n] (all or nothing).
  *  Errors: TW_ERR_EXHAUSTED (fewer than n free; nothing allocated),
  *  TW_ERR_INVALID_ARGUMENT (n < 0). */
-tw_status_t tw_kv_blocks_alloc(tw_kv_blocks_t *mgr, int32_t n, int32_t *ids_out);
+TW_NODISCARD tw_status_t tw_kv_blocks_alloc(tw_kv_blocks_t *mgr, int32_t n, int32_t *ids_out);
 
 /** Release blocks (reference count down; freed at zero).
  *  Errors: TW_ERR_INVALID_ARGUMENT (an id out of range or already free:
  *  nothing is changed). */
-tw_status_t tw_kv_blocks_free(tw_kv_blocks_t *mgr, int32_t n, const int32_t *ids);
+TW_NODISCARD tw_status_t tw_kv_blocks_free(tw_kv_blocks_t *mgr, int32_t n, const int32_t *ids);
 
 int32_t tw_kv_blocks_free_count(const tw_kv_blocks_t *mgr);
 int32_t tw_kv_blocks_used_count(const tw_kv_blocks_t *mgr);

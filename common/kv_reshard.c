@@ -8,10 +8,12 @@
 /* Blocks per gathered put when the remote run is contiguous (2 pieces each). */
 #define TW_RESHARD_GATHER_BLOCKS 64
 
-tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *peer, const tw_kv_layout_t *src,
-                                     const tw_kv_remote_layout_t *dst, int32_t dst_head_offset,
-                                     int32_t layer, const int32_t *src_ids, const int32_t *dst_ids,
-                                     int32_t first, int32_t n, int64_t *bytes_p) {
+TW_NODISCARD tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *peer,
+                                                  const tw_kv_layout_t *src,
+                                                  const tw_kv_remote_layout_t *dst,
+                                                  int32_t dst_head_offset, int32_t layer,
+                                                  const int32_t *src_ids, const int32_t *dst_ids,
+                                                  int32_t first, int32_t n, int64_t *bytes_p) {
   if (src->dtype != dst->dtype || src->block_size != dst->block_size ||
       src->head_dim != dst->head_dim || src->n_layers != dst->n_layers)
     return tw_err(TW_ERR_UNSUPPORTED,
@@ -79,8 +81,9 @@ tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *peer, const 
   return TW_OK;
 }
 
-tw_status_t tw_kv_head_checksums(const tw_kv_layout_t *pool, int32_t layer, const int32_t *ids,
-                                 int32_t first, int32_t n, uint64_t *sums_out) {
+TW_NODISCARD tw_status_t tw_kv_head_checksums(const tw_kv_layout_t *pool, int32_t layer,
+                                              const int32_t *ids, int32_t first, int32_t n,
+                                              uint64_t *sums_out) {
   if (pool->on_device)
     return tw_err(TW_ERR_UNSUPPORTED, "kv head checksums: device pools are not read here");
   if (layer < 0 || layer >= pool->n_layers)

@@ -40,11 +40,12 @@ static inline void tw_kv_heads_overlap(int32_t s0, int32_t sn, int32_t d0, int32
  *  tw_kv_xfer_flush(peer) makes them remotely visible.
  *  Errors: TW_ERR_UNSUPPORTED (dtype, block size or head_dim differ),
  *  those of tw_kv_xfer_send_layer. */
-tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
-                                     const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
-                                     int32_t dst_head_offset, int32_t layer, const int32_t *src_ids,
-                                     const int32_t *dst_ids, int32_t first, int32_t n,
-                                     int64_t *bytes_p);
+TW_NODISCARD tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
+                                                  const tw_kv_layout_t *src,
+                                                  const tw_kv_remote_layout_t *dst,
+                                                  int32_t dst_head_offset, int32_t layer,
+                                                  const int32_t *src_ids, const int32_t *dst_ids,
+                                                  int32_t first, int32_t n, int64_t *bytes_p);
 
 /** Per-head checksums of a host pool: for each local head g,
  *  sums_out[g] = FNV-1a 64 over blocks ids[first..n) in order of (the K
@@ -52,8 +53,9 @@ tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
  *  The same bytes give the same sum whichever pool (and head offset) holds
  *  them. Errors: TW_ERR_INVALID_ARGUMENT (block or layer outside the pool),
  *  TW_ERR_UNSUPPORTED (device pool). */
-tw_status_t tw_kv_head_checksums(const tw_kv_layout_t *pool, int32_t layer, const int32_t *ids,
-                                 int32_t first, int32_t n, uint64_t *sums_out);
+TW_NODISCARD tw_status_t tw_kv_head_checksums(const tw_kv_layout_t *pool, int32_t layer,
+                                              const int32_t *ids, int32_t first, int32_t n,
+                                              uint64_t *sums_out);
 
 #ifdef __cplusplus
 }

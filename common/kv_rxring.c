@@ -36,7 +36,8 @@ static int64_t tw_rx_now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static tw_status_t tw_env_int(const char *name, long lo, long hi, long def, long *out) {
+static TW_NODISCARD tw_status_t tw_env_int(const char *name, long lo, long hi, long def,
+                                           long *out) {
   const char *v = getenv(name);
   *out = def;
   if (!v || !*v) return TW_OK;
@@ -50,7 +51,7 @@ static tw_status_t tw_env_int(const char *name, long lo, long hi, long def, long
   return TW_OK;
 }
 
-tw_status_t tw_kv_rxring_size_from_env(int32_t *n_slots_p, int64_t *slot_bytes_p) {
+TW_NODISCARD tw_status_t tw_kv_rxring_size_from_env(int32_t *n_slots_p, int64_t *slot_bytes_p) {
   long n = 0, mb = 0;
   TW_CHECK(tw_env_int("TWAIN_KV_STAGING_SLOTS", 2, 1024, TW_KV_RXRING_DEFAULT_SLOTS, &n));
   TW_CHECK(tw_env_int("TWAIN_KV_STAGING_SLOT_MB", 1, 1024, TW_KV_RXRING_DEFAULT_SLOT_MB, &mb));
@@ -59,7 +60,8 @@ tw_status_t tw_kv_rxring_size_from_env(int32_t *n_slots_p, int64_t *slot_bytes_p
   return TW_OK;
 }
 
-tw_status_t tw_kv_rxring_create(const tw_kv_rxring_params_t *p, tw_kv_rxring_t **ring_p) {
+TW_NODISCARD tw_status_t tw_kv_rxring_create(const tw_kv_rxring_params_t *p,
+                                             tw_kv_rxring_t **ring_p) {
   *ring_p = NULL;
   if (!p->pool || !p->slots_mem || p->n_slots < 1 || p->slot_bytes <= 0 || p->n_layers < 1 ||
       p->n_blocks < 1 || p->block_bytes <= 0 || p->block_bytes > INT32_MAX ||
@@ -99,8 +101,8 @@ static void tw_rx_slot_free(tw_kv_rxring_t *r, int32_t k) {
     r->stats.busy_seconds += (double)(tw_rx_now_ns() - r->t_busy_ns) * 1e-9;
 }
 
-tw_status_t tw_kv_rxring_acquire(tw_kv_rxring_t *r, int64_t offset, int64_t len, uint32_t tag,
-                                 int32_t *slot_p, void **buf_p) {
+TW_NODISCARD tw_status_t tw_kv_rxring_acquire(tw_kv_rxring_t *r, int64_t offset, int64_t len,
+                                              uint32_t tag, int32_t *slot_p, void **buf_p) {
   if (len <= 0 || len > r->p.slot_bytes || offset < 0 || offset > r->p.total_bytes - len)
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "kv staging: a piece of %lld bytes at offset %lld does not fit a %lld-byte slot "
@@ -122,7 +124,7 @@ tw_status_t tw_kv_rxring_acquire(tw_kv_rxring_t *r, int64_t offset, int64_t len,
   return TW_INPROGRESS;
 }
 
-tw_status_t tw_kv_rxring_filled(tw_kv_rxring_t *r, int32_t k, bool ok) {
+TW_NODISCARD tw_status_t tw_kv_rxring_filled(tw_kv_rxring_t *r, int32_t k, bool ok) {
   if (k < 0 || k >= r->p.n_slots || r->slots[k].state != TW_SLOT_FILLING)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv staging: slot %d was not being filled", k);
   tw_rxslot_t *s = &r->slots[k];
@@ -161,7 +163,7 @@ static void tw_rx_credit(tw_kv_rxring_t *r, int64_t off, int64_t len, uint32_t t
   }
 }
 
-tw_status_t tw_kv_rxring_poll(tw_kv_rxring_t *r, int32_t *freed_p) {
+TW_NODISCARD tw_status_t tw_kv_rxring_poll(tw_kv_rxring_t *r, int32_t *freed_p) {
   tw_status_t first = TW_OK;
   int32_t freed = 0;
   for (int32_t k = 0; k < r->p.n_slots; k++) {
@@ -184,7 +186,7 @@ tw_status_t tw_kv_rxring_poll(tw_kv_rxring_t *r, int32_t *freed_p) {
   return first;
 }
 
-tw_status_t tw_kv_rxring_drain(tw_kv_rxring_t *r, int timeout_ms) {
+TW_NODISCARD tw_status_t tw_kv_rxring_drain(tw_kv_rxring_t *r, int timeout_ms) {
   int64_t deadline = tw_rx_now_ns() + (int64_t)timeout_ms * 1000000;
   tw_status_t first = TW_OK;
   for (;;) {
@@ -200,8 +202,8 @@ tw_status_t tw_kv_rxring_drain(tw_kv_rxring_t *r, int timeout_ms) {
   }
 }
 
-tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *r, uint32_t tag, const int32_t *ids,
-                                int32_t n, const int32_t *firsts) {
+TW_NODISCARD tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *r, uint32_t tag,
+                                             const int32_t *ids, int32_t n, const int32_t *firsts) {
   const tw_kv_rxring_params_t *p = &r->p;
   tw_status_t st = TW_OK;
   for (int32_t l = 0; l < p->n_layers; l++)

@@ -41,8 +41,9 @@ typedef struct tw_kv_rxring tw_kv_rxring_t;
  *  TW_OK once the last copy started from `slot` is done, TW_INPROGRESS while
  *  it runs, an error (with tw_err's message) when it failed. */
 typedef struct {
-  tw_status_t (*start)(void *ctx, int32_t slot, void *dst, const void *src, size_t len);
-  tw_status_t (*poll)(void *ctx, int32_t slot);
+  TW_NODISCARD tw_status_t (*start)(void *ctx, int32_t slot, void *dst, const void *src,
+                                    size_t len);
+  TW_NODISCARD tw_status_t (*poll)(void *ctx, int32_t slot);
   void *ctx;
 } tw_kv_rxring_copy_t;
 
@@ -81,12 +82,13 @@ typedef struct {
 /** The ring size from the environment: TWAIN_KV_STAGING_SLOTS (2..1024) and
  *  TWAIN_KV_STAGING_SLOT_MB (1..1024), each its default when unset.
  *  Errors: TW_ERR_INVALID_ARGUMENT (a value that is not a number in range). */
-tw_status_t tw_kv_rxring_size_from_env(int32_t *n_slots_p, int64_t *slot_bytes_p);
+TW_NODISCARD tw_status_t tw_kv_rxring_size_from_env(int32_t *n_slots_p, int64_t *slot_bytes_p);
 
 /** Create a ring. Errors: TW_ERR_INVALID_ARGUMENT (no pool or slots, fewer
  *  than 1 slot, a block over 2 GiB, a stride shorter than a layer's blocks),
  *  TW_ERR_NO_MEMORY (the per-block counters: 8 bytes per layer and block). */
-tw_status_t tw_kv_rxring_create(const tw_kv_rxring_params_t *p, tw_kv_rxring_t **ring_p);
+TW_NODISCARD tw_status_t tw_kv_rxring_create(const tw_kv_rxring_params_t *p,
+                                             tw_kv_rxring_t **ring_p);
 /** Free the ring's own memory (not the slots or the pool). The caller waits
  *  for the copies first (tw_kv_rxring_drain). NULL does nothing. */
 void tw_kv_rxring_destroy(tw_kv_rxring_t *ring);
@@ -96,27 +98,27 @@ void tw_kv_rxring_destroy(tw_kv_rxring_t *ring);
  *  into). TW_INPROGRESS when every slot is in use (nothing taken: retry after
  *  tw_kv_rxring_poll freed one). Errors: TW_ERR_INVALID_ARGUMENT (len <= 0,
  *  longer than a slot, or the range outside the pool). */
-tw_status_t tw_kv_rxring_acquire(tw_kv_rxring_t *ring, int64_t offset, int64_t len, uint32_t tag,
-                                 int32_t *slot_p, void **buf_p);
+TW_NODISCARD tw_status_t tw_kv_rxring_acquire(tw_kv_rxring_t *ring, int64_t offset, int64_t len,
+                                              uint32_t tag, int32_t *slot_p, void **buf_p);
 /** The piece of `slot` has arrived (ok) or its receive failed (!ok: the slot
  *  is freed, its bytes never count). Starts the copy to the pool.
  *  Errors: TW_ERR_INVALID_ARGUMENT (a slot not taken), those of copy.start
  *  (the slot is then freed and the piece counted as failed). */
-tw_status_t tw_kv_rxring_filled(tw_kv_rxring_t *ring, int32_t slot, bool ok);
+TW_NODISCARD tw_status_t tw_kv_rxring_filled(tw_kv_rxring_t *ring, int32_t slot, bool ok);
 /** Free the slots whose copies are done and count their bytes; never
  *  blocks. *freed_p (may be NULL): slots freed. Errors: the first failed
  *  copy's (its slot is freed, its piece counted as failed). */
-tw_status_t tw_kv_rxring_poll(tw_kv_rxring_t *ring, int32_t *freed_p);
+TW_NODISCARD tw_status_t tw_kv_rxring_poll(tw_kv_rxring_t *ring, int32_t *freed_p);
 /** Poll until no copy runs (teardown), at most timeout_ms.
  *  Errors: TW_ERR_DEADLINE, those of tw_kv_rxring_poll. */
-tw_status_t tw_kv_rxring_drain(tw_kv_rxring_t *ring, int timeout_ms);
+TW_NODISCARD tw_status_t tw_kv_rxring_drain(tw_kv_rxring_t *ring, int timeout_ms);
 
 /** TW_OK when, for every layer l, blocks ids[firsts[l]..n) (firsts NULL:
  *  from 0) hold every byte of handoff `tag`, copied; TW_INPROGRESS while
  *  some are missing. Never blocks.
  *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool). */
-tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *ring, uint32_t tag, const int32_t *ids,
-                                int32_t n, const int32_t *firsts);
+TW_NODISCARD tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *ring, uint32_t tag,
+                                             const int32_t *ids, int32_t n, const int32_t *firsts);
 
 void tw_kv_rxring_stats(const tw_kv_rxring_t *ring, tw_kv_rxring_stats_t *stats_p);
 /** Slots and their size (for logs and senders). */

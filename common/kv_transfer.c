@@ -102,7 +102,7 @@ static void tw_kv_boot_id(char out[40]) {
   out[strcspn(out, "\n")] = 0;
 }
 
-static tw_status_t tw_cudart_load(tw_cudart_t *rt) {
+static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   if (rt->lib) return TW_OK;
   /* the runtime the engine already uses first (same instance, same device
    * and context), then any */
@@ -301,7 +301,8 @@ static bool tw_kv_iface_of(const struct sockaddr *a, char *name, size_t cap) {
 
 /* The local address the kernel would use to reach host:port (a UDP
  * connect() sends nothing), then its interface. */
-static tw_status_t tw_kv_route_iface(const char *host, const char *port, char *name, size_t cap) {
+static TW_NODISCARD tw_status_t tw_kv_route_iface(const char *host, const char *port, char *name,
+                                                  size_t cap) {
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_DGRAM}, *res = NULL;
   int rc = getaddrinfo(host, port, &hints, &res);
   if (rc != 0)
@@ -321,7 +322,7 @@ static tw_status_t tw_kv_route_iface(const char *host, const char *port, char *n
   return found ? TW_OK : tw_err(TW_ERR_NOT_FOUND, "no local interface routes to the router host \"%s\"", host);
 }
 
-tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap) {
+TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap) {
   char name[IF_NAMESIZE + 1] = "";
   if (!strncmp(endpoint, "ipc://", 6) || !strncmp(endpoint, "inproc://", 9)) {
     if (!tw_kv_iface_of(NULL, name, sizeof name))
@@ -363,7 +364,7 @@ tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap) {
 /* ucp_init (RMA, WAKEUP) with UCX's configuration from the environment,
  * protocols v2 forced on when `v2`, NET_DEVICES `devices` unless NULL; then
  * whether CUDA memory is supported. */
-static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const char *devices) {
+static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const char *devices) {
   ucp_config_t *cfg = NULL;
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
   if (us != UCS_OK) return tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
@@ -392,9 +393,12 @@ static tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const char *devices)
 static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_length, void *data,
                                   size_t length, const ucp_am_recv_param_t *param);
 
-tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) { return tw_kv_xfer_create_bound(NULL, xfer_p); }
+TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
+  return tw_kv_xfer_create_bound(NULL, xfer_p);
+}
 
-tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, tw_kv_xfer_t **xfer_p) {
+TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
+                                                 tw_kv_xfer_t **xfer_p) {
   char devs[1024];
   const char *devices = NULL, *env = getenv("UCX_NET_DEVICES");
   if (router_endpoint && env && *env) {
@@ -514,8 +518,8 @@ bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *x) { return x->cuda_native; }
 
 /* The ring's copy step: cudaMemcpyAsync on the region's stream and an event
  * per slot (device pools), or memcpy (host pools, tests and benchmarks). */
-static tw_status_t tw_kv_rx_cuda_start(void *ctx, int32_t slot, void *dst, const void *src,
-                                       size_t len) {
+static TW_NODISCARD tw_status_t tw_kv_rx_cuda_start(void *ctx, int32_t slot, void *dst,
+                                                    const void *src, size_t len) {
   tw_kv_region_t *r = ctx;
   tw_cudart_t *rt = &r->xfer->cudart;
   if (rt->memcpy_async(dst, src, len, TW_CUDA_H2D, r->stream) != 0)
@@ -524,21 +528,21 @@ static tw_status_t tw_kv_rx_cuda_start(void *ctx, int32_t slot, void *dst, const
     return tw_err(TW_ERR_CUDA, "cudaEventRecord after a staged kv copy failed");
   return TW_OK;
 }
-static tw_status_t tw_kv_rx_cuda_poll(void *ctx, int32_t slot) {
+static TW_NODISCARD tw_status_t tw_kv_rx_cuda_poll(void *ctx, int32_t slot) {
   tw_kv_region_t *r = ctx;
   int e = r->xfer->cudart.event_query(r->event[slot]);
   if (e == TW_CUDA_NOT_READY) return TW_INPROGRESS;
   if (e != 0) return tw_err(TW_ERR_CUDA, "a staged kv copy to the device failed (cuda error %d)", e);
   return TW_OK;
 }
-static tw_status_t tw_kv_rx_host_start(void *ctx, int32_t slot, void *dst, const void *src,
-                                       size_t len) {
+static TW_NODISCARD tw_status_t tw_kv_rx_host_start(void *ctx, int32_t slot, void *dst,
+                                                    const void *src, size_t len) {
   (void)ctx;
   (void)slot;
   memcpy(dst, src, len);
   return TW_OK;
 }
-static tw_status_t tw_kv_rx_host_poll(void *ctx, int32_t slot) {
+static TW_NODISCARD tw_status_t tw_kv_rx_host_poll(void *ctx, int32_t slot) {
   (void)ctx;
   (void)slot;
   return TW_OK;
@@ -564,7 +568,7 @@ static void tw_kv_rx_recv_done(void *request, ucs_status_t status, size_t length
 /* Take piece `q` into a free slot: TW_OK (taken: received or its receive
  * started), TW_INPROGRESS (no slot free: it waits), or an error (the piece
  * is refused and released). */
-static tw_status_t tw_kv_rx_take(tw_kv_region_t *r, tw_kv_rx_pending_t *q) {
+static TW_NODISCARD tw_status_t tw_kv_rx_take(tw_kv_region_t *r, tw_kv_rx_pending_t *q) {
   int32_t k = -1;
   void *buf = NULL;
   tw_status_t st = tw_kv_rxring_acquire(r->ring, (int64_t)q->h.offset, (int64_t)q->h.len,
@@ -657,7 +661,7 @@ static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_l
 }
 
 /* Free the slots whose copies are done, then give them to waiting pieces. */
-static tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
+static TW_NODISCARD tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
   tw_status_t first = tw_kv_rxring_poll(r->ring, NULL);
   while (r->n_pending > 0) {
     tw_kv_rx_pending_t *q = &r->pending[r->head];
@@ -707,7 +711,8 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
 
 /* The ring of a staged region: pinned slots (device pools) or malloc'd ones
  * (a host pool asked to stage), the copies' stream and events. */
-static tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r, const tw_kv_region_params_t *prm) {
+static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
+                                                   const tw_kv_region_params_t *prm) {
   tw_kv_xfer_t *x = r->xfer;
   const tw_kv_layout_t *l = &r->layout;
   TW_CHECK(tw_kv_rxring_size_from_env(&r->n_slots, &r->slot_bytes));
@@ -851,13 +856,14 @@ static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   TW_INFO("kvx", "a decode worker's CUDA IPC kv descriptor is not used (%s): ucx path", why);
 }
 
-tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
-                                  tw_kv_region_t **region_p) {
+TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
+                                               tw_kv_region_t **region_p) {
   return tw_kv_region_register_ex(x, layout, NULL, region_p);
 }
 
-tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
-                                     const tw_kv_region_params_t *prm, tw_kv_region_t **region_p) {
+TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
+                                                  const tw_kv_region_params_t *prm,
+                                                  tw_kv_region_t **region_p) {
   if (!layout || !layout->base || layout->total_bytes <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv region: empty pool layout");
   tw_kv_region_t *r = calloc(1, sizeof *r);
@@ -1007,16 +1013,16 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *
                                .staging_slot_bytes = r->staged ? r->slot_bytes : 0};
 }
 
-tw_status_t tw_kv_region_landed(tw_kv_region_t *r, uint64_t tag, const int32_t *ids, int32_t n,
-                                const int32_t *firsts) {
+TW_NODISCARD tw_status_t tw_kv_region_landed(tw_kv_region_t *r, uint64_t tag, const int32_t *ids,
+                                             int32_t n, const int32_t *firsts) {
   if (!r->staged) return TW_OK;
   tw_status_t st = tw_kv_rx_pump(r);
   if (st != TW_OK) return st;
   return tw_kv_rxring_landed(r->ring, (uint32_t)tag, ids, n, firsts);
 }
 
-tw_status_t tw_kv_region_commit(tw_kv_region_t *r, uint64_t tag, const int32_t *ids, int32_t n,
-                                const int32_t *firsts, int timeout_ms) {
+TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *r, uint64_t tag, const int32_t *ids,
+                                             int32_t n, const int32_t *firsts, int timeout_ms) {
   int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
   for (;;) {
     tw_kv_xfer_progress(r->xfer);
@@ -1101,8 +1107,8 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
   }
 }
 
-tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address_len,
-                            const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
+TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address_len,
+                                         const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
   tw_kv_peer_t *p = NULL;
   for (int i = 0; i < x->n_peers; i++) {
     tw_kv_peer_t *q = x->peers[i];
@@ -1194,8 +1200,8 @@ int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int3
   return end >= n_tokens ? n_blocks : end / block_size;
 }
 
-static tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32_t id,
-                                   char **ptr_p) {
+static TW_NODISCARD tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32_t id,
+                                                char **ptr_p) {
   if (layer < 0 || layer >= l->n_layers || id < 0 || id >= l->n_blocks)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv block %d of layer %d is outside the pool (%d x %d)",
                   id, layer, l->n_layers, l->n_blocks);
@@ -1204,7 +1210,7 @@ static tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32
 }
 
 /* Wait (progressing, at most 10 s) for a put request, then free it. */
-static tw_status_t tw_kv_req_wait(tw_kv_xfer_t *x, void **req_p) {
+static TW_NODISCARD tw_status_t tw_kv_req_wait(tw_kv_xfer_t *x, void **req_p) {
   void *req = *req_p;
   *req_p = NULL;
   if (req == NULL) return TW_OK;
@@ -1239,7 +1245,7 @@ static void tw_kv_ring_free(tw_kv_xfer_t *x) {
 }
 
 /* The ring, pinned with its stream and events when it serves device sources. */
-static tw_status_t tw_kv_ring_init(tw_kv_xfer_t *x, bool device) {
+static TW_NODISCARD tw_status_t tw_kv_ring_init(tw_kv_xfer_t *x, bool device) {
   tw_kv_ring_t *g = &x->ring;
   if (g->mem && (g->pinned || !device)) return TW_OK;
   if (g->mem) tw_kv_ring_free(x); /* a host ring, now needed for device copies */
@@ -1280,7 +1286,7 @@ static tw_status_t tw_kv_ring_init(tw_kv_xfer_t *x, bool device) {
  * driver API in the calling thread) and register the local device pool once
  * as CUDA memory, so a direct put neither detects the memory type nor
  * registers the buffer. Registration failure only costs speed. */
-static tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_layout_t *src) {
+static TW_NODISCARD tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_layout_t *src) {
   if (x->src_base == src->base && x->src_bytes == src->total_bytes) return TW_OK;
   TW_CHECK(tw_cudart_load(&x->cudart));
   if (x->cudart.free_(NULL) != 0)
@@ -1312,7 +1318,7 @@ static tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_layout_t *src
  * place to `p` completed (the receiver fetched them), freeing them.
  * Errors: TW_ERR_DEADLINE (the peer is marked failed), TW_ERR_UNAVAILABLE
  * (a send failed). */
-static tw_status_t tw_kv_am_wait(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
+static TW_NODISCARD tw_status_t tw_kv_am_wait(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
   int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
   ucs_status_t bad = UCS_OK;
   for (int i = 0; i < p->n_am; i++) {
@@ -1355,9 +1361,11 @@ static int64_t tw_kv_am_chunk(const tw_kv_remote_layout_t *dst) {
 /* Send `len` bytes at `buf` as one active message to the staged receiver
  * `dst`, landing at raddr (forced rendezvous: the receiver fetches it when
  * it has a slot). *hdr must stay put until the request completes. */
-static tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_remote_layout_t *dst,
-                                 const void *buf, int64_t len, uint64_t raddr, ucp_mem_h memh,
-                                 ucs_memory_type_t mt, tw_kv_am_hdr_t *hdr, void **req_p) {
+static TW_NODISCARD tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p,
+                                              const tw_kv_remote_layout_t *dst, const void *buf,
+                                              int64_t len, uint64_t raddr, ucp_mem_h memh,
+                                              ucs_memory_type_t mt, tw_kv_am_hdr_t *hdr,
+                                              void **req_p) {
   *hdr = (tw_kv_am_hdr_t){.base = dst->remote_base, .offset = raddr - dst->remote_base,
                           .len = (uint64_t)len, .tag = dst->handoff_tag};
   ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
@@ -1377,10 +1385,11 @@ static tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_r
   return TW_OK;
 }
 
-static tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
-                                  const tw_kv_seg_t *segs, int32_t n_segs, int64_t total,
-                                  uint64_t raddr, uint64_t *h, tw_kv_ring_mode_t mode,
-                                  const tw_kv_remote_layout_t *dst) {
+static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
+                                               const tw_kv_seg_t *segs, int32_t n_segs,
+                                               int64_t total, uint64_t raddr, uint64_t *h,
+                                               tw_kv_ring_mode_t mode,
+                                               const tw_kv_remote_layout_t *dst) {
   TW_CHECK(tw_kv_ring_init(x, device));
   tw_kv_ring_t *g = &x->ring;
   const int64_t S = mode == TW_KV_RING_AM ? tw_kv_am_chunk(dst) : TW_KV_RING_SLOT_BYTES;
@@ -1472,9 +1481,9 @@ const char *tw_kv_path_name(tw_kv_path_t path) {
 
 const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *p) { return p->lanes; }
 
-tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
-                           const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
-                           int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
+TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
+                                        const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
+                                        int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
   if (p->failed) return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
   int64_t total = 0;
   const char *lo = src->base, *hi = (const char *)src->base + src->total_bytes;
@@ -1598,10 +1607,11 @@ tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_
   return TW_OK;
 }
 
-tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
-                                  const tw_kv_remote_layout_t *dst, int32_t layer,
-                                  const int32_t *src_ids, const int32_t *dst_ids, int32_t first,
-                                  int32_t n, uint64_t *maybe_checksum) {
+TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p,
+                                               const tw_kv_layout_t *src,
+                                               const tw_kv_remote_layout_t *dst, int32_t layer,
+                                               const int32_t *src_ids, const int32_t *dst_ids,
+                                               int32_t first, int32_t n, uint64_t *maybe_checksum) {
   if (src->dtype != dst->dtype || src->block_size != dst->block_size ||
       src->n_kv_heads_local != dst->n_kv_heads || src->head_dim != dst->head_dim ||
       src->block_bytes != dst->block_bytes || src->n_layers != dst->n_layers)
@@ -1635,7 +1645,7 @@ int32_t tw_kv_run_length(const int32_t *src_ids, const int32_t *dst_ids, int32_t
   return k;
 }
 
-tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
+TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
   /* pieces for a staged receiver: done when it has answered each */
   if (p->n_am) TW_CHECK(tw_kv_am_wait(x, p, timeout_ms));
   if (p->ipc_pending) { /* the direct copies: done on the device once the event is */
@@ -1690,8 +1700,9 @@ tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
   return TW_OK;
 }
 
-tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer, const int32_t *ids,
-                                 int32_t first, int32_t n, uint64_t *checksum_p) {
+TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer,
+                                              const int32_t *ids, int32_t first, int32_t n,
+                                              uint64_t *checksum_p) {
   uint64_t h = TW_KV_FNV_INIT;
   tw_cudart_t rt = {0};
   uint8_t *copy = NULL;

@@ -121,7 +121,7 @@ typedef struct {
 /** Create a ucp context (RMA feature) and one worker.
  *  Errors: TW_ERR_TRANSPORT (ucp_init/ucp_worker_create failed, with the
  *  UCS status text), TW_ERR_NO_MEMORY. */
-tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p);
+TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p);
 /** As tw_kv_xfer_create, with UCX's network devices bound for a worker
  *  whose router link is `router_endpoint` (a ZeroMQ endpoint): the operator's
  *  UCX_NET_DEVICES when set (UCX reads it; "all" is UCX's default), else
@@ -130,7 +130,8 @@ tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p);
  *  either way. When no interface can be derived, UCX's default is kept and
  *  a warning says so. NULL endpoint: as tw_kv_xfer_create. Errors: as
  *  tw_kv_xfer_create. */
-tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, tw_kv_xfer_t **xfer_p);
+TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
+                                                 tw_kv_xfer_t **xfer_p);
 /** UCX_NET_DEVICES for a worker whose router link is `endpoint`: the name of
  *  the local interface that routes to its host ("tcp://HOST:PORT",
  *  "tcp://SRC;HOST:PORT", "[v6]" hosts; ipc:// and inproc:// are this host:
@@ -140,7 +141,7 @@ tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, tw_kv_xfer_t **
  *  ipc or inproc endpoint, no port), TW_ERR_NOT_FOUND (the host does not
  *  resolve, no route, or no interface holds the local address),
  *  TW_ERR_OUT_OF_RANGE (the list does not fit in cap). */
-tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap);
+TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap);
 /** Destroy endpoints, regions' rkeys and the worker. NULL does nothing. */
 void tw_kv_xfer_destroy(tw_kv_xfer_t *xfer);
 
@@ -183,12 +184,12 @@ typedef struct {
  *  TW_ERR_TRANSPORT (ucp_mem_map/ucp_rkey_pack), TW_ERR_UNSUPPORTED (device
  *  pool, no native support and no libcudart), TW_ERR_CUDA (the ring's stream
  *  or events), TW_ERR_NO_MEMORY. */
-tw_status_t tw_kv_region_register(tw_kv_xfer_t *xfer, const tw_kv_layout_t *layout,
-                                  tw_kv_region_t **region_p);
+TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *xfer, const tw_kv_layout_t *layout,
+                                               tw_kv_region_t **region_p);
 /** The same with explicit receive parameters (NULL: as tw_kv_region_register). */
-tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *xfer, const tw_kv_layout_t *layout,
-                                     const tw_kv_region_params_t *params,
-                                     tw_kv_region_t **region_p);
+TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *xfer, const tw_kv_layout_t *layout,
+                                                  const tw_kv_region_params_t *params,
+                                                  tw_kv_region_t **region_p);
 /** Unregister; waits (at most 10 s) for the ring's copies. NULL does nothing. */
 void tw_kv_region_unregister(tw_kv_region_t *region);
 /** Packed rkey (borrowed; length 0 for a staged receiver, which takes no
@@ -203,12 +204,13 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *region, tw_kv_remote_layou
  *  (puts land in place; the sender's flush completed them).
  *  Errors: TW_ERR_INVALID_ARGUMENT (a block outside the pool), TW_ERR_CUDA (a
  *  copy out of the ring failed: its piece never counts). */
-tw_status_t tw_kv_region_landed(tw_kv_region_t *region, uint64_t tag, const int32_t *ids,
-                                int32_t n, const int32_t *firsts);
+TW_NODISCARD tw_status_t tw_kv_region_landed(tw_kv_region_t *region, uint64_t tag,
+                                             const int32_t *ids, int32_t n, const int32_t *firsts);
 /** tw_kv_region_landed until TW_OK, progressing the worker, at most
  *  timeout_ms. Errors: those of tw_kv_region_landed, TW_ERR_DEADLINE. */
-tw_status_t tw_kv_region_commit(tw_kv_region_t *region, uint64_t tag, const int32_t *ids,
-                                int32_t n, const int32_t *firsts, int timeout_ms);
+TW_NODISCARD tw_status_t tw_kv_region_commit(tw_kv_region_t *region, uint64_t tag,
+                                             const int32_t *ids, int32_t n, const int32_t *firsts,
+                                             int timeout_ms);
 /** The staged receive ring's counters; false (nothing written) when the
  *  region has none. */
 bool tw_kv_region_staging_stats(const tw_kv_region_t *region, tw_kv_rxring_stats_t *stats_p);
@@ -220,8 +222,9 @@ void tw_kv_layer_firsts(const tw_model_config_t *c, int32_t n_tokens, int32_t bl
 /** Endpoint to a remote worker by address; cached, so repeated handoffs to the
  *  same decode worker reuse it. The rkey is (re)unpacked if it changed.
  *  Errors: TW_ERR_TRANSPORT (ucp_ep_create/ucp_ep_rkey_unpack), TW_ERR_NO_MEMORY. */
-tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *xfer, const void *address, size_t address_len,
-                            const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p);
+TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *xfer, const void *address,
+                                         size_t address_len, const void *rkey, size_t rkey_len,
+                                         tw_kv_peer_t **peer_p);
 
 /** Which blocks of a prompt of n_tokens a layer needs on the decode side:
  *  all of them for full-attention layers, for sliding layers only those that
@@ -248,16 +251,17 @@ int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int3
  *  Errors: TW_ERR_UNSUPPORTED (layouts differ in dtype, block size, heads or
  *  head_dim: kv_reshard.h handles that), TW_ERR_INVALID_ARGUMENT (block id
  *  out of a pool), those of tw_kv_xfer_put. */
-tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
-                                  const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
-                                  int32_t layer, const int32_t *src_ids, const int32_t *dst_ids,
-                                  int32_t first, int32_t n, uint64_t *maybe_checksum);
+TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
+                                               const tw_kv_layout_t *src,
+                                               const tw_kv_remote_layout_t *dst, int32_t layer,
+                                               const int32_t *src_ids, const int32_t *dst_ids,
+                                               int32_t first, int32_t n, uint64_t *maybe_checksum);
 
 /** Wait until every put to `peer` is remotely complete (ucp_ep_flush_nbx),
  *  progressing the worker, for at most timeout_ms.
  *  Errors: TW_ERR_DEADLINE (timed out), TW_ERR_UNAVAILABLE (the peer failed;
  *  the endpoint is dropped from the cache), TW_ERR_TRANSPORT. */
-tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, int timeout_ms);
+TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, int timeout_ms);
 
 /** The path puts from a local pool (on device or not) to a remote pool take
  *  over this endpoint, from its lanes (ucp_ep_print_info) and the pools. */
@@ -282,9 +286,10 @@ const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *peer);
  *  TW_ERR_UNAVAILABLE (the endpoint failed), TW_ERR_TRANSPORT (ucp_put_nbx),
  *  TW_ERR_CUDA, TW_ERR_NO_MEMORY (the ring), TW_ERR_DEADLINE (a ring slot's
  *  put did not complete in 10 s). */
-tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, const tw_kv_layout_t *src,
-                           const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
-                           int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum);
+TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,
+                                        const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
+                                        const tw_kv_seg_t *segs, int32_t n_segs, uint64_t raddr,
+                                        uint64_t *maybe_checksum);
 
 /** Length of the run of blocks starting at index i (< n) that are consecutive
  *  in both id lists: src_ids[i + j] == src_ids[i] + j and the same for
@@ -298,8 +303,9 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len);
 /** Checksum of blocks ids[first..n) of `layer` in a local pool, computed the
  *  same way as tw_kv_xfer_send_layer (host pools, or device pools through a
  *  copy). Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA, TW_ERR_NO_MEMORY. */
-tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer, const int32_t *ids,
-                                 int32_t first, int32_t n, uint64_t *checksum_p);
+TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer,
+                                              const int32_t *ids, int32_t first, int32_t n,
+                                              uint64_t *checksum_p);
 
 #ifdef __cplusplus
 }

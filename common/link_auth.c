@@ -20,7 +20,7 @@
 #define TW_AUTH_DOMAIN "twain"
 #define TW_AUTH_MAX_WATCH 8
 
-tw_status_t tw_auth_keys_generate(tw_auth_keys_t *k) {
+TW_NODISCARD tw_status_t tw_auth_keys_generate(tw_auth_keys_t *k) {
   memset(k, 0, sizeof *k);
   if (!zmq_has("curve"))
     return tw_err(TW_ERR_INTERNAL, "this libzmq has no CURVE support (built without libsodium)");
@@ -48,7 +48,7 @@ static bool tw_auth_is_z85(const char *s, size_t n) {
   return true;
 }
 
-tw_status_t tw_auth_keys_parse(const char *text, tw_auth_keys_t *k) {
+TW_NODISCARD tw_status_t tw_auth_keys_parse(const char *text, tw_auth_keys_t *k) {
   static const char *const names[4] = {"server-public", "server-secret", "client-public",
                                        "client-secret"};
   tw_auth_keys_t out = {0};
@@ -87,7 +87,7 @@ tw_status_t tw_auth_keys_parse(const char *text, tw_auth_keys_t *k) {
   return TW_OK;
 }
 
-tw_status_t tw_auth_keys_load_file(const char *path, tw_auth_keys_t *k) {
+TW_NODISCARD tw_status_t tw_auth_keys_load_file(const char *path, tw_auth_keys_t *k) {
   struct stat st;
   if (stat(path, &st) == 0 && S_ISREG(st.st_mode) && (st.st_mode & 077))
     return tw_err(TW_ERR_INVALID_ARGUMENT,
@@ -103,7 +103,7 @@ tw_status_t tw_auth_keys_load_file(const char *path, tw_auth_keys_t *k) {
   return s;
 }
 
-tw_status_t tw_auth_keys_from_env(const char *what, tw_auth_keys_t *k) {
+TW_NODISCARD tw_status_t tw_auth_keys_from_env(const char *what, tw_auth_keys_t *k) {
   memset(k, 0, sizeof *k);
   const char *inl = getenv(TW_AUTH_KEYS_ENV), *file = getenv(TW_AUTH_KEYS_FILE_ENV);
   const char *plain = getenv(TW_AUTH_PLAINTEXT_ENV);
@@ -122,7 +122,7 @@ tw_status_t tw_auth_keys_from_env(const char *what, tw_auth_keys_t *k) {
                 what, TW_AUTH_KEYS_FILE_ENV, TW_AUTH_KEYS_ENV, TW_AUTH_PLAINTEXT_ENV);
 }
 
-tw_status_t tw_auth_keys_export(const tw_auth_keys_t *k, const char *env_name) {
+TW_NODISCARD tw_status_t tw_auth_keys_export(const tw_auth_keys_t *k, const char *env_name) {
   char text[512];
   if (tw_auth_keys_format(k, text, sizeof text) < 0 || setenv(env_name, text, 1) != 0)
     return tw_err(TW_ERR_INTERNAL, "cannot put the link keys into %s", env_name);
@@ -130,13 +130,14 @@ tw_status_t tw_auth_keys_export(const tw_auth_keys_t *k, const char *env_name) {
   return TW_OK;
 }
 
-static tw_status_t tw_auth_set(void *sock, int opt, const void *v, size_t n, const char *name) {
+static TW_NODISCARD tw_status_t tw_auth_set(void *sock, int opt, const void *v, size_t n,
+                                            const char *name) {
   if (zmq_setsockopt(sock, opt, v, n) != 0)
     return tw_err(TW_ERR_TRANSPORT, "cannot set %s: %s", name, zmq_strerror(errno));
   return TW_OK;
 }
 
-tw_status_t tw_auth_server(void *sock, const tw_auth_keys_t *k) {
+TW_NODISCARD tw_status_t tw_auth_server(void *sock, const tw_auth_keys_t *k) {
   if (k->plaintext) return TW_OK;
   int one = 1;
   TW_CHECK(tw_auth_set(sock, ZMQ_ZAP_DOMAIN, TW_AUTH_DOMAIN, strlen(TW_AUTH_DOMAIN), "ZMQ_ZAP_DOMAIN"));
@@ -144,7 +145,7 @@ tw_status_t tw_auth_server(void *sock, const tw_auth_keys_t *k) {
   return tw_auth_set(sock, ZMQ_CURVE_SECRETKEY, k->server_secret, 40, "ZMQ_CURVE_SECRETKEY");
 }
 
-tw_status_t tw_auth_client(void *sock, const tw_auth_keys_t *k) {
+TW_NODISCARD tw_status_t tw_auth_client(void *sock, const tw_auth_keys_t *k) {
   if (k->plaintext) return TW_OK;
   TW_CHECK(tw_auth_set(sock, ZMQ_CURVE_SERVERKEY, k->server_public, 40, "ZMQ_CURVE_SERVERKEY"));
   TW_CHECK(tw_auth_set(sock, ZMQ_CURVE_PUBLICKEY, k->client_public, 40, "ZMQ_CURVE_PUBLICKEY"));
@@ -278,8 +279,9 @@ static void *tw_auth_guard_main(void *arg) {
   return NULL;
 }
 
-tw_status_t tw_auth_guard_start(void *zctx, const tw_auth_keys_t *keys, const char *what,
-                                bool serve_zap, tw_auth_guard_t **guard_p) {
+TW_NODISCARD tw_status_t tw_auth_guard_start(void *zctx, const tw_auth_keys_t *keys,
+                                             const char *what, bool serve_zap,
+                                             tw_auth_guard_t **guard_p) {
   *guard_p = NULL;
   tw_auth_guard_t *g = calloc(1, sizeof *g);
   if (!g) return tw_err(TW_ERR_NO_MEMORY, "auth: out of memory");
@@ -312,7 +314,7 @@ tw_status_t tw_auth_guard_start(void *zctx, const tw_auth_keys_t *keys, const ch
   return TW_OK;
 }
 
-tw_status_t tw_auth_guard_watch(tw_auth_guard_t *g, void *sock, const char *label) {
+TW_NODISCARD tw_status_t tw_auth_guard_watch(tw_auth_guard_t *g, void *sock, const char *label) {
   if (g->keys.plaintext) return TW_OK;
   pthread_mutex_lock(&g->mu);
   int i = g->n_mon;

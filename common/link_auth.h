@@ -42,7 +42,7 @@ typedef struct {
 
 /** Fresh random key set (libzmq's zmq_curve_keypair, libsodium).
  *  Errors: TW_ERR_INTERNAL when libzmq was built without CURVE. */
-tw_status_t tw_auth_keys_generate(tw_auth_keys_t *keys);
+TW_NODISCARD tw_status_t tw_auth_keys_generate(tw_auth_keys_t *keys);
 
 /** Write the key set as text ("server-public = Z85" lines, one per key) to
  *  buf[n]. Returns the length, or -1 if it does not fit. */
@@ -51,33 +51,33 @@ int tw_auth_keys_format(const tw_auth_keys_t *keys, char *buf, size_t n);
 /** Parse the text of tw_auth_keys_format (blank lines and '#' comments
  *  allowed). Errors: TW_ERR_INVALID_ARGUMENT naming the missing or malformed
  *  key (never quoting a secret). */
-tw_status_t tw_auth_keys_parse(const char *text, tw_auth_keys_t *keys);
+TW_NODISCARD tw_status_t tw_auth_keys_parse(const char *text, tw_auth_keys_t *keys);
 
 /** Read and parse a key file: a regular file (a FIFO or device is refused at
  *  once) of at most TW_AUTH_MAX_FILE bytes that its group and others cannot
  *  read. Errors: TW_ERR_IO (cannot open/read), TW_ERR_INVALID_ARGUMENT (not a
  *  regular file, too large, readable by others, malformed). */
-tw_status_t tw_auth_keys_load_file(const char *path, tw_auth_keys_t *keys);
+TW_NODISCARD tw_status_t tw_auth_keys_load_file(const char *path, tw_auth_keys_t *keys);
 
 /** The key set from the environment (TWAIN_KEYS, then TWAIN_KEYS_FILE, then
  *  TWAIN_INSECURE_PLAINTEXT=1; see the file comment). `what` names the links
  *  for messages ("router worker socket"). Errors: TW_ERR_INVALID_ARGUMENT
  *  when none is set (the message says how to make keys), errors of
  *  tw_auth_keys_parse / tw_auth_keys_load_file. */
-tw_status_t tw_auth_keys_from_env(const char *what, tw_auth_keys_t *keys);
+TW_NODISCARD tw_status_t tw_auth_keys_from_env(const char *what, tw_auth_keys_t *keys);
 
 /** Put the key set into this process's environment as TWAIN_KEYS (children
  *  started afterwards inherit it). Errors: TW_ERR_INTERNAL (setenv). */
-tw_status_t tw_auth_keys_export(const tw_auth_keys_t *keys, const char *env_name);
+TW_NODISCARD tw_status_t tw_auth_keys_export(const tw_auth_keys_t *keys, const char *env_name);
 
 /** Make `sock` a CURVE server with ZAP domain "twain" (call before bind;
  *  a tw_auth_guard with the ZAP handler must run on its context). A no-op
  *  for plaintext keys. Errors: TW_ERR_TRANSPORT (setsockopt). */
-tw_status_t tw_auth_server(void *sock, const tw_auth_keys_t *keys);
+TW_NODISCARD tw_status_t tw_auth_server(void *sock, const tw_auth_keys_t *keys);
 
 /** Make `sock` a CURVE client of the key set's server (before connect).
  *  A no-op for plaintext keys. Errors: TW_ERR_TRANSPORT (setsockopt). */
-tw_status_t tw_auth_client(void *sock, const tw_auth_keys_t *keys);
+TW_NODISCARD tw_status_t tw_auth_client(void *sock, const tw_auth_keys_t *keys);
 
 /** The ZAP handler of a ZeroMQ context plus a watcher of handshake failures:
  *  one thread that answers ZAP requests (accepts CURVE with the key set's
@@ -89,15 +89,16 @@ typedef struct tw_auth_guard tw_auth_guard_t;
  *  bind the context's ZAP endpoint (servers; false for a context with only
  *  clients, whose guard only watches). Errors: TW_ERR_TRANSPORT (the ZAP
  *  endpoint is taken), TW_ERR_INTERNAL (thread), TW_ERR_NO_MEMORY. */
-tw_status_t tw_auth_guard_start(void *zctx, const tw_auth_keys_t *keys, const char *what,
-                                bool serve_zap, tw_auth_guard_t **guard_p);
+TW_NODISCARD tw_status_t tw_auth_guard_start(void *zctx, const tw_auth_keys_t *keys,
+                                             const char *what, bool serve_zap,
+                                             tw_auth_guard_t **guard_p);
 
 /** Watch `sock` (any thread may call; before or after its bind/connect):
  *  handshake failures on it are logged as refused peers (a server) or as a
  *  server that refused us (a client: wrong keys). `label` names the socket
  *  in those lines. Errors: TW_ERR_TRANSPORT (zmq_socket_monitor),
  *  TW_ERR_INVALID_ARGUMENT (more than 8 sockets). */
-tw_status_t tw_auth_guard_watch(tw_auth_guard_t *guard, void *sock, const char *label);
+TW_NODISCARD tw_status_t tw_auth_guard_watch(tw_auth_guard_t *guard, void *sock, const char *label);
 
 /** Peers refused so far (ZAP denials + failed handshakes seen). */
 uint64_t tw_auth_guard_refused(const tw_auth_guard_t *guard);

@@ -79,7 +79,7 @@ static tw_mem_dec_t tw_mem_decode_fit(const tw_mem_plan_in_t *in, int64_t per, i
   return d;
 }
 
-tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *plan_p) {
+TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *plan_p) {
   if (plan_p) memset(plan_p, 0, sizeof *plan_p);
   if (!in || !plan_p || !in->cfg)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "memory plan: NULL input, plan or model config");
@@ -266,7 +266,7 @@ void tw_mem_plan_log(const tw_mem_plan_t *plan, const char *subsys) {
   for (int i = 0; i < plan->n_lines; i++) TW_INFO(subsys, "%s", plan->lines[i]);
 }
 
-tw_status_t tw_mem_parse_utilization(const char *s, double *out_p) {
+TW_NODISCARD tw_status_t tw_mem_parse_utilization(const char *s, double *out_p) {
   char *end = NULL;
   errno = 0;
   double v = s ? strtod(s, &end) : 0;
@@ -278,7 +278,8 @@ tw_status_t tw_mem_parse_utilization(const char *s, double *out_p) {
   return TW_OK;
 }
 
-tw_status_t tw_mem_parse_colocated(const char *s, int32_t *n_prefill_p, int32_t *n_decode_p) {
+TW_NODISCARD tw_status_t tw_mem_parse_colocated(const char *s, int32_t *n_prefill_p,
+                                                int32_t *n_decode_p) {
   int a = -1, b = -1, n = 0;
   if (!s || sscanf(s, "%d,%d%n", &a, &b, &n) != 2 || s[n] || a < 0 || b < 0 || a > 64 || b > 64 ||
       a + b < 1)

@@ -122,18 +122,19 @@ int64_t tw_mem_weight_bytes(const tw_model_config_t *cfg, int64_t *mxfp4_p, int6
  *  or no decode KV pool of TW_MEM_MIN_DECODE_TOKENS tokens is left, or the
  *  free memory cannot hold this worker's share; the message gives the
  *  figures and what to change). On error *plan_p is zeroed. */
-tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *plan_p);
+TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *plan_p);
 
 /** Log the plan's lines at INFO under `subsys`. */
 void tw_mem_plan_log(const tw_mem_plan_t *plan, const char *subsys);
 
 /** Parse --gpu-memory-utilization: a number in (0, 1]. Errors:
  *  TW_ERR_INVALID_ARGUMENT naming the value. */
-tw_status_t tw_mem_parse_utilization(const char *s, double *out_p);
+TW_NODISCARD tw_status_t tw_mem_parse_utilization(const char *s, double *out_p);
 
 /** Parse --colocated P,D (prefill and decode workers on this device, this
  *  one included; each 0..64, not both 0). Errors: TW_ERR_INVALID_ARGUMENT. */
-tw_status_t tw_mem_parse_colocated(const char *s, int32_t *n_prefill_p, int32_t *n_decode_p);
+TW_NODISCARD tw_status_t tw_mem_parse_colocated(const char *s, int32_t *n_prefill_p,
+                                                int32_t *n_decode_p);
 
 /** Where --colocated P,D goes: the two counts of a worker's options. */
 typedef struct {

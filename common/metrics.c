@@ -128,7 +128,7 @@ void tw_metrics_set_label(tw_metrics_t *m, const char *key, const char *value) {
   pthread_mutex_unlock(&m->mu);
 }
 
-tw_status_t tw_metrics_render(tw_metrics_t *m, char **text_p) {
+TW_NODISCARD tw_status_t tw_metrics_render(tw_metrics_t *m, char **text_p) {
   tw_sb_t sb = {.buf = malloc(4096), .cap = 4096};
   if (!sb.buf) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the metrics text");
   sb.buf[0] = '\0';
@@ -195,8 +195,9 @@ void tw_raise_nofile(void) {
   pthread_once(&once, tw_raise_nofile_once);
 }
 
-tw_status_t tw_metrics_listen_addr(const char *what, const char *maybe_addr, int port,
-                                   struct sockaddr_storage *ss, bool *v6_p, const char **addr_p) {
+TW_NODISCARD tw_status_t tw_metrics_listen_addr(const char *what, const char *maybe_addr, int port,
+                                                struct sockaddr_storage *ss, bool *v6_p,
+                                                const char **addr_p) {
   const char *addr = maybe_addr && *maybe_addr ? maybe_addr : "127.0.0.1";
   memset(ss, 0, sizeof *ss);
   struct sockaddr_in *sa = (struct sockaddr_in *)ss;
@@ -220,8 +221,8 @@ tw_status_t tw_metrics_listen_addr(const char *what, const char *maybe_addr, int
   return TW_OK;
 }
 
-tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_addr,
-                              tw_metrics_t **m_p) {
+TW_NODISCARD tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_addr,
+                                           tw_metrics_t **m_p) {
   struct sockaddr_storage ss;
   bool v6;
   const char *addr;

@@ -43,16 +43,17 @@ void tw_raise_nofile(void);
  *  Errors: TW_ERR_INVALID_ARGUMENT (address not numeric, port > 65535),
  *  TW_ERR_TRANSPORT (the HTTP server could not start on that address and
  *  port), TW_ERR_NO_MEMORY. */
-tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_addr,
-                              tw_metrics_t **metrics_p);
+TW_NODISCARD tw_status_t tw_metrics_create(const char *process, int port, const char *maybe_addr,
+                                           tw_metrics_t **metrics_p);
 /** A numeric listen address for an HTTP server of this process (metrics,
  *  the router's HTTP API): maybe_addr (IPv4 or IPv6; NULL or "" =
  *  127.0.0.1) and port into *ss, *v6_p = IPv6, *addr_p = the address text
  *  used. `what` names the server in errors. Errors: TW_ERR_INVALID_ARGUMENT
  *  (not numeric, port > 65535). */
 struct sockaddr_storage;
-tw_status_t tw_metrics_listen_addr(const char *what, const char *maybe_addr, int port,
-                                   struct sockaddr_storage *ss, bool *v6_p, const char **addr_p);
+TW_NODISCARD tw_status_t tw_metrics_listen_addr(const char *what, const char *maybe_addr, int port,
+                                                struct sockaddr_storage *ss, bool *v6_p,
+                                                const char **addr_p);
 /** Stop the server and free everything. NULL does nothing. */
 void tw_metrics_destroy(tw_metrics_t *metrics);
 /** The TCP port being served, or -1 if none. */
@@ -87,7 +88,7 @@ void tw_metrics_set_health(tw_metrics_t *metrics, bool healthy, const char *mayb
 
 /** Render the exposition text (malloc'ed, caller frees).
  *  Errors: TW_ERR_NO_MEMORY. */
-tw_status_t tw_metrics_render(tw_metrics_t *metrics, char **text_p);
+TW_NODISCARD tw_status_t tw_metrics_render(tw_metrics_t *metrics, char **text_p);
 
 /** Latency buckets in seconds, 1 ms .. 60 s, for TTFT/TPOT/transfer time. */
 extern const double tw_metrics_latency_buckets[];

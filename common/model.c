@@ -101,8 +101,8 @@ static void spec_add(tw_model_specs_t *s, tw_tensor_t *dst, tw_init_kind_t init,
   t->shape[3] = d3;
 }
 
-tw_status_t tw_model_specs_build(const tw_model_config_t *c, tw_model_t *m,
-                                 tw_model_specs_t *specs_p) {
+TW_NODISCARD tw_status_t tw_model_specs_build(const tw_model_config_t *c, tw_model_t *m,
+                                              tw_model_specs_t *specs_p) {
   const int64_t H = c->hidden, I = c->intermediate, E = c->n_experts, D = c->head_dim;
   const int64_t NQ = c->n_heads, NKV = c->n_kv_heads, V = c->vocab_size;
   tw_model_specs_t s;
@@ -181,7 +181,7 @@ int tw_model_shape_str(const int64_t *shape, int ndim, char *buf, size_t n) {
 
 /* ---- model object --------------------------------------------------------- */
 
-tw_status_t tw_model_alloc(const tw_model_config_t *config, tw_model_t **model_p) {
+TW_NODISCARD tw_status_t tw_model_alloc(const tw_model_config_t *config, tw_model_t **model_p) {
   tw_model_t *m = calloc(1, sizeof *m);
   tw_model_impl_t *impl = calloc(1, sizeof *impl);
   tw_layer_weights_t *layers = calloc((size_t)config->n_layers, sizeof *layers);

@@ -99,7 +99,7 @@ struct tw_model {
  *  tensor or file, named), TW_ERR_INVALID_ARGUMENT (wrong dtype or shape,
  *  named with expected and found), TW_ERR_NO_MEMORY. Each message names the
  *  file and tensor. */
-tw_status_t tw_model_load(const char *dir, tw_model_t **model_p);
+TW_NODISCARD tw_status_t tw_model_load(const char *dir, tw_model_t **model_p);
 
 /** Read every weight of a loaded model once and refuse a NaN or infinity
  *  (bf16/f16/f32 exponent all ones; MXFP4 E8M0 scales 0xFF, OCP MX §5.4.1),
@@ -107,15 +107,15 @@ tw_status_t tw_model_load(const char *dir, tw_model_t **model_p);
  *  the files without reading them: a worker calls it before it serves (its
  *  engine reads the weights then anyway). Errors: TW_ERR_INVALID_ARGUMENT
  *  naming the file, the tensor and the first bad element; TW_ERR_NO_MEMORY. */
-tw_status_t tw_model_check_finite(const tw_model_t *model);
+TW_NODISCARD tw_status_t tw_model_check_finite(const tw_model_t *model);
 
 /** Synthetic weights with the real shapes and dtypes of `config` (MXFP4
  *  experts if config->mxfp4), seeded random values of realistic scale, for
  *  benchmarks where no checkpoint is present. Errors: TW_ERR_NO_MEMORY,
  *  TW_ERR_INVALID_ARGUMENT (a non-positive size, or MXFP4 with hidden or
  *  intermediate not a multiple of 32). */
-tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
-                               tw_model_t **model_p);
+TW_NODISCARD tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
+                                            tw_model_t **model_p);
 
 /** What tw_model_write_synthetic wrote (or would write). */
 typedef struct {
@@ -138,9 +138,10 @@ typedef struct {
  *  caller's (`twain write-checkpoint`). plan_only: fill *info, write
  *  nothing. Errors: TW_ERR_INVALID_ARGUMENT (no MXFP4, sizes not multiples
  *  of 32, shard size <= 0), TW_ERR_IO (naming the file), TW_ERR_NO_MEMORY. */
-tw_status_t tw_model_write_synthetic(const tw_model_config_t *config, const char *dir,
-                                     uint64_t seed, int64_t max_shard_bytes, int threads,
-                                     bool plan_only, tw_model_write_info_t *info);
+TW_NODISCARD tw_status_t tw_model_write_synthetic(const tw_model_config_t *config, const char *dir,
+                                                  uint64_t seed, int64_t max_shard_bytes,
+                                                  int threads, bool plan_only,
+                                                  tw_model_write_info_t *info);
 
 /** Unmap and free. NULL does nothing. */
 void tw_model_destroy(tw_model_t *model);

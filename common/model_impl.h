@@ -64,13 +64,13 @@ typedef struct {
 
 /** Allocate a model with config copied, zeroed layers and an empty impl.
  *  Errors: TW_ERR_NO_MEMORY. */
-tw_status_t tw_model_alloc(const tw_model_config_t *config, tw_model_t **model_p);
+TW_NODISCARD tw_status_t tw_model_alloc(const tw_model_config_t *config, tw_model_t **model_p);
 
 /** The expected tensors of `m` (spec §3.2, §3.5) in file order of the HF
  *  checkpoint; each layer's experts_format must be set first. Errors:
  *  TW_ERR_NO_MEMORY. Free with tw_model_specs_fini. */
-tw_status_t tw_model_specs_build(const tw_model_config_t *config, tw_model_t *m,
-                                 tw_model_specs_t *specs_p);
+TW_NODISCARD tw_status_t tw_model_specs_build(const tw_model_config_t *config, tw_model_t *m,
+                                              tw_model_specs_t *specs_p);
 void tw_model_specs_fini(tw_model_specs_t *specs);
 
 /** Bytes of a spec's tensor: dtype size times its shape's elements. */
@@ -99,8 +99,8 @@ typedef struct {
  *  offset `off` of tensor t, in a buffer valid for the call only. Runs on the
  *  filling threads, concurrently; returns TW_OK or an error that stops the
  *  fill (first error wins). */
-typedef tw_status_t (*tw_syn_sink_fn)(void *ctx, const tw_syn_tensor_t *t, int64_t off,
-                                      const uint8_t *buf, int64_t n);
+typedef TW_NODISCARD tw_status_t (*tw_syn_sink_fn)(void *ctx, const tw_syn_tensor_t *t, int64_t off,
+                                                   const uint8_t *buf, int64_t n);
 
 /** Fill tensors [0, n) with the synthetic recipe (tw_init_kind_t: bf16
  *  weights N(0, 0.02), norms 1 + N(0, 0.02), sinks N(0, 1), routers
@@ -109,8 +109,9 @@ typedef tw_status_t (*tw_syn_sink_fn)(void *ctx, const tw_syn_tensor_t *t, int64
  *  chunks in order. *threads_p (may be NULL) gets the threads used. Errors:
  *  the sink's first error; TW_ERR_NO_MEMORY (chunk buffers). The same seed
  *  and tensors give the same bytes whatever the threads or the sink. */
-tw_status_t tw_synthetic_fill(tw_syn_tensor_t *t, int64_t n, uint64_t seed, int max_threads,
-                              tw_syn_sink_fn sink, void *ctx, int *threads_p);
+TW_NODISCARD tw_status_t tw_synthetic_fill(tw_syn_tensor_t *t, int64_t n, uint64_t seed,
+                                           int max_threads, tw_syn_sink_fn sink, void *ctx,
+                                           int *threads_p);
 
 /** "[a, b, c]" into buf; returns the length written (like snprintf). */
 int tw_model_shape_str(const int64_t *shape, int ndim, char *buf, size_t n);

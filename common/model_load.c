@@ -32,7 +32,7 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static tw_status_t open_file(tw_model_impl_t *impl, const char *path) {
+static TW_NODISCARD tw_status_t open_file(tw_model_impl_t *impl, const char *path) {
   tw_safetensors_t *f = NULL;
   TW_CHECK(tw_safetensors_open(path, &f));
   impl->files[impl->n_files++] = f;
@@ -81,13 +81,14 @@ static int cmp_entry(const void *a, const void *b) {
   return strcmp(((const tw_index_entry_t *)a)->name, ((const tw_index_entry_t *)b)->name);
 }
 
-static tw_status_t read_text(const char *path, char **text_p) {
+static TW_NODISCARD tw_status_t read_text(const char *path, char **text_p) {
   return tw_file_read(path, TW_INDEX_MAX_BYTES, "checkpoint index", text_p, NULL);
 }
 
 /* Parse the index, open each shard it names once, and check that every
  * tensor it maps is in the shard it names. */
-static tw_status_t open_sharded(tw_model_impl_t *impl, const char *dir, const char *index_path) {
+static TW_NODISCARD tw_status_t open_sharded(tw_model_impl_t *impl, const char *dir,
+                                             const char *index_path) {
   char *text = NULL;
   TW_CHECK(read_text(index_path, &text));
   cJSON *root = cJSON_Parse(text);
@@ -199,8 +200,8 @@ static const tw_safetensors_tensor_t *lookup(const tw_model_impl_t *impl, const 
  * bad element. bf16/f16/f32: exponent all ones; U8 "_scales" of MXFP4
  * experts: E8M0 0xFF is NaN (OCP MX spec §5.4.1). The MXFP4 values
  * themselves (E2M1) have no NaN or infinity. One pass over the bytes. */
-static tw_status_t check_finite(const char *file, const char *name, tw_dtype_t dtype,
-                                const uint8_t *p, int64_t n_bytes) {
+static TW_NODISCARD tw_status_t check_finite(const char *file, const char *name, tw_dtype_t dtype,
+                                             const uint8_t *p, int64_t n_bytes) {
   int64_t bad = -1;
   if (dtype == TW_DTYPE_BF16 || dtype == TW_DTYPE_F16) {
     uint16_t mask = dtype == TW_DTYPE_BF16 ? 0x7F80 : 0x7C00;
@@ -227,7 +228,7 @@ static tw_status_t check_finite(const char *file, const char *name, tw_dtype_t d
                 file, name, (long long)bad);
 }
 
-static tw_status_t bind_tensor(tw_model_t *m, const tw_tensor_spec_t *sp) {
+static TW_NODISCARD tw_status_t bind_tensor(tw_model_t *m, const tw_tensor_spec_t *sp) {
   tw_model_impl_t *impl = m->impl;
   const tw_safetensors_t *f = NULL;
   const tw_safetensors_tensor_t *t = lookup(impl, sp->name, &f);
@@ -259,7 +260,7 @@ static tw_status_t bind_tensor(tw_model_t *m, const tw_tensor_spec_t *sp) {
 }
 
 /* MXFP4 or bf16 experts for layer l, from which tensors exist (spec §3.5). */
-static tw_status_t detect_experts(const tw_model_t *m, int l, const char *dir) {
+static TW_NODISCARD tw_status_t detect_experts(const tw_model_t *m, int l, const char *dir) {
   const tw_model_impl_t *impl = m->impl;
   char a[160], b[160];
   const tw_safetensors_t *f = NULL;
@@ -283,7 +284,7 @@ static tw_status_t detect_experts(const tw_model_t *m, int l, const char *dir) {
   return TW_OK;
 }
 
-static tw_status_t load_into(tw_model_t *m, const char *dir) {
+static TW_NODISCARD tw_status_t load_into(tw_model_t *m, const char *dir) {
   tw_model_impl_t *impl = m->impl;
   char single[4096], index[4096];
   snprintf(single, sizeof single, "%s/model.safetensors", dir);
@@ -322,7 +323,7 @@ static tw_status_t load_into(tw_model_t *m, const char *dir) {
   return TW_OK;
 }
 
-tw_status_t tw_model_check_finite(const tw_model_t *m) {
+TW_NODISCARD tw_status_t tw_model_check_finite(const tw_model_t *m) {
   const tw_model_impl_t *impl = m->impl;
   const double t0 = now_s();
   tw_model_specs_t specs;
@@ -338,7 +339,7 @@ tw_status_t tw_model_check_finite(const tw_model_t *m) {
   return st;
 }
 
-tw_status_t tw_model_load(const char *dir, tw_model_t **model_p) {
+TW_NODISCARD tw_status_t tw_model_load(const char *dir, tw_model_t **model_p) {
   if (!dir || !model_p) return tw_err(TW_ERR_INVALID_ARGUMENT, "model load: NULL argument");
   const double t0 = now_s();
   char path[4096];

@@ -52,7 +52,7 @@ static bool tw_only_subdir(const char *dir, char *name, size_t len) {
   return n == 1;
 }
 
-tw_status_t tw_model_resolve(const char *spec, char *out, size_t len) {
+TW_NODISCARD tw_status_t tw_model_resolve(const char *spec, char *out, size_t len) {
   if (!spec || !*spec) return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "empty model name");
   if (tw_is_dir(spec) || !tw_hf_id_shaped(spec)) {
     if ((size_t)snprintf(out, len, "%s", spec) >= len)

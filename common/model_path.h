@@ -30,7 +30,7 @@ extern "C" {
  *  that names the directory looked in and how to download the model
  *  (`hf download ORG/NAME`) or point at it (HF_HOME, HF_HUB_CACHE, a
  *  directory); TW_ERR_INVALID_ARGUMENT when the result does not fit in len. */
-tw_status_t tw_model_resolve(const char *spec, char *out, size_t len);
+TW_NODISCARD tw_status_t tw_model_resolve(const char *spec, char *out, size_t len);
 
 /** The model's name for clients and dashboards (/v1/models, the metrics'
  *  model_name label): maybe_served (--served-model-name) when not NULL or

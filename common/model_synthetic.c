@@ -137,8 +137,9 @@ static void *fill_worker(void *arg) {
   return NULL;
 }
 
-tw_status_t tw_synthetic_fill(tw_syn_tensor_t *ts, int64_t n_tensors, uint64_t seed,
-                              int max_threads, tw_syn_sink_fn sink, void *ctx, int *threads_p) {
+TW_NODISCARD tw_status_t tw_synthetic_fill(tw_syn_tensor_t *ts, int64_t n_tensors, uint64_t seed,
+                                           int max_threads, tw_syn_sink_fn sink, void *ctx,
+                                           int *threads_p) {
   int64_t chunks = 0;
   for (int64_t i = 0; i < n_tensors; i++) {
     ts[i].first_chunk = chunks;
@@ -179,8 +180,8 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
-                               tw_model_t **model_p) {
+TW_NODISCARD tw_status_t tw_model_synthetic(const tw_model_config_t *config, uint64_t seed,
+                                            tw_model_t **model_p) {
   if (!config || !model_p)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "model synthetic: NULL argument");
   if (config->n_layers <= 0 || config->n_layers > TW_MAX_LAYERS || config->hidden <= 0 ||

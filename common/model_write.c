@@ -36,8 +36,8 @@ static double tw_write_now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static tw_status_t tw_write_sink(void *arg, const tw_syn_tensor_t *t, int64_t off,
-                                 const uint8_t *buf, int64_t n) {
+static TW_NODISCARD tw_status_t tw_write_sink(void *arg, const tw_syn_tensor_t *t, int64_t off,
+                                              const uint8_t *buf, int64_t n) {
   tw_write_ctx_t *c = arg;
   int fd = c->fd_of[t - c->base];
   int64_t at = t->user + off;
@@ -91,7 +91,7 @@ static char *tw_write_header(const tw_syn_tensor_t *ts, int64_t a, int64_t b) {
   return out;
 }
 
-static tw_status_t tw_write_all(int fd, const void *p, size_t n, const char *path) {
+static TW_NODISCARD tw_status_t tw_write_all(int fd, const void *p, size_t n, const char *path) {
   const uint8_t *b = p;
   while (n) {
     ssize_t k = write(fd, b, n);
@@ -103,9 +103,10 @@ static tw_status_t tw_write_all(int fd, const void *p, size_t n, const char *pat
   return TW_OK;
 }
 
-tw_status_t tw_model_write_synthetic(const tw_model_config_t *config, const char *dir,
-                                     uint64_t seed, int64_t max_shard_bytes, int threads,
-                                     bool plan_only, tw_model_write_info_t *info) {
+TW_NODISCARD tw_status_t tw_model_write_synthetic(const tw_model_config_t *config, const char *dir,
+                                                  uint64_t seed, int64_t max_shard_bytes,
+                                                  int threads, bool plan_only,
+                                                  tw_model_write_info_t *info) {
   if (!config || !dir || max_shard_bytes <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "write checkpoint: NULL argument or shard size <= 0");
   if (!config->mxfp4 || config->hidden % 32 || config->intermediate % 32)

@@ -41,7 +41,7 @@ static void tw_msg_drain(void *sock) {
   }
 }
 
-tw_status_t tw_msg_recv(void *sock, bool has_identity, int timeout_ms, tw_msg_t *out) {
+TW_NODISCARD tw_status_t tw_msg_recv(void *sock, bool has_identity, int timeout_ms, tw_msg_t *out) {
   if (timeout_ms != 0) {
     zmq_pollitem_t it = {.socket = sock, .events = ZMQ_POLLIN};
     int rc = zmq_poll(&it, 1, timeout_ms);
@@ -110,8 +110,8 @@ tw_status_t tw_msg_recv(void *sock, bool has_identity, int timeout_ms, tw_msg_t 
   return st;
 }
 
-tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim,
-                           const ProtobufCMessage *msg) {
+TW_NODISCARD tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim,
+                                        const ProtobufCMessage *msg) {
   size_t len = protobuf_c_message_get_packed_size(msg);
   zmq_msg_t body;
   if (zmq_msg_init_size(&body, len ? len : 0) != 0)
@@ -133,7 +133,8 @@ fail: {
 }
 }
 
-tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to, const ProtobufCMessage *msg) {
+TW_NODISCARD tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to,
+                                     const ProtobufCMessage *msg) {
   if (maybe_to) return tw_msg_send_to(sock, maybe_to->id, maybe_to->id_len, maybe_to->delim, msg);
   return tw_msg_send_to(sock, NULL, 0, false, msg);
 }
@@ -151,8 +152,9 @@ static bool tw_pb_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
   return false;
 }
 
-static tw_status_t tw_pb_check(const ProtobufCMessageDescriptor *d, const uint8_t *p,
-                               const uint8_t *end, int depth, char *path, size_t path_len) {
+static TW_NODISCARD tw_status_t tw_pb_check(const ProtobufCMessageDescriptor *d, const uint8_t *p,
+                                            const uint8_t *end, int depth, char *path,
+                                            size_t path_len) {
   if (depth > 32) return tw_err_quiet(TW_ERR_FORMAT, "message nested deeper than 32 levels");
   while (p < end) {
     uint64_t key, n;
@@ -186,8 +188,8 @@ static tw_status_t tw_pb_check(const ProtobufCMessageDescriptor *d, const uint8_
   return TW_OK;
 }
 
-tw_status_t tw_msg_check_strings(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
-                                 size_t len) {
+TW_NODISCARD tw_status_t tw_msg_check_strings(const ProtobufCMessageDescriptor *desc,
+                                              const uint8_t *data, size_t len) {
   char path[256] = "";
   return tw_pb_check(desc, data, data + len, 0, path, sizeof path);
 }
@@ -213,14 +215,15 @@ void tw_msg_limit_size(void *sock) {
   zmq_setsockopt(sock, ZMQ_MAXMSGSIZE, &max, sizeof max);
 }
 
-tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
-                               char *maybe_bound, size_t bound_len, void **sock_p) {
+TW_NODISCARD tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
+                                            char *maybe_bound, size_t bound_len, void **sock_p) {
   return tw_msg_socket_open_auth(ctx, type, endpoint, bind, NULL, maybe_bound, bound_len, sock_p);
 }
 
-tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint, bool bind,
-                                    const tw_auth_keys_t *maybe_keys, char *maybe_bound, size_t bound_len,
-                                    void **sock_p) {
+TW_NODISCARD tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint,
+                                                 bool bind, const tw_auth_keys_t *maybe_keys,
+                                                 char *maybe_bound, size_t bound_len,
+                                                 void **sock_p) {
   void *s = zmq_socket(ctx, type);
   if (!s) return tw_err(TW_ERR_TRANSPORT, "zmq_socket failed: %s", zmq_strerror(errno));
   int zero = 0, one = 1, hwm = 100000;

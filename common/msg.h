@@ -47,7 +47,7 @@ typedef struct {
  *  the timeout (msg untouched), TW_ERR_FORMAT for a message of the wrong
  *  shape (too many frames or bytes; drained, *msg gets the identity so the
  *  caller can reply), TW_ERR_TRANSPORT for a socket error (errno text). */
-tw_status_t tw_msg_recv(void *sock, bool has_identity, int timeout_ms, tw_msg_t *msg);
+TW_NODISCARD tw_status_t tw_msg_recv(void *sock, bool has_identity, int timeout_ms, tw_msg_t *msg);
 
 /** Free the payload of a received message. NULL-safe, idempotent. */
 void tw_msg_fini(tw_msg_t *msg);
@@ -56,11 +56,12 @@ void tw_msg_fini(tw_msg_t *msg);
  *  message received from the peer; NULL on DEALER/REQ sockets). Never
  *  blocks: a full queue or a vanished peer (ZMQ_ROUTER_MANDATORY) is
  *  TW_ERR_UNAVAILABLE; other failures TW_ERR_TRANSPORT. */
-tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to, const ProtobufCMessage *msg);
+TW_NODISCARD tw_status_t tw_msg_send(void *sock, const tw_msg_t *maybe_to,
+                                     const ProtobufCMessage *msg);
 
 /** Same, with an explicit routing id (e.g. a worker id kept in a registry). */
-tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim,
-                           const ProtobufCMessage *msg);
+TW_NODISCARD tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim,
+                                        const ProtobufCMessage *msg);
 
 /** Check every string field of a packed protobuf of type `desc` (nested
  *  messages included, by their descriptors) as proto3 requires and as C
@@ -71,8 +72,8 @@ tw_status_t tw_msg_send_to(void *sock, const void *id, size_t id_len, bool delim
  *  names the field ("messages.content contains a NUL byte at offset 5",
  *  "... is not valid UTF-8 at offset 3"); TW_ERR_FORMAT for a message nested
  *  deeper than 32 levels. */
-tw_status_t tw_msg_check_strings(const ProtobufCMessageDescriptor *desc, const uint8_t *data,
-                                 size_t len);
+TW_NODISCARD tw_status_t tw_msg_check_strings(const ProtobufCMessageDescriptor *desc,
+                                              const uint8_t *data, size_t len);
 
 /** Set ZMQ_MAXMSGSIZE = TW_MSG_MAX_BYTES on `sock` (before its bind or
  *  connect): libzmq drops a larger frame as it arrives (and disconnects
@@ -97,7 +98,9 @@ bool tw_msg_ratelimit(tw_msg_ratelimit_t *rl, uint64_t *suppressed_p);
 /** Note a failed send whose failure leaves the caller nothing to do (the
  *  peer is gone or its queue is full; it retries or times out on its own):
  *  a warning "<what>: <last error>" from `who`, at most TW_MSG_WARN_PER_S a
- *  second per thread. Nothing when st >= 0. Returns st. */
+ *  second per thread. Nothing when st >= 0. Returns st (for `return
+ *  tw_msg_note_failure(...)`): this is where a status ends, so it is not
+ *  TW_NODISCARD. */
 tw_status_t tw_msg_note_failure(tw_status_t st, const char *who, const char *what);
 
 /** Monotonic clock in nanoseconds. */
@@ -108,8 +111,8 @@ int64_t tw_msg_clock_ns(void);
  *  `endpoint`. For a bind to port 0 ("tcp://127.0.0.1:*" or ":0"), the
  *  actual endpoint is written to maybe_bound[bound_len].
  *  Errors: TW_ERR_TRANSPORT naming the endpoint and errno text. */
-tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
-                               char *maybe_bound, size_t bound_len, void **sock_p);
+TW_NODISCARD tw_status_t tw_msg_socket_open(void *ctx, int type, const char *endpoint, bool bind,
+                                            char *maybe_bound, size_t bound_len, void **sock_p);
 
 /** The one map from a status to the code clients and workers see on the wire
  *  (twain.v1.Code, proto/twain_api.proto: gRPC's numbers). Request faults are
@@ -123,9 +126,10 @@ int tw_status_wire_code(tw_status_t st);
  *  CURVE server and a connected one a CURVE client of that key set
  *  (common/link_auth.h; a ZAP handler must run on `ctx` for a server).
  *  Errors: those of tw_msg_socket_open and tw_auth_server/tw_auth_client. */
-tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint, bool bind,
-                                    const tw_auth_keys_t *maybe_keys, char *maybe_bound, size_t bound_len,
-                                    void **sock_p);
+TW_NODISCARD tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint,
+                                                 bool bind, const tw_auth_keys_t *maybe_keys,
+                                                 char *maybe_bound, size_t bound_len,
+                                                 void **sock_p);
 
 #ifdef __cplusplus
 }

@@ -122,8 +122,8 @@ static void *tw_worker_hb_main(void *arg) {
   return NULL;
 }
 
-tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint, const char *name,
-                                Twain__Internal__V1__Pool pool) {
+TW_NODISCARD tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint,
+                                             const char *name, Twain__Internal__V1__Pool pool) {
   memset(link, 0, sizeof *link);
   TW_CHECK(tw_auth_keys_from_env("worker link to the router", &link->keys));
   if (getrandom(&link->instance, sizeof link->instance, 0) != (ssize_t)sizeof link->instance)
@@ -140,7 +140,18 @@ tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint, co
     return gs;
   }
   link->sock = tw_dealer_open(link->zctx, endpoint, name, 0, &link->keys);
-  if (link->sock) tw_auth_guard_watch(link->guard, link->sock, "router link");
+  /* like the router's worker socket: a link whose refused handshakes would
+   * go unlogged is not opened (tw_auth_guard_watch logged why) */
+  tw_status_t ws = link->sock ? tw_auth_guard_watch(link->guard, link->sock, "router link") : TW_OK;
+  if (ws != TW_OK) {
+    zmq_close(link->sock);
+    link->sock = NULL;
+    tw_auth_guard_stop(link->guard);
+    link->guard = NULL;
+    zmq_ctx_term(link->zctx);
+    link->zctx = NULL;
+    return ws;
+  }
   if (!link->sock) {
     int e = errno;
     tw_auth_guard_stop(link->guard);
@@ -181,12 +192,14 @@ void tw_worker_link_close(tw_worker_link_t *link) {
   link->sock = link->zctx = NULL;
 }
 
-tw_status_t tw_worker_link_send(tw_worker_link_t *link, const Twain__Internal__V1__Envelope *env) {
+TW_NODISCARD tw_status_t tw_worker_link_send(tw_worker_link_t *link,
+                                             const Twain__Internal__V1__Envelope *env) {
   return tw_msg_send(link->sock, NULL, &env->base);
 }
 
-tw_status_t tw_worker_link_tick(tw_worker_link_t *link, const Twain__Internal__V1__Capacity *cap,
-                                bool draining, bool force) {
+TW_NODISCARD tw_status_t tw_worker_link_tick(tw_worker_link_t *link,
+                                             const Twain__Internal__V1__Capacity *cap,
+                                             bool draining, bool force) {
   pthread_mutex_lock(&link->mu);
   link->cap = *cap;
   link->draining = draining;
@@ -227,8 +240,8 @@ tw_status_t tw_worker_link_tick(tw_worker_link_t *link, const Twain__Internal__V
   return tw_worker_link_send(link, &env);
 }
 
-tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
-                                Twain__Internal__V1__Envelope **env_p) {
+TW_NODISCARD tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
+                                             Twain__Internal__V1__Envelope **env_p) {
   tw_msg_t m = {0};
   tw_status_t st = tw_msg_recv(link->sock, false, timeout_ms, &m);
   if (st != TW_OK) {
@@ -292,8 +305,8 @@ const Twain__Internal__V1__Envelope *tw_reject_msg(tw_reject_msg_t *m, uint64_t 
   return &m->env;
 }
 
-tw_status_t tw_worker_link_reject(tw_worker_link_t *link, uint64_t request_id, int code,
-                                  const char *message) {
+TW_NODISCARD tw_status_t tw_worker_link_reject(tw_worker_link_t *link, uint64_t request_id,
+                                               int code, const char *message) {
   tw_reject_msg_t m;
   return tw_worker_link_send(link, tw_reject_msg(&m, request_id, code, message));
 }

@@ -92,26 +92,28 @@ typedef struct {
  *  "<name>/hb"). Both sockets are CURVE clients with the link keys of the
  *  environment (tw_auth_keys_from_env). Errors: TW_ERR_INVALID_ARGUMENT (no
  *  or bad link keys), TW_ERR_TRANSPORT, TW_ERR_INTERNAL (thread). */
-tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint, const char *name,
-                                Twain__Internal__V1__Pool pool);
+TW_NODISCARD tw_status_t tw_worker_link_open(tw_worker_link_t *link, const char *endpoint,
+                                             const char *name, Twain__Internal__V1__Pool pool);
 void tw_worker_link_close(tw_worker_link_t *link);
 
 /** Send an envelope to the router. Errors as tw_msg_send. */
-tw_status_t tw_worker_link_send(tw_worker_link_t *link, const Twain__Internal__V1__Envelope *env);
+TW_NODISCARD tw_status_t tw_worker_link_send(tw_worker_link_t *link,
+                                             const Twain__Internal__V1__Envelope *env);
 
 /** Publish the capacity for the heartbeat thread and register (every 250 ms
  *  until acknowledged, and again when the router has forgotten us); call
  *  every loop iteration. `force` registers now if not registered. */
-tw_status_t tw_worker_link_tick(tw_worker_link_t *link, const Twain__Internal__V1__Capacity *cap,
-                                bool draining, bool force);
+TW_NODISCARD tw_status_t tw_worker_link_tick(tw_worker_link_t *link,
+                                             const Twain__Internal__V1__Capacity *cap,
+                                             bool draining, bool force);
 
 /** Receive one envelope (timeout as tw_msg_recv). TW_OK with *env_p set
  *  (free with twain__internal__v1__envelope__free_unpacked(env, NULL)),
  *  TW_INPROGRESS when none, TW_ERR_FORMAT for an undecodable message
  *  (logged; the caller keeps going). RegisterAck and "unknown worker"
  *  rejects are handled here and reported as TW_INPROGRESS. */
-tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
-                                Twain__Internal__V1__Envelope **env_p);
+TW_NODISCARD tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
+                                             Twain__Internal__V1__Envelope **env_p);
 
 /** Wait up to timeout_ms until the router socket has input or maybe_fd
  *  (-1: none) is readable. Returns nothing; callers then receive with 0. */
@@ -137,8 +139,8 @@ const Twain__Internal__V1__Envelope *tw_reject_msg(tw_reject_msg_t *m, uint64_t 
                                                    int code, const char *message);
 
 /** Send a Reject for request_id with a v1 code and message. */
-tw_status_t tw_worker_link_reject(tw_worker_link_t *link, uint64_t request_id, int code,
-                                  const char *message);
+TW_NODISCARD tw_status_t tw_worker_link_reject(tw_worker_link_t *link, uint64_t request_id,
+                                               int code, const char *message);
 
 #ifdef __cplusplus
 }

@@ -69,8 +69,8 @@ bool tw_proto_stale(int64_t issued_unix_ms, int64_t max_age_ms, int64_t *age_ms_
   return max_age_ms > 0 && age > max_age_ms;
 }
 
-tw_status_t tw_proto_kv_write_guard(uint64_t request_id, int64_t issued_unix_ms,
-                                    int64_t max_age_ms) {
+TW_NODISCARD tw_status_t tw_proto_kv_write_guard(uint64_t request_id, int64_t issued_unix_ms,
+                                                 int64_t max_age_ms) {
   int64_t age = 0;
   if (!tw_proto_stale(issued_unix_ms, max_age_ms, &age)) return TW_OK;
   return tw_err(TW_ERR_DEADLINE,

@@ -66,8 +66,8 @@ bool tw_proto_stale(int64_t issued_unix_ms, int64_t max_age_ms, int64_t *age_ms_
  *  TW_ERR_DEADLINE with a message naming the request, its age and the limit:
  *  the decode blocks it was given may belong to another request by now, so
  *  none of its KV may be written. */
-tw_status_t tw_proto_kv_write_guard(uint64_t request_id, int64_t issued_unix_ms,
-                                    int64_t max_age_ms);
+TW_NODISCARD tw_status_t tw_proto_kv_write_guard(uint64_t request_id, int64_t issued_unix_ms,
+                                                 int64_t max_age_ms);
 
 #ifdef __cplusplus
 }

@@ -48,7 +48,7 @@ static const struct {
     {"BOOL", TW_DTYPE_BOOL}, {"F8_E4M3", TW_DTYPE_F8_E4M3}, {"F8_E5M2", TW_DTYPE_F8_E5M2},
 };
 
-tw_status_t tw_safetensors_dtype_parse(const char *s, tw_dtype_t *dtype_p) {
+TW_NODISCARD tw_status_t tw_safetensors_dtype_parse(const char *s, tw_dtype_t *dtype_p) {
   for (size_t i = 0; i < sizeof tw_st_dtypes / sizeof tw_st_dtypes[0]; i++) {
     if (strcmp(s, tw_st_dtypes[i].name) == 0) {
       *dtype_p = tw_st_dtypes[i].dtype;
@@ -81,8 +81,9 @@ static int cmp_by_begin(const void *a, const void *b) {
 }
 
 /* Parse one tensor entry `e` named `name` into `t`. */
-static tw_status_t parse_entry(const tw_safetensors_t *f, const char *name, const cJSON *e,
-                               int64_t data_bytes, tw_safetensors_tensor_t *t) {
+static TW_NODISCARD tw_status_t parse_entry(const tw_safetensors_t *f, const char *name,
+                                            const cJSON *e, int64_t data_bytes,
+                                            tw_safetensors_tensor_t *t) {
   const char *p = f->path;
   if (!cJSON_IsObject(e))
     return tw_err(TW_ERR_FORMAT, "%s: tensor '%s': header entry is not an object", p, name);
@@ -153,7 +154,7 @@ static tw_status_t parse_entry(const tw_safetensors_t *f, const char *name, cons
   return TW_OK;
 }
 
-static tw_status_t parse_metadata(tw_safetensors_t *f, const cJSON *m) {
+static TW_NODISCARD tw_status_t parse_metadata(tw_safetensors_t *f, const cJSON *m) {
   if (!cJSON_IsObject(m))
     return tw_err(TW_ERR_FORMAT, "%s: '__metadata__' is not an object", f->path);
   int n = cJSON_GetArraySize(m);
@@ -175,7 +176,7 @@ static tw_status_t parse_metadata(tw_safetensors_t *f, const cJSON *m) {
   return TW_OK;
 }
 
-static tw_status_t parse_header(tw_safetensors_t *f) {
+static TW_NODISCARD tw_status_t parse_header(tw_safetensors_t *f) {
   const char *p = f->path;
   if (f->n_bytes < 8)
     return tw_err(TW_ERR_FORMAT,
@@ -292,8 +293,8 @@ static tw_safetensors_t *st_alloc(const char *path) {
   return f;
 }
 
-tw_status_t tw_safetensors_parse(const void *bytes, int64_t n_bytes, const char *label,
-                                 tw_safetensors_t **file_p) {
+TW_NODISCARD tw_status_t tw_safetensors_parse(const void *bytes, int64_t n_bytes, const char *label,
+                                              tw_safetensors_t **file_p) {
   if ((!bytes && n_bytes > 0) || n_bytes < 0 || !file_p)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "safetensors: bad arguments to parse");
   tw_safetensors_t *f = st_alloc(label);
@@ -309,7 +310,7 @@ tw_status_t tw_safetensors_parse(const void *bytes, int64_t n_bytes, const char 
   return TW_OK;
 }
 
-tw_status_t tw_safetensors_open(const char *path, tw_safetensors_t **file_p) {
+TW_NODISCARD tw_status_t tw_safetensors_open(const char *path, tw_safetensors_t **file_p) {
   if (!path || !file_p) return tw_err(TW_ERR_INVALID_ARGUMENT, "safetensors: NULL argument");
   int fd;
   do {

@@ -43,7 +43,7 @@ typedef struct tw_safetensors tw_safetensors_t;
 
 /** Parse a safetensors dtype string ("BF16", "U8", ...). Errors:
  *  TW_ERR_NOT_FOUND if the string is not a known dtype (no message stored). */
-tw_status_t tw_safetensors_dtype_parse(const char *s, tw_dtype_t *dtype_p);
+TW_NODISCARD tw_status_t tw_safetensors_dtype_parse(const char *s, tw_dtype_t *dtype_p);
 
 /** mmap `path` read-only and parse its header.
  *  Errors: TW_ERR_IO (open/stat/mmap failed), TW_ERR_FORMAT (shorter than 8
@@ -53,13 +53,13 @@ tw_status_t tw_safetensors_dtype_parse(const char *s, tw_dtype_t *dtype_p);
  *  shape product overflow; shape x dtype size != byte range; begin > end;
  *  range beyond the end of the file (truncated); overlapping ranges; a
  *  duplicate name), TW_ERR_NO_MEMORY. */
-tw_status_t tw_safetensors_open(const char *path, tw_safetensors_t **file_p);
+TW_NODISCARD tw_status_t tw_safetensors_open(const char *path, tw_safetensors_t **file_p);
 
 /** Parse an in-memory safetensors image (same checks and errors as
  *  tw_safetensors_open, minus TW_ERR_IO). Borrows `bytes`, which must outlive
  *  the handle; `label` names it in error messages. */
-tw_status_t tw_safetensors_parse(const void *bytes, int64_t n_bytes, const char *label,
-                                 tw_safetensors_t **file_p);
+TW_NODISCARD tw_status_t tw_safetensors_parse(const void *bytes, int64_t n_bytes, const char *label,
+                                              tw_safetensors_t **file_p);
 
 /** Unmap (if it mapped) and free. NULL does nothing. */
 void tw_safetensors_destroy(tw_safetensors_t *file);

@@ -68,8 +68,9 @@ static int32_t tw_argmax(const float *logits, int32_t vocab) {
   return best;
 }
 
-tw_status_t tw_sample(const float *logits, int32_t vocab, const tw_sample_params_t *params,
-                      int64_t position, float *scratch, int32_t *token_p) {
+TW_NODISCARD tw_status_t tw_sample(const float *logits, int32_t vocab,
+                                   const tw_sample_params_t *params, int64_t position,
+                                   float *scratch, int32_t *token_p) {
   if (vocab <= 0) return tw_err(TW_ERR_INVALID_ARGUMENT, "sample: vocab %d <= 0", vocab);
   if (params && isnan(params->temperature))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "sample: temperature is NaN");

@@ -34,8 +34,9 @@ double tw_sample_uniform(uint64_t seed, int64_t position);
  *  `scratch` must hold 2*vocab floats (or NULL: allocated inside).
  *  Errors: TW_ERR_INVALID_ARGUMENT (vocab <= 0, NaN temperature),
  *  TW_ERR_NO_MEMORY. */
-tw_status_t tw_sample(const float *logits, int32_t vocab, const tw_sample_params_t *params,
-                      int64_t position, float *scratch, int32_t *token_p);
+TW_NODISCARD tw_status_t tw_sample(const float *logits, int32_t vocab,
+                                   const tw_sample_params_t *params, int64_t position,
+                                   float *scratch, int32_t *token_p);
 
 #ifdef __cplusplus
 }

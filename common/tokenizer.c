@@ -23,7 +23,7 @@ void tw_token_ids_fini(tw_token_ids_t *v) {
   memset(v, 0, sizeof *v);
 }
 
-tw_status_t tw_token_ids_reserve(tw_token_ids_t *v, size_t extra) {
+TW_NODISCARD tw_status_t tw_token_ids_reserve(tw_token_ids_t *v, size_t extra) {
   if (v->cap - v->n >= extra) return TW_OK;
   size_t cap = v->cap ? v->cap : 64;
   while (cap - v->n < extra) cap *= 2;
@@ -34,7 +34,7 @@ tw_status_t tw_token_ids_reserve(tw_token_ids_t *v, size_t extra) {
   return TW_OK;
 }
 
-tw_status_t tw_token_ids_push(tw_token_ids_t *v, int32_t id) {
+TW_NODISCARD tw_status_t tw_token_ids_push(tw_token_ids_t *v, int32_t id) {
   if (v->n == v->cap) TW_CHECK(tw_token_ids_reserve(v, 1));
   v->ids[v->n++] = id;
   return TW_OK;
@@ -48,7 +48,7 @@ void tw_tok_buf_fini(tw_tok_buf_t *b) {
 }
 
 /* Room for len more bytes plus the NUL. */
-static tw_status_t tw_tok_buf_reserve(tw_tok_buf_t *b, size_t len) {
+static TW_NODISCARD tw_status_t tw_tok_buf_reserve(tw_tok_buf_t *b, size_t len) {
   if (b->cap - b->len < len + 1) {
     size_t cap = b->cap ? b->cap : 64;
     while (cap - b->len < len + 1) cap *= 2;
@@ -60,7 +60,7 @@ static tw_status_t tw_tok_buf_reserve(tw_tok_buf_t *b, size_t len) {
   return TW_OK;
 }
 
-tw_status_t tw_tok_buf_append(tw_tok_buf_t *b, const void *data, size_t len) {
+TW_NODISCARD tw_status_t tw_tok_buf_append(tw_tok_buf_t *b, const void *data, size_t len) {
   TW_CHECK(tw_tok_buf_reserve(b, len));
   if (len) memcpy(b->data + b->len, data, len);
   b->len += len;
@@ -228,7 +228,7 @@ static int tw_tok_merge_parts(const cJSON *m, const char **a_p, const char **b_p
   return 0;
 }
 
-static tw_status_t tw_tok_build(struct tw_tokenizer *t, const cJSON *root) {
+static TW_NODISCARD tw_status_t tw_tok_build(struct tw_tokenizer *t, const cJSON *root) {
   const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
   const cJSON *mtype = cJSON_GetObjectItemCaseSensitive(model, "type");
   if (!cJSON_IsString(mtype) || strcmp(mtype->valuestring, "BPE") != 0)
@@ -377,7 +377,8 @@ static tw_status_t tw_tok_build(struct tw_tokenizer *t, const cJSON *root) {
   return tw_tok_regex_compile(t, pattern);
 }
 
-tw_status_t tw_tokenizer_load_json(const char *json, size_t len, tw_tokenizer_t **tok_p) {
+TW_NODISCARD tw_status_t tw_tokenizer_load_json(const char *json, size_t len,
+                                                tw_tokenizer_t **tok_p) {
   cJSON *root = cJSON_ParseWithLength(json, len);
   if (!root) return tw_err(TW_ERR_FORMAT, "tokenizer.json: not valid JSON");
   struct tw_tokenizer *t = calloc(1, sizeof *t);
@@ -396,7 +397,7 @@ tw_status_t tw_tokenizer_load_json(const char *json, size_t len, tw_tokenizer_t 
   return TW_OK;
 }
 
-tw_status_t tw_tokenizer_load(const char *path, tw_tokenizer_t **tok_p) {
+TW_NODISCARD tw_status_t tw_tokenizer_load(const char *path, tw_tokenizer_t **tok_p) {
   char *buf = NULL;
   size_t len = 0;
   TW_CHECK(tw_file_read(path, TW_TOKENIZER_MAX_FILE_BYTES, "tokenizer", &buf, &len));
@@ -426,7 +427,8 @@ void tw_tokenizer_destroy(tw_tokenizer_t *t) {
 
 int32_t tw_tokenizer_n_ids(const tw_tokenizer_t *t) { return t->n_ids; }
 
-tw_status_t tw_tokenizer_find_added(const tw_tokenizer_t *t, const char *content, int32_t *id_p) {
+TW_NODISCARD tw_status_t tw_tokenizer_find_added(const tw_tokenizer_t *t, const char *content,
+                                                 int32_t *id_p) {
   size_t n = strlen(content);
   for (size_t i = 0; i < t->n_added; i++) {
     if (t->added[i].len == n && memcmp(t->added[i].content, content, n) == 0) {
@@ -441,8 +443,8 @@ int tw_tokenizer_is_special(const tw_tokenizer_t *t, int32_t id) {
   return id >= 0 && id < t->n_ids && (t->tok_flags[id] & TW_TOK_F_SPECIAL);
 }
 
-tw_status_t tw_tokenizer_token_bytes(const tw_tokenizer_t *t, int32_t id, const char **bytes_p,
-                                     size_t *len_p) {
+TW_NODISCARD tw_status_t tw_tokenizer_token_bytes(const tw_tokenizer_t *t, int32_t id,
+                                                  const char **bytes_p, size_t *len_p) {
   if (id < 0 || id >= t->n_ids || t->tok_len[id] == TW_TOK_NO_TOKEN)
     return tw_err_quiet(TW_ERR_OUT_OF_RANGE, "token id %d has no bytes (tokenizer has %d ids)",
                         id, t->n_ids);
@@ -453,8 +455,8 @@ tw_status_t tw_tokenizer_token_bytes(const tw_tokenizer_t *t, int32_t id, const 
 
 /* ---- decoding ---------------------------------------------------------- */
 
-tw_status_t tw_tokenizer_decode(const tw_tokenizer_t *t, const int32_t *ids, size_t n,
-                                unsigned flags, tw_tok_buf_t *out) {
+TW_NODISCARD tw_status_t tw_tokenizer_decode(const tw_tokenizer_t *t, const int32_t *ids, size_t n,
+                                             unsigned flags, tw_tok_buf_t *out) {
   size_t total = 0;
   for (size_t i = 0; i < n; i++) {
     int32_t id = ids[i];
@@ -484,8 +486,8 @@ static const char tw_replacement[3] = {(char)0xEF, (char)0xBF, (char)0xBD};
 
 /* Emit the valid part of p[0..n) to out; return how many trailing bytes form an
  * unfinished sequence (to keep). */
-static tw_status_t tw_tok_stream_emit(const unsigned char *p, size_t n, tw_tok_buf_t *out,
-                                      size_t *keep_p) {
+static TW_NODISCARD tw_status_t tw_tok_stream_emit(const unsigned char *p, size_t n,
+                                                   tw_tok_buf_t *out, size_t *keep_p) {
   size_t i = 0, run = 0;
   while (i < n) {
     int k = tw_utf8_seq(p + i, n - i);
@@ -518,7 +520,7 @@ static tw_status_t tw_tok_stream_emit(const unsigned char *p, size_t n, tw_tok_b
   return TW_OK;
 }
 
-tw_status_t tw_tok_stream_push(tw_tok_stream_t *s, int32_t id, tw_tok_buf_t *out) {
+TW_NODISCARD tw_status_t tw_tok_stream_push(tw_tok_stream_t *s, int32_t id, tw_tok_buf_t *out) {
   const tw_tokenizer_t *t = s->tok;
   if (id < 0 || id >= t->n_ids || t->tok_len[id] == TW_TOK_NO_TOKEN)
     return tw_err_quiet(TW_ERR_OUT_OF_RANGE, "token id %d has no bytes (tokenizer has %d ids)",
@@ -563,13 +565,13 @@ tw_status_t tw_tok_stream_push(tw_tok_stream_t *s, int32_t id, tw_tok_buf_t *out
   return TW_OK;
 }
 
-tw_status_t tw_utf8_lossy(const char *s, size_t len, tw_tok_buf_t *out) {
+TW_NODISCARD tw_status_t tw_utf8_lossy(const char *s, size_t len, tw_tok_buf_t *out) {
   size_t keep = 0;
   TW_CHECK(tw_tok_stream_emit((const unsigned char *)s, len, out, &keep));
   return keep ? tw_tok_buf_append(out, tw_replacement, 3) : TW_OK;
 }
 
-tw_status_t tw_tok_stream_finish(tw_tok_stream_t *s, tw_tok_buf_t *out) {
+TW_NODISCARD tw_status_t tw_tok_stream_finish(tw_tok_stream_t *s, tw_tok_buf_t *out) {
   if (s->n_pending) {
     s->n_pending = 0;
     return tw_tok_buf_append(out, tw_replacement, 3);

@@ -71,14 +71,14 @@ typedef struct {
 void tw_token_ids_init(tw_token_ids_t *v);
 void tw_token_ids_fini(tw_token_ids_t *v);
 /** Append one id. TW_ERR_NO_MEMORY if growing fails. */
-tw_status_t tw_token_ids_push(tw_token_ids_t *v, int32_t id);
+TW_NODISCARD tw_status_t tw_token_ids_push(tw_token_ids_t *v, int32_t id);
 /** Make room for `extra` more ids. TW_ERR_NO_MEMORY if growing fails. */
-tw_status_t tw_token_ids_reserve(tw_token_ids_t *v, size_t extra);
+TW_NODISCARD tw_status_t tw_token_ids_reserve(tw_token_ids_t *v, size_t extra);
 
 void tw_tok_buf_init(tw_tok_buf_t *b);
 void tw_tok_buf_fini(tw_tok_buf_t *b);
 /** Append `len` bytes (NUL-terminates). TW_ERR_NO_MEMORY if growing fails. */
-tw_status_t tw_tok_buf_append(tw_tok_buf_t *b, const void *data, size_t len);
+TW_NODISCARD tw_status_t tw_tok_buf_append(tw_tok_buf_t *b, const void *data, size_t len);
 
 /* ---- loading ----------------------------------------------------------- */
 
@@ -92,10 +92,11 @@ tw_status_t tw_tok_buf_append(tw_tok_buf_t *b, const void *data, size_t len);
  *  whose parts or result are missing, a byte without a token, a pre-tokenizer
  *  without a Split regex), TW_ERR_UNSUPPORTED (a regex PCRE2 cannot compile),
  *  TW_ERR_NO_MEMORY. On success *tok_p owns everything (tw_tokenizer_destroy). */
-tw_status_t tw_tokenizer_load(const char *path, tw_tokenizer_t **tok_p);
+TW_NODISCARD tw_status_t tw_tokenizer_load(const char *path, tw_tokenizer_t **tok_p);
 
 /** Same, from the JSON text in memory (borrowed, `len` bytes). */
-tw_status_t tw_tokenizer_load_json(const char *json, size_t len, tw_tokenizer_t **tok_p);
+TW_NODISCARD tw_status_t tw_tokenizer_load_json(const char *json, size_t len,
+                                                tw_tokenizer_t **tok_p);
 
 /** Free a tokenizer. NULL does nothing. */
 void tw_tokenizer_destroy(tw_tokenizer_t *tok);
@@ -108,22 +109,22 @@ int32_t tw_tokenizer_n_ids(const tw_tokenizer_t *tok);
 
 /** The id of the added token whose content is exactly `content` (e.g.
  *  "<|start|>"). TW_ERR_NOT_FOUND if there is none. */
-tw_status_t tw_tokenizer_find_added(const tw_tokenizer_t *tok, const char *content,
-                                    int32_t *id_p);
+TW_NODISCARD tw_status_t tw_tokenizer_find_added(const tw_tokenizer_t *tok, const char *content,
+                                                 int32_t *id_p);
 
 /** Whether `id` is an added token marked special. */
 int tw_tokenizer_is_special(const tw_tokenizer_t *tok, int32_t id);
 
 /** The bytes of token `id` (borrowed from the tokenizer; not NUL-terminated).
  *  TW_ERR_OUT_OF_RANGE if the id has no bytes (negative, reserved, too big). */
-tw_status_t tw_tokenizer_token_bytes(const tw_tokenizer_t *tok, int32_t id,
-                                     const char **bytes_p, size_t *len_p);
+TW_NODISCARD tw_status_t tw_tokenizer_token_bytes(const tw_tokenizer_t *tok, int32_t id,
+                                                  const char **bytes_p, size_t *len_p);
 
 /* ---- encoding ---------------------------------------------------------- */
 
 /** Per-thread encode scratch for `tok` (borrowed; must outlive the encoder).
  *  TW_ERR_NO_MEMORY. */
-tw_status_t tw_tok_encoder_create(const tw_tokenizer_t *tok, tw_tok_encoder_t **enc_p);
+TW_NODISCARD tw_status_t tw_tok_encoder_create(const tw_tokenizer_t *tok, tw_tok_encoder_t **enc_p);
 void tw_tok_encoder_destroy(tw_tok_encoder_t *enc);
 
 /** Encode `len` bytes of UTF-8 `text`, appending the ids to `out`.
@@ -133,20 +134,20 @@ void tw_tok_encoder_destroy(tw_tok_encoder_t *enc);
  *  e.g. megabytes of whitespace),
  *  TW_ERR_NO_MEMORY, TW_ERR_INTERNAL (a PCRE2 match failure). On error `out`
  *  is left as it was. */
-tw_status_t tw_tok_encoder_encode(tw_tok_encoder_t *enc, const char *text, size_t len,
-                                  unsigned flags, tw_token_ids_t *out);
+TW_NODISCARD tw_status_t tw_tok_encoder_encode(tw_tok_encoder_t *enc, const char *text, size_t len,
+                                               unsigned flags, tw_token_ids_t *out);
 
 /** Convenience: tw_tok_encoder_encode with a temporary encoder. */
-tw_status_t tw_tokenizer_encode(const tw_tokenizer_t *tok, const char *text, size_t len,
-                                unsigned flags, tw_token_ids_t *out);
+TW_NODISCARD tw_status_t tw_tokenizer_encode(const tw_tokenizer_t *tok, const char *text,
+                                             size_t len, unsigned flags, tw_token_ids_t *out);
 
 /* ---- decoding ---------------------------------------------------------- */
 
 /** Append the bytes of `n` ids to `out` (raw bytes: may be invalid UTF-8 if the
  *  ids split a character). flags: TW_TOK_SKIP_SPECIAL or 0.
  *  TW_ERR_OUT_OF_RANGE names the first id without bytes (nothing appended). */
-tw_status_t tw_tokenizer_decode(const tw_tokenizer_t *tok, const int32_t *ids, size_t n,
-                                unsigned flags, tw_tok_buf_t *out);
+TW_NODISCARD tw_status_t tw_tokenizer_decode(const tw_tokenizer_t *tok, const int32_t *ids,
+                                             size_t n, unsigned flags, tw_tok_buf_t *out);
 
 /** Start a streaming decode (spec §5.3: buffer incomplete UTF-8 across tokens). */
 void tw_tok_stream_init(tw_tok_stream_t *s, const tw_tokenizer_t *tok, unsigned flags);
@@ -155,15 +156,15 @@ void tw_tok_stream_init(tw_tok_stream_t *s, const tw_tokenizer_t *tok, unsigned 
  *  can never become valid UTF-8 come out as U+FFFD (one per maximal invalid
  *  subpart, as Rust's from_utf8_lossy); an unfinished sequence is held back.
  *  TW_ERR_OUT_OF_RANGE for an id without bytes (state unchanged). */
-tw_status_t tw_tok_stream_push(tw_tok_stream_t *s, int32_t id, tw_tok_buf_t *out);
+TW_NODISCARD tw_status_t tw_tok_stream_push(tw_tok_stream_t *s, int32_t id, tw_tok_buf_t *out);
 
 /** End of stream: a held-back unfinished sequence becomes U+FFFD. */
-tw_status_t tw_tok_stream_finish(tw_tok_stream_t *s, tw_tok_buf_t *out);
+TW_NODISCARD tw_status_t tw_tok_stream_finish(tw_tok_stream_t *s, tw_tok_buf_t *out);
 
 /** Append `len` bytes to `out` as valid UTF-8: what is not becomes U+FFFD,
  *  one per maximal invalid subpart (as tw_tok_stream_push; an unfinished
  *  sequence at the end: one more). Errors: TW_ERR_NO_MEMORY. */
-tw_status_t tw_utf8_lossy(const char *s, size_t len, tw_tok_buf_t *out);
+TW_NODISCARD tw_status_t tw_utf8_lossy(const char *s, size_t len, tw_tok_buf_t *out);
 
 /** Whether `len` bytes are valid UTF-8 (no surrogates, no overlongs, <= U+10FFFF).
  *  If not and bad_offset_p is non-NULL, *bad_offset_p is the first bad byte. */

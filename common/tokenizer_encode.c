@@ -71,7 +71,7 @@ static inline uint32_t tw_tok_pair_cached(struct tw_tok_encoder *e, int32_t a, i
 #define TW_TOK_WS "\\t-\\r \\x{85}\\x{a0}\\x{1680}\\x{2000}-\\x{200a}\\x{2028}\\x{2029}" \
                   "\\x{202f}\\x{205f}\\x{3000}"
 
-tw_status_t tw_tok_regex_compile(struct tw_tokenizer *t, const char *pattern) {
+TW_NODISCARD tw_status_t tw_tok_regex_compile(struct tw_tokenizer *t, const char *pattern) {
   size_t n = strlen(pattern);
   char *pat = malloc(n * 16 + 1);
   if (!pat) return tw_err(TW_ERR_NO_MEMORY, "tokenizer: out of memory for the regex");
@@ -122,7 +122,8 @@ tw_status_t tw_tok_regex_compile(struct tw_tokenizer *t, const char *pattern) {
 
 /* ---- encoder ----------------------------------------------------------- */
 
-tw_status_t tw_tok_encoder_create(const tw_tokenizer_t *tok, tw_tok_encoder_t **enc_p) {
+TW_NODISCARD tw_status_t tw_tok_encoder_create(const tw_tokenizer_t *tok,
+                                               tw_tok_encoder_t **enc_p) {
   struct tw_tok_encoder *e = calloc(1, sizeof *e);
   if (!e) return tw_err(TW_ERR_NO_MEMORY, "tokenizer encoder: out of memory");
   e->tok = tok;
@@ -158,7 +159,7 @@ void tw_tok_encoder_destroy(tw_tok_encoder_t *e) {
   free(e);
 }
 
-static tw_status_t tw_tok_scratch(struct tw_tok_encoder *e, size_t n) {
+static TW_NODISCARD tw_status_t tw_tok_scratch(struct tw_tok_encoder *e, size_t n) {
   if (n <= e->cap) return TW_OK;
   size_t cap = e->cap ? e->cap : 256;
   while (cap < n) cap *= 2;
@@ -289,8 +290,8 @@ static void tw_tok_bpe_heap(struct tw_tok_encoder *e, const unsigned char *p, si
 }
 
 /* One pre-tokenized piece whose tw_tok_hash is h -> ids appended to out. */
-static tw_status_t tw_tok_piece(struct tw_tok_encoder *e, const unsigned char *p, size_t n,
-                                uint64_t h, tw_token_ids_t *out) {
+static TW_NODISCARD tw_status_t tw_tok_piece(struct tw_tok_encoder *e, const unsigned char *p,
+                                             size_t n, uint64_t h, tw_token_ids_t *out) {
   const struct tw_tokenizer *t = e->tok;
   if (out->cap - out->n < n) TW_CHECK(tw_token_ids_reserve(out, n));
   int32_t id = t->ignore_merges ? tw_tok_vocab_find_h(t, p, n, h) : -1;
@@ -326,9 +327,9 @@ static tw_status_t tw_tok_piece(struct tw_tok_encoder *e, const unsigned char *p
 
 /* Queue a piece: start loading its vocab slot now, encode the piece queued
  * before it (whose slot had the time of one regex match to arrive). */
-static tw_status_t tw_tok_queue(struct tw_tok_encoder *e, const unsigned char *p, size_t n,
-                                const unsigned char **q_p, size_t *qn_p, uint64_t *qh_p,
-                                tw_token_ids_t *out) {
+static TW_NODISCARD tw_status_t tw_tok_queue(struct tw_tok_encoder *e, const unsigned char *p,
+                                             size_t n, const unsigned char **q_p, size_t *qn_p,
+                                             uint64_t *qh_p, tw_token_ids_t *out) {
   uint64_t h = 0;
   if (p) {
     h = tw_tok_hash(p, n);
@@ -342,8 +343,8 @@ static tw_status_t tw_tok_queue(struct tw_tok_encoder *e, const unsigned char *p
 }
 
 /* Ordinary text (no added tokens): regex pieces -> BPE. */
-static tw_status_t tw_tok_ordinary(struct tw_tok_encoder *e, const char *text, size_t len,
-                                   tw_token_ids_t *out) {
+static TW_NODISCARD tw_status_t tw_tok_ordinary(struct tw_tok_encoder *e, const char *text,
+                                                size_t len, tw_token_ids_t *out) {
   const struct tw_tokenizer *t = e->tok;
   const unsigned char *s = (const unsigned char *)text;
   PCRE2_SIZE *ov = pcre2_get_ovector_pointer(e->md);
@@ -394,8 +395,8 @@ static const tw_tok_added_t *tw_tok_added_at(const struct tw_tokenizer *t, const
   return NULL;
 }
 
-tw_status_t tw_tok_encoder_encode(tw_tok_encoder_t *e, const char *text, size_t len,
-                                  unsigned flags, tw_token_ids_t *out) {
+TW_NODISCARD tw_status_t tw_tok_encoder_encode(tw_tok_encoder_t *e, const char *text, size_t len,
+                                               unsigned flags, tw_token_ids_t *out) {
   size_t bad;
   if (!tw_utf8_valid(text, len, &bad))
     return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "text is not valid UTF-8: bad byte 0x%02x at offset "
@@ -428,8 +429,8 @@ tw_status_t tw_tok_encoder_encode(tw_tok_encoder_t *e, const char *text, size_t 
   return st;
 }
 
-tw_status_t tw_tokenizer_encode(const tw_tokenizer_t *tok, const char *text, size_t len,
-                                unsigned flags, tw_token_ids_t *out) {
+TW_NODISCARD tw_status_t tw_tokenizer_encode(const tw_tokenizer_t *tok, const char *text,
+                                             size_t len, unsigned flags, tw_token_ids_t *out) {
   tw_tok_encoder_t *e;
   TW_CHECK(tw_tok_encoder_create(tok, &e));
   tw_status_t st = tw_tok_encoder_encode(e, text, len, flags, out);

@@ -138,6 +138,6 @@ static inline uint32_t tw_tok_pair_find(const struct tw_tokenizer *t, int32_t a,
 
 /* Compile the pre-tokenizer pattern (Oniguruma/Rust syntax as in tokenizer.json)
  * with PCRE2 (tokenizer_encode.c). */
-tw_status_t tw_tok_regex_compile(struct tw_tokenizer *t, const char *pattern);
+TW_NODISCARD tw_status_t tw_tok_regex_compile(struct tw_tokenizer *t, const char *pattern);
 
 #endif

@@ -20,13 +20,14 @@ bool tw_worker_colocated_ok(const tw_opts_spec_t *spec, const char *role, int32_
   return false;
 }
 
-tw_status_t tw_worker_dist_create(tw_worker_t *w, tw_backend_kind_t backend) {
+TW_NODISCARD tw_status_t tw_worker_dist_create(tw_worker_t *w, tw_backend_kind_t backend) {
   tw_coll_kind_t kind = tw_backend_caps(backend).on_device ? TW_COLL_NCCL : TW_COLL_HOST;
   return tw_dist_create(&w->id, kind, w->id.local_rank, NULL, &w->dist);
 }
 
-tw_status_t tw_worker_metrics_open(tw_worker_t *w, const char *name, int port, const char *addr,
-                                   const char *served_model_name, const char *model_dir) {
+TW_NODISCARD tw_status_t tw_worker_metrics_open(tw_worker_t *w, const char *name, int port,
+                                                const char *addr, const char *served_model_name,
+                                                const char *model_dir) {
   if (name) snprintf(w->name, sizeof w->name, "%s", name);
   else snprintf(w->name, sizeof w->name, "%s-%d", w->role, (int)getpid());
   TW_CHECK(tw_metrics_create(w->name, port, addr, &w->metrics));
@@ -36,9 +37,10 @@ tw_status_t tw_worker_metrics_open(tw_worker_t *w, const char *name, int port, c
   return TW_OK;
 }
 
-tw_status_t tw_worker_connect(tw_worker_t *w, const char *router, Twain__Internal__V1__Pool pool,
-                              int32_t kv_block_size, int32_t n_layers, int32_t vocab_size,
-                              const char *backend) {
+TW_NODISCARD tw_status_t tw_worker_connect(tw_worker_t *w, const char *router,
+                                           Twain__Internal__V1__Pool pool, int32_t kv_block_size,
+                                           int32_t n_layers, int32_t vocab_size,
+                                           const char *backend) {
   TW_CHECK(tw_worker_link_open(&w->link, router, w->name, pool));
   w->link.ranks = w->id.size;
   w->link.kv_block_size = kv_block_size;
@@ -74,7 +76,7 @@ static bool tw_worker_pump(tw_worker_t *w) {
 }
 
 /* Steps 1-6 of the header until the drain ends or the work fails. */
-static tw_status_t tw_worker_loop(tw_worker_t *w) {
+static TW_NODISCARD tw_status_t tw_worker_loop(tw_worker_t *w) {
   const tw_worker_ops_t *ops = w->ops;
   unsigned epoch = atomic_load(&w->link.epoch);
   bool recv_failed = false;

@@ -122,11 +122,11 @@ typedef struct {
    * metrics and the router link (tw_worker_t.metrics, .link: see
    * tw_worker_metrics_open, tw_worker_connect). w->id is this rank. An
    * error: the daemon cannot start (ops->fini still runs). */
-  tw_status_t (*init)(void *arg);
+  TW_NODISCARD tw_status_t (*init)(void *arg);
   /* Free what init made (also after a failed init: check what is there). */
   void (*fini)(void *arg);
   /* Ranks != 0: follow rank 0's plans until it stops them (dist.h). */
-  tw_status_t (*follow)(void *arg);
+  TW_NODISCARD tw_status_t (*follow)(void *arg);
   /* Loop step 1: draining began (log what is left; refuse from now on). */
   void (*on_drain)(void *arg);
   /* Step 2: how long to wait for a message (0: work is waiting, do not
@@ -143,7 +143,7 @@ typedef struct {
    * sequences). */
   int32_t (*pending)(void *arg);
   /* Step 5: the work of one turn. An error ends the loop (exit 1). */
-  tw_status_t (*work)(void *arg);
+  TW_NODISCARD tw_status_t (*work)(void *arg);
   /* Step 6: the capacity the router sees. */
   void (*capacity)(void *arg, Twain__Internal__V1__Capacity *cap);
   /* Step 6 (NULL: none): the router forgot this worker and it registered
@@ -186,24 +186,26 @@ int tw_worker_main(tw_worker_t *w);
  *  without ranks): collectives over NCCL when `backend` computes on a GPU
  *  (tw_backend_caps), else over the host (MPI). Errors: those of
  *  tw_dist_create. */
-tw_status_t tw_worker_dist_create(tw_worker_t *w, tw_backend_kind_t backend);
+TW_NODISCARD tw_status_t tw_worker_dist_create(tw_worker_t *w, tw_backend_kind_t backend);
 
 /** Rank 0, from ops->init: the routing id (given `name`, or "<role>-<pid>")
  *  in w->name, and the metrics server (/metrics, /healthz, /livez on port,
  *  -1 none, 0 ephemeral; addr NULL: 127.0.0.1) with the model_name label
  *  (tw_model_name of served_model_name, model_dir). Errors: those of
  *  tw_metrics_create. */
-tw_status_t tw_worker_metrics_open(tw_worker_t *w, const char *name, int port, const char *addr,
-                                   const char *served_model_name, const char *model_dir);
+TW_NODISCARD tw_status_t tw_worker_metrics_open(tw_worker_t *w, const char *name, int port,
+                                                const char *addr, const char *served_model_name,
+                                                const char *model_dir);
 
 /** Rank 0, from ops->init, after tw_worker_metrics_open: the router link
  *  (tw_worker_link_open to `router` as w->name in `pool`) with what
  *  registration tells the router: the worker's ranks, its KV block size and
  *  layers, the vocabulary and the backend's name. Errors: those of
  *  tw_worker_link_open. */
-tw_status_t tw_worker_connect(tw_worker_t *w, const char *router, Twain__Internal__V1__Pool pool,
-                              int32_t kv_block_size, int32_t n_layers, int32_t vocab_size,
-                              const char *backend);
+TW_NODISCARD tw_status_t tw_worker_connect(tw_worker_t *w, const char *router,
+                                           Twain__Internal__V1__Pool pool, int32_t kv_block_size,
+                                           int32_t n_layers, int32_t vocab_size,
+                                           const char *backend);
 
 #ifdef __cplusplus
 }

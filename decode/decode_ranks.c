@@ -51,9 +51,9 @@ static void tw_kv_rank_free(Twain__Internal__V1__KvRank *k) {
   free(k);
 }
 
-tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *dist, tw_engine_t *engine,
-                                 tw_kv_xfer_t *xfer, tw_kv_region_t *region,
-                                 const tw_model_t *model) {
+TW_NODISCARD tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *dist,
+                                              tw_engine_t *engine, tw_kv_xfer_t *xfer,
+                                              tw_kv_region_t *region, const tw_model_t *model) {
   *rk = (tw_decode_ranks_t){.dist = dist, .engine = engine, .xfer = xfer, .region = region,
                             .model = model};
   int32_t size = tw_dist_size(dist);
@@ -275,8 +275,8 @@ bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t target, bool per_laye
   return any_bad == 0;
 }
 
-tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, uint64_t tag, int32_t n_prompt,
-                                   const int32_t *ids, int32_t nb) {
+TW_NODISCARD tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, uint64_t tag,
+                                                int32_t n_prompt, const int32_t *ids, int32_t nb) {
   if (tw_dist_size(rk->dist) == 1) return TW_OK;
   int ok = 0, bad = 0;
   char msg[256] = "";
@@ -286,7 +286,7 @@ tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, uint64_t tag, int32_t 
   return TW_OK;
 }
 
-static tw_status_t tw_decode_ranks_hook(void *ctx, const void *buf, size_t len) {
+static TW_NODISCARD tw_status_t tw_decode_ranks_hook(void *ctx, const void *buf, size_t len) {
   tw_decode_ranks_t *rk = ctx;
   const uint8_t *p = buf, *end = p + len;
   int32_t hdr[4] = {0, 0, 0, -1}, ns = -1; /* target, per_layer, n_prompt, nb */
@@ -322,7 +322,7 @@ static void tw_decode_ranks_idle(void *ctx) {
   tw_kv_xfer_progress(rk->xfer);
 }
 
-tw_status_t tw_decode_ranks_follow(tw_decode_ranks_t *rk) {
+TW_NODISCARD tw_status_t tw_decode_ranks_follow(tw_decode_ranks_t *rk) {
   return tw_dist_follow_idle(rk->dist, rk->engine, tw_decode_ranks_hook, tw_decode_ranks_idle, rk,
                              NULL);
 }

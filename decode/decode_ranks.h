@@ -39,9 +39,9 @@ typedef struct {
 /** Fill rk (borrowed handles) and exchange the pools: the other ranks send
  *  theirs, rank 0 collects them (within 60 s). Errors: TW_ERR_DEADLINE,
  *  TW_ERR_FORMAT, TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
-tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *dist, tw_engine_t *engine,
-                                 tw_kv_xfer_t *xfer, tw_kv_region_t *region,
-                                 const tw_model_t *model);
+TW_NODISCARD tw_status_t tw_decode_ranks_init(tw_decode_ranks_t *rk, tw_dist_t *dist,
+                                              tw_engine_t *engine, tw_kv_xfer_t *xfer,
+                                              tw_kv_region_t *region, const tw_model_t *model);
 /** Free the pool list rk holds (the borrowed handles stay); rk can be
  *  initialised again. Safe on a zeroed rk. */
 void tw_decode_ranks_fini(tw_decode_ranks_t *rk);
@@ -71,11 +71,11 @@ bool tw_decode_ranks_verify(tw_decode_ranks_t *rk, int32_t target, bool per_laye
  *  its own pool itself. A group of one: nothing.
  *  Errors: TW_ERR_CUDA (a rank's pieces did not land or a copy failed, or a
  *  rank did not answer; the message names it). */
-tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, uint64_t tag, int32_t n_prompt,
-                                   const int32_t *ids, int32_t nb);
+TW_NODISCARD tw_status_t tw_decode_ranks_commit(tw_decode_ranks_t *rk, uint64_t tag,
+                                                int32_t n_prompt, const int32_t *ids, int32_t nb);
 
 /** The other ranks: follow rank 0's plans until it says stop, progressing
  *  UCX between them (received puts may need the target's progress). */
-tw_status_t tw_decode_ranks_follow(tw_decode_ranks_t *rk);
+TW_NODISCARD tw_status_t tw_decode_ranks_follow(tw_decode_ranks_t *rk);
 
 #endif

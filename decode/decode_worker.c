@@ -501,7 +501,7 @@ static void tw_decoder_batch_add(tw_decoder_t *d, tw_dseq_t *s, int32_t *cnt) {
  * the step was 10 ms). */
 static void tw_decoder_kv_progress(void *xfer) { tw_kv_xfer_progress((tw_kv_xfer_t *)xfer); }
 
-static tw_status_t tw_decoder_step(tw_decoder_t *d) {
+static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
   const int32_t B = d->max_batch, R = d->n_dp;
   int32_t cnt[TW_DECODE_MAX_DP] = {0}, running[TW_DECODE_MAX_DP] = {0}, n = 0;
   bool over = false;
@@ -588,7 +588,7 @@ static void tw_decoder_pools(tw_decoder_t *d) {
   tw_decode_ranks_fill_handoff(&d->rk, h); /* every rank's pool when TP/EP > 1 or --dp */
 }
 
-static tw_status_t tw_decoder_init(tw_decoder_t *d) {
+static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   const tw_decode_params_t *p = d->p;
   TW_CHECK(tw_model_load(p->model_dir, &d->model));
   TW_CHECK(tw_model_check_finite(d->model));
@@ -733,9 +733,9 @@ static void tw_decoder_fini(tw_decoder_t *d) {
 }
 
 /* The skeleton's hooks (worker_daemon.h). */
-static tw_status_t tw_decode_op_init(void *arg) { return tw_decoder_init(arg); }
+static TW_NODISCARD tw_status_t tw_decode_op_init(void *arg) { return tw_decoder_init(arg); }
 static void tw_decode_op_fini(void *arg) { tw_decoder_fini(arg); }
-static tw_status_t tw_decode_op_follow(void *arg) {
+static TW_NODISCARD tw_status_t tw_decode_op_follow(void *arg) {
   return tw_decode_ranks_follow(&((tw_decoder_t *)arg)->rk);
 }
 
@@ -793,7 +793,7 @@ static bool tw_decode_op_msg(void *arg, Twain__Internal__V1__Envelope *env) {
 }
 
 /* Reservations whose handoff never came, staged copies done, one step. */
-static tw_status_t tw_decode_op_work(void *arg) {
+static TW_NODISCARD tw_status_t tw_decode_op_work(void *arg) {
   tw_decoder_t *d = arg;
   int64_t now = tw_msg_clock_ns();
   for (int32_t i = d->n_seqs - 1; i >= 0; i--) { /* the router lost these reservations */
@@ -838,7 +838,7 @@ static const tw_worker_ops_t tw_decode_ops = {
     .on_stop = tw_decode_op_stop};
 
 /* The options a worker cannot start with (before any rank starts). */
-static tw_status_t tw_decode_params_check(const tw_decode_params_t *p) {
+static TW_NODISCARD tw_status_t tw_decode_params_check(const tw_decode_params_t *p) {
   if (p->tp < 1 || p->ep < 1 || (p->tp > 1 && p->ep > 1 && p->tp != p->ep))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "decode: --tp %d --ep %d: each >= 1, equal when both > 1",
                   p->tp, p->ep);

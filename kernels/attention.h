@@ -57,12 +57,11 @@ typedef struct {
  *  No workspace. Errors: TW_ERR_INVALID_ARGUMENT (NULL pointer, non-positive
  *  count, NQ not a multiple of NKV, scale <= 0, window < 0, block_size <= 0),
  *  TW_ERR_UNSUPPORTED (head_dim != 64), TW_ERR_CUDA (launch failed). */
-tw_status_t tw_cuda_attention_prefill(const tw_cuda_attn_shape_t *shape, const void *q,
-                                      int64_t q_row_stride, const void *kv_layer,
-                                      const float *sinks, int32_t n_seqs, int32_t n_tokens,
-                                      const int32_t *cu_seqlens, const int32_t *start_pos,
-                                      const int32_t *block_tables, int32_t block_table_stride,
-                                      void *out, cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_attention_prefill(
+    const tw_cuda_attn_shape_t *shape, const void *q, int64_t q_row_stride, const void *kv_layer,
+    const float *sinks, int32_t n_seqs, int32_t n_tokens, const int32_t *cu_seqlens,
+    const int32_t *start_pos, const int32_t *block_tables, int32_t block_table_stride, void *out,
+    cudaStream_t stream);
 
 /** Bytes of device workspace tw_cuda_attention_decode needs for up to
  *  `max_seqs` sequences of at most `max_seq_len` keys each: one int32 split
@@ -101,13 +100,11 @@ int tw_cuda_attention_decode_splits(const tw_cuda_attn_shape_t *shape, int32_t n
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL pointer, non-positive count, bad
  *  shape, workspace too small: the message gives the bytes needed),
  *  TW_ERR_UNSUPPORTED (head_dim != 64, or NQ / NKV > 16), TW_ERR_CUDA. */
-tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shape, const void *q,
-                                     int64_t q_row_stride, const void *kv_layer,
-                                     const float *sinks, int32_t n_seqs,
-                                     const int32_t *seq_lens, const int32_t *block_tables,
-                                     int32_t block_table_stride, int32_t max_seq_len,
-                                     void *workspace, size_t workspace_bytes, void *out,
-                                     cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_attention_decode(
+    const tw_cuda_attn_shape_t *shape, const void *q, int64_t q_row_stride, const void *kv_layer,
+    const float *sinks, int32_t n_seqs, const int32_t *seq_lens, const int32_t *block_tables,
+    int32_t block_table_stride, int32_t max_seq_len, void *workspace, size_t workspace_bytes,
+    void *out, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

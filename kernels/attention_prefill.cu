@@ -356,7 +356,7 @@ static __global__ void __launch_bounds__(NW * 32, MINB) tw_attn_prefill_kernel(c
 }
 
 template <int MT, int NW, int BN, int MINB, bool WG>
-static tw_status_t tw_pf_launch_t(const tw_pf_params_t *p, int32_t n_tokens, int32_t n_seqs,
+static TW_NODISCARD tw_status_t tw_pf_launch_t(const tw_pf_params_t *p, int32_t n_tokens, int32_t n_seqs,
                                   cudaStream_t stream) {
   constexpr int BM = 16 * MT * NW;
   constexpr int smem = (BM + 4 * BN) * TW_ATTN_D * 2 + 1024; /* + alignment slack */
@@ -378,7 +378,7 @@ static tw_status_t tw_pf_launch_t(const tw_pf_params_t *p, int32_t n_tokens, int
 static int tw_pf_default_variant(int window) { return window > 0 ? 4 : 5; }
 
 /* Variant table: <MT, NW, BN, min CTAs per SM, wgmma>. */
-static tw_status_t tw_pf_launch(const tw_pf_params_t *p, int32_t n_tokens, int32_t n_seqs,
+static TW_NODISCARD tw_status_t tw_pf_launch(const tw_pf_params_t *p, int32_t n_tokens, int32_t n_seqs,
                                 int variant, cudaStream_t stream) {
   switch (variant) {
   case 1: return tw_pf_launch_t<1, 4, 64, 3, false>(p, n_tokens, n_seqs, stream);
@@ -392,7 +392,7 @@ static tw_status_t tw_pf_launch(const tw_pf_params_t *p, int32_t n_tokens, int32
   }
 }
 
-static tw_status_t tw_pf_run(const tw_cuda_attn_shape_t *shape, const void *q,
+static TW_NODISCARD tw_status_t tw_pf_run(const tw_cuda_attn_shape_t *shape, const void *q,
                              int64_t q_row_stride, const void *kv_layer, const float *sinks,
                              int32_t n_seqs, int32_t n_tokens, const int32_t *cu_seqlens,
                              const int32_t *start_pos, const int32_t *block_tables,

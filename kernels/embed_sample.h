@@ -22,8 +22,9 @@ extern "C" {
  *  outside are clamped, never read out of bounds); x f32 [T, H].
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, T < 0, H not a multiple of 8,
  *  V <= 0), TW_ERR_CUDA. */
-tw_status_t tw_cuda_embed(const void *table, int32_t V, int32_t H, const int32_t *tokens,
-                          int32_t T, float *x, cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_embed(const void *table, int32_t V, int32_t H,
+                                       const int32_t *tokens, int32_t T, float *x,
+                                       cudaStream_t stream);
 
 /** One row's sampling parameters (device array, one per row). */
 typedef struct {
@@ -38,8 +39,8 @@ typedef struct {
  *  NaN never wins unless the row is all NaN, then 0). logits f32 [n_rows, V]
  *  with row stride ld (elements); out int32 [n_rows] on the device.
  *  Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
-tw_status_t tw_cuda_argmax(const float *logits, int64_t ld, int32_t n_rows, int32_t V,
-                           int32_t *out, cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_argmax(const float *logits, int64_t ld, int32_t n_rows, int32_t V,
+                                        int32_t *out, cudaStream_t stream);
 
 /** Sample every row with its parameters (sampling.h order: temperature,
  *  top-k, softmax, top-p, draw in increasing id order). Rows with
@@ -47,9 +48,9 @@ tw_status_t tw_cuda_argmax(const float *logits, int64_t ld, int32_t n_rows, int3
  *  [n_rows] device. One block per row; cost grows with V (about 100 passes
  *  over the row for top-k + top-p), so greedy rows should use
  *  tw_cuda_argmax. Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
-tw_status_t tw_cuda_sample(const float *logits, int64_t ld, int32_t n_rows, int32_t V,
-                           const tw_cuda_sample_row_t *params, int32_t *out,
-                           cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_sample(const float *logits, int64_t ld, int32_t n_rows, int32_t V,
+                                        const tw_cuda_sample_row_t *params, int32_t *out,
+                                        cudaStream_t stream);
 
 #ifdef __cplusplus
 }

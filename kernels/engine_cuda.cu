@@ -41,7 +41,7 @@ typedef struct {
   int views;    /* 1: the arena holds the weights already (CUDA IPC): pointers only */
 } tw_ce_up_t;
 
-static tw_status_t tw_ce_tmp(tw_ce_up_t *u, size_t bytes) {
+static TW_NODISCARD tw_status_t tw_ce_tmp(tw_ce_up_t *u, size_t bytes) {
   if (bytes <= u->tmp_bytes) return TW_OK;
   void *p = realloc(u->tmp, bytes);
   if (!p) return tw_err(TW_ERR_NO_MEMORY, "cuda engine: out of host memory (%zu bytes)", bytes);
@@ -57,7 +57,7 @@ static int64_t tw_ce_numel(const tw_tensor_t *t) {
 }
 
 /* Place `n_bytes` of `src` (host) at the cursor; returns the device pointer. */
-static tw_status_t tw_ce_put(tw_ce_up_t *u, const void *src, size_t n_bytes, const void **dst_p) {
+static TW_NODISCARD tw_status_t tw_ce_put(tw_ce_up_t *u, const void *src, size_t n_bytes, const void **dst_p) {
   size_t at = u->off;
   u->off += tw_ce_align(n_bytes);
   if (!u->base) {
@@ -71,7 +71,7 @@ static tw_status_t tw_ce_put(tw_ce_up_t *u, const void *src, size_t n_bytes, con
 
 /* Upload a tensor converted to `to` (bf16 or f32) from its bf16/f32 dtype;
  * other dtypes are copied unchanged. */
-static tw_status_t tw_ce_put_as(tw_ce_up_t *u, const tw_tensor_t *t, tw_dtype_t to,
+static TW_NODISCARD tw_status_t tw_ce_put_as(tw_ce_up_t *u, const tw_tensor_t *t, tw_dtype_t to,
                                 const char *name, const void **dst_p) {
   if (!t->data) return tw_err(TW_ERR_NOT_FOUND, "cuda engine: tensor %s is absent", name);
   int64_t n = tw_ce_numel(t);
@@ -93,7 +93,7 @@ static tw_status_t tw_ce_put_as(tw_ce_up_t *u, const tw_tensor_t *t, tw_dtype_t 
 }
 
 /* Stack several tensors (all converted to `to`) contiguously. */
-static tw_status_t tw_ce_put_stack(tw_ce_up_t *u, const tw_tensor_t *const *ts, int n,
+static TW_NODISCARD tw_status_t tw_ce_put_stack(tw_ce_up_t *u, const tw_tensor_t *const *ts, int n,
                                    tw_dtype_t to, const char *name, const void **dst_p) {
   size_t total = 0;
   for (int i = 0; i < n; i++) {
@@ -119,7 +119,7 @@ static tw_status_t tw_ce_put_stack(tw_ce_up_t *u, const tw_tensor_t *const *ts, 
 /* Upload a bf16 (or f32) expert tensor [E, R, C] (HF in-memory orientation,
  * used as x @ W) transposed to bf16 [E, C, R], the layout the MoE GEMM path
  * multiplies (spec §3.5: even/odd columns become even/odd rows). */
-static tw_status_t tw_ce_put_experts_t(tw_ce_up_t *u, const tw_tensor_t *t, int64_t E, int64_t R,
+static TW_NODISCARD tw_status_t tw_ce_put_experts_t(tw_ce_up_t *u, const tw_tensor_t *t, int64_t E, int64_t R,
                                        int64_t C, const char *name, const void **dst_p) {
   if (!t->data) return tw_err(TW_ERR_NOT_FOUND, "cuda engine: tensor %s is absent", name);
   if (t->ndim != 3 || t->shape[0] != E || t->shape[1] != R || t->shape[2] != C)
@@ -161,7 +161,7 @@ static tw_ce_blk_t tw_ce_rows(const tw_tensor_t *t, int64_t r0, int64_t nr) {
 
 /* Upload blocks stacked contiguously, bf16/f32 converted to `to`; any other
  * `to` (u8) copies bytes and wants the tensor's own dtype. */
-static tw_status_t tw_ce_put_blocks(tw_ce_up_t *u, const tw_ce_blk_t *b, int n, tw_dtype_t to,
+static TW_NODISCARD tw_status_t tw_ce_put_blocks(tw_ce_up_t *u, const tw_ce_blk_t *b, int n, tw_dtype_t to,
                                     const char *name, const void **dst_p) {
   int cvt = to == TW_DTYPE_F32 || to == TW_DTYPE_BF16;
   size_t total = 0;
@@ -204,7 +204,7 @@ static tw_status_t tw_ce_put_blocks(tw_ce_up_t *u, const tw_ce_blk_t *b, int n, 
 
 /* Rows [e0, e1) of an [E, ...] expert tensor; *dst_p is set so that global
  * expert e's row is at the usual offset (only local experts are read). */
-static tw_status_t tw_ce_put_experts(tw_ce_up_t *u, const tw_ce_t *ce, const tw_tensor_t *t,
+static TW_NODISCARD tw_status_t tw_ce_put_experts(tw_ce_up_t *u, const tw_ce_t *ce, const tw_tensor_t *t,
                                      tw_dtype_t to, const char *name, const void **dst_p) {
   tw_ce_blk_t b = tw_ce_rows(t, ce->e0, ce->e1 - ce->e0);
   const void *p = NULL;
@@ -214,7 +214,7 @@ static tw_status_t tw_ce_put_experts(tw_ce_up_t *u, const tw_ce_t *ce, const tw_
   return TW_OK;
 }
 
-static tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
+static TW_NODISCARD tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
   const tw_model_config_t *c = &m->config;
   int64_t D = c->head_dim, QD = (int64_t)c->n_heads * D;
   tw_ce_blk_t b[3];
@@ -289,7 +289,7 @@ static tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t
   return TW_OK;
 }
 
-static tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
+static TW_NODISCARD tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
   const tw_model_config_t *c = &m->config;
   if (ce->tp > 1 || ce->ep > 1) return tw_ce_walk_shard(ce, m, u);
   TW_CHECK(tw_ce_put_as(u, &m->embed, TW_DTYPE_BF16, "embed", &ce->embed));
@@ -365,7 +365,7 @@ static void *tw_ce_take(tw_ce_carve_t *c, size_t bytes) {
   return p;
 }
 
-static tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
+static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   const tw_model_config_t *c = ce->cfg;
   size_t R = (size_t)ce->max_rows, H = (size_t)c->hidden, E = (size_t)c->n_experts;
   size_t B = (size_t)ce->max_batch, V = (size_t)c->vocab_size;
@@ -460,7 +460,7 @@ static void tw_ce_destroy(tw_engine_t *engine) {
 static const tw_engine_ops_t tw_ce_ops = {"cuda", tw_ce_destroy, tw_ce_prefill_pass, tw_ce_decode,
                                           tw_ce_warmup};
 
-static tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_params_t *p) {
+static TW_NODISCARD tw_status_t tw_ce_config_check(const tw_model_t *m, const tw_engine_params_t *p) {
   const tw_model_config_t *c = &m->config;
   if (m->layers == NULL || c->n_layers <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: model has no layers");

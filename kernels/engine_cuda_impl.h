@@ -83,16 +83,16 @@ typedef struct {
   int share_exported;   /* uploaded here and offered to the other workers */
   int share_fd;         /* the share lock while uploading; -1 otherwise */
   uint64_t share_fp;
-  char share_path[1024];   /* this holder's socket (<base>.<pid>.sock) */
-  char share_base[1024];   /* <dir>/weights-dev<D>-tp<T>r<R>-ep<E>r<Q> */
+  char share_path[1024]; /* this holder's socket (<base>.<pid>.sock) */
+  char share_base[1024]; /* <dir>/weights-dev<D>-tp<T>r<R>-ep<E>r<Q> */
   int share_device;
   /* the arena from the CUDA virtual memory API (engine_cuda_share.cu) */
   int warena_vmm;
   unsigned long long vmm_handle; /* CUmemGenericAllocationHandle */
   size_t vmm_bytes;              /* reserved and mapped: bytes rounded to the granularity */
-  int share_mem_fd;        /* the arena's POSIX file descriptor handle, served; -1 */
-  int share_sock;          /* the listening socket; -1 */
-  pthread_t share_thread;  /* serves share_mem_fd to the workers that connect */
+  int share_mem_fd;              /* the arena's POSIX file descriptor handle, served; -1 */
+  int share_sock;                /* the listening socket; -1 */
+  pthread_t share_thread;        /* serves share_mem_fd to the workers that connect */
   int share_serving;
   volatile int share_stop;
   const void *embed, *lm_head, *final_norm;
@@ -155,17 +155,17 @@ typedef struct {
  *  Errors: TW_ERR_UNSUPPORTED with the reason: a size other than 1 or the
  *  group size, NQ/NKV/E not divisible, no NCCL group, bf16 experts or
  *  data-parallel attention with ep > 1. */
-tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c, const tw_engine_params_t *p,
-                          int bf16_experts);
+TW_NODISCARD tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c,
+                                       const tw_engine_params_t *p, int bf16_experts);
 /** Sum x f32 [n] (device) over the group on ce->stream (NCCL all-reduce). */
-tw_status_t tw_ce_tp_allreduce(tw_ce_t *ce, float *x, int64_t n);
+TW_NODISCARD tw_status_t tw_ce_tp_allreduce(tw_ce_t *ce, float *x, int64_t n);
 /** tp > 1: logits of `rows` normalised rows xn bf16 [rows, H] into
  *  ce->logits [rows, V]: this rank's vocabulary rows, all-gather, scatter. */
-tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows);
+TW_NODISCARD tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows);
 /** ep > 1: the MoE of T rows of ce->xn into ce->moe_out (partial sums of
  *  this rank's experts, then the all-reduce): router, route, mask of the
  *  other ranks' experts and GEMV in slices of TW_CE_GEMV_MAX_TOKENS rows. */
-tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
+TW_NODISCARD tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
 
 /** Weights shared between the workers on a GPU (engine_cuda_share.cu;
  *  engine.h weights_share_dir). Open: map the arena of `bytes` that a live
@@ -175,12 +175,13 @@ tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T);
  *  caller uploads, then calls publish. Errors: TW_ERR_IO (the lock or the
  *  directory), TW_ERR_DEADLINE (another worker held the lock for 900 s),
  *  TW_ERR_NO_MEMORY, TW_ERR_CUDA (the virtual memory API failed). */
-tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m, const tw_engine_params_t *p,
-                             size_t bytes, int *imported_p);
+TW_NODISCARD tw_status_t tw_ce_share_open(tw_ce_t *ce, const tw_model_t *m,
+                                          const tw_engine_params_t *p, size_t bytes,
+                                          int *imported_p);
 /** Offer the uploaded arena to the other workers (its socket) and release
  *  the lock. Errors: TW_ERR_CUDA (no shareable handle), TW_ERR_IO (the
  *  socket). */
-tw_status_t tw_ce_share_publish(tw_ce_t *ce, int device);
+TW_NODISCARD tw_status_t tw_ce_share_publish(tw_ce_t *ce, int device);
 /** Stop serving the arena, then unmap it and release this process's
  *  reference (the memory lives on while another worker maps it). */
 void tw_ce_share_close(tw_ce_t *ce);
@@ -189,10 +190,10 @@ void tw_ce_share_close(tw_ce_t *ce);
 int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch);
 
 /** The engine ops (engine_cuda_step.cu). */
-tw_status_t tw_ce_prefill_pass(tw_engine_t *engine, const tw_prefill_pass_t *pass);
-tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
+TW_NODISCARD tw_status_t tw_ce_prefill_pass(tw_engine_t *engine, const tw_prefill_pass_t *pass);
+TW_NODISCARD tw_status_t tw_ce_decode(tw_engine_t *engine, const tw_decode_args_t *args);
 /** Capture the decode graph of every (batch, context) bucket (tw_engine_warmup). */
-tw_status_t tw_ce_warmup(tw_engine_t *engine);
+TW_NODISCARD tw_status_t tw_ce_warmup(tw_engine_t *engine);
 /** Log the per-op times gathered in profile mode (engine_cuda_step.cu). */
 void tw_ce_profile_log(const tw_ce_t *ce);
 /** Destroy the captured graphs (engine_cuda_step.cu). */

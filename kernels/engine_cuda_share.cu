@@ -138,7 +138,7 @@ static CUmemAllocationProp tw_ce_vmm_prop(int device) {
 
 /* Reserve an address range for ce->vmm_handle, map it and open it to this
  * device; sets ce->warena. Releases nothing on failure (the caller does). */
-static tw_status_t tw_ce_vmm_map(tw_ce_t *ce, int device) {
+static TW_NODISCARD tw_status_t tw_ce_vmm_map(tw_ce_t *ce, int device) {
   CUdeviceptr va = 0;
   CUresult r = g_vmm.reserve(&va, ce->vmm_bytes, 0, 0, 0);
   if (r == CUDA_SUCCESS) {
@@ -238,7 +238,7 @@ static void *tw_ce_share_serve(void *arg) {
 
 /* Offer the arena: the shareable descriptor on <base>.<pid>.sock, served
  * by a thread until tw_ce_share_close. Errors: TW_ERR_CUDA, TW_ERR_IO. */
-static tw_status_t tw_ce_share_offer(tw_ce_t *ce, const char *base) {
+static TW_NODISCARD tw_status_t tw_ce_share_offer(tw_ce_t *ce, const char *base) {
   if (ce->share_mem_fd < 0) {
     int fd = -1;
     CUresult r = g_vmm.export_(&fd, (CUmemGenericAllocationHandle)ce->vmm_handle,

@@ -60,7 +60,7 @@ void tw_ce_profile_log(const tw_ce_t *ce) {
  * n_seqs sequences (rows concatenated, ce->d_cu / d_start / d_block_tables).
  * kv_ev: NULL, or one event per layer, recorded once that layer's K/V
  * writes are enqueued (prefill with on_pass_layer, see tw_ce_prefill_pass). */
-static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_seq_len,
+static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_seq_len,
                                 int32_t block_size, int32_t n_seqs, cudaEvent_t *kv_ev) {
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
@@ -151,7 +151,7 @@ static tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode, int32_t max_
 }
 
 /* Unembedding of `rows` normalised rows starting at row r0 into ce->logits. */
-static tw_status_t tw_ce_unembed(tw_ce_t *ce, int32_t r0, int32_t rows) {
+static TW_NODISCARD tw_status_t tw_ce_unembed(tw_ce_t *ce, int32_t r0, int32_t rows) {
   const tw_model_config_t *c = ce->cfg;
   const char *xn = (const char *)ce->xn + (size_t)r0 * c->hidden * 2;
   if (ce->tp > 1) { /* this rank's vocabulary rows, all-gathered */
@@ -176,14 +176,14 @@ static tw_cuda_sample_row_t tw_ce_sample_row(const tw_sample_params_t *sp, int64
   return r;
 }
 
-static tw_status_t tw_ce_pass_run(tw_engine_t *e, const tw_prefill_pass_t *p, cudaEvent_t *kv_ev);
+static TW_NODISCARD tw_status_t tw_ce_pass_run(tw_engine_t *e, const tw_prefill_pass_t *p, cudaEvent_t *kv_ev);
 
 /* One prefill pass (engine_impl.h); with p->on_pass_layer, one event per
  * layer marks its K/V writes: after the pass is enqueued, each layer's event
  * is waited for in order and the callback called, so the transfer of layer
  * l runs while the GPU computes the layers after it (engine.h: late, never
  * early). */
-tw_status_t tw_ce_prefill_pass(tw_engine_t *e, const tw_prefill_pass_t *p) {
+TW_NODISCARD tw_status_t tw_ce_prefill_pass(tw_engine_t *e, const tw_prefill_pass_t *p) {
   if (!p->on_pass_layer) return tw_ce_pass_run(e, p, NULL);
   tw_ce_t *ce = (tw_ce_t *)e->backend;
   int32_t L = ce->cfg->n_layers;
@@ -209,7 +209,7 @@ tw_status_t tw_ce_prefill_pass(tw_engine_t *e, const tw_prefill_pass_t *p) {
 /* The pass's tokens as one batch of rows: per token its position and KV
  * slot, per segment its row range (cu), first position and block table row
  * (the prefill attention walks the segments' query tiles in one launch). */
-static tw_status_t tw_ce_pass_run(tw_engine_t *e, const tw_prefill_pass_t *p, cudaEvent_t *kv_ev) {
+static TW_NODISCARD tw_status_t tw_ce_pass_run(tw_engine_t *e, const tw_prefill_pass_t *p, cudaEvent_t *kv_ev) {
   tw_ce_t *ce = (tw_ce_t *)e->backend;
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
@@ -296,7 +296,7 @@ static tw_status_t tw_ce_pass_run(tw_engine_t *e, const tw_prefill_pass_t *p, cu
 }
 
 /* The device work of one decode step over B (bucketed) rows. */
-static tw_status_t tw_ce_decode_body(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs) {
+static TW_NODISCARD tw_status_t tw_ce_decode_body(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs) {
   TW_CHECK(tw_ce_layers(ce, B, 1, ctx, bs, B, NULL));
   TW_CHECK(tw_ce_unembed(ce, 0, B));
   TW_CE_OP(TW_CE_PROF_SAMPLE, tw_cuda_sample(ce->logits, ce->cfg->vocab_size, B,
@@ -341,7 +341,7 @@ static int32_t tw_ce_ctx_bucket(const tw_ce_t *ce, int32_t B, int32_t maxlen) {
 
 /* Find or capture the graph of (B, ctx). On a capture failure graphs are
  * turned off for this engine (eager launches from then on). */
-static tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs,
+static TW_NODISCARD tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t bs,
                                    cudaGraphExec_t *exec_p) {
   for (int i = 0; i < ce->n_graphs; i++)
     if (ce->graphs[i].b == B && ce->graphs[i].ctx == ctx) {
@@ -379,7 +379,7 @@ static tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t ctx, int32_t 
   return TW_OK;
 }
 
-tw_status_t tw_ce_warmup(tw_engine_t *e) {
+TW_NODISCARD tw_status_t tw_ce_warmup(tw_engine_t *e) {
   tw_ce_t *ce = (tw_ce_t *)e->backend;
   if (!ce->use_graphs) {
     TW_INFO("engine", "decode graphs are off on this engine: nothing to capture");
@@ -435,7 +435,7 @@ tw_status_t tw_ce_warmup(tw_engine_t *e) {
   return TW_OK;
 }
 
-tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a) {
+TW_NODISCARD tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a) {
   tw_ce_t *ce = (tw_ce_t *)e->backend;
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;

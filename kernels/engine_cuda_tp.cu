@@ -19,7 +19,7 @@
 #include "common/log.h"
 #include "kernels/cuda_common.h"
 
-tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c, const tw_engine_params_t *p,
+TW_NODISCARD tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c, const tw_engine_params_t *p,
                           int bf16_experts) {
   int32_t tp = p->tp_size, ep = p->ep_size;
   ce->tp = 1;
@@ -73,11 +73,11 @@ tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c, const tw_engi
   return TW_OK;
 }
 
-tw_status_t tw_ce_tp_allreduce(tw_ce_t *ce, float *x, int64_t n) {
+TW_NODISCARD tw_status_t tw_ce_tp_allreduce(tw_ce_t *ce, float *x, int64_t n) {
   return tw_coll_allreduce_sum_f32(ce->coll, x, n);
 }
 
-tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows) {
+TW_NODISCARD tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows) {
   const tw_model_config_t *c = ce->cfg;
   int32_t H = c->hidden, V = c->vocab_size, vp = ce->vp;
   cudaStream_t s = ce->stream;
@@ -112,7 +112,7 @@ __global__ void tw_ce_ep_mask_kernel(const int32_t *__restrict__ topk_idx, float
   }
 }
 
-tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T) {
+TW_NODISCARD tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32_t T) {
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
   int32_t H = c->hidden, E = c->n_experts;

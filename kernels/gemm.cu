@@ -37,7 +37,7 @@ struct tw_cuda_gemm {
   int next_victim;
 };
 
-static tw_status_t tw_gemm_lt_check(cublasStatus_t s, const char *what) {
+static TW_NODISCARD tw_status_t tw_gemm_lt_check(cublasStatus_t s, const char *what) {
   if (s == CUBLAS_STATUS_SUCCESS) return TW_OK;
   return tw_err(TW_ERR_CUDA, "gemm: %s failed: cublas status %d", what, (int)s);
 }
@@ -83,7 +83,7 @@ extern "C" void tw_cuda_gemm_destroy(tw_cuda_gemm_t *g) {
   free(g);
 }
 
-static tw_status_t tw_gemm_args_check(const char *fn, int32_t M, int32_t N, int32_t K,
+static TW_NODISCARD tw_status_t tw_gemm_args_check(const char *fn, int32_t M, int32_t N, int32_t K,
                                       const void *x, int64_t ldx, const void *w, int64_t ldw,
                                       const void *y, tw_dtype_t y_dtype, int64_t ldy) {
   if (!x || !w || !y) return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: NULL operand", fn);
@@ -100,7 +100,7 @@ static tw_status_t tw_gemm_args_check(const char *fn, int32_t M, int32_t N, int3
 }
 
 /* Find or build the cached descriptors and algorithm for one shape. */
-static tw_status_t tw_gemm_entry_get(tw_cuda_gemm_t *g, int32_t M, int32_t N, int32_t K,
+static TW_NODISCARD tw_status_t tw_gemm_entry_get(tw_cuda_gemm_t *g, int32_t M, int32_t N, int32_t K,
                                      int64_t ldx, int64_t ldw, int64_t ldy, tw_dtype_t y_dtype,
                                      int has_bias, tw_gemm_entry_t **entry_p) {
   for (int i = 0; i < TW_GEMM_CACHE; i++) {

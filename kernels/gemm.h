@@ -28,7 +28,7 @@ typedef struct tw_cuda_gemm tw_cuda_gemm_t;
 /** Create the handles and a device workspace of `workspace_bytes` (0 picks
  *  32 MiB) on the current device.
  *  Errors: TW_ERR_CUDA (handle creation or allocation failed), TW_ERR_NO_MEMORY. */
-tw_status_t tw_cuda_gemm_create(size_t workspace_bytes, tw_cuda_gemm_t **gemm_p);
+TW_NODISCARD tw_status_t tw_cuda_gemm_create(size_t workspace_bytes, tw_cuda_gemm_t **gemm_p);
 
 /** Free the handles, descriptors and workspace. NULL does nothing. */
 void tw_cuda_gemm_destroy(tw_cuda_gemm_t *gemm);
@@ -46,19 +46,20 @@ void tw_cuda_gemm_destroy(tw_cuda_gemm_t *gemm);
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL pointer, non-positive N/K, negative
  *  M, stride smaller than the row, other y dtype), TW_ERR_UNSUPPORTED (no
  *  cuBLASLt algorithm for the shape), TW_ERR_CUDA (cuBLAS failure, named). */
-tw_status_t tw_cuda_gemm_bf16(tw_cuda_gemm_t *gemm, int32_t M, int32_t N, int32_t K,
-                              const void *x, int64_t ldx, const void *w, int64_t ldw,
-                              const void *maybe_bias, void *y, tw_dtype_t y_dtype, int64_t ldy,
-                              cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_gemm_bf16(tw_cuda_gemm_t *gemm, int32_t M, int32_t N, int32_t K,
+                                           const void *x, int64_t ldx, const void *w, int64_t ldw,
+                                           const void *maybe_bias, void *y, tw_dtype_t y_dtype,
+                                           int64_t ldy, cudaStream_t stream);
 
 /** The same product without bias through cublasGemmEx (cuBLAS picks the
  *  kernel itself: cheap for many distinct M, as in the per-expert GEMMs of
  *  the MoE prefill). Same operands, errors and alignment rules as
  *  tw_cuda_gemm_bf16, minus the bias. */
-tw_status_t tw_cuda_gemm_bf16_nobias(tw_cuda_gemm_t *gemm, int32_t M, int32_t N, int32_t K,
-                                     const void *x, int64_t ldx, const void *w, int64_t ldw,
-                                     void *y, tw_dtype_t y_dtype, int64_t ldy,
-                                     cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_gemm_bf16_nobias(tw_cuda_gemm_t *gemm, int32_t M, int32_t N,
+                                                  int32_t K, const void *x, int64_t ldx,
+                                                  const void *w, int64_t ldw, void *y,
+                                                  tw_dtype_t y_dtype, int64_t ldy,
+                                                  cudaStream_t stream);
 
 #ifdef __cplusplus
 }

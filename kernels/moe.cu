@@ -196,7 +196,7 @@ extern "C" tw_status_t tw_cuda_moe_setup(void) {
   return tw_moe_grouped_setup();
 }
 
-static tw_status_t tw_moe_weights_check(const char *fn, const tw_cuda_moe_weights_t *w,
+static TW_NODISCARD tw_status_t tw_moe_weights_check(const char *fn, const tw_cuda_moe_weights_t *w,
                                         const tw_cuda_moe_route_t *r, int32_t T, const void *x,
                                         const void *out, int bf16_given) {
   if (!w || !r || !x || !out) return tw_err(TW_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);

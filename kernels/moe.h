@@ -73,8 +73,9 @@ size_t tw_cuda_moe_route_bytes(int32_t max_tokens, int32_t n_experts, int32_t k)
 /** Carve the routing arrays out of `mem` (device, 256-byte aligned, at least
  *  tw_cuda_moe_route_bytes bytes). Errors: TW_ERR_INVALID_ARGUMENT (NULL,
  *  non-positive sizes, k > n_experts, n_experts > 1024 or k > 32, too small). */
-tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t max_tokens,
-                                   int32_t n_experts, int32_t k, tw_cuda_moe_route_t *route_p);
+TW_NODISCARD tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t max_tokens,
+                                                int32_t n_experts, int32_t k,
+                                                tw_cuda_moe_route_t *route_p);
 
 /** Whether tw_cuda_moe_router_fused takes T tokens of hidden size H from x
  *  and w: 1 <= T <= 64, T <= route->max_tokens, T * E <= 2048, T * k <= 1024,
@@ -93,19 +94,19 @@ int tw_cuda_moe_router_fused_supported(const tw_cuda_moe_route_t *route, const v
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, misaligned), TW_ERR_UNSUPPORTED
  *  (tw_cuda_moe_router_fused_supported is false: use a GEMM and
  *  tw_cuda_moe_route), TW_ERR_CUDA. */
-tw_status_t tw_cuda_moe_router_fused(const tw_cuda_moe_route_t *route, const void *x,
-                                     const void *w, const float *bias, int32_t T, int32_t H,
-                                     float *logits, cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_moe_router_fused(const tw_cuda_moe_route_t *route, const void *x,
+                                                  const void *w, const float *bias, int32_t T,
+                                                  int32_t H, float *logits, cudaStream_t stream);
 
 /** Set kernel attributes (large dynamic shared memory). Call once per process
  *  and device before any other function here. Errors: TW_ERR_CUDA. */
-tw_status_t tw_cuda_moe_setup(void);
+TW_NODISCARD tw_status_t tw_cuda_moe_setup(void);
 
 /** Router top-k + softmax + sort by expert (spec §2.8). logits f32 [T, E]
  *  (device; bias already added), 1 <= T <= route->max_tokens. NaN logits
  *  never win. Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
-tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *route, const float *logits, int32_t T,
-                              cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *route, const float *logits,
+                                           int32_t T, cudaStream_t stream);
 
 /** Bytes of the decode workspace for up to max_tokens tokens (act f32
  *  [T*k, I] and expert outputs f32 [T*k, H]). */
@@ -119,9 +120,10 @@ size_t tw_cuda_moe_decode_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidden
  *  Grids depend only on T, E and k: capturable.
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, sizes, H or I not a multiple of 32),
  *  TW_ERR_CUDA. */
-tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *route,
-                               int32_t T, const void *x, void *workspace, size_t workspace_bytes,
-                               float *out, cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
+                                            const tw_cuda_moe_route_t *route, int32_t T,
+                                            const void *x, void *workspace, size_t workspace_bytes,
+                                            float *out, cudaStream_t stream);
 
 /** Bytes of one layer's dequantised experts: bf16 gate_up [E, 2I, H] followed
  *  (256-byte aligned) by bf16 down [E, H, I]. */
@@ -131,8 +133,9 @@ size_t tw_cuda_moe_dequant_bytes(int32_t n_experts, int32_t hidden, int32_t inte
  *  tw_cuda_moe_dequant_bytes; layout above). maybe_counts (device [E]) skips
  *  experts with no tokens; NULL dequantises all, so it can run ahead of the
  *  routing, on another stream. Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
-tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w, const int32_t *maybe_counts,
-                                void *wdq, cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w,
+                                             const int32_t *maybe_counts, void *wdq,
+                                             cudaStream_t stream);
 
 /** Whether tw_cuda_moe_prefill runs here for experts of hidden size H and
  *  intermediate size I: the current device has compute capability 9.0
@@ -182,10 +185,11 @@ size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidde
  *  T * k too large, workspace too small),
  *  TW_ERR_UNSUPPORTED (tw_cuda_moe_grouped_supported is false: use
  *  tw_cuda_moe_prefill_cublas), TW_ERR_CUDA. */
-tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *route,
-                                int32_t T, const void *x, const void *maybe_wbf16,
-                                void *workspace, size_t workspace_bytes, float *out,
-                                cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w,
+                                             const tw_cuda_moe_route_t *route, int32_t T,
+                                             const void *x, const void *maybe_wbf16,
+                                             void *workspace, size_t workspace_bytes, float *out,
+                                             cudaStream_t stream);
 
 /** Bytes of the tw_cuda_moe_prefill_cublas workspace for up to max_tokens
  *  tokens: gathered inputs [T*k, H], gate_up output [T*k, 2I], activations
@@ -204,18 +208,18 @@ size_t tw_cuda_moe_prefill_cublas_ws_bytes(int32_t max_tokens, int32_t n_experts
  *  workspace (then sized with_dequant). Synchronises the host once, to read
  *  the per-expert counts. Not capturable.
  *  Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
-tw_status_t tw_cuda_moe_prefill_cublas(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
-                                       const tw_cuda_moe_route_t *route, int32_t T, const void *x,
-                                       const void *maybe_wdq, void *workspace,
-                                       size_t workspace_bytes, int32_t *host_counts, float *out,
-                                       cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_moe_prefill_cublas(
+    tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *route,
+    int32_t T, const void *x, const void *maybe_wdq, void *workspace, size_t workspace_bytes,
+    int32_t *host_counts, float *out, cudaStream_t stream);
 
 /** Dequantise MXFP4 rows to bf16 (spec §3.4): n_rows rows of n_cols (a
  *  multiple of 32) from blocks [n_rows, n_cols/32, 16] and scales
  *  [n_rows, n_cols/32] into out bf16 [n_rows, n_cols]. Used by the prefill
  *  path and by tests. Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
-tw_status_t tw_cuda_mxfp4_dequant(const uint8_t *blocks, const uint8_t *scales, int64_t n_rows,
-                                  int32_t n_cols, void *out, cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_mxfp4_dequant(const uint8_t *blocks, const uint8_t *scales,
+                                               int64_t n_rows, int32_t n_cols, void *out,
+                                               cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -744,7 +744,7 @@ extern "C" int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediat
 }
 
 /* One grouped GEMM over the route's experts (see the file comment). */
-static tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk, int bt,
+static TW_NODISCARD tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk, int bt,
                                 cudaStream_t stream) {
   const int tiles_m = tk / bt + (a->E < tk ? a->E : tk);
   dim3 grid(TW_CDIV(a->N, TW_GG_BW), tiles_m);
@@ -756,7 +756,7 @@ static tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk,
 
 /* The decode kernel's MoE: gather + reorder the token rows into y (free
  * until down writes it), gate_up into act (B order), down into y. */
-static tw_status_t tw_gm_run(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
+static TW_NODISCARD tw_status_t tw_gm_run(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
                              int32_t T, const void *x, void *act, float *y, int bt,
                              cudaStream_t stream) {
   const int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k, tk = T * k;

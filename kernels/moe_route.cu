@@ -391,7 +391,7 @@ __global__ void tw_moe_combine_kernel(const YT *__restrict__ y, const int32_t *_
   }
 }
 
-tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
+TW_NODISCARD tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
                                const float *y, float *out, cudaStream_t stream) {
   tw_pdl_launch(tw_moe_combine_kernel<float, false>, dim3(T), dim3(256), 0, stream, y, r->pos_of,
                 r->topk_idx, r->topk_w, nullptr, H, r->k, out);
@@ -399,7 +399,7 @@ tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t 
   return TW_OK;
 }
 
-tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
+TW_NODISCARD tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
                                 const __nv_bfloat16 *y, const float *bias, float *out,
                                 cudaStream_t stream) {
   tw_pdl_launch(tw_moe_combine_kernel<__nv_bfloat16, true>, dim3(T), dim3(256), 0, stream, y,

@@ -30,10 +30,10 @@ extern "C" {
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL x_resid/weight/out, n_tokens < 0,
  *  hidden <= 0 or not a multiple of 4, eps < 0, other delta dtype),
  *  TW_ERR_CUDA (launch failed). */
-tw_status_t tw_cuda_rmsnorm_residual(float *x_resid, const void *maybe_delta,
-                                     tw_dtype_t delta_dtype, const void *weight, float eps,
-                                     int32_t n_tokens, int32_t hidden, void *out,
-                                     cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_rmsnorm_residual(float *x_resid, const void *maybe_delta,
+                                                  tw_dtype_t delta_dtype, const void *weight,
+                                                  float eps, int32_t n_tokens, int32_t hidden,
+                                                  void *out, cudaStream_t stream);
 
 /** Fill the YaRN RoPE tables (spec §2.5) on the host, computed in double and
  *  rounded to f32: for p < max_pos, i < D/2,
@@ -47,8 +47,8 @@ tw_status_t tw_cuda_rmsnorm_residual(float *x_resid, const void *maybe_delta,
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL pointer, max_pos <= 0, head_dim odd
  *  or <= 0, theta <= 1, f <= 0, beta_fast <= beta_slow, or low/high outside
  *  the ramp's valid range). */
-tw_status_t tw_cuda_rope_table_fill(const tw_model_config_t *config, int32_t max_pos,
-                                    float *cos_out, float *sin_out);
+TW_NODISCARD tw_status_t tw_cuda_rope_table_fill(const tw_model_config_t *config, int32_t max_pos,
+                                                 float *cos_out, float *sin_out);
 
 /** RoPE on q and k of the QKV GEMM's f32 output, plus the KV-cache write,
  *  each value rounded to bf16 once, after the rotation. qkv: f32, row t at
@@ -71,13 +71,11 @@ tw_status_t tw_cuda_rope_table_fill(const tw_model_config_t *config, int32_t max
  *  head_dim not a multiple of 4 or > 256, max_pos <= 0, qkv_row_stride <
  *  (NQ + 2 NKV) * D or odd, q_row_stride < NQ * D or odd, block_size <= 0,
  *  misaligned qkv or q_out), TW_ERR_CUDA. */
-tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_row_stride, int32_t n_tokens,
-                                      int32_t n_q_heads, int32_t n_kv_heads, int32_t head_dim,
-                                      const int32_t *positions, const float *rope_cos,
-                                      const float *rope_sin, int32_t max_pos,
-                                      const int32_t *maybe_slots, void *kv_layer,
-                                      int32_t block_size, void *q_out, int64_t q_row_stride,
-                                      cudaStream_t stream);
+TW_NODISCARD tw_status_t tw_cuda_rope_kv_write_f32(
+    const float *qkv, int64_t qkv_row_stride, int32_t n_tokens, int32_t n_q_heads,
+    int32_t n_kv_heads, int32_t head_dim, const int32_t *positions, const float *rope_cos,
+    const float *rope_sin, int32_t max_pos, const int32_t *maybe_slots, void *kv_layer,
+    int32_t block_size, void *q_out, int64_t q_row_stride, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

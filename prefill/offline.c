@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-tw_status_t tw_offline_read_tokens(const char *path, int32_t **ids_p, int32_t *n_p) {
+TW_NODISCARD tw_status_t tw_offline_read_tokens(const char *path, int32_t **ids_p, int32_t *n_p) {
   FILE *f = fopen(path, "rb");
   if (!f) return tw_err(TW_ERR_IO, "prompt tokens: cannot open %s: %s", path, strerror(errno));
   tw_status_t st = TW_OK;
@@ -75,7 +75,8 @@ out:
 }
 
 /* float32 little-endian, whatever the host order. */
-static tw_status_t tw_offline_write_logits(const char *path, const float *logits, int64_t n) {
+static TW_NODISCARD tw_status_t tw_offline_write_logits(const char *path, const float *logits,
+                                                        int64_t n) {
   FILE *f = fopen(path, "wb");
   if (!f) return tw_err(TW_ERR_IO, "dump logits: cannot create %s: %s", path, strerror(errno));
   unsigned char buf[4096];
@@ -106,7 +107,7 @@ static int tw_offline_is_stop(const tw_offline_opts_t *o, int32_t tok) {
   return 0;
 }
 
-tw_status_t tw_offline_run(const tw_offline_opts_t *o, FILE *out) {
+TW_NODISCARD tw_status_t tw_offline_run(const tw_offline_opts_t *o, FILE *out) {
   if (o->generate < 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "offline: --generate %d < 0", o->generate);
   int32_t *ids = NULL, n_ids = 0, *table = NULL, *gen = NULL;

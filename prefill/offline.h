@@ -28,7 +28,7 @@ typedef struct {
 /** Read a JSON array of token ids from `path` into a malloc'd array (the
  *  caller frees *ids_p). Errors: TW_ERR_IO, TW_ERR_FORMAT (not a JSON array
  *  of integers, or empty; the message names the element), TW_ERR_NO_MEMORY. */
-tw_status_t tw_offline_read_tokens(const char *path, int32_t **ids_p, int32_t *n_p);
+TW_NODISCARD tw_status_t tw_offline_read_tokens(const char *path, int32_t **ids_p, int32_t *n_p);
 
 /** Run the offline mode: load the model, prefill the prompt (all logits if
  *  a dump path is given, written as little-endian float32 [T, vocab]), then
@@ -39,6 +39,6 @@ tw_status_t tw_offline_read_tokens(const char *path, int32_t **ids_p, int32_t *n
  *  tw_engine_prefill/decode (a token id outside the vocabulary is
  *  TW_ERR_INVALID_ARGUMENT; a prompt plus generation longer than
  *  max_position_embeddings is TW_ERR_OUT_OF_RANGE), TW_ERR_IO on the dump. */
-tw_status_t tw_offline_run(const tw_offline_opts_t *opts, FILE *out);
+TW_NODISCARD tw_status_t tw_offline_run(const tw_offline_opts_t *opts, FILE *out);
 
 #endif

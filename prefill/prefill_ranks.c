@@ -75,10 +75,11 @@ static void tw_rank_on_layer(void *arg, int32_t layer, int32_t start, int32_t n_
 /* This rank's part: engine prefill, its heads put into every decode rank
  * layer by layer as the engine reports them done (the transfer of layer l
  * overlaps the compute of the layers after it), then the flushes. */
-static tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
-                                       const Twain__Internal__V1__PrefillRequest *r,
-                                       const int32_t *ids, int32_t nb, int32_t *first_p,
-                                       int64_t *bytes_p, uint64_t *head_sums, int64_t *t_mid_p) {
+static TW_NODISCARD tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
+                                                    const Twain__Internal__V1__PrefillRequest *r,
+                                                    const int32_t *ids, int32_t nb,
+                                                    int32_t *first_p, int64_t *bytes_p,
+                                                    uint64_t *head_sums, int64_t *t_mid_p) {
   const tw_model_config_t *c = &rk->model->config;
   const tw_kv_layout_t *src = tw_engine_kv_layout(rk->engine);
   const Twain__Internal__V1__KvHandoff *h = r->handoff;
@@ -151,9 +152,11 @@ static tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
   return TW_OK;
 }
 
-tw_status_t tw_prefill_ranks_run(tw_prefill_ranks_t *rk, const Twain__Internal__V1__PrefillRequest *r,
-                                 const int32_t *ids, int32_t nb, int32_t *first_p, int64_t *bytes_p,
-                                 uint64_t *head_sums, double *prefill_ms_p, double *xfer_ms_p) {
+TW_NODISCARD tw_status_t tw_prefill_ranks_run(tw_prefill_ranks_t *rk,
+                                              const Twain__Internal__V1__PrefillRequest *r,
+                                              const int32_t *ids, int32_t nb, int32_t *first_p,
+                                              int64_t *bytes_p, uint64_t *head_sums,
+                                              double *prefill_ms_p, double *xfer_ms_p) {
   const tw_model_config_t *c = &rk->model->config;
   const int32_t size = tw_dist_size(rk->dist);
   const size_t n_sums = (size_t)c->n_layers * (size_t)c->n_kv_heads;
@@ -218,7 +221,7 @@ tw_status_t tw_prefill_ranks_run(tw_prefill_ranks_t *rk, const Twain__Internal__
   return TW_OK;
 }
 
-tw_status_t tw_prefill_ranks_hook(void *ctx, const void *buf, size_t len) {
+TW_NODISCARD tw_status_t tw_prefill_ranks_hook(void *ctx, const void *buf, size_t len) {
   tw_prefill_ranks_t *rk = ctx;
   const tw_model_config_t *c = &rk->model->config;
   const size_t n_sums = (size_t)c->n_layers * (size_t)c->n_kv_heads;

@@ -46,11 +46,13 @@ int tw_prefill_ranks_wanted(const tw_prefill_ranks_t *rk, const Twain__Internal_
  *  heads) the per-head checksums (kv_reshard.h), *prefill_ms_p / *xfer_ms_p
  *  rank 0's times. Errors: those of the engine and the transfer on any rank
  *  (the message names the rank), TW_ERR_DEADLINE (a rank did not answer). */
-tw_status_t tw_prefill_ranks_run(tw_prefill_ranks_t *rk, const Twain__Internal__V1__PrefillRequest *r,
-                                 const int32_t *ids, int32_t nb, int32_t *first_p, int64_t *bytes_p,
-                                 uint64_t *head_sums, double *prefill_ms_p, double *xfer_ms_p);
+TW_NODISCARD tw_status_t tw_prefill_ranks_run(tw_prefill_ranks_t *rk,
+                                              const Twain__Internal__V1__PrefillRequest *r,
+                                              const int32_t *ids, int32_t nb, int32_t *first_p,
+                                              int64_t *bytes_p, uint64_t *head_sums,
+                                              double *prefill_ms_p, double *xfer_ms_p);
 
 /** The other ranks' plan hook (tw_dist_follow): ctx is a tw_prefill_ranks_t. */
-tw_status_t tw_prefill_ranks_hook(void *ctx, const void *buf, size_t len);
+TW_NODISCARD tw_status_t tw_prefill_ranks_hook(void *ctx, const void *buf, size_t len);
 
 #endif

@@ -49,7 +49,7 @@ static void tw_handoff_send(tw_handoff_state_t *s, int32_t l, int32_t end, bool 
 }
 
 /* One request's handoff set up: its endpoint, the first block each layer sends. */
-static tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
+static TW_NODISCARD tw_status_t tw_handoff_begin(tw_handoff_state_t *s) {
   const Twain__Internal__V1__KvLayout *hl = s->r->handoff->layout;
   const Twain__Internal__V1__KvHandoff *h = s->r->handoff;
   const tw_model_config_t *c = &s->ctx->model->config;
@@ -138,9 +138,9 @@ void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b) {
   free(b);
 }
 
-tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
-                                     tw_prefill_handoff_item_t *items, int32_t n,
-                                     tw_prefill_handoff_batch_t **b_p) {
+TW_NODISCARD tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
+                                                  tw_prefill_handoff_item_t *items, int32_t n,
+                                                  tw_prefill_handoff_batch_t **b_p) {
   const tw_model_config_t *c = &ctx->model->config;
   *b_p = NULL;
   tw_status_t st = TW_OK;
@@ -212,8 +212,8 @@ tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
   return b->est != TW_OK ? tw_err(b->est, "%s", b->emsg) : TW_OK;
 }
 
-tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
-                                     tw_prefill_handoff_item_t *items, int32_t n) {
+TW_NODISCARD tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
+                                                  tw_prefill_handoff_item_t *items, int32_t n) {
   tw_prefill_handoff_batch_t *b = NULL;
   tw_status_t st = tw_prefill_handoff_start(ctx, items, n, &b);
   tw_prefill_handoff_finish(b);

@@ -72,8 +72,8 @@ typedef struct {
  *  that every item then carries too (an INVALID_ARGUMENT / OUT_OF_RANGE
  *  from the argument checks means nothing ran: the caller may run the
  *  prompts one by one to find the bad one), TW_ERR_NO_MEMORY. */
-tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
-                                     tw_prefill_handoff_item_t *items, int32_t n);
+TW_NODISCARD tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
+                                                  tw_prefill_handoff_item_t *items, int32_t n);
 
 /** tw_prefill_handoff_batch in two halves, so that a batch's flush can wait
  *  until the next batch computes (batch i's handoff overlapped with batch
@@ -83,9 +83,9 @@ tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t *ctx,
  *  failed with it). ctx and items must stay valid until finish. finish: the
  *  flushes and every item's status and result, then frees b (NULL: nothing). */
 typedef struct tw_prefill_handoff_batch tw_prefill_handoff_batch_t;
-tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
-                                     tw_prefill_handoff_item_t *items, int32_t n,
-                                     tw_prefill_handoff_batch_t **b_p);
+TW_NODISCARD tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
+                                                  tw_prefill_handoff_item_t *items, int32_t n,
+                                                  tw_prefill_handoff_batch_t **b_p);
 void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b);
 
 #endif

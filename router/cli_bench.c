@@ -154,7 +154,7 @@ static const char *const tw_bench_words[] = {
     "been", "if", "more", "when", "will", "would", "who", "so", "no", "time", "water", "house",
     "word", "dog", "book", "tree", "city", "river", "light", "music", "story", "world", "day"};
 
-static tw_status_t tw_bench_make_requests(tw_bench_t *b) {
+static TW_NODISCARD tw_status_t tw_bench_make_requests(tw_bench_t *b) {
   const tw_bench_opts_t *o = &b->o;
   tw_bench_rng_t s = {o->seed, 0};
   b->r = calloc((size_t)o->n, sizeof *b->r);

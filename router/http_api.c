@@ -51,9 +51,30 @@ static const char *tw_http_error_type(unsigned status) {
   }
 }
 
+bool tw_http_check(tw_hconn_t *c, tw_status_t st) {
+  if (st == TW_OK) return true;
+  if (c->broken || (c->finished && !c->sse)) return false;
+  TW_ERROR("http", "request %llu: cannot build its %s (%s): ending it with an error",
+           (unsigned long long)c->serial, c->submitted ? "answer" : "request", tw_last_error());
+  if (c->submitted && !c->finished) { /* stop the generation nobody will read */
+    c->want_cancel = true;
+    c->h->pending_cancel = true;
+  }
+  if (c->sse) { /* the stream is missing a part: cut it off (tw_http_sse_reader) */
+    tw_metric_add(c->h->m_errors, 1);
+    c->broken = true;
+    c->finished = true;
+  } else {
+    tw_http_fail(c, 500, NULL, "the server could not build the %s: %s",
+                 c->submitted ? "answer" : "request", tw_last_error());
+  }
+  return false;
+}
+
 void tw_http_out(tw_hconn_t *c, const char *s, size_t len) {
+  if (c->broken) return;
   if (c->out_off && c->out_off == c->out.len) c->out.len = c->out_off = 0;
-  tw_tok_buf_append(&c->out, s, len);
+  tw_http_check(c, tw_tok_buf_append(&c->out, s, len));
 }
 
 /* prefix, obj as JSON (deleted), "\n\n" */
@@ -107,7 +128,13 @@ static void tw_http_set_answer(tw_hconn_t *c, unsigned status, cJSON *obj) {
   c->finished = true;
 }
 
-void tw_http_answer_json(tw_hconn_t *c, cJSON *obj) { tw_http_set_answer(c, 200, obj); }
+void tw_http_answer_json(tw_hconn_t *c, cJSON *obj) {
+  if (c->finished) { /* an answer already decided (a failure: tw_http_check) stands */
+    cJSON_Delete(obj);
+    return;
+  }
+  tw_http_set_answer(c, 200, obj);
+}
 
 void tw_http_fail(tw_hconn_t *c, unsigned status, const char *param, const char *fmt, ...) {
   char raw[768], msg[1024]; /* msg: raw with what is not UTF-8 escaped */
@@ -184,8 +211,8 @@ static void tw_http_cancel(tw_http_t *h, tw_hconn_t *c) {
   tw_router_dispatch(h->r, &from, &cr);
 }
 
-tw_status_t tw_http_on_reply(tw_http_t *h, const uint8_t *id, size_t id_len,
-                             Twain__V1__ServerReply *rep) {
+TW_NODISCARD tw_status_t tw_http_on_reply(tw_http_t *h, const uint8_t *id, size_t id_len,
+                                          Twain__V1__ServerReply *rep) {
   (void)id_len;
   tw_hconn_t *c = h ? tw_http_find(h, id) : NULL;
   if (!c) return tw_err_quiet(TW_ERR_UNAVAILABLE, "the HTTP client went away");
@@ -223,6 +250,7 @@ static enum MHD_Result tw_http_queue_answer(tw_hconn_t *c) {
 static ssize_t tw_http_sse_reader(void *cls, uint64_t pos, char *buf, size_t max) {
   (void)pos;
   tw_hconn_t *c = cls;
+  if (c->broken) return MHD_CONTENT_READER_END_WITH_ERROR;
   size_t avail = c->out.len - c->out_off;
   if (avail) {
     size_t n = avail < max ? avail : max;
@@ -377,8 +405,9 @@ static enum MHD_Result tw_http_access(void *cls, struct MHD_Connection *mc, cons
       *upload_size = 0;
       return tw_http_queue_answer(c);
     }
-    tw_tok_buf_append(&c->body, upload, *upload_size);
+    tw_status_t as = tw_tok_buf_append(&c->body, upload, *upload_size);
     *upload_size = 0;
+    if (!tw_http_check(c, as)) return tw_http_queue_answer(c); /* 500 */
     return MHD_YES;
   }
   if (!c->submitted && !c->finished) {
@@ -417,7 +446,7 @@ static void tw_http_log(void *cls, const char *fmt, va_list ap) {
   TW_DEBUG("http", "libmicrohttpd: %s", msg);
 }
 
-tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
+TW_NODISCARD tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   *h_p = NULL;
   const tw_router_params_t *p = r->p;
   if (p->http_port < 0) return TW_OK;

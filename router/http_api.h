@@ -23,7 +23,7 @@
 /** Start serving on params http_addr:http_port (NULL *h_p when http_port < 0).
  *  Errors: TW_ERR_INVALID_ARGUMENT (address not numeric), TW_ERR_TRANSPORT
  *  (cannot listen there, e.g. the port is taken), TW_ERR_NO_MEMORY. */
-tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p);
+TW_NODISCARD tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p);
 /** Close every connection (no request is cancelled through the router: it is
  *  shutting down) and stop. NULL does nothing. */
 void tw_http_stop(tw_http_t *h);
@@ -38,7 +38,7 @@ bool tw_http_owns(const uint8_t *id, size_t id_len);
 /** A router reply for the HTTP connection `id`: converted at once (rep is
  *  borrowed for the call). TW_ERR_UNAVAILABLE when that connection is gone
  *  (the router then cancels the request). */
-tw_status_t tw_http_on_reply(tw_http_t *h, const uint8_t *id, size_t id_len,
-                             Twain__V1__ServerReply *rep);
+TW_NODISCARD tw_status_t tw_http_on_reply(tw_http_t *h, const uint8_t *id, size_t id_len,
+                                          Twain__V1__ServerReply *rep);
 
 #endif

@@ -53,6 +53,7 @@ typedef struct tw_hconn {
   bool queued;         /* an MHD response was queued */
   bool sse;            /* the stream started: status 200 and events */
   bool want_cancel;    /* cancel the router request at the next tw_http_run */
+  bool broken;         /* the stream could not be built (out of memory): it ends with an error */
   unsigned status;     /* the answer decided before any stream: status + body */
   char *answer;
   tw_tok_buf_t out;    /* SSE bytes not yet written */
@@ -100,14 +101,23 @@ void tw_http_fail(tw_hconn_t *c, unsigned status, const char *param, const char 
     __attribute__((format(printf, 4, 5)));
 /** The HTTP status for a twain.v1 Code. */
 unsigned tw_http_status_of_code(int code);
-/** Append bytes to the connection's pending SSE output. */
+/** Check a status from building c's request or answer (an append that
+ *  could not grow, a token without text). TW_OK: true. Otherwise (logged
+ *  once) c ends with an error: before any stream a 500 answer, after it
+ *  began the stream is cut off with an error (a client sees a failed
+ *  transfer, never a silently shortened answer); a request handed to the
+ *  router is cancelled. Returns false. */
+bool tw_http_check(tw_hconn_t *c, tw_status_t st);
+/** Append bytes to the connection's pending SSE output (tw_http_check on a
+ *  failure). */
 void tw_http_out(tw_hconn_t *c, const char *s, size_t len);
 /** Append "data: <json>\n\n" (obj is deleted). */
 void tw_http_sse_data(tw_hconn_t *c, cJSON *obj);
 /** Append "event: <type>\ndata: <json with type and sequence_number>\n\n"
  *  (obj is deleted). */
 void tw_http_sse_event(tw_hconn_t *c, const char *type, cJSON *obj);
-/** Finish with a complete JSON body (obj is deleted), status 200. */
+/** Finish with a complete JSON body (obj is deleted), status 200; when c
+ *  already finished (a failure decided first) obj is only deleted. */
 void tw_http_answer_json(tw_hconn_t *c, cJSON *obj);
 
 /* ---- http_openai.c ---- */

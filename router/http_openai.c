@@ -303,7 +303,10 @@ static cJSON *tw_resp_content(const cJSON *content) {
 
 /* Responses input -> chat messages (appended to `msgs`); NULL on success,
  * else the message of a 400. */
-static const char *tw_resp_input(const cJSON *input, cJSON *msgs, char *err, size_t errlen) {
+/* Returns NULL, or the reason in err with *status_p the HTTP status: 400
+ * for bad input, 500 when out of memory. */
+static const char *tw_resp_input(const cJSON *input, cJSON *msgs, char *err, size_t errlen,
+                                 unsigned *status_p) {
   if (cJSON_IsString(input)) {
     cJSON *m = cJSON_CreateObject();
     cJSON_AddStringToObject(m, "role", "user");
@@ -354,12 +357,21 @@ static const char *tw_resp_input(const cJSON *input, cJSON *msgs, char *err, siz
     } else if (!strcmp(t, "reasoning")) { /* earlier reasoning: content, else the summary */
       tw_tok_buf_t b;
       tw_tok_buf_init(&b);
+      tw_status_t as = TW_OK;
       for (int pass = 0; pass < 2 && !b.len; pass++) {
         const cJSON *parts = cJSON_GetObjectItemCaseSensitive(it, pass ? "summary" : "content"), *p;
         cJSON_ArrayForEach(p, parts) {
           const cJSON *text = cJSON_GetObjectItemCaseSensitive(p, "text");
-          if (cJSON_IsString(text)) tw_tok_buf_append(&b, text->valuestring, strlen(text->valuestring));
+          if (cJSON_IsString(text) && as == TW_OK)
+            as = tw_tok_buf_append(&b, text->valuestring, strlen(text->valuestring));
         }
+      }
+      if (as != TW_OK) {
+        snprintf(err, errlen, "input[%d]: %s", i, tw_last_error());
+        *status_p = 500;
+        tw_tok_buf_fini(&b);
+        cJSON_Delete(m);
+        return err;
       }
       cJSON_AddStringToObject(m, "role", "assistant");
       cJSON_AddStringToObject(m, "content", "");
@@ -414,7 +426,8 @@ static void tw_submit_responses(tw_hconn_t *c, const cJSON *root) {
     cJSON_AddItemToArray(msgs, m);
   }
   char err[256];
-  const char *bad = tw_resp_input(input, msgs, err, sizeof err);
+  unsigned bad_status = 400;
+  const char *bad = tw_resp_input(input, msgs, err, sizeof err, &bad_status);
   const cJSON *tools = tw_field(root, "tools");
   if (tools) cJSON_AddItemToObject(chat, "tools", cJSON_Duplicate(tools, true));
   const cJSON *tool_choice = tw_field(root, "tool_choice");
@@ -425,7 +438,7 @@ static void tw_submit_responses(tw_hconn_t *c, const cJSON *root) {
   char *txt = bad ? NULL : cJSON_PrintUnformatted(chat);
   cJSON_Delete(chat);
   if (bad) {
-    tw_http_fail(c, 400, "input", "%s", bad);
+    tw_http_fail(c, bad_status, bad_status == 400 ? "input" : NULL, "%s", bad);
     return;
   }
   tw_harmony_conversation_t conv;
@@ -474,7 +487,7 @@ static void tw_submit_completions(tw_hconn_t *c, const cJSON *root) {
                      "(batches of prompts are not supported: send one per request)");
         goto out;
       }
-      tw_token_ids_push(&ids, (int32_t)e->valuedouble);
+      if (!tw_http_check(c, tw_token_ids_push(&ids, (int32_t)e->valuedouble))) goto out; /* 500 */
     }
   } else {
     tw_http_fail(c, 400, "prompt", "'prompt' must be a string or an array of token ids");

@@ -21,7 +21,10 @@ static tw_hitem_t *tw_item_new(tw_hconn_t *c, tw_hitem_kind_t kind, const char *
   if (c->n_items == c->cap_items) {
     int cap = c->cap_items ? c->cap_items * 2 : 8;
     tw_hitem_t *t = realloc(c->items, sizeof *t * (size_t)cap);
-    if (!t) return NULL;
+    if (!t) {
+      tw_http_check(c, tw_err_quiet(TW_ERR_NO_MEMORY, "no memory for %d answer items", cap));
+      return NULL;
+    }
     c->items = t;
     c->cap_items = cap;
   }
@@ -29,7 +32,7 @@ static tw_hitem_t *tw_item_new(tw_hconn_t *c, tw_hitem_kind_t kind, const char *
   memset(it, 0, sizeof *it);
   it->kind = kind;
   tw_tok_buf_init(&it->text);
-  tw_tok_buf_append(&it->text, "", 0);
+  if (!tw_http_check(c, tw_tok_buf_append(&it->text, "", 0))) return NULL;
   static const char *const prefix[] = {"msg", "rs", "call"};
   snprintf(it->id, sizeof it->id, "%s_%llx%04x", prefix[kind], (unsigned long long)c->serial,
            (unsigned)c->n_items);
@@ -54,12 +57,12 @@ static void tw_items_feed(tw_hconn_t *c, const Twain__V1__ServerReply *rep, cons
       tw_hitem_kind_t kind = rc[0] ? TW_HI_CALL
                              : d->channel && !strcmp(d->channel, "analysis") ? TW_HI_REASONING
                                                                              : TW_HI_TEXT;
-      if (!(it = tw_item_new(c, kind, rc))) continue;
+      if (!(it = tw_item_new(c, kind, rc))) return; /* c failed (tw_http_check) */
       if (c->stream && ops->open) ops->open(c, c->n_items - 1);
     }
     size_t len = d->content ? strlen(d->content) : 0;
     if (!len) continue;
-    tw_tok_buf_append(&it->text, d->content, len);
+    if (!tw_http_check(c, tw_tok_buf_append(&it->text, d->content, len))) return;
     if (c->stream && ops->delta) ops->delta(c, c->n_items - 1, d->content, len);
   }
   for (size_t k = 0; k < rep->n_tool_calls; k++) {
@@ -68,10 +71,10 @@ static void tw_items_feed(tw_hconn_t *c, const Twain__V1__ServerReply *rep, cons
     const char *args = t->arguments ? t->arguments : "";
     if (it && it->kind == TW_HI_CALL && !it->closed) { /* its arguments were streamed */
       it->text.len = 0;
-      tw_tok_buf_append(&it->text, args, strlen(args));
+      if (!tw_http_check(c, tw_tok_buf_append(&it->text, args, strlen(args)))) return;
     } else { /* a call without streamed arguments */
-      if (!(it = tw_item_new(c, TW_HI_CALL, t->recipient))) continue;
-      tw_tok_buf_append(&it->text, args, strlen(args));
+      if (!(it = tw_item_new(c, TW_HI_CALL, t->recipient))) return; /* c failed */
+      if (!tw_http_check(c, tw_tok_buf_append(&it->text, args, strlen(args)))) return;
       if (c->stream && ops->open) ops->open(c, c->n_items - 1);
     }
     it->closed = true;
@@ -192,17 +195,24 @@ static const char *tw_chat_finish(const tw_hconn_t *c) {
 }
 
 /* Items of one kind joined, or NULL when there is none. */
-static char *tw_join(const tw_hconn_t *c, tw_hitem_kind_t kind) {
+/* The text of c's items of `kind` joined; NULL when there is none, or when
+ * it could not be stored (c then fails: tw_http_check). */
+static char *tw_join(tw_hconn_t *c, tw_hitem_kind_t kind) {
   tw_tok_buf_t b;
   tw_tok_buf_init(&b);
   bool any = false;
-  for (int i = 0; i < c->n_items; i++)
+  tw_status_t as = TW_OK;
+  for (int i = 0; i < c->n_items && as == TW_OK; i++)
     if (c->items[i].kind == kind) {
       any = true;
-      tw_tok_buf_append(&b, c->items[i].text.data, c->items[i].text.len);
+      as = tw_tok_buf_append(&b, c->items[i].text.data, c->items[i].text.len);
     }
+  if (as == TW_OK && any && !b.data) as = tw_tok_buf_append(&b, "", 0);
+  if (!tw_http_check(c, as)) {
+    tw_tok_buf_fini(&b);
+    return NULL;
+  }
   if (!any) return NULL;
-  if (!b.data) tw_tok_buf_append(&b, "", 0);
   return b.data;
 }
 
@@ -445,7 +455,7 @@ static void tw_cmpl_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
   bool stop_hit = false;
   for (size_t i = 0; i < rep->n_token_ids && !stop_hit; i++) {
     size_t old = c->ctext.len;
-    tw_tok_stream_push(&c->dec, rep->token_ids[i], &c->ctext);
+    if (!tw_http_check(c, tw_tok_stream_push(&c->dec, rep->token_ids[i], &c->ctext))) return;
     c->n_seen++;
     size_t from = old >= c->max_stop ? old - c->max_stop + 1 : 0;
     for (int k = 0; k < c->n_stops && c->ctext.len; k++) {
@@ -458,7 +468,7 @@ static void tw_cmpl_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
     }
   }
   bool done = rep->done || stop_hit;
-  if (rep->done && !stop_hit) tw_tok_stream_finish(&c->dec, &c->ctext);
+  if (rep->done && !stop_hit && !tw_http_check(c, tw_tok_stream_finish(&c->dec, &c->ctext))) return;
   if (stop_hit && !rep->done) { /* stop the generation too */
     c->want_cancel = true;
     c->h->pending_cancel = true;

@@ -56,8 +56,9 @@ void tw_utf8_escape(const char *in, char *out, size_t cap) {
 }
 
 /* Send a reply to a ZeroMQ client or an HTTP connection (http_api.h). */
-static tw_status_t tw_router_send_client(tw_router_t *r, const uint8_t *id, size_t id_len,
-                                         bool delim, Twain__V1__ServerReply *rep) {
+static TW_NODISCARD tw_status_t tw_router_send_client(tw_router_t *r, const uint8_t *id,
+                                                      size_t id_len, bool delim,
+                                                      Twain__V1__ServerReply *rep) {
   if (tw_http_owns(id, id_len)) return tw_http_on_reply(r->http, id, id_len, rep);
   return tw_msg_send_to(r->csock, id, id_len, delim, &rep->base);
 }
@@ -90,7 +91,9 @@ static void tw_reply_raw(tw_router_t *r, const tw_msg_t *from, uint64_t rid, int
     if (code > 0 && code < (int)(sizeof r->m.by_code / sizeof r->m.by_code[0]))
       tw_metric_add(r->m.by_code[code], 1);
   }
-  tw_router_send_client(r, from->id, from->id_len, from->delim, &rep);
+  /* no request to cancel: a client that cannot be answered is gone */
+  tw_msg_note_failure(tw_router_send_client(r, from->id, from->id_len, from->delim, &rep), "router",
+                      "cannot answer a client");
 }
 
 void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
@@ -269,7 +272,8 @@ void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_
   q->done = true;
 }
 
-static tw_status_t tw_sampling_check(const Twain__V1__SamplingParams *s, char *msg, size_t len) {
+static TW_NODISCARD tw_status_t tw_sampling_check(const Twain__V1__SamplingParams *s, char *msg,
+                                                  size_t len) {
   if (!s) return TW_OK;
   if (s->temperature != s->temperature || s->temperature < 0 || s->temperature > 100) {
     snprintf(msg, len, "temperature %g is outside [0, 100]", (double)s->temperature);
@@ -487,7 +491,7 @@ void tw_router_sweep(tw_router_t *r, int64_t now) {
   tw_metric_set(r->m.waiting_v, queued);
 }
 
-tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
+TW_NODISCARD tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   memset(r, 0, sizeof *r);
   r->p = p;
   r->next_worker_serial = 1;
@@ -591,7 +595,7 @@ static void tw_router_warn_bad_frame(tw_router_t *r) {
   TW_WARN("router", "bad message on the worker socket: %s", tw_last_error());
 }
 
-tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *stop) {
+TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *stop) {
   tw_router_t r;
   tw_status_t st = tw_router_init(&r, p);
   if (st != TW_OK) {

@@ -233,7 +233,7 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
   }
 }
 
-tw_status_t tw_rchat_init(tw_router_t *r) {
+TW_NODISCARD tw_status_t tw_rchat_init(tw_router_t *r) {
   tw_rchat_ctx_t *x = calloc(1, sizeof *x);
   if (!x) return tw_err(TW_ERR_NO_MEMORY, "router: cannot allocate the chat context");
   r->chat_ctx = x;
@@ -274,7 +274,7 @@ int32_t tw_rchat_default_stops(tw_router_t *r, int32_t *ids, int32_t cap) {
   return n;
 }
 
-static tw_status_t tw_role_parse(const char *s, tw_harmony_role_t *role_p) {
+static TW_NODISCARD tw_status_t tw_role_parse(const char *s, tw_harmony_role_t *role_p) {
   static const struct { const char *n; tw_harmony_role_t r; } roles[] = {
       {"system", TW_HARMONY_ROLE_SYSTEM}, {"developer", TW_HARMONY_ROLE_DEVELOPER},
       {"user", TW_HARMONY_ROLE_USER},     {"assistant", TW_HARMONY_ROLE_ASSISTANT},
@@ -294,7 +294,7 @@ static const char *tw_nz(const char *s) { return s && s[0] ? s : NULL; }
 /* Feed the ids of a header the router wrote into the parser (which starts in
  * the assistant's header), as if the model had generated them: the call's
  * MESSAGE_START, so the ids generated next are its arguments. */
-static tw_status_t tw_parser_prime(struct tw_rchat *c, const int32_t *ids, size_t n) {
+static TW_NODISCARD tw_status_t tw_parser_prime(struct tw_rchat *c, const int32_t *ids, size_t n) {
   for (size_t i = 0; i < n; i++) TW_CHECK(tw_harmony_parser_push(c->parser, ids[i]));
   tw_feed_reset(c);
   c->forced = true;
@@ -334,7 +334,8 @@ static bool tw_blank(const char *s) {
   return true;
 }
 
-tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatRequest *cr) {
+TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
+                                        const Twain__V1__ChatRequest *cr) {
   tw_rchat_ctx_t *x = r->chat_ctx;
   if (cr->n_messages == 0) return tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: messages is empty");
   struct tw_rchat *c = calloc(1, sizeof *c);
@@ -484,8 +485,8 @@ int32_t tw_rchat_pass_max_tokens(tw_router_t *r, tw_req_t *q, int32_t max_tokens
   return most < max_tokens ? most : max_tokens;
 }
 
-tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
-                                 bool finished, bool *chosen_p) {
+TW_NODISCARD tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks,
+                                              size_t n, bool finished, bool *chosen_p) {
   struct tw_rchat *c = q->hchat;
   tw_rchat_ctx_t *x = r->chat_ctx;
   *chosen_p = false;

@@ -127,7 +127,7 @@ typedef struct {
  *  (tw_router_run's set-up; also the fuzz harnesses'). Call tw_router_fini
  *  whatever it returns. Errors: those of tw_config_load, tw_rchat_init,
  *  tw_auth_keys_from_env, tw_msg_socket_open_auth, tw_metrics_create. */
-tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p);
+TW_NODISCARD tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p);
 void tw_router_fini(tw_router_t *r);
 /** Handle one message from a client (validate, enqueue or answer). */
 void tw_router_on_client_msg(tw_router_t *r, tw_msg_t *m);
@@ -171,8 +171,8 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now_ns);
 void tw_router_schedule(tw_router_t *r, int64_t now_ns);
 /** Send env (borrowed) to worker w; a failure is logged (WARN) and returned:
  *  TW_ERR_UNAVAILABLE (queue full, worker gone), TW_ERR_TRANSPORT, as tw_msg_send_to. */
-tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
-                                  Twain__Internal__V1__Envelope *env);
+TW_NODISCARD tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
+                                               Twain__Internal__V1__Envelope *env);
 /** Run q again from the start under a new internal id (late messages about
  *  the old one are ignored): back to QUEUED, schedulable `delay_ns` from now;
  *  `cancel`: first tell its workers to drop what they hold for it. */
@@ -184,13 +184,14 @@ int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool 
 void tw_router_update_health(tw_router_t *r);
 
 /* ---- router_chat.c ---- */
-tw_status_t tw_rchat_init(tw_router_t *r);
+TW_NODISCARD tw_status_t tw_rchat_init(tw_router_t *r);
 /** Free what tw_rchat_init loaded (tokenizer, Harmony); safe twice. */
 void tw_rchat_fini(tw_router_t *r);
 /** Render a ChatRequest to prompt ids + stop ids; creates q->hchat.
  *  Errors: TW_ERR_INVALID_ARGUMENT (bad message, tool schema...), with the
  *  message in tw_last_error(). */
-tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q, const Twain__V1__ChatRequest *c);
+TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
+                                        const Twain__V1__ChatRequest *c);
 /** Feed new tokens; fills rep->deltas/tool_calls (owned by q->hchat until
  *  the next call). Returns true if a stop string was hit (finish now). */
 bool tw_rchat_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
@@ -212,8 +213,8 @@ int32_t tw_rchat_pass_max_tokens(tw_router_t *r, tw_req_t *q, int32_t max_tokens
  *  prompt + that call's header, the request's max_tokens and stop ids, the
  *  parser past the header; the caller runs q again from the start
  *  (tw_router_requeue). Errors: TW_ERR_NO_MEMORY. */
-tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_t n,
-                                 bool finished, bool *chosen_p);
+TW_NODISCARD tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const int32_t *toks,
+                                              size_t n, bool finished, bool *chosen_p);
 /** Free a chat request's parser state (no-op for generate requests). */
 void tw_rchat_free(tw_req_t *q);
 /** The router's tokenizer and its encoder (router thread only). */

@@ -69,8 +69,8 @@ int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool 
   return n;
 }
 
-tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
-                                  Twain__Internal__V1__Envelope *env) {
+TW_NODISCARD tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
+                                               Twain__Internal__V1__Envelope *env) {
   tw_status_t st = tw_msg_send_to(r->wsock, w->id, w->id_len, false, &env->base);
   if (st != TW_OK)
     TW_WARN("router", "cannot send to worker %s: %s", w->name, tw_last_error());

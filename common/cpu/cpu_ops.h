@@ -30,7 +30,7 @@ typedef void (*tw_cpu_task_fn)(void *ctx, int thread_idx, int n_threads);
  *  n_threads - 1 worker threads are created; 0 = all online cores).
  *  Errors: TW_ERR_INVALID_ARGUMENT (n_threads < 0), TW_ERR_NO_MEMORY,
  *  TW_ERR_INTERNAL (pthread_create failed). */
-tw_status_t tw_cpu_pool_create(int n_threads, tw_cpu_pool_t **pool_p);
+TW_NODISCARD tw_status_t tw_cpu_pool_create(int n_threads, tw_cpu_pool_t **pool_p);
 /** Stop and join the workers. NULL does nothing. */
 void tw_cpu_pool_destroy(tw_cpu_pool_t *pool);
 /** Number of threads of the pool (>= 1); 1 for a NULL pool. */

@@ -58,8 +58,8 @@ typedef struct {
 
 /* ---- model checks ---------------------------------------------------------- */
 
-static tw_status_t tw_cpu_check_tensor(const tw_tensor_t *t, tw_dtype_t dtype, const char *name,
-                                       int32_t layer) {
+static TW_NODISCARD tw_status_t tw_cpu_check_tensor(const tw_tensor_t *t, tw_dtype_t dtype,
+                                                    const char *name, int32_t layer) {
   if (!t->data)
     return tw_err(TW_ERR_NOT_FOUND, "cpu engine: layer %d: tensor %s is absent", layer, name);
   if (t->dtype != dtype)
@@ -68,7 +68,7 @@ static tw_status_t tw_cpu_check_tensor(const tw_tensor_t *t, tw_dtype_t dtype, c
   return TW_OK;
 }
 
-static tw_status_t tw_cpu_check_model(const tw_model_t *m) {
+static TW_NODISCARD tw_status_t tw_cpu_check_model(const tw_model_t *m) {
   const tw_model_config_t *c = &m->config;
   TW_CHECK(tw_cpu_check_tensor(&m->embed, TW_DTYPE_BF16, "embed_tokens", -1));
   TW_CHECK(tw_cpu_check_tensor(&m->final_norm, TW_DTYPE_BF16, "norm", -1));
@@ -124,7 +124,8 @@ static void tw_cpu_scratch_free(tw_cpu_state_t *s) {
   s->cap_tokens = 0;
 }
 
-static tw_status_t tw_cpu_scratch_ensure(const tw_engine_t *e, tw_cpu_state_t *s, int64_t T) {
+static TW_NODISCARD tw_status_t tw_cpu_scratch_ensure(const tw_engine_t *e, tw_cpu_state_t *s,
+                                                      int64_t T) {
   if (T <= s->cap_tokens) return TW_OK;
   const tw_model_config_t *c = &e->model->config;
   tw_cpu_scratch_free(s);
@@ -162,7 +163,8 @@ static tw_status_t tw_cpu_scratch_ensure(const tw_engine_t *e, tw_cpu_state_t *s
   return TW_OK;
 }
 
-static tw_status_t tw_cpu_logits_ensure(const tw_engine_t *e, tw_cpu_state_t *s, int64_t rows) {
+static TW_NODISCARD tw_status_t tw_cpu_logits_ensure(const tw_engine_t *e, tw_cpu_state_t *s,
+                                                     int64_t rows) {
   if (rows <= s->cap_logits_rows) return TW_OK;
   float *p = realloc(s->logits, sizeof(float) * (size_t)rows * (size_t)e->model->config.vocab_size);
   if (!p) return tw_err(TW_ERR_NO_MEMORY, "cpu engine: out of memory for %lld logits rows",
@@ -276,9 +278,9 @@ static void tw_cpu_moe_bufs_swap(tw_cpu_state_t *s, tw_cpu_moe_bufs_t *b) {
 }
 
 /* Run T tokens; write the logits of tokens rows[0..n_rows) to logits[n_rows, V]. */
-static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *tokens,
-                                  const int32_t *positions, const int32_t *rows, int64_t n_rows,
-                                  float *logits) {
+static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *tokens,
+                                               const int32_t *positions, const int32_t *rows,
+                                               int64_t n_rows, float *logits) {
   tw_cpu_state_t *s = e->backend;
   const tw_model_t *m = e->model;
   const tw_model_config_t *c = &m->config;
@@ -358,7 +360,7 @@ static tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const int32_t *toke
  * token with its own position and block table, so attention stays within
  * its sequence; every row's result is the same as in a pass of its segment
  * alone (the matmuls and norms compute each row the same way whatever T). */
-static tw_status_t tw_cpu_prefill_pass(tw_engine_t *e, const tw_prefill_pass_t *p) {
+static TW_NODISCARD tw_status_t tw_cpu_prefill_pass(tw_engine_t *e, const tw_prefill_pass_t *p) {
   tw_cpu_state_t *s = e->backend;
   const int64_t V = e->model->config.vocab_size, T = p->n_tokens;
   TW_CHECK(tw_cpu_scratch_ensure(e, s, T));
@@ -407,7 +409,7 @@ static tw_status_t tw_cpu_prefill_pass(tw_engine_t *e, const tw_prefill_pass_t *
   return st;
 }
 
-static tw_status_t tw_cpu_decode(tw_engine_t *e, const tw_decode_args_t *args) {
+static TW_NODISCARD tw_status_t tw_cpu_decode(tw_engine_t *e, const tw_decode_args_t *args) {
   tw_cpu_state_t *s = e->backend;
   const int64_t V = e->model->config.vocab_size, n = args->n_seqs;
   TW_CHECK(tw_cpu_scratch_ensure(e, s, n));
@@ -461,8 +463,9 @@ static const tw_engine_ops_t tw_cpu_ops = {
     .name = "cpu", .destroy = tw_cpu_destroy, .prefill_pass = tw_cpu_prefill_pass,
     .decode = tw_cpu_decode};
 
-tw_status_t tw_cpu_engine_create(const tw_model_t *model, const tw_engine_params_t *params,
-                                 tw_engine_t **engine_p) {
+TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
+                                              const tw_engine_params_t *params,
+                                              tw_engine_t **engine_p) {
   const tw_model_config_t *c = &model->config;
   tw_cpu_tp_t tp;
   TW_CHECK(tw_cpu_tp_init(c, params, &tp));

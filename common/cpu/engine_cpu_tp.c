@@ -7,8 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static tw_status_t tw_cpu_tp_split(const char *what, int32_t n, int32_t size, int32_t rank,
-                                   int32_t *first_p, int32_t *count_p) {
+static TW_NODISCARD tw_status_t tw_cpu_tp_split(const char *what, int32_t n, int32_t size,
+                                                int32_t rank, int32_t *first_p, int32_t *count_p) {
   if (n % size != 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "cpu engine: %s %d not divisible by %d ranks", what, n,
                   size);
@@ -17,8 +17,8 @@ static tw_status_t tw_cpu_tp_split(const char *what, int32_t n, int32_t size, in
   return TW_OK;
 }
 
-static tw_status_t tw_cpu_tp_check_group(const char *name, int32_t size, int32_t rank,
-                                         const tw_coll_t *coll) {
+static TW_NODISCARD tw_status_t tw_cpu_tp_check_group(const char *name, int32_t size, int32_t rank,
+                                                      const tw_coll_t *coll) {
   if (size == 1) return TW_OK;
   if (!coll)
     return tw_err(TW_ERR_INVALID_ARGUMENT,
@@ -33,8 +33,8 @@ static tw_status_t tw_cpu_tp_check_group(const char *name, int32_t size, int32_t
   return TW_OK;
 }
 
-tw_status_t tw_cpu_tp_init(const tw_model_config_t *c, const tw_engine_params_t *p,
-                           tw_cpu_tp_t *tp) {
+TW_NODISCARD tw_status_t tw_cpu_tp_init(const tw_model_config_t *c, const tw_engine_params_t *p,
+                                        tw_cpu_tp_t *tp) {
   tw_cpu_tp_t t = {.coll = p->coll, .tp_size = p->tp_size, .tp_rank = p->tp_rank,
                    .ep_size = p->ep_size, .ep_rank = p->ep_rank};
   TW_CHECK(tw_cpu_tp_check_group("tp", p->tp_size, p->tp_rank, p->coll));
@@ -92,8 +92,8 @@ void tw_cpu_tp_fini(tw_cpu_tp_t *tp) {
   tp->cap_all = 0;
 }
 
-tw_status_t tw_cpu_tp_dp_gather(tw_cpu_tp_t *tp, const tw_model_config_t *c, const float *xn,
-                                int64_t T) {
+TW_NODISCARD tw_status_t tw_cpu_tp_dp_gather(tw_cpu_tp_t *tp, const tw_model_config_t *c,
+                                             const float *xn, int64_t T) {
   const int32_t P = tw_coll_size(tp->coll), me = tw_coll_rank(tp->coll);
   const int64_t H = c->hidden;
   int64_t counts[64];
@@ -149,25 +149,25 @@ tw_status_t tw_cpu_tp_dp_gather(tw_cpu_tp_t *tp, const tw_model_config_t *c, con
   return TW_OK;
 }
 
-tw_status_t tw_cpu_tp_dp_combine(tw_cpu_tp_t *tp, int64_t H, float *proj, int64_t T) {
+TW_NODISCARD tw_status_t tw_cpu_tp_dp_combine(tw_cpu_tp_t *tp, int64_t H, float *proj, int64_t T) {
   TW_CHECK(tw_coll_allreduce_sum_f32(tp->coll, tp->all.proj, tp->t_total * H));
   memcpy(proj, tp->all.proj + tp->t_off * H, sizeof(float) * (size_t)(T * H));
   return TW_OK;
 }
 
-tw_status_t tw_cpu_tp_reduce_attn(tw_cpu_tp_t *tp, float *x, int64_t n) {
+TW_NODISCARD tw_status_t tw_cpu_tp_reduce_attn(tw_cpu_tp_t *tp, float *x, int64_t n) {
   if (tp->tp_size == 1) return TW_OK;
   return tw_coll_allreduce_sum_f32(tp->coll, x, n);
 }
 
-tw_status_t tw_cpu_tp_reduce_moe(tw_cpu_tp_t *tp, float *x, int64_t n) {
+TW_NODISCARD tw_status_t tw_cpu_tp_reduce_moe(tw_cpu_tp_t *tp, float *x, int64_t n) {
   if (tp->ep_size == 1 || tp->dp) return TW_OK; /* dp: tw_cpu_tp_dp_combine */
   return tw_coll_allreduce_sum_f32(tp->coll, x, n);
 }
 
-tw_status_t tw_cpu_tp_unembed(tw_cpu_tp_t *tp, tw_cpu_pool_t *pool, const float *xn,
-                              int64_t n_rows, int64_t H, const uint16_t *lm_head, int64_t V,
-                              float *logits) {
+TW_NODISCARD tw_status_t tw_cpu_tp_unembed(tw_cpu_tp_t *tp, tw_cpu_pool_t *pool, const float *xn,
+                                           int64_t n_rows, int64_t H, const uint16_t *lm_head,
+                                           int64_t V, float *logits) {
   if (tp->tp_size == 1) {
     tw_cpu_matmul_bf16(pool, xn, n_rows, H, lm_head, NULL, V, logits);
     return TW_OK;

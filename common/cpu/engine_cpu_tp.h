@@ -63,37 +63,37 @@ typedef struct {
  *  Errors: TW_ERR_INVALID_ARGUMENT naming the field: tp_size or ep_size > 1
  *  without params->coll, a size other than 1 or the group size, a rank other
  *  than the group rank, NQ, NKV or E not divisible by the size. */
-tw_status_t tw_cpu_tp_init(const tw_model_config_t *c, const tw_engine_params_t *params,
-                           tw_cpu_tp_t *tp);
+TW_NODISCARD tw_status_t tw_cpu_tp_init(const tw_model_config_t *c,
+                                        const tw_engine_params_t *params, tw_cpu_tp_t *tp);
 /** Free the gather buffers (the collective stays the caller's). */
 void tw_cpu_tp_fini(tw_cpu_tp_t *tp);
 
 /** Sum the attention output projection's partials x f32 [n] over the TP
  *  group (nothing when tp_size = 1). Errors: those of tw_coll_allreduce. */
-tw_status_t tw_cpu_tp_reduce_attn(tw_cpu_tp_t *tp, float *x, int64_t n);
+TW_NODISCARD tw_status_t tw_cpu_tp_reduce_attn(tw_cpu_tp_t *tp, float *x, int64_t n);
 /** Sum the MoE partial combines x f32 [n] over the EP group (nothing when
  *  ep_size = 1). Errors: those of tw_coll_allreduce. */
-tw_status_t tw_cpu_tp_reduce_moe(tw_cpu_tp_t *tp, float *x, int64_t n);
+TW_NODISCARD tw_status_t tw_cpu_tp_reduce_moe(tw_cpu_tp_t *tp, float *x, int64_t n);
 
 /** Data-parallel attention: every rank's normalised MoE input rows. Gathers
  *  the token counts of this forward, then the rows xn f32 [T, H] of every
  *  rank into tp->all.xn [t_total, H] (rank order; this rank's rows start at
  *  t_off), sizing tp->all for t_total tokens of config c.
  *  Errors: TW_ERR_NO_MEMORY, those of tw_coll_allgather. */
-tw_status_t tw_cpu_tp_dp_gather(tw_cpu_tp_t *tp, const tw_model_config_t *c, const float *xn,
-                                int64_t T);
+TW_NODISCARD tw_status_t tw_cpu_tp_dp_gather(tw_cpu_tp_t *tp, const tw_model_config_t *c,
+                                             const float *xn, int64_t T);
 /** Data-parallel attention: sum the MoE partial combines tp->all.proj
  *  [t_total, H] over the group and copy this rank's rows into proj [T, H].
  *  Errors: those of tw_coll_allreduce. */
-tw_status_t tw_cpu_tp_dp_combine(tw_cpu_tp_t *tp, int64_t H, float *proj, int64_t T);
+TW_NODISCARD tw_status_t tw_cpu_tp_dp_combine(tw_cpu_tp_t *tp, int64_t H, float *proj, int64_t T);
 
 /** Unembedding of n_rows normalised rows xn f32 [n_rows, H] with lm_head
  *  bf16 [V, H] (spec §2.10): this rank's vocabulary rows, then the
  *  all-gather into logits f32 [n_rows, V] on every rank.
  *  Errors: TW_ERR_NO_MEMORY, those of tw_coll_allgather. */
-tw_status_t tw_cpu_tp_unembed(tw_cpu_tp_t *tp, tw_cpu_pool_t *pool, const float *xn,
-                              int64_t n_rows, int64_t H, const uint16_t *lm_head, int64_t V,
-                              float *logits);
+TW_NODISCARD tw_status_t tw_cpu_tp_unembed(tw_cpu_tp_t *tp, tw_cpu_pool_t *pool, const float *xn,
+                                           int64_t n_rows, int64_t H, const uint16_t *lm_head,
+                                           int64_t V, float *logits);
 
 #ifdef __cplusplus
 }

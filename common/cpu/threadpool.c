@@ -54,7 +54,7 @@ static void *tw_cpu_pool_worker(void *arg_v) {
   }
 }
 
-tw_status_t tw_cpu_pool_create(int n_threads, tw_cpu_pool_t **pool_p) {
+TW_NODISCARD tw_status_t tw_cpu_pool_create(int n_threads, tw_cpu_pool_t **pool_p) {
   if (n_threads < 0) return tw_err(TW_ERR_INVALID_ARGUMENT, "cpu pool: n_threads %d < 0", n_threads);
   if (n_threads == 0) {
     long n = sysconf(_SC_NPROCESSORS_ONLN);

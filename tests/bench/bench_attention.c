@@ -39,7 +39,7 @@ static int fill_random(void *dst, size_t bytes) {
 
 
 /* Tuning entry of attention_prefill.cu (not in attention.h). */
-tw_status_t tw_cuda_attention_prefill_variant(
+TW_NODISCARD tw_status_t tw_cuda_attention_prefill_variant(
     const tw_cuda_attn_shape_t *shape, const void *q, int64_t q_row_stride, const void *kv_layer,
     const float *sinks, int32_t n_seqs, int32_t n_tokens, const int32_t *cu_seqlens,
     const int32_t *start_pos, const int32_t *block_tables, int32_t block_table_stride, void *out,

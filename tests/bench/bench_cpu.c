@@ -58,7 +58,7 @@ static const char *tw_bench_20b_json =
     " \"layer_types\": [%s],"
     " \"quantization_config\": {\"quant_method\": \"mxfp4\"}}";
 
-static tw_status_t tw_bench_synthetic(int n_layers, tw_model_t **m_p) {
+static TW_NODISCARD tw_status_t tw_bench_synthetic(int n_layers, tw_model_t **m_p) {
   char types[TW_MAX_LAYERS * 24] = "";
   for (int l = 0; l < n_layers; l++)
     strcat(types, l % 2 == 0 ? (l ? ",\"sliding_attention\"" : "\"sliding_attention\"")

@@ -88,7 +88,7 @@ typedef struct {
   cudaStream_t s;
 } ctx_t;
 
-static tw_status_t run_once(const ctx_t *c, run_kind_t k) {
+static TW_NODISCARD tw_status_t run_once(const ctx_t *c, run_kind_t k) {
   switch (k) {
   case RUN_GROUPED:
     return tw_cuda_moe_prefill(c->w, c->r, c->T, c->x, NULL, c->ws, c->ws_bytes, c->out, c->s);

@@ -39,6 +39,13 @@ typedef struct {
   volatile int bound;
 } tw_bench_t;
 
+/* A failed setup or send leaves the numbers meaningless: stop the run. */
+static void must(tw_status_t st, const char *what) {
+  if (st == TW_OK) return;
+  fprintf(stderr, "bench_router: %s: %s\n", what, tw_last_error());
+  exit(1);
+}
+
 static void on_bound(void *arg, const char *c, const char *w) {
   tw_bench_t *b = arg;
   snprintf(b->cep, sizeof b->cep, "%s", c);
@@ -48,7 +55,7 @@ static void on_bound(void *arg, const char *c, const char *w) {
 
 static void *router_main(void *arg) {
   tw_bench_t *b = arg;
-  tw_router_run(&b->p, &b->stop);
+  must(tw_router_run(&b->p, &b->stop), "router");
   return NULL;
 }
 
@@ -68,7 +75,9 @@ typedef struct {
   void *ctx;
 } fake_t;
 
-static void send_env(void *s, Twain__Internal__V1__Envelope *e) { tw_msg_send(s, NULL, &e->base); }
+static void send_env(void *s, Twain__Internal__V1__Envelope *e) {
+  must(tw_msg_send(s, NULL, &e->base), "fake worker send");
+}
 
 static void fake_register(void *s, const char *name, Twain__Internal__V1__Pool pool) {
   Twain__Internal__V1__Capacity c = TWAIN__INTERNAL__V1__CAPACITY__INIT;
@@ -98,8 +107,10 @@ static void fake_heartbeat(void *s) {
 static void *fake_main(void *arg) {
   fake_t *f = arg;
   void *pre, *dec;
-  tw_msg_socket_open_auth(f->ctx, ZMQ_DEALER, f->b->wep, false, &f->b->keys, NULL, 0, &pre);
-  tw_msg_socket_open_auth(f->ctx, ZMQ_DEALER, f->b->wep, false, &f->b->keys, NULL, 0, &dec);
+  must(tw_msg_socket_open_auth(f->ctx, ZMQ_DEALER, f->b->wep, false, &f->b->keys, NULL, 0, &pre),
+       "fake prefill socket");
+  must(tw_msg_socket_open_auth(f->ctx, ZMQ_DEALER, f->b->wep, false, &f->b->keys, NULL, 0, &dec),
+       "fake decode socket");
   fake_register(pre, "fake-prefill", TWAIN__INTERNAL__V1__POOL__POOL_PREFILL);
   fake_register(dec, "fake-decode", TWAIN__INTERNAL__V1__POOL__POOL_DECODE);
   fseq_t *seqs = malloc(sizeof(fseq_t) * 8192);
@@ -209,7 +220,7 @@ static long run_protobuf(void *cl, bench_mode_t mode, int S, int T, uint64_t *ri
       r.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_CHAT;
       r.chat = &ch;
     }
-    tw_msg_send(cl, NULL, &r.base);
+    must(tw_msg_send(cl, NULL, &r.base), "client send");
   }
   int done = 0;
   long toks = 0;
@@ -371,7 +382,7 @@ int main(int argc, char **argv) {
   struct timespec ts = {0, 500000000};
   nanosleep(&ts, NULL);
   void *cl;
-  tw_msg_socket_open(ctx, ZMQ_DEALER, b.cep, false, NULL, 0, &cl);
+  must(tw_msg_socket_open(ctx, ZMQ_DEALER, b.cep, false, NULL, 0, &cl), "client socket");
   printf("# router overhead per streamed token (fake workers, no engine), tcp loopback\n");
   printf("# %-18s %8s %8s %10s %18s %14s\n", "client", "streams", "tokens", "total", "router_cpu_us/tok",
          "client_tok/s");

@@ -49,9 +49,9 @@ static int ctx_init(ctx_t *c, const tw_model_t *m, int32_t chunk, int32_t n_thre
   /* a scattered table: take 8 blocks, give back the even ones, then take
    * what the sequence needs, so ids are not in position order */
   int32_t junk[8];
-  tw_kv_blocks_alloc(c->blocks, 8, junk);
+  if (tw_kv_blocks_alloc(c->blocks, 8, junk) != TW_OK) return -1;
   int32_t even[4] = {junk[0], junk[2], junk[4], junk[6]};
-  tw_kv_blocks_free(c->blocks, 4, even);
+  if (tw_kv_blocks_free(c->blocks, 4, even) != TW_OK) return -1;
   c->n_table = 24; /* 384 positions: prompt + 48 */
   if (tw_kv_blocks_alloc(c->blocks, c->n_table, c->table) != TW_OK) return -1;
   c->vocab = m->config.vocab_size;

@@ -107,7 +107,8 @@ static bool has_line(const tw_mem_plan_t *p, const char *needle) {
   return false;
 }
 
-static tw_status_t plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *p, const char *what) {
+static TW_NODISCARD tw_status_t plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *p,
+                                     const char *what) {
   tw_status_t st = tw_mem_plan(in, p);
   if (st == TW_OK) show(what, p);
   else printf("-- %s: %s\n", what, tw_last_error());

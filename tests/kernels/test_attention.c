@@ -23,7 +23,7 @@
 /* Tuning entry of attention_prefill.cu (not in attention.h): kernel variant
  * 0..5 of the prefill kernel. With TW_ATTN_TEST_VARIANTS set, a subset of the
  * prefill cases runs once per variant (g_variant >= 0). */
-tw_status_t tw_cuda_attention_prefill_variant(
+TW_NODISCARD tw_status_t tw_cuda_attention_prefill_variant(
     const tw_cuda_attn_shape_t *shape, const void *q, int64_t q_row_stride, const void *kv_layer,
     const float *sinks, int32_t n_seqs, int32_t n_tokens, const int32_t *cu_seqlens,
     const int32_t *start_pos, const int32_t *block_tables, int32_t block_table_stride, void *out,

@@ -21,7 +21,7 @@
 static uint8_t buf_g[1 << 16];
 
 /* Build [u64 len][header][data_bytes zeros] and parse it. */
-static tw_status_t parse_hdr(const char *header, int64_t data_bytes) {
+static TW_NODISCARD tw_status_t parse_hdr(const char *header, int64_t data_bytes) {
   size_t n = strlen(header);
   memset(buf_g, 0, sizeof buf_g);
   for (int i = 0; i < 8; i++) buf_g[i] = (uint8_t)((uint64_t)n >> (8 * i));
@@ -32,7 +32,7 @@ static tw_status_t parse_hdr(const char *header, int64_t data_bytes) {
   return st;
 }
 
-static tw_status_t parse_len(uint64_t len_field, int64_t file_bytes) {
+static TW_NODISCARD tw_status_t parse_len(uint64_t len_field, int64_t file_bytes) {
   memset(buf_g, ' ', sizeof buf_g);
   for (int i = 0; i < 8; i++) buf_g[i] = (uint8_t)(len_field >> (8 * i));
   tw_safetensors_t *f = NULL;
@@ -181,7 +181,7 @@ static char *make_dir(const stw_tensor_t *t, int n, const char *config_text) {
   return dir;
 }
 
-static tw_status_t load_dir(char *dir) {
+static TW_NODISCARD tw_status_t load_dir(char *dir) {
   tw_model_t *m = NULL;
   tw_status_t st = tw_model_load(dir, &m);
   if (st == TW_OK) { /* what a worker does before it serves */
@@ -299,7 +299,8 @@ static void test_checkpoints(void) {
 /* ---- poisoned weights, absurd config values, files that are not files ---- */
 
 /* The fixture with one tensor's bytes copied and `bytes` written at `off`. */
-static tw_status_t load_poisoned(const char *name, int64_t off, const void *bytes, size_t n) {
+static TW_NODISCARD tw_status_t load_poisoned(const char *name, int64_t off, const void *bytes,
+                                              size_t n) {
   static stw_tensor_t t[128];
   memcpy(t, model_g, sizeof t);
   int i = find_g(name);

@@ -130,8 +130,8 @@ static char *mutate(const char *path, const char *key, const char *json_value) {
   return out;
 }
 
-static tw_status_t parse_mut(const char *path, const char *key, const char *value,
-                             tw_model_config_t *c) {
+static TW_NODISCARD tw_status_t parse_mut(const char *path, const char *key, const char *value,
+                                          tw_model_config_t *c) {
   char *text = mutate(path, key, value);
   tw_status_t st = tw_config_parse(text, c);
   free(text);

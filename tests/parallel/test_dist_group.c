@@ -24,7 +24,16 @@
 
 #define TW_NRANKS 3
 
-static tw_status_t hook(void *ctx, const void *buf, size_t len) {
+/* TWAIN_TEST_TIME_SCALE (tests/CMakeLists.txt: 4 under the sanitizers):
+ * every wait here is that many times longer (the ranks' heartbeat loss
+ * time, TW_DIST_LOST_MS, is stretched by the same sanitizer build). */
+static int time_scale(void) {
+  const char *s = getenv("TWAIN_TEST_TIME_SCALE");
+  long k = s ? strtol(s, NULL, 10) : 1;
+  return k > 1 && k <= 100 ? (int)k : 1;
+}
+
+static TW_NODISCARD tw_status_t hook(void *ctx, const void *buf, size_t len) {
   tw_dist_t *d = ctx;
   if (len == 3 && memcmp(buf, "die", 3) == 0) {
     if (tw_dist_rank(d) == 2) raise(SIGKILL);
@@ -58,7 +67,7 @@ static int run_rank(int argc, char **argv, const char *mode) {
     void *bufs[TW_NRANKS];
     size_t lens[TW_NRANKS];
     if (tw_dist_plan_user(d, buf, len) != TW_OK ||
-        tw_dist_replies_recv(d, 10000, bufs, lens) != TW_OK) {
+        tw_dist_replies_recv(d, 10000 * time_scale(), bufs, lens) != TW_OK) {
       free(buf);
       return 6;
     }
@@ -73,7 +82,8 @@ static int run_rank(int argc, char **argv, const char *mode) {
   printf("rank 0: 20 plans to %d ranks, %d wrong answers\n", TW_NRANKS - 1, bad);
   if (strcmp(mode, "die") == 0) {
     if (tw_dist_plan_user(d, "die", 3) != TW_OK) return 9;
-    for (int i = 0; i < 100; i++) { /* the watchdog ends this process long before 10 s */
+    /* the watchdog ends this process long before 10 s (scaled) */
+    for (int i = 0; i < 100 * time_scale(); i++) {
       struct timespec ts = {0, 100000000};
       nanosleep(&ts, NULL);
     }
@@ -117,6 +127,7 @@ int main(int argc, char **argv) {
   self[n] = '\0';
   int fails = 0;
   pid_t pid;
+
   int st = drive(self, "plans", &pid);
   printf("plans: group exit %d\n", WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st));
   fails += !(WIFEXITED(st) && WEXITSTATUS(st) == 0);
@@ -126,9 +137,9 @@ int main(int argc, char **argv) {
          killed ? "was ended by its watchdog (SIGKILL)" : "did NOT end by SIGKILL");
   fails += !killed;
   /* rank 1 lost rank 0 (its watchdog, and PR_SET_PDEATHSIG): it must go too;
-   * look for our own executable still running "rank die" (bounded: 10 s) */
+   * look for our own executable still running "rank die" (bounded: 10 s, scaled) */
   int others_gone = 1;
-  for (int i = 0; i < 100; i++) {
+  for (int i = 0; i < 100 * time_scale(); i++) {
     others_gone = 1;
     char cmd[4200];
     snprintf(cmd, sizeof cmd, "pgrep -f '^%s rank die' >/dev/null", self);

@@ -32,7 +32,8 @@ typedef struct {
   int starts;
 } fake_copy_t;
 
-static tw_status_t fake_start(void *ctx, int32_t slot, void *dst, const void *src, size_t len) {
+static TW_NODISCARD tw_status_t fake_start(void *ctx, int32_t slot, void *dst, const void *src,
+                                           size_t len) {
   fake_copy_t *f = ctx;
   if (f->fail_start) {
     f->fail_start = 0;
@@ -45,7 +46,7 @@ static tw_status_t fake_start(void *ctx, int32_t slot, void *dst, const void *sr
   f->starts++;
   return TW_OK;
 }
-static tw_status_t fake_poll(void *ctx, int32_t slot) {
+static TW_NODISCARD tw_status_t fake_poll(void *ctx, int32_t slot) {
   fake_copy_t *f = ctx;
   if (f->pending[slot] == 1) return TW_INPROGRESS;
   if (slot == f->fail_copy) {
@@ -64,7 +65,8 @@ static void complete(fake_copy_t *f, int slot) {
 static uint8_t pat(int64_t off, uint32_t tag) { return (uint8_t)(off * 7 + (off >> 9) + tag * 31 + 1); }
 
 /* Receive one piece through the ring: acquire, fill with the pattern, filled. */
-static tw_status_t deliver(tw_kv_rxring_t *r, int64_t off, int64_t len, uint32_t tag, int32_t *slot_p) {
+static TW_NODISCARD tw_status_t deliver(tw_kv_rxring_t *r, int64_t off, int64_t len, uint32_t tag,
+                                        int32_t *slot_p) {
   void *buf = NULL;
   tw_status_t st = tw_kv_rxring_acquire(r, off, len, tag, slot_p, &buf);
   if (st != TW_OK) return st;

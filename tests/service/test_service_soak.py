@@ -16,6 +16,10 @@ import svc
 from svc import check, finish
 
 SECONDS = float(os.environ.get("TW_SOAK_SECONDS", "180"))
+# The ASan pass (deploy/dev.sh sanitize) sets TW_SOAK_RSS_CHECK=0: ASan's
+# quarantine keeps freed memory resident, so RSS growth there says nothing
+# about leaks; the plain pass of this test checks it.
+RSS_CHECK = os.environ.get("TW_SOAK_RSS_CHECK", "1") != "0"
 rng = random.Random(19)
 prompts = [fixtures.ids("short_dog"), fixtures.ids("short_book")]
 
@@ -113,8 +117,11 @@ try:
     check(len(events) >= SECONDS / 6, "chaos happened: %d events in %.0f s" % (len(events), SECONDS))
     check(not lost and answered == sent, "%d requests sent, %d answered, none lost (%s)" % (sent, answered, lost[:5]))
     check(all(b == 0 for b in blocks.values()), "every decode worker back to 0 kv blocks: %s" % blocks)
-    check(end_rss < base_rss * 1.10, "router RSS %d kB -> %d kB (%+.1f%%, limit 10%%)" % (
-        base_rss, end_rss, 100.0 * (end_rss - base_rss) / max(base_rss, 1)))
+    if RSS_CHECK:
+        check(end_rss < base_rss * 1.10, "router RSS %d kB -> %d kB (%+.1f%%, limit 10%%)" % (
+            base_rss, end_rss, 100.0 * (end_rss - base_rss) / max(base_rss, 1)))
+    else:
+        print("router RSS %d kB -> %d kB: not checked under ASan (TW_SOAK_RSS_CHECK=0)" % (base_rss, end_rss))
 finally:
     rcs = c.close()
 check(all(rc in (0, None) for rc in rcs.values()), "router and workers stop cleanly: %s" % rcs)
