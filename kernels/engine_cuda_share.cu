@@ -194,6 +194,24 @@ static bool tw_pid_alive(int32_t pid) {
   return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
 }
 
+/* One header and room for one descriptor (SCM_RIGHTS), for sendmsg and recvmsg. */
+typedef struct {
+  tw_ce_share_hdr_t h;
+  struct iovec io;
+  alignas(struct cmsghdr) char cbuf[CMSG_SPACE(sizeof(int))];
+  struct msghdr msg;
+} tw_ce_share_msg_t;
+
+static void tw_ce_share_msg_init(tw_ce_share_msg_t *m) {
+  memset(m, 0, sizeof *m);
+  m->io.iov_base = &m->h;
+  m->io.iov_len = sizeof m->h;
+  m->msg.msg_iov = &m->io;
+  m->msg.msg_iovlen = 1;
+  m->msg.msg_control = m->cbuf;
+  m->msg.msg_controllen = sizeof m->cbuf;
+}
+
 /* The serving thread: each connection gets the header and the descriptor. */
 static void *tw_ce_share_serve(void *arg) {
   tw_ce_t *ce = (tw_ce_t *)arg;
@@ -204,32 +222,20 @@ static void *tw_ce_share_serve(void *arg) {
     if (c < 0) continue;
     struct timeval tv = {2, 0};
     setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    tw_ce_share_hdr_t h;
-    memset(&h, 0, sizeof h);
-    h.magic = TW_CE_SHARE_MAGIC;
-    h.version = TW_CE_SHARE_VERSION;
-    h.pid = (int32_t)getpid();
-    h.device = ce->share_device;
-    h.bytes = ce->warena_bytes;
-    h.fingerprint = ce->share_fp;
-    struct iovec io = {&h, sizeof h};
-    union {
-      char buf[CMSG_SPACE(sizeof(int))];
-      struct cmsghdr align;
-    } u;
-    memset(&u, 0, sizeof u);
-    struct msghdr msg;
-    memset(&msg, 0, sizeof msg);
-    msg.msg_iov = &io;
-    msg.msg_iovlen = 1;
-    msg.msg_control = u.buf;
-    msg.msg_controllen = sizeof u.buf;
-    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+    tw_ce_share_msg_t m;
+    tw_ce_share_msg_init(&m);
+    m.h.magic = TW_CE_SHARE_MAGIC;
+    m.h.version = TW_CE_SHARE_VERSION;
+    m.h.pid = (int32_t)getpid();
+    m.h.device = ce->share_device;
+    m.h.bytes = ce->warena_bytes;
+    m.h.fingerprint = ce->share_fp;
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&m.msg);
     cm->cmsg_level = SOL_SOCKET;
     cm->cmsg_type = SCM_RIGHTS;
     cm->cmsg_len = CMSG_LEN(sizeof(int));
     memcpy(CMSG_DATA(cm), &ce->share_mem_fd, sizeof(int));
-    if (sendmsg(c, &msg, MSG_NOSIGNAL) != (ssize_t)sizeof h)
+    if (sendmsg(c, &m.msg, MSG_NOSIGNAL) != (ssize_t)sizeof m.h)
       TW_WARN("engine", "weights: sending the arena to a worker failed: %s", strerror(errno));
     close(c);
   }
@@ -297,26 +303,17 @@ static int tw_ce_share_take(tw_ce_t *ce, const char *path, int device, size_t by
     close(s);
     return 0;
   }
-  tw_ce_share_hdr_t h;
-  struct iovec io = {&h, sizeof h};
-  union {
-    char buf[CMSG_SPACE(sizeof(int))];
-    struct cmsghdr align;
-  } u;
-  struct msghdr msg;
-  memset(&msg, 0, sizeof msg);
-  msg.msg_iov = &io;
-  msg.msg_iovlen = 1;
-  msg.msg_control = u.buf;
-  msg.msg_controllen = sizeof u.buf;
-  ssize_t got = recvmsg(s, &msg, MSG_CMSG_CLOEXEC);
+  tw_ce_share_msg_t m;
+  tw_ce_share_msg_init(&m);
+  ssize_t got = recvmsg(s, &m.msg, MSG_CMSG_CLOEXEC);
   close(s);
   int fd = -1;
-  struct cmsghdr *cm = got == (ssize_t)sizeof h ? CMSG_FIRSTHDR(&msg) : NULL;
+  struct cmsghdr *cm = got == (ssize_t)sizeof m.h ? CMSG_FIRSTHDR(&m.msg) : NULL;
   if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS &&
       cm->cmsg_len == CMSG_LEN(sizeof(int)))
     memcpy(&fd, CMSG_DATA(cm), sizeof(int));
   if (fd < 0) return 0;
+  const tw_ce_share_hdr_t h = m.h;
   if (h.magic != TW_CE_SHARE_MAGIC || h.version != TW_CE_SHARE_VERSION || h.device != device ||
       h.bytes != bytes || h.fingerprint != fp) {
     close(fd);
