@@ -415,7 +415,8 @@ TW_NODISCARD tw_status_t tw_harmony_render_call_header(const tw_harmony_t *h, co
     static const char pre[] = "commentary to=functions.";
     size_t n = strlen(name);
     char *t = malloc(sizeof pre + n + 1);
-    if (!t) st = tw_err(TW_ERR_NO_MEMORY, "harmony: out of memory");
+    if (!t)
+      st = tw_err(TW_ERR_NO_MEMORY, "harmony: out of memory");
     else {
       memcpy(t, pre, sizeof pre - 1);
       memcpy(t + sizeof pre - 1, name, n);

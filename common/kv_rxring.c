@@ -219,7 +219,8 @@ TW_NODISCARD tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *r, uint32_t t
 
 void tw_kv_rxring_stats(const tw_kv_rxring_t *r, tw_kv_rxring_stats_t *out) {
   *out = r->stats;
-  if (r->stats.slots_in_use > 0) out->busy_seconds += (double)(tw_rx_now_ns() - r->t_busy_ns) * 1e-9;
+  if (r->stats.slots_in_use > 0)
+    out->busy_seconds += (double)(tw_rx_now_ns() - r->t_busy_ns) * 1e-9;
 }
 
 int32_t tw_kv_rxring_slots(const tw_kv_rxring_t *r) { return r->p.n_slots; }

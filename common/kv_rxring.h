@@ -65,13 +65,13 @@ typedef struct {
 
 /** Counters since creation (metrics and benchmarks). */
 typedef struct {
-  int64_t bytes_landed;   /* copied to the pool */
-  int64_t pieces;         /* pieces copied */
-  int64_t pieces_failed;  /* pieces whose receive or copy failed (their bytes never count) */
-  int64_t full_waits;     /* pieces that found every slot in use (back-pressure) */
-  int32_t slots_in_use;   /* now */
-  int32_t slots_peak;     /* the most at once */
-  double busy_seconds;    /* wall time with at least one slot in use */
+  int64_t bytes_landed;  /* copied to the pool */
+  int64_t pieces;        /* pieces copied */
+  int64_t pieces_failed; /* pieces whose receive or copy failed (their bytes never count) */
+  int64_t full_waits;    /* pieces that found every slot in use (back-pressure) */
+  int32_t slots_in_use;  /* now */
+  int32_t slots_peak;    /* the most at once */
+  double busy_seconds;   /* wall time with at least one slot in use */
 } tw_kv_rxring_stats_t;
 
 /** Default ring: 16 slots of 8 MiB (128 MiB pinned, against a pinned mirror

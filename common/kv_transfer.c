@@ -56,10 +56,10 @@ typedef struct {
   tw_cuda_ptr_fn event_destroy;
   tw_cuda_ptr_fn free_;                     /* cudaFree(NULL): binds the primary context */
   /* CUDA IPC (the direct path); NULL when the runtime lacks them */
-  tw_cuda_ipc_get_fn ipc_get;               /* cudaIpcGetMemHandle */
-  tw_cuda_ipc_open_fn ipc_open;             /* cudaIpcOpenMemHandle */
-  tw_cuda_ptr_fn ipc_close;                 /* cudaIpcCloseMemHandle */
-  tw_cuda_get_device_fn get_device;         /* cudaGetDevice */
+  tw_cuda_ipc_get_fn ipc_get;       /* cudaIpcGetMemHandle */
+  tw_cuda_ipc_open_fn ipc_open;     /* cudaIpcOpenMemHandle */
+  tw_cuda_ptr_fn ipc_close;         /* cudaIpcCloseMemHandle */
+  tw_cuda_get_device_fn get_device; /* cudaGetDevice */
 } tw_cudart_t;
 enum { TW_CUDA_H2D = 1, TW_CUDA_D2H = 2, TW_CUDA_DEFAULT = 4 };
 enum { TW_CUDA_IPC_LAZY_PEER = 1 }; /* cudaIpcMemLazyEnablePeerAccess */
@@ -83,14 +83,14 @@ enum { TW_CUDA_NOT_READY = 600 }; /* cudaErrorNotReady */
  * commit from its host mirror. */
 #define TW_KV_IPC_MAGIC "TWKVIPC1"
 typedef struct {
-  char boot_id[40];             /* /proc/sys/kernel/random/boot_id of the owner's host */
-  int32_t pid;                  /* the owner's process (a process cannot open its own) */
-  int32_t device;               /* the owner's CUDA device ordinal */
-  tw_cuda_ipc_handle_t handle;  /* of the pool's allocation (its base) */
+  char boot_id[40];            /* /proc/sys/kernel/random/boot_id of the owner's host */
+  int32_t pid;                 /* the owner's process (a process cannot open its own) */
+  int32_t device;              /* the owner's CUDA device ordinal */
+  tw_cuda_ipc_handle_t handle; /* of the pool's allocation (its base) */
   int64_t pool_bytes;
-  uint32_t ucx_rkey_len;        /* the bytes before this descriptor */
-  uint32_t desc_bytes;          /* sizeof(tw_kv_ipc_desc_t) */
-  char magic[8];                /* TW_KV_IPC_MAGIC, last: found from the blob's end */
+  uint32_t ucx_rkey_len; /* the bytes before this descriptor */
+  uint32_t desc_bytes;   /* sizeof(tw_kv_ipc_desc_t) */
+  char magic[8];         /* TW_KV_IPC_MAGIC, last: found from the blob's end */
 } tw_kv_ipc_desc_t;
 
 static void tw_kv_boot_id(char out[40]) {
@@ -183,7 +183,7 @@ struct tw_kv_peer {
   bool cuda_ipc;          /* the endpoint has an RMA lane over cuda_ipc */
   /* the direct path: the decode worker's device pool mapped here over CUDA
    * IPC (tw_kv_ipc_desc_t in its rkey blob), copied into device to device */
-  bool has_ipc;           /* the rkey blob carries a descriptor for this host */
+  bool has_ipc; /* the rkey blob carries a descriptor for this host */
   tw_kv_ipc_desc_t ipc;
   void *ipc_ptr;          /* cudaIpcOpenMemHandle of ipc.handle, or NULL */
   bool ipc_failed;        /* opening it failed once: UCX paths from then on */
@@ -217,17 +217,17 @@ struct tw_kv_xfer {
   /* regions that receive into a bounce ring (the active message handler's) */
   tw_kv_region_t *rx[TW_KV_MAX_RX_REGIONS];
   int n_rx;
-  bool ipc_allowed;   /* tw_kv_xfer_set_direct_ipc */
-  void *ipc_stream;   /* cudaStream_t of the direct-path copies */
-  void *ipc_event;    /* recorded at a flush: the copies are done */
+  bool ipc_allowed; /* tw_kv_xfer_set_direct_ipc */
+  void *ipc_stream; /* cudaStream_t of the direct-path copies */
+  void *ipc_event;  /* recorded at a flush: the copies are done */
 };
 
 /* A piece that found every slot of the ring in use: its rendezvous
  * descriptor (or eager data) waits here, in arrival order. */
 typedef struct {
   tw_kv_am_hdr_t h;
-  void *desc;      /* rendezvous descriptor, or eager data kept by UCX */
-  void *copy;      /* eager data UCX would not keep: our copy (malloc) */
+  void *desc; /* rendezvous descriptor, or eager data kept by UCX */
+  void *copy; /* eager data UCX would not keep: our copy (malloc) */
   bool rndv;
 } tw_kv_rx_pending_t;
 
@@ -240,10 +240,10 @@ typedef struct {
 struct tw_kv_region {
   tw_kv_xfer_t *xfer;
   tw_kv_layout_t layout;
-  void *registered;   /* the pool itself (NULL when staged: nothing is registered) */
-  bool staged;        /* receives into a bounce ring */
+  void *registered; /* the pool itself (NULL when staged: nothing is registered) */
+  bool staged;      /* receives into a bounce ring */
   ucp_mem_h memh;
-  void *rkey;         /* the packed ucx rkey, then a tw_kv_ipc_desc_t when exported */
+  void *rkey; /* the packed ucx rkey, then a tw_kv_ipc_desc_t when exported */
   size_t rkey_len;
   /* staged: the ring, its pinned slots, the copies' stream and events */
   tw_kv_rxring_t *ring;
@@ -253,12 +253,12 @@ struct tw_kv_region {
   bool slots_pinned;
   ucp_mem_h slots_memh;
   void *stream;
-  void **event;        /* [n_slots] */
+  void **event;                  /* [n_slots] */
   tw_kv_rx_slot_ctx_t *slot_ctx; /* [n_slots] */
   tw_kv_rx_pending_t *pending;   /* FIFO: [head, head + n_pending) mod cap_pending */
   int32_t head, n_pending, cap_pending;
-  int32_t receiving;   /* slots whose receive request is in flight */
-  int64_t dropped;     /* pieces refused (bad header, out of memory) */
+  int32_t receiving; /* slots whose receive request is in flight */
+  int64_t dropped;   /* pieces refused (bad header, out of memory) */
 };
 
 static int64_t tw_now_ns(void) {
@@ -286,7 +286,8 @@ static bool tw_kv_iface_of(const struct sockaddr *a, char *name, size_t cap) {
   for (struct ifaddrs *i = ifs; i && !found; i = i->ifa_next) {
     const struct sockaddr *ia = i->ifa_addr;
     if (!ia) continue;
-    if (!a) found = (i->ifa_flags & IFF_LOOPBACK) && ia->sa_family == AF_INET;
+    if (!a)
+      found = (i->ifa_flags & IFF_LOOPBACK) && ia->sa_family == AF_INET;
     else if (ia->sa_family == AF_INET && a->sa_family == AF_INET)
       found = ((const struct sockaddr_in *)ia)->sin_addr.s_addr ==
               ((const struct sockaddr_in *)a)->sin_addr.s_addr;
@@ -306,7 +307,8 @@ static TW_NODISCARD tw_status_t tw_kv_route_iface(const char *host, const char *
   struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_DGRAM}, *res = NULL;
   int rc = getaddrinfo(host, port, &hints, &res);
   if (rc != 0)
-    return tw_err(TW_ERR_NOT_FOUND, "router host \"%s\" does not resolve: %s", host, gai_strerror(rc));
+    return tw_err(TW_ERR_NOT_FOUND, "router host \"%s\" does not resolve: %s", host,
+                  gai_strerror(rc));
   bool found = false;
   for (struct addrinfo *ai = res; ai && !found; ai = ai->ai_next) {
     int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
@@ -319,7 +321,9 @@ static TW_NODISCARD tw_status_t tw_kv_route_iface(const char *host, const char *
     close(fd);
   }
   freeaddrinfo(res);
-  return found ? TW_OK : tw_err(TW_ERR_NOT_FOUND, "no local interface routes to the router host \"%s\"", host);
+  return found ? TW_OK
+               : tw_err(TW_ERR_NOT_FOUND, "no local interface routes to the router host \"%s\"",
+                        host);
 }
 
 TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size_t cap) {
@@ -340,7 +344,8 @@ TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size
     host[hl] = '\0';
     TW_CHECK(tw_kv_route_iface(host, colon + 1, name, sizeof name));
   } else {
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "router endpoint %s: not tcp://, ipc:// or inproc://", endpoint);
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "router endpoint %s: not tcp://, ipc:// or inproc://",
+                  endpoint);
   }
   size_t n = (size_t)snprintf(out, cap, "%s", name);
   if (n >= cap) return tw_err(TW_ERR_OUT_OF_RANGE, "network device list over %zu bytes", cap);
@@ -406,10 +411,13 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
   } else if (router_endpoint) {
     if (tw_kv_net_devices(router_endpoint, devs, sizeof devs) == TW_OK) {
       devices = devs;
-      TW_INFO("kvx", "UCX network devices %s: the interface of the router link %s (UCX_NET_DEVICES "
-              "picks others, \"all\" every one)", devs, router_endpoint);
+      TW_INFO("kvx",
+              "UCX network devices %s: the interface of the router link %s (UCX_NET_DEVICES "
+              "picks others, \"all\" every one)",
+              devs, router_endpoint);
     } else {
-      TW_WARN("kvx", "UCX network devices: every one UCX finds (%s; set UCX_NET_DEVICES)", tw_last_error());
+      TW_WARN("kvx", "UCX network devices: every one UCX finds (%s; set UCX_NET_DEVICES)",
+              tw_last_error());
     }
   }
   tw_kv_xfer_t *x = calloc(1, sizeof *x);
@@ -440,13 +448,16 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
     goto fail;
   }
   /* pieces for a staged pool of this worker (tw_kv_am_recv, defined below) */
-  ucp_am_handler_param_t ah = {
-      .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
-                    UCP_AM_HANDLER_PARAM_FIELD_ARG,
-      .id = TW_KV_AM_ID, .cb = tw_kv_am_recv, .arg = x};
+  ucp_am_handler_param_t ah = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                             UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                             UCP_AM_HANDLER_PARAM_FIELD_ARG,
+                               .id = TW_KV_AM_ID,
+                               .cb = tw_kv_am_recv,
+                               .arg = x};
   us = ucp_worker_set_am_recv_handler(x->worker, &ah);
   if (us != UCS_OK) {
-    st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_set_am_recv_handler failed: %s", ucs_status_string(us));
+    st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_set_am_recv_handler failed: %s",
+                ucs_status_string(us));
     goto fail;
   }
   us = ucp_worker_get_address(x->worker, &x->address, &x->address_len);
@@ -532,7 +543,8 @@ static TW_NODISCARD tw_status_t tw_kv_rx_cuda_poll(void *ctx, int32_t slot) {
   tw_kv_region_t *r = ctx;
   int e = r->xfer->cudart.event_query(r->event[slot]);
   if (e == TW_CUDA_NOT_READY) return TW_INPROGRESS;
-  if (e != 0) return tw_err(TW_ERR_CUDA, "a staged kv copy to the device failed (cuda error %d)", e);
+  if (e != 0)
+    return tw_err(TW_ERR_CUDA, "a staged kv copy to the device failed (cuda error %d)", e);
   return TW_OK;
 }
 static TW_NODISCARD tw_status_t tw_kv_rx_host_start(void *ctx, int32_t slot, void *dst,
@@ -582,11 +594,14 @@ static TW_NODISCARD tw_status_t tw_kv_rx_take(tw_kv_region_t *r, tw_kv_rx_pendin
   }
   if (!q->rndv) { /* eager: the bytes are here already */
     memcpy(buf, q->copy ? q->copy : q->desc, (size_t)q->h.len);
-    if (q->copy) free(q->copy);
-    else ucp_am_data_release(r->xfer->worker, q->desc);
+    if (q->copy)
+      free(q->copy);
+    else
+      ucp_am_data_release(r->xfer->worker, q->desc);
     return tw_kv_rxring_filled(r->ring, k, true);
   }
-  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                             UCP_OP_ATTR_FIELD_USER_DATA |
                                              UCP_OP_ATTR_FIELD_MEMORY_TYPE,
                              .cb.recv_am = tw_kv_rx_recv_done,
                              .user_data = &r->slot_ctx[k],
@@ -611,8 +626,7 @@ static bool tw_kv_rx_queue(tw_kv_region_t *r, const tw_kv_rx_pending_t *q) {
     int32_t cap = r->cap_pending ? 2 * r->cap_pending : 64;
     tw_kv_rx_pending_t *np = malloc(sizeof *np * (size_t)cap);
     if (!np) return false;
-    for (int32_t i = 0; i < r->n_pending; i++)
-      np[i] = r->pending[(r->head + i) % r->cap_pending];
+    for (int32_t i = 0; i < r->n_pending; i++) np[i] = r->pending[(r->head + i) % r->cap_pending];
     free(r->pending);
     r->pending = np;
     r->head = 0;
@@ -719,21 +733,27 @@ static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
   if (prm && prm->n_slots > 0) r->n_slots = prm->n_slots;
   if (prm && prm->slot_bytes > 0) r->slot_bytes = prm->slot_bytes;
   if (x->n_rx == TW_KV_MAX_RX_REGIONS)
-    return tw_err(TW_ERR_EXHAUSTED, "at most %d staged kv pools per ucx worker", TW_KV_MAX_RX_REGIONS);
+    return tw_err(TW_ERR_EXHAUSTED, "at most %d staged kv pools per ucx worker",
+                  TW_KV_MAX_RX_REGIONS);
   size_t bytes = (size_t)r->n_slots * (size_t)r->slot_bytes;
   r->event = calloc((size_t)r->n_slots, sizeof *r->event);
   r->slot_ctx = calloc((size_t)r->n_slots, sizeof *r->slot_ctx);
-  if (!r->event || !r->slot_ctx) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv staging ring");
-  tw_kv_rxring_params_t rp = {.pool = l->base, .n_layers = l->n_layers, .n_blocks = l->n_blocks,
+  if (!r->event || !r->slot_ctx)
+    return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv staging ring");
+  tw_kv_rxring_params_t rp = {.pool = l->base,
+                              .n_layers = l->n_layers,
+                              .n_blocks = l->n_blocks,
                               .block_bytes = l->block_bytes,
                               .layer_stride_bytes = l->layer_stride_bytes,
-                              .total_bytes = l->total_bytes, .n_slots = r->n_slots,
+                              .total_bytes = l->total_bytes,
+                              .n_slots = r->n_slots,
                               .slot_bytes = r->slot_bytes};
   if (l->on_device) {
     TW_CHECK(tw_cudart_load(&x->cudart));
     void *m = NULL;
     if (x->cudart.host_alloc(&m, bytes, 0) != 0)
-      return tw_err(TW_ERR_NO_MEMORY, "cudaHostAlloc of the %zu-byte kv staging ring failed", bytes);
+      return tw_err(TW_ERR_NO_MEMORY, "cudaHostAlloc of the %zu-byte kv staging ring failed",
+                    bytes);
     r->slots = m;
     r->slots_pinned = true;
     if (x->cudart.stream_create(&r->stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
@@ -754,10 +774,12 @@ static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
   rp.slots_mem = r->slots;
   for (int32_t k = 0; k < r->n_slots; k++) r->slot_ctx[k] = (tw_kv_rx_slot_ctx_t){r, k};
   TW_CHECK(tw_kv_rxring_create(&rp, &r->ring));
-  ucp_mem_map_params_t mp = {
-      .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
-      .address = r->slots, .length = bytes, .memory_type = UCS_MEMORY_TYPE_HOST};
+  ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                                           UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                                           UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+                             .address = r->slots,
+                             .length = bytes,
+                             .memory_type = UCS_MEMORY_TYPE_HOST};
   if (ucp_mem_map(x->ctx, &mp, &r->slots_memh) != UCS_OK) r->slots_memh = NULL; /* still works */
   x->rx[x->n_rx++] = r;
   return TW_OK;
@@ -801,8 +823,10 @@ static bool tw_kv_ipc_export(tw_kv_region_t *r) {
   memcpy(blob + r->rkey_len, &d, sizeof d);
   r->rkey = blob;
   r->rkey_len += sizeof d;
-  TW_INFO("kvx", "kv pool exported over CUDA IPC (device %d, %lld bytes): prefill workers on "
-          "this host copy into it device to device", d.device, (long long)d.pool_bytes);
+  TW_INFO("kvx",
+          "kv pool exported over CUDA IPC (device %d, %lld bytes): prefill workers on "
+          "this host copy into it device to device",
+          d.device, (long long)d.pool_bytes);
   return true;
 }
 
@@ -828,10 +852,14 @@ static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   tw_kv_boot_id(boot);
   const char *off = getenv("TWAIN_KV_IPC");
   const char *why = NULL;
-  if (off && strcmp(off, "0") == 0) why = "TWAIN_KV_IPC=0";
-  else if (!boot[0] || strcmp(boot, p->ipc.boot_id) != 0) why = "another host";
-  else if (p->ipc.pid == (int32_t)getpid()) why = "the same process";
-  else if (tw_cudart_load(&x->cudart) != TW_OK || !x->cudart.ipc_open) why = "no CUDA IPC";
+  if (off && strcmp(off, "0") == 0)
+    why = "TWAIN_KV_IPC=0";
+  else if (!boot[0] || strcmp(boot, p->ipc.boot_id) != 0)
+    why = "another host";
+  else if (p->ipc.pid == (int32_t)getpid())
+    why = "the same process";
+  else if (tw_cudart_load(&x->cudart) != TW_OK || !x->cudart.ipc_open)
+    why = "no CUDA IPC";
   if (!why) {
     if (!x->ipc_stream &&
         (x->cudart.stream_create(&x->ipc_stream, TW_CUDA_STREAM_NON_BLOCKING) != 0 ||
@@ -841,13 +869,15 @@ static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
       int e = x->cudart.ipc_open(&p->ipc_ptr, p->ipc.handle, TW_CUDA_IPC_LAZY_PEER);
       if (e != 0) {
         p->ipc_ptr = NULL;
-        TW_WARN("kvx", "cudaIpcOpenMemHandle of a decode worker's kv pool (pid %d, device %d) "
+        TW_WARN("kvx",
+                "cudaIpcOpenMemHandle of a decode worker's kv pool (pid %d, device %d) "
                 "failed (cuda error %d): its handoffs take the ucx path",
                 (int)p->ipc.pid, (int)p->ipc.device, e);
         return;
       }
       p->ipc_failed = false;
-      TW_INFO("kvx", "kv pool of decode worker pid %d (device %d, %lld bytes) mapped over CUDA "
+      TW_INFO("kvx",
+              "kv pool of decode worker pid %d (device %d, %lld bytes) mapped over CUDA "
               "IPC: handoffs to it are direct device-to-device copies",
               (int)p->ipc.pid, (int)p->ipc.device, (long long)p->ipc.pool_bytes);
       return;
@@ -886,11 +916,13 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
       goto fail;
     }
     if (!tw_kv_ipc_export(r)) {
-      st = tw_err(TW_ERR_UNSUPPORTED, "TWAIN_KV_PATH=ipc, but the device kv pool cannot be exported "
+      st = tw_err(TW_ERR_UNSUPPORTED,
+                  "TWAIN_KV_PATH=ipc, but the device kv pool cannot be exported "
                   "over CUDA IPC (see the warning above); unset it to use ucx");
       goto fail;
     }
-    TW_INFO("kvx", "kv handoff mode (receive): device KV pool over CUDA IPC only "
+    TW_INFO("kvx",
+            "kv handoff mode (receive): device KV pool over CUDA IPC only "
             "(TWAIN_KV_PATH=ipc): prefill workers on this host copy into it, nothing else can");
     *region_p = r;
     return TW_OK;
@@ -909,14 +941,16 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
     }
     r->rkey_len = 0;
     if (layout->on_device) (void)tw_kv_ipc_export(r); /* optional: logged when it fails */
-    TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, STAGED receive: a ring "
-            "of %d x %lld MiB %s bounce buffers (TWAIN_KV_STAGING_SLOTS, TWAIN_KV_STAGING_SLOT_MB), "
-            "copied to the pool on its own stream; no pinned mirror%s",
-            (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, r->n_slots,
-            (long long)(r->slot_bytes >> 20), r->slots_pinned ? "pinned" : "host",
-            !layout->on_device ? " (host pool, staged on request: TWAIN_KV_PATH=staged)"
-            : x->cuda_native   ? " (TWAIN_KV_PATH=staged)"
-                               : " (UCX has no CUDA support)");
+    TW_INFO(
+        "kvx",
+        "registered kv pool: %lld bytes, %d layers x %d blocks, STAGED receive: a ring "
+        "of %d x %lld MiB %s bounce buffers (TWAIN_KV_STAGING_SLOTS, TWAIN_KV_STAGING_SLOT_MB), "
+        "copied to the pool on its own stream; no pinned mirror%s",
+        (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, r->n_slots,
+        (long long)(r->slot_bytes >> 20), r->slots_pinned ? "pinned" : "host",
+        !layout->on_device ? " (host pool, staged on request: TWAIN_KV_PATH=staged)"
+        : x->cuda_native   ? " (TWAIN_KV_PATH=staged)"
+                           : " (UCX has no CUDA support)");
     *region_p = r;
     return TW_OK;
   }
@@ -954,8 +988,9 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
   TW_INFO("kvx", "registered kv pool: %lld bytes, %d layers x %d blocks, rkey %zu bytes",
           (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, len);
   TW_INFO("kvx", "kv handoff mode (receive): %s",
-          !layout->on_device ? "host KV pool, registered in place"
-                             : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
+          !layout->on_device
+              ? "host KV pool, registered in place"
+              : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
   *region_p = r;
   return TW_OK;
 fail:
@@ -974,16 +1009,20 @@ void tw_kv_region_unregister(tw_kv_region_t *r) {
     TW_WARN("kvx", "unregistering a staged kv pool with copies still running");
   for (int32_t i = 0; i < r->n_pending; i++) { /* their senders see them dropped */
     tw_kv_rx_pending_t *q = &r->pending[(r->head + i) % r->cap_pending];
-    if (q->copy) free(q->copy);
-    else ucp_am_data_release(x->worker, q->desc);
+    if (q->copy)
+      free(q->copy);
+    else
+      ucp_am_data_release(x->worker, q->desc);
   }
   free(r->pending);
   for (int32_t k = 0; r->event && k < r->n_slots; k++)
     if (r->event[k]) x->cudart.event_destroy(r->event[k]);
   if (r->stream) x->cudart.stream_destroy(r->stream);
   if (r->slots_memh) ucp_mem_unmap(x->ctx, r->slots_memh);
-  if (r->slots && r->slots_pinned) x->cudart.free_host(r->slots);
-  else free(r->slots);
+  if (r->slots && r->slots_pinned)
+    x->cudart.free_host(r->slots);
+  else
+    free(r->slots);
   tw_kv_rxring_destroy(r->ring);
   free(r->event);
   free(r->slot_ctx);
@@ -1185,7 +1224,8 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
     }
   }
   p->ipc_allowed = x->ipc_allowed;
-  if (p->ipc_allowed) tw_kv_ipc_open(x, p); /* once per descriptor: the path is known before the first put */
+  if (p->ipc_allowed)
+    tw_kv_ipc_open(x, p); /* once per descriptor: the path is known before the first put */
   *peer_p = p;
   return TW_OK;
 }
@@ -1366,11 +1406,14 @@ static TW_NODISCARD tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p,
                                               int64_t len, uint64_t raddr, ucp_mem_h memh,
                                               ucs_memory_type_t mt, tw_kv_am_hdr_t *hdr,
                                               void **req_p) {
-  *hdr = (tw_kv_am_hdr_t){.base = dst->remote_base, .offset = raddr - dst->remote_base,
-                          .len = (uint64_t)len, .tag = dst->handoff_tag};
-  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
-                             .flags = UCP_AM_SEND_FLAG_RNDV,
-                             .memory_type = mt};
+  *hdr = (tw_kv_am_hdr_t){.base = dst->remote_base,
+                          .offset = raddr - dst->remote_base,
+                          .len = (uint64_t)len,
+                          .tag = dst->handoff_tag};
+  ucp_request_param_t prm = {
+      .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+      .flags = UCP_AM_SEND_FLAG_RNDV,
+      .memory_type = mt};
   if (memh) {
     prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
     prm.memh = memh;
@@ -1502,11 +1545,13 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
                   (long long)total, (unsigned long long)(raddr - dst->remote_base),
                   (long long)dst->total_bytes);
   tw_kv_path_t path = tw_kv_xfer_path_to(p, src->on_device, dst);
-  if (path == TW_KV_PATH_DIRECT_CUDA_IPC && (int64_t)(raddr - dst->remote_base) + total > p->ipc.pool_bytes)
-    return tw_err(TW_ERR_INVALID_ARGUMENT,
-                  "kv copy of %lld bytes at remote offset %llu is outside the mapped pool (%lld bytes)",
-                  (long long)total, (unsigned long long)(raddr - dst->remote_base),
-                  (long long)p->ipc.pool_bytes);
+  if (path == TW_KV_PATH_DIRECT_CUDA_IPC &&
+      (int64_t)(raddr - dst->remote_base) + total > p->ipc.pool_bytes)
+    return tw_err(
+        TW_ERR_INVALID_ARGUMENT,
+        "kv copy of %lld bytes at remote offset %llu is outside the mapped pool (%lld bytes)",
+        (long long)total, (unsigned long long)(raddr - dst->remote_base),
+        (long long)p->ipc.pool_bytes);
   if (!(p->logged_paths & (1u << path))) {
     p->logged_paths |= 1u << path;
     TW_INFO("kvx", "kv handoff path to a decode worker: %s (%s pool -> %s pool; ucx lanes: %s)",
@@ -1521,14 +1566,17 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
       if (segs[i].bytes == 0) continue;
       if (x->cudart.memcpy_async(d, segs[i].ptr, (size_t)segs[i].bytes, TW_CUDA_DEFAULT,
                                  x->ipc_stream) != 0)
-        return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of %lld kv bytes into the decode worker's "
-                      "pool (CUDA IPC) failed", (long long)segs[i].bytes);
+        return tw_err(TW_ERR_CUDA,
+                      "cudaMemcpyAsync of %lld kv bytes into the decode worker's "
+                      "pool (CUDA IPC) failed",
+                      (long long)segs[i].bytes);
       d += segs[i].bytes;
       x->stats.puts++;
       x->stats.direct_bytes += segs[i].bytes;
     }
     p->ipc_pending = true;
-    if (h) TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, TW_KV_RING_READ, dst));
+    if (h)
+      TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, TW_KV_RING_READ, dst));
     x->stats.bytes_sent += total;
     return TW_OK;
   }
@@ -1556,8 +1604,9 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
       for (int64_t off = 0, C = tw_kv_am_chunk(dst); off < total; off += C) {
         if (p->n_am == TW_KV_AM_INFLIGHT) TW_CHECK(tw_kv_am_wait(x, p, 10000));
         int64_t len = total - off < C ? total - off : C;
-        TW_CHECK(tw_kv_am_send(x, p, dst, (const char *)segs[0].ptr + off, len, raddr + (uint64_t)off,
-                               NULL, UCS_MEMORY_TYPE_HOST, &p->am_hdr[p->n_am], &p->am_req[p->n_am]));
+        TW_CHECK(tw_kv_am_send(x, p, dst, (const char *)segs[0].ptr + off, len,
+                               raddr + (uint64_t)off, NULL, UCS_MEMORY_TYPE_HOST,
+                               &p->am_hdr[p->n_am], &p->am_req[p->n_am]));
         if (p->am_req[p->n_am]) p->n_am++;
       }
       if (h) *h = tw_kv_fnv1a(*h, segs[0].ptr, (size_t)total);
@@ -1655,13 +1704,16 @@ TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int 
     int e;
     while ((e = x->cudart.event_query(x->ipc_event)) == TW_CUDA_NOT_READY) {
       if (tw_now_ns() > deadline)
-        return tw_err(TW_ERR_DEADLINE, "direct kv copies did not complete within %d ms", timeout_ms);
+        return tw_err(TW_ERR_DEADLINE, "direct kv copies did not complete within %d ms",
+                      timeout_ms);
       struct timespec ts = {0, 20000};
       nanosleep(&ts, NULL);
     }
     if (e != 0)
-      return tw_err(TW_ERR_CUDA, "a direct kv copy into the decode worker's pool failed (cuda "
-                    "error %d)", e);
+      return tw_err(TW_ERR_CUDA,
+                    "a direct kv copy into the decode worker's pool failed (cuda "
+                    "error %d)",
+                    e);
     p->ipc_pending = false;
   }
   ucp_request_param_t prm = {.op_attr_mask = 0};

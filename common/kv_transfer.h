@@ -172,8 +172,8 @@ typedef struct {
    * benchmarks of the staged receive path on a machine without a GPU: the
    * copy out of a slot is then a memcpy) */
   bool staging_ring;
-  int32_t n_slots;      /* 0: TWAIN_KV_STAGING_SLOTS or its default (kv_rxring.h) */
-  int64_t slot_bytes;   /* 0: TWAIN_KV_STAGING_SLOT_MB or its default */
+  int32_t n_slots;    /* 0: TWAIN_KV_STAGING_SLOTS or its default (kv_rxring.h) */
+  int64_t slot_bytes; /* 0: TWAIN_KV_STAGING_SLOT_MB or its default */
 } tw_kv_region_params_t;
 
 /** Register a KV pool for remote writes. Host pools are mapped in place;

@@ -25,12 +25,16 @@ void tw_proto_sampling_from_api(const Twain__V1__SamplingParams *s,
 
 void tw_proto_kv_layout_to_remote(const Twain__Internal__V1__KvLayout *k,
                                   tw_kv_remote_layout_t *out) {
-  *out = (tw_kv_remote_layout_t){.dtype = (tw_dtype_t)k->dtype, .on_device = k->on_device,
-                                 .n_layers = k->n_layers, .n_blocks = k->n_blocks,
-                                 .block_size = k->block_size, .n_kv_heads = k->n_kv_heads,
+  *out = (tw_kv_remote_layout_t){.dtype = (tw_dtype_t)k->dtype,
+                                 .on_device = k->on_device,
+                                 .n_layers = k->n_layers,
+                                 .n_blocks = k->n_blocks,
+                                 .block_size = k->block_size,
+                                 .n_kv_heads = k->n_kv_heads,
                                  .head_dim = k->head_dim,
                                  .layer_stride_bytes = k->layer_stride_bytes,
-                                 .block_bytes = k->block_bytes, .remote_base = k->remote_base,
+                                 .block_bytes = k->block_bytes,
+                                 .remote_base = k->remote_base,
                                  .total_bytes = k->total_bytes,
                                  .staging_slot_bytes = k->staging_slot_bytes};
 }

@@ -28,8 +28,10 @@ TW_NODISCARD tw_status_t tw_worker_dist_create(tw_worker_t *w, tw_backend_kind_t
 TW_NODISCARD tw_status_t tw_worker_metrics_open(tw_worker_t *w, const char *name, int port,
                                                 const char *addr, const char *served_model_name,
                                                 const char *model_dir) {
-  if (name) snprintf(w->name, sizeof w->name, "%s", name);
-  else snprintf(w->name, sizeof w->name, "%s-%d", w->role, (int)getpid());
+  if (name)
+    snprintf(w->name, sizeof w->name, "%s", name);
+  else
+    snprintf(w->name, sizeof w->name, "%s-%d", w->role, (int)getpid());
   TW_CHECK(tw_metrics_create(w->name, port, addr, &w->metrics));
   char model_name[256]; /* the model_name label, as the router's (model_path.h) */
   tw_model_name(served_model_name, model_dir, model_name, sizeof model_name);
@@ -67,7 +69,7 @@ static bool tw_worker_pump(tw_worker_t *w) {
       }
       continue;
     }
-    if (rs == TW_ERR_FORMAT) continue; /* logged by the link (rate-limited) */
+    if (rs == TW_ERR_FORMAT) continue;    /* logged by the link (rate-limited) */
     if (rs == TW_INPROGRESS) return true; /* nothing (more) waiting */
     tw_msg_note_failure(rs, w->role, "router socket");
     return false;
@@ -145,7 +147,7 @@ int tw_worker_main(tw_worker_t *w) {
     return tw_worker_exit_code(st); /* a configuration error (msg_worker.h) */
   }
   tw_worker_started_g = 1; /* from here on a failure is a crash */
-  if (w->id.rank != 0) { /* follow rank 0's plans until it says stop (or dies: dist.h) */
+  if (w->id.rank != 0) {   /* follow rank 0's plans until it says stop (or dies: dist.h) */
     TW_INFO(w->role, "rank %d of %d pid %d following rank 0", w->id.rank, w->id.size,
             (int)getpid());
     st = ops->follow(w->arg);

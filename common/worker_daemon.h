@@ -70,38 +70,42 @@ extern "C" {
  *  help of each option of the daemon mode ("daemon: " in a program that has
  *  another mode, else ""), ROLE the daemon's role ("prefill": the default
  *  routing id is ROLE-<pid>), STATS what its stats line shows. */
-#define TW_WORKER_OPTS(o, colocated, D, ROLE, STATS)                                             \
-  TW_OPT_STR_FN("model", &(o)->model_dir, tw_model_opt, "DIR|ORG/NAME",                          \
-                "checkpoint directory;\n"                                                         \
-                "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),           \
-      TW_OPT_FN("backend", &(o)->backend, tw_backend_opt, "auto|cpu|cuda", "engine backend"),    \
-      TW_OPT_INT("threads", &(o)->threads, 0, 4096, "N", "cpu threads (0: all cores)"),          \
-      TW_OPT_INT("block-size", &(o)->block_size, 1, 1 << 20, "N", "KV block size in tokens"),    \
-      TW_OPT_STR("router", &(o)->router, "tcp://HOST:PORT",                                      \
-                 D "the router's worker endpoint (required)"),                                   \
-      TW_OPT_STR("name", &(o)->name, "NAME", D "routing id (default " ROLE "-<pid>)"),           \
-      TW_OPT_INT("kv-blocks", &(o)->kv_blocks, 0, INT32_MAX, "N",                                \
-                 D "KV cache pool in blocks (0: the memory plan, docs/operations.md)"),          \
-      TW_OPT_DOUBLE("gpu-memory-utilization", &(o)->gpu_memory_utilization, 0, 1, "F",           \
-                    D "share of the device for its workers (0: 0.90)"),                          \
-      TW_OPT_FN("colocated", (colocated), tw_mem_colocated_opt, "P,D",                           \
-                D "prefill and decode workers on this device, this one\n"                        \
-                  "included (default this one alone)"),                                          \
-      TW_OPT_STR("share-weights", &(o)->share_weights_dir, "DIR",                                \
-                 D "cuda: one copy of the weights for the workers of DIR"),                      \
-      TW_OPT_INT("metrics-port", &(o)->metrics_port, -1, 65535, "PORT",                          \
-                 D "/metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),                     \
-      TW_OPT_STR("metrics-addr", &(o)->metrics_addr, "ADDR",                                     \
-                 D "numeric address of the metrics port (default 127.0.0.1;\n"                   \
-                   "0.0.0.0: all)"),                                                             \
-      TW_OPT_INT("tp", &(o)->tp, 1, 64, "N",                                                     \
-                 D "tensor parallel ranks (docs/parallelism.md); started here\n"                 \
-                   "(one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) did"),          \
-      TW_OPT_INT("ep", &(o)->ep, 1, 64, "N", D "expert parallel ranks"),                         \
-      TW_OPT_INT("log-stats-interval", &(o)->log_stats_interval_s, 0, 86400, "SECONDS",          \
-                 D "a stats line (" STATS ") this often while busy\n"                            \
-                   "(0: none)"),                                                                 \
-      TW_OPT_STR("served-model-name", &(o)->served_model_name, "NAME",                           \
+#define TW_WORKER_OPTS(o, colocated, D, ROLE, STATS)                                               \
+  TW_OPT_STR_FN("model", &(o)->model_dir, tw_model_opt, "DIR|ORG/NAME",                            \
+                "checkpoint directory;\n"                                                          \
+                "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),             \
+      TW_OPT_FN("backend", &(o)->backend, tw_backend_opt, "auto|cpu|cuda", "engine backend"),      \
+      TW_OPT_INT("threads", &(o)->threads, 0, 4096, "N", "cpu threads (0: all cores)"),            \
+      TW_OPT_INT("block-size", &(o)->block_size, 1, 1 << 20, "N", "KV block size in tokens"),      \
+      TW_OPT_STR("router", &(o)->router, "tcp://HOST:PORT",                                        \
+                 D "the router's worker endpoint (required)"),                                     \
+      TW_OPT_STR("name", &(o)->name, "NAME", D "routing id (default " ROLE "-<pid>)"),             \
+      TW_OPT_INT("kv-blocks", &(o)->kv_blocks, 0, INT32_MAX, "N",                                  \
+                 D "KV cache pool in blocks (0: the memory plan, docs/operations.md)"),            \
+      TW_OPT_DOUBLE("gpu-memory-utilization", &(o)->gpu_memory_utilization, 0, 1, "F",             \
+                    D "share of the device for its workers (0: 0.90)"),                            \
+      TW_OPT_FN("colocated", (colocated), tw_mem_colocated_opt, "P,D",                             \
+                D                                                                                  \
+                "prefill and decode workers on this device, this one\n"                            \
+                "included (default this one alone)"),                                              \
+      TW_OPT_STR("share-weights", &(o)->share_weights_dir, "DIR",                                  \
+                 D "cuda: one copy of the weights for the workers of DIR"),                        \
+      TW_OPT_INT("metrics-port", &(o)->metrics_port, -1, 65535, "PORT",                            \
+                 D "/metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),                       \
+      TW_OPT_STR("metrics-addr", &(o)->metrics_addr, "ADDR",                                       \
+                 D                                                                                 \
+                 "numeric address of the metrics port (default 127.0.0.1;\n"                       \
+                 "0.0.0.0: all)"),                                                                 \
+      TW_OPT_INT("tp", &(o)->tp, 1, 64, "N",                                                       \
+                 D                                                                                 \
+                 "tensor parallel ranks (docs/parallelism.md); started here\n"                     \
+                 "(one node) unless a launcher (mpirun, srun, RANK/WORLD_SIZE) did"),              \
+      TW_OPT_INT("ep", &(o)->ep, 1, 64, "N", D "expert parallel ranks"),                           \
+      TW_OPT_INT("log-stats-interval", &(o)->log_stats_interval_s, 0, 86400, "SECONDS",            \
+                 D "a stats line (" STATS                                                          \
+                   ") this often while busy\n"                                                     \
+                   "(0: none)"),                                                                   \
+      TW_OPT_STR("served-model-name", &(o)->served_model_name, "NAME",                             \
                  D "model_name label of the metrics (default: from --model)")
 
 /** After tw_opts_parse of a table with TW_WORKER_OPTS: false, with
@@ -156,23 +160,23 @@ typedef struct {
 /** The skeleton's state; daemons embed it and fill the first block. */
 struct tw_worker {
   /* filled by the daemon before tw_worker_main */
-  const char *prog;          /* "twain-prefill": the log's process name */
-  const char *role;          /* "prefill": the log tag */
-  const char *unit;          /* "prompts", "sequences": what a drain waits for */
-  int32_t ranks;             /* processes of this worker: max(tp, ep) */
-  bool use_mpi;              /* ranks talk over MPI (host backend) rather than NCCL */
-  int argc;                  /* the command line, to start the ranks */
+  const char *prog; /* "twain-prefill": the log's process name */
+  const char *role; /* "prefill": the log tag */
+  const char *unit; /* "prompts", "sequences": what a drain waits for */
+  int32_t ranks;    /* processes of this worker: max(tp, ep) */
+  bool use_mpi;     /* ranks talk over MPI (host backend) rather than NCCL */
+  int argc;         /* the command line, to start the ranks */
   char **argv;
-  int32_t drain_timeout_s;   /* finish pending work for at most this long; < 0: no limit */
+  int32_t drain_timeout_s; /* finish pending work for at most this long; < 0: no limit */
   const tw_worker_ops_t *ops;
   void *arg;
   /* set by the skeleton, or by ops->init on rank 0 */
-  tw_dist_identity_t id;     /* this rank */
-  tw_dist_t *dist;           /* ops->init creates it (tw_dist_create) */
-  tw_metrics_t *metrics;     /* rank 0: tw_worker_metrics_open */
-  tw_worker_link_t link;     /* rank 0: tw_worker_connect */
-  char name[64];             /* rank 0: the routing id (tw_worker_metrics_open) */
-  bool draining;             /* SIGTERM/SIGINT came */
+  tw_dist_identity_t id; /* this rank */
+  tw_dist_t *dist;       /* ops->init creates it (tw_dist_create) */
+  tw_metrics_t *metrics; /* rank 0: tw_worker_metrics_open */
+  tw_worker_link_t link; /* rank 0: tw_worker_connect */
+  char name[64];         /* rank 0: the routing id (tw_worker_metrics_open) */
+  bool draining;         /* SIGTERM/SIGINT came */
   int64_t drain_since_ns;
 };
 

@@ -3,11 +3,11 @@
 
 #include "common/install_paths.h"
 #include "common/log.h"
-#include "common/msg_worker.h"
-#include "common/worker_daemon.h"
-#include "common/model_path.h"
-#include "common/opts.h"
 #include "common/mem_plan.h"
+#include "common/model_path.h"
+#include "common/msg_worker.h"
+#include "common/opts.h"
+#include "common/worker_daemon.h"
 
 #include <stdint.h>
 #include <stdio.h>

@@ -24,13 +24,13 @@
 #include "common/kv_transfer.h"
 #include "common/log.h"
 #include "common/mem_plan.h"
-#include "common/model_path.h"
-#include "common/worker_stats.h"
 #include "common/metrics.h"
 #include "common/model.h"
+#include "common/model_path.h"
 #include "common/msg_worker.h"
-#include "common/worker_daemon.h"
 #include "common/proto_engine.h"
+#include "common/worker_daemon.h"
+#include "common/worker_stats.h"
 #include "proto/twain_api.pb-c.h"
 
 #include <stdio.h>
@@ -92,7 +92,7 @@ typedef struct {
   tw_dseq_t **seqs;
   int32_t n_seqs, cap_seqs;
   int32_t step_start[TW_DECODE_MAX_DP]; /* per dp rank: first table index its next step tries */
-  bool idle;      /* this loop turn found no sequence to step */
+  bool idle;                            /* this loop turn found no sequence to step */
   tw_decode_ranks_t rk;
   ProtobufCBinaryData kv_addr[64]; /* each rank's UCX address, for Register (borrowed) */
   /* its pools, once, in Register: rank 0's address, rkey and layout, and
@@ -235,7 +235,8 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     s.code = TWAIN__V1__CODE__INVALID_ARGUMENT;
     snprintf(msg, sizeof msg, "prompt + max_tokens = %lld exceeds the context of %d",
              (long long)n_tok, d->model->config.max_position_embeddings);
-  } else if (!(seq = calloc(1, sizeof *seq)) || !(seq->blocks = malloc(sizeof(int32_t) * (size_t)need))) {
+  } else if (!(seq = calloc(1, sizeof *seq)) ||
+             !(seq->blocks = malloc(sizeof(int32_t) * (size_t)need))) {
     s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
     snprintf(msg, sizeof msg, "decode worker out of host memory");
   } else if (tw_kv_blocks_alloc(d->bm[rank], need, seq->blocks) != TW_OK) {
@@ -326,8 +327,9 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
     snprintf(msg, sizeof msg, "decode for request %llu: no reservation (cancelled or expired)",
              (unsigned long long)r->request_id);
     TW_WARN("decode", "%s", msg);
-    tw_msg_note_failure(tw_worker_link_reject(&d->wk.link, r->request_id, TWAIN__V1__CODE__NOT_FOUND, msg),
-                        "decode", "cannot send a reject to the router");
+    tw_msg_note_failure(
+        tw_worker_link_reject(&d->wk.link, r->request_id, TWAIN__V1__CODE__NOT_FOUND, msg),
+        "decode", "cannot send a reject to the router");
     return;
   }
   tw_dseq_t *s = d->seqs[idx];
@@ -444,14 +446,18 @@ static void tw_decoder_commits(tw_decoder_t *d) {
     tw_status_t st = tw_kv_region_landed(d->region, s->id, s->blocks,
                                          tw_kv_blocks_needed(d->bm[0], s->n_prompt), firsts);
     if (st == TW_OK) {
-      if (s->max_tokens == 0) tw_dseq_release(d, i); /* finished by its first token */
-      else s->state = TW_DSEQ_RUNNING;
+      if (s->max_tokens == 0)
+        tw_dseq_release(d, i); /* finished by its first token */
+      else
+        s->state = TW_DSEQ_RUNNING;
       continue;
     }
-    if (st == TW_INPROGRESS && now - s->t_commit_ns <= (int64_t)TW_DSEQ_COMMIT_MS * 1000000) continue;
+    if (st == TW_INPROGRESS && now - s->t_commit_ns <= (int64_t)TW_DSEQ_COMMIT_MS * 1000000)
+      continue;
     char msg[256];
-    snprintf(msg, sizeof msg, "request %llu: %s", (unsigned long long)s->id,
-             st == TW_INPROGRESS ? "its kv did not all reach the device within 30 s" : tw_last_error());
+    snprintf(
+        msg, sizeof msg, "request %llu: %s", (unsigned long long)s->id,
+        st == TW_INPROGRESS ? "its kv did not all reach the device within 30 s" : tw_last_error());
     TW_ERROR("decode", "%s", msg);
     if (s->max_tokens > 0)
       tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
@@ -670,8 +676,9 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   if (tw_kv_region_staging_stats(d->region, &rs)) { /* the staged receive ring */
     d->m.stg_bytes = tw_metrics_counter(M, "kv_staging_bytes_total",
                                         "kv bytes copied from the bounce ring to the device pool");
-    d->m.stg_waits = tw_metrics_counter(M, "kv_staging_full_waits_total",
-                                        "kv pieces that found every bounce slot in use (back-pressure)");
+    d->m.stg_waits =
+        tw_metrics_counter(M, "kv_staging_full_waits_total",
+                           "kv pieces that found every bounce slot in use (back-pressure)");
     d->m.stg_failed = tw_metrics_counter(M, "kv_staging_pieces_failed_total",
                                          "kv pieces whose receive or copy to the device failed");
     d->m.stg_busy = tw_metrics_counter(M, "kv_staging_busy_seconds_total",
@@ -702,12 +709,13 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   d->wk.link.n_kv_addresses = n_addr;
   tw_decoder_pools(d);
   d->wk.link.kv_pools = &d->pools;
-  TW_INFO("decode", "%s: %s backend, %d kv blocks of %d tokens, max batch %d, router %s", d->wk.name,
-          d->wk.link.backend, l->n_blocks, l->block_size, d->max_batch, p->router);
+  TW_INFO("decode", "%s: %s backend, %d kv blocks of %d tokens, max batch %d, router %s",
+          d->wk.name, d->wk.link.backend, l->n_blocks, l->block_size, d->max_batch, p->router);
   if (d->n_dp > 1)
-    TW_INFO("decode", "%s: data-parallel attention over %d ranks, %d kv blocks each (%d in all), "
-            "experts split over the %d ranks", d->wk.name, d->n_dp, tw_kv_blocks_total(d->bm[0]),
-            tw_decoder_blocks(d, 2), d->n_dp);
+    TW_INFO("decode",
+            "%s: data-parallel attention over %d ranks, %d kv blocks each (%d in all), "
+            "experts split over the %d ranks",
+            d->wk.name, d->n_dp, tw_kv_blocks_total(d->bm[0]), tw_decoder_blocks(d, 2), d->n_dp);
   return TW_OK;
 }
 
@@ -785,7 +793,9 @@ static bool tw_decode_op_msg(void *arg, Twain__Internal__V1__Envelope *env) {
   switch (env->body_case) {
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVE: tw_on_reserve(d, env->reserve); break;
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_DECODE: tw_on_decode(d, env->decode); break;
-    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL: tw_on_cancel(d, env->cancel->request_id); break;
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL:
+      tw_on_cancel(d, env->cancel->request_id);
+      break;
     default: return false;
   }
   twain__internal__v1__envelope__free_unpacked(env, NULL);
@@ -798,7 +808,8 @@ static TW_NODISCARD tw_status_t tw_decode_op_work(void *arg) {
   int64_t now = tw_msg_clock_ns();
   for (int32_t i = d->n_seqs - 1; i >= 0; i--) { /* the router lost these reservations */
     tw_dseq_t *s = d->seqs[i];
-    if (s->state == TW_DSEQ_RESERVED && now - s->t_ns > (int64_t)d->p->reserve_timeout_ms * 1000000) {
+    if (s->state == TW_DSEQ_RESERVED &&
+        now - s->t_ns > (int64_t)d->p->reserve_timeout_ms * 1000000) {
       TW_WARN("decode", "request %llu: reservation expired: %d blocks quarantined",
               (unsigned long long)s->id, s->n_blocks);
       s->state = TW_DSEQ_QUARANTINE; /* a late prefill may still write there */
@@ -829,13 +840,18 @@ static void tw_decode_op_stop(void *arg) {
   TW_INFO("decode", "stopped: %d kv blocks in use", tw_decoder_blocks(arg, 1));
 }
 
-static const tw_worker_ops_t tw_decode_ops = {
-    .init = tw_decode_op_init, .fini = tw_decode_op_fini, .follow = tw_decode_op_follow,
-    .on_drain = tw_decode_op_drain, .wait_ms = tw_decode_op_wait_ms,
-    .after_wait = tw_decode_op_after_wait, .on_msg = tw_decode_op_msg,
-    .pending = tw_decode_op_pending, .work = tw_decode_op_work,
-    .capacity = tw_decode_op_capacity, .on_forgotten = tw_decode_op_forgotten,
-    .on_stop = tw_decode_op_stop};
+static const tw_worker_ops_t tw_decode_ops = {.init = tw_decode_op_init,
+                                              .fini = tw_decode_op_fini,
+                                              .follow = tw_decode_op_follow,
+                                              .on_drain = tw_decode_op_drain,
+                                              .wait_ms = tw_decode_op_wait_ms,
+                                              .after_wait = tw_decode_op_after_wait,
+                                              .on_msg = tw_decode_op_msg,
+                                              .pending = tw_decode_op_pending,
+                                              .work = tw_decode_op_work,
+                                              .capacity = tw_decode_op_capacity,
+                                              .on_forgotten = tw_decode_op_forgotten,
+                                              .on_stop = tw_decode_op_stop};
 
 /* The options a worker cannot start with (before any rank starts). */
 static TW_NODISCARD tw_status_t tw_decode_params_check(const tw_decode_params_t *p) {
@@ -869,10 +885,15 @@ int tw_decode_worker_main(const tw_decode_params_t *p) {
   static tw_decoder_t d; /* one per process */
   memset(&d, 0, sizeof d);
   d.p = p;
-  d.wk = (tw_worker_t){.prog = "twain-decode", .role = "decode", .unit = "sequences",
+  d.wk = (tw_worker_t){.prog = "twain-decode",
+                       .role = "decode",
+                       .unit = "sequences",
                        .ranks = p->tp > p->ep ? p->tp : p->ep,
-                       .use_mpi = p->backend != TW_BACKEND_CUDA, .argc = p->argc,
-                       .argv = p->argv, .drain_timeout_s = p->drain_timeout_s,
-                       .ops = &tw_decode_ops, .arg = &d};
+                       .use_mpi = p->backend != TW_BACKEND_CUDA,
+                       .argc = p->argc,
+                       .argv = p->argv,
+                       .drain_timeout_s = p->drain_timeout_s,
+                       .ops = &tw_decode_ops,
+                       .arg = &d};
   return tw_worker_main(&d.wk);
 }

@@ -38,7 +38,8 @@ int main(int argc, char **argv) {
       TW_OPT_INT("chunk-tokens", &w.chunk_tokens, 0, INT32_MAX, "N",
                  "daemon: tokens of one forward pass: queued prompts are batched up\n"
                  "to it (a longer prompt runs alone, split over passes; 0: planned)"),
-      TW_OPT_INT("batch-seqs", &w.batch_seqs, 1, INT32_MAX, "N", "daemon: most prompts in one batch"),
+      TW_OPT_INT("batch-seqs", &w.batch_seqs, 1, INT32_MAX, "N",
+                 "daemon: most prompts in one batch"),
       /* offline mode */
       TW_OPT_STR("prompt-tokens", &o.prompt_tokens_path, "FILE",
                  "offline mode: JSON array of prompt token ids"),

@@ -11,13 +11,13 @@
 #include "common/kv_transfer.h"
 #include "common/log.h"
 #include "common/mem_plan.h"
-#include "common/model_path.h"
-#include "common/worker_stats.h"
 #include "common/metrics.h"
 #include "common/model.h"
+#include "common/model_path.h"
 #include "common/msg_worker.h"
-#include "common/worker_daemon.h"
 #include "common/proto_engine.h"
+#include "common/worker_daemon.h"
+#include "common/worker_stats.h"
 #include "prefill/prefill_ranks.h"
 #include "prefill/worker_handoff.h"
 #include "proto/twain_api.pb-c.h"
@@ -181,8 +181,8 @@ static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__Pref
     tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return 0;
   }
-  *it = (tw_prefill_handoff_item_t){.r = r, .ids = ids, .nb = nb, .sp = tw_proto_sample_params(r->sampling),
-                                    .sums = sums};
+  *it = (tw_prefill_handoff_item_t){
+      .r = r, .ids = ids, .nb = nb, .sp = tw_proto_sample_params(r->sampling), .sums = sums};
   return 1;
 }
 
@@ -295,7 +295,8 @@ static void tw_prefill_next(tw_prefiller_t *w) {
     /* queued past the KV-write guard: back to the router, which reserves it
      * again (not the client's failure; its queue time there is free) */
     int64_t waited = 0;
-    bool stale = r && !w->wk.draining && tw_proto_stale(r->issued_unix_ms, TW_PREFILL_MAX_AGE_MS, &waited);
+    bool stale =
+        r && !w->wk.draining && tw_proto_stale(r->issued_unix_ms, TW_PREFILL_MAX_AGE_MS, &waited);
     int ready = 0;
     if (r && !w->wk.draining && !stale) {
       ready = tw_prefill_prepare(w, r, n > 0 || w->pending.b, &items[n]);
@@ -359,9 +360,10 @@ static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity
 static bool tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *env) {
   if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL) {
     if (w->wk.draining || w->q_len == TW_PREFILL_MAX_QUEUE) {
-      tw_prefill_done(w, env->prefill->request_id, -1, NULL, 0, 0, 0, 0,
-                      w->wk.draining ? TWAIN__V1__CODE__UNAVAILABLE : TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
-                      w->wk.draining ? "prefill worker is draining" : "prefill queue is full");
+      tw_prefill_done(
+          w, env->prefill->request_id, -1, NULL, 0, 0, 0, 0,
+          w->wk.draining ? TWAIN__V1__CODE__UNAVAILABLE : TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
+          w->wk.draining ? "prefill worker is draining" : "prefill queue is full");
       twain__internal__v1__envelope__free_unpacked(env, NULL);
       return true;
     }
@@ -422,8 +424,11 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
                                      .flush_timeout_ms = w->o.flush_timeout_ms,
                                      .max_age_ms = TW_PREFILL_MAX_AGE_MS,
                                      .on_layer = tw_prefill_on_engine_layer, .on_layer_arg = w};
-  w->rk = (tw_prefill_ranks_t){.dist = w->wk.dist, .engine = w->engine, .xfer = w->xfer,
-                               .model = w->model, .flush_timeout_ms = w->o.flush_timeout_ms,
+  w->rk = (tw_prefill_ranks_t){.dist = w->wk.dist,
+                               .engine = w->engine,
+                               .xfer = w->xfer,
+                               .model = w->model,
+                               .flush_timeout_ms = w->o.flush_timeout_ms,
                                .max_age_ms = TW_PREFILL_MAX_AGE_MS};
   if (w->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router */
   TW_CHECK(tw_worker_metrics_open(&w->wk, w->o.name, w->o.metrics_port, w->o.metrics_addr,
@@ -547,10 +552,15 @@ int tw_prefill_worker_main(const tw_prefill_opts_t *opts, int argc, char **argv)
             w.o.ep);
     return 2;
   }
-  w.wk = (tw_worker_t){.prog = "twain-prefill", .role = "prefill", .unit = "prompts",
+  w.wk = (tw_worker_t){.prog = "twain-prefill",
+                       .role = "prefill",
+                       .unit = "prompts",
                        .ranks = w.o.tp > w.o.ep ? w.o.tp : w.o.ep,
-                       .use_mpi = w.o.backend != TW_BACKEND_CUDA, .argc = argc, .argv = argv,
+                       .use_mpi = w.o.backend != TW_BACKEND_CUDA,
+                       .argc = argc,
+                       .argv = argv,
                        .drain_timeout_s = -1, /* the queue is refused, the batch finishes */
-                       .ops = &tw_prefill_ops, .arg = &w};
+                       .ops = &tw_prefill_ops,
+                       .arg = &w};
   return tw_worker_main(&w.wk);
 }

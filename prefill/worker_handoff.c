@@ -130,8 +130,8 @@ void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b) {
     it->out.transfer_ms = (double)s->t_put_ns * 1e-6;
     it->out.layer_sends = s->layer_sends;
     it->out.layer_sends_in_engine = s->layer_sends_in_engine;
-    it->out.kv_in_place = tw_kv_xfer_path_to(s->peer, s->src->on_device, &s->rl) ==
-                          TW_KV_PATH_DIRECT_CUDA_IPC;
+    it->out.kv_in_place =
+        tw_kv_xfer_path_to(s->peer, s->src->on_device, &s->rl) == TW_KV_PATH_DIRECT_CUDA_IPC;
   }
   free(b->states);
   free(b->firsts);

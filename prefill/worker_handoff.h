@@ -26,7 +26,7 @@ typedef struct {
   const tw_model_t *model;      /* borrowed */
   tw_kv_xfer_t *xfer;           /* borrowed */
   int flush_timeout_ms;
-  int64_t max_age_ms;           /* refuse to write KV for older requests (proto_engine.h) */
+  int64_t max_age_ms; /* refuse to write KV for older requests (proto_engine.h) */
   /* Optional (NULL = none): called on the engine's thread from every
    * per-layer callback of a batch, e.g. to finish the previous batch's
    * handoff (tw_prefill_handoff_finish) while this one computes. It must not

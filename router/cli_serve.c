@@ -21,14 +21,14 @@
  * serve and removed when it stops). */
 #include "router/cli.h"
 
-#include "common/install_paths.h"
 #include "common/config.h"
 #include "common/engine.h"
+#include "common/install_paths.h"
 #include "common/link_auth.h"
 #include "common/log.h"
 #include "common/mem_plan.h"
-#include "common/msg_worker.h"
 #include "common/model_path.h"
+#include "common/msg_worker.h"
 #include "common/opts.h"
 #include "router/router.h"
 

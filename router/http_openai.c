@@ -533,8 +533,10 @@ static bool tw_body_ok(tw_hconn_t *c) {
   for (size_t i = 0; i + 1 < len; i++) {
     if (b[i] != '\\') continue;
     if (b[i + 1] == 'u' && i + 6 <= len && !memcmp(b + i + 2, "0000", 4)) {
-      tw_http_fail(c, 400, NULL, "a string in the request body holds U+0000 (\\u0000 at byte %zu), "
-                   "which this server does not accept", i);
+      tw_http_fail(c, 400, NULL,
+                   "a string in the request body holds U+0000 (\\u0000 at byte %zu), "
+                   "which this server does not accept",
+                   i);
       return false;
     }
     i++; /* the escaped character */

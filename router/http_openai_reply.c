@@ -321,10 +321,14 @@ static cJSON *tw_resp_object(const tw_hconn_t *c, const char *status) {
   else
     cJSON_AddNullToObject(o, "incomplete_details");
   cJSON_AddBoolToObject(o, "parallel_tool_calls", false);
-  if (c->echo_tool_choice) cJSON_AddItemToObject(o, "tool_choice", cJSON_Duplicate(c->echo_tool_choice, true));
-  else cJSON_AddStringToObject(o, "tool_choice", "auto");
-  if (c->echo_tools) cJSON_AddItemToObject(o, "tools", cJSON_Duplicate(c->echo_tools, true));
-  else cJSON_AddArrayToObject(o, "tools");
+  if (c->echo_tool_choice)
+    cJSON_AddItemToObject(o, "tool_choice", cJSON_Duplicate(c->echo_tool_choice, true));
+  else
+    cJSON_AddStringToObject(o, "tool_choice", "auto");
+  if (c->echo_tools)
+    cJSON_AddItemToObject(o, "tools", cJSON_Duplicate(c->echo_tools, true));
+  else
+    cJSON_AddArrayToObject(o, "tools");
   if (done) cJSON_AddItemToObject(o, "usage", tw_usage(c, true));
   else cJSON_AddNullToObject(o, "usage");
   return o;

@@ -4,10 +4,10 @@
 #include "router/router_impl.h"
 
 #include "common/log.h"
+#include "common/model_path.h"
 #include "common/proto_engine.h"
 #include "common/tokenizer.h"
 #include "router/http_api.h"
-#include "common/model_path.h"
 
 #include <zmq.h>
 
@@ -205,12 +205,16 @@ void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_
     if (tw_rchat_choice_feed(r, q, toks, n, finished, &chosen) != TW_OK) {
       tw_router_fail(r, q, TWAIN__V1__CODE__RESOURCE_EXHAUSTED, "router out of memory");
     } else if (chosen && q->n_prompt > r->max_prompt) {
-      tw_router_fail(r, q, TWAIN__V1__CODE__INVALID_ARGUMENT, "rendered prompt of %d tokens (with the "
-                     "call's header) exceeds the limit of %d", q->n_prompt, r->max_prompt);
-    } else if (chosen && (int64_t)q->n_prompt + q->max_tokens > r->config.max_position_embeddings) {
       tw_router_fail(r, q, TWAIN__V1__CODE__INVALID_ARGUMENT,
-                     "prompt of %d tokens (with the call's header) + max_tokens %d exceeds the model "
-                     "context of %d", q->n_prompt, q->max_tokens, r->config.max_position_embeddings);
+                     "rendered prompt of %d tokens (with the "
+                     "call's header) exceeds the limit of %d",
+                     q->n_prompt, r->max_prompt);
+    } else if (chosen && (int64_t)q->n_prompt + q->max_tokens > r->config.max_position_embeddings) {
+      tw_router_fail(
+          r, q, TWAIN__V1__CODE__INVALID_ARGUMENT,
+          "prompt of %d tokens (with the call's header) + max_tokens %d exceeds the model "
+          "context of %d",
+          q->n_prompt, q->max_tokens, r->config.max_position_embeddings);
     } else if (chosen) { /* now the call itself, from a new prefill */
       tw_router_requeue(r, q, !finished, 0);
       q->attempts = 0;

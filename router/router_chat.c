@@ -69,17 +69,17 @@ struct tw_rchat {
   /* tool_choice REQUIRED among several tools: the choice pass (its prompt
    * ends in "<|channel|>commentary to"; the model writes "=functions.NAME") */
   bool choosing;
-  bool forced;         /* the answer is the call whose header the router wrote */
-  bool forced_done;    /* ... and that call ended: the answer is complete */
-  char **names;        /* the declared functions (owned) */
+  bool forced;      /* the answer is the call whose header the router wrote */
+  bool forced_done; /* ... and that call ended: the answer is complete */
+  char **names;     /* the declared functions (owned) */
   size_t n_names;
-  tw_token_ids_t base; /* the rendered prompt, without the header */
-  int32_t max_tokens;  /* the request's, while the pass runs with fewer */
+  tw_token_ids_t base;            /* the rendered prompt, without the header */
+  int32_t max_tokens;             /* the request's, while the pass runs with fewer */
   int32_t stop_ids[TW_RMAX_STOP]; /* the request's stop ids, likewise */
   int32_t n_stop;
   tw_tok_stream_t pick_dec;
-  tw_tok_buf_t pick;   /* what the pass wrote */
-  uint64_t pick_id;    /* the attempt (q->id) it comes from: a retried pass starts over */
+  tw_tok_buf_t pick; /* what the pass wrote */
+  uint64_t pick_id;  /* the attempt (q->id) it comes from: a retried pass starts over */
 };
 
 static char *tw_dup(const char *s) { return s ? strdup(s) : NULL; }
@@ -244,9 +244,10 @@ TW_NODISCARD tw_status_t tw_rchat_init(tw_router_t *r) {
   TW_CHECK(tw_harmony_create(x->tok, &x->h));
   x->stop_return = tw_harmony_token(x->h, "<|return|>");
   x->stop_call = tw_harmony_token(x->h, "<|call|>");
-  static const char *const pass[] = {"<|return|>", "<|call|>", "<|constrain|>", "<|message|>",
+  static const char *const pass[] = {"<|return|>",  "<|call|>",  "<|constrain|>", "<|message|>",
                                      "<|channel|>", "<|start|>", "<|end|>"};
-  for (size_t i = 0; i < sizeof pass / sizeof pass[0]; i++) x->pass_stops[i] = tw_harmony_token(x->h, pass[i]);
+  for (size_t i = 0; i < sizeof pass / sizeof pass[0]; i++)
+    x->pass_stops[i] = tw_harmony_token(x->h, pass[i]);
   return TW_OK;
 }
 
@@ -377,18 +378,24 @@ TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
   const char *forced = NULL;
   int choice = cr->tool_choice;
   if (st == TW_OK && choice > TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_FUNCTION)
-    st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: tool_choice %d is not AUTO, NONE, REQUIRED "
-                      "or FUNCTION", choice);
+    st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
+                      "chat: tool_choice %d is not AUTO, NONE, REQUIRED "
+                      "or FUNCTION",
+                      choice);
   if (st == TW_OK && choice >= TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_REQUIRED && cr->n_tools == 0)
-    st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: tool_choice %s asks for a tool call but "
-                      "there are no tools", choice == TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_REQUIRED
-                                                ? "REQUIRED" : "FUNCTION");
+    st = tw_err_quiet(
+        TW_ERR_INVALID_ARGUMENT,
+        "chat: tool_choice %s asks for a tool call but "
+        "there are no tools",
+        choice == TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_REQUIRED ? "REQUIRED" : "FUNCTION");
   if (st == TW_OK && choice == TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_FUNCTION) {
     for (size_t k = 0; k < cr->n_tools && !forced; k++)
-      if (cr->tools[k]->name && cr->tool_choice_name && !strcmp(cr->tools[k]->name, cr->tool_choice_name))
+      if (cr->tools[k]->name && cr->tool_choice_name &&
+          !strcmp(cr->tools[k]->name, cr->tool_choice_name))
         forced = cr->tools[k]->name;
     if (!forced)
-      st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "chat: tool_choice_name \"%s\" is not one of the tools",
+      st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
+                        "chat: tool_choice_name \"%s\" is not one of the tools",
                         cr->tool_choice_name ? cr->tool_choice_name : "");
   }
   if (st == TW_OK && choice == TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_REQUIRED && cr->n_tools == 1)
@@ -397,10 +404,12 @@ TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
     c->choosing = true;
     c->names = calloc(cr->n_tools, sizeof *c->names);
     for (size_t k = 0; c->names && k < cr->n_tools; k++)
-      if ((c->names[c->n_names] = strdup(cr->tools[k]->name ? cr->tools[k]->name : ""))) c->n_names++;
+      if ((c->names[c->n_names] = strdup(cr->tools[k]->name ? cr->tools[k]->name : "")))
+        c->n_names++;
     if (c->n_names < cr->n_tools) st = tw_err_quiet(TW_ERR_NO_MEMORY, "router out of memory");
   }
-  for (size_t k = 0; k < cr->n_tools && st == TW_OK && choice != TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_NONE; k++) {
+  for (size_t k = 0;
+       k < cr->n_tools && st == TW_OK && choice != TWAIN__V1__TOOL_CHOICE__TOOL_CHOICE_NONE; k++) {
     tw_harmony_tool_t t = {.name = cr->tools[k]->name,
                            .description = cr->tools[k]->description ? cr->tools[k]->description : "",
                            .parameters_json = tw_nz(cr->tools[k]->parameters_json)};
@@ -440,7 +449,8 @@ TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
   tw_token_ids_fini(&ids);
   if (st == TW_OK)
     st = tw_harmony_parser_create(x->h, TW_HARMONY_ROLE_ASSISTANT, tw_on_event, c, &c->parser);
-  if (st == TW_OK && forced) st = tw_parser_prime(c, q->prompt + n_rendered, (size_t)q->n_prompt - n_rendered);
+  if (st == TW_OK && forced)
+    st = tw_parser_prime(c, q->prompt + n_rendered, (size_t)q->n_prompt - n_rendered);
   const Twain__V1__SamplingParams *s = cr->sampling;
   if (st == TW_OK && s && s->n_stop) {
     c->stops = calloc(s->n_stop, sizeof(char *));
@@ -507,8 +517,10 @@ TW_NODISCARD tw_status_t tw_rchat_choice_feed(tw_router_t *r, tw_req_t *q, const
   const char *name = c->names[tw_pick_tool(c->pick.data, c->names, c->n_names)];
   for (size_t i = 0; i < c->pick.len; i++) /* one log line, whatever the model wrote */
     if ((unsigned char)c->pick.data[i] < 0x20 || c->pick.data[i] == '"') c->pick.data[i] = '?';
-  TW_DEBUG("router", "request %llu: tool_choice required: the model wrote \"%s\" after \"to\": "
-           "calling functions.%s", (unsigned long long)q->id, c->pick.data, name);
+  TW_DEBUG("router",
+           "request %llu: tool_choice required: the model wrote \"%s\" after \"to\": "
+           "calling functions.%s",
+           (unsigned long long)q->id, c->pick.data, name);
   size_t n_base = c->base.n;
   TW_CHECK(tw_harmony_render_call_header(x->h, name, x->enc, &c->base));
   int32_t *p = realloc(q->prompt, sizeof(int32_t) * c->base.n);

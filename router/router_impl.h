@@ -60,7 +60,7 @@ typedef struct {
   /* decode: the pools it registered (Register.kv_pools, a deep copy), put
    * into the handoff of each of its reservations that names none */
   Twain__Internal__V1__KvHandoff *kv_pools;
-  uint64_t instance;        /* Register.instance: this process start (0: not given) */
+  uint64_t instance; /* Register.instance: this process start (0: not given) */
 } tw_rworker_t;
 
 typedef struct {
@@ -79,7 +79,7 @@ typedef struct {
   tw_req_state_t state;
   uint64_t dw, pw;             /* worker serials (pw: chosen before the Reserve) */
   int32_t attempts;
-  uint64_t expired_instance;   /* the worker whose expiry requeued it last (0: none): if that
+  uint64_t expired_instance; /* the worker whose expiry requeued it last (0: none): if that
                                 * process registers again it was a stall: attempts-- */
   int64_t retry_after_ns;
   int32_t blocks_asked;

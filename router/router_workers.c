@@ -145,8 +145,10 @@ static void tw_keep_addrs(tw_rworker_t *w, const Twain__Internal__V1__Register *
    * worker connects to them), as a deep copy (pack, unpack) */
   if (!g->kv_pools || !tw_handoff_vouched(w, g->kv_pools)) {
     if (g->kv_pools)
-      TW_WARN("router", "decode worker %s registered kv pools naming an unregistered UCX address: "
-              "ignored", w->name);
+      TW_WARN("router",
+              "decode worker %s registered kv pools naming an unregistered UCX address: "
+              "ignored",
+              w->name);
     return;
   }
   size_t n_bytes = twain__internal__v1__kv_handoff__get_packed_size(g->kv_pools);
@@ -163,9 +165,9 @@ static void tw_keep_addrs(tw_rworker_t *w, const Twain__Internal__V1__Register *
  * worker's copy). A worker that registered no pools has its handoff
  * forwarded as it is (the prefill worker refuses one without an address).
  * Returns NULL when it names a replica this worker never registered. */
-static const Twain__Internal__V1__KvHandoff *tw_handoff_complete(const tw_rworker_t *w,
-                                                                const Twain__Internal__V1__KvHandoff *h,
-                                                                Twain__Internal__V1__KvHandoff *full) {
+static const Twain__Internal__V1__KvHandoff *tw_handoff_complete(
+    const tw_rworker_t *w, const Twain__Internal__V1__KvHandoff *h,
+    Twain__Internal__V1__KvHandoff *full) {
   if (!h || h->ucx_address.len) return h; /* the pools came with it (vouched separately) */
   const Twain__Internal__V1__KvHandoff *p = w->kv_pools;
   if (!p) return h;
@@ -248,8 +250,10 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
       if (q->attempts > 0) q->attempts--, n++;
     }
     if (n)
-      TW_INFO("router", "worker %s is back (the same process: it was stalled): %d requests it held "
-              "keep their attempts", g->name ? g->name : "", n);
+      TW_INFO("router",
+              "worker %s is back (the same process: it was stalled): %d requests it held "
+              "keep their attempts",
+              g->name ? g->name : "", n);
   }
   TW_INFO("router", "worker %s registered: %s pool, backend %s, pid %d, %d/%d free kv blocks", w->name,
           w->pool == TWAIN__INTERNAL__V1__POOL__POOL_PREFILL ? "prefill" : "decode",
@@ -410,7 +414,8 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   Twain__Internal__V1__KvHandoff full;
   const Twain__Internal__V1__KvHandoff *h = tw_handoff_complete(w, rs->handoff, &full);
   if (!h) {
-    TW_WARN("router", "decode worker %s reserved request %llu naming no pools it registered: refused",
+    TW_WARN("router",
+            "decode worker %s reserved request %llu naming no pools it registered: refused",
             w->name, (unsigned long long)q->id);
     tw_router_fail(r, q, TWAIN__V1__CODE__INTERNAL,
                    "decode worker %s sent a handoff without its kv pools", w->name);
@@ -601,10 +606,13 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
       if (q->done || q->state == TW_REQ_QUEUED) continue;
       bool on_dw = q->dw == dead, on_pw = q->pw == dead && q->state == TW_REQ_PREFILLING;
       if (!on_dw && !on_pw) continue;
-      if (on_dw) q->dw = 0; /* nothing to cancel there */
-      else q->pw = 0;
+      if (on_dw)
+        q->dw = 0; /* nothing to cancel there */
+      else
+        q->pw = 0;
       char why[160];
-      snprintf(why, sizeof why, "%s worker %s stopped responding", on_dw ? "decode" : "prefill", w->name);
+      snprintf(why, sizeof why, "%s worker %s stopped responding", on_dw ? "decode" : "prefill",
+               w->name);
       tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
       if (!q->done) q->expired_instance = w->instance;
     }

@@ -112,10 +112,11 @@ static int decode_side(int32_t n_blocks, bool device, bool staged, int rfd, int 
       int32_t n = 0, firsts[L];
       uint64_t tag = 0;
       if (read(rfd, &cmd, 1) != 1 || cmd != 'c') break;
-      if (read(rfd, &n, sizeof n) != sizeof n || read(rfd, &tag, sizeof tag) != sizeof tag || !all ||
-          (n + BS - 1) / BS > n_blocks)
+      if (read(rfd, &n, sizeof n) != sizeof n || read(rfd, &tag, sizeof tag) != sizeof tag ||
+          !all || (n + BS - 1) / BS > n_blocks)
         break;
-      for (int32_t l = 0; l < L; l++) firsts[l] = tw_kv_layer_first_block(n, BS, sliding(l), WINDOW);
+      for (int32_t l = 0; l < L; l++)
+        firsts[l] = tw_kv_layer_first_block(n, BS, sliding(l), WINDOW);
       tw_status_t cs = tw_kv_region_commit(reg, tag, all, (n + BS - 1) / BS, firsts, 60000);
       if (write(wfd, cs == TW_OK ? "k" : "e", 1) < 0) break;
     }
@@ -231,8 +232,10 @@ int main(int argc, char **argv) {
          commit ? " (+ the receiver's copies out of its ring)" : "", tw_kv_xfer_peer_lanes(peer),
          reps);
   if (commit)
-    printf("# receiver's ring: slots of %lld MiB (TWAIN_KV_STAGING_SLOTS x TWAIN_KV_STAGING_SLOT_MB)\n",
-           (long long)(rl.staging_slot_bytes >> 20));
+    printf(
+        "# receiver's ring: slots of %lld MiB (TWAIN_KV_STAGING_SLOTS x "
+        "TWAIN_KV_STAGING_SLOT_MB)\n",
+        (long long)(rl.staging_slot_bytes >> 20));
   printf("# %8s %10s %8s %11s %11s %8s\n", "tokens", "MiB", "puts", "median_ms", "min_ms", "GB/s");
   for (int s = 0; s < n_lengths; s++) {
     int32_t n_tok = lengths[s], nb = (n_tok + BS - 1) / BS;

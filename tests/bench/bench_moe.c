@@ -132,9 +132,19 @@ typedef struct {
 } model_t;
 
 static void model_free(model_t *m) {
-  cudaFree(m->gub); cudaFree(m->gus); cudaFree(m->dnb); cudaFree(m->dns); cudaFree(m->gbias);
-  cudaFree(m->dbias); cudaFree(m->x); cudaFree(m->logits); cudaFree(m->rmem); cudaFree(m->wdq);
-  cudaFree(m->ws); cudaFree(m->out); cudaFree(m->out2);
+  cudaFree(m->gub);
+  cudaFree(m->gus);
+  cudaFree(m->dnb);
+  cudaFree(m->dns);
+  cudaFree(m->gbias);
+  cudaFree(m->dbias);
+  cudaFree(m->x);
+  cudaFree(m->logits);
+  cudaFree(m->rmem);
+  cudaFree(m->wdq);
+  cudaFree(m->ws);
+  cudaFree(m->out);
+  cudaFree(m->out2);
   cudaFreeHost(m->hc);
 }
 
@@ -272,8 +282,8 @@ static int bench_decode(const char *name, int E, const int *Ts, int nT, cudaStre
   model_t m;
   if (model_init(&m, E, Tmax, 0, s)) return 1;
   const int H = m.H, I = m.I, k = m.k;
-  const double per_expert = (double)2 * I * (H / 32) * 17 + (double)H * (I / 32) * 17 +
-                            (double)(2 * I + H) * 4;
+  const double per_expert =
+      (double)2 * I * (H / 32) * 17 + (double)H * (I / 32) * 17 + (double)(2 * I + H) * 4;
   const char *forced = getenv("TWAIN_CUDA_MOE_BT");
   const uint32_t keep = tw_cuda_moe_mma_tiles();
   for (int i = 0; i < nT; i++) {
@@ -288,8 +298,8 @@ static int bench_decode(const char *name, int E, const int *Ts, int nT, cudaStre
     }
     const int twice = 2 * ((tk + E - 1) / E);
     const int tile = twice <= 16 ? 16 : twice <= 32 ? 32 : twice <= 64 ? 64 : 128;
-    const double bytes = active * per_expert + (double)T * H * (2 + 4) +
-                         (double)tk * (I * 2 * 2 + H * 4 * 2);
+    const double bytes =
+        active * per_expert + (double)T * H * (2 + 4) + (double)tk * (I * 2 * 2 + H * 4 * 2);
     const double flop = 2.0 * tk * (2.0 * I * H + (double)H * I);
     ctx_t c = {NULL, &m.w, &m.r, T, m.x, NULL, m.ws, m.wsz, m.hc, m.out, s};
     ctx_t c2 = c;
@@ -304,11 +314,12 @@ static int bench_decode(const char *name, int E, const int *Ts, int nT, cudaStre
       return 1;
     }
     const double rel = rel_l2_dev(m.out2, m.out, (size_t)T * H);
-    printf("| %s | %d | %s%d | %d (max %d) | %.1f | %.1f | %.3f | %.2f | %.0f | %.3f | %.2f | "
-           "%.0f | %.2fx | %.1e |\n",
-           name, T, forced ? "forced " : "", forced ? atoi(forced) : tile, active, maxc,
-           bytes / 1e6, flop / 1e9, t_old, bytes / t_old / 1e9, flop / t_old / 1e9, t_new,
-           bytes / t_new / 1e9, flop / t_new / 1e9, t_old / t_new, rel);
+    printf(
+        "| %s | %d | %s%d | %d (max %d) | %.1f | %.1f | %.3f | %.2f | %.0f | %.3f | %.2f | "
+        "%.0f | %.2fx | %.1e |\n",
+        name, T, forced ? "forced " : "", forced ? atoi(forced) : tile, active, maxc, bytes / 1e6,
+        flop / 1e9, t_old, bytes / t_old / 1e9, flop / t_old / 1e9, t_new, bytes / t_new / 1e9,
+        flop / t_new / 1e9, t_old / t_new, rel);
     fflush(stdout);
     if (!(rel <= 1e-3)) {
       fprintf(stderr, "bench_moe: old and new kernels differ (rel L2 %.2e > 1e-3)\n", rel);
@@ -322,10 +333,11 @@ static int bench_decode(const char *name, int E, const int *Ts, int nT, cudaStre
 int main(int argc, char **argv) {
   int Ts[16] = {128, 1024, 8192}, nT = 3, decode = 0, ai = 1;
   if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
-    printf("usage: twain-bench-moe [--decode] [T,T,...]\n"
-           "  tokens per call; default 128,1024,8192 (prefill: grouped GEMM against cuBLAS)\n"
-           "  --decode: the grouped GEMM's wgmma kernel against its decode kernel\n"
-           "            (TWAIN_CUDA_MOE_MMA), default 16,64,256,512,1024\n");
+    printf(
+        "usage: twain-bench-moe [--decode] [T,T,...]\n"
+        "  tokens per call; default 128,1024,8192 (prefill: grouped GEMM against cuBLAS)\n"
+        "  --decode: the grouped GEMM's wgmma kernel against its decode kernel\n"
+        "            (TWAIN_CUDA_MOE_MMA), default 16,64,256,512,1024\n");
     return 0;
   }
   if (argc > ai && !strcmp(argv[ai], "--decode")) {
@@ -361,21 +373,24 @@ int main(int argc, char **argv) {
   TWK(tw_cuda_moe_setup());
   int rc;
   if (decode) {
-    printf("decode MoE block, ms (median of %d): grouped GEMM, wgmma kernel (old) against the "
-           "decode kernel (new); TB/s of the bytes a step must move, TFLOP/s of the expert "
-           "GEMMs (ceilings %.2f TB/s copy, %.0f TFLOP/s)\n",
-           REPS, GBS_CEIL / 1000.0, TFLOPS_CEIL);
-    printf("| model | T | tile | experts used (max rows) | MB | GFLOP | old ms | old TB/s | old "
-           "TFLOP/s | new ms | new TB/s | new TFLOP/s | old/new | rel L2 new vs old |\n"
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    printf(
+        "decode MoE block, ms (median of %d): grouped GEMM, wgmma kernel (old) against the "
+        "decode kernel (new); TB/s of the bytes a step must move, TFLOP/s of the expert "
+        "GEMMs (ceilings %.2f TB/s copy, %.0f TFLOP/s)\n",
+        REPS, GBS_CEIL / 1000.0, TFLOPS_CEIL);
+    printf(
+        "| model | T | tile | experts used (max rows) | MB | GFLOP | old ms | old TB/s | old "
+        "TFLOP/s | new ms | new TB/s | new TFLOP/s | old/new | rel L2 new vs old |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     rc = bench_decode("20b", 32, Ts, nT, s) || bench_decode("120b", 128, Ts, nT, s);
   } else {
     tw_cuda_gemm_t *gemm = NULL;
     TWK(tw_cuda_gemm_create(0, &gemm));
-    printf("prefill MoE block, ms (median of %d); TFLOP/s of the expert GEMMs (%% of %.0f)\n",
-           REPS, TFLOPS_CEIL);
-    printf("| model | T | T*k | grouped | grouped TFLOP/s | cublas | cublas TFLOP/s | dequant | "
-           "cublas/grouped | rel L2 |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    printf("prefill MoE block, ms (median of %d); TFLOP/s of the expert GEMMs (%% of %.0f)\n", REPS,
+           TFLOPS_CEIL);
+    printf(
+        "| model | T | T*k | grouped | grouped TFLOP/s | cublas | cublas TFLOP/s | dequant | "
+        "cublas/grouped | rel L2 |\n|---|---|---|---|---|---|---|---|---|---|\n");
     rc = bench_model("20b", 32, Ts, nT, gemm, s) || bench_model("120b", 128, Ts, nT, gemm, s);
     tw_cuda_gemm_destroy(gemm);
   }

@@ -51,14 +51,16 @@ int main(void) {
   EXPECT(tw_backend_resolve(TW_BACKEND_CPU) == TW_BACKEND_CPU, "resolve cpu");
   EXPECT(tw_backend_resolve(TW_BACKEND_CUDA) == TW_BACKEND_CUDA, "resolve cuda");
   EXPECT(tw_backend_resolve(TW_BACKEND_AUTO) ==
-             (tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU), "resolve auto");
+             (tw_cuda_available() ? TW_BACKEND_CUDA : TW_BACKEND_CPU),
+         "resolve auto");
   EXPECT(tw_backend_usable(TW_BACKEND_CPU), "cpu is usable everywhere");
   EXPECT(tw_backend_usable(TW_BACKEND_CUDA) == (tw_cuda_available() != 0), "cuda usable");
   EXPECT(tw_backend_usable(TW_BACKEND_AUTO), "auto is usable everywhere");
   EXPECT(!tw_backend_caps(TW_BACKEND_CPU).on_device && tw_backend_caps(TW_BACKEND_CPU).dp_attention,
          "cpu: host memory, data-parallel attention");
-  EXPECT(tw_backend_caps(TW_BACKEND_CUDA).on_device && !tw_backend_caps(TW_BACKEND_CUDA).dp_attention,
-         "cuda: on the device, no data-parallel attention");
+  EXPECT(
+      tw_backend_caps(TW_BACKEND_CUDA).on_device && !tw_backend_caps(TW_BACKEND_CUDA).dp_attention,
+      "cuda: on the device, no data-parallel attention");
   EXPECT(tw_backend_caps(TW_BACKEND_AUTO).on_device == tw_backend_usable(TW_BACKEND_CUDA),
          "auto: the caps of what it resolves to");
 

@@ -115,7 +115,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   static const unsigned statuses[] = {200, 400, 401, 404, 413, 429, 500, 503, 504};
   bool known = c->sse;
-  for (size_t i = 0; i < sizeof statuses / sizeof statuses[0]; i++) known |= c->status == statuses[i];
+  for (size_t i = 0; i < sizeof statuses / sizeof statuses[0]; i++)
+    known |= c->status == statuses[i];
   if (!known) {
     fprintf(stderr, "fuzz: HTTP status %u is not one the API answers\n", c->status);
     abort();

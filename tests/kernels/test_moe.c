@@ -210,8 +210,8 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
  * replayed twice: capture fails if the path synchronises the host; each
  * replay must give `want` bit for bit. */
 static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
-                        const moe_case_t *c, const void *d_x, void *d_ws, size_t wsb,
-                        float *d_out, float *out, const float *want, uint32_t mma) {
+                        const moe_case_t *c, const void *d_x, void *d_ws, size_t wsb, float *d_out,
+                        float *out, const float *want, uint32_t mma) {
   tw_cuda_moe_set_mma_tiles(mma);
   cudaStream_t s;
   TT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -236,9 +236,10 @@ static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_
     TT_CUDA(cudaMemcpy(out, d_out, n * 4, cudaMemcpyDeviceToHost));
     diff += tt_count_bits_differ(out, want, n);
   }
-  printf("%s moe_grouped_graph(%s,T=%d,mma=%u): captured without a host sync, %ld values "
-         "differ from the eager run over 2 replays\n", diff ? "FAIL" : "ok  ", c->name, c->T, mma,
-         diff);
+  printf(
+      "%s moe_grouped_graph(%s,T=%d,mma=%u): captured without a host sync, %ld values "
+      "differ from the eager run over 2 replays\n",
+      diff ? "FAIL" : "ok  ", c->name, c->T, mma, diff);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
@@ -328,8 +329,8 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     }
     tt_l2_t acc = {0};
     for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&acc, out[i], ref[i]);
-    static const char *const names[] = {"gemv", "grouped_mxfp4", "grouped_bf16", "cublas",
-                                        "cublas_predequant", "grouped_mma"};
+    static const char *const names[] = {"gemv",   "grouped_mxfp4",     "grouped_bf16",
+                                        "cublas", "cublas_predequant", "grouped_mma"};
     char name[160];
     snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode], c->name, H,
              I, E, k, T);
@@ -357,8 +358,8 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       rc |= tt_l2_report(name, &ab, 1e-3);
       if (run_mode(gemm, &w, &r, c, 5, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out)) rc = 1;
       long d = tt_count_bits_differ(out, out5, (size_t)T * H);
-      printf("%s moe_grouped_mma_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ",
-             c->name, T, d);
+      printf("%s moe_grouped_mma_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", c->name,
+             T, d);
       rc |= d != 0;
       rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5, MMA_ALL);
     }
@@ -370,7 +371,13 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   cudaFree(d_x); cudaFree(d_logits); cudaFree(d_out); cudaFree(d_route); cudaFree(d_ws);
   if (d_wdq) cudaFree(d_wdq);
   cudaFreeHost(hc);
-  free(xb); free(x); free(logits); free(out); free(out1); free(out5); free(ref);
+  free(xb);
+  free(x);
+  free(logits);
+  free(out);
+  free(out1);
+  free(out5);
+  free(ref);
   free_experts(&h);
   return rc;
 }
@@ -496,15 +503,24 @@ int main(void) {
    * above 2 (the decode kernel's two-multiply conversion), at tiles 16 (20b
    * T=40) and 128 (odd T=300); 120b T=3: 12 experts of one row */
   static const moe_case_t gemm_cases[] = {
-      {"20b", 2880, 2880, 32, 4, 1},     {"20b", 2880, 2880, 32, 4, 300},
-      {"20b", 2880, 2880, 32, 4, 1024},  {"120b", 2880, 2880, 128, 4, 97},
-      {"120b", 2880, 2880, 128, 4, 600}, {"tiny", 256, 512, 8, 2, 75},
-      {"odd", 96, 160, 5, 3, 33},        {"odd", 96, 160, 5, 3, 300},
-      {"20b", 2880, 2880, 32, 4, 16},    {"20b", 2880, 2880, 32, 4, 64},
-      {"20b-hot", 2880, 2880, 32, 4, 64}, {"120b", 2880, 2880, 128, 4, 256},
-      {"120b-hot", 2880, 2880, 128, 4, 100}, {"odd-hot", 96, 160, 5, 3, 41},
-      {"20b-bigscale", 2880, 2880, 32, 4, 40}, {"odd-bigscale", 96, 160, 5, 3, 300},
-      {"120b", 2880, 2880, 128, 4, 3},   {"20b", 2880, 2880, 32, 4, 100},
+      {"20b", 2880, 2880, 32, 4, 1},
+      {"20b", 2880, 2880, 32, 4, 300},
+      {"20b", 2880, 2880, 32, 4, 1024},
+      {"120b", 2880, 2880, 128, 4, 97},
+      {"120b", 2880, 2880, 128, 4, 600},
+      {"tiny", 256, 512, 8, 2, 75},
+      {"odd", 96, 160, 5, 3, 33},
+      {"odd", 96, 160, 5, 3, 300},
+      {"20b", 2880, 2880, 32, 4, 16},
+      {"20b", 2880, 2880, 32, 4, 64},
+      {"20b-hot", 2880, 2880, 32, 4, 64},
+      {"120b", 2880, 2880, 128, 4, 256},
+      {"120b-hot", 2880, 2880, 128, 4, 100},
+      {"odd-hot", 96, 160, 5, 3, 41},
+      {"20b-bigscale", 2880, 2880, 32, 4, 40},
+      {"odd-bigscale", 96, 160, 5, 3, 300},
+      {"120b", 2880, 2880, 128, 4, 3},
+      {"20b", 2880, 2880, 32, 4, 100},
   };
   for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++)
     rc |= run_case(pool, gemm, &gemv[i], 0, 0);

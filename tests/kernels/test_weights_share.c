@@ -49,17 +49,26 @@ static int compute(tw_engine_t *e, const tw_model_t *m, const char *out, const c
   float *lg = malloc(sizeof(float) * (size_t)V * (N_PROMPT + 1));
   int32_t toks[N_PROMPT], table[2] = {0, 1}, next = -1, next2 = -1;
   for (int i = 0; i < N_PROMPT; i++) toks[i] = (i * 37 + 11) % V;
-  tw_prefill_args_t pa = {.tokens = toks, .n_tokens = N_PROMPT, .start_pos = 0,
-                          .block_table = table, .n_blocks = 2, .all_logits = true,
-                          .logits_out = lg, .next_token_out = &next};
+  tw_prefill_args_t pa = {.tokens = toks,
+                          .n_tokens = N_PROMPT,
+                          .start_pos = 0,
+                          .block_table = table,
+                          .n_blocks = 2,
+                          .all_logits = true,
+                          .logits_out = lg,
+                          .next_token_out = &next};
   int32_t pos = N_PROMPT, nb = 2;
   const int32_t *tables[1] = {table};
   if (!lg || tw_engine_prefill(e, &pa) != TW_OK) {
     fprintf(stderr, "child %s: prefill failed: %s\n", role, tw_last_error());
     rc = 1;
   } else {
-    tw_decode_args_t da = {.n_seqs = 1, .tokens = &next, .positions = &pos, .block_tables = tables,
-                           .n_blocks = &nb, .logits_out = lg + (size_t)N_PROMPT * V,
+    tw_decode_args_t da = {.n_seqs = 1,
+                           .tokens = &next,
+                           .positions = &pos,
+                           .block_tables = tables,
+                           .n_blocks = &nb,
+                           .logits_out = lg + (size_t)N_PROMPT * V,
                            .next_tokens_out = &next2};
     if (tw_engine_decode(e, &da) != TW_OK) {
       fprintf(stderr, "child %s: decode: %s\n", role, tw_last_error());
@@ -67,9 +76,10 @@ static int compute(tw_engine_t *e, const tw_model_t *m, const char *out, const c
     }
   }
   FILE *f = rc ? NULL : fopen(out, "wb");
-  if (!rc && (!f || fwrite(lg, sizeof(float), (size_t)V * (N_PROMPT + 1), f) !=
-                        (size_t)V * (N_PROMPT + 1) ||
-              fwrite(&next, 4, 1, f) != 1 || fwrite(&next2, 4, 1, f) != 1))
+  if (!rc &&
+      (!f ||
+       fwrite(lg, sizeof(float), (size_t)V * (N_PROMPT + 1), f) != (size_t)V * (N_PROMPT + 1) ||
+       fwrite(&next, 4, 1, f) != 1 || fwrite(&next2, 4, 1, f) != 1))
     rc = 1;
   if (f && fclose(f) != 0) rc = 1;
   free(lg);
@@ -262,14 +272,16 @@ int main(int argc, char **argv) {
   int rc_ = read_ready(c, out_c, &xc);
   close(in_c);
   if (xc < 0) xc = wait_exit(c);
-  printf("A (uploader): ready %d, killed (exit %d); B: ready %d, again after A died %d, exit %d; "
-         "D (after A): ready %d exit %d; C (own copy): ready %d exit %d; A's socket 0600 %d, "
-         "removed as stale %d; B's removed at its exit %d\n",
-         ra, xa, rb, rb2, xb, rd, xd, rc_, xc, offered, stale_removed, b_removed);
+  printf(
+      "A (uploader): ready %d, killed (exit %d); B: ready %d, again after A died %d, exit %d; "
+      "D (after A): ready %d exit %d; C (own copy): ready %d exit %d; A's socket 0600 %d, "
+      "removed as stale %d; B's removed at its exit %d\n",
+      ra, xa, rb, rb2, xb, rd, xd, rc_, xc, offered, stale_removed, b_removed);
   if (ra != 1 || rb != 2 || rb2 != 2 || xb != 0 || rd != 2 || xd != 0 || rc_ != 0 || xc != 0 ||
       !offered || !stale_removed || !b_removed) {
-    printf("FAIL: origins 1/2/2/2/0, clean exits but A's, A's socket offered 0600, then removed "
-           "as stale, B's removed at its exit\n");
+    printf(
+        "FAIL: origins 1/2/2/2/0, clean exits but A's, A's socket offered 0600, then removed "
+        "as stale, B's removed at its exit\n");
     fails++;
   }
   char *dd[N_OUT + 1] = {NULL};

@@ -234,16 +234,16 @@ static void run_pair(int p, int d) {
         for (int g = 0; g < nh; g++) bad_sums += hs[g] != sums[l * NKV + off + g];
       }
     }
-    printf("prefill TP %d -> decode TP %d (%s ids%s): %lld bytes put (%lld expected) in %lld puts "
-           "(%lld expected), %d wrong bytes, %d of %d head checksums differ\n",
-           p, d, src_ids == run_src ? "consecutive" : "scattered", staged ? ", staged" : "",
-           (long long)bytes,
-           (long long)want_bytes, (long long)puts, (long long)want_puts, bad_bytes, bad_sums,
-           L * NKV);
+    printf(
+        "prefill TP %d -> decode TP %d (%s ids%s): %lld bytes put (%lld expected) in %lld puts "
+        "(%lld expected), %d wrong bytes, %d of %d head checksums differ\n",
+        p, d, src_ids == run_src ? "consecutive" : "scattered", staged ? ", staged" : "",
+        (long long)bytes, (long long)want_bytes, (long long)puts, (long long)want_puts, bad_bytes,
+        bad_sums, L * NKV);
     if (staged) { /* pieces of at most a slot: more than puts */
       EXPECT(landed == want_bytes && pieces == puts && puts >= want_puts,
-             "p=%d d=%d staged: %lld bytes landed (want %lld), %lld pieces landed of %lld sent", p, d,
-             (long long)landed, (long long)want_bytes, (long long)pieces, (long long)puts);
+             "p=%d d=%d staged: %lld bytes landed (want %lld), %lld pieces landed of %lld sent", p,
+             d, (long long)landed, (long long)want_bytes, (long long)pieces, (long long)puts);
     } else {
       EXPECT(puts == want_puts, "p=%d d=%d: %lld puts, expected %lld", p, d, (long long)puts,
              (long long)want_puts);
@@ -284,6 +284,7 @@ int main(void) {
       for (int k = 0; k < 4; k++) run_pair(tps[i], tps[k]);
   }
   if (fails) fprintf(stderr, "test_kv_reshard: %d failure(s)\n", fails);
-  else printf("test_kv_reshard: all 16 pairs passed, scattered and consecutive ids, and staged\n");
+  else
+    printf("test_kv_reshard: all 16 pairs passed, scattered and consecutive ids, and staged\n");
   return fails ? 1 : 0;
 }

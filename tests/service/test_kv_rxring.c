@@ -62,7 +62,9 @@ static void complete(fake_copy_t *f, int slot) {
   f->pending[slot] = 2;
 }
 
-static uint8_t pat(int64_t off, uint32_t tag) { return (uint8_t)(off * 7 + (off >> 9) + tag * 31 + 1); }
+static uint8_t pat(int64_t off, uint32_t tag) {
+  return (uint8_t)(off * 7 + (off >> 9) + tag * 31 + 1);
+}
 
 /* Receive one piece through the ring: acquire, fill with the pattern, filled. */
 static TW_NODISCARD tw_status_t deliver(tw_kv_rxring_t *r, int64_t off, int64_t len, uint32_t tag,
@@ -85,14 +87,21 @@ int main(void) {
   static uint8_t pool[POOL], slots[NSLOT * SLOT];
   memset(pool, 0xEE, sizeof pool);
   fake_copy_t f = {.fail_copy = -1};
-  tw_kv_rxring_params_t p = {.pool = pool, .n_layers = NL, .n_blocks = NB, .block_bytes = BB,
-                             .layer_stride_bytes = NB * BB, .total_bytes = POOL,
-                             .slots_mem = slots, .n_slots = NSLOT, .slot_bytes = SLOT,
+  tw_kv_rxring_params_t p = {.pool = pool,
+                             .n_layers = NL,
+                             .n_blocks = NB,
+                             .block_bytes = BB,
+                             .layer_stride_bytes = NB * BB,
+                             .total_bytes = POOL,
+                             .slots_mem = slots,
+                             .n_slots = NSLOT,
+                             .slot_bytes = SLOT,
                              .copy = {fake_start, fake_poll, &f}};
   tw_kv_rxring_t *r = NULL;
   tw_kv_rxring_params_t bad = p;
   bad.layer_stride_bytes = NB * BB - 1;
-  EXPECT(tw_kv_rxring_create(&bad, &r) == TW_ERR_INVALID_ARGUMENT && !r, "stride shorter than a layer");
+  EXPECT(tw_kv_rxring_create(&bad, &r) == TW_ERR_INVALID_ARGUMENT && !r,
+         "stride shorter than a layer");
   bad = p;
   bad.n_slots = 0;
   EXPECT(tw_kv_rxring_create(&bad, &r) == TW_ERR_INVALID_ARGUMENT, "no slots");
@@ -107,9 +116,9 @@ int main(void) {
   /* pieces (offset, len): layer 0 as one 2500-byte piece and a 500-byte
    * tail; layer 1 block 7 as two halves; layer 2 as three whole blocks */
   const int64_t L0 = 0, L1 = NB * BB, L2 = 2 * NB * BB;
-  const int64_t pieces[][2] = {{L0 + 5 * BB, 2500}, {L0 + 5 * BB + 2500, 500},
-                               {L1 + 7 * BB + 500, 500}, {L1 + 7 * BB, 500},
-                               {L2 + 7 * BB, BB}, {L2 + 5 * BB, BB}, {L2 + 6 * BB, BB}};
+  const int64_t pieces[][2] = {
+      {L0 + 5 * BB, 2500}, {L0 + 5 * BB + 2500, 500}, {L1 + 7 * BB + 500, 500}, {L1 + 7 * BB, 500},
+      {L2 + 7 * BB, BB},   {L2 + 5 * BB, BB},         {L2 + 6 * BB, BB}};
   const int n_pieces = (int)(sizeof pieces / sizeof pieces[0]);
   int32_t slot_of[16];
   /* the first three take the three slots; the fourth waits (back-pressure) */
@@ -125,13 +134,15 @@ int main(void) {
   EXPECT(s.full_waits == 1, "one wait counted (%lld)", (long long)s.full_waits);
   int32_t freed = -1;
   EXPECT(tw_kv_rxring_poll(r, &freed) == TW_OK && freed == 0, "no copy done yet: nothing freed");
-  EXPECT(first_bad(pool, L0 + 5 * BB, 3 * BB, T) == L0 + 5 * BB, "nothing written before the copy runs");
+  EXPECT(first_bad(pool, L0 + 5 * BB, 3 * BB, T) == L0 + 5 * BB,
+         "nothing written before the copy runs");
   EXPECT(tw_kv_rxring_landed(r, T, ids, 3, firsts) == TW_INPROGRESS, "not landed");
   /* copies finish out of order: the third piece's first */
   complete(&f, slot_of[2]);
   EXPECT(tw_kv_rxring_poll(r, &freed) == TW_OK && freed == 1, "one slot freed (%d)", freed);
   EXPECT(first_bad(pool, L1 + 7 * BB + 500, 500, T) < 0, "the third piece at its offset");
-  EXPECT(deliver(r, pieces[3][0], pieces[3][1], T, &slot_of[3]) == TW_OK, "the waiting piece now fits");
+  EXPECT(deliver(r, pieces[3][0], pieces[3][1], T, &slot_of[3]) == TW_OK,
+         "the waiting piece now fits");
   EXPECT(slot_of[3] == slot_of[2], "it took the freed slot (%d, freed %d)", slot_of[3], slot_of[2]);
   for (int i = 0; i < 4; i++) complete(&f, slot_of[i]);
   EXPECT(tw_kv_rxring_poll(r, &freed) == TW_OK && freed == 3, "three freed (%d)", freed);
@@ -149,12 +160,14 @@ int main(void) {
     complete(&f, slot_of[i]);
     EXPECT(tw_kv_rxring_poll(r, &freed) == TW_OK && freed == 1, "piece %d copied", i);
     if (i < n_pieces - 1)
-      EXPECT(tw_kv_rxring_landed(r, T, ids, 3, firsts) == TW_INPROGRESS, "not landed after piece %d", i);
+      EXPECT(tw_kv_rxring_landed(r, T, ids, 3, firsts) == TW_INPROGRESS,
+             "not landed after piece %d", i);
   }
   EXPECT(tw_kv_rxring_landed(r, T, ids, 3, firsts) == TW_OK, "every byte landed");
   EXPECT(tw_kv_rxring_landed(r, T, ids, 3, NULL) == TW_INPROGRESS,
          "layer 1 blocks 5, 6 were never sent: not landed when asked for");
-  EXPECT(tw_kv_rxring_landed(r, T + 1, ids, 3, firsts) == TW_INPROGRESS, "another handoff: not landed");
+  EXPECT(tw_kv_rxring_landed(r, T + 1, ids, 3, firsts) == TW_INPROGRESS,
+         "another handoff: not landed");
   /* exact bytes where sent, untouched elsewhere */
   int64_t sent_lo[] = {L0 + 5 * BB, L1 + 7 * BB, L2 + 5 * BB}, sent_len[] = {3 * BB, BB, 3 * BB};
   for (int k = 0; k < 3; k++)
@@ -182,7 +195,7 @@ int main(void) {
   EXPECT(deliver(r, L0 + 3 * BB + 500, 500, U, &k0) == TW_OK, "second half, new handoff");
   complete(&f, k0);
   TW_IGNORE(tw_kv_rxring_poll(r, NULL)); /* both copies were completed above */
-  const int32_t fl[NL] = {0, 1, 1};     /* layer 0 only */
+  const int32_t fl[NL] = {0, 1, 1};      /* layer 0 only */
   EXPECT(tw_kv_rxring_landed(r, U, one, 1, fl) == TW_INPROGRESS, "half of block 3: not landed");
   void *buf;
   EXPECT(tw_kv_rxring_acquire(r, L0 + 3 * BB, 500, U, &k0, &buf) == TW_OK, "acquire");
@@ -192,7 +205,8 @@ int main(void) {
   EXPECT(deliver(r, L0 + 3 * BB, 500, U, &k0) == TW_OK, "first half again");
   f.fail_copy = k0;
   complete(&f, k0);
-  EXPECT(tw_kv_rxring_poll(r, &freed) == TW_ERR_CUDA && freed == 1, "a failed copy is reported, its slot freed");
+  EXPECT(tw_kv_rxring_poll(r, &freed) == TW_ERR_CUDA && freed == 1,
+         "a failed copy is reported, its slot freed");
   EXPECT(tw_kv_rxring_landed(r, U, one, 1, fl) == TW_INPROGRESS, "a failed copy counts nothing");
   EXPECT(deliver(r, L0 + 3 * BB, 500, U, &k0) == TW_OK, "first half once more");
   complete(&f, k0);
@@ -200,13 +214,17 @@ int main(void) {
   EXPECT(tw_kv_rxring_landed(r, U, one, 1, fl) == TW_OK, "block 3 landed for the new handoff");
 
   /* bad pieces */
-  EXPECT(tw_kv_rxring_acquire(r, 0, SLOT + 1, U, &k0, &buf) == TW_ERR_INVALID_ARGUMENT, "longer than a slot");
-  EXPECT(tw_kv_rxring_acquire(r, POOL - 10, 11, U, &k0, &buf) == TW_ERR_INVALID_ARGUMENT, "past the pool");
-  EXPECT(tw_kv_rxring_acquire(r, -1, 10, U, &k0, &buf) == TW_ERR_INVALID_ARGUMENT, "negative offset");
+  EXPECT(tw_kv_rxring_acquire(r, 0, SLOT + 1, U, &k0, &buf) == TW_ERR_INVALID_ARGUMENT,
+         "longer than a slot");
+  EXPECT(tw_kv_rxring_acquire(r, POOL - 10, 11, U, &k0, &buf) == TW_ERR_INVALID_ARGUMENT,
+         "past the pool");
+  EXPECT(tw_kv_rxring_acquire(r, -1, 10, U, &k0, &buf) == TW_ERR_INVALID_ARGUMENT,
+         "negative offset");
   EXPECT(tw_kv_rxring_acquire(r, 0, 0, U, &k0, &buf) == TW_ERR_INVALID_ARGUMENT, "empty piece");
   EXPECT(tw_kv_rxring_filled(r, 1, true) == TW_ERR_INVALID_ARGUMENT, "filled on a free slot");
   const int32_t out[1] = {NB};
-  EXPECT(tw_kv_rxring_landed(r, U, out, 1, NULL) == TW_ERR_INVALID_ARGUMENT, "block outside the pool");
+  EXPECT(tw_kv_rxring_landed(r, U, out, 1, NULL) == TW_ERR_INVALID_ARGUMENT,
+         "block outside the pool");
   tw_kv_rxring_stats(r, &s);
   EXPECT(s.slots_in_use == 0 && s.busy_seconds > 0, "idle at the end, busy time counted");
 
@@ -215,7 +233,8 @@ int main(void) {
   int64_t sb = 0;
   unsetenv("TWAIN_KV_STAGING_SLOTS");
   unsetenv("TWAIN_KV_STAGING_SLOT_MB");
-  EXPECT(tw_kv_rxring_size_from_env(&ns, &sb) == TW_OK && ns == 16 && sb == 8 << 20, "default 16 x 8 MiB");
+  EXPECT(tw_kv_rxring_size_from_env(&ns, &sb) == TW_OK && ns == 16 && sb == 8 << 20,
+         "default 16 x 8 MiB");
   setenv("TWAIN_KV_STAGING_SLOTS", "4", 1);
   setenv("TWAIN_KV_STAGING_SLOT_MB", "2", 1);
   EXPECT(tw_kv_rxring_size_from_env(&ns, &sb) == TW_OK && ns == 4 && sb == 2 << 20, "4 x 2 MiB");

@@ -17,9 +17,9 @@
  *     with handoff 2 never complete;
  *  3. sends handoff 3 into the same blocks: complete and exact, so the
  *     receiver keeps serving after a sender died mid-transfer. */
-#include "tests/test_io.h"
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "tests/test_io.h"
 
 #include "tests/test_expect.h"
 
@@ -47,8 +47,13 @@
 static const int sliding[L] = {1, 0, 1, 0};
 
 static tw_kv_layout_t make_layout(void *base) {
-  tw_kv_layout_t l = {.dtype = TW_DTYPE_F32, .n_layers = L, .n_blocks = NB, .block_size = BS,
-                      .n_kv_heads_local = NKV, .head_dim = HD, .base = base};
+  tw_kv_layout_t l = {.dtype = TW_DTYPE_F32,
+                      .n_layers = L,
+                      .n_blocks = NB,
+                      .block_size = BS,
+                      .n_kv_heads_local = NKV,
+                      .head_dim = HD,
+                      .base = base};
   l.block_bytes = 2LL * NKV * BS * HD * 4;
   l.layer_stride_bytes = l.block_bytes * NB;
   l.total_bytes = l.layer_stride_bytes * L;
@@ -66,7 +71,8 @@ static int first_of(int l) { return tw_kv_layer_first_block(NTOK, BS, sliding[l]
 static int child(int t, int die_after, int rfd, int wfd) {
   size_t alen, rlen;
   tw_kv_remote_layout_t rl;
-  if (tw_test_read_all(rfd, &alen, sizeof alen) || tw_test_read_all(rfd, &rlen, sizeof rlen)) return 2;
+  if (tw_test_read_all(rfd, &alen, sizeof alen) || tw_test_read_all(rfd, &rlen, sizeof rlen))
+    return 2;
   uint8_t *addr = malloc(alen);
   if (!addr || tw_test_read_all(rfd, addr, alen) || tw_test_read_all(rfd, &rl, sizeof rl)) return 2;
   tw_kv_layout_t src = make_layout(NULL);
@@ -94,10 +100,10 @@ static int child(int t, int die_after, int rfd, int wfd) {
   /* the gather: blocks 50..57 of layer 0 from local blocks 57..50 */
   tw_kv_seg_t segs[GATHER];
   for (int i = 0; i < GATHER; i++)
-    segs[i] = (tw_kv_seg_t){(const char *)src.base + (int64_t)(50 + GATHER - 1 - i) * src.block_bytes,
-                            src.block_bytes};
-  if (tw_kv_xfer_put(x, peer, &src, &rl, segs, GATHER, rl.remote_base + 50 * (uint64_t)src.block_bytes,
-                     NULL))
+    segs[i] = (tw_kv_seg_t){
+        (const char *)src.base + (int64_t)(50 + GATHER - 1 - i) * src.block_bytes, src.block_bytes};
+  if (tw_kv_xfer_put(x, peer, &src, &rl, segs, GATHER,
+                     rl.remote_base + 50 * (uint64_t)src.block_bytes, NULL))
     return 6;
   if (tw_kv_xfer_flush(x, peer, 20000)) return 7;
   tw_kv_xfer_stats_t s;
@@ -130,11 +136,14 @@ static int64_t wrong_bytes(const tw_kv_layout_t *pool, int t, bool with_gather) 
   int64_t bad = 0;
   for (int l = 0; l < L; l++)
     for (int b = 0; b < NB; b++) {
-      const uint8_t *p = (const uint8_t *)pool->base + l * pool->layer_stride_bytes + b * pool->block_bytes;
+      const uint8_t *p =
+          (const uint8_t *)pool->base + l * pool->layer_stride_bytes + b * pool->block_bytes;
       bool sent = b < NSENT && b >= first_of(l);
       bool gathered = with_gather && l == 0 && b >= 50 && b < 50 + GATHER;
       for (int64_t k = 0; k < pool->block_bytes; k++) {
-        uint8_t want = sent ? pat(t, l, b, k) : gathered ? pat(t, l, 50 + GATHER - 1 - (b - 50), k) : 0xEE;
+        uint8_t want = sent       ? pat(t, l, b, k)
+                       : gathered ? pat(t, l, 50 + GATHER - 1 - (b - 50), k)
+                                  : 0xEE;
         bad += p[k] != want;
       }
     }
@@ -160,8 +169,9 @@ static pid_t spawn(int t, int die_after, tw_kv_xfer_t *x, tw_kv_region_t *reg, i
   tw_kv_region_rkey(reg, &rlen);
   tw_kv_remote_layout_t rl;
   tw_kv_region_remote_layout(reg, &rl);
-  if (tw_test_write_all(p2c[1], &alen, sizeof alen) || tw_test_write_all(p2c[1], &rlen, sizeof rlen) ||
-      tw_test_write_all(p2c[1], addr, alen) || tw_test_write_all(p2c[1], &rl, sizeof rl))
+  if (tw_test_write_all(p2c[1], &alen, sizeof alen) ||
+      tw_test_write_all(p2c[1], &rlen, sizeof rlen) || tw_test_write_all(p2c[1], addr, alen) ||
+      tw_test_write_all(p2c[1], &rl, sizeof rl))
     return -1;
   *to_child = p2c[1];
   *from_child = c2p[0];
@@ -182,8 +192,8 @@ int main(void) {
   tw_kv_region_rkey(reg, &rlen);
   tw_kv_remote_layout_t rl;
   tw_kv_region_remote_layout(reg, &rl);
-  EXPECT(rlen == 0 && rl.staging_slot_bytes == SLOT_BYTES, "staged: no rkey, slots of %lld bytes published",
-         (long long)rl.staging_slot_bytes);
+  EXPECT(rlen == 0 && rl.staging_slot_bytes == SLOT_BYTES,
+         "staged: no rkey, slots of %lld bytes published", (long long)rl.staging_slot_bytes);
   int32_t ids[NSENT], firsts[L], gids[GATHER];
   for (int j = 0; j < NSENT; j++) ids[j] = j;
   for (int j = 0; j < GATHER; j++) gids[j] = 50 + j;
@@ -198,37 +208,45 @@ int main(void) {
   tw_kv_xfer_stats_t s = {0};
   int ok = pid > 0 && wait_readable(x, from) && tw_test_read_all(from, &s, sizeof s) == 0;
   EXPECT(ok, "handoff 1 reported");
-  EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS, "handoff 2 is not there");
+  EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS,
+         "handoff 2 is not there");
   EXPECT(tw_kv_region_commit(reg, 1, ids, NSENT, firsts, 10000) == TW_OK &&
              tw_kv_region_commit(reg, 1, gids, GATHER, gfirsts, 10000) == TW_OK,
          "handoff 1 landed");
-  EXPECT(wrong_bytes(&pool, 1, true) == 0, "handoff 1: %lld wrong bytes", (long long)wrong_bytes(&pool, 1, true));
+  EXPECT(wrong_bytes(&pool, 1, true) == 0, "handoff 1: %lld wrong bytes",
+         (long long)wrong_bytes(&pool, 1, true));
   tw_kv_rxring_stats_t rs;
   EXPECT(tw_kv_region_staging_stats(reg, &rs), "staging stats");
-  printf("handoff 1: %lld bytes in %lld pieces (%lld sent as pieces), %lld waits for a slot, peak %d slots\n",
-         (long long)rs.bytes_landed, (long long)rs.pieces, (long long)s.ring_bytes,
-         (long long)rs.full_waits, rs.slots_peak);
-  EXPECT(s.bytes_sent == want_bytes && s.ring_bytes == want_bytes, "sent %lld bytes as pieces (%lld), want %lld",
-         (long long)s.bytes_sent, (long long)s.ring_bytes, (long long)want_bytes);
-  EXPECT(rs.bytes_landed == want_bytes, "copied out of the ring: %lld, want %lld", (long long)rs.bytes_landed,
-         (long long)want_bytes);
+  printf(
+      "handoff 1: %lld bytes in %lld pieces (%lld sent as pieces), %lld waits for a slot, peak %d "
+      "slots\n",
+      (long long)rs.bytes_landed, (long long)rs.pieces, (long long)s.ring_bytes,
+      (long long)rs.full_waits, rs.slots_peak);
+  EXPECT(s.bytes_sent == want_bytes && s.ring_bytes == want_bytes,
+         "sent %lld bytes as pieces (%lld), want %lld", (long long)s.bytes_sent,
+         (long long)s.ring_bytes, (long long)want_bytes);
+  EXPECT(rs.bytes_landed == want_bytes, "copied out of the ring: %lld, want %lld",
+         (long long)rs.bytes_landed, (long long)want_bytes);
   /* full layers: 40 blocks = 640 KiB = 10 pieces; sliding: 4 blocks = 1 piece; gather: 2 pieces */
-  EXPECT(rs.pieces == 2 * 10 + 2 * 1 + 2 && s.puts == rs.pieces, "pieces: %lld received, %lld sent, want 24",
-         (long long)rs.pieces, (long long)s.puts);
-  EXPECT(rs.full_waits > 0 && rs.slots_peak <= SLOTS, "back-pressure: %lld waits, peak %d of %d slots",
-         (long long)rs.full_waits, rs.slots_peak, SLOTS);
+  EXPECT(rs.pieces == 2 * 10 + 2 * 1 + 2 && s.puts == rs.pieces,
+         "pieces: %lld received, %lld sent, want 24", (long long)rs.pieces, (long long)s.puts);
+  EXPECT(rs.full_waits > 0 && rs.slots_peak <= SLOTS,
+         "back-pressure: %lld waits, peak %d of %d slots", (long long)rs.full_waits, rs.slots_peak,
+         SLOTS);
   EXPECT(rs.slots_in_use == 0 && rs.pieces_failed == 0, "ring idle, nothing failed");
   TW_IGNORE(tw_test_write_all(to, "k", 1)); /* the child ends either way */
   int st = 0;
   waitpid(pid, &st, 0);
-  EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child 1 exit %d", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child 1 exit %d",
+         WIFEXITED(st) ? WEXITSTATUS(st) : -1);
   close(to);
   close(from);
 
   /* 2: a sender killed after 2 of its 4 layers */
   pid = spawn(2, 2, x, reg, &to, &from);
   st = 0;
-  for (int it = 0; it < 100000 && pid > 0 && waitpid(pid, &st, WNOHANG) == 0; it++) tw_kv_xfer_progress(x);
+  for (int it = 0; it < 100000 && pid > 0 && waitpid(pid, &st, WNOHANG) == 0; it++)
+    tw_kv_xfer_progress(x);
   EXPECT(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "child 2 was killed mid-transfer");
   int in_use = -1;
   for (int it = 0; it < 20000; it++) { /* bounded: 20000 x 100 us */
@@ -240,7 +258,8 @@ int main(void) {
     usleep(100);
   }
   EXPECT(in_use == 0, "after the killed sender: %d slots still in use", in_use);
-  EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS, "handoff 2 never completes");
+  EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS,
+         "handoff 2 never completes");
   close(to);
   close(from);
 
@@ -251,12 +270,15 @@ int main(void) {
   EXPECT(tw_kv_region_commit(reg, 3, ids, NSENT, firsts, 10000) == TW_OK &&
              tw_kv_region_commit(reg, 3, gids, GATHER, gfirsts, 10000) == TW_OK,
          "handoff 3 landed");
-  EXPECT(wrong_bytes(&pool, 3, true) == 0, "handoff 3: %lld wrong bytes", (long long)wrong_bytes(&pool, 3, true));
-  EXPECT(tw_kv_region_landed(reg, 1, ids, NSENT, firsts) == TW_INPROGRESS, "handoff 1 no longer counts");
+  EXPECT(wrong_bytes(&pool, 3, true) == 0, "handoff 3: %lld wrong bytes",
+         (long long)wrong_bytes(&pool, 3, true));
+  EXPECT(tw_kv_region_landed(reg, 1, ids, NSENT, firsts) == TW_INPROGRESS,
+         "handoff 1 no longer counts");
   TW_IGNORE(tw_test_write_all(to, "k", 1));
   st = 0;
   waitpid(pid, &st, 0);
-  EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child 3 exit %d", WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child 3 exit %d",
+         WIFEXITED(st) ? WEXITSTATUS(st) : -1);
   close(to);
   close(from);
   tw_kv_region_unregister(reg);

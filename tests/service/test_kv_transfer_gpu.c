@@ -111,8 +111,7 @@ static int decode_child(bool staged, int rfd, int wfd) {
   int32_t firsts[L];
   for (int l = 0; l < L; l++) firsts[l] = first_of(l);
   /* staged: every piece out of the ring; direct: the bytes are in the pool already */
-  if (cmd == 'c' && host &&
-      tw_kv_region_commit(reg, TAG, dst_ids, NSENT, firsts, 20000) == TW_OK &&
+  if (cmd == 'c' && host && tw_kv_region_commit(reg, TAG, dst_ids, NSENT, firsts, 20000) == TW_OK &&
       rt.memcpy_(host, pool.base, (size_t)pool.total_bytes, 2) == 0) {
     bad = 0;
     for (int l = 0; l < L; l++)
@@ -197,8 +196,8 @@ static int run(bool staged) {
     result = 78;
     goto done;
   }
-  EXPECT(path == (staged ? TW_KV_PATH_STAGED_RECV : TW_KV_PATH_DIRECT_CUDA_IPC), "%s: path %s", name,
-         tw_kv_path_name(path));
+  EXPECT(path == (staged ? TW_KV_PATH_STAGED_RECV : TW_KV_PATH_DIRECT_CUDA_IPC), "%s: path %s",
+         name, tw_kv_path_name(path));
   uint64_t sums[L];
   for (int l = 0; l < L; l++) {
     sums[l] = TW_KV_FNV_INIT;

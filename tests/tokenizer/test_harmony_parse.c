@@ -313,13 +313,19 @@ static void cases(const tw_tokenizer_t *tok, const tw_harmony_t *h) {
   check_msg(&r, 0, "assistant", "-", "final", "-", "\xf0\x9f\x91\x8d");
 
   tw_test_case = "header bytes that are not UTF-8: fields get U+FFFD, never raw bytes";
-  build(tok, "<|channel|>commentary to=functions.{bytes:\xbf}f{bytes:\xff} <|constrain|>json"
-             "<|message|>{}<|call|>", &ids);
+  build(tok,
+        "<|channel|>commentary to=functions.{bytes:\xbf}f{bytes:\xff} <|constrain|>json"
+        "<|message|>{}<|call|>",
+        &ids);
   run(h, A, &ids, 1, &r);
-  EXPECT(r.n_calls == 1 && !strcmp(r.call_recipient[0], "functions.\xef\xbf\xbd" "f\xef\xbf\xbd"),
-        "calls %d recipient \"%s\"", r.n_calls, r.call_recipient[0]);
-  check_msg(&r, 0, "assistant", "functions.\xef\xbf\xbd" "f\xef\xbf\xbd", "commentary",
-            "<|constrain|>json", "{}");
+  EXPECT(r.n_calls == 1 && !strcmp(r.call_recipient[0],
+                                   "functions.\xef\xbf\xbd"
+                                   "f\xef\xbf\xbd"),
+         "calls %d recipient \"%s\"", r.n_calls, r.call_recipient[0]);
+  check_msg(&r, 0, "assistant",
+            "functions.\xef\xbf\xbd"
+            "f\xef\xbf\xbd",
+            "commentary", "<|constrain|>json", "{}");
 
   tw_token_ids_fini(&ids);
 }

@@ -232,7 +232,8 @@ int main(int argc, char **argv) {
 
   /* the header of a forced call (tool_choice), as the model writes it */
   {
-    static const char hdr[] = "<|channel|>commentary to=functions.get_current_weather <|constrain|>json<|message|>";
+    static const char hdr[] =
+        "<|channel|>commentary to=functions.get_current_weather <|constrain|>json<|message|>";
     tw_token_ids_t want;
     tw_token_ids_init(&want);
     EXPECT_OK(tw_tokenizer_encode(tok, hdr, strlen(hdr), TW_TOK_ALLOW_SPECIAL, &want));
@@ -241,10 +242,12 @@ int main(int argc, char **argv) {
     ids.n = 0;
     EXPECT_OK(tw_token_ids_push(&ids, 7)); /* appended after what is there */
     EXPECT_OK(tw_harmony_render_call_header(h, "get_current_weather", enc, &ids));
-    EXPECT(ids.n == want.n + 1 && ids.ids[0] == 7 && !memcmp(ids.ids + 1, want.ids, want.n * 4),
-           "call header: %zu ids after the one there, as `tokenize --allow-special` of the text (%zu)",
-           ids.n - 1, want.n);
-    EXPECT(ids.n > 4 && ids.ids[1] == 200005 && ids.ids[ids.n - 1] == 200008 && ids.ids[ids.n - 3] == 200003,
+    EXPECT(
+        ids.n == want.n + 1 && ids.ids[0] == 7 && !memcmp(ids.ids + 1, want.ids, want.n * 4),
+        "call header: %zu ids after the one there, as `tokenize --allow-special` of the text (%zu)",
+        ids.n - 1, want.n);
+    EXPECT(ids.n > 4 && ids.ids[1] == 200005 && ids.ids[ids.n - 1] == 200008 &&
+               ids.ids[ids.n - 3] == 200003,
            "call header: <|channel|> ... <|constrain|> json <|message|>");
     ids.n = 0;
     EXPECT_OK(tw_harmony_render_call_header(h, NULL, enc, &ids));
@@ -253,7 +256,8 @@ int main(int argc, char **argv) {
     size_t n = ids.n;
     EXPECT(tw_harmony_render_call_header(h, "", enc, &ids) == TW_ERR_INVALID_ARGUMENT && ids.n == n,
            "an empty name: INVALID_ARGUMENT, nothing appended");
-    EXPECT(tw_harmony_render_call_header(h, "bad\xff", enc, &ids) == TW_ERR_INVALID_ARGUMENT && ids.n == n,
+    EXPECT(tw_harmony_render_call_header(h, "bad\xff", enc, &ids) == TW_ERR_INVALID_ARGUMENT &&
+               ids.n == n,
            "a name that is not UTF-8: INVALID_ARGUMENT, nothing appended");
     tw_tok_encoder_destroy(enc);
     tw_token_ids_fini(&want);
