@@ -3,6 +3,7 @@
 #define TW_TESTS_TEST_IO_H
 
 #include <stddef.h>
+#include <sys/select.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -26,6 +27,21 @@ static inline int tw_test_read_all(int fd, void *p, size_t n) {
     if (r <= 0) return -1;
     c += r;
     n -= (size_t)r;
+  }
+  return 0;
+}
+
+/** Call progress(arg) and wait up to 100 us for fd to be readable, again and
+ *  again (bounded: 200000 rounds): for a process that must keep its own
+ *  transport moving while a forked peer works. 1 once readable, 0 if never. */
+static inline int tw_test_progress_until_readable(int fd, void (*progress)(void *), void *arg) {
+  for (int it = 0; it < 200000; it++) {
+    progress(arg);
+    fd_set fds;
+    FD_ZERO(&fds);
+    FD_SET(fd, &fds);
+    struct timeval tv = {0, 100};
+    if (select(fd + 1, &fds, NULL, NULL, &tv) > 0) return 1;
   }
   return 0;
 }

@@ -156,17 +156,10 @@ static int child(int rfd, int wfd) {
   return 0;
 }
 
-/* Progress our worker until the child writes to fd (bounded: 200000 x 100 us). */
+/* Progress the kv worker until fd is readable (tw_test_progress_until_readable). */
+static void progress_xfer(void *x) { tw_kv_xfer_progress(x); }
 static int wait_report(tw_kv_xfer_t *x, int fd) {
-  for (int it = 0; it < 200000; it++) {
-    tw_kv_xfer_progress(x);
-    fd_set fds;
-    FD_ZERO(&fds);
-    FD_SET(fd, &fds);
-    struct timeval tv = {0, 100};
-    if (select(fd + 1, &fds, NULL, NULL, &tv) > 0) return 1;
-  }
-  return 0;
+  return tw_test_progress_until_readable(fd, progress_xfer, x);
 }
 
 /* The checksum against published FNV-1a 64 test vectors (the FNV reference
