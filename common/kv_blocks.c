@@ -30,10 +30,11 @@ TW_NODISCARD tw_status_t tw_kv_blocks_create_ring(int32_t n_blocks, int32_t bloc
                                                   int32_t n_ring, int32_t ring_len,
                                                   tw_kv_blocks_t **mgr_p) {
   if (n_blocks <= 0) return tw_err(TW_ERR_INVALID_ARGUMENT, "kv blocks: n_blocks %d <= 0", n_blocks);
-  if (ring_len < 0 || n_ring < 1 || n_ring > n_blocks || (ring_len == 0 && n_ring != n_blocks))
+  if (ring_len == 0) n_ring = n_blocks; /* no ring: every id alike */
+  if (ring_len < 0 || n_ring < 1 || n_ring > n_blocks)
     return tw_err(TW_ERR_INVALID_ARGUMENT,
-                  "kv blocks: %d ring blocks of %d (rings of %d): want 1 <= ring blocks <= blocks, "
-                  "all of them without a ring", n_ring, n_blocks, ring_len);
+                  "kv blocks: %d ring blocks of %d (rings of %d): want 1 <= ring blocks <= blocks",
+                  n_ring, n_blocks, ring_len);
   if (block_size <= 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv blocks: block_size %d <= 0", block_size);
   tw_kv_blocks_t *m = calloc(1, sizeof(*m));

@@ -24,8 +24,8 @@ TW_NODISCARD tw_status_t tw_kv_blocks_create(int32_t n_blocks, int32_t block_siz
 /** Create a manager for a pool with the window ring (engine.h): ids
  *  0..n_ring-1 are the blocks the sliding layers hold too; tw_kv_blocks_alloc
  *  gives a sequence's first ring_len blocks from those (its ring) and the
- *  rest from the others first. ring_len 0 (no ring) needs n_ring = n_blocks
- *  and is tw_kv_blocks_create. Errors: those of tw_kv_blocks_create,
+ *  rest from the others first. ring_len 0 (no ring) ignores n_ring: that is
+ *  tw_kv_blocks_create. Errors: those of tw_kv_blocks_create,
  *  TW_ERR_INVALID_ARGUMENT (n_ring outside [1, n_blocks], ring_len < 0). */
 TW_NODISCARD tw_status_t tw_kv_blocks_create_ring(int32_t n_blocks, int32_t block_size,
                                                   int32_t n_ring, int32_t ring_len,

@@ -1,7 +1,9 @@
 /* kv_ring.c: the window ring of the sliding layers' KV cache (kv_ring.h). */
 #include "common/kv_ring.h"
 
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 int32_t tw_kv_ring_len(int32_t window, int32_t block_size) {
   if (window <= 0 || block_size <= 0) return 0;
@@ -24,6 +26,20 @@ int64_t tw_kv_layer_offset_of(int32_t layer, int64_t block_bytes, int32_t n_bloc
   return blocks * block_bytes;
 }
 
+int32_t tw_kv_layer_at(int64_t off, int32_t n_layers, int64_t block_bytes, int32_t n_blocks,
+                       int32_t n_ring_blocks, int32_t ring_blocks, uint64_t ring_layers,
+                       int64_t *in_layer_p) {
+  int32_t l = 0;
+  for (; l < n_layers; l++) {
+    int64_t bytes =
+        (tw_kv_is_ring_layer(ring_layers, ring_blocks, l) ? n_ring_blocks : n_blocks) * block_bytes;
+    if (off < bytes) break;
+    off -= bytes;
+  }
+  *in_layer_p = off;
+  return l;
+}
+
 int64_t tw_kv_pool_bytes_of(int32_t n_layers, int64_t block_bytes, int32_t n_blocks,
                             int32_t n_ring_blocks, int32_t ring_blocks, uint64_t ring_layers) {
   return tw_kv_layer_offset_of(n_layers, block_bytes, n_blocks, n_ring_blocks, ring_blocks,
@@ -38,6 +54,32 @@ int64_t tw_kv_layer_offset(const tw_kv_layout_t *l, int32_t layer) {
 int32_t tw_kv_layer_blocks(const tw_kv_layout_t *l, int32_t layer) {
   return tw_kv_is_ring_layer(l->ring_layers, l->ring_blocks, layer) ? l->n_ring_blocks
                                                                     : l->n_blocks;
+}
+
+TW_NODISCARD tw_status_t tw_kv_ring_ids(int32_t src_ring, int32_t dst_ring,
+                                               const int32_t *src_ids, const int32_t *dst_ids,
+                                               int32_t *first_p, int32_t n, const int32_t **s_p,
+                                               const int32_t **d_p, int32_t **buf_p) {
+  *s_p = src_ids;
+  *d_p = dst_ids;
+  *buf_p = NULL;
+  if (!src_ring && !dst_ring) return TW_OK;
+  int32_t first = tw_kv_ring_first(tw_kv_ring_first(*first_p, n, src_ring), n, dst_ring);
+  if (first >= n) {
+    *first_p = n;
+    return TW_OK;
+  }
+  int32_t *buf = malloc(sizeof(int32_t) * 2 * (size_t)n);
+  if (!buf) return tw_err(TW_ERR_NO_MEMORY, "kv ring: out of memory for %d block ids", n);
+  for (int32_t j = first; j < n; j++) {
+    buf[j] = src_ids[tw_kv_ring_entry(j, src_ring)];
+    buf[n + j] = dst_ids ? dst_ids[tw_kv_ring_entry(j, dst_ring)] : 0;
+  }
+  *first_p = first;
+  *s_p = buf;
+  *d_p = dst_ids ? buf + n : NULL;
+  *buf_p = buf;
+  return TW_OK;
 }
 
 void tw_kv_ring_view(const int32_t *table, int32_t n, int32_t ring_blocks, int32_t *out) {
@@ -144,4 +186,16 @@ void tw_kv_ring_setup(const tw_model_config_t *c, bool on, int32_t n_blocks, int
   *ring_blocks_p = R;
   *n_ring_blocks_p = (int32_t)nr;
   *ring_layers_p = R > 0 ? mask : 0;
+}
+
+int tw_kv_ring_opt(const char *text, void *dst, char *err, size_t errlen) {
+  int32_t *v = dst;
+  if (text && !strcmp(text, "1")) *v = 1;
+  else if (text && !strcmp(text, "0")) *v = -1;
+  else if (text && !strcmp(text, "auto")) *v = 0;
+  else {
+    snprintf(err, errlen, "must be 0, 1 or auto, got '%s'", text ? text : "");
+    return -1;
+  }
+  return 0;
 }

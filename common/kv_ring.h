@@ -51,6 +51,26 @@ static inline bool tw_kv_is_ring_layer(uint64_t ring_layers, int32_t ring_blocks
   return ring_blocks > 0 && layer >= 0 && layer < 64 && ((ring_layers >> layer) & 1u);
 }
 
+/** The ring length layer `layer` uses: ring_blocks for a ring layer, else 0
+ *  (for tw_kv_ring_entry / tw_kv_ring_first). */
+static inline int32_t tw_kv_layer_ring(uint64_t ring_layers, int32_t ring_blocks, int32_t layer) {
+  return tw_kv_is_ring_layer(ring_layers, ring_blocks, layer) ? ring_blocks : 0;
+}
+
+/** The first table entry of a layer's entries [first, n) whose blocks still
+ *  hold them: with a ring of ring_blocks (> 0) at least n - ring_blocks, the
+ *  earlier entries' positions are overwritten in the ring; first itself
+ *  otherwise. Transfers and checks of a prompt's blocks start there. */
+static inline int32_t tw_kv_ring_first(int32_t first, int32_t n, int32_t ring_blocks) {
+  return ring_blocks > 0 && n - ring_blocks > first ? n - ring_blocks : first;
+}
+
+/** The layer holding byte `off` of a pool of this geometry, and the offset
+ *  inside it (*in_layer_p); n_layers when off is past the last layer. */
+int32_t tw_kv_layer_at(int64_t off, int32_t n_layers, int64_t block_bytes, int32_t n_blocks,
+                       int32_t n_ring_blocks, int32_t ring_blocks, uint64_t ring_layers,
+                       int64_t *in_layer_p);
+
 /** Byte offset of layer `layer` in a pool of this geometry (see the top of
  *  this file); layer * n_blocks * block_bytes without the ring. */
 int64_t tw_kv_layer_offset_of(int32_t layer, int64_t block_bytes, int32_t n_blocks,
@@ -71,6 +91,19 @@ int32_t tw_kv_layer_blocks(const tw_kv_layout_t *l, int32_t layer);
 static inline int32_t tw_kv_ring_entry(int32_t j, int32_t ring_blocks) {
   return ring_blocks > 0 ? j % ring_blocks : j;
 }
+
+/** A layer's table entries [first, n) as the block ids a source and a
+ *  destination pool store them in, for transfers and checks: src_ring /
+ *  dst_ring the layer's ring length in each (tw_kv_layer_ring; 0: none).
+ *  *first_p is moved to tw_kv_ring_first of both (n when nothing is left);
+ *  *s_p / *d_p get the ids to use at indices *first_p..n-1: the tables
+ *  themselves without a ring, else copies (entry j's block is table[j % R])
+ *  in *buf_p, which the caller frees (NULL when none). dst_ids may be NULL
+ *  (then *d_p is NULL). Errors: TW_ERR_NO_MEMORY. */
+TW_NODISCARD tw_status_t tw_kv_ring_ids(int32_t src_ring, int32_t dst_ring,
+                                        const int32_t *src_ids, const int32_t *dst_ids,
+                                        int32_t *first_p, int32_t n, const int32_t **s_p,
+                                        const int32_t **d_p, int32_t **buf_p);
 
 /** A ring layer's view of a block table: out[j] = table[j % ring_blocks]
  *  for j < n (a table the attention reads as a full-length one). */
@@ -126,6 +159,11 @@ static inline bool tw_kv_ring_wanted(int32_t setting, bool backend_default) {
 void tw_kv_ring_setup(const tw_model_config_t *c, bool on, int32_t n_blocks, int32_t block_size,
                       int32_t kv_ring_blocks, int32_t *ring_blocks_p,
                       int32_t *n_ring_blocks_p, uint64_t *ring_layers_p);
+
+/** The --kv-window-ring option's parser (opts.h TW_OPT_FN; dst: int32_t *,
+ *  the engine.h kv_window_ring setting): "1" on, "0" off, "auto" the
+ *  backend's default; else -1 with the reason in err. */
+int tw_kv_ring_opt(const char *text, void *dst, char *err, size_t errlen);
 
 #ifdef __cplusplus
 }

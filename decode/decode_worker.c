@@ -611,6 +611,9 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   ep.backend = p->backend;
   ep.kv_block_size = p->block_size;
   ep.kv_num_blocks = p->kv_blocks; /* 0: planned (mem_plan.h) */
+  /* dp: an idle rank pads its step with the pool's last block, which is no
+   * ring block: no window ring there */
+  ep.kv_window_ring = p->dp > 1 ? -1 : p->kv_window_ring;
   ep.max_batch = p->max_batch;     /* 0: planned */
   ep.max_prefill_chunk = 0;        /* planned: decode workers do not prefill */
   ep.mem_role = TW_MEM_ROLE_DECODE;
@@ -632,7 +635,8 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   if (d->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router and has block managers */
   d->n_dp = p->dp > 1 ? p->dp : 1;
   if (d->n_dp == 1) {
-    TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &d->bm[0]));
+    TW_CHECK(tw_kv_blocks_create_ring(l->n_blocks, l->block_size, l->n_ring_blocks, l->ring_blocks,
+                                      &d->bm[0]));
     d->pad[0] = -1;
   }
   for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++) { /* the last block pads an empty step */

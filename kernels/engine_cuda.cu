@@ -571,6 +571,9 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   if (!model || !params || !engine_p)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: NULL argument");
   TW_CHECK(tw_ce_config_check(model, params));
+  if (params->kv_window_ring > 0) /* kv_ring.h: the cpu backend only so far */
+    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: the window ring of the sliding layers "
+                  "(kv_window_ring) is not built for cuda yet; use --kv-window-ring 0 or auto");
   const tw_model_config_t *c = &model->config;
   TW_CUDA_CHECK(cudaSetDevice(params->device));
   TW_CHECK(tw_cuda_moe_setup());
@@ -779,6 +782,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->kv.layer_stride_bytes = ce->kv_layer_stride_bytes;
   e->kv.block_bytes = (int64_t)(kv_block_all / c->n_layers);
   e->kv.total_bytes = (int64_t)ce->kv_bytes;
+  e->kv.n_ring_blocks = (int32_t)n_blocks; /* no window ring (kv_ring.h) */
   TW_INFO("engine",
           "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens), "
           "workspace %.2f GiB (moe %s path %.2f, chunk %d, max "
