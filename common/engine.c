@@ -163,11 +163,13 @@ void tw_engine_plan_input(const tw_model_t *model, const tw_engine_params_t *p,
   in->kv_blocks = p->kv_num_blocks;
   in->max_batch = p->mem_role == TW_MEM_ROLE_DECODE ? p->max_batch : 0;
   in->prefill_tokens = p->mem_role == TW_MEM_ROLE_PREFILL ? p->max_prefill_chunk : 0;
+  in->window_ring = p->kv_window_ring > 0; /* a backend with the ring on by default sets it */
 }
 
 void tw_engine_plan_apply(const tw_mem_plan_t *plan, tw_engine_params_t *p) {
   tw_mem_plan_log(plan, "engine");
   p->kv_num_blocks = plan->kv_blocks; /* the plan keeps an override */
+  if (!p->kv_ring_blocks) p->kv_ring_blocks = plan->kv_ring_blocks;
   if (!p->max_batch) p->max_batch = plan->max_batch;
   if (!p->max_prefill_chunk) p->max_prefill_chunk = plan->prefill_tokens;
 }

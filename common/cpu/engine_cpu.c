@@ -581,6 +581,7 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
     in.process_reserve = -1;    /* no device context */
     in.max_batch_cap = TW_CPU_MAX_BATCH;
     in.kv_cap_bytes = TW_CPU_KV_CAP_BYTES;
+    in.window_ring = tw_kv_ring_wanted(params->kv_window_ring, true);
     TW_CHECK(tw_mem_plan(&in, &plan));
     tw_engine_plan_apply(&plan, &planned);
   }
