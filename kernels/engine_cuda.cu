@@ -445,6 +445,11 @@ static void tw_ce_destroy(tw_engine_t *engine) {
     tw_cuda_gemm_destroy(ce->gemm);
     tw_ce_share_close(ce); /* the weight arena: own, exported or mapped */
     if (ce->kv_pool) cudaFree(ce->kv_pool);
+    if (ce->ring_scratch) cudaFree(ce->ring_scratch);
+    if (ce->d_ring_slots) cudaFree(ce->d_ring_slots);
+    if (ce->h_ring_slots) cudaFreeHost(ce->h_ring_slots);
+    tw_kv_ring_pass_free(&ce->ring_plan);
+    free(ce->kv_layer_off);
     if (ce->ws_arena) cudaFree(ce->ws_arena);
     if (ce->rope_cos) cudaFree(ce->rope_cos);
     if (ce->rope_sin) cudaFree(ce->rope_sin);
@@ -571,9 +576,6 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   if (!model || !params || !engine_p)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: NULL argument");
   TW_CHECK(tw_ce_config_check(model, params));
-  if (params->kv_window_ring > 0) /* kv_ring.h: the cpu backend only so far */
-    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: the window ring of the sliding layers "
-                  "(kv_window_ring) is not built for cuda yet; use --kv-window-ring 0 or auto");
   const tw_model_config_t *c = &model->config;
   TW_CUDA_CHECK(cudaSetDevice(params->device));
   TW_CHECK(tw_cuda_moe_setup());
@@ -765,8 +767,40 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
       goto fail;
     }
   }
-  ce->kv_bytes = (size_t)n_blocks * kv_block_all;
-  ce->kv_layer_stride_bytes = (int64_t)n_blocks * (int64_t)(kv_block_all / c->n_layers);
+  /* the window ring (kv_ring.h): off unless asked for (kv_window_ring 1) */
+  tw_kv_ring_setup(c, tw_kv_ring_wanted(params->kv_window_ring, false), (int32_t)n_blocks,
+                   params->kv_block_size, e->params.kv_ring_blocks, &e->kv.ring_blocks,
+                   &e->kv.n_ring_blocks, &e->kv.ring_layers);
+  ce->ring_blocks = e->kv.ring_blocks;
+  ce->ring_layers = e->kv.ring_layers;
+  ce->kv_block_bytes = (int64_t)(kv_block_all / c->n_layers);
+  ce->kv_bytes = (size_t)tw_kv_pool_bytes_of(c->n_layers, ce->kv_block_bytes, (int32_t)n_blocks,
+                                             e->kv.n_ring_blocks, e->kv.ring_blocks,
+                                             e->kv.ring_layers);
+  ce->kv_layer_stride_bytes = (int64_t)n_blocks * ce->kv_block_bytes;
+  ce->kv_layer_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)c->n_layers);
+  if (!ce->kv_layer_off) {
+    st = tw_err(TW_ERR_NO_MEMORY, "cuda engine: out of host memory");
+    goto fail;
+  }
+  for (int32_t l = 0; l < c->n_layers; l++)
+    ce->kv_layer_off[l] = tw_kv_layer_offset_of(l, ce->kv_block_bytes, (int32_t)n_blocks,
+                                                e->kv.n_ring_blocks, e->kv.ring_blocks,
+                                                e->kv.ring_layers);
+  if (ce->ring_blocks) { /* ring slots, tables and copy pairs: device and pinned staging */
+    size_t R = (size_t)ce->max_rows, B = (size_t)ce->max_batch;
+    size_t ints = R + B * (size_t)ce->max_blocks_per_seq + 4 * B * (size_t)ce->ring_blocks;
+    void *d = NULL, *h = NULL;
+    TW_CUDA_CHECK_GOTO(cudaMalloc(&d, ints * 4), st, fail);
+    ce->d_ring_slots = (int32_t *)d;
+    TW_CUDA_CHECK_GOTO(cudaMallocHost(&h, ints * 4), st, fail);
+    ce->h_ring_slots = (int32_t *)h;
+    ce->d_ring_tables = ce->d_ring_slots + R;
+    ce->h_ring_tables = ce->h_ring_slots + R;
+    ce->d_ring_pairs = ce->d_ring_tables + B * (size_t)ce->max_blocks_per_seq;
+    ce->h_ring_pairs = ce->h_ring_tables + B * (size_t)ce->max_blocks_per_seq;
+    TW_CUDA_CHECK_GOTO(cudaMemset(d, 0, ints * 4), st, fail);
+  }
   TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->kv_pool, ce->kv_bytes), st, fail);
   TW_CUDA_CHECK_GOTO(cudaMemset(ce->kv_pool, 0, ce->kv_bytes), st, fail);
   e->kv.dtype = TW_DTYPE_BF16;
@@ -782,14 +816,15 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->kv.layer_stride_bytes = ce->kv_layer_stride_bytes;
   e->kv.block_bytes = (int64_t)(kv_block_all / c->n_layers);
   e->kv.total_bytes = (int64_t)ce->kv_bytes;
-  e->kv.n_ring_blocks = (int32_t)n_blocks; /* no window ring (kv_ring.h) */
   TW_INFO("engine",
-          "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens), "
+          "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens; "
+          "sliding layers: %s %d blocks), "
           "workspace %.2f GiB (moe %s path %.2f, chunk %d, max "
           "batch %d), rope %.2f GiB, "
           "pinned host %.1f MiB; %.2f of %.2f GiB free before the pool",
           tw_gib(ce->warena_bytes), tw_gib(ce->kv_bytes), (long long)n_blocks,
-          params->kv_block_size, tw_gib(ce->ws_bytes),
+          params->kv_block_size, e->kv.ring_blocks ? "window rings of" : "all",
+          e->kv.n_ring_blocks, tw_gib(ce->ws_bytes),
           ce->moe_grouped ? "grouped-gemm" : "cublas (incl. 2 dequantised layers)",
           tw_gib(ce->moe_pre_bytes + 2 * ce->dq_bytes), ce->chunk,
           ce->max_batch, tw_gib((size_t)ce->max_pos * c->head_dim * 4),
