@@ -241,9 +241,11 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     snprintf(msg, sizeof msg, "decode worker out of host memory");
   } else if (tw_kv_blocks_alloc(d->bm[rank], need, seq->blocks) != TW_OK) {
     s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
-    snprintf(msg, sizeof msg, "decode worker %s has %d free kv blocks%s, request needs %d",
+    snprintf(msg, sizeof msg, "decode worker %s has %d free kv blocks%s, request needs %d%s",
              d->wk.link.name, tw_kv_blocks_free_count(d->bm[rank]),
-             d->n_dp > 1 ? " in its emptiest dp rank" : "", need);
+             d->n_dp > 1 ? " in its emptiest dp rank" : "", need,
+             tw_kv_blocks_free_count(d->bm[rank]) >= need
+                 ? " (every window ring of the sliding layers is in use)" : "");
   }
   if (s.code) {
     if (seq) free(seq->blocks);

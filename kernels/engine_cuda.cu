@@ -758,6 +758,13 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     size_t reserve = (size_t)2 << 30;
     size_t avail = free_b > reserve ? (size_t)((double)(free_b - reserve) * 0.9) : 0;
     n_blocks = (int64_t)(avail / kv_block_all);
+    uint64_t rmask = tw_kv_ring_wanted(params->kv_window_ring, false) ? tw_kv_ring_layer_mask(c) : 0;
+    if (rmask && e->params.kv_ring_blocks > 0) { /* rings first, the rest for the full layers */
+      int64_t n_ring_layers = 0, lb = (int64_t)(kv_block_all / c->n_layers);
+      for (int32_t l = 0; l < 64; l++) n_ring_layers += (int64_t)((rmask >> l) & 1u);
+      int64_t left = (int64_t)avail - (int64_t)e->params.kv_ring_blocks * n_ring_layers * lb;
+      n_blocks = left > 0 ? left / (lb * (c->n_layers - n_ring_layers)) : 0;
+    }
     int64_t cap = (int64_t)ce->max_batch * ce->max_blocks_per_seq;
     if (n_blocks > cap) n_blocks = cap;
     if (n_blocks > 0x7fffffff / params->kv_block_size) n_blocks = 0x7fffffff / params->kv_block_size;
