@@ -541,22 +541,15 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   ce->bf16_experts = c->n_layers > 0 && model->layers[0].experts_format == TW_EXPERTS_BF16;
   {
     /* the grouped-GEMM MoE (Hopper) needs no host sync; TWAIN_CUDA_MOE_CUBLAS=1
-     * (read once here) selects the per-expert cuBLAS path instead, for A/B runs */
-    const char *mc = getenv("TWAIN_CUDA_MOE_CUBLAS");
-    ce->moe_grouped = tw_cuda_moe_grouped_supported(c->hidden, c->intermediate) &&
-                      !(mc && mc[0] == '1');
+     * selects the per-expert cuBLAS path instead, for A/B runs */
+    const tw_cuda_knobs_t *kn = tw_cuda_knobs(); /* read once per process (knobs.h) */
+    ce->moe_grouped =
+        tw_cuda_moe_grouped_supported(c->hidden, c->intermediate) && !kn->moe_cublas;
     /* GEMV MoE up to gemv_max rows: TW_CE_GEMV_MAX_TOKENS without the grouped
-     * path, TW_CE_GEMV_GROUPED_DEFAULT with it; TWAIN_CUDA_MOE_GEMV_MAX (read
-     * once here, 0..TW_CE_GEMV_MAX_TOKENS) overrides for A/B runs. EP > 1
-     * always runs its GEMV slices (engine_cuda_tp.cu). */
-    const char *gv = getenv("TWAIN_CUDA_MOE_GEMV_MAX");
-    char *end = NULL;
-    long g = gv && *gv ? strtol(gv, &end, 10) : -1;
-    if (gv && *gv && (*end || g < 0 || g > TW_CE_GEMV_MAX_TOKENS)) {
-      TW_WARN("engine", "TWAIN_CUDA_MOE_GEMV_MAX=%s is not in 0..%d: ignored", gv,
-              TW_CE_GEMV_MAX_TOKENS);
-      g = -1;
-    }
+     * path, TW_CE_GEMV_GROUPED_DEFAULT with it; TWAIN_CUDA_MOE_GEMV_MAX
+     * (0..TW_CE_GEMV_MAX_TOKENS) overrides for A/B runs. EP > 1 always runs
+     * its GEMV slices (engine_cuda_tp.cu). */
+    int g = kn->moe_gemv_max;
     ce->gemv_max = g >= 0 ? (int32_t)g
                    : ce->moe_grouped ? TW_CE_GEMV_GROUPED_DEFAULT
                                      : TW_CE_GEMV_MAX_TOKENS;
@@ -566,9 +559,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
    * without the grouped path only GEMV-MoE steps of MXFP4 experts are graphed */
   ce->use_graphs = ce->moe_grouped || !ce->bf16_experts;
   {
-    /* debug knob, read once here: per-op timing with a sync after each op */
-    const char *pv = getenv("TWAIN_CUDA_PROFILE");
-    if (pv && pv[0] == '1' &&
+    /* debug knob TWAIN_CUDA_PROFILE: per-op timing with a sync after each op */
+    if (tw_cuda_knobs()->profile &&
         cudaEventCreate(&ce->prof_ev[0]) == cudaSuccess &&
         cudaEventCreate(&ce->prof_ev[1]) == cudaSuccess) {
       ce->profile = 1;
