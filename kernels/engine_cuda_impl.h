@@ -10,6 +10,7 @@
 #include "common/shard_plan.h"
 #include "kernels/embed_sample.h"
 #include "kernels/gemm.h"
+#include "kernels/knobs.h"
 #include "kernels/moe.h"
 
 #include <cuda_runtime.h>
@@ -31,6 +32,7 @@ extern "C" {
  * ones (and prefill chunks) take the GEMM path: tw_cuda_moe_prefill (grouped
  * GEMMs, no host sync) or, without it, tw_cuda_moe_prefill_cublas. */
 #define TW_CE_GEMV_MAX_TOKENS 64
+static_assert(TW_CE_GEMV_MAX_TOKENS == TW_CUDA_KNOB_GEMV_MAX, "TWAIN_CUDA_MOE_GEMV_MAX range");
 /* Device bytes the memory plan sets aside per captured decode graph (an
  * estimate: the instantiated graph's kernel nodes and parameters). */
 #define TW_CE_GRAPH_BYTES ((int64_t)4 << 20)
