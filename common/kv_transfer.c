@@ -8,16 +8,16 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <dlfcn.h>
+#include <errno.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <errno.h>
-#include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -51,8 +51,8 @@ typedef struct {
   tw_cuda_memcpy_async_fn memcpy_async;
   tw_cuda_host_alloc_fn host_alloc;
   tw_cuda_free_host_fn free_host;
-  tw_cuda_host_register_fn host_register; /* cudaHostRegister (optional) */
-  tw_cuda_ptr_fn host_unregister;          /* cudaHostUnregister (optional) */
+  tw_cuda_host_register_fn host_register;   /* cudaHostRegister (optional) */
+  tw_cuda_ptr_fn host_unregister;           /* cudaHostUnregister (optional) */
   tw_cuda_stream_create_fn stream_create;   /* cudaStreamCreateWithFlags */
   tw_cuda_ptr_fn stream_destroy;
   tw_cuda_event_create_fn event_create;     /* cudaEventCreateWithFlags */
@@ -268,7 +268,7 @@ typedef struct {
   void *stream;        /* cudaStream_t of the device-to-host copies */
   void *req[TW_KV_RING_SLOTS];    /* in-flight put from the slot */
   void *event[TW_KV_RING_SLOTS];  /* cudaEvent_t: the copy into the slot is done */
-  uint64_t piece[TW_KV_RING_SLOTS];   /* the piece put from the slot (tw_kv_piece_t.id) */
+  uint64_t piece[TW_KV_RING_SLOTS]; /* the piece put from the slot (tw_kv_piece_t.id) */
   uint32_t next;       /* next slot to fill */
 } tw_kv_ring_t;
 
@@ -520,10 +520,10 @@ static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const c
 
 static ucs_status_t tw_kv_am_want(void *arg, const void *header, size_t header_length, void *data,
                                   size_t length, const ucp_am_recv_param_t *param);
-static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header_length,
-                                    void *data, size_t length, const ucp_am_recv_param_t *param);
-static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_length,
-                                   void *data, size_t length, const ucp_am_recv_param_t *param);
+static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header_length, void *data,
+                                    size_t length, const ucp_am_recv_param_t *param);
+static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_length, void *data,
+                                   size_t length, const ucp_am_recv_param_t *param);
 
 TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   return tw_kv_xfer_create_bound(NULL, xfer_p);
@@ -633,8 +633,8 @@ static void tw_kv_piece_refuse(tw_kv_piece_t *e, ucs_status_t why) {
 }
 
 /* "grant" (UCX's active message callback): the piece's slot, or a refusal. */
-static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_length,
-                                   void *data, size_t length, const ucp_am_recv_param_t *param) {
+static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_length, void *data,
+                                   size_t length, const ucp_am_recv_param_t *param) {
   (void)data;
   (void)length;
   (void)param;
@@ -700,14 +700,12 @@ static void tw_kv_pieces_advance(tw_kv_xfer_t *x) {
         if (s != UCS_OK) {
           tw_kv_piece_refuse(e, s);
         } else {
-          e->fill = (tw_kv_am_filled_t){.base = e->hdr.base,
-                                        .piece = e->id,
-                                        .nonce = x->self.nonce,
-                                        .slot = e->slot};
+          e->fill = (tw_kv_am_filled_t){
+              .base = e->hdr.base, .piece = e->id, .nonce = x->self.nonce, .slot = e->slot};
           ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                                      .flags = UCP_AM_SEND_FLAG_EAGER};
-          void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_FILLED_ID, &e->fill, sizeof e->fill, NULL, 0,
-                                      &prm);
+          void *req =
+              ucp_am_send_nbx(p->ep, TW_KV_AM_FILLED_ID, &e->fill, sizeof e->fill, NULL, 0, &prm);
           if (UCS_PTR_IS_ERR(req)) {
             tw_kv_piece_refuse(e, UCS_PTR_STATUS(req));
           } else {
@@ -754,10 +752,14 @@ static TW_NODISCARD tw_status_t tw_kv_pieces_wait(tw_kv_xfer_t *x, tw_kv_peer_t 
         }
       if (p) p->failed = 1; /* the endpoint is dropped and made again at the next handoff */
       if (failed)
-        return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed with %d "
-                      "staged kv pieces not taken", n);
-      return tw_err(TW_ERR_DEADLINE, "the decode worker did not take %d staged kv pieces within "
-                    "%d ms", n, timeout_ms);
+        return tw_err(TW_ERR_UNAVAILABLE,
+                      "the decode worker's ucx endpoint failed with %d "
+                      "staged kv pieces not taken",
+                      n);
+      return tw_err(TW_ERR_DEADLINE,
+                    "the decode worker did not take %d staged kv pieces within "
+                    "%d ms",
+                    n, timeout_ms);
     }
     ucp_worker_progress(x->worker);
   }
@@ -788,10 +790,10 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
                             .piece = id,
                             .addr_len = (uint32_t)x->address_len,
                             .proc = x->self};
-  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS |
-                                             UCP_OP_ATTR_FIELD_MEMORY_TYPE,
-                             .flags = UCP_AM_SEND_FLAG_EAGER,
-                             .memory_type = UCS_MEMORY_TYPE_HOST};
+  ucp_request_param_t prm = {
+      .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+      .flags = UCP_AM_SEND_FLAG_EAGER,
+      .memory_type = UCS_MEMORY_TYPE_HOST};
   void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_WANT_ID, &e->hdr, sizeof e->hdr, x->address,
                               x->address_len, &prm);
   if (UCS_PTR_IS_ERR(req)) {
@@ -965,16 +967,18 @@ static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, si
    * have no peer-failure support; PEER would leave only TCP). Only grants go
    * over it: one that never arrives costs a slot until the sender is known
    * gone (the pump) */
-  ucp_ep_params_t ep = {
-      .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER,
-      .address = (const ucp_address_t *)s->address,
-      .err_mode = UCP_ERR_HANDLING_MODE_NONE,
-      .err_handler = {.cb = tw_kv_sender_error, .arg = s}};
+  ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                        .address = (const ucp_address_t *)s->address,
+                        .err_mode = UCP_ERR_HANDLING_MODE_NONE,
+                        .err_handler = {.cb = tw_kv_sender_error, .arg = s}};
   ucs_status_t us = ucp_ep_create(x->worker, &ep, &s->ep);
   if (us != UCS_OK) {
-    TW_WARN("kvx", "ucp_ep_create to a prefill worker sending staged kv failed: %s (gone? its "
-            "pieces are dropped)", ucs_status_string(us));
+    TW_WARN("kvx",
+            "ucp_ep_create to a prefill worker sending staged kv failed: %s (gone? its "
+            "pieces are dropped)",
+            ucs_status_string(us));
     s->ep = NULL;
     s->failed = true; /* kept, so that its other pieces are dropped too */
   }
@@ -1074,9 +1078,10 @@ static ucs_status_t tw_kv_am_want(void *arg, const void *header, size_t header_l
   if (header_length == sizeof q.h) memcpy(&q.h, header, sizeof q.h);
   const char *bad = header_length != sizeof q.h                       ? "malformed header"
                     : (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? "not an eager message"
-                    : !q.h.addr_len || q.h.addr_len != length ? "no sender address"
-                    : !(r = tw_kv_rx_find(x, q.h.base)) ? "no staged pool of this worker at that address"
-                                                        : NULL;
+                    : !q.h.addr_len || q.h.addr_len != length         ? "no sender address"
+                    : !(r = tw_kv_rx_find(x, q.h.base))
+                        ? "no staged pool of this worker at that address"
+                        : NULL;
   if (bad) {
     TW_WARN("kvx", "refusing a staged kv piece: %s", bad);
     return UCS_OK;
@@ -1090,8 +1095,8 @@ static ucs_status_t tw_kv_am_want(void *arg, const void *header, size_t header_l
 }
 
 /* "filled" (UCX's callback): the slot holds its piece; the pump copies it. */
-static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header_length,
-                                    void *data, size_t length, const ucp_am_recv_param_t *param) {
+static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header_length, void *data,
+                                    size_t length, const ucp_am_recv_param_t *param) {
   (void)data;
   (void)length;
   (void)param;
@@ -1167,16 +1172,20 @@ static TW_NODISCARD tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
     if (!waits) continue;
     s->checked_ns = now;
     if (!tw_kv_proc_alive(&s->proc)) {
-      TW_WARN("kvx", "prefill worker pid %d is gone mid-handoff: the staged kv slots granted to "
-              "it are taken back, its waiting pieces dropped", (int)s->proc.pid);
+      TW_WARN("kvx",
+              "prefill worker pid %d is gone mid-handoff: the staged kv slots granted to "
+              "it are taken back, its waiting pieces dropped",
+              (int)s->proc.pid);
       tw_kv_rx_forget(x, s);
     }
   }
   for (int32_t k = 0; k < r->n_slots; k++) {
     tw_kv_rx_slot_ctx_t *c = &r->slot_ctx[k];
     if (c->sender && !c->filled && now - c->granted_ns > TW_KV_GRANT_TIMEOUT_MS * 1000000LL) {
-      TW_WARN("kvx", "a staged kv slot granted to a prefill worker was not filled in %d ms: "
-              "taken back, that worker's pieces dropped", TW_KV_GRANT_TIMEOUT_MS);
+      TW_WARN("kvx",
+              "a staged kv slot granted to a prefill worker was not filled in %d ms: "
+              "taken back, that worker's pieces dropped",
+              TW_KV_GRANT_TIMEOUT_MS);
       tw_kv_rx_forget(x, c->sender);
     }
   }
@@ -1266,20 +1275,19 @@ static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
                               .slot_bytes = r->slot_bytes};
   /* the slots are allocated by UCX (shared memory where it can), so that a
    * sender's put into a slot is a plain copy (or RDMA), never emulated */
-  ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
-                                           UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                                           UCP_MEM_MAP_PARAM_FIELD_FLAGS |
-                                           UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
-                             .address = NULL,
-                             .length = bytes,
-                             .flags = UCP_MEM_MAP_ALLOCATE,
-                             .memory_type = UCS_MEMORY_TYPE_HOST};
+  ucp_mem_map_params_t mp = {
+      .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+      .address = NULL,
+      .length = bytes,
+      .flags = UCP_MEM_MAP_ALLOCATE,
+      .memory_type = UCS_MEMORY_TYPE_HOST};
   ucs_status_t us = ucp_mem_map(x->ctx, &mp, &r->slots_memh);
   ucp_mem_attr_t ma = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
   if (us == UCS_OK) us = ucp_mem_query(r->slots_memh, &ma);
   if (us != UCS_OK) {
-    return tw_err(TW_ERR_NO_MEMORY, "ucp_mem_map of the %zu-byte kv staging ring failed: %s",
-                  bytes, ucs_status_string(us));
+    return tw_err(TW_ERR_NO_MEMORY, "ucp_mem_map of the %zu-byte kv staging ring failed: %s", bytes,
+                  ucs_status_string(us));
   }
   r->slots = ma.address;
   if (l->on_device) {
@@ -1288,8 +1296,10 @@ static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
     if (x->cudart.host_register && x->cudart.host_register(r->slots, bytes, 0) == 0)
       r->slots_pinned = true;
     else
-      TW_WARN("kvx", "cudaHostRegister of the %zu-byte kv staging ring failed: its copies to "
-              "the device run from pageable memory (slower)", bytes);
+      TW_WARN("kvx",
+              "cudaHostRegister of the %zu-byte kv staging ring failed: its copies to "
+              "the device run from pageable memory (slower)",
+              bytes);
     if (x->cudart.stream_create(&r->stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
       r->stream = NULL;
       return tw_err(TW_ERR_CUDA, "cudaStreamCreate for the kv staging copies failed");
@@ -1304,7 +1314,8 @@ static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
     rp.copy = (tw_kv_rxring_copy_t){tw_kv_rx_host_start, tw_kv_rx_host_poll, r};
   }
   rp.slots_mem = r->slots;
-  for (int32_t k = 0; k < r->n_slots; k++) r->slot_ctx[k] = (tw_kv_rx_slot_ctx_t){.r = r, .slot = k};
+  for (int32_t k = 0; k < r->n_slots; k++)
+    r->slot_ctx[k] = (tw_kv_rx_slot_ctx_t){.r = r, .slot = k};
   TW_CHECK(tw_kv_rxring_create(&rp, &r->ring));
   /* senders put into the slots: the ring's rkey is what the region publishes */
   void *buf = NULL;
@@ -1811,7 +1822,6 @@ static void tw_kv_ring_free(tw_kv_xfer_t *x) {
   if (g->mem && g->pinned) x->cudart.free_host(g->mem);
   else free(g->mem);
   *g = (tw_kv_ring_t){0};
-
 }
 
 /* The ring, pinned with its stream and events when it serves device sources. */
@@ -1951,8 +1961,7 @@ static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p,
       return tw_err(TW_ERR_CUDA, "a kv copy to the bounce ring failed");
     if (h) *h = tw_kv_fnv1a(*h, src, (size_t)len);
     if (mode == TW_KV_RING_AM) {
-      TW_CHECK(tw_kv_piece_send(x, p, dst, src, len, raddr + (uint64_t)(sent * S),
-                                &g->piece[k]));
+      TW_CHECK(tw_kv_piece_send(x, p, dst, src, len, raddr + (uint64_t)(sent * S), &g->piece[k]));
       if (device) x->stats.staged_bytes += len;
     } else if (mode == TW_KV_RING_PUT) {
       ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
