@@ -206,11 +206,11 @@ static TW_NODISCARD tw_status_t tw_ce_put_blocks(tw_ce_up_t *u, const tw_ce_blk_
  * expert e's row is at the usual offset (only local experts are read). */
 static TW_NODISCARD tw_status_t tw_ce_put_experts(tw_ce_up_t *u, const tw_ce_t *ce, const tw_tensor_t *t,
                                      tw_dtype_t to, const char *name, const void **dst_p) {
-  tw_ce_blk_t b = tw_ce_rows(t, ce->e0, ce->e1 - ce->e0);
+  tw_ce_blk_t b = tw_ce_rows(t, ce->sh.e0, ce->sh.e1 - ce->sh.e0);
   const void *p = NULL;
   TW_CHECK(tw_ce_put_blocks(u, &b, 1, to, name, &p));
   size_t row = (size_t)b.nc * tw_dtype_size(to == TW_DTYPE_F32 ? to : t->dtype);
-  *dst_p = p ? (const char *)p - (size_t)ce->e0 * row : NULL;
+  *dst_p = p ? (const char *)p - (size_t)ce->sh.e0 * row : NULL;
   return TW_OK;
 }
 
@@ -219,7 +219,7 @@ static TW_NODISCARD tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *
   int64_t D = c->head_dim, QD = (int64_t)c->n_heads * D;
   tw_ce_blk_t b[3];
   TW_CHECK(tw_ce_put_as(u, &m->embed, TW_DTYPE_BF16, "embed", &ce->embed));
-  b[0] = tw_ce_rows(&m->lm_head, ce->v0, ce->nv);
+  b[0] = tw_ce_rows(&m->lm_head, ce->sh.v0, ce->sh.nv);
   TW_CHECK(tw_ce_put_blocks(u, b, 1, TW_DTYPE_BF16, "lm_head", &ce->lm_head));
   TW_CHECK(tw_ce_put_as(u, &m->final_norm, TW_DTYPE_BF16, "final_norm", &ce->final_norm));
   for (int l = 0; l < c->n_layers; l++) {
@@ -230,25 +230,25 @@ static TW_NODISCARD tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *
       TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
               (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
-    b[0] = tw_ce_rows(&lw->q_w, ce->q0 * D, ce->nq * D);
-    b[1] = tw_ce_rows(&lw->k_w, ce->kv0 * D, ce->nkv * D);
-    b[2] = tw_ce_rows(&lw->v_w, ce->kv0 * D, ce->nkv * D);
+    b[0] = tw_ce_rows(&lw->q_w, ce->sh.q0 * D, ce->sh.nq * D);
+    b[1] = tw_ce_rows(&lw->k_w, ce->sh.kv0 * D, ce->sh.nkv * D);
+    b[2] = tw_ce_rows(&lw->v_w, ce->sh.kv0 * D, ce->sh.nkv * D);
     TW_CHECK(tw_ce_put_blocks(u, b, 3, TW_DTYPE_BF16, "qkv weight", &d->wqkv));
-    b[0] = tw_ce_rows(&lw->q_b, ce->q0 * D, ce->nq * D);
-    b[1] = tw_ce_rows(&lw->k_b, ce->kv0 * D, ce->nkv * D);
-    b[2] = tw_ce_rows(&lw->v_b, ce->kv0 * D, ce->nkv * D);
+    b[0] = tw_ce_rows(&lw->q_b, ce->sh.q0 * D, ce->sh.nq * D);
+    b[1] = tw_ce_rows(&lw->k_b, ce->sh.kv0 * D, ce->sh.nkv * D);
+    b[2] = tw_ce_rows(&lw->v_b, ce->sh.kv0 * D, ce->sh.nkv * D);
     TW_CHECK(tw_ce_put_blocks(u, b, 3, TW_DTYPE_F32, "qkv bias", &d->bqkv));
-    b[0] = (tw_ce_blk_t){&lw->o_w, 0, c->hidden, ce->q0 * D, ce->nq * D}; /* [H, NQ*D] columns */
+    b[0] = (tw_ce_blk_t){&lw->o_w, 0, c->hidden, ce->sh.q0 * D, ce->sh.nq * D}; /* [H, NQ*D] columns */
     if (b[0].t->ndim != 2 || b[0].t->shape[1] != QD)
       return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: o_proj is not [%d, %lld]", c->hidden,
                     (long long)QD);
     TW_CHECK(tw_ce_put_blocks(u, b, 1, TW_DTYPE_BF16, "o_proj", &d->wo));
     d->bo = NULL; /* the bias is added once, by tp rank 0 */
-    if (ce->tp_rank == 0) {
+    if (ce->sh.tp_rank == 0) {
       TW_CHECK(tw_ce_put_as(u, &lw->o_b, TW_DTYPE_F32, "o_proj bias", &p));
       d->bo = (const float *)p;
     }
-    b[0] = tw_ce_rows(&lw->sinks, ce->q0, ce->nq);
+    b[0] = tw_ce_rows(&lw->sinks, ce->sh.q0, ce->sh.nq);
     TW_CHECK(tw_ce_put_blocks(u, b, 1, TW_DTYPE_F32, "sinks", &p));
     d->sinks = (const float *)p;
     TW_CHECK(tw_ce_put_as(u, &lw->mlp_norm, TW_DTYPE_BF16, "mlp_norm", &d->mlp_norm));
@@ -291,7 +291,7 @@ static TW_NODISCARD tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *
 
 static TW_NODISCARD tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
   const tw_model_config_t *c = &m->config;
-  if (ce->tp > 1 || ce->ep > 1) return tw_ce_walk_shard(ce, m, u);
+  if (ce->sh.tp_size > 1 || ce->sh.ep_size > 1) return tw_ce_walk_shard(ce, m, u);
   TW_CHECK(tw_ce_put_as(u, &m->embed, TW_DTYPE_BF16, "embed", &ce->embed));
   TW_CHECK(tw_ce_put_as(u, &m->lm_head, TW_DTYPE_BF16, "lm_head", &ce->lm_head));
   TW_CHECK(tw_ce_put_as(u, &m->final_norm, TW_DTYPE_BF16, "final_norm", &ce->final_norm));
@@ -379,9 +379,9 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   ce->q = tw_ce_take(cv, R * (size_t)ce->q_dim * 2);
   ce->attn = tw_ce_take(cv, R * (size_t)ce->q_dim * 2);
   ce->logits = (float *)tw_ce_take(cv, lrows * V * 4);
-  if (ce->tp > 1) {
-    ce->lg_local = (float *)tw_ce_take(cv, lrows * (size_t)ce->vp * 4);
-    ce->lg_all = (float *)tw_ce_take(cv, (size_t)ce->tp * lrows * (size_t)ce->vp * 4);
+  if (ce->sh.tp_size > 1) {
+    ce->lg_local = (float *)tw_ce_take(cv, lrows * (size_t)ce->sh.vp * 4);
+    ce->lg_all = (float *)tw_ce_take(cv, (size_t)ce->sh.tp_size * lrows * (size_t)ce->sh.vp * 4);
   }
   size_t rb = tw_cuda_moe_route_bytes((int32_t)R, c->n_experts, c->n_experts_per_tok);
   void *rmem = tw_ce_take(cv, rb);
@@ -393,7 +393,7 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
                                                   c->intermediate);
   ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
   ce->moe_pre_bytes = 0;
-  if ((R > (size_t)ce->gemv_max || ce->bf16_experts) && ce->ep == 1) {
+  if ((R > (size_t)ce->gemv_max || ce->bf16_experts) && ce->sh.ep_size == 1) {
     ce->moe_pre_bytes =
         ce->moe_grouped
             ? tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts_per_tok, c->hidden,
@@ -402,7 +402,7 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
                                                   c->hidden, c->intermediate, 0);
     ce->moe_pre_ws = tw_ce_take(cv, ce->moe_pre_bytes);
   }
-  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->ep == 1 && !ce->moe_grouped) {
+  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->sh.ep_size == 1 && !ce->moe_grouped) {
     ce->dq_bytes = tw_cuda_moe_dequant_bytes(c->n_experts, c->hidden, c->intermediate);
     ce->dq_buf[0] = tw_ce_take(cv, ce->dq_bytes);
     ce->dq_buf[1] = tw_ce_take(cv, ce->dq_bytes);
@@ -487,7 +487,7 @@ static size_t tw_ce_rope_bytes(const tw_ce_t *ce) {
 }
 
 static size_t tw_ce_attn_ws_bytes(const tw_ce_t *ce) {
-  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, ce->cfg->head_dim, ce->block_size, 0, 0.125f};
+  tw_cuda_attn_shape_t sh = {ce->sh.nq, ce->sh.nkv, ce->cfg->head_dim, ce->block_size, 0, 0.125f};
   return tw_cuda_attention_decode_workspace_bytes(&sh, ce->max_batch, ce->max_pos);
 }
 
@@ -513,7 +513,7 @@ static int64_t tw_ce_ws_fn(void *arg, int32_t max_batch, int32_t chunk) {
 static int32_t tw_ce_graphs_fn(void *arg, int32_t max_batch) {
   const tw_ce_t *ce = (const tw_ce_t *)arg;
   if (!ce->use_graphs) return 0;
-  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, ce->cfg->head_dim, 16, 0, 1.0f};
+  tw_cuda_attn_shape_t sh = {ce->sh.nq, ce->sh.nkv, ce->cfg->head_dim, 16, 0, 1.0f};
   int32_t n_ctx = 1, n = 0, last = 0;
   for (int32_t p = 256; p < ce->max_pos; p *= 2) n_ctx++;
   for (int32_t b = 1; b <= max_batch; b++) {
@@ -544,8 +544,8 @@ static tw_ce_t *tw_ce_sizing(const tw_model_config_t *c, int32_t block_size, int
     free(t);
     return NULL;
   }
-  t->q_dim = t->nq * c->head_dim;
-  t->qkv_dim = (t->nq + 2 * t->nkv) * c->head_dim;
+  t->q_dim = t->sh.nq * c->head_dim;
+  t->qkv_dim = (t->sh.nq + 2 * t->sh.nkv) * c->head_dim;
   return t;
 }
 
@@ -643,8 +643,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->stream, cudaStreamNonBlocking), st, fail);
   TW_CHECK_GOTO(tw_cuda_gemm_create(0, &ce->gemm), st, fail);
   TW_CHECK_GOTO(tw_ce_tp_init(ce, c, params, ce->bf16_experts), st, fail);
-  ce->q_dim = ce->nq * c->head_dim; /* local heads: all of them when tp = 1 */
-  ce->qkv_dim = (ce->nq + 2 * ce->nkv) * c->head_dim;
+  ce->q_dim = ce->sh.nq * c->head_dim; /* local heads: all of them when tp = 1 */
+  ce->qkv_dim = (ce->sh.nq + 2 * ce->sh.nkv) * c->head_dim;
   /* weights: an own arena, or one copy shared by the workers on this GPU */
   TW_CHECK_GOTO(tw_ce_walk(ce, model, &up), st, fail);
   ce->warena_bytes = up.off;
@@ -671,7 +671,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     in.free_bytes = (int64_t)free_b;
     in.weight_bytes = (int64_t)ce->warena_bytes;
     in.kv_elem_bytes = 2;
-    in.kv_heads = ce->nkv;
+    in.kv_heads = ce->sh.nkv;
     in.shared_weights = params->weights_share_dir != NULL;
     in.ws_bytes = tw_ce_ws_fn;
     in.ws_arg = ce;
@@ -728,7 +728,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   TW_CUDA_CHECK_GOTO(cudaMemset(ce->attn_ws, 0, ce->attn_ws_bytes), st, fail);
   /* ep > 1: the GEMV combine reads (weight 0) outputs of other ranks'
    * assignments that are never written: start them finite */
-  if (ce->ep > 1) TW_CUDA_CHECK_GOTO(cudaMemset(ce->moe_dec_ws, 0, ce->moe_dec_bytes), st, fail);
+  if (ce->sh.ep_size > 1) TW_CUDA_CHECK_GOTO(cudaMemset(ce->moe_dec_ws, 0, ce->moe_dec_bytes), st, fail);
   /* pinned staging */
   {
     size_t R = (size_t)ce->max_rows, B = (size_t)ce->max_batch;
@@ -747,7 +747,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     ce->h_block_tables = (int32_t *)h;
   }
   /* KV pool: what is asked, or most of the memory left */
-  kv_block_all = (size_t)c->n_layers * 2 * ce->nkv * params->kv_block_size * c->head_dim * 2;
+  kv_block_all = (size_t)c->n_layers * 2 * ce->sh.nkv * params->kv_block_size * c->head_dim * 2;
   TW_CUDA_CHECK_GOTO(cudaMemGetInfo(&free_b, &total_b), st, fail);
   if (n_blocks == 0) {
     size_t reserve = (size_t)2 << 30;
@@ -772,8 +772,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->kv.n_layers = c->n_layers;
   e->kv.n_blocks = (int32_t)n_blocks;
   e->kv.block_size = params->kv_block_size;
-  e->kv.n_kv_heads_local = ce->nkv;
-  e->kv.kv_head_offset = ce->kv0;
+  e->kv.n_kv_heads_local = ce->sh.nkv;
+  e->kv.kv_head_offset = ce->sh.kv0;
   e->kv.head_dim = c->head_dim;
   e->kv.base = ce->kv_pool;
   e->kv.layer_stride_bytes = ce->kv_layer_stride_bytes;
@@ -790,13 +790,13 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
           tw_gib(ce->moe_pre_bytes + 2 * ce->dq_bytes), ce->chunk,
           ce->max_batch, tw_gib((size_t)ce->max_pos * c->head_dim * 4),
           (double)h_bytes / 1048576.0, tw_gib(free_b), tw_gib(total_b));
-  if (ce->tp > 1 || ce->ep > 1)
+  if (ce->sh.tp_size > 1 || ce->sh.ep_size > 1)
     TW_INFO("engine",
             "cuda shard: tp rank %d of %d (query heads [%d, %d), kv heads [%d, %d), vocabulary "
             "[%d, %d)), ep rank %d of %d (experts [%d, %d)): weights %.3f GiB and kv pool "
             "%.3f GiB on this rank",
-            ce->tp_rank, ce->tp, ce->q0, ce->q0 + ce->nq, ce->kv0, ce->kv0 + ce->nkv, ce->v0,
-            ce->v0 + ce->nv, ce->ep_rank, ce->ep, ce->e0, ce->e1, tw_gib(ce->warena_bytes),
+            ce->sh.tp_rank, ce->sh.tp_size, ce->sh.q0, ce->sh.q0 + ce->sh.nq, ce->sh.kv0, ce->sh.kv0 + ce->sh.nkv, ce->sh.v0,
+            ce->sh.v0 + ce->sh.nv, ce->sh.ep_rank, ce->sh.ep_size, ce->sh.e0, ce->sh.e1, tw_gib(ce->warena_bytes),
             tw_gib(ce->kv_bytes));
   *engine_p = e;
   return TW_OK;

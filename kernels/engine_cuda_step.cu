@@ -65,10 +65,10 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
   const tw_model_config_t *c = ce->cfg;
   cudaStream_t s = ce->stream;
   int32_t H = c->hidden, E = c->n_experts, QKV = ce->qkv_dim, QD = ce->q_dim;
-  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, c->head_dim, block_size, 0,
+  tw_cuda_attn_shape_t sh = {ce->sh.nq, ce->sh.nkv, c->head_dim, block_size, 0,
                              (float)(1.0 / sqrt((double)c->head_dim))};
   TW_CE_OP(TW_CE_PROF_EMBED, tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
-  bool gemm_moe = T > ce->gemv_max && !ce->bf16_experts && ce->ep == 1 && !ce->moe_grouped;
+  bool gemm_moe = T > ce->gemv_max && !ce->bf16_experts && ce->sh.ep_size == 1 && !ce->moe_grouped;
   if (gemm_moe) { /* layer 0's experts, after whatever ran before on s */
     TW_CUDA_CHECK(cudaEventRecord(ce->dq_start, s));
     TW_CUDA_CHECK(cudaStreamWaitEvent(ce->dq_stream, ce->dq_start, 0));
@@ -91,8 +91,8 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
      * into the cache): one rounding instead of two */
     TW_CE_OP(TW_CE_PROF_QKV, tw_cuda_gemm_bf16(ce->gemm, T, QKV, H, ce->xn, H, L->wqkv, H, L->bqkv, ce->qkv,
                                TW_DTYPE_F32, QKV, s));
-    TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write_f32((const float *)ce->qkv, QKV, T, ce->nq,
-                                   ce->nkv, c->head_dim, ce->d_positions, ce->rope_cos,
+    TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write_f32((const float *)ce->qkv, QKV, T, ce->sh.nq,
+                                   ce->sh.nkv, c->head_dim, ce->d_positions, ce->rope_cos,
                                    ce->rope_sin, ce->max_pos, ce->d_slots, kv, block_size, ce->q,
                                    QD, s));
     if (kv_ev) TW_CUDA_CHECK(cudaEventRecord(kv_ev[l], s)); /* layer l's K/V of this chunk */
@@ -107,10 +107,10 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
                                          ce->attn, s));
     TW_CE_OP(TW_CE_PROF_OPROJ, tw_cuda_gemm_bf16(ce->gemm, T, H, QD, ce->attn, QD, L->wo, QD, L->bo, ce->o,
                                TW_DTYPE_F32, H, s));
-    if (ce->tp > 1) TW_CE_OP(TW_CE_PROF_OPROJ, tw_ce_tp_allreduce(ce, ce->o, (int64_t)T * H));
+    if (ce->sh.tp_size > 1) TW_CE_OP(TW_CE_PROF_OPROJ, tw_ce_tp_allreduce(ce, ce->o, (int64_t)T * H));
     TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, ce->o, TW_DTYPE_F32, L->mlp_norm, c->rms_norm_eps, T,
                                       H, ce->xn, s));
-    if (ce->ep > 1) { /* router, masked GEMV on the local experts, all-reduce */
+    if (ce->sh.ep_size > 1) { /* router, masked GEMV on the local experts, all-reduce */
       TW_CE_OP(TW_CE_PROF_MOE, tw_ce_ep_moe(ce, L, T));
       continue;
     }
@@ -154,7 +154,7 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
 static TW_NODISCARD tw_status_t tw_ce_unembed(tw_ce_t *ce, int32_t r0, int32_t rows) {
   const tw_model_config_t *c = ce->cfg;
   const char *xn = (const char *)ce->xn + (size_t)r0 * c->hidden * 2;
-  if (ce->tp > 1) { /* this rank's vocabulary rows, all-gathered */
+  if (ce->sh.tp_size > 1) { /* this rank's vocabulary rows, all-gathered */
     TW_CE_OP(TW_CE_PROF_LMHEAD, tw_ce_tp_unembed(ce, xn, rows));
     return TW_OK;
   }
@@ -331,7 +331,7 @@ int32_t tw_ce_batch_bucket(int32_t n, int32_t max_batch) {
  * bucket (max_pos) for batches whose attention splits do not depend on the
  * context (tw_cuda_attention_decode_splits at the shortest and the longest). */
 static int32_t tw_ce_ctx_bucket(const tw_ce_t *ce, int32_t B, int32_t maxlen) {
-  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, ce->cfg->head_dim, 16, 0, 1.0f};
+  tw_cuda_attn_shape_t sh = {ce->sh.nq, ce->sh.nkv, ce->cfg->head_dim, 16, 0, 1.0f};
   if (tw_cuda_attention_decode_splits(&sh, B, 1) ==
       tw_cuda_attention_decode_splits(&sh, B, ce->max_pos))
     return ce->max_pos;

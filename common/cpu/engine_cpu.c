@@ -191,7 +191,7 @@ static void tw_cpu_attn_task(void *ctx_v, int ti, int nt) {
   const tw_model_config_t *c = &a->e->model->config;
   /* (token, head) items dealt round-robin: in a prefill chunk later tokens
    * attend to more keys, so contiguous shares would be unbalanced */
-  const int32_t nh = a->s->tp.nq; /* this rank's query heads */
+  const int32_t nh = a->s->tp.sh.nq; /* this rank's query heads */
   int64_t items = a->T * nh;
   float *scores = a->s->scores + (int64_t)ti * c->max_position_embeddings;
   int64_t QD = (int64_t)nh * c->head_dim;
@@ -216,7 +216,7 @@ static void tw_cpu_moe(const tw_engine_t *e, tw_cpu_state_t *s, const tw_layer_w
                        s->topk_w + t * k);
   memset(s->proj, 0, sizeof(float) * (size_t)(T * H));
   const uint16_t *gu_bias = w->gate_up_bias.data, *down_bias = w->down_bias.data;
-  for (int64_t ex = s->tp.e0; ex < s->tp.e1; ex++) { /* this rank's experts */
+  for (int64_t ex = s->tp.sh.e0; ex < s->tp.sh.e1; ex++) { /* this rank's experts */
     int64_t n = 0;
     for (int64_t t = 0; t < T; t++)
       for (int64_t j = 0; j < k; j++)
@@ -286,8 +286,8 @@ static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const 
   const tw_model_config_t *c = &m->config;
   const int64_t H = c->hidden, D = c->head_dim, half = D / 2;
   /* this rank's heads (all of them at TP 1); engine_cpu_tp.h */
-  const int64_t QD = (int64_t)s->tp.nq * D, KD = (int64_t)s->tp.nkv * D;
-  const int64_t QDall = (int64_t)c->n_heads * D, q0 = s->tp.q0 * D, k0 = s->tp.kv0 * D;
+  const int64_t QD = (int64_t)s->tp.sh.nq * D, KD = (int64_t)s->tp.sh.nkv * D;
+  const int64_t QDall = (int64_t)c->n_heads * D, q0 = s->tp.sh.q0 * D, k0 = s->tp.sh.kv0 * D;
   const uint16_t *embed = m->embed.data;
   for (int64_t t = 0; t < T; t++) {
     const uint16_t *row = embed + (int64_t)tokens[t] * H;
@@ -305,18 +305,22 @@ static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const 
     tw_cpu_matmul_bf16(s->pool, s->xn, T, H, kw + k0 * H, kb + k0, KD, s->k);
     tw_cpu_matmul_bf16(s->pool, s->xn, T, H, vw + k0 * H, vb + k0, KD, s->v);
     tw_cpu_attn_ctx_t a = {
-        .e = e, .s = s, .T = T, .positions = positions,
-        .sinks = s->sinks + (int64_t)l * c->n_heads + s->tp.q0,
+        .e = e,
+        .s = s,
+        .T = T,
+        .positions = positions,
+        .sinks = s->sinks + (int64_t)l * c->n_heads + s->tp.sh.q0,
         .window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0,
         .kv = {.layer_base = (float *)((char *)s->kv_pool + l * e->kv.layer_stride_bytes),
-               .block_size = e->kv.block_size, .n_kv_heads = s->tp.nkv,
+               .block_size = e->kv.block_size,
+               .n_kv_heads = s->tp.sh.nkv,
                .head_dim = (int32_t)D}};
     for (int64_t t = 0; t < T; t++) {
-      tw_cpu_rope_apply(s->q + t * QD, s->tp.nq, (int32_t)D, s->rope_cos + t * half,
+      tw_cpu_rope_apply(s->q + t * QD, s->tp.sh.nq, (int32_t)D, s->rope_cos + t * half,
                         s->rope_sin + t * half);
-      tw_cpu_rope_apply(s->k + t * KD, s->tp.nkv, (int32_t)D, s->rope_cos + t * half,
+      tw_cpu_rope_apply(s->k + t * KD, s->tp.sh.nkv, (int32_t)D, s->rope_cos + t * half,
                         s->rope_sin + t * half);
-      for (int32_t g = 0; g < s->tp.nkv; g++) { /* K post-RoPE (§2.5) */
+      for (int32_t g = 0; g < s->tp.sh.nkv; g++) { /* K post-RoPE (§2.5) */
         memcpy(tw_cpu_kv_at(&a.kv, s->tables[t], positions[t], 0, g), s->k + t * KD + g * D,
                sizeof(float) * (size_t)D);
         memcpy(tw_cpu_kv_at(&a.kv, s->tables[t], positions[t], 1, g), s->v + t * KD + g * D,
@@ -328,11 +332,11 @@ static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const 
     tw_cpu_pool_run(s->pool, tw_cpu_attn_task, &a);
     /* row-parallel: this rank's columns of o_proj, bias once (rank 0), then the sum */
     tw_cpu_matmul_bf16_ld(s->pool, s->attn, T, QD, ow + q0, QDall,
-                          s->tp.tp_rank == 0 ? w->o_b.data : NULL, H, s->proj);
+                          s->tp.sh.tp_rank == 0 ? w->o_b.data : NULL, H, s->proj);
     TW_CHECK(tw_cpu_tp_reduce_attn(&s->tp, s->proj, T * H));
     for (int64_t i = 0; i < T * H; i++) s->x[i] += s->proj[i];
     tw_cpu_rmsnorm(s->x, T, H, w->mlp_norm.data, c->rms_norm_eps, s->xn);
-    if (s->tp.dp) { /* dp attention: the MoE over every rank's tokens, then our rows */
+    if (s->tp.sh.dp_attention) { /* dp attention: the MoE over every rank's tokens, then our rows */
       TW_CHECK(tw_cpu_tp_dp_gather(&s->tp, c, s->xn, T));
       tw_cpu_moe_bufs_swap(s, &s->tp.all);
       tw_cpu_moe(e, s, w, s->tp.t_total);
@@ -478,7 +482,7 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
     in.total_bytes = (int64_t)sysconf(_SC_PHYS_PAGES) * (int64_t)sysconf(_SC_PAGESIZE);
     in.weight_bytes = model->weight_bytes;
     in.kv_elem_bytes = (int32_t)sizeof(float);
-    in.kv_heads = tp.nkv;
+    in.kv_heads = tp.sh.nkv;
     in.shared_weights = true;   /* mapped read-only: the page cache holds one copy */
     in.process_reserve = -1;    /* no device context */
     in.max_batch_cap = TW_CPU_MAX_BATCH;
@@ -504,7 +508,7 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
   tw_status_t st = TW_OK;
 
   int64_t bs = params->kv_block_size;
-  int64_t block_bytes = 2ll * tp.nkv * bs * c->head_dim * (int64_t)sizeof(float);
+  int64_t block_bytes = 2ll * tp.sh.nkv * bs * c->head_dim * (int64_t)sizeof(float);
   int64_t n_blocks = params->kv_num_blocks;
   if (n_blocks == 0) {
     /* two sequences of full context, capped at 1 GiB; pages are touched lazily */
@@ -512,11 +516,17 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
     int64_t cap = TW_CPU_KV_CAP_BYTES / (block_bytes * c->n_layers);
     if (n_blocks > cap) n_blocks = cap > 1 ? cap : 1;
   }
-  e->kv = (tw_kv_layout_t){.dtype = TW_DTYPE_F32, .on_device = false, .device = -1,
-                           .n_layers = c->n_layers, .n_blocks = (int32_t)n_blocks,
-                           .block_size = (int32_t)bs, .n_kv_heads_local = tp.nkv,
-                           .kv_head_offset = tp.kv0, .head_dim = c->head_dim,
-                           .layer_stride_bytes = n_blocks * block_bytes, .block_bytes = block_bytes,
+  e->kv = (tw_kv_layout_t){.dtype = TW_DTYPE_F32,
+                           .on_device = false,
+                           .device = -1,
+                           .n_layers = c->n_layers,
+                           .n_blocks = (int32_t)n_blocks,
+                           .block_size = (int32_t)bs,
+                           .n_kv_heads_local = tp.sh.nkv,
+                           .kv_head_offset = tp.sh.kv0,
+                           .head_dim = c->head_dim,
+                           .layer_stride_bytes = n_blocks * block_bytes,
+                           .block_bytes = block_bytes,
                            .total_bytes = n_blocks * block_bytes * c->n_layers};
   void *kvp = mmap(NULL, (size_t)e->kv.total_bytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
