@@ -49,8 +49,9 @@ typedef struct {
 } tw_kv_rxring_copy_t;
 
 /** What the ring serves: the destination pool ([layer][block] of block_bytes,
- *  layers layer_stride_bytes apart), n_slots buffers of slot_bytes at
- *  slots_mem (owned by the caller), and the copy. */
+ *  layers layer_stride_bytes apart; with the window ring of engine.h the
+ *  ring layers hold n_ring_blocks blocks, kv_ring.h), n_slots buffers of
+ *  slot_bytes at slots_mem (owned by the caller), and the copy. */
 typedef struct {
   void *pool;
   int32_t n_layers;
@@ -58,6 +59,8 @@ typedef struct {
   int64_t block_bytes;
   int64_t layer_stride_bytes;
   int64_t total_bytes;
+  int32_t ring_blocks, n_ring_blocks; /* 0, 0: no window ring */
+  uint64_t ring_layers;
   uint8_t *slots_mem;
   int32_t n_slots;
   int64_t slot_bytes;

@@ -1,6 +1,8 @@
 /* kv_transfer.c: UCX one-sided KV handoff (see kv_transfer.h). */
 #include "common/kv_transfer.h"
 
+#include "common/kv_ring.h"
+
 #include "common/log.h"
 
 #include <ucp/api/ucp.h>
@@ -1271,6 +1273,9 @@ static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
                               .block_bytes = l->block_bytes,
                               .layer_stride_bytes = l->layer_stride_bytes,
                               .total_bytes = l->total_bytes,
+                              .ring_blocks = l->ring_blocks,
+                              .n_ring_blocks = l->n_ring_blocks,
+                              .ring_layers = l->ring_layers,
                               .n_slots = r->n_slots,
                               .slot_bytes = r->slot_bytes};
   /* the slots are allocated by UCX (shared memory where it can), so that a
@@ -1587,7 +1592,10 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *
                                .block_bytes = l->block_bytes,
                                .remote_base = (uint64_t)(uintptr_t)l->base,
                                .total_bytes = l->total_bytes,
-                               .staging_slot_bytes = r->staged ? r->slot_bytes : 0};
+                               .staging_slot_bytes = r->staged ? r->slot_bytes : 0,
+                               .ring_blocks = l->ring_blocks,
+                               .n_ring_blocks = l->n_ring_blocks,
+                               .ring_layers = l->ring_layers};
 }
 
 TW_NODISCARD tw_status_t tw_kv_region_landed(tw_kv_region_t *r, uint64_t tag, const int32_t *ids,
@@ -1780,10 +1788,10 @@ int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int3
 
 static TW_NODISCARD tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32_t id,
                                                 char **ptr_p) {
-  if (layer < 0 || layer >= l->n_layers || id < 0 || id >= l->n_blocks)
+  if (layer < 0 || layer >= l->n_layers || id < 0 || id >= tw_kv_layer_blocks(l, layer))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv block %d of layer %d is outside the pool (%d x %d)",
-                  id, layer, l->n_layers, l->n_blocks);
-  *ptr_p = (char *)l->base + layer * l->layer_stride_bytes + (int64_t)id * l->block_bytes;
+                  id, layer, l->n_layers, tw_kv_layer_blocks(l, layer));
+  *ptr_p = (char *)l->base + tw_kv_layer_offset(l, layer) + (int64_t)id * l->block_bytes;
   return TW_OK;
 }
 
@@ -2155,20 +2163,28 @@ TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p,
                   (int)src->dtype, src->block_size, src->n_kv_heads_local, src->head_dim,
                   (int)dst->dtype, dst->block_size, dst->n_kv_heads, dst->head_dim);
   uint64_t h = maybe_checksum ? *maybe_checksum : TW_KV_FNV_INIT;
-  for (int32_t i = first; i < n;) {
+  int32_t *buf = NULL, dst_ring = tw_kv_layer_ring(dst->ring_layers, dst->ring_blocks, layer);
+  int32_t dst_blocks = dst_ring ? dst->n_ring_blocks : dst->n_blocks;
+  TW_CHECK(tw_kv_ring_ids(tw_kv_layer_ring(src->ring_layers, src->ring_blocks, layer), dst_ring,
+                          src_ids, dst_ids, &first, n, &src_ids, &dst_ids, &buf));
+  int64_t loff = tw_kv_layer_offset_of(layer, dst->block_bytes, dst->n_blocks, dst->n_ring_blocks,
+                                       dst->ring_blocks, dst->ring_layers);
+  tw_status_t st = TW_OK;
+  for (int32_t i = first; i < n && st == TW_OK;) {
     int32_t k = tw_kv_run_length(src_ids, dst_ids, i, n);
     char *blk = NULL, *last = NULL;
-    TW_CHECK(tw_kv_block_ptr(src, layer, src_ids[i], &blk));
-    TW_CHECK(tw_kv_block_ptr(src, layer, src_ids[i] + k - 1, &last));
-    if (dst_ids[i] < 0 || dst_ids[i] + k > dst->n_blocks)
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "remote kv blocks %d..%d outside the pool of %d blocks",
-                    dst_ids[i], dst_ids[i] + k - 1, dst->n_blocks);
+    st = tw_kv_block_ptr(src, layer, src_ids[i], &blk);
+    if (st == TW_OK) st = tw_kv_block_ptr(src, layer, src_ids[i] + k - 1, &last);
+    if (st == TW_OK && (dst_ids[i] < 0 || dst_ids[i] + k > dst_blocks))
+      st = tw_err(TW_ERR_INVALID_ARGUMENT, "remote kv blocks %d..%d outside the pool of %d blocks",
+                  dst_ids[i], dst_ids[i] + k - 1, dst_blocks);
     tw_kv_seg_t seg = {.ptr = blk, .bytes = (int64_t)k * src->block_bytes};
-    uint64_t raddr = dst->remote_base + (uint64_t)(layer * dst->layer_stride_bytes) +
-                     (uint64_t)dst_ids[i] * (uint64_t)dst->block_bytes;
-    TW_CHECK(tw_kv_xfer_put(x, p, src, dst, &seg, 1, raddr, maybe_checksum ? &h : NULL));
+    uint64_t raddr = dst->remote_base + (uint64_t)loff + (uint64_t)dst_ids[i] * (uint64_t)dst->block_bytes;
+    if (st == TW_OK) st = tw_kv_xfer_put(x, p, src, dst, &seg, 1, raddr, maybe_checksum ? &h : NULL);
     i += k;
   }
+  free(buf);
+  TW_CHECK(st);
   if (maybe_checksum) *maybe_checksum = h;
   return TW_OK;
 }
@@ -2249,8 +2265,11 @@ TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_
   uint64_t h = TW_KV_FNV_INIT;
   tw_cudart_t rt = {0};
   uint8_t *copy = NULL;
-  tw_status_t st = TW_OK;
-  if (pool->on_device && (st = tw_cudart_load(&rt)) == TW_OK &&
+  int32_t *buf = NULL;
+  const int32_t *none = NULL;
+  tw_status_t st = tw_kv_ring_ids(tw_kv_layer_ring(pool->ring_layers, pool->ring_blocks, layer), 0,
+                                  ids, NULL, &first, n, &ids, &none, &buf);
+  if (st == TW_OK && pool->on_device && (st = tw_cudart_load(&rt)) == TW_OK &&
       !(copy = malloc((size_t)pool->block_bytes)))
     st = tw_err(TW_ERR_NO_MEMORY, "cannot allocate a %lld-byte kv block copy",
                 (long long)pool->block_bytes);
@@ -2262,6 +2281,7 @@ TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_
     if (st == TW_OK) h = tw_kv_fnv1a(h, copy ? (const char *)copy : blk, (size_t)pool->block_bytes);
   }
   free(copy);
+  free(buf);
   if (rt.lib) dlclose(rt.lib);
   if (st == TW_OK) *checksum_p = h;
   return st;

@@ -93,6 +93,10 @@ typedef struct {
   /* the sender's: names the handoff (its request id) in each piece sent to a
    * staged receiver, which counts a block complete for that handoff only */
   uint64_t handoff_tag;
+  /* the window ring (engine.h tw_kv_layout_t, kv_ring.h); ring_blocks 0: none */
+  int32_t ring_blocks;
+  int32_t n_ring_blocks;
+  uint64_t ring_layers;
 } tw_kv_remote_layout_t;
 
 /** Counters since creation (for metrics). */
@@ -247,7 +251,10 @@ int32_t tw_kv_layer_first_block(int32_t n_tokens, int32_t block_size, bool slidi
 int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int32_t block_size);
 
 /** Put one layer's blocks: local blocks src_ids[first..n) of `src` (the prefill
- *  engine's pool) into remote blocks dst_ids[first..n) of the peer's pool,
+ *  engine's pool) into remote blocks dst_ids[first..n) of the peer's pool
+ *  (src_ids and dst_ids are the sequence's block tables: a ring layer of
+ *  either pool, kv_ring.h, stores entry j in the block of entry j % R and
+ *  keeps only the last R entries, so only entries from tw_kv_ring_first move),
  *  non-blocking, one put per run of blocks consecutive on both sides
  *  (tw_kv_run_length), over the path tw_kv_xfer_path gives. If maybe_checksum is set, the FNV-1a 64 of the bytes sent
  *  (in block order) continues from *maybe_checksum (start it at
@@ -307,7 +314,7 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len);
 
 /** Checksum of blocks ids[first..n) of `layer` in a local pool, computed the
  *  same way as tw_kv_xfer_send_layer (host pools, or device pools through a
- *  copy). Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA, TW_ERR_NO_MEMORY. */
+ *  copy; ids a block table, read as the ring maps it on a ring layer). Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA, TW_ERR_NO_MEMORY. */
 TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer,
                                               const int32_t *ids, int32_t first, int32_t n,
                                               uint64_t *checksum_p);

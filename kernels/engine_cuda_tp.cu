@@ -10,7 +10,8 @@
  *     not computed, and the combine is an all-reduce of the f32 [T, H]
  *     weighted sums (b2 added by the holder, inside its weighted output).
  * Collectives are NCCL on the engine's stream (collective.h), so they are
- * captured into the decode graphs. None of this runs when tp = ep = 1.
+ * captured into the decode graphs; they run only when tp or ep > 1 (the
+ * plan and the weight walk of engine_cuda.cu run at every size).
  * Not yet run on a GPU (docs/parallelism.md, CUDA). */
 #include "kernels/engine_cuda_impl.h"
 

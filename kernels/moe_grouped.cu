@@ -672,7 +672,7 @@ static tw_gg_fn tw_gm_pick(int epi, int bt) {
 static int tw_gm_mask = -1;
 static uint32_t tw_gm_tiles(void) {
   if (tw_gm_mask < 0) {
-    const char *v = getenv("TWAIN_CUDA_MOE_MMA");
+    const char *v = tw_cuda_knobs()->moe_mma;
     uint32_t m = 0;
     while (v && *v) {
       char *end = NULL;
@@ -720,7 +720,7 @@ extern "C" tw_status_t tw_moe_grouped_setup(void) {
 static int tw_gg_tile_rows(int tk, int E) {
   static int forced = -1;
   if (forced < 0) {
-    const char *v = getenv("TWAIN_CUDA_MOE_BT");
+    const char *v = tw_cuda_knobs()->moe_bt;
     int f = v ? atoi(v) : 0;
     forced = (f == 16 || f == 32 || f == 64 || f == 128) ? f : 0;
   }
