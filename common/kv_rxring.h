@@ -3,13 +3,14 @@
  *
  * When a decode worker's KV pool is device memory that its UCX cannot reach
  * (no CUDA transports), the pool is not registered at all: a prefill worker
- * sends each piece of KV (at most one slot long) as an active message whose
- * header names the destination offset in the pool and the handoff it belongs
- * to. The receiver takes a piece into a free slot of this ring (a fixed number
- * of pinned host buffers, TWAIN_KV_STAGING_SLOTS x TWAIN_KV_STAGING_SLOT_MB),
- * copies the slot to the piece's place in the pool on its own stream, and
- * frees the slot once that copy is done. A piece that arrives while every slot
- * is in use waits, still on the sender (rendezvous), until one is freed:
+ * asks for a slot for each piece of KV (at most one slot long), naming the
+ * destination offset in the pool and the handoff it belongs to. The receiver
+ * grants a free slot of this ring (a fixed number of pinned host buffers,
+ * TWAIN_KV_STAGING_SLOTS x TWAIN_KV_STAGING_SLOT_MB), the sender puts the
+ * piece into it, and the receiver copies the slot to the piece's place in
+ * the pool on its own stream and frees the slot once that copy is done. A
+ * piece that asks while every slot is in use waits in the receiver's queue
+ * (a few dozen bytes, not the piece) until one is freed:
  * back-pressure, never an unbounded buffer. The ring only moves bytes between
  * memory it is told about; the transport (kv_transfer.c) and the copy (a
  * function pointer: cudaMemcpyAsync + an event, or memcpy for a host pool in
