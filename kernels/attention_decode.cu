@@ -32,12 +32,6 @@
 #define TW_DC_WARPS 4
 #define TW_DC_MIN_KEYS_PER_SPLIT 256
 #define TW_DC_MAX_SPLITS 128
-/* Split CTAs per call: one wave of 4 CTAs per SM (48 KB of shared memory
- * each) on an H200's 132 SMs. On the H200, 512 beat 528 (2 waves at batch 4
- * and 16) by up to 26% at batch 4-16, 1024 was slower at batch 1-16, and
- * from batch 64 (one split) all three agree within noise (docs/benchmarks.md). */
-#define TW_DC_TARGET_CTAS 512
-
 typedef struct {
   const __nv_bfloat16 *q;
   int64_t q_stride;
@@ -334,24 +328,15 @@ static __global__ void __launch_bounds__(128) tw_attn_decode_combine_kernel(
       __floats2bfloat162_rn(a0 * inv, a1 * inv);
 }
 
-/* Tuning from the environment, read at every call (a decode graph keeps
- * what it was captured with; the workspace size follows TWAIN_CUDA_DC_CTAS
- * when it is computed): TWAIN_CUDA_DC_CTAS (target split CTAs per call,
- * default 512), TWAIN_CUDA_DC_STAGES (2 or 3 cp.async stages, default 3),
+/* Tuning knobs (knobs.h, read once per process; a decode graph keeps what
+ * it was captured with; the workspace size follows TWAIN_CUDA_DC_CTAS when
+ * it is computed): TWAIN_CUDA_DC_CTAS (target split CTAs per call, default
+ * 512), TWAIN_CUDA_DC_STAGES (2 or 3 cp.async stages, default 3),
  * TWAIN_CUDA_DC_FUSED (0: separate combine kernel; default 1). For A/B runs
- * on the GPU machine and the kernel test; out-of-range values mean the
- * default. */
-static int tw_dc_env(const char *name, int dflt, int lo, int hi) {
-  const char *v = getenv(name);
-  if (!v || !*v) return dflt;
-  const int x = atoi(v);
-  return x < lo || x > hi ? dflt : x;
-}
-static int tw_dc_target_ctas(void) {
-  return tw_dc_env("TWAIN_CUDA_DC_CTAS", TW_DC_TARGET_CTAS, 1, 1 << 20);
-}
-static int tw_dc_stages(void) { return tw_dc_env("TWAIN_CUDA_DC_STAGES", 3, 2, 3); }
-static int tw_dc_fused(void) { return tw_dc_env("TWAIN_CUDA_DC_FUSED", 1, 0, 1); }
+ * on the GPU machine and the kernel test. */
+static int tw_dc_target_ctas(void) { return tw_cuda_knobs()->dc_ctas; }
+static int tw_dc_stages(void) { return tw_cuda_knobs()->dc_stages; }
+static int tw_dc_fused(void) { return tw_cuda_knobs()->dc_fused; }
 
 /* Splits per (sequence, KV head) for a batch whose sequences have at most
  * `keys` keys: about `target_ctas` CTAs (tw_dc_target_ctas), at least

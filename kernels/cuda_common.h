@@ -12,6 +12,7 @@
 #define TW_KERNELS_CUDA_COMMON_H
 
 #include "common/status.h"
+#include "kernels/knobs.h"
 
 #include <cuda_runtime.h>
 #include <stdint.h>

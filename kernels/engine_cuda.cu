@@ -92,30 +92,6 @@ static TW_NODISCARD tw_status_t tw_ce_put_as(tw_ce_up_t *u, const tw_tensor_t *t
   return tw_ce_put(u, u->tmp, bytes, dst_p);
 }
 
-/* Stack several tensors (all converted to `to`) contiguously. */
-static TW_NODISCARD tw_status_t tw_ce_put_stack(tw_ce_up_t *u, const tw_tensor_t *const *ts, int n,
-                                   tw_dtype_t to, const char *name, const void **dst_p) {
-  size_t total = 0;
-  for (int i = 0; i < n; i++) {
-    if (!ts[i]->data) return tw_err(TW_ERR_NOT_FOUND, "cuda engine: tensor %s[%d] is absent", name, i);
-    if (ts[i]->dtype != to)
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: tensor %s[%d] has dtype %s, want %s",
-                    name, i, tw_dtype_name(ts[i]->dtype), tw_dtype_name(to));
-    total += (size_t)ts[i]->n_bytes;
-  }
-  size_t at = u->off;
-  u->off += tw_ce_align(total);
-  *dst_p = u->base ? u->base + at : NULL;
-  if (!u->base || u->views) return TW_OK;
-  size_t o = 0;
-  for (int i = 0; i < n; i++) {
-    TW_CUDA_CHECK(cudaMemcpy(u->base + at + o, ts[i]->data, (size_t)ts[i]->n_bytes,
-                             cudaMemcpyHostToDevice));
-    o += (size_t)ts[i]->n_bytes;
-  }
-  return TW_OK;
-}
-
 /* Upload a bf16 (or f32) expert tensor [E, R, C] (HF in-memory orientation,
  * used as x @ W) transposed to bf16 [E, C, R], the layout the MoE GEMM path
  * multiplies (spec §3.5: even/odd columns become even/odd rows). */
@@ -144,7 +120,7 @@ static TW_NODISCARD tw_status_t tw_ce_put_experts_t(tw_ce_up_t *u, const tw_tens
   return tw_ce_put(u, u->tmp, bytes, dst_p);
 }
 
-/* ---- tp/ep > 1: this rank's shard (engine_cuda_tp.cu has the split) ---- */
+/* ---- this rank's shard of the weights (ce->sh: every row at tp = ep = 1) ---- */
 
 /* Rows [r0, r0+nr) and columns [c0, c0+nc) of a tensor seen as [R, C]
  * (R = shape[0], C the rest). */
@@ -178,6 +154,24 @@ static TW_NODISCARD tw_status_t tw_ce_put_blocks(tw_ce_up_t *u, const tw_ce_blk_
     total += (size_t)(b[i].nr * b[i].nc) * tw_dtype_size(cvt ? to : t->dtype);
   }
   if (!u->base || u->views) return tw_ce_put(u, NULL, total, dst_p);
+  int direct = 1; /* every block whole rows of its tensor, in the wanted dtype */
+  for (int i = 0; i < n; i++) {
+    const tw_tensor_t *t = b[i].t;
+    int64_t C = tw_ce_numel(t) / (t->ndim > 0 ? t->shape[0] : 1);
+    direct &= b[i].c0 == 0 && b[i].nc == C && (!cvt || t->dtype == to);
+  }
+  if (direct) { /* contiguous bytes: straight from the model, no host copy */
+    char *dst = u->base + u->off, *o = dst;
+    u->off += tw_ce_align(total);
+    for (int i = 0; i < n; i++) {
+      size_t row = (size_t)b[i].nc * tw_dtype_size(b[i].t->dtype);
+      TW_CUDA_CHECK(cudaMemcpy(o, (const char *)b[i].t->data + (size_t)b[i].r0 * row,
+                               (size_t)b[i].nr * row, cudaMemcpyHostToDevice));
+      o += (size_t)b[i].nr * row;
+    }
+    *dst_p = dst;
+    return TW_OK;
+  }
   TW_CHECK(tw_ce_tmp(u, total));
   char *o = (char *)u->tmp;
   for (int i = 0; i < n; i++) {
@@ -206,20 +200,24 @@ static TW_NODISCARD tw_status_t tw_ce_put_blocks(tw_ce_up_t *u, const tw_ce_blk_
  * expert e's row is at the usual offset (only local experts are read). */
 static TW_NODISCARD tw_status_t tw_ce_put_experts(tw_ce_up_t *u, const tw_ce_t *ce, const tw_tensor_t *t,
                                      tw_dtype_t to, const char *name, const void **dst_p) {
-  tw_ce_blk_t b = tw_ce_rows(t, ce->e0, ce->e1 - ce->e0);
+  tw_ce_blk_t b = tw_ce_rows(t, ce->sh.e0, ce->sh.e1 - ce->sh.e0);
   const void *p = NULL;
   TW_CHECK(tw_ce_put_blocks(u, &b, 1, to, name, &p));
   size_t row = (size_t)b.nc * tw_dtype_size(to == TW_DTYPE_F32 ? to : t->dtype);
-  *dst_p = p ? (const char *)p - (size_t)ce->e0 * row : NULL;
+  *dst_p = p ? (const char *)p - (size_t)ce->sh.e0 * row : NULL;
   return TW_OK;
 }
 
-static TW_NODISCARD tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
+/* The one weight walk, the same at every TP/EP size: this rank's rows of
+ * each tensor (ce->sh, shard_plan.h; at tp = ep = 1 every row, so a single
+ * GPU runs the same code as a shard). Run twice: sizing (u->base NULL), then
+ * upload (or pointers only with u->views). */
+static TW_NODISCARD tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
   const tw_model_config_t *c = &m->config;
   int64_t D = c->head_dim, QD = (int64_t)c->n_heads * D;
   tw_ce_blk_t b[3];
   TW_CHECK(tw_ce_put_as(u, &m->embed, TW_DTYPE_BF16, "embed", &ce->embed));
-  b[0] = tw_ce_rows(&m->lm_head, ce->v0, ce->nv);
+  b[0] = tw_ce_rows(&m->lm_head, ce->sh.v0, ce->sh.nv);
   TW_CHECK(tw_ce_put_blocks(u, b, 1, TW_DTYPE_BF16, "lm_head", &ce->lm_head));
   TW_CHECK(tw_ce_put_as(u, &m->final_norm, TW_DTYPE_BF16, "final_norm", &ce->final_norm));
   for (int l = 0; l < c->n_layers; l++) {
@@ -230,25 +228,25 @@ static TW_NODISCARD tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *
       TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
               (double)u->off / (1024.0 * 1024.0 * 1024.0));
     TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
-    b[0] = tw_ce_rows(&lw->q_w, ce->q0 * D, ce->nq * D);
-    b[1] = tw_ce_rows(&lw->k_w, ce->kv0 * D, ce->nkv * D);
-    b[2] = tw_ce_rows(&lw->v_w, ce->kv0 * D, ce->nkv * D);
+    b[0] = tw_ce_rows(&lw->q_w, ce->sh.q0 * D, ce->sh.nq * D);
+    b[1] = tw_ce_rows(&lw->k_w, ce->sh.kv0 * D, ce->sh.nkv * D);
+    b[2] = tw_ce_rows(&lw->v_w, ce->sh.kv0 * D, ce->sh.nkv * D);
     TW_CHECK(tw_ce_put_blocks(u, b, 3, TW_DTYPE_BF16, "qkv weight", &d->wqkv));
-    b[0] = tw_ce_rows(&lw->q_b, ce->q0 * D, ce->nq * D);
-    b[1] = tw_ce_rows(&lw->k_b, ce->kv0 * D, ce->nkv * D);
-    b[2] = tw_ce_rows(&lw->v_b, ce->kv0 * D, ce->nkv * D);
+    b[0] = tw_ce_rows(&lw->q_b, ce->sh.q0 * D, ce->sh.nq * D);
+    b[1] = tw_ce_rows(&lw->k_b, ce->sh.kv0 * D, ce->sh.nkv * D);
+    b[2] = tw_ce_rows(&lw->v_b, ce->sh.kv0 * D, ce->sh.nkv * D);
     TW_CHECK(tw_ce_put_blocks(u, b, 3, TW_DTYPE_F32, "qkv bias", &d->bqkv));
-    b[0] = (tw_ce_blk_t){&lw->o_w, 0, c->hidden, ce->q0 * D, ce->nq * D}; /* [H, NQ*D] columns */
+    b[0] = (tw_ce_blk_t){&lw->o_w, 0, c->hidden, ce->sh.q0 * D, ce->sh.nq * D}; /* [H, NQ*D] columns */
     if (b[0].t->ndim != 2 || b[0].t->shape[1] != QD)
       return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: o_proj is not [%d, %lld]", c->hidden,
                     (long long)QD);
     TW_CHECK(tw_ce_put_blocks(u, b, 1, TW_DTYPE_BF16, "o_proj", &d->wo));
     d->bo = NULL; /* the bias is added once, by tp rank 0 */
-    if (ce->tp_rank == 0) {
+    if (ce->sh.tp_rank == 0) {
       TW_CHECK(tw_ce_put_as(u, &lw->o_b, TW_DTYPE_F32, "o_proj bias", &p));
       d->bo = (const float *)p;
     }
-    b[0] = tw_ce_rows(&lw->sinks, ce->q0, ce->nq);
+    b[0] = tw_ce_rows(&lw->sinks, ce->sh.q0, ce->sh.nq);
     TW_CHECK(tw_ce_put_blocks(u, b, 1, TW_DTYPE_F32, "sinks", &p));
     d->sinks = (const float *)p;
     TW_CHECK(tw_ce_put_as(u, &lw->mlp_norm, TW_DTYPE_BF16, "mlp_norm", &d->mlp_norm));
@@ -261,7 +259,7 @@ static TW_NODISCARD tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *
     mw->intermediate = c->intermediate;
     mw->swiglu_alpha = c->swiglu_alpha;
     mw->swiglu_limit = c->swiglu_limit;
-    if (lw->experts_format == TW_EXPERTS_BF16) { /* tp > 1, ep = 1 (tw_ce_tp_init) */
+    if (lw->experts_format == TW_EXPERTS_BF16) { /* ep = 1 (tw_ce_tp_init) */
       int64_t E = c->n_experts, H = c->hidden, I = c->intermediate;
       TW_CHECK(tw_ce_put_experts_t(u, &lw->gate_up, E, H, 2 * I, "gate_up_proj", &d->wdq));
       TW_CHECK(tw_ce_put_experts_t(u, &lw->down, E, I, H, "down_proj", &p));
@@ -284,69 +282,6 @@ static TW_NODISCARD tw_status_t tw_ce_walk_shard(tw_ce_t *ce, const tw_model_t *
     TW_CHECK(tw_ce_put_experts(u, ce, &lw->down_scales, TW_DTYPE_U8, "down_scales", &p));
     mw->down_scales = (const uint8_t *)p;
     TW_CHECK(tw_ce_put_experts(u, ce, &lw->down_bias, TW_DTYPE_F32, "down_bias", &p));
-    mw->down_bias = (const float *)p;
-  }
-  return TW_OK;
-}
-
-static TW_NODISCARD tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_ce_up_t *u) {
-  const tw_model_config_t *c = &m->config;
-  if (ce->tp > 1 || ce->ep > 1) return tw_ce_walk_shard(ce, m, u);
-  TW_CHECK(tw_ce_put_as(u, &m->embed, TW_DTYPE_BF16, "embed", &ce->embed));
-  TW_CHECK(tw_ce_put_as(u, &m->lm_head, TW_DTYPE_BF16, "lm_head", &ce->lm_head));
-  TW_CHECK(tw_ce_put_as(u, &m->final_norm, TW_DTYPE_BF16, "final_norm", &ce->final_norm));
-  for (int l = 0; l < c->n_layers; l++) {
-    const tw_layer_weights_t *lw = &m->layers[l];
-    tw_ce_layer_t *d = &ce->layers[l];
-    const void *p;
-    if (u->base && !u->views && l % 8 == 0) /* the upload pass: progress for the log */
-      TW_INFO("engine", "uploading weights: layer %d of %d (%.2f GiB so far)", l, c->n_layers,
-              (double)u->off / (1024.0 * 1024.0 * 1024.0));
-    TW_CHECK(tw_ce_put_as(u, &lw->attn_norm, TW_DTYPE_BF16, "attn_norm", &d->attn_norm));
-    const tw_tensor_t *wq[3] = {&lw->q_w, &lw->k_w, &lw->v_w};
-    const tw_ce_blk_t bq[3] = {tw_ce_rows(&lw->q_b, 0, c->n_heads * c->head_dim),
-                               tw_ce_rows(&lw->k_b, 0, c->n_kv_heads * c->head_dim),
-                               tw_ce_rows(&lw->v_b, 0, c->n_kv_heads * c->head_dim)};
-    TW_CHECK(tw_ce_put_stack(u, wq, 3, TW_DTYPE_BF16, "qkv weight", &d->wqkv));
-    TW_CHECK(tw_ce_put_blocks(u, bq, 3, TW_DTYPE_F32, "qkv bias", &d->bqkv)); /* f32 QKV output */
-    TW_CHECK(tw_ce_put_as(u, &lw->o_w, TW_DTYPE_BF16, "o_proj", &d->wo));
-    TW_CHECK(tw_ce_put_as(u, &lw->o_b, TW_DTYPE_F32, "o_proj bias", &p));
-    d->bo = (const float *)p;
-    TW_CHECK(tw_ce_put_as(u, &lw->sinks, TW_DTYPE_F32, "sinks", &p));
-    d->sinks = (const float *)p;
-    TW_CHECK(tw_ce_put_as(u, &lw->mlp_norm, TW_DTYPE_BF16, "mlp_norm", &d->mlp_norm));
-    TW_CHECK(tw_ce_put_as(u, &lw->router_w, TW_DTYPE_BF16, "router", &d->wr));
-    TW_CHECK(tw_ce_put_as(u, &lw->router_b, TW_DTYPE_F32, "router bias", &p));
-    d->br = (const float *)p;
-    tw_cuda_moe_weights_t *mw = &d->moe;
-    mw->n_experts = c->n_experts;
-    mw->hidden = c->hidden;
-    mw->intermediate = c->intermediate;
-    mw->swiglu_alpha = c->swiglu_alpha;
-    mw->swiglu_limit = c->swiglu_limit;
-    if (lw->experts_format == TW_EXPERTS_BF16) {
-      int64_t E = c->n_experts, H = c->hidden, I = c->intermediate;
-      TW_CHECK(tw_ce_put_experts_t(u, &lw->gate_up, E, H, 2 * I, "gate_up_proj", &d->wdq));
-      TW_CHECK(tw_ce_put_experts_t(u, &lw->down, E, I, H, "down_proj", &p));
-      if (u->base && (const char *)p != (const char *)d->wdq + tw_ce_align((size_t)(E * 2 * I * H) * 2))
-        return tw_err(TW_ERR_INTERNAL, "cuda engine: layer %d bf16 experts not contiguous", l);
-      TW_CHECK(tw_ce_put_as(u, &lw->gate_up_bias, TW_DTYPE_F32, "gate_up_bias", &p));
-      mw->gate_up_bias = (const float *)p;
-      TW_CHECK(tw_ce_put_as(u, &lw->down_bias, TW_DTYPE_F32, "down_bias", &p));
-      mw->down_bias = (const float *)p;
-      continue;
-    }
-    TW_CHECK(tw_ce_put_as(u, &lw->gate_up_blocks, TW_DTYPE_U8, "gate_up_blocks", &p));
-    mw->gate_up_blocks = (const uint8_t *)p;
-    TW_CHECK(tw_ce_put_as(u, &lw->gate_up_scales, TW_DTYPE_U8, "gate_up_scales", &p));
-    mw->gate_up_scales = (const uint8_t *)p;
-    TW_CHECK(tw_ce_put_as(u, &lw->gate_up_bias, TW_DTYPE_F32, "gate_up_bias", &p));
-    mw->gate_up_bias = (const float *)p;
-    TW_CHECK(tw_ce_put_as(u, &lw->down_blocks, TW_DTYPE_U8, "down_blocks", &p));
-    mw->down_blocks = (const uint8_t *)p;
-    TW_CHECK(tw_ce_put_as(u, &lw->down_scales, TW_DTYPE_U8, "down_scales", &p));
-    mw->down_scales = (const uint8_t *)p;
-    TW_CHECK(tw_ce_put_as(u, &lw->down_bias, TW_DTYPE_F32, "down_bias", &p));
     mw->down_bias = (const float *)p;
   }
   return TW_OK;
@@ -379,9 +314,9 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   ce->q = tw_ce_take(cv, R * (size_t)ce->q_dim * 2);
   ce->attn = tw_ce_take(cv, R * (size_t)ce->q_dim * 2);
   ce->logits = (float *)tw_ce_take(cv, lrows * V * 4);
-  if (ce->tp > 1) {
-    ce->lg_local = (float *)tw_ce_take(cv, lrows * (size_t)ce->vp * 4);
-    ce->lg_all = (float *)tw_ce_take(cv, (size_t)ce->tp * lrows * (size_t)ce->vp * 4);
+  if (ce->sh.tp_size > 1) {
+    ce->lg_local = (float *)tw_ce_take(cv, lrows * (size_t)ce->sh.vp * 4);
+    ce->lg_all = (float *)tw_ce_take(cv, (size_t)ce->sh.tp_size * lrows * (size_t)ce->sh.vp * 4);
   }
   size_t rb = tw_cuda_moe_route_bytes((int32_t)R, c->n_experts, c->n_experts_per_tok);
   void *rmem = tw_ce_take(cv, rb);
@@ -393,7 +328,7 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
                                                   c->intermediate);
   ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
   ce->moe_pre_bytes = 0;
-  if ((R > (size_t)ce->gemv_max || ce->bf16_experts) && ce->ep == 1) {
+  if ((R > (size_t)ce->gemv_max || ce->bf16_experts) && ce->sh.ep_size == 1) {
     ce->moe_pre_bytes =
         ce->moe_grouped
             ? tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts_per_tok, c->hidden,
@@ -402,7 +337,7 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
                                                   c->hidden, c->intermediate, 0);
     ce->moe_pre_ws = tw_ce_take(cv, ce->moe_pre_bytes);
   }
-  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->ep == 1 && !ce->moe_grouped) {
+  if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->sh.ep_size == 1 && !ce->moe_grouped) {
     ce->dq_bytes = tw_cuda_moe_dequant_bytes(c->n_experts, c->hidden, c->intermediate);
     ce->dq_buf[0] = tw_ce_take(cv, ce->dq_bytes);
     ce->dq_buf[1] = tw_ce_take(cv, ce->dq_bytes);
@@ -445,6 +380,11 @@ static void tw_ce_destroy(tw_engine_t *engine) {
     tw_cuda_gemm_destroy(ce->gemm);
     tw_ce_share_close(ce); /* the weight arena: own, exported or mapped */
     if (ce->kv_pool) cudaFree(ce->kv_pool);
+    if (ce->ring_scratch) cudaFree(ce->ring_scratch);
+    if (ce->d_ring_slots) cudaFree(ce->d_ring_slots);
+    if (ce->h_ring_slots) cudaFreeHost(ce->h_ring_slots);
+    tw_kv_ring_pass_free(&ce->ring_plan);
+    free(ce->kv_layer_off);
     if (ce->ws_arena) cudaFree(ce->ws_arena);
     if (ce->rope_cos) cudaFree(ce->rope_cos);
     if (ce->rope_sin) cudaFree(ce->rope_sin);
@@ -487,7 +427,7 @@ static size_t tw_ce_rope_bytes(const tw_ce_t *ce) {
 }
 
 static size_t tw_ce_attn_ws_bytes(const tw_ce_t *ce) {
-  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, ce->cfg->head_dim, ce->block_size, 0, 0.125f};
+  tw_cuda_attn_shape_t sh = {ce->sh.nq, ce->sh.nkv, ce->cfg->head_dim, ce->block_size, 0, 0.125f};
   return tw_cuda_attention_decode_workspace_bytes(&sh, ce->max_batch, ce->max_pos);
 }
 
@@ -513,7 +453,7 @@ static int64_t tw_ce_ws_fn(void *arg, int32_t max_batch, int32_t chunk) {
 static int32_t tw_ce_graphs_fn(void *arg, int32_t max_batch) {
   const tw_ce_t *ce = (const tw_ce_t *)arg;
   if (!ce->use_graphs) return 0;
-  tw_cuda_attn_shape_t sh = {ce->nq, ce->nkv, ce->cfg->head_dim, 16, 0, 1.0f};
+  tw_cuda_attn_shape_t sh = {ce->sh.nq, ce->sh.nkv, ce->cfg->head_dim, 16, 0, 1.0f};
   int32_t n_ctx = 1, n = 0, last = 0;
   for (int32_t p = 256; p < ce->max_pos; p *= 2) n_ctx++;
   for (int32_t b = 1; b <= max_batch; b++) {
@@ -544,8 +484,8 @@ static tw_ce_t *tw_ce_sizing(const tw_model_config_t *c, int32_t block_size, int
     free(t);
     return NULL;
   }
-  t->q_dim = t->nq * c->head_dim;
-  t->qkv_dim = (t->nq + 2 * t->nkv) * c->head_dim;
+  t->q_dim = t->sh.nq * c->head_dim;
+  t->qkv_dim = (t->sh.nq + 2 * t->sh.nkv) * c->head_dim;
   return t;
 }
 
@@ -606,22 +546,15 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   ce->bf16_experts = c->n_layers > 0 && model->layers[0].experts_format == TW_EXPERTS_BF16;
   {
     /* the grouped-GEMM MoE (Hopper) needs no host sync; TWAIN_CUDA_MOE_CUBLAS=1
-     * (read once here) selects the per-expert cuBLAS path instead, for A/B runs */
-    const char *mc = getenv("TWAIN_CUDA_MOE_CUBLAS");
-    ce->moe_grouped = tw_cuda_moe_grouped_supported(c->hidden, c->intermediate) &&
-                      !(mc && mc[0] == '1');
+     * selects the per-expert cuBLAS path instead, for A/B runs */
+    const tw_cuda_knobs_t *kn = tw_cuda_knobs(); /* read once per process (knobs.h) */
+    ce->moe_grouped =
+        tw_cuda_moe_grouped_supported(c->hidden, c->intermediate) && !kn->moe_cublas;
     /* GEMV MoE up to gemv_max rows: TW_CE_GEMV_MAX_TOKENS without the grouped
-     * path, TW_CE_GEMV_GROUPED_DEFAULT with it; TWAIN_CUDA_MOE_GEMV_MAX (read
-     * once here, 0..TW_CE_GEMV_MAX_TOKENS) overrides for A/B runs. EP > 1
-     * always runs its GEMV slices (engine_cuda_tp.cu). */
-    const char *gv = getenv("TWAIN_CUDA_MOE_GEMV_MAX");
-    char *end = NULL;
-    long g = gv && *gv ? strtol(gv, &end, 10) : -1;
-    if (gv && *gv && (*end || g < 0 || g > TW_CE_GEMV_MAX_TOKENS)) {
-      TW_WARN("engine", "TWAIN_CUDA_MOE_GEMV_MAX=%s is not in 0..%d: ignored", gv,
-              TW_CE_GEMV_MAX_TOKENS);
-      g = -1;
-    }
+     * path, TW_CE_GEMV_GROUPED_DEFAULT with it; TWAIN_CUDA_MOE_GEMV_MAX
+     * (0..TW_CE_GEMV_MAX_TOKENS) overrides for A/B runs. EP > 1 always runs
+     * its GEMV slices (engine_cuda_tp.cu). */
+    int g = kn->moe_gemv_max;
     ce->gemv_max = g >= 0 ? (int32_t)g
                    : ce->moe_grouped ? TW_CE_GEMV_GROUPED_DEFAULT
                                      : TW_CE_GEMV_MAX_TOKENS;
@@ -631,9 +564,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
    * without the grouped path only GEMV-MoE steps of MXFP4 experts are graphed */
   ce->use_graphs = ce->moe_grouped || !ce->bf16_experts;
   {
-    /* debug knob, read once here: per-op timing with a sync after each op */
-    const char *pv = getenv("TWAIN_CUDA_PROFILE");
-    if (pv && pv[0] == '1' &&
+    /* debug knob TWAIN_CUDA_PROFILE: per-op timing with a sync after each op */
+    if (tw_cuda_knobs()->profile &&
         cudaEventCreate(&ce->prof_ev[0]) == cudaSuccess &&
         cudaEventCreate(&ce->prof_ev[1]) == cudaSuccess) {
       ce->profile = 1;
@@ -643,8 +575,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   TW_CUDA_CHECK_GOTO(cudaStreamCreateWithFlags(&ce->stream, cudaStreamNonBlocking), st, fail);
   TW_CHECK_GOTO(tw_cuda_gemm_create(0, &ce->gemm), st, fail);
   TW_CHECK_GOTO(tw_ce_tp_init(ce, c, params, ce->bf16_experts), st, fail);
-  ce->q_dim = ce->nq * c->head_dim; /* local heads: all of them when tp = 1 */
-  ce->qkv_dim = (ce->nq + 2 * ce->nkv) * c->head_dim;
+  ce->q_dim = ce->sh.nq * c->head_dim; /* local heads: all of them when tp = 1 */
+  ce->qkv_dim = (ce->sh.nq + 2 * ce->sh.nkv) * c->head_dim;
   /* weights: an own arena, or one copy shared by the workers on this GPU */
   TW_CHECK_GOTO(tw_ce_walk(ce, model, &up), st, fail);
   ce->warena_bytes = up.off;
@@ -671,7 +603,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     in.free_bytes = (int64_t)free_b;
     in.weight_bytes = (int64_t)ce->warena_bytes;
     in.kv_elem_bytes = 2;
-    in.kv_heads = ce->nkv;
+    in.kv_heads = ce->sh.nkv;
     in.shared_weights = params->weights_share_dir != NULL;
     in.ws_bytes = tw_ce_ws_fn;
     in.ws_arg = ce;
@@ -728,7 +660,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   TW_CUDA_CHECK_GOTO(cudaMemset(ce->attn_ws, 0, ce->attn_ws_bytes), st, fail);
   /* ep > 1: the GEMV combine reads (weight 0) outputs of other ranks'
    * assignments that are never written: start them finite */
-  if (ce->ep > 1) TW_CUDA_CHECK_GOTO(cudaMemset(ce->moe_dec_ws, 0, ce->moe_dec_bytes), st, fail);
+  if (ce->sh.ep_size > 1) TW_CUDA_CHECK_GOTO(cudaMemset(ce->moe_dec_ws, 0, ce->moe_dec_bytes), st, fail);
   /* pinned staging */
   {
     size_t R = (size_t)ce->max_rows, B = (size_t)ce->max_batch;
@@ -747,12 +679,19 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     ce->h_block_tables = (int32_t *)h;
   }
   /* KV pool: what is asked, or most of the memory left */
-  kv_block_all = (size_t)c->n_layers * 2 * ce->nkv * params->kv_block_size * c->head_dim * 2;
+  kv_block_all = (size_t)c->n_layers * 2 * ce->sh.nkv * params->kv_block_size * c->head_dim * 2;
   TW_CUDA_CHECK_GOTO(cudaMemGetInfo(&free_b, &total_b), st, fail);
   if (n_blocks == 0) {
     size_t reserve = (size_t)2 << 30;
     size_t avail = free_b > reserve ? (size_t)((double)(free_b - reserve) * 0.9) : 0;
     n_blocks = (int64_t)(avail / kv_block_all);
+    uint64_t rmask = tw_kv_ring_wanted(params->kv_window_ring, false) ? tw_kv_ring_layer_mask(c) : 0;
+    if (rmask && e->params.kv_ring_blocks > 0) { /* rings first, the rest for the full layers */
+      int64_t n_ring_layers = 0, lb = (int64_t)(kv_block_all / c->n_layers);
+      for (int32_t l = 0; l < 64; l++) n_ring_layers += (int64_t)((rmask >> l) & 1u);
+      int64_t left = (int64_t)avail - (int64_t)e->params.kv_ring_blocks * n_ring_layers * lb;
+      n_blocks = left > 0 ? left / (lb * (c->n_layers - n_ring_layers)) : 0;
+    }
     int64_t cap = (int64_t)ce->max_batch * ce->max_blocks_per_seq;
     if (n_blocks > cap) n_blocks = cap;
     if (n_blocks > 0x7fffffff / params->kv_block_size) n_blocks = 0x7fffffff / params->kv_block_size;
@@ -762,8 +701,40 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
       goto fail;
     }
   }
-  ce->kv_bytes = (size_t)n_blocks * kv_block_all;
-  ce->kv_layer_stride_bytes = (int64_t)n_blocks * (int64_t)(kv_block_all / c->n_layers);
+  /* the window ring (kv_ring.h): off unless asked for (kv_window_ring 1) */
+  tw_kv_ring_setup(c, tw_kv_ring_wanted(params->kv_window_ring, false), (int32_t)n_blocks,
+                   params->kv_block_size, e->params.kv_ring_blocks, &e->kv.ring_blocks,
+                   &e->kv.n_ring_blocks, &e->kv.ring_layers);
+  ce->ring_blocks = e->kv.ring_blocks;
+  ce->ring_layers = e->kv.ring_layers;
+  ce->kv_block_bytes = (int64_t)(kv_block_all / c->n_layers);
+  ce->kv_bytes = (size_t)tw_kv_pool_bytes_of(c->n_layers, ce->kv_block_bytes, (int32_t)n_blocks,
+                                             e->kv.n_ring_blocks, e->kv.ring_blocks,
+                                             e->kv.ring_layers);
+  ce->kv_layer_stride_bytes = (int64_t)n_blocks * ce->kv_block_bytes;
+  ce->kv_layer_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)c->n_layers);
+  if (!ce->kv_layer_off) {
+    st = tw_err(TW_ERR_NO_MEMORY, "cuda engine: out of host memory");
+    goto fail;
+  }
+  for (int32_t l = 0; l < c->n_layers; l++)
+    ce->kv_layer_off[l] = tw_kv_layer_offset_of(l, ce->kv_block_bytes, (int32_t)n_blocks,
+                                                e->kv.n_ring_blocks, e->kv.ring_blocks,
+                                                e->kv.ring_layers);
+  if (ce->ring_blocks) { /* ring slots, tables and copy pairs: device and pinned staging */
+    size_t R = (size_t)ce->max_rows, B = (size_t)ce->max_batch;
+    size_t ints = R + B * (size_t)ce->max_blocks_per_seq + 4 * B * (size_t)ce->ring_blocks;
+    void *d = NULL, *h = NULL;
+    TW_CUDA_CHECK_GOTO(cudaMalloc(&d, ints * 4), st, fail);
+    ce->d_ring_slots = (int32_t *)d;
+    TW_CUDA_CHECK_GOTO(cudaMallocHost(&h, ints * 4), st, fail);
+    ce->h_ring_slots = (int32_t *)h;
+    ce->d_ring_tables = ce->d_ring_slots + R;
+    ce->h_ring_tables = ce->h_ring_slots + R;
+    ce->d_ring_pairs = ce->d_ring_tables + B * (size_t)ce->max_blocks_per_seq;
+    ce->h_ring_pairs = ce->h_ring_tables + B * (size_t)ce->max_blocks_per_seq;
+    TW_CUDA_CHECK_GOTO(cudaMemset(d, 0, ints * 4), st, fail);
+  }
   TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->kv_pool, ce->kv_bytes), st, fail);
   TW_CUDA_CHECK_GOTO(cudaMemset(ce->kv_pool, 0, ce->kv_bytes), st, fail);
   e->kv.dtype = TW_DTYPE_BF16;
@@ -772,31 +743,33 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->kv.n_layers = c->n_layers;
   e->kv.n_blocks = (int32_t)n_blocks;
   e->kv.block_size = params->kv_block_size;
-  e->kv.n_kv_heads_local = ce->nkv;
-  e->kv.kv_head_offset = ce->kv0;
+  e->kv.n_kv_heads_local = ce->sh.nkv;
+  e->kv.kv_head_offset = ce->sh.kv0;
   e->kv.head_dim = c->head_dim;
   e->kv.base = ce->kv_pool;
   e->kv.layer_stride_bytes = ce->kv_layer_stride_bytes;
   e->kv.block_bytes = (int64_t)(kv_block_all / c->n_layers);
   e->kv.total_bytes = (int64_t)ce->kv_bytes;
   TW_INFO("engine",
-          "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens), "
+          "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens; "
+          "sliding layers: %s %d blocks), "
           "workspace %.2f GiB (moe %s path %.2f, chunk %d, max "
           "batch %d), rope %.2f GiB, "
           "pinned host %.1f MiB; %.2f of %.2f GiB free before the pool",
           tw_gib(ce->warena_bytes), tw_gib(ce->kv_bytes), (long long)n_blocks,
-          params->kv_block_size, tw_gib(ce->ws_bytes),
+          params->kv_block_size, e->kv.ring_blocks ? "window rings of" : "all",
+          e->kv.n_ring_blocks, tw_gib(ce->ws_bytes),
           ce->moe_grouped ? "grouped-gemm" : "cublas (incl. 2 dequantised layers)",
           tw_gib(ce->moe_pre_bytes + 2 * ce->dq_bytes), ce->chunk,
           ce->max_batch, tw_gib((size_t)ce->max_pos * c->head_dim * 4),
           (double)h_bytes / 1048576.0, tw_gib(free_b), tw_gib(total_b));
-  if (ce->tp > 1 || ce->ep > 1)
+  if (ce->sh.tp_size > 1 || ce->sh.ep_size > 1)
     TW_INFO("engine",
             "cuda shard: tp rank %d of %d (query heads [%d, %d), kv heads [%d, %d), vocabulary "
             "[%d, %d)), ep rank %d of %d (experts [%d, %d)): weights %.3f GiB and kv pool "
             "%.3f GiB on this rank",
-            ce->tp_rank, ce->tp, ce->q0, ce->q0 + ce->nq, ce->kv0, ce->kv0 + ce->nkv, ce->v0,
-            ce->v0 + ce->nv, ce->ep_rank, ce->ep, ce->e0, ce->e1, tw_gib(ce->warena_bytes),
+            ce->sh.tp_rank, ce->sh.tp_size, ce->sh.q0, ce->sh.q0 + ce->sh.nq, ce->sh.kv0, ce->sh.kv0 + ce->sh.nkv, ce->sh.v0,
+            ce->sh.v0 + ce->sh.nv, ce->sh.ep_rank, ce->sh.ep_size, ce->sh.e0, ce->sh.e1, tw_gib(ce->warena_bytes),
             tw_gib(ce->kv_bytes));
   *engine_p = e;
   return TW_OK;

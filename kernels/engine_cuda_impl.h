@@ -6,8 +6,11 @@
 #define TW_KERNELS_ENGINE_CUDA_IMPL_H
 
 #include "common/engine_impl.h"
+#include "common/kv_ring.h"
+#include "common/shard_plan.h"
 #include "kernels/embed_sample.h"
 #include "kernels/gemm.h"
+#include "kernels/knobs.h"
 #include "kernels/moe.h"
 
 #include <cuda_runtime.h>
@@ -29,6 +32,7 @@ extern "C" {
  * ones (and prefill chunks) take the GEMM path: tw_cuda_moe_prefill (grouped
  * GEMMs, no host sync) or, without it, tw_cuda_moe_prefill_cublas. */
 #define TW_CE_GEMV_MAX_TOKENS 64
+static_assert(TW_CE_GEMV_MAX_TOKENS == TW_CUDA_KNOB_GEMV_MAX, "TWAIN_CUDA_MOE_GEMV_MAX range");
 /* Device bytes the memory plan sets aside per captured decode graph (an
  * estimate: the instantiated graph's kernel nodes and parameters). */
 #define TW_CE_GRAPH_BYTES ((int64_t)4 << 20)
@@ -103,6 +107,20 @@ typedef struct {
   void *kv_pool;
   size_t kv_bytes;
   int64_t kv_layer_stride_bytes;
+  int64_t *kv_layer_off;  /* [n_layers] where each layer starts (kv_ring.h) */
+  int64_t kv_block_bytes; /* one block of one layer */
+  /* the window ring of the sliding layers (common/kv_ring.h; ring_blocks 0:
+   * none): ring layers write and read through d_ring_slots / d_ring_tables,
+   * a decode step its sequences' ring views, a prefill pass the scratch of
+   * its plan (copied in and out by d_ring_pairs: n_ring_in then n_ring_out) */
+  int32_t ring_blocks;
+  uint64_t ring_layers;
+  int32_t *d_ring_slots, *d_ring_tables, *d_ring_pairs; /* [max_rows] [B][mbps] [4 B R] */
+  int32_t *h_ring_slots, *h_ring_tables, *h_ring_pairs; /* pinned staging, the same sizes */
+  int32_t n_ring_in, n_ring_out;
+  void *ring_scratch;  /* prefill: the pass's scratch blocks of one layer */
+  int32_t cap_scratch; /* blocks */
+  tw_kv_ring_pass_t ring_plan;
   /* workspace: one device arena */
   void *ws_arena;
   size_t ws_bytes;
@@ -133,10 +151,7 @@ typedef struct {
   /* tensor/expert parallelism (issue 6; engine_cuda_tp.cu). tp = ep = 1
    * (coll NULL) leaves every path of the single-GPU engine unchanged. */
   struct tw_coll *coll;   /* borrowed NCCL group; NULL when tp = ep = 1 */
-  int32_t tp, tp_rank, ep, ep_rank;
-  int32_t nq, q0, nkv, kv0; /* local query / kv heads [q0, q0+nq), [kv0, kv0+nkv) */
-  int32_t e0, e1;           /* local experts [e0, e1) */
-  int32_t v0, nv, vp;       /* local vocabulary rows [v0, v0+nv); vp = ceil(V / tp) to 8 */
+  tw_shard_plan_t sh;     /* this rank's heads, experts, vocabulary rows (shard_plan.h) */
   float *lg_local, *lg_all; /* tp > 1: [lrows, vp] and [tp, lrows, vp] */
   /* decode graphs */
   tw_ce_graph_t graphs[TW_CE_MAX_GRAPHS];
@@ -150,11 +165,13 @@ typedef struct {
   int64_t prof_steps[2]; /* prefill chunks, decode steps */
 } tw_ce_t;
 
-/** Work out this rank's shard from params into ce (tp/ep fields; all 1/full
- *  ranges when tp = ep = 1) and check it (engine_cuda_tp.cu).
- *  Errors: TW_ERR_UNSUPPORTED with the reason: a size other than 1 or the
- *  group size, NQ/NKV/E not divisible, no NCCL group, bf16 experts or
- *  data-parallel attention with ep > 1. */
+/** This rank's shard plan into ce->sh (tw_shard_plan_init: every head,
+ *  expert and vocabulary row when tp = ep = 1), checked against what this
+ *  backend builds, and ce->coll bound to ce->stream (engine_cuda_tp.cu).
+ *  Errors: those of tw_shard_plan_init (TW_ERR_INVALID_ARGUMENT);
+ *  TW_ERR_UNSUPPORTED with the reason: tp or ep > 1 without an NCCL group,
+ *  bf16 experts with ep > 1, data-parallel attention; those of
+ *  tw_coll_nccl_set_stream. */
 TW_NODISCARD tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c,
                                        const tw_engine_params_t *p, int bf16_experts);
 /** Sum x f32 [n] (device) over the group on ce->stream (NCCL all-reduce). */

@@ -173,8 +173,8 @@ static uint64_t tw_fnv(uint64_t h, const void *p, size_t n) {
 static uint64_t tw_ce_share_fingerprint(const tw_ce_t *ce, const tw_model_t *m, size_t bytes) {
   const tw_model_config_t *c = &m->config;
   int64_t v[] = {c->n_layers, c->n_experts, c->n_experts_per_tok, c->vocab_size, c->hidden,
-                 c->intermediate, c->head_dim, c->n_heads, c->n_kv_heads, ce->tp, ce->tp_rank,
-                 ce->ep, ce->ep_rank, ce->bf16_experts, (int64_t)bytes};
+                 c->intermediate, c->head_dim, c->n_heads, c->n_kv_heads, ce->sh.tp_size, ce->sh.tp_rank,
+                 ce->sh.ep_size, ce->sh.ep_rank, ce->bf16_experts, (int64_t)bytes};
   uint64_t h = tw_fnv(0xcbf29ce484222325ull, v, sizeof v);
   const tw_tensor_t *ts[2] = {&m->embed, &m->layers[c->n_layers - 1].router_w};
   for (int i = 0; i < 2; i++)
@@ -186,8 +186,8 @@ static uint64_t tw_ce_share_fingerprint(const tw_ce_t *ce, const tw_model_t *m, 
 /* "<dir>/weights-dev<D>-tp<T>r<R>-ep<E>r<Q>" */
 static void tw_ce_share_base(const tw_ce_t *ce, const char *dir, int device, char *out,
                              size_t len) {
-  snprintf(out, len, "%s/weights-dev%d-tp%dr%d-ep%dr%d", dir, device, ce->tp, ce->tp_rank, ce->ep,
-           ce->ep_rank);
+  snprintf(out, len, "%s/weights-dev%d-tp%dr%d-ep%dr%d", dir, device, ce->sh.tp_size, ce->sh.tp_rank, ce->sh.ep_size,
+           ce->sh.ep_rank);
 }
 
 static bool tw_pid_alive(int32_t pid) {

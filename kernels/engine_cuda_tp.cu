@@ -1,17 +1,17 @@
 /* engine_cuda_tp.cu: tensor- and expert-parallel parts of the CUDA engine
- * (issue 6 item 2), the same split as the cpu backend (engine_cpu_tp.h):
+ * (issue 6 item 2), on the shard plan both backends use (common/shard_plan.h):
  *   TP P, rank r: query heads [r NQ/P, (r+1) NQ/P), KV heads likewise (the
  *     QKV rows, o_proj columns, sinks of those heads; o_proj bias on rank 0),
  *     an all-reduce of the O projection's f32 [T, H] partials; vocabulary rows
- *     [r Vp, min(V, (r+1) Vp)), Vp = ceil(V/P), all-gathered before sampling
- *     so every rank samples the TP 1 token (here Vp is rounded up to a
- *     multiple of 8, the GEMM's stride rule).
+ *     [r Vp, min(V, (r+1) Vp)), Vp = ceil(V/P) rounded up to a multiple of 8,
+ *     all-gathered before sampling so every rank samples the TP 1 token.
  *   EP P, rank r: experts [r E/P, (r+1) E/P); the router runs in full on
  *     every rank, assignments to other ranks' experts get weight 0 and are
  *     not computed, and the combine is an all-reduce of the f32 [T, H]
  *     weighted sums (b2 added by the holder, inside its weighted output).
  * Collectives are NCCL on the engine's stream (collective.h), so they are
- * captured into the decode graphs. None of this runs when tp = ep = 1.
+ * captured into the decode graphs; they run only when tp or ep > 1 (the
+ * plan and the weight walk of engine_cuda.cu run at every size).
  * Not yet run on a GPU (docs/parallelism.md, CUDA). */
 #include "kernels/engine_cuda_impl.h"
 
@@ -19,57 +19,21 @@
 #include "common/log.h"
 #include "kernels/cuda_common.h"
 
-TW_NODISCARD tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c, const tw_engine_params_t *p,
-                          int bf16_experts) {
-  int32_t tp = p->tp_size, ep = p->ep_size;
-  ce->tp = 1;
-  ce->ep = 1;
-  ce->nq = c->n_heads;
-  ce->nkv = c->n_kv_heads;
-  ce->e1 = c->n_experts;
-  ce->nv = c->vocab_size;
-  ce->vp = c->vocab_size;
-  if (tp == 1 && ep == 1) return TW_OK;
-  int32_t size = tw_coll_size(p->coll);
-  if (!p->coll || tw_coll_kind(p->coll) != TW_COLL_NCCL)
-    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: tp_size %d / ep_size %d need an NCCL "
-                  "group in params.coll", tp, ep);
-  if ((tp != 1 && tp != size) || (ep != 1 && ep != size) || tp < 1 || ep < 1)
-    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: tp_size %d / ep_size %d: each must be 1 or "
-                  "the group size %d", tp, ep, size);
-  int32_t rank = tw_coll_rank(p->coll);
-  if ((tp > 1 && p->tp_rank != rank) || (ep > 1 && p->ep_rank != rank))
-    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: tp_rank %d / ep_rank %d differ from the "
-                  "group rank %d", p->tp_rank, p->ep_rank, rank);
-  if (c->n_heads % tp || c->n_kv_heads % tp)
-    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: tp_size %d does not divide %d query heads "
-                  "and %d kv heads", tp, c->n_heads, c->n_kv_heads);
-  if (c->n_experts % ep)
-    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: ep_size %d does not divide %d experts", ep,
-                  c->n_experts);
-  if (ep > 1 && bf16_experts)
-    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: ep_size %d with bf16 experts is not built",
-                  ep);
+TW_NODISCARD tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c,
+                                       const tw_engine_params_t *p, int bf16_experts) {
+  TW_CHECK(tw_shard_plan_init(c, p, "cuda", &ce->sh));
+  const tw_shard_plan_t *sh = &ce->sh;
   if (p->dp_attention)
     return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: data-parallel attention is not built");
+  if (sh->tp_size == 1 && sh->ep_size == 1) return TW_OK;
+  if (tw_coll_kind(p->coll) != TW_COLL_NCCL)
+    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: tp_size %d / ep_size %d need an NCCL "
+                  "group in params.coll", sh->tp_size, sh->ep_size);
+  if (sh->ep_size > 1 && bf16_experts)
+    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: ep_size %d with bf16 experts is not built",
+                  sh->ep_size);
   TW_CHECK(tw_coll_nccl_set_stream(p->coll, ce->stream));
   ce->coll = p->coll;
-  ce->tp = tp;
-  ce->tp_rank = tp > 1 ? rank : 0;
-  ce->ep = ep;
-  ce->ep_rank = ep > 1 ? rank : 0;
-  ce->nq = c->n_heads / tp;
-  ce->q0 = ce->tp_rank * ce->nq;
-  ce->nkv = c->n_kv_heads / tp;
-  ce->kv0 = ce->tp_rank * ce->nkv;
-  ce->e0 = ce->ep_rank * (c->n_experts / ep);
-  ce->e1 = ce->e0 + c->n_experts / ep;
-  ce->vp = ((c->vocab_size + tp - 1) / tp + 7) / 8 * 8; /* GEMM strides: multiples of 8 */
-  ce->v0 = ce->tp_rank * ce->vp;
-  ce->nv = c->vocab_size - ce->v0 < ce->vp ? c->vocab_size - ce->v0 : ce->vp;
-  if (c->vocab_size - (tp - 1) * ce->vp <= 0) /* the last rank's rows */
-    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: vocabulary %d too small for tp_size %d",
-                  c->vocab_size, tp);
   return TW_OK;
 }
 
@@ -79,12 +43,12 @@ TW_NODISCARD tw_status_t tw_ce_tp_allreduce(tw_ce_t *ce, float *x, int64_t n) {
 
 TW_NODISCARD tw_status_t tw_ce_tp_unembed(tw_ce_t *ce, const void *xn, int32_t rows) {
   const tw_model_config_t *c = ce->cfg;
-  int32_t H = c->hidden, V = c->vocab_size, vp = ce->vp;
+  int32_t H = c->hidden, V = c->vocab_size, vp = ce->sh.vp;
   cudaStream_t s = ce->stream;
-  TW_CHECK(tw_cuda_gemm_bf16(ce->gemm, rows, ce->nv, H, xn, H, ce->lm_head, H, NULL, ce->lg_local,
+  TW_CHECK(tw_cuda_gemm_bf16(ce->gemm, rows, ce->sh.nv, H, xn, H, ce->lm_head, H, NULL, ce->lg_local,
                              TW_DTYPE_F32, vp, s));
   TW_CHECK(tw_coll_allgather(ce->coll, ce->lg_local, ce->lg_all, (int64_t)rows * vp * 4));
-  for (int32_t r = 0; r < ce->tp; r++) { /* rank r's [rows, nv_r] block to columns r*vp */
+  for (int32_t r = 0; r < ce->sh.tp_size; r++) { /* rank r's [rows, nv_r] block to columns r*vp */
     int32_t nv_r = V - r * vp < vp ? V - r * vp : vp;
     TW_CUDA_CHECK(cudaMemcpy2DAsync(ce->logits + (size_t)r * vp, (size_t)V * 4,
                                     ce->lg_all + (size_t)r * rows * vp, (size_t)vp * 4,
@@ -128,7 +92,7 @@ TW_NODISCARD tw_status_t tw_ce_ep_moe(tw_ce_t *ce, const tw_ce_layer_t *L, int32
     }
     tw_ce_ep_mask_kernel<<<1, 256, 0, s>>>(ce->route.topk_idx, ce->route.topk_w,
                                             ce->route.active, ce->route.n_active,
-                                            n * c->n_experts_per_tok, ce->e0, ce->e1);
+                                            n * c->n_experts_per_tok, ce->sh.e0, ce->sh.e1);
     TW_CUDA_CHECK_LAUNCH("tw_ce_ep_mask_kernel");
     TW_CHECK(tw_cuda_moe_decode(&L->moe, &ce->route, n, xn, ce->moe_dec_ws, ce->moe_dec_bytes,
                                 ce->moe_out + (size_t)t0 * H, s));

@@ -219,14 +219,7 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-static int tw_gemv_env(void) {
-  static int v = -1;
-  if (v < 0) {
-    const char *s = getenv("TWAIN_CUDA_GEMV");
-    v = !(s && s[0] == '0');
-  }
-  return v;
-}
+static int tw_gemv_env(void) { return tw_cuda_knobs()->gemv; } /* TWAIN_CUDA_GEMV */
 
 template <typename YT>
 static void tw_gemv_launch(int32_t M, int32_t N, int32_t K, const void *x, int64_t ldx,

@@ -672,7 +672,7 @@ static tw_gg_fn tw_gm_pick(int epi, int bt) {
 static int tw_gm_mask = -1;
 static uint32_t tw_gm_tiles(void) {
   if (tw_gm_mask < 0) {
-    const char *v = getenv("TWAIN_CUDA_MOE_MMA");
+    const char *v = tw_cuda_knobs()->moe_mma;
     uint32_t m = 0;
     while (v && *v) {
       char *end = NULL;
@@ -723,8 +723,7 @@ extern "C" void tw_cuda_moe_set_mma_tiles(uint32_t tiles) {
  * pass). */
 /* warps per CTA: 16 (one CTA per SM: one table, and the L1 left beside 160
  * KB of shared memory keeps the token rows) or 8 (two CTAs per SM);
- * TWAIN_CUDA_MOE_STREAM_WARPS picks (read once; default 16) */
-#define TW_GS_WARPS_DEFAULT 16
+ * TWAIN_CUDA_MOE_STREAM_WARPS picks (knobs.h; default 16) */
 #define TW_GS_STAGES 3
 #define TW_GS_LUT_BYTES (256 * 256)
 #define TW_GS_STAGE_BYTES (4 * 32 * 16) /* one warp: 4 rows x 32 lanes x 16 bytes */
@@ -907,26 +906,12 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
 
 /* Whether the streaming kernel takes the decode MoE: MXFP4 experts, the
  * 16-row tile (an expert's mean load at most 8), unless TWAIN_CUDA_MOE_STREAM=0
- * (read once). */
+ * (knobs.h) or tw_cuda_moe_set_stream said otherwise. */
 static int tw_gs_on = -1;
-static int tw_gs_enabled(void) {
-  if (tw_gs_on < 0) {
-    const char *v = getenv("TWAIN_CUDA_MOE_STREAM");
-    tw_gs_on = !(v && v[0] == '0');
-  }
-  return tw_gs_on;
-}
+static int tw_gs_enabled(void) { return tw_gs_on >= 0 ? tw_gs_on : tw_cuda_knobs()->moe_stream; }
 extern "C" void tw_cuda_moe_set_stream(int on) { tw_gs_on = on < 0 ? -1 : on ? 1 : 0; }
 extern "C" int tw_cuda_moe_stream(void) { return tw_gs_enabled(); }
-
-static int tw_gs_warps(void) {
-  static int w = 0;
-  if (!w) {
-    const char *v = getenv("TWAIN_CUDA_MOE_STREAM_WARPS");
-    w = v && atoi(v) == 8 ? 8 : v && atoi(v) == 16 ? 16 : TW_GS_WARPS_DEFAULT;
-  }
-  return w;
-}
+static int tw_gs_warps(void) { return tw_cuda_knobs()->moe_stream_warps == 8 ? 8 : 16; }
 static tw_gg_fn tw_gs_pick(int epi, int warps) {
   if (warps == 8) return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 8> : tw_gs_kernel<TW_GG_PLAIN, 8>;
   return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 16> : tw_gs_kernel<TW_GG_PLAIN, 16>;
@@ -977,7 +962,7 @@ extern "C" tw_status_t tw_moe_grouped_setup(void) {
 static int tw_gg_tile_rows(int tk, int E) {
   static int forced = -1;
   if (forced < 0) {
-    const char *v = getenv("TWAIN_CUDA_MOE_BT");
+    const char *v = tw_cuda_knobs()->moe_bt;
     int f = v ? atoi(v) : 0;
     forced = (f == 16 || f == 32 || f == 64 || f == 128) ? f : 0;
   }

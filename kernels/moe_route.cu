@@ -251,14 +251,8 @@ __global__ void __launch_bounds__(256)
                      n_active);
 }
 
-static int tw_router_fused_env(void) {
-  static int v = -1;
-  if (v < 0) {
-    const char *s = getenv("TWAIN_CUDA_FUSED_ROUTER");
-    v = !(s && s[0] == '0');
-  }
-  return v;
-}
+/* TWAIN_CUDA_FUSED_ROUTER (knobs.h) */
+static int tw_router_fused_env(void) { return tw_cuda_knobs()->fused_router; }
 
 extern "C" int tw_cuda_moe_router_fused_supported(const tw_cuda_moe_route_t *r, const void *x,
                                                   const void *w, int32_t T, int32_t H) {

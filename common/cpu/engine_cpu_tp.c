@@ -7,61 +7,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-static TW_NODISCARD tw_status_t tw_cpu_tp_split(const char *what, int32_t n, int32_t size,
-                                                int32_t rank, int32_t *first_p, int32_t *count_p) {
-  if (n % size != 0)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "cpu engine: %s %d not divisible by %d ranks", what, n,
-                  size);
-  *count_p = n / size;
-  *first_p = rank * (n / size);
-  return TW_OK;
-}
-
-static TW_NODISCARD tw_status_t tw_cpu_tp_check_group(const char *name, int32_t size, int32_t rank,
-                                                      const tw_coll_t *coll) {
-  if (size == 1) return TW_OK;
-  if (!coll)
-    return tw_err(TW_ERR_INVALID_ARGUMENT,
-                  "cpu engine: %s_size %d needs params.coll (the worker's collective group)", name,
-                  size);
-  if (size != tw_coll_size(coll))
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "cpu engine: %s_size %d is not the group size %d",
-                  name, size, tw_coll_size(coll));
-  if (rank != tw_coll_rank(coll))
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "cpu engine: %s_rank %d is not the group rank %d", name,
-                  rank, tw_coll_rank(coll));
-  return TW_OK;
-}
-
 TW_NODISCARD tw_status_t tw_cpu_tp_init(const tw_model_config_t *c, const tw_engine_params_t *p,
                                         tw_cpu_tp_t *tp) {
-  tw_cpu_tp_t t = {.coll = p->coll, .tp_size = p->tp_size, .tp_rank = p->tp_rank,
-                   .ep_size = p->ep_size, .ep_rank = p->ep_rank};
-  TW_CHECK(tw_cpu_tp_check_group("tp", p->tp_size, p->tp_rank, p->coll));
-  TW_CHECK(tw_cpu_tp_check_group("ep", p->ep_size, p->ep_rank, p->coll));
-  if (p->dp_attention && (p->tp_size != 1 || p->ep_size < 2))
-    return tw_err(TW_ERR_INVALID_ARGUMENT,
-                  "cpu engine: dp_attention needs tp_size 1 (got %d) and ep_size > 1 (got %d)",
-                  p->tp_size, p->ep_size);
-  t.dp = p->dp_attention != 0;
-  if (p->tp_size == 1 && p->ep_size == 1) t.coll = NULL;
-  TW_CHECK(tw_cpu_tp_split("num_attention_heads", c->n_heads, p->tp_size, p->tp_rank, &t.q0,
-                           &t.nq));
-  TW_CHECK(tw_cpu_tp_split("num_key_value_heads", c->n_kv_heads, p->tp_size, p->tp_rank, &t.kv0,
-                           &t.nkv));
-  int32_t ne = 0;
-  TW_CHECK(tw_cpu_tp_split("num_local_experts", c->n_experts, p->ep_size, p->ep_rank, &t.e0, &ne));
-  t.e1 = t.e0 + ne;
-  t.vp = (c->vocab_size + p->tp_size - 1) / p->tp_size;
-  t.v0 = p->tp_rank * t.vp;
-  if (t.v0 > c->vocab_size) t.v0 = c->vocab_size;
-  t.nv = c->vocab_size - t.v0 < t.vp ? c->vocab_size - t.v0 : t.vp;
-  if (t.coll)
-    TW_INFO("engine",
-            "cpu: rank tp %d/%d ep %d/%d: q heads [%d,%d) kv heads [%d,%d) experts [%d,%d) "
-            "vocab [%d,%d)",
-            t.tp_rank, t.tp_size, t.ep_rank, t.ep_size, t.q0, t.q0 + t.nq, t.kv0, t.kv0 + t.nkv,
-            t.e0, t.e1, t.v0, t.v0 + t.nv);
+  tw_cpu_tp_t t = {.coll = p->coll};
+  TW_CHECK(tw_shard_plan_init(c, p, "cpu", &t.sh));
+  if (t.sh.tp_size == 1 && t.sh.ep_size == 1) t.coll = NULL;
   *tp = t;
   return TW_OK;
 }
@@ -156,25 +106,25 @@ TW_NODISCARD tw_status_t tw_cpu_tp_dp_combine(tw_cpu_tp_t *tp, int64_t H, float 
 }
 
 TW_NODISCARD tw_status_t tw_cpu_tp_reduce_attn(tw_cpu_tp_t *tp, float *x, int64_t n) {
-  if (tp->tp_size == 1) return TW_OK;
+  if (tp->sh.tp_size == 1) return TW_OK;
   return tw_coll_allreduce_sum_f32(tp->coll, x, n);
 }
 
 TW_NODISCARD tw_status_t tw_cpu_tp_reduce_moe(tw_cpu_tp_t *tp, float *x, int64_t n) {
-  if (tp->ep_size == 1 || tp->dp) return TW_OK; /* dp: tw_cpu_tp_dp_combine */
+  if (tp->sh.ep_size == 1 || tp->sh.dp_attention) return TW_OK; /* dp: tw_cpu_tp_dp_combine */
   return tw_coll_allreduce_sum_f32(tp->coll, x, n);
 }
 
 TW_NODISCARD tw_status_t tw_cpu_tp_unembed(tw_cpu_tp_t *tp, tw_cpu_pool_t *pool, const float *xn,
                                            int64_t n_rows, int64_t H, const uint16_t *lm_head,
                                            int64_t V, float *logits) {
-  if (tp->tp_size == 1) {
+  if (tp->sh.tp_size == 1) {
     tw_cpu_matmul_bf16(pool, xn, n_rows, H, lm_head, NULL, V, logits);
     return TW_OK;
   }
   if (n_rows > tp->cap_rows) {
-    size_t per = sizeof(float) * (size_t)n_rows * (size_t)tp->vp;
-    float *a = malloc(per), *b = malloc(per * (size_t)tp->tp_size);
+    size_t per = sizeof(float) * (size_t)n_rows * (size_t)tp->sh.vp;
+    float *a = malloc(per), *b = malloc(per * (size_t)tp->sh.tp_size);
     if (!a || !b) {
       free(a);
       free(b);
@@ -186,20 +136,20 @@ TW_NODISCARD tw_status_t tw_cpu_tp_unembed(tw_cpu_tp_t *tp, tw_cpu_pool_t *pool,
     tp->lg_all = b;
     tp->cap_rows = n_rows;
   }
-  const int64_t vp = tp->vp;
-  if (tp->nv > 0)
-    tw_cpu_matmul_bf16(pool, xn, n_rows, H, lm_head + (int64_t)tp->v0 * H, NULL, tp->nv,
-                       tp->nv == vp ? tp->lg_local : logits);
-  if (tp->nv != vp) { /* last rank: repack [n_rows, nv] into [n_rows, vp], zero padding */
+  const int64_t vp = tp->sh.vp;
+  if (tp->sh.nv > 0)
+    tw_cpu_matmul_bf16(pool, xn, n_rows, H, lm_head + (int64_t)tp->sh.v0 * H, NULL, tp->sh.nv,
+                       tp->sh.nv == vp ? tp->lg_local : logits);
+  if (tp->sh.nv != vp) { /* last rank: repack [n_rows, nv] into [n_rows, vp], zero padding */
     for (int64_t r = 0; r < n_rows; r++) {
-      memcpy(tp->lg_local + r * vp, logits + r * tp->nv, sizeof(float) * (size_t)tp->nv);
-      memset(tp->lg_local + r * vp + tp->nv, 0, sizeof(float) * (size_t)(vp - tp->nv));
+      memcpy(tp->lg_local + r * vp, logits + r * tp->sh.nv, sizeof(float) * (size_t)tp->sh.nv);
+      memset(tp->lg_local + r * vp + tp->sh.nv, 0, sizeof(float) * (size_t)(vp - tp->sh.nv));
     }
   }
   int64_t bytes = (int64_t)sizeof(float) * n_rows * vp;
   TW_CHECK(tw_coll_allgather(tp->coll, tp->lg_local, tp->lg_all, bytes));
   /* [rank][row][vp] -> [row][V] */
-  for (int32_t rk = 0; rk < tp->tp_size; rk++) {
+  for (int32_t rk = 0; rk < tp->sh.tp_size; rk++) {
     int64_t v0 = (int64_t)rk * vp;
     if (v0 >= V) break;
     int64_t nv = V - v0 < vp ? V - v0 : vp;

@@ -1,28 +1,18 @@
 /* engine_cpu_tp.h: what one rank of a TP/EP group holds in the cpu backend
- * (issue 6 item 2), and the collectives its forward pass needs.
- *
- * With tp_size = P and rank r (spec §2.4-§2.7, §2.10):
- *   query heads [r NQ/P, (r+1) NQ/P) and KV heads [r NKV/P, (r+1) NKV/P):
- *     the rows of q_proj/k_proj/v_proj (and biases) of those heads
- *     (column-parallel); the GQA grouping NQ/NKV is the same on every rank;
- *   o_proj: the columns of the rank's heads (row-parallel), the bias added by
- *     rank 0 only, then an all-reduce of the [T, H] partial sums;
- *   unembedding: vocabulary rows [r Vp, min(V, (r+1) Vp)), Vp = ceil(V/P),
- *     then an all-gather so every rank has the full logits rows and samples
- *     the same token as TP 1.
- * With ep_size = P and rank r (spec §2.8-§2.9): the router runs in full on
- * every rank (tokens replicated); the rank runs experts [r E/P, (r+1) E/P)
- * on the tokens routed to them (b2 added by the holder, weighted), and the
- * combine is an all-reduce of the [T, H] weighted sums.
- * tp_size and ep_size are each 1 or the group size; with both > 1 they are
- * the same ranks (EP P TP P). Weights are views into the model mmap, never
- * copies. */
+ * (issue 6 item 2), and the collectives its forward pass needs. The split is
+ * the shard plan of common/shard_plan.h (heads, experts, vocabulary rows);
+ * here are the buffers and collectives that go with it: an all-reduce of
+ * the O projection's partials (TP) and of the MoE combine (EP), the
+ * all-gather of the vocabulary rows, and data-parallel attention's gather
+ * of every rank's MoE input rows. Weights are views into the model mmap,
+ * never copies. */
 #ifndef TW_COMMON_CPU_ENGINE_CPU_TP_H
 #define TW_COMMON_CPU_ENGINE_CPU_TP_H
 
 #include "common/collective.h"
 #include "common/cpu/cpu_ops.h"
 #include "common/engine.h"
+#include "common/shard_plan.h"
 
 #include <stdint.h>
 
@@ -43,26 +33,19 @@ typedef struct {
 
 typedef struct {
   tw_coll_t *coll;         /* borrowed; NULL when tp_size = ep_size = 1 */
-  int32_t tp_size, tp_rank, ep_size, ep_rank;
-  int32_t nq, q0;          /* local query heads [q0, q0 + nq) */
-  int32_t nkv, kv0;        /* local KV heads [kv0, kv0 + nkv) */
-  int32_t e0, e1;          /* local experts [e0, e1) */
-  int32_t v0, nv, vp;      /* local vocabulary rows [v0, v0 + nv); vp = ceil(V / tp) */
+  tw_shard_plan_t sh;      /* this rank's heads, experts, vocabulary rows */
   int64_t cap_rows;        /* logits rows the gather buffers hold */
   float *lg_local;         /* [cap_rows, vp] */
   float *lg_all;           /* [tp, cap_rows, vp] */
   /* data-parallel attention (params.dp_attention): this forward's token
    * counts over the group, and the MoE buffers for all of them */
-  int dp;
   int64_t t_total, t_off, t_max, cap_all;
   tw_cpu_moe_bufs_t all;   /* [cap_all] rows each */
   float *dp_recv;          /* [size, t_max, H] */
 } tw_cpu_tp_t;
 
-/** Work out the shard of params->tp_rank/ep_rank for model config `c`.
- *  Errors: TW_ERR_INVALID_ARGUMENT naming the field: tp_size or ep_size > 1
- *  without params->coll, a size other than 1 or the group size, a rank other
- *  than the group rank, NQ, NKV or E not divisible by the size. */
+/** The shard plan of params->tp_rank/ep_rank for model config `c`
+ *  (tw_shard_plan_init), no buffers yet. Errors: those of tw_shard_plan_init. */
 TW_NODISCARD tw_status_t tw_cpu_tp_init(const tw_model_config_t *c,
                                         const tw_engine_params_t *params, tw_cpu_tp_t *tp);
 /** Free the gather buffers (the collective stays the caller's). */

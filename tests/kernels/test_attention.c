@@ -17,6 +17,7 @@
 
 #include "common/cpu/cpu_ops.h"
 #include "kernels/attention.h"
+#include "kernels/knobs.h"
 
 #define D 64
 
@@ -478,8 +479,8 @@ int main(void) {
     tt_mixed_lens(8, 2000, lens);
     fails += tt_decode_case(&tiny_full, 8, lens, 0, "mixed");
     fails += tt_decode_case(&tiny_slide, 8, lens, 0, "mixed");
-    /* The kernel's other configurations (attention_decode.cu reads them on
-     * every call): the separate combine kernel with 2 stages, and many small
+    /* The kernel's other configurations (knobs.h, read again after each
+     * setenv): the separate combine kernel with 2 stages, and many small
      * splits (a merge over up to 128 splits), each with a context bucket 2x
      * the longest sequence as a decode graph has it. */
     static const char *const modes[][3] = {{"0", "2", "528"}, {"1", "2", "4096"},
@@ -492,6 +493,7 @@ int main(void) {
       setenv("TWAIN_CUDA_DC_STAGES", modes[m][1], 1);
       setenv("TWAIN_CUDA_DC_CTAS", modes[m][2], 1);
       setenv("TWAIN_CUDA_DC_MODE_NAME", mname, 1);
+      tw_cuda_knobs_reload();
       const int big = quick ? 3000 : 33000;
       fails += tt_decode_case(&real_full, 1, &big, 2 * big, "one");
       fails += tt_decode_case(&real_slide, 1, &big, 2 * big, "one");
@@ -502,6 +504,7 @@ int main(void) {
     unsetenv("TWAIN_CUDA_DC_STAGES");
     unsetenv("TWAIN_CUDA_DC_CTAS");
     unsetenv("TWAIN_CUDA_DC_MODE_NAME");
+    tw_cuda_knobs_reload();
   }
 variant_cases:
   if (variants) { /* the listed prefill kernel variants */

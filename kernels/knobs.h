@@ -1,0 +1,54 @@
+/* knobs.h: the CUDA backend's kernel knobs, environment variables for A/B runs
+ * on the GPU machine that change how it computes, never what
+ * (docs/operations.md "CUDA kernel knobs" lists each with its default and
+ * range). They are read from the environment once per process, at the first
+ * engine creation (or the first kernel call that needs one, in kernel tests
+ * and benchmarks), into one struct; no kernel calls getenv. A value outside
+ * its range is logged at WARN and means the default. */
+#ifndef TW_KERNELS_KNOBS_H
+#define TW_KERNELS_KNOBS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Decode attention's split CTAs per call (TWAIN_CUDA_DC_CTAS's default): one
+ * wave of 4 CTAs per SM (48 KB of shared memory each) on an H200's 132 SMs.
+ * On the H200, 512 beat 528 (2 waves at batch 4 and 16) by up to 26% at
+ * batch 4-16, 1024 was slower at batch 1-16, and from batch 64 (one split)
+ * all three agree within noise (docs/benchmarks.md). */
+#define TW_DC_TARGET_CTAS 512
+/* TWAIN_CUDA_MOE_GEMV_MAX's upper bound (TW_CE_GEMV_MAX_TOKENS) */
+#define TW_CUDA_KNOB_GEMV_MAX 64
+
+typedef struct {
+  int moe_cublas;       /* TWAIN_CUDA_MOE_CUBLAS=1: per-expert cuBLAS MoE (default 0) */
+  int moe_gemv_max;     /* TWAIN_CUDA_MOE_GEMV_MAX 0..64, -1 unset: the engine's default */
+  int profile;          /* TWAIN_CUDA_PROFILE=1: per-op timing, no graphs (default 0) */
+  int gemv;             /* TWAIN_CUDA_GEMV=0 turns the small-M GEMV kernel off (default 1) */
+  int fused_router;     /* TWAIN_CUDA_FUSED_ROUTER=0 turns the fused router off (default 1) */
+  int pdl;              /* TWAIN_CUDA_PDL=0 turns programmatic dependent launch off (default 1) */
+  int dc_ctas;          /* TWAIN_CUDA_DC_CTAS 1..1048576: decode attention target CTAs (512) */
+  int dc_stages;        /* TWAIN_CUDA_DC_STAGES 2 or 3: cp.async stages (3) */
+  int dc_fused;         /* TWAIN_CUDA_DC_FUSED 0 or 1: last-CTA merge of the splits (1) */
+  const char *moe_bt;   /* TWAIN_CUDA_MOE_BT as given (NULL unset): grouped MoE tile rows */
+  const char *moe_mma;  /* TWAIN_CUDA_MOE_MMA as given (NULL unset): mma.sync tiles */
+  int moe_stream;       /* TWAIN_CUDA_MOE_STREAM=0 turns the streaming decode MoE off (default 1) */
+  int moe_stream_warps; /* TWAIN_CUDA_MOE_STREAM_WARPS 8 or 16: its warps per CTA (16) */
+} tw_cuda_knobs_t;
+
+/** The knobs, read from the environment on the first call (thread-safe);
+ *  later calls return the same values without reading it again. */
+const tw_cuda_knobs_t *tw_cuda_knobs(void);
+
+/** Read the environment again (kernel tests that setenv between cases).
+ *  Not safe while another thread launches kernels; a captured CUDA graph
+ *  keeps the values it was captured with. */
+void tw_cuda_knobs_reload(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
