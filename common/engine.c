@@ -163,11 +163,13 @@ void tw_engine_plan_input(const tw_model_t *model, const tw_engine_params_t *p,
   in->kv_blocks = p->kv_num_blocks;
   in->max_batch = p->mem_role == TW_MEM_ROLE_DECODE ? p->max_batch : 0;
   in->prefill_tokens = p->mem_role == TW_MEM_ROLE_PREFILL ? p->max_prefill_chunk : 0;
+  in->window_ring = p->kv_window_ring > 0; /* a backend with the ring on by default sets it */
 }
 
 void tw_engine_plan_apply(const tw_mem_plan_t *plan, tw_engine_params_t *p) {
   tw_mem_plan_log(plan, "engine");
   p->kv_num_blocks = plan->kv_blocks; /* the plan keeps an override */
+  if (!p->kv_ring_blocks) p->kv_ring_blocks = plan->kv_ring_blocks;
   if (!p->max_batch) p->max_batch = plan->max_batch;
   if (!p->max_prefill_chunk) p->max_prefill_chunk = plan->prefill_tokens;
 }
@@ -196,6 +198,13 @@ static TW_NODISCARD tw_status_t tw_engine_check_blocks(const tw_engine_t *e, con
       return tw_err(TW_ERR_INVALID_ARGUMENT,
                     "engine %s: sequence %d: block_table[%lld] = %d outside the pool [0, %d)", op,
                     seq, (long long)b, table[b], e->kv.n_blocks);
+  /* the window ring of the sliding layers lives in its first R entries (engine.h) */
+  for (int64_t b = 0; e->kv.ring_blocks > 0 && b < need && b < e->kv.ring_blocks; b++)
+    if (table[b] >= e->kv.n_ring_blocks)
+      return tw_err(TW_ERR_INVALID_ARGUMENT,
+                    "engine %s: sequence %d: block_table[%lld] = %d is a ring entry of the sliding "
+                    "layers but outside their blocks [0, %d) (allocate with kv_blocks.h's ring)",
+                    op, seq, (long long)b, table[b], e->kv.n_ring_blocks);
   return TW_OK;
 }
 
@@ -241,7 +250,8 @@ static TW_NODISCARD tw_status_t tw_engine_check_prefill_seq(const tw_engine_t *e
 }
 
 /* No block written by two sequences of a batch (the blocks of positions
- * start_pos.. of each; earlier positions may be shared, they are only read). */
+ * start_pos.. of each; earlier positions may be shared, they are only read;
+ * with the window ring a sequence's ring entries are written as well). */
 static TW_NODISCARD tw_status_t tw_engine_check_disjoint(const tw_engine_t *e,
                                                          const tw_prefill_batch_args_t *a) {
   if (a->n_seqs < 2) return TW_OK;
@@ -252,13 +262,19 @@ static TW_NODISCARD tw_status_t tw_engine_check_disjoint(const tw_engine_t *e,
   for (int32_t i = 0; i < a->n_seqs && st == TW_OK; i++) {
     const tw_prefill_seq_t *q = &a->seqs[i];
     int32_t b0 = q->start_pos / bs, b1 = (q->start_pos + q->n_tokens - 1) / bs;
-    for (int32_t b = b0; b <= b1 && st == TW_OK; b++)
-      if (used[q->block_table[b]])
-        st = tw_err(TW_ERR_INVALID_ARGUMENT,
-                    "engine prefill_batch: seqs[%d] writes block %d that an earlier sequence "
-                    "of the batch also writes",
-                    i, q->block_table[b]);
-    for (int32_t b = b0; b <= b1; b++) used[q->block_table[b]] = 1;
+    int32_t r1 = b1 < e->kv.ring_blocks - 1 ? b1 : e->kv.ring_blocks - 1; /* ring: 0..r1 */
+    for (int32_t pass = 0; pass < 2; pass++) /* check, then mark */
+      for (int32_t k = 0; k < 2; k++)
+        for (int32_t b = k ? 0 : b0; b <= (k ? r1 : b1) && st == TW_OK; b++) {
+          if (pass) {
+            used[q->block_table[b]] = 1;
+          } else if (used[q->block_table[b]]) {
+            st = tw_err(TW_ERR_INVALID_ARGUMENT,
+                        "engine prefill_batch: seqs[%d] writes block %d that an earlier sequence "
+                        "of the batch also writes",
+                        i, q->block_table[b]);
+          }
+        }
   }
   free(used);
   return st;

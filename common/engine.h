@@ -9,9 +9,20 @@
  * in the engine's kv dtype (cpu: f32, cuda: bf16). K is stored post-RoPE
  * (spec §2.5). A sequence's block table lists its block ids in position
  * order: position p lives in block_table[p / kv_block_size], slot
- * p % kv_block_size. Every layer uses the same block table; sliding layers
- * only ever read the last `sliding_window` positions (spec §2.6). The block
- * ids are handed out by the block manager of kv_blocks.h, not by the engine. */
+ * p % kv_block_size. The block ids are handed out by the block manager of
+ * kv_blocks.h, not by the engine.
+ *
+ * Window ring (kv_window_ring, on by default on the cpu backend): sliding
+ * layers only ever read the last `sliding_window` positions (spec §2.6), so
+ * they keep only those: a sequence's sliding-layer K/V live in a ring of its
+ * first R = ceil(window / block_size) + 1 table entries (kv_ring.h):
+ * position p of a sliding layer is in block block_table[(p / kv_block_size)
+ * % R], slot p % kv_block_size. Sliding layers hold only blocks
+ * 0..n_ring_blocks-1 (a smaller region), full layers all n_blocks, so layer
+ * l starts at tw_kv_layer_offset (kv_ring.h), no longer l x one stride; the
+ * block manager gives every sequence ring-capable ids (< n_ring_blocks) for
+ * its first R entries. Without the ring (ring_blocks 0) every layer holds
+ * every position in block_table[p / kv_block_size]. */
 #ifndef TW_COMMON_ENGINE_H
 #define TW_COMMON_ENGINE_H
 
@@ -102,6 +113,13 @@ typedef struct {
    * the others on the same device and shard map that copy instead of
    * uploading their own. NULL: an own copy. */
   const char *weights_share_dir;
+  /* window ring for the sliding layers (the top of this file): 1 on, -1 off,
+   * 0 the backend's default (cpu on; cuda off until verified on a GPU) */
+  int32_t kv_window_ring;
+  /* blocks the sliding layers hold with the ring (kv_ring.h); 0: the memory
+   * plan's (mem_role set), else kv_num_blocks (the ring's layout without its
+   * saving) */
+  int32_t kv_ring_blocks;
 } tw_engine_params_t;
 
 #define TW_ENGINE_PARAMS_DEFAULT                                              \
@@ -122,9 +140,16 @@ typedef struct {
   int32_t kv_head_offset;    /* first global kv head held by this rank */
   int32_t head_dim;
   void *base;                /* start of the pool */
-  int64_t layer_stride_bytes; /* bytes between layer l and l+1 */
+  int64_t layer_stride_bytes; /* bytes of a full layer (n_blocks blocks); without
+                               * the ring, between layer l and l+1 */
   int64_t block_bytes;       /* bytes of one block of one layer (K and V) */
   int64_t total_bytes;
+  /* the window ring (top of this file): ring_blocks R per sequence, 0 = no
+   * ring; ring layers (bit l of ring_layers: layer l) hold only blocks
+   * 0..n_ring_blocks-1 (= n_blocks without the ring) */
+  int32_t ring_blocks;
+  int32_t n_ring_blocks;
+  uint64_t ring_layers;
 } tw_kv_layout_t;
 
 typedef struct tw_engine tw_engine_t;

@@ -2,6 +2,8 @@
  * (kv_rxring.h). */
 #include "common/kv_rxring.h"
 
+#include "common/kv_ring.h"
+
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,7 +68,12 @@ TW_NODISCARD tw_status_t tw_kv_rxring_create(const tw_kv_rxring_params_t *p,
   if (!p->pool || !p->slots_mem || p->n_slots < 1 || p->slot_bytes <= 0 || p->n_layers < 1 ||
       p->n_blocks < 1 || p->block_bytes <= 0 || p->block_bytes > INT32_MAX ||
       p->layer_stride_bytes < p->block_bytes * p->n_blocks ||
-      p->total_bytes < p->layer_stride_bytes * (p->n_layers - 1) + p->block_bytes * p->n_blocks ||
+      (p->ring_blocks <= 0 &&
+       p->total_bytes < p->layer_stride_bytes * (p->n_layers - 1) + p->block_bytes * p->n_blocks) ||
+      (p->ring_blocks > 0 &&
+       (p->n_ring_blocks < 1 || p->n_ring_blocks > p->n_blocks ||
+        p->total_bytes < tw_kv_pool_bytes_of(p->n_layers, p->block_bytes, p->n_blocks,
+                                             p->n_ring_blocks, p->ring_blocks, p->ring_layers))) ||
       !p->copy.start || !p->copy.poll)
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "kv staging ring: bad parameters (%d slots of %lld bytes, %d layers x %d blocks "
@@ -150,6 +157,9 @@ static void tw_rx_credit(tw_kv_rxring_t *r, int64_t off, int64_t len, uint32_t t
   const tw_kv_rxring_params_t *p = &r->p;
   while (len > 0) {
     int64_t layer = off / p->layer_stride_bytes, in_layer = off % p->layer_stride_bytes;
+    if (p->ring_blocks > 0) /* layers of two sizes, unpadded (kv_ring.h) */
+      layer = tw_kv_layer_at(off, p->n_layers, p->block_bytes, p->n_blocks, p->n_ring_blocks,
+                             p->ring_blocks, p->ring_layers, &in_layer);
     int64_t b = in_layer / p->block_bytes, in_block = in_layer % p->block_bytes;
     int64_t take = p->block_bytes - in_block < len ? p->block_bytes - in_block : len;
     if (layer < p->n_layers && b < p->n_blocks) { /* else padding between layers */
@@ -206,14 +216,17 @@ TW_NODISCARD tw_status_t tw_kv_rxring_landed(const tw_kv_rxring_t *r, uint32_t t
                                              const int32_t *ids, int32_t n, const int32_t *firsts) {
   const tw_kv_rxring_params_t *p = &r->p;
   tw_status_t st = TW_OK;
-  for (int32_t l = 0; l < p->n_layers; l++)
-    for (int32_t i = firsts ? firsts[l] : 0; i < n; i++) {
-      if (ids[i] < 0 || ids[i] >= p->n_blocks)
-        return tw_err(TW_ERR_INVALID_ARGUMENT, "kv staging: block %d outside the pool of %d",
-                      ids[i], p->n_blocks);
-      const tw_rxblock_t *c = &r->blocks[(int64_t)l * p->n_blocks + ids[i]];
+  for (int32_t l = 0; l < p->n_layers; l++) {
+    int32_t ring = tw_kv_layer_ring(p->ring_layers, p->ring_blocks, l); /* kv_ring.h */
+    for (int32_t i = tw_kv_ring_first(firsts ? firsts[l] : 0, n, ring); i < n; i++) {
+      int32_t id = ids[tw_kv_ring_entry(i, ring)];
+      if (id < 0 || id >= (ring ? p->n_ring_blocks : p->n_blocks))
+        return tw_err(TW_ERR_INVALID_ARGUMENT, "kv staging: block %d outside the pool of %d", id,
+                      ring ? p->n_ring_blocks : p->n_blocks);
+      const tw_rxblock_t *c = &r->blocks[(int64_t)l * p->n_blocks + id];
       if (c->tag != tag || c->bytes < (uint32_t)p->block_bytes) st = TW_INPROGRESS;
     }
+  }
   return st;
 }
 

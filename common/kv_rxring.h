@@ -3,13 +3,14 @@
  *
  * When a decode worker's KV pool is device memory that its UCX cannot reach
  * (no CUDA transports), the pool is not registered at all: a prefill worker
- * sends each piece of KV (at most one slot long) as an active message whose
- * header names the destination offset in the pool and the handoff it belongs
- * to. The receiver takes a piece into a free slot of this ring (a fixed number
- * of pinned host buffers, TWAIN_KV_STAGING_SLOTS x TWAIN_KV_STAGING_SLOT_MB),
- * copies the slot to the piece's place in the pool on its own stream, and
- * frees the slot once that copy is done. A piece that arrives while every slot
- * is in use waits, still on the sender (rendezvous), until one is freed:
+ * asks for a slot for each piece of KV (at most one slot long), naming the
+ * destination offset in the pool and the handoff it belongs to. The receiver
+ * grants a free slot of this ring (a fixed number of pinned host buffers,
+ * TWAIN_KV_STAGING_SLOTS x TWAIN_KV_STAGING_SLOT_MB), the sender puts the
+ * piece into it, and the receiver copies the slot to the piece's place in
+ * the pool on its own stream and frees the slot once that copy is done. A
+ * piece that asks while every slot is in use waits in the receiver's queue
+ * (a few dozen bytes, not the piece) until one is freed:
  * back-pressure, never an unbounded buffer. The ring only moves bytes between
  * memory it is told about; the transport (kv_transfer.c) and the copy (a
  * function pointer: cudaMemcpyAsync + an event, or memcpy for a host pool in
@@ -48,8 +49,9 @@ typedef struct {
 } tw_kv_rxring_copy_t;
 
 /** What the ring serves: the destination pool ([layer][block] of block_bytes,
- *  layers layer_stride_bytes apart), n_slots buffers of slot_bytes at
- *  slots_mem (owned by the caller), and the copy. */
+ *  layers layer_stride_bytes apart; with the window ring of engine.h the
+ *  ring layers hold n_ring_blocks blocks, kv_ring.h), n_slots buffers of
+ *  slot_bytes at slots_mem (owned by the caller), and the copy. */
 typedef struct {
   void *pool;
   int32_t n_layers;
@@ -57,6 +59,8 @@ typedef struct {
   int64_t block_bytes;
   int64_t layer_stride_bytes;
   int64_t total_bytes;
+  int32_t ring_blocks, n_ring_blocks; /* 0, 0: no window ring */
+  uint64_t ring_layers;
   uint8_t *slots_mem;
   int32_t n_slots;
   int64_t slot_bytes;

@@ -1,6 +1,8 @@
 /* kv_transfer.c: UCX one-sided KV handoff (see kv_transfer.h). */
 #include "common/kv_transfer.h"
 
+#include "common/kv_ring.h"
+
 #include "common/log.h"
 
 #include <ucp/api/ucp.h>
@@ -8,15 +10,18 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <dlfcn.h>
+#include <errno.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -30,6 +35,7 @@ typedef int (*tw_cuda_memcpy_fn)(void *, const void *, size_t, int);
 typedef int (*tw_cuda_memcpy_async_fn)(void *, const void *, size_t, int, void *);
 typedef int (*tw_cuda_host_alloc_fn)(void **, size_t, unsigned);
 typedef int (*tw_cuda_free_host_fn)(void *);
+typedef int (*tw_cuda_host_register_fn)(void *, size_t, unsigned);
 typedef int (*tw_cuda_stream_create_fn)(void **, unsigned);
 typedef int (*tw_cuda_ptr_fn)(void *);
 typedef int (*tw_cuda_event_create_fn)(void **, unsigned);
@@ -47,6 +53,8 @@ typedef struct {
   tw_cuda_memcpy_async_fn memcpy_async;
   tw_cuda_host_alloc_fn host_alloc;
   tw_cuda_free_host_fn free_host;
+  tw_cuda_host_register_fn host_register;   /* cudaHostRegister (optional) */
+  tw_cuda_ptr_fn host_unregister;           /* cudaHostUnregister (optional) */
   tw_cuda_stream_create_fn stream_create;   /* cudaStreamCreateWithFlags */
   tw_cuda_ptr_fn stream_destroy;
   tw_cuda_event_create_fn event_create;     /* cudaEventCreateWithFlags */
@@ -93,6 +101,17 @@ typedef struct {
   char magic[8];         /* TW_KV_IPC_MAGIC, last: found from the blob's end */
 } tw_kv_ipc_desc_t;
 
+/* A process and the host and pid namespace it runs in: a receiver on the
+ * same host and in the same pid namespace can tell that a sender is gone
+ * (kill(pid, 0), /proc/pid/stat) without any message from it. */
+typedef struct {
+  char boot_id[40]; /* /proc/sys/kernel/random/boot_id */
+  uint64_t pid_ns;  /* inode of /proc/self/ns/pid (0: unknown) */
+  int32_t pid;
+  uint32_t pad;
+  uint64_t nonce; /* random per process: names it in "filled" messages */
+} tw_kv_proc_t;
+
 static void tw_kv_boot_id(char out[40]) {
   memset(out, 0, 40);
   FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
@@ -100,6 +119,31 @@ static void tw_kv_boot_id(char out[40]) {
   if (!fgets(out, 40, f)) out[0] = 0;
   fclose(f);
   out[strcspn(out, "\n")] = 0;
+}
+
+/* This process (tw_kv_proc_t). */
+static void tw_kv_proc_self(tw_kv_proc_t *p) {
+  memset(p, 0, sizeof *p);
+  tw_kv_boot_id(p->boot_id);
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) == 0) p->pid_ns = (uint64_t)st.st_ino;
+  p->pid = (int32_t)getpid();
+}
+
+/* Whether process `p`, on this host and in this pid namespace (the caller
+ * checked), still runs: not when kill(pid, 0) says there is no such process,
+ * nor when it is a zombie. */
+static bool tw_kv_proc_alive(const tw_kv_proc_t *p) {
+  if (kill(p->pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64], buf[256];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)p->pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return true; /* no /proc: kill's answer stands */
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  fclose(f);
+  buf[n] = 0;
+  const char *rp = strrchr(buf, ')'); /* "pid (comm) S ..." */
+  return !(rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
 }
 
 static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
@@ -119,6 +163,8 @@ static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   rt->memcpy_async = (tw_cuda_memcpy_async_fn)dlsym(rt->lib, "cudaMemcpyAsync");
   rt->host_alloc = (tw_cuda_host_alloc_fn)dlsym(rt->lib, "cudaHostAlloc");
   rt->free_host = (tw_cuda_free_host_fn)dlsym(rt->lib, "cudaFreeHost");
+  rt->host_register = (tw_cuda_host_register_fn)dlsym(rt->lib, "cudaHostRegister");
+  rt->host_unregister = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaHostUnregister");
   rt->stream_create = (tw_cuda_stream_create_fn)dlsym(rt->lib, "cudaStreamCreateWithFlags");
   rt->stream_destroy = (tw_cuda_ptr_fn)dlsym(rt->lib, "cudaStreamDestroy");
   rt->event_create = (tw_cuda_event_create_fn)dlsym(rt->lib, "cudaEventCreateWithFlags");
@@ -141,18 +187,74 @@ static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   return TW_OK;
 }
 
-/* ---- active messages into a staged receiver's ring (kv_transfer.h) ----
- * One message per piece: this header, then the piece's bytes (rendezvous). */
-#define TW_KV_AM_ID 0x4b56u /* "KV" */
+/* ---- pieces into a staged receiver's ring (kv_transfer.h) ----
+ * Receiver-granted puts, three small eager active messages per piece:
+ *  1. "want" (sender -> receiver): this header, then the sender's worker
+ *     address as data; the piece waits in the receiver's queue;
+ *  2. "grant" (receiver -> sender, over the receiver's own endpoint to the
+ *     sender): slot k of the receiver's ring is the piece's;
+ *  3. the sender puts the piece into slot k (the ring is allocated by UCX,
+ *     ucp_mem_map ALLOCATE: shared memory on one host, so the put is one
+ *     memcpy into the receiver's slot, or RDMA across hosts), flushes, and
+ *     sends "filled": the receiver copies the slot to the pool on its own
+ *     stream and frees it.
+ * The receiver never waits on UCX for a sender: it issues no rendezvous and
+ * no get, so a sender killed at any point leaves only slots granted to it,
+ * which the receiver takes back once it knows the sender is gone (on one
+ * host: its pid, checked every 20 ms; elsewhere: no "filled" within
+ * TW_KV_GRANT_TIMEOUT_MS, longer than any sender waits for a grant, so a
+ * late put cannot land in a slot given to another piece). UCX 1.13's AM
+ * rendezvous, used before, could abort the receiver (an assertion in
+ * ucp_am_rndv_process_rts) when a sender was killed mid-handoff. */
+#define TW_KV_AM_WANT_ID 0x4b57u
+#define TW_KV_AM_GRANT_ID 0x4b58u
+#define TW_KV_AM_FILLED_ID 0x4b59u
+#define TW_KV_GRANT_TIMEOUT_MS 120000
 typedef struct {
-  uint64_t base;   /* the receiving pool's published remote_base (which region) */
-  uint64_t offset; /* destination offset in that pool */
-  uint64_t len;    /* bytes of the piece */
-  uint64_t tag;    /* the handoff (request id) */
+  uint64_t base;     /* the receiving pool's published remote_base (which region) */
+  uint64_t offset;   /* destination offset in that pool */
+  uint64_t len;      /* bytes of the piece */
+  uint64_t tag;      /* the handoff (request id) */
+  uint64_t piece;    /* the sender's id of the piece */
+  uint32_t addr_len; /* the data: the sender's worker address */
+  uint32_t pad;
+  tw_kv_proc_t proc; /* the sending process */
 } tw_kv_am_hdr_t;
-/* Sends from a pool in place (host sources) in flight per peer; headers
- * stay put until their send completes. */
-#define TW_KV_AM_INFLIGHT 256
+typedef struct {
+  uint64_t piece;
+  uint64_t slot_addr; /* where to put it (in the ring the receiver's rkey maps) */
+  int32_t slot;
+  int32_t status; /* UCS_OK: granted; else why the receiver refused the piece */
+} tw_kv_am_grant_t;
+typedef struct {
+  uint64_t base;
+  uint64_t piece;
+  uint64_t nonce; /* the sender's tw_kv_proc_t.nonce */
+  int32_t slot;
+  int32_t pad;
+} tw_kv_am_filled_t;
+/* Pieces a sender has in flight at once (over every receiver). */
+#define TW_KV_PIECES 512
+typedef enum {
+  TW_PIECE_WANT = 0,    /* "want" sent, waiting for a grant */
+  TW_PIECE_GRANTED = 1, /* slot known: to put */
+  TW_PIECE_PUTTING = 2, /* put issued, its flush in flight */
+  TW_PIECE_FILLED = 3,  /* "filled" sent (until its send completes) */
+  TW_PIECE_REFUSED = -1,
+} tw_kv_piece_state_t;
+typedef struct {
+  uint64_t id;        /* 0: free; else seq * TW_KV_PIECES + index */
+  tw_kv_peer_t *peer; /* the receiver */
+  void *req;          /* the message in flight ("want", then "filled") */
+  void *flush;        /* the put's flush */
+  tw_kv_piece_state_t state;
+  int32_t slot;
+  uint64_t slot_addr;
+  const void *buf;
+  int64_t len;
+  tw_kv_am_hdr_t hdr;
+  tw_kv_am_filled_t fill;
+} tw_kv_piece_t;
 
 /* ---- the sender's bounded ring of bounce buffers ----
  * Used for device sources that cannot be put directly (staged path: the
@@ -168,7 +270,7 @@ typedef struct {
   void *stream;        /* cudaStream_t of the device-to-host copies */
   void *req[TW_KV_RING_SLOTS];    /* in-flight put from the slot */
   void *event[TW_KV_RING_SLOTS];  /* cudaEvent_t: the copy into the slot is done */
-  tw_kv_am_hdr_t hdr[TW_KV_RING_SLOTS]; /* the active message header of the slot's send */
+  uint64_t piece[TW_KV_RING_SLOTS]; /* the piece put from the slot (tw_kv_piece_t.id) */
   uint32_t next;       /* next slot to fill */
 } tw_kv_ring_t;
 
@@ -192,9 +294,8 @@ struct tw_kv_peer {
   char lanes[160];        /* the endpoint's transports, for logs */
   unsigned logged_paths;  /* bit per tw_kv_path_t already logged */
   int64_t t_first_put_ns; /* 0 when nothing is in flight */
-  void *am_req[TW_KV_AM_INFLIGHT]; /* active messages sent in place, in flight */
-  tw_kv_am_hdr_t am_hdr[TW_KV_AM_INFLIGHT];
-  int n_am;
+  int32_t n_pieces;       /* pieces sent to it not yet answered */
+  int32_t refused;        /* the first refusal's ucs_status_t since the last flush */
 };
 
 struct tw_kv_xfer {
@@ -220,21 +321,45 @@ struct tw_kv_xfer {
   bool ipc_allowed; /* tw_kv_xfer_set_direct_ipc */
   void *ipc_stream; /* cudaStream_t of the direct-path copies */
   void *ipc_event;  /* recorded at a flush: the copies are done */
+  /* sender of pieces to staged receivers */
+  tw_kv_piece_t pieces[TW_KV_PIECES];
+  uint64_t piece_seq;
+  int32_t n_pieces;
+  tw_kv_proc_t self; /* this process, in the pieces it announces */
+  /* receiver: endpoints to the workers that send pieces into our rings */
+  struct tw_kv_sender *senders[TW_KV_MAX_PEERS];
+  int n_senders;
 };
 
-/* A piece that found every slot of the ring in use: its rendezvous
- * descriptor (or eager data) waits here, in arrival order. */
+/* A worker that sends pieces into this worker's rings: our endpoint to it
+ * (grants). */
+typedef struct tw_kv_sender {
+  uint8_t *address;
+  size_t address_len;
+  ucp_ep_h ep;
+  bool failed; /* gone: its granted slots were taken back, its pieces dropped */
+  int64_t used_ns;
+  tw_kv_proc_t proc;
+  bool local;         /* same host and pid namespace: its pid can be checked */
+  int64_t checked_ns; /* its pid was last checked */
+} tw_kv_sender_t;
+
+/* A piece that wants a slot, in arrival order: its header and the
+ * sender's address (malloc; NULL once dropped). */
 typedef struct {
   tw_kv_am_hdr_t h;
-  void *desc; /* rendezvous descriptor, or eager data kept by UCX */
-  void *copy; /* eager data UCX would not keep: our copy (malloc) */
-  bool rndv;
+  uint8_t *addr;
 } tw_kv_rx_pending_t;
 
-/* The receive request of a slot: its region and index. */
+/* Who a slot is granted to: the sender, its piece, when; `filled` once its
+ * "filled" message came, for the next pump to copy it out. */
 typedef struct {
   tw_kv_region_t *r;
   int32_t slot;
+  tw_kv_sender_t *sender; /* NULL: not granted */
+  uint64_t piece, nonce;
+  int64_t granted_ns;
+  bool filled;
 } tw_kv_rx_slot_ctx_t;
 
 struct tw_kv_region {
@@ -257,8 +382,8 @@ struct tw_kv_region {
   tw_kv_rx_slot_ctx_t *slot_ctx; /* [n_slots] */
   tw_kv_rx_pending_t *pending;   /* FIFO: [head, head + n_pending) mod cap_pending */
   int32_t head, n_pending, cap_pending;
-  int32_t receiving; /* slots whose receive request is in flight */
-  int64_t dropped;   /* pieces refused (bad header, out of memory) */
+  int32_t receiving; /* slots whose get is in flight or not yet answered */
+  int64_t dropped;   /* pieces refused (bad header, out of memory, failed sender) */
 };
 
 static int64_t tw_now_ns(void) {
@@ -395,8 +520,12 @@ static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const c
   return TW_OK;
 }
 
-static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_length, void *data,
+static ucs_status_t tw_kv_am_want(void *arg, const void *header, size_t header_length, void *data,
                                   size_t length, const ucp_am_recv_param_t *param);
+static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header_length, void *data,
+                                    size_t length, const ucp_am_recv_param_t *param);
+static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_length, void *data,
+                                   size_t length, const ucp_am_recv_param_t *param);
 
 TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   return tw_kv_xfer_create_bound(NULL, xfer_p);
@@ -423,6 +552,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
   tw_kv_xfer_t *x = calloc(1, sizeof *x);
   if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
   x->magic = TW_KV_XFER_MAGIC;
+  tw_kv_proc_self(&x->self);
   tw_status_t st = TW_OK;
   /* UCX 1.13's default (v1) RMA protocols put only over lanes with put
    * short/bcopy, which cuda_ipc lacks (it is zero-copy only): a put into CUDA
@@ -447,14 +577,23 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
     st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_create failed: %s", ucs_status_string(us));
     goto fail;
   }
-  /* pieces for a staged pool of this worker (tw_kv_am_recv, defined below) */
-  ucp_am_handler_param_t ah = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                                             UCP_AM_HANDLER_PARAM_FIELD_CB |
-                                             UCP_AM_HANDLER_PARAM_FIELD_ARG,
-                               .id = TW_KV_AM_ID,
-                               .cb = tw_kv_am_recv,
-                               .arg = x};
-  us = ucp_worker_set_am_recv_handler(x->worker, &ah);
+  /* pieces for a staged pool of this worker, and the grants to the pieces
+   * it sends (defined below) */
+  const struct {
+    unsigned id;
+    ucp_am_recv_callback_t cb;
+  } handlers[] = {{TW_KV_AM_WANT_ID, tw_kv_am_want},
+                  {TW_KV_AM_FILLED_ID, tw_kv_am_filled},
+                  {TW_KV_AM_GRANT_ID, tw_kv_am_grant}};
+  for (size_t i = 0; i < sizeof handlers / sizeof handlers[0] && us == UCS_OK; i++) {
+    ucp_am_handler_param_t ah = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                               UCP_AM_HANDLER_PARAM_FIELD_ARG,
+                                 .id = handlers[i].id,
+                                 .cb = handlers[i].cb,
+                                 .arg = x};
+    us = ucp_worker_set_am_recv_handler(x->worker, &ah);
+  }
   if (us != UCS_OK) {
     st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_set_am_recv_handler failed: %s",
                 ucs_status_string(us));
@@ -477,6 +616,204 @@ fail:
 }
 
 static void tw_kv_ring_free(tw_kv_xfer_t *x);
+static void tw_kv_sender_close(tw_kv_xfer_t *x, tw_kv_sender_t *s);
+
+/* ---- the sender's pieces for staged receivers ---- */
+
+/* Free a piece's entry (its requests released: UCX frees them once done). */
+static void tw_kv_piece_release(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
+  if (e->req) ucp_request_free(e->req);
+  if (e->flush) ucp_request_free(e->flush);
+  if (e->peer) e->peer->n_pieces--;
+  x->n_pieces--;
+  *e = (tw_kv_piece_t){0};
+}
+
+static void tw_kv_piece_refuse(tw_kv_piece_t *e, ucs_status_t why) {
+  e->state = TW_PIECE_REFUSED;
+  if (e->peer && e->peer->refused == UCS_OK) e->peer->refused = why;
+}
+
+/* "grant" (UCX's active message callback): the piece's slot, or a refusal. */
+static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_length, void *data,
+                                   size_t length, const ucp_am_recv_param_t *param) {
+  (void)data;
+  (void)length;
+  (void)param;
+  tw_kv_xfer_t *x = arg;
+  tw_kv_am_grant_t g;
+  if (header_length != sizeof g) {
+    TW_WARN("kvx", "ignoring a malformed staged kv grant (%zu bytes)", header_length);
+    return UCS_OK;
+  }
+  memcpy(&g, header, sizeof g);
+  tw_kv_piece_t *e = &x->pieces[g.piece % TW_KV_PIECES];
+  if (e->id != g.piece || e->state != TW_PIECE_WANT) return UCS_OK; /* given up on */
+  if (g.status != UCS_OK) {
+    tw_kv_piece_refuse(e, (ucs_status_t)g.status);
+    return UCS_OK;
+  }
+  e->slot = g.slot;
+  e->slot_addr = g.slot_addr;
+  e->state = TW_PIECE_GRANTED;
+  return UCS_OK;
+}
+
+/* Move every piece on: put the granted ones into their slots (then flush),
+ * send "filled" for the flushed ones, release the finished and refused
+ * ones. Never blocks. */
+static void tw_kv_pieces_advance(tw_kv_xfer_t *x) {
+  for (int i = 0; i < TW_KV_PIECES && x->n_pieces > 0; i++) {
+    tw_kv_piece_t *e = &x->pieces[i];
+    if (!e->id) continue;
+    tw_kv_peer_t *p = e->peer;
+    ucs_status_t s = e->req ? ucp_request_check_status(e->req) : UCS_OK;
+    if (s != UCS_INPROGRESS && e->req) { /* "want" or "filled" sent */
+      ucp_request_free(e->req);
+      e->req = NULL;
+      if (s != UCS_OK) tw_kv_piece_refuse(e, s);
+    }
+    if (e->state == TW_PIECE_GRANTED) {
+      ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+                                 .memory_type = UCS_MEMORY_TYPE_HOST};
+      void *req = p->rkey ? ucp_put_nbx(p->ep, e->buf, (size_t)e->len, e->slot_addr, p->rkey, &prm)
+                          : UCS_STATUS_PTR(UCS_ERR_INVALID_PARAM);
+      if (UCS_PTR_IS_ERR(req)) {
+        TW_WARN("kvx", "ucp_put_nbx of a %lld-byte staged kv piece failed: %s", (long long)e->len,
+                ucs_status_string(UCS_PTR_STATUS(req)));
+        tw_kv_piece_refuse(e, UCS_PTR_STATUS(req));
+      } else {
+        if (req) ucp_request_free(req); /* the flush completes it */
+        prm.op_attr_mask = 0;
+        void *fl = ucp_ep_flush_nbx(p->ep, &prm);
+        if (UCS_PTR_IS_ERR(fl)) {
+          tw_kv_piece_refuse(e, UCS_PTR_STATUS(fl));
+        } else {
+          e->flush = fl;
+          e->state = TW_PIECE_PUTTING;
+        }
+      }
+    }
+    if (e->state == TW_PIECE_PUTTING) {
+      s = e->flush ? ucp_request_check_status(e->flush) : UCS_OK;
+      if (s != UCS_INPROGRESS) {
+        if (e->flush) ucp_request_free(e->flush);
+        e->flush = NULL;
+        if (s != UCS_OK) {
+          tw_kv_piece_refuse(e, s);
+        } else {
+          e->fill = (tw_kv_am_filled_t){
+              .base = e->hdr.base, .piece = e->id, .nonce = x->self.nonce, .slot = e->slot};
+          ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                                     .flags = UCP_AM_SEND_FLAG_EAGER};
+          void *req =
+              ucp_am_send_nbx(p->ep, TW_KV_AM_FILLED_ID, &e->fill, sizeof e->fill, NULL, 0, &prm);
+          if (UCS_PTR_IS_ERR(req)) {
+            tw_kv_piece_refuse(e, UCS_PTR_STATUS(req));
+          } else {
+            e->req = req;
+            e->state = TW_PIECE_FILLED;
+          }
+        }
+      }
+    }
+    if ((e->state == TW_PIECE_FILLED || e->state == TW_PIECE_REFUSED) && !e->req && !e->flush)
+      tw_kv_piece_release(x, e);
+    else if (e->state == TW_PIECE_FILLED && e->req &&
+             ucp_request_check_status(e->req) != UCS_INPROGRESS)
+      tw_kv_piece_release(x, e);
+  }
+}
+
+typedef enum {
+  TW_KV_WAIT_PEER = 0, /* every piece sent to the peer finished */
+  TW_KV_WAIT_ID = 1,   /* piece `id` finished */
+  TW_KV_WAIT_ROOM = 2, /* a free entry */
+} tw_kv_wait_t;
+
+/* Progress until `what`, at most timeout_ms. Errors: TW_ERR_DEADLINE (the
+ * receiver of the awaited pieces is marked failed and they are released),
+ * TW_ERR_UNAVAILABLE (its endpoint failed). */
+static TW_NODISCARD tw_status_t tw_kv_pieces_wait(tw_kv_xfer_t *x, tw_kv_peer_t *p,
+                                                  tw_kv_wait_t what, uint64_t id, int timeout_ms) {
+  int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
+  for (;;) {
+    tw_kv_pieces_advance(x);
+    bool done = what == TW_KV_WAIT_PEER ? p->n_pieces == 0
+                : what == TW_KV_WAIT_ID ? x->pieces[id % TW_KV_PIECES].id != id
+                                        : x->n_pieces < TW_KV_PIECES;
+    if (done) return TW_OK;
+    if (what == TW_KV_WAIT_ID) p = x->pieces[id % TW_KV_PIECES].peer;
+    bool failed = p && p->failed;
+    if (failed || tw_now_ns() > deadline) {
+      int n = 0;
+      for (int i = 0; i < TW_KV_PIECES; i++)
+        if (x->pieces[i].id && (!p || x->pieces[i].peer == p)) {
+          tw_kv_piece_release(x, &x->pieces[i]);
+          n++;
+        }
+      if (p) p->failed = 1; /* the endpoint is dropped and made again at the next handoff */
+      if (failed)
+        return tw_err(TW_ERR_UNAVAILABLE,
+                      "the decode worker's ucx endpoint failed with %d "
+                      "staged kv pieces not taken",
+                      n);
+      return tw_err(TW_ERR_DEADLINE,
+                    "the decode worker did not take %d staged kv pieces within "
+                    "%d ms",
+                    n, timeout_ms);
+    }
+    ucp_worker_progress(x->worker);
+  }
+}
+
+/* Ask the staged receiver `dst` for a slot for `len` bytes at `buf` (which
+ * stay put until the piece finished), bound for raddr: one "want" message;
+ * tw_kv_pieces_advance puts the piece once the slot is granted. *id_p: the
+ * piece (tw_kv_pieces_wait). */
+static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *p,
+                                                 const tw_kv_remote_layout_t *dst, const void *buf,
+                                                 int64_t len, uint64_t raddr, uint64_t *id_p) {
+  if (!p->rkey)
+    return tw_err(TW_ERR_TRANSPORT, "the staged decode worker published no rkey of its ring");
+  if (x->n_pieces == TW_KV_PIECES) TW_CHECK(tw_kv_pieces_wait(x, p, TW_KV_WAIT_ROOM, 0, 10000));
+  int idx = 0;
+  for (int i = 0; i < TW_KV_PIECES; i++) {
+    idx = (int)((x->piece_seq + (uint64_t)i) % TW_KV_PIECES);
+    if (!x->pieces[idx].id) break;
+  }
+  tw_kv_piece_t *e = &x->pieces[idx];
+  uint64_t id = (++x->piece_seq) * TW_KV_PIECES + (uint64_t)idx;
+  *e = (tw_kv_piece_t){.buf = buf, .len = len, .slot = -1};
+  e->hdr = (tw_kv_am_hdr_t){.base = dst->remote_base,
+                            .offset = raddr - dst->remote_base,
+                            .len = (uint64_t)len,
+                            .tag = dst->handoff_tag,
+                            .piece = id,
+                            .addr_len = (uint32_t)x->address_len,
+                            .proc = x->self};
+  ucp_request_param_t prm = {
+      .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+      .flags = UCP_AM_SEND_FLAG_EAGER,
+      .memory_type = UCS_MEMORY_TYPE_HOST};
+  void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_WANT_ID, &e->hdr, sizeof e->hdr, x->address,
+                              x->address_len, &prm);
+  if (UCS_PTR_IS_ERR(req)) {
+    *e = (tw_kv_piece_t){0};
+    return tw_err(TW_ERR_TRANSPORT, "ucp_am_send_nbx of a staged kv piece's request failed: %s",
+                  ucs_status_string(UCS_PTR_STATUS(req)));
+  }
+  e->id = id;
+  e->peer = p;
+  e->req = req;
+  e->state = TW_PIECE_WANT;
+  p->n_pieces++;
+  x->n_pieces++;
+  *id_p = id;
+  x->stats.puts++;
+  x->stats.ring_bytes += len;
+  return TW_OK;
+}
 
 static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   if (!p) return;
@@ -495,11 +832,8 @@ static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
       ucp_request_free(req);
     }
   }
-  for (int i = 0; i < p->n_am; i++) { /* completed (or cancelled) by the close */
-    for (int k = 0; k < 100000 && ucp_request_check_status(p->am_req[i]) == UCS_INPROGRESS; k++)
-      ucp_worker_progress(x->worker);
-    ucp_request_free(p->am_req[i]);
-  }
+  for (int i = 0; i < TW_KV_PIECES; i++) /* its answers will not come */
+    if (x->pieces[i].id && x->pieces[i].peer == p) tw_kv_piece_release(x, &x->pieces[i]);
   free(p->address);
   free(p->rkey_buf);
   free(p);
@@ -508,8 +842,9 @@ static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
 void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
   if (!x) return;
   for (int i = 0; i < x->n_peers; i++) tw_kv_peer_close(x, x->peers[i]);
-  if (x->address) ucp_worker_release_address(x->worker, x->address);
+  for (int i = 0; i < x->n_senders; i++) tw_kv_sender_close(x, x->senders[i]);
   tw_kv_ring_free(x);
+  if (x->address) ucp_worker_release_address(x->worker, x->address);
   if (x->ipc_event) x->cudart.event_destroy(x->ipc_event);
   if (x->ipc_stream) x->cudart.stream_destroy(x->ipc_stream);
   if (x->src_memh) ucp_mem_unmap(x->ctx, x->src_memh);
@@ -566,57 +901,156 @@ static tw_kv_region_t *tw_kv_rx_find(tw_kv_xfer_t *x, uint64_t base) {
   return NULL;
 }
 
-/* A slot's receive finished (rendezvous fetch into the slot). */
-static void tw_kv_rx_recv_done(void *request, ucs_status_t status, size_t length, void *user_data) {
-  tw_kv_rx_slot_ctx_t *c = user_data;
-  c->r->receiving--;
-  if (status != UCS_OK)
-    TW_WARN("kvx", "a staged kv piece of %zu bytes was not received: %s (its sender failed?)",
-            length, ucs_status_string(status));
-  TW_IGNORE(tw_kv_rxring_filled(c->r->ring, c->slot, status == UCS_OK)); /* logged by tw_err */
-  if (request) ucp_request_free(request);
+/* ---- the receiver: slots granted to the senders of pieces ---- */
+
+static void tw_kv_sender_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
+  (void)ep;
+  tw_kv_sender_t *s = arg;
+  if (!s->failed)
+    TW_WARN("kvx", "ucx endpoint to a prefill worker sending staged kv failed: %s",
+            ucs_status_string(status));
 }
 
-/* Take piece `q` into a free slot: TW_OK (taken: received or its receive
- * started), TW_INPROGRESS (no slot free: it waits), or an error (the piece
- * is refused and released). */
+/* Forget a sender. Its endpoint is closed without waiting: error mode NONE
+ * allows no forced close, and a flush towards a dead sender never ends, so
+ * the close request is released to UCX. */
+static void tw_kv_sender_close(tw_kv_xfer_t *x, tw_kv_sender_t *s) {
+  (void)x;
+  if (s->ep) {
+    ucp_request_param_t prm = {.op_attr_mask = 0};
+    void *req = ucp_ep_close_nbx(s->ep, &prm);
+    if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
+  }
+  free(s->address);
+  free(s);
+}
+
+/* The sender at worker address addr: found, or connected (evicting the
+ * least recently used one that holds no slot when the table is full). NULL
+ * when the table is full of senders holding slots (the piece waits). Called
+ * outside UCX callbacks. */
+static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, size_t len,
+                                        const tw_kv_proc_t *proc) {
+  for (int i = 0; i < x->n_senders; i++) {
+    tw_kv_sender_t *s = x->senders[i];
+    if (s->address_len == len && memcmp(s->address, addr, len) == 0) {
+      s->used_ns = tw_now_ns();
+      return s;
+    }
+  }
+  if (x->n_senders == TW_KV_MAX_PEERS) {
+    int victim = -1;
+    for (int i = 0; i < x->n_senders; i++) {
+      bool holds = false;
+      for (int j = 0; j < x->n_rx && !holds; j++)
+        for (int32_t k = 0; k < x->rx[j]->n_slots && !holds; k++)
+          holds = x->rx[j]->slot_ctx[k].sender == x->senders[i];
+      if (!holds && (victim < 0 || x->senders[i]->used_ns < x->senders[victim]->used_ns))
+        victim = i;
+    }
+    if (victim < 0) return NULL;
+    tw_kv_sender_close(x, x->senders[victim]);
+    x->senders[victim] = x->senders[--x->n_senders];
+  }
+  tw_kv_sender_t *s = calloc(1, sizeof *s);
+  if (!s || !(s->address = malloc(len))) {
+    free(s);
+    TW_ERROR("kvx", "out of memory for a prefill worker's endpoint");
+    return NULL;
+  }
+  memcpy(s->address, addr, len);
+  s->address_len = len;
+  s->used_ns = tw_now_ns();
+  s->proc = *proc;
+  s->proc.boot_id[sizeof s->proc.boot_id - 1] = 0;
+  s->local = x->self.boot_id[0] && x->self.pid_ns && s->proc.pid > 0 &&
+             strcmp(s->proc.boot_id, x->self.boot_id) == 0 && s->proc.pid_ns == x->self.pid_ns;
+  /* error mode NONE, as the senders' (UCX 1.13's shared-memory transports
+   * have no peer-failure support; PEER would leave only TCP). Only grants go
+   * over it: one that never arrives costs a slot until the sender is known
+   * gone (the pump) */
+  ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                        .address = (const ucp_address_t *)s->address,
+                        .err_mode = UCP_ERR_HANDLING_MODE_NONE,
+                        .err_handler = {.cb = tw_kv_sender_error, .arg = s}};
+  ucs_status_t us = ucp_ep_create(x->worker, &ep, &s->ep);
+  if (us != UCS_OK) {
+    TW_WARN("kvx",
+            "ucp_ep_create to a prefill worker sending staged kv failed: %s (gone? its "
+            "pieces are dropped)",
+            ucs_status_string(us));
+    s->ep = NULL;
+    s->failed = true; /* kept, so that its other pieces are dropped too */
+  }
+  x->senders[x->n_senders++] = s;
+  return s;
+}
+
+static void tw_kv_msg_sent(void *request, ucs_status_t status, void *user_data) {
+  (void)status;
+  free(user_data);
+  ucp_request_free(request);
+}
+
+/* Send the `len`-byte header `h` as active message `id` to a sender (a
+ * copy is kept until the send completes). A lost message (a dead sender)
+ * costs nothing here. */
+static void tw_kv_msg_send(tw_kv_sender_t *s, unsigned id, const void *h, size_t len) {
+  if (!s || s->failed || !s->ep) return;
+  void *copy = malloc(len);
+  if (!copy) return; /* the sender times out */
+  memcpy(copy, h, len);
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                                             UCP_OP_ATTR_FIELD_USER_DATA,
+                             .flags = UCP_AM_SEND_FLAG_EAGER,
+                             .cb.send = tw_kv_msg_sent,
+                             .user_data = copy};
+  void *req = ucp_am_send_nbx(s->ep, id, copy, len, NULL, 0, &prm);
+  if (!UCS_PTR_IS_PTR(req)) free(copy); /* sent at once, or failed: the sender times out */
+}
+
+static void tw_kv_rx_drop(tw_kv_region_t *r, tw_kv_rx_pending_t *q) {
+  r->dropped++;
+  free(q->addr);
+  q->addr = NULL;
+}
+
+/* Grant piece `q` a free slot: TW_OK (granted, or refused and answered, or
+ * dropped), TW_INPROGRESS (no slot free, or no room for its sender: it
+ * waits). */
 static TW_NODISCARD tw_status_t tw_kv_rx_take(tw_kv_region_t *r, tw_kv_rx_pending_t *q) {
+  tw_kv_xfer_t *x = r->xfer;
+  if (!q->addr) return TW_OK; /* dropped with its sender */
+  tw_kv_sender_t *s = tw_kv_sender_get(x, q->addr, q->h.addr_len, &q->h.proc);
+  if (!s) return TW_INPROGRESS;
+  if (s->failed) { /* a gone sender's piece: nobody to answer */
+    tw_kv_rx_drop(r, q);
+    return TW_OK;
+  }
   int32_t k = -1;
   void *buf = NULL;
   tw_status_t st = tw_kv_rxring_acquire(r->ring, (int64_t)q->h.offset, (int64_t)q->h.len,
                                         (uint32_t)q->h.tag, &k, &buf);
   if (st == TW_INPROGRESS) return st;
-  if (st != TW_OK) {
-    r->dropped++;
-    if (q->rndv || !q->copy) ucp_am_data_release(r->xfer->worker, q->desc);
-    free(q->copy);
-    return st;
+  tw_kv_am_grant_t g = {.piece = q->h.piece, .slot = k, .status = UCS_OK};
+  if (st != TW_OK) { /* refused: logged by tw_err, the sender is told */
+    g.status = UCS_ERR_INVALID_PARAM;
+    tw_kv_msg_send(s, TW_KV_AM_GRANT_ID, &g, sizeof g);
+    tw_kv_rx_drop(r, q);
+    return TW_OK;
   }
-  if (!q->rndv) { /* eager: the bytes are here already */
-    memcpy(buf, q->copy ? q->copy : q->desc, (size_t)q->h.len);
-    if (q->copy)
-      free(q->copy);
-    else
-      ucp_am_data_release(r->xfer->worker, q->desc);
-    return tw_kv_rxring_filled(r->ring, k, true);
-  }
-  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                                             UCP_OP_ATTR_FIELD_USER_DATA |
-                                             UCP_OP_ATTR_FIELD_MEMORY_TYPE,
-                             .cb.recv_am = tw_kv_rx_recv_done,
-                             .user_data = &r->slot_ctx[k],
-                             .memory_type = UCS_MEMORY_TYPE_HOST};
-  if (r->slots_memh) {
-    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    prm.memh = r->slots_memh;
-  }
-  void *req = ucp_am_recv_data_nbx(r->xfer->worker, q->desc, buf, (size_t)q->h.len, &prm);
-  if (UCS_PTR_IS_ERR(req)) {
-    TW_WARN("kvx", "ucp_am_recv_data_nbx of a %llu-byte staged kv piece failed: %s",
-            (unsigned long long)q->h.len, ucs_status_string(UCS_PTR_STATUS(req)));
-    return tw_kv_rxring_filled(r->ring, k, false);
-  }
-  if (req == NULL) return tw_kv_rxring_filled(r->ring, k, true); /* done at once */
+  tw_kv_rx_slot_ctx_t *c = &r->slot_ctx[k];
+  c->sender = s;
+  c->piece = q->h.piece;
+  c->nonce = q->h.proc.nonce;
+  c->granted_ns = tw_now_ns();
+  c->filled = false;
+  g.slot_addr = (uint64_t)(uintptr_t)buf;
+  tw_kv_msg_send(s, TW_KV_AM_GRANT_ID, &g, sizeof g);
+  free(q->addr);
+  q->addr = NULL;
   r->receiving++;
   return TW_OK;
 }
@@ -636,54 +1070,145 @@ static bool tw_kv_rx_queue(tw_kv_region_t *r, const tw_kv_rx_pending_t *q) {
   return true;
 }
 
-/* UCX's active message callback (in ucp_worker_progress). */
-static ucs_status_t tw_kv_am_recv(void *arg, const void *header, size_t header_length, void *data,
+/* "want" (UCX's active message callback, in ucp_worker_progress): the piece
+ * waits in its region's queue; the pump grants it a slot. */
+static ucs_status_t tw_kv_am_want(void *arg, const void *header, size_t header_length, void *data,
                                   size_t length, const ucp_am_recv_param_t *param) {
   tw_kv_xfer_t *x = arg;
-  tw_kv_rx_pending_t q = {.desc = data,
-                          .rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0};
+  tw_kv_rx_pending_t q = {0};
   tw_kv_region_t *r = NULL;
   if (header_length == sizeof q.h) memcpy(&q.h, header, sizeof q.h);
-  if (header_length != sizeof q.h || q.h.len != length || !(r = tw_kv_rx_find(x, q.h.base))) {
-    TW_WARN("kvx", "refusing a kv piece of %zu bytes: %s", length,
-            header_length != sizeof q.h ? "malformed header"
-            : q.h.len != length         ? "its length does not match its header"
-                                        : "no staged pool of this worker at that address");
-    return q.rndv ? UCS_ERR_INVALID_PARAM : UCS_OK;
+  const char *bad = header_length != sizeof q.h                       ? "malformed header"
+                    : (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? "not an eager message"
+                    : !q.h.addr_len || q.h.addr_len != length         ? "no sender address"
+                    : !(r = tw_kv_rx_find(x, q.h.base))
+                        ? "no staged pool of this worker at that address"
+                        : NULL;
+  if (bad) {
+    TW_WARN("kvx", "refusing a staged kv piece: %s", bad);
+    return UCS_OK;
   }
-  if (r->n_pending == 0) { /* else behind the waiting ones, in order */
-    tw_status_t st = tw_kv_rx_take(r, &q);
-    if (st == TW_OK) return UCS_OK;
-    if (st != TW_INPROGRESS) return q.rndv ? UCS_OK : UCS_OK; /* refused and released */
-  }
-  bool keep = q.rndv || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA);
-  if (!keep) { /* eager data that UCX frees on return: copy it */
-    if (!(q.copy = malloc(length))) {
-      r->dropped++;
-      TW_ERROR("kvx", "out of memory for a waiting %zu-byte kv piece: dropped", length);
-      return UCS_OK;
-    }
-    memcpy(q.copy, data, length);
-  }
-  if (!tw_kv_rx_queue(r, &q)) {
+  if (!(q.addr = malloc(length)) || (memcpy(q.addr, data, length), !tw_kv_rx_queue(r, &q))) {
+    free(q.addr);
     r->dropped++;
-    free(q.copy);
-    TW_ERROR("kvx", "out of memory queueing a %zu-byte kv piece: dropped", length);
-    return q.rndv ? UCS_ERR_NO_MEMORY : UCS_OK;
+    TW_ERROR("kvx", "out of memory queueing a staged kv piece: dropped (its sender times out)");
   }
-  return keep ? UCS_INPROGRESS : UCS_OK;
+  return UCS_OK;
 }
 
-/* Free the slots whose copies are done, then give them to waiting pieces. */
+/* "filled" (UCX's callback): the slot holds its piece; the pump copies it. */
+static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header_length, void *data,
+                                    size_t length, const ucp_am_recv_param_t *param) {
+  (void)data;
+  (void)length;
+  (void)param;
+  tw_kv_xfer_t *x = arg;
+  tw_kv_am_filled_t f;
+  tw_kv_region_t *r = NULL;
+  if (header_length != sizeof f) {
+    TW_WARN("kvx", "ignoring a malformed staged kv message (%zu bytes)", header_length);
+    return UCS_OK;
+  }
+  memcpy(&f, header, sizeof f);
+  if (!(r = tw_kv_rx_find(x, f.base)) || f.slot < 0 || f.slot >= r->n_slots) return UCS_OK;
+  tw_kv_rx_slot_ctx_t *c = &r->slot_ctx[f.slot];
+  if (c->sender && c->piece == f.piece && c->nonce == f.nonce) c->filled = true;
+  /* else a slot taken back from a sender deemed gone: ignored */
+  return UCS_OK;
+}
+
+/* Take back the slots granted to sender s and drop its waiting pieces. */
+static void tw_kv_rx_forget(tw_kv_xfer_t *x, tw_kv_sender_t *s) {
+  s->failed = true;
+  for (int j = 0; j < x->n_rx; j++) {
+    tw_kv_region_t *q = x->rx[j];
+    for (int32_t k = 0; k < q->n_slots; k++) {
+      tw_kv_rx_slot_ctx_t *c = &q->slot_ctx[k];
+      if (c->sender != s || c->filled) continue; /* a filled one is copied out as usual */
+      c->sender = NULL;
+      q->receiving--;
+      TW_IGNORE(tw_kv_rxring_filled(q->ring, k, false)); /* never fails for a taken slot */
+    }
+    for (int32_t n = 0; n < q->n_pending; n++) {
+      tw_kv_rx_pending_t *e = &q->pending[(q->head + n) % q->cap_pending];
+      if (e->addr && e->h.addr_len == s->address_len &&
+          memcmp(e->addr, s->address, s->address_len) == 0)
+        tw_kv_rx_drop(q, e); /* left in the queue without an address: skipped */
+    }
+  }
+}
+
+/* Copy the filled slots to the pool, free the slots whose copies are done,
+ * grant free slots to waiting pieces, and take back what gone senders hold. */
 static TW_NODISCARD tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
-  tw_status_t first = tw_kv_rxring_poll(r->ring, NULL);
+  tw_kv_xfer_t *x = r->xfer;
+  tw_status_t first = TW_OK;
+  for (int32_t k = 0; k < r->n_slots; k++) {
+    tw_kv_rx_slot_ctx_t *c = &r->slot_ctx[k];
+    if (!c->sender || !c->filled) continue;
+    c->sender = NULL;
+    c->filled = false;
+    r->receiving--;
+    tw_status_t st = tw_kv_rxring_filled(r->ring, k, true);
+    if (st != TW_OK && first == TW_OK) first = st;
+  }
+  tw_status_t st = tw_kv_rxring_poll(r->ring, NULL);
+  if (st != TW_OK && first == TW_OK) first = st;
+  /* a sender that dies holds its granted slots, and grants to it may never
+   * arrive: on this host its pid says it is gone; elsewhere a slot not
+   * filled within TW_KV_GRANT_TIMEOUT_MS does */
+  int64_t now = tw_now_ns();
+  for (int i = 0; i < x->n_senders; i++) {
+    tw_kv_sender_t *s = x->senders[i];
+    if (s->failed || !s->local || now - s->checked_ns < 20 * 1000000LL) continue;
+    bool waits = false; /* anything of it here */
+    for (int j = 0; j < x->n_rx && !waits; j++) {
+      tw_kv_region_t *q = x->rx[j];
+      for (int32_t k = 0; k < q->n_slots && !waits; k++) waits = q->slot_ctx[k].sender == s;
+      for (int32_t n = 0; n < q->n_pending && !waits; n++) {
+        const tw_kv_rx_pending_t *e = &q->pending[(q->head + n) % q->cap_pending];
+        waits = e->addr && e->h.addr_len == s->address_len &&
+                memcmp(e->addr, s->address, s->address_len) == 0;
+      }
+    }
+    if (!waits) continue;
+    s->checked_ns = now;
+    if (!tw_kv_proc_alive(&s->proc)) {
+      TW_WARN("kvx",
+              "prefill worker pid %d is gone mid-handoff: the staged kv slots granted to "
+              "it are taken back, its waiting pieces dropped",
+              (int)s->proc.pid);
+      tw_kv_rx_forget(x, s);
+    }
+  }
+  for (int32_t k = 0; k < r->n_slots; k++) {
+    tw_kv_rx_slot_ctx_t *c = &r->slot_ctx[k];
+    if (c->sender && !c->filled && now - c->granted_ns > TW_KV_GRANT_TIMEOUT_MS * 1000000LL) {
+      TW_WARN("kvx",
+              "a staged kv slot granted to a prefill worker was not filled in %d ms: "
+              "taken back, that worker's pieces dropped",
+              TW_KV_GRANT_TIMEOUT_MS);
+      tw_kv_rx_forget(x, c->sender);
+    }
+  }
   while (r->n_pending > 0) {
     tw_kv_rx_pending_t *q = &r->pending[r->head];
-    tw_status_t st = tw_kv_rx_take(r, q);
+    st = tw_kv_rx_take(r, q);
     if (st == TW_INPROGRESS) break;
     if (st != TW_OK && first == TW_OK) first = st;
     r->head = (r->head + 1) % r->cap_pending;
     r->n_pending--;
+  }
+  /* gone senders are forgotten once nothing names them */
+  for (int i = 0; i < x->n_senders; i++) {
+    tw_kv_sender_t *s = x->senders[i];
+    bool named = false;
+    for (int j = 0; j < x->n_rx && !named; j++)
+      for (int32_t k = 0; k < x->rx[j]->n_slots && !named; k++)
+        named = x->rx[j]->slot_ctx[k].sender == s;
+    if (!s->failed || named) continue;
+    tw_kv_sender_close(x, s);
+    x->senders[i--] = x->senders[--x->n_senders];
   }
   return first;
 }
@@ -693,6 +1218,7 @@ void tw_kv_xfer_progress(tw_kv_xfer_t *x) {
   for (int round = 0; round < 64; round++) {
     int events = 0;
     while (ucp_worker_progress(x->worker)) events++;
+    if (x->n_pieces) tw_kv_pieces_advance(x); /* granted pieces are put */
     int32_t moved = 0;
     for (int i = 0; i < x->n_rx; i++) {
       tw_kv_region_t *r = x->rx[i];
@@ -710,6 +1236,7 @@ int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
   if (ucp_worker_get_efd(x->worker, &fd) != UCS_OK) return -1;
   for (int i = 0; i < 64; i++) {
     tw_kv_xfer_progress(x);
+    if (x->n_pieces > 0) return -1; /* pieces to put or answer: do not sleep */
     /* copies out of a ring finish without a UCX event: do not sleep on them */
     for (int k = 0; k < x->n_rx; k++) {
       tw_kv_rxring_stats_t s;
@@ -746,16 +1273,38 @@ static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
                               .block_bytes = l->block_bytes,
                               .layer_stride_bytes = l->layer_stride_bytes,
                               .total_bytes = l->total_bytes,
+                              .ring_blocks = l->ring_blocks,
+                              .n_ring_blocks = l->n_ring_blocks,
+                              .ring_layers = l->ring_layers,
                               .n_slots = r->n_slots,
                               .slot_bytes = r->slot_bytes};
+  /* the slots are allocated by UCX (shared memory where it can), so that a
+   * sender's put into a slot is a plain copy (or RDMA), never emulated */
+  ucp_mem_map_params_t mp = {
+      .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                    UCP_MEM_MAP_PARAM_FIELD_FLAGS | UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+      .address = NULL,
+      .length = bytes,
+      .flags = UCP_MEM_MAP_ALLOCATE,
+      .memory_type = UCS_MEMORY_TYPE_HOST};
+  ucs_status_t us = ucp_mem_map(x->ctx, &mp, &r->slots_memh);
+  ucp_mem_attr_t ma = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
+  if (us == UCS_OK) us = ucp_mem_query(r->slots_memh, &ma);
+  if (us != UCS_OK) {
+    return tw_err(TW_ERR_NO_MEMORY, "ucp_mem_map of the %zu-byte kv staging ring failed: %s", bytes,
+                  ucs_status_string(us));
+  }
+  r->slots = ma.address;
   if (l->on_device) {
     TW_CHECK(tw_cudart_load(&x->cudart));
-    void *m = NULL;
-    if (x->cudart.host_alloc(&m, bytes, 0) != 0)
-      return tw_err(TW_ERR_NO_MEMORY, "cudaHostAlloc of the %zu-byte kv staging ring failed",
-                    bytes);
-    r->slots = m;
-    r->slots_pinned = true;
+    /* pinned, so that the copies to the device run asynchronously */
+    if (x->cudart.host_register && x->cudart.host_register(r->slots, bytes, 0) == 0)
+      r->slots_pinned = true;
+    else
+      TW_WARN("kvx",
+              "cudaHostRegister of the %zu-byte kv staging ring failed: its copies to "
+              "the device run from pageable memory (slower)",
+              bytes);
     if (x->cudart.stream_create(&r->stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
       r->stream = NULL;
       return tw_err(TW_ERR_CUDA, "cudaStreamCreate for the kv staging copies failed");
@@ -767,20 +1316,27 @@ static TW_NODISCARD tw_status_t tw_kv_rx_ring_init(tw_kv_region_t *r,
       }
     rp.copy = (tw_kv_rxring_copy_t){tw_kv_rx_cuda_start, tw_kv_rx_cuda_poll, r};
   } else {
-    if (!(r->slots = malloc(bytes)))
-      return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the %zu-byte kv staging ring", bytes);
     rp.copy = (tw_kv_rxring_copy_t){tw_kv_rx_host_start, tw_kv_rx_host_poll, r};
   }
   rp.slots_mem = r->slots;
-  for (int32_t k = 0; k < r->n_slots; k++) r->slot_ctx[k] = (tw_kv_rx_slot_ctx_t){r, k};
+  for (int32_t k = 0; k < r->n_slots; k++)
+    r->slot_ctx[k] = (tw_kv_rx_slot_ctx_t){.r = r, .slot = k};
   TW_CHECK(tw_kv_rxring_create(&rp, &r->ring));
-  ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
-                                           UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                                           UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
-                             .address = r->slots,
-                             .length = bytes,
-                             .memory_type = UCS_MEMORY_TYPE_HOST};
-  if (ucp_mem_map(x->ctx, &mp, &r->slots_memh) != UCS_OK) r->slots_memh = NULL; /* still works */
+  /* senders put into the slots: the ring's rkey is what the region publishes */
+  void *buf = NULL;
+  size_t len = 0;
+  us = ucp_rkey_pack(x->ctx, r->slots_memh, &buf, &len);
+  if (us != UCS_OK)
+    return tw_err(TW_ERR_TRANSPORT, "ucp_rkey_pack of the kv staging ring failed: %s",
+                  ucs_status_string(us));
+  r->rkey = malloc(len + sizeof(tw_kv_ipc_desc_t)); /* room for a CUDA IPC descriptor */
+  if (!r->rkey) {
+    ucp_rkey_buffer_release(buf);
+    return tw_err(TW_ERR_NO_MEMORY, "cannot copy a %zu-byte rkey", len);
+  }
+  memcpy(r->rkey, buf, len);
+  r->rkey_len = len;
+  ucp_rkey_buffer_release(buf);
   x->rx[x->n_rx++] = r;
   return TW_OK;
 }
@@ -933,13 +1489,8 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
   r->staged = (prm && prm->staging_ring) || force_staged || (layout->on_device && !x->cuda_native);
   if (r->staged) {
     TW_CHECK_GOTO(tw_kv_rx_ring_init(r, prm), st, fail);
-    /* no ucx rkey: an empty blob, plus a CUDA IPC descriptor of a device
-     * pool (a prefill worker on this host may copy into it directly) */
-    if (!(r->rkey = malloc(sizeof(tw_kv_ipc_desc_t)))) {
-      st = tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv rkey blob");
-      goto fail;
-    }
-    r->rkey_len = 0;
+    /* the ring's rkey, plus a CUDA IPC descriptor of a device pool (a
+     * prefill worker on this host may copy into it directly) */
     if (layout->on_device) (void)tw_kv_ipc_export(r); /* optional: logged when it fails */
     TW_INFO(
         "kvx",
@@ -1003,26 +1554,18 @@ void tw_kv_region_unregister(tw_kv_region_t *r) {
   tw_kv_xfer_t *x = r->xfer;
   for (int i = 0; i < x->n_rx; i++)
     if (x->rx[i] == r) x->rx[i] = x->rx[--x->n_rx];
-  /* no receive or copy may still write a slot or the pool */
-  for (int i = 0; i < 100000 && r->receiving > 0; i++) ucp_worker_progress(x->worker);
+  /* no copy may still write the pool (a slot granted now is unmapped below:
+   * a sender's put into it fails on its side) */
   if (r->ring && tw_kv_rxring_drain(r->ring, 10000) != TW_OK)
     TW_WARN("kvx", "unregistering a staged kv pool with copies still running");
-  for (int32_t i = 0; i < r->n_pending; i++) { /* their senders see them dropped */
-    tw_kv_rx_pending_t *q = &r->pending[(r->head + i) % r->cap_pending];
-    if (q->copy)
-      free(q->copy);
-    else
-      ucp_am_data_release(x->worker, q->desc);
-  }
+  for (int32_t i = 0; i < r->n_pending; i++) /* their senders time out */
+    free(r->pending[(r->head + i) % r->cap_pending].addr);
   free(r->pending);
   for (int32_t k = 0; r->event && k < r->n_slots; k++)
     if (r->event[k]) x->cudart.event_destroy(r->event[k]);
   if (r->stream) x->cudart.stream_destroy(r->stream);
-  if (r->slots_memh) ucp_mem_unmap(x->ctx, r->slots_memh);
-  if (r->slots && r->slots_pinned)
-    x->cudart.free_host(r->slots);
-  else
-    free(r->slots);
+  if (r->slots && r->slots_pinned) x->cudart.host_unregister(r->slots);
+  if (r->slots_memh) ucp_mem_unmap(x->ctx, r->slots_memh); /* frees the slots */
   tw_kv_rxring_destroy(r->ring);
   free(r->event);
   free(r->slot_ctx);
@@ -1049,7 +1592,10 @@ void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *
                                .block_bytes = l->block_bytes,
                                .remote_base = (uint64_t)(uintptr_t)l->base,
                                .total_bytes = l->total_bytes,
-                               .staging_slot_bytes = r->staged ? r->slot_bytes : 0};
+                               .staging_slot_bytes = r->staged ? r->slot_bytes : 0,
+                               .ring_blocks = l->ring_blocks,
+                               .n_ring_blocks = l->n_ring_blocks,
+                               .ring_layers = l->ring_layers};
 }
 
 TW_NODISCARD tw_status_t tw_kv_region_landed(tw_kv_region_t *r, uint64_t tag, const int32_t *ids,
@@ -1242,10 +1788,10 @@ int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int3
 
 static TW_NODISCARD tw_status_t tw_kv_block_ptr(const tw_kv_layout_t *l, int32_t layer, int32_t id,
                                                 char **ptr_p) {
-  if (layer < 0 || layer >= l->n_layers || id < 0 || id >= l->n_blocks)
+  if (layer < 0 || layer >= l->n_layers || id < 0 || id >= tw_kv_layer_blocks(l, layer))
     return tw_err(TW_ERR_INVALID_ARGUMENT, "kv block %d of layer %d is outside the pool (%d x %d)",
-                  id, layer, l->n_layers, l->n_blocks);
-  *ptr_p = (char *)l->base + layer * l->layer_stride_bytes + (int64_t)id * l->block_bytes;
+                  id, layer, l->n_layers, tw_kv_layer_blocks(l, layer));
+  *ptr_p = (char *)l->base + tw_kv_layer_offset(l, layer) + (int64_t)id * l->block_bytes;
   return TW_OK;
 }
 
@@ -1272,6 +1818,8 @@ static void tw_kv_ring_free(tw_kv_xfer_t *x) {
   tw_kv_ring_t *g = &x->ring;
   for (int k = 0; k < TW_KV_RING_SLOTS; k++) {
     TW_IGNORE(tw_kv_req_wait(x, &g->req[k])); /* teardown: a failed put is logged there */
+    if (g->piece[k] && x->pieces[g->piece[k] % TW_KV_PIECES].id == g->piece[k])
+      TW_IGNORE(tw_kv_pieces_wait(x, NULL, TW_KV_WAIT_ID, g->piece[k], 10000)); /* logged */
     if (g->event[k]) {
       x->cudart.event_sync(g->event[k]); /* no copy may still write the slot */
       x->cudart.event_destroy(g->event[k]);
@@ -1317,6 +1865,7 @@ static TW_NODISCARD tw_status_t tw_kv_ring_init(tw_kv_xfer_t *x, bool device) {
                     UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
       .address = g->mem, .length = bytes, .memory_type = UCS_MEMORY_TYPE_HOST};
   if (ucp_mem_map(x->ctx, &mp, &g->memh) != UCS_OK) g->memh = NULL; /* puts still work */
+
   TW_DEBUG("kvx", "kv bounce ring: %d slots of %lld bytes, %s", TW_KV_RING_SLOTS,
            (long long)TW_KV_RING_SLOT_BYTES, device ? "pinned" : "pageable");
   return TW_OK;
@@ -1349,42 +1898,6 @@ static TW_NODISCARD tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_
   return TW_OK;
 }
 
-/* Stream the concatenated segments through the ring in slot-sized chunks:
- * fill (host memcpy, or cudaMemcpyAsync on the ring's stream for a device
- * source, up to TW_KV_RING_SLOTS chunks ahead), then checksum and (if `put`)
- * put each chunk to raddr + its offset. A slot is refilled only after its
- * previous put completed locally. */
-/* Wait (progressing, at most timeout_ms) until the active messages sent in
- * place to `p` completed (the receiver fetched them), freeing them.
- * Errors: TW_ERR_DEADLINE (the peer is marked failed), TW_ERR_UNAVAILABLE
- * (a send failed). */
-static TW_NODISCARD tw_status_t tw_kv_am_wait(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
-  int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
-  ucs_status_t bad = UCS_OK;
-  for (int i = 0; i < p->n_am; i++) {
-    ucs_status_t s;
-    while ((s = ucp_request_check_status(p->am_req[i])) == UCS_INPROGRESS) {
-      ucp_worker_progress(x->worker);
-      if (tw_now_ns() > deadline) {
-        p->failed = 1; /* the endpoint is dropped; its close completes these */
-        return tw_err(TW_ERR_DEADLINE,
-                      "the decode worker did not take %d staged kv pieces within %d ms",
-                      p->n_am - i, timeout_ms);
-      }
-    }
-    if (s != UCS_OK && bad == UCS_OK) bad = s;
-    ucp_request_free(p->am_req[i]);
-    p->am_req[i] = NULL;
-  }
-  p->n_am = 0;
-  if (bad != UCS_OK) {
-    p->failed = 1;
-    return tw_err(TW_ERR_UNAVAILABLE, "a staged kv piece was refused by the decode worker: %s",
-                  ucs_status_string(bad));
-  }
-  return TW_OK;
-}
-
 typedef enum {
   TW_KV_RING_READ = 0, /* checksum only */
   TW_KV_RING_PUT = 1,  /* put each chunk to raddr + its offset */
@@ -1398,36 +1911,12 @@ static int64_t tw_kv_am_chunk(const tw_kv_remote_layout_t *dst) {
                                                          : TW_KV_RING_SLOT_BYTES;
 }
 
-/* Send `len` bytes at `buf` as one active message to the staged receiver
- * `dst`, landing at raddr (forced rendezvous: the receiver fetches it when
- * it has a slot). *hdr must stay put until the request completes. */
-static TW_NODISCARD tw_status_t tw_kv_am_send(tw_kv_xfer_t *x, tw_kv_peer_t *p,
-                                              const tw_kv_remote_layout_t *dst, const void *buf,
-                                              int64_t len, uint64_t raddr, ucp_mem_h memh,
-                                              ucs_memory_type_t mt, tw_kv_am_hdr_t *hdr,
-                                              void **req_p) {
-  *hdr = (tw_kv_am_hdr_t){.base = dst->remote_base,
-                          .offset = raddr - dst->remote_base,
-                          .len = (uint64_t)len,
-                          .tag = dst->handoff_tag};
-  ucp_request_param_t prm = {
-      .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
-      .flags = UCP_AM_SEND_FLAG_RNDV,
-      .memory_type = mt};
-  if (memh) {
-    prm.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    prm.memh = memh;
-  }
-  void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_ID, hdr, sizeof *hdr, buf, (size_t)len, &prm);
-  if (UCS_PTR_IS_ERR(req))
-    return tw_err(TW_ERR_TRANSPORT, "ucp_am_send_nbx of %lld kv bytes failed: %s", (long long)len,
-                  ucs_status_string(UCS_PTR_STATUS(req)));
-  *req_p = req;
-  x->stats.puts++;
-  x->stats.ring_bytes += len;
-  return TW_OK;
-}
-
+/* Stream the concatenated segments through the ring in slot-sized chunks:
+ * fill (host memcpy, or cudaMemcpyAsync on the ring's stream for a device
+ * source, up to TW_KV_RING_SLOTS chunks ahead), then checksum and, by mode,
+ * put each chunk to raddr + its offset or announce it to the staged receiver
+ * dst (which reads it). A slot is refilled only after its previous put
+ * completed locally, or its piece was answered. */
 static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, bool device,
                                                const tw_kv_seg_t *segs, int32_t n_segs,
                                                int64_t total, uint64_t raddr, uint64_t *h,
@@ -1443,6 +1932,12 @@ static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p,
     while (copied < n_chunks && copied < sent + TW_KV_RING_SLOTS) {
       int k = (int)(g->next++ % TW_KV_RING_SLOTS);
       TW_CHECK(tw_kv_req_wait(x, &g->req[k]));
+      if (g->piece[k]) { /* the staged receiver has read the slot's last piece */
+        uint64_t id = g->piece[k];
+        g->piece[k] = 0;
+        if (x->pieces[id % TW_KV_PIECES].id == id)
+          TW_CHECK(tw_kv_pieces_wait(x, p, TW_KV_WAIT_ID, id, 10000));
+      }
       int64_t len = total - copied * S < S ? total - copied * S : S;
       uint8_t *slot = g->mem + (int64_t)k * TW_KV_RING_SLOT_BYTES;
       for (int64_t done = 0; done < len && si < n_segs;) {
@@ -1474,8 +1969,7 @@ static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p,
       return tw_err(TW_ERR_CUDA, "a kv copy to the bounce ring failed");
     if (h) *h = tw_kv_fnv1a(*h, src, (size_t)len);
     if (mode == TW_KV_RING_AM) {
-      TW_CHECK(tw_kv_am_send(x, p, dst, src, len, raddr + (uint64_t)(sent * S), g->memh,
-                             UCS_MEMORY_TYPE_HOST, &g->hdr[k], &g->req[k]));
+      TW_CHECK(tw_kv_piece_send(x, p, dst, src, len, raddr + (uint64_t)(sent * S), &g->piece[k]));
       if (device) x->stats.staged_bytes += len;
     } else if (mode == TW_KV_RING_PUT) {
       ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
@@ -1602,12 +2096,10 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
       }
       /* one host piece: sent in place, a slot's worth at a time */
       for (int64_t off = 0, C = tw_kv_am_chunk(dst); off < total; off += C) {
-        if (p->n_am == TW_KV_AM_INFLIGHT) TW_CHECK(tw_kv_am_wait(x, p, 10000));
         int64_t len = total - off < C ? total - off : C;
-        TW_CHECK(tw_kv_am_send(x, p, dst, (const char *)segs[0].ptr + off, len,
-                               raddr + (uint64_t)off, NULL, UCS_MEMORY_TYPE_HOST,
-                               &p->am_hdr[p->n_am], &p->am_req[p->n_am]));
-        if (p->am_req[p->n_am]) p->n_am++;
+        uint64_t id = 0;
+        TW_CHECK(tw_kv_piece_send(x, p, dst, (const char *)segs[0].ptr + off, len,
+                                  raddr + (uint64_t)off, &id));
       }
       if (h) *h = tw_kv_fnv1a(*h, segs[0].ptr, (size_t)total);
       break;
@@ -1653,6 +2145,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
   }
   x->stats.bytes_sent += total;
   ucp_worker_progress(x->worker);
+  if (x->n_pieces) tw_kv_pieces_advance(x); /* pieces move while the caller computes */
   return TW_OK;
 }
 
@@ -1670,20 +2163,28 @@ TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p,
                   (int)src->dtype, src->block_size, src->n_kv_heads_local, src->head_dim,
                   (int)dst->dtype, dst->block_size, dst->n_kv_heads, dst->head_dim);
   uint64_t h = maybe_checksum ? *maybe_checksum : TW_KV_FNV_INIT;
-  for (int32_t i = first; i < n;) {
+  int32_t *buf = NULL, dst_ring = tw_kv_layer_ring(dst->ring_layers, dst->ring_blocks, layer);
+  int32_t dst_blocks = dst_ring ? dst->n_ring_blocks : dst->n_blocks;
+  TW_CHECK(tw_kv_ring_ids(tw_kv_layer_ring(src->ring_layers, src->ring_blocks, layer), dst_ring,
+                          src_ids, dst_ids, &first, n, &src_ids, &dst_ids, &buf));
+  int64_t loff = tw_kv_layer_offset_of(layer, dst->block_bytes, dst->n_blocks, dst->n_ring_blocks,
+                                       dst->ring_blocks, dst->ring_layers);
+  tw_status_t st = TW_OK;
+  for (int32_t i = first; i < n && st == TW_OK;) {
     int32_t k = tw_kv_run_length(src_ids, dst_ids, i, n);
     char *blk = NULL, *last = NULL;
-    TW_CHECK(tw_kv_block_ptr(src, layer, src_ids[i], &blk));
-    TW_CHECK(tw_kv_block_ptr(src, layer, src_ids[i] + k - 1, &last));
-    if (dst_ids[i] < 0 || dst_ids[i] + k > dst->n_blocks)
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "remote kv blocks %d..%d outside the pool of %d blocks",
-                    dst_ids[i], dst_ids[i] + k - 1, dst->n_blocks);
+    st = tw_kv_block_ptr(src, layer, src_ids[i], &blk);
+    if (st == TW_OK) st = tw_kv_block_ptr(src, layer, src_ids[i] + k - 1, &last);
+    if (st == TW_OK && (dst_ids[i] < 0 || dst_ids[i] + k > dst_blocks))
+      st = tw_err(TW_ERR_INVALID_ARGUMENT, "remote kv blocks %d..%d outside the pool of %d blocks",
+                  dst_ids[i], dst_ids[i] + k - 1, dst_blocks);
     tw_kv_seg_t seg = {.ptr = blk, .bytes = (int64_t)k * src->block_bytes};
-    uint64_t raddr = dst->remote_base + (uint64_t)(layer * dst->layer_stride_bytes) +
-                     (uint64_t)dst_ids[i] * (uint64_t)dst->block_bytes;
-    TW_CHECK(tw_kv_xfer_put(x, p, src, dst, &seg, 1, raddr, maybe_checksum ? &h : NULL));
+    uint64_t raddr = dst->remote_base + (uint64_t)loff + (uint64_t)dst_ids[i] * (uint64_t)dst->block_bytes;
+    if (st == TW_OK) st = tw_kv_xfer_put(x, p, src, dst, &seg, 1, raddr, maybe_checksum ? &h : NULL);
     i += k;
   }
+  free(buf);
+  TW_CHECK(st);
   if (maybe_checksum) *maybe_checksum = h;
   return TW_OK;
 }
@@ -1696,7 +2197,13 @@ int32_t tw_kv_run_length(const int32_t *src_ids, const int32_t *dst_ids, int32_t
 
 TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
   /* pieces for a staged receiver: done when it has answered each */
-  if (p->n_am) TW_CHECK(tw_kv_am_wait(x, p, timeout_ms));
+  if (p->n_pieces) TW_CHECK(tw_kv_pieces_wait(x, p, TW_KV_WAIT_PEER, 0, timeout_ms));
+  if (p->refused != UCS_OK) {
+    ucs_status_t why = (ucs_status_t)p->refused;
+    p->refused = UCS_OK;
+    return tw_err(TW_ERR_UNAVAILABLE, "the decode worker dropped staged kv pieces: %s",
+                  ucs_status_string(why));
+  }
   if (p->ipc_pending) { /* the direct copies: done on the device once the event is */
     if (x->cudart.event_record(x->ipc_event, x->ipc_stream) != 0)
       return tw_err(TW_ERR_CUDA, "cudaEventRecord after the direct kv copies failed");
@@ -1758,8 +2265,11 @@ TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_
   uint64_t h = TW_KV_FNV_INIT;
   tw_cudart_t rt = {0};
   uint8_t *copy = NULL;
-  tw_status_t st = TW_OK;
-  if (pool->on_device && (st = tw_cudart_load(&rt)) == TW_OK &&
+  int32_t *buf = NULL;
+  const int32_t *none = NULL;
+  tw_status_t st = tw_kv_ring_ids(tw_kv_layer_ring(pool->ring_layers, pool->ring_blocks, layer), 0,
+                                  ids, NULL, &first, n, &ids, &none, &buf);
+  if (st == TW_OK && pool->on_device && (st = tw_cudart_load(&rt)) == TW_OK &&
       !(copy = malloc((size_t)pool->block_bytes)))
     st = tw_err(TW_ERR_NO_MEMORY, "cannot allocate a %lld-byte kv block copy",
                 (long long)pool->block_bytes);
@@ -1771,6 +2281,7 @@ TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_
     if (st == TW_OK) h = tw_kv_fnv1a(h, copy ? (const char *)copy : blk, (size_t)pool->block_bytes);
   }
   free(copy);
+  free(buf);
   if (rt.lib) dlclose(rt.lib);
   if (st == TW_OK) *checksum_p = h;
   return st;

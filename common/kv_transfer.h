@@ -32,22 +32,27 @@
  *  - staged (receiver's ring): a device decode pool that this UCX cannot
  *    reach (no CUDA transports, or TWAIN_KV_PATH=staged, which stages a
  *    host pool too: the same path on a machine without a GPU, copies out
- *    of the ring by memcpy) is not registered
- *    at all, and no pinned mirror of it exists. The sender sends each piece
- *    (at most one receiver slot, from its pool or its own ring for a device
- *    source) as a UCX active message forced to rendezvous, whose header
- *    names the pool, the destination offset and the handoff (request id).
- *    The receiver (kv_rxring.h) fetches a piece into a free slot of its
- *    bounded ring of pinned buffers (TWAIN_KV_STAGING_SLOTS x
- *    TWAIN_KV_STAGING_SLOT_MB, default 16 x 8 MiB), copies the slot to the
- *    pool on its own stream (cudaMemcpyAsync, then an event), and frees the
- *    slot when that event completes. With every slot in use, a piece's
- *    rendezvous waits (the sender's send and flush do not complete):
- *    back-pressure without any unbounded buffer. The decode worker uses a
- *    sequence's blocks once tw_kv_region_landed says every byte of every
- *    block sent for that request is on the device; it never waits for it.
- *    Chosen over a credit scheme because the rendezvous is the credit:
- *    UCX already holds the sender until the receiver offers a buffer.
+ *    of the ring by memcpy) is not registered at all, and no pinned mirror
+ *    of it exists. The receiver has a bounded ring of slots
+ *    (TWAIN_KV_STAGING_SLOTS x TWAIN_KV_STAGING_SLOT_MB, default 16 x 8
+ *    MiB) allocated by UCX (shared memory on one host) and pinned for the
+ *    device copies, and publishes the ring's rkey. Each piece (at most one
+ *    slot, from the sender's pool or its own ring for a device source)
+ *    moves in three small eager active messages: the sender asks for a slot
+ *    ("want": the pool, the destination offset, the handoff), the receiver
+ *    grants a free one over its own endpoint to the sender ("grant"), the
+ *    sender puts the piece into the slot, flushes, and says so ("filled").
+ *    The receiver (kv_rxring.h) copies the slot to the pool on its own
+ *    stream (cudaMemcpyAsync, then an event) and frees the slot when that
+ *    event completes. With every slot in use, pieces wait in the
+ *    receiver's queue: back-pressure without any unbounded buffer. The
+ *    decode worker uses a sequence's blocks once tw_kv_region_landed says
+ *    every byte of every block sent for that request is on the device; it
+ *    never waits for it. The receiver never waits on UCX for a sender (no
+ *    rendezvous, no get): slots granted to a sender that is gone are taken
+ *    back (its pid, on one host; no fill within 120 s elsewhere) and its
+ *    waiting pieces dropped, so a prefill worker killed mid-handoff leaves
+ *    the decode worker serving.
  * Not thread-safe: one thread per tw_kv_xfer_t. */
 #ifndef TW_COMMON_KV_TRANSFER_H
 #define TW_COMMON_KV_TRANSFER_H
@@ -83,11 +88,15 @@ typedef struct {
   uint64_t remote_base;   /* registered base address in the owner process */
   int64_t total_bytes;
   /* > 0: the pool takes pieces of at most this many bytes into its bounce
-   * ring as active messages (staged receive; no rkey) */
+   * bounce ring (staged receive; the rkey is the ring's) */
   int64_t staging_slot_bytes;
   /* the sender's: names the handoff (its request id) in each piece sent to a
    * staged receiver, which counts a block complete for that handoff only */
   uint64_t handoff_tag;
+  /* the window ring (engine.h tw_kv_layout_t, kv_ring.h); ring_blocks 0: none */
+  int32_t ring_blocks;
+  int32_t n_ring_blocks;
+  uint64_t ring_layers;
 } tw_kv_remote_layout_t;
 
 /** Counters since creation (for metrics). */
@@ -242,7 +251,10 @@ int32_t tw_kv_layer_first_block(int32_t n_tokens, int32_t block_size, bool slidi
 int32_t tw_kv_blocks_final(int32_t end, int32_t n_tokens, int32_t n_blocks, int32_t block_size);
 
 /** Put one layer's blocks: local blocks src_ids[first..n) of `src` (the prefill
- *  engine's pool) into remote blocks dst_ids[first..n) of the peer's pool,
+ *  engine's pool) into remote blocks dst_ids[first..n) of the peer's pool
+ *  (src_ids and dst_ids are the sequence's block tables: a ring layer of
+ *  either pool, kv_ring.h, stores entry j in the block of entry j % R and
+ *  keeps only the last R entries, so only entries from tw_kv_ring_first move),
  *  non-blocking, one put per run of blocks consecutive on both sides
  *  (tw_kv_run_length), over the path tw_kv_xfer_path gives. If maybe_checksum is set, the FNV-1a 64 of the bytes sent
  *  (in block order) continues from *maybe_checksum (start it at
@@ -302,7 +314,7 @@ uint64_t tw_kv_fnv1a(uint64_t h, const void *data, size_t len);
 
 /** Checksum of blocks ids[first..n) of `layer` in a local pool, computed the
  *  same way as tw_kv_xfer_send_layer (host pools, or device pools through a
- *  copy). Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA, TW_ERR_NO_MEMORY. */
+ *  copy; ids a block table, read as the ring maps it on a ring layer). Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA, TW_ERR_NO_MEMORY. */
 TW_NODISCARD tw_status_t tw_kv_layer_checksum(const tw_kv_layout_t *pool, int32_t layer,
                                               const int32_t *ids, int32_t first, int32_t n,
                                               uint64_t *checksum_p);

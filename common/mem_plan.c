@@ -1,6 +1,7 @@
 /* mem_plan.c: the memory plan of the workers on one device (mem_plan.h). */
 #include "common/mem_plan.h"
 
+#include "common/kv_ring.h"
 #include "common/log.h"
 
 #include <errno.h>
@@ -56,7 +57,45 @@ typedef struct {
   int32_t n_graphs;
 } tw_mem_dec_t;
 
-static tw_mem_dec_t tw_mem_decode_fit(const tw_mem_plan_in_t *in, int64_t per, int64_t kv_tok,
+/* The KV pool's geometry (kv_ring.h): blocks over the layers that keep every
+ * position (blk_full bytes each), ring blocks over the sliding layers
+ * (blk_ring each; 0 without the ring), R ring blocks a sequence, rings for
+ * ring_seqs sequences per max-batch sequence. */
+typedef struct {
+  int64_t blk_full, blk_ring;
+  int32_t R;
+} tw_mem_kv_t;
+
+static int64_t tw_mem_pool_bytes(const tw_mem_kv_t *g, int64_t nb, int64_t nr) {
+  return nb * g->blk_full + (g->R ? nr : nb) * g->blk_ring;
+}
+
+/* Ring blocks of a pool of nb blocks for `seqs` sequences. */
+static int64_t tw_mem_ring_blocks(const tw_mem_kv_t *g, int64_t nb, int64_t seqs) {
+  int64_t nr = (int64_t)TW_MEM_RING_SEQS * seqs * g->R;
+  return !g->R || nr > nb ? nb : nr;
+}
+
+/* The most blocks `bytes` hold with rings for `seqs` sequences. */
+static int64_t tw_mem_pool_blocks(const tw_mem_kv_t *g, int64_t bytes, int64_t seqs) {
+  if (bytes <= 0) return 0;
+  int64_t rings = (int64_t)TW_MEM_RING_SEQS * seqs * g->R;
+  if (g->R && bytes >= rings * (g->blk_full + g->blk_ring))
+    return (bytes - rings * g->blk_ring) / g->blk_full;
+  return bytes / (g->blk_full + g->blk_ring);
+}
+
+/* The most token positions `bytes` hold with rings for `seqs` sequences. */
+static int64_t tw_mem_pool_tokens(const tw_mem_kv_t *g, int64_t bytes, int64_t seqs,
+                                  int32_t block_size) {
+  if (bytes <= 0) return 0;
+  int64_t rings = (int64_t)TW_MEM_RING_SEQS * seqs * g->R;
+  if (g->R && bytes >= rings * (g->blk_full + g->blk_ring))
+    return (bytes - rings * g->blk_ring) / (g->blk_full / block_size);
+  return bytes / ((g->blk_full + g->blk_ring) / block_size);
+}
+
+static tw_mem_dec_t tw_mem_decode_fit(const tw_mem_plan_in_t *in, int64_t per, int64_t seq_bytes,
                                       int32_t cap_b, int32_t max_pos) {
   int32_t fixed = in->role == TW_MEM_ROLE_DECODE ? in->max_batch : 0;
   int32_t ctx_buckets = tw_mem_buckets(max_pos, TW_MEM_GRAPH_CTX_MIN);
@@ -70,7 +109,7 @@ static tw_mem_dec_t tw_mem_decode_fit(const tw_mem_plan_in_t *in, int64_t per, i
                                    : tw_mem_buckets(b, 1) * ctx_buckets;
     d.graphs = (int64_t)d.n_graphs * in->graph_bytes;
     d.kv = per - d.ws - d.graphs;
-    if (fixed || d.kv >= (int64_t)b * TW_MEM_TOKENS_PER_SEQ * kv_tok) break;
+    if (fixed || d.kv >= (int64_t)b * seq_bytes) break;
     int32_t p = 1;
     while (p * 2 < b) p *= 2;
     b = b == 1 ? 0 : p; /* the next power of two below b */
@@ -112,7 +151,19 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   if (W <= 0) W = tw_mem_weight_bytes(c, &mx, &rest);
   int32_t kvh = in->kv_heads > 0 ? in->kv_heads : c->n_kv_heads;
   int64_t kv_tok = (int64_t)c->n_layers * 2 * kvh * c->head_dim * in->kv_elem_bytes;
-  int64_t blk = kv_tok * in->block_size; /* bytes of one block over every layer */
+  /* the window ring (kv_ring.h): the sliding layers hold R blocks a sequence */
+  uint64_t ring_mask = in->window_ring ? tw_kv_ring_layer_mask(c) : 0;
+  int32_t n_ring_layers = 0;
+  for (int32_t l = 0; l < 64; l++) n_ring_layers += (int32_t)((ring_mask >> l) & 1u);
+  tw_mem_kv_t g = {.R = ring_mask ? tw_kv_ring_len(c->sliding_window, in->block_size) : 0};
+  int64_t lay_blk = kv_tok / c->n_layers * in->block_size; /* one layer's block */
+  g.blk_full = lay_blk * (c->n_layers - n_ring_layers);
+  g.blk_ring = lay_blk * n_ring_layers;
+  int64_t kv_tok_full = g.blk_full / in->block_size; /* what a position costs past the window */
+  /* a sequence of TW_MEM_TOKENS_PER_SEQ tokens, its ring included */
+  int64_t seq_bytes = (int64_t)TW_MEM_TOKENS_PER_SEQ * kv_tok_full +
+                      (g.R ? (int64_t)g.R * g.blk_ring
+                           : (int64_t)TW_MEM_TOKENS_PER_SEQ * (kv_tok - kv_tok_full));
   int32_t max_pos = c->max_position_embeddings;
   int64_t mbps = (max_pos + in->block_size - 1) / in->block_size;
   int32_t copies = in->shared_weights ? 1 : np + nd;
@@ -135,7 +186,7 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
                   copies > 1 ? ", share one copy of the weights between the workers" : "");
   static const int32_t budgets[] = {TW_MEM_PREFILL_TOKENS, 4096, 2048, 1024};
   int32_t n_try = in->prefill_tokens ? 1 : (int32_t)(sizeof budgets / sizeof budgets[0]);
-  int32_t T = 0, pblocks = 0;
+  int32_t T = 0, pblocks = 0, pring = 0, dring = 0;
   int64_t pws = 0, pkv = 0, left = 0;
   tw_mem_dec_t d = {0, 0, 0, 0, 0};
   int32_t dblocks = 0;
@@ -149,13 +200,17 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
     pblocks = 0;
     if (np) { /* one full-context prompt + a batch in flight, within [2 T, left / 8] */
       int64_t want = (int64_t)max_pos + T, lo = 2 * (int64_t)T;
-      int64_t share = left / 8 / np / kv_tok;
+      int64_t share = tw_mem_pool_tokens(&g, left / 8 / np, TW_MEM_PREFILL_SEQS, in->block_size);
       int64_t tok = want < (share > lo ? share : lo) ? want : (share > lo ? share : lo);
       int64_t nb = (tok + in->block_size - 1) / in->block_size;
-      if (in->kv_cap_bytes > 0 && nb * blk > in->kv_cap_bytes) nb = in->kv_cap_bytes / blk;
+      if (in->kv_cap_bytes > 0 &&
+          tw_mem_pool_bytes(&g, nb, tw_mem_ring_blocks(&g, nb, TW_MEM_PREFILL_SEQS)) >
+              in->kv_cap_bytes)
+        nb = tw_mem_pool_blocks(&g, in->kv_cap_bytes, TW_MEM_PREFILL_SEQS);
       if (nb > INT32_MAX / in->block_size) nb = INT32_MAX / in->block_size;
       pblocks = (int32_t)nb;
-      pkv = nb * blk;
+      pring = (int32_t)tw_mem_ring_blocks(&g, nb, TW_MEM_PREFILL_SEQS);
+      pkv = tw_mem_pool_bytes(&g, nb, pring);
     }
     int64_t rem = left - (int64_t)np * pkv;
     if (rem < 0) continue;
@@ -163,12 +218,15 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
       fits = pblocks >= 1;
       break;
     }
-    d = tw_mem_decode_fit(in, rem / nd, kv_tok, cap_b, max_pos);
-    int64_t nb = d.kv / blk;
+    d = tw_mem_decode_fit(in, rem / nd, seq_bytes, cap_b, max_pos);
+    int64_t nb = tw_mem_pool_blocks(&g, d.kv, d.b);
     if (nb > (int64_t)d.b * mbps) nb = (int64_t)d.b * mbps; /* every sequence at full context */
-    if (in->kv_cap_bytes > 0 && nb * blk > in->kv_cap_bytes) nb = in->kv_cap_bytes / blk;
+    if (in->kv_cap_bytes > 0 &&
+        tw_mem_pool_bytes(&g, nb, tw_mem_ring_blocks(&g, nb, d.b)) > in->kv_cap_bytes)
+      nb = tw_mem_pool_blocks(&g, in->kv_cap_bytes, d.b);
     if (nb > INT32_MAX / in->block_size) nb = INT32_MAX / in->block_size;
     dblocks = (int32_t)nb;
+    dring = (int32_t)tw_mem_ring_blocks(&g, nb, d.b);
     fits = (int64_t)dblocks * in->block_size >= TW_MEM_MIN_DECODE_TOKENS;
   }
   if (!fits)
@@ -183,7 +241,9 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   p->prefill_kv_blocks = pblocks;
   p->prefill_kv_bytes = pkv;
   p->decode_kv_blocks = dblocks;
-  p->decode_kv_bytes = (int64_t)dblocks * blk;
+  p->prefill_kv_ring_blocks = pring;
+  p->decode_kv_ring_blocks = dring;
+  p->decode_kv_bytes = tw_mem_pool_bytes(&g, dblocks, dring);
   p->decode_max_batch = d.b;
   p->unplanned_bytes = left - (int64_t)np * pkv -
                        (nd ? (int64_t)nd * (d.ws + d.graphs + p->decode_kv_bytes) : 0);
@@ -192,6 +252,8 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   p->max_batch = pre ? TW_MEM_PREFILL_SEQS : d.b;
   p->prefill_tokens = pre ? T : d.b;
   p->kv_blocks = pre ? pblocks : dblocks;
+  p->kv_ring_blocks = pre ? pring : dring;
+  int32_t seqs = pre ? TW_MEM_PREFILL_SEQS : d.b; /* whose rings this worker's pool holds */
   p->workspace_bytes = pre ? pws : d.ws + d.graphs;
   /* the lines */
   if (mx || rest)
@@ -212,6 +274,10 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   tw_mem_line(p, "memory plan: %s; KV %.1f KiB a token (%d layers x %d kv heads x %d x 2 x %d "
               "bytes), blocks of %d tokens", rs, kv_tok / 1024.0, c->n_layers, kvh, c->head_dim,
               in->kv_elem_bytes, in->block_size);
+  if (g.R)
+    tw_mem_line(p, "memory plan: window ring: %d sliding layers keep %d blocks a sequence (window "
+                "%d), so past it a token costs %.1f KiB", n_ring_layers, g.R, c->sliding_window,
+                kv_tok_full / 1024.0);
   if (np)
     tw_mem_line(p, "memory plan: each prefill worker: token budget %d, workspace %.2f GiB, kv pool "
                 "%.2f GiB = %d blocks (%lld tokens: prompts until their handoff)", T, tw_gib(pws),
@@ -232,8 +298,9 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   /* this worker's share against what is free now */
   if (in->free_bytes > 0 && !in->kv_blocks) {
     int64_t room = in->free_bytes - TW_MEM_FREE_SLACK - p->workspace_bytes;
-    if (room < (int64_t)p->kv_blocks * blk) {
-      int32_t nb = room > 0 ? (int32_t)(room / blk) : 0;
+    int64_t want_bytes = tw_mem_pool_bytes(&g, p->kv_blocks, p->kv_ring_blocks);
+    if (room < want_bytes) {
+      int32_t nb = room > 0 ? (int32_t)tw_mem_pool_blocks(&g, room, seqs) : 0;
       int64_t min_tok = pre ? T : TW_MEM_MIN_DECODE_TOKENS;
       if ((int64_t)nb * in->block_size < min_tok) {
         tw_status_t st = tw_err(TW_ERR_NO_MEMORY,
@@ -241,8 +308,8 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
                                 "needs %.2f GiB (workspace %.2f + kv pool %.2f): another process "
                                 "uses the device, or lower --gpu-memory-utilization on the others",
                                 tw_gib(in->free_bytes), pre ? "prefill" : "decode",
-                                tw_gib(p->workspace_bytes + (int64_t)p->kv_blocks * blk),
-                                tw_gib(p->workspace_bytes), tw_gib((int64_t)p->kv_blocks * blk));
+                                tw_gib(p->workspace_bytes + want_bytes),
+                                tw_gib(p->workspace_bytes), tw_gib(want_bytes));
         memset(p, 0, sizeof *p);
         return st;
       }
@@ -250,10 +317,14 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
                   "worker's kv pool cut from %d to %d blocks", tw_gib(in->free_bytes),
                   p->kv_blocks, nb);
       p->kv_blocks = nb;
+      p->kv_ring_blocks = (int32_t)tw_mem_ring_blocks(&g, nb, seqs);
     }
   }
-  if (in->kv_blocks) p->kv_blocks = in->kv_blocks;
-  p->kv_bytes = (int64_t)p->kv_blocks * blk;
+  if (in->kv_blocks) {
+    p->kv_blocks = in->kv_blocks;
+    p->kv_ring_blocks = (int32_t)tw_mem_ring_blocks(&g, in->kv_blocks, seqs);
+  }
+  p->kv_bytes = tw_mem_pool_bytes(&g, p->kv_blocks, p->kv_ring_blocks);
   tw_mem_line(p, "memory plan: this %s worker: kv pool %d blocks (%.2f GiB)%s, max batch %d%s, "
               "prefill token budget %d%s", pre ? "prefill" : "decode", p->kv_blocks,
               tw_gib(p->kv_bytes), in->kv_blocks ? " from --kv-blocks" : "", p->max_batch,

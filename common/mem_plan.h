@@ -22,6 +22,12 @@
  *      workspace and decode graphs leave a KV pool of at least
  *      TW_MEM_TOKENS_PER_SEQ tokens per sequence, and makes all the rest its
  *      KV pool (never more than max batch sequences of the full context).
+ * With the window ring (kv_ring.h, window_ring) a pool's blocks hold every
+ * position of the full-attention layers, and the sliding layers keep R
+ * blocks a sequence for TW_MEM_RING_SEQS x max batch sequences (running and
+ * reserved; prefill: x TW_MEM_PREFILL_SEQS), so past the window a token
+ * costs only the full layers' bytes: kv_blocks counts positions, and
+ * kv_ring_blocks the sliding layers' blocks.
  * Flags override a planned value for the worker they are given to. */
 #ifndef TW_COMMON_MEM_PLAN_H
 #define TW_COMMON_MEM_PLAN_H
@@ -48,6 +54,7 @@ extern "C" {
 #define TW_MEM_PREFILL_SEQS 64     /* prompts in one prefill batch (twain-prefill --batch-seqs) */
 #define TW_MEM_MIN_DECODE_TOKENS 4096 /* smallest decode KV pool the plan accepts */
 #define TW_MEM_GRAPH_CTX_MIN 256   /* smallest decode graph context bucket (engine_cuda_step.cu) */
+#define TW_MEM_RING_SEQS 2          /* window rings per max-batch sequence: running + reserved */
 #define TW_MEM_MAX_LINES 10
 
 typedef enum {
@@ -85,6 +92,7 @@ typedef struct {
   int64_t process_reserve; /* per process; 0: TW_MEM_PROCESS_RESERVE; < 0: none */
   int32_t max_batch_cap;   /* 0: TW_MEM_MAX_BATCH */
   int64_t kv_cap_bytes;    /* most KV bytes per worker; 0: no cap */
+  bool window_ring;        /* the sliding layers keep only their window (kv_ring.h) */
   /* overrides for this worker (flags); 0: planned */
   int32_t kv_blocks, max_batch, prefill_tokens;
 } tw_mem_plan_in_t;
@@ -92,6 +100,7 @@ typedef struct {
 typedef struct {
   /* this worker */
   int32_t kv_blocks;
+  int32_t kv_ring_blocks;  /* blocks the sliding layers hold (= kv_blocks without the ring) */
   int32_t max_batch;       /* decode: sequences per step; prefill: prompts a batch */
   int32_t prefill_tokens;  /* prefill: token budget per forward; decode: rows of its workspace */
   int64_t workspace_bytes; /* its workspace (+ decode graphs) */
@@ -101,6 +110,7 @@ typedef struct {
   int32_t weight_copies;
   int64_t prefill_kv_bytes, decode_kv_bytes; /* per worker of each role as planned */
   int32_t prefill_kv_blocks, decode_kv_blocks, decode_max_batch;
+  int32_t prefill_kv_ring_blocks, decode_kv_ring_blocks;
   int64_t unplanned_bytes; /* budget left after the whole plan (>= 0) */
   int n_lines;
   char lines[TW_MEM_MAX_LINES][256];

@@ -36,7 +36,10 @@ void tw_proto_kv_layout_to_remote(const Twain__Internal__V1__KvLayout *k,
                                  .block_bytes = k->block_bytes,
                                  .remote_base = k->remote_base,
                                  .total_bytes = k->total_bytes,
-                                 .staging_slot_bytes = k->staging_slot_bytes};
+                                 .staging_slot_bytes = k->staging_slot_bytes,
+                                 .ring_blocks = k->ring_blocks,
+                                 .n_ring_blocks = k->n_ring_blocks,
+                                 .ring_layers = k->ring_layers};
 }
 
 void tw_proto_kv_layout_from_remote(const tw_kv_remote_layout_t *rl, int32_t kv_head_offset,
@@ -55,6 +58,9 @@ void tw_proto_kv_layout_from_remote(const tw_kv_remote_layout_t *rl, int32_t kv_
   out->n_blocks = rl->n_blocks;
   out->kv_head_offset = kv_head_offset;
   out->staging_slot_bytes = rl->staging_slot_bytes;
+  out->ring_blocks = rl->ring_blocks;
+  out->n_ring_blocks = rl->n_ring_blocks;
+  out->ring_layers = rl->ring_layers;
 }
 
 int64_t tw_proto_unix_ms(void) {

@@ -46,6 +46,7 @@
 
 #include "common/dist.h"
 #include "common/engine.h"
+#include "common/kv_ring.h"
 #include "common/mem_plan.h"
 #include "common/metrics.h"
 #include "common/model_path.h"
@@ -63,7 +64,7 @@ extern "C" {
 /** The options every worker daemon takes, as the first entries of its
  *  opts.h table (prefill_main.c, decode_main.c): `o` points to the daemon's
  *  options struct, which has these fields: model_dir, backend, threads,
- *  block_size, router, name, kv_blocks, gpu_memory_utilization,
+ *  block_size, router, name, kv_blocks, kv_window_ring, gpu_memory_utilization,
  *  share_weights_dir, metrics_port, metrics_addr, tp, ep,
  *  log_stats_interval_s, served_model_name; `colocated` points to its
  *  tw_mem_colocated_t (mem_plan.h). D is a string literal that starts the
@@ -82,6 +83,9 @@ extern "C" {
       TW_OPT_STR("name", &(o)->name, "NAME", D "routing id (default " ROLE "-<pid>)"),             \
       TW_OPT_INT("kv-blocks", &(o)->kv_blocks, 0, INT32_MAX, "N",                                  \
                  D "KV cache pool in blocks (0: the memory plan, docs/operations.md)"),            \
+      TW_OPT_FN("kv-window-ring", &(o)->kv_window_ring, tw_kv_ring_opt, "0|1|auto",                 \
+                D "sliding layers keep only their window's KV blocks\n"                            \
+                "(auto: on for cpu, off for cuda; docs/operations.md)"),                           \
       TW_OPT_DOUBLE("gpu-memory-utilization", &(o)->gpu_memory_utilization, 0, 1, "F",             \
                     D "share of the device for its workers (0: 0.90)"),                            \
       TW_OPT_FN("colocated", (colocated), tw_mem_colocated_opt, "P,D",                             \

@@ -241,9 +241,11 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
     snprintf(msg, sizeof msg, "decode worker out of host memory");
   } else if (tw_kv_blocks_alloc(d->bm[rank], need, seq->blocks) != TW_OK) {
     s.code = TWAIN__V1__CODE__RESOURCE_EXHAUSTED;
-    snprintf(msg, sizeof msg, "decode worker %s has %d free kv blocks%s, request needs %d",
+    snprintf(msg, sizeof msg, "decode worker %s has %d free kv blocks%s, request needs %d%s",
              d->wk.link.name, tw_kv_blocks_free_count(d->bm[rank]),
-             d->n_dp > 1 ? " in its emptiest dp rank" : "", need);
+             d->n_dp > 1 ? " in its emptiest dp rank" : "", need,
+             tw_kv_blocks_free_count(d->bm[rank]) >= need
+                 ? " (every window ring of the sliding layers is in use)" : "");
   }
   if (s.code) {
     if (seq) free(seq->blocks);
@@ -611,6 +613,9 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   ep.backend = p->backend;
   ep.kv_block_size = p->block_size;
   ep.kv_num_blocks = p->kv_blocks; /* 0: planned (mem_plan.h) */
+  /* dp: an idle rank pads its step with the pool's last block, which is no
+   * ring block: no window ring there */
+  ep.kv_window_ring = p->dp > 1 ? -1 : p->kv_window_ring;
   ep.max_batch = p->max_batch;     /* 0: planned */
   ep.max_prefill_chunk = 0;        /* planned: decode workers do not prefill */
   ep.mem_role = TW_MEM_ROLE_DECODE;
@@ -632,7 +637,8 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   if (d->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router and has block managers */
   d->n_dp = p->dp > 1 ? p->dp : 1;
   if (d->n_dp == 1) {
-    TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &d->bm[0]));
+    TW_CHECK(tw_kv_blocks_create_ring(l->n_blocks, l->block_size, l->n_ring_blocks, l->ring_blocks,
+                                      &d->bm[0]));
     d->pad[0] = -1;
   }
   for (int32_t r = 0; r < d->n_dp && d->n_dp > 1; r++) { /* the last block pads an empty step */

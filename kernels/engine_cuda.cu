@@ -380,6 +380,11 @@ static void tw_ce_destroy(tw_engine_t *engine) {
     tw_cuda_gemm_destroy(ce->gemm);
     tw_ce_share_close(ce); /* the weight arena: own, exported or mapped */
     if (ce->kv_pool) cudaFree(ce->kv_pool);
+    if (ce->ring_scratch) cudaFree(ce->ring_scratch);
+    if (ce->d_ring_slots) cudaFree(ce->d_ring_slots);
+    if (ce->h_ring_slots) cudaFreeHost(ce->h_ring_slots);
+    tw_kv_ring_pass_free(&ce->ring_plan);
+    free(ce->kv_layer_off);
     if (ce->ws_arena) cudaFree(ce->ws_arena);
     if (ce->rope_cos) cudaFree(ce->rope_cos);
     if (ce->rope_sin) cudaFree(ce->rope_sin);
@@ -680,6 +685,13 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     size_t reserve = (size_t)2 << 30;
     size_t avail = free_b > reserve ? (size_t)((double)(free_b - reserve) * 0.9) : 0;
     n_blocks = (int64_t)(avail / kv_block_all);
+    uint64_t rmask = tw_kv_ring_wanted(params->kv_window_ring, false) ? tw_kv_ring_layer_mask(c) : 0;
+    if (rmask && e->params.kv_ring_blocks > 0) { /* rings first, the rest for the full layers */
+      int64_t n_ring_layers = 0, lb = (int64_t)(kv_block_all / c->n_layers);
+      for (int32_t l = 0; l < 64; l++) n_ring_layers += (int64_t)((rmask >> l) & 1u);
+      int64_t left = (int64_t)avail - (int64_t)e->params.kv_ring_blocks * n_ring_layers * lb;
+      n_blocks = left > 0 ? left / (lb * (c->n_layers - n_ring_layers)) : 0;
+    }
     int64_t cap = (int64_t)ce->max_batch * ce->max_blocks_per_seq;
     if (n_blocks > cap) n_blocks = cap;
     if (n_blocks > 0x7fffffff / params->kv_block_size) n_blocks = 0x7fffffff / params->kv_block_size;
@@ -689,8 +701,40 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
       goto fail;
     }
   }
-  ce->kv_bytes = (size_t)n_blocks * kv_block_all;
-  ce->kv_layer_stride_bytes = (int64_t)n_blocks * (int64_t)(kv_block_all / c->n_layers);
+  /* the window ring (kv_ring.h): off unless asked for (kv_window_ring 1) */
+  tw_kv_ring_setup(c, tw_kv_ring_wanted(params->kv_window_ring, false), (int32_t)n_blocks,
+                   params->kv_block_size, e->params.kv_ring_blocks, &e->kv.ring_blocks,
+                   &e->kv.n_ring_blocks, &e->kv.ring_layers);
+  ce->ring_blocks = e->kv.ring_blocks;
+  ce->ring_layers = e->kv.ring_layers;
+  ce->kv_block_bytes = (int64_t)(kv_block_all / c->n_layers);
+  ce->kv_bytes = (size_t)tw_kv_pool_bytes_of(c->n_layers, ce->kv_block_bytes, (int32_t)n_blocks,
+                                             e->kv.n_ring_blocks, e->kv.ring_blocks,
+                                             e->kv.ring_layers);
+  ce->kv_layer_stride_bytes = (int64_t)n_blocks * ce->kv_block_bytes;
+  ce->kv_layer_off = (int64_t *)malloc(sizeof(int64_t) * (size_t)c->n_layers);
+  if (!ce->kv_layer_off) {
+    st = tw_err(TW_ERR_NO_MEMORY, "cuda engine: out of host memory");
+    goto fail;
+  }
+  for (int32_t l = 0; l < c->n_layers; l++)
+    ce->kv_layer_off[l] = tw_kv_layer_offset_of(l, ce->kv_block_bytes, (int32_t)n_blocks,
+                                                e->kv.n_ring_blocks, e->kv.ring_blocks,
+                                                e->kv.ring_layers);
+  if (ce->ring_blocks) { /* ring slots, tables and copy pairs: device and pinned staging */
+    size_t R = (size_t)ce->max_rows, B = (size_t)ce->max_batch;
+    size_t ints = R + B * (size_t)ce->max_blocks_per_seq + 4 * B * (size_t)ce->ring_blocks;
+    void *d = NULL, *h = NULL;
+    TW_CUDA_CHECK_GOTO(cudaMalloc(&d, ints * 4), st, fail);
+    ce->d_ring_slots = (int32_t *)d;
+    TW_CUDA_CHECK_GOTO(cudaMallocHost(&h, ints * 4), st, fail);
+    ce->h_ring_slots = (int32_t *)h;
+    ce->d_ring_tables = ce->d_ring_slots + R;
+    ce->h_ring_tables = ce->h_ring_slots + R;
+    ce->d_ring_pairs = ce->d_ring_tables + B * (size_t)ce->max_blocks_per_seq;
+    ce->h_ring_pairs = ce->h_ring_tables + B * (size_t)ce->max_blocks_per_seq;
+    TW_CUDA_CHECK_GOTO(cudaMemset(d, 0, ints * 4), st, fail);
+  }
   TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->kv_pool, ce->kv_bytes), st, fail);
   TW_CUDA_CHECK_GOTO(cudaMemset(ce->kv_pool, 0, ce->kv_bytes), st, fail);
   e->kv.dtype = TW_DTYPE_BF16;
@@ -707,12 +751,14 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->kv.block_bytes = (int64_t)(kv_block_all / c->n_layers);
   e->kv.total_bytes = (int64_t)ce->kv_bytes;
   TW_INFO("engine",
-          "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens), "
+          "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens; "
+          "sliding layers: %s %d blocks), "
           "workspace %.2f GiB (moe %s path %.2f, chunk %d, max "
           "batch %d), rope %.2f GiB, "
           "pinned host %.1f MiB; %.2f of %.2f GiB free before the pool",
           tw_gib(ce->warena_bytes), tw_gib(ce->kv_bytes), (long long)n_blocks,
-          params->kv_block_size, tw_gib(ce->ws_bytes),
+          params->kv_block_size, e->kv.ring_blocks ? "window rings of" : "all",
+          e->kv.n_ring_blocks, tw_gib(ce->ws_bytes),
           ce->moe_grouped ? "grouped-gemm" : "cublas (incl. 2 dequantised layers)",
           tw_gib(ce->moe_pre_bytes + 2 * ce->dq_bytes), ce->chunk,
           ce->max_batch, tw_gib((size_t)ce->max_pos * c->head_dim * 4),

@@ -17,6 +17,7 @@
 #include "common/sampling.h"
 #include "kernels/attention.h"
 #include "kernels/cuda_common.h"
+#include "kernels/kv_block_copy.h"
 #include "kernels/norm_rope.h"
 
 #include <math.h>
@@ -84,7 +85,17 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
       TW_CHECK(tw_cuda_moe_dequant(&ce->layers[l + 1].moe, NULL, ce->dq_buf[nb], ce->dq_stream));
       TW_CUDA_CHECK(cudaEventRecord(ce->dq_done[nb], ce->dq_stream));
     }
-    void *kv = (char *)ce->kv_pool + (size_t)l * (size_t)ce->kv_layer_stride_bytes;
+    void *kv = (char *)ce->kv_pool + ce->kv_layer_off[l];
+    /* ring layers (common/kv_ring.h): a decode step through the ring views;
+     * a prefill pass in its scratch, the ring blocks of earlier positions
+     * copied in first and its last blocks copied back after the write */
+    bool ring = tw_kv_is_ring_layer(ce->ring_layers, ce->ring_blocks, l);
+    void *akv = ring && !decode ? ce->ring_scratch : kv;
+    const int32_t *slots = ring ? ce->d_ring_slots : ce->d_slots;
+    const int32_t *tables = ring ? ce->d_ring_tables : ce->d_block_tables;
+    if (ring && !decode)
+      TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_kv_block_copy(akv, kv, ce->d_ring_pairs, ce->n_ring_in,
+                                                      ce->kv_block_bytes, s));
     TW_CE_OP(TW_CE_PROF_NORM, tw_cuda_rmsnorm_residual(ce->x, l ? ce->moe_out : NULL, TW_DTYPE_F32, L->attn_norm,
                                       c->rms_norm_eps, T, H, ce->xn, s));
     /* QKV in f32, rounded to bf16 once after RoPE (q for the attention, k and v
@@ -93,17 +104,20 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
                                TW_DTYPE_F32, QKV, s));
     TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write_f32((const float *)ce->qkv, QKV, T, ce->sh.nq,
                                    ce->sh.nkv, c->head_dim, ce->d_positions, ce->rope_cos,
-                                   ce->rope_sin, ce->max_pos, ce->d_slots, kv, block_size, ce->q,
+                                   ce->rope_sin, ce->max_pos, slots, akv, block_size, ce->q,
                                    QD, s));
+    if (ring && !decode)
+      TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_kv_block_copy(kv, akv, ce->d_ring_pairs + 2 * ce->n_ring_in,
+                                                      ce->n_ring_out, ce->kv_block_bytes, s));
     if (kv_ev) TW_CUDA_CHECK(cudaEventRecord(kv_ev[l], s)); /* layer l's K/V of this chunk */
     sh.window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0;
     if (decode)
-      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_decode(&sh, ce->q, QD, kv, L->sinks, T, ce->d_seq_lens,
-                                        ce->d_block_tables, ce->max_blocks_per_seq, max_seq_len,
+      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_decode(&sh, ce->q, QD, akv, L->sinks, T, ce->d_seq_lens,
+                                        tables, ce->max_blocks_per_seq, max_seq_len,
                                         ce->attn_ws, ce->attn_ws_bytes, ce->attn, s));
     else
-      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_prefill(&sh, ce->q, QD, kv, L->sinks, n_seqs, T, ce->d_cu,
-                                         ce->d_start, ce->d_block_tables, ce->max_blocks_per_seq,
+      TW_CE_OP(TW_CE_PROF_ATTN, tw_cuda_attention_prefill(&sh, ce->q, QD, akv, L->sinks, n_seqs, T, ce->d_cu,
+                                         ce->d_start, tables, ce->max_blocks_per_seq,
                                          ce->attn, s));
     TW_CE_OP(TW_CE_PROF_OPROJ, tw_cuda_gemm_bf16(ce->gemm, T, H, QD, ce->attn, QD, L->wo, QD, L->bo, ce->o,
                                TW_DTYPE_F32, H, s));
@@ -206,6 +220,59 @@ TW_NODISCARD tw_status_t tw_ce_prefill_pass(tw_engine_t *e, const tw_prefill_pas
   return st;
 }
 
+/* A prefill pass's ring plan (common/kv_ring.h) on the device: its scratch
+ * (grown to the plan; the stream is idle here), every token's slot in it,
+ * the segments' scratch tables, the copies in and out. h_start: the
+ * segments' first positions. */
+static TW_NODISCARD tw_status_t tw_ce_ring_pass(tw_ce_t *ce, const tw_prefill_pass_t *p,
+                                                const int32_t *h_start) {
+  const int32_t ns = p->n_segs, mbps = ce->max_blocks_per_seq, bs = ce->block_size;
+  cudaStream_t s = ce->stream;
+  int32_t *n_tok = (int32_t *)malloc(sizeof(int32_t) * (size_t)ns);
+  const int32_t **tabs = (const int32_t **)malloc(sizeof(*tabs) * (size_t)ns);
+  tw_status_t st = TW_OK;
+  if (!n_tok || !tabs) st = tw_err(TW_ERR_NO_MEMORY, "cuda prefill: out of memory for the ring plan");
+  for (int32_t g = 0; st == TW_OK && g < ns; g++) {
+    n_tok[g] = p->segs[g].n_tokens;
+    tabs[g] = p->segs[g].block_table;
+  }
+  if (st == TW_OK)
+    st = tw_kv_ring_pass_plan(&ce->ring_plan, ns, h_start, n_tok, tabs, mbps, bs,
+                              ce->cfg->sliding_window, ce->ring_blocks, 0);
+  free(n_tok);
+  free((void *)tabs);
+  TW_CHECK(st);
+  const tw_kv_ring_pass_t *rp = &ce->ring_plan;
+  if (rp->n_scratch > ce->cap_scratch) {
+    if (ce->ring_scratch) TW_CUDA_CHECK(cudaFree(ce->ring_scratch));
+    ce->ring_scratch = NULL;
+    ce->cap_scratch = 0;
+    size_t bytes = (size_t)rp->n_scratch * (size_t)ce->kv_block_bytes;
+    TW_CUDA_CHECK(cudaMalloc(&ce->ring_scratch, bytes));
+    TW_CUDA_CHECK(cudaMemset(ce->ring_scratch, 0, bytes)); /* finite where never written */
+    ce->cap_scratch = rp->n_scratch;
+  }
+  for (int32_t g = 0, t = 0; g < ns; g++) {
+    const int32_t *row = rp->tables + (size_t)g * mbps;
+    for (int32_t i = 0; i < p->segs[g].n_tokens; i++, t++) {
+      int32_t pos = h_start[g] + i;
+      ce->h_ring_slots[t] = row[pos / bs] * bs + pos % bs;
+    }
+  }
+  memcpy(ce->h_ring_tables, rp->tables, sizeof(int32_t) * (size_t)ns * (size_t)mbps);
+  memcpy(ce->h_ring_pairs, rp->copy_in, sizeof(int32_t) * 2 * (size_t)rp->n_in);
+  memcpy(ce->h_ring_pairs + 2 * rp->n_in, rp->copy_out, sizeof(int32_t) * 2 * (size_t)rp->n_out);
+  ce->n_ring_in = rp->n_in;
+  ce->n_ring_out = rp->n_out;
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_ring_slots, ce->h_ring_slots, (size_t)p->n_tokens * 4,
+                                cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_ring_tables, ce->h_ring_tables, (size_t)ns * mbps * 4,
+                                cudaMemcpyHostToDevice, s));
+  TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_ring_pairs, ce->h_ring_pairs,
+                                (size_t)(rp->n_in + rp->n_out) * 8, cudaMemcpyHostToDevice, s));
+  return TW_OK;
+}
+
 /* The pass's tokens as one batch of rows: per token its position and KV
  * slot, per segment its row range (cu), first position and block table row
  * (the prefill attention walks the segments' query tiles in one launch). */
@@ -245,6 +312,7 @@ static TW_NODISCARD tw_status_t tw_ce_pass_run(tw_engine_t *e, const tw_prefill_
   TW_CUDA_CHECK(cudaMemcpy2DAsync(ce->d_block_tables, (size_t)mbps * 4, ce->h_block_tables,
                                   (size_t)mbps * 4, (size_t)maxnb * 4, (size_t)ns,
                                   cudaMemcpyHostToDevice, s));
+  if (ce->ring_blocks) TW_CHECK(tw_ce_ring_pass(ce, p, h_start));
   TW_CHECK(tw_ce_layers(ce, T, 0, 0, bs, ns, kv_ev));
   ce->prof_steps[0]++;
   if (p->all_logits)
@@ -452,6 +520,11 @@ TW_NODISCARD tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a)
     ce->h_slots[i] = a->block_tables[i][p / bs] * bs + p % bs;
     ce->h_seq_lens[i] = p + 1;
     memcpy(ce->h_block_tables + (size_t)i * mbps, a->block_tables[i], (size_t)nb * 4);
+    if (ce->ring_blocks) { /* its ring view (common/kv_ring.h): entry j in table[j % R] */
+      int32_t R = ce->ring_blocks;
+      ce->h_ring_slots[i] = a->block_tables[i][(p / bs) % R] * bs + p % bs;
+      tw_kv_ring_view(a->block_tables[i], nb, R, ce->h_ring_tables + (size_t)i * mbps);
+    }
     ce->h_params[i] = tw_ce_sample_row(a->sample ? &a->sample[i] : NULL, (int64_t)p + 1);
   }
   for (int32_t i = n; i < B; i++) { /* padding rows: read block 0, write nothing */
@@ -460,6 +533,10 @@ TW_NODISCARD tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a)
     ce->h_slots[i] = -1;
     ce->h_seq_lens[i] = 1;
     ce->h_block_tables[(size_t)i * mbps] = 0;
+    if (ce->ring_blocks) {
+      ce->h_ring_slots[i] = -1;
+      ce->h_ring_tables[(size_t)i * mbps] = 0;
+    }
     ce->h_params[i] = tw_ce_sample_row(NULL, 0);
   }
   int32_t ctx = tw_ce_ctx_bucket(ce, B, maxlen);
@@ -474,6 +551,13 @@ TW_NODISCARD tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a)
   TW_CUDA_CHECK(cudaMemcpy2DAsync(ce->d_block_tables, (size_t)mbps * 4, ce->h_block_tables,
                                   (size_t)mbps * 4, (size_t)maxnb * 4, (size_t)B,
                                   cudaMemcpyHostToDevice, s));
+  if (ce->ring_blocks) {
+    TW_CUDA_CHECK(cudaMemcpyAsync(ce->d_ring_slots, ce->h_ring_slots, (size_t)B * 4,
+                                  cudaMemcpyHostToDevice, s));
+    TW_CUDA_CHECK(cudaMemcpy2DAsync(ce->d_ring_tables, (size_t)mbps * 4, ce->h_ring_tables,
+                                    (size_t)mbps * 4, (size_t)maxnb * 4, (size_t)B,
+                                    cudaMemcpyHostToDevice, s));
+  }
   if (ce->profile == 1 && ce->prof_steps[1] == 2) { /* drop the warm-up's first calls, once */
     memset(ce->prof_ms, 0, sizeof ce->prof_ms);
     ce->prof_steps[0] = ce->prof_steps[1] = 0;

@@ -163,7 +163,7 @@ static int tw_prefill_prepare(tw_prefiller_t *w, const Twain__Internal__V1__Pref
     tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return 0;
   }
-  if (may_wait && tw_kv_blocks_free_count(w->blocks) < nb) return -1;
+  if (may_wait && !tw_kv_blocks_can_alloc(w->blocks, nb)) return -1;
   int32_t *ids = malloc(sizeof(int32_t) * (size_t)nb);
   uint64_t *sums = calloc((size_t)c->n_layers, sizeof(uint64_t));
   if (!ids || !sums) {
@@ -406,6 +406,7 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   ep.backend = w->o.backend;
   ep.kv_block_size = w->o.block_size;
   ep.kv_num_blocks = w->o.kv_blocks; /* 0: planned (mem_plan.h) */
+  ep.kv_window_ring = w->o.kv_window_ring;
   ep.max_batch = w->o.batch_seqs;
   ep.max_prefill_chunk = w->o.chunk_tokens; /* 0: planned, the token budget */
   ep.mem_role = TW_MEM_ROLE_PREFILL;
@@ -417,7 +418,8 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   TW_CHECK(tw_engine_create(w->model, &ep, &w->engine));
   w->o.chunk_tokens = tw_engine_params(w->engine)->max_prefill_chunk; /* planned or given */
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
-  TW_CHECK(tw_kv_blocks_create(l->n_blocks, l->block_size, &w->blocks));
+  TW_CHECK(tw_kv_blocks_create_ring(l->n_blocks, l->block_size, l->n_ring_blocks, l->ring_blocks,
+                                    &w->blocks));
   TW_CHECK(tw_kv_xfer_create_bound(w->o.router, &w->xfer));
   tw_kv_xfer_set_direct_ipc(w->xfer, true); /* PrefillDone.kv_in_place tells the decode worker */
   w->hc = (tw_prefill_handoff_ctx_t){.engine = w->engine, .model = w->model, .xfer = w->xfer,

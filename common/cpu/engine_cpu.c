@@ -9,12 +9,17 @@
  * Weights are read in place from the model mmap (cpu_ops.h); activations,
  * the residual stream and the KV pool are float32. MoE runs expert by
  * expert over the tokens routed to it, so each expert's weights are read
- * once per forward. Scratch buffers grow to the largest batch seen. One
+ * once per forward. With the window ring (engine.h, kv_ring.h) a sliding
+ * layer's tokens read and write through a second table per token: in a
+ * decode step a view of its ring, in a prefill pass its segment's scratch
+ * table (the ring blocks copied in first, the last ones copied back after
+ * the write). Scratch buffers grow to the largest batch seen. One
  * call at a time per engine (the scratch and the thread pool are shared). */
 #include "common/engine_impl.h"
 
 #include "common/cpu/cpu_ops.h"
 #include "common/cpu/engine_cpu_tp.h"
+#include "common/kv_ring.h"
 #include "common/log.h"
 
 #include <math.h>
@@ -44,6 +49,13 @@ typedef struct {
   float *exp_w;                             /* [T] their weights */
   float *xe, *ue, *ae, *ye;                 /* [T,H] [T,2I] [T,I] [T,H] */
   const int32_t **tables;                   /* [T] block table per token */
+  const int32_t **rtables;                  /* [T] ring layers' table per token (kv_ring.h) */
+  int32_t *views;                           /* decode: the ring views of the tables */
+  int64_t cap_views;
+  tw_kv_ring_pass_t ring;                   /* prefill: the pass's ring plan */
+  float *ring_scratch;                      /* prefill: its scratch blocks of one layer */
+  int64_t cap_scratch;                      /* blocks */
+  bool ring_prefill;                        /* the running forward is a planned pass */
   int64_t cap_logits_rows;
   float *logits;                            /* [rows, V] when the caller gives none */
   float *scores;                            /* [n_threads, max_pos] */
@@ -118,9 +130,11 @@ static void tw_cpu_scratch_free(tw_cpu_state_t *s) {
   free(s->topk_idx);
   free(s->exp_tok);
   free((void *)s->tables);
+  free((void *)s->rtables);
   s->topk_idx = NULL;
   s->exp_tok = NULL;
   s->tables = NULL;
+  s->rtables = NULL;
   s->cap_tokens = 0;
 }
 
@@ -152,7 +166,8 @@ static TW_NODISCARD tw_status_t tw_cpu_scratch_ensure(const tw_engine_t *e, tw_c
   s->ae = malloc(t * I * f);
   s->ye = malloc(t * H * f);
   s->tables = malloc(t * sizeof(*s->tables));
-  if (!s->x || !s->xn || !s->q || !s->k || !s->v || !s->attn || !s->proj || !s->rope_cos ||
+  s->rtables = malloc(t * sizeof(*s->rtables));
+  if (!s->rtables || !s->x || !s->xn || !s->q || !s->k || !s->v || !s->attn || !s->proj || !s->rope_cos ||
       !s->rope_sin || !s->router || !s->topk_idx || !s->topk_w || !s->exp_tok || !s->exp_w ||
       !s->xe || !s->ue || !s->ae || !s->ye || !s->tables) {
     tw_cpu_scratch_free(s);
@@ -182,6 +197,7 @@ typedef struct {
   tw_cpu_kv_view_t kv;
   int64_t T;
   const int32_t *positions;
+  const int32_t *const *tables; /* [T] the table each token reads through */
   int32_t window;
   const float *sinks;
 } tw_cpu_attn_ctx_t;
@@ -199,7 +215,7 @@ static void tw_cpu_attn_task(void *ctx_v, int ti, int nt) {
   for (int64_t i = ti; i < items; i += nt) {
     int64_t t = i / nh;
     int32_t h = (int32_t)(i % nh);
-    tw_cpu_attention(a->s->q + t * QD, nh, h, h + 1, &a->kv, a->s->tables[t],
+    tw_cpu_attention(a->s->q + t * QD, nh, h, h + 1, &a->kv, a->tables[t],
                      a->positions[t], a->window, a->sinks, scale, scores, a->s->attn + t * QD);
   }
 }
@@ -304,29 +320,43 @@ static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const 
     tw_cpu_matmul_bf16(s->pool, s->xn, T, H, qw + q0 * H, qb + q0, QD, s->q);
     tw_cpu_matmul_bf16(s->pool, s->xn, T, H, kw + k0 * H, kb + k0, KD, s->k);
     tw_cpu_matmul_bf16(s->pool, s->xn, T, H, vw + k0 * H, vb + k0, KD, s->v);
+    /* ring layers (kv_ring.h): decode through the ring views, a prefill pass
+     * through its scratch, the ring blocks of earlier positions copied in */
+    bool ring = tw_kv_is_ring_layer(e->kv.ring_layers, e->kv.ring_blocks, l);
+    float *lbase = (float *)((char *)s->kv_pool + tw_kv_layer_offset(&e->kv, l));
+    const int64_t bf = e->kv.block_bytes / (int64_t)sizeof(float);
     tw_cpu_attn_ctx_t a = {
         .e = e,
         .s = s,
         .T = T,
         .positions = positions,
+        .tables = ring ? s->rtables : s->tables,
         .sinks = s->sinks + (int64_t)l * c->n_heads + s->tp.sh.q0,
         .window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0,
-        .kv = {.layer_base = (float *)((char *)s->kv_pool + l * e->kv.layer_stride_bytes),
+        .kv = {.layer_base = ring && s->ring_prefill ? s->ring_scratch : lbase,
                .block_size = e->kv.block_size,
                .n_kv_heads = s->tp.sh.nkv,
                .head_dim = (int32_t)D}};
+    if (ring && s->ring_prefill)
+      for (int32_t i = 0; i < s->ring.n_in; i++)
+        memcpy(s->ring_scratch + s->ring.copy_in[2 * i + 1] * bf, lbase + s->ring.copy_in[2 * i] * bf,
+               sizeof(float) * (size_t)bf);
     for (int64_t t = 0; t < T; t++) {
       tw_cpu_rope_apply(s->q + t * QD, s->tp.sh.nq, (int32_t)D, s->rope_cos + t * half,
                         s->rope_sin + t * half);
       tw_cpu_rope_apply(s->k + t * KD, s->tp.sh.nkv, (int32_t)D, s->rope_cos + t * half,
                         s->rope_sin + t * half);
       for (int32_t g = 0; g < s->tp.sh.nkv; g++) { /* K post-RoPE (§2.5) */
-        memcpy(tw_cpu_kv_at(&a.kv, s->tables[t], positions[t], 0, g), s->k + t * KD + g * D,
+        memcpy(tw_cpu_kv_at(&a.kv, a.tables[t], positions[t], 0, g), s->k + t * KD + g * D,
                sizeof(float) * (size_t)D);
-        memcpy(tw_cpu_kv_at(&a.kv, s->tables[t], positions[t], 1, g), s->v + t * KD + g * D,
+        memcpy(tw_cpu_kv_at(&a.kv, a.tables[t], positions[t], 1, g), s->v + t * KD + g * D,
                sizeof(float) * (size_t)D);
       }
     }
+    if (ring && s->ring_prefill) /* the last blocks back into the ring */
+      for (int32_t i = 0; i < s->ring.n_out; i++)
+        memcpy(lbase + s->ring.copy_out[2 * i + 1] * bf, s->ring_scratch + s->ring.copy_out[2 * i] * bf,
+               sizeof(float) * (size_t)bf);
     if (s->layer_cb && s->layer_cb->on_pass_layer) /* this layer's K/V of the pass is final */
       s->layer_cb->on_pass_layer(s->layer_cb->on_pass_arg, l);
     tw_cpu_pool_run(s->pool, tw_cpu_attn_task, &a);
@@ -360,6 +390,48 @@ static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const 
 
 /* ---- engine ops ----------------------------------------------------------------- */
 
+/* A prefill pass's ring plan (kv_ring.h) and its scratch of one layer; every
+ * token's ring table is its segment's scratch table. */
+static TW_NODISCARD tw_status_t tw_cpu_ring_plan(const tw_engine_t *e, tw_cpu_state_t *s,
+                                                 const tw_prefill_pass_t *p) {
+  const tw_model_config_t *c = &e->model->config;
+  int32_t ns = p->n_segs;
+  int32_t *meta = malloc(sizeof(int32_t) * 2 * (size_t)ns);
+  const int32_t **tabs = malloc(sizeof(*tabs) * (size_t)ns);
+  tw_status_t st = TW_OK;
+  if (!meta || !tabs) {
+    st = tw_err(TW_ERR_NO_MEMORY, "cpu prefill: out of memory for the ring plan");
+    goto done;
+  }
+  for (int32_t g = 0; g < ns; g++) {
+    meta[g] = p->segs[g].start_pos;
+    meta[ns + g] = p->segs[g].n_tokens;
+    tabs[g] = p->segs[g].block_table;
+  }
+  st = tw_kv_ring_pass_plan(&s->ring, ns, meta, meta + ns, tabs, 0, e->kv.block_size,
+                            c->sliding_window, e->kv.ring_blocks, 0);
+  if (st != TW_OK) goto done;
+  if (s->ring.n_scratch > s->cap_scratch) {
+    float *sc = realloc(s->ring_scratch, (size_t)s->ring.n_scratch * (size_t)e->kv.block_bytes);
+    if (!sc) {
+      st = tw_err(TW_ERR_NO_MEMORY, "cpu prefill: out of memory for %d ring scratch blocks",
+                  s->ring.n_scratch);
+      goto done;
+    }
+    memset((char *)sc + s->cap_scratch * e->kv.block_bytes, 0,
+           (size_t)(s->ring.n_scratch - s->cap_scratch) * (size_t)e->kv.block_bytes);
+    s->ring_scratch = sc;
+    s->cap_scratch = s->ring.n_scratch;
+  }
+  for (int32_t g = 0, t = 0; g < ns; g++)
+    for (int32_t i = 0; i < p->segs[g].n_tokens; i++, t++)
+      s->rtables[t] = s->ring.tables + (int64_t)g * s->ring.stride;
+done:
+  free(meta);
+  free((void *)tabs);
+  return st;
+}
+
 /* One prefill pass (engine_impl.h): the segments' tokens as one batch, each
  * token with its own position and block table, so attention stays within
  * its sequence; every row's result is the same as in a pass of its segment
@@ -382,13 +454,18 @@ static TW_NODISCARD tw_status_t tw_cpu_prefill_pass(tw_engine_t *e, const tw_pre
     }
     if (sg->out >= 0) rows[n_rows++] = (int32_t)(t - 1); /* out rows come in segment order */
   }
+  tw_status_t st = e->kv.ring_blocks > 0 ? tw_cpu_ring_plan(e, s, p) : TW_OK;
+  if (st != TW_OK) {
+    free(tokens);
+    return st;
+  }
   float *dst = NULL;
   if (p->all_logits) { /* every row; the output rows are read from there */
     for (int64_t r = 0; r < T; r++) rows[r] = (int32_t)r;
     n_rows = T;
     dst = p->all_logits;
   } else if (n_rows > 0) {
-    tw_status_t st = tw_cpu_logits_ensure(e, s, n_rows);
+    st = tw_cpu_logits_ensure(e, s, n_rows);
     if (st != TW_OK) {
       free(tokens);
       return st;
@@ -396,7 +473,9 @@ static TW_NODISCARD tw_status_t tw_cpu_prefill_pass(tw_engine_t *e, const tw_pre
     dst = s->logits;
   }
   s->layer_cb = p;
-  tw_status_t st = tw_cpu_forward(e, T, tokens, pos, rows, n_rows, dst);
+  s->ring_prefill = e->kv.ring_blocks > 0;
+  st = tw_cpu_forward(e, T, tokens, pos, rows, n_rows, dst);
+  s->ring_prefill = false;
   s->layer_cb = NULL;
   for (int32_t g = 0, k = 0, end = 0; st == TW_OK && g < p->n_segs; g++) {
     const tw_prefill_seg_t *sg = &p->segs[g];
@@ -428,6 +507,23 @@ static TW_NODISCARD tw_status_t tw_cpu_decode(tw_engine_t *e, const tw_decode_ar
     rows[i] = (int32_t)i;
     s->tables[i] = args->block_tables[i];
   }
+  if (e->kv.ring_blocks > 0) { /* each sequence's ring view (kv_ring.h) */
+    int64_t need = 0;
+    for (int64_t i = 0; i < n; i++) need += args->n_blocks[i];
+    if (need > s->cap_views) {
+      int32_t *v = realloc(s->views, sizeof(int32_t) * (size_t)need);
+      if (!v) {
+        free(rows);
+        return tw_err(TW_ERR_NO_MEMORY, "cpu decode: out of memory for ring views");
+      }
+      s->views = v;
+      s->cap_views = need;
+    }
+    for (int64_t i = 0, off = 0; i < n; off += args->n_blocks[i], i++) {
+      tw_kv_ring_view(args->block_tables[i], args->n_blocks[i], e->kv.ring_blocks, s->views + off);
+      s->rtables[i] = s->views + off;
+    }
+  }
   s->while_running = args->while_running;
   s->while_running_arg = args->while_running_arg;
   tw_status_t st = tw_cpu_forward(e, n, args->tokens, args->positions, rows, logits ? n : 0, logits);
@@ -452,6 +548,9 @@ static void tw_cpu_destroy(tw_engine_t *e) {
     tw_cpu_tp_fini(&s->tp);
     if (s->kv_pool) munmap(s->kv_pool, (size_t)e->kv.total_bytes);
     tw_cpu_scratch_free(s);
+    tw_kv_ring_pass_free(&s->ring);
+    free(s->ring_scratch);
+    free(s->views);
     free(s->inv_freq);
     free(s->sinks);
     free(s->logits);
@@ -487,6 +586,7 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
     in.process_reserve = -1;    /* no device context */
     in.max_batch_cap = TW_CPU_MAX_BATCH;
     in.kv_cap_bytes = TW_CPU_KV_CAP_BYTES;
+    in.window_ring = tw_kv_ring_wanted(params->kv_window_ring, true);
     TW_CHECK(tw_mem_plan(&in, &plan));
     tw_engine_plan_apply(&plan, &planned);
   }
@@ -526,8 +626,13 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
                            .kv_head_offset = tp.sh.kv0,
                            .head_dim = c->head_dim,
                            .layer_stride_bytes = n_blocks * block_bytes,
-                           .block_bytes = block_bytes,
-                           .total_bytes = n_blocks * block_bytes * c->n_layers};
+                           .block_bytes = block_bytes};
+  tw_kv_ring_setup(c, tw_kv_ring_wanted(params->kv_window_ring, true), (int32_t)n_blocks,
+                   (int32_t)bs, params->kv_ring_blocks, &e->kv.ring_blocks,
+                   &e->kv.n_ring_blocks, &e->kv.ring_layers);
+  e->kv.total_bytes = tw_kv_pool_bytes_of(c->n_layers, block_bytes, (int32_t)n_blocks,
+                                          e->kv.n_ring_blocks, e->kv.ring_blocks,
+                                          e->kv.ring_layers);
   void *kvp = mmap(NULL, (size_t)e->kv.total_bytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (kvp == MAP_FAILED) {
@@ -558,9 +663,10 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
                                          : tw_bf16_to_f32(((const uint16_t *)sk->data)[h]);
   }
   TW_INFO("engine",
-          "cpu: %d threads, kv pool %lld blocks x %lld tokens = %.1f MiB f32 (lazily touched), "
-          "weights %.1f MiB in place",
+          "cpu: %d threads, kv pool %lld blocks x %lld tokens (sliding layers: %s %d blocks) = "
+          "%.1f MiB f32 (lazily touched), weights %.1f MiB in place",
           tw_cpu_pool_size(s->pool), (long long)n_blocks, (long long)bs,
+          e->kv.ring_blocks ? "window rings of" : "all", e->kv.n_ring_blocks,
           (double)e->kv.total_bytes / (1 << 20), (double)model->weight_bytes / (1 << 20));
   *engine_p = e;
   return TW_OK;

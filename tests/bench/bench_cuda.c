@@ -22,11 +22,18 @@
  * sequence 0's context is filled by a real prefill, the others hold the
  * pool's initial zeros (attention cost does not depend on the values).
  *
+ * With --kv-window-ring 1 the sliding layers keep only their window
+ * (common/kv_ring.h): rings for the largest batch asked, every other byte of
+ * the pool for positions of the full layers; the sequences' tables give each
+ * its ring from the ring blocks (bench_tables).
+ *
  * Usage: twain-bench-cuda [--model DIR | --synthetic 20b|120b|both]
  *          [--prefill 8192,32768,...] [--batches 1,8,...] [--contexts 8192,...]
  *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N]
+ *          [--kv-window-ring 0|1|auto]
  * (a list may be "none": e.g. --prefill none --batches none for (a') alone). */
 #include "common/engine.h"
+#include "common/kv_ring.h"
 #include "common/log.h"
 #include "common/model_path.h"
 #include "common/opts.h"
@@ -184,6 +191,22 @@ static int32_t rand_tok(int V) {
   return (int32_t)((rng >> 8) % (uint32_t)(V < 200000 ? V : 200000));
 }
 
+/* Block tables of S sequences of `per` blocks each into table[S * per],
+ * distinct blocks: sequence q's first R entries (its window ring, kv_ring.h)
+ * are ring blocks q R .., the others blocks after the ring ones; without the
+ * ring q per ... false when the pool cannot hold them. */
+static bool bench_tables(const tw_kv_layout_t *kv, long S, long per, int32_t *table) {
+  long R = kv->ring_blocks, rest = per > R ? per - R : 0, ring = per < R ? per : R;
+  if (R ? S * ring > kv->n_ring_blocks || kv->n_ring_blocks + S * rest > kv->n_blocks
+        : S * per > kv->n_blocks)
+    return false;
+  for (long q = 0; table && q < S; q++)
+    for (long j = 0; j < per; j++)
+      table[q * per + j] = (int32_t)(!R ? q * per + j
+                                        : j < R ? q * R + j : kv->n_ring_blocks + q * rest + j - R);
+  return true;
+}
+
 /* Batched prefills of pb_s[i] prompts of pb_l[i] tokens (distinct random
  * tokens per prompt, distinct blocks): the (a') rows. */
 static void bench_prefill_batch(const char *name, tw_engine_t *e, const tw_model_t *m,
@@ -197,7 +220,7 @@ static void bench_prefill_batch(const char *name, tw_engine_t *e, const tw_model
     snprintf(r->kind, sizeof r->kind, "prefill-batch");
     r->a = S;
     r->b = L;
-    if ((long)S * per > pool || L > m->config.max_position_embeddings) {
+    if (!bench_tables(kv, S, per, NULL) || L > m->config.max_position_embeddings) {
       r->skipped = 1;
       printf("[%s] prefill batch %d x %d: skipped (needs %ld KV blocks, pool %d)\n", name, S, L,
              (long)S * per, pool);
@@ -208,7 +231,7 @@ static void bench_prefill_batch(const char *name, tw_engine_t *e, const tw_model
     int32_t *first = malloc(sizeof(int32_t) * (size_t)S);
     tw_prefill_seq_t *seqs = malloc(sizeof(tw_prefill_seq_t) * (size_t)S);
     for (long k = 0; k < (long)S * L; k++) toks[k] = rand_tok(V);
-    for (long k = 0; k < (long)S * per; k++) table[k] = (int32_t)k;
+    bench_tables(kv, S, per, table);
     for (int q = 0; q < S; q++)
       seqs[q] = (tw_prefill_seq_t){.tokens = toks + (size_t)q * L, .n_tokens = L,
                                    .block_table = table + (size_t)q * per, .n_blocks = per,
@@ -238,6 +261,8 @@ static void bench_prefill_batch(const char *name, tw_engine_t *e, const tw_model
   }
 }
 
+static int32_t g_kv_ring; /* --kv-window-ring (engine.h kv_window_ring) */
+
 static void bench_model(const char *name, const tw_model_t *m, const double *yard, const int *pre,
                         int n_pre, const int *pb_s, const int *pb_l, int n_pb, int chunk,
                         const int *bat, int n_bat, const int *ctxs, int n_ctx, int steps,
@@ -248,6 +273,9 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
   for (int i = 0; i < n_bat; i++) maxb = bat[i] > maxb ? bat[i] : maxb;
   for (int i = 0; i < n_pb; i++) maxb = pb_s[i] > maxb ? pb_s[i] : maxb;
   p.max_batch = maxb;
+  p.kv_window_ring = g_kv_ring;
+  if (g_kv_ring > 0) /* rings for the largest batch (the engine sizes the rest) */
+    p.kv_ring_blocks = maxb * tw_kv_ring_len(m->config.sliding_window, p.kv_block_size);
   if (chunk > 0) p.max_prefill_chunk = chunk;
   tw_engine_t *e = NULL;
   double t0 = now_s();
@@ -258,13 +286,15 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
   printf("[%s] engine ready in %.1f s\n", name, now_s() - t0);
   fflush(stdout);
   const tw_kv_layout_t *kv = tw_engine_kv_layout(e);
-  int bs = kv->block_size, V = m->config.vocab_size, pool = kv->n_blocks;
+  /* the blocks one sequence may have (with the ring: its ring + the others) */
+  int bs = kv->block_size, V = m->config.vocab_size,
+      pool = kv->n_blocks - (kv->ring_blocks ? kv->n_ring_blocks - kv->ring_blocks : 0);
   int max_tok = 0;
   for (int i = 0; i < n_pre; i++) max_tok = pre[i] > max_tok ? pre[i] : max_tok;
   for (int i = 0; i < n_ctx; i++) max_tok = ctxs[i] + steps + 8 > max_tok ? ctxs[i] + steps + 8 : max_tok;
   int32_t *toks = malloc(sizeof(int32_t) * (size_t)(max_tok > 8192 ? max_tok : 8192));
   int32_t *table = malloc(sizeof(int32_t) * (size_t)pool);
-  for (int i = 0; i < pool; i++) table[i] = i;
+  bench_tables(kv, 1, pool, table);
   for (int i = 0; i < max_tok; i++) toks[i] = rand_tok(V);
   /* warm-up */
   {
@@ -329,12 +359,17 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
       r->a = B;
       r->b = ctx;
       decode_cost(&m->config, B, ctx, &r->bytes, &r->flops);
-      if ((long)B * per_seq > pool) {
+      int32_t *dtab = bench_tables(kv, B, per_seq, NULL)
+                          ? malloc(sizeof(int32_t) * (size_t)B * (size_t)per_seq)
+                          : NULL;
+      if (!dtab) {
         r->skipped = 1;
-        printf("[%s] decode batch %d ctx %d: skipped (KV needs %ld blocks, pool %d)\n", name, B,
-               ctx, (long)B * per_seq, pool);
+        printf("[%s] decode batch %d ctx %d: skipped (KV needs %ld blocks, pool %d%s)\n", name, B,
+               ctx, (long)B * per_seq, kv->n_blocks,
+               kv->ring_blocks ? " and the rings of the sliding layers" : "");
         continue;
       }
+      bench_tables(kv, B, per_seq, dtab);
       int32_t *tk = malloc(sizeof(int32_t) * (size_t)B), *pos = malloc(sizeof(int32_t) * (size_t)B);
       int32_t *nbs = malloc(sizeof(int32_t) * (size_t)B), *out = malloc(sizeof(int32_t) * (size_t)B);
       const int32_t **tabs = malloc(sizeof(int32_t *) * (size_t)B);
@@ -342,7 +377,7 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
         tk[s] = rand_tok(V);
         pos[s] = ctx;
         nbs[s] = per_seq;
-        tabs[s] = table + (size_t)s * per_seq;
+        tabs[s] = dtab + (size_t)s * per_seq;
       }
       double ts[512];
       int n = 0;
@@ -372,7 +407,7 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
                r->bytes / COPY_BYTES_PER_S >= r->flops / BF16_FLOP_PER_S ? "copy" : "bf16 GEMM");
         fflush(stdout);
       }
-      free(tk); free(pos); free(nbs); free(out); free(tabs);
+      free(tk); free(pos); free(nbs); free(out); free(tabs); free(dtab);
     }
   }
   free(toks);
@@ -399,6 +434,8 @@ int main(int argc, char **argv) {
       TW_OPT_FN("contexts", &cl, parse_list, "LIST", "decode context lengths (default 8192,32768)"),
       TW_OPT_INT("steps", &steps, 1, 500, "N", "decode steps per point"),
       TW_OPT_INT("reps", &reps, 1, 16, "N", "repetitions (the median is reported)"),
+      TW_OPT_FN("kv-window-ring", &g_kv_ring, tw_kv_ring_opt, "0|1|auto",
+                "sliding layers keep only their window's KV (auto: off on cuda)"),
   };
   tw_opts_spec_t spec = {.prog = "twain-bench-cuda", .description = "CUDA backend prefill and decode throughput.",
                          .env_prefix = "TWAIN_BENCH_CUDA_", .opts = opts,

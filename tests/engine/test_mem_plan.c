@@ -133,11 +133,63 @@ static void test_weights(const tw_model_config_t *c20, const tw_model_config_t *
   EXPECT(mx == 0 && rest > 2 * 10152345600LL * 32 / 17, "bf16 experts %lld", (long long)rest);
 }
 
+
+/* The window ring (kv_ring.h): the same device and budget hold about twice
+ * the positions, since past the window a token costs only the full layers.
+ * 20b: 12 of 24 layers slide (window 128): a block over the full layers is
+ * 12 x 2 x 8 x 64 x 2 x 16 = 393,216 bytes, and so is a ring block over the
+ * sliding ones; R = ceil(128 / 16) + 1 = 9 ring blocks a sequence, rings for
+ * TW_MEM_RING_SEQS x max batch sequences. With K bytes of KV and max batch
+ * b: without the ring K / 786,432 blocks, with it (K - 2 b x 9 x 393,216) /
+ * 393,216 = 2 x that - 18 b (up to rounding). */
+static void test_window_ring(const tw_model_config_t *c20, const tw_model_config_t *c120) {
+  tw_mem_plan_t off, on;
+  tw_mem_plan_in_t in = gpu_in(c20, H200, 0, 1, false, TW_MEM_ROLE_DECODE);
+  in.max_batch = 128;
+  EXPECT(tw_mem_plan(&in, &off) == TW_OK, "20b no ring: %s", tw_last_error());
+  in.window_ring = true;
+  EXPECT(tw_mem_plan(&in, &on) == TW_OK, "20b ring: %s", tw_last_error());
+  int64_t want = 2 * (int64_t)off.kv_blocks - 2 * 128 * 9;
+  printf("-- window ring, 20b H200 decode at max batch 128: %d blocks (%.2f GiB) without, %d "
+         "blocks + %d ring blocks (%.2f GiB) with: %.3fx the positions\n", off.kv_blocks,
+         off.kv_bytes / (double)GIB, on.kv_blocks, on.kv_ring_blocks, on.kv_bytes / (double)GIB,
+         (double)on.kv_blocks / off.kv_blocks);
+  EXPECT(on.kv_blocks >= want - 2 && on.kv_blocks <= want + 2 && on.kv_ring_blocks == 2 * 128 * 9,
+         "20b ring: %d blocks (want %lld), %d ring blocks", on.kv_blocks, (long long)want,
+         on.kv_ring_blocks);
+  EXPECT(on.kv_bytes <= off.kv_bytes + 786432 && on.kv_bytes > off.kv_bytes - 786432,
+         "same bytes: %lld vs %lld", (long long)on.kv_bytes, (long long)off.kv_bytes);
+  EXPECT(has_line(&on, "window ring: 12 sliding layers keep 9 blocks"), "the ring's line");
+  /* issue 17: 20b at batch 128 and 32k context fits only with the ring */
+  int64_t need = 128LL * 32768;
+  EXPECT((int64_t)on.kv_blocks * 16 >= need && (int64_t)off.kv_blocks * 16 < need,
+         "20b batch 128 at 32k: %lld positions with the ring, %lld without, %lld needed",
+         (long long)on.kv_blocks * 16, (long long)off.kv_blocks * 16, (long long)need);
+  /* 120b (18 of 36 layers slide) at batch 256 and 8k: 2,097,152 positions
+   * of 36 KiB (the full layers) + 2 x 256 x 9 ring blocks of 589,824 bytes
+   * = about 74.5 GiB of KV: the weights (60.8 GiB) leave that with a decode
+   * worker alone at utilization 0.98 */
+  in = gpu_in(c120, H200, 0, 1, false, TW_MEM_ROLE_DECODE);
+  in.max_batch = 256;
+  in.utilization = 0.98;
+  EXPECT(tw_mem_plan(&in, &off) == TW_OK, "120b no ring: %s", tw_last_error());
+  in.window_ring = true;
+  EXPECT(tw_mem_plan(&in, &on) == TW_OK, "120b ring: %s", tw_last_error());
+  need = 256LL * 8192;
+  printf("-- window ring, 120b H200 decode at max batch 256, utilization 0.98: %lld positions "
+         "without, %lld with (%lld needed)\n", (long long)off.kv_blocks * 16,
+         (long long)on.kv_blocks * 16, (long long)need);
+  EXPECT((int64_t)on.kv_blocks * 16 >= need && (int64_t)off.kv_blocks * 16 < need,
+         "120b batch 256 at 8k: %lld positions with the ring, %lld without",
+         (long long)on.kv_blocks * 16, (long long)off.kv_blocks * 16);
+}
+
 int main(void) {
   tw_model_config_t c20 = gptoss(0), c120 = gptoss(1);
   tw_mem_plan_t p;
   tw_mem_plan_in_t in;
   test_weights(&c20, &c120);
+  test_window_ring(&c20, &c120);
 #ifdef TWAIN_HAVE_CUDA
   test_cuda_workspace(&c20, &c120);
 #endif

@@ -3,8 +3,9 @@
  * is a cudaMemcpyAsync, kv_transfer.h).
  *
  * The parent is the decode side: a host pool registered as a staged
- * receiver with a ring of 3 slots of 64 KiB (no rkey published), filled with
- * 0xEE. Three forked "prefill" children in turn:
+ * receiver with a ring of 3 slots of 64 KiB (the ring's rkey published),
+ * filled with 0xEE. Three "prefill" children (fork + exec of this program)
+ * in turn:
  *  1. sends handoff 1: 40 blocks of 16 KiB in one run for full layers (10
  *     pieces of 64 KiB each: the ring is full most of the time), the window's
  *     blocks for sliding layers, and a gathered put of 8 pieces taken in
@@ -12,14 +13,17 @@
  *     checks that handoff 1 is complete only for its own tag, every sent byte
  *     exact, every other byte untouched, and the ring's counters: bytes copied
  *     out equal the bytes sent, back-pressure happened, no slot in use.
- *  2. (only with TW_KV_STAGED_KILL=1: a known receiver abort, see main)
- *     starts handoff 2 into the same blocks and is killed (SIGKILL) after
- *     half of its pieces: the parent's ring must come back to no slot in use
- *     with handoff 2 never complete;
+ *  2. starts handoff 2 into the same blocks and is killed (SIGKILL) after
+ *     half of its layers, with pieces announced and not yet read: the
+ *     parent must not abort (UCX 1.13's AM rendezvous, used before, could:
+ *     the pieces are now read by the receiver, kv_transfer.c), its ring
+ *     must come back to no slot in use, no piece waiting, with handoff 2
+ *     never complete;
  *  3. sends handoff 3 into the same blocks: complete and exact, so the
  *     receiver keeps serving after a sender died mid-transfer. */
 #include "common/kv_transfer.h"
 #include "common/log.h"
+#include "common/msg.h"
 #include "tests/test_io.h"
 
 #include "tests/test_expect.h"
@@ -74,8 +78,10 @@ static int child(int t, int die_after, int rfd, int wfd) {
   tw_kv_remote_layout_t rl;
   if (tw_test_read_all(rfd, &alen, sizeof alen) || tw_test_read_all(rfd, &rlen, sizeof rlen))
     return 2;
-  uint8_t *addr = malloc(alen);
-  if (!addr || tw_test_read_all(rfd, addr, alen) || tw_test_read_all(rfd, &rl, sizeof rl)) return 2;
+  uint8_t *addr = malloc(alen), *rkey = malloc(rlen);
+  if (!addr || !rkey || tw_test_read_all(rfd, addr, alen) || tw_test_read_all(rfd, rkey, rlen) ||
+      tw_test_read_all(rfd, &rl, sizeof rl))
+    return 2;
   tw_kv_layout_t src = make_layout(NULL);
   src.base = calloc(1, (size_t)src.total_bytes);
   if (!src.base) return 2;
@@ -88,7 +94,7 @@ static int child(int t, int die_after, int rfd, int wfd) {
   for (int j = 0; j < NSENT; j++) ids[j] = j;
   tw_kv_xfer_t *x = NULL;
   tw_kv_peer_t *peer = NULL;
-  if (tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, NULL, 0, &peer)) return 3;
+  if (tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 3;
   if (tw_kv_xfer_path_to(peer, false, &rl) != TW_KV_PATH_STAGED_RECV) return 4;
   rl.handoff_tag = (uint64_t)t;
   for (int l = 0; l < L; l++) {
@@ -115,6 +121,7 @@ static int child(int t, int die_after, int rfd, int wfd) {
   tw_kv_xfer_destroy(x);
   free(src.base);
   free(addr);
+  free(rkey);
   return 0;
 }
 
@@ -150,30 +157,38 @@ static pid_t spawn(int t, int die_after, tw_kv_xfer_t *x, tw_kv_region_t *reg, i
   int p2c[2], c2p[2];
   if (pipe(p2c) || pipe(c2p)) return -1;
   pid_t pid = fork();
-  if (pid == 0) {
+  if (pid == 0) { /* a fresh process (exec): UCX state does not survive fork */
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     close(p2c[1]);
     close(c2p[0]);
-    _exit(child(t, die_after, p2c[0], c2p[1]));
+    char a[4][16];
+    snprintf(a[0], sizeof a[0], "%d", t);
+    snprintf(a[1], sizeof a[1], "%d", die_after);
+    snprintf(a[2], sizeof a[2], "%d", p2c[0]);
+    snprintf(a[3], sizeof a[3], "%d", c2p[1]);
+    execl("/proc/self/exe", "test_kv_staged", "child", a[0], a[1], a[2], a[3], (char *)NULL);
+    _exit(127);
   }
   close(p2c[0]);
   close(c2p[1]);
   size_t alen, rlen;
   const void *addr = tw_kv_xfer_address(x, &alen);
-  tw_kv_region_rkey(reg, &rlen);
+  const void *rkey = tw_kv_region_rkey(reg, &rlen);
   tw_kv_remote_layout_t rl;
   tw_kv_region_remote_layout(reg, &rl);
   if (tw_test_write_all(p2c[1], &alen, sizeof alen) ||
       tw_test_write_all(p2c[1], &rlen, sizeof rlen) || tw_test_write_all(p2c[1], addr, alen) ||
-      tw_test_write_all(p2c[1], &rl, sizeof rl))
+      tw_test_write_all(p2c[1], rkey, rlen) || tw_test_write_all(p2c[1], &rl, sizeof rl))
     return -1;
   *to_child = p2c[1];
   *from_child = c2p[0];
   return pid;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
   tw_log_init("test_kv_staged", 0);
+  if (argc == 6 && strcmp(argv[1], "child") == 0)
+    return child(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]));
   tw_kv_layout_t pool = make_layout(NULL);
   pool.base = malloc((size_t)pool.total_bytes);
   if (!pool.base) return 1;
@@ -182,12 +197,13 @@ int main(void) {
   tw_kv_region_t *reg = NULL;
   tw_kv_region_params_t prm = {.staging_ring = true, .n_slots = SLOTS, .slot_bytes = SLOT_BYTES};
   if (tw_kv_xfer_create(&x) || tw_kv_region_register_ex(x, &pool, &prm, &reg)) return 1;
-  size_t rlen = 1;
+  size_t rlen = 0;
   tw_kv_region_rkey(reg, &rlen);
   tw_kv_remote_layout_t rl;
   tw_kv_region_remote_layout(reg, &rl);
-  EXPECT(rlen == 0 && rl.staging_slot_bytes == SLOT_BYTES,
-         "staged: no rkey, slots of %lld bytes published", (long long)rl.staging_slot_bytes);
+  EXPECT(rlen > 0 && rl.staging_slot_bytes == SLOT_BYTES,
+         "staged: the ring's rkey (%zu bytes), slots of %lld bytes published", rlen,
+         (long long)rl.staging_slot_bytes);
   int32_t ids[NSENT], firsts[L], gids[GATHER];
   for (int j = 0; j < NSENT; j++) ids[j] = j;
   for (int j = 0; j < GATHER; j++) gids[j] = 50 + j;
@@ -236,43 +252,38 @@ int main(void) {
   close(to);
   close(from);
 
-  /* 2: a sender killed after 2 of its 4 layers. Off unless
-   * TW_KV_STAGED_KILL=1: a known defect, not yet fixed. With the senders'
-   * endpoints in UCX's error mode NONE, the receiver's UCX 1.13 can abort in
-   * ucp_am_rndv_process_rts (assertion "ep->worker == worker": a rendezvous
-   * from the next sender resolves to the dead sender's endpoint) in about 1
-   * run in 6 here, so a staged decode worker may die with a killed prefill
-   * worker. docs/operations.md says so; the direct and host paths do not use
-   * rendezvous. */
-  bool kill_phase = getenv("TW_KV_STAGED_KILL") && !strcmp(getenv("TW_KV_STAGED_KILL"), "1");
-  if (!kill_phase)
-    printf(
-        "phase 2 (a sender killed mid-transfer) not run: TW_KV_STAGED_KILL=1 runs it (known "
-        "receiver abort in UCX's rendezvous, see the source)\n");
-  pid = kill_phase ? spawn(2, 2, x, reg, &to, &from) : -1;
-  if (kill_phase) {
-    st = 0;
-    /* bounded in time (60 s), not in calls: a loaded machine runs the child slowly */
-    for (int it = 0; it < 600000 && pid > 0 && waitpid(pid, &st, WNOHANG) == 0; it++) {
-      tw_kv_xfer_progress(x);
-      if (it % 64 == 63) usleep(100);
-    }
-    EXPECT(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "child 2 was killed mid-transfer");
-    int in_use = -1;
-    for (int it = 0; it < 20000; it++) { /* bounded: 20000 x 100 us */
-      tw_kv_xfer_progress(x);
-      TW_IGNORE(tw_kv_region_landed(reg, 2, ids, NSENT, firsts)); /* pumps the ring */
-      EXPECT(tw_kv_region_staging_stats(reg, &rs), "staging stats");
-      in_use = rs.slots_in_use;
-      if (in_use == 0 && it > 100) break;
-      usleep(100);
-    }
-    EXPECT(in_use == 0, "after the killed sender: %d slots still in use", in_use);
-    EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS,
-           "handoff 2 never completes");
-    close(to);
-    close(from);
+  /* 2: a sender killed after 2 of its 4 layers */
+  pid = spawn(2, 2, x, reg, &to, &from);
+  st = 0;
+  /* bounded in time (60 s), not in calls: a loaded machine runs the child slowly */
+  int64_t until = tw_msg_clock_ns() + 60 * 1000000000LL;
+  int64_t pieces_before = rs.pieces;
+  while (pid > 0 && waitpid(pid, &st, WNOHANG) == 0 && tw_msg_clock_ns() < until) {
+    tw_kv_xfer_progress(x);
+    usleep(50);
   }
+  EXPECT(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "child 2 was killed mid-transfer (exit %d)",
+         WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+  /* every slot freed and no piece left waiting, within 10 s (the receiver
+   * checks a dead local sender's pid every 20 ms) */
+  int in_use = -1;
+  until = tw_msg_clock_ns() + 10 * 1000000000LL;
+  while (tw_msg_clock_ns() < until) {
+    tw_kv_xfer_progress(x);
+    TW_IGNORE(tw_kv_region_landed(reg, 2, ids, NSENT, firsts)); /* pumps the ring */
+    EXPECT(tw_kv_region_staging_stats(reg, &rs), "staging stats");
+    in_use = rs.slots_in_use;
+    if (in_use == 0 && tw_kv_xfer_wait_fd(x) >= 0) break; /* idle: nothing waits either */
+    usleep(200);
+  }
+  EXPECT(in_use == 0, "after the killed sender: %d slots still in use", in_use);
+  EXPECT(tw_kv_xfer_wait_fd(x) >= 0, "after the killed sender: pieces still waiting");
+  printf("handoff 2 (sender killed): %lld pieces copied before it died, %lld failed\n",
+         (long long)(rs.pieces - pieces_before), (long long)rs.pieces_failed);
+  EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS,
+         "handoff 2 never completes");
+  close(to);
+  close(from);
 
   /* 3: the receiver keeps serving */
   pid = spawn(3, -1, x, reg, &to, &from);
