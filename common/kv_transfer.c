@@ -256,6 +256,7 @@ typedef struct {
   int64_t len;
   int64_t slot_bytes; /* the receiver's slot size */
   bool device;        /* buf is device memory: copied straight into the mapped slot */
+  int16_t pos;        /* its place in the xfer's active list */
   tw_kv_am_hdr_t hdr;
   tw_kv_am_filled_t fill;
 } tw_kv_piece_t;
@@ -335,6 +336,7 @@ struct tw_kv_xfer {
   tw_kv_piece_t pieces[TW_KV_PIECES];
   uint64_t piece_seq;
   int32_t n_pieces;
+  int16_t active[TW_KV_PIECES]; /* the entries in use, [0, n_pieces), any order */
   tw_kv_proc_t self; /* this process, in the pieces it announces */
   void *d2h_stream;  /* cudaStream_t of device pieces copied into receivers' slots */
   bool staged_put;   /* TWAIN_KV_STAGED_PUT=1: put pieces even into mapped slots */
@@ -640,7 +642,9 @@ static void tw_kv_piece_release(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
   if (e->req) ucp_request_free(e->req);
   if (e->flush) ucp_request_free(e->flush);
   if (e->peer) e->peer->n_pieces--;
-  x->n_pieces--;
+  int16_t last = x->active[--x->n_pieces]; /* the last active entry takes its place */
+  x->active[e->pos] = last;
+  x->pieces[last].pos = e->pos;
   *e = (tw_kv_piece_t){0};
 }
 
@@ -776,9 +780,9 @@ static void tw_kv_piece_start(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
  * whose bytes are in their slots, release the finished and refused ones.
  * Never blocks. */
 static void tw_kv_pieces_advance(tw_kv_xfer_t *x) {
-  for (int i = 0; i < TW_KV_PIECES && x->n_pieces > 0; i++) {
+  for (int a = x->n_pieces - 1; a >= 0; a--) { /* backwards: a release moves the last one here */
+    int i = x->active[a];
     tw_kv_piece_t *e = &x->pieces[i];
-    if (!e->id) continue;
     ucs_status_t s = e->req ? ucp_request_check_status(e->req) : UCS_OK;
     if (s != UCS_INPROGRESS && e->req) { /* "want" or "filled" sent */
       ucp_request_free(e->req);
@@ -897,7 +901,8 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
   e->req = req;
   e->state = TW_PIECE_WANT;
   p->n_pieces++;
-  x->n_pieces++;
+  e->pos = (int16_t)x->n_pieces;
+  x->active[x->n_pieces++] = (int16_t)idx;
   *id_p = id;
   x->stats.puts++;
   x->stats.ring_bytes += len;
