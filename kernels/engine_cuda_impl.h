@@ -107,8 +107,8 @@ typedef struct {
   void *kv_pool;
   size_t kv_bytes;
   int64_t kv_layer_stride_bytes;
-  int64_t *kv_layer_off;   /* [n_layers] where each layer starts (kv_ring.h) */
-  int64_t kv_block_bytes;  /* one block of one layer */
+  int64_t *kv_layer_off;  /* [n_layers] where each layer starts (kv_ring.h) */
+  int64_t kv_block_bytes; /* one block of one layer */
   /* the window ring of the sliding layers (common/kv_ring.h; ring_blocks 0:
    * none): ring layers write and read through d_ring_slots / d_ring_tables,
    * a decode step its sequences' ring views, a prefill pass the scratch of
@@ -118,8 +118,8 @@ typedef struct {
   int32_t *d_ring_slots, *d_ring_tables, *d_ring_pairs; /* [max_rows] [B][mbps] [4 B R] */
   int32_t *h_ring_slots, *h_ring_tables, *h_ring_pairs; /* pinned staging, the same sizes */
   int32_t n_ring_in, n_ring_out;
-  void *ring_scratch;      /* prefill: the pass's scratch blocks of one layer */
-  int32_t cap_scratch;     /* blocks */
+  void *ring_scratch;  /* prefill: the pass's scratch blocks of one layer */
+  int32_t cap_scratch; /* blocks */
   tw_kv_ring_pass_t ring_plan;
   /* workspace: one device arena */
   void *ws_arena;

@@ -341,7 +341,8 @@ static int tw_ce_share_take(tw_ce_t *ce, const char *path, int device, size_t by
 }
 
 /* Map the arena from any live holder of <base>.<pid>.sock; removes the
- * sockets of dead holders. 1 when mapped. */
+ * sockets of dead holders (all of them, also after a live one mapped). 1
+ * when mapped. */
 static int tw_ce_share_find(tw_ce_t *ce, const char *dir, const char *base, int device,
                             size_t bytes, uint64_t fp) {
   const char *prefix = strrchr(base, '/') ? strrchr(base, '/') + 1 : base;
@@ -350,7 +351,8 @@ static int tw_ce_share_find(tw_ce_t *ce, const char *dir, const char *base, int 
   if (!d) return 0;
   int mapped = 0;
   struct dirent *de;
-  while (!mapped && (de = readdir(d)) != NULL) {
+  /* every entry: a holder found early must not leave later stale sockets */
+  while ((de = readdir(d)) != NULL) {
     const char *nm = de->d_name;
     int pid = 0, used = 0;
     if (strncmp(nm, prefix, plen) != 0 || nm[plen] != '.' ||
@@ -363,6 +365,7 @@ static int tw_ce_share_find(tw_ce_t *ce, const char *dir, const char *base, int 
       unlink(path);
       continue;
     }
+    if (mapped) continue;
     int32_t from = 0;
     mapped = tw_ce_share_take(ce, path, device, bytes, fp, &from);
     if (mapped)

@@ -61,6 +61,12 @@ static void tw_knobs_read(void) {
   k.dc_fused = tw_knob_int("TWAIN_CUDA_DC_FUSED", 1, 0, 1);
   k.moe_bt = tw_knob_str("TWAIN_CUDA_MOE_BT", g_moe_bt);
   k.moe_mma = tw_knob_str("TWAIN_CUDA_MOE_MMA", g_moe_mma);
+  k.moe_stream = tw_knob_switch("TWAIN_CUDA_MOE_STREAM", 1);
+  k.moe_stream_warps = tw_knob_int("TWAIN_CUDA_MOE_STREAM_WARPS", 16, 8, 16);
+  if (k.moe_stream_warps != 8 && k.moe_stream_warps != 16) {
+    TW_WARN("cuda", "TWAIN_CUDA_MOE_STREAM_WARPS=%d is not 8 or 16: 16", k.moe_stream_warps);
+    k.moe_stream_warps = 16;
+  }
   g_knobs = k;
 }
 

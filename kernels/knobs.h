@@ -24,17 +24,19 @@ extern "C" {
 #define TW_CUDA_KNOB_GEMV_MAX 64
 
 typedef struct {
-  int moe_cublas;      /* TWAIN_CUDA_MOE_CUBLAS=1: per-expert cuBLAS MoE (default 0) */
-  int moe_gemv_max;    /* TWAIN_CUDA_MOE_GEMV_MAX 0..64, -1 unset: the engine's default */
-  int profile;         /* TWAIN_CUDA_PROFILE=1: per-op timing, no graphs (default 0) */
-  int gemv;            /* TWAIN_CUDA_GEMV=0 turns the small-M GEMV kernel off (default 1) */
-  int fused_router;    /* TWAIN_CUDA_FUSED_ROUTER=0 turns the fused router off (default 1) */
-  int pdl;             /* TWAIN_CUDA_PDL=0 turns programmatic dependent launch off (default 1) */
-  int dc_ctas;         /* TWAIN_CUDA_DC_CTAS 1..1048576: decode attention target CTAs (512) */
-  int dc_stages;       /* TWAIN_CUDA_DC_STAGES 2 or 3: cp.async stages (3) */
-  int dc_fused;        /* TWAIN_CUDA_DC_FUSED 0 or 1: last-CTA merge of the splits (1) */
-  const char *moe_bt;  /* TWAIN_CUDA_MOE_BT as given (NULL unset): grouped MoE tile rows */
-  const char *moe_mma; /* TWAIN_CUDA_MOE_MMA as given (NULL unset): mma.sync tiles */
+  int moe_cublas;       /* TWAIN_CUDA_MOE_CUBLAS=1: per-expert cuBLAS MoE (default 0) */
+  int moe_gemv_max;     /* TWAIN_CUDA_MOE_GEMV_MAX 0..64, -1 unset: the engine's default */
+  int profile;          /* TWAIN_CUDA_PROFILE=1: per-op timing, no graphs (default 0) */
+  int gemv;             /* TWAIN_CUDA_GEMV=0 turns the small-M GEMV kernel off (default 1) */
+  int fused_router;     /* TWAIN_CUDA_FUSED_ROUTER=0 turns the fused router off (default 1) */
+  int pdl;              /* TWAIN_CUDA_PDL=0 turns programmatic dependent launch off (default 1) */
+  int dc_ctas;          /* TWAIN_CUDA_DC_CTAS 1..1048576: decode attention target CTAs (512) */
+  int dc_stages;        /* TWAIN_CUDA_DC_STAGES 2 or 3: cp.async stages (3) */
+  int dc_fused;         /* TWAIN_CUDA_DC_FUSED 0 or 1: last-CTA merge of the splits (1) */
+  const char *moe_bt;   /* TWAIN_CUDA_MOE_BT as given (NULL unset): grouped MoE tile rows */
+  const char *moe_mma;  /* TWAIN_CUDA_MOE_MMA as given (NULL unset): mma.sync tiles */
+  int moe_stream;       /* TWAIN_CUDA_MOE_STREAM=0 turns the streaming decode MoE off (default 1) */
+  int moe_stream_warps; /* TWAIN_CUDA_MOE_STREAM_WARPS 8 or 16: its warps per CTA (16) */
 } tw_cuda_knobs_t;
 
 /** The knobs, read from the environment on the first call (thread-safe);

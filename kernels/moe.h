@@ -90,7 +90,7 @@ int tw_cuda_moe_router_fused_supported(const tw_cuda_moe_route_t *route, const v
  *  softmax and the sort by expert into `route` exactly as tw_cuda_moe_route
  *  on those logits. x bf16 [T, H] and w bf16 [E, H] (row stride H, device,
  *  16-byte aligned); bias f32 [E] or NULL. Uses route->ticket (zeroed by
- *  tw_cuda_moe_route_init, left zero). Grid depends only on E: capturable.
+ *  tw_cuda_moe_route_init, left zero). Grid depends on E and T only: capturable.
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, misaligned), TW_ERR_UNSUPPORTED
  *  (tw_cuda_moe_router_fused_supported is false: use a GEMM and
  *  tw_cuda_moe_route), TW_ERR_CUDA. */
@@ -160,6 +160,22 @@ uint32_t tw_cuda_moe_mma_tiles(void);
  *  are ignored); for tests and benchmarks that compare the two kernels in one
  *  process. Not thread-safe against concurrent MoE calls. */
 void tw_cuda_moe_set_mma_tiles(uint32_t tiles);
+
+/** Whether tw_cuda_moe_prefill's MXFP4 experts at decode loads (the 16-row
+ *  assignment tile: an expert's mean load at most 8) run the streaming
+ *  kernel of moe_grouped.cu (tw_gs_kernel: weights streamed from global
+ *  memory into registers, mma.sync, no shared-memory staging) instead of the
+ *  wgmma kernel: 1 unless TWAIN_CUDA_MOE_STREAM=0 (read once). The
+ *  TWAIN_CUDA_MOE_MMA tiles take precedence. Results within the GEMM path's
+ *  tolerance of the wgmma kernel (same bf16 products, f32 sums in another
+ *  order); no host sync, capturable. */
+int tw_cuda_moe_stream(void);
+
+/** Set tw_cuda_moe_stream: 1 on, 0 off, negative: back to the environment's
+ *  choice. For tests and benchmarks that compare kernels in one process; not
+ *  thread-safe against concurrent MoE calls; a captured graph keeps its
+ *  kernels. */
+void tw_cuda_moe_set_stream(int on);
 
 /** Bytes of the tw_cuda_moe_prefill workspace for up to max_tokens tokens:
  *  activations bf16 [T*k, I] and expert outputs f32 [T*k, H]. */

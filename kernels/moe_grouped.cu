@@ -696,7 +696,249 @@ extern "C" void tw_cuda_moe_set_mma_tiles(uint32_t tiles) {
   tw_gm_mask = (int)(tiles & (16 | 32 | 64 | 128));
 }
 
+/* ---- streaming decode kernel: per-warp weight pipelines, no barriers ----
+ *
+ * For the decode loads (the 16-row assignment tile: an expert holds a few
+ * tokens) the two kernels above stage every weight k-tile through shared
+ * memory behind a CTA barrier and spend most of their instructions on it
+ * (Nsight Compute, 20b gate_up at 64 tokens: 6.8 instructions per weight,
+ * 0.66 issued per cycle per scheduler; docs/benchmarks.md). Here every warp
+ * is its own pipeline: it owns 32 weight rows (two m16 tiles) of one expert
+ * at a time, copies lane (g, t)'s MXFP4 block 4c + t of its rows g, g + 8,
+ * g + 16, g + 24 for k-chunk c (128 k) with cp.async into its private
+ * shared-memory stages (three: two chunks in flight while one is computed),
+ * reads back only its own 16-byte pieces (so no barrier at all), converts
+ * them with one lookup per two weights in a 64 KB per-lane table whose
+ * address is one byte permute (entry v at 256 v + 4 lane), multiplies by the
+ * block's scale and feeds mma.sync m16n8k16 with the token rows as B.
+ * The K order inside a chunk is permuted so that each lane's A values are its
+ * own block: mma step j of chunk c takes, for lane t, k = 128 c + 32 t + 4 j
+ * + {0, 1} (a0, a1) and + {2, 3} (a2, a3), and the B fragment holds the same
+ * k of the token rows (8 contiguous bytes, read through L1). Tokens beyond
+ * the expert's load and k beyond K read as zero.
+ * Work is (expert, 32-row slice) items taken by the warps of a persistent
+ * grid (one CTA of 16 warps per SM) in turn, so the tail of an uneven grid
+ * is one item, not a CTA wave; empty experts cost one load. An expert with
+ * more than 16 assignments is done in passes of 16 (its weights read once per
+ * pass). */
+/* warps per CTA: 16 (one CTA per SM: one table, and the L1 left beside 160
+ * KB of shared memory keeps the token rows) or 8 (two CTAs per SM);
+ * TWAIN_CUDA_MOE_STREAM_WARPS picks (knobs.h; default 16) */
+#define TW_GS_STAGES 3
+#define TW_GS_LUT_BYTES (256 * 256)
+#define TW_GS_STAGE_BYTES (4 * 32 * 16) /* one warp: 4 rows x 32 lanes x 16 bytes */
+#define TW_GS_SMEM(warps) (TW_GS_LUT_BYTES + (warps) * TW_GS_STAGES * TW_GS_STAGE_BYTES)
+
+/* The pair of bf16 weights of byte `b` (0..3) of `word` times the scale s2;
+ * lane4 = 4 * lane: the table entry is one byte permute away. */
+template <int B>
+static __device__ __forceinline__ uint32_t tw_gs_cvt(const uint8_t *lut, uint32_t word,
+                                                     uint32_t lane4, __nv_bfloat162 s2) {
+  const uint32_t off = __byte_perm(word, lane4, 0x7604u | (B << 4)); /* byte B << 8 | lane4 */
+  const uint32_t v = *reinterpret_cast<const uint32_t *>(lut + off);
+  __nv_bfloat162 o = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&v), s2);
+  return *reinterpret_cast<uint32_t *>(&o);
+}
+static __device__ __forceinline__ uint32_t tw_u4(const uint4 &v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+/* One pass of a warp over its 32 rows (r0..r0 + 31 of expert e) for
+ * assignments [base, base + 8 NT) of the expert (those < ne hold data). */
+template <int EPI, int NT>
+static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const uint8_t *lut,
+                                                  uint8_t *stg, int e, int ne, int off, int base,
+                                                  int r0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const uint32_t lane4 = 4u * (uint32_t)lane;
+  const int K = p.K, N = p.N, KB = K / 32, KC = (KB + 3) / 4;
+  /* rows of piece q = 2 mt + h; SwiGLU: row g of an m-tile is the gate row of
+   * pair i, row g + 8 its linear row */
+  /* block index in [E, N, K/32] of (row of piece q, block t of chunk 0):
+   * blk0 + qrow(q) * KB, rows r0 + g + {0, 8, 16, 24} (plain) or r0 + 2 g +
+   * {0, 1, 16, 17} (SwiGLU); N % 32 == 0, so every row exists */
+  const int blk0 = (e * N + r0 + (EPI == TW_GG_SWIGLU ? 2 * g : g)) * KB + t;
+  auto qrow = [](int q) { return EPI == TW_GG_SWIGLU ? 16 * (q >> 1) + (q & 1) : 8 * q; };
+  int32_t xoff[NT]; /* 16-byte index of this lane's k of chunk 0 in the token row; -1: none */
+#pragma unroll
+  for (int nt = 0; nt < NT; nt++) {
+    const int m = base + nt * 8 + g;
+    int row = m < ne ? off + m : -1;
+    if (row >= 0 && p.sorted) row = p.sorted[row] / p.k_top;
+    xoff[nt] = row >= 0 ? row * (K / 8) + 4 * t : -1;
+  }
+  const uint4 *xa = reinterpret_cast<const uint4 *>(p.a);
+  float acc[2][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) acc[mt][nt][q] = 0.f;
+  uint32_t S[TW_GS_STAGES]; /* the four rows' scale bytes of a stage, row q in byte q */
+  /* chunk c into stage st: this lane's four 16-byte blocks, and their scales */
+  auto issue = [&](int st, int c) {
+    const bool ok = c < KC && 4 * c + t < KB;
+    const uint32_t dst = tw_smem_u32(stg + st * TW_GS_STAGE_BYTES + lane * 16);
+    uint32_t sc = 0;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const int b = blk0 + qrow(q) * KB + 4 * c;
+      tw_cp_async16(dst + q * 512, ok ? p.wq + (int64_t)b * 16 : p.wq, ok);
+      sc |= (ok ? (uint32_t)__ldg(p.ws + b) : 127u) << (8 * q);
+    }
+    S[st] = sc;
+    /* the token rows' k of chunk c into L1 now, read two chunks later (one
+     * 128-byte line covers lanes t, t ^ 1 of a row) */
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+      if (ok && xoff[nt] >= 0 && !(t & 1))
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(xa + xoff[nt] + 16 * c));
+    tw_cp_async_commit();
+  };
+  auto compute = [&](int st, int c) {
+    const bool kok = 4 * c + t < KB;
+    tw_cp_async_wait<TW_GS_STAGES - 2>(); /* chunk c: this lane's own copies */
+    uint4 W[4];
+    __nv_bfloat162 s2[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      W[q] = *reinterpret_cast<const uint4 *>(stg + st * TW_GS_STAGE_BYTES + q * 512 + lane * 16);
+      const uint32_t sc = tw_gg_scale2((S[st] >> (8 * q)) & 0xFFu);
+      s2[q] = *reinterpret_cast<const __nv_bfloat162 *>(&sc);
+    }
+    uint4 Bv[NT];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      const int wd = j >> 1;
+      if (!(j & 1)) /* the token rows' k of steps 2 wd, 2 wd + 1 */
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+          Bv[nt] = kok && xoff[nt] >= 0 ? __ldg(xa + xoff[nt] + 16 * c + wd) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int mt = 0; mt < 2; mt++) {
+        uint32_t a[4];
+        const uint32_t w0 = tw_u4(W[2 * mt], wd), w1 = tw_u4(W[2 * mt + 1], wd);
+        if (j & 1) {
+          a[0] = tw_gs_cvt<2>(lut, w0, lane4, s2[2 * mt]);
+          a[1] = tw_gs_cvt<2>(lut, w1, lane4, s2[2 * mt + 1]);
+          a[2] = tw_gs_cvt<3>(lut, w0, lane4, s2[2 * mt]);
+          a[3] = tw_gs_cvt<3>(lut, w1, lane4, s2[2 * mt + 1]);
+        } else {
+          a[0] = tw_gs_cvt<0>(lut, w0, lane4, s2[2 * mt]);
+          a[1] = tw_gs_cvt<0>(lut, w1, lane4, s2[2 * mt + 1]);
+          a[2] = tw_gs_cvt<1>(lut, w0, lane4, s2[2 * mt]);
+          a[3] = tw_gs_cvt<1>(lut, w1, lane4, s2[2 * mt + 1]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+          tw_mma16816(acc[mt][nt], a, tw_u4(Bv[nt], 2 * (j & 1)), tw_u4(Bv[nt], 2 * (j & 1) + 1));
+      }
+      /* keep the table lookups of later steps from being hoisted here: the
+       * registers they would hold spill (measured by ptxas) */
+      if (j & 1) asm volatile("" ::: "memory");
+    }
+  };
+  issue(0, 0);
+  issue(1, 1);
+  for (int c = 0; c < KC; c += 3) {
+    issue(2, c + 2);
+    compute(0, c);
+    if (c + 1 >= KC) break;
+    issue(0, c + 3);
+    compute(1, c + 1);
+    if (c + 2 >= KC) break;
+    issue(1, c + 4);
+    compute(2, c + 2);
+  }
+  tw_cp_async_wait<0>();
+  const float *bias = p.bias + (int64_t)e * N;
+#pragma unroll
+  for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int c = 0; c < 2; c++) {
+        const int m = base + nt * 8 + 2 * t + c;
+        if (m >= ne) continue;
+        const int64_t prow = off + m;
+        if (EPI == TW_GG_SWIGLU) {
+          const int i = (r0 + 16 * mt) / 2 + g;
+          if (2 * i >= N) continue;
+          reinterpret_cast<__nv_bfloat16 *>(p.out)[prow * (N / 2) + i] =
+              __float2bfloat16(tw_swiglu(acc[mt][nt][c] + bias[2 * i],
+                                         acc[mt][nt][2 + c] + bias[2 * i + 1], p.alpha, p.limit));
+        } else {
+          const int n = r0 + 16 * mt + g;
+          float *y = reinterpret_cast<float *>(p.out) + prow * N;
+          if (n < N) y[n] = acc[mt][nt][c] + bias[n];
+          if (n + 8 < N) y[n + 8] = acc[mt][nt][2 + c] + bias[n + 8];
+        }
+      }
+}
+
+template <int EPI, int WARPS>
+static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(const tw_gg_args_t p) {
+  extern __shared__ __align__(128) uint8_t tw_gs_smem[];
+  TW_PDL_WAIT();
+  const int tid = threadIdx.x, warp = tid >> 5;
+  /* the table: entry v's 32 lane copies at 256 v (bytes 128-255 of each unused) */
+  for (int i = tid; i < 256 * 8; i += WARPS * 32) {
+    const uint32_t c = tw_fp4x2_bf16((uint32_t)(i >> 3));
+    reinterpret_cast<uint4 *>(tw_gs_smem + (i >> 3) * 256)[i & 7] = make_uint4(c, c, c, c);
+  }
+  __syncthreads();
+  uint8_t *stg = tw_gs_smem + TW_GS_LUT_BYTES + warp * (TW_GS_STAGES * TW_GS_STAGE_BYTES);
+  const int slices = (p.N + 31) / 32, total = slices * p.E;
+  for (int item = blockIdx.x * WARPS + warp; item < total; item += gridDim.x * WARPS) {
+    const int e = item / slices, r0 = (item - e * slices) * 32;
+    const int ne = p.counts[e];
+    if (ne == 0) continue;
+    const int off = p.offsets[e];
+    for (int base = 0; base < ne; base += 16) {
+      if (ne - base <= 8)
+        tw_gs_pass<EPI, 1>(p, tw_gs_smem, stg, e, ne, off, base, r0);
+      else
+        tw_gs_pass<EPI, 2>(p, tw_gs_smem, stg, e, ne, off, base, r0);
+    }
+  }
+}
+
+/* Whether the streaming kernel takes the decode MoE: MXFP4 experts, the
+ * 16-row tile (an expert's mean load at most 8), unless TWAIN_CUDA_MOE_STREAM=0
+ * (knobs.h) or tw_cuda_moe_set_stream said otherwise. */
+static int tw_gs_on = -1;
+static int tw_gs_enabled(void) { return tw_gs_on >= 0 ? tw_gs_on : tw_cuda_knobs()->moe_stream; }
+extern "C" void tw_cuda_moe_set_stream(int on) { tw_gs_on = on < 0 ? -1 : on ? 1 : 0; }
+extern "C" int tw_cuda_moe_stream(void) { return tw_gs_enabled(); }
+static int tw_gs_warps(void) { return tw_cuda_knobs()->moe_stream_warps == 8 ? 8 : 16; }
+static tw_gg_fn tw_gs_pick(int epi, int warps) {
+  if (warps == 8) return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 8> : tw_gs_kernel<TW_GG_PLAIN, 8>;
+  return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 16> : tw_gs_kernel<TW_GG_PLAIN, 16>;
+}
+static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, cudaStream_t stream) {
+  static int sms = 0;
+  if (sms <= 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0)
+      sms = 132;
+  }
+  const int warps = tw_gs_warps(), items = (a->N + 31) / 32 * a->E;
+  const int ctas = TW_CDIV(items, warps), per_sm = 16 / warps;
+  dim3 grid(ctas < per_sm * sms ? ctas : per_sm * sms);
+  tw_pdl_launch(tw_gs_pick(epi, warps), grid, dim3(warps * 32), (size_t)TW_GS_SMEM(warps), stream,
+                *a);
+  TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gs_kernel(gate_up)" : "tw_gs_kernel(down)");
+  return TW_OK;
+}
+
 extern "C" tw_status_t tw_moe_grouped_setup(void) {
+  for (int epi = 0; epi < 2; epi++)
+    for (int wp = 8; wp <= 16; wp *= 2)
+      TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gs_pick(epi, wp),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         TW_GS_SMEM(wp)));
   for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
     for (int fmt = 0; fmt < 2; fmt++)
       for (int epi = 0; epi < 2; epi++)
@@ -812,6 +1054,8 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   const int fmt = w1_bf16 ? TW_GG_BF16 : TW_GG_MXFP4;
   if (fmt == TW_GG_MXFP4 && (tw_gm_tiles() & (uint32_t)bt))
     return tw_gm_run(w, r, T, x, act, y, bt, stream);
+  /* decode loads (the 16-row tile) of MXFP4 experts: the streaming kernel */
+  const bool gs = fmt == TW_GG_MXFP4 && bt == 16 && H % 32 == 0 && I % 16 == 0 && tw_gs_enabled();
   const __nv_bfloat16 *w1h = (const __nv_bfloat16 *)w1_bf16;
   const __nv_bfloat16 *w2h = (const __nv_bfloat16 *)w2_bf16;
   tw_gg_args_t a = {};
@@ -830,7 +1074,8 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.N = 2 * I;
   a.K = H;
   a.out = act;
-  TW_CHECK(tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, bt, stream));
+  TW_CHECK(gs ? tw_gs_launch(&a, TW_GG_SWIGLU, stream)
+              : tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, bt, stream));
   a.a = (const __nv_bfloat16 *)act;
   a.sorted = NULL;
   a.wq = w->down_blocks;
@@ -840,5 +1085,5 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.N = H;
   a.K = I;
   a.out = y;
-  return tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);
+  return gs ? tw_gs_launch(&a, TW_GG_PLAIN, stream) : tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);
 }

@@ -14,8 +14,9 @@
  * grouped and cuBLAS outputs are compared (relative L2; above 1e-2 the
  * benchmark fails) as a sanity check.
  * --decode: decode batches instead (default T = 16, 64, 256, 512, 1024):
- * the grouped GEMM's wgmma kernel ("old") against its decode kernel ("new",
- * TWAIN_CUDA_MOE_MMA, kernels/moe_grouped.cu) in one process, at the tile
+ * the grouped GEMM's wgmma kernel ("old") against its streaming decode kernel
+ * ("new", TWAIN_CUDA_MOE_STREAM, kernels/moe_grouped.cu; it runs at the
+ * 16-row tile, other tiles stay on the wgmma kernel) in one process, at the tile
  * tw_cuda_moe_prefill picks, with the bytes the block must move (the selected
  * experts once, the token rows, activations and outputs), TB/s and TFLOP/s
  * of each, old/new and the relative L2 of new against old (above 1e-3 the
@@ -270,8 +271,8 @@ static int bench_model(const char *name, int E, const int *Ts, int nT, tw_cuda_g
 }
 
 /* Decode shapes: tw_cuda_moe_prefill with the wgmma kernel ("old",
- * tw_cuda_moe_set_mma_tiles(0)) against the decode kernel ("new", every
- * tile), at the tile the rule picks (or TWAIN_CUDA_MOE_BT). Bytes: the
+ * tw_cuda_moe_set_stream(0)) against the streaming kernel ("new",
+ * tw_cuda_moe_set_stream(1); 16-row tiles), at the tile the rule picks (or TWAIN_CUDA_MOE_BT). Bytes: the
  * MXFP4 blocks, scales and biases of the experts the route selects (each
  * once) plus the token rows in (bf16), the activations (bf16) and expert
  * outputs (f32) written and read once, and the output (f32): the floor a
@@ -305,10 +306,12 @@ static int bench_decode(const char *name, int E, const int *Ts, int nT, cudaStre
     ctx_t c2 = c;
     c2.out = m.out2;
     tw_cuda_moe_set_mma_tiles(0);
+    tw_cuda_moe_set_stream(0);
     const double t_old = time_ms(&c, RUN_GROUPED);
-    tw_cuda_moe_set_mma_tiles(16 | 32 | 64 | 128);
+    tw_cuda_moe_set_stream(1);
     const double t_new = time_ms(&c2, RUN_GROUPED);
     tw_cuda_moe_set_mma_tiles(keep);
+    tw_cuda_moe_set_stream(-1);
     if (t_old < 0 || t_new < 0) {
       fprintf(stderr, "bench_moe: a run failed: %s\n", tw_last_error());
       return 1;
@@ -336,8 +339,8 @@ int main(int argc, char **argv) {
     printf(
         "usage: twain-bench-moe [--decode] [T,T,...]\n"
         "  tokens per call; default 128,1024,8192 (prefill: grouped GEMM against cuBLAS)\n"
-        "  --decode: the grouped GEMM's wgmma kernel against its decode kernel\n"
-        "            (TWAIN_CUDA_MOE_MMA), default 16,64,256,512,1024\n");
+        "  --decode: the grouped GEMM's wgmma kernel against its streaming decode kernel\n"
+        "            (TWAIN_CUDA_MOE_STREAM), default 16,64,256,512,1024\n");
     return 0;
   }
   if (argc > ai && !strcmp(argv[ai], "--decode")) {
@@ -375,7 +378,8 @@ int main(int argc, char **argv) {
   if (decode) {
     printf(
         "decode MoE block, ms (median of %d): grouped GEMM, wgmma kernel (old) against the "
-        "decode kernel (new); TB/s of the bytes a step must move, TFLOP/s of the expert "
+        "streaming decode kernel (new, 16-row tiles); TB/s of the bytes a step must move, TFLOP/s "
+        "of the expert "
         "GEMMs (ceilings %.2f TB/s copy, %.0f TFLOP/s)\n",
         REPS, GBS_CEIL / 1000.0, TFLOPS_CEIL);
     printf(

@@ -14,7 +14,11 @@
  * reference, against the wgmma kernel's output (relative L2 <= 1e-3: the
  * same bf16 products summed in another order), rerun and captured in a graph
  * (same bits); "bigscale" cases use E8M0 scales up to 2^4, which take its
- * two-multiply conversion.
+ * two-multiply conversion. The streaming decode kernel
+ * (tw_cuda_moe_set_stream: weights through per-warp cp.async stages, used
+ * at the 16-row tile) runs every grouped case the same way (cases at other
+ * tiles check that it leaves them to the wgmma kernel: 0 difference),
+ * including "hot" loads of more than 16 rows, which it takes in passes.
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
@@ -179,7 +183,9 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
  * NaN first) and copy it to out. mode 0: GEMV; 1: grouped GEMM on the MXFP4
  * experts; 2: grouped GEMM on bf16 experts (d_wdq); 3: cuBLAS path
  * dequantising inside; 4: cuBLAS path on d_wdq; 5: grouped GEMM on the MXFP4
- * experts through the decode kernel (every tile). */
+ * experts through the decode kernel (every tile); 6: grouped GEMM on the
+ * MXFP4 experts through the streaming kernel (at the 16-row tile; other
+ * tiles run the wgmma kernel). */
 static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
                     const tw_cuda_moe_route_t *r, const moe_case_t *c, int mode, const void *d_x,
                     const void *d_wdq, void *d_ws, size_t wsb, int32_t *hc, float *d_out,
@@ -190,9 +196,10 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
   const void *wdq = mode == 2 || mode == 4 ? d_wdq : NULL;
   tw_status_t st;
   tw_cuda_moe_set_mma_tiles(mode == 5 ? MMA_ALL : 0);
+  tw_cuda_moe_set_stream(mode == 6);
   if (mode == 0)
     st = tw_cuda_moe_decode(w, r, T, d_x, d_ws, wsb, d_out, 0);
-  else if (mode <= 2 || mode == 5)
+  else if (mode <= 2 || mode >= 5)
     st = tw_cuda_moe_prefill(w, r, T, d_x, wdq, d_ws, wsb, d_out, 0);
   else
     st = tw_cuda_moe_prefill_cublas(gemm, w, r, T, d_x, wdq, d_ws, wsb, hc, d_out, 0);
@@ -211,8 +218,9 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
  * replay must give `want` bit for bit. */
 static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
                         const moe_case_t *c, const void *d_x, void *d_ws, size_t wsb, float *d_out,
-                        float *out, const float *want, uint32_t mma) {
+                        float *out, const float *want, uint32_t mma, int stream_k) {
   tw_cuda_moe_set_mma_tiles(mma);
+  tw_cuda_moe_set_stream(stream_k);
   cudaStream_t s;
   TT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaGraph_t g = NULL;
@@ -221,8 +229,8 @@ static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_
   tw_status_t st = tw_cuda_moe_prefill(w, r, c->T, d_x, NULL, d_ws, wsb, d_out, s);
   cudaError_t ce = cudaStreamEndCapture(s, &g);
   if (st != TW_OK || ce != cudaSuccess || cudaGraphInstantiate(&ge, g, 0) != cudaSuccess) {
-    printf("FAIL moe_grouped_graph(%s,T=%d,mma=%u): capture: %s / %s\n", c->name, c->T, mma,
-           st != TW_OK ? tw_last_error() : "ok", cudaGetErrorString(ce));
+    printf("FAIL moe_grouped_graph(%s,T=%d,mma=%u,stream=%d): capture: %s / %s\n", c->name, c->T,
+           mma, stream_k, st != TW_OK ? tw_last_error() : "ok", cudaGetErrorString(ce));
     cudaGetLastError();
     return 1;
   }
@@ -237,9 +245,9 @@ static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_
     diff += tt_count_bits_differ(out, want, n);
   }
   printf(
-      "%s moe_grouped_graph(%s,T=%d,mma=%u): captured without a host sync, %ld values "
-      "differ from the eager run over 2 replays\n",
-      diff ? "FAIL" : "ok  ", c->name, c->T, mma, diff);
+      "%s moe_grouped_graph(%s,T=%d,mma=%u,stream=%d): captured without a host sync, %ld "
+      "values differ from the eager run over 2 replays\n",
+      diff ? "FAIL" : "ok  ", c->name, c->T, mma, stream_k, diff);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
@@ -310,13 +318,14 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   int32_t *hc;
   TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
   moe_reference(pool, c, &h, x, logits, ref);
-  int modes[5], n_modes = 0;
+  int modes[6], n_modes = 0;
   bool grouped = prefill && tw_cuda_moe_grouped_supported(H, I);
   if (!prefill) modes[n_modes++] = 0;
   if (grouped) {
     modes[n_modes++] = 1;
     modes[n_modes++] = 2;
     modes[n_modes++] = 5;
+    modes[n_modes++] = 6;
   } else if (prefill) {
     printf("SKIP moe_grouped(%s): no grouped GEMM on this GPU\n", c->name);
   }
@@ -329,8 +338,9 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     }
     tt_l2_t acc = {0};
     for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&acc, out[i], ref[i]);
-    static const char *const names[] = {"gemv",   "grouped_mxfp4",     "grouped_bf16",
-                                        "cublas", "cublas_predequant", "grouped_mma"};
+    static const char *const names[] = {"gemv",          "grouped_mxfp4",     "grouped_bf16",
+                                        "cublas",        "cublas_predequant", "grouped_mma",
+                                        "grouped_stream"};
     char name[160];
     snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode], c->name, H,
              I, E, k, T);
@@ -343,7 +353,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       printf("%s moe_grouped_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", c->name,
              T, d);
       rc |= d != 0;
-      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1, 0);
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1, 0, 0);
     } else if (mode == 2) {
       long d = tt_count_bits_differ(out, out1, (size_t)T * H);
       printf("%s moe_grouped_mxfp4_vs_bf16(%s,T=%d): %ld values differ (on-chip dequantisation "
@@ -361,10 +371,24 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       printf("%s moe_grouped_mma_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", c->name,
              T, d);
       rc |= d != 0;
-      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5, MMA_ALL);
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5, MMA_ALL, 0);
+    } else if (mode == 6) {
+      /* the streaming kernel: against the wgmma kernel, rerun, graph */
+      memcpy(out5, out, (size_t)T * H * 4);
+      tt_l2_t ab = {0};
+      for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&ab, out5[i], out1[i]);
+      snprintf(name, sizeof name, "moe_grouped_stream_vs_wgmma(%s,T=%d)", c->name, T);
+      rc |= tt_l2_report(name, &ab, 1e-3);
+      if (run_mode(gemm, &w, &r, c, 6, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out)) rc = 1;
+      long d = tt_count_bits_differ(out, out5, (size_t)T * H);
+      printf("%s moe_grouped_stream_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ",
+             c->name, T, d);
+      rc |= d != 0;
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5, 0, 1);
     }
   }
   tw_cuda_moe_set_mma_tiles(0);
+  tw_cuda_moe_set_stream(-1);
   cudaFree((void *)w.gate_up_blocks); cudaFree((void *)w.gate_up_scales);
   cudaFree((void *)w.down_blocks); cudaFree((void *)w.down_scales);
   cudaFree((void *)w.gate_up_bias); cudaFree((void *)w.down_bias);

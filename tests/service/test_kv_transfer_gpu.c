@@ -72,7 +72,8 @@ static uint8_t pat(int layer, int j, int64_t b) {
 static int first_of(int l) { return tw_kv_layer_first_block(NTOK, BS, sliding[l], WINDOW); }
 
 /* The decode side. Writes: alen (0: no GPU), rlen, address, rkey, layout;
- * after the parent's 'c': the number of wrong bytes (-1: could not check). */
+ * after the parent's 'c' (staged) or 'd' (direct): the number of wrong bytes
+ * (-1: could not check). */
 static int decode_child(bool staged, int rfd, int wfd) {
   if (staged) setenv("TWAIN_KV_PATH", "staged", 1);
   tw_test_cudart_t rt;
@@ -111,8 +112,12 @@ static int decode_child(bool staged, int rfd, int wfd) {
   int32_t firsts[L];
   for (int l = 0; l < L; l++) firsts[l] = first_of(l);
   /* staged: every piece out of the ring; direct: the bytes are in the pool already */
-  if (cmd == 'c' && host && tw_kv_region_commit(reg, TAG, dst_ids, NSENT, firsts, 20000) == TW_OK &&
-      rt.memcpy_(host, pool.base, (size_t)pool.total_bytes, 2) == 0) {
+  /* 'c': the staged path, committed out of the ring; 'd': the direct path
+   * (the sender copied in place: what PrefillDone.kv_in_place tells a decode
+   * worker), nothing to commit */
+  bool landed = cmd == 'd' || (cmd == 'c' && tw_kv_region_commit(reg, TAG, dst_ids, NSENT, firsts,
+                                                                 20000) == TW_OK);
+  if (landed && host && rt.memcpy_(host, pool.base, (size_t)pool.total_bytes, 2) == 0) {
     bad = 0;
     for (int l = 0; l < L; l++)
       for (int b = 0; b < NB; b++) {
@@ -218,7 +223,9 @@ static int run(bool staged) {
            (unsigned long long)sums[l], (unsigned long long)want);
   }
   int64_t bad = -1;
-  if (tw_test_write_all(p2c[1], "c", 1) || tw_test_read_all(c2p[0], &bad, sizeof bad)) bad = -1;
+  if (tw_test_write_all(p2c[1], staged ? "c" : "d", 1) ||
+      tw_test_read_all(c2p[0], &bad, sizeof bad))
+    bad = -1;
   tw_kv_xfer_stats_t s;
   tw_kv_xfer_stats(x, &s);
   printf("%s: %lld bytes in %lld puts (%lld direct, %lld staged), %lld wrong bytes in the decode "
