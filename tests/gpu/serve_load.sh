@@ -20,7 +20,9 @@
 #          3. `twain bench` at each concurrency of TW_LOAD_CONC (default
 #             "1 64 256 512"; TW_LOAD_CONC_120B for 120b, default "256 512"):
 #             TW_LOAD_IN in / TW_LOAD_OUT out tokens (1024 / 1024), N = 2 x
-#             concurrency requests (at least 8; TW_LOAD_WAVES changes the 2),
+#             concurrency requests (at least 8; TW_LOAD_WAVES changes the 2;
+#             TW_LOAD_RATE=R sends them as a Poisson stream of R requests/s
+#             under the concurrency cap instead of all at once),
 #             --json under $OUT;
 #          4. TW_LOAD_ROBUST=1 (20b only): 2,000 requests at concurrency 512
 #             with 10% cancels and 10% disconnects, then the decode and prefill
@@ -158,6 +160,7 @@ for m in ${TW_LOAD_MODELS:-20b 120b}; do
       [ "$n" -lt 8 ] && n=8
       timeout "$(tmo 400)" "$twain" bench --endpoint "$ep" --model "$dir" --num-requests "$n" \
         --concurrency "$c" --input-len "${TW_LOAD_IN:-1024}" --output-len "${TW_LOAD_OUT:-1024}" \
+        ${TW_LOAD_RATE:+--request-rate "$TW_LOAD_RATE"} \
         --json "$out/bench_${m}_c$c.json" >"$work/bench_${m}_c$c.log" 2>&1
       r=$?
       cat "$work/bench_${m}_c$c.log" >>"$log"
