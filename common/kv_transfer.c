@@ -235,11 +235,13 @@ typedef struct {
 } tw_kv_am_filled_t;
 /* Pieces a sender has in flight at once (over every receiver). */
 #define TW_KV_PIECES 512
+#define TW_KV_MAX_SLOTS 1024 /* TWAIN_KV_STAGING_SLOTS' limit (kv_rxring.h) */
 typedef enum {
   TW_PIECE_WANT = 0,    /* "want" sent, waiting for a grant */
   TW_PIECE_GRANTED = 1, /* slot known: to put */
   TW_PIECE_PUTTING = 2, /* put issued, its flush in flight */
   TW_PIECE_FILLED = 3,  /* "filled" sent (until its send completes) */
+  TW_PIECE_COPYING = 4, /* device source: copying into the slot, mapped here */
   TW_PIECE_REFUSED = -1,
 } tw_kv_piece_state_t;
 typedef struct {
@@ -252,6 +254,9 @@ typedef struct {
   uint64_t slot_addr;
   const void *buf;
   int64_t len;
+  int64_t slot_bytes; /* the receiver's slot size */
+  bool device;        /* buf is device memory: copied straight into the mapped slot */
+  int16_t pos;        /* its place in the xfer's active list */
   tw_kv_am_hdr_t hdr;
   tw_kv_am_filled_t fill;
 } tw_kv_piece_t;
@@ -296,6 +301,12 @@ struct tw_kv_peer {
   int64_t t_first_put_ns; /* 0 when nothing is in flight */
   int32_t n_pieces;       /* pieces sent to it not yet answered */
   int32_t refused;        /* the first refusal's ucs_status_t since the last flush */
+  /* a staged receiver's ring mapped into this process (ucp_rkey_ptr: shared
+   * memory on one host): 0 not known yet, 1 mapped (pieces are copied into
+   * the slots, device sources by cudaMemcpyAsync straight from the pool),
+   * -1 not (pieces are put) */
+  int8_t slot_ptr;
+  void **slot_reg; /* [TW_KV_MAX_SLOTS]: a slot's mapping, cudaHostRegister'd */
 };
 
 struct tw_kv_xfer {
@@ -325,7 +336,11 @@ struct tw_kv_xfer {
   tw_kv_piece_t pieces[TW_KV_PIECES];
   uint64_t piece_seq;
   int32_t n_pieces;
+  int16_t active[TW_KV_PIECES]; /* the entries in use, [0, n_pieces), any order */
   tw_kv_proc_t self; /* this process, in the pieces it announces */
+  void *d2h_stream;  /* cudaStream_t of device pieces copied into receivers' slots */
+  bool staged_put;   /* TWAIN_KV_STAGED_PUT=1: put pieces even into mapped slots */
+  void *piece_event[TW_KV_PIECES]; /* cudaEvent_t per piece entry, made on first use */
   /* receiver: endpoints to the workers that send pieces into our rings */
   struct tw_kv_sender *senders[TW_KV_MAX_PEERS];
   int n_senders;
@@ -553,6 +568,8 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
   if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
   x->magic = TW_KV_XFER_MAGIC;
   tw_kv_proc_self(&x->self);
+  const char *sp = getenv("TWAIN_KV_STAGED_PUT");
+  x->staged_put = sp && strcmp(sp, "1") == 0;
   tw_status_t st = TW_OK;
   /* UCX 1.13's default (v1) RMA protocols put only over lanes with put
    * short/bcopy, which cuda_ipc lacks (it is zero-copy only): a put into CUDA
@@ -625,7 +642,9 @@ static void tw_kv_piece_release(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
   if (e->req) ucp_request_free(e->req);
   if (e->flush) ucp_request_free(e->flush);
   if (e->peer) e->peer->n_pieces--;
-  x->n_pieces--;
+  int16_t last = x->active[--x->n_pieces]; /* the last active entry takes its place */
+  x->active[e->pos] = last;
+  x->pieces[last].pos = e->pos;
   *e = (tw_kv_piece_t){0};
 }
 
@@ -659,39 +678,125 @@ static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_
   return UCS_OK;
 }
 
-/* Move every piece on: put the granted ones into their slots (then flush),
- * send "filled" for the flushed ones, release the finished and refused
- * ones. Never blocks. */
+/* Send "filled" for piece e (its bytes are in the slot). */
+static void tw_kv_piece_filled(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
+  e->fill = (tw_kv_am_filled_t){
+      .base = e->hdr.base, .piece = e->id, .nonce = x->self.nonce, .slot = e->slot};
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                             .flags = UCP_AM_SEND_FLAG_EAGER};
+  void *req =
+      ucp_am_send_nbx(e->peer->ep, TW_KV_AM_FILLED_ID, &e->fill, sizeof e->fill, NULL, 0, &prm);
+  if (UCS_PTR_IS_ERR(req)) {
+    tw_kv_piece_refuse(e, UCS_PTR_STATUS(req));
+  } else {
+    e->req = req;
+    e->state = TW_PIECE_FILLED;
+  }
+}
+
+/* Start copying a device piece into its slot, mapped here at `ptr`: the
+ * slot's mapping pinned once (cudaHostRegister, else the copy runs from
+ * pageable memory), cudaMemcpyAsync on the pieces' stream, an event. */
+static TW_NODISCARD tw_status_t tw_kv_piece_copy_device(tw_kv_xfer_t *x, tw_kv_piece_t *e,
+                                                        void *ptr) {
+  tw_kv_peer_t *p = e->peer;
+  tw_cudart_t *rt = &x->cudart;
+  int idx = (int)(e->id % TW_KV_PIECES);
+  if (!x->d2h_stream && rt->stream_create(&x->d2h_stream, TW_CUDA_STREAM_NON_BLOCKING) != 0) {
+    x->d2h_stream = NULL;
+    return tw_err(TW_ERR_CUDA, "cudaStreamCreate for the staged kv copies failed");
+  }
+  if (!x->piece_event[idx] &&
+      rt->event_create(&x->piece_event[idx], TW_CUDA_EVENT_DISABLE_TIMING) != 0) {
+    x->piece_event[idx] = NULL;
+    return tw_err(TW_ERR_CUDA, "cudaEventCreate for the staged kv copies failed");
+  }
+  if (!p->slot_reg) p->slot_reg = calloc(TW_KV_MAX_SLOTS, sizeof *p->slot_reg);
+  if (p->slot_reg && e->slot >= 0 && e->slot < TW_KV_MAX_SLOTS && !p->slot_reg[e->slot] &&
+      rt->host_register && rt->host_register(ptr, (size_t)e->slot_bytes, 0) == 0)
+    p->slot_reg[e->slot] = ptr;
+  if (rt->memcpy_async(ptr, e->buf, (size_t)e->len, TW_CUDA_D2H, x->d2h_stream) != 0 ||
+      rt->event_record(x->piece_event[idx], x->d2h_stream) != 0)
+    return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of %lld kv bytes into a decode worker's staging "
+                  "slot failed", (long long)e->len);
+  return TW_OK;
+}
+
+/* A piece's slot was granted: copy it in where the slot is mapped here,
+ * else put it (then flush). */
+static void tw_kv_piece_start(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
+  tw_kv_peer_t *p = e->peer;
+  void *ptr = NULL;
+  bool mapped = p->rkey && p->slot_ptr >= 0 && !x->staged_put &&
+                ucp_rkey_ptr(p->rkey, e->slot_addr, &ptr) == UCS_OK;
+  if (p->slot_ptr == 0) {
+    p->slot_ptr = mapped ? 1 : -1;
+    TW_INFO("kvx", "staged kv pieces to a decode worker: %s",
+            mapped           ? "copied straight into its ring's slots (mapped here: shared memory)"
+            : x->staged_put ? "put into its ring's slots (TWAIN_KV_STAGED_PUT=1)"
+                            : "put into its ring's slots (not mapped here)");
+  }
+  if (mapped && e->device) {
+    if (tw_kv_piece_copy_device(x, e, ptr) != TW_OK) { /* logged by tw_err */
+      tw_kv_piece_refuse(e, UCS_ERR_IO_ERROR);
+      return;
+    }
+    e->state = TW_PIECE_COPYING;
+    return;
+  }
+  if (mapped) {
+    memcpy(ptr, e->buf, (size_t)e->len);
+    tw_kv_piece_filled(x, e);
+    return;
+  }
+  if (e->device) { /* only sent so once the ring was mapped here */
+    TW_WARN("kvx", "a decode worker's staging slot is not mapped here: a device kv piece cannot "
+            "be copied into it");
+    tw_kv_piece_refuse(e, UCS_ERR_UNSUPPORTED);
+    return;
+  }
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+                             .memory_type = UCS_MEMORY_TYPE_HOST};
+  void *req = p->rkey ? ucp_put_nbx(p->ep, e->buf, (size_t)e->len, e->slot_addr, p->rkey, &prm)
+                      : UCS_STATUS_PTR(UCS_ERR_INVALID_PARAM);
+  if (UCS_PTR_IS_ERR(req)) {
+    TW_WARN("kvx", "ucp_put_nbx of a %lld-byte staged kv piece failed: %s", (long long)e->len,
+            ucs_status_string(UCS_PTR_STATUS(req)));
+    tw_kv_piece_refuse(e, UCS_PTR_STATUS(req));
+    return;
+  }
+  if (req) ucp_request_free(req); /* the flush completes it */
+  prm.op_attr_mask = 0;
+  void *fl = ucp_ep_flush_nbx(p->ep, &prm);
+  if (UCS_PTR_IS_ERR(fl)) {
+    tw_kv_piece_refuse(e, UCS_PTR_STATUS(fl));
+    return;
+  }
+  e->flush = fl;
+  e->state = TW_PIECE_PUTTING;
+}
+
+/* Move every piece on: start the granted ones, send "filled" for those
+ * whose bytes are in their slots, release the finished and refused ones.
+ * Never blocks. */
 static void tw_kv_pieces_advance(tw_kv_xfer_t *x) {
-  for (int i = 0; i < TW_KV_PIECES && x->n_pieces > 0; i++) {
+  for (int a = x->n_pieces - 1; a >= 0; a--) { /* backwards: a release moves the last one here */
+    int i = x->active[a];
     tw_kv_piece_t *e = &x->pieces[i];
-    if (!e->id) continue;
-    tw_kv_peer_t *p = e->peer;
     ucs_status_t s = e->req ? ucp_request_check_status(e->req) : UCS_OK;
     if (s != UCS_INPROGRESS && e->req) { /* "want" or "filled" sent */
       ucp_request_free(e->req);
       e->req = NULL;
       if (s != UCS_OK) tw_kv_piece_refuse(e, s);
     }
-    if (e->state == TW_PIECE_GRANTED) {
-      ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
-                                 .memory_type = UCS_MEMORY_TYPE_HOST};
-      void *req = p->rkey ? ucp_put_nbx(p->ep, e->buf, (size_t)e->len, e->slot_addr, p->rkey, &prm)
-                          : UCS_STATUS_PTR(UCS_ERR_INVALID_PARAM);
-      if (UCS_PTR_IS_ERR(req)) {
-        TW_WARN("kvx", "ucp_put_nbx of a %lld-byte staged kv piece failed: %s", (long long)e->len,
-                ucs_status_string(UCS_PTR_STATUS(req)));
-        tw_kv_piece_refuse(e, UCS_PTR_STATUS(req));
-      } else {
-        if (req) ucp_request_free(req); /* the flush completes it */
-        prm.op_attr_mask = 0;
-        void *fl = ucp_ep_flush_nbx(p->ep, &prm);
-        if (UCS_PTR_IS_ERR(fl)) {
-          tw_kv_piece_refuse(e, UCS_PTR_STATUS(fl));
-        } else {
-          e->flush = fl;
-          e->state = TW_PIECE_PUTTING;
-        }
+    if (e->state == TW_PIECE_GRANTED) tw_kv_piece_start(x, e);
+    if (e->state == TW_PIECE_COPYING) {
+      int c = x->cudart.event_query(x->piece_event[i]);
+      if (c == 0) {
+        tw_kv_piece_filled(x, e);
+      } else if (c != TW_CUDA_NOT_READY) {
+        TW_WARN("kvx", "a staged kv copy into a decode worker's slot failed (cuda error %d)", c);
+        tw_kv_piece_refuse(e, UCS_ERR_IO_ERROR);
       }
     }
     if (e->state == TW_PIECE_PUTTING) {
@@ -699,28 +804,14 @@ static void tw_kv_pieces_advance(tw_kv_xfer_t *x) {
       if (s != UCS_INPROGRESS) {
         if (e->flush) ucp_request_free(e->flush);
         e->flush = NULL;
-        if (s != UCS_OK) {
+        if (s != UCS_OK)
           tw_kv_piece_refuse(e, s);
-        } else {
-          e->fill = (tw_kv_am_filled_t){
-              .base = e->hdr.base, .piece = e->id, .nonce = x->self.nonce, .slot = e->slot};
-          ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                                     .flags = UCP_AM_SEND_FLAG_EAGER};
-          void *req =
-              ucp_am_send_nbx(p->ep, TW_KV_AM_FILLED_ID, &e->fill, sizeof e->fill, NULL, 0, &prm);
-          if (UCS_PTR_IS_ERR(req)) {
-            tw_kv_piece_refuse(e, UCS_PTR_STATUS(req));
-          } else {
-            e->req = req;
-            e->state = TW_PIECE_FILLED;
-          }
-        }
+        else
+          tw_kv_piece_filled(x, e);
       }
     }
-    if ((e->state == TW_PIECE_FILLED || e->state == TW_PIECE_REFUSED) && !e->req && !e->flush)
-      tw_kv_piece_release(x, e);
-    else if (e->state == TW_PIECE_FILLED && e->req &&
-             ucp_request_check_status(e->req) != UCS_INPROGRESS)
+    if ((e->state == TW_PIECE_FILLED || e->state == TW_PIECE_REFUSED) && !e->flush &&
+        (!e->req || ucp_request_check_status(e->req) != UCS_INPROGRESS))
       tw_kv_piece_release(x, e);
   }
 }
@@ -773,7 +864,8 @@ static TW_NODISCARD tw_status_t tw_kv_pieces_wait(tw_kv_xfer_t *x, tw_kv_peer_t 
  * piece (tw_kv_pieces_wait). */
 static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *p,
                                                  const tw_kv_remote_layout_t *dst, const void *buf,
-                                                 int64_t len, uint64_t raddr, uint64_t *id_p) {
+                                                 bool device, int64_t len, uint64_t raddr,
+                                                 uint64_t *id_p) {
   if (!p->rkey)
     return tw_err(TW_ERR_TRANSPORT, "the staged decode worker published no rkey of its ring");
   if (x->n_pieces == TW_KV_PIECES) TW_CHECK(tw_kv_pieces_wait(x, p, TW_KV_WAIT_ROOM, 0, 10000));
@@ -784,7 +876,8 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
   }
   tw_kv_piece_t *e = &x->pieces[idx];
   uint64_t id = (++x->piece_seq) * TW_KV_PIECES + (uint64_t)idx;
-  *e = (tw_kv_piece_t){.buf = buf, .len = len, .slot = -1};
+  *e = (tw_kv_piece_t){
+      .buf = buf, .len = len, .slot = -1, .device = device, .slot_bytes = dst->staging_slot_bytes};
   e->hdr = (tw_kv_am_hdr_t){.base = dst->remote_base,
                             .offset = raddr - dst->remote_base,
                             .len = (uint64_t)len,
@@ -808,15 +901,30 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
   e->req = req;
   e->state = TW_PIECE_WANT;
   p->n_pieces++;
-  x->n_pieces++;
+  e->pos = (int16_t)x->n_pieces;
+  x->active[x->n_pieces++] = (int16_t)idx;
   *id_p = id;
   x->stats.puts++;
   x->stats.ring_bytes += len;
   return TW_OK;
 }
 
+/* Forget the mapping of a receiver's ring: no copy into it may still run,
+ * the slots' registrations go. */
+static void tw_kv_peer_unmap(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
+  for (int i = 0; i < TW_KV_PIECES; i++)
+    if (x->pieces[i].id && x->pieces[i].peer == p && x->pieces[i].state == TW_PIECE_COPYING)
+      x->cudart.event_sync(x->piece_event[i]);
+  for (int k = 0; p->slot_reg && k < TW_KV_MAX_SLOTS; k++)
+    if (p->slot_reg[k] && x->cudart.host_unregister) x->cudart.host_unregister(p->slot_reg[k]);
+  free(p->slot_reg);
+  p->slot_reg = NULL;
+  p->slot_ptr = 0;
+}
+
 static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   if (!p) return;
+  tw_kv_peer_unmap(x, p);
   if (p->ipc_ptr) {
     if (p->ipc_pending && x->ipc_stream) x->cudart.event_sync(x->ipc_event); /* no copy in flight */
     x->cudart.ipc_close(p->ipc_ptr);
@@ -844,6 +952,9 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
   for (int i = 0; i < x->n_peers; i++) tw_kv_peer_close(x, x->peers[i]);
   for (int i = 0; i < x->n_senders; i++) tw_kv_sender_close(x, x->senders[i]);
   tw_kv_ring_free(x);
+  for (int i = 0; i < TW_KV_PIECES; i++)
+    if (x->piece_event[i]) x->cudart.event_destroy(x->piece_event[i]);
+  if (x->d2h_stream) x->cudart.stream_destroy(x->d2h_stream);
   if (x->address) ucp_worker_release_address(x->worker, x->address);
   if (x->ipc_event) x->cudart.event_destroy(x->ipc_event);
   if (x->ipc_stream) x->cudart.stream_destroy(x->ipc_stream);
@@ -1564,7 +1675,7 @@ void tw_kv_region_unregister(tw_kv_region_t *r) {
   for (int32_t k = 0; r->event && k < r->n_slots; k++)
     if (r->event[k]) x->cudart.event_destroy(r->event[k]);
   if (r->stream) x->cudart.stream_destroy(r->stream);
-  if (r->slots && r->slots_pinned) x->cudart.host_unregister(r->slots);
+  if (r->slots && r->slots_pinned && x->cudart.host_unregister) x->cudart.host_unregister(r->slots);
   if (r->slots_memh) ucp_mem_unmap(x->ctx, r->slots_memh); /* frees the slots */
   tw_kv_rxring_destroy(r->ring);
   free(r->event);
@@ -1752,6 +1863,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
     if (!has || memcmp(&desc, &p->ipc, sizeof desc) != 0) p->ipc_failed = false;
     p->has_ipc = has;
     if (has) p->ipc = desc;
+    tw_kv_peer_unmap(x, p); /* another ring, maybe elsewhere */
     if (p->rkey) ucp_rkey_destroy(p->rkey);
     p->rkey = NULL;
     free(p->rkey_buf);
@@ -1969,7 +2081,7 @@ static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p,
       return tw_err(TW_ERR_CUDA, "a kv copy to the bounce ring failed");
     if (h) *h = tw_kv_fnv1a(*h, src, (size_t)len);
     if (mode == TW_KV_RING_AM) {
-      TW_CHECK(tw_kv_piece_send(x, p, dst, src, len, raddr + (uint64_t)(sent * S), &g->piece[k]));
+      TW_CHECK(tw_kv_piece_send(x, p, dst, src, false, len, raddr + (uint64_t)(sent * S), &g->piece[k]));
       if (device) x->stats.staged_bytes += len;
     } else if (mode == TW_KV_RING_PUT) {
       ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
@@ -2089,16 +2201,30 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
                     "(deploy/build_ucx_cuda.sh) with cuda_ipc in UCX_TLS, or neither",
                     p->lanes[0] ? p->lanes : "unknown");
     case TW_KV_PATH_STAGED_RECV:
+      if (src->on_device && n_segs == 1 && p->slot_ptr == 1) {
+        /* the receiver's slots are mapped here: each piece is copied from
+         * the device pool straight into its slot (no ring of ours) */
+        for (int64_t off = 0, C = dst->staging_slot_bytes; off < total; off += C) {
+          int64_t len = total - off < C ? total - off : C;
+          uint64_t id = 0;
+          TW_CHECK(tw_kv_piece_send(x, p, dst, (const char *)segs[0].ptr + off, true, len,
+                                    raddr + (uint64_t)off, &id));
+        }
+        x->stats.staged_bytes += total;
+        if (h) /* read back through the ring: no put */
+          TW_CHECK(tw_kv_ring_put(x, p, true, segs, n_segs, total, raddr, h, TW_KV_RING_READ, dst));
+        break;
+      }
       if (src->on_device || n_segs > 1) { /* through our ring: a device copy, or a gather */
         TW_CHECK(tw_kv_ring_put(x, p, src->on_device, segs, n_segs, total, raddr, h, TW_KV_RING_AM,
                                 dst));
         break;
       }
       /* one host piece: sent in place, a slot's worth at a time */
-      for (int64_t off = 0, C = tw_kv_am_chunk(dst); off < total; off += C) {
+      for (int64_t off = 0, C = dst->staging_slot_bytes; off < total; off += C) {
         int64_t len = total - off < C ? total - off : C;
         uint64_t id = 0;
-        TW_CHECK(tw_kv_piece_send(x, p, dst, (const char *)segs[0].ptr + off, len,
+        TW_CHECK(tw_kv_piece_send(x, p, dst, (const char *)segs[0].ptr + off, false, len,
                                   raddr + (uint64_t)off, &id));
       }
       if (h) *h = tw_kv_fnv1a(*h, segs[0].ptr, (size_t)total);

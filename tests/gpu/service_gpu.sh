@@ -164,7 +164,7 @@ if [ -n "${TW_SVC_KV_ONLY:-}" ]; then
     # shellcheck disable=SC2086  # $mode: no option or one
     timeout "$(tmo 120)" "$bench" --device $mode --reps "${TW_KV_REPS:-5}" 2>"$work/bench.err" | tee -a "$log"
     r=${PIPESTATUS[0]}
-    grep -E "kv handoff|ERROR|WARN" "$work/bench.err" | sed 's/^[^ ]* /  /' | sort -u | head -10 | tee -a "$log"
+    grep -E "kv handoff|staged kv pieces|ERROR|WARN" "$work/bench.err" | sed 's/^[^ ]* /  /' | sort -u | head -10 | tee -a "$log"
     say "  exit $r"
     [ "$r" = 0 ] || kv_fail=1
   done
