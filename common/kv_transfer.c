@@ -1850,6 +1850,8 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
     }
     tw_kv_ep_lanes(p, x->proto_v2);
     x->peers[x->n_peers++] = p;
+    TW_INFO("kvx", "ucx endpoint to a decode worker created (%d cached; lanes: %s)", x->n_peers,
+            p->lanes[0] ? p->lanes : "unknown");
   }
   if (!p->rkey_buf || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
     tw_kv_ipc_desc_t desc;

@@ -94,13 +94,10 @@ static TW_NODISCARD tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
   /* the decode ranks: KvHandoff.ranks, or the one pool of fields 1-3 */
   size_t n_dst = h->n_ranks ? h->n_ranks : 1;
   for (size_t d = 0; d < n_dst && st == TW_OK; d++) {
-    const Twain__Internal__V1__KvLayout *kl = h->n_ranks ? h->ranks[d]->layout : h->layout;
-    const ProtobufCBinaryData *addr = h->n_ranks ? &h->ranks[d]->ucx_address : &h->ucx_address;
-    const ProtobufCBinaryData *rkey = h->n_ranks ? &h->ranks[d]->rkey : &h->rkey;
-    if (!kl || !addr->len || (!rkey->len && kl->staging_slot_bytes <= 0)) { /* staged: no rkey */
-      st = tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff rank %zu has no layout, UCX address or rkey", d);
-      break;
-    }
+    const Twain__Internal__V1__KvLayout *kl;
+    const ProtobufCBinaryData *addr, *rkey;
+    st = tw_kv_handoff_pool(h, d, &kl, &addr, &rkey);
+    if (st != TW_OK) break;
     int32_t a0, a1;
     tw_kv_heads_overlap(src->kv_head_offset, src->n_kv_heads_local, kl->kv_head_offset,
                         kl->n_kv_heads, &a0, &a1);

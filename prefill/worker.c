@@ -75,6 +75,7 @@ typedef struct {
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
     tw_metric_t *layer_sends, *layer_sends_overlapped, *batches, *overlapped, *tail;
+    tw_metric_t *kv_peers;
   } m;
 } tw_prefiller_t;
 
@@ -357,7 +358,46 @@ static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity
             (long long)w->queued_tokens, tok_s);
 }
 
+/* KvPeers: connect to the decode workers' pools before their first handoff
+ * (tw_prefill_kv_connect: the handoff then reuses the endpoint), one line
+ * each; a failure is a warning (the first handoff connects again), then
+ * KvPeersReady tells the router (it prints ready once every prefill worker
+ * answered). */
+static void tw_prefill_kv_peers(tw_prefiller_t *w, const Twain__Internal__V1__KvPeers *kp) {
+  tw_prefill_finish_pending(w); /* a new endpoint may evict a cached one the batch uses */
+  const tw_kv_layout_t *src = tw_engine_kv_layout(w->engine);
+  Twain__Internal__V1__KvPeersReady ready = TWAIN__INTERNAL__V1__KV_PEERS_READY__INIT;
+  for (size_t i = 0; i < kp->n_pools; i++) {
+    const Twain__Internal__V1__KvHandoff *h = kp->pools[i];
+    const char *name = h->decode_worker && h->decode_worker[0] ? h->decode_worker : "?";
+    int32_t n = 0;
+    tw_kv_path_t path = TW_KV_PATH_UNREACHABLE;
+    int64_t t0 = tw_msg_clock_ns();
+    if (tw_prefill_kv_connect(w->xfer, src, h, &n, &path) != TW_OK) {
+      ready.failed++;
+      TW_WARN("prefill", "kv pools of decode worker %s not connected ahead of traffic (its first "
+              "handoff tries again): %s", name, tw_last_error());
+      continue;
+    }
+    ready.connected++;
+    tw_metric_add(w->m.kv_peers, 1);
+    TW_INFO("prefill", "kv pools of decode worker %s connected ahead of traffic: %d pools, %s "
+            "path, %.1f ms", name, n, tw_kv_path_name(path),
+            (double)(tw_msg_clock_ns() - t0) * 1e-6);
+  }
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_KV_PEERS_READY;
+  env.kv_peers_ready = &ready;
+  if (tw_worker_link_send(&w->wk.link, &env) != TW_OK)
+    TW_WARN("prefill", "cannot tell the router the kv peers are connected: %s", tw_last_error());
+}
+
 static bool tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *env) {
+  if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_KV_PEERS) {
+    tw_prefill_kv_peers(w, env->kv_peers);
+    twain__internal__v1__envelope__free_unpacked(env, NULL);
+    return true;
+  }
   if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL) {
     if (w->wk.draining || w->q_len == TW_PREFILL_MAX_QUEUE) {
       tw_prefill_done(
@@ -460,6 +500,9 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   w->m.overlapped = tw_metrics_counter(M, "prefill_batch_handoffs_overlapped_total",
                                        "batches whose kv flush and answers ran while the next "
                                        "batch computed");
+  w->m.kv_peers = tw_metrics_counter(M, "kv_peers_connected_ahead_total",
+                                     "decode workers whose kv pools were connected (UCX endpoint, "
+                                     "CUDA IPC mapping) before their first handoff");
   TW_CHECK(tw_worker_connect(&w->wk, w->o.router, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL,
                              l->block_size, l->n_layers, w->model->config.vocab_size,
                              tw_backend_name(tw_engine_backend(w->engine))));

@@ -4,6 +4,7 @@
 
 #include "common/log.h"
 #include "common/msg.h"
+#include "common/kv_reshard.h"
 #include "common/proto_engine.h"
 
 #include <stdio.h>
@@ -218,4 +219,44 @@ TW_NODISCARD tw_status_t tw_prefill_handoff_batch(const tw_prefill_handoff_ctx_t
   tw_status_t st = tw_prefill_handoff_start(ctx, items, n, &b);
   tw_prefill_handoff_finish(b);
   return st;
+}
+
+TW_NODISCARD tw_status_t tw_kv_handoff_pool(const Twain__Internal__V1__KvHandoff *h, size_t d,
+                                            const Twain__Internal__V1__KvLayout **kl,
+                                            const ProtobufCBinaryData **addr,
+                                            const ProtobufCBinaryData **rkey) {
+  bool ranked = h->n_ranks > 0 && d < h->n_ranks && h->ranks[d];
+  *kl = ranked ? h->ranks[d]->layout : h->layout;
+  *addr = ranked ? &h->ranks[d]->ucx_address : &h->ucx_address;
+  *rkey = ranked ? &h->ranks[d]->rkey : &h->rkey;
+  if (!*kl || !(*addr)->len || (!(*rkey)->len && (*kl)->staging_slot_bytes <= 0)) /* staged: no rkey */
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "kv handoff rank %zu has no layout, UCX address or rkey",
+                  d);
+  return TW_OK;
+}
+
+TW_NODISCARD tw_status_t tw_prefill_kv_connect(tw_kv_xfer_t *xfer, const tw_kv_layout_t *src,
+                                               const Twain__Internal__V1__KvHandoff *h,
+                                               int32_t *n_p, tw_kv_path_t *path_p) {
+  *n_p = 0;
+  *path_p = TW_KV_PATH_UNREACHABLE;
+  size_t n = h->n_ranks ? h->n_ranks : 1;
+  for (size_t d = 0; d < n; d++) {
+    const Twain__Internal__V1__KvLayout *kl;
+    const ProtobufCBinaryData *addr, *rkey;
+    TW_CHECK(tw_kv_handoff_pool(h, d, &kl, &addr, &rkey));
+    int32_t a0, a1;
+    tw_kv_heads_overlap(src->kv_head_offset, src->n_kv_heads_local, kl->kv_head_offset,
+                        kl->n_kv_heads, &a0, &a1);
+    if (a1 <= a0) continue;
+    tw_kv_peer_t *peer = NULL;
+    TW_CHECK(tw_kv_xfer_peer(xfer, addr->data, addr->len, rkey->data, rkey->len, &peer));
+    if (!*n_p) {
+      tw_kv_remote_layout_t rl;
+      tw_proto_kv_layout_to_remote(kl, &rl);
+      *path_p = tw_kv_xfer_path_to(peer, src->on_device, &rl);
+    }
+    (*n_p)++;
+  }
+  return TW_OK;
 }

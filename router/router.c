@@ -17,6 +17,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The longest `ready` waits for prefill workers to connect to the decode
+ * workers' kv pools (KvPeersReady): mapping a large pool over CUDA IPC
+ * takes a fraction of a second; one that never answers delays ready no more. */
+#define TW_ROUTER_KV_PEERS_WAIT_MS 30000
+
 tw_req_t *tw_router_find_req(tw_router_t *r, uint64_t id) {
   for (int32_t i = 0; i < r->n_reqs; i++)
     if (r->reqs[i]->id == id && !r->reqs[i]->done) return r->reqs[i];
@@ -654,8 +659,20 @@ TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig
     tw_router_sweep(&r, now);
     if (!r.ready_sent && tw_router_count_workers(&r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL) >= p->expect_prefill &&
         tw_router_count_workers(&r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) >= p->expect_decode) {
-      r.ready_sent = true;
-      if (p->on_ready) p->on_ready(p->on_ready_arg);
+      /* ready once the prefill workers have connected to the decode pools
+       * (KvPeersReady), so the first request does not pay for it; a worker
+       * that does not answer delays ready by TW_ROUTER_KV_PEERS_WAIT_MS at most */
+      if (!r.ready_wait_ns) r.ready_wait_ns = now;
+      int32_t pending = tw_router_kv_peers_pending(&r);
+      bool waited = now - r.ready_wait_ns > (int64_t)TW_ROUTER_KV_PEERS_WAIT_MS * 1000000;
+      if (pending && waited)
+        TW_WARN("router", "%d prefill workers did not report their decode kv peers connected in "
+                "%d ms: ready anyway (they connect at their first handoff)", pending,
+                TW_ROUTER_KV_PEERS_WAIT_MS);
+      if (!pending || waited) {
+        r.ready_sent = true;
+        if (p->on_ready) p->on_ready(p->on_ready_arg);
+      }
     }
   }
   for (int32_t i = 0; i < r.n_reqs; i++)

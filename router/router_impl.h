@@ -61,6 +61,7 @@ typedef struct {
    * into the handoff of each of its reservations that names none */
   Twain__Internal__V1__KvHandoff *kv_pools;
   uint64_t instance; /* Register.instance: this process start (0: not given) */
+  int32_t kv_peers_unacked; /* prefill: KvPeers sent, not yet answered (KvPeersReady) */
 } tw_rworker_t;
 
 typedef struct {
@@ -107,6 +108,7 @@ typedef struct {
   int32_t max_prompt;
   int32_t max_tokens_limit;    /* --max-tokens-limit, 0: the model's context minus 1 */
   bool draining, ready_sent;
+  int64_t ready_wait_ns;       /* every worker registered, waiting for KvPeersReady since (0: not) */
   int64_t empty_since_ns[2];   /* prefill, decode: when the pool last became empty (0: it has workers) */
   bool empty_by_expiry[2];     /* ... because its last worker stopped heartbeating (a stall?) */
   void *chat_ctx;              /* tokenizer + Harmony encoder (router_chat.c) */
@@ -179,6 +181,9 @@ TW_NODISCARD tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_
 void tw_router_requeue(tw_router_t *r, tw_req_t *q, bool cancel, int64_t delay_ns);
 /** Registered workers of `pool` that are not draining. */
 int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool pool);
+/** Prefill workers (not draining) that have not yet answered every KvPeers
+ *  the router sent them (decode pools to connect to ahead of traffic). */
+int32_t tw_router_kv_peers_pending(const tw_router_t *r);
 /** /healthz: 503 "not ready: no ... worker registered" while a pool is
  *  empty, 200 otherwise (left alone while draining). */
 void tw_router_update_health(tw_router_t *r);

@@ -209,6 +209,55 @@ static bool tw_handoff_vouched(const tw_rworker_t *w, const Twain__Internal__V1_
   return true;
 }
 
+/* Tell prefill worker(s) about decode pools ahead of traffic (KvPeers): to
+ * `to` alone the pools of every registered decode worker (a prefill worker
+ * that registered), or to every prefill worker the pools of `from` (a decode
+ * worker that registered). Only pools kept by tw_keep_addrs go out (vouched:
+ * they name the UCX addresses their decode worker registered). */
+static void tw_send_kv_peers(tw_router_t *r, tw_rworker_t *to, const tw_rworker_t *from) {
+  int32_t n = 0;
+  Twain__Internal__V1__KvHandoff *copies = calloc((size_t)r->n_workers + 1, sizeof *copies);
+  Twain__Internal__V1__KvHandoff **pools = calloc((size_t)r->n_workers + 1, sizeof *pools);
+  if (!copies || !pools) { /* not fatal: the first handoff connects instead */
+    TW_WARN("router", "out of memory for the kv pools sent ahead of traffic");
+    free(copies);
+    free(pools);
+    return;
+  }
+  for (int32_t i = 0; i < r->n_workers; i++) {
+    const tw_rworker_t *d = &r->workers[i];
+    if (d->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE || d->draining || !d->kv_pools ||
+        (from && d != from))
+      continue;
+    copies[n] = *d->kv_pools; /* shallow: borrows the worker's copy for the send */
+    copies[n].decode_worker = (char *)d->name;
+    pools[n] = &copies[n];
+    n++;
+  }
+  Twain__Internal__V1__KvPeers kp = TWAIN__INTERNAL__V1__KV_PEERS__INIT;
+  kp.pools = pools;
+  kp.n_pools = (size_t)n;
+  Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
+  env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_KV_PEERS;
+  env.kv_peers = &kp;
+  for (int32_t i = 0; n > 0 && i < r->n_workers; i++) {
+    tw_rworker_t *p = &r->workers[i];
+    if (p->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL || p->draining || (to && p != to))
+      continue;
+    if (tw_router_send_worker(r, p, &env) == TW_OK) p->kv_peers_unacked++; /* failure logged */
+  }
+  free(copies);
+  free(pools);
+}
+
+int32_t tw_router_kv_peers_pending(const tw_router_t *r) {
+  int32_t n = 0;
+  for (int32_t i = 0; i < r->n_workers; i++)
+    n += r->workers[i].pool == TWAIN__INTERNAL__V1__POOL__POOL_PREFILL &&
+         !r->workers[i].draining && r->workers[i].kv_peers_unacked > 0;
+  return n;
+}
+
 static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Internal__V1__Register *g) {
   if (g->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL && g->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE) {
     tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, "register: pool must be prefill or decode");
@@ -265,6 +314,13 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
   env.register_ack = &ack;
   /* logged there; the worker registers again until it hears the ack */
   TW_IGNORE(tw_router_send_worker(r, w, &env));
+  /* the decode pools, so the prefill worker connects before its first handoff */
+  if (w->pool == TWAIN__INTERNAL__V1__POOL__POOL_PREFILL) {
+    w->kv_peers_unacked = 0; /* registered again: what it was sent before is moot */
+    tw_send_kv_peers(r, w, NULL);
+  } else if (w->kv_pools) {
+    tw_send_kv_peers(r, NULL, w);
+  }
   tw_update_gauges(r);
 }
 
@@ -575,6 +631,12 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVED: tw_on_reserved(r, w, env->reserved); break;
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL_DONE: tw_on_prefill_done(r, w, env->prefill_done); break;
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_TOKENS: tw_on_worker_tokens(r, w, env->tokens); break;
+    case TWAIN__INTERNAL__V1__ENVELOPE__BODY_KV_PEERS_READY:
+      if (w->kv_peers_unacked > 0) w->kv_peers_unacked--;
+      TW_INFO("router", "prefill worker %s connected to %d decode workers' kv pools ahead of traffic%s",
+              w->name, env->kv_peers_ready->connected,
+              env->kv_peers_ready->failed ? " (some failed: retried at their first handoff)" : "");
+      break;
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT: {
       const Twain__Internal__V1__Reject *rj = env->reject;
       TW_WARN("router", "worker %s rejected a message for request %llu: %s", w->name,
