@@ -83,7 +83,8 @@ int tw_router_main(int argc, char **argv) {
       TW_OPT_INT("http-port", &p.http_port, -1, 65535, "PORT",
                  "OpenAI-compatible HTTP API port (-1 off, 0 ephemeral)"),
       TW_OPT_INT("expect-prefill", &p.expect_prefill, 0, INT32_MAX, "N",
-                 "print \"ready\" once N prefill (and --expect-decode) workers registered"),
+                 "print \"ready\" once N prefill (and --expect-decode) workers registered "
+                 "and connected to the decode workers' kv pools"),
       TW_OPT_INT("expect-decode", &p.expect_decode, 0, INT32_MAX, "N", "see --expect-prefill"),
   };
   tw_opts_spec_t spec = {.prog = argv[0] && !strcmp(argv[0], "router") ? "twain router" : "twain-router",
