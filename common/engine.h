@@ -12,7 +12,7 @@
  * p % kv_block_size. The block ids are handed out by the block manager of
  * kv_blocks.h, not by the engine.
  *
- * Window ring (kv_window_ring, on by default on the cpu backend): sliding
+ * Window ring (kv_window_ring, on by default): sliding
  * layers only ever read the last `sliding_window` positions (spec §2.6), so
  * they keep only those: a sequence's sliding-layer K/V live in a ring of its
  * first R = ceil(window / block_size) + 1 table entries (kv_ring.h):
@@ -114,7 +114,7 @@ typedef struct {
    * uploading their own. NULL: an own copy. */
   const char *weights_share_dir;
   /* window ring for the sliding layers (the top of this file): 1 on, -1 off,
-   * 0 the backend's default (cpu on; cuda off until verified on a GPU) */
+   * 0 the backend's default (on for cpu and cuda) */
   int32_t kv_window_ring;
   /* blocks the sliding layers hold with the ring (kv_ring.h); 0: the memory
    * plan's (mem_role set), else kv_num_blocks (the ring's layout without its

@@ -83,9 +83,10 @@ extern "C" {
       TW_OPT_STR("name", &(o)->name, "NAME", D "routing id (default " ROLE "-<pid>)"),             \
       TW_OPT_INT("kv-blocks", &(o)->kv_blocks, 0, INT32_MAX, "N",                                  \
                  D "KV cache pool in blocks (0: the memory plan, docs/operations.md)"),            \
-      TW_OPT_FN("kv-window-ring", &(o)->kv_window_ring, tw_kv_ring_opt, "0|1|auto",                 \
-                D "sliding layers keep only their window's KV blocks\n"                            \
-                "(auto: on for cpu, off for cuda; docs/operations.md)"),                           \
+      TW_OPT_FN("kv-window-ring", &(o)->kv_window_ring, tw_kv_ring_opt, "0|1|auto",                \
+                D                                                                                  \
+                "sliding layers keep only their window's KV blocks\n"                              \
+                "(auto: on; docs/operations.md)"),                                                 \
       TW_OPT_DOUBLE("gpu-memory-utilization", &(o)->gpu_memory_utilization, 0, 1, "F",             \
                     D "share of the device for its workers (0: 0.90)"),                            \
       TW_OPT_FN("colocated", (colocated), tw_mem_colocated_opt, "P,D",                             \

@@ -4,6 +4,7 @@
 #   bash deploy/dev.sh demo   # twain serve (default tiny model) + one chat request (protobuf) + one over HTTP
 #   bash deploy/dev.sh test   # full ctest suite (GPU tests skip without a GPU)
 #   bash deploy/dev.sh build  # dependencies + build only
+#   bash deploy/dev.sh debug  # a Debug (-O0) build with warnings as errors, host and CUDA; no tests
 #   bash deploy/dev.sh sanitize  # the suite again: Debug, ASan + UBSan (halt on error)
 #   bash deploy/dev.sh tsan   # router and threaded CPU backend tests under TSan
 #   bash deploy/dev.sh lint   # clang-tidy over the daemons' C code, clang-format on changed lines
@@ -61,6 +62,10 @@ san_env() {
 
 case "${1:-demo}" in
   build) install_deps; do_build ;;
+  debug) # the warnings of an unoptimised build differ from -O2's: both must be clean
+    install_deps
+    build=${TWAIN_DEBUG_BUILD_DIR:-build-debug}
+    do_build -DCMAKE_BUILD_TYPE=Debug -DTWAIN_WERROR=ON ;;
   test)
     install_deps; do_build
     cd "$build" && ctest --output-on-failure -j"$(nproc)" ${TWAIN_CTEST_ARGS:-} ;;
@@ -105,5 +110,5 @@ case "${1:-demo}" in
     install_deps clang-format clang-tidy; do_build
     .ci/tidy "$build"
     .ci/format-check ;;
-  *) echo "usage: deploy/dev.sh demo|test|build|sanitize|tsan|lint" >&2; exit 2 ;;
+  *) echo "usage: deploy/dev.sh demo|test|build|debug|sanitize|tsan|lint" >&2; exit 2 ;;
 esac

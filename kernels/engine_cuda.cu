@@ -18,6 +18,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The window ring of the sliding layers is on by default (kv_window_ring 0):
+ * verified on the H200 (test_kv_ring_cuda: ring against full layout; the
+ * service with --verify-kv: greedy output identical to one process, layer
+ * checksums equal; docs/benchmarks.md). */
+#define TW_CE_RING_DEFAULT true
+
 #define TW_CE_ALIGN 256
 
 static size_t tw_ce_align(size_t n) { return (n + TW_CE_ALIGN - 1) / TW_CE_ALIGN * TW_CE_ALIGN; }
@@ -598,6 +604,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     tw_mem_plan_in_t in;
     tw_mem_plan_t plan;
     tw_engine_plan_input(model, params, &in);
+    in.window_ring = tw_kv_ring_wanted(params->kv_window_ring, TW_CE_RING_DEFAULT);
     TW_CUDA_CHECK_GOTO(cudaMemGetInfo(&free_b, &total_b), st, fail);
     in.total_bytes = (int64_t)total_b;
     in.free_bytes = (int64_t)free_b;
@@ -685,7 +692,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     size_t reserve = (size_t)2 << 30;
     size_t avail = free_b > reserve ? (size_t)((double)(free_b - reserve) * 0.9) : 0;
     n_blocks = (int64_t)(avail / kv_block_all);
-    uint64_t rmask = tw_kv_ring_wanted(params->kv_window_ring, false) ? tw_kv_ring_layer_mask(c) : 0;
+    uint64_t rmask = tw_kv_ring_wanted(params->kv_window_ring, TW_CE_RING_DEFAULT) ? tw_kv_ring_layer_mask(c) : 0;
     if (rmask && e->params.kv_ring_blocks > 0) { /* rings first, the rest for the full layers */
       int64_t n_ring_layers = 0, lb = (int64_t)(kv_block_all / c->n_layers);
       for (int32_t l = 0; l < 64; l++) n_ring_layers += (int64_t)((rmask >> l) & 1u);
@@ -701,8 +708,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
       goto fail;
     }
   }
-  /* the window ring (kv_ring.h): off unless asked for (kv_window_ring 1) */
-  tw_kv_ring_setup(c, tw_kv_ring_wanted(params->kv_window_ring, false), (int32_t)n_blocks,
+  /* the window ring (kv_ring.h): on unless turned off (kv_window_ring -1) */
+  tw_kv_ring_setup(c, tw_kv_ring_wanted(params->kv_window_ring, TW_CE_RING_DEFAULT), (int32_t)n_blocks,
                    params->kv_block_size, e->params.kv_ring_blocks, &e->kv.ring_blocks,
                    &e->kv.n_ring_blocks, &e->kv.ring_layers);
   ce->ring_blocks = e->kv.ring_blocks;

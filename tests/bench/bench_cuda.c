@@ -435,7 +435,7 @@ int main(int argc, char **argv) {
       TW_OPT_INT("steps", &steps, 1, 500, "N", "decode steps per point"),
       TW_OPT_INT("reps", &reps, 1, 16, "N", "repetitions (the median is reported)"),
       TW_OPT_FN("kv-window-ring", &g_kv_ring, tw_kv_ring_opt, "0|1|auto",
-                "sliding layers keep only their window's KV (auto: off on cuda)"),
+                "sliding layers keep only their window's KV (auto: on)"),
   };
   tw_opts_spec_t spec = {.prog = "twain-bench-cuda", .description = "CUDA backend prefill and decode throughput.",
                          .env_prefix = "TWAIN_BENCH_CUDA_", .opts = opts,
