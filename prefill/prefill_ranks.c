@@ -3,6 +3,7 @@
  * i32 nb, i32 ids[nb], then the packed PrefillRequest. Reply (others -> 0):
  * i32 status, i64 bytes, u64 head_sums[L * NKV], then a message. */
 #include "prefill/prefill_ranks.h"
+#include "prefill/handoff_send.h"
 #include "prefill/worker_handoff.h"
 
 #include "common/dist_engine.h"
@@ -21,55 +22,9 @@ int tw_prefill_ranks_wanted(const tw_prefill_ranks_t *rk,
   return tw_dist_size(rk->dist) > 1 || (r->handoff && r->handoff->n_ranks > 0);
 }
 
-/* A decode rank whose kv heads overlap this prefill rank's. */
-typedef struct {
-  tw_kv_peer_t *peer;
-  tw_kv_remote_layout_t rl;
-  int32_t head_offset;
-} tw_rank_dst_t;
-
-#define TW_RANK_MAX_DST 64
-
-/* State shared by this rank's prefill and the engine's on_layer_done. */
-typedef struct {
-  tw_prefill_ranks_t *rk;
-  const Twain__Internal__V1__PrefillRequest *r;
-  const tw_kv_layout_t *src;
-  const int32_t *ids;
-  int32_t nb, n, n_layers;
-  tw_rank_dst_t dst[TW_RANK_MAX_DST];
-  int32_t n_dst;
-  int32_t sent[TW_MAX_LAYERS]; /* next block to put, per layer */
-  int64_t bytes;
-  int64_t layer_sends, layer_sends_in_engine; /* as tw_prefill_handoff_result_t */
-  int64_t t_last_layer_ns;     /* when the last layer's compute was reported done */
-  tw_status_t st;              /* first error (the callback cannot return one) */
-} tw_rank_send_t;
-
-/* Put layer l's blocks that are final once positions < end are computed,
- * this rank's heads into every decode rank that holds some of them. */
-static void tw_rank_send(tw_rank_send_t *s, int32_t l, int32_t end, bool in_engine) {
-  if (s->st != TW_OK || l < 0 || l >= s->n_layers) return;
-  int32_t done = tw_kv_blocks_final(end, s->n, s->nb, s->src->block_size);
-  if (done <= s->sent[l]) return;
-  s->st = tw_proto_kv_write_guard(s->r->request_id, s->r->issued_unix_ms, s->rk->max_age_ms);
-  if (s->st != TW_OK) return;
-  for (int32_t d = 0; d < s->n_dst && s->st == TW_OK; d++)
-    s->st = tw_kv_reshard_send_layer(s->rk->xfer, s->dst[d].peer, s->src, &s->dst[d].rl,
-                                     s->dst[d].head_offset, l, s->ids, s->r->handoff->block_ids,
-                                     s->sent[l], done, &s->bytes);
-  if (s->st == TW_OK) {
-    s->sent[l] = done;
-    s->layer_sends++;
-    s->layer_sends_in_engine += in_engine;
-  }
-}
-
 /* tw_prefill_args_t.on_layer_done: layer l of positions start..start+T-1 is in the pool. */
 static void tw_rank_on_layer(void *arg, int32_t layer, int32_t start, int32_t n_tokens) {
-  tw_rank_send_t *s = arg;
-  if (layer == s->n_layers - 1) s->t_last_layer_ns = tw_msg_clock_ns();
-  tw_rank_send(s, layer, start + n_tokens, true);
+  tw_handoff_send_on_layer(arg, layer, start + n_tokens);
 }
 
 /* This rank's part: engine prefill, its heads put into every decode rank
@@ -82,52 +37,24 @@ static TW_NODISCARD tw_status_t tw_prefill_rank_run(tw_prefill_ranks_t *rk,
                                                     uint64_t *head_sums, int64_t *t_mid_p) {
   const tw_model_config_t *c = &rk->model->config;
   const tw_kv_layout_t *src = tw_engine_kv_layout(rk->engine);
-  const Twain__Internal__V1__KvHandoff *h = r->handoff;
   int32_t n = (int32_t)r->n_prompt_ids;
   if (c->n_layers > TW_MAX_LAYERS) return tw_err(TW_ERR_INTERNAL, "too many layers");
   tw_sample_params_t sp = tw_proto_sample_params(r->sampling);
-  tw_rank_send_t *s = calloc(1, sizeof *s);
+  tw_handoff_send_t *s = malloc(sizeof *s);
   if (!s) return tw_err(TW_ERR_NO_MEMORY, "prefill rank: out of memory for the handoff state");
-  *s = (tw_rank_send_t){.rk = rk, .r = r, .src = src, .ids = ids, .nb = nb, .n = n,
-                        .n_layers = c->n_layers, .st = TW_OK};
-  tw_status_t st = TW_OK;
-  /* the decode ranks: KvHandoff.ranks, or the one pool of fields 1-3 */
-  size_t n_dst = h->n_ranks ? h->n_ranks : 1;
-  for (size_t d = 0; d < n_dst && st == TW_OK; d++) {
-    const Twain__Internal__V1__KvLayout *kl;
-    const ProtobufCBinaryData *addr, *rkey;
-    st = tw_kv_handoff_pool(h, d, &kl, &addr, &rkey);
-    if (st != TW_OK) break;
-    int32_t a0, a1;
-    tw_kv_heads_overlap(src->kv_head_offset, src->n_kv_heads_local, kl->kv_head_offset,
-                        kl->n_kv_heads, &a0, &a1);
-    if (a1 <= a0) continue;
-    if (s->n_dst == TW_RANK_MAX_DST) {
-      st = tw_err(TW_ERR_UNSUPPORTED, "kv handoff to more than %d decode ranks", TW_RANK_MAX_DST);
-      break;
-    }
-    tw_rank_dst_t *dd = &s->dst[s->n_dst];
-    tw_proto_kv_layout_to_remote(kl, &dd->rl);
-    dd->rl.handoff_tag = r->request_id;
-    dd->head_offset = kl->kv_head_offset;
-    st = tw_kv_xfer_peer(rk->xfer, addr->data, addr->len, rkey->data, rkey->len, &dd->peer);
-    if (st == TW_OK) s->n_dst++;
-  }
-  for (int32_t l = 0; l < c->n_layers; l++)
-    s->sent[l] = tw_kv_layer_first_block(n, src->block_size, c->layer_types[l] == TW_LAYER_SLIDING,
-                                         c->sliding_window);
+  /* this rank's heads into every decode rank that holds some of them */
+  tw_status_t st = tw_handoff_send_begin(s, rk->xfer, r, src, ids, nb, c->n_layers, c,
+                                         rk->max_age_ms, NULL, false);
   int32_t first = -1;
   tw_prefill_args_t a = {.tokens = r->prompt_ids, .n_tokens = n, .block_table = ids,
                          .n_blocks = nb, .sample = &sp, .next_token_out = &first,
                          .on_layer_done = tw_rank_on_layer, .on_layer_arg = s};
   if (st == TW_OK) st = tw_engine_prefill(rk->engine, &a);
   *t_mid_p = tw_msg_clock_ns();
-  if (!s->t_last_layer_ns) s->t_last_layer_ns = *t_mid_p; /* a backend that reported nothing */
   /* what the backend did not report (or a failed callback's error) */
-  for (int32_t l = 0; st == TW_OK && l < c->n_layers; l++) tw_rank_send(s, l, n, false);
-  if (st == TW_OK) st = s->st;
-  for (int32_t d = 0; st == TW_OK && d < s->n_dst; d++)
-    st = tw_kv_xfer_flush(rk->xfer, s->dst[d].peer, rk->flush_timeout_ms);
+  if (st == TW_OK) st = tw_handoff_send_rest(s, *t_mid_p);
+  if (!s->t_last_layer_ns) s->t_last_layer_ns = *t_mid_p;
+  if (st == TW_OK) st = tw_handoff_send_flush(s, rk->flush_timeout_ms);
   int64_t bytes = s->bytes;
   rk->tail_ms = (double)(tw_msg_clock_ns() - s->t_last_layer_ns) * 1e-6;
   rk->layer_sends = s->layer_sends;

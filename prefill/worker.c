@@ -18,6 +18,7 @@
 #include "common/proto_engine.h"
 #include "common/worker_daemon.h"
 #include "common/worker_stats.h"
+#include "prefill/handoff_send.h"
 #include "prefill/prefill_ranks.h"
 #include "prefill/worker_handoff.h"
 #include "proto/twain_api.pb-c.h"
@@ -359,7 +360,7 @@ static void tw_prefill_capacity(tw_prefiller_t *w, Twain__Internal__V1__Capacity
 }
 
 /* KvPeers: connect to the decode workers' pools before their first handoff
- * (tw_prefill_kv_connect: the handoff then reuses the endpoint), one line
+ * (tw_handoff_connect: the handoff then reuses the endpoint), one line
  * each; a failure is a warning (the first handoff connects again), then
  * KvPeersReady tells the router (it prints ready once every prefill worker
  * answered). */
@@ -373,7 +374,7 @@ static void tw_prefill_kv_peers(tw_prefiller_t *w, const Twain__Internal__V1__Kv
     int32_t n = 0;
     tw_kv_path_t path = TW_KV_PATH_UNREACHABLE;
     int64_t t0 = tw_msg_clock_ns();
-    if (tw_prefill_kv_connect(w->xfer, src, h, &n, &path) != TW_OK) {
+    if (tw_handoff_connect(w->xfer, src, h, &n, &path) != TW_OK) {
       ready.failed++;
       TW_WARN("prefill", "kv pools of decode worker %s not connected ahead of traffic (its first "
               "handoff tries again): %s", name, tw_last_error());

@@ -88,25 +88,4 @@ TW_NODISCARD tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t
                                                   tw_prefill_handoff_batch_t **b_p);
 void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b);
 
-/** Pool d of a handoff (d < n: n = KvHandoff.ranks count, or 1 for the
- *  one pool of fields 1-3) in *kl, *addr, *rkey (borrowed from h).
- *  Errors: TW_ERR_INVALID_ARGUMENT when it has no layout or UCX address, or
- *  no rkey and is not staged. */
-TW_NODISCARD tw_status_t tw_kv_handoff_pool(const Twain__Internal__V1__KvHandoff *h, size_t d,
-                                            const Twain__Internal__V1__KvLayout **kl,
-                                            const ProtobufCBinaryData **addr,
-                                            const ProtobufCBinaryData **rkey);
-
-/** Connect ahead of traffic to a decode worker's registered pools h
- *  (KvPeers; no block ids): through the same tw_kv_xfer_peer cache as the
- *  handoff (so its first handoff reuses the endpoint), a UCX endpoint and,
- *  for a device pool with a CUDA IPC descriptor, the mapping, to every pool
- *  holding kv heads of the local pool src (fields 1-3, and every entry of
- *  KvHandoff.ranks). *n_p: pools connected; *path_p: the path puts to the
- *  first take. Errors: those of tw_kv_handoff_pool and tw_kv_xfer_peer
- *  (pools before the failing one stay connected). */
-TW_NODISCARD tw_status_t tw_prefill_kv_connect(tw_kv_xfer_t *xfer, const tw_kv_layout_t *src,
-                                               const Twain__Internal__V1__KvHandoff *h,
-                                               int32_t *n_p, tw_kv_path_t *path_p);
-
 #endif

@@ -359,32 +359,22 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       printf("%s moe_grouped_mxfp4_vs_bf16(%s,T=%d): %ld values differ (on-chip dequantisation "
              "must give the same bf16 weights)\n", d ? "FAIL" : "ok  ", c->name, T, d);
       rc |= d != 0;
-    } else if (mode == 5) {
-      /* the decode kernel: against the wgmma kernel, rerun, graph */
+    } else if (mode >= 5) {
+      /* a decode kernel (5: mma.sync, 6: streaming): against the wgmma
+       * kernel, rerun, graph */
+      const char *kn = mode == 5 ? "mma" : "stream";
       memcpy(out5, out, (size_t)T * H * 4);
       tt_l2_t ab = {0};
       for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&ab, out5[i], out1[i]);
-      snprintf(name, sizeof name, "moe_grouped_mma_vs_wgmma(%s,T=%d)", c->name, T);
+      snprintf(name, sizeof name, "moe_grouped_%s_vs_wgmma(%s,T=%d)", kn, c->name, T);
       rc |= tt_l2_report(name, &ab, 1e-3);
-      if (run_mode(gemm, &w, &r, c, 5, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out)) rc = 1;
+      if (run_mode(gemm, &w, &r, c, mode, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out)) rc = 1;
       long d = tt_count_bits_differ(out, out5, (size_t)T * H);
-      printf("%s moe_grouped_mma_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", c->name,
-             T, d);
-      rc |= d != 0;
-      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5, MMA_ALL, 0);
-    } else if (mode == 6) {
-      /* the streaming kernel: against the wgmma kernel, rerun, graph */
-      memcpy(out5, out, (size_t)T * H * 4);
-      tt_l2_t ab = {0};
-      for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&ab, out5[i], out1[i]);
-      snprintf(name, sizeof name, "moe_grouped_stream_vs_wgmma(%s,T=%d)", c->name, T);
-      rc |= tt_l2_report(name, &ab, 1e-3);
-      if (run_mode(gemm, &w, &r, c, 6, d_x, d_wdq, d_ws, wsb, hc, (float *)d_out, out)) rc = 1;
-      long d = tt_count_bits_differ(out, out5, (size_t)T * H);
-      printf("%s moe_grouped_stream_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ",
+      printf("%s moe_grouped_%s_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", kn,
              c->name, T, d);
       rc |= d != 0;
-      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5, 0, 1);
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5,
+                         mode == 5 ? MMA_ALL : 0, mode == 6);
     }
   }
   tw_cuda_moe_set_mma_tiles(0);
