@@ -263,7 +263,7 @@ static TW_NODISCARD tw_status_t tw_engine_check_disjoint(const tw_engine_t *e,
     const tw_prefill_seq_t *q = &a->seqs[i];
     int32_t b0 = q->start_pos / bs, b1 = (q->start_pos + q->n_tokens - 1) / bs;
     int32_t r1 = b1 < e->kv.ring_blocks - 1 ? b1 : e->kv.ring_blocks - 1; /* ring: 0..r1 */
-    for (int32_t pass = 0; pass < 2; pass++) /* check, then mark */
+    for (int32_t pass = 0; pass < 2; pass++)                              /* check, then mark */
       for (int32_t k = 0; k < 2; k++)
         for (int32_t b = k ? 0 : b0; b <= (k ? r1 : b1) && st == TW_OK; b++) {
           if (pass) {

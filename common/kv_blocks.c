@@ -16,7 +16,7 @@ struct tw_kv_blocks {
   int32_t n_ring, ring_len; /* ring-capable ids 0..n_ring-1; ring_len 0: no ring */
   int32_t n_free;           /* ring ids free: free_ids[0..n_free), top at n_free-1 */
   int32_t n_free_rest;      /* other ids free: free_ids[n_ring..n_ring + n_free_rest) */
-  int32_t *free_ids;  /* [n_blocks]: the ring ids' stack, then the others' */
+  int32_t *free_ids;        /* [n_blocks]: the ring ids' stack, then the others' */
   int32_t *refcount;  /* [n_blocks] */
   int32_t *pending;   /* [n_blocks] scratch for validating a free call; all zero between calls */
 };
@@ -80,9 +80,10 @@ bool tw_kv_blocks_can_alloc(const tw_kv_blocks_t *mgr, int32_t n) {
 TW_NODISCARD tw_status_t tw_kv_blocks_alloc(tw_kv_blocks_t *mgr, int32_t n, int32_t *ids_out) {
   if (n < 0) return tw_err(TW_ERR_INVALID_ARGUMENT, "kv blocks: alloc of %d blocks", n);
   if (!tw_kv_blocks_can_alloc(mgr, n))
-    return tw_err_quiet(TW_ERR_EXHAUSTED, "kv blocks: %d requested, %d free of %d (%d of the %d "
-                        "ring-capable ones free, %d wanted)", n, tw_kv_blocks_free_count(mgr),
-                        mgr->n_blocks, mgr->n_free, mgr->n_ring,
+    return tw_err_quiet(TW_ERR_EXHAUSTED,
+                        "kv blocks: %d requested, %d free of %d (%d of the %d "
+                        "ring-capable ones free, %d wanted)",
+                        n, tw_kv_blocks_free_count(mgr), mgr->n_blocks, mgr->n_free, mgr->n_ring,
                         mgr->ring_len < n ? mgr->ring_len : n);
   for (int32_t i = 0; i < n; i++) {
     int32_t id = i >= mgr->ring_len && mgr->n_free_rest > 0
@@ -117,8 +118,10 @@ TW_NODISCARD tw_status_t tw_kv_blocks_free(tw_kv_blocks_t *mgr, int32_t n, const
   for (int32_t i = 0; i < n; i++) {
     int32_t id = ids[i];
     if (--mgr->refcount[id] == 0) {
-      if (id < mgr->n_ring) mgr->free_ids[mgr->n_free++] = id;
-      else mgr->free_ids[mgr->n_ring + mgr->n_free_rest++] = id;
+      if (id < mgr->n_ring)
+        mgr->free_ids[mgr->n_free++] = id;
+      else
+        mgr->free_ids[mgr->n_ring + mgr->n_free_rest++] = id;
     }
   }
   return TW_OK;

@@ -11,11 +11,12 @@
 /* Blocks per gathered put when the remote run is contiguous (2 pieces each). */
 #define TW_RESHARD_GATHER_BLOCKS 64
 
-static TW_NODISCARD tw_status_t tw_kv_reshard_runs(
-    tw_kv_xfer_t *x, tw_kv_peer_t *peer, const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
-    const int32_t *src_ids, const int32_t *dst_ids, int32_t first, int32_t n, int32_t src_nb,
-    int32_t dst_nb, const char *lbase, uint64_t rbase, int64_t run, int64_t src_half,
-    int64_t dst_half, bool dst_whole, bool src_whole, tw_kv_seg_t *segs, int64_t *bytes_p);
+static TW_NODISCARD tw_status_t
+tw_kv_reshard_runs(tw_kv_xfer_t *x, tw_kv_peer_t *peer, const tw_kv_layout_t *src,
+                   const tw_kv_remote_layout_t *dst, const int32_t *src_ids, const int32_t *dst_ids,
+                   int32_t first, int32_t n, int32_t src_nb, int32_t dst_nb, const char *lbase,
+                   uint64_t rbase, int64_t run, int64_t src_half, int64_t dst_half, bool dst_whole,
+                   bool src_whole, tw_kv_seg_t *segs, int64_t *bytes_p);
 
 TW_NODISCARD tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *peer,
                                                   const tw_kv_layout_t *src,
@@ -50,36 +51,36 @@ TW_NODISCARD tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t 
   int32_t dst_nb = dst_ring ? dst->n_ring_blocks : dst->n_blocks;
   const char *lbase = (const char *)src->base + tw_kv_layer_offset(src, layer) +
                       (int64_t)(a - src->kv_head_offset) * head_bytes;
-  uint64_t rbase = dst->remote_base +
-                   (uint64_t)tw_kv_layer_offset_of(layer, dst->block_bytes, dst->n_blocks,
-                                                   dst->n_ring_blocks, dst->ring_blocks,
-                                                   dst->ring_layers) +
-                   (uint64_t)((a - dst_head_offset) * head_bytes);
+  uint64_t rbase =
+      dst->remote_base +
+      (uint64_t)tw_kv_layer_offset_of(layer, dst->block_bytes, dst->n_blocks, dst->n_ring_blocks,
+                                      dst->ring_blocks, dst->ring_layers) +
+      (uint64_t)((a - dst_head_offset) * head_bytes);
   tw_kv_seg_t segs[2 * TW_RESHARD_GATHER_BLOCKS];
   int32_t *buf = NULL;
-  TW_CHECK(tw_kv_ring_ids(src_ring, dst_ring, src_ids, dst_ids, &first, n, &src_ids, &dst_ids,
-                          &buf));
-  tw_status_t st = tw_kv_reshard_runs(x, peer, src, dst, src_ids, dst_ids, first, n, src_nb,
-                                      dst_nb, lbase, rbase, run, src_half, dst_half, dst_whole,
-                                      src_whole, segs, bytes_p);
+  TW_CHECK(
+      tw_kv_ring_ids(src_ring, dst_ring, src_ids, dst_ids, &first, n, &src_ids, &dst_ids, &buf));
+  tw_status_t st =
+      tw_kv_reshard_runs(x, peer, src, dst, src_ids, dst_ids, first, n, src_nb, dst_nb, lbase,
+                         rbase, run, src_half, dst_half, dst_whole, src_whole, segs, bytes_p);
   free(buf);
   return st;
 }
 
 /* The puts of tw_kv_reshard_send_layer over table entries [first, n) (ids as
  * the pools store them). */
-static TW_NODISCARD tw_status_t tw_kv_reshard_runs(
-    tw_kv_xfer_t *x, tw_kv_peer_t *peer, const tw_kv_layout_t *src, const tw_kv_remote_layout_t *dst,
-    const int32_t *src_ids, const int32_t *dst_ids, int32_t first, int32_t n, int32_t src_nb,
-    int32_t dst_nb, const char *lbase, uint64_t rbase, int64_t run, int64_t src_half,
-    int64_t dst_half, bool dst_whole, bool src_whole, tw_kv_seg_t *segs, int64_t *bytes_p) {
+static TW_NODISCARD tw_status_t
+tw_kv_reshard_runs(tw_kv_xfer_t *x, tw_kv_peer_t *peer, const tw_kv_layout_t *src,
+                   const tw_kv_remote_layout_t *dst, const int32_t *src_ids, const int32_t *dst_ids,
+                   int32_t first, int32_t n, int32_t src_nb, int32_t dst_nb, const char *lbase,
+                   uint64_t rbase, int64_t run, int64_t src_half, int64_t dst_half, bool dst_whole,
+                   bool src_whole, tw_kv_seg_t *segs, int64_t *bytes_p) {
   for (int32_t i = first; i < n;) {
     int32_t k = tw_kv_run_length(src_ids, dst_ids, i, n);
     if (src_ids[i] < 0 || src_ids[i] + k > src_nb || dst_ids[i] < 0 || dst_ids[i] + k > dst_nb)
       return tw_err(TW_ERR_INVALID_ARGUMENT,
                     "kv re-sharding: blocks %d..%d -> %d..%d outside the pools (%d, %d blocks)",
-                    src_ids[i], src_ids[i] + k - 1, dst_ids[i], dst_ids[i] + k - 1, src_nb,
-                    dst_nb);
+                    src_ids[i], src_ids[i] + k - 1, dst_ids[i], dst_ids[i] + k - 1, src_nb, dst_nb);
     if (dst_whole && src_whole) { /* the same heads: whole blocks, one put per run */
       tw_kv_seg_t seg = {lbase + (int64_t)src_ids[i] * src->block_bytes, (int64_t)k * src->block_bytes};
       TW_CHECK(tw_kv_xfer_put(x, peer, src, dst, &seg, 1,
@@ -134,8 +135,8 @@ TW_NODISCARD tw_status_t tw_kv_head_checksums(const tw_kv_layout_t *pool, int32_
       if (id < 0 || id >= nb)
         return tw_err(TW_ERR_INVALID_ARGUMENT, "kv head checksums: block %d outside the pool of %d",
                       id, nb);
-      const char *blk =
-          (const char *)pool->base + tw_kv_layer_offset(pool, layer) + (int64_t)id * pool->block_bytes;
+      const char *blk = (const char *)pool->base + tw_kv_layer_offset(pool, layer) +
+                        (int64_t)id * pool->block_bytes;
       h = tw_kv_fnv1a(h, blk + (int64_t)g * head_bytes, (size_t)head_bytes);
       h = tw_kv_fnv1a(h, blk + (int64_t)(nh + g) * head_bytes, (size_t)head_bytes);
     }

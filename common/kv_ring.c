@@ -47,8 +47,8 @@ int64_t tw_kv_pool_bytes_of(int32_t n_layers, int64_t block_bytes, int32_t n_blo
 }
 
 int64_t tw_kv_layer_offset(const tw_kv_layout_t *l, int32_t layer) {
-  return tw_kv_layer_offset_of(layer, l->block_bytes, l->n_blocks, l->n_ring_blocks,
-                               l->ring_blocks, l->ring_layers);
+  return tw_kv_layer_offset_of(layer, l->block_bytes, l->n_blocks, l->n_ring_blocks, l->ring_blocks,
+                               l->ring_layers);
 }
 
 int32_t tw_kv_layer_blocks(const tw_kv_layout_t *l, int32_t layer) {
@@ -56,10 +56,9 @@ int32_t tw_kv_layer_blocks(const tw_kv_layout_t *l, int32_t layer) {
                                                                     : l->n_blocks;
 }
 
-TW_NODISCARD tw_status_t tw_kv_ring_ids(int32_t src_ring, int32_t dst_ring,
-                                               const int32_t *src_ids, const int32_t *dst_ids,
-                                               int32_t *first_p, int32_t n, const int32_t **s_p,
-                                               const int32_t **d_p, int32_t **buf_p) {
+TW_NODISCARD tw_status_t tw_kv_ring_ids(int32_t src_ring, int32_t dst_ring, const int32_t *src_ids,
+                                        const int32_t *dst_ids, int32_t *first_p, int32_t n,
+                                        const int32_t **s_p, const int32_t **d_p, int32_t **buf_p) {
   *s_p = src_ids;
   *d_p = dst_ids;
   *buf_p = NULL;
@@ -90,8 +89,8 @@ int32_t tw_kv_ring_scratch_blocks(int32_t max_tokens, int32_t max_segs, int32_t 
                                   int32_t window) {
   if (max_tokens < 1 || max_segs < 1 || block_size < 1) return 0;
   int64_t w = window > 0 ? window : 0;
-  int64_t n = ((int64_t)max_tokens + (int64_t)max_segs * (w + 2 * block_size)) / block_size +
-              max_segs + 1;
+  int64_t n =
+      ((int64_t)max_tokens + (int64_t)max_segs * (w + 2 * block_size)) / block_size + max_segs + 1;
   return n > INT32_MAX ? INT32_MAX : (int32_t)n;
 }
 
@@ -100,8 +99,9 @@ static TW_NODISCARD tw_status_t tw_ring_grow(int32_t **a, int32_t *cap, int64_t 
   if (n <= *cap) return TW_OK;
   if (n > INT32_MAX) return tw_err(TW_ERR_NO_MEMORY, "kv ring: plan of %lld entries", (long long)n);
   int32_t *p = realloc(*a, sizeof(int32_t) * (size_t)n);
-  if (!p) return tw_err(TW_ERR_NO_MEMORY, "kv ring: out of memory for a plan of %lld entries",
-                        (long long)n);
+  if (!p)
+    return tw_err(TW_ERR_NO_MEMORY, "kv ring: out of memory for a plan of %lld entries",
+                  (long long)n);
   *a = p;
   *cap = (int32_t)n;
   return TW_OK;
@@ -120,8 +120,8 @@ TW_NODISCARD tw_status_t tw_kv_ring_pass_plan(tw_kv_ring_pass_t *p, int32_t n_se
   int64_t n_scratch = 0, n_pairs = 0;
   for (int32_t g = 0; g < n_segs; g++) {
     if (start[g] < 0 || n_tok[g] < 1)
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "kv ring: segment %d at position %d with %d tokens",
-                    g, start[g], n_tok[g]);
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "kv ring: segment %d at position %d with %d tokens", g,
+                    start[g], n_tok[g]);
     int64_t last = (int64_t)start[g] + n_tok[g] - 1;
     int64_t lo = start[g] - window + 1 > 0 ? start[g] - window + 1 : 0;
     int32_t jhi = (int32_t)(last / block_size), jlo = (int32_t)(lo / block_size);
@@ -133,7 +133,8 @@ TW_NODISCARD tw_status_t tw_kv_ring_pass_plan(tw_kv_ring_pass_t *p, int32_t n_se
   if (stride < need_stride || (max_scratch > 0 && n_scratch > max_scratch))
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "kv ring: a pass needs tables of %d entries and %lld scratch blocks, over %d and "
-                  "%d", need_stride, (long long)n_scratch, stride, max_scratch);
+                  "%d",
+                  need_stride, (long long)n_scratch, stride, max_scratch);
   TW_CHECK(tw_ring_grow(&p->tables, &p->cap_tables, (int64_t)n_segs * stride));
   /* copy_in and copy_out share one allocation: [in pairs][out pairs] */
   TW_CHECK(tw_ring_grow(&p->copy_in, &p->cap_pairs, 2 * n_pairs));
@@ -147,7 +148,8 @@ TW_NODISCARD tw_status_t tw_kv_ring_pass_plan(tw_kv_ring_pass_t *p, int32_t n_se
     int64_t lo = s0 - window + 1 > 0 ? s0 - window + 1 : 0;
     int32_t jhi = (int32_t)(last / block_size), jlo = (int32_t)(lo / block_size);
     int32_t *row = p->tables + (int64_t)g * stride;
-    for (int32_t j = 0; j < stride; j++) row[j] = base + (j < jlo ? 0 : j > jhi ? jhi - jlo : j - jlo);
+    for (int32_t j = 0; j < stride; j++)
+      row[j] = base + (j < jlo ? 0 : j > jhi ? jhi - jlo : j - jlo);
     /* in: the blocks holding window positions lo .. s0 - 1 (earlier chunks) */
     if (s0 > lo)
       for (int32_t j = jlo; j <= (int32_t)((s0 - 1) / block_size); j++) {
@@ -175,8 +177,8 @@ void tw_kv_ring_pass_free(tw_kv_ring_pass_t *p) {
 }
 
 void tw_kv_ring_setup(const tw_model_config_t *c, bool on, int32_t n_blocks, int32_t block_size,
-                      int32_t kv_ring_blocks, int32_t *ring_blocks_p,
-                      int32_t *n_ring_blocks_p, uint64_t *ring_layers_p) {
+                      int32_t kv_ring_blocks, int32_t *ring_blocks_p, int32_t *n_ring_blocks_p,
+                      uint64_t *ring_layers_p) {
   uint64_t mask = on ? tw_kv_ring_layer_mask(c) : 0;
   int32_t R = mask ? tw_kv_ring_len(c->sliding_window, block_size) : 0;
   int64_t nr = n_blocks;
@@ -190,9 +192,12 @@ void tw_kv_ring_setup(const tw_model_config_t *c, bool on, int32_t n_blocks, int
 
 int tw_kv_ring_opt(const char *text, void *dst, char *err, size_t errlen) {
   int32_t *v = dst;
-  if (text && !strcmp(text, "1")) *v = 1;
-  else if (text && !strcmp(text, "0")) *v = -1;
-  else if (text && !strcmp(text, "auto")) *v = 0;
+  if (text && !strcmp(text, "1"))
+    *v = 1;
+  else if (text && !strcmp(text, "0"))
+    *v = -1;
+  else if (text && !strcmp(text, "auto"))
+    *v = 0;
   else {
     snprintf(err, errlen, "must be 0, 1 or auto, got '%s'", text ? text : "");
     return -1;

@@ -100,10 +100,9 @@ static inline int32_t tw_kv_ring_entry(int32_t j, int32_t ring_blocks) {
  *  themselves without a ring, else copies (entry j's block is table[j % R])
  *  in *buf_p, which the caller frees (NULL when none). dst_ids may be NULL
  *  (then *d_p is NULL). Errors: TW_ERR_NO_MEMORY. */
-TW_NODISCARD tw_status_t tw_kv_ring_ids(int32_t src_ring, int32_t dst_ring,
-                                        const int32_t *src_ids, const int32_t *dst_ids,
-                                        int32_t *first_p, int32_t n, const int32_t **s_p,
-                                        const int32_t **d_p, int32_t **buf_p);
+TW_NODISCARD tw_status_t tw_kv_ring_ids(int32_t src_ring, int32_t dst_ring, const int32_t *src_ids,
+                                        const int32_t *dst_ids, int32_t *first_p, int32_t n,
+                                        const int32_t **s_p, const int32_t **d_p, int32_t **buf_p);
 
 /** A ring layer's view of a block table: out[j] = table[j % ring_blocks]
  *  for j < n (a table the attention reads as a full-length one). */
@@ -118,13 +117,13 @@ int32_t tw_kv_ring_scratch_blocks(int32_t max_tokens, int32_t max_segs, int32_t 
 /** A prefill pass's ring plan (the top of this file). */
 typedef struct {
   int32_t n_segs;
-  int32_t stride;     /* entries per row of tables (>= the last block index + 1) */
-  int32_t n_scratch;  /* scratch blocks used: ids 0..n_scratch-1 */
-  int32_t *tables;    /* [n_segs][stride]: segment g's table into the scratch;
+  int32_t stride;    /* entries per row of tables (>= the last block index + 1) */
+  int32_t n_scratch; /* scratch blocks used: ids 0..n_scratch-1 */
+  int32_t *tables;   /* [n_segs][stride]: segment g's table into the scratch;
                          entries before its window's first block repeat that block */
   int32_t n_in, n_out;
-  int32_t *copy_in;   /* [n_in][2]: (ring block id, scratch id), before the K/V write */
-  int32_t *copy_out;  /* [n_out][2]: (scratch id, ring block id), after it */
+  int32_t *copy_in;              /* [n_in][2]: (ring block id, scratch id), before the K/V write */
+  int32_t *copy_out;             /* [n_out][2]: (scratch id, ring block id), after it */
   int32_t cap_tables, cap_pairs; /* allocated entries */
 } tw_kv_ring_pass_t;
 
@@ -157,8 +156,8 @@ static inline bool tw_kv_ring_wanted(int32_t setting, bool backend_default) {
  *  model with no sliding layer) the ring is off: ring_blocks 0,
  *  n_ring_blocks = n_blocks. */
 void tw_kv_ring_setup(const tw_model_config_t *c, bool on, int32_t n_blocks, int32_t block_size,
-                      int32_t kv_ring_blocks, int32_t *ring_blocks_p,
-                      int32_t *n_ring_blocks_p, uint64_t *ring_layers_p);
+                      int32_t kv_ring_blocks, int32_t *ring_blocks_p, int32_t *n_ring_blocks_p,
+                      uint64_t *ring_layers_p);
 
 /** The --kv-window-ring option's parser (opts.h TW_OPT_FN; dst: int32_t *,
  *  the engine.h kv_window_ring setting): "1" on, "0" off, "auto" the

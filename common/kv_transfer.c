@@ -336,10 +336,10 @@ struct tw_kv_xfer {
   tw_kv_piece_t pieces[TW_KV_PIECES];
   uint64_t piece_seq;
   int32_t n_pieces;
-  int16_t active[TW_KV_PIECES]; /* the entries in use, [0, n_pieces), any order */
-  tw_kv_proc_t self; /* this process, in the pieces it announces */
-  void *d2h_stream;  /* cudaStream_t of device pieces copied into receivers' slots */
-  bool staged_put;   /* TWAIN_KV_STAGED_PUT=1: put pieces even into mapped slots */
+  int16_t active[TW_KV_PIECES];    /* the entries in use, [0, n_pieces), any order */
+  tw_kv_proc_t self;               /* this process, in the pieces it announces */
+  void *d2h_stream;                /* cudaStream_t of device pieces copied into receivers' slots */
+  bool staged_put;                 /* TWAIN_KV_STAGED_PUT=1: put pieces even into mapped slots */
   void *piece_event[TW_KV_PIECES]; /* cudaEvent_t per piece entry, made on first use */
   /* receiver: endpoints to the workers that send pieces into our rings */
   struct tw_kv_sender *senders[TW_KV_MAX_PEERS];
@@ -717,8 +717,10 @@ static TW_NODISCARD tw_status_t tw_kv_piece_copy_device(tw_kv_xfer_t *x, tw_kv_p
     p->slot_reg[e->slot] = ptr;
   if (rt->memcpy_async(ptr, e->buf, (size_t)e->len, TW_CUDA_D2H, x->d2h_stream) != 0 ||
       rt->event_record(x->piece_event[idx], x->d2h_stream) != 0)
-    return tw_err(TW_ERR_CUDA, "cudaMemcpyAsync of %lld kv bytes into a decode worker's staging "
-                  "slot failed", (long long)e->len);
+    return tw_err(TW_ERR_CUDA,
+                  "cudaMemcpyAsync of %lld kv bytes into a decode worker's staging "
+                  "slot failed",
+                  (long long)e->len);
   return TW_OK;
 }
 
@@ -732,7 +734,7 @@ static void tw_kv_piece_start(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
   if (p->slot_ptr == 0) {
     p->slot_ptr = mapped ? 1 : -1;
     TW_INFO("kvx", "staged kv pieces to a decode worker: %s",
-            mapped           ? "copied straight into its ring's slots (mapped here: shared memory)"
+            mapped          ? "copied straight into its ring's slots (mapped here: shared memory)"
             : x->staged_put ? "put into its ring's slots (TWAIN_KV_STAGED_PUT=1)"
                             : "put into its ring's slots (not mapped here)");
   }
@@ -750,7 +752,8 @@ static void tw_kv_piece_start(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
     return;
   }
   if (e->device) { /* only sent so once the ring was mapped here */
-    TW_WARN("kvx", "a decode worker's staging slot is not mapped here: a device kv piece cannot "
+    TW_WARN("kvx",
+            "a decode worker's staging slot is not mapped here: a device kv piece cannot "
             "be copied into it");
     tw_kv_piece_refuse(e, UCS_ERR_UNSUPPORTED);
     return;
@@ -2083,7 +2086,8 @@ static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p,
       return tw_err(TW_ERR_CUDA, "a kv copy to the bounce ring failed");
     if (h) *h = tw_kv_fnv1a(*h, src, (size_t)len);
     if (mode == TW_KV_RING_AM) {
-      TW_CHECK(tw_kv_piece_send(x, p, dst, src, false, len, raddr + (uint64_t)(sent * S), &g->piece[k]));
+      TW_CHECK(
+          tw_kv_piece_send(x, p, dst, src, false, len, raddr + (uint64_t)(sent * S), &g->piece[k]));
       if (device) x->stats.staged_bytes += len;
     } else if (mode == TW_KV_RING_PUT) {
       ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
@@ -2307,8 +2311,10 @@ TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p,
       st = tw_err(TW_ERR_INVALID_ARGUMENT, "remote kv blocks %d..%d outside the pool of %d blocks",
                   dst_ids[i], dst_ids[i] + k - 1, dst_blocks);
     tw_kv_seg_t seg = {.ptr = blk, .bytes = (int64_t)k * src->block_bytes};
-    uint64_t raddr = dst->remote_base + (uint64_t)loff + (uint64_t)dst_ids[i] * (uint64_t)dst->block_bytes;
-    if (st == TW_OK) st = tw_kv_xfer_put(x, p, src, dst, &seg, 1, raddr, maybe_checksum ? &h : NULL);
+    uint64_t raddr =
+        dst->remote_base + (uint64_t)loff + (uint64_t)dst_ids[i] * (uint64_t)dst->block_bytes;
+    if (st == TW_OK)
+      st = tw_kv_xfer_put(x, p, src, dst, &seg, 1, raddr, maybe_checksum ? &h : NULL);
     i += k;
   }
   free(buf);

@@ -161,9 +161,9 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   g.blk_ring = lay_blk * n_ring_layers;
   int64_t kv_tok_full = g.blk_full / in->block_size; /* what a position costs past the window */
   /* a sequence of TW_MEM_TOKENS_PER_SEQ tokens, its ring included */
-  int64_t seq_bytes = (int64_t)TW_MEM_TOKENS_PER_SEQ * kv_tok_full +
-                      (g.R ? (int64_t)g.R * g.blk_ring
-                           : (int64_t)TW_MEM_TOKENS_PER_SEQ * (kv_tok - kv_tok_full));
+  int64_t seq_bytes =
+      (int64_t)TW_MEM_TOKENS_PER_SEQ * kv_tok_full +
+      (g.R ? (int64_t)g.R * g.blk_ring : (int64_t)TW_MEM_TOKENS_PER_SEQ * (kv_tok - kv_tok_full));
   int32_t max_pos = c->max_position_embeddings;
   int64_t mbps = (max_pos + in->block_size - 1) / in->block_size;
   int32_t copies = in->shared_weights ? 1 : np + nd;
@@ -275,9 +275,10 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
               "bytes), blocks of %d tokens", rs, kv_tok / 1024.0, c->n_layers, kvh, c->head_dim,
               in->kv_elem_bytes, in->block_size);
   if (g.R)
-    tw_mem_line(p, "memory plan: window ring: %d sliding layers keep %d blocks a sequence (window "
-                "%d), so past it a token costs %.1f KiB", n_ring_layers, g.R, c->sliding_window,
-                kv_tok_full / 1024.0);
+    tw_mem_line(p,
+                "memory plan: window ring: %d sliding layers keep %d blocks a sequence (window "
+                "%d), so past it a token costs %.1f KiB",
+                n_ring_layers, g.R, c->sliding_window, kv_tok_full / 1024.0);
   if (np)
     tw_mem_line(p, "memory plan: each prefill worker: token budget %d, workspace %.2f GiB, kv pool "
                 "%.2f GiB = %d blocks (%lld tokens: prompts until their handoff)", T, tw_gib(pws),
@@ -308,8 +309,8 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
                                 "needs %.2f GiB (workspace %.2f + kv pool %.2f): another process "
                                 "uses the device, or lower --gpu-memory-utilization on the others",
                                 tw_gib(in->free_bytes), pre ? "prefill" : "decode",
-                                tw_gib(p->workspace_bytes + want_bytes),
-                                tw_gib(p->workspace_bytes), tw_gib(want_bytes));
+                                tw_gib(p->workspace_bytes + want_bytes), tw_gib(p->workspace_bytes),
+                                tw_gib(want_bytes));
         memset(p, 0, sizeof *p);
         return st;
       }

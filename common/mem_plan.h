@@ -54,7 +54,7 @@ extern "C" {
 #define TW_MEM_PREFILL_SEQS 64     /* prompts in one prefill batch (twain-prefill --batch-seqs) */
 #define TW_MEM_MIN_DECODE_TOKENS 4096 /* smallest decode KV pool the plan accepts */
 #define TW_MEM_GRAPH_CTX_MIN 256   /* smallest decode graph context bucket (engine_cuda_step.cu) */
-#define TW_MEM_RING_SEQS 2          /* window rings per max-batch sequence: running + reserved */
+#define TW_MEM_RING_SEQS 2         /* window rings per max-batch sequence: running + reserved */
 #define TW_MEM_MAX_LINES 10
 
 typedef enum {

@@ -245,7 +245,8 @@ static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r
              d->wk.link.name, tw_kv_blocks_free_count(d->bm[rank]),
              d->n_dp > 1 ? " in its emptiest dp rank" : "", need,
              tw_kv_blocks_free_count(d->bm[rank]) >= need
-                 ? " (every window ring of the sliding layers is in use)" : "");
+                 ? " (every window ring of the sliding layers is in use)"
+                 : "");
   }
   if (s.code) {
     if (seq) free(seq->blocks);

@@ -126,8 +126,8 @@ bool tw_handoff_send_share_peer(const tw_handoff_send_t *a, const tw_handoff_sen
 }
 
 TW_NODISCARD tw_status_t tw_handoff_connect(tw_kv_xfer_t *xfer, const tw_kv_layout_t *src,
-                                            const Twain__Internal__V1__KvHandoff *h,
-                                            int32_t *n_p, tw_kv_path_t *path_p) {
+                                            const Twain__Internal__V1__KvHandoff *h, int32_t *n_p,
+                                            tw_kv_path_t *path_p) {
   *n_p = 0;
   *path_p = TW_KV_PATH_UNREACHABLE;
   tw_handoff_send_t *s = malloc(sizeof *s);

@@ -103,8 +103,8 @@ TW_NODISCARD tw_status_t tw_handoff_send_flush(tw_handoff_send_t *s, int timeout
  *  Errors: TW_ERR_NO_MEMORY, those of tw_handoff_send_begin (pools before
  *  the failing one stay connected). */
 TW_NODISCARD tw_status_t tw_handoff_connect(tw_kv_xfer_t *xfer, const tw_kv_layout_t *src,
-                                            const Twain__Internal__V1__KvHandoff *h,
-                                            int32_t *n_p, tw_kv_path_t *path_p);
+                                            const Twain__Internal__V1__KvHandoff *h, int32_t *n_p,
+                                            tw_kv_path_t *path_p);
 
 /** Whether a and b send to a common peer (a failed flush fails both). */
 bool tw_handoff_send_share_peer(const tw_handoff_send_t *a, const tw_handoff_send_t *b);

@@ -376,15 +376,18 @@ static void tw_prefill_kv_peers(tw_prefiller_t *w, const Twain__Internal__V1__Kv
     int64_t t0 = tw_msg_clock_ns();
     if (tw_handoff_connect(w->xfer, src, h, &n, &path) != TW_OK) {
       ready.failed++;
-      TW_WARN("prefill", "kv pools of decode worker %s not connected ahead of traffic (its first "
-              "handoff tries again): %s", name, tw_last_error());
+      TW_WARN("prefill",
+              "kv pools of decode worker %s not connected ahead of traffic (its first "
+              "handoff tries again): %s",
+              name, tw_last_error());
       continue;
     }
     ready.connected++;
     tw_metric_add(w->m.kv_peers, 1);
-    TW_INFO("prefill", "kv pools of decode worker %s connected ahead of traffic: %d pools, %s "
-            "path, %.1f ms", name, n, tw_kv_path_name(path),
-            (double)(tw_msg_clock_ns() - t0) * 1e-6);
+    TW_INFO("prefill",
+            "kv pools of decode worker %s connected ahead of traffic: %d pools, %s "
+            "path, %.1f ms",
+            name, n, tw_kv_path_name(path), (double)(tw_msg_clock_ns() - t0) * 1e-6);
   }
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_KV_PEERS_READY;

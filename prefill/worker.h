@@ -19,7 +19,7 @@ typedef struct {
   const char *model_dir, *router, *name; /* router: its worker endpoint; name NULL: prefill-<pid> */
   tw_backend_kind_t backend;
   int32_t kv_blocks, block_size, threads; /* local KV pool (blocks of block_size tokens); threads 0: all cores */
-  int32_t kv_window_ring; /* engine.h kv_window_ring: 1 on, -1 off, 0 the backend's default */
+  int32_t kv_window_ring;   /* engine.h kv_window_ring: 1 on, -1 off, 0 the backend's default */
   int metrics_port;         /* -1 off, 0 ephemeral */
   const char *metrics_addr; /* NULL: 127.0.0.1 */
   int flush_timeout_ms;

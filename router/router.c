@@ -666,9 +666,10 @@ TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig
       int32_t pending = tw_router_kv_peers_pending(&r);
       bool waited = now - r.ready_wait_ns > (int64_t)TW_ROUTER_KV_PEERS_WAIT_MS * 1000000;
       if (pending && waited)
-        TW_WARN("router", "%d prefill workers did not report their decode kv peers connected in "
-                "%d ms: ready anyway (they connect at their first handoff)", pending,
-                TW_ROUTER_KV_PEERS_WAIT_MS);
+        TW_WARN("router",
+                "%d prefill workers did not report their decode kv peers connected in "
+                "%d ms: ready anyway (they connect at their first handoff)",
+                pending, TW_ROUTER_KV_PEERS_WAIT_MS);
       if (!pending || waited) {
         r.ready_sent = true;
         if (p->on_ready) p->on_ready(p->on_ready_arg);

@@ -73,8 +73,10 @@ int tw_router_main(int argc, char **argv) {
       TW_OPT_STR_FN("model", &p.model_dir, tw_model_opt, "DIR|ORG/NAME",
                     "checkpoint directory (config.json, tokenizer.json);\n"
                     "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
-      TW_OPT_STR("listen", &p.client_endpoint, "tcp://HOST:PORT", "client endpoint (port 0: ephemeral)"),
-      TW_OPT_STR("workers", &p.worker_endpoint, "tcp://HOST:PORT", "worker endpoint (port 0: ephemeral)"),
+      TW_OPT_STR("listen", &p.client_endpoint, "tcp://HOST:PORT",
+                 "client endpoint (port 0: ephemeral)"),
+      TW_OPT_STR("workers", &p.worker_endpoint, "tcp://HOST:PORT",
+                 "worker endpoint (port 0: ephemeral)"),
       TW_OPT_INT("metrics-port", &p.metrics_port, -1, 65535, "PORT",
                  "/metrics, /healthz, /livez port (-1 off, 0 ephemeral)"),
       TW_OPT_STR("metrics-addr", &p.metrics_addr, "ADDR",

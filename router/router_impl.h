@@ -108,7 +108,7 @@ typedef struct {
   int32_t max_prompt;
   int32_t max_tokens_limit;    /* --max-tokens-limit, 0: the model's context minus 1 */
   bool draining, ready_sent;
-  int64_t ready_wait_ns;       /* every worker registered, waiting for KvPeersReady since (0: not) */
+  int64_t ready_wait_ns; /* every worker registered, waiting for KvPeersReady since (0: not) */
   int64_t empty_since_ns[2];   /* prefill, decode: when the pool last became empty (0: it has workers) */
   bool empty_by_expiry[2];     /* ... because its last worker stopped heartbeating (a stall?) */
   void *chat_ctx;              /* tokenizer + Harmony encoder (router_chat.c) */

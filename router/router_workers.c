@@ -253,8 +253,8 @@ static void tw_send_kv_peers(tw_router_t *r, tw_rworker_t *to, const tw_rworker_
 int32_t tw_router_kv_peers_pending(const tw_router_t *r) {
   int32_t n = 0;
   for (int32_t i = 0; i < r->n_workers; i++)
-    n += r->workers[i].pool == TWAIN__INTERNAL__V1__POOL__POOL_PREFILL &&
-         !r->workers[i].draining && r->workers[i].kv_peers_unacked > 0;
+    n += r->workers[i].pool == TWAIN__INTERNAL__V1__POOL__POOL_PREFILL && !r->workers[i].draining &&
+         r->workers[i].kv_peers_unacked > 0;
   return n;
 }
 
@@ -633,7 +633,8 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_TOKENS: tw_on_worker_tokens(r, w, env->tokens); break;
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_KV_PEERS_READY:
       if (w->kv_peers_unacked > 0) w->kv_peers_unacked--;
-      TW_INFO("router", "prefill worker %s connected to %d decode workers' kv pools ahead of traffic%s",
+      TW_INFO("router",
+              "prefill worker %s connected to %d decode workers' kv pools ahead of traffic%s",
               w->name, env->kv_peers_ready->connected,
               env->kv_peers_ready->failed ? " (some failed: retried at their first handoff)" : "");
       break;

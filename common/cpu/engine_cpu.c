@@ -52,10 +52,10 @@ typedef struct {
   const int32_t **rtables;                  /* [T] ring layers' table per token (kv_ring.h) */
   int32_t *views;                           /* decode: the ring views of the tables */
   int64_t cap_views;
-  tw_kv_ring_pass_t ring;                   /* prefill: the pass's ring plan */
-  float *ring_scratch;                      /* prefill: its scratch blocks of one layer */
-  int64_t cap_scratch;                      /* blocks */
-  bool ring_prefill;                        /* the running forward is a planned pass */
+  tw_kv_ring_pass_t ring; /* prefill: the pass's ring plan */
+  float *ring_scratch;    /* prefill: its scratch blocks of one layer */
+  int64_t cap_scratch;    /* blocks */
+  bool ring_prefill;      /* the running forward is a planned pass */
   int64_t cap_logits_rows;
   float *logits;                            /* [rows, V] when the caller gives none */
   float *scores;                            /* [n_threads, max_pos] */
@@ -167,9 +167,9 @@ static TW_NODISCARD tw_status_t tw_cpu_scratch_ensure(const tw_engine_t *e, tw_c
   s->ye = malloc(t * H * f);
   s->tables = malloc(t * sizeof(*s->tables));
   s->rtables = malloc(t * sizeof(*s->rtables));
-  if (!s->rtables || !s->x || !s->xn || !s->q || !s->k || !s->v || !s->attn || !s->proj || !s->rope_cos ||
-      !s->rope_sin || !s->router || !s->topk_idx || !s->topk_w || !s->exp_tok || !s->exp_w ||
-      !s->xe || !s->ue || !s->ae || !s->ye || !s->tables) {
+  if (!s->rtables || !s->x || !s->xn || !s->q || !s->k || !s->v || !s->attn || !s->proj ||
+      !s->rope_cos || !s->rope_sin || !s->router || !s->topk_idx || !s->topk_w || !s->exp_tok ||
+      !s->exp_w || !s->xe || !s->ue || !s->ae || !s->ye || !s->tables) {
     tw_cpu_scratch_free(s);
     return tw_err(TW_ERR_NO_MEMORY, "cpu engine: out of memory for the scratch of %lld tokens",
                   (long long)T);
@@ -215,8 +215,8 @@ static void tw_cpu_attn_task(void *ctx_v, int ti, int nt) {
   for (int64_t i = ti; i < items; i += nt) {
     int64_t t = i / nh;
     int32_t h = (int32_t)(i % nh);
-    tw_cpu_attention(a->s->q + t * QD, nh, h, h + 1, &a->kv, a->tables[t],
-                     a->positions[t], a->window, a->sinks, scale, scores, a->s->attn + t * QD);
+    tw_cpu_attention(a->s->q + t * QD, nh, h, h + 1, &a->kv, a->tables[t], a->positions[t],
+                     a->window, a->sinks, scale, scores, a->s->attn + t * QD);
   }
 }
 
@@ -325,22 +325,21 @@ static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const 
     bool ring = tw_kv_is_ring_layer(e->kv.ring_layers, e->kv.ring_blocks, l);
     float *lbase = (float *)((char *)s->kv_pool + tw_kv_layer_offset(&e->kv, l));
     const int64_t bf = e->kv.block_bytes / (int64_t)sizeof(float);
-    tw_cpu_attn_ctx_t a = {
-        .e = e,
-        .s = s,
-        .T = T,
-        .positions = positions,
-        .tables = ring ? s->rtables : s->tables,
-        .sinks = s->sinks + (int64_t)l * c->n_heads + s->tp.sh.q0,
-        .window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0,
-        .kv = {.layer_base = ring && s->ring_prefill ? s->ring_scratch : lbase,
-               .block_size = e->kv.block_size,
-               .n_kv_heads = s->tp.sh.nkv,
-               .head_dim = (int32_t)D}};
+    tw_cpu_attn_ctx_t a = {.e = e,
+                           .s = s,
+                           .T = T,
+                           .positions = positions,
+                           .tables = ring ? s->rtables : s->tables,
+                           .sinks = s->sinks + (int64_t)l * c->n_heads + s->tp.sh.q0,
+                           .window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0,
+                           .kv = {.layer_base = ring && s->ring_prefill ? s->ring_scratch : lbase,
+                                  .block_size = e->kv.block_size,
+                                  .n_kv_heads = s->tp.sh.nkv,
+                                  .head_dim = (int32_t)D}};
     if (ring && s->ring_prefill)
       for (int32_t i = 0; i < s->ring.n_in; i++)
-        memcpy(s->ring_scratch + s->ring.copy_in[2 * i + 1] * bf, lbase + s->ring.copy_in[2 * i] * bf,
-               sizeof(float) * (size_t)bf);
+        memcpy(s->ring_scratch + s->ring.copy_in[2 * i + 1] * bf,
+               lbase + s->ring.copy_in[2 * i] * bf, sizeof(float) * (size_t)bf);
     for (int64_t t = 0; t < T; t++) {
       tw_cpu_rope_apply(s->q + t * QD, s->tp.sh.nq, (int32_t)D, s->rope_cos + t * half,
                         s->rope_sin + t * half);
@@ -355,8 +354,8 @@ static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const 
     }
     if (ring && s->ring_prefill) /* the last blocks back into the ring */
       for (int32_t i = 0; i < s->ring.n_out; i++)
-        memcpy(lbase + s->ring.copy_out[2 * i + 1] * bf, s->ring_scratch + s->ring.copy_out[2 * i] * bf,
-               sizeof(float) * (size_t)bf);
+        memcpy(lbase + s->ring.copy_out[2 * i + 1] * bf,
+               s->ring_scratch + s->ring.copy_out[2 * i] * bf, sizeof(float) * (size_t)bf);
     if (s->layer_cb && s->layer_cb->on_pass_layer) /* this layer's K/V of the pass is final */
       s->layer_cb->on_pass_layer(s->layer_cb->on_pass_arg, l);
     tw_cpu_pool_run(s->pool, tw_cpu_attn_task, &a);
@@ -628,11 +627,11 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
                            .layer_stride_bytes = n_blocks * block_bytes,
                            .block_bytes = block_bytes};
   tw_kv_ring_setup(c, tw_kv_ring_wanted(params->kv_window_ring, true), (int32_t)n_blocks,
-                   (int32_t)bs, params->kv_ring_blocks, &e->kv.ring_blocks,
-                   &e->kv.n_ring_blocks, &e->kv.ring_layers);
-  e->kv.total_bytes = tw_kv_pool_bytes_of(c->n_layers, block_bytes, (int32_t)n_blocks,
-                                          e->kv.n_ring_blocks, e->kv.ring_blocks,
-                                          e->kv.ring_layers);
+                   (int32_t)bs, params->kv_ring_blocks, &e->kv.ring_blocks, &e->kv.n_ring_blocks,
+                   &e->kv.ring_layers);
+  e->kv.total_bytes =
+      tw_kv_pool_bytes_of(c->n_layers, block_bytes, (int32_t)n_blocks, e->kv.n_ring_blocks,
+                          e->kv.ring_blocks, e->kv.ring_layers);
   void *kvp = mmap(NULL, (size_t)e->kv.total_bytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (kvp == MAP_FAILED) {

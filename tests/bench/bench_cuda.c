@@ -35,9 +35,9 @@
 #include "common/engine.h"
 #include "common/kv_ring.h"
 #include "common/log.h"
+#include "common/model.h"
 #include "common/model_path.h"
 #include "common/opts.h"
-#include "common/model.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -202,8 +202,9 @@ static bool bench_tables(const tw_kv_layout_t *kv, long S, long per, int32_t *ta
     return false;
   for (long q = 0; table && q < S; q++)
     for (long j = 0; j < per; j++)
-      table[q * per + j] = (int32_t)(!R ? q * per + j
-                                        : j < R ? q * R + j : kv->n_ring_blocks + q * rest + j - R);
+      table[q * per + j] = (int32_t)(!R      ? q * per + j
+                                     : j < R ? q * R + j
+                                             : kv->n_ring_blocks + q * rest + j - R);
   return true;
 }
 
@@ -407,7 +408,12 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
                r->bytes / COPY_BYTES_PER_S >= r->flops / BF16_FLOP_PER_S ? "copy" : "bf16 GEMM");
         fflush(stdout);
       }
-      free(tk); free(pos); free(nbs); free(out); free(tabs); free(dtab);
+      free(tk);
+      free(pos);
+      free(nbs);
+      free(out);
+      free(tabs);
+      free(dtab);
     }
   }
   free(toks);
@@ -427,10 +433,13 @@ int main(int argc, char **argv) {
                     "a checkpoint instead of synthetic weights;\n"
                     "or a Hugging Face id (ORG/NAME[@REV]) in the local cache (HF_HOME)"),
       TW_OPT_STR("synthetic", &syn, "20b|120b|both", "synthetic gpt-oss shapes"),
-      TW_OPT_FN("prefill", &pl, parse_list, "LIST", "prefill lengths (default 8192,32768,65536,128000)"),
-      TW_OPT_FN("prefill-batch", &pbl, parse_pairs, "SxL,...", "batched prefill: S prompts of L tokens"),
+      TW_OPT_FN("prefill", &pl, parse_list, "LIST",
+                "prefill lengths (default 8192,32768,65536,128000)"),
+      TW_OPT_FN("prefill-batch", &pbl, parse_pairs, "SxL,...",
+                "batched prefill: S prompts of L tokens"),
       TW_OPT_INT("chunk", &chunk, 0, INT32_MAX, "N", "prefill chunk tokens (0: the engine's)"),
-      TW_OPT_FN("batches", &bl, parse_list, "LIST", "decode batch sizes (default 1,8,32,64,128,256)"),
+      TW_OPT_FN("batches", &bl, parse_list, "LIST",
+                "decode batch sizes (default 1,8,32,64,128,256)"),
       TW_OPT_FN("contexts", &cl, parse_list, "LIST", "decode context lengths (default 8192,32768)"),
       TW_OPT_INT("steps", &steps, 1, 500, "N", "decode steps per point"),
       TW_OPT_INT("reps", &reps, 1, 16, "N", "repetitions (the median is reported)"),

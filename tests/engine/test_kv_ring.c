@@ -34,8 +34,8 @@
 static tw_backend_kind_t g_backend = TW_BACKEND_CPU;
 
 static void test_plan(void) {
-  EXPECT(tw_kv_ring_len(128, 16) == 9 && tw_kv_ring_len(32, 16) == 3 &&
-             tw_kv_ring_len(6, 4) == 3 && tw_kv_ring_len(0, 16) == 0,
+  EXPECT(tw_kv_ring_len(128, 16) == 9 && tw_kv_ring_len(32, 16) == 3 && tw_kv_ring_len(6, 4) == 3 &&
+             tw_kv_ring_len(0, 16) == 0,
          "ring lengths");
   /* block size 4, window 6, R = 3. Segment 0: positions 10..16 of table
    * 100..104: window from 10 - 5 = 5, blocks 1..4 -> scratch 0..3; in: the
@@ -119,7 +119,9 @@ static int rctx_init(tw_rctx_t *c, const tw_model_t *m, bool ring, int32_t chunk
   const tw_kv_layout_t *l = tw_engine_kv_layout(c->e);
   if (ring != (l->ring_blocks > 0) || (ring && l->n_ring_blocks != NRING)) return -1;
   return tw_kv_blocks_create_ring(l->n_blocks, l->block_size, l->n_ring_blocks, l->ring_blocks,
-                                  &c->bm) == TW_OK ? 0 : -1;
+                                  &c->bm) == TW_OK
+             ? 0
+             : -1;
 }
 
 static void rctx_fini(tw_rctx_t *c) {
@@ -137,15 +139,24 @@ static int run_seq(tw_rctx_t *c, const int32_t *tokens, int32_t len, int32_t V, 
   int32_t nb = (len + STEPS + 15) / 16, table[64];
   if (tw_kv_blocks_alloc(c->bm, nb, table) != TW_OK) return -1;
   int32_t next = -1;
-  tw_prefill_args_t pa = {.tokens = tokens, .n_tokens = len, .block_table = table, .n_blocks = nb,
-                          .all_logits = true, .logits_out = logits, .next_token_out = &next};
+  tw_prefill_args_t pa = {.tokens = tokens,
+                          .n_tokens = len,
+                          .block_table = table,
+                          .n_blocks = nb,
+                          .all_logits = true,
+                          .logits_out = logits,
+                          .next_token_out = &next};
   int rc = tw_engine_prefill(c->e, &pa) == TW_OK ? 0 : -1;
   for (int32_t i = 0; i < STEPS && rc == 0; i++) {
     gen[i] = next;
     int32_t pos = len + i;
     const int32_t *tab = table;
-    tw_decode_args_t da = {.n_seqs = 1, .tokens = &gen[i], .positions = &pos, .block_tables = &tab,
-                           .n_blocks = &nb, .logits_out = logits + (int64_t)pos * V,
+    tw_decode_args_t da = {.n_seqs = 1,
+                           .tokens = &gen[i],
+                           .positions = &pos,
+                           .block_tables = &tab,
+                           .n_blocks = &nb,
+                           .logits_out = logits + (int64_t)pos * V,
                            .next_tokens_out = &next};
     rc = tw_engine_decode(c->e, &da) == TW_OK ? 0 : -1;
   }
@@ -185,8 +196,8 @@ static void test_engine(tw_model_t *m, int32_t window) {
       EXPECT(run_seq(&r, tokens, len, V, got, ggot) == 0, "window %d len %d chunk %d: ring run",
              window, len, chunks[ci]);
       double e = tw_test_rel_l2_ff(got, ref, (int64_t)n);
-      bool same_logits = g_backend == TW_BACKEND_CPU ? memcmp(got, ref, n * sizeof(float)) == 0
-                                                     : e <= 1e-5;
+      bool same_logits =
+          g_backend == TW_BACKEND_CPU ? memcmp(got, ref, n * sizeof(float)) == 0 : e <= 1e-5;
       bool same_tokens = memcmp(ggot, gref, sizeof gref) == 0;
       EXPECT(same_logits && same_tokens,
              "window %d len %d chunk %d: the ring differs from the full layout (logits %s, rel "
@@ -223,29 +234,44 @@ static void test_batch(tw_model_t *m) {
     for (int i = 0; i < len; i++) tokens[s][i] = (int32_t)(tw_test_rand_u64(&seed) % (uint64_t)V);
     nb[s] = (len + STEPS + 15) / 16;
     EXPECT(tw_kv_blocks_alloc(r.bm, nb[s], tables[s]) == TW_OK, "alloc");
-    tw_prefill_args_t pa = {.tokens = tokens[s], .n_tokens = len, .block_table = tables[s],
-                            .n_blocks = nb[s], .next_token_out = &tok[s]};
+    tw_prefill_args_t pa = {.tokens = tokens[s],
+                            .n_tokens = len,
+                            .block_table = tables[s],
+                            .n_blocks = nb[s],
+                            .next_token_out = &tok[s]};
     EXPECT(tw_engine_prefill(r.e, &pa) == TW_OK, "prefill %d", s);
     int32_t t = tok[s];
     for (int i = 0; i < STEPS; i++) {
       int32_t p = len + i;
       const int32_t *tab = tables[s];
-      tw_decode_args_t da = {.n_seqs = 1, .tokens = &t, .positions = &p, .block_tables = &tab,
-                             .n_blocks = &nb[s], .logits_out = alone + ((int64_t)s * STEPS + i) * V,
+      tw_decode_args_t da = {.n_seqs = 1,
+                             .tokens = &t,
+                             .positions = &p,
+                             .block_tables = &tab,
+                             .n_blocks = &nb[s],
+                             .logits_out = alone + ((int64_t)s * STEPS + i) * V,
                              .next_tokens_out = &t};
       EXPECT(tw_engine_decode(r.e, &da) == TW_OK, "decode alone");
     }
   }
   for (int s = 0; s < NS && alone; s++) { /* again, as one batch */
-    tw_prefill_args_t pa = {.tokens = tokens[s], .n_tokens = 140 + 2 * s,
-                            .block_table = tables[s], .n_blocks = nb[s], .next_token_out = &tok[s]};
+    tw_prefill_args_t pa = {.tokens = tokens[s],
+                            .n_tokens = 140 + 2 * s,
+                            .block_table = tables[s],
+                            .n_blocks = nb[s],
+                            .next_token_out = &tok[s]};
     EXPECT(tw_engine_prefill(r.e, &pa) == TW_OK, "prefill %d again", s);
     pos[s] = 140 + 2 * s;
   }
   const int32_t *tabs[NS] = {tables[0], tables[1], tables[2], tables[3]};
   for (int i = 0; i < STEPS && alone && batch; i++) {
-    tw_decode_args_t da = {.n_seqs = NS, .tokens = tok, .positions = pos, .block_tables = tabs,
-                           .n_blocks = nb, .logits_out = batch, .next_tokens_out = next};
+    tw_decode_args_t da = {.n_seqs = NS,
+                           .tokens = tok,
+                           .positions = pos,
+                           .block_tables = tabs,
+                           .n_blocks = nb,
+                           .logits_out = batch,
+                           .next_tokens_out = next};
     EXPECT(tw_engine_decode(r.e, &da) == TW_OK, "batch step %d", i);
     for (int s = 0; s < NS; s++) {
       const float *a = alone + ((int64_t)s * STEPS + i) * V;
@@ -256,8 +282,10 @@ static void test_batch(tw_model_t *m) {
       pos[s]++;
     }
   }
-  EXPECT(alone && batch && bad == 0, "batched decode through the rings differs from alone in %d "
-         "rows", bad);
+  EXPECT(alone && batch && bad == 0,
+         "batched decode through the rings differs from alone in %d "
+         "rows",
+         bad);
   for (int s = 0; s < NS; s++) EXPECT(tw_kv_blocks_free(r.bm, nb[s], tables[s]) == TW_OK, "free");
   free(alone);
   free(batch);

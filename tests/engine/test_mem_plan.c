@@ -133,7 +133,6 @@ static void test_weights(const tw_model_config_t *c20, const tw_model_config_t *
   EXPECT(mx == 0 && rest > 2 * 10152345600LL * 32 / 17, "bf16 experts %lld", (long long)rest);
 }
 
-
 /* The window ring (kv_ring.h): the same device and budget hold about twice
  * the positions, since past the window a token costs only the full layers.
  * 20b: 12 of 24 layers slide (window 128): a block over the full layers is
@@ -150,10 +149,11 @@ static void test_window_ring(const tw_model_config_t *c20, const tw_model_config
   in.window_ring = true;
   EXPECT(tw_mem_plan(&in, &on) == TW_OK, "20b ring: %s", tw_last_error());
   int64_t want = 2 * (int64_t)off.kv_blocks - 2 * 128 * 9;
-  printf("-- window ring, 20b H200 decode at max batch 128: %d blocks (%.2f GiB) without, %d "
-         "blocks + %d ring blocks (%.2f GiB) with: %.3fx the positions\n", off.kv_blocks,
-         off.kv_bytes / (double)GIB, on.kv_blocks, on.kv_ring_blocks, on.kv_bytes / (double)GIB,
-         (double)on.kv_blocks / off.kv_blocks);
+  printf(
+      "-- window ring, 20b H200 decode at max batch 128: %d blocks (%.2f GiB) without, %d "
+      "blocks + %d ring blocks (%.2f GiB) with: %.3fx the positions\n",
+      off.kv_blocks, off.kv_bytes / (double)GIB, on.kv_blocks, on.kv_ring_blocks,
+      on.kv_bytes / (double)GIB, (double)on.kv_blocks / off.kv_blocks);
   EXPECT(on.kv_blocks >= want - 2 && on.kv_blocks <= want + 2 && on.kv_ring_blocks == 2 * 128 * 9,
          "20b ring: %d blocks (want %lld), %d ring blocks", on.kv_blocks, (long long)want,
          on.kv_ring_blocks);
@@ -176,9 +176,10 @@ static void test_window_ring(const tw_model_config_t *c20, const tw_model_config
   in.window_ring = true;
   EXPECT(tw_mem_plan(&in, &on) == TW_OK, "120b ring: %s", tw_last_error());
   need = 256LL * 8192;
-  printf("-- window ring, 120b H200 decode at max batch 256, utilization 0.98: %lld positions "
-         "without, %lld with (%lld needed)\n", (long long)off.kv_blocks * 16,
-         (long long)on.kv_blocks * 16, (long long)need);
+  printf(
+      "-- window ring, 120b H200 decode at max batch 256, utilization 0.98: %lld positions "
+      "without, %lld with (%lld needed)\n",
+      (long long)off.kv_blocks * 16, (long long)on.kv_blocks * 16, (long long)need);
   EXPECT((int64_t)on.kv_blocks * 16 >= need && (int64_t)off.kv_blocks * 16 < need,
          "120b batch 256 at 8k: %lld positions with the ring, %lld without",
          (long long)on.kv_blocks * 16, (long long)off.kv_blocks * 16);

@@ -80,8 +80,8 @@ static const float *tw_kv_pos(const tw_kv_layout_t *kv, int32_t layer, const int
   int32_t j = pos / kv->block_size, slot = pos % kv->block_size;
   if (tw_kv_is_ring_layer(kv->ring_layers, kv->ring_blocks, layer)) j %= kv->ring_blocks;
   int32_t b = table[j];
-  const char *base = (const char *)kv->base + tw_kv_layer_offset(kv, layer) +
-                     (int64_t)b * kv->block_bytes;
+  const char *base =
+      (const char *)kv->base + tw_kv_layer_offset(kv, layer) + (int64_t)b * kv->block_bytes;
   return (const float *)base +
          (((int64_t)kvi * kv->n_kv_heads_local + g) * kv->block_size + slot) * kv->head_dim;
 }
