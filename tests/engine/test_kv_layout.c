@@ -20,15 +20,8 @@ static double bf(const tw_tensor_t *t, int64_t i) {
 }
 
 int main(void) {
-  const char *fixtures = getenv("TW_FIXTURES_DIR");
-  if (!fixtures) fixtures = "tests/fixtures";
-  char dir[512];
-  snprintf(dir, sizeof(dir), "%s/tiny-gptoss-wordnet-mxfp4", fixtures);
   tw_model_t *m = NULL;
-  if (tw_model_load(dir, &m) != TW_OK) {
-    fprintf(stderr, "cannot load %s\n", dir);
-    return 1;
-  }
+  if (tw_test_load_tiny(&m)) return 1;
   const tw_model_config_t *c = &m->config;
   const int H = c->hidden, D = c->head_dim, NKV = c->n_kv_heads, half = D / 2;
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;

@@ -302,15 +302,8 @@ int main(int argc, char **argv) {
   }
   test_plan();
   test_blocks();
-  const char *fixtures = getenv("TW_FIXTURES_DIR");
-  if (!fixtures) fixtures = "tests/fixtures";
-  char dir[512];
-  snprintf(dir, sizeof(dir), "%s/tiny-gptoss-wordnet-mxfp4", fixtures);
   tw_model_t *m = NULL;
-  if (tw_model_load(dir, &m) != TW_OK) {
-    fprintf(stderr, "cannot load %s: %s\n", dir, tw_last_error());
-    return 1;
-  }
+  if (tw_test_load_tiny(&m)) return 1;
   test_engine(m, 128);
   test_engine(m, 32);
   test_batch(m);

@@ -111,15 +111,8 @@ static void tw_on_layer(void *arg, int32_t seq, int32_t layer, int32_t start, in
 }
 
 int main(void) {
-  const char *fixtures = getenv("TW_FIXTURES_DIR");
-  if (!fixtures) fixtures = "tests/fixtures";
-  char dir[512];
-  snprintf(dir, sizeof(dir), "%s/tiny-gptoss-wordnet-mxfp4", fixtures);
   tw_model_t *m = NULL;
-  if (tw_model_load(dir, &m) != TW_OK) {
-    fprintf(stderr, "cannot load %s: %s\n", dir, tw_last_error());
-    return 1;
-  }
+  if (tw_test_load_tiny(&m)) return 1;
   const int32_t V = m->config.vocab_size, L = m->config.n_layers;
   if (L != 4) {
     fprintf(stderr, "fixture has %d layers, the test is written for 4\n", L);
