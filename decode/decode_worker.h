@@ -10,8 +10,8 @@
 #ifndef TW_DECODE_DECODE_WORKER_H
 #define TW_DECODE_DECODE_WORKER_H
 
-#include "common/engine.h"
-#include "common/status.h"
+#include "common/base/status.h"
+#include "common/engine/engine.h"
 
 #include <stdbool.h>
 #include <stdint.h>

@@ -8,7 +8,7 @@
 #ifndef TW_KERNELS_EMBED_SAMPLE_H
 #define TW_KERNELS_EMBED_SAMPLE_H
 
-#include "common/status.h"
+#include "common/base/status.h"
 
 #include <cuda_runtime.h>
 #include <stdint.h>

@@ -5,9 +5,9 @@
 #ifndef TW_KERNELS_ENGINE_CUDA_IMPL_H
 #define TW_KERNELS_ENGINE_CUDA_IMPL_H
 
-#include "common/engine_impl.h"
-#include "common/kv_ring.h"
-#include "common/shard_plan.h"
+#include "common/engine/engine_impl.h"
+#include "common/engine/shard_plan.h"
+#include "common/kv/kv_ring.h"
 #include "kernels/embed_sample.h"
 #include "kernels/gemm.h"
 #include "kernels/knobs.h"

@@ -13,8 +13,8 @@
  * residual add at the next norm. */
 #include "kernels/engine_cuda_impl.h"
 
-#include "common/log.h"
-#include "common/sampling.h"
+#include "common/base/log.h"
+#include "common/engine/sampling.h"
 #include "kernels/attention.h"
 #include "kernels/cuda_common.h"
 #include "kernels/kv_block_copy.h"

@@ -15,8 +15,8 @@
  * Not yet run on a GPU (docs/parallelism.md, CUDA). */
 #include "kernels/engine_cuda_impl.h"
 
-#include "common/collective.h"
-#include "common/log.h"
+#include "common/comm/collective.h"
+#include "common/base/log.h"
 #include "kernels/cuda_common.h"
 
 TW_NODISCARD tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c,

@@ -5,7 +5,7 @@
 #ifndef TW_KERNELS_KV_BLOCK_COPY_H
 #define TW_KERNELS_KV_BLOCK_COPY_H
 
-#include "common/status.h"
+#include "common/base/status.h"
 
 #include <cuda_runtime.h>
 #include <stdint.h>

@@ -9,8 +9,8 @@
  * unsupported parameter is a 400 naming it. */
 #include "router/http_impl.h"
 
-#include "common/harmony.h"
-#include "common/log.h"
+#include "common/base/log.h"
+#include "common/text/harmony.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -10,8 +10,8 @@
 #ifndef TW_ROUTER_ROUTER_H
 #define TW_ROUTER_ROUTER_H
 
-#include "common/opts.h"
-#include "common/status.h"
+#include "common/base/opts.h"
+#include "common/base/status.h"
 
 #include <signal.h>
 #include <stddef.h>

@@ -16,9 +16,9 @@
  * a new prefill (router.c requeues the request). */
 #include "router/router_impl.h"
 
-#include "common/harmony.h"
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/harmony.h"
+#include "common/text/tokenizer.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -6,10 +6,10 @@
 
 #include "router/router.h"
 
-#include "common/config.h"
-#include "common/metrics.h"
-#include "common/msg.h"
-#include "common/tokenizer.h"
+#include "common/base/metrics.h"
+#include "common/comm/msg.h"
+#include "common/model/config.h"
+#include "common/text/tokenizer.h"
 #include "proto/twain_api.pb-c.h"
 #include "proto/twain_internal.pb-c.h"
 

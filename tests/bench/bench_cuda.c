@@ -32,12 +32,12 @@
  *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N]
  *          [--kv-window-ring 0|1|auto]
  * (a list may be "none": e.g. --prefill none --batches none for (a') alone). */
-#include "common/engine.h"
-#include "common/kv_ring.h"
-#include "common/log.h"
-#include "common/model.h"
-#include "common/model_path.h"
-#include "common/opts.h"
+#include "common/base/log.h"
+#include "common/base/opts.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_ring.h"
+#include "common/model/model.h"
+#include "common/model/model_path.h"
 
 #include <math.h>
 #include <stdint.h>

@@ -97,7 +97,7 @@ function knownFlags(prog) {
       const text = readFileSync(join(dir, f), "utf8");
       scan(text);
       /* the options every worker daemon takes (common/worker_daemon.h) */
-      if (/TW_WORKER_OPTS\(/.test(text)) scan(readFileSync(join(srcDir, "common", "worker_daemon.h"), "utf8"));
+      if (/TW_WORKER_OPTS\(/.test(text)) scan(readFileSync(join(srcDir, "common", "worker", "worker_daemon.h"), "utf8"));
     }
     flagCache.set(prog, flags);
   }

@@ -21,10 +21,10 @@
  * against full layout within rel L2 1e-5 and the same greedy tokens (the
  * same kernels read the same bf16 values), the batch against alone within
  * 1e-2 (GEMM tiles of other row counts). */
-#include "common/engine.h"
-#include "common/kv_blocks.h"
-#include "common/kv_ring.h"
-#include "common/model.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_blocks.h"
+#include "common/kv/kv_ring.h"
+#include "common/model/model.h"
 
 #include "test_util.h"
 

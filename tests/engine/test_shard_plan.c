@@ -4,8 +4,8 @@
  * (every figure worked out by hand in its comment), that the ranks of a
  * group cover each range exactly once, and every configuration fault
  * answered with TW_ERR_INVALID_ARGUMENT and a message naming the field. */
-#include "common/config.h"
-#include "common/shard_plan.h"
+#include "common/engine/shard_plan.h"
+#include "common/model/config.h"
 
 #include "test_util.h"
 

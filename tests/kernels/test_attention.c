@@ -15,7 +15,7 @@
  * Exit 77 when no GPU is usable (after the host check). */
 #include "attn_test_util.h"
 
-#include "common/cpu/cpu_ops.h"
+#include "common/engine/cpu/cpu_ops.h"
 #include "kernels/attention.h"
 #include "kernels/knobs.h"
 

@@ -4,9 +4,9 @@
  * the same f32 logits (greedy, temperature, top-k, top-p and their mixes,
  * with ties, NaN and -inf in the rows), at V = 201088 (gpt-oss) and 8064
  * (the tiny model) and an odd V. */
-#include "common/sampling.h"
-#include "kernels/embed_sample.h"
 #include "attn_test_util.h"
+#include "common/engine/sampling.h"
+#include "kernels/embed_sample.h"
 
 #define V_DUMMY_K (-7) /* marker: top_k = V - 1 */
 

@@ -29,10 +29,10 @@
  * before each run: a NaN or an unwritten value fails. Dequantisation must be
  * bit exact (every FP4 value times a power of two is a bf16). The fused
  * router (GEMV + top-k + sort) is checked against logits computed here. */
-#include "common/cpu/cpu_ops.h"
-#include "common/model.h"
-#include "kernels/moe.h"
 #include "attn_test_util.h"
+#include "common/engine/cpu/cpu_ops.h"
+#include "common/model/model.h"
+#include "kernels/moe.h"
 
 #include <stdbool.h>
 

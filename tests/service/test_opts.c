@@ -4,7 +4,7 @@
  * --config FILE and the precedence command line > environment > config >
  * defaults, --help (stdout, every option) and --version. Messages on stderr
  * and the help text on stdout are captured through files. */
-#include "common/opts.h"
+#include "common/base/opts.h"
 
 #include <stdbool.h>
 #include <stdio.h>

@@ -4,7 +4,7 @@
  * decode pool's KvLayout both ways, and the request-staleness rule of the
  * prefill worker's KV-write guard (ages made by stamping requests in the
  * past: no test waits on a clock). */
-#include "common/proto_engine.h"
+#include "common/comm/proto_engine.h"
 #include "tests/test_expect.h"
 
 static void test_sampling(void) {

@@ -4,7 +4,7 @@
  * NOT_FOUND 5, RESOURCE_EXHAUSTED 8, UNIMPLEMENTED 12, INTERNAL 13,
  * UNAVAILABLE 14), for every status the router, prefill and decode workers
  * report, so a reply means the same thing whichever process sends it. */
-#include "common/msg.h"
+#include "common/comm/msg.h"
 #include "tests/test_expect.h"
 
 int main(void) {
