@@ -1,5 +1,5 @@
 /* engine_cuda_tp.cu: tensor- and expert-parallel parts of the CUDA engine
- * (issue 6 item 2), on the shard plan both backends use (common/shard_plan.h):
+ * (issue 6 item 2), on the shard plan both backends use (common/engine/shard_plan.h):
  *   TP P, rank r: query heads [r NQ/P, (r+1) NQ/P), KV heads likewise (the
  *     QKV rows, o_proj columns, sinks of those heads; o_proj bias on rank 0),
  *     an all-reduce of the O projection's f32 [T, H] partials; vocabulary rows

@@ -2,7 +2,7 @@
  * the answers are built in http_openai_reply.c.
  *
  * Chat messages and tools go through tw_harmony_conversation_from_openai_json
- * (common/harmony_openai.c), Responses input items are first rewritten as
+ * (common/text/harmony_openai.c), Responses input items are first rewritten as
  * chat messages; the router renders and parses Harmony (router_chat.c). Every
  * request is streamed from the router (a non-streamed answer is built from
  * the same deltas). Unknown fields are ignored; a wrong type or an

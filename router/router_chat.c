@@ -1,6 +1,6 @@
 /* router_chat.c: Chat requests in the router. A twain.v1.ChatRequest becomes
  * a Harmony conversation rendered to prompt ids (spec §4.5-§4.7, through
- * common/harmony.h); generated ids go through the streaming Harmony parser
+ * common/text/harmony.h); generated ids go through the streaming Harmony parser
  * and come back as per-channel deltas, tool calls and, at the end, the parsed
  * messages. Generation stops on <|return|> or <|call|> (spec §4.4) or on a
  * stop string in the final channel.

@@ -28,7 +28,7 @@
  * it (TW_WORKER_EXPIRE_MS) once rank 0 stops heartbeating.
  *
  * Security. Both links are ZeroMQ CURVE, rank 0 the server with a ZAP handler
- * that admits only the group's client key (common/link_auth.h). The keys are
+ * that admits only the group's client key (common/comm/link_auth.h). The keys are
  * TWAIN_DIST_KEYS, which tw_dist_spawn fills with a fresh set for the ranks
  * it starts, else the deployment's link keys (TWAIN_KEYS_FILE for ranks that
  * srun or mpirun start across hosts). */

@@ -124,7 +124,7 @@ int tw_status_wire_code(tw_status_t st);
 
 /** Same, with link security: `maybe_keys` non-NULL makes a bound socket a
  *  CURVE server and a connected one a CURVE client of that key set
- *  (common/link_auth.h; a ZAP handler must run on `ctx` for a server).
+ *  (common/comm/link_auth.h; a ZAP handler must run on `ctx` for a server).
  *  Errors: those of tw_msg_socket_open and tw_auth_server/tw_auth_client. */
 TW_NODISCARD tw_status_t tw_msg_socket_open_auth(void *ctx, int type, const char *endpoint,
                                                  bool bind, const tw_auth_keys_t *maybe_keys,

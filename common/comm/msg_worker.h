@@ -82,7 +82,7 @@ typedef struct {
                                * the work it gave us before is void */
   tw_msg_ratelimit_t warn_rl; /* malformed-message warnings (main thread) */
   int64_t lost_since_ns;      /* heartbeat thread: router unreachable since (0: reachable) */
-  tw_auth_keys_t keys;        /* CURVE client keys of both sockets (common/link_auth.h) */
+  tw_auth_keys_t keys;        /* CURVE client keys of both sockets (common/comm/link_auth.h) */
   tw_auth_guard_t *guard;     /* logs a router that refuses our key */
   uint64_t instance;          /* random per process start, sent in Register */
 } tw_worker_link_t;

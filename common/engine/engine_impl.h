@@ -77,7 +77,7 @@ void tw_engine_plan_input(const tw_model_t *model, const tw_engine_params_t *par
  *  chunk where params has none (0). */
 void tw_engine_plan_apply(const tw_mem_plan_t *plan, tw_engine_params_t *params);
 
-/** CPU backend constructor (common/cpu/engine_cpu.c). */
+/** CPU backend constructor (common/engine/cpu/engine_cpu.c). */
 TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
                                               const tw_engine_params_t *params,
                                               tw_engine_t **engine_p);

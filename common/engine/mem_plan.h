@@ -151,7 +151,7 @@ typedef struct {
   int32_t *n_prefill, *n_decode;
 } tw_mem_colocated_t;
 
-/** The --colocated option's parser (common/opts.h TW_OPT_FN; dst:
+/** The --colocated option's parser (common/base/opts.h TW_OPT_FN; dst:
  *  tw_mem_colocated_t *): tw_mem_parse_colocated, its message in err. */
 int tw_mem_colocated_opt(const char *text, void *dst, char *err, size_t errlen);
 

@@ -1,5 +1,5 @@
 /* shard_plan.h: which part of the model one rank of a TP/EP group holds, the
- * one split both backends use (common/cpu/engine_cpu_tp.c and
+ * one split both backends use (common/engine/cpu/engine_cpu_tp.c and
  * kernels/engine_cuda_tp.cu read it; neither works a shard out itself).
  *
  * With tp_size = P and rank r (spec §2.4-§2.7, §2.10; Megatron-LM's

@@ -39,7 +39,7 @@ TW_NODISCARD tw_status_t tw_model_resolve(const char *spec, char *out, size_t le
  *  ("gpt-oss-20b" for /models/gpt-oss-20b/). Never fails; truncated to len. */
 void tw_model_name(const char *maybe_served, const char *dir, char *out, size_t len);
 
-/** The --model option's parser (common/opts.h TW_OPT_STR_FN; dst: const
+/** The --model option's parser (common/base/opts.h TW_OPT_STR_FN; dst: const
  *  char **): resolves `text` with tw_model_resolve and stores the directory
  *  (kept for the life of the process). 0, or -1 with the reason in err. */
 int tw_model_opt(const char *text, void *dst, char *err, size_t errlen);

@@ -4,7 +4,7 @@
  * (one arena per lifetime), filled by tw_synthetic_fill: one thread per core
  * in 4 MiB chunks, each chunk with its own RNG stream seeded by (seed, chunk),
  * so the values do not depend on the thread count. The same fill writes
- * random checkpoints to disk (`twain write-checkpoint`, router/cli_ckpt.c),
+ * random checkpoints to disk (`twain write-checkpoint`, router/cli/cli_ckpt.c),
  * so a checkpoint written with a seed loads as the synthetic model of that
  * seed, byte for byte. */
 #include "common/model/model.h"

@@ -614,7 +614,7 @@ static int tw_bench_report(tw_bench_t *b) {
   return rc;
 }
 
-/* --dataset random|sharegpt (common/opts.h TW_OPT_FN). */
+/* --dataset random|sharegpt (common/base/opts.h TW_OPT_FN). */
 static int tw_bench_dataset_opt(const char *v, void *dst, char *err, size_t errlen) {
   tw_bench_dataset_t *d = dst;
   if (!strcmp(v, "random")) *d = TW_DS_RANDOM;
@@ -626,7 +626,7 @@ static int tw_bench_dataset_opt(const char *v, void *dst, char *err, size_t errl
   return 0;
 }
 
-/* Parse the options into o (common/opts.h); TW_OPTS_RUN, or the exit code. */
+/* Parse the options into o (common/base/opts.h); TW_OPTS_RUN, or the exit code. */
 static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
   const char *P = "twain bench";
   long long seed = (long long)o->seed;

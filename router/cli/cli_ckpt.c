@@ -5,8 +5,8 @@
  * carries the real values (spec §1.1), generation_config.json those of
  * spec §1.1's notes, tokenizer.json (and tokenizer_config.json when it sits
  * beside it) is copied from --tokenizer; the shards and the index come from
- * tw_model_write_synthetic (common/model_write.c), whose values are the
- * synthetic model's (common/model_synthetic.c). */
+ * tw_model_write_synthetic (common/model/model_write.c), whose values are the
+ * synthetic model's (common/model/model_synthetic.c). */
 #include "router/cli/cli.h"
 
 #include "common/base/log.h"
@@ -121,7 +121,7 @@ static int tw_ckpt_copy(const char *src, const char *dir, const char *name) {
   return bad ? -1 : 0;
 }
 
-/* --preset 20b|120b|tiny (common/opts.h TW_OPT_FN; dst: const tw_ckpt_preset_t **). */
+/* --preset 20b|120b|tiny (common/base/opts.h TW_OPT_FN; dst: const tw_ckpt_preset_t **). */
 static int tw_ckpt_preset_opt(const char *v, void *dst, char *err, size_t errlen) {
   for (size_t k = 0; k < sizeof tw_ckpt_presets / sizeof tw_ckpt_presets[0]; k++)
     if (!strcmp(v, tw_ckpt_presets[k].name)) {

@@ -1,5 +1,5 @@
 /* cli_keygen.c: `twain keygen FILE` writes a fresh link key set
- * (common/link_auth.h) to FILE, created with mode 0600 and never
+ * (common/comm/link_auth.h) to FILE, created with mode 0600 and never
  * overwritten; `twain keygen -` prints it (for a Kubernetes Secret). */
 #include "router/cli/cli.h"
 

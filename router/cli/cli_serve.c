@@ -357,7 +357,7 @@ int tw_cli_serve(int argc, char **argv) {
     return 2;
   }
   /* Every worker runs on this host: with one rank a worker (the handoff that
-   * copies over CUDA IPC, common/kv_transfer.h) a device KV pool is handed
+   * copies over CUDA IPC, common/kv/kv_transfer.h) a device KV pool is handed
    * over CUDA IPC alone, with no host mirror of it to pin. Multi-rank
    * handoffs put over UCX. TWAIN_KV_PATH set by the operator wins. */
   bool one_rank = pv[0] == 1 && pv[1] == 1 && pv[2] == 1 && pv[3] == 1 && pv[4] == 1;

@@ -31,7 +31,7 @@ typedef struct {
   size_t max_prompt_tokens;
 } tw_text_opts_t;
 
-/* Parse options (common/opts.h); returns TW_OPTS_RUN to continue, else the
+/* Parse options (common/base/opts.h); returns TW_OPTS_RUN to continue, else the
  * exit code. Each command gets --tokenizer/--model plus its own rows. */
 static int tw_text_args(int argc, char **argv, tw_text_opts_t *o) {
   memset(o, 0, sizeof *o);

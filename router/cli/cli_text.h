@@ -1,4 +1,4 @@
-/* cli_text.h: the text subcommands of the `twain` program (router/cli_text.c),
+/* cli_text.h: the text subcommands of the `twain` program (router/cli/cli_text.c),
  * for checking and scripting the tokenizer and the Harmony format:
  *   twain tokenize   [--tokenizer FILE | --model DIR] [--allow-special]
  *   twain detokenize [--tokenizer FILE | --model DIR] [--skip-special]

@@ -1,7 +1,7 @@
 /* twain_main.c: the `twain` program, one table of subcommands.
  *
  * Adding a subcommand is one row in tw_commands plus its function, declared in
- * a router/cli*.h header and defined in its own router/cli_*.c file. Each
+ * a router/cli/cli*.h header and defined in its own router/cli/cli_*.c file. Each
  * function gets argv starting at the subcommand's name and returns the exit
  * code (0 ok, 1 failed, 2 bad usage). */
 #include "router/cli/cli.h"

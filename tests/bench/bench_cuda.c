@@ -23,7 +23,7 @@
  * pool's initial zeros (attention cost does not depend on the values).
  *
  * With --kv-window-ring 1 the sliding layers keep only their window
- * (common/kv_ring.h): rings for the largest batch asked, every other byte of
+ * (common/kv/kv_ring.h): rings for the largest batch asked, every other byte of
  * the pool for positions of the full layers; the sequences' tables give each
  * its ring from the ring blocks (bench_tables).
  *

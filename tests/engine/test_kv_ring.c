@@ -1,4 +1,4 @@
-/* test_kv_ring.c: the window ring of the sliding layers (common/kv_ring.h,
+/* test_kv_ring.c: the window ring of the sliding layers (common/kv/kv_ring.h,
  * engine.h) on the CPU backend.
  *   1. The prefill pass plan on a case worked out by hand (scratch tables,
  *      copies in and out), and the ring length.

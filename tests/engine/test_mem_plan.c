@@ -1,4 +1,4 @@
-/* test_mem_plan.c: the memory plan (common/mem_plan.h) on gpt-oss-20b and
+/* test_mem_plan.c: the memory plan (common/engine/mem_plan.h) on gpt-oss-20b and
  * gpt-oss-120b shapes, one or two workers on a device, separate or shared
  * weights, GPUs of given sizes (H200, H100, a 24 GB card), the cpu rule,
  * flags overriding, errors.

@@ -1,5 +1,5 @@
 /* test_proto_engine.c: the protocol <-> engine conversions of
- * common/proto_engine.h, every field against values written out here:
+ * common/comm/proto_engine.h, every field against values written out here:
  * sampling parameters (wire defaults read as sampling.h means them), a
  * decode pool's KvLayout both ways, and the request-staleness rule of the
  * prefill worker's KV-write guard (ages made by stamping requests in the

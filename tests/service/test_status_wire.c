@@ -1,4 +1,4 @@
-/* test_status_wire.c: the one status -> wire code map (common/msg.h
+/* test_status_wire.c: the one status -> wire code map (common/comm/msg.h
  * tw_status_wire_code) against gRPC's code numbers written out by hand
  * (grpc/status.h: CANCELLED 1, INVALID_ARGUMENT 3, DEADLINE_EXCEEDED 4,
  * NOT_FOUND 5, RESOURCE_EXHAUSTED 8, UNIMPLEMENTED 12, INTERNAL 13,

@@ -1,6 +1,6 @@
 /* engine_cpu_tp.h: what one rank of a TP/EP group holds in the cpu backend
  * (issue 6 item 2), and the collectives its forward pass needs. The split is
- * the shard plan of common/shard_plan.h (heads, experts, vocabulary rows);
+ * the shard plan of common/engine/shard_plan.h (heads, experts, vocabulary rows);
  * here are the buffers and collectives that go with it: an all-reduce of
  * the O projection's partials (TP) and of the MoE combine (EP), the
  * all-gather of the vocabulary rows, and data-parallel attention's gather
