@@ -113,8 +113,7 @@ typedef struct {
  *  up to 10 s, fail the rest, return.
  *  Errors: TW_ERR_TRANSPORT (cannot bind), TW_ERR_IO/TW_ERR_FORMAT (model
  *  config or tokenizer), TW_ERR_NO_MEMORY. */
-TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *params,
-                                       atomic_int *stop);
+TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *params, atomic_int *stop);
 
 /** The --api-key-file option's parser (common/base/opts.h TW_OPT_FN; dst: const
  *  char **): the first line of the file at `path` (at most 511 bytes; kept for
