@@ -18,9 +18,9 @@
  *     its prefill alone < 1e-2;
  *   - on_layer_done covers every (prompt, layer, position) once, in order.
  * Exits 77 when no GPU is usable. */
-#include "common/engine.h"
-#include "common/kv_ring.h"
-#include "common/model.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_ring.h"
+#include "common/model/model.h"
 #include "tests/test_expect.h"
 
 #include <cuda_runtime.h>
