@@ -2,6 +2,7 @@
  * that hold its heads (see handoff_send.h). */
 #include "prefill/handoff_send.h"
 
+#include "common/kv_fp8.h"
 #include "common/kv_reshard.h"
 #include "common/msg.h"
 #include "common/proto_engine.h"
@@ -18,6 +19,8 @@ static TW_NODISCARD tw_status_t tw_handoff_dst_add(tw_handoff_send_t *s, size_t 
   if (!kl || !addr->len || (!rkey->len && kl->staging_slot_bytes <= 0))
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "kv handoff destination %zu has no layout, UCX address or rkey", d);
+  if ((tw_dtype_t)kl->dtype != s->src->dtype) /* refused before any put (kv_fp8.h) */
+    return tw_kv_dtype_mismatch(s->src->dtype, (tw_dtype_t)kl->dtype);
   int32_t a0, a1;
   tw_kv_heads_overlap(s->src->kv_head_offset, s->src->n_kv_heads_local, kl->kv_head_offset,
                       kl->n_kv_heads, &a0, &a1);
