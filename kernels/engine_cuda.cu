@@ -518,6 +518,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: NULL argument");
   TW_CHECK(tw_ce_config_check(model, params));
   const tw_model_config_t *c = &model->config;
+  if (params->kv_dtype != 0)
+    return tw_err(TW_ERR_UNSUPPORTED, "cuda engine: the fp8 KV cache is not built yet");
   TW_CUDA_CHECK(cudaSetDevice(params->device));
   TW_CHECK(tw_cuda_moe_setup());
   tw_engine_t *e = (tw_engine_t *)calloc(1, sizeof(*e));
