@@ -35,7 +35,7 @@
 typedef struct {
   const __nv_bfloat16 *q;
   int64_t q_stride;
-  const __nv_bfloat16 *kv; /* F8: the fp8 pool's bytes (common/kv_fp8.h) */
+  const __nv_bfloat16 *kv; /* F8: the fp8 pool's bytes (common/kv/kv_fp8.h) */
   const float *sinks;
   const int32_t *seq_lens;
   const int32_t *block_tables;

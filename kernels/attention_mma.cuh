@@ -89,7 +89,7 @@ static __device__ __forceinline__ float tw_ex2(float x) {
 
 #define TW_LOG2E 1.4426950408889634f
 
-/* ---- the fp8 KV cache (common/kv_fp8.h) -----------------------------------
+/* ---- the fp8 KV cache (common/kv/kv_fp8.h) -----------------------------------
  * A staged tile of `rows` keys: e4m3 rows of 64 bytes at raw + r * 64, the
  * row's f32 scale at scl[r]. Dequantize it into the swizzled 64-wide bf16
  * tile at dst (tw_swz): each thread of nt takes 8 values (one 16-byte chunk

@@ -49,14 +49,14 @@ typedef struct {
   __nv_bfloat16 *out;
   int32_t n_seqs, nq, nkv, group, block_size, window;
   int32_t bs_shift; /* log2(block_size) if a power of two, else -1 */
-  int32_t f8;       /* kv is the fp8 KV cache (common/kv_fp8.h) */
+  int32_t f8;       /* kv is the fp8 KV cache (common/kv/kv_fp8.h) */
   float scale_log2; /* scale * log2(e) */
 } tw_pf_params_t;
 
 /* WG: Hopper wgmma path (MT == 1, BN 64 or 128): each group of 4 warps (a
  * warpgroup, 64 rows) computes S = Q K^T with Q and K from shared memory and
  * O += P V with P from registers, instead of per-warp mma.sync. */
-/* F8: the pool is the fp8 KV cache (common/kv_fp8.h): each tile's e4m3 rows
+/* F8: the pool is the fp8 KV cache (common/kv/kv_fp8.h): each tile's e4m3 rows
  * and scales are staged by cp.async and dequantized into the bf16 tiles
  * (tw_fp8_tile_to_bf16) before the MMAs read them. */
 template <int MT, int NW, int BN, int MINB, bool WG, bool F8>

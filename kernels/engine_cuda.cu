@@ -9,9 +9,9 @@
  * as f32. The KV pool is bf16 in the engine.h layout, zeroed at start. */
 #include "kernels/engine_cuda_impl.h"
 
-#include "common/collective.h"
-#include "common/kv_fp8.h"
-#include "common/log.h"
+#include "common/base/log.h"
+#include "common/comm/collective.h"
+#include "common/kv/kv_fp8.h"
 #include "kernels/attention.h"
 #include "kernels/cuda_common.h"
 #include "kernels/norm_rope.h"

@@ -251,7 +251,7 @@ extern "C" tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_r
 }
 
 
-/* ---- RoPE + KV write into the fp8 KV cache (common/kv_fp8.h) --------------- */
+/* ---- RoPE + KV write into the fp8 KV cache (common/kv/kv_fp8.h) --------------- */
 
 /* One warp per (token, k|v, kv head): rotate K like the kernel above (fp32,
  * from the unrounded GEMM output), take amax over the head's D values with

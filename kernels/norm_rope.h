@@ -8,9 +8,9 @@
 #ifndef TW_KERNELS_NORM_ROPE_H
 #define TW_KERNELS_NORM_ROPE_H
 
-#include "common/config.h"
-#include "common/model.h"
-#include "common/status.h"
+#include "common/base/status.h"
+#include "common/model/config.h"
+#include "common/model/model.h"
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -77,7 +77,7 @@ TW_NODISCARD tw_status_t tw_cuda_rope_kv_write_f32(
     const float *rope_sin, int32_t max_pos, const int32_t *maybe_slots, void *kv_layer,
     int32_t block_size, void *q_out, int64_t q_row_stride, cudaStream_t stream);
 
-/** tw_cuda_rope_kv_write_f32 for the fp8 KV cache (common/kv_fp8.h): q the
+/** tw_cuda_rope_kv_write_f32 for the fp8 KV cache (common/kv/kv_fp8.h): q the
  *  same (bf16, rotated, into q_out); the rotated k and v of each kv head of
  *  token t go into kv_layer (the fp8 pool of this layer) at slot slots[t]
  *  (>= 0; -1 skips the token) as e4m3(x / s) rounded to nearest even,

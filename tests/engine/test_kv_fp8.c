@@ -15,10 +15,10 @@
  *      prompt positions (measured values below); then greedy
  *      decode steps through the fp8 cache, teacher-forced, every token equal
  *      to greedy_continuation_ids. The f32 cache's error is printed beside. */
-#include "common/engine.h"
-#include "common/kv_blocks.h"
-#include "common/kv_fp8.h"
-#include "common/model.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_blocks.h"
+#include "common/kv/kv_fp8.h"
+#include "common/model/model.h"
 
 #include "fixture_util.h"
 #include "test_util.h"

@@ -1,4 +1,4 @@
-/* test_kv_ring.c: the window ring of the sliding layers (common/kv_ring.h,
+/* test_kv_ring.c: the window ring of the sliding layers (common/kv/kv_ring.h,
  * engine.h) on the CPU backend.
  *   1. The prefill pass plan on a case worked out by hand (scratch tables,
  *      copies in and out), and the ring length.
@@ -24,11 +24,11 @@
  * engine.kv_ring_fp8, and test_kv_ring_cuda_fp8 on the GPU) the engines
  * keep the fp8 KV cache (kv_fp8.h): each token is quantized on its own, so
  * the ring and the full layout store the same bytes and the same bounds hold. */
-#include "common/engine.h"
-#include "common/kv_blocks.h"
-#include "common/kv_fp8.h"
-#include "common/kv_ring.h"
-#include "common/model.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_blocks.h"
+#include "common/kv/kv_fp8.h"
+#include "common/kv/kv_ring.h"
+#include "common/model/model.h"
 
 #include "test_util.h"
 

@@ -12,16 +12,16 @@
  * a wrong mask, sink or scale gives errors of 1e-1 or more.
  * The float64 reference itself is checked against the CPU backend's
  * tw_cpu_attention (host only, also without a GPU).
- * The fp8 KV cache (common/kv_fp8.h, shape.kv_fp8): the same random pools
- * quantized per (token, head) on the host by common/kv_fp8.c (the NaN of an
+ * The fp8 KV cache (common/kv/kv_fp8.h, shape.kv_fp8): the same random pools
+ * quantized per (token, head) on the host by common/kv/kv_fp8.c (the NaN of an
  * unowned slot stays NaN), both kernels against the CPU backend's
  * tw_cpu_attention on the same fp8 bytes, relative L2 <= 1e-2 (the kernels
  * round the dequantized K/V to bf16, 2^-9 relative), NaN never passing.
  * Exit 77 when no GPU is usable (after the host check). */
 #include "attn_test_util.h"
 
-#include "common/cpu/cpu_ops.h"
-#include "common/kv_fp8.h"
+#include "common/engine/cpu/cpu_ops.h"
+#include "common/kv/kv_fp8.h"
 #include "kernels/attention.h"
 #include "kernels/knobs.h"
 
@@ -359,7 +359,7 @@ static void tt_mixed_lens(int n, int max_len, int *lens) {
 }
 
 /* Host only (runs without a GPU too): the float64 reference of this file
- * against the CPU backend's tw_cpu_attention (common/cpu, float32) on the
+ * against the CPU backend's tw_cpu_attention (common/engine/cpu, float32) on the
  * same paged pool, so the GPU kernels, checked against the former, are tied
  * to the CPU backend. Tolerance 1e-5: float32 accumulation vs float64. */
 static int tt_cpu_backend_crosscheck(const tt_shape_t *sh) {
@@ -402,7 +402,7 @@ static int tt_cpu_backend_crosscheck(const tt_shape_t *sh) {
 }
 
 /* The fp8 KV cache: pool p (bf16 values) quantized into the fp8 layout of
- * common/kv_fp8.h; `prefill` (queries start[s]..start[s]+len[s]-1 of each
+ * common/kv/kv_fp8.h; `prefill` (queries start[s]..start[s]+len[s]-1 of each
  * sequence) or decode (one query at start[s] + len[s] - 1, keys 0..it) with
  * kv_fp8 = 1, against tw_cpu_attention over the same bytes. */
 static int tt_fp8_case(const tt_shape_t *sh, int prefill, int n_seqs, const int *start,

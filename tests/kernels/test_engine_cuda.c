@@ -24,13 +24,13 @@
  * GEMV MoE, larger ones the grouped GEMMs at every assignment tile, padded
  * to their graph bucket).
  * With the argument "fp8" (ctest test_engine_cuda_fp8) every engine keeps
- * the fp8 KV cache (common/kv_fp8.h) and the same checks run, the argmax
+ * the fp8 KV cache (common/kv/kv_fp8.h) and the same checks run, the argmax
  * criterion at >= 95% of the prompt positions instead of 99% (the cpu
  * backend's fp8 cache reaches 96-100% on these prompts, engine.kv_fp8). */
-#include "common/engine.h"
-#include "common/kv_fp8.h"
-#include "common/model.h"
-#include "common/sampling.h"
+#include "common/engine/engine.h"
+#include "common/engine/sampling.h"
+#include "common/kv/kv_fp8.h"
+#include "common/model/model.h"
 #include "tests/engine/fixture_util.h"
 #include "tests/test_expect.h"
 
@@ -48,7 +48,7 @@
 #endif
 
 #define N_PROMPTS 4
-static int32_t g_kv_dtype = 0; /* "fp8": TW_KV_DTYPE_FP8 (common/kv_fp8.h) */
+static int32_t g_kv_dtype = 0; /* "fp8": TW_KV_DTYPE_FP8 (common/kv/kv_fp8.h) */
 static int g_argmax_pct = 99;  /* the prefill argmax criterion, % of positions */
 #define BLOCKS_PER_SEQ 24 /* 384 positions >= 298 + 48 */
 

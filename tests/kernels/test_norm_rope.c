@@ -14,7 +14,7 @@
  *  - the RoPE table is also compared with the CPU backend's
  *    tw_cpu_rope_init/tw_cpu_rope_table (host only).
  *  - RoPE + KV write into the fp8 KV cache (tw_cuda_rope_kv_write_fp8,
- *    common/kv_fp8.h) against common/kv_fp8.c's quantization of the same
+ *    common/kv/kv_fp8.h) against common/kv/kv_fp8.c's quantization of the same
  *    rotation in f32 on the host: v's bytes and scales bit-exact, k's scale
  *    within 1e-6 relative and each byte within one e4m3 code (the device may
  *    fuse the rotation's multiply-add), under 1% of k's bytes off at all;
@@ -22,8 +22,8 @@
  * Exit 77 when no GPU is usable (after the host-only table checks). */
 #include "attn_test_util.h"
 
-#include "common/cpu/cpu_ops.h"
-#include "common/kv_fp8.h"
+#include "common/engine/cpu/cpu_ops.h"
+#include "common/kv/kv_fp8.h"
 #include "kernels/norm_rope.h"
 
 static tw_model_config_t tt_gptoss_config(int head_dim) {

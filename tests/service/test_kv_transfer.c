@@ -16,10 +16,10 @@
  * 2 x heads x (16 x 64 + 16 x 4) bytes): its blocks move as exact bytes the
  * same way. Either way a destination of the other KV dtype is refused
  * (TW_ERR_UNSUPPORTED, nothing put), whole-head and re-sharded. */
-#include "common/kv_fp8.h"
-#include "common/kv_reshard.h"
-#include "common/kv_transfer.h"
-#include "common/log.h"
+#include "common/base/log.h"
+#include "common/kv/kv_fp8.h"
+#include "common/kv/kv_reshard.h"
+#include "common/kv/kv_transfer.h"
 #include "tests/test_io.h"
 
 #include <signal.h>
