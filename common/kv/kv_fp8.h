@@ -19,8 +19,8 @@
 #ifndef TW_COMMON_KV_FP8_H
 #define TW_COMMON_KV_FP8_H
 
-#include "common/model/model.h"
 #include "common/base/status.h"
+#include "common/model/model.h"
 
 #include <stddef.h>
 #include <stdint.h>

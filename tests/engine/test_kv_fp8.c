@@ -91,6 +91,17 @@ static void test_e4m3_known(void) {
     }
   }
   EXPECT(bad == 0, "%d finite codes do not round-trip or break ties to even", bad);
+  /* the dequantization (a table) against the conversion, every byte */
+  uint8_t all[256];
+  float deq[256];
+  for (int c = 0; c < 256; c++) all[c] = (uint8_t)c;
+  tw_kv_fp8_dequantize(all, 256, 1.0f, deq);
+  int tbad = 0;
+  for (int c = 0; c < 256; c++) {
+    float v = tw_e4m3_to_f32((uint8_t)c);
+    tbad += isnan(v) ? !isnan(deq[c]) : memcmp(&v, &deq[c], sizeof v) != 0;
+  }
+  EXPECT(tbad == 0, "the dequantization table differs from tw_e4m3_to_f32 at %d bytes", tbad);
 }
 
 static void test_quantize(void) {
