@@ -79,12 +79,21 @@ if [ "${1:-}" != "--device" ]; then
   set -e
   cmake -S "$root" -B "$build" -DTWAIN_WERROR=${TW_WERROR:-ON} >/dev/null
   tests=$(cd "$build" && ctest -N -L gpu | awk '/Test +#/ {print $3}')
+  # each test's program and arguments ("NAME PROGRAM ARGS..."): a test may
+  # run a program under another name (test_engine_cuda_fp8 = test_engine_cuda fp8)
+  (cd "$build" && ctest --show-only=json-v1 -L gpu) | python3 -c '
+import json, os, sys
+for t in json.load(sys.stdin)["tests"]:
+    c = t.get("command") or []
+    if c:
+        print(t["name"], os.path.basename(c[0]), *c[1:])' >"$build/gpu_tests.cmd"
+  progs=$(awk '{print $2}' "$build/gpu_tests.cmd" | sort -u)
   extra="twain-bench-cuda twain-compare-hf twain-bench-attention twain-bench-moe"
   if grep -q twain-bench-tokenizer "$root/tests/tokenizer/CMakeLists.txt" 2>/dev/null; then
     extra="$extra twain-bench-tokenizer"
   fi
   # shellcheck disable=SC2086
-  if ! cmake --build "$build" -j2 --target $tests $extra >"$build/run_gpu_build.log" 2>&1; then
+  if ! cmake --build "$build" -j2 --target $progs $extra >"$build/run_gpu_build.log" 2>&1; then
     grep -E "error|Error" "$build/run_gpu_build.log" | head -20
     echo "build failed: see $build/run_gpu_build.log"
     exit 1
@@ -92,11 +101,12 @@ if [ "${1:-}" != "--device" ]; then
   mkdir -p "$carry"
   rm -rf "$carry/bin" "$carry/lib" "$carry/bins.tar.xz" "$carry/tests.txt"
   mkdir -p "$carry/bin" "$carry/lib"
-  for t in $tests $extra; do
+  for t in $progs $extra; do
     f=$(find "$build/tests" -type f -name "$t" -perm -u+x | head -1)
     if [ -n "$f" ]; then cp "$f" "$carry/bin/"; else echo "warning: $t not built"; fi
   done
   echo "$tests" >"$carry/bin/tests.txt"
+  cp "$build/gpu_tests.cmd" "$carry/bin/tests.cmd"
   for b in "$carry"/bin/*; do
     [ -x "$b" ] || continue
     ldd "$b" | awk '/=> \// {print $3}' |
@@ -193,9 +203,13 @@ run_tests() {
   local want=$1 t r s start dur
   shift
   for t in "$@"; do
-    [ -x "$bin/$t" ] || { add "$t" "MISSING" 0; continue; }
+    # the test's program and arguments (tests.cmd), else a program of its name
+    local cmd
+    read -r -a cmd <<<"$(awk -v n="$t" '$1 == n {$1 = ""; print; exit}' "$bin/tests.cmd" 2>/dev/null)"
+    ((${#cmd[@]})) || cmd=("$t")
+    [ -x "$bin/${cmd[0]}" ] || { add "$t" "MISSING" 0; continue; }
     start=$(date +%s)
-    timeout "$(tmo "$want")" "$bin/$t" >"$stage/$t.log" 2>&1
+    timeout "$(tmo "$want")" "$bin/${cmd[0]}" "${cmd[@]:1}" >"$stage/$t.log" 2>&1
     r=$?
     { echo "==== $t${TW_RUN_NOTE:+ ($TW_RUN_NOTE)} (exit $r)"; cat "$stage/$t.log"; } >>"$logs/tests.log"
     dur=$(($(date +%s) - start))
