@@ -42,6 +42,8 @@ typedef struct {
   const char *served_model_name;/* /v1/models id; NULL: the model directory's name */
   long long http_max_body;      /* bytes; a larger request body gets 413 */
   const char *api_key;          /* NULL: none; else required on both APIs */
+  const char *client_keys_file; /* CURVE on the client socket (link_auth.h); NULL: env or plaintext */
+  const char *client_allow_file;/* client public keys admitted; NULL: $TWAIN_CLIENT_ALLOW_FILE or any */
   /* maybe NULL: called once the HTTP API listens, with its base URL */
   void (*on_http)(void *arg, const char *url);
   void *on_http_arg;
@@ -102,6 +104,12 @@ typedef struct {
                  "required on the HTTP and protobuf APIs (default: none)"),                    \
       TW_OPT_FN("api-key-file", &(p).api_key, tw_router_key_file_opt, "PATH",                   \
                 "read --api-key from the first line of PATH"),                                \
+      TW_OPT_STR("client-keys", &(p).client_keys_file, "FILE",                                  \
+                 "CURVE on the client socket with the server pair of this `twain keygen`\n"   \
+                 "file (or $TWAIN_CLIENT_KEYS_FILE; default: plaintext)"),                     \
+      TW_OPT_STR("client-allow", &(p).client_allow_file, "FILE",                                \
+                 "admit only the client public keys listed in FILE (or\n"                     \
+                 "$TWAIN_CLIENT_ALLOW_FILE; default: any key)"),                               \
       TW_OPT_FLAG("disable-log-requests", &(p).disable_log_requests,                             \
                   "no INFO line per finished request")
 

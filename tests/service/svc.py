@@ -83,14 +83,19 @@ def link_keys():
             subprocess.run([os.path.join(BUILD, "router", "twain"), "keygen", path], check=True,
                            timeout=30)
             os.environ["TWAIN_KEYS_FILE"] = path
-        keys = {}
-        with open(path) as f:
-            for line in f:
-                if "=" in line and not line.startswith("#"):
-                    k, v = line.split("=", 1)
-                    keys[k.strip()] = v.strip()
-        _LINK_KEYS = keys
+        _LINK_KEYS = read_keys(path)
     return _LINK_KEYS
+
+
+def read_keys(path):
+    """{name: key} of a `twain keygen` file (its `name = key` lines)."""
+    keys = {}
+    with open(path) as f:
+        for line in f:
+            if "=" in line and not line.startswith("#"):
+                k, v = line.split("=", 1)
+                keys[k.strip()] = v.strip()
+    return keys
 
 
 _LINK_KEYS = None
@@ -474,10 +479,16 @@ class Cluster:
 class Client:
     """A DEALER client: send requests, gather replies per request_id."""
 
-    def __init__(self, endpoint):
+    def __init__(self, endpoint, curve=None):
+        """curve: {"server-public", "client-public", "client-secret"} for a
+        router whose client socket is CURVE (--client-keys); None: plaintext."""
         self.ctx = zmq.Context.instance()
         self.s = self.ctx.socket(zmq.DEALER)
         self.s.setsockopt(zmq.LINGER, 0)
+        if curve:
+            self.s.setsockopt(zmq.CURVE_SERVERKEY, curve["server-public"].encode())
+            self.s.setsockopt(zmq.CURVE_PUBLICKEY, curve["client-public"].encode())
+            self.s.setsockopt(zmq.CURVE_SECRETKEY, curve["client-secret"].encode())
         self.s.connect(endpoint)
         self.replies = {}
         self.next_id = 1
