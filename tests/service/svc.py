@@ -373,6 +373,25 @@ def finish():
     sys.exit(rc)
 
 
+# The ASan pass (deploy/dev.sh sanitize) sets TW_SOAK_RSS_CHECK=0: ASan's
+# quarantine keeps freed memory resident, so the router's RSS says nothing
+# about leaks there; the plain pass checks its bounds (test_service_soak,
+# test_service_validate).
+RSS_CHECK = os.environ.get("TW_SOAK_RSS_CHECK", "1") != "0"
+
+
+def rss_kb(pid):
+    """Resident memory of process pid in kB (0 if it is gone)."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def wait_metric(port, key, want, timeout=15):
     """Polls a worker's /metrics until `key` equals `want` (gauges are set by
     the worker loop after it sends the last reply, so a client can read the
