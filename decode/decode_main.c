@@ -1,13 +1,13 @@
 /* decode_main.c: `twain-decode`, the decode worker daemon (decode_worker.h). */
 #include "decode/decode_worker.h"
 
-#include "common/install_paths.h"
-#include "common/log.h"
-#include "common/mem_plan.h"
-#include "common/model_path.h"
-#include "common/msg_worker.h"
-#include "common/opts.h"
-#include "common/worker_daemon.h"
+#include "common/base/install_paths.h"
+#include "common/base/log.h"
+#include "common/base/opts.h"
+#include "common/comm/msg_worker.h"
+#include "common/engine/mem_plan.h"
+#include "common/model/model_path.h"
+#include "common/worker/worker_daemon.h"
 
 #include <stdint.h>
 #include <stdio.h>

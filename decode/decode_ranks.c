@@ -11,10 +11,10 @@
  * not the target answers n_layers, 0). */
 #include "decode/decode_ranks.h"
 
-#include "common/dist_engine.h"
-#include "common/kv_reshard.h"
-#include "common/log.h"
-#include "common/proto_engine.h"
+#include "common/base/log.h"
+#include "common/comm/proto_engine.h"
+#include "common/engine/dist_engine.h"
+#include "common/kv/kv_reshard.h"
 
 #include <stdio.h>
 #include <stdlib.h>

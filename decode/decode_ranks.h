@@ -15,10 +15,10 @@
 #ifndef TW_DECODE_DECODE_RANKS_H
 #define TW_DECODE_DECODE_RANKS_H
 
-#include "common/dist.h"
-#include "common/engine.h"
-#include "common/kv_transfer.h"
-#include "common/model.h"
+#include "common/comm/dist.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_transfer.h"
+#include "common/model/model.h"
 #include "proto/twain_internal.pb-c.h"
 
 #include <stdbool.h>

@@ -17,20 +17,20 @@
  * (tw_dist_engine_decode_dp). */
 #include "decode/decode_worker.h"
 
-#include "common/dist_engine.h"
+#include "common/engine/dist_engine.h"
 #include "decode/decode_ranks.h"
 
-#include "common/kv_blocks.h"
-#include "common/kv_transfer.h"
-#include "common/log.h"
-#include "common/mem_plan.h"
-#include "common/metrics.h"
-#include "common/model.h"
-#include "common/model_path.h"
-#include "common/msg_worker.h"
-#include "common/proto_engine.h"
-#include "common/worker_daemon.h"
-#include "common/worker_stats.h"
+#include "common/base/log.h"
+#include "common/base/metrics.h"
+#include "common/comm/msg_worker.h"
+#include "common/comm/proto_engine.h"
+#include "common/engine/mem_plan.h"
+#include "common/kv/kv_blocks.h"
+#include "common/kv/kv_transfer.h"
+#include "common/model/model.h"
+#include "common/model/model_path.h"
+#include "common/worker/worker_daemon.h"
+#include "common/worker/worker_stats.h"
 #include "proto/twain_api.pb-c.h"
 
 #include <stdio.h>

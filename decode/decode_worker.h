@@ -10,8 +10,8 @@
 #ifndef TW_DECODE_DECODE_WORKER_H
 #define TW_DECODE_DECODE_WORKER_H
 
-#include "common/engine.h"
-#include "common/status.h"
+#include "common/base/status.h"
+#include "common/engine/engine.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -54,7 +54,7 @@ typedef struct {
 #define TW_DECODE_MAX_DP 64 /* data-parallel ranks of one worker (the control link's limit) */
 #define TW_DECODE_MAX_BATCH 65536 /* --max-batch: sequences per step (per dp rank) */
 
-/** Run the daemon (common/worker_daemon.h) until SIGTERM/SIGINT, then drain
+/** Run the daemon (common/worker/worker_daemon.h) until SIGTERM/SIGINT, then drain
  *  (finish the running sequences, refuse new ones; at most drain_timeout_s
  *  seconds) and return the process exit code: 0 after the drain (or the
  *  code of the ranks this process started and supervised), 1 for a failure

@@ -20,7 +20,7 @@
 #ifndef TW_KERNELS_ATTENTION_H
 #define TW_KERNELS_ATTENTION_H
 
-#include "common/status.h"
+#include "common/base/status.h"
 
 #include <cuda_runtime.h>
 #include <stddef.h>

@@ -11,7 +11,7 @@
 #ifndef TW_KERNELS_CUDA_COMMON_H
 #define TW_KERNELS_CUDA_COMMON_H
 
-#include "common/status.h"
+#include "common/base/status.h"
 #include "kernels/knobs.h"
 
 #include <cuda_runtime.h>

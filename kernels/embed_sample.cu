@@ -1,5 +1,5 @@
 /* embed_sample.cu: embedding gather, argmax and exact GPU sampling
- * (embed_sample.h). The sampler reproduces common/sampling.c: it never sorts;
+ * (embed_sample.h). The sampler reproduces common/engine/sampling.c: it never sorts;
  * the sets the CPU builds by sorting are found by bitwise searches over
  * order-preserving keys of z (ranking = z descending, then id ascending), and
  * every probability mass is a double sum of exp(z - max), as on the CPU (the

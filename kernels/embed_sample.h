@@ -1,5 +1,5 @@
 /* embed_sample.h: embedding gather (spec §2.2) and token sampling on the GPU
- * with exactly the rules of common/sampling.c (greedy; temperature, top-k,
+ * with exactly the rules of common/engine/sampling.c (greedy; temperature, top-k,
  * top-p, inverse-CDF draw), so the CPU and CUDA backends pick the same token
  * from the same logits. The uniform of a draw is tw_sample_uniform(seed,
  * position), computed by the caller on the host (a pure function) and passed
@@ -8,7 +8,7 @@
 #ifndef TW_KERNELS_EMBED_SAMPLE_H
 #define TW_KERNELS_EMBED_SAMPLE_H
 
-#include "common/status.h"
+#include "common/base/status.h"
 
 #include <cuda_runtime.h>
 #include <stdint.h>

@@ -9,8 +9,8 @@
  * as f32. The KV pool is bf16 in the engine.h layout, zeroed at start. */
 #include "kernels/engine_cuda_impl.h"
 
-#include "common/collective.h"
-#include "common/log.h"
+#include "common/comm/collective.h"
+#include "common/base/log.h"
 #include "kernels/attention.h"
 #include "kernels/cuda_common.h"
 #include "kernels/norm_rope.h"

@@ -5,9 +5,9 @@
 #ifndef TW_KERNELS_ENGINE_CUDA_IMPL_H
 #define TW_KERNELS_ENGINE_CUDA_IMPL_H
 
-#include "common/engine_impl.h"
-#include "common/kv_ring.h"
-#include "common/shard_plan.h"
+#include "common/engine/engine_impl.h"
+#include "common/engine/shard_plan.h"
+#include "common/kv/kv_ring.h"
 #include "kernels/embed_sample.h"
 #include "kernels/gemm.h"
 #include "kernels/knobs.h"
@@ -109,7 +109,7 @@ typedef struct {
   int64_t kv_layer_stride_bytes;
   int64_t *kv_layer_off;  /* [n_layers] where each layer starts (kv_ring.h) */
   int64_t kv_block_bytes; /* one block of one layer */
-  /* the window ring of the sliding layers (common/kv_ring.h; ring_blocks 0:
+  /* the window ring of the sliding layers (common/kv/kv_ring.h; ring_blocks 0:
    * none): ring layers write and read through d_ring_slots / d_ring_tables,
    * a decode step its sequences' ring views, a prefill pass the scratch of
    * its plan (copied in and out by d_ring_pairs: n_ring_in then n_ring_out) */

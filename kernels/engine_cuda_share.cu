@@ -30,7 +30,7 @@
  * the programs link no libcuda and run on machines without a driver. */
 #include "kernels/engine_cuda_impl.h"
 
-#include "common/log.h"
+#include "common/base/log.h"
 #include "kernels/cuda_common.h"
 
 #include <cuda.h>

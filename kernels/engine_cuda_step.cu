@@ -13,8 +13,8 @@
  * residual add at the next norm. */
 #include "kernels/engine_cuda_impl.h"
 
-#include "common/log.h"
-#include "common/sampling.h"
+#include "common/base/log.h"
+#include "common/engine/sampling.h"
 #include "kernels/attention.h"
 #include "kernels/cuda_common.h"
 #include "kernels/kv_block_copy.h"
@@ -86,7 +86,7 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
       TW_CUDA_CHECK(cudaEventRecord(ce->dq_done[nb], ce->dq_stream));
     }
     void *kv = (char *)ce->kv_pool + ce->kv_layer_off[l];
-    /* ring layers (common/kv_ring.h): a decode step through the ring views;
+    /* ring layers (common/kv/kv_ring.h): a decode step through the ring views;
      * a prefill pass in its scratch, the ring blocks of earlier positions
      * copied in first and its last blocks copied back after the write */
     bool ring = tw_kv_is_ring_layer(ce->ring_layers, ce->ring_blocks, l);
@@ -220,7 +220,7 @@ TW_NODISCARD tw_status_t tw_ce_prefill_pass(tw_engine_t *e, const tw_prefill_pas
   return st;
 }
 
-/* A prefill pass's ring plan (common/kv_ring.h) on the device: its scratch
+/* A prefill pass's ring plan (common/kv/kv_ring.h) on the device: its scratch
  * (grown to the plan; the stream is idle here), every token's slot in it,
  * the segments' scratch tables, the copies in and out. h_start: the
  * segments' first positions. */
@@ -520,7 +520,7 @@ TW_NODISCARD tw_status_t tw_ce_decode(tw_engine_t *e, const tw_decode_args_t *a)
     ce->h_slots[i] = a->block_tables[i][p / bs] * bs + p % bs;
     ce->h_seq_lens[i] = p + 1;
     memcpy(ce->h_block_tables + (size_t)i * mbps, a->block_tables[i], (size_t)nb * 4);
-    if (ce->ring_blocks) { /* its ring view (common/kv_ring.h): entry j in table[j % R] */
+    if (ce->ring_blocks) { /* its ring view (common/kv/kv_ring.h): entry j in table[j % R] */
       int32_t R = ce->ring_blocks;
       ce->h_ring_slots[i] = a->block_tables[i][(p / bs) % R] * bs + p % bs;
       tw_kv_ring_view(a->block_tables[i], nb, R, ce->h_ring_tables + (size_t)i * mbps);

@@ -1,5 +1,5 @@
 /* engine_cuda_tp.cu: tensor- and expert-parallel parts of the CUDA engine
- * (issue 6 item 2), on the shard plan both backends use (common/shard_plan.h):
+ * (issue 6 item 2), on the shard plan both backends use (common/engine/shard_plan.h):
  *   TP P, rank r: query heads [r NQ/P, (r+1) NQ/P), KV heads likewise (the
  *     QKV rows, o_proj columns, sinks of those heads; o_proj bias on rank 0),
  *     an all-reduce of the O projection's f32 [T, H] partials; vocabulary rows
@@ -15,8 +15,8 @@
  * Not yet run on a GPU (docs/parallelism.md, CUDA). */
 #include "kernels/engine_cuda_impl.h"
 
-#include "common/collective.h"
-#include "common/log.h"
+#include "common/comm/collective.h"
+#include "common/base/log.h"
 #include "kernels/cuda_common.h"
 
 TW_NODISCARD tw_status_t tw_ce_tp_init(tw_ce_t *ce, const tw_model_config_t *c,

@@ -12,8 +12,8 @@
 #ifndef TW_KERNELS_GEMM_H
 #define TW_KERNELS_GEMM_H
 
-#include "common/model.h"
-#include "common/status.h"
+#include "common/base/status.h"
+#include "common/model/model.h"
 
 #include <cuda_runtime.h>
 #include <stddef.h>

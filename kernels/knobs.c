@@ -1,7 +1,7 @@
 /* knobs.c: the CUDA kernel knobs read once from the environment (knobs.h). */
 #include "kernels/knobs.h"
 
-#include "common/log.h"
+#include "common/base/log.h"
 
 #include <errno.h>
 #include <pthread.h>

@@ -1,11 +1,11 @@
 /* kv_block_copy.h: whole-block copies between KV regions on the GPU, for the
- * window ring of the sliding layers (common/kv_ring.h): a prefill pass copies
+ * window ring of the sliding layers (common/kv/kv_ring.h): a prefill pass copies
  * the ring blocks of earlier positions into its scratch and its last blocks
  * back into the ring. */
 #ifndef TW_KERNELS_KV_BLOCK_COPY_H
 #define TW_KERNELS_KV_BLOCK_COPY_H
 
-#include "common/status.h"
+#include "common/base/status.h"
 
 #include <cuda_runtime.h>
 #include <stdint.h>

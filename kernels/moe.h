@@ -27,7 +27,7 @@
 #ifndef TW_KERNELS_MOE_H
 #define TW_KERNELS_MOE_H
 
-#include "common/status.h"
+#include "common/base/status.h"
 #include "kernels/gemm.h"
 
 #include <cuda_runtime.h>

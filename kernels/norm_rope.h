@@ -8,9 +8,9 @@
 #ifndef TW_KERNELS_NORM_ROPE_H
 #define TW_KERNELS_NORM_ROPE_H
 
-#include "common/config.h"
-#include "common/model.h"
-#include "common/status.h"
+#include "common/base/status.h"
+#include "common/model/config.h"
+#include "common/model/model.h"
 
 #include <cuda_runtime.h>
 #include <stdint.h>

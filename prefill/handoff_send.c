@@ -2,9 +2,9 @@
  * that hold its heads (see handoff_send.h). */
 #include "prefill/handoff_send.h"
 
-#include "common/kv_reshard.h"
-#include "common/msg.h"
-#include "common/proto_engine.h"
+#include "common/comm/msg.h"
+#include "common/comm/proto_engine.h"
+#include "common/kv/kv_reshard.h"
 
 #include <stdlib.h>
 

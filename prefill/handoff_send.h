@@ -15,9 +15,9 @@
 #ifndef TW_PREFILL_HANDOFF_SEND_H
 #define TW_PREFILL_HANDOFF_SEND_H
 
-#include "common/config.h"
-#include "common/kv_transfer.h"
-#include "common/status.h"
+#include "common/base/status.h"
+#include "common/kv/kv_transfer.h"
+#include "common/model/config.h"
 #include "proto/twain_internal.pb-c.h"
 
 #include <stdbool.h>

@@ -4,9 +4,9 @@
  * the sequence). */
 #include "offline.h"
 
-#include "common/kv_blocks.h"
-#include "common/log.h"
-#include "common/model.h"
+#include "common/base/log.h"
+#include "common/kv/kv_blocks.h"
+#include "common/model/model.h"
 
 #include <cjson/cJSON.h>
 

@@ -5,8 +5,8 @@
 #ifndef TW_PREFILL_OFFLINE_H
 #define TW_PREFILL_OFFLINE_H
 
-#include "common/engine.h"
-#include "common/status.h"
+#include "common/base/status.h"
+#include "common/engine/engine.h"
 
 #include <stdint.h>
 #include <stdio.h>

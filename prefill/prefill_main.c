@@ -5,12 +5,12 @@
 #include "offline.h"
 #include "worker.h"
 
-#include "common/install_paths.h"
-#include "common/log.h"
-#include "common/mem_plan.h"
-#include "common/model_path.h"
-#include "common/opts.h"
-#include "common/worker_daemon.h"
+#include "common/base/install_paths.h"
+#include "common/base/log.h"
+#include "common/base/opts.h"
+#include "common/engine/mem_plan.h"
+#include "common/model/model_path.h"
+#include "common/worker/worker_daemon.h"
 
 #include <errno.h>
 #include <stdio.h>

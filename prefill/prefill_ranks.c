@@ -6,11 +6,11 @@
 #include "prefill/handoff_send.h"
 #include "prefill/worker_handoff.h"
 
-#include "common/dist_engine.h"
-#include "common/kv_reshard.h"
-#include "common/log.h"
-#include "common/msg.h"
-#include "common/proto_engine.h"
+#include "common/base/log.h"
+#include "common/comm/msg.h"
+#include "common/comm/proto_engine.h"
+#include "common/engine/dist_engine.h"
+#include "common/kv/kv_reshard.h"
 
 #include <stdio.h>
 #include <stdlib.h>

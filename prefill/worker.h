@@ -10,7 +10,7 @@
 #ifndef TW_PREFILL_WORKER_H
 #define TW_PREFILL_WORKER_H
 
-#include "common/engine.h"
+#include "common/engine/engine.h"
 
 #include <stdint.h>
 

@@ -3,9 +3,9 @@
 #include "prefill/worker_handoff.h"
 #include "prefill/handoff_send.h"
 
-#include "common/log.h"
-#include "common/msg.h"
-#include "common/proto_engine.h"
+#include "common/base/log.h"
+#include "common/comm/msg.h"
+#include "common/comm/proto_engine.h"
 
 #include <stdio.h>
 #include <stdlib.h>

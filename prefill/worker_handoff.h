@@ -14,9 +14,9 @@
 #ifndef TW_PREFILL_WORKER_HANDOFF_H
 #define TW_PREFILL_WORKER_HANDOFF_H
 
-#include "common/engine.h"
-#include "common/kv_transfer.h"
-#include "common/status.h"
+#include "common/base/status.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_transfer.h"
 #include "proto/twain_internal.pb-c.h"
 
 #include <stdint.h>

@@ -4,8 +4,8 @@
  * shape, Server-Sent Events, and cancellation when a client goes away. */
 #include "router/http_impl.h"
 
-#include "common/log.h"
-#include "common/model_path.h"
+#include "common/base/log.h"
+#include "common/model/model_path.h"
 
 #include <microhttpd.h>
 

@@ -7,7 +7,7 @@
 
 #include "router/http_api.h"
 
-#include "common/tokenizer.h"
+#include "common/text/tokenizer.h"
 
 #include <cjson/cJSON.h>
 

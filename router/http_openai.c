@@ -2,15 +2,15 @@
  * the answers are built in http_openai_reply.c.
  *
  * Chat messages and tools go through tw_harmony_conversation_from_openai_json
- * (common/harmony_openai.c), Responses input items are first rewritten as
+ * (common/text/harmony_openai.c), Responses input items are first rewritten as
  * chat messages; the router renders and parses Harmony (router_chat.c). Every
  * request is streamed from the router (a non-streamed answer is built from
  * the same deltas). Unknown fields are ignored; a wrong type or an
  * unsupported parameter is a 400 naming it. */
 #include "router/http_impl.h"
 
-#include "common/harmony.h"
-#include "common/log.h"
+#include "common/base/log.h"
+#include "common/text/harmony.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -3,10 +3,10 @@
  * still hold them: finishing marks `done`, the loop top frees them. */
 #include "router/router_impl.h"
 
-#include "common/log.h"
-#include "common/model_path.h"
-#include "common/proto_engine.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/comm/proto_engine.h"
+#include "common/model/model_path.h"
+#include "common/text/tokenizer.h"
 #include "router/http_api.h"
 
 #include <zmq.h>

@@ -10,8 +10,8 @@
 #ifndef TW_ROUTER_ROUTER_H
 #define TW_ROUTER_ROUTER_H
 
-#include "common/opts.h"
-#include "common/status.h"
+#include "common/base/opts.h"
+#include "common/base/status.h"
 
 #include <signal.h>
 #include <stddef.h>
@@ -72,7 +72,7 @@ typedef struct {
                         .http_max_body = 8 << 20})
 #define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */
 
-/** The router's limits as common/opts.h rows on a tw_router_params_t `p`:
+/** The router's limits as common/base/opts.h rows on a tw_router_params_t `p`:
  *  one list for twain-router and `twain serve`, which passes them all on. */
 #define TW_ROUTER_OPT_ROWS(p)                                                                   \
   TW_OPT_INT("drain-timeout", &(p).drain_timeout_s, 0, INT32_MAX, "SECONDS",                   \
@@ -121,7 +121,7 @@ typedef struct {
 TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *params,
                                        volatile sig_atomic_t *stop);
 
-/** The --api-key-file option's parser (common/opts.h TW_OPT_FN; dst: const
+/** The --api-key-file option's parser (common/base/opts.h TW_OPT_FN; dst: const
  *  char **): the first line of the file at `path` (at most 511 bytes; kept for
  *  the process, tw_opts_keep). 0, or -1 with why in err (cannot read, empty). */
 int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen);

@@ -1,6 +1,6 @@
 /* router_chat.c: Chat requests in the router. A twain.v1.ChatRequest becomes
  * a Harmony conversation rendered to prompt ids (spec §4.5-§4.7, through
- * common/harmony.h); generated ids go through the streaming Harmony parser
+ * common/text/harmony.h); generated ids go through the streaming Harmony parser
  * and come back as per-channel deltas, tool calls and, at the end, the parsed
  * messages. Generation stops on <|return|> or <|call|> (spec §4.4) or on a
  * stop string in the final channel.
@@ -16,9 +16,9 @@
  * a new prefill (router.c requeues the request). */
 #include "router/router_impl.h"
 
-#include "common/harmony.h"
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/harmony.h"
+#include "common/text/tokenizer.h"
 
 #include <stdio.h>
 #include <stdlib.h>

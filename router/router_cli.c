@@ -3,11 +3,11 @@
  * scripts and tests wait for. */
 #include "router/router.h"
 
-#include "common/install_paths.h"
-#include "common/log.h"
-#include "common/model_path.h"
-#include "common/msg_worker.h" /* tw_stop_signals_install */
-#include "common/opts.h"
+#include "common/base/install_paths.h"
+#include "common/base/log.h"
+#include "common/base/opts.h"
+#include "common/comm/msg_worker.h" /* tw_stop_signals_install */
+#include "common/model/model_path.h"
 
 #include <errno.h>
 #include <signal.h>

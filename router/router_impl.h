@@ -6,10 +6,10 @@
 
 #include "router/router.h"
 
-#include "common/config.h"
-#include "common/metrics.h"
-#include "common/msg.h"
-#include "common/tokenizer.h"
+#include "common/base/metrics.h"
+#include "common/comm/msg.h"
+#include "common/model/config.h"
+#include "common/text/tokenizer.h"
 #include "proto/twain_api.pb-c.h"
 #include "proto/twain_internal.pb-c.h"
 
@@ -97,7 +97,7 @@ typedef struct {
   const tw_router_params_t *p;
   tw_model_config_t config;
   void *zctx, *csock, *wsock;
-  tw_auth_keys_t keys;     /* the worker socket's CURVE keys (common/link_auth.h) */
+  tw_auth_keys_t keys;     /* the worker socket's CURVE keys (common/comm/link_auth.h) */
   tw_auth_guard_t *guard;  /* its ZAP handler: only holders of the client key register */
   void *czctx;             /* the client socket's own context (its own ZAP handler) */
   tw_auth_keys_t ckeys;    /* the client socket's CURVE server pair, or plaintext */

@@ -2,7 +2,7 @@
  * command line is `twain router ...`. */
 #include "router/router.h"
 
-#include "common/log.h"
+#include "common/base/log.h"
 
 int main(int argc, char **argv) {
   tw_log_init("twain-router", 0);

@@ -19,9 +19,9 @@
  * is measured). */
 #include "router/router_impl.h"
 
-#include "common/log.h"
-#include "common/msg_worker.h" /* tw_reject_msg */
-#include "common/proto_engine.h"
+#include "common/base/log.h"
+#include "common/comm/msg_worker.h" /* tw_reject_msg */
+#include "common/comm/proto_engine.h"
 
 #include <stdio.h>
 #include <stdlib.h>

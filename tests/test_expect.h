@@ -9,7 +9,7 @@
 #ifndef TW_TESTS_TEST_EXPECT_H
 #define TW_TESTS_TEST_EXPECT_H
 
-#include "common/status.h"
+#include "common/base/status.h"
 
 #include <stdarg.h>
 #include <stdio.h>

@@ -13,13 +13,13 @@
  * top-4, MXFP4 experts, V = 201088) cut to L layers.
  * Progress goes to stderr, the table to stdout. Prompt tokens are a fixed
  * pseudo-random sequence of ordinary (non-special) ids. */
-#include "common/config.h"
-#include "common/engine.h"
-#include "common/kv_blocks.h"
-#include "common/log.h"
-#include "common/model_path.h"
-#include "common/opts.h"
-#include "common/model.h"
+#include "common/base/log.h"
+#include "common/base/opts.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_blocks.h"
+#include "common/model/config.h"
+#include "common/model/model.h"
+#include "common/model/model_path.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -23,7 +23,7 @@
  * pool's initial zeros (attention cost does not depend on the values).
  *
  * With --kv-window-ring 1 the sliding layers keep only their window
- * (common/kv_ring.h): rings for the largest batch asked, every other byte of
+ * (common/kv/kv_ring.h): rings for the largest batch asked, every other byte of
  * the pool for positions of the full layers; the sequences' tables give each
  * its ring from the ring blocks (bench_tables).
  *
@@ -32,12 +32,12 @@
  *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N]
  *          [--kv-window-ring 0|1|auto]
  * (a list may be "none": e.g. --prefill none --batches none for (a') alone). */
-#include "common/engine.h"
-#include "common/kv_ring.h"
-#include "common/log.h"
-#include "common/model.h"
-#include "common/model_path.h"
-#include "common/opts.h"
+#include "common/base/log.h"
+#include "common/base/opts.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_ring.h"
+#include "common/model/model.h"
+#include "common/model/model_path.h"
 
 #include <math.h>
 #include <stdint.h>

@@ -37,11 +37,11 @@
  * tests/gpu/service_gpu.sh and docs/benchmarks.md):
  *   here:  bash deploy/build_ucx_cuda.sh && bash tests/gpu/service_gpu.sh --stage
  *   GPU:   TW_SVC_KV_ONLY=1 bash tests/gpu/service_gpu.sh */
+#include "common/base/log.h"
+#include "common/base/opts.h"
+#include "common/comm/msg.h"
+#include "common/kv/kv_transfer.h"
 #include "tests/cudart_dl.h"
-#include "common/kv_transfer.h"
-#include "common/log.h"
-#include "common/opts.h"
-#include "common/msg.h"
 
 #include <poll.h>
 #include <stdio.h>

@@ -10,10 +10,10 @@
  * "data: [DONE]"). Reported: the router thread's CPU time per token (pthread
  * CPU clock) and the wall-clock token rate seen by the client.
  *   twain-bench-router [--tokens N (per configuration, default 51200)] */
-#include "common/log.h"
-#include "common/opts.h"
-#include "common/msg.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/base/opts.h"
+#include "common/comm/msg.h"
+#include "common/text/tokenizer.h"
 #include "proto/twain_api.pb-c.h"
 #include "proto/twain_internal.pb-c.h"
 #include "router/router.h"

@@ -8,9 +8,9 @@
 //
 // usage: node k8s_validate.mjs KUSTOMIZE_BIN DEPLOY_K8S_DIR [SRC_DIR]
 // With SRC_DIR, every container's command-line flags are checked against the
-// options the program really parses (the rows of its common/opts.h table,
+// options the program really parses (the rows of its common/base/opts.h table,
 // TW_OPT_*("name", ...), in router/,
-// prefill/ or decode/, and common/worker_daemon.h's TW_WORKER_OPTS for the
+// prefill/ or decode/, and common/worker/worker_daemon.h's TW_WORKER_OPTS for the
 // workers), "--flag value" form, as the daemons expect.
 // Exit 0 when everything passes; 1 with one line per problem otherwise.
 import { execFileSync } from "node:child_process";
@@ -96,8 +96,8 @@ function knownFlags(prog) {
       if (!f.endsWith(".c") && !f.endsWith(".h")) continue;
       const text = readFileSync(join(dir, f), "utf8");
       scan(text);
-      /* the options every worker daemon takes (common/worker_daemon.h) */
-      if (/TW_WORKER_OPTS\(/.test(text)) scan(readFileSync(join(srcDir, "common", "worker_daemon.h"), "utf8"));
+      /* the options every worker daemon takes (common/worker/worker_daemon.h) */
+      if (/TW_WORKER_OPTS\(/.test(text)) scan(readFileSync(join(srcDir, "common", "worker", "worker_daemon.h"), "utf8"));
     }
     flagCache.set(prog, flags);
   }
@@ -163,7 +163,7 @@ function checkPodTemplate(where, dep, isWorker) {
     const pre = c.lifecycle?.preStop?.exec?.command?.join(" ") || "";
     if (!/kill -TERM 1/.test(pre)) fail(cw, "preStop must start the drain (SIGTERM to the daemon) and wait for it");
     if (envValue(c, "NCCL_NVLS_ENABLE") !== "0") fail(cw, "NCCL_NVLS_ENABLE=0 missing");
-    // internal links: CURVE keys from a Secret, never plaintext (common/link_auth.h)
+    // internal links: CURVE keys from a Secret, never plaintext (common/comm/link_auth.h)
     const keys = (c.env || []).find((e) => e.name === "TWAIN_KEYS");
     if (!keys?.valueFrom?.secretKeyRef?.name || !keys.valueFrom.secretKeyRef.key)
       fail(cw, "TWAIN_KEYS must come from a Secret (secretKeyRef): the link keys");

@@ -4,8 +4,8 @@
  * (§2.5) and MXFP4 (§3.4). Bounds: the operators accumulate in float32, so
  * relative L2 errors of a few 1e-7 are expected; 1e-5 leaves margin while
  * still catching any formula or indexing mistake (those give >1e-2). */
-#include "common/cpu/cpu_ops.h"
-#include "common/model.h"
+#include "common/engine/cpu/cpu_ops.h"
+#include "common/model/model.h"
 
 #include "test_util.h"
 

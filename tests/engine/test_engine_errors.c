@@ -1,9 +1,9 @@
 /* test_engine_errors.c: every argument error of engine.h returns its
  * documented status, leaves the outputs untouched, and the engine keeps
  * working afterwards (checked against the HF fixture of short_book). */
-#include "common/engine.h"
-#include "common/engine_impl.h"
-#include "common/model.h"
+#include "common/engine/engine.h"
+#include "common/engine/engine_impl.h"
+#include "common/model/model.h"
 
 #include "fixture_util.h"
 #include "test_util.h"

@@ -11,10 +11,10 @@
  *      logits as (1) within 1e-6 (same arithmetic per token, any batching).
  * The bf16 model and fixtures live in TW_SHARED_DIR; without it the bf16
  * run exits 77 (skip). */
-#include "common/engine.h"
-#include "common/kv_blocks.h"
-#include "common/log.h"
-#include "common/model.h"
+#include "common/base/log.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_blocks.h"
+#include "common/model/model.h"
 
 #include "fixture_util.h"
 #include "test_util.h"

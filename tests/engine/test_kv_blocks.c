@@ -1,7 +1,7 @@
 /* test_kv_blocks.c: the KV block manager (kv_blocks.h): allocation order,
  * all-or-nothing exhaustion, free/reuse, double free and bad ids leaving the
  * state unchanged. */
-#include "common/kv_blocks.h"
+#include "common/kv/kv_blocks.h"
 
 #include "test_util.h"
 

@@ -7,8 +7,8 @@
  *   t = RMSNorm(embed[token]; input_layernorm), k = Wk t + bk, v = Wv t + bv,
  *   k rotated half-split with c cos / c sin of p * inv_freq (spec §2.3-§2.5).
  * Also: later layers and untouched blocks. */
-#include "common/engine.h"
-#include "common/model.h"
+#include "common/engine/engine.h"
+#include "common/model/model.h"
 
 #include "test_util.h"
 

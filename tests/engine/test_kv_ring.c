@@ -1,4 +1,4 @@
-/* test_kv_ring.c: the window ring of the sliding layers (common/kv_ring.h,
+/* test_kv_ring.c: the window ring of the sliding layers (common/kv/kv_ring.h,
  * engine.h) on the CPU backend.
  *   1. The prefill pass plan on a case worked out by hand (scratch tables,
  *      copies in and out), and the ring length.
@@ -21,10 +21,10 @@
  * against full layout within rel L2 1e-5 and the same greedy tokens (the
  * same kernels read the same bf16 values), the batch against alone within
  * 1e-2 (GEMM tiles of other row counts). */
-#include "common/engine.h"
-#include "common/kv_blocks.h"
-#include "common/kv_ring.h"
-#include "common/model.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_blocks.h"
+#include "common/kv/kv_ring.h"
+#include "common/model/model.h"
 
 #include "test_util.h"
 

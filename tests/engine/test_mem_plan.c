@@ -1,4 +1,4 @@
-/* test_mem_plan.c: the memory plan (common/mem_plan.h) on gpt-oss-20b and
+/* test_mem_plan.c: the memory plan (common/engine/mem_plan.h) on gpt-oss-20b and
  * gpt-oss-120b shapes, one or two workers on a device, separate or shared
  * weights, GPUs of given sizes (H200, H100, a 24 GB card), the cpu rule,
  * flags overriding, errors.
@@ -13,7 +13,7 @@
  * the 20b and 120b plans on one H200 are also made with the engine's own
  * workspace (tw_cuda_engine_workspace_bytes), printed (docs/operations.md
  * quotes them) and checked against bounds. */
-#include "common/mem_plan.h"
+#include "common/engine/mem_plan.h"
 
 #include "test_util.h"
 
@@ -57,7 +57,7 @@ static tw_mem_plan_in_t gpu_in(const tw_model_config_t *c, int64_t total, int np
 }
 
 #ifdef TWAIN_HAVE_CUDA
-#include "common/engine_impl.h"
+#include "common/engine/engine_impl.h"
 /* the CUDA engine's own workspace (grouped-GEMM MoE, as on Hopper) */
 static int64_t ws_cuda(void *arg, int32_t max_batch, int32_t chunk) {
   return tw_cuda_engine_workspace_bytes(arg, 16, max_batch, chunk, 1);

@@ -16,9 +16,9 @@
  * on by default on the cpu backend) the sliding layers keep only their
  * ring: the pools are compared at every position still live at the end
  * (full layers: all; ring layers: the last R blocks of each prompt). */
-#include "common/engine.h"
-#include "common/kv_ring.h"
-#include "common/model.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_ring.h"
+#include "common/model/model.h"
 
 #include "test_util.h"
 

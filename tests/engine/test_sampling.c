@@ -2,7 +2,7 @@
  * greedy, reproducibility per seed, and the sampled distribution against the
  * softmax computed here in double (chi-square over a bounded number of
  * positions, each position giving one independent draw). */
-#include "common/sampling.h"
+#include "common/engine/sampling.h"
 
 #include "test_util.h"
 

@@ -1,11 +1,11 @@
 /* test_shard_plan.c: the TP/EP shard plan both backends use
- * (common/shard_plan.h) on the gpt-oss-20b and -120b shapes and on small
+ * (common/engine/shard_plan.h) on the gpt-oss-20b and -120b shapes and on small
  * hand-made configs: heads, experts and vocabulary rows of given ranks
  * (every figure worked out by hand in its comment), that the ranks of a
  * group cover each range exactly once, and every configuration fault
  * answered with TW_ERR_INVALID_ARGUMENT and a message naming the field. */
-#include "common/config.h"
-#include "common/shard_plan.h"
+#include "common/engine/shard_plan.h"
+#include "common/model/config.h"
 
 #include "test_util.h"
 

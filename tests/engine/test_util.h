@@ -4,8 +4,8 @@
 #ifndef TW_TESTS_ENGINE_TEST_UTIL_H
 #define TW_TESTS_ENGINE_TEST_UTIL_H
 
-#include "common/model.h"
-#include "common/status.h"
+#include "common/base/status.h"
+#include "common/model/model.h"
 #include "tests/test_expect.h"
 
 #include <math.h>

@@ -1,9 +1,9 @@
 /* fuzz_checkpoint.c: a safetensors file (header + data) and a config.json,
  * as the loader reads them: the first byte picks which. Either a clear
  * error or a complete, consistent result; never a crash or an overread. */
-#include "common/config.h"
-#include "common/log.h"
-#include "common/safetensors.h"
+#include "common/base/log.h"
+#include "common/model/config.h"
+#include "common/model/safetensors.h"
 
 #include <stdint.h>
 #include <stdlib.h>

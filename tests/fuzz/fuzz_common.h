@@ -4,8 +4,8 @@
 #ifndef TW_TESTS_FUZZ_COMMON_H
 #define TW_TESTS_FUZZ_COMMON_H
 
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/tokenizer.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,9 +1,9 @@
 /* fuzz_harmony_parse.c: any sequence of ids (valid, special, out of range)
  * through the Harmony parser: events only, never a failure other than
  * out-of-memory, never a crash; text events are valid UTF-8. */
-#include "common/harmony.h"
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/harmony.h"
+#include "common/text/tokenizer.h"
 #include "tests/fuzz/fuzz_common.h"
 
 #include <stdint.h>

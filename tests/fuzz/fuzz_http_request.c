@@ -19,7 +19,7 @@
  * answer parses. */
 #include "tests/fuzz/fuzz_router.h"
 
-#include "common/model_path.h"
+#include "common/model/model_path.h"
 #include "router/http_impl.h"
 
 #include <stdint.h>

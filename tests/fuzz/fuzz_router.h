@@ -5,8 +5,8 @@
 #ifndef TW_TESTS_FUZZ_ROUTER_H
 #define TW_TESTS_FUZZ_ROUTER_H
 
-#include "common/log.h"
-#include "common/msg.h"
+#include "common/base/log.h"
+#include "common/comm/msg.h"
 #include "router/router_impl.h"
 #include "tests/fuzz/fuzz_common.h"
 

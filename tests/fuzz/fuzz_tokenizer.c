@@ -1,8 +1,8 @@
 /* fuzz_tokenizer.c: bytes -> ids -> bytes. Valid UTF-8 must encode and
  * decode back to the same bytes (with and without special tokens allowed);
  * invalid UTF-8 must be refused with INVALID_ARGUMENT, appending nothing. */
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/tokenizer.h"
 #include "tests/fuzz/fuzz_common.h"
 
 #include <stdbool.h>

@@ -20,9 +20,9 @@
  * Usage: twain-compare-hf --model DIR --fixtures DIR [--variant mxfp4]
  *          [--prompts a,b,c] [--max-rel 0.02] [--backend cuda|cpu|both]
  *          [--threads N] */
-#include "common/engine.h"
-#include "common/model.h"
-#include "common/opts.h"
+#include "common/base/opts.h"
+#include "common/engine/engine.h"
+#include "common/model/model.h"
 #include "tests/engine/fixture_util.h"
 
 #include <math.h>

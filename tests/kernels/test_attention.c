@@ -15,7 +15,7 @@
  * Exit 77 when no GPU is usable (after the host check). */
 #include "attn_test_util.h"
 
-#include "common/cpu/cpu_ops.h"
+#include "common/engine/cpu/cpu_ops.h"
 #include "kernels/attention.h"
 #include "kernels/knobs.h"
 
@@ -353,7 +353,7 @@ static void tt_mixed_lens(int n, int max_len, int *lens) {
 }
 
 /* Host only (runs without a GPU too): the float64 reference of this file
- * against the CPU backend's tw_cpu_attention (common/cpu, float32) on the
+ * against the CPU backend's tw_cpu_attention (common/engine/cpu, float32) on the
  * same paged pool, so the GPU kernels, checked against the former, are tied
  * to the CPU backend. Tolerance 1e-5: float32 accumulation vs float64. */
 static int tt_cpu_backend_crosscheck(const tt_shape_t *sh) {

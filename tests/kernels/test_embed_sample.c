@@ -1,12 +1,12 @@
 /* test_embed_sample.c: embedding gather and GPU sampling (kernels/
  * embed_sample.h) against the CPU: the gather must be exact (bf16 -> f32),
- * argmax and every sampled token must equal common/sampling.c tw_sample on
+ * argmax and every sampled token must equal common/engine/sampling.c tw_sample on
  * the same f32 logits (greedy, temperature, top-k, top-p and their mixes,
  * with ties, NaN and -inf in the rows), at V = 201088 (gpt-oss) and 8064
  * (the tiny model) and an odd V. */
-#include "common/sampling.h"
-#include "kernels/embed_sample.h"
 #include "attn_test_util.h"
+#include "common/engine/sampling.h"
+#include "kernels/embed_sample.h"
 
 #define V_DUMMY_K (-7) /* marker: top_k = V - 1 */
 

@@ -23,9 +23,9 @@
  * tokens must equal its prompt's tokens at batch 1 (the batch-1 step runs the
  * GEMV MoE, larger ones the grouped GEMMs at every assignment tile, padded
  * to their graph bucket). */
-#include "common/engine.h"
-#include "common/model.h"
-#include "common/sampling.h"
+#include "common/engine/engine.h"
+#include "common/engine/sampling.h"
+#include "common/model/model.h"
 #include "tests/engine/fixture_util.h"
 #include "tests/test_expect.h"
 

@@ -15,9 +15,9 @@
  *     to TP 1 (the ranks feed back their own tokens, no teacher forcing).
  * Exits 77 with fewer than 2 GPUs or without NCCL. NCCL_NVLS_ENABLE is set
  * to 0 unless the environment sets it (the lent machines need NVLS off). */
-#include "common/collective.h"
-#include "common/engine.h"
-#include "common/model.h"
+#include "common/comm/collective.h"
+#include "common/engine/engine.h"
+#include "common/model/model.h"
 #include "tests/engine/fixture_util.h"
 
 #include <cuda_runtime.h>

@@ -7,9 +7,9 @@
  * with NaN first, so an unwritten element fails.
  * Tolerance: bf16 outputs are rounded once (2^-9 relative), so rel L2 1e-2
  * (the bf16 bound); f32 outputs differ only by summation order: 1e-4. */
-#include "common/cpu/cpu_ops.h"
-#include "kernels/gemm.h"
 #include "attn_test_util.h"
+#include "common/engine/cpu/cpu_ops.h"
+#include "kernels/gemm.h"
 
 typedef struct {
   const char *name;

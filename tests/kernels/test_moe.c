@@ -1,5 +1,5 @@
 /* test_moe.c: the MoE kernels (kernels/moe.h) against the CPU backend's
- * reference operators (common/cpu/cpu_ops.h: tw_cpu_router_topk,
+ * reference operators (common/engine/cpu/cpu_ops.h: tw_cpu_router_topk,
  * tw_cpu_matmul_mxfp4, tw_cpu_swiglu; tw_mxfp4_dequant_row of the loader) on
  * fresh random inputs: gpt-oss shapes (H = I = 2880, E = 32 and 128, top-4)
  * and edges (T = 1, the tiny model's H 256 / I 512 / E 8 / top-2, widths off
@@ -29,10 +29,10 @@
  * before each run: a NaN or an unwritten value fails. Dequantisation must be
  * bit exact (every FP4 value times a power of two is a bf16). The fused
  * router (GEMV + top-k + sort) is checked against logits computed here. */
-#include "common/cpu/cpu_ops.h"
-#include "common/model.h"
-#include "kernels/moe.h"
 #include "attn_test_util.h"
+#include "common/engine/cpu/cpu_ops.h"
+#include "common/model/model.h"
+#include "kernels/moe.h"
 
 #include <stdbool.h>
 

@@ -16,7 +16,7 @@
  * Exit 77 when no GPU is usable (after the host-only table checks). */
 #include "attn_test_util.h"
 
-#include "common/cpu/cpu_ops.h"
+#include "common/engine/cpu/cpu_ops.h"
 #include "kernels/norm_rope.h"
 
 static tw_model_config_t tt_gptoss_config(int head_dim) {

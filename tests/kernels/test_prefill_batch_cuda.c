@@ -17,8 +17,8 @@
  *     read back as bf16: relative L2 to its prefill alone < 1e-2;
  *   - on_layer_done covers every (prompt, layer, position) once, in order.
  * Exits 77 when no GPU is usable. */
-#include "common/engine.h"
-#include "common/model.h"
+#include "common/engine/engine.h"
+#include "common/model/model.h"
 #include "tests/test_expect.h"
 
 #include <cuda_runtime.h>

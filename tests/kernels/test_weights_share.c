@@ -20,9 +20,9 @@
  * A's socket 0600 while it holds, removed once D found it stale, and B's
  * removed when B exits. Exits 77 (skipped) without a usable GPU. Every wait
  * is bounded. */
-#include "common/engine.h"
-#include "common/log.h"
-#include "common/model.h"
+#include "common/base/log.h"
+#include "common/engine/engine.h"
+#include "common/model/model.h"
 
 #include <errno.h>
 #include <fcntl.h>

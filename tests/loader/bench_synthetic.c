@@ -2,8 +2,8 @@
  * H = I = 2880, 64/8 heads, D = 64, V = 201088) with E experts and L layers,
  * MXFP4 experts. Not a ctest test (no timing assertions); its figures go to
  * docs/benchmarks.md. Usage: bench_synthetic [LAYERS [EXPERTS [VOCAB]]]. */
-#include "common/log.h"
-#include "common/model.h"
+#include "common/base/log.h"
+#include "common/model/model.h"
 
 #include <stdio.h>
 #include <stdlib.h>

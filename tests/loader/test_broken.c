@@ -5,8 +5,8 @@
 #include "check.h"
 #include "st_writer.h"
 
-#include "common/model.h"
-#include "common/safetensors.h"
+#include "common/model/model.h"
+#include "common/model/safetensors.h"
 
 #include <cjson/cJSON.h>
 

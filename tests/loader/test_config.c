@@ -4,7 +4,7 @@
  * naming the field. */
 #include "check.h"
 
-#include "common/config.h"
+#include "common/model/config.h"
 
 #include <cjson/cJSON.h>
 

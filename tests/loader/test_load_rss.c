@@ -7,8 +7,8 @@
  * one line with the figures (used in docs/benchmarks.md). */
 #include "check.h"
 
-#include "common/log.h"
-#include "common/model.h"
+#include "common/base/log.h"
+#include "common/model/model.h"
 
 #include <stdio.h>
 #include <stdlib.h>

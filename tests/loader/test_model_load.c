@@ -4,8 +4,8 @@
  * with Python's json + struct (an independent header parser), not with ours. */
 #include "check.h"
 
-#include "common/model.h"
-#include "common/model_impl.h"
+#include "common/model/model.h"
+#include "common/model/model_impl.h"
 
 #include <stdint.h>
 #include <stdio.h>

@@ -6,7 +6,7 @@
  * gate_up[e][c][r], and down row r, column c is bf16 down[e][c][r]. */
 #include "check.h"
 
-#include "common/model.h"
+#include "common/model/model.h"
 
 #include <math.h>
 #include <stdint.h>

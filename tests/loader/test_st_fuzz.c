@@ -7,9 +7,9 @@
 #include "check.h"
 #include "st_writer.h"
 
-#include "common/config.h"
-#include "common/log.h"
-#include "common/safetensors.h"
+#include "common/base/log.h"
+#include "common/model/config.h"
+#include "common/model/safetensors.h"
 
 #include <cjson/cJSON.h>
 

@@ -8,8 +8,8 @@
 #include "check.h"
 #include "st_writer.h"
 
-#include "common/model.h"
-#include "common/model_impl.h"
+#include "common/model/model.h"
+#include "common/model/model_impl.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -9,10 +9,10 @@
  *      rank 0). The test process checks both, within bounded waits.
  * Usage: test_dist_group (the driver); the ranks run as
  * test_dist_group rank MODE with MODE plans or die. */
-#include "common/dist.h"
-#include "common/dist_engine.h"
-#include "common/kv_transfer.h"
-#include "common/log.h"
+#include "common/base/log.h"
+#include "common/comm/dist.h"
+#include "common/engine/dist_engine.h"
+#include "common/kv/kv_transfer.h"
 
 #include <signal.h>
 #include <stdio.h>

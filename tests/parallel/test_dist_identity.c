@@ -3,8 +3,8 @@
  * LOCAL_RANK with TWAIN_RENDEZVOUS or MASTER_ADDR + MASTER_PORT, Slurm's
  * SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, precedence between them, and
  * the errors for malformed or inconsistent values. */
-#include "common/dist.h"
-#include "common/log.h"
+#include "common/base/log.h"
+#include "common/comm/dist.h"
 
 #include <stdio.h>
 #include <stdlib.h>

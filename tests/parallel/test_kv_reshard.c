@@ -22,9 +22,9 @@
  * fetched into a ring of 3 slots, copied into the pool, here by memcpy):
  * every pool is checked only once the handoff has landed in it, and the
  * bytes copied out of the rings must equal the bytes put, piece for piece. */
+#include "common/base/log.h"
+#include "common/kv/kv_reshard.h"
 #include "tests/test_io.h"
-#include "common/kv_reshard.h"
-#include "common/log.h"
 
 #include <signal.h>
 #include <stdio.h>

@@ -13,10 +13,10 @@
  *      equal to the HF greedy_continuation_ids;
  *   3. a batched decode step of two prompts: logits within 1e-5 of TP 1.
  * Each rank checks for itself; mpirun fails if any rank fails. */
-#include "common/collective.h"
-#include "common/engine.h"
-#include "common/log.h"
-#include "common/model.h"
+#include "common/base/log.h"
+#include "common/comm/collective.h"
+#include "common/engine/engine.h"
+#include "common/model/model.h"
 
 #include "fixture_util.h"
 #include "test_util.h"

@@ -69,7 +69,7 @@ def load_protos(path=DESC):
 
 
 def link_keys():
-    """The link keys (common/link_auth.h) every process of the tests' clusters
+    """The link keys (common/comm/link_auth.h) every process of the tests' clusters
     shares: made once per test process with `twain keygen` into a private
     temporary file, published as TWAIN_KEYS_FILE so children inherit it;
     returns {name: key} (e.g. "client-secret") for fake workers."""

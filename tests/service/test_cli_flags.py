@@ -1,4 +1,4 @@
-"""Every program's command line goes through the shared parser (common/opts.h):
+"""Every program's command line goes through the shared parser (common/base/opts.h):
 - --help: exit 0, the usage on stdout (nothing on stderr), the options each
   program must have listed;
 - --version: "PROG 0.1.0" on stdout, exit 0;

@@ -5,8 +5,8 @@
  * piece's offset and the per-block completion are all checked on the CPU.
  * Pool: 3 layers x 8 blocks of 1000 bytes (layer stride 8000); ring: 3 slots
  * of 2500 bytes. */
-#include "common/kv_rxring.h"
-#include "common/log.h"
+#include "common/base/log.h"
+#include "common/kv/kv_rxring.h"
 
 #include "tests/test_expect.h"
 

@@ -21,9 +21,9 @@
  *     never complete;
  *  3. sends handoff 3 into the same blocks: complete and exact, so the
  *     receiver keeps serving after a sender died mid-transfer. */
-#include "common/kv_transfer.h"
-#include "common/log.h"
-#include "common/msg.h"
+#include "common/base/log.h"
+#include "common/comm/msg.h"
+#include "common/kv/kv_transfer.h"
 #include "tests/test_io.h"
 
 #include "tests/test_expect.h"

@@ -11,9 +11,9 @@
  * Then the bounce ring: 48 pieces of 1 MiB, taken from the child's buffer in
  * reverse order, gathered into one remote range (6 ring chunks through 4
  * slots, so slots are reused), must arrive exactly in that order. */
+#include "common/base/log.h"
+#include "common/kv/kv_transfer.h"
 #include "tests/test_io.h"
-#include "common/kv_transfer.h"
-#include "common/log.h"
 
 #include <signal.h>
 #include <stdio.h>

@@ -22,10 +22,10 @@
  * Direct path unavailable (the pool could not be mapped over CUDA IPC): the
  * staged half still runs and must pass; the test
  * then says so and exits 77, since the direct path was not tested. */
+#include "common/base/log.h"
+#include "common/kv/kv_transfer.h"
 #include "tests/cudart_dl.h"
 #include "tests/test_io.h"
-#include "common/kv_transfer.h"
-#include "common/log.h"
 
 #include <poll.h>
 #include <signal.h>

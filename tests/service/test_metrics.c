@@ -1,8 +1,8 @@
 /* test_metrics.c: the Prometheus text and /healthz served over HTTP on an
  * ephemeral 127.0.0.1 port: exact exposition lines for a counter, a gauge and
  * a histogram, 200/503 health, 404 for other paths. */
-#include "common/log.h"
-#include "common/metrics.h"
+#include "common/base/log.h"
+#include "common/base/metrics.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>

@@ -1,10 +1,10 @@
-/* test_opts.c: the shared option parser (common/opts.h) on a table with one
+/* test_opts.c: the shared option parser (common/base/opts.h) on a table with one
  * row of each kind: --x value and --x=value, strict numbers rejected naming
  * the flag, flags, custom parsers, positional counts, the TWAIN_* environment,
  * --config FILE and the precedence command line > environment > config >
  * defaults, --help (stdout, every option) and --version. Messages on stderr
  * and the help text on stdout are captured through files. */
-#include "common/opts.h"
+#include "common/base/opts.h"
 
 #include <stdbool.h>
 #include <stdio.h>

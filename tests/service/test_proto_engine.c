@@ -1,10 +1,10 @@
 /* test_proto_engine.c: the protocol <-> engine conversions of
- * common/proto_engine.h, every field against values written out here:
+ * common/comm/proto_engine.h, every field against values written out here:
  * sampling parameters (wire defaults read as sampling.h means them), a
  * decode pool's KvLayout both ways, and the request-staleness rule of the
  * prefill worker's KV-write guard (ages made by stamping requests in the
  * past: no test waits on a clock). */
-#include "common/proto_engine.h"
+#include "common/comm/proto_engine.h"
 #include "tests/test_expect.h"
 
 static void test_sampling(void) {

@@ -1,4 +1,4 @@
-"""Link security (common/link_auth.h, issue 19): the router's worker socket is
+"""Link security (common/comm/link_auth.h, issue 19): the router's worker socket is
 CURVE with a ZAP handler, so a process without the deployment's key set can
 neither register as a worker nor read a prompt; each refused peer is logged.
 Also: a router without keys refuses to start (unless the plaintext flag says

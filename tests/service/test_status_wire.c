@@ -1,10 +1,10 @@
-/* test_status_wire.c: the one status -> wire code map (common/msg.h
+/* test_status_wire.c: the one status -> wire code map (common/comm/msg.h
  * tw_status_wire_code) against gRPC's code numbers written out by hand
  * (grpc/status.h: CANCELLED 1, INVALID_ARGUMENT 3, DEADLINE_EXCEEDED 4,
  * NOT_FOUND 5, RESOURCE_EXHAUSTED 8, UNIMPLEMENTED 12, INTERNAL 13,
  * UNAVAILABLE 14), for every status the router, prefill and decode workers
  * report, so a reply means the same thing whichever process sends it. */
-#include "common/msg.h"
+#include "common/comm/msg.h"
 #include "tests/test_expect.h"
 
 int main(void) {

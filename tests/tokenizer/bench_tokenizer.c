@@ -8,8 +8,8 @@
  * prints the best MB/s (MB = 10^6 bytes; wall and thread-CPU time) for ordinary
  * text and with special tokens allowed, a per-kind breakdown (CPU time), plus the load time and the number of ids. The piece cache is
  * emptied before each repeat (a fresh encoder), so repeats do not flatter it. */
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/tokenizer.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -9,9 +9,9 @@
  * a message add up to its MESSAGE_END text; starts and ends pair up after
  * finish; a TOOL_CALL comes right after a MESSAGE_END with a recipient; every
  * STOP follows a <|return|> or <|call|> token. Bounded: SEQUENCES x 300 ids. */
-#include "common/harmony.h"
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/harmony.h"
+#include "common/text/tokenizer.h"
 
 #include <stdio.h>
 #include <stdlib.h>

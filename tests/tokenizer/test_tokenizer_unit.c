@@ -5,8 +5,8 @@
  * decoder's UTF-8 rules (held bytes, U+FFFD per maximal invalid subpart as in
  * the Unicode standard's "best practice" that Rust's from_utf8_lossy follows),
  * skip-special decoding, very long pieces, and loader errors. */
-#include "common/log.h"
-#include "common/tokenizer.h"
+#include "common/base/log.h"
+#include "common/text/tokenizer.h"
 #include "tests/test_expect.h"
 
 #include <fcntl.h>

@@ -1,0 +1,166 @@
+/* worker_daemon.c: the skeleton of a worker daemon (see worker_daemon.h). */
+#include "common/worker/worker_daemon.h"
+
+#include "common/base/log.h"
+#include "common/engine/dist_engine.h"
+#include "common/model/model_path.h"
+#include "proto/twain_api.pb-c.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+bool tw_worker_colocated_ok(const tw_opts_spec_t *spec, const char *role, int32_t n_prefill,
+                            int32_t n_decode) {
+  int32_t mine = strcmp(role, "prefill") == 0 ? n_prefill : n_decode;
+  if (!tw_opts_given(spec, "colocated") || mine >= 1) return true;
+  fprintf(stderr, "%s: --colocated %d,%d counts no %s worker (this one)\n", spec->prog, n_prefill,
+          n_decode, role);
+  return false;
+}
+
+TW_NODISCARD tw_status_t tw_worker_dist_create(tw_worker_t *w, tw_backend_kind_t backend) {
+  tw_coll_kind_t kind = tw_backend_caps(backend).on_device ? TW_COLL_NCCL : TW_COLL_HOST;
+  return tw_dist_create(&w->id, kind, w->id.local_rank, NULL, &w->dist);
+}
+
+TW_NODISCARD tw_status_t tw_worker_metrics_open(tw_worker_t *w, const char *name, int port,
+                                                const char *addr, const char *served_model_name,
+                                                const char *model_dir) {
+  if (name)
+    snprintf(w->name, sizeof w->name, "%s", name);
+  else
+    snprintf(w->name, sizeof w->name, "%s-%d", w->role, (int)getpid());
+  TW_CHECK(tw_metrics_create(w->name, port, addr, &w->metrics));
+  char model_name[256]; /* the model_name label, as the router's (model_path.h) */
+  tw_model_name(served_model_name, model_dir, model_name, sizeof model_name);
+  tw_metrics_set_label(w->metrics, "model_name", model_name);
+  return TW_OK;
+}
+
+TW_NODISCARD tw_status_t tw_worker_connect(tw_worker_t *w, const char *router,
+                                           Twain__Internal__V1__Pool pool, int32_t kv_block_size,
+                                           int32_t n_layers, int32_t vocab_size,
+                                           const char *backend) {
+  TW_CHECK(tw_worker_link_open(&w->link, router, w->name, pool));
+  w->link.ranks = w->id.size;
+  w->link.kv_block_size = kv_block_size;
+  w->link.n_layers = n_layers;
+  w->link.vocab_size = vocab_size;
+  snprintf(w->link.backend, sizeof w->link.backend, "%s", backend);
+  return TW_OK;
+}
+
+/* Step 3: every message waiting (the policy of the header). Returns false
+ * when receiving failed (not for an undecodable message). */
+static bool tw_worker_pump(tw_worker_t *w) {
+  for (int k = 0; k < TW_WORKER_PUMP_MAX; k++) {
+    Twain__Internal__V1__Envelope *env = NULL;
+    tw_status_t rs = tw_worker_link_recv(&w->link, 0, &env);
+    if (rs == TW_OK) {
+      if (!w->ops->on_msg(w->arg, env)) {
+        char why[80];
+        snprintf(why, sizeof why, "%s worker: unexpected message type", w->role);
+        TW_WARN(w->role, "ignoring a message of type %d from the router", (int)env->body_case);
+        tw_msg_note_failure(tw_worker_link_reject(&w->link, 0, TWAIN__V1__CODE__UNIMPLEMENTED, why),
+                            w->role, "cannot send a reject to the router");
+        twain__internal__v1__envelope__free_unpacked(env, NULL);
+      }
+      continue;
+    }
+    if (rs == TW_ERR_FORMAT) continue;    /* logged by the link (rate-limited) */
+    if (rs == TW_INPROGRESS) return true; /* nothing (more) waiting */
+    tw_msg_note_failure(rs, w->role, "router socket");
+    return false;
+  }
+  return true;
+}
+
+/* Steps 1-6 of the header until the drain ends or the work fails. */
+static TW_NODISCARD tw_status_t tw_worker_loop(tw_worker_t *w) {
+  const tw_worker_ops_t *ops = w->ops;
+  unsigned epoch = atomic_load(&w->link.epoch);
+  bool recv_failed = false;
+  Twain__Internal__V1__Capacity cap;
+  for (;;) {
+    if (tw_worker_stop_g && !w->draining) {
+      w->draining = true;
+      w->drain_since_ns = tw_msg_clock_ns();
+      tw_metrics_set_health(w->metrics, false, "draining");
+      ops->on_drain(w->arg);
+    }
+    int fd = -1;
+    int ms = ops->wait_ms(w->arg, &fd);
+    if (w->draining && ops->pending(w->arg) == 0) ms = 0; /* only take what is there */
+    if (ms > 0 && recv_failed) { /* a failed socket fails at once: do not spin on it */
+      struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+      nanosleep(&ts, NULL);
+    } else if (ms > 0) {
+      tw_worker_link_wait(&w->link, fd, ms);
+    }
+    if (ops->after_wait) ops->after_wait(w->arg);
+    recv_failed = !tw_worker_pump(w);
+    if (w->draining) {
+      int32_t left = ops->pending(w->arg);
+      if (left == 0) break;
+      if (w->drain_timeout_s >= 0 &&
+          tw_msg_clock_ns() - w->drain_since_ns > (int64_t)w->drain_timeout_s * 1000000000LL) {
+        TW_WARN(w->role, "drain timeout (%d s): stopping with %d %s unfinished", w->drain_timeout_s,
+                left, w->unit);
+        break;
+      }
+    }
+    tw_status_t st = ops->work(w->arg);
+    if (st != TW_OK) return st;
+    ops->capacity(w->arg, &cap);
+    tw_msg_note_failure(tw_worker_link_tick(&w->link, &cap, w->draining, false), w->role,
+                        "cannot register with the router (retried)");
+    /* right after the tick that registered again: before any message of the
+     * new registration can be taken, so only old work is dropped */
+    if (atomic_load(&w->link.epoch) != epoch) {
+      epoch = atomic_load(&w->link.epoch);
+      if (ops->on_forgotten) ops->on_forgotten(w->arg);
+    }
+  }
+  return TW_OK;
+}
+
+int tw_worker_main(tw_worker_t *w) {
+  const tw_worker_ops_t *ops = w->ops;
+  tw_status_t st = tw_dist_identity_from_env(&w->id);
+  if (st == TW_OK && w->ranks > 1 && w->id.size == 1) {
+    int rc = -1;
+    st = tw_dist_spawn(w->argc, w->argv, w->ranks, w->use_mpi, &w->id, &rc);
+    if (st == TW_OK && rc >= 0) return rc; /* this process supervised the ranks, now done */
+  }
+  if (st != TW_OK) {
+    TW_ERROR(w->role, "cannot start: %s: %s", tw_status_str(st), tw_last_error());
+    return tw_worker_exit_code(st);
+  }
+  tw_log_init(w->prog, w->id.rank);
+  tw_worker_signals_install();
+  st = ops->init(w->arg);
+  if (st != TW_OK) {
+    TW_ERROR(w->role, "cannot start: %s: %s", tw_status_str(st), tw_last_error());
+    ops->fini(w->arg);
+    return tw_worker_exit_code(st); /* a configuration error (msg_worker.h) */
+  }
+  tw_worker_started_g = 1; /* from here on a failure is a crash */
+  if (w->id.rank != 0) {   /* follow rank 0's plans until it says stop (or dies: dist.h) */
+    TW_INFO(w->role, "rank %d of %d pid %d following rank 0", w->id.rank, w->id.size,
+            (int)getpid());
+    st = ops->follow(w->arg);
+    ops->fini(w->arg);
+    return tw_worker_exit_code(st);
+  }
+  st = tw_worker_loop(w);
+  Twain__Internal__V1__Capacity cap;
+  ops->capacity(w->arg, &cap);
+  tw_msg_note_failure(tw_worker_link_tick(&w->link, &cap, true, true), w->role,
+                      "cannot tell the router we stop");
+  ops->on_stop(w->arg);
+  tw_msg_note_failure(tw_dist_plan_stop(w->dist), w->role, "cannot stop the other ranks");
+  ops->fini(w->arg);
+  return tw_worker_exit_code(st);
+}
