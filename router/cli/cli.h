@@ -15,7 +15,7 @@
 
 /* The CURVE options of every client of the router's client socket (chat,
  * generate, bench): common/opts.h rows on two const char * lvalues, read by
- * tw_auth_client_keys (common/link_auth.h; empty: the environment). */
+ * tw_auth_client_keys (common/comm/link_auth.h; empty: the environment). */
 #define TW_CLIENT_CURVE_OPT_ROWS(server_key, identity)                                        \
   TW_OPT_STR("server-key", &(server_key), "KEY|FILE",                                         \
              "the router's public key (Z85, or a key file with its server-public\n"          \
