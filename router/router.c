@@ -527,9 +527,11 @@ TW_NODISCARD tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t
    * an allow-list) is not the worker socket's (only the deployment's key) */
   r->czctx = zmq_ctx_new();
   if (!r->czctx) return tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(errno));
-  const char *allow = p->client_allow_file ? p->client_allow_file : getenv(TW_AUTH_CLIENT_ALLOW_ENV);
+  const char *allow =
+      p->client_allow_file ? p->client_allow_file : getenv(TW_AUTH_CLIENT_ALLOW_ENV);
   TW_CHECK(tw_auth_socket_keys("router client socket", p->client_keys_file, &r->ckeys));
-  TW_CHECK(tw_auth_guard_start_clients(r->czctx, &r->ckeys, "router client socket", allow, &r->cguard));
+  TW_CHECK(
+      tw_auth_guard_start_clients(r->czctx, &r->ckeys, "router client socket", allow, &r->cguard));
   TW_CHECK(tw_msg_socket_open_auth(r->czctx, ZMQ_ROUTER, p->client_endpoint, true, &r->ckeys, cep,
                                    sizeof cep, &r->csock));
   TW_CHECK(tw_auth_guard_watch(r->cguard, r->csock, "client socket"));

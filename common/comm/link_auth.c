@@ -67,7 +67,8 @@ TW_NODISCARD tw_status_t tw_auth_keys_parse(const char *text, tw_auth_keys_t *k)
   return tw_auth_keys_parse_need(text, TW_AUTH_ALL_KEYS, k);
 }
 
-TW_NODISCARD tw_status_t tw_auth_keys_parse_need(const char *text, unsigned need, tw_auth_keys_t *k) {
+TW_NODISCARD tw_status_t tw_auth_keys_parse_need(const char *text, unsigned need,
+                                                 tw_auth_keys_t *k) {
   static const char *const names[4] = {"server-public", "server-secret", "client-public",
                                        "client-secret"};
   tw_auth_keys_t out = {0};
@@ -114,8 +115,9 @@ TW_NODISCARD tw_status_t tw_auth_keys_load_file_need(const char *path, unsigned 
   char *buf = NULL;
   size_t len = 0;
   TW_CHECK(tw_file_read(path, TW_AUTH_MAX_FILE, "link keys", &buf, &len));
-  tw_status_t s = memchr(buf, '\0', len) ? tw_err(TW_ERR_INVALID_ARGUMENT, "link keys: %s is binary", path)
-                                          : tw_auth_keys_parse_need(buf, need, k);
+  tw_status_t s = memchr(buf, '\0', len)
+                      ? tw_err(TW_ERR_INVALID_ARGUMENT, "link keys: %s is binary", path)
+                      : tw_auth_keys_parse_need(buf, need, k);
   memset(buf, 0, len);
   free(buf);
   if (s == TW_OK && shared && (k->server_secret[0] || k->client_secret[0])) {
@@ -164,8 +166,9 @@ TW_NODISCARD tw_status_t tw_auth_socket_keys(const char *what, const char *maybe
   if (inl && *inl) return tw_auth_keys_parse_need(inl, need, k);
   if (file && *file) return tw_auth_keys_load_file_need(file, need, k);
   k->plaintext = true;
-  TW_WARN("auth", "%s: plaintext: requests and answers cross the network unencrypted "
-                  "(--client-keys FILE or %s turns on CURVE)",
+  TW_WARN("auth",
+          "%s: plaintext: requests and answers cross the network unencrypted "
+          "(--client-keys FILE or %s turns on CURVE)",
           what, TW_AUTH_CLIENT_KEYS_FILE_ENV);
   return TW_OK;
 }
@@ -178,26 +181,29 @@ TW_NODISCARD tw_status_t tw_auth_client_keys(const char *server_key, const char 
   if (!server_key || !*server_key) {
     if (identity && *identity)
       return tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
-                    "a client key pair (--identity, %s) needs the router's public key too "
-                    "(--server-key, %s)",
-                    TW_AUTH_IDENTITY_ENV, TW_AUTH_SERVER_KEY_ENV);
+                          "a client key pair (--identity, %s) needs the router's public key too "
+                          "(--server-key, %s)",
+                          TW_AUTH_IDENTITY_ENV, TW_AUTH_SERVER_KEY_ENV);
     k->plaintext = true;
     return TW_OK;
   }
   tw_auth_keys_t id = {0};
   if (identity && *identity)
-    TW_CHECK(tw_auth_keys_load_file_need(identity, TW_AUTH_CLIENT_PUBLIC | TW_AUTH_CLIENT_SECRET, &id));
+    TW_CHECK(
+        tw_auth_keys_load_file_need(identity, TW_AUTH_CLIENT_PUBLIC | TW_AUTH_CLIENT_SECRET, &id));
   else if (!zmq_has("curve") || zmq_curve_keypair(id.client_public, id.client_secret) != 0)
-    return tw_err_quiet(TW_ERR_INTERNAL, "cannot make a CURVE key pair: this libzmq has no CURVE support");
+    return tw_err_quiet(TW_ERR_INTERNAL,
+                        "cannot make a CURVE key pair: this libzmq has no CURVE support");
   if (tw_auth_is_z85(server_key, strlen(server_key))) {
     memcpy(k->server_public, server_key, TW_AUTH_KEY_Z85 - 1);
   } else { /* a file with a server-public line */
     tw_auth_keys_t srv;
-    tw_status_t st = access(server_key, F_OK) == 0
-                         ? tw_auth_keys_load_file_need(server_key, TW_AUTH_SERVER_PUBLIC, &srv)
-                         : tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
-                                  "the server key is neither 40 Z85 characters nor an existing "
-                                  "key file");
+    tw_status_t st =
+        access(server_key, F_OK) == 0
+            ? tw_auth_keys_load_file_need(server_key, TW_AUTH_SERVER_PUBLIC, &srv)
+            : tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
+                           "the server key is neither 40 Z85 characters nor an existing "
+                           "key file");
     if (st != TW_OK) {
       memset(&id, 0, sizeof id);
       return st;
@@ -236,8 +242,9 @@ TW_NODISCARD tw_status_t tw_auth_client(void *sock, const tw_auth_keys_t *k) {
 /* ---- a client of the router's client socket ------------------------------------ */
 /* (errors here are quiet: the client commands print them themselves) */
 
-TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint, const tw_auth_keys_t *k,
-                                             int timeout_ms, int hwm, void **sock_p) {
+TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
+                                             const tw_auth_keys_t *k, int timeout_ms, int hwm,
+                                             void **sock_p) {
   *sock_p = NULL;
   void *s = zmq_socket(ctx, ZMQ_DEALER), *mon = NULL;
   if (!s) return tw_err_quiet(TW_ERR_TRANSPORT, "zmq_socket failed: %s", zmq_strerror(errno));
@@ -255,13 +262,14 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint, co
   char ep[96];
   static atomic_uint serial;
   snprintf(ep, sizeof ep, "inproc://tw-client-mon-%p-%u", (void *)s, atomic_fetch_add(&serial, 1));
-  if (st == TW_OK && (zmq_socket_monitor(s, ep,
-                                         ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
-                                             ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                                             ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
-                      !(mon = zmq_socket(ctx, ZMQ_PAIR)) || zmq_connect(mon, ep) != 0))
+  if (st == TW_OK &&
+      (zmq_socket_monitor(s, ep,
+                          ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                              ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                              ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
+       !(mon = zmq_socket(ctx, ZMQ_PAIR)) || zmq_connect(mon, ep) != 0))
     st = tw_err_quiet(TW_ERR_TRANSPORT, "cannot watch the connection to %s: %s", endpoint,
-                zmq_strerror(errno));
+                      zmq_strerror(errno));
   if (st == TW_OK && zmq_connect(s, endpoint) != 0)
     st = tw_err_quiet(TW_ERR_FORMAT, "cannot connect to %s: %s", endpoint, zmq_strerror(errno));
   int64_t end = tw_msg_clock_ns() + (int64_t)timeout_ms * 1000000;
@@ -269,8 +277,9 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint, co
   while (st == TW_OK && failed < 0) {
     int64_t left = (end - tw_msg_clock_ns()) / 1000000;
     if (left <= 0) {
-      st = tw_err_quiet(TW_ERR_UNAVAILABLE, "no answer from %s within %d ms (is `twain serve` running?)",
-                  endpoint, timeout_ms);
+      st = tw_err_quiet(TW_ERR_UNAVAILABLE,
+                        "no answer from %s within %d ms (is `twain serve` running?)", endpoint,
+                        timeout_ms);
       break;
     }
     zmq_pollitem_t it = {.socket = mon, .events = ZMQ_POLLIN};
@@ -287,20 +296,22 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint, co
     zmq_msg_close(&addr);
   }
   if (st == TW_OK && failed == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
-    st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
-                "the router at %s refused this client's key: it is not on the router's allow-list "
-                "(--identity / %s gives a registered key pair)",
-                endpoint, TW_AUTH_IDENTITY_ENV);
+    st = tw_err_quiet(
+        TW_ERR_INVALID_ARGUMENT,
+        "the router at %s refused this client's key: it is not on the router's allow-list "
+        "(--identity / %s gives a registered key pair)",
+        endpoint, TW_AUTH_IDENTITY_ENV);
   else if (st == TW_OK && failed > 0 && k->plaintext)
-    st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
-                "the router at %s ended the connection in the handshake: it requires CURVE; give "
-                "its public key (--server-key KEY, or %s)",
-                endpoint, TW_AUTH_SERVER_KEY_ENV);
+    st = tw_err_quiet(
+        TW_ERR_INVALID_ARGUMENT,
+        "the router at %s ended the connection in the handshake: it requires CURVE; give "
+        "its public key (--server-key KEY, or %s)",
+        endpoint, TW_AUTH_SERVER_KEY_ENV);
   else if (st == TW_OK && failed > 0)
     st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
-                "the CURVE handshake with the router at %s failed: the server key is not the "
-                "router's, or its client socket does not use CURVE",
-                endpoint);
+                      "the CURVE handshake with the router at %s failed: the server key is not the "
+                      "router's, or its client socket does not use CURVE",
+                      endpoint);
   if (mon) {
     zmq_socket_monitor(s, NULL, 0);
     zmq_close(mon);
@@ -318,10 +329,10 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint, co
 struct tw_auth_guard {
   void *zctx;
   tw_auth_keys_t keys;
-  uint8_t (*allow)[32];   /* binary client public keys accepted (internal links: the
+  uint8_t (*allow)[32]; /* binary client public keys accepted (internal links: the
                            * key set's one; client socket: an allow-list) */
   size_t n_allow;
-  bool clients;           /* the client socket's guard: no list = every key */
+  bool clients; /* the client socket's guard: no list = every key */
   char what[64];
   void *zap;              /* REP on inproc://zeromq.zap.01 (guard thread) */
   pthread_mutex_t mu;     /* watch list handover */
@@ -392,9 +403,11 @@ static void tw_auth_zap_one(tw_auth_guard_t *g) {
   if (!ok) {
     atomic_fetch_add(&g->refused, 1);
     if (key[0])
-      tw_auth_guard_log(g, "refused a client from %s: its key %s is not on the allow-list", addr, key);
+      tw_auth_guard_log(g, "refused a client from %s: its key %s is not on the allow-list", addr,
+                        key);
     else
-      tw_auth_guard_log(g, "refused a peer from %s: mechanism %s without the deployment's client key",
+      tw_auth_guard_log(g,
+                        "refused a peer from %s: mechanism %s without the deployment's client key",
                         addr, mech);
   }
 }
@@ -523,7 +536,8 @@ static TW_NODISCARD tw_status_t tw_auth_allow_parse(const char *path, const char
   for (int line = 1; tw_auth_line(&p, &b, &e); line++) {
     if (b == e || *b == '#') continue;
     static const char pre[] = "client-public";
-    if ((size_t)(e - b) > sizeof pre - 1 && !memcmp(b, pre, sizeof pre - 1)) { /* "client-public = KEY" */
+    if ((size_t)(e - b) > sizeof pre - 1 &&
+        !memcmp(b, pre, sizeof pre - 1)) { /* "client-public = KEY" */
       b += sizeof pre - 1;
       while (b < e && (*b == ' ' || *b == '\t')) b++;
       if (b < e && *b == '=') b++;
@@ -565,15 +579,17 @@ TW_NODISCARD tw_status_t tw_auth_guard_start_clients(void *zctx, const tw_auth_k
     char *buf = NULL;
     size_t len = 0;
     TW_CHECK(tw_file_read(allow_file, TW_AUTH_MAX_ALLOW_FILE, "client allow-list", &buf, &len));
-    tw_status_t st = memchr(buf, '\0', len)
-                         ? tw_err(TW_ERR_INVALID_ARGUMENT, "client allow-list %s is binary", allow_file)
-                         : tw_auth_allow_parse(allow_file, buf, &allow, &n);
+    tw_status_t st = memchr(buf, '\0', len) ? tw_err(TW_ERR_INVALID_ARGUMENT,
+                                                     "client allow-list %s is binary", allow_file)
+                                            : tw_auth_allow_parse(allow_file, buf, &allow, &n);
     free(buf);
     TW_CHECK(st);
   }
   TW_CHECK(tw_auth_guard_new(zctx, keys, what, true, true, allow, n, guard_p));
-  if (n) TW_INFO("auth", "%s: CURVE; admitted: the %zu client keys of %s", what, n, allow_file);
-  else if (!keys->plaintext) TW_INFO("auth", "%s: CURVE; admitted: any client key (no allow-list)", what);
+  if (n)
+    TW_INFO("auth", "%s: CURVE; admitted: the %zu client keys of %s", what, n, allow_file);
+  else if (!keys->plaintext)
+    TW_INFO("auth", "%s: CURVE; admitted: any client key (no allow-list)", what);
   return TW_OK;
 }
 

@@ -46,7 +46,7 @@ extern "C" {
 #define TW_AUTH_CLIENT_ALLOW_ENV "TWAIN_CLIENT_ALLOW_FILE"    /* router: allowed client keys */
 #define TW_AUTH_SERVER_KEY_ENV "TWAIN_SERVER_KEY"             /* client: the router's public key */
 #define TW_AUTH_IDENTITY_ENV "TWAIN_IDENTITY_FILE"            /* client: its own key pair */
-#define TW_AUTH_MAX_ALLOW_FILE (1 << 20) /* bytes of an allow-list file */
+#define TW_AUTH_MAX_ALLOW_FILE (1 << 20)                      /* bytes of an allow-list file */
 
 /* Which keys a parse needs (tw_auth_keys_parse_need): a bit per key. */
 #define TW_AUTH_SERVER_PUBLIC 1u
@@ -143,8 +143,9 @@ TW_NODISCARD tw_status_t tw_auth_client_keys(const char *maybe_server_key,
  *  wrong, our key is not on its allow-list, or we speak CURVE to a plaintext
  *  socket: the message says which it can tell), TW_ERR_TRANSPORT (socket,
  *  monitor). */
-TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint, const tw_auth_keys_t *keys,
-                                             int timeout_ms, int hwm, void **sock_p);
+TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
+                                             const tw_auth_keys_t *keys, int timeout_ms, int hwm,
+                                             void **sock_p);
 
 /** The ZAP handler of a ZeroMQ context plus a watcher of handshake failures:
  *  one thread that answers ZAP requests (accepts CURVE with the key set's

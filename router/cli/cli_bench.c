@@ -206,7 +206,8 @@ static TW_NODISCARD tw_status_t tw_bench_make_requests(tw_bench_t *b) {
 /* A connected socket (the handshake done), or NULL with why in tw_last_error(). */
 static void *tw_bench_socket(tw_bench_t *b) {
   void *s = NULL;
-  if (tw_auth_client_open(b->ctx, b->o.endpoint, &b->keys, b->o.connect_timeout_ms, 1000000, &s) != TW_OK)
+  if (tw_auth_client_open(b->ctx, b->o.endpoint, &b->keys, b->o.connect_timeout_ms, 1000000, &s) !=
+      TW_OK)
     return NULL;
   return s;
 }
@@ -637,8 +638,9 @@ static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
       TW_OPT_INT("output-len", &o->out_len, 1, 1 << 24, "N", "max_tokens of each request"),
       TW_OPT_DOUBLE("range-ratio", &o->range_ratio, 0, 0.999, "X",
                     "lengths uniform in [L(1-X), L(1+X)]"),
-      TW_OPT_FLAG("chat", &o->chat, "rendered chats of random words instead of random ids\n"
-                                    "(outputs may stop early)"),
+      TW_OPT_FLAG("chat", &o->chat,
+                  "rendered chats of random words instead of random ids\n"
+                  "(outputs may stop early)"),
       TW_OPT_LONG("seed", &seed, 0, LLONG_MAX, "S", "random seed"),
       TW_OPT_STR_FN("model", &o->model_dir, tw_model_opt, "DIR|ORG/NAME",
                     "the model whose config.json gives the vocabulary"),
@@ -646,7 +648,8 @@ static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
                     "that share of requests is cancelled after a random number of tokens"),
       TW_OPT_DOUBLE("disconnect-prob", &o->disconnect_prob, 0, 1, "P",
                     "that share of clients disconnects after a random number of tokens"),
-      TW_OPT_INT("deadline-ms", &o->deadline_ms, 0, INT_MAX, "MS", "each request's deadline (0: the server's)"),
+      TW_OPT_INT("deadline-ms", &o->deadline_ms, 0, INT_MAX, "MS",
+                 "each request's deadline (0: the server's)"),
       TW_OPT_INT("timeout-ms", &o->timeout_ms, 1, INT_MAX, "MS",
                  "a request with no reply this long counts as lost (keep it above the\n"
                  "longest wait in the service's queue)"),

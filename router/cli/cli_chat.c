@@ -49,16 +49,16 @@ typedef struct {
                       .api_key = getenv("TWAIN_API_KEY")})
 
 /* The options chat and generate share (opts.h rows), on tw_client_opts_t o. */
-#define TW_CLIENT_OPT_ROWS(o)                                                                   \
-  TW_OPT_STR("endpoint", &(o).endpoint, "EP", "the router's client endpoint"),                  \
-      TW_OPT_INT("max-tokens", &(o).max_tokens, 0, INT32_MAX, "N",                              \
-                 "generate at most N tokens (default: the server's)"),                          \
-      TW_OPT_DOUBLE("temperature", &(o).temperature, 0, 100, "T", "sampling temperature"),      \
-      TW_OPT_LONG("seed", &(o).seed, 0, LLONG_MAX, "S", "sampling seed"),                       \
-      TW_OPT_FLAG("json", &(o).json, "print one JSON object (ids or messages, usage, finish)"), \
-      TW_OPT_INT("timeout-ms", &(o).timeout_ms, 1, INT_MAX, "MS", "bound on the whole answer"), \
-      TW_OPT_INT("connect-timeout-ms", &(o).connect_timeout_ms, 1, INT_MAX, "MS",               \
-                 "bound on the wait for the server"),                                           \
+#define TW_CLIENT_OPT_ROWS(o)                                                                      \
+  TW_OPT_STR("endpoint", &(o).endpoint, "EP", "the router's client endpoint"),                     \
+      TW_OPT_INT("max-tokens", &(o).max_tokens, 0, INT32_MAX, "N",                                 \
+                 "generate at most N tokens (default: the server's)"),                             \
+      TW_OPT_DOUBLE("temperature", &(o).temperature, 0, 100, "T", "sampling temperature"),         \
+      TW_OPT_LONG("seed", &(o).seed, 0, LLONG_MAX, "S", "sampling seed"),                          \
+      TW_OPT_FLAG("json", &(o).json, "print one JSON object (ids or messages, usage, finish)"),    \
+      TW_OPT_INT("timeout-ms", &(o).timeout_ms, 1, INT_MAX, "MS", "bound on the whole answer"),    \
+      TW_OPT_INT("connect-timeout-ms", &(o).connect_timeout_ms, 1, INT_MAX, "MS",                  \
+                 "bound on the wait for the server"),                                              \
       TW_CLIENT_CURVE_OPT_ROWS((o).server_key, (o).identity)
 
 /* The v1 code name of a tw_auth_client_open error: the router refused our
@@ -114,8 +114,9 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
     return 1;
   }
   void *ctx = zmq_ctx_new(), *s = NULL;
-  tw_status_t os = ctx ? tw_auth_client_open(ctx, o->endpoint, &keys, sto, 0, &s)
-                       : tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(zmq_errno()));
+  tw_status_t os =
+      ctx ? tw_auth_client_open(ctx, o->endpoint, &keys, sto, 0, &s)
+          : tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(zmq_errno()));
   memset(&keys, 0, sizeof keys);
   if (os != TW_OK) { /* nobody listens, or the handshake refused: wrong or missing CURVE keys */
     tw_call_fail(err, prog, tw_client_open_code(os), "%s", tw_last_error());
