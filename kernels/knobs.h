@@ -37,6 +37,8 @@ typedef struct {
   const char *moe_mma;  /* TWAIN_CUDA_MOE_MMA as given (NULL unset): mma.sync tiles */
   int moe_stream;       /* TWAIN_CUDA_MOE_STREAM=0 turns the streaming decode MoE off (default 1) */
   int moe_stream_warps; /* TWAIN_CUDA_MOE_STREAM_WARPS 8 or 16: its warps per CTA (16) */
+  int moe_stream_splitk; /* TWAIN_CUDA_MOE_STREAM_SPLITK=0: its down launch in one K part (1:
+                            two parts where its items are fewer than twice the warps) */
 } tw_cuda_knobs_t;
 
 /** The knobs, read from the environment on the first call (thread-safe);

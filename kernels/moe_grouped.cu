@@ -90,6 +90,13 @@ typedef struct {
   const int32_t *active, *n_active; /* experts with tokens, increasing id (the route's) */
   int E, N, K;
   void *out; /* SwiGLU: bf16 [T*k, N/2]; plain: f32 [T*k, N] */
+  /* streaming kernel only: ks k-parts per (expert, 32-row slice) item (1 or
+   * 2; plain: the parts add into out with atomicAdd, so out must be zero
+   * first); zero / zero_n: f32 values this launch sets to 0 after its
+   * dependency wait (the gate_up launch clears what its down launch adds into) */
+  int ks;
+  float *zero;
+  int64_t zero_n;
 } tw_gg_args_t;
 
 /* The two E2M1 values of byte e (value 2i in the low nibble, spec §3.4) as
@@ -746,14 +753,17 @@ static __device__ __forceinline__ uint32_t tw_u4(const uint4 &v, int i) {
 }
 
 /* One pass of a warp over its 32 rows (r0..r0 + 31 of expert e) for
- * assignments [base, base + 8 NT) of the expert (those < ne hold data). */
+ * assignments [base, base + 8 NT) of the expert (those < ne hold data), over
+ * k-chunks [cb, ce) of 128 (all of K: 0, ceil(K / 128)). With p.ks > 1
+ * (plain only) the part adds into the output with atomicAdd, the bias with
+ * the first part (cb == 0). */
 template <int EPI, int NT>
 static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const uint8_t *lut,
                                                   uint8_t *stg, int e, int ne, int off, int base,
-                                                  int r0) {
+                                                  int r0, int cb, int ce) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const uint32_t lane4 = 4u * (uint32_t)lane;
-  const int K = p.K, N = p.N, KB = K / 32, KC = (KB + 3) / 4;
+  const int K = p.K, N = p.N, KB = K / 32, KC = ce;
   /* rows of piece q = 2 mt + h; SwiGLU: row g of an m-tile is the gate row of
    * pair i, row g + 8 its linear row */
   /* block index in [E, N, K/32] of (row of piece q, block t of chunk 0):
@@ -841,9 +851,9 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
       if (j & 1) asm volatile("" ::: "memory");
     }
   };
-  issue(0, 0);
-  issue(1, 1);
-  for (int c = 0; c < KC; c += 3) {
+  issue(0, cb);
+  issue(1, cb + 1);
+  for (int c = cb; c < KC; c += 3) {
     issue(2, c + 2);
     compute(0, c);
     if (c + 1 >= KC) break;
@@ -873,8 +883,13 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
         } else {
           const int n = r0 + 16 * mt + g;
           float *y = reinterpret_cast<float *>(p.out) + prow * N;
-          if (n < N) y[n] = acc[mt][nt][c] + bias[n];
-          if (n + 8 < N) y[n + 8] = acc[mt][nt][2 + c] + bias[n + 8];
+          if (p.ks > 1) { /* two parts: a + b == b + a, so the sum is the same every run */
+            if (n < N) atomicAdd(y + n, acc[mt][nt][c] + (cb == 0 ? bias[n] : 0.f));
+            if (n + 8 < N) atomicAdd(y + n + 8, acc[mt][nt][2 + c] + (cb == 0 ? bias[n + 8] : 0.f));
+          } else {
+            if (n < N) y[n] = acc[mt][nt][c] + bias[n];
+            if (n + 8 < N) y[n + 8] = acc[mt][nt][2 + c] + bias[n + 8];
+          }
         }
       }
 }
@@ -884,6 +899,10 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
   extern __shared__ __align__(128) uint8_t tw_gs_smem[];
   TW_PDL_WAIT();
   const int tid = threadIdx.x, warp = tid >> 5;
+  if (p.zero) /* the next launch's split-K output (every earlier kernel is done: PDL wait) */
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + tid; i < p.zero_n;
+         i += (int64_t)gridDim.x * blockDim.x)
+      p.zero[i] = 0.f;
   /* the table: entry v's 32 lane copies at 256 v (bytes 128-255 of each unused) */
   for (int i = tid; i < 256 * 8; i += WARPS * 32) {
     const uint32_t c = tw_fp4x2_bf16((uint32_t)(i >> 3));
@@ -894,16 +913,23 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
   /* items over the experts that hold tokens only: every warp gets the same
    * number of them, +-1 (over all experts, a warp's share of the busy ones
    * varied with the route: 120b at 16 tokens ran 30% slower) */
-  const int slices = (p.N + 31) / 32, total = slices * *p.n_active;
+  /* with p.ks = 2 an item is (expert, slice, half of K): for the down
+   * launch of small batches, whose (expert, slice) items are barely more
+   * than the warps (20b at 64 tokens: 2,880 items, 2,112 warps: most warps
+   * would take one item, the rest two, and the launch lasts two) */
+  const int slices = (p.N + 31) / 32, parts = slices * p.ks, total = parts * *p.n_active;
+  const int KC = (p.K / 32 + 3) / 4;
   for (int item = blockIdx.x * WARPS + warp; item < total; item += gridDim.x * WARPS) {
-    const int ai = item / slices, e = p.active[ai], r0 = (item - ai * slices) * 32;
+    const int ai = item / parts, e = p.active[ai], rest = item - ai * parts;
+    const int r0 = (rest % slices) * 32, kp = rest / slices;
+    const int cb = KC * kp / p.ks, ce = KC * (kp + 1) / p.ks;
     const int ne = p.counts[e];
     const int off = p.offsets[e];
     for (int base = 0; base < ne; base += 16) {
       if (ne - base <= 8)
-        tw_gs_pass<EPI, 1>(p, tw_gs_smem, stg, e, ne, off, base, r0);
+        tw_gs_pass<EPI, 1>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce);
       else
-        tw_gs_pass<EPI, 2>(p, tw_gs_smem, stg, e, ne, off, base, r0);
+        tw_gs_pass<EPI, 2>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce);
     }
   }
 }
@@ -920,7 +946,7 @@ static tw_gg_fn tw_gs_pick(int epi, int warps) {
   if (warps == 8) return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 8> : tw_gs_kernel<TW_GG_PLAIN, 8>;
   return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 16> : tw_gs_kernel<TW_GG_PLAIN, 16>;
 }
-static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, cudaStream_t stream) {
+static int tw_gs_sms(void) {
   static int sms = 0;
   if (sms <= 0) {
     int dev = 0;
@@ -928,7 +954,20 @@ static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, cud
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0)
       sms = 132;
   }
-  const int warps = tw_gs_warps(), items = (a->N + 31) / 32 * a->E;
+  return sms;
+}
+/* K parts of the down launch: 2 where its (expert, 32-row slice) items
+ * (experts: at most min(E, assignments)) are fewer than twice the grid's
+ * warps, so no warp idles through a second round while others finish theirs;
+ * 1 with TWAIN_CUDA_MOE_STREAM_SPLITK=0 (knobs.h). */
+static int tw_gs_down_parts(int N, int E, int tk) {
+  if (!tw_cuda_knobs()->moe_stream_splitk) return 1;
+  const int experts = E < tk ? E : tk, items = (N + 31) / 32 * experts;
+  return items < 2 * tw_gs_sms() * 16 ? 2 : 1;
+}
+static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, cudaStream_t stream) {
+  const int sms = tw_gs_sms();
+  const int warps = tw_gs_warps(), items = (a->N + 31) / 32 * a->E * a->ks;
   const int ctas = TW_CDIV(items, warps), per_sm = 16 / warps;
   dim3 grid(ctas < per_sm * sms ? ctas : per_sm * sms);
   tw_pdl_launch(tw_gs_pick(epi, warps), grid, dim3(warps * 32), (size_t)TW_GS_SMEM(warps), stream,
@@ -1082,6 +1121,12 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.N = 2 * I;
   a.K = H;
   a.out = act;
+  a.ks = 1;
+  const int down_ks = gs ? tw_gs_down_parts(H, E, tk) : 1;
+  if (down_ks > 1) { /* the down launch adds its K parts into y: gate_up clears it */
+    a.zero = y;
+    a.zero_n = (int64_t)tk * H;
+  }
   TW_CHECK(gs ? tw_gs_launch(&a, TW_GG_SWIGLU, stream)
               : tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, bt, stream));
   a.a = (const __nv_bfloat16 *)act;
@@ -1093,5 +1138,8 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.N = H;
   a.K = I;
   a.out = y;
+  a.ks = down_ks;
+  a.zero = NULL;
+  a.zero_n = 0;
   return gs ? tw_gs_launch(&a, TW_GG_PLAIN, stream) : tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);
 }

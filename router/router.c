@@ -625,7 +625,7 @@ static void tw_router_warn_bad_frame(tw_router_t *r) {
   TW_WARN("router", "bad message on the worker socket: %s", tw_last_error());
 }
 
-TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig_atomic_t *stop) {
+TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *p, atomic_int *stop) {
   tw_router_t r;
   tw_status_t st = tw_router_init(&r, p);
   if (st != TW_OK) {
@@ -635,7 +635,7 @@ TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *p, volatile sig
   int64_t drain_since = 0;
   for (;;) {
     int64_t now = tw_msg_clock_ns();
-    if (*stop && !r.draining) {
+    if (atomic_load(stop) && !r.draining) {
       r.draining = true;
       drain_since = now;
       tw_metrics_set_health(r.metrics, false, "draining");

@@ -14,6 +14,7 @@
 #include "common/base/status.h"
 
 #include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -113,13 +114,14 @@ typedef struct {
       TW_OPT_FLAG("disable-log-requests", &(p).disable_log_requests,                               \
                   "no INFO line per finished request")
 
-/** Run until *stop becomes non-zero (SIGTERM/SIGINT in the callers), then
+/** Run until *stop becomes non-zero (SIGTERM/SIGINT in the callers, or
+ *  another thread: an atomic, so a signal handler (lock-free atomic_int) or
+ *  a thread may set it without a data race), then
  *  drain: stop accepting requests (UNAVAILABLE), let running ones finish for
  *  up to 10 s, fail the rest, return.
  *  Errors: TW_ERR_TRANSPORT (cannot bind), TW_ERR_IO/TW_ERR_FORMAT (model
  *  config or tokenizer), TW_ERR_NO_MEMORY. */
-TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *params,
-                                       volatile sig_atomic_t *stop);
+TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *params, atomic_int *stop);
 
 /** The --api-key-file option's parser (common/base/opts.h TW_OPT_FN; dst: const
  *  char **): the first line of the file at `path` (at most 511 bytes; kept for

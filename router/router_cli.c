@@ -20,11 +20,13 @@
 #define TW_DEFAULT_MODEL_DIR "tests/fixtures/tiny-gptoss-wordnet-mxfp4"
 #endif
 
-static volatile sig_atomic_t tw_router_stop_g = 0;
+/* set by the signal handler: a lock-free atomic is safe to store there */
+_Static_assert(ATOMIC_INT_LOCK_FREE == 2, "atomic_int must be lock-free");
+static atomic_int tw_router_stop_g = 0;
 
 static void tw_router_on_signal(int sig) {
   (void)sig;
-  tw_router_stop_g = 1;
+  atomic_store(&tw_router_stop_g, 1);
 }
 
 static void tw_router_print_bound(void *arg, const char *cep, const char *wep) {

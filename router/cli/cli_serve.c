@@ -76,7 +76,7 @@ static void tw_serve_on_signal(int sig) { tw_serve_signal_g = sig; }
 
 typedef struct {
   tw_router_params_t rp;
-  volatile sig_atomic_t router_stop;
+  atomic_int router_stop; /* set by the main thread, read by the router thread */
   pthread_mutex_t mu;
   pthread_cond_t cv;
   int bound;      /* 1 bound, -1 failed */
@@ -600,7 +600,7 @@ int tw_cli_serve(int argc, char **argv) {
     nanosleep(&ts, NULL);
   }
   TW_INFO("serve", "stopping: draining the router, then the workers");
-  s.router_stop = 1;
+  atomic_store(&s.router_stop, 1);
   pthread_join(th, NULL);
   pthread_mutex_lock(&s.mu);
   bool served = s.ready;

@@ -275,7 +275,9 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
   for (int i = 0; i < n_pb; i++) maxb = pb_s[i] > maxb ? pb_s[i] : maxb;
   p.max_batch = maxb;
   p.kv_window_ring = g_kv_ring;
-  if (g_kv_ring > 0) /* rings for the largest batch (the engine sizes the rest) */
+  /* rings for the largest batch (the engine sizes the rest) whenever the
+   * ring is on, by default (0: the cuda backend's default, on) or asked */
+  if (tw_kv_ring_wanted(g_kv_ring, true))
     p.kv_ring_blocks = maxb * tw_kv_ring_len(m->config.sliding_window, p.kv_block_size);
   if (chunk > 0) p.max_prefill_chunk = chunk;
   tw_engine_t *e = NULL;

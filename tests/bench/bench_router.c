@@ -34,7 +34,7 @@
 typedef struct {
   tw_auth_keys_t keys; /* the link keys of the router and the fake workers */
   tw_router_params_t p;
-  volatile sig_atomic_t stop;
+  atomic_int stop;
   char cep[256], wep[256];
   volatile int bound;
 } tw_bench_t;
@@ -71,7 +71,7 @@ static int n_script;
 
 typedef struct {
   tw_bench_t *b;
-  volatile int stop;
+  atomic_int stop;
   void *ctx;
 } fake_t;
 
@@ -119,7 +119,7 @@ static void *fake_main(void *arg) {
   Twain__Internal__V1__KvLayout kl = TWAIN__INTERNAL__V1__KV_LAYOUT__INIT;
   Twain__Internal__V1__KvHandoff h = TWAIN__INTERNAL__V1__KV_HANDOFF__INIT;
   h.layout = &kl;
-  while (!f->stop) {
+  while (!atomic_load(&f->stop)) {
     int64_t now = tw_msg_clock_ns();
     if (now - last_hb > 200000000) {
       fake_heartbeat(pre);
@@ -408,9 +408,9 @@ int main(int argc, char **argv) {
       fflush(stdout);
     }
   zmq_close(cl);
-  f.stop = 1;
+  atomic_store(&f.stop, 1);
   pthread_join(ft, NULL);
-  b.stop = 1;
+  atomic_store(&b.stop, 1);
   pthread_join(rt, NULL);
   zmq_ctx_term(ctx);
   return rc;

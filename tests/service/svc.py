@@ -41,9 +41,16 @@ BUILD = os.environ.get("TW_BUILD_DIR", "")
 TIME_SCALE = max(1.0, float(os.environ.get("TWAIN_TEST_TIME_SCALE", "1") or 1))
 
 
+def scaled(seconds):
+    """A time bound (optimised-build seconds) stretched for this build: for
+    the timeouts and deadlines a test hands to a process (`--timeout-ms`,
+    `--deadline-ms`, subprocess timeouts)."""
+    return seconds * TIME_SCALE
+
+
 def deadline(seconds):
     """time.time() at which a wait of `seconds` (optimised-build time) ends."""
-    return time.time() + seconds * TIME_SCALE
+    return time.time() + scaled(seconds)
 MODEL = os.environ.get("TW_MODEL_DIR", "")
 DESC = os.environ.get("TW_PROTO_DESC", os.path.join(BUILD, "tests", "service", "twain.desc"))
 

@@ -22,8 +22,8 @@ tmp = tempfile.mkdtemp(prefix="twbench")
 def bench(*args, timeout=180):
     path = os.path.join(tmp, "b%d.json" % len(os.listdir(tmp)))
     r = subprocess.run([twain, "bench", "--endpoint", ep, "--model", MODEL, "--json", path,
-                        "--timeout-ms", "60000"] + [str(a) for a in args],
-                       capture_output=True, text=True, timeout=timeout)
+                        "--timeout-ms", "%d" % svc.scaled(60000)] + [str(a) for a in args],
+                       capture_output=True, text=True, timeout=svc.scaled(timeout))
     out = json.load(open(path)) if os.path.exists(path) else None
     return r, out
 

@@ -25,8 +25,8 @@ STALE = ("stale", "older than", "kv-write guard", "not writing its kv")
 def bench(ep, *args, timeout=420):
     path = os.path.join(tmp, "b%d.json" % len(os.listdir(tmp)))
     r = subprocess.run([twain, "bench", "--endpoint", ep, "--model", svc.MODEL, "--json", path, "--quiet",
-                        "--timeout-ms", "400000"] + [str(a) for a in args],
-                       capture_output=True, text=True, timeout=timeout)
+                        "--timeout-ms", "%d" % svc.scaled(400000)] + [str(a) for a in args],
+                       capture_output=True, text=True, timeout=svc.scaled(timeout))
     return r, (json.load(open(path)) if os.path.exists(path) else None)
 
 
@@ -43,7 +43,7 @@ cl = svc.Cluster(decode_args=["--kv-blocks", "64"], prefill_args=["--kv-blocks",
                  router_args=["--max-requests", "70"])
 try:
     r, j = bench(cl.client_ep, "--num-requests", 100, "--concurrency", 100, "--input-len", 40,
-                 "--output-len", 56, "--deadline-ms", 4000)
+                 "--output-len", 56, "--deadline-ms", "%d" % svc.scaled(4000))
     check(j is not None and r.returncode == 0, "overload: bench ran (%s)" % r.stderr.strip()[-200:])
     if j:
         fails = [q for q in j["requests"] if q["outcome"] == "failed"]

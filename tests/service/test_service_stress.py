@@ -1,5 +1,5 @@
 """Nothing lost under churn (issue 15 acceptance, CPU backend, tiny model):
-TW_STRESS_REQUESTS (default 2,000) requests at concurrency 512 through
+TW_STRESS_REQUESTS (default 2,000; the sanitizer pass 1,000) requests at concurrency 512 through
 `twain bench` against `twain serve --backend cpu`, uniform lengths, a tenth
 cancelled and a tenth of the clients disconnecting after a random number of
 tokens. Every request is accounted for (completed, cancelled or
@@ -29,8 +29,8 @@ try:
     r = subprocess.run([twain, "bench", "--endpoint", ep, "--model", svc.MODEL, "--json", path, "--quiet",
                         "--num-requests", str(N), "--concurrency", "512", "--input-len", "16",
                         "--output-len", "32", "--range-ratio", "0.5", "--cancel-prob", "0.1",
-                        "--disconnect-prob", "0.1", "--seed", "15", "--timeout-ms", "400000"],
-                       capture_output=True, text=True, timeout=840)
+                        "--disconnect-prob", "0.1", "--seed", "15", "--timeout-ms", "%d" % svc.scaled(400000)],
+                       capture_output=True, text=True, timeout=svc.scaled(840))
     j = json.load(open(path)) if os.path.exists(path) else None
     check(r.returncode == 0 and j is not None, "bench exit 0 (%s)" % r.stderr.strip()[-300:])
     if j:
