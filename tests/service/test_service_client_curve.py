@@ -32,12 +32,12 @@ tmp = tempfile.mkdtemp(prefix="tw_ccurve_")
 def keygen(name):
     """A fresh `twain keygen` file: (path, {name: key})."""
     path = os.path.join(tmp, name)
-    r = subprocess.run([TWAIN, "keygen", path], capture_output=True, text=True, timeout=30)
+    r = subprocess.run([TWAIN, "keygen", path], capture_output=True, text=True, timeout=svc.scaled(30))
     assert r.returncode == 0, r.stderr
     return path, svc.read_keys(path)
 
 
-def client(ep, *args, env=None, timeout=120):
+def client(ep, *args, env=None, timeout=svc.scaled(120)):
     """Run a twain client command against ep: (CompletedProcess, seconds)."""
     t0 = time.time()
     e = {k: v for k, v in os.environ.items() if k not in ("TWAIN_SERVER_KEY", "TWAIN_IDENTITY_FILE")}
@@ -87,7 +87,7 @@ try:
 
     # no CURVE: refused in the handshake, a clear error long before the connect timeout
     r, took = client(ep, *gen, "--connect-timeout-ms", "20000")
-    check(r.returncode == 1 and "requires CURVE" in r.stderr and "--server-key" in r.stderr and took < 10,
+    check(r.returncode == 1 and "requires CURVE" in r.stderr and "--server-key" in r.stderr and took < svc.scaled(10),
           "generate without a server key: exit %d in %.1f s: %s" % (r.returncode, took, r.stderr.strip()[-200:]))
     r, took = client(ep, *gen, "--json", "--connect-timeout-ms", "20000")
     err = json.loads(r.stdout).get("error", {}) if r.returncode == 1 and r.stdout.strip() else {}
@@ -95,10 +95,10 @@ try:
     # a wrong server key (another set's): the router cannot open its hello
     _, other = keygen("other.keys")
     r, took = client(ep, *gen, "--server-key", other["server-public"], "--connect-timeout-ms", "20000")
-    check(r.returncode == 1 and "CURVE handshake with the router" in r.stderr and took < 10,
+    check(r.returncode == 1 and "CURVE handshake with the router" in r.stderr and took < svc.scaled(10),
           "generate with a wrong server key: exit %d in %.1f s: %s" % (r.returncode, took, r.stderr.strip()[-200:]))
     b, took = client(ep, "bench", "--model", svc.MODEL, "--num-requests", "2", "--connect-timeout-ms", "20000")
-    check(b.returncode == 1 and "requires CURVE" in b.stderr and took < 10,
+    check(b.returncode == 1 and "requires CURVE" in b.stderr and took < svc.scaled(10),
           "bench without a server key: exit %d in %.1f s" % (b.returncode, took))
     r, _ = client(ep, *gen, "--server-key", "not-a-key")
     check(r.returncode == 1 and "neither 40 Z85 characters nor an existing key file" in r.stderr,
@@ -148,7 +148,7 @@ try:
     check(ids_of(r) == want, "a listed client key (--identity): answered (%s)" % (ids_of(r) or r.stderr[-160:]))
     r, took = client(ep, *gen, "--connect-timeout-ms", "20000",
                      env={"TWAIN_SERVER_KEY": spub, "TWAIN_IDENTITY_FILE": bad_path})
-    check(r.returncode == 1 and "refused this client's key" in r.stderr and took < 10,
+    check(r.returncode == 1 and "refused this client's key" in r.stderr and took < svc.scaled(10),
           "an unlisted client key: exit %d in %.1f s: %s" % (r.returncode, took, r.stderr.strip()[-200:]))
     check(c.router.seen(r"WARN.*refused a client from 127\.0\.0\.1\S*: its key %s is not on the allow-list"
                         % re.escape(bad["client-public"]), 10),
@@ -174,16 +174,16 @@ check(p.seen(r"WARN.*router client socket: plaintext", 15) and p.seen(r"listenin
       "without --client-keys the client socket is plaintext, and the router says so")
 plain_ep = p.wait_line(r"listening clients=(\S+)", 15).group(1)
 r, took = client(plain_ep, *gen, "--server-key", spub, "--connect-timeout-ms", "20000")
-check(r.returncode == 1 and "does not use CURVE" in r.stderr and took < 10,
+check(r.returncode == 1 and "does not use CURVE" in r.stderr and took < svc.scaled(10),
       "a CURVE client of a plaintext client socket: exit %d in %.1f s: %s" % (r.returncode, took, r.stderr.strip()))
 check(p.stop() == 0, "that router stops cleanly")
 
 
 def router_fails(args, extra_env, pattern, what):
     t0 = time.time()
-    r = subprocess.run(base + args, env=dict(env, **extra_env), capture_output=True, text=True, timeout=30)
+    r = subprocess.run(base + args, env=dict(env, **extra_env), capture_output=True, text=True, timeout=svc.scaled(30))
     took = time.time() - t0
-    check(r.returncode != 0 and pattern in r.stderr + r.stdout and took < 10,
+    check(r.returncode != 0 and pattern in r.stderr + r.stdout and took < svc.scaled(10),
           "%s: exit %d in %.1f s: %s" % (what, r.returncode, took,
                                           (r.stderr.strip().splitlines() or ["(nothing)"])[-1]))
 

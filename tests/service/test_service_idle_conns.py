@@ -38,7 +38,7 @@ def hold(port, n):
     return out
 
 
-def get(port, path, timeout=10):
+def get(port, path, timeout=svc.scaled(10)):
     """(status, body) of GET http://127.0.0.1:port/path."""
     try:
         with urllib.request.urlopen("http://127.0.0.1:%d%s" % (port, path), timeout=timeout) as r:
