@@ -618,6 +618,7 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   /* dp: an idle rank pads its step with the pool's last block, which is no
    * ring block: no window ring there */
   ep.kv_window_ring = p->dp > 1 ? -1 : p->kv_window_ring;
+  ep.kv_dtype = p->kv_dtype;
   ep.max_batch = p->max_batch;     /* 0: planned */
   ep.max_prefill_chunk = 0;        /* planned: decode workers do not prefill */
   ep.mem_role = TW_MEM_ROLE_DECODE;

@@ -23,6 +23,7 @@ typedef struct {
   tw_backend_kind_t backend;
   int32_t kv_blocks;        /* KV pool size in blocks; 0: the memory plan's (mem_plan.h) */
   int32_t kv_window_ring;   /* engine.h kv_window_ring: 1 on, -1 off, 0 the backend's default */
+  int32_t kv_dtype;         /* engine.h kv_dtype (kv_fp8.h): 0 the backend's, 1 fp8 */
   int32_t block_size;
   int32_t max_batch;        /* sequences per step; 0: the memory plan's */
   double gpu_memory_utilization; /* share of the device for its workers; 0: 0.90 */

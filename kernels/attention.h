@@ -8,6 +8,9 @@
  *   - kv_layer: bf16 pool of one layer in the engine.h layout
  *     [block][k=0|v=1][kv_head (local)][slot][D], K post-RoPE. A sequence's
  *     position p is at block block_table[p / block_size], slot p % block_size.
+ *     With shape.kv_fp8 the fp8 layout of common/kv/kv_fp8.h instead: the
+ *     kernels copy its e4m3 tiles and scales to shared memory and
+ *     dequantize them there into the bf16 tiles the MMAs read.
  *   - sinks: f32 [NQ] on the device, one logit per query head in scaled-logit
  *     units; it enters only the softmax denominator.
  *   - block_tables: int32 on the device, row s of sequence s at
@@ -38,6 +41,10 @@ typedef struct {
   int32_t block_size;  /* tokens per KV block (engine kv_block_size) */
   int32_t window;      /* W on a sliding layer (keys p-(W-1)..p); 0 on a full layer */
   float scale;         /* softmax scale, 1/sqrt(D) = 0.125 for gpt-oss */
+  /* 1: the pool is the fp8 KV cache (common/kv/kv_fp8.h: each (k|v, kv head)
+   * part of a block is [slot][D] e4m3 then [slot] f32 scales; block_size a
+   * multiple of 4), read as e4m3 x scale; 0: bf16 as above */
+  int32_t kv_fp8;
 } tw_cuda_attn_shape_t;
 
 /** Prefill attention (FlashAttention-2 style, tensor cores) over several

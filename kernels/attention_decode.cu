@@ -35,7 +35,7 @@
 typedef struct {
   const __nv_bfloat16 *q;
   int64_t q_stride;
-  const __nv_bfloat16 *kv;
+  const __nv_bfloat16 *kv; /* F8: the fp8 pool's bytes (common/kv/kv_fp8.h) */
   const float *sinks;
   const int32_t *seq_lens;
   const int32_t *block_tables;
@@ -54,12 +54,30 @@ static __device__ __forceinline__ int tw_dc_chunk(int len, int n_splits) {
   return max(TW_DC_BN, (c + TW_DC_BN - 1) / TW_DC_BN * TW_DC_BN);
 }
 
-template <int NS>
+/* Shared memory of the split kernel: bf16: [NS][k|v][BN x D] bf16 tiles;
+ * F8 (the fp8 cache): [NS][k|v][BN x D] e4m3 staging, [NS][k|v][BN] f32
+ * scales, then one [k|v][BN x D] bf16 tile the staged one is dequantized
+ * into. Reused by the merge at the end either way. */
+template <int NS, bool F8>
+struct tw_dc_smem {
+  static constexpr int BN = TW_DC_BN, D = TW_ATTN_D;
+  static constexpr int RAW = NS * 2 * BN * D, SCL = NS * 2 * BN * 4, CVT = 2 * BN * D * 2;
+  static constexpr int BYTES = F8 ? RAW + SCL + CVT : NS * 2 * BN * D * 2;
+};
+
+template <int NS, bool F8>
 static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_kernel(
     const tw_dc_params_t p) {
   TW_PDL_WAIT();
   constexpr int BN = TW_DC_BN, D = TW_ATTN_D, NT = TW_DC_WARPS * 32;
-  __shared__ __align__(128) uint8_t sbuf[NS][2][BN * D * 2]; /* [stage][k|v], reused below */
+  using SM = tw_dc_smem<NS, F8>;
+  static_assert(SM::BYTES >= (TW_DC_WARPS * 16 * (D + 2) + 1) * 4 &&
+                    SM::BYTES >= 16 * TW_DC_MAX_SPLITS * 4,
+                "the merge reuses the tiles' shared memory");
+  __shared__ __align__(128) uint8_t sbuf[SM::BYTES]; /* the tiles, reused below */
+  uint8_t *const raw8 = sbuf;                                                   /* F8 */
+  float *const scl = reinterpret_cast<float *>(sbuf + SM::RAW);                 /* F8 */
+  uint8_t *const cvt = sbuf + SM::RAW + SM::SCL;                                /* F8 */
   const int sp = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;
@@ -77,17 +95,43 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
   const int64_t blk_elems = 2 * (int64_t)p.nkv * head_elems;
   const __nv_bfloat16 *kv_g = p.kv + (int64_t)g * head_elems;
   const int t_lo = s_lo / BN, t_hi = (s_hi - 1) / BN;
+  /* F8: bytes of one (k|v, head) part of a block and of a block */
+  const int64_t part8 = (int64_t)bs * (D + 4), blk8 = 2 * (int64_t)p.nkv * part8;
+  const uint8_t *kv8 = reinterpret_cast<const uint8_t *>(p.kv);
+  const uint8_t *kv8_g = kv8 + (int64_t)g * part8;
 
   auto load_kv = [&](int stage, int kt) {
+    if constexpr (F8) { /* 4 chunks of 16 bytes a row, then the row's two scales */
+      for (int c = tid; c < BN * 4; c += NT) {
+        const int r = c >> 2, ch = c & 3;
+        const int pos = kt * BN + r;
+        const bool ok = pos >= s_lo && pos < s_hi;
+        const uint8_t *src = kv8;
+        if (ok) src = kv8_g + (int64_t)bt[pos / bs] * blk8 + (int64_t)(pos % bs) * D + ch * 16;
+        tw_cp_async16(tw_smem_u32(raw8 + (stage * 2 + 0) * BN * D + r * D + ch * 16), src, ok);
+        tw_cp_async16(tw_smem_u32(raw8 + (stage * 2 + 1) * BN * D + r * D + ch * 16),
+                      ok ? src + (int64_t)p.nkv * part8 : kv8, ok);
+      }
+      for (int r = tid; r < BN; r += NT) {
+        const int pos = kt * BN + r;
+        const bool ok = pos >= s_lo && pos < s_hi;
+        const uint8_t *src = kv8;
+        if (ok) src = kv8_g + (int64_t)bt[pos / bs] * blk8 + (int64_t)bs * D + (pos % bs) * 4;
+        tw_cp_async4(tw_smem_u32(scl + (stage * 2 + 0) * BN + r), src, ok);
+        tw_cp_async4(tw_smem_u32(scl + (stage * 2 + 1) * BN + r),
+                     ok ? src + (int64_t)p.nkv * part8 : kv8, ok);
+      }
+    } else {
     for (int c = tid; c < BN * 8; c += NT) {
       const int r = c >> 3, ch = c & 7;
       const int pos = kt * BN + r;
       const bool ok = pos >= s_lo && pos < s_hi;
       const __nv_bfloat16 *src = p.kv;
       if (ok) src = kv_g + (int64_t)bt[pos / bs] * blk_elems + (int64_t)(pos % bs) * D + ch * 8;
-      tw_cp_async16(tw_smem_u32(sbuf[stage][0]) + tw_swz(r, ch), src, ok);
-      tw_cp_async16(tw_smem_u32(sbuf[stage][1]) + tw_swz(r, ch),
+      tw_cp_async16(tw_smem_u32(sbuf + (stage * 2 + 0) * BN * D * 2) + tw_swz(r, ch), src, ok);
+      tw_cp_async16(tw_smem_u32(sbuf + (stage * 2 + 1) * BN * D * 2) + tw_swz(r, ch),
                     ok ? src + (int64_t)p.nkv * head_elems : p.kv, ok);
+    }
     }
   };
 #pragma unroll
@@ -130,9 +174,16 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
     tw_cp_async_commit();
     tw_cp_async_wait<NS - 1>();
     __syncthreads();
+    if constexpr (F8) { /* the staged fp8 tile into the bf16 tile */
+      for (int kv = 0; kv < 2; kv++)
+        tw_fp8_tile_to_bf16(cvt + kv * BN * D * 2, raw8 + (st * 2 + kv) * BN * D,
+                            scl + (st * 2 + kv) * BN, BN, tid, NT);
+      __syncthreads();
+    }
     const int k0 = kt * BN + warp * 16; /* this warp's 16 keys */
     if (k0 + 15 >= s_lo && k0 < s_hi) {
-      const uint32_t kbase = tw_smem_u32(sbuf[st][0]), vbase = tw_smem_u32(sbuf[st][1]);
+      const uint32_t kbase = tw_smem_u32(F8 ? cvt : sbuf + (st * 2 + 0) * BN * D * 2),
+                     vbase = tw_smem_u32(F8 ? cvt + BN * D * 2 : sbuf + (st * 2 + 1) * BN * D * 2);
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int kk = 0; kk < 4; kk++) {
@@ -197,7 +248,7 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
   __syncthreads();
 
   /* Merge the 4 warps in shared memory (the stage buffers are free now). */
-  float *sm_m = reinterpret_cast<float *>(&sbuf[0][0][0]); /* [warp][16] */
+  float *sm_m = reinterpret_cast<float *>(sbuf); /* [warp][16] */
   float *sm_l = sm_m + TW_DC_WARPS * 16;                    /* [warp][16] */
   float *sm_acc = sm_l + TW_DC_WARPS * 16;                  /* [warp][16][D] */
   int *is_last = reinterpret_cast<int *>(sm_acc + TW_DC_WARPS * 16 * D); /* fused merge */
@@ -259,7 +310,7 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
   __threadfence();
   /* Per row (a warp each): the splits' maximum, then each split's weight
    * 2^(m_s - max) / sum_s(2^(m_s - max) l_s) into shared memory. */
-  float *sw = reinterpret_cast<float *>(&sbuf[0][0][0]); /* [16][TW_DC_MAX_SPLITS] */
+  float *sw = reinterpret_cast<float *>(sbuf); /* [16][TW_DC_MAX_SPLITS] */
   for (int row = warp; row < p.group; row += TW_DC_WARPS) {
     const int64_t base = (row0 + row) * p.n_splits;
     float mm = -INFINITY;
@@ -406,6 +457,11 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   if (q_row_stride < (int64_t)shape->n_q_heads * TW_ATTN_D || q_row_stride % 2 != 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "attention decode: q row stride %lld",
                   (long long)q_row_stride);
+  if (shape->kv_fp8 && (shape->block_size % 4 || shape->kv_fp8 != 1))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "attention decode: the fp8 KV cache needs blocks of a multiple of 4 tokens "
+                  "(16-byte aligned rows), got %d (kv_fp8 %d)",
+                  shape->block_size, shape->kv_fp8);
   const size_t need = tw_cuda_attention_decode_workspace_bytes(shape, n_seqs, max_seq_len);
   if (workspace_bytes < need)
     return tw_err(TW_ERR_INVALID_ARGUMENT,
@@ -416,7 +472,7 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   p.fused = tw_dc_fused();
   p.q = static_cast<const __nv_bfloat16 *>(q);
   p.q_stride = q_row_stride;
-  p.kv = static_cast<const __nv_bfloat16 *>(kv_layer);
+  p.kv = static_cast<const __nv_bfloat16 *>(kv_layer); /* the bytes of the fp8 pool with kv_fp8 */
   p.sinks = sinks;
   p.seq_lens = seq_lens;
   p.block_tables = block_tables;
@@ -438,12 +494,15 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   p.ws_l = reinterpret_cast<float *>(w);
   p.out = static_cast<__nv_bfloat16 *>(out);
   dim3 grid((unsigned)p.n_splits, (unsigned)p.nkv, (unsigned)n_seqs);
-  if (tw_dc_stages() == 2)
-    tw_pdl_launch(tw_attn_decode_split_kernel<2>, dim3(grid), dim3(TW_DC_WARPS * 32), 0, stream,
-                  p);
+  if (shape->kv_fp8)
+    tw_pdl_launch(tw_attn_decode_split_kernel<3, true>, dim3(grid), dim3(TW_DC_WARPS * 32), 0,
+                  stream, p);
+  else if (tw_dc_stages() == 2)
+    tw_pdl_launch(tw_attn_decode_split_kernel<2, false>, dim3(grid), dim3(TW_DC_WARPS * 32), 0,
+                  stream, p);
   else
-    tw_pdl_launch(tw_attn_decode_split_kernel<3>, dim3(grid), dim3(TW_DC_WARPS * 32), 0, stream,
-                  p);
+    tw_pdl_launch(tw_attn_decode_split_kernel<3, false>, dim3(grid), dim3(TW_DC_WARPS * 32), 0,
+                  stream, p);
   TW_CUDA_CHECK_LAUNCH("attention decode (split)");
   /* one split per sequence: the split kernel wrote the output; fused: it merged */
   if (p.n_splits == 1 || p.fused) return TW_OK;

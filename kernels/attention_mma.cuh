@@ -18,6 +18,8 @@
 #define TW_KERNELS_ATTENTION_MMA_CUH
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #define TW_ATTN_D 64 /* the only head_dim built */
@@ -35,6 +37,11 @@ static __device__ __forceinline__ uint32_t tw_swz(int row, int chunk) {
 static __device__ __forceinline__ void tw_cp_async16(uint32_t dst, const void *src, bool valid) {
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+/* 4-byte global->shared copy (an fp8 KV scale); zero-fills when !valid. */
+static __device__ __forceinline__ void tw_cp_async4(uint32_t dst, const void *src, bool valid) {
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
 static __device__ __forceinline__ void tw_cp_async_commit(void) {
   asm volatile("cp.async.commit_group;\n" ::);
@@ -81,6 +88,33 @@ static __device__ __forceinline__ float tw_ex2(float x) {
 }
 
 #define TW_LOG2E 1.4426950408889634f
+
+/* ---- the fp8 KV cache (common/kv/kv_fp8.h) -----------------------------------
+ * A staged tile of `rows` keys: e4m3 rows of 64 bytes at raw + r * 64, the
+ * row's f32 scale at scl[r]. Dequantize it into the swizzled 64-wide bf16
+ * tile at dst (tw_swz): each thread of nt takes 8 values (one 16-byte chunk
+ * of the bf16 tile) at a time. e4m3 -> half is exact, then x scale in f32,
+ * rounded to bf16 once. */
+static __device__ __forceinline__ uint32_t tw_fp8x2_bf16x2(uint16_t two, float s) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)two, __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&h));
+  return tw_pack_bf16(f.x * s, f.y * s);
+}
+static __device__ __forceinline__ void tw_fp8_tile_to_bf16(uint8_t *dst, const uint8_t *raw,
+                                                           const float *scl, int rows, int tid,
+                                                           int nt) {
+  for (int c = tid; c < rows * 8; c += nt) {
+    const int r = c >> 3, ch = c & 7;
+    const uint2 v = *reinterpret_cast<const uint2 *>(raw + r * 64 + ch * 8);
+    const float s = scl[r];
+    uint4 o;
+    o.x = tw_fp8x2_bf16x2((uint16_t)(v.x & 0xFFFFu), s);
+    o.y = tw_fp8x2_bf16x2((uint16_t)(v.x >> 16), s);
+    o.z = tw_fp8x2_bf16x2((uint16_t)(v.y & 0xFFFFu), s);
+    o.w = tw_fp8x2_bf16x2((uint16_t)(v.y >> 16), s);
+    *reinterpret_cast<uint4 *>(dst + tw_swz(r, ch)) = o;
+  }
+}
 
 /* ---- Hopper wgmma (sm_90a only) -------------------------------------------
  * Shared-memory matrix descriptor of a tile in the swizzled layout above

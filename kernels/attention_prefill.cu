@@ -49,13 +49,17 @@ typedef struct {
   __nv_bfloat16 *out;
   int32_t n_seqs, nq, nkv, group, block_size, window;
   int32_t bs_shift; /* log2(block_size) if a power of two, else -1 */
+  int32_t f8;       /* kv is the fp8 KV cache (common/kv/kv_fp8.h) */
   float scale_log2; /* scale * log2(e) */
 } tw_pf_params_t;
 
 /* WG: Hopper wgmma path (MT == 1, BN 64 or 128): each group of 4 warps (a
  * warpgroup, 64 rows) computes S = Q K^T with Q and K from shared memory and
  * O += P V with P from registers, instead of per-warp mma.sync. */
-template <int MT, int NW, int BN, int MINB, bool WG>
+/* F8: the pool is the fp8 KV cache (common/kv/kv_fp8.h): each tile's e4m3 rows
+ * and scales are staged by cp.async and dequantized into the bf16 tiles
+ * (tw_fp8_tile_to_bf16) before the MMAs read them. */
+template <int MT, int NW, int BN, int MINB, bool WG, bool F8>
 static __global__ void __launch_bounds__(NW * 32, MINB) tw_attn_prefill_kernel(const tw_pf_params_t p) {
   static_assert(!WG || (MT == 1 && (BN == 64 || BN == 128) && NW % 4 == 0), "wgmma: MT 1");
   constexpr int BM = 16 * MT * NW;
@@ -68,6 +72,8 @@ static __global__ void __launch_bounds__(NW * 32, MINB) tw_attn_prefill_kernel(c
   uint8_t *sQ = tw_pf_smem + ((1024 - (tw_smem_u32(tw_pf_smem) & 1023)) & 1023); /* [BM][D] */
   uint8_t *sK0 = sQ + BM * D * 2;            /* [2][BN][D] */
   uint8_t *sV0 = sK0 + 2 * BN * D * 2;       /* [2][BN][D] */
+  uint8_t *sR8 = sV0 + 2 * BN * D * 2;       /* F8: [2][k|v][BN][D] e4m3 */
+  float *sS8 = reinterpret_cast<float *>(sR8 + 2 * 2 * BN * D); /* F8: [2][k|v][BN] scales */
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int h = blockIdx.x, g = h / p.group;
@@ -96,6 +102,9 @@ static __global__ void __launch_bounds__(NW * 32, MINB) tw_attn_prefill_kernel(c
   const int64_t head_elems = (int64_t)bs * D;
   const int64_t blk_elems = 2 * (int64_t)p.nkv * head_elems;
   const __nv_bfloat16 *kv_g = p.kv + (int64_t)g * head_elems;
+  const int64_t part8 = (int64_t)bs * (D + 4), blk8 = 2 * (int64_t)p.nkv * part8; /* F8 */
+  const uint8_t *kv8 = reinterpret_cast<const uint8_t *>(p.kv);
+  const uint8_t *kv8_g = kv8 + (int64_t)g * part8;
 
   /* Q tile (rows past the sequence are zero-filled and never stored). */
   for (int c = tid; c < BM * 8; c += NT) {
@@ -124,11 +133,21 @@ static __global__ void __launch_bounds__(NW * 32, MINB) tw_attn_prefill_kernel(c
       const int pos = kt * BN + r;
       const bool ok = blk[i] >= 0; /* others: zeros, masked */
       const int slot = sh >= 0 ? pos & (bs - 1) : pos % bs;
-      const __nv_bfloat16 *src = p.kv;
-      if (ok) src = kv_g + (int64_t)blk[i] * blk_elems + (int64_t)slot * D + ch * 8;
-      tw_cp_async16(tw_smem_u32(sK0 + stage * BN * D * 2) + tw_swz(r, ch), src, ok);
-      tw_cp_async16(tw_smem_u32(sV0 + stage * BN * D * 2) + tw_swz(r, ch),
-                    ok ? src + (int64_t)p.nkv * head_elems : p.kv, ok);
+      if constexpr (F8) { /* chunk ch < 4: K bytes 16ch.., else V; ch 0 / 4 also the scale */
+        const int kv = ch >> 2;
+        const uint8_t *part = kv8_g + (int64_t)blk[i] * blk8 + kv * (int64_t)p.nkv * part8;
+        tw_cp_async16(tw_smem_u32(sR8 + ((stage * 2 + kv) * BN + r) * D + (ch & 3) * 16),
+                      ok ? part + (int64_t)slot * D + (ch & 3) * 16 : kv8, ok);
+        if ((ch & 3) == 0)
+          tw_cp_async4(tw_smem_u32(sS8 + (stage * 2 + kv) * BN + r),
+                       ok ? part + (int64_t)bs * D + slot * 4 : kv8, ok);
+      } else {
+        const __nv_bfloat16 *src = p.kv;
+        if (ok) src = kv_g + (int64_t)blk[i] * blk_elems + (int64_t)slot * D + ch * 8;
+        tw_cp_async16(tw_smem_u32(sK0 + stage * BN * D * 2) + tw_swz(r, ch), src, ok);
+        tw_cp_async16(tw_smem_u32(sV0 + stage * BN * D * 2) + tw_swz(r, ch),
+                      ok ? src + (int64_t)p.nkv * head_elems : p.kv, ok);
+      }
     }
   };
   int blk_cur[CPT], blk_next[CPT];
@@ -166,6 +185,12 @@ static __global__ void __launch_bounds__(NW * 32, MINB) tw_attn_prefill_kernel(c
     }
     tw_cp_async_commit();
     tw_cp_async_wait<1>();
+    if constexpr (F8) { /* the staged fp8 tile into this stage's bf16 tiles */
+      __syncthreads();
+      for (int kv = 0; kv < 2; kv++)
+        tw_fp8_tile_to_bf16((kv ? sV0 : sK0) + st * BN * D * 2, sR8 + (st * 2 + kv) * BN * D,
+                            sS8 + (st * 2 + kv) * BN, BN, tid, NT);
+    }
     if (WG) tw_fence_proxy_async(); /* cp.async data -> wgmma operand reads */
     __syncthreads();
     if (!WG && it == 0) {
@@ -355,20 +380,21 @@ static __global__ void __launch_bounds__(NW * 32, MINB) tw_attn_prefill_kernel(c
     }
 }
 
-template <int MT, int NW, int BN, int MINB, bool WG>
+template <int MT, int NW, int BN, int MINB, bool WG, bool F8 = false>
 static TW_NODISCARD tw_status_t tw_pf_launch_t(const tw_pf_params_t *p, int32_t n_tokens, int32_t n_seqs,
                                   cudaStream_t stream) {
   constexpr int BM = 16 * MT * NW;
-  constexpr int smem = (BM + 4 * BN) * TW_ATTN_D * 2 + 1024; /* + alignment slack */
+  constexpr int smem = (BM + 4 * BN) * TW_ATTN_D * 2 + 1024 /* + alignment slack */
+                       + (F8 ? 4 * BN * (TW_ATTN_D + 4) : 0); /* fp8 staging and scales */
   const int64_t tiles = (int64_t)TW_CDIV(n_tokens, BM) + n_seqs; /* >= sum of per-seq tiles */
   if (tiles > 65535)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "attention prefill: %lld query tiles (max 65535)",
                   (long long)tiles);
   if (smem > 48 * 1024)
-    TW_CUDA_CHECK(cudaFuncSetAttribute(tw_attn_prefill_kernel<MT, NW, BN, MINB, WG>,
+    TW_CUDA_CHECK(cudaFuncSetAttribute(tw_attn_prefill_kernel<MT, NW, BN, MINB, WG, F8>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid((unsigned)p->nq, (unsigned)tiles);
-  tw_attn_prefill_kernel<MT, NW, BN, MINB, WG><<<grid, NW * 32, smem, stream>>>(*p);
+  tw_attn_prefill_kernel<MT, NW, BN, MINB, WG, F8><<<grid, NW * 32, smem, stream>>>(*p);
   TW_CUDA_CHECK_LAUNCH("attention prefill");
   return TW_OK;
 }
@@ -380,6 +406,15 @@ static int tw_pf_default_variant(int window) { return window > 0 ? 4 : 5; }
 /* Variant table: <MT, NW, BN, min CTAs per SM, wgmma>. */
 static TW_NODISCARD tw_status_t tw_pf_launch(const tw_pf_params_t *p, int32_t n_tokens, int32_t n_seqs,
                                 int variant, cudaStream_t stream) {
+  if (p->f8) switch (variant) { /* the fp8 cache: the default variants only */
+    case 0: return tw_pf_launch_t<2, 4, 64, 2, false, true>(p, n_tokens, n_seqs, stream);
+    case 4: return tw_pf_launch_t<1, 4, 64, 4, true, true>(p, n_tokens, n_seqs, stream);
+    case 5: return tw_pf_launch_t<1, 8, 64, 2, true, true>(p, n_tokens, n_seqs, stream);
+    default:
+      return tw_err(TW_ERR_UNSUPPORTED,
+                    "attention prefill: variant %d is not built for the fp8 KV cache (0, 4, 5 are)",
+                    variant);
+    }
   switch (variant) {
   case 1: return tw_pf_launch_t<1, 4, 64, 3, false>(p, n_tokens, n_seqs, stream);
   case 2: return tw_pf_launch_t<1, 8, 64, 2, false>(p, n_tokens, n_seqs, stream);
@@ -415,6 +450,11 @@ static TW_NODISCARD tw_status_t tw_pf_run(const tw_cuda_attn_shape_t *shape, con
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "attention prefill: q row stride %lld (>= NQ*D, multiple of 8)",
                   (long long)q_row_stride);
+  if (shape->kv_fp8 && (shape->block_size % 4 || shape->kv_fp8 != 1))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "attention prefill: the fp8 KV cache needs blocks of a multiple of 4 tokens "
+                  "(16-byte aligned rows), got %d (kv_fp8 %d)",
+                  shape->block_size, shape->kv_fp8);
   tw_pf_params_t p;
   p.q = static_cast<const __nv_bfloat16 *>(q);
   p.q_stride = q_row_stride;
@@ -435,6 +475,7 @@ static TW_NODISCARD tw_status_t tw_pf_run(const tw_cuda_attn_shape_t *shape, con
     if (shape->block_size == (1 << b)) p.bs_shift = b;
   p.window = shape->window;
   p.scale_log2 = shape->scale * TW_LOG2E;
+  p.f8 = shape->kv_fp8;
   return tw_pf_launch(&p, n_tokens, n_seqs, variant, stream);
 }
 

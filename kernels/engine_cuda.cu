@@ -9,8 +9,9 @@
  * as f32. The KV pool is bf16 in the engine.h layout, zeroed at start. */
 #include "kernels/engine_cuda_impl.h"
 
-#include "common/comm/collective.h"
 #include "common/base/log.h"
+#include "common/comm/collective.h"
+#include "common/kv/kv_fp8.h"
 #include "kernels/attention.h"
 #include "kernels/cuda_common.h"
 #include "kernels/norm_rope.h"
@@ -518,6 +519,10 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     return tw_err(TW_ERR_INVALID_ARGUMENT, "cuda engine: NULL argument");
   TW_CHECK(tw_ce_config_check(model, params));
   const tw_model_config_t *c = &model->config;
+  if (params->kv_dtype == TW_KV_DTYPE_FP8 && params->kv_block_size % 4)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "cuda engine: the fp8 KV cache needs blocks of a multiple of 4 tokens, got %d",
+                  params->kv_block_size);
   TW_CUDA_CHECK(cudaSetDevice(params->device));
   TW_CHECK(tw_cuda_moe_setup());
   tw_engine_t *e = (tw_engine_t *)calloc(1, sizeof(*e));
@@ -545,6 +550,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   ce->share_mem_fd = -1;
   ce->share_sock = -1;
   ce->block_size = params->kv_block_size;
+  ce->kv_fp8 = params->kv_dtype == TW_KV_DTYPE_FP8;
   ce->chunk = params->max_prefill_chunk; /* 0 with a memory plan: planned below */
   ce->max_batch = params->max_batch;
   ce->max_pos = c->max_position_embeddings;
@@ -610,6 +616,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     in.free_bytes = (int64_t)free_b;
     in.weight_bytes = (int64_t)ce->warena_bytes;
     in.kv_elem_bytes = 2;
+    in.kv_fp8 = ce->kv_fp8;
     in.kv_heads = ce->sh.nkv;
     in.shared_weights = params->weights_share_dir != NULL;
     in.ws_bytes = tw_ce_ws_fn;
@@ -686,7 +693,9 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     ce->h_block_tables = (int32_t *)h;
   }
   /* KV pool: what is asked, or most of the memory left */
-  kv_block_all = (size_t)c->n_layers * 2 * ce->sh.nkv * params->kv_block_size * c->head_dim * 2;
+  kv_block_all = (size_t)c->n_layers * 2 * ce->sh.nkv *
+                 (size_t)tw_kv_head_bytes(ce->kv_fp8 ? TW_DTYPE_F8_E4M3 : TW_DTYPE_BF16,
+                                          params->kv_block_size, c->head_dim);
   TW_CUDA_CHECK_GOTO(cudaMemGetInfo(&free_b, &total_b), st, fail);
   if (n_blocks == 0) {
     size_t reserve = (size_t)2 << 30;
@@ -744,7 +753,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   }
   TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->kv_pool, ce->kv_bytes), st, fail);
   TW_CUDA_CHECK_GOTO(cudaMemset(ce->kv_pool, 0, ce->kv_bytes), st, fail);
-  e->kv.dtype = TW_DTYPE_BF16;
+  e->kv.dtype = ce->kv_fp8 ? TW_DTYPE_F8_E4M3 : TW_DTYPE_BF16;
   e->kv.on_device = true;
   e->kv.device = params->device;
   e->kv.n_layers = c->n_layers;
@@ -758,12 +767,13 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->kv.block_bytes = (int64_t)(kv_block_all / c->n_layers);
   e->kv.total_bytes = (int64_t)ce->kv_bytes;
   TW_INFO("engine",
-          "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB (%lld blocks of %d tokens; "
+          "cuda memory plan: weights %.2f GiB, kv pool %.2f GiB %s (%lld blocks of %d tokens; "
           "sliding layers: %s %d blocks), "
           "workspace %.2f GiB (moe %s path %.2f, chunk %d, max "
           "batch %d), rope %.2f GiB, "
           "pinned host %.1f MiB; %.2f of %.2f GiB free before the pool",
-          tw_gib(ce->warena_bytes), tw_gib(ce->kv_bytes), (long long)n_blocks,
+          tw_gib(ce->warena_bytes), tw_gib(ce->kv_bytes), tw_kv_pool_dtype_name(e->kv.dtype),
+          (long long)n_blocks,
           params->kv_block_size, e->kv.ring_blocks ? "window rings of" : "all",
           e->kv.n_ring_blocks, tw_gib(ce->ws_bytes),
           ce->moe_grouped ? "grouped-gemm" : "cublas (incl. 2 dequantised layers)",

@@ -109,6 +109,7 @@ typedef struct {
   int64_t kv_layer_stride_bytes;
   int64_t *kv_layer_off;  /* [n_layers] where each layer starts (kv_ring.h) */
   int64_t kv_block_bytes; /* one block of one layer */
+  bool kv_fp8;            /* the fp8 KV cache (common/kv/kv_fp8.h; engine kv_dtype) */
   /* the window ring of the sliding layers (common/kv/kv_ring.h; ring_blocks 0:
    * none): ring layers write and read through d_ring_slots / d_ring_tables,
    * a decode step its sequences' ring views, a prefill pass the scratch of

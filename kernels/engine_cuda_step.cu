@@ -67,7 +67,7 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
   cudaStream_t s = ce->stream;
   int32_t H = c->hidden, E = c->n_experts, QKV = ce->qkv_dim, QD = ce->q_dim;
   tw_cuda_attn_shape_t sh = {ce->sh.nq, ce->sh.nkv, c->head_dim, block_size, 0,
-                             (float)(1.0 / sqrt((double)c->head_dim))};
+                             (float)(1.0 / sqrt((double)c->head_dim)), ce->kv_fp8 ? 1 : 0};
   TW_CE_OP(TW_CE_PROF_EMBED, tw_cuda_embed(ce->embed, c->vocab_size, H, ce->d_tokens, T, ce->x, s));
   bool gemm_moe = T > ce->gemv_max && !ce->bf16_experts && ce->sh.ep_size == 1 && !ce->moe_grouped;
   if (gemm_moe) { /* layer 0's experts, after whatever ran before on s */
@@ -102,10 +102,10 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
      * into the cache): one rounding instead of two */
     TW_CE_OP(TW_CE_PROF_QKV, tw_cuda_gemm_bf16(ce->gemm, T, QKV, H, ce->xn, H, L->wqkv, H, L->bqkv, ce->qkv,
                                TW_DTYPE_F32, QKV, s));
-    TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_rope_kv_write_f32((const float *)ce->qkv, QKV, T, ce->sh.nq,
-                                   ce->sh.nkv, c->head_dim, ce->d_positions, ce->rope_cos,
-                                   ce->rope_sin, ce->max_pos, slots, akv, block_size, ce->q,
-                                   QD, s));
+    TW_CE_OP(TW_CE_PROF_ROPE, (ce->kv_fp8 ? tw_cuda_rope_kv_write_fp8 : tw_cuda_rope_kv_write_f32)(
+                                  (const float *)ce->qkv, QKV, T, ce->sh.nq, ce->sh.nkv,
+                                  c->head_dim, ce->d_positions, ce->rope_cos, ce->rope_sin,
+                                  ce->max_pos, slots, akv, block_size, ce->q, QD, s));
     if (ring && !decode)
       TW_CE_OP(TW_CE_PROF_ROPE, tw_cuda_kv_block_copy(kv, akv, ce->d_ring_pairs + 2 * ce->n_ring_in,
                                                       ce->n_ring_out, ce->kv_block_bytes, s));

@@ -12,6 +12,7 @@
 #include "kernels/cuda_common.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -249,3 +250,91 @@ extern "C" tw_status_t tw_cuda_rope_kv_write_f32(const float *qkv, int64_t qkv_r
   return TW_OK;
 }
 
+
+/* ---- RoPE + KV write into the fp8 KV cache (common/kv/kv_fp8.h) --------------- */
+
+/* One warp per (token, k|v, kv head): rotate K like the kernel above (fp32,
+ * from the unrounded GEMM output), take amax over the head's D values with
+ * shuffles, store e4m3(x / s) (round to nearest even, saturating) and the
+ * scale s = amax / 448 at the token's slot. Lane i takes dims i, i + D/2 (and
+ * i + 32, ... for D > 64). */
+#define TW_KV8_PAIRS 4 /* D / 2 / 32 for D <= 256 */
+static __global__ void __launch_bounds__(128)
+    tw_kv_write_fp8_kernel(const float *__restrict__ qkv, int64_t stride, int nq, int nkv, int D,
+                           const int32_t *__restrict__ positions, const float *__restrict__ tcos,
+                           const float *__restrict__ tsin, int max_pos,
+                           const int32_t *__restrict__ slots, uint8_t *__restrict__ pool,
+                           int block_size) {
+  TW_PDL_WAIT();
+  const int64_t t = blockIdx.x;
+  const int w = (int)(blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5)), lane = threadIdx.x & 31;
+  if (w >= 2 * nkv) return;
+  const int slot_all = slots[t];
+  if (slot_all < 0) return;
+  const int kv = w / nkv, g = w % nkv, nhalf = D >> 1;
+  int p = positions[t];
+  p = p < 0 ? 0 : (p >= max_pos ? max_pos - 1 : p);
+  const float *x = qkv + t * stride + (int64_t)(nq + kv * nkv + g) * D;
+  const float *c = tcos + (int64_t)p * nhalf, *sn = tsin + (int64_t)p * nhalf;
+  float lo[TW_KV8_PAIRS], hi[TW_KV8_PAIRS], amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < TW_KV8_PAIRS; k++) {
+    const int i = lane + 32 * k;
+    lo[k] = hi[k] = 0.f;
+    if (i >= nhalf) continue;
+    const float a = x[i], b = x[i + nhalf];
+    if (kv == 0) { /* K: rotated half-split, as tw_rope_kv_write_f32_kernel */
+      lo[k] = a * c[i] - b * sn[i];
+      hi[k] = b * c[i] + a * sn[i];
+    } else {
+      lo[k] = a;
+      hi[k] = b;
+    }
+    amax = fmaxf(amax, fmaxf(fabsf(lo[k]), fabsf(hi[k])));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = amax / 448.f;
+  const int64_t blk = slot_all / block_size, sl = slot_all % block_size;
+  const int64_t part = (int64_t)block_size * (D + 4);
+  uint8_t *dst = pool + ((blk * 2 + kv) * nkv + g) * part;
+#pragma unroll
+  for (int k = 0; k < TW_KV8_PAIRS; k++) {
+    const int i = lane + 32 * k;
+    if (i >= nhalf) continue;
+    /* s == 0: every value is 0 */
+    dst[sl * D + i] = s > 0.f ? (uint8_t)__nv_cvt_float_to_fp8(__fdiv_rn(lo[k], s), __NV_SATFINITE, __NV_E4M3) : 0;
+    dst[sl * D + i + nhalf] =
+        s > 0.f ? (uint8_t)__nv_cvt_float_to_fp8(__fdiv_rn(hi[k], s), __NV_SATFINITE, __NV_E4M3) : 0;
+  }
+  if (lane == 0) reinterpret_cast<float *>(dst + (int64_t)block_size * D)[sl] = s;
+}
+
+extern "C" tw_status_t tw_cuda_rope_kv_write_fp8(const float *qkv, int64_t qkv_row_stride,
+                                                 int32_t n_tokens, int32_t n_q_heads,
+                                                 int32_t n_kv_heads, int32_t head_dim,
+                                                 const int32_t *positions, const float *rope_cos,
+                                                 const float *rope_sin, int32_t max_pos,
+                                                 const int32_t *slots, void *kv_layer,
+                                                 int32_t block_size, void *q_out,
+                                                 int64_t q_row_stride, cudaStream_t stream) {
+  if (!slots || !kv_layer)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "rope_kv_write_fp8: NULL slots or kv_layer");
+  if (head_dim > 2 * 32 * TW_KV8_PAIRS || block_size % 4 || ((uintptr_t)kv_layer & 15))
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "rope_kv_write_fp8: head_dim %d (max %d), block_size %d (a multiple of 4) or "
+                  "a misaligned pool",
+                  head_dim, 2 * 32 * TW_KV8_PAIRS, block_size);
+  /* q alone through the bf16 kernel (no slots: k and v are not written there) */
+  TW_CHECK(tw_cuda_rope_kv_write_f32(qkv, qkv_row_stride, n_tokens, n_q_heads, n_kv_heads,
+                                     head_dim, positions, rope_cos, rope_sin, max_pos, NULL,
+                                     NULL, block_size, q_out, q_row_stride, stream));
+  if (n_tokens == 0) return TW_OK;
+  const int warps = 2 * n_kv_heads;
+  tw_pdl_launch(tw_kv_write_fp8_kernel, dim3((unsigned)n_tokens, (unsigned)TW_CDIV(warps, 4)),
+                dim3(128), 0, stream, qkv, qkv_row_stride, n_q_heads, n_kv_heads, head_dim,
+                positions, rope_cos, rope_sin, max_pos, slots, static_cast<uint8_t *>(kv_layer),
+                block_size);
+  TW_CUDA_CHECK_LAUNCH("rope_kv_write_fp8");
+  return TW_OK;
+}

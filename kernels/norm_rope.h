@@ -77,6 +77,22 @@ TW_NODISCARD tw_status_t tw_cuda_rope_kv_write_f32(
     const float *rope_sin, int32_t max_pos, const int32_t *maybe_slots, void *kv_layer,
     int32_t block_size, void *q_out, int64_t q_row_stride, cudaStream_t stream);
 
+/** tw_cuda_rope_kv_write_f32 for the fp8 KV cache (common/kv/kv_fp8.h): q the
+ *  same (bf16, rotated, into q_out); the rotated k and v of each kv head of
+ *  token t go into kv_layer (the fp8 pool of this layer) at slot slots[t]
+ *  (>= 0; -1 skips the token) as e4m3(x / s) rounded to nearest even,
+ *  saturating, with s = max |x| / 448 over the head's values (f32, stored
+ *  in the block's scales; 0 for an all-zero head, whose bytes are then 0),
+ *  from the unrounded f32 values. slots and kv_layer are required.
+ *  Errors: those of tw_cuda_rope_kv_write_f32, plus TW_ERR_INVALID_ARGUMENT
+ *  (NULL slots or kv_layer, head_dim > 256, block_size not a multiple of 4,
+ *  kv_layer not 16-byte aligned). */
+TW_NODISCARD tw_status_t tw_cuda_rope_kv_write_fp8(
+    const float *qkv, int64_t qkv_row_stride, int32_t n_tokens, int32_t n_q_heads,
+    int32_t n_kv_heads, int32_t head_dim, const int32_t *positions, const float *rope_cos,
+    const float *rope_sin, int32_t max_pos, const int32_t *slots, void *kv_layer,
+    int32_t block_size, void *q_out, int64_t q_row_stride, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,6 +4,7 @@
 
 #include "common/comm/msg.h"
 #include "common/comm/proto_engine.h"
+#include "common/kv/kv_fp8.h"
 #include "common/kv/kv_reshard.h"
 
 #include <stdlib.h>
@@ -18,6 +19,8 @@ static TW_NODISCARD tw_status_t tw_handoff_dst_add(tw_handoff_send_t *s, size_t 
   if (!kl || !addr->len || (!rkey->len && kl->staging_slot_bytes <= 0))
     return tw_err(TW_ERR_INVALID_ARGUMENT,
                   "kv handoff destination %zu has no layout, UCX address or rkey", d);
+  if ((tw_dtype_t)kl->dtype != s->src->dtype) /* refused before any put (kv_fp8.h) */
+    return tw_kv_dtype_mismatch(s->src->dtype, (tw_dtype_t)kl->dtype);
   int32_t a0, a1;
   tw_kv_heads_overlap(s->src->kv_head_offset, s->src->n_kv_heads_local, kl->kv_head_offset,
                       kl->n_kv_heads, &a0, &a1);

@@ -20,6 +20,7 @@ typedef struct {
   tw_backend_kind_t backend;
   int32_t kv_blocks, block_size, threads; /* local KV pool (blocks of block_size tokens); threads 0: all cores */
   int32_t kv_window_ring;   /* engine.h kv_window_ring: 1 on, -1 off, 0 the backend's default */
+  int32_t kv_dtype;         /* engine.h kv_dtype (kv_fp8.h): 0 the backend's, 1 fp8 */
   int metrics_port;         /* -1 off, 0 ephemeral */
   const char *metrics_addr; /* NULL: 127.0.0.1 */
   int flush_timeout_ms;

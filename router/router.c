@@ -12,6 +12,7 @@
 #include <zmq.h>
 
 #include <errno.h>
+#include <malloc.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -503,6 +504,11 @@ void tw_router_sweep(tw_router_t *r, int64_t now) {
 TW_NODISCARD tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t *p) {
   memset(r, 0, sizeof *r);
   r->p = p;
+  /* Client messages of many MiB (a 20 MiB prompt) are allocated and freed per
+   * request; with glibc's dynamic mmap threshold they end up in the heap and
+   * stay resident after the burst. A fixed threshold keeps every block of
+   * 1 MiB or more in its own mapping, returned to the system when freed. */
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
   r->next_worker_serial = 1;
   r->next_req_id = 1;
   char path[4096];
@@ -517,7 +523,18 @@ TW_NODISCARD tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t
   char cep[256], wep[256];
   TW_CHECK(tw_auth_keys_from_env("router worker socket", &r->keys));
   TW_CHECK(tw_auth_guard_start(r->zctx, &r->keys, "router worker socket", true, &r->guard));
-  TW_CHECK(tw_msg_socket_open(r->zctx, ZMQ_ROUTER, p->client_endpoint, true, cep, sizeof cep, &r->csock));
+  /* the client socket: a context of its own, so its ZAP handler (any key or
+   * an allow-list) is not the worker socket's (only the deployment's key) */
+  r->czctx = zmq_ctx_new();
+  if (!r->czctx) return tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(errno));
+  const char *allow =
+      p->client_allow_file ? p->client_allow_file : getenv(TW_AUTH_CLIENT_ALLOW_ENV);
+  TW_CHECK(tw_auth_socket_keys("router client socket", p->client_keys_file, &r->ckeys));
+  TW_CHECK(
+      tw_auth_guard_start_clients(r->czctx, &r->ckeys, "router client socket", allow, &r->cguard));
+  TW_CHECK(tw_msg_socket_open_auth(r->czctx, ZMQ_ROUTER, p->client_endpoint, true, &r->ckeys, cep,
+                                   sizeof cep, &r->csock));
+  TW_CHECK(tw_auth_guard_watch(r->cguard, r->csock, "client socket"));
   TW_CHECK(tw_msg_socket_open_auth(r->zctx, ZMQ_ROUTER, p->worker_endpoint, true, &r->keys, wep,
                                    sizeof wep, &r->wsock));
   TW_CHECK(tw_auth_guard_watch(r->guard, r->wsock, "worker socket"));
@@ -572,7 +589,8 @@ TW_NODISCARD tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t
   }
   TW_CHECK(tw_http_start(r, &r->http));
   tw_router_update_health(r); /* not ready until both pools have a worker */
-  TW_INFO("router", "listening: clients %s, workers %s (%s), metrics port %d", cep, wep,
+  TW_INFO("router", "listening: clients %s (%s), workers %s (%s), metrics port %d", cep,
+          r->ckeys.plaintext ? "plaintext" : "CURVE", wep,
           r->keys.plaintext ? "PLAINTEXT, unauthenticated" : "CURVE, authenticated",
           tw_metrics_port(r->metrics));
   if (p->on_bound) p->on_bound(p->on_bound_arg, cep, wep);
@@ -589,8 +607,11 @@ void tw_router_fini(tw_router_t *r) {
   if (r->csock) zmq_close(r->csock);
   if (r->wsock) zmq_close(r->wsock);
   tw_auth_guard_stop(r->guard);
+  tw_auth_guard_stop(r->cguard);
   memset(&r->keys, 0, sizeof r->keys);
+  memset(&r->ckeys, 0, sizeof r->ckeys);
   if (r->zctx) zmq_ctx_term(r->zctx);
+  if (r->czctx) zmq_ctx_term(r->czctx);
   tw_metrics_destroy(r->metrics);
   tw_rchat_fini(r);
 }

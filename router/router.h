@@ -43,6 +43,8 @@ typedef struct {
   const char *served_model_name;/* /v1/models id; NULL: the model directory's name */
   long long http_max_body;      /* bytes; a larger request body gets 413 */
   const char *api_key;          /* NULL: none; else required on both APIs */
+  const char *client_keys_file; /* CURVE on the client socket; NULL: env, else plaintext */
+  const char *client_allow_file; /* client keys admitted; NULL: env, else any */
   /* maybe NULL: called once the HTTP API listens, with its base URL */
   void (*on_http)(void *arg, const char *url);
   void *on_http_arg;
@@ -77,37 +79,43 @@ typedef struct {
 
 /** The router's limits as common/base/opts.h rows on a tw_router_params_t `p`:
  *  one list for twain-router and `twain serve`, which passes them all on. */
-#define TW_ROUTER_OPT_ROWS(p)                                                                   \
-  TW_OPT_INT("drain-timeout", &(p).drain_timeout_s, 0, INT32_MAX, "SECONDS",                   \
-             "on SIGTERM, running requests finish for at most this long"),                    \
-      TW_OPT_INT("max-prompt-tokens", &(p).max_prompt_tokens, 0, INT32_MAX, "N",               \
-                 "longest prompt accepted (0: the model's context minus 1)"),                  \
-      TW_OPT_INT("max-tokens-limit", &(p).max_tokens_limit, 0, INT32_MAX, "N",                 \
-                 "largest max_tokens a request may ask for (0: the model's context\n"         \
-                 "minus 1)"),                                                                   \
-      TW_OPT_INT("default-max-tokens", &(p).default_max_tokens, 1, INT32_MAX, "N",             \
-                 "max_tokens of a request that leaves it 0"),                                  \
-      TW_OPT_INT("max-requests", &(p).max_requests, 1, INT32_MAX, "N",                         \
-                 "requests queued + running; beyond: RESOURCE_EXHAUSTED"),                     \
-      TW_OPT_INT("prefill-window-tokens", &(p).prefill_window_tokens, 1, INT32_MAX, "N",        \
-                 "prompt tokens handed to one prefill worker at a time (fewer if it\n"        \
-                 "is slow: 4 s of its measured work); the rest wait in the router's queue"), \
-      TW_OPT_INT("deadline-ms", &(p).default_deadline_ms, 1, INT32_MAX, "MS",                  \
-                 "deadline of a request that sets none"),                                      \
-      TW_OPT_INT("expire-ms", &(p).expire_ms, 1, INT32_MAX, "MS",                              \
-                 "a worker silent this long is expired"),                                      \
-      TW_OPT_STR("http-addr", &(p).http_addr, "ADDR",                                           \
-                 "numeric address of the HTTP API (default 127.0.0.1; 0.0.0.0: all)"),          \
-      TW_OPT_STR("served-model-name", &(p).served_model_name, "NAME",                           \
-                 "the model's name in /v1/models and the metrics' model_name label\n"          \
-                 "(default: ORG/NAME of a Hugging Face snapshot, else the directory's name)"), \
-      TW_OPT_LONG("http-max-body", &(p).http_max_body, 1, 1LL << 40, "BYTES",                    \
-                  "largest HTTP request body (larger: 413)"),                                   \
-      TW_OPT_STR("api-key", &(p).api_key, "KEY",                                                \
-                 "required on the HTTP and protobuf APIs (default: none)"),                    \
-      TW_OPT_FN("api-key-file", &(p).api_key, tw_router_key_file_opt, "PATH",                   \
-                "read --api-key from the first line of PATH"),                                \
-      TW_OPT_FLAG("disable-log-requests", &(p).disable_log_requests,                             \
+#define TW_ROUTER_OPT_ROWS(p)                                                                      \
+  TW_OPT_INT("drain-timeout", &(p).drain_timeout_s, 0, INT32_MAX, "SECONDS",                       \
+             "on SIGTERM, running requests finish for at most this long"),                         \
+      TW_OPT_INT("max-prompt-tokens", &(p).max_prompt_tokens, 0, INT32_MAX, "N",                   \
+                 "longest prompt accepted (0: the model's context minus 1)"),                      \
+      TW_OPT_INT("max-tokens-limit", &(p).max_tokens_limit, 0, INT32_MAX, "N",                     \
+                 "largest max_tokens a request may ask for (0: the model's context\n"              \
+                 "minus 1)"),                                                                      \
+      TW_OPT_INT("default-max-tokens", &(p).default_max_tokens, 1, INT32_MAX, "N",                 \
+                 "max_tokens of a request that leaves it 0"),                                      \
+      TW_OPT_INT("max-requests", &(p).max_requests, 1, INT32_MAX, "N",                             \
+                 "requests queued + running; beyond: RESOURCE_EXHAUSTED"),                         \
+      TW_OPT_INT("prefill-window-tokens", &(p).prefill_window_tokens, 1, INT32_MAX, "N",           \
+                 "prompt tokens handed to one prefill worker at a time (fewer if it\n"             \
+                 "is slow: 4 s of its measured work); the rest wait in the router's queue"),       \
+      TW_OPT_INT("deadline-ms", &(p).default_deadline_ms, 1, INT32_MAX, "MS",                      \
+                 "deadline of a request that sets none"),                                          \
+      TW_OPT_INT("expire-ms", &(p).expire_ms, 1, INT32_MAX, "MS",                                  \
+                 "a worker silent this long is expired"),                                          \
+      TW_OPT_STR("http-addr", &(p).http_addr, "ADDR",                                              \
+                 "numeric address of the HTTP API (default 127.0.0.1; 0.0.0.0: all)"),             \
+      TW_OPT_STR("served-model-name", &(p).served_model_name, "NAME",                              \
+                 "the model's name in /v1/models and the metrics' model_name label\n"              \
+                 "(default: ORG/NAME of a Hugging Face snapshot, else the directory's name)"),     \
+      TW_OPT_LONG("http-max-body", &(p).http_max_body, 1, 1LL << 40, "BYTES",                      \
+                  "largest HTTP request body (larger: 413)"),                                      \
+      TW_OPT_STR("api-key", &(p).api_key, "KEY",                                                   \
+                 "required on the HTTP and protobuf APIs (default: none)"),                        \
+      TW_OPT_FN("api-key-file", &(p).api_key, tw_router_key_file_opt, "PATH",                      \
+                "read --api-key from the first line of PATH"),                                     \
+      TW_OPT_STR("client-keys", &(p).client_keys_file, "FILE",                                     \
+                 "CURVE on the client socket with the server pair of this `twain keygen`\n"        \
+                 "file (or $TWAIN_CLIENT_KEYS_FILE; default: plaintext)"),                         \
+      TW_OPT_STR("client-allow", &(p).client_allow_file, "FILE",                                   \
+                 "admit only the client public keys listed in FILE (or\n"                          \
+                 "$TWAIN_CLIENT_ALLOW_FILE; default: any key)"),                                   \
+      TW_OPT_FLAG("disable-log-requests", &(p).disable_log_requests,                               \
                   "no INFO line per finished request")
 
 /** Run until *stop becomes non-zero (SIGTERM/SIGINT in the callers, or

@@ -99,6 +99,9 @@ typedef struct {
   void *zctx, *csock, *wsock;
   tw_auth_keys_t keys;     /* the worker socket's CURVE keys (common/comm/link_auth.h) */
   tw_auth_guard_t *guard;  /* its ZAP handler: only holders of the client key register */
+  void *czctx;             /* the client socket's own context (its own ZAP handler) */
+  tw_auth_keys_t ckeys;    /* the client socket's CURVE server pair, or plaintext */
+  tw_auth_guard_t *cguard; /* its ZAP handler: any client key, or an allow-list */
   tw_metrics_t *metrics;
   tw_rworker_t *workers;
   int32_t n_workers, cap_workers;

@@ -6,6 +6,7 @@
 
 #include "common/base/log.h"
 #include "common/engine/engine_impl.h"
+#include "common/kv/kv_fp8.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -83,6 +84,9 @@ static TW_NODISCARD tw_status_t tw_engine_params_check(const tw_engine_params_t 
                   p->mem_role, p->mem_prefill_workers, p->mem_decode_workers, p->mem_utilization);
   if (p->n_threads < 0)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: n_threads %d < 0", p->n_threads);
+  if (p->kv_dtype != TW_KV_DTYPE_AUTO && p->kv_dtype != TW_KV_DTYPE_FP8)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: kv_dtype %d (0 the backend's, 1 fp8)",
+                  p->kv_dtype);
   if (p->tp_size < 1 || p->tp_rank < 0 || p->tp_rank >= p->tp_size)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "engine: tp_rank %d of tp_size %d", p->tp_rank,
                   p->tp_size);
@@ -164,6 +168,7 @@ void tw_engine_plan_input(const tw_model_t *model, const tw_engine_params_t *p,
   in->max_batch = p->mem_role == TW_MEM_ROLE_DECODE ? p->max_batch : 0;
   in->prefill_tokens = p->mem_role == TW_MEM_ROLE_PREFILL ? p->max_prefill_chunk : 0;
   in->window_ring = p->kv_window_ring > 0; /* a backend with the ring on by default sets it */
+  in->kv_fp8 = p->kv_dtype == TW_KV_DTYPE_FP8;
 }
 
 void tw_engine_plan_apply(const tw_mem_plan_t *plan, tw_engine_params_t *p) {

@@ -6,7 +6,8 @@
  * `kv_block_size` token positions of every layer. Memory layout of the pool
  * (the handoff and re-sharding rely on it):
  *     [layer][block][k=0 | v=1][kv_head (local to this rank)][slot][head_dim]
- * in the engine's kv dtype (cpu: f32, cuda: bf16). K is stored post-RoPE
+ * in the engine's kv dtype (cpu: f32, cuda: bf16; kv_dtype fp8: e4m3 values
+ * and a f32 scale per slot in each (k|v, kv_head) part, kv_fp8.h). K is stored post-RoPE
  * (spec §2.5). A sequence's block table lists its block ids in position
  * order: position p lives in block_table[p / kv_block_size], slot
  * p % kv_block_size. The block ids are handed out by the block manager of
@@ -120,6 +121,9 @@ typedef struct {
    * plan's (mem_role set), else kv_num_blocks (the ring's layout without its
    * saving) */
   int32_t kv_ring_blocks;
+  /* KV cache dtype (kv_fp8.h tw_kv_dtype_t): 0 the backend's own (cpu f32,
+   * cuda bf16), TW_KV_DTYPE_FP8 e4m3 with a scale per (token, kv head) */
+  int32_t kv_dtype;
 } tw_engine_params_t;
 
 #define TW_ENGINE_PARAMS_DEFAULT                                              \
@@ -130,7 +134,7 @@ typedef struct {
 
 /** Where the KV pool lives, for the transfer layer. */
 typedef struct {
-  tw_dtype_t dtype;          /* f32 (cpu) or bf16 (cuda) */
+  tw_dtype_t dtype;          /* f32 (cpu) or bf16 (cuda); F8_E4M3: kv_fp8.h's layout */
   bool on_device;            /* true: device memory of `device` */
   int32_t device;
   int32_t n_layers;

@@ -150,7 +150,9 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   int64_t mx = 0, rest = 0, W = in->weight_bytes;
   if (W <= 0) W = tw_mem_weight_bytes(c, &mx, &rest);
   int32_t kvh = in->kv_heads > 0 ? in->kv_heads : c->n_kv_heads;
-  int64_t kv_tok = (int64_t)c->n_layers * 2 * kvh * c->head_dim * in->kv_elem_bytes;
+  /* fp8 (kv_fp8.h): a byte a value plus a 4-byte scale per (token, kv head) */
+  int64_t kv_head_tok = in->kv_fp8 ? c->head_dim + 4 : (int64_t)c->head_dim * in->kv_elem_bytes;
+  int64_t kv_tok = (int64_t)c->n_layers * 2 * kvh * kv_head_tok;
   /* the window ring (kv_ring.h): the sliding layers hold R blocks a sequence */
   uint64_t ring_mask = in->window_ring ? tw_kv_ring_layer_mask(c) : 0;
   int32_t n_ring_layers = 0;
@@ -271,9 +273,16 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   if (reserve)
     snprintf(rs, sizeof rs, "runtime reserve %.2f GiB x %d processes (context, cuBLAS, allocator "
              "slack)", tw_gib(reserve), np + nd);
-  tw_mem_line(p, "memory plan: %s; KV %.1f KiB a token (%d layers x %d kv heads x %d x 2 x %d "
-              "bytes), blocks of %d tokens", rs, kv_tok / 1024.0, c->n_layers, kvh, c->head_dim,
-              in->kv_elem_bytes, in->block_size);
+  char kvd[64];
+  if (in->kv_fp8)
+    snprintf(kvd, sizeof kvd, "fp8: %d x 1 + 4 scale", c->head_dim);
+  else
+    snprintf(kvd, sizeof kvd, "%s: %d x %d", in->kv_elem_bytes == 4 ? "f32" : "bf16", c->head_dim,
+             in->kv_elem_bytes);
+  tw_mem_line(p,
+              "memory plan: %s; KV %.1f KiB a token (%d layers x %d kv heads x 2 x (%s) "
+              "bytes), blocks of %d tokens",
+              rs, kv_tok / 1024.0, c->n_layers, kvh, kvd, in->block_size);
   if (g.R)
     tw_mem_line(p,
                 "memory plan: window ring: %d sliding layers keep %d blocks a sequence (window "

@@ -78,6 +78,8 @@ typedef struct {
   int64_t weight_bytes;    /* one copy of the weights as this worker holds them;
                               0: tw_mem_weight_bytes(cfg) */
   int32_t kv_elem_bytes;   /* bytes per K/V value: 2 (bf16, cuda), 4 (f32, cpu) */
+  bool kv_fp8;             /* the fp8 KV cache (kv_fp8.h): 1 byte a value and a 4-byte scale
+                            * per (token, kv head) of K and of V; kv_elem_bytes unused */
   int32_t kv_heads;        /* kv heads this worker holds (tp shard); 0: cfg->n_kv_heads */
   int32_t block_size;      /* tokens per KV block */
   int32_t n_prefill, n_decode; /* workers on this device, this one included */

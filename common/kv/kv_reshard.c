@@ -4,6 +4,7 @@
 #include "common/kv/kv_reshard.h"
 
 #include "common/base/log.h"
+#include "common/kv/kv_fp8.h"
 #include "common/kv/kv_ring.h"
 
 #include <stdlib.h>
@@ -24,8 +25,9 @@ TW_NODISCARD tw_status_t tw_kv_reshard_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t 
                                                   int32_t dst_head_offset, int32_t layer,
                                                   const int32_t *src_ids, const int32_t *dst_ids,
                                                   int32_t first, int32_t n, int64_t *bytes_p) {
-  if (src->dtype != dst->dtype || src->block_size != dst->block_size ||
-      src->head_dim != dst->head_dim || src->n_layers != dst->n_layers)
+  if (src->dtype != dst->dtype) return tw_kv_dtype_mismatch(src->dtype, dst->dtype);
+  if (src->block_size != dst->block_size || src->head_dim != dst->head_dim ||
+      src->n_layers != dst->n_layers)
     return tw_err(TW_ERR_UNSUPPORTED,
                   "kv re-sharding: pools differ beyond their heads (dtype %d/%d, block size %d/%d, "
                   "head_dim %d/%d, layers %d/%d)",

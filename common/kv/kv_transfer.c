@@ -1,6 +1,7 @@
 /* kv_transfer.c: UCX one-sided KV handoff (see kv_transfer.h). */
 #include "common/kv/kv_transfer.h"
 
+#include "common/kv/kv_fp8.h"
 #include "common/kv/kv_ring.h"
 
 #include "common/base/log.h"
@@ -2286,9 +2287,10 @@ TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *x, tw_kv_peer_t *p,
                                                const tw_kv_remote_layout_t *dst, int32_t layer,
                                                const int32_t *src_ids, const int32_t *dst_ids,
                                                int32_t first, int32_t n, uint64_t *maybe_checksum) {
-  if (src->dtype != dst->dtype || src->block_size != dst->block_size ||
-      src->n_kv_heads_local != dst->n_kv_heads || src->head_dim != dst->head_dim ||
-      src->block_bytes != dst->block_bytes || src->n_layers != dst->n_layers)
+  if (src->dtype != dst->dtype) return tw_kv_dtype_mismatch(src->dtype, dst->dtype);
+  if (src->block_size != dst->block_size || src->n_kv_heads_local != dst->n_kv_heads ||
+      src->head_dim != dst->head_dim || src->block_bytes != dst->block_bytes ||
+      src->n_layers != dst->n_layers)
     return tw_err(TW_ERR_UNSUPPORTED,
                   "kv layouts differ (prefill dtype %d bs=%d heads=%d dim=%d, decode dtype %d bs=%d heads=%d "
                   "dim=%d): re-sharding is not implemented",

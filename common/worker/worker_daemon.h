@@ -51,6 +51,7 @@
 #include "common/comm/msg_worker.h"
 #include "common/engine/engine.h"
 #include "common/engine/mem_plan.h"
+#include "common/kv/kv_fp8.h"
 #include "common/kv/kv_ring.h"
 #include "common/model/model_path.h"
 
@@ -64,7 +65,7 @@ extern "C" {
 /** The options every worker daemon takes, as the first entries of its
  *  opts.h table (prefill_main.c, decode_main.c): `o` points to the daemon's
  *  options struct, which has these fields: model_dir, backend, threads,
- *  block_size, router, name, kv_blocks, kv_window_ring, gpu_memory_utilization,
+ *  block_size, router, name, kv_blocks, kv_window_ring, kv_dtype, gpu_memory_utilization,
  *  share_weights_dir, metrics_port, metrics_addr, tp, ep,
  *  log_stats_interval_s, served_model_name; `colocated` points to its
  *  tw_mem_colocated_t (mem_plan.h). D is a string literal that starts the
@@ -87,6 +88,10 @@ extern "C" {
                 D                                                                                  \
                 "sliding layers keep only their window's KV blocks\n"                              \
                 "(auto: on; docs/operations.md)"),                                                 \
+      TW_OPT_FN("kv-dtype", &(o)->kv_dtype, tw_kv_dtype_opt, "bf16|fp8",                           \
+                D                                                                                  \
+                "KV cache dtype: bf16 (cpu: f32), or fp8 e4m3 with a scale\n"                      \
+                "per token and kv head (~1.9x the tokens; docs/operations.md)"),                   \
       TW_OPT_DOUBLE("gpu-memory-utilization", &(o)->gpu_memory_utilization, 0, 1, "F",             \
                     D "share of the device for its workers (0: 0.90)"),                            \
       TW_OPT_FN("colocated", (colocated), tw_mem_colocated_opt, "P,D",                             \

@@ -12,7 +12,14 @@ The message classes are built at run time from the protobuf descriptor set
 (twain.desc), so no generated Python files are needed. It is found in this
 order: the `desc` argument, $TW_PROTO_DESC, a twain.desc next to this file or
 in ../proto/ (the relocatable bundle: share/twain/python/ and
-share/twain/proto/), then the build tree (build/tests/service/twain.desc)."""
+share/twain/proto/), then the build tree (build/tests/service/twain.desc).
+
+A router whose client socket is CURVE (`--client-keys`, docs/operations.md
+"Client socket security") needs its public key: Client(server_key=KEY) or
+$TWAIN_SERVER_KEY (40 Z85 characters, or a file with a `server-public = KEY`
+line); identity= or $TWAIN_IDENTITY_FILE names this client's key pair (a
+`twain keygen` file; default: a fresh pair), needed when the router admits
+only an allow-list of client keys."""
 import os
 
 import zmq
@@ -66,15 +73,54 @@ def load(desc=None):
     return get("twain.v1.ClientRequest"), get("twain.v1.ServerReply"), pool
 
 
+def _key_file(path, names):
+    """{name: key} of the `name = key` lines of a key file, for `names`."""
+    keys = {}
+    with open(path) as f:
+        for line in f:
+            if "=" in line and not line.lstrip().startswith("#"):
+                k, v = line.split("=", 1)
+                keys[k.strip()] = v.strip()
+    missing = [n for n in names if len(keys.get(n, "")) != 40]
+    if missing:
+        raise ValueError("%s: no %s line with a 40-character key" % (path, missing[0]))
+    return keys
+
+
+def curve_keys(server_key=None, identity=None):
+    """(server public, client public, client secret) for a CURVE router, or
+    None for plaintext (no server key given, none in $TWAIN_SERVER_KEY)."""
+    server_key = server_key or os.environ.get("TWAIN_SERVER_KEY")
+    identity = identity or os.environ.get("TWAIN_IDENTITY_FILE")
+    if not server_key:
+        if identity:
+            raise ValueError("a client key pair (identity) needs the router's public key (server_key)")
+        return None
+    if len(server_key) != 40 or os.path.isfile(server_key):
+        server_key = _key_file(server_key, ["server-public"])["server-public"]
+    if identity:
+        k = _key_file(identity, ["client-public", "client-secret"])
+        pub, sec = k["client-public"].encode(), k["client-secret"].encode()
+    else:
+        pub, sec = zmq.curve_keypair()
+    return server_key.encode(), pub, sec
+
+
 class Client:
     """One DEALER socket to a router's client endpoint; requests one at a time."""
 
-    def __init__(self, endpoint=DEFAULT_ENDPOINT, desc=None, timeout_s=300.0):
+    def __init__(self, endpoint=DEFAULT_ENDPOINT, desc=None, timeout_s=300.0, server_key=None,
+                 identity=None):
         self.ClientRequest, self.ServerReply, pool = load(desc)
         self.codes = {v.number: v.name for v in pool.FindEnumTypeByName("twain.v1.Code").values}
         self.timeout_s = timeout_s
+        curve = curve_keys(server_key, identity)
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve:
+            self.sock.setsockopt(zmq.CURVE_SERVERKEY, curve[0])
+            self.sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[1])
+            self.sock.setsockopt(zmq.CURVE_SECRETKEY, curve[2])
         self.sock.connect(endpoint)
         self.next_id = 1
         self.last = None  # the done reply of the last request (usage, timings, finish_reason)

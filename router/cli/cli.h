@@ -13,6 +13,17 @@
 #ifndef TW_ROUTER_CLI_H
 #define TW_ROUTER_CLI_H
 
+/* The CURVE options of every client of the router's client socket (chat,
+ * generate, bench): common/opts.h rows on two const char * lvalues, read by
+ * tw_auth_client_keys (common/comm/link_auth.h; empty: the environment). */
+#define TW_CLIENT_CURVE_OPT_ROWS(server_key, identity)                                             \
+  TW_OPT_STR("server-key", &(server_key), "KEY|FILE",                                              \
+             "the router's public key (Z85, or a key file with its server-public\n"                \
+             "line; or $TWAIN_SERVER_KEY): CURVE on the connection"),                              \
+      TW_OPT_STR("identity", &(identity), "FILE",                                                  \
+                 "this client's key pair (client-public and client-secret lines, a\n"              \
+                 "`twain keygen` file; or $TWAIN_IDENTITY_FILE; default: a fresh pair)")
+
 int tw_cli_serve(int argc, char **argv);
 int tw_cli_chat(int argc, char **argv);
 int tw_cli_generate(int argc, char **argv);

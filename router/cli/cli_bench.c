@@ -86,6 +86,7 @@ typedef struct {
   bool chat, quiet;
   uint64_t seed;
   int timeout_ms, connect_timeout_ms, deadline_ms;
+  const char *server_key, *identity; /* CURVE (tw_auth_client_keys) */
 } tw_bench_opts_t;
 
 typedef struct {
@@ -95,6 +96,8 @@ typedef struct {
   float *itl;
   int32_t n_itl, cap_itl;
   void *ctx, *sock;
+  tw_auth_keys_t keys; /* the client socket's CURVE keys, or plaintext */
+  const char *api_key; /* $TWAIN_API_KEY: for a router run with --api-key */
   double t0_s;
   int32_t running, n_sent, n_done, next;
   int64_t tokens_out;
@@ -200,20 +203,12 @@ static TW_NODISCARD tw_status_t tw_bench_make_requests(tw_bench_t *b) {
   return TW_OK;
 }
 
+/* A connected socket (the handshake done), or NULL with why in tw_last_error(). */
 static void *tw_bench_socket(tw_bench_t *b) {
-  void *s = zmq_socket(b->ctx, ZMQ_DEALER);
-  if (!s) return NULL;
-  int one = 1, zero = 0, hwm = 1000000, sto = b->o.connect_timeout_ms;
-  zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
-  zmq_setsockopt(s, ZMQ_IMMEDIATE, &one, sizeof one); /* no queueing for a dead endpoint */
-  zmq_setsockopt(s, ZMQ_SNDTIMEO, &sto, sizeof sto);
-  zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof hwm);
-  zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof hwm);
-  tw_msg_limit_size(s);
-  if (zmq_connect(s, b->o.endpoint) != 0) {
-    zmq_close(s);
+  void *s = NULL;
+  if (tw_auth_client_open(b->ctx, b->o.endpoint, &b->keys, b->o.connect_timeout_ms, 1000000, &s) !=
+      TW_OK)
     return NULL;
-  }
   return s;
 }
 
@@ -253,6 +248,7 @@ static int tw_bench_start(tw_bench_t *b, int32_t i) {
   Twain__V1__ClientRequest req = TWAIN__V1__CLIENT_REQUEST__INIT;
   req.request_id = (uint64_t)i + 1;
   req.deadline_ms = (uint32_t)b->o.deadline_ms;
+  if (b->api_key && b->api_key[0]) req.api_key = (char *)b->api_key;
   if (b->o.chat) {
     m.role = "user";
     m.content = q->text;
@@ -272,8 +268,7 @@ static int tw_bench_start(tw_bench_t *b, int32_t i) {
   }
   void *sock = b->sock;
   if (q->action == 2 && !(sock = q->sock = tw_bench_socket(b))) {
-    fprintf(stderr, "twain bench: cannot open a socket to %s: %s\n", b->o.endpoint,
-            zmq_strerror(zmq_errno()));
+    fprintf(stderr, "twain bench: %s\n", tw_last_error());
     return -1;
   }
   q->t_sent = tw_bench_now_s() - b->t0_s;
@@ -643,8 +638,9 @@ static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
       TW_OPT_INT("output-len", &o->out_len, 1, 1 << 24, "N", "max_tokens of each request"),
       TW_OPT_DOUBLE("range-ratio", &o->range_ratio, 0, 0.999, "X",
                     "lengths uniform in [L(1-X), L(1+X)]"),
-      TW_OPT_FLAG("chat", &o->chat, "rendered chats of random words instead of random ids\n"
-                                    "(outputs may stop early)"),
+      TW_OPT_FLAG("chat", &o->chat,
+                  "rendered chats of random words instead of random ids\n"
+                  "(outputs may stop early)"),
       TW_OPT_LONG("seed", &seed, 0, LLONG_MAX, "S", "random seed"),
       TW_OPT_STR_FN("model", &o->model_dir, tw_model_opt, "DIR|ORG/NAME",
                     "the model whose config.json gives the vocabulary"),
@@ -652,12 +648,14 @@ static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
                     "that share of requests is cancelled after a random number of tokens"),
       TW_OPT_DOUBLE("disconnect-prob", &o->disconnect_prob, 0, 1, "P",
                     "that share of clients disconnects after a random number of tokens"),
-      TW_OPT_INT("deadline-ms", &o->deadline_ms, 0, INT_MAX, "MS", "each request's deadline (0: the server's)"),
+      TW_OPT_INT("deadline-ms", &o->deadline_ms, 0, INT_MAX, "MS",
+                 "each request's deadline (0: the server's)"),
       TW_OPT_INT("timeout-ms", &o->timeout_ms, 1, INT_MAX, "MS",
                  "a request with no reply this long counts as lost (keep it above the\n"
                  "longest wait in the service's queue)"),
       TW_OPT_INT("connect-timeout-ms", &o->connect_timeout_ms, 1, INT_MAX, "MS",
                  "bound on the wait for the server"),
+      TW_CLIENT_CURVE_OPT_ROWS(o->server_key, o->identity),
       TW_OPT_STR("json", &o->json_path, "FILE", "write the results as JSON"),
       TW_OPT_FLAG("quiet", &o->quiet, "no progress on stderr"),
   };
@@ -702,9 +700,14 @@ int tw_cli_bench(int argc, char **argv) {
     fprintf(stderr, "twain bench: %s\n", tw_last_error());
     goto out;
   }
+  b.api_key = getenv("TWAIN_API_KEY");
+  if (tw_auth_client_keys(b.o.server_key, b.o.identity, &b.keys) != TW_OK) {
+    fprintf(stderr, "twain bench: %s\n", tw_last_error());
+    goto out;
+  }
   b.ctx = zmq_ctx_new();
   if (!b.ctx || !(b.sock = tw_bench_socket(&b))) {
-    fprintf(stderr, "twain bench: cannot connect to %s: %s\n", b.o.endpoint, zmq_strerror(zmq_errno()));
+    fprintf(stderr, "twain bench: %s\n", b.ctx ? tw_last_error() : "zmq_ctx_new failed");
     goto out;
   }
   if (!b.o.quiet)
@@ -723,5 +726,6 @@ out:
   free(b.itl);
   if (b.sock) zmq_close(b.sock);
   if (b.ctx) zmq_ctx_term(b.ctx);
+  memset(&b.keys, 0, sizeof b.keys);
   return rc;
 }

@@ -40,6 +40,7 @@ typedef struct {
   double temperature;
   long long seed;
   const char *api_key; /* $TWAIN_API_KEY: for a router run with --api-key */
+  const char *server_key, *identity; /* CURVE (tw_auth_client_keys); NULL: env or plaintext */
 } tw_client_opts_t;
 
 #define TW_CLIENT_OPTS_DEFAULT                                                         \
@@ -48,16 +49,26 @@ typedef struct {
                       .api_key = getenv("TWAIN_API_KEY")})
 
 /* The options chat and generate share (opts.h rows), on tw_client_opts_t o. */
-#define TW_CLIENT_OPT_ROWS(o)                                                                   \
-  TW_OPT_STR("endpoint", &(o).endpoint, "EP", "the router's client endpoint"),                  \
-      TW_OPT_INT("max-tokens", &(o).max_tokens, 0, INT32_MAX, "N",                              \
-                 "generate at most N tokens (default: the server's)"),                          \
-      TW_OPT_DOUBLE("temperature", &(o).temperature, 0, 100, "T", "sampling temperature"),      \
-      TW_OPT_LONG("seed", &(o).seed, 0, LLONG_MAX, "S", "sampling seed"),                       \
-      TW_OPT_FLAG("json", &(o).json, "print one JSON object (ids or messages, usage, finish)"), \
-      TW_OPT_INT("timeout-ms", &(o).timeout_ms, 1, INT_MAX, "MS", "bound on the whole answer"), \
-      TW_OPT_INT("connect-timeout-ms", &(o).connect_timeout_ms, 1, INT_MAX, "MS",               \
-                 "bound on the wait for the server")
+#define TW_CLIENT_OPT_ROWS(o)                                                                      \
+  TW_OPT_STR("endpoint", &(o).endpoint, "EP", "the router's client endpoint"),                     \
+      TW_OPT_INT("max-tokens", &(o).max_tokens, 0, INT32_MAX, "N",                                 \
+                 "generate at most N tokens (default: the server's)"),                             \
+      TW_OPT_DOUBLE("temperature", &(o).temperature, 0, 100, "T", "sampling temperature"),         \
+      TW_OPT_LONG("seed", &(o).seed, 0, LLONG_MAX, "S", "sampling seed"),                          \
+      TW_OPT_FLAG("json", &(o).json, "print one JSON object (ids or messages, usage, finish)"),    \
+      TW_OPT_INT("timeout-ms", &(o).timeout_ms, 1, INT_MAX, "MS", "bound on the whole answer"),    \
+      TW_OPT_INT("connect-timeout-ms", &(o).connect_timeout_ms, 1, INT_MAX, "MS",                  \
+                 "bound on the wait for the server"),                                              \
+      TW_CLIENT_CURVE_OPT_ROWS((o).server_key, (o).identity)
+
+/* The v1 code name of a tw_auth_client_open error: the router refused our
+ * handshake (CURVE keys) is UNAUTHENTICATED, a malformed endpoint
+ * INVALID_ARGUMENT, nobody listening UNAVAILABLE. */
+static const char *tw_client_open_code(tw_status_t st) {
+  return st == TW_ERR_INVALID_ARGUMENT ? "UNAUTHENTICATED"
+         : st == TW_ERR_FORMAT         ? "INVALID_ARGUMENT"
+                                       : "UNAVAILABLE";
+}
 
 static const char *tw_code_name(int code) {
   const ProtobufCEnumValue *v = protobuf_c_enum_descriptor_get_value(&twain__v1__code__descriptor, code);
@@ -95,23 +106,21 @@ static void tw_call_fail(tw_call_err_t *e, const char *prog, const char *code, c
 typedef void (*tw_on_reply_fn)(void *user, const Twain__V1__ServerReply *rep);
 static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequest *req,
                           tw_on_reply_fn fn, void *user, const char *prog, tw_call_err_t *err) {
-  void *ctx = zmq_ctx_new();
-  void *s = NULL;
   int rc = 1;
   int sto = o->connect_timeout_ms < o->timeout_ms ? o->connect_timeout_ms : o->timeout_ms;
-  int one = 1, zero = 0;
-  s = zmq_socket(ctx, ZMQ_DEALER);
-  if (s) { /* ZMQ_IMMEDIATE must be set before the connect */
-    zmq_setsockopt(s, ZMQ_LINGER, &zero, sizeof zero);
-    zmq_setsockopt(s, ZMQ_IMMEDIATE, &one, sizeof one);
-    zmq_setsockopt(s, ZMQ_SNDTIMEO, &sto, sizeof sto);
-    tw_msg_limit_size(s);
+  tw_auth_keys_t keys;
+  if (tw_auth_client_keys(o->server_key, o->identity, &keys) != TW_OK) {
+    tw_call_fail(err, prog, "INVALID_ARGUMENT", "%s", tw_last_error());
+    return 1;
   }
-  if (!s || zmq_connect(s, o->endpoint) != 0) {
-    tw_call_fail(err, prog, "INVALID_ARGUMENT", "cannot connect to %s: %s", o->endpoint,
-                 zmq_strerror(zmq_errno()));
-    if (s) zmq_close(s);
-    zmq_ctx_term(ctx);
+  void *ctx = zmq_ctx_new(), *s = NULL;
+  tw_status_t os =
+      ctx ? tw_auth_client_open(ctx, o->endpoint, &keys, sto, 0, &s)
+          : tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(zmq_errno()));
+  memset(&keys, 0, sizeof keys);
+  if (os != TW_OK) { /* nobody listens, or the handshake refused: wrong or missing CURVE keys */
+    tw_call_fail(err, prog, tw_client_open_code(os), "%s", tw_last_error());
+    if (ctx) zmq_ctx_term(ctx);
     return 1;
   }
   Twain__V1__ClientRequest keyed = *req;

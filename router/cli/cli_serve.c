@@ -28,6 +28,7 @@
 #include "common/comm/msg_worker.h"
 #include "common/engine/engine.h"
 #include "common/engine/mem_plan.h"
+#include "common/kv/kv_fp8.h"
 #include "common/model/config.h"
 #include "common/model/model_path.h"
 #include "router/router.h"
@@ -276,6 +277,7 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_workers_arg = &s;
   s.rp.http_port = TW_ROUTER_HTTP_PORT;
   int n_prefill = 1, n_decode = 1, threads = -1, kv_blocks = 0, max_batch = 0;
+  int32_t kv_dtype = TW_KV_DTYPE_AUTO;
   double mem_util = 0;
   bool verify = false, no_share = false;
   tw_backend_kind_t bk = TW_BACKEND_AUTO;
@@ -291,12 +293,16 @@ int tw_cli_serve(int argc, char **argv) {
                  "more workers may join there at any time)"),
       TW_OPT_INT("prefill", &n_prefill, 1, TW_SERVE_MAX_WORKERS - 1, "N", "prefill workers"),
       TW_OPT_INT("decode", &n_decode, 1, TW_SERVE_MAX_WORKERS - 1, "M", "decode workers"),
-      TW_OPT_FN("backend", &bk, tw_backend_opt, "auto|cpu|cuda", "the workers' engine backend (default auto)"),
+      TW_OPT_FN("backend", &bk, tw_backend_opt, "auto|cpu|cuda",
+                "the workers' engine backend (default auto)"),
       TW_OPT_INT("threads", &threads, -1, 4096, "T",
                  "cpu threads per worker (-1: the cores shared between the workers)"),
       TW_OPT_INT("kv-blocks", &kv_blocks, 0, INT32_MAX, "N",
                  "decode workers' KV pool in blocks (0: the memory plan,\n"
                  "docs/operations.md)"),
+      TW_OPT_FN("kv-dtype", &kv_dtype, tw_kv_dtype_opt, "bf16|fp8",
+                "every worker's KV cache dtype: bf16 (cpu: f32), or fp8 e4m3\n"
+                "with a scale per token and kv head (docs/operations.md)"),
       TW_OPT_INT("max-batch", &max_batch, 0, INT32_MAX, "N",
                  "decode workers' sequences per step (0: the memory plan)"),
       TW_OPT_DOUBLE("gpu-memory-utilization", &mem_util, 0, 1, "F",
@@ -485,6 +491,10 @@ int tw_cli_serve(int argc, char **argv) {
       av[c++] = share_dir;
     }
     if (!pre && verify) av[c++] = "--verify-kv";
+    if (kv_dtype != TW_KV_DTYPE_AUTO) { /* prefill and decode must agree (KvLayout) */
+      av[c++] = "--kv-dtype";
+      av[c++] = (char *)tw_kv_dtype_name((tw_kv_dtype_t)kv_dtype);
+    }
     if (!pre && tw_opts_given(&spec, "drain-timeout")) {
       av[c++] = "--drain-timeout";
       av[c++] = num[2];

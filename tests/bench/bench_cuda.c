@@ -30,11 +30,15 @@
  * Usage: twain-bench-cuda [--model DIR | --synthetic 20b|120b|both]
  *          [--prefill 8192,32768,...] [--batches 1,8,...] [--contexts 8192,...]
  *          [--prefill-batch 1x1024,32x1024,...] [--chunk N] [--steps N] [--reps N]
- *          [--kv-window-ring 0|1|auto]
+ *          [--kv-window-ring 0|1|auto] [--kv-dtype bf16|fp8]
+ * With --kv-dtype fp8 the KV cache is e4m3 with per-head scales
+ * (common/kv/kv_fp8.h): 1.88x the blocks in the same bytes (the engine's
+ * memory plan line says so), fewer KV bytes per decode step.
  * (a list may be "none": e.g. --prefill none --batches none for (a') alone). */
 #include "common/base/log.h"
 #include "common/base/opts.h"
 #include "common/engine/engine.h"
+#include "common/kv/kv_fp8.h"
 #include "common/kv/kv_ring.h"
 #include "common/model/model.h"
 #include "common/model/model_path.h"
@@ -150,12 +154,16 @@ static int parse_pairs(const char *text, void *dst, char *err, size_t errlen) {
  *   bytes: the dense weights once (QKV, O, router, norms: bf16; lm_head: bf16
  *   V x H), the experts the batch selects once (MXFP4: 4.25 bits a weight;
  *   E (1 - (1 - k/E)^B) distinct experts per layer under uniform routing),
- *   each sequence's keys and values (bf16; full layers ctx keys, sliding
+ *   each sequence's keys and values (bf16, or fp8 + scales; full layers ctx keys, sliding
  *   layers the window), and the step's KV writes;
  *   flops: 2 x (dense + k experts' weights) per token, plus attention's
  *   2 x 2 x keys x NQ x D per token and layer. */
+static int32_t g_kv_dtype; /* --kv-dtype (engine.h kv_dtype) */
+
 static void decode_cost(const tw_model_config_t *c, int B, int ctx, double *bytes,
                         double *flops) {
+  /* bytes of one (token, kv head) of K or V: bf16, or fp8 and its f32 scale */
+  const double kvb = g_kv_dtype == TW_KV_DTYPE_FP8 ? c->head_dim + 4.0 : c->head_dim * 2.0;
   const double H = c->hidden, I = c->intermediate, D = c->head_dim, NQ = c->n_heads,
                NKV = c->n_kv_heads, E = c->n_experts, k = c->n_experts_per_tok;
   const double dense_l = H * (NQ + 2 * NKV) * D + NQ * D * H + E * H; /* QKV, O, router */
@@ -165,7 +173,7 @@ static void decode_cost(const tw_model_config_t *c, int B, int ctx, double *byte
   for (int l = 0; l < c->n_layers; l++) {
     const double keys =
         c->layer_types[l] == TW_LAYER_SLIDING && c->sliding_window < ctx ? c->sliding_window : ctx;
-    by += dense_l * 2 + sel * expert * 4.25 / 8 + B * keys * 2 * NKV * D * 2 + B * 2 * NKV * D * 2;
+    by += dense_l * 2 + sel * expert * 4.25 / 8 + B * keys * 2 * NKV * kvb + B * 2 * NKV * kvb;
     fl += 2.0 * B * (dense_l + k * expert) + 4.0 * B * keys * NQ * D;
   }
   *bytes = by;
@@ -275,6 +283,7 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
   for (int i = 0; i < n_pb; i++) maxb = pb_s[i] > maxb ? pb_s[i] : maxb;
   p.max_batch = maxb;
   p.kv_window_ring = g_kv_ring;
+  p.kv_dtype = g_kv_dtype;
   /* rings for the largest batch (the engine sizes the rest) whenever the
    * ring is on, by default (0: the cuda backend's default, on) or asked */
   if (tw_kv_ring_wanted(g_kv_ring, true))
@@ -447,6 +456,8 @@ int main(int argc, char **argv) {
       TW_OPT_INT("reps", &reps, 1, 16, "N", "repetitions (the median is reported)"),
       TW_OPT_FN("kv-window-ring", &g_kv_ring, tw_kv_ring_opt, "0|1|auto",
                 "sliding layers keep only their window's KV (auto: on)"),
+      TW_OPT_FN("kv-dtype", &g_kv_dtype, tw_kv_dtype_opt, "bf16|fp8",
+                "KV cache dtype (fp8: e4m3 with per-head scales)"),
   };
   tw_opts_spec_t spec = {.prog = "twain-bench-cuda", .description = "CUDA backend prefill and decode throughput.",
                          .env_prefix = "TWAIN_BENCH_CUDA_", .opts = opts,

@@ -142,7 +142,7 @@ static void attn_case_init(attn_case_t *a, int n_pos, uint64_t *seed) {
     a->table[i] = a->table[j];
     a->table[j] = t;
   }
-  tw_cpu_kv_view_t kv = {a->pool, a->bs, a->NKV, a->D};
+  tw_cpu_kv_view_t kv = {a->pool, a->bs, a->NKV, a->D, 0};
   for (int p = 0; p < n_pos; p++)
     for (int g = 0; g < a->NKV; g++)
       for (int d = 0; d < a->D; d++) {
@@ -188,7 +188,7 @@ static void test_attention(void) {
   float q[8 * 64], out[8 * 64], sinks[8], scores[NPOS];
   double ref[8 * 64];
   for (int h = 0; h < 8; h++) sinks[h] = (float)tw_test_uniform(&seed, -2.0, 3.0);
-  tw_cpu_kv_view_t kv = {a.pool, a.bs, a.NKV, a.D};
+  tw_cpu_kv_view_t kv = {a.pool, a.bs, a.NKV, a.D, 0};
   const int64_t positions[] = {0, 1, 4, W - 2, W - 1, W, W + 1, 100, NPOS - 1};
   for (size_t pi = 0; pi < sizeof(positions) / sizeof(positions[0]); pi++) {
     int64_t pos = positions[pi];

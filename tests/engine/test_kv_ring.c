@@ -20,9 +20,13 @@
  * label gpu; exits 77 without a GPU) 3 and 4 run on the CUDA engine: ring
  * against full layout within rel L2 1e-5 and the same greedy tokens (the
  * same kernels read the same bf16 values), the batch against alone within
- * 1e-2 (GEMM tiles of other row counts). */
+ * 1e-2 (GEMM tiles of other row counts). With the argument "fp8" (ctest
+ * engine.kv_ring_fp8, and test_kv_ring_cuda_fp8 on the GPU) the engines
+ * keep the fp8 KV cache (kv_fp8.h): each token is quantized on its own, so
+ * the ring and the full layout store the same bytes and the same bounds hold. */
 #include "common/engine/engine.h"
 #include "common/kv/kv_blocks.h"
+#include "common/kv/kv_fp8.h"
 #include "common/kv/kv_ring.h"
 #include "common/model/model.h"
 
@@ -32,6 +36,7 @@
 #include <string.h>
 
 static tw_backend_kind_t g_backend = TW_BACKEND_CPU;
+static int32_t g_kv_dtype = TW_KV_DTYPE_AUTO; /* argument "fp8": the fp8 KV cache (kv_fp8.h) */
 
 static void test_plan(void) {
   EXPECT(tw_kv_ring_len(128, 16) == 9 && tw_kv_ring_len(32, 16) == 3 && tw_kv_ring_len(6, 4) == 3 &&
@@ -110,6 +115,7 @@ static int rctx_init(tw_rctx_t *c, const tw_model_t *m, bool ring, int32_t chunk
   p.kv_num_blocks = NBLK;
   p.kv_ring_blocks = NRING;
   p.kv_window_ring = ring ? 1 : -1;
+  p.kv_dtype = g_kv_dtype;
   p.max_prefill_chunk = chunk;
   p.max_batch = 8;
   p.n_threads = 2;
@@ -118,6 +124,7 @@ static int rctx_init(tw_rctx_t *c, const tw_model_t *m, bool ring, int32_t chunk
   if (tw_engine_create(m, &p, &c->e) != TW_OK) return -1;
   const tw_kv_layout_t *l = tw_engine_kv_layout(c->e);
   if (ring != (l->ring_blocks > 0) || (ring && l->n_ring_blocks != NRING)) return -1;
+  if ((l->dtype == TW_DTYPE_F8_E4M3) != (g_kv_dtype == TW_KV_DTYPE_FP8)) return -1;
   return tw_kv_blocks_create_ring(l->n_blocks, l->block_size, l->n_ring_blocks, l->ring_blocks,
                                   &c->bm) == TW_OK
              ? 0
@@ -293,13 +300,22 @@ static void test_batch(tw_model_t *m) {
 }
 
 int main(int argc, char **argv) {
-  if (argc > 1 && !strcmp(argv[1], "cuda")) {
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "fp8")) {
+      g_kv_dtype = TW_KV_DTYPE_FP8;
+      continue;
+    }
+    if (strcmp(argv[i], "cuda")) {
+      fprintf(stderr, "usage: test_kv_ring [cuda] [fp8]\n");
+      return 2;
+    }
     if (!tw_backend_usable(TW_BACKEND_CUDA)) {
       printf("test_kv_ring cuda: no usable GPU, skipped\n");
       return 77;
     }
     g_backend = TW_BACKEND_CUDA;
   }
+  if (g_kv_dtype == TW_KV_DTYPE_FP8) printf("fp8 KV cache (e4m3, per-head scales)\n");
   test_plan();
   test_blocks();
   tw_model_t *m = NULL;

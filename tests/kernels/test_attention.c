@@ -12,10 +12,16 @@
  * a wrong mask, sink or scale gives errors of 1e-1 or more.
  * The float64 reference itself is checked against the CPU backend's
  * tw_cpu_attention (host only, also without a GPU).
+ * The fp8 KV cache (common/kv/kv_fp8.h, shape.kv_fp8): the same random pools
+ * quantized per (token, head) on the host by common/kv/kv_fp8.c (the NaN of an
+ * unowned slot stays NaN), both kernels against the CPU backend's
+ * tw_cpu_attention on the same fp8 bytes, relative L2 <= 1e-2 (the kernels
+ * round the dequantized K/V to bf16, 2^-9 relative), NaN never passing.
  * Exit 77 when no GPU is usable (after the host check). */
 #include "attn_test_util.h"
 
 #include "common/engine/cpu/cpu_ops.h"
+#include "common/kv/kv_fp8.h"
 #include "kernels/attention.h"
 #include "kernels/knobs.h"
 
@@ -395,6 +401,122 @@ static int tt_cpu_backend_crosscheck(const tt_shape_t *sh) {
   return rc;
 }
 
+/* The fp8 KV cache: pool p (bf16 values) quantized into the fp8 layout of
+ * common/kv/kv_fp8.h; `prefill` (queries start[s]..start[s]+len[s]-1 of each
+ * sequence) or decode (one query at start[s] + len[s] - 1, keys 0..it) with
+ * kv_fp8 = 1, against tw_cpu_attention over the same bytes. */
+static int tt_fp8_case(const tt_shape_t *sh, int prefill, int n_seqs, const int *start,
+                       const int *len) {
+  char name[160];
+  int n_keys[16], cu[17], n_tokens = 0, max_keys = 1;
+  cu[0] = 0;
+  for (int s = 0; s < n_seqs; s++) {
+    n_keys[s] = start[s] + len[s];
+    if (n_keys[s] > max_keys) max_keys = n_keys[s];
+    n_tokens += prefill ? len[s] : 1;
+    cu[s + 1] = n_tokens;
+  }
+  snprintf(name, sizeof name, "fp8_kv_%s(%s,W=%d,seqs=%d,T=%d,keys=%d)",
+           prefill ? "prefill" : "decode", sh->name, sh->window, n_seqs, n_tokens, max_keys);
+  tt_pool_t p;
+  if (tt_pool_make(sh, n_seqs, n_keys, &p)) return 1;
+  const int bs = sh->block_size;
+  const size_t part = (size_t)bs * (D + 4), pool_bytes = (size_t)p.n_blocks * 2 * sh->nkv * part;
+  uint8_t *pool8 = malloc(pool_bytes);
+  for (int b = 0; b < p.n_blocks; b++)
+    for (int kvg = 0; kvg < 2 * sh->nkv; kvg++)
+      for (int sl = 0; sl < bs; sl++) {
+        const uint16_t *x = p.pool + (((size_t)b * 2 * sh->nkv + kvg) * bs + sl) * D;
+        uint8_t *dst = pool8 + ((size_t)b * 2 * sh->nkv + kvg) * part;
+        float row[D], scale;
+        for (int d = 0; d < D; d++) row[d] = tt_bf2f(x[d]);
+        tw_kv_fp8_quantize(row, D, dst + (size_t)sl * D, &scale);
+        memcpy(dst + (size_t)bs * D + (size_t)sl * 4, &scale, 4);
+      }
+  const int64_t q_stride = (int64_t)(sh->nq + 2 * sh->nkv) * D;
+  uint16_t *q = malloc(sizeof(uint16_t) * n_tokens * q_stride);
+  uint16_t *out = malloc(sizeof(uint16_t) * n_tokens * sh->nq * D);
+  float *sinks = malloc(sizeof(float) * sh->nq), *q32 = malloc(sizeof(float) * sh->nq * D);
+  float *ref = malloc(sizeof(float) * sh->nq * D), *scores = malloc(sizeof(float) * max_keys);
+  for (int64_t i = 0; i < n_tokens * q_stride; i++) q[i] = tt_rand_bf16(3.4f);
+  for (int h = 0; h < sh->nq; h++) sinks[h] = tt_normal(2.0f);
+  int32_t seq_lens[16];
+  for (int s = 0; s < n_seqs; s++) seq_lens[s] = n_keys[s];
+  const tw_cuda_attn_shape_t ash = {.n_q_heads = sh->nq,
+                                    .n_kv_heads = sh->nkv,
+                                    .head_dim = D,
+                                    .block_size = bs,
+                                    .window = sh->window,
+                                    .scale = 0.125f,
+                                    .kv_fp8 = 1};
+  const size_t ws_bytes =
+      prefill ? 16 : tw_cuda_attention_decode_workspace_bytes(&ash, n_seqs, max_keys);
+  void *d_pool, *d_q, *d_out, *d_ws;
+  float *d_sinks;
+  int32_t *d_cu, *d_start, *d_bt, *d_lens;
+  TT_CUDA(cudaMalloc(&d_pool, pool_bytes));
+  TT_CUDA(cudaMalloc(&d_q, sizeof(uint16_t) * n_tokens * q_stride));
+  TT_CUDA(cudaMalloc(&d_out, sizeof(uint16_t) * n_tokens * sh->nq * D));
+  TT_CUDA(cudaMalloc(&d_ws, ws_bytes));
+  TT_CUDA(cudaMalloc((void **)&d_sinks, sizeof(float) * sh->nq));
+  TT_CUDA(cudaMalloc((void **)&d_cu, sizeof(int32_t) * (n_seqs + 1)));
+  TT_CUDA(cudaMalloc((void **)&d_start, sizeof(int32_t) * n_seqs));
+  TT_CUDA(cudaMalloc((void **)&d_lens, sizeof(int32_t) * n_seqs));
+  TT_CUDA(cudaMalloc((void **)&d_bt, sizeof(int32_t) * n_seqs * p.bt_stride));
+  TT_CUDA(cudaMemcpy(d_pool, pool8, pool_bytes, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_q, q, sizeof(uint16_t) * n_tokens * q_stride, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_sinks, sinks, sizeof(float) * sh->nq, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_cu, cu, sizeof(int32_t) * (n_seqs + 1), cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_start, start, sizeof(int32_t) * n_seqs, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_lens, seq_lens, sizeof(int32_t) * n_seqs, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_bt, p.bt, sizeof(int32_t) * n_seqs * p.bt_stride, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemset(d_out, 0xff, sizeof(uint16_t) * n_tokens * sh->nq * D)); /* NaN */
+  TT_CUDA(cudaMemset(d_ws, 0, ws_bytes));
+  tw_status_t st =
+      prefill ? tw_cuda_attention_prefill(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, n_tokens,
+                                          d_cu, d_start, d_bt, p.bt_stride, d_out, 0)
+              : tw_cuda_attention_decode(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, d_lens, d_bt,
+                                         p.bt_stride, max_keys, d_ws, ws_bytes, d_out, 0);
+  int rc = 0;
+  if (st != TW_OK) {
+    printf("FAIL %s: %s\n", name, tw_last_error());
+    rc = 1;
+  }
+  TT_CUDA(cudaDeviceSynchronize());
+  TT_CUDA(cudaMemcpy(out, d_out, sizeof(uint16_t) * n_tokens * sh->nq * D, cudaMemcpyDeviceToHost));
+  const tw_cpu_kv_view_t view = {
+      .layer_base = pool8, .block_size = bs, .n_kv_heads = sh->nkv, .head_dim = D, .fp8 = 1};
+  tt_l2_t l2 = {0};
+  for (int s = 0; s < n_seqs && !rc; s++)
+    for (int i = 0; i < (prefill ? len[s] : 1); i++) {
+      const int t = cu[s] + i, pos = prefill ? start[s] + i : n_keys[s] - 1;
+      for (int k = 0; k < sh->nq * D; k++) q32[k] = tt_bf2f(q[t * q_stride + k]);
+      tw_cpu_attention(q32, sh->nq, 0, sh->nq, &view, p.bt + (size_t)s * p.bt_stride, pos,
+                       sh->window, sinks, 0.125f, scores, ref);
+      for (int k = 0; k < sh->nq * D; k++)
+        tt_l2_add(&l2, tt_bf2f(out[(size_t)t * sh->nq * D + k]), ref[k]);
+    }
+  rc |= tt_l2_report(name, &l2, 1e-2);
+  tt_pool_free(&p);
+  free(pool8);
+  free(q);
+  free(out);
+  free(sinks);
+  free(q32);
+  free(ref);
+  free(scores);
+  cudaFree(d_pool);
+  cudaFree(d_q);
+  cudaFree(d_out);
+  cudaFree(d_ws);
+  cudaFree(d_sinks);
+  cudaFree(d_cu);
+  cudaFree(d_start);
+  cudaFree(d_lens);
+  cudaFree(d_bt);
+  return rc;
+}
+
 static int tt_api_errors(void) {
   tw_cuda_attn_shape_t sh = {.n_q_heads = 64, .n_kv_heads = 8, .head_dim = 128,
                              .block_size = 16, .window = 0, .scale = 0.125f};
@@ -505,6 +627,23 @@ int main(void) {
     unsetenv("TWAIN_CUDA_DC_CTAS");
     unsetenv("TWAIN_CUDA_DC_MODE_NAME");
     tw_cuda_knobs_reload();
+  }
+  { /* the fp8 KV cache: prefill (one and several sequences, chunked) and decode */
+    const int s0[] = {0}, l0[] = {300}, s1[] = {0, 300, 17, 2000}, l1[] = {200, 129, 1, 77};
+    const int s2[] = {1000}, l2[] = {129};
+    const tt_shape_t *shapes[] = {&real_full, &real_slide, &tiny_slide};
+    for (int k = 0; k < 3; k++) {
+      fails += tt_fp8_case(shapes[k], 1, 1, s0, l0);
+      fails += tt_fp8_case(shapes[k], 1, 4, s1, l1);
+      fails += tt_fp8_case(shapes[k], 1, 1, s2, l2);
+      fails += tt_fp8_case(shapes[k], 0, 4, s1, l1);
+    }
+    int lens[8], zero8[8] = {0};
+    tt_mixed_lens(8, quick ? 3000 : 20000, lens);
+    fails += tt_fp8_case(&real_full, 0, 8, zero8, lens);
+    fails += tt_fp8_case(&real_slide, 0, 8, zero8, lens);
+    const int one = 1;
+    fails += tt_fp8_case(&real_full, 0, 1, zero8, &one);
   }
 variant_cases:
   if (variants) { /* the listed prefill kernel variants */

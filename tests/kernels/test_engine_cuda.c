@@ -22,9 +22,14 @@
  * prompts decode 3 teacher-forced steps together, and each copy's greedy
  * tokens must equal its prompt's tokens at batch 1 (the batch-1 step runs the
  * GEMV MoE, larger ones the grouped GEMMs at every assignment tile, padded
- * to their graph bucket). */
+ * to their graph bucket).
+ * With the argument "fp8" (ctest test_engine_cuda_fp8) every engine keeps
+ * the fp8 KV cache (common/kv/kv_fp8.h) and the same checks run, the argmax
+ * criterion at >= 95% of the prompt positions instead of 99% (the cpu
+ * backend's fp8 cache reaches 96-100% on these prompts, engine.kv_fp8). */
 #include "common/engine/engine.h"
 #include "common/engine/sampling.h"
+#include "common/kv/kv_fp8.h"
 #include "common/model/model.h"
 #include "tests/engine/fixture_util.h"
 #include "tests/test_expect.h"
@@ -43,6 +48,8 @@
 #endif
 
 #define N_PROMPTS 4
+static int32_t g_kv_dtype = 0; /* "fp8": TW_KV_DTYPE_FP8 (common/kv/kv_fp8.h) */
+static int g_argmax_pct = 99;  /* the prefill argmax criterion, % of positions */
 #define BLOCKS_PER_SEQ 24 /* 384 positions >= 298 + 48 */
 
 static int argmax_row(const float *r, int V) {
@@ -66,6 +73,7 @@ static int open_engine(const char *model_dir, int32_t kv_blocks, int32_t max_bat
   p.kv_num_blocks = kv_blocks;
   p.max_batch = max_batch;
   p.max_prefill_chunk = chunk;
+  p.kv_dtype = g_kv_dtype;
   if (tw_engine_create(m, &p, e_p) != TW_OK) {
     printf("FAIL engine create: %s\n", tw_last_error());
     tw_model_destroy(m);
@@ -137,8 +145,8 @@ static int run_variant(const char *model_dir, const char *fx_dir, const char *va
     double rel = sqrt(e2 / r2);
     printf("%s prefill %-12s: argmax %d/%d positions, logits rel L2 %.3e, first token %d (HF %d)\n",
            variant, f->prompt, same, f->n_ids, rel, next, f->greedy[0]);
-    EXPECT(same * 100 >= 99 * f->n_ids, "prefill %s: argmax at %d of %d positions", f->prompt,
-           same, f->n_ids);
+    EXPECT(same * 100 >= g_argmax_pct * f->n_ids, "prefill %s: argmax at %d of %d positions",
+           f->prompt, same, f->n_ids);
     EXPECT(rel < 0.1, "prefill %s: logits rel L2 %.3e", f->prompt, rel);
     EXPECT(next == f->greedy[0], "prefill %s: first token %d, HF %d", f->prompt, next,
            f->greedy[0]);
@@ -289,7 +297,12 @@ static int run_buckets(const char *model_dir, const char *fx_dir) {
   return rc;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "fp8")) {
+    g_kv_dtype = TW_KV_DTYPE_FP8;
+    g_argmax_pct = 95;
+    printf("the fp8 KV cache (e4m3, per-head scales)\n");
+  }
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     printf("SKIP: no GPU\n");

@@ -13,10 +13,17 @@
  *    token's slot, and every other slot must keep its NaN poison.
  *  - the RoPE table is also compared with the CPU backend's
  *    tw_cpu_rope_init/tw_cpu_rope_table (host only).
+ *  - RoPE + KV write into the fp8 KV cache (tw_cuda_rope_kv_write_fp8,
+ *    common/kv/kv_fp8.h) against common/kv/kv_fp8.c's quantization of the same
+ *    rotation in f32 on the host: v's bytes and scales bit-exact, k's scale
+ *    within 1e-6 relative and each byte within one e4m3 code (the device may
+ *    fuse the rotation's multiply-add), under 1% of k's bytes off at all;
+ *    untouched slots keep their poison.
  * Exit 77 when no GPU is usable (after the host-only table checks). */
 #include "attn_test_util.h"
 
 #include "common/engine/cpu/cpu_ops.h"
+#include "common/kv/kv_fp8.h"
 #include "kernels/norm_rope.h"
 
 static tw_model_config_t tt_gptoss_config(int head_dim) {
@@ -287,6 +294,100 @@ static int tt_rope_f32_case(int T, int nq, int nkv, const float *d_cos, const fl
   return rc;
 }
 
+/* tw_cuda_rope_kv_write_fp8 (see the top of the file). */
+static int tt_rope_fp8_case(int T, int nq, int nkv, const float *d_cos, const float *d_sin,
+                            const float *h_cos, const float *h_sin, int max_pos) {
+  char name[128];
+  const int D = 64, half = 32, bs = 16, part = bs * (D + 4);
+  snprintf(name, sizeof name, "rope_kv_write_fp8(NQ=%d,NKV=%d,T=%d)", nq, nkv, T);
+  const int64_t stride = (int64_t)(nq + 2 * nkv) * D + 4, qstride = (int64_t)nq * D + 8;
+  const size_t n = (size_t)T * stride;
+  float *qkv = malloc(n * 4);
+  int32_t *pos = malloc(4 * T), *slots = malloc(4 * T);
+  const int n_blocks = (T + bs - 1) / bs + 2;
+  const size_t pool_bytes = (size_t)n_blocks * 2 * nkv * part;
+  uint8_t *pool = malloc(pool_bytes);
+  char *written = calloc((size_t)n_blocks * bs, 1);
+  for (size_t i = 0; i < n; i++) qkv[i] = tt_normal(2.0f) * (i % 7 == 0 ? 30.0f : 1.0f);
+  for (int t = 0; t < T; t++) {
+    pos[t] = t == 0 ? max_pos - 1 : (t == 1 ? 0 : tt_randint(0, max_pos - 1));
+    slots[t] = (t % 5 == 3) ? -1 : (n_blocks * bs - 1 - t);
+    if (slots[t] >= 0) written[slots[t]] = 1;
+  }
+  if (T > 2) /* an all-zero v head: scale 0, zero bytes */
+    for (int d = 0; d < D; d++) qkv[2 * stride + (nq + nkv) * D + d] = 0.0f;
+  void *d_qkv, *d_pool, *d_qo;
+  int32_t *d_pos, *d_slots;
+  TT_CUDA(cudaMalloc(&d_qkv, n * 4));
+  TT_CUDA(cudaMalloc(&d_qo, (size_t)T * qstride * 2));
+  TT_CUDA(cudaMalloc(&d_pool, pool_bytes));
+  TT_CUDA(cudaMalloc((void **)&d_pos, 4 * T));
+  TT_CUDA(cudaMalloc((void **)&d_slots, 4 * T));
+  TT_CUDA(cudaMemcpy(d_qkv, qkv, n * 4, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_pos, pos, 4 * T, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemcpy(d_slots, slots, 4 * T, cudaMemcpyHostToDevice));
+  TT_CUDA(cudaMemset(d_pool, 0xff, pool_bytes));
+  tw_status_t st = tw_cuda_rope_kv_write_fp8(d_qkv, stride, T, nq, nkv, D, d_pos, d_cos, d_sin,
+                                             max_pos, d_slots, d_pool, bs, d_qo, qstride, 0);
+  if (st != TW_OK) {
+    printf("FAIL %s: status %d: %s\n", name, (int)st, tw_last_error());
+    return 1;
+  }
+  TT_CUDA(cudaDeviceSynchronize());
+  TT_CUDA(cudaMemcpy(pool, d_pool, pool_bytes, cudaMemcpyDeviceToHost));
+  long bad = 0, k_off = 0, k_total = 0;
+  for (int t = 0; t < T; t++) {
+    if (slots[t] < 0) continue;
+    const int blk = slots[t] / bs, sl = slots[t] % bs;
+    for (int kv = 0; kv < 2; kv++)
+      for (int g = 0; g < nkv; g++) {
+        const float *x = qkv + t * stride + (int64_t)(nq + kv * nkv + g) * D;
+        float row[64], s_host, s_dev;
+        uint8_t q_host[64];
+        for (int i = 0; i < half; i++) {
+          const float c = h_cos[(size_t)pos[t] * half + i], sn = h_sin[(size_t)pos[t] * half + i];
+          row[i] = kv ? x[i] : x[i] * c - x[i + half] * sn;
+          row[i + half] = kv ? x[i + half] : x[i + half] * c + x[i] * sn;
+        }
+        tw_kv_fp8_quantize(row, D, q_host, &s_host);
+        const uint8_t *dst = pool + (((size_t)blk * 2 + kv) * nkv + g) * part;
+        memcpy(&s_dev, dst + bs * D + sl * 4, 4);
+        if (kv) {
+          bad += s_dev != s_host || memcmp(dst + sl * D, q_host, D) != 0;
+          continue;
+        }
+        bad += !(fabsf(s_dev - s_host) <= 1e-6f * s_host);
+        for (int d = 0; d < D; d++) {
+          const int a = dst[sl * D + d], b = q_host[d];
+          k_total++;
+          k_off += a != b;
+          const float va = tw_e4m3_to_f32((uint8_t)a), vb = tw_e4m3_to_f32((uint8_t)b);
+          bad += !(fabsf(va - vb) <= fmaxf(fabsf(va), fabsf(vb)) / 8 + 0x1p-9f); /* one code */
+        }
+      }
+  }
+  for (int sl = 0; sl < n_blocks * bs; sl++) /* untouched slots: 0xff bytes and scales */
+    for (int kvg = 0; kvg < 2 * nkv && !written[sl]; kvg++) {
+      const uint8_t *dst = pool + ((size_t)(sl / bs) * 2 * nkv + kvg) * part;
+      for (int d = 0; d < D; d++) bad += dst[(sl % bs) * D + d] != 0xff;
+      for (int b = 0; b < 4; b++) bad += dst[bs * D + (sl % bs) * 4 + b] != 0xff;
+    }
+  const int rc = bad != 0 || k_off * 100 > k_total;
+  printf("%s %s: %ld values wrong, %ld of %ld k bytes one code off the host's\n",
+         rc ? "FAIL" : "ok  ", name, bad, k_off, k_total);
+  free(qkv);
+  free(pos);
+  free(slots);
+  free(pool);
+  free(written);
+  cudaFree(d_qkv);
+  cudaFree(d_qo);
+  cudaFree(d_pool);
+  cudaFree(d_pos);
+  cudaFree(d_slots);
+  return rc;
+}
+
 int main(void) {
   tt_seed();
   int fails = tt_table_case();
@@ -313,6 +414,8 @@ int main(void) {
   for (int i = 0; i < 4; i++) {
     fails += tt_rope_f32_case(Tr[i], 64, 8, d_cos, d_sin, c, s, max_pos);
     fails += tt_rope_f32_case(Tr[i], 4, 2, d_cos, d_sin, c, s, max_pos);
+    fails += tt_rope_fp8_case(Tr[i], 64, 8, d_cos, d_sin, c, s, max_pos);
+    fails += tt_rope_fp8_case(Tr[i], 4, 2, d_cos, d_sin, c, s, max_pos);
   }
   free(c);
   free(s);

@@ -90,14 +90,19 @@ def link_keys():
             subprocess.run([os.path.join(BUILD, "router", "twain"), "keygen", path], check=True,
                            timeout=30)
             os.environ["TWAIN_KEYS_FILE"] = path
-        keys = {}
-        with open(path) as f:
-            for line in f:
-                if "=" in line and not line.startswith("#"):
-                    k, v = line.split("=", 1)
-                    keys[k.strip()] = v.strip()
-        _LINK_KEYS = keys
+        _LINK_KEYS = read_keys(path)
     return _LINK_KEYS
+
+
+def read_keys(path):
+    """{name: key} of a `twain keygen` file (its `name = key` lines)."""
+    keys = {}
+    with open(path) as f:
+        for line in f:
+            if "=" in line and not line.startswith("#"):
+                k, v = line.split("=", 1)
+                keys[k.strip()] = v.strip()
+    return keys
 
 
 _LINK_KEYS = None
@@ -375,6 +380,25 @@ def finish():
     sys.exit(rc)
 
 
+# The ASan pass (deploy/dev.sh sanitize) sets TW_SOAK_RSS_CHECK=0: ASan's
+# quarantine keeps freed memory resident, so the router's RSS says nothing
+# about leaks there; the plain pass checks its bounds (test_service_soak,
+# test_service_validate).
+RSS_CHECK = os.environ.get("TW_SOAK_RSS_CHECK", "1") != "0"
+
+
+def rss_kb(pid):
+    """Resident memory of process pid in kB (0 if it is gone)."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def wait_metric(port, key, want, timeout=15):
     """Polls a worker's /metrics until `key` equals `want` (gauges are set by
     the worker loop after it sends the last reply, so a client can read the
@@ -481,10 +505,16 @@ class Cluster:
 class Client:
     """A DEALER client: send requests, gather replies per request_id."""
 
-    def __init__(self, endpoint):
+    def __init__(self, endpoint, curve=None):
+        """curve: {"server-public", "client-public", "client-secret"} for a
+        router whose client socket is CURVE (--client-keys); None: plaintext."""
         self.ctx = zmq.Context.instance()
         self.s = self.ctx.socket(zmq.DEALER)
         self.s.setsockopt(zmq.LINGER, 0)
+        if curve:
+            self.s.setsockopt(zmq.CURVE_SERVERKEY, curve["server-public"].encode())
+            self.s.setsockopt(zmq.CURVE_PUBLICKEY, curve["client-public"].encode())
+            self.s.setsockopt(zmq.CURVE_SECRETKEY, curve["client-secret"].encode())
         self.s.connect(endpoint)
         self.replies = {}
         self.next_id = 1

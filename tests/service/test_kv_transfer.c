@@ -10,8 +10,15 @@
  * refused with TW_ERR_UNSUPPORTED before anything is put, never emulated.
  * Then the bounce ring: 48 pieces of 1 MiB, taken from the child's buffer in
  * reverse order, gathered into one remote range (6 ring chunks through 4
- * slots, so slots are reused), must arrive exactly in that order. */
+ * slots, so slots are reused), must arrive exactly in that order.
+ * With the argument "fp8" (ctest test_kv_transfer_fp8) both pools have the
+ * fp8 KV cache's layout (kv_fp8.h: e4m3 values and f32 scales, blocks of
+ * 2 x heads x (16 x 64 + 16 x 4) bytes): its blocks move as exact bytes the
+ * same way. Either way a destination of the other KV dtype is refused
+ * (TW_ERR_UNSUPPORTED, nothing put), whole-head and re-sharded. */
 #include "common/base/log.h"
+#include "common/kv/kv_fp8.h"
+#include "common/kv/kv_reshard.h"
 #include "common/kv/kv_transfer.h"
 #include "tests/test_io.h"
 
@@ -36,10 +43,13 @@
 
 #include "tests/test_expect.h"
 
+static tw_dtype_t g_dtype = TW_DTYPE_F32; /* "fp8": TW_DTYPE_F8_E4M3 */
+
 static tw_kv_layout_t make_layout(void *base) {
   tw_kv_layout_t l = {.dtype = TW_DTYPE_F32, .n_layers = L, .n_blocks = NB, .block_size = BS,
                       .n_kv_heads_local = NKV, .head_dim = HD, .base = base};
-  l.block_bytes = 2LL * NKV * BS * HD * 4;
+  l.dtype = g_dtype;
+  l.block_bytes = 2LL * NKV * tw_kv_head_bytes(g_dtype, BS, HD);
   l.layer_stride_bytes = l.block_bytes * NB;
   l.total_bytes = l.layer_stride_bytes * L;
   return l;
@@ -106,6 +116,21 @@ static int child(int rfd, int wfd) {
   if (tw_kv_xfer_send_layer(x, peer, &src, &rl, 0, tail_src, tail_dst, 0, 2, NULL) !=
       TW_ERR_INVALID_ARGUMENT)
     return 16;
+  /* the other KV dtype on the decode side (a pair started with different
+   * --kv-dtype): refused before anything is put, whole heads or re-sharded */
+  tw_kv_remote_layout_t other = rl;
+  other.dtype = g_dtype == TW_DTYPE_F32 ? TW_DTYPE_F8_E4M3 : TW_DTYPE_F32;
+  other.block_bytes = 2LL * NKV * tw_kv_head_bytes(other.dtype, BS, HD);
+  int64_t rs_bytes = 0;
+  if (tw_kv_xfer_send_layer(x, peer, &src, &other, 0, src_ids, dst_ids, 0, 5, NULL) !=
+          TW_ERR_UNSUPPORTED ||
+      !strstr(tw_last_error(), "--kv-dtype"))
+    return 18;
+  other.n_kv_heads = 1;
+  if (tw_kv_reshard_send_layer(x, peer, &src, &other, 0, 0, src_ids, dst_ids, 0, 5, &rs_bytes) !=
+          TW_ERR_UNSUPPORTED ||
+      rs_bytes != 0 || !strstr(tw_last_error(), "--kv-dtype"))
+    return 19;
   tw_kv_xfer_stats_t s0;
   tw_kv_xfer_stats(x, &s0);
   if (s0.puts != 0 || s0.bytes_sent != 0) return 17;
@@ -208,8 +233,11 @@ static void net_devices(void) {
          "a list that does not fit: OUT_OF_RANGE");
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  if (argc > 1 && !strcmp(argv[1], "fp8")) g_dtype = TW_DTYPE_F8_E4M3;
   tw_log_init("test_kv_transfer", 0);
+  EXPECT(make_layout(NULL).block_bytes == (g_dtype == TW_DTYPE_F32 ? 16384 : 4352),
+         "block bytes %lld", (long long)make_layout(NULL).block_bytes);
   checksum_known_answers();
   net_devices();
   /* sliding-window block selection, by hand: positions >= n - W */

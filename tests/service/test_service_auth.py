@@ -5,6 +5,7 @@ Also: a router without keys refuses to start (unless the plaintext flag says
 otherwise, loudly), `twain keygen` writes a private file and never overwrites
 one, and key files that others can read, or that are FIFOs, are refused at once."""
 import os
+import signal
 import stat
 import subprocess
 import tempfile
@@ -109,6 +110,31 @@ try:
               victim, m.get("twain_router_decode_workers")))
     res = cl.wait([cl.send(svc.generate(prompt, 8)) for _ in range(2)], 60)
     check(all(r[-1].error.code == 0 for r in res), "requests still served after the forgeries")
+
+    # heartbeats in the name of a killed worker (from a peer with the keys)
+    # do not keep it registered: the router expires it after its 1 s silence
+    dead = c.add_decode()
+    c.wait_registered(1, 2)
+    c.procs.remove(dead)
+    c.decodes.remove(dead)
+    dead.p.send_signal(signal.SIGKILL)
+    dead.p.wait(10)
+    f = svc.worker_socket(ctx, b"forger-of-the-dead", c.worker_ep)
+    replies = []
+    end = time.time() + 3.0
+    while time.time() < end:
+        heartbeat(f, dead.worker_name, False)
+        replies += drain(f, 0.2)
+    f.close()
+    m = svc.metrics(c.router_metrics_port)
+    check(m.get("twain_router_decode_workers") == 1 and c.router.seen("worker %s expired" % dead.worker_name, 5),
+          "a killed worker is expired although its heartbeats are forged (%s decode workers)" %
+          m.get("twain_router_decode_workers"))
+    check(replies and all(e.WhichOneof("body") == "reject" and e.reject.status.code == E["NOT_FOUND"]
+                          for e in replies),
+          "each forged heartbeat for it is answered NOT_FOUND (%d replies)" % len(replies))
+    res = cl.wait([cl.send(svc.generate(prompt, 8)) for _ in range(2)], 60)
+    check(all(r[-1].error.code == 0 for r in res), "the remaining workers serve")
 finally:
     rcs = c.close()
 check(not any(rcs.values()), "router and workers stop cleanly: %s" % rcs)

@@ -244,6 +244,20 @@ try:
     send(b"fp", pr)
     e = recv_from(b"fp", lambda e: e.WhichOneof("body") == "prefill_done")
     check(e.prefill_done.status.code == E["INVALID_ARGUMENT"], "prefill: bad token id -> %s" % e.prefill_done.status.message)
+    # a poisoned handoff that reaches the worker (a garbage rkey): an error for
+    # that request, never a crash. (Garbage UCX addresses are stopped at the
+    # router: test_service_validate; UCX's address format carries no length.)
+    bad = svc.Envelope()
+    bad.CopyFrom(pr)
+    bad.prefill.request_id = 30
+    del bad.prefill.prompt_ids[:]
+    bad.prefill.prompt_ids.extend(prompt)
+    bad.prefill.handoff.rkey = b"\x07 not an rkey"
+    send(b"fp", bad)
+    e = recv_from(b"fp", lambda e: e.WhichOneof("body") == "prefill_done" and e.prefill_done.request_id == 30)
+    check(e.prefill_done.status.code != 0 and "rkey" in e.prefill_done.status.message and pre.p.poll() is None,
+          "prefill: a garbage rkey -> %s: %s, and it is still running" % (e.prefill_done.status.code,
+                                                                         e.prefill_done.status.message[:120]))
     del pr.prefill.prompt_ids[:]
     pr.prefill.prompt_ids.extend(prompt)
     # a handoff whose KV does not match what the prefill worker says it sent

@@ -16,20 +16,12 @@ import svc
 from svc import check, finish
 
 SECONDS = float(os.environ.get("TW_SOAK_SECONDS", "180"))
-# The ASan pass (deploy/dev.sh sanitize) sets TW_SOAK_RSS_CHECK=0: ASan's
-# quarantine keeps freed memory resident, so RSS growth there says nothing
-# about leaks; the plain pass of this test checks it.
-RSS_CHECK = os.environ.get("TW_SOAK_RSS_CHECK", "1") != "0"
+RSS_CHECK = svc.RSS_CHECK  # off under ASan (svc.py)
 rng = random.Random(19)
 prompts = [fixtures.ids("short_dog"), fixtures.ids("short_book")]
 
 
-def rss_kb(pid):
-    with open("/proc/%d/status" % pid) as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+rss_kb = svc.rss_kb
 
 
 c = svc.Cluster(2, 2)

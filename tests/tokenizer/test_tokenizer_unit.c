@@ -9,6 +9,7 @@
 #include "common/text/tokenizer.h"
 #include "tests/test_expect.h"
 
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,6 +183,15 @@ int main(int argc, char **argv) {
   EXPECT(tw_tokenizer_load("/dev/zero", &t2) == TW_ERR_INVALID_ARGUMENT &&
              strstr(tw_last_error(), "tokenizer /dev/zero is not a regular file"),
          "/dev/zero: %s", tw_last_error());
+  /* a regular file over the cap (sparse: no disk) is refused before any read */
+  char huge[64];
+  snprintf(huge, sizeof huge, "/tmp/tw_tok_huge_%d.json", (int)getpid());
+  int hfd = open(huge, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  EXPECT(hfd >= 0 && ftruncate(hfd, (off_t)TW_TOKENIZER_MAX_FILE_BYTES + 1) == 0, "sparse file");
+  if (hfd >= 0) close(hfd);
+  EXPECT(tw_tokenizer_load(huge, &t2) == TW_ERR_FORMAT && strstr(tw_last_error(), "is larger than"),
+         "a tokenizer.json over %zu bytes: %s", TW_TOKENIZER_MAX_FILE_BYTES, tw_last_error());
+  unlink(huge);
   EXPECT(tw_tokenizer_load_json("{", 1, &t2) == TW_ERR_FORMAT, "not JSON");
   const char *no_bpe = "{\"model\":{\"type\":\"WordPiece\",\"vocab\":{}}}";
   EXPECT(tw_tokenizer_load_json(no_bpe, strlen(no_bpe), &t2) == TW_ERR_FORMAT, "not BPE");

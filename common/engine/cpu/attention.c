@@ -26,6 +26,7 @@ void tw_cpu_attention(const float *q, int32_t n_heads, int32_t head_begin, int32
                       int32_t window, const float *sinks, float scale, float *scores,
                       float *out) {
   const int32_t D = kv->head_dim;
+  float row[TW_CPU_KV_MAX_HEAD_DIM]; /* fp8: one dequantized K or V */
   const int32_t group = n_heads / kv->n_kv_heads;
   /* sliding: W keys including the current one, p-(W-1)..p (spec §2.6) */
   int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
@@ -35,7 +36,7 @@ void tw_cpu_attention(const float *q, int32_t n_heads, int32_t head_begin, int32
     const float *qh = q + (int64_t)h * D;
     float m = sinks[h]; /* the sink is a logit already in scaled units */
     for (int64_t j = 0; j < n; j++) {
-      float s = tw_attn_dot(qh, tw_cpu_kv_at(kv, block_table, lo + j, 0, g), D) * scale;
+      float s = tw_attn_dot(qh, tw_cpu_kv_read(kv, block_table, lo + j, 0, g, row), D) * scale;
       scores[j] = s;
       if (s > m) m = s;
     }
@@ -45,7 +46,7 @@ void tw_cpu_attention(const float *q, int32_t n_heads, int32_t head_begin, int32
     for (int64_t j = 0; j < n; j++) {
       float p = expf(scores[j] - m);
       den += p;
-      const float *v = tw_cpu_kv_at(kv, block_table, lo + j, 1, g);
+      const float *v = tw_cpu_kv_read(kv, block_table, lo + j, 1, g, row);
       int32_t d = 0;
       for (; d + TW_VL <= D; d += TW_VL) {
         tw_vf ov, vv;
@@ -59,6 +60,19 @@ void tw_cpu_attention(const float *q, int32_t n_heads, int32_t head_begin, int32
     float inv = 1.0f / den;
     for (int32_t d = 0; d < D; d++) o[d] *= inv;
   }
+}
+
+void tw_cpu_kv_write(const tw_cpu_kv_view_t *v, const int32_t *block_table, int64_t pos, int kv,
+                     int32_t kv_head, const float *x) {
+  char *part = tw_cpu_kv_part(v, block_table, pos, kv, kv_head);
+  int64_t slot = pos % v->block_size, D = v->head_dim;
+  if (!v->fp8) {
+    memcpy((float *)part + slot * D, x, sizeof(float) * (size_t)D);
+    return;
+  }
+  float scale;
+  tw_kv_fp8_quantize(x, (int32_t)D, (uint8_t *)part + slot * D, &scale);
+  memcpy(part + (int64_t)v->block_size * D + slot * 4, &scale, sizeof scale);
 }
 
 void tw_cpu_router_topk(const float *logits, int32_t n_experts, int32_t k, int32_t *idx_out,

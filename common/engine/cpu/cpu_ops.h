@@ -10,9 +10,11 @@
 #define TW_COMMON_CPU_CPU_OPS_H
 
 #include "common/base/status.h"
+#include "common/kv/kv_fp8.h"
 #include "common/model/config.h"
 
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -102,22 +104,52 @@ void tw_cpu_rope_apply(float *x, int32_t n_heads, int32_t head_dim, const float 
 /* ---- attention ------------------------------------------------------------- */
 
 /** Where one layer's K/V lives: the engine.h pool layout
- *  [block][k|v][kv_head][slot][head_dim] f32, with `layer_base` at block 0. */
+ *  [block][k|v][kv_head][slot][head_dim] f32, with `layer_base` at block 0;
+ *  with fp8 each (k|v, kv_head) part of a block is [slot][head_dim] e4m3
+ *  then [slot] f32 scales (kv_fp8.h). */
 typedef struct {
-  float *layer_base;
+  void *layer_base;
   int32_t block_size;
   int32_t n_kv_heads;
   int32_t head_dim;
+  int32_t fp8; /* 1: the kv_fp8.h layout */
 } tw_cpu_kv_view_t;
 
-/** Pointer to K (kv = 0) or V (kv = 1) of kv_head at token position `pos` of a
+#define TW_CPU_KV_MAX_HEAD_DIM 512 /* fp8: the dequantized row's scratch */
+
+/** The (k|v = kv, kv_head) part of the block holding position `pos` of a
  *  sequence whose blocks are `block_table`. */
+static inline char *tw_cpu_kv_part(const tw_cpu_kv_view_t *v, const int32_t *block_table,
+                                   int64_t pos, int kv, int32_t kv_head) {
+  int64_t blk = block_table[pos / v->block_size];
+  int64_t part = (int64_t)v->block_size * (v->fp8 ? v->head_dim + 4 : v->head_dim * 4);
+  return (char *)v->layer_base + ((blk * 2 + kv) * v->n_kv_heads + kv_head) * part;
+}
+
+/** Pointer to K (kv = 0) or V (kv = 1) of kv_head at position `pos` of an
+ *  f32 pool (fp8 0). */
 static inline float *tw_cpu_kv_at(const tw_cpu_kv_view_t *v, const int32_t *block_table,
                                   int64_t pos, int kv, int32_t kv_head) {
-  int64_t blk = block_table[pos / v->block_size];
+  return (float *)tw_cpu_kv_part(v, block_table, pos, kv, kv_head) +
+         (pos % v->block_size) * v->head_dim;
+}
+
+/** Store one token's K (kv = 0) or V (kv = 1) of kv_head, x f32 [head_dim],
+ *  at position `pos`: as it is (f32), or quantized (fp8, kv_fp8.h). */
+void tw_cpu_kv_write(const tw_cpu_kv_view_t *v, const int32_t *block_table, int64_t pos, int kv,
+                     int32_t kv_head, const float *x);
+
+/** K or V of kv_head at position `pos` as f32 [head_dim]: a pointer into
+ *  the pool (f32), or `tmp` [head_dim] holding the dequantized values (fp8). */
+static inline const float *tw_cpu_kv_read(const tw_cpu_kv_view_t *v, const int32_t *block_table,
+                                          int64_t pos, int kv, int32_t kv_head, float *tmp) {
+  char *part = tw_cpu_kv_part(v, block_table, pos, kv, kv_head);
   int64_t slot = pos % v->block_size;
-  return v->layer_base +
-         ((((blk * 2 + kv) * v->n_kv_heads + kv_head) * v->block_size + slot) * v->head_dim);
+  if (!v->fp8) return (const float *)part + slot * v->head_dim;
+  float scale;
+  memcpy(&scale, part + (int64_t)v->block_size * v->head_dim + slot * 4, sizeof scale);
+  tw_kv_fp8_dequantize((const uint8_t *)part + slot * v->head_dim, v->head_dim, scale, tmp);
+  return tmp;
 }
 
 /** Attention of one query position (spec §2.6) for query heads

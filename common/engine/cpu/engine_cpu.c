@@ -323,8 +323,9 @@ static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const 
     /* ring layers (kv_ring.h): decode through the ring views, a prefill pass
      * through its scratch, the ring blocks of earlier positions copied in */
     bool ring = tw_kv_is_ring_layer(e->kv.ring_layers, e->kv.ring_blocks, l);
-    float *lbase = (float *)((char *)s->kv_pool + tw_kv_layer_offset(&e->kv, l));
-    const int64_t bf = e->kv.block_bytes / (int64_t)sizeof(float);
+    char *lbase = (char *)s->kv_pool + tw_kv_layer_offset(&e->kv, l);
+    char *scratch = (char *)s->ring_scratch;
+    const int64_t bb = e->kv.block_bytes;
     tw_cpu_attn_ctx_t a = {.e = e,
                            .s = s,
                            .T = T,
@@ -332,30 +333,29 @@ static TW_NODISCARD tw_status_t tw_cpu_forward(tw_engine_t *e, int64_t T, const 
                            .tables = ring ? s->rtables : s->tables,
                            .sinks = s->sinks + (int64_t)l * c->n_heads + s->tp.sh.q0,
                            .window = c->layer_types[l] == TW_LAYER_SLIDING ? c->sliding_window : 0,
-                           .kv = {.layer_base = ring && s->ring_prefill ? s->ring_scratch : lbase,
+                           .kv = {.layer_base = ring && s->ring_prefill ? scratch : lbase,
                                   .block_size = e->kv.block_size,
                                   .n_kv_heads = s->tp.sh.nkv,
-                                  .head_dim = (int32_t)D}};
+                                  .head_dim = (int32_t)D,
+                                  .fp8 = e->kv.dtype == TW_DTYPE_F8_E4M3}};
     if (ring && s->ring_prefill)
       for (int32_t i = 0; i < s->ring.n_in; i++)
-        memcpy(s->ring_scratch + s->ring.copy_in[2 * i + 1] * bf,
-               lbase + s->ring.copy_in[2 * i] * bf, sizeof(float) * (size_t)bf);
+        memcpy(scratch + s->ring.copy_in[2 * i + 1] * bb, lbase + s->ring.copy_in[2 * i] * bb,
+               (size_t)bb);
     for (int64_t t = 0; t < T; t++) {
       tw_cpu_rope_apply(s->q + t * QD, s->tp.sh.nq, (int32_t)D, s->rope_cos + t * half,
                         s->rope_sin + t * half);
       tw_cpu_rope_apply(s->k + t * KD, s->tp.sh.nkv, (int32_t)D, s->rope_cos + t * half,
                         s->rope_sin + t * half);
       for (int32_t g = 0; g < s->tp.sh.nkv; g++) { /* K post-RoPE (§2.5) */
-        memcpy(tw_cpu_kv_at(&a.kv, a.tables[t], positions[t], 0, g), s->k + t * KD + g * D,
-               sizeof(float) * (size_t)D);
-        memcpy(tw_cpu_kv_at(&a.kv, a.tables[t], positions[t], 1, g), s->v + t * KD + g * D,
-               sizeof(float) * (size_t)D);
+        tw_cpu_kv_write(&a.kv, a.tables[t], positions[t], 0, g, s->k + t * KD + g * D);
+        tw_cpu_kv_write(&a.kv, a.tables[t], positions[t], 1, g, s->v + t * KD + g * D);
       }
     }
     if (ring && s->ring_prefill) /* the last blocks back into the ring */
       for (int32_t i = 0; i < s->ring.n_out; i++)
-        memcpy(lbase + s->ring.copy_out[2 * i + 1] * bf,
-               s->ring_scratch + s->ring.copy_out[2 * i] * bf, sizeof(float) * (size_t)bf);
+        memcpy(lbase + s->ring.copy_out[2 * i + 1] * bb, scratch + s->ring.copy_out[2 * i] * bb,
+               (size_t)bb);
     if (s->layer_cb && s->layer_cb->on_pass_layer) /* this layer's K/V of the pass is final */
       s->layer_cb->on_pass_layer(s->layer_cb->on_pass_arg, l);
     tw_cpu_pool_run(s->pool, tw_cpu_attn_task, &a);
@@ -580,6 +580,7 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
     in.total_bytes = (int64_t)sysconf(_SC_PHYS_PAGES) * (int64_t)sysconf(_SC_PAGESIZE);
     in.weight_bytes = model->weight_bytes;
     in.kv_elem_bytes = (int32_t)sizeof(float);
+    in.kv_fp8 = params->kv_dtype == TW_KV_DTYPE_FP8;
     in.kv_heads = tp.sh.nkv;
     in.shared_weights = true;   /* mapped read-only: the page cache holds one copy */
     in.process_reserve = -1;    /* no device context */
@@ -607,7 +608,14 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
   tw_status_t st = TW_OK;
 
   int64_t bs = params->kv_block_size;
-  int64_t block_bytes = 2ll * tp.sh.nkv * bs * c->head_dim * (int64_t)sizeof(float);
+  tw_dtype_t kv_dtype = tw_kv_pool_dtype((tw_kv_dtype_t)params->kv_dtype, TW_DTYPE_F32);
+  if (kv_dtype == TW_DTYPE_F8_E4M3 && c->head_dim > TW_CPU_KV_MAX_HEAD_DIM) {
+    free(e);
+    free(s);
+    return tw_err(TW_ERR_UNSUPPORTED, "cpu engine: fp8 KV cache with head_dim %d (max %d)",
+                  c->head_dim, TW_CPU_KV_MAX_HEAD_DIM);
+  }
+  int64_t block_bytes = 2ll * tp.sh.nkv * tw_kv_head_bytes(kv_dtype, (int32_t)bs, c->head_dim);
   int64_t n_blocks = params->kv_num_blocks;
   if (n_blocks == 0) {
     /* two sequences of full context, capped at 1 GiB; pages are touched lazily */
@@ -615,7 +623,7 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
     int64_t cap = TW_CPU_KV_CAP_BYTES / (block_bytes * c->n_layers);
     if (n_blocks > cap) n_blocks = cap > 1 ? cap : 1;
   }
-  e->kv = (tw_kv_layout_t){.dtype = TW_DTYPE_F32,
+  e->kv = (tw_kv_layout_t){.dtype = kv_dtype,
                            .on_device = false,
                            .device = -1,
                            .n_layers = c->n_layers,
@@ -663,10 +671,11 @@ TW_NODISCARD tw_status_t tw_cpu_engine_create(const tw_model_t *model,
   }
   TW_INFO("engine",
           "cpu: %d threads, kv pool %lld blocks x %lld tokens (sliding layers: %s %d blocks) = "
-          "%.1f MiB f32 (lazily touched), weights %.1f MiB in place",
+          "%.1f MiB %s (lazily touched), weights %.1f MiB in place",
           tw_cpu_pool_size(s->pool), (long long)n_blocks, (long long)bs,
           e->kv.ring_blocks ? "window rings of" : "all", e->kv.n_ring_blocks,
-          (double)e->kv.total_bytes / (1 << 20), (double)model->weight_bytes / (1 << 20));
+          (double)e->kv.total_bytes / (1 << 20), tw_kv_pool_dtype_name(kv_dtype),
+          (double)model->weight_bytes / (1 << 20));
   *engine_p = e;
   return TW_OK;
 fail:
