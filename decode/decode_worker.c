@@ -57,7 +57,7 @@ typedef enum {
   TW_DSEQ_QUARANTINE = 3,
   TW_DSEQ_COMMITTING = 4
 } tw_dseq_state_t;
-/* outlasts the prefill KV-write guard; TW_SLOW_BUILD: common/comm/dist.h */
+/* outlasts the prefill KV-write guard; TW_SLOW_BUILD: common/base/status.h */
 #define TW_DSEQ_QUARANTINE_MS (40000 * TW_SLOW_BUILD)
 #define TW_DSEQ_COMMIT_MS 30000
 

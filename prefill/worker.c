@@ -40,7 +40,7 @@
  * cancelled or expired reservations for longer (40 s). Time in the router's
  * queue does not count (the router stamps a request when it leaves it), and
  * the router's backpressure window keeps this worker's queue far shorter. */
-#define TW_PREFILL_MAX_AGE_MS (20000 * TW_SLOW_BUILD) /* common/comm/dist.h */
+#define TW_PREFILL_MAX_AGE_MS (20000 * TW_SLOW_BUILD) /* common/base/status.h */
 /* Idle: wait on the router socket this long (a message wakes it at once;
  * heartbeats have their own thread), so an idle worker costs ~0 CPU. */
 #define TW_PREFILL_IDLE_WAIT_MS 200

@@ -61,15 +61,19 @@ typedef struct {
   void *on_workers_arg;
 } tw_router_params_t;
 
-#define TW_ROUTER_PARAMS_DEFAULT                                                      \
-  ((tw_router_params_t){.client_endpoint = TW_ROUTER_CLIENT_ENDPOINT,                 \
-                        .worker_endpoint = TW_ROUTER_WORKER_ENDPOINT,                 \
-                        .metrics_port = 0, .drain_timeout_s = 30,                     \
-                        .max_prompt_tokens = 0,                                       \
-                        .max_tokens_limit = 0, .default_max_tokens = 512,             \
-                        .max_requests = 2048, .default_deadline_ms = 600000,          \
-                        .prefill_window_tokens = 16384,                               \
-                        .expire_ms = 1000, .http_port = -1,                           \
+#define TW_ROUTER_PARAMS_DEFAULT                                                                   \
+  ((tw_router_params_t){.client_endpoint = TW_ROUTER_CLIENT_ENDPOINT,                              \
+                        .worker_endpoint = TW_ROUTER_WORKER_ENDPOINT,                              \
+                        .metrics_port = 0,                                                         \
+                        .drain_timeout_s = 30,                                                     \
+                        .max_prompt_tokens = 0,                                                    \
+                        .max_tokens_limit = 0,                                                     \
+                        .default_max_tokens = 512,                                                 \
+                        .max_requests = 2048,                                                      \
+                        .default_deadline_ms = 600000,                                             \
+                        .prefill_window_tokens = 16384,                                            \
+                        .expire_ms = 1000 * TW_SLOW_BUILD,                                         \
+                        .http_port = -1,                                                           \
                         .http_max_body = 8 << 20})
 #define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */
 

@@ -24,6 +24,15 @@ extern "C" {
  *  comment saying why. */
 #define TW_NODISCARD __attribute__((warn_unused_result))
 
+/* TW_SLOW_BUILD: how many times slower this build runs than an optimised
+ * one (1; a sanitizer build sets TWAIN_TEST_TIME_SCALE, CMakeLists.txt).
+ * Timers that take a slow peer for a dead one (a worker's or a rank's
+ * heartbeat loss, the prefill KV-write guard, the decode quarantine) are
+ * stretched by it. */
+#ifndef TW_SLOW_BUILD
+#define TW_SLOW_BUILD 1
+#endif
+
 /** Evaluate a status-returning call whose failure needs no action here
  *  (already logged, or best effort on a path that is failing anyway). */
 #define TW_IGNORE(expr)                        \

@@ -46,12 +46,6 @@ extern "C" {
 #endif
 
 #define TW_DIST_PING_MS 100
-/* TW_SLOW_BUILD: how many times slower this build runs than an optimised
- * one (1; a sanitizer build sets TWAIN_TEST_TIME_SCALE, CMakeLists.txt).
- * Timers that take a slow peer for a dead one are stretched by it. */
-#ifndef TW_SLOW_BUILD
-#define TW_SLOW_BUILD 1
-#endif
 #define TW_DIST_LOST_MS (3000 * TW_SLOW_BUILD)
 #define TW_DIST_KEYS_ENV "TWAIN_DIST_KEYS"
 

@@ -26,7 +26,7 @@ extern "C" {
 #endif
 
 #define TW_WORKER_HEARTBEAT_MS 200
-#define TW_WORKER_EXPIRE_MS 1000
+#define TW_WORKER_EXPIRE_MS (1000 * TW_SLOW_BUILD) /* common/base/status.h */
 
 /** Exit status of a worker daemon that could not start because of its
  *  configuration or environment (a bad option value, a model that is missing

@@ -61,12 +61,12 @@ def kill_rank_streaming(c, cl, victim, prompt, n_streams, kind, remaining, what)
     t_kill = time.time()
     os.kill(pid1, signal.SIGKILL)
     gone_at = None
-    while time.time() < t_kill + 10:
+    while time.time() < t_kill + svc.scaled(10):
         if router_workers(c, kind) == remaining:
             gone_at = time.time() - t_kill
             break
         cl.pump(0.02)
-    check(gone_at is not None and gone_at <= 2.0,
+    check(gone_at is not None and gone_at <= svc.scaled(2.0),  # the router's expiry: 1 s x TW_SLOW_BUILD
           "kill -9 of %s: worker out of the registry after %s s" % (
               what, "%.2f" % gone_at if gone_at is not None else "> 10"))
     return cl.wait(streams, 120), on_victim

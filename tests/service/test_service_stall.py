@@ -29,7 +29,7 @@ try:
             cl.pump(0.02)
         os.kill(victim.p.pid, signal.SIGSTOP)
         t0 = time.time()
-        while time.time() < t0 + 3.0:
+        while time.time() < t0 + svc.scaled(3.0):  # past the router's 1 s (x TW_SLOW_BUILD) expiry
             cl.pump(0.02)
         os.kill(victim.p.pid, signal.SIGCONT)
         t_stall = time.time()
