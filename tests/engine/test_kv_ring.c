@@ -18,9 +18,11 @@
  * The Hugging Face comparison with the ring on (the cpu default) is
  * engine.fixtures.*. With the argument "cuda" (ctest test_kv_ring_cuda,
  * label gpu; exits 77 without a GPU) 3 and 4 run on the CUDA engine: ring
- * against full layout within rel L2 1e-5 and the same greedy tokens (the
- * same kernels read the same bf16 values), the batch against alone within
- * 1e-2 (GEMM tiles of other row counts). With the argument "fp8" (ctest
+ * against full layout at the same prefill chunk within rel L2 1e-4 and the
+ * same greedy tokens (the same kernels read the same bf16 values; a ring
+ * prefill attends through scratch tables of the window's blocks, so the
+ * attention's splits may add in another order), the batch against alone
+ * within 1e-2 (GEMM tiles of other row counts). With the argument "fp8" (ctest
  * engine.kv_ring_fp8, and test_kv_ring_cuda_fp8 on the GPU) the engines
  * keep the fp8 KV cache (kv_fp8.h): each token is quantized on its own, so
  * the ring and the full layout store the same bytes and the same bounds hold. */
@@ -191,12 +193,17 @@ static void test_engine(tw_model_t *m, int32_t window) {
   for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
     int32_t len = lens[li], gref[STEPS], ggot[STEPS];
     size_t n = (size_t)(len + STEPS) * (size_t)V;
-    tw_rctx_t full;
-    EXPECT(rctx_init(&full, m, false, 8192) == 0, "engine without the ring: %s", tw_last_error());
-    EXPECT(run_seq(&full, tokens, len, V, ref, gref) == 0, "window %d len %d: full layout", window,
-           len);
-    rctx_fini(&full);
     for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
+      /* the reference: the full layout with the same prefill chunk (on cuda
+       * another chunk is another GEMM row count, so other bf16 roundings:
+       * chunk 7 against 8,192 moved the tiny model's logits by up to 8e-2
+       * whatever the layout) */
+      tw_rctx_t full;
+      EXPECT(rctx_init(&full, m, false, chunks[ci]) == 0, "engine without the ring: %s",
+             tw_last_error());
+      EXPECT(run_seq(&full, tokens, len, V, ref, gref) == 0, "window %d len %d chunk %d: full layout",
+             window, len, chunks[ci]);
+      rctx_fini(&full);
       tw_rctx_t r;
       EXPECT(rctx_init(&r, m, true, chunks[ci]) == 0, "engine with the ring: %s", tw_last_error());
       memset(got, 0, n * sizeof(float));
@@ -204,7 +211,7 @@ static void test_engine(tw_model_t *m, int32_t window) {
              window, len, chunks[ci]);
       double e = tw_test_rel_l2_ff(got, ref, (int64_t)n);
       bool same_logits =
-          g_backend == TW_BACKEND_CPU ? memcmp(got, ref, n * sizeof(float)) == 0 : e <= 1e-5;
+          g_backend == TW_BACKEND_CPU ? memcmp(got, ref, n * sizeof(float)) == 0 : e <= 1e-4;
       bool same_tokens = memcmp(ggot, gref, sizeof gref) == 0;
       EXPECT(same_logits && same_tokens,
              "window %d len %d chunk %d: the ring differs from the full layout (logits %s, rel "
