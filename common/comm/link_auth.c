@@ -31,11 +31,12 @@ TW_NODISCARD tw_status_t tw_auth_keys_generate(tw_auth_keys_t *k) {
 }
 
 int tw_auth_keys_format(const tw_auth_keys_t *k, char *buf, size_t n) {
-  int w = snprintf(buf, n,
-                   "# twain link keys (CURVE, Z85): every process of one deployment holds the same "
-                   "set; keep it secret\n"
-                   "server-public = %s\nserver-secret = %s\nclient-public = %s\nclient-secret = %s\n",
-                   k->server_public, k->server_secret, k->client_public, k->client_secret);
+  int w =
+      snprintf(buf, n,
+               "# twain link keys (CURVE, Z85): every process of one deployment holds the same "
+               "set; keep it secret\n"
+               "server-public = %s\nserver-secret = %s\nclient-public = %s\nclient-secret = %s\n",
+               k->server_public, k->server_secret, k->client_public, k->client_secret);
   return w < 0 || (size_t)w >= n ? -1 : w;
 }
 
@@ -85,16 +86,18 @@ TW_NODISCARD tw_status_t tw_auth_keys_parse_need(const char *text, unsigned need
     for (int i = 0; i < 4; i++)
       if ((size_t)(ne - b) == strlen(names[i]) && !memcmp(b, names[i], (size_t)(ne - b))) which = i;
     if (which < 0)
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "link keys: line %d: unknown name (want %s, %s, %s or %s)",
-                    line, names[0], names[1], names[2], names[3]);
+      return tw_err(TW_ERR_INVALID_ARGUMENT,
+                    "link keys: line %d: unknown name (want %s, %s, %s or %s)", line, names[0],
+                    names[1], names[2], names[3]);
     if (!tw_auth_is_z85(v, (size_t)(e - v)))
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "link keys: %s is not 40 Z85 characters", names[which]);
+      return tw_err(TW_ERR_INVALID_ARGUMENT, "link keys: %s is not 40 Z85 characters",
+                    names[which]);
     memcpy(dst[which], v, TW_AUTH_KEY_Z85 - 1);
   }
   for (int i = 0; i < 4; i++)
     if ((need & (1u << i)) && !dst[i][0])
-      return tw_err(TW_ERR_INVALID_ARGUMENT, "link keys: %s is missing (make a set with `twain keygen`)",
-                    names[i]);
+      return tw_err(TW_ERR_INVALID_ARGUMENT,
+                    "link keys: %s is missing (make a set with `twain keygen`)", names[i]);
   *k = out;
   return TW_OK;
 }
@@ -138,8 +141,9 @@ TW_NODISCARD tw_status_t tw_auth_keys_from_env(const char *what, tw_auth_keys_t 
   if (file && *file) return tw_auth_keys_load_file(file, k);
   if (plain && !strcmp(plain, "1")) {
     k->plaintext = true;
-    TW_WARN("auth", "%s: %s=1: NO encryption and NO authentication; anyone who can reach it can "
-                    "join and read prompts",
+    TW_WARN("auth",
+            "%s: %s=1: NO encryption and NO authentication; anyone who can reach it can "
+            "join and read prompts",
             what, TW_AUTH_PLAINTEXT_ENV);
     return TW_OK;
   }
@@ -227,7 +231,8 @@ static TW_NODISCARD tw_status_t tw_auth_set(void *sock, int opt, const void *v, 
 TW_NODISCARD tw_status_t tw_auth_server(void *sock, const tw_auth_keys_t *k) {
   if (k->plaintext) return TW_OK;
   int one = 1;
-  TW_CHECK(tw_auth_set(sock, ZMQ_ZAP_DOMAIN, TW_AUTH_DOMAIN, strlen(TW_AUTH_DOMAIN), "ZMQ_ZAP_DOMAIN"));
+  TW_CHECK(
+      tw_auth_set(sock, ZMQ_ZAP_DOMAIN, TW_AUTH_DOMAIN, strlen(TW_AUTH_DOMAIN), "ZMQ_ZAP_DOMAIN"));
   TW_CHECK(tw_auth_set(sock, ZMQ_CURVE_SERVER, &one, sizeof one, "ZMQ_CURVE_SERVER"));
   return tw_auth_set(sock, ZMQ_CURVE_SECRETKEY, k->server_secret, 40, "ZMQ_CURVE_SECRETKEY");
 }
@@ -334,8 +339,8 @@ struct tw_auth_guard {
   size_t n_allow;
   bool clients; /* the client socket's guard: no list = every key */
   char what[64];
-  void *zap;              /* REP on inproc://zeromq.zap.01 (guard thread) */
-  pthread_mutex_t mu;     /* watch list handover */
+  void *zap;          /* REP on inproc://zeromq.zap.01 (guard thread) */
+  pthread_mutex_t mu; /* watch list handover */
   void *mon[TW_AUTH_MAX_WATCH];
   char label[TW_AUTH_MAX_WATCH][48];
   int n_mon;
@@ -349,7 +354,8 @@ struct tw_auth_guard {
 static void tw_auth_guard_log(tw_auth_guard_t *g, const char *fmt, const char *a, const char *b) {
   uint64_t sup = 0;
   if (!tw_msg_ratelimit(&g->rl, &sup)) return;
-  if (sup) TW_WARN("auth", "%s: suppressed %llu similar warnings", g->what, (unsigned long long)sup);
+  if (sup)
+    TW_WARN("auth", "%s: suppressed %llu similar warnings", g->what, (unsigned long long)sup);
   char line[512];
   snprintf(line, sizeof line, fmt, a, b);
   TW_WARN("auth", "%s: %s", g->what, line);
@@ -373,8 +379,10 @@ static void tw_auth_zap_one(tw_auth_guard_t *g) {
   while (more) { /* more frames than any mechanism sends: drain */
     zmq_msg_t x;
     zmq_msg_init(&x);
-    if (zmq_msg_recv(&x, g->zap, 0) < 0) more = 0;
-    else more = zmq_msg_more(&x);
+    if (zmq_msg_recv(&x, g->zap, 0) < 0)
+      more = 0;
+    else
+      more = zmq_msg_more(&x);
     zmq_msg_close(&x);
   }
   char addr[64] = "?", mech[16] = "?", key[TW_AUTH_KEY_Z85] = "";
@@ -445,7 +453,8 @@ static void *tw_auth_guard_main(void *arg) {
     if (g->zap) it[n++] = (zmq_pollitem_t){.socket = g->zap, .events = ZMQ_POLLIN};
     pthread_mutex_lock(&g->mu);
     int nm = g->n_mon;
-    for (int i = 0; i < nm; i++) it[n++] = (zmq_pollitem_t){.socket = g->mon[i], .events = ZMQ_POLLIN};
+    for (int i = 0; i < nm; i++)
+      it[n++] = (zmq_pollitem_t){.socket = g->mon[i], .events = ZMQ_POLLIN};
     pthread_mutex_unlock(&g->mu);
     if (n == 0) {
       usleep(50000);

@@ -201,8 +201,8 @@ static void test_engine(tw_model_t *m, int32_t window) {
       tw_rctx_t full;
       EXPECT(rctx_init(&full, m, false, chunks[ci]) == 0, "engine without the ring: %s",
              tw_last_error());
-      EXPECT(run_seq(&full, tokens, len, V, ref, gref) == 0, "window %d len %d chunk %d: full layout",
-             window, len, chunks[ci]);
+      EXPECT(run_seq(&full, tokens, len, V, ref, gref) == 0,
+             "window %d len %d chunk %d: full layout", window, len, chunks[ci]);
       rctx_fini(&full);
       tw_rctx_t r;
       EXPECT(rctx_init(&r, m, true, chunks[ci]) == 0, "engine with the ring: %s", tw_last_error());
