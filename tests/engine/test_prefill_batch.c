@@ -17,6 +17,7 @@
  * ring: the pools are compared at every position still live at the end
  * (full layers: all; ring layers: the last R blocks of each prompt). */
 #include "common/engine/engine.h"
+#include "common/engine/sampling.h"
 #include "common/kv/kv_ring.h"
 #include "common/model/model.h"
 
@@ -149,6 +150,13 @@ int main(void) {
                            .n_blocks = p.n_blocks[s], .logits_out = ref_logits_s[s],
                            .sample = &sp, .next_token_out = &ref_tok_s[s]};
     EXPECT(tw_engine_prefill(ref2, &a) == TW_OK, "prompt %d sampled: %s", s, tw_last_error());
+    /* drawn at the position of the token it produces (k_len: the one after
+     * the prompt), as a decode step draws at its position + 1 */
+    int32_t want = -1;
+    EXPECT(
+        tw_sample(ref_logits_s[s], V, &sp, k_len[s], NULL, &want) == TW_OK && want == ref_tok_s[s],
+        "prompt %d: sampled %d, tw_sample of its logits at position %d gives %d", s, ref_tok_s[s],
+        k_len[s], want);
   }
   tw_engine_destroy(ref2);
 
