@@ -734,15 +734,12 @@ static ucs_status_t tw_kv_am_hello_ack(void *arg, const void *header, size_t hea
   return UCS_OK;
 }
 
-/* Greet the receiver of a new endpoint before its first piece: "hello",
- * answered by its UCX worker on the endpoint UCX made for ours, behind
- * UCX's own wireup reply, so that once the answer is here the receiver has
- * no wireup message queued towards this process (kv_transfer.c, pieces).
- * Progresses at most TW_KV_HELLO_TIMEOUT_MS. Errors: TW_ERR_TRANSPORT (the
- * send failed), TW_ERR_UNAVAILABLE (the endpoint failed), TW_ERR_DEADLINE
- * (no answer: the receiver is gone or does not progress); the peer is then
- * marked failed (made again at the next handoff). */
-static TW_NODISCARD tw_status_t tw_kv_peer_greet(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
+/* The greeting (kv_transfer.h): "hello", answered by the receiver's worker
+ * on the endpoint UCX made for ours, behind UCX's own wireup reply, so that
+ * once the answer is here the receiver has no wireup message queued towards
+ * this process (pieces, above). A failed greeting marks the peer failed. */
+TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
+  if (p->greeted) return TW_OK;
   p->hello_token = ++x->hello_seq;
   ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                              .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY};
@@ -974,7 +971,7 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
                                                  uint64_t *id_p) {
   if (!p->rkey)
     return tw_err(TW_ERR_TRANSPORT, "the staged decode worker published no rkey of its ring");
-  if (!p->greeted) TW_CHECK(tw_kv_peer_greet(x, p));
+  TW_CHECK(tw_kv_xfer_greet(x, p)); /* once per endpoint */
   if (x->n_pieces == TW_KV_PIECES) TW_CHECK(tw_kv_pieces_wait(x, p, TW_KV_WAIT_ROOM, 0, 10000));
   int idx = 0;
   for (int i = 0; i < TW_KV_PIECES; i++) {
