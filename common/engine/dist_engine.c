@@ -1,9 +1,6 @@
 /* dist_engine.c: step plans for the engine calls of a multi-rank worker
  * (see dist_engine.h). A plan is one control-link message:
- *   u32 kind, then for PREFILL: i32 n_tokens, start_pos, n_blocks, flags
- *   (1 all_logits, 2 logits wanted, 4 token wanted, 8 sample given),
- *   tw_sample_params_t, tokens[n_tokens], block_table[n_blocks];
- *   for DECODE: i32 n_seqs, flags (2 logits or tokens wanted, 8 samples
+ *   u32 kind, then for DECODE: i32 n_seqs, flags (2 logits or tokens wanted, 8 samples
  *   given), tokens[n], positions[n], n_blocks[n], samples[n]?, then every
  *   block table in order;
  *   for DECODE_DP: i32 size, then per rank i32 pad_block and that rank's
@@ -14,15 +11,13 @@
 #include "common/engine/dist_engine.h"
 
 #include "common/base/log.h"
-#include "common/engine/engine_impl.h"
 
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum {
-  TW_PLAN_PREFILL = 1,
+enum { /* 1 was a prefill plan: prefill ranks follow their own (prefill_ranks.c) */
   TW_PLAN_DECODE = 2,
   TW_PLAN_STOP = 3,
   TW_PLAN_USER = 4,
@@ -78,23 +73,6 @@ static TW_NODISCARD tw_status_t tw_dist_send_buf(tw_dist_t *d, tw_buf_t *b, int 
                        : tw_dist_plan_send(d, b->p, b->len);
   free(b->p);
   return st;
-}
-
-TW_NODISCARD tw_status_t tw_dist_engine_prefill(tw_dist_t *d, tw_engine_t *e,
-                                                const tw_prefill_args_t *a) {
-  if (tw_dist_size(d) > 1) {
-    tw_buf_t b = {0};
-    int32_t flags = (a->all_logits ? 1 : 0) | (a->logits_out ? 2 : 0) |
-                    (a->next_token_out ? 4 : 0) | (a->sample ? 8 : 0);
-    tw_sample_params_t sp = a->sample ? *a->sample : TW_SAMPLE_PARAMS_GREEDY;
-    int bad = tw_buf_i32(&b, TW_PLAN_PREFILL) | tw_buf_i32(&b, a->n_tokens) |
-              tw_buf_i32(&b, a->start_pos) | tw_buf_i32(&b, a->n_blocks) | tw_buf_i32(&b, flags) |
-              tw_buf_put(&b, &sp, sizeof sp) |
-              tw_buf_put(&b, a->tokens, sizeof(int32_t) * (size_t)(a->n_tokens > 0 ? a->n_tokens : 0)) |
-              tw_buf_put(&b, a->block_table, sizeof(int32_t) * (size_t)(a->n_blocks > 0 ? a->n_blocks : 0));
-    TW_CHECK(tw_dist_send_buf(d, &b, bad));
-  }
-  return tw_engine_prefill(e, a);
 }
 
 /* The DECODE fields of one batch (see the file comment). */
@@ -207,30 +185,6 @@ TW_NODISCARD tw_status_t tw_dist_plan_stop(tw_dist_t *d) {
 }
 
 /* ---- the follower side ------------------------------------------------------ */
-
-static TW_NODISCARD tw_status_t tw_follow_prefill(tw_engine_t *e, tw_rd_t *r) {
-  const int32_t *h = tw_rd(r, 4 * sizeof(int32_t));
-  tw_sample_params_t sp;
-  if (!h || !tw_rd_copy(r, &sp, sizeof sp) || h[0] < 0 || h[2] < 0)
-    return tw_err(TW_ERR_FORMAT, "dist: short prefill plan");
-  const int32_t *tokens = tw_rd(r, sizeof(int32_t) * (size_t)h[0]);
-  const int32_t *table = tw_rd(r, sizeof(int32_t) * (size_t)h[2]);
-  if (!tokens || !table) return tw_err(TW_ERR_FORMAT, "dist: short prefill plan");
-  int32_t flags = h[3], tok = -1;
-  const int64_t V = e->model->config.vocab_size;
-  float *logits = NULL;
-  if ((flags & 3) == 3) { /* all rows wanted on rank 0: the same rows here (collective unembed) */
-    logits = malloc(sizeof(float) * (size_t)h[0] * (size_t)V);
-    if (!logits) return tw_err(TW_ERR_NO_MEMORY, "dist: out of memory for follower logits");
-  }
-  tw_prefill_args_t a = {.tokens = tokens, .n_tokens = h[0], .start_pos = h[1],
-                         .block_table = table, .n_blocks = h[2], .all_logits = (flags & 1) != 0,
-                         .logits_out = logits, .sample = (flags & 8) ? &sp : NULL,
-                         .next_token_out = (flags & 6) ? &tok : NULL};
-  tw_status_t st = tw_engine_prefill(e, &a);
-  free(logits);
-  return st;
-}
 
 /* One batch's DECODE fields as views into the plan; the block-table pointers
  * [n], a token buffer [n] and the sampling parameters [n] (copied out of the
@@ -354,7 +308,6 @@ TW_NODISCARD tw_status_t tw_dist_follow_idle(tw_dist_t *d, tw_engine_t *e, tw_di
     }
     int k = *kind;
     switch (k) {
-    case TW_PLAN_PREFILL: st = tw_follow_prefill(e, &r); break;
     case TW_PLAN_DECODE: st = tw_follow_decode(e, &r); break;
     case TW_PLAN_DECODE_DP: st = tw_follow_decode_dp(d, e, &r); break;
     case TW_PLAN_USER: st = hook ? hook(ctx, r.p + r.off, r.len - r.off) : TW_OK; break;

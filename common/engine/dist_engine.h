@@ -1,12 +1,13 @@
 /* dist_engine.h: the step plan of a multi-rank worker (issue 6 item 1).
- * Rank 0 makes each engine call through tw_dist_engine_prefill/decode: the
- * call's arguments (tokens, positions, block tables, sampling) go to every
+ * Rank 0 makes each decode step through tw_dist_engine_decode(_dp): the
+ * step's arguments (tokens, positions, block tables, sampling) go to every
  * other rank as a plan over the control link (dist.h), then rank 0 runs the
  * call; the other ranks run tw_dist_follow(), which makes the same call on
  * their engine, so all ranks meet in the same collectives in the same order.
  * Plans of the daemon's own kinds (e.g. "prefill this request and put your
- * KV heads to the decode ranks") go through tw_dist_plan_user and reach the
- * other ranks' hook. With a group of one these are plain engine calls. */
+ * KV heads to the decode ranks", prefill/prefill_ranks.c) go through
+ * tw_dist_plan_user and reach the other ranks' hook. With a group of one
+ * these are plain engine calls. */
 #ifndef TW_COMMON_DIST_ENGINE_H
 #define TW_COMMON_DIST_ENGINE_H
 
@@ -21,10 +22,6 @@ extern "C" {
  *  gave tw_dist_plan_user. Returns the status to log; the loop goes on. */
 typedef TW_NODISCARD tw_status_t (*tw_dist_hook_fn)(void *ctx, const void *buf, size_t len);
 
-/** Rank 0: plan + tw_engine_prefill. Errors: those of tw_engine_prefill,
- *  TW_ERR_TRANSPORT (plan not sent), TW_ERR_NO_MEMORY. */
-TW_NODISCARD tw_status_t tw_dist_engine_prefill(tw_dist_t *dist, tw_engine_t *engine,
-                                                const tw_prefill_args_t *args);
 /** Rank 0: plan + tw_engine_decode. Errors as tw_engine_decode, plus
  *  TW_ERR_TRANSPORT, TW_ERR_NO_MEMORY. */
 TW_NODISCARD tw_status_t tw_dist_engine_decode(tw_dist_t *dist, tw_engine_t *engine,
