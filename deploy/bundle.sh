@@ -58,7 +58,7 @@ case $build in /*) ;; *) build=$here/$build ;; esac
 command -v patchelf >/dev/null || { echo "bundle.sh: patchelf not found (Debian package patchelf)" >&2; exit 1; }
 
 if ((do_build)); then
-  cmake -S "$here" -B "$build" >/dev/null
+  cmake -S "$here" -B "$build" -DTWAIN_TEST_HOOKS=OFF >/dev/null
   cmake --build "$build" -j"$(nproc)"
 fi
 

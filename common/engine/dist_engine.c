@@ -186,6 +186,19 @@ TW_NODISCARD tw_status_t tw_dist_plan_stop(tw_dist_t *d) {
 
 /* ---- the follower side ------------------------------------------------------ */
 
+#ifdef TW_TEST_HOOKS
+/* Test builds only (TWAIN_TEST_HOOKS): TWAIN_TEST_BAD_PLAN=N makes this
+ * rank's N-th decode batch unreadable, as a corrupted or mis-sized plan
+ * would be (tests/parallel/test_parallel_bad_plan.py). */
+static bool tw_test_bad_plan(void) {
+  static int seen;
+  const char *v = getenv("TWAIN_TEST_BAD_PLAN");
+  return v && atoi(v) > 0 && ++seen == atoi(v);
+}
+#else
+static bool tw_test_bad_plan(void) { return false; }
+#endif
+
 /* One batch's DECODE fields as views into the plan; the block-table pointers
  * [n], a token buffer [n] and the sampling parameters [n] (copied out of the
  * plan: they need 8-byte alignment) are malloc'd into *tabs_p / *next_p /
@@ -196,7 +209,7 @@ static TW_NODISCARD tw_status_t tw_plan_read_decode(tw_rd_t *r, bool allow_empty
                                                     tw_decode_args_t *a, const int32_t ***tabs_p,
                                                     int32_t **next_p, tw_sample_params_t **samp_p) {
   const int32_t *h = tw_rd(r, 2 * sizeof(int32_t));
-  if (!h || h[0] < 0 || (h[0] == 0 && !allow_empty))
+  if (!h || h[0] < 0 || (h[0] == 0 && !allow_empty) || tw_test_bad_plan())
     return tw_err(TW_ERR_FORMAT, "dist: short decode plan");
   int32_t n = h[0], flags = h[1];
   size_t v = sizeof(int32_t) * (size_t)n;
@@ -221,12 +234,14 @@ static TW_NODISCARD tw_status_t tw_plan_read_decode(tw_rd_t *r, bool allow_empty
   return TW_OK;
 }
 
-static TW_NODISCARD tw_status_t tw_follow_decode(tw_engine_t *e, tw_rd_t *r) {
+/* *unread: the plan could not be read (the step was not run). */
+static TW_NODISCARD tw_status_t tw_follow_decode(tw_engine_t *e, tw_rd_t *r, bool *unread) {
   tw_decode_args_t a;
   const int32_t **tabs = NULL;
   int32_t *next = NULL;
   tw_sample_params_t *samp = NULL;
   tw_status_t st = tw_plan_read_decode(r, false, &a, &tabs, &next, &samp);
+  *unread = st != TW_OK;
   if (st == TW_OK) st = tw_engine_decode(e, &a);
   free(tabs);
   free(next);
@@ -236,8 +251,10 @@ static TW_NODISCARD tw_status_t tw_follow_decode(tw_engine_t *e, tw_rd_t *r) {
 
 /* A DP step: skip the sections of the ranks before this one, run ours (or a
  * padding row), answer rank 0 with our tokens; always answer, so rank 0
- * sees a failure here instead of waiting. */
-static TW_NODISCARD tw_status_t tw_follow_decode_dp(tw_dist_t *d, tw_engine_t *e, tw_rd_t *r) {
+ * sees a failure here instead of waiting. *unread: the plan could not be
+ * read, so this rank ran nothing (rank 0 waits in the step's collectives). */
+static TW_NODISCARD tw_status_t tw_follow_decode_dp(tw_dist_t *d, tw_engine_t *e, tw_rd_t *r,
+                                                    bool *unread) {
   const int32_t me = tw_dist_rank(d);
   const int32_t *size = tw_rd(r, sizeof(int32_t));
   tw_decode_args_t a = {0};
@@ -260,6 +277,7 @@ static TW_NODISCARD tw_status_t tw_follow_decode_dp(tw_dist_t *d, tw_engine_t *e
             : tw_err(TW_ERR_FORMAT, "dist: short dp decode plan (rank %d)", k);
     if (pb) pad = *pb;
   }
+  *unread = st != TW_OK;
   if (st == TW_OK) st = tw_dp_run(e, &a, pad);
   int32_t n = st == TW_OK ? a.n_seqs : 0;
   if (st == TW_OK && n > 0 && !a.next_tokens_out) memset(next, 0, sizeof(int32_t) * (size_t)n);
@@ -307,17 +325,30 @@ TW_NODISCARD tw_status_t tw_dist_follow_idle(tw_dist_t *d, tw_engine_t *e, tw_di
       return tw_err(TW_ERR_FORMAT, "dist: empty plan");
     }
     int k = *kind;
+    bool unread = false;
     switch (k) {
-    case TW_PLAN_DECODE: st = tw_follow_decode(e, &r); break;
-    case TW_PLAN_DECODE_DP: st = tw_follow_decode_dp(d, e, &r); break;
+    case TW_PLAN_DECODE: st = tw_follow_decode(e, &r, &unread); break;
+    case TW_PLAN_DECODE_DP: st = tw_follow_decode_dp(d, e, &r, &unread); break;
     case TW_PLAN_USER: st = hook ? hook(ctx, r.p + r.off, r.len - r.off) : TW_OK; break;
     case TW_PLAN_STOP: break;
-    default: st = tw_err(TW_ERR_FORMAT, "dist: plan of unknown kind %d", k);
+    default:
+      unread = true;
+      st = tw_err(TW_ERR_FORMAT, "dist: plan of unknown kind %d", k);
     }
     free(buf);
     if (k == TW_PLAN_STOP) {
       tw_dist_watchdog_stop(d); /* rank 0 is going away on purpose */
       return TW_OK;
+    }
+    /* A plan this rank cannot read leaves rank 0 alone in the step's
+     * collectives, which never end: leave the group instead; rank 0's
+     * watchdog sees the link close and takes the worker down (dist.h), so
+     * the router ends or re-places its requests. */
+    if (unread) {
+      char why[256];
+      snprintf(why, sizeof why, "%s", tw_last_error());
+      return tw_err(st, "dist: rank %d of %d cannot read plan %d (%s): leaving the group",
+                    tw_dist_rank(d), tw_dist_size(d), k, why);
     }
     if (st != TW_OK)
       TW_WARN("dist", "rank %d: plan %d failed: %s", tw_dist_rank(d), k, tw_last_error());

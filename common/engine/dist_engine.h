@@ -58,9 +58,13 @@ TW_NODISCARD tw_status_t tw_dist_plan_stop(tw_dist_t *dist);
 
 /** Non-zero ranks: run plans until rank 0 says stop (TW_OK) or
  *  *maybe_stop_flag becomes non-zero. Engine errors are logged and the loop
- *  goes on (rank 0 sees the same error from the same call).
+ *  goes on (rank 0 sees the same error from the same call). A plan this
+ *  rank cannot read (empty, short, of an unknown kind) ends the loop with
+ *  its error: rank 0 would wait for this rank in the step's collectives
+ *  forever, so the caller ends the process and rank 0's watchdog takes the
+ *  worker down (dist.h).
  *  Errors: TW_ERR_TRANSPORT (the control link failed), TW_ERR_FORMAT (a plan
- *  that does not decode), TW_ERR_NO_MEMORY. */
+ *  that does not decode), TW_ERR_NO_MEMORY (no room to read a plan). */
 TW_NODISCARD tw_status_t tw_dist_follow(tw_dist_t *dist, tw_engine_t *engine, tw_dist_hook_fn hook,
                                         void *ctx, volatile int *maybe_stop_flag);
 

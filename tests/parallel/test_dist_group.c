@@ -6,9 +6,13 @@
  *      then says stop and every rank exits 0;
  *   2. the watchdog: rank 0 tells rank 2 to SIGKILL itself; rank 0's watchdog
  *      must then end rank 0 (SIGKILL), and rank 1 must go too (it loses
- *      rank 0). The test process checks both, within bounded waits.
+ *      rank 0). The test process checks both, within bounded waits;
+ *   3. a plan the other ranks cannot read (a decode plan of one sequence
+ *      that ends after its header): they leave the group instead of
+ *      following on (rank 0 would wait in that step's collectives forever),
+ *      so rank 0's watchdog ends rank 0 (SIGKILL) within a bounded wait.
  * Usage: test_dist_group (the driver); the ranks run as
- * test_dist_group rank MODE with MODE plans or die. */
+ * test_dist_group rank MODE with MODE plans, die or badplan. */
 #include "common/base/log.h"
 #include "common/comm/dist.h"
 #include "common/engine/dist_engine.h"
@@ -80,8 +84,11 @@ static int run_rank(int argc, char **argv, const char *mode) {
     free(buf);
   }
   printf("rank 0: 20 plans to %d ranks, %d wrong answers\n", TW_NRANKS - 1, bad);
-  if (strcmp(mode, "die") == 0) {
-    if (tw_dist_plan_user(d, "die", 3) != TW_OK) return 9;
+  if (strcmp(mode, "die") == 0 || strcmp(mode, "badplan") == 0) {
+    const int32_t short_decode[3] = {2 /* DECODE, dist_engine.c */, 1 /* n_seqs */, 0 /* flags */};
+    if (strcmp(mode, "die") == 0 ? tw_dist_plan_user(d, "die", 3) != TW_OK
+                                 : tw_dist_plan_send(d, short_decode, sizeof short_decode) != TW_OK)
+      return 9;
     /* the watchdog ends this process long before 10 s (scaled) */
     for (int i = 0; i < 100 * time_scale(); i++) {
       struct timespec ts = {0, 100000000};
@@ -150,6 +157,13 @@ int main(int argc, char **argv) {
   }
   printf("die: the remaining rank %s\n", others_gone ? "is gone" : "is STILL running");
   fails += !others_gone;
+  st = drive(self, "badplan", &pid);
+  killed = WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL;
+  printf("badplan: the other ranks could not read a plan; rank 0 %s\n",
+         killed ? "was ended by its watchdog (SIGKILL)"
+                : WIFEXITED(st) && WEXITSTATUS(st) == 7 ? "still waited after 10 s"
+                                                        : "did NOT end by SIGKILL");
+  fails += !killed;
   printf("%s\n", fails ? "FAIL" : "PASS");
   return fails ? 1 : 0;
 }
