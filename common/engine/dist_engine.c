@@ -241,6 +241,10 @@ static TW_NODISCARD tw_status_t tw_follow_decode(tw_engine_t *e, tw_rd_t *r, boo
   int32_t *next = NULL;
   tw_sample_params_t *samp = NULL;
   tw_status_t st = tw_plan_read_decode(r, false, &a, &tabs, &next, &samp);
+  /* every byte is a field: bytes left over mean the plan was misread */
+  if (st == TW_OK && r->off != r->len)
+    st = tw_err(TW_ERR_FORMAT, "dist: decode plan of %zu bytes, %zu of them not read", r->len,
+                r->len - r->off);
   *unread = st != TW_OK;
   if (st == TW_OK) st = tw_engine_decode(e, &a);
   free(tabs);

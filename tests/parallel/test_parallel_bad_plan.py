@@ -39,8 +39,10 @@ try:
 
     t0 = time.time()
     rids = [cl.send(svc.generate(short, N)) for _ in range(4)]
-    check(victim.seen(r"r1 .*rank 1 of 2 cannot read plan 2 \(dist: short decode plan\): leaving the group", 30),
-          "victim rank 1 logs that it cannot read plan 2 and leaves the group")
+    left = victim.seen(r"r1 .*rank 1 of 2 cannot read plan 2 \(dist: short decode plan\): leaving the group", 30)
+    check(left, "victim rank 1 logs that it cannot read plan 2 and leaves the group")
+    if not left:
+        print("  victim's last lines:\n  " + "\n  ".join(victim.lines[-20:]))
     t_fail = time.time()
     gone_at = None
     while time.time() < t_fail + svc.scaled(10):
