@@ -322,6 +322,12 @@ static void tw_dist_lost(tw_dist_t *d, const char *why) {
 static void *tw_dist_watchdog(void *arg) {
   tw_dist_t *d = arg;
   int64_t start = tw_dist_now_ms(), last_ping = 0;
+  /* rank 0: when a connection to its watchdog socket closed (0: none
+   * pending), and how long the ranks have to show they are alive */
+  int64_t closed_at = 0, closed_last = 0;
+  const int64_t confirm_ms = 5 * TW_DIST_PING_MS * TW_SLOW_BUILD < d->lost_ms
+                                 ? 5 * TW_DIST_PING_MS * TW_SLOW_BUILD
+                                 : d->lost_ms;
   int64_t seen[TW_DIST_MAX_RANKS];
   for (int i = 0; i < TW_DIST_MAX_RANKS; i++) seen[i] = start;
   char why[160];
@@ -346,10 +352,17 @@ static void *tw_dist_watchdog(void *arg) {
       zmq_msg_close(&ev);
       zmq_msg_close(&addr);
       if (got && event == ZMQ_EVENT_DISCONNECTED && !atomic_load(&d->wd_stop)) {
-        snprintf(why, sizeof why, "rank %d of %d: the connection to %s closed", d->id.rank,
-                 d->id.size, d->id.rank == 0 ? "a rank" : "rank 0");
-        tw_dist_lost(d, why);
-        break;
+        if (d->id.rank != 0) { /* our one connection, to rank 0 */
+          snprintf(why, sizeof why, "rank %d of %d: the connection to rank 0 closed", d->id.rank,
+                   d->id.size);
+          tw_dist_lost(d, why);
+          break;
+        }
+        /* rank 0 listens: the closed connection may be a peer the guard
+         * refused (no or wrong keys, a port scan), not a rank. Each rank
+         * must ping again within confirm_ms, or it is the one gone. */
+        closed_last = tw_dist_now_ms();
+        if (!closed_at) closed_at = closed_last;
       }
     }
     if (np > 0 && (it[0].revents & ZMQ_POLLIN)) {
@@ -377,6 +390,23 @@ static void *tw_dist_watchdog(void *arg) {
       } else {
         zmq_send(d->hb, "p", 1, ZMQ_DONTWAIT);
       }
+    }
+    if (closed_at && now - closed_at >= confirm_ms) {
+      int gone = -1;
+      for (int r = 1; r < d->id.size && gone < 0; r++)
+        if (seen[r] <= closed_at) gone = r;
+      if (gone > 0) {
+        snprintf(why, sizeof why,
+                 "rank 0 of %d: a connection closed and rank %d has not pinged since (%lld ms)",
+                 d->id.size, gone, (long long)(now - closed_at));
+        tw_dist_lost(d, why);
+        break;
+      }
+      TW_DEBUG("dist",
+               "a connection to the watchdog socket closed, every rank still pings: "
+               "not a rank (a refused peer)");
+      /* another closed since: check the ranks against that one next */
+      closed_at = closed_last > closed_at ? closed_last : 0;
     }
     int lo = d->id.rank == 0 ? 1 : 0, hi = d->id.rank == 0 ? d->id.size : 1;
     for (int r = lo; r < hi; r++) {
@@ -612,6 +642,9 @@ void tw_dist_destroy(tw_dist_t *d) {
 int32_t tw_dist_rank(const tw_dist_t *d) { return d ? d->id.rank : 0; }
 int32_t tw_dist_size(const tw_dist_t *d) { return d ? d->id.size : 1; }
 tw_coll_t *tw_dist_coll(tw_dist_t *d) { return d ? d->coll : NULL; }
+uint64_t tw_dist_refused(const tw_dist_t *d) {
+  return d && d->guard ? tw_auth_guard_refused(d->guard) : 0;
+}
 
 /* ---- plans and replies ----------------------------------------------------------- */
 
