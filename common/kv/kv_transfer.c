@@ -3,6 +3,7 @@
 
 #include "common/kv/kv_fp8.h"
 #include "common/kv/kv_ring.h"
+#include "common/kv/kv_seal.h"
 
 #include "common/base/log.h"
 
@@ -217,7 +218,7 @@ typedef struct {
   uint64_t len;      /* bytes of the piece */
   uint64_t tag;      /* the handoff (request id) */
   uint64_t piece;    /* the sender's id of the piece */
-  uint32_t addr_len; /* the data: the sender's worker address */
+  uint32_t addr_len; /* the data: the sender's worker address, sealed (kv_seal.h) */
   uint32_t pad;
   tw_kv_proc_t proc; /* the sending process */
 } tw_kv_am_hdr_t;
@@ -316,6 +317,8 @@ struct tw_kv_xfer {
   ucp_worker_h worker;
   ucp_address_t *address;
   size_t address_len;
+  uint8_t *sealed_address; /* the address as published (kv_seal.h) */
+  size_t sealed_address_len;
   bool cuda_native;
   bool proto_v2;      /* UCX protocols v2: puts may go over zero-copy rma_bw lanes */
   tw_kv_peer_t *peers[TW_KV_MAX_PEERS];
@@ -386,6 +389,8 @@ struct tw_kv_region {
   ucp_mem_h memh;
   void *rkey; /* the packed ucx rkey, then a tw_kv_ipc_desc_t when exported */
   size_t rkey_len;
+  uint8_t *sealed_rkey; /* rkey as published (kv_seal.h) */
+  size_t sealed_rkey_len;
   /* staged: the ring, its pinned slots, the copies' stream and events */
   tw_kv_rxring_t *ring;
   uint8_t *slots;
@@ -622,6 +627,9 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
     st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_get_address failed: %s", ucs_status_string(us));
     goto fail;
   }
+  TW_CHECK_GOTO(tw_kv_seal(TW_KV_SEAL_ADDRESS, x->address, x->address_len, &x->sealed_address,
+                           &x->sealed_address_len),
+                st, fail);
   /* how device pools travel is logged when one is registered: a CPU worker
    * has none, and must not claim CUDA staging */
   TW_INFO("kvx", "ucx worker up: address %zu bytes, CUDA memory %s, protocols %s",
@@ -887,14 +895,14 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
                             .len = (uint64_t)len,
                             .tag = dst->handoff_tag,
                             .piece = id,
-                            .addr_len = (uint32_t)x->address_len,
+                            .addr_len = (uint32_t)x->sealed_address_len,
                             .proc = x->self};
   ucp_request_param_t prm = {
       .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
       .flags = UCP_AM_SEND_FLAG_EAGER,
       .memory_type = UCS_MEMORY_TYPE_HOST};
-  void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_WANT_ID, &e->hdr, sizeof e->hdr, x->address,
-                              x->address_len, &prm);
+  void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_WANT_ID, &e->hdr, sizeof e->hdr, x->sealed_address,
+                              x->sealed_address_len, &prm);
   if (UCS_PTR_IS_ERR(req)) {
     *e = (tw_kv_piece_t){0};
     return tw_err(TW_ERR_TRANSPORT, "ucp_am_send_nbx of a staged kv piece's request failed: %s",
@@ -960,6 +968,7 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
     if (x->piece_event[i]) x->cudart.event_destroy(x->piece_event[i]);
   if (x->d2h_stream) x->cudart.stream_destroy(x->d2h_stream);
   if (x->address) ucp_worker_release_address(x->worker, x->address);
+  free(x->sealed_address);
   if (x->ipc_event) x->cudart.event_destroy(x->ipc_event);
   if (x->ipc_stream) x->cudart.stream_destroy(x->ipc_stream);
   if (x->src_memh) ucp_mem_unmap(x->ctx, x->src_memh);
@@ -971,8 +980,8 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
 }
 
 const void *tw_kv_xfer_address(const tw_kv_xfer_t *x, size_t *len_p) {
-  *len_p = x->address_len;
-  return x->address;
+  *len_p = x->sealed_address_len;
+  return x->sealed_address;
 }
 bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *x) { return x->cuda_native; }
 /* ---- the staged receive path: pieces into the region's bounce ring ---- */
@@ -1080,6 +1089,16 @@ static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, si
   s->proc.boot_id[sizeof s->proc.boot_id - 1] = 0;
   s->local = x->self.boot_id[0] && x->self.pid_ns && s->proc.pid > 0 &&
              strcmp(s->proc.boot_id, x->self.boot_id) == 0 && s->proc.pid_ns == x->self.pid_ns;
+  const uint8_t *ucx_addr = NULL;
+  size_t ucx_len = 0;
+  tw_status_t st = tw_kv_unseal(TW_KV_SEAL_ADDRESS, s->address, s->address_len,
+                                "a prefill worker's UCX address (staged kv)", &ucx_addr, &ucx_len);
+  if (st != TW_OK) { /* never handed to UCX; kept, so that its other pieces are dropped too */
+    TW_WARN("kvx", "%s: its pieces are dropped", tw_last_error());
+    s->failed = true;
+    x->senders[x->n_senders++] = s;
+    return s;
+  }
   /* error mode NONE, as the senders' (UCX 1.13's shared-memory transports
    * have no peer-failure support; PEER would leave only TCP). Only grants go
    * over it: one that never arrives costs a slot until the sender is known
@@ -1087,7 +1106,7 @@ static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, si
   ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
                                       UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                                       UCP_EP_PARAM_FIELD_ERR_HANDLER,
-                        .address = (const ucp_address_t *)s->address,
+                        .address = (const ucp_address_t *)ucx_addr,
                         .err_mode = UCP_ERR_HANDLING_MODE_NONE,
                         .err_handler = {.cb = tw_kv_sender_error, .arg = s}};
   ucs_status_t us = ucp_ep_create(x->worker, &ep, &s->ep);
@@ -1501,17 +1520,29 @@ static bool tw_kv_ipc_export(tw_kv_region_t *r) {
   return true;
 }
 
-/* Split a published rkey blob into the ucx rkey and an optional descriptor. */
-static size_t tw_kv_rkey_split(const void *blob, size_t len, tw_kv_ipc_desc_t *desc, bool *has) {
+/* Split an (unsealed) rkey blob into the ucx rkey (*ucx_len_p bytes at its
+ * start) and an optional descriptor. Errors: TW_ERR_INVALID_ARGUMENT (a
+ * descriptor whose fields cannot describe a pool). */
+static TW_NODISCARD tw_status_t tw_kv_rkey_split(const void *blob, size_t len,
+                                                 tw_kv_ipc_desc_t *desc, bool *has,
+                                                 size_t *ucx_len_p) {
   *has = false;
-  if (len < sizeof *desc) return len;
+  *ucx_len_p = len;
+  if (len < sizeof *desc) return TW_OK;
   memcpy(desc, (const uint8_t *)blob + len - sizeof *desc, sizeof *desc);
-  if (memcmp(desc->magic, TW_KV_IPC_MAGIC, sizeof desc->magic) != 0 ||
-      desc->desc_bytes != sizeof *desc || desc->ucx_rkey_len != len - sizeof *desc)
-    return len;
-  desc->boot_id[sizeof desc->boot_id - 1] = 0;
+  if (memcmp(desc->magic, TW_KV_IPC_MAGIC, sizeof desc->magic) != 0) return TW_OK;
+  if (desc->desc_bytes != sizeof *desc || desc->ucx_rkey_len != len - sizeof *desc ||
+      desc->pid <= 0 || desc->device < 0 || desc->pool_bytes <= 0 ||
+      memchr(desc->boot_id, 0, sizeof desc->boot_id) == NULL)
+    return tw_err_quiet(
+        TW_ERR_INVALID_ARGUMENT,
+        "the decode worker's rkey carries a malformed CUDA IPC descriptor (%u bytes, "
+        "ucx part %u of %zu bytes, pid %d, device %d, pool %lld bytes)",
+        desc->desc_bytes, desc->ucx_rkey_len, len - sizeof *desc, (int)desc->pid, (int)desc->device,
+        (long long)desc->pool_bytes);
   *has = true;
-  return desc->ucx_rkey_len;
+  *ucx_len_p = desc->ucx_rkey_len;
+  return TW_OK;
 }
 
 /* Open the peer's descriptor once (a device source, same host, another
@@ -1595,6 +1626,9 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
     TW_INFO("kvx",
             "kv handoff mode (receive): device KV pool over CUDA IPC only "
             "(TWAIN_KV_PATH=ipc): prefill workers on this host copy into it, nothing else can");
+    TW_CHECK_GOTO(
+        tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len), st,
+        fail);
     *region_p = r;
     return TW_OK;
   }
@@ -1617,6 +1651,9 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
         !layout->on_device ? " (host pool, staged on request: TWAIN_KV_PATH=staged)"
         : x->cuda_native   ? " (TWAIN_KV_PATH=staged)"
                            : " (UCX has no CUDA support)");
+    TW_CHECK_GOTO(
+        tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len), st,
+        fail);
     *region_p = r;
     return TW_OK;
   }
@@ -1657,6 +1694,9 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
           !layout->on_device
               ? "host KV pool, registered in place"
               : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
+  TW_CHECK_GOTO(
+      tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len), st,
+      fail);
   *region_p = r;
   return TW_OK;
 fail:
@@ -1686,12 +1726,13 @@ void tw_kv_region_unregister(tw_kv_region_t *r) {
   free(r->slot_ctx);
   if (r->memh) ucp_mem_unmap(x->ctx, r->memh);
   free(r->rkey);
+  free(r->sealed_rkey);
   free(r);
 }
 
 const void *tw_kv_region_rkey(const tw_kv_region_t *r, size_t *len_p) {
-  *len_p = r->rkey_len;
-  return r->rkey;
+  *len_p = r->sealed_rkey_len;
+  return r->sealed_rkey;
 }
 
 void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *o) {
@@ -1807,8 +1848,21 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
   }
 }
 
-TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address_len,
-                                         const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
+TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *sealed_address,
+                                         size_t sealed_address_len, const void *sealed_rkey,
+                                         size_t sealed_rkey_len, tw_kv_peer_t **peer_p) {
+  /* nothing reaches UCX before both blobs are checked (kv_seal.h) */
+  const uint8_t *address = NULL, *rkey = (const uint8_t *)"";
+  size_t address_len = 0, rkey_len = 0;
+  TW_CHECK(tw_kv_unseal(TW_KV_SEAL_ADDRESS, sealed_address, sealed_address_len,
+                        "the decode worker's UCX address", &address, &address_len));
+  if (sealed_rkey_len) /* empty: no rkey (nothing is unpacked) */
+    TW_CHECK(tw_kv_unseal(TW_KV_SEAL_RKEY, sealed_rkey, sealed_rkey_len, "the decode worker's rkey",
+                          &rkey, &rkey_len));
+  tw_kv_ipc_desc_t desc;
+  bool has = false;
+  size_t ucx_len = 0;
+  TW_CHECK(tw_kv_rkey_split(rkey, rkey_len, &desc, &has, &ucx_len));
   tw_kv_peer_t *p = NULL;
   for (int i = 0; i < x->n_peers; i++) {
     tw_kv_peer_t *q = x->peers[i];
@@ -1858,9 +1912,6 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
             p->lanes[0] ? p->lanes : "unknown");
   }
   if (!p->rkey_buf || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
-    tw_kv_ipc_desc_t desc;
-    bool has = false;
-    size_t ucx_len = tw_kv_rkey_split(rkey, rkey_len, &desc, &has);
     if (p->ipc_ptr && (!has || memcmp(&desc.handle, &p->ipc.handle, sizeof desc.handle) != 0)) {
       if (p->ipc_pending) x->cudart.event_sync(x->ipc_event);
       x->cudart.ipc_close(p->ipc_ptr);
