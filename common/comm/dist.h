@@ -20,9 +20,10 @@
  * Liveness. A watchdog thread per rank watches its connection to rank 0 (a
  * ZeroMQ monitor: a dead process closes its TCP connections at once, so a
  * DISCONNECTED event means the peer is gone; on rank 0, whose socket anyone
- * can connect to, a closed connection is a lost rank only when some rank
- * then misses 5 pings: a peer the guard refused closes one too) and
- * exchanges pings with rank 0
+ * can connect to and where a peer the guard refused closes a connection
+ * too, it means a lost rank only when a rank on this host is gone from
+ * /proc (the pid from its hello; checked at once and for 300 ms) or another
+ * rank sends no ping in those 300 ms) and exchanges pings with rank 0
  * every TW_DIST_PING_MS, so a hung peer is caught after TW_DIST_LOST_MS
  * (TWAIN_DIST_LOST_MS; long enough not to take a loaded machine's stall for
  * a hang). Either way, or when the parent that spawned it is gone, the rank

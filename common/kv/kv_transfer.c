@@ -6,6 +6,7 @@
 #include "common/kv/kv_seal.h"
 
 #include "common/base/log.h"
+#include "common/base/proc.h"
 
 #include <ucp/api/ucp.h>
 
@@ -103,51 +104,6 @@ typedef struct {
   char magic[8];         /* TW_KV_IPC_MAGIC, last: found from the blob's end */
 } tw_kv_ipc_desc_t;
 
-/* A process and the host and pid namespace it runs in: a receiver on the
- * same host and in the same pid namespace can tell that a sender is gone
- * (kill(pid, 0), /proc/pid/stat) without any message from it. */
-typedef struct {
-  char boot_id[40]; /* /proc/sys/kernel/random/boot_id */
-  uint64_t pid_ns;  /* inode of /proc/self/ns/pid (0: unknown) */
-  int32_t pid;
-  uint32_t pad;
-  uint64_t nonce; /* random per process: names it in "filled" messages */
-} tw_kv_proc_t;
-
-static void tw_kv_boot_id(char out[40]) {
-  memset(out, 0, 40);
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  if (!f) return;
-  if (!fgets(out, 40, f)) out[0] = 0;
-  fclose(f);
-  out[strcspn(out, "\n")] = 0;
-}
-
-/* This process (tw_kv_proc_t). */
-static void tw_kv_proc_self(tw_kv_proc_t *p) {
-  memset(p, 0, sizeof *p);
-  tw_kv_boot_id(p->boot_id);
-  struct stat st;
-  if (stat("/proc/self/ns/pid", &st) == 0) p->pid_ns = (uint64_t)st.st_ino;
-  p->pid = (int32_t)getpid();
-}
-
-/* Whether process `p`, on this host and in this pid namespace (the caller
- * checked), still runs: not when kill(pid, 0) says there is no such process,
- * nor when it is a zombie. */
-static bool tw_kv_proc_alive(const tw_kv_proc_t *p) {
-  if (kill(p->pid, 0) != 0 && errno == ESRCH) return false;
-  char path[64], buf[256];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)p->pid);
-  FILE *f = fopen(path, "r");
-  if (!f) return true; /* no /proc: kill's answer stands */
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = 0;
-  const char *rp = strrchr(buf, ')'); /* "pid (comm) S ..." */
-  return !(rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
-}
-
 static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   if (rt->lib) return TW_OK;
   /* the runtime the engine already uses first (same instance, same device
@@ -220,7 +176,7 @@ typedef struct {
   uint64_t piece;    /* the sender's id of the piece */
   uint32_t addr_len; /* the data: the sender's worker address, sealed (kv_seal.h) */
   uint32_t pad;
-  tw_kv_proc_t proc; /* the sending process */
+  tw_proc_t proc; /* the sending process */
 } tw_kv_am_hdr_t;
 typedef struct {
   uint64_t piece;
@@ -231,7 +187,7 @@ typedef struct {
 typedef struct {
   uint64_t base;
   uint64_t piece;
-  uint64_t nonce; /* the sender's tw_kv_proc_t.nonce */
+  uint64_t nonce; /* the sender's tw_proc_t.nonce */
   int32_t slot;
   int32_t pad;
 } tw_kv_am_filled_t;
@@ -341,7 +297,7 @@ struct tw_kv_xfer {
   uint64_t piece_seq;
   int32_t n_pieces;
   int16_t active[TW_KV_PIECES];    /* the entries in use, [0, n_pieces), any order */
-  tw_kv_proc_t self;               /* this process, in the pieces it announces */
+  tw_proc_t self;                  /* this process, in the pieces it announces */
   void *d2h_stream;                /* cudaStream_t of device pieces copied into receivers' slots */
   bool staged_put;                 /* TWAIN_KV_STAGED_PUT=1: put pieces even into mapped slots */
   void *piece_event[TW_KV_PIECES]; /* cudaEvent_t per piece entry, made on first use */
@@ -358,7 +314,7 @@ typedef struct tw_kv_sender {
   ucp_ep_h ep;
   bool failed; /* gone: its granted slots were taken back, its pieces dropped */
   int64_t used_ns;
-  tw_kv_proc_t proc;
+  tw_proc_t proc;
   bool local;         /* same host and pid namespace: its pid can be checked */
   int64_t checked_ns; /* its pid was last checked */
 } tw_kv_sender_t;
@@ -573,7 +529,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
   tw_kv_xfer_t *x = calloc(1, sizeof *x);
   if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
   x->magic = TW_KV_XFER_MAGIC;
-  tw_kv_proc_self(&x->self);
+  tw_proc_self(&x->self);
   const char *sp = getenv("TWAIN_KV_STAGED_PUT");
   x->staged_put = sp && strcmp(sp, "1") == 0;
   tw_status_t st = TW_OK;
@@ -1054,7 +1010,7 @@ static void tw_kv_sender_close(tw_kv_xfer_t *x, tw_kv_sender_t *s) {
  * when the table is full of senders holding slots (the piece waits). Called
  * outside UCX callbacks. */
 static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, size_t len,
-                                        const tw_kv_proc_t *proc) {
+                                        const tw_proc_t *proc) {
   for (int i = 0; i < x->n_senders; i++) {
     tw_kv_sender_t *s = x->senders[i];
     if (s->address_len == len && memcmp(s->address, addr, len) == 0) {
@@ -1086,9 +1042,7 @@ static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, si
   s->address_len = len;
   s->used_ns = tw_now_ns();
   s->proc = *proc;
-  s->proc.boot_id[sizeof s->proc.boot_id - 1] = 0;
-  s->local = x->self.boot_id[0] && x->self.pid_ns && s->proc.pid > 0 &&
-             strcmp(s->proc.boot_id, x->self.boot_id) == 0 && s->proc.pid_ns == x->self.pid_ns;
+  s->local = tw_proc_local(&x->self, &s->proc);
   const uint8_t *ucx_addr = NULL;
   size_t ucx_len = 0;
   tw_status_t st = tw_kv_unseal(TW_KV_SEAL_ADDRESS, s->address, s->address_len,
@@ -1307,7 +1261,7 @@ static TW_NODISCARD tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
     }
     if (!waits) continue;
     s->checked_ns = now;
-    if (!tw_kv_proc_alive(&s->proc)) {
+    if (!tw_proc_alive(&s->proc)) {
       TW_WARN("kvx",
               "prefill worker pid %d is gone mid-handoff: the staged kv slots granted to "
               "it are taken back, its waiting pieces dropped",
@@ -1499,7 +1453,7 @@ static bool tw_kv_ipc_export(tw_kv_region_t *r) {
             e);
     return false;
   }
-  tw_kv_boot_id(d.boot_id);
+  tw_proc_boot_id(d.boot_id);
   d.pid = (int32_t)getpid();
   d.pool_bytes = r->layout.total_bytes;
   d.ucx_rkey_len = (uint32_t)r->rkey_len;
@@ -1551,7 +1505,7 @@ static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   if (!p->has_ipc || p->ipc_ptr || p->ipc_failed) return;
   p->ipc_failed = true; /* until it opens */
   char boot[40];
-  tw_kv_boot_id(boot);
+  tw_proc_boot_id(boot);
   const char *off = getenv("TWAIN_KV_IPC");
   const char *why = NULL;
   if (off && strcmp(off, "0") == 0)
