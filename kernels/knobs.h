@@ -39,6 +39,8 @@ typedef struct {
   int moe_stream_warps; /* TWAIN_CUDA_MOE_STREAM_WARPS 8 or 16: its warps per CTA (16) */
   int moe_stream_splitk; /* TWAIN_CUDA_MOE_STREAM_SPLITK=0: its down launch in one K part (1:
                             two parts where its items are fewer than twice the warps) */
+  int route_fused_max;   /* TWAIN_CUDA_ROUTE_FUSED_MAX 0..1024: assignments (T x k) up to which
+                            the router GEMM's route runs as one block (128) */
 } tw_cuda_knobs_t;
 
 /** The knobs, read from the environment on the first call (thread-safe);

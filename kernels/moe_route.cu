@@ -119,8 +119,14 @@ __global__ void tw_moe_topk_kernel(const float *__restrict__ logits, int T, int 
     for (int r = 0; r < k; r++) atomicAdd(&counts[sel[warp][r]], 1);
 }
 
-/* Small T (T*k <= TW_ROUTE_FUSED_MAX): top-k, counts, offsets, active list
- * and the stable sort in one block of 256 threads (one launch per step). */
+/* Small T: top-k, counts, offsets, active list and the stable sort in one
+ * block of 256 threads (one launch per step). The block's warps take the
+ * tokens one after the other, so the route after the router GEMM uses it
+ * only up to TWAIN_CUDA_ROUTE_FUSED_MAX assignments (knobs.h; 128) and the
+ * top-k and sort kernels above (with a quadratic sort, at 1,024 assignments,
+ * gpt-oss-20b batch 256, it took about 94 us a layer on the H200, 13% of the
+ * decode step; docs/benchmarks.md). The fused router (GEMV + this block)
+ * keeps it up to TW_ROUTE_FUSED_MAX. */
 #define TW_ROUTE_FUSED_MAX 1024
 /* The body of the single-block route: one block of 256 threads (8 warps);
  * logits f32 [T, E] (global or shared). */
@@ -165,13 +171,26 @@ static __device__ void tw_moe_route_block(const float *logits, int T, int E, int
     *n_active = na;
   }
   __syncthreads();
-  for (int a = threadIdx.x; a < TK; a += blockDim.x) {
-    int e = idx_s[a], rank = 0;
-    for (int q = 0; q < a; q++) rank += idx_s[q] == e;
-    int p = off_s[e] + rank;
-    sorted[p] = a;
-    pos_of[a] = p;
-  }
+  /* the stable sort: warp 0 walks the assignments 32 at a time, in order;
+   * the lanes holding the same expert find each other (match), each takes
+   * the expert's next slot plus the count of its peers before it, and the
+   * first of them moves the expert's next slot on (linear in T*k) */
+  if (warp == 0)
+    for (int a0 = 0; a0 < TK; a0 += 32) {
+      const int a = a0 + lane;
+      const bool in = a < TK;
+      const int e = in ? idx_s[a] : -1 - lane; /* past the end: matches no one */
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      const int before = __popc(peers & ((1u << lane) - 1u));
+      if (in) {
+        const int p = off_s[e] + before;
+        sorted[p] = a;
+        pos_of[a] = p;
+      }
+      __syncwarp();
+      if (in && before == 0) off_s[e] += __popc(peers);
+      __syncwarp();
+    }
 }
 
 __global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int T, int E, int k,
@@ -352,7 +371,7 @@ extern "C" tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *r, const flo
   if (!r || !logits) return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route: NULL argument");
   if (T <= 0 || T > r->max_tokens)
     return tw_err(TW_ERR_INVALID_ARGUMENT, "moe_route: T=%d outside [1, %d]", T, r->max_tokens);
-  if (T * r->k <= TW_ROUTE_FUSED_MAX) {
+  if (T * r->k <= tw_cuda_knobs()->route_fused_max) {
     tw_pdl_launch(tw_moe_route_fused_kernel, dim3(1), dim3(256), 0, stream, logits, T, r->n_experts,
                   r->k, r->topk_idx, r->topk_w, r->counts, r->offsets, r->sorted, r->pos_of,
                   r->active, r->n_active);

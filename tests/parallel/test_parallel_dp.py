@@ -120,9 +120,14 @@ try:
 
     # ---- 5. kill -9 of dp rank 1 mid-stream
     res, _ = kill_rank_streaming(c, cl, dec, cases["short_dog"], 4, "decode", 0, "dp rank 1")
+    # a stream may finish its 300 tokens between its third token and the
+    # kill (the tiny model decodes fast); every other one must end with an
+    # error, none may end short without one
     n_err = sum(1 for r in res if r[-1].error.code)
-    check(n_err == len(res), "its %d streams ended with an error (%s)" % (
-        n_err, error_summary(res)))
+    n_ok = sum(1 for r in res if not r[-1].error.code and len(svc.tokens_of(r)) == 300)
+    check(n_err > 0 and n_err + n_ok == len(res),
+          "its streams: %d ended with an error (%s), %d had completed before the kill, of %d" % (
+              n_err, error_summary(res), n_ok, len(res)))
     wait_gone(c, dec, c.decodes)
     cl.close()
 finally:
