@@ -956,6 +956,10 @@ static int tw_gs_sms(void) {
   }
   return sms;
 }
+/* Warps of the streaming grid at its largest: 16 / tw_gs_warps() CTAs of
+ * tw_gs_warps() warps on every SM (the kernel's __launch_bounds__), so 16
+ * warps per SM whichever CTA size the knob picks. */
+static int tw_gs_grid_warps(void) { return 16 / tw_gs_warps() * tw_gs_warps() * tw_gs_sms(); }
 /* K parts of the down launch: 2 where its (expert, 32-row slice) items
  * (experts: at most min(E, assignments)) are fewer than twice the grid's
  * warps, so no warp idles through a second round while others finish theirs;
@@ -963,13 +967,12 @@ static int tw_gs_sms(void) {
 static int tw_gs_down_parts(int N, int E, int tk) {
   if (!tw_cuda_knobs()->moe_stream_splitk) return 1;
   const int experts = E < tk ? E : tk, items = (N + 31) / 32 * experts;
-  return items < 2 * tw_gs_sms() * 16 ? 2 : 1;
+  return items < 2 * tw_gs_grid_warps() ? 2 : 1;
 }
 static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, cudaStream_t stream) {
-  const int sms = tw_gs_sms();
   const int warps = tw_gs_warps(), items = (a->N + 31) / 32 * a->E * a->ks;
-  const int ctas = TW_CDIV(items, warps), per_sm = 16 / warps;
-  dim3 grid(ctas < per_sm * sms ? ctas : per_sm * sms);
+  const int ctas = TW_CDIV(items, warps), max_ctas = tw_gs_grid_warps() / warps;
+  dim3 grid(ctas < max_ctas ? ctas : max_ctas);
   tw_pdl_launch(tw_gs_pick(epi, warps), grid, dim3(warps * 32), (size_t)TW_GS_SMEM(warps), stream,
                 *a);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gs_kernel(gate_up)" : "tw_gs_kernel(down)");

@@ -139,6 +139,9 @@ TW_NODISCARD tw_status_t tw_handoff_connect(tw_kv_xfer_t *xfer, const tw_kv_layo
   Twain__Internal__V1__PrefillRequest r = TWAIN__INTERNAL__V1__PREFILL_REQUEST__INIT;
   r.handoff = (Twain__Internal__V1__KvHandoff *)h;
   tw_status_t st = tw_handoff_send_begin(s, xfer, &r, src, NULL, 0, 0, NULL, 0, NULL, false);
+  /* greeted now, while both sides run: the decode worker then holds no UCX
+   * wireup message towards this process (tw_kv_xfer_greet) */
+  for (int32_t d = 0; d < s->n_dst && st == TW_OK; d++) st = tw_kv_xfer_greet(xfer, s->dst[d].peer);
   *n_p = s->n_dst;
   if (s->n_dst > 0) *path_p = tw_kv_xfer_path_to(s->dst[0].peer, src->on_device, &s->dst[0].rl);
   free(s);

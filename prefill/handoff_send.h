@@ -98,10 +98,11 @@ TW_NODISCARD tw_status_t tw_handoff_send_flush(tw_handoff_send_t *s, int timeout
  *  (KvPeers; no block ids) by the path tw_handoff_send_begin takes, through
  *  the same tw_kv_xfer_t cache, so the first handoff reuses the endpoints:
  *  a UCX endpoint and, for a device pool with a CUDA IPC descriptor, its
- *  mapping, to every pool holding some of src's KV heads. *n_p: pools
- *  connected; *path_p: the path puts to the first take.
- *  Errors: TW_ERR_NO_MEMORY, those of tw_handoff_send_begin (pools before
- *  the failing one stay connected). */
+ *  mapping, to every pool holding some of src's KV heads, each endpoint
+ *  greeted (tw_kv_xfer_greet). *n_p: pools connected; *path_p: the path
+ *  puts to the first take.
+ *  Errors: TW_ERR_NO_MEMORY, those of tw_handoff_send_begin and
+ *  tw_kv_xfer_greet (pools before the failing one stay connected). */
 TW_NODISCARD tw_status_t tw_handoff_connect(tw_kv_xfer_t *xfer, const tw_kv_layout_t *src,
                                             const Twain__Internal__V1__KvHandoff *h, int32_t *n_p,
                                             tw_kv_path_t *path_p);

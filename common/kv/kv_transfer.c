@@ -163,10 +163,37 @@ static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
  * TW_KV_GRANT_TIMEOUT_MS, longer than any sender waits for a grant, so a
  * late put cannot land in a slot given to another piece). UCX 1.13's AM
  * rendezvous, used before, could abort the receiver (an assertion in
- * ucp_am_rndv_process_rts) when a sender was killed mid-handoff. */
+ * ucp_am_rndv_process_rts) when a sender was killed mid-handoff.
+ *
+ * Over TCP (UCX 1.13, worker-address wireup) two more UCX paths abort a
+ * receiver whose sender dies, and the protocol keeps the receiver off both:
+ *  - connection setup: when the sender's first message arrives, the
+ *    receiver's UCX answers its wireup request (WIREUP_MSG REPLY) over a TCP
+ *    connection back to the sender, queued until the sender's UCX
+ *    acknowledges that connection; a sender that dies before that makes UCX
+ *    fail the connection and purge the queued reply, and Debian's build
+ *    (assertions on) aborts in ucp_request_send_state_ff ("got REP
+ *    message"; the assertion was removed upstream in UCX 1.14). So a sender
+ *    greets a receiver once per endpoint before its first piece ("hello",
+ *    answered on the reply endpoint, behind UCX's own reply): once the
+ *    answer is back the receiver has no wireup message queued towards it,
+ *    and the window is limited to the greeting itself (see
+ *    docs/operations.md, "KV handoff and a dying prefill worker");
+ *  - software-emulated puts: TCP has no put of its own in UCX 1.13
+ *    (protocols v1), so a put is sent as active messages and the
+ *    receiver's UCX acknowledges each one (UCP_AM_ID_CMPL); one that
+ *    arrives after the connection back failed makes that acknowledgement
+ *    fail, and UCX treats that as fatal (ucs_fatal "unexpected error" in
+ *    ucp_request_try_send, in every build). So where the sender's endpoint
+ *    has no lane that puts (tw_kv_ep_lanes) and the slot is not mapped, the
+ *    piece's bytes travel inside its "filled" message (eager, no answer
+ *    from UCX), copied into the slot by the receiver's callback. */
 #define TW_KV_AM_WANT_ID 0x4b57u
 #define TW_KV_AM_GRANT_ID 0x4b58u
 #define TW_KV_AM_FILLED_ID 0x4b59u
+#define TW_KV_AM_HELLO_ID 0x4b5au     /* sender -> receiver: token (uint64_t) */
+#define TW_KV_AM_HELLO_ACK_ID 0x4b5bu /* receiver -> sender, on the reply endpoint */
+#define TW_KV_HELLO_TIMEOUT_MS 10000
 #define TW_KV_GRANT_TIMEOUT_MS 120000
 typedef struct {
   uint64_t base;     /* the receiving pool's published remote_base (which region) */
@@ -265,6 +292,9 @@ struct tw_kv_peer {
    * -1 not (pieces are put) */
   int8_t slot_ptr;
   void **slot_reg; /* [TW_KV_MAX_SLOTS]: a slot's mapping, cudaHostRegister'd */
+  bool am_pieces;  /* no lane puts (TCP): unmapped pieces travel in "filled" */
+  bool greeted;    /* the receiver answered this endpoint's "hello" */
+  uint64_t hello_token;
 };
 
 struct tw_kv_xfer {
@@ -304,6 +334,7 @@ struct tw_kv_xfer {
   /* receiver: endpoints to the workers that send pieces into our rings */
   struct tw_kv_sender *senders[TW_KV_MAX_PEERS];
   int n_senders;
+  uint64_t hello_seq; /* tokens of this sender's greetings */
 };
 
 /* A worker that sends pieces into this worker's rings: our endpoint to it
@@ -334,6 +365,8 @@ typedef struct {
   tw_kv_sender_t *sender; /* NULL: not granted */
   uint64_t piece, nonce;
   int64_t granted_ns;
+  int64_t len; /* the piece's bytes */
+  void *buf;   /* the slot */
   bool filled;
 } tw_kv_rx_slot_ctx_t;
 
@@ -503,6 +536,10 @@ static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header
                                     size_t length, const ucp_am_recv_param_t *param);
 static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_length, void *data,
                                    size_t length, const ucp_am_recv_param_t *param);
+static ucs_status_t tw_kv_am_hello(void *arg, const void *header, size_t header_length, void *data,
+                                   size_t length, const ucp_am_recv_param_t *param);
+static ucs_status_t tw_kv_am_hello_ack(void *arg, const void *header, size_t header_length,
+                                       void *data, size_t length, const ucp_am_recv_param_t *param);
 
 TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   return tw_kv_xfer_create_bound(NULL, xfer_p);
@@ -563,7 +600,9 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
     ucp_am_recv_callback_t cb;
   } handlers[] = {{TW_KV_AM_WANT_ID, tw_kv_am_want},
                   {TW_KV_AM_FILLED_ID, tw_kv_am_filled},
-                  {TW_KV_AM_GRANT_ID, tw_kv_am_grant}};
+                  {TW_KV_AM_GRANT_ID, tw_kv_am_grant},
+                  {TW_KV_AM_HELLO_ID, tw_kv_am_hello},
+                  {TW_KV_AM_HELLO_ACK_ID, tw_kv_am_hello_ack}};
   for (size_t i = 0; i < sizeof handlers / sizeof handlers[0] && us == UCS_OK; i++) {
     ucp_am_handler_param_t ah = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
                                                UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -643,14 +682,67 @@ static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_
   return UCS_OK;
 }
 
-/* Send "filled" for piece e (its bytes are in the slot). */
-static void tw_kv_piece_filled(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
+/* "hello" answered (UCX's callback): the peer whose greeting carried the token. */
+static ucs_status_t tw_kv_am_hello_ack(void *arg, const void *header, size_t header_length,
+                                       void *data, size_t length,
+                                       const ucp_am_recv_param_t *param) {
+  (void)data;
+  (void)length;
+  (void)param;
+  tw_kv_xfer_t *x = arg;
+  uint64_t token;
+  if (header_length != sizeof token) return UCS_OK;
+  memcpy(&token, header, sizeof token);
+  for (int i = 0; i < x->n_peers; i++)
+    if (x->peers[i]->hello_token == token) x->peers[i]->greeted = true;
+  return UCS_OK;
+}
+
+/* The greeting (kv_transfer.h): "hello", answered by the receiver's worker
+ * on the endpoint UCX made for ours, behind UCX's own wireup reply, so that
+ * once the answer is here the receiver has no wireup message queued towards
+ * this process (pieces, above). A failed greeting marks the peer failed. */
+TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
+  if (p->greeted) return TW_OK;
+  p->hello_token = ++x->hello_seq;
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                             .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY};
+  void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_HELLO_ID, &p->hello_token, sizeof p->hello_token,
+                              NULL, 0, &prm);
+  if (UCS_PTR_IS_ERR(req)) {
+    p->failed = 1;
+    return tw_err(TW_ERR_TRANSPORT, "ucp_am_send_nbx of the greeting to a decode worker failed: %s",
+                  ucs_status_string(UCS_PTR_STATUS(req)));
+  }
+  int64_t deadline = tw_now_ns() + (int64_t)TW_KV_HELLO_TIMEOUT_MS * 1000000;
+  while (!p->greeted && !p->failed && tw_now_ns() < deadline) ucp_worker_progress(x->worker);
+  if (UCS_PTR_IS_PTR(req)) {
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && !p->failed && tw_now_ns() < deadline)
+      ucp_worker_progress(x->worker);
+    ucp_request_free(req); /* UCX completes it even if it is still in flight */
+  }
+  if (p->greeted) return TW_OK;
+  bool failed = p->failed;
+  p->failed = 1;
+  if (failed)
+    return tw_err(TW_ERR_UNAVAILABLE,
+                  "the decode worker's ucx endpoint failed during the greeting");
+  return tw_err(TW_ERR_DEADLINE, "the decode worker did not answer the greeting within %d ms",
+                TW_KV_HELLO_TIMEOUT_MS);
+}
+
+/* Send "filled" for piece e: its bytes are in the slot (data NULL), or are
+ * the message's data (len bytes at data, host memory that stays until the
+ * piece is released). */
+static void tw_kv_piece_filled(tw_kv_xfer_t *x, tw_kv_piece_t *e, const void *data, size_t len) {
   e->fill = (tw_kv_am_filled_t){
       .base = e->hdr.base, .piece = e->id, .nonce = x->self.nonce, .slot = e->slot};
-  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                             .flags = UCP_AM_SEND_FLAG_EAGER};
-  void *req =
-      ucp_am_send_nbx(e->peer->ep, TW_KV_AM_FILLED_ID, &e->fill, sizeof e->fill, NULL, 0, &prm);
+  ucp_request_param_t prm = {
+      .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
+      .flags = UCP_AM_SEND_FLAG_EAGER,
+      .memory_type = UCS_MEMORY_TYPE_HOST};
+  void *req = ucp_am_send_nbx(e->peer->ep, TW_KV_AM_FILLED_ID, &e->fill, sizeof e->fill, data,
+                              data ? len : 0, &prm);
   if (UCS_PTR_IS_ERR(req)) {
     tw_kv_piece_refuse(e, UCS_PTR_STATUS(req));
   } else {
@@ -696,12 +788,19 @@ static void tw_kv_piece_start(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
   void *ptr = NULL;
   bool mapped = p->rkey && p->slot_ptr >= 0 && !x->staged_put &&
                 ucp_rkey_ptr(p->rkey, e->slot_addr, &ptr) == UCS_OK;
+  bool in_msg = !mapped && p->am_pieces && !e->device;
   if (p->slot_ptr == 0) {
     p->slot_ptr = mapped ? 1 : -1;
     TW_INFO("kvx", "staged kv pieces to a decode worker: %s",
-            mapped          ? "copied straight into its ring's slots (mapped here: shared memory)"
+            mapped   ? "copied straight into its ring's slots (mapped here: shared memory)"
+            : in_msg ? "sent inside their \"filled\" messages (no lane puts: UCX would emulate "
+                       "the put)"
             : x->staged_put ? "put into its ring's slots (TWAIN_KV_STAGED_PUT=1)"
                             : "put into its ring's slots (not mapped here)");
+  }
+  if (in_msg) {
+    tw_kv_piece_filled(x, e, e->buf, (size_t)e->len);
+    return;
   }
   if (mapped && e->device) {
     if (tw_kv_piece_copy_device(x, e, ptr) != TW_OK) { /* logged by tw_err */
@@ -713,7 +812,7 @@ static void tw_kv_piece_start(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
   }
   if (mapped) {
     memcpy(ptr, e->buf, (size_t)e->len);
-    tw_kv_piece_filled(x, e);
+    tw_kv_piece_filled(x, e, NULL, 0);
     return;
   }
   if (e->device) { /* only sent so once the ring was mapped here */
@@ -761,7 +860,7 @@ static void tw_kv_pieces_advance(tw_kv_xfer_t *x) {
     if (e->state == TW_PIECE_COPYING) {
       int c = x->cudart.event_query(x->piece_event[i]);
       if (c == 0) {
-        tw_kv_piece_filled(x, e);
+        tw_kv_piece_filled(x, e, NULL, 0);
       } else if (c != TW_CUDA_NOT_READY) {
         TW_WARN("kvx", "a staged kv copy into a decode worker's slot failed (cuda error %d)", c);
         tw_kv_piece_refuse(e, UCS_ERR_IO_ERROR);
@@ -775,7 +874,7 @@ static void tw_kv_pieces_advance(tw_kv_xfer_t *x) {
         if (s != UCS_OK)
           tw_kv_piece_refuse(e, s);
         else
-          tw_kv_piece_filled(x, e);
+          tw_kv_piece_filled(x, e, NULL, 0);
       }
     }
     if ((e->state == TW_PIECE_FILLED || e->state == TW_PIECE_REFUSED) && !e->flush &&
@@ -836,6 +935,7 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
                                                  uint64_t *id_p) {
   if (!p->rkey)
     return tw_err(TW_ERR_TRANSPORT, "the staged decode worker published no rkey of its ring");
+  TW_CHECK(tw_kv_xfer_greet(x, p)); /* once per endpoint */
   if (x->n_pieces == TW_KV_PIECES) TW_CHECK(tw_kv_pieces_wait(x, p, TW_KV_WAIT_ROOM, 0, 10000));
   int idx = 0;
   for (int i = 0; i < TW_KV_PIECES; i++) {
@@ -1134,6 +1234,8 @@ static TW_NODISCARD tw_status_t tw_kv_rx_take(tw_kv_region_t *r, tw_kv_rx_pendin
   c->piece = q->h.piece;
   c->nonce = q->h.proc.nonce;
   c->granted_ns = tw_now_ns();
+  c->len = (int64_t)q->h.len;
+  c->buf = buf;
   c->filled = false;
   g.slot_addr = (uint64_t)(uintptr_t)buf;
   tw_kv_msg_send(s, TW_KV_AM_GRANT_ID, &g, sizeof g);
@@ -1184,12 +1286,36 @@ static ucs_status_t tw_kv_am_want(void *arg, const void *header, size_t header_l
   return UCS_OK;
 }
 
-/* "filled" (UCX's callback): the slot holds its piece; the pump copies it. */
-static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header_length, void *data,
-                                    size_t length, const ucp_am_recv_param_t *param) {
+/* "hello" (UCX's callback): answered at once on the endpoint UCX made for
+ * the sender's (kv_transfer.c, pieces). A sender that did not ask for a
+ * reply endpoint is not answered (it times out). */
+static ucs_status_t tw_kv_am_hello(void *arg, const void *header, size_t header_length, void *data,
+                                   size_t length, const ucp_am_recv_param_t *param) {
+  (void)arg;
   (void)data;
   (void)length;
-  (void)param;
+  if (header_length != sizeof(uint64_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+    TW_WARN("kvx", "ignoring a malformed greeting from a prefill worker");
+    return UCS_OK;
+  }
+  void *copy = malloc(sizeof(uint64_t));
+  if (!copy) return UCS_OK; /* the sender times out */
+  memcpy(copy, header, sizeof(uint64_t));
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
+                                             UCP_OP_ATTR_FIELD_USER_DATA,
+                             .flags = UCP_AM_SEND_FLAG_EAGER,
+                             .cb.send = tw_kv_msg_sent,
+                             .user_data = copy};
+  void *req = ucp_am_send_nbx(param->reply_ep, TW_KV_AM_HELLO_ACK_ID, copy, sizeof(uint64_t), NULL,
+                              0, &prm);
+  if (!UCS_PTR_IS_PTR(req)) free(copy); /* sent at once, or failed: the sender times out */
+  return UCS_OK;
+}
+
+/* "filled" (UCX's callback): the slot holds its piece, or the message
+ * carries it (copied into the slot here); the pump copies it out. */
+static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header_length, void *data,
+                                    size_t length, const ucp_am_recv_param_t *param) {
   tw_kv_xfer_t *x = arg;
   tw_kv_am_filled_t f;
   tw_kv_region_t *r = NULL;
@@ -1200,8 +1326,20 @@ static ucs_status_t tw_kv_am_filled(void *arg, const void *header, size_t header
   memcpy(&f, header, sizeof f);
   if (!(r = tw_kv_rx_find(x, f.base)) || f.slot < 0 || f.slot >= r->n_slots) return UCS_OK;
   tw_kv_rx_slot_ctx_t *c = &r->slot_ctx[f.slot];
-  if (c->sender && c->piece == f.piece && c->nonce == f.nonce) c->filled = true;
-  /* else a slot taken back from a sender deemed gone: ignored */
+  if (!c->sender || c->piece != f.piece || c->nonce != f.nonce)
+    return UCS_OK; /* a slot taken back from a sender deemed gone: ignored */
+  if (length) {
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || (int64_t)length != c->len) {
+      TW_WARN("kvx",
+              "ignoring a staged kv piece of %zu bytes (%s) for a %lld-byte grant: its slot "
+              "is taken back after %d ms",
+              length, (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? "rendezvous" : "eager",
+              (long long)c->len, TW_KV_GRANT_TIMEOUT_MS);
+      return UCS_OK;
+    }
+    memcpy(c->buf, data, length);
+  }
+  c->filled = true;
   return UCS_OK;
 }
 
@@ -1790,8 +1928,12 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
   }
   free(text);
   size_t used = 0;
+  int n_lanes = 0, n_tcp = 0, n_put = 0;
   for (int i = 0; i < TW_KV_MAX_LANES; i++) {
     if (!tl[i][0]) continue;
+    n_lanes++;
+    n_tcp += strcmp(tl[i], "tcp") == 0;
+    n_put += put[i];
     /* v1: an RMA lane (put[i]); v2: puts use the zero-copy rma_bw lanes,
      * and with RMA alone a cuda_ipc lane is one of those */
     if ((put[i] || proto_v2) && strcmp(tl[i], "cuda_ipc") == 0) p->cuda_ipc = true;
@@ -1800,6 +1942,10 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
     if (w < 0 || (size_t)w >= sizeof p->lanes - used) break;
     used += (size_t)w;
   }
+  /* no lane puts (v1), or only TCP lanes (v2): UCX would emulate a put with
+   * active messages that the receiver's UCX acknowledges (kv_transfer.c,
+   * pieces), so pieces for unmapped slots travel in their messages */
+  p->am_pieces = n_lanes > 0 && n_put == 0 && (!proto_v2 || n_tcp == n_lanes);
 }
 
 TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *sealed_address,

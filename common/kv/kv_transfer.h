@@ -278,6 +278,20 @@ TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t 
                                                const int32_t *src_ids, const int32_t *dst_ids,
                                                int32_t first, int32_t n, uint64_t *maybe_checksum);
 
+/** Greet the receiver behind `peer` once per endpoint (a no-op afterwards):
+ *  a "hello" message answered by the receiver's worker on the endpoint its
+ *  UCX made for ours, waited for (progressing this worker) at most 10 s.
+ *  Once answered, the receiver has no UCX wireup message queued towards
+ *  this process, so this process dying later cannot abort it through UCX
+ *  1.13's TCP connection setup (kv_transfer.c, pieces; docs/operations.md).
+ *  The staged path greets before its first piece; a prefill worker greets
+ *  when it connects ahead of traffic. The receiver must progress its worker
+ *  (a decode worker does, sleeping on its event fd).
+ *  Errors: TW_ERR_TRANSPORT (the send failed), TW_ERR_UNAVAILABLE (the
+ *  endpoint failed), TW_ERR_DEADLINE (no answer in 10 s); the endpoint is
+ *  then dropped from the cache and made again by the next tw_kv_xfer_peer. */
+TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer);
+
 /** Wait until every put to `peer` is remotely complete (ucp_ep_flush_nbx),
  *  progressing the worker, for at most timeout_ms.
  *  Errors: TW_ERR_DEADLINE (timed out), TW_ERR_UNAVAILABLE (the peer failed;

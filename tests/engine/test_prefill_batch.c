@@ -17,6 +17,7 @@
  * ring: the pools are compared at every position still live at the end
  * (full layers: all; ring layers: the last R blocks of each prompt). */
 #include "common/engine/engine.h"
+#include "common/engine/sampling.h"
 #include "common/kv/kv_ring.h"
 #include "common/model/model.h"
 
@@ -77,13 +78,7 @@ typedef struct {
 
 static const float *tw_kv_pos(const tw_kv_layout_t *kv, int32_t layer, const int32_t *table,
                               int32_t pos, int kvi, int32_t g) {
-  int32_t j = pos / kv->block_size, slot = pos % kv->block_size;
-  if (tw_kv_is_ring_layer(kv->ring_layers, kv->ring_blocks, layer)) j %= kv->ring_blocks;
-  int32_t b = table[j];
-  const char *base =
-      (const char *)kv->base + tw_kv_layer_offset(kv, layer) + (int64_t)b * kv->block_bytes;
-  return (const float *)base +
-         (((int64_t)kvi * kv->n_kv_heads_local + g) * kv->block_size + slot) * kv->head_dim;
+  return (const float *)((const char *)kv->base + tw_test_kv_offset(kv, layer, table, pos, kvi, g));
 }
 
 static void tw_on_layer(void *arg, int32_t seq, int32_t layer, int32_t start, int32_t n) {
@@ -95,12 +90,9 @@ static void tw_on_layer(void *arg, int32_t seq, int32_t layer, int32_t start, in
   const tw_prefill_seq_t *q = &c->seqs[seq];
   if (start != q->start_pos + c->covered[seq][layer] || n <= 0) c->bad++;
   c->covered[seq][layer] += n;
-  int32_t from = start; /* ring layers: the reference keeps only the prompt's last R blocks */
-  if (tw_kv_is_ring_layer(c->kv->ring_layers, c->kv->ring_blocks, layer)) {
-    int32_t last = (q->start_pos + q->n_tokens - 1) / c->kv->block_size;
-    int32_t live = (last - c->kv->ring_blocks + 1) * c->kv->block_size;
-    if (live > from) from = live;
-  }
+  /* ring layers: the reference keeps only the prompt's last R blocks */
+  int32_t from = tw_test_kv_live_from(c->kv, layer, q->start_pos + q->n_tokens);
+  if (from < start) from = start;
   for (int32_t pos = from; pos < start + n; pos++) /* final already: equal to the reference */
     for (int kvi = 0; kvi < 2; kvi++)
       for (int32_t g = 0; g < c->kv->n_kv_heads_local; g++)
@@ -158,6 +150,13 @@ int main(void) {
                            .n_blocks = p.n_blocks[s], .logits_out = ref_logits_s[s],
                            .sample = &sp, .next_token_out = &ref_tok_s[s]};
     EXPECT(tw_engine_prefill(ref2, &a) == TW_OK, "prompt %d sampled: %s", s, tw_last_error());
+    /* drawn at the position of the token it produces (k_len: the one after
+     * the prompt), as a decode step draws at its position + 1 */
+    int32_t want = -1;
+    EXPECT(
+        tw_sample(ref_logits_s[s], V, &sp, k_len[s], NULL, &want) == TW_OK && want == ref_tok_s[s],
+        "prompt %d: sampled %d, tw_sample of its logits at position %d gives %d", s, ref_tok_s[s],
+        k_len[s], want);
   }
   tw_engine_destroy(ref2);
 
@@ -209,12 +208,7 @@ int main(void) {
       int diff = kv->total_bytes != rkv->total_bytes;
       for (int s = 0; s < S && !diff; s++) /* every live position, every layer */
         for (int l = 0; l < L; l++) {
-          int32_t from = 0;
-          if (tw_kv_is_ring_layer(kv->ring_layers, kv->ring_blocks, l)) {
-            int32_t live = ((k_len[s] - 1) / BS - kv->ring_blocks + 1) * BS;
-            from = live > 0 ? live : 0;
-          }
-          for (int32_t pos = from; pos < k_len[s]; pos++)
+          for (int32_t pos = tw_test_kv_live_from(kv, l, k_len[s]); pos < k_len[s]; pos++)
             for (int kvi = 0; kvi < 2; kvi++)
               for (int32_t g = 0; g < kv->n_kv_heads_local; g++)
                 diff |= memcmp(tw_kv_pos(kv, l, p.table[s], pos, kvi, g),

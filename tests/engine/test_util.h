@@ -1,10 +1,12 @@
 /* test_util.h: tiny helpers shared by the engine tests: a seeded xorshift
- * generator, relative L2 error and the tiny fixture model (assertions:
- * tests/test_expect.h). */
+ * generator, relative L2 error, the tiny fixture model and where a position's
+ * K/V sits in a KV pool (assertions: tests/test_expect.h). */
 #ifndef TW_TESTS_ENGINE_TEST_UTIL_H
 #define TW_TESTS_ENGINE_TEST_UTIL_H
 
 #include "common/base/status.h"
+#include "common/engine/engine.h"
+#include "common/kv/kv_ring.h"
 #include "common/model/model.h"
 #include "tests/test_expect.h"
 
@@ -63,5 +65,30 @@ static inline int tw_test_load_tiny(tw_model_t **m) {
     return 1;
   }
   return 0;
+}
+
+/* Byte offset from kv->base of the head_dim elements of K (kvi 0) or V (kvi 1)
+ * of local kv head g at position pos of the sequence with block table `table`,
+ * in layer `layer`: table entry pos / block_size (on a ring layer, entry
+ * j % ring_blocks: kv_ring.h), slot pos % block_size of a block laid out
+ * [K|V][kv head][slot][head_dim] (engine.h), elements of tw_dtype_size(kv->dtype)
+ * bytes (f32 on the cpu, bf16 on cuda; not the fp8 layout). */
+static inline int64_t tw_test_kv_offset(const tw_kv_layout_t *kv, int32_t layer,
+                                        const int32_t *table, int32_t pos, int kvi, int32_t g) {
+  int32_t ring = tw_kv_layer_ring(kv->ring_layers, kv->ring_blocks, layer);
+  int32_t b = table[tw_kv_ring_entry(pos / kv->block_size, ring)];
+  int64_t elem = ((int64_t)kvi * kv->n_kv_heads_local + g) * kv->block_size + pos % kv->block_size;
+  return tw_kv_layer_offset(kv, layer) + (int64_t)b * kv->block_bytes +
+         elem * kv->head_dim * (int64_t)tw_dtype_size(kv->dtype);
+}
+
+/* The first position of a sequence of len tokens whose K/V layer `layer`
+ * still holds: 0, or on a ring layer the first position of the last
+ * ring_blocks blocks (the ring overwrote the earlier ones). */
+static inline int32_t tw_test_kv_live_from(const tw_kv_layout_t *kv, int32_t layer, int32_t len) {
+  int32_t ring = tw_kv_layer_ring(kv->ring_layers, kv->ring_blocks, layer);
+  if (ring <= 0 || len <= 0) return 0;
+  int32_t live = ((len - 1) / kv->block_size - ring + 1) * kv->block_size;
+  return live > 0 ? live : 0;
 }
 #endif

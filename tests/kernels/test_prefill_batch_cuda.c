@@ -21,7 +21,7 @@
 #include "common/engine/engine.h"
 #include "common/kv/kv_ring.h"
 #include "common/model/model.h"
-#include "tests/test_expect.h"
+#include "tests/engine/test_util.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -105,8 +105,7 @@ static int read_kv(const tw_engine_t *e, const int32_t *table, int32_t len, floa
   int32_t D = kv->head_dim, G = kv->n_kv_heads_local;
   size_t o = 0;
   for (int32_t l = 0; l < kv->n_layers; l++) {
-    int32_t ring = tw_kv_layer_ring(kv->ring_layers, kv->ring_blocks, l), live = 0;
-    if (ring > 0 && len > 0) live = ((len - 1) / BS - ring + 1) * BS;
+    int32_t live = tw_test_kv_live_from(kv, l, len);
     for (int kvi = 0; kvi < 2; kvi++)
       for (int32_t g = 0; g < G; g++)
         for (int32_t pos = 0; pos < len; pos++) {
@@ -115,10 +114,7 @@ static int read_kv(const tw_engine_t *e, const int32_t *table, int32_t len, floa
             continue;
           }
           const uint16_t *src =
-              (const uint16_t *)((const char *)h + tw_kv_layer_offset(kv, l) +
-                                 (int64_t)table[tw_kv_ring_entry(pos / BS, ring)] *
-                                     kv->block_bytes) +
-              (((int64_t)kvi * G + g) * BS + pos % BS) * D;
+              (const uint16_t *)((const char *)h + tw_test_kv_offset(kv, l, table, pos, kvi, g));
           for (int32_t d = 0; d < D; d++) out[o++] = bf16_to_f32(src[d]);
         }
   }

@@ -18,7 +18,10 @@
  *     parent must not abort (UCX 1.13's AM rendezvous, used before, could:
  *     the pieces are now read by the receiver, kv_transfer.c), its ring
  *     must come back to no slot in use, no piece waiting, with handoff 2
- *     never complete;
+ *     never complete. With a count argument N, N senders in turn, killed
+ *     after 1, 2, 3, 1... layers (test_kv_staged_tcp: over TCP alone, where
+ *     UCX 1.13's connection setup and emulated puts could abort the
+ *     receiver, kv_transfer.c);
  *  3. sends handoff 3 into the same blocks: complete and exact, so the
  *     receiver keeps serving after a sender died mid-transfer. */
 #include "common/base/log.h"
@@ -189,6 +192,11 @@ int main(int argc, char **argv) {
   tw_log_init("test_kv_staged", 0);
   if (argc == 6 && strcmp(argv[1], "child") == 0)
     return child(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]));
+  int n_kills = argc == 2 ? atoi(argv[1]) : 1; /* senders killed in phase 2 */
+  if (n_kills < 1 || n_kills > 100) {
+    fprintf(stderr, "usage: test_kv_staged [senders to kill, 1..100]\n");
+    return 2;
+  }
   tw_kv_layout_t pool = make_layout(NULL);
   pool.base = malloc((size_t)pool.total_bytes);
   if (!pool.base) return 1;
@@ -252,38 +260,45 @@ int main(int argc, char **argv) {
   close(to);
   close(from);
 
-  /* 2: a sender killed after 2 of its 4 layers */
-  pid = spawn(2, 2, x, reg, &to, &from);
-  st = 0;
-  /* bounded in time (60 s), not in calls: a loaded machine runs the child slowly */
-  int64_t until = tw_msg_clock_ns() + 60 * 1000000000LL;
-  int64_t pieces_before = rs.pieces;
-  while (pid > 0 && waitpid(pid, &st, WNOHANG) == 0 && tw_msg_clock_ns() < until) {
-    tw_kv_xfer_progress(x);
-    usleep(50);
+  /* 2: senders killed mid-handoff: after 2 of their 4 layers, or (with a
+   * count argument) one after another after 1, 2, 3, 1... layers */
+  for (int kill = 0; kill < n_kills; kill++) {
+    int die_after = n_kills == 1 ? 2 : 1 + kill % (L - 1);
+    pid = spawn(2, die_after, x, reg, &to, &from);
+    st = 0;
+    /* bounded in time (60 s), not in calls: a loaded machine runs the child slowly */
+    int64_t until = tw_msg_clock_ns() + 60 * 1000000000LL;
+    int64_t pieces_before = rs.pieces;
+    while (pid > 0 && waitpid(pid, &st, WNOHANG) == 0 && tw_msg_clock_ns() < until) {
+      tw_kv_xfer_progress(x);
+      usleep(50);
+    }
+    EXPECT(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL,
+           "killed sender %d (after %d layers) was killed mid-transfer (exit %d)", kill, die_after,
+           WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    /* every slot freed and no piece left waiting, within 10 s (the receiver
+     * checks a dead local sender's pid every 20 ms) */
+    int in_use = -1;
+    until = tw_msg_clock_ns() + 10 * 1000000000LL;
+    while (tw_msg_clock_ns() < until) {
+      tw_kv_xfer_progress(x);
+      TW_IGNORE(tw_kv_region_landed(reg, 2, ids, NSENT, firsts)); /* pumps the ring */
+      EXPECT(tw_kv_region_staging_stats(reg, &rs), "staging stats");
+      in_use = rs.slots_in_use;
+      if (in_use == 0 && tw_kv_xfer_wait_fd(x) >= 0) break; /* idle: nothing waits either */
+      usleep(200);
+    }
+    EXPECT(in_use == 0, "after the killed sender: %d slots still in use", in_use);
+    EXPECT(tw_kv_xfer_wait_fd(x) >= 0, "after the killed sender: pieces still waiting");
+    printf(
+        "handoff 2 (sender %d killed after %d layers): %lld pieces copied before it died, %lld "
+        "failed so far\n",
+        kill, die_after, (long long)(rs.pieces - pieces_before), (long long)rs.pieces_failed);
+    EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS,
+           "handoff 2 never completes");
+    close(to);
+    close(from);
   }
-  EXPECT(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "child 2 was killed mid-transfer (exit %d)",
-         WIFEXITED(st) ? WEXITSTATUS(st) : -1);
-  /* every slot freed and no piece left waiting, within 10 s (the receiver
-   * checks a dead local sender's pid every 20 ms) */
-  int in_use = -1;
-  until = tw_msg_clock_ns() + 10 * 1000000000LL;
-  while (tw_msg_clock_ns() < until) {
-    tw_kv_xfer_progress(x);
-    TW_IGNORE(tw_kv_region_landed(reg, 2, ids, NSENT, firsts)); /* pumps the ring */
-    EXPECT(tw_kv_region_staging_stats(reg, &rs), "staging stats");
-    in_use = rs.slots_in_use;
-    if (in_use == 0 && tw_kv_xfer_wait_fd(x) >= 0) break; /* idle: nothing waits either */
-    usleep(200);
-  }
-  EXPECT(in_use == 0, "after the killed sender: %d slots still in use", in_use);
-  EXPECT(tw_kv_xfer_wait_fd(x) >= 0, "after the killed sender: pieces still waiting");
-  printf("handoff 2 (sender killed): %lld pieces copied before it died, %lld failed\n",
-         (long long)(rs.pieces - pieces_before), (long long)rs.pieces_failed);
-  EXPECT(tw_kv_region_landed(reg, 2, ids, NSENT, firsts) == TW_INPROGRESS,
-         "handoff 2 never completes");
-  close(to);
-  close(from);
 
   /* 3: the receiver keeps serving */
   pid = spawn(3, -1, x, reg, &to, &from);

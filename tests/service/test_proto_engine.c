@@ -50,12 +50,13 @@ static void test_sampling(void) {
   {                                                                                                \
     (int64_t)(l).dtype, (int64_t)(l).on_device, (l).n_layers, (l).n_blocks, (l).block_size,        \
         (l).n_kv_heads, (l).head_dim, (l).layer_stride_bytes, (l).block_bytes,                     \
-        (int64_t)(l).remote_base, (l).total_bytes, (l).staging_slot_bytes                          \
+        (int64_t)(l).remote_base, (l).total_bytes, (l).staging_slot_bytes, (l).ring_blocks,        \
+        (l).n_ring_blocks, (int64_t)(l).ring_layers                                                \
   }
 static const char *const layout_names[] = {
-    "dtype",       "on_device",   "n_layers",    "n_blocks",
-    "block_size",  "n_kv_heads",  "head_dim",    "layer_stride_bytes",
-    "block_bytes", "remote_base", "total_bytes", "staging_slot_bytes"};
+    "dtype",       "on_device",          "n_layers",           "n_blocks",      "block_size",
+    "n_kv_heads",  "head_dim",           "layer_stride_bytes", "block_bytes",   "remote_base",
+    "total_bytes", "staging_slot_bytes", "ring_blocks",        "n_ring_blocks", "ring_layers"};
 
 static void expect_fields(const char *what, const int64_t *got, const int64_t *want) {
   for (size_t i = 0; i < sizeof layout_names / sizeof layout_names[0]; i++)
@@ -65,9 +66,12 @@ static void expect_fields(const char *what, const int64_t *got, const int64_t *w
 
 static void test_kv_layout(void) {
   tw_test_case = "kv layout";
-  /* a 20b-like bf16 device pool of 1000 blocks, kv heads 4..7 of a TP rank */
+  /* a 20b-like bf16 device pool of 1000 blocks, kv heads 4..7 of a TP rank,
+   * with the window ring on the even (sliding) layers: 9 blocks a sequence,
+   * 576 ring blocks */
   static const int64_t want[] = {
-      TW_DTYPE_BF16, 1, 24, 1000, 16, 4, 64, 32768000, 32768, 0x7f0012340000LL, 786432000, 8 << 20};
+      TW_DTYPE_BF16,    1,         24,      1000, 16,  4,       64, 32768000, 32768,
+      0x7f0012340000LL, 786432000, 8 << 20, 9,    576, 0x555555};
   tw_kv_remote_layout_t rl = {.dtype = TW_DTYPE_BF16,
                               .on_device = true,
                               .n_layers = 24,
@@ -79,7 +83,10 @@ static void test_kv_layout(void) {
                               .block_bytes = 32768,
                               .remote_base = 0x7f0012340000ULL,
                               .total_bytes = 786432000,
-                              .staging_slot_bytes = 8 << 20};
+                              .staging_slot_bytes = 8 << 20,
+                              .ring_blocks = 9,
+                              .n_ring_blocks = 576,
+                              .ring_layers = 0x555555};
   Twain__Internal__V1__KvLayout k;
   tw_proto_kv_layout_from_remote(&rl, 4, &k);
   int64_t got_k[] = TW_LAYOUT_FIELDS(k);
