@@ -261,6 +261,30 @@ typedef struct {
   int32_t slot;
   int32_t pad;
 } tw_kv_am_filled_t;
+/* ---- connecting through a listener over TCP ----
+ * Worker-address wireup over TCP leaves a window in which a peer dying
+ * aborts this process (the wireup reply above, queued on a TCP connection
+ * that UCX then fails); UCX's client-server wireup through a listener
+ * (ucp_listener, an endpoint made from a socket address) keeps its wireup
+ * messages on proxy endpoints that are purged without that check, and a
+ * peer killed at any point of it leaves the other side serving (measured,
+ * docs/operations.md). It selects lanes on the listener's device only, so
+ * it is used where nothing is lost by that: when this worker's transports
+ * are TCP alone (UCX_TLS=tcp, tcp,cuda_copy...). Such a worker listens on
+ * the address of its first TCP device (a non-loopback one when there is
+ * one) and appends this descriptor to the worker address it publishes; a
+ * sender whose transports are TCP alone connects to it through the
+ * listener, any other sender uses the worker address before it. */
+#define TW_KV_LSN_MAGIC "TWKVLSN1"
+typedef struct {
+  uint8_t ip[16];   /* IPv4 (first 4 bytes) or IPv6, network order */
+  uint16_t family;  /* AF_INET or AF_INET6 */
+  uint16_t port;    /* host order */
+  uint32_t ucx_len; /* the UCX worker address before this descriptor */
+  char magic[8];    /* TW_KV_LSN_MAGIC, last: found from the blob's end */
+} tw_kv_lsn_desc_t;
+#define TW_KV_MAX_ACCEPTED 256 /* endpoints made from connection requests */
+
 /* Pieces a sender has in flight at once (over every receiver). */
 #define TW_KV_PIECES 512
 #define TW_KV_MAX_SLOTS 1024 /* TWAIN_KV_STAGING_SLOTS' limit (kv_rxring.h) */
@@ -336,6 +360,7 @@ struct tw_kv_peer {
   int8_t slot_ptr;
   void **slot_reg; /* [TW_KV_MAX_SLOTS]: a slot's mapping, cudaHostRegister'd */
   bool am_pieces;  /* no lane puts (TCP): unmapped pieces travel in "filled" */
+  bool via_listener; /* connected through the receiver's listener */
   bool greeted;    /* the receiver answered this endpoint's "hello" */
   uint64_t hello_token;
 };
@@ -376,6 +401,16 @@ struct tw_kv_xfer {
   struct tw_kv_sender *senders[TW_KV_MAX_PEERS];
   int n_senders;
   uint64_t hello_seq; /* tokens of this sender's greetings */
+  /* TCP alone: the listener senders connect through, and the blob
+   * tw_kv_xfer_address publishes (the worker address, then a
+   * tw_kv_lsn_desc_t) */
+  bool tcp_only;
+  ucp_listener_h listener;
+  uint8_t *published;
+  size_t published_len;
+  ucp_ep_h accepted[TW_KV_MAX_ACCEPTED]; /* made from connection requests */
+  bool accepted_failed[TW_KV_MAX_ACCEPTED];
+  int n_accepted;
 };
 
 /* A worker that sends pieces into this worker's rings: our endpoint to it
@@ -389,6 +424,7 @@ typedef struct tw_kv_sender {
   tw_kv_proc_t proc;
   bool local;         /* same host and pid namespace: its pid can be checked */
   int64_t checked_ns; /* its pid was last checked */
+  bool accepted;      /* ep is one of x->accepted (not ours to close) */
 } tw_kv_sender_t;
 
 /* A piece that wants a slot, in arrival order: its header and the
@@ -396,6 +432,7 @@ typedef struct tw_kv_sender {
 typedef struct {
   tw_kv_am_hdr_t h;
   uint8_t *addr;
+  ucp_ep_h accepted; /* the endpoint it came on, when made from a connection request */
 } tw_kv_rx_pending_t;
 
 /* Who a slot is granted to: the sender, its piece, when; `filled` once its
@@ -580,6 +617,140 @@ static ucs_status_t tw_kv_am_hello(void *arg, const void *header, size_t header_
 static ucs_status_t tw_kv_am_hello_ack(void *arg, const void *header, size_t header_length,
                                        void *data, size_t length, const ucp_am_recv_param_t *param);
 
+/* Whether the context's transports are TCP alone (self and cuda_copy, which
+ * reach no other process, aside), from ucp_context_print_info's
+ * "flags -- <tl>/<device>" resource lines; dev: the first TCP device, a
+ * non-loopback one when there is one. */
+static bool tw_kv_ctx_tcp_only(ucp_context_h ctx, char dev[IF_NAMESIZE]) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  dev[0] = 0;
+  if (!f) return false;
+  ucp_context_print_info(ctx, f);
+  fclose(f);
+  if (!text) return false;
+  bool tcp = false, other = false;
+  for (char *line = text, *nl; line && *line; line = nl ? nl + 1 : NULL) {
+    nl = strchr(line, '\n');
+    if (nl) *nl = 0;
+    const char *q = strstr(line, "flags -- ");
+    char tl[32], d[IF_NAMESIZE];
+    if (!strstr(line, "resource") || !q || sscanf(q, "flags -- %31[^/]/%15s", tl, d) != 2) continue;
+    if (strcmp(tl, "tcp") == 0) {
+      tcp = true;
+      if (!dev[0] || (strcmp(dev, "lo") == 0 && strcmp(d, "lo") != 0))
+        snprintf(dev, IF_NAMESIZE, "%s", d);
+    } else if (strcmp(tl, "self") != 0 && strcmp(tl, "cuda_copy") != 0) {
+      other = true;
+    }
+  }
+  free(text);
+  return tcp && !other;
+}
+
+static void tw_kv_accepted_error(void *arg, ucp_ep_h ep, ucs_status_t status);
+
+/* A connection request on the listener: an endpoint for it (error mode
+ * PEER: TCP detects a dead peer), kept in x->accepted; refused when the
+ * table is full. */
+static void tw_kv_on_conn_request(ucp_conn_request_h req, void *arg) {
+  tw_kv_xfer_t *x = arg;
+  int k = -1;
+  for (int i = 0; i < x->n_accepted && k < 0; i++)
+    if (!x->accepted[i]) k = i;
+  if (k < 0 && x->n_accepted < TW_KV_MAX_ACCEPTED) k = x->n_accepted++;
+  if (k < 0) {
+    TW_WARN("kvx", "refusing a prefill worker's kv connection: %d connections open",
+            TW_KV_MAX_ACCEPTED);
+    (void)ucp_listener_reject(x->listener, req); /* the sender's connect fails */
+    return;
+  }
+  ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST |
+                                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                      UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                        .conn_request = req,
+                        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                        .err_handler = {.cb = tw_kv_accepted_error, .arg = x}};
+  ucs_status_t us = ucp_ep_create(x->worker, &ep, &x->accepted[k]);
+  x->accepted_failed[k] = false;
+  if (us != UCS_OK) {
+    x->accepted[k] = NULL;
+    TW_WARN("kvx", "ucp_ep_create for a prefill worker's kv connection failed: %s",
+            ucs_status_string(us));
+  }
+}
+
+/* TCP alone: listen on the first TCP device's address (ephemeral port) and
+ * publish the worker address with a tw_kv_lsn_desc_t. Failing that, the
+ * worker address alone is published (warned). */
+static void tw_kv_listen(tw_kv_xfer_t *x) {
+  char dev[IF_NAMESIZE];
+  x->tcp_only = tw_kv_ctx_tcp_only(x->ctx, dev);
+  if (!x->tcp_only) return;
+  struct ifaddrs *ifs = NULL, *hit = NULL;
+  if (getifaddrs(&ifs) == 0)
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next)
+      if (i->ifa_addr && strcmp(i->ifa_name, dev) == 0 &&
+          (i->ifa_addr->sa_family == AF_INET || (i->ifa_addr->sa_family == AF_INET6 && !hit)))
+        if (!hit || i->ifa_addr->sa_family == AF_INET) hit = i;
+  struct sockaddr_storage sa = {0};
+  socklen_t sl = 0;
+  if (hit) {
+    sl = hit->ifa_addr->sa_family == AF_INET ? sizeof(struct sockaddr_in)
+                                             : sizeof(struct sockaddr_in6);
+    memcpy(&sa, hit->ifa_addr, sl);
+  }
+  if (ifs) freeifaddrs(ifs);
+  ucp_listener_params_t lp = {
+      .field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+      .sockaddr = {.addr = (const struct sockaddr *)&sa, .addrlen = sl},
+      .conn_handler = {.cb = tw_kv_on_conn_request, .arg = x}};
+  ucs_status_t us = hit ? ucp_listener_create(x->worker, &lp, &x->listener) : UCS_ERR_NO_DEVICE;
+  ucp_listener_attr_t la = {.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR};
+  if (us == UCS_OK) us = ucp_listener_query(x->listener, &la);
+  tw_kv_lsn_desc_t d = {.ucx_len = (uint32_t)x->address_len};
+  if (us == UCS_OK) {
+    d.family = la.sockaddr.ss_family;
+    if (d.family == AF_INET) {
+      const struct sockaddr_in *a = (const struct sockaddr_in *)&la.sockaddr;
+      memcpy(d.ip, &a->sin_addr, 4);
+      d.port = ntohs(a->sin_port);
+    } else {
+      const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)&la.sockaddr;
+      memcpy(d.ip, &a->sin6_addr, 16);
+      d.port = ntohs(a->sin6_port);
+    }
+    memcpy(d.magic, TW_KV_LSN_MAGIC, sizeof d.magic);
+    x->published = malloc(x->address_len + sizeof d);
+  }
+  if (us != UCS_OK || !x->published) {
+    TW_WARN("kvx",
+            "UCX transports are TCP alone but no listener on %s (%s): prefill workers connect "
+            "by worker address, whose TCP setup can abort this worker if one dies meanwhile",
+            dev[0] ? dev : "no TCP device", us != UCS_OK ? ucs_status_string(us) : "out of memory");
+    if (x->listener) ucp_listener_destroy(x->listener);
+    x->listener = NULL;
+    return;
+  }
+  memcpy(x->published, x->address, x->address_len);
+  memcpy(x->published + x->address_len, &d, sizeof d);
+  x->published_len = x->address_len + sizeof d;
+  char ip[INET6_ADDRSTRLEN] = "?";
+  inet_ntop(d.family, d.ip, ip, sizeof ip);
+  TW_INFO("kvx",
+          "UCX transports are TCP alone: prefill workers connect through a listener on %s:%u (%s)",
+          ip, (unsigned)d.port, dev);
+}
+
+/* Whether a published address blob ends with a listener descriptor (*d). */
+static bool tw_kv_lsn_split(const void *blob, size_t len, tw_kv_lsn_desc_t *d) {
+  if (len < sizeof *d) return false;
+  memcpy(d, (const uint8_t *)blob + len - sizeof *d, sizeof *d);
+  return memcmp(d->magic, TW_KV_LSN_MAGIC, sizeof d->magic) == 0 && d->ucx_len == len - sizeof *d &&
+         (d->family == AF_INET || d->family == AF_INET6);
+}
+
 TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
   return tw_kv_xfer_create_bound(NULL, xfer_p);
 }
@@ -661,6 +832,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
     st = tw_err(TW_ERR_TRANSPORT, "ucp_worker_get_address failed: %s", ucs_status_string(us));
     goto fail;
   }
+  tw_kv_listen(x);
   /* how device pools travel is logged when one is registered: a CPU worker
    * has none, and must not claim CUDA staging */
   TW_INFO("kvx", "ucx worker up: address %zu bytes, CUDA memory %s, protocols %s",
@@ -674,6 +846,7 @@ fail:
 
 static void tw_kv_ring_free(tw_kv_xfer_t *x);
 static void tw_kv_sender_close(tw_kv_xfer_t *x, tw_kv_sender_t *s);
+static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2);
 
 /* ---- the sender's pieces for staged receivers ---- */
 
@@ -757,7 +930,16 @@ TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
       ucp_worker_progress(x->worker);
     ucp_request_free(req); /* UCX completes it even if it is still in flight */
   }
-  if (p->greeted) return TW_OK;
+  if (p->greeted) {
+    if (p->via_listener) { /* connected now: its lanes are known */
+      char was[sizeof p->lanes];
+      memcpy(was, p->lanes, sizeof was);
+      tw_kv_ep_lanes(p, x->proto_v2);
+      if (!p->lanes[0]) memcpy(p->lanes, was, sizeof was);
+      p->am_pieces = true; /* TCP alone: no lane puts */
+    }
+    return TW_OK;
+  }
   bool failed = p->failed;
   p->failed = 1;
   if (failed)
@@ -989,9 +1171,10 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
                             .piece = id,
                             .addr_len = (uint32_t)x->address_len,
                             .proc = x->self};
+  /* REPLY: a receiver that accepted our connection answers on that endpoint */
   ucp_request_param_t prm = {
       .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
-      .flags = UCP_AM_SEND_FLAG_EAGER,
+      .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY,
       .memory_type = UCS_MEMORY_TYPE_HOST};
   void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_WANT_ID, &e->hdr, sizeof e->hdr, x->address,
                               x->address_len, &prm);
@@ -1026,6 +1209,19 @@ static void tw_kv_peer_unmap(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   p->slot_ptr = 0;
 }
 
+/* Close an endpoint at once (UCP_EP_CLOSE_FLAG_FORCE: nothing is flushed),
+ * progressing until UCX is done with it (bounded). */
+static void tw_kv_ep_close_force(tw_kv_xfer_t *x, ucp_ep_h ep) {
+  ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                             .flags = UCP_EP_CLOSE_FLAG_FORCE};
+  void *req = ucp_ep_close_nbx(ep, &prm);
+  if (UCS_PTR_IS_PTR(req)) {
+    for (int i = 0; i < 100000 && ucp_request_check_status(req) == UCS_INPROGRESS; i++)
+      ucp_worker_progress(x->worker);
+    ucp_request_free(req);
+  }
+}
+
 static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   if (!p) return;
   tw_kv_peer_unmap(x, p);
@@ -1034,16 +1230,7 @@ static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
     x->cudart.ipc_close(p->ipc_ptr);
   }
   if (p->rkey) ucp_rkey_destroy(p->rkey);
-  if (p->ep) {
-    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                               .flags = UCP_EP_CLOSE_FLAG_FORCE};
-    void *req = ucp_ep_close_nbx(p->ep, &prm);
-    if (UCS_PTR_IS_PTR(req)) {
-      for (int i = 0; i < 100000 && ucp_request_check_status(req) == UCS_INPROGRESS; i++)
-        ucp_worker_progress(x->worker);
-      ucp_request_free(req);
-    }
-  }
+  if (p->ep) tw_kv_ep_close_force(x, p->ep);
   for (int i = 0; i < TW_KV_PIECES; i++) /* its answers will not come */
     if (x->pieces[i].id && x->pieces[i].peer == p) tw_kv_piece_release(x, &x->pieces[i]);
   free(p->address);
@@ -1055,6 +1242,10 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
   if (!x) return;
   for (int i = 0; i < x->n_peers; i++) tw_kv_peer_close(x, x->peers[i]);
   for (int i = 0; i < x->n_senders; i++) tw_kv_sender_close(x, x->senders[i]);
+  if (x->listener) ucp_listener_destroy(x->listener);
+  for (int i = 0; i < x->n_accepted; i++)
+    if (x->accepted[i]) tw_kv_ep_close_force(x, x->accepted[i]);
+  free(x->published);
   tw_kv_ring_free(x);
   for (int i = 0; i < TW_KV_PIECES; i++)
     if (x->piece_event[i]) x->cudart.event_destroy(x->piece_event[i]);
@@ -1071,6 +1262,10 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
 }
 
 const void *tw_kv_xfer_address(const tw_kv_xfer_t *x, size_t *len_p) {
+  if (x->published) {
+    *len_p = x->published_len;
+    return x->published;
+  }
   *len_p = x->address_len;
   return x->address;
 }
@@ -1126,12 +1321,24 @@ static void tw_kv_sender_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
             ucs_status_string(status));
 }
 
+/* An endpoint made from a connection request failed (its sender is gone,
+ * or closed its side): marked, the pump forgets its senders and closes it. */
+static void tw_kv_accepted_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
+  tw_kv_xfer_t *x = arg;
+  for (int i = 0; i < x->n_accepted; i++)
+    if (x->accepted[i] == ep && !x->accepted_failed[i]) {
+      x->accepted_failed[i] = true;
+      TW_DEBUG("kvx", "a prefill worker's kv connection ended: %s", ucs_status_string(status));
+    }
+}
+
 /* Forget a sender. Its endpoint is closed without waiting: error mode NONE
  * allows no forced close, and a flush towards a dead sender never ends, so
- * the close request is released to UCX. */
+ * the close request is released to UCX. One made from a connection request
+ * is the listener's (x->accepted), closed by the pump. */
 static void tw_kv_sender_close(tw_kv_xfer_t *x, tw_kv_sender_t *s) {
   (void)x;
-  if (s->ep) {
+  if (s->ep && !s->accepted) {
     ucp_request_param_t prm = {.op_attr_mask = 0};
     void *req = ucp_ep_close_nbx(s->ep, &prm);
     if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
@@ -1145,11 +1352,12 @@ static void tw_kv_sender_close(tw_kv_xfer_t *x, tw_kv_sender_t *s) {
  * when the table is full of senders holding slots (the piece waits). Called
  * outside UCX callbacks. */
 static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, size_t len,
-                                        const tw_kv_proc_t *proc) {
+                                        const tw_kv_proc_t *proc, ucp_ep_h accepted) {
   for (int i = 0; i < x->n_senders; i++) {
     tw_kv_sender_t *s = x->senders[i];
     if (s->address_len == len && memcmp(s->address, addr, len) == 0) {
       s->used_ns = tw_now_ns();
+      if (accepted && s->accepted && !s->failed) s->ep = accepted; /* its latest connection */
       return s;
     }
   }
@@ -1190,7 +1398,10 @@ static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, si
                         .address = (const ucp_address_t *)s->address,
                         .err_mode = UCP_ERR_HANDLING_MODE_NONE,
                         .err_handler = {.cb = tw_kv_sender_error, .arg = s}};
-  ucs_status_t us = ucp_ep_create(x->worker, &ep, &s->ep);
+  /* a sender connected through the listener is answered on that endpoint */
+  s->accepted = accepted != NULL;
+  s->ep = accepted;
+  ucs_status_t us = accepted ? UCS_OK : ucp_ep_create(x->worker, &ep, &s->ep);
   if (us != UCS_OK) {
     TW_WARN("kvx",
             "ucp_ep_create to a prefill worker sending staged kv failed: %s (gone? its "
@@ -1238,7 +1449,7 @@ static void tw_kv_rx_drop(tw_kv_region_t *r, tw_kv_rx_pending_t *q) {
 static TW_NODISCARD tw_status_t tw_kv_rx_take(tw_kv_region_t *r, tw_kv_rx_pending_t *q) {
   tw_kv_xfer_t *x = r->xfer;
   if (!q->addr) return TW_OK; /* dropped with its sender */
-  tw_kv_sender_t *s = tw_kv_sender_get(x, q->addr, q->h.addr_len, &q->h.proc);
+  tw_kv_sender_t *s = tw_kv_sender_get(x, q->addr, q->h.addr_len, &q->h.proc, q->accepted);
   if (!s) return TW_INPROGRESS;
   if (s->failed) { /* a gone sender's piece: nobody to answer */
     tw_kv_rx_drop(r, q);
@@ -1305,6 +1516,9 @@ static ucs_status_t tw_kv_am_want(void *arg, const void *header, size_t header_l
     TW_WARN("kvx", "refusing a staged kv piece: %s", bad);
     return UCS_OK;
   }
+  if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+    for (int i = 0; i < x->n_accepted && !q.accepted; i++)
+      if (x->accepted[i] == param->reply_ep && !x->accepted_failed[i]) q.accepted = param->reply_ep;
   if (!(q.addr = malloc(length)) || (memcpy(q.addr, data, length), !tw_kv_rx_queue(r, &q))) {
     free(q.addr);
     r->dropped++;
@@ -1452,6 +1666,18 @@ static TW_NODISCARD tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
     r->head = (r->head + 1) % r->cap_pending;
     r->n_pending--;
   }
+  /* a sender whose connection through the listener ended is gone */
+  for (int i = 0; i < x->n_senders; i++) {
+    tw_kv_sender_t *s = x->senders[i];
+    for (int k = 0; s->accepted && !s->failed && k < x->n_accepted; k++)
+      if (x->accepted[k] == s->ep && x->accepted_failed[k]) {
+        TW_WARN("kvx",
+                "the kv connection of prefill worker pid %d ended: the staged kv slots "
+                "granted to it are taken back, its waiting pieces dropped",
+                (int)s->proc.pid);
+        tw_kv_rx_forget(x, s);
+      }
+  }
   /* gone senders are forgotten once nothing names them */
   for (int i = 0; i < x->n_senders; i++) {
     tw_kv_sender_t *s = x->senders[i];
@@ -1464,6 +1690,21 @@ static TW_NODISCARD tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
     x->senders[i--] = x->senders[--x->n_senders];
   }
   return first;
+}
+
+/* Close the connections through the listener that ended and that no
+ * sender uses (without waiting: UCX finishes the close). */
+static void tw_kv_accepted_reap(tw_kv_xfer_t *x) {
+  for (int k = 0; k < x->n_accepted; k++) {
+    bool used = false;
+    for (int i = 0; i < x->n_senders && !used; i++) used = x->senders[i]->ep == x->accepted[k];
+    if (!x->accepted[k] || !x->accepted_failed[k] || used) continue;
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    void *req = ucp_ep_close_nbx(x->accepted[k], &prm);
+    if (UCS_PTR_IS_PTR(req)) ucp_request_free(req); /* UCX finishes it */
+    x->accepted[k] = NULL;
+  }
 }
 void tw_kv_xfer_set_direct_ipc(tw_kv_xfer_t *x, bool allow) { x->ipc_allowed = allow; }
 
@@ -1479,6 +1720,7 @@ void tw_kv_xfer_progress(tw_kv_xfer_t *x) {
       TW_IGNORE(tw_kv_rx_pump(r)); /* a failed copy is logged; its blocks never land */
       moved += before - r->n_pending;
     }
+    if (x->n_accepted) tw_kv_accepted_reap(x);
     if (!events && !moved) break;
   }
 }
@@ -1980,6 +2222,8 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
     }
     memcpy(p->address, address, address_len);
     p->address_len = address_len;
+    tw_kv_lsn_desc_t lsn;
+    bool has_lsn = tw_kv_lsn_split(address, address_len, &lsn);
     /* Error mode NONE: UCX 1.13's shared-memory transports (cma, posix, sysv)
      * have no peer-failure support, so PEER mode would leave only TCP with
      * software-emulated puts (~0.05 GB/s measured here vs several GB/s over
@@ -1991,6 +2235,30 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
         .address = (const ucp_address_t *)p->address,
         .err_mode = UCP_ERR_HANDLING_MODE_NONE,
         .err_handler = {.cb = tw_kv_ep_error, .arg = p}};
+    /* both sides on TCP alone: through the receiver's listener (above) */
+    struct sockaddr_storage sa = {0};
+    p->via_listener = has_lsn && x->tcp_only;
+    if (p->via_listener) {
+      socklen_t sl;
+      if (lsn.family == AF_INET) {
+        struct sockaddr_in *a = (struct sockaddr_in *)&sa;
+        a->sin_family = AF_INET;
+        a->sin_port = htons(lsn.port);
+        memcpy(&a->sin_addr, lsn.ip, 4);
+        sl = sizeof *a;
+      } else {
+        struct sockaddr_in6 *a = (struct sockaddr_in6 *)&sa;
+        a->sin6_family = AF_INET6;
+        a->sin6_port = htons(lsn.port);
+        memcpy(&a->sin6_addr, lsn.ip, 16);
+        sl = sizeof *a;
+      }
+      ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+      ep.sockaddr = (ucs_sock_addr_t){.addr = (const struct sockaddr *)&sa, .addrlen = sl};
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER; /* TCP detects a dead peer */
+    } /* else UCX reads its address and stops before the descriptor */
     ucs_status_t us = ucp_ep_create(x->worker, &ep, &p->ep);
     if (us != UCS_OK) {
       free(p->address);
@@ -1999,8 +2267,13 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
                     ucs_status_string(us));
     }
     tw_kv_ep_lanes(p, x->proto_v2);
+    if (p->via_listener) { /* TCP alone, lanes chosen once connected (tw_kv_xfer_greet) */
+      p->am_pieces = true;
+      if (!p->lanes[0]) snprintf(p->lanes, sizeof p->lanes, "tcp (through the listener)");
+    }
     x->peers[x->n_peers++] = p;
-    TW_INFO("kvx", "ucx endpoint to a decode worker created (%d cached; lanes: %s)", x->n_peers,
+    TW_INFO("kvx", "ucx endpoint to a decode worker created (%d cached; %s; lanes: %s)", x->n_peers,
+            p->via_listener ? "through its listener" : "by worker address",
             p->lanes[0] ? p->lanes : "unknown");
   }
   if (!p->rkey_buf || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {

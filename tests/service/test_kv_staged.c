@@ -19,9 +19,11 @@
  *     the pieces are now read by the receiver, kv_transfer.c), its ring
  *     must come back to no slot in use, no piece waiting, with handoff 2
  *     never complete. With a count argument N, N senders in turn, killed
- *     after 1, 2, 3, 1... layers (test_kv_staged_tcp: over TCP alone, where
- *     UCX 1.13's connection setup and emulated puts could abort the
- *     receiver, kv_transfer.c);
+ *     after 0 (right after connecting: its connection setup under way), 1,
+ *     2, 3, 0... layers (test_kv_staged_tcp: over TCP alone, where UCX
+ *     1.13's worker-address connection setup and its emulated puts could
+ *     abort the receiver; both sides then connect through the receiver's
+ *     listener, kv_transfer.c);
  *  3. sends handoff 3 into the same blocks: complete and exact, so the
  *     receiver keeps serving after a sender died mid-transfer. */
 #include "common/base/log.h"
@@ -261,9 +263,10 @@ int main(int argc, char **argv) {
   close(from);
 
   /* 2: senders killed mid-handoff: after 2 of their 4 layers, or (with a
-   * count argument) one after another after 1, 2, 3, 1... layers */
+   * count argument) one after another after 0 (while connecting), 1, 2, 3,
+   * 0... layers */
   for (int kill = 0; kill < n_kills; kill++) {
-    int die_after = n_kills == 1 ? 2 : 1 + kill % (L - 1);
+    int die_after = n_kills == 1 ? 2 : kill % L;
     pid = spawn(2, die_after, x, reg, &to, &from);
     st = 0;
     /* bounded in time (60 s), not in calls: a loaded machine runs the child slowly */
