@@ -3,6 +3,7 @@
 #include "common/comm/dist.h"
 
 #include "common/base/log.h"
+#include "common/base/proc.h"
 #include "common/comm/link_auth.h"
 
 #include <arpa/inet.h>
@@ -43,7 +44,18 @@ struct tw_dist {
   char mon_ep[64];     /* inproc endpoint of the hb socket's monitor */
   tw_auth_keys_t keys; /* CURVE: rank 0 serves, the other ranks are clients */
   tw_auth_guard_t *guard;
+  /* rank 0: each rank's process from its hello; local[r]: on this host and
+   * in this pid namespace (its death is seen in /proc, tw_proc_alive) */
+  tw_proc_t rank_proc[TW_DIST_MAX_RANKS];
+  bool local[TW_DIST_MAX_RANKS];
 };
+
+/* The hello a rank sends rank 0 over the control link. */
+typedef struct {
+  uint32_t type; /* TW_DIST_MSG_HELLO */
+  uint32_t rank;
+  tw_proc_t proc;
+} tw_dist_hello_t;
 
 /* The group's link keys: TWAIN_DIST_KEYS (a throwaway set tw_dist_spawn made
  * for the ranks it starts), else the deployment's (link_auth.h). */
@@ -322,6 +334,12 @@ static void tw_dist_lost(tw_dist_t *d, const char *why) {
 static void *tw_dist_watchdog(void *arg) {
   tw_dist_t *d = arg;
   int64_t start = tw_dist_now_ms(), last_ping = 0;
+  /* rank 0: when a connection to its watchdog socket closed (0: none
+   * pending), and how long the ranks have to show they are alive */
+  int64_t closed_at = 0, closed_last = 0;
+  const int64_t confirm_ms = 3 * TW_DIST_PING_MS * TW_SLOW_BUILD < d->lost_ms
+                                 ? 3 * TW_DIST_PING_MS * TW_SLOW_BUILD
+                                 : d->lost_ms;
   int64_t seen[TW_DIST_MAX_RANKS];
   for (int i = 0; i < TW_DIST_MAX_RANKS; i++) seen[i] = start;
   char why[160];
@@ -346,10 +364,19 @@ static void *tw_dist_watchdog(void *arg) {
       zmq_msg_close(&ev);
       zmq_msg_close(&addr);
       if (got && event == ZMQ_EVENT_DISCONNECTED && !atomic_load(&d->wd_stop)) {
-        snprintf(why, sizeof why, "rank %d of %d: the connection to %s closed", d->id.rank,
-                 d->id.size, d->id.rank == 0 ? "a rank" : "rank 0");
-        tw_dist_lost(d, why);
-        break;
+        if (d->id.rank != 0) { /* our one connection, to rank 0 */
+          snprintf(why, sizeof why, "rank %d of %d: the connection to rank 0 closed", d->id.rank,
+                   d->id.size);
+          tw_dist_lost(d, why);
+          break;
+        }
+        /* rank 0 listens: the closed connection may be a peer the guard
+         * refused (no or wrong keys, a port scan), not a rank. A rank on
+         * this host must be gone from /proc by confirm_ms (its socket
+         * closes while it exits: checked every pass until then); any other
+         * rank must ping again by then, or it is the one gone. */
+        closed_last = tw_dist_now_ms();
+        if (!closed_at) closed_at = closed_last;
       }
     }
     if (np > 0 && (it[0].revents & ZMQ_POLLIN)) {
@@ -377,6 +404,33 @@ static void *tw_dist_watchdog(void *arg) {
       } else {
         zmq_send(d->hb, "p", 1, ZMQ_DONTWAIT);
       }
+    }
+    if (closed_at) {
+      bool due = now - closed_at >= confirm_ms;
+      int gone = -1;
+      for (int r = 1; r < d->id.size && gone < 0; r++)
+        if (d->local[r] ? !tw_proc_alive(&d->rank_proc[r])
+                        : due && seen[r] < closed_at + TW_DIST_PING_MS / 2)
+          gone = r; /* a ping that was on its way when the connection closed does not count */
+      if (gone > 0) {
+        if (d->local[gone])
+          snprintf(why, sizeof why,
+                   "rank 0 of %d: the connection to rank %d closed, its process %d is gone",
+                   d->id.size, gone, (int)d->rank_proc[gone].pid);
+        else
+          snprintf(why, sizeof why,
+                   "rank 0 of %d: a connection closed and rank %d has not pinged since (%lld ms)",
+                   d->id.size, gone, (long long)(now - closed_at));
+        tw_dist_lost(d, why);
+        break;
+      }
+    }
+    if (closed_at && now - closed_at >= confirm_ms) {
+      TW_DEBUG("dist",
+               "a connection to the watchdog socket closed, every rank still pings: "
+               "not a rank (a refused peer)");
+      /* another closed since: check the ranks against that one next */
+      closed_at = closed_last > closed_at ? closed_last : 0;
     }
     int lo = d->id.rank == 0 ? 1 : 0, hi = d->id.rank == 0 ? d->id.size : 1;
     for (int r = lo; r < hi; r++) {
@@ -438,8 +492,9 @@ static TW_NODISCARD tw_status_t tw_dist_send_to(void *s, int32_t rank, const voi
  * before a rank is connected); the others send theirs. */
 static TW_NODISCARD tw_status_t tw_dist_hello(tw_dist_t *d) {
   if (d->id.rank != 0) {
-    uint32_t h[2] = {TW_DIST_MSG_HELLO, (uint32_t)d->id.rank};
-    if (zmq_send(d->ctrl, h, sizeof h, 0) < 0)
+    tw_dist_hello_t h = {.type = TW_DIST_MSG_HELLO, .rank = (uint32_t)d->id.rank};
+    tw_proc_self(&h.proc);
+    if (zmq_send(d->ctrl, &h, sizeof h, 0) < 0)
       return tw_err(TW_ERR_TRANSPORT, "dist: hello to rank 0: %s", zmq_strerror(errno));
     return TW_OK;
   }
@@ -456,7 +511,16 @@ static TW_NODISCARD tw_status_t tw_dist_hello(tw_dist_t *d) {
     tw_status_t st = tw_dist_recv_frame(d->ctrl, (int)left, id, sizeof id, &b, &n);
     if (st == TW_INPROGRESS) continue;
     TW_CHECK(st);
-    if (n >= 4 && ((uint32_t *)b)[0] == TW_DIST_MSG_HELLO) got++;
+    tw_dist_hello_t h;
+    memset(&h, 0, sizeof h);
+    memcpy(&h, b, n < sizeof h ? n : sizeof h);
+    if (n >= 4 && h.type == TW_DIST_MSG_HELLO) got++;
+    if (n == sizeof h && h.rank > 0 && h.rank < (uint32_t)d->id.size) {
+      tw_proc_t self;
+      tw_proc_self(&self);
+      d->rank_proc[h.rank] = h.proc;
+      d->local[h.rank] = tw_proc_local(&self, &d->rank_proc[h.rank]);
+    }
     free(b);
   }
   return TW_OK;
@@ -612,6 +676,9 @@ void tw_dist_destroy(tw_dist_t *d) {
 int32_t tw_dist_rank(const tw_dist_t *d) { return d ? d->id.rank : 0; }
 int32_t tw_dist_size(const tw_dist_t *d) { return d ? d->id.size : 1; }
 tw_coll_t *tw_dist_coll(tw_dist_t *d) { return d ? d->coll : NULL; }
+uint64_t tw_dist_refused(const tw_dist_t *d) {
+  return d && d->guard ? tw_auth_guard_refused(d->guard) : 0;
+}
 
 /* ---- plans and replies ----------------------------------------------------------- */
 

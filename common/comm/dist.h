@@ -19,7 +19,11 @@
  *
  * Liveness. A watchdog thread per rank watches its connection to rank 0 (a
  * ZeroMQ monitor: a dead process closes its TCP connections at once, so a
- * DISCONNECTED event means the peer is gone) and exchanges pings with rank 0
+ * DISCONNECTED event means the peer is gone; on rank 0, whose socket anyone
+ * can connect to and where a peer the guard refused closes a connection
+ * too, it means a lost rank only when a rank on this host is gone from
+ * /proc (the pid from its hello; checked at once and for 300 ms) or another
+ * rank sends no ping in those 300 ms) and exchanges pings with rank 0
  * every TW_DIST_PING_MS, so a hung peer is caught after TW_DIST_LOST_MS
  * (TWAIN_DIST_LOST_MS; long enough not to take a loaded machine's stall for
  * a hang). Either way, or when the parent that spawned it is gone, the rank
@@ -111,6 +115,9 @@ void tw_dist_destroy(tw_dist_t *dist);
 
 int32_t tw_dist_rank(const tw_dist_t *dist);
 int32_t tw_dist_size(const tw_dist_t *dist);
+/** Peers refused on this rank's links so far: ZAP denials and failed CURVE
+ *  handshakes (tw_auth_guard_refused; 0 for a group of one). */
+uint64_t tw_dist_refused(const tw_dist_t *dist);
 /** The group's collective (borrowed; NULL for a group of one). */
 tw_coll_t *tw_dist_coll(tw_dist_t *dist);
 

@@ -3,8 +3,10 @@
 
 #include "common/kv/kv_fp8.h"
 #include "common/kv/kv_ring.h"
+#include "common/kv/kv_seal.h"
 
 #include "common/base/log.h"
+#include "common/base/proc.h"
 
 #include <ucp/api/ucp.h>
 
@@ -101,51 +103,6 @@ typedef struct {
   uint32_t desc_bytes;   /* sizeof(tw_kv_ipc_desc_t) */
   char magic[8];         /* TW_KV_IPC_MAGIC, last: found from the blob's end */
 } tw_kv_ipc_desc_t;
-
-/* A process and the host and pid namespace it runs in: a receiver on the
- * same host and in the same pid namespace can tell that a sender is gone
- * (kill(pid, 0), /proc/pid/stat) without any message from it. */
-typedef struct {
-  char boot_id[40]; /* /proc/sys/kernel/random/boot_id */
-  uint64_t pid_ns;  /* inode of /proc/self/ns/pid (0: unknown) */
-  int32_t pid;
-  uint32_t pad;
-  uint64_t nonce; /* random per process: names it in "filled" messages */
-} tw_kv_proc_t;
-
-static void tw_kv_boot_id(char out[40]) {
-  memset(out, 0, 40);
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  if (!f) return;
-  if (!fgets(out, 40, f)) out[0] = 0;
-  fclose(f);
-  out[strcspn(out, "\n")] = 0;
-}
-
-/* This process (tw_kv_proc_t). */
-static void tw_kv_proc_self(tw_kv_proc_t *p) {
-  memset(p, 0, sizeof *p);
-  tw_kv_boot_id(p->boot_id);
-  struct stat st;
-  if (stat("/proc/self/ns/pid", &st) == 0) p->pid_ns = (uint64_t)st.st_ino;
-  p->pid = (int32_t)getpid();
-}
-
-/* Whether process `p`, on this host and in this pid namespace (the caller
- * checked), still runs: not when kill(pid, 0) says there is no such process,
- * nor when it is a zombie. */
-static bool tw_kv_proc_alive(const tw_kv_proc_t *p) {
-  if (kill(p->pid, 0) != 0 && errno == ESRCH) return false;
-  char path[64], buf[256];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)p->pid);
-  FILE *f = fopen(path, "r");
-  if (!f) return true; /* no /proc: kill's answer stands */
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  fclose(f);
-  buf[n] = 0;
-  const char *rp = strrchr(buf, ')'); /* "pid (comm) S ..." */
-  return !(rp && rp[1] == ' ' && (rp[2] == 'Z' || rp[2] == 'X'));
-}
 
 static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
   if (rt->lib) return TW_OK;
@@ -244,9 +201,9 @@ typedef struct {
   uint64_t len;      /* bytes of the piece */
   uint64_t tag;      /* the handoff (request id) */
   uint64_t piece;    /* the sender's id of the piece */
-  uint32_t addr_len; /* the data: the sender's worker address */
+  uint32_t addr_len; /* the data: the sender's worker address, sealed (kv_seal.h) */
   uint32_t pad;
-  tw_kv_proc_t proc; /* the sending process */
+  tw_proc_t proc; /* the sending process */
 } tw_kv_am_hdr_t;
 typedef struct {
   uint64_t piece;
@@ -257,7 +214,7 @@ typedef struct {
 typedef struct {
   uint64_t base;
   uint64_t piece;
-  uint64_t nonce; /* the sender's tw_kv_proc_t.nonce */
+  uint64_t nonce; /* the sender's tw_proc_t.nonce */
   int32_t slot;
   int32_t pad;
 } tw_kv_am_filled_t;
@@ -371,6 +328,8 @@ struct tw_kv_xfer {
   ucp_worker_h worker;
   ucp_address_t *address;
   size_t address_len;
+  uint8_t *sealed_address; /* the address as published (kv_seal.h) */
+  size_t sealed_address_len;
   bool cuda_native;
   bool proto_v2;      /* UCX protocols v2: puts may go over zero-copy rma_bw lanes */
   tw_kv_peer_t *peers[TW_KV_MAX_PEERS];
@@ -393,7 +352,7 @@ struct tw_kv_xfer {
   uint64_t piece_seq;
   int32_t n_pieces;
   int16_t active[TW_KV_PIECES];    /* the entries in use, [0, n_pieces), any order */
-  tw_kv_proc_t self;               /* this process, in the pieces it announces */
+  tw_proc_t self;                  /* this process, in the pieces it announces */
   void *d2h_stream;                /* cudaStream_t of device pieces copied into receivers' slots */
   bool staged_put;                 /* TWAIN_KV_STAGED_PUT=1: put pieces even into mapped slots */
   void *piece_event[TW_KV_PIECES]; /* cudaEvent_t per piece entry, made on first use */
@@ -421,7 +380,7 @@ typedef struct tw_kv_sender {
   ucp_ep_h ep;
   bool failed; /* gone: its granted slots were taken back, its pieces dropped */
   int64_t used_ns;
-  tw_kv_proc_t proc;
+  tw_proc_t proc;
   bool local;         /* same host and pid namespace: its pid can be checked */
   int64_t checked_ns; /* its pid was last checked */
   bool accepted;      /* ep is one of x->accepted (not ours to close) */
@@ -456,6 +415,8 @@ struct tw_kv_region {
   ucp_mem_h memh;
   void *rkey; /* the packed ucx rkey, then a tw_kv_ipc_desc_t when exported */
   size_t rkey_len;
+  uint8_t *sealed_rkey; /* rkey as published (kv_seal.h) */
+  size_t sealed_rkey_len;
   /* staged: the ring, its pinned slots, the copies' stream and events */
   tw_kv_rxring_t *ring;
   uint8_t *slots;
@@ -776,7 +737,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
   tw_kv_xfer_t *x = calloc(1, sizeof *x);
   if (!x) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the kv transfer handle");
   x->magic = TW_KV_XFER_MAGIC;
-  tw_kv_proc_self(&x->self);
+  tw_proc_self(&x->self);
   const char *sp = getenv("TWAIN_KV_STAGED_PUT");
   x->staged_put = sp && strcmp(sp, "1") == 0;
   tw_status_t st = TW_OK;
@@ -833,6 +794,11 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
     goto fail;
   }
   tw_kv_listen(x);
+  /* what tw_kv_xfer_address publishes, sealed (kv_seal.h) */
+  TW_CHECK_GOTO(tw_kv_seal(TW_KV_SEAL_ADDRESS, x->published ? x->published : (uint8_t *)x->address,
+                           x->published ? x->published_len : x->address_len, &x->sealed_address,
+                           &x->sealed_address_len),
+                st, fail);
   /* how device pools travel is logged when one is registered: a CPU worker
    * has none, and must not claim CUDA staging */
   TW_INFO("kvx", "ucx worker up: address %zu bytes, CUDA memory %s, protocols %s",
@@ -1169,15 +1135,15 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
                             .len = (uint64_t)len,
                             .tag = dst->handoff_tag,
                             .piece = id,
-                            .addr_len = (uint32_t)x->address_len,
+                            .addr_len = (uint32_t)x->sealed_address_len,
                             .proc = x->self};
   /* REPLY: a receiver that accepted our connection answers on that endpoint */
   ucp_request_param_t prm = {
       .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE,
       .flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_REPLY,
       .memory_type = UCS_MEMORY_TYPE_HOST};
-  void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_WANT_ID, &e->hdr, sizeof e->hdr, x->address,
-                              x->address_len, &prm);
+  void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_WANT_ID, &e->hdr, sizeof e->hdr, x->sealed_address,
+                              x->sealed_address_len, &prm);
   if (UCS_PTR_IS_ERR(req)) {
     *e = (tw_kv_piece_t){0};
     return tw_err(TW_ERR_TRANSPORT, "ucp_am_send_nbx of a staged kv piece's request failed: %s",
@@ -1251,6 +1217,7 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
     if (x->piece_event[i]) x->cudart.event_destroy(x->piece_event[i]);
   if (x->d2h_stream) x->cudart.stream_destroy(x->d2h_stream);
   if (x->address) ucp_worker_release_address(x->worker, x->address);
+  free(x->sealed_address);
   if (x->ipc_event) x->cudart.event_destroy(x->ipc_event);
   if (x->ipc_stream) x->cudart.stream_destroy(x->ipc_stream);
   if (x->src_memh) ucp_mem_unmap(x->ctx, x->src_memh);
@@ -1262,12 +1229,8 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
 }
 
 const void *tw_kv_xfer_address(const tw_kv_xfer_t *x, size_t *len_p) {
-  if (x->published) {
-    *len_p = x->published_len;
-    return x->published;
-  }
-  *len_p = x->address_len;
-  return x->address;
+  *len_p = x->sealed_address_len;
+  return x->sealed_address;
 }
 bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *x) { return x->cuda_native; }
 /* ---- the staged receive path: pieces into the region's bounce ring ---- */
@@ -1352,7 +1315,7 @@ static void tw_kv_sender_close(tw_kv_xfer_t *x, tw_kv_sender_t *s) {
  * when the table is full of senders holding slots (the piece waits). Called
  * outside UCX callbacks. */
 static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, size_t len,
-                                        const tw_kv_proc_t *proc, ucp_ep_h accepted) {
+                                        const tw_proc_t *proc, ucp_ep_h accepted) {
   for (int i = 0; i < x->n_senders; i++) {
     tw_kv_sender_t *s = x->senders[i];
     if (s->address_len == len && memcmp(s->address, addr, len) == 0) {
@@ -1385,9 +1348,17 @@ static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, si
   s->address_len = len;
   s->used_ns = tw_now_ns();
   s->proc = *proc;
-  s->proc.boot_id[sizeof s->proc.boot_id - 1] = 0;
-  s->local = x->self.boot_id[0] && x->self.pid_ns && s->proc.pid > 0 &&
-             strcmp(s->proc.boot_id, x->self.boot_id) == 0 && s->proc.pid_ns == x->self.pid_ns;
+  s->local = tw_proc_local(&x->self, &s->proc);
+  const uint8_t *ucx_addr = NULL;
+  size_t ucx_len = 0;
+  tw_status_t st = tw_kv_unseal(TW_KV_SEAL_ADDRESS, s->address, s->address_len,
+                                "a prefill worker's UCX address (staged kv)", &ucx_addr, &ucx_len);
+  if (st != TW_OK) { /* never handed to UCX; kept, so that its other pieces are dropped too */
+    TW_WARN("kvx", "%s: its pieces are dropped", tw_last_error());
+    s->failed = true;
+    x->senders[x->n_senders++] = s;
+    return s;
+  }
   /* error mode NONE, as the senders' (UCX 1.13's shared-memory transports
    * have no peer-failure support; PEER would leave only TCP). Only grants go
    * over it: one that never arrives costs a slot until the sender is known
@@ -1395,7 +1366,7 @@ static tw_kv_sender_t *tw_kv_sender_get(tw_kv_xfer_t *x, const uint8_t *addr, si
   ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
                                       UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                                       UCP_EP_PARAM_FIELD_ERR_HANDLER,
-                        .address = (const ucp_address_t *)s->address,
+                        .address = (const ucp_address_t *)ucx_addr,
                         .err_mode = UCP_ERR_HANDLING_MODE_NONE,
                         .err_handler = {.cb = tw_kv_sender_error, .arg = s}};
   /* a sender connected through the listener is answered on that endpoint */
@@ -1640,7 +1611,7 @@ static TW_NODISCARD tw_status_t tw_kv_rx_pump(tw_kv_region_t *r) {
     }
     if (!waits) continue;
     s->checked_ns = now;
-    if (!tw_kv_proc_alive(&s->proc)) {
+    if (!tw_proc_alive(&s->proc)) {
       TW_WARN("kvx",
               "prefill worker pid %d is gone mid-handoff: the staged kv slots granted to "
               "it are taken back, its waiting pieces dropped",
@@ -1860,7 +1831,7 @@ static bool tw_kv_ipc_export(tw_kv_region_t *r) {
             e);
     return false;
   }
-  tw_kv_boot_id(d.boot_id);
+  tw_proc_boot_id(d.boot_id);
   d.pid = (int32_t)getpid();
   d.pool_bytes = r->layout.total_bytes;
   d.ucx_rkey_len = (uint32_t)r->rkey_len;
@@ -1881,17 +1852,29 @@ static bool tw_kv_ipc_export(tw_kv_region_t *r) {
   return true;
 }
 
-/* Split a published rkey blob into the ucx rkey and an optional descriptor. */
-static size_t tw_kv_rkey_split(const void *blob, size_t len, tw_kv_ipc_desc_t *desc, bool *has) {
+/* Split an (unsealed) rkey blob into the ucx rkey (*ucx_len_p bytes at its
+ * start) and an optional descriptor. Errors: TW_ERR_INVALID_ARGUMENT (a
+ * descriptor whose fields cannot describe a pool). */
+static TW_NODISCARD tw_status_t tw_kv_rkey_split(const void *blob, size_t len,
+                                                 tw_kv_ipc_desc_t *desc, bool *has,
+                                                 size_t *ucx_len_p) {
   *has = false;
-  if (len < sizeof *desc) return len;
+  *ucx_len_p = len;
+  if (len < sizeof *desc) return TW_OK;
   memcpy(desc, (const uint8_t *)blob + len - sizeof *desc, sizeof *desc);
-  if (memcmp(desc->magic, TW_KV_IPC_MAGIC, sizeof desc->magic) != 0 ||
-      desc->desc_bytes != sizeof *desc || desc->ucx_rkey_len != len - sizeof *desc)
-    return len;
-  desc->boot_id[sizeof desc->boot_id - 1] = 0;
+  if (memcmp(desc->magic, TW_KV_IPC_MAGIC, sizeof desc->magic) != 0) return TW_OK;
+  if (desc->desc_bytes != sizeof *desc || desc->ucx_rkey_len != len - sizeof *desc ||
+      desc->pid <= 0 || desc->device < 0 || desc->pool_bytes <= 0 ||
+      memchr(desc->boot_id, 0, sizeof desc->boot_id) == NULL)
+    return tw_err_quiet(
+        TW_ERR_INVALID_ARGUMENT,
+        "the decode worker's rkey carries a malformed CUDA IPC descriptor (%u bytes, "
+        "ucx part %u of %zu bytes, pid %d, device %d, pool %lld bytes)",
+        desc->desc_bytes, desc->ucx_rkey_len, len - sizeof *desc, (int)desc->pid, (int)desc->device,
+        (long long)desc->pool_bytes);
   *has = true;
-  return desc->ucx_rkey_len;
+  *ucx_len_p = desc->ucx_rkey_len;
+  return TW_OK;
 }
 
 /* Open the peer's descriptor once (a device source, same host, another
@@ -1900,7 +1883,7 @@ static void tw_kv_ipc_open(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   if (!p->has_ipc || p->ipc_ptr || p->ipc_failed) return;
   p->ipc_failed = true; /* until it opens */
   char boot[40];
-  tw_kv_boot_id(boot);
+  tw_proc_boot_id(boot);
   const char *off = getenv("TWAIN_KV_IPC");
   const char *why = NULL;
   if (off && strcmp(off, "0") == 0)
@@ -1975,6 +1958,9 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
     TW_INFO("kvx",
             "kv handoff mode (receive): device KV pool over CUDA IPC only "
             "(TWAIN_KV_PATH=ipc): prefill workers on this host copy into it, nothing else can");
+    TW_CHECK_GOTO(
+        tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len), st,
+        fail);
     *region_p = r;
     return TW_OK;
   }
@@ -1997,6 +1983,9 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
         !layout->on_device ? " (host pool, staged on request: TWAIN_KV_PATH=staged)"
         : x->cuda_native   ? " (TWAIN_KV_PATH=staged)"
                            : " (UCX has no CUDA support)");
+    TW_CHECK_GOTO(
+        tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len), st,
+        fail);
     *region_p = r;
     return TW_OK;
   }
@@ -2037,6 +2026,9 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
           !layout->on_device
               ? "host KV pool, registered in place"
               : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
+  TW_CHECK_GOTO(
+      tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len), st,
+      fail);
   *region_p = r;
   return TW_OK;
 fail:
@@ -2066,12 +2058,13 @@ void tw_kv_region_unregister(tw_kv_region_t *r) {
   free(r->slot_ctx);
   if (r->memh) ucp_mem_unmap(x->ctx, r->memh);
   free(r->rkey);
+  free(r->sealed_rkey);
   free(r);
 }
 
 const void *tw_kv_region_rkey(const tw_kv_region_t *r, size_t *len_p) {
-  *len_p = r->rkey_len;
-  return r->rkey;
+  *len_p = r->sealed_rkey_len;
+  return r->sealed_rkey;
 }
 
 void tw_kv_region_remote_layout(const tw_kv_region_t *r, tw_kv_remote_layout_t *o) {
@@ -2195,8 +2188,21 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
   p->am_pieces = n_lanes > 0 && n_put == 0 && (!proto_v2 || n_tcp == n_lanes);
 }
 
-TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, size_t address_len,
-                                         const void *rkey, size_t rkey_len, tw_kv_peer_t **peer_p) {
+TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *sealed_address,
+                                         size_t sealed_address_len, const void *sealed_rkey,
+                                         size_t sealed_rkey_len, tw_kv_peer_t **peer_p) {
+  /* nothing reaches UCX before both blobs are checked (kv_seal.h) */
+  const uint8_t *address = NULL, *rkey = (const uint8_t *)"";
+  size_t address_len = 0, rkey_len = 0;
+  TW_CHECK(tw_kv_unseal(TW_KV_SEAL_ADDRESS, sealed_address, sealed_address_len,
+                        "the decode worker's UCX address", &address, &address_len));
+  if (sealed_rkey_len) /* empty: no rkey (nothing is unpacked) */
+    TW_CHECK(tw_kv_unseal(TW_KV_SEAL_RKEY, sealed_rkey, sealed_rkey_len, "the decode worker's rkey",
+                          &rkey, &rkey_len));
+  tw_kv_ipc_desc_t desc;
+  bool has = false;
+  size_t ucx_len = 0;
+  TW_CHECK(tw_kv_rkey_split(rkey, rkey_len, &desc, &has, &ucx_len));
   tw_kv_peer_t *p = NULL;
   for (int i = 0; i < x->n_peers; i++) {
     tw_kv_peer_t *q = x->peers[i];
@@ -2277,9 +2283,6 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *address, s
             p->lanes[0] ? p->lanes : "unknown");
   }
   if (!p->rkey_buf || p->rkey_len != rkey_len || memcmp(p->rkey_buf, rkey, rkey_len) != 0) {
-    tw_kv_ipc_desc_t desc;
-    bool has = false;
-    size_t ucx_len = tw_kv_rkey_split(rkey, rkey_len, &desc, &has);
     if (p->ipc_ptr && (!has || memcmp(&desc.handle, &p->ipc.handle, sizeof desc.handle) != 0)) {
       if (p->ipc_pending) x->cudart.event_sync(x->ipc_event);
       x->cudart.ipc_close(p->ipc_ptr);

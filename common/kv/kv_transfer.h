@@ -155,10 +155,10 @@ TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size
 void tw_kv_xfer_destroy(tw_kv_xfer_t *xfer);
 
 /** The worker's address as it is published (borrowed, valid until
- *  destroy): UCX's worker address, followed, when this worker's transports
- *  are TCP alone and its listener is up, by a descriptor of that listener
- *  (IP, port) that tw_kv_xfer_peer on TCP alone connects through
- *  (kv_transfer.c). */
+ *  destroy), sealed (kv_seal.h, TW_KV_SEAL_ADDRESS): UCX's worker address,
+ *  followed, when this worker's transports are TCP alone and its listener
+ *  is up, by a descriptor of that listener (IP, port) that tw_kv_xfer_peer
+ *  on TCP alone connects through (kv_transfer.c). */
 const void *tw_kv_xfer_address(const tw_kv_xfer_t *xfer, size_t *len_p);
 /** Whether this UCX handles CUDA device memory natively (run-time query). */
 bool tw_kv_xfer_cuda_native(const tw_kv_xfer_t *xfer);
@@ -205,8 +205,10 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *xfer, const tw_k
                                                   tw_kv_region_t **region_p);
 /** Unregister; waits (at most 10 s) for the ring's copies. NULL does nothing. */
 void tw_kv_region_unregister(tw_kv_region_t *region);
-/** Packed rkey (borrowed; length 0 for a staged receiver, which takes no
- *  puts) and the layout to publish in a KvHandoff. */
+/** The rkey blob to publish in a KvHandoff, sealed (kv_seal.h,
+ *  TW_KV_SEAL_RKEY; borrowed): the packed ucx rkey (of the bounce ring for a
+ *  staged receiver; empty for a pool reached over CUDA IPC alone), then the
+ *  CUDA IPC descriptor of an exported device pool. And the layout. */
 const void *tw_kv_region_rkey(const tw_kv_region_t *region, size_t *len_p);
 void tw_kv_region_remote_layout(const tw_kv_region_t *region, tw_kv_remote_layout_t *out);
 /** Whether every byte of handoff `tag` (the request id) for blocks
@@ -232,12 +234,11 @@ bool tw_kv_region_staging_stats(const tw_kv_region_t *region, tw_kv_rxring_stats
 void tw_kv_layer_firsts(const tw_model_config_t *c, int32_t n_tokens, int32_t block_size,
                         int32_t *firsts);
 
-/** Endpoint to a remote worker by its published address (tw_kv_xfer_address):
- *  through its listener when the address carries one and this worker's
- *  transports are TCP alone, else by UCX worker address; cached, so repeated
- *  handoffs to the same decode worker reuse it. The rkey is (re)unpacked if
- *  it changed.
- *  Errors: TW_ERR_TRANSPORT (ucp_ep_create/ucp_ep_rkey_unpack), TW_ERR_NO_MEMORY. */
+/** The worker's address as it is published (borrowed, valid until
+ *  destroy), sealed (kv_seal.h, TW_KV_SEAL_ADDRESS): UCX's worker address,
+ *  followed, when this worker's transports are TCP alone and its listener
+ *  is up, by a descriptor of that listener (IP, port) that tw_kv_xfer_peer
+ *  on TCP alone connects through (kv_transfer.c). */
 TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *xfer, const void *address,
                                          size_t address_len, const void *rkey, size_t rkey_len,
                                          tw_kv_peer_t **peer_p);

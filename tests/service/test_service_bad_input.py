@@ -16,6 +16,7 @@ import zmq
 
 import fixtures
 import svc
+from fake_router import FakeRouter, with_pools
 
 from svc import check, finish
 
@@ -137,49 +138,17 @@ finally:
 check(not any(rcs.values()), "router and workers stop cleanly: %s" % rcs)
 
 # ------------------------------------------------------- workers, fake router
-ctx = zmq.Context.instance()
-rs = ctx.socket(zmq.ROUTER)
-rs.setsockopt(zmq.LINGER, 0)
-rs.setsockopt(zmq.CURVE_SERVER, 1)  # the workers only talk CURVE, to the key set's server
-rs.setsockopt(zmq.CURVE_SECRETKEY, svc.link_keys()["server-secret"].encode())
-port = rs.bind_to_random_port("tcp://127.0.0.1")
-ep = "tcp://127.0.0.1:%d" % port
-dec = svc.Proc([svc.bin_path("decode", "twain-decode"), "--router", ep, "--model", svc.MODEL, "--name", "fd",
-                "--backend", "cpu", "--threads", "1", "--metrics-port", "0", "--verify-kv"], "decode")
-pre = svc.Proc([svc.bin_path("prefill", "twain-prefill"), "--router", ep, "--model", svc.MODEL, "--name", "fp",
-                "--backend", "cpu", "--threads", "1", "--metrics-port", "0"], "prefill")
-
-
-def recv_from(name, pred, timeout=20):
-    end = svc.deadline(timeout)
-    while time.time() < end:
-        if rs.poll(50):
-            ident, data = rs.recv_multipart()
-            e = svc.Envelope()
-            try:
-                e.ParseFromString(data)
-            except Exception:
-                continue
-            if ident == name and pred(e):
-                return e
-    raise AssertionError("no expected message from %s within %d s" % (name, timeout))
-
-
-def send(name, env):
-    rs.send_multipart([name, env.SerializeToString()])
+fr = FakeRouter()
+ep = fr.endpoint
+recv_from, send = fr.recv_from, fr.send
+dec, pre = fr.start_workers(["--verify-kv"])
 
 
 try:
-    pools = None  # the decode worker's pools, sent once in Register (kept as the router does)
+    # the decode worker's pools, sent once in Register (kept as the router does)
+    pools = fr.register((b"fd", b"fp"))[b"fd"].kv_pools
     for name in (b"fd", b"fp"):
-        reg = recv_from(name, lambda e: e.WhichOneof("body") == "register")
-        if name == b"fd":
-            pools = reg.register.kv_pools
-        ack = svc.Envelope()
-        ack.register_ack.worker_id = name.decode()
-        send(name, ack)
-    for name in (b"fd", b"fp"):
-        rs.send_multipart([name, b"\xff\xfe not a protobuf"])
+        fr.send_raw(name, b"\xff\xfe not a protobuf")
         unknown = svc.Envelope()
         unknown.heartbeat.draining = False
         send(name, unknown)
@@ -229,14 +198,7 @@ try:
     h = recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved").reserved.handoff
     check(h.ucx_address == b"" and pools.ucx_address != b"" and pools.layout.n_blocks > 0,
           "decode: the reservation names only its blocks, the pools came in Register")
-
-    def with_pools(handoff):  # what the router adds to a reservation's handoff
-        full = svc.Envelope().prefill.handoff
-        full.CopyFrom(handoff)
-        full.ucx_address, full.rkey = pools.ucx_address, pools.rkey
-        full.layout.CopyFrom(pools.layout)
-        return full
-    h = with_pools(h)
+    h = with_pools(h, pools)
     pr.prefill.request_id = 21
     pr.prefill.handoff.CopyFrom(h)
     del pr.prefill.prompt_ids[:]
@@ -245,8 +207,7 @@ try:
     e = recv_from(b"fp", lambda e: e.WhichOneof("body") == "prefill_done")
     check(e.prefill_done.status.code == E["INVALID_ARGUMENT"], "prefill: bad token id -> %s" % e.prefill_done.status.message)
     # a poisoned handoff that reaches the worker (a garbage rkey): an error for
-    # that request, never a crash. (Garbage UCX addresses are stopped at the
-    # router: test_service_validate; UCX's address format carries no length.)
+    # that request, never a crash (garbage UCX addresses: test_service_kv_addr)
     bad = svc.Envelope()
     bad.CopyFrom(pr)
     bad.prefill.request_id = 30
@@ -265,7 +226,7 @@ try:
     # the request with a message naming the layer, and free its blocks
     rv.reserve.request_id = 22
     send(b"fd", rv)
-    bad_h = with_pools(recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved").reserved.handoff)
+    bad_h = with_pools(recv_from(b"fd", lambda e: e.WhichOneof("body") == "reserved").reserved.handoff, pools)
     bad_pr = svc.Envelope()
     bad_pr.CopyFrom(pr)
     bad_pr.prefill.request_id = 22
@@ -292,21 +253,9 @@ try:
     send(b"fp", pr)
     done = recv_from(b"fp", lambda e: e.WhichOneof("body") == "prefill_done").prefill_done
     check(done.status.code == 0 and len(done.layer_checksums) == 4, "prefill: still serves, kv handed off")
-    d.decode.request_id = 21
-    d.decode.n_prompt_tokens = len(prompt)
-    d.decode.first_token = done.first_token
-    d.decode.max_tokens = 12
-    d.decode.layer_checksums.extend(done.layer_checksums)
-    send(b"fd", d)
-    toks = [done.first_token]
-    end = svc.deadline(30)
-    while time.time() < end:
-        t = recv_from(b"fd", lambda e: e.WhichOneof("body") == "tokens").tokens
-        toks.extend(t.tokens)
-        if t.finished:
-            break
+    toks = fr.decode(b"fd", 21, len(prompt), done, 12)
     check(toks == svc.reference_generate(prompt, 12), "decode: still serves, output equals the reference")
 finally:
-    check(dec.stop() == 0 and pre.stop() == 0, "workers stop cleanly on SIGTERM")
-    rs.close(0)
+    rcs = fr.close()
+    check(rcs == [0, 0], "workers stop cleanly on SIGTERM: %s" % rcs)
 finish()
