@@ -1,9 +1,11 @@
-/* test_moe.c: the MoE kernels (kernels/moe.h) against the CPU backend's
- * reference operators (common/engine/cpu/cpu_ops.h: tw_cpu_router_topk,
- * tw_cpu_matmul_mxfp4, tw_cpu_swiglu; tw_mxfp4_dequant_row of the loader) on
- * fresh random inputs: gpt-oss shapes (H = I = 2880, E = 32 and 128, top-4)
- * and edges (T = 1, the tiny model's H 256 / I 512 / E 8 / top-2, widths off
- * the 32-row tiles, prefill chunks with experts left empty), through the
+/* test_moe.c: the MoE kernels (kernels/moe.h) against the CPU engine's MoE
+ * (common/engine/cpu/cpu_ops.h: tw_cpu_router_topk, then tw_cpu_moe_experts,
+ * the very expert loop the CPU engine runs; tw_mxfp4_dequant_row of the
+ * loader) on fresh random inputs (expert biases drawn as bf16 values, the
+ * checkpoint's dtype, given to the kernels as the same values in f32):
+ * gpt-oss shapes (H = I = 2880, E = 32 and 128, top-4) and edges (T = 1,
+ * the tiny model's H 256 / I 512 / E 8 / top-2, widths off the 32-row
+ * tiles, prefill chunks with experts left empty), through the
  * GEMV path (T = 1 and T > 1 kernel variants) and the GEMM paths: the
  * grouped GEMM (on MXFP4 experts and on the same experts dequantised to bf16,
  * which must agree bit for bit; rerun and captured in a CUDA graph, which
@@ -42,10 +44,16 @@ typedef struct {
 } moe_case_t;
 
 #define MMA_ALL (16u | 32u | 64u | 128u) /* tw_cuda_moe_set_mma_tiles: every tile */
+/* gpt-oss's SwiGLU constants (config.json swiglu_limit; alpha is fixed, §2.9) */
+#define SWIGLU_ALPHA 1.702f
+#define SWIGLU_LIMIT 7.0f
 
+/* Biases are bf16 values (the checkpoint's dtype, what the CPU engine reads)
+ * kept twice: as bf16 bits for the reference and as f32 for the kernels. */
 typedef struct {
   uint8_t *gu_b, *gu_s, *dn_b, *dn_s;
   float *gu_bias, *dn_bias;
+  uint16_t *gu_bias16, *dn_bias16;
 } host_experts_t;
 
 static void *xmalloc(size_t n) {
@@ -66,14 +74,22 @@ static void fill_experts(const moe_case_t *c, host_experts_t *h) {
   h->dn_s = xmalloc(n_dn);
   h->gu_bias = xmalloc(E * 2 * I * 4);
   h->dn_bias = xmalloc(E * H * 4);
+  h->gu_bias16 = xmalloc(E * 2 * I * 2);
+  h->dn_bias16 = xmalloc(E * H * 2);
   for (size_t i = 0; i < n_gu * 16; i++) h->gu_b[i] = (uint8_t)tt_rng_u64();
   for (size_t i = 0; i < n_dn * 16; i++) h->dn_b[i] = (uint8_t)tt_rng_u64();
   /* scales 2^-8..2^-4; "bigscale": 2^-3..2^4 (bytes above 128 = scales above 2) */
   const int slo = strstr(c->name, "bigscale") ? 124 : 119, shi = slo == 124 ? 131 : 123;
   for (size_t i = 0; i < n_gu; i++) h->gu_s[i] = (uint8_t)tt_randint(slo, shi);
   for (size_t i = 0; i < n_dn; i++) h->dn_s[i] = (uint8_t)tt_randint(slo, shi);
-  for (size_t i = 0; i < E * 2 * I; i++) h->gu_bias[i] = tt_uniform(0.5f);
-  for (size_t i = 0; i < E * H; i++) h->dn_bias[i] = tt_uniform(0.5f);
+  for (size_t i = 0; i < E * 2 * I; i++) {
+    h->gu_bias16[i] = tt_f2bf(tt_uniform(0.5f));
+    h->gu_bias[i] = tt_bf2f(h->gu_bias16[i]);
+  }
+  for (size_t i = 0; i < E * H; i++) {
+    h->dn_bias16[i] = tt_f2bf(tt_uniform(0.5f));
+    h->dn_bias[i] = tt_bf2f(h->dn_bias16[i]);
+  }
 }
 
 static void free_experts(host_experts_t *h) {
@@ -83,6 +99,8 @@ static void free_experts(host_experts_t *h) {
   free(h->dn_s);
   free(h->gu_bias);
   free(h->dn_bias);
+  free(h->gu_bias16);
+  free(h->dn_bias16);
 }
 
 static int upload(void **d, const void *h, size_t n) {
@@ -91,44 +109,33 @@ static int upload(void **d, const void *h, size_t n) {
   return 0;
 }
 
-/* CPU reference of the whole block: out [T, H]. */
+/* CPU reference of the whole block, the CPU engine's MoE (tw_cpu_router_topk
+ * then tw_cpu_moe_experts over every expert): out [T, H]. */
 static void moe_reference(tw_cpu_pool_t *pool, const moe_case_t *c, const host_experts_t *h,
                           const float *x, const float *logits, float *out) {
   int H = c->H, I = c->I, E = c->E, k = c->k, T = c->T;
   int32_t *idx = xmalloc((size_t)T * k * 4);
   float *w = xmalloc((size_t)T * k * 4);
   for (int t = 0; t < T; t++) tw_cpu_router_topk(logits + (size_t)t * E, E, k, idx + t * k, w + t * k);
-  memset(out, 0, (size_t)T * H * 4);
-  float *xs = xmalloc((size_t)T * H * 4), *u = xmalloc((size_t)T * 2 * I * 4);
-  float *a = xmalloc((size_t)T * I * 4), *y = xmalloc((size_t)T * H * 4);
-  int *tok = xmalloc((size_t)T * 4), *slot = xmalloc((size_t)T * 4);
-  for (int e = 0; e < E; e++) {
-    int n = 0;
-    for (int t = 0; t < T; t++)
-      for (int j = 0; j < k; j++)
-        if (idx[t * k + j] == e) {
-          tok[n] = t;
-          slot[n] = j;
-          memcpy(xs + (size_t)n * H, x + (size_t)t * H, (size_t)H * 4);
-          n++;
-        }
-    if (!n) continue;
-    size_t gu_row = (size_t)e * 2 * I, dn_row = (size_t)e * H;
-    tw_cpu_matmul_mxfp4(pool, xs, n, H, h->gu_b + gu_row * (H / 32) * 16,
-                        h->gu_s + gu_row * (H / 32), NULL, 2 * I, u);
-    for (int r = 0; r < n; r++) {
-      for (int q = 0; q < 2 * I; q++) u[(size_t)r * 2 * I + q] += h->gu_bias[gu_row + q];
-      tw_cpu_swiglu(u + (size_t)r * 2 * I, I, 1.702f, 7.0f, a + (size_t)r * I);
-    }
-    tw_cpu_matmul_mxfp4(pool, a, n, I, h->dn_b + dn_row * (I / 32) * 16,
-                        h->dn_s + dn_row * (I / 32), NULL, H, y);
-    for (int r = 0; r < n; r++) {
-      float wt = w[tok[r] * k + slot[r]];
-      for (int q = 0; q < H; q++)
-        out[(size_t)tok[r] * H + q] += wt * (y[(size_t)r * H + q] + h->dn_bias[dn_row + q]);
-    }
-  }
-  free(idx); free(w); free(xs); free(u); free(a); free(y); free(tok); free(slot);
+  const tw_cpu_experts_t ex = {.hidden = H,
+                               .intermediate = I,
+                               .mxfp4 = 1,
+                               .gate_up_blocks = h->gu_b,
+                               .gate_up_scales = h->gu_s,
+                               .down_blocks = h->dn_b,
+                               .down_scales = h->dn_s,
+                               .gate_up_bias = h->gu_bias16,
+                               .down_bias = h->dn_bias16,
+                               .swiglu_alpha = SWIGLU_ALPHA,
+                               .swiglu_limit = SWIGLU_LIMIT};
+  tw_cpu_moe_scratch_t sc = {.tok = xmalloc((size_t)T * 4),
+                             .w = xmalloc((size_t)T * 4),
+                             .xe = xmalloc((size_t)T * H * 4),
+                             .ue = xmalloc((size_t)T * 2 * I * 4),
+                             .ae = xmalloc((size_t)T * I * 4),
+                             .ye = xmalloc((size_t)T * H * 4)};
+  tw_cpu_moe_experts(pool, &ex, 0, E, x, T, k, idx, w, &sc, out);
+  free(idx); free(w); free(sc.tok); free(sc.w); free(sc.xe); free(sc.ue); free(sc.ae); free(sc.ye);
 }
 
 /* Route checks: indices exact, weights 1e-5, permutation consistent. */
@@ -279,7 +286,8 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   if (strstr(c->name, "hot")) /* ragged: every token on experts 0..k-1, the rest empty */
     for (int t = 0; t < T; t++)
       for (int j = 0; j < k; j++) logits[(size_t)t * E + j] += 40.0f;
-  tw_cuda_moe_weights_t w = {E, H, I, NULL, NULL, NULL, NULL, NULL, NULL, 1.702f, 7.0f};
+  tw_cuda_moe_weights_t w = {E, H, I, NULL, NULL, NULL, NULL, NULL, NULL, SWIGLU_ALPHA,
+                             SWIGLU_LIMIT};
   size_t n_gu = (size_t)E * 2 * I * (H / 32), n_dn = (size_t)E * H * (I / 32);
   void *d_x, *d_logits, *d_out, *d_route, *d_ws, *p;
   if (upload(&p, h.gu_b, n_gu * 16)) return 1;

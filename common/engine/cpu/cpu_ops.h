@@ -176,6 +176,46 @@ void tw_cpu_router_topk(const float *logits, int32_t n_experts, int32_t k, int32
  *  g = min(u[2i], limit), l = clamp(u[2i+1], -limit, limit). a f32 [I]. */
 void tw_cpu_swiglu(const float *u, int64_t I, float alpha, float limit, float *a);
 
+/** The experts of one layer, views of the checkpoint (spec §3.4, §3.5).
+ *  MXFP4 (mxfp4 = 1): gate_up blocks [E, 2I, H/32, 16] u8 + scales
+ *  [E, 2I, H/32] u8, down blocks [E, H, I/32, 16] + scales [E, H, I/32];
+ *  bf16 (mxfp4 = 0): gate_up [E, H, 2I] and down [E, I, H] in HF in-memory
+ *  orientation. Biases bf16 bits: gate_up_bias [E, 2I], down_bias [E, H].
+ *  Gate rows are the even ones of gate_up (§2.9). */
+typedef struct {
+  int64_t hidden, intermediate; /* H, I: multiples of 32 */
+  int mxfp4;                    /* 1: the blocks/scales below; 0: the bf16 matrices */
+  const uint8_t *gate_up_blocks, *gate_up_scales, *down_blocks, *down_scales;
+  const uint16_t *gate_up, *down;
+  const uint16_t *gate_up_bias, *down_bias;
+  float swiglu_alpha, swiglu_limit; /* the config's (1.702, 7.0 for gpt-oss) */
+} tw_cpu_experts_t;
+
+/** Scratch of tw_cpu_moe_experts for up to T tokens, owned by the caller:
+ *  tok int32 [T], w f32 [T], xe f32 [T, H], ue f32 [T, 2I], ae f32 [T, I],
+ *  ye f32 [T, H]. Contents on return are unspecified. */
+typedef struct {
+  int32_t *tok;
+  float *w;
+  float *xe, *ue, *ae, *ye;
+} tw_cpu_moe_scratch_t;
+
+/** The expert part of the MoE block (spec §2.9) for T tokens already routed
+ *  (§2.8, tw_cpu_router_topk), over the experts [e0, e1) only (all of them,
+ *  or an EP rank's share; 0 <= e0 <= e1 <= E): for each expert e, its tokens
+ *  (those with e among their k picks, each at most once) are gathered,
+ *  y = W2[e] · swiglu(W1[e] · x + b1[e]) + b2[e] (f32 accumulate, weights
+ *  converted to f32, clamped SwiGLU of tw_cpu_swiglu), and
+ *  out[t] = sum over the picks j of token t with e0 <= idx[t][j] < e1 of
+ *  w[t][j] * y_{idx[t][j]}(x[t]) (the routing weight scales b2 too), summed
+ *  in expert order. x f32 [T, H]; topk_idx int32 [T, k] (each row distinct
+ *  experts); topk_w f32 [T, k]; out f32 [T, H], overwritten (zero for tokens
+ *  with no pick in [e0, e1)); out must not alias x. Does not allocate;
+ *  cannot fail (shapes are the caller's contract). */
+void tw_cpu_moe_experts(tw_cpu_pool_t *pool, const tw_cpu_experts_t *w, int64_t e0, int64_t e1,
+                        const float *x, int64_t T, int32_t k, const int32_t *topk_idx,
+                        const float *topk_w, const tw_cpu_moe_scratch_t *scratch, float *out);
+
 #ifdef __cplusplus
 }
 #endif

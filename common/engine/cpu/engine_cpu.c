@@ -225,49 +225,29 @@ static void tw_cpu_attn_task(void *ctx_v, int ti, int nt) {
 static void tw_cpu_moe(const tw_engine_t *e, tw_cpu_state_t *s, const tw_layer_weights_t *w,
                        int64_t T) {
   const tw_model_config_t *c = &e->model->config;
-  const int64_t H = c->hidden, I = c->intermediate, E = c->n_experts, k = c->n_experts_per_tok;
+  const int64_t H = c->hidden, E = c->n_experts, k = c->n_experts_per_tok;
   tw_cpu_matmul_bf16(s->pool, s->xn, T, H, w->router_w.data, w->router_b.data, E, s->router);
   for (int64_t t = 0; t < T; t++)
     tw_cpu_router_topk(s->router + t * E, (int32_t)E, (int32_t)k, s->topk_idx + t * k,
                        s->topk_w + t * k);
-  memset(s->proj, 0, sizeof(float) * (size_t)(T * H));
-  const uint16_t *gu_bias = w->gate_up_bias.data, *down_bias = w->down_bias.data;
-  for (int64_t ex = s->tp.sh.e0; ex < s->tp.sh.e1; ex++) { /* this rank's experts */
-    int64_t n = 0;
-    for (int64_t t = 0; t < T; t++)
-      for (int64_t j = 0; j < k; j++)
-        if (s->topk_idx[t * k + j] == ex) {
-          s->exp_tok[n] = (int32_t)t;
-          s->exp_w[n] = s->topk_w[t * k + j];
-          n++;
-        }
-    if (n == 0) continue;
-    for (int64_t i = 0; i < n; i++)
-      memcpy(s->xe + i * H, s->xn + (int64_t)s->exp_tok[i] * H, sizeof(float) * (size_t)H);
-    if (w->experts_format == TW_EXPERTS_MXFP4) {
-      const uint8_t *gb = w->gate_up_blocks.data, *gs = w->gate_up_scales.data;
-      const uint8_t *db = w->down_blocks.data, *ds = w->down_scales.data;
-      tw_cpu_matmul_mxfp4(s->pool, s->xe, n, H, gb + ex * 2 * I * (H / 32) * 16,
-                          gs + ex * 2 * I * (H / 32), gu_bias + ex * 2 * I, 2 * I, s->ue);
-      for (int64_t i = 0; i < n; i++)
-        tw_cpu_swiglu(s->ue + i * 2 * I, I, c->swiglu_alpha, c->swiglu_limit, s->ae + i * I);
-      tw_cpu_matmul_mxfp4(s->pool, s->ae, n, I, db + ex * H * (I / 32) * 16,
-                          ds + ex * H * (I / 32), down_bias + ex * H, H, s->ye);
-    } else {
-      const uint16_t *gu = w->gate_up.data, *dn = w->down.data;
-      tw_cpu_matmul_bf16_kn(s->pool, s->xe, n, H, gu + ex * H * 2 * I, gu_bias + ex * 2 * I,
-                            2 * I, s->ue);
-      for (int64_t i = 0; i < n; i++)
-        tw_cpu_swiglu(s->ue + i * 2 * I, I, c->swiglu_alpha, c->swiglu_limit, s->ae + i * I);
-      tw_cpu_matmul_bf16_kn(s->pool, s->ae, n, I, dn + ex * I * H, down_bias + ex * H, H, s->ye);
-    }
-    /* the routing weight scales the whole expert output, b2 included (§2.9) */
-    for (int64_t i = 0; i < n; i++) {
-      float *o = s->proj + (int64_t)s->exp_tok[i] * H;
-      const float *y = s->ye + i * H;
-      for (int64_t d = 0; d < H; d++) o[d] += s->exp_w[i] * y[d];
-    }
-  }
+  const tw_cpu_experts_t ex = {.hidden = H,
+                               .intermediate = c->intermediate,
+                               .mxfp4 = w->experts_format == TW_EXPERTS_MXFP4,
+                               .gate_up_blocks = w->gate_up_blocks.data,
+                               .gate_up_scales = w->gate_up_scales.data,
+                               .down_blocks = w->down_blocks.data,
+                               .down_scales = w->down_scales.data,
+                               .gate_up = w->gate_up.data,
+                               .down = w->down.data,
+                               .gate_up_bias = w->gate_up_bias.data,
+                               .down_bias = w->down_bias.data,
+                               .swiglu_alpha = c->swiglu_alpha,
+                               .swiglu_limit = c->swiglu_limit};
+  const tw_cpu_moe_scratch_t scratch = {
+      .tok = s->exp_tok, .w = s->exp_w, .xe = s->xe, .ue = s->ue, .ae = s->ae, .ye = s->ye};
+  /* this rank's experts (all of them at EP 1; engine_cpu_tp.h) */
+  tw_cpu_moe_experts(s->pool, &ex, s->tp.sh.e0, s->tp.sh.e1, s->xn, T, (int32_t)k, s->topk_idx,
+                     s->topk_w, &scratch, s->proj);
 }
 
 /* Exchange the MoE buffers of the state with b (data-parallel attention runs
