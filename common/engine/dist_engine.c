@@ -18,10 +18,10 @@
 #include <string.h>
 
 enum { /* 1 was a prefill plan: prefill ranks follow their own (prefill_ranks.c) */
-  TW_PLAN_DECODE = 2,
-  TW_PLAN_STOP = 3,
-  TW_PLAN_USER = 4,
-  TW_PLAN_DECODE_DP = 5,
+       TW_PLAN_DECODE = 2,
+       TW_PLAN_STOP = 3,
+       TW_PLAN_USER = 4,
+       TW_PLAN_DECODE_DP = 5,
 };
 
 #define TW_DIST_DP_REPLY_MS 120000 /* a decode step on a loaded 2-core machine, with margin */
@@ -331,13 +331,11 @@ TW_NODISCARD tw_status_t tw_dist_follow_idle(tw_dist_t *d, tw_engine_t *e, tw_di
     int k = *kind;
     bool unread = false;
     switch (k) {
-    case TW_PLAN_DECODE: st = tw_follow_decode(e, &r, &unread); break;
-    case TW_PLAN_DECODE_DP: st = tw_follow_decode_dp(d, e, &r, &unread); break;
-    case TW_PLAN_USER: st = hook ? hook(ctx, r.p + r.off, r.len - r.off) : TW_OK; break;
-    case TW_PLAN_STOP: break;
-    default:
-      unread = true;
-      st = tw_err(TW_ERR_FORMAT, "dist: plan of unknown kind %d", k);
+      case TW_PLAN_DECODE: st = tw_follow_decode(e, &r, &unread); break;
+      case TW_PLAN_DECODE_DP: st = tw_follow_decode_dp(d, e, &r, &unread); break;
+      case TW_PLAN_USER: st = hook ? hook(ctx, r.p + r.off, r.len - r.off) : TW_OK; break;
+      case TW_PLAN_STOP: break;
+      default: unread = true; st = tw_err(TW_ERR_FORMAT, "dist: plan of unknown kind %d", k);
     }
     free(buf);
     if (k == TW_PLAN_STOP) {

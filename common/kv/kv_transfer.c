@@ -318,7 +318,7 @@ struct tw_kv_peer {
   void **slot_reg; /* [TW_KV_MAX_SLOTS]: a slot's mapping, cudaHostRegister'd */
   bool am_pieces;  /* no lane puts (TCP): unmapped pieces travel in "filled" */
   bool via_listener; /* connected through the receiver's listener */
-  bool greeted;    /* the receiver answered this endpoint's "hello" */
+  bool greeted;      /* the receiver answered this endpoint's "hello" */
   uint64_t hello_token;
 };
 

@@ -135,7 +135,14 @@ static void moe_reference(tw_cpu_pool_t *pool, const moe_case_t *c, const host_e
                              .ae = xmalloc((size_t)T * I * 4),
                              .ye = xmalloc((size_t)T * H * 4)};
   tw_cpu_moe_experts(pool, &ex, 0, E, x, T, k, idx, w, &sc, out);
-  free(idx); free(w); free(sc.tok); free(sc.w); free(sc.xe); free(sc.ue); free(sc.ae); free(sc.ye);
+  free(idx);
+  free(w);
+  free(sc.tok);
+  free(sc.w);
+  free(sc.xe);
+  free(sc.ue);
+  free(sc.ae);
+  free(sc.ye);
 }
 
 /* Route checks: indices exact, weights 1e-5, permutation consistent. */
@@ -286,8 +293,8 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   if (strstr(c->name, "hot")) /* ragged: every token on experts 0..k-1, the rest empty */
     for (int t = 0; t < T; t++)
       for (int j = 0; j < k; j++) logits[(size_t)t * E + j] += 40.0f;
-  tw_cuda_moe_weights_t w = {E, H, I, NULL, NULL, NULL, NULL, NULL, NULL, SWIGLU_ALPHA,
-                             SWIGLU_LIMIT};
+  tw_cuda_moe_weights_t w = {E,    H,    I,    NULL,         NULL,        NULL,
+                             NULL, NULL, NULL, SWIGLU_ALPHA, SWIGLU_LIMIT};
   size_t n_gu = (size_t)E * 2 * I * (H / 32), n_dn = (size_t)E * H * (I / 32);
   void *d_x, *d_logits, *d_out, *d_route, *d_ws, *p;
   if (upload(&p, h.gu_b, n_gu * 16)) return 1;

@@ -334,9 +334,9 @@ int main(int argc, char **argv) {
   st = drive(self, "badplan", NULL, &pid);
   killed = WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL;
   printf("badplan: the other ranks could not read a plan; rank 0 %s\n",
-         killed ? "was ended by its watchdog (SIGKILL)"
-                : WIFEXITED(st) && WEXITSTATUS(st) == 7 ? "still waited after 10 s"
-                                                        : "did NOT end by SIGKILL");
+         killed                                  ? "was ended by its watchdog (SIGKILL)"
+         : WIFEXITED(st) && WEXITSTATUS(st) == 7 ? "still waited after 10 s"
+                                                 : "did NOT end by SIGKILL");
   fails += !killed;
   printf("%s\n", fails ? "FAIL" : "PASS");
   return fails ? 1 : 0;
