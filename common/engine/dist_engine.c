@@ -191,9 +191,14 @@ TW_NODISCARD tw_status_t tw_dist_plan_stop(tw_dist_t *d) {
  * rank's N-th decode batch unreadable, as a corrupted or mis-sized plan
  * would be (tests/parallel/test_parallel_bad_plan.py). */
 static bool tw_test_bad_plan(void) {
-  static int seen;
-  const char *v = getenv("TWAIN_TEST_BAD_PLAN");
-  return v && atoi(v) > 0 && ++seen == atoi(v);
+  static long at = -1; /* read once: the hook sits on every decode plan */
+  static long seen;
+  if (at < 0) {
+    const char *v = getenv("TWAIN_TEST_BAD_PLAN");
+    at = v ? strtol(v, NULL, 10) : 0;
+    if (at < 0) at = 0;
+  }
+  return at > 0 && ++seen == at;
 }
 #else
 static bool tw_test_bad_plan(void) { return false; }
