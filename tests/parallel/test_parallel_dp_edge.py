@@ -32,6 +32,21 @@ import svc
 from partest import check, finish, stop_all
 
 
+def output_diff(replies, ref):
+    """What a request's streamed output is against its reference: 'same',
+    or its token count, the first index that differs with both ids there,
+    and how the request ended (finish reason, error code and message)."""
+    got = svc.tokens_of(replies)
+    if got == ref:
+        return "same, %d tokens" % len(got)
+    i = next((k for k, (x, y) in enumerate(zip(got, ref)) if x != y), min(len(got), len(ref)))
+    last = replies[-1] if replies else None
+    return "%d tokens vs %d, first difference at %d: %s vs %s; %d replies, finish_reason %s, error %s %r" % (
+        len(got), len(ref), i, got[i] if i < len(got) else "(none)", ref[i] if i < len(ref) else "(none)",
+        len(replies), last.finish_reason if last else "-", last.error.code if last else "-",
+        last.error.message if last else "")
+
+
 def dp_seqs(port):
     m = svc.metrics(port)
     return [m.get("twain_decode_dp_rank%d_sequences_total" % r, -1) for r in range(2)]
@@ -65,6 +80,7 @@ check(r.returncode == 2 and "--max-batch must be an integer in [0, 65536], got '
 
 prompt = fixtures.ids("short_dog")
 N = 100
+differed = False  # an output of section 2 differs from TP 1: the daemons' warnings are printed
 c = svc.Cluster(1, 1, decode_args=["--dp", "2", "--ep", "2", "--kv-blocks", "24", "--max-batch", "1"])
 try:
     cl = c.client()
@@ -106,7 +122,9 @@ try:
     s1 = dp_seqs(port)
     check([b - a for a, b in zip(s0, s1)] == [2, 1], "A and C on rank 0, B on rank 1: %s more" % (
         [b - a for a, b in zip(s0, s1)]))
-    check(all(svc.tokens_of(r) == ref for r in res), "the three outputs equal TP 1")
+    for name, rep in zip("ABC", res):
+        check(svc.tokens_of(rep) == ref, "%s: output equals TP 1 (%s)" % (name, output_diff(rep, ref)))
+    differed = any(svc.tokens_of(rep) != ref for rep in res)
     a, b, cc = rids
     check(order.index(a) < order.index(cc),
           "A finishes before C on their shared replica (done order A B C = %s)" % [
@@ -119,4 +137,9 @@ try:
     cl.close()
 finally:
     stop_all(c)
+    if differed:  # what the daemons said about it, once their output is all read
+        for pr in [c.router] + c.procs:
+            pr.settle()
+            for line in [ln for ln in pr.lines if " WARN " in ln or " ERROR " in ln][-20:]:
+                print("  %s: %s" % (pr.name, line))
 finish()
