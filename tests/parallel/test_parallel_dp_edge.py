@@ -24,7 +24,9 @@
    got no token until C had finished. Outputs equal TP 1.
 3. nothing leaked: the block gauges go back to 0, in all and per rank.
 Every wait is bounded; no assertion on time."""
+import os
 import subprocess
+import sys
 import time
 
 import fixtures
@@ -80,16 +82,21 @@ check(r.returncode == 2 and "--max-batch must be an integer in [0, 65536], got '
 
 prompt = fixtures.ids("short_dog")
 N = 100
-differed = False  # an output of section 2 differs from TP 1: the daemons' warnings are printed
+differed = False  # an output of section 2 differs from TP 1 (then, or on any failure, the
+#                  daemons' WARN and ERROR lines are printed)
 # The router expires a worker it has not heard from for --expire-ms (1 s,
 # x TWAIN_TEST_TIME_SCALE in a sanitizer build) and fails the requests that
 # were streaming from it (UNAVAILABLE "decode worker ... stopped
 # responding"). On a loaded 2-core machine the scheduler has left the ASan
 # decode worker (its ranks and mpirun share one CPU share, one session)
 # silent for 4 to 13 s, heartbeat thread included: section 2 then failed
-# with A and C cut at 97 and 94 tokens. Nothing here is about expiry, so the
-# router waits 20 s (scaled), well inside section 2's bounded wait.
+# with A and C cut at 97 and 94 tokens. A longer silence ends the decode
+# worker itself: its ranks take a peer silent for TWAIN_DIST_LOST_MS (3 s,
+# scaled) for a hung one and end with SIGKILL. Nothing here is about expiry
+# or hung ranks, so both wait 20 s (scaled), well inside section 2's
+# bounded wait.
 EXPIRE_MS = int(svc.scaled(20) * 1000)
+os.environ["TWAIN_DIST_LOST_MS"] = str(EXPIRE_MS)  # read by the decode worker's ranks
 c = svc.Cluster(1, 1, router_args=["--expire-ms", str(EXPIRE_MS)],
                 decode_args=["--dp", "2", "--ep", "2", "--kv-blocks", "24", "--max-batch", "1"])
 try:
@@ -147,7 +154,7 @@ try:
     cl.close()
 finally:
     stop_all(c)
-    if differed:  # what the daemons said about it, once their output is all read
+    if differed or svc.fails or sys.exc_info()[0]:  # what the daemons said, once all read
         for pr in [c.router] + c.procs:
             pr.settle()
             for line in [ln for ln in pr.lines if " WARN " in ln or " ERROR " in ln][-20:]:
