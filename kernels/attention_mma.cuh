@@ -38,6 +38,16 @@ static __device__ __forceinline__ void tw_cp_async16(uint32_t dst, const void *s
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
 }
+/* 16-byte global->shared copy of n bytes (16, or 0: zero-fill, nothing is
+ * read, src may be any pointer), issued only when `issue` (a predicate, no
+ * branch). */
+static __device__ __forceinline__ void tw_cp_async16_if(uint32_t dst, const void *src, int n,
+                                                        bool issue) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n"
+      "@p cp.async.cg.shared.global [%0], [%1], 16, %2;\n}\n" ::"r"(dst),
+      "l"(src), "r"(n), "r"((int)issue));
+}
 /* 4-byte global->shared copy (an fp8 KV scale); zero-fills when !valid. */
 static __device__ __forceinline__ void tw_cp_async4(uint32_t dst, const void *src, bool valid) {
   const int n = valid ? 4 : 0;

@@ -212,65 +212,70 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
   };
   if (FMT == TW_GG_MXFP4) tw_gg_load_scales(p, e, BW, grow, sS, NT);
 
-  /* assignment rows: chunk c = tid + NT i of a stage is row c / 8, 16-byte chunk c % 8 */
+  /* The copies of a stage. Everything but the k-tile is computed here once
+   * (the main loop is bound by instructions when experts hold few tokens:
+   * per k-tile a copy is a shared offset plus a stage base, a source pointer
+   * plus the k offset, and a byte count of 16 or 0 that zero-fills), so the
+   * loop carries no 64-bit address arithmetic, modulo or branch per copy.
+   * Assignment rows: chunk c = tid + NT i of a stage is row c / 8, 16-byte
+   * chunk c % 8; a row past the expert's count is zero-filled, a row past
+   * BT (BT = 16: the rows run out before the threads) is not copied. */
   const int xch = tid & 7;
   const __nv_bfloat16 *xsrc[XCH];
-  uint32_t xok = 0;
+  uint32_t xdst[XCH], xok = 0, xin = 0;
 #pragma unroll
   for (int i = 0; i < XCH; i++) {
     const int r = (tid >> 3) + NT / 8 * i;
-    const bool ok = r < rows && r < BT;
+    const bool in = r < BT, ok = in && r < rows;
     int64_t row = off + r;
     if (ok && p.sorted) row = p.sorted[row] / p.k_top;
     xsrc[i] = ok ? p.a + row * K + xch * 8 : p.a;
+    xdst[i] = tw_swz(in ? r : 0, xch);
     xok |= (uint32_t)ok << i;
+    xin |= (uint32_t)in << i;
   }
+  const int xkt = (K - xch * 8 + 63) / 64; /* k-tiles whose chunk xch is inside K */
   /* raw weights: warp w copies its 16 rows. MXFP4: lane l = row l/2, block
    * half l%2, stored at half ^ ((row >> 2) & 1) (conflict-free fragment
    * reads); bf16: 4 chunks per lane in the swizzled 64-wide layout. */
-  const uint8_t *wsrc[FMT == TW_GG_MXFP4 ? 1 : 4];
+  constexpr int WCH = FMT == TW_GG_MXFP4 ? 1 : 4;
+  const uint8_t *wsrc[WCH];
+  uint32_t wdst[WCH];
+  int wkt; /* k-tiles whose weight chunk is inside K */
   if (FMT == TW_GG_MXFP4) {
-    const int gr = min(grow(16 * warp + (lane >> 1)), N - 1);
-    wsrc[0] = p.wq + ((int64_t)e * N + gr) * KB * 16 + (lane & 1) * 16;
+    const int r = lane >> 1, h = lane & 1, gr = min(grow(16 * warp + r), N - 1);
+    wsrc[0] = p.wq + ((int64_t)e * N + gr) * KB * 16 + h * 16;
+    wdst[0] = 16 * warp * RROW + r * 32 + ((h ^ ((r >> 2) & 1)) * 16);
+    wkt = (KB - h + 1) / 2;
   } else {
 #pragma unroll
     for (int i = 0; i < 4; i++) {
       const int c = lane + 32 * i, gr = min(grow(16 * warp + (c >> 3)), N - 1);
       wsrc[i] = reinterpret_cast<const uint8_t *>(p.wh + ((int64_t)e * N + gr) * K + (c & 7) * 8);
+      wdst[i] = 16 * warp * RROW + tw_swz(c >> 3, c & 7);
     }
+    wkt = (K - (lane & 7) * 8 + 63) / 64;
   }
+  const uint32_t sX_u = tw_smem_u32(sX), sR_u = tw_smem_u32(sR);
   auto load_stage = [&](int kt, int st) {
-    const uint32_t x_st = tw_smem_u32(sX + st * BT * 128);
+    const uint32_t x_st = sX_u + st * (BT * 128);
 #pragma unroll
-    for (int i = 0; i < XCH; i++) {
-      const int r = (tid >> 3) + NT / 8 * i;
-      if (r >= BT) break; /* BT = 16: rows of the stage run out before the threads */
-      const bool ok = ((xok >> i) & 1) && kt * 64 + xch * 8 < K;
-      tw_cp_async16(x_st + tw_swz(r, xch), ok ? xsrc[i] + kt * 64 : p.a, ok);
-    }
-    const uint32_t r_st = tw_smem_u32(sR + st * RST + 16 * warp * RROW);
-    if (FMT == TW_GG_MXFP4) {
-      const int r = lane >> 1, h = lane & 1;
-      const bool ok = 2 * kt + h < KB;
-      tw_cp_async16(r_st + r * 32 + ((h ^ ((r >> 2) & 1)) * 16),
-                    ok ? wsrc[0] + kt * 32 : (const uint8_t *)p.a, ok);
-    } else {
+    for (int i = 0; i < XCH; i++)
+      tw_cp_async16_if(x_st + xdst[i], xsrc[i] + kt * 64,
+                       ((xok >> i) & 1) && kt < xkt ? 16 : 0, (xin >> i) & 1);
+    const uint32_t r_st = sR_u + st * RST;
+    const int wn = kt < wkt ? 16 : 0;
 #pragma unroll
-      for (int i = 0; i < 4; i++) {
-        const int c = lane + 32 * i;
-        const bool ok = kt * 64 + (c & 7) * 8 < K;
-        tw_cp_async16(r_st + tw_swz(c >> 3, c & 7),
-                      ok ? wsrc[i] + kt * 128 : (const uint8_t *)p.a, ok);
-      }
-    }
+    for (int i = 0; i < WCH; i++)
+      tw_cp_async16_if(r_st + wdst[i], wsrc[i] + kt * (FMT == TW_GG_MXFP4 ? 32 : 128), wn, true);
   };
   /* this warp's A fragments of k-tile kt (4 k16 steps) from raw stage st */
+  const uint32_t lut_lane = tw_smem_u32(sL) + 4 * lane; /* entry b of this lane: + 128 b */
   auto fragments = [&](int kt, int st, uint32_t (&af)[4][4]) {
     const uint8_t *rb = sR + st * RST + 16 * warp * RROW;
     if (FMT == TW_GG_MXFP4) {
       const int sw = (g >> 2) & 1; /* rows g and g + 8 share it */
       const uint32_t sel = 0x4440u | (uint32_t)t; /* byte t to the low byte, zeros above */
-      const uint32_t *lut = sL + lane;
 #pragma unroll
       for (int hr = 0; hr < 2; hr++) { /* row g, then g + 8 */
         const int r = g + 8 * hr, cr = 16 * warp + r;
@@ -279,9 +284,11 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
           const uint4 w = *reinterpret_cast<const uint4 *>(rb + r * 32 + ((h ^ sw) * 16));
           const uint32_t sc = tw_gg_scale2(sS[cr * KBP + 2 * kt + h]);
           const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162 *>(&sc);
-          /* byte t of word j = the pair at k 8 j + 2 t of this k-tile half */
+          /* byte t of word j = the pair at k 8 j + 2 t of this k-tile half;
+           * its table entry at lut_lane + 128 b: one shift-add for the address */
           auto cv = [&](uint32_t word) {
-            const uint32_t v = lut[__byte_perm(word, 0, sel) * 32];
+            uint32_t v;
+            asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(lut_lane + (__byte_perm(word, 0, sel) << 7)));
             __nv_bfloat162 o = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&v), s2);
             return *reinterpret_cast<uint32_t *>(&o);
           };
@@ -312,19 +319,25 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
     if (s < KT) load_stage(s, s);
     tw_cp_async_commit();
   }
+  /* the B descriptor of stage st, k16 step s: the base's plus (st BT 128 +
+   * 32 s) / 16 (the address field, bits 0-13, never carries: shared memory
+   * ends below 256 KB) */
+  const uint64_t xd0 = tw_wgmma_desc(sX_u);
+  int st = 0, lst = S - 1; /* the stage computed, the stage loaded */
   for (int kt = 0; kt < KT; kt++) {
-    const int st = kt % S;
     tw_cp_async_wait<S - 2>(); /* tile kt: this thread's copies */
     tw_fence_proxy_async();    /* cp.async data -> wgmma operand reads */
     __syncthreads();           /* everyone's copies; wgmma(kt - 1) done everywhere */
-    if (kt + S - 1 < KT) load_stage(kt + S - 1, (kt + S - 1) % S);
+    if (kt + S - 1 < KT) load_stage(kt + S - 1, lst);
     tw_cp_async_commit();
     fragments(kt, st, af);
-    const uint32_t x_base = tw_smem_u32(sX + st * BT * 128);
+    const uint64_t xd = xd0 + (uint64_t)(st * (BT * 128 / 16));
+    st = st + 1 == S ? 0 : st + 1;
+    lst = lst + 1 == S ? 0 : lst + 1;
     tw_reg_fence(acc);
     tw_wgmma_fence();
 #pragma unroll
-    for (int s = 0; s < 4; s++) tw_wgmma_rs(acc, af[s], tw_wgmma_desc(x_base + s * 32));
+    for (int s = 0; s < 4; s++) tw_wgmma_rs(acc, af[s], xd + 2 * s);
     tw_wgmma_commit();
     tw_reg_fence(acc);
     tw_wgmma_wait0();

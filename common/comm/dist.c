@@ -500,6 +500,8 @@ static TW_NODISCARD tw_status_t tw_dist_hello(tw_dist_t *d) {
   }
   int got = 0;
   int64_t end = tw_dist_now_ms() + TW_DIST_JOIN_MS;
+  tw_proc_t self; /* read once: each hello is compared with it */
+  tw_proc_self(&self);
   while (got < d->id.size - 1) {
     int64_t left = end - tw_dist_now_ms();
     if (left <= 0)
@@ -516,8 +518,6 @@ static TW_NODISCARD tw_status_t tw_dist_hello(tw_dist_t *d) {
     memcpy(&h, b, n < sizeof h ? n : sizeof h);
     if (n >= 4 && h.type == TW_DIST_MSG_HELLO) got++;
     if (n == sizeof h && h.rank > 0 && h.rank < (uint32_t)d->id.size) {
-      tw_proc_t self;
-      tw_proc_self(&self);
       d->rank_proc[h.rank] = h.proc;
       d->local[h.rank] = tw_proc_local(&self, &d->rank_proc[h.rank]);
     }

@@ -1204,14 +1204,16 @@ static void tw_kv_peer_unmap(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   p->slot_ptr = 0;
 }
 
-/* Close an endpoint at once (UCP_EP_CLOSE_FLAG_FORCE: nothing is flushed),
- * progressing until UCX is done with it (bounded). */
-static void tw_kv_ep_close_force(tw_kv_xfer_t *x, ucp_ep_h ep) {
+/* Close an endpoint at once (UCP_EP_CLOSE_FLAG_FORCE: nothing is flushed);
+ * with `wait`, progressing until UCX is done with it (bounded), else the
+ * close request is released to UCX, which finishes it (from inside the
+ * progress loop, where progressing again is not wanted). */
+static void tw_kv_ep_close_force(tw_kv_xfer_t *x, ucp_ep_h ep, bool wait) {
   ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                              .flags = UCP_EP_CLOSE_FLAG_FORCE};
   void *req = ucp_ep_close_nbx(ep, &prm);
   if (UCS_PTR_IS_PTR(req)) {
-    for (int i = 0; i < 100000 && ucp_request_check_status(req) == UCS_INPROGRESS; i++)
+    for (int i = 0; wait && i < 100000 && ucp_request_check_status(req) == UCS_INPROGRESS; i++)
       ucp_worker_progress(x->worker);
     ucp_request_free(req);
   }
@@ -1225,7 +1227,7 @@ static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
     x->cudart.ipc_close(p->ipc_ptr);
   }
   if (p->rkey) ucp_rkey_destroy(p->rkey);
-  if (p->ep) tw_kv_ep_close_force(x, p->ep);
+  if (p->ep) tw_kv_ep_close_force(x, p->ep, true);
   for (int i = 0; i < TW_KV_PIECES; i++) /* its answers will not come */
     if (x->pieces[i].id && x->pieces[i].peer == p) tw_kv_piece_release(x, &x->pieces[i]);
   free(p->address);
@@ -1239,7 +1241,7 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
   for (int i = 0; i < x->n_senders; i++) tw_kv_sender_close(x, x->senders[i]);
   if (x->listener) ucp_listener_destroy(x->listener);
   for (int i = 0; i < x->n_accepted; i++)
-    if (x->accepted[i]) tw_kv_ep_close_force(x, x->accepted[i]);
+    if (x->accepted[i]) tw_kv_ep_close_force(x, x->accepted[i], true);
   free(x->published);
   tw_kv_ring_free(x);
   for (int i = 0; i < TW_KV_PIECES; i++)
@@ -1699,10 +1701,7 @@ static void tw_kv_accepted_reap(tw_kv_xfer_t *x) {
     bool used = false;
     for (int i = 0; i < x->n_senders && !used; i++) used = x->senders[i]->ep == x->accepted[k];
     if (!x->accepted[k] || !x->accepted_failed[k] || used) continue;
-    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
-                               .flags = UCP_EP_CLOSE_FLAG_FORCE};
-    void *req = ucp_ep_close_nbx(x->accepted[k], &prm);
-    if (UCS_PTR_IS_PTR(req)) ucp_request_free(req); /* UCX finishes it */
+    tw_kv_ep_close_force(x, x->accepted[k], false); /* UCX finishes it */
     x->accepted[k] = NULL;
   }
 }
@@ -1954,70 +1953,47 @@ TW_NODISCARD tw_status_t tw_kv_region_register(tw_kv_xfer_t *x, const tw_kv_layo
   return tw_kv_region_register_ex(x, layout, NULL, region_p);
 }
 
-TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
-                                                  const tw_kv_region_params_t *prm,
-                                                  tw_kv_region_t **region_p) {
-  if (!layout || !layout->base || layout->total_bytes <= 0)
-    return tw_err(TW_ERR_INVALID_ARGUMENT, "kv region: empty pool layout");
-  tw_kv_region_t *r = calloc(1, sizeof *r);
-  if (!r) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv region");
-  r->xfer = x;
-  r->layout = *layout;
-  tw_status_t st = TW_OK;
-  /* TWAIN_KV_PATH=staged: stage even with CUDA transports (prefill workers
-   * without them, nodes without a cuda_ipc path, the staged benchmark), and
-   * even a host pool */
-  const char *want = getenv("TWAIN_KV_PATH");
-  bool force_staged = want && strcmp(want, "staged") == 0;
-  /* TWAIN_KV_PATH=ipc: one host (twain serve): the device pool is reached
-   * over CUDA IPC alone, no ucx registration and no host mirror */
-  if (layout->on_device && want && strcmp(want, "ipc") == 0) {
-    r->rkey = malloc(1);
-    r->rkey_len = 0;
-    if (!r->rkey) {
-      st = tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv rkey blob");
-      goto fail;
-    }
-    if (!tw_kv_ipc_export(r)) {
-      st = tw_err(TW_ERR_UNSUPPORTED,
+/* TWAIN_KV_PATH=ipc, one host (twain serve): the device pool is reached over
+ * CUDA IPC alone, no ucx registration and no host mirror. */
+static TW_NODISCARD tw_status_t tw_kv_region_init_ipc(tw_kv_region_t *r) {
+  r->rkey = malloc(1);
+  r->rkey_len = 0;
+  if (!r->rkey) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv rkey blob");
+  if (!tw_kv_ipc_export(r))
+    return tw_err(TW_ERR_UNSUPPORTED,
                   "TWAIN_KV_PATH=ipc, but the device kv pool cannot be exported "
                   "over CUDA IPC (see the warning above); unset it to use ucx");
-      goto fail;
-    }
-    TW_INFO("kvx",
-            "kv handoff mode (receive): device KV pool over CUDA IPC only "
-            "(TWAIN_KV_PATH=ipc): prefill workers on this host copy into it, nothing else can");
-    TW_CHECK_GOTO(
-        tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len), st,
-        fail);
-    *region_p = r;
-    return TW_OK;
-  }
-  /* a host pool stages only when asked (tests, benchmarks: the staged
-   * receive path on a machine without a GPU, copies out of the ring by
-   * memcpy) */
-  r->staged = (prm && prm->staging_ring) || force_staged || (layout->on_device && !x->cuda_native);
-  if (r->staged) {
-    TW_CHECK_GOTO(tw_kv_rx_ring_init(r, prm), st, fail);
-    /* the ring's rkey, plus a CUDA IPC descriptor of a device pool (a
-     * prefill worker on this host may copy into it directly) */
-    if (layout->on_device) (void)tw_kv_ipc_export(r); /* optional: logged when it fails */
-    TW_INFO(
-        "kvx",
-        "registered kv pool: %lld bytes, %d layers x %d blocks, STAGED receive: a ring "
-        "of %d x %lld MiB %s bounce buffers (TWAIN_KV_STAGING_SLOTS, TWAIN_KV_STAGING_SLOT_MB), "
-        "copied to the pool on its own stream; no pinned mirror%s",
-        (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, r->n_slots,
-        (long long)(r->slot_bytes >> 20), r->slots_pinned ? "pinned" : "host",
-        !layout->on_device ? " (host pool, staged on request: TWAIN_KV_PATH=staged)"
-        : x->cuda_native   ? " (TWAIN_KV_PATH=staged)"
-                           : " (UCX has no CUDA support)");
-    TW_CHECK_GOTO(
-        tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len), st,
-        fail);
-    *region_p = r;
-    return TW_OK;
-  }
+  TW_INFO("kvx",
+          "kv handoff mode (receive): device KV pool over CUDA IPC only "
+          "(TWAIN_KV_PATH=ipc): prefill workers on this host copy into it, nothing else can");
+  return TW_OK;
+}
+
+/* The staged receive path: the ring, its rkey, plus a CUDA IPC descriptor
+ * of a device pool (a prefill worker on this host may copy into it
+ * directly). */
+static TW_NODISCARD tw_status_t tw_kv_region_init_staged(tw_kv_region_t *r,
+                                                         const tw_kv_region_params_t *prm) {
+  const tw_kv_layout_t *layout = &r->layout;
+  TW_CHECK(tw_kv_rx_ring_init(r, prm));
+  if (layout->on_device) (void)tw_kv_ipc_export(r); /* optional: logged when it fails */
+  TW_INFO("kvx",
+          "registered kv pool: %lld bytes, %d layers x %d blocks, STAGED receive: a ring "
+          "of %d x %lld MiB %s bounce buffers (TWAIN_KV_STAGING_SLOTS, TWAIN_KV_STAGING_SLOT_MB), "
+          "copied to the pool on its own stream; no pinned mirror%s",
+          (long long)layout->total_bytes, layout->n_layers, layout->n_blocks, r->n_slots,
+          (long long)(r->slot_bytes >> 20), r->slots_pinned ? "pinned" : "host",
+          !layout->on_device     ? " (host pool, staged on request: TWAIN_KV_PATH=staged)"
+          : r->xfer->cuda_native ? " (TWAIN_KV_PATH=staged)"
+                                 : " (UCX has no CUDA support)");
+  return TW_OK;
+}
+
+/* The pool itself registered (ucp_mem_map, host or CUDA memory) and its
+ * rkey packed, plus a CUDA IPC descriptor of a device pool. */
+static TW_NODISCARD tw_status_t tw_kv_region_init_mapped(tw_kv_region_t *r) {
+  tw_kv_xfer_t *x = r->xfer;
+  const tw_kv_layout_t *layout = &r->layout;
   r->registered = layout->base;
   ucp_mem_map_params_t mp = {
       .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
@@ -2028,22 +2004,18 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
   ucs_status_t us = ucp_mem_map(x->ctx, &mp, &r->memh);
   if (us != UCS_OK) {
     r->memh = NULL;
-    st = tw_err(TW_ERR_TRANSPORT, "ucp_mem_map of %lld bytes failed: %s",
-                (long long)layout->total_bytes, ucs_status_string(us));
-    goto fail;
+    return tw_err(TW_ERR_TRANSPORT, "ucp_mem_map of %lld bytes failed: %s",
+                  (long long)layout->total_bytes, ucs_status_string(us));
   }
   void *buf = NULL;
   size_t len = 0;
   us = ucp_rkey_pack(x->ctx, r->memh, &buf, &len);
-  if (us != UCS_OK) {
-    st = tw_err(TW_ERR_TRANSPORT, "ucp_rkey_pack failed: %s", ucs_status_string(us));
-    goto fail;
-  }
+  if (us != UCS_OK)
+    return tw_err(TW_ERR_TRANSPORT, "ucp_rkey_pack failed: %s", ucs_status_string(us));
   r->rkey = malloc(len);
   if (!r->rkey) {
     ucp_rkey_buffer_release(buf);
-    st = tw_err(TW_ERR_NO_MEMORY, "cannot copy a %zu-byte rkey", len);
-    goto fail;
+    return tw_err(TW_ERR_NO_MEMORY, "cannot copy a %zu-byte rkey", len);
   }
   memcpy(r->rkey, buf, len);
   r->rkey_len = len;
@@ -2055,14 +2027,42 @@ TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_l
           !layout->on_device
               ? "host KV pool, registered in place"
               : "device KV pool DIRECT: registered as CUDA memory (UCX cuda transports)");
-  TW_CHECK_GOTO(
-      tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len), st,
-      fail);
+  return TW_OK;
+}
+
+TW_NODISCARD tw_status_t tw_kv_region_register_ex(tw_kv_xfer_t *x, const tw_kv_layout_t *layout,
+                                                  const tw_kv_region_params_t *prm,
+                                                  tw_kv_region_t **region_p) {
+  if (!layout || !layout->base || layout->total_bytes <= 0)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "kv region: empty pool layout");
+  tw_kv_region_t *r = calloc(1, sizeof *r);
+  if (!r) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate a kv region");
+  r->xfer = x;
+  r->layout = *layout;
+  /* TWAIN_KV_PATH=staged: stage even with CUDA transports (prefill workers
+   * without them, nodes without a cuda_ipc path, the staged benchmark), and
+   * even a host pool; a host pool otherwise stages only when asked (tests,
+   * benchmarks: the staged receive path on a machine without a GPU, copies
+   * out of the ring by memcpy) */
+  const char *want = getenv("TWAIN_KV_PATH");
+  bool force_staged = want && strcmp(want, "staged") == 0;
+  tw_status_t st;
+  if (layout->on_device && want && strcmp(want, "ipc") == 0) {
+    st = tw_kv_region_init_ipc(r);
+  } else {
+    r->staged =
+        (prm && prm->staging_ring) || force_staged || (layout->on_device && !x->cuda_native);
+    st = r->staged ? tw_kv_region_init_staged(r, prm) : tw_kv_region_init_mapped(r);
+  }
+  /* every path publishes its rkey blob sealed (kv_seal.h) */
+  if (st == TW_OK)
+    st = tw_kv_seal(TW_KV_SEAL_RKEY, r->rkey, r->rkey_len, &r->sealed_rkey, &r->sealed_rkey_len);
+  if (st != TW_OK) {
+    tw_kv_region_unregister(r);
+    return st;
+  }
   *region_p = r;
   return TW_OK;
-fail:
-  tw_kv_region_unregister(r);
-  return st;
 }
 
 void tw_kv_region_unregister(tw_kv_region_t *r) {
