@@ -91,7 +91,7 @@ check_install() { # 0 when PREFIX holds a UCX with the CUDA transports
 cuda_module() { find "$prefix/lib/ucx" -maxdepth 1 -type f -name 'libuct_cuda.so.*' | sort | head -1; }
 
 if check_install; then
-  say "already installed in $prefix ($(env -u LD_LIBRARY_PATH "$prefix/bin/ucx_info" -v | sed -n 's/^# Version //p' | head -1))"
+  say "already installed in $prefix ($(env -u LD_LIBRARY_PATH "$prefix/bin/ucx_info" -v | sed -nE 's/^# (Library version:|Version) ([0-9.]+).*/\2/p' | head -1))"
   make_tarball
   cuda_module
   exit 0
