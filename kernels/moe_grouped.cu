@@ -165,6 +165,21 @@ static __device__ __forceinline__ uint32_t tw_gg_scale2(uint32_t s) {
   return s ? (s << 7) * 0x10001u : 0x00400040u;
 }
 
+/* The four k16 steps of a k-tile on the first W8 n8 tiles of the
+ * accumulators (wgmma m64n(8 W8)k16; the B tile's rows past 8 W8 are not
+ * read), with their fence and commit (in each branch of the caller, so
+ * ptxas need not add them). */
+template <int W8, int N8>
+static __device__ __forceinline__ void tw_gg_wgmma4(float (&acc)[N8][4], const uint32_t (&af)[4][4],
+                                                    uint64_t xd) {
+  static_assert(W8 >= 1 && W8 <= N8, "wgmma N within the tile");
+  float(&d)[W8][4] = *reinterpret_cast<float(*)[W8][4]>(&acc[0][0]);
+  tw_wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < 4; s++) tw_wgmma_rs(d, af[s], xd + 2 * s);
+  tw_wgmma_commit();
+}
+
 /* The grouped GEMM kernel (see the file comment). FMT: TW_GG_MXFP4 or
  * TW_GG_BF16 weights; EPI: TW_GG_SWIGLU or TW_GG_PLAIN; BT: assignment rows
  * per CTA (the wgmma N: 16, 32, 64 or 128). A tile of BT rows reads its
@@ -323,6 +338,8 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
    * 32 s) / 16 (the address field, bits 0-13, never carries: shared memory
    * ends below 256 KB) */
   const uint64_t xd0 = tw_wgmma_desc(sX_u);
+  constexpr int GQ = N8 / 4 > 0 ? N8 / 4 : 1; /* n8 tiles of a quarter tile */
+  const int nq = (rows + 8 * GQ - 1) / (8 * GQ);
   int st = 0, lst = S - 1; /* the stage computed, the stage loaded */
   for (int kt = 0; kt < KT; kt++) {
     tw_cp_async_wait<S - 2>(); /* tile kt: this thread's copies */
@@ -335,10 +352,17 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
     st = st + 1 == S ? 0 : st + 1;
     lst = lst + 1 == S ? 0 : lst + 1;
     tw_reg_fence(acc);
-    tw_wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < 4; s++) tw_wgmma_rs(acc, af[s], xd + 2 * s);
-    tw_wgmma_commit();
+    /* the tile's rows rounded up to a quarter of BT (at least 8): the wgmma
+     * N, so a tile whose expert holds fewer than BT rows does not multiply
+     * the zero rows (a uniform branch) */
+    if (nq == 1)
+      tw_gg_wgmma4<GQ>(acc, af, xd);
+    else if (nq == 2)
+      tw_gg_wgmma4<(2 * GQ < N8 ? 2 * GQ : N8)>(acc, af, xd);
+    else if (nq == 3)
+      tw_gg_wgmma4<(3 * GQ < N8 ? 3 * GQ : N8)>(acc, af, xd);
+    else
+      tw_gg_wgmma4<N8>(acc, af, xd);
     tw_reg_fence(acc);
     tw_wgmma_wait0();
     tw_reg_fence(acc);

@@ -7,6 +7,7 @@
 #include "common/kv/kv_fp8.h"
 #include "common/kv/kv_reshard.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 
 /* Add the decode pool (layout kl, endpoint addr/rkey) as a destination if it
@@ -37,6 +38,19 @@ static TW_NODISCARD tw_status_t tw_handoff_dst_add(tw_handoff_send_t *s, size_t 
   TW_CHECK(tw_kv_xfer_peer(s->xfer, addr->data, addr->len, rkey->data, rkey->len, &dd->peer));
   s->n_dst++;
   return TW_OK;
+}
+
+/* s->st just failed: its message, with the decode worker it was for, into
+ * s->msg and this thread's last error (a later error elsewhere in the
+ * batch cannot take its place). */
+static void tw_handoff_failed(tw_handoff_send_t *s) {
+  if (s->st >= 0 || s->msg[0]) return;
+  const Twain__Internal__V1__KvHandoff *h = s->r->handoff;
+  const char *dw = h && h->decode_worker && h->decode_worker[0] ? h->decode_worker : "?";
+  char why[192];
+  snprintf(why, sizeof why, "%s", tw_last_error());
+  snprintf(s->msg, sizeof s->msg, "kv handoff to decode worker %s: %s", dw, why);
+  s->st = tw_err_quiet(s->st, "%s", s->msg);
 }
 
 TW_NODISCARD tw_status_t tw_handoff_send_begin(tw_handoff_send_t *s, tw_kv_xfer_t *xfer,
@@ -73,6 +87,7 @@ TW_NODISCARD tw_status_t tw_handoff_send_begin(tw_handoff_send_t *s, tw_kv_xfer_
   if (s->st == TW_OK && s->n_dst == 0)
     s->st = tw_err(TW_ERR_UNSUPPORTED, "kv handoff: no decode pool holds kv heads [%d, %d)",
                    src->kv_head_offset, src->kv_head_offset + src->n_kv_heads_local);
+  tw_handoff_failed(s);
   return s->st;
 }
 
@@ -99,6 +114,7 @@ void tw_handoff_send_layer(tw_handoff_send_t *s, int32_t l, int32_t end, bool in
     s->layer_sends++;
     s->layer_sends_in_engine += in_engine;
   }
+  tw_handoff_failed(s);
   s->t_put_ns += tw_msg_clock_ns() - t0;
 }
 
@@ -117,6 +133,7 @@ TW_NODISCARD tw_status_t tw_handoff_send_flush(tw_handoff_send_t *s, int timeout
   int64_t t0 = tw_msg_clock_ns();
   for (int32_t d = 0; d < s->n_dst && s->st == TW_OK; d++)
     s->st = tw_kv_xfer_flush(s->xfer, s->dst[d].peer, timeout_ms);
+  tw_handoff_failed(s);
   s->t_put_ns += tw_msg_clock_ns() - t0;
   return s->st;
 }

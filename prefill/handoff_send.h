@@ -52,6 +52,7 @@ typedef struct {
   int64_t layer_sends_in_engine; /* of those, from the engine's on_layer_done */
   int64_t t_last_layer_ns;       /* when the last layer was reported done (0: not yet) */
   tw_status_t st;                /* first error (the engine's callback cannot return one) */
+  char msg[256];                 /* its message, naming the decode worker ("" while OK) */
 } tw_handoff_send_t;
 
 /** Set s up for request r (r->handoff set) of n_layers layers: its
@@ -90,8 +91,10 @@ TW_NODISCARD tw_status_t tw_handoff_send_rest(tw_handoff_send_t *s, int64_t t_do
 
 /** Flush every destination's endpoint (the KV is remotely complete when it
  *  returns TW_OK), timed into t_put_ns. Returns s->st, else the first flush
- *  error (TW_ERR_TRANSPORT, TW_ERR_DEADLINE: those of tw_kv_xfer_flush),
- *  also left in s->st. */
+ *  error (TW_ERR_UNAVAILABLE: the decode worker is gone, TW_ERR_TRANSPORT,
+ *  TW_ERR_DEADLINE: those of tw_kv_xfer_flush), also left in s->st.
+ *  Whatever fails first, s->msg (and this thread's last error) says so
+ *  with the decode worker's name (KvHandoff.decode_worker). */
 TW_NODISCARD tw_status_t tw_handoff_send_flush(tw_handoff_send_t *s, int timeout_ms);
 
 /** Connect ahead of traffic to a decode worker's registered pools h

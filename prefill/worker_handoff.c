@@ -51,12 +51,14 @@ void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b) {
       if (fs != TW_OK) /* the other requests to that peer fail with it, unflushed */
         for (int32_t k = 0; k < b->n_seqs; k++)
           if (k != it->seq && b->states[k].st == TW_OK &&
-              tw_handoff_send_share_peer(&b->states[k], s))
+              tw_handoff_send_share_peer(&b->states[k], s)) {
             b->states[k].st = fs;
+            snprintf(b->states[k].msg, sizeof b->states[k].msg, "%s", s->msg);
+          }
     }
     it->st = s->st;
-    if (it->st != TW_OK) {
-      snprintf(it->msg, sizeof it->msg, "%s", tw_last_error());
+    if (it->st != TW_OK) { /* the handoff's own message, naming the decode worker */
+      snprintf(it->msg, sizeof it->msg, "%s", s->msg[0] ? s->msg : tw_last_error());
       continue;
     }
     it->out.first_token = b->firsts[it->seq];

@@ -53,7 +53,11 @@ static bool tw_int(tw_hconn_t *c, const cJSON *o, const char *k, double lo, doub
     tw_http_fail(c, 400, k, "'%s' = %.0f is outside [%.0f, %.0f]", k, v->valuedouble, lo, hi);
     return false;
   }
-  if (v) *out = (int64_t)v->valuedouble;
+  /* above 2^63 (a uint64 seed): its bits, not an out-of-range conversion */
+  if (v && v->valuedouble >= 9223372036854775808.0)
+    *out = (int64_t)(uint64_t)v->valuedouble;
+  else if (v)
+    *out = (int64_t)v->valuedouble;
   return true;
 }
 

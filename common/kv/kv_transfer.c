@@ -193,7 +193,10 @@ static TW_NODISCARD tw_status_t tw_cudart_load(tw_cudart_t *rt) {
 #define TW_KV_AM_GRANT_ID 0x4b58u
 #define TW_KV_AM_FILLED_ID 0x4b59u
 #define TW_KV_AM_HELLO_ID 0x4b5au     /* sender -> receiver: token (uint64_t) */
-#define TW_KV_AM_HELLO_ACK_ID 0x4b5bu /* receiver -> sender, on the reply endpoint */
+/* receiver -> sender, on the reply endpoint: the token as header, the
+ * receiving process as data (tw_kv_am_hello_ack_t; a sender that knows
+ * only the token ignores the data) */
+#define TW_KV_AM_HELLO_ACK_ID 0x4b5bu
 #define TW_KV_HELLO_TIMEOUT_MS 10000
 #define TW_KV_GRANT_TIMEOUT_MS 120000
 typedef struct {
@@ -212,6 +215,13 @@ typedef struct {
   int32_t slot;
   int32_t status; /* UCS_OK: granted; else why the receiver refused the piece */
 } tw_kv_am_grant_t;
+/* The answer to a greeting: its token and the receiving process, so that a
+ * sender on the same host can tell at once that its receiver died (its pid)
+ * instead of waiting out a timeout. */
+typedef struct {
+  uint64_t token;
+  tw_proc_t proc;
+} tw_kv_am_hello_ack_t;
 typedef struct {
   uint64_t base;
   uint64_t piece;
@@ -322,6 +332,11 @@ struct tw_kv_peer {
   bool via_listener; /* connected through the receiver's listener */
   bool greeted;      /* the receiver answered this endpoint's "hello" */
   uint64_t hello_token;
+  /* the receiving process, from its answer to the greeting: when it is on
+   * this host, waits for it check its pid (tw_kv_peer_gone) */
+  tw_proc_t proc;
+  bool local;
+  int64_t checked_ns; /* its pid was last checked */
 };
 
 struct tw_kv_xfer {
@@ -841,6 +856,7 @@ fail:
 
 static void tw_kv_ring_free(tw_kv_xfer_t *x);
 static void tw_kv_sender_close(tw_kv_xfer_t *x, tw_kv_sender_t *s);
+static void tw_kv_peer_drop(tw_kv_xfer_t *x, tw_kv_peer_t *p);
 static void tw_kv_ep_lanes(tw_kv_peer_t *p, const tw_kv_xfer_t *x);
 
 /* ---- the sender's pieces for staged receivers ---- */
@@ -859,6 +875,33 @@ static void tw_kv_piece_release(tw_kv_xfer_t *x, tw_kv_piece_t *e) {
 static void tw_kv_piece_refuse(tw_kv_piece_t *e, ucs_status_t why) {
   e->state = TW_PIECE_REFUSED;
   if (e->peer && e->peer->refused == UCS_OK) e->peer->refused = why;
+}
+
+/* Whether the receiver behind p is gone: its endpoint failed, or, when it
+ * runs on this host (named in its answer to the greeting), its process no
+ * longer does (checked every 20 ms, or at once when `at_once`: a flush, which
+ * completes a handoff, always looks), so that a sender learns of a killed
+ * decode worker at once instead of waiting out its timeouts. Marks p
+ * failed. */
+static bool tw_kv_peer_gone(tw_kv_peer_t *p, bool at_once) {
+  if (p->failed) return true;
+  int64_t now = tw_now_ns();
+  if (!p->local || (!at_once && now - p->checked_ns < 20 * 1000000LL)) return false;
+  p->checked_ns = now;
+  if (tw_proc_alive(&p->proc)) return false;
+  TW_WARN("kvx", "decode worker pid %d is gone: its kv handoffs fail, its endpoint is dropped",
+          (int)p->proc.pid);
+  p->failed = 1;
+  return true;
+}
+
+/* "the decode worker", with its pid when it named one (for messages). */
+static const char *tw_kv_peer_name(const tw_kv_peer_t *p, char *buf, size_t cap) {
+  if (p->proc.pid > 0)
+    snprintf(buf, cap, "decode worker pid %d", (int)p->proc.pid);
+  else
+    snprintf(buf, cap, "the decode worker");
+  return buf;
 }
 
 /* "grant" (UCX's active message callback): the piece's slot, or a refusal. */
@@ -890,15 +933,21 @@ static ucs_status_t tw_kv_am_grant(void *arg, const void *header, size_t header_
 static ucs_status_t tw_kv_am_hello_ack(void *arg, const void *header, size_t header_length,
                                        void *data, size_t length,
                                        const ucp_am_recv_param_t *param) {
-  (void)data;
-  (void)length;
-  (void)param;
   tw_kv_xfer_t *x = arg;
-  uint64_t token;
-  if (header_length != sizeof token) return UCS_OK;
-  memcpy(&token, header, sizeof token);
-  for (int i = 0; i < x->n_peers; i++)
-    if (x->peers[i]->hello_token == token) x->peers[i]->greeted = true;
+  tw_kv_am_hello_ack_t a;
+  memset(&a, 0, sizeof a);
+  if (header_length != sizeof a.token) return UCS_OK;
+  memcpy(&a.token, header, sizeof a.token);
+  /* no process (a receiver that sends the token alone): nothing to watch */
+  bool named = length == sizeof a.proc && !(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV);
+  if (named) memcpy(&a.proc, data, sizeof a.proc);
+  for (int i = 0; i < x->n_peers; i++) {
+    tw_kv_peer_t *p = x->peers[i];
+    if (p->hello_token != a.token) continue;
+    p->greeted = true;
+    p->proc = a.proc;
+    p->local = named && tw_proc_local(&x->self, &p->proc);
+  }
   return UCS_OK;
 }
 
@@ -907,6 +956,10 @@ static ucs_status_t tw_kv_am_hello_ack(void *arg, const void *header, size_t hea
  * once the answer is here the receiver has no wireup message queued towards
  * this process (pieces, above). A failed greeting marks the peer failed. */
 TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
+  if (p->failed) {
+    tw_kv_peer_drop(x, p);
+    return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
+  }
   if (p->greeted) return TW_OK;
   p->hello_token = ++x->hello_seq;
   ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
@@ -914,7 +967,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   void *req = ucp_am_send_nbx(p->ep, TW_KV_AM_HELLO_ID, &p->hello_token, sizeof p->hello_token,
                               NULL, 0, &prm);
   if (UCS_PTR_IS_ERR(req)) {
-    p->failed = 1;
+    tw_kv_peer_drop(x, p);
     return tw_err(TW_ERR_TRANSPORT, "ucp_am_send_nbx of the greeting to a decode worker failed: %s",
                   ucs_status_string(UCS_PTR_STATUS(req)));
   }
@@ -936,7 +989,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
     return TW_OK;
   }
   bool failed = p->failed;
-  p->failed = 1;
+  tw_kv_peer_drop(x, p);
   if (failed)
     return tw_err(TW_ERR_UNAVAILABLE,
                   "the decode worker's ucx endpoint failed during the greeting");
@@ -1115,24 +1168,25 @@ static TW_NODISCARD tw_status_t tw_kv_pieces_wait(tw_kv_xfer_t *x, tw_kv_peer_t 
                                         : x->n_pieces < TW_KV_PIECES;
     if (done) return TW_OK;
     if (what == TW_KV_WAIT_ID) p = x->pieces[id % TW_KV_PIECES].peer;
-    bool failed = p && p->failed;
+    bool failed = p && tw_kv_peer_gone(p, false);
     if (failed || tw_now_ns() > deadline) {
       int n = 0;
-      for (int i = 0; i < TW_KV_PIECES; i++)
-        if (x->pieces[i].id && (!p || x->pieces[i].peer == p)) {
-          tw_kv_piece_release(x, &x->pieces[i]);
-          n++;
-        }
-      if (p) p->failed = 1; /* the endpoint is dropped and made again at the next handoff */
+      for (int i = 0; i < TW_KV_PIECES; i++) n += x->pieces[i].id && (!p || x->pieces[i].peer == p);
+      char name[48] = "the decode worker";
+      if (p) {
+        tw_kv_peer_name(p, name, sizeof name);
+        tw_kv_peer_drop(x, p); /* its pieces released; made again at the next handoff */
+      } else {
+        for (int i = 0; i < TW_KV_PIECES; i++)
+          if (x->pieces[i].id) tw_kv_piece_release(x, &x->pieces[i]);
+      }
       if (failed)
         return tw_err(TW_ERR_UNAVAILABLE,
-                      "the decode worker's ucx endpoint failed with %d "
-                      "staged kv pieces not taken",
-                      n);
-      return tw_err(TW_ERR_DEADLINE,
-                    "the decode worker did not take %d staged kv pieces within "
-                    "%d ms",
-                    n, timeout_ms);
+                      "%s is gone (its ucx endpoint failed or its process "
+                      "ended) with %d staged kv pieces not taken",
+                      name, n);
+      return tw_err(TW_ERR_DEADLINE, "%s did not take %d staged kv pieces within %d ms", name, n,
+                    timeout_ms);
     }
     ucp_worker_progress(x->worker);
   }
@@ -1175,6 +1229,7 @@ static TW_NODISCARD tw_status_t tw_kv_piece_send(tw_kv_xfer_t *x, tw_kv_peer_t *
                               x->sealed_address_len, &prm);
   if (UCS_PTR_IS_ERR(req)) {
     *e = (tw_kv_piece_t){0};
+    tw_kv_peer_drop(x, p);
     return tw_err(TW_ERR_TRANSPORT, "ucp_am_send_nbx of a staged kv piece's request failed: %s",
                   ucs_status_string(UCS_PTR_STATUS(req)));
   }
@@ -1219,17 +1274,30 @@ static void tw_kv_ep_close_force(tw_kv_xfer_t *x, ucp_ep_h ep, bool wait) {
   }
 }
 
+/* Let go of a receiver's UCX state now: its ring unmapped, its endpoint
+ * closed (forced, bounded), its pieces released (their answers will not
+ * come), its rkey destroyed. The peer stays, failed, for the handoffs that
+ * still name it; tw_kv_xfer_peer makes a new one for its address. A failed
+ * receiver is dropped at once, so nothing of a dead decode worker lingers
+ * in the cache until it is evicted. */
+static void tw_kv_peer_drop(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
+  p->failed = 1;
+  tw_kv_peer_unmap(x, p);
+  if (p->ep) tw_kv_ep_close_force(x, p->ep, true);
+  p->ep = NULL;
+  for (int i = 0; i < TW_KV_PIECES; i++)
+    if (x->pieces[i].id && x->pieces[i].peer == p) tw_kv_piece_release(x, &x->pieces[i]);
+  if (p->rkey) ucp_rkey_destroy(p->rkey);
+  p->rkey = NULL;
+}
+
 static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   if (!p) return;
-  tw_kv_peer_unmap(x, p);
+  tw_kv_peer_drop(x, p);
   if (p->ipc_ptr) {
     if (p->ipc_pending && x->ipc_stream) x->cudart.event_sync(x->ipc_event); /* no copy in flight */
     x->cudart.ipc_close(p->ipc_ptr);
   }
-  if (p->rkey) ucp_rkey_destroy(p->rkey);
-  if (p->ep) tw_kv_ep_close_force(x, p->ep, true);
-  for (int i = 0; i < TW_KV_PIECES; i++) /* its answers will not come */
-    if (x->pieces[i].id && x->pieces[i].peer == p) tw_kv_piece_release(x, &x->pieces[i]);
   free(p->address);
   free(p->rkey_buf);
   free(p);
@@ -1534,23 +1602,25 @@ static ucs_status_t tw_kv_am_want(void *arg, const void *header, size_t header_l
  * reply endpoint is not answered (it times out). */
 static ucs_status_t tw_kv_am_hello(void *arg, const void *header, size_t header_length, void *data,
                                    size_t length, const ucp_am_recv_param_t *param) {
-  (void)arg;
   (void)data;
   (void)length;
   if (header_length != sizeof(uint64_t) || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
     TW_WARN("kvx", "ignoring a malformed greeting from a prefill worker");
     return UCS_OK;
   }
-  void *copy = malloc(sizeof(uint64_t));
+  tw_kv_xfer_t *x = arg;
+  tw_kv_am_hello_ack_t *copy = malloc(sizeof *copy);
   if (!copy) return UCS_OK; /* the sender times out */
-  memcpy(copy, header, sizeof(uint64_t));
+  memset(copy, 0, sizeof *copy);
+  memcpy(&copy->token, header, sizeof copy->token);
+  copy->proc = x->self;
   ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                                              UCP_OP_ATTR_FIELD_USER_DATA,
                              .flags = UCP_AM_SEND_FLAG_EAGER,
                              .cb.send = tw_kv_msg_sent,
                              .user_data = copy};
-  void *req = ucp_am_send_nbx(param->reply_ep, TW_KV_AM_HELLO_ACK_ID, copy, sizeof(uint64_t), NULL,
-                              0, &prm);
+  void *req = ucp_am_send_nbx(param->reply_ep, TW_KV_AM_HELLO_ACK_ID, &copy->token,
+                              sizeof copy->token, &copy->proc, sizeof copy->proc, &prm);
   if (!UCS_PTR_IS_PTR(req)) free(copy); /* sent at once, or failed: the sender times out */
   return UCS_OK;
 }
@@ -1723,7 +1793,12 @@ void tw_kv_xfer_progress(tw_kv_xfer_t *x) {
     if (!events && !moved) break;
   }
 }
-void tw_kv_xfer_stats(const tw_kv_xfer_t *x, tw_kv_xfer_stats_t *out) { *out = x->stats; }
+void tw_kv_xfer_stats(const tw_kv_xfer_t *x, tw_kv_xfer_stats_t *out) {
+  *out = x->stats;
+  out->pieces_in_flight = x->n_pieces;
+  out->endpoints = 0;
+  for (int i = 0; i < x->n_peers; i++) out->endpoints += x->peers[i]->ep != NULL;
+}
 
 int tw_kv_xfer_wait_fd(tw_kv_xfer_t *x) {
   int fd = -1;
@@ -2483,6 +2558,16 @@ static TW_NODISCARD tw_status_t tw_kv_src_register(tw_kv_xfer_t *x, const tw_kv_
   return TW_OK;
 }
 
+/* A put to p failed (its endpoint did: the decode worker is gone or
+ * unreachable): p is dropped. Returns TW_ERR_TRANSPORT. */
+static TW_NODISCARD tw_status_t tw_kv_put_failed(tw_kv_xfer_t *x, tw_kv_peer_t *p, int64_t bytes,
+                                                 ucs_status_t us) {
+  char name[48];
+  tw_kv_peer_drop(x, p);
+  return tw_err(TW_ERR_TRANSPORT, "ucp_put_nbx of %lld kv bytes to %s failed: %s", (long long)bytes,
+                tw_kv_peer_name(p, name, sizeof name), ucs_status_string(us));
+}
+
 typedef enum {
   TW_KV_RING_READ = 0, /* checksum only */
   TW_KV_RING_PUT = 1,  /* put each chunk to raddr + its offset */
@@ -2565,9 +2650,7 @@ static TW_NODISCARD tw_status_t tw_kv_ring_put(tw_kv_xfer_t *x, tw_kv_peer_t *p,
         prm.memh = g->memh;
       }
       void *req = ucp_put_nbx(p->ep, src, (size_t)len, raddr + (uint64_t)(sent * S), p->rkey, &prm);
-      if (UCS_PTR_IS_ERR(req))
-        return tw_err(TW_ERR_TRANSPORT, "ucp_put_nbx of %lld staged kv bytes failed: %s",
-                      (long long)len, ucs_status_string(UCS_PTR_STATUS(req)));
+      if (UCS_PTR_IS_ERR(req)) return tw_kv_put_failed(x, p, len, UCS_PTR_STATUS(req));
       g->req[k] = req;
       x->stats.puts++;
       if (device) x->stats.staged_bytes += len;
@@ -2607,7 +2690,12 @@ const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *p) { return p->lanes; }
 TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const tw_kv_layout_t *src,
                                         const tw_kv_remote_layout_t *dst, const tw_kv_seg_t *segs,
                                         int32_t n_segs, uint64_t raddr, uint64_t *maybe_checksum) {
-  if (p->failed) return tw_err(TW_ERR_UNAVAILABLE, "the decode worker's ucx endpoint failed");
+  if (tw_kv_peer_gone(p, false)) {
+    char name[48];
+    tw_kv_peer_drop(x, p);
+    return tw_err(TW_ERR_UNAVAILABLE, "%s is gone (its ucx endpoint failed or its process ended)",
+                  tw_kv_peer_name(p, name, sizeof name));
+  }
   int64_t total = 0;
   const char *lo = src->base, *hi = (const char *)src->base + src->total_bytes;
   for (int32_t i = 0; i < n_segs; i++) {
@@ -2734,9 +2822,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
       for (int32_t i = 0; i < n_segs; i++) {
         if (segs[i].bytes == 0) continue;
         void *req = ucp_put_nbx(p->ep, segs[i].ptr, (size_t)segs[i].bytes, raddr + off, p->rkey, &prm);
-        if (UCS_PTR_IS_ERR(req))
-          return tw_err(TW_ERR_TRANSPORT, "ucp_put_nbx of %lld kv bytes failed: %s",
-                        (long long)segs[i].bytes, ucs_status_string(UCS_PTR_STATUS(req)));
+        if (UCS_PTR_IS_ERR(req)) return tw_kv_put_failed(x, p, segs[i].bytes, UCS_PTR_STATUS(req));
         if (req) ucp_request_free(req); /* completion is tracked by the endpoint flush */
         off += (uint64_t)segs[i].bytes;
         x->stats.puts++;
@@ -2805,8 +2891,14 @@ int32_t tw_kv_run_length(const int32_t *src_ids, const int32_t *dst_ids, int32_t
 }
 
 TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int timeout_ms) {
+  char name[48];
   /* pieces for a staged receiver: done when it has answered each */
   if (p->n_pieces) TW_CHECK(tw_kv_pieces_wait(x, p, TW_KV_WAIT_PEER, 0, timeout_ms));
+  if (tw_kv_peer_gone(p, true)) {
+    tw_kv_peer_drop(x, p);
+    return tw_err(TW_ERR_UNAVAILABLE, "kv transfer flush: %s is gone",
+                  tw_kv_peer_name(p, name, sizeof name));
+  }
   if (p->refused != UCS_OK) {
     ucs_status_t why = (ucs_status_t)p->refused;
     p->refused = UCS_OK;
@@ -2835,29 +2927,33 @@ TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *x, tw_kv_peer_t *p, int 
   ucp_request_param_t prm = {.op_attr_mask = 0};
   void *req = ucp_ep_flush_nbx(p->ep, &prm);
   if (UCS_PTR_IS_ERR(req)) {
-    p->failed = 1;
-    return tw_err(TW_ERR_UNAVAILABLE, "ucp_ep_flush_nbx failed: %s",
-                  ucs_status_string(UCS_PTR_STATUS(req)));
+    tw_kv_peer_drop(x, p);
+    return tw_err(TW_ERR_UNAVAILABLE, "ucp_ep_flush_nbx to %s failed: %s",
+                  tw_kv_peer_name(p, name, sizeof name), ucs_status_string(UCS_PTR_STATUS(req)));
   }
   ucs_status_t s = UCS_OK;
   if (req) {
     int64_t deadline = tw_now_ns() + (int64_t)timeout_ms * 1000000;
     while ((s = ucp_request_check_status(req)) == UCS_INPROGRESS) {
       ucp_worker_progress(x->worker);
-      if (tw_now_ns() > deadline) {
+      bool gone = tw_kv_peer_gone(p, false);
+      if (gone || tw_now_ns() > deadline) {
         /* a flush cannot be cancelled: release the request (UCX frees it when
          * it completes or the endpoint is closed) and drop the endpoint */
         ucp_request_free(req);
-        p->failed = 1;
-        return tw_err(TW_ERR_DEADLINE, "kv transfer flush did not complete within %d ms",
-                      timeout_ms);
+        tw_kv_peer_drop(x, p);
+        tw_kv_peer_name(p, name, sizeof name);
+        if (gone) return tw_err(TW_ERR_UNAVAILABLE, "kv transfer flush: %s is gone", name);
+        return tw_err(TW_ERR_DEADLINE, "kv transfer flush to %s did not complete within %d ms",
+                      name, timeout_ms);
       }
     }
     ucp_request_free(req);
   }
   if (s != UCS_OK || p->failed) {
-    p->failed = 1;
-    return tw_err(TW_ERR_UNAVAILABLE, "kv transfer flush failed: %s", ucs_status_string(s));
+    tw_kv_peer_drop(x, p);
+    return tw_err(TW_ERR_UNAVAILABLE, "kv transfer flush to %s failed: %s",
+                  tw_kv_peer_name(p, name, sizeof name), ucs_status_string(s));
   }
   for (int k = 0; k < TW_KV_RING_SLOTS; k++) TW_CHECK(tw_kv_req_wait(x, &x->ring.req[k]));
   x->stats.flushes++;

@@ -53,6 +53,15 @@
  *    back (its pid, on one host; no fill within 120 s elsewhere) and its
  *    waiting pieces dropped, so a prefill worker killed mid-handoff leaves
  *    the decode worker serving.
+ * The other way round, a decode worker killed while a prefill worker
+ * connects to it or hands off into it: the sender's waits are bounded (the
+ * greeting 10 s, pieces and flushes their timeouts), and once the receiver
+ * answered the greeting with its process, a receiver on this host that no
+ * longer runs fails the handoff at once (its pid, checked every 20 ms and at
+ * every flush) with TW_ERR_UNAVAILABLE naming its pid; a failed receiver's
+ * endpoint, rkey and pieces are let go at once (tw_kv_xfer_stats:
+ * endpoints, pieces_in_flight), and the next handoff to that address makes
+ * a new one (test_kv_staged receivers).
  * Not thread-safe: one thread per tw_kv_xfer_t. */
 #ifndef TW_COMMON_KV_TRANSFER_H
 #define TW_COMMON_KV_TRANSFER_H
@@ -109,6 +118,12 @@ typedef struct {
   int64_t staged_bytes;      /* of bytes_sent, copied through the bounce ring from a device */
   int64_t ring_bytes;        /* of bytes_sent, sent into a receiver's bounce ring (active
                               * messages, counted in puts) */
+  /* now, not counters: pieces sent to staged receivers and not yet
+   * answered (each holds a pointer into the local pool), and cached
+   * endpoints to decode workers that are open (a failed one is closed at
+   * once) */
+  int32_t pieces_in_flight;
+  int32_t endpoints;
 } tw_kv_xfer_stats_t;
 
 /** How bytes go from a local pool to a remote one (see the file comment). */
@@ -279,7 +294,8 @@ TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t 
 
 /** Greet the receiver behind `peer` once per endpoint (a no-op afterwards):
  *  a "hello" message answered by the receiver's worker on the endpoint its
- *  UCX made for ours, waited for (progressing this worker) at most 10 s.
+ *  UCX made for ours (with the receiving process: on this host its pid is
+ *  watched from then on), waited for (progressing this worker) at most 10 s.
  *  Once answered, the receiver has no UCX wireup message queued towards
  *  this process, so this process dying later cannot abort it through UCX
  *  1.13's TCP connection setup (kv_transfer.c, pieces; docs/operations.md).
@@ -287,14 +303,17 @@ TW_NODISCARD tw_status_t tw_kv_xfer_send_layer(tw_kv_xfer_t *xfer, tw_kv_peer_t 
  *  when it connects ahead of traffic. The receiver must progress its worker
  *  (a decode worker does, sleeping on its event fd).
  *  Errors: TW_ERR_TRANSPORT (the send failed), TW_ERR_UNAVAILABLE (the
- *  endpoint failed), TW_ERR_DEADLINE (no answer in 10 s); the endpoint is
- *  then dropped from the cache and made again by the next tw_kv_xfer_peer. */
+ *  endpoint failed, now or before), TW_ERR_DEADLINE (no answer in 10 s); the
+ *  endpoint is then closed at once and made again by the next
+ *  tw_kv_xfer_peer. */
 TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer);
 
 /** Wait until every put to `peer` is remotely complete (ucp_ep_flush_nbx),
  *  progressing the worker, for at most timeout_ms.
- *  Errors: TW_ERR_DEADLINE (timed out), TW_ERR_UNAVAILABLE (the peer failed;
- *  the endpoint is dropped from the cache), TW_ERR_TRANSPORT. */
+ *  Errors: TW_ERR_DEADLINE (timed out), TW_ERR_UNAVAILABLE (the peer failed,
+ *  or its process on this host is gone: checked at every flush; a staged
+ *  receiver dropped pieces), TW_ERR_TRANSPORT. On DEADLINE and a failed
+ *  peer the endpoint is closed at once (tw_kv_xfer_peer makes a new one). */
 TW_NODISCARD tw_status_t tw_kv_xfer_flush(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer, int timeout_ms);
 
 /** The path puts from a local pool (on device or not) to a remote pool take
@@ -317,7 +336,9 @@ const char *tw_kv_xfer_peer_lanes(const tw_kv_peer_t *peer);
  *  from it (device sources are read back through the ring for it).
  *  Errors: TW_ERR_INVALID_ARGUMENT (a piece outside `src`, the range outside
  *  `dst`), TW_ERR_UNSUPPORTED (a device pool without a cuda_ipc lane to it),
- *  TW_ERR_UNAVAILABLE (the endpoint failed), TW_ERR_TRANSPORT (ucp_put_nbx),
+ *  TW_ERR_UNAVAILABLE (the endpoint failed, or the receiver's process on
+ *  this host is gone), TW_ERR_TRANSPORT (ucp_put_nbx; the endpoint is then
+ *  closed),
  *  TW_ERR_CUDA, TW_ERR_NO_MEMORY (the ring), TW_ERR_DEADLINE (a ring slot's
  *  put did not complete in 10 s). */
 TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *xfer, tw_kv_peer_t *peer,

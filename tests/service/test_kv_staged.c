@@ -25,7 +25,20 @@
  *     abort the receiver; both sides then connect through the receiver's
  *     listener, kv_transfer.c);
  *  3. sends handoff 3 into the same blocks: complete and exact, so the
- *     receiver keeps serving after a sender died mid-transfer. */
+ *     receiver keeps serving after a sender died mid-transfer.
+ *
+ * The reverse ("receivers N staged|host"): the parent is the prefill side
+ * and the decode sides are children, a staged one (the ring) or a host pool
+ * registered in place. A live receiver A takes handoff 1; then N receivers
+ * in turn are killed (SIGKILL) at moment k % 7 of their handoff: before the
+ * sender connects, after its endpoint is made, 0-3 ms into the greeting (a
+ * forked killer: the greeting does not return in between), after the
+ * greeting, after 1 and after 3 of the 4 layers (pieces or puts on their
+ * way), before the flush. The sender must come back (every wait bounded) with UNAVAILABLE,
+ * DEADLINE or TRANSPORT, no piece in flight (none still points into its
+ * pool), only A's endpoint open (the dead one dropped), and a handoff to A
+ * right after each kill must land exact; at the end a fresh receiver takes
+ * one exactly. */
 #include "common/base/log.h"
 #include "common/comm/msg.h"
 #include "common/kv/kv_transfer.h"
@@ -33,6 +46,8 @@
 
 #include "tests/test_expect.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -78,23 +93,45 @@ static int first_of(int l) { return tw_kv_layer_first_block(NTOK, BS, sliding[l]
 
 /* A prefill side: fill its pool for handoff t, send it (all of it, or
  * die after `die_after` layers), report the stats. */
-static int child(int t, int die_after, int rfd, int wfd) {
+/* What a decode side published (publish), read from fd. */
+typedef struct {
   size_t alen, rlen;
+  uint8_t *addr, *rkey;
   tw_kv_remote_layout_t rl;
-  if (tw_test_read_all(rfd, &alen, sizeof alen) || tw_test_read_all(rfd, &rlen, sizeof rlen))
-    return 2;
-  uint8_t *addr = malloc(alen), *rkey = malloc(rlen);
-  if (!addr || !rkey || tw_test_read_all(rfd, addr, alen) || tw_test_read_all(rfd, rkey, rlen) ||
-      tw_test_read_all(rfd, &rl, sizeof rl))
-    return 2;
+} published_t;
+static int read_published(int fd, published_t *p) {
+  *p = (published_t){0};
+  if (tw_test_read_all(fd, &p->alen, sizeof p->alen) ||
+      tw_test_read_all(fd, &p->rlen, sizeof p->rlen) || p->alen > (1 << 20) || p->rlen > (1 << 20))
+    return -1;
+  p->addr = malloc(p->alen ? p->alen : 1);
+  p->rkey = malloc(p->rlen ? p->rlen : 1);
+  return !p->addr || !p->rkey || tw_test_read_all(fd, p->addr, p->alen) ||
+                 tw_test_read_all(fd, p->rkey, p->rlen) ||
+                 tw_test_read_all(fd, &p->rl, sizeof p->rl)
+             ? -1
+             : 0;
+}
+
+/* Fill blocks of every layer of a source pool with handoff t's pattern. */
+static void fill(tw_kv_layout_t *src, int t) {
+  for (int l = 0; l < L; l++)
+    for (int j = 0; j < NB; j++) {
+      uint8_t *b = (uint8_t *)src->base + l * src->layer_stride_bytes + j * src->block_bytes;
+      for (int64_t k = 0; k < src->block_bytes; k++) b[k] = pat(t, l, j, k);
+    }
+}
+
+static int child(int t, int die_after, int rfd, int wfd) {
+  published_t pub;
+  if (read_published(rfd, &pub)) return 2;
+  uint8_t *addr = pub.addr, *rkey = pub.rkey;
+  size_t alen = pub.alen, rlen = pub.rlen;
+  tw_kv_remote_layout_t rl = pub.rl;
   tw_kv_layout_t src = make_layout(NULL);
   src.base = calloc(1, (size_t)src.total_bytes);
   if (!src.base) return 2;
-  for (int l = 0; l < L; l++)
-    for (int j = 0; j < NB; j++) {
-      uint8_t *b = (uint8_t *)src.base + l * src.layer_stride_bytes + j * src.block_bytes;
-      for (int64_t k = 0; k < src.block_bytes; k++) b[k] = pat(t, l, j, k);
-    }
+  fill(&src, t);
   int32_t ids[NSENT];
   for (int j = 0; j < NSENT; j++) ids[j] = j;
   tw_kv_xfer_t *x = NULL;
@@ -130,6 +167,19 @@ static int child(int t, int die_after, int rfd, int wfd) {
   return 0;
 }
 
+/* A decode side's pool of 0xEE bytes, its ucp worker and its region: a
+ * staged ring of SLOTS x SLOT_BYTES, or (!staged) the pool registered in
+ * place. 0, or -1. */
+static int decode_side(bool staged, tw_kv_layout_t *pool, tw_kv_xfer_t **x, tw_kv_region_t **reg) {
+  *pool = make_layout(NULL);
+  pool->base = malloc((size_t)pool->total_bytes);
+  if (!pool->base) return -1;
+  memset(pool->base, 0xEE, (size_t)pool->total_bytes);
+  tw_kv_region_params_t prm = {.staging_ring = true, .n_slots = SLOTS, .slot_bytes = SLOT_BYTES};
+  return tw_kv_xfer_create(x) || tw_kv_region_register_ex(*x, pool, staged ? &prm : NULL, reg) ? -1
+                                                                                               : 0;
+}
+
 /* Progress the kv worker until fd is readable (tw_test_progress_until_readable). */
 static void progress_xfer(void *x) { tw_kv_xfer_progress(x); }
 static int wait_readable(tw_kv_xfer_t *x, int fd) {
@@ -156,57 +206,280 @@ static int64_t wrong_bytes(const tw_kv_layout_t *pool, int t, bool with_gather) 
   return bad;
 }
 
-/* One prefill child for handoff t; 0 when it reported (stats in *s). */
-static pid_t spawn(int t, int die_after, tw_kv_xfer_t *x, tw_kv_region_t *reg, int *to_child,
-                   int *from_child) {
+/* This program again as a child (a fresh process, exec: UCX state does not
+ * survive fork), "test_kv_staged ROLE A B RFD WFD": pipes to and from it. */
+static pid_t spawn_self(const char *role, int a, int b, int *to_child, int *from_child) {
   int p2c[2], c2p[2];
-  if (pipe(p2c) || pipe(c2p)) return -1;
+  /* close-on-exec: a later child must not hold this one's pipes open */
+  if (pipe2(p2c, O_CLOEXEC) || pipe2(c2p, O_CLOEXEC)) return -1;
   pid_t pid = fork();
-  if (pid == 0) { /* a fresh process (exec): UCX state does not survive fork */
+  if (pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     close(p2c[1]);
     close(c2p[0]);
-    char a[4][16];
-    snprintf(a[0], sizeof a[0], "%d", t);
-    snprintf(a[1], sizeof a[1], "%d", die_after);
-    snprintf(a[2], sizeof a[2], "%d", p2c[0]);
-    snprintf(a[3], sizeof a[3], "%d", c2p[1]);
-    execl("/proc/self/exe", "test_kv_staged", "child", a[0], a[1], a[2], a[3], (char *)NULL);
+    fcntl(p2c[0], F_SETFD, 0); /* its own ends stay */
+    fcntl(c2p[1], F_SETFD, 0);
+    char v[4][16];
+    snprintf(v[0], sizeof v[0], "%d", a);
+    snprintf(v[1], sizeof v[1], "%d", b);
+    snprintf(v[2], sizeof v[2], "%d", p2c[0]);
+    snprintf(v[3], sizeof v[3], "%d", c2p[1]);
+    execl("/proc/self/exe", "test_kv_staged", role, v[0], v[1], v[2], v[3], (char *)NULL);
     _exit(127);
   }
   close(p2c[0]);
   close(c2p[1]);
-  size_t alen, rlen;
-  const void *addr = tw_kv_xfer_address(x, &alen);
-  const void *rkey = tw_kv_region_rkey(reg, &rlen);
-  tw_kv_remote_layout_t rl;
-  tw_kv_region_remote_layout(reg, &rl);
-  if (tw_test_write_all(p2c[1], &alen, sizeof alen) ||
-      tw_test_write_all(p2c[1], &rlen, sizeof rlen) || tw_test_write_all(p2c[1], addr, alen) ||
-      tw_test_write_all(p2c[1], rkey, rlen) || tw_test_write_all(p2c[1], &rl, sizeof rl))
-    return -1;
   *to_child = p2c[1];
   *from_child = c2p[0];
   return pid;
 }
 
+/* What a decode side publishes (its address, the rkey, the layout), to fd. */
+static int publish(int fd, tw_kv_xfer_t *x, tw_kv_region_t *reg) {
+  size_t alen, rlen;
+  const void *addr = tw_kv_xfer_address(x, &alen);
+  const void *rkey = tw_kv_region_rkey(reg, &rlen);
+  tw_kv_remote_layout_t rl;
+  tw_kv_region_remote_layout(reg, &rl);
+  return tw_test_write_all(fd, &alen, sizeof alen) || tw_test_write_all(fd, &rlen, sizeof rlen) ||
+                 tw_test_write_all(fd, addr, alen) || tw_test_write_all(fd, rkey, rlen) ||
+                 tw_test_write_all(fd, &rl, sizeof rl)
+             ? -1
+             : 0;
+}
+
+/* One prefill child for handoff t, given our address and the region's. */
+static pid_t spawn(int t, int die_after, tw_kv_xfer_t *x, tw_kv_region_t *reg, int *to_child,
+                   int *from_child) {
+  pid_t pid = spawn_self("child", t, die_after, to_child, from_child);
+  return pid > 0 && publish(*to_child, x, reg) == 0 ? pid : -1;
+}
+
+/* ---- the reverse: decode sides killed under a live prefill side ---- */
+
+/* A decode side: a pool of 0xEE, a staged ring or registered in place,
+ * published to wfd; then, progressing its worker (a staged receiver grants
+ * and copies only then), it answers each handoff tag read from rfd with the
+ * wrong bytes of that handoff once it landed (-1: it did not within 10 s),
+ * until EOF (exit 0) or 300 s (exit 4). */
+static int receiver(bool staged, int rfd, int wfd) {
+  tw_kv_layout_t pool;
+  tw_kv_xfer_t *x = NULL;
+  tw_kv_region_t *reg = NULL;
+  if (decode_side(staged, &pool, &x, &reg)) return 3;
+  if (publish(wfd, x, reg)) return 2;
+  int32_t ids[NSENT], firsts[L];
+  for (int j = 0; j < NSENT; j++) ids[j] = j;
+  for (int l = 0; l < L; l++) firsts[l] = first_of(l);
+  int rc = 4;
+  for (int64_t until = tw_msg_clock_ns() + 300 * 1000000000LL; tw_msg_clock_ns() < until;) {
+    tw_kv_xfer_progress(x);
+    fd_set fds;
+    FD_ZERO(&fds);
+    FD_SET(rfd, &fds);
+    struct timeval tv = {0, 100};
+    if (select(rfd + 1, &fds, NULL, NULL, &tv) <= 0) continue;
+    uint64_t tag;
+    if (tw_test_read_all(rfd, &tag, sizeof tag)) {
+      rc = 0; /* EOF: done */
+      break;
+    }
+    int64_t bad = -1;
+    if (tw_kv_region_commit(reg, tag, ids, NSENT, firsts, 10000) == TW_OK)
+      bad = wrong_bytes(&pool, (int)tag, false);
+    if (tw_test_write_all(wfd, &bad, sizeof bad)) return 2;
+  }
+  tw_kv_region_unregister(reg);
+  tw_kv_xfer_destroy(x);
+  free(pool.base);
+  return rc;
+}
+
+/* A decode side as the prefill side sees it. */
+typedef struct {
+  pid_t pid;
+  int to, from;
+  published_t pub;
+} rx_t;
+
+static int rx_start(bool staged, rx_t *rx) {
+  rx->pid = spawn_self("receiver", staged, 0, &rx->to, &rx->from);
+  return rx->pid > 0 && read_published(rx->from, &rx->pub) == 0 ? 0 : -1;
+}
+
+/* SIGKILL, then wait until it is dead (a zombie: not reaped, as a decode
+ * worker whose parent has not looked yet). */
+static void rx_kill(rx_t *rx) {
+  kill(rx->pid, SIGKILL);
+  siginfo_t si;
+  while (waitid(P_PID, (id_t)rx->pid, &si, WEXITED | WNOWAIT) < 0 && errno == EINTR) {}
+}
+
+/* The wrong bytes of handoff t in rx's pool (-1: it never landed). */
+static int64_t rx_check(rx_t *rx, int t) {
+  uint64_t tag = (uint64_t)t;
+  int64_t bad = -2;
+  if (tw_test_write_all(rx->to, &tag, sizeof tag) || tw_test_read_all(rx->from, &bad, sizeof bad))
+    return -2;
+  return bad;
+}
+
+/* EOF to a live receiver, then its exit status (-1 when it did not exit
+ * cleanly); a killed one is reaped. */
+static int rx_end(rx_t *rx) {
+  close(rx->to);
+  int st = 0;
+  waitpid(rx->pid, &st, 0);
+  close(rx->from);
+  free(rx->pub.addr);
+  free(rx->pub.rkey);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+enum {
+  K_NONE = -1,
+  K_BEFORE_CONNECT,
+  K_CONNECTED,
+  K_GREETING,
+  K_GREETED,
+  K_LAYER1,
+  K_LAYER3,
+  K_FLUSH,
+  K_N
+};
+static const char *const k_name[K_N] = {"before the sender connects",
+                                        "after its endpoint is made",
+                                        "0-3 ms into the greeting",
+                                        "after the greeting",
+                                        "after 1 of 4 layers",
+                                        "after 3 of 4 layers",
+                                        "before the flush"};
+
+/* Kill rx after delay_us from now, from a forked process (it only sleeps
+ * and kills: nothing of UCX runs in it), while this one goes on: a kill
+ * inside a call that does not return in between (the greeting). */
+static pid_t rx_kill_later(rx_t *rx, int delay_us) {
+  pid_t k = fork();
+  if (k == 0) {
+    usleep((useconds_t)delay_us);
+    kill(rx->pid, SIGKILL);
+    _exit(0);
+  }
+  return k;
+}
+
+/* Handoff t of src's blocks 0..NSENT-1 into rx as a prefill worker makes
+ * it (connect, greet, a layer at a time, flush), rx killed at moment k
+ * (K_GREETING: delay_us into the greeting). */
+static tw_status_t handoff_to(tw_kv_xfer_t *x, rx_t *rx, tw_kv_layout_t *src, int t, int k,
+                              int delay_us) {
+  int32_t ids[NSENT];
+  for (int j = 0; j < NSENT; j++) ids[j] = j;
+  fill(src, t);
+  tw_kv_remote_layout_t rl = rx->pub.rl;
+  rl.handoff_tag = (uint64_t)t;
+  if (k == K_BEFORE_CONNECT) rx_kill(rx);
+  tw_kv_peer_t *peer = NULL;
+  tw_status_t st =
+      tw_kv_xfer_peer(x, rx->pub.addr, rx->pub.alen, rx->pub.rkey, rx->pub.rlen, &peer);
+  if (k == K_CONNECTED) rx_kill(rx);
+  pid_t killer = k == K_GREETING ? rx_kill_later(rx, delay_us) : -1;
+  if (st == TW_OK) st = tw_kv_xfer_greet(x, peer); /* as tw_handoff_connect does */
+  if (killer > 0) {                                /* from here on it is dead */
+    waitpid(killer, NULL, 0);
+    rx_kill(rx);
+  }
+  for (int l = 0; l < L && st == TW_OK; l++) {
+    if ((k == K_GREETED && l == 0) || (k == K_LAYER1 && l == 1) || (k == K_LAYER3 && l == 3))
+      rx_kill(rx);
+    st = tw_kv_xfer_send_layer(x, peer, src, &rl, l, ids, ids, first_of(l), NSENT, NULL);
+  }
+  if (k == K_FLUSH) rx_kill(rx);
+  if (st == TW_OK) st = tw_kv_xfer_flush(x, peer, 5000);
+  return st;
+}
+
+static int reverse(int n_kills, bool staged) {
+  tw_kv_layout_t src = make_layout(NULL);
+  src.base = calloc(1, (size_t)src.total_bytes);
+  tw_kv_xfer_t *x = NULL;
+  if (!src.base || tw_kv_xfer_create(&x)) return 1;
+  const char *mode = staged ? "staged receiver" : "host pool registered in place";
+  rx_t a;
+  EXPECT(rx_start(staged, &a) == 0, "receiver A (%s) up", mode);
+  EXPECT(handoff_to(x, &a, &src, 1, K_NONE, 0) == TW_OK, "handoff 1 to A: %s", tw_last_error());
+  EXPECT(rx_check(&a, 1) == 0, "handoff 1 exact in A");
+  int failed_as[3] = {0, 0, 0}; /* UNAVAILABLE, DEADLINE, TRANSPORT */
+  for (int i = 0; i < n_kills; i++) {
+    int k = i % K_N, t = 100 + i;
+    rx_t b;
+    EXPECT(rx_start(staged, &b) == 0, "receiver %d up", i);
+    int64_t t0 = tw_msg_clock_ns();
+    tw_status_t st = handoff_to(x, &b, &src, t, k, (i * 397) % 3000);
+    double secs = (double)(tw_msg_clock_ns() - t0) * 1e-9;
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s", st == TW_OK ? "" : tw_last_error());
+    int rc = rx_end(&b);
+    printf("receiver %d killed %s: %s after %.2f s (%s)\n", i, k_name[k], tw_status_str(st), secs,
+           msg);
+    EXPECT(rc == -1, "receiver %d was killed (exit %d)", i, rc);
+    EXPECT(st == TW_ERR_UNAVAILABLE || st == TW_ERR_DEADLINE || st == TW_ERR_TRANSPORT,
+           "the handoff to receiver %d killed %s fails clearly (%s: %s)", i, k_name[k],
+           tw_status_str(st), msg);
+    failed_as[st == TW_ERR_UNAVAILABLE ? 0 : st == TW_ERR_DEADLINE ? 1 : 2]++;
+    tw_kv_xfer_stats_t s;
+    tw_kv_xfer_stats(x, &s);
+    EXPECT(s.pieces_in_flight == 0, "after receiver %d: %d pieces still in flight", i,
+           s.pieces_in_flight);
+    EXPECT(s.endpoints == 1, "after receiver %d: %d endpoints open, want A's alone", i,
+           s.endpoints);
+    /* the sender keeps serving: the same local blocks into the live A */
+    EXPECT(handoff_to(x, &a, &src, t + 50, K_NONE, 0) == TW_OK,
+           "after receiver %d: a handoff to A: %s", i, tw_last_error());
+    EXPECT(rx_check(&a, t + 50) == 0, "after receiver %d: that handoff exact in A", i);
+  }
+  printf("%d killed receivers (%s): %d UNAVAILABLE, %d DEADLINE, %d TRANSPORT\n", n_kills, mode,
+         failed_as[0], failed_as[1], failed_as[2]);
+  rx_t c;
+  EXPECT(rx_start(staged, &c) == 0, "fresh receiver C up");
+  EXPECT(handoff_to(x, &c, &src, 3, K_NONE, 0) == TW_OK, "handoff 3 to C: %s", tw_last_error());
+  EXPECT(rx_check(&c, 3) == 0, "handoff 3 exact in C");
+  tw_kv_xfer_stats_t s;
+  tw_kv_xfer_stats(x, &s);
+  EXPECT(s.pieces_in_flight == 0 && s.endpoints == 2,
+         "at the end: %d pieces in flight, %d "
+         "endpoints open (A and C)",
+         s.pieces_in_flight, s.endpoints);
+  EXPECT(rx_end(&a) == 0 && rx_end(&c) == 0, "A and C end cleanly");
+  tw_kv_xfer_destroy(x);
+  free(src.base);
+  return tw_test_exit("test_kv_staged receivers");
+}
+
 int main(int argc, char **argv) {
   tw_log_init("test_kv_staged", 0);
+  setvbuf(stdout, NULL, _IOLBF, 0); /* lines in order with the log's */
   if (argc == 6 && strcmp(argv[1], "child") == 0)
     return child(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), atoi(argv[5]));
+  if (argc == 6 && strcmp(argv[1], "receiver") == 0)
+    return receiver(atoi(argv[2]) != 0, atoi(argv[4]), atoi(argv[5]));
+  if (argc == 4 && strcmp(argv[1], "receivers") == 0) {
+    int n = atoi(argv[2]);
+    if (n < 1 || n > 100 || (strcmp(argv[3], "staged") && strcmp(argv[3], "host"))) {
+      fprintf(stderr, "usage: test_kv_staged receivers 1..100 staged|host\n");
+      return 2;
+    }
+    return reverse(n, strcmp(argv[3], "staged") == 0);
+  }
   int n_kills = argc == 2 ? atoi(argv[1]) : 1; /* senders killed in phase 2 */
   if (n_kills < 1 || n_kills > 100) {
     fprintf(stderr, "usage: test_kv_staged [senders to kill, 1..100]\n");
     return 2;
   }
-  tw_kv_layout_t pool = make_layout(NULL);
-  pool.base = malloc((size_t)pool.total_bytes);
-  if (!pool.base) return 1;
-  memset(pool.base, 0xEE, (size_t)pool.total_bytes);
+  tw_kv_layout_t pool;
   tw_kv_xfer_t *x = NULL;
   tw_kv_region_t *reg = NULL;
-  tw_kv_region_params_t prm = {.staging_ring = true, .n_slots = SLOTS, .slot_bytes = SLOT_BYTES};
-  if (tw_kv_xfer_create(&x) || tw_kv_region_register_ex(x, &pool, &prm, &reg)) return 1;
+  if (decode_side(true, &pool, &x, &reg)) return 1;
   size_t rlen = 0;
   tw_kv_region_rkey(reg, &rlen);
   tw_kv_remote_layout_t rl;
