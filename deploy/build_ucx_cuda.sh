@@ -1,40 +1,86 @@
 #!/usr/bin/env bash
-# deploy/build_ucx_cuda.sh: UCX 1.13.1 with the CUDA transports (cuda_copy,
-# cuda_ipc: libuct_cuda) from Debian 12's own source package, for carrying to
-# the GPU machine (Debian's libucx0 has no CUDA transports; MACHINES.md "UCX
-# with CUDA"). Run on the Debian 12 dev machine, as root (apt):
+# deploy/build_ucx_cuda.sh: UCX with the CUDA transports (cuda_copy, cuda_ipc:
+# libuct_cuda), for carrying to the GPU machine (Debian's libucx0 has no CUDA
+# transports; MACHINES.md "UCX with CUDA"). Two sources:
+#   - by default UCX 1.13.1 from Debian 12's own source package (the version
+#     the project's headers and CI use);
+#   - --src DIR: any UCX source tree, e.g. a release tag of the upstream
+#     repository exported into a work folder (1.22.0 is what docs/operations.md
+#     "UCX's own CUDA transports" measures):
+#       git -C ucx archive --prefix=ucx-1.22.0/ v1.22.0 | tar -x -C build-ucx-cuda
+#       bash deploy/build_ucx_cuda.sh --src build-ucx-cuda/ucx-1.22.0
+# Run on the Debian 12 dev machine, as root (apt):
 #
-#   bash deploy/build_ucx_cuda.sh [PREFIX]
+#   bash deploy/build_ucx_cuda.sh [--src DIR] [--tarball FILE] [PREFIX]
 #
-# PREFIX (default build-ucx-cuda/install in the checkout, ignored by git)
-# receives a stripped install (bin/ucx_info, lib/libuc{p,s,t,m}.so*,
-# lib/ucx/libuct_cuda.so*, ...). Sources and objects stay in build-ucx-cuda/.
+# PREFIX (default build-ucx-cuda/install for 1.13.1, build-ucx-cuda/install-
+# <version> for --src; ignored by git) receives a stripped install
+# (bin/ucx_info, lib/libuc{p,s,t,m}.so*, lib/ucx/libuct_cuda.so*, ...). Sources
+# and objects stay in build-ucx-cuda/ (or DIR). --tarball FILE writes
+# FILE (.tar.xz) with just bin/ucx_info, lib/libuc*.so* and lib/ucx/*.so*, the
+# part a run needs (LD_LIBRARY_PATH=<dir>/lib UCX_MODULE_DIR=<dir>/lib/ucx).
+# Releases after 1.13 keep libucp.so.0's ABI: programs built against Debian's
+# 1.13 headers run against them.
 # Steps (each skipped when already done, so a second run is quick):
 #   1. apt: a deb-src entry for bookworm main and a deb entry for non-free
 #      (/etc/apt/sources.list.d/twain-ucx-cuda.sources), the build tools, and
 #      libnvidia-ml-dev + libnvidia-ml1 (nvml.h and libnvidia-ml.so, which
 #      configure --with-cuda needs) downloaded and unpacked under
 #      build-ucx-cuda/nvml, not installed (libnvidia-ml1 is driver-bound);
-#   2. apt-get source ucx (dpkg-source applies the Debian patches);
+#   2. apt-get source ucx (dpkg-source applies the Debian patches), not with
+#      --src;
 #   3. ./autogen.sh (the upstream tarball has no configure script), configure
-#      --with-cuda=/usr/local/cuda --without-java --without-verbs ...;
-#   4. make -k install: test/apps/test_cuda_hook.c does not compile against
-#      CUDA 13 (cuCtxCreate takes 4 arguments), the libraries are unaffected;
-#      the checks afterwards fail the script if a library or the CUDA module is
-#      missing;
+#      --with-cuda=/usr/local/cuda --without-java --without-verbs ...; with
+#      --src also NVCC=/bin/false (no perftest CUDA kernels, see below);
+#   4. make -k install: 1.13.1's test/apps/test_cuda_hook.c does not compile
+#      against CUDA 13 (cuCtxCreate takes 4 arguments), the libraries are
+#      unaffected; the checks afterwards fail the script if a library or the
+#      CUDA module is missing;
 #   5. strip, check with ucx_info, print the libuct_cuda path (last line).
-# Every step is bounded (timeout); about 2 minutes of compile on 2 cores.
-# Env: TW_UCX_JOBS (make -j, default 2), CUDA_HOME (default /usr/local/cuda).
+# Every step is bounded (timeout); about 2 minutes of compile on 2 cores for
+# 1.13.1, about 9 for 1.22.0.
+# Env: TW_UCX_JOBS (make -j, default 2), TW_UCX_MAKE_TIMEOUT (s, default 2400),
+# CUDA_HOME (default /usr/local/cuda).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 work=$here/build-ucx-cuda
-prefix=${1:-$work/install}
-case $prefix in /*) ;; *) prefix=$PWD/$prefix ;; esac
 cuda=${CUDA_HOME:-/usr/local/cuda}
 jobs=${TW_UCX_JOBS:-2}
 want_version=1.13.1
 die() { echo "build_ucx_cuda.sh: $*" >&2; exit 1; }
 say() { echo "build_ucx_cuda.sh: $*"; }
+abspath() { case $1 in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+src_arg='' tarball='' prefix=''
+while (($#)); do
+  case $1 in
+    --src) (($# >= 2)) || die "--src needs a folder"; src_arg=$(abspath "$2"); shift 2 ;;
+    --tarball) (($# >= 2)) || die "--tarball needs a file name"; tarball=$(abspath "$2"); shift 2 ;;
+    -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d;s/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown option $1 (see --help)" ;;
+    *) [ -z "$prefix" ] || die "one PREFIX only"; prefix=$(abspath "$1"); shift ;;
+  esac
+done
+if [ -n "$src_arg" ]; then
+  if [ ! -e "$src_arg/configure.ac" ] || [ ! -x "$src_arg/autogen.sh" ]; then
+    die "$src_arg is not a UCX source tree (no configure.ac, autogen.sh)"
+  fi
+  want_version=$(sed -n 's/^define(\[ucx_ver_\(major\|minor\|patch\)\], *\([0-9]*\)).*/\2/p' "$src_arg/configure.ac" | paste -sd.)
+  [[ $want_version =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "cannot read the version from $src_arg/configure.ac"
+  prefix=${prefix:-$work/install-$want_version}
+else
+  prefix=${prefix:-$work/install}
+fi
+
+# --tarball: the run-time part of the install (ucx_info, the libraries, the
+# modules), xz-compressed
+make_tarball() {
+  [ -n "$tarball" ] || return 0
+  mkdir -p "$(dirname "$tarball")"
+  local files
+  mapfile -t files < <(cd "$prefix" && compgen -G 'lib/libuc*.so*'; cd "$prefix" && compgen -G 'lib/ucx/*.so*')
+  (cd "$prefix" && tar -cJf "$tarball" bin/ucx_info "${files[@]}") || die "tar of $prefix into $tarball failed"
+  say "tarball $tarball ($(du -k "$tarball" | cut -f1) KiB)"
+}
 
 check_install() { # 0 when PREFIX holds a UCX with the CUDA transports
   [ -e "$prefix/.twain-ucx-cuda-done" ] || return 1   # written after strip + checks
@@ -45,7 +91,8 @@ check_install() { # 0 when PREFIX holds a UCX with the CUDA transports
 cuda_module() { find "$prefix/lib/ucx" -maxdepth 1 -type f -name 'libuct_cuda.so.*' | sort | head -1; }
 
 if check_install; then
-  say "already installed in $prefix ($(env -u LD_LIBRARY_PATH "$prefix/bin/ucx_info" -v | sed -n 's/^# Version //p' | head -1))"
+  say "already installed in $prefix ($(env -u LD_LIBRARY_PATH "$prefix/bin/ucx_info" -v | sed -nE 's/^# (Library version:|Version) ([0-9.]+).*/\2/p' | head -1))"
+  make_tarball
   cuda_module
   exit 0
 fi
@@ -53,7 +100,7 @@ fi
 if [ ! -x "$cuda/bin/nvcc" ] || [ ! -e "$cuda/include/cuda.h" ]; then
   die "no CUDA toolkit at $cuda (set CUDA_HOME)"
 fi
-if ! grep -qs '^VERSION_CODENAME=bookworm' /etc/os-release; then
+if [ -z "$src_arg" ] && ! grep -qs '^VERSION_CODENAME=bookworm' /etc/os-release; then
   die "written for Debian 12 (bookworm): its ucx source package is $want_version"
 fi
 
@@ -65,7 +112,7 @@ for p in "${need_pkgs[@]}"; do
 done
 src_list=/etc/apt/sources.list.d/twain-ucx-cuda.sources
 need_src=0
-compgen -G "$work/ucx-$want_version*/" >/dev/null || need_src=1
+[ -n "$src_arg" ] || compgen -G "$work/ucx-$want_version*/" >/dev/null || need_src=1
 nvml=$work/nvml/root
 nvml_inc=$nvml/usr/include nvml_lib=$nvml/usr/lib/x86_64-linux-gnu/nvidia/current
 need_nvml=0
@@ -119,6 +166,11 @@ fi
 
 # ---- 2. the source package (Debian patches applied by dpkg-source) -----------------
 mkdir -p "$work"
+logs=$work/logs-$want_version # autogen, configure and make logs
+mkdir -p "$logs"
+if [ -n "$src_arg" ]; then
+  src=$src_arg
+else
 if ((need_src)); then
   say "apt-get source ucx in $work"
   (cd "$work" && timeout 300 apt-get source -qq ucx >"$work/source.log" 2>&1) ||
@@ -129,28 +181,38 @@ src=$(find "$work" -maxdepth 1 -type d -name "ucx-$want_version*" | sort | head 
 if [ -e "$src/debian/patches/series" ] && [ ! -d "$src/.pc" ]; then
   die "$src has Debian patches but none applied (.pc missing): remove $src and rerun"
 fi
+fi
 
 # ---- 3. autogen + configure ---------------------------------------------------------
 cd "$src"
 if [ ! -x configure ]; then
   say "./autogen.sh"
-  timeout 300 ./autogen.sh >"$work/autogen.log" 2>&1 || { tail -20 "$work/autogen.log" >&2; die "autogen.sh failed"; }
+  timeout 300 ./autogen.sh >"$logs/autogen.log" 2>&1 || { tail -20 "$logs/autogen.log" >&2; die "autogen.sh failed"; }
 fi
-if [ ! -e config.status ] || ! grep -q -- "--prefix=$prefix'" config.status 2>/dev/null; then
-  say "configure --prefix=$prefix --with-cuda=$cuda"
-  timeout 600 ./configure CPPFLAGS="-I$nvml_inc" LDFLAGS="-L$nvml_lib" --prefix="$prefix" --with-cuda="$cuda" --without-java --without-go \
-    --without-verbs --without-rdmacm --without-rocm --without-gdrcopy --without-knem --without-xpmem \
-    --without-ugni --disable-doxygen-doc --enable-mt --disable-debug --disable-assertions >"$work/configure.log" 2>&1 ||
-    { tail -30 "$work/configure.log" >&2; die "configure failed (log $work/configure.log)"; }
+conf=(CPPFLAGS="-I$nvml_inc" LDFLAGS="-L$nvml_lib" --prefix="$prefix" --with-cuda="$cuda" --without-java --without-go
+  --without-verbs --without-rdmacm --without-rocm --without-gdrcopy --without-knem --without-xpmem
+  --without-ugni --disable-doxygen-doc --enable-mt --disable-debug --disable-assertions)
+# newer releases compile the perftest CUDA kernels with nvcc; they include
+# the device API's headers, which need the gpunetio submodule that an
+# exported tag lacks. The transports need no nvcc: NVCC=/bin/false makes
+# configure's nvcc version check fail, so those kernels are left out.
+[ -z "$src_arg" ] || conf+=(NVCC=/bin/false --without-ze --without-fuse3 --without-mad --without-efa
+  --without-mlx5 --disable-examples --disable-test-apps)
+# configure again when its arguments changed
+if [ ! -e config.status ] || [ "$(cat "$logs/configure.args" 2>/dev/null)" != "${conf[*]}" ]; then
+  say "configure ${conf[*]}"
+  timeout 600 ./configure "${conf[@]}" >"$logs/configure.log" 2>&1 ||
+    { tail -30 "$logs/configure.log" >&2; die "configure failed (log $logs/configure.log)"; }
+  printf '%s' "${conf[*]}" >"$logs/configure.args"
 fi
 grep -q '^#define HAVE_CUDA 1' config.h 2>/dev/null ||
-  die "configure did not enable CUDA (see 'checking for cuda' in $work/configure.log)"
+  die "configure did not enable CUDA (see 'checking for cuda' in $logs/configure.log)"
 
 # ---- 4. make -k install --------------------------------------------------------------
-say "make -k -j$jobs install (log $work/make.log)"
-if ! timeout 1500 make -k -j"$jobs" install >"$work/make.log" 2>&1; then
-  say "make reported errors (expected: test/apps/test_cuda_hook.c under CUDA 13); first ones:"
-  grep -E ': (fatal )?error:' "$work/make.log" | sort -u | head -5 | sed 's/^/  /'
+say "make -k -j$jobs install (log $logs/make.log)"
+if ! timeout "${TW_UCX_MAKE_TIMEOUT:-2400}" make -k -j"$jobs" install >"$logs/make.log" 2>&1; then
+  say "make reported errors (expected with 1.13.1: test/apps/test_cuda_hook.c under CUDA 13); first ones:"
+  grep -E ': (fatal )?error:' "$logs/make.log" | sort -u | head -5 | sed 's/^/  /'
 fi
 
 # ---- 5. strip + check ----------------------------------------------------------------
@@ -159,6 +221,7 @@ for f in "$prefix"/bin/* "$prefix"/lib/*.so.*.*.* "$prefix"/lib/ucx/*.so.*.*.*; 
 done
 rm -f "$prefix"/lib/*.la "$prefix"/lib/ucx/*.la "$prefix"/lib/*.a "$prefix"/lib/ucx/*.a
 touch "$prefix/.twain-ucx-cuda-done"
-check_install || die "install in $prefix is incomplete (ucx_info, libucp.so.0 or lib/ucx/libuct_cuda.so* missing, or no --with-cuda): see $work/make.log"
+check_install || die "install in $prefix is incomplete (ucx_info, libucp.so.0 or lib/ucx/libuct_cuda.so* missing, or no --with-cuda): see $logs/make.log"
 say "installed in $prefix ($(du -sh "$prefix/lib" | cut -f1) lib, stripped)"
+make_tarball
 cuda_module

@@ -78,10 +78,11 @@ enum { TW_CUDA_STREAM_NON_BLOCKING = 1, TW_CUDA_EVENT_DISABLE_TIMING = 2 };
 enum { TW_CUDA_NOT_READY = 600 }; /* cudaErrorNotReady */
 
 /* ---- the direct path over CUDA IPC ----
- * UCX 1.13's RMA puts never reach CUDA memory over cuda_ipc: its rma_bw
- * lanes serve the rendezvous protocols, and a put into a CUDA region is
- * emulated (on the H200 the endpoint between two workers of one GPU lists
- * only sysv/posix lanes, with or without protocols v2). So a decode worker
+ * UCX 1.13's RMA puts never reach CUDA memory over cuda_ipc: its put
+ * protocols use RMA lanes only and cuda_ipc is an rma_bw lane (it serves the
+ * rendezvous protocols), so a put into a CUDA region is emulated over active
+ * messages (docs/operations.md "UCX's own CUDA transports"; UCX 1.14 and
+ * later put over rma_bw lanes, cuda_ipc included). So a decode worker
  * whose pool is device memory also exports the pool with
  * cudaIpcGetMemHandle and appends this descriptor to the rkey blob it
  * publishes; a prefill worker on the same host (same boot id) whose pool is
@@ -306,7 +307,8 @@ struct tw_kv_peer {
   ucp_ep_h ep;
   ucp_rkey_h rkey;
   int failed;
-  bool cuda_ipc;          /* the endpoint has an RMA lane over cuda_ipc */
+  bool cuda_ipc;        /* puts reach CUDA memory: a cuda_ipc lane, protocols v2 */
+  bool put_am_emulated; /* ... but emulated over active messages (UCX < 1.14) */
   /* the direct path: the decode worker's device pool mapped here over CUDA
    * IPC (tw_kv_ipc_desc_t in its rkey blob), copied into device to device */
   bool has_ipc; /* the rkey blob carries a descriptor for this host */
@@ -347,6 +349,7 @@ struct tw_kv_xfer {
   size_t sealed_address_len;
   bool cuda_native;
   bool proto_v2;      /* UCX protocols v2: puts may go over zero-copy rma_bw lanes */
+  bool put_rma_bw;    /* UCX >= 1.14: v2 puts use rma_bw lanes (cuda_ipc), not RMA lanes alone */
   tw_kv_peer_t *peers[TW_KV_MAX_PEERS];
   int n_peers;
   tw_cudart_t cudart;
@@ -553,9 +556,29 @@ TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size
   return TW_OK;
 }
 
+/* Whether the configuration `cfg` has protocols v2 on (UCX_PROTO_ENABLE as
+ * ucp_config_print writes it: 'n' by default in 1.13, 'y' from 1.16 on);
+ * `fallback` when the field is not printed. */
+static bool tw_kv_cfg_proto_v2(const ucp_config_t *cfg, bool fallback) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  if (!f) return fallback;
+  ucp_config_print(cfg, f, NULL, UCS_CONFIG_PRINT_CONFIG);
+  fclose(f);
+  bool v2 = fallback;
+  const char *q = text ? strstr(text, "UCX_PROTO_ENABLE=") : NULL;
+  if (q) {
+    q += strlen("UCX_PROTO_ENABLE=");
+    v2 = *q == 'y' || *q == 'Y' || *q == '1' || strncasecmp(q, "on", 2) == 0;
+  }
+  free(text);
+  return v2;
+}
+
 /* ucp_init (RMA, WAKEUP) with UCX's configuration from the environment,
  * protocols v2 forced on when `v2`, NET_DEVICES `devices` unless NULL; then
- * whether CUDA memory is supported. */
+ * whether protocols v2 are in effect and CUDA memory is supported. */
 static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const char *devices) {
   ucp_config_t *cfg = NULL;
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
@@ -564,7 +587,8 @@ static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const c
     ucp_config_release(cfg);
     return tw_err(TW_ERR_TRANSPORT, "UCX NET_DEVICES=%s: %s", devices, ucs_status_string(us));
   }
-  x->proto_v2 = v2 && ucp_config_modify(cfg, "PROTO_ENABLE", "y") == UCS_OK;
+  bool forced = v2 && ucp_config_modify(cfg, "PROTO_ENABLE", "y") == UCS_OK;
+  x->proto_v2 = tw_kv_cfg_proto_v2(cfg, forced);
   /* WAKEUP: the receiving side sleeps on the worker's event fd (see
    * tw_kv_xfer_wait_fd); emulated puts and flushes need its progress */
   /* AM: pieces into a staged receiver's bounce ring (kv_transfer.h) */
@@ -579,6 +603,11 @@ static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const c
   ucp_context_attr_t attr = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
   if (ucp_context_query(x->ctx, &attr) == UCS_OK)
     x->cuda_native = (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  /* upstream 3dd0828 ("use RMA_BW lanes for RMA bcopy/zcopy ops"), first
+   * in 1.14.0: before it put/offload/zcopy takes RMA lanes only */
+  unsigned major = 0, minor = 0, release = 0;
+  ucp_get_version(&major, &minor, &release);
+  x->put_rma_bw = major > 1 || (major == 1 && minor >= 14);
   return TW_OK;
 }
 
@@ -758,19 +787,19 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
   tw_status_t st = TW_OK;
   /* UCX 1.13's default (v1) RMA protocols put only over lanes with put
    * short/bcopy, which cuda_ipc lacks (it is zero-copy only): a put into CUDA
-   * memory would be emulated with active messages. Its protocols v2 put over
-   * the zero-copy rma_bw lanes, cuda_ipc included. So with CUDA support, and
+   * memory would be emulated with active messages that the receiver writes
+   * as host memory (the crash of the first trial). Its protocols v2 tell the
+   * receiver the rkey's memory type (still emulated, see tw_kv_ep_lanes);
+   * from 1.14 on, v2 puts go over the zero-copy rma_bw lanes, cuda_ipc
+   * included, and from 1.16 on v2 is the default. So with CUDA support, and
    * unless UCX_PROTO_ENABLE says otherwise, the context is made again with
    * v2. */
   const char *proto_env = getenv("UCX_PROTO_ENABLE");
   TW_CHECK_GOTO(tw_kv_ucp_init(x, false, devices), st, fail);
-  if (x->cuda_native && !proto_env) {
+  if (x->cuda_native && !proto_env && !x->proto_v2) {
     ucp_cleanup(x->ctx);
     x->ctx = NULL;
     TW_CHECK_GOTO(tw_kv_ucp_init(x, true, devices), st, fail);
-  } else {
-    x->proto_v2 = proto_env && (proto_env[0] == 'y' || proto_env[0] == 'Y' ||
-                                proto_env[0] == '1' || !strcasecmp(proto_env, "on"));
   }
   ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                             .thread_mode = UCS_THREAD_MODE_SINGLE};
@@ -828,7 +857,7 @@ fail:
 static void tw_kv_ring_free(tw_kv_xfer_t *x);
 static void tw_kv_sender_close(tw_kv_xfer_t *x, tw_kv_sender_t *s);
 static void tw_kv_peer_drop(tw_kv_xfer_t *x, tw_kv_peer_t *p);
-static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2);
+static void tw_kv_ep_lanes(tw_kv_peer_t *p, const tw_kv_xfer_t *x);
 
 /* ---- the sender's pieces for staged receivers ---- */
 
@@ -953,7 +982,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
     if (p->via_listener) { /* connected now: its lanes are known */
       char was[sizeof p->lanes];
       memcpy(was, p->lanes, sizeof was);
-      tw_kv_ep_lanes(p, x->proto_v2);
+      tw_kv_ep_lanes(p, x);
       if (!p->lanes[0]) memcpy(p->lanes, was, sizeof was);
       p->am_pieces = true; /* TCP alone: no lane puts */
     }
@@ -2203,9 +2232,16 @@ static void tw_kv_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
 }
 
 /* Which transports the endpoint's lanes use, from ucp_ep_print_info (UCX
- * 1.13 has no query for it): "lane[i]:  n:<tl>/<device> md[..] -> ..." per
- * lane, then "put[i]: ..." for each lane that carries puts (RMA, protocols
- * v1). A device pool may only be put into over a lane whose transport
+ * 1.13 has no query for it): "lane[i]:  n:<tl>/<device> md[..] -> ... rma_bw#k"
+ * per lane (rma_bw#k: the lane is the k-th high-bandwidth RMA lane), then in
+ * 1.13 (and with protocols v1 later) "put[i]: ..." for each RMA lane. In the
+ * list "(put)" marks RMA lanes, "(rma_bw)" rma_bw lanes. With protocols v2 a
+ * put into CUDA memory goes over cuda_ipc's put_zcopy from UCX 1.14 on; in
+ * 1.13 put/offload/zcopy takes RMA lanes only (which need put short/bcopy),
+ * so it is put/am/bcopy: active messages of a few KiB over sysv/posix, each
+ * copied out of and into device memory with cuda_copy (about 0.8 GB/s on the
+ * H200), marked put_am_emulated and logged. A device pool may only be put
+ * into over a lane whose transport
  * reaches CUDA memory (cuda_ipc): without one, UCX emulates the put with
  * active messages and the receiver's UCX writes the payload into the
  * destination address with a host memcpy (ucp rma_sw), a segfault on a
@@ -2215,18 +2251,20 @@ static void tw_kv_ep_error(void *arg, ucp_ep_h ep, ucs_status_t status) {
  * (RMA lanes need put short/bcopy; cuda_ipc is zero-copy only), so every put
  * into the registered device pool was emulated. */
 #define TW_KV_MAX_LANES 16
-static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
+static void tw_kv_ep_lanes(tw_kv_peer_t *p, const tw_kv_xfer_t *x) {
+  const bool proto_v2 = x->proto_v2;
   char *text = NULL;
   size_t len = 0;
   FILE *f = open_memstream(&text, &len);
   p->lanes[0] = 0;
   p->cuda_ipc = false;
+  p->put_am_emulated = false;
   if (!f) return;
   ucp_ep_print_info(p->ep, f);
   fclose(f);
   if (!text) return;
   char tl[TW_KV_MAX_LANES][24] = {{0}};
-  bool put[TW_KV_MAX_LANES] = {false};
+  bool put[TW_KV_MAX_LANES] = {false}, rma_bw[TW_KV_MAX_LANES] = {false};
   for (char *line = text, *nl; line && *line; line = nl ? nl + 1 : NULL) {
     nl = strchr(line, '\n');
     if (nl) *nl = 0;
@@ -2236,6 +2274,7 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
         i >= 0 && i < TW_KV_MAX_LANES) {
       size_t k = strcspn(q + n, "/ ");
       snprintf(tl[i], sizeof tl[i], "%.*s", (int)k, q + n);
+      rma_bw[i] = strstr(q + n, " rma_bw#") != NULL;
     } else if ((q = strstr(line, "put[")) && sscanf(q, "put[%d]", &i) == 1 && i >= 0 &&
                i < TW_KV_MAX_LANES) {
       put[i] = true;
@@ -2249,11 +2288,17 @@ static void tw_kv_ep_lanes(tw_kv_peer_t *p, bool proto_v2) {
     n_lanes++;
     n_tcp += strcmp(tl[i], "tcp") == 0;
     n_put += put[i];
-    /* v1: an RMA lane (put[i]); v2: puts use the zero-copy rma_bw lanes,
-     * and with RMA alone a cuda_ipc lane is one of those */
-    if ((put[i] || proto_v2) && strcmp(tl[i], "cuda_ipc") == 0) p->cuda_ipc = true;
+    /* v1: an RMA lane (put[i], never cuda_ipc); v2: a cuda_ipc lane is an
+     * rma_bw lane, put over from 1.14 on, before that the rkey's memory type
+     * makes the emulated put land in device memory */
+    if ((put[i] || proto_v2) && strcmp(tl[i], "cuda_ipc") == 0) {
+      p->cuda_ipc = true;
+      p->put_am_emulated = !put[i] && !(x->put_rma_bw && rma_bw[i]);
+    }
     int w = snprintf(p->lanes + used, sizeof p->lanes - used, "%s%s%s", used ? " " : "", tl[i],
-                     put[i] ? "(put)" : "");
+                     put[i]      ? "(put)"
+                     : rma_bw[i] ? "(rma_bw)"
+                                 : "");
     if (w < 0 || (size_t)w >= sizeof p->lanes - used) break;
     used += (size_t)w;
   }
@@ -2347,7 +2392,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_peer(tw_kv_xfer_t *x, const void *sealed_add
       return tw_err(TW_ERR_TRANSPORT, "ucp_ep_create to a decode worker failed: %s",
                     ucs_status_string(us));
     }
-    tw_kv_ep_lanes(p, x->proto_v2);
+    tw_kv_ep_lanes(p, x);
     if (p->via_listener) { /* TCP alone, lanes chosen once connected (tw_kv_xfer_greet) */
       p->am_pieces = true;
       if (!p->lanes[0]) snprintf(p->lanes, sizeof p->lanes, "tcp (through the listener)");
@@ -2680,6 +2725,12 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
     TW_INFO("kvx", "kv handoff path to a decode worker: %s (%s pool -> %s pool; ucx lanes: %s)",
             tw_kv_path_name(path), src->on_device ? "device" : "host",
             dst->on_device ? "device" : "host", p->lanes[0] ? p->lanes : "unknown");
+    if (path == TW_KV_PATH_DIRECT_UCX && p->put_am_emulated)
+      TW_WARN("kvx",
+              "this UCX (before 1.14) puts into device memory over active messages "
+              "(put/am/bcopy, copied through host memory: about 1 GB/s), not over cuda_ipc: use "
+              "the CUDA IPC path (TWAIN_KV_IPC unset) or a UCX >= 1.14 with CUDA transports "
+              "(deploy/build_ucx_cuda.sh --src)");
   }
   if (!p->t_first_put_ns) p->t_first_put_ns = tw_now_ns();
   uint64_t *h = maybe_checksum;
