@@ -42,7 +42,7 @@ def run(argv, data=None):
 
 
 serve = svc.Proc([svc.bin_path("router", "twain"), "serve", "--listen", "tcp://127.0.0.1:0", "--threads", "1",
-                  "--metrics-port", "0", "--backend", "cpu", "--api-key", KEY], "serve")
+                  "--metrics-port", "0", "--backend", "cpu", "--api-key", KEY] + svc.CALM_EXPIRE, "serve")
 try:
     m = serve.wait_line(r"twain serve: ready: .*, OpenAI API at (http://127\.0\.0\.1:\d+/v1), clients at (\S+)", 120)
     url, ep = m.group(1), m.group(2)

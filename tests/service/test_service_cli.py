@@ -19,8 +19,8 @@ from svc import check, finish
 
 
 twain = svc.bin_path("router", "twain")
-serve = svc.Proc([twain, "serve", "--listen", "tcp://127.0.0.1:0", "--threads", "1", "--metrics-port", "0"],
-                 "serve")
+serve = svc.Proc([twain, "serve", "--listen", "tcp://127.0.0.1:0", "--threads", "1", "--metrics-port", "0"] +
+                 svc.CALM_EXPIRE, "serve")
 try:
     m = serve.wait_line(r"ready.*clients at (\S+)", 90)
     ep = m.group(1)
