@@ -985,6 +985,14 @@ TW_NODISCARD tw_status_t tw_kv_xfer_greet(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
       tw_kv_ep_lanes(p, x);
       if (!p->lanes[0]) memcpy(p->lanes, was, sizeof was);
       p->am_pieces = true; /* TCP alone: no lane puts */
+      /* the rkey was unpacked while the endpoint had only its connection
+       * lane: unpack it again for the lanes it has now (UCX 1.22 segfaults
+       * in ucp_put_nbx updating such an rkey's configuration) */
+      ucp_rkey_h fresh = NULL;
+      if (p->rkey && ucp_ep_rkey_unpack(p->ep, p->rkey_buf, &fresh) == UCS_OK) {
+        ucp_rkey_destroy(p->rkey);
+        p->rkey = fresh;
+      }
     }
     return TW_OK;
   }
