@@ -91,6 +91,12 @@ try:
     # the spare: a plain single-rank decode worker with 48 blocks fewer than
     # the victim (about two streams' worth), so the router (most free blocks
     # first) puts the first streams on the victim and the later ones on both
+    # the victim's pool empty, in its metrics and (a few heartbeats of 200 ms
+    # later) in the router's view: otherwise the router may still count
+    # section 2's blocks as used on the victim and place every stream on the
+    # spare (seen once on a loaded machine: 0 of 6 streams on the victim)
+    svc.wait_metric(c.decodes[0].metrics_port, "twain_kv_blocks_used", 0, 10)
+    time.sleep(svc.scaled(0.6))
     total = svc.metrics(c.decodes[0].metrics_port)["twain_kv_blocks_free"]
     c.decode_args = ["--verify-kv", "--kv-blocks", str(int(total) - 48)]
     c.add_decode()
