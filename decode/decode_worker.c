@@ -94,6 +94,7 @@ typedef struct {
   int32_t n_seqs, cap_seqs;
   int32_t step_start[TW_DECODE_MAX_DP]; /* per dp rank: first table index its next step tries */
   bool idle;                            /* this loop turn found no sequence to step */
+  int64_t last_step_end_ns; /* when the last step's device work ended; 0: none ran since idle */
   tw_decode_ranks_t rk;
   ProtobufCBinaryData kv_addr[64]; /* each rank's UCX address, for Register (borrowed) */
   /* its pools, once, in Register: rank 0's address, rkey and layout, and
@@ -107,7 +108,7 @@ typedef struct {
   tw_dseq_t **batch;
   struct {
     tw_metric_t *running, *reserved, *blocks_used, *blocks_free, *tpot, *tokens, *steps,
-        *kv_bytes, *sum_ok, *sum_bad, *rejected;
+        *kv_bytes, *sum_ok, *sum_bad, *rejected, *step_s, *gap_s;
     /* the staged receive ring (kv_rxring.h); counters advance by deltas */
     tw_metric_t *stg_bytes, *stg_waits, *stg_failed, *stg_slots, *stg_busy;
     tw_kv_rxring_stats_t stg_seen;
@@ -535,8 +536,14 @@ static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
       d->step_start[r] = i + 1;
     }
   }
-  if (n == 0) return TW_OK;
+  if (n == 0) {
+    d->last_step_end_ns = 0;
+    return TW_OK;
+  }
   int64_t t0 = tw_msg_clock_ns();
+  /* host time between two steps of a running batch: the previous step's
+   * tokens sent, messages handled, sequences admitted */
+  if (d->last_step_end_ns) tw_metric_add(d->m.gap_s, (double)(t0 - d->last_step_end_ns) * 1e-9);
   tw_dist_dp_batch_t bt[TW_DECODE_MAX_DP];
   for (int32_t r = 0; r < R; r++)
     bt[r] = (tw_dist_dp_batch_t){
@@ -549,16 +556,17 @@ static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
   tw_status_t st = R > 1 ? tw_dist_engine_decode_dp(d->wk.dist, d->engine, bt)
                          : tw_dist_engine_decode(d->wk.dist, d->engine, &bt[0].args);
   int64_t t1 = tw_msg_clock_ns();
+  d->last_step_end_ns = t1;
   tw_metric_add(d->m.steps, 1);
+  tw_metric_observe(d->m.step_s, (double)(t1 - t0) * 1e-9);
   tw_worker_stats_add(&d->stats, 0, 1);
   for (int32_t r = 0; r < R; r++)
     for (int32_t j = r * B; j < r * B + cnt[r]; j++) {
       tw_dseq_t *s = d->batch[j];
-      int32_t idx = tw_dseq_find(d, s->id);
       if (st != TW_OK) {
         tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
                        tw_status_wire_code(st < 0 ? st : TW_ERR_INTERNAL), tw_last_error());
-        tw_dseq_release(d, idx);
+        tw_dseq_release(d, tw_dseq_find(d, s->id));
         continue;
       }
       tw_metric_observe(d->m.tpot, (double)(t1 - t0) * 1e-9);
@@ -574,7 +582,7 @@ static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
                      stop ? TWAIN__V1__FINISH_REASON__FINISH_STOP
                           : len ? TWAIN__V1__FINISH_REASON__FINISH_LENGTH : 0,
                      0, NULL);
-      if (stop || len) tw_dseq_release(d, idx);
+      if (stop || len) tw_dseq_release(d, tw_dseq_find(d, s->id));
     }
   return st;
 }
@@ -674,6 +682,12 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
                                    tw_metrics_latency_buckets, tw_metrics_latency_n);
   d->m.tokens = tw_metrics_counter(M, "decode_tokens_total", "tokens generated");
   d->m.steps = tw_metrics_counter(M, "decode_steps_total", "decode steps run");
+  d->m.step_s = tw_metrics_histogram(M, "decode_step_seconds",
+                                     "one decode step of the whole batch (device work and its sync)",
+                                     tw_metrics_latency_buckets, tw_metrics_latency_n);
+  d->m.gap_s = tw_metrics_counter(
+      M, "decode_step_gap_seconds_total",
+      "host time between consecutive steps of a running batch (tokens sent, messages handled)");
   d->m.kv_usage = tw_metrics_gauge(M, "kv_cache_usage_perc",
                                    "KV cache blocks in use, a fraction in [0, 1] (vLLM's name)");
   d->stats.interval_s = p->log_stats_interval_s;

@@ -39,7 +39,9 @@
 #          MPS control daemon (started here with its pipe and log directories
 #          under the work directory, stopped at the end), so prefill and decode
 #          kernels of the two processes share the GPU instead of taking turns.
-#          A table of every run is printed last. Bounded by TW_LOAD_BUDGET_S
+#          A table of every run is printed last (with the decode worker's mean
+#          step, host gap between steps and batch over the run, from its
+#          /metrics). Bounded by TW_LOAD_BUDGET_S
 #          (default 540). TW_LOAD_BACKEND=cpu with TW_LOAD_MODELS=tiny is a
 #          dry run on a machine without a GPU.
 set -u
@@ -165,19 +167,35 @@ for m in ${TW_LOAD_MODELS:-20b 120b}; do
       r=$?
       cat "$work/bench_${m}_c$c.log" >>"$log"
       metrics_dump "$out/metrics_${m}_c$c.txt" "$out/serve_$m.log"
-      line=$(python3 - "$out/bench_${m}_c$c.json" "$m" "$c" "$r" <<'EOF'
-import json, sys
+      line=$(python3 - "$out/bench_${m}_c$c.json" "$m" "$c" "$r" "$out/metrics_${m}_c$c.txt" "$work/steps_$m" <<'EOF'
+import json, os, sys
 m, c, r = sys.argv[2:5]
+# the decode worker's steps during this run (deltas of its counters since
+# the previous run's dump): mean device step, host gap between steps, batch
+cur = {}
+for ln in open(sys.argv[5]):
+    k = ln.split()
+    if len(k) == 2 and k[0].split("{")[0] in (
+            "twain_decode_step_seconds_sum", "twain_decode_step_seconds_count",
+            "twain_decode_step_gap_seconds_total", "twain_decode_tokens_total"):
+        cur[k[0].split("{")[0]] = cur.get(k[0].split("{")[0], 0.0) + float(k[1])
+prev = json.load(open(sys.argv[6])) if os.path.exists(sys.argv[6]) else {}
+json.dump(cur, open(sys.argv[6], "w"))
+d_ = {k: v - prev.get(k, 0.0) for k, v in cur.items()}
+n = d_.get("twain_decode_step_seconds_count", 0.0)
+steps = ("%.1f / %.1f / %.0f" % (1e3 * d_["twain_decode_step_seconds_sum"] / n,
+         1e3 * d_.get("twain_decode_step_gap_seconds_total", 0.0) / n,
+         d_.get("twain_decode_tokens_total", 0.0) / n)) if n > 0 else "-"
 try:
     d = json.load(open(sys.argv[1]))
 except Exception as e:
-    print(f"| {m} | {c} | no json ({e.__class__.__name__}), exit {r} | | | | | | | |")
+    print(f"| {m} | {c} | no json ({e.__class__.__name__}), exit {r} | | | | | | | | |")
     sys.exit()
 fail = ", ".join(f"{k} {v}" for k, v in d.get("failures", {}).items()) or "0"
-print("| %s | %s | %d | %.0f | %.0f | %.2f | %.0f / %.0f | %.1f / %.1f | %d | %s; lost %d |" % (
+print("| %s | %s | %d | %.0f | %.0f | %.2f | %.0f / %.0f | %.1f / %.1f | %s | %d | %s; lost %d |" % (
     m, c, d["config"]["num_requests"], d["output_throughput"], d["total_token_throughput"],
     d["request_throughput"], d["ttft_ms"]["p50"], d["ttft_ms"]["p99"], d["tpot_ms"]["p50"],
-    d["tpot_ms"]["p99"], d.get("completed", 0), fail, d.get("lost", 0)))
+    d["tpot_ms"]["p99"], steps, d.get("completed", 0), fail, d.get("lost", 0)))
 EOF
 )
       table="$table$line\n"
@@ -241,8 +259,8 @@ EOF
   rm -rf "$dir"
 done
 say ""
-say "| model | concurrency | requests | output tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | completed | failed |"
-say "|---|---|---|---|---|---|---|---|---|---|"
+say "| model | concurrency | requests | output tok/s | total tok/s | req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | decode step / gap ms / batch | completed | failed |"
+say "|---|---|---|---|---|---|---|---|---|---|---|"
 printf "%b" "$table" | tee -a "$log"
 [ -n "$mps" ] && echo quit | nvidia-cuda-mps-control
 rm -rf "$work"
