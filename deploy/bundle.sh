@@ -30,8 +30,14 @@
 #                     /opt/ucx. Default: $TWAIN_UCX_PREFIX; else, for a build
 #                     with the CUDA backend, build-ucx-cuda/install when
 #                     deploy/build_ucx_cuda.sh has finished it; "none": the
-#                     linked one. The manifest says which UCX was carried and
-#                     whether it has the CUDA transports.
+#                     linked one. The output and the manifest say which UCX
+#                     was carried, its version and whether it has the CUDA
+#                     transports; a UCX with them but older than 1.14 gets a
+#                     warning: its puts into device memory are emulated
+#                     through host memory (about 1 GB/s), so the direct UCX
+#                     path is unusable (within one host the handoff still
+#                     goes direct over twain's own CUDA IPC path).
+#                     build_ucx_cuda.sh builds 1.22.0 by default.
 #   --no-default-model  leave out the default tiny model (17 MB), which is
 #                     otherwise installed in share/twain/models/tiny-gptoss-wordnet-mxfp4,
 #                     where the programs look for their default model first
@@ -200,6 +206,27 @@ export PATH="$twain_root/bin:$PATH"
 export UCX_MODULE_DIR="$twain_root/lib/ucx"
 export NCCL_NVLS_ENABLE=0
 EOF
+# The carried UCX's version: from its own ucx_info (1.13 prints "# Version X",
+# later releases "# Library version: X"), else from its pkg-config file.
+ucx_version=""
+if [ -x "$stage/bin/ucx_info" ]; then
+  ucx_version=$(env -i PATH=/usr/bin:/bin LD_LIBRARY_PATH= UCX_MODULE_DIR="$stage/lib/ucx" "$stage/bin/ucx_info" -v 2>/dev/null |
+    sed -nE 's/^# (Library version:|Version) ([0-9]+\.[0-9]+[0-9.]*).*/\2/p' | head -1 || true)
+fi
+if [ -z "$ucx_version" ]; then
+  if [ -n "$ucx_prefix" ]; then
+    ucx_version=$(sed -n 's/^Version: *//p' "$ucx_prefix/lib/pkgconfig/ucx.pc" 2>/dev/null | head -1 || true)
+  else
+    ucx_version=$(pkg-config --modversion ucx 2>/dev/null || true)
+  fi
+fi
+ucx_cuda=0
+compgen -G "$stage/lib/ucx/libuct_cuda.so*" >/dev/null && ucx_cuda=1
+ucx_warning=""
+if ((ucx_cuda)) && [[ $ucx_version =~ ^([0-9]+)\.([0-9]+) ]] &&
+   ((BASH_REMATCH[1] < 1 || (BASH_REMATCH[1] == 1 && BASH_REMATCH[2] < 14))); then
+  ucx_warning="UCX $ucx_version has the CUDA transports but is older than 1.14: its puts into device memory are emulated (copied through host memory, about 1 GB/s), so the direct UCX path (direct ucx cuda_ipc) is unusable; within one host the KV handoff still goes direct over twain's own CUDA IPC path (direct cuda_ipc). bash deploy/build_ucx_cuda.sh builds UCX 1.22.0 (docs/operations.md, UCX's own CUDA transports)"
+fi
 {
   echo "twain $version bundle, built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(. /etc/os-release && echo "$PRETTY_NAME") ($(ldd --version | head -1))"
   echo "commit $(git -C "$here" rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -207,11 +234,16 @@ EOF
   echo "carried libraries (soname <- source):"
   for so in $(printf '%s\n' "${!carried[@]}" | sort); do echo "  $so <- ${carried[$so]}"; done
   echo "UCX modules: $(cd "$stage/lib/ucx" && echo *)"
-  if compgen -G "$stage/lib/ucx/libuct_cuda.so*" >/dev/null; then
-    echo "UCX: ${ucx_prefix:-as linked}, with CUDA transports (direct device-to-device KV handoff)"
+  if ((ucx_cuda)); then
+    if [ -n "$ucx_warning" ]; then
+      echo "UCX: ${ucx_prefix:-as linked}, version ${ucx_version:-unknown}, with CUDA transports (but its puts into device memory are emulated: see the warning)"
+    else
+      echo "UCX: ${ucx_prefix:-as linked}, version ${ucx_version:-unknown}, with CUDA transports (direct device-to-device KV handoff)"
+    fi
   else
-    echo "UCX: ${ucx_prefix:-as linked}, without CUDA transports (device KV pools are staged)"
+    echo "UCX: ${ucx_prefix:-as linked}, version ${ucx_version:-unknown}, without CUDA transports (device KV pools are staged)"
   fi
+  [ -z "$ucx_warning" ] || echo "UCX warning: $ucx_warning"
 } > "$stage/share/twain/MANIFEST.txt"
 
 # ---- check: every carried dependency resolves inside the tree -------------------
@@ -235,3 +267,7 @@ done
 mkdir -p "$(dirname "$out")"
 tar -C "$work" -czf "$out" "$name"
 echo "bundle.sh: $out ($(du -h "$out" | cut -f1); ${#progs[@]} programs, ${#carried[@]} libraries, $(find "$stage/lib/ucx" -name '*.so*' | wc -l) UCX modules)"
+ucx_with=without
+((ucx_cuda == 0)) || ucx_with=with
+echo "bundle.sh: UCX ${ucx_version:-of unknown version} (${ucx_prefix:-as linked}), $ucx_with CUDA transports"
+[ -z "$ucx_warning" ] || echo "bundle.sh: warning: $ucx_warning" >&2

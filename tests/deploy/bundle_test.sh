@@ -27,6 +27,7 @@ root=$(echo "$tmp"/node/twain-*)
 man=$root/share/twain/MANIFEST.txt
 check "bundle has a manifest" '[ -s "$man" ]'
 check "UCX modules carried" 'ls "$root"/lib/ucx/libuct_*.so.0 >/dev/null 2>&1'
+check "manifest names the carried UCX's version" 'grep -Eq "^UCX: .*, version [0-9]+\.[0-9]+\.[0-9]+, with(out)? CUDA transports" "$man"'
 check "RUNPATH \$ORIGIN/../lib on twain-prefill" \
   'readelf -d "$root/bin/twain-prefill" | grep -q "RUNPATH.*\[\$ORIGIN/../lib\]"'
 

@@ -29,6 +29,17 @@ rule "multi-stage (3 named stages)" '^FROM .* AS runtime$'
 rule "CUDA base image" '^FROM nvidia/cuda:\$\{CUDA_VERSION\}-runtime-'
 rule "UCX built with CUDA" '--with-cuda=/usr/local/cuda'
 rule "UCX CUDA transport checked" 'test -e /opt/ucx/lib/ucx/libuct_cuda.so'
+rule "UCX from the upstream release tag" '^ARG UCX_TAG=v[0-9]+\.[0-9]+\.[0-9]+$'
+rule "UCX tag's commit pinned" '^ARG UCX_COMMIT=[0-9a-f]{40}$'
+rule "UCX clone refused unless at the pinned commit" 'test "\$\(git -C ucx rev-parse HEAD\)" = "\$\{UCX_COMMIT\}"'
+# the image and deploy/build_ucx_cuda.sh (the bundles' UCX) build the same release
+script=$(dirname "$df")/../build_ucx_cuda.sh
+tag=$(sed -n 's/^ARG UCX_TAG=//p' "$df") commit=$(sed -n 's/^ARG UCX_COMMIT=//p' "$df")
+if [ -f "$script" ] && ! grep -Eq "ucx_tag=$tag ucx_commit=$commit\b" "$script"; then
+  echo "FAIL rule: the Dockerfile's UCX ($tag $commit) is not deploy/build_ucx_cuda.sh's"; fails=$((fails + 1))
+else
+  echo "rule ok: UCX $tag ($commit), as deploy/build_ucx_cuda.sh"
+fi
 rule "NVLink multicast off" 'NCCL_NVLS_ENABLE=0'
 rule "bundle built by deploy/bundle.sh" 'deploy/bundle.sh'
 last_user=$(grep -E '^USER ' "$df" | tail -1 | awk '{print $2}')

@@ -67,10 +67,11 @@ if [ "${1:-}" = "--stage" ]; then
   mkdir -p "$stage_dir"
   rm -f "$stage_dir/twain.tar.gz" "$stage_dir/twain.tar.xz"
   # UCX with CUDA transports (deploy/build_ucx_cuda.sh), when built: bundle.sh
-  # carries its libraries, modules and ucx_info instead of Debian's (same
-  # 1.13.1 ABI), so the workers put device to device (kv_transfer logs the
-  # path). TW_UCX_CUDA=PREFIX, default build-ucx-cuda/install; TW_UCX_CUDA=none
-  # keeps Debian's UCX.
+  # carries its libraries, modules and ucx_info instead of Debian's 1.13.1
+  # (same libucp.so.0 ABI; 1.22.0 by default, whose puts reach device memory
+  # over cuda_ipc), so the workers put device to device (the prefill worker
+  # logs the path per decode worker). TW_UCX_CUDA=PREFIX, default
+  # build-ucx-cuda/install; TW_UCX_CUDA=none keeps Debian's UCX.
   ucx_cuda=${TW_UCX_CUDA:-$root/build-ucx-cuda/install}
   if [ "$ucx_cuda" != none ] && ! compgen -G "$ucx_cuda/lib/ucx/libuct_cuda.so*" >/dev/null; then
     ucx_cuda=none
@@ -78,7 +79,8 @@ if [ "${1:-}" = "--stage" ]; then
   bash "$root/deploy/bundle.sh" --no-build --build-dir "$build" --system-cuda --no-default-model \
     --ucx "$ucx_cuda" --out "$stage_dir/twain.tar.gz" >/dev/null
   if [ "$ucx_cuda" != none ]; then
-    echo "service_gpu: UCX with CUDA transports from $ucx_cuda"
+    echo "service_gpu: UCX with CUDA transports from $ucx_cuda ($(tar -xzOf "$stage_dir/twain.tar.gz" \
+      --wildcards '*/share/twain/MANIFEST.txt' | sed -n 's/^UCX: .*, \(version [^,]*\),.*/\1/p'))"
   else
     echo "service_gpu: Debian's UCX (no CUDA transports: KV handoff STAGED; deploy/build_ucx_cuda.sh builds one)"
   fi
