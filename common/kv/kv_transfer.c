@@ -2738,7 +2738,7 @@ TW_NODISCARD tw_status_t tw_kv_xfer_put(tw_kv_xfer_t *x, tw_kv_peer_t *p, const 
               "this UCX (before 1.14) puts into device memory over active messages "
               "(put/am/bcopy, copied through host memory: about 1 GB/s), not over cuda_ipc: use "
               "the CUDA IPC path (TWAIN_KV_IPC unset) or a UCX >= 1.14 with CUDA transports "
-              "(deploy/build_ucx_cuda.sh --src)");
+              "(deploy/build_ucx_cuda.sh builds 1.22.0)");
   }
   if (!p->t_first_put_ns) p->t_first_put_ns = tw_now_ns();
   uint64_t *h = maybe_checksum;
