@@ -35,7 +35,9 @@
  * pair lands in one thread.
  *
  * Pipeline: 3 to 8 cp.async stages by tile (assignment rows + raw weights,
- * TW_GG_STAGES), prefetch depth S - 1; per k-tile one barrier, the fragments, 4 wgmma, and a wait for them:
+ * TW_GG_STAGES), prefetch depth S - 1; per k-tile one barrier, the fragments, 4 wgmma, and a wait for them
+ * (with 5 or more stages, tiles of 16 to 64 rows, two k-tiles per barrier
+ * and wait, prefetch depth S - 2: 7-10% faster at 32 rows, docs/benchmarks.md):
  * ptxas serialises wgmma whose register operands are produced while an
  * earlier one is in flight (warning C7513), so the overlap of conversion and
  * tensor work comes from the other warpgroups of the SM (two CTAs per SM).
@@ -66,7 +68,7 @@
  * shared memory for deeper weight prefetch, which a few-token tile needs;
  * MXFP4 CTAs also hold the 32 KB conversion table (two CTAs per SM) */
 #define TW_GG_STAGES(fmt, bt)                                                 \
-  ((fmt) == TW_GG_MXFP4 ? ((bt) >= 128 ? 3 : (bt) >= 64 ? 4 : 8)              \
+  ((fmt) == TW_GG_MXFP4 ? ((bt) >= 128 ? 3 : (bt) >= 64 ? 5 : 8)              \
                         : ((bt) >= 128 ? 4 : (bt) >= 64 ? 6 : 8))
 /* FP4 pair -> bf16x2 table: 256 entries (a byte: two E2M1 values) x 32 lane
  * copies (entry e of lane l at word 32 e + l, so a warp's lookups never share
@@ -177,6 +179,22 @@ static __device__ __forceinline__ void tw_gg_wgmma4(float (&acc)[N8][4], const u
   tw_wgmma_fence();
 #pragma unroll
   for (int s = 0; s < 4; s++) tw_wgmma_rs(d, af[s], xd + 2 * s);
+  tw_wgmma_commit();
+}
+
+/* The same for two k-tiles at once (A fragments af, then af2; B
+ * descriptors xd, then xd2): eight k16 steps behind one fence and commit. */
+template <int W8, int N8>
+static __device__ __forceinline__ void tw_gg_wgmma8(float (&acc)[N8][4], const uint32_t (&af)[4][4],
+                                                    const uint32_t (&af2)[4][4], uint64_t xd,
+                                                    uint64_t xd2) {
+  static_assert(W8 >= 1 && W8 <= N8, "wgmma N within the tile");
+  float(&d)[W8][4] = *reinterpret_cast<float(*)[W8][4]>(&acc[0][0]);
+  tw_wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < 4; s++) tw_wgmma_rs(d, af[s], xd + 2 * s);
+#pragma unroll
+  for (int s = 0; s < 4; s++) tw_wgmma_rs(d, af2[s], xd2 + 2 * s);
   tw_wgmma_commit();
 }
 
@@ -327,10 +345,16 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
 #pragma unroll
     for (int q = 0; q < 4; q++) acc[j][q] = 0.f;
   /* each k-tile completes its wgmma before the next fragments are made
-   * (see the file comment: C7513) */
-  uint32_t af[4][4];
+   * (see the file comment: C7513). With S >= 5 stages the loop takes the
+   * k-tiles two at a time (PAIR): one wait for the copies, one barrier, the
+   * fragments of both tiles (independent chains the scheduler interleaves),
+   * eight wgmma and one wait for them, so the per-tile barrier and wgmma
+   * latency are paid once per 128 k; the prefetch depth is S - 2 tiles. */
+  constexpr bool PAIR = S >= 5;
+  constexpr int PRE = PAIR ? S - 2 : S - 1; /* tiles in flight ahead of the one computed */
+  uint32_t af[4][4], af2[4][4];
 #pragma unroll
-  for (int s = 0; s < S - 1; s++) {
+  for (int s = 0; s < PRE; s++) {
     if (s < KT) load_stage(s, s);
     tw_cp_async_commit();
   }
@@ -339,37 +363,66 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
    * ends below 256 KB) */
   const uint64_t xd0 = tw_wgmma_desc(sX_u);
   constexpr int GQ = N8 / 4 > 0 ? N8 / 4 : 1; /* n8 tiles of a quarter tile */
+  constexpr int W2 = 2 * GQ < N8 ? 2 * GQ : N8, W3 = 3 * GQ < N8 ? 3 * GQ : N8;
   const int nq = (rows + 8 * GQ - 1) / (8 * GQ);
-  int st = 0, lst = S - 1; /* the stage computed, the stage loaded */
-  for (int kt = 0; kt < KT; kt++) {
-    tw_cp_async_wait<S - 2>(); /* tile kt: this thread's copies */
+  auto nxt = [](int x) { return x + 1 == S ? 0 : x + 1; };
+  int st = 0, lst = PRE; /* the stage computed, the stage loaded next */
+  for (int kt = 0; kt < KT; kt += PAIR ? 2 : 1) {
+    if (PAIR)
+      tw_cp_async_wait<PAIR ? S - 4 : 0>(); /* tiles kt, kt + 1: this thread's copies */
+    else
+      tw_cp_async_wait<S - 2>(); /* tile kt */
     tw_fence_proxy_async();    /* cp.async data -> wgmma operand reads */
-    __syncthreads();           /* everyone's copies; wgmma(kt - 1) done everywhere */
-    if (kt + S - 1 < KT) load_stage(kt + S - 1, lst);
+    __syncthreads();           /* everyone's copies; the last wgmma done everywhere */
+    if (kt + PRE < KT) load_stage(kt + PRE, lst);
     tw_cp_async_commit();
+    lst = nxt(lst);
+    if (PAIR) {
+      if (kt + PRE + 1 < KT) load_stage(kt + PRE + 1, lst);
+      tw_cp_async_commit();
+      lst = nxt(lst);
+    }
+    const bool two = PAIR && kt + 1 < KT;
     fragments(kt, st, af);
     const uint64_t xd = xd0 + (uint64_t)(st * (BT * 128 / 16));
-    st = st + 1 == S ? 0 : st + 1;
-    lst = lst + 1 == S ? 0 : lst + 1;
+    st = nxt(st);
     tw_reg_fence(acc);
     /* the tile's rows rounded up to a quarter of BT (at least 8): the wgmma
      * N, so a tile whose expert holds fewer than BT rows does not multiply
      * the zero rows (a uniform branch) */
-    if (nq == 1)
-      tw_gg_wgmma4<GQ>(acc, af, xd);
-    else if (nq == 2)
-      tw_gg_wgmma4<(2 * GQ < N8 ? 2 * GQ : N8)>(acc, af, xd);
-    else if (nq == 3)
-      tw_gg_wgmma4<(3 * GQ < N8 ? 3 * GQ : N8)>(acc, af, xd);
-    else
-      tw_gg_wgmma4<N8>(acc, af, xd);
+    if (two) {
+      fragments(kt + 1, st, af2);
+      const uint64_t xd2 = xd0 + (uint64_t)(st * (BT * 128 / 16));
+      st = nxt(st);
+      tw_reg_fence(acc);
+      if (nq == 1)
+        tw_gg_wgmma8<GQ>(acc, af, af2, xd, xd2);
+      else if (nq == 2)
+        tw_gg_wgmma8<W2>(acc, af, af2, xd, xd2);
+      else if (nq == 3)
+        tw_gg_wgmma8<W3>(acc, af, af2, xd, xd2);
+      else
+        tw_gg_wgmma8<N8>(acc, af, af2, xd, xd2);
+    } else {
+      if (nq == 1)
+        tw_gg_wgmma4<GQ>(acc, af, xd);
+      else if (nq == 2)
+        tw_gg_wgmma4<W2>(acc, af, xd);
+      else if (nq == 3)
+        tw_gg_wgmma4<W3>(acc, af, xd);
+      else
+        tw_gg_wgmma4<N8>(acc, af, xd);
+    }
     tw_reg_fence(acc);
     tw_wgmma_wait0();
     tw_reg_fence(acc);
 #pragma unroll
     for (int s = 0; s < 4; s++)
 #pragma unroll
-      for (int q = 0; q < 4; q++) asm volatile("" : "+r"(af[s][q])::"memory");
+      for (int q = 0; q < 4; q++) {
+        asm volatile("" : "+r"(af[s][q])::"memory");
+        asm volatile("" : "+r"(af2[s][q])::"memory");
+      }
   }
 
   /* Epilogue: acc[j] = (weight rows g, g + 8 of this warp) x (tokens 8 j + 2 t, +1). */
