@@ -21,6 +21,8 @@
 #             "1 64 256 512"; TW_LOAD_CONC_120B for 120b, default "256 512"):
 #             TW_LOAD_IN in / TW_LOAD_OUT out tokens (1024 / 1024), N = 2 x
 #             concurrency requests (at least 8; TW_LOAD_WAVES changes the 2;
+#             TW_LOAD_N=1000 sends that many at every concurrency, as
+#             `vllm bench serve`'s default --num-prompts does;
 #             TW_LOAD_RATE=R sends them as a Poisson stream of R requests/s
 #             under the concurrency cap instead of all at once),
 #             --json under $OUT;
@@ -158,7 +160,7 @@ for m in ${TW_LOAD_MODELS:-20b 120b}; do
     [ "$m" = 120b ] && conc=${TW_LOAD_CONC_120B:-256 512}
     for c in $conc; do
       [ "$(left)" -lt 30 ] && { say "serve_load: budget spent before $m c=$c"; rc=1; break; }
-      n=$((c * ${TW_LOAD_WAVES:-2}))
+      n=${TW_LOAD_N:-$((c * ${TW_LOAD_WAVES:-2}))}
       [ "$n" -lt 8 ] && n=8
       timeout "$(tmo 400)" "$twain" bench --endpoint "$ep" --model "$dir" --num-requests "$n" \
         --concurrency "$c" --input-len "${TW_LOAD_IN:-1024}" --output-len "${TW_LOAD_OUT:-1024}" \
