@@ -896,6 +896,15 @@ static TW_NODISCARD tw_status_t tw_decode_params_check(const tw_decode_params_t 
                   "decode: --dp %d (data-parallel attention) runs on the cpu backend only; the "
                   "%s engine does not implement it: use --backend cpu, or --tp/--ep on a GPU",
                   p->dp, tw_backend_name(tw_backend_resolve(p->backend)));
+  /* a dp replica's sequence is admitted when rank 0's own region says its
+   * kv landed; a staged ring on the replica would still be copying it */
+  const char *kv_path = getenv("TWAIN_KV_PATH");
+  if (p->dp > 1 && kv_path && strcmp(kv_path, "staged") == 0)
+    return tw_err(TW_ERR_UNSUPPORTED,
+                  "decode: --dp %d with TWAIN_KV_PATH=staged: a replica's sequences could start "
+                  "before their staged kv is copied into its pool; unset TWAIN_KV_PATH (the "
+                  "cpu backend's pools take the handoff in place)",
+                  p->dp);
   return TW_OK;
 }
 

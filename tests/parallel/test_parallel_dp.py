@@ -22,6 +22,7 @@ head), the experts split over both.
 5. kill -9 of dp rank 1 while it streams: the worker is out of the router's
    registry within 2 s, its streams end with an error, its other rank exits.
 Every wait is bounded."""
+import os
 import subprocess
 import time
 
@@ -38,14 +39,18 @@ def dp_counters(port):
 
 # ---- 0. refused combinations (checked before any rank starts)
 decode_bin = svc.bin_path("decode", "twain-decode")
-for extra, want in ((["--dp", "2", "--ep", "1", "--backend", "cpu"], "needs --dp N --ep N --tp 1"),
-                    (["--dp", "2", "--ep", "2", "--tp", "2", "--backend", "cpu"], "needs --dp N --ep N --tp 1"),
-                    (["--dp", "2", "--ep", "2", "--backend", "cuda"], "runs on the cpu backend only")):
+for extra, env, want in ((["--dp", "2", "--ep", "1", "--backend", "cpu"], {}, "needs --dp N --ep N --tp 1"),
+                         (["--dp", "2", "--ep", "2", "--tp", "2", "--backend", "cpu"], {}, "needs --dp N --ep N --tp 1"),
+                         (["--dp", "2", "--ep", "2", "--backend", "cuda"], {}, "runs on the cpu backend only"),
+                         # the staged ring with dp replicas: refused, not run with kv copied late
+                         (["--dp", "2", "--ep", "2", "--backend", "cpu"], {"TWAIN_KV_PATH": "staged"},
+                          "with TWAIN_KV_PATH=staged")):
     r = subprocess.run([decode_bin, "--router", "tcp://127.0.0.1:9", "--model", svc.MODEL] + extra,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, **env))
     check(r.returncode != 0 and want in r.stderr,
-          "twain-decode %s refused (exit %d): %s" % (" ".join(extra), r.returncode,
-                                                     r.stderr.strip().splitlines()[-1:] or ["(no message)"]))
+          "twain-decode %s%s refused (exit %d): %s" % (
+              "".join("%s=%s " % kv for kv in env.items()), " ".join(extra), r.returncode,
+              r.stderr.strip().splitlines()[-1:] or ["(no message)"]))
 
 N = 24
 cases = cases()
