@@ -643,7 +643,18 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
     TW_WARN("decode", "warmup: %s (decode runs without graphs)", tw_last_error());
   const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
   TW_CHECK(tw_kv_xfer_create_bound(p->router, &d->xfer));
-  TW_CHECK(tw_kv_region_register(d->xfer, l, &d->region));
+  /* A host pool (the CPU backend) takes pieces through the bounce ring
+   * rather than puts in place: a decode worker killed while puts into its
+   * pool were in flight over shared memory could leave the prefill worker's
+   * UCX unable to move anything afterwards (1 run in 8 to 20 of the kill
+   * test, docs/operations.md), where the ring, which takes nothing before
+   * it granted a slot, never showed it. Not with --dp (a replica's ring is
+   * not waited for: tw_decode_params_check); TWAIN_KV_PATH=host keeps the
+   * puts in place. */
+  const char *kv_path = getenv("TWAIN_KV_PATH");
+  const tw_kv_region_params_t rp = {.staging_ring = !l->on_device && p->dp <= 1 &&
+                                                    !(kv_path && strcmp(kv_path, "host") == 0)};
+  TW_CHECK(tw_kv_region_register_ex(d->xfer, l, &rp, &d->region));
   TW_CHECK(tw_decode_ranks_init(&d->rk, d->wk.dist, d->engine, d->xfer, d->region, d->model));
   if (d->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router and has block managers */
   d->n_dp = p->dp > 1 ? p->dp : 1;
