@@ -59,6 +59,18 @@ try:
                        capture_output=True, text=True, timeout=120)
     check(c.returncode == 0 and "genus Canis" in c.stdout, "twain chat with the text on stdin: %r" % c.stdout[:80])
     import pty
+    finished_re = r"request \d+ finished: \w+, prompt (\d+) tokens, output (\d+)"
+
+    def n_finished():
+        return len(re.findall(finished_re, "\n".join(serve.lines)))
+    # the router logs a request's line after its last token went out: let
+    # the lines of the requests above arrive (no new one for 0.5 s), so
+    # the next two lines are the two turns below
+    n_before, quiet, end = n_finished(), time.time(), time.time() + svc.scaled(10)
+    while time.time() - quiet < svc.scaled(0.5) and time.time() < end:
+        time.sleep(0.05)
+        if n_finished() != n_before:
+            n_before, quiet = n_finished(), time.time()
     master, slave = pty.openpty()
     ic = subprocess.Popen([twain, "chat", "--endpoint", ep], stdin=slave, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -73,8 +85,11 @@ try:
     answers = [l for l in iout.splitlines() if l.strip()]
     check(ic.returncode == 0 and len(answers) == 2 and "genus Canis" in answers[0] and ierr.count("> ") >= 3,
           "interactive twain chat: two turns, then /exit (rc %s, %r)" % (ic.returncode, answers))
-    turns = [int(x) for x in re.findall(r"request \d+ finished: \w+, prompt (\d+) tokens, output (\d+)",
-                                         "\n".join(serve.lines))[-2:] for x in x]
+    end = time.time() + svc.scaled(10)  # both turns' lines (bounded)
+    while n_finished() < n_before + 2 and time.time() < end:
+        time.sleep(0.05)
+    turns = [int(x) for x in re.findall(finished_re, "\n".join(serve.lines))[n_before:n_before + 2]
+             for x in x]
     # alone, the second question would be about as long as the first (75 tokens)
     check(len(turns) == 4 and turns[2] > turns[0] + 40,
           "the second turn carries the first question and answer (prompt, output tokens: %s)" % turns)
