@@ -368,10 +368,7 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
   auto nxt = [](int x) { return x + 1 == S ? 0 : x + 1; };
   int st = 0, lst = PRE; /* the stage computed, the stage loaded next */
   for (int kt = 0; kt < KT; kt += PAIR ? 2 : 1) {
-    if (PAIR)
-      tw_cp_async_wait<PAIR ? S - 4 : 0>(); /* tiles kt, kt + 1: this thread's copies */
-    else
-      tw_cp_async_wait<S - 2>(); /* tile kt */
+    tw_cp_async_wait<PAIR ? S - 4 : S - 2>(); /* tile kt (and kt + 1): this thread's copies */
     tw_fence_proxy_async();    /* cp.async data -> wgmma operand reads */
     __syncthreads();           /* everyone's copies; the last wgmma done everywhere */
     if (kt + PRE < KT) load_stage(kt + PRE, lst);
