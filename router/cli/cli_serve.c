@@ -32,6 +32,7 @@
 #include "common/model/config.h"
 #include "common/model/model_path.h"
 #include "router/router.h"
+#include "router/serve_mps.h"
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -280,6 +281,7 @@ int tw_cli_serve(int argc, char **argv) {
   int32_t kv_dtype = TW_KV_DTYPE_AUTO;
   double mem_util = 0;
   bool verify = false, no_share = false;
+  tw_mps_mode_t mps_mode = TW_MPS_AUTO;
   tw_backend_kind_t bk = TW_BACKEND_AUTO;
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */
   int pv[5] = {1, 1, 1, 1, 1};
@@ -311,6 +313,11 @@ int tw_cli_serve(int argc, char **argv) {
                   "each worker loads its own copy of the weights (default on a GPU:\n"
                   "one copy shared through CUDA IPC)"),
       TW_OPT_FLAG("verify-kv", &verify, "decode workers check the checksums of received KV"),
+      TW_OPT_FN("mps", &mps_mode, tw_mps_mode_opt, "off|auto|on",
+                "run the workers sharing a GPU under a private CUDA MPS server,\n"
+                "so their kernels run side by side (default auto: where the\n"
+                "CUDA backend runs one rank a worker and nvidia-cuda-mps-control\n"
+                "is installed; docs/operations.md)"),
       TW_OPT_INT("prefill-tp", &pv[0], 1, 64, "N",
                  "ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4"),
       TW_OPT_INT("prefill-ep", &pv[1], 1, 64, "N", "expert parallel ranks per prefill worker"),
@@ -413,6 +420,32 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.expect_prefill = n_prefill;
   s.rp.expect_decode = n_decode;
   if (tw_serve_link_keys() != 0) return 1;
+  /* CUDA MPS (router/serve_mps.h): the workers start after the daemon, in
+   * its environment; with it they are told --backend cuda, so a worker that
+   * cannot reach the GPU through it fails loudly instead of picking the cpu */
+  static tw_mps_t mps;
+  memset(&mps, 0, sizeof mps);
+  {
+    bool cuda =
+        bk == TW_BACKEND_CUDA || (bk == TW_BACKEND_AUTO && tw_backend_usable(TW_BACKEND_CUDA));
+    char bin[PATH_MAX / 2], why[400];
+    if (tw_mps_wanted(mps_mode, cuda, one_rank, bin, sizeof bin, why, sizeof why)) {
+      if (tw_mps_start(&mps, bin, NULL) == TW_OK) {
+        backend = "cuda";
+      } else if (mps_mode == TW_MPS_ON) {
+        fprintf(stderr, "twain serve: --mps on: %s\n", tw_last_error());
+        return 1;
+      } else {
+        TW_WARN("serve", "cuda mps: not used (the workers take turns on the GPU): %s",
+                tw_last_error());
+      }
+    } else if (mps_mode == TW_MPS_ON) {
+      fprintf(stderr, "twain serve: --mps on: %s\n", why);
+      return 2;
+    } else if (cuda && why[0]) {
+      TW_INFO("serve", "cuda mps: not used (the workers take turns on the GPU): %s", why);
+    }
+  }
   pthread_mutex_init(&s.mu, NULL);
   pthread_cond_init(&s.cv, NULL);
   /* signals: only this thread takes them */
@@ -424,6 +457,7 @@ int tw_cli_serve(int argc, char **argv) {
   pthread_t th;
   if (pthread_create(&th, NULL, tw_serve_router_thread, &s) != 0) {
     fprintf(stderr, "twain serve: cannot start the router thread\n");
+    tw_mps_stop(&mps);
     return 1;
   }
   tw_stop_signals_install(tw_serve_on_signal);
@@ -434,6 +468,7 @@ int tw_cli_serve(int argc, char **argv) {
   if (s.bound < 0) {
     pthread_join(th, NULL);
     fprintf(stderr, "twain serve: router failed: %s\n", tw_status_str(s.router_status));
+    tw_mps_stop(&mps);
     return 1;
   }
   static tw_serve_slot_t slots[TW_SERVE_MAX_WORKERS];
@@ -528,6 +563,7 @@ int tw_cli_serve(int argc, char **argv) {
   }
   TW_INFO("serve", "started %d workers (%d threads each), waiting for them to register", n, threads);
   int rc = 0, fatal = 0;
+  bool mps_retry = false;
   for (;;) { /* supervise the children until a signal */
     if (tw_serve_signal_g) break;
     int status;
@@ -543,6 +579,17 @@ int tw_cli_serve(int argc, char **argv) {
         pthread_mutex_lock(&s.mu);
         bool was_ready = s.ready;
         pthread_mutex_unlock(&s.mu);
+        if (!was_ready && mps.pid > 0 && mps_mode == TW_MPS_AUTO) {
+          /* the first start under the MPS server failed: once, every worker
+           * again without it (below, after this round of deaths) */
+          TW_WARN("serve",
+                  "worker %s (pid %d) died before the service was ready (%s %d) under "
+                  "cuda mps: starting every worker again without it (--mps off skips this)",
+                  w->name, (int)dead, code >= 0 ? "exit status" : "signal",
+                  code >= 0 ? code : WTERMSIG(status));
+          mps_retry = true;
+          continue;
+        }
         if (code == 2 || code == TW_WORKER_EXIT_CONFIG || !was_ready) {
           /* fail fast: restarting cannot fix a configuration, and a worker
            * that never served has no crash to recover from */
@@ -571,6 +618,28 @@ int tw_cli_serve(int argc, char **argv) {
                 WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), (long long)backoff_ms,
                 w->restarts + 1, TW_SERVE_MAX_RESTARTS);
       }
+    }
+    if (mps_retry) {
+      for (int k = 0; k < n; k++) /* the others: nothing served yet, nothing to drain */
+        if (slots[k].pid > 0) {
+          kill(-slots[k].pid, SIGKILL);
+          kill(slots[k].pid, SIGKILL);
+          waitpid(slots[k].pid, NULL, 0);
+          slots[k].pid = 0;
+        }
+      tw_mps_stop(&mps);
+      for (int k = 0; k < n; k++) {
+        tw_serve_slot_t *w = &slots[k];
+        memcpy(w->name, w->base, sizeof w->base);
+        w->av[w->ac_name] = w->name;
+        w->restarts = 0;
+        w->gave_up = false;
+        w->pid = tw_spawn(w->av);
+        w->started_ns = now;
+        w->next_start_ns = w->pid > 0 ? 0 : now + 500000000LL;
+        if (w->pid < 0) w->pid = 0;
+      }
+      mps_retry = false;
     }
     int running = 0;
     for (int k = 0; k < n; k++) {
@@ -646,6 +715,7 @@ int tw_cli_serve(int argc, char **argv) {
     struct timespec ts = {0, 20 * 1000000};
     nanosleep(&ts, NULL);
   }
+  tw_mps_stop(&mps); /* after the workers: its server goes with its last client */
   tw_serve_share_dir_remove(share_dir);
   printf("twain serve: stopped\n");
   fflush(stdout);

@@ -165,6 +165,15 @@ r = run([svc.bin_path("router", "twain-router"), "--help"])
 check(re.search(r"^  --http-port PORT .*\(default -1\)$", r.stdout, re.M),
       "twain-router --help: --http-port (default -1: off unless asked for)")
 
+# --mps (router/serve_mps.h): off|auto|on; "on" where it cannot apply stops serve
+# before anything starts, naming why
+r = run([TWAIN, "serve", "--backend", "cpu", "--mps", "on", "--listen=tcp://127.0.0.1:0", "--metrics-port=-1"])
+check(r.returncode == 2 and "--mps on: the workers run the cpu backend" in r.stderr,
+      "twain serve --backend cpu --mps on: exit 2 naming the cpu backend (rc %d, %r)" % (r.returncode, r.stderr.strip()[-140:]))
+r = run([TWAIN, "serve", "--backend", "cpu"], env={"TWAIN_SERVE_MPS": "sometimes"})
+check(r.returncode == 2 and "must be off, auto or on, got 'sometimes'" in r.stderr,
+      "TWAIN_SERVE_MPS=sometimes: exit 2 (rc %d, %r)" % (r.returncode, r.stderr.strip()[-140:]))
+
 # --config FILE for the daemons and serve
 with tempfile.TemporaryDirectory() as tmp:
     bad = os.path.join(tmp, "bad.conf")

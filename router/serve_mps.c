@@ -1,0 +1,274 @@
+/* serve_mps.c: the private CUDA MPS server of `twain serve` (serve_mps.h). */
+#include "router/serve_mps.h"
+
+#include "common/base/log.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TW_MPS_PIPE_ENV "CUDA_MPS_PIPE_DIRECTORY"
+#define TW_MPS_LOG_ENV "CUDA_MPS_LOG_DIRECTORY"
+#define TW_MPS_WAIT_MS 10000
+
+int tw_mps_mode_opt(const char *text, void *dst, char *err, size_t errlen) {
+  tw_mps_mode_t *m = dst;
+  if (!strcmp(text, "off"))
+    *m = TW_MPS_OFF;
+  else if (!strcmp(text, "auto"))
+    *m = TW_MPS_AUTO;
+  else if (!strcmp(text, "on"))
+    *m = TW_MPS_ON;
+  else {
+    snprintf(err, errlen, "must be off, auto or on, got '%s'", text);
+    return -1;
+  }
+  return 0;
+}
+
+/* The first executable `name` on PATH into out; false if none. */
+static bool tw_mps_find(const char *name, char *out, size_t len) {
+  const char *path = getenv("PATH");
+  if (!path || !*path) path = "/usr/local/bin:/usr/bin:/bin";
+  while (*path) {
+    const char *end = strchr(path, ':');
+    size_t n = end ? (size_t)(end - path) : strlen(path);
+    if (n > 0) {
+      int w = snprintf(out, len, "%.*s/%s", (int)n, path, name);
+      if (w > 0 && (size_t)w < len && access(out, X_OK) == 0) return true;
+    }
+    path += n + (end ? 1 : 0);
+  }
+  out[0] = '\0';
+  return false;
+}
+
+bool tw_mps_wanted(tw_mps_mode_t mode, bool cuda, bool one_gpu, char *bin, size_t binlen, char *why,
+                   size_t whylen) {
+  why[0] = '\0';
+  bin[0] = '\0';
+  if (mode == TW_MPS_OFF) return false;
+  if (!cuda) {
+    snprintf(why, whylen, "the workers run the cpu backend");
+    return false;
+  }
+  if (!one_gpu) {
+    snprintf(why, whylen,
+             "the workers run several ranks (--*-tp / --*-ep): each pool spreads "
+             "over the GPUs");
+    return false;
+  }
+  const char *pipe = getenv(TW_MPS_PIPE_ENV);
+  if (pipe) {
+    snprintf(why, whylen, "%s is set (%s): the workers use the MPS server it names, if any",
+             TW_MPS_PIPE_ENV, pipe);
+    return false;
+  }
+  if (!tw_mps_find(TW_MPS_CONTROL, bin, binlen)) {
+    snprintf(why, whylen, "%s is not on PATH (it comes with the NVIDIA driver's utilities)",
+             TW_MPS_CONTROL);
+    return false;
+  }
+  return true;
+}
+
+static int64_t tw_mps_now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+static void tw_mps_sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Removes dir's files and subdirectories (one level below them), then dir. */
+static void tw_mps_rmtree(const char *dir, int depth) {
+  DIR *d = opendir(dir);
+  struct dirent *e;
+  char path[PATH_MAX];
+  while (d && (e = readdir(d)) != NULL) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    int n = snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    if (n < 0 || (size_t)n >= sizeof path) continue;
+    struct stat st;
+    if (lstat(path, &st) == 0 && S_ISDIR(st.st_mode) && depth > 0)
+      tw_mps_rmtree(path, depth - 1);
+    else
+      unlink(path);
+  }
+  if (d) closedir(d);
+  rmdir(dir);
+}
+
+/* The last non-empty line of the daemon's log (control.log) into out ("" if none). */
+static void tw_mps_log_tail(const tw_mps_t *m, char *out, size_t len) {
+  char path[PATH_MAX];
+  out[0] = '\0';
+  snprintf(path, sizeof path, "%s/log/control.log", m->dir);
+  FILE *f = fopen(path, "r");
+  if (!f) return;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    size_t n = strlen(line);
+    while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = '\0';
+    if (n) snprintf(out, len, "%s", line);
+  }
+  fclose(f);
+}
+
+/* fork + exec bin with one argument; stdin from in_fd (-1: /dev/null), stdout
+ * and stderr to /dev/null; the child gets SIGTERM when serve dies. */
+static pid_t tw_mps_spawn(const char *bin, const char *arg, int in_fd) {
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid != 0) return pid;
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL);
+  setpgid(0, 0); /* Ctrl-C reaches serve only */
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != parent) _exit(1);
+  int null = open("/dev/null", O_RDWR);
+  if (null >= 0) {
+    dup2(in_fd >= 0 ? in_fd : null, 0);
+    dup2(null, 1);
+    dup2(null, 2);
+  }
+  execl(bin, bin, arg, (char *)NULL);
+  _exit(127);
+}
+
+tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir) {
+  memset(m, 0, sizeof *m);
+  snprintf(m->bin, sizeof m->bin, "%s", bin);
+  const char *rt = parent_dir ? parent_dir : getenv("XDG_RUNTIME_DIR");
+  if (!rt || !*rt || access(rt, W_OK) != 0) rt = "/tmp";
+  snprintf(m->dir, sizeof m->dir, "%s/twain-mps-XXXXXX", rt);
+  if (!mkdtemp(m->dir)) {
+    int e = errno;
+    m->dir[0] = '\0';
+    return tw_err(TW_ERR_IO, "cuda mps: cannot make a directory under %s: %s", rt, strerror(e));
+  }
+  char pipe[PATH_MAX], log[PATH_MAX], ctl[PATH_MAX + 16];
+  snprintf(pipe, sizeof pipe, "%s/pipe", m->dir);
+  snprintf(log, sizeof log, "%s/log", m->dir);
+  snprintf(ctl, sizeof ctl, "%s/control", pipe);
+  if (mkdir(pipe, 0700) != 0 || mkdir(log, 0700) != 0) {
+    int e = errno;
+    tw_mps_rmtree(m->dir, 1);
+    m->dir[0] = '\0';
+    return tw_err(TW_ERR_IO, "cuda mps: cannot make %s: %s", pipe, strerror(e));
+  }
+  if (setenv(TW_MPS_PIPE_ENV, pipe, 1) != 0 || setenv(TW_MPS_LOG_ENV, log, 1) != 0) {
+    unsetenv(TW_MPS_PIPE_ENV);
+    tw_mps_rmtree(m->dir, 1);
+    m->dir[0] = '\0';
+    return tw_err(TW_ERR_IO, "cuda mps: setenv failed");
+  }
+  pid_t pid = tw_mps_spawn(bin, "-f", -1);
+  if (pid < 0) {
+    int e = errno;
+    unsetenv(TW_MPS_PIPE_ENV);
+    unsetenv(TW_MPS_LOG_ENV);
+    tw_mps_rmtree(m->dir, 1);
+    m->dir[0] = '\0';
+    return tw_err(TW_ERR_IO, "cuda mps: cannot start %s: %s", bin, strerror(e));
+  }
+  m->pid = pid;
+  int64_t t0 = tw_mps_now_ms();
+  for (;;) {
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      char tail[400];
+      m->pid = 0;
+      tw_mps_log_tail(m, tail, sizeof tail);
+      unsetenv(TW_MPS_PIPE_ENV);
+      unsetenv(TW_MPS_LOG_ENV);
+      tw_mps_rmtree(m->dir, 1);
+      m->dir[0] = '\0';
+      return tw_err(TW_ERR_IO, "cuda mps: %s -f exited (%s %d) before its control pipe was up%s%s",
+                    bin, WIFEXITED(status) ? "status" : "signal",
+                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
+                    tail[0] ? "; its log: " : "", tail);
+    }
+    if (access(ctl, F_OK) == 0) break;
+    if (tw_mps_now_ms() - t0 > TW_MPS_WAIT_MS) {
+      tw_mps_stop(m); /* kills it (no pipe to send quit through) and cleans up */
+      return tw_err(TW_ERR_IO, "cuda mps: %s -f showed no control pipe in %d s", bin,
+                    TW_MPS_WAIT_MS / 1000);
+    }
+    tw_mps_sleep_ms(20);
+  }
+  TW_INFO("serve",
+          "cuda mps: control daemon %s up (pid %d, pipe %s): the workers' kernels share "
+          "the GPU side by side (--mps off: time slices)",
+          bin, (int)pid, pipe);
+  return TW_OK;
+}
+
+void tw_mps_stop(tw_mps_t *m) {
+  if (m->pid > 0) {
+    char ctl[PATH_MAX];
+    snprintf(ctl, sizeof ctl, "%s/pipe/control", m->dir);
+    if (access(ctl, F_OK) != 0) { /* no pipe to send quit through */
+      kill(-m->pid, SIGTERM);
+      kill(m->pid, SIGTERM);
+    } else { /* `echo quit | control`: the daemon stops its server, then exits */
+      int fds[2];
+      if (pipe(fds) == 0) {
+        pid_t q = tw_mps_spawn(m->bin, NULL, fds[0]);
+        close(fds[0]);
+        static const char quit[] = "quit\n";
+        ssize_t w = write(fds[1], quit, sizeof quit - 1);
+        (void)w;
+        close(fds[1]);
+        for (int i = 0; q > 0 && i < TW_MPS_WAIT_MS / 20; i++) {
+          if (waitpid(q, NULL, WNOHANG) == q) {
+            q = 0;
+            break;
+          }
+          tw_mps_sleep_ms(20);
+        }
+        if (q > 0) {
+          kill(q, SIGKILL);
+          waitpid(q, NULL, 0);
+        }
+      }
+    }
+    bool gone = false;
+    for (int i = 0; i < TW_MPS_WAIT_MS / 20; i++) {
+      if (waitpid(m->pid, NULL, WNOHANG) == m->pid) {
+        gone = true;
+        break;
+      }
+      tw_mps_sleep_ms(20);
+    }
+    if (!gone) {
+      TW_WARN("serve", "cuda mps: control daemon pid %d did not quit in %d s: killing it",
+              (int)m->pid, TW_MPS_WAIT_MS / 1000);
+      kill(-m->pid, SIGKILL);
+      kill(m->pid, SIGKILL);
+      waitpid(m->pid, NULL, 0);
+    } else {
+      TW_INFO("serve", "cuda mps: control daemon stopped");
+    }
+    m->pid = 0;
+  }
+  if (m->dir[0]) {
+    unsetenv(TW_MPS_PIPE_ENV);
+    unsetenv(TW_MPS_LOG_ENV);
+    tw_mps_rmtree(m->dir, 1);
+    m->dir[0] = '\0';
+  }
+}

@@ -1,0 +1,77 @@
+/* serve_mps.h: the CUDA MPS server that `twain serve` runs its workers under
+ * when they share one GPU (router/cli/cli_serve.c; docs/operations.md "Both
+ * workers on one GPU").
+ *
+ * Without MPS, two processes on one GPU take turns (time slices): a prefill
+ * batch and a decode step never run at the same time, and each switch costs
+ * a context change. Under an MPS server their kernels run side by side: the
+ * decode step (memory and latency bound at serving batches) and a prefill
+ * batch (tensor bound) overlap. Measured on one H200 (docs/benchmarks.md,
+ * 2026-12-02): gpt-oss-20b shapes, 1,024 in / 1,024 out at concurrency 256,
+ * 13,602 output tok/s time-sliced, 14,381 under MPS.
+ *
+ * The server is private to one serve: its own pipe and log directories (a
+ * 0700 temporary directory), the control daemon run in the foreground as a
+ * child of serve (so it is stopped with serve, and an operator's own MPS
+ * daemon, if any, is left alone). */
+#ifndef TW_ROUTER_SERVE_MPS_H
+#define TW_ROUTER_SERVE_MPS_H
+
+#include "common/base/status.h"
+
+#include <limits.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <sys/types.h>
+
+/** --mps: off, auto (the default: where the workers share a GPU and the
+ *  control program is installed) or on (an error where it cannot start). */
+typedef enum { TW_MPS_OFF = 0, TW_MPS_AUTO = 1, TW_MPS_ON = 2 } tw_mps_mode_t;
+
+/** The name of the MPS control program, looked up on PATH. */
+#define TW_MPS_CONTROL "nvidia-cuda-mps-control"
+
+/** Option parser (common/base/opts.h TW_OPT_FN) for "off|auto|on" into a
+ *  tw_mps_mode_t. Returns 0, or -1 with a message in err. */
+int tw_mps_mode_opt(const char *text, void *dst, char *err, size_t errlen);
+
+/** A running private MPS control daemon. */
+typedef struct {
+  pid_t pid;              /* the control daemon (foreground mode), 0: none */
+  char dir[PATH_MAX / 2]; /* the 0700 directory holding pipe/ and log/ */
+  char bin[PATH_MAX / 2]; /* the control program */
+} tw_mps_t;
+
+/**
+ * Whether serve runs its workers under a private MPS server.
+ * mode: --mps; cuda: the workers run the CUDA backend; one_gpu: every worker
+ * is one rank on the same GPU (no --*-tp / --*-ep). On true, `bin` holds the
+ * control program's path. On false, `why` says why not in a sentence
+ * ("" when mode is off). The environment decides too: where
+ * CUDA_MPS_PIPE_DIRECTORY is set, the operator runs MPS (or chose not to
+ * for this serve) and serve starts none.
+ */
+bool tw_mps_wanted(tw_mps_mode_t mode, bool cuda, bool one_gpu, char *bin, size_t binlen, char *why,
+                   size_t whylen);
+
+/**
+ * Starts `bin -f` (the control daemon in the foreground) as a child with its
+ * own pipe and log directories in a new 0700 directory under parent_dir
+ * (XDG_RUNTIME_DIR or /tmp when NULL), waits up to 10 s for its control pipe,
+ * and sets CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY in this process
+ * so that workers started after it connect to it.
+ * Errors: TW_ERR_IO (the directory cannot be made, the daemon cannot be
+ * started, exits, or shows no control pipe in 10 s: the message holds the last
+ * line of its log); nothing is left running or set on error.
+ */
+TW_NODISCARD tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir);
+
+/**
+ * Stops a daemon of tw_mps_start (no-op when m->pid is 0): sends it "quit"
+ * through `bin` (as `echo quit | nvidia-cuda-mps-control` would), waits up to
+ * 10 s for it to exit (then SIGKILL), unsets the two variables and removes the
+ * directory. Call after the workers exited.
+ */
+void tw_mps_stop(tw_mps_t *m);
+
+#endif

@@ -1,0 +1,213 @@
+/* test_serve_mps.c: the private CUDA MPS server of `twain serve`
+ * (router/serve_mps.h) against stand-ins for nvidia-cuda-mps-control put
+ * first on PATH: shell scripts that behave as the control program does where
+ * serve relies on it (`-f`: a daemon in the foreground that makes its control
+ * pipe in CUDA_MPS_PIPE_DIRECTORY and logs to CUDA_MPS_LOG_DIRECTORY/
+ * control.log; no argument: a command read from stdin, "quit" stops the
+ * daemon) and record what they were given. Checks: the option's values; when
+ * serve starts one and why not (cpu backend, several ranks, the operator's
+ * CUDA_MPS_PIPE_DIRECTORY, no control program on PATH); start sets both
+ * variables to the new private directories and waits for the control pipe;
+ * stop sends quit, reaps the daemon, unsets the variables and removes the
+ * directory; a daemon that exits at once, or never makes its pipe, is an
+ * error naming its log line with nothing left behind. Every wait is bounded
+ * (the daemon stand-in gives up after 20 s by itself). */
+#include "router/serve_mps.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "tests/test_expect.h"
+
+static char g_tmp[256], g_bin[300], g_record[300];
+
+/* A stand-in control program in g_bin/nvidia-cuda-mps-control: `mode` good
+ * (as described above), dies (logs a line and exits 3 at once) or mute (runs
+ * but never makes its pipe). Every call appends "ARGS|PIPE|LOG" to g_record,
+ * and a command its stdin. */
+static void write_fake(const char *mode) {
+  char path[400];
+  snprintf(path, sizeof path, "%s/%s", g_bin, TW_MPS_CONTROL);
+  FILE *f = fopen(path, "w");
+  if (!f) {
+    EXPECT(0, "cannot write %s: %s", path, strerror(errno));
+    return;
+  }
+  fprintf(f,
+          "#!/bin/sh\n"
+          "echo \"args=$*|pipe=$CUDA_MPS_PIPE_DIRECTORY|log=$CUDA_MPS_LOG_DIRECTORY\" >> '%s'\n"
+          "if [ \"$1\" = -f ]; then\n"
+          "  case '%s' in\n"
+          "  dies) echo 'fake daemon: cannot open the device' > "
+          "\"$CUDA_MPS_LOG_DIRECTORY/control.log\"; "
+          "exit 3;;\n"
+          "  mute) ;;\n"
+          "  *) mkfifo \"$CUDA_MPS_PIPE_DIRECTORY/control\";;\n"
+          "  esac\n"
+          "  i=0\n"
+          "  while [ ! -e \"$CUDA_MPS_PIPE_DIRECTORY/quit\" ] && [ $i -lt 400 ]; do sleep 0.05; "
+          "i=$((i+1)); done\n"
+          "  exit 0\n"
+          "fi\n"
+          "read cmd\n"
+          "echo \"cmd=$cmd\" >> '%s'\n"
+          "[ \"$cmd\" = quit ] && : > \"$CUDA_MPS_PIPE_DIRECTORY/quit\"\n"
+          "exit 0\n",
+          g_record, mode, g_record);
+  fclose(f);
+  chmod(path, 0755);
+}
+
+static int record_has(const char *needle) {
+  FILE *f = fopen(g_record, "r");
+  if (!f) return 0;
+  char line[1024];
+  int hit = 0;
+  while (fgets(line, sizeof line, f))
+    if (strstr(line, needle)) hit = 1;
+  fclose(f);
+  return hit;
+}
+
+static int exists(const char *p) { return access(p, F_OK) == 0; }
+
+static void test_mode_opt(void) {
+  tw_test_case = "mode option";
+  tw_mps_mode_t m = TW_MPS_AUTO;
+  char err[128] = "";
+  EXPECT(tw_mps_mode_opt("off", &m, err, sizeof err) == 0 && m == TW_MPS_OFF, "off");
+  EXPECT(tw_mps_mode_opt("on", &m, err, sizeof err) == 0 && m == TW_MPS_ON, "on");
+  EXPECT(tw_mps_mode_opt("auto", &m, err, sizeof err) == 0 && m == TW_MPS_AUTO, "auto");
+  EXPECT(tw_mps_mode_opt("yes", &m, err, sizeof err) == -1 && strstr(err, "off, auto or on") &&
+             m == TW_MPS_AUTO,
+         "bad value: -1, message '%s', value kept", err);
+}
+
+static void test_wanted(void) {
+  tw_test_case = "wanted";
+  char bin[512], why[512];
+  unsetenv("CUDA_MPS_PIPE_DIRECTORY");
+  EXPECT(!tw_mps_wanted(TW_MPS_OFF, true, true, bin, sizeof bin, why, sizeof why) && !why[0],
+         "off: not wanted, no reason (got '%s')", why);
+  EXPECT(!tw_mps_wanted(TW_MPS_AUTO, false, true, bin, sizeof bin, why, sizeof why) &&
+             strstr(why, "cpu backend"),
+         "cpu backend: '%s'", why);
+  EXPECT(!tw_mps_wanted(TW_MPS_ON, true, false, bin, sizeof bin, why, sizeof why) &&
+             strstr(why, "several ranks"),
+         "several ranks: '%s'", why);
+  write_fake("good");
+  EXPECT(tw_mps_wanted(TW_MPS_AUTO, true, true, bin, sizeof bin, why, sizeof why),
+         "control program on PATH: wanted (why '%s')", why);
+  char want[400];
+  snprintf(want, sizeof want, "%s/%s", g_bin, TW_MPS_CONTROL);
+  EXPECT(!strcmp(bin, want), "found %s, want %s", bin, want);
+  setenv("CUDA_MPS_PIPE_DIRECTORY", "/operators/own", 1);
+  EXPECT(!tw_mps_wanted(TW_MPS_AUTO, true, true, bin, sizeof bin, why, sizeof why) &&
+             strstr(why, "CUDA_MPS_PIPE_DIRECTORY is set (/operators/own)"),
+         "operator's MPS: '%s'", why);
+  unsetenv("CUDA_MPS_PIPE_DIRECTORY");
+  const char *path = getenv("PATH");
+  char *saved = strdup(path ? path : "");
+  setenv("PATH", g_tmp, 1); /* a directory without the program */
+  EXPECT(!tw_mps_wanted(TW_MPS_ON, true, true, bin, sizeof bin, why, sizeof why) &&
+             strstr(why, "not on PATH"),
+         "no control program: '%s'", why);
+  setenv("PATH", saved, 1);
+  free(saved);
+}
+
+static void test_start_stop(void) {
+  tw_test_case = "start and stop";
+  write_fake("good");
+  unlink(g_record);
+  char bin[512];
+  snprintf(bin, sizeof bin, "%s/%s", g_bin, TW_MPS_CONTROL);
+  tw_mps_t m;
+  EXPECT_OK(tw_mps_start(&m, bin, g_tmp));
+  const char *pipe = getenv("CUDA_MPS_PIPE_DIRECTORY"), *log = getenv("CUDA_MPS_LOG_DIRECTORY");
+  char want_pipe[PATH_MAX], want_log[PATH_MAX], ctl[PATH_MAX + 16];
+  snprintf(want_pipe, sizeof want_pipe, "%s/pipe", m.dir);
+  snprintf(want_log, sizeof want_log, "%s/log", m.dir);
+  snprintf(ctl, sizeof ctl, "%s/control", want_pipe);
+  EXPECT(m.pid > 0, "daemon pid %d", (int)m.pid);
+  EXPECT(!strncmp(m.dir, g_tmp, strlen(g_tmp)) && strstr(m.dir, "twain-mps-"),
+         "private directory %s under %s", m.dir, g_tmp);
+  EXPECT(pipe && !strcmp(pipe, want_pipe), "CUDA_MPS_PIPE_DIRECTORY %s, want %s",
+         pipe ? pipe : "(unset)", want_pipe);
+  EXPECT(log && !strcmp(log, want_log), "CUDA_MPS_LOG_DIRECTORY %s, want %s", log ? log : "(unset)",
+         want_log);
+  struct stat st;
+  EXPECT(stat(m.dir, &st) == 0 && (st.st_mode & 0777) == 0700, "directory mode 0700 (%o)",
+         (unsigned)(st.st_mode & 0777));
+  EXPECT(exists(ctl), "control pipe %s is up when start returns", ctl);
+  char rec[PATH_MAX * 2 + 64];
+  snprintf(rec, sizeof rec, "args=-f|pipe=%s|log=%s", want_pipe, want_log);
+  EXPECT(record_has(rec), "the daemon ran as '%s'", rec);
+  pid_t pid = m.pid;
+  char dir[sizeof m.dir];
+  memcpy(dir, m.dir, sizeof dir);
+  tw_mps_stop(&m);
+  EXPECT(record_has("cmd=quit"), "stop sent quit through the control program");
+  snprintf(rec, sizeof rec, "args=|pipe=%s|", want_pipe);
+  EXPECT(record_has(rec), "the quit command ran with the daemon's pipe directory");
+  EXPECT(m.pid == 0 && kill(pid, 0) != 0, "daemon %d reaped", (int)pid);
+  EXPECT(!getenv("CUDA_MPS_PIPE_DIRECTORY") && !getenv("CUDA_MPS_LOG_DIRECTORY"),
+         "both variables unset after stop");
+  EXPECT(!exists(dir), "directory %s removed", dir);
+  tw_mps_stop(&m); /* twice: a no-op */
+}
+
+static void test_failures(void) {
+  char bin[512];
+  snprintf(bin, sizeof bin, "%s/%s", g_bin, TW_MPS_CONTROL);
+  tw_mps_t m;
+  tw_test_case = "daemon exits at once";
+  write_fake("dies");
+  EXPECT_ERR(tw_mps_start(&m, bin, g_tmp), TW_ERR_IO,
+             "exited (status 3) before its control pipe was up; its log: fake daemon: cannot open "
+             "the device");
+  EXPECT(m.pid == 0 && !m.dir[0], "nothing kept (pid %d, dir '%s')", (int)m.pid, m.dir);
+  EXPECT(!getenv("CUDA_MPS_PIPE_DIRECTORY") && !getenv("CUDA_MPS_LOG_DIRECTORY"),
+         "variables unset");
+  tw_test_case = "no such program";
+  EXPECT_ERR(tw_mps_start(&m, "/nonexistent/nvidia-cuda-mps-control", g_tmp), TW_ERR_IO,
+             "exited (status 127)");
+  tw_test_case = "daemon never makes its pipe";
+  write_fake("mute");
+  EXPECT_ERR(tw_mps_start(&m, bin, g_tmp), TW_ERR_IO, "showed no control pipe in 10 s");
+  EXPECT(m.pid == 0 && !m.dir[0], "nothing kept (pid %d, dir '%s')", (int)m.pid, m.dir);
+  EXPECT(!getenv("CUDA_MPS_PIPE_DIRECTORY"), "variable unset");
+  /* the temporary directory holds only the stand-in's folder and its record */
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "ls -d '%s'/twain-mps-* >/dev/null 2>&1", g_tmp);
+  EXPECT(system(cmd) != 0, "no twain-mps-* directory left in %s", g_tmp);
+}
+
+int main(void) {
+  snprintf(g_tmp, sizeof g_tmp, "/tmp/tw_mps_test_XXXXXX");
+  if (!mkdtemp(g_tmp)) {
+    perror("mkdtemp");
+    return 1;
+  }
+  snprintf(g_bin, sizeof g_bin, "%s/bin", g_tmp);
+  snprintf(g_record, sizeof g_record, "%s/record.txt", g_tmp);
+  mkdir(g_bin, 0700);
+  const char *path = getenv("PATH");
+  char np[8192];
+  snprintf(np, sizeof np, "%s:%s", g_bin, path ? path : "/usr/bin:/bin");
+  setenv("PATH", np, 1);
+  test_mode_opt();
+  test_wanted();
+  test_start_stop();
+  test_failures();
+  char cmd[400];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
+  if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", g_tmp);
+  return tw_test_exit("test_serve_mps");
+}
