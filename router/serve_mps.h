@@ -3,12 +3,16 @@
  * workers on one GPU").
  *
  * Without MPS, two processes on one GPU take turns (time slices): a prefill
- * batch and a decode step never run at the same time, and each switch costs
- * a context change. Under an MPS server their kernels run side by side: the
- * decode step (memory and latency bound at serving batches) and a prefill
- * batch (tensor bound) overlap. Measured on one H200 (docs/benchmarks.md,
- * 2026-12-02): gpt-oss-20b shapes, 1,024 in / 1,024 out at concurrency 256,
- * 13,602 output tok/s time-sliced, 14,381 under MPS.
+ * batch and a decode step never run at the same time. Under an MPS server
+ * their kernels run side by side. Measured on one H200 (docs/benchmarks.md,
+ * 2026-12-02, 1,024 in / 1,024 out): gpt-oss-20b shapes at concurrency 256
+ * 14,051-14,381 output tok/s under MPS against 13,602-13,725 time-sliced;
+ * gpt-oss-120b at 512 6,724 against 7,043. It is off by default: under MPS a
+ * worker killed with KV puts of the other one in flight into its pool faults
+ * that other worker (the puts land in memory freed with the killed client),
+ * and the MPS server then refuses new clients, the restarted worker included,
+ * while the faulted one lives: one kill stops the service, where time-sliced
+ * workers recover (the kill run of tests/gpu/serve_load.sh).
  *
  * The server is private to one serve: its own pipe and log directories (a
  * 0700 temporary directory), the control daemon run in the foreground as a
@@ -24,7 +28,7 @@
 #include <stddef.h>
 #include <sys/types.h>
 
-/** --mps: off, auto (the default: where the workers share a GPU and the
+/** --mps: off (the default), auto (where the workers share a GPU and the
  *  control program is installed) or on (an error where it cannot start). */
 typedef enum { TW_MPS_OFF = 0, TW_MPS_AUTO = 1, TW_MPS_ON = 2 } tw_mps_mode_t;
 

@@ -281,7 +281,7 @@ int tw_cli_serve(int argc, char **argv) {
   int32_t kv_dtype = TW_KV_DTYPE_AUTO;
   double mem_util = 0;
   bool verify = false, no_share = false;
-  tw_mps_mode_t mps_mode = TW_MPS_AUTO;
+  tw_mps_mode_t mps_mode = TW_MPS_OFF;
   tw_backend_kind_t bk = TW_BACKEND_AUTO;
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */
   int pv[5] = {1, 1, 1, 1, 1};
@@ -314,10 +314,10 @@ int tw_cli_serve(int argc, char **argv) {
                   "one copy shared through CUDA IPC)"),
       TW_OPT_FLAG("verify-kv", &verify, "decode workers check the checksums of received KV"),
       TW_OPT_FN("mps", &mps_mode, tw_mps_mode_opt, "off|auto|on",
-                "run the workers sharing a GPU under a private CUDA MPS server,\n"
-                "so their kernels run side by side (default auto: where the\n"
-                "CUDA backend runs one rank a worker and nvidia-cuda-mps-control\n"
-                "is installed; docs/operations.md)"),
+                "run the workers sharing a GPU under a private CUDA MPS server\n"
+                "(kernels side by side instead of time slices; auto: where it\n"
+                "can start; default off: a killed worker takes the other one\n"
+                "down with it, docs/operations.md)"),
       TW_OPT_INT("prefill-tp", &pv[0], 1, 64, "N",
                  "ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4"),
       TW_OPT_INT("prefill-ep", &pv[1], 1, 64, "N", "expert parallel ranks per prefill worker"),
