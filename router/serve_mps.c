@@ -92,23 +92,22 @@ static void tw_mps_sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
-/* Removes dir's files and subdirectories (one level below them), then dir. */
-static void tw_mps_rmtree(const char *dir, int depth) {
+bool tw_serve_dir_remove(const char *dir, int depth) {
   DIR *d = opendir(dir);
   struct dirent *e;
   char path[PATH_MAX];
   while (d && (e = readdir(d)) != NULL) {
     if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
     int n = snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-    if (n < 0 || (size_t)n >= sizeof path) continue;
+    if (n < 0 || (size_t)n >= sizeof path) continue; /* no such path: never a truncated one */
     struct stat st;
-    if (lstat(path, &st) == 0 && S_ISDIR(st.st_mode) && depth > 0)
-      tw_mps_rmtree(path, depth - 1);
+    if (depth > 0 && lstat(path, &st) == 0 && S_ISDIR(st.st_mode))
+      tw_serve_dir_remove(path, depth - 1);
     else
       unlink(path);
   }
   if (d) closedir(d);
-  rmdir(dir);
+  return rmdir(dir) == 0;
 }
 
 /* The last non-empty line of the daemon's log (control.log) into out ("" if none). */
@@ -166,13 +165,13 @@ tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir) {
   snprintf(ctl, sizeof ctl, "%s/control", pipe);
   if (mkdir(pipe, 0700) != 0 || mkdir(log, 0700) != 0) {
     int e = errno;
-    tw_mps_rmtree(m->dir, 1);
+    tw_serve_dir_remove(m->dir, 1);
     m->dir[0] = '\0';
     return tw_err(TW_ERR_IO, "cuda mps: cannot make %s: %s", pipe, strerror(e));
   }
   if (setenv(TW_MPS_PIPE_ENV, pipe, 1) != 0 || setenv(TW_MPS_LOG_ENV, log, 1) != 0) {
     unsetenv(TW_MPS_PIPE_ENV);
-    tw_mps_rmtree(m->dir, 1);
+    tw_serve_dir_remove(m->dir, 1);
     m->dir[0] = '\0';
     return tw_err(TW_ERR_IO, "cuda mps: setenv failed");
   }
@@ -181,7 +180,7 @@ tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir) {
     int e = errno;
     unsetenv(TW_MPS_PIPE_ENV);
     unsetenv(TW_MPS_LOG_ENV);
-    tw_mps_rmtree(m->dir, 1);
+    tw_serve_dir_remove(m->dir, 1);
     m->dir[0] = '\0';
     return tw_err(TW_ERR_IO, "cuda mps: cannot start %s: %s", bin, strerror(e));
   }
@@ -195,7 +194,7 @@ tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir) {
       tw_mps_log_tail(m, tail, sizeof tail);
       unsetenv(TW_MPS_PIPE_ENV);
       unsetenv(TW_MPS_LOG_ENV);
-      tw_mps_rmtree(m->dir, 1);
+      tw_serve_dir_remove(m->dir, 1);
       m->dir[0] = '\0';
       return tw_err(TW_ERR_IO, "cuda mps: %s -f exited (%s %d) before its control pipe was up%s%s",
                     bin, WIFEXITED(status) ? "status" : "signal",
@@ -268,7 +267,7 @@ void tw_mps_stop(tw_mps_t *m) {
   if (m->dir[0]) {
     unsetenv(TW_MPS_PIPE_ENV);
     unsetenv(TW_MPS_LOG_ENV);
-    tw_mps_rmtree(m->dir, 1);
+    tw_serve_dir_remove(m->dir, 1);
     m->dir[0] = '\0';
   }
 }

@@ -78,4 +78,10 @@ TW_NODISCARD tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *
  */
 void tw_mps_stop(tw_mps_t *m);
 
+/** Removes the directory `dir`: its files, its subdirectories down to
+ *  `depth` levels (0: files only), then dir itself. Returns false (errno
+ *  set by rmdir) when dir is still there. Serve's private directories (the
+ *  MPS server's, the shared weights' records). */
+bool tw_serve_dir_remove(const char *dir, int depth);
+
 #endif

@@ -35,7 +35,6 @@
 #include "router/serve_mps.h"
 
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -248,18 +247,8 @@ static void tw_serve_share_dir(char *out, size_t len) {
 }
 
 static void tw_serve_share_dir_remove(const char *dir) {
-  if (!dir[0]) return;
-  DIR *d = opendir(dir);
-  struct dirent *e;
-  char path[PATH_MAX];
-  while (d && (e = readdir(d)) != NULL) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    int n = snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-    if (n < 0 || (size_t)n >= sizeof path) continue; /* no such path: never a truncated one */
-    unlink(path);
-  }
-  if (d) closedir(d);
-  if (rmdir(dir) != 0) TW_WARN("serve", "cannot remove %s: %s", dir, strerror(errno));
+  if (dir[0] && !tw_serve_dir_remove(dir, 0))
+    TW_WARN("serve", "cannot remove %s: %s", dir, strerror(errno));
 }
 
 int tw_cli_serve(int argc, char **argv) {
