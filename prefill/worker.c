@@ -72,6 +72,10 @@ typedef struct {
   } pending;
   const uint64_t *head_sums; /* for the next PrefillDone (re-sharded handoffs) */
   bool kv_in_place;          /* for the next PrefillDone (direct CUDA IPC handoff) */
+  /* a prompt failed on a device error (sticky, STYLE.md "Errors"): the work
+   * loop stops and the worker exits, so its supervisor starts a fresh one */
+  tw_status_t device_error;
+  char device_msg[256];
   size_t n_head_sums;
   struct {
     tw_metric_t *queue, *queued_tokens, *prefill, *transfer, *kv_bytes, *requests, *failed;
@@ -123,6 +127,10 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
     snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
     tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_status_wire_code(st), msg);
+    if ((st == TW_ERR_CUDA || st == TW_ERR_NCCL) && w->device_error == TW_OK) {
+      w->device_error = st;
+      snprintf(w->device_msg, sizeof w->device_msg, "%s", msg);
+    }
   } else {
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);
@@ -205,6 +213,10 @@ static void tw_prefill_answer(tw_prefiller_t *w, tw_prefill_handoff_item_t *item
     if (it->st != TW_OK) {
       TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, it->msg);
       tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, tw_status_wire_code(it->st), it->msg);
+      if ((it->st == TW_ERR_CUDA || it->st == TW_ERR_NCCL) && w->device_error == TW_OK) {
+        w->device_error = it->st;
+        snprintf(w->device_msg, sizeof w->device_msg, "%s", it->msg);
+      }
     } else {
       tw_metric_observe(w->m.prefill, hr->prefill_ms * 1e-3);
       tw_metric_observe(w->m.transfer, hr->transfer_ms * 1e-3);
@@ -568,9 +580,18 @@ static int32_t tw_prefill_op_pending(void *arg) {
   return w->q_len + (w->pending.b ? 1 : 0);
 }
 
+/* One batch; after a device error (its prompts answered with it) the worker
+ * stops and exits: the router fails what it still held there as UNAVAILABLE
+ * (a worker that left), and its supervisor (twain serve, Kubernetes, Slurm)
+ * starts a fresh one; a CUDA context with a sticky error serves nothing
+ * again (under CUDA MPS it also keeps the server from taking new clients). */
 static TW_NODISCARD tw_status_t tw_prefill_op_work(void *arg) {
-  tw_prefill_next(arg);
-  return TW_OK;
+  tw_prefiller_t *w = arg;
+  tw_prefill_next(w);
+  if (w->device_error == TW_OK) return TW_OK;
+  tw_prefill_finish_pending(w); /* answered, not left hanging */
+  TW_ERROR("prefill", "device error in a prefill batch, stopping: %s", w->device_msg);
+  return w->device_error;
 }
 
 static void tw_prefill_op_capacity(void *arg, Twain__Internal__V1__Capacity *cap) {
