@@ -117,6 +117,9 @@ if [ "${TW_LOAD_MPS:-}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null 2
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d && mps=1 && say "serve_load: CUDA MPS control daemon started"
 fi
+blocks_used() { # blocks_used FILE: twain_kv_blocks_used summed over the daemons of a dump
+  awk '/^twain_kv_blocks_used[{ ]/ {s += $NF} END {printf "%d", s}' "$1"
+}
 metrics_dump() { # metrics_dump FILE: every daemon's /metrics of the serve log
   local port
   : >"$1"
@@ -234,9 +237,19 @@ EOF
       r=$?
       tail -22 "$work/kill.log" >>"$log"
       grep -E "exited|restart|killed|signal" "$out/serve_$m.log" | tail -8 | tee -a "$log"
+      # blocks in use right after, then until they are back to zero (at most
+      # 50 s: a reservation cancelled before its KV arrived stays quarantined
+      # for 40 s, decode/decode_worker.c)
       sleep 3
       metrics_dump "$out/metrics_${m}_kill.txt" "$out/serve_$m.log"
-      say "serve_load: kill run exit $r: $(grep -E '^(  (completed|failed|lost)|Requests)' "$work/kill.log" | tr -s ' ' | tr '\n' ' '); kv blocks in use after it: $(grep -E "kv_blocks_used" "$out/metrics_${m}_kill.txt" | grep -v '^#' | tr '\n' ' ')"
+      used0=$(blocks_used "$out/metrics_${m}_kill.txt")
+      t_kill=$(date +%s) used=$used0
+      while [ "${used:-0}" != 0 ] && [ $(($(date +%s) - t_kill)) -lt 50 ]; do
+        sleep 2
+        metrics_dump "$out/metrics_${m}_kill_after.txt" "$out/serve_$m.log"
+        used=$(blocks_used "$out/metrics_${m}_kill_after.txt")
+      done
+      say "serve_load: kill run exit $r: $(grep -E '^(  (completed|failed|lost)|Requests)' "$work/kill.log" | tr -s ' ' | tr '\n' ' '); kv blocks in use 3 s after it: $used0, $(($(date +%s) - t_kill + 3)) s after it: $used"
     fi
     if [ "${TW_LOAD_ROBUST:-}" = 1 ] && [ "$m" = 20b ] && [ "$(left)" -gt 60 ]; then
       timeout "$(tmo 200)" "$twain" bench --endpoint "$ep" --model "$dir" --num-requests 2000 \
