@@ -76,6 +76,24 @@ void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b) {
   free(b);
 }
 
+#ifdef TW_TEST_HOOKS
+/* Test builds only (TWAIN_TEST_HOOKS): TWAIN_TEST_DEVICE_ERROR=N makes this
+ * worker's N-th engine batch fail as a sticky device error would
+ * (tests/service/test_service_device_error.py). */
+static bool tw_test_device_error(void) {
+  static long at = -1, seen; /* read once */
+  if (at < 0) {
+    const char *v = getenv("TWAIN_TEST_DEVICE_ERROR");
+    at = v ? strtol(v, NULL, 10) : 0;
+    if (at < 0) at = 0;
+  }
+  return at > 0 && ++seen == at;
+}
+#else
+static bool tw_test_device_error(void) { return false; }
+#endif
+
+
 TW_NODISCARD tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
                                                   tw_prefill_handoff_item_t *items, int32_t n,
                                                   tw_prefill_handoff_batch_t **b_p) {
@@ -135,6 +153,8 @@ TW_NODISCARD tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t
     tw_prefill_batch_args_t ba = {.n_seqs = b->n_seqs, .seqs = seqs,
                                   .on_layer_done = tw_handoff_on_batch_layer, .on_layer_arg = b};
     b->est = tw_engine_prefill_batch(ctx->engine, &ba);
+    if (b->est == TW_OK && tw_test_device_error())
+      b->est = tw_err(TW_ERR_CUDA, "simulated device error (the TWAIN_TEST_DEVICE_ERROR hook)");
     int64_t t_done = tw_msg_clock_ns();
     /* a backend that reported nothing (or not everything): the rest now; a
      * failed send stays in its state, for finish */
