@@ -114,6 +114,7 @@ typedef struct {
   int64_t ready_wait_ns; /* every worker registered, waiting for KvPeersReady since (0: not) */
   int64_t empty_since_ns[2];   /* prefill, decode: when the pool last became empty (0: it has workers) */
   bool empty_by_expiry[2];     /* ... because its last worker stopped heartbeating (a stall?) */
+  int64_t expire_check_ns;     /* the last tw_router_expire_workers (0: none yet) */
   void *chat_ctx;              /* tokenizer + Harmony encoder (router_chat.c) */
   tw_http_t *http;             /* NULL: no HTTP API */
   struct {
@@ -170,7 +171,10 @@ void tw_rworker_free_addrs(tw_rworker_t *w);
 tw_rworker_t *tw_router_worker(tw_router_t *r, uint64_t serial);
 /** Handle one message on the worker socket. */
 void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m);
-/** Expire silent workers; requeue or fail their requests. */
+/** Expire silent workers; requeue or fail their requests. A worker's
+ *  silence counts only the time the router was running: a gap between two
+ *  calls longer than a quarter of the expiry (the router itself stalled) is
+ *  credited to every worker, beyond that quarter. */
 void tw_router_expire_workers(tw_router_t *r, int64_t now_ns);
 /** Try to start queued requests (pick decode workers, send Reserve). */
 void tw_router_schedule(tw_router_t *r, int64_t now_ns);

@@ -656,9 +656,33 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
 }
 
 void tw_router_expire_workers(tw_router_t *r, int64_t now) {
+  /* A router that did not run for a while (descheduled on a loaded machine,
+   * stopped) has its workers' heartbeats of that time unread in its socket:
+   * expiring them now would take live workers out and retry their requests
+   * (the prefill already put their kv; the decode worker quarantines the
+   * abandoned reservations for TW_DSEQ_QUARANTINE_MS). So a gap between two
+   * checks beyond a quarter of the expiry is credited to every worker: its
+   * silence counts the time the router listened, and a dead worker still
+   * goes after expire_ms of that (a turn is at most 100 ms of poll plus its
+   * work, well inside the quarter, so a busy router credits nothing). */
+  int64_t expire_ns = (int64_t)r->p->expire_ms * 1000000, slack_ns = expire_ns / 4;
+  int64_t gap_ns = r->expire_check_ns ? now - r->expire_check_ns : 0;
+  r->expire_check_ns = now;
+  if (gap_ns > slack_ns) {
+    if (gap_ns >= expire_ns)
+      TW_WARN("router",
+              "the router did not run for %lld ms (a loaded machine?): its workers get that time "
+              "to be heard before any expires",
+              (long long)(gap_ns / 1000000));
+    for (int32_t i = 0; i < r->n_workers; i++) {
+      tw_rworker_t *w = &r->workers[i];
+      w->last_seen_ns += gap_ns - slack_ns;
+      if (w->last_seen_ns > now) w->last_seen_ns = now;
+    }
+  }
   for (int32_t i = 0; i < r->n_workers; i++) {
     tw_rworker_t *w = &r->workers[i];
-    if (now - w->last_seen_ns <= (int64_t)r->p->expire_ms * 1000000) continue;
+    if (now - w->last_seen_ns <= expire_ns) continue;
     TW_WARN("router", "worker %s expired: no heartbeat for %lld ms", w->name,
             (long long)((now - w->last_seen_ns) / 1000000));
     tw_metric_add(r->m.expired, 1);
