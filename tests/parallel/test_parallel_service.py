@@ -41,6 +41,11 @@ try:
     check(dm["twain_kv_checksum_ok_total"] == n_layers * len(cases) and dm["twain_kv_checksum_mismatch_total"] == 0,
           "per-head kv checksums on both decode ranks: %d layers ok, %d mismatched" % (
               dm["twain_kv_checksum_ok_total"], dm["twain_kv_checksum_mismatch_total"]))
+    # premise of the two figures below: a request retried after an expiry
+    # has its kv put twice and its first reservation quarantined for 40 s
+    # (the router's own stalls expire no worker: test_service_router_stall)
+    expired = svc.metrics(c.router_metrics_port).get("twain_router_workers_expired_total", 0)
+    check(expired == 0, "no worker expired during the greedy requests: %d" % expired)
     check(pm["twain_kv_bytes_sent_total"] == dm["twain_kv_bytes_received_total"] > 0,
           "kv bytes: %d sent by the prefill ranks, %d received by the decode ranks" % (
               pm["twain_kv_bytes_sent_total"], dm["twain_kv_bytes_received_total"]))
