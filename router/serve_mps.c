@@ -121,7 +121,11 @@ static void tw_mps_log_tail(const tw_mps_t *m, char *out, size_t len) {
   while (fgets(line, sizeof line, f)) {
     size_t n = strlen(line);
     while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = '\0';
-    if (n) snprintf(out, len, "%s", line);
+    if (n && len > 0) { /* the last line wins, cut to out's size */
+      size_t k = n < len - 1 ? n : len - 1;
+      memcpy(out, line, k);
+      out[k] = '\0';
+    }
   }
   fclose(f);
 }
