@@ -81,15 +81,43 @@ bool tw_mps_wanted(tw_mps_mode_t mode, bool cuda, bool one_gpu, char *bin, size_
   return true;
 }
 
-static int64_t tw_mps_now_ms(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
 static void tw_mps_sleep_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
   nanosleep(&ts, NULL);
+}
+
+pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd) {
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid != 0) return pid;
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, NULL);
+  setpgid(0, 0); /* Ctrl-C reaches serve only; serve stops its children in order */
+  prctl(PR_SET_PDEATHSIG, SIGTERM);  /* and if serve itself is killed, they stop */
+  if (getppid() != parent) _exit(1); /* serve died before prctl: do not linger */
+  if (in_fd >= 0) dup2(in_fd, 0);
+  if (out_fd >= 0) {
+    dup2(out_fd, 1);
+    dup2(out_fd, 2);
+  }
+  execv(argv[0], argv);
+  fprintf(stderr, "twain serve: cannot run %s: %s\n", argv[0], strerror(errno));
+  _exit(127);
+}
+
+bool tw_serve_reap(pid_t pid, int ms) {
+  for (int i = 0; i <= ms / 20; i++) {
+    if (waitpid(pid, NULL, WNOHANG) == pid) return true;
+    if (i < ms / 20) tw_mps_sleep_ms(20);
+  }
+  return false;
+}
+
+void tw_serve_kill(pid_t pid) {
+  kill(-pid, SIGKILL);
+  kill(pid, SIGKILL);
+  waitpid(pid, NULL, 0);
 }
 
 bool tw_serve_dir_remove(const char *dir, int depth) {
@@ -130,26 +158,15 @@ static void tw_mps_log_tail(const tw_mps_t *m, char *out, size_t len) {
   fclose(f);
 }
 
-/* fork + exec bin with one argument; stdin from in_fd (-1: /dev/null), stdout
- * and stderr to /dev/null; the child gets SIGTERM when serve dies. */
-static pid_t tw_mps_spawn(const char *bin, const char *arg, int in_fd) {
-  pid_t parent = getpid();
-  pid_t pid = fork();
-  if (pid != 0) return pid;
-  sigset_t none;
-  sigemptyset(&none);
-  sigprocmask(SIG_SETMASK, &none, NULL);
-  setpgid(0, 0); /* Ctrl-C reaches serve only */
-  prctl(PR_SET_PDEATHSIG, SIGTERM);
-  if (getppid() != parent) _exit(1);
-  int null = open("/dev/null", O_RDWR);
-  if (null >= 0) {
-    dup2(in_fd >= 0 ? in_fd : null, 0);
-    dup2(null, 1);
-    dup2(null, 2);
-  }
-  execl(bin, bin, arg, (char *)NULL);
-  _exit(127);
+/* `bin [arg]` as a child of serve (tw_serve_spawn), stdin from in_fd (-1:
+ * /dev/null), stdout and stderr to /dev/null (the daemon logs to its log
+ * directory). */
+static pid_t tw_mps_run(const char *bin, const char *arg, int in_fd) {
+  char *argv[] = {(char *)bin, (char *)arg, NULL};
+  int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+  pid_t pid = tw_serve_spawn(argv, in_fd >= 0 ? in_fd : null, null);
+  if (null >= 0) close(null);
+  return pid;
 }
 
 tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir) {
@@ -179,7 +196,7 @@ tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir) {
     m->dir[0] = '\0';
     return tw_err(TW_ERR_IO, "cuda mps: setenv failed");
   }
-  pid_t pid = tw_mps_spawn(bin, "-f", -1);
+  pid_t pid = tw_mps_run(bin, "-f", -1);
   if (pid < 0) {
     int e = errno;
     unsetenv(TW_MPS_PIPE_ENV);
@@ -189,8 +206,7 @@ tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir) {
     return tw_err(TW_ERR_IO, "cuda mps: cannot start %s: %s", bin, strerror(e));
   }
   m->pid = pid;
-  int64_t t0 = tw_mps_now_ms();
-  for (;;) {
+  for (int waited = 0;; waited += 20) {
     int status;
     if (waitpid(pid, &status, WNOHANG) == pid) {
       char tail[400];
@@ -206,7 +222,7 @@ tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir) {
                     tail[0] ? "; its log: " : "", tail);
     }
     if (access(ctl, F_OK) == 0) break;
-    if (tw_mps_now_ms() - t0 > TW_MPS_WAIT_MS) {
+    if (waited > TW_MPS_WAIT_MS) {
       tw_mps_stop(m); /* kills it (no pipe to send quit through) and cleans up */
       return tw_err(TW_ERR_IO, "cuda mps: %s -f showed no control pipe in %d s", bin,
                     TW_MPS_WAIT_MS / 1000);
@@ -229,42 +245,22 @@ void tw_mps_stop(tw_mps_t *m) {
       kill(m->pid, SIGTERM);
     } else { /* `echo quit | control`: the daemon stops its server, then exits */
       int fds[2];
-      if (pipe(fds) == 0) {
-        pid_t q = tw_mps_spawn(m->bin, NULL, fds[0]);
+      if (pipe2(fds, O_CLOEXEC) == 0) {
+        pid_t q = tw_mps_run(m->bin, NULL, fds[0]);
         close(fds[0]);
         static const char quit[] = "quit\n";
         ssize_t w = write(fds[1], quit, sizeof quit - 1);
         (void)w;
         close(fds[1]);
-        for (int i = 0; q > 0 && i < TW_MPS_WAIT_MS / 20; i++) {
-          if (waitpid(q, NULL, WNOHANG) == q) {
-            q = 0;
-            break;
-          }
-          tw_mps_sleep_ms(20);
-        }
-        if (q > 0) {
-          kill(q, SIGKILL);
-          waitpid(q, NULL, 0);
-        }
+        if (q > 0 && !tw_serve_reap(q, TW_MPS_WAIT_MS)) tw_serve_kill(q);
       }
     }
-    bool gone = false;
-    for (int i = 0; i < TW_MPS_WAIT_MS / 20; i++) {
-      if (waitpid(m->pid, NULL, WNOHANG) == m->pid) {
-        gone = true;
-        break;
-      }
-      tw_mps_sleep_ms(20);
-    }
-    if (!gone) {
+    if (tw_serve_reap(m->pid, TW_MPS_WAIT_MS)) {
+      TW_INFO("serve", "cuda mps: control daemon stopped");
+    } else {
       TW_WARN("serve", "cuda mps: control daemon pid %d did not quit in %d s: killing it",
               (int)m->pid, TW_MPS_WAIT_MS / 1000);
-      kill(-m->pid, SIGKILL);
-      kill(m->pid, SIGKILL);
-      waitpid(m->pid, NULL, 0);
-    } else {
-      TW_INFO("serve", "cuda mps: control daemon stopped");
+      tw_serve_kill(m->pid);
     }
     m->pid = 0;
   }

@@ -78,6 +78,22 @@ TW_NODISCARD tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *
  */
 void tw_mps_stop(tw_mps_t *m);
 
+/** Starts argv[0] (argv NULL-terminated) as a child of serve: signals
+ *  unblocked, its own process group (Ctrl-C reaches serve only), SIGTERM
+ *  when serve dies; stdin from in_fd and stdout/stderr to out_fd where they
+ *  are >= 0 (else inherited). Returns its pid, or -1 when fork fails (errno
+ *  set); a program that cannot be run exits 127. The workers and the MPS
+ *  control daemon. */
+pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd);
+
+/** Waits up to `ms` for the child `pid` to exit and reaps it; false if it
+ *  still runs then. */
+bool tw_serve_reap(pid_t pid, int ms);
+
+/** SIGKILL to the child `pid` and its process group (what it started), then
+ *  reaps it. */
+void tw_serve_kill(pid_t pid);
+
 /** Removes the directory `dir`: its files, its subdirectories down to
  *  `depth` levels (0: files only), then dir itself. Returns false (errno
  *  set by rmdir) when dir is still there. Serve's private directories (the

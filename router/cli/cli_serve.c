@@ -36,15 +36,14 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <limits.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -191,21 +190,16 @@ static int tw_serve_link_keys(void) {
   return 0;
 }
 
-static pid_t tw_spawn(char *const argv[]) {
-  pid_t parent = getpid();
-  pid_t pid = fork();
-  if (pid == 0) {
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
-    setpgid(0, 0); /* Ctrl-C reaches serve only; serve stops the workers in order */
-    prctl(PR_SET_PDEATHSIG, SIGTERM); /* and if serve itself is killed, they drain */
-    if (getppid() != parent) _exit(1); /* serve died before prctl: do not linger */
-    execv(argv[0], argv);
-    fprintf(stderr, "twain serve: cannot run %s: %s\n", argv[0], strerror(errno));
-    _exit(127);
-  }
-  return pid;
+/* (Re)starts slot w's worker as w->name at `now` (tw_serve_spawn); false
+ * when fork failed (w->pid 0: the caller schedules another try). */
+static bool tw_serve_slot_spawn(tw_serve_slot_t *w, int64_t now) {
+  w->av[w->ac_name] = w->name;
+  w->pid = tw_serve_spawn(w->av, -1, -1);
+  w->started_ns = now;
+  w->next_start_ns = 0;
+  if (w->pid > 0) return true;
+  w->pid = 0;
+  return false;
 }
 
 /* Each pool's split against the model (docs/parallelism.md): --*-tp must
@@ -546,9 +540,7 @@ int tw_cli_serve(int argc, char **argv) {
       av[c++] = num[7];
     }
     av[c] = NULL;
-    w->pid = tw_spawn(av);
-    w->started_ns = tw_serve_now_ns();
-    if (w->pid < 0) w->pid = 0, w->next_start_ns = w->started_ns + 500000000LL;
+    if (!tw_serve_slot_spawn(w, tw_serve_now_ns())) w->next_start_ns = w->started_ns + 500000000LL;
   }
   TW_INFO("serve", "started %d workers (%d threads each), waiting for them to register", n, threads);
   int rc = 0, fatal = 0;
@@ -611,22 +603,16 @@ int tw_cli_serve(int argc, char **argv) {
     if (mps_retry) {
       for (int k = 0; k < n; k++) /* the others: nothing served yet, nothing to drain */
         if (slots[k].pid > 0) {
-          kill(-slots[k].pid, SIGKILL);
-          kill(slots[k].pid, SIGKILL);
-          waitpid(slots[k].pid, NULL, 0);
+          tw_serve_kill(slots[k].pid);
           slots[k].pid = 0;
         }
       tw_mps_stop(&mps);
       for (int k = 0; k < n; k++) {
         tw_serve_slot_t *w = &slots[k];
         memcpy(w->name, w->base, sizeof w->base);
-        w->av[w->ac_name] = w->name;
         w->restarts = 0;
         w->gave_up = false;
-        w->pid = tw_spawn(w->av);
-        w->started_ns = now;
-        w->next_start_ns = w->pid > 0 ? 0 : now + 500000000LL;
-        if (w->pid < 0) w->pid = 0;
+        if (!tw_serve_slot_spawn(w, now)) w->next_start_ns = now + 500000000LL;
       }
       mps_retry = false;
     }
@@ -638,16 +624,10 @@ int tw_cli_serve(int argc, char **argv) {
         char name[sizeof w->name]; /* via a local: -Wrestrict cannot tell name from base */
         snprintf(name, sizeof name, "%s-r%d", w->base, w->restarts); /* a fresh routing id */
         memcpy(w->name, name, sizeof name);
-        w->av[w->ac_name] = w->name;
-        w->pid = tw_spawn(w->av);
-        w->started_ns = now;
-        w->next_start_ns = 0;
-        if (w->pid > 0) {
+        if (tw_serve_slot_spawn(w, now))
           TW_WARN("serve", "restarted worker %s as pid %d", w->name, (int)w->pid);
-        } else {
-          w->pid = 0;
+        else
           w->next_start_ns = now + 1000000000LL;
-        }
       }
       running += w->pid > 0 || !w->gave_up;
     }
@@ -694,9 +674,7 @@ int tw_cli_serve(int argc, char **argv) {
       for (int k = 0; k < n; k++)
         if (slots[k].pid > 0) {
           TW_WARN("serve", "worker pid %d did not stop in 15 s: killing it", (int)slots[k].pid);
-          kill(-slots[k].pid, SIGKILL); /* its process group: ranks it started too */
-          kill(slots[k].pid, SIGKILL);
-          waitpid(slots[k].pid, NULL, 0);
+          tw_serve_kill(slots[k].pid); /* its process group: ranks it started too */
           slots[k].pid = 0;
         }
       break;
