@@ -109,6 +109,14 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
             tw_last_error());
 }
 
+/* A prompt failed with st: a device error (the first) is kept for
+ * tw_prefill_op_work, which stops the worker on it. */
+static void tw_prefill_note_device_error(tw_prefiller_t *w, tw_status_t st, const char *msg) {
+  if ((st != TW_ERR_CUDA && st != TW_ERR_NCCL) || w->device_error != TW_OK) return;
+  w->device_error = st;
+  snprintf(w->device_msg, sizeof w->device_msg, "%s", msg);
+}
+
 /* A prompt that needs the multi-rank path (TP ranks here or a TP decode
  * worker, issue 6): alone, re-sharded. ids[nb] are its local blocks. */
 static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__PrefillRequest *r,
@@ -127,10 +135,7 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
     snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
     tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_status_wire_code(st), msg);
-    if ((st == TW_ERR_CUDA || st == TW_ERR_NCCL) && w->device_error == TW_OK) {
-      w->device_error = st;
-      snprintf(w->device_msg, sizeof w->device_msg, "%s", msg);
-    }
+    tw_prefill_note_device_error(w, st, msg);
   } else {
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);
@@ -213,10 +218,7 @@ static void tw_prefill_answer(tw_prefiller_t *w, tw_prefill_handoff_item_t *item
     if (it->st != TW_OK) {
       TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, it->msg);
       tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, tw_status_wire_code(it->st), it->msg);
-      if ((it->st == TW_ERR_CUDA || it->st == TW_ERR_NCCL) && w->device_error == TW_OK) {
-        w->device_error = it->st;
-        snprintf(w->device_msg, sizeof w->device_msg, "%s", it->msg);
-      }
+      tw_prefill_note_device_error(w, it->st, it->msg);
     } else {
       tw_metric_observe(w->m.prefill, hr->prefill_ms * 1e-3);
       tw_metric_observe(w->m.transfer, hr->transfer_ms * 1e-3);
