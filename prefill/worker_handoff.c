@@ -4,6 +4,7 @@
 #include "prefill/handoff_send.h"
 
 #include "common/base/log.h"
+#include "common/base/test_hook.h"
 #include "common/comm/msg.h"
 #include "common/comm/proto_engine.h"
 
@@ -81,18 +82,12 @@ void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b) {
  * worker's N-th engine batch fail as a sticky device error would
  * (tests/service/test_service_device_error.py). */
 static bool tw_test_device_error(void) {
-  static long at = -1, seen; /* read once */
-  if (at < 0) {
-    const char *v = getenv("TWAIN_TEST_DEVICE_ERROR");
-    at = v ? strtol(v, NULL, 10) : 0;
-    if (at < 0) at = 0;
-  }
-  return at > 0 && ++seen == at;
+  static tw_test_hook_t h = TW_TEST_HOOK_INIT;
+  return tw_test_hook_nth(&h, "TWAIN_TEST_DEVICE_ERROR");
 }
 #else
 static bool tw_test_device_error(void) { return false; }
 #endif
-
 
 TW_NODISCARD tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
                                                   tw_prefill_handoff_item_t *items, int32_t n,

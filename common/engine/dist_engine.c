@@ -11,6 +11,7 @@
 #include "common/engine/dist_engine.h"
 
 #include "common/base/log.h"
+#include "common/base/test_hook.h"
 
 #include <stdbool.h>
 #include <stdio.h>
@@ -191,14 +192,8 @@ TW_NODISCARD tw_status_t tw_dist_plan_stop(tw_dist_t *d) {
  * rank's N-th decode batch unreadable, as a corrupted or mis-sized plan
  * would be (tests/parallel/test_parallel_bad_plan.py). */
 static bool tw_test_bad_plan(void) {
-  static long at = -1; /* read once: the hook sits on every decode plan */
-  static long seen;
-  if (at < 0) {
-    const char *v = getenv("TWAIN_TEST_BAD_PLAN");
-    at = v ? strtol(v, NULL, 10) : 0;
-    if (at < 0) at = 0;
-  }
-  return at > 0 && ++seen == at;
+  static tw_test_hook_t h = TW_TEST_HOOK_INIT; /* read once: the hook sits on every decode plan */
+  return tw_test_hook_nth(&h, "TWAIN_TEST_BAD_PLAN");
 }
 #else
 static bool tw_test_bad_plan(void) { return false; }

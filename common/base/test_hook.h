@@ -1,0 +1,31 @@
+/* test_hook.h: the fault-injection hooks of test builds (TWAIN_TEST_HOOKS,
+ * CMakeLists.txt; compiled where TW_TEST_HOOKS is defined). A hook fires on
+ * the N-th time its site is reached, N read once from an environment
+ * variable (0, unset or negative: never): TWAIN_TEST_BAD_PLAN
+ * (common/engine/dist_engine.c), TWAIN_TEST_DEVICE_ERROR
+ * (prefill/worker_handoff.c). */
+#ifndef TW_COMMON_TEST_HOOK_H
+#define TW_COMMON_TEST_HOOK_H
+
+#include <stdbool.h>
+#include <stdlib.h>
+
+/** One hook site's state: a static `tw_test_hook_t h = TW_TEST_HOOK_INIT`. */
+typedef struct {
+  long at;   /* the firing call (-1: not read yet, 0: never) */
+  long seen; /* calls so far */
+} tw_test_hook_t;
+#define TW_TEST_HOOK_INIT {-1, 0}
+
+/** Counts one call of the site `h` and returns true on the N-th, N from the
+ *  environment variable `env` (read on the first call). */
+static inline bool tw_test_hook_nth(tw_test_hook_t *h, const char *env) {
+  if (h->at < 0) {
+    const char *v = getenv(env);
+    h->at = v ? strtol(v, NULL, 10) : 0;
+    if (h->at < 0) h->at = 0;
+  }
+  return h->at > 0 && ++h->seen == h->at;
+}
+
+#endif
