@@ -642,7 +642,6 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   if (tw_engine_warmup(d->engine) != TW_OK)
     TW_WARN("decode", "warmup: %s (decode runs without graphs)", tw_last_error());
   const tw_kv_layout_t *l = tw_engine_kv_layout(d->engine);
-  TW_CHECK(tw_kv_xfer_create_bound(p->router, &d->xfer));
   /* A host pool (the CPU backend) takes pieces through the bounce ring
    * rather than puts in place: a decode worker killed while puts into its
    * pool were in flight over shared memory could leave the prefill worker's
@@ -654,6 +653,11 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   const char *kv_path = getenv("TWAIN_KV_PATH");
   const tw_kv_region_params_t rp = {.staging_ring = !l->on_device && p->dp <= 1 &&
                                                     !(kv_path && strcmp(kv_path, "host") == 0)};
+  /* UCX's shared-memory FIFO transports only for a host pool that takes
+   * puts in place (UCX 1.13 emulates puts over TCP): a prefill worker
+   * killed while writing into this worker's FIFO would block it for good
+   * (docs/operations.md, "Staged receive") */
+  TW_CHECK(tw_kv_xfer_create_bound(p->router, !l->on_device && !rp.staging_ring, &d->xfer));
   TW_CHECK(tw_kv_region_register_ex(d->xfer, l, &rp, &d->region));
   TW_CHECK(tw_decode_ranks_init(&d->rk, d->wk.dist, d->engine, d->xfer, d->region, d->model));
   if (d->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router and has block managers */

@@ -479,7 +479,10 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
   TW_CHECK(tw_kv_blocks_create_ring(l->n_blocks, l->block_size, l->n_ring_blocks, l->ring_blocks,
                                     &w->blocks));
-  TW_CHECK(tw_kv_xfer_create_bound(w->o.router, &w->xfer));
+  /* shared-memory FIFOs kept: a decode worker that takes puts in place
+   * keeps them too and gets real puts; any other leaves them out, and so
+   * does every endpoint to it (tw_kv_xfer_create_bound) */
+  TW_CHECK(tw_kv_xfer_create_bound(w->o.router, true, &w->xfer));
   tw_kv_xfer_set_direct_ipc(w->xfer, true); /* PrefillDone.kv_in_place tells the decode worker */
   w->hc = (tw_prefill_handoff_ctx_t){.engine = w->engine, .model = w->model, .xfer = w->xfer,
                                      .flush_timeout_ms = w->o.flush_timeout_ms,

@@ -382,6 +382,12 @@ struct tw_kv_xfer {
    * tw_kv_xfer_address publishes (the worker address, then a
    * tw_kv_lsn_desc_t) */
   bool tcp_only;
+  /* the context's transports (tw_kv_ctx_transports), UCX_TLS as asked,
+   * whether that is the operator's (else TW_KV_DEFAULT_TLS) */
+  char tls[96];
+  char fifo_tls[24]; /* those of them that are shared-memory FIFOs */
+  char tls_asked[96];
+  bool tls_operator;
   ucp_listener_h listener;
   uint8_t *published;
   size_t published_len;
@@ -556,36 +562,76 @@ TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size
   return TW_OK;
 }
 
+/* The value of `key` ("UCX_TLS", ...) in the configuration `cfg` as
+ * ucp_config_print writes it, into val (empty when it is not printed). */
+static void tw_kv_cfg_value(const ucp_config_t *cfg, const char *key, char *val, size_t cap) {
+  char *text = NULL;
+  size_t len = 0;
+  val[0] = 0;
+  FILE *f = open_memstream(&text, &len);
+  if (!f) return;
+  ucp_config_print(cfg, f, NULL, UCS_CONFIG_PRINT_CONFIG);
+  fclose(f);
+  size_t klen = strlen(key);
+  const char *q = text;
+  while (q && (strncmp(q, key, klen) != 0 || q[klen] != '=')) {
+    q = strchr(q, '\n');
+    if (q) q++;
+  }
+  if (q) snprintf(val, cap, "%.*s", (int)strcspn(q + klen + 1, "\n"), q + klen + 1);
+  free(text);
+}
+
 /* Whether the configuration `cfg` has protocols v2 on (UCX_PROTO_ENABLE as
  * ucp_config_print writes it: 'n' by default in 1.13, 'y' from 1.16 on);
  * `fallback` when the field is not printed. */
 static bool tw_kv_cfg_proto_v2(const ucp_config_t *cfg, bool fallback) {
-  char *text = NULL;
-  size_t len = 0;
-  FILE *f = open_memstream(&text, &len);
-  if (!f) return fallback;
-  ucp_config_print(cfg, f, NULL, UCS_CONFIG_PRINT_CONFIG);
-  fclose(f);
-  bool v2 = fallback;
-  const char *q = text ? strstr(text, "UCX_PROTO_ENABLE=") : NULL;
-  if (q) {
-    q += strlen("UCX_PROTO_ENABLE=");
-    v2 = *q == 'y' || *q == 'Y' || *q == '1' || strncasecmp(q, "on", 2) == 0;
-  }
-  free(text);
-  return v2;
+  char q[16];
+  tw_kv_cfg_value(cfg, "UCX_PROTO_ENABLE", q, sizeof q);
+  if (!q[0]) return fallback;
+  return q[0] == 'y' || q[0] == 'Y' || q[0] == '1' || strncasecmp(q, "on", 2) == 0;
 }
 
+/* The transports a context without `shm_fifo` takes where the operator
+ * names none (UCX_TLS unset in the environment and in UCX's configuration
+ * file): every one UCX finds but its shared-memory FIFO transports, the
+ * "mm" family (sysv, posix, xpmem). Such a transport takes an element of
+ * the receiver's FIFO by moving its head, writes the message, and only
+ * then marks the element written; the receiver reads in order and waits
+ * at an unmarked element. So a prefill worker killed inside that write
+ * left the decode worker unable to receive anything from anyone again
+ * (docs/operations.md, "Staged receive"). Between processes on one host
+ * TCP (loopback) then carries the messages and cma the zero-copy
+ * transfers (puts too from UCX 1.14 on, protocols v2); TCP, cma, RDMA (rc,
+ * ud, dc), cuda_copy, cuda_ipc and self all stay. "mm" is UCX's own alias
+ * for the three, so a UCX without xpmem does not warn about it. */
+#define TW_KV_DEFAULT_TLS "^mm"
+
 /* ucp_init (RMA, WAKEUP) with UCX's configuration from the environment,
+ * TW_KV_DEFAULT_TLS unless the operator set UCX_TLS or `shm_fifo`,
  * protocols v2 forced on when `v2`, NET_DEVICES `devices` unless NULL; then
- * whether protocols v2 are in effect and CUDA memory is supported. */
-static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, const char *devices) {
+ * UCX_TLS as asked and whether it is the operator's, whether protocols v2
+ * are in effect and CUDA memory is supported. */
+static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, bool shm_fifo,
+                                               const char *devices) {
   ucp_config_t *cfg = NULL;
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
   if (us != UCS_OK) return tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
   if (devices && (us = ucp_config_modify(cfg, "NET_DEVICES", devices)) != UCS_OK) {
     ucp_config_release(cfg);
     return tw_err(TW_ERR_TRANSPORT, "UCX NET_DEVICES=%s: %s", devices, ucs_status_string(us));
+  }
+  /* the operator's: UCX_TLS in the environment, or anything but UCX's
+   * default ("all") read from its configuration file */
+  const char *tls_env = getenv("UCX_TLS");
+  tw_kv_cfg_value(cfg, "UCX_TLS", x->tls_asked, sizeof x->tls_asked);
+  x->tls_operator = (tls_env && *tls_env) || (x->tls_asked[0] && strcmp(x->tls_asked, "all") != 0);
+  if (!x->tls_operator && !shm_fifo) {
+    if ((us = ucp_config_modify(cfg, "TLS", TW_KV_DEFAULT_TLS)) != UCS_OK) {
+      ucp_config_release(cfg);
+      return tw_err(TW_ERR_TRANSPORT, "UCX TLS=%s: %s", TW_KV_DEFAULT_TLS, ucs_status_string(us));
+    }
+    snprintf(x->tls_asked, sizeof x->tls_asked, "%s", TW_KV_DEFAULT_TLS);
   }
   bool forced = v2 && ucp_config_modify(cfg, "PROTO_ENABLE", "y") == UCS_OK;
   x->proto_v2 = tw_kv_cfg_proto_v2(cfg, forced);
@@ -622,20 +668,23 @@ static ucs_status_t tw_kv_am_hello(void *arg, const void *header, size_t header_
 static ucs_status_t tw_kv_am_hello_ack(void *arg, const void *header, size_t header_length,
                                        void *data, size_t length, const ucp_am_recv_param_t *param);
 
-/* Whether the context's transports are TCP alone (self and cuda_copy, which
- * reach no other process, aside), from ucp_context_print_info's
- * "flags -- <tl>/<device>" resource lines; dev: the first TCP device, a
- * non-loopback one when there is one. */
-static bool tw_kv_ctx_tcp_only(ucp_context_h ctx, char dev[IF_NAMESIZE]) {
+/* The context's transports from ucp_context_print_info's
+ * "flags -- <tl>/<device>" resource lines: x->tls (each once, in UCX's
+ * order), x->fifo_tls (those of the shared-memory FIFO family), x->tcp_only
+ * (TCP alone: self and cuda_copy, which reach no other process, aside) and
+ * dev, the first TCP device (a non-loopback one when there is one). */
+static void tw_kv_ctx_transports(tw_kv_xfer_t *x, char dev[IF_NAMESIZE]) {
   char *text = NULL;
   size_t len = 0;
   FILE *f = open_memstream(&text, &len);
-  dev[0] = 0;
-  if (!f) return false;
-  ucp_context_print_info(ctx, f);
+  dev[0] = x->tls[0] = x->fifo_tls[0] = 0;
+  x->tcp_only = false;
+  if (!f) return;
+  ucp_context_print_info(x->ctx, f);
   fclose(f);
-  if (!text) return false;
+  if (!text) return;
   bool tcp = false, other = false;
+  size_t used = 0, fused = 0;
   for (char *line = text, *nl; line && *line; line = nl ? nl + 1 : NULL) {
     nl = strchr(line, '\n');
     if (nl) *nl = 0;
@@ -649,9 +698,21 @@ static bool tw_kv_ctx_tcp_only(ucp_context_h ctx, char dev[IF_NAMESIZE]) {
     } else if (strcmp(tl, "self") != 0 && strcmp(tl, "cuda_copy") != 0) {
       other = true;
     }
+    char word[40];
+    snprintf(word, sizeof word, ",%s,", tl);
+    char seen[sizeof x->tls + 2];
+    snprintf(seen, sizeof seen, ",%s,", x->tls);
+    if (strstr(seen, word)) continue;
+    int w = snprintf(x->tls + used, sizeof x->tls - used, "%s%s", used ? "," : "", tl);
+    if (w > 0 && (size_t)w < sizeof x->tls - used) used += (size_t)w;
+    bool fifo = strcmp(tl, "sysv") == 0 || strcmp(tl, "posix") == 0 || strcmp(tl, "xpmem") == 0;
+    w = fifo ? snprintf(x->fifo_tls + fused, sizeof x->fifo_tls - fused, "%s%s", fused ? "," : "",
+                        tl)
+             : 0;
+    if (w > 0 && (size_t)w < sizeof x->fifo_tls - fused) fused += (size_t)w;
   }
   free(text);
-  return tcp && !other;
+  x->tcp_only = tcp && !other;
 }
 
 static void tw_kv_accepted_error(void *arg, ucp_ep_h ep, ucs_status_t status);
@@ -691,7 +752,7 @@ static void tw_kv_on_conn_request(ucp_conn_request_h req, void *arg) {
  * worker address alone is published (warned). */
 static void tw_kv_listen(tw_kv_xfer_t *x) {
   char dev[IF_NAMESIZE];
-  x->tcp_only = tw_kv_ctx_tcp_only(x->ctx, dev);
+  tw_kv_ctx_transports(x, dev);
   if (!x->tcp_only) return;
   struct ifaddrs *ifs = NULL, *hit = NULL;
   if (getifaddrs(&ifs) == 0)
@@ -757,10 +818,10 @@ static bool tw_kv_lsn_split(const void *blob, size_t len, tw_kv_lsn_desc_t *d) {
 }
 
 TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p) {
-  return tw_kv_xfer_create_bound(NULL, xfer_p);
+  return tw_kv_xfer_create_bound(NULL, false, xfer_p);
 }
 
-TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
+TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, bool shm_fifo,
                                                  tw_kv_xfer_t **xfer_p) {
   char devs[1024];
   const char *devices = NULL, *env = getenv("UCX_NET_DEVICES");
@@ -795,11 +856,11 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
    * unless UCX_PROTO_ENABLE says otherwise, the context is made again with
    * v2. */
   const char *proto_env = getenv("UCX_PROTO_ENABLE");
-  TW_CHECK_GOTO(tw_kv_ucp_init(x, false, devices), st, fail);
+  TW_CHECK_GOTO(tw_kv_ucp_init(x, false, shm_fifo, devices), st, fail);
   if (x->cuda_native && !proto_env && !x->proto_v2) {
     ucp_cleanup(x->ctx);
     x->ctx = NULL;
-    TW_CHECK_GOTO(tw_kv_ucp_init(x, true, devices), st, fail);
+    TW_CHECK_GOTO(tw_kv_ucp_init(x, true, shm_fifo, devices), st, fail);
   }
   ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                             .thread_mode = UCS_THREAD_MODE_SINGLE};
@@ -845,8 +906,21 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
                 st, fail);
   /* how device pools travel is logged when one is registered: a CPU worker
    * has none, and must not claim CUDA staging */
-  TW_INFO("kvx", "ucx worker up: address %zu bytes, CUDA memory %s, protocols %s",
-          x->address_len, x->cuda_native ? "supported" : "not supported", x->proto_v2 ? "v2" : "v1");
+  const char *why = x->tls_operator ? "the operator's"
+                    : shm_fifo ? "twain's default for a prefill worker or a pool with puts in place"
+                               : "twain's default: no shared-memory FIFOs";
+  TW_INFO("kvx",
+          "ucx worker up: transports %s (UCX_TLS=%s, %s), address %zu bytes, CUDA memory %s, "
+          "protocols %s",
+          x->tls[0] ? x->tls : "?", x->tls_asked[0] ? x->tls_asked : "?", why, x->address_len,
+          x->cuda_native ? "supported" : "not supported", x->proto_v2 ? "v2" : "v1");
+  if (x->fifo_tls[0])
+    TW_INFO("kvx",
+            "UCX's shared-memory FIFO transports in use (%s): a peer on this host killed while "
+            "its UCX writes a message into this worker's FIFO blocks that FIFO until this "
+            "worker restarts (peers without them, such as decode workers on the staged ring by "
+            "default, do not use them; docs/operations.md, \"Staged receive\")",
+            x->fifo_tls);
   *xfer_p = x;
   return TW_OK;
 fail:

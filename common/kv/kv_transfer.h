@@ -142,7 +142,13 @@ typedef struct {
   int64_t bytes;
 } tw_kv_seg_t;
 
-/** Create a ucp context (RMA feature) and one worker.
+/** Create a ucp context (RMA feature) and one worker. Its transports are
+ *  the operator's UCX_TLS when set, else every one UCX finds but its
+ *  shared-memory FIFO transports (sysv, posix, xpmem): a sender killed while
+ *  UCX writes one of its messages into a receiver's FIFO leaves that
+ *  receiver unable to receive from anyone again (docs/operations.md, "Staged
+ *  receive"). Two workers use a transport only when both have it, so a
+ *  receiver without the FIFOs is reached without them by any sender.
  *  Errors: TW_ERR_TRANSPORT (ucp_init/ucp_worker_create failed, with the
  *  UCS status text), TW_ERR_NO_MEMORY. */
 TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p);
@@ -152,9 +158,13 @@ TW_NODISCARD tw_status_t tw_kv_xfer_create(tw_kv_xfer_t **xfer_p);
  *  tw_kv_net_devices of the endpoint, so UCX's TCP transport listens only on
  *  the interface the router link uses (loopback for 127.0.0.1). Logged
  *  either way. When no interface can be derived, UCX's default is kept and
- *  a warning says so. NULL endpoint: as tw_kv_xfer_create. Errors: as
+ *  a warning says so. NULL endpoint: as tw_kv_xfer_create. `shm_fifo`: keep
+ *  the shared-memory FIFO transports where UCX_TLS is not set: for a decode
+ *  worker whose host pool takes puts in place (UCX 1.13 puts over them; over
+ *  TCP it emulates puts), and for a prefill worker, so that it reaches such
+ *  a decode worker with them and any other without. Errors: as
  *  tw_kv_xfer_create. */
-TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint,
+TW_NODISCARD tw_status_t tw_kv_xfer_create_bound(const char *router_endpoint, bool shm_fifo,
                                                  tw_kv_xfer_t **xfer_p);
 /** UCX_NET_DEVICES for a worker whose router link is `endpoint`: the name of
  *  the local interface that routes to its host ("tcp://HOST:PORT",

@@ -90,7 +90,9 @@ static int decode_side(int32_t n_blocks, bool device, bool staged, int rfd, int 
   tw_kv_xfer_t *x = NULL;
   tw_kv_region_t *reg = NULL;
   tw_kv_region_params_t rp = {.staging_ring = staged && !device};
-  if (!pool.base || tw_kv_xfer_create(&x) || tw_kv_region_register_ex(x, &pool, &rp, &reg)) {
+  /* transports as a decode worker's: the FIFOs only for a host pool in place */
+  if (!pool.base || tw_kv_xfer_create_bound(NULL, !device && !rp.staging_ring, &x) ||
+      tw_kv_region_register_ex(x, &pool, &rp, &reg)) {
     if (write(wfd, &zero, sizeof zero) < 0) return 4;
     return pool.base ? 2 : device ? 77 : 2;
   }
@@ -219,7 +221,7 @@ int main(int argc, char **argv) {
   for (int32_t i = 0; i < max_blocks; i++) ids[i] = i;
   tw_kv_xfer_t *x;
   tw_kv_peer_t *peer;
-  if (tw_kv_xfer_create(&x)) return 1;
+  if (tw_kv_xfer_create_bound(NULL, true, &x)) return 1; /* as a prefill worker's */
   tw_kv_xfer_set_direct_ipc(x, true); /* the receiver waits only when the path is staged */
   if (tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 1;
   tw_kv_path_t path = tw_kv_xfer_path_to(peer, device, &rl);

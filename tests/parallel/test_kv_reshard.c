@@ -100,7 +100,7 @@ static int child(int p, int d, int rfd, int wfd) {
                          src_ids[j] * src[s].block_bytes + (kv * nh + g) * HEAD_BYTES;
             for (int64_t k = 0; k < HEAD_BYTES; k++) b[k] = pat(l, j, kv, off + g, k);
           }
-    if (tw_kv_xfer_create(&x[s])) return 3;
+    if (tw_kv_xfer_create_bound(NULL, true, &x[s])) return 3; /* as a prefill worker's */
     for (int r = 0; r < d; r++) {
       rl[r].handoff_tag = TAG;
       tw_kv_peer_t *peer = NULL;
@@ -160,7 +160,8 @@ static void run_pair(int p, int d) {
     pool[r].base = malloc((size_t)pool[r].total_bytes);
     memset(pool[r].base, 0xEE, (size_t)pool[r].total_bytes);
     tw_kv_region_params_t prm = {.staging_ring = staged, .n_slots = 3, .slot_bytes = 1024};
-    if (tw_kv_xfer_create(&x[r]) || tw_kv_region_register_ex(x[r], &pool[r], &prm, &reg[r])) {
+    if (tw_kv_xfer_create_bound(NULL, !staged, &x[r]) ||
+        tw_kv_region_register_ex(x[r], &pool[r], &prm, &reg[r])) {
       EXPECT(0, "decode rank %d: ucx setup", r);
       kill(pid, SIGKILL);
       waitpid(pid, NULL, 0);

@@ -146,7 +146,9 @@ static int child(int t, int die_after, int rfd, int wfd) {
   for (int j = 0; j < NSENT; j++) ids[j] = j;
   tw_kv_xfer_t *x = NULL;
   tw_kv_peer_t *peer = NULL;
-  if (tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 3;
+  /* transports as a prefill worker's (shared-memory FIFOs kept) */
+  if (tw_kv_xfer_create_bound(NULL, true, &x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer))
+    return 3;
   if (tw_kv_xfer_path_to(peer, false, &rl) != TW_KV_PATH_STAGED_RECV) return 4;
   rl.handoff_tag = (uint64_t)t;
   do {
@@ -190,8 +192,11 @@ static int decode_side(bool staged, tw_kv_layout_t *pool, tw_kv_xfer_t **x, tw_k
   if (!pool->base) return -1;
   memset(pool->base, 0xEE, (size_t)pool->total_bytes);
   tw_kv_region_params_t prm = {.staging_ring = true, .n_slots = SLOTS, .slot_bytes = SLOT_BYTES};
-  return tw_kv_xfer_create(x) || tw_kv_region_register_ex(*x, pool, staged ? &prm : NULL, reg) ? -1
-                                                                                               : 0;
+  /* transports as a decode worker's: the FIFOs only for puts in place */
+  return tw_kv_xfer_create_bound(NULL, !staged, x) ||
+                 tw_kv_region_register_ex(*x, pool, staged ? &prm : NULL, reg)
+             ? -1
+             : 0;
 }
 
 /* Progress the kv worker until fd is readable (tw_test_progress_until_readable). */
@@ -417,7 +422,7 @@ static int reverse(int n_kills, bool staged) {
   tw_kv_layout_t src = make_layout(NULL);
   src.base = calloc(1, (size_t)src.total_bytes);
   tw_kv_xfer_t *x = NULL;
-  if (!src.base || tw_kv_xfer_create(&x)) return 1;
+  if (!src.base || tw_kv_xfer_create_bound(NULL, true, &x)) return 1; /* as a prefill worker */
   const char *mode = staged ? "staged receiver" : "host pool registered in place";
   rx_t a;
   EXPECT(rx_start(staged, &a) == 0, "receiver A (%s) up", mode);

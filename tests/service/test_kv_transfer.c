@@ -90,7 +90,10 @@ static int child(int rfd, int wfd) {
     }
   tw_kv_xfer_t *x = NULL;
   tw_kv_peer_t *peer = NULL;
-  if (tw_kv_xfer_create(&x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) return 3;
+  /* puts in place: shared-memory FIFOs kept on both sides, as a prefill
+   * worker and a decode worker with a host pool in place have them */
+  if (tw_kv_xfer_create_bound(NULL, true, &x) || tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer))
+    return 3;
   /* this UCX has no cuda_ipc lane: host paths only, a device pool refused */
   if (tw_kv_xfer_path(peer, false, false) != TW_KV_PATH_HOST ||
       tw_kv_xfer_path(peer, true, false) != TW_KV_PATH_STAGED)
@@ -264,7 +267,7 @@ int main(int argc, char **argv) {
   memset(pool.base, 0xEE, (size_t)pool.total_bytes);
   tw_kv_xfer_t *x = NULL;
   tw_kv_region_t *reg = NULL;
-  if (tw_kv_xfer_create(&x) || tw_kv_region_register(x, &pool, &reg)) return 1;
+  if (tw_kv_xfer_create_bound(NULL, true, &x) || tw_kv_region_register(x, &pool, &reg)) return 1;
   size_t alen, rlen;
   const void *addr = tw_kv_xfer_address(x, &alen);
   const void *rkey = tw_kv_region_rkey(reg, &rlen);

@@ -191,7 +191,7 @@ static int run(bool staged) {
   int cp = rt.memcpy_(src.base, fill, (size_t)src.total_bytes, 1);
   free(fill);
   tw_kv_peer_t *peer = NULL;
-  if (cp != 0 || tw_kv_xfer_create(&x)) goto done;
+  if (cp != 0 || tw_kv_xfer_create_bound(NULL, true, &x)) goto done;
   tw_kv_xfer_set_direct_ipc(x, true);
   if (tw_kv_xfer_peer(x, addr, alen, rkey, rlen, &peer)) goto done;
   tw_kv_path_t path = tw_kv_xfer_path_to(peer, true, &rl);
