@@ -26,6 +26,7 @@
  *   cc -O2 -o /tmp/probe tests/service/probe_ucx_sender_kill.c -lucp -lucs
  *   /tmp/probe 40            # default transports (shared memory on one host)
  *   UCX_TLS=tcp UCX_NET_DEVICES=lo /tmp/probe 40   # control
+ *   UCX_TLS=^mm /tmp/probe 40   # a staged decode worker's default (TCP, cma)
  * Prints one line per round and a summary; exit 1 when a round was blocked. */
 #define _GNU_SOURCE
 #include <fcntl.h>

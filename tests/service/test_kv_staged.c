@@ -40,13 +40,15 @@
  * right after each kill must land exact; at the end a fresh receiver takes
  * one exactly.
  *
- * By hand ("outside N"): the parent is a staged receiver again; N senders in
- * turn hand off in a loop and are killed from outside (SIGKILL by the parent,
- * 0-5 ms after their pieces flow, at whatever instruction they are on), each
- * followed by a fresh sender whose handoff must land exact. With shared
- * memory a kill inside UCX's write of a message into the receiver's FIFO
- * leaves the receiving worker unable to receive from anyone (UCX 1.13.1 and
- * later: probe_ucx_sender_kill.c), so this fails in some runs; not a ctest. */
+ * "outside N" (ctest test_kv_staged_outside: 12; by hand 40): the parent is
+ * a staged receiver again; N senders in turn hand off in a loop and are
+ * killed from outside (SIGKILL by the parent, 0-5 ms after their pieces
+ * flow, at whatever instruction they are on), each followed by a fresh
+ * sender whose handoff must land exact. With UCX's shared-memory FIFO
+ * transports a kill inside UCX's write of a message into the receiver's
+ * FIFO left the receiving worker unable to receive from anyone (UCX 1.13.1
+ * and later: probe_ucx_sender_kill.c; 4 of 5 runs of 40); a staged
+ * receiver's context now leaves them out unless UCX_TLS names them. */
 #include "common/base/log.h"
 #include "common/comm/msg.h"
 #include "common/kv/kv_transfer.h"
@@ -481,8 +483,9 @@ static int reverse(int n_kills, bool staged) {
  * instruction, as a prefill worker killed by an operator or the OOM killer)
  * 0-5 ms after their pieces flow, each followed by a fresh sender whose whole
  * handoff must land exact. A sender killed while writing a message into the
- * receiving worker's shared-memory queue can leave UCX unable to deliver
- * anything to that worker again (probe_ucx_sender_kill.c). */
+ * receiving worker's shared-memory FIFO left UCX unable to deliver anything
+ * to that worker again (probe_ucx_sender_kill.c): the receiver here, as a
+ * decode worker on the staged ring, has no such transport (decode_side). */
 static int outside_kills(int n_kills) {
   tw_kv_layout_t pool;
   tw_kv_xfer_t *x = NULL;
