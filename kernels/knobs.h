@@ -37,6 +37,9 @@ typedef struct {
   const char *moe_mma;  /* TWAIN_CUDA_MOE_MMA as given (NULL unset): mma.sync tiles */
   int moe_stream;       /* TWAIN_CUDA_MOE_STREAM=0 turns the streaming decode MoE off (default 1) */
   int moe_stream_warps; /* TWAIN_CUDA_MOE_STREAM_WARPS 8 or 16: its warps per CTA (16) */
+  int moe_stream_bpf;   /* TWAIN_CUDA_MOE_STREAM_BPF 0, 1 or 2: which of its passes load their
+                         * token rows a k-chunk ahead in registers (moe_grouped.cu tw_gs_pf);
+                         * -1 (unset): by the expected load */
   int moe_stream_splitk; /* TWAIN_CUDA_MOE_STREAM_SPLITK=0: its down launch in one K part (1:
                             two parts where its items are fewer than twice the warps) */
   int route_fused_max;   /* TWAIN_CUDA_ROUTE_FUSED_MAX 0..1024: assignments (T x k) up to which

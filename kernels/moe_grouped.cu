@@ -99,6 +99,7 @@ typedef struct {
   int ks;
   float *zero;
   int64_t zero_n;
+  int pf; /* the streaming kernel's token-row prefetch (tw_gs_pf) */
 } tw_gg_args_t;
 
 /* The two E2M1 values of byte e (value 2i in the low nibble, spec §3.4) as
@@ -844,7 +845,13 @@ static __device__ __forceinline__ uint32_t tw_u4(const uint4 &v, int i) {
  * k-chunks [cb, ce) of 128 (all of K: 0, ceil(K / 128)). With p.ks > 1
  * (plain only) the part adds into the output with atomicAdd, the bias with
  * the first part (cb == 0). */
-template <int EPI, int NT>
+/* PF: the token rows' k of chunk c + 1 are loaded into registers while chunk
+ * c is computed, instead of at the top of their own chunk after an L1
+ * prefetch two chunks ahead (Nsight Compute, 20b gate_up at 16 tokens: a
+ * third of the stall samples were mma waiting on those loads, which queue
+ * behind the weight copies in L1; ptxas still sinks the early loads part of
+ * the way toward their use, to save registers). */
+template <int EPI, int NT, bool PF>
 static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const uint8_t *lut,
                                                   uint8_t *stg, int e, int ne, int off, int base,
                                                   int r0, int cb, int ce) {
@@ -889,14 +896,33 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
     S[st] = sc;
     /* the token rows' k of chunk c into L1 now, read two chunks later (one
      * 128-byte line covers lanes t, t ^ 1 of a row) */
+    if (!PF)
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-      if (ok && xoff[nt] >= 0 && !(t & 1))
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(xa + xoff[nt] + 16 * c));
+      for (int nt = 0; nt < NT; nt++)
+        if (ok && xoff[nt] >= 0 && !(t & 1))
+          asm volatile("prefetch.global.L1 [%0];" ::"l"(xa + xoff[nt] + 16 * c));
     tw_cp_async_commit();
   };
+  uint4 Bn[PF ? NT * 4 : 1];
+  auto load_b = [&](int c) {
+    if (!PF) return;
+    const bool ok = c < KC && 4 * c + t < KB;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int wd = 0; wd < 4; wd++)
+        Bn[nt * 4 + wd] = ok && xoff[nt] >= 0 ? __ldg(xa + xoff[nt] + 16 * c + wd)
+                                              : make_uint4(0, 0, 0, 0);
+  };
+  load_b(cb);
   auto compute = [&](int st, int c) {
     const bool kok = 4 * c + t < KB;
+    uint4 Bc[PF ? NT * 4 : 1];
+    if (PF) {
+#pragma unroll
+      for (int i = 0; i < NT * 4; i++) Bc[i] = Bn[i];
+      load_b(c + 1);
+    }
     tw_cp_async_wait<TW_GS_STAGES - 2>(); /* chunk c: this lane's own copies */
     uint4 W[4];
     __nv_bfloat162 s2[4];
@@ -913,7 +939,9 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
       if (!(j & 1)) /* the token rows' k of steps 2 wd, 2 wd + 1 */
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
-          Bv[nt] = kok && xoff[nt] >= 0 ? __ldg(xa + xoff[nt] + 16 * c + wd) : make_uint4(0, 0, 0, 0);
+          Bv[nt] = PF ? Bc[nt * 4 + wd]
+                      : kok && xoff[nt] >= 0 ? __ldg(xa + xoff[nt] + 16 * c + wd)
+                                             : make_uint4(0, 0, 0, 0);
 #pragma unroll
       for (int mt = 0; mt < 2; mt++) {
         uint32_t a[4];
@@ -981,7 +1009,10 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
       }
 }
 
-template <int EPI, int WARPS>
+/* PF: which passes load their token rows a chunk ahead (tw_gs_pass): 1,
+ * those of up to 8 assignments; 2, every pass (the 16-assignment passes then
+ * spill a few registers, ptxas: 48 bytes); 0, none. */
+template <int EPI, int WARPS, int PF>
 static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(const tw_gg_args_t p) {
   extern __shared__ __align__(128) uint8_t tw_gs_smem[];
   TW_PDL_WAIT();
@@ -1014,9 +1045,9 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
     const int off = p.offsets[e];
     for (int base = 0; base < ne; base += 16) {
       if (ne - base <= 8)
-        tw_gs_pass<EPI, 1>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce);
+        tw_gs_pass<EPI, 1, PF >= 1>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce);
       else
-        tw_gs_pass<EPI, 2>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce);
+        tw_gs_pass<EPI, 2, PF >= 2>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce);
     }
   }
 }
@@ -1029,9 +1060,27 @@ static int tw_gs_enabled(void) { return tw_gs_on >= 0 ? tw_gs_on : tw_cuda_knobs
 extern "C" void tw_cuda_moe_set_stream(int on) { tw_gs_on = on < 0 ? -1 : on ? 1 : 0; }
 extern "C" int tw_cuda_moe_stream(void) { return tw_gs_enabled(); }
 static int tw_gs_warps(void) { return tw_cuda_knobs()->moe_stream_warps == 8 ? 8 : 16; }
-static tw_gg_fn tw_gs_pick(int epi, int warps) {
-  if (warps == 8) return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 8> : tw_gs_kernel<TW_GG_PLAIN, 8>;
-  return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 16> : tw_gs_kernel<TW_GG_PLAIN, 16>;
+template <int PF> static tw_gg_fn tw_gs_pick_pf(int epi, int warps) {
+  if (warps == 8)
+    return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 8, PF> : tw_gs_kernel<TW_GG_PLAIN, 8, PF>;
+  return epi == TW_GG_SWIGLU ? tw_gs_kernel<TW_GG_SWIGLU, 16, PF> : tw_gs_kernel<TW_GG_PLAIN, 16, PF>;
+}
+static tw_gg_fn tw_gs_pick(int epi, int warps, int pf) {
+  return pf == 2 ? tw_gs_pick_pf<2>(epi, warps)
+         : pf    ? tw_gs_pick_pf<1>(epi, warps)
+                 : tw_gs_pick_pf<0>(epi, warps);
+}
+/* The kernel's PF for tk assignments over E experts: TWAIN_CUDA_MOE_STREAM_BPF
+ * (knobs.h) when set, else 2 where an expert's mean load (over at most
+ * min(E, tk) experts) is 4 or more, so that 16-assignment passes are common
+ * (20b at 64 tokens, 120b at 256), and 1 below (measured on the H200,
+ * docs/benchmarks.md: 1 is faster at 20b 16 and 120b 16 / 64 tokens, 2 at
+ * 20b 64 and 120b 256). */
+static int tw_gs_pf(int tk, int E) {
+  const int knob = tw_cuda_knobs()->moe_stream_bpf;
+  if (knob >= 0) return knob;
+  const int experts = E < tk ? E : tk;
+  return tk >= 4 * experts ? 2 : 1;
 }
 static int tw_gs_sms(void) {
   static int sms = 0;
@@ -1060,7 +1109,7 @@ static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, cud
   const int warps = tw_gs_warps(), items = (a->N + 31) / 32 * a->E * a->ks;
   const int ctas = TW_CDIV(items, warps), max_ctas = tw_gs_grid_warps() / warps;
   dim3 grid(ctas < max_ctas ? ctas : max_ctas);
-  tw_pdl_launch(tw_gs_pick(epi, warps), grid, dim3(warps * 32), (size_t)TW_GS_SMEM(warps), stream,
+  tw_pdl_launch(tw_gs_pick(epi, warps, a->pf), grid, dim3(warps * 32), (size_t)TW_GS_SMEM(warps), stream,
                 *a);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gs_kernel(gate_up)" : "tw_gs_kernel(down)");
   return TW_OK;
@@ -1069,9 +1118,10 @@ static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, cud
 extern "C" tw_status_t tw_moe_grouped_setup(void) {
   for (int epi = 0; epi < 2; epi++)
     for (int wp = 8; wp <= 16; wp *= 2)
-      TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gs_pick(epi, wp),
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         TW_GS_SMEM(wp)));
+      for (int pf = 0; pf <= 2; pf++)
+        TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gs_pick(epi, wp, pf),
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           TW_GS_SMEM(wp)));
   for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
     for (int fmt = 0; fmt < 2; fmt++)
       for (int epi = 0; epi < 2; epi++)
@@ -1212,6 +1262,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.K = H;
   a.out = act;
   a.ks = 1;
+  a.pf = tw_gs_pf(tk, E);
   const int down_ks = gs ? tw_gs_down_parts(H, E, tk) : 1;
   if (down_ks > 1) { /* the down launch adds its K parts into y: gate_up clears it */
     a.zero = y;
