@@ -300,6 +300,7 @@ typedef struct {
 } tw_kv_ring_t;
 
 struct tw_kv_peer {
+  struct tw_kv_peer *grave_next; /* closed, kept until the worker is destroyed (tw_kv_peer_close) */
   uint8_t *address;
   size_t address_len;
   uint8_t *rkey_buf;
@@ -352,6 +353,7 @@ struct tw_kv_xfer {
   bool put_rma_bw;    /* UCX >= 1.14: v2 puts use rma_bw lanes (cuda_ipc), not RMA lanes alone */
   tw_kv_peer_t *peers[TW_KV_MAX_PEERS];
   int n_peers;
+  tw_kv_peer_t *graves; /* closed peers (tw_kv_peer_close), freed after ucp_worker_destroy */
   tw_cudart_t cudart;
   tw_kv_ring_t ring;
   /* the local device pool registered as CUDA memory (direct puts) */
@@ -1373,16 +1375,27 @@ static void tw_kv_peer_drop(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   p->rkey = NULL;
 }
 
+/* The peer struct itself is not freed here: it is its endpoint's error
+ * handler argument, and a forced close that has not finished within its
+ * bound (a connect to a dead receiver still retrying) lets UCX call that
+ * handler later, from any ucp_worker_progress (AddressSanitizer caught the
+ * write into a freed peer in parallel.bad_plan). It waits on x->graves,
+ * a few hundred bytes a replaced receiver, until tw_kv_xfer_destroy has
+ * destroyed the worker. */
 static void tw_kv_peer_close(tw_kv_xfer_t *x, tw_kv_peer_t *p) {
   if (!p) return;
   tw_kv_peer_drop(x, p);
   if (p->ipc_ptr) {
     if (p->ipc_pending && x->ipc_stream) x->cudart.event_sync(x->ipc_event); /* no copy in flight */
     x->cudart.ipc_close(p->ipc_ptr);
+    p->ipc_ptr = NULL;
   }
   free(p->address);
+  p->address = NULL;
   free(p->rkey_buf);
-  free(p);
+  p->rkey_buf = NULL;
+  p->grave_next = x->graves;
+  x->graves = p;
 }
 
 void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
@@ -1403,6 +1416,11 @@ void tw_kv_xfer_destroy(tw_kv_xfer_t *x) {
   if (x->ipc_stream) x->cudart.stream_destroy(x->ipc_stream);
   if (x->src_memh) ucp_mem_unmap(x->ctx, x->src_memh);
   if (x->worker) ucp_worker_destroy(x->worker);
+  while (x->graves) { /* no endpoint callback can come now */
+    tw_kv_peer_t *g = x->graves;
+    x->graves = g->grave_next;
+    free(g);
+  }
   if (x->ctx) ucp_cleanup(x->ctx);
   if (x->cudart.lib) dlclose(x->cudart.lib);
   x->magic = 0;
