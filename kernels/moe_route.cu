@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #define TW_ROUTE_ALIGN 256
+#define TW_ROUTE_TICKETS 64 /* counters of the fused router: 1 + its token groups (<= 8) */
 
 static size_t tw_align_up(size_t n) { return (n + TW_ROUTE_ALIGN - 1) / TW_ROUTE_ALIGN * TW_ROUTE_ALIGN; }
 
@@ -23,7 +24,7 @@ extern "C" size_t tw_cuda_moe_route_bytes(int32_t max_tokens, int32_t n_experts,
   size_t tk = (size_t)max_tokens * (size_t)k;
   return tw_align_up(tk * 4) * 4 /* topk_idx, topk_w, sorted, pos_of */ +
          tw_align_up((size_t)n_experts * 4) * 2 /* counts, active */ +
-         tw_align_up(((size_t)n_experts + 1) * 4) + tw_align_up(4) * 2 /* n_active, ticket */;
+         tw_align_up(((size_t)n_experts + 1) * 4) + tw_align_up(4) + tw_align_up(TW_ROUTE_TICKETS * 4) /* n_active, tickets */;
 }
 
 extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t max_tokens,
@@ -54,7 +55,9 @@ extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t m
   r.offsets = (int32_t *)p; p += tw_align_up(((size_t)n_experts + 1) * 4);
   r.n_active = (int32_t *)p; p += tw_align_up(4);
   r.ticket = (int32_t *)p;
-  TW_CUDA_CHECK(cudaMemset(r.ticket, 0, 4)); /* tw_cuda_moe_router_fused leaves it 0 */
+  /* tw_cuda_moe_router_fused's counters (one for the step, one per token
+   * group; TW_ROUTE_TICKETS): it leaves them 0 */
+  TW_CUDA_CHECK(cudaMemset(r.ticket, 0, TW_ROUTE_TICKETS * 4));
   *route_p = r;
   return TW_OK;
 }
@@ -128,34 +131,41 @@ __global__ void tw_moe_topk_kernel(const float *__restrict__ logits, int T, int 
  * decode step; docs/benchmarks.md). The fused router (GEMV + this block)
  * keeps it up to TW_ROUTE_FUSED_MAX. */
 #define TW_ROUTE_FUSED_MAX 1024
-/* The body of the single-block route: one block of 256 threads (8 warps);
- * logits f32 [T, E] (global or shared). */
-static __device__ void tw_moe_route_block(const float *logits, int T, int E, int k,
-                                          int32_t *__restrict__ topk_idx,
-                                          float *__restrict__ topk_w,
-                                          int32_t *__restrict__ counts,
-                                          int32_t *__restrict__ offsets,
-                                          int32_t *__restrict__ sorted,
-                                          int32_t *__restrict__ pos_of,
-                                          int32_t *__restrict__ active,
-                                          int32_t *__restrict__ n_active) {
+/* Top-k and softmax of tokens t0 .. t0 + nt - 1 by the 8 warps of a block,
+ * one token per warp in turn: logits f32 [nt, E] (global or shared) are
+ * those tokens' rows; topk_idx / topk_w are the whole step's [T, k] arrays;
+ * idx_s (shared, or NULL) receives each token's experts at t * k + r. */
+static __device__ void tw_moe_topk_rows(const float *logits, int t0, int nt, int E, int k,
+                                        int32_t *__restrict__ topk_idx,
+                                        float *__restrict__ topk_w, int *idx_s) {
   __shared__ int sel[8][32];
   __shared__ float selv[8][32];
-  __shared__ int idx_s[TW_ROUTE_FUSED_MAX];
-  __shared__ int cnt_s[1024], off_s[1024];
-  int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, TK = T * k;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt_s[e] = 0;
-  __syncthreads();
-  for (int t = warp; t < T; t += 8) {
-    tw_moe_topk_warp(logits + (size_t)t * E, E, k, lane, sel[warp], selv[warp],
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int i = warp; i < nt; i += 8) {
+    const int t = t0 + i;
+    tw_moe_topk_warp(logits + (size_t)i * E, E, k, lane, sel[warp], selv[warp],
                      topk_idx + (size_t)t * k, topk_w + (size_t)t * k);
-    if (lane == 0)
-      for (int r = 0; r < k; r++) {
-        idx_s[t * k + r] = sel[warp][r];
-        atomicAdd(&cnt_s[sel[warp][r]], 1);
-      }
+    if (lane == 0 && idx_s)
+      for (int r = 0; r < k; r++) idx_s[t * k + r] = sel[warp][r];
     __syncwarp();
   }
+}
+
+/* Counts, offsets, active list and the stable sort of TK assignments whose
+ * experts are idx_s[0 .. TK) (shared), by one block of 256 threads. Starts
+ * with a __syncthreads (idx_s may have just been written). */
+static __device__ void tw_moe_sort_block(const int *idx_s, int TK, int E,
+                                         int32_t *__restrict__ counts,
+                                         int32_t *__restrict__ offsets,
+                                         int32_t *__restrict__ sorted,
+                                         int32_t *__restrict__ pos_of,
+                                         int32_t *__restrict__ active,
+                                         int32_t *__restrict__ n_active) {
+  __shared__ int cnt_s[1024], off_s[1024];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) cnt_s[e] = 0;
+  __syncthreads();
+  for (int a = threadIdx.x; a < TK; a += blockDim.x) atomicAdd(&cnt_s[idx_s[a]], 1);
   __syncthreads();
   if (threadIdx.x == 0) {
     int run = 0, na = 0;
@@ -193,6 +203,22 @@ static __device__ void tw_moe_route_block(const float *logits, int T, int E, int
     }
 }
 
+/* The body of the single-block route: one block of 256 threads (8 warps);
+ * logits f32 [T, E] (global or shared). */
+static __device__ void tw_moe_route_block(const float *logits, int T, int E, int k,
+                                          int32_t *__restrict__ topk_idx,
+                                          float *__restrict__ topk_w,
+                                          int32_t *__restrict__ counts,
+                                          int32_t *__restrict__ offsets,
+                                          int32_t *__restrict__ sorted,
+                                          int32_t *__restrict__ pos_of,
+                                          int32_t *__restrict__ active,
+                                          int32_t *__restrict__ n_active) {
+  __shared__ int idx_s[TW_ROUTE_FUSED_MAX];
+  tw_moe_topk_rows(logits, 0, T, E, k, topk_idx, topk_w, idx_s);
+  tw_moe_sort_block(idx_s, T * k, E, counts, offsets, sorted, pos_of, active, n_active);
+}
+
 __global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int T, int E, int k,
                                           int32_t *__restrict__ topk_idx,
                                           float *__restrict__ topk_w, int32_t *__restrict__ counts,
@@ -208,12 +234,15 @@ __global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int 
 
 /* Router GEMV + route in one launch: block (e, j) (256 threads) computes
  * logits[t][e] = x[t] . w[e] + bias[e] for the tokens t of group j (at most
- * TW_ROUTER_TOKENS_PER_BLOCK, one after the other; f32 accumulation, 16-byte
- * loads, 8 warps over H, then a fixed-order reduction: the same sums for any
- * T), writes it to global memory; the last block to finish (ticket counter,
- * reset to 0 by that block) reads all logits back into shared memory and
- * runs tw_moe_route_block. Token groups keep the serial part short at batch
- * 64 (one group of 64 took 66 us a layer on the H200). */
+ * TW_ROUTER_TOKENS_PER_BLOCK, all at once; f32 accumulation, 16-byte loads,
+ * 8 warps over H, then a fixed-order reduction: the same sums for any T),
+ * writes it to global memory; the last block of group j to finish (counter
+ * ticket[1 + j]) reads the group's logits back into shared memory and takes
+ * its tokens' top-k, one token per warp; the last group to finish (counter
+ * ticket[0]) counts and sorts the step's assignments (tw_moe_sort_block).
+ * Each counter is reset to 0 by the block that read it last. Token groups
+ * keep the serial parts short at batch 64 (one group of 64 tokens took 66 us
+ * a layer on the H200). */
 #define TW_ROUTER_TOKENS_PER_BLOCK 8
 #define TW_ROUTER_FUSED_MAX_T 64
 #define TW_ROUTER_FUSED_MAX_TE 2048
@@ -228,28 +257,43 @@ __global__ void __launch_bounds__(256)
                                int32_t *__restrict__ n_active, int32_t *__restrict__ ticket) {
   TW_PDL_WAIT();
   __shared__ float part[8][TW_ROUTER_TOKENS_PER_BLOCK];
-  __shared__ float lg_s[TW_ROUTER_FUSED_MAX_TE];
+  __shared__ float lg_s[TW_ROUTER_FUSED_MAX_TE]; /* one group's logits, [nt, E] */
   __shared__ int last_s;
   const int e = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nc = H / 8;
   const int t0 = blockIdx.y * TW_ROUTER_TOKENS_PER_BLOCK,
             t1 = min(T, t0 + TW_ROUTER_TOKENS_PER_BLOCK);
   const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)e * H);
-  for (int t = t0; t < t1; t++) {
-    const uint4 *xr = reinterpret_cast<const uint4 *>(x + (size_t)t * H);
-    float acc = 0.0f;
-    for (int c = threadIdx.x; c < nc; c += 256) {
-      uint4 a = __ldg(wr + c), b = xr[c];
-      const __nv_bfloat162 *pa = reinterpret_cast<const __nv_bfloat162 *>(&a);
-      const __nv_bfloat162 *pb = reinterpret_cast<const __nv_bfloat162 *>(&b);
+  /* every token of the group at once: one weight load per chunk and the
+   * token rows' loads in flight together (one L2 round trip per chunk, not
+   * one per token); each token's sum keeps its order (chunks in turn, the
+   * eight products of a chunk in turn, then the warp's butterfly) */
+  float acc[TW_ROUTER_TOKENS_PER_BLOCK];
+#pragma unroll
+  for (int j = 0; j < TW_ROUTER_TOKENS_PER_BLOCK; j++) acc[j] = 0.0f;
+  for (int c = threadIdx.x; c < nc; c += 256) {
+    const uint4 a = __ldg(wr + c);
+    const __nv_bfloat162 *pa = reinterpret_cast<const __nv_bfloat162 *>(&a);
+    uint4 b[TW_ROUTER_TOKENS_PER_BLOCK];
+#pragma unroll
+    for (int j = 0; j < TW_ROUTER_TOKENS_PER_BLOCK; j++)
+      if (t0 + j < t1) b[j] = reinterpret_cast<const uint4 *>(x + (size_t)(t0 + j) * H)[c];
+#pragma unroll
+    for (int j = 0; j < TW_ROUTER_TOKENS_PER_BLOCK; j++) {
+      if (t0 + j >= t1) continue;
+      const __nv_bfloat162 *pb = reinterpret_cast<const __nv_bfloat162 *>(&b[j]);
 #pragma unroll
       for (int i = 0; i < 4; i++) {
-        float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
-        acc = fmaf(fa.x, fb.x, acc);
-        acc = fmaf(fa.y, fb.y, acc);
+        const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
+        acc[j] = fmaf(fa.x, fb.x, acc[j]);
+        acc[j] = fmaf(fa.y, fb.y, acc[j]);
       }
     }
-    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    if (lane == 0) part[warp][t - t0] = acc;
+  }
+#pragma unroll
+  for (int j = 0; j < TW_ROUTER_TOKENS_PER_BLOCK; j++) {
+    float v = acc[j];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0 && t0 + j < t1) part[warp][j] = v;
   }
   __syncthreads();
   for (int t = t0 + (int)threadIdx.x; t < t1; t += blockDim.x) {
@@ -257,17 +301,31 @@ __global__ void __launch_bounds__(256)
     for (int q = 0; q < 8; q++) v += part[q][t - t0];
     logits[(size_t)t * E + e] = v + (bias ? bias[e] : 0.0f);
   }
+  /* the last block of this token group (all E experts' logits written)
+   * takes the group's top-k, one token per warp; the last group to finish
+   * counts and sorts the step's assignments */
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last_s = atomicAdd(ticket, 1) == (int)(gridDim.x * gridDim.y) - 1;
+  const int g = blockIdx.y, nt = t1 - t0;
+  if (threadIdx.x == 0) last_s = atomicAdd(&ticket[1 + g], 1) == (int)gridDim.x - 1;
   __syncthreads();
   if (!last_s) return;
   __threadfence();
-  for (int i = threadIdx.x; i < T * E; i += blockDim.x) lg_s[i] = __ldcg(logits + i);
-  if (threadIdx.x == 0) *ticket = 0;
+  for (int i = threadIdx.x; i < nt * E; i += blockDim.x)
+    lg_s[i] = __ldcg(logits + (size_t)t0 * E + i);
+  if (threadIdx.x == 0) ticket[1 + g] = 0;
   __syncthreads();
-  tw_moe_route_block(lg_s, T, E, k, topk_idx, topk_w, counts, offsets, sorted, pos_of, active,
-                     n_active);
+  tw_moe_topk_rows(lg_s, t0, nt, E, k, topk_idx, topk_w, NULL);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_s = atomicAdd(&ticket[0], 1) == (int)gridDim.y - 1;
+  __syncthreads();
+  if (!last_s) return;
+  __threadfence();
+  __shared__ int idx_s[TW_ROUTE_FUSED_MAX];
+  for (int a = threadIdx.x; a < T * k; a += blockDim.x) idx_s[a] = __ldcg(topk_idx + a);
+  if (threadIdx.x == 0) ticket[0] = 0;
+  tw_moe_sort_block(idx_s, T * k, E, counts, offsets, sorted, pos_of, active, n_active);
 }
 
 /* TWAIN_CUDA_FUSED_ROUTER (knobs.h) */

@@ -445,8 +445,8 @@ static int test_dequant(void) {
 /* tw_cuda_moe_router_fused (router GEMV + top-k + sort in one launch) against
  * the logits computed here in double from the same bf16 inputs (|d| <= 1e-5
  * of the sum of |terms|, the fp32 reordering bound) and check_route on the
- * logits it wrote; launched twice in a row (the block ticket must come back
- * to 0) and the second result checked. */
+ * logits it wrote; launched twice in a row (the block counters must come
+ * back to 0) and the second result checked. */
 static int run_router_case(const moe_case_t *c) {
   int H = c->H, E = c->E, k = c->k, T = c->T, fails = 0;
   uint16_t *xb = xmalloc((size_t)T * H * 2), *wb = xmalloc((size_t)E * H * 2);
@@ -477,8 +477,9 @@ static int run_router_case(const moe_case_t *c) {
   }
   TT_CUDA(cudaDeviceSynchronize());
   TT_CUDA(cudaMemcpy(got, d_lg, (size_t)T * E * 4, cudaMemcpyDeviceToHost));
-  int32_t ticket = -1;
-  TT_CUDA(cudaMemcpy(&ticket, r.ticket, 4, cudaMemcpyDeviceToHost));
+  int32_t tickets[64], ticket = 0; /* every counter (step, token groups) back to 0 */
+  TT_CUDA(cudaMemcpy(tickets, r.ticket, sizeof tickets, cudaMemcpyDeviceToHost));
+  for (int i = 0; i < 64; i++) ticket |= tickets[i];
   for (int t = 0; t < T; t++)
     for (int e = 0; e < E; e++) {
       double ref = bias[e], mag = fabs(bias[e]);
