@@ -69,11 +69,39 @@ static __device__ __forceinline__ void tw_argmax_merge(float &bv, int &bi, float
   }
 }
 
+/* Argmax of one row by the block: 16-byte loads, TW_ARGMAX_UNROLL of them in
+ * flight per thread before any is merged (a row of 201,088 logits is then
+ * about 6 round trips to memory a thread, not 200); the merge is a total
+ * order (larger value, then lower id; NaN skipped), so the order of the
+ * visits does not change the result. */
+#define TW_ARGMAX_UNROLL 8
 static __device__ int tw_block_argmax(const float *__restrict__ row, int V, float *redv,
                                       int *redi) {
   float bv = 0.0f;
   int bi = -1;
-  for (int i = threadIdx.x; i < V; i += blockDim.x) {
+  int tail = 0;
+  if (!((uintptr_t)row & 15)) {
+    const float4 *r4 = reinterpret_cast<const float4 *>(row);
+    const int n4 = V / 4, step = (int)blockDim.x;
+    for (int base = threadIdx.x; base < n4; base += step * TW_ARGMAX_UNROLL) {
+      float4 q[TW_ARGMAX_UNROLL];
+#pragma unroll
+      for (int u = 0; u < TW_ARGMAX_UNROLL; u++) {
+        const int j = base + u * step;
+        q[u] = j < n4 ? __ldg(r4 + j) : make_float4(NAN, NAN, NAN, NAN);
+      }
+#pragma unroll
+      for (int u = 0; u < TW_ARGMAX_UNROLL; u++) {
+        const int i = (base + u * step) * 4;
+        if (!isnan(q[u].x)) tw_argmax_merge(bv, bi, q[u].x, i);
+        if (!isnan(q[u].y)) tw_argmax_merge(bv, bi, q[u].y, i + 1);
+        if (!isnan(q[u].z)) tw_argmax_merge(bv, bi, q[u].z, i + 2);
+        if (!isnan(q[u].w)) tw_argmax_merge(bv, bi, q[u].w, i + 3);
+      }
+    }
+    tail = n4 * 4;
+  }
+  for (int i = tail + (int)threadIdx.x; i < V; i += blockDim.x) {
     float v = row[i];
     if (!isnan(v)) tw_argmax_merge(bv, bi, v, i);
   }

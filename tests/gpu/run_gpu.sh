@@ -88,7 +88,7 @@ for t in json.load(sys.stdin)["tests"]:
     if c:
         print(t["name"], os.path.basename(c[0]), *c[1:])' >"$build/gpu_tests.cmd"
   progs=$(awk '{print $2}' "$build/gpu_tests.cmd" | sort -u)
-  extra="twain-bench-cuda twain-compare-hf twain-bench-attention twain-bench-moe"
+  extra="twain-bench-cuda twain-compare-hf twain-bench-attention twain-bench-moe twain-bench-gemm"
   if grep -q twain-bench-tokenizer "$root/tests/tokenizer/CMakeLists.txt" 2>/dev/null; then
     extra="$extra twain-bench-tokenizer"
   fi

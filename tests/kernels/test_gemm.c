@@ -3,7 +3,7 @@
  * fresh random inputs: the gpt-oss linear layers (QKV 5120 x 2880, O 2880 x
  * 4096, router 128 x 2880 with f32 logits, unembedding 201088 x 2880), the
  * tiny model's, and edges (M = 1, sizes off the tiles; M <= 4 takes the
- * GEMV kernel). Outputs are poisoned
+ * GEMV kernel; 5 <= M <= 64 are the decode step's batches). Outputs are poisoned
  * with NaN first, so an unwritten element fails.
  * Tolerance: bf16 outputs are rounded once (2^-9 relative), so rel L2 1e-2
  * (the bf16 bound); f32 outputs differ only by summation order: 1e-4. */
@@ -87,17 +87,38 @@ int main(void) {
   tw_cuda_gemm_t *g = NULL;
   if (tw_cpu_pool_create(0, &pool) != TW_OK || tw_cuda_gemm_create(0, &g) != TW_OK) return 1;
   static const gemm_case_t cases[] = {
-      {"qkv", 1, 5120, 2880, 0, 1, 0},     {"qkv", 77, 5120, 2880, 0, 1, 0},
-      {"o", 1, 2880, 4096, 1, 1, 0},       {"o", 130, 2880, 4096, 1, 1, 0},
-      {"router", 1, 32, 2880, 1, 1, 0},    {"router", 257, 128, 2880, 1, 1, 0},
-      {"unembed", 2, 201088, 2880, 1, 0, 0}, {"tiny_unembed", 9, 8064, 256, 1, 0, 0},
-      {"tiny_router", 3, 8, 256, 1, 1, 0}, {"expert", 300, 5760, 2880, 0, 0, 1},
-      {"expert", 1, 2880, 2880, 0, 0, 1},  {"odd", 33, 160, 96, 1, 0, 1},
+      {"qkv", 1, 5120, 2880, 0, 1, 0},
+      {"qkv", 77, 5120, 2880, 0, 1, 0},
+      {"o", 1, 2880, 4096, 1, 1, 0},
+      {"o", 130, 2880, 4096, 1, 1, 0},
+      {"router", 1, 32, 2880, 1, 1, 0},
+      {"router", 257, 128, 2880, 1, 1, 0},
+      {"unembed", 2, 201088, 2880, 1, 0, 0},
+      {"tiny_unembed", 9, 8064, 256, 1, 0, 0},
+      {"tiny_router", 3, 8, 256, 1, 1, 0},
+      {"expert", 300, 5760, 2880, 0, 0, 1},
+      {"expert", 1, 2880, 2880, 0, 0, 1},
+      {"odd", 33, 160, 96, 1, 0, 1},
       {"repeat_qkv", 77, 5120, 2880, 0, 1, 0}, /* cached descriptors reused */
       /* M <= 4: the GEMV kernel (one warp per column, PDL) instead of cuBLASLt */
-      {"qkv_gemv", 4, 5120, 2880, 0, 1, 0}, {"o_gemv", 3, 2880, 4096, 1, 1, 0},
-      {"o_gemv", 2, 2880, 4096, 1, 0, 0},   {"odd_gemv", 2, 163, 96, 0, 1, 0},
+      {"qkv_gemv", 4, 5120, 2880, 0, 1, 0},
+      {"o_gemv", 3, 2880, 4096, 1, 1, 0},
+      {"o_gemv", 2, 2880, 4096, 1, 0, 0},
+      {"odd_gemv", 2, 163, 96, 0, 1, 0},
       {"odd_gemv", 1, 9, 40, 1, 1, 0},
+      /* the decode step's batches 5..64 (cuBLASLt's small-M tiles) */
+      {"qkv_small", 5, 5120, 2880, 0, 1, 0},
+      {"qkv_small", 16, 5120, 2880, 0, 1, 0},
+      {"qkv_small", 17, 5120, 2880, 1, 1, 0},
+      {"qkv_small", 64, 5120, 2880, 0, 1, 0},
+      {"o_small", 8, 2880, 4096, 1, 1, 0},
+      {"o_small", 13, 2880, 4096, 1, 0, 0},
+      {"o_small", 33, 2880, 4096, 1, 1, 0},
+      {"o_small", 61, 2880, 4096, 0, 1, 0},
+      {"router_small", 64, 128, 2880, 1, 1, 0},
+      {"unembed_small", 16, 201088, 2880, 1, 0, 0},
+      {"odd_small", 7, 48, 32, 1, 1, 0},
+      {"odd_small", 40, 160, 96, 0, 1, 0},
   };
   int rc = 0;
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) rc |= run(pool, g, &cases[i]);
