@@ -152,8 +152,9 @@ static __device__ void tw_moe_topk_rows(const float *logits, int t0, int nt, int
 }
 
 /* Counts, offsets, active list and the stable sort of TK assignments whose
- * experts are idx_s[0 .. TK) (shared), by one block of 256 threads. Starts
- * with a __syncthreads (idx_s may have just been written). */
+ * experts are idx_s[0 .. TK) (shared), by one block of 256 threads. It
+ * reads idx_s only after its first __syncthreads, so the block may have
+ * just written it. */
 static __device__ void tw_moe_sort_block(const int *idx_s, int TK, int E,
                                          int32_t *__restrict__ counts,
                                          int32_t *__restrict__ offsets,
