@@ -31,7 +31,26 @@ static __device__ float tw_block_sum(float v, float *red) {
   return t;
 }
 
-/* One block per token row. DT: 0 = no delta, 1 = bf16 delta, 2 = f32 delta. */
+/* Element i (4 floats) of the delta row: bf16 (DT 1) or f32 (DT 2). */
+template <int DT>
+static __device__ __forceinline__ float4 tw_norm_delta(const void *delta, int64_t off, int i) {
+  if (DT == 1) {
+    const uint2 u = reinterpret_cast<const uint2 *>(static_cast<const __nv_bfloat16 *>(delta) + off)[i];
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+  return reinterpret_cast<const float4 *>(static_cast<const float *>(delta) + off)[i];
+}
+
+/* One block per token row. DT: 0 = no delta, 1 = bf16 delta, 2 = f32 delta.
+ * Rows of up to TW_NORM_REGS * 4 * TW_NORM_THREADS floats (4,096) keep their
+ * x, delta and weight loads in registers, all issued before the first is
+ * used (one round trip to memory instead of one per loop turn; 8-byte loads
+ * of the bf16 weight, delta and output); longer rows, or those pointers not
+ * 8-byte aligned, loop. Either way each thread adds its squares in the same order, so the
+ * result does not depend on the path. */
+#define TW_NORM_REGS 4
 template <int DT>
 static __global__ void __launch_bounds__(TW_NORM_THREADS)
     tw_rmsnorm_residual_kernel(float *__restrict__ x, const void *__restrict__ delta,
@@ -41,20 +60,51 @@ static __global__ void __launch_bounds__(TW_NORM_THREADS)
   __shared__ float red[TW_NORM_THREADS / 32];
   const int64_t row = blockIdx.x;
   float4 *xr = reinterpret_cast<float4 *>(x + row * hidden);
+  const uint2 *w4 = reinterpret_cast<const uint2 *>(w);
+  uint2 *o4 = reinterpret_cast<uint2 *>(out + row * hidden);
   const int n4 = hidden >> 2;
   float ss = 0.f;
+  const bool al8 = !(((uintptr_t)w | (uintptr_t)out | (DT == 1 ? (uintptr_t)delta : 0)) & 7);
+  if (n4 <= TW_NORM_REGS * TW_NORM_THREADS && al8) {
+    float4 v[TW_NORM_REGS], d[TW_NORM_REGS];
+    uint2 wv[TW_NORM_REGS];
+#pragma unroll
+    for (int u = 0; u < TW_NORM_REGS; u++) {
+      const int i = threadIdx.x + u * TW_NORM_THREADS;
+      if (i < n4) {
+        v[u] = xr[i];
+        if (DT) d[u] = tw_norm_delta<DT>(delta, row * hidden, i);
+        wv[u] = w4[i];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < TW_NORM_REGS; u++) {
+      const int i = threadIdx.x + u * TW_NORM_THREADS;
+      if (i >= n4) continue;
+      if (DT) {
+        v[u].x += d[u].x; v[u].y += d[u].y; v[u].z += d[u].z; v[u].w += d[u].w;
+        xr[i] = v[u];
+      }
+      ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+    }
+    const float r = rsqrtf(tw_block_sum(ss, red) / (float)hidden + eps);
+#pragma unroll
+    for (int u = 0; u < TW_NORM_REGS; u++) {
+      const int i = threadIdx.x + u * TW_NORM_THREADS;
+      if (i >= n4) continue;
+      const float2 wa = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&wv[u].x));
+      const float2 wb = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&wv[u].y));
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(v[u].x * r * wa.x, v[u].y * r * wa.y);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(v[u].z * r * wb.x, v[u].w * r * wb.y);
+      o4[i] = make_uint2(*reinterpret_cast<const uint32_t *>(&lo),
+                         *reinterpret_cast<const uint32_t *>(&hi));
+    }
+    return;
+  }
   for (int i = threadIdx.x; i < n4; i += blockDim.x) {
     float4 v = xr[i];
-    if (DT == 1) {
-      const __nv_bfloat162 *d =
-          reinterpret_cast<const __nv_bfloat162 *>(static_cast<const __nv_bfloat16 *>(delta) +
-                                                   row * hidden) + 2 * i;
-      float2 a = __bfloat1622float2(d[0]), b = __bfloat1622float2(d[1]);
-      v.x += a.x; v.y += a.y; v.z += b.x; v.w += b.y;
-      xr[i] = v;
-    } else if (DT == 2) {
-      float4 d = reinterpret_cast<const float4 *>(static_cast<const float *>(delta) +
-                                                  row * hidden)[i];
+    if (DT) {
+      const float4 d = tw_norm_delta<DT>(delta, row * hidden, i);
       v.x += d.x; v.y += d.y; v.z += d.z; v.w += d.w;
       xr[i] = v;
     }

@@ -25,7 +25,8 @@ extern "C" {
  *  x_resid f32 [n_tokens, hidden] (device, updated in place when a delta is
  *  given); maybe_delta NULL or [n_tokens, hidden] of delta_dtype
  *  (TW_DTYPE_BF16 or TW_DTYPE_F32; ignored when NULL); weight bf16 [hidden];
- *  out bf16 [n_tokens, hidden]. hidden must be a multiple of 4 (2880 is).
+ *  out bf16 [n_tokens, hidden]. hidden must be a multiple of 4 (2880 is);
+ *  x_resid and an f32 delta 16-byte aligned (float4 access).
  *  n_tokens == 0 does nothing.
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL x_resid/weight/out, n_tokens < 0,
  *  hidden <= 0 or not a multiple of 4, eps < 0, other delta dtype),
