@@ -53,6 +53,9 @@ typedef struct {
   float swiglu_limit;            /* 7.0 */
 } tw_cuda_moe_weights_t;
 
+/** Block counters of the fused router (tw_cuda_moe_route_t.ticket): 1 + its token groups (<= 8). */
+#define TW_CUDA_MOE_ROUTE_TICKETS 64
+
 /** Routing results, device arrays carved from one buffer by tw_cuda_moe_route_init. */
 typedef struct {
   int32_t max_tokens, n_experts, k;
@@ -64,7 +67,8 @@ typedef struct {
   int32_t *pos_of;    /* [T*k] sorted position of assignment a */
   int32_t *active;    /* [E] experts with counts > 0, increasing id (first n_active valid) */
   int32_t *n_active;  /* [1] */
-  int32_t *ticket;    /* [64] block counters of tw_cuda_moe_router_fused; 0 between launches */
+  int32_t *ticket;    /* [TW_CUDA_MOE_ROUTE_TICKETS] block counters of tw_cuda_moe_router_fused
+                       * (one for the step, one per token group); 0 between launches */
 } tw_cuda_moe_route_t;
 
 /** Bytes of device memory for the routing arrays of up to max_tokens tokens. */
@@ -90,7 +94,8 @@ int tw_cuda_moe_router_fused_supported(const tw_cuda_moe_route_t *route, const v
  *  softmax and the sort by expert into `route` exactly as tw_cuda_moe_route
  *  on those logits. x bf16 [T, H] and w bf16 [E, H] (row stride H, device,
  *  16-byte aligned); bias f32 [E] or NULL. Uses route->ticket (zeroed by
- *  tw_cuda_moe_route_init, left zero; one launch at a time per route). Grid depends on E and T only: capturable.
+ *  tw_cuda_moe_route_init, left zero; one launch at a time per route).
+ *  Grid depends on E and T only: capturable.
  *  Errors: TW_ERR_INVALID_ARGUMENT (NULL, misaligned), TW_ERR_UNSUPPORTED
  *  (tw_cuda_moe_router_fused_supported is false: use a GEMM and
  *  tw_cuda_moe_route), TW_ERR_CUDA. */

@@ -15,7 +15,6 @@
 #include <stdlib.h>
 
 #define TW_ROUTE_ALIGN 256
-#define TW_ROUTE_TICKETS 64 /* counters of the fused router: 1 + its token groups (<= 8) */
 
 static size_t tw_align_up(size_t n) { return (n + TW_ROUTE_ALIGN - 1) / TW_ROUTE_ALIGN * TW_ROUTE_ALIGN; }
 
@@ -24,7 +23,8 @@ extern "C" size_t tw_cuda_moe_route_bytes(int32_t max_tokens, int32_t n_experts,
   size_t tk = (size_t)max_tokens * (size_t)k;
   return tw_align_up(tk * 4) * 4 /* topk_idx, topk_w, sorted, pos_of */ +
          tw_align_up((size_t)n_experts * 4) * 2 /* counts, active */ +
-         tw_align_up(((size_t)n_experts + 1) * 4) + tw_align_up(4) + tw_align_up(TW_ROUTE_TICKETS * 4) /* n_active, tickets */;
+         tw_align_up(((size_t)n_experts + 1) * 4) + tw_align_up(4) /* n_active */ +
+         tw_align_up(TW_CUDA_MOE_ROUTE_TICKETS * 4) /* tickets */;
 }
 
 extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t max_tokens,
@@ -56,8 +56,8 @@ extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t m
   r.n_active = (int32_t *)p; p += tw_align_up(4);
   r.ticket = (int32_t *)p;
   /* tw_cuda_moe_router_fused's counters (one for the step, one per token
-   * group; TW_ROUTE_TICKETS): it leaves them 0 */
-  TW_CUDA_CHECK(cudaMemset(r.ticket, 0, TW_ROUTE_TICKETS * 4));
+   * group; TW_CUDA_MOE_ROUTE_TICKETS): it leaves them 0 */
+  TW_CUDA_CHECK(cudaMemset(r.ticket, 0, TW_CUDA_MOE_ROUTE_TICKETS * 4));
   *route_p = r;
   return TW_OK;
 }
@@ -454,18 +454,13 @@ extern "C" tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *r, const flo
  * thread has one column group and its k loads in flight together; the sum
  * over j keeps its order whatever V. */
 template <typename YT, int V> struct tw_vec_ld;
-template <> struct tw_vec_ld<float, 1> {
-  static __device__ __forceinline__ void ld(const float *p, float *o) { o[0] = *p; }
+template <typename YT> struct tw_vec_ld<YT, 1> {
+  static __device__ __forceinline__ void ld(const YT *p, float *o) { o[0] = tw_moe_to_f32(*p); }
 };
 template <> struct tw_vec_ld<float, 4> {
   static __device__ __forceinline__ void ld(const float *p, float *o) {
     const float4 v = *reinterpret_cast<const float4 *>(p);
     o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
-  }
-};
-template <> struct tw_vec_ld<__nv_bfloat16, 1> {
-  static __device__ __forceinline__ void ld(const __nv_bfloat16 *p, float *o) {
-    o[0] = __bfloat162float(*p);
   }
 };
 template <> struct tw_vec_ld<__nv_bfloat16, 4> {

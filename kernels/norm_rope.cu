@@ -48,8 +48,8 @@ static __device__ __forceinline__ float4 tw_norm_delta(const void *delta, int64_
  * x, delta and weight loads in registers, all issued before the first is
  * used (one round trip to memory instead of one per loop turn; 8-byte loads
  * of the bf16 weight, delta and output); longer rows, or those pointers not
- * 8-byte aligned, loop. Either way each thread adds its squares in the same order, so the
- * result does not depend on the path. */
+ * 8-byte aligned, loop. Either way each thread adds its squares in the same
+ * order, so the result does not depend on the path. */
 #define TW_NORM_REGS 4
 template <int DT>
 static __global__ void __launch_bounds__(TW_NORM_THREADS)

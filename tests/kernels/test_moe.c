@@ -477,9 +477,9 @@ static int run_router_case(const moe_case_t *c) {
   }
   TT_CUDA(cudaDeviceSynchronize());
   TT_CUDA(cudaMemcpy(got, d_lg, (size_t)T * E * 4, cudaMemcpyDeviceToHost));
-  int32_t tickets[64], ticket = 0; /* every counter (step, token groups) back to 0 */
+  int32_t tickets[TW_CUDA_MOE_ROUTE_TICKETS], ticket = 0; /* every counter back to 0 */
   TT_CUDA(cudaMemcpy(tickets, r.ticket, sizeof tickets, cudaMemcpyDeviceToHost));
-  for (int i = 0; i < 64; i++) ticket |= tickets[i];
+  for (int i = 0; i < TW_CUDA_MOE_ROUTE_TICKETS; i++) ticket |= tickets[i];
   for (int t = 0; t < T; t++)
     for (int e = 0; e < E; e++) {
       double ref = bias[e], mag = fabs(bias[e]);
