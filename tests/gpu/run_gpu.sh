@@ -81,6 +81,19 @@ if [ "${1:-}" != "--device" ]; then
   tests=$(cd "$build" && ctest -N -L gpu | awk '/Test +#/ {print $3}')
   # each test's program and arguments ("NAME PROGRAM ARGS..."): a test may
   # run a program under another name (test_engine_cuda_fp8 = test_engine_cuda fp8)
+  # ctest names a test's program only once it is built: on a fresh build
+  # directory, build everything first
+  if [ -n "$tests" ] && (cd "$build" && ctest --show-only=json-v1 -L gpu) |
+    python3 -c 'import json, sys; sys.exit(any(not t.get("command") for t in json.load(sys.stdin)["tests"]))'; then
+    :
+  elif [ -n "$tests" ]; then
+    echo "building every target (fresh build directory)"
+    cmake --build "$build" -j2 >"$build/run_gpu_build.log" 2>&1 || {
+      grep -E "error|Error" "$build/run_gpu_build.log" | head -20
+      echo "build failed: see $build/run_gpu_build.log"
+      exit 1
+    }
+  fi
   (cd "$build" && ctest --show-only=json-v1 -L gpu) | python3 -c '
 import json, os, sys
 for t in json.load(sys.stdin)["tests"]:
