@@ -42,6 +42,8 @@ typedef struct {
                          * -1 (unset): by the expected load */
   int moe_stream_splitk; /* TWAIN_CUDA_MOE_STREAM_SPLITK=0: its down launch in one K part (1:
                             two parts where its items are fewer than twice the warps) */
+  int moe_stream_balance; /* TWAIN_CUDA_MOE_STREAM_BALANCE=0: its last round of (expert, rows)
+                             units is not cut into pieces over every warp (default 1) */
   int route_fused_max;   /* TWAIN_CUDA_ROUTE_FUSED_MAX 0..1024: assignments (T x k) up to which
                             the router GEMM's route runs as one block (128) */
 } tw_cuda_knobs_t;

@@ -364,7 +364,8 @@ extern "C" tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w,
 extern "C" size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidden,
                                                int32_t intermediate) {
   size_t tk = (size_t)max_tokens * (size_t)k;
-  return tw_al256(tk * (size_t)intermediate * 2) + tw_al256(tk * (size_t)hidden * 4);
+  return tw_al256(tk * (size_t)intermediate * 2) + tw_al256(tk * (size_t)hidden * 4) +
+         TW_MOE_GS_PART_FLOATS * 4;
 }
 
 extern "C" tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w,
@@ -387,8 +388,9 @@ extern "C" tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w,
   size_t tk = (size_t)T * k;
   char *act = (char *)workspace;
   float *y = (float *)(act + tw_al256(tk * I * 2));
+  float *gs_part = (float *)((char *)y + tw_al256(tk * H * 4));
   const void *w2h = maybe_wbf16 ? tw_moe_wdq_down(maybe_wbf16, w->n_experts, H, I) : NULL;
-  TW_CHECK(tw_moe_grouped_run(w, r, T, x, maybe_wbf16, w2h, act, y, stream));
+  TW_CHECK(tw_moe_grouped_run(w, r, T, x, maybe_wbf16, w2h, act, y, gs_part, stream));
   return tw_moe_combine_f32(r, T, H, y, out, stream);
 }
 

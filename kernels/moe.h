@@ -55,6 +55,9 @@ typedef struct {
 
 /** Block counters of the fused router (tw_cuda_moe_route_t.ticket): 1 + its token groups (<= 8). */
 #define TW_CUDA_MOE_ROUTE_TICKETS 64
+/** Counters of the streaming decode kernel's units cut into pieces (tw_cuda_moe_route_t.gs_ticket):
+ *  one per unit of its last round, so at most this many warps in its grid. */
+#define TW_CUDA_MOE_GS_TICKETS 4096
 
 /** Routing results, device arrays carved from one buffer by tw_cuda_moe_route_init. */
 typedef struct {
@@ -69,6 +72,8 @@ typedef struct {
   int32_t *n_active;  /* [1] */
   int32_t *ticket;    /* [TW_CUDA_MOE_ROUTE_TICKETS] block counters of tw_cuda_moe_router_fused
                        * (one for the step, one per token group); 0 between launches */
+  int32_t *gs_ticket; /* [TW_CUDA_MOE_GS_TICKETS] the streaming MoE kernel's counters of
+                       * (expert, rows) units cut between warps; 0 between launches */
 } tw_cuda_moe_route_t;
 
 /** Bytes of device memory for the routing arrays of up to max_tokens tokens. */
@@ -183,7 +188,8 @@ int tw_cuda_moe_stream(void);
 void tw_cuda_moe_set_stream(int on);
 
 /** Bytes of the tw_cuda_moe_prefill workspace for up to max_tokens tokens:
- *  activations bf16 [T*k, I] and expert outputs f32 [T*k, H]. */
+ *  activations bf16 [T*k, I], expert outputs f32 [T*k, H] and the decode
+ *  kernel's partial sums (16 MiB, whatever the tokens). */
 size_t tw_cuda_moe_prefill_ws_bytes(int32_t max_tokens, int32_t k, int32_t hidden,
                                     int32_t intermediate);
 

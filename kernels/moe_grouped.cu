@@ -100,6 +100,10 @@ typedef struct {
   float *zero;
   int64_t zero_n;
   int pf; /* the streaming kernel's token-row prefetch (tw_gs_pf) */
+  /* streaming kernel only: the route's counters of work split between two
+   * warps and the parts' partial sums (tw_gs_kernel); NULL: no split work */
+  int32_t *gs_ticket;
+  float *gs_part;
 } tw_gg_args_t;
 
 /* The two E2M1 values of byte e (value 2i in the low nibble, spec §3.4) as
@@ -824,7 +828,14 @@ extern "C" void tw_cuda_moe_set_mma_tiles(uint32_t tiles) {
 #define TW_GS_STAGES 3
 #define TW_GS_LUT_BYTES (256 * 256)
 #define TW_GS_STAGE_BYTES (4 * 32 * 16) /* one warp: 4 rows x 32 lanes x 16 bytes */
-#define TW_GS_SMEM(warps) (TW_GS_LUT_BYTES + (warps) * TW_GS_STAGES * TW_GS_STAGE_BYTES)
+/* the table, the warps' stages, then the tiled order's prefix over the
+ * active experts (up to TW_GS_PRE - 1 of them; two CTAs of 8 warps still
+ * fit in an SM's 228 KB with the driver's 1 KB each) */
+#define TW_GS_PRE 256
+/* pieces at most per unit of the last round (tw_gs_kernel) */
+#define TW_GS_PIECES 8
+#define TW_GS_SMEM(warps) \
+  (TW_GS_LUT_BYTES + (warps) * TW_GS_STAGES * TW_GS_STAGE_BYTES + 4 * TW_GS_PRE)
 
 /* The pair of bf16 weights of byte `b` (0..3) of `word` times the scale s2;
  * lane4 = 4 * lane: the table entry is one byte permute away. */
@@ -851,10 +862,26 @@ static __device__ __forceinline__ uint32_t tw_u4(const uint4 &v, int i) {
  * third of the stall samples were mma waiting on those loads, which queue
  * behind the weight copies in L1; ptxas still sinks the early loads part of
  * the way toward their use, to save registers). */
+/* A unit of the last round cut between warps (tw_gs_kernel): s, its number
+ * among the round's units (-1: not cut); the warps wa..wb that share it,
+ * each a piece of the round's Ut k-chunks split evenly over Wt warps (warp
+ * w: chunks [Ut w / Wt, Ut (w + 1) / Wt)); slot, where this piece's sums
+ * go (2 w, or 2 w + 1 for the second unit of w's range). */
+typedef struct {
+  int s, wa, wb, Wt, KC, slot;
+  int64_t Ut;
+} tw_gs_split_t;
+
+/* sp.s >= 0: k-chunks [cb, ce) are one piece of these rows and assignments;
+ * each piece stores its sums in its slot of p.gs_part and counts on
+ * p.gs_ticket[sp.s]; the last to count adds every piece's sums in the order
+ * of the warps (the same sum whichever finishes first), sets the counter
+ * back to 0 and writes the output (bias and epilogue as for a whole unit). */
 template <int EPI, int NT, bool PF>
 static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const uint8_t *lut,
                                                   uint8_t *stg, int e, int ne, int off, int base,
-                                                  int r0, int cb, int ce) {
+                                                  int r0, int cb, int ce,
+                                                  const tw_gs_split_t *sp = nullptr) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const uint32_t lane4 = 4u * (uint32_t)lane;
   const int K = p.K, N = p.N, KB = K / 32, KC = ce;
@@ -979,6 +1006,37 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
     compute(2, c + 2);
   }
   tw_cp_async_wait<0>();
+  if (sp && sp->s >= 0) {
+    float4 *part = reinterpret_cast<float4 *>(p.gs_part) + lane;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++)
+        part[(sp->slot * 4 + mt * NT + nt) * 32] =
+            make_float4(acc[mt][nt][0], acc[mt][nt][1], acc[mt][nt][2], acc[mt][nt][3]);
+    __threadfence(); /* the sums before the count (the CUDA guide's last-block pattern) */
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) last = atomicAdd(p.gs_ticket + sp->s, 1) == sp->wb - sp->wa;
+    if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return; /* another piece writes the output */
+    __threadfence();
+    for (int w2 = sp->wa; w2 <= sp->wb; w2++) {
+      const int first = (int)(sp->Ut * w2 / sp->Wt / sp->KC); /* w2's range starts in unit first */
+      const int slot = 2 * w2 + (first == sp->s ? 0 : 1);
+#pragma unroll
+      for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          const float4 o = __ldcg(part + (slot * 4 + mt * NT + nt) * 32); /* L2: other SMs' */
+          if (w2 == sp->wa) {
+            acc[mt][nt][0] = o.x, acc[mt][nt][1] = o.y, acc[mt][nt][2] = o.z, acc[mt][nt][3] = o.w;
+          } else {
+            acc[mt][nt][0] += o.x, acc[mt][nt][1] += o.y, acc[mt][nt][2] += o.z, acc[mt][nt][3] += o.w;
+          }
+        }
+    }
+    if (lane == 0) p.gs_ticket[sp->s] = 0;
+  }
   const float *bias = p.bias + (int64_t)e * N;
 #pragma unroll
   for (int mt = 0; mt < 2; mt++)
@@ -1026,29 +1084,115 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
     const uint32_t c = tw_fp4x2_bf16((uint32_t)(i >> 3));
     reinterpret_cast<uint4 *>(tw_gs_smem + (i >> 3) * 256)[i & 7] = make_uint4(c, c, c, c);
   }
-  __syncthreads();
   uint8_t *stg = tw_gs_smem + TW_GS_LUT_BYTES + warp * (TW_GS_STAGES * TW_GS_STAGE_BYTES);
-  /* items over the experts that hold tokens only: every warp gets the same
-   * number of them, +-1 (over all experts, a warp's share of the busy ones
-   * varied with the route: 120b at 16 tokens ran 30% slower) */
-  /* with p.ks = 2 an item is (expert, slice, half of K): for the down
+  const int slices = (p.N + 31) / 32, KC = (p.K / 32 + 3) / 4, n_act = *p.n_active;
+  const int W = gridDim.x * WARPS, w = blockIdx.x * WARPS + warp;
+  /* Tiled (p.gs_ticket set): the work is units (active expert i, 32-row
+   * slice, pass of 16 assignments), expert by expert, slice by slice, of KC
+   * k-chunks each. Whole rounds of W units go to the warps in turn (warp w:
+   * units w, w + W, ...: a round reads a few experts' weights, from one
+   * region of memory); the last round's R units are cut into Wt equal pieces
+   * of k-chunks (at most TW_GS_PIECES per unit), so that no warp streams a
+   * whole unit while others idle (20b at 16 tokens: 5,040 gate_up units on
+   * 2,112 warps, 2.39 rounds, took three; at one token 720 units). The
+   * pieces' sums meet in p.gs_part (tw_gs_pass). pre[i]: passes of the
+   * active experts before i (shared memory, after the stages). Static,
+   * below, where the active experts are too many for pre or the warps for
+   * the counters. */
+  int *pre = reinterpret_cast<int *>(tw_gs_smem + TW_GS_LUT_BYTES +
+                                     WARPS * TW_GS_STAGES * TW_GS_STAGE_BYTES);
+  const bool tiled = p.gs_ticket && n_act < TW_GS_PRE && W <= TW_CUDA_MOE_GS_TICKETS;
+  if (warp == 0 && tiled) {
+    int sum = 0;
+    for (int i0 = 0; i0 < n_act; i0 += 32) {
+      const int i = i0 + (tid & 31);
+      int v = i < n_act ? (p.counts[p.active[i]] + 15) / 16 : 0;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int u = __shfl_up_sync(0xFFFFFFFFu, v, d);
+        if ((tid & 31) >= d) v += u;
+      }
+      if (i < n_act) pre[i + 1] = sum + v;
+      sum += __shfl_sync(0xFFFFFFFFu, v, 31);
+    }
+    if (tid == 0) pre[0] = 0;
+  }
+  __syncthreads(); /* the table and pre */
+  const int units = tiled ? slices * pre[n_act] : 0, full = units / W * W, R = units - full;
+  const int Wt = min(W, R * min(TW_GS_PIECES, KC));
+  const int64_t Ut = (int64_t)R * KC;
+  int64_t u = 0, u1 = 0; /* this warp's piece of the last round: chunks [u, u1) */
+  if (w < Wt) {
+    u = Ut * w / Wt;
+    u1 = Ut * (w + 1) / Wt;
+  }
+  const int first = (int)(u / KC);
+  /* static: items over the experts that hold tokens only: every warp gets
+   * the same number of them, +-1 (over all experts, a warp's share of the
+   * busy ones varied with the route: 120b at 16 tokens ran 30% slower).
+   * With p.ks = 2 an item is (expert, slice, half of K): for the down
    * launch of small batches, whose (expert, slice) items are barely more
    * than the warps (20b at 64 tokens: 2,880 items, 2,112 warps: most warps
    * would take one item, the rest two, and the launch lasts two) */
-  const int slices = (p.N + 31) / 32, parts = slices * p.ks, total = parts * *p.n_active;
-  const int KC = (p.K / 32 + 3) / 4;
-  for (int item = blockIdx.x * WARPS + warp; item < total; item += gridDim.x * WARPS) {
-    const int ai = item / parts, e = p.active[ai], rest = item - ai * parts;
-    const int r0 = (rest % slices) * 32, kp = rest / slices;
-    const int cb = KC * kp / p.ks, ce = KC * (kp + 1) / p.ks;
-    const int ne = p.counts[e];
-    const int off = p.offsets[e];
-    for (int base = 0; base < ne; base += 16) {
-      if (ne - base <= 8)
-        tw_gs_pass<EPI, 1, PF >= 1>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce);
-      else
-        tw_gs_pass<EPI, 2, PF >= 2>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce);
+  const int parts = slices * p.ks, total = parts * n_act;
+  int unit = w, item = w, sbase = 0;
+  for (;;) {
+    int e, base, r0, cb = 0, ce = KC;
+    tw_gs_split_t sp;
+    sp.s = -1;
+    if (tiled) {
+      int su;
+      if (unit < full) {
+        su = unit;
+        unit += W;
+      } else if (u < u1) {
+        const int s = (int)(u / KC);
+        cb = (int)(u - (int64_t)s * KC);
+        ce = u1 - u < KC - cb ? cb + (int)(u1 - u) : KC;
+        u += ce - cb;
+        su = full + s;
+        if (cb > 0 || ce < KC) { /* the warps of chunks s KC and (s + 1) KC - 1 */
+          sp.s = s;
+          sp.Wt = Wt;
+          sp.KC = KC;
+          sp.Ut = Ut;
+          sp.wa = (int)((((int64_t)s * KC + 1) * Wt - 1) / Ut);
+          sp.wb = (int)((((int64_t)s + 1) * KC * Wt - 1) / Ut);
+          sp.slot = 2 * w + (s != first);
+        }
+      } else {
+        break;
+      }
+      int lo = 0, hi = n_act - 1; /* the active expert of unit su */
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (slices * pre[mid] <= su) lo = mid;
+        else hi = mid - 1;
+      }
+      const int P = pre[lo + 1] - pre[lo], rest = su - slices * pre[lo];
+      e = p.active[lo];
+      r0 = rest / P * 32;
+      base = rest % P * 16;
+    } else {
+      if (item >= total) break;
+      const int ai = item / parts;
+      e = p.active[ai];
+      const int rest = item - ai * parts, kp = rest / slices;
+      r0 = (rest % slices) * 32;
+      cb = KC * kp / p.ks;
+      ce = KC * (kp + 1) / p.ks;
+      base = sbase;
+      sbase += 16;
+      if (sbase >= p.counts[e]) {
+        sbase = 0;
+        item += W;
+      }
     }
+    const int ne = p.counts[e], off = p.offsets[e];
+    if (ne - base <= 8)
+      tw_gs_pass<EPI, 1, PF >= 1>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce, &sp);
+    else
+      tw_gs_pass<EPI, 2, PF >= 2>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce, &sp);
   }
 }
 
@@ -1109,8 +1253,8 @@ static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, cud
   const int warps = tw_gs_warps(), items = (a->N + 31) / 32 * a->E * a->ks;
   const int ctas = TW_CDIV(items, warps), max_ctas = tw_gs_grid_warps() / warps;
   dim3 grid(ctas < max_ctas ? ctas : max_ctas);
-  tw_pdl_launch(tw_gs_pick(epi, warps, a->pf), grid, dim3(warps * 32), (size_t)TW_GS_SMEM(warps), stream,
-                *a);
+  tw_pdl_launch(tw_gs_pick(epi, warps, a->pf), grid, dim3(warps * 32), (size_t)TW_GS_SMEM(warps),
+                stream, *a);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gs_kernel(gate_up)" : "tw_gs_kernel(down)");
   return TW_OK;
 }
@@ -1229,7 +1373,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
                                           const tw_cuda_moe_route_t *r, int32_t T,
                                           const void *x, const void *w1_bf16,
                                           const void *w2_bf16, void *act, float *y,
-                                          cudaStream_t stream) {
+                                          float *gs_part, cudaStream_t stream) {
   const int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k, tk = T * k;
   const int bt = tw_gg_tile_rows(tk, E);
   if (tk / bt + E > 65535) /* the grid's row tiles (gridDim.y) */
@@ -1263,7 +1407,14 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.out = act;
   a.ks = 1;
   a.pf = tw_gs_pf(tk, E);
-  const int down_ks = gs ? tw_gs_down_parts(H, E, tk) : 1;
+  /* the streaming kernel's last round in pieces (tw_gs_kernel), or else its
+   * down launch in two K parts for small batches (tw_gs_down_parts) */
+  const bool tiled = gs && tw_cuda_knobs()->moe_stream_balance;
+  const int down_ks = gs && !tiled ? tw_gs_down_parts(H, E, tk) : 1;
+  if (tiled) {
+    a.gs_ticket = r->gs_ticket;
+    a.gs_part = gs_part;
+  }
   if (down_ks > 1) { /* the down launch adds its K parts into y: gate_up clears it */
     a.zero = y;
     a.zero_n = (int64_t)tk * H;

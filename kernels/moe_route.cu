@@ -24,7 +24,8 @@ extern "C" size_t tw_cuda_moe_route_bytes(int32_t max_tokens, int32_t n_experts,
   return tw_align_up(tk * 4) * 4 /* topk_idx, topk_w, sorted, pos_of */ +
          tw_align_up((size_t)n_experts * 4) * 2 /* counts, active */ +
          tw_align_up(((size_t)n_experts + 1) * 4) + tw_align_up(4) /* n_active */ +
-         tw_align_up(TW_CUDA_MOE_ROUTE_TICKETS * 4) /* tickets */;
+         tw_align_up(TW_CUDA_MOE_ROUTE_TICKETS * 4) /* tickets */ +
+         tw_align_up(TW_CUDA_MOE_GS_TICKETS * 4) /* the streaming MoE kernel's */;
 }
 
 extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t max_tokens,
@@ -54,10 +55,13 @@ extern "C" tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t m
   r.active = (int32_t *)p; p += tw_align_up((size_t)n_experts * 4);
   r.offsets = (int32_t *)p; p += tw_align_up(((size_t)n_experts + 1) * 4);
   r.n_active = (int32_t *)p; p += tw_align_up(4);
-  r.ticket = (int32_t *)p;
+  r.ticket = (int32_t *)p; p += tw_align_up(TW_CUDA_MOE_ROUTE_TICKETS * 4);
+  r.gs_ticket = (int32_t *)p;
   /* tw_cuda_moe_router_fused's counters (one for the step, one per token
-   * group; TW_CUDA_MOE_ROUTE_TICKETS): it leaves them 0 */
+   * group; TW_CUDA_MOE_ROUTE_TICKETS) and the streaming MoE kernel's: each
+   * leaves its own 0 */
   TW_CUDA_CHECK(cudaMemset(r.ticket, 0, TW_CUDA_MOE_ROUTE_TICKETS * 4));
+  TW_CUDA_CHECK(cudaMemset(r.gs_ticket, 0, TW_CUDA_MOE_GS_TICKETS * 4));
   *route_p = r;
   return TW_OK;
 }

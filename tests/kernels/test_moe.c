@@ -20,7 +20,11 @@
  * (tw_cuda_moe_set_stream: weights through per-warp cp.async stages, used
  * at the 16-row tile) runs every grouped case the same way (cases at other
  * tiles check that it leaves them to the wgmma kernel: 0 difference),
- * including "hot" loads of more than 16 rows, which it takes in passes.
+ * including "hot" loads of more than 16 rows, which it takes in passes; the
+ * last round of its (expert, rows, pass) units is cut into pieces over all
+ * its warps (every case: T=1 and 120b T=3 are one round, cut into up to 8
+ * pieces per unit), the pieces summed through a counter per unit that must
+ * be back to 0 afterwards.
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
@@ -390,6 +394,15 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       rc |= d != 0;
       rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5,
                          mode == 5 ? MMA_ALL : 0, mode == 6);
+      if (mode == 6) { /* the counters of work split between two warps: back to 0 */
+        static int32_t tk[TW_CUDA_MOE_GS_TICKETS];
+        TT_CUDA(cudaMemcpy(tk, r.gs_ticket, sizeof tk, cudaMemcpyDeviceToHost));
+        int nz = 0;
+        for (int i = 0; i < TW_CUDA_MOE_GS_TICKETS; i++) nz += tk[i] != 0;
+        printf("%s moe_grouped_stream_tickets(%s,T=%d): %d counters left non-zero\n",
+               nz ? "FAIL" : "ok  ", c->name, T, nz);
+        rc |= nz != 0;
+      }
     }
   }
   tw_cuda_moe_set_mma_tiles(0);
