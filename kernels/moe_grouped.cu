@@ -100,8 +100,8 @@ typedef struct {
   float *zero;
   int64_t zero_n;
   int pf; /* the streaming kernel's token-row prefetch (tw_gs_pf) */
-  /* streaming kernel only: the route's counters of work split between two
-   * warps and the parts' partial sums (tw_gs_kernel); NULL: no split work */
+  /* streaming kernel only: the route's counters of last-round units cut
+   * into pieces and the pieces' sums (tw_gs_kernel); NULL: the static order */
   int32_t *gs_ticket;
   float *gs_part;
 } tw_gg_args_t;
@@ -851,6 +851,16 @@ static __device__ __forceinline__ uint32_t tw_u4(const uint4 &v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+/* A unit of the last round cut between warps (tw_gs_kernel): s, its number
+ * among the round's units (-1: not cut); the warps wa..wb that share it,
+ * each a piece of the round's Ut k-chunks split evenly over Wt warps (warp
+ * w: chunks [Ut w / Wt, Ut (w + 1) / Wt)); slot, where this piece's sums
+ * go (2 w, or 2 w + 1 for the second unit of w's range). */
+typedef struct {
+  int s, wa, wb, Wt, KC, slot;
+  int64_t Ut;
+} tw_gs_split_t;
+
 /* One pass of a warp over its 32 rows (r0..r0 + 31 of expert e) for
  * assignments [base, base + 8 NT) of the expert (those < ne hold data), over
  * k-chunks [cb, ce) of 128 (all of K: 0, ceil(K / 128)). With p.ks > 1
@@ -862,16 +872,6 @@ static __device__ __forceinline__ uint32_t tw_u4(const uint4 &v, int i) {
  * third of the stall samples were mma waiting on those loads, which queue
  * behind the weight copies in L1; ptxas still sinks the early loads part of
  * the way toward their use, to save registers). */
-/* A unit of the last round cut between warps (tw_gs_kernel): s, its number
- * among the round's units (-1: not cut); the warps wa..wb that share it,
- * each a piece of the round's Ut k-chunks split evenly over Wt warps (warp
- * w: chunks [Ut w / Wt, Ut (w + 1) / Wt)); slot, where this piece's sums
- * go (2 w, or 2 w + 1 for the second unit of w's range). */
-typedef struct {
-  int s, wa, wb, Wt, KC, slot;
-  int64_t Ut;
-} tw_gs_split_t;
-
 /* sp.s >= 0: k-chunks [cb, ce) are one piece of these rows and assignments;
  * each piece stores its sums in its slot of p.gs_part and counts on
  * p.gs_ticket[sp.s]; the last to count adds every piece's sums in the order
