@@ -330,7 +330,10 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   if (cv->base)
     TW_CHECK(tw_cuda_moe_route_init(rmem, rb, (int32_t)R, c->n_experts, c->n_experts_per_tok,
                                     &ce->route));
-  int32_t gemv_rows = (int32_t)(R < (size_t)ce->gemv_max ? R : (size_t)ce->gemv_max);
+  /* EP runs every batch as GEMV slices of up to TW_CE_GEMV_MAX_TOKENS rows
+   * (engine_cuda_tp.cu tw_ce_ep_moe), whatever gemv_max says */
+  const size_t gemv_cap = ce->sh.ep_size > 1 ? (size_t)TW_CE_GEMV_MAX_TOKENS : (size_t)ce->gemv_max;
+  int32_t gemv_rows = (int32_t)(R < gemv_cap ? R : gemv_cap);
   ce->moe_dec_bytes = tw_cuda_moe_decode_ws_bytes(gemv_rows, c->n_experts_per_tok, c->hidden,
                                                   c->intermediate);
   ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
@@ -476,6 +479,14 @@ static int32_t tw_ce_graphs_fn(void *arg, int32_t max_batch) {
 }
 
 /* A single-GPU (tp = ep = 1) engine state for sizing, no device touched. */
+/* The engine's GEMV bound without TWAIN_CUDA_MOE_GEMV_MAX: see
+ * TW_CE_GEMV_GROUPED_DEFAULT. */
+static int32_t tw_ce_gemv_default(int grouped_moe) {
+  if (!grouped_moe) return TW_CE_GEMV_MAX_TOKENS;
+  return tw_cuda_moe_stream() && tw_cuda_moe_stream_balance() ? TW_CE_GEMV_STREAM_DEFAULT
+                                                              : TW_CE_GEMV_GROUPED_DEFAULT;
+}
+
 static tw_ce_t *tw_ce_sizing(const tw_model_config_t *c, int32_t block_size, int grouped_moe) {
   tw_ce_t *t = (tw_ce_t *)calloc(1, sizeof *t);
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT; /* tp = ep = 1: no device, no group */
@@ -486,7 +497,7 @@ static tw_ce_t *tw_ce_sizing(const tw_model_config_t *c, int32_t block_size, int
   t->max_blocks_per_seq = (t->max_pos + block_size - 1) / block_size;
   t->moe_grouped = grouped_moe;
   t->use_graphs = 1;
-  t->gemv_max = grouped_moe ? TW_CE_GEMV_GROUPED_DEFAULT : TW_CE_GEMV_MAX_TOKENS; /* defaults */
+  t->gemv_max = tw_ce_gemv_default(grouped_moe); /* defaults */
   if (tw_ce_tp_init(t, c, &p, 0) != TW_OK) {
     free(t);
     return NULL;
@@ -563,13 +574,11 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     ce->moe_grouped =
         tw_cuda_moe_grouped_supported(c->hidden, c->intermediate) && !kn->moe_cublas;
     /* GEMV MoE up to gemv_max rows: TW_CE_GEMV_MAX_TOKENS without the grouped
-     * path, TW_CE_GEMV_GROUPED_DEFAULT with it; TWAIN_CUDA_MOE_GEMV_MAX
+     * path, tw_ce_gemv_default with it; TWAIN_CUDA_MOE_GEMV_MAX
      * (0..TW_CE_GEMV_MAX_TOKENS) overrides for A/B runs. EP > 1 always runs
      * its GEMV slices (engine_cuda_tp.cu). */
     int g = kn->moe_gemv_max;
-    ce->gemv_max = g >= 0 ? (int32_t)g
-                   : ce->moe_grouped ? TW_CE_GEMV_GROUPED_DEFAULT
-                                     : TW_CE_GEMV_MAX_TOKENS;
+    ce->gemv_max = g >= 0 ? (int32_t)g : tw_ce_gemv_default(ce->moe_grouped);
     if (!ce->moe_grouped || ce->bf16_experts) ce->gemv_max = TW_CE_GEMV_MAX_TOKENS;
   }
   /* the cuBLAS MoE reads per-expert counts on the host: not capturable, so

@@ -37,10 +37,13 @@ static_assert(TW_CE_GEMV_MAX_TOKENS == TW_CUDA_KNOB_GEMV_MAX, "TWAIN_CUDA_MOE_GE
  * estimate: the instantiated graph's kernel nodes and parameters). */
 #define TW_CE_GRAPH_BYTES ((int64_t)4 << 20)
 /* Decode batches at or below which the MoE runs as a GEMV when the grouped
- * GEMMs exist: none since the streaming kernel cuts its last round into
- * pieces over every warp (measured on the H200, docs/benchmarks.md: 20b
- * batch 1 404 against 362 tok/s, batch 2 654 against 434). */
-#define TW_CE_GEMV_GROUPED_DEFAULT 0
+ * GEMMs exist (measured on the H200, docs/benchmarks.md: above it the
+ * few-token grouped tiles read each expert once and win); none when those
+ * tiles are the streaming kernel with its last round in pieces over every
+ * warp (tw_cuda_moe_stream_balance: 20b batch 1 404 against 362 tok/s,
+ * batch 2 654 against 434). tw_ce_gemv_default picks. */
+#define TW_CE_GEMV_GROUPED_DEFAULT 2
+#define TW_CE_GEMV_STREAM_DEFAULT 0
 /* Rows of logits computed per unembedding GEMM when all logits are asked. */
 #define TW_CE_LOGIT_ROWS 256
 

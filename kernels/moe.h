@@ -187,6 +187,19 @@ int tw_cuda_moe_stream(void);
  *  kernels. */
 void tw_cuda_moe_set_stream(int on);
 
+/** Whether the streaming kernel cuts its last round of (expert, 32 rows, 16
+ *  assignments) units into equal k-chunk pieces over all its warps, summed
+ *  in warp order (the same bits every run; a token's bits then depend on the
+ *  other tokens' routes, as any split does): 1 unless
+ *  TWAIN_CUDA_MOE_STREAM_BALANCE=0 (read once); with 0 whole units in turn
+ *  to the end (and the down launch of small batches in two K parts). */
+int tw_cuda_moe_stream_balance(void);
+
+/** Set tw_cuda_moe_stream_balance: 1 on, 0 off, negative: back to the
+ *  environment's choice. For tests and benchmarks; not thread-safe against
+ *  concurrent MoE calls; a captured graph keeps its arguments. */
+void tw_cuda_moe_set_stream_balance(int on);
+
 /** Bytes of the tw_cuda_moe_prefill workspace for up to max_tokens tokens:
  *  activations bf16 [T*k, I], expert outputs f32 [T*k, H] and the decode
  *  kernel's partial sums (16 MiB, whatever the tokens). */

@@ -832,7 +832,9 @@ extern "C" void tw_cuda_moe_set_mma_tiles(uint32_t tiles) {
  * active experts (up to TW_GS_PRE - 1 of them; two CTAs of 8 warps still
  * fit in an SM's 228 KB with the driver's 1 KB each) */
 #define TW_GS_PRE 256
-/* pieces at most per unit of the last round (tw_gs_kernel) */
+/* the last round's pieces: at most this many times its units (about as
+ * many pieces a unit; ranges need not meet the units' ends, so one more at
+ * times) */
 #define TW_GS_PIECES 8
 #define TW_GS_SMEM(warps) \
   (TW_GS_LUT_BYTES + (warps) * TW_GS_STAGES * TW_GS_STAGE_BYTES + 4 * TW_GS_PRE)
@@ -1017,9 +1019,13 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
     __threadfence(); /* the sums before the count (the CUDA guide's last-block pattern) */
     __syncwarp();
     int last = 0;
-    if (lane == 0) last = atomicAdd(p.gs_ticket + sp->s, 1) == sp->wb - sp->wa;
-    if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return; /* another piece writes the output */
-    __threadfence();
+    if (lane == 0) {
+      last = atomicAdd(p.gs_ticket + sp->s, 1) == sp->wb - sp->wa;
+      __threadfence(); /* the count before the other pieces' sums are read */
+    }
+    last = __shfl_sync(0xFFFFFFFFu, last, 0);
+    __syncwarp();
+    if (!last) return; /* another piece writes the output */
     for (int w2 = sp->wa; w2 <= sp->wb; w2++) {
       const int first = (int)(sp->Ut * w2 / sp->Wt / sp->KC); /* w2's range starts in unit first */
       const int slot = 2 * w2 + (first == sp->s ? 0 : 1);
@@ -1092,7 +1098,7 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
    * k-chunks each. Whole rounds of W units go to the warps in turn (warp w:
    * units w, w + W, ...: a round reads a few experts' weights, from one
    * region of memory); the last round's R units are cut into Wt equal pieces
-   * of k-chunks (at most TW_GS_PIECES per unit), so that no warp streams a
+   * of k-chunks (Wt at most TW_GS_PIECES R), so that no warp streams a
    * whole unit while others idle (20b at 16 tokens: 5,040 gate_up units on
    * 2,112 warps, 2.39 rounds, took three; at one token 720 units). The
    * pieces' sums meet in p.gs_part (tw_gs_pass). pre[i]: passes of the
@@ -1203,6 +1209,13 @@ static int tw_gs_on = -1;
 static int tw_gs_enabled(void) { return tw_gs_on >= 0 ? tw_gs_on : tw_cuda_knobs()->moe_stream; }
 extern "C" void tw_cuda_moe_set_stream(int on) { tw_gs_on = on < 0 ? -1 : on ? 1 : 0; }
 extern "C" int tw_cuda_moe_stream(void) { return tw_gs_enabled(); }
+static int tw_gs_balance_on = -1;
+extern "C" void tw_cuda_moe_set_stream_balance(int on) {
+  tw_gs_balance_on = on < 0 ? -1 : on ? 1 : 0;
+}
+extern "C" int tw_cuda_moe_stream_balance(void) {
+  return tw_gs_balance_on >= 0 ? tw_gs_balance_on : tw_cuda_knobs()->moe_stream_balance;
+}
 static int tw_gs_warps(void) { return tw_cuda_knobs()->moe_stream_warps == 8 ? 8 : 16; }
 template <int PF> static tw_gg_fn tw_gs_pick_pf(int epi, int warps) {
   if (warps == 8)
@@ -1409,7 +1422,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.pf = tw_gs_pf(tk, E);
   /* the streaming kernel's last round in pieces (tw_gs_kernel), or else its
    * down launch in two K parts for small batches (tw_gs_down_parts) */
-  const bool tiled = gs && tw_cuda_knobs()->moe_stream_balance;
+  const bool tiled = gs && tw_cuda_moe_stream_balance();
   const int down_ks = gs && !tiled ? tw_gs_down_parts(H, E, tk) : 1;
   if (tiled) {
     a.gs_ticket = r->gs_ticket;

@@ -22,9 +22,12 @@
  * tiles check that it leaves them to the wgmma kernel: 0 difference),
  * including "hot" loads of more than 16 rows, which it takes in passes; the
  * last round of its (expert, rows, pass) units is cut into pieces over all
- * its warps (every case: T=1 and 120b T=3 are one round, cut into up to 8
- * pieces per unit), the pieces summed through a counter per unit that must
- * be back to 0 afterwards.
+ * its warps (on the H200's 2,112 warps: 20b T=1, 720 gate_up units, all in
+ * pieces; 120b T=3, one whole round of 2,160 and 48 in pieces), the pieces
+ * summed through a counter per unit that must be back to 0 afterwards; and
+ * once more with that off (tw_cuda_moe_set_stream_balance(0): whole units
+ * to the end, the down launch of small batches in two K parts added into
+ * a cleared output), "stream_static".
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
@@ -203,7 +206,8 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
  * dequantising inside; 4: cuBLAS path on d_wdq; 5: grouped GEMM on the MXFP4
  * experts through the decode kernel (every tile); 6: grouped GEMM on the
  * MXFP4 experts through the streaming kernel (at the 16-row tile; other
- * tiles run the wgmma kernel). */
+ * tiles run the wgmma kernel); 7: the same with its last round whole
+ * (tw_cuda_moe_set_stream_balance(0)). */
 static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
                     const tw_cuda_moe_route_t *r, const moe_case_t *c, int mode, const void *d_x,
                     const void *d_wdq, void *d_ws, size_t wsb, int32_t *hc, float *d_out,
@@ -214,7 +218,8 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
   const void *wdq = mode == 2 || mode == 4 ? d_wdq : NULL;
   tw_status_t st;
   tw_cuda_moe_set_mma_tiles(mode == 5 ? MMA_ALL : 0);
-  tw_cuda_moe_set_stream(mode == 6);
+  tw_cuda_moe_set_stream(mode == 6 || mode == 7);
+  tw_cuda_moe_set_stream_balance(mode == 7 ? 0 : -1);
   if (mode == 0)
     st = tw_cuda_moe_decode(w, r, T, d_x, d_ws, wsb, d_out, 0);
   else if (mode <= 2 || mode >= 5)
@@ -337,7 +342,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   int32_t *hc;
   TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
   moe_reference(pool, c, &h, x, logits, ref);
-  int modes[6], n_modes = 0;
+  int modes[7], n_modes = 0;
   bool grouped = prefill && tw_cuda_moe_grouped_supported(H, I);
   if (!prefill) modes[n_modes++] = 0;
   if (grouped) {
@@ -345,6 +350,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     modes[n_modes++] = 2;
     modes[n_modes++] = 5;
     modes[n_modes++] = 6;
+    modes[n_modes++] = 7;
   } else if (prefill) {
     printf("SKIP moe_grouped(%s): no grouped GEMM on this GPU\n", c->name);
   }
@@ -357,9 +363,9 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     }
     tt_l2_t acc = {0};
     for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&acc, out[i], ref[i]);
-    static const char *const names[] = {"gemv",          "grouped_mxfp4",     "grouped_bf16",
-                                        "cublas",        "cublas_predequant", "grouped_mma",
-                                        "grouped_stream"};
+    static const char *const names[] = {"gemv",           "grouped_mxfp4",        "grouped_bf16",
+                                        "cublas",         "cublas_predequant",    "grouped_mma",
+                                        "grouped_stream", "grouped_stream_static"};
     char name[160];
     snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode], c->name, H,
              I, E, k, T);
@@ -379,9 +385,9 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
              "must give the same bf16 weights)\n", d ? "FAIL" : "ok  ", c->name, T, d);
       rc |= d != 0;
     } else if (mode >= 5) {
-      /* a decode kernel (5: mma.sync, 6: streaming): against the wgmma
-       * kernel, rerun, graph */
-      const char *kn = mode == 5 ? "mma" : "stream";
+      /* a decode kernel (5: mma.sync, 6: streaming, 7: streaming with its
+       * last round whole): against the wgmma kernel, rerun, graph */
+      const char *kn = mode == 5 ? "mma" : mode == 6 ? "stream" : "stream_static";
       memcpy(out5, out, (size_t)T * H * 4);
       tt_l2_t ab = {0};
       for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&ab, out5[i], out1[i]);
@@ -393,7 +399,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
              c->name, T, d);
       rc |= d != 0;
       rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5,
-                         mode == 5 ? MMA_ALL : 0, mode == 6);
+                         mode == 5 ? MMA_ALL : 0, mode >= 6);
       if (mode == 6) { /* the counters of work split between two warps: back to 0 */
         static int32_t tk[TW_CUDA_MOE_GS_TICKETS];
         TT_CUDA(cudaMemcpy(tk, r.gs_ticket, sizeof tk, cudaMemcpyDeviceToHost));
@@ -407,6 +413,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   }
   tw_cuda_moe_set_mma_tiles(0);
   tw_cuda_moe_set_stream(-1);
+  tw_cuda_moe_set_stream_balance(-1);
   cudaFree((void *)w.gate_up_blocks); cudaFree((void *)w.gate_up_scales);
   cudaFree((void *)w.down_blocks); cudaFree((void *)w.down_scales);
   cudaFree((void *)w.gate_up_bias); cudaFree((void *)w.down_bias);
