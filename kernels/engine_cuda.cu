@@ -478,7 +478,6 @@ static int32_t tw_ce_graphs_fn(void *arg, int32_t max_batch) {
   return n < TW_CE_MAX_GRAPHS ? n : TW_CE_MAX_GRAPHS;
 }
 
-/* A single-GPU (tp = ep = 1) engine state for sizing, no device touched. */
 /* The engine's GEMV bound without TWAIN_CUDA_MOE_GEMV_MAX: see
  * TW_CE_GEMV_GROUPED_DEFAULT. */
 static int32_t tw_ce_gemv_default(int grouped_moe) {
@@ -487,6 +486,7 @@ static int32_t tw_ce_gemv_default(int grouped_moe) {
                                                               : TW_CE_GEMV_GROUPED_DEFAULT;
 }
 
+/* A single-GPU (tp = ep = 1) engine state for sizing, no device touched. */
 static tw_ce_t *tw_ce_sizing(const tw_model_config_t *c, int32_t block_size, int grouped_moe) {
   tw_ce_t *t = (tw_ce_t *)calloc(1, sizeof *t);
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT; /* tp = ep = 1: no device, no group */

@@ -883,7 +883,7 @@ template <int EPI, int NT, bool PF>
 static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const uint8_t *lut,
                                                   uint8_t *stg, int e, int ne, int off, int base,
                                                   int r0, int cb, int ce,
-                                                  const tw_gs_split_t *sp = nullptr) {
+                                                  const tw_gs_split_t &sp) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const uint32_t lane4 = 4u * (uint32_t)lane;
   const int K = p.K, N = p.N, KB = K / 32, KC = ce;
@@ -1008,40 +1008,40 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
     compute(2, c + 2);
   }
   tw_cp_async_wait<0>();
-  if (sp && sp->s >= 0) {
+  if (sp.s >= 0) {
     float4 *part = reinterpret_cast<float4 *>(p.gs_part) + lane;
 #pragma unroll
     for (int mt = 0; mt < 2; mt++)
 #pragma unroll
       for (int nt = 0; nt < NT; nt++)
-        part[(sp->slot * 4 + mt * NT + nt) * 32] =
+        part[(sp.slot * 4 + mt * NT + nt) * 32] =
             make_float4(acc[mt][nt][0], acc[mt][nt][1], acc[mt][nt][2], acc[mt][nt][3]);
     __threadfence(); /* the sums before the count (the CUDA guide's last-block pattern) */
     __syncwarp();
     int last = 0;
     if (lane == 0) {
-      last = atomicAdd(p.gs_ticket + sp->s, 1) == sp->wb - sp->wa;
+      last = atomicAdd(p.gs_ticket + sp.s, 1) == sp.wb - sp.wa;
       __threadfence(); /* the count before the other pieces' sums are read */
     }
     last = __shfl_sync(0xFFFFFFFFu, last, 0);
     __syncwarp();
     if (!last) return; /* another piece writes the output */
-    for (int w2 = sp->wa; w2 <= sp->wb; w2++) {
-      const int first = (int)(sp->Ut * w2 / sp->Wt / sp->KC); /* w2's range starts in unit first */
-      const int slot = 2 * w2 + (first == sp->s ? 0 : 1);
+    for (int w2 = sp.wa; w2 <= sp.wb; w2++) {
+      const int first = (int)(sp.Ut * w2 / sp.Wt / sp.KC); /* w2's range starts in unit first */
+      const int slot = 2 * w2 + (first == sp.s ? 0 : 1);
 #pragma unroll
       for (int mt = 0; mt < 2; mt++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
           const float4 o = __ldcg(part + (slot * 4 + mt * NT + nt) * 32); /* L2: other SMs' */
-          if (w2 == sp->wa) {
+          if (w2 == sp.wa) {
             acc[mt][nt][0] = o.x, acc[mt][nt][1] = o.y, acc[mt][nt][2] = o.z, acc[mt][nt][3] = o.w;
           } else {
             acc[mt][nt][0] += o.x, acc[mt][nt][1] += o.y, acc[mt][nt][2] += o.z, acc[mt][nt][3] += o.w;
           }
         }
     }
-    if (lane == 0) p.gs_ticket[sp->s] = 0;
+    if (lane == 0) p.gs_ticket[sp.s] = 0;
   }
   const float *bias = p.bias + (int64_t)e * N;
 #pragma unroll
@@ -1196,9 +1196,9 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
     }
     const int ne = p.counts[e], off = p.offsets[e];
     if (ne - base <= 8)
-      tw_gs_pass<EPI, 1, PF >= 1>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce, &sp);
+      tw_gs_pass<EPI, 1, PF >= 1>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce, sp);
     else
-      tw_gs_pass<EPI, 2, PF >= 2>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce, &sp);
+      tw_gs_pass<EPI, 2, PF >= 2>(p, tw_gs_smem, stg, e, ne, off, base, r0, cb, ce, sp);
   }
 }
 

@@ -36,9 +36,9 @@ TW_NODISCARD tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32
  * tw_cuda_moe_prefill (act bf16 [T*k, I], y f32 [T*k, H]; gs_part f32
  * [TW_MOE_GS_PART_FLOATS]: the streaming kernel's partial sums of units cut
  * between warps, two slots per warp, no contents kept between calls); bf16
- * experts when
- * w1_bf16 [E, 2I, H] and w2_bf16 [E, H, I] are given, else the MXFP4 ones of
- * w. TW_ERR_INVALID_ARGUMENT when T*k is too large for the grid. */
+ * experts when w1_bf16 [E, 2I, H] and w2_bf16 [E, H, I] are given, else the
+ * MXFP4 ones of w. TW_ERR_INVALID_ARGUMENT when T*k is too large for the
+ * grid. */
 #define TW_MOE_GS_PART_FLOATS ((size_t)TW_CUDA_MOE_GS_TICKETS * 2 * 16 * 32)
 extern "C" tw_status_t tw_moe_grouped_setup(void);
 extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,

@@ -81,36 +81,36 @@ if [ "${1:-}" != "--device" ]; then
   tests=$(cd "$build" && ctest -N -L gpu | awk '/Test +#/ {print $3}')
   # each test's program and arguments ("NAME PROGRAM ARGS..."): a test may
   # run a program under another name (test_engine_cuda_fp8 = test_engine_cuda fp8)
-  # ctest names a test's program only once it is built: on a fresh build
-  # directory, build everything first
-  if [ -n "$tests" ] && (cd "$build" && ctest --show-only=json-v1 -L gpu) |
-    python3 -c 'import json, sys; sys.exit(any(not t.get("command") for t in json.load(sys.stdin)["tests"]))'; then
-    :
-  elif [ -n "$tests" ]; then
-    echo "building every target (fresh build directory)"
-    cmake --build "$build" -j2 >"$build/run_gpu_build.log" 2>&1 || {
-      grep -E "error|Error" "$build/run_gpu_build.log" | head -20
-      echo "build failed: see $build/run_gpu_build.log"
-      exit 1
-    }
-  fi
-  (cd "$build" && ctest --show-only=json-v1 -L gpu) | python3 -c '
+  gpu_cmds() {
+    (cd "$build" && ctest --show-only=json-v1 -L gpu) | python3 -c '
 import json, os, sys
 for t in json.load(sys.stdin)["tests"]:
     c = t.get("command") or []
     if c:
         print(t["name"], os.path.basename(c[0]), *c[1:])' >"$build/gpu_tests.cmd"
+  }
+  build_or_die() { # cmake --build arguments
+    if ! cmake --build "$build" -j2 "$@" >"$build/run_gpu_build.log" 2>&1; then
+      grep -E "error|Error" "$build/run_gpu_build.log" | head -20
+      echo "build failed: see $build/run_gpu_build.log"
+      exit 1
+    fi
+  }
+  gpu_cmds
+  # ctest names a test's program only once it is built: on a fresh build
+  # directory (a gpu test without one yet), build everything first
+  if [ "$(wc -l <"$build/gpu_tests.cmd")" -lt "$(echo "$tests" | wc -w)" ]; then
+    echo "building every target (fresh build directory)"
+    build_or_die
+    gpu_cmds
+  fi
   progs=$(awk '{print $2}' "$build/gpu_tests.cmd" | sort -u)
   extra="twain-bench-cuda twain-compare-hf twain-bench-attention twain-bench-moe twain-bench-gemm"
   if grep -q twain-bench-tokenizer "$root/tests/tokenizer/CMakeLists.txt" 2>/dev/null; then
     extra="$extra twain-bench-tokenizer"
   fi
   # shellcheck disable=SC2086
-  if ! cmake --build "$build" -j2 --target $progs $extra >"$build/run_gpu_build.log" 2>&1; then
-    grep -E "error|Error" "$build/run_gpu_build.log" | head -20
-    echo "build failed: see $build/run_gpu_build.log"
-    exit 1
-  fi
+  build_or_die --target $progs $extra
   mkdir -p "$carry"
   rm -rf "$carry/bin" "$carry/lib" "$carry/bins.tar.xz" "$carry/tests.txt"
   mkdir -p "$carry/bin" "$carry/lib"

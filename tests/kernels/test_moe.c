@@ -116,6 +116,17 @@ static int upload(void **d, const void *h, size_t n) {
   return 0;
 }
 
+/* Device counters [n] that a kernel must leave at 0: how many are not
+ * (-1: the copy failed). */
+static int counters_left(const int32_t *d, int n) {
+  int32_t h[TW_CUDA_MOE_GS_TICKETS];
+  if (n > TW_CUDA_MOE_GS_TICKETS || cudaMemcpy(h, d, (size_t)n * 4, cudaMemcpyDeviceToHost))
+    return -1;
+  int left = 0;
+  for (int i = 0; i < n; i++) left += h[i] != 0;
+  return left;
+}
+
 /* CPU reference of the whole block, the CPU engine's MoE (tw_cpu_router_topk
  * then tw_cpu_moe_experts over every expert): out [T, H]. */
 static void moe_reference(tw_cpu_pool_t *pool, const moe_case_t *c, const host_experts_t *h,
@@ -400,11 +411,8 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       rc |= d != 0;
       rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5,
                          mode == 5 ? MMA_ALL : 0, mode >= 6);
-      if (mode == 6) { /* the counters of work split between two warps: back to 0 */
-        static int32_t tk[TW_CUDA_MOE_GS_TICKETS];
-        TT_CUDA(cudaMemcpy(tk, r.gs_ticket, sizeof tk, cudaMemcpyDeviceToHost));
-        int nz = 0;
-        for (int i = 0; i < TW_CUDA_MOE_GS_TICKETS; i++) nz += tk[i] != 0;
+      if (mode == 6) { /* the counters of units cut into pieces: back to 0 */
+        int nz = counters_left(r.gs_ticket, TW_CUDA_MOE_GS_TICKETS);
         printf("%s moe_grouped_stream_tickets(%s,T=%d): %d counters left non-zero\n",
                nz ? "FAIL" : "ok  ", c->name, T, nz);
         rc |= nz != 0;
@@ -497,9 +505,7 @@ static int run_router_case(const moe_case_t *c) {
   }
   TT_CUDA(cudaDeviceSynchronize());
   TT_CUDA(cudaMemcpy(got, d_lg, (size_t)T * E * 4, cudaMemcpyDeviceToHost));
-  int32_t tickets[TW_CUDA_MOE_ROUTE_TICKETS], ticket = 0; /* every counter back to 0 */
-  TT_CUDA(cudaMemcpy(tickets, r.ticket, sizeof tickets, cudaMemcpyDeviceToHost));
-  for (int i = 0; i < TW_CUDA_MOE_ROUTE_TICKETS; i++) ticket |= tickets[i];
+  int ticket = counters_left(r.ticket, TW_CUDA_MOE_ROUTE_TICKETS); /* every counter back to 0 */
   for (int t = 0; t < T; t++)
     for (int e = 0; e < E; e++) {
       double ref = bias[e], mag = fabs(bias[e]);
@@ -515,8 +521,10 @@ static int run_router_case(const moe_case_t *c) {
   moe_case_t rc = *c;
   int bad = check_route(&rc, &r, got);
   bool ok = fails == 0 && ticket == 0;
-  printf("%s moe_router_fused(%s,H=%d,E=%d,k=%d,T=%d): %d logits off, worst |d|/sum|terms| %.2e, "
-         "ticket %d\n", ok ? "ok  " : "FAIL", c->name, H, E, k, T, fails, worst, ticket);
+  printf(
+      "%s moe_router_fused(%s,H=%d,E=%d,k=%d,T=%d): %d logits off, worst |d|/sum|terms| %.2e, "
+      "%d counters left non-zero\n",
+      ok ? "ok  " : "FAIL", c->name, H, E, k, T, fails, worst, ticket);
   cudaFree(d_x); cudaFree(d_w); cudaFree(d_b); cudaFree(d_lg); cudaFree(d_route);
   free(xb); free(wb); free(bias); free(got);
   return (ok ? 0 : 1) | bad;
