@@ -99,7 +99,6 @@ typedef struct {
   int ks;
   float *zero;
   int64_t zero_n;
-  int pf; /* the streaming kernel's token-row prefetch (tw_gs_pf) */
   /* streaming kernel only: the route's counters of last-round units cut
    * into pieces and the pieces' sums (tw_gs_kernel); NULL: the static order */
   int32_t *gs_ticket;
@@ -932,6 +931,11 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
           asm volatile("prefetch.global.L1 [%0];" ::"l"(xa + xoff[nt] + 16 * c));
     tw_cp_async_commit();
   };
+  /* 16-byte piece wd of this lane's k of chunk c in token row nt (zero
+   * where ok is false or the row holds no assignment) */
+  auto xrow = [&](bool ok, int nt, int c, int wd) {
+    return ok && xoff[nt] >= 0 ? __ldg(xa + xoff[nt] + 16 * c + wd) : make_uint4(0, 0, 0, 0);
+  };
   uint4 Bn[PF ? NT * 4 : 1];
   auto load_b = [&](int c) {
     if (!PF) return;
@@ -939,9 +943,7 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-      for (int wd = 0; wd < 4; wd++)
-        Bn[nt * 4 + wd] = ok && xoff[nt] >= 0 ? __ldg(xa + xoff[nt] + 16 * c + wd)
-                                              : make_uint4(0, 0, 0, 0);
+      for (int wd = 0; wd < 4; wd++) Bn[nt * 4 + wd] = xrow(ok, nt, c, wd);
   };
   load_b(cb);
   auto compute = [&](int st, int c) {
@@ -968,9 +970,7 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
       if (!(j & 1)) /* the token rows' k of steps 2 wd, 2 wd + 1 */
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
-          Bv[nt] = PF ? Bc[nt * 4 + wd]
-                      : kok && xoff[nt] >= 0 ? __ldg(xa + xoff[nt] + 16 * c + wd)
-                                             : make_uint4(0, 0, 0, 0);
+          Bv[nt] = PF ? Bc[nt * 4 + wd] : xrow(kok, nt, c, wd);
 #pragma unroll
       for (int mt = 0; mt < 2; mt++) {
         uint32_t a[4];
@@ -1262,11 +1262,14 @@ static int tw_gs_down_parts(int N, int E, int tk) {
   const int experts = E < tk ? E : tk, items = (N + 31) / 32 * experts;
   return items < 2 * tw_gs_grid_warps() ? 2 : 1;
 }
-static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, cudaStream_t stream) {
+/* One launch of the streaming kernel on a's experts; pf: its token-row
+ * prefetch (tw_gs_pf). */
+static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, int pf,
+                                             cudaStream_t stream) {
   const int warps = tw_gs_warps(), items = (a->N + 31) / 32 * a->E * a->ks;
   const int ctas = TW_CDIV(items, warps), max_ctas = tw_gs_grid_warps() / warps;
   dim3 grid(ctas < max_ctas ? ctas : max_ctas);
-  tw_pdl_launch(tw_gs_pick(epi, warps, a->pf), grid, dim3(warps * 32), (size_t)TW_GS_SMEM(warps),
+  tw_pdl_launch(tw_gs_pick(epi, warps, pf), grid, dim3(warps * 32), (size_t)TW_GS_SMEM(warps),
                 stream, *a);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gs_kernel(gate_up)" : "tw_gs_kernel(down)");
   return TW_OK;
@@ -1419,7 +1422,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.K = H;
   a.out = act;
   a.ks = 1;
-  a.pf = tw_gs_pf(tk, E);
+  const int pf = tw_gs_pf(tk, E);
   /* the streaming kernel's last round in pieces (tw_gs_kernel), or else its
    * down launch in two K parts for small batches (tw_gs_down_parts) */
   const bool tiled = gs && tw_cuda_moe_stream_balance();
@@ -1432,7 +1435,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
     a.zero = y;
     a.zero_n = (int64_t)tk * H;
   }
-  TW_CHECK(gs ? tw_gs_launch(&a, TW_GG_SWIGLU, stream)
+  TW_CHECK(gs ? tw_gs_launch(&a, TW_GG_SWIGLU, pf, stream)
               : tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, bt, stream));
   a.a = (const __nv_bfloat16 *)act;
   a.sorted = NULL;
@@ -1446,5 +1449,5 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.ks = down_ks;
   a.zero = NULL;
   a.zero_n = 0;
-  return gs ? tw_gs_launch(&a, TW_GG_PLAIN, stream) : tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);
+  return gs ? tw_gs_launch(&a, TW_GG_PLAIN, pf, stream) : tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);
 }
