@@ -108,7 +108,7 @@ case "${1:-demo}" in
     if [ -n "$url" ]; then
       echo "POST $url/chat/completions"
       curl -sS --max-time 120 "$url/chat/completions" -H 'Content-Type: application/json' \
-        -d '{"max_tokens": 128, "reasoning_effort": "low", "messages": [{"role": "user", "content": "What does the word dog mean?"}]}' || rc=$?
+        -d '{"max_tokens": 128, "temperature": 0, "reasoning_effort": "low", "messages": [{"role": "user", "content": "What does the word dog mean?"}]}' || rc=$?
       echo
     fi
     kill -TERM "$pid"; wait "$pid" || rc=$?

@@ -226,6 +226,7 @@ static int tw_opts_config(const tw_opts_spec_t *spec, const char *path) {
 }
 
 static void tw_opts_print_default(const tw_opt_t *o, FILE *f) {
+  if (o->help && strstr(o->help, "(default")) return; /* the help names its own default */
   if (o->defval) {
     if (o->defval[0]) fprintf(f, " (default %s)", o->defval);
     return;

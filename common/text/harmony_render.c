@@ -395,8 +395,9 @@ TW_NODISCARD tw_status_t tw_harmony_render(const tw_harmony_t *h,
   size_t start = out->n;
   tw_status_t st = tw_render_all(&r, c);
   if (st == TW_OK && max_prompt_tokens && out->n - start > max_prompt_tokens)
-    st = tw_err_quiet(TW_ERR_OUT_OF_RANGE, "the prompt is %zu tokens, over the limit of %zu (context "
-                "length minus the tokens to generate); shorten the conversation",
+    st = tw_err_quiet(TW_ERR_OUT_OF_RANGE, "the prompt is %zu tokens, over the limit of %zu (the context "
+                "length less room for the tokens to generate, at least one); "
+                "shorten the conversation",
                 out->n - start, max_prompt_tokens);
   if (st < 0) out->n = start;
   if (!maybe_enc) tw_tok_encoder_destroy(r.enc);

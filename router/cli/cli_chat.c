@@ -508,7 +508,7 @@ static void tw_gen_on_reply(void *user, const Twain__V1__ServerReply *rep) {
     }
     g->n++;
   }
-  if (rep->done && !g->o->json) printf("\n");
+  if (rep->done && !g->o->json && g->n) printf("\n"); /* ends the line of ids, if any */
   if (rep->done && g->o->json && !(rep->error && rep->error->code)) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddItemToObject(o, "token_ids", g->ids);

@@ -287,7 +287,7 @@ int tw_cli_serve(int argc, char **argv) {
                  "docs/operations.md)"),
       TW_OPT_FN("kv-dtype", &kv_dtype, tw_kv_dtype_opt, "bf16|fp8",
                 "every worker's KV cache dtype: bf16 (cpu: f32), or fp8 e4m3\n"
-                "with a scale per token and kv head (docs/operations.md)"),
+                "with a scale per token and kv head (docs/operations.md; default bf16)"),
       TW_OPT_INT("max-batch", &max_batch, 0, INT32_MAX, "N",
                  "decode workers' sequences per step (0: the memory plan)"),
       TW_OPT_DOUBLE("gpu-memory-utilization", &mem_util, 0, 1, "F",
@@ -302,7 +302,7 @@ int tw_cli_serve(int argc, char **argv) {
                 "can start; default off: a killed worker takes the other one\n"
                 "down with it, docs/operations.md)"),
       TW_OPT_INT("prefill-tp", &pv[0], 1, 64, "N",
-                 "ranks per worker (docs/parallelism.md), e.g. --decode-tp 4 --decode-ep 4"),
+                 "tensor parallel ranks per prefill worker (docs/parallelism.md)"),
       TW_OPT_INT("prefill-ep", &pv[1], 1, 64, "N", "expert parallel ranks per prefill worker"),
       TW_OPT_INT("decode-tp", &pv[2], 1, 64, "N", "tensor parallel ranks per decode worker"),
       TW_OPT_INT("decode-ep", &pv[3], 1, 64, "N", "expert parallel ranks per decode worker"),

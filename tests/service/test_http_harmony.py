@@ -287,6 +287,9 @@ try:
     st, r = api.post("/v1/chat/completions", raw='{"messages": [{"role": "user", "content": "hi"}')
     check(st == 400 and r["error"]["type"] == "invalid_request_error" and "not valid JSON" in r["error"]["message"],
           "malformed JSON: 400 (%s)" % r)
+    st, r = api.post("/v1/chat/completions", raw="")
+    check(st == 400 and r["error"]["type"] == "invalid_request_error" and
+          "request body is empty" in r["error"]["message"], "empty body: 400 saying so (%s)" % r)
     for body, param in (({"messages": "hi"}, "messages"), ({"messages": USER, "max_tokens": "5"}, "max_tokens"),
                         ({"messages": USER, "stream": "yes"}, "stream"),
                         ({"messages": USER, "temperature": "hot"}, "temperature"),

@@ -21,6 +21,7 @@ typedef struct {
   double temp;
   bool flag;
   int color; /* custom: red 1, blue 2 */
+  int cap;   /* its help names its own default */
 } vals_t;
 
 static int color_opt(const char *t, void *dst, char *err, size_t errlen) {
@@ -37,7 +38,7 @@ static char out_buf[8192], err_buf[8192];
 /* Run the parser on a NULL-terminated argument list with a fresh table;
  * stdout and stderr of the call land in out_buf / err_buf. */
 static int run(vals_t *v, int *first, bool config, int max_args, const char *const *args) {
-  *v = (vals_t){.name = "dflt", .n = 7, .big = 5, .temp = 1.0, .flag = false, .color = 0};
+  *v = (vals_t){.name = "dflt", .n = 7, .big = 5, .temp = 1.0, .flag = false, .color = 0, .cap = 0};
   tw_opt_t opts[] = {
       TW_OPT_STR("name", &v->name, "S", "a string"),
       TW_OPT_INT("n", &v->n, -1, 100, "N", "an int in [-1, 100]"),
@@ -45,6 +46,7 @@ static int run(vals_t *v, int *first, bool config, int max_args, const char *con
       TW_OPT_DOUBLE("temp", &v->temp, 0, 2, "T", "a double in [0, 2]"),
       TW_OPT_FLAG("flag", &v->flag, "a flag"),
       TW_OPT_FN("color", &v->color, color_opt, "red|blue", "a custom parser"),
+      TW_OPT_INT("cap", &v->cap, 0, 100, "C", "a cap (default: the other side's)"),
   };
   tw_opts_spec_t spec = {.prog = "prog", .synopsis = "[OPTIONS] [ARG]", .env_prefix = "TWTEST_",
                          .opts = opts, .n_opts = sizeof opts / sizeof opts[0], .config = config,
@@ -139,6 +141,10 @@ int main(void) {
                                      "TWTEST_CONFIG"};
   for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
     EXPECT(strstr(out_buf, rows[i]), "--help lists '%s'", rows[i]);
+  /* a help text that names its default gets no second one from the value */
+  const char *cap = strstr(out_buf, "a cap (default: the other side's)");
+  EXPECT(cap && strncmp(cap + strlen("a cap (default: the other side's)"), " (default", 9) != 0,
+         "--cap's own default, once: '%.60s'", cap ? cap : "(missing)");
   rc = run(&v, NULL, false, 0, ARGS("-h"));
   EXPECT(rc == 0 && strstr(out_buf, "usage: prog"), "-h: rc %d", rc);
   rc = run(&v, NULL, false, 0, ARGS("--version"));
