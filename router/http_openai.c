@@ -550,11 +550,11 @@ static bool tw_body_ok(tw_hconn_t *c) {
 
 void tw_hoai_submit(tw_hconn_t *c) {
   if (!tw_body_ok(c)) return;
-  cJSON *root = cJSON_ParseWithLength(c->body.data ? c->body.data : "", c->body.len);
-  if (!root && c->body.len == 0) {
+  if (c->body.len == 0) {
     tw_http_fail(c, 400, NULL, "the request body is empty: send a JSON object");
     return;
   }
+  cJSON *root = cJSON_ParseWithLength(c->body.data, c->body.len);
   if (!root) {
     const char *at = cJSON_GetErrorPtr();
     long off = at && c->body.data && at >= c->body.data && at <= c->body.data + c->body.len
