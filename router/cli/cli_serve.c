@@ -9,9 +9,12 @@
  * times in a row (a worker that ran TW_SERVE_STABLE_S resets the count);
  * each death and restart is logged. Restarts are for crashes of a serving
  * worker only: a worker that exits with a usage (2) or configuration error
- * (TW_WORKER_EXIT_CONFIG: bad model, no GPU, ...), or dies before the service
- * was ready, stops serve at once (exit TW_WORKER_EXIT_CONFIG, or 1 for a
- * death by signal) after its own error line. Serve also stops by itself when
+ * (TW_WORKER_EXIT_CONFIG: bad model, no GPU, ...) at its first start, or
+ * dies before the service was ready, stops serve at once (exit
+ * TW_WORKER_EXIT_CONFIG, or 1 for a death by signal) after its own error
+ * line; a restarted worker that cannot start (the same configuration served
+ * before: the cause is passing) is retried like a crash, within the same
+ * backoff and limit. Serve also stops by itself when
  * every worker it started has used up its restarts and no worker at all
  * (joined ones included) is registered with the router.
  * Memory: every worker is told how many prefill and decode workers share its
@@ -571,9 +574,13 @@ int tw_cli_serve(int argc, char **argv) {
           mps_retry = true;
           continue;
         }
-        if (code == 2 || code == TW_WORKER_EXIT_CONFIG || !was_ready) {
+        if (!was_ready || ((code == 2 || code == TW_WORKER_EXIT_CONFIG) && w->restarts == 0)) {
           /* fail fast: restarting cannot fix a configuration, and a worker
-           * that never served has no crash to recover from */
+           * that never served has no crash to recover from. A restart of a
+           * worker that was serving with the same configuration is another
+           * matter: its failure to start is the moment's (the GPU still held
+           * by a faulted neighbour under MPS, a port not yet free), so it
+           * takes the restart path below, backoff and limit included */
           fprintf(stderr, "twain serve: worker %s (pid %d) %s (%s %d; its error is above): stopping\n",
                   w->name, (int)dead,
                   code == 2 || code == TW_WORKER_EXIT_CONFIG
@@ -592,6 +599,9 @@ int tw_cli_serve(int argc, char **argv) {
                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), w->restarts);
           continue;
         }
+        if (code == 2 || code == TW_WORKER_EXIT_CONFIG)
+          TW_WARN("serve", "worker %s (pid %d) could not start again (exit status %d; its error is above)",
+                  w->name, (int)dead, code);
         int64_t backoff_ms = 500LL << (w->restarts < 4 ? w->restarts : 4);
         w->next_start_ns = now + backoff_ms * 1000000LL;
         TW_WARN("serve", "worker %s (pid %d) exited (%s %d): restarting it in %lld ms (restart %d of %d)",

@@ -9,11 +9,14 @@ restarting it (it used to restart each worker five times over 17 s):
 - `--backend cuda` on a machine without a GPU: serve exits 78 within 3 s
   naming the cause, and so does a lone twain-decode (78: its own check);
 - a worker that was serving and is killed is still restarted (the restart
-  policy is for crashes only).
+  policy is for crashes only), and a restart that cannot start (its metrics
+  port taken meanwhile: exit 78) is retried, not taken for a configuration
+  error, until a restart serves again.
 Every wait is bounded."""
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -82,6 +85,46 @@ check(serve_p.seen(r"restarted worker decode-0", 30) and serve_p.p.poll() is Non
       "a killed serving worker is restarted, serve stays up")
 rc = serve_p.stop(signal.SIGTERM, 30)
 check(rc == 0, "serve stops cleanly (rc %s)" % rc)
+
+# a restart that cannot start (here: the killed decode worker's metrics port
+# is taken before its restart binds it, so the restart exits 78) is retried
+# like a crash instead of stopping serve; once the port is free again the
+# next restart serves
+serve_p = svc.Proc([TWAIN, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "0", "--http-port", "-1",
+                    "--backend", "cpu", "--threads", "1"], "serve", env=e)
+ready = serve_p.wait_line(r"twain serve: ready.*clients at (\S+)", 60)
+m = serve_p.wait_line(r"twain serve: metrics: .*decode-0 http://127\.0\.0\.1:(\d+)/metrics", 5)
+check(ready is not None and m is not None, "serve ready with the decode worker's metrics port printed")
+kids = subprocess.run(["pgrep", "-P", str(serve_p.p.pid), "-f", "twain-decode"], capture_output=True,
+                      text=True).stdout.split()
+if m and len(kids) == 1:
+    port = int(m.group(1))
+    os.kill(int(kids[0]), signal.SIGKILL)
+    hold = socket.socket()
+    bound = False
+    t_end = time.monotonic() + 2.0  # the restart is due 0.5 s after the death
+    while not bound and time.monotonic() < t_end:
+        try:
+            hold.bind(("127.0.0.1", port))
+            hold.listen(1)
+            bound = True
+        except OSError:
+            time.sleep(0.005)
+    check(bound, "the killed decode worker's metrics port %d taken before its restart" % port)
+    failed = serve_p.wait_line(r"worker decode-0-\d+-r1 \(pid \d+\) could not start again \(exit status 78", 15)
+    hold.close()
+    check(failed is not None and serve_p.p.poll() is None,
+          "the restart that could not bind its port is logged, serve stays up")
+    check(serve_p.seen(r"restarted worker decode-0-\d+-r2 as pid", 15), "serve restarts it again after its backoff")
+    check(serve_p.seen(r"worker decode-0-\d+-r2 registered", 30),
+          "the second restart registers with the router")
+    r = subprocess.run([TWAIN, "generate", "--endpoint", ready.group(1), "--max-tokens", "3", "1", "2", "3"], capture_output=True, text=True, timeout=60)
+    check(r.returncode == 0 and len(r.stdout.split()) == 3,
+          "a request is served after the retried restart: %r %r" % (r.stdout.strip(), r.stderr.strip()[-300:]))
+else:
+    check(False, "one decode worker child to kill: %s" % kids)
+rc = serve_p.stop(signal.SIGTERM, 30)
+check(rc == 0, "serve stops cleanly after the retried restart (rc %s)" % rc)
 shutil.rmtree(tmp, ignore_errors=True)
 if gpu and not svc.fails:
     print("SKIP: the --backend cuda checks need a machine without a GPU")
