@@ -225,7 +225,7 @@ TW_NODISCARD tw_status_t tw_metrics_create(const char *process, int port, const 
                                            tw_metrics_t **m_p) {
   struct sockaddr_storage ss;
   bool v6;
-  const char *addr;
+  const char *addr = NULL; /* set by tw_metrics_listen_addr; -O3 cannot tell */
   TW_CHECK(tw_metrics_listen_addr("metrics", maybe_addr, port, &ss, &v6, &addr));
   tw_metrics_t *m = calloc(1, sizeof *m);
   if (!m) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the metrics registry");

@@ -43,7 +43,7 @@ static TW_NODISCARD tw_status_t get_field(const cJSON *obj, const char *where, c
  * for nested objects ("rope_scaling."). */
 static TW_NODISCARD tw_status_t get_i32(const cJSON *obj, const char *where, const char *key,
                                         bool required, int32_t def, int32_t *out_p) {
-  const cJSON *it;
+  const cJSON *it = NULL; /* set by get_field; -O3 cannot tell */
   TW_CHECK(get_field(obj, where, key, required, &it));
   if (!it) {
     *out_p = def;

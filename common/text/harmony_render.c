@@ -124,7 +124,7 @@ bool tw_harmony_date_valid(const char *v) {
 
 TW_NODISCARD tw_status_t tw_harmony_conversation_set(tw_harmony_conversation_t *c,
                                                      const char **field, const char *value) {
-  const char *d;
+  const char *d = NULL; /* set by tw_dup_utf8; -O3 cannot tell */
   TW_CHECK(tw_dup_utf8(value, "conversation field", &d));
   tw_free_str(*field);
   *field = d;
