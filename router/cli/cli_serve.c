@@ -599,15 +599,15 @@ int tw_cli_serve(int argc, char **argv) {
                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), w->restarts);
           continue;
         }
-        if (code == 2 || code == TW_WORKER_EXIT_CONFIG)
-          TW_WARN("serve", "worker %s (pid %d) could not start again (exit status %d; its error is above)",
-                  w->name, (int)dead, code);
         int64_t backoff_ms = 500LL << (w->restarts < 4 ? w->restarts : 4);
         w->next_start_ns = now + backoff_ms * 1000000LL;
-        TW_WARN("serve", "worker %s (pid %d) exited (%s %d): restarting it in %lld ms (restart %d of %d)",
-                w->name, (int)dead, WIFEXITED(status) ? "status" : "signal",
-                WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), (long long)backoff_ms,
-                w->restarts + 1, TW_SERVE_MAX_RESTARTS);
+        const bool no_start = code == 2 || code == TW_WORKER_EXIT_CONFIG; /* a restart, see above */
+        TW_WARN("serve", "worker %s (pid %d) %s (%s %d%s): restarting it in %lld ms (restart %d of %d)",
+                w->name, (int)dead, no_start ? "could not start again" : "exited",
+                no_start ? "exit status" : WIFEXITED(status) ? "status" : "signal",
+                WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
+                no_start ? "; its error is above" : "", (long long)backoff_ms, w->restarts + 1,
+                TW_SERVE_MAX_RESTARTS);
       }
     }
     if (mps_retry) {

@@ -41,6 +41,12 @@ def serve(args, env=None, timeout=30):
         return subprocess.CompletedProcess(ex.cmd, -1, "", str(ex.stderr or "")), time.monotonic() - t0
 
 
+def decode_children(serve_p):
+    """The pids of the twain-decode processes serve started."""
+    return subprocess.run(["pgrep", "-P", str(serve_p.p.pid), "-f", "twain-decode"], capture_output=True,
+                          text=True).stdout.split()
+
+
 tmp = tempfile.mkdtemp(prefix="tw_failfast_")
 broken = os.path.join(tmp, "no-weights")
 os.makedirs(broken)
@@ -76,8 +82,7 @@ e = {k: v for k, v in os.environ.items() if not k.startswith("TWAIN_") or k == "
 serve_p = svc.Proc([TWAIN, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--http-port", "-1",
                     "--backend", "cpu", "--threads", "1"], "serve", env=e)
 serve_p.wait_line(r"twain serve: ready", 60)
-kids = subprocess.run(["pgrep", "-P", str(serve_p.p.pid), "-f", "twain-decode"], capture_output=True,
-                      text=True).stdout.split()
+kids = decode_children(serve_p)
 check(len(kids) == 1, "one decode worker child: %s" % kids)
 if kids:
     os.kill(int(kids[0]), signal.SIGKILL)
@@ -95,8 +100,7 @@ serve_p = svc.Proc([TWAIN, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-
 ready = serve_p.wait_line(r"twain serve: ready.*clients at (\S+)", 60)
 m = serve_p.wait_line(r"twain serve: metrics: .*decode-0 http://127\.0\.0\.1:(\d+)/metrics", 5)
 check(ready is not None and m is not None, "serve ready with the decode worker's metrics port printed")
-kids = subprocess.run(["pgrep", "-P", str(serve_p.p.pid), "-f", "twain-decode"], capture_output=True,
-                      text=True).stdout.split()
+kids = decode_children(serve_p)
 if m and len(kids) == 1:
     port = int(m.group(1))
     os.kill(int(kids[0]), signal.SIGKILL)
@@ -118,7 +122,8 @@ if m and len(kids) == 1:
     check(serve_p.seen(r"restarted worker decode-0-\d+-r2 as pid", 15), "serve restarts it again after its backoff")
     check(serve_p.seen(r"worker decode-0-\d+-r2 registered", 30),
           "the second restart registers with the router")
-    r = subprocess.run([TWAIN, "generate", "--endpoint", ready.group(1), "--max-tokens", "3", "1", "2", "3"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([TWAIN, "generate", "--endpoint", ready.group(1), "--max-tokens", "3", "1", "2", "3"],
+                       capture_output=True, text=True, timeout=60)
     check(r.returncode == 0 and len(r.stdout.split()) == 3,
           "a request is served after the retried restart: %r %r" % (r.stdout.strip(), r.stderr.strip()[-300:]))
 else:
