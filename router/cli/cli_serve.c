@@ -602,9 +602,10 @@ int tw_cli_serve(int argc, char **argv) {
         int64_t backoff_ms = 500LL << (w->restarts < 4 ? w->restarts : 4);
         w->next_start_ns = now + backoff_ms * 1000000LL;
         const bool no_start = code == 2 || code == TW_WORKER_EXIT_CONFIG; /* a restart, see above */
-        TW_WARN("serve", "worker %s (pid %d) %s (%s %d%s): restarting it in %lld ms (restart %d of %d)",
-                w->name, (int)dead, no_start ? "could not start again" : "exited",
-                no_start ? "exit status" : WIFEXITED(status) ? "status" : "signal",
+        const char *how = no_start ? "exit status" : WIFEXITED(status) ? "status" : "signal";
+        TW_WARN("serve",
+                "worker %s (pid %d) %s (%s %d%s): restarting it in %lld ms (restart %d of %d)",
+                w->name, (int)dead, no_start ? "could not start again" : "exited", how,
                 WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
                 no_start ? "; its error is above" : "", (long long)backoff_ms, w->restarts + 1,
                 TW_SERVE_MAX_RESTARTS);
