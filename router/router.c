@@ -552,6 +552,9 @@ TW_NODISCARD tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t
   r->m.decode_workers = tw_metrics_gauge(M, "router_decode_workers", "registered decode workers");
   r->m.tokens = tw_metrics_counter(M, "router_tokens_streamed_total", "tokens sent to clients");
   r->m.expired = tw_metrics_counter(M, "router_workers_expired_total", "workers that stopped heartbeating");
+  r->m.resumed =
+      tw_metrics_counter(M, "router_requests_resumed_total",
+                         "streams resumed on another decode worker after theirs was lost");
   r->empty_since_ns[0] = r->empty_since_ns[1] = tw_msg_clock_ns(); /* no worker yet */
   r->m.harmony_unexpected = tw_metrics_counter(M, "router_harmony_unexpected_total",
                                                "model output the Harmony parser did not expect");

@@ -93,6 +93,16 @@ typedef struct {
   bool done;                   /* finished: freed at the loop top */
 } tw_req_t;
 
+/* What the workers of an attempt are asked for. A request resumed after
+ * its decode worker was lost mid-stream (router_workers.c) has n_out tokens
+ * at the client already: the attempt prefills the prompt followed by those
+ * tokens and decodes the rest, so the stream goes on where it stopped (the
+ * same tokens as without the loss for greedy and seeded sampling, whose
+ * draw is a function of the seed and the position, common/engine/sampling.h).
+ * A first attempt has n_out 0: the prompt and max_tokens. */
+static inline int32_t tw_req_context(const tw_req_t *q) { return q->n_prompt + q->n_out; }
+static inline int32_t tw_req_left(const tw_req_t *q) { return q->max_tokens - q->n_out; }
+
 typedef struct {
   const tw_router_params_t *p;
   tw_model_config_t config;
@@ -119,7 +129,7 @@ typedef struct {
   tw_http_t *http;             /* NULL: no HTTP API */
   struct {
     tw_metric_t *requests, *errors, *ttft, *tpot, *queue, *running, *prefill_workers,
-        *decode_workers, *tokens, *expired, *harmony_unexpected;
+        *decode_workers, *tokens, *expired, *harmony_unexpected, *resumed;
     /* named as vLLM's (vllm:X is twain_X; docs/operations.md "Metrics") */
     tw_metric_t *prompt_tokens, *generation_tokens, *v_ttft, *v_tpot, *e2e, *queue_time,
         *running_v, *waiting_v;

@@ -4,8 +4,10 @@
  *          --PrefillRequest(handoff)--> prefill worker --PrefillDone(first
  *          token, after the KV is remotely complete)--> router
  *          --DecodeRequest--> decode worker --Tokens...--> router --> client.
- * A request whose worker dies before any token reached the client is retried
- * elsewhere (up to 3 attempts); after that the client gets UNAVAILABLE. A
+ * A request whose worker dies is retried elsewhere (up to 3 attempts): from
+ * the start if no token reached the client yet, else resumed from the tokens
+ * it has (its prompt and those tokens prefilled again, the rest decoded:
+ * tw_req_context, router_impl.h); after that the client gets UNAVAILABLE. A
  * worker that was only stalled (expired, then the same process registers
  * again: Register.instance) gives its requests their attempts back: a pause
  * costs latency, not requests.
@@ -361,12 +363,20 @@ void tw_router_requeue(tw_router_t *r, tw_req_t *q, bool cancel, int64_t delay_n
   q->retry_after_ns = tw_msg_clock_ns() + delay_ns;
 }
 
-/* Requeue (if nothing reached the client yet) or fail a request whose worker
- * went away or refused it. */
+/* Requeue or fail a request whose worker went away or refused it. One with
+ * tokens at the client already is resumed from there (tw_req_context: its
+ * prompt and those tokens are prefilled again), unless that context is
+ * longer than a prompt may be. */
 static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *why) {
   if (q->done) return;
-  if (q->n_out == 0 && q->attempts < TW_ROUTER_MAX_ATTEMPTS) {
-    TW_INFO("router", "request %llu: %s; retrying elsewhere", (unsigned long long)q->id, why);
+  if (q->attempts < TW_ROUTER_MAX_ATTEMPTS && tw_req_context(q) <= r->max_prompt) {
+    if (q->n_out == 0) {
+      TW_INFO("router", "request %llu: %s; retrying elsewhere", (unsigned long long)q->id, why);
+    } else {
+      TW_INFO("router", "request %llu: %s after %d tokens; resuming it elsewhere from there",
+              (unsigned long long)q->id, why, q->n_out);
+      tw_metric_add(r->m.resumed, 1);
+    }
     tw_router_requeue(r, q, true, 20 * 1000000);
     return;
   }
@@ -387,7 +397,7 @@ static void tw_count_inflight(tw_router_t *r) {
     tw_rworker_t *w = tw_router_worker(r, q->dw);
     if (w) w->assigned_blocks += q->blocks_asked;
     w = q->state != TW_REQ_DECODING && q->pw ? tw_router_worker(r, q->pw) : NULL;
-    if (w) w->inflight_tokens += q->n_prompt;
+    if (w) w->inflight_tokens += tw_req_context(q);
   }
 }
 
@@ -465,7 +475,7 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   Twain__Internal__V1__PrefillRequest pr = TWAIN__INTERNAL__V1__PREFILL_REQUEST__INIT;
   pr.request_id = q->id;
   pr.prompt_ids = q->prompt;
-  pr.n_prompt_ids = (size_t)q->n_prompt;
+  pr.n_prompt_ids = (size_t)tw_req_context(q);
   pr.sampling = &q->sampling;
   Twain__Internal__V1__KvHandoff full;
   const Twain__Internal__V1__KvHandoff *h = tw_handoff_complete(w, rs->handoff, &full);
@@ -479,6 +489,16 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   }
   pr.handoff = (Twain__Internal__V1__KvHandoff *)h;
   pr.issued_unix_ms = tw_proto_unix_ms(); /* the workers' staleness clock (proto_engine.h) */
+  int32_t *resumed = NULL; /* a resumed request's context: prompt, then its tokens so far */
+  if (q->n_out > 0) {
+    if (!(resumed = malloc(sizeof(int32_t) * pr.n_prompt_ids))) {
+      tw_router_fail(r, q, TWAIN__V1__CODE__RESOURCE_EXHAUSTED, "router out of memory");
+      return;
+    }
+    memcpy(resumed, q->prompt, sizeof(int32_t) * (size_t)q->n_prompt);
+    memcpy(resumed + q->n_prompt, q->out, sizeof(int32_t) * (size_t)q->n_out);
+    pr.prompt_ids = resumed;
+  }
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL;
   env.prefill = &pr;
@@ -486,7 +506,9 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   q->state = TW_REQ_PREFILLING;
   if (!q->t_sched_ns) q->t_sched_ns = tw_msg_clock_ns(); /* end of its queue time */
   best->requests++;
-  if (tw_router_send_worker(r, best, &env) != TW_OK)
+  tw_status_t sent = tw_router_send_worker(r, best, &env);
+  free(resumed);
+  if (sent != TW_OK)
     tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "prefill worker unreachable");
 }
 
@@ -514,7 +536,7 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
   /* the worker's speed, for its window: the prompts of one batch share its
    * engine time (prefill_ms), so a batch counts once, with all its tokens */
   if (d->prefill_ms > 0 && d->prefill_ms == w->batch_ms) {
-    w->batch_tokens += q->n_prompt;
+    w->batch_tokens += tw_req_context(q);
     if (d->transfer_ms > w->batch_xfer_ms) w->batch_xfer_ms = d->transfer_ms;
   } else if (d->prefill_ms > 0) {
     if (w->batch_tokens > 0) { /* the previous batch is complete */
@@ -523,9 +545,9 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
     }
     w->batch_ms = d->prefill_ms;
     w->batch_xfer_ms = d->transfer_ms;
-    w->batch_tokens = q->n_prompt;
+    w->batch_tokens = tw_req_context(q);
     if (w->tok_per_s <= 0) /* a first estimate at once (a lower bound) */
-      w->tok_per_s = (double)q->n_prompt / ((d->prefill_ms + d->transfer_ms) * 1e-3);
+      w->tok_per_s = (double)tw_req_context(q) / ((d->prefill_ms + d->transfer_ms) * 1e-3);
   }
   if (!tw_tokens_valid(r, w, q, &d->first_token, 1)) return;
   tw_rworker_t *dw = tw_router_worker(r, q->dw);
@@ -535,9 +557,9 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
   }
   Twain__Internal__V1__DecodeRequest dr = TWAIN__INTERNAL__V1__DECODE_REQUEST__INIT;
   dr.request_id = q->id;
-  dr.n_prompt_tokens = q->n_prompt;
+  dr.n_prompt_tokens = tw_req_context(q);
   dr.first_token = d->first_token;
-  dr.max_tokens = q->max_tokens;
+  dr.max_tokens = tw_req_left(q);
   dr.sampling = &q->sampling;
   dr.stop_token_ids = q->stop_ids;
   dr.n_stop_token_ids = (size_t)q->n_stop;
@@ -558,8 +580,9 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
   int32_t first = d->first_token;
   bool stop = false;
   for (int32_t i = 0; i < q->n_stop; i++) stop |= q->stop_ids[i] == first;
-  tw_router_on_tokens(r, q, &first, 1, stop || q->max_tokens == 1,
-                      stop ? TWAIN__V1__FINISH_REASON__FINISH_STOP : TWAIN__V1__FINISH_REASON__FINISH_LENGTH);
+  tw_router_on_tokens(
+      r, q, &first, 1, stop || tw_req_left(q) == 1,
+      stop ? TWAIN__V1__FINISH_REASON__FINISH_STOP : TWAIN__V1__FINISH_REASON__FINISH_LENGTH);
 }
 
 static void tw_on_worker_tokens(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__Tokens *t) {
@@ -734,7 +757,8 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
                        q->attempts ? " after its worker failed" : "");
       continue;
     }
-    /* decode worker with the most free blocks that can hold prompt + max_tokens */
+    /* decode worker with the most free blocks that can hold prompt + max_tokens
+     * (for a resumed request: its context + what is left, the same sum) */
     tw_rworker_t *best = NULL;
     int32_t best_free = -1, need = 0, largest = 0, n_open = 0, n_never = 0;
     bool largest_dp = false;
@@ -779,12 +803,12 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     }
     if (!best) break; /* admission control: wait for room (or the deadline), in order */
     /* backpressure: a prefill worker must have room before anything is reserved */
-    tw_rworker_t *pf = tw_pick_prefill(r, q->n_prompt);
+    tw_rworker_t *pf = tw_pick_prefill(r, tw_req_context(q));
     if (!pf) break; /* every window is full: this one and those behind it wait, in order */
     Twain__Internal__V1__Reserve rv = TWAIN__INTERNAL__V1__RESERVE__INIT;
     rv.request_id = q->id;
-    rv.n_prompt_tokens = q->n_prompt;
-    rv.max_tokens = q->max_tokens;
+    rv.n_prompt_tokens = tw_req_context(q);
+    rv.max_tokens = tw_req_left(q);
     Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
     env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVE;
     env.reserve = &rv;
@@ -794,7 +818,7 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     q->state = TW_REQ_RESERVING;
     q->blocks_asked = need;
     best->assigned_blocks += need;
-    pf->inflight_tokens += q->n_prompt;
+    pf->inflight_tokens += tw_req_context(q);
     best->requests++;
     /* dp: the worker puts it in its emptiest replica; until the next
      * heartbeat says how much room is left there, count it as gone, so that
@@ -808,7 +832,7 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       q->dw = q->pw = 0;
       q->attempts--;
       best->assigned_blocks -= need;
-      pf->inflight_tokens -= q->n_prompt;
+      pf->inflight_tokens -= tw_req_context(q);
       best->replica_free_blocks = replica_before;
     }
   }

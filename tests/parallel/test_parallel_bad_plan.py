@@ -7,9 +7,10 @@ short one, as a mis-sized or corrupted plan would be):
   0, waiting in that step's collectives, never gets past;
 - rank 0's watchdog sees it go and takes the worker down: the router drops
   it from its registry within a few seconds, and both ranks exit;
-- the requests sent before it all end: those running on the victim with an
-  error within a few seconds, the others complete with the reference output
-  on the spare decode worker; none hangs;
+- the requests sent before it all complete with the reference output: those
+  running on the victim are resumed on the spare decode worker from the
+  tokens they had (the router prefills their prompt and those tokens again),
+  the others ran there from the start; none hangs;
 - the spare's KV blocks are all free afterwards and the router keeps
   serving.
 Every wait is bounded."""
@@ -38,6 +39,7 @@ try:
     c.wait_registered(1, 2)
 
     t0 = time.time()
+    resumed0 = svc.metrics(c.router_metrics_port).get("twain_router_requests_resumed_total", 0)
     rids = [cl.send(svc.generate(short, N)) for _ in range(4)]
     left = victim.seen(r"r1 .*rank 1 of 2 cannot read plan 2 \(dist: short decode plan\): leaving the group", 30)
     check(left, "victim rank 1 logs that it cannot read plan 2 and leaves the group")
@@ -61,12 +63,12 @@ try:
             if r not in ended and cl.done(r):
                 ended[r] = time.time() - t_fail
     res = cl.wait(rids, 1)
-    failed = [r for r, reps in zip(rids, res) if reps[-1].error.code]
     n_ok = sum(1 for reps in res if not reps[-1].error.code and svc.tokens_of(reps) == ref)
-    slowest_err = max((ended[r] for r in failed), default=-1.0)
-    check(n_ok + len(failed) == len(rids) and failed and slowest_err <= svc.scaled(5.0),
-          "requests: %d on the victim failed (%s), the last %.2f s after rank 1 left; "
-          "%d completed with the reference output" % (len(failed), error_summary(res), slowest_err, n_ok))
+    resumed = svc.metrics(c.router_metrics_port).get("twain_router_requests_resumed_total", 0) - resumed0
+    check(n_ok == len(rids) and resumed >= 1,
+          "requests: %d of %d completed with the reference output (errors: %s), the last %.2f s after "
+          "rank 1 left; %d resumed on the spare after the victim went" % (
+              n_ok, len(rids), error_summary(res), max(ended.values(), default=-1.0), resumed))
     wait_gone(c, victim, c.decodes)
     check(svc.wait_metric(spare.metrics_port, "twain_kv_blocks_used", 0, 10) == 0,
           "every block of the spare decode worker freed")
