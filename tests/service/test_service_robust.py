@@ -231,8 +231,15 @@ try:
     ep = m.group(1)
     mport = int(serve.wait_line(r"metrics port (\d+)", 10).group(1))
     ids = [str(i) for i in fixtures.ids("short_dog")]
-    # 1: kill -9 the decode worker: serve restarts it, requests work again
+    # 1: kill -9 the decode worker mid-stream: serve restarts it, the stream is
+    # resumed on the restarted worker and ends with the uninterrupted run's tokens
     dpid = int(serve.wait_line(r"registered: decode pool, backend \w+, pid (\d+)", 10).group(1))
+    n_long = 3000  # about 1.5 s or more of decoding here: mid-stream at the kill
+    stream = subprocess.Popen([twain, "generate", "--endpoint", ep, "--max-tokens", str(n_long)] + ids,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    end = svc.deadline(60)
+    while time.time() < end and svc.metrics(mport).get("twain_router_tokens_streamed_total", 0) < 1:
+        time.sleep(0.01)
     os.kill(dpid, signal.SIGKILL)
     try:
         serve.wait_line(r"worker decode-0-\d+ \(pid %d\) exited \(signal 9\): restarting it" % dpid, 15)
@@ -244,6 +251,20 @@ try:
     check(restarted and serve.p.poll() is None, "serve restarted the killed decode worker")
     code, _ = wait_health(mport, 200, 15)
     check(code == 200, "router /healthz 200 again after the restart")
+    try:
+        out, err = stream.communicate(timeout=svc.scaled(120))
+    except subprocess.TimeoutExpired:
+        stream.kill()
+        out, err = stream.communicate()
+    want = svc.reference_generate(fixtures.ids("short_dog"), n_long)
+    got = [int(t) for t in out.split()]
+    check(stream.returncode == 0 and got == want,
+          "the stream under way at the kill resumed on the restarted worker: %d of %d tokens as the "
+          "reference (rc %s, first difference at %s) %s" % (
+              len(got), n_long, stream.returncode,
+              next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), "-"), err.strip()[-200:]))
+    check(svc.metrics(mport).get("twain_router_requests_resumed_total", 0) == 1,
+          "serve's router resumed one stream")
     r = run("generate", "--endpoint", ep, "--max-tokens", "4", *ids, timeout=120)
     check(r.returncode == 0 and len(r.stdout.split()) == 4, "generate after the restart: %r %r" % (r.stdout.strip(), r.stderr.strip()[-200:]))
     # 3: a 600 MiB frame is dropped by libzmq; the router's peak memory stays bounded
