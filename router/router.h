@@ -36,6 +36,7 @@ typedef struct {
                                   * prefilling); the rest wait in the router's queue, in order */
   int32_t default_deadline_ms;
   int32_t expire_ms;            /* worker silence before it is expired */
+  int32_t pool_grace_ms;        /* a pool whose last worker expired is waited for this long */
   int32_t expect_prefill, expect_decode; /* print "ready" once this many registered */
   /* OpenAI-compatible HTTP API (router/http_api.h, docs/api.md) */
   int http_port;                /* -1 off, 0 ephemeral */
@@ -73,9 +74,14 @@ typedef struct {
                         .default_deadline_ms = 600000,                                             \
                         .prefill_window_tokens = 16384,                                            \
                         .expire_ms = 1000 * TW_SLOW_BUILD,                                         \
+                        .pool_grace_ms = TW_ROUTER_POOL_GRACE_MS,                                  \
                         .http_port = -1,                                                           \
                         .http_max_body = 8 << 20})
 #define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */
+/* --pool-grace-ms: twain-router's default outlasts the expiry (status.h); a
+ * supervisor that restarts workers sets one that outlasts a restart
+ * (`twain serve`: TW_SERVE_POOL_GRACE_MS, router/cli/cli_serve.c) */
+#define TW_ROUTER_POOL_GRACE_MS (5000 * TW_SLOW_BUILD)
 
 /** The router's limits as common/base/opts.h rows on a tw_router_params_t `p`:
  *  one list for twain-router and `twain serve`, which passes them all on. */
@@ -98,6 +104,10 @@ typedef struct {
                  "deadline of a request that sets none"),                                          \
       TW_OPT_INT("expire-ms", &(p).expire_ms, 1, INT32_MAX, "MS",                                  \
                  "a worker silent this long is expired"),                                          \
+      TW_OPT_INT("pool-grace-ms", &(p).pool_grace_ms, 0, INT32_MAX, "MS",                          \
+                 "when a pool's last worker expired (a crash, a stall), requests wait\n"           \
+                 "this long for one to register before UNAVAILABLE (default 5000;\n"               \
+                 "`twain serve`, which restarts its workers: 180000)"),                            \
       TW_OPT_STR("http-addr", &(p).http_addr, "ADDR",                                              \
                  "numeric address of the HTTP API (default 127.0.0.1; 0.0.0.0: all)"),             \
       TW_OPT_STR("served-model-name", &(p).served_model_name, "NAME",                              \

@@ -18,10 +18,10 @@
 
 /* A pool whose last worker expired (stalled past its expiry, restarting)
  * may come back: requests that wait for it, new or retried, get UNAVAILABLE
- * only after this long; until then they wait (or reach their deadline) and
- * run when a worker registers. A pool that is empty otherwise (none ever
- * registered, the last one drained): TW_ROUTER_POOL_EMPTY_MS. */
-#define TW_ROUTER_POOL_GRACE_MS (5000 * TW_SLOW_BUILD) /* outlasts the expiry (status.h) */
+ * only after --pool-grace-ms (tw_router_params_t.pool_grace_ms); until then
+ * they wait (or reach their deadline) and run when a worker registers. A
+ * pool that is empty otherwise (none ever registered, the last one
+ * drained): TW_ROUTER_POOL_EMPTY_MS. */
 #define TW_ROUTER_POOL_EMPTY_MS 2000
 #define TW_RMAX_USER_STOP 16 /* stop_token_ids a request may give; more: INVALID_ARGUMENT */
 #define TW_RMAX_STOP (TW_RMAX_USER_STOP + 2) /* + chat's <|return|> and <|call|> */

@@ -745,12 +745,12 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     bool no_decode = tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_DECODE) == 0;
     if (no_decode || tw_router_count_workers(r, TWAIN__INTERNAL__V1__POOL__POOL_PREFILL) == 0) {
       /* a stalled or restarting worker costs latency, not the request: wait
-       * for the pool to come back for TW_ROUTER_POOL_GRACE_MS (counted from
-       * when it emptied, or from arrival if later) or until the deadline */
+       * for the pool to come back for --pool-grace-ms (counted from when it
+       * emptied, or from arrival if later) or until the deadline */
       int pk = no_decode ? 1 : 0;
       int64_t since = r->empty_since_ns[pk];
       if (!since || since < q->t_arrival_ns) since = q->t_arrival_ns;
-      int grace_ms = r->empty_by_expiry[pk] ? TW_ROUTER_POOL_GRACE_MS : TW_ROUTER_POOL_EMPTY_MS;
+      int grace_ms = r->empty_by_expiry[pk] ? r->p->pool_grace_ms : TW_ROUTER_POOL_EMPTY_MS;
       if (now - since > (int64_t)grace_ms * 1000000)
         tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered (for %d ms)%s",
                        no_decode ? "decode" : "prefill", grace_ms,

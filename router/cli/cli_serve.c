@@ -60,6 +60,10 @@
 
 #define TW_SERVE_MAX_WORKERS 64
 #define TW_SERVE_MAX_RESTARTS 5
+/* The router's --pool-grace-ms under serve: requests wait this long for a
+ * restarted worker (backoff of up to 8 s, then its load: about a minute for
+ * gpt-oss-120b on one H200, docs/benchmarks.md) instead of 5 s */
+#define TW_SERVE_POOL_GRACE_MS 180000
 #define TW_SERVE_STABLE_S 60
 
 /* One worker process serve keeps running. */
@@ -263,6 +267,7 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_http_arg = &s;
   s.rp.on_workers_arg = &s;
   s.rp.http_port = TW_ROUTER_HTTP_PORT;
+  s.rp.pool_grace_ms = TW_SERVE_POOL_GRACE_MS * TW_SLOW_BUILD;
   int n_prefill = 1, n_decode = 1, threads = -1, kv_blocks = 0, max_batch = 0;
   int32_t kv_dtype = TW_KV_DTYPE_AUTO;
   double mem_util = 0;

@@ -6,7 +6,10 @@ than the router's 3 attempts: when it comes back as the same process
 (Register.instance unchanged: a stall) the request is served; when it comes
 back as a new process each time (a worker that crashes on that request and
 is restarted) the request still ends UNAVAILABLE after 3 attempts, so a
-crash loop stays bounded."""
+crash loop stays bounded. And --pool-grace-ms: with the prefill pool empty
+since its only worker expired, a request waits that long for one to
+register, then ends UNAVAILABLE saying so (300 ms against a 4.5 s stall;
+the default, 5 s, outlasts it above)."""
 import fake_workers
 import svc
 
@@ -42,4 +45,20 @@ for new_instance in (False, True):
         check(res[-1].error.code == 0 and svc.tokens_of(res) == SCRIPT[:4] and back == 4,
               "%s: served after 4 stalls (%s), its attempt given back %d times" % (
                   what, res[-1].error.message or "ok", back))
+# --pool-grace-ms: shorter than the stall, the request ends while the pool is empty
+router, fw, ep, url = fake_workers.router_with_fakes(
+    SCRIPT, extra=["--expire-ms", "3000", "--pool-grace-ms", "300"], instance=1002,
+    stall_prefills=1, stall_s=4.5)
+try:
+    cl = svc.Client(ep)
+    res = cl.wait([cl.send(svc.generate(prompt, 4, deadline_ms=60000))], 60)[0]
+finally:
+    fw.close()
+    rc = router.stop()
+check(rc == 0, "router stops cleanly (%s)" % rc)
+check(res[-1].error.code == svc.E["UNAVAILABLE"]
+      and "no prefill worker is registered (for 300 ms) after its worker failed" in res[-1].error.message
+      and fw.stalls == 1, "--pool-grace-ms 300 against a 4.5 s stall: %s (%s), %d stall" % (
+          res[-1].error.code,
+          res[-1].error.message, fw.stalls))
 finish()
