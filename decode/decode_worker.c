@@ -22,6 +22,7 @@
 
 #include "common/base/log.h"
 #include "common/base/metrics.h"
+#include "common/base/test_hook.h"
 #include "common/comm/msg_worker.h"
 #include "common/comm/proto_engine.h"
 #include "common/engine/mem_plan.h"
@@ -94,6 +95,7 @@ typedef struct {
   int32_t n_seqs, cap_seqs;
   int32_t step_start[TW_DECODE_MAX_DP]; /* per dp rank: first table index its next step tries */
   bool idle;                            /* this loop turn found no sequence to step */
+  bool device_failed;       /* a step failed on a device error: its answers say the worker failed */
   int64_t last_step_end_ns; /* when the last step's device work ended; 0: none ran since idle */
   tw_decode_ranks_t rk;
   ProtobufCBinaryData kv_addr[64]; /* each rank's UCX address, for Register (borrowed) */
@@ -205,7 +207,7 @@ static void tw_send_tokens(tw_decoder_t *d, uint64_t id, const int32_t *toks, si
   t.tokens = (int32_t *)toks;
   t.finished = finished;
   t.finish_reason = finish_reason;
-  t.status = tw_reply_status(&s, code, msg);
+  t.status = tw_reply_status(&s, code, d->device_failed, msg);
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_TOKENS;
   env.tokens = &t;
@@ -555,11 +557,14 @@ static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
   /* plan to the other ranks; dp: every rank its batch, empty ones a padding row */
   tw_status_t st = R > 1 ? tw_dist_engine_decode_dp(d->wk.dist, d->engine, bt)
                          : tw_dist_engine_decode(d->wk.dist, d->engine, &bt[0].args);
+  if (st == TW_OK && tw_test_device_error())
+    st = tw_err(TW_ERR_CUDA, "simulated device error (the TWAIN_TEST_DEVICE_ERROR hook)");
   int64_t t1 = tw_msg_clock_ns();
   d->last_step_end_ns = t1;
   tw_metric_add(d->m.steps, 1);
   tw_metric_observe(d->m.step_s, (double)(t1 - t0) * 1e-9);
   tw_worker_stats_add(&d->stats, 0, 1);
+  if (st == TW_ERR_CUDA || st == TW_ERR_NCCL) d->device_failed = true; /* sticky: it exits */
   for (int32_t r = 0; r < R; r++)
     for (int32_t j = r * B; j < r * B + cnt[r]; j++) {
       tw_dseq_t *s = d->batch[j];

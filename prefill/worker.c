@@ -99,7 +99,7 @@ static void tw_prefill_done(tw_prefiller_t *w, uint64_t id, int32_t first, const
   d.head_checksums = (uint64_t *)w->head_sums;
   d.n_head_checksums = w->n_head_sums;
   d.kv_in_place = w->kv_in_place;
-  d.status = tw_reply_status(&s, code, msg);
+  d.status = tw_reply_status(&s, code, w->device_error != TW_OK, msg);
   if (code) tw_metric_add(w->m.failed, 1);
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_PREFILL_DONE;
@@ -134,8 +134,8 @@ static void tw_prefill_ranks_one(tw_prefiller_t *w, const Twain__Internal__V1__P
   if (st != TW_OK) {
     snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, msg);
+    tw_prefill_note_device_error(w, st, msg); /* first: the answer says the worker failed */
     tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, pms, xms, tw_status_wire_code(st), msg);
-    tw_prefill_note_device_error(w, st, msg);
   } else {
     tw_metric_observe(w->m.prefill, pms * 1e-3);
     tw_metric_observe(w->m.transfer, xms * 1e-3);
@@ -217,8 +217,8 @@ static void tw_prefill_answer(tw_prefiller_t *w, tw_prefill_handoff_item_t *item
     const tw_prefill_handoff_result_t *hr = &it->out;
     if (it->st != TW_OK) {
       TW_WARN("prefill", "request %llu failed: %s", (unsigned long long)r->request_id, it->msg);
+      tw_prefill_note_device_error(w, it->st, it->msg); /* first: the answer says so */
       tw_prefill_done(w, r->request_id, -1, NULL, 0, 0, 0, 0, tw_status_wire_code(it->st), it->msg);
-      tw_prefill_note_device_error(w, it->st, it->msg);
     } else {
       tw_metric_observe(w->m.prefill, hr->prefill_ms * 1e-3);
       tw_metric_observe(w->m.transfer, hr->transfer_ms * 1e-3);

@@ -77,18 +77,6 @@ void tw_prefill_handoff_finish(tw_prefill_handoff_batch_t *b) {
   free(b);
 }
 
-#ifdef TW_TEST_HOOKS
-/* Test builds only (TWAIN_TEST_HOOKS): TWAIN_TEST_DEVICE_ERROR=N makes this
- * worker's N-th engine batch fail as a sticky device error would
- * (tests/service/test_service_device_error.py). */
-static bool tw_test_device_error(void) {
-  static tw_test_hook_t h = TW_TEST_HOOK_INIT;
-  return tw_test_hook_nth(&h, "TWAIN_TEST_DEVICE_ERROR");
-}
-#else
-static bool tw_test_device_error(void) { return false; }
-#endif
-
 TW_NODISCARD tw_status_t tw_prefill_handoff_start(const tw_prefill_handoff_ctx_t *ctx,
                                                   tw_prefill_handoff_item_t *items, int32_t n,
                                                   tw_prefill_handoff_batch_t **b_p) {

@@ -363,6 +363,19 @@ void tw_router_requeue(tw_router_t *r, tw_req_t *q, bool cancel, int64_t delay_n
   q->retry_after_ns = tw_msg_clock_ns() + delay_ns;
 }
 
+/* A worker that said its device failed stops and exits: no more work to it
+ * (as if it drained) until a process registers again. Its pool, if that
+ * leaves it empty, is waited for as after an expiry (--pool-grace-ms): its
+ * supervisor starts a fresh one. */
+static void tw_worker_failed(tw_router_t *r, tw_rworker_t *w) {
+  if (w->draining) return;
+  TW_WARN("router", "worker %s reports its device failed: sending it nothing more", w->name);
+  w->draining = true;
+  tw_update_gauges(r);
+  if (tw_router_count_workers(r, w->pool) == 0)
+    r->empty_by_expiry[w->pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? 1 : 0] = true;
+}
+
 /* Requeue or fail a request whose worker went away or refused it. One with
  * tokens at the client already is resumed from there (tw_req_context: its
  * prompt and those tokens are prefilled again), unless that context is
@@ -518,6 +531,11 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
   if (d->status && d->status->code) {
     char why[300];
     snprintf(why, sizeof why, "prefill failed on %s: %s", w->name, d->status->message ? d->status->message : "");
+    if (d->status->worker_failed) { /* its device: elsewhere (an attempt), nothing more to it */
+      tw_worker_failed(r, w);
+      tw_retry_or_fail(r, q, tw_known_code(d->status->code), why);
+      return;
+    }
     /* UNAVAILABLE: draining, or it waited in the worker's queue past the 20 s
      * KV-write guard; RESOURCE_EXHAUSTED: queue full: the worker's state, not
      * the request's, so it waits in the queue again without spending an
@@ -588,6 +606,15 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
 static void tw_on_worker_tokens(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__Tokens *t) {
   tw_req_t *q = tw_router_find_req(r, t->request_id);
   if (!q || q->state != TW_REQ_DECODING || q->dw != w->serial) return; /* not this worker's */
+  if (t->status && t->status->code && t->status->worker_failed) {
+    char why[300]; /* its device: resumed elsewhere (an attempt), nothing more to it */
+    snprintf(why, sizeof why, "decode failed on %s: %s", w->name,
+             t->status->message ? t->status->message : "");
+    tw_worker_failed(r, w);
+    q->dw = 0; /* it stops: nothing to cancel there */
+    tw_retry_or_fail(r, q, tw_known_code(t->status->code), why);
+    return;
+  }
   if (t->status && t->status->code) {
     tw_router_fail(r, q, tw_known_code(t->status->code), "decode failed on %s: %s", w->name,
                    t->status->message ? t->status->message : "");

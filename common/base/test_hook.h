@@ -2,8 +2,8 @@
  * CMakeLists.txt; compiled where TW_TEST_HOOKS is defined). A hook fires on
  * the N-th time its site is reached, N read once from an environment
  * variable (0, unset or negative: never): TWAIN_TEST_BAD_PLAN
- * (common/engine/dist_engine.c), TWAIN_TEST_DEVICE_ERROR
- * (prefill/worker_handoff.c). */
+ * (common/engine/dist_engine.c), TWAIN_TEST_DEVICE_ERROR (below:
+ * prefill/worker_handoff.c, decode/decode_worker.c). */
 #ifndef TW_COMMON_TEST_HOOK_H
 #define TW_COMMON_TEST_HOOK_H
 
@@ -26,6 +26,18 @@ static inline bool tw_test_hook_nth(tw_test_hook_t *h, const char *env) {
     if (h->at < 0) h->at = 0;
   }
   return h->at > 0 && ++h->seen == h->at;
+}
+
+/** TWAIN_TEST_DEVICE_ERROR=N: this worker's N-th engine call (a prefill
+ *  batch, a decode step) fails as a sticky device error would
+ *  (tests/service/test_service_device_error.py); false without the hooks. */
+static inline bool tw_test_device_error(void) {
+#ifdef TW_TEST_HOOKS
+  static tw_test_hook_t h = TW_TEST_HOOK_INIT; /* one site a process: its worker's engine */
+  return tw_test_hook_nth(&h, "TWAIN_TEST_DEVICE_ERROR");
+#else
+  return false;
+#endif
 }
 
 #endif

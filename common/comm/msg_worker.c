@@ -283,11 +283,12 @@ TW_NODISCARD tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout
 }
 
 Twain__Internal__V1__Status *tw_reply_status(Twain__Internal__V1__Status *s, int code,
-                                             const char *message) {
+                                             bool worker_failed, const char *message) {
   if (!code) return NULL;
   twain__internal__v1__status__init(s);
   s->code = code;
   s->message = (char *)message;
+  s->worker_failed = worker_failed;
   return s;
 }
 

@@ -121,9 +121,11 @@ void tw_worker_link_wait(tw_worker_link_t *link, int maybe_fd, int timeout_ms);
 
 /** The status of a worker's answer (PrefillDone, Tokens, Reject): NULL for
  *  code 0 (success: no status on the wire), else `s` initialised with the
- *  v1 code and the message (borrowed: it must outlive the send). */
+ *  v1 code, the message (borrowed: it must outlive the send) and
+ *  worker_failed (the worker's device failed, not the request: the router
+ *  retries it elsewhere; twain_internal.proto Status). */
 Twain__Internal__V1__Status *tw_reply_status(Twain__Internal__V1__Status *s, int code,
-                                             const char *message);
+                                             bool worker_failed, const char *message);
 
 /** A Reject envelope (the storage of its parts in one place). */
 typedef struct {
