@@ -585,9 +585,9 @@ static int32_t tw_prefill_op_pending(void *arg) {
   return w->q_len + (w->pending.b ? 1 : 0);
 }
 
-/* One batch; after a device error (its prompts answered with it) the worker
- * stops and exits: the router fails what it still held there as UNAVAILABLE
- * (a worker that left), and its supervisor (twain serve, Kubernetes, Slurm)
+/* One batch; after a device error (its prompts answered with it, marked as
+ * the worker's failure) the worker stops and exits: the router retries what
+ * it held there elsewhere, and its supervisor (twain serve, Kubernetes, Slurm)
  * starts a fresh one; a CUDA context with a sticky error serves nothing
  * again (under CUDA MPS it also keeps the server from taking new clients). */
 static TW_NODISCARD tw_status_t tw_prefill_op_work(void *arg) {

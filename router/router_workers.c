@@ -363,19 +363,6 @@ void tw_router_requeue(tw_router_t *r, tw_req_t *q, bool cancel, int64_t delay_n
   q->retry_after_ns = tw_msg_clock_ns() + delay_ns;
 }
 
-/* A worker that said its device failed stops and exits: no more work to it
- * (as if it drained) until a process registers again. Its pool, if that
- * leaves it empty, is waited for as after an expiry (--pool-grace-ms): its
- * supervisor starts a fresh one. */
-static void tw_worker_failed(tw_router_t *r, tw_rworker_t *w) {
-  if (w->draining) return;
-  TW_WARN("router", "worker %s reports its device failed: sending it nothing more", w->name);
-  w->draining = true;
-  tw_update_gauges(r);
-  if (tw_router_count_workers(r, w->pool) == 0)
-    r->empty_by_expiry[w->pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? 1 : 0] = true;
-}
-
 /* Requeue or fail a request whose worker went away or refused it. One with
  * tokens at the client already is resumed from there (tw_req_context: its
  * prompt and those tokens are prefilled again), unless that context is
@@ -383,8 +370,9 @@ static void tw_worker_failed(tw_router_t *r, tw_rworker_t *w) {
 static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *why) {
   if (q->done) return;
   if (q->attempts < TW_ROUTER_MAX_ATTEMPTS && tw_req_context(q) <= r->max_prompt) {
-    if (q->n_out == 0) {
-      TW_INFO("router", "request %llu: %s; retrying elsewhere", (unsigned long long)q->id, why);
+    if (q->n_out == 0 || q->state != TW_REQ_DECODING) { /* not a stream lost while decoding */
+      TW_INFO("router", "request %llu: %s; retrying elsewhere%s", (unsigned long long)q->id, why,
+              q->n_out ? " (a resumed stream)" : "");
     } else {
       TW_INFO("router", "request %llu: %s after %d tokens; resuming it elsewhere from there",
               (unsigned long long)q->id, why, q->n_out);
@@ -394,6 +382,43 @@ static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *
     return;
   }
   tw_router_fail(r, q, code, "%s", why);
+}
+
+/* A worker that said its device failed (Status.worker_failed) stops and
+ * exits: no more work to it (as if it drained) until a process registers
+ * again; every request it holds runs again elsewhere (tw_retry_or_fail), as
+ * after an expiry, and its pool, if now empty, is waited for as after one
+ * (--pool-grace-ms): its supervisor starts a fresh worker. */
+static void tw_worker_failed(tw_router_t *r, tw_rworker_t *w, const char *why) {
+  if (!w->draining) {
+    TW_WARN("router", "worker %s reports its device failed: sending it nothing more", w->name);
+    w->draining = true;
+    tw_update_gauges(r);
+  }
+  if (tw_router_count_workers(r, w->pool) == 0)
+    r->empty_by_expiry[w->pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? 1 : 0] = true;
+  for (int32_t k = 0; k < r->n_reqs; k++) {
+    tw_req_t *q = r->reqs[k];
+    if (q->done || q->state == TW_REQ_QUEUED) continue;
+    bool on_dw = q->dw == w->serial, on_pw = q->pw == w->serial && q->state == TW_REQ_PREFILLING;
+    if (!on_dw && !on_pw) continue;
+    if (on_dw)
+      q->dw = 0; /* it stops: nothing to cancel there */
+    else
+      q->pw = 0;
+    tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
+  }
+}
+
+/* An answer's status that says its worker failed: tw_worker_failed, true. */
+static bool tw_worker_says_failed(tw_router_t *r, tw_rworker_t *w,
+                                  const Twain__Internal__V1__Status *st, const char *role) {
+  if (!st || !st->code || !st->worker_failed) return false;
+  char why[300];
+  snprintf(why, sizeof why, "%s worker %s failed: %s", role, w->name,
+           st->message ? st->message : "");
+  tw_worker_failed(r, w, why);
+  return true;
 }
 
 /* This router's prompt tokens reserving or prefilling on each worker
@@ -481,8 +506,9 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   tw_rworker_t *best = q->pw ? tw_router_worker(r, q->pw) : NULL;
   if (best && best->draining) best = NULL;
   if (!best) best = tw_pick_prefill(r, 0);
-  if (!best) {
-    tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no prefill worker is registered");
+  if (!best) { /* back to the queue, which waits for the pool (--pool-grace-ms): no attempt */
+    q->attempts--;
+    tw_router_requeue(r, q, true, 20 * 1000000); /* the cancel frees the reservation */
     return;
   }
   Twain__Internal__V1__PrefillRequest pr = TWAIN__INTERNAL__V1__PREFILL_REQUEST__INIT;
@@ -526,16 +552,12 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
 }
 
 static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__PrefillDone *d) {
+  if (tw_worker_says_failed(r, w, d->status, "prefill")) return; /* whichever request it names */
   tw_req_t *q = tw_router_find_req(r, d->request_id);
   if (!q || q->state != TW_REQ_PREFILLING || q->pw != w->serial) return; /* cancelled meanwhile */
   if (d->status && d->status->code) {
     char why[300];
     snprintf(why, sizeof why, "prefill failed on %s: %s", w->name, d->status->message ? d->status->message : "");
-    if (d->status->worker_failed) { /* its device: elsewhere (an attempt), nothing more to it */
-      tw_worker_failed(r, w);
-      tw_retry_or_fail(r, q, tw_known_code(d->status->code), why);
-      return;
-    }
     /* UNAVAILABLE: draining, or it waited in the worker's queue past the 20 s
      * KV-write guard; RESOURCE_EXHAUSTED: queue full: the worker's state, not
      * the request's, so it waits in the queue again without spending an
@@ -604,17 +626,9 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
 }
 
 static void tw_on_worker_tokens(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__Tokens *t) {
+  if (tw_worker_says_failed(r, w, t->status, "decode")) return; /* whichever request it names */
   tw_req_t *q = tw_router_find_req(r, t->request_id);
   if (!q || q->state != TW_REQ_DECODING || q->dw != w->serial) return; /* not this worker's */
-  if (t->status && t->status->code && t->status->worker_failed) {
-    char why[300]; /* its device: resumed elsewhere (an attempt), nothing more to it */
-    snprintf(why, sizeof why, "decode failed on %s: %s", w->name,
-             t->status->message ? t->status->message : "");
-    tw_worker_failed(r, w);
-    q->dw = 0; /* it stops: nothing to cancel there */
-    tw_retry_or_fail(r, q, tw_known_code(t->status->code), why);
-    return;
-  }
   if (t->status && t->status->code) {
     tw_router_fail(r, q, tw_known_code(t->status->code), "decode failed on %s: %s", w->name,
                    t->status->message ? t->status->message : "");

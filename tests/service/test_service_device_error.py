@@ -65,7 +65,7 @@ try:
                   i + 1, reps[-1].error.message if reps else "no reply"))
     third = cl.send(svc.generate(prompt, N))
     victim_fails(c, victim, "prefill", "prefill batch")
-    check(c.router.seen(r"prefill failed on %s: .*simulated device error.*; retrying elsewhere" %
+    check(c.router.seen(r"prefill worker %s failed: .*simulated device error.*; retrying elsewhere" %
                         victim.worker_name, 10), "the router keeps prompt 3 for another prefill worker")
     end = svc.deadline(10)
     n_prefill = None
