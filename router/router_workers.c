@@ -384,6 +384,27 @@ static void tw_retry_or_fail(tw_router_t *r, tw_req_t *q, int code, const char *
   tw_router_fail(r, q, code, "%s", why);
 }
 
+/* Every request that worker `serial` holds (as its decode worker, or
+ * prefilling there) runs again elsewhere (tw_retry_or_fail): the worker is
+ * gone or going, so nothing is cancelled there. `expired`: the expired
+ * worker, whose process coming back (Register.instance) gives the attempt
+ * back; NULL: a worker whose failure is no stall. */
+static void tw_retry_held(tw_router_t *r, uint64_t serial, const char *why,
+                          const tw_rworker_t *expired) {
+  for (int32_t k = 0; k < r->n_reqs; k++) {
+    tw_req_t *q = r->reqs[k];
+    if (q->done || q->state == TW_REQ_QUEUED) continue;
+    bool on_dw = q->dw == serial, on_pw = q->pw == serial && q->state == TW_REQ_PREFILLING;
+    if (!on_dw && !on_pw) continue;
+    if (on_dw)
+      q->dw = 0;
+    else
+      q->pw = 0;
+    tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
+    if (expired && !q->done) q->expired_instance = expired->instance;
+  }
+}
+
 /* A worker that said its device failed (Status.worker_failed) stops and
  * exits: no more work to it (as if it drained) until a process registers
  * again; every request it holds runs again elsewhere (tw_retry_or_fail), as
@@ -397,17 +418,7 @@ static void tw_worker_failed(tw_router_t *r, tw_rworker_t *w, const char *why) {
   }
   if (tw_router_count_workers(r, w->pool) == 0)
     r->empty_by_expiry[w->pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? 1 : 0] = true;
-  for (int32_t k = 0; k < r->n_reqs; k++) {
-    tw_req_t *q = r->reqs[k];
-    if (q->done || q->state == TW_REQ_QUEUED) continue;
-    bool on_dw = q->dw == w->serial, on_pw = q->pw == w->serial && q->state == TW_REQ_PREFILLING;
-    if (!on_dw && !on_pw) continue;
-    if (on_dw)
-      q->dw = 0; /* it stops: nothing to cancel there */
-    else
-      q->pw = 0;
-    tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
-  }
+  tw_retry_held(r, w->serial, why, NULL);
 }
 
 /* An answer's status that says its worker failed: tw_worker_failed, true. */
@@ -752,21 +763,10 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
     tw_metric_add(r->m.expired, 1);
     uint64_t dead = w->serial;
     w->serial = 0; /* lookups fail from here on */
-    for (int32_t k = 0; k < r->n_reqs; k++) {
-      tw_req_t *q = r->reqs[k];
-      if (q->done || q->state == TW_REQ_QUEUED) continue;
-      bool on_dw = q->dw == dead, on_pw = q->pw == dead && q->state == TW_REQ_PREFILLING;
-      if (!on_dw && !on_pw) continue;
-      if (on_dw)
-        q->dw = 0; /* nothing to cancel there */
-      else
-        q->pw = 0;
-      char why[160];
-      snprintf(why, sizeof why, "%s worker %s stopped responding", on_dw ? "decode" : "prefill",
-               w->name);
-      tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, why);
-      if (!q->done) q->expired_instance = w->instance;
-    }
+    char why[160];
+    snprintf(why, sizeof why, "%s worker %s stopped responding",
+             w->pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? "decode" : "prefill", w->name);
+    tw_retry_held(r, dead, why, w);
     Twain__Internal__V1__Pool pool = w->pool;
     int k = pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? 1 : 0;
     tw_rworker_free_addrs(w);

@@ -18,13 +18,12 @@ from svc import check, finish
 SCRIPT = fake_workers.tokenize("<|channel|>final<|message|>Dogs bark.<|return|>")
 prompt = [1, 2, 3, 4]
 
-for new_instance in (False, True):
-    what = "a new process each time" if new_instance else "the same process (stalled)"
-    # expiry 3 s against heartbeats every 0.2 s: a loaded machine does not
-    # expire the fakes that are not stalled; each stall outlasts the expiry
-    router, fw, ep, url = fake_workers.router_with_fakes(
-        SCRIPT, extra=["--expire-ms", "3000"], instance=1000 + new_instance, stall_prefills=4,
-        stall_s=4.5, new_instance=new_instance)
+
+def one_request(extra, **fake_kw):
+    """A router with fake workers (router_with_fakes(SCRIPT, extra, **fake_kw)),
+    one request of 4 tokens (deadline 60 s); returns its replies, the
+    stopped router and the fakes."""
+    router, fw, ep, url = fake_workers.router_with_fakes(SCRIPT, extra=extra, **fake_kw)
     try:
         cl = svc.Client(ep)
         res = cl.wait([cl.send(svc.generate(prompt, 4, deadline_ms=60000))], 60)[0]
@@ -32,6 +31,15 @@ for new_instance in (False, True):
         fw.close()
         rc = router.stop()
     check(rc == 0, "router stops cleanly (%s)" % rc)
+    return res, router, fw
+
+
+for new_instance in (False, True):
+    what = "a new process each time" if new_instance else "the same process (stalled)"
+    # expiry 3 s against heartbeats every 0.2 s: a loaded machine does not
+    # expire the fakes that are not stalled; each stall outlasts the expiry
+    res, router, fw = one_request(["--expire-ms", "3000"], instance=1000 + new_instance,
+                                  stall_prefills=4, stall_s=4.5, new_instance=new_instance)
     expired = router.count(r"worker fake-prefill expired")  # every line, once it exited
     back = router.count(r"worker fake-prefill is back \(the same process: it was stalled\): 1 requests")
     want = 3 if new_instance else 4  # a restarted worker: the request ends at its 3rd attempt
@@ -46,19 +54,10 @@ for new_instance in (False, True):
               "%s: served after 4 stalls (%s), its attempt given back %d times" % (
                   what, res[-1].error.message or "ok", back))
 # --pool-grace-ms: shorter than the stall, the request ends while the pool is empty
-router, fw, ep, url = fake_workers.router_with_fakes(
-    SCRIPT, extra=["--expire-ms", "3000", "--pool-grace-ms", "300"], instance=1002,
-    stall_prefills=1, stall_s=4.5)
-try:
-    cl = svc.Client(ep)
-    res = cl.wait([cl.send(svc.generate(prompt, 4, deadline_ms=60000))], 60)[0]
-finally:
-    fw.close()
-    rc = router.stop()
-check(rc == 0, "router stops cleanly (%s)" % rc)
+res, router, fw = one_request(["--expire-ms", "3000", "--pool-grace-ms", "300"], instance=1002,
+                              stall_prefills=1, stall_s=4.5)
 check(res[-1].error.code == svc.E["UNAVAILABLE"]
       and "no prefill worker is registered (for 300 ms) after its worker failed" in res[-1].error.message
       and fw.stalls == 1, "--pool-grace-ms 300 against a 4.5 s stall: %s (%s), %d stall" % (
-          res[-1].error.code,
-          res[-1].error.message, fw.stalls))
+          res[-1].error.code, res[-1].error.message, fw.stalls))
 finish()
