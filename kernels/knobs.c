@@ -66,6 +66,7 @@ static void tw_knobs_read(void) {
   k.moe_stream_bpf = tw_knob_int("TWAIN_CUDA_MOE_STREAM_BPF", -1, 0, 2);
   k.moe_stream_splitk = tw_knob_switch("TWAIN_CUDA_MOE_STREAM_SPLITK", 1);
   k.moe_stream_balance = tw_knob_switch("TWAIN_CUDA_MOE_STREAM_BALANCE", 1);
+  k.moe_tma = tw_knob_int("TWAIN_CUDA_MOE_TMA", 2, 0, 2);
   k.route_fused_max = tw_knob_int("TWAIN_CUDA_ROUTE_FUSED_MAX", 128, 0, 1024);
   if (k.moe_stream_warps != 8 && k.moe_stream_warps != 16) {
     TW_WARN("cuda", "TWAIN_CUDA_MOE_STREAM_WARPS=%d is not 8 or 16: 16", k.moe_stream_warps);

@@ -187,6 +187,19 @@ int tw_cuda_moe_stream(void);
  *  kernels. */
 void tw_cuda_moe_set_stream(int on);
 
+/** Whether the streaming decode MoE runs as the TMA kernel of
+ *  moe_grouped.cu (tw_gt_kernel: one producer warp per CTA brings each
+ *  256-row stage of MXFP4 weights in with the tensor memory accelerator,
+ *  eight warps convert and multiply; same units, arithmetic and tolerance as
+ *  tw_gs_kernel) where its shapes fit (K <= 4096, fewer than 256 experts,
+ *  16-byte aligned tensors): 1 unless TWAIN_CUDA_MOE_TMA=0 (read once). */
+int tw_cuda_moe_stream_tma(void);
+
+/** Set tw_cuda_moe_stream_tma: 1 on, 0 off, negative: back to the
+ *  environment's choice. For tests and benchmarks; not thread-safe against
+ *  concurrent MoE calls; a captured graph keeps its kernels. */
+void tw_cuda_moe_set_stream_tma(int on);
+
 /** Whether the streaming kernel cuts its last round of (expert, 32 rows, 16
  *  assignments) units into equal k-chunk pieces over all its warps, summed
  *  in warp order (the same bits every run; a token's bits then depend on the

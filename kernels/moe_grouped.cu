@@ -55,6 +55,7 @@
 #include "kernels/moe.h"
 #include "kernels/moe_impl.h"
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -115,6 +116,17 @@ static __device__ __forceinline__ uint32_t tw_fp4_bf16(uint32_t n) {
 }
 static __device__ __forceinline__ uint32_t tw_fp4x2_bf16(uint32_t e) {
   return tw_fp4_bf16(e & 15) | (tw_fp4_bf16((e >> 4) & 15) << 16);
+}
+
+/* Every accumulator of a warp's two m16 tiles to 0 (the mma.sync kernels). */
+template <int N8>
+static __device__ __forceinline__ void tw_acc_zero(float (&acc)[2][N8][4]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+    for (int j = 0; j < N8; j++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) acc[mt][j][q] = 0.f;
 }
 
 /* Which expert and which of its row tiles CTA row blockIdx.y computes (warp
@@ -630,12 +642,7 @@ static __global__ void __launch_bounds__(TW_GM_THREADS, BT <= 32 ? 3 : 2)
   }
 
   float acc[2][NJ][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-    for (int j = 0; j < NJ; j++)
-#pragma unroll
-      for (int q = 0; q < 4; q++) acc[mt][j][q] = 0.f;
+  tw_acc_zero(acc);
   const int rowA = 32 * warp + g; /* CTA row of fragment row g of m-tile 0 */
   for (int kt = 0; kt < KT; kt++) {
     const int st = kt % S;
@@ -852,6 +859,115 @@ static __device__ __forceinline__ uint32_t tw_u4(const uint4 &v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+/* The eight mma steps of one 128-k chunk of a warp's 32 rows (both
+ * streaming kernels): W[q], this lane's 16-byte MXFP4 block of row piece q
+ * (SwiGLU: gate rows 2 mt, linear rows 2 mt + 1), s2[q] its scale; b(nt,
+ * wd) gives the token rows' 16-byte piece wd of n8 tile nt (fetched at the
+ * even steps). FENCE: keep the table lookups of later steps from being
+ * hoisted (tw_gs_kernel: the registers they would hold spill, measured by
+ * ptxas). */
+template <int NT, bool FENCE, typename GetB>
+static __device__ __forceinline__ void tw_gs_chunk(const uint8_t *lut, uint32_t lane4,
+                                                   const uint4 (&W)[4],
+                                                   const __nv_bfloat162 (&s2)[4],
+                                                   float (&acc)[2][NT][4], GetB b) {
+  uint4 Bv[NT];
+#pragma unroll
+  for (int j = 0; j < 8; j++) {
+    const int wd = j >> 1;
+    if (!(j & 1)) /* the token rows' k of steps 2 wd, 2 wd + 1 */
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++) Bv[nt] = b(nt, wd);
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+      uint32_t a[4];
+      const uint32_t w0 = tw_u4(W[2 * mt], wd), w1 = tw_u4(W[2 * mt + 1], wd);
+      if (j & 1) {
+        a[0] = tw_gs_cvt<2>(lut, w0, lane4, s2[2 * mt]);
+        a[1] = tw_gs_cvt<2>(lut, w1, lane4, s2[2 * mt + 1]);
+        a[2] = tw_gs_cvt<3>(lut, w0, lane4, s2[2 * mt]);
+        a[3] = tw_gs_cvt<3>(lut, w1, lane4, s2[2 * mt + 1]);
+      } else {
+        a[0] = tw_gs_cvt<0>(lut, w0, lane4, s2[2 * mt]);
+        a[1] = tw_gs_cvt<0>(lut, w1, lane4, s2[2 * mt + 1]);
+        a[2] = tw_gs_cvt<1>(lut, w0, lane4, s2[2 * mt]);
+        a[3] = tw_gs_cvt<1>(lut, w1, lane4, s2[2 * mt + 1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++)
+        tw_mma16816(acc[mt][nt], a, tw_u4(Bv[nt], 2 * (j & 1)), tw_u4(Bv[nt], 2 * (j & 1) + 1));
+    }
+    if (FENCE && (j & 1)) asm volatile("" ::: "memory");
+  }
+}
+
+/* The output of a warp's 32 rows r0.. of expert e for assignments [base,
+ * base + 8 NT) (those < ne), rows off + m of out (both streaming kernels):
+ * SwiGLU(acc + bias) as bf16, or acc + bias as f32; with p.ks > 1 (plain
+ * only) added with atomicAdd, the bias with the first K part (cb == 0). */
+template <int EPI, int NT>
+static __device__ __forceinline__ void tw_gs_store(const tw_gg_args_t &p,
+                                                   const float (&acc)[2][NT][4], int e, int ne,
+                                                   int off, int base, int r0, int cb) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, N = p.N;
+  const float *bias = p.bias + (int64_t)e * N;
+#pragma unroll
+  for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+      for (int c = 0; c < 2; c++) {
+        const int m = base + nt * 8 + 2 * t + c;
+        if (m >= ne) continue;
+        const int64_t prow = off + m;
+        if (EPI == TW_GG_SWIGLU) {
+          const int i = (r0 + 16 * mt) / 2 + g;
+          if (2 * i >= N) continue;
+          reinterpret_cast<__nv_bfloat16 *>(p.out)[prow * (N / 2) + i] =
+              __float2bfloat16(tw_swiglu(acc[mt][nt][c] + bias[2 * i],
+                                         acc[mt][nt][2 + c] + bias[2 * i + 1], p.alpha, p.limit));
+        } else {
+          const int n = r0 + 16 * mt + g;
+          float *y = reinterpret_cast<float *>(p.out) + prow * N;
+          if (p.ks > 1) { /* two parts: a + b == b + a, so the sum is the same every run */
+            if (n < N) atomicAdd(y + n, acc[mt][nt][c] + (cb == 0 ? bias[n] : 0.f));
+            if (n + 8 < N) atomicAdd(y + n + 8, acc[mt][nt][2 + c] + (cb == 0 ? bias[n + 8] : 0.f));
+          } else {
+            if (n < N) y[n] = acc[mt][nt][c] + bias[n];
+            if (n + 8 < N) y[n + 8] = acc[mt][nt][2 + c] + bias[n + 8];
+          }
+        }
+      }
+}
+
+/* The per-lane conversion table (both streaming kernels): entry v's 32 lane
+ * copies at 256 v (bytes 128-255 of each unused), built by the CTA. */
+static __device__ __forceinline__ void tw_gs_build_lut(uint8_t *lut) {
+  for (int i = threadIdx.x; i < 256 * 8; i += blockDim.x) {
+    const uint32_t c = tw_fp4x2_bf16((uint32_t)(i >> 3));
+    reinterpret_cast<uint4 *>(lut + (i >> 3) * 256)[i & 7] = make_uint4(c, c, c, c);
+  }
+}
+
+/* pre[i]: passes of 16 assignments of the active experts before i (pre[0] =
+ * 0 .. pre[n_act]); one warp (both streaming kernels). */
+static __device__ __forceinline__ void tw_gs_prefix(const tw_gg_args_t &p, int n_act, int *pre) {
+  const int lane = threadIdx.x & 31;
+  int sum = 0;
+  for (int i0 = 0; i0 < n_act; i0 += 32) {
+    const int i = i0 + lane;
+    int v = i < n_act ? (p.counts[p.active[i]] + 15) / 16 : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int u = __shfl_up_sync(0xFFFFFFFFu, v, d);
+      if (lane >= d) v += u;
+    }
+    if (i < n_act) pre[i + 1] = sum + v;
+    sum += __shfl_sync(0xFFFFFFFFu, v, 31);
+  }
+  if (lane == 0) pre[0] = 0;
+}
+
 /* A unit of the last round cut between warps (tw_gs_kernel): s, its number
  * among the round's units (-1: not cut); the warps wa..wb that share it,
  * each a piece of the round's Ut k-chunks split evenly over Wt warps (warp
@@ -903,12 +1019,7 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
   }
   const uint4 *xa = reinterpret_cast<const uint4 *>(p.a);
   float acc[2][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-      for (int q = 0; q < 4; q++) acc[mt][nt][q] = 0.f;
+  tw_acc_zero(acc);
   uint32_t S[TW_GS_STAGES]; /* the four rows' scale bytes of a stage, row q in byte q */
   /* chunk c into stage st: this lane's four 16-byte blocks, and their scales */
   auto issue = [&](int st, int c) {
@@ -963,37 +1074,9 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
       const uint32_t sc = tw_gg_scale2((S[st] >> (8 * q)) & 0xFFu);
       s2[q] = *reinterpret_cast<const __nv_bfloat162 *>(&sc);
     }
-    uint4 Bv[NT];
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-      const int wd = j >> 1;
-      if (!(j & 1)) /* the token rows' k of steps 2 wd, 2 wd + 1 */
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-          Bv[nt] = PF ? Bc[nt * 4 + wd] : xrow(kok, nt, c, wd);
-#pragma unroll
-      for (int mt = 0; mt < 2; mt++) {
-        uint32_t a[4];
-        const uint32_t w0 = tw_u4(W[2 * mt], wd), w1 = tw_u4(W[2 * mt + 1], wd);
-        if (j & 1) {
-          a[0] = tw_gs_cvt<2>(lut, w0, lane4, s2[2 * mt]);
-          a[1] = tw_gs_cvt<2>(lut, w1, lane4, s2[2 * mt + 1]);
-          a[2] = tw_gs_cvt<3>(lut, w0, lane4, s2[2 * mt]);
-          a[3] = tw_gs_cvt<3>(lut, w1, lane4, s2[2 * mt + 1]);
-        } else {
-          a[0] = tw_gs_cvt<0>(lut, w0, lane4, s2[2 * mt]);
-          a[1] = tw_gs_cvt<0>(lut, w1, lane4, s2[2 * mt + 1]);
-          a[2] = tw_gs_cvt<1>(lut, w0, lane4, s2[2 * mt]);
-          a[3] = tw_gs_cvt<1>(lut, w1, lane4, s2[2 * mt + 1]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-          tw_mma16816(acc[mt][nt], a, tw_u4(Bv[nt], 2 * (j & 1)), tw_u4(Bv[nt], 2 * (j & 1) + 1));
-      }
-      /* keep the table lookups of later steps from being hoisted here: the
-       * registers they would hold spill (measured by ptxas) */
-      if (j & 1) asm volatile("" ::: "memory");
-    }
+    tw_gs_chunk<NT, true>(lut, lane4, W, s2, acc, [&](int nt, int wd) {
+      return PF ? Bc[nt * 4 + wd] : xrow(kok, nt, c, wd);
+    });
   };
   issue(0, cb);
   issue(1, cb + 1);
@@ -1043,34 +1126,7 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
     }
     if (lane == 0) p.gs_ticket[sp.s] = 0;
   }
-  const float *bias = p.bias + (int64_t)e * N;
-#pragma unroll
-  for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-    for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-      for (int c = 0; c < 2; c++) {
-        const int m = base + nt * 8 + 2 * t + c;
-        if (m >= ne) continue;
-        const int64_t prow = off + m;
-        if (EPI == TW_GG_SWIGLU) {
-          const int i = (r0 + 16 * mt) / 2 + g;
-          if (2 * i >= N) continue;
-          reinterpret_cast<__nv_bfloat16 *>(p.out)[prow * (N / 2) + i] =
-              __float2bfloat16(tw_swiglu(acc[mt][nt][c] + bias[2 * i],
-                                         acc[mt][nt][2 + c] + bias[2 * i + 1], p.alpha, p.limit));
-        } else {
-          const int n = r0 + 16 * mt + g;
-          float *y = reinterpret_cast<float *>(p.out) + prow * N;
-          if (p.ks > 1) { /* two parts: a + b == b + a, so the sum is the same every run */
-            if (n < N) atomicAdd(y + n, acc[mt][nt][c] + (cb == 0 ? bias[n] : 0.f));
-            if (n + 8 < N) atomicAdd(y + n + 8, acc[mt][nt][2 + c] + (cb == 0 ? bias[n + 8] : 0.f));
-          } else {
-            if (n < N) y[n] = acc[mt][nt][c] + bias[n];
-            if (n + 8 < N) y[n + 8] = acc[mt][nt][2 + c] + bias[n + 8];
-          }
-        }
-      }
+  tw_gs_store<EPI, NT>(p, acc, e, ne, off, base, r0, cb);
 }
 
 /* PF: which passes load their token rows a chunk ahead (tw_gs_pass): 1,
@@ -1085,11 +1141,7 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + tid; i < p.zero_n;
          i += (int64_t)gridDim.x * blockDim.x)
       p.zero[i] = 0.f;
-  /* the table: entry v's 32 lane copies at 256 v (bytes 128-255 of each unused) */
-  for (int i = tid; i < 256 * 8; i += WARPS * 32) {
-    const uint32_t c = tw_fp4x2_bf16((uint32_t)(i >> 3));
-    reinterpret_cast<uint4 *>(tw_gs_smem + (i >> 3) * 256)[i & 7] = make_uint4(c, c, c, c);
-  }
+  tw_gs_build_lut(tw_gs_smem);
   uint8_t *stg = tw_gs_smem + TW_GS_LUT_BYTES + warp * (TW_GS_STAGES * TW_GS_STAGE_BYTES);
   const int slices = (p.N + 31) / 32, KC = (p.K / 32 + 3) / 4, n_act = *p.n_active;
   const int W = gridDim.x * WARPS, w = blockIdx.x * WARPS + warp;
@@ -1108,21 +1160,7 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
   int *pre = reinterpret_cast<int *>(tw_gs_smem + TW_GS_LUT_BYTES +
                                      WARPS * TW_GS_STAGES * TW_GS_STAGE_BYTES);
   const bool tiled = p.gs_ticket && n_act < TW_GS_PRE && W <= TW_CUDA_MOE_GS_TICKETS;
-  if (warp == 0 && tiled) {
-    int sum = 0;
-    for (int i0 = 0; i0 < n_act; i0 += 32) {
-      const int i = i0 + (tid & 31);
-      int v = i < n_act ? (p.counts[p.active[i]] + 15) / 16 : 0;
-#pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const int u = __shfl_up_sync(0xFFFFFFFFu, v, d);
-        if ((tid & 31) >= d) v += u;
-      }
-      if (i < n_act) pre[i + 1] = sum + v;
-      sum += __shfl_sync(0xFFFFFFFFu, v, 31);
-    }
-    if (tid == 0) pre[0] = 0;
-  }
+  if (warp == 0 && tiled) tw_gs_prefix(p, n_act, pre);
   __syncthreads(); /* the table and pre */
   const int units = tiled ? slices * pre[n_act] : 0, full = units / W * W, R = units - full;
   const int Wt = min(W, R * min(TW_GS_PIECES, KC));
@@ -1202,6 +1240,370 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
   }
 }
 
+/* ---- The decode MoE with its weights brought in by the tensor memory
+ * accelerator (TMA): tw_gt_kernel ----
+ *
+ * The same units of work and the same mma.sync arithmetic as tw_gs_kernel
+ * (the K order inside a 128-k chunk permuted so that lane t's A values are
+ * its own MXFP4 block t, the same per-lane conversion table, the same
+ * epilogues), but no warp copies weights: one producer warp per CTA keeps
+ * TW_GT_STAGES stages in flight, each stage the MXFP4 blocks of 128 k of
+ * TW_GT_RT = 256 weight rows of one expert (one 3-D TMA box of the [E, N,
+ * K/2] bytes: rows past N and k past K arrive as zeros) and the same 128 k of
+ * the unit's up to 16 assignment rows (one bulk copy a row, gathered through
+ * the route's sorted order for gate_up); the scale bytes of the unit's rows
+ * (contiguous in [E, N, K/32]) come once per unit into one of two buffers.
+ * Eight consumer warps (32 rows each) wait on a stage's mbarrier, read
+ * their weights, scales and the shared token rows from shared memory,
+ * convert, multiply, and release the stage. So the copies in flight no
+ * longer depend on how far each warp's chain of loads, conversions and mma
+ * has got (tw_gs_kernel's limit, docs/benchmarks.md), and the token rows are
+ * read from L2 once per 256 rows instead of once per 32.
+ *
+ * A unit is (active expert, pass of 16 assignments, K part, 256-row tile),
+ * numbered in that order (tiles fastest: a round of units reads neighbouring
+ * rows of few experts); CTA b takes units b, b + G, ... One CTA per SM. */
+#define TW_GT_CW 8                   /* consumer warps of a group: 32 rows each */
+#define TW_GT_RT (32 * TW_GT_CW)     /* weight rows a unit */
+#define TW_GT_STAGES 4
+#define TW_GT_WBYTES (TW_GT_RT * 64) /* one stage's weights: RT rows x 64 bytes (128 k) */
+/* A token row's 128 k of bf16 in a stage, rows TW_GT_TS bytes apart (32
+ * mod 128: with lanes t >= 2 taking their pieces in rotated order, the eight
+ * 16-byte pieces a quarter-warp reads fall in eight different bank groups) */
+#define TW_GT_TS 288
+#define TW_GT_STAGE (TW_GT_WBYTES + 16 * TW_GT_TS)
+#define TW_GT_THREADS(G) (32 * (TW_GT_CW * (G) + 1))
+#define TW_GT_MAX_K 3072
+/* with two consumer groups, group 1's sums of a unit meet group 0's here:
+ * [warp][mt][nt][4][lane] floats */
+#define TW_GT_RED_BYTES (TW_GT_CW * 2 * 2 * 4 * 32 * 4)
+
+static __host__ __device__ __forceinline__ int tw_gt_scale_bytes(int K) {
+  return (TW_GT_RT * (K / 32) + 127) / 128 * 128;
+}
+static size_t tw_gt_smem(int K, int G) {
+  return TW_GS_LUT_BYTES + (size_t)TW_GT_STAGES * TW_GT_STAGE + 2 * (size_t)tw_gt_scale_bytes(K) +
+         (G > 1 ? TW_GT_RED_BYTES : 0) + 4 * TW_GS_PRE + 8 * (2 * TW_GT_STAGES + 4);
+}
+
+static __device__ __forceinline__ void tw_mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+static __device__ __forceinline__ void tw_mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+static __device__ __forceinline__ void tw_mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+/* Wait until the phase of parity `parity` of the mbarrier has completed. */
+static __device__ __forceinline__ void tw_mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+static __device__ __forceinline__ void tw_tma_3d(uint32_t dst, const CUtensorMap *map, int c0,
+                                                 int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+static __device__ __forceinline__ void tw_bulk_g2s(uint32_t dst, const void *src, uint32_t bytes,
+                                                   uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+/* Unit u of the launch (see above): expert e, its first assignment base,
+ * K part kp, first weight row r0. pre: passes before each active expert. */
+typedef struct {
+  int e, base, kp, r0, ne, off;
+} tw_gt_unit_t;
+static __device__ __forceinline__ tw_gt_unit_t tw_gt_unit(const tw_gg_args_t &p, const int *pre,
+                                                          int n_act, int tiles, int u) {
+  tw_gt_unit_t x;
+  const int pu = u / tiles, gp = pu / p.ks;
+  x.r0 = (u - pu * tiles) * TW_GT_RT;
+  x.kp = pu - gp * p.ks;
+  int lo = 0, hi = n_act - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (pre[mid] <= gp) lo = mid;
+    else hi = mid - 1;
+  }
+  x.e = p.active[lo];
+  x.base = (gp - pre[lo]) * 16;
+  x.ne = p.counts[x.e];
+  x.off = p.offsets[x.e];
+  return x;
+}
+
+/* A consumer warp's part of one unit: its 32 rows for assignments [base,
+ * base + 8 NT) over k-chunks [cb, ce), stage by stage (it: the CTA's running
+ * chunk count, the stages' phases), then the epilogue (tw_gs_pass's). */
+template <int EPI, int NT, int G>
+static __device__ __forceinline__ void tw_gt_consume(const tw_gg_args_t &p, const uint8_t *lut,
+                                                     const uint8_t *stg, const uint8_t *scl,
+                                                     float *red, uint32_t bar0,
+                                                     const tw_gt_unit_t &x, int cb, int ce,
+                                                     int &it) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int gr = (threadIdx.x >> 5) / TW_GT_CW, warp = (threadIdx.x >> 5) % TW_GT_CW;
+  const uint32_t lane4 = 4u * (uint32_t)lane;
+  const int K = p.K, N = p.N, KB = K / 32;
+  const int wr = 32 * warp + (EPI == TW_GG_SWIGLU ? 2 * g : g); /* this lane's row 0, in the unit */
+  const bool active = x.r0 + 32 * warp < N;
+  auto qrow = [](int q) { return EPI == TW_GG_SWIGLU ? 16 * (q >> 1) + (q & 1) : 8 * q; };
+  float acc[2][NT][4];
+  tw_acc_zero(acc);
+  for (int c = cb; c < ce; c++, it++) {
+    if (G > 1 && (it & 1) != gr) continue; /* the other group's chunk */
+    const int s = it % TW_GT_STAGES;
+    tw_mbar_wait(bar0 + 8 * s, (uint32_t)(it / TW_GT_STAGES) & 1u);
+    if (active) {
+      const uint8_t *st = stg + s * TW_GT_STAGE;
+      const int kb = 4 * c + t;
+      const bool kok = kb < KB;
+      uint4 W[4];
+      __nv_bfloat162 s2[4];
+#pragma unroll
+      for (int q = 0; q < 4; q++) {
+        const int r = wr + qrow(q);
+        /* SwiGLU: lanes of odd g read their linear row first, so that a
+         * quarter-warp's rows 2g are not all 128 bytes apart (bank conflicts) */
+        const int rl = EPI == TW_GG_SWIGLU && (g & 1) ? r ^ 1 : r;
+        W[q] = *reinterpret_cast<const uint4 *>(st + rl * 64 + 16 * t);
+        const uint32_t sc = tw_gg_scale2(kok ? scl[r * KB + kb] : 127u);
+        s2[q] = *reinterpret_cast<const __nv_bfloat162 *>(&sc);
+      }
+      if (EPI == TW_GG_SWIGLU && (g & 1))
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+          const uint4 v = W[2 * mt];
+          W[2 * mt] = W[2 * mt + 1];
+          W[2 * mt + 1] = v;
+        }
+      /* lanes t >= 2 take the 8-k pieces of their block in the order 1, 2, 3,
+       * 0 (their k order, the same for every lane of that t, so the mma sums
+       * stay right): the token rows' pieces are loaded in that order below */
+      const bool rot = t >= 2;
+      if (rot)
+#pragma unroll
+        for (int q = 0; q < 4; q++) W[q] = make_uint4(W[q].y, W[q].z, W[q].w, W[q].x);
+      uint4 B[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int wd = 0; wd < 4; wd++)
+          B[nt][wd] = kok ? *reinterpret_cast<const uint4 *>(
+                                st + TW_GT_WBYTES + (nt * 8 + g) * TW_GT_TS + 64 * t +
+                                16 * (rot ? (wd + 1) & 3 : wd))
+                          : make_uint4(0, 0, 0, 0);
+      tw_gs_chunk<NT, false>(lut, lane4, W, s2, acc, [&](int nt, int wd) { return B[nt][wd]; });
+    }
+    __syncwarp();
+    if (lane == 0) tw_mbar_arrive(bar0 + 8 * (TW_GT_STAGES + s)); /* the stage is free */
+  }
+  if (G > 1) { /* group 1's sums into group 0's, in that order (the same bits every run) */
+    float4 *r4 = reinterpret_cast<float4 *>(red) + warp * (2 * 2 * 32) + lane;
+    if (gr == 1 && active)
+#pragma unroll
+      for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+          r4[(mt * 2 + nt) * 32] =
+              make_float4(acc[mt][nt][0], acc[mt][nt][1], acc[mt][nt][2], acc[mt][nt][3]);
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * TW_GT_CW * G) : "memory");
+    if (gr == 0 && active)
+#pragma unroll
+      for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+          const float4 o = r4[(mt * 2 + nt) * 32];
+          acc[mt][nt][0] += o.x, acc[mt][nt][1] += o.y, acc[mt][nt][2] += o.z, acc[mt][nt][3] += o.w;
+        }
+    asm volatile("bar.sync 1, %0;" ::"n"(32 * TW_GT_CW * G) : "memory");
+    if (gr == 1) return;
+  }
+  if (active) tw_gs_store<EPI, NT>(p, acc, x.e, x.ne, x.off, x.base, x.r0 + 32 * warp, cb);
+}
+
+template <int EPI, int G>
+static __global__ void __launch_bounds__(TW_GT_THREADS(G), 1)
+    tw_gt_kernel(const tw_gg_args_t p, const __grid_constant__ CUtensorMap wmap) {
+  extern __shared__ __align__(128) uint8_t tw_gt_smem_b[];
+  TW_PDL_WAIT();
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (p.zero) /* the next launch's split-K output (every earlier kernel is done: PDL wait) */
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + tid; i < p.zero_n;
+         i += (int64_t)gridDim.x * blockDim.x)
+      p.zero[i] = 0.f;
+  tw_gs_build_lut(tw_gt_smem_b);
+  const int K = p.K, N = p.N, KB = K / 32, KC = (KB + 3) / 4, sbytes = tw_gt_scale_bytes(K);
+  uint8_t *stg = tw_gt_smem_b + TW_GS_LUT_BYTES;
+  uint8_t *scl = stg + TW_GT_STAGES * TW_GT_STAGE;
+  float *red = reinterpret_cast<float *>(scl + 2 * sbytes);
+  int *pre = reinterpret_cast<int *>(scl + 2 * sbytes + (G > 1 ? TW_GT_RED_BYTES : 0));
+  /* mbarriers: full[S], empty[S], scales full[2], scales empty[2] */
+  const uint32_t bar0 = tw_smem_u32(pre + TW_GS_PRE);
+  const uint32_t sbar = bar0 + 8 * 2 * TW_GT_STAGES;
+  const int n_act = *p.n_active;
+  if (tid == 0) {
+    for (int s = 0; s < TW_GT_STAGES; s++) {
+      tw_mbar_init(bar0 + 8 * s, 1);
+      tw_mbar_init(bar0 + 8 * (TW_GT_STAGES + s), TW_GT_CW);
+    }
+    for (int b = 0; b < 2; b++) {
+      tw_mbar_init(sbar + 8 * b, 1);
+      tw_mbar_init(sbar + 8 * (2 + b), TW_GT_CW * G);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (warp == 0) tw_gs_prefix(p, n_act, pre);
+  __syncthreads(); /* the table, pre, the barriers */
+  const int tiles = (N + TW_GT_RT - 1) / TW_GT_RT;
+  const int units = pre[n_act] * p.ks * tiles;
+  int it = 0, un = 0;
+  if (warp == TW_GT_CW * G) { /* the producer */
+    for (int u = blockIdx.x; u < units; u += gridDim.x, un++) {
+      const tw_gt_unit_t x = tw_gt_unit(p, pre, n_act, tiles, u);
+      const int cb = KC * x.kp / p.ks, ce = KC * (x.kp + 1) / p.ks;
+      const int rows = min(TW_GT_RT, N - x.r0), nrow = min(16, x.ne - x.base), sb = un & 1;
+      tw_mbar_wait(sbar + 8 * (2 + sb), ((uint32_t)(un >> 1) & 1u) ^ 1u);
+      if (lane == 0) {
+        tw_mbar_expect_tx(sbar + 8 * sb, (uint32_t)(rows * KB));
+        tw_bulk_g2s(tw_smem_u32(scl + sb * sbytes), p.ws + ((int64_t)x.e * N + x.r0) * KB,
+                    (uint32_t)(rows * KB), sbar + 8 * sb);
+      }
+      int64_t trow = 0;
+      if (lane < nrow) {
+        const int q = x.off + x.base + lane;
+        trow = p.sorted ? p.sorted[q] / p.k_top : q;
+      }
+      for (int c = cb; c < ce; c++, it++) {
+        const int s = it % TW_GT_STAGES;
+        tw_mbar_wait(bar0 + 8 * (TW_GT_STAGES + s), ((uint32_t)(it / TW_GT_STAGES) & 1u) ^ 1u);
+        const uint32_t kbytes = (uint32_t)min(128, K - 128 * c) * 2u;
+        const uint32_t dst = tw_smem_u32(stg + s * TW_GT_STAGE);
+        if (lane == 0) {
+          tw_mbar_expect_tx(bar0 + 8 * s, TW_GT_WBYTES + (uint32_t)nrow * kbytes);
+          tw_tma_3d(dst, &wmap, 64 * c, x.r0, x.e, bar0 + 8 * s);
+        }
+        __syncwarp();
+        if (lane < nrow)
+          tw_bulk_g2s(dst + TW_GT_WBYTES + lane * TW_GT_TS, p.a + trow * K + 128 * c, kbytes,
+                      bar0 + 8 * s);
+      }
+    }
+    return;
+  }
+  for (int u = blockIdx.x; u < units; u += gridDim.x, un++) { /* the consumers */
+    const tw_gt_unit_t x = tw_gt_unit(p, pre, n_act, tiles, u);
+    const int cb = KC * x.kp / p.ks, ce = KC * (x.kp + 1) / p.ks, sb = un & 1;
+    tw_mbar_wait(sbar + 8 * sb, (uint32_t)(un >> 1) & 1u);
+    const uint8_t *sc = scl + sb * sbytes;
+    if (x.ne - x.base <= 8)
+      tw_gt_consume<EPI, 1, G>(p, tw_gt_smem_b, stg, sc, red, bar0, x, cb, ce, it);
+    else
+      tw_gt_consume<EPI, 2, G>(p, tw_gt_smem_b, stg, sc, red, bar0, x, cb, ce, it);
+    __syncwarp();
+    if (lane == 0) tw_mbar_arrive(sbar + 8 * (2 + sb)); /* done with these scales */
+  }
+}
+
+static int tw_gs_sms(void);
+
+/* Whether the TMA kernel takes the streaming kernel's launches: 1 unless
+ * TWAIN_CUDA_MOE_TMA=0 or tw_cuda_moe_set_stream_tma said otherwise. */
+static int tw_gt_on = -1;
+extern "C" void tw_cuda_moe_set_stream_tma(int on) { tw_gt_on = on < 0 ? -1 : on ? 1 : 0; }
+extern "C" int tw_cuda_moe_stream_tma(void) {
+  return tw_gt_on >= 0 ? tw_gt_on : tw_cuda_knobs()->moe_tma;
+}
+
+typedef CUresult (*tw_tmap_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                      const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                      const cuuint32_t *, CUtensorMapInterleave,
+                                      CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                      CUtensorMapFloatOOBfill);
+static tw_tmap_encode_fn tw_tmap_encode(void) {
+  static tw_tmap_encode_fn fn = [] {
+    void *f = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = NULL;
+    }
+    return (tw_tmap_encode_fn)f;
+  }();
+  return fn;
+}
+
+/* The tensor map of MXFP4 blocks wq [E, N, K/32, 16] as bytes [E][N][K/2],
+ * box 64 bytes x TW_GT_RT rows x 1 expert; false where the driver refuses. */
+static bool tw_gt_map(const uint8_t *wq, int E, int N, int K, CUtensorMap *map) {
+  tw_tmap_encode_fn enc = tw_tmap_encode();
+  if (!enc || ((uintptr_t)wq & 15)) return false;
+  const cuuint64_t dims[3] = {(cuuint64_t)K / 2, (cuuint64_t)N, (cuuint64_t)E};
+  const cuuint64_t strides[2] = {(cuuint64_t)K / 2, (cuuint64_t)N * (K / 2)};
+  const cuuint32_t box[3] = {64, TW_GT_RT, 1}, estr[3] = {1, 1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)wq, dims, strides, box, estr,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* Consumer groups of the TMA kernel: 2 (16 warps; the chunks of a unit
+ * alternate between the groups) unless TWAIN_CUDA_MOE_TMA=1 asks for one. */
+static int tw_gt_groups(void) { return tw_cuda_knobs()->moe_tma == 1 ? 1 : 2; }
+typedef void (*tw_gt_fn)(const tw_gg_args_t, const CUtensorMap);
+static tw_gt_fn tw_gt_pick(int epi, int G) {
+  if (G == 1) return epi == TW_GG_SWIGLU ? tw_gt_kernel<TW_GG_SWIGLU, 1> : tw_gt_kernel<TW_GG_PLAIN, 1>;
+  return epi == TW_GG_SWIGLU ? tw_gt_kernel<TW_GG_SWIGLU, 2> : tw_gt_kernel<TW_GG_PLAIN, 2>;
+}
+
+/* Whether the TMA kernel can take both launches of an MoE (gate_up on x,
+ * down on act): K of each at most TW_GT_MAX_K, fewer than TW_GS_PRE
+ * experts, every tensor it copies 16-byte aligned (bulk copies and tensor
+ * maps need it), the driver's tensor-map encoder found. */
+static bool tw_gt_fits(const tw_cuda_moe_weights_t *w, const void *x, const void *act) {
+  const uintptr_t any = (uintptr_t)x | (uintptr_t)act | (uintptr_t)w->gate_up_blocks |
+                        (uintptr_t)w->gate_up_scales | (uintptr_t)w->down_blocks |
+                        (uintptr_t)w->down_scales;
+  return tw_cuda_moe_stream_tma() && w->hidden <= TW_GT_MAX_K &&
+         w->intermediate <= TW_GT_MAX_K && w->n_experts < TW_GS_PRE && (any & 15) == 0 &&
+         tw_tmap_encode();
+}
+
+static TW_NODISCARD tw_status_t tw_gt_launch(const tw_gg_args_t *a, int epi, int tk,
+                                             cudaStream_t stream) {
+  CUtensorMap map;
+  if (!tw_gt_map(a->wq, a->E, a->N, a->K, &map))
+    return tw_err(TW_ERR_CUDA, "moe: the driver refused the tensor map of %d x %d x %d bytes",
+                  a->E, a->N, a->K / 2);
+  const int experts = a->E < tk ? a->E : tk, tiles = TW_CDIV(a->N, TW_GT_RT);
+  const int units = tiles * a->ks * (tk / 16 + experts), sms = tw_gs_sms();
+  const int G = tw_gt_groups();
+  dim3 grid(units < sms ? units : sms);
+  tw_pdl_launch(tw_gt_pick(epi, G), grid, dim3(TW_GT_THREADS(G)), tw_gt_smem(a->K, G), stream, *a,
+                map);
+  TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gt_kernel(gate_up)" : "tw_gt_kernel(down)");
+  return TW_OK;
+}
+
 /* Whether the streaming kernel takes the decode MoE: MXFP4 experts, the
  * 16-row tile (an expert's mean load at most 8), unless TWAIN_CUDA_MOE_STREAM=0
  * (knobs.h) or tw_cuda_moe_set_stream said otherwise. */
@@ -1262,6 +1664,14 @@ static int tw_gs_down_parts(int N, int E, int tk) {
   const int experts = E < tk ? E : tk, items = (N + 31) / 32 * experts;
   return items < 2 * tw_gs_grid_warps() ? 2 : 1;
 }
+/* K parts of the TMA kernel's down launch: 2 where its (expert, 256-row
+ * tile) units are fewer than four times the SMs (so the last round is a
+ * small part of the launch), 1 with TWAIN_CUDA_MOE_STREAM_SPLITK=0. */
+static int tw_gt_down_parts(int N, int E, int tk) {
+  if (!tw_cuda_knobs()->moe_stream_splitk) return 1;
+  const int experts = E < tk ? E : tk, units = TW_CDIV(N, TW_GT_RT) * experts;
+  return units < 4 * tw_gs_sms() ? 2 : 1;
+}
 /* One launch of the streaming kernel on a's experts; pf: its token-row
  * prefetch (tw_gs_pf). */
 static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, int pf,
@@ -1276,6 +1686,11 @@ static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, int
 }
 
 extern "C" tw_status_t tw_moe_grouped_setup(void) {
+  for (int epi = 0; epi < 2; epi++)
+    for (int G = 1; G <= 2; G++)
+      TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gt_pick(epi, G),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)tw_gt_smem(TW_GT_MAX_K, G)));
   for (int epi = 0; epi < 2; epi++)
     for (int wp = 8; wp <= 16; wp *= 2)
       for (int pf = 0; pf <= 2; pf++)
@@ -1423,10 +1838,12 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.out = act;
   a.ks = 1;
   const int pf = tw_gs_pf(tk, E);
-  /* the streaming kernel's last round in pieces (tw_gs_kernel), or else its
-   * down launch in two K parts for small batches (tw_gs_down_parts) */
-  const bool tiled = gs && tw_cuda_moe_stream_balance();
-  const int down_ks = gs && !tiled ? tw_gs_down_parts(H, E, tk) : 1;
+  /* the TMA kernel where it fits (tw_gt_kernel; its down launch in two K
+   * parts for small batches), else the streaming kernel's last round in
+   * pieces (tw_gs_kernel), or else its down launch in two K parts */
+  const bool gt = gs && tw_gt_fits(w, x, act);
+  const bool tiled = gs && !gt && tw_cuda_moe_stream_balance();
+  const int down_ks = gt ? tw_gt_down_parts(H, E, tk) : gs && !tiled ? tw_gs_down_parts(H, E, tk) : 1;
   if (tiled) {
     a.gs_ticket = r->gs_ticket;
     a.gs_part = gs_part;
@@ -1435,8 +1852,9 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
     a.zero = y;
     a.zero_n = (int64_t)tk * H;
   }
-  TW_CHECK(gs ? tw_gs_launch(&a, TW_GG_SWIGLU, pf, stream)
-              : tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, bt, stream));
+  TW_CHECK(gt   ? tw_gt_launch(&a, TW_GG_SWIGLU, tk, stream)
+           : gs ? tw_gs_launch(&a, TW_GG_SWIGLU, pf, stream)
+                : tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, bt, stream));
   a.a = (const __nv_bfloat16 *)act;
   a.sorted = NULL;
   a.wq = w->down_blocks;
@@ -1449,5 +1867,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.ks = down_ks;
   a.zero = NULL;
   a.zero_n = 0;
-  return gs ? tw_gs_launch(&a, TW_GG_PLAIN, pf, stream) : tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);
+  return gt   ? tw_gt_launch(&a, TW_GG_PLAIN, tk, stream)
+         : gs ? tw_gs_launch(&a, TW_GG_PLAIN, pf, stream)
+              : tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);
 }
