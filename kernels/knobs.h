@@ -44,8 +44,9 @@ typedef struct {
                             two parts where its items are fewer than twice the warps) */
   int moe_stream_balance; /* TWAIN_CUDA_MOE_STREAM_BALANCE=0: its last round of (expert, rows)
                              units is not cut into pieces over every warp (default 1) */
-  int moe_tma;            /* TWAIN_CUDA_MOE_TMA=0 keeps the streaming decode MoE's weight copies
-                          in its warps instead of the TMA kernel's producer warp (default 1) */
+  int moe_tma;            /* TWAIN_CUDA_MOE_TMA 0, 1 or 2: the streaming decode MoE's weight
+                            copies in its own warps (0), or by the TMA kernel's producer warp
+                            for 8 (1) or 16 (2, default) consumer warps */
   int route_fused_max;   /* TWAIN_CUDA_ROUTE_FUSED_MAX 0..1024: assignments (T x k) up to which
                             the router GEMM's route runs as one block (128) */
 } tw_cuda_knobs_t;

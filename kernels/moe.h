@@ -190,9 +190,10 @@ void tw_cuda_moe_set_stream(int on);
 /** Whether the streaming decode MoE runs as the TMA kernel of
  *  moe_grouped.cu (tw_gt_kernel: one producer warp per CTA brings each
  *  256-row stage of MXFP4 weights in with the tensor memory accelerator,
- *  eight warps convert and multiply; same units, arithmetic and tolerance as
- *  tw_gs_kernel) where its shapes fit (K <= 4096, fewer than 256 experts,
- *  16-byte aligned tensors): 1 unless TWAIN_CUDA_MOE_TMA=0 (read once). */
+ *  sixteen warps convert and multiply; same arithmetic and tolerance as
+ *  tw_gs_kernel) where its shapes fit (hidden and intermediate sizes
+ *  multiples of 32 and at most 3,072, fewer than 256 experts, 16-byte
+ *  aligned tensors): 1 unless TWAIN_CUDA_MOE_TMA=0 (read once). */
 int tw_cuda_moe_stream_tma(void);
 
 /** Set tw_cuda_moe_stream_tma: 1 on, 0 off, negative: back to the

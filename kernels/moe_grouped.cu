@@ -1583,7 +1583,8 @@ static bool tw_gt_fits(const tw_cuda_moe_weights_t *w, const void *x, const void
   const uintptr_t any = (uintptr_t)x | (uintptr_t)act | (uintptr_t)w->gate_up_blocks |
                         (uintptr_t)w->gate_up_scales | (uintptr_t)w->down_blocks |
                         (uintptr_t)w->down_scales;
-  return tw_cuda_moe_stream_tma() && w->hidden <= TW_GT_MAX_K &&
+  return tw_cuda_moe_stream_tma() && w->hidden % 32 == 0 && w->intermediate % 32 == 0 &&
+         w->hidden <= TW_GT_MAX_K &&
          w->intermediate <= TW_GT_MAX_K && w->n_experts < TW_GS_PRE && (any & 15) == 0 &&
          tw_tmap_encode();
 }
@@ -1658,17 +1659,20 @@ static int tw_gs_grid_warps(void) { return 16 / tw_gs_warps() * tw_gs_warps() * 
 /* K parts of the down launch: 2 where its (expert, 32-row slice) items
  * (experts: at most min(E, assignments)) are fewer than twice the grid's
  * warps, so no warp idles through a second round while others finish theirs;
- * 1 with TWAIN_CUDA_MOE_STREAM_SPLITK=0 (knobs.h). */
-static int tw_gs_down_parts(int N, int E, int tk) {
-  if (!tw_cuda_knobs()->moe_stream_splitk) return 1;
+ * 1 with TWAIN_CUDA_MOE_STREAM_SPLITK=0 (knobs.h), and where K (the down
+ * GEMM's: the intermediate size) is one 128-k chunk: both parts would start
+ * at chunk 0 and each add the bias. */
+static int tw_gs_down_parts(int N, int K, int E, int tk) {
+  if (!tw_cuda_knobs()->moe_stream_splitk || TW_CDIV(K / 32, 4) < 2) return 1;
   const int experts = E < tk ? E : tk, items = (N + 31) / 32 * experts;
   return items < 2 * tw_gs_grid_warps() ? 2 : 1;
 }
 /* K parts of the TMA kernel's down launch: 2 where its (expert, 256-row
  * tile) units are fewer than four times the SMs (so the last round is a
- * small part of the launch), 1 with TWAIN_CUDA_MOE_STREAM_SPLITK=0. */
-static int tw_gt_down_parts(int N, int E, int tk) {
-  if (!tw_cuda_knobs()->moe_stream_splitk) return 1;
+ * small part of the launch), 1 with TWAIN_CUDA_MOE_STREAM_SPLITK=0 or K of
+ * one 128-k chunk (as tw_gs_down_parts). */
+static int tw_gt_down_parts(int N, int K, int E, int tk) {
+  if (!tw_cuda_knobs()->moe_stream_splitk || TW_CDIV(K / 32, 4) < 2) return 1;
   const int experts = E < tk ? E : tk, units = TW_CDIV(N, TW_GT_RT) * experts;
   return units < 4 * tw_gs_sms() ? 2 : 1;
 }
@@ -1843,7 +1847,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
    * pieces (tw_gs_kernel), or else its down launch in two K parts */
   const bool gt = gs && tw_gt_fits(w, x, act);
   const bool tiled = gs && !gt && tw_cuda_moe_stream_balance();
-  const int down_ks = gt ? tw_gt_down_parts(H, E, tk) : gs && !tiled ? tw_gs_down_parts(H, E, tk) : 1;
+  const int down_ks = gt ? tw_gt_down_parts(H, I, E, tk) : gs && !tiled ? tw_gs_down_parts(H, I, E, tk) : 1;
   if (tiled) {
     a.gs_ticket = r->gs_ticket;
     a.gs_part = gs_part;

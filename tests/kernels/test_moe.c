@@ -573,7 +573,9 @@ int main(void) {
    * 160, N = 320 and 96); the tile is the smallest holding twice the mean
    * load, so 20b T=100 takes 32 and odd T=300 128; bigscale: E8M0 scales
    * above 2 (the decode kernel's two-multiply conversion), at tiles 16 (20b
-   * T=40) and 128 (odd T=300); 120b T=3: 12 experts of one row */
+   * T=40) and 128 (odd T=300); 120b T=3: 12 experts of one row; narrow:
+   * an intermediate size of one 128-k chunk (I = 64) at the 16-row tile,
+   * where the down launch must not be cut into two K parts */
   static const moe_case_t gemm_cases[] = {
       {"20b", 2880, 2880, 32, 4, 1},
       {"20b", 2880, 2880, 32, 4, 300},
@@ -593,6 +595,7 @@ int main(void) {
       {"odd-bigscale", 96, 160, 5, 3, 300},
       {"120b", 2880, 2880, 128, 4, 3},
       {"20b", 2880, 2880, 32, 4, 100},
+      {"narrow", 96, 64, 5, 3, 6},
   };
   for (size_t i = 0; i < sizeof gemv / sizeof gemv[0]; i++)
     rc |= run_case(pool, gemm, &gemv[i], 0, 0);
