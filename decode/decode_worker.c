@@ -216,6 +216,19 @@ static void tw_send_tokens(tw_decoder_t *d, uint64_t id, const int32_t *toks, si
             (unsigned long long)id, tw_last_error());
 }
 
+/* The wire code for a handed-off KV cache that could not be committed: a
+ * device error (TW_ERR_CUDA, TW_ERR_NCCL) is sticky, so the worker marks
+ * itself failed (its answers then say so and the router retries what it
+ * held elsewhere) and stops after this turn (tw_decode_op_follow); anything
+ * else fails the request alone, as INTERNAL. */
+static int tw_decoder_kv_failed(tw_decoder_t *d, tw_status_t st) {
+  if (st != TW_ERR_CUDA && st != TW_ERR_NCCL) return TWAIN__V1__CODE__INTERNAL;
+  if (!d->device_failed)
+    TW_ERROR("decode", "device error in a kv commit, stopping: %s", tw_last_error());
+  d->device_failed = true;
+  return tw_status_wire_code(st);
+}
+
 static void tw_on_reserve(tw_decoder_t *d, const Twain__Internal__V1__Reserve *r) {
   Twain__Internal__V1__Reserved out = TWAIN__INTERNAL__V1__RESERVED__INIT;
   Twain__Internal__V1__Status s = TWAIN__INTERNAL__V1__STATUS__INIT;
@@ -370,11 +383,13 @@ static void tw_on_decode(tw_decoder_t *d, const Twain__Internal__V1__DecodeReque
   if (cst == TW_INPROGRESS) cst = TW_OK;
   if (cst == TW_OK && staged && d->n_dp == 1)
     cst = tw_decode_ranks_commit(&d->rk, s->id, s->n_prompt, s->blocks, nb);
+  if (cst == TW_OK && tw_test_kv_device_error())
+    cst = tw_err(TW_ERR_CUDA, "simulated device error (the TWAIN_TEST_KV_DEVICE_ERROR hook)");
   if (cst != TW_OK || (verify && !tw_decoder_verify(d, s, r, msg, sizeof msg))) {
     if (!msg[0]) snprintf(msg, sizeof msg, "%s", tw_last_error());
     TW_ERROR("decode", "request %llu: %s", (unsigned long long)s->id, msg);
     tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
-                   TWAIN__V1__CODE__INTERNAL, msg);
+                   tw_decoder_kv_failed(d, cst), msg);
     if (staged && !landed) { /* pieces may still land in its blocks */
       s->state = TW_DSEQ_QUARANTINE;
       s->t_ns = tw_msg_clock_ns();
@@ -468,7 +483,7 @@ static void tw_decoder_commits(tw_decoder_t *d) {
     TW_ERROR("decode", "%s", msg);
     if (s->max_tokens > 0)
       tw_send_tokens(d, s->id, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_ERROR,
-                     TWAIN__V1__CODE__INTERNAL, msg);
+                     tw_decoder_kv_failed(d, st == TW_INPROGRESS ? TW_ERR_INTERNAL : st), msg);
     s->state = TW_DSEQ_QUARANTINE; /* pieces may still land there */
     s->t_ns = now;
   }
@@ -863,6 +878,7 @@ static TW_NODISCARD tw_status_t tw_decode_op_work(void *arg) {
     }
   }
   tw_decoder_commits(d);
+  if (d->device_failed) return TW_ERR_CUDA; /* a kv commit met one (tw_decoder_kv_failed) */
   /* a failed step has failed its sequences (each told why); a device
    * error is sticky (STYLE.md "Errors"): stop taking work and exit */
   tw_status_t ss = tw_decoder_step(d);

@@ -3,7 +3,8 @@
  * the N-th time its site is reached, N read once from an environment
  * variable (0, unset or negative: never): TWAIN_TEST_BAD_PLAN
  * (common/engine/dist_engine.c), TWAIN_TEST_DEVICE_ERROR (below:
- * prefill/worker_handoff.c, decode/decode_worker.c). */
+ * prefill/worker_handoff.c, decode/decode_worker.c),
+ * TWAIN_TEST_KV_DEVICE_ERROR (below: decode/decode_worker.c). */
 #ifndef TW_COMMON_TEST_HOOK_H
 #define TW_COMMON_TEST_HOOK_H
 
@@ -35,6 +36,18 @@ static inline bool tw_test_device_error(void) {
 #ifdef TW_TEST_HOOKS
   static tw_test_hook_t h = TW_TEST_HOOK_INIT; /* one site a process: its worker's engine */
   return tw_test_hook_nth(&h, "TWAIN_TEST_DEVICE_ERROR");
+#else
+  return false;
+#endif
+}
+
+/** TWAIN_TEST_KV_DEVICE_ERROR=N: this decode worker's N-th commit of a
+ *  handed-off KV cache (the step that makes its blocks the sequence's)
+ *  fails as a sticky device error would; false without the hooks. */
+static inline bool tw_test_kv_device_error(void) {
+#ifdef TW_TEST_HOOKS
+  static tw_test_hook_t h = TW_TEST_HOOK_INIT;
+  return tw_test_hook_nth(&h, "TWAIN_TEST_KV_DEVICE_ERROR");
 #else
   return false;
 #endif

@@ -19,7 +19,11 @@ error gives, TW_ERR_CUDA):
 The same for a decode worker whose 6th step fails (the hook in the decode
 worker): its stream, answered with the error marked as the worker's, is
 resumed from the tokens it had on a fresh decode worker once the victim has
-exited, and ends with the reference output.
+exited, and ends with the reference output. And for a decode worker whose
+2nd commit of a handed-off KV cache fails (TWAIN_TEST_KV_DEVICE_ERROR=2): the
+first request completes, the second (its first token already streamed) is
+answered with the error marked as the worker's, the victim exits, and the
+stream ends with the reference output on a fresh decode worker.
 Every wait is bounded."""
 import os
 import time
@@ -46,6 +50,21 @@ def victim_fails(c, victim, what, where):
     rc = victim.p.poll()
     check(rc is not None and rc != 0, "%s: the victim exits with a failure status (exit %s)" % (what, rc))
 
+def add_victim(add, env, n):
+    """A worker started by `add` with the hook `env` set to `n` (the victim
+    only: the hook is unset again for the workers started after it)."""
+    os.environ[env] = str(n)
+    try:
+        return add()
+    finally:
+        del os.environ[env]
+
+
+def said(reps):
+    """The last reply's error code and message, for a check's text."""
+    return "%d %r" % (reps[-1].error.code, reps[-1].error.message) if reps else "no reply"
+
+
 prompt = fixtures.ids("short_dog")
 ref = svc.reference_generate(prompt, N)
 
@@ -53,9 +72,7 @@ ref = svc.reference_generate(prompt, N)
 # test starts one once the victim is gone), not twain-router's 5 s
 c = svc.Cluster(0, 1, router_args=["--pool-grace-ms", "180000"])
 try:
-    os.environ["TWAIN_TEST_DEVICE_ERROR"] = "3"  # the victim only
-    victim = c.add_prefill()
-    del os.environ["TWAIN_TEST_DEVICE_ERROR"]
+    victim = add_victim(c.add_prefill, "TWAIN_TEST_DEVICE_ERROR", 3)
     c.wait_registered(1, 1)
     cl = c.client()
     for i in range(2):
@@ -79,8 +96,8 @@ try:
     c.wait_registered(1, 1)
     reps = cl.wait([third], 60)[0]
     check(reps and reps[-1].error.code == 0 and svc.tokens_of(reps) == ref,
-          "prompt 3 (retried) is served by the fresh prefill worker with the reference output (%s)" % (
-              "%d %r" % (reps[-1].error.code, reps[-1].error.message) if reps else "no reply"))
+          "prompt 3 (retried) is served by the fresh prefill worker with the reference output (%s)" %
+          said(reps))
     reps = cl.wait([cl.send(svc.generate(prompt, N))], 60)[0]
     check(reps and reps[-1].error.code == 0 and svc.tokens_of(reps) == ref,
           "a fresh prefill worker serves the next prompt with the reference output")
@@ -96,9 +113,7 @@ check(all(rc == 0 for name, rc in rcs.items() if name != victim.name),
 # ---- a device error in a decode step
 c = svc.Cluster(1, 0, router_args=["--pool-grace-ms", "180000"])
 try:
-    os.environ["TWAIN_TEST_DEVICE_ERROR"] = "6"  # the victim only: its 6th step
-    victim = c.add_decode()
-    del os.environ["TWAIN_TEST_DEVICE_ERROR"]
+    victim = add_victim(c.add_decode, "TWAIN_TEST_DEVICE_ERROR", 6)  # its 6th step
     c.wait_registered(1, 1)
     cl = c.client()
     stream = cl.send(svc.generate(prompt, N))
@@ -108,10 +123,30 @@ try:
     resumed = svc.metrics(c.router_metrics_port).get("twain_router_requests_resumed_total", 0)
     check(reps and reps[-1].error.code == 0 and svc.tokens_of(reps) == ref and resumed == 1,
           "decode: the stream is resumed on the fresh decode worker and ends with the reference "
-          "output (%s; %d resumed)" % (
-              "%d %r" % (reps[-1].error.code, reps[-1].error.message) if reps else "no reply", resumed))
+          "output (%s; %d resumed)" % (said(reps), resumed))
 finally:
     rcs = c.close()
 check(all(rc == 0 for name, rc in rcs.items() if name != victim.name),
       "decode: every other daemon stopped cleanly on SIGTERM: %s" % rcs)
+
+# ---- a device error in a decode worker's commit of a handed-off kv cache
+c = svc.Cluster(1, 0, router_args=["--pool-grace-ms", "180000"])
+try:
+    victim = add_victim(c.add_decode, "TWAIN_TEST_KV_DEVICE_ERROR", 2)  # its 2nd commit
+    c.wait_registered(1, 1)
+    cl = c.client()
+    reps = cl.wait([cl.send(svc.generate(prompt, N))], 60)[0]
+    check(reps and reps[-1].error.code == 0 and svc.tokens_of(reps) == ref,
+          "kv commit: the request before the device error: the reference output (%s)" % said(reps))
+    stream = cl.send(svc.generate(prompt, N))
+    victim_fails(c, victim, "kv commit", "kv commit")
+    c.add_decode()  # what its supervisor would start
+    reps = cl.wait([stream], 60)[0]
+    check(reps and reps[-1].error.code == 0 and svc.tokens_of(reps) == ref,
+          "kv commit: the stream ends with the reference output on the fresh decode worker (%s)" %
+          said(reps))
+finally:
+    rcs = c.close()
+check(all(rc == 0 for name, rc in rcs.items() if name != victim.name),
+      "kv commit: every other daemon stopped cleanly on SIGTERM: %s" % rcs)
 finish()
