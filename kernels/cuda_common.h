@@ -52,6 +52,20 @@ extern "C" {
                     cudaGetErrorName(tw_cuda_e_), cudaGetErrorString(tw_cuda_e_)); \
   } while (0)
 
+/** The CUDA driver API function `name` (its 12.0 version), reached through
+ *  the runtime so that nothing links libcuda; NULL (and the runtime's error
+ *  cleared) where the driver lacks it. */
+static inline void *tw_cuda_driver_sym(const char *name) {
+  void *fn = NULL;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return NULL;
+  }
+  return fn;
+}
+
 /** Ceiling division for positive integers. */
 #define TW_CDIV(a, b) (((a) + (b) - 1) / (b))
 

@@ -97,30 +97,19 @@ typedef struct {
 static tw_cu_vmm_t g_vmm;
 static pthread_once_t g_vmm_once = PTHREAD_ONCE_INIT;
 
-static void *tw_cu_sym(const char *name) {
-  void *fn = NULL;
-  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-      q != cudaDriverEntryPointSuccess) {
-    cudaGetLastError();
-    return NULL;
-  }
-  return fn;
-}
-
 static void tw_cu_vmm_load(void) {
   tw_cu_vmm_t v;
   memset(&v, 0, sizeof v);
-  v.granularity = (tw_cu_granularity_fn)tw_cu_sym("cuMemGetAllocationGranularity");
-  v.create = (tw_cu_create_fn)tw_cu_sym("cuMemCreate");
-  v.reserve = (tw_cu_reserve_fn)tw_cu_sym("cuMemAddressReserve");
-  v.map = (tw_cu_map_fn)tw_cu_sym("cuMemMap");
-  v.set_access = (tw_cu_set_access_fn)tw_cu_sym("cuMemSetAccess");
-  v.export_ = (tw_cu_export_fn)tw_cu_sym("cuMemExportToShareableHandle");
-  v.import_ = (tw_cu_import_fn)tw_cu_sym("cuMemImportFromShareableHandle");
-  v.unmap = (tw_cu_unmap_fn)tw_cu_sym("cuMemUnmap");
-  v.addr_free = (tw_cu_addr_free_fn)tw_cu_sym("cuMemAddressFree");
-  v.release = (tw_cu_release_fn)tw_cu_sym("cuMemRelease");
+  v.granularity = (tw_cu_granularity_fn)tw_cuda_driver_sym("cuMemGetAllocationGranularity");
+  v.create = (tw_cu_create_fn)tw_cuda_driver_sym("cuMemCreate");
+  v.reserve = (tw_cu_reserve_fn)tw_cuda_driver_sym("cuMemAddressReserve");
+  v.map = (tw_cu_map_fn)tw_cuda_driver_sym("cuMemMap");
+  v.set_access = (tw_cu_set_access_fn)tw_cuda_driver_sym("cuMemSetAccess");
+  v.export_ = (tw_cu_export_fn)tw_cuda_driver_sym("cuMemExportToShareableHandle");
+  v.import_ = (tw_cu_import_fn)tw_cuda_driver_sym("cuMemImportFromShareableHandle");
+  v.unmap = (tw_cu_unmap_fn)tw_cuda_driver_sym("cuMemUnmap");
+  v.addr_free = (tw_cu_addr_free_fn)tw_cuda_driver_sym("cuMemAddressFree");
+  v.release = (tw_cu_release_fn)tw_cuda_driver_sym("cuMemRelease");
   v.ok = v.granularity && v.create && v.reserve && v.map && v.set_access && v.export_ &&
          v.import_ && v.unmap && v.addr_free && v.release;
   g_vmm = v;

@@ -949,6 +949,28 @@ static __device__ __forceinline__ void tw_gs_build_lut(uint8_t *lut) {
   }
 }
 
+/* p.zero[0, p.zero_n) to 0 over the whole grid (both streaming kernels):
+ * the next launch's split-K output; every earlier kernel is done (after the
+ * PDL wait). */
+static __device__ __forceinline__ void tw_gs_clear_next(const tw_gg_args_t &p) {
+  if (p.zero)
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.zero_n;
+         i += (int64_t)gridDim.x * blockDim.x)
+      p.zero[i] = 0.f;
+}
+
+/* The active expert whose passes hold pass number v: the largest i in [0,
+ * n_act) with pre[i] <= v (pre: tw_gs_prefix). */
+static __device__ __forceinline__ int tw_gs_expert_of(const int *pre, int n_act, int v) {
+  int lo = 0, hi = n_act - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (pre[mid] <= v) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 /* pre[i]: passes of 16 assignments of the active experts before i (pre[0] =
  * 0 .. pre[n_act]); one warp (both streaming kernels). */
 static __device__ __forceinline__ void tw_gs_prefix(const tw_gg_args_t &p, int n_act, int *pre) {
@@ -1137,10 +1159,7 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
   extern __shared__ __align__(128) uint8_t tw_gs_smem[];
   TW_PDL_WAIT();
   const int tid = threadIdx.x, warp = tid >> 5;
-  if (p.zero) /* the next launch's split-K output (every earlier kernel is done: PDL wait) */
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + tid; i < p.zero_n;
-         i += (int64_t)gridDim.x * blockDim.x)
-      p.zero[i] = 0.f;
+  tw_gs_clear_next(p);
   tw_gs_build_lut(tw_gs_smem);
   uint8_t *stg = tw_gs_smem + TW_GS_LUT_BYTES + warp * (TW_GS_STAGES * TW_GS_STAGE_BYTES);
   const int slices = (p.N + 31) / 32, KC = (p.K / 32 + 3) / 4, n_act = *p.n_active;
@@ -1207,12 +1226,7 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
       } else {
         break;
       }
-      int lo = 0, hi = n_act - 1; /* the active expert of unit su */
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (slices * pre[mid] <= su) lo = mid;
-        else hi = mid - 1;
-      }
+      const int lo = tw_gs_expert_of(pre, n_act, su / slices); /* the active expert of unit su */
       const int P = pre[lo + 1] - pre[lo], rest = su - slices * pre[lo];
       e = p.active[lo];
       r0 = rest / P * 32;
@@ -1336,12 +1350,7 @@ static __device__ __forceinline__ tw_gt_unit_t tw_gt_unit(const tw_gg_args_t &p,
   const int pu = u / tiles, gp = pu / p.ks;
   x.r0 = (u - pu * tiles) * TW_GT_RT;
   x.kp = pu - gp * p.ks;
-  int lo = 0, hi = n_act - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (pre[mid] <= gp) lo = mid;
-    else hi = mid - 1;
-  }
+  const int lo = tw_gs_expert_of(pre, n_act, gp);
   x.e = p.active[lo];
   x.base = (gp - pre[lo]) * 16;
   x.ne = p.counts[x.e];
@@ -1445,10 +1454,7 @@ static __global__ void __launch_bounds__(TW_GT_THREADS(G), 1)
   extern __shared__ __align__(128) uint8_t tw_gt_smem_b[];
   TW_PDL_WAIT();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  if (p.zero) /* the next launch's split-K output (every earlier kernel is done: PDL wait) */
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + tid; i < p.zero_n;
-         i += (int64_t)gridDim.x * blockDim.x)
-      p.zero[i] = 0.f;
+  tw_gs_clear_next(p);
   tw_gs_build_lut(tw_gt_smem_b);
   const int K = p.K, N = p.N, KB = K / 32, KC = (KB + 3) / 4, sbytes = tw_gt_scale_bytes(K);
   uint8_t *stg = tw_gt_smem_b + TW_GS_LUT_BYTES;
@@ -1538,17 +1544,7 @@ typedef CUresult (*tw_tmap_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint
                                       CUtensorMapSwizzle, CUtensorMapL2promotion,
                                       CUtensorMapFloatOOBfill);
 static tw_tmap_encode_fn tw_tmap_encode(void) {
-  static tw_tmap_encode_fn fn = [] {
-    void *f = NULL;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      f = NULL;
-    }
-    return (tw_tmap_encode_fn)f;
-  }();
+  static tw_tmap_encode_fn fn = (tw_tmap_encode_fn)tw_cuda_driver_sym("cuTensorMapEncodeTiled");
   return fn;
 }
 
@@ -1656,25 +1652,18 @@ static int tw_gs_sms(void) {
  * tw_gs_warps() warps on every SM (the kernel's __launch_bounds__), so 16
  * warps per SM whichever CTA size the knob picks. */
 static int tw_gs_grid_warps(void) { return 16 / tw_gs_warps() * tw_gs_warps() * tw_gs_sms(); }
-/* K parts of the down launch: 2 where its (expert, 32-row slice) items
- * (experts: at most min(E, assignments)) are fewer than twice the grid's
- * warps, so no warp idles through a second round while others finish theirs;
- * 1 with TWAIN_CUDA_MOE_STREAM_SPLITK=0 (knobs.h), and where K (the down
- * GEMM's: the intermediate size) is one 128-k chunk: both parts would start
- * at chunk 0 and each add the bias. */
-static int tw_gs_down_parts(int N, int K, int E, int tk) {
+/* K parts of a streaming kernel's down launch (N rows, K the intermediate
+ * size) whose units are `rows` weight rows of one expert (experts: at most
+ * min(E, assignments)): 2 where those units are fewer than `limit`, so the
+ * last round is a small part of the launch; 1 with
+ * TWAIN_CUDA_MOE_STREAM_SPLITK=0 (knobs.h), and where K is one 128-k chunk
+ * (both parts would start at chunk 0 and each add the bias). The per-warp
+ * kernel: 32-row slices against twice its grid's warps; the TMA kernel:
+ * 256-row tiles against four times the SMs. */
+static int tw_down_parts(int N, int K, int E, int tk, int rows, int limit) {
   if (!tw_cuda_knobs()->moe_stream_splitk || TW_CDIV(K / 32, 4) < 2) return 1;
-  const int experts = E < tk ? E : tk, items = (N + 31) / 32 * experts;
-  return items < 2 * tw_gs_grid_warps() ? 2 : 1;
-}
-/* K parts of the TMA kernel's down launch: 2 where its (expert, 256-row
- * tile) units are fewer than four times the SMs (so the last round is a
- * small part of the launch), 1 with TWAIN_CUDA_MOE_STREAM_SPLITK=0 or K of
- * one 128-k chunk (as tw_gs_down_parts). */
-static int tw_gt_down_parts(int N, int K, int E, int tk) {
-  if (!tw_cuda_knobs()->moe_stream_splitk || TW_CDIV(K / 32, 4) < 2) return 1;
-  const int experts = E < tk ? E : tk, units = TW_CDIV(N, TW_GT_RT) * experts;
-  return units < 4 * tw_gs_sms() ? 2 : 1;
+  const int experts = E < tk ? E : tk;
+  return TW_CDIV(N, rows) * experts < limit ? 2 : 1;
 }
 /* One launch of the streaming kernel on a's experts; pf: its token-row
  * prefetch (tw_gs_pf). */
@@ -1847,7 +1836,9 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
    * pieces (tw_gs_kernel), or else its down launch in two K parts */
   const bool gt = gs && tw_gt_fits(w, x, act);
   const bool tiled = gs && !gt && tw_cuda_moe_stream_balance();
-  const int down_ks = gt ? tw_gt_down_parts(H, I, E, tk) : gs && !tiled ? tw_gs_down_parts(H, I, E, tk) : 1;
+  const int down_ks = gt            ? tw_down_parts(H, I, E, tk, TW_GT_RT, 4 * tw_gs_sms())
+                      : gs && !tiled ? tw_down_parts(H, I, E, tk, 32, 2 * tw_gs_grid_warps())
+                                     : 1;
   if (tiled) {
     a.gs_ticket = r->gs_ticket;
     a.gs_part = gs_part;
