@@ -174,6 +174,9 @@ static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *
     if (tw_kv_blocks_total(d->bm[r]) > c->replica_total_kv_blocks)
       c->replica_total_kv_blocks = tw_kv_blocks_total(d->bm[r]);
   }
+  if (d->n_dp == 1) /* the ring's room (--dp: each replica refuses for itself) */
+    TW_IGNORE(tw_kv_blocks_ring_counts(d->bm[0], &c->free_ring_blocks, &c->total_ring_blocks,
+                                       &c->ring_len));
   c->running = running;
   c->queued = waiting;
   tw_metric_set(d->m.running, running);
@@ -489,10 +492,18 @@ static void tw_decoder_commits(tw_decoder_t *d) {
   }
 }
 
-static void tw_on_cancel(tw_decoder_t *d, uint64_t id) {
+/* unused: no prefill worker was ever asked to fill the reservation
+ * (Cancel.unused), so it is freed at once rather than quarantined. */
+static void tw_on_cancel(tw_decoder_t *d, uint64_t id, bool unused) {
   int32_t idx = tw_dseq_find(d, id);
   if (idx < 0 || d->seqs[idx]->state == TW_DSEQ_QUARANTINE) return; /* already finished */
   tw_dseq_t *s = d->seqs[idx];
+  if (s->state == TW_DSEQ_RESERVED && unused) {
+    TW_DEBUG("decode", "request %llu cancelled before any prefill: freeing %d blocks",
+             (unsigned long long)id, s->n_blocks);
+    tw_dseq_release(d, idx);
+    return;
+  }
   if (s->state == TW_DSEQ_RESERVED || s->state == TW_DSEQ_COMMITTING) {
     TW_DEBUG("decode", "request %llu cancelled before its kv was in place: %d blocks quarantined",
              (unsigned long long)id, s->n_blocks);
@@ -852,7 +863,7 @@ static bool tw_decode_op_msg(void *arg, Twain__Internal__V1__Envelope *env) {
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_RESERVE: tw_on_reserve(d, env->reserve); break;
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_DECODE: tw_on_decode(d, env->decode); break;
     case TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL:
-      tw_on_cancel(d, env->cancel->request_id);
+      tw_on_cancel(d, env->cancel->request_id, env->cancel->unused);
       break;
     default: return false;
   }

@@ -116,6 +116,8 @@ void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
 void tw_router_cancel_workers(tw_router_t *r, tw_req_t *q) {
   Twain__Internal__V1__Cancel c = TWAIN__INTERNAL__V1__CANCEL__INIT;
   c.request_id = q->id;
+  /* reserving: no PrefillRequest went out under this id (ids are per attempt) */
+  c.unused = q->state == TW_REQ_RESERVING;
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_CANCEL;
   env.cancel = &c;

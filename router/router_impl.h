@@ -44,11 +44,19 @@ typedef struct {
   Twain__Internal__V1__Pool pool;
   bool draining;
   int64_t last_seen_ns;
+  /* a send to it failed (its process gone, its queue full): no new work
+   * goes there before this time (one expiry later: a dead worker has
+   * expired by then; a live one is tried again); 0: none failed */
+  int64_t unreachable_until_ns;
   int32_t free_blocks, total_blocks, block_size;
   int32_t replica_free_blocks; /* decode --dp: most free blocks of one replica; 0: not dp */
   int32_t replica_total_blocks; /* decode --dp: most blocks of one replica; 0: not dp */
   int64_t queued_tokens;
   int32_t assigned_blocks;  /* blocks of this router's requests there (schedule) */
+  /* decode with the window ring (Capacity.free_ring_blocks ...): its ring
+   * blocks free and in all (0: no ring limit), ring length, and the ring
+   * blocks of this router's requests there (schedule) */
+  int32_t free_ring, total_ring, ring_len, assigned_ring;
   int64_t inflight_tokens;  /* prefill: prompt tokens of this router's requests reserving
                              * or prefilling there (schedule: the backpressure window) */
   double tok_per_s;         /* prefill: measured prompt tokens per second (EMA); 0: none yet */
@@ -188,10 +196,15 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m);
 void tw_router_expire_workers(tw_router_t *r, int64_t now_ns);
 /** Try to start queued requests (pick decode workers, send Reserve). */
 void tw_router_schedule(tw_router_t *r, int64_t now_ns);
-/** Send env (borrowed) to worker w; a failure is logged (WARN) and returned:
- *  TW_ERR_UNAVAILABLE (queue full, worker gone), TW_ERR_TRANSPORT, as tw_msg_send_to. */
-TW_NODISCARD tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
+/** Send env (borrowed) to worker w; a failure is returned (TW_ERR_UNAVAILABLE:
+ *  queue full, worker gone; TW_ERR_TRANSPORT, as tw_msg_send_to) and marks w
+ *  unreachable for one expiry (tw_rworker_t.unreachable_until_ns; logged
+ *  once at WARN when the mark is set, not for every send). */
+TW_NODISCARD tw_status_t tw_router_send_worker(tw_router_t *r, tw_rworker_t *w,
                                                Twain__Internal__V1__Envelope *env);
+/** Whether new work may go to w: registered, not draining, not marked
+ *  unreachable (tw_router_send_worker) at `now_ns`. */
+bool tw_router_worker_open(const tw_rworker_t *w, int64_t now_ns);
 /** Run q again from the start under a new internal id (late messages about
  *  the old one are ignored): back to QUEUED, schedulable `delay_ns` from now;
  *  `cancel`: first tell its workers to drop what they hold for it. */

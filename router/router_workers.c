@@ -71,12 +71,23 @@ int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool 
   return n;
 }
 
-TW_NODISCARD tw_status_t tw_router_send_worker(tw_router_t *r, const tw_rworker_t *w,
+TW_NODISCARD tw_status_t tw_router_send_worker(tw_router_t *r, tw_rworker_t *w,
                                                Twain__Internal__V1__Envelope *env) {
   tw_status_t st = tw_msg_send_to(r->wsock, w->id, w->id_len, false, &env->base);
-  if (st != TW_OK)
-    TW_WARN("router", "cannot send to worker %s: %s", w->name, tw_last_error());
+  if (st == TW_OK) return st;
+  int64_t now = tw_msg_clock_ns();
+  /* a killed worker fails every send until it expires: take it out of the
+   * schedule at once, so that the requests sent there wait for a worker
+   * instead of spending their attempts on it within milliseconds */
+  if (w->unreachable_until_ns <= now)
+    TW_WARN("router", "cannot send to worker %s: %s; no new work goes there for %d ms", w->name,
+            tw_last_error(), r->p->expire_ms);
+  w->unreachable_until_ns = now + (int64_t)r->p->expire_ms * 1000000;
   return st;
+}
+
+bool tw_router_worker_open(const tw_rworker_t *w, int64_t now_ns) {
+  return w->serial && !w->draining && now_ns >= w->unreachable_until_ns;
 }
 
 static void tw_reject_to(tw_router_t *r, const tw_msg_t *m, uint64_t rid, int code, const char *msg) {
@@ -118,6 +129,9 @@ static void tw_apply_capacity(tw_rworker_t *w, const Twain__Internal__V1__Capaci
   w->replica_free_blocks = c->replica_free_kv_blocks;
   w->replica_total_blocks = c->replica_total_kv_blocks;
   w->queued_tokens = c->queued_prompt_tokens;
+  w->free_ring = c->free_ring_blocks;
+  w->total_ring = c->total_ring_blocks;
+  w->ring_len = c->ring_len;
 }
 
 void tw_rworker_free_addrs(tw_rworker_t *w) {
@@ -432,19 +446,30 @@ static bool tw_worker_says_failed(tw_router_t *r, tw_rworker_t *w,
   return true;
 }
 
+/* The ring-capable blocks a sequence of n blocks takes on decode worker w
+ * (Capacity.ring_len; 0 where it reports no ring). */
+static int32_t tw_ring_need(const tw_rworker_t *w, int32_t n) {
+  if (w->total_ring <= 0) return 0;
+  return n < w->ring_len ? n : w->ring_len;
+}
+
 /* This router's prompt tokens reserving or prefilling on each worker
  * (tw_rworker_t.inflight_tokens), and the blocks it asked of each decode
  * worker (assigned_blocks). */
 static void tw_count_inflight(tw_router_t *r) {
   for (int32_t i = 0; i < r->n_workers; i++) {
     r->workers[i].assigned_blocks = 0;
+    r->workers[i].assigned_ring = 0;
     r->workers[i].inflight_tokens = 0;
   }
   for (int32_t k = 0; k < r->n_reqs; k++) {
     tw_req_t *q = r->reqs[k];
     if (q->done || q->state == TW_REQ_QUEUED) continue;
     tw_rworker_t *w = tw_router_worker(r, q->dw);
-    if (w) w->assigned_blocks += q->blocks_asked;
+    if (w) {
+      w->assigned_blocks += q->blocks_asked;
+      w->assigned_ring += tw_ring_need(w, q->blocks_asked);
+    }
     w = q->state != TW_REQ_DECODING && q->pw ? tw_router_worker(r, q->pw) : NULL;
     if (w) w->inflight_tokens += tw_req_context(q);
   }
@@ -455,11 +480,13 @@ static void tw_count_inflight(tw_router_t *r) {
  * n_prompt more tokens within its window (an idle one always can); n_prompt
  * 0: any, window ignored. NULL when none can. */
 static tw_rworker_t *tw_pick_prefill(tw_router_t *r, int32_t n_prompt) {
+  const int64_t now = tw_msg_clock_ns();
   tw_rworker_t *best = NULL;
   int64_t best_load = 0;
   for (int32_t i = 0; i < r->n_workers; i++) {
     tw_rworker_t *p = &r->workers[i];
-    if (p->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL || p->draining) continue;
+    if (p->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL || !tw_router_worker_open(p, now))
+      continue;
     double window = r->p->prefill_window_tokens;
     double known = p->tok_per_s > 0 ? p->tok_per_s * TW_ROUTER_PREFILL_QUEUE_S
                                     : TW_ROUTER_PREFILL_FIRST_WINDOW;
@@ -494,6 +521,9 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   if (rs->status && rs->status->code) {
     if (rs->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED ||
         rs->status->code == TWAIN__V1__CODE__UNAVAILABLE) { /* full or draining: wait in the queue */
+    /* full: its room is less than its last heartbeat said (reservations
+     * since, quarantined ones): none goes there until the next one */
+    if (rs->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED) w->free_blocks = w->free_ring = 0;
       q->state = TW_REQ_QUEUED;
       q->dw = q->pw = 0;
       q->attempts--; /* a refused reservation is no failed attempt */
@@ -515,7 +545,7 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   /* the prefill worker schedule chose (its window counted this prompt), or,
    * if it went away or drains meanwhile, the least loaded one */
   tw_rworker_t *best = q->pw ? tw_router_worker(r, q->pw) : NULL;
-  if (best && best->draining) best = NULL;
+  if (best && !tw_router_worker_open(best, tw_msg_clock_ns())) best = NULL;
   if (!best) best = tw_pick_prefill(r, 0);
   if (!best) { /* back to the queue, which waits for the pool (--pool-grace-ms): no attempt */
     q->attempts--;
@@ -558,8 +588,12 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   best->requests++;
   tw_status_t sent = tw_router_send_worker(r, best, &env);
   free(resumed);
-  if (sent != TW_OK)
+  if (sent != TW_OK) { /* the worker's failure, not the request's: no attempt spent */
+    q->state = TW_REQ_RESERVING; /* it never got there: the reservation is unused */
+    q->pw = 0;
+    q->attempts--;
     tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "prefill worker unreachable");
+  }
 }
 
 static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Internal__V1__PrefillDone *d) {
@@ -624,6 +658,7 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
   env.decode = &dr;
   q->state = TW_REQ_DECODING;
   if (tw_router_send_worker(r, dw, &env) != TW_OK) {
+    q->attempts--; /* as for the prefill worker above */
     tw_retry_or_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "decode worker unreachable");
     return;
   }
@@ -806,6 +841,9 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     for (int32_t i = 0; i < r->n_workers; i++) {
       tw_rworker_t *w = &r->workers[i];
       if (w->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE || w->draining) continue;
+      /* one a send just failed to: counted as open (a request too large for
+       * every pool still fails at once) but given nothing until then */
+      const bool open = tw_router_worker_open(w, now);
       int32_t n = (int32_t)(((int64_t)q->n_prompt + q->max_tokens + w->block_size - 1) / w->block_size);
       /* what one sequence can ever get there: one replica's pool (dp) or the pool */
       int32_t size = w->replica_total_blocks > 0 ? w->replica_total_blocks : w->total_blocks;
@@ -826,7 +864,12 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       /* data-parallel attention: the sequence's KV goes to one replica, so it
        * must fit there (the worker picks the emptiest); f, the sum, ranks */
       bool dp = w->replica_total_blocks > 0 || w->replica_free_blocks > 0;
-      bool fits = f >= n && (!dp || w->replica_free_blocks >= n);
+      bool fits = open && f >= n && (!dp || w->replica_free_blocks >= n);
+      if (fits && w->total_ring > 0) { /* and a window ring for it (Capacity.free_ring_blocks) */
+        int32_t fr = w->total_ring - w->assigned_ring;
+        if (w->free_ring < fr) fr = w->free_ring;
+        fits = fr >= tw_ring_need(w, n);
+      }
       if (fits && f > best_free) {
         best = w;
         best_free = f;
@@ -859,6 +902,8 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     q->state = TW_REQ_RESERVING;
     q->blocks_asked = need;
     best->assigned_blocks += need;
+    best->assigned_ring += tw_ring_need(best, need);
+    best->free_ring -= tw_ring_need(best, need); /* until its next heartbeat says */
     pf->inflight_tokens += tw_req_context(q);
     best->requests++;
     /* dp: the worker puts it in its emptiest replica; until the next
@@ -873,6 +918,8 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       q->dw = q->pw = 0;
       q->attempts--;
       best->assigned_blocks -= need;
+      best->assigned_ring -= tw_ring_need(best, need);
+      best->free_ring += tw_ring_need(best, need);
       pf->inflight_tokens -= tw_req_context(q);
       best->replica_free_blocks = replica_before;
     }

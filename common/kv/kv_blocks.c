@@ -135,3 +135,12 @@ int32_t tw_kv_blocks_used_count(const tw_kv_blocks_t *mgr) {
 }
 int32_t tw_kv_blocks_total(const tw_kv_blocks_t *mgr) { return mgr->n_blocks; }
 int32_t tw_kv_blocks_block_size(const tw_kv_blocks_t *mgr) { return mgr->block_size; }
+
+bool tw_kv_blocks_ring_counts(const tw_kv_blocks_t *mgr, int32_t *free_p, int32_t *total_p,
+                              int32_t *len_p) {
+  if (!mgr || mgr->ring_len == 0) return false;
+  *free_p = mgr->n_free;
+  *total_p = mgr->n_ring;
+  *len_p = mgr->ring_len;
+  return true;
+}

@@ -52,6 +52,11 @@ TW_NODISCARD tw_status_t tw_kv_blocks_alloc(tw_kv_blocks_t *mgr, int32_t n, int3
 TW_NODISCARD tw_status_t tw_kv_blocks_free(tw_kv_blocks_t *mgr, int32_t n, const int32_t *ids);
 
 int32_t tw_kv_blocks_free_count(const tw_kv_blocks_t *mgr);
+/** With the window ring: the ring-capable ids free now (*free_p), all of
+ *  them (*total_p) and the ring length (*len_p: a sequence of n blocks
+ *  takes min(n, len) of them); false (nothing set) without a ring. */
+bool tw_kv_blocks_ring_counts(const tw_kv_blocks_t *mgr, int32_t *free_p, int32_t *total_p,
+                              int32_t *len_p);
 int32_t tw_kv_blocks_used_count(const tw_kv_blocks_t *mgr);
 int32_t tw_kv_blocks_total(const tw_kv_blocks_t *mgr);
 int32_t tw_kv_blocks_block_size(const tw_kv_blocks_t *mgr);

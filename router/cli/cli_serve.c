@@ -74,6 +74,7 @@ typedef struct {
   char mport[16];        /* its --metrics-port */
   pid_t pid;             /* 0: not running */
   int restarts;          /* in a row */
+  int generation;        /* restarts ever: the -rN of its name, never reused */
   int64_t started_ns, next_start_ns; /* next_start_ns > 0: restart due then */
   bool gave_up;
 } tw_serve_slot_t;
@@ -637,8 +638,11 @@ int tw_cli_serve(int argc, char **argv) {
       tw_serve_slot_t *w = &slots[k];
       if (!w->pid && !w->gave_up && w->next_start_ns && now >= w->next_start_ns) {
         w->restarts++;
+        w->generation++;
         char name[sizeof w->name]; /* via a local: -Wrestrict cannot tell name from base */
-        snprintf(name, sizeof name, "%s-r%d", w->base, w->restarts); /* a fresh routing id */
+        /* a fresh routing id: the router may still hold an earlier process
+         * under the last one (not yet expired), so never one used before */
+        snprintf(name, sizeof name, "%s-r%d", w->base, w->generation);
         memcpy(w->name, name, sizeof name);
         if (tw_serve_slot_spawn(w, now))
           TW_WARN("serve", "restarted worker %s as pid %d", w->name, (int)w->pid);
