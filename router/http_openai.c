@@ -511,6 +511,9 @@ static void tw_submit_completions(tw_hconn_t *c, const cJSON *root) {
   g.n_prompt_ids = ids.n;
   g.sampling = &s.sp;
   g.stream = true;
+  /* the usage of an answer cut by a stop string, which ends before the
+   * router's last reply (the request is cancelled there) */
+  c->prompt_tokens = (int32_t)ids.n;
   Twain__V1__ClientRequest cr = TWAIN__V1__CLIENT_REQUEST__INIT;
   cr.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE;
   cr.generate = &g;

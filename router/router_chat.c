@@ -57,6 +57,7 @@ struct tw_rchat {
   char **stops;
   size_t n_stops;
   tw_tok_buf_t final_text;
+  size_t final_sent; /* bytes of final_text in deltas so far (tw_stop_holdback) */
   bool stop_hit;
   bool stream;
   /* model output the parser did not expect: counted, logged once per request */
@@ -122,25 +123,10 @@ static void tw_header_set(char **dst, const char *v) {
   *dst = tw_dup(v);
 }
 
-static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
-  if (c->stop_hit || !len) return;
-  bool final = c->channel && strcmp(c->channel, "final") == 0;
-  if (final && c->n_stops) {
-    size_t old = c->final_text.len;
-    if (tw_tok_buf_append(&c->final_text, text, len) != TW_OK) { /* out of memory: logged */
-      c->stop_hit = true; /* stops can no longer be found: end the answer here */
-      return;
-    }
-    for (size_t i = 0; i < c->n_stops; i++) {
-      const char *hit = c->final_text.data ? strstr(c->final_text.data, c->stops[i]) : NULL;
-      if (!hit) continue;
-      size_t at = (size_t)(hit - c->final_text.data);
-      len = at > old ? at - old : 0;
-      c->stop_hit = true;
-      break;
-    }
-    if (!len) return;
-  }
+/* One piece of message text into this feed's deltas: appended to the last
+ * delta when it is of the same message, else a new delta. */
+static void tw_emit_text(struct tw_rchat *c, const char *text, size_t len) {
+  if (!len) return;
   Twain__V1__Delta *d = NULL;
   if (c->n_deltas && !c->first_delta) d = c->dptr[c->n_deltas - 1];
   if (d && d->channel == NULL) d = NULL;
@@ -159,6 +145,56 @@ static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
   c->dptr[c->n_deltas++] = d;
 }
 
+/* The bytes at the end of the final text that may be the start of a stop
+ * string (the longest suffix that is a proper prefix of one): held back
+ * until the next piece shows whether the stop follows. A stop string
+ * starts at a character boundary, so what is sent before it ends at one. */
+static size_t tw_stop_holdback(const struct tw_rchat *c) {
+  const size_t n = c->final_text.len;
+  size_t best = 0;
+  for (size_t i = 0; i < c->n_stops; i++) {
+    const size_t sl = strlen(c->stops[i]);
+    for (size_t k = sl - 1 < n ? sl - 1 : n; k > best; k--)
+      if (memcmp(c->final_text.data + n - k, c->stops[i], k) == 0) {
+        best = k;
+        break;
+      }
+  }
+  return best;
+}
+
+/* The final text not sent yet, up to `end` (a stop string's start, or the
+ * text's end less what may start one). */
+static void tw_final_send(struct tw_rchat *c, size_t end) {
+  if (end > c->final_sent) tw_emit_text(c, c->final_text.data + c->final_sent, end - c->final_sent);
+  if (end > c->final_sent) c->final_sent = end;
+}
+
+static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
+  if (c->stop_hit || !len) return;
+  bool final = c->channel && strcmp(c->channel, "final") == 0;
+  if (!final || !c->n_stops) {
+    tw_emit_text(c, text, len);
+    return;
+  }
+  /* final text with stop strings: nothing of a stop string reaches the
+   * client, not even its first bytes before the rest arrives */
+  if (tw_tok_buf_append(&c->final_text, text, len) != TW_OK) { /* out of memory: logged */
+    c->stop_hit = true; /* stops can no longer be found: end the answer here */
+    return;
+  }
+  size_t end = c->final_text.len;
+  for (size_t i = 0; i < c->n_stops; i++) {
+    const char *hit = strstr(c->final_text.data, c->stops[i]);
+    if (hit && (size_t)(hit - c->final_text.data) < end) {
+      end = (size_t)(hit - c->final_text.data);
+      c->stop_hit = true;
+    }
+  }
+  if (!c->stop_hit) end -= tw_stop_holdback(c);
+  tw_final_send(c, end);
+}
+
 static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
   struct tw_rchat *c = user;
   switch (ev->kind) {
@@ -174,6 +210,9 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
     case TW_HARMONY_EV_TEXT_DELTA: tw_on_text(c, ev->text, ev->text_len); break;
     case TW_HARMONY_EV_MESSAGE_END:
       c->in_analysis = false;
+      /* what was held back as a possible stop string's start: none came */
+      if (!c->stop_hit && c->n_stops && c->channel && !strcmp(c->channel, "final"))
+        tw_final_send(c, c->final_text.len);
       if (c->n_msgs < TW_RCHAT_MAX) {
         Twain__V1__Message *m = &c->msgs[c->n_msgs];
         twain__v1__message__init(m);

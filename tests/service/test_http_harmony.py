@@ -275,8 +275,9 @@ try:
     ids = fake_workers.tokenize("Once upon")
     st, r = api.post("/v1/completions", {"prompt": ids, "max_tokens": 50, "stop": [" barked"]})
     check(st == 200 and last_prompt() == ids and r["choices"][0]["text"] == "The dog" and
-          r["choices"][0]["finish_reason"] == "stop",
-          "/v1/completions: token-id prompt, stop string cuts the text (%s)" % r.get("choices"))
+          r["choices"][0]["finish_reason"] == "stop" and r["usage"]["prompt_tokens"] == len(ids),
+          "/v1/completions: token-id prompt, stop string cuts the text, usage counts the prompt (%s %s)"
+          % (r.get("choices"), r.get("usage")))
     st, ev = api.stream("/v1/completions", {"prompt": "Once", "max_tokens": 3})
     text = "".join(d["choices"][0]["text"] for _, d in ev if d != "[DONE]" and d["choices"])
     fr = [d["choices"][0]["finish_reason"] for _, d in ev if d != "[DONE]" and d["choices"]][-1]
@@ -381,6 +382,20 @@ try:
     st, ev = api.stream("/v1/chat/completions", {"messages": USER, "stop": " there"})
     check(st == 200 and chat_text(ev)[0] == "Hello" and finish_reason(ev) == "stop",
           "streamed chat with a stop string: the text before it (%r)" % chat_text(ev)[0])
+    # a stop string over several tokens (" there", ",", " friend"): none of
+    # its bytes reach the client, not even those that came before the rest
+    # (they were sent as they came: "Hello there,")
+    st, ev = api.stream("/v1/chat/completions", {"messages": USER, "stop": "there, friend"})
+    check(st == 200 and chat_text(ev)[0] == "Hello " and finish_reason(ev) == "stop",
+          "streamed chat, a stop string over three tokens: the text before it only (%r)" % chat_text(ev)[0])
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "stop": ["zzz", "there, friend"]})
+    check(st == 200 and r["choices"][0]["message"]["content"] == "Hello " and
+          r["choices"][0]["finish_reason"] == "stop",
+          "chat, a stop string over three tokens: the text before it only (%s)" % r.get("choices"))
+    st, ev = api.stream("/v1/chat/completions", {"messages": USER, "stop": "there, fz"})
+    check(st == 200 and chat_text(ev)[0] == "Hello there, friend, how are you today?",
+          "streamed chat, a stop string whose start appears but not the rest: the whole text (%r)"
+          % chat_text(ev)[0])
 
     st, r = api.post("/v1/responses", {"input": "Hi", "max_output_tokens": 5})
     check(st == 200 and r["status"] == "incomplete" and
