@@ -37,6 +37,11 @@ typedef struct {
   int32_t default_deadline_ms;
   int32_t expire_ms;            /* worker silence before it is expired */
   int32_t pool_grace_ms;        /* a pool whose last worker expired is waited for this long */
+  /* NULL, or [2] set by a supervisor (twain serve): nonzero once no worker
+   * of the prefill [0] / decode [1] pool will be started again (it gave up
+   * restarting them): requests waiting for that empty pool then fail at
+   * once (UNAVAILABLE) instead of after pool_grace_ms */
+  const atomic_int *pool_given_up;
   int32_t expect_prefill, expect_decode; /* print "ready" once this many registered */
   /* OpenAI-compatible HTTP API (router/http_api.h, docs/api.md) */
   int http_port;                /* -1 off, 0 ephemeral */

@@ -827,7 +827,12 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       int64_t since = r->empty_since_ns[pk];
       if (!since || since < q->t_arrival_ns) since = q->t_arrival_ns;
       int grace_ms = r->empty_by_expiry[pk] ? r->p->pool_grace_ms : TW_ROUTER_POOL_EMPTY_MS;
-      if (now - since > (int64_t)grace_ms * 1000000)
+      const bool given_up = r->p->pool_given_up && atomic_load(&r->p->pool_given_up[pk]);
+      if (given_up)
+        tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE,
+                       "no %s worker is registered and none will be restarted (their restarts "
+                       "are used up: see the log)", no_decode ? "decode" : "prefill");
+      else if (now - since > (int64_t)grace_ms * 1000000)
         tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered (for %d ms)%s",
                        no_decode ? "decode" : "prefill", grace_ms,
                        q->attempts ? " after its worker failed" : "");

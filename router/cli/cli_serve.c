@@ -95,6 +95,7 @@ typedef struct {
   char api_key[512];    /* from --api-key-file */
   tw_status_t router_status;
   int n_registered; /* workers registered with the router (any origin), under mu */
+  atomic_int given_up[2]; /* rp.pool_given_up: every prefill [0] / decode [1] worker given up */
 } tw_serve_t;
 
 static void tw_serve_workers(void *arg, int32_t np, int32_t nd) {
@@ -269,6 +270,7 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.on_workers_arg = &s;
   s.rp.http_port = TW_ROUTER_HTTP_PORT;
   s.rp.pool_grace_ms = TW_SERVE_POOL_GRACE_MS * TW_SLOW_BUILD;
+  s.rp.pool_given_up = s.given_up;
   int n_prefill = 1, n_decode = 1, threads = -1, kv_blocks = 0, max_batch = 0;
   int32_t kv_dtype = TW_KV_DTYPE_AUTO;
   double mem_util = 0;
@@ -603,6 +605,15 @@ int tw_cli_serve(int argc, char **argv) {
           TW_ERROR("serve", "worker %s (pid %d) exited (%s %d) after %d restarts in a row: not restarting it",
                    w->name, (int)dead, WIFEXITED(status) ? "status" : "signal",
                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), w->restarts);
+          /* the last of its pool: the router stops holding requests for it */
+          const bool pre = k < n_prefill;
+          bool all = true;
+          for (int j = pre ? 0 : n_prefill; j < (pre ? n_prefill : n); j++) all &= slots[j].gave_up;
+          if (all) {
+            atomic_store(&s.given_up[pre ? 0 : 1], 1);
+            TW_ERROR("serve", "no %s worker will be started again: requests that need one now fail "
+                     "at once (UNAVAILABLE)", pre ? "prefill" : "decode");
+          }
           continue;
         }
         int64_t backoff_ms = 500LL << (w->restarts < 4 ? w->restarts : 4);
@@ -629,6 +640,7 @@ int tw_cli_serve(int argc, char **argv) {
         memcpy(w->name, w->base, sizeof w->base);
         w->restarts = 0;
         w->gave_up = false;
+        atomic_store(&s.given_up[k < n_prefill ? 0 : 1], 0);
         if (!tw_serve_slot_spawn(w, now)) w->next_start_ns = now + 500000000LL;
       }
       mps_retry = false;

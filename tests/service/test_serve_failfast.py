@@ -11,7 +11,10 @@ restarting it (it used to restart each worker five times over 17 s):
 - a worker that was serving and is killed is still restarted (the restart
   policy is for crashes only), and a restart that cannot start (its metrics
   port taken meanwhile: exit 78) is retried, not taken for a configuration
-  error, until a restart serves again.
+  error, until a restart serves again;
+- a decode worker killed six times in a row is not restarted a sixth time,
+  and from then on a request fails at once (UNAVAILABLE, "none will be
+  restarted") instead of waiting out --pool-grace-ms.
 Every wait is bounded."""
 import os
 import shutil
@@ -130,6 +133,38 @@ else:
     check(False, "one decode worker child to kill: %s" % kids)
 rc = serve_p.stop(signal.SIGTERM, 30)
 check(rc == 0, "serve stops cleanly after the retried restart (rc %s)" % rc)
+
+# a decode worker that keeps dying: after its restarts are used up, serve
+# says no decode worker will come back and a request fails at once with
+# UNAVAILABLE (it waited the whole --pool-grace-ms, 180 s, before), and a
+# drain is not held up by it
+serve_p = svc.Proc([TWAIN, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--http-port", "-1",
+                    "--backend", "cpu", "--threads", "1"], "serve", env=e)
+ready = serve_p.wait_line(r"twain serve: ready.*clients at (\S+)", 60)
+check(ready is not None, "serve ready (the restart budget run)")
+for k in range(6):  # the first start and five restarts (backoff 0.5 + 1 + 2 + 4 + 8 s)
+    kids = decode_children(serve_p)
+    if len(kids) != 1:
+        break
+    os.kill(int(kids[0]), signal.SIGKILL)
+    if k < 5 and not serve_p.seen(r"restarted worker decode-0-\d+-r%d as pid" % (k + 1), 30):
+        break
+    if k < 5 and not serve_p.seen(r"worker decode-0-\d+-r%d registered" % (k + 1), 30):
+        break
+check(serve_p.seen(r"after 5 restarts in a row: not restarting it", 30) and
+      serve_p.seen(r"no decode worker will be started again", 5),
+      "serve gives up on the decode worker after 5 restarts in a row and says so")
+if ready:
+    t0 = time.monotonic()
+    r = subprocess.run([TWAIN, "generate", "--endpoint", ready.group(1), "--max-tokens", "3", "1", "2", "3"],
+                       capture_output=True, text=True, timeout=60)
+    dt = time.monotonic() - t0
+    check(r.returncode != 0 and dt < 10 and "none will be restarted" in r.stderr,
+          "a request after that fails at once (%.1f s): %r" % (dt, r.stderr.strip()[-200:]))
+t0 = time.monotonic()
+rc = serve_p.stop(signal.SIGTERM, 30)
+check(rc == 0 and time.monotonic() - t0 < 15, "serve stops cleanly after giving up (rc %s, %.1f s)" %
+      (rc, time.monotonic() - t0))
 shutil.rmtree(tmp, ignore_errors=True)
 if gpu and not svc.fails:
     print("SKIP: the --backend cuda checks need a machine without a GPU")
