@@ -80,6 +80,7 @@ typedef struct {
 } tw_serve_slot_t;
 
 static volatile sig_atomic_t tw_serve_signal_g = 0;
+static bool tw_serve_own_keys_g; /* link keys made for this run: no process outside can join */
 static void tw_serve_on_signal(int sig) { tw_serve_signal_g = sig; }
 
 typedef struct {
@@ -128,8 +129,11 @@ static void tw_serve_http(void *arg, const char *url) { /* router thread, before
 
 static void tw_serve_ready(void *arg) {
   tw_serve_t *s = arg;
-  printf("twain serve: ready: %d prefill + %d decode workers (join at %s), %sclients at %s\n",
-         s->rp.expect_prefill, s->rp.expect_decode, s->worker_ep, s->http_url, s->client_ep);
+  printf("twain serve: ready: %d prefill + %d decode workers (%s %s%s), %sclients at %s\n",
+         s->rp.expect_prefill, s->rp.expect_decode,
+         tw_serve_own_keys_g ? "workers at" : "join at", s->worker_ep,
+         tw_serve_own_keys_g ? " with this run's own link keys: others join with TWAIN_KEYS_FILE" : "",
+         s->http_url, s->client_ep);
   if (s->metrics[0]) printf("twain serve: metrics: %s\n", s->metrics);
   fflush(stdout);
   pthread_mutex_lock(&s->mu);
@@ -195,7 +199,9 @@ static int tw_serve_link_keys(void) {
     fprintf(stderr, "twain serve: %s\n", tw_last_error());
     return -1;
   }
-  TW_INFO("serve", "internal links: CURVE with a key set made for this run");
+  tw_serve_own_keys_g = true;
+  TW_INFO("serve", "internal links: CURVE with a key set made for this run (only the workers "
+                   "started here have it; TWAIN_KEYS_FILE gives one that others can use too)");
   return 0;
 }
 
@@ -286,7 +292,8 @@ int tw_cli_serve(int argc, char **argv) {
       TW_OPT_STR("listen", &s.rp.client_endpoint, "tcp://HOST:PORT", "client endpoint"),
       TW_OPT_STR("workers", &s.rp.worker_endpoint, "tcp://HOST:PORT",
                  "worker endpoint (port 0: ephemeral, printed in the ready line;\n"
-                 "more workers may join there at any time)"),
+                 "more workers may join there at any time with the same\n"
+                 "link keys: TWAIN_KEYS_FILE, docs/operations.md)"),
       TW_OPT_INT("prefill", &n_prefill, 1, TW_SERVE_MAX_WORKERS - 1, "N", "prefill workers"),
       TW_OPT_INT("decode", &n_decode, 1, TW_SERVE_MAX_WORKERS - 1, "M", "decode workers"),
       TW_OPT_FN("backend", &bk, tw_backend_opt, "auto|cpu|cuda",
