@@ -547,6 +547,12 @@ static int tw_bench_report(tw_bench_t *b) {
     printf("%-40s %d\n", "Token count mismatches (stream/usage):", b->mismatches);
   printf("==================================================\n");
   int rc = count[TW_BO_LOST] || b->mismatches ? 1 : 0;
+  /* nothing measured: every request that was to complete failed */
+  if (count[TW_BO_COMPLETED] == 0 && count[TW_BO_FAILED] > 0) {
+    fprintf(stderr, "twain bench: every request failed (%d): nothing was measured\n",
+            count[TW_BO_FAILED]);
+    rc = 1;
+  }
   if (o->json_path) {
     cJSON *j = cJSON_CreateObject();
     cJSON *cfg = cJSON_AddObjectToObject(j, "config");
@@ -666,7 +672,8 @@ static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
                      "(raw generate: no stop ids, outputs have exactly their length) or, with\n"
                      "--chat, rendered chats.",
       .epilog = "Exit 0 when every request is accounted for and every streamed count equals its\n"
-                "usage, 1 otherwise (lost requests, mismatches), 2 bad usage.",
+                "usage, 1 otherwise (lost requests, mismatches, every request failed, --json\n"
+                "not writable), 2 bad usage.",
       .env_prefix = "TWAIN_BENCH_", .opts = opts, .n_opts = sizeof opts / sizeof opts[0]};
   int rc = tw_opts_parse(&spec, argc, argv, NULL);
   if (rc != TW_OPTS_RUN) return rc;
@@ -696,6 +703,14 @@ int tw_cli_bench(int argc, char **argv) {
     return 2;
   }
   int rc = 1;
+  if (b.o.json_path) { /* before the run, not after it: a path that cannot be written */
+    FILE *jf = fopen(b.o.json_path, "a");
+    if (!jf) {
+      fprintf(stderr, "twain bench: cannot write --json %s: %s\n", b.o.json_path, strerror(errno));
+      goto out;
+    }
+    fclose(jf);
+  }
   if (tw_bench_make_requests(&b) != TW_OK) {
     fprintf(stderr, "twain bench: %s\n", tw_last_error());
     goto out;

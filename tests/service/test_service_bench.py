@@ -106,6 +106,18 @@ try:
     check(svc.wait_metric(dport, "twain_kv_blocks_used", 0, 30) == 0,
           "decode kv blocks back to zero after cancels and disconnects")
 
+    # every request refused (prompts over the model's context): nothing was
+    # measured, so exit 1 (it exited 0)
+    r, j = bench("--num-requests", 2, "--input-len", 100000, "--output-len", 4)
+    check(r.returncode == 1 and "every request failed (2)" in r.stderr and j and j["failed"] == 2,
+          "every request failed: exit 1 with the reason (rc %d, %s)" % (r.returncode, r.stderr.strip()[-160:]))
+    nowrite = subprocess.run([twain, "bench", "--endpoint", ep, "--model", MODEL, "--num-requests", "2",
+                              "--json", os.path.join(tmp, "no-such-dir", "b.json")],
+                             capture_output=True, text=True, timeout=30)
+    check(nowrite.returncode == 1 and "cannot write --json" in nowrite.stderr and
+          "Serving Benchmark Result" not in nowrite.stdout,
+          "--json to a path that cannot be written: refused before the run (%s)" % nowrite.stderr.strip()[-160:])
+
     # nobody listening: a clear, bounded failure
     dead = subprocess.run([twain, "bench", "--endpoint", "tcp://127.0.0.1:1", "--model", MODEL,
                            "--num-requests", "2", "--connect-timeout-ms", "500"],
