@@ -557,7 +557,17 @@ void tw_hoai_submit(tw_hconn_t *c) {
     tw_http_fail(c, 400, NULL, "the request body is empty: send a JSON object");
     return;
   }
-  cJSON *root = cJSON_ParseWithLength(c->body.data, c->body.len);
+  const char *end = NULL;
+  cJSON *root = cJSON_ParseWithLengthOpts(c->body.data, c->body.len, &end, 0);
+  size_t rest = root && end ? (size_t)(end - c->body.data) : 0;
+  while (root && rest < c->body.len && strchr(" \t\r\n", c->body.data[rest]) && c->body.data[rest])
+    rest++;
+  if (root && rest < c->body.len) { /* one JSON value, then something else */
+    cJSON_Delete(root);
+    tw_http_fail(c, 400, NULL, "the request body is not valid JSON: more after the object (at byte %zu)",
+                 rest);
+    return;
+  }
   if (!root) {
     const char *at = cJSON_GetErrorPtr();
     long off = at && c->body.data && at >= c->body.data && at <= c->body.data + c->body.len

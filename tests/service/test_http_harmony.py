@@ -288,6 +288,12 @@ try:
     st, r = api.post("/v1/chat/completions", raw='{"messages": [{"role": "user", "content": "hi"}')
     check(st == 400 and r["error"]["type"] == "invalid_request_error" and "not valid JSON" in r["error"]["message"],
           "malformed JSON: 400 (%s)" % r)
+    st, r = api.post("/v1/chat/completions", raw='{"messages": [{"role": "user", "content": "hi"}]} xyz')
+    check(st == 400 and "more after the object" in r["error"]["message"],
+          "a JSON object followed by more text: 400 (it was accepted) (%s)" % r)
+    st, r = api.post("/v1/chat/completions", raw='{"messages": [{"role": "user", "content": "hi"}],'
+                     ' "max_tokens": 1} \r\n ')
+    check(st == 200, "a JSON object followed by whitespace only: accepted (%d)" % st)
     st, r = api.post("/v1/chat/completions", raw="")
     check(st == 400 and r["error"]["type"] == "invalid_request_error" and
           "request body is empty" in r["error"]["message"], "empty body: 400 saying so (%s)" % r)
