@@ -346,6 +346,17 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return;
   }
+  for (int32_t k = 0; k < r->n_reqs; k++) { /* replies and cancels name requests by it */
+    const tw_req_t *o = r->reqs[k];
+    if (o->done || o->client_rid != cr->request_id || o->cid_len != from->id_len ||
+        memcmp(o->cid, from->id, from->id_len) != 0)
+      continue;
+    snprintf(msg, sizeof msg,
+             "request_id %llu is already in flight on this connection: request ids must be unique "
+             "among a client's requests in flight", (unsigned long long)cr->request_id);
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
+    return;
+  }
   tw_req_t *q = calloc(1, sizeof *q);
   if (!q) {
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__RESOURCE_EXHAUSTED, "router out of memory");

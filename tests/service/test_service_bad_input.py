@@ -84,6 +84,24 @@ try:
     del ch.chat.messages[:]
     r = one(ch)
     check(r.error.code == E["INVALID_ARGUMENT"] and "empty" in r.error.message, "chat without messages: %s" % r.error.message)
+    # a request id already in flight on this connection: refused (both were
+    # accepted, so replies and cancels named two requests at once); the
+    # first one is unaffected
+    first = svc.generate(prompt, 40)
+    first.request_id = 500
+    dup = svc.generate(prompt, 5)
+    dup.request_id = 500
+    cl.send(first)
+    cl.send(dup)
+    end = time.time() + 60
+    while time.time() < end and not (any(x.error.code for x in cl.replies[500]) and
+                                     any(x.done and not x.error.code for x in cl.replies[500])):
+        cl.pump(0.05)
+    errs = [x.error for x in cl.replies[500] if x.error.code]
+    check(len(errs) == 1 and errs[0].code == E["INVALID_ARGUMENT"] and "already in flight" in errs[0].message,
+          "a request id already in flight: INVALID_ARGUMENT (%s)" % [e.message for e in errs])
+    check(len(svc.tokens_of([x for x in cl.replies[500] if not x.error.code])) == 40,
+          "the first request with that id streams its 40 tokens")
     # A deadline that passes mid-generation, on any backend: time a 300-token
     # greedy generation (twice: the first run also pays one-off costs such as
     # the CUDA backend's graph captures); the same prompt asking 900 tokens
