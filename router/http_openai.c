@@ -564,8 +564,8 @@ void tw_hoai_submit(tw_hconn_t *c) {
     rest++;
   if (root && rest < c->body.len) { /* one JSON value, then something else */
     cJSON_Delete(root);
-    tw_http_fail(c, 400, NULL, "the request body is not valid JSON: more after the object (at byte %zu)",
-                 rest);
+    tw_http_fail(c, 400, NULL,
+                 "the request body is not valid JSON: more after the object (at byte %zu)", rest);
     return;
   }
   if (!root) {

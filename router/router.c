@@ -353,7 +353,8 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
       continue;
     snprintf(msg, sizeof msg,
              "request_id %llu is already in flight on this connection: request ids must be unique "
-             "among a client's requests in flight", (unsigned long long)cr->request_id);
+             "among a client's requests in flight",
+             (unsigned long long)cr->request_id);
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return;
   }

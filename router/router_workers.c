@@ -521,9 +521,10 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   if (rs->status && rs->status->code) {
     if (rs->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED ||
         rs->status->code == TWAIN__V1__CODE__UNAVAILABLE) { /* full or draining: wait in the queue */
-    /* full: its room is less than its last heartbeat said (reservations
+      /* full: its room is less than its last heartbeat said (reservations
      * since, quarantined ones): none goes there until the next one */
-    if (rs->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED) w->free_blocks = w->free_ring = 0;
+      if (rs->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED)
+        w->free_blocks = w->free_ring = 0;
       q->state = TW_REQ_QUEUED;
       q->dw = q->pw = 0;
       q->attempts--; /* a refused reservation is no failed attempt */
@@ -588,7 +589,7 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   best->requests++;
   tw_status_t sent = tw_router_send_worker(r, best, &env);
   free(resumed);
-  if (sent != TW_OK) { /* the worker's failure, not the request's: no attempt spent */
+  if (sent != TW_OK) {           /* the worker's failure, not the request's: no attempt spent */
     q->state = TW_REQ_RESERVING; /* it never got there: the reservation is unused */
     q->pw = 0;
     q->attempts--;
@@ -831,7 +832,8 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       if (given_up)
         tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE,
                        "no %s worker is registered and none will be restarted (their restarts "
-                       "are used up: see the log)", no_decode ? "decode" : "prefill");
+                       "are used up: see the log)",
+                       no_decode ? "decode" : "prefill");
       else if (now - since > (int64_t)grace_ms * 1000000)
         tw_router_fail(r, q, TWAIN__V1__CODE__UNAVAILABLE, "no %s worker is registered (for %d ms)%s",
                        no_decode ? "decode" : "prefill", grace_ms,

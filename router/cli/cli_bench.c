@@ -667,14 +667,18 @@ static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
   };
   tw_opts_spec_t spec = {
       .prog = P,
-      .description = "Drive a running service with N requests and report tok/s, req/s, TTFT, TPOT,\n"
-                     "ITL and E2E percentiles and failures by code. Prompts are random token ids\n"
-                     "(raw generate: no stop ids, outputs have exactly their length) or, with\n"
-                     "--chat, rendered chats.",
-      .epilog = "Exit 0 when every request is accounted for and every streamed count equals its\n"
-                "usage, 1 otherwise (lost requests, mismatches, every request failed, --json\n"
-                "not writable), 2 bad usage.",
-      .env_prefix = "TWAIN_BENCH_", .opts = opts, .n_opts = sizeof opts / sizeof opts[0]};
+      .description =
+          "Drive a running service with N requests and report tok/s, req/s, TTFT, TPOT,\n"
+          "ITL and E2E percentiles and failures by code. Prompts are random token ids\n"
+          "(raw generate: no stop ids, outputs have exactly their length) or, with\n"
+          "--chat, rendered chats.",
+      .epilog =
+          "Exit 0 when every request is accounted for and every streamed count equals its\n"
+          "usage, 1 otherwise (lost requests, mismatches, every request failed, --json\n"
+          "not writable), 2 bad usage.",
+      .env_prefix = "TWAIN_BENCH_",
+      .opts = opts,
+      .n_opts = sizeof opts / sizeof opts[0]};
   int rc = tw_opts_parse(&spec, argc, argv, NULL);
   if (rc != TW_OPTS_RUN) return rc;
   o->seed = (uint64_t)seed;

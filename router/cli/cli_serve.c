@@ -129,11 +129,12 @@ static void tw_serve_http(void *arg, const char *url) { /* router thread, before
 
 static void tw_serve_ready(void *arg) {
   tw_serve_t *s = arg;
-  printf("twain serve: ready: %d prefill + %d decode workers (%s %s%s), %sclients at %s\n",
-         s->rp.expect_prefill, s->rp.expect_decode,
-         tw_serve_own_keys_g ? "workers at" : "join at", s->worker_ep,
-         tw_serve_own_keys_g ? " with this run's own link keys: others join with TWAIN_KEYS_FILE" : "",
-         s->http_url, s->client_ep);
+  printf(
+      "twain serve: ready: %d prefill + %d decode workers (%s %s%s), %sclients at %s\n",
+      s->rp.expect_prefill, s->rp.expect_decode, tw_serve_own_keys_g ? "workers at" : "join at",
+      s->worker_ep,
+      tw_serve_own_keys_g ? " with this run's own link keys: others join with TWAIN_KEYS_FILE" : "",
+      s->http_url, s->client_ep);
   if (s->metrics[0]) printf("twain serve: metrics: %s\n", s->metrics);
   fflush(stdout);
   pthread_mutex_lock(&s->mu);
@@ -200,8 +201,9 @@ static int tw_serve_link_keys(void) {
     return -1;
   }
   tw_serve_own_keys_g = true;
-  TW_INFO("serve", "internal links: CURVE with a key set made for this run (only the workers "
-                   "started here have it; TWAIN_KEYS_FILE gives one that others can use too)");
+  TW_INFO("serve",
+          "internal links: CURVE with a key set made for this run (only the workers "
+          "started here have it; TWAIN_KEYS_FILE gives one that others can use too)");
   return 0;
 }
 
@@ -618,8 +620,10 @@ int tw_cli_serve(int argc, char **argv) {
           for (int j = pre ? 0 : n_prefill; j < (pre ? n_prefill : n); j++) all &= slots[j].gave_up;
           if (all) {
             atomic_store(&s.given_up[pre ? 0 : 1], 1);
-            TW_ERROR("serve", "no %s worker will be started again: requests that need one now fail "
-                     "at once (UNAVAILABLE)", pre ? "prefill" : "decode");
+            TW_ERROR("serve",
+                     "no %s worker will be started again: requests that need one now fail "
+                     "at once (UNAVAILABLE)",
+                     pre ? "prefill" : "decode");
           }
           continue;
         }
