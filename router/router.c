@@ -302,6 +302,17 @@ static TW_NODISCARD tw_status_t tw_sampling_check(const Twain__V1__SamplingParam
   return TW_OK;
 }
 
+/* The request in flight (not done) that client `from` sent as `rid`, or NULL. */
+static tw_req_t *tw_client_req(tw_router_t *r, const tw_msg_t *from, uint64_t rid) {
+  for (int32_t i = 0; i < r->n_reqs; i++) {
+    tw_req_t *q = r->reqs[i];
+    if (!q->done && q->client_rid == rid && q->cid_len == from->id_len &&
+        memcmp(q->cid, from->id, from->id_len) == 0)
+      return q;
+  }
+  return NULL;
+}
+
 /* Validate and enqueue a Generate or Chat request. */
 static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1__ClientRequest *cr) {
   char msg[512];
@@ -346,11 +357,7 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return;
   }
-  for (int32_t k = 0; k < r->n_reqs; k++) { /* replies and cancels name requests by it */
-    const tw_req_t *o = r->reqs[k];
-    if (o->done || o->client_rid != cr->request_id || o->cid_len != from->id_len ||
-        memcmp(o->cid, from->id, from->id_len) != 0)
-      continue;
+  if (tw_client_req(r, from, cr->request_id)) { /* replies and cancels name requests by it */
     snprintf(msg, sizeof msg,
              "request_id %llu is already in flight on this connection: request ids must be unique "
              "among a client's requests in flight",
@@ -436,11 +443,8 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
 
 static void tw_router_on_cancel(tw_router_t *r, const tw_msg_t *from, const Twain__V1__ClientRequest *cr) {
   uint64_t target = cr->cancel->target_request_id;
-  for (int32_t i = 0; i < r->n_reqs; i++) {
-    tw_req_t *q = r->reqs[i];
-    if (q->done || q->client_rid != target || q->cid_len != from->id_len ||
-        memcmp(q->cid, from->id, from->id_len) != 0)
-      continue;
+  tw_req_t *q = tw_client_req(r, from, target);
+  if (q) {
     tw_router_fail(r, q, TWAIN__V1__CODE__CANCELLED, "request %llu cancelled by the client",
                    (unsigned long long)target);
     tw_reply_raw(r, from, cr->request_id, 0, NULL);

@@ -166,8 +166,9 @@ static size_t tw_stop_holdback(const struct tw_rchat *c) {
 /* The final text not sent yet, up to `end` (a stop string's start, or the
  * text's end less what may start one). */
 static void tw_final_send(struct tw_rchat *c, size_t end) {
-  if (end > c->final_sent) tw_emit_text(c, c->final_text.data + c->final_sent, end - c->final_sent);
-  if (end > c->final_sent) c->final_sent = end;
+  if (end <= c->final_sent) return;
+  tw_emit_text(c, c->final_text.data + c->final_sent, end - c->final_sent);
+  c->final_sent = end;
 }
 
 static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
@@ -183,9 +184,12 @@ static void tw_on_text(struct tw_rchat *c, const char *text, size_t len) {
     c->stop_hit = true; /* stops can no longer be found: end the answer here */
     return;
   }
+  /* a stop cannot start in what was sent (that was never a stop's start),
+   * so the search starts there: each piece costs its own length, not the
+   * whole answer's */
   size_t end = c->final_text.len;
   for (size_t i = 0; i < c->n_stops; i++) {
-    const char *hit = strstr(c->final_text.data, c->stops[i]);
+    const char *hit = strstr(c->final_text.data + c->final_sent, c->stops[i]);
     if (hit && (size_t)(hit - c->final_text.data) < end) {
       end = (size_t)(hit - c->final_text.data);
       c->stop_hit = true;

@@ -478,9 +478,9 @@ static void tw_count_inflight(tw_router_t *r) {
 /* The prefill worker with the least in flight (this router's exact count, or
  * the heartbeat's queue when larger: other routers' work) that can take
  * n_prompt more tokens within its window (an idle one always can); n_prompt
- * 0: any, window ignored. NULL when none can. */
-static tw_rworker_t *tw_pick_prefill(tw_router_t *r, int32_t n_prompt) {
-  const int64_t now = tw_msg_clock_ns();
+ * 0: any, window ignored; `now`: the clock, for tw_router_worker_open. NULL
+ * when none can. */
+static tw_rworker_t *tw_pick_prefill(tw_router_t *r, int32_t n_prompt, int64_t now) {
   tw_rworker_t *best = NULL;
   int64_t best_load = 0;
   for (int32_t i = 0; i < r->n_workers; i++) {
@@ -522,7 +522,7 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
     if (rs->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED ||
         rs->status->code == TWAIN__V1__CODE__UNAVAILABLE) { /* full or draining: wait in the queue */
       /* full: its room is less than its last heartbeat said (reservations
-     * since, quarantined ones): none goes there until the next one */
+       * since, quarantined ones): none goes there until the next one */
       if (rs->status->code == TWAIN__V1__CODE__RESOURCE_EXHAUSTED)
         w->free_blocks = w->free_ring = 0;
       q->state = TW_REQ_QUEUED;
@@ -546,8 +546,9 @@ static void tw_on_reserved(tw_router_t *r, tw_rworker_t *w, const Twain__Interna
   /* the prefill worker schedule chose (its window counted this prompt), or,
    * if it went away or drains meanwhile, the least loaded one */
   tw_rworker_t *best = q->pw ? tw_router_worker(r, q->pw) : NULL;
-  if (best && !tw_router_worker_open(best, tw_msg_clock_ns())) best = NULL;
-  if (!best) best = tw_pick_prefill(r, 0);
+  const int64_t now = tw_msg_clock_ns();
+  if (best && !tw_router_worker_open(best, now)) best = NULL;
+  if (!best) best = tw_pick_prefill(r, 0, now);
   if (!best) { /* back to the queue, which waits for the pool (--pool-grace-ms): no attempt */
     q->attempts--;
     tw_router_requeue(r, q, true, 20 * 1000000); /* the cancel frees the reservation */
@@ -894,7 +895,7 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     }
     if (!best) break; /* admission control: wait for room (or the deadline), in order */
     /* backpressure: a prefill worker must have room before anything is reserved */
-    tw_rworker_t *pf = tw_pick_prefill(r, tw_req_context(q));
+    tw_rworker_t *pf = tw_pick_prefill(r, tw_req_context(q), now);
     if (!pf) break; /* every window is full: this one and those behind it wait, in order */
     Twain__Internal__V1__Reserve rv = TWAIN__INTERNAL__V1__RESERVE__INIT;
     rv.request_id = q->id;
