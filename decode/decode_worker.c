@@ -657,6 +657,7 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   /* dp: an idle rank pads its step with the pool's last block, which is no
    * ring block: no window ring there */
   ep.kv_window_ring = p->dp > 1 ? -1 : p->kv_window_ring;
+  ep.prefill_bf16_experts = p->prefill_bf16_experts;
   ep.kv_dtype = p->kv_dtype;
   ep.max_batch = p->max_batch;     /* 0: planned */
   ep.max_prefill_chunk = 0;        /* planned: decode workers do not prefill */

@@ -23,6 +23,8 @@ typedef struct {
   tw_backend_kind_t backend;
   int32_t kv_blocks;        /* KV pool size in blocks; 0: the memory plan's (mem_plan.h) */
   int32_t kv_window_ring;   /* engine.h kv_window_ring: 1 on, -1 off, 0 the backend's default */
+  int32_t prefill_bf16_experts; /* engine.h: the prefill workers' setting (default -1, off),
+                                 * for the memory plan */
   int32_t kv_dtype;         /* engine.h kv_dtype (kv_fp8.h): 0 the backend's, 1 fp8 */
   int32_t block_size;
   int32_t max_batch;        /* sequences per step; 0: the memory plan's */
@@ -46,11 +48,21 @@ typedef struct {
   char **argv;
 } tw_decode_params_t;
 
-#define TW_DECODE_PARAMS_DEFAULT                                                        \
-  ((tw_decode_params_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 0, .block_size = 16,    \
-                        .max_batch = 0, .threads = 0, .metrics_port = 0,                \
-                        .verify_kv = false, .reserve_timeout_ms = 60000, .tp = 1, .ep = 1, \
-                        .dp = 1, .drain_timeout_s = 600, .log_stats_interval_s = 5})
+#define TW_DECODE_PARAMS_DEFAULT                                                                   \
+  ((tw_decode_params_t){.backend = TW_BACKEND_AUTO,                                                \
+                        .kv_blocks = 0,                                                            \
+                        .block_size = 16,                                                          \
+                        .max_batch = 0,                                                            \
+                        .threads = 0,                                                              \
+                        .metrics_port = 0,                                                         \
+                        .verify_kv = false,                                                        \
+                        .reserve_timeout_ms = 60000,                                               \
+                        .tp = 1,                                                                   \
+                        .ep = 1,                                                                   \
+                        .dp = 1,                                                                   \
+                        .drain_timeout_s = 600,                                                    \
+                        .log_stats_interval_s = 5,                                                 \
+                        .prefill_bf16_experts = -1})
 
 #define TW_DECODE_MAX_DP 64 /* data-parallel ranks of one worker (the control link's limit) */
 #define TW_DECODE_MAX_BATCH 65536 /* --max-batch: sequences per step (per dp rank) */

@@ -18,6 +18,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* The window ring of the sliding layers is on by default (kv_window_ring 0):
  * verified on the H200 (test_kv_ring_cuda: ring against full layout; the
@@ -345,6 +346,12 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
                                            c->intermediate)
             : tw_cuda_moe_prefill_cublas_ws_bytes((int32_t)R, c->n_experts, c->n_experts_per_tok,
                                                   c->hidden, c->intermediate, 0);
+    if (ce->pbf16_cublas) { /* the prefill MoE on the bf16 copy through cuBLAS */
+      size_t cb = tw_cuda_moe_prefill_cublas_ws_bytes((int32_t)R, c->n_experts,
+                                                      c->n_experts_per_tok, c->hidden,
+                                                      c->intermediate, 0);
+      if (cb > ce->moe_pre_bytes) ce->moe_pre_bytes = cb;
+    }
     ce->moe_pre_ws = tw_ce_take(cv, ce->moe_pre_bytes);
   }
   if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->sh.ep_size == 1 && !ce->moe_grouped) {
@@ -390,6 +397,7 @@ static void tw_ce_destroy(tw_engine_t *engine) {
     tw_cuda_gemm_destroy(ce->gemm);
     tw_ce_share_close(ce); /* the weight arena: own, exported or mapped */
     if (ce->kv_pool) cudaFree(ce->kv_pool);
+    if (ce->pbf16) cudaFree(ce->pbf16);
     if (ce->ring_scratch) cudaFree(ce->ring_scratch);
     if (ce->d_ring_slots) cudaFree(ce->d_ring_slots);
     if (ce->h_ring_slots) cudaFreeHost(ce->h_ring_slots);
@@ -542,7 +550,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   tw_status_t st = TW_OK;
   tw_ce_up_t up = {NULL, 0, NULL, 0, 0};
   tw_ce_carve_t cv = {NULL, 0};
-  size_t free_b = 0, total_b = 0, kv_block_all = 0, h_bytes = 0;
+  size_t free_b = 0, total_b = 0, kv_block_all = 0, h_bytes = 0, pbf16_bytes = 0;
+  bool pbf16_on = false;
   int64_t n_blocks = params->kv_num_blocks;
   if (!e || !ce || !layers) {
     free(e);
@@ -614,11 +623,23 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   if (st < 0) goto fail;
   if (ce->share_fd >= 0) TW_CHECK_GOTO(tw_ce_share_publish(ce, params->device), st, fail);
   e->weights_origin = ce->warena_imported ? 2 : ce->share_exported ? 1 : 0;
+  /* the prefill bf16 copy of the experts (tw_ce_t.pbf16): which workers may
+   * hold one (MXFP4 experts, no EP split, the grouped MoE's GPU), its bytes */
+  pbf16_on = params->prefill_bf16_experts > 0;
+  if (!ce->bf16_experts && ce->sh.ep_size == 1 && ce->moe_grouped && c->n_layers > 0 &&
+      params->prefill_bf16_experts >= 0) {
+    pbf16_bytes = (size_t)c->n_layers *
+                  tw_cuda_moe_dequant_bytes(c->n_experts, c->hidden, c->intermediate);
+    ce->pbf16_cublas = tw_cuda_knobs()->prefill_cublas;
+  } else {
+    pbf16_on = false;
+  }
   /* the memory plan, now that the weights are in place (mem_plan.h) */
   if (params->mem_role) {
     tw_mem_plan_in_t in;
     tw_mem_plan_t plan;
     tw_engine_plan_input(model, params, &in);
+    in.prefill_bf16_bytes = (int64_t)pbf16_bytes;
     in.window_ring = tw_kv_ring_wanted(params->kv_window_ring, TW_CE_RING_DEFAULT);
     TW_CUDA_CHECK_GOTO(cudaMemGetInfo(&free_b, &total_b), st, fail);
     in.total_bytes = (int64_t)total_b;
@@ -637,6 +658,29 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     ce->chunk = e->params.max_prefill_chunk;
     ce->max_batch = e->params.max_batch;
     n_blocks = e->params.kv_num_blocks;
+    pbf16_on = plan.prefill_bf16 && params->mem_role == TW_MEM_ROLE_PREFILL;
+  }
+  if (pbf16_on) { /* dequantised once (spec §3.4), the layout of bf16-expert checkpoints */
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->pbf16, pbf16_bytes), st, fail);
+    ce->pbf16_bytes = pbf16_bytes;
+    size_t per = pbf16_bytes / (size_t)c->n_layers;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+      ce->layers[l].pwdq = (char *)ce->pbf16 + (size_t)l * per;
+      TW_CHECK_GOTO(tw_cuda_moe_dequant(&ce->layers[l].moe, NULL, (void *)ce->layers[l].pwdq,
+                                        ce->stream),
+                    st, fail);
+    }
+    TW_CUDA_CHECK_GOTO(cudaStreamSynchronize(ce->stream), st, fail);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    TW_INFO("engine",
+            "prefill experts: a bf16 copy of %.2f GiB (%d layers) for the prefill MoE (%s), "
+            "dequantised in %.2f s",
+            tw_gib(pbf16_bytes), c->n_layers, ce->pbf16_cublas ? "cuBLAS" : "grouped GEMM",
+            (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+  } else {
+    ce->pbf16_cublas = 0; /* no copy: the workspace need not hold the cuBLAS path's */
   }
   ce->max_rows = ce->chunk > ce->max_batch ? ce->chunk : ce->max_batch;
   if (ce->max_rows > TW_CE_GEMV_MAX_TOKENS && !ce->moe_grouped) {

@@ -68,6 +68,9 @@ typedef struct {
    * dequantised layout of tw_cuda_moe_dequant (gate_up [E, 2I, H], then down
    * [E, H, I]); NULL for MXFP4 experts */
   const void *wdq;
+  /* MXFP4 experts with the prefill bf16 copy (tw_ce_t.pbf16): this layer's
+   * experts in the same layout, for prefill passes; NULL without */
+  const void *pwdq;
 } tw_ce_layer_t;
 
 typedef struct {
@@ -144,6 +147,14 @@ typedef struct {
   size_t dq_bytes;
   cudaEvent_t dq_start, dq_done[2], dq_free[2];
   size_t moe_dec_bytes, moe_pre_bytes, attn_ws_bytes;
+  /* the prefill bf16 copy of the MXFP4 experts (engine.h prefill_bf16_experts,
+   * mem_plan.h): n_layers x tw_cuda_moe_dequant_bytes, dequantised once at
+   * create; prefill passes of more than gemv_max rows run their MoE on it,
+   * through cuBLAS (pbf16_cublas, the workspace sized for it) or the grouped
+   * GEMM's bf16 path. NULL without. */
+  void *pbf16;
+  size_t pbf16_bytes;
+  int pbf16_cublas;
   int32_t *d_tokens, *d_positions, *d_slots, *d_seq_lens, *d_cu, *d_start, *d_block_tables,
       *d_next;
   tw_cuda_sample_row_t *d_params;

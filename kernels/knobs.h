@@ -25,6 +25,8 @@ extern "C" {
 
 typedef struct {
   int moe_cublas;       /* TWAIN_CUDA_MOE_CUBLAS=1: per-expert cuBLAS MoE (default 0) */
+  int prefill_cublas;   /* TWAIN_CUDA_PREFILL_CUBLAS=0: the prefill MoE on the bf16 copy of
+                           the experts through the grouped GEMM instead of cuBLAS (default 1) */
   int moe_gemv_max;     /* TWAIN_CUDA_MOE_GEMV_MAX 0..64, -1 unset: the engine's default */
   int profile;          /* TWAIN_CUDA_PROFILE=1: per-op timing, no graphs (default 0) */
   int gemv;             /* TWAIN_CUDA_GEMV=0 turns the small-M GEMV kernel off (default 1) */

@@ -465,6 +465,7 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   ep.kv_block_size = w->o.block_size;
   ep.kv_num_blocks = w->o.kv_blocks; /* 0: planned (mem_plan.h) */
   ep.kv_window_ring = w->o.kv_window_ring;
+  ep.prefill_bf16_experts = w->o.prefill_bf16_experts;
   ep.kv_dtype = w->o.kv_dtype;
   ep.max_batch = w->o.batch_seqs;
   ep.max_prefill_chunk = w->o.chunk_tokens; /* 0: planned, the token budget */

@@ -20,6 +20,7 @@ typedef struct {
   tw_backend_kind_t backend;
   int32_t kv_blocks, block_size, threads; /* local KV pool (blocks of block_size tokens); threads 0: all cores */
   int32_t kv_window_ring;   /* engine.h kv_window_ring: 1 on, -1 off, 0 the backend's default */
+  int32_t prefill_bf16_experts; /* engine.h: 1 on, -1 off (default), 0 the memory plan's rule */
   int32_t kv_dtype;         /* engine.h kv_dtype (kv_fp8.h): 0 the backend's, 1 fp8 */
   int metrics_port;         /* -1 off, 0 ephemeral */
   const char *metrics_addr; /* NULL: 127.0.0.1 */
@@ -37,10 +38,18 @@ typedef struct {
   const char *served_model_name; /* metrics' model_name label; NULL: from model_dir */
 } tw_prefill_opts_t;
 
-#define TW_PREFILL_OPTS_DEFAULT                                                              \
-  ((tw_prefill_opts_t){.backend = TW_BACKEND_AUTO, .kv_blocks = 0, .block_size = 16,          \
-                       .metrics_port = 0, .flush_timeout_ms = 10000, .tp = 1, .ep = 1,       \
-                       .chunk_tokens = 0, .batch_seqs = 64, .log_stats_interval_s = 5}) /* 0: planned */
+#define TW_PREFILL_OPTS_DEFAULT                                                                    \
+  ((tw_prefill_opts_t){.backend = TW_BACKEND_AUTO,                                                 \
+                       .kv_blocks = 0,                                                             \
+                       .block_size = 16,                                                           \
+                       .metrics_port = 0,                                                          \
+                       .flush_timeout_ms = 10000,                                                  \
+                       .tp = 1,                                                                    \
+                       .ep = 1,                                                                    \
+                       .chunk_tokens = 0,                                                          \
+                       .batch_seqs = 64,                                                           \
+                       .log_stats_interval_s = 5,                                                  \
+                       .prefill_bf16_experts = -1}) /* 0: planned */
 
 /** Run the daemon with `opts` until SIGTERM/SIGINT (then finish the request
  *  in progress, refuse the queued ones and return). argc/argv: the command

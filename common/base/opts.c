@@ -49,6 +49,21 @@ const char *tw_opts_keep(const char *s) {
   return copy;
 }
 
+int tw_opts_switch_auto(const char *text, void *dst, char *err, size_t errlen) {
+  int32_t *v = dst;
+  if (text && !strcmp(text, "1"))
+    *v = 1;
+  else if (text && !strcmp(text, "0"))
+    *v = -1;
+  else if (text && !strcmp(text, "auto"))
+    *v = 0;
+  else {
+    snprintf(err, errlen, "must be 0, 1 or auto, got '%s'", text ? text : "");
+    return -1;
+  }
+  return 0;
+}
+
 int tw_opts_ll(const char *text, long long lo, long long hi, long long *out) {
   if (!text[0] || isspace((unsigned char)text[0])) return -1;
   char *end = NULL;

@@ -137,6 +137,10 @@ int tw_opts_ll(const char *text, long long lo, long long hi, long long *out);
  *  ids", too long). For TW_OPT_FN parsers of --stop-ids. */
 int tw_opts_id_list(const char *text, int32_t *ids, int cap, int *n, char *err, size_t errlen);
 
+/** A three-way setting "1" | "0" | "auto" (TW_OPT_FN parser; dst: int32_t *,
+ *  the engine.h convention): 1, -1 or 0; else -1 with the reason in err. */
+int tw_opts_switch_auto(const char *text, void *dst, char *err, size_t errlen);
+
 /** The version string every --version prints ("0.1.0", from CMake's project
  *  version). */
 const char *tw_opts_version(void);

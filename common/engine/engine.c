@@ -169,6 +169,7 @@ void tw_engine_plan_input(const tw_model_t *model, const tw_engine_params_t *p,
   in->prefill_tokens = p->mem_role == TW_MEM_ROLE_PREFILL ? p->max_prefill_chunk : 0;
   in->window_ring = p->kv_window_ring > 0; /* a backend with the ring on by default sets it */
   in->kv_fp8 = p->kv_dtype == TW_KV_DTYPE_FP8;
+  in->prefill_bf16 = p->prefill_bf16_experts; /* the bytes: the backend's (cuda) */
 }
 
 void tw_engine_plan_apply(const tw_mem_plan_t *plan, tw_engine_params_t *p) {

@@ -124,6 +124,11 @@ typedef struct {
   /* KV cache dtype (kv_fp8.h tw_kv_dtype_t): 0 the backend's own (cpu f32,
    * cuda bf16), TW_KV_DTYPE_FP8 e4m3 with a scale per (token, kv head) */
   int32_t kv_dtype;
+  /* cuda: a bf16 copy of the MXFP4 experts for the prefill MoE (dense
+   * tensor-core GEMMs; mem_plan.h): 1 on, -1 off, 0 auto (the memory plan's
+   * rule with mem_role set; off without a plan). Every worker on the device
+   * takes the same setting: the decode workers plan around the copies. */
+  int32_t prefill_bf16_experts;
 } tw_engine_params_t;
 
 #define TW_ENGINE_PARAMS_DEFAULT                                              \

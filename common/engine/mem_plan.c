@@ -193,53 +193,66 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   tw_mem_dec_t d = {0, 0, 0, 0, 0};
   int32_t dblocks = 0;
   bool fits = false;
-  for (int32_t k = 0; k < n_try && !fits; k++) {
-    T = in->prefill_tokens ? in->prefill_tokens : budgets[k];
-    pws = np ? tw_mem_ws(in, TW_MEM_PREFILL_SEQS, T) : 0;
-    left = budget - fixed - (int64_t)np * pws;
-    if (left <= 0) continue;
-    pkv = 0;
-    pblocks = 0;
-    if (np) { /* one full-context prompt + a batch in flight, within [2 T, left / 8] */
-      int64_t want = (int64_t)max_pos + T, lo = 2 * (int64_t)T;
-      int64_t share = tw_mem_pool_tokens(&g, left / 8 / np, TW_MEM_PREFILL_SEQS, in->block_size);
-      int64_t tok = want < (share > lo ? share : lo) ? want : (share > lo ? share : lo);
-      int64_t nb = (tok + in->block_size - 1) / in->block_size;
+  /* the prefill workers' bf16 copies of the experts (the top of mem_plan.h):
+   * asked for, or by the share rule; by the rule only where the plan then fits */
+  int64_t pbf_all = (int64_t)np * (in->prefill_bf16_bytes > 0 ? in->prefill_bf16_bytes : 0);
+  bool pbf =
+      pbf_all > 0 && (in->prefill_bf16 > 0 ||
+                      (in->prefill_bf16 == 0 &&
+                       (double)pbf_all <= TW_MEM_PREFILL_BF16_SHARE * (double)(budget - fixed)));
+  bool retry = pbf && in->prefill_bf16 == 0; /* by the rule: without them if they do not fit */
+  for (int pass = 0; pass < (retry ? 2 : 1) && !fits; pass++) {
+    if (pass == 1) pbf = false;
+    for (int32_t k = 0; k < n_try && !fits; k++) {
+      T = in->prefill_tokens ? in->prefill_tokens : budgets[k];
+      pws = np ? tw_mem_ws(in, TW_MEM_PREFILL_SEQS, T) + (pbf ? in->prefill_bf16_bytes : 0) : 0;
+      left = budget - fixed - (int64_t)np * pws;
+      if (left <= 0) continue;
+      pkv = 0;
+      pblocks = 0;
+      if (np) { /* one full-context prompt + a batch in flight, within [2 T, left / 8] */
+        int64_t want = (int64_t)max_pos + T, lo = 2 * (int64_t)T;
+        int64_t share = tw_mem_pool_tokens(&g, left / 8 / np, TW_MEM_PREFILL_SEQS, in->block_size);
+        int64_t tok = want < (share > lo ? share : lo) ? want : (share > lo ? share : lo);
+        int64_t nb = (tok + in->block_size - 1) / in->block_size;
+        if (in->kv_cap_bytes > 0 &&
+            tw_mem_pool_bytes(&g, nb, tw_mem_ring_blocks(&g, nb, TW_MEM_PREFILL_SEQS)) >
+                in->kv_cap_bytes)
+          nb = tw_mem_pool_blocks(&g, in->kv_cap_bytes, TW_MEM_PREFILL_SEQS);
+        if (nb > INT32_MAX / in->block_size) nb = INT32_MAX / in->block_size;
+        pblocks = (int32_t)nb;
+        pring = (int32_t)tw_mem_ring_blocks(&g, nb, TW_MEM_PREFILL_SEQS);
+        pkv = tw_mem_pool_bytes(&g, nb, pring);
+      }
+      int64_t rem = left - (int64_t)np * pkv;
+      if (rem < 0) continue;
+      if (!nd) {
+        fits = pblocks >= 1;
+        break;
+      }
+      d = tw_mem_decode_fit(in, rem / nd, seq_bytes, cap_b, max_pos);
+      int64_t nb = tw_mem_pool_blocks(&g, d.kv, d.b);
+      if (nb > (int64_t)d.b * mbps) nb = (int64_t)d.b * mbps; /* every sequence at full context */
       if (in->kv_cap_bytes > 0 &&
-          tw_mem_pool_bytes(&g, nb, tw_mem_ring_blocks(&g, nb, TW_MEM_PREFILL_SEQS)) >
-              in->kv_cap_bytes)
-        nb = tw_mem_pool_blocks(&g, in->kv_cap_bytes, TW_MEM_PREFILL_SEQS);
+          tw_mem_pool_bytes(&g, nb, tw_mem_ring_blocks(&g, nb, d.b)) > in->kv_cap_bytes)
+        nb = tw_mem_pool_blocks(&g, in->kv_cap_bytes, d.b);
       if (nb > INT32_MAX / in->block_size) nb = INT32_MAX / in->block_size;
-      pblocks = (int32_t)nb;
-      pring = (int32_t)tw_mem_ring_blocks(&g, nb, TW_MEM_PREFILL_SEQS);
-      pkv = tw_mem_pool_bytes(&g, nb, pring);
+      dblocks = (int32_t)nb;
+      dring = (int32_t)tw_mem_ring_blocks(&g, nb, d.b);
+      fits = (int64_t)dblocks * in->block_size >= TW_MEM_MIN_DECODE_TOKENS;
     }
-    int64_t rem = left - (int64_t)np * pkv;
-    if (rem < 0) continue;
-    if (!nd) {
-      fits = pblocks >= 1;
-      break;
-    }
-    d = tw_mem_decode_fit(in, rem / nd, seq_bytes, cap_b, max_pos);
-    int64_t nb = tw_mem_pool_blocks(&g, d.kv, d.b);
-    if (nb > (int64_t)d.b * mbps) nb = (int64_t)d.b * mbps; /* every sequence at full context */
-    if (in->kv_cap_bytes > 0 &&
-        tw_mem_pool_bytes(&g, nb, tw_mem_ring_blocks(&g, nb, d.b)) > in->kv_cap_bytes)
-      nb = tw_mem_pool_blocks(&g, in->kv_cap_bytes, d.b);
-    if (nb > INT32_MAX / in->block_size) nb = INT32_MAX / in->block_size;
-    dblocks = (int32_t)nb;
-    dring = (int32_t)tw_mem_ring_blocks(&g, nb, d.b);
-    fits = (int64_t)dblocks * in->block_size >= TW_MEM_MIN_DECODE_TOKENS;
   }
   if (!fits)
     return tw_err(TW_ERR_NO_MEMORY,
                   "memory plan: after the weights (%.2f GiB x %d cop%s), the runtime reserve and "
-                  "the workspaces, the budget of %.2f GiB (%.2f of %.2f GiB) leaves no KV pool of "
-                  "%d tokens per decode worker (%d prefill + %d decode workers, %.1f KiB of KV a "
-                  "token): use a device with more memory, fewer workers on it, --tp/--ep, or "
-                  "raise --gpu-memory-utilization",
-                  tw_gib(W), copies, copies == 1 ? "y" : "ies", tw_gib(budget), util,
-                  tw_gib(in->total_bytes), TW_MEM_MIN_DECODE_TOKENS, np, nd, kv_tok / 1024.0);
+                  "the workspaces%s, the budget of %.2f GiB (%.2f of %.2f GiB) leaves no KV pool "
+                  "of %d tokens per decode worker (%d prefill + %d decode workers, %.1f KiB of KV "
+                  "a token): use a device with more memory, fewer workers on it, --tp/--ep, or "
+                  "raise --gpu-memory-utilization%s",
+                  tw_gib(W), copies, copies == 1 ? "y" : "ies",
+                  pbf ? " (with a bf16 copy of the experts in each prefill worker)" : "",
+                  tw_gib(budget), util, tw_gib(in->total_bytes), TW_MEM_MIN_DECODE_TOKENS, np, nd,
+                  kv_tok / 1024.0, pbf ? ", or --prefill-bf16-experts 0" : "");
   p->prefill_kv_blocks = pblocks;
   p->prefill_kv_bytes = pkv;
   p->decode_kv_blocks = dblocks;
@@ -247,6 +260,8 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
   p->decode_kv_ring_blocks = dring;
   p->decode_kv_bytes = tw_mem_pool_bytes(&g, dblocks, dring);
   p->decode_max_batch = d.b;
+  p->prefill_bf16 = pbf;
+  p->prefill_bf16_bytes = pbf ? in->prefill_bf16_bytes : 0;
   p->unplanned_bytes = left - (int64_t)np * pkv -
                        (nd ? (int64_t)nd * (d.ws + d.graphs + p->decode_kv_bytes) : 0);
   if (p->unplanned_bytes < 0) p->unplanned_bytes = 0;
@@ -288,10 +303,22 @@ TW_NODISCARD tw_status_t tw_mem_plan(const tw_mem_plan_in_t *in, tw_mem_plan_t *
                 "memory plan: window ring: %d sliding layers keep %d blocks a sequence (window "
                 "%d), so past it a token costs %.1f KiB",
                 n_ring_layers, g.R, c->sliding_window, kv_tok_full / 1024.0);
-  if (np)
-    tw_mem_line(p, "memory plan: each prefill worker: token budget %d, workspace %.2f GiB, kv pool "
-                "%.2f GiB = %d blocks (%lld tokens: prompts until their handoff)", T, tw_gib(pws),
-                tw_gib(pkv), pblocks, (long long)pblocks * in->block_size);
+  if (np) {
+    char bf[160] = "";
+    if (pbf)
+      snprintf(bf, sizeof bf, " (of it %.2f GiB: a bf16 copy of the experts for the prefill MoE)",
+               tw_gib(in->prefill_bf16_bytes));
+    else if (pbf_all > 0 && in->prefill_bf16 == 0)
+      snprintf(bf, sizeof bf,
+               " (no bf16 copy of the experts: %.2f GiB a worker is over %.0f%% of "
+               "the %.2f GiB after the weights, or leaves no decode pool)",
+               tw_gib(in->prefill_bf16_bytes), 100.0 * TW_MEM_PREFILL_BF16_SHARE,
+               tw_gib(budget - fixed));
+    tw_mem_line(p,
+                "memory plan: each prefill worker: token budget %d, workspace %.2f GiB%s, kv "
+                "pool %.2f GiB = %d blocks (%lld tokens: prompts until their handoff)",
+                T, tw_gib(pws), bf, tw_gib(pkv), pblocks, (long long)pblocks * in->block_size);
+  }
   if (nd)
     tw_mem_line(p, "memory plan: each decode worker: max batch %d, workspace %.2f GiB + %d decode "
                 "graphs %.2f GiB, kv pool %.2f GiB = %d blocks (%lld tokens, %lld a sequence at "

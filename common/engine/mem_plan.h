@@ -28,6 +28,13 @@
  * reserved; prefill: x TW_MEM_PREFILL_SEQS), so past the window a token
  * costs only the full layers' bytes: kv_blocks counts positions, and
  * kv_ring_blocks the sliding layers' blocks.
+ * A backend that can hold a bf16 copy of the MXFP4 experts for its prefill
+ * MoE (the cuda engine: dense tensor-core GEMMs instead of converting the
+ * weights in every tile) says what the copy costs (prefill_bf16_bytes); each
+ * prefill worker then holds one when asked (prefill_bf16 1), or by default
+ * when the prefill workers' copies take at most TW_MEM_PREFILL_BF16_SHARE of
+ * the budget left after the weights and reserves and the plan still fits
+ * with them (step 3 adds it to the prefill worker's workspace).
  * Flags override a planned value for the worker they are given to. */
 #ifndef TW_COMMON_MEM_PLAN_H
 #define TW_COMMON_MEM_PLAN_H
@@ -55,6 +62,7 @@ extern "C" {
 #define TW_MEM_MIN_DECODE_TOKENS 4096 /* smallest decode KV pool the plan accepts */
 #define TW_MEM_GRAPH_CTX_MIN 256   /* smallest decode graph context bucket (engine_cuda_step.cu) */
 #define TW_MEM_RING_SEQS 2         /* window rings per max-batch sequence: running + reserved */
+#define TW_MEM_PREFILL_BF16_SHARE 0.40 /* most of the memory after the weights for those copies */
 #define TW_MEM_MAX_LINES 10
 
 typedef enum {
@@ -95,6 +103,12 @@ typedef struct {
   int32_t max_batch_cap;   /* 0: TW_MEM_MAX_BATCH */
   int64_t kv_cap_bytes;    /* most KV bytes per worker; 0: no cap */
   bool window_ring;        /* the sliding layers keep only their window (kv_ring.h) */
+  /* bytes of one prefill worker's bf16 copy of the experts (0: the backend
+   * holds none), and whether the prefill workers hold one: 1 yes, -1 no, 0
+   * the rule at the top of this file. Both roles must be given the same
+   * values (the decode workers plan around the prefill workers' copies). */
+  int64_t prefill_bf16_bytes;
+  int32_t prefill_bf16;
   /* overrides for this worker (flags); 0: planned */
   int32_t kv_blocks, max_batch, prefill_tokens;
 } tw_mem_plan_in_t;
@@ -114,8 +128,10 @@ typedef struct {
   int32_t prefill_kv_blocks, decode_kv_blocks, decode_max_batch;
   int32_t prefill_kv_ring_blocks, decode_kv_ring_blocks;
   int64_t unplanned_bytes; /* budget left after the whole plan (>= 0) */
+  bool prefill_bf16;       /* each prefill worker holds a bf16 copy of the experts */
+  int64_t prefill_bf16_bytes; /* its bytes (in the prefill workspace); 0 without */
   int n_lines;
-  char lines[TW_MEM_MAX_LINES][256];
+  char lines[TW_MEM_MAX_LINES][320];
 } tw_mem_plan_t;
 
 /** Bytes of one copy of the weights as the engines hold them (tp = ep = 1):

@@ -189,18 +189,3 @@ void tw_kv_ring_setup(const tw_model_config_t *c, bool on, int32_t n_blocks, int
   *n_ring_blocks_p = (int32_t)nr;
   *ring_layers_p = R > 0 ? mask : 0;
 }
-
-int tw_kv_ring_opt(const char *text, void *dst, char *err, size_t errlen) {
-  int32_t *v = dst;
-  if (text && !strcmp(text, "1"))
-    *v = 1;
-  else if (text && !strcmp(text, "0"))
-    *v = -1;
-  else if (text && !strcmp(text, "auto"))
-    *v = 0;
-  else {
-    snprintf(err, errlen, "must be 0, 1 or auto, got '%s'", text ? text : "");
-    return -1;
-  }
-  return 0;
-}

@@ -159,11 +159,6 @@ void tw_kv_ring_setup(const tw_model_config_t *c, bool on, int32_t n_blocks, int
                       int32_t kv_ring_blocks, int32_t *ring_blocks_p, int32_t *n_ring_blocks_p,
                       uint64_t *ring_layers_p);
 
-/** The --kv-window-ring option's parser (opts.h TW_OPT_FN; dst: int32_t *,
- *  the engine.h kv_window_ring setting): "1" on, "0" off, "auto" the
- *  backend's default; else -1 with the reason in err. */
-int tw_kv_ring_opt(const char *text, void *dst, char *err, size_t errlen);
-
 #ifdef __cplusplus
 }
 #endif

@@ -65,7 +65,8 @@ extern "C" {
 /** The options every worker daemon takes, as the first entries of its
  *  opts.h table (prefill_main.c, decode_main.c): `o` points to the daemon's
  *  options struct, which has these fields: model_dir, backend, threads,
- *  block_size, router, name, kv_blocks, kv_window_ring, kv_dtype, gpu_memory_utilization,
+ *  block_size, router, name, kv_blocks, kv_window_ring, kv_dtype, prefill_bf16_experts,
+ *  gpu_memory_utilization,
  *  share_weights_dir, metrics_port, metrics_addr, tp, ep,
  *  log_stats_interval_s, served_model_name; `colocated` points to its
  *  tw_mem_colocated_t (mem_plan.h). D is a string literal that starts the
@@ -84,7 +85,7 @@ extern "C" {
       TW_OPT_STR("name", &(o)->name, "NAME", D "routing id (default " ROLE "-<pid>)"),             \
       TW_OPT_INT("kv-blocks", &(o)->kv_blocks, 0, INT32_MAX, "N",                                  \
                  D "KV cache pool in blocks (0: the memory plan, docs/operations.md)"),            \
-      TW_OPT_FN("kv-window-ring", &(o)->kv_window_ring, tw_kv_ring_opt, "0|1|auto",                \
+      TW_OPT_FN("kv-window-ring", &(o)->kv_window_ring, tw_opts_switch_auto, "0|1|auto",           \
                 D                                                                                  \
                 "sliding layers keep only their window's KV blocks\n"                              \
                 "(auto: on; docs/operations.md)"),                                                 \
@@ -92,6 +93,12 @@ extern "C" {
                 D                                                                                  \
                 "KV cache dtype: bf16 (cpu: f32), or fp8 e4m3 with a scale\n"                      \
                 "per token and kv head (~1.9x the tokens; docs/operations.md)"),                   \
+      TW_OPT_FN("prefill-bf16-experts", &(o)->prefill_bf16_experts, tw_opts_switch_auto,           \
+                "0|1|auto",                                                                        \
+                D                                                                                  \
+                "cuda: each prefill worker keeps a bf16 copy of the MXFP4\n"                       \
+                "experts for its MoE (default 0; auto: when the memory plan has\n"                 \
+                "room; give every worker of the device the same; docs/operations.md)"),            \
       TW_OPT_DOUBLE("gpu-memory-utilization", &(o)->gpu_memory_utilization, 0, 1, "F",             \
                     D "share of the device for its workers (0: 0.90)"),                            \
       TW_OPT_FN("colocated", (colocated), tw_mem_colocated_opt, "P,D",                             \

@@ -280,7 +280,7 @@ int tw_cli_serve(int argc, char **argv) {
   s.rp.pool_grace_ms = TW_SERVE_POOL_GRACE_MS * TW_SLOW_BUILD;
   s.rp.pool_given_up = s.given_up;
   int n_prefill = 1, n_decode = 1, threads = -1, kv_blocks = 0, max_batch = 0;
-  int32_t kv_dtype = TW_KV_DTYPE_AUTO;
+  int32_t kv_dtype = TW_KV_DTYPE_AUTO, pbf16 = -1;
   double mem_util = 0;
   bool verify = false, no_share = false;
   tw_mps_mode_t mps_mode = TW_MPS_OFF;
@@ -310,6 +310,10 @@ int tw_cli_serve(int argc, char **argv) {
                 "with a scale per token and kv head (docs/operations.md; default bf16)"),
       TW_OPT_INT("max-batch", &max_batch, 0, INT32_MAX, "N",
                  "decode workers' sequences per step (0: the memory plan)"),
+      TW_OPT_FN("prefill-bf16-experts", &pbf16, tw_opts_switch_auto, "0|1|auto",
+                "cuda: each prefill worker keeps a bf16 copy of the MXFP4\n"
+                "experts for its MoE (default 0; auto: when the memory plan has\n"
+                "room; docs/operations.md)"),
       TW_OPT_DOUBLE("gpu-memory-utilization", &mem_util, 0, 1, "F",
                     "share of each GPU for its workers (0: 0.90)"),
       TW_OPT_FLAG("no-share-weights", &no_share,
@@ -533,6 +537,9 @@ int tw_cli_serve(int argc, char **argv) {
       av[c++] = "--kv-dtype";
       av[c++] = (char *)tw_kv_dtype_name((tw_kv_dtype_t)kv_dtype);
     }
+    /* every worker the same: the decode workers plan around the prefill copies */
+    av[c++] = "--prefill-bf16-experts";
+    av[c++] = pbf16 > 0 ? "1" : pbf16 < 0 ? "0" : "auto";
     if (!pre && tw_opts_given(&spec, "drain-timeout")) {
       av[c++] = "--drain-timeout";
       av[c++] = num[2];

@@ -271,6 +271,7 @@ static void bench_prefill_batch(const char *name, tw_engine_t *e, const tw_model
 }
 
 static int32_t g_kv_ring; /* --kv-window-ring (engine.h kv_window_ring) */
+static int32_t g_pbf16;   /* --prefill-bf16-experts (engine.h prefill_bf16_experts) */
 
 static void bench_model(const char *name, const tw_model_t *m, const double *yard, const int *pre,
                         int n_pre, const int *pb_s, const int *pb_l, int n_pb, int chunk,
@@ -283,6 +284,7 @@ static void bench_model(const char *name, const tw_model_t *m, const double *yar
   for (int i = 0; i < n_pb; i++) maxb = pb_s[i] > maxb ? pb_s[i] : maxb;
   p.max_batch = maxb;
   p.kv_window_ring = g_kv_ring;
+  p.prefill_bf16_experts = g_pbf16;
   p.kv_dtype = g_kv_dtype;
   /* rings for the largest batch (the engine sizes the rest) whenever the
    * ring is on, by default (0: the cuda backend's default, on) or asked */
@@ -454,10 +456,13 @@ int main(int argc, char **argv) {
       TW_OPT_FN("contexts", &cl, parse_list, "LIST", "decode context lengths (default 8192,32768)"),
       TW_OPT_INT("steps", &steps, 1, 500, "N", "decode steps per point"),
       TW_OPT_INT("reps", &reps, 1, 16, "N", "repetitions (the median is reported)"),
-      TW_OPT_FN("kv-window-ring", &g_kv_ring, tw_kv_ring_opt, "0|1|auto",
+      TW_OPT_FN("kv-window-ring", &g_kv_ring, tw_opts_switch_auto, "0|1|auto",
                 "sliding layers keep only their window's KV (auto: on)"),
       TW_OPT_FN("kv-dtype", &g_kv_dtype, tw_kv_dtype_opt, "bf16|fp8",
                 "KV cache dtype (fp8: e4m3 with per-head scales)"),
+      TW_OPT_FN("prefill-bf16-experts", &g_pbf16, tw_opts_switch_auto, "0|1|auto",
+                "a bf16 copy of the MXFP4 experts for the prefill MoE\n"
+                "(auto: off here, no memory plan)"),
   };
   tw_opts_spec_t spec = {.prog = "twain-bench-cuda", .description = "CUDA backend prefill and decode throughput.",
                          .env_prefix = "TWAIN_BENCH_CUDA_", .opts = opts,

@@ -24,6 +24,9 @@
 #define H200 (143771 * MIB)
 #define H100 (81559 * MIB)
 #define CARD24 (24564 * MIB)
+/* the prefill bf16 copy of the experts (test_prefill_bf16 below) */
+#define PBF16_20B 38220595200LL
+#define PBF16_120B 229323571200LL /* 36 x 128 x 24,883,200 x 2 */
 
 static tw_model_config_t gptoss(int big) {
   tw_model_config_t c;
@@ -93,6 +96,18 @@ static void test_cuda_workspace(const tw_model_config_t *c20, const tw_model_con
                   : p.kv_bytes > 90 * GIB && p.max_batch == 1024,
               "kv %.2f GiB batch %d", p.kv_bytes / (double)GIB, p.max_batch);
   }
+  /* 20b with the prefill worker's bf16 copy of the experts (the default
+   * where it fits): the decode worker keeps max batch 1,024 and over 60 GiB */
+  tw_mem_plan_in_t in = gpu_in(c20, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
+  in.ws_bytes = ws_cuda;
+  in.graph_count = graphs_cuda;
+  in.prefill_bf16_bytes = PBF16_20B;
+  tw_mem_plan_t p;
+  tw_status_t st = tw_mem_plan(&in, &p);
+  printf("-- cuda workspace, 20b, H200, 1 prefill + 1 decode, shared weights, prefill bf16 copy\n");
+  for (int i = 0; i < p.n_lines; i++) printf("   %s\n", p.lines[i]);
+  EXPECT(st == TW_OK && p.prefill_bf16 && p.max_batch == 1024 && p.kv_bytes > 60 * GIB,
+         "bf16 %d batch %d kv %.2f GiB", p.prefill_bf16, p.max_batch, p.kv_bytes / (double)GIB);
 }
 #endif
 
@@ -185,12 +200,88 @@ static void test_window_ring(const tw_model_config_t *c20, const tw_model_config
          (long long)on.kv_blocks * 16, (long long)off.kv_blocks * 16);
 }
 
+/* The prefill workers' bf16 copy of the experts (mem_plan.h, the cuda
+ * engine's prefill_bf16_experts): 20b's is 24 layers x 32 experts x (2I x H
+ * + H x I) x 2 bytes = 38,220,595,200 = 48,600 blocks of 16 x 48 KiB
+ * exactly (no window ring here). */
+static int64_t ws_split(void *arg, int32_t max_batch, int32_t chunk) {
+  (void)arg; /* a prefill worker's (64 prompts, a token budget) 2 GiB, a decode worker's 2.8 */
+  return max_batch == chunk ? 2 * GIB + 8 * GIB / 10 : 2 * GIB;
+}
+static void test_prefill_bf16(const tw_model_config_t *c20, const tw_model_config_t *c120) {
+  tw_mem_plan_t p;
+  /* 20b, H200, 1 + 1 sharing the weights: budget - weights - reserves =
+   * 135,679,559,270 - 13,774,924,416 - 2 GiB = 119.76 GB; 40% of it holds
+   * the 38.22 GB copy, so by default the prefill worker keeps one: its
+   * workspace grows by the copy and the decode pool shrinks by exactly
+   * 48,600 blocks (120,920 + 17,516 without, batch 1,024 still fits) */
+  tw_mem_plan_in_t in = gpu_in(c20, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
+  in.prefill_bf16_bytes = PBF16_20B;
+  EXPECT(plan(&in, &p, "20b H200 1+1 shared, prefill bf16 auto: decode") == TW_OK, "%s",
+         tw_last_error());
+  EXPECT(p.prefill_bf16 && p.prefill_bf16_bytes == PBF16_20B && p.max_batch == 1024 &&
+             p.kv_blocks == 120920 + 17516 - 48600,
+         "bf16 %d batch %d blocks %d", p.prefill_bf16, p.max_batch, p.kv_blocks);
+  in.role = TW_MEM_ROLE_PREFILL;
+  tw_mem_plan_t q;
+  EXPECT(plan(&in, &q, "20b H200 1+1 shared, prefill bf16 auto: prefill") == TW_OK, "%s",
+         tw_last_error());
+  in.prefill_bf16_bytes = 0; /* the same worker without a copy to hold */
+  tw_mem_plan_t r;
+  EXPECT(plan(&in, &r, "20b H200 1+1 shared, no copy: prefill") == TW_OK, "%s", tw_last_error());
+  EXPECT(q.prefill_bf16 && q.workspace_bytes == r.workspace_bytes + PBF16_20B &&
+             q.kv_blocks == 8704 && r.kv_blocks == 8704 && q.decode_kv_blocks == p.kv_blocks &&
+             !r.prefill_bf16 && has_line(&q, "a bf16 copy of the experts for the prefill MoE"),
+         "ws %lld / %lld blocks %d / %d", (long long)q.workspace_bytes,
+         (long long)r.workspace_bytes, q.kv_blocks, r.kv_blocks);
+  /* turned off: the plan without it, the same as a backend with none */
+  in = gpu_in(c20, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
+  in.prefill_bf16_bytes = PBF16_20B;
+  in.prefill_bf16 = -1;
+  EXPECT(plan(&in, &p, "20b H200 prefill bf16 off") == TW_OK && !p.prefill_bf16 &&
+             p.kv_blocks == 120920 + 17516,
+         "bf16 %d blocks %d", p.prefill_bf16, p.kv_blocks);
+  /* 20b on an H100 (80 GB): 40% of 76.97 - 15.92 GB = 24.4 GB < 38.2: not by
+   * default; asked for, it fits (the decode pool keeps >= 4,096 tokens) */
+  in = gpu_in(c20, H100, 1, 1, true, TW_MEM_ROLE_DECODE);
+  in.prefill_bf16_bytes = PBF16_20B;
+  EXPECT(plan(&in, &p, "20b H100 prefill bf16 auto") == TW_OK && !p.prefill_bf16 &&
+             has_line(&p, "no bf16 copy of the experts"),
+         "bf16 %d", p.prefill_bf16);
+  in.prefill_bf16 = 1;
+  EXPECT(plan(&in, &p, "20b H100 prefill bf16 on") == TW_OK && p.prefill_bf16 &&
+             (int64_t)p.kv_blocks * 16 >= TW_MEM_MIN_DECODE_TOKENS,
+         "bf16 %d blocks %d", p.prefill_bf16, p.kv_blocks);
+  /* 120b: 229 GB never fits an H200: off by default, an error when asked */
+  in = gpu_in(c120, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
+  in.prefill_bf16_bytes = PBF16_120B;
+  EXPECT(plan(&in, &p, "120b H200 prefill bf16 auto") == TW_OK && !p.prefill_bf16 &&
+             p.max_batch == 512 && p.kv_blocks == 47918,
+         "bf16 %d batch %d blocks %d", p.prefill_bf16, p.max_batch, p.kv_blocks);
+  in.prefill_bf16 = 1;
+  EXPECT(plan(&in, &p, "120b H200 prefill bf16 on") == TW_ERR_NO_MEMORY, "120b copy forced");
+  /* by the share rule but no fit: budget - fixed = 8 GiB, a 3 GiB copy (<=
+   * 40%), workspaces of 2 GiB (prefill) and 2.8 GiB (decode): with the copy
+   * every token budget leaves the decode worker under 4,096 tokens, without
+   * it the plan fits, so the plan is made without it */
+  in = gpu_in(c20, 0, 1, 1, true, TW_MEM_ROLE_DECODE);
+  in.ws_bytes = ws_split;
+  in.prefill_bf16_bytes = 3 * GIB;
+  in.total_bytes = (int64_t)((double)(tw_mem_weight_bytes(c20, NULL, NULL) + 10 * GIB) / 0.9) + 1;
+  EXPECT(plan(&in, &p, "no fit with the copy") == TW_OK && !p.prefill_bf16 &&
+             (int64_t)p.kv_blocks * 16 >= TW_MEM_MIN_DECODE_TOKENS,
+         "bf16 %d blocks %d", p.prefill_bf16, p.kv_blocks);
+  in.prefill_bf16 = 1;
+  EXPECT(plan(&in, &p, "no fit with the copy, asked for") == TW_ERR_NO_MEMORY, "forced");
+}
+
 int main(void) {
   tw_model_config_t c20 = gptoss(0), c120 = gptoss(1);
   tw_mem_plan_t p;
   tw_mem_plan_in_t in;
   test_weights(&c20, &c120);
   test_window_ring(&c20, &c120);
+  test_prefill_bf16(&c20, &c120);
 #ifdef TWAIN_HAVE_CUDA
   test_cuda_workspace(&c20, &c120);
 #endif

@@ -26,7 +26,11 @@
  * With the argument "fp8" (ctest test_engine_cuda_fp8) every engine keeps
  * the fp8 KV cache (common/kv/kv_fp8.h) and the same checks run, the argmax
  * criterion at >= 95% of the prompt positions instead of 99% (the cpu
- * backend's fp8 cache reaches 96-100% on these prompts, engine.kv_fp8). */
+ * backend's fp8 cache reaches 96-100% on these prompts, engine.kv_fp8).
+ * With "prefill-bf16" (ctest test_engine_cuda_pbf16, and _pbf16_grouped
+ * with TWAIN_CUDA_PREFILL_CUBLAS=0) every engine keeps the bf16 copy of the
+ * MXFP4 experts for its prefill MoE (engine.h prefill_bf16_experts) and the
+ * same checks run with the same bounds. */
 #include "common/engine/engine.h"
 #include "common/engine/sampling.h"
 #include "common/kv/kv_fp8.h"
@@ -50,6 +54,7 @@
 #define N_PROMPTS 4
 static int32_t g_kv_dtype = 0; /* "fp8": TW_KV_DTYPE_FP8 (common/kv/kv_fp8.h) */
 static int g_argmax_pct = 99;  /* the prefill argmax criterion, % of positions */
+static int32_t g_pbf16 = 0;    /* "prefill-bf16": 1 (engine.h prefill_bf16_experts) */
 #define BLOCKS_PER_SEQ 24 /* 384 positions >= 298 + 48 */
 
 static int argmax_row(const float *r, int V) {
@@ -74,6 +79,7 @@ static int open_engine(const char *model_dir, int32_t kv_blocks, int32_t max_bat
   p.max_batch = max_batch;
   p.max_prefill_chunk = chunk;
   p.kv_dtype = g_kv_dtype;
+  p.prefill_bf16_experts = g_pbf16;
   if (tw_engine_create(m, &p, e_p) != TW_OK) {
     printf("FAIL engine create: %s\n", tw_last_error());
     tw_model_destroy(m);
@@ -302,6 +308,12 @@ int main(int argc, char **argv) {
     g_kv_dtype = TW_KV_DTYPE_FP8;
     g_argmax_pct = 95;
     printf("the fp8 KV cache (e4m3, per-head scales)\n");
+  } else if (argc > 1 && !strcmp(argv[1], "prefill-bf16")) {
+    g_pbf16 = 1;
+    printf("a bf16 copy of the experts for the prefill MoE (%s)\n",
+           getenv("TWAIN_CUDA_PREFILL_CUBLAS") && !strcmp(getenv("TWAIN_CUDA_PREFILL_CUBLAS"), "0")
+               ? "grouped GEMM"
+               : "cuBLAS");
   }
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {

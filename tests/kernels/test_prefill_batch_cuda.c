@@ -17,6 +17,9 @@
  *     ring layers keep the last R blocks), read back as bf16: relative L2 to
  *     its prefill alone < 1e-2;
  *   - on_layer_done covers every (prompt, layer, position) once, in order.
+ * With the argument "prefill-bf16" (ctest test_prefill_batch_cuda_pbf16)
+ * the CUDA engines keep the bf16 copy of the experts for the prefill MoE
+ * (engine.h prefill_bf16_experts), same checks and bounds.
  * Exits 77 when no GPU is usable. */
 #include "common/engine/engine.h"
 #include "common/kv/kv_ring.h"
@@ -74,6 +77,8 @@ static float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+static int32_t g_pbf16; /* "prefill-bf16": 1 */
+
 static tw_engine_t *make(const tw_model_t *m, tw_backend_kind_t be, int32_t chunk, int32_t mb) {
   tw_engine_params_t p = TW_ENGINE_PARAMS_DEFAULT;
   p.backend = be;
@@ -82,6 +87,7 @@ static tw_engine_t *make(const tw_model_t *m, tw_backend_kind_t be, int32_t chun
   p.max_prefill_chunk = chunk;
   p.max_batch = mb;
   p.n_threads = 2;
+  p.prefill_bf16_experts = be == TW_BACKEND_CUDA ? g_pbf16 : 0;
   tw_engine_t *e = NULL;
   if (tw_engine_create(m, &p, &e) != TW_OK) {
     printf("FAIL engine create (%s): %s\n", tw_backend_name(be), tw_last_error());
@@ -138,7 +144,9 @@ static void on_layer(void *arg, int32_t seq, int32_t layer, int32_t start, int32
   c->covered[seq][layer] += n;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+  g_pbf16 = argc > 1 && !strcmp(argv[1], "prefill-bf16");
+  if (g_pbf16) printf("a bf16 copy of the experts for the CUDA prefill MoE\n");
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
     printf("no GPU: skipped\n");

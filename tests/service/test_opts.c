@@ -219,6 +219,15 @@ int main(void) {
   EXPECT(tw_opts_id_list("1,2,3,4,5", ids, 4, &n, err, sizeof err) == -1 && strstr(err, "at most 4"),
          "id list over cap: '%s'", err);
   EXPECT(tw_opts_id_list("-1", ids, 4, &n, err, sizeof err) == -1, "negative id refused");
+
+  /* the three-way settings (--kv-window-ring, --prefill-bf16-experts): 1, -1, 0 */
+  int32_t sw = 7;
+  EXPECT(tw_opts_switch_auto("1", &sw, err, sizeof err) == 0 && sw == 1, "switch 1: %d", sw);
+  EXPECT(tw_opts_switch_auto("0", &sw, err, sizeof err) == 0 && sw == -1, "switch 0: %d", sw);
+  EXPECT(tw_opts_switch_auto("auto", &sw, err, sizeof err) == 0 && sw == 0, "switch auto: %d", sw);
+  EXPECT(tw_opts_switch_auto("yes", &sw, err, sizeof err) == -1 && sw == 0 &&
+             strstr(err, "must be 0, 1 or auto, got 'yes'"),
+         "switch yes: %d '%s'", sw, err);
   printf("%s\n", fails ? "FAIL" : "ok");
   return fails ? 1 : 0;
 }
