@@ -340,18 +340,17 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
   ce->moe_dec_ws = tw_ce_take(cv, ce->moe_dec_bytes);
   ce->moe_pre_bytes = 0;
   if ((R > (size_t)ce->gemv_max || ce->bf16_experts) && ce->sh.ep_size == 1) {
-    ce->moe_pre_bytes =
-        ce->moe_grouped
-            ? tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts_per_tok, c->hidden,
-                                           c->intermediate)
-            : tw_cuda_moe_prefill_cublas_ws_bytes((int32_t)R, c->n_experts, c->n_experts_per_tok,
-                                                  c->hidden, c->intermediate, 0);
-    if (ce->pbf16_cublas) { /* the prefill MoE on the bf16 copy through cuBLAS */
-      size_t cb = tw_cuda_moe_prefill_cublas_ws_bytes((int32_t)R, c->n_experts,
-                                                      c->n_experts_per_tok, c->hidden,
-                                                      c->intermediate, 0);
-      if (cb > ce->moe_pre_bytes) ce->moe_pre_bytes = cb;
-    }
+    /* the grouped GEMM's, the cuBLAS path's (without the grouped GEMM, or
+     * for the prefill MoE on the bf16 copy), or the larger of the two */
+    size_t g = ce->moe_grouped ? tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts_per_tok,
+                                                              c->hidden, c->intermediate)
+                               : 0;
+    size_t cb = !ce->moe_grouped || ce->pbf16_cublas
+                    ? tw_cuda_moe_prefill_cublas_ws_bytes((int32_t)R, c->n_experts,
+                                                          c->n_experts_per_tok, c->hidden,
+                                                          c->intermediate, 0)
+                    : 0;
+    ce->moe_pre_bytes = g > cb ? g : cb;
     ce->moe_pre_ws = tw_ce_take(cv, ce->moe_pre_bytes);
   }
   if (R > (size_t)TW_CE_GEMV_MAX_TOKENS && !ce->bf16_experts && ce->sh.ep_size == 1 && !ce->moe_grouped) {
@@ -625,15 +624,14 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   e->weights_origin = ce->warena_imported ? 2 : ce->share_exported ? 1 : 0;
   /* the prefill bf16 copy of the experts (tw_ce_t.pbf16): which workers may
    * hold one (MXFP4 experts, no EP split, the grouped MoE's GPU), its bytes */
-  pbf16_on = params->prefill_bf16_experts > 0;
   if (!ce->bf16_experts && ce->sh.ep_size == 1 && ce->moe_grouped && c->n_layers > 0 &&
       params->prefill_bf16_experts >= 0) {
     pbf16_bytes = (size_t)c->n_layers *
                   tw_cuda_moe_dequant_bytes(c->n_experts, c->hidden, c->intermediate);
     ce->pbf16_cublas = tw_cuda_knobs()->prefill_cublas;
-  } else {
-    pbf16_on = false;
   }
+  /* without a plan only when asked; with one, the plan says (prefill workers) */
+  pbf16_on = pbf16_bytes > 0 && params->prefill_bf16_experts > 0;
   /* the memory plan, now that the weights are in place (mem_plan.h) */
   if (params->mem_role) {
     tw_mem_plan_in_t in;
@@ -658,13 +656,12 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     ce->chunk = e->params.max_prefill_chunk;
     ce->max_batch = e->params.max_batch;
     n_blocks = e->params.kv_num_blocks;
-    pbf16_on = plan.prefill_bf16 && params->mem_role == TW_MEM_ROLE_PREFILL;
+    pbf16_on = pbf16_bytes > 0 && plan.prefill_bf16 && params->mem_role == TW_MEM_ROLE_PREFILL;
   }
   if (pbf16_on) { /* dequantised once (spec §3.4), the layout of bf16-expert checkpoints */
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     TW_CUDA_CHECK_GOTO(cudaMalloc(&ce->pbf16, pbf16_bytes), st, fail);
-    ce->pbf16_bytes = pbf16_bytes;
     size_t per = pbf16_bytes / (size_t)c->n_layers;
     for (int32_t l = 0; l < c->n_layers; l++) {
       ce->layers[l].pwdq = (char *)ce->pbf16 + (size_t)l * per;

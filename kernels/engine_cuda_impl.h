@@ -153,7 +153,6 @@ typedef struct {
    * through cuBLAS (pbf16_cublas, the workspace sized for it) or the grouped
    * GEMM's bf16 path. NULL without. */
   void *pbf16;
-  size_t pbf16_bytes;
   int pbf16_cublas;
   int32_t *d_tokens, *d_positions, *d_slots, *d_seq_lens, *d_cu, *d_start, *d_block_tables,
       *d_next;
