@@ -345,7 +345,7 @@ static TW_NODISCARD tw_status_t tw_ce_carve(tw_ce_t *ce, tw_ce_carve_t *cv) {
     size_t g = ce->moe_grouped ? tw_cuda_moe_prefill_ws_bytes((int32_t)R, c->n_experts_per_tok,
                                                               c->hidden, c->intermediate)
                                : 0;
-    size_t cb = !ce->moe_grouped || ce->pbf16_cublas
+    size_t cb = !ce->moe_grouped || (size_t)ce->pbf16_min <= R
                     ? tw_cuda_moe_prefill_cublas_ws_bytes((int32_t)R, c->n_experts,
                                                           c->n_experts_per_tok, c->hidden,
                                                           c->intermediate, 0)
@@ -588,6 +588,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     int g = kn->moe_gemv_max;
     ce->gemv_max = g >= 0 ? (int32_t)g : tw_ce_gemv_default(ce->moe_grouped);
     if (!ce->moe_grouped || ce->bf16_experts) ce->gemv_max = TW_CE_GEMV_MAX_TOKENS;
+    ce->pbf16_min = INT32_MAX; /* no prefill bf16 copy unless one is planned below */
   }
   /* the cuBLAS MoE reads per-expert counts on the host: not capturable, so
    * without the grouped path only GEMV-MoE steps of MXFP4 experts are graphed */
@@ -628,7 +629,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
       params->prefill_bf16_experts >= 0) {
     pbf16_bytes = (size_t)c->n_layers *
                   tw_cuda_moe_dequant_bytes(c->n_experts, c->hidden, c->intermediate);
-    ce->pbf16_cublas = tw_cuda_knobs()->prefill_cublas;
+    ce->pbf16_min = tw_cuda_knobs()->prefill_bf16_min;
   }
   /* without a plan only when asked; with one, the plan says (prefill workers) */
   pbf16_on = pbf16_bytes > 0 && params->prefill_bf16_experts > 0;
@@ -672,12 +673,12 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
     TW_CUDA_CHECK_GOTO(cudaStreamSynchronize(ce->stream), st, fail);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     TW_INFO("engine",
-            "prefill experts: a bf16 copy of %.2f GiB (%d layers) for the prefill MoE (%s), "
-            "dequantised in %.2f s",
-            tw_gib(pbf16_bytes), c->n_layers, ce->pbf16_cublas ? "cuBLAS" : "grouped GEMM",
+            "prefill experts: a bf16 copy of %.2f GiB (%d layers) for the MoE of prefill passes "
+            "of %d tokens or more (cuBLAS), dequantised in %.2f s",
+            tw_gib(pbf16_bytes), c->n_layers, (int)ce->pbf16_min,
             (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
   } else {
-    ce->pbf16_cublas = 0; /* no copy: the workspace need not hold the cuBLAS path's */
+    ce->pbf16_min = INT32_MAX; /* no copy: the workspace need not hold the cuBLAS path's */
   }
   ce->max_rows = ce->chunk > ce->max_batch ? ce->chunk : ce->max_batch;
   if (ce->max_rows > TW_CE_GEMV_MAX_TOKENS && !ce->moe_grouped) {

@@ -149,11 +149,11 @@ typedef struct {
   size_t moe_dec_bytes, moe_pre_bytes, attn_ws_bytes;
   /* the prefill bf16 copy of the MXFP4 experts (engine.h prefill_bf16_experts,
    * mem_plan.h): n_layers x tw_cuda_moe_dequant_bytes, dequantised once at
-   * create; prefill passes of more than gemv_max rows run their MoE on it,
-   * through cuBLAS (pbf16_cublas, the workspace sized for it) or the grouped
-   * GEMM's bf16 path. NULL without. */
+   * create; prefill passes of at least pbf16_min rows (and more than
+   * gemv_max) run their MoE on it through cuBLAS, the workspace sized for
+   * that path. NULL without. */
   void *pbf16;
-  int pbf16_cublas;
+  int32_t pbf16_min; /* TWAIN_CUDA_PREFILL_BF16_MIN (knobs.h); INT32_MAX without the copy */
   int32_t *d_tokens, *d_positions, *d_slots, *d_seq_lens, *d_cu, *d_start, *d_block_tables,
       *d_next;
   tw_cuda_sample_row_t *d_params;

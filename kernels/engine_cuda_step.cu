@@ -136,14 +136,11 @@ static TW_NODISCARD tw_status_t tw_ce_layers(tw_ce_t *ce, int32_t T, int decode,
                                                     ce->rlog, TW_DTYPE_F32, E, s));
       TW_CE_OP(TW_CE_PROF_ROUTE, tw_cuda_moe_route(&ce->route, ce->rlog, T, s));
     }
-    if (!decode && L->pwdq && T > ce->gemv_max) /* a prefill pass on the bf16 copy */
-      TW_CE_OP(TW_CE_PROF_MOE,
-               ce->pbf16_cublas
-                   ? tw_cuda_moe_prefill_cublas(ce->gemm, &L->moe, &ce->route, T, ce->xn, L->pwdq,
-                                                ce->moe_pre_ws, ce->moe_pre_bytes, ce->h_counts,
-                                                ce->moe_out, s)
-                   : tw_cuda_moe_prefill(&L->moe, &ce->route, T, ce->xn, L->pwdq, ce->moe_pre_ws,
-                                         ce->moe_pre_bytes, ce->moe_out, s));
+    if (!decode && L->pwdq && T > ce->gemv_max && T >= ce->pbf16_min) /* on the bf16 copy */
+      TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill_cublas(ce->gemm, &L->moe, &ce->route, T,
+                                                          ce->xn, L->pwdq, ce->moe_pre_ws,
+                                                          ce->moe_pre_bytes, ce->h_counts,
+                                                          ce->moe_out, s));
     else if (ce->moe_grouped && (ce->bf16_experts || T > ce->gemv_max))
       TW_CE_OP(TW_CE_PROF_MOE, tw_cuda_moe_prefill(&L->moe, &ce->route, T, ce->xn,
                                                    ce->bf16_experts ? L->wdq : NULL,

@@ -51,7 +51,8 @@ static const char *tw_knob_str(const char *name, char *buf) {
 static void tw_knobs_read(void) {
   tw_cuda_knobs_t k;
   k.moe_cublas = tw_knob_switch("TWAIN_CUDA_MOE_CUBLAS", 0);
-  k.prefill_cublas = tw_knob_switch("TWAIN_CUDA_PREFILL_CUBLAS", 1);
+  k.prefill_bf16_min =
+      tw_knob_int("TWAIN_CUDA_PREFILL_BF16_MIN", TW_PREFILL_BF16_MIN_TOKENS, 0, 1 << 20);
   k.moe_gemv_max = tw_knob_int("TWAIN_CUDA_MOE_GEMV_MAX", -1, 0, TW_CUDA_KNOB_GEMV_MAX);
   k.profile = tw_knob_switch("TWAIN_CUDA_PROFILE", 0);
   k.gemv = tw_knob_switch("TWAIN_CUDA_GEMV", 1);

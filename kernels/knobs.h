@@ -20,13 +20,19 @@ extern "C" {
  * batch 4-16, 1024 was slower at batch 1-16, and from batch 64 (one split)
  * all three agree within noise (docs/benchmarks.md). */
 #define TW_DC_TARGET_CTAS 512
+/* TWAIN_CUDA_PREFILL_BF16_MIN's default: a prefill pass of at least this
+ * many tokens runs its MoE through cuBLAS on the worker's bf16 copy of the
+ * experts (engine.h prefill_bf16_experts); a shorter one keeps the grouped
+ * GEMM on the MXFP4 experts, faster there (docs/benchmarks.md, "The prefill
+ * MoE on a bf16 copy of the experts"). */
+#define TW_PREFILL_BF16_MIN_TOKENS 2048
 /* TWAIN_CUDA_MOE_GEMV_MAX's upper bound (TW_CE_GEMV_MAX_TOKENS) */
 #define TW_CUDA_KNOB_GEMV_MAX 64
 
 typedef struct {
   int moe_cublas;       /* TWAIN_CUDA_MOE_CUBLAS=1: per-expert cuBLAS MoE (default 0) */
-  int prefill_cublas;   /* TWAIN_CUDA_PREFILL_CUBLAS=0: the prefill MoE on the bf16 copy of
-                           the experts through the grouped GEMM instead of cuBLAS (default 1) */
+  int prefill_bf16_min; /* TWAIN_CUDA_PREFILL_BF16_MIN 0..1048576: tokens from which a prefill
+                           pass runs its MoE on the bf16 copy (TW_PREFILL_BF16_MIN_TOKENS) */
   int moe_gemv_max;     /* TWAIN_CUDA_MOE_GEMV_MAX 0..64, -1 unset: the engine's default */
   int profile;          /* TWAIN_CUDA_PROFILE=1: per-op timing, no graphs (default 0) */
   int gemv;             /* TWAIN_CUDA_GEMV=0 turns the small-M GEMV kernel off (default 1) */

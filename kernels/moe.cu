@@ -257,7 +257,7 @@ extern "C" tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
                   stream, *w, r->active, r->n_active, r->counts, r->offsets, act, y);
     TW_CUDA_CHECK_LAUNCH("tw_moe_down_kernel<4>");
   }
-  return tw_moe_combine_f32(r, T, H, y, out, stream);
+  return tw_moe_combine_f32(r, T, H, y, NULL, out, stream);
 }
 
 /* ---- prefill path --------------------------------------------------------- */
@@ -311,8 +311,9 @@ __global__ void tw_moe_gather_kernel(const uint4 *__restrict__ x, const int32_t 
   for (int i = threadIdx.x; i < row_vec; i += blockDim.x) xp[(size_t)p * row_vec + i] = src[i];
 }
 
-/* act[p][i] = SwiGLU(u[p][2i] + b1[e][2i], u[p][2i+1] + b1[e][2i+1]), bf16. */
-__global__ void tw_moe_swiglu_kernel(const __nv_bfloat162 *__restrict__ u,
+/* act[p][i] = SwiGLU(u[p][2i] + b1[e][2i], u[p][2i+1] + b1[e][2i+1]): u and
+ * the bias f32, act rounded to bf16 (the down GEMM's input). */
+__global__ void tw_moe_swiglu_kernel(const float2 *__restrict__ u,
                                      const int32_t *__restrict__ sorted,
                                      const int32_t *__restrict__ topk_idx,
                                      const float *__restrict__ bias, int I, float alpha,
@@ -321,7 +322,7 @@ __global__ void tw_moe_swiglu_kernel(const __nv_bfloat162 *__restrict__ u,
   int e = topk_idx[sorted[p]];
   const float2 *b = reinterpret_cast<const float2 *>(bias + (size_t)e * 2 * I);
   for (int i = threadIdx.x; i < I; i += blockDim.x) {
-    float2 v = __bfloat1622float2(u[(size_t)p * I + i]);
+    float2 v = u[(size_t)p * I + i];
     float2 bb = b[i];
     act[(size_t)p * I + i] = __float2bfloat16(tw_swiglu(v.x + bb.x, v.y + bb.y, alpha, limit));
   }
@@ -391,7 +392,7 @@ extern "C" tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w,
   float *gs_part = (float *)((char *)y + tw_al256(tk * H * 4));
   const void *w2h = maybe_wbf16 ? tw_moe_wdq_down(maybe_wbf16, w->n_experts, H, I) : NULL;
   TW_CHECK(tw_moe_grouped_run(w, r, T, x, maybe_wbf16, w2h, act, y, gs_part, stream));
-  return tw_moe_combine_f32(r, T, H, y, out, stream);
+  return tw_moe_combine_f32(r, T, H, y, NULL, out, stream);
 }
 
 extern "C" size_t tw_cuda_moe_prefill_cublas_ws_bytes(int32_t max_tokens, int32_t n_experts,
@@ -399,8 +400,8 @@ extern "C" size_t tw_cuda_moe_prefill_cublas_ws_bytes(int32_t max_tokens, int32_
                                                       int32_t intermediate, int with_dequant) {
   size_t tk = (size_t)max_tokens * (size_t)k, H = (size_t)hidden, I = (size_t)intermediate;
   size_t wbytes = with_dequant ? tw_cuda_moe_dequant_bytes(n_experts, hidden, intermediate) : 0;
-  return wbytes + tw_al256(tk * H * 2) + tw_al256(tk * 2 * I * 2) + tw_al256(tk * I * 2) +
-         tw_al256(tk * H * 2);
+  return wbytes + tw_al256(tk * H * 2) + tw_al256(tk * 2 * I * 4) + tw_al256(tk * I * 2) +
+         tw_al256(tk * H * 4);
 }
 
 extern "C" tw_status_t tw_cuda_moe_prefill_cublas(tw_cuda_gemm_t *gemm,
@@ -431,9 +432,9 @@ extern "C" tw_status_t tw_cuda_moe_prefill_cublas(tw_cuda_gemm_t *gemm,
   type *ptr = (type *)p;                                    \
   p += tw_al256((size_t)(n) * sizeof(type))
   TW_CARVE(xp, __nv_bfloat16, tk * H);
-  TW_CARVE(u, __nv_bfloat16, tk * 2 * I);
+  TW_CARVE(u, float, tk * 2 * I);
   TW_CARVE(act, __nv_bfloat16, tk * I);
-  TW_CARVE(y, __nv_bfloat16, tk * H);
+  TW_CARVE(y, float, tk * H);
 #undef TW_CARVE
   /* Counts to the host first, so the dequantisation below overlaps the wait. */
   TW_CUDA_CHECK(cudaMemcpyAsync(host_counts, r->counts, sizeof(int32_t) * E,
@@ -462,7 +463,7 @@ extern "C" tw_status_t tw_cuda_moe_prefill_cublas(tw_cuda_gemm_t *gemm,
       int n = host_counts[e];
       if (n <= 0) continue;
       st = tw_cuda_gemm_bf16_nobias(gemm, n, 2 * I, H, xp + off * H, H, w1 + (size_t)e * 2 * I * H,
-                                    H, u + off * 2 * I, TW_DTYPE_BF16, 2 * I, stream);
+                                    H, u + off * 2 * I, TW_DTYPE_F32, 2 * I, stream);
       if (st < 0) goto done;
       off += n;
     }
@@ -471,7 +472,7 @@ extern "C" tw_status_t tw_cuda_moe_prefill_cublas(tw_cuda_gemm_t *gemm,
                   (long long)off, tk);
       goto done;
     }
-    tw_moe_swiglu_kernel<<<(unsigned)tk, 256, 0, stream>>>((const __nv_bfloat162 *)u, r->sorted,
+    tw_moe_swiglu_kernel<<<(unsigned)tk, 256, 0, stream>>>((const float2 *)u, r->sorted,
                                                            r->topk_idx, w->gate_up_bias, I,
                                                            w->swiglu_alpha, w->swiglu_limit, act);
     off = 0;
@@ -479,11 +480,11 @@ extern "C" tw_status_t tw_cuda_moe_prefill_cublas(tw_cuda_gemm_t *gemm,
       int n = host_counts[e];
       if (n <= 0) continue;
       st = tw_cuda_gemm_bf16_nobias(gemm, n, H, I, act + off * I, I, w2 + (size_t)e * H * I, I,
-                                    y + off * H, TW_DTYPE_BF16, H, stream);
+                                    y + off * H, TW_DTYPE_F32, H, stream);
       if (st < 0) goto done;
       off += n;
     }
-    st = tw_moe_combine_bf16(r, T, H, y, w->down_bias, out, stream);
+    st = tw_moe_combine_f32(r, T, H, y, w->down_bias, out, stream);
   }
 done:
   cudaEventDestroy(ev);

@@ -246,9 +246,10 @@ TW_NODISCARD tw_status_t tw_cuda_moe_prefill(const tw_cuda_moe_weights_t *w,
                                              cudaStream_t stream);
 
 /** Bytes of the tw_cuda_moe_prefill_cublas workspace for up to max_tokens
- *  tokens: gathered inputs [T*k, H], gate_up output [T*k, 2I], activations
- *  [T*k, I] and expert outputs [T*k, H], all bf16, plus the dequantised
- *  experts (tw_cuda_moe_dequant_bytes) when with_dequant is non-zero. */
+ *  tokens: gathered inputs bf16 [T*k, H], gate_up output f32 [T*k, 2I],
+ *  activations bf16 [T*k, I] and expert outputs f32 [T*k, H], plus the
+ *  dequantised experts (tw_cuda_moe_dequant_bytes) when with_dequant is
+ *  non-zero. */
 size_t tw_cuda_moe_prefill_cublas_ws_bytes(int32_t max_tokens, int32_t n_experts, int32_t k,
                                            int32_t hidden, int32_t intermediate,
                                            int with_dequant);
@@ -259,8 +260,10 @@ size_t tw_cuda_moe_prefill_cublas_ws_bytes(int32_t max_tokens, int32_t n_experts
  *  and maybe_wdq: this layer's experts already dequantised by
  *  tw_cuda_moe_dequant (complete on `stream` before this call's work
  *  starts), or NULL to dequantise the active experts here into the
- *  workspace (then sized with_dequant). Synchronises the host once, to read
- *  the per-expert counts. Not capturable.
+ *  workspace (then sized with_dequant). The GEMMs write f32, so bias,
+ *  SwiGLU and the expert outputs stay f32 and only the activations are
+ *  rounded to bf16, as in tw_cuda_moe_prefill. Synchronises the host once,
+ *  to read the per-expert counts. Not capturable.
  *  Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
 TW_NODISCARD tw_status_t tw_cuda_moe_prefill_cublas(
     tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *route,

@@ -24,12 +24,11 @@ static __device__ __forceinline__ float tw_swiglu(float g, float l, float alpha,
   return g / (1.0f + __expf(-alpha * g)) * (l + 1.0f);
 }
 
-/* combine (moe_route.cu): out[t] = sum_j w_tj y[pos_of[t*k+j]] (+ b2[e_tj]). */
+/* combine (moe_route.cu): out[t] = sum_j w_tj (y[pos_of[t*k+j]] + b2[e_tj]),
+ * y f32 [T*k, H]; maybe_bias b2 f32 [E, H], or NULL where y holds it. */
 TW_NODISCARD tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
-                                            const float *y, float *out, cudaStream_t stream);
-TW_NODISCARD tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
-                                             const __nv_bfloat16 *y, const float *bias, float *out,
-                                             cudaStream_t stream);
+                                            const float *y, const float *maybe_bias, float *out,
+                                            cudaStream_t stream);
 
 /* grouped GEMM path (moe_grouped.cu): kernel attributes, and the two
  * grouped GEMMs act = SwiGLU(gather(x) W1^T + b1), y = act W2^T + b2 of

@@ -451,35 +451,25 @@ extern "C" tw_status_t tw_cuda_moe_route(const tw_cuda_moe_route_t *r, const flo
   return TW_OK;
 }
 
-/* out[t][c] = sum_j w[t,j] * (y[pos_of[t*k+j]][c] (+ bias[e_tj][c]))
- * y is f32 (decode path, bias already added) or bf16 (prefill path, bias
- * added here). Block (t, q): token t, columns [q*V*256, (q+1)*V*256) read V at
- * a time (V = 4 where H % 4 == 0: 16-byte f32 or 8-byte bf16 loads), so a
- * thread has one column group and its k loads in flight together; the sum
- * over j keeps its order whatever V. */
-template <typename YT, int V> struct tw_vec_ld;
-template <typename YT> struct tw_vec_ld<YT, 1> {
-  static __device__ __forceinline__ void ld(const YT *p, float *o) { o[0] = tw_moe_to_f32(*p); }
-};
-template <> struct tw_vec_ld<float, 4> {
-  static __device__ __forceinline__ void ld(const float *p, float *o) {
+/* out[t][c] = sum_j w[t,j] * (y[pos_of[t*k+j]][c] (+ bias[e_tj][c])), y f32:
+ * the bias already added (grouped and GEMV paths) or added here (cuBLAS
+ * path). Block (t, q): token t, columns [q*V*256, (q+1)*V*256) read V at a
+ * time (V = 4 where H % 4 == 0: 16-byte loads), so a thread has one column
+ * group and its k loads in flight together; the sum over j keeps its order
+ * whatever V. */
+template <int V> static __device__ __forceinline__ void tw_combine_ld(const float *p, float *o) {
+  if constexpr (V == 4) {
     const float4 v = *reinterpret_cast<const float4 *>(p);
     o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+  } else {
+    o[0] = *p;
   }
-};
-template <> struct tw_vec_ld<__nv_bfloat16, 4> {
-  static __device__ __forceinline__ void ld(const __nv_bfloat16 *p, float *o) {
-    const uint2 u = *reinterpret_cast<const uint2 *>(p);
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&u.y));
-    o[0] = a.x; o[1] = a.y; o[2] = b.x; o[3] = b.y;
-  }
-};
+}
 
 #define TW_COMBINE_THREADS 256
-template <typename YT, bool ADD_BIAS, int V>
+template <bool ADD_BIAS, int V>
 __global__ void __launch_bounds__(TW_COMBINE_THREADS)
-    tw_moe_combine_kernel(const YT *__restrict__ y, const int32_t *__restrict__ pos_of,
+    tw_moe_combine_kernel(const float *__restrict__ y, const int32_t *__restrict__ pos_of,
                           const int32_t *__restrict__ topk_idx, const float *__restrict__ topk_w,
                           const float *__restrict__ bias, int H, int k, float *__restrict__ out) {
   TW_PDL_WAIT();
@@ -492,10 +482,10 @@ __global__ void __launch_bounds__(TW_COMBINE_THREADS)
   for (int j = 0; j < k; j++) {
     const int a = t * k + j;
     float v[V];
-    tw_vec_ld<YT, V>::ld(y + (size_t)pos_of[a] * H + c, v);
+    tw_combine_ld<V>(y + (size_t)pos_of[a] * H + c, v);
     if (ADD_BIAS) {
       float bv[V];
-      tw_vec_ld<float, V>::ld(bias + (size_t)topk_idx[a] * H + c, bv);
+      tw_combine_ld<V>(bias + (size_t)topk_idx[a] * H + c, bv);
 #pragma unroll
       for (int i = 0; i < V; i++) v[i] += bv[i];
     }
@@ -509,32 +499,28 @@ __global__ void __launch_bounds__(TW_COMBINE_THREADS)
     out[(size_t)t * H + c] = acc[0];
 }
 
-template <typename YT, bool ADD_BIAS>
+template <bool ADD_BIAS>
 static void tw_moe_combine_launch(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
-                                  const YT *y, const float *bias, float *out,
+                                  const float *y, const float *bias, float *out,
                                   cudaStream_t stream) {
   const bool vec = H % 4 == 0 && !(((uintptr_t)y | (uintptr_t)out | (uintptr_t)bias) & 15);
   const int V = vec ? 4 : 1;
   const dim3 grid((unsigned)T, (unsigned)TW_CDIV(TW_CDIV(H, V), TW_COMBINE_THREADS));
   if (vec)
-    tw_pdl_launch(tw_moe_combine_kernel<YT, ADD_BIAS, 4>, grid, dim3(TW_COMBINE_THREADS), 0,
+    tw_pdl_launch(tw_moe_combine_kernel<ADD_BIAS, 4>, grid, dim3(TW_COMBINE_THREADS), 0,
                   stream, y, r->pos_of, r->topk_idx, r->topk_w, bias, H, r->k, out);
   else
-    tw_pdl_launch(tw_moe_combine_kernel<YT, ADD_BIAS, 1>, grid, dim3(TW_COMBINE_THREADS), 0,
+    tw_pdl_launch(tw_moe_combine_kernel<ADD_BIAS, 1>, grid, dim3(TW_COMBINE_THREADS), 0,
                   stream, y, r->pos_of, r->topk_idx, r->topk_w, bias, H, r->k, out);
 }
 
 TW_NODISCARD tw_status_t tw_moe_combine_f32(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
-                               const float *y, float *out, cudaStream_t stream) {
-  tw_moe_combine_launch<float, false>(r, T, H, y, nullptr, out, stream);
+                                            const float *y, const float *maybe_bias, float *out,
+                                            cudaStream_t stream) {
+  if (maybe_bias)
+    tw_moe_combine_launch<true>(r, T, H, y, maybe_bias, out, stream);
+  else
+    tw_moe_combine_launch<false>(r, T, H, y, nullptr, out, stream);
   TW_CUDA_CHECK_LAUNCH("tw_moe_combine_kernel<f32>");
-  return TW_OK;
-}
-
-TW_NODISCARD tw_status_t tw_moe_combine_bf16(const tw_cuda_moe_route_t *r, int32_t T, int32_t H,
-                                const __nv_bfloat16 *y, const float *bias, float *out,
-                                cudaStream_t stream) {
-  tw_moe_combine_launch<__nv_bfloat16, true>(r, T, H, y, bias, out, stream);
-  TW_CUDA_CHECK_LAUNCH("tw_moe_combine_kernel<bf16>");
   return TW_OK;
 }

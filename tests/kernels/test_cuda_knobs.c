@@ -6,12 +6,13 @@
 
 #include "tests/test_expect.h"
 
-static const char *const k_vars[] = {
-    "TWAIN_CUDA_MOE_CUBLAS",    "TWAIN_CUDA_MOE_GEMV_MAX", "TWAIN_CUDA_PROFILE",
-    "TWAIN_CUDA_GEMV",          "TWAIN_CUDA_FUSED_ROUTER", "TWAIN_CUDA_PDL",
-    "TWAIN_CUDA_DC_CTAS",       "TWAIN_CUDA_DC_STAGES",    "TWAIN_CUDA_DC_FUSED",
-    "TWAIN_CUDA_MOE_BT",        "TWAIN_CUDA_MOE_MMA",      "TWAIN_CUDA_ROUTE_FUSED_MAX",
-    "TWAIN_CUDA_PREFILL_CUBLAS"};
+static const char *const k_vars[] = {"TWAIN_CUDA_MOE_CUBLAS",      "TWAIN_CUDA_MOE_GEMV_MAX",
+                                     "TWAIN_CUDA_PROFILE",         "TWAIN_CUDA_GEMV",
+                                     "TWAIN_CUDA_FUSED_ROUTER",    "TWAIN_CUDA_PDL",
+                                     "TWAIN_CUDA_DC_CTAS",         "TWAIN_CUDA_DC_STAGES",
+                                     "TWAIN_CUDA_DC_FUSED",        "TWAIN_CUDA_MOE_BT",
+                                     "TWAIN_CUDA_MOE_MMA",         "TWAIN_CUDA_ROUTE_FUSED_MAX",
+                                     "TWAIN_CUDA_PREFILL_BF16_MIN"};
 
 static void clear_all(void) {
   for (size_t i = 0; i < sizeof k_vars / sizeof k_vars[0]; i++) unsetenv(k_vars[i]);
@@ -23,7 +24,7 @@ static void set_all(const char *const (*pairs)[2], size_t n) {
 
 static void expect_defaults(const tw_cuda_knobs_t *k) {
   EXPECT_EQ_I64(k->moe_cublas, 0);
-  EXPECT_EQ_I64(k->prefill_cublas, 1);
+  EXPECT_EQ_I64(k->prefill_bf16_min, 2048);
   EXPECT_EQ_I64(k->moe_gemv_max, -1);
   EXPECT_EQ_I64(k->profile, 0);
   EXPECT_EQ_I64(k->gemv, 1);
@@ -44,13 +45,13 @@ int main(void) {
 
   tw_test_case = "values";
   static const char *const values[][2] = {
-      {"TWAIN_CUDA_MOE_CUBLAS", "1"},    {"TWAIN_CUDA_MOE_GEMV_MAX", "8"},
-      {"TWAIN_CUDA_PROFILE", "1"},       {"TWAIN_CUDA_GEMV", "0"},
-      {"TWAIN_CUDA_FUSED_ROUTER", "0"},  {"TWAIN_CUDA_PDL", "0"},
-      {"TWAIN_CUDA_DC_CTAS", "4096"},    {"TWAIN_CUDA_DC_STAGES", "2"},
-      {"TWAIN_CUDA_DC_FUSED", "0"},      {"TWAIN_CUDA_MOE_BT", "32"},
-      {"TWAIN_CUDA_MOE_MMA", "16,32"},   {"TWAIN_CUDA_ROUTE_FUSED_MAX", "1024"},
-      {"TWAIN_CUDA_PREFILL_CUBLAS", "0"}};
+      {"TWAIN_CUDA_MOE_CUBLAS", "1"},      {"TWAIN_CUDA_MOE_GEMV_MAX", "8"},
+      {"TWAIN_CUDA_PROFILE", "1"},         {"TWAIN_CUDA_GEMV", "0"},
+      {"TWAIN_CUDA_FUSED_ROUTER", "0"},    {"TWAIN_CUDA_PDL", "0"},
+      {"TWAIN_CUDA_DC_CTAS", "4096"},      {"TWAIN_CUDA_DC_STAGES", "2"},
+      {"TWAIN_CUDA_DC_FUSED", "0"},        {"TWAIN_CUDA_MOE_BT", "32"},
+      {"TWAIN_CUDA_MOE_MMA", "16,32"},     {"TWAIN_CUDA_ROUTE_FUSED_MAX", "1024"},
+      {"TWAIN_CUDA_PREFILL_BF16_MIN", "0"}};
   set_all(values, sizeof values / sizeof values[0]);
   const tw_cuda_knobs_t *k = tw_cuda_knobs();
   EXPECT_EQ_I64(k->pdl, 1); /* read once: nothing changes before a reload */
@@ -58,7 +59,7 @@ int main(void) {
   tw_cuda_knobs_reload();
   k = tw_cuda_knobs();
   EXPECT_EQ_I64(k->moe_cublas, 1);
-  EXPECT_EQ_I64(k->prefill_cublas, 0);
+  EXPECT_EQ_I64(k->prefill_bf16_min, 0);
   EXPECT_EQ_I64(k->moe_gemv_max, 8);
   EXPECT_EQ_I64(k->profile, 1);
   EXPECT_EQ_I64(k->gemv, 0);

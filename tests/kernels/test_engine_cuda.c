@@ -27,10 +27,11 @@
  * the fp8 KV cache (common/kv/kv_fp8.h) and the same checks run, the argmax
  * criterion at >= 95% of the prompt positions instead of 99% (the cpu
  * backend's fp8 cache reaches 96-100% on these prompts, engine.kv_fp8).
- * With "prefill-bf16" (ctest test_engine_cuda_pbf16, and _pbf16_grouped
- * with TWAIN_CUDA_PREFILL_CUBLAS=0) every engine keeps the bf16 copy of the
- * MXFP4 experts for its prefill MoE (engine.h prefill_bf16_experts) and the
- * same checks run with the same bounds. */
+ * With "prefill-bf16" (ctest test_engine_cuda_pbf16) every engine keeps the
+ * bf16 copy of the MXFP4 experts for its prefill MoE (engine.h
+ * prefill_bf16_experts), every prefill pass runs its MoE on it
+ * (TWAIN_CUDA_PREFILL_BF16_MIN=0 unless set) and the same checks run with
+ * the same bounds. */
 #include "common/engine/engine.h"
 #include "common/engine/sampling.h"
 #include "common/kv/kv_fp8.h"
@@ -310,10 +311,9 @@ int main(int argc, char **argv) {
     printf("the fp8 KV cache (e4m3, per-head scales)\n");
   } else if (argc > 1 && !strcmp(argv[1], "prefill-bf16")) {
     g_pbf16 = 1;
-    printf("a bf16 copy of the experts for the prefill MoE (%s)\n",
-           getenv("TWAIN_CUDA_PREFILL_CUBLAS") && !strcmp(getenv("TWAIN_CUDA_PREFILL_CUBLAS"), "0")
-               ? "grouped GEMM"
-               : "cuBLAS");
+    setenv("TWAIN_CUDA_PREFILL_BF16_MIN", "0", 0); /* read at the first engine create */
+    printf("a bf16 copy of the experts for the prefill MoE from %s tokens\n",
+           getenv("TWAIN_CUDA_PREFILL_BF16_MIN"));
   }
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {

@@ -146,7 +146,11 @@ static void on_layer(void *arg, int32_t seq, int32_t layer, int32_t start, int32
 
 int main(int argc, char **argv) {
   g_pbf16 = argc > 1 && !strcmp(argv[1], "prefill-bf16");
-  if (g_pbf16) printf("a bf16 copy of the experts for the CUDA prefill MoE\n");
+  if (g_pbf16) {
+    setenv("TWAIN_CUDA_PREFILL_BF16_MIN", "0", 0); /* every pass on it, unless set */
+    printf("a bf16 copy of the experts for the CUDA prefill MoE from %s tokens\n",
+           getenv("TWAIN_CUDA_PREFILL_BF16_MIN"));
+  }
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev == 0) {
     printf("no GPU: skipped\n");
