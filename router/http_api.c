@@ -202,6 +202,7 @@ static void tw_http_free_conn(tw_hconn_t *c) {
 static void tw_http_cancel(tw_http_t *h, tw_hconn_t *c) {
   Twain__V1__CancelRequest cq = TWAIN__V1__CANCEL_REQUEST__INIT;
   cq.target_request_id = 1;
+  cq.stopped = c->cancel_stopped;
   Twain__V1__ClientRequest cr = TWAIN__V1__CLIENT_REQUEST__INIT;
   cr.request_id = 2;
   cr.body_case = TWAIN__V1__CLIENT_REQUEST__BODY_CANCEL;

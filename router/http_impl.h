@@ -53,6 +53,7 @@ typedef struct tw_hconn {
   bool queued;         /* an MHD response was queued */
   bool sse;            /* the stream started: status 200 and events */
   bool want_cancel;    /* cancel the router request at the next tw_http_run */
+  bool cancel_stopped; /* ... as finished by a stop string (CancelRequest.stopped) */
   bool broken;         /* the stream could not be built (out of memory): it ends with an error */
   unsigned status;     /* the answer decided before any stream: status + body */
   char *answer;

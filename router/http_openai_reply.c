@@ -475,6 +475,7 @@ static void tw_cmpl_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
   if (rep->done && !stop_hit && !tw_http_check(c, tw_tok_stream_finish(&c->dec, &c->ctext))) return;
   if (stop_hit && !rep->done) { /* stop the generation too */
     c->want_cancel = true;
+    c->cancel_stopped = true; /* a finished request, not a cancelled one */
     c->h->pending_cancel = true;
   }
   if (stop_hit) c->completion_tokens = c->n_seen; /* what reached the text */

@@ -444,6 +444,13 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
 static void tw_router_on_cancel(tw_router_t *r, const tw_msg_t *from, const Twain__V1__ClientRequest *cr) {
   uint64_t target = cr->cancel->target_request_id;
   tw_req_t *q = tw_client_req(r, from, target);
+  if (q && !q->done && cr->cancel->stopped && !(q->chat && tw_rchat_choosing(q))) {
+    /* the client's own stop: a request finished by a stop, its output so far */
+    tw_router_cancel_workers(r, q);
+    tw_router_on_tokens(r, q, NULL, 0, true, TWAIN__V1__FINISH_REASON__FINISH_STOP);
+    tw_reply_raw(r, from, cr->request_id, 0, NULL);
+    return;
+  }
   if (q) {
     tw_router_fail(r, q, TWAIN__V1__CODE__CANCELLED, "request %llu cancelled by the client",
                    (unsigned long long)target);

@@ -13,6 +13,7 @@ parameters reach the request: temperature, top_p and seed (recorded by the
 fake prefill worker), max_completion_tokens, chat stop strings, Responses
 max_output_tokens (incomplete) and instructions."""
 import json
+import time
 import subprocess
 
 import fake_workers
@@ -273,11 +274,30 @@ try:
           r["choices"][0]["finish_reason"] == "stop" and r["usage"]["prompt_tokens"] == len(last_prompt()),
           "/v1/completions: text, finish_reason, usage (%s)" % r)
     ids = fake_workers.tokenize("Once upon")
+    K_STOP = 'twain_request_success_total{finished_reason="stop"}'
+    K_ABORT = 'twain_request_success_total{finished_reason="abort"}'
+    K_CANCEL = 'twain_request_errors_total{code="CANCELLED"}'
+    m0 = svc.metrics(mport)
+    # generation goes on past the stop string (a token each 20 ms): the cut ends it
+    script("The dog barked at the cat and ran and ran far away from home.<|return|>", 0.02)
     st, r = api.post("/v1/completions", {"prompt": ids, "max_tokens": 50, "stop": [" barked"]})
     check(st == 200 and last_prompt() == ids and r["choices"][0]["text"] == "The dog" and
           r["choices"][0]["finish_reason"] == "stop" and r["usage"]["prompt_tokens"] == len(ids),
           "/v1/completions: token-id prompt, stop string cuts the text, usage counts the prompt (%s %s)"
           % (r.get("choices"), r.get("usage")))
+    # the generation is stopped after the reply: wait (bounded) for the router to count it
+    for _ in range(50):
+        m1 = svc.metrics(mport)
+        if m1.get(K_STOP, 0) + m1.get(K_ABORT, 0) > m0.get(K_STOP, 0) + m0.get(K_ABORT, 0):
+            break
+        time.sleep(0.1)
+    check(m1.get(K_STOP, 0) == m0.get(K_STOP, 0) + 1 and m1.get(K_ABORT, 0) == m0.get(K_ABORT, 0) and
+          m1.get(K_CANCEL, 0) == m0.get(K_CANCEL, 0),
+          "/v1/completions cut by a stop string counts as finished by stop, not as a cancel "
+          "(stop %s -> %s, abort %s -> %s, CANCELLED %s -> %s)" % (
+              m0.get(K_STOP, 0), m1.get(K_STOP, 0), m0.get(K_ABORT, 0), m1.get(K_ABORT, 0),
+              m0.get(K_CANCEL, 0), m1.get(K_CANCEL, 0)))
+    script("The dog barked.<|return|>")
     st, ev = api.stream("/v1/completions", {"prompt": "Once", "max_tokens": 3})
     text = "".join(d["choices"][0]["text"] for _, d in ev if d != "[DONE]" and d["choices"])
     fr = [d["choices"][0]["finish_reason"] for _, d in ev if d != "[DONE]" and d["choices"]][-1]
