@@ -31,8 +31,9 @@
  * A backend that can hold a bf16 copy of the MXFP4 experts for its prefill
  * MoE (the cuda engine: dense tensor-core GEMMs instead of converting the
  * weights in every tile) says what the copy costs (prefill_bf16_bytes); each
- * prefill worker then holds one when asked (prefill_bf16 1), or by default
- * when the prefill workers' copies take at most TW_MEM_PREFILL_BF16_SHARE of
+ * prefill worker then holds one when asked (prefill_bf16 1), or with
+ * prefill_bf16 0 (auto; the workers' own default is off, -1) when the
+ * prefill workers' copies take at most TW_MEM_PREFILL_BF16_SHARE of
  * the budget left after the weights and reserves and the plan still fits
  * with them (step 3 adds it to the prefill worker's workspace).
  * Flags override a planned value for the worker they are given to. */

@@ -96,8 +96,9 @@ static void test_cuda_workspace(const tw_model_config_t *c20, const tw_model_con
                   : p.kv_bytes > 90 * GIB && p.max_batch == 1024,
               "kv %.2f GiB batch %d", p.kv_bytes / (double)GIB, p.max_batch);
   }
-  /* 20b with the prefill worker's bf16 copy of the experts (the default
-   * where it fits): the decode worker keeps max batch 1,024 and over 60 GiB */
+  /* 20b with the prefill worker's bf16 copy of the experts (prefill_bf16 0,
+   * auto: kept where it fits): the decode worker keeps max batch 1,024 and
+   * over 60 GiB */
   tw_mem_plan_in_t in = gpu_in(c20, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
   in.ws_bytes = ws_cuda;
   in.graph_count = graphs_cuda;
@@ -212,7 +213,7 @@ static void test_prefill_bf16(const tw_model_config_t *c20, const tw_model_confi
   tw_mem_plan_t p;
   /* 20b, H200, 1 + 1 sharing the weights: budget - weights - reserves =
    * 135,679,559,270 - 13,774,924,416 - 2 GiB = 119.76 GB; 40% of it holds
-   * the 38.22 GB copy, so by default the prefill worker keeps one: its
+   * the 38.22 GB copy, so with auto the prefill worker keeps one: its
    * workspace grows by the copy and the decode pool shrinks by exactly
    * 48,600 blocks (120,920 + 17,516 without, batch 1,024 still fits) */
   tw_mem_plan_in_t in = gpu_in(c20, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
@@ -241,8 +242,8 @@ static void test_prefill_bf16(const tw_model_config_t *c20, const tw_model_confi
   EXPECT(plan(&in, &p, "20b H200 prefill bf16 off") == TW_OK && !p.prefill_bf16 &&
              p.kv_blocks == 120920 + 17516,
          "bf16 %d blocks %d", p.prefill_bf16, p.kv_blocks);
-  /* 20b on an H100 (80 GB): 40% of 76.97 - 15.92 GB = 24.4 GB < 38.2: not by
-   * default; asked for, it fits (the decode pool keeps >= 4,096 tokens) */
+  /* 20b on an H100 (80 GB): 40% of 76.97 - 15.92 GB = 24.4 GB < 38.2: not with
+   * auto; asked for, it fits (the decode pool keeps >= 4,096 tokens) */
   in = gpu_in(c20, H100, 1, 1, true, TW_MEM_ROLE_DECODE);
   in.prefill_bf16_bytes = PBF16_20B;
   EXPECT(plan(&in, &p, "20b H100 prefill bf16 auto") == TW_OK && !p.prefill_bf16 &&
@@ -252,7 +253,7 @@ static void test_prefill_bf16(const tw_model_config_t *c20, const tw_model_confi
   EXPECT(plan(&in, &p, "20b H100 prefill bf16 on") == TW_OK && p.prefill_bf16 &&
              (int64_t)p.kv_blocks * 16 >= TW_MEM_MIN_DECODE_TOKENS,
          "bf16 %d blocks %d", p.prefill_bf16, p.kv_blocks);
-  /* 120b: 229 GB never fits an H200: off by default, an error when asked */
+  /* 120b: 229 GB never fits an H200: not kept with auto, an error when asked */
   in = gpu_in(c120, H200, 1, 1, true, TW_MEM_ROLE_DECODE);
   in.prefill_bf16_bytes = PBF16_120B;
   EXPECT(plan(&in, &p, "120b H200 prefill bf16 auto") == TW_OK && !p.prefill_bf16 &&
