@@ -673,6 +673,10 @@ TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *p, atomic_int *
       TW_WARN("router", "drain timeout (%d s): failing %d requests", p->drain_timeout_s, r.n_reqs);
       break;
     }
+    if (r.draining && r.n_reqs > 0 && atomic_load(stop) >= 2) {
+      TW_WARN("router", "second stop signal: failing %d requests", r.n_reqs);
+      break;
+    }
     if (r.draining && r.n_reqs == 0) break;
     zmq_pollitem_t items[3] = {{.socket = r.csock, .events = ZMQ_POLLIN},
                                {.socket = r.wsock, .events = ZMQ_POLLIN},

@@ -137,7 +137,8 @@ typedef struct {
  *  another thread: an atomic, so a signal handler (lock-free atomic_int) or
  *  a thread may set it without a data race), then
  *  drain: stop accepting requests (UNAVAILABLE), let running ones finish for
- *  up to 10 s, fail the rest, return.
+ *  up to params->drain_timeout_s, or until *stop reaches 2 (a second
+ *  signal), fail the rest (UNAVAILABLE), return.
  *  Errors: TW_ERR_TRANSPORT (cannot bind), TW_ERR_IO/TW_ERR_FORMAT (model
  *  config or tokenizer), TW_ERR_NO_MEMORY. */
 TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *params, atomic_int *stop);

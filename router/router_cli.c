@@ -26,7 +26,7 @@ static atomic_int tw_router_stop_g = 0;
 
 static void tw_router_on_signal(int sig) {
   (void)sig;
-  atomic_store(&tw_router_stop_g, 1);
+  atomic_fetch_add(&tw_router_stop_g, 1); /* 1: drain; 2 and more: stop now */
 }
 
 static void tw_router_print_bound(void *arg, const char *cep, const char *wep) {

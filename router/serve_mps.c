@@ -6,7 +6,9 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,6 +140,46 @@ bool tw_serve_dir_remove(const char *dir, int depth) {
   return rmdir(dir) == 0;
 }
 
+/* NAME-PID-...: the pid in the entry `ent` of a directory named NAME-PID-*, or 0. */
+static pid_t tw_serve_dir_pid(const char *ent, const char *name) {
+  size_t n = strlen(name);
+  if (strncmp(ent, name, n) != 0 || ent[n] != '-') return 0;
+  char *end;
+  errno = 0;
+  long pid = strtol(ent + n + 1, &end, 10);
+  if (errno || end == ent + n + 1 || *end != '-' || pid <= 0 || pid > INT32_MAX) return 0;
+  return (pid_t)pid;
+}
+
+bool tw_serve_dir_make(char *out, size_t len, const char *parent, const char *name) {
+  const char *rt = parent ? parent : getenv("XDG_RUNTIME_DIR");
+  if (!parent && (!rt || !*rt || access(rt, W_OK) != 0)) rt = "/tmp";
+  DIR *d = opendir(rt);
+  struct dirent *e;
+  char path[PATH_MAX];
+  while (d && (e = readdir(d)) != NULL) {
+    pid_t pid = tw_serve_dir_pid(e->d_name, name);
+    if (pid <= 0 || pid == getpid()) continue;
+    int n = snprintf(path, sizeof path, "%s/%s", rt, e->d_name);
+    struct stat st;
+    if (n < 0 || (size_t)n >= sizeof path || lstat(path, &st) != 0 || !S_ISDIR(st.st_mode) ||
+        st.st_uid != getuid())
+      continue;
+    if (kill(pid, 0) == 0 || errno != ESRCH) continue; /* that serve still runs */
+    if (tw_serve_dir_remove(path, 1))
+      TW_INFO("serve", "removed %s: left by serve pid %d, which no longer runs", path, (int)pid);
+  }
+  if (d) closedir(d);
+  int n = snprintf(out, len, "%s/%s-%d-XXXXXX", rt, name, (int)getpid());
+  if (n < 0 || (size_t)n >= len || !mkdtemp(out)) {
+    int err = n < 0 || (size_t)n >= len ? ENAMETOOLONG : errno;
+    if (len) out[0] = '\0';
+    errno = err;
+    return false;
+  }
+  return true;
+}
+
 /* The last non-empty line of the daemon's log (control.log) into out ("" if none). */
 static void tw_mps_log_tail(const tw_mps_t *m, char *out, size_t len) {
   char path[PATH_MAX];
@@ -172,14 +214,9 @@ static pid_t tw_mps_run(const char *bin, const char *arg, int in_fd) {
 tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *parent_dir) {
   memset(m, 0, sizeof *m);
   snprintf(m->bin, sizeof m->bin, "%s", bin);
-  const char *rt = parent_dir ? parent_dir : getenv("XDG_RUNTIME_DIR");
-  if (!rt || !*rt || access(rt, W_OK) != 0) rt = "/tmp";
-  snprintf(m->dir, sizeof m->dir, "%s/twain-mps-XXXXXX", rt);
-  if (!mkdtemp(m->dir)) {
-    int e = errno;
-    m->dir[0] = '\0';
-    return tw_err(TW_ERR_IO, "cuda mps: cannot make a directory under %s: %s", rt, strerror(e));
-  }
+  if (!tw_serve_dir_make(m->dir, sizeof m->dir, parent_dir, "twain-mps"))
+    return tw_err(TW_ERR_IO, "cuda mps: cannot make its directory under %s: %s",
+                  parent_dir ? parent_dir : "$XDG_RUNTIME_DIR or /tmp", strerror(errno));
   char pipe[PATH_MAX], log[PATH_MAX], ctl[PATH_MAX + 16];
   snprintf(pipe, sizeof pipe, "%s/pipe", m->dir);
   snprintf(log, sizeof log, "%s/log", m->dir);

@@ -60,8 +60,9 @@ bool tw_mps_wanted(tw_mps_mode_t mode, bool cuda, bool one_gpu, char *bin, size_
 
 /**
  * Starts `bin -f` (the control daemon in the foreground) as a child with its
- * own pipe and log directories in a new 0700 directory under parent_dir
- * (XDG_RUNTIME_DIR or /tmp when NULL), waits up to 10 s for its control pipe,
+ * own pipe and log directories in a new 0700 directory twain-mps-PID-XXXXXX
+ * under parent_dir (tw_serve_dir_make: XDG_RUNTIME_DIR or /tmp when NULL;
+ * those of killed serves removed first), waits up to 10 s for its control pipe,
  * and sets CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY in this process
  * so that workers started after it connect to it.
  * Errors: TW_ERR_IO (the directory cannot be made, the daemon cannot be
@@ -99,5 +100,15 @@ void tw_serve_kill(pid_t pid);
  *  set by rmdir) when dir is still there. Serve's private directories (the
  *  MPS server's, the shared weights' records). */
 bool tw_serve_dir_remove(const char *dir, int depth);
+
+/** Makes a private directory of this serve, `PARENT/NAME-PID-XXXXXX` (PID:
+ *  this process; mode 0700, mkdtemp), and writes its path into out[len].
+ *  PARENT: `parent`, or when that is NULL $XDG_RUNTIME_DIR where it is
+ *  writable, else /tmp. First it removes (tw_serve_dir_remove, depth 1) the
+ *  NAME-PID-* directories in PARENT that belong to this user and whose PID
+ *  no longer runs: what a serve killed with SIGKILL left behind (logged).
+ *  Returns false (errno set; out "") when the directory cannot be made. The
+ *  MPS server's directory and the shared weights' records. */
+bool tw_serve_dir_make(char *out, size_t len, const char *parent, const char *name);
 
 #endif

@@ -23,7 +23,7 @@ int tw_worker_exit_code(tw_status_t st) {
 
 static void tw_worker_on_signal(int sig) {
   (void)sig;
-  tw_worker_stop_g = 1;
+  tw_worker_stop_g = tw_worker_stop_g ? 2 : 1; /* only this handler writes it */
 }
 
 void tw_stop_signals_install(void (*on_signal)(int)) {

@@ -45,7 +45,8 @@ extern volatile sig_atomic_t tw_worker_started_g;
  *  TW_OK, 1 once tw_worker_started_g is set, else TW_WORKER_EXIT_CONFIG. */
 int tw_worker_exit_code(tw_status_t st);
 
-/** Set by SIGTERM/SIGINT once tw_worker_signals_install() ran: 1 = drain. */
+/** Set by SIGTERM/SIGINT once tw_worker_signals_install() ran: 1 after the
+ *  first (drain), 2 after a second one (stop now: the drain ends at once). */
 extern volatile sig_atomic_t tw_worker_stop_g;
 /** Install SIGTERM/SIGINT handlers that set tw_worker_stop_g (and ignore SIGPIPE). */
 void tw_worker_signals_install(void);

@@ -104,6 +104,10 @@ static TW_NODISCARD tw_status_t tw_worker_loop(tw_worker_t *w) {
     if (w->draining) {
       int32_t left = ops->pending(w->arg);
       if (left == 0) break;
+      if (tw_worker_stop_g >= 2) {
+        TW_WARN(w->role, "second stop signal: stopping with %d %s unfinished", left, w->unit);
+        break;
+      }
       if (w->drain_timeout_s >= 0 &&
           tw_msg_clock_ns() - w->drain_since_ns > (int64_t)w->drain_timeout_s * 1000000000LL) {
         TW_WARN(w->role, "drain timeout (%d s): stopping with %d %s unfinished", w->drain_timeout_s,

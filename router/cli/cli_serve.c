@@ -3,7 +3,10 @@
  * containing "ready" once every worker has registered; on SIGINT/SIGTERM it
  * drains the router (running requests finish, new ones are refused), then
  * sends SIGTERM to every worker, waits for them (SIGKILL after 15 s) and
- * exits 0. Worker binaries are found next to this one or in the build tree.
+ * exits 0; a second SIGINT/SIGTERM while it stops makes the stop immediate
+ * (the router fails what still runs with UNAVAILABLE, the workers end their
+ * drains at once). Worker binaries are found next to this one or in the
+ * build tree.
  * Supervision: a worker process that dies is started again (as NAME-rK)
  * after a backoff of 0.5 s doubling to 8 s, at most TW_SERVE_MAX_RESTARTS
  * times in a row (a worker that ran TW_SERVE_STABLE_S resets the count);
@@ -81,7 +84,10 @@ typedef struct {
 
 static volatile sig_atomic_t tw_serve_signal_g = 0;
 static bool tw_serve_own_keys_g; /* link keys made for this run: no process outside can join */
-static void tw_serve_on_signal(int sig) { tw_serve_signal_g = sig; }
+static void tw_serve_on_signal(int sig) { /* 1: stop, draining; 2: a second signal, stop now */
+  (void)sig;
+  tw_serve_signal_g = tw_serve_signal_g ? 2 : 1;
+}
 
 typedef struct {
   tw_router_params_t rp;
@@ -89,6 +95,7 @@ typedef struct {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   int bound;      /* 1 bound, -1 failed */
+  int router_done; /* tw_router_run returned */
   int ready;
   char worker_ep[256], client_ep[256];
   char http_url[320];   /* "" when the HTTP API is off */
@@ -147,6 +154,7 @@ static void *tw_serve_router_thread(void *arg) {
   s->router_status = tw_router_run(&s->rp, &s->router_stop);
   pthread_mutex_lock(&s->mu);
   if (!s->bound) s->bound = -1;
+  s->router_done = 1;
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
   return NULL;
@@ -248,9 +256,7 @@ static int tw_serve_check_split(const char *model_dir, const int pv[5]) {
 /* The directory of the shared-weights records (engine_cuda_share.cu): made
  * 0700 for this serve; emptied and removed when it stops. "" when none. */
 static void tw_serve_share_dir(char *out, size_t len) {
-  const char *rt = getenv("XDG_RUNTIME_DIR");
-  snprintf(out, len, "%s/twain-serve-XXXXXX", rt && *rt && access(rt, W_OK) == 0 ? rt : "/tmp");
-  if (!mkdtemp(out)) {
+  if (!tw_serve_dir_make(out, len, NULL, "twain-serve")) {
     TW_WARN("serve", "cannot make a directory for sharing the weights (%s): each worker loads "
             "its own copy", strerror(errno));
     out[0] = '\0';
@@ -699,6 +705,20 @@ int tw_cli_serve(int argc, char **argv) {
   }
   TW_INFO("serve", "stopping: draining the router, then the workers");
   atomic_store(&s.router_stop, 1);
+  bool forced = false; /* a second signal: the router fails what runs, the workers stop now */
+  for (;;) {
+    pthread_mutex_lock(&s.mu);
+    int done = s.router_done;
+    pthread_mutex_unlock(&s.mu);
+    if (done) break;
+    if (tw_serve_signal_g >= 2 && !forced) {
+      forced = true;
+      TW_WARN("serve", "second stop signal: failing running requests, stopping the workers now");
+      atomic_store(&s.router_stop, 2);
+    }
+    struct timespec ts = {0, 20 * 1000000};
+    nanosleep(&ts, NULL);
+  }
   pthread_join(th, NULL);
   pthread_mutex_lock(&s.mu);
   bool served = s.ready;
@@ -710,7 +730,18 @@ int tw_cli_serve(int argc, char **argv) {
   }
   struct timespec t0;
   clock_gettime(CLOCK_MONOTONIC, &t0);
+  int64_t resend_ns = 0;
   for (;;) {
+    if (tw_serve_signal_g >= 2 && !forced) {
+      forced = true;
+      TW_WARN("serve", "second stop signal: stopping the workers now");
+    }
+    int64_t now = tw_serve_now_ns();
+    if (forced && now >= resend_ns) { /* again every 0.2 s: two SIGTERMs pending at once are one */
+      resend_ns = now + 200000000LL;
+      for (int k = 0; k < n; k++)
+        if (slots[k].pid > 0) kill(slots[k].pid, SIGTERM);
+    }
     int alive = 0;
     for (int k = 0; k < n; k++) {
       if (slots[k].pid <= 0) continue;

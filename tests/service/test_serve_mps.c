@@ -10,7 +10,10 @@
  * variables to the new private directories and waits for the control pipe;
  * stop sends quit, reaps the daemon, unsets the variables and removes the
  * directory; a daemon that exits at once, or never makes its pipe, is an
- * error naming its log line with nothing left behind. Every wait is bounded
+ * error naming its log line with nothing left behind; a private directory
+ * is named after its serve's pid and replaces those of serves that no longer
+ * run (only those: a live serve's, another name's, another pattern's stay).
+ * Every wait is bounded
  * (the daemon stand-in gives up after 20 s by itself). */
 #include "router/serve_mps.h"
 
@@ -189,6 +192,58 @@ static void test_failures(void) {
   EXPECT(system(cmd) != 0, "no twain-mps-* directory left in %s", g_tmp);
 }
 
+static void mkfile(const char *path) {
+  FILE *f = fopen(path, "w");
+  EXPECT(f != NULL, "cannot write %s: %s", path, strerror(errno));
+  if (f) fclose(f);
+}
+
+static void test_dir_make(void) {
+  tw_test_case = "private directories";
+  pid_t dead = fork(); /* a pid that no longer runs: a reaped child's */
+  if (dead == 0) _exit(0);
+  EXPECT(dead > 0 && waitpid(dead, NULL, 0) == dead, "a child to reap");
+  char par[300], p[600], keep[4][600], out[PATH_MAX];
+  snprintf(par, sizeof par, "%s/dirs", g_tmp);
+  EXPECT(mkdir(par, 0700) == 0, "mkdir %s: %s", par, strerror(errno));
+  snprintf(p, sizeof p, "%s/twain-x-%d-aaaaaa", par,
+           (int)dead); /* a killed serve's, with a subdir */
+  char sub[700], f1[700], f2[800];
+  snprintf(sub, sizeof sub, "%s/log", p);
+  snprintf(f1, sizeof f1, "%s/record", p);
+  snprintf(f2, sizeof f2, "%s/control.log", sub);
+  EXPECT(mkdir(p, 0700) == 0 && mkdir(sub, 0700) == 0, "mkdir %s", sub);
+  mkfile(f1);
+  mkfile(f2);
+  snprintf(keep[0], sizeof keep[0], "%s/twain-x-%d-bbbbbb", par, (int)getppid()); /* live */
+  snprintf(keep[1], sizeof keep[1], "%s/twain-y-%d-cccccc", par, (int)dead);      /* other name */
+  snprintf(keep[2], sizeof keep[2], "%s/twain-x-dddddd", par);                    /* no pid */
+  snprintf(keep[3], sizeof keep[3], "%s/twain-x-%d-eeeeee", par, (int)dead);      /* a file */
+  for (int k = 0; k < 3; k++) EXPECT(mkdir(keep[k], 0700) == 0, "mkdir %s", keep[k]);
+  mkfile(keep[3]);
+  EXPECT(tw_serve_dir_make(out, sizeof out, par, "twain-x"), "make: %s", strerror(errno));
+  EXPECT(!exists(p), "the killed serve's directory %s removed", p);
+  for (int k = 0; k < 4; k++) EXPECT(exists(keep[k]), "%s kept", keep[k]);
+  char want[400];
+  snprintf(want, sizeof want, "%s/twain-x-%d-", par, (int)getpid());
+  struct stat st;
+  EXPECT(!strncmp(out, want, strlen(want)) && strlen(out) == strlen(want) + 6,
+         "new directory %s named %sXXXXXX", out, want);
+  EXPECT(stat(out, &st) == 0 && S_ISDIR(st.st_mode) && (st.st_mode & 0777) == 0700,
+         "new directory is there with mode 0700 (%o)", (unsigned)(st.st_mode & 0777));
+  char again[PATH_MAX];
+  EXPECT(
+      tw_serve_dir_make(again, sizeof again, par, "twain-x") && exists(out) && strcmp(again, out),
+      "a second one (%s) leaves this process's first (%s)", again, out);
+  char tiny[8];
+  errno = 0;
+  EXPECT(!tw_serve_dir_make(tiny, sizeof tiny, par, "twain-x") && errno == ENAMETOOLONG && !tiny[0],
+         "a path that does not fit: false, ENAMETOOLONG, \"\" (errno %d)", errno);
+  snprintf(p, sizeof p, "%s/none", g_tmp);
+  EXPECT(!tw_serve_dir_make(out, sizeof out, p, "twain-x") && errno == ENOENT && !out[0],
+         "a parent that is not there: false, ENOENT (errno %d)", errno);
+}
+
 int main(void) {
   snprintf(g_tmp, sizeof g_tmp, "/tmp/tw_mps_test_XXXXXX");
   if (!mkdtemp(g_tmp)) {
@@ -206,6 +261,7 @@ int main(void) {
   test_wanted();
   test_start_stop();
   test_failures();
+  test_dir_make();
   char cmd[400];
   snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_tmp);
   if (system(cmd) != 0) fprintf(stderr, "cannot remove %s\n", g_tmp);

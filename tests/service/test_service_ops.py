@@ -3,6 +3,8 @@ address is served, a host name is refused at start-up), /livez answers 200
 while /healthz is 503 during a drain, --drain-timeout bounds a decode
 worker's and the router's drain (a generation far longer than the timeout is
 cut: the daemon logs the timeout, exits 0, and the client gets UNAVAILABLE),
+a second SIGTERM ends a drain at once (decode worker, router) and a second
+SIGINT the stop of `twain serve`,
 an idle worker's process group holds no stray children, and the default
 model is found next to a relocated bundle (share/twain/models relative to the
 executable). Every wait is bounded; every process started is killed at exit
@@ -63,6 +65,31 @@ def wait_code(port, path, want, timeout=10):
     return code
 
 
+def second_signal(cl, who, proc, sig, log_re, wait_s=10):
+    """A 3900-token stream of client cl runs on daemon `proc`, whose drain
+    would wait for it (the default --drain-timeout): `sig` once starts the
+    drain (the stream goes on), a second `sig` stops it at once: `log_re`
+    logged, exit 0 within wait_s, the stream cut with UNAVAILABLE."""
+    rid = cl.send(svc.generate(prompt, 3900))
+    svc.wait_tokens(cl, rid, 5)
+    proc.p.send_signal(sig)
+    check(proc.seen(r"draining", 10), "%s drains after the first signal" % who)
+    n0 = len(svc.tokens_of(cl.replies.get(rid, [])))
+    svc.wait_tokens(cl, rid, n0 + 3)
+    check(proc.p.poll() is None and not cl.done(rid), "%s: the stream goes on while it drains" % who)
+    t0 = time.time()
+    proc.p.send_signal(sig)
+    try:
+        rc = proc.p.wait(svc.scaled(wait_s))
+    except subprocess.TimeoutExpired:
+        rc = None
+    check(rc == 0, "%s exits 0 %.1f s after a second signal (rc %s)" % (who, time.time() - t0, rc))
+    check(proc.count(log_re) == 1, "%s logs %r" % (who, log_re))
+    reps = cl.wait([rid], 30)[0]
+    check(reps and reps[-1].error.code == svc.E["UNAVAILABLE"],
+          "%s: the stream ends UNAVAILABLE (%s)" % (who, reps[-1].error.message if reps else "no reply"))
+
+
 def drain_cut(cl, who, proc, port, log_re, log_what, cut, ended):
     """SIGTERM daemon `proc` (metrics on `port`, started with --drain-timeout
     2) while a 3900-token stream of client cl runs: /healthz 503 and /livez
@@ -121,6 +148,33 @@ try:
     cl.close()
 finally:
     c.close()
+
+# ---- a second SIGTERM ends a drain at once (decode, router), a second
+# SIGINT the stop of `twain serve` (Ctrl-C twice)
+c = svc.Cluster(1, 1, router_args=["--max-tokens-limit", "4000"])
+try:
+    cl = c.client()
+    second_signal(cl, "decode", c.decodes[0], signal.SIGTERM,
+                  r"second stop signal: stopping with 1 sequences unfinished")
+    c.add_decode()
+    c.wait_registered(1, 1)
+    second_signal(cl, "router", c.router, signal.SIGTERM, r"second stop signal: failing 1 requests")
+    cl.close()
+finally:
+    c.close()
+e = {k: v for k, v in os.environ.items() if not k.startswith("TWAIN_") or k == "TWAIN_LOG"}
+serve_p = svc.Proc([svc.bin_path("router", "twain"), "serve", "--listen", "tcp://127.0.0.1:0",
+                    "--metrics-port", "-1", "--http-port", "-1", "--backend", "cpu", "--threads", "1",
+                    "--max-tokens-limit", "4000"], "serve", env=e)
+try:
+    ready = serve_p.wait_line(r"twain serve: ready.*clients at (\S+)", 60)
+    cl = svc.Client(ready.group(1))
+    second_signal(cl, "twain serve", serve_p, signal.SIGINT,
+                  r"second stop signal: failing running requests, stopping the workers now")
+    check(serve_p.count(r"drain timeout") == 0, "twain serve: no daemon waited for its drain timeout")
+    cl.close()
+finally:
+    serve_p.stop()
 
 # ---- a relocated bundle finds its default model next to the executable
 tmp = tempfile.mkdtemp(prefix="tw_ops_")
