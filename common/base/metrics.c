@@ -147,11 +147,16 @@ static enum MHD_Result tw_metrics_answer(void *cls, struct MHD_Connection *conn,
                                          const char *method, const char *version,
                                          const char *upload, size_t *upload_size, void **ptr) {
   tw_metrics_t *m = cls;
-  if (strcmp(method, "GET") != 0) return MHD_NO;
   unsigned code = MHD_HTTP_OK;
   char *text = NULL;
   const char *ctype = "text/plain; charset=utf-8";
-  if (strcmp(url, "/metrics") == 0) {
+  bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"); /* HEAD: MHD sends no body */
+  if (!get) {
+    code = MHD_HTTP_METHOD_NOT_ALLOWED;
+    size_t l = strlen(method) + 64;
+    text = malloc(l);
+    if (text) snprintf(text, l, "method %.32s not allowed: use GET\n", method);
+  } else if (strcmp(url, "/metrics") == 0) {
     if (tw_metrics_render(m, &text) != TW_OK) return MHD_NO;
     ctype = "text/plain; version=0.0.4; charset=utf-8";
   } else if (strcmp(url, "/livez") == 0) {
@@ -175,6 +180,7 @@ static enum MHD_Result tw_metrics_answer(void *cls, struct MHD_Connection *conn,
     return MHD_NO;
   }
   MHD_add_response_header(r, "Content-Type", ctype);
+  if (!get) MHD_add_response_header(r, "Allow", "GET, HEAD");
   enum MHD_Result ret = MHD_queue_response(conn, code, r);
   MHD_destroy_response(r);
   return ret;

@@ -37,8 +37,11 @@ static const tw_command_t tw_commands[] = {
 static void tw_usage(FILE *f) {
   fprintf(f, "usage: twain COMMAND [OPTIONS]   (twain COMMAND --help for its options)\n"
              "       twain --version\n\n");
+  int w = 0; /* the longest name: the summaries in one column */
   for (size_t i = 0; i < sizeof tw_commands / sizeof tw_commands[0]; i++)
-    fprintf(f, "  %-12s %s\n", tw_commands[i].name, tw_commands[i].summary);
+    if ((int)strlen(tw_commands[i].name) > w) w = (int)strlen(tw_commands[i].name);
+  for (size_t i = 0; i < sizeof tw_commands / sizeof tw_commands[0]; i++)
+    fprintf(f, "  %-*s  %s\n", w, tw_commands[i].name, tw_commands[i].summary);
 }
 
 int main(int argc, char **argv) {

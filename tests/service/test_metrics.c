@@ -16,8 +16,8 @@
 
 #include "tests/test_expect.h"
 
-/* GET path from 127.0.0.1:port; the whole response in buf. */
-static int http_get(int port, const char *path, char *buf, size_t cap) {
+/* `method` path from 127.0.0.1:port; the whole response in buf. */
+static int http_req(int port, const char *method, const char *path, char *buf, size_t cap) {
   int s = socket(AF_INET, SOCK_STREAM, 0);
   struct timeval tv = {5, 0};
   setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -28,7 +28,8 @@ static int http_get(int port, const char *path, char *buf, size_t cap) {
     return -1;
   }
   char req[256];
-  int n = snprintf(req, sizeof req, "GET %s HTTP/1.0\r\nHost: x\r\n\r\n", path);
+  int n = snprintf(req, sizeof req, "%s %s HTTP/1.0\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+                   method, path);
   if (write(s, req, (size_t)n) != n) {
     close(s);
     return -1;
@@ -42,6 +43,10 @@ static int http_get(int port, const char *path, char *buf, size_t cap) {
   buf[len] = '\0';
   close(s);
   return (int)len;
+}
+
+static int http_get(int port, const char *path, char *buf, size_t cap) {
+  return http_req(port, "GET", path, buf, cap);
 }
 
 /* Open `n` idle TCP connections to 127.0.0.1:port (fds into fds[]); returns
@@ -128,6 +133,12 @@ int main(void) {
   EXPECT(http_get(port, "/livez", buf, sizeof buf) > 0 && strstr(buf, " 200 "), "livez 200: %s",
          buf);
   EXPECT(http_get(port, "/nope", buf, sizeof buf) > 0 && strstr(buf, " 404 "), "404");
+  EXPECT(http_req(port, "POST", "/metrics", buf, sizeof buf) > 0 && strstr(buf, " 405 ") &&
+             strstr(buf, "\r\nAllow: GET, HEAD\r\n") && strstr(buf, "method POST not allowed"),
+         "POST /metrics: 405 with Allow: %s", buf);
+  EXPECT(http_req(port, "HEAD", "/metrics", buf, sizeof buf) > 0 && strstr(buf, " 200 ") &&
+             strstr(buf, "\r\n\r\n") && !strstr(buf, "# TYPE"),
+         "HEAD /metrics: 200 without the text: %s", buf);
   EXPECT(tw_metric_value(h) == 4, "histogram count");
   tw_metrics_destroy(m);
   /* an explicit address: the loopback given by number */
