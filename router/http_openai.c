@@ -145,8 +145,10 @@ static bool tw_common(tw_hconn_t *c, const cJSON *root, const char *max_key, con
   s->sp.temperature = (float)temperature;
   s->sp.top_p = (float)top_p;
   s->sp.seed = (uint64_t)seed;
+  s->sp.explicit_seed = tw_field(root, "seed") != NULL;
   s->sp.max_tokens = explicit_max ? (int32_t)max : default_max;
   s->sp.explicit_max_tokens = explicit_max || default_max;
+  s->sp.max_tokens_is_default = !explicit_max;
   const cJSON *stop = tw_field(root, "stop");
   if (stop && !allow_stop) {
     tw_http_fail(c, 400, "stop", "'stop' is not supported here");

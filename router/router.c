@@ -17,6 +17,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
 
 /* The longest `ready` waits for prefill workers to connect to the decode
  * workers' kv pools (KvPeersReady): mapping a large pool over CUDA IPC
@@ -313,6 +315,15 @@ static tw_req_t *tw_client_req(tw_router_t *r, const tw_msg_t *from, uint64_t ri
   return NULL;
 }
 
+/* A fresh sampling seed for a request that did not give one (splitmix64 over
+ * a state drawn from the kernel's random source at start-up). */
+static uint64_t tw_router_draw_seed(tw_router_t *r) {
+  uint64_t z = (r->seed_state += 0x9e3779b97f4a7c15ULL);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
 /* Validate and enqueue a Generate or Chat request. */
 static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1__ClientRequest *cr) {
   char msg[512];
@@ -346,6 +357,8 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     return;
   }
   int32_t max_tokens = s && s->max_tokens ? s->max_tokens : r->p->default_max_tokens;
+  /* a default (not the client's number) shrinks to what the context leaves */
+  bool max_default = !s || s->max_tokens_is_default || (!s->max_tokens && !s->explicit_max_tokens);
   if (s && (s->max_tokens < 0 || (s->explicit_max_tokens && s->max_tokens == 0))) {
     snprintf(msg, sizeof msg, "max_tokens must be at least 1, got %d", s->max_tokens);
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
@@ -379,6 +392,7 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
   int64_t dl = cr->deadline_ms ? (int64_t)cr->deadline_ms : (int64_t)r->p->default_deadline_ms;
   q->t_deadline_ns = q->t_arrival_ns + dl * 1000000;
   tw_proto_sampling_from_api(s, &q->sampling);
+  if (!(s && s->explicit_seed)) q->sampling.seed = tw_router_draw_seed(r);
   tw_status_t st = TW_OK;
   if (cr->body_case == TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE) {
     const Twain__V1__GenerateRequest *g = cr->generate;
@@ -410,6 +424,9 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
       st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT, "rendered prompt of %d tokens exceeds the limit of %d",
                         q->n_prompt, r->max_prompt);
   }
+  if (st == TW_OK && max_default && q->n_prompt < r->config.max_position_embeddings &&
+      (int64_t)q->n_prompt + max_tokens > r->config.max_position_embeddings)
+    max_tokens = r->config.max_position_embeddings - q->n_prompt;
   if (st == TW_OK && (int64_t)q->n_prompt + max_tokens > r->config.max_position_embeddings)
     st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
                       "prompt of %d tokens + max_tokens %d exceeds the model context of %d",
@@ -536,6 +553,8 @@ TW_NODISCARD tw_status_t tw_router_init(tw_router_t *r, const tw_router_params_t
   mallopt(M_MMAP_THRESHOLD, 1 << 20);
   r->next_worker_serial = 1;
   r->next_req_id = 1;
+  if (getrandom(&r->seed_state, sizeof r->seed_state, 0) != (ssize_t)sizeof r->seed_state)
+    r->seed_state = (uint64_t)tw_msg_clock_ns() ^ ((uint64_t)getpid() << 32);
   char path[4096];
   snprintf(path, sizeof path, "%s/config.json", p->model_dir);
   TW_CHECK(tw_config_load(path, &r->config));

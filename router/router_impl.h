@@ -124,6 +124,7 @@ typedef struct {
   tw_rworker_t *workers;
   int32_t n_workers, cap_workers;
   uint64_t next_worker_serial, next_req_id;
+  uint64_t seed_state; /* tw_router_draw_seed: seeds of requests that give none */
   tw_req_t **reqs;
   int32_t n_reqs, cap_reqs;
   int32_t max_prompt;

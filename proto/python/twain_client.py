@@ -162,6 +162,8 @@ class Client:
         req.chat.sampling.max_tokens = max_tokens
         for k, v in sampling.items():
             setattr(req.chat.sampling, k, v)
+        if "seed" in sampling:  # a seed of the caller's, 0 included: the same tokens every time
+            req.chat.sampling.explicit_seed = True
         if reasoning:
             req.chat.reasoning = {"low": 1, "medium": 2, "high": 3}[reasoning]
         for rep in self._call(req):
@@ -178,6 +180,8 @@ class Client:
         req.generate.sampling.stop_token_ids.extend(stop_ids)
         for k, v in sampling.items():
             setattr(req.generate.sampling, k, v)
+        if "seed" in sampling:  # a seed of the caller's, 0 included: the same tokens every time
+            req.generate.sampling.explicit_seed = True
         out = []
         for rep in self._call(req):
             out.extend(rep.token_ids)

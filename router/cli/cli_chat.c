@@ -36,7 +36,7 @@ typedef struct {
   int timeout_ms, connect_timeout_ms;
   bool json, show_analysis;
   int32_t max_tokens;
-  bool max_tokens_set;
+  bool max_tokens_set, seed_set;
   double temperature;
   long long seed;
   const char *api_key; /* $TWAIN_API_KEY: for a router run with --api-key */
@@ -54,7 +54,8 @@ typedef struct {
       TW_OPT_INT("max-tokens", &(o).max_tokens, 0, INT32_MAX, "N",                                 \
                  "generate at most N tokens (default: the server's)"),                             \
       TW_OPT_DOUBLE("temperature", &(o).temperature, 0, 100, "T", "sampling temperature"),         \
-      TW_OPT_LONG("seed", &(o).seed, 0, LLONG_MAX, "S", "sampling seed"),                          \
+      TW_OPT_LONG("seed", &(o).seed, 0, LLONG_MAX, "S",                                            \
+                  "sampling seed: the same tokens every time (default: a fresh one)"),             \
       TW_OPT_FLAG("json", &(o).json, "print one JSON object (ids or messages, usage, finish)"),    \
       TW_OPT_INT("timeout-ms", &(o).timeout_ms, 1, INT_MAX, "MS", "bound on the whole answer"),    \
       TW_OPT_INT("connect-timeout-ms", &(o).connect_timeout_ms, 1, INT_MAX, "MS",                  \
@@ -188,6 +189,7 @@ out:
 static void tw_client_sampling(const tw_client_opts_t *o, Twain__V1__SamplingParams *s) {
   s->temperature = (float)o->temperature;
   s->seed = (uint64_t)o->seed;
+  s->explicit_seed = o->seed_set;
   s->max_tokens = o->max_tokens;
   s->explicit_max_tokens = o->max_tokens_set;
 }
@@ -459,6 +461,7 @@ int tw_cli_chat(int argc, char **argv) {
   int i = 0, prc = tw_opts_parse(&spec, argc, argv, &i);
   if (prc != TW_OPTS_RUN) return prc;
   o.max_tokens_set = tw_opts_given(&spec, "max-tokens");
+  o.seed_set = tw_opts_given(&spec, "seed");
   chat.date = (char *)date;
   chat.instructions = (char *)system;
   Twain__V1__SamplingParams sp = TWAIN__V1__SAMPLING_PARAMS__INIT;
@@ -549,6 +552,7 @@ int tw_cli_generate(int argc, char **argv) {
   int i = 0, prc = tw_opts_parse(&spec, argc, argv, &i);
   if (prc != TW_OPTS_RUN) return prc;
   o.max_tokens_set = tw_opts_given(&spec, "max-tokens");
+  o.seed_set = tw_opts_given(&spec, "seed");
   char *piped = NULL; /* no ids as arguments: they come on stdin (not a terminal) */
   if (i >= argc && !isatty(STDIN_FILENO) && !(piped = tw_read_all(stdin))) {
     fprintf(stderr, "twain generate: cannot read the ids from stdin\n");

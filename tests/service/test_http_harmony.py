@@ -394,6 +394,33 @@ try:
     st, r = api.post("/v1/completions", {"prompt": "Once", "seed": 123, "temperature": 0.7})
     check(st == 200 and last_sampling()[3] == 123 and near(last_sampling()[0], 0.7),
           "completions seed / temperature reach the workers (%s)" % (last_sampling(),))
+    st, r = api.post("/v1/completions", {"prompt": "Once", "seed": 0, "temperature": 0.7})
+    check(st == 200 and last_sampling()[3] == 0, "completions seed 0 is a seed (%s)" % (last_sampling(),))
+    drawn = []
+    for body in ({"prompt": "Once", "temperature": 0.7}, {"prompt": "Once", "temperature": 0.7},
+                 {"messages": USER}, {"messages": USER, "seed": None}):
+        st, r = api.post("/v1/chat/completions" if "messages" in body else "/v1/completions", body)
+        drawn.append(last_sampling()[3] if st == 200 else None)
+    check(None not in drawn and len(set(drawn)) == len(drawn) and 0 not in drawn,
+          "requests without a seed sample with fresh seeds, one each: %s" % drawn)
+
+    # a default max_tokens is cut to what the 4,096-position context leaves
+    # after the prompt; a client's own number that does not fit is a 400
+    script("<|channel|>final<|message|>" + "Hello there, friend. " * 8 + "<|return|>")
+    long_ids = fake_workers.tokenize("Once")[:1] * 4092
+    st, r = api.post("/v1/completions", {"prompt": long_ids})
+    check(st == 200 and r["usage"]["prompt_tokens"] == 4092 and r["usage"]["completion_tokens"] == 4 and
+          r["choices"][0]["finish_reason"] == "length",
+          "completions, default max_tokens 16 after 4,092 prompt ids: 4 tokens, length (%s %s)" %
+          (st, r.get("usage", r)))
+    st, r = api.post("/v1/completions", {"prompt": long_ids, "max_tokens": 16})
+    check(st == 400 and "exceeds the model context" in r["error"]["message"],
+          "completions, max_tokens 16 given after 4,092 prompt ids: 400 (%s %s)" % (st, r))
+    st, r = api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once " * 1300}]})
+    check(st == 200 and r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] <= 4096 and
+          r["usage"]["completion_tokens"] >= 1,
+          "chat, default max_tokens 512 after a long prompt: cut to the context (%s %s)" %
+          (st, r.get("usage", r)))
 
     script("<|channel|>final<|message|>Hello there, friend, how are you today?<|return|>")
     st, r = api.post("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5})

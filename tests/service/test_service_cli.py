@@ -105,6 +105,18 @@ try:
         check(('process="%s' % want) in text and 'model_name="' in text, "%s serves its metrics at %s" % (who, url))
     r = run("generate", "--endpoint", ep, "--max-tokens", "0", *[str(i) for i in ids])
     check(r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr, "twain generate --max-tokens 0: %s" % r.stderr.strip())
+    # sampling: --seed gives the same ids every time (0 too); without it every
+    # run draws its own seed (OpenAI's behaviour), so sampled runs differ
+
+    def sampled(*extra):
+        r = run("generate", "--endpoint", ep, "--max-tokens", "64", "--temperature", "1.5", *extra,
+                *[str(i) for i in ids])
+        return tuple(r.stdout.split()) if r.returncode == 0 else r.stderr.strip()[-200:]
+    a, b = sampled("--seed", "0"), sampled("--seed", "0")
+    check(isinstance(a, tuple) and len(a) == 64 and a == b, "--seed 0 twice: the same 64 ids (%s)" % ("yes" if a == b else (a, b),))
+    runs = [sampled() for _ in range(3)]
+    check(all(isinstance(x, tuple) and len(x) == 64 for x in runs) and len(set(runs)) > 1,
+          "without --seed, three sampled runs are not all alike (%d distinct)" % len(set(map(str, runs))))
     ex = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "client_example.py"),
                          "--endpoint", ep, "What does the word 'book' mean?"],
                         capture_output=True, text=True, timeout=120)
