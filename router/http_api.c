@@ -20,6 +20,7 @@
 #include <time.h>
 
 #define TW_HTTP_KEEPALIVE_NS (10LL * 1000000000LL) /* an idle stream gets a comment */
+#define TW_HTTP_STOP_FLUSH_MS 1000 /* at a stop: the longest wait for answers to be written */
 
 bool tw_http_owns(const uint8_t *id, size_t id_len) {
   return id_len == TW_HTTP_ID_LEN && id[0] == 0 && id[1] == 'H' && id[2] == 'T';
@@ -220,7 +221,10 @@ TW_NODISCARD tw_status_t tw_http_on_reply(tw_http_t *h, const uint8_t *id, size_
   if (c->finished) return TW_OK; /* e.g. the cancel after a stop string */
   if (rep->request_id != 1) return TW_OK; /* the answer to our own cancel */
   tw_hoai_on_reply(c, rep);
-  tw_http_wake(c);
+  /* a stream has output to write; a whole answer waits for its last reply
+   * (waking it for each token kept it from ever being suspended at the
+   * once-a-second check for clients that went away, tw_http_run) */
+  if (c->sse || c->finished) tw_http_wake(c);
   return TW_OK;
 }
 
@@ -514,7 +518,9 @@ void tw_http_run(tw_http_t *h) {
     h->last_tick_ns = now;
     for (tw_hconn_t *c = h->conns; c; c = c->next) {
       if (!c->submitted || c->finished) continue;
-      if (c->suspended && tw_http_peer_closed(c)) { /* gone while waiting: cancel now */
+      /* waiting for its answer (suspended, or woken and not yet answered):
+       * libmicrohttpd does not read the socket then, so look at it here */
+      if ((c->suspended || !c->queued) && tw_http_peer_closed(c)) { /* gone: cancel now */
         TW_INFO("http", "request %llu: the client went away (closed while waiting): cancelling it",
                 (unsigned long long)c->serial);
         tw_http_cancel(h, c); /* its CANCELLED answer wakes the connection, which then closes */
@@ -536,7 +542,18 @@ void tw_http_stop(tw_http_t *h) {
     tw_http_fail(c, 503, NULL, "the router is shutting down");
     tw_http_wake(c);
   }
+  /* write those answers out, each stream to its last chunk (a cut chunked
+   * body is a protocol error to the client, not the error event it should
+   * read): until every request completed, for TW_HTTP_STOP_FLUSH_MS at most */
+  int64_t t0 = tw_msg_clock_ns();
   MHD_run(h->d);
+  while (h->conns && tw_msg_clock_ns() - t0 < (int64_t)TW_HTTP_STOP_FLUSH_MS * 1000000) {
+    for (tw_hconn_t *c = h->conns; c; c = c->next) tw_http_wake(c);
+    MHD_run_wait(h->d, 10);
+  }
+  if (h->conns)
+    TW_WARN("http", "stopping with requests whose answers were not all written in %d ms",
+            TW_HTTP_STOP_FLUSH_MS);
   MHD_stop_daemon(h->d);
   while (h->conns) { /* any MHD did not report */
     tw_hconn_t *c = h->conns;

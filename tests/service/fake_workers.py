@@ -115,7 +115,9 @@ class FakeWorkers(threading.Thread):
                     e.heartbeat.capacity.free_kv_blocks = e.heartbeat.capacity.total_kv_blocks = 100000
                     s.send(e.SerializeToString())
                 last_hb = time.time()
-            for s, _ in poller.poll(5 if self.streams else 50):
+            # a stream's next id due sooner than 5 ms: do not sleep past it
+            wait = min(5, int(self.token_delay * 1000)) if self.streams else 50
+            for s, _ in poller.poll(wait):
                 e = svc.Envelope()
                 e.ParseFromString(s.recv())
                 kind = e.WhichOneof("body")

@@ -2,7 +2,8 @@
 both APIs (401 / UNAUTHENTICATED), a body over --http-max-body (413), more
 requests than --max-requests (429), a deadline (504), a client that
 disconnects mid-stream or while it waits (its request is cancelled at the
-workers and the router drops it), 256 concurrent SSE streams that all
+workers and the router drops it; a non-streamed completion too, whose ids
+arrive faster than the router's loop turns), 256 concurrent SSE streams that all
 complete, and /health and a request before workers register (503). The router keeps serving after each."""
 import atexit
 import json
@@ -153,6 +154,31 @@ try:
     check(rid is not None and rid in fw.cancelled and time.time() - t_close < 4,
           "a non-streamed request whose client hung up is cancelled at the workers after %.1f s "
           "(its %d ids take 7.5 s)" % (time.time() - t_close, len(SCRIPT)))
+    # the same for /v1/completions, whose ids arrive one reply each, faster
+    # than the router's loop turns (every reply used to wake the connection,
+    # so the check for a closed client never saw it waiting)
+    fw.script, fw.token_delay = SCRIPT * 300, 0.001  # about 4,500 ids: 4.5 s or more
+    with fw.lock:
+        seen_before = set(fw.prompts)
+    body = json.dumps({"prompt": "Once upon", "max_tokens": 4000}).encode()
+    s = socket.create_connection((api.host, api.port), timeout=5)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+              b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    end = svc.deadline(10)
+    while time.time() < end and not (set(fw.prompts) - seen_before):
+        time.sleep(0.02)
+    time.sleep(0.5)  # ids flowing
+    s.close()
+    t_close = time.time()
+    with fw.lock:
+        new = set(fw.prompts) - seen_before
+    rid = new.pop() if new else None
+    while time.time() < t_close + 10 and rid not in fw.cancelled:
+        time.sleep(0.05)
+    check(rid is not None and rid in fw.cancelled and time.time() - t_close < svc.scaled(2),
+          "a non-streamed completion whose client hung up is cancelled at the workers after %.1f s" %
+          (time.time() - t_close))
+    fw.script = SCRIPT
     s = socket.create_connection((api.host, api.port), timeout=5)  # a half-sent request, then gone
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
     s.close()

@@ -9,11 +9,15 @@ an idle worker's process group holds no stray children, and the default
 model is found next to a relocated bundle (share/twain/models relative to the
 executable). Every wait is bounded; every process started is killed at exit
 (svc.kill_all)."""
+import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -164,13 +168,46 @@ finally:
     c.close()
 e = {k: v for k, v in os.environ.items() if not k.startswith("TWAIN_") or k == "TWAIN_LOG"}
 serve_p = svc.Proc([svc.bin_path("router", "twain"), "serve", "--listen", "tcp://127.0.0.1:0",
-                    "--metrics-port", "-1", "--http-port", "-1", "--backend", "cpu", "--threads", "1",
+                    "--metrics-port", "-1", "--http-port", "0", "--backend", "cpu", "--threads", "1",
                     "--max-tokens-limit", "4000"], "serve", env=e)
 try:
-    ready = serve_p.wait_line(r"twain serve: ready.*clients at (\S+)", 60)
-    cl = svc.Client(ready.group(1))
+    ready = serve_p.wait_line(r"twain serve: ready.*OpenAI API at (\S+), clients at (\S+)", 60)
+    cl = svc.Client(ready.group(2))
+    # HTTP streams running at the stop as well: each must end with its error
+    # event, [DONE] and the last chunk of its chunked body (the stop used to
+    # close them without it: curl exit 18, IncompleteRead)
+    host, port = re.match(r"http://([\d.]+):(\d+)/", ready.group(1)).groups()
+    body = json.dumps({"prompt": "The dog", "max_tokens": 3900, "stream": True}).encode()
+    socks, raw = [], [b""] * 4
+    for i in range(4):
+        sk = socket.create_connection((host, int(port)), timeout=60)
+        sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        socks.append(sk)
+
+    def http_stream(i):  # everything until the server closes
+        try:
+            while True:
+                b = socks[i].recv(65536)
+                if not b:
+                    break
+                raw[i] += b
+        except OSError:
+            pass
+    threads = [threading.Thread(target=http_stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
     second_signal(cl, "twain serve", serve_p, signal.SIGINT,
                   r"second stop signal: failing running requests, stopping the workers now")
+    for t in threads:
+        t.join(30)
+    for sk in socks:
+        sk.close()
+    whole = [r for r in raw if b"shutting down" in r[-400:] and b"data: [DONE]" in r[-200:] and
+             r.endswith(b"\r\n0\r\n\r\n")]
+    check(len(whole) == 4, "twain serve: 4 HTTP streams cut by the stop end with the error event, "
+          "[DONE] and the last chunk (%d do%s)" % (len(whole), "" if len(whole) == 4 else
+                                                   "; first other ends %r" % [r for r in raw if r not in whole][0][-120:]))
     check(serve_p.count(r"drain timeout") == 0, "twain serve: no daemon waited for its drain timeout")
     cl.close()
 finally:
