@@ -9,14 +9,15 @@
 
 #include <microhttpd.h>
 
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <sys/socket.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #define TW_HTTP_KEEPALIVE_NS (10LL * 1000000000LL) /* an idle stream gets a comment */
@@ -490,6 +491,13 @@ TW_NODISCARD tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   snprintf(url, sizeof url, "http://%s%s%s:%d/v1", v6 ? "[" : "", addr, v6 ? "]" : "", h->port);
   TW_INFO("http", "serving the OpenAI API on %s (model \"%s\"%s)", url, h->model,
           p->api_key && p->api_key[0] ? ", API key required" : "");
+  bool loopback = v6 ? IN6_IS_ADDR_LOOPBACK(&((const struct sockaddr_in6 *)sock)->sin6_addr)
+                     : (ntohl(((const struct sockaddr_in *)sock)->sin_addr.s_addr) >> 24) == 127;
+  if (!loopback && !(p->api_key && p->api_key[0]))
+    TW_WARN("http",
+            "the OpenAI API on %s answers anyone who can reach it: no API key "
+            "(--api-key-file or --api-key requires one)",
+            url);
   if (p->on_http) p->on_http(p->on_http_arg, url);
   *h_p = h;
   return TW_OK;

@@ -120,8 +120,9 @@ typedef struct {
                  "(default: ORG/NAME of a Hugging Face snapshot, else the directory's name)"),     \
       TW_OPT_LONG("http-max-body", &(p).http_max_body, 1, 1LL << 40, "BYTES",                      \
                   "largest HTTP request body (larger: 413)"),                                      \
-      TW_OPT_STR("api-key", &(p).api_key, "KEY",                                                   \
-                 "required on the HTTP and protobuf APIs (default: none)"),                        \
+      TW_OPT_STR_FN("api-key", &(p).api_key, tw_router_key_opt, "KEY",                             \
+                    "required on the HTTP and protobuf APIs (default: none; an empty KEY\n"        \
+                    "is refused rather than taken as none)"),                                      \
       TW_OPT_FN("api-key-file", &(p).api_key, tw_router_key_file_opt, "PATH",                      \
                 "read --api-key from the first line of PATH"),                                     \
       TW_OPT_STR("client-keys", &(p).client_keys_file, "FILE",                                     \
@@ -147,6 +148,11 @@ TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *params, atomic_
  *  char **): the first line of the file at `path` (at most 511 bytes; kept for
  *  the process, tw_opts_keep). 0, or -1 with why in err (cannot read, empty). */
 int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen);
+
+/** The --api-key option's parser (TW_OPT_STR_FN; dst: const char **): the
+ *  key as given; -1 with why in err when it is empty (an unset shell
+ *  variable in `--api-key "$KEY"` would otherwise turn authentication off). */
+int tw_router_key_opt(const char *text, void *dst, char *err, size_t errlen);
 
 /** `twain-router` / `twain router` command line. Returns the exit code. */
 int tw_router_main(int argc, char **argv);

@@ -65,6 +65,17 @@ int tw_router_key_file_opt(const char *path, void *dst, char *err, size_t errlen
   return 0;
 }
 
+int tw_router_key_opt(const char *text, void *dst, char *err, size_t errlen) {
+  if (!text[0]) {
+    snprintf(err, errlen,
+             "is empty: that would turn the API key off; leave the option out to run "
+             "without a key");
+    return -1;
+  }
+  *(const char **)dst = text;
+  return 0;
+}
+
 /* The router's options (opts.h), shared by twain-router and `twain router`. */
 int tw_router_main(int argc, char **argv) {
   tw_router_params_t p = TW_ROUTER_PARAMS_DEFAULT;

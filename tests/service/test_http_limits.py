@@ -1,5 +1,6 @@
 """The HTTP API's limits with fake workers (fake_workers.py): the API key on
-both APIs (401 / UNAUTHENTICATED), a body over --http-max-body (413), more
+both APIs (401 / UNAUTHENTICATED; an empty one refused, none on a public
+address warned about), a body over --http-max-body (413), more
 requests than --max-requests (429), a deadline (504), a client that
 disconnects mid-stream or while it waits (its request is cancelled at the
 workers and the router drops it; a non-streamed completion too, whose ids
@@ -39,6 +40,20 @@ for path, why in ((os.path.join(tmp, "missing"), "cannot read"), (os.path.join(t
                        text=True, timeout=30)
     check(p.returncode == 2 and why in p.stderr, "--api-key-file %s: exit 2, %r" % (os.path.basename(path),
                                                                                  p.stderr.strip()))
+# an empty --api-key (or variable) is refused, not taken as no key: an unset
+# shell variable in `--api-key "$KEY"` must not turn authentication off
+for argv, env in ((["--api-key", ""], {}), ([], {"TWAIN_ROUTER_API_KEY": ""})):
+    p = subprocess.run([svc.bin_path("router", "twain-router")] + argv, capture_output=True, text=True,
+                       timeout=30, env=dict(os.environ, **env))
+    check(p.returncode == 2 and "--api-key is empty" in p.stderr,
+          "an empty API key %s: exit 2, %r" % (argv or env, p.stderr.strip()))
+# the HTTP API on every interface without a key: served, with a warning
+bare = svc.Proc([svc.bin_path("router", "twain-router"), "--model", svc.MODEL, "--listen", "tcp://127.0.0.1:0",
+                 "--workers", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--http-port", "0",
+                 "--http-addr", "0.0.0.0"], "bare-router")
+check(bare.seen(r"WARN .*http: the OpenAI API on http://0\.0\.0\.0:\d+/v1 answers anyone who can reach it",
+                15), "--http-addr 0.0.0.0 without a key: a warning")
+bare.stop()
 
 # ---- a router with a key and small limits; slow fake workers ----
 router = svc.Proc([svc.bin_path("router", "twain-router"), "--model", svc.MODEL,
