@@ -490,6 +490,7 @@ static const char *const tw_bench_outcome_names[] = {"completed", "failed", "can
 static int tw_bench_report(tw_bench_t *b) {
   const tw_bench_opts_t *o = &b->o;
   int32_t count[5] = {0}, codes[TW_BENCH_MAX_CODES] = {0};
+  const char *first_msg[TW_BENCH_MAX_CODES] = {0}; /* the first failure's message, per code */
   int64_t in_tok = 0, out_tok = 0, out_all = 0;
   double duration = 0;
   double *ttft = malloc(sizeof(double) * (size_t)o->n), *tpot = malloc(sizeof(double) * (size_t)o->n);
@@ -504,7 +505,11 @@ static int tw_bench_report(tw_bench_t *b) {
   for (int32_t i = 0; i < o->n; i++) {
     const tw_bench_req_t *q = &b->r[i];
     count[q->outcome]++;
-    if (q->outcome == TW_BO_FAILED) codes[q->code >= 0 && q->code < TW_BENCH_MAX_CODES ? q->code : 2]++;
+    if (q->outcome == TW_BO_FAILED) {
+      int c = q->code >= 0 && q->code < TW_BENCH_MAX_CODES ? q->code : 2;
+      codes[c]++;
+      if (!first_msg[c] && q->message[0]) first_msg[c] = q->message;
+    }
     out_all += q->n_recv;
     if (q->t_done > duration) duration = q->t_done;
     if (q->outcome != TW_BO_COMPLETED) continue;
@@ -528,8 +533,11 @@ static int tw_bench_report(tw_bench_t *b) {
     snprintf(label, sizeof label, "  %s:", tw_bench_outcome_names[k]);
     printf("%-40s %d\n", label, count[k]);
   }
-  for (int c = 0; c < TW_BENCH_MAX_CODES; c++)
-    if (codes[c]) printf("    %-36s %d\n", tw_bench_code_name(c), codes[c]);
+  for (int c = 0; c < TW_BENCH_MAX_CODES; c++) {
+    if (!codes[c]) continue;
+    printf("    %-36s %d\n", tw_bench_code_name(c), codes[c]);
+    if (first_msg[c]) printf("      (first: %s)\n", first_msg[c]);
+  }
   printf("%-40s %.3f\n", "Benchmark duration (s):", duration);
   printf("%-40s %lld\n", "Total input tokens:", (long long)in_tok);
   printf("%-40s %lld\n", "Total generated tokens:", (long long)out_tok);
@@ -673,6 +681,7 @@ static int tw_bench_parse(int argc, char **argv, tw_bench_opts_t *o) {
           "(raw generate: no stop ids, outputs have exactly their length) or, with\n"
           "--chat, rendered chats.",
       .epilog =
+          "A router run with --api-key takes the key from $TWAIN_API_KEY.\n"
           "Exit 0 when every request is accounted for and every streamed count equals its\n"
           "usage, 1 otherwise (lost requests, mismatches, every request failed, --json\n"
           "not writable), 2 bad usage.",

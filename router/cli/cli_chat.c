@@ -131,8 +131,10 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
   protobuf_c_message_pack(&keyed.base, buf);
   if (zmq_send(s, buf, len, 0) < 0) {
     if (zmq_errno() == EAGAIN)
-      tw_call_fail(err, prog, "UNAVAILABLE", "no answer from %s within %d ms (is `twain serve` running?)",
-                   o->endpoint, sto);
+      tw_call_fail(err, prog, "UNAVAILABLE", "no answer from %s within %d ms (%s)", o->endpoint,
+                   sto,
+                   sto < o->connect_timeout_ms ? "--timeout-ms bounds the connection too"
+                                               : "is `twain serve` running?");
     else
       tw_call_fail(err, prog, "UNAVAILABLE", "cannot send to %s: %s", o->endpoint,
                    zmq_strerror(zmq_errno()));
@@ -143,8 +145,9 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
     int64_t left = (t_end - tw_msg_clock_ns()) / 1000000;
     if (left <= 0) {
       tw_call_fail(err, prog, "DEADLINE_EXCEEDED",
-                   "no answer from %s within %d ms (is `twain serve` running?)", o->endpoint,
-                   o->timeout_ms);
+                   "no answer from %s within %d ms (--timeout-ms: connected, but the answer did "
+                   "not end in time)",
+                   o->endpoint, o->timeout_ms);
       goto out;
     }
     tw_msg_t m = {0};
@@ -448,10 +451,12 @@ int tw_cli_chat(int argc, char **argv) {
       TW_OPT_STR("system", &system, "TEXT", "instructions (the developer message)"),
       TW_OPT_FLAG("show-analysis", &o.show_analysis, "print the analysis channel too"),
   };
-  char epilog[256];
+  char epilog[320];
   snprintf(epilog, sizeof epilog,
+           "A router run with --api-key takes the key from $TWAIN_API_KEY.\n"
            "Exit 0 ok, 1 failed, 2 bad usage, %d: max_tokens cut the answer before the final\n"
-           "channel.", TW_CLI_EXIT_CUT);
+           "channel.",
+           TW_CLI_EXIT_CUT);
   tw_opts_spec_t spec = {.prog = "twain chat", .synopsis = "[OPTIONS] [\"text\"]",
                          .description = "Send a chat request to a running service and print the answer.\n"
                                         "Without text: stdin is the message, or, on a terminal, an\n"
@@ -543,12 +548,18 @@ int tw_cli_generate(int argc, char **argv) {
       TW_CLIENT_OPT_ROWS(o),
       TW_OPT_FN("stop-ids", &e, tw_stop_ids_opt, "A,B,...", "stop after one of these ids"),
   };
-  tw_opts_spec_t spec = {.prog = "twain generate", .synopsis = "[OPTIONS] [ID...]",
-                         .description = "Send prompt token ids to a running service and print the "
-                                        "generated ids\n(ids may also be one \"1,2,3\"; none: read "
-                                        "from stdin, e.g. `twain tokenize | twain generate`).",
-                         .env_prefix = "TWAIN_GENERATE_", .opts = opts,
-                         .n_opts = sizeof opts / sizeof opts[0], .min_args = 0, .max_args = -1};
+  tw_opts_spec_t spec = {.prog = "twain generate",
+                         .synopsis = "[OPTIONS] [ID...]",
+                         .description =
+                             "Send prompt token ids to a running service and print the "
+                             "generated ids\n(ids may also be one \"1,2,3\"; none: read "
+                             "from stdin, e.g. `twain tokenize | twain generate`).",
+                         .epilog = "A router run with --api-key takes the key from $TWAIN_API_KEY.",
+                         .env_prefix = "TWAIN_GENERATE_",
+                         .opts = opts,
+                         .n_opts = sizeof opts / sizeof opts[0],
+                         .min_args = 0,
+                         .max_args = -1};
   int i = 0, prc = tw_opts_parse(&spec, argc, argv, &i);
   if (prc != TW_OPTS_RUN) return prc;
   o.max_tokens_set = tw_opts_given(&spec, "max-tokens");

@@ -8,6 +8,7 @@ blocks return to zero; ShareGPT-like lengths and a Poisson rate are seeded
 (same seed, same lengths); a dead endpoint and bad flags fail clearly."""
 import json
 import os
+import re
 import subprocess
 import tempfile
 
@@ -111,6 +112,8 @@ try:
     r, j = bench("--num-requests", 2, "--input-len", 100000, "--output-len", 4)
     check(r.returncode == 1 and "every request failed (2)" in r.stderr and j and j["failed"] == 2,
           "every request failed: exit 1 with the reason (rc %d, %s)" % (r.returncode, r.stderr.strip()[-160:]))
+    check(re.search(r"INVALID_ARGUMENT +2\n +\(first: prompt of 100000 tokens exceeds the limit", r.stdout),
+          "the failures by code name the first one's reason: %r" % r.stdout[r.stdout.find("failed:"):][:200])
     nowrite = subprocess.run([twain, "bench", "--endpoint", ep, "--model", MODEL, "--num-requests", "2",
                               "--json", os.path.join(tmp, "no-such-dir", "b.json")],
                              capture_output=True, text=True, timeout=30)
