@@ -17,8 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #define TW_HTTP_KEEPALIVE_NS (10LL * 1000000000LL) /* an idle stream gets a comment */
 #define TW_HTTP_STOP_FLUSH_MS 1000 /* at a stop: the longest wait for answers to be written */
@@ -466,6 +468,8 @@ TW_NODISCARD tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   h->fd = -1;
   h->created = (int64_t)time(NULL);
   h->last_tick_ns = tw_msg_clock_ns();
+  if (getrandom(&h->boot, sizeof h->boot, 0) != (ssize_t)sizeof h->boot)
+    h->boot = (uint32_t)(tw_msg_clock_ns() ^ (uint64_t)getpid() << 16);
   h->m_requests = tw_metrics_counter(r->metrics, "router_http_requests_total", "HTTP API requests");
   h->m_errors = tw_metrics_counter(r->metrics, "router_http_errors_total",
                                    "HTTP API requests answered with an error (status >= 400)");

@@ -87,6 +87,7 @@ struct tw_http {
   bool stopping;
   bool pending_cancel;
   uint64_t next_serial;
+  uint32_t boot; /* random, drawn at start: ids (chatcmpl-BOOTSERIAL...) differ across restarts */
   tw_hconn_t *conns;
   char model[256];
   int64_t created;

@@ -34,8 +34,8 @@ static tw_hitem_t *tw_item_new(tw_hconn_t *c, tw_hitem_kind_t kind, const char *
   tw_tok_buf_init(&it->text);
   if (!tw_http_check(c, tw_tok_buf_append(&it->text, "", 0))) return NULL;
   static const char *const prefix[] = {"msg", "rs", "call"};
-  snprintf(it->id, sizeof it->id, "%s_%llx%04x", prefix[kind], (unsigned long long)c->serial,
-           (unsigned)c->n_items);
+  snprintf(it->id, sizeof it->id, "%s_%08x%llx%04x", prefix[kind], c->h->boot,
+           (unsigned long long)c->serial, (unsigned)c->n_items);
   if (kind == TW_HI_CALL) it->name = strdup(tw_fn_name(recipient ? recipient : ""));
   c->n_items++;
   return it;
@@ -111,7 +111,7 @@ static cJSON *tw_usage(const tw_hconn_t *c, bool responses) {
 static cJSON *tw_envelope(const tw_hconn_t *c, const char *id_prefix, const char *object,
                           cJSON *choice, const char *finish) {
   char id[48];
-  snprintf(id, sizeof id, "%s%llx", id_prefix, (unsigned long long)c->serial);
+  snprintf(id, sizeof id, "%s%08x%llx", id_prefix, c->h->boot, (unsigned long long)c->serial);
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "id", id);
   cJSON_AddStringToObject(o, "object", object);
@@ -304,7 +304,7 @@ static cJSON *tw_resp_part(const tw_hitem_t *it, bool done) {
 
 static cJSON *tw_resp_object(const tw_hconn_t *c, const char *status) {
   char id[48];
-  snprintf(id, sizeof id, "resp_%llx", (unsigned long long)c->serial);
+  snprintf(id, sizeof id, "resp_%08x%llx", c->h->boot, (unsigned long long)c->serial);
   cJSON *o = cJSON_CreateObject();
   cJSON_AddStringToObject(o, "id", id);
   cJSON_AddStringToObject(o, "object", "response");

@@ -13,6 +13,7 @@ parameters reach the request: temperature, top_p and seed (recorded by the
 fake prefill worker), max_completion_tokens, chat stop strings, Responses
 max_output_tokens (incomplete) and instructions."""
 import json
+import re
 import time
 import subprocess
 
@@ -87,6 +88,13 @@ try:
           "<|call|>: no content, the analysis as reasoning_content (%r, %r)" % (
               msg.get("content"), msg.get("reasoning_content")))
     check(st == 200 and r["choices"][0]["finish_reason"] == "tool_calls", "<|call|>: finish_reason tool_calls")
+    st2, r2 = api.post("/v1/chat/completions", {"messages": USER, "tools": TOOLS})
+    ids = [x.get("id", "") for x in (r, r2)] + [x["choices"][0]["message"]["tool_calls"][0]["id"]
+                                               for x in (r, r2) if x.get("choices")]
+    # this process's random 8-hex tag, then a counter: ids do not repeat after a restart
+    check(st2 == 200 and len(set(ids)) == 4 and all(re.fullmatch(p, i) for p, i in zip(
+        [r"chatcmpl-[0-9a-f]{9,}"] * 2 + [r"call_[0-9a-f]{13,}"] * 2, ids)) and ids[0][9:17] == ids[1][9:17],
+          "answer and call ids: distinct, a random tag of the process first (%s)" % ids)
     n_script = len(fw.script)
     check(st == 200 and r["usage"]["completion_tokens"] == n_script and
           r["usage"]["prompt_tokens"] == len(last_prompt()) and
@@ -258,7 +266,7 @@ try:
     check(router.seen(r"unexpected model output .*inside a message header", 5),
           "the router logs the unexpected output")
     m = svc.metrics(mport)
-    check(m.get("twain_router_http_requests_total", 0) == 24 and m.get("twain_router_http_errors_total") == 1,
+    check(m.get("twain_router_http_requests_total", 0) == 25 and m.get("twain_router_http_errors_total") == 1,
           "router_http_requests_total / _errors_total (%s / %s: one 400 so far)" % (
               m.get("twain_router_http_requests_total"), m.get("twain_router_http_errors_total")))
     script("<|channel|>final<|message|>Cut off in the mid")
