@@ -66,6 +66,7 @@ typedef struct tw_hconn {
   bool sent_head;      /* chat: the role chunk; responses: created/in_progress */
   int32_t prompt_tokens, completion_tokens, reasoning_tokens;
   int finish;          /* Twain__V1__FinishReason */
+  bool last_cut;       /* the last item was cut off before its end (ServerReply.last_message_cut) */
   int64_t seq;         /* responses: sequence_number */
   /* completions */
   tw_tok_stream_t dec;

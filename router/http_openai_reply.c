@@ -263,6 +263,10 @@ static void tw_fc_id(const tw_hitem_t *it, char *buf, size_t len) {
 static cJSON *tw_resp_item(const tw_hconn_t *c, int i, bool done) {
   const tw_hitem_t *it = &c->items[i];
   const char *text = done && it->text.data ? it->text.data : "";
+  /* an item that ended is completed, unless the answer ended inside it */
+  const char *status = !done                                ? "in_progress"
+                       : i == c->n_items - 1 && c->last_cut ? "incomplete"
+                                                            : "completed";
   cJSON *o = cJSON_CreateObject();
   if (it->kind == TW_HI_CALL) {
     char fid[48];
@@ -272,7 +276,7 @@ static cJSON *tw_resp_item(const tw_hconn_t *c, int i, bool done) {
     cJSON_AddStringToObject(o, "call_id", it->id);
     cJSON_AddStringToObject(o, "name", it->name ? it->name : "");
     cJSON_AddStringToObject(o, "arguments", text);
-    cJSON_AddStringToObject(o, "status", done ? "completed" : "in_progress");
+    cJSON_AddStringToObject(o, "status", status);
     return o;
   }
   bool rs = it->kind == TW_HI_REASONING;
@@ -280,7 +284,7 @@ static cJSON *tw_resp_item(const tw_hconn_t *c, int i, bool done) {
   cJSON_AddStringToObject(o, "id", it->id);
   if (rs) cJSON_AddArrayToObject(o, "summary");
   else cJSON_AddStringToObject(o, "role", "assistant");
-  cJSON_AddStringToObject(o, "status", done ? "completed" : "in_progress");
+  cJSON_AddStringToObject(o, "status", status);
   cJSON *content = cJSON_AddArrayToObject(o, "content");
   if (done || !rs) {
     cJSON *part = cJSON_CreateObject();
@@ -514,7 +518,10 @@ void tw_hoai_on_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
     c->completion_tokens = rep->usage->completion_tokens;
     c->reasoning_tokens = rep->usage->reasoning_tokens;
   }
-  if (rep->done) c->finish = rep->finish_reason;
+  if (rep->done) {
+    c->finish = rep->finish_reason;
+    c->last_cut = rep->last_message_cut;
+  }
   if (c->kind == TW_HK_CHAT) tw_chat_reply(c, rep);
   else if (c->kind == TW_HK_RESPONSES) tw_resp_reply(c, rep);
   else tw_cmpl_reply(c, rep);

@@ -65,6 +65,7 @@ struct tw_rchat {
   uint64_t req_id;
   int32_t n_unexpected;
   bool finishing; /* in parser_finish: a message cut by max_tokens or a stop is expected */
+  bool cut;       /* parser_finish ended a message that had text: it was cut off */
   bool in_analysis; /* inside an analysis message's text (not addressed to a tool) */
   int32_t n_reasoning; /* ids of analysis text, for usage.reasoning_tokens */
   /* tool_choice REQUIRED among several tools: the choice pass (its prompt
@@ -214,6 +215,7 @@ static void tw_on_event(void *user, const tw_harmony_event_t *ev) {
     case TW_HARMONY_EV_TEXT_DELTA: tw_on_text(c, ev->text, ev->text_len); break;
     case TW_HARMONY_EV_MESSAGE_END:
       c->in_analysis = false;
+      c->cut = c->finishing && !c->first_delta; /* cut inside a message that has shown text */
       /* what was held back as a possible stop string's start: none came */
       if (!c->stop_hit && c->n_stops && c->channel && !strcmp(c->channel, "final"))
         tw_final_send(c, c->final_text.len);
@@ -610,6 +612,7 @@ void tw_rchat_finish(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   rep->n_tool_calls = c->n_calls;
   rep->messages = c->mptr;
   rep->n_messages = c->n_msgs;
+  rep->last_message_cut = c->cut;
   if (rep->usage) rep->usage->reasoning_tokens = c->n_reasoning;
   if (rep->finish_reason == TWAIN__V1__FINISH_REASON__FINISH_STOP && q->n_out > 0) {
     tw_rchat_ctx_t *x = r->chat_ctx;

@@ -462,9 +462,21 @@ try:
     check(st == 200 and r["status"] == "incomplete" and
           r["incomplete_details"] == {"reason": "max_output_tokens"} and r["usage"]["output_tokens"] == 5,
           "responses max_output_tokens 5: status incomplete, 5 output tokens (%s)" % r.get("usage"))
+    check(st == 200 and [(o["type"], o["status"]) for o in r["output"]] == [("message", "incomplete")],
+          "responses: the message cut by max_output_tokens is incomplete (%s)" % r.get("output"))
     st, ev = api.stream("/v1/responses", {"input": "Hi", "max_output_tokens": 5})
     check(st == 200 and ev[-1][0] == "response.incomplete" and ev[-1][1]["response"]["status"] == "incomplete",
           "streamed: ends with response.incomplete")
+    done = [d["item"]["status"] for n, d in ev if n == "response.output_item.done"]
+    check(done == ["incomplete"], "streamed: its output_item.done says incomplete (%s)" % done)
+    # cut inside the next message's header: the reasoning before it had ended
+    head = fake_workers.tokenize("<|channel|>analysis<|message|>Hmm.<|end|>")
+    script("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|channel|>final<|message|>Hello")
+    st, r = api.post("/v1/responses", {"input": "Hi", "max_output_tokens": len(head) + 2})
+    check(st == 200 and r["status"] == "incomplete" and
+          [(o["type"], o["status"]) for o in r["output"]] == [("reasoning", "completed")],
+          "responses cut in the next header: the reasoning that ended is completed (%s)" % r.get("output"))
+    script("<|channel|>final<|message|>Hello there, friend, how are you today?<|return|>")
     st, r = api.post("/v1/responses", {"input": "Hi", "instructions": "Answer in one word."})
     check(st == 200 and last_prompt() == render({"messages": [{"role": "developer", "content": "Answer in one word."},
                                                               {"role": "user", "content": "Hi"}]}) and
