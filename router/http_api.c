@@ -120,6 +120,10 @@ static cJSON *tw_http_error_obj(unsigned status, const char *param, const char *
   else if (status == 401) cJSON_AddStringToObject(e, "code", "invalid_api_key");
   else if (status == 404 && param && !strcmp(param, "model"))
     cJSON_AddStringToObject(e, "code", "model_not_found");
+  else if (status == 400 &&
+           (strstr(msg, "exceeds the model context") || strstr(msg, "exceeds the limit of") ||
+            strstr(msg, "over the limit of")))
+    cJSON_AddStringToObject(e, "code", "context_length_exceeded"); /* OpenAI's code for it */
   else cJSON_AddNullToObject(e, "code");
   return o;
 }

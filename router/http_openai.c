@@ -19,6 +19,14 @@
 
 /* ---- request fields ---- */
 
+/* The field a conversation error (tw_harmony_conversation_from_openai_json)
+ * is about: tools, tool_choice, or the messages (`input` in Responses). */
+static const char *tw_conv_param(const char *msg, const char *messages) {
+  if (!strncmp(msg, "tools", 5)) return "tools";
+  if (!strncmp(msg, "tool_choice", 11)) return "tool_choice";
+  return messages;
+}
+
 static const cJSON *tw_field(const cJSON *o, const char *k) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
   return v && !cJSON_IsNull(v) ? v : NULL;
@@ -142,6 +150,11 @@ static bool tw_common(tw_hconn_t *c, const cJSON *root, const char *max_key, con
   if (!tw_int(c, root, max_key, -1e9, 1e9, &max)) return false;
   if (!max && alt_key && !tw_int(c, root, alt_key, -1e9, 1e9, &max)) return false;
   bool explicit_max = tw_field(root, max_key) || (alt_key && tw_field(root, alt_key));
+  if (explicit_max && max < 1) { /* named as the client named it */
+    const char *k = tw_field(root, max_key) ? max_key : alt_key;
+    tw_http_fail(c, 400, k, "'%s' must be at least 1, got %lld", k, (long long)max);
+    return false;
+  }
   s->sp.temperature = (float)temperature;
   s->sp.top_p = (float)top_p;
   s->sp.seed = (uint64_t)seed;
@@ -295,7 +308,7 @@ static void tw_submit_chat(tw_hconn_t *c, const cJSON *root) {
   tw_harmony_conversation_t conv;
   tw_harmony_conversation_init(&conv);
   if (tw_harmony_conversation_from_openai_json(&conv, c->body.data, c->body.len) != TW_OK)
-    tw_http_fail(c, 400, NULL, "%s", tw_last_error());
+    tw_http_fail(c, 400, tw_conv_param(tw_last_error(), "messages"), "%s", tw_last_error());
   else
     tw_submit_conversation(c, &conv, tw_field(root, "tool_choice"), &s);
   tw_harmony_conversation_fini(&conv);
@@ -450,7 +463,8 @@ static void tw_submit_responses(tw_hconn_t *c, const cJSON *root) {
   tw_harmony_conversation_t conv;
   tw_harmony_conversation_init(&conv);
   if (!txt || tw_harmony_conversation_from_openai_json(&conv, txt, strlen(txt)) != TW_OK)
-    tw_http_fail(c, 400, NULL, "%s", txt ? tw_last_error() : "out of memory");
+    tw_http_fail(c, 400, txt ? tw_conv_param(tw_last_error(), "input") : NULL, "%s",
+                 txt ? tw_last_error() : "out of memory");
   else
     tw_submit_conversation(c, &conv, tw_field(root, "tool_choice"), &s);
   tw_harmony_conversation_fini(&conv);
@@ -497,6 +511,10 @@ static void tw_submit_completions(tw_hconn_t *c, const cJSON *root) {
     }
   } else {
     tw_http_fail(c, 400, "prompt", "'prompt' must be a string or an array of token ids");
+    goto out;
+  }
+  if (ids.n == 0) {
+    tw_http_fail(c, 400, "prompt", "'prompt' is empty");
     goto out;
   }
   for (size_t i = 0; i < s.n_stop; i++) {

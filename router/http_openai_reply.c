@@ -506,10 +506,30 @@ static void tw_cmpl_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
   if (done) tw_stream_end(c, "cmpl-", "text_completion", tw_cmpl_object(c, "", 0, finish));
 }
 
+/* The request field a router error is about (OpenAI's error.param), by what
+ * its message names; NULL when none. */
+static const char *tw_error_param(const tw_hconn_t *c, const char *msg) {
+  const char *input = c->kind == TW_HK_CHAT        ? "messages"
+                      : c->kind == TW_HK_RESPONSES ? "input"
+                                                   : "prompt";
+  if (strstr(msg, "exceeds the model context") || strstr(msg, "exceeds the limit of") ||
+      strstr(msg, "the prompt is") || strstr(msg, "prompt of"))
+    return input;
+  if (!strncmp(msg, "max_tokens", 10))
+    return c->kind == TW_HK_RESPONSES ? "max_output_tokens" : "max_tokens";
+  if (!strncmp(msg, "chat: tools[", 12) || !strncmp(msg, "tools[", 6)) return "tools";
+  if (!strncmp(msg, "chat: messages", 14)) return input;
+  if (strstr(msg, "temperature")) return "temperature";
+  if (strstr(msg, "top_p")) return "top_p";
+  return NULL;
+}
+
 void tw_hoai_on_reply(tw_hconn_t *c, const Twain__V1__ServerReply *rep) {
   if (rep->error && rep->error->code) {
-    tw_http_fail(c, tw_http_status_of_code(rep->error->code), NULL, "%s",
-                 rep->error->message && rep->error->message[0] ? rep->error->message : "request failed");
+    const char *msg =
+        rep->error->message && rep->error->message[0] ? rep->error->message : "request failed";
+    unsigned status = tw_http_status_of_code(rep->error->code);
+    tw_http_fail(c, status, status == 400 ? tw_error_param(c, msg) : NULL, "%s", msg);
     return;
   }
   if (c->stream) c->sse = true;

@@ -419,6 +419,20 @@ TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
   if (st == TW_OK && instr.len)
     st = tw_harmony_conversation_set(&conv, &conv.developer_instructions, instr.data);
   tw_tok_buf_fini(&instr);
+  /* tool names as OpenAI's API takes them: they become `functions.NAME` in
+   * the prompt's TypeScript namespace and the recipient of the model's call */
+  for (size_t k = 0; k < cr->n_tools && st == TW_OK; k++) {
+    const char *n = cr->tools[k]->name ? cr->tools[k]->name : "";
+    size_t len = strlen(n);
+    bool ok = len >= 1 && len <= 64;
+    for (size_t j = 0; ok && j < len; j++)
+      ok = (n[j] >= 'a' && n[j] <= 'z') || (n[j] >= 'A' && n[j] <= 'Z') ||
+           (n[j] >= '0' && n[j] <= '9') || n[j] == '_' || n[j] == '-';
+    if (!ok)
+      st = tw_err_quiet(
+          TW_ERR_INVALID_ARGUMENT,
+          "chat: tools[%zu].name \"%.80s\" must be 1 to 64 letters, digits, '_' or '-'", k, n);
+  }
   /* tool_choice (twain_api.proto ChatRequest): the call to force, if any */
   const char *forced = NULL;
   int choice = cr->tool_choice;

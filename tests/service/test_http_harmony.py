@@ -422,8 +422,19 @@ try:
           "completions, default max_tokens 16 after 4,092 prompt ids: 4 tokens, length (%s %s)" %
           (st, r.get("usage", r)))
     st, r = api.post("/v1/completions", {"prompt": long_ids, "max_tokens": 16})
-    check(st == 400 and "exceeds the model context" in r["error"]["message"],
-          "completions, max_tokens 16 given after 4,092 prompt ids: 400 (%s %s)" % (st, r))
+    check(st == 400 and "exceeds the model context" in r["error"]["message"] and
+          r["error"]["param"] == "prompt" and r["error"]["code"] == "context_length_exceeded",
+          "completions, max_tokens 16 given after 4,092 prompt ids: 400, context_length_exceeded (%s %s)" % (st, r))
+    for path, body, param in (("/v1/responses", {"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+                              ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": -1},
+                               "max_completion_tokens"),
+                              ("/v1/completions", {"prompt": "Once", "max_tokens": 0}, "max_tokens")):
+        st, r = api.post(path, body)
+        check(st == 400 and r["error"]["param"] == param and ("'%s' must be at least 1" % param) in r["error"]["message"],
+              "%s %s: 400 naming it (%s)" % (path, param, r))
+    st, r = api.post("/v1/completions", {"prompt": ""})
+    check(st == 400 and r["error"]["param"] == "prompt" and r["error"]["message"] == "'prompt' is empty",
+          "completions, an empty prompt: 400 naming it (%s)" % r)
     st, r = api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once " * 1300}]})
     check(st == 200 and r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] <= 4096 and
           r["usage"]["completion_tokens"] >= 1,

@@ -263,6 +263,15 @@ try:
         st, r = api.post("/v1/chat/completions", body)
         check(st == 400 and r["error"]["param"] == "tool_choice",
               "tool_choice %s%s: 400 naming tool_choice (%s)" % (json.dumps(tc), "" if tools else " without tools", r))
+    # ---- a tool name OpenAI's API would refuse ([a-zA-Z0-9_-]{1,64}): it
+    # becomes functions.NAME in the prompt, so spaces or Harmony tokens there
+    # would change what the model reads
+    for bad in ("a b", "get_weather<|end|>", "", "x" * 65, "f.g"):
+        tools = [{"type": "function", "function": dict(TOOLS[0]["function"], name=bad)}]
+        st, r = api.post("/v1/chat/completions", {"messages": USER, "tools": tools})
+        check(st == 400 and "tools[0]" in r["error"]["message"] and "name" in r["error"]["message"] and
+              r["error"]["param"] == "tools",
+              "tool name %r: 400 (%s)" % (bad[:20], r))
     fw.script = tok(ARGS + "<|call|>")
     st, r = api.post("/v1/chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": NAMED})
     check(st == 200 and r["choices"][0]["finish_reason"] == "tool_calls", "the router still serves")
