@@ -10,7 +10,9 @@
  * Supervision: a worker process that dies is started again (as NAME-rK)
  * after a backoff of 0.5 s doubling to 8 s, at most TW_SERVE_MAX_RESTARTS
  * times in a row (a worker that ran TW_SERVE_STABLE_S resets the count);
- * each death and restart is logged. Restarts are for crashes of a serving
+ * each death and restart is logged. A worker that exits 0 (it drained after
+ * a SIGTERM someone else sent it) is started again after 0.5 s, logged at
+ * INFO and not counted as a crash. Restarts are for crashes of a serving
  * worker only: a worker that exits with a usage (2) or configuration error
  * (TW_WORKER_EXIT_CONFIG: bad model, no GPU, ...) at its first start, or
  * dies before the service was ready, stops serve at once (exit
@@ -80,6 +82,7 @@ typedef struct {
   int generation;        /* restarts ever: the -rN of its name, never reused */
   int64_t started_ns, next_start_ns; /* next_start_ns > 0: restart due then */
   bool gave_up;
+  bool drained; /* it exited 0 (drained after a SIGTERM of its own): not a crash */
 } tw_serve_slot_t;
 
 static volatile sig_atomic_t tw_serve_signal_g = 0;
@@ -229,13 +232,17 @@ static bool tw_serve_slot_spawn(tw_serve_slot_t *w, int64_t now) {
 
 /* Each pool's split against the model (docs/parallelism.md): --*-tp must
  * divide the attention and KV heads, --*-ep the experts. pv: prefill tp, ep,
- * decode tp, ep, dp. Returns -1 after printing the rule that fails, 0
- * otherwise (also when config.json cannot be read: the router says why). */
+ * decode tp, ep, dp. Returns -1 after printing the rule that fails, 1 when
+ * config.json cannot be read (said, before anything starts), 0 otherwise. */
 static int tw_serve_check_split(const char *model_dir, const int pv[5]) {
   char path[PATH_MAX];
   tw_model_config_t c;
   snprintf(path, sizeof path, "%s/config.json", model_dir);
-  if (tw_config_load(path, &c) != TW_OK) return 0;
+  if (tw_config_load(path, &c) != TW_OK) {
+    fprintf(stderr, "twain serve: no model at %s: %s (--model DIR|ORG/NAME)\n", model_dir,
+            tw_last_error());
+    return 1;
+  }
   for (int k = 0; k < 2; k++) {
     const char *pool = k ? "decode" : "prefill";
     int tp = pv[2 * k], ep = pv[2 * k + 1];
@@ -370,7 +377,8 @@ int tw_cli_serve(int argc, char **argv) {
             pv[4], pv[3], pv[2]);
     return 2;
   }
-  if (tw_serve_check_split(s.rp.model_dir, pv)) return 2;
+  int split = tw_serve_check_split(s.rp.model_dir, pv);
+  if (split) return split > 0 ? TW_WORKER_EXIT_CONFIG : 2;
   if (bk == TW_BACKEND_CUDA && !tw_backend_usable(bk)) {
     fprintf(stderr, "twain serve: --backend cuda: no CUDA GPU is usable on this machine (none "
                     "visible, or no driver): use --backend cpu, or auto to pick what is there\n");
@@ -622,6 +630,15 @@ int tw_cli_serve(int argc, char **argv) {
           continue;
         }
         if (now - w->started_ns > (int64_t)TW_SERVE_STABLE_S * 1000000000LL) w->restarts = 0;
+        if (WIFEXITED(status) && WEXITSTATUS(status) == 0) { /* drained (someone's SIGTERM) */
+          w->drained = true;
+          w->next_start_ns = now + 500000000LL;
+          TW_INFO(
+              "serve",
+              "worker %s (pid %d) drained and exited (status 0): starting a fresh one in 500 ms",
+              w->name, (int)dead);
+          continue;
+        }
         if (w->restarts >= TW_SERVE_MAX_RESTARTS) {
           w->gave_up = true;
           TW_ERROR("serve", "worker %s (pid %d) exited (%s %d) after %d restarts in a row: not restarting it",
@@ -673,7 +690,9 @@ int tw_cli_serve(int argc, char **argv) {
     for (int k = 0; k < n; k++) {
       tw_serve_slot_t *w = &slots[k];
       if (!w->pid && !w->gave_up && w->next_start_ns && now >= w->next_start_ns) {
-        w->restarts++;
+        bool drained = w->drained;
+        w->drained = false;
+        if (!drained) w->restarts++; /* a crash counts toward the limit, a drained exit does not */
         w->generation++;
         char name[sizeof w->name]; /* via a local: -Wrestrict cannot tell name from base */
         /* a fresh routing id: the router may still hold an earlier process
@@ -681,7 +700,8 @@ int tw_cli_serve(int argc, char **argv) {
         snprintf(name, sizeof name, "%s-r%d", w->base, w->generation);
         memcpy(w->name, name, sizeof name);
         if (tw_serve_slot_spawn(w, now))
-          TW_WARN("serve", "restarted worker %s as pid %d", w->name, (int)w->pid);
+          TW_LOG(drained ? TW_LOG_INFO : TW_LOG_WARN, "serve", "restarted worker %s as pid %d",
+                 w->name, (int)w->pid);
         else
           w->next_start_ns = now + 1000000000LL;
       }

@@ -62,6 +62,13 @@ check("could not start: a configuration or environment error" in r.stderr and br
       and "restarting" not in r.stderr,
       "bad model: the worker's error and serve's verdict, no restart: %r" % r.stderr.strip()[-400:])
 
+missing = os.path.join(tmp, "no-model-here")
+r, dt = serve(["--model", missing])
+check(r.returncode == 78 and dt < LIMIT_S and ("twain serve: no model at %s" % missing) in r.stderr and
+      "router failed" not in r.stderr and r.stderr.count("cannot open config") == 2,
+      "no model at the path: serve exit 78 at once, one error and its verdict (rc %d, %.2f s): %r" %
+      (r.returncode, dt, r.stderr.strip()[-300:]))
+
 r, dt = serve([], env={"TWAIN_DECODE_MAX_BATCH": "abc"})
 check(r.returncode == 78 and dt < LIMIT_S, "bad worker option: serve exit 78 in %.2f s: rc %d" % (dt, r.returncode))
 check("environment TWAIN_DECODE_MAX_BATCH: --max-batch must be an integer" in r.stderr
@@ -91,6 +98,17 @@ if kids:
     os.kill(int(kids[0]), signal.SIGKILL)
 check(serve_p.seen(r"restarted worker decode-0", 30) and serve_p.p.poll() is None,
       "a killed serving worker is restarted, serve stays up")
+# one that drains and exits 0 after a SIGTERM of someone else's: started again
+# (INFO, not a crash: no restart count, no warning)
+check(serve_p.seen(r"worker decode-0-\d+-r1 registered", 30), "the restarted worker registered")
+kids = decode_children(serve_p)
+if kids:
+    os.kill(int(kids[0]), signal.SIGTERM)
+check(serve_p.seen(r"INFO .*worker decode-0-\d+-r1 \(pid \d+\) drained and exited \(status 0\): starting a "
+                   r"fresh one", 30) and serve_p.seen(r"INFO .*restarted worker decode-0-\d+-r2 as pid", 15) and
+      serve_p.seen(r"worker decode-0-\d+-r2 registered", 30),
+      "a worker that drained and exited 0 is started again, logged at INFO")
+check(serve_p.count(r"restart 2 of") == 0, "a drained exit is not counted as a crash")
 rc = serve_p.stop(signal.SIGTERM, 30)
 check(rc == 0, "serve stops cleanly (rc %s)" % rc)
 
