@@ -237,6 +237,19 @@ TW_NODISCARD tw_status_t tw_http_on_reply(tw_http_t *h, const uint8_t *id, size_
 
 /* ---- the access handler ---- */
 
+/* --http-allow-origin: the origin on every answer; a preflight's as well
+ * what it may send (the Fetch standard's CORS protocol). */
+static void tw_http_cors(const tw_hconn_t *c, struct MHD_Response *resp) {
+  const char *origin = c->h->r->p->http_allow_origin;
+  if (!origin || !origin[0]) return;
+  MHD_add_response_header(resp, "Access-Control-Allow-Origin", origin);
+  if (strcmp(origin, "*") != 0) MHD_add_response_header(resp, "Vary", "Origin");
+  if (!c->preflight) return;
+  MHD_add_response_header(resp, "Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+  MHD_add_response_header(resp, "Access-Control-Allow-Headers", "Authorization, Content-Type");
+  MHD_add_response_header(resp, "Access-Control-Max-Age", "600");
+}
+
 static enum MHD_Result tw_http_queue(tw_hconn_t *c, unsigned status, char *body) {
   struct MHD_Response *resp =
       MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
@@ -246,6 +259,7 @@ static enum MHD_Result tw_http_queue(tw_hconn_t *c, unsigned status, char *body)
   }
   MHD_add_response_header(resp, "Content-Type", "application/json");
   if (status == 401) MHD_add_response_header(resp, "WWW-Authenticate", "Bearer");
+  tw_http_cors(c, resp);
   enum MHD_Result ret = MHD_queue_response(c->mc, status, resp);
   MHD_destroy_response(resp);
   c->queued = true;
@@ -288,6 +302,7 @@ static enum MHD_Result tw_http_queue_sse(tw_hconn_t *c) {
   if (!resp) return MHD_NO;
   MHD_add_response_header(resp, "Content-Type", "text/event-stream");
   MHD_add_response_header(resp, "Cache-Control", "no-cache");
+  tw_http_cors(c, resp);
   enum MHD_Result ret = MHD_queue_response(c->mc, 200, resp);
   MHD_destroy_response(resp);
   c->queued = true;
@@ -335,6 +350,16 @@ static void tw_http_health(tw_hconn_t *c) {
 static void tw_http_route(tw_hconn_t *c, const char *url, const char *method) {
   tw_http_t *h = c->h;
   bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD"), post = !strcmp(method, "POST");
+  const char *origin = h->r->p->http_allow_origin;
+  if (!strcmp(method, "OPTIONS") && origin &&
+      origin[0]) { /* a browser's preflight: no key needed */
+    c->preflight = true;
+    free(c->answer);
+    c->answer = strdup("");
+    c->status = 204;
+    c->finished = true;
+    return;
+  }
   if (!strcmp(url, "/health")) {
     if (get) tw_http_health(c);
     else tw_http_fail(c, 405, NULL, "%s %s: use GET", method, url);

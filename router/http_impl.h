@@ -51,6 +51,7 @@ typedef struct tw_hconn {
   bool finished;       /* the answer is complete (or failed) */
   bool suspended;      /* waiting in the access handler for the router */
   bool queued;         /* an MHD response was queued */
+  bool preflight;      /* a CORS preflight (OPTIONS): 204 with the Access-Control headers */
   bool sse;            /* the stream started: status 200 and events */
   bool want_cancel;    /* cancel the router request at the next tw_http_run */
   bool cancel_stopped; /* ... as finished by a stop string (CancelRequest.stopped) */

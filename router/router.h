@@ -46,6 +46,7 @@ typedef struct {
   /* OpenAI-compatible HTTP API (router/http_api.h, docs/api.md) */
   int http_port;                /* -1 off, 0 ephemeral */
   const char *http_addr;        /* numeric; NULL: 127.0.0.1 */
+  const char *http_allow_origin; /* CORS: the browser origin allowed (or "*"); NULL: none */
   const char *served_model_name;/* /v1/models id; NULL: the model directory's name */
   long long http_max_body;      /* bytes; a larger request body gets 413 */
   const char *api_key;          /* NULL: none; else required on both APIs */
@@ -115,6 +116,9 @@ typedef struct {
                  "`twain serve`, which restarts its workers: 180000)"),                            \
       TW_OPT_STR("http-addr", &(p).http_addr, "ADDR",                                              \
                  "numeric address of the HTTP API (default 127.0.0.1; 0.0.0.0: all)"),             \
+      TW_OPT_STR("http-allow-origin", &(p).http_allow_origin, "ORIGIN",                            \
+                 "let web pages from ORIGIN (e.g. https://app.example; * for any)\n"               \
+                 "call the HTTP API from a browser (CORS; default: none)"),                        \
       TW_OPT_STR("served-model-name", &(p).served_model_name, "NAME",                              \
                  "the model's name in /v1/models and the metrics' model_name label\n"              \
                  "(default: ORG/NAME of a Hugging Face snapshot, else the directory's name)"),     \

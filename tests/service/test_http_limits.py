@@ -50,9 +50,37 @@ for argv, env in ((["--api-key", ""], {}), ([], {"TWAIN_ROUTER_API_KEY": ""})):
 # the HTTP API on every interface without a key: served, with a warning
 bare = svc.Proc([svc.bin_path("router", "twain-router"), "--model", svc.MODEL, "--listen", "tcp://127.0.0.1:0",
                  "--workers", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--http-port", "0",
-                 "--http-addr", "0.0.0.0"], "bare-router")
+                 "--http-addr", "0.0.0.0", "--http-allow-origin", "https://app.example"], "bare-router")
 check(bare.seen(r"WARN .*http: the OpenAI API on http://0\.0\.0\.0:\d+/v1 answers anyone who can reach it",
                 15), "--http-addr 0.0.0.0 without a key: a warning")
+
+
+def raw_http(port, method, path, headers=()):
+    """(status, {header: value}) of one request to 127.0.0.1:port."""
+    import http.client
+    hc = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        hc.request(method, path, headers=dict(headers))
+        r = hc.getresponse()
+        r.read()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}
+    finally:
+        hc.close()
+
+
+# CORS (--http-allow-origin): a browser's preflight gets 204 and what it may
+# send, every answer the origin; without the option OPTIONS stays a 405
+bport = int(bare.wait_line(r"serving the OpenAI API on http://0\.0\.0\.0:(\d+)/v1", 10).group(1))
+st, hd = raw_http(bport, "OPTIONS", "/v1/chat/completions",
+                  {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                   "Access-Control-Request-Headers": "authorization, content-type"})
+check(st == 204 and hd.get("access-control-allow-origin") == "https://app.example" and
+      "POST" in hd.get("access-control-allow-methods", "") and
+      "authorization" in hd.get("access-control-allow-headers", "").lower(),
+      "--http-allow-origin: a preflight gets 204 with the Access-Control headers (%s %s)" % (st, hd))
+st, hd = raw_http(bport, "GET", "/v1/models", {"Origin": "https://app.example"})
+check(st == 200 and hd.get("access-control-allow-origin") == "https://app.example",
+      "--http-allow-origin: an answer carries the origin (%s %s)" % (st, hd))
 bare.stop()
 
 # ---- a router with a key and small limits; slow fake workers ----
@@ -66,6 +94,11 @@ m = router.wait_line(r"listening clients=(\S+) workers=(\S+)", 30)
 url = router.wait_line(r"serving the OpenAI API on (http://127\.0\.0\.1:\d+)/v1", 10).group(1)
 mport = int(router.wait_line(r"metrics port (\d+)", 10).group(1))
 api = http_client.Api(url, key=KEY)
+st, hd = raw_http(int(url.rsplit(":", 1)[1]), "OPTIONS", "/v1/chat/completions",
+                  {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
+check(st in (401, 405) and "access-control-allow-origin" not in hd,
+      "without --http-allow-origin: OPTIONS is refused (401 here: a key is needed) with no Access-Control "
+      "header (%s %s)" % (st, hd))
 st, h = api.get("/health")
 check(st == 503 and h["status"] == "unavailable" and "worker" in h["reason"],
       "/health before any worker registered: 503 (%s)" % h)
