@@ -110,6 +110,11 @@ void tw_http_sse_event(tw_hconn_t *c, const char *type, cJSON *obj) {
   tw_http_out_json(c, prefix, o);
 }
 
+bool tw_http_msg_context(const char *msg) {
+  return strstr(msg, "exceeds the model context") || strstr(msg, "exceeds the limit of") ||
+         strstr(msg, "over the limit of");
+}
+
 static cJSON *tw_http_error_obj(unsigned status, const char *param, const char *msg) {
   cJSON *o = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(o, "error");
   cJSON_AddStringToObject(e, "message", msg);
@@ -120,9 +125,7 @@ static cJSON *tw_http_error_obj(unsigned status, const char *param, const char *
   else if (status == 401) cJSON_AddStringToObject(e, "code", "invalid_api_key");
   else if (status == 404 && param && !strcmp(param, "model"))
     cJSON_AddStringToObject(e, "code", "model_not_found");
-  else if (status == 400 &&
-           (strstr(msg, "exceeds the model context") || strstr(msg, "exceeds the limit of") ||
-            strstr(msg, "over the limit of")))
+  else if (status == 400 && tw_http_msg_context(msg))
     cJSON_AddStringToObject(e, "code", "context_length_exceeded"); /* OpenAI's code for it */
   else cJSON_AddNullToObject(e, "code");
   return o;
@@ -246,7 +249,16 @@ static void tw_http_cors(const tw_hconn_t *c, struct MHD_Response *resp) {
   if (strcmp(origin, "*") != 0) MHD_add_response_header(resp, "Vary", "Origin");
   if (!c->preflight) return;
   MHD_add_response_header(resp, "Access-Control-Allow-Methods", "GET, POST, OPTIONS");
-  MHD_add_response_header(resp, "Access-Control-Allow-Headers", "Authorization, Content-Type");
+  /* the headers the page asks to send (an SDK sends its own x-... ones; "*"
+   * would not cover Authorization), when they are plain header names */
+  const char *want =
+      MHD_lookup_connection_value(c->mc, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+  bool plain = want && want[0] && strlen(want) < 2048;
+  for (const char *p = want; plain && *p; p++)
+    plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+            *p == '-' || *p == '_' || *p == ',' || *p == ' ';
+  MHD_add_response_header(resp, "Access-Control-Allow-Headers",
+                          plain ? want : "Authorization, Content-Type");
   MHD_add_response_header(resp, "Access-Control-Max-Age", "600");
 }
 
@@ -427,7 +439,10 @@ static enum MHD_Result tw_http_access(void *cls, struct MHD_Connection *mc, cons
     h->conns = c;
     *ptr = c;
     tw_metric_add(h->m_requests, 1);
-    tw_http_route(c, url, method);
+    if (h->stopping) /* a request that arrives while the answers in flight are written out */
+      tw_http_fail(c, 503, NULL, "the router is shutting down");
+    else
+      tw_http_route(c, url, method);
     if (c->finished) return tw_http_queue_answer(c);
     return MHD_YES;
   }
@@ -588,7 +603,8 @@ void tw_http_stop(tw_http_t *h) {
    * read): until every request completed, for TW_HTTP_STOP_FLUSH_MS at most */
   int64_t t0 = tw_msg_clock_ns();
   MHD_run(h->d);
-  while (h->conns && tw_msg_clock_ns() - t0 < (int64_t)TW_HTTP_STOP_FLUSH_MS * 1000000) {
+  while (h->conns &&
+         tw_msg_clock_ns() - t0 < (int64_t)TW_HTTP_STOP_FLUSH_MS * TW_SLOW_BUILD * 1000000) {
     for (tw_hconn_t *c = h->conns; c; c = c->next) tw_http_wake(c);
     MHD_run_wait(h->d, 10);
   }

@@ -68,6 +68,7 @@ typedef struct tw_hconn {
   int32_t prompt_tokens, completion_tokens, reasoning_tokens;
   int finish;          /* Twain__V1__FinishReason */
   bool last_cut;       /* the last item was cut off before its end (ServerReply.last_message_cut) */
+  const char *max_key; /* the request's max tokens field as the client named it (a literal) */
   int64_t seq;         /* responses: sequence_number */
   /* completions */
   tw_tok_stream_t dec;
@@ -105,6 +106,10 @@ void tw_http_fail(tw_hconn_t *c, unsigned status, const char *param, const char 
     __attribute__((format(printf, 4, 5)));
 /** The HTTP status for a twain.v1 Code. */
 unsigned tw_http_status_of_code(int code);
+/** Whether an error message (the router's or this layer's) says the prompt,
+ *  or the prompt with the tokens asked for, is over the model context or the
+ *  prompt limit: OpenAI's code context_length_exceeded, param the input. */
+bool tw_http_msg_context(const char *msg);
 /** Check a status from building c's request or answer (an append that
  *  could not grow, a token without text). TW_OK: true. Otherwise (logged
  *  once) c ends with an error: before any stream a 500 answer, after it

@@ -150,9 +150,11 @@ static bool tw_common(tw_hconn_t *c, const cJSON *root, const char *max_key, con
   if (!tw_int(c, root, max_key, -1e9, 1e9, &max)) return false;
   if (!max && alt_key && !tw_int(c, root, alt_key, -1e9, 1e9, &max)) return false;
   bool explicit_max = tw_field(root, max_key) || (alt_key && tw_field(root, alt_key));
-  if (explicit_max && max < 1) { /* named as the client named it */
-    const char *k = tw_field(root, max_key) ? max_key : alt_key;
-    tw_http_fail(c, 400, k, "'%s' must be at least 1, got %lld", k, (long long)max);
+  c->max_key =
+      explicit_max && !tw_field(root, max_key) ? alt_key : max_key; /* as the client named it */
+  if (explicit_max && max < 1) {
+    tw_http_fail(c, 400, c->max_key, "'%s' must be at least 1, got %lld", c->max_key,
+                 (long long)max);
     return false;
   }
   s->sp.temperature = (float)temperature;

@@ -512,11 +512,8 @@ static const char *tw_error_param(const tw_hconn_t *c, const char *msg) {
   const char *input = c->kind == TW_HK_CHAT        ? "messages"
                       : c->kind == TW_HK_RESPONSES ? "input"
                                                    : "prompt";
-  if (strstr(msg, "exceeds the model context") || strstr(msg, "exceeds the limit of") ||
-      strstr(msg, "the prompt is") || strstr(msg, "prompt of"))
-    return input;
-  if (!strncmp(msg, "max_tokens", 10))
-    return c->kind == TW_HK_RESPONSES ? "max_output_tokens" : "max_tokens";
+  if (tw_http_msg_context(msg) || strstr(msg, "prompt of")) return input;
+  if (!strncmp(msg, "max_tokens", 10)) return c->max_key ? c->max_key : "max_tokens";
   if (!strncmp(msg, "chat: tools[", 12) || !strncmp(msg, "tools[", 6)) return "tools";
   if (!strncmp(msg, "chat: messages", 14)) return input;
   if (strstr(msg, "temperature")) return "temperature";

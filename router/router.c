@@ -219,6 +219,12 @@ void tw_router_on_tokens(tw_router_t *r, tw_req_t *q, const int32_t *toks, size_
                      "rendered prompt of %d tokens (with the "
                      "call's header) exceeds the limit of %d",
                      q->n_prompt, r->max_prompt);
+    } else if (chosen && q->max_default && q->n_prompt < r->config.max_position_embeddings &&
+               (int64_t)q->n_prompt + q->max_tokens > r->config.max_position_embeddings) {
+      /* the call's header took some of what a default max_tokens had left */
+      q->max_tokens = r->config.max_position_embeddings - q->n_prompt;
+      tw_router_requeue(r, q, !finished, 0);
+      q->attempts = 0;
     } else if (chosen && (int64_t)q->n_prompt + q->max_tokens > r->config.max_position_embeddings) {
       tw_router_fail(
           r, q, TWAIN__V1__CODE__INVALID_ARGUMENT,
@@ -392,7 +398,9 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
   int64_t dl = cr->deadline_ms ? (int64_t)cr->deadline_ms : (int64_t)r->p->default_deadline_ms;
   q->t_deadline_ns = q->t_arrival_ns + dl * 1000000;
   tw_proto_sampling_from_api(s, &q->sampling);
-  if (!(s && s->explicit_seed)) q->sampling.seed = tw_router_draw_seed(r);
+  /* a seed of the client's: explicit_seed, or any non-zero seed (what
+   * clients sent before explicit_seed existed) */
+  if (!(s && (s->explicit_seed || s->seed))) q->sampling.seed = tw_router_draw_seed(r);
   tw_status_t st = TW_OK;
   if (cr->body_case == TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE) {
     const Twain__V1__GenerateRequest *g = cr->generate;
@@ -431,6 +439,7 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     st = tw_err_quiet(TW_ERR_INVALID_ARGUMENT,
                       "prompt of %d tokens + max_tokens %d exceeds the model context of %d",
                       q->n_prompt, max_tokens, r->config.max_position_embeddings);
+  q->max_default = max_default;
   q->max_tokens = st == TW_OK ? tw_rchat_pass_max_tokens(r, q, max_tokens) : max_tokens;
   if (st == TW_OK) {
     q->out = malloc(sizeof(int32_t) * (size_t)max_tokens);

@@ -82,6 +82,7 @@ typedef struct {
   int32_t *prompt;
   int32_t n_prompt;
   int32_t max_tokens;
+  bool max_default; /* max_tokens is a default: it shrinks to what the context leaves */
   Twain__Internal__V1__Sampling sampling;
   int32_t stop_ids[TW_RMAX_STOP];
   int32_t n_stop;

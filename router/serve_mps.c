@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -165,9 +166,21 @@ bool tw_serve_dir_make(char *out, size_t len, const char *parent, const char *na
     if (n < 0 || (size_t)n >= sizeof path || lstat(path, &st) != 0 || !S_ISDIR(st.st_mode) ||
         st.st_uid != getuid())
       continue;
-    if (kill(pid, 0) == 0 || errno != ESRCH) continue; /* that serve still runs */
+    /* its serve's lock (held while it runs, whatever its pid namespace), or
+     * for a directory without one, its pid */
+    char lock[PATH_MAX + 8];
+    snprintf(lock, sizeof lock, "%s/.lock", path);
+    int fd = open(lock, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    bool stale;
+    if (fd >= 0) {
+      stale = flock(fd, LOCK_EX | LOCK_NB) == 0;
+      close(fd);
+    } else {
+      stale = errno == ENOENT && kill(pid, 0) != 0 && errno == ESRCH;
+    }
+    if (!stale) continue; /* that serve still runs */
     if (tw_serve_dir_remove(path, 1))
-      TW_INFO("serve", "removed %s: left by serve pid %d, which no longer runs", path, (int)pid);
+      TW_INFO("serve", "removed %s: left by a serve that no longer runs (pid %d)", path, (int)pid);
   }
   if (d) closedir(d);
   int n = snprintf(out, len, "%s/%s-%d-XXXXXX", rt, name, (int)getpid());
@@ -177,6 +190,14 @@ bool tw_serve_dir_make(char *out, size_t len, const char *parent, const char *na
     errno = err;
     return false;
   }
+  /* the lock that says this serve runs: held (the descriptor kept open)
+   * until the process ends, by whatever means */
+  char lock[PATH_MAX + 8];
+  snprintf(lock, sizeof lock, "%s/.lock", out);
+  int fd = open(lock, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0 || flock(fd, LOCK_EX | LOCK_NB) != 0)
+    TW_WARN("serve", "cannot lock %s (%s): a later serve may take the directory for a stale one",
+            lock, strerror(errno));
   return true;
 }
 

@@ -102,11 +102,14 @@ void tw_serve_kill(pid_t pid);
 bool tw_serve_dir_remove(const char *dir, int depth);
 
 /** Makes a private directory of this serve, `PARENT/NAME-PID-XXXXXX` (PID:
- *  this process; mode 0700, mkdtemp), and writes its path into out[len].
+ *  this process; mode 0700, mkdtemp) holding `.lock`, flock()ed until this
+ *  process ends, and writes its path into out[len].
  *  PARENT: `parent`, or when that is NULL $XDG_RUNTIME_DIR where it is
  *  writable, else /tmp. First it removes (tw_serve_dir_remove, depth 1) the
- *  NAME-PID-* directories in PARENT that belong to this user and whose PID
- *  no longer runs: what a serve killed with SIGKILL left behind (logged).
+ *  NAME-PID-* directories in PARENT that belong to this user and whose
+ *  `.lock` nobody holds (without one: whose PID no longer runs): what a serve
+ *  killed with SIGKILL left behind (logged). The lock, not the pid, decides
+ *  where serves share PARENT across pid namespaces (containers).
  *  Returns false (errno set; out "") when the directory cannot be made. The
  *  MPS server's directory and the shared weights' records. */
 bool tw_serve_dir_make(char *out, size_t len, const char *parent, const char *name);

@@ -116,7 +116,7 @@ class FakeWorkers(threading.Thread):
                     s.send(e.SerializeToString())
                 last_hb = time.time()
             # a stream's next id due sooner than 5 ms: do not sleep past it
-            wait = min(5, int(self.token_delay * 1000)) if self.streams else 50
+            wait = (max(1, min(5, int(self.token_delay * 1000))) if self.token_delay else 5) if self.streams else 50
             for s, _ in poller.poll(wait):
                 e = svc.Envelope()
                 e.ParseFromString(s.recv())

@@ -432,14 +432,20 @@ try:
         st, r = api.post(path, body)
         check(st == 400 and r["error"]["param"] == param and ("'%s' must be at least 1" % param) in r["error"]["message"],
               "%s %s: 400 naming it (%s)" % (path, param, r))
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 100000})
+    check(st == 400 and r["error"]["param"] == "max_completion_tokens" and "limit" in r["error"]["message"],
+          "chat, max_completion_tokens over the server's limit: 400 naming it as sent (%s)" % r)
     st, r = api.post("/v1/completions", {"prompt": ""})
     check(st == 400 and r["error"]["param"] == "prompt" and r["error"]["message"] == "'prompt' is empty",
           "completions, an empty prompt: 400 naming it (%s)" % r)
+    script("<|channel|>final<|message|>" + "Hello there, friend. " * 100)  # longer than what is left
     st, r = api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once " * 1300}]})
-    check(st == 200 and r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] <= 4096 and
-          r["usage"]["completion_tokens"] >= 1,
-          "chat, default max_tokens 512 after a long prompt: cut to the context (%s %s)" %
-          (st, r.get("usage", r)))
+    u = r.get("usage", {})
+    check(st == 200 and u.get("prompt_tokens", 0) + 512 > 4096 and
+          u["prompt_tokens"] + u["completion_tokens"] == 4096 and r["choices"][0]["finish_reason"] == "length",
+          "chat, default max_tokens 512 after a %s-token prompt: cut to the context (%s %s)" %
+          (u.get("prompt_tokens"), st, u or r))
+    script("<|channel|>final<|message|>" + "Hello there, friend. " * 8 + "<|return|>")
 
     script("<|channel|>final<|message|>Hello there, friend, how are you today?<|return|>")
     st, r = api.post("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5})

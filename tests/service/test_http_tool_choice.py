@@ -199,6 +199,18 @@ try:
     check(st == 200 and r["usage"]["completion_tokens"] == len(tok(ARGS + "<|call|>")) and
           r["usage"]["prompt_tokens"] == len(ps[-1]),
           "required: usage is the call's (the pass is not generated output) (%s)" % r.get("usage"))
+    # a long conversation with no max_tokens: the default shrinks to what the
+    # context leaves, again once the call's header is known (it used to fail
+    # the request there: prompt + the shrunk default exceeded the context)
+    fw.script = chooser("=functions.get_time <|constrain|>json<|message|>",
+                        '{"tz":"' + "Asia/Tokyo " * 300)  # longer than what is left
+    long_user = [{"role": "user", "content": "Once " * 1250}]
+    st, r = api.post("/v1/chat/completions", {"messages": long_user, "tools": TOOLS, "tool_choice": "required"})
+    u = r.get("usage", {})
+    check(st == 200 and u.get("prompt_tokens", 0) + 512 > 4096 and
+          u["prompt_tokens"] + u["completion_tokens"] == 4096 and r["choices"][0]["finish_reason"] == "length",
+          "required after a long prompt, default max_tokens: cut to the context after the call's header (%s %s)" %
+          (st, u or r))
     for pick, want in (("=functions.get_weather<|message|>", "get_weather"),
                        ("=functions.get_tim", "get_time"),          # cut: the closest name
                        ("=functions.get_timezone ", "get_time"),   # longest shared prefix

@@ -18,10 +18,12 @@
 #include "router/serve_mps.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -221,9 +223,24 @@ static void test_dir_make(void) {
   snprintf(keep[3], sizeof keep[3], "%s/twain-x-%d-eeeeee", par, (int)dead);      /* a file */
   for (int k = 0; k < 3; k++) EXPECT(mkdir(keep[k], 0700) == 0, "mkdir %s", keep[k]);
   mkfile(keep[3]);
+  /* a serve in another pid namespace: its pid looks dead here, its lock is held */
+  char held[600], held_lock[700], unheld[600], unheld_lock[700];
+  snprintf(held, sizeof held, "%s/twain-x-%d-ffffff", par, (int)dead);
+  snprintf(held_lock, sizeof held_lock, "%s/.lock", held);
+  EXPECT(mkdir(held, 0700) == 0, "mkdir %s", held);
+  int hfd = open(held_lock, O_RDWR | O_CREAT, 0600);
+  EXPECT(hfd >= 0 && flock(hfd, LOCK_EX) == 0, "lock %s", held_lock);
+  /* a lock nobody holds: stale even though the pid in its name runs */
+  snprintf(unheld, sizeof unheld, "%s/twain-x-%d-gggggg", par, (int)getppid());
+  snprintf(unheld_lock, sizeof unheld_lock, "%s/.lock", unheld);
+  EXPECT(mkdir(unheld, 0700) == 0, "mkdir %s", unheld);
+  mkfile(unheld_lock);
   EXPECT(tw_serve_dir_make(out, sizeof out, par, "twain-x"), "make: %s", strerror(errno));
   EXPECT(!exists(p), "the killed serve's directory %s removed", p);
   for (int k = 0; k < 4; k++) EXPECT(exists(keep[k]), "%s kept", keep[k]);
+  EXPECT(exists(held), "%s kept: its lock is held", held);
+  EXPECT(!exists(unheld), "%s removed: nobody holds its lock", unheld);
+  if (hfd >= 0) close(hfd);
   char want[400];
   snprintf(want, sizeof want, "%s/twain-x-%d-", par, (int)getpid());
   struct stat st;
@@ -231,6 +248,12 @@ static void test_dir_make(void) {
          "new directory %s named %sXXXXXX", out, want);
   EXPECT(stat(out, &st) == 0 && S_ISDIR(st.st_mode) && (st.st_mode & 0777) == 0700,
          "new directory is there with mode 0700 (%o)", (unsigned)(st.st_mode & 0777));
+  char ol[PATH_MAX + 8];
+  snprintf(ol, sizeof ol, "%s/.lock", out);
+  int ofd = open(ol, O_RDWR);
+  EXPECT(ofd >= 0 && flock(ofd, LOCK_EX | LOCK_NB) != 0,
+         "its .lock is held while this process runs");
+  if (ofd >= 0) close(ofd);
   char again[PATH_MAX];
   EXPECT(
       tw_serve_dir_make(again, sizeof again, par, "twain-x") && exists(out) && strcmp(again, out),

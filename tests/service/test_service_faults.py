@@ -67,7 +67,6 @@ try:
         if i % 2:
             q.generate.sampling.temperature = 1.0
             q.generate.sampling.seed = 7
-            q.generate.sampling.explicit_seed = True
         return q
 
     rids = [cl.send(kill_req(i)) for i in range(6)]

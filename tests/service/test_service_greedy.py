@@ -39,7 +39,6 @@ try:
         g = svc.generate(cases["short_book"], N)
         g.generate.sampling.temperature = 0.9
         g.generate.sampling.seed = 7
-        g.generate.sampling.explicit_seed = True
         sampled.append(cl.send(g))
     got = {name: svc.tokens_of(reps) for name, reps in zip(rids, cl.wait(list(rids.values()), 180))}
     stop_reps = cl.wait([stop_rid], 60)[0]
