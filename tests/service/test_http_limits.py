@@ -182,50 +182,41 @@ try:
     check(svc.metrics(mport).get("twain_router_running_requests") == 0, "the router dropped it")
     check(router.seen(r"client went away .*cancelling", 5), "the router logs the cancellation")
     # a non-streamed request whose client hangs up while it runs
+    def hang_up(path, body, flowing_s=0.0):
+        """POST body (non-streamed) on a raw socket, close it once the
+        workers have the prompt (and flowing_s more): (request id at the
+        workers, seconds from the close to their Cancel, or None)."""
+        with fw.lock:
+            seen_before = set(fw.prompts)
+        data = json.dumps(body).encode()
+        sk = socket.create_connection((api.host, api.port), timeout=5)
+        sk.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                   b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        end = svc.deadline(10)
+        while time.time() < end and not (set(fw.prompts) - seen_before):
+            time.sleep(0.02)
+        time.sleep(flowing_s)
+        sk.close()
+        t_close = time.time()
+        with fw.lock:
+            new = set(fw.prompts) - seen_before
+        rid = new.pop() if new else None
+        while time.time() < t_close + 10 and rid not in fw.cancelled:
+            time.sleep(0.05)
+        return rid, round(time.time() - t_close, 2) if rid in fw.cancelled else None
+
     fw.token_delay = 0.5  # its ids take 7.5 s
-    with fw.lock:
-        seen_before = set(fw.prompts)
-    body = json.dumps({"messages": USER}).encode()
-    s = socket.create_connection((api.host, api.port), timeout=5)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-              b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    end = svc.deadline(10)
-    while time.time() < end and not (set(fw.prompts) - seen_before):
-        time.sleep(0.02)
-    s.close()
-    t_close = time.time()
-    with fw.lock:
-        new = set(fw.prompts) - seen_before
-    rid = new.pop() if new else None
-    while time.time() < t_close + 10 and rid not in fw.cancelled:
-        time.sleep(0.05)
-    check(rid is not None and rid in fw.cancelled and time.time() - t_close < 4,
-          "a non-streamed request whose client hung up is cancelled at the workers after %.1f s "
-          "(its %d ids take 7.5 s)" % (time.time() - t_close, len(SCRIPT)))
+    rid, dt = hang_up("/v1/chat/completions", {"messages": USER})
+    check(rid is not None and dt is not None and dt < 4,
+          "a non-streamed request whose client hung up is cancelled at the workers after %s s "
+          "(its %d ids take 7.5 s)" % (dt, len(SCRIPT)))
     # the same for /v1/completions, whose ids arrive one reply each, faster
     # than the router's loop turns (every reply used to wake the connection,
     # so the check for a closed client never saw it waiting)
     fw.script, fw.token_delay = SCRIPT * 300, 0.001  # about 4,500 ids: 4.5 s or more
-    with fw.lock:
-        seen_before = set(fw.prompts)
-    body = json.dumps({"prompt": "Once upon", "max_tokens": 4000}).encode()
-    s = socket.create_connection((api.host, api.port), timeout=5)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
-              b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    end = svc.deadline(10)
-    while time.time() < end and not (set(fw.prompts) - seen_before):
-        time.sleep(0.02)
-    time.sleep(0.5)  # ids flowing
-    s.close()
-    t_close = time.time()
-    with fw.lock:
-        new = set(fw.prompts) - seen_before
-    rid = new.pop() if new else None
-    while time.time() < t_close + 10 and rid not in fw.cancelled:
-        time.sleep(0.05)
-    check(rid is not None and rid in fw.cancelled and time.time() - t_close < svc.scaled(2),
-          "a non-streamed completion whose client hung up is cancelled at the workers after %.1f s" %
-          (time.time() - t_close))
+    rid, dt = hang_up("/v1/completions", {"prompt": "Once upon", "max_tokens": 4000}, flowing_s=0.5)
+    check(rid is not None and dt is not None and dt < svc.scaled(2),
+          "a non-streamed completion whose client hung up is cancelled at the workers after %s s" % dt)
     fw.script = SCRIPT
     s = socket.create_connection((api.host, api.port), timeout=5)  # a half-sent request, then gone
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
