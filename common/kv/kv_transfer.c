@@ -4,6 +4,7 @@
 #include "common/kv/kv_fp8.h"
 #include "common/kv/kv_ring.h"
 #include "common/kv/kv_seal.h"
+#include "common/kv/ucx_log.h"
 
 #include "common/base/log.h"
 #include "common/base/proc.h"
@@ -617,6 +618,7 @@ static bool tw_kv_cfg_proto_v2(const ucp_config_t *cfg, bool fallback) {
 static TW_NODISCARD tw_status_t tw_kv_ucp_init(tw_kv_xfer_t *x, bool v2, bool shm_fifo,
                                                const char *devices) {
   ucp_config_t *cfg = NULL;
+  tw_ucx_log_install(); /* UCX's warnings as this process's log lines, rate-limited */
   ucs_status_t us = ucp_config_read(NULL, NULL, &cfg);
   if (us != UCS_OK) return tw_err(TW_ERR_TRANSPORT, "ucp_config_read failed: %s", ucs_status_string(us));
   if (devices && (us = ucp_config_modify(cfg, "NET_DEVICES", devices)) != UCS_OK) {
