@@ -104,6 +104,9 @@ static void tw_reply_raw(tw_router_t *r, const tw_msg_t *from, uint64_t rid, int
                       "cannot answer a client");
 }
 
+static void tw_router_finished(tw_router_t *r, const tw_req_t *q, int64_t now, int finish_reason,
+                               int code);
+
 void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
   rep->request_id = q->client_rid;
   tw_status_t st = tw_router_send_client(r, q->cid, q->cid_len, q->cdelim, rep);
@@ -111,6 +114,10 @@ void tw_router_reply(tw_router_t *r, tw_req_t *q, Twain__V1__ServerReply *rep) {
     TW_INFO("router", "request %llu: client gone (%s): cancelling", (unsigned long long)q->id,
             tw_last_error());
     tw_router_cancel_workers(r, q);
+    /* ended by its client's going, as by a cancel (the last reply's sender
+     * counts the request itself) */
+    if (!rep->done)
+      tw_router_finished(r, q, tw_msg_clock_ns(), TWAIN__V1__FINISH_REASON__FINISH_CANCELLED, 0);
     q->done = true;
   }
 }

@@ -274,6 +274,9 @@ int32_t tw_router_kv_peers_pending(const tw_router_t *r) {
   return n;
 }
 
+static void tw_retry_held(tw_router_t *r, uint64_t serial, const char *why,
+                          const tw_rworker_t *expired);
+
 static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Internal__V1__Register *g) {
   if (g->pool != TWAIN__INTERNAL__V1__POOL__POOL_PREFILL && g->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE) {
     tw_reject_to(r, m, 0, TWAIN__V1__CODE__INVALID_ARGUMENT, "register: pool must be prefill or decode");
@@ -297,6 +300,20 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
     w->serial = r->next_worker_serial++;
     memcpy(w->id, m->id, m->id_len);
     w->id_len = m->id_len;
+  } else if (w->instance && g->instance && w->instance != g->instance) {
+    /* another process under a registered name (a worker restarted before the
+     * router expired it): the one before is gone, and with it what it held */
+    TW_WARN("router",
+            "worker %s registered again as a new process (pid %d): the requests of the one "
+            "before are retried",
+            w->name, g->pid);
+    tw_metric_add(r->m.expired, 1);
+    uint64_t dead = w->serial;
+    w->serial = r->next_worker_serial++; /* what the one before still sends matches nothing */
+    char why[160];
+    snprintf(why, sizeof why, "%s worker %s was replaced by a new process",
+             w->pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? "decode" : "prefill", w->name);
+    tw_retry_held(r, dead, why, w);
   }
   snprintf(w->name, sizeof w->name, "%s", g->name && g->name[0] ? g->name : "worker");
   w->pool = g->pool;

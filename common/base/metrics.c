@@ -36,7 +36,7 @@ struct tw_metric {
 
 struct tw_metrics {
   pthread_mutex_t mu;
-  char process[64];
+  char process[160]; /* process="NAME", escaped (tw_metrics_label_text) */
   char labels[320]; /* ,key="value" pairs every sample carries after process */
   tw_metric_t metrics[TW_METRICS_MAX];
   int n;
@@ -84,8 +84,7 @@ static void tw_metric_render(tw_sb_t *sb, const tw_metrics_t *m, const tw_metric
   if (!prev || strcmp(prev->name, x->name))
     tw_sb_printf(sb, "# HELP %s %s\n# TYPE %s %s\n", x->name, x->help, x->name, kinds[x->kind]);
   char lab[sizeof m->process + sizeof m->labels + sizeof x->label + 16];
-  snprintf(lab, sizeof lab, "process=\"%s\"%s%s%s", m->process, m->labels, x->label[0] ? "," : "",
-           x->label);
+  snprintf(lab, sizeof lab, "%s%s%s%s", m->process, m->labels, x->label[0] ? "," : "", x->label);
   if (x->kind != TW_M_HISTOGRAM) {
     tw_sb_printf(sb, "%s{%s} %.17g\n", x->name, lab, x->value);
     return;
@@ -236,7 +235,7 @@ TW_NODISCARD tw_status_t tw_metrics_create(const char *process, int port, const 
   tw_metrics_t *m = calloc(1, sizeof *m);
   if (!m) return tw_err(TW_ERR_NO_MEMORY, "cannot allocate the metrics registry");
   pthread_mutex_init(&m->mu, NULL);
-  snprintf(m->process, sizeof m->process, "%s", process);
+  tw_metrics_label_text(m->process, sizeof m->process, "process", process);
   m->healthy = true;
   snprintf(m->reason, sizeof m->reason, "ok");
   m->port = -1;

@@ -217,9 +217,22 @@ TW_NODISCARD tw_status_t tw_worker_link_tick(tw_worker_link_t *link,
     atomic_store(&link->registered_a, 0);
     link->last_register_ns = 0;
   }
-  if (link->registered) return TW_OK;
+  if (link->registered) {
+    link->unanswered_since_ns = 0;
+    return TW_OK;
+  }
   int64_t now = tw_msg_clock_ns();
   if (!force && now - link->last_register_ns < 250 * 1000000LL) return TW_OK;
+  if (!link->unanswered_since_ns) link->unanswered_since_ns = now;
+  int64_t waited = now - link->unanswered_since_ns;
+  if (waited > 5000000000LL && now - link->unanswered_warned_ns > 30000000000LL) {
+    link->unanswered_warned_ns = now;
+    TW_WARN("worker",
+            "the router at %s has not answered %s's registration for %lld s: is it up, with this "
+            "run's link keys? (a second worker under a name the router already knows is not "
+            "heard at all: give each its own --name)",
+            link->endpoint, link->name, (long long)(waited / 1000000000LL));
+  }
   Twain__Internal__V1__Capacity c = *cap;
   Twain__Internal__V1__Register r = TWAIN__INTERNAL__V1__REGISTER__INIT;
   r.pool = link->pool;

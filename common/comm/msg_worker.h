@@ -71,6 +71,9 @@ typedef struct {
   Twain__Internal__V1__KvHandoff *kv_pools; /* decode: its pools (borrowed), sent in Register */
   bool registered;  /* RegisterAck seen */
   int64_t last_register_ns;
+  int64_t
+      unanswered_since_ns; /* the first Register of those the router has not answered; 0: none */
+  int64_t unanswered_warned_ns; /* when that was last said */
   /* heartbeat thread: its own socket; reads cap/draining under mu */
   pthread_t hb_thread;
   bool hb_started;

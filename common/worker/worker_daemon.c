@@ -130,6 +130,21 @@ static TW_NODISCARD tw_status_t tw_worker_loop(tw_worker_t *w) {
   return TW_OK;
 }
 
+int tw_worker_name_opt(const char *text, void *dst, char *err, size_t errlen) {
+  size_t n = strlen(text);
+  bool ok = n >= 1 && n <= 48;
+  for (size_t i = 0; ok && i < n; i++)
+    ok = (text[i] >= 'a' && text[i] <= 'z') || (text[i] >= 'A' && text[i] <= 'Z') ||
+         (text[i] >= '0' && text[i] <= '9') || text[i] == '.' || text[i] == '_' || text[i] == '-';
+  if (!ok) {
+    snprintf(err, errlen,
+             "must be 1 to 48 letters, digits, '.', '_' or '-' (it is the routing id)");
+    return -1;
+  }
+  *(const char **)dst = text;
+  return 0;
+}
+
 int tw_worker_main(tw_worker_t *w) {
   const tw_worker_ops_t *ops = w->ops;
   tw_status_t st = tw_dist_identity_from_env(&w->id);

@@ -82,7 +82,8 @@ extern "C" {
       TW_OPT_INT("block-size", &(o)->block_size, 1, 1 << 20, "N", "KV block size in tokens"),      \
       TW_OPT_STR("router", &(o)->router, "tcp://HOST:PORT",                                        \
                  D "the router's worker endpoint (required)"),                                     \
-      TW_OPT_STR("name", &(o)->name, "NAME", D "routing id (default " ROLE "-<pid>)"),             \
+      TW_OPT_STR_FN("name", &(o)->name, tw_worker_name_opt, "NAME",                                \
+                    D "routing id: letters, digits, '.', '_', '-' (default " ROLE "-<pid>)"),      \
       TW_OPT_INT("kv-blocks", &(o)->kv_blocks, 0, INT32_MAX, "N",                                  \
                  D "KV cache pool in blocks (0: the memory plan, docs/operations.md)"),            \
       TW_OPT_FN("kv-window-ring", &(o)->kv_window_ring, tw_opts_switch_auto, "0|1|auto",           \
@@ -196,6 +197,12 @@ struct tw_worker {
   bool draining;         /* SIGTERM/SIGINT came */
   int64_t drain_since_ns;
 };
+
+/** The --name option's parser (TW_OPT_STR_FN; dst: const char **): 1 to 48
+ *  of [A-Za-z0-9._-] (the routing id; "NAME/hb" is its heartbeat socket's
+ *  and serve adds "-rK" to restarts, so no '/'; and it is a metrics label).
+ *  0, or -1 with why in err. */
+int tw_worker_name_opt(const char *text, void *dst, char *err, size_t errlen);
 
 /** Run the daemon (the header's Start and Loop) and return the process exit
  *  code: 0 after a drain, or the supervised ranks' code in the process that

@@ -141,6 +141,17 @@ int main(void) {
          "HEAD /metrics: 200 without the text: %s", buf);
   EXPECT(tw_metric_value(h) == 4, "histogram count");
   tw_metrics_destroy(m);
+  /* a process name with what the exposition format escapes (a worker's
+   * --name is the operator's text): still one valid sample line */
+  m = NULL;
+  EXPECT(tw_metrics_create("q\"x\\y\nz", 0, NULL, &m) == TW_OK && m, "odd process name");
+  if (m) {
+    tw_metric_add(tw_metrics_counter(m, "odd_total", "odd"), 1);
+    EXPECT(http_get(tw_metrics_port(m), "/metrics", buf, sizeof buf) > 0 &&
+               strstr(buf, "\ntwain_odd_total{process=\"q\\\"x\\\\y\\nz\"} 1\n"),
+           "its label escaped: %s", buf);
+    tw_metrics_destroy(m);
+  }
   /* an explicit address: the loopback given by number */
   m = NULL;
   EXPECT(tw_metrics_create("unit", 0, "127.0.0.1", &m) == TW_OK && m, "explicit 127.0.0.1");

@@ -98,7 +98,11 @@ try:
           all(q["input_len"] > 12 and 1 <= q["tokens_received"] <= 8 for q in j["requests"]),
           "chat prompts: all completed, rendered prompts longer than their 12 words")
 
-    # cancels and disconnects: every request accounted for, no KV left behind
+    # cancels and disconnects: every request accounted for, no KV left behind,
+    # and each counted once by the router as finished (disconnects as aborts)
+    def finished_total(m):
+        return sum(v for k, v in m.items() if k.startswith("twain_request_success_total"))
+    m0 = svc.metrics(rport)
     r, j = bench("--num-requests", 60, "--concurrency", 16, "--input-len", 16, "--output-len", 24,
                  "--range-ratio", "0.5", "--cancel-prob", "0.25", "--disconnect-prob", "0.25", "--seed", 11)
     check(r.returncode == 0 and j and sum(outcomes(j).values()) == 60 and j["lost"] == 0 and
@@ -106,6 +110,11 @@ try:
           "cancels and disconnects: every request accounted for: %s" % (j and outcomes(j)))
     check(svc.wait_metric(dport, "twain_kv_blocks_used", 0, 30) == 0,
           "decode kv blocks back to zero after cancels and disconnects")
+    m1 = svc.metrics(rport)
+    check(m1.get("twain_router_requests_total", 0) - m0.get("twain_router_requests_total", 0) == 60 and
+          finished_total(m1) - finished_total(m0) == 60,
+          "the router counts 60 requests and 60 finished ones, disconnects included (%s finished)" %
+          (finished_total(m1) - finished_total(m0)))
 
     # every request refused (prompts over the model's context): nothing was
     # measured, so exit 1 (it exited 0)
