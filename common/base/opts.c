@@ -89,6 +89,14 @@ int tw_opts_id_list(const char *text, int32_t *ids, int cap, int *n, char *err, 
     snprintf(err, errlen, "is longer than %zu characters", sizeof buf - 1);
     return -1;
   }
+  /* strtok would pass over empty items ("1,,2", ","): each one is an error */
+  size_t len = strlen(buf);
+  for (size_t i = 0; i <= len; i++)
+    if ((i == len || buf[i] == ',') && (i == 0 || buf[i - 1] == ',')) {
+      snprintf(err, errlen, "must be ids in [0, %d] separated by commas, got an empty item in '%s'",
+               INT32_MAX, text);
+      return -1;
+    }
   for (char *save = NULL, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
     long long v;
     if (*n == cap) {

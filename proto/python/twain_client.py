@@ -160,8 +160,11 @@ class Client:
                 setattr(x, k, v)
         req.chat.stream = True
         req.chat.sampling.max_tokens = max_tokens
-        for k, v in sampling.items():
-            setattr(req.chat.sampling, k, v)
+        for k, v in sampling.items():  # lists (stop, stop_token_ids) into their repeated fields
+            if isinstance(v, (list, tuple)):
+                getattr(req.chat.sampling, k).extend(v)
+            else:
+                setattr(req.chat.sampling, k, v)
         if "seed" in sampling:  # a seed of the caller's, 0 included: the same tokens every time
             req.chat.sampling.explicit_seed = True
         if reasoning:
@@ -178,8 +181,11 @@ class Client:
         req.generate.stream = True
         req.generate.sampling.max_tokens = max_tokens
         req.generate.sampling.stop_token_ids.extend(stop_ids)
-        for k, v in sampling.items():
-            setattr(req.generate.sampling, k, v)
+        for k, v in sampling.items():  # lists (stop, stop_token_ids) into their repeated fields
+            if isinstance(v, (list, tuple)):
+                getattr(req.generate.sampling, k).extend(v)
+            else:
+                setattr(req.generate.sampling, k, v)
         if "seed" in sampling:  # a seed of the caller's, 0 included: the same tokens every time
             req.generate.sampling.explicit_seed = True
         out = []

@@ -219,6 +219,11 @@ int main(void) {
   EXPECT(tw_opts_id_list("1,2,3,4,5", ids, 4, &n, err, sizeof err) == -1 && strstr(err, "at most 4"),
          "id list over cap: '%s'", err);
   EXPECT(tw_opts_id_list("-1", ids, 4, &n, err, sizeof err) == -1, "negative id refused");
+  const char *empty[] = {"1,,2", ",", "1,", ",1", ""};
+  for (int k = 0; k < 5; k++)
+    EXPECT(
+        tw_opts_id_list(empty[k], ids, 4, &n, err, sizeof err) == -1 && strstr(err, "empty item"),
+        "an empty item in '%s' refused (%s)", empty[k], err);
 
   /* the three-way settings (--kv-window-ring, --prefill-bf16-experts): 1, -1, 0 */
   int32_t sw = 7;
