@@ -36,6 +36,19 @@ except ImportError:  # python3-protobuf 3.x/4.21 (Debian 12)
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:7400"
 
 
+def _set_sampling(sp, sampling):
+    """SamplingParams fields from keyword arguments: lists (stop,
+    stop_token_ids) into their repeated fields; a seed of the caller's, 0
+    included, marked explicit (the same tokens every time)."""
+    for k, v in sampling.items():
+        if isinstance(v, (list, tuple)):
+            getattr(sp, k).extend(v)
+        else:
+            setattr(sp, k, v)
+    if "seed" in sampling:
+        sp.explicit_seed = True
+
+
 class TwainError(Exception):
     """An error reply: .code is the v1 Code name (e.g. "INVALID_ARGUMENT")."""
 
@@ -160,13 +173,7 @@ class Client:
                 setattr(x, k, v)
         req.chat.stream = True
         req.chat.sampling.max_tokens = max_tokens
-        for k, v in sampling.items():  # lists (stop, stop_token_ids) into their repeated fields
-            if isinstance(v, (list, tuple)):
-                getattr(req.chat.sampling, k).extend(v)
-            else:
-                setattr(req.chat.sampling, k, v)
-        if "seed" in sampling:  # a seed of the caller's, 0 included: the same tokens every time
-            req.chat.sampling.explicit_seed = True
+        _set_sampling(req.chat.sampling, sampling)
         if reasoning:
             req.chat.reasoning = {"low": 1, "medium": 2, "high": 3}[reasoning]
         for rep in self._call(req):
@@ -181,13 +188,7 @@ class Client:
         req.generate.stream = True
         req.generate.sampling.max_tokens = max_tokens
         req.generate.sampling.stop_token_ids.extend(stop_ids)
-        for k, v in sampling.items():  # lists (stop, stop_token_ids) into their repeated fields
-            if isinstance(v, (list, tuple)):
-                getattr(req.generate.sampling, k).extend(v)
-            else:
-                setattr(req.generate.sampling, k, v)
-        if "seed" in sampling:  # a seed of the caller's, 0 included: the same tokens every time
-            req.generate.sampling.explicit_seed = True
+        _set_sampling(req.generate.sampling, sampling)
         out = []
         for rep in self._call(req):
             out.extend(rep.token_ids)
