@@ -5,6 +5,7 @@
 #include "router/http_impl.h"
 
 #include "common/base/log.h"
+#include "common/base/opts.h"
 #include "common/model/model_path.h"
 
 #include <microhttpd.h>
@@ -253,10 +254,8 @@ static void tw_http_cors(const tw_hconn_t *c, struct MHD_Response *resp) {
    * would not cover Authorization), when they are plain header names */
   const char *want =
       MHD_lookup_connection_value(c->mc, MHD_HEADER_KIND, "Access-Control-Request-Headers");
-  bool plain = want && want[0] && strlen(want) < 2048;
-  for (const char *p = want; plain && *p; p++)
-    plain = (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
-            *p == '-' || *p == '_' || *p == ',' || *p == ' ';
+  size_t wl = want ? strlen(want) : 0;
+  bool plain = wl && wl < 2048 && strspn(want, TW_ALNUM_CHARS "-_, ") == wl;
   MHD_add_response_header(resp, "Access-Control-Allow-Headers",
                           plain ? want : "Authorization, Content-Type");
   MHD_add_response_header(resp, "Access-Control-Max-Age", "600");

@@ -17,6 +17,7 @@
 #include "router/router_impl.h"
 
 #include "common/base/log.h"
+#include "common/base/opts.h"
 #include "common/text/harmony.h"
 #include "common/text/tokenizer.h"
 
@@ -424,11 +425,7 @@ TW_NODISCARD tw_status_t tw_rchat_start(tw_router_t *r, tw_req_t *q,
   for (size_t k = 0; k < cr->n_tools && st == TW_OK; k++) {
     const char *n = cr->tools[k]->name ? cr->tools[k]->name : "";
     size_t len = strlen(n);
-    bool ok = len >= 1 && len <= 64;
-    for (size_t j = 0; ok && j < len; j++)
-      ok = (n[j] >= 'a' && n[j] <= 'z') || (n[j] >= 'A' && n[j] <= 'Z') ||
-           (n[j] >= '0' && n[j] <= '9') || n[j] == '_' || n[j] == '-';
-    if (!ok)
+    if (len < 1 || len > 64 || strspn(n, TW_ALNUM_CHARS "_-") != len)
       st = tw_err_quiet(
           TW_ERR_INVALID_ARGUMENT,
           "chat: tools[%zu].name \"%.80s\" must be 1 to 64 letters, digits, '_' or '-'", k, n);

@@ -141,6 +141,10 @@ int tw_opts_id_list(const char *text, int32_t *ids, int cap, int *n, char *err, 
  *  the engine.h convention): 1, -1 or 0; else -1 with the reason in err. */
 int tw_opts_switch_auto(const char *text, void *dst, char *err, size_t errlen);
 
+/** ASCII letters and digits: with strspn and the extra characters a name
+ *  allows, whether a name is made of them alone. */
+#define TW_ALNUM_CHARS "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
 /** The version string every --version prints ("0.1.0", from CMake's project
  *  version). */
 const char *tw_opts_version(void);

@@ -132,11 +132,7 @@ static TW_NODISCARD tw_status_t tw_worker_loop(tw_worker_t *w) {
 
 int tw_worker_name_opt(const char *text, void *dst, char *err, size_t errlen) {
   size_t n = strlen(text);
-  bool ok = n >= 1 && n <= 48;
-  for (size_t i = 0; ok && i < n; i++)
-    ok = (text[i] >= 'a' && text[i] <= 'z') || (text[i] >= 'A' && text[i] <= 'Z') ||
-         (text[i] >= '0' && text[i] <= '9') || text[i] == '.' || text[i] == '_' || text[i] == '-';
-  if (!ok) {
+  if (n < 1 || n > 48 || strspn(text, TW_ALNUM_CHARS "._-") != n) {
     snprintf(err, errlen,
              "must be 1 to 48 letters, digits, '.', '_' or '-' (it is the routing id)");
     return -1;
