@@ -861,7 +861,7 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     /* decode worker with the most free blocks that can hold prompt + max_tokens
      * (for a resumed request: its context + what is left, the same sum) */
     tw_rworker_t *best = NULL;
-    int32_t best_free = -1, need = 0, largest = 0, n_open = 0, n_never = 0;
+    int32_t best_free = -1, need = 0, largest = 0, largest_bs = 0, n_open = 0, n_never = 0;
     bool largest_dp = false;
     for (int32_t i = 0; i < r->n_workers; i++) {
       tw_rworker_t *w = &r->workers[i];
@@ -875,6 +875,7 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       n_open++;
       if (size > largest) {
         largest = size;
+        largest_bs = w->block_size;
         largest_dp = w->replica_total_blocks > 0;
       }
       if (size > 0 && n > size) {
@@ -903,11 +904,28 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     }
     if (!best && n_open > 0 && n_never == n_open) {
       /* larger than any decode worker (or dp replica) could ever hold: no
-       * wait for room helps, so say so now instead of at the deadline */
-      tw_router_fail(r, q, TWAIN__V1__CODE__RESOURCE_EXHAUSTED,
+       * wait for room helps. A max_tokens the client did not give shrinks
+       * to what the largest one holds, as it does to the model's context
+       * (while that still leaves a token to produce); otherwise the request
+       * is refused now, as an error of the request (a retry cannot help),
+       * instead of waiting for its deadline */
+      const int64_t room = (int64_t)largest * largest_bs - q->n_prompt;
+      if (q->max_default && room > q->n_out && room < q->max_tokens) {
+        TW_DEBUG("router",
+                 "request %llu: default max_tokens %d shrinks to %lld, what the largest decode "
+                 "worker%s holds after the prompt",
+                 (unsigned long long)q->id, q->max_tokens, (long long)room,
+                 largest_dp ? " replica" : "");
+        q->max_tokens = (int32_t)room;
+        k--; /* this request again, with its new size */
+        continue;
+      }
+      tw_router_fail(r, q, TWAIN__V1__CODE__INVALID_ARGUMENT,
                      "request needs %d kv blocks (%d prompt + %d max_tokens tokens); the largest "
-                     "decode worker%s holds %d",
-                     need, q->n_prompt, q->max_tokens, largest_dp ? " replica (--dp)" : "", largest);
+                     "decode worker%s holds %d: lower max_tokens or shorten the prompt (or give "
+                     "the decode workers more --kv-blocks)",
+                     need, q->n_prompt, q->max_tokens, largest_dp ? " replica (--dp)" : "",
+                     largest);
       continue;
     }
     if (!best) break; /* admission control: wait for room (or the deadline), in order */

@@ -12,8 +12,9 @@ the sum, not a replica, so no Reserve may reach the worker while that lasts
 heartbeat reports a replica with 11 free blocks, the Reserve arrives. A
 request needing more blocks than the largest replica holds
 (Capacity.replica_total_kv_blocks), or without dp the whole pool, is refused
-at once with RESOURCE_EXHAUSTED, never sent to the worker (it used to wait
-for its deadline). Two requests that each fit the emptiest replica but not
+at once with INVALID_ARGUMENT (a retry cannot help), never sent to the
+worker (it used to wait for its deadline); one whose max_tokens is the
+router's default gets a max_tokens that fits instead. Two requests that each fit the emptiest replica but not
 together get one Reserve until the next heartbeat (the second used to be
 sent too, to come back RESOURCE_EXHAUSTED). Every wait is bounded."""
 import time
@@ -108,11 +109,36 @@ try:
             got += [e for e in decode_messages(0.1) if e.WhichOneof("body") == "reserve"]
             cl.pump(0.01)
         err = cl.replies[rid2][-1].error if cl.done(rid2) else None
-        check(err is not None and err.code == svc.E["RESOURCE_EXHAUSTED"] and not got and
-              "needs %d kv blocks" % need in err.message and "holds %d" % size in err.message,
-              "%d blocks > %s of %d: refused at once, no Reserve (%s)" % (
+        check(err is not None and err.code == svc.E["INVALID_ARGUMENT"] and not got and
+              "needs %d kv blocks" % need in err.message and "holds %d" % size in err.message and
+              "lower max_tokens" in err.message,
+              "%d blocks > %s of %d: refused at once as INVALID_ARGUMENT, no Reserve (%s)" % (
                   need, "a replica" if replica_total else "the pool", size,
                   err.message if err is not None else "still queued after 10 s"))
+    # the same with max_tokens left to the router's default (512): it shrinks
+    # to what the largest replica holds after the 15-token prompt, 11 x 16 -
+    # 15 = 161, and the request is reserved instead of refused
+    cap.update(free=22, total=22, replica=11, replica_total=11)
+    decode_messages(0.3)
+    dflt = svc.generate(fixtures.ids("short_dog"), 0, deadline_ms=600000)
+    dflt.generate.sampling.explicit_max_tokens = False
+    rid3 = cl.send(dflt)
+    got, end = [], svc.deadline(10)
+    while time.time() < end and not got and not cl.done(rid3):
+        got = [e for e in decode_messages(0.2) if e.WhichOneof("body") == "reserve"]
+        cl.pump(0.01)
+    check(len(got) == 1 and got[0].reserve.n_prompt_tokens == 15 and got[0].reserve.max_tokens == 161,
+          "default max_tokens, 11-block replicas: reserved with max_tokens 161 (%s%s)" % (
+              [(e.reserve.n_prompt_tokens, e.reserve.max_tokens) for e in got],
+              "; " + cl.replies[rid3][-1].error.message if cl.done(rid3) else ""))
+    if got:  # end it: a reservation error the router does not retry
+        rep = svc.Envelope()
+        rep.reserved.request_id = got[0].reserve.request_id
+        rep.reserved.status.code = svc.E["INTERNAL"]
+        rep.reserved.status.message = "test: not kept"
+        dec.send(rep.SerializeToString())
+    res = cl.wait([rid3], 30)[0]
+    check(res[-1].error.code == svc.E["INTERNAL"], "and ends with the worker's error: %s" % res[-1].error.message)
     # two requests of 6 blocks at once, one replica of 11 free (22 in all):
     # the first Reserve takes that room until the next heartbeat says
     # otherwise, so the second waits instead of being sent to be refused
