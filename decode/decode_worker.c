@@ -968,6 +968,7 @@ int tw_decode_worker_main(const tw_decode_params_t *p) {
   d.wk = (tw_worker_t){.prog = "twain-decode",
                        .role = "decode",
                        .unit = "sequences",
+                       .router = p->router,
                        .ranks = p->tp > p->ep ? p->tp : p->ep,
                        .use_mpi = p->backend != TW_BACKEND_CUDA,
                        .argc = p->argc,

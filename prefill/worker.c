@@ -632,6 +632,7 @@ int tw_prefill_worker_main(const tw_prefill_opts_t *opts, int argc, char **argv)
   w.wk = (tw_worker_t){.prog = "twain-prefill",
                        .role = "prefill",
                        .unit = "prompts",
+                       .router = w.o.router,
                        .ranks = w.o.tp > w.o.ep ? w.o.tp : w.o.ep,
                        .use_mpi = w.o.backend != TW_BACKEND_CUDA,
                        .argc = argc,

@@ -2,14 +2,17 @@
 #include "common/worker/worker_daemon.h"
 
 #include "common/base/log.h"
+#include "common/comm/link_auth.h"
 #include "common/engine/dist_engine.h"
 #include "common/model/model_path.h"
 #include "proto/twain_api.pb-c.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <zmq.h>
 
 bool tw_worker_colocated_ok(const tw_opts_spec_t *spec, const char *role, int32_t n_prefill,
                             int32_t n_decode) {
@@ -141,6 +144,42 @@ int tw_worker_name_opt(const char *text, void *dst, char *err, size_t errlen) {
   return 0;
 }
 
+/* Before the model is loaded (minutes for a large one): one handshake with
+ * the router's worker endpoint using this process's link keys. A router
+ * that refuses them (another key set, or plaintext on one side only) stops
+ * the worker now with a configuration error instead of after the load,
+ * when the link would only log refused handshakes. A router that does not
+ * answer within TW_WORKER_PROBE_MS (not started yet) is no error: the link
+ * waits for it as before. */
+#define TW_WORKER_PROBE_MS 1500
+static TW_NODISCARD tw_status_t tw_worker_probe_router(const tw_worker_t *w) {
+  tw_auth_keys_t keys = {0};
+  const char *inl = getenv(TW_AUTH_KEYS_ENV), *file = getenv(TW_AUTH_KEYS_FILE_ENV);
+  const char *plain = getenv(TW_AUTH_PLAINTEXT_ENV);
+  if ((inl && *inl) || (file && *file)) {
+    tw_status_t ks = tw_auth_keys_from_env("worker link to the router", &keys);
+    if (ks != TW_OK) return ks; /* an unreadable key set: the same error ops->init would give */
+  } else if (plain && !strcmp(plain, "1")) {
+    keys.plaintext = true; /* ops->init warns about it */
+  } else {
+    return TW_OK; /* no keys at all: ops->init says how to make them */
+  }
+  void *zctx = zmq_ctx_new(), *s = NULL;
+  if (!zctx) return TW_OK;
+  tw_status_t st = tw_auth_client_open(zctx, w->router, &keys, TW_WORKER_PROBE_MS, 0, &s);
+  if (s) zmq_close(s);
+  zmq_ctx_term(zctx);
+  memset(&keys, 0, sizeof keys);
+  if (st != TW_ERR_INVALID_ARGUMENT) return TW_OK; /* answered, absent, or for the link to say */
+  return tw_err_quiet(
+      TW_ERR_INVALID_ARGUMENT,
+      "the router at %s refused this worker's link keys in the handshake: every process "
+      "of a deployment needs the same key set (%s or %s; `twain serve` makes one for "
+      "the workers it starts), or %s=1 on all of them; stopping before the model is "
+      "loaded",
+      w->router, TW_AUTH_KEYS_ENV, TW_AUTH_KEYS_FILE_ENV, TW_AUTH_PLAINTEXT_ENV);
+}
+
 int tw_worker_main(tw_worker_t *w) {
   const tw_worker_ops_t *ops = w->ops;
   tw_status_t st = tw_dist_identity_from_env(&w->id);
@@ -155,6 +194,10 @@ int tw_worker_main(tw_worker_t *w) {
   }
   tw_log_init(w->prog, w->id.rank);
   tw_worker_signals_install();
+  if (w->id.rank == 0 && w->router && (st = tw_worker_probe_router(w)) != TW_OK) {
+    TW_ERROR(w->role, "cannot start: %s: %s", tw_status_str(st), tw_last_error());
+    return tw_worker_exit_code(st); /* a configuration error: nothing was started */
+  }
   st = ops->init(w->arg);
   if (st != TW_OK) {
     TW_ERROR(w->role, "cannot start: %s: %s", tw_status_str(st), tw_last_error());

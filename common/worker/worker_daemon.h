@@ -181,6 +181,8 @@ struct tw_worker {
   const char *prog; /* "twain-prefill": the log's process name */
   const char *role; /* "prefill": the log tag */
   const char *unit; /* "prompts", "sequences": what a drain waits for */
+  const char *router; /* the router's worker endpoint: its link keys are tried before
+                       * ops->init loads the model (NULL: not tried) */
   int32_t ranks;    /* processes of this worker: max(tp, ep) */
   bool use_mpi;     /* ranks talk over MPI (host backend) rather than NCCL */
   int argc;         /* the command line, to start the ranks */

@@ -1,6 +1,8 @@
 """Link security (common/comm/link_auth.h, issue 19): the router's worker socket is
 CURVE with a ZAP handler, so a process without the deployment's key set can
-neither register as a worker nor read a prompt; each refused peer is logged.
+neither register as a worker nor read a prompt; each refused peer is logged,
+and a worker started with keys the router refuses stops before it loads the
+model.
 Also: a router without keys refuses to start (unless the plaintext flag says
 otherwise, loudly), `twain keygen` writes a private file and never overwrites
 one, and key files that others can read, or that are FIFOs, are refused at once."""
@@ -137,6 +139,23 @@ try:
           "each forged heartbeat for it is answered NOT_FOUND (%d replies)" % len(replies))
     res = cl.wait([cl.send(svc.generate(prompt, 8)) for _ in range(2)], 60)
     check(all(r[-1].error.code == 0 for r in res), "the remaining workers serve")
+
+    # a worker started with another key set, or plaintext, against this
+    # router stops before it loads the model (exit 78, configuration), with
+    # a message that names the keys; it used to load and then only log
+    # refused handshakes
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TWAIN_KEYS")}
+    for prog, extra, what in (("prefill", {"TWAIN_KEYS": other.stdout}, "another key set"),
+                              ("decode", {"TWAIN_INSECURE_PLAINTEXT": "1"}, "plaintext")):
+        t0 = time.time()
+        r = subprocess.run([svc.bin_path(prog, "twain-" + prog), "--model", svc.MODEL, "--backend", "cpu",
+                            "--router", c.worker_ep, "--metrics-port", "-1"],
+                           env=dict(base, **extra), capture_output=True, text=True, timeout=60)
+        took, out = time.time() - t0, r.stderr + r.stdout
+        check(r.returncode == 78 and "refused this worker's link keys" in out and "TWAIN_KEYS_FILE" in out and
+              "loader:" not in out and took < 10,
+              "a %s worker with %s: exit %d in %.1f s before loading the model: %s" % (
+                  prog, what, r.returncode, took, (out.strip().splitlines() or ["(nothing)"])[-1][-160:]))
 finally:
     rcs = c.close()
 check(not any(rcs.values()), "router and workers stop cleanly: %s" % rcs)
