@@ -117,6 +117,7 @@ typedef struct {
     tw_metric_t *dp_seqs[TW_DECODE_MAX_DP], *dp_tokens[TW_DECODE_MAX_DP],
         *dp_used[TW_DECODE_MAX_DP];
     tw_metric_t *kv_usage;
+    tw_metric_t *quarantined; /* blocks of quarantined reservations (counted in blocks_used) */
   } m;
   tw_worker_stats_t stats; /* the periodic stats line */
 } tw_decoder_t;
@@ -157,10 +158,11 @@ static int32_t tw_dseq_find(const tw_decoder_t *d, uint64_t id) {
 }
 
 static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *c) {
-  int32_t running = 0, waiting = 0;
+  int32_t running = 0, waiting = 0, quarantined = 0;
   for (int32_t i = 0; i < d->n_seqs; i++) {
     running += d->seqs[i]->state == TW_DSEQ_RUNNING || d->seqs[i]->state == TW_DSEQ_COMMITTING;
     waiting += d->seqs[i]->state == TW_DSEQ_RESERVED;
+    if (d->seqs[i]->state == TW_DSEQ_QUARANTINE) quarantined += d->seqs[i]->n_blocks;
   }
   twain__internal__v1__capacity__init(c);
   /* dp: sums over the replicas, plus the room of the emptiest one and the
@@ -181,6 +183,7 @@ static void tw_decoder_capacity(tw_decoder_t *d, Twain__Internal__V1__Capacity *
   c->queued = waiting;
   tw_metric_set(d->m.running, running);
   tw_metric_set(d->m.reserved, waiting);
+  tw_metric_set(d->m.quarantined, quarantined);
   tw_decoder_block_gauges(d);
   tw_kv_rxring_stats_t rs;
   if (d->m.stg_bytes && tw_kv_region_staging_stats(d->region, &rs)) {
@@ -725,6 +728,10 @@ static TW_NODISCARD tw_status_t tw_decoder_init(tw_decoder_t *d) {
   d->m.reserved = tw_metrics_gauge(M, "decode_queue_depth", "reservations waiting for their kv");
   d->m.blocks_used = tw_metrics_gauge(M, "kv_blocks_used", "kv blocks reserved or in use");
   d->m.blocks_free = tw_metrics_gauge(M, "kv_blocks_free", "free kv blocks");
+  d->m.quarantined = tw_metrics_gauge(
+      M, "kv_blocks_quarantined",
+      "kv blocks (of kv_blocks_used) held for reservations cancelled or expired before their kv "
+      "arrived, in case a late write lands; free again 40 s later");
   d->m.tpot = tw_metrics_histogram(M, "decode_tpot_seconds", "time per output token (one step)",
                                    tw_metrics_latency_buckets, tw_metrics_latency_n);
   d->m.tokens = tw_metrics_counter(M, "decode_tokens_total", "tokens generated");

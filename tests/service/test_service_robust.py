@@ -210,6 +210,10 @@ try:
         # loaded machine the cancels can still be on their way when the
         # replies are here
         svc.wait_metric(d.metrics_port, "twain_decode_queue_depth", 0)
+        dm = svc.metrics(d.metrics_port)
+        q, used = dm.get("twain_kv_blocks_quarantined", -1), dm.get("twain_kv_blocks_used", -1)
+        check(0 < q <= used, "the quarantined reservations' blocks are shown apart: "
+              "twain_kv_blocks_quarantined %s of twain_kv_blocks_used %s" % (q, used))
         rc = d.stop(signal.SIGTERM, 30)
         m = re.search(r"draining: (\d+) sequences to finish \((\d+) quarantined", "\n".join(d.lines))
         check(m is not None and m.group(1) == "0" and int(m.group(2)) > 0,
