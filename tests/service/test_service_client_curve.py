@@ -135,6 +135,10 @@ try:
     tc = twain_client.Client(ep, timeout_s=60)
     del os.environ["TWAIN_SERVER_KEY"]
     check(tc.generate(prompt, max_tokens=8) == want, "twain_client.Client with TWAIN_SERVER_KEY=FILE: generate")
+    # a list-valued sampling field goes into its repeated field (a TypeError before)
+    cut = want.index(want[3]) + 1
+    got = tc.generate(prompt, max_tokens=8, stop_token_ids=[want[3]])
+    check(got == want[:cut], "twain_client generate(stop_token_ids=[%d]): %s, want %s" % (want[3], got, want[:cut]))
     tc.close()
 finally:
     rcs = c.close()
