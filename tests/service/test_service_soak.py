@@ -102,6 +102,10 @@ try:
         cl.pump(0.05)
         reap(cl)
     lost = list(inflight)
+    if c.router.p.poll() is not None:  # say how, rather than a refused /metrics below
+        c.router.settle()
+        check(False, "the router survives the soak: it exited (%s); its last lines:\n%s" % (
+            c.router.p.poll(), "\n".join(c.router.lines[-40:])))
     c.wait_registered(2, 2, 30)
     blocks = {d.worker_name: svc.wait_metric(d.metrics_port, "twain_kv_blocks_used", 0, 45) for d in c.decodes}
     end_rss = rss_kb(c.router.p.pid)
