@@ -58,15 +58,23 @@ static const char *tw_http_error_type(unsigned status) {
 
 bool tw_http_check(tw_hconn_t *c, tw_status_t st) {
   if (st == TW_OK) return true;
-  if (c->broken || (c->finished && !c->sse)) return false;
+  /* answered already, or a stream already ended by its error event */
+  if (c->broken || (c->finished && (!c->sse || c->failing))) return false;
   TW_ERROR("http", "request %llu: cannot build its %s (%s): ending it with an error",
            (unsigned long long)c->serial, c->submitted ? "answer" : "request", tw_last_error());
   if (c->submitted && !c->finished) { /* stop the generation nobody will read */
     c->want_cancel = true;
     c->h->pending_cancel = true;
   }
-  if (c->sse) { /* the stream is missing a part: cut it off (tw_http_sse_reader) */
-    tw_metric_add(c->h->m_errors, 1);
+  if (c->sse && !c->finished && !c->failing) { /* tell the client in the stream, as any error
+                                                * after its start (once: writing it may fail) */
+    c->failing = true;
+    tw_http_fail(c, 500, NULL, "the server could not build the %s: %s",
+                 c->submitted ? "answer" : "request", tw_last_error());
+    if (!c->broken) return false;
+  }
+  if (c->sse) { /* not even that could be written: cut it off (tw_http_sse_reader) */
+    if (!c->broken) tw_metric_add(c->h->m_errors, 1);
     c->broken = true;
     c->finished = true;
   } else {

@@ -56,6 +56,7 @@ typedef struct tw_hconn {
   bool want_cancel;    /* cancel the router request at the next tw_http_run */
   bool cancel_stopped; /* ... as finished by a stop string (CancelRequest.stopped) */
   bool broken;         /* the stream could not be built (out of memory): it ends with an error */
+  bool failing;        /* an error event is being written (tw_http_check: no second one) */
   unsigned status;     /* the answer decided before any stream: status + body */
   char *answer;
   tw_tok_buf_t out;    /* SSE bytes not yet written */

@@ -522,9 +522,8 @@ static TW_NODISCARD tw_status_t tw_tok_stream_emit(const unsigned char *p, size_
 
 TW_NODISCARD tw_status_t tw_tok_stream_push(tw_tok_stream_t *s, int32_t id, tw_tok_buf_t *out) {
   const tw_tokenizer_t *t = s->tok;
-  if (id < 0 || id >= t->n_ids || t->tok_len[id] == TW_TOK_NO_TOKEN)
-    return tw_err_quiet(TW_ERR_OUT_OF_RANGE, "token id %d has no bytes (tokenizer has %d ids)",
-                        id, t->n_ids);
+  if (id < 0) return tw_err_quiet(TW_ERR_OUT_OF_RANGE, "token id %d is negative", id);
+  if (id >= t->n_ids || t->tok_len[id] == TW_TOK_NO_TOKEN) return TW_OK; /* no text: skipped */
   if ((s->flags & TW_TOK_SKIP_SPECIAL) && (t->tok_flags[id] & TW_TOK_F_SPECIAL)) return TW_OK;
   const unsigned char *b = (const unsigned char *)t->bytes + t->tok_off[id];
   size_t n = t->tok_len[id];

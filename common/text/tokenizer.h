@@ -152,10 +152,13 @@ TW_NODISCARD tw_status_t tw_tokenizer_decode(const tw_tokenizer_t *tok, const in
 /** Start a streaming decode (spec §5.3: buffer incomplete UTF-8 across tokens). */
 void tw_tok_stream_init(tw_tok_stream_t *s, const tw_tokenizer_t *tok, unsigned flags);
 
-/** Feed one id; append to `out` every complete character now known. Bytes that
- *  can never become valid UTF-8 come out as U+FFFD (one per maximal invalid
- *  subpart, as Rust's from_utf8_lossy); an unfinished sequence is held back.
- *  TW_ERR_OUT_OF_RANGE for an id without bytes (state unchanged). */
+/** Feed one id (of a model's output); append to `out` every complete character
+ *  now known. Bytes that can never become valid UTF-8 come out as U+FFFD (one
+ *  per maximal invalid subpart, as Rust's from_utf8_lossy); an unfinished
+ *  sequence is held back. An id >= 0 without bytes (the model's embedding
+ *  past the tokenizer, 201,088 against 200,019 ids for gpt-oss, spec §6.10:
+ *  a sampler can draw one) adds nothing, as Hugging Face's decoder skips ids
+ *  it does not know. TW_ERR_OUT_OF_RANGE for a negative id (state unchanged). */
 TW_NODISCARD tw_status_t tw_tok_stream_push(tw_tok_stream_t *s, int32_t id, tw_tok_buf_t *out);
 
 /** End of stream: a held-back unfinished sequence becomes U+FFFD. */

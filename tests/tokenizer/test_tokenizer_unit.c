@@ -60,6 +60,22 @@ int main(int argc, char **argv) {
   size_t bn;
   EXPECT(tw_tokenizer_token_bytes(tok, 8021, &b, &bn) == TW_ERR_OUT_OF_RANGE, "id past the end");
   EXPECT(tw_tokenizer_token_bytes(tok, -1, &b, &bn) == TW_ERR_OUT_OF_RANGE, "negative id");
+  { /* a model's output id without bytes (past the tokenizer: the embedding is
+     * larger) adds nothing to a stream, and what follows decodes as before */
+    tw_tok_stream_t s;
+    tw_tok_buf_t o;
+    tw_tok_buf_init(&o);
+    tw_tok_stream_init(&s, tok, 0);
+    const int32_t a = byte_token(tok, 'a'), z = byte_token(tok, 'z');
+    EXPECT(tw_tok_stream_push(&s, a, &o) == TW_OK && tw_tok_stream_push(&s, 8039, &o) == TW_OK &&
+               tw_tok_stream_push(&s, 8021, &o) == TW_OK &&
+               tw_tok_stream_push(&s, z, &o) == TW_OK && o.len == 2 && !memcmp(o.data, "az", 2),
+           "stream: ids 8021 and 8039 (no bytes) between 'a' and 'z' give \"az\" (%zu bytes)",
+           o.len);
+    EXPECT(tw_tok_stream_push(&s, -1, &o) == TW_ERR_OUT_OF_RANGE && o.len == 2,
+           "stream: a negative id is refused, nothing added");
+    tw_tok_buf_fini(&o);
+  }
 
   tw_token_ids_t ids;
   tw_token_ids_init(&ids);
