@@ -78,7 +78,14 @@ static bool tw_bool(tw_hconn_t *c, const cJSON *o, const char *k, bool *out) {
 
 /* Parameters this server does not implement: a clear 400 naming them
  * (unknown fields are ignored, as OpenAI's servers do). */
-typedef enum { TW_U_SET, TW_U_TRUE, TW_U_NONZERO, TW_U_NONEMPTY, TW_U_NOT_TEXT } tw_unsup_rule_t;
+typedef enum {
+  TW_U_SET,
+  TW_U_TRUE,
+  TW_U_NONZERO,
+  TW_U_NOT_ONE,
+  TW_U_NONEMPTY,
+  TW_U_NOT_TEXT
+} tw_unsup_rule_t;
 typedef struct {
   const char *key;
   tw_unsup_rule_t rule;
@@ -93,6 +100,7 @@ static bool tw_unsupported(tw_hconn_t *c, const cJSON *o, const tw_unsup_t *u, s
       case TW_U_SET: break;
       case TW_U_TRUE: bad = !cJSON_IsFalse(v); break;
       case TW_U_NONZERO: bad = !cJSON_IsNumber(v) || v->valuedouble != 0; break;
+      case TW_U_NOT_ONE: bad = !cJSON_IsNumber(v) || v->valuedouble != 1; break;
       case TW_U_NONEMPTY: bad = !(cJSON_IsObject(v) || cJSON_IsArray(v)) || cJSON_GetArraySize(v) > 0; break;
       case TW_U_NOT_TEXT: {
         const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
@@ -144,9 +152,23 @@ static bool tw_common(tw_hconn_t *c, const cJSON *root, const char *max_key, con
     return false;
   }
   if (so && !tw_bool(c, so, "include_usage", &c->include_usage)) return false;
+  /* sampling fields of vLLM's that clients send through extra_body: top_k is
+   * served (-1 or 0: no cut), the others would change the output if they
+   * were dropped, so they are refused unless they say "off" */
+  static const tw_unsup_t extra[] = {{"min_p", TW_U_NONZERO},
+                                     {"repetition_penalty", TW_U_NOT_ONE},
+                                     {"min_tokens", TW_U_NONZERO},
+                                     {"ignore_eos", TW_U_TRUE}};
+  int64_t top_k = 0;
+  if (!tw_unsupported(c, root, extra, sizeof extra / sizeof extra[0]) ||
+      !tw_int(c, root, "top_k", -1, 1e9, &top_k))
+    return false;
   if (!tw_num(c, root, "temperature", &temperature) || !tw_num(c, root, "top_p", &top_p) ||
       !tw_int(c, root, "seed", -9.2e18, 1.8e19, &seed))
     return false;
+  /* top_p 0 keeps only the most likely token (OpenAI's meaning): greedy, as
+   * the sampler's 0 means "no nucleus" (the protobuf default) */
+  if (tw_field(root, "top_p") && top_p == 0) temperature = 0;
   if (!tw_int(c, root, max_key, -1e9, 1e9, &max)) return false;
   if (!max && alt_key && !tw_int(c, root, alt_key, -1e9, 1e9, &max)) return false;
   bool explicit_max = tw_field(root, max_key) || (alt_key && tw_field(root, alt_key));
@@ -159,6 +181,7 @@ static bool tw_common(tw_hconn_t *c, const cJSON *root, const char *max_key, con
   }
   s->sp.temperature = (float)temperature;
   s->sp.top_p = (float)top_p;
+  s->sp.top_k = top_k > 0 ? (int32_t)top_k : 0;
   s->sp.seed = (uint64_t)seed;
   s->sp.explicit_seed = tw_field(root, "seed") != NULL;
   s->sp.max_tokens = explicit_max ? (int32_t)max : default_max;

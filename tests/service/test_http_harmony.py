@@ -424,6 +424,23 @@ try:
           "completions seed / temperature reach the workers (%s)" % (last_sampling(),))
     st, r = api.post("/v1/completions", {"prompt": "Once", "seed": 0, "temperature": 0.7})
     check(st == 200 and last_sampling()[3] == 0, "completions seed 0 is a seed (%s)" % (last_sampling(),))
+    # top_p 0 is OpenAI's "only the most likely token" (the sampler's 0 is "no
+    # nucleus": it sampled from everything); vLLM's top_k is served, and its
+    # other sampling fields are refused unless they say "off" (they were dropped)
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "top_p": 0, "temperature": 1.2})
+    check(st == 200 and near(last_sampling()[0], 0.0), "top_p 0: greedy, temperature 0 (%s)" % (last_sampling(),))
+    st, r = api.post("/v1/completions", {"prompt": "Once", "top_k": 5})
+    check(st == 200 and last_sampling()[2] == 5, "top_k 5 reaches the workers (%s)" % (last_sampling(),))
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "top_k": -1})
+    check(st == 200 and last_sampling()[2] == 0, "top_k -1: no cut (%s)" % (last_sampling(),))
+    for body, key in (({"top_k": -2}, "top_k"), ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.3},
+                      "repetition_penalty"), ({"min_tokens": 4}, "min_tokens"), ({"ignore_eos": True},
+                                                                                   "ignore_eos")):
+        st, r = api.post("/v1/chat/completions", dict(body, messages=USER))
+        check(st == 400 and r["error"]["param"] == key, "%s: 400 naming it (%s %s)" % (body, st, r))
+    st, r = api.post("/v1/completions", {"prompt": "Once", "min_p": 0, "repetition_penalty": 1,
+                                         "ignore_eos": False, "min_tokens": 0})
+    check(st == 200, "the same fields saying off: served (%s)" % st)
     drawn = []
     for body in ({"prompt": "Once", "temperature": 0.7}, {"prompt": "Once", "temperature": 0.7},
                  {"messages": USER}, {"messages": USER, "seed": None}):
