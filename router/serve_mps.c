@@ -89,7 +89,7 @@ static void tw_mps_sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
-pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd) {
+pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd, int death_sig) {
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid != 0) return pid;
@@ -97,7 +97,7 @@ pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd) {
   sigemptyset(&none);
   sigprocmask(SIG_SETMASK, &none, NULL);
   setpgid(0, 0); /* Ctrl-C reaches serve only; serve stops its children in order */
-  prctl(PR_SET_PDEATHSIG, SIGTERM);  /* and if serve itself is killed, they stop */
+  prctl(PR_SET_PDEATHSIG, death_sig); /* and if serve itself is killed, they stop */
   if (getppid() != parent) _exit(1); /* serve died before prctl: do not linger */
   if (in_fd >= 0) dup2(in_fd, 0);
   if (out_fd >= 0) {
@@ -227,7 +227,7 @@ static void tw_mps_log_tail(const tw_mps_t *m, char *out, size_t len) {
 static pid_t tw_mps_run(const char *bin, const char *arg, int in_fd) {
   char *argv[] = {(char *)bin, (char *)arg, NULL};
   int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-  pid_t pid = tw_serve_spawn(argv, in_fd >= 0 ? in_fd : null, null);
+  pid_t pid = tw_serve_spawn(argv, in_fd >= 0 ? in_fd : null, null, SIGTERM);
   if (null >= 0) close(null);
   return pid;
 }

@@ -80,12 +80,13 @@ TW_NODISCARD tw_status_t tw_mps_start(tw_mps_t *m, const char *bin, const char *
 void tw_mps_stop(tw_mps_t *m);
 
 /** Starts argv[0] (argv NULL-terminated) as a child of serve: signals
- *  unblocked, its own process group (Ctrl-C reaches serve only), SIGTERM
- *  when serve dies; stdin from in_fd and stdout/stderr to out_fd where they
- *  are >= 0 (else inherited). Returns its pid, or -1 when fork fails (errno
- *  set); a program that cannot be run exits 127. The workers and the MPS
- *  control daemon. */
-pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd);
+ *  unblocked, its own process group (Ctrl-C reaches serve only), `death_sig`
+ *  when serve dies (SIGKILL for a worker: its router died with serve, so a
+ *  drain would decode for nobody while holding the GPU; SIGTERM for the MPS
+ *  control daemon's own shutdown); stdin from in_fd and stdout/stderr to
+ *  out_fd where they are >= 0 (else inherited). Returns its pid, or -1 when
+ *  fork fails (errno set); a program that cannot be run exits 127. */
+pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd, int death_sig);
 
 /** Waits up to `ms` for the child `pid` to exit and reaps it; false if it
  *  still runs then. */

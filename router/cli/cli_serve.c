@@ -222,7 +222,7 @@ static int tw_serve_link_keys(void) {
  * when fork failed (w->pid 0: the caller schedules another try). */
 static bool tw_serve_slot_spawn(tw_serve_slot_t *w, int64_t now) {
   w->av[w->ac_name] = w->name;
-  w->pid = tw_serve_spawn(w->av, -1, -1);
+  w->pid = tw_serve_spawn(w->av, -1, -1, SIGKILL);
   w->started_ns = now;
   w->next_start_ns = 0;
   if (w->pid > 0) return true;

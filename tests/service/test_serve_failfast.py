@@ -14,7 +14,9 @@ restarting it (it used to restart each worker five times over 17 s):
   error, until a restart serves again;
 - a decode worker killed six times in a row is not restarted a sixth time,
   and from then on a request fails at once (UNAVAILABLE, "none will be
-  restarted") instead of waiting out --pool-grace-ms.
+  restarted") instead of waiting out --pool-grace-ms;
+- serve killed with SIGKILL mid-answer takes its workers with it (a decode
+  worker drained on its own before, decoding for nobody).
 Every wait is bounded."""
 import os
 import shutil
@@ -111,6 +113,33 @@ check(serve_p.seen(r"INFO .*worker decode-0-\d+-r1 \(pid \d+\) drained and exite
 check(serve_p.count(r"restart 2 of") == 0, "a drained exit is not counted as a crash")
 rc = serve_p.stop(signal.SIGTERM, 30)
 check(rc == 0, "serve stops cleanly (rc %s)" % rc)
+
+# serve killed (kill -9, the OOM killer) while a long answer is decoded: its
+# workers go with it (their router was inside serve); the decode worker used
+# to drain on its own, decoding for nobody
+serve_p = svc.Proc([TWAIN, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--http-port", "-1",
+                    "--backend", "cpu", "--threads", "1"], "serve", env=e)
+ready = serve_p.wait_line(r"twain serve: ready.*clients at (\S+)", 60)
+kids = decode_children(serve_p) + subprocess.run(["pgrep", "-P", str(serve_p.p.pid), "-f", "twain-prefill"],
+                                                 capture_output=True, text=True).stdout.split()
+gens = [subprocess.Popen([TWAIN, "generate", "--endpoint", ready.group(1), "--max-tokens", "4000", "--timeout-ms",
+                          "20000", "1", "2", str(3 + i)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for i in range(5)]
+time.sleep(2.0)  # the answers are being decoded
+serve_p.p.send_signal(signal.SIGKILL)
+serve_p.p.wait(10)
+end = time.monotonic() + 5
+while time.monotonic() < end and any(os.path.exists("/proc/%s" % k) for k in kids):
+    time.sleep(0.1)
+alive = [k for k in kids if os.path.exists("/proc/%s" % k) and
+         "Z" not in open("/proc/%s/stat" % k).read().split(")")[-1].split()[:1]]
+check(len(kids) == 2 and not alive, "kill -9 of serve: its prefill and decode workers %s are gone within 5 s "
+      "(alive: %s)" % (kids, alive))
+for k in alive:
+    os.kill(int(k), signal.SIGKILL)
+for g in gens:
+    g.kill()
+    g.wait(10)
 
 # a restart that cannot start (here: the killed decode worker's metrics port
 # is taken before its restart binds it, so the restart exits 78) is retried
