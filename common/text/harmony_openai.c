@@ -22,8 +22,11 @@ static TW_NODISCARD tw_status_t tw_check_utf8(const char *s, const char *path) {
   return TW_OK;
 }
 
-/* Message content: a string, null, or [{type: text, text}...] joined. The
- * result (malloc'd, "" for null/absent) goes to *out_p. */
+/* Message content: a string, null, or text parts ({type: text | input_text |
+ * output_text, text}, or bare strings) joined with "\n" between them, as
+ * vLLM does (an instruction part and a document part stay apart); a part of
+ * another type (an image, audio, a file) is refused. The result (malloc'd, ""
+ * for null/absent) goes to *out_p. */
 static TW_NODISCARD tw_status_t tw_content_text(const cJSON *content, const char *path,
                                                 char **out_p) {
   tw_tok_buf_t b;
@@ -36,13 +39,20 @@ static TW_NODISCARD tw_status_t tw_content_text(const cJSON *content, const char
     const cJSON *part;
     cJSON_ArrayForEach(part, content) {
       const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
+      const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
       if (cJSON_IsString(part)) text = part;
-      if (!cJSON_IsString(text)) {
-        st = BAD("%s[%d]: only text parts are supported ({\"type\":\"text\",\"text\":...})",
-                 path, i);
+      if (!cJSON_IsString(text) ||
+          (type && !(cJSON_IsString(type) && (!strcmp(type->valuestring, "text") ||
+                                              !strcmp(type->valuestring, "input_text") ||
+                                              !strcmp(type->valuestring, "output_text"))))) {
+        st =
+            BAD("%s[%d]: only text parts are supported ({\"type\":\"text\",\"text\":...}%s%.40s%s)",
+                path, i, cJSON_IsString(type) ? "; not \"" : "",
+                cJSON_IsString(type) ? type->valuestring : "", cJSON_IsString(type) ? "\"" : "");
         break;
       }
-      st = tw_tok_buf_append(&b, text->valuestring, strlen(text->valuestring));
+      if (i > 0) st = tw_tok_buf_append(&b, "\n", 1);
+      if (st == TW_OK) st = tw_tok_buf_append(&b, text->valuestring, strlen(text->valuestring));
       if (st < 0) break;
       i++;
     }

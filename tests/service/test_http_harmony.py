@@ -363,6 +363,22 @@ try:
     check(st == 400 and r["error"]["param"] == "text.format", "text.format json_schema: 400 (%s)" % r)
     st, r = api.post("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
     check(st == 400 and "wizard" in r["error"]["message"], "unknown role: 400 (%s)" % r)
+    # text parts are joined with a newline between them (vLLM's way; they ran
+    # together: "Summarize:<document>"), in chat and in Responses input; a part
+    # that is not text is refused, naming its type (it was read if it had a "text")
+    script("<|channel|>final<|message|>ok<|return|>")
+    joined = render({"messages": [{"role": "user", "content": "Summarize this:\nThe dog barked."}]})
+    st, r = api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Summarize this:"}, {"type": "text", "text": "The dog barked."}]}]})
+    check(st == 200 and last_prompt() == joined, "chat text parts: joined with a newline (%s)" % st)
+    st, r = api.post("/v1/responses", {"input": [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "Summarize this:"}, {"type": "input_text", "text": "The dog barked."}]}]})
+    check(st == 200 and last_prompt() == joined, "responses input_text parts: the same prompt (%s)" % st)
+    st, r = api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "text": "x",
+                                                     "image_url": {"url": "data:image/png;base64,AA=="}}]}]})
+    check(st == 400 and "image_url" in r["error"]["message"] and "content[1]" in r["error"]["message"],
+          "an image part: 400 naming it (%s)" % r)
     st, r = api.post("/v1/chat/completions", {"model": "gpt-4o", "messages": USER})
     check(st == 404 and r["error"]["code"] == "model_not_found", "another model: 404 model_not_found")
     # bytes cJSON would pass through or cut: refused, and every answer is UTF-8 JSON (.decode() in post)
