@@ -523,7 +523,8 @@ TW_NODISCARD tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
     h->boot = (uint32_t)(tw_msg_clock_ns() ^ (uint64_t)getpid() << 16);
   h->m_requests = tw_metrics_counter(r->metrics, "router_http_requests_total", "HTTP API requests");
   h->m_errors = tw_metrics_counter(r->metrics, "router_http_errors_total",
-                                   "HTTP API requests answered with an error (status >= 400)");
+                                   "HTTP API requests answered with an error (status >= 400, "
+                                   "or a stream ended by an error event)");
   tw_model_name(p->served_model_name, p->model_dir, h->model, sizeof h->model);
   unsigned flags = MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG |
                    (v6 ? MHD_USE_IPv6 : 0);

@@ -512,7 +512,8 @@ static const char *tw_error_param(const tw_hconn_t *c, const char *msg) {
   const char *input = c->kind == TW_HK_CHAT        ? "messages"
                       : c->kind == TW_HK_RESPONSES ? "input"
                                                    : "prompt";
-  if (tw_http_msg_context(msg) || strstr(msg, "prompt of")) return input;
+  if (tw_http_msg_context(msg) || strstr(msg, "prompt of") || !strncmp(msg, "prompt_ids[", 11))
+    return input;
   if (!strncmp(msg, "max_tokens", 10)) return c->max_key ? c->max_key : "max_tokens";
   if (!strncmp(msg, "chat: tools[", 12) || !strncmp(msg, "tools[", 6)) return "tools";
   if (!strncmp(msg, "chat: messages", 14)) return input;

@@ -51,7 +51,7 @@ typedef struct {
 /* The options chat and generate share (opts.h rows), on tw_client_opts_t o. */
 #define TW_CLIENT_OPT_ROWS(o)                                                                      \
   TW_OPT_STR("endpoint", &(o).endpoint, "EP", "the router's client endpoint"),                     \
-      TW_OPT_INT("max-tokens", &(o).max_tokens, 0, INT32_MAX, "N",                                 \
+      TW_OPT_INT("max-tokens", &(o).max_tokens, 1, INT32_MAX, "N",                                 \
                  "generate at most N tokens (default: the server's)"),                             \
       TW_OPT_DOUBLE("temperature", &(o).temperature, 0, 100, "T", "sampling temperature"),         \
       TW_OPT_LONG("seed", &(o).seed, 0, LLONG_MAX, "S",                                            \

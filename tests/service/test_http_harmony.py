@@ -361,6 +361,9 @@ try:
     st, r = api.post("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                                                           "schema": {"type": "object"}}}})
     check(st == 400 and r["error"]["param"] == "text.format", "text.format json_schema: 400 (%s)" % r)
+    st, r = api.post("/v1/completions", {"prompt": [5, 999999999]})
+    check(st == 400 and r["error"]["param"] == "prompt" and "999999999" in r["error"]["message"],
+          "a prompt id outside the vocabulary: 400 with param prompt (%s)" % r)
     st, r = api.post("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
     check(st == 400 and "wizard" in r["error"]["message"], "unknown role: 400 (%s)" % r)
     # text parts are joined with a newline between them (vLLM's way; they ran

@@ -104,7 +104,8 @@ try:
         want = "router" if who == "router" else who.split("-")[0]
         check(('process="%s' % want) in text and 'model_name="' in text, "%s serves its metrics at %s" % (who, url))
     r = run("generate", "--endpoint", ep, "--max-tokens", "0", *[str(i) for i in ids])
-    check(r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr, "twain generate --max-tokens 0: %s" % r.stderr.strip())
+    check(r.returncode == 2 and "--max-tokens must be an integer in [1," in r.stderr,
+          "twain generate --max-tokens 0: a usage error, not sent (%s)" % r.stderr.strip())
     # sampling: --seed gives the same ids every time (0 too); without it every
     # run draws its own seed (OpenAI's behaviour), so sampled runs differ
 
