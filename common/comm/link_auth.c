@@ -329,6 +329,45 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
   return TW_OK;
 }
 
+void *tw_auth_client_watch(void *ctx, void *sock) {
+  static atomic_uint serial;
+  char ep[96];
+  snprintf(ep, sizeof ep, "inproc://tw-client-lost-%p-%u", sock, atomic_fetch_add(&serial, 1));
+  if (zmq_socket_monitor(sock, ep, ZMQ_EVENT_DISCONNECTED) != 0) return NULL;
+  void *mon = zmq_socket(ctx, ZMQ_PAIR);
+  if (!mon || zmq_connect(mon, ep) != 0) {
+    if (mon) zmq_close(mon);
+    zmq_socket_monitor(sock, NULL, 0);
+    return NULL;
+  }
+  return mon;
+}
+
+bool tw_auth_client_lost(void *watch) {
+  bool lost = false;
+  while (watch) {
+    zmq_msg_t ev, addr;
+    zmq_msg_init(&ev);
+    zmq_msg_init(&addr);
+    int n = zmq_msg_recv(&ev, watch, ZMQ_DONTWAIT);
+    if (n >= 6 && zmq_msg_recv(&addr, watch, 0) >= 0) {
+      uint16_t e;
+      memcpy(&e, zmq_msg_data(&ev), sizeof e);
+      lost |= e == ZMQ_EVENT_DISCONNECTED;
+    }
+    zmq_msg_close(&ev);
+    zmq_msg_close(&addr);
+    if (n < 0) break;
+  }
+  return lost;
+}
+
+void tw_auth_client_unwatch(void *sock, void *watch) {
+  if (!watch) return;
+  zmq_socket_monitor(sock, NULL, 0);
+  zmq_close(watch);
+}
+
 /* ---- the guard thread ---------------------------------------------------------- */
 
 struct tw_auth_guard {

@@ -147,6 +147,22 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
                                              const tw_auth_keys_t *keys, int timeout_ms, int hwm,
                                              void **sock_p);
 
+/** A watch on the connection of a client socket of tw_auth_client_open (in
+ *  context `ctx`): a PAIR socket to poll (ZMQ_POLLIN) beside `sock`, readable
+ *  when libzmq reports the connection closed (ZMQ_EVENT_DISCONNECTED: the
+ *  router stopped or crashed; the router's replies follow a connection, so
+ *  what was in flight on it is lost even if the socket connects again).
+ *  NULL when the watch cannot be set up (nothing to poll: the caller's
+ *  timeouts still bound its waits). Stop it with tw_auth_client_unwatch. */
+void *tw_auth_client_watch(void *ctx, void *sock);
+
+/** Whether the watch saw the connection close (reads every event waiting on
+ *  it; false for a NULL watch). */
+bool tw_auth_client_lost(void *watch);
+
+/** Stops the watch of `sock` and closes it (NULL: nothing). */
+void tw_auth_client_unwatch(void *sock, void *watch);
+
 /** The ZAP handler of a ZeroMQ context plus a watcher of handshake failures:
  *  one thread that answers ZAP requests (accepts CURVE with the key set's
  *  client key, refuses every other key and mechanism) and logs each refused

@@ -373,11 +373,35 @@ static void tw_bench_progress(tw_bench_t *b, double now, bool last) {
   fflush(stderr);
 }
 
+/* The router's connection closed (it stopped or crashed): what runs can get
+ * no reply any more (lost, said so now instead of after --timeout-ms), and
+ * what was not sent fails UNAVAILABLE; the run ends. */
+static void tw_bench_conn_lost(tw_bench_t *b) {
+  static const char why[] = "the connection to the router closed (it stopped or crashed)";
+  fprintf(stderr, "\ntwain bench: %s: %d requests running are lost, %d not sent\n", why, b->running,
+          b->o.n - b->next);
+  for (int32_t i = 0; i < b->o.n; i++) {
+    tw_bench_req_t *q = &b->r[i];
+    if (q->state == TW_BR_RUNNING) {
+      snprintf(q->message, sizeof q->message, "%s", why);
+      tw_bench_finish(b, q, TW_BO_LOST, 0);
+    } else if (q->state == TW_BR_PENDING) {
+      snprintf(q->message, sizeof q->message, "not sent: %s", why);
+      q->state = TW_BR_DONE;
+      q->outcome = TW_BO_FAILED;
+      q->code = TWAIN__V1__CODE__UNAVAILABLE;
+      q->t_done = tw_bench_now_s() - b->t0_s;
+      b->n_done++;
+    }
+  }
+  b->next = b->o.n;
+}
+
 /* The whole run: send on schedule, read replies, time out silent requests. */
 static int tw_bench_loop(tw_bench_t *b) {
   const tw_bench_opts_t *o = &b->o;
-  zmq_pollitem_t *items = malloc(sizeof *items * (size_t)(o->concurrency + 1));
-  int32_t *item_req = malloc(sizeof(int32_t) * (size_t)(o->concurrency + 1));
+  zmq_pollitem_t *items = malloc(sizeof *items * (size_t)(o->concurrency + 2));
+  int32_t *item_req = malloc(sizeof(int32_t) * (size_t)(o->concurrency + 2));
   if (!items || !item_req) {
     free(items);
     free(item_req);
@@ -387,6 +411,7 @@ static int tw_bench_loop(tw_bench_t *b) {
   b->t0_s = tw_bench_now_s();
   double next_progress = 1.0;
   int rc = 0;
+  void *watch = tw_auth_client_watch(b->ctx, b->sock); /* the router's death ends the run */
   while (b->n_done < o->n) {
     double now = tw_bench_now_s() - b->t0_s;
     while (b->next < o->n && b->running < o->concurrency && b->r[b->next].t_arrive <= now) {
@@ -399,6 +424,10 @@ static int tw_bench_loop(tw_bench_t *b) {
     int n = 0;
     items[n] = (zmq_pollitem_t){.socket = b->sock, .events = ZMQ_POLLIN};
     item_req[n++] = -1;
+    if (watch) {
+      items[n] = (zmq_pollitem_t){.socket = watch, .events = ZMQ_POLLIN};
+      item_req[n++] = -2;
+    }
     for (int32_t i = 0; i < b->next && n <= o->concurrency; i++)
       if (b->r[i].sock && b->r[i].state == TW_BR_RUNNING) {
         items[n] = (zmq_pollitem_t){.socket = b->r[i].sock, .events = ZMQ_POLLIN};
@@ -414,10 +443,17 @@ static int tw_bench_loop(tw_bench_t *b) {
       rc = -1;
       goto out;
     }
+    bool lost = false;
     for (int k = 0; k < n; k++)
-      if (items[k].revents & ZMQ_POLLIN) {
+      if ((items[k].revents & ZMQ_POLLIN) && item_req[k] == -2)
+        lost = tw_auth_client_lost(watch);
+      else if (items[k].revents & ZMQ_POLLIN)
         tw_bench_drain(b, item_req[k] < 0 ? &b->sock : &b->r[item_req[k]].sock);
-      }
+    if (lost) {
+      tw_bench_drain(b, &b->sock); /* what came before the close */
+      tw_bench_conn_lost(b);
+      break;
+    }
     now = tw_bench_now_s() - b->t0_s;
     for (int32_t i = 0; i < b->next; i++) {
       tw_bench_req_t *q = &b->r[i];
@@ -432,6 +468,7 @@ static int tw_bench_loop(tw_bench_t *b) {
     }
   }
 out:
+  tw_auth_client_unwatch(b->sock, watch);
   tw_bench_progress(b, tw_bench_now_s() - b->t0_s, true);
   free(items);
   free(item_req);

@@ -114,7 +114,7 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
     tw_call_fail(err, prog, "INVALID_ARGUMENT", "%s", tw_last_error());
     return 1;
   }
-  void *ctx = zmq_ctx_new(), *s = NULL;
+  void *ctx = zmq_ctx_new(), *s = NULL, *watch = NULL;
   tw_status_t os =
       ctx ? tw_auth_client_open(ctx, o->endpoint, &keys, sto, 0, &s)
           : tw_err(TW_ERR_TRANSPORT, "zmq_ctx_new failed: %s", zmq_strerror(zmq_errno()));
@@ -141,6 +141,7 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
     goto out;
   }
   int64_t t_end = tw_msg_clock_ns() + (int64_t)o->timeout_ms * 1000000;
+  watch = tw_auth_client_watch(ctx, s); /* a router that dies ends the wait at once */
   for (;;) {
     int64_t left = (t_end - tw_msg_clock_ns()) / 1000000;
     if (left <= 0) {
@@ -150,8 +151,18 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
                    o->endpoint, o->timeout_ms);
       goto out;
     }
+    zmq_pollitem_t it[2] = {{.socket = s, .events = ZMQ_POLLIN},
+                            {.socket = watch, .events = ZMQ_POLLIN}};
+    if (zmq_poll(it, watch ? 2 : 1, left) > 0 && !(it[0].revents & ZMQ_POLLIN) &&
+        tw_auth_client_lost(watch)) {
+      tw_call_fail(err, prog, "UNAVAILABLE",
+                   "the connection to the router at %s closed before the answer ended (the "
+                   "router stopped or crashed)",
+                   o->endpoint);
+      goto out;
+    }
     tw_msg_t m = {0};
-    tw_status_t st = tw_msg_recv(s, false, (int)left, &m);
+    tw_status_t st = tw_msg_recv(s, false, 0, &m);
     if (st == TW_INPROGRESS) continue;
     if (st != TW_OK) {
       tw_call_fail(err, prog, "UNAVAILABLE", "%s", tw_last_error());
@@ -184,6 +195,7 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
   }
 out:
   free(buf);
+  tw_auth_client_unwatch(s, watch);
   zmq_close(s);
   zmq_ctx_term(ctx);
   return rc;

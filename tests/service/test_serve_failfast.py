@@ -16,8 +16,11 @@ restarting it (it used to restart each worker five times over 17 s):
   and from then on a request fails at once (UNAVAILABLE, "none will be
   restarted") instead of waiting out --pool-grace-ms;
 - serve killed with SIGKILL mid-answer takes its workers with it (a decode
-  worker drained on its own before, decoding for nobody).
+  worker drained on its own before, decoding for nobody), and its clients
+  (`twain generate`, `twain bench`) see the connection close at once instead
+  of waiting out their timeout.
 Every wait is bounded."""
+import json
 import os
 import shutil
 import signal
@@ -123,11 +126,36 @@ ready = serve_p.wait_line(r"twain serve: ready.*clients at (\S+)", 60)
 kids = decode_children(serve_p) + subprocess.run(["pgrep", "-P", str(serve_p.p.pid), "-f", "twain-prefill"],
                                                  capture_output=True, text=True).stdout.split()
 gens = [subprocess.Popen([TWAIN, "generate", "--endpoint", ready.group(1), "--max-tokens", "4000", "--timeout-ms",
-                          "20000", "1", "2", str(3 + i)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for i in range(5)]
+                          "60000", "1", "2", str(3 + i)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for i in range(4)]
+bench_json = os.path.join(tmp, "bench.json")
+bench = subprocess.Popen([TWAIN, "bench", "--endpoint", ready.group(1), "--model", svc.MODEL, "--num-requests", "8",
+                          "--concurrency", "2", "--input-len", "8", "--output-len", "4000", "--timeout-ms", "60000",
+                          "--json", bench_json], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 time.sleep(2.0)  # the answers are being decoded
 serve_p.p.send_signal(signal.SIGKILL)
 serve_p.p.wait(10)
+t_kill = time.monotonic()
+# the clients see the router's connection close at once (they waited out
+# their --timeout-ms, 300 s by default, before)
+ends = []
+for g in gens + [bench]:
+    try:
+        _, err = g.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        g.kill()
+        _, err = g.communicate(timeout=10)
+    ends.append((g.returncode, time.monotonic() - t_kill, err.strip().splitlines()[-1:] if err else []))
+check(all(rc == 1 and dt < 5 and "connection to the router" in (e[0] if e else "") for rc, dt, e in ends[:-1]),
+      "kill -9 of serve: each twain generate ends within 5 s saying the connection closed: %s" % ends[:-1])
+try:
+    bj = json.load(open(bench_json))
+except (OSError, ValueError) as ex:
+    bj = {"error": str(ex)}
+check(ends[-1][0] == 1 and ends[-1][1] < 5 and bj.get("lost") == 2 and bj.get("completed", 0) == 0 and
+      bj.get("failures") == {"UNAVAILABLE": 6},
+      "and twain bench ends within 5 s: its 2 running requests lost, the 6 unsent UNAVAILABLE (%s; %s)" % (
+          ends[-1], {k: bj.get(k) for k in ("completed", "lost", "failures", "error")}))
 end = time.monotonic() + 5
 while time.monotonic() < end and any(os.path.exists("/proc/%s" % k) for k in kids):
     time.sleep(0.1)
@@ -137,9 +165,6 @@ check(len(kids) == 2 and not alive, "kill -9 of serve: its prefill and decode wo
       "(alive: %s)" % (kids, alive))
 for k in alive:
     os.kill(int(k), signal.SIGKILL)
-for g in gens:
-    g.kill()
-    g.wait(10)
 
 # a restart that cannot start (here: the killed decode worker's metrics port
 # is taken before its restart binds it, so the restart exits 78) is retried
