@@ -13,7 +13,7 @@
    -1294967296").
 1. a request that fits the sum of the replicas (46 blocks) but not one
    replica (15 + 380 tokens = 25 blocks > 23) can never be placed: the router
-   must refuse it at once with RESOURCE_EXHAUSTED naming the sizes, not keep
+   must refuse it at once with INVALID_ARGUMENT naming the sizes, not keep
    it queued until its deadline (10 minutes by default) while the client sees
    nothing. Bounded here by a 60 s wait against a 600 s deadline.
 2. fairness inside a replica: three equal requests A, B, C (8 blocks each)
@@ -111,7 +111,7 @@ try:
     try:
         rep = cl.wait([rid], 60)[0]
         err = rep[-1].error
-        check(err.code == svc.E["RESOURCE_EXHAUSTED"] and "%d kv blocks" % need in err.message,
+        check(err.code == svc.E["INVALID_ARGUMENT"] and "%d kv blocks" % need in err.message,
               "refused at once: code %d, %r" % (err.code, err.message))
         check(not svc.tokens_of(rep), "and no token streamed")
     except AssertionError as e:
