@@ -21,6 +21,7 @@ line); identity= or $TWAIN_IDENTITY_FILE names this client's key pair (a
 `twain keygen` file; default: a fresh pair), needed when the router admits
 only an allow-list of client keys."""
 import os
+import time
 
 import zmq
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -134,19 +135,43 @@ class Client:
             self.sock.setsockopt(zmq.CURVE_SERVERKEY, curve[0])
             self.sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[1])
             self.sock.setsockopt(zmq.CURVE_SECRETKEY, curve[2])
+        # the connection's closing (the router stopped or crashed) ends a wait
+        # at once: what was in flight on it can get no reply any more
+        self.mon = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(endpoint)
         self.next_id = 1
         self.last = None  # the done reply of the last request (usage, timings, finish_reason)
 
     def close(self):
+        self.sock.disable_monitor()
+        self.mon.close()
         self.sock.close()
+
+    def _lost(self):
+        """Whether the monitor saw the connection close (reads its events)."""
+        from zmq.utils.monitor import recv_monitor_message
+        lost = False
+        while self.mon.poll(0):
+            lost |= recv_monitor_message(self.mon)["event"] == zmq.EVENT_DISCONNECTED
+        return lost
 
     def _call(self, req):
         req.request_id = self.next_id
         self.next_id += 1
+        self._lost()  # a close before this request (the socket connects again) is not its
         self.sock.send(req.SerializeToString())
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.mon, zmq.POLLIN)
+        end = time.monotonic() + self.timeout_s
         while True:
-            if not self.sock.poll(int(self.timeout_s * 1000)):
+            ready = dict(poller.poll(max(0, int((end - time.monotonic()) * 1000))))
+            if self.sock not in ready:
+                if self.mon in ready and self._lost():
+                    raise TwainError("UNAVAILABLE", "the connection to the router closed before the "
+                                     "answer ended (the router stopped or crashed)")
+                if time.monotonic() < end:
+                    continue
                 raise TimeoutError("no reply within %.0f s (is `twain serve` running?)" % self.timeout_s)
             rep = self.ServerReply()
             rep.ParseFromString(self.sock.recv())

@@ -17,8 +17,8 @@ restarting it (it used to restart each worker five times over 17 s):
   restarted") instead of waiting out --pool-grace-ms;
 - serve killed with SIGKILL mid-answer takes its workers with it (a decode
   worker drained on its own before, decoding for nobody), and its clients
-  (`twain generate`, `twain bench`) see the connection close at once instead
-  of waiting out their timeout.
+  (`twain generate`, `twain bench`, the Python client) see the connection
+  close at once instead of waiting out their timeout.
 Every wait is bounded."""
 import json
 import os
@@ -26,11 +26,16 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 
 import svc
 from svc import check, finish
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "proto", "python"))
+import twain_client  # noqa: E402
 
 TWAIN = svc.bin_path("router", "twain")
 LIMIT_S = 3.0
@@ -132,6 +137,29 @@ bench_json = os.path.join(tmp, "bench.json")
 bench = subprocess.Popen([TWAIN, "bench", "--endpoint", ready.group(1), "--model", svc.MODEL, "--num-requests", "8",
                           "--concurrency", "2", "--input-len", "8", "--output-len", "4000", "--timeout-ms", "60000",
                           "--json", bench_json], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+py_end = {}
+
+
+def py_client():  # the Python client module, the same way
+    t = None
+    try:
+        c = twain_client.Client(ready.group(1), timeout_s=60)
+        list(c._call(_py_req(c)))
+    except Exception as ex:  # noqa: BLE001 (what it raised is the result)
+        t = ex
+    py_end["t"], py_end["ex"] = time.monotonic(), t
+
+
+def _py_req(c):
+    req = c.ClientRequest()
+    req.generate.prompt_ids.extend([1, 2, 9])
+    req.generate.stream = True
+    req.generate.sampling.max_tokens = 4000
+    return req
+
+
+py = threading.Thread(target=py_client, daemon=True)
+py.start()
 time.sleep(2.0)  # the answers are being decoded
 serve_p.p.send_signal(signal.SIGKILL)
 serve_p.p.wait(10)
@@ -148,6 +176,9 @@ for g in gens + [bench]:
     ends.append((g.returncode, time.monotonic() - t_kill, err.strip().splitlines()[-1:] if err else []))
 check(all(rc == 1 and dt < 5 and "connection to the router" in (e[0] if e else "") for rc, dt, e in ends[:-1]),
       "kill -9 of serve: each twain generate ends within 5 s saying the connection closed: %s" % ends[:-1])
+py.join(10)
+check(isinstance(py_end.get("ex"), twain_client.TwainError) and py_end["ex"].code == "UNAVAILABLE" and
+      py_end["t"] - t_kill < 5, "and the Python client raises UNAVAILABLE within 5 s: %r" % (py_end,))
 try:
     bj = json.load(open(bench_json))
 except (OSError, ValueError) as ex:
