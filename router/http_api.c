@@ -66,15 +66,20 @@ bool tw_http_check(tw_hconn_t *c, tw_status_t st) {
     c->want_cancel = true;
     c->h->pending_cancel = true;
   }
-  if (c->sse && !c->finished && !c->failing) { /* tell the client in the stream, as any error
-                                                * after its start (once: writing it may fail) */
+  /* a stream whose part could not be made (not a failed write: the output so
+   * far ends with whole events) ends with its error event, as any error after
+   * its start; a write that failed (out of memory) may have left half an
+   * event, so that stream, or an error event that could not be written, is
+   * cut off instead */
+  if (c->sse && !c->finished && !c->failing && st != TW_ERR_NO_MEMORY) {
     c->failing = true;
     tw_http_fail(c, 500, NULL, "the server could not build the %s: %s",
                  c->submitted ? "answer" : "request", tw_last_error());
     if (!c->broken) return false;
   }
-  if (c->sse) { /* not even that could be written: cut it off (tw_http_sse_reader) */
-    if (!c->broken) tw_metric_add(c->h->m_errors, 1);
+  if (c->sse) { /* cut it off (tw_http_sse_reader) */
+    if (!c->broken && !c->error_counted) tw_metric_add(c->h->m_errors, 1);
+    c->error_counted = true;
     c->broken = true;
     c->finished = true;
   } else {
@@ -85,7 +90,7 @@ bool tw_http_check(tw_hconn_t *c, tw_status_t st) {
 }
 
 void tw_http_out(tw_hconn_t *c, const char *s, size_t len) {
-  if (c->broken) return;
+  if (c->broken || (c->sse && c->finished && c->failing)) return; /* ended by its error event */
   if (c->out_off && c->out_off == c->out.len) c->out.len = c->out_off = 0;
   tw_http_check(c, tw_tok_buf_append(&c->out, s, len));
 }
@@ -166,7 +171,8 @@ void tw_http_fail(tw_hconn_t *c, unsigned status, const char *param, const char 
   tw_utf8_escape(raw, msg, sizeof msg);
   TW_LOG(status >= 500 ? TW_LOG_INFO : TW_LOG_DEBUG, "http", "request %llu: %u %s",
          (unsigned long long)c->serial, status, msg);
-  tw_metric_add(c->h->m_errors, 1);
+  if (!c->error_counted) tw_metric_add(c->h->m_errors, 1);
+  c->error_counted = true;
   if (!c->sse) {
     tw_http_set_answer(c, status, tw_http_error_obj(status, param, msg));
     return;

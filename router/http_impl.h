@@ -57,6 +57,7 @@ typedef struct tw_hconn {
   bool cancel_stopped; /* ... as finished by a stop string (CancelRequest.stopped) */
   bool broken;         /* the stream could not be built (out of memory): it ends with an error */
   bool failing;        /* an error event is being written (tw_http_check: no second one) */
+  bool error_counted;  /* in router_http_errors_total already */
   unsigned status;     /* the answer decided before any stream: status + body */
   char *answer;
   tw_tok_buf_t out;    /* SSE bytes not yet written */

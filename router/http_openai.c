@@ -168,7 +168,8 @@ static bool tw_common(tw_hconn_t *c, const cJSON *root, const char *max_key, con
     return false;
   /* top_p 0 keeps only the most likely token (OpenAI's meaning): greedy, as
    * the sampler's 0 means "no nucleus" (the protobuf default) */
-  if (tw_field(root, "top_p") && top_p == 0) temperature = 0;
+  if (tw_field(root, "top_p") && top_p == 0 && temperature >= 0 && temperature <= 100)
+    temperature = 0; /* a temperature out of range stays, for the router to refuse */
   if (!tw_int(c, root, max_key, -1e9, 1e9, &max)) return false;
   if (!max && alt_key && !tw_int(c, root, alt_key, -1e9, 1e9, &max)) return false;
   bool explicit_max = tw_field(root, max_key) || (alt_key && tw_field(root, alt_key));
@@ -404,8 +405,9 @@ static const char *tw_resp_input(const cJSON *input, cJSON *msgs, char *err, siz
       tw_status_t as = TW_OK;
       for (int pass = 0; pass < 2 && !b.len; pass++) {
         const cJSON *parts = cJSON_GetObjectItemCaseSensitive(it, pass ? "summary" : "content"), *p;
-        cJSON_ArrayForEach(p, parts) {
+        cJSON_ArrayForEach(p, parts) { /* joined as message parts are (harmony_openai.c) */
           const cJSON *text = cJSON_GetObjectItemCaseSensitive(p, "text");
+          if (cJSON_IsString(text) && as == TW_OK && b.len) as = tw_tok_buf_append(&b, "\n", 1);
           if (cJSON_IsString(text) && as == TW_OK)
             as = tw_tok_buf_append(&b, text->valuestring, strlen(text->valuestring));
         }

@@ -861,11 +861,17 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
     /* decode worker with the most free blocks that can hold prompt + max_tokens
      * (for a resumed request: its context + what is left, the same sum) */
     tw_rworker_t *best = NULL;
-    int32_t best_free = -1, need = 0, largest = 0, largest_bs = 0, n_open = 0, n_never = 0;
+    int32_t best_free = -1, need = 0, largest = 0, n_open = 0, n_never = 0, n_draining = 0;
+    int64_t largest_tokens =
+        0; /* what the largest pool holds, in tokens (block sizes may differ) */
     bool largest_dp = false;
     for (int32_t i = 0; i < r->n_workers; i++) {
       tw_rworker_t *w = &r->workers[i];
-      if (w->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE || w->draining) continue;
+      if (w->pool != TWAIN__INTERNAL__V1__POOL__POOL_DECODE) continue;
+      if (w->draining) { /* may be larger than the rest: no verdict of "never" meanwhile */
+        n_draining++;
+        continue;
+      }
       /* one a send just failed to: counted as open (a request too large for
        * every pool still fails at once) but given nothing until then */
       const bool open = tw_router_worker_open(w, now);
@@ -873,9 +879,9 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
       /* what one sequence can ever get there: one replica's pool (dp) or the pool */
       int32_t size = w->replica_total_blocks > 0 ? w->replica_total_blocks : w->total_blocks;
       n_open++;
-      if (size > largest) {
+      if ((int64_t)size * w->block_size > largest_tokens) {
         largest = size;
-        largest_bs = w->block_size;
+        largest_tokens = (int64_t)size * w->block_size;
         largest_dp = w->replica_total_blocks > 0;
       }
       if (size > 0 && n > size) {
@@ -902,14 +908,15 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
         need = n;
       }
     }
-    if (!best && n_open > 0 && n_never == n_open) {
+    if (!best && n_open > 0 && n_never == n_open && n_draining == 0) {
       /* larger than any decode worker (or dp replica) could ever hold: no
        * wait for room helps. A max_tokens the client did not give shrinks
        * to what the largest one holds, as it does to the model's context
        * (while that still leaves a token to produce); otherwise the request
        * is refused now, as an error of the request (a retry cannot help),
-       * instead of waiting for its deadline */
-      const int64_t room = (int64_t)largest * largest_bs - q->n_prompt;
+       * instead of waiting for its deadline; a stream resumed after its
+       * worker was lost (n_out > 0) lost the one that held it: UNAVAILABLE */
+      const int64_t room = largest_tokens - q->n_prompt;
       if (q->max_default && room > q->n_out && room < q->max_tokens) {
         TW_DEBUG("router",
                  "request %llu: default max_tokens %d shrinks to %lld, what the largest decode "
@@ -920,12 +927,12 @@ void tw_router_schedule(tw_router_t *r, int64_t now) {
         k--; /* this request again, with its new size */
         continue;
       }
-      tw_router_fail(r, q, TWAIN__V1__CODE__INVALID_ARGUMENT,
-                     "request needs %d kv blocks (%d prompt + %d max_tokens tokens); the largest "
-                     "decode worker%s holds %d: lower max_tokens or shorten the prompt (or give "
-                     "the decode workers more --kv-blocks)",
-                     need, q->n_prompt, q->max_tokens, largest_dp ? " replica (--dp)" : "",
-                     largest);
+      tw_router_fail(
+          r, q, q->n_out > 0 ? TWAIN__V1__CODE__UNAVAILABLE : TWAIN__V1__CODE__INVALID_ARGUMENT,
+          "request needs %d kv blocks (%d prompt + %d max_tokens tokens); the largest "
+          "decode worker%s holds %d: lower max_tokens or shorten the prompt (or give "
+          "the decode workers more --kv-blocks)",
+          need, q->n_prompt, q->max_tokens, largest_dp ? " replica (--dp)" : "", largest);
       continue;
     }
     if (!best) break; /* admission control: wait for room (or the deadline), in order */

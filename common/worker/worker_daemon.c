@@ -150,8 +150,10 @@ int tw_worker_name_opt(const char *text, void *dst, char *err, size_t errlen) {
  * the worker now with a configuration error instead of after the load,
  * when the link would only log refused handshakes. A router that does not
  * answer within TW_WORKER_PROBE_MS (not started yet) is no error: the link
- * waits for it as before. */
-#define TW_WORKER_PROBE_MS 1500
+ * waits for it as before. A handshake ended without a word (libzmq cannot
+ * tell keys a router cannot decrypt from a router that died mid-handshake)
+ * is tried once more before it counts. */
+#define TW_WORKER_PROBE_MS (1500 * TW_SLOW_BUILD)
 static TW_NODISCARD tw_status_t tw_worker_probe_router(const tw_worker_t *w) {
   tw_auth_keys_t keys = {0};
   const char *inl = getenv(TW_AUTH_KEYS_ENV), *file = getenv(TW_AUTH_KEYS_FILE_ENV);
@@ -166,8 +168,15 @@ static TW_NODISCARD tw_status_t tw_worker_probe_router(const tw_worker_t *w) {
   }
   void *zctx = zmq_ctx_new(), *s = NULL;
   if (!zctx) return TW_OK;
-  tw_status_t st = tw_auth_client_open(zctx, w->router, &keys, TW_WORKER_PROBE_MS, 0, &s);
-  if (s) zmq_close(s);
+  /* twice: a router that went away in the middle of the first handshake
+   * (a restart) also ends it; refused keys are refused again */
+  tw_status_t st = TW_ERR_INVALID_ARGUMENT;
+  for (int attempt = 0; attempt < 2 && st == TW_ERR_INVALID_ARGUMENT; attempt++) {
+    if (attempt) nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
+    st = tw_auth_client_open(zctx, w->router, &keys, TW_WORKER_PROBE_MS, 0, &s);
+    if (s) zmq_close(s);
+    s = NULL;
+  }
   zmq_ctx_term(zctx);
   memset(&keys, 0, sizeof keys);
   if (st != TW_ERR_INVALID_ARGUMENT) return TW_OK; /* answered, absent, or for the link to say */

@@ -428,7 +428,7 @@ static int tw_bench_loop(tw_bench_t *b) {
       items[n] = (zmq_pollitem_t){.socket = watch, .events = ZMQ_POLLIN};
       item_req[n++] = -2;
     }
-    for (int32_t i = 0; i < b->next && n <= o->concurrency; i++)
+    for (int32_t i = 0; i < b->next && n < o->concurrency + 2; i++)
       if (b->r[i].sock && b->r[i].state == TW_BR_RUNNING) {
         items[n] = (zmq_pollitem_t){.socket = b->r[i].sock, .events = ZMQ_POLLIN};
         item_req[n++] = i;

@@ -124,6 +124,7 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
     if (ctx) zmq_ctx_term(ctx);
     return 1;
   }
+  watch = tw_auth_client_watch(ctx, s); /* a router that dies ends the wait at once */
   Twain__V1__ClientRequest keyed = *req;
   if (o->api_key && o->api_key[0]) keyed.api_key = (char *)o->api_key;
   size_t len = protobuf_c_message_get_packed_size(&keyed.base);
@@ -141,7 +142,6 @@ static int tw_client_call(const tw_client_opts_t *o, const Twain__V1__ClientRequ
     goto out;
   }
   int64_t t_end = tw_msg_clock_ns() + (int64_t)o->timeout_ms * 1000000;
-  watch = tw_auth_client_watch(ctx, s); /* a router that dies ends the wait at once */
   for (;;) {
     int64_t left = (t_end - tw_msg_clock_ns()) / 1000000;
     if (left <= 0) {

@@ -448,6 +448,9 @@ try:
     # other sampling fields are refused unless they say "off" (they were dropped)
     st, r = api.post("/v1/chat/completions", {"messages": USER, "top_p": 0, "temperature": 1.2})
     check(st == 200 and near(last_sampling()[0], 0.0), "top_p 0: greedy, temperature 0 (%s)" % (last_sampling(),))
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "top_p": 0, "temperature": 500})
+    check(st == 400 and "temperature" in r["error"]["message"],
+          "top_p 0 does not hide a temperature out of range: 400 (%s)" % r)
     st, r = api.post("/v1/completions", {"prompt": "Once", "top_k": 5})
     check(st == 200 and last_sampling()[2] == 5, "top_k 5 reaches the workers (%s)" % (last_sampling(),))
     st, r = api.post("/v1/chat/completions", {"messages": USER, "top_k": -1})

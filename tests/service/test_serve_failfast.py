@@ -125,9 +125,10 @@ check(rc == 0, "serve stops cleanly (rc %s)" % rc)
 # serve killed (kill -9, the OOM killer) while a long answer is decoded: its
 # workers go with it (their router was inside serve); the decode worker used
 # to drain on its own, decoding for nobody
-serve_p = svc.Proc([TWAIN, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "-1", "--http-port", "-1",
+serve_p = svc.Proc([TWAIN, "serve", "--listen", "tcp://127.0.0.1:0", "--metrics-port", "0", "--http-port", "-1",
                     "--backend", "cpu", "--threads", "1"], "serve", env=e)
 ready = serve_p.wait_line(r"twain serve: ready.*clients at (\S+)", 60)
+rport = int(serve_p.wait_line(r"twain serve: metrics: router http://127\.0\.0\.1:(\d+)/metrics", 10).group(1))
 kids = decode_children(serve_p) + subprocess.run(["pgrep", "-P", str(serve_p.p.pid), "-f", "twain-prefill"],
                                                  capture_output=True, text=True).stdout.split()
 gens = [subprocess.Popen([TWAIN, "generate", "--endpoint", ready.group(1), "--max-tokens", "4000", "--timeout-ms",
@@ -160,7 +161,9 @@ def _py_req(c):
 
 py = threading.Thread(target=py_client, daemon=True)
 py.start()
-time.sleep(2.0)  # the answers are being decoded
+# every client's request is being served (4 generate, 2 of bench, 1 Python)
+running = svc.wait_metric(rport, "twain_router_running_requests", 7, svc.scaled(30))
+check(running == 7, "7 answers are being decoded before the kill (%s)" % running)
 serve_p.p.send_signal(signal.SIGKILL)
 serve_p.p.wait(10)
 t_kill = time.monotonic()
@@ -190,8 +193,14 @@ check(ends[-1][0] == 1 and ends[-1][1] < 5 and bj.get("lost") == 2 and bj.get("c
 end = time.monotonic() + 5
 while time.monotonic() < end and any(os.path.exists("/proc/%s" % k) for k in kids):
     time.sleep(0.1)
-alive = [k for k in kids if os.path.exists("/proc/%s" % k) and
-         "Z" not in open("/proc/%s/stat" % k).read().split(")")[-1].split()[:1]]
+def running_pid(k):
+    try:  # a process, not a zombie (it may be reaped meanwhile)
+        return "Z" not in open("/proc/%s/stat" % k).read().split(")")[-1].split()[:1]
+    except OSError:
+        return False
+
+
+alive = [k for k in kids if running_pid(k)]
 check(len(kids) == 2 and not alive, "kill -9 of serve: its prefill and decode workers %s are gone within 5 s "
       "(alive: %s)" % (kids, alive))
 for k in alive:

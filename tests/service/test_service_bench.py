@@ -116,6 +116,14 @@ try:
           "the router counts 60 requests and 60 finished ones, disconnects included (%s finished)" %
           (finished_total(m1) - finished_total(m0)))
 
+    # disconnects at concurrency 1 (the default without --rate): the request's
+    # own socket is polled beside the shared one and the connection watch
+    # (it was left out, so its replies were never read: lost after --timeout-ms)
+    r, j = bench("--num-requests", 3, "--concurrency", 1, "--input-len", 16, "--output-len", 24,
+                 "--disconnect-prob", "1", "--seed", 5, timeout=60)
+    check(r.returncode == 0 and j and j["disconnected"] == 3 and j["lost"] == 0,
+          "three disconnects at concurrency 1: disconnected, none lost (%s)" % (j and outcomes(j)))
+
     # every request refused (prompts over the model's context): nothing was
     # measured, so exit 1 (it exited 0)
     r, j = bench("--num-requests", 2, "--input-len", 100000, "--output-len", 4)
