@@ -89,7 +89,28 @@ static void tw_mps_sleep_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
-pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd, int death_sig) {
+int tw_mps_first_opt(const char *text, void *dst, char *err, size_t errlen) {
+  tw_mps_first_t *f = dst;
+  if (!strcmp(text, "prefill"))
+    *f = TW_MPS_FIRST_PREFILL;
+  else if (!strcmp(text, "decode"))
+    *f = TW_MPS_FIRST_DECODE;
+  else if (!strcmp(text, "none"))
+    *f = TW_MPS_FIRST_NONE;
+  else {
+    snprintf(err, errlen, "must be prefill, decode or none, got '%s'", text);
+    return -1;
+  }
+  return 0;
+}
+
+const char *tw_mps_client_env(tw_mps_first_t first, bool prefill) {
+  const bool low =
+      (first == TW_MPS_FIRST_PREFILL && !prefill) || (first == TW_MPS_FIRST_DECODE && prefill);
+  return low ? "CUDA_MPS_CLIENT_PRIORITY=1" : NULL; /* 1: below normal (0 is normal) */
+}
+
+pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd, int death_sig, const char *env) {
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid != 0) return pid;
@@ -104,6 +125,7 @@ pid_t tw_serve_spawn(char *const argv[], int in_fd, int out_fd, int death_sig) {
     dup2(out_fd, 1);
     dup2(out_fd, 2);
   }
+  if (env) putenv((char *)env); /* the child's own copy of the environment */
   execv(argv[0], argv);
   fprintf(stderr, "twain serve: cannot run %s: %s\n", argv[0], strerror(errno));
   _exit(127);
@@ -227,7 +249,7 @@ static void tw_mps_log_tail(const tw_mps_t *m, char *out, size_t len) {
 static pid_t tw_mps_run(const char *bin, const char *arg, int in_fd) {
   char *argv[] = {(char *)bin, (char *)arg, NULL};
   int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-  pid_t pid = tw_serve_spawn(argv, in_fd >= 0 ? in_fd : null, null, SIGTERM);
+  pid_t pid = tw_serve_spawn(argv, in_fd >= 0 ? in_fd : null, null, SIGTERM, NULL);
   if (null >= 0) close(null);
   return pid;
 }

@@ -83,6 +83,7 @@ typedef struct {
   int64_t started_ns, next_start_ns; /* next_start_ns > 0: restart due then */
   bool gave_up;
   bool drained; /* it exited 0 (drained after a SIGTERM of its own): not a crash */
+  const char *env; /* under MPS: its client priority (tw_mps_client_env), or NULL */
 } tw_serve_slot_t;
 
 static volatile sig_atomic_t tw_serve_signal_g = 0;
@@ -222,7 +223,7 @@ static int tw_serve_link_keys(void) {
  * when fork failed (w->pid 0: the caller schedules another try). */
 static bool tw_serve_slot_spawn(tw_serve_slot_t *w, int64_t now) {
   w->av[w->ac_name] = w->name;
-  w->pid = tw_serve_spawn(w->av, -1, -1, SIGKILL);
+  w->pid = tw_serve_spawn(w->av, -1, -1, SIGKILL, w->env);
   w->started_ns = now;
   w->next_start_ns = 0;
   if (w->pid > 0) return true;
@@ -297,6 +298,7 @@ int tw_cli_serve(int argc, char **argv) {
   double mem_util = 0;
   bool verify = false, no_share = false;
   tw_mps_mode_t mps_mode = TW_MPS_OFF;
+  tw_mps_first_t mps_first = TW_MPS_FIRST_PREFILL;
   tw_backend_kind_t bk = TW_BACKEND_AUTO;
   /* prefill tp, ep, decode tp, ep, dp (issue 6) */
   int pv[5] = {1, 1, 1, 1, 1};
@@ -338,6 +340,10 @@ int tw_cli_serve(int argc, char **argv) {
                 "(kernels side by side instead of time slices; auto: where it\n"
                 "can start; default off: a killed worker takes the other one\n"
                 "down with it, docs/operations.md)"),
+      TW_OPT_FN("mps-first", &mps_first, tw_mps_first_opt, "prefill|decode|none",
+                "under MPS, whose kernels the GPU takes first: the other pool's\n"
+                "workers run at below-normal MPS client priority (default\n"
+                "prefill: more tokens/s and a lower TTFT, docs/benchmarks.md)"),
       TW_OPT_INT("prefill-tp", &pv[0], 1, 64, "N",
                  "tensor parallel ranks per prefill worker (docs/parallelism.md)"),
       TW_OPT_INT("prefill-ep", &pv[1], 1, 64, "N", "expert parallel ranks per prefill worker"),
@@ -514,6 +520,13 @@ int tw_cli_serve(int argc, char **argv) {
     snprintf(w->base, sizeof w->base, "%s-%d-%d", pre ? "prefill" : "decode", pre ? k : k - n_prefill,
              (int)getpid());
     memcpy(w->name, w->base, sizeof w->base); /* name[80] holds base[64] */
+    /* the priority is read by an MPS server only (this serve's, or the
+     * operator's named by CUDA_MPS_PIPE_DIRECTORY): harmless elsewhere */
+    const bool under_mps = mps.pid > 0 || getenv("CUDA_MPS_PIPE_DIRECTORY");
+    w->env = tw_mps_client_env(mps_first, pre);
+    if (w->env && under_mps && (k == 0 || k == n_prefill)) /* once: the first it applies to */
+      TW_INFO("serve", "cuda mps: %s workers run at below-normal client priority (--mps-first %s)",
+              pre ? "prefill" : "decode", mps_first == TW_MPS_FIRST_DECODE ? "decode" : "prefill");
     char **av = w->av;
     int c = 0;
     av[c++] = pre ? prefill_bin : decode_bin;

@@ -13,6 +13,8 @@
  * error naming its log line with nothing left behind; a private directory
  * is named after its serve's pid and replaces those of serves that no longer
  * run (only those: a live serve's, another name's, another pattern's stay).
+ * --mps-first: the pool whose workers get the below-normal client priority,
+ * and a worker spawned with it sees it in its environment.
  * Every wait is bounded
  * (the daemon stand-in gives up after 20 s by itself). */
 #include "router/serve_mps.h"
@@ -92,6 +94,47 @@ static void test_mode_opt(void) {
   EXPECT(tw_mps_mode_opt("yes", &m, err, sizeof err) == -1 && strstr(err, "off, auto or on") &&
              m == TW_MPS_AUTO,
          "bad value: -1, message '%s', value kept", err);
+}
+
+/* --mps-first: which pool's workers get the below-normal MPS client priority,
+ * and a worker spawned with it (tw_serve_spawn) sees it in its environment */
+static void test_first(void) {
+  tw_test_case = "mps first";
+  tw_mps_first_t f = TW_MPS_FIRST_NONE;
+  char err[128] = "";
+  EXPECT(tw_mps_first_opt("prefill", &f, err, sizeof err) == 0 && f == TW_MPS_FIRST_PREFILL,
+         "prefill");
+  EXPECT(tw_mps_first_opt("decode", &f, err, sizeof err) == 0 && f == TW_MPS_FIRST_DECODE,
+         "decode");
+  EXPECT(tw_mps_first_opt("none", &f, err, sizeof err) == 0 && f == TW_MPS_FIRST_NONE, "none");
+  EXPECT(tw_mps_first_opt("both", &f, err, sizeof err) == -1 &&
+             strstr(err, "prefill, decode or none") && f == TW_MPS_FIRST_NONE,
+         "bad value: -1, message '%s', value kept", err);
+  const char *low = "CUDA_MPS_CLIENT_PRIORITY=1";
+  const char *e1 = tw_mps_client_env(TW_MPS_FIRST_PREFILL, false);
+  const char *e2 = tw_mps_client_env(TW_MPS_FIRST_DECODE, true);
+  EXPECT(e1 && !strcmp(e1, low) && !tw_mps_client_env(TW_MPS_FIRST_PREFILL, true),
+         "prefill first: decode workers below normal, prefill workers as they are");
+  EXPECT(e2 && !strcmp(e2, low) && !tw_mps_client_env(TW_MPS_FIRST_DECODE, false),
+         "decode first: prefill workers below normal");
+  EXPECT(
+      !tw_mps_client_env(TW_MPS_FIRST_NONE, true) && !tw_mps_client_env(TW_MPS_FIRST_NONE, false),
+      "none: no worker below normal");
+  char out[400], sh[600];
+  snprintf(out, sizeof out, "%s/env.txt", g_tmp);
+  snprintf(sh, sizeof sh, "echo \"$CUDA_MPS_CLIENT_PRIORITY\" > '%s'", out);
+  char *argv[] = {"/bin/sh", "-c", sh, NULL};
+  unsetenv("CUDA_MPS_CLIENT_PRIORITY");
+  pid_t pid = tw_serve_spawn(argv, -1, -1, SIGKILL, e1);
+  EXPECT(pid > 0 && tw_serve_reap(pid, 10000), "the spawned child ran");
+  char got[16] = "";
+  FILE *fp = fopen(out, "r");
+  if (fp) {
+    if (!fgets(got, sizeof got, fp)) got[0] = '\0';
+    fclose(fp);
+  }
+  EXPECT(!strcmp(got, "1\n") && !getenv("CUDA_MPS_CLIENT_PRIORITY"),
+         "the child saw CUDA_MPS_CLIENT_PRIORITY=1 ('%s'), serve's own environment unchanged", got);
 }
 
 static void test_wanted(void) {
@@ -281,6 +324,7 @@ int main(void) {
   snprintf(np, sizeof np, "%s:%s", g_bin, path ? path : "/usr/bin:/bin");
   setenv("PATH", np, 1);
   test_mode_opt();
+  test_first();
   test_wanted();
   test_start_stop();
   test_failures();
