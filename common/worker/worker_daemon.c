@@ -7,9 +7,15 @@
 #include "common/model/model_path.h"
 #include "proto/twain_api.pb-c.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -154,6 +160,51 @@ int tw_worker_name_opt(const char *text, void *dst, char *err, size_t errlen) {
  * tell keys a router cannot decrypt from a router that died mid-handshake)
  * is tried once more before it counts. */
 #define TW_WORKER_PROBE_MS (1500 * TW_SLOW_BUILD)
+
+/* Whether something listens at a router endpoint (tcp://HOST:PORT: a TCP
+ * connect within 300 ms; ipc://PATH: the socket file exists; anything else:
+ * assumed): where nothing does, the probe has nobody to ask and the worker
+ * goes on at once (libzmq would retry the connect until the probe's time ran
+ * out, delaying every start before its router). */
+static bool tw_worker_router_listens(const char *ep) {
+  if (!strncmp(ep, "ipc://", 6)) {
+    struct stat sb;
+    return stat(ep + 6, &sb) == 0;
+  }
+  if (strncmp(ep, "tcp://", 6) != 0) return true;
+  char host[256];
+  snprintf(host, sizeof host, "%s", ep + 6);
+  char *colon = strrchr(host, ':');
+  if (!colon) return true;
+  *colon = '\0';
+  const char *port = colon + 1;
+  size_t hl = strlen(host);
+  char *h = host;
+  if (hl >= 2 && host[0] == '[' && host[hl - 1] == ']') { /* [v6 address] */
+    host[hl - 1] = '\0';
+    h = host + 1;
+  }
+  if (!strcmp(h, "*")) return true;
+  struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
+  if (getaddrinfo(h, port, &hints, &res) != 0 || !res) return true; /* for libzmq to say */
+  bool up = false;
+  int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd >= 0) {
+    int rc = connect(fd, res->ai_addr, res->ai_addrlen);
+    if (rc == 0) {
+      up = true;
+    } else if (errno == EINPROGRESS) {
+      struct pollfd pf = {.fd = fd, .events = POLLOUT};
+      int err = 0;
+      socklen_t el = sizeof err;
+      up = poll(&pf, 1, 300 * TW_SLOW_BUILD) == 1 &&
+           getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0 && err == 0;
+    }
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return up;
+}
 static TW_NODISCARD tw_status_t tw_worker_probe_router(const tw_worker_t *w) {
   tw_auth_keys_t keys = {0};
   const char *inl = getenv(TW_AUTH_KEYS_ENV), *file = getenv(TW_AUTH_KEYS_FILE_ENV);
@@ -165,6 +216,10 @@ static TW_NODISCARD tw_status_t tw_worker_probe_router(const tw_worker_t *w) {
     keys.plaintext = true; /* ops->init warns about it */
   } else {
     return TW_OK; /* no keys at all: ops->init says how to make them */
+  }
+  if (!tw_worker_router_listens(w->router)) {
+    memset(&keys, 0, sizeof keys);
+    return TW_OK; /* not up yet: the link waits for it after the load */
   }
   void *zctx = zmq_ctx_new(), *s = NULL;
   if (!zctx) return TW_OK;
