@@ -247,6 +247,24 @@ TW_NODISCARD tw_status_t tw_auth_client(void *sock, const tw_auth_keys_t *k) {
 /* ---- a client of the router's client socket ------------------------------------ */
 /* (errors here are quiet: the client commands print them themselves) */
 
+/* The next event of a socket monitor (its two frames read): the event
+ * number, 0 for a message that is not one, or -1 when none is waiting
+ * (flags ZMQ_DONTWAIT) or receiving failed. */
+static int tw_monitor_event(void *mon, int flags) {
+  zmq_msg_t ev, addr;
+  zmq_msg_init(&ev);
+  zmq_msg_init(&addr);
+  int n = zmq_msg_recv(&ev, mon, flags), e = n < 0 ? -1 : 0;
+  if (n >= 6 && zmq_msg_recv(&addr, mon, 0) >= 0) {
+    uint16_t v;
+    memcpy(&v, zmq_msg_data(&ev), sizeof v);
+    e = v;
+  }
+  zmq_msg_close(&ev);
+  zmq_msg_close(&addr);
+  return e;
+}
+
 TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
                                              const tw_auth_keys_t *k, int timeout_ms, int hwm,
                                              void **sock_p) {
@@ -289,16 +307,8 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
     }
     zmq_pollitem_t it = {.socket = mon, .events = ZMQ_POLLIN};
     if (zmq_poll(&it, 1, left) <= 0) continue;
-    zmq_msg_t ev, addr;
-    zmq_msg_init(&ev);
-    zmq_msg_init(&addr);
-    if (zmq_msg_recv(&ev, mon, 0) >= 6 && zmq_msg_recv(&addr, mon, 0) >= 0) {
-      uint16_t e;
-      memcpy(&e, zmq_msg_data(&ev), sizeof e);
-      failed = e == ZMQ_EVENT_HANDSHAKE_SUCCEEDED ? 0 : e;
-    }
-    zmq_msg_close(&ev);
-    zmq_msg_close(&addr);
+    int e = tw_monitor_event(mon, 0);
+    if (e > 0) failed = e == ZMQ_EVENT_HANDSHAKE_SUCCEEDED ? 0 : e;
   }
   if (st == TW_OK && failed == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
     st = tw_err_quiet(
@@ -345,20 +355,8 @@ void *tw_auth_client_watch(void *ctx, void *sock) {
 
 bool tw_auth_client_lost(void *watch) {
   bool lost = false;
-  while (watch) {
-    zmq_msg_t ev, addr;
-    zmq_msg_init(&ev);
-    zmq_msg_init(&addr);
-    int n = zmq_msg_recv(&ev, watch, ZMQ_DONTWAIT);
-    if (n >= 6 && zmq_msg_recv(&addr, watch, 0) >= 0) {
-      uint16_t e;
-      memcpy(&e, zmq_msg_data(&ev), sizeof e);
-      lost |= e == ZMQ_EVENT_DISCONNECTED;
-    }
-    zmq_msg_close(&ev);
-    zmq_msg_close(&addr);
-    if (n < 0) break;
-  }
+  for (int e; watch && (e = tw_monitor_event(watch, ZMQ_DONTWAIT)) >= 0;)
+    lost |= e == ZMQ_EVENT_DISCONNECTED;
   return lost;
 }
 

@@ -20,6 +20,21 @@ int64_t tw_msg_clock_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+bool tw_msg_tcp_host_port(const char *endpoint, char *host, size_t cap, const char **port_p) {
+  if (strncmp(endpoint, "tcp://", 6) != 0) return false;
+  const char *h = strchr(endpoint + 6, ';'); /* ZeroMQ's "tcp://SOURCE;HOST:PORT" */
+  h = h ? h + 1 : endpoint + 6;
+  const char *colon = strrchr(h, ':');
+  if (!colon || colon == h || !colon[1]) return false;
+  size_t hl = (size_t)(colon - h);
+  if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2; /* [v6] */
+  if (hl == 0 || hl >= cap) return false;
+  memcpy(host, h, hl);
+  host[hl] = '\0';
+  *port_p = colon + 1;
+  return true;
+}
+
 void tw_msg_fini(tw_msg_t *msg) {
   if (!msg) return;
   free(msg->data);

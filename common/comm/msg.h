@@ -106,6 +106,12 @@ tw_status_t tw_msg_note_failure(tw_status_t st, const char *who, const char *wha
 /** Monotonic clock in nanoseconds. */
 int64_t tw_msg_clock_ns(void);
 
+/** The host and port of a ZeroMQ TCP endpoint, "tcp://HOST:PORT" or
+ *  "tcp://SOURCE;HOST:PORT" (an IPv6 HOST in brackets, given back without
+ *  them): host into host[cap], *port_p into the endpoint. false for another
+ *  transport, no port, an empty host or port, or a host over cap - 1 bytes. */
+bool tw_msg_tcp_host_port(const char *endpoint, char *host, size_t cap, const char **port_p);
+
 /** Create a socket of `type` (ZMQ_ROUTER...) on `ctx` with linger 0 and,
  *  for ROUTER, ZMQ_ROUTER_MANDATORY; bind it if `bind` else connect it to
  *  `endpoint`. For a bind to port 0 ("tcp://127.0.0.1:*" or ":0"), the

@@ -8,6 +8,7 @@
 
 #include "common/base/log.h"
 #include "common/base/proc.h"
+#include "common/comm/msg.h"
 
 #include <ucp/api/ucp.h>
 
@@ -532,16 +533,10 @@ TW_NODISCARD tw_status_t tw_kv_net_devices(const char *endpoint, char *out, size
       return tw_err(TW_ERR_NOT_FOUND, "no loopback interface on this host");
   } else if (!strncmp(endpoint, "tcp://", 6)) {
     char host[256];
-    const char *h = strchr(endpoint + 6, ';'); /* ZeroMQ's "tcp://SOURCE;HOST:PORT" */
-    h = h ? h + 1 : endpoint + 6;
-    const char *colon = strrchr(h, ':');
-    if (!colon || colon == h || !colon[1] || (size_t)(colon - h) >= sizeof host)
+    const char *port;
+    if (!tw_msg_tcp_host_port(endpoint, host, sizeof host, &port))
       return tw_err(TW_ERR_INVALID_ARGUMENT, "router endpoint %s: want tcp://HOST:PORT", endpoint);
-    size_t hl = (size_t)(colon - h);
-    if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2; /* [v6] */
-    memcpy(host, h, hl);
-    host[hl] = '\0';
-    TW_CHECK(tw_kv_route_iface(host, colon + 1, name, sizeof name));
+    TW_CHECK(tw_kv_route_iface(host, port, name, sizeof name));
   } else {
     return tw_err(TW_ERR_INVALID_ARGUMENT, "router endpoint %s: not tcp://, ipc:// or inproc://",
                   endpoint);

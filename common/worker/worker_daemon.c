@@ -3,6 +3,7 @@
 
 #include "common/base/log.h"
 #include "common/comm/link_auth.h"
+#include "common/comm/msg.h"
 #include "common/engine/dist_engine.h"
 #include "common/model/model_path.h"
 #include "proto/twain_api.pb-c.h"
@@ -171,22 +172,11 @@ static bool tw_worker_router_listens(const char *ep) {
     struct stat sb;
     return stat(ep + 6, &sb) == 0;
   }
-  if (strncmp(ep, "tcp://", 6) != 0) return true;
   char host[256];
-  snprintf(host, sizeof host, "%s", ep + 6);
-  char *colon = strrchr(host, ':');
-  if (!colon) return true;
-  *colon = '\0';
-  const char *port = colon + 1;
-  size_t hl = strlen(host);
-  char *h = host;
-  if (hl >= 2 && host[0] == '[' && host[hl - 1] == ']') { /* [v6 address] */
-    host[hl - 1] = '\0';
-    h = host + 1;
-  }
-  if (!strcmp(h, "*")) return true;
+  const char *port;
+  if (!tw_msg_tcp_host_port(ep, host, sizeof host, &port) || !strcmp(host, "*")) return true;
   struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
-  if (getaddrinfo(h, port, &hints, &res) != 0 || !res) return true; /* for libzmq to say */
+  if (getaddrinfo(host, port, &hints, &res) != 0 || !res) return true; /* for libzmq to say */
   bool up = false;
   int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd >= 0) {

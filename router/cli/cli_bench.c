@@ -224,6 +224,7 @@ static int tw_bench_send(void *sock, const Twain__V1__ClientRequest *req) {
 
 static void tw_bench_finish(tw_bench_t *b, tw_bench_req_t *q, tw_bench_outcome_t out, int code) {
   if (q->state == TW_BR_DONE) return;
+  if (q->state == TW_BR_RUNNING) b->running--; /* a pending one never ran (not sent) */
   q->state = TW_BR_DONE;
   q->outcome = out;
   q->code = code;
@@ -232,7 +233,6 @@ static void tw_bench_finish(tw_bench_t *b, tw_bench_req_t *q, tw_bench_outcome_t
     zmq_close(q->sock);
     q->sock = NULL;
   }
-  b->running--;
   b->n_done++;
 }
 
@@ -387,11 +387,7 @@ static void tw_bench_conn_lost(tw_bench_t *b) {
       tw_bench_finish(b, q, TW_BO_LOST, 0);
     } else if (q->state == TW_BR_PENDING) {
       snprintf(q->message, sizeof q->message, "not sent: %s", why);
-      q->state = TW_BR_DONE;
-      q->outcome = TW_BO_FAILED;
-      q->code = TWAIN__V1__CODE__UNAVAILABLE;
-      q->t_done = tw_bench_now_s() - b->t0_s;
-      b->n_done++;
+      tw_bench_finish(b, q, TW_BO_FAILED, TWAIN__V1__CODE__UNAVAILABLE);
     }
   }
   b->next = b->o.n;
