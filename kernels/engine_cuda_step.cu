@@ -441,6 +441,13 @@ static TW_NODISCARD tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t 
   if (ie != cudaSuccess)
     return tw_err(TW_ERR_CUDA, "decode graph instantiate (batch %d, ctx %d) failed: %s", B, ctx,
                   cudaGetErrorString(ie));
+  /* its device-side resources now, not at its first launch (a request's step) */
+  cudaError_t ue = cudaGraphUpload(exec, ce->stream);
+  if (ue != cudaSuccess) {
+    cudaGraphExecDestroy(exec);
+    return tw_err(TW_ERR_CUDA, "decode graph upload (batch %d, ctx %d) failed: %s", B, ctx,
+                  cudaGetErrorString(ue));
+  }
   ce->graphs[ce->n_graphs].b = B;
   ce->graphs[ce->n_graphs].ctx = ctx;
   ce->graphs[ce->n_graphs].exec = exec;
@@ -502,6 +509,7 @@ TW_NODISCARD tw_status_t tw_ce_warmup(tw_engine_t *e) {
     }
     TW_INFO("engine", "decode graphs: %d of %d captured (batch bucket %d)", done, n_want, B);
   }
+  TW_CUDA_CHECK(cudaStreamSynchronize(ce->stream)); /* the uploads */
   clock_gettime(CLOCK_MONOTONIC, &t1);
   TW_INFO("engine", "decode graphs ready: %d captured in %.1f s", ce->n_graphs,
           (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));

@@ -40,6 +40,10 @@ int main(int argc, char **argv) {
                  "to it (a longer prompt runs alone, split over passes; 0: planned)"),
       TW_OPT_INT("batch-seqs", &w.batch_seqs, 1, INT32_MAX, "N",
                  "daemon: most prompts in one batch"),
+      TW_OPT_FN("warmup", &w.warmup, tw_opts_switch_auto, "0|1|auto",
+                "daemon: prefill passes of traffic's shapes on throwaway prompts\n"
+                "before registering, so the first prompts do not load kernels\n"
+                "(auto: a GPU worker of one rank)"),
       /* offline mode */
       TW_OPT_STR("prompt-tokens", &o.prompt_tokens_path, "FILE",
                  "offline mode: JSON array of prompt token ids"),

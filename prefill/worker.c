@@ -442,6 +442,84 @@ static bool tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *
   return true;
 }
 
+/* Prefill passes of the shapes traffic takes, on throwaway prompts in this
+ * worker's own pool, before it registers (issue 15 item 6, "ready means
+ * ready"): a CUDA engine loads each kernel at its first launch (lazy module
+ * loading) and cuBLAS picks and loads its kernels per GEMM shape, which made
+ * the first prompt after `ready` take 108 ms to its first token against 23
+ * ms for the next ones (20b, 1,024 tokens, one H200, docs/benchmarks.md).
+ * The calls: one prompt of 16, 200 and 1,024 tokens (the small-M GEMV, the
+ * decode-sized and the mid MoE tiles), then as many prompts of 1,024 tokens
+ * as one pass of the token budget holds (the full grouped-GEMM tile and the
+ * batched attention). Nothing is sent and the blocks are freed. By default
+ * (--warmup auto) device engines only: the CPU backend has nothing to load;
+ * and one rank only either way: the ranks of a TP or EP pool run their
+ * passes in lockstep with rank 0's requests (prefill_ranks.h). A failure is
+ * logged; the worker goes on (the first prompts then pay for what was not
+ * warmed). */
+static void tw_prefill_warmup(tw_prefiller_t *w) {
+  const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
+  if (w->o.warmup < 0 || (w->o.warmup == 0 && !l->on_device)) return;
+  if (w->o.tp > 1 || w->o.ep > 1) {
+    if (w->o.warmup > 0)
+      TW_WARN("prefill",
+              "--warmup 1: not for a worker of %d ranks (the first prompts load kernels)",
+              w->o.tp * w->o.ep);
+    return;
+  }
+  const int32_t V = w->model->config.vocab_size, budget = w->o.chunk_tokens;
+  const int32_t full = budget / 1024 < w->o.batch_seqs ? budget / 1024 : w->o.batch_seqs;
+  const int32_t lens[3] = {16, 200, 1024};
+  int64_t t0 = tw_msg_clock_ns();
+  int calls = 0;
+  int64_t tokens = 0;
+  for (int call = 0; call < 4; call++) {
+    const int32_t n_seqs = call < 3 ? 1 : full, len = call < 3 ? lens[call] : 1024;
+    if (n_seqs <= 0 || len > budget) continue;
+    const int32_t nb = tw_kv_blocks_needed(w->blocks, len);
+    if (!tw_kv_blocks_can_alloc(w->blocks, nb * n_seqs)) continue; /* a pool too small for it */
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(nb * n_seqs));
+    int32_t *toks = malloc(sizeof(int32_t) * (size_t)len);
+    int32_t *next = malloc(sizeof(int32_t) * (size_t)n_seqs);
+    tw_prefill_seq_t *seqs = calloc((size_t)n_seqs, sizeof *seqs);
+    tw_status_t st =
+        ids && toks && next && seqs ? TW_OK : tw_err(TW_ERR_NO_MEMORY, "out of host memory");
+    int32_t held = 0; /* sequences whose blocks are allocated (one by one: a ring pool's layout) */
+    while (st == TW_OK && held < n_seqs &&
+           (st = tw_kv_blocks_alloc(w->blocks, nb, ids + held * nb)) == TW_OK)
+      held++;
+    if (st == TW_OK) {
+      for (int32_t i = 0; i < len; i++)
+        toks[i] = (int32_t)((1009u * (uint32_t)i + 7u) % (uint32_t)V);
+      for (int32_t s = 0; s < n_seqs; s++)
+        seqs[s] = (tw_prefill_seq_t){.tokens = toks,
+                                     .n_tokens = len,
+                                     .block_table = ids + s * nb,
+                                     .n_blocks = nb,
+                                     .next_token_out = next + s};
+      st = tw_engine_prefill_batch(w->engine,
+                                   &(tw_prefill_batch_args_t){.n_seqs = n_seqs, .seqs = seqs});
+    }
+    for (int32_t s = 0; s < held; s++)
+      if (tw_kv_blocks_free(w->blocks, nb, ids + s * nb) != TW_OK)
+        TW_ERROR("prefill", "warm-up: %d KV blocks were not freed", nb);
+    free(ids);
+    free(toks);
+    free(next);
+    free(seqs);
+    if (st != TW_OK) {
+      TW_WARN("prefill", "warm-up pass of %d x %d tokens failed (the first prompts pay for it): %s",
+              n_seqs, len, tw_last_error());
+      return;
+    }
+    calls++;
+    tokens += (int64_t)n_seqs * len;
+  }
+  TW_INFO("prefill",
+          "warm-up: %d prefill calls (%lld prompt tokens: 16, 200, 1024, %d x 1024) in %.0f ms",
+          calls, (long long)tokens, full, (double)(tw_msg_clock_ns() - t0) * 1e-6);
+}
+
 static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
   for (int k = 0; k < 2; k++) {
     w->batch[k] = calloc((size_t)w->o.batch_seqs, sizeof *w->batch[k]);
@@ -495,6 +573,7 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
                                .model = w->model,
                                .flush_timeout_ms = w->o.flush_timeout_ms,
                                .max_age_ms = TW_PREFILL_MAX_AGE_MS};
+  tw_prefill_warmup(w);                 /* before the router hears of this worker */
   if (w->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router */
   TW_CHECK(tw_worker_metrics_open(&w->wk, w->o.name, w->o.metrics_port, w->o.metrics_addr,
                                   w->o.served_model_name, w->o.model_dir));

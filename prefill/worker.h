@@ -31,6 +31,10 @@ typedef struct {
    * while the next layers compute. 0: the memory plan's token budget */
   int32_t chunk_tokens;
   int32_t batch_seqs; /* most prompts in one batch */
+  /* prefill passes of traffic's shapes on throwaway prompts before the
+   * worker registers (worker.c tw_prefill_warmup): 1 on, -1 off, 0 (the
+   * default) on for a device engine of one rank */
+  int32_t warmup;
   double gpu_memory_utilization; /* 0: 0.90 (mem_plan.h) */
   int32_t colocated_prefill, colocated_decode; /* workers on this device; 0, 0: alone */
   const char *share_weights_dir; /* cuda: one copy of the weights (engine.h) */

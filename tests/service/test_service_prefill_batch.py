@@ -6,7 +6,10 @@ that prompt alone in one process, token for token. The decode worker checks
 every layer's KV against the checksum the prefill worker sent (--verify-kv),
 all blocks are freed afterwards, and the prefill worker's metrics show fewer
 engine batches than prompts (the prompts did share passes) and at least one
-batch whose handoff finished while the next batch computed."""
+batch whose handoff finished while the next batch computed. The prefill
+worker runs its warm-up first (--warmup 1; on by default only for GPU
+workers): its throwaway passes of 16 and 200 tokens (1,024 is past this
+test's budget of 256) must leave nothing behind that changes an output."""
 import sys
 
 import fixtures
@@ -25,8 +28,13 @@ for k in range(12):  # 12 prompts of different lengths, some past the 32-token w
 
 fails = 0
 c = svc.Cluster(1, 1, decode_args=["--verify-kv", "--max-batch", "16"],
-                prefill_args=["--chunk-tokens", "256", "--batch-seqs", "8"])
+                prefill_args=["--chunk-tokens", "256", "--batch-seqs", "8", "--warmup", "1"])
 try:
+    m = c.prefills[0].wait_line(r"warm-up: (\d+) prefill calls \((\d+) prompt tokens", 5)
+    print("prefill warm-up: %s calls, %s tokens" % (m.group(1), m.group(2)))
+    if (m.group(1), m.group(2)) != ("2", "216"):
+        print("FAIL: the warm-up should run 2 calls of 16 + 200 tokens under a budget of 256")
+        fails += 1
     cl = c.client()
     rids = [cl.send(svc.generate(ids, N)) for ids in prompts]
     got = [svc.tokens_of(reps) for reps in cl.wait(rids, 180)]
@@ -63,6 +71,9 @@ try:
           pm["twain_prefill_batch_handoffs_overlapped_total"])
     if pm["twain_prefill_batch_handoffs_overlapped_total"] < 1:
         print("FAIL: no batch's handoff overlapped the next batch's compute")
+        fails += 1
+    if c.prefills[0].count(r"warm-up.*(not freed|failed)"):
+        print("FAIL: the warm-up failed or kept blocks")
         fails += 1
     cl.close()
 finally:
