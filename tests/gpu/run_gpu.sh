@@ -303,7 +303,7 @@ if [ -z "${TW_SKIP_BENCH:-}" ]; then
   b1_ab() { # b1_ab LABEL VAR=0
     local start r
     start=$(date +%s)
-    env "$2" timeout "$(tmo 80)" "$bin/twain-bench-cuda" --synthetic 20b --prefill "" \
+    env "$2" timeout "$(tmo 80)" "$bin/twain-bench-cuda" --synthetic 20b --prefill none \
       --batches 1 --contexts 8192 --steps 30 >"$stage/bench_ab.log" 2>&1
     r=$?
     cat "$stage/bench_ab.log" >>"$logs/bench_20b_nopdl.log"
