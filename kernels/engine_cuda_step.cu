@@ -438,12 +438,15 @@ static TW_NODISCARD tw_status_t tw_ce_graph_get(tw_ce_t *ce, int32_t B, int32_t 
   cudaGraphExec_t exec = NULL;
   cudaError_t ie = cudaGraphInstantiate(&exec, g, 0);
   cudaGraphDestroy(g);
-  if (ie != cudaSuccess)
+  if (ie != cudaSuccess) {
+    cudaGetLastError(); /* not left for the eager launches after it */
     return tw_err(TW_ERR_CUDA, "decode graph instantiate (batch %d, ctx %d) failed: %s", B, ctx,
                   cudaGetErrorString(ie));
+  }
   /* its device-side resources now, not at its first launch (a request's step) */
   cudaError_t ue = cudaGraphUpload(exec, ce->stream);
   if (ue != cudaSuccess) {
+    cudaGetLastError();
     cudaGraphExecDestroy(exec);
     return tw_err(TW_ERR_CUDA, "decode graph upload (batch %d, ctx %d) failed: %s", B, ctx,
                   cudaGetErrorString(ue));

@@ -451,73 +451,83 @@ static bool tw_prefill_on_msg(tw_prefiller_t *w, Twain__Internal__V1__Envelope *
  * The calls: one prompt of 16, 200 and 1,024 tokens (the small-M GEMV, the
  * decode-sized and the mid MoE tiles), then as many prompts of 1,024 tokens
  * as one pass of the token budget holds (the full grouped-GEMM tile and the
- * batched attention). Nothing is sent and the blocks are freed. By default
+ * batched attention). A call runs only within the token budget and the
+ * model's context, and with the sequences whose blocks the pool holds (one
+ * sequence at least). Nothing is sent and the blocks are freed. By default
  * (--warmup auto) device engines only: the CPU backend has nothing to load;
  * and one rank only either way: the ranks of a TP or EP pool run their
- * passes in lockstep with rank 0's requests (prefill_ranks.h). A failure is
- * logged; the worker goes on (the first prompts then pay for what was not
- * warmed). */
-static void tw_prefill_warmup(tw_prefiller_t *w) {
+ * passes in lockstep with rank 0's requests (prefill_ranks.h). A device
+ * error (TW_ERR_CUDA, TW_ERR_NCCL) is returned: the worker exits, as it
+ * would on that error at its first prompt; any other failure is logged and
+ * the worker goes on (the first prompts then pay for what was not warmed). */
+static TW_NODISCARD tw_status_t tw_prefill_warmup(tw_prefiller_t *w) {
   const tw_kv_layout_t *l = tw_engine_kv_layout(w->engine);
-  if (w->o.warmup < 0 || (w->o.warmup == 0 && !l->on_device)) return;
+  if (w->o.warmup < 0 || (w->o.warmup == 0 && !l->on_device)) return TW_OK;
   if (w->o.tp > 1 || w->o.ep > 1) {
     if (w->o.warmup > 0)
       TW_WARN("prefill",
               "--warmup 1: not for a worker of %d ranks (the first prompts load kernels)",
               w->o.tp * w->o.ep);
-    return;
+    return TW_OK;
   }
-  const int32_t V = w->model->config.vocab_size, budget = w->o.chunk_tokens;
+  const tw_model_config_t *c = &w->model->config;
+  const int32_t V = c->vocab_size, budget = w->o.chunk_tokens;
   const int32_t full = budget / 1024 < w->o.batch_seqs ? budget / 1024 : w->o.batch_seqs;
-  const int32_t lens[3] = {16, 200, 1024};
-  int64_t t0 = tw_msg_clock_ns();
-  int calls = 0;
-  int64_t tokens = 0;
+  const int32_t lens[4] = {16, 200, 1024, 1024};
+  int64_t t0 = tw_msg_clock_ns(), tokens = 0;
+  char ran[96] = "";
+  size_t used = 0;
   for (int call = 0; call < 4; call++) {
-    const int32_t n_seqs = call < 3 ? 1 : full, len = call < 3 ? lens[call] : 1024;
-    if (n_seqs <= 0 || len > budget) continue;
+    const int32_t want = call < 3 ? 1 : full, len = lens[call];
+    if (want <= 0 || len > budget || len > c->max_position_embeddings) continue;
     const int32_t nb = tw_kv_blocks_needed(w->blocks, len);
-    if (!tw_kv_blocks_can_alloc(w->blocks, nb * n_seqs)) continue; /* a pool too small for it */
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(nb * n_seqs));
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)nb * (size_t)want);
     int32_t *toks = malloc(sizeof(int32_t) * (size_t)len);
-    int32_t *next = malloc(sizeof(int32_t) * (size_t)n_seqs);
-    tw_prefill_seq_t *seqs = calloc((size_t)n_seqs, sizeof *seqs);
+    int32_t *next = malloc(sizeof(int32_t) * (size_t)want);
+    tw_prefill_seq_t *seqs = calloc((size_t)want, sizeof *seqs);
     tw_status_t st =
         ids && toks && next && seqs ? TW_OK : tw_err(TW_ERR_NO_MEMORY, "out of host memory");
-    int32_t held = 0; /* sequences whose blocks are allocated (one by one: a ring pool's layout) */
-    while (st == TW_OK && held < n_seqs &&
-           (st = tw_kv_blocks_alloc(w->blocks, nb, ids + held * nb)) == TW_OK)
+    /* sequence by sequence (a ring pool lays out each table's sliding
+     * blocks), as many as the pool holds */
+    int32_t held = 0;
+    while (st == TW_OK && held < want && tw_kv_blocks_can_alloc(w->blocks, nb) &&
+           tw_kv_blocks_alloc(w->blocks, nb, ids + (size_t)held * nb) == TW_OK)
       held++;
-    if (st == TW_OK) {
+    if (st == TW_OK && held > 0) {
       for (int32_t i = 0; i < len; i++)
         toks[i] = (int32_t)((1009u * (uint32_t)i + 7u) % (uint32_t)V);
-      for (int32_t s = 0; s < n_seqs; s++)
-        seqs[s] = (tw_prefill_seq_t){.tokens = toks,
+      for (int32_t k = 0; k < held; k++)
+        seqs[k] = (tw_prefill_seq_t){.tokens = toks,
                                      .n_tokens = len,
-                                     .block_table = ids + s * nb,
+                                     .block_table = ids + (size_t)k * nb,
                                      .n_blocks = nb,
-                                     .next_token_out = next + s};
+                                     .next_token_out = next + k};
       st = tw_engine_prefill_batch(w->engine,
-                                   &(tw_prefill_batch_args_t){.n_seqs = n_seqs, .seqs = seqs});
+                                   &(tw_prefill_batch_args_t){.n_seqs = held, .seqs = seqs});
     }
-    for (int32_t s = 0; s < held; s++)
-      if (tw_kv_blocks_free(w->blocks, nb, ids + s * nb) != TW_OK)
+    for (int32_t k = 0; k < held; k++)
+      if (tw_kv_blocks_free(w->blocks, nb, ids + (size_t)k * nb) != TW_OK)
         TW_ERROR("prefill", "warm-up: %d KV blocks were not freed", nb);
     free(ids);
     free(toks);
     free(next);
     free(seqs);
+    if (st == TW_ERR_CUDA || st == TW_ERR_NCCL) return st;
     if (st != TW_OK) {
       TW_WARN("prefill", "warm-up pass of %d x %d tokens failed (the first prompts pay for it): %s",
-              n_seqs, len, tw_last_error());
-      return;
+              held, len, tw_last_error());
+      return TW_OK;
     }
-    calls++;
-    tokens += (int64_t)n_seqs * len;
+    if (held == 0) continue; /* the pool holds none: skipped */
+    const char *sep = used ? ", " : "";
+    int n = held > 1 ? snprintf(ran + used, sizeof ran - used, "%s%d x %d", sep, held, len)
+                     : snprintf(ran + used, sizeof ran - used, "%s%d", sep, len);
+    if (n > 0 && (size_t)n < sizeof ran - used) used += (size_t)n;
+    tokens += (int64_t)held * len;
   }
-  TW_INFO("prefill",
-          "warm-up: %d prefill calls (%lld prompt tokens: 16, 200, 1024, %d x 1024) in %.0f ms",
-          calls, (long long)tokens, full, (double)(tw_msg_clock_ns() - t0) * 1e-6);
+  TW_INFO("prefill", "warm-up: prefill calls of %s tokens (%lld in all) in %.0f ms",
+          used ? ran : "no", (long long)tokens, (double)(tw_msg_clock_ns() - t0) * 1e-6);
+  return TW_OK;
 }
 
 static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
@@ -573,7 +583,7 @@ static TW_NODISCARD tw_status_t tw_prefiller_init(tw_prefiller_t *w) {
                                .model = w->model,
                                .flush_timeout_ms = w->o.flush_timeout_ms,
                                .max_age_ms = TW_PREFILL_MAX_AGE_MS};
-  tw_prefill_warmup(w);                 /* before the router hears of this worker */
+  TW_CHECK(tw_prefill_warmup(w));       /* before the router hears of this worker */
   if (w->wk.id.rank != 0) return TW_OK; /* only rank 0 talks to the router */
   TW_CHECK(tw_worker_metrics_open(&w->wk, w->o.name, w->o.metrics_port, w->o.metrics_addr,
                                   w->o.served_model_name, w->o.model_dir));

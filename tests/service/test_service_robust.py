@@ -204,7 +204,7 @@ try:
     if d.p.poll() is not None:  # how it ended, rather than a refused /metrics below
         d.settle()
         check(False, "the decode worker survives its prefill peer's kill -9 mid-handoff: it exited (%s); "
-              "its last lines:\n%s" % (d.p.poll(), "\n".join(d.lines[-20:])))
+              "its last lines:\n%s" % (d.p.poll(), "\n".join(d.lines[-60:])))
     else:
         # the router cancels the reservations as it fails the requests; on a
         # loaded machine the cancels can still be on their way when the
