@@ -115,7 +115,10 @@ try:
     want = svc.reference_generate(short, 300)
     n_ok = sum(1 for r in res if not r[-1].error.code and svc.tokens_of(r) == want)
     resumed = svc.metrics(c.router_metrics_port).get("twain_router_requests_resumed_total", 0) - resumed0
-    check(n_ok == len(res) and 0 < resumed == on_victim,
+    # resumed <= on_victim: a stream counted on the victim can still finish
+    # before the kill lands (on a loaded machine the others' first tokens
+    # took that long: CI of b999d65, 4 on the victim, 2 resumed, all 6 right)
+    check(n_ok == len(res) and 0 < resumed <= on_victim,
           "streams around the kill: %d of %d ended with the reference's 300 tokens (errors: %s), "
           "%d were on the killed worker, %d resumed on the other" % (
               n_ok, len(res), error_summary(res), on_victim, resumed))
