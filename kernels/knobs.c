@@ -69,6 +69,11 @@ static void tw_knobs_read(void) {
   k.moe_stream_splitk = tw_knob_switch("TWAIN_CUDA_MOE_STREAM_SPLITK", 1);
   k.moe_stream_balance = tw_knob_switch("TWAIN_CUDA_MOE_STREAM_BALANCE", 1);
   k.moe_tma = tw_knob_int("TWAIN_CUDA_MOE_TMA", 2, 0, 2);
+  k.moe_tma_pass = tw_knob_int("TWAIN_CUDA_MOE_TMA_PASS", 32, 16, 32);
+  if (k.moe_tma_pass != 16 && k.moe_tma_pass != 32) {
+    TW_WARN("cuda", "TWAIN_CUDA_MOE_TMA_PASS=%d is not 16 or 32: 32", k.moe_tma_pass);
+    k.moe_tma_pass = 32;
+  }
   k.route_fused_max = tw_knob_int("TWAIN_CUDA_ROUTE_FUSED_MAX", 128, 0, 1024);
   if (k.moe_stream_warps != 8 && k.moe_stream_warps != 16) {
     TW_WARN("cuda", "TWAIN_CUDA_MOE_STREAM_WARPS=%d is not 8 or 16: 16", k.moe_stream_warps);

@@ -201,6 +201,16 @@ int tw_cuda_moe_stream_tma(void);
  *  concurrent MoE calls; a captured graph keeps its kernels. */
 void tw_cuda_moe_set_stream_tma(int on);
 
+/** Force the TMA kernel's pass (assignment rows a unit of work: 16 or 32;
+ *  32 with one group of eight consumer warps): it then takes every grouped
+ *  launch on MXFP4 experts that it fits,
+ *  whatever the load (while tw_cuda_moe_stream and tw_cuda_moe_stream_tma
+ *  are on); 0: back to the rule (the assignment tile as the pass, where the
+ *  tile is at most TWAIN_CUDA_MOE_TMA_PASS, 16 or 32 (default): moe_grouped.cu
+ *  tw_gt_pass). For tests and benchmarks; not thread-safe
+ *  against concurrent MoE calls; a captured graph keeps its kernels. */
+void tw_cuda_moe_set_tma_pass(int pass);
+
 /** Whether the streaming kernel cuts its last round of (expert, 32 rows, 16
  *  assignments) units into equal k-chunk pieces over all its warps, summed
  *  in warp order (the same bits every run; a token's bits then depend on the

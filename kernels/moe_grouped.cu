@@ -971,14 +971,15 @@ static __device__ __forceinline__ int tw_gs_expert_of(const int *pre, int n_act,
   return lo;
 }
 
-/* pre[i]: passes of 16 assignments of the active experts before i (pre[0] =
- * 0 .. pre[n_act]); one warp (both streaming kernels). */
-static __device__ __forceinline__ void tw_gs_prefix(const tw_gg_args_t &p, int n_act, int *pre) {
+/* pre[i]: passes of `pass` assignments of the active experts before i
+ * (pre[0] = 0 .. pre[n_act]); one warp (both streaming kernels). */
+static __device__ __forceinline__ void tw_gs_prefix(const tw_gg_args_t &p, int n_act, int pass,
+                                                    int *pre) {
   const int lane = threadIdx.x & 31;
   int sum = 0;
   for (int i0 = 0; i0 < n_act; i0 += 32) {
     const int i = i0 + lane;
-    int v = i < n_act ? (p.counts[p.active[i]] + 15) / 16 : 0;
+    int v = i < n_act ? (p.counts[p.active[i]] + pass - 1) / pass : 0;
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
       const int u = __shfl_up_sync(0xFFFFFFFFu, v, d);
@@ -1179,7 +1180,7 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
   int *pre = reinterpret_cast<int *>(tw_gs_smem + TW_GS_LUT_BYTES +
                                      WARPS * TW_GS_STAGES * TW_GS_STAGE_BYTES);
   const bool tiled = p.gs_ticket && n_act < TW_GS_PRE && W <= TW_CUDA_MOE_GS_TICKETS;
-  if (warp == 0 && tiled) tw_gs_prefix(p, n_act, pre);
+  if (warp == 0 && tiled) tw_gs_prefix(p, n_act, 16, pre);
   __syncthreads(); /* the table and pre */
   const int units = tiled ? slices * pre[n_act] : 0, full = units / W * W, R = units - full;
   const int Wt = min(W, R * min(TW_GS_PIECES, KC));
@@ -1264,7 +1265,7 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
  * TW_GT_STAGES stages in flight, each stage the MXFP4 blocks of 128 k of
  * TW_GT_RT = 256 weight rows of one expert (one 3-D TMA box of the [E, N,
  * K/2] bytes: rows past N and k past K arrive as zeros) and the same 128 k of
- * the unit's up to 16 assignment rows (one bulk copy a row, gathered through
+ * the unit's up to P assignment rows (one bulk copy a row, gathered through
  * the route's sorted order for gate_up); the scale bytes of the unit's rows
  * (contiguous in [E, N, K/32]) come once per unit into one of two buffers.
  * Eight consumer warps (32 rows each) wait on a stage's mbarrier, read
@@ -1274,30 +1275,45 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
  * has got (tw_gs_kernel's limit, docs/benchmarks.md), and the token rows are
  * read from L2 once per 256 rows instead of once per 32.
  *
- * A unit is (active expert, pass of 16 assignments, K part, 256-row tile),
+ * A unit is (active expert, pass of P assignments, K part, 256-row tile),
  * numbered in that order (tiles fastest: a round of units reads neighbouring
- * rows of few experts); CTA b takes units b, b + G, ... One CTA per SM. */
+ * rows of few experts); CTA b takes units b, b + G, ... One CTA per SM.
+ * P = 16 at the 16-row assignment tile (two consumer groups), 32 at the
+ * 32-row tile (one group: each warp's 32 rows times up to four n8 tiles of
+ * tokens, the token rows read from shared memory step by step); at the
+ * 64- and 128-row tiles the wgmma kernel stays faster (passes of 32 and 64
+ * measured 20-100% slower there: every warp reads all the pass's token rows
+ * from shared memory, where wgmma reads them once per warpgroup;
+ * docs/benchmarks.md). */
 #define TW_GT_CW 8                   /* consumer warps of a group: 32 rows each */
 #define TW_GT_RT (32 * TW_GT_CW)     /* weight rows a unit */
-#define TW_GT_STAGES 4
 #define TW_GT_WBYTES (TW_GT_RT * 64) /* one stage's weights: RT rows x 64 bytes (128 k) */
 /* A token row's 128 k of bf16 in a stage, rows TW_GT_TS bytes apart (32
  * mod 128: with lanes t >= 2 taking their pieces in rotated order, the eight
  * 16-byte pieces a quarter-warp reads fall in eight different bank groups) */
 #define TW_GT_TS 288
-#define TW_GT_STAGE (TW_GT_WBYTES + 16 * TW_GT_TS)
 #define TW_GT_THREADS(G) (32 * (TW_GT_CW * (G) + 1))
 #define TW_GT_MAX_K 3072
-/* with two consumer groups, group 1's sums of a unit meet group 0's here:
- * [warp][mt][nt][4][lane] floats */
-#define TW_GT_RED_BYTES (TW_GT_CW * 2 * 2 * 4 * 32 * 4)
+/* A kernel's plan by its pass P (assignment rows a unit: 16 or 32) and
+ * consumer groups G (P = 32: one; two groups' sums would not fit in shared
+ * memory beside four stages, and with an odd stage count the groups'
+ * alternate chunks would not keep to stages of their own): TW_GT_STAGES
+ * stages, a stage's bytes (the weights, then P token rows), and with two
+ * groups the buffer where group 1's sums of a unit meet group 0's
+ * ([warp][mt][nt][4][lane] floats, P / 8 n8 tiles). */
+#define TW_GT_STAGES 4
+static __host__ __device__ constexpr int tw_gt_stage(int P) { return TW_GT_WBYTES + P * TW_GT_TS; }
+static __host__ __device__ constexpr int tw_gt_red(int P, int G) {
+  return G > 1 ? TW_GT_CW * 2 * (P / 8) * 4 * 32 * 4 : 0;
+}
 
 static __host__ __device__ __forceinline__ int tw_gt_scale_bytes(int K) {
   return (TW_GT_RT * (K / 32) + 127) / 128 * 128;
 }
-static size_t tw_gt_smem(int K, int G) {
-  return TW_GS_LUT_BYTES + (size_t)TW_GT_STAGES * TW_GT_STAGE + 2 * (size_t)tw_gt_scale_bytes(K) +
-         (G > 1 ? TW_GT_RED_BYTES : 0) + 4 * TW_GS_PRE + 8 * (2 * TW_GT_STAGES + 4);
+static size_t tw_gt_smem(int K, int G, int P) {
+  const int S = TW_GT_STAGES;
+  return TW_GS_LUT_BYTES + (size_t)S * tw_gt_stage(P) + 2 * (size_t)tw_gt_scale_bytes(K) +
+         tw_gt_red(P, G) + 4 * TW_GS_PRE + 8 * (2 * S + 4);
 }
 
 static __device__ __forceinline__ void tw_mbar_init(uint32_t bar, int count) {
@@ -1345,14 +1361,14 @@ typedef struct {
   int e, base, kp, r0, ne, off;
 } tw_gt_unit_t;
 static __device__ __forceinline__ tw_gt_unit_t tw_gt_unit(const tw_gg_args_t &p, const int *pre,
-                                                          int n_act, int tiles, int u) {
+                                                          int n_act, int tiles, int pass, int u) {
   tw_gt_unit_t x;
   const int pu = u / tiles, gp = pu / p.ks;
   x.r0 = (u - pu * tiles) * TW_GT_RT;
   x.kp = pu - gp * p.ks;
   const int lo = tw_gs_expert_of(pre, n_act, gp);
   x.e = p.active[lo];
-  x.base = (gp - pre[lo]) * 16;
+  x.base = (gp - pre[lo]) * pass;
   x.ne = p.counts[x.e];
   x.off = p.offsets[x.e];
   return x;
@@ -1360,8 +1376,10 @@ static __device__ __forceinline__ tw_gt_unit_t tw_gt_unit(const tw_gg_args_t &p,
 
 /* A consumer warp's part of one unit: its 32 rows for assignments [base,
  * base + 8 NT) over k-chunks [cb, ce), stage by stage (it: the CTA's running
- * chunk count, the stages' phases), then the epilogue (tw_gs_pass's). */
-template <int EPI, int NT, int G>
+ * chunk count, the stages' phases), then the epilogue (tw_gs_pass's). P: the
+ * kernel's pass (NT <= P / 8). Up to two n8 tiles the token rows of a chunk
+ * are read into registers at once; more are read step by step (registers). */
+template <int EPI, int NT, int G, int P>
 static __device__ __forceinline__ void tw_gt_consume(const tw_gg_args_t &p, const uint8_t *lut,
                                                      const uint8_t *stg, const uint8_t *scl,
                                                      float *red, uint32_t bar0,
@@ -1374,14 +1392,16 @@ static __device__ __forceinline__ void tw_gt_consume(const tw_gg_args_t &p, cons
   const int wr = 32 * warp + (EPI == TW_GG_SWIGLU ? 2 * g : g); /* this lane's row 0, in the unit */
   const bool active = x.r0 + 32 * warp < N;
   auto qrow = [](int q) { return EPI == TW_GG_SWIGLU ? 16 * (q >> 1) + (q & 1) : 8 * q; };
+  constexpr int S = TW_GT_STAGES, NTM = P / 8;
+  static_assert(NT <= NTM, "n8 tiles within the pass");
   float acc[2][NT][4];
   tw_acc_zero(acc);
   for (int c = cb; c < ce; c++, it++) {
     if (G > 1 && (it & 1) != gr) continue; /* the other group's chunk */
-    const int s = it % TW_GT_STAGES;
-    tw_mbar_wait(bar0 + 8 * s, (uint32_t)(it / TW_GT_STAGES) & 1u);
+    const int s = it % S;
+    tw_mbar_wait(bar0 + 8 * s, (uint32_t)(it / S) & 1u);
     if (active) {
-      const uint8_t *st = stg + s * TW_GT_STAGE;
+      const uint8_t *st = stg + s * tw_gt_stage(P);
       const int kb = 4 * c + t;
       const bool kok = kb < KB;
       uint4 W[4];
@@ -1410,28 +1430,33 @@ static __device__ __forceinline__ void tw_gt_consume(const tw_gg_args_t &p, cons
       if (rot)
 #pragma unroll
         for (int q = 0; q < 4; q++) W[q] = make_uint4(W[q].y, W[q].z, W[q].w, W[q].x);
-      uint4 B[NT][4];
+      auto ldb = [&](int nt, int wd) {
+        return kok ? *reinterpret_cast<const uint4 *>(st + TW_GT_WBYTES + (nt * 8 + g) * TW_GT_TS +
+                                                      64 * t + 16 * (rot ? (wd + 1) & 3 : wd))
+                   : make_uint4(0, 0, 0, 0);
+      };
+      if constexpr (NT <= 2) {
+        uint4 B[NT][4];
 #pragma unroll
-      for (int nt = 0; nt < NT; nt++)
+        for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-        for (int wd = 0; wd < 4; wd++)
-          B[nt][wd] = kok ? *reinterpret_cast<const uint4 *>(
-                                st + TW_GT_WBYTES + (nt * 8 + g) * TW_GT_TS + 64 * t +
-                                16 * (rot ? (wd + 1) & 3 : wd))
-                          : make_uint4(0, 0, 0, 0);
-      tw_gs_chunk<NT, false>(lut, lane4, W, s2, acc, [&](int nt, int wd) { return B[nt][wd]; });
+          for (int wd = 0; wd < 4; wd++) B[nt][wd] = ldb(nt, wd);
+        tw_gs_chunk<NT, false>(lut, lane4, W, s2, acc, [&](int nt, int wd) { return B[nt][wd]; });
+      } else {
+        tw_gs_chunk<NT, false>(lut, lane4, W, s2, acc, ldb);
+      }
     }
     __syncwarp();
-    if (lane == 0) tw_mbar_arrive(bar0 + 8 * (TW_GT_STAGES + s)); /* the stage is free */
+    if (lane == 0) tw_mbar_arrive(bar0 + 8 * (S + s)); /* the stage is free */
   }
   if (G > 1) { /* group 1's sums into group 0's, in that order (the same bits every run) */
-    float4 *r4 = reinterpret_cast<float4 *>(red) + warp * (2 * 2 * 32) + lane;
+    float4 *r4 = reinterpret_cast<float4 *>(red) + warp * (2 * NTM * 32) + lane;
     if (gr == 1 && active)
 #pragma unroll
       for (int mt = 0; mt < 2; mt++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
-          r4[(mt * 2 + nt) * 32] =
+          r4[(mt * NTM + nt) * 32] =
               make_float4(acc[mt][nt][0], acc[mt][nt][1], acc[mt][nt][2], acc[mt][nt][3]);
     asm volatile("bar.sync 1, %0;" ::"n"(32 * TW_GT_CW * G) : "memory");
     if (gr == 0 && active)
@@ -1439,7 +1464,7 @@ static __device__ __forceinline__ void tw_gt_consume(const tw_gg_args_t &p, cons
       for (int mt = 0; mt < 2; mt++)
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-          const float4 o = r4[(mt * 2 + nt) * 32];
+          const float4 o = r4[(mt * NTM + nt) * 32];
           acc[mt][nt][0] += o.x, acc[mt][nt][1] += o.y, acc[mt][nt][2] += o.z, acc[mt][nt][3] += o.w;
         }
     asm volatile("bar.sync 1, %0;" ::"n"(32 * TW_GT_CW * G) : "memory");
@@ -1448,27 +1473,31 @@ static __device__ __forceinline__ void tw_gt_consume(const tw_gg_args_t &p, cons
   if (active) tw_gs_store<EPI, NT>(p, acc, x.e, x.ne, x.off, x.base, x.r0 + 32 * warp, cb);
 }
 
-template <int EPI, int G>
+/* The kernel at pass P (assignment rows a unit: 16 or 32) with G consumer
+ * groups (see above). */
+template <int EPI, int G, int P>
 static __global__ void __launch_bounds__(TW_GT_THREADS(G), 1)
     tw_gt_kernel(const tw_gg_args_t p, const __grid_constant__ CUtensorMap wmap) {
   extern __shared__ __align__(128) uint8_t tw_gt_smem_b[];
+  constexpr int S = TW_GT_STAGES, SB = tw_gt_stage(P);
+  static_assert(P <= 32 && (G == 1 || P == 16), "passes of 16 (one or two groups) or 32 (one)");
   TW_PDL_WAIT();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   tw_gs_clear_next(p);
   tw_gs_build_lut(tw_gt_smem_b);
   const int K = p.K, N = p.N, KB = K / 32, KC = (KB + 3) / 4, sbytes = tw_gt_scale_bytes(K);
   uint8_t *stg = tw_gt_smem_b + TW_GS_LUT_BYTES;
-  uint8_t *scl = stg + TW_GT_STAGES * TW_GT_STAGE;
+  uint8_t *scl = stg + S * SB;
   float *red = reinterpret_cast<float *>(scl + 2 * sbytes);
-  int *pre = reinterpret_cast<int *>(scl + 2 * sbytes + (G > 1 ? TW_GT_RED_BYTES : 0));
+  int *pre = reinterpret_cast<int *>(scl + 2 * sbytes + tw_gt_red(P, G));
   /* mbarriers: full[S], empty[S], scales full[2], scales empty[2] */
   const uint32_t bar0 = tw_smem_u32(pre + TW_GS_PRE);
-  const uint32_t sbar = bar0 + 8 * 2 * TW_GT_STAGES;
+  const uint32_t sbar = bar0 + 8 * 2 * S;
   const int n_act = *p.n_active;
   if (tid == 0) {
-    for (int s = 0; s < TW_GT_STAGES; s++) {
+    for (int s = 0; s < S; s++) {
       tw_mbar_init(bar0 + 8 * s, 1);
-      tw_mbar_init(bar0 + 8 * (TW_GT_STAGES + s), TW_GT_CW);
+      tw_mbar_init(bar0 + 8 * (S + s), TW_GT_CW);
     }
     for (int b = 0; b < 2; b++) {
       tw_mbar_init(sbar + 8 * b, 1);
@@ -1476,16 +1505,16 @@ static __global__ void __launch_bounds__(TW_GT_THREADS(G), 1)
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (warp == 0) tw_gs_prefix(p, n_act, pre);
+  if (warp == 0) tw_gs_prefix(p, n_act, P, pre);
   __syncthreads(); /* the table, pre, the barriers */
   const int tiles = (N + TW_GT_RT - 1) / TW_GT_RT;
   const int units = pre[n_act] * p.ks * tiles;
   int it = 0, un = 0;
   if (warp == TW_GT_CW * G) { /* the producer */
     for (int u = blockIdx.x; u < units; u += gridDim.x, un++) {
-      const tw_gt_unit_t x = tw_gt_unit(p, pre, n_act, tiles, u);
+      const tw_gt_unit_t x = tw_gt_unit(p, pre, n_act, tiles, P, u);
       const int cb = KC * x.kp / p.ks, ce = KC * (x.kp + 1) / p.ks;
-      const int rows = min(TW_GT_RT, N - x.r0), nrow = min(16, x.ne - x.base), sb = un & 1;
+      const int rows = min(TW_GT_RT, N - x.r0), nrow = min(P, x.ne - x.base), sb = un & 1;
       tw_mbar_wait(sbar + 8 * (2 + sb), ((uint32_t)(un >> 1) & 1u) ^ 1u);
       if (lane == 0) {
         tw_mbar_expect_tx(sbar + 8 * sb, (uint32_t)(rows * KB));
@@ -1498,10 +1527,10 @@ static __global__ void __launch_bounds__(TW_GT_THREADS(G), 1)
         trow = p.sorted ? p.sorted[q] / p.k_top : q;
       }
       for (int c = cb; c < ce; c++, it++) {
-        const int s = it % TW_GT_STAGES;
-        tw_mbar_wait(bar0 + 8 * (TW_GT_STAGES + s), ((uint32_t)(it / TW_GT_STAGES) & 1u) ^ 1u);
+        const int s = it % S;
+        tw_mbar_wait(bar0 + 8 * (S + s), ((uint32_t)(it / S) & 1u) ^ 1u);
         const uint32_t kbytes = (uint32_t)min(128, K - 128 * c) * 2u;
-        const uint32_t dst = tw_smem_u32(stg + s * TW_GT_STAGE);
+        const uint32_t dst = tw_smem_u32(stg + s * SB);
         if (lane == 0) {
           tw_mbar_expect_tx(bar0 + 8 * s, TW_GT_WBYTES + (uint32_t)nrow * kbytes);
           tw_tma_3d(dst, &wmap, 64 * c, x.r0, x.e, bar0 + 8 * s);
@@ -1515,14 +1544,23 @@ static __global__ void __launch_bounds__(TW_GT_THREADS(G), 1)
     return;
   }
   for (int u = blockIdx.x; u < units; u += gridDim.x, un++) { /* the consumers */
-    const tw_gt_unit_t x = tw_gt_unit(p, pre, n_act, tiles, u);
+    const tw_gt_unit_t x = tw_gt_unit(p, pre, n_act, tiles, P, u);
     const int cb = KC * x.kp / p.ks, ce = KC * (x.kp + 1) / p.ks, sb = un & 1;
     tw_mbar_wait(sbar + 8 * sb, (uint32_t)(un >> 1) & 1u);
     const uint8_t *sc = scl + sb * sbytes;
-    if (x.ne - x.base <= 8)
-      tw_gt_consume<EPI, 1, G>(p, tw_gt_smem_b, stg, sc, red, bar0, x, cb, ce, it);
-    else
-      tw_gt_consume<EPI, 2, G>(p, tw_gt_smem_b, stg, sc, red, bar0, x, cb, ce, it);
+    const int nt = (min(P, x.ne - x.base) + 7) / 8; /* the n8 tiles the unit's rows fill */
+#define TW_GT_CONSUME(n) \
+  tw_gt_consume<EPI, (n), G, P>(p, tw_gt_smem_b, stg, sc, red, bar0, x, cb, ce, it)
+    if constexpr (P == 16) {
+      if (nt <= 1) TW_GT_CONSUME(1);
+      else TW_GT_CONSUME(2);
+    } else {
+      if (nt <= 1) TW_GT_CONSUME(1);
+      else if (nt == 2) TW_GT_CONSUME(2);
+      else if (nt == 3) TW_GT_CONSUME(3);
+      else TW_GT_CONSUME(4);
+    }
+#undef TW_GT_CONSUME
     __syncwarp();
     if (lane == 0) tw_mbar_arrive(sbar + 8 * (2 + sb)); /* done with these scales */
   }
@@ -1562,13 +1600,18 @@ static bool tw_gt_map(const uint8_t *wq, int E, int N, int K, CUtensorMap *map) 
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-/* Consumer groups of the TMA kernel: 2 (16 warps; the chunks of a unit
- * alternate between the groups) unless TWAIN_CUDA_MOE_TMA=1 asks for one. */
-static int tw_gt_groups(void) { return tw_cuda_knobs()->moe_tma == 1 ? 1 : 2; }
+/* Consumer groups of the TMA kernel at pass P: 2 (16 warps; the chunks of a
+ * unit alternate between the groups) unless TWAIN_CUDA_MOE_TMA=1 asks for
+ * one; one at P = 32 (TW_GT_STAGES). */
+static int tw_gt_groups(int P) { return tw_cuda_knobs()->moe_tma == 1 || P > 16 ? 1 : 2; }
 typedef void (*tw_gt_fn)(const tw_gg_args_t, const CUtensorMap);
-static tw_gt_fn tw_gt_pick(int epi, int G) {
-  if (G == 1) return epi == TW_GG_SWIGLU ? tw_gt_kernel<TW_GG_SWIGLU, 1> : tw_gt_kernel<TW_GG_PLAIN, 1>;
-  return epi == TW_GG_SWIGLU ? tw_gt_kernel<TW_GG_SWIGLU, 2> : tw_gt_kernel<TW_GG_PLAIN, 2>;
+template <int G, int P> static tw_gt_fn tw_gt_pick_gp(int epi) {
+  return epi == TW_GG_SWIGLU ? tw_gt_kernel<TW_GG_SWIGLU, G, P> : tw_gt_kernel<TW_GG_PLAIN, G, P>;
+}
+/* The kernel of (epi, G, P); P = 32 has G = 1 only. */
+static tw_gt_fn tw_gt_pick(int epi, int G, int P) {
+  if (P <= 16) return G == 1 ? tw_gt_pick_gp<1, 16>(epi) : tw_gt_pick_gp<2, 16>(epi);
+  return tw_gt_pick_gp<1, 32>(epi);
 }
 
 /* Whether the TMA kernel can take both launches of an MoE (gate_up on x,
@@ -1585,20 +1628,35 @@ static bool tw_gt_fits(const tw_cuda_moe_weights_t *w, const void *x, const void
          tw_tmap_encode();
 }
 
-static TW_NODISCARD tw_status_t tw_gt_launch(const tw_gg_args_t *a, int epi, int tk,
+static TW_NODISCARD tw_status_t tw_gt_launch(const tw_gg_args_t *a, int epi, int tk, int P,
                                              cudaStream_t stream) {
   CUtensorMap map;
   if (!tw_gt_map(a->wq, a->E, a->N, a->K, &map))
     return tw_err(TW_ERR_CUDA, "moe: the driver refused the tensor map of %d x %d x %d bytes",
                   a->E, a->N, a->K / 2);
   const int experts = a->E < tk ? a->E : tk, tiles = TW_CDIV(a->N, TW_GT_RT);
-  const int units = tiles * a->ks * (tk / 16 + experts), sms = tw_gs_sms();
-  const int G = tw_gt_groups();
+  const int units = tiles * a->ks * (tk / P + experts), sms = tw_gs_sms();
+  const int G = tw_gt_groups(P);
   dim3 grid(units < sms ? units : sms);
-  tw_pdl_launch(tw_gt_pick(epi, G), grid, dim3(TW_GT_THREADS(G)), tw_gt_smem(a->K, G), stream, *a,
-                map);
+  tw_pdl_launch(tw_gt_pick(epi, G, P), grid, dim3(TW_GT_THREADS(G)), tw_gt_smem(a->K, G, P),
+                stream, *a, map);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gt_kernel(gate_up)" : "tw_gt_kernel(down)");
   return TW_OK;
+}
+
+/* The TMA kernel's pass at assignment tile bt (tw_gg_tile_rows), 0 where the
+ * TMA kernel does not take the launch: tw_cuda_moe_set_tma_pass's (every
+ * load), else bt where bt is at most TWAIN_CUDA_MOE_TMA_PASS (16 or 32, the
+ * default: the 32-row tile's loads, an expert's mean load 9-16, run as
+ * passes of 32 on the TMA kernel instead of the wgmma kernel; measured,
+ * docs/benchmarks.md). */
+static int tw_gt_pass_forced = 0;
+extern "C" void tw_cuda_moe_set_tma_pass(int pass) {
+  tw_gt_pass_forced = pass == 16 || pass == 32 ? pass : 0;
+}
+static int tw_gt_pass(int bt) {
+  if (tw_gt_pass_forced) return tw_gt_pass_forced;
+  return bt <= tw_cuda_knobs()->moe_tma_pass ? bt : 0;
 }
 
 /* Whether the streaming kernel takes the decode MoE: MXFP4 experts, the
@@ -1680,10 +1738,11 @@ static TW_NODISCARD tw_status_t tw_gs_launch(const tw_gg_args_t *a, int epi, int
 
 extern "C" tw_status_t tw_moe_grouped_setup(void) {
   for (int epi = 0; epi < 2; epi++)
-    for (int G = 1; G <= 2; G++)
-      TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gt_pick(epi, G),
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)tw_gt_smem(TW_GT_MAX_K, G)));
+    for (int P = 16; P <= 32; P *= 2)
+      for (int G = 1; G <= (P > 16 ? 1 : 2); G++)
+        TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gt_pick(epi, G, P),
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           (int)tw_gt_smem(TW_GT_MAX_K, G, P)));
   for (int epi = 0; epi < 2; epi++)
     for (int wp = 8; wp <= 16; wp *= 2)
       for (int pf = 0; pf <= 2; pf++)
@@ -1807,8 +1866,11 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   const int fmt = w1_bf16 ? TW_GG_BF16 : TW_GG_MXFP4;
   if (fmt == TW_GG_MXFP4 && (tw_gm_tiles() & (uint32_t)bt))
     return tw_gm_run(w, r, T, x, act, y, bt, stream);
-  /* decode loads (the 16-row tile) of MXFP4 experts: the streaming kernel */
-  const bool gs = fmt == TW_GG_MXFP4 && bt == 16 && H % 32 == 0 && I % 16 == 0 && tw_gs_enabled();
+  /* decode loads of MXFP4 experts: the TMA kernel at the pass tw_gt_pass
+   * gives, where it fits; else at the 16-row tile the per-warp streaming
+   * kernel */
+  const bool mx = fmt == TW_GG_MXFP4 && H % 32 == 0 && I % 16 == 0 && tw_gs_enabled();
+  const int pass = mx ? tw_gt_pass(bt) : 0;
   const __nv_bfloat16 *w1h = (const __nv_bfloat16 *)w1_bf16;
   const __nv_bfloat16 *w2h = (const __nv_bfloat16 *)w2_bf16;
   tw_gg_args_t a = {};
@@ -1834,8 +1896,9 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   /* the TMA kernel where it fits (tw_gt_kernel; its down launch in two K
    * parts for small batches), else the streaming kernel's last round in
    * pieces (tw_gs_kernel), or else its down launch in two K parts */
-  const bool gt = gs && tw_gt_fits(w, x, act);
-  const bool tiled = gs && !gt && tw_cuda_moe_stream_balance();
+  const bool gt = pass > 0 && tw_gt_fits(w, x, act);
+  const bool gs = mx && bt == 16 && !gt;
+  const bool tiled = gs && tw_cuda_moe_stream_balance();
   const int down_ks = gt            ? tw_down_parts(H, I, E, tk, TW_GT_RT, 4 * tw_gs_sms())
                       : gs && !tiled ? tw_down_parts(H, I, E, tk, 32, 2 * tw_gs_grid_warps())
                                      : 1;
@@ -1847,7 +1910,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
     a.zero = y;
     a.zero_n = (int64_t)tk * H;
   }
-  TW_CHECK(gt   ? tw_gt_launch(&a, TW_GG_SWIGLU, tk, stream)
+  TW_CHECK(gt   ? tw_gt_launch(&a, TW_GG_SWIGLU, tk, pass, stream)
            : gs ? tw_gs_launch(&a, TW_GG_SWIGLU, pf, stream)
                 : tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, bt, stream));
   a.a = (const __nv_bfloat16 *)act;
@@ -1862,7 +1925,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   a.ks = down_ks;
   a.zero = NULL;
   a.zero_n = 0;
-  return gt   ? tw_gt_launch(&a, TW_GG_PLAIN, tk, stream)
+  return gt   ? tw_gt_launch(&a, TW_GG_PLAIN, tk, pass, stream)
          : gs ? tw_gs_launch(&a, TW_GG_PLAIN, pf, stream)
               : tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);
 }

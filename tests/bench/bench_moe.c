@@ -17,12 +17,13 @@
  * --decode: decode batches instead (default T = 16, 64, 256, 512, 1024):
  * the grouped GEMM's wgmma kernel ("old") against its streaming decode kernel
  * ("new", TWAIN_CUDA_MOE_STREAM, kernels/moe_grouped.cu; it runs at the
- * 16-row tile, other tiles stay on the wgmma kernel) in one process, at the tile
+ * 16- and 32-row tiles, other tiles stay on the wgmma kernel; --pass 16|32
+ * makes its TMA kernel take every load at that pass) in one process, at the tile
  * tw_cuda_moe_prefill picks, with the bytes the block must move (the selected
  * experts once, the token rows, activations and outputs), TB/s and TFLOP/s
  * of each, old/new and the relative L2 of new against old (above 1e-3 the
  * benchmark fails).
- * Usage: twain-bench-moe [--decode] [T,T,...] (default 128,1024,8192). */
+ * Usage: twain-bench-moe [--decode [--pass 16|32]] [T,T,...] (default 128,1024,8192). */
 #include "kernels/gemm.h"
 #include "kernels/moe.h"
 
@@ -340,13 +341,14 @@ static int bench_decode(const char *name, int E, const int *Ts, int nT, cudaStre
 }
 
 int main(int argc, char **argv) {
-  int Ts[16] = {128, 1024, 8192}, nT = 3, decode = 0, ai = 1;
+  int Ts[16] = {128, 1024, 8192}, nT = 3, decode = 0, ai = 1, pass = 0;
   if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
     printf(
-        "usage: twain-bench-moe [--decode] [T,T,...]\n"
+        "usage: twain-bench-moe [--decode [--pass 16|32]] [T,T,...]\n"
         "  tokens per call; default 128,1024,8192 (prefill: grouped GEMM against cuBLAS)\n"
         "  --decode: the grouped GEMM's wgmma kernel against its streaming decode kernel\n"
-        "            (TWAIN_CUDA_MOE_STREAM), default 16,64,256,512,1024\n");
+        "            (TWAIN_CUDA_MOE_STREAM), default 16,64,256,512,1024\n"
+        "  --pass P: the decode kernel's TMA kernel takes every load, at passes of P rows\n");
     return 0;
   }
   if (argc > ai && !strcmp(argv[ai], "--decode")) {
@@ -355,6 +357,14 @@ int main(int argc, char **argv) {
     static const int dT[] = {16, 64, 256, 512, 1024};
     nT = 5;
     memcpy(Ts, dT, sizeof dT);
+    if (argc > ai + 1 && !strcmp(argv[ai], "--pass")) {
+      pass = atoi(argv[ai + 1]);
+      if (pass != 16 && pass != 32) {
+        fprintf(stderr, "twain-bench-moe: --pass takes 16 or 32, not '%s'\n", argv[ai + 1]);
+        return 2;
+      }
+      ai += 2;
+    }
   }
   if (argc > ai) {
     nT = 0;
@@ -384,15 +394,22 @@ int main(int argc, char **argv) {
   if (decode) {
     printf(
         "decode MoE block, ms (median of %d): grouped GEMM, wgmma kernel (old) against the "
-        "streaming decode kernel (new, 16-row tiles); TB/s of the bytes a step must move, TFLOP/s "
+        "streaming decode kernel (new, 16- and 32-row tiles%s); TB/s of the bytes a step must "
+        "move, TFLOP/s "
         "of the expert "
         "GEMMs (ceilings %.2f TB/s copy, %.0f TFLOP/s)\n",
-        REPS, GBS_CEIL / 1000.0, TFLOPS_CEIL);
+        REPS,
+        pass == 16   ? "; every load at passes of 16"
+        : pass == 32 ? "; every load at passes of 32"
+                     : "",
+        GBS_CEIL / 1000.0, TFLOPS_CEIL);
     printf(
         "| model | T | tile | experts used (max rows) | MB | GFLOP | old ms | old TB/s | old "
         "TFLOP/s | new ms | new TB/s | new TFLOP/s | old/new | rel L2 new vs old |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    tw_cuda_moe_set_tma_pass(pass);
     rc = bench_decode("20b", 32, Ts, nT, s) || bench_decode("120b", 128, Ts, nT, s);
+    tw_cuda_moe_set_tma_pass(0);
   } else {
     tw_cuda_gemm_t *gemm = NULL;
     TWK(tw_cuda_gemm_create(0, &gemm));

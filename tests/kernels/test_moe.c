@@ -31,8 +31,10 @@
  * (tw_cuda_moe_set_stream_tma(1): the same units with the weights and token
  * rows brought in by a producer warp; the odd shapes' partial 256-row tiles,
  * K below one 128-k chunk and hot multi-pass experts included),
- * "stream_tma". Modes 6 and 7 set it off, so they keep testing the per-warp
- * kernel whichever the default.
+ * "stream_tma"; and through the TMA kernel at passes of 32 assignment rows
+ * a unit (tw_cuda_moe_set_tma_pass(32): then it takes every grouped case,
+ * whatever its tile), "stream_tma32". Modes 6 and 7 set it off, so they keep
+ * testing the per-warp kernel whichever the default.
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
@@ -224,7 +226,11 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
  * MXFP4 experts through the streaming kernel (at the 16-row tile; other
  * tiles run the wgmma kernel); 7: the same with its last round whole
  * (tw_cuda_moe_set_stream_balance(0)); 8: the streaming units through the
- * TMA kernel (tw_cuda_moe_set_stream_tma(1)). */
+ * TMA kernel (tw_cuda_moe_set_stream_tma(1)); 9: every launch through the
+ * TMA kernel at pass 32. */
+/* The TMA pass of mode (9: 32; else the rule). */
+static void tma_mode(int mode) { tw_cuda_moe_set_tma_pass(mode == 9 ? 32 : 0); }
+
 static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
                     const tw_cuda_moe_route_t *r, const moe_case_t *c, int mode, const void *d_x,
                     const void *d_wdq, void *d_ws, size_t wsb, int32_t *hc, float *d_out,
@@ -237,7 +243,8 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
   tw_cuda_moe_set_mma_tiles(mode == 5 ? MMA_ALL : 0);
   tw_cuda_moe_set_stream(mode >= 6);
   tw_cuda_moe_set_stream_balance(mode == 7 ? 0 : -1);
-  tw_cuda_moe_set_stream_tma(mode == 8);
+  tw_cuda_moe_set_stream_tma(mode >= 8);
+  tma_mode(mode);
   if (mode == 0)
     st = tw_cuda_moe_decode(w, r, T, d_x, d_ws, wsb, d_out, 0);
   else if (mode <= 2 || mode >= 5)
@@ -259,10 +266,12 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
  * replay must give `want` bit for bit. */
 static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
                         const moe_case_t *c, const void *d_x, void *d_ws, size_t wsb, float *d_out,
-                        float *out, const float *want, uint32_t mma, int stream_k, int tma) {
+                        float *out, const float *want, uint32_t mma, int stream_k, int tma,
+                        int mode) {
   tw_cuda_moe_set_mma_tiles(mma);
   tw_cuda_moe_set_stream(stream_k);
   tw_cuda_moe_set_stream_tma(tma);
+  tma_mode(mode);
   cudaStream_t s;
   TT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaGraph_t g = NULL;
@@ -271,8 +280,9 @@ static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_
   tw_status_t st = tw_cuda_moe_prefill(w, r, c->T, d_x, NULL, d_ws, wsb, d_out, s);
   cudaError_t ce = cudaStreamEndCapture(s, &g);
   if (st != TW_OK || ce != cudaSuccess || cudaGraphInstantiate(&ge, g, 0) != cudaSuccess) {
-    printf("FAIL moe_grouped_graph(%s,T=%d,mma=%u,stream=%d,tma=%d): capture: %s / %s\n", c->name,
-           c->T, mma, stream_k, tma, st != TW_OK ? tw_last_error() : "ok", cudaGetErrorString(ce));
+    printf("FAIL moe_grouped_graph(%s,T=%d,mma=%u,stream=%d,tma=%d,mode=%d): capture: %s / %s\n",
+           c->name, c->T, mma, stream_k, tma, mode, st != TW_OK ? tw_last_error() : "ok",
+           cudaGetErrorString(ce));
     cudaGetLastError();
     return 1;
   }
@@ -287,9 +297,9 @@ static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_
     diff += tt_count_bits_differ(out, want, n);
   }
   printf(
-      "%s moe_grouped_graph(%s,T=%d,mma=%u,stream=%d,tma=%d): captured without a host sync, "
-      "%ld values differ from the eager run over 2 replays\n",
-      diff ? "FAIL" : "ok  ", c->name, c->T, mma, stream_k, tma, diff);
+      "%s moe_grouped_graph(%s,T=%d,mma=%u,stream=%d,tma=%d,mode=%d): captured without a host "
+      "sync, %ld values differ from the eager run over 2 replays\n",
+      diff ? "FAIL" : "ok  ", c->name, c->T, mma, stream_k, tma, mode, diff);
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   cudaStreamDestroy(s);
@@ -361,7 +371,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   int32_t *hc;
   TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
   moe_reference(pool, c, &h, x, logits, ref);
-  int modes[8], n_modes = 0;
+  int modes[10], n_modes = 0;
   bool grouped = prefill && tw_cuda_moe_grouped_supported(H, I);
   if (!prefill) modes[n_modes++] = 0;
   if (grouped) {
@@ -371,6 +381,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     modes[n_modes++] = 6;
     modes[n_modes++] = 7;
     modes[n_modes++] = 8;
+    modes[n_modes++] = 9;
   } else if (prefill) {
     printf("SKIP moe_grouped(%s): no grouped GEMM on this GPU\n", c->name);
   }
@@ -383,10 +394,16 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     }
     tt_l2_t acc = {0};
     for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&acc, out[i], ref[i]);
-    static const char *const names[] = {
-        "gemv",           "grouped_mxfp4",         "grouped_bf16",
-        "cublas",         "cublas_predequant",     "grouped_mma",
-        "grouped_stream", "grouped_stream_static", "grouped_stream_tma"};
+    static const char *const names[] = {"gemv",
+                                        "grouped_mxfp4",
+                                        "grouped_bf16",
+                                        "cublas",
+                                        "cublas_predequant",
+                                        "grouped_mma",
+                                        "grouped_stream",
+                                        "grouped_stream_static",
+                                        "grouped_stream_tma",
+                                        "grouped_stream_tma32"};
     char name[160];
     snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode], c->name, H,
              I, E, k, T);
@@ -399,7 +416,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       printf("%s moe_grouped_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", c->name,
              T, d);
       rc |= d != 0;
-      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1, 0, 0, 0);
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1, 0, 0, 0, 1);
     } else if (mode == 2) {
       long d = tt_count_bits_differ(out, out1, (size_t)T * H);
       printf("%s moe_grouped_mxfp4_vs_bf16(%s,T=%d): %ld values differ (on-chip dequantisation "
@@ -407,11 +424,11 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       rc |= d != 0;
     } else if (mode >= 5) {
       /* a decode kernel (5: mma.sync, 6: streaming, 7: streaming with its
-       * last round whole, 8: TMA): against the wgmma kernel, rerun, graph */
-      const char *kn = mode == 5   ? "mma"
-                       : mode == 6 ? "stream"
-                       : mode == 7 ? "stream_static"
-                                   : "stream_tma";
+       * last round whole, 8: TMA, 9: TMA at pass 32): against the wgmma
+       * kernel, rerun, graph */
+      static const char *const kns[] = {"mma", "stream", "stream_static", "stream_tma",
+                                        "stream_tma32"};
+      const char *kn = kns[mode - 5];
       memcpy(out5, out, (size_t)T * H * 4);
       tt_l2_t ab = {0};
       for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&ab, out5[i], out1[i]);
@@ -423,7 +440,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
              c->name, T, d);
       rc |= d != 0;
       rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5,
-                         mode == 5 ? MMA_ALL : 0, mode >= 6, mode == 8);
+                         mode == 5 ? MMA_ALL : 0, mode >= 6, mode >= 8, mode);
       if (mode == 6) { /* the counters of units cut into pieces: back to 0 */
         int nz = counters_left(r.gs_ticket, TW_CUDA_MOE_GS_TICKETS);
         printf("%s moe_grouped_stream_tickets(%s,T=%d): %d counters left non-zero\n",
@@ -436,6 +453,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   tw_cuda_moe_set_stream(-1);
   tw_cuda_moe_set_stream_balance(-1);
   tw_cuda_moe_set_stream_tma(-1);
+  tma_mode(0);
   cudaFree((void *)w.gate_up_blocks); cudaFree((void *)w.gate_up_scales);
   cudaFree((void *)w.down_blocks); cudaFree((void *)w.down_scales);
   cudaFree((void *)w.gate_up_bias); cudaFree((void *)w.down_bias);
