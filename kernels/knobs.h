@@ -53,8 +53,9 @@ typedef struct {
   int moe_stream_balance; /* TWAIN_CUDA_MOE_STREAM_BALANCE=0: its last round of (expert, rows)
                              units is not cut into pieces over every warp (default 1) */
   int moe_tma;            /* TWAIN_CUDA_MOE_TMA 0, 1 or 2: the streaming decode MoE's weight
-                            copies in its own warps (0), or by the TMA kernel's producer warp
-                            for 8 (1) or 16 (2, default) consumer warps */
+                            copies in its own warps (0; the 32-row tile then runs the wgmma
+                            kernel), or by the TMA kernel's producer warp for 8 (1) or 16 (2,
+                            default) consumer warps at the 16-row tile (8 at the 32-row tile) */
   int moe_tma_pass;       /* TWAIN_CUDA_MOE_TMA_PASS 16 or 32: the largest assignment tile the
                             TMA decode MoE takes, as its pass (rows a unit); 32 (default) */
   int route_fused_max;   /* TWAIN_CUDA_ROUTE_FUSED_MAX 0..1024: assignments (T x k) up to which

@@ -172,10 +172,12 @@ uint32_t tw_cuda_moe_mma_tiles(void);
 void tw_cuda_moe_set_mma_tiles(uint32_t tiles);
 
 /** Whether tw_cuda_moe_prefill's MXFP4 experts at decode loads (the 16-row
- *  assignment tile: an expert's mean load at most 8) run the streaming
- *  kernel of moe_grouped.cu (tw_gs_kernel: weights streamed from global
- *  memory into registers, mma.sync, no shared-memory staging) instead of the
- *  wgmma kernel: 1 unless TWAIN_CUDA_MOE_STREAM=0 (read once). The
+ *  assignment tile: an expert's mean load at most 8; and the 32-row tile
+ *  where the TMA kernel takes it, tw_cuda_moe_set_tma_pass) run the
+ *  streaming kernels of moe_grouped.cu (tw_gt_kernel, or tw_gs_kernel:
+ *  weights streamed from global memory into registers, mma.sync, no
+ *  shared-memory staging) instead of the wgmma kernel: 1 unless
+ *  TWAIN_CUDA_MOE_STREAM=0 (read once). The
  *  TWAIN_CUDA_MOE_MMA tiles take precedence. Results within the GEMM path's
  *  tolerance of the wgmma kernel (same bf16 products, f32 sums in another
  *  order); no host sync, capturable. */
@@ -190,8 +192,8 @@ void tw_cuda_moe_set_stream(int on);
 /** Whether the streaming decode MoE runs as the TMA kernel of
  *  moe_grouped.cu (tw_gt_kernel: one producer warp per CTA brings each
  *  256-row stage of MXFP4 weights in with the tensor memory accelerator,
- *  sixteen warps convert and multiply; same arithmetic and tolerance as
- *  tw_gs_kernel) where its shapes fit (hidden and intermediate sizes
+ *  sixteen warps (eight at passes of 32) convert and multiply; same
+ *  arithmetic and tolerance as tw_gs_kernel) where its shapes fit (hidden and intermediate sizes
  *  multiples of 32 and at most 3,072, fewer than 256 experts, 16-byte
  *  aligned tensors): 1 unless TWAIN_CUDA_MOE_TMA=0 (read once). */
 int tw_cuda_moe_stream_tma(void);
@@ -203,7 +205,8 @@ void tw_cuda_moe_set_stream_tma(int on);
 
 /** Force the TMA kernel's pass (assignment rows a unit of work: 16 or 32;
  *  32 with one group of eight consumer warps): it then takes every grouped
- *  launch on MXFP4 experts that it fits,
+ *  launch on MXFP4 experts that it fits (TWAIN_CUDA_MOE_MMA tiles still
+ *  take precedence),
  *  whatever the load (while tw_cuda_moe_stream and tw_cuda_moe_stream_tma
  *  are on); 0: back to the rule (the assignment tile as the pass, where the
  *  tile is at most TWAIN_CUDA_MOE_TMA_PASS, 16 or 32 (default): moe_grouped.cu

@@ -1258,7 +1258,7 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
 /* ---- The decode MoE with its weights brought in by the tensor memory
  * accelerator (TMA): tw_gt_kernel ----
  *
- * The same units of work and the same mma.sync arithmetic as tw_gs_kernel
+ * The same units of work (at passes of 16) and the same mma.sync arithmetic as tw_gs_kernel
  * (the K order inside a 128-k chunk permuted so that lane t's A values are
  * its own MXFP4 block t, the same per-lane conversion table, the same
  * epilogues), but no warp copies weights: one producer warp per CTA keeps
@@ -1659,9 +1659,10 @@ static int tw_gt_pass(int bt) {
   return bt <= tw_cuda_knobs()->moe_tma_pass ? bt : 0;
 }
 
-/* Whether the streaming kernel takes the decode MoE: MXFP4 experts, the
- * 16-row tile (an expert's mean load at most 8), unless TWAIN_CUDA_MOE_STREAM=0
- * (knobs.h) or tw_cuda_moe_set_stream said otherwise. */
+/* Whether the streaming kernels take the decode MoE: MXFP4 experts, the
+ * 16-row tile (an expert's mean load at most 8) and the TMA kernel's passes
+ * (tw_gt_pass), unless TWAIN_CUDA_MOE_STREAM=0 (knobs.h) or
+ * tw_cuda_moe_set_stream said otherwise. */
 static int tw_gs_on = -1;
 static int tw_gs_enabled(void) { return tw_gs_on >= 0 ? tw_gs_on : tw_cuda_knobs()->moe_stream; }
 extern "C" void tw_cuda_moe_set_stream(int on) { tw_gs_on = on < 0 ? -1 : on ? 1 : 0; }

@@ -279,7 +279,7 @@ static int bench_model(const char *name, int E, const int *Ts, int nT, tw_cuda_g
 
 /* Decode shapes: tw_cuda_moe_prefill with the wgmma kernel ("old",
  * tw_cuda_moe_set_stream(0)) against the streaming kernel ("new",
- * tw_cuda_moe_set_stream(1); 16-row tiles), at the tile the rule picks (or TWAIN_CUDA_MOE_BT). Bytes: the
+ * tw_cuda_moe_set_stream(1); 16- and 32-row tiles), at the tile the rule picks (or TWAIN_CUDA_MOE_BT). Bytes: the
  * MXFP4 blocks, scales and biases of the experts the route selects (each
  * once) plus the token rows in (bf16), the activations (bf16) and expert
  * outputs (f32) written and read once, and the output (f32): the floor a
@@ -357,10 +357,13 @@ int main(int argc, char **argv) {
     static const int dT[] = {16, 64, 256, 512, 1024};
     nT = 5;
     memcpy(Ts, dT, sizeof dT);
-    if (argc > ai + 1 && !strcmp(argv[ai], "--pass")) {
-      pass = atoi(argv[ai + 1]);
-      if (pass != 16 && pass != 32) {
-        fprintf(stderr, "twain-bench-moe: --pass takes 16 or 32, not '%s'\n", argv[ai + 1]);
+    if (argc > ai && !strcmp(argv[ai], "--pass")) {
+      pass = argc > ai + 1 && (!strcmp(argv[ai + 1], "16") || !strcmp(argv[ai + 1], "32"))
+                 ? atoi(argv[ai + 1])
+                 : 0;
+      if (!pass) {
+        fprintf(stderr, "twain-bench-moe: --pass takes 16 or 32, not '%s'\n",
+                argc > ai + 1 ? argv[ai + 1] : "nothing");
         return 2;
       }
       ai += 2;

@@ -18,8 +18,9 @@
  * (same bits); "bigscale" cases use E8M0 scales up to 2^4, which take its
  * two-multiply conversion. The streaming decode kernel
  * (tw_cuda_moe_set_stream: weights through per-warp cp.async stages, used
- * at the 16-row tile) runs every grouped case the same way (cases at other
- * tiles check that it leaves them to the wgmma kernel: 0 difference),
+ * at the 16-row tile) runs every grouped case the same way (cases at the
+ * larger tiles check that it leaves them to the wgmma kernel: 0
+ * difference; in mode 8 the TMA kernel also takes the 32-row tile),
  * including "hot" loads of more than 16 rows, which it takes in passes; the
  * last round of its (expert, rows, pass) units is cut into pieces over all
  * its warps (on the H200's 2,112 warps: 20b T=1, 720 gate_up units, all in
