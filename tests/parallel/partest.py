@@ -42,15 +42,15 @@ def greedy_at_once(cl, prompts, refs, n, timeout=180):
     return got
 
 
-def kill_rank_streaming(c, cl, victim, prompt, n_streams, kind, remaining, what):
-    """Start n_streams long streams, SIGKILL rank 1 of `victim` once each has
+def kill_rank_streaming(c, cl, victim, prompt, n_streams, kind, remaining, what, n_tokens=300):
+    """Start n_streams streams of n_tokens, SIGKILL rank 1 of `victim` once each has
     a few tokens, check the worker leaves the router's registry (its `kind`
     pool count drops to `remaining`) within 2 s; returns the streams'
     replies once all ended and how many of them ran on the victim at the
     kill (its decode_running_sequences, polled until the streams' placement
     adds up over the decode workers)."""
     pid1 = int(victim.wait_line(r"r1 .*rank 1 of 2 pid (\d+) following rank 0", 10).group(1))
-    streams = [cl.send(svc.generate(prompt, 300)) for _ in range(n_streams)]
+    streams = [cl.send(svc.generate(prompt, n_tokens)) for _ in range(n_streams)]
     end = svc.deadline(60)
     while time.time() < end and not all(len(svc.tokens_of(cl.replies.get(r, []))) >= 3 or cl.done(r)
                                         for r in streams):

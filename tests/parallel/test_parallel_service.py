@@ -17,7 +17,7 @@
 3. the same for rank 1 of the EP 2 TP 2 decode worker while it streams: out
    of the registry within 2 s; its streams are resumed on the remaining
    (single-rank) decode worker from the tokens they had, so every stream
-   ends with the reference's 300 greedy tokens; a new request is served by
+   ends with the reference's 1,000 greedy tokens; a new request is served by
    the remaining decode worker.
 Every wait is bounded."""
 import os
@@ -95,29 +95,31 @@ try:
     wait_gone(c, victim, c.prefills)
 
     # ---- 3. kill one rank of the EP 2 TP 2 decode worker mid-stream
-    # the spare: a plain single-rank decode worker of 200 blocks (eight of
+    # the spare: a plain single-rank decode worker of 600 blocks (nine of
     # these streams' worth: it holds them all once they resume there), so the
     # router (most free blocks first) puts every stream on the victim, whose
     # pool is thousands of blocks even while its view of the victim still
     # counts section 2's blocks (the spare used to be the victim's free count
     # less 48, and on a loaded machine that stale view put 0 of 6 streams on
-    # the victim, or the spare's faster streams ran ahead: CI of 28c5fdb)
+    # the victim, or the spare's faster streams ran ahead: CI of 28c5fdb).
+    # Streams of 1,000 tokens: at 300 a loaded machine let every stream end
+    # before the kill (CI of 63f48b7: all 6 done, 0 on the victim, 0 resumed)
     svc.wait_metric(c.decodes[0].metrics_port, "twain_kv_blocks_used", 0, 10)
-    c.decode_args = ["--verify-kv", "--kv-blocks", "200"]
+    c.decode_args = ["--verify-kv", "--kv-blocks", "600"]
     c.add_decode()
     c.wait_registered(1, 2)
     victim = c.decodes[0]
     short = cases["short_dog"]
     resumed0 = svc.metrics(c.router_metrics_port).get("twain_router_requests_resumed_total", 0)
-    res, on_victim = kill_rank_streaming(c, cl, victim, short, 6, "decode", 1, "decode rank 1")
-    want = svc.reference_generate(short, 300)
+    res, on_victim = kill_rank_streaming(c, cl, victim, short, 6, "decode", 1, "decode rank 1", 1000)
+    want = svc.reference_generate(short, 1000)
     n_ok = sum(1 for r in res if not r[-1].error.code and svc.tokens_of(r) == want)
     resumed = svc.metrics(c.router_metrics_port).get("twain_router_requests_resumed_total", 0) - resumed0
     # resumed <= on_victim: a stream counted on the victim can still finish
     # before the kill lands (on a loaded machine the others' first tokens
     # took that long: CI of b999d65, 4 on the victim, 2 resumed, all 6 right)
     check(n_ok == len(res) and 0 < resumed <= on_victim,
-          "streams around the kill: %d of %d ended with the reference's 300 tokens (errors: %s), "
+          "streams around the kill: %d of %d ended with the reference's 1,000 tokens (errors: %s), "
           "%d were on the killed worker, %d resumed on the other" % (
               n_ok, len(res), error_summary(res), on_victim, resumed))
     after = cl.wait([cl.send(svc.generate(short, N))], 120)[0]
