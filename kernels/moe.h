@@ -195,11 +195,14 @@ void tw_cuda_moe_set_stream(int on);
  *  sixteen warps (eight at passes of 32) convert and multiply; same
  *  arithmetic and tolerance as tw_gs_kernel) where its shapes fit (hidden and intermediate sizes
  *  multiples of 32 and at most 3,072, fewer than 256 experts, 16-byte
- *  aligned tensors): 1 unless TWAIN_CUDA_MOE_TMA=0 (read once). */
+ *  aligned tensors): nonzero unless TWAIN_CUDA_MOE_TMA=0 (read once): 2 (the
+ *  default) for two groups of eight consumer warps at passes of 16, 1 for
+ *  one. */
 int tw_cuda_moe_stream_tma(void);
 
-/** Set tw_cuda_moe_stream_tma: 1 on, 0 off, negative: back to the
- *  environment's choice. For tests and benchmarks; not thread-safe against
+/** Set tw_cuda_moe_stream_tma as TWAIN_CUDA_MOE_TMA would: 0 off, 1 on
+ *  with one group of consumer warps at passes of 16, 2 on with two (the
+ *  default; larger values: 2), negative: back to the environment's choice. For tests and benchmarks; not thread-safe against
  *  concurrent MoE calls; a captured graph keeps its kernels. */
 void tw_cuda_moe_set_stream_tma(int on);
 

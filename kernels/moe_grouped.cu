@@ -1568,10 +1568,12 @@ static __global__ void __launch_bounds__(TW_GT_THREADS(G), 1)
 
 static int tw_gs_sms(void);
 
-/* Whether the TMA kernel takes the streaming kernel's launches: 1 unless
- * TWAIN_CUDA_MOE_TMA=0 or tw_cuda_moe_set_stream_tma said otherwise. */
+/* Whether the TMA kernel takes the streaming kernel's launches, and with how
+ * many consumer groups at passes of 16: TWAIN_CUDA_MOE_TMA's 0 (off), 1 (one
+ * group) or 2 (two, the default) unless tw_cuda_moe_set_stream_tma said
+ * otherwise. */
 static int tw_gt_on = -1;
-extern "C" void tw_cuda_moe_set_stream_tma(int on) { tw_gt_on = on < 0 ? -1 : on ? 1 : 0; }
+extern "C" void tw_cuda_moe_set_stream_tma(int on) { tw_gt_on = on < 0 ? -1 : on > 2 ? 2 : on; }
 extern "C" int tw_cuda_moe_stream_tma(void) {
   return tw_gt_on >= 0 ? tw_gt_on : tw_cuda_knobs()->moe_tma;
 }
@@ -1601,9 +1603,9 @@ static bool tw_gt_map(const uint8_t *wq, int E, int N, int K, CUtensorMap *map) 
 }
 
 /* Consumer groups of the TMA kernel at pass P: 2 (16 warps; the chunks of a
- * unit alternate between the groups) unless TWAIN_CUDA_MOE_TMA=1 asks for
- * one; one at P = 32 (TW_GT_STAGES). */
-static int tw_gt_groups(int P) { return tw_cuda_knobs()->moe_tma == 1 || P > 16 ? 1 : 2; }
+ * unit alternate between the groups) unless TWAIN_CUDA_MOE_TMA=1 or
+ * tw_cuda_moe_set_stream_tma(1) asks for one; one at P = 32 (TW_GT_STAGES). */
+static int tw_gt_groups(int P) { return tw_cuda_moe_stream_tma() == 1 || P > 16 ? 1 : 2; }
 typedef void (*tw_gt_fn)(const tw_gg_args_t, const CUtensorMap);
 template <int G, int P> static tw_gt_fn tw_gt_pick_gp(int epi) {
   return epi == TW_GG_SWIGLU ? tw_gt_kernel<TW_GG_SWIGLU, G, P> : tw_gt_kernel<TW_GG_PLAIN, G, P>;

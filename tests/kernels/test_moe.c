@@ -34,8 +34,11 @@
  * K below one 128-k chunk and hot multi-pass experts included),
  * "stream_tma"; and through the TMA kernel at passes of 32 assignment rows
  * a unit (tw_cuda_moe_set_tma_pass(32): then it takes every grouped case,
- * whatever its tile), "stream_tma32". Modes 6 and 7 set it off, so they keep
- * testing the per-warp kernel whichever the default.
+ * whatever its tile), "stream_tma32"; and at passes of 16 on every case
+ * (hot experts at the large tiles in many passes), with one group of
+ * consumer warps (tw_cuda_moe_set_stream_tma(1), as TWAIN_CUDA_MOE_TMA=1),
+ * "stream_tma16g1", and with two, "stream_tma16". Modes 6 and 7 set it
+ * off, so they keep testing the per-warp kernel whichever the default.
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
@@ -227,10 +230,14 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
  * MXFP4 experts through the streaming kernel (at the 16-row tile; other
  * tiles run the wgmma kernel); 7: the same with its last round whole
  * (tw_cuda_moe_set_stream_balance(0)); 8: the streaming units through the
- * TMA kernel (tw_cuda_moe_set_stream_tma(1)); 9: every launch through the
- * TMA kernel at pass 32. */
-/* The TMA pass of mode (9: 32; else the rule). */
-static void tma_mode(int mode) { tw_cuda_moe_set_tma_pass(mode == 9 ? 32 : 0); }
+ * TMA kernel (tw_cuda_moe_set_stream_tma(2)); 9: every launch through the
+ * TMA kernel at pass 32; 10: every launch through it at pass 16 with one
+ * consumer group; 11: the same with two. */
+/* The TMA kernel of mode: tw_cuda_moe_set_stream_tma's value (10: one
+ * consumer group at passes of 16; 8, 9, 11: two) and its forced pass (9: 32;
+ * 10, 11: 16; else the rule). */
+static int tma_groups(int mode) { return mode == 10 ? 1 : mode >= 8 ? 2 : 0; }
+static void tma_mode(int mode) { tw_cuda_moe_set_tma_pass(mode == 9 ? 32 : mode >= 10 ? 16 : 0); }
 
 static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
                     const tw_cuda_moe_route_t *r, const moe_case_t *c, int mode, const void *d_x,
@@ -244,7 +251,7 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
   tw_cuda_moe_set_mma_tiles(mode == 5 ? MMA_ALL : 0);
   tw_cuda_moe_set_stream(mode >= 6);
   tw_cuda_moe_set_stream_balance(mode == 7 ? 0 : -1);
-  tw_cuda_moe_set_stream_tma(mode >= 8);
+  tw_cuda_moe_set_stream_tma(tma_groups(mode));
   tma_mode(mode);
   if (mode == 0)
     st = tw_cuda_moe_decode(w, r, T, d_x, d_ws, wsb, d_out, 0);
@@ -372,7 +379,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   int32_t *hc;
   TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
   moe_reference(pool, c, &h, x, logits, ref);
-  int modes[10], n_modes = 0;
+  int modes[12], n_modes = 0;
   bool grouped = prefill && tw_cuda_moe_grouped_supported(H, I);
   if (!prefill) modes[n_modes++] = 0;
   if (grouped) {
@@ -383,6 +390,8 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     modes[n_modes++] = 7;
     modes[n_modes++] = 8;
     modes[n_modes++] = 9;
+    modes[n_modes++] = 10;
+    modes[n_modes++] = 11;
   } else if (prefill) {
     printf("SKIP moe_grouped(%s): no grouped GEMM on this GPU\n", c->name);
   }
@@ -404,7 +413,9 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
                                         "grouped_stream",
                                         "grouped_stream_static",
                                         "grouped_stream_tma",
-                                        "grouped_stream_tma32"};
+                                        "grouped_stream_tma32",
+                                        "grouped_stream_tma16g1",
+                                        "grouped_stream_tma16"};
     char name[160];
     snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode], c->name, H,
              I, E, k, T);
@@ -425,10 +436,12 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       rc |= d != 0;
     } else if (mode >= 5) {
       /* a decode kernel (5: mma.sync, 6: streaming, 7: streaming with its
-       * last round whole, 8: TMA, 9: TMA at pass 32): against the wgmma
-       * kernel, rerun, graph */
-      static const char *const kns[] = {"mma", "stream", "stream_static", "stream_tma",
-                                        "stream_tma32"};
+       * last round whole, 8: TMA, 9: TMA at pass 32, 10 and 11: TMA at pass
+       * 16 with one and two consumer groups): against the wgmma kernel,
+       * rerun, graph */
+      static const char *const kns[] = {"mma",         "stream",       "stream_static",
+                                        "stream_tma",  "stream_tma32", "stream_tma16g1",
+                                        "stream_tma16"};
       const char *kn = kns[mode - 5];
       memcpy(out5, out, (size_t)T * H * 4);
       tt_l2_t ab = {0};
@@ -441,7 +454,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
              c->name, T, d);
       rc |= d != 0;
       rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5,
-                         mode == 5 ? MMA_ALL : 0, mode >= 6, mode >= 8, mode);
+                         mode == 5 ? MMA_ALL : 0, mode >= 6, tma_groups(mode), mode);
       if (mode == 6) { /* the counters of units cut into pieces: back to 0 */
         int nz = counters_left(r.gs_ticket, TW_CUDA_MOE_GS_TICKETS);
         printf("%s moe_grouped_stream_tickets(%s,T=%d): %d counters left non-zero\n",
