@@ -192,18 +192,19 @@ void tw_cuda_moe_set_stream(int on);
 /** Whether the streaming decode MoE runs as the TMA kernel of
  *  moe_grouped.cu (tw_gt_kernel: one producer warp per CTA brings each
  *  256-row stage of MXFP4 weights in with the tensor memory accelerator,
- *  sixteen warps (eight at passes of 32) convert and multiply; same
- *  arithmetic and tolerance as tw_gs_kernel) where its shapes fit (hidden and intermediate sizes
- *  multiples of 32 and at most 3,072, fewer than 256 experts, 16-byte
- *  aligned tensors): nonzero unless TWAIN_CUDA_MOE_TMA=0 (read once): 2 (the
- *  default) for two groups of eight consumer warps at passes of 16, 1 for
- *  one. */
+ *  one or two groups of eight consumer warps convert and multiply; same
+ *  arithmetic and tolerance as tw_gs_kernel) where its shapes fit (hidden
+ *  and intermediate sizes multiples of 32 and at most 3,072, fewer than 256
+ *  experts, 16-byte aligned tensors): nonzero unless TWAIN_CUDA_MOE_TMA=0
+ *  (read once): 2 (the default) for two groups at passes of 16, 1 for one;
+ *  passes of 32 always take one. */
 int tw_cuda_moe_stream_tma(void);
 
 /** Set tw_cuda_moe_stream_tma as TWAIN_CUDA_MOE_TMA would: 0 off, 1 on
  *  with one group of consumer warps at passes of 16, 2 on with two (the
- *  default; larger values: 2), negative: back to the environment's choice. For tests and benchmarks; not thread-safe against
- *  concurrent MoE calls; a captured graph keeps its kernels. */
+ *  default; larger values: 2), negative: back to the environment's choice.
+ *  For tests and benchmarks; not thread-safe against concurrent MoE calls;
+ *  a captured graph keeps its kernels. */
 void tw_cuda_moe_set_stream_tma(int on);
 
 /** Force the TMA kernel's pass (assignment rows a unit of work: 16 or 32;

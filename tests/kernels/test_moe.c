@@ -29,13 +29,13 @@
  * once more with that off (tw_cuda_moe_set_stream_balance(0): whole units
  * to the end, the down launch of small batches in two K parts added into
  * a cleared output), "stream_static"; and through the TMA kernel
- * (tw_cuda_moe_set_stream_tma(1): the same units with the weights and token
+ * (tw_cuda_moe_set_stream_tma(2): the same units with the weights and token
  * rows brought in by a producer warp; the odd shapes' partial 256-row tiles,
  * K below one 128-k chunk and hot multi-pass experts included),
  * "stream_tma"; and through the TMA kernel at passes of 32 assignment rows
  * a unit (tw_cuda_moe_set_tma_pass(32): then it takes every grouped case,
  * whatever its tile), "stream_tma32"; and at passes of 16 on every case
- * (hot experts at the large tiles in many passes), with one group of
+ * (the heavily loaded experts of the large tiles in many passes), with one group of
  * consumer warps (tw_cuda_moe_set_stream_tma(1), as TWAIN_CUDA_MOE_TMA=1),
  * "stream_tma16g1", and with two, "stream_tma16". Modes 6 and 7 set it
  * off, so they keep testing the per-warp kernel whichever the default.
