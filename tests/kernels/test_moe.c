@@ -238,6 +238,15 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
  * 10, 11: 16; else the rule). */
 static int tma_groups(int mode) { return mode == 10 ? 1 : mode >= 8 ? 2 : 0; }
 static void tma_mode(int mode) { tw_cuda_moe_set_tma_pass(mode == 9 ? 32 : mode >= 10 ? 16 : 0); }
+/* Every kernel switch as mode asks (run_mode and run_captured alike). */
+static uint32_t mma_tiles(int mode) { return mode == 5 ? MMA_ALL : 0; }
+static void set_mode(int mode) {
+  tw_cuda_moe_set_mma_tiles(mma_tiles(mode));
+  tw_cuda_moe_set_stream(mode >= 6);
+  tw_cuda_moe_set_stream_balance(mode == 7 ? 0 : -1);
+  tw_cuda_moe_set_stream_tma(tma_groups(mode));
+  tma_mode(mode);
+}
 
 static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
                     const tw_cuda_moe_route_t *r, const moe_case_t *c, int mode, const void *d_x,
@@ -248,11 +257,7 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
   TT_CUDA(cudaDeviceSynchronize());
   const void *wdq = mode == 2 || mode == 4 ? d_wdq : NULL;
   tw_status_t st;
-  tw_cuda_moe_set_mma_tiles(mode == 5 ? MMA_ALL : 0);
-  tw_cuda_moe_set_stream(mode >= 6);
-  tw_cuda_moe_set_stream_balance(mode == 7 ? 0 : -1);
-  tw_cuda_moe_set_stream_tma(tma_groups(mode));
-  tma_mode(mode);
+  set_mode(mode);
   if (mode == 0)
     st = tw_cuda_moe_decode(w, r, T, d_x, d_ws, wsb, d_out, 0);
   else if (mode <= 2 || mode >= 5)
@@ -269,17 +274,15 @@ static int run_mode(tw_cuda_gemm_t *gemm, const tw_cuda_moe_weights_t *w,
   return 0;
 }
 
-/* The grouped path once more, captured in a CUDA graph on a fresh stream and
- * replayed twice: capture fails if the path synchronises the host; each
- * replay must give `want` bit for bit. */
+/* The grouped path of mode once more, captured in a CUDA graph on a fresh
+ * stream and replayed twice: capture fails if the path synchronises the
+ * host; each replay must give `want` bit for bit. */
 static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
                         const moe_case_t *c, const void *d_x, void *d_ws, size_t wsb, float *d_out,
-                        float *out, const float *want, uint32_t mma, int stream_k, int tma,
-                        int mode) {
-  tw_cuda_moe_set_mma_tiles(mma);
-  tw_cuda_moe_set_stream(stream_k);
-  tw_cuda_moe_set_stream_tma(tma);
-  tma_mode(mode);
+                        float *out, const float *want, int mode) {
+  const uint32_t mma = mma_tiles(mode);
+  const int stream_k = mode >= 6, tma = tma_groups(mode);
+  set_mode(mode);
   cudaStream_t s;
   TT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaGraph_t g = NULL;
@@ -428,7 +431,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       printf("%s moe_grouped_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", c->name,
              T, d);
       rc |= d != 0;
-      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1, 0, 0, 0, 1);
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out1, 1);
     } else if (mode == 2) {
       long d = tt_count_bits_differ(out, out1, (size_t)T * H);
       printf("%s moe_grouped_mxfp4_vs_bf16(%s,T=%d): %ld values differ (on-chip dequantisation "
@@ -438,11 +441,8 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       /* a decode kernel (5: mma.sync, 6: streaming, 7: streaming with its
        * last round whole, 8: TMA, 9: TMA at pass 32, 10 and 11: TMA at pass
        * 16 with one and two consumer groups): against the wgmma kernel,
-       * rerun, graph */
-      static const char *const kns[] = {"mma",         "stream",       "stream_static",
-                                        "stream_tma",  "stream_tma32", "stream_tma16g1",
-                                        "stream_tma16"};
-      const char *kn = kns[mode - 5];
+       * rerun, graph; named as in names[] less its "grouped_" */
+      const char *kn = names[mode] + strlen("grouped_");
       memcpy(out5, out, (size_t)T * H * 4);
       tt_l2_t ab = {0};
       for (size_t i = 0; i < (size_t)T * H; i++) tt_l2_add(&ab, out5[i], out1[i]);
@@ -453,8 +453,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
       printf("%s moe_grouped_%s_rerun(%s,T=%d): %ld values differ\n", d ? "FAIL" : "ok  ", kn,
              c->name, T, d);
       rc |= d != 0;
-      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5,
-                         mode == 5 ? MMA_ALL : 0, mode >= 6, tma_groups(mode), mode);
+      rc |= run_captured(&w, &r, c, d_x, d_ws, wsb, (float *)d_out, out, out5, mode);
       if (mode == 6) { /* the counters of units cut into pieces: back to 0 */
         int nz = counters_left(r.gs_ticket, TW_CUDA_MOE_GS_TICKETS);
         printf("%s moe_grouped_stream_tickets(%s,T=%d): %d counters left non-zero\n",
