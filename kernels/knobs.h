@@ -58,6 +58,9 @@ typedef struct {
                             default) consumer warps at the 16-row tile (8 at the 32-row tile) */
   int moe_tma_pass;       /* TWAIN_CUDA_MOE_TMA_PASS 16 or 32: the largest assignment tile the
                             TMA decode MoE takes, as its pass (rows a unit); 32 (default) */
+  int moe_ws;             /* TWAIN_CUDA_MOE_WS 0, 16, 32, 64 or 128: the smallest assignment tile
+                            the warp-specialised grouped GEMM (tw_gw_kernel) takes on MXFP4
+                            experts; 128 (default); 0: none (the wgmma kernel everywhere) */
   int route_fused_max;   /* TWAIN_CUDA_ROUTE_FUSED_MAX 0..1024: assignments (T x k) up to which
                             the router GEMM's route runs as one block (128) */
 } tw_cuda_knobs_t;

@@ -218,6 +218,15 @@ void tw_cuda_moe_set_stream_tma(int on);
  *  against concurrent MoE calls; a captured graph keeps its kernels. */
 void tw_cuda_moe_set_tma_pass(int pass);
 
+/** Force the smallest assignment tile (16, 32, 64 or 128 rows) from which the
+ *  warp-specialised grouped GEMM (moe_grouped.cu tw_gw_kernel: a TMA
+ *  producer warp, two consumer warpgroups of 128 weight rows) takes the
+ *  grouped launches on MXFP4 experts that the decode kernels above do not
+ *  take; 0: never; negative: back to TWAIN_CUDA_MOE_WS (knobs.h). For
+ *  tests and benchmarks; not thread-safe against concurrent MoE calls; a
+ *  captured graph keeps its kernels. */
+void tw_cuda_moe_set_ws(int min_tile);
+
 /** Whether the streaming kernel cuts its last round of (expert, 32 rows, 16
  *  assignments) units into equal k-chunk pieces over all its warps, summed
  *  in warp order (the same bits every run; a token's bits then depend on the

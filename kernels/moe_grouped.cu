@@ -45,6 +45,9 @@
  * bf16 tile, 3 or 4 warpgroups, warp-specialised producers): this one was the
  * fastest, docs/benchmarks.md.
  *
+ * tw_gw_kernel, below, runs the same arithmetic fed by a TMA producer warp
+ * (no CTA barrier a k-tile) and takes the 128-row tiles (TWAIN_CUDA_MOE_WS).
+ *
  * A second kernel for the same grid and epilogues, tw_gm_kernel (mma.sync,
  * MXFP4 converted in registers once per CTA for all rows of the tile; see
  * its comment below), runs the tiles named by TWAIN_CUDA_MOE_MMA /
@@ -60,6 +63,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <type_traits>
 
 #define TW_GG_BM 128      /* largest assignment-row tile (of one expert) per CTA */
 #define TW_GG_BM_MIN 16   /* smallest: decode, few tokens per expert */
@@ -183,6 +188,45 @@ static __device__ __forceinline__ uint32_t tw_gg_scale2(uint32_t s) {
   return s ? (s << 7) * 0x10001u : 0x00400040u;
 }
 
+/* The A fragments of one 16-byte half h (words 0-3: k16 steps 2h, 2h + 1)
+ * of fragment row g + 8 hr's MXFP4 blocks in a k-tile, E8M0 scale byte
+ * scale: byte t of word j is the pair at k 8 j + 2 t of this half, its
+ * bf16x2 at lut_lane + 128 b in the per-lane table (sel: byte t to the low
+ * byte), times the scale (exact); a0 / a1 (row g / g + 8) of step 2h from
+ * word 0, a2 / a3 from word 1, step 2h + 1 from words 2 and 3. */
+static __device__ __forceinline__ void tw_gg_cvt_half(uint32_t lut_lane, uint32_t sel, uint4 w,
+                                                      uint32_t scale, int h, int hr,
+                                                      uint32_t (&af)[4][4]) {
+  const uint32_t sc = tw_gg_scale2(scale);
+  const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162 *>(&sc);
+  auto cv = [&](uint32_t word) {
+    uint32_t v;
+    asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(lut_lane + (__byte_perm(word, 0, sel) << 7)));
+    __nv_bfloat162 o = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&v), s2);
+    return *reinterpret_cast<uint32_t *>(&o);
+  };
+  af[2 * h][hr] = cv(w.x);
+  af[2 * h][2 + hr] = cv(w.y);
+  af[2 * h + 1][hr] = cv(w.z);
+  af[2 * h + 1][2 + hr] = cv(w.w);
+}
+
+/* f(std::integral_constant<int, W>()) with W the wgmma width (n8 tiles) of
+ * a tile whose rows fill nq of its quarters (GQ n8 tiles each, at least one:
+ * W2, W3 and N8 for two, three, four), so that a tile holding fewer rows
+ * than its size does not multiply the zero rows (a uniform branch). */
+template <int GQ, int W2, int W3, int N8, typename F>
+static __device__ __forceinline__ void tw_by_quarters(int nq, F &&f) {
+  if (nq == 1)
+    f(std::integral_constant<int, GQ>());
+  else if (nq == 2)
+    f(std::integral_constant<int, W2>());
+  else if (nq == 3)
+    f(std::integral_constant<int, W3>());
+  else
+    f(std::integral_constant<int, N8>());
+}
+
 /* The four k16 steps of a k-tile on the first W8 n8 tiles of the
  * accumulators (wgmma m64n(8 W8)k16; the B tile's rows past 8 W8 are not
  * read), with their fence and commit (in each branch of the caller, so
@@ -212,6 +256,37 @@ static __device__ __forceinline__ void tw_gg_wgmma8(float (&acc)[N8][4], const u
 #pragma unroll
   for (int s = 0; s < 4; s++) tw_wgmma_rs(d, af2[s], xd2 + 2 * s);
   tw_wgmma_commit();
+}
+
+/* A warp's epilogue: acc[j] = (its weight rows nw + g and nw + g + 8; for
+ * SwiGLU the gate and linear rows of i = nw / 2 + g) x (assignments 8 j + 2
+ * t, + 1 of the tile at off, rows of them real): bias, then SwiGLU into the
+ * bf16 act [T*k, N/2] or the f32 rows [T*k, N]. */
+template <int EPI, int N8>
+static __device__ __forceinline__ void tw_gg_epilogue(const tw_gg_args_t &p,
+                                                      const float (&acc)[N8][4], int e, int rows,
+                                                      int off, int nw) {
+  const int N = p.N, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+  const float *bias = p.bias + (int64_t)e * N;
+#pragma unroll
+  for (int j = 0; j < N8; j++)
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+      const int m = j * 8 + 2 * t + c;
+      if (m >= rows) continue;
+      const int64_t prow = off + m;
+      if (EPI == TW_GG_SWIGLU) {
+        const int i = nw / 2 + g;
+        if (2 * i >= N) continue;
+        reinterpret_cast<__nv_bfloat16 *>(p.out)[prow * (N / 2) + i] = __float2bfloat16(
+            tw_swiglu(acc[j][c] + bias[2 * i], acc[j][2 + c] + bias[2 * i + 1], p.alpha, p.limit));
+      } else {
+        const int n = nw + g;
+        float *y = reinterpret_cast<float *>(p.out) + prow * N;
+        if (n < N) y[n] = acc[j][c] + bias[n];
+        if (n + 8 < N) y[n + 8] = acc[j][2 + c] + bias[n + 8];
+      }
+    }
 }
 
 /* The grouped GEMM kernel (see the file comment). FMT: TW_GG_MXFP4 or
@@ -330,21 +405,8 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
         const int r = g + 8 * hr, cr = 16 * warp + r;
 #pragma unroll
         for (int h = 0; h < 2; h++) { /* words 0-3 (steps 0, 1), 4-7 (steps 2, 3) */
-          const uint4 w = *reinterpret_cast<const uint4 *>(rb + r * 32 + ((h ^ sw) * 16));
-          const uint32_t sc = tw_gg_scale2(sS[cr * KBP + 2 * kt + h]);
-          const __nv_bfloat162 s2 = *reinterpret_cast<const __nv_bfloat162 *>(&sc);
-          /* byte t of word j = the pair at k 8 j + 2 t of this k-tile half;
-           * its table entry at lut_lane + 128 b: one shift-add for the address */
-          auto cv = [&](uint32_t word) {
-            uint32_t v;
-            asm("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(lut_lane + (__byte_perm(word, 0, sel) << 7)));
-            __nv_bfloat162 o = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&v), s2);
-            return *reinterpret_cast<uint32_t *>(&o);
-          };
-          af[2 * h][hr] = cv(w.x);         /* step 2h: a0 (row g) / a1 (row g + 8) */
-          af[2 * h][2 + hr] = cv(w.y);     /* a2 / a3 */
-          af[2 * h + 1][hr] = cv(w.z);
-          af[2 * h + 1][2 + hr] = cv(w.w);
+          tw_gg_cvt_half(lut_lane, sel, *reinterpret_cast<const uint4 *>(rb + r * 32 + ((h ^ sw) * 16)),
+                         sS[cr * KBP + 2 * kt + h], h, hr, af);
         }
       }
     } else {
@@ -408,23 +470,12 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
       const uint64_t xd2 = xd0 + (uint64_t)(st * (BT * 128 / 16));
       st = nxt(st);
       tw_reg_fence(acc);
-      if (nq == 1)
-        tw_gg_wgmma8<GQ>(acc, af, af2, xd, xd2);
-      else if (nq == 2)
-        tw_gg_wgmma8<W2>(acc, af, af2, xd, xd2);
-      else if (nq == 3)
-        tw_gg_wgmma8<W3>(acc, af, af2, xd, xd2);
-      else
-        tw_gg_wgmma8<N8>(acc, af, af2, xd, xd2);
+      tw_by_quarters<GQ, W2, W3, N8>(nq, [&](auto w8) {
+        tw_gg_wgmma8<decltype(w8)::value>(acc, af, af2, xd, xd2);
+      });
     } else {
-      if (nq == 1)
-        tw_gg_wgmma4<GQ>(acc, af, xd);
-      else if (nq == 2)
-        tw_gg_wgmma4<W2>(acc, af, xd);
-      else if (nq == 3)
-        tw_gg_wgmma4<W3>(acc, af, xd);
-      else
-        tw_gg_wgmma4<N8>(acc, af, xd);
+      tw_by_quarters<GQ, W2, W3, N8>(
+          nq, [&](auto w8) { tw_gg_wgmma4<decltype(w8)::value>(acc, af, xd); });
     }
     tw_reg_fence(acc);
     tw_wgmma_wait0();
@@ -438,27 +489,7 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
       }
   }
 
-  /* Epilogue: acc[j] = (weight rows g, g + 8 of this warp) x (tokens 8 j + 2 t, +1). */
-  const float *bias = p.bias + (int64_t)e * N;
-#pragma unroll
-  for (int j = 0; j < N8; j++)
-#pragma unroll
-    for (int c = 0; c < 2; c++) {
-      const int m = j * 8 + 2 * t + c;
-      if (m >= rows) continue;
-      const int64_t prow = off + m;
-      if (EPI == TW_GG_SWIGLU) {
-        const int i = n0 / 2 + 8 * warp + g;
-        if (2 * i >= N) continue;
-        reinterpret_cast<__nv_bfloat16 *>(p.out)[prow * (N / 2) + i] = __float2bfloat16(
-            tw_swiglu(acc[j][c] + bias[2 * i], acc[j][2 + c] + bias[2 * i + 1], p.alpha, p.limit));
-      } else {
-        const int n = n0 + 16 * warp + g;
-        float *y = reinterpret_cast<float *>(p.out) + prow * N;
-        if (n < N) y[n] = acc[j][c] + bias[n];
-        if (n + 8 < N) y[n + 8] = acc[j][2 + c] + bias[n + 8];
-      }
-    }
+  tw_gg_epilogue<EPI>(p, acc, e, rows, off, n0 + 16 * warp);
 }
 
 /* Dynamic shared memory: the MXFP4 conversion table (TW_GG_LUT_BYTES), S
@@ -556,8 +587,9 @@ static __device__ __forceinline__ int tw_gm_xswz(int c, int r) {
   return c ^ (((c >> 3) & 1) << 1) ^ (r & 1);
 }
 
-/* xg[p] = x[sorted[p] / k], each group of 8 values in the B order; rows of
- * h8 16-byte chunks. */
+/* xg[p] = x[sorted[p] / k], each group of 8 values in the B order (PERM)
+ * or as they are; rows of h8 16-byte chunks. */
+template <bool PERM>
 static __global__ void tw_gm_gather_kernel(const uint4 *__restrict__ x,
                                            const int32_t *__restrict__ sorted, int k, int h8,
                                            int tk, uint4 *__restrict__ xg) {
@@ -567,7 +599,8 @@ static __global__ void tw_gm_gather_kernel(const uint4 *__restrict__ x,
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t pr = i / h8;
     const int c = (int)(i - pr * h8);
-    xg[i] = tw_gm_perm8(x[(int64_t)(sorted[pr] / k) * h8 + c]);
+    const uint4 v = x[(int64_t)(sorted[pr] / k) * h8 + c];
+    xg[i] = PERM ? tw_gm_perm8(v) : v;
   }
 }
 
@@ -1661,6 +1694,359 @@ static int tw_gt_pass(int bt) {
   return bt <= tw_cuda_knobs()->moe_tma_pass ? bt : 0;
 }
 
+/* ---- The grouped GEMM with a TMA producer warp: tw_gw_kernel ----
+ *
+ * The wgmma kernel's arithmetic (MXFP4 converted by the per-lane table into
+ * register A fragments, wgmma m64nNk16 against the assignment rows in
+ * shared memory, the same epilogues and the same grid of (weight-row tile,
+ * assignment tile) with the same tile rule), with its copies and barriers
+ * changed. tw_gg_kernel's threads copy their own stages with cp.async and
+ * meet at a CTA barrier every k-tile (measured there: barrier and copy waits
+ * are the top stalls, docs/benchmarks.md). Here one producer warp keeps
+ * TW_GW_STAGES stages in flight, each two TMA boxes: 64 k of the CTA's 256
+ * weight rows of MXFP4 blocks (rows past N arrive as zeros; 32-byte swizzle,
+ * which is the layout tw_gg_kernel's fragment reads were placed for) and 64
+ * k of the tile's BT assignment rows (128-byte swizzle: the wgmma B layout;
+ * gate_up reads them from a gathered copy of the token rows in the route's
+ * order, so that one box holds them). Two consumer warpgroups of 128 weight
+ * rows each (two m64 halves: 256 rows a CTA, so the assignment rows are read
+ * from L2 once per 256 weight rows, not per 128) wait on a stage's mbarrier,
+ * issue both halves' wgmma, convert the next stage's weights while it runs,
+ * wait for it and release the stage; the warpgroups never wait for each
+ * other. Taken from the 128-row assignment tile (TWAIN_CUDA_MOE_WS): there
+ * it was 3-6% faster than tw_gg_kernel; at 64 rows and below slower
+ * (docs/benchmarks.md). One CTA an SM; the consumers
+ * take 232 registers a thread from the producer warpgroup's (setmaxnreg). */
+#define TW_GW_BW 256                     /* weight rows a CTA */
+/* two consumer warpgroups and a producer warpgroup (one thread of it
+ * copies; a whole warpgroup so that registers can move to the consumers:
+ * setmaxnreg works by warpgroups) */
+#define TW_GW_THREADS (3 * 128)
+#define TW_GW_MAX_K 3072                 /* the CTA's scales stay in shared memory */
+#define TW_GW_STAGES(bt) ((bt) >= 128 ? 6 : 8)
+static __host__ __device__ constexpr int tw_gw_stage(int bt) { return TW_GW_BW * 32 + bt * 128; }
+/* Dynamic shared memory: 1024 bytes of alignment slack, the conversion
+ * table, the stages, the scales [256][K/32 + 1] and 2 S mbarriers. */
+static size_t tw_gw_smem(int bt, int K) {
+  const size_t S = TW_GW_STAGES(bt);
+  return 1024 + TW_GG_LUT_BYTES + S * tw_gw_stage(bt) +
+         ((size_t)TW_GW_BW * (K / 32 + 1) + 7) / 8 * 8 + 16 * S;
+}
+
+static __device__ __forceinline__ void tw_tma_2d(uint32_t dst, const CUtensorMap *map, int c0,
+                                                 int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+/* Both m64 halves' four k16 steps on the first W8 n8 tiles (one fence and
+ * one commit). */
+template <int W8, int N8>
+static __device__ __forceinline__ void tw_gw_wgmma(float (&acc)[2][N8][4],
+                                                   const uint32_t (&af)[2][4][4], uint64_t xd) {
+  static_assert(W8 >= 1 && W8 <= N8, "wgmma N within the tile");
+  float(&d0)[W8][4] = *reinterpret_cast<float(*)[W8][4]>(&acc[0][0][0]);
+  float(&d1)[W8][4] = *reinterpret_cast<float(*)[W8][4]>(&acc[1][0][0]);
+  tw_wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < 4; s++) tw_wgmma_rs(d0, af[0][s], xd + 2 * s);
+#pragma unroll
+  for (int s = 0; s < 4; s++) tw_wgmma_rs(d1, af[1][s], xd + 2 * s);
+  tw_wgmma_commit();
+}
+
+/* The kernel (see above). EPI: TW_GG_SWIGLU or TW_GG_PLAIN; BT: assignment
+ * rows a CTA (16, 32, 64 or 128). wmap: the MXFP4 blocks [E][N][K/2] bytes,
+ * box 32 x 256 x 1; xmap: the assignment rows [tk][K] bf16, box 64 x BT. */
+template <int EPI, int BT>
+static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
+    tw_gw_kernel(const tw_gg_args_t p, const __grid_constant__ CUtensorMap wmap,
+                 const __grid_constant__ CUtensorMap xmap) {
+  constexpr int S = TW_GW_STAGES(BT), SB = tw_gw_stage(BT), N8 = BT / 8, WB = TW_GW_BW * 32;
+  extern __shared__ __align__(1024) uint8_t tw_gw_smem_b[];
+  __shared__ int s_tile[4];
+  TW_PDL_WAIT();
+  uint8_t *base = tw_gw_smem_b + ((1024 - (tw_smem_u32(tw_gw_smem_b) & 1023)) & 1023);
+  uint32_t *sL = reinterpret_cast<uint32_t *>(base);
+  uint8_t *stg = base + TW_GG_LUT_BYTES;
+  uint8_t *sS = stg + S * SB;
+  const int K = p.K, KT = (K + 63) / 64, KB = K / 32, KBP = KB + 1;
+  const uint32_t bar0 = (tw_smem_u32(sS + TW_GW_BW * KBP) + 7) & ~7u; /* full[S], empty[S] */
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < 256; i += TW_GW_THREADS) { /* the table, as tw_gg_kernel's */
+    const uint32_t v = tw_fp4x2_bf16((uint32_t)i);
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+      reinterpret_cast<uint4 *>(sL)[i * 8 + ((j + i) & 7)] = make_uint4(v, v, v, v);
+  }
+  if (warp == 0) tw_gg_find_tile(p, BT, lane, s_tile);
+  if (tid == 32) {
+    for (int s = 0; s < S; s++) {
+      tw_mbar_init(bar0 + 8 * s, 1);
+      tw_mbar_init(bar0 + 8 * (S + s), 8); /* one arrival a consumer warp */
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int e = s_tile[0];
+  if (e < 0) return; /* spare CTA of the upper-bound grid */
+  const int m0 = s_tile[1], rows = min(BT, s_tile[2] - m0), off = s_tile[3] + m0;
+  const int n0 = blockIdx.x * TW_GW_BW;
+  const uint32_t stg_u = tw_smem_u32(stg);
+  if (warp >= 8) { /* the producer */
+#if TW_HAVE_WGMMA /* sm_90a only, as wgmma */
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+#endif
+    if (warp == 8 && lane == 0)
+      for (int kt = 0; kt < KT; kt++) {
+        const int s = kt % S;
+        tw_mbar_wait(bar0 + 8 * (S + s), ((uint32_t)(kt / S) & 1u) ^ 1u);
+        tw_mbar_expect_tx(bar0 + 8 * s, (uint32_t)SB);
+        tw_tma_3d(stg_u + s * SB, &wmap, 32 * kt, n0, e, bar0 + 8 * s);
+        tw_tma_2d(stg_u + s * SB + WB, &xmap, 64 * kt, off, bar0 + 8 * s);
+      }
+    return;
+  }
+  /* the consumers (BT = 128: 128 accumulators and 32 fragment registers a
+   * thread): their rows' scales first (a barrier of the 256) */
+#if TW_HAVE_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+#endif
+  tw_gg_load_scales(p, e, TW_GW_BW, [&](int r) { return n0 + r; }, sS, 256);
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+  const int wg = warp >> 2, w = warp & 3, g = lane >> 2, t = lane & 3;
+  /* CTA row of fragment row r (0..15) of m64 half mh: SwiGLU pairs (gate 2i,
+   * linear 2i + 1) as fragment rows g and g + 8 */
+  auto lrow = [&](int mh, int r) {
+    const int b = 128 * wg + 64 * mh + 16 * w;
+    return EPI == TW_GG_SWIGLU ? b + 2 * (r & 7) + (r >> 3) : b + r;
+  };
+  const uint32_t lut_lane = tw_smem_u32(sL) + 4 * lane;
+  const uint32_t sel = 0x4440u | (uint32_t)t; /* byte t to the low byte, zeros above */
+  auto fragments = [&](int kt, const uint8_t *rb, uint32_t (&af)[2][4][4]) {
+#pragma unroll
+    for (int mh = 0; mh < 2; mh++)
+#pragma unroll
+      for (int hr = 0; hr < 2; hr++) { /* row g, then g + 8 */
+        const int r = lrow(mh, g + 8 * hr), sw = (r >> 2) & 1;
+#pragma unroll
+        for (int h = 0; h < 2; h++) { /* words 0-3 (steps 0, 1), 4-7 (steps 2, 3) */
+          tw_gg_cvt_half(lut_lane, sel, *reinterpret_cast<const uint4 *>(rb + r * 32 + ((h ^ sw) * 16)),
+                         sS[r * KBP + 2 * kt + h], h, hr, af[mh]);
+        }
+      }
+  };
+  float acc[2][N8][4];
+#pragma unroll
+  for (int mh = 0; mh < 2; mh++) {
+    float(&a)[N8][4] = acc[mh];
+#pragma unroll
+    for (int j = 0; j < N8; j++)
+#pragma unroll
+      for (int q = 0; q < 4; q++) a[j][q] = 0.f;
+  }
+  /* the wgmma N: the tile's rows rounded up to a quarter of BT (at least 8) */
+  constexpr int GQ = N8 / 4 > 0 ? N8 / 4 : 1;
+  constexpr int W2 = 2 * GQ < N8 ? 2 * GQ : N8, W3 = 3 * GQ < N8 ? 3 * GQ : N8;
+  const int nq = (rows + 8 * GQ - 1) / (8 * GQ);
+  const uint64_t xd0 = tw_wgmma_desc(stg_u + WB);
+  auto issue = [&](const uint32_t(&af)[2][4][4], int s) {
+    const uint64_t xd = xd0 + (uint64_t)(s * (SB / 16));
+    tw_reg_fence(acc[0]);
+    tw_reg_fence(acc[1]);
+    tw_by_quarters<GQ, W2, W3, N8>(
+        nq, [&](auto w8) { tw_gw_wgmma<decltype(w8)::value>(acc, af, xd); });
+    tw_reg_fence(acc[0]);
+    tw_reg_fence(acc[1]);
+  };
+  /* the wgmma done; af (its register operand) kept live up to here */
+  auto done = [&](uint32_t(&af)[2][4][4], int s) {
+    tw_wgmma_wait0();
+    tw_reg_fence(acc[0]);
+    tw_reg_fence(acc[1]);
+#pragma unroll
+    for (int mh = 0; mh < 2; mh++)
+#pragma unroll
+      for (int s4 = 0; s4 < 4; s4++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) asm volatile("" : "+r"(af[mh][s4][q])::"memory");
+    __syncwarp();
+    if (lane == 0) tw_mbar_arrive(bar0 + 8 * (S + s)); /* this warp is done with the stage */
+  };
+  auto ready = [&](int kt) {
+    const int s = kt % S;
+    tw_mbar_wait(bar0 + 8 * s, (uint32_t)(kt / S) & 1u);
+    return s;
+  };
+  /* k-tile kt + 1 converted while kt's wgmma runs (two sets of fragments,
+   * the loop unrolled by two so that each set keeps its registers; measured
+   * 3-6% faster than converting after the wait, docs/benchmarks.md) */
+  uint32_t af[2][4][4], af2[2][4][4];
+  int s = ready(0);
+  fragments(0, stg + s * SB, af);
+  for (int kt = 0; kt < KT; kt += 2) {
+    issue(af, s);
+    int s1 = 0;
+    if (kt + 1 < KT) {
+      s1 = ready(kt + 1);
+      fragments(kt + 1, stg + s1 * SB, af2);
+    }
+    done(af, s);
+    if (kt + 1 >= KT) break;
+    issue(af2, s1);
+    if (kt + 2 < KT) {
+      s = ready(kt + 2);
+      fragments(kt + 2, stg + s * SB, af);
+    }
+    done(af2, s1);
+  }
+
+#pragma unroll
+  for (int mh = 0; mh < 2; mh++)
+    tw_gg_epilogue<EPI>(p, acc[mh], e, rows, off, n0 + 128 * wg + 64 * mh + 16 * w);
+}
+
+typedef void (*tw_gw_fn)(const tw_gg_args_t, const CUtensorMap, const CUtensorMap);
+template <int BT> static tw_gw_fn tw_gw_pick_bt(int epi) {
+  return epi == TW_GG_SWIGLU ? tw_gw_kernel<TW_GG_SWIGLU, BT> : tw_gw_kernel<TW_GG_PLAIN, BT>;
+}
+static tw_gw_fn tw_gw_pick(int epi, int bt) {
+  switch (bt) {
+  case 16: return tw_gw_pick_bt<16>(epi);
+  case 32: return tw_gw_pick_bt<32>(epi);
+  case 64: return tw_gw_pick_bt<64>(epi);
+  default: return tw_gw_pick_bt<128>(epi);
+  }
+}
+
+/* The smallest assignment tile the kernel takes (0: none): the setter's,
+ * else TWAIN_CUDA_MOE_WS. */
+static int tw_gw_min = -1;
+extern "C" void tw_cuda_moe_set_ws(int min_tile) {
+  tw_gw_min = min_tile < 0 ? -1 : min_tile == 16 || min_tile == 32 || min_tile == 64 ||
+                                          min_tile == 128
+                                      ? min_tile
+                                      : 0;
+}
+static bool tw_gw_takes(int bt) {
+  const int m = tw_gw_min >= 0 ? tw_gw_min : tw_cuda_knobs()->moe_ws;
+  return m > 0 && bt >= m;
+}
+
+/* The tensor maps of one launch: the MXFP4 blocks [E][N][K/2] bytes (box 32
+ * x 256 x 1, 32-byte swizzle) and the assignment rows a [tk][K] bf16 (box 64
+ * x bt, 128-byte swizzle); false where the driver refuses. */
+static bool tw_gw_maps(const tw_gg_args_t *a, int tk, int bt, CUtensorMap *wm, CUtensorMap *xm) {
+  tw_tmap_encode_fn enc = tw_tmap_encode();
+  if (!enc) return false;
+  const cuuint64_t wd[3] = {(cuuint64_t)a->K / 2, (cuuint64_t)a->N, (cuuint64_t)a->E};
+  const cuuint64_t ws[2] = {(cuuint64_t)a->K / 2, (cuuint64_t)a->N * (a->K / 2)};
+  const cuuint32_t wb[3] = {32, TW_GW_BW, 1}, one[3] = {1, 1, 1};
+  if (enc(wm, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)a->wq, wd, ws, wb, one,
+          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_32B,
+          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return false;
+  const cuuint64_t xd[2] = {(cuuint64_t)a->K, (cuuint64_t)tk};
+  const cuuint64_t xs[1] = {(cuuint64_t)a->K * 2};
+  const cuuint32_t xb[2] = {64, (cuuint32_t)bt};
+  return enc(xm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)a->a, xd, xs, xb, one,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* Whether the kernel can take both launches of an MoE: K of each at most
+ * TW_GW_MAX_K and a multiple of 32, every tensor it reads by TMA (the
+ * blocks, x's gathered copy in y, act) 16-byte aligned, the encoder found. */
+static bool tw_gw_fits(const tw_cuda_moe_weights_t *w, const void *act, const void *y) {
+  const uintptr_t any = (uintptr_t)act | (uintptr_t)y | (uintptr_t)w->gate_up_blocks |
+                        (uintptr_t)w->down_blocks;
+  return w->hidden % 32 == 0 && w->intermediate % 32 == 0 && w->hidden <= TW_GW_MAX_K &&
+         w->intermediate <= TW_GW_MAX_K && (any & 15) == 0 && tw_tmap_encode();
+}
+
+static TW_NODISCARD tw_status_t tw_gw_launch(const tw_gg_args_t *a, int epi, int tk, int bt,
+                                             cudaStream_t stream) {
+  CUtensorMap wm, xm;
+  if (!tw_gw_maps(a, tk, bt, &wm, &xm))
+    return tw_err(TW_ERR_CUDA, "moe: the driver refused the tensor maps of %d x %d x %d bytes and %d x %d rows",
+                  a->E, a->N, a->K / 2, tk, a->K);
+  const int tiles_m = tk / bt + (a->E < tk ? a->E : tk);
+  tw_pdl_launch(tw_gw_pick(epi, bt), dim3(TW_CDIV(a->N, TW_GW_BW), tiles_m), dim3(TW_GW_THREADS),
+                tw_gw_smem(bt, a->K), stream, *a, wm, xm);
+  TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gw_kernel(gate_up)" : "tw_gw_kernel(down)");
+  return TW_OK;
+}
+
+/* The gate_up launch's arguments: assignment rows from a (gathered through
+ * sorted, or in order where sorted is NULL), SwiGLU into act; bf16 weights
+ * w1h or NULL (MXFP4). */
+static tw_gg_args_t tw_gg_gate_up(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
+                                  const void *a_rows, const int32_t *sorted,
+                                  const __nv_bfloat16 *w1h, void *act) {
+  tw_gg_args_t a = {};
+  a.a = (const __nv_bfloat16 *)a_rows;
+  a.sorted = sorted;
+  a.k_top = r->k;
+  a.wq = w->gate_up_blocks;
+  a.ws = w->gate_up_scales;
+  a.wh = w1h;
+  a.bias = w->gate_up_bias;
+  a.alpha = w->swiglu_alpha;
+  a.limit = w->swiglu_limit;
+  a.counts = r->counts;
+  a.offsets = r->offsets;
+  a.active = r->active;
+  a.n_active = r->n_active;
+  a.E = w->n_experts;
+  a.N = 2 * w->intermediate;
+  a.K = w->hidden;
+  a.out = act;
+  a.ks = 1;
+  return a;
+}
+/* Turn gate_up's arguments into down's: act [T*k, I] in order, f32 into y;
+ * bf16 weights w2h or NULL; nothing to clear. */
+static void tw_gg_to_down(tw_gg_args_t *a, const tw_cuda_moe_weights_t *w,
+                          const __nv_bfloat16 *w2h, const void *act, float *y) {
+  a->a = (const __nv_bfloat16 *)act;
+  a->sorted = NULL;
+  a->wq = w->down_blocks;
+  a->ws = w->down_scales;
+  a->wh = w2h;
+  a->bias = w->down_bias;
+  a->N = w->hidden;
+  a->K = w->intermediate;
+  a->out = y;
+  a->zero = NULL;
+  a->zero_n = 0;
+}
+
+/* The MoE on a kernel that reads its assignment rows in the route's order
+ * (tw_gm_kernel: each group of 8 values in the B order, perm; tw_gw_kernel:
+ * as they are): x's rows gathered into y (free until down writes it),
+ * gate_up into act, down into y; launch(a, epi) runs one of the two GEMMs. */
+template <typename Launch>
+static TW_NODISCARD tw_status_t tw_gathered_run(const tw_cuda_moe_weights_t *w,
+                                                const tw_cuda_moe_route_t *r, int32_t T,
+                                                const void *x, void *act, float *y, bool perm,
+                                                cudaStream_t stream, Launch launch) {
+  const int H = w->hidden, k = r->k, tk = T * k;
+  uint4 *xg = reinterpret_cast<uint4 *>(y);
+  const int64_t chunks = (int64_t)tk * (H / 8);
+  const int blocks = (int)(TW_CDIV(chunks, 256) < 2048 ? TW_CDIV(chunks, 256) : 2048);
+  tw_pdl_launch(perm ? tw_gm_gather_kernel<true> : tw_gm_gather_kernel<false>, dim3(blocks),
+                dim3(256), 0, stream, reinterpret_cast<const uint4 *>(x),
+                (const int32_t *)r->sorted, k, H / 8, tk, xg);
+  TW_CUDA_CHECK_LAUNCH("tw_gm_gather_kernel");
+  tw_gg_args_t a = tw_gg_gate_up(w, r, xg, NULL, NULL, act);
+  TW_CHECK(launch(a, TW_GG_SWIGLU));
+  tw_gg_to_down(&a, w, NULL, act, y);
+  return launch(a, TW_GG_PLAIN);
+}
+
 /* Whether the streaming kernels take the decode MoE: MXFP4 experts, the
  * 16-row tile (an expert's mean load at most 8) and the TMA kernel's passes
  * (tw_gt_pass), unless TWAIN_CUDA_MOE_STREAM=0 (knobs.h) or
@@ -1760,6 +2146,11 @@ extern "C" tw_status_t tw_moe_grouped_setup(void) {
                                            (int)tw_gg_smem_bytes(fmt, bt, TW_GG_MAX_K)));
   for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
     for (int epi = 0; epi < 2; epi++)
+      TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gw_pick(epi, bt),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)tw_gw_smem(bt, TW_GW_MAX_K)));
+  for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
+    for (int epi = 0; epi < 2; epi++)
       TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gm_pick(epi, bt),
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)tw_gm_smem_bytes(bt, TW_GG_MAX_K)));
@@ -1809,50 +2200,19 @@ static TW_NODISCARD tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int
   return TW_OK;
 }
 
-/* The decode kernel's MoE: gather + reorder the token rows into y (free
- * until down writes it), gate_up into act (B order), down into y. */
-static TW_NODISCARD tw_status_t tw_gm_run(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_t *r,
-                             int32_t T, const void *x, void *act, float *y, int bt,
-                             cudaStream_t stream) {
-  const int E = w->n_experts, H = w->hidden, I = w->intermediate, k = r->k, tk = T * k;
-  const int tiles_m = tk / bt + (E < tk ? E : tk);
-  uint4 *xg = reinterpret_cast<uint4 *>(y);
-  const int64_t chunks = (int64_t)tk * (H / 8);
-  const int blocks = (int)(TW_CDIV(chunks, 256) < 2048 ? TW_CDIV(chunks, 256) : 2048);
-  tw_pdl_launch(tw_gm_gather_kernel, dim3(blocks), dim3(256), 0, stream,
-                reinterpret_cast<const uint4 *>(x), (const int32_t *)r->sorted, k, H / 8, tk, xg);
-  TW_CUDA_CHECK_LAUNCH("tw_gm_gather_kernel");
-  tw_gg_args_t a = {};
-  a.a = reinterpret_cast<const __nv_bfloat16 *>(xg);
-  a.sorted = NULL;
-  a.k_top = k;
-  a.wq = w->gate_up_blocks;
-  a.ws = w->gate_up_scales;
-  a.bias = w->gate_up_bias;
-  a.alpha = w->swiglu_alpha;
-  a.limit = w->swiglu_limit;
-  a.counts = r->counts;
-  a.offsets = r->offsets;
-  a.active = r->active;
-  a.n_active = r->n_active;
-  a.E = E;
-  a.N = 2 * I;
-  a.K = H;
-  a.out = act;
-  tw_pdl_launch(tw_gm_pick(TW_GG_SWIGLU, bt), dim3(TW_CDIV(a.N, TW_GG_BW), tiles_m),
-                dim3(TW_GM_THREADS), tw_gm_smem_bytes(bt, a.K), stream, a);
-  TW_CUDA_CHECK_LAUNCH("tw_gm_kernel(gate_up)");
-  a.a = reinterpret_cast<const __nv_bfloat16 *>(act);
-  a.wq = w->down_blocks;
-  a.ws = w->down_scales;
-  a.bias = w->down_bias;
-  a.N = H;
-  a.K = I;
-  a.out = y;
-  tw_pdl_launch(tw_gm_pick(TW_GG_PLAIN, bt), dim3(TW_CDIV(a.N, TW_GG_BW), tiles_m),
-                dim3(TW_GM_THREADS), tw_gm_smem_bytes(bt, a.K), stream, a);
-  TW_CUDA_CHECK_LAUNCH("tw_gm_kernel(down)");
-  return TW_OK;
+/* The decode kernel's MoE (tw_gathered_run, the rows in the B order). */
+static TW_NODISCARD tw_status_t tw_gm_run(const tw_cuda_moe_weights_t *w,
+                                          const tw_cuda_moe_route_t *r, int32_t T, const void *x,
+                                          void *act, float *y, int bt, cudaStream_t stream) {
+  const int tk = T * r->k, tiles_m = tk / bt + (w->n_experts < tk ? w->n_experts : tk);
+  return tw_gathered_run(w, r, T, x, act, y, true, stream,
+                         [&](const tw_gg_args_t &a, int epi) -> tw_status_t {
+                           tw_pdl_launch(tw_gm_pick(epi, bt), dim3(TW_CDIV(a.N, TW_GG_BW), tiles_m),
+                                         dim3(TW_GM_THREADS), tw_gm_smem_bytes(bt, a.K), stream, a);
+                           TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gm_kernel(gate_up)"
+                                                                    : "tw_gm_kernel(down)");
+                           return TW_OK;
+                         });
 }
 
 extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
@@ -1876,31 +2236,18 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   const int pass = mx ? tw_gt_pass(bt) : 0;
   const __nv_bfloat16 *w1h = (const __nv_bfloat16 *)w1_bf16;
   const __nv_bfloat16 *w2h = (const __nv_bfloat16 *)w2_bf16;
-  tw_gg_args_t a = {};
-  a.a = (const __nv_bfloat16 *)x;
-  a.sorted = r->sorted;
-  a.k_top = k;
-  a.wq = w->gate_up_blocks;
-  a.ws = w->gate_up_scales;
-  a.wh = w1h;
-  a.bias = w->gate_up_bias;
-  a.alpha = w->swiglu_alpha;
-  a.limit = w->swiglu_limit;
-  a.counts = r->counts;
-  a.offsets = r->offsets;
-  a.active = r->active;
-  a.n_active = r->n_active;
-  a.E = E;
-  a.N = 2 * I;
-  a.K = H;
-  a.out = act;
-  a.ks = 1;
+  tw_gg_args_t a = tw_gg_gate_up(w, r, x, r->sorted, w1h, act);
   const int pf = tw_gs_pf(tk, E);
   /* the TMA kernel where it fits (tw_gt_kernel; its down launch in two K
    * parts for small batches), else the streaming kernel's last round in
    * pieces (tw_gs_kernel), or else its down launch in two K parts */
   const bool gt = pass > 0 && tw_gt_fits(w, x, act);
   const bool gs = mx && bt == 16 && !gt;
+  if (fmt == TW_GG_MXFP4 && !gt && !gs && tw_gw_takes(bt) && tw_gw_fits(w, act, y))
+    return tw_gathered_run(w, r, T, x, act, y, false, stream,
+                           [&](const tw_gg_args_t &g, int epi) {
+                             return tw_gw_launch(&g, epi, tk, bt, stream);
+                           });
   const bool tiled = gs && tw_cuda_moe_stream_balance();
   const int down_ks = gt            ? tw_down_parts(H, I, E, tk, TW_GT_RT, 4 * tw_gs_sms())
                       : gs && !tiled ? tw_down_parts(H, I, E, tk, 32, 2 * tw_gs_grid_warps())
@@ -1916,18 +2263,8 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   TW_CHECK(gt   ? tw_gt_launch(&a, TW_GG_SWIGLU, tk, pass, stream)
            : gs ? tw_gs_launch(&a, TW_GG_SWIGLU, pf, stream)
                 : tw_gg_launch(&a, fmt, TW_GG_SWIGLU, tk, bt, stream));
-  a.a = (const __nv_bfloat16 *)act;
-  a.sorted = NULL;
-  a.wq = w->down_blocks;
-  a.ws = w->down_scales;
-  a.wh = w2h;
-  a.bias = w->down_bias;
-  a.N = H;
-  a.K = I;
-  a.out = y;
+  tw_gg_to_down(&a, w, w2h, act, y);
   a.ks = down_ks;
-  a.zero = NULL;
-  a.zero_n = 0;
   return gt   ? tw_gt_launch(&a, TW_GG_PLAIN, tk, pass, stream)
          : gs ? tw_gs_launch(&a, TW_GG_PLAIN, pf, stream)
               : tw_gg_launch(&a, fmt, TW_GG_PLAIN, tk, bt, stream);

@@ -232,17 +232,21 @@ static int check_route(const moe_case_t *c, const tw_cuda_moe_route_t *r, const 
  * (tw_cuda_moe_set_stream_balance(0)); 8: the streaming units through the
  * TMA kernel (tw_cuda_moe_set_stream_tma(2)); 9: every launch through the
  * TMA kernel at pass 32; 10: every launch through it at pass 16 with one
- * consumer group; 11: the same with two. */
+ * consumer group; 11: the same with two; 12: every launch through the
+ * warp-specialised grouped GEMM (tw_cuda_moe_set_ws(16)). */
 /* The TMA kernel of mode: tw_cuda_moe_set_stream_tma's value (10: one
  * consumer group at passes of 16; 8, 9, 11: two) and its forced pass (9: 32;
  * 10, 11: 16; else the rule). */
-static int tma_groups(int mode) { return mode == 10 ? 1 : mode >= 8 ? 2 : 0; }
-static void tma_mode(int mode) { tw_cuda_moe_set_tma_pass(mode == 9 ? 32 : mode >= 10 ? 16 : 0); }
+static int tma_groups(int mode) { return mode == 10 ? 1 : mode >= 8 && mode <= 11 ? 2 : 0; }
+static void tma_mode(int mode) {
+  tw_cuda_moe_set_tma_pass(mode == 9 ? 32 : mode == 10 || mode == 11 ? 16 : 0);
+}
 /* Every kernel switch as mode asks (run_mode and run_captured alike). */
 static uint32_t mma_tiles(int mode) { return mode == 5 ? MMA_ALL : 0; }
 static void set_mode(int mode) {
   tw_cuda_moe_set_mma_tiles(mma_tiles(mode));
-  tw_cuda_moe_set_stream(mode >= 6);
+  tw_cuda_moe_set_stream(mode >= 6 && mode <= 11);
+  tw_cuda_moe_set_ws(mode == 12 ? 16 : 0);
   tw_cuda_moe_set_stream_balance(mode == 7 ? 0 : -1);
   tw_cuda_moe_set_stream_tma(tma_groups(mode));
   tma_mode(mode);
@@ -281,7 +285,7 @@ static int run_captured(const tw_cuda_moe_weights_t *w, const tw_cuda_moe_route_
                         const moe_case_t *c, const void *d_x, void *d_ws, size_t wsb, float *d_out,
                         float *out, const float *want, int mode) {
   const uint32_t mma = mma_tiles(mode);
-  const int stream_k = mode >= 6, tma = tma_groups(mode);
+  const int stream_k = mode >= 6 && mode <= 11, tma = tma_groups(mode);
   set_mode(mode);
   cudaStream_t s;
   TT_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -382,7 +386,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   int32_t *hc;
   TT_CUDA(cudaMallocHost((void **)&hc, (size_t)E * 4));
   moe_reference(pool, c, &h, x, logits, ref);
-  int modes[12], n_modes = 0;
+  int modes[13], n_modes = 0;
   bool grouped = prefill && tw_cuda_moe_grouped_supported(H, I);
   if (!prefill) modes[n_modes++] = 0;
   if (grouped) {
@@ -395,6 +399,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     modes[n_modes++] = 9;
     modes[n_modes++] = 10;
     modes[n_modes++] = 11;
+    modes[n_modes++] = 12;
   } else if (prefill) {
     printf("SKIP moe_grouped(%s): no grouped GEMM on this GPU\n", c->name);
   }
@@ -418,7 +423,8 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
                                         "grouped_stream_tma",
                                         "grouped_stream_tma32",
                                         "grouped_stream_tma16g1",
-                                        "grouped_stream_tma16"};
+                                        "grouped_stream_tma16",
+                                        "grouped_ws"};
     char name[160];
     snprintf(name, sizeof name, "moe_%s(%s,H=%d,I=%d,E=%d,k=%d,T=%d)", names[mode], c->name, H,
              I, E, k, T);
@@ -440,7 +446,8 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
     } else if (mode >= 5) {
       /* a decode kernel (5: mma.sync, 6: streaming, 7: streaming with its
        * last round whole, 8: TMA, 9: TMA at pass 32, 10 and 11: TMA at pass
-       * 16 with one and two consumer groups): against the wgmma kernel,
+       * 16 with one and two consumer groups, 12: the warp-specialised
+       * grouped GEMM): against the wgmma kernel,
        * rerun, graph; named as in names[] less its "grouped_" */
       const char *kn = names[mode] + strlen("grouped_");
       memcpy(out5, out, (size_t)T * H * 4);
@@ -466,6 +473,7 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
   tw_cuda_moe_set_stream(-1);
   tw_cuda_moe_set_stream_balance(-1);
   tw_cuda_moe_set_stream_tma(-1);
+  tw_cuda_moe_set_ws(-1);
   tma_mode(0);
   cudaFree((void *)w.gate_up_blocks); cudaFree((void *)w.gate_up_scales);
   cudaFree((void *)w.down_blocks); cudaFree((void *)w.down_scales);
