@@ -222,9 +222,14 @@ void tw_cuda_moe_set_tma_pass(int pass);
  *  warp-specialised grouped GEMM (moe_grouped.cu tw_gw_kernel: a TMA
  *  producer warp, two consumer warpgroups of 128 weight rows) takes the
  *  grouped launches on MXFP4 experts that the decode kernels above do not
- *  take; 0: never; negative: back to TWAIN_CUDA_MOE_WS (knobs.h). For
- *  tests and benchmarks; not thread-safe against concurrent MoE calls; a
- *  captured graph keeps its kernels. */
+ *  take, where it fits (hidden and intermediate sizes multiples of 32 and
+ *  at most 3,072, the activation and output buffers 16-byte aligned, the
+ *  driver's tensor-map encoder found; else the wgmma kernel runs); 0 or any
+ *  other value: never; negative: back to TWAIN_CUDA_MOE_WS (knobs.h;
+ *  default 128). Same results as the wgmma kernel within the grouped GEMM's
+ *  tolerance, no host sync, capturable. For tests and benchmarks; not
+ *  thread-safe against concurrent MoE calls; a captured graph keeps its
+ *  kernels. */
 void tw_cuda_moe_set_ws(int min_tile);
 
 /** Whether the streaming kernel cuts its last round of (expert, 32 rows, 16

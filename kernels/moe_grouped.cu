@@ -46,7 +46,11 @@
  * fastest, docs/benchmarks.md.
  *
  * tw_gw_kernel, below, runs the same arithmetic fed by a TMA producer warp
- * (no CTA barrier a k-tile) and takes the 128-row tiles (TWAIN_CUDA_MOE_WS).
+ * (no CTA barrier a k-tile), its warpgroups converting the next k-tile
+ * while their wgmma runs (ptxas keeps that overlap there, with two
+ * fragment sets and 232 registers a thread), and takes the 128-row tiles on
+ * MXFP4 experts (TWAIN_CUDA_MOE_WS), where it measured faster than this
+ * kernel; at smaller tiles this kernel stays faster (docs/benchmarks.md).
  *
  * A second kernel for the same grid and epilogues, tw_gm_kernel (mma.sync,
  * MXFP4 converted in registers once per CTA for all rows of the tile; see
@@ -1712,9 +1716,10 @@ static int tw_gt_pass(int bt) {
  * rows each (two m64 halves: 256 rows a CTA, so the assignment rows are read
  * from L2 once per 256 weight rows, not per 128) wait on a stage's mbarrier,
  * issue both halves' wgmma, convert the next stage's weights while it runs,
- * wait for it and release the stage; the warpgroups never wait for each
- * other. Taken from the 128-row assignment tile (TWAIN_CUDA_MOE_WS): there
- * it was 3-6% faster than tw_gg_kernel; at 64 rows and below slower
+ * wait for it and release the stage; the warpgroups meet only through the
+ * stage ring (no CTA barrier). Taken from the 128-row assignment tile
+ * (TWAIN_CUDA_MOE_WS): there one layer was 6-10% faster than on
+ * tw_gg_kernel (the engine 2.7-6.7%); at 64 rows and below slower
  * (docs/benchmarks.md). One CTA an SM; the consumers
  * take 232 registers a thread from the producer warpgroup's (setmaxnreg). */
 #define TW_GW_BW 256                     /* weight rows a CTA */
@@ -1810,8 +1815,8 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
       }
     return;
   }
-  /* the consumers (BT = 128: 128 accumulators and 32 fragment registers a
-   * thread): their rows' scales first (a barrier of the 256) */
+  /* the consumers (BT = 128: 128 accumulators and two sets of 32 fragment
+   * registers a thread): their rows' scales first (a barrier of the 256) */
 #if TW_HAVE_WGMMA
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
 #endif
@@ -1882,8 +1887,9 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
     return s;
   };
   /* k-tile kt + 1 converted while kt's wgmma runs (two sets of fragments,
-   * the loop unrolled by two so that each set keeps its registers; measured
-   * 3-6% faster than converting after the wait, docs/benchmarks.md) */
+   * the loop unrolled by two so that each set keeps its registers; one
+   * layer measured 4-6% faster than converting after the wait, the engine
+   * 2-3%, docs/benchmarks.md) */
   uint32_t af[2][4][4], af2[2][4][4];
   int s = ready(0);
   fragments(0, stg + s * SB, af);

@@ -39,6 +39,11 @@
  * consumer warps (tw_cuda_moe_set_stream_tma(1), as TWAIN_CUDA_MOE_TMA=1),
  * "stream_tma16g1", and with two, "stream_tma16". Modes 6 and 7 set it
  * off, so they keep testing the per-warp kernel whichever the default.
+ * Every grouped case also runs through the warp-specialised grouped GEMM at
+ * every tile (tw_cuda_moe_set_ws(16); by default it takes the 128-row
+ * tiles only), "ws": TMA boxes with partial 256-row tiles, K tails and
+ * tiles holding fewer rows than their size included; modes 1-11 set it off,
+ * so mode 1 stays the wgmma kernel the others are compared with.
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
