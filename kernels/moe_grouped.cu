@@ -138,6 +138,13 @@ static __device__ __forceinline__ void tw_acc_zero(float (&acc)[2][N8][4]) {
       for (int q = 0; q < 4; q++) acc[mt][j][q] = 0.f;
 }
 
+/* Row tiles of a grouped launch's grid (gridDim.y) for tk assignments over
+ * E experts at tile bt: the upper bound floor(tk / bt) + min(E, tk) of the
+ * tiles tw_gg_find_tile numbers (spare CTAs exit). */
+static __host__ __device__ __forceinline__ int tw_gg_row_tiles(int tk, int bt, int E) {
+  return tk / bt + (E < tk ? E : tk);
+}
+
 /* Which expert and which of its row tiles CTA row blockIdx.y computes (warp
  * 0, lane `lane`): expert e has ceil(counts[e] / bm) row tiles, numbered
  * expert by expert. Writes s_tile = {e, first row in e, counts[e],
@@ -213,6 +220,18 @@ static __device__ __forceinline__ void tw_gg_cvt_half(uint32_t lut_lane, uint32_
   af[2 * h][2 + hr] = cv(w.y);
   af[2 * h + 1][hr] = cv(w.z);
   af[2 * h + 1][2 + hr] = cv(w.w);
+}
+
+/* The MXFP4 conversion table (TW_GG_LUT_BYTES at sL) by the CTA's nthreads
+ * threads: entry i, its 32 lane copies, 16-byte chunks rotated by i (no
+ * bank conflicts). */
+static __device__ __forceinline__ void tw_gg_build_lut(uint32_t *sL, int nthreads) {
+  for (int i = threadIdx.x; i < 256; i += nthreads) {
+    const uint32_t v = tw_fp4x2_bf16((uint32_t)i);
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+      reinterpret_cast<uint4 *>(sL)[i * 8 + ((j + i) & 7)] = make_uint4(v, v, v, v);
+  }
 }
 
 /* f(std::integral_constant<int, W>()) with W the wgmma width (n8 tiles) of
@@ -316,13 +335,7 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
   uint8_t *sR = sX + S * BT * 128;
   uint8_t *sS = sR + S * RST;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  if (FMT == TW_GG_MXFP4) /* entry i: its 32 lane copies, 16-byte chunks rotated by i (no conflicts) */
-    for (int i = tid; i < 256; i += NT) {
-      const uint32_t v = tw_fp4x2_bf16((uint32_t)i);
-#pragma unroll
-      for (int j = 0; j < 8; j++)
-        reinterpret_cast<uint4 *>(sL)[i * 8 + ((j + i) & 7)] = make_uint4(v, v, v, v);
-    }
+  if (FMT == TW_GG_MXFP4) tw_gg_build_lut(sL, NT);
   if (warp == 0) tw_gg_find_tile(p, BT, lane, s_tile);
   __syncthreads();
   const int e = s_tile[0];
@@ -1626,16 +1639,18 @@ static tw_tmap_encode_fn tw_tmap_encode(void) {
 }
 
 /* The tensor map of MXFP4 blocks wq [E, N, K/32, 16] as bytes [E][N][K/2],
- * box 64 bytes x TW_GT_RT rows x 1 expert; false where the driver refuses. */
-static bool tw_gt_map(const uint8_t *wq, int E, int N, int K, CUtensorMap *map) {
+ * box bw bytes x rows x 1 expert with swizzle sw (tw_gt_kernel: 64 x TW_GT_RT,
+ * none; tw_gw_kernel: 32 x TW_GW_BW, 32-byte); false where the driver
+ * refuses. */
+static bool tw_mxfp4_map(const uint8_t *wq, int E, int N, int K, int bw, int rows,
+                         CUtensorMapSwizzle sw, CUtensorMap *map) {
   tw_tmap_encode_fn enc = tw_tmap_encode();
   if (!enc || ((uintptr_t)wq & 15)) return false;
   const cuuint64_t dims[3] = {(cuuint64_t)K / 2, (cuuint64_t)N, (cuuint64_t)E};
   const cuuint64_t strides[2] = {(cuuint64_t)K / 2, (cuuint64_t)N * (K / 2)};
-  const cuuint32_t box[3] = {64, TW_GT_RT, 1}, estr[3] = {1, 1, 1};
+  const cuuint32_t box[3] = {(cuuint32_t)bw, (cuuint32_t)rows, 1}, estr[3] = {1, 1, 1};
   return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)wq, dims, strides, box, estr,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -1670,7 +1685,7 @@ static bool tw_gt_fits(const tw_cuda_moe_weights_t *w, const void *x, const void
 static TW_NODISCARD tw_status_t tw_gt_launch(const tw_gg_args_t *a, int epi, int tk, int P,
                                              cudaStream_t stream) {
   CUtensorMap map;
-  if (!tw_gt_map(a->wq, a->E, a->N, a->K, &map))
+  if (!tw_mxfp4_map(a->wq, a->E, a->N, a->K, 64, TW_GT_RT, CU_TENSOR_MAP_SWIZZLE_NONE, &map))
     return tw_err(TW_ERR_CUDA, "moe: the driver refused the tensor map of %d x %d x %d bytes",
                   a->E, a->N, a->K / 2);
   const int experts = a->E < tk ? a->E : tk, tiles = TW_CDIV(a->N, TW_GT_RT);
@@ -1781,12 +1796,7 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
   const int K = p.K, KT = (K + 63) / 64, KB = K / 32, KBP = KB + 1;
   const uint32_t bar0 = (tw_smem_u32(sS + TW_GW_BW * KBP) + 7) & ~7u; /* full[S], empty[S] */
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  for (int i = tid; i < 256; i += TW_GW_THREADS) { /* the table, as tw_gg_kernel's */
-    const uint32_t v = tw_fp4x2_bf16((uint32_t)i);
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-      reinterpret_cast<uint4 *>(sL)[i * 8 + ((j + i) & 7)] = make_uint4(v, v, v, v);
-  }
+  tw_gg_build_lut(sL, TW_GW_THREADS);
   if (warp == 0) tw_gg_find_tile(p, BT, lane, s_tile);
   if (tid == 32) {
     for (int s = 0; s < S; s++) {
@@ -1845,14 +1855,7 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
       }
   };
   float acc[2][N8][4];
-#pragma unroll
-  for (int mh = 0; mh < 2; mh++) {
-    float(&a)[N8][4] = acc[mh];
-#pragma unroll
-    for (int j = 0; j < N8; j++)
-#pragma unroll
-      for (int q = 0; q < 4; q++) a[j][q] = 0.f;
-  }
+  tw_acc_zero(acc);
   /* the wgmma N: the tile's rows rounded up to a quarter of BT (at least 8) */
   constexpr int GQ = N8 / 4 > 0 ? N8 / 4 : 1;
   constexpr int W2 = 2 * GQ < N8 ? 2 * GQ : N8, W3 = 3 * GQ < N8 ? 3 * GQ : N8;
@@ -1946,21 +1949,15 @@ static bool tw_gw_takes(int bt) {
  * x 256 x 1, 32-byte swizzle) and the assignment rows a [tk][K] bf16 (box 64
  * x bt, 128-byte swizzle); false where the driver refuses. */
 static bool tw_gw_maps(const tw_gg_args_t *a, int tk, int bt, CUtensorMap *wm, CUtensorMap *xm) {
-  tw_tmap_encode_fn enc = tw_tmap_encode();
-  if (!enc) return false;
-  const cuuint64_t wd[3] = {(cuuint64_t)a->K / 2, (cuuint64_t)a->N, (cuuint64_t)a->E};
-  const cuuint64_t ws[2] = {(cuuint64_t)a->K / 2, (cuuint64_t)a->N * (a->K / 2)};
-  const cuuint32_t wb[3] = {32, TW_GW_BW, 1}, one[3] = {1, 1, 1};
-  if (enc(wm, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)a->wq, wd, ws, wb, one,
-          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_32B,
-          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+  if (!tw_mxfp4_map(a->wq, a->E, a->N, a->K, 32, TW_GW_BW, CU_TENSOR_MAP_SWIZZLE_32B, wm))
     return false;
   const cuuint64_t xd[2] = {(cuuint64_t)a->K, (cuuint64_t)tk};
   const cuuint64_t xs[1] = {(cuuint64_t)a->K * 2};
-  const cuuint32_t xb[2] = {64, (cuuint32_t)bt};
-  return enc(xm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)a->a, xd, xs, xb, one,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  const cuuint32_t xb[2] = {64, (cuuint32_t)bt}, one[2] = {1, 1};
+  return tw_tmap_encode()(xm, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)a->a, xd, xs, xb, one,
+                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 /* Whether the kernel can take both launches of an MoE: K of each at most
@@ -1979,7 +1976,7 @@ static TW_NODISCARD tw_status_t tw_gw_launch(const tw_gg_args_t *a, int epi, int
   if (!tw_gw_maps(a, tk, bt, &wm, &xm))
     return tw_err(TW_ERR_CUDA, "moe: the driver refused the tensor maps of %d x %d x %d bytes and %d x %d rows",
                   a->E, a->N, a->K / 2, tk, a->K);
-  const int tiles_m = tk / bt + (a->E < tk ? a->E : tk);
+  const int tiles_m = tw_gg_row_tiles(tk, bt, a->E);
   tw_pdl_launch(tw_gw_pick(epi, bt), dim3(TW_CDIV(a->N, TW_GW_BW), tiles_m), dim3(TW_GW_THREADS),
                 tw_gw_smem(bt, a->K), stream, *a, wm, xm);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gw_kernel(gate_up)" : "tw_gw_kernel(down)");
@@ -2198,8 +2195,7 @@ extern "C" int tw_cuda_moe_grouped_supported(int32_t hidden, int32_t intermediat
 /* One grouped GEMM over the route's experts (see the file comment). */
 static TW_NODISCARD tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int epi, int tk, int bt,
                                 cudaStream_t stream) {
-  const int tiles_m = tk / bt + (a->E < tk ? a->E : tk);
-  dim3 grid(TW_CDIV(a->N, TW_GG_BW), tiles_m);
+  dim3 grid(TW_CDIV(a->N, TW_GG_BW), tw_gg_row_tiles(tk, bt, a->E));
   tw_pdl_launch(tw_gg_pick(fmt, epi, bt), grid, dim3(TW_GG_THREADS),
                 tw_gg_smem_bytes(fmt, bt, a->K), stream, *a);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gg_kernel(gate_up)" : "tw_gg_kernel(down)");
@@ -2210,7 +2206,7 @@ static TW_NODISCARD tw_status_t tw_gg_launch(const tw_gg_args_t *a, int fmt, int
 static TW_NODISCARD tw_status_t tw_gm_run(const tw_cuda_moe_weights_t *w,
                                           const tw_cuda_moe_route_t *r, int32_t T, const void *x,
                                           void *act, float *y, int bt, cudaStream_t stream) {
-  const int tk = T * r->k, tiles_m = tk / bt + (w->n_experts < tk ? w->n_experts : tk);
+  const int tiles_m = tw_gg_row_tiles(T * r->k, bt, w->n_experts);
   return tw_gathered_run(w, r, T, x, act, y, true, stream,
                          [&](const tw_gg_args_t &a, int epi) -> tw_status_t {
                            tw_pdl_launch(tw_gm_pick(epi, bt), dim3(TW_CDIV(a.N, TW_GG_BW), tiles_m),
