@@ -182,15 +182,32 @@ static __device__ __forceinline__ void tw_gg_find_tile(const tw_gg_args_t &p, in
 
 /* This CTA's E8M0 scales, [rows][KB + 1] bytes at sS, weight row r of the
  * CTA at global row grow(r) (clamped to N - 1); the pad column (scale 1) is
- * read only against zero-filled weights of a K tail. */
+ * read only against zero-filled weights of a K tail. Two threads a row,
+ * alternate bytes (no division); each thread issues a batch of TW_GG_SB
+ * loads before it stores any (no branch between them): a load
+ * then its store, byte by byte, waited out an L2 round trip for each of
+ * the 46 bytes a thread reads at K = 2,880, and the one-CTA-an-SM kernel
+ * (tw_gw_kernel) had nothing to hide it behind (Nsight Compute: long
+ * scoreboard, 17% of its warps' cycles, docs/benchmarks.md). */
+#define TW_GG_SB 32
 template <typename RowOf>
 static __device__ __forceinline__ void tw_gg_load_scales(const tw_gg_args_t &p, int e, int rows,
                                                          RowOf grow, uint8_t *sS, int nthreads) {
   const int KB = p.K / 32, KBP = KB + 1;
-  /* two threads a row, alternate bytes: no division in the loop */
   for (int r = threadIdx.x >> 1; r < rows; r += nthreads >> 1) {
     const uint8_t *src = p.ws + ((int64_t)e * p.N + min(grow(r), p.N - 1)) * KB;
-    for (int b = threadIdx.x & 1; b < KBP; b += 2) sS[r * KBP + b] = b < KB ? src[b] : (uint8_t)127;
+    for (int b0 = threadIdx.x & 1; b0 < KBP; b0 += 2 * TW_GG_SB) {
+      uint32_t v[TW_GG_SB];
+#pragma unroll
+      for (int u = 0; u < TW_GG_SB; u++) {
+        const int b = b0 + 2 * u; /* the load unconditional (clamped), no branch */
+        const uint32_t x = __ldg(src + min(b, KB - 1));
+        v[u] = b < KB ? x : 127u;
+      }
+#pragma unroll
+      for (int u = 0; u < TW_GG_SB; u++)
+        if (b0 + 2 * u < KBP) sS[r * KBP + b0 + 2 * u] = (uint8_t)v[u];
+    }
   }
 }
 
@@ -291,6 +308,17 @@ static __device__ __forceinline__ void tw_gg_epilogue(const tw_gg_args_t &p,
                                                       int off, int nw) {
   const int N = p.N, g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
   const float *bias = p.bias + (int64_t)e * N;
+  /* this thread's two bias values, read once before the stores (the float
+   * output may alias the bias as far as the compiler knows: read inside the
+   * loop, each would wait for the previous store) */
+  const int i = nw / 2 + g, n = nw + g;
+  float b0 = 0.0f, b1 = 0.0f;
+  if (EPI == TW_GG_SWIGLU) {
+    if (2 * i < N) b0 = __ldg(bias + 2 * i), b1 = __ldg(bias + 2 * i + 1);
+  } else {
+    if (n < N) b0 = __ldg(bias + n);
+    if (n + 8 < N) b1 = __ldg(bias + n + 8);
+  }
 #pragma unroll
   for (int j = 0; j < N8; j++)
 #pragma unroll
@@ -299,15 +327,13 @@ static __device__ __forceinline__ void tw_gg_epilogue(const tw_gg_args_t &p,
       if (m >= rows) continue;
       const int64_t prow = off + m;
       if (EPI == TW_GG_SWIGLU) {
-        const int i = nw / 2 + g;
         if (2 * i >= N) continue;
-        reinterpret_cast<__nv_bfloat16 *>(p.out)[prow * (N / 2) + i] = __float2bfloat16(
-            tw_swiglu(acc[j][c] + bias[2 * i], acc[j][2 + c] + bias[2 * i + 1], p.alpha, p.limit));
+        reinterpret_cast<__nv_bfloat16 *>(p.out)[prow * (N / 2) + i] =
+            __float2bfloat16(tw_swiglu(acc[j][c] + b0, acc[j][2 + c] + b1, p.alpha, p.limit));
       } else {
-        const int n = nw + g;
         float *y = reinterpret_cast<float *>(p.out) + prow * N;
-        if (n < N) y[n] = acc[j][c] + bias[n];
-        if (n + 8 < N) y[n + 8] = acc[j][2 + c] + bias[n + 8];
+        if (n < N) y[n] = acc[j][c] + b0;
+        if (n + 8 < N) y[n + 8] = acc[j][2 + c] + b1;
       }
     }
 }
