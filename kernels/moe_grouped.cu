@@ -127,11 +127,12 @@ static __device__ __forceinline__ uint32_t tw_fp4x2_bf16(uint32_t e) {
   return tw_fp4_bf16(e & 15) | (tw_fp4_bf16((e >> 4) & 15) << 16);
 }
 
-/* Every accumulator of a warp's two m16 tiles to 0 (the mma.sync kernels). */
-template <int N8>
-static __device__ __forceinline__ void tw_acc_zero(float (&acc)[2][N8][4]) {
+/* Every accumulator of a warp's H m16 tiles (or a thread's H m64 halves)
+ * to 0. */
+template <int H, int N8>
+static __device__ __forceinline__ void tw_acc_zero(float (&acc)[H][N8][4]) {
 #pragma unroll
-  for (int mt = 0; mt < 2; mt++)
+  for (int mt = 0; mt < H; mt++)
 #pragma unroll
     for (int j = 0; j < N8; j++)
 #pragma unroll
@@ -1666,7 +1667,7 @@ static tw_tmap_encode_fn tw_tmap_encode(void) {
 
 /* The tensor map of MXFP4 blocks wq [E, N, K/32, 16] as bytes [E][N][K/2],
  * box bw bytes x rows x 1 expert with swizzle sw (tw_gt_kernel: 64 x TW_GT_RT,
- * none; tw_gw_kernel: 32 x TW_GW_BW, 32-byte); false where the driver
+ * none; tw_gw_kernel: 32 x TW_GW_ROWS(wh), 32-byte); false where the driver
  * refuses. */
 static bool tw_mxfp4_map(const uint8_t *wq, int E, int N, int K, int bw, int rows,
                          CUtensorMapSwizzle sw, CUtensorMap *map) {
@@ -1762,21 +1763,32 @@ static int tw_gt_pass(int bt) {
  * (TWAIN_CUDA_MOE_WS): there one layer was 6-10% faster than on
  * tw_gg_kernel (the engine 2.7-6.7%); at 64 rows and below slower
  * (docs/benchmarks.md). One CTA an SM; the consumers
- * take 232 registers a thread from the producer warpgroup's (setmaxnreg). */
-#define TW_GW_BW 256                     /* weight rows a CTA */
+ * take 232 registers a thread from the producer warpgroup's (setmaxnreg).
+ * Where experts hold more than 64 rows on average (tw_gw_tile), a CTA takes
+ * 256 assignment rows on 128 weight rows instead (one m64 half a
+ * warpgroup, wgmma N up to 256): the conversion, which bounds the kernel
+ * (Nsight Compute: tensor pipe 42% busy, 2 of 6 issue cycles used at the
+ * 128-row tile), is done once for all of a busy expert's rows and is half
+ * as much a k-tile a thread. */
+/* weight rows a CTA: WH m64 halves a consumer warpgroup (2: 256 rows, the
+ * tiles up to 128 assignment rows; 1: 128 rows, the 256-row tile) */
+#define TW_GW_ROWS(wh) (128 * (wh))
 /* two consumer warpgroups and a producer warpgroup (one thread of it
  * copies; a whole warpgroup so that registers can move to the consumers:
  * setmaxnreg works by warpgroups) */
 #define TW_GW_THREADS (3 * 128)
 #define TW_GW_MAX_K 3072                 /* the CTA's scales stay in shared memory */
-#define TW_GW_STAGES(bt) ((bt) >= 128 ? 6 : 8)
-static __host__ __device__ constexpr int tw_gw_stage(int bt) { return TW_GW_BW * 32 + bt * 128; }
+#define TW_GW_STAGES(bt, wh) ((bt) >= 256 ? 5 : (bt) >= 128 && (wh) == 2 ? 6 : 8)
+static __host__ __device__ constexpr int tw_gw_stage(int bt, int wh) {
+  return TW_GW_ROWS(wh) * 32 + bt * 128;
+}
 /* Dynamic shared memory: 1024 bytes of alignment slack, the conversion
- * table, the stages, the scales [256][K/32 + 1] and 2 S mbarriers. */
-static size_t tw_gw_smem(int bt, int K) {
-  const size_t S = TW_GW_STAGES(bt);
-  return 1024 + TW_GG_LUT_BYTES + S * tw_gw_stage(bt) +
-         ((size_t)TW_GW_BW * (K / 32 + 1) + 7) / 8 * 8 + 16 * S;
+ * table, the stages, the scales [rows][K/32 + 1] and 2 S mbarriers (at most
+ * 230,608 bytes: the 256-row tile at K = 3,072). */
+static size_t tw_gw_smem(int bt, int wh, int K) {
+  const size_t S = TW_GW_STAGES(bt, wh);
+  return 1024 + TW_GG_LUT_BYTES + S * tw_gw_stage(bt, wh) +
+         ((size_t)TW_GW_ROWS(wh) * (K / 32 + 1) + 7) / 8 * 8 + 16 * S;
 }
 
 static __device__ __forceinline__ void tw_tma_2d(uint32_t dst, const CUtensorMap *map, int c0,
@@ -1788,30 +1800,33 @@ static __device__ __forceinline__ void tw_tma_2d(uint32_t dst, const CUtensorMap
       : "memory");
 }
 
-/* Both m64 halves' four k16 steps on the first W8 n8 tiles (one fence and
- * one commit). */
-template <int W8, int N8>
-static __device__ __forceinline__ void tw_gw_wgmma(float (&acc)[2][N8][4],
-                                                   const uint32_t (&af)[2][4][4], uint64_t xd) {
+/* The WH m64 halves' four k16 steps on the first W8 n8 tiles (one fence
+ * and one commit). */
+template <int W8, int N8, int WH>
+static __device__ __forceinline__ void tw_gw_wgmma(float (&acc)[WH][N8][4],
+                                                   const uint32_t (&af)[WH][4][4], uint64_t xd) {
   static_assert(W8 >= 1 && W8 <= N8, "wgmma N within the tile");
-  float(&d0)[W8][4] = *reinterpret_cast<float(*)[W8][4]>(&acc[0][0][0]);
-  float(&d1)[W8][4] = *reinterpret_cast<float(*)[W8][4]>(&acc[1][0][0]);
   tw_wgmma_fence();
 #pragma unroll
-  for (int s = 0; s < 4; s++) tw_wgmma_rs(d0, af[0][s], xd + 2 * s);
+  for (int mh = 0; mh < WH; mh++) {
+    float(&d)[W8][4] = *reinterpret_cast<float(*)[W8][4]>(&acc[mh][0][0]);
 #pragma unroll
-  for (int s = 0; s < 4; s++) tw_wgmma_rs(d1, af[1][s], xd + 2 * s);
+    for (int s = 0; s < 4; s++) tw_wgmma_rs(d, af[mh][s], xd + 2 * s);
+  }
   tw_wgmma_commit();
 }
 
 /* The kernel (see above). EPI: TW_GG_SWIGLU or TW_GG_PLAIN; BT: assignment
- * rows a CTA (16, 32, 64 or 128). wmap: the MXFP4 blocks [E][N][K/2] bytes,
- * box 32 x 256 x 1; xmap: the assignment rows [tk][K] bf16, box 64 x BT. */
-template <int EPI, int BT>
+ * rows a CTA (16, 32, 64 or 128 with WH = 2; 256 with WH = 1); WH: m64
+ * halves a consumer warpgroup (TW_GW_ROWS(WH) weight rows a CTA). wmap: the
+ * MXFP4 blocks [E][N][K/2] bytes, box 32 x TW_GW_ROWS(WH) x 1; xmap: the
+ * assignment rows [tk][K] bf16, box 64 x BT. */
+template <int EPI, int BT, int WH>
 static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
     tw_gw_kernel(const tw_gg_args_t p, const __grid_constant__ CUtensorMap wmap,
                  const __grid_constant__ CUtensorMap xmap) {
-  constexpr int S = TW_GW_STAGES(BT), SB = tw_gw_stage(BT), N8 = BT / 8, WB = TW_GW_BW * 32;
+  constexpr int S = TW_GW_STAGES(BT, WH), SB = tw_gw_stage(BT, WH), N8 = BT / 8;
+  constexpr int BW = TW_GW_ROWS(WH), WB = BW * 32;
   extern __shared__ __align__(1024) uint8_t tw_gw_smem_b[];
   __shared__ int s_tile[4];
   TW_PDL_WAIT();
@@ -1820,7 +1835,7 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
   uint8_t *stg = base + TW_GG_LUT_BYTES;
   uint8_t *sS = stg + S * SB;
   const int K = p.K, KT = (K + 63) / 64, KB = K / 32, KBP = KB + 1;
-  const uint32_t bar0 = (tw_smem_u32(sS + TW_GW_BW * KBP) + 7) & ~7u; /* full[S], empty[S] */
+  const uint32_t bar0 = (tw_smem_u32(sS + BW * KBP) + 7) & ~7u; /* full[S], empty[S] */
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   tw_gg_build_lut(sL, TW_GW_THREADS);
   if (warp == 0) tw_gg_find_tile(p, BT, lane, s_tile);
@@ -1835,7 +1850,7 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
   const int e = s_tile[0];
   if (e < 0) return; /* spare CTA of the upper-bound grid */
   const int m0 = s_tile[1], rows = min(BT, s_tile[2] - m0), off = s_tile[3] + m0;
-  const int n0 = blockIdx.x * TW_GW_BW;
+  const int n0 = blockIdx.x * BW;
   const uint32_t stg_u = tw_smem_u32(stg);
   if (warp >= 8) { /* the producer */
 #if TW_HAVE_WGMMA /* sm_90a only, as wgmma */
@@ -1852,24 +1867,25 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
     return;
   }
   /* the consumers (BT = 128: 128 accumulators and two sets of 32 fragment
-   * registers a thread): their rows' scales first (a barrier of the 256) */
+   * registers a thread; BT = 256: 128 and two of 16): their rows' scales
+   * first (a barrier of the 256) */
 #if TW_HAVE_WGMMA
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
 #endif
-  tw_gg_load_scales(p, e, TW_GW_BW, [&](int r) { return n0 + r; }, sS, 256);
+  tw_gg_load_scales(p, e, BW, [&](int r) { return n0 + r; }, sS, 256);
   asm volatile("bar.sync 1, 256;" ::: "memory");
   const int wg = warp >> 2, w = warp & 3, g = lane >> 2, t = lane & 3;
   /* CTA row of fragment row r (0..15) of m64 half mh: SwiGLU pairs (gate 2i,
    * linear 2i + 1) as fragment rows g and g + 8 */
   auto lrow = [&](int mh, int r) {
-    const int b = 128 * wg + 64 * mh + 16 * w;
+    const int b = 64 * WH * wg + 64 * mh + 16 * w;
     return EPI == TW_GG_SWIGLU ? b + 2 * (r & 7) + (r >> 3) : b + r;
   };
   const uint32_t lut_lane = tw_smem_u32(sL) + 4 * lane;
   const uint32_t sel = 0x4440u | (uint32_t)t; /* byte t to the low byte, zeros above */
-  auto fragments = [&](int kt, const uint8_t *rb, uint32_t (&af)[2][4][4]) {
+  auto fragments = [&](int kt, const uint8_t *rb, uint32_t (&af)[WH][4][4]) {
 #pragma unroll
-    for (int mh = 0; mh < 2; mh++)
+    for (int mh = 0; mh < WH; mh++)
 #pragma unroll
       for (int hr = 0; hr < 2; hr++) { /* row g, then g + 8 */
         const int r = lrow(mh, g + 8 * hr), sw = (r >> 2) & 1;
@@ -1880,29 +1896,30 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
         }
       }
   };
-  float acc[2][N8][4];
+  float acc[WH][N8][4];
   tw_acc_zero(acc);
   /* the wgmma N: the tile's rows rounded up to a quarter of BT (at least 8) */
   constexpr int GQ = N8 / 4 > 0 ? N8 / 4 : 1;
   constexpr int W2 = 2 * GQ < N8 ? 2 * GQ : N8, W3 = 3 * GQ < N8 ? 3 * GQ : N8;
   const int nq = (rows + 8 * GQ - 1) / (8 * GQ);
   const uint64_t xd0 = tw_wgmma_desc(stg_u + WB);
-  auto issue = [&](const uint32_t(&af)[2][4][4], int s) {
+  auto fence = [&]() {
+#pragma unroll
+    for (int mh = 0; mh < WH; mh++) tw_reg_fence(acc[mh]);
+  };
+  auto issue = [&](const uint32_t(&af)[WH][4][4], int s) {
     const uint64_t xd = xd0 + (uint64_t)(s * (SB / 16));
-    tw_reg_fence(acc[0]);
-    tw_reg_fence(acc[1]);
+    fence();
     tw_by_quarters<GQ, W2, W3, N8>(
         nq, [&](auto w8) { tw_gw_wgmma<decltype(w8)::value>(acc, af, xd); });
-    tw_reg_fence(acc[0]);
-    tw_reg_fence(acc[1]);
+    fence();
   };
   /* the wgmma done; af (its register operand) kept live up to here */
-  auto done = [&](uint32_t(&af)[2][4][4], int s) {
+  auto done = [&](uint32_t(&af)[WH][4][4], int s) {
     tw_wgmma_wait0();
-    tw_reg_fence(acc[0]);
-    tw_reg_fence(acc[1]);
+    fence();
 #pragma unroll
-    for (int mh = 0; mh < 2; mh++)
+    for (int mh = 0; mh < WH; mh++)
 #pragma unroll
       for (int s4 = 0; s4 < 4; s4++)
 #pragma unroll
@@ -1919,7 +1936,7 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
    * the loop unrolled by two so that each set keeps its registers; one
    * layer measured 4-6% faster than converting after the wait, the engine
    * 2-3%, docs/benchmarks.md) */
-  uint32_t af[2][4][4], af2[2][4][4];
+  uint32_t af[WH][4][4], af2[WH][4][4];
   int s = ready(0);
   fragments(0, stg + s * SB, af);
   for (int kt = 0; kt < KT; kt += 2) {
@@ -1940,20 +1957,26 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
   }
 
 #pragma unroll
-  for (int mh = 0; mh < 2; mh++)
-    tw_gg_epilogue<EPI>(p, acc[mh], e, rows, off, n0 + 128 * wg + 64 * mh + 16 * w);
+  for (int mh = 0; mh < WH; mh++)
+    tw_gg_epilogue<EPI>(p, acc[mh], e, rows, off, n0 + 64 * WH * wg + 64 * mh + 16 * w);
 }
 
 typedef void (*tw_gw_fn)(const tw_gg_args_t, const CUtensorMap, const CUtensorMap);
-template <int BT> static tw_gw_fn tw_gw_pick_bt(int epi) {
-  return epi == TW_GG_SWIGLU ? tw_gw_kernel<TW_GG_SWIGLU, BT> : tw_gw_kernel<TW_GG_PLAIN, BT>;
+template <int BT, int WH> static tw_gw_fn tw_gw_pick_bt(int epi) {
+  return epi == TW_GG_SWIGLU ? tw_gw_kernel<TW_GG_SWIGLU, BT, WH>
+                             : tw_gw_kernel<TW_GG_PLAIN, BT, WH>;
 }
+/* The m64 halves a consumer warpgroup of the kernel of tile bt (2: 256
+ * weight rows a CTA, the tiles up to 128; 1: 128 rows, the 256-row tile). */
+static int tw_gw_halves(int bt) { return bt > TW_GG_BM ? 1 : 2; }
+/* The kernel of tile bt (16, 32, 64, 128 or 256). */
 static tw_gw_fn tw_gw_pick(int epi, int bt) {
   switch (bt) {
-  case 16: return tw_gw_pick_bt<16>(epi);
-  case 32: return tw_gw_pick_bt<32>(epi);
-  case 64: return tw_gw_pick_bt<64>(epi);
-  default: return tw_gw_pick_bt<128>(epi);
+  case 16: return tw_gw_pick_bt<16, 2>(epi);
+  case 32: return tw_gw_pick_bt<32, 2>(epi);
+  case 64: return tw_gw_pick_bt<64, 2>(epi);
+  case 128: return tw_gw_pick_bt<128, 2>(epi);
+  default: return tw_gw_pick_bt<256, 1>(epi);
   }
 }
 
@@ -1971,11 +1994,26 @@ static bool tw_gw_takes(int bt) {
   return m > 0 && bt >= m;
 }
 
+/* The kernel's tile for the grouped path's tile bt over tk assignments of E
+ * experts: where twice an expert's mean load passes 128 (the 128-row tile
+ * would cut each busy expert in two), 256 assignment rows on 128 weight
+ * rows a CTA (tw_gw_halves 1): a busy expert's weights converted once for
+ * all its rows, half as many conversions a k-tile a thread; else bt on 256
+ * weight rows. Measured
+ * (docs/benchmarks.md, H100): one 20b layer at 1,024 decode tokens 0.643
+ * -> 0.602 ms, at 8,192 prefill tokens 3.642 -> 2.976 ms; 128 weight rows
+ * at the 128-row tile too was slower at 512 tokens (0.401 -> 0.421 ms). */
+static int tw_gw_tile(int tk, int E, int bt) {
+  const int twice = 2 * ((tk + E - 1) / (E > 0 ? E : 1));
+  return bt == TW_GG_BM && twice > TW_GG_BM ? 2 * TW_GG_BM : bt;
+}
+
 /* The tensor maps of one launch: the MXFP4 blocks [E][N][K/2] bytes (box 32
- * x 256 x 1, 32-byte swizzle) and the assignment rows a [tk][K] bf16 (box 64
- * x bt, 128-byte swizzle); false where the driver refuses. */
-static bool tw_gw_maps(const tw_gg_args_t *a, int tk, int bt, CUtensorMap *wm, CUtensorMap *xm) {
-  if (!tw_mxfp4_map(a->wq, a->E, a->N, a->K, 32, TW_GW_BW, CU_TENSOR_MAP_SWIZZLE_32B, wm))
+ * x TW_GW_ROWS(wh) x 1, 32-byte swizzle) and the assignment rows a [tk][K]
+ * bf16 (box 64 x bt, 128-byte swizzle); false where the driver refuses. */
+static bool tw_gw_maps(const tw_gg_args_t *a, int tk, int bt, int wh, CUtensorMap *wm,
+                       CUtensorMap *xm) {
+  if (!tw_mxfp4_map(a->wq, a->E, a->N, a->K, 32, TW_GW_ROWS(wh), CU_TENSOR_MAP_SWIZZLE_32B, wm))
     return false;
   const cuuint64_t xd[2] = {(cuuint64_t)a->K, (cuuint64_t)tk};
   const cuuint64_t xs[1] = {(cuuint64_t)a->K * 2};
@@ -1998,13 +2036,14 @@ static bool tw_gw_fits(const tw_cuda_moe_weights_t *w, const void *act, const vo
 
 static TW_NODISCARD tw_status_t tw_gw_launch(const tw_gg_args_t *a, int epi, int tk, int bt,
                                              cudaStream_t stream) {
+  const int wh = tw_gw_halves(bt);
   CUtensorMap wm, xm;
-  if (!tw_gw_maps(a, tk, bt, &wm, &xm))
+  if (!tw_gw_maps(a, tk, bt, wh, &wm, &xm))
     return tw_err(TW_ERR_CUDA, "moe: the driver refused the tensor maps of %d x %d x %d bytes and %d x %d rows",
                   a->E, a->N, a->K / 2, tk, a->K);
   const int tiles_m = tw_gg_row_tiles(tk, bt, a->E);
-  tw_pdl_launch(tw_gw_pick(epi, bt), dim3(TW_CDIV(a->N, TW_GW_BW), tiles_m), dim3(TW_GW_THREADS),
-                tw_gw_smem(bt, a->K), stream, *a, wm, xm);
+  tw_pdl_launch(tw_gw_pick(epi, bt), dim3(TW_CDIV(a->N, TW_GW_ROWS(wh)), tiles_m),
+                dim3(TW_GW_THREADS), tw_gw_smem(bt, wh, a->K), stream, *a, wm, xm);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gw_kernel(gate_up)" : "tw_gw_kernel(down)");
   return TW_OK;
 }
@@ -2173,11 +2212,11 @@ extern "C" tw_status_t tw_moe_grouped_setup(void) {
         TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gg_pick(fmt, epi, bt),
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            (int)tw_gg_smem_bytes(fmt, bt, TW_GG_MAX_K)));
-  for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
+  for (int bt = TW_GG_BM_MIN; bt <= 2 * TW_GG_BM; bt *= 2)
     for (int epi = 0; epi < 2; epi++)
       TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gw_pick(epi, bt),
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)tw_gw_smem(bt, TW_GW_MAX_K)));
+                                         (int)tw_gw_smem(bt, tw_gw_halves(bt), TW_GW_MAX_K)));
   for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
     for (int epi = 0; epi < 2; epi++)
       TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gm_pick(epi, bt),
@@ -2274,7 +2313,7 @@ extern "C" tw_status_t tw_moe_grouped_run(const tw_cuda_moe_weights_t *w,
   if (fmt == TW_GG_MXFP4 && !gt && !gs && tw_gw_takes(bt) && tw_gw_fits(w, act, y))
     return tw_gathered_run(w, r, T, x, act, y, false, stream,
                            [&](const tw_gg_args_t &g, int epi) {
-                             return tw_gw_launch(&g, epi, tk, bt, stream);
+                             return tw_gw_launch(&g, epi, tk, tw_gw_tile(tk, E, bt), stream);
                            });
   const bool tiled = gs && tw_cuda_moe_stream_balance();
   const int down_ks = gt            ? tw_down_parts(H, I, E, tk, TW_GT_RT, 4 * tw_gs_sms())

@@ -42,8 +42,10 @@
  * Every grouped case also runs through the warp-specialised grouped GEMM at
  * every tile (tw_cuda_moe_set_ws(16); by default it takes the 128-row
  * tiles only), "ws": TMA boxes with partial 256-row tiles, K tails and
- * tiles holding fewer rows than their size included; modes 1-11 set it off,
- * so mode 1 stays the wgmma kernel the others are compared with.
+ * tiles holding fewer rows than their size included, and its 256-row tile
+ * on 128 weight rows a CTA where experts hold more than 64 rows on average
+ * (20b T = 1024, odd T = 300, odd-bigscale); modes 1-11 set it off, so
+ * mode 1 stays the wgmma kernel the others are compared with.
  *
  * Tolerances: route indices must match exactly and weights to 1e-5 (fp32
  * softmax of the same fp32 logits). The GEMV path keeps activations in f32
