@@ -1767,9 +1767,9 @@ static int tw_gt_pass(int bt) {
  * Where experts hold more than 64 rows on average (tw_gw_tile), a CTA takes
  * 256 assignment rows on 128 weight rows instead (one m64 half a
  * warpgroup, wgmma N up to 256): the conversion, which bounds the kernel
- * (Nsight Compute: tensor pipe 42% busy, 2 of 6 issue cycles used at the
- * 128-row tile), is done once for all of a busy expert's rows and is half
- * as much a k-tile a thread. */
+ * (Nsight Compute at the 128-row tile: tensor pipe 42% busy, issue slots
+ * 34%, 6 cycles between a warp's instructions), is done once for all of a
+ * busy expert's rows and is half as much a k-tile a thread. */
 /* weight rows a CTA: WH m64 halves a consumer warpgroup (2: 256 rows, the
  * tiles up to 128 assignment rows; 1: 128 rows, the 256-row tile) */
 #define TW_GW_ROWS(wh) (128 * (wh))
