@@ -186,10 +186,10 @@ static __device__ __forceinline__ void tw_gg_find_tile(const tw_gg_args_t &p, in
  * read only against zero-filled weights of a K tail. Two threads a row,
  * alternate bytes (no division); each thread issues a batch of TW_GG_SB
  * loads before it stores any (no branch between them): a load
- * then its store, byte by byte, waited out an L2 round trip for each of
- * the 46 bytes a thread reads at K = 2,880, and the one-CTA-an-SM kernel
- * (tw_gw_kernel) had nothing to hide it behind (Nsight Compute: long
- * scoreboard, 17% of its warps' cycles, docs/benchmarks.md). */
+ * then its store, byte by byte, waited out an L2 round trip for each byte
+ * (90 a thread in tw_gw_kernel's 256 rows at K = 2,880), and that
+ * one-CTA-an-SM kernel had nothing to hide them behind (Nsight Compute:
+ * long scoreboard, 17% of its warps' cycles, docs/benchmarks.md). */
 #define TW_GG_SB 32
 template <typename RowOf>
 static __device__ __forceinline__ void tw_gg_load_scales(const tw_gg_args_t &p, int e, int rows,
@@ -1749,14 +1749,15 @@ static int tw_gt_pass(int bt) {
  * changed. tw_gg_kernel's threads copy their own stages with cp.async and
  * meet at a CTA barrier every k-tile (measured there: barrier and copy waits
  * are the top stalls, docs/benchmarks.md). Here one producer warp keeps
- * TW_GW_STAGES stages in flight, each two TMA boxes: 64 k of the CTA's 256
- * weight rows of MXFP4 blocks (rows past N arrive as zeros; 32-byte swizzle,
+ * TW_GW_STAGES stages in flight, each two TMA boxes: 64 k of the CTA's
+ * TW_GW_ROWS weight rows (256; 128 at the 256-row tile) of MXFP4 blocks (rows past N arrive as zeros; 32-byte swizzle,
  * which is the layout tw_gg_kernel's fragment reads were placed for) and 64
  * k of the tile's BT assignment rows (128-byte swizzle: the wgmma B layout;
  * gate_up reads them from a gathered copy of the token rows in the route's
  * order, so that one box holds them). Two consumer warpgroups of 128 weight
  * rows each (two m64 halves: 256 rows a CTA, so the assignment rows are read
- * from L2 once per 256 weight rows, not per 128) wait on a stage's mbarrier,
+ * from L2 once per 256 weight rows, not per 128; one half each at the
+ * 256-row tile, below) wait on a stage's mbarrier,
  * issue both halves' wgmma, convert the next stage's weights while it runs,
  * wait for it and release the stage; the warpgroups meet only through the
  * stage ring (no CTA barrier). Taken from the 128-row assignment tile
@@ -1768,8 +1769,9 @@ static int tw_gt_pass(int bt) {
  * 256 assignment rows on 128 weight rows instead (one m64 half a
  * warpgroup, wgmma N up to 256): the conversion, which bounds the kernel
  * (Nsight Compute at the 128-row tile: tensor pipe 42% busy, issue slots
- * 34%, 6 cycles between a warp's instructions), is done once for all of a
- * busy expert's rows and is half as much a k-tile a thread. */
+ * 34%, 6 cycles between a warp's instructions), is done once per 256 of an
+ * expert's rows instead of once per 128, and is half as much a k-tile a
+ * thread. */
 /* weight rows a CTA: WH m64 halves a consumer warpgroup (2: 256 rows, the
  * tiles up to 128 assignment rows; 1: 128 rows, the 256-row tile) */
 #define TW_GW_ROWS(wh) (128 * (wh))
@@ -1994,16 +1996,30 @@ static bool tw_gw_takes(int bt) {
   return m > 0 && bt >= m;
 }
 
+/* TWAIN_CUDA_MOE_BT's tile (16, 32, 64 or 128; read once), 0 where unset
+ * or another value. */
+static int tw_gg_tile_forced(void) {
+  static int forced = -1;
+  if (forced < 0) {
+    const char *v = tw_cuda_knobs()->moe_bt;
+    const int f = v ? atoi(v) : 0;
+    forced = (f == 16 || f == 32 || f == 64 || f == 128) ? f : 0;
+  }
+  return forced;
+}
+
 /* The kernel's tile for the grouped path's tile bt over tk assignments of E
  * experts: where twice an expert's mean load passes 128 (the 128-row tile
- * would cut each busy expert in two), 256 assignment rows on 128 weight
- * rows a CTA (tw_gw_halves 1): a busy expert's weights converted once for
- * all its rows, half as many conversions a k-tile a thread; else bt on 256
- * weight rows. Measured
+ * would cut each busy expert in two) and no tile is forced
+ * (TWAIN_CUDA_MOE_BT), 256 assignment rows on 128 weight rows a CTA
+ * (tw_gw_halves 1): an expert's weights converted once per 256 of its rows
+ * instead of once per 128, half as many conversions a k-tile a thread;
+ * else bt on 256 weight rows. Measured
  * (docs/benchmarks.md, H100): one 20b layer at 1,024 decode tokens 0.643
  * -> 0.602 ms, at 8,192 prefill tokens 3.642 -> 2.976 ms; 128 weight rows
  * at the 128-row tile too was slower at 512 tokens (0.401 -> 0.421 ms). */
 static int tw_gw_tile(int tk, int E, int bt) {
+  if (tw_gg_tile_forced()) return bt;
   const int twice = 2 * ((tk + E - 1) / (E > 0 ? E : 1));
   return bt == TW_GG_BM && twice > TW_GG_BM ? 2 * TW_GG_BM : bt;
 }
@@ -2232,12 +2248,7 @@ extern "C" tw_status_t tw_moe_grouped_setup(void) {
  * batch 16..1,024): each step of this rule was the fastest tile at its load.
  * TWAIN_CUDA_MOE_BT forces one (read once). */
 static int tw_gg_tile_rows(int tk, int E) {
-  static int forced = -1;
-  if (forced < 0) {
-    const char *v = tw_cuda_knobs()->moe_bt;
-    int f = v ? atoi(v) : 0;
-    forced = (f == 16 || f == 32 || f == 64 || f == 128) ? f : 0;
-  }
+  const int forced = tw_gg_tile_forced();
   if (forced) return forced;
   const int twice = 2 * ((tk + E - 1) / (E > 0 ? E : 1));
   return twice <= 16 ? 16 : twice <= 32 ? 32 : twice <= 64 ? 64 : 128;
