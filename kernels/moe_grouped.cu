@@ -183,33 +183,40 @@ static __device__ __forceinline__ void tw_gg_find_tile(const tw_gg_args_t &p, in
 
 /* This CTA's E8M0 scales, [rows][KB + 1] bytes at sS, weight row r of the
  * CTA at global row grow(r) (clamped to N - 1); the pad column (scale 1) is
- * read only against zero-filled weights of a K tail. Two threads a row,
- * alternate bytes (no division); each thread issues a batch of TW_GG_SB
- * loads before it stores any (no branch between them): a load
- * then its store, byte by byte, waited out an L2 round trip for each byte
- * (90 a thread in tw_gw_kernel's 256 rows at K = 2,880), and that
- * one-CTA-an-SM kernel had nothing to hide them behind (Nsight Compute:
- * long scoreboard, 17% of its warps' cycles, docs/benchmarks.md). */
-#define TW_GG_SB 32
+ * read only against zero-filled weights of a K tail. A warp takes a row at a
+ * time, its lanes the row's consecutive bytes (one or two 32-byte sectors a
+ * load), TW_GG_SR rows of TW_GG_SC such loads in flight before any store
+ * (unconditional, clamped: no branch between them). Two threads a row at
+ * alternate bytes touched 16 rows, 16 sectors, a warp load: Nsight Compute
+ * counted 39% (tw_gg_kernel) and 88% (tw_gw_kernel) of their global sectors
+ * as excess, all of it here (docs/benchmarks.md). */
+#define TW_GG_SR 8
+#define TW_GG_SC 3
 template <typename RowOf>
 static __device__ __forceinline__ void tw_gg_load_scales(const tw_gg_args_t &p, int e, int rows,
                                                          RowOf grow, uint8_t *sS, int nthreads) {
-  const int KB = p.K / 32, KBP = KB + 1;
-  for (int r = threadIdx.x >> 1; r < rows; r += nthreads >> 1) {
-    const uint8_t *src = p.ws + ((int64_t)e * p.N + min(grow(r), p.N - 1)) * KB;
-    for (int b0 = threadIdx.x & 1; b0 < KBP; b0 += 2 * TW_GG_SB) {
-      uint32_t v[TW_GG_SB];
+  const int KB = p.K / 32, KBP = KB + 1, lane = threadIdx.x & 31, nw = nthreads >> 5;
+  const uint8_t *ws = p.ws + (int64_t)e * p.N * KB;
+  for (int r0 = threadIdx.x >> 5; r0 < rows; r0 += nw * TW_GG_SR)
+    for (int b0 = lane; b0 < KBP; b0 += 32 * TW_GG_SC) {
+      uint32_t v[TW_GG_SR][TW_GG_SC];
 #pragma unroll
-      for (int u = 0; u < TW_GG_SB; u++) {
-        const int b = b0 + 2 * u; /* the load unconditional (clamped), no branch */
-        const uint32_t x = __ldg(src + min(b, KB - 1));
-        v[u] = b < KB ? x : 127u;
+      for (int i = 0; i < TW_GG_SR; i++) {
+        const uint8_t *src = ws + (int64_t)min(grow(min(r0 + nw * i, rows - 1)), p.N - 1) * KB;
+#pragma unroll
+        for (int j = 0; j < TW_GG_SC; j++) {
+          const int b = b0 + 32 * j;
+          const uint32_t x = __ldg(src + min(b, KB - 1));
+          v[i][j] = b < KB ? x : 127u;
+        }
       }
 #pragma unroll
-      for (int u = 0; u < TW_GG_SB; u++)
-        if (b0 + 2 * u < KBP) sS[r * KBP + b0 + 2 * u] = (uint8_t)v[u];
+      for (int i = 0; i < TW_GG_SR; i++)
+#pragma unroll
+        for (int j = 0; j < TW_GG_SC; j++)
+          if (r0 + nw * i < rows && b0 + 32 * j < KBP)
+            sS[(r0 + nw * i) * KBP + b0 + 32 * j] = (uint8_t)v[i][j];
     }
-  }
 }
 
 /* E8M0 scale byte to bf16x2 2^(s-127) in both halves (s = 0: the denormal). */
