@@ -74,10 +74,10 @@ static void tw_knobs_read(void) {
     TW_WARN("cuda", "TWAIN_CUDA_MOE_TMA_PASS=%d is not 16 or 32: 32", k.moe_tma_pass);
     k.moe_tma_pass = 32;
   }
-  k.moe_ws = tw_knob_int("TWAIN_CUDA_MOE_WS", 128, 0, 128);
+  k.moe_ws = tw_knob_int("TWAIN_CUDA_MOE_WS", 64, 0, 128);
   if (k.moe_ws & (k.moe_ws - 1) || (k.moe_ws && k.moe_ws < 16)) {
-    TW_WARN("cuda", "TWAIN_CUDA_MOE_WS=%d is not 0, 16, 32, 64 or 128: 128", k.moe_ws);
-    k.moe_ws = 128;
+    TW_WARN("cuda", "TWAIN_CUDA_MOE_WS=%d is not 0, 16, 32, 64 or 128: 64", k.moe_ws);
+    k.moe_ws = 64;
   }
   k.route_fused_max = tw_knob_int("TWAIN_CUDA_ROUTE_FUSED_MAX", 128, 0, 1024);
   if (k.moe_stream_warps != 8 && k.moe_stream_warps != 16) {

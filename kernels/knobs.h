@@ -60,7 +60,7 @@ typedef struct {
                             TMA decode MoE takes, as its pass (rows a unit); 32 (default) */
   int moe_ws;             /* TWAIN_CUDA_MOE_WS 0, 16, 32, 64 or 128: the smallest assignment tile
                             the warp-specialised grouped GEMM (tw_gw_kernel) takes on MXFP4
-                            experts; 128 (default); 0: none (the wgmma kernel everywhere) */
+                            experts; 64 (default); 0: none (the wgmma kernel everywhere) */
   int route_fused_max;   /* TWAIN_CUDA_ROUTE_FUSED_MAX 0..1024: assignments (T x k) up to which
                             the router GEMM's route runs as one block (128) */
 } tw_cuda_knobs_t;

@@ -220,13 +220,13 @@ void tw_cuda_moe_set_tma_pass(int pass);
 
 /** Force the smallest assignment tile (16, 32, 64 or 128 rows) from which the
  *  warp-specialised grouped GEMM (moe_grouped.cu tw_gw_kernel: a TMA
- *  producer warp, two consumer warpgroups of 128 weight rows) takes the
+ *  producer warp, consumer warpgroups of 256 weight rows in all) takes the
  *  grouped launches on MXFP4 experts that the decode kernels above do not
  *  take, where it fits (hidden and intermediate sizes multiples of 32 and
  *  at most 3,072, the activation and output buffers 16-byte aligned, the
  *  driver's tensor-map encoder found; else the wgmma kernel runs); 0 or any
  *  other value: never; negative: back to TWAIN_CUDA_MOE_WS (knobs.h;
- *  default 128). Same results as the wgmma kernel within the grouped GEMM's
+ *  default 64). Same results as the wgmma kernel within the grouped GEMM's
  *  tolerance, no host sync, capturable. For tests and benchmarks; not
  *  thread-safe against concurrent MoE calls; a captured graph keeps its
  *  kernels. */

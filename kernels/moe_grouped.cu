@@ -48,9 +48,9 @@
  * tw_gw_kernel, below, runs the same arithmetic fed by a TMA producer warp
  * (no CTA barrier a k-tile), its warpgroups converting the next k-tile
  * while their wgmma runs (ptxas keeps that overlap there, with two
- * fragment sets and 232 registers a thread), and takes the 128-row tiles on
- * MXFP4 experts (TWAIN_CUDA_MOE_WS), where it measured faster than this
- * kernel; at smaller tiles this kernel stays faster (docs/benchmarks.md).
+ * fragment sets), and takes the tiles from 64 rows on MXFP4 experts
+ * (TWAIN_CUDA_MOE_WS), where it measured faster than this kernel (at the
+ * 64-row tile with four consumer warpgroups; docs/benchmarks.md).
  *
  * A second kernel for the same grid and epilogues, tw_gm_kernel (mma.sync,
  * MXFP4 converted in registers once per CTA for all rows of the tile; see
@@ -1674,7 +1674,7 @@ static tw_tmap_encode_fn tw_tmap_encode(void) {
 
 /* The tensor map of MXFP4 blocks wq [E, N, K/32, 16] as bytes [E][N][K/2],
  * box bw bytes x rows x 1 expert with swizzle sw (tw_gt_kernel: 64 x TW_GT_RT,
- * none; tw_gw_kernel: 32 x TW_GW_ROWS(wh), 32-byte); false where the driver
+ * none; tw_gw_kernel: 32 x tw_gw_bw(bt), 32-byte); false where the driver
  * refuses. */
 static bool tw_mxfp4_map(const uint8_t *wq, int E, int N, int K, int bw, int rows,
                          CUtensorMapSwizzle sw, CUtensorMap *map) {
@@ -1757,47 +1757,46 @@ static int tw_gt_pass(int bt) {
  * meet at a CTA barrier every k-tile (measured there: barrier and copy waits
  * are the top stalls, docs/benchmarks.md). Here one producer warp keeps
  * TW_GW_STAGES stages in flight, each two TMA boxes: 64 k of the CTA's
- * TW_GW_ROWS weight rows (256; 128 at the 256-row tile) of MXFP4 blocks (rows past N arrive as zeros; 32-byte swizzle,
- * which is the layout tw_gg_kernel's fragment reads were placed for) and 64
- * k of the tile's BT assignment rows (128-byte swizzle: the wgmma B layout;
- * gate_up reads them from a gathered copy of the token rows in the route's
- * order, so that one box holds them). Two consumer warpgroups of 128 weight
- * rows each (two m64 halves: 256 rows a CTA, so the assignment rows are read
- * from L2 once per 256 weight rows, not per 128; one half each at the
- * 256-row tile, below) wait on a stage's mbarrier,
- * issue both halves' wgmma, convert the next stage's weights while it runs,
- * wait for it and release the stage; the warpgroups meet only through the
- * stage ring (no CTA barrier). Taken from the 128-row assignment tile
- * (TWAIN_CUDA_MOE_WS): there one layer was 6-10% faster than on
- * tw_gg_kernel (the engine 2.7-6.7%); at 64 rows and below slower
- * (docs/benchmarks.md). One CTA an SM; the consumers
- * take 232 registers a thread from the producer warpgroup's (setmaxnreg).
- * Where experts hold more than 64 rows on average (tw_gw_tile), a CTA takes
- * 256 assignment rows on 128 weight rows instead (one m64 half a
- * warpgroup, wgmma N up to 256): the conversion, which bounds the kernel
- * (Nsight Compute at the 128-row tile: tensor pipe 42% busy, issue slots
- * 34%, 6 cycles between a warp's instructions), is done once per 256 of an
- * expert's rows instead of once per 128, and is half as much a k-tile a
- * thread. */
-/* weight rows a CTA: WH m64 halves a consumer warpgroup (2: 256 rows, the
- * tiles up to 128 assignment rows; 1: 128 rows, the 256-row tile) */
-#define TW_GW_ROWS(wh) (128 * (wh))
-/* two consumer warpgroups and a producer warpgroup (one thread of it
- * copies; a whole warpgroup so that registers can move to the consumers:
- * setmaxnreg works by warpgroups) */
-#define TW_GW_THREADS (3 * 128)
+ * 256 weight rows (128 at the 256-row tile) of MXFP4 blocks (rows past N
+ * arrive as zeros; 32-byte swizzle, which is the layout tw_gg_kernel's
+ * fragment reads were placed for) and 64 k of the tile's BT assignment rows
+ * (128-byte swizzle: the wgmma B layout; gate_up reads them from a gathered
+ * copy of the token rows in the route's order, so that one box holds them),
+ * so the assignment rows are read from L2 once per 256 weight rows, not per
+ * 128. Consumer warpgroups (tw_gw_cw) wait on a stage's mbarrier, issue
+ * their m64 halves' wgmma, convert the next stage's weights while it runs,
+ * wait for it and release the stage; they meet only through the stage ring
+ * (no CTA barrier). Up to the 64-row tile four warpgroups of one m64 half
+ * each take 112 registers a thread (setmaxnreg; the producer warpgroup keeps
+ * 24): the conversion's chains of dependent instructions, which bound the
+ * kernel (Nsight Compute, two warpgroups at the 256-row tile: 2.2 warps a
+ * scheduler, 0.44 of them eligible, "wait" and short-scoreboard stalls
+ * first), then have four warps a scheduler to hide them, as tw_gg_kernel's
+ * two CTAs an SM do. There one 20b layer at 256 decode tokens took 0.318 ->
+ * 0.288 ms against tw_gg_kernel (two warpgroups: 0.324), the engine 20,830
+ * -> 22,274 tok/s at batch 256 (H100, docs/benchmarks.md). At the 128-row
+ * tile two warpgroups of two halves each take 232 registers (four would
+ * spill: 0.571 ms against 0.400 at 512 tokens); there one layer was 6-10%
+ * faster than on tw_gg_kernel. Where experts hold more than 64 rows on
+ * average (tw_gw_tile), a CTA takes 256 assignment rows on 128 weight rows
+ * instead (two warpgroups of one m64 half, wgmma N up to 256): the
+ * conversion is done once per 256 of an expert's rows instead of once per
+ * 128, and is half as much a k-tile a thread. One CTA an SM. */
+/* weight rows a CTA of cw consumer warpgroups of wh m64 halves each; the
+ * CTA is those warpgroups and a producer warpgroup (one thread of it copies;
+ * a whole warpgroup so that registers can move to the consumers: setmaxnreg
+ * works by warpgroups) */
+static __host__ __device__ constexpr int tw_gw_rows(int cw, int wh) { return 64 * cw * wh; }
 #define TW_GW_MAX_K 3072                 /* the CTA's scales stay in shared memory */
-#define TW_GW_STAGES(bt, wh) ((bt) >= 256 ? 5 : (bt) >= 128 && (wh) == 2 ? 6 : 8)
-static __host__ __device__ constexpr int tw_gw_stage(int bt, int wh) {
-  return TW_GW_ROWS(wh) * 32 + bt * 128;
-}
+#define TW_GW_STAGES(bt, bw) ((bt) >= 256 ? 5 : (bt) >= 128 && (bw) == 256 ? 6 : 8)
+static __host__ __device__ constexpr int tw_gw_stage(int bt, int bw) { return bw * 32 + bt * 128; }
 /* Dynamic shared memory: 1024 bytes of alignment slack, the conversion
  * table, the stages, the scales [rows][K/32 + 1] and 2 S mbarriers (at most
  * 230,608 bytes: the 256-row tile at K = 3,072). */
-static size_t tw_gw_smem(int bt, int wh, int K) {
-  const size_t S = TW_GW_STAGES(bt, wh);
-  return 1024 + TW_GG_LUT_BYTES + S * tw_gw_stage(bt, wh) +
-         ((size_t)TW_GW_ROWS(wh) * (K / 32 + 1) + 7) / 8 * 8 + 16 * S;
+static size_t tw_gw_smem(int bt, int bw, int K) {
+  const size_t S = TW_GW_STAGES(bt, bw);
+  return 1024 + TW_GG_LUT_BYTES + S * tw_gw_stage(bt, bw) +
+         ((size_t)bw * (K / 32 + 1) + 7) / 8 * 8 + 16 * S;
 }
 
 static __device__ __forceinline__ void tw_tma_2d(uint32_t dst, const CUtensorMap *map, int c0,
@@ -1827,15 +1826,16 @@ static __device__ __forceinline__ void tw_gw_wgmma(float (&acc)[WH][N8][4],
 
 /* The kernel (see above). EPI: TW_GG_SWIGLU or TW_GG_PLAIN; BT: assignment
  * rows a CTA (16, 32, 64 or 128 with WH = 2; 256 with WH = 1); WH: m64
- * halves a consumer warpgroup (TW_GW_ROWS(WH) weight rows a CTA). wmap: the
- * MXFP4 blocks [E][N][K/2] bytes, box 32 x TW_GW_ROWS(WH) x 1; xmap: the
+ * halves a consumer warpgroup; CW: consumer warpgroups (64 CW WH weight
+ * rows a CTA; tw_gw_cw). wmap: the
+ * MXFP4 blocks [E][N][K/2] bytes, box 32 x 64 CW WH x 1; xmap: the
  * assignment rows [tk][K] bf16, box 64 x BT. */
-template <int EPI, int BT, int WH>
-static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
+template <int EPI, int BT, int WH, int CW>
+static __global__ void __launch_bounds__(128 * (CW + 1), 1)
     tw_gw_kernel(const tw_gg_args_t p, const __grid_constant__ CUtensorMap wmap,
                  const __grid_constant__ CUtensorMap xmap) {
-  constexpr int S = TW_GW_STAGES(BT, WH), SB = tw_gw_stage(BT, WH), N8 = BT / 8;
-  constexpr int BW = TW_GW_ROWS(WH), WB = BW * 32;
+  constexpr int BW = tw_gw_rows(CW, WH), WB = BW * 32, CT = 128 * CW;
+  constexpr int S = TW_GW_STAGES(BT, BW), SB = tw_gw_stage(BT, BW), N8 = BT / 8;
   extern __shared__ __align__(1024) uint8_t tw_gw_smem_b[];
   __shared__ int s_tile[4];
   TW_PDL_WAIT();
@@ -1846,12 +1846,12 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
   const int K = p.K, KT = (K + 63) / 64, KB = K / 32, KBP = KB + 1;
   const uint32_t bar0 = (tw_smem_u32(sS + BW * KBP) + 7) & ~7u; /* full[S], empty[S] */
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  tw_gg_build_lut(sL, TW_GW_THREADS);
+  tw_gg_build_lut(sL, CT + 128);
   if (warp == 0) tw_gg_find_tile(p, BT, lane, s_tile);
   if (tid == 32) {
     for (int s = 0; s < S; s++) {
       tw_mbar_init(bar0 + 8 * s, 1);
-      tw_mbar_init(bar0 + 8 * (S + s), 8); /* one arrival a consumer warp */
+      tw_mbar_init(bar0 + 8 * (S + s), 4 * CW); /* one arrival a consumer warp */
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -1861,11 +1861,14 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
   const int m0 = s_tile[1], rows = min(BT, s_tile[2] - m0), off = s_tile[3] + m0;
   const int n0 = blockIdx.x * BW;
   const uint32_t stg_u = tw_smem_u32(stg);
-  if (warp >= 8) { /* the producer */
+  if (warp >= 4 * CW) { /* the producer */
 #if TW_HAVE_WGMMA /* sm_90a only, as wgmma */
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    if (CW == 2)
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
+    else
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
 #endif
-    if (warp == 8 && lane == 0)
+    if (warp == 4 * CW && lane == 0)
       for (int kt = 0; kt < KT; kt++) {
         const int s = kt % S;
         tw_mbar_wait(bar0 + 8 * (S + s), ((uint32_t)(kt / S) & 1u) ^ 1u);
@@ -1876,13 +1879,18 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
     return;
   }
   /* the consumers (BT = 128: 128 accumulators and two sets of 32 fragment
-   * registers a thread; BT = 256: 128 and two of 16): their rows' scales
-   * first (a barrier of the 256) */
+   * registers a thread; BT = 256: 128 and two of 16; CW = 4: at most 32 and
+   * two of 16 in 112 registers, as the 96 a thread of the launch (640
+   * threads) allow with the producer at 24): their rows' scales first (a
+   * barrier of the consumers) */
 #if TW_HAVE_WGMMA
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  if (CW == 2)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
+  else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 112;" ::: "memory");
 #endif
-  tw_gg_load_scales(p, e, BW, [&](int r) { return n0 + r; }, sS, 256);
-  asm volatile("bar.sync 1, 256;" ::: "memory");
+  tw_gg_load_scales(p, e, BW, [&](int r) { return n0 + r; }, sS, CT);
+  asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory");
   const int wg = warp >> 2, w = warp & 3, g = lane >> 2, t = lane & 3;
   /* CTA row of fragment row r (0..15) of m64 half mh: SwiGLU pairs (gate 2i,
    * linear 2i + 1) as fragment rows g and g + 8 */
@@ -1971,23 +1979,29 @@ static __global__ void __launch_bounds__(TW_GW_THREADS, 1)
 }
 
 typedef void (*tw_gw_fn)(const tw_gg_args_t, const CUtensorMap, const CUtensorMap);
-template <int BT, int WH> static tw_gw_fn tw_gw_pick_bt(int epi) {
-  return epi == TW_GG_SWIGLU ? tw_gw_kernel<TW_GG_SWIGLU, BT, WH>
-                             : tw_gw_kernel<TW_GG_PLAIN, BT, WH>;
+template <int BT, int WH, int CW> static tw_gw_fn tw_gw_pick_bt(int epi) {
+  return epi == TW_GG_SWIGLU ? tw_gw_kernel<TW_GG_SWIGLU, BT, WH, CW>
+                             : tw_gw_kernel<TW_GG_PLAIN, BT, WH, CW>;
 }
-/* The m64 halves a consumer warpgroup of the kernel of tile bt (2: 256
- * weight rows a CTA, the tiles up to 128; 1: 128 rows, the 256-row tile). */
-static int tw_gw_halves(int bt) { return bt > TW_GG_BM ? 1 : 2; }
+/* The consumer warpgroups (CW) and m64 halves each (WH) of the kernel of
+ * tile bt: 4 x 1 up to 64 rows (256 weight rows a CTA, 112 registers a
+ * thread), 2 x 2 at 128 (256 rows; 4 x 1 spills there: 288 bytes a thread,
+ * and one layer at 512 tokens took 0.571 ms against 0.400), 2 x 1 at 256
+ * (128 rows), docs/benchmarks.md. */
+static int tw_gw_cw(int bt) { return bt <= TW_GG_BM / 2 ? 4 : 2; }
+static int tw_gw_halves(int bt) { return bt == TW_GG_BM ? 2 : 1; }
 /* The kernel of tile bt (16, 32, 64, 128 or 256). */
 static tw_gw_fn tw_gw_pick(int epi, int bt) {
   switch (bt) {
-  case 16: return tw_gw_pick_bt<16, 2>(epi);
-  case 32: return tw_gw_pick_bt<32, 2>(epi);
-  case 64: return tw_gw_pick_bt<64, 2>(epi);
-  case 128: return tw_gw_pick_bt<128, 2>(epi);
-  default: return tw_gw_pick_bt<256, 1>(epi);
+  case 16: return tw_gw_pick_bt<16, 1, 4>(epi);
+  case 32: return tw_gw_pick_bt<32, 1, 4>(epi);
+  case 64: return tw_gw_pick_bt<64, 1, 4>(epi);
+  case 128: return tw_gw_pick_bt<128, 2, 2>(epi);
+  default: return tw_gw_pick_bt<256, 1, 2>(epi);
   }
 }
+/* Weight rows a CTA of the kernel of tile bt. */
+static int tw_gw_bw(int bt) { return tw_gw_rows(tw_gw_cw(bt), tw_gw_halves(bt)); }
 
 /* The smallest assignment tile the kernel takes (0: none): the setter's,
  * else TWAIN_CUDA_MOE_WS. */
@@ -2019,7 +2033,7 @@ static int tw_gg_tile_forced(void) {
  * experts: where twice an expert's mean load passes 128 (the 128-row tile
  * would cut each busy expert in two) and no tile is forced
  * (TWAIN_CUDA_MOE_BT), 256 assignment rows on 128 weight rows a CTA
- * (tw_gw_halves 1): an expert's weights converted once per 256 of its rows
+ * (one m64 half a warpgroup): an expert's weights converted once per 256 of its rows
  * instead of once per 128, half as many conversions a k-tile a thread;
  * else bt on 256 weight rows. Measured
  * (docs/benchmarks.md, H100): one 20b layer at 1,024 decode tokens 0.643
@@ -2032,11 +2046,11 @@ static int tw_gw_tile(int tk, int E, int bt) {
 }
 
 /* The tensor maps of one launch: the MXFP4 blocks [E][N][K/2] bytes (box 32
- * x TW_GW_ROWS(wh) x 1, 32-byte swizzle) and the assignment rows a [tk][K]
+ * x bw x 1, bw the CTA's weight rows; 32-byte swizzle) and the assignment rows a [tk][K]
  * bf16 (box 64 x bt, 128-byte swizzle); false where the driver refuses. */
-static bool tw_gw_maps(const tw_gg_args_t *a, int tk, int bt, int wh, CUtensorMap *wm,
+static bool tw_gw_maps(const tw_gg_args_t *a, int tk, int bt, int bw, CUtensorMap *wm,
                        CUtensorMap *xm) {
-  if (!tw_mxfp4_map(a->wq, a->E, a->N, a->K, 32, TW_GW_ROWS(wh), CU_TENSOR_MAP_SWIZZLE_32B, wm))
+  if (!tw_mxfp4_map(a->wq, a->E, a->N, a->K, 32, bw, CU_TENSOR_MAP_SWIZZLE_32B, wm))
     return false;
   const cuuint64_t xd[2] = {(cuuint64_t)a->K, (cuuint64_t)tk};
   const cuuint64_t xs[1] = {(cuuint64_t)a->K * 2};
@@ -2059,14 +2073,14 @@ static bool tw_gw_fits(const tw_cuda_moe_weights_t *w, const void *act, const vo
 
 static TW_NODISCARD tw_status_t tw_gw_launch(const tw_gg_args_t *a, int epi, int tk, int bt,
                                              cudaStream_t stream) {
-  const int wh = tw_gw_halves(bt);
+  const int bw = tw_gw_bw(bt);
   CUtensorMap wm, xm;
-  if (!tw_gw_maps(a, tk, bt, wh, &wm, &xm))
+  if (!tw_gw_maps(a, tk, bt, bw, &wm, &xm))
     return tw_err(TW_ERR_CUDA, "moe: the driver refused the tensor maps of %d x %d x %d bytes and %d x %d rows",
                   a->E, a->N, a->K / 2, tk, a->K);
   const int tiles_m = tw_gg_row_tiles(tk, bt, a->E);
-  tw_pdl_launch(tw_gw_pick(epi, bt), dim3(TW_CDIV(a->N, TW_GW_ROWS(wh)), tiles_m),
-                dim3(TW_GW_THREADS), tw_gw_smem(bt, wh, a->K), stream, *a, wm, xm);
+  tw_pdl_launch(tw_gw_pick(epi, bt), dim3(TW_CDIV(a->N, bw), tiles_m),
+                dim3(128 * (tw_gw_cw(bt) + 1)), tw_gw_smem(bt, bw, a->K), stream, *a, wm, xm);
   TW_CUDA_CHECK_LAUNCH(epi == TW_GG_SWIGLU ? "tw_gw_kernel(gate_up)" : "tw_gw_kernel(down)");
   return TW_OK;
 }
@@ -2239,7 +2253,7 @@ extern "C" tw_status_t tw_moe_grouped_setup(void) {
     for (int epi = 0; epi < 2; epi++)
       TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gw_pick(epi, bt),
                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)tw_gw_smem(bt, tw_gw_halves(bt), TW_GW_MAX_K)));
+                                         (int)tw_gw_smem(bt, tw_gw_bw(bt), TW_GW_MAX_K)));
   for (int bt = TW_GG_BM_MIN; bt <= TW_GG_BM; bt *= 2)
     for (int epi = 0; epi < 2; epi++)
       TW_CUDA_CHECK(cudaFuncSetAttribute(tw_gm_pick(epi, bt),

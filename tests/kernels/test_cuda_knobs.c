@@ -43,7 +43,7 @@ static void expect_defaults(const tw_cuda_knobs_t *k) {
   EXPECT_EQ_I64(k->dc_fused, 1);
   EXPECT_EQ_I64(k->route_fused_max, 128);
   EXPECT_EQ_I64(k->moe_tma_pass, 32);
-  EXPECT_EQ_I64(k->moe_ws, 128);
+  EXPECT_EQ_I64(k->moe_ws, 64);
   EXPECT(k->moe_bt == NULL && k->moe_mma == NULL, "moe_bt %s moe_mma %s",
          k->moe_bt ? k->moe_bt : "NULL", k->moe_mma ? k->moe_mma : "NULL");
 }
@@ -62,7 +62,7 @@ int main(void) {
       {"TWAIN_CUDA_DC_FUSED", "0"},         {"TWAIN_CUDA_MOE_BT", "32"},
       {"TWAIN_CUDA_MOE_MMA", "16,32"},      {"TWAIN_CUDA_ROUTE_FUSED_MAX", "1024"},
       {"TWAIN_CUDA_PREFILL_BF16_MIN", "0"}, {"TWAIN_CUDA_MOE_TMA_PASS", "16"},
-      {"TWAIN_CUDA_MOE_WS", "64"}};
+      {"TWAIN_CUDA_MOE_WS", "128"}};
   set_all(values, sizeof values / sizeof values[0]);
   const tw_cuda_knobs_t *k = tw_cuda_knobs();
   EXPECT_EQ_I64(k->pdl, 1); /* read once: nothing changes before a reload */
@@ -81,7 +81,7 @@ int main(void) {
   EXPECT_EQ_I64(k->dc_fused, 0);
   EXPECT_EQ_I64(k->route_fused_max, 1024);
   EXPECT_EQ_I64(k->moe_tma_pass, 16);
-  EXPECT_EQ_I64(k->moe_ws, 64);
+  EXPECT_EQ_I64(k->moe_ws, 128);
   EXPECT(k->moe_bt && strcmp(k->moe_bt, "32") == 0, "moe_bt %s", k->moe_bt);
   EXPECT(k->moe_mma && strcmp(k->moe_mma, "16,32") == 0, "moe_mma %s", k->moe_mma);
   setenv("TWAIN_CUDA_MOE_MMA", "all", 1); /* the knob keeps its own copy */

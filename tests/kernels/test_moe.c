@@ -40,8 +40,9 @@
  * "stream_tma16g1", and with two, "stream_tma16". Modes 6 and 7 set it
  * off, so they keep testing the per-warp kernel whichever the default.
  * Every grouped case also runs through the warp-specialised grouped GEMM at
- * every tile (tw_cuda_moe_set_ws(16); by default it takes the 128-row
- * tiles only), "ws": TMA boxes with partial 256-row tiles, K tails and
+ * every tile (tw_cuda_moe_set_ws(16); by default it takes the tiles from
+ * 64 rows), "ws": four consumer warpgroups of one m64 half at the tiles up
+ * to 64 rows, two of two halves at 128, TMA boxes with partial 256-row tiles, K tails and
  * tiles holding fewer rows than their size included, and its 256-row tile
  * on 128 weight rows a CTA where experts hold more than 64 rows on average
  * (20b T = 1024, odd T = 300, odd-bigscale); modes 1-11 set it off, so
