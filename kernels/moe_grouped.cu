@@ -43,7 +43,8 @@
  * tensor work comes from the other warpgroups of the SM (two CTAs per SM).
  * Measured against the other layouts tried (weights dequantised into a shared
  * bf16 tile, 3 or 4 warpgroups, warp-specialised producers): this one was the
- * fastest, docs/benchmarks.md.
+ * fastest then (2026-12-02); since then tw_gw_kernel, below, has passed it
+ * from the 64-row tile, docs/benchmarks.md.
  *
  * tw_gw_kernel, below, runs the same arithmetic fed by a TMA producer warp
  * (no CTA barrier a k-tile), its warpgroups converting the next k-tile
@@ -1767,14 +1768,15 @@ static int tw_gt_pass(int bt) {
  * their m64 halves' wgmma, convert the next stage's weights while it runs,
  * wait for it and release the stage; they meet only through the stage ring
  * (no CTA barrier). Up to the 64-row tile four warpgroups of one m64 half
- * each take 112 registers a thread (setmaxnreg; the producer warpgroup keeps
- * 24): the conversion's chains of dependent instructions, which bound the
+ * each take 112 registers a thread (setmaxnreg; the producer warpgroup drops
+ * to 24): the conversion's chains of dependent instructions, which bound the
  * kernel (Nsight Compute, two warpgroups at the 256-row tile: 2.2 warps a
  * scheduler, 0.44 of them eligible, "wait" and short-scoreboard stalls
  * first), then have four warps a scheduler to hide them, as tw_gg_kernel's
  * two CTAs an SM do. There one 20b layer at 256 decode tokens took 0.318 ->
- * 0.288 ms against tw_gg_kernel (two warpgroups: 0.324), the engine 20,830
- * -> 22,274 tok/s at batch 256 (H100, docs/benchmarks.md). At the 128-row
+ * 0.288 ms against tw_gg_kernel's 0.318 (two warpgroups: 0.324), the engine
+ * 20,830 -> 22,274 tok/s at batch 256 (H100; on the H200 22,425-22,498 ->
+ * 24,221-24,441, docs/benchmarks.md). At the 128-row
  * tile two warpgroups of two halves each take 232 registers (four would
  * spill: 0.571 ms against 0.400 at 512 tokens); there one layer was 6-10%
  * faster than on tw_gg_kernel. Where experts hold more than 64 rows on
@@ -1825,7 +1827,8 @@ static __device__ __forceinline__ void tw_gw_wgmma(float (&acc)[WH][N8][4],
 }
 
 /* The kernel (see above). EPI: TW_GG_SWIGLU or TW_GG_PLAIN; BT: assignment
- * rows a CTA (16, 32, 64 or 128 with WH = 2; 256 with WH = 1); WH: m64
+ * rows a CTA (16, 32 or 64 with CW = 4, WH = 1; 128 with CW = 2, WH = 2;
+ * 256 with CW = 2, WH = 1: tw_gw_pick); WH: m64
  * halves a consumer warpgroup; CW: consumer warpgroups (64 CW WH weight
  * rows a CTA; tw_gw_cw). wmap: the
  * MXFP4 blocks [E][N][K/2] bytes, box 32 x 64 CW WH x 1; xmap: the
@@ -1985,9 +1988,9 @@ template <int BT, int WH, int CW> static tw_gw_fn tw_gw_pick_bt(int epi) {
 }
 /* The consumer warpgroups (CW) and m64 halves each (WH) of the kernel of
  * tile bt: 4 x 1 up to 64 rows (256 weight rows a CTA, 112 registers a
- * thread), 2 x 2 at 128 (256 rows; 4 x 1 spills there: 288 bytes a thread,
- * and one layer at 512 tokens took 0.571 ms against 0.400), 2 x 1 at 256
- * (128 rows), docs/benchmarks.md. */
+ * thread), 2 x 2 at 128 (256 rows; 4 x 1 spills there, 288 bytes of stores
+ * a thread, and one layer at 512 tokens took 0.571 ms against 0.400), 2 x 1
+ * at 256 (128 rows), docs/benchmarks.md. */
 static int tw_gw_cw(int bt) { return bt <= TW_GG_BM / 2 ? 4 : 2; }
 static int tw_gw_halves(int bt) { return bt == TW_GG_BM ? 2 : 1; }
 /* The kernel of tile bt (16, 32, 64, 128 or 256). */
