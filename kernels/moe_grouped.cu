@@ -1789,6 +1789,20 @@ static int tw_gt_pass(int bt) {
  * a whole warpgroup so that registers can move to the consumers: setmaxnreg
  * works by warpgroups) */
 static __host__ __device__ constexpr int tw_gw_rows(int cw, int wh) { return 64 * cw * wh; }
+/* The consumer warpgroups (CW) and m64 halves each (WH) of the kernel of
+ * tile bt, the one rule for its template and its launch: 4 x 1 up to 64
+ * rows (256 weight rows a CTA, 112 registers a thread), 2 x 2 at 128 (256
+ * rows; 4 x 1 spills there, 288 bytes of stores a thread, and one layer at
+ * 512 tokens took 0.571 ms against 0.400), 2 x 1 at 256 (128 rows),
+ * docs/benchmarks.md. */
+static __host__ __device__ constexpr int tw_gw_cw(int bt) { return bt <= TW_GG_BM / 2 ? 4 : 2; }
+static __host__ __device__ constexpr int tw_gw_halves(int bt) { return bt == TW_GG_BM ? 2 : 1; }
+/* Registers a thread after setmaxnreg: the consumers', the producer
+ * warpgroup's (CW = 2: 256 x 232 + 128 x 40 = 384 x 168, the launch's; CW =
+ * 4: 512 x 112 + 128 x 24 <= 640 x 96, the launch's; asking more than the
+ * launch holds never returns) */
+static __host__ __device__ constexpr int tw_gw_creg(int cw) { return cw == 2 ? 232 : 112; }
+static __host__ __device__ constexpr int tw_gw_preg(int cw) { return cw == 2 ? 40 : 24; }
 #define TW_GW_MAX_K 3072                 /* the CTA's scales stay in shared memory */
 #define TW_GW_STAGES(bt, bw) ((bt) >= 256 ? 5 : (bt) >= 128 && (bw) == 256 ? 6 : 8)
 static __host__ __device__ constexpr int tw_gw_stage(int bt, int bw) { return bw * 32 + bt * 128; }
@@ -1828,7 +1842,7 @@ static __device__ __forceinline__ void tw_gw_wgmma(float (&acc)[WH][N8][4],
 
 /* The kernel (see above). EPI: TW_GG_SWIGLU or TW_GG_PLAIN; BT: assignment
  * rows a CTA (16, 32 or 64 with CW = 4, WH = 1; 128 with CW = 2, WH = 2;
- * 256 with CW = 2, WH = 1: tw_gw_pick); WH: m64
+ * 256 with CW = 2, WH = 1: tw_gw_cw, tw_gw_halves); WH: m64
  * halves a consumer warpgroup; CW: consumer warpgroups (64 CW WH weight
  * rows a CTA; tw_gw_cw). wmap: the
  * MXFP4 blocks [E][N][K/2] bytes, box 32 x 64 CW WH x 1; xmap: the
@@ -1866,10 +1880,7 @@ static __global__ void __launch_bounds__(128 * (CW + 1), 1)
   const uint32_t stg_u = tw_smem_u32(stg);
   if (warp >= 4 * CW) { /* the producer */
 #if TW_HAVE_WGMMA /* sm_90a only, as wgmma */
-    if (CW == 2)
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
-    else
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 24;" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(tw_gw_preg(CW)) : "memory");
 #endif
     if (warp == 4 * CW && lane == 0)
       for (int kt = 0; kt < KT; kt++) {
@@ -1887,10 +1898,7 @@ static __global__ void __launch_bounds__(128 * (CW + 1), 1)
    * threads) allow with the producer at 24): their rows' scales first (a
    * barrier of the consumers) */
 #if TW_HAVE_WGMMA
-  if (CW == 2)
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
-  else
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 112;" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(tw_gw_creg(CW)) : "memory");
 #endif
   tw_gg_load_scales(p, e, BW, [&](int r) { return n0 + r; }, sS, CT);
   asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory");
@@ -1982,25 +1990,19 @@ static __global__ void __launch_bounds__(128 * (CW + 1), 1)
 }
 
 typedef void (*tw_gw_fn)(const tw_gg_args_t, const CUtensorMap, const CUtensorMap);
-template <int BT, int WH, int CW> static tw_gw_fn tw_gw_pick_bt(int epi) {
+template <int BT> static tw_gw_fn tw_gw_pick_bt(int epi) {
+  constexpr int WH = tw_gw_halves(BT), CW = tw_gw_cw(BT);
   return epi == TW_GG_SWIGLU ? tw_gw_kernel<TW_GG_SWIGLU, BT, WH, CW>
                              : tw_gw_kernel<TW_GG_PLAIN, BT, WH, CW>;
 }
-/* The consumer warpgroups (CW) and m64 halves each (WH) of the kernel of
- * tile bt: 4 x 1 up to 64 rows (256 weight rows a CTA, 112 registers a
- * thread), 2 x 2 at 128 (256 rows; 4 x 1 spills there, 288 bytes of stores
- * a thread, and one layer at 512 tokens took 0.571 ms against 0.400), 2 x 1
- * at 256 (128 rows), docs/benchmarks.md. */
-static int tw_gw_cw(int bt) { return bt <= TW_GG_BM / 2 ? 4 : 2; }
-static int tw_gw_halves(int bt) { return bt == TW_GG_BM ? 2 : 1; }
 /* The kernel of tile bt (16, 32, 64, 128 or 256). */
 static tw_gw_fn tw_gw_pick(int epi, int bt) {
   switch (bt) {
-  case 16: return tw_gw_pick_bt<16, 1, 4>(epi);
-  case 32: return tw_gw_pick_bt<32, 1, 4>(epi);
-  case 64: return tw_gw_pick_bt<64, 1, 4>(epi);
-  case 128: return tw_gw_pick_bt<128, 2, 2>(epi);
-  default: return tw_gw_pick_bt<256, 1, 2>(epi);
+  case 16: return tw_gw_pick_bt<16>(epi);
+  case 32: return tw_gw_pick_bt<32>(epi);
+  case 64: return tw_gw_pick_bt<64>(epi);
+  case 128: return tw_gw_pick_bt<128>(epi);
+  default: return tw_gw_pick_bt<256>(epi);
   }
 }
 /* Weight rows a CTA of the kernel of tile bt. */
