@@ -1797,12 +1797,12 @@ static __host__ __device__ constexpr int tw_gw_rows(int cw, int wh) { return 64 
  * docs/benchmarks.md. */
 static __host__ __device__ constexpr int tw_gw_cw(int bt) { return bt <= TW_GG_BM / 2 ? 4 : 2; }
 static __host__ __device__ constexpr int tw_gw_halves(int bt) { return bt == TW_GG_BM ? 2 : 1; }
-/* Registers a thread after setmaxnreg: the consumers', the producer
- * warpgroup's (CW = 2: 256 x 232 + 128 x 40 = 384 x 168, the launch's; CW =
- * 4: 512 x 112 + 128 x 24 <= 640 x 96, the launch's; asking more than the
- * launch holds never returns) */
-static __host__ __device__ constexpr int tw_gw_creg(int cw) { return cw == 2 ? 232 : 112; }
-static __host__ __device__ constexpr int tw_gw_preg(int cw) { return cw == 2 ? 40 : 24; }
+/* Registers a thread after setmaxnreg (tw_gw_kernel): the consumers', the
+ * producer warpgroup's (CW = 2: 256 x 232 + 128 x 40 = 384 x 168, the
+ * launch's; CW = 4: 512 x 112 + 128 x 24 <= 640 x 96, the launch's; asking
+ * more than the launch holds never returns) */
+#define TW_GW_CREG(cw) ((cw) == 2 ? 232 : 112)
+#define TW_GW_PREG(cw) ((cw) == 2 ? 40 : 24)
 #define TW_GW_MAX_K 3072                 /* the CTA's scales stay in shared memory */
 #define TW_GW_STAGES(bt, bw) ((bt) >= 256 ? 5 : (bt) >= 128 && (bw) == 256 ? 6 : 8)
 static __host__ __device__ constexpr int tw_gw_stage(int bt, int bw) { return bw * 32 + bt * 128; }
@@ -1880,7 +1880,7 @@ static __global__ void __launch_bounds__(128 * (CW + 1), 1)
   const uint32_t stg_u = tw_smem_u32(stg);
   if (warp >= 4 * CW) { /* the producer */
 #if TW_HAVE_WGMMA /* sm_90a only, as wgmma */
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(tw_gw_preg(CW)) : "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(TW_GW_PREG(CW)) : "memory");
 #endif
     if (warp == 4 * CW && lane == 0)
       for (int kt = 0; kt < KT; kt++) {
@@ -1898,7 +1898,7 @@ static __global__ void __launch_bounds__(128 * (CW + 1), 1)
    * threads) allow with the producer at 24): their rows' scales first (a
    * barrier of the consumers) */
 #if TW_HAVE_WGMMA
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(tw_gw_creg(CW)) : "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(TW_GW_CREG(CW)) : "memory");
 #endif
   tw_gg_load_scales(p, e, BW, [&](int r) { return n0 + r; }, sS, CT);
   asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory");
