@@ -23,6 +23,9 @@
  * pool that is empty otherwise (none ever registered, the last one
  * drained): TW_ROUTER_POOL_EMPTY_MS. */
 #define TW_ROUTER_POOL_EMPTY_MS 2000
+/* How long after a worker's expiry its heartbeats (it is alive, not yet
+ * registered again) keep its empty pool's requests waiting (tw_note_revived). */
+#define TW_ROUTER_REVIVE_MS 60000
 #define TW_RMAX_USER_STOP 16 /* stop_token_ids a request may give; more: INVALID_ARGUMENT */
 #define TW_RMAX_STOP (TW_RMAX_USER_STOP + 2) /* + chat's <|return|> and <|call|> */
 
@@ -134,6 +137,15 @@ typedef struct {
   int64_t ready_wait_ns; /* every worker registered, waiting for KvPeersReady since (0: not) */
   int64_t empty_since_ns[2];   /* prefill, decode: when the pool last became empty (0: it has workers) */
   bool empty_by_expiry[2];     /* ... because its last worker stopped heartbeating (a stall?) */
+  /* the workers expired last (a ring): one that heartbeats again is alive and
+   * registering (its main loop may be busy for a while after a stall), so its
+   * empty pool's --pool-grace-ms counts from then (tw_router_note_unknown) */
+  struct {
+    char name[64];
+    int pool;           /* 0 prefill, 1 decode */
+    int64_t expired_ns; /* 0: an empty slot */
+  } expired_recent[8];
+  int32_t expired_next;
   int64_t expire_check_ns;     /* the last tw_router_expire_workers (0: none yet) */
   void *chat_ctx;              /* tokenizer + Harmony encoder (router_chat.c) */
   tw_http_t *http;             /* NULL: no HTTP API */

@@ -65,6 +65,33 @@ static tw_rworker_t *tw_worker_of_heartbeat(tw_router_t *r, const tw_msg_t *m, c
   return NULL;
 }
 
+/* A heartbeat from a worker that expired less than TW_ROUTER_REVIVE_MS ago:
+ * it is alive again (a stall ended) and registers as soon as its main loop
+ * gets to it, which on a busy host can take seconds, so the grace of its
+ * pool, if that is still empty, counts from now: the requests that wait for
+ * that pool are not failed while their worker is on its way back. Bounded:
+ * a worker that heartbeats but never registers stops extending it
+ * TW_ROUTER_REVIVE_MS after its expiry. */
+static void tw_note_revived(tw_router_t *r, const char *name, int64_t now) {
+  const int32_t n = (int32_t)(sizeof r->expired_recent / sizeof r->expired_recent[0]);
+  for (int32_t i = 0; i < n; i++) {
+    const int64_t t = r->expired_recent[i].expired_ns;
+    if (!t || now - t > (int64_t)TW_ROUTER_REVIVE_MS * 1000000 ||
+        strcmp(r->expired_recent[i].name, name) != 0)
+      continue;
+    const int k = r->expired_recent[i].pool;
+    if (r->empty_by_expiry[k] && r->empty_since_ns[k] && r->empty_since_ns[k] < now) {
+      if (now - r->empty_since_ns[k] > 500 * 1000000LL)
+        TW_INFO("router",
+                "worker %s heartbeats again (it expired %lld ms ago): waiting for it to "
+                "register",
+                name, (long long)((now - t) / 1000000));
+      r->empty_since_ns[k] = now;
+    }
+    return;
+  }
+}
+
 int32_t tw_router_count_workers(const tw_router_t *r, Twain__Internal__V1__Pool pool) {
   int32_t n = 0;
   for (int32_t i = 0; i < r->n_workers; i++) n += r->workers[i].pool == pool && !r->workers[i].draining;
@@ -743,6 +770,8 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
   else
     w = tw_worker_by_id(r, m->id, m->id_len);
   if (!w) { /* expired, or the router restarted: ask it to register again */
+    if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT && env->heartbeat->worker)
+      tw_note_revived(r, env->heartbeat->worker, now);
     tw_reject_to(r, m, 0, TWAIN__V1__CODE__NOT_FOUND, "unknown worker: register first");
     twain__internal__v1__envelope__free_unpacked(env, NULL);
     return;
@@ -823,6 +852,12 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
     tw_retry_held(r, dead, why, w);
     Twain__Internal__V1__Pool pool = w->pool;
     int k = pool == TWAIN__INTERNAL__V1__POOL__POOL_DECODE ? 1 : 0;
+    int32_t slot = r->expired_next;
+    r->expired_next =
+        (slot + 1) % (int32_t)(sizeof r->expired_recent / sizeof r->expired_recent[0]);
+    snprintf(r->expired_recent[slot].name, sizeof r->expired_recent[slot].name, "%s", w->name);
+    r->expired_recent[slot].pool = k;
+    r->expired_recent[slot].expired_ns = now;
     tw_rworker_free_addrs(w);
     r->workers[i] = r->workers[--r->n_workers];
     if (tw_router_count_workers(r, pool) == 0 && !r->empty_by_expiry[k])

@@ -29,10 +29,12 @@ class FakeWorkers(threading.Thread):
     (0: none). stall_prefills: that many PrefillRequests make the prefill side
     go silent (no heartbeat, no answer, what arrives meanwhile dropped) for
     stall_s, then register again, with the same instance (a stalled process)
-    or, with new_instance, another (a restarted one)."""
+    or, with new_instance, another (a restarted one); with register_delay_s,
+    it heartbeats (under its name) that long before it registers (a stalled
+    process whose main loop is busy when it resumes)."""
 
     def __init__(self, endpoint, script, token_delay=0.0, instance=0, stall_prefills=0, stall_s=0.8,
-                 new_instance=False):
+                 new_instance=False, register_delay_s=0.0):
         super().__init__(daemon=True)
         self.ctx = zmq.Context.instance()
         self.script = script
@@ -41,6 +43,7 @@ class FakeWorkers(threading.Thread):
         self.instance = instance
         self.stall_prefills, self.stall_s, self.new_instance = stall_prefills, stall_s, new_instance
         self.silent_until = 0
+        self.register_delay_s, self.register_at = register_delay_s, 0
         self.stalls = 0
         self.lock = threading.Lock()
         self.prompts = {}      # request_id -> prompt ids
@@ -106,12 +109,16 @@ class FakeWorkers(threading.Thread):
                 self.silent_until = 0
                 if self.new_instance:
                     self.instance += 1
+                self.register_at = time.time() + self.register_delay_s
+            if self.register_at and time.time() >= self.register_at:
+                self.register_at = 0
                 self._register(b"fake-prefill")
             if time.time() - last_hb > 0.2:
-                for s in self.socks.values():
+                for name, s in self.socks.items():
                     if s is pre and self.silent_until:
                         continue
                     e = svc.Envelope()
+                    e.heartbeat.worker = name.decode()
                     e.heartbeat.capacity.free_kv_blocks = e.heartbeat.capacity.total_kv_blocks = 100000
                     s.send(e.SerializeToString())
                 last_hb = time.time()

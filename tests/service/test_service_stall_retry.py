@@ -9,7 +9,11 @@ is restarted) the request still ends UNAVAILABLE after 3 attempts, so a
 crash loop stays bounded. And --pool-grace-ms: with the prefill pool empty
 since its only worker expired, a request waits that long for one to
 register, then ends UNAVAILABLE saying so (300 ms against a 4.5 s stall;
-the default, 5 s, outlasts it above)."""
+the default, 5 s, outlasts it above). A worker that heartbeats again after
+its stall but registers only later (its main loop busy: seconds on a loaded
+host) keeps its pool's requests waiting meanwhile: 1.5 s of grace, the pool
+empty for 1 s and then 3 s of heartbeats before the registration, and the
+request is served."""
 import fake_workers
 import svc
 
@@ -60,4 +64,12 @@ check(res[-1].error.code == svc.E["UNAVAILABLE"]
       and "no prefill worker is registered (for 300 ms) after its worker failed" in res[-1].error.message
       and fw.stalls == 1, "--pool-grace-ms 300 against a 4.5 s stall: %s (%s), %d stall" % (
           res[-1].error.code, res[-1].error.message, fw.stalls))
+# alive but not registered yet: its heartbeats hold the grace open
+res, router, fw = one_request(["--expire-ms", "3000", "--pool-grace-ms", "1500"], instance=1003,
+                              stall_prefills=1, stall_s=4.0, register_delay_s=3.0)
+check(res[-1].error.code == 0 and svc.tokens_of(res) == SCRIPT[:4] and fw.stalls == 1
+      and router.count(r"worker fake-prefill heartbeats again \(it expired \d+ ms ago\): waiting for "
+                       r"it to register") == 1,
+      "--pool-grace-ms 1500, a stall of 4 s and 3 s of heartbeats before it registers again: "
+      "served (%s), 'heartbeats again' logged once" % (res[-1].error.message or "ok"))
 finish()
