@@ -139,7 +139,7 @@ typedef struct {
   bool empty_by_expiry[2];     /* ... because its last worker stopped heartbeating (a stall?) */
   /* the workers expired last (a ring): one that heartbeats again is alive and
    * registering (its main loop may be busy for a while after a stall), so its
-   * empty pool's --pool-grace-ms counts from then (tw_router_note_unknown) */
+   * empty pool's --pool-grace-ms counts from then (tw_note_revived) */
   struct {
     char name[64];
     int pool;           /* 0 prefill, 1 decode */
