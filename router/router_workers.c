@@ -314,6 +314,9 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
     return;
   }
   tw_rworker_t *w = tw_worker_by_id(r, m->id, m->id_len);
+  /* registered again while held (a reject of a message that crossed the
+   * registration made the worker doubt it): nothing it holds is void */
+  const bool known = w && g->instance && w->instance == g->instance;
   if (!w) {
     if (r->n_workers == r->cap_workers) {
       int32_t cap = r->cap_workers ? r->cap_workers * 2 : 16;
@@ -369,6 +372,7 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
           g->backend ? g->backend : "?", g->pid, w->free_blocks, w->total_blocks);
   Twain__Internal__V1__RegisterAck ack = TWAIN__INTERNAL__V1__REGISTER_ACK__INIT;
   ack.worker_id = w->name;
+  ack.known = known;
   Twain__Internal__V1__Envelope env = TWAIN__INTERNAL__V1__ENVELOPE__INIT;
   env.body_case = TWAIN__INTERNAL__V1__ENVELOPE__BODY_REGISTER_ACK;
   env.register_ack = &ack;

@@ -210,9 +210,11 @@ TW_NODISCARD tw_status_t tw_worker_link_tick(tw_worker_link_t *link,
     link->registered = false;
     return TW_OK; /* nothing to queue for a router that is not there */
   }
-  if (atomic_exchange(&link->need_register, 0)) {
+  if (atomic_exchange(&link->need_register, 0) && link->registered) {
+    /* once per episode: a stall's queued messages come back rejected in a
+     * burst, each asking for this; what was given before is dropped only if
+     * the ack says the router had forgotten us (tw_worker_link_recv) */
     TW_WARN("worker", "router does not know %s: registering again", link->name);
-    atomic_fetch_add(&link->epoch, 1);
     link->registered = false;
     atomic_store(&link->registered_a, 0);
     link->last_register_ns = 0;
@@ -280,16 +282,24 @@ TW_NODISCARD tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout
   }
   if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_REGISTER_ACK) {
     if (!link->registered) TW_INFO("worker", "registered with the router as %s", link->name);
+    /* the router had forgotten us: the work given before this ack is void
+     * (it was retried elsewhere); the messages after it are the new
+     * registration's (one socket, in order) */
+    if (link->ever_registered && !env->register_ack->known) atomic_fetch_add(&link->epoch, 1);
+    link->ever_registered = true;
     link->registered = true;
     atomic_store(&link->registered_a, 1);
     twain__internal__v1__envelope__free_unpacked(env, NULL);
     return TW_INPROGRESS;
   }
-  if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT && env->reject->request_id == 0) {
-    TW_WARN("worker", "router rejected a message: %s",
-            env->reject->status && env->reject->status->message ? env->reject->status->message : "");
+  if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_REJECT &&
+      env->reject->request_id == 0) {
     if (env->reject->status && env->reject->status->code == TWAIN__V1__CODE__NOT_FOUND)
-      atomic_store(&link->need_register, 1);
+      atomic_store(&link->need_register, 1); /* said once by the tick that registers */
+    else
+      TW_WARN(
+          "worker", "router rejected a message: %s",
+          env->reject->status && env->reject->status->message ? env->reject->status->message : "");
     twain__internal__v1__envelope__free_unpacked(env, NULL);
     return TW_INPROGRESS;
   }

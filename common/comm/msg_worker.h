@@ -70,6 +70,7 @@ typedef struct {
   size_t n_kv_addresses;
   Twain__Internal__V1__KvHandoff *kv_pools; /* decode: its pools (borrowed), sent in Register */
   bool registered;  /* RegisterAck seen */
+  bool ever_registered; /* a RegisterAck seen before (a later one may say we were forgotten) */
   int64_t last_register_ns;
   int64_t
       unanswered_since_ns; /* the first Register of those the router has not answered; 0: none */
@@ -82,8 +83,8 @@ typedef struct {
   bool draining;
   atomic_int hb_stop, registered_a, need_register;
   atomic_int router_lost;     /* the heartbeat cannot reach the router (logged once) */
-  atomic_uint epoch;          /* +1 each time the router forgot us (we register again):
-                               * the work it gave us before is void */
+  atomic_uint epoch;          /* +1 each time the router forgot us (a RegisterAck
+                               * that is not `known`): the work it gave us before is void */
   tw_msg_ratelimit_t warn_rl; /* malformed-message warnings (main thread) */
   int64_t lost_since_ns;      /* heartbeat thread: router unreachable since (0: reachable) */
   tw_auth_keys_t keys;        /* CURVE client keys of both sockets (common/comm/link_auth.h) */

@@ -111,6 +111,13 @@ static TW_NODISCARD tw_status_t tw_worker_loop(tw_worker_t *w) {
     }
     if (ops->after_wait) ops->after_wait(w->arg);
     recv_failed = !tw_worker_pump(w);
+    /* right after the RegisterAck that said the router had forgotten us (the
+     * pump stops at it): before any message of the new registration is
+     * taken, so only old work is dropped */
+    if (atomic_load(&w->link.epoch) != epoch) {
+      epoch = atomic_load(&w->link.epoch);
+      if (ops->on_forgotten) ops->on_forgotten(w->arg);
+    }
     if (w->draining) {
       int32_t left = ops->pending(w->arg);
       if (left == 0) break;
@@ -130,12 +137,6 @@ static TW_NODISCARD tw_status_t tw_worker_loop(tw_worker_t *w) {
     ops->capacity(w->arg, &cap);
     tw_msg_note_failure(tw_worker_link_tick(&w->link, &cap, w->draining, false), w->role,
                         "cannot register with the router (retried)");
-    /* right after the tick that registered again: before any message of the
-     * new registration can be taken, so only old work is dropped */
-    if (atomic_load(&w->link.epoch) != epoch) {
-      epoch = atomic_load(&w->link.epoch);
-      if (ops->on_forgotten) ops->on_forgotten(w->arg);
-    }
   }
   return TW_OK;
 }

@@ -19,16 +19,20 @@
  *      daemon's file descriptor (an idle worker costs ~0 CPU; heartbeats
  *      have their own thread); no wait while draining with nothing pending;
  *   3. pump: every message waiting, at most TW_WORKER_PUMP_MAX a turn (so
- *      that work still runs under a flood), each to ops->on_msg;
+ *      that work still runs under a flood), each to ops->on_msg; a
+ *      RegisterAck ends the pump, and where it says the router had
+ *      forgotten this worker (not `known`: expired, a new router),
+ *      ops->on_forgotten drops the work of the old registration before a
+ *      message of the new one is taken;
  *   4. the drain ends once ops->pending is 0 (after the pump, so that what
  *      arrived meanwhile was refused, not dropped), or, with
  *      drain_timeout_s >= 0, after that long (logged with what is left);
  *   5. work: ops->work; an error it returns is sticky (a device error):
  *      the loop ends and the process exits 1;
  *   6. tick: ops->capacity to the heartbeat thread, registration
- *      (tw_worker_link_tick); when the router forgot this worker and it
- *      registered again, ops->on_forgotten drops the work of the old
- *      registration before a message of the new one is taken.
+ *      (tw_worker_link_tick: again when the router rejected a message as
+ *      from an unknown worker; a reject of a message that crossed the
+ *      registration only costs a Register, answered `known`).
  * Then the last capacity with draining set goes to the router, ops->on_stop
  * logs how the worker ends, the other ranks are stopped and ops->fini runs.
  *
@@ -168,8 +172,8 @@ typedef struct {
   TW_NODISCARD tw_status_t (*work)(void *arg);
   /* Step 6: the capacity the router sees. */
   void (*capacity)(void *arg, Twain__Internal__V1__Capacity *cap);
-  /* Step 6 (NULL: none): the router forgot this worker and it registered
-   * again: the work it gave before is void. */
+  /* Step 3 (NULL: none): the router forgot this worker and it registered
+   * again (a RegisterAck not `known`): the work it gave before is void. */
   void (*on_forgotten)(void *arg);
   /* The loop ended: one line on how (e.g. blocks still in use). */
   void (*on_stop)(void *arg);
