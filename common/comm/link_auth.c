@@ -265,9 +265,12 @@ static int tw_monitor_event(void *mon, int flags) {
   return e;
 }
 
-TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
-                                             const tw_auth_keys_t *k, int timeout_ms, int hwm,
-                                             void **sock_p) {
+/* tw_auth_client_open; refused_fails: a refused connection (nothing
+ * listens) ends the wait at once with TW_ERR_UNAVAILABLE instead of libzmq
+ * retrying it until timeout_ms. */
+static TW_NODISCARD tw_status_t tw_auth_client_open_ex(void *ctx, const char *endpoint,
+                                                       const tw_auth_keys_t *k, int timeout_ms,
+                                                       int hwm, bool refused_fails, void **sock_p) {
   *sock_p = NULL;
   void *s = zmq_socket(ctx, ZMQ_DEALER), *mon = NULL;
   if (!s) return tw_err_quiet(TW_ERR_TRANSPORT, "zmq_socket failed: %s", zmq_strerror(errno));
@@ -289,7 +292,8 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
       (zmq_socket_monitor(s, ep,
                           ZMQ_EVENT_HANDSHAKE_SUCCEEDED | ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                              ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) != 0 ||
+                              ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                              (refused_fails ? ZMQ_EVENT_CONNECT_RETRIED : 0)) != 0 ||
        !(mon = zmq_socket(ctx, ZMQ_PAIR)) || zmq_connect(mon, ep) != 0))
     st = tw_err_quiet(TW_ERR_TRANSPORT, "cannot watch the connection to %s: %s", endpoint,
                       zmq_strerror(errno));
@@ -308,6 +312,10 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
     zmq_pollitem_t it = {.socket = mon, .events = ZMQ_POLLIN};
     if (zmq_poll(&it, 1, left) <= 0) continue;
     int e = tw_monitor_event(mon, 0);
+    if (e == ZMQ_EVENT_CONNECT_RETRIED) { /* subscribed only with refused_fails */
+      st = tw_err_quiet(TW_ERR_UNAVAILABLE, "nothing listens at %s", endpoint);
+      break;
+    }
     if (e > 0) failed = e == ZMQ_EVENT_HANDSHAKE_SUCCEEDED ? 0 : e;
   }
   if (st == TW_OK && failed == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
@@ -337,6 +345,20 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
   }
   *sock_p = s;
   return TW_OK;
+}
+
+TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
+                                             const tw_auth_keys_t *k, int timeout_ms, int hwm,
+                                             void **sock_p) {
+  return tw_auth_client_open_ex(ctx, endpoint, k, timeout_ms, hwm, false, sock_p);
+}
+
+TW_NODISCARD tw_status_t tw_auth_client_probe(void *ctx, const char *endpoint,
+                                              const tw_auth_keys_t *k, int timeout_ms) {
+  void *s = NULL;
+  tw_status_t st = tw_auth_client_open_ex(ctx, endpoint, k, timeout_ms, 0, true, &s);
+  if (s) zmq_close(s);
+  return st;
 }
 
 void *tw_auth_client_watch(void *ctx, void *sock) {

@@ -147,6 +147,16 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
                                              const tw_auth_keys_t *keys, int timeout_ms, int hwm,
                                              void **sock_p);
 
+/** Whether `keys` pass the handshake of the server at `endpoint`, as
+ *  tw_auth_client_open (the socket closed after it), except that a refused
+ *  connection fails at once: TW_ERR_UNAVAILABLE, "nothing listens at
+ *  ENDPOINT" (also when nothing answers within timeout_ms). A completed
+ *  handshake leaves no failure in the server's log, as a bare TCP connect
+ *  that closes would ("handshake ... failed": a server cannot tell it from a
+ *  peer without keys). Other errors as tw_auth_client_open's. */
+TW_NODISCARD tw_status_t tw_auth_client_probe(void *ctx, const char *endpoint,
+                                              const tw_auth_keys_t *keys, int timeout_ms);
+
 /** A watch on the connection of a client socket of tw_auth_client_open (in
  *  context `ctx`): a PAIR socket to poll (ZMQ_POLLIN) beside `sock`, readable
  *  when libzmq reports the connection closed (ZMQ_EVENT_DISCONNECTED: the

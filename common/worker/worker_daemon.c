@@ -10,13 +10,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <netdb.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -163,39 +160,6 @@ int tw_worker_name_opt(const char *text, void *dst, char *err, size_t errlen) {
  * is tried once more before it counts. */
 #define TW_WORKER_PROBE_MS (1500 * TW_SLOW_BUILD)
 
-/* Whether something listens at a router endpoint (tcp://HOST:PORT: a TCP
- * connect within 300 ms; ipc://PATH: the socket file exists; anything else:
- * assumed): where nothing does, the probe has nobody to ask and the worker
- * goes on at once (libzmq would retry the connect until the probe's time ran
- * out, delaying every start before its router). */
-static bool tw_worker_router_listens(const char *ep) {
-  if (!strncmp(ep, "ipc://", 6)) {
-    struct stat sb;
-    return stat(ep + 6, &sb) == 0;
-  }
-  char host[256];
-  const char *port;
-  if (!tw_msg_tcp_host_port(ep, host, sizeof host, &port) || !strcmp(host, "*")) return true;
-  struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
-  if (getaddrinfo(host, port, &hints, &res) != 0 || !res) return true; /* for libzmq to say */
-  bool up = false;
-  int fd = socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd >= 0) {
-    int rc = connect(fd, res->ai_addr, res->ai_addrlen);
-    if (rc == 0) {
-      up = true;
-    } else if (errno == EINPROGRESS) {
-      struct pollfd pf = {.fd = fd, .events = POLLOUT};
-      int err = 0;
-      socklen_t el = sizeof err;
-      up = poll(&pf, 1, 300 * TW_SLOW_BUILD) == 1 &&
-           getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0 && err == 0;
-    }
-    close(fd);
-  }
-  freeaddrinfo(res);
-  return up;
-}
 static TW_NODISCARD tw_status_t tw_worker_probe_router(const tw_worker_t *w) {
   tw_auth_keys_t keys = {0};
   const char *inl = getenv(TW_AUTH_KEYS_ENV), *file = getenv(TW_AUTH_KEYS_FILE_ENV);
@@ -208,20 +172,17 @@ static TW_NODISCARD tw_status_t tw_worker_probe_router(const tw_worker_t *w) {
   } else {
     return TW_OK; /* no keys at all: ops->init says how to make them */
   }
-  if (!tw_worker_router_listens(w->router)) {
-    memset(&keys, 0, sizeof keys);
-    return TW_OK; /* not up yet: the link waits for it after the load */
-  }
-  void *zctx = zmq_ctx_new(), *s = NULL;
+  void *zctx = zmq_ctx_new();
   if (!zctx) return TW_OK;
-  /* twice: a router that went away in the middle of the first handshake
-   * (a restart) also ends it; refused keys are refused again */
+  /* a ZeroMQ handshake, not a bare TCP connect: the router logs a connection
+   * closed mid-handshake as refused keys. Nothing listening (not started
+   * yet) ends it at once: the link waits for the router after the load.
+   * Twice: a router that went away in the middle of the first handshake (a
+   * restart) also ends it; refused keys are refused again */
   tw_status_t st = TW_ERR_INVALID_ARGUMENT;
   for (int attempt = 0; attempt < 2 && st == TW_ERR_INVALID_ARGUMENT; attempt++) {
     if (attempt) nanosleep(&(struct timespec){0, 200 * 1000000L}, NULL);
-    st = tw_auth_client_open(zctx, w->router, &keys, TW_WORKER_PROBE_MS, 0, &s);
-    if (s) zmq_close(s);
-    s = NULL;
+    st = tw_auth_client_probe(zctx, w->router, &keys, TW_WORKER_PROBE_MS);
   }
   zmq_ctx_term(zctx);
   memset(&keys, 0, sizeof keys);
