@@ -284,6 +284,7 @@ static enum MHD_Result tw_http_queue(tw_hconn_t *c, unsigned status, char *body)
   }
   MHD_add_response_header(resp, "Content-Type", "application/json");
   if (status == 401) MHD_add_response_header(resp, "WWW-Authenticate", "Bearer");
+  if (c->close_after) MHD_add_response_header(resp, "Connection", "close");
   tw_http_cors(c, resp);
   enum MHD_Result ret = MHD_queue_response(c->mc, status, resp);
   MHD_destroy_response(resp);
@@ -429,6 +430,25 @@ static void tw_http_route(tw_hconn_t *c, const char *url, const char *method) {
                "/v1/responses, /v1/completions; GET /v1/models, /health)", method, url);
 }
 
+/* Content-Length headers of a request: how many, the first, whether any
+ * other differs from it. */
+typedef struct {
+  int n;
+  const char *first;
+  bool differ;
+} tw_http_lengths_t;
+static enum MHD_Result tw_http_length_of(void *cls, enum MHD_ValueKind kind, const char *key,
+                                         const char *value) {
+  (void)kind;
+  tw_http_lengths_t *l = cls;
+  if (!key || strcasecmp(key, "Content-Length") != 0) return MHD_YES;
+  if (l->n++ == 0)
+    l->first = value;
+  else if (!value || !l->first || strcmp(value, l->first) != 0)
+    l->differ = true;
+  return MHD_YES;
+}
+
 static enum MHD_Result tw_http_access(void *cls, struct MHD_Connection *mc, const char *url,
                                       const char *method, const char *version,
                                       const char *upload, size_t *upload_size, void **ptr) {
@@ -452,10 +472,20 @@ static enum MHD_Result tw_http_access(void *cls, struct MHD_Connection *mc, cons
     h->conns = c;
     *ptr = c;
     tw_metric_add(h->m_requests, 1);
-    if (h->stopping) /* a request that arrives while the answers in flight are written out */
+    tw_http_lengths_t len = {0};
+    MHD_get_connection_values(mc, MHD_HEADER_KIND, tw_http_length_of, &len);
+    if (len.differ) { /* RFC 9112 6.3: where the body ends is unknown (request smuggling) */
+      c->close_after = true;
+      tw_http_fail(c, 400, NULL,
+                   "the request has %d Content-Length headers that disagree: where its body ends "
+                   "is unknown",
+                   len.n);
+    } else if (
+        h->stopping) { /* a request that arrives while the answers in flight are written out */
       tw_http_fail(c, 503, NULL, "the router is shutting down");
-    else
+    } else {
       tw_http_route(c, url, method);
+    }
     if (c->finished) return tw_http_queue_answer(c);
     return MHD_YES;
   }

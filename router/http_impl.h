@@ -49,6 +49,7 @@ typedef struct tw_hconn {
   bool stream, include_usage;
   bool submitted;      /* handed to the router */
   bool finished;       /* the answer is complete (or failed) */
+  bool close_after;    /* the connection closes after the answer (a request framed ambiguously) */
   bool suspended;      /* waiting in the access handler for the router */
   bool queued;         /* an MHD response was queued */
   bool preflight;      /* a CORS preflight (OPTIONS): 204 with the Access-Control headers */

@@ -221,6 +221,30 @@ try:
     s = socket.create_connection((api.host, api.port), timeout=5)  # a half-sent request, then gone
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
     s.close()
+    # Content-Length headers that disagree: 400 and the connection closed,
+    # whichever comes first (the shorter one first would leave the rest of
+    # the body to be read as a second request: request smuggling)
+    body = json.dumps({"messages": USER}).encode()
+    for lens in ((5, len(body)), (len(body), 5)):
+        s = socket.create_connection((api.host, api.port), timeout=10)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+                  KEY.encode() + b"\r\nContent-Type: application/json\r\n" +
+                  b"".join(b"Content-Length: %d\r\n" % n for n in lens) + b"\r\n" + body)
+        got = b""
+        while True:  # the whole answer, then the close (a kept connection times out here)
+            try:
+                part = s.recv(65536)
+            except socket.timeout:
+                break
+            if not part:
+                break
+            got += part
+        s.close()
+        head, _, rest = got.partition(b"\r\n\r\n")
+        check(head.startswith(b"HTTP/1.1 400") and b"connection: close" in head.lower() and
+              b"Content-Length headers that disagree" in rest and got.count(b"HTTP/1.1") == 1,
+              "Content-Length %d then %d: one 400 (OpenAI JSON), the connection closed (%r)" % (
+                  lens[0], lens[1], got[:120]))
     fw.token_delay = 0.0
     st, r = api.post("/v1/chat/completions", {"messages": USER})
     check(st == 200 and r["choices"][0]["message"]["content"] == ANSWER, "the router keeps serving")
