@@ -356,6 +356,16 @@ static void tw_router_on_request(tw_router_t *r, const tw_msg_t *from, Twain__V1
     tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT, msg);
     return;
   }
+  const bool stream = cr->body_case == TWAIN__V1__CLIENT_REQUEST__BODY_GENERATE
+                          ? cr->generate->stream
+                          : cr->chat->stream;
+  if (from->delim && stream) { /* a REQ socket: its next request would read this stream's rest */
+    tw_reply_raw(r, from, cr->request_id, TWAIN__V1__CODE__INVALID_ARGUMENT,
+                 "stream = true on a REQ socket, which takes one reply a request (the stream's "
+                 "later replies would answer its next request): set stream = false, or stream "
+                 "on a DEALER socket");
+    return;
+  }
   if (s && s->n_stop_token_ids > TW_RMAX_USER_STOP) {
     snprintf(msg, sizeof msg, "stop_token_ids: at most %d ids, got %zu", TW_RMAX_USER_STOP,
              s->n_stop_token_ids);

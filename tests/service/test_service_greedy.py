@@ -109,6 +109,31 @@ try:
         print("FAIL: KV puts were not issued layer by layer from the engine callback")
         fails += 1
     cl.close()
+    # a REQ socket (one reply a request): stream = false answers with every
+    # id at once, the reference's; stream = true is refused, since its later
+    # replies would answer the socket's next request, which then still works
+    req = svc.zmq.Context.instance().socket(svc.zmq.REQ)
+    req.setsockopt(svc.zmq.LINGER, 0)
+    req.setsockopt(svc.zmq.RCVTIMEO, int(svc.scaled(60) * 1000))
+    req.connect(c.client_ep)
+    answers = []
+    for rid, stream in ((901, False), (902, True), (903, False)):
+        g = svc.generate(cases["short_dog"], 8, stream=stream)
+        g.request_id = rid
+        req.send(g.SerializeToString())
+        rep = svc.ServerReply()
+        rep.ParseFromString(req.recv())
+        answers.append(rep)
+    ref8 = svc.reference_generate(cases["short_dog"], 8)
+    ok = [answers[0].request_id == 901 and answers[0].done and list(answers[0].token_ids) == ref8,
+          answers[1].request_id == 902 and answers[1].done and answers[1].error.code == svc.E["INVALID_ARGUMENT"]
+          and "REQ socket" in answers[1].error.message,
+          answers[2].request_id == 903 and answers[2].done and list(answers[2].token_ids) == ref8]
+    print("REQ socket: stream=false %s, stream=true %s (%s), then stream=false %s" % (
+        "as the reference" if ok[0] else "WRONG", "refused" if ok[1] else "NOT REFUSED",
+        answers[1].error.message, "as the reference" if ok[2] else "WRONG"))
+    fails += 0 if all(ok) else 1
+    req.close()
 finally:
     rcs = c.close()
 print("exit codes:", rcs)
