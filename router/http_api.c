@@ -25,6 +25,7 @@
 
 #define TW_HTTP_KEEPALIVE_NS (10LL * 1000000000LL) /* an idle stream gets a comment */
 #define TW_HTTP_STOP_FLUSH_MS 1000 /* at a stop: the longest wait for answers to be written */
+#define TW_HTTP_IDLE_S 300u        /* a connection silent this long is closed (libmicrohttpd) */
 
 bool tw_http_owns(const uint8_t *id, size_t id_len) {
   return id_len == TW_HTTP_ID_LEN && id[0] == 0 && id[1] == 'H' && id[2] == 'T';
@@ -532,6 +533,30 @@ static void tw_http_completed(void *cls, struct MHD_Connection *mc, void **ptr,
   tw_http_free_conn(c);
 }
 
+/* Open connections counted (a gauge); reaching --http-max-connections is
+ * logged, at most every 10 s: libmicrohttpd then stops accepting, so new
+ * clients wait in the listen backlog (or time out) until one closes. */
+static void tw_http_notify_conn(void *cls, struct MHD_Connection *mc, void **socket_context,
+                                enum MHD_ConnectionNotificationCode toe) {
+  (void)mc;
+  (void)socket_context;
+  tw_http_t *h = cls;
+  if (toe == MHD_CONNECTION_NOTIFY_STARTED) {
+    h->n_conns++;
+    const int64_t now = tw_msg_clock_ns();
+    if (h->n_conns >= h->r->p->http_max_conns && now - h->full_warned_ns > 10000000000LL) {
+      h->full_warned_ns = now;
+      TW_WARN("http",
+              "%d HTTP connections are open, --http-max-connections: new connections wait until "
+              "one closes (idle ones close after %u s)",
+              h->n_conns, TW_HTTP_IDLE_S);
+    }
+  } else if (h->n_conns > 0) {
+    h->n_conns--;
+  }
+  tw_metric_set(h->m_conns, h->n_conns);
+}
+
 static void tw_http_log(void *cls, const char *fmt, va_list ap) {
   (void)cls;
   char msg[512];
@@ -558,6 +583,7 @@ TW_NODISCARD tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
   if (getrandom(&h->boot, sizeof h->boot, 0) != (ssize_t)sizeof h->boot)
     h->boot = (uint32_t)(tw_msg_clock_ns() ^ (uint64_t)getpid() << 16);
   h->m_requests = tw_metrics_counter(r->metrics, "router_http_requests_total", "HTTP API requests");
+  h->m_conns = tw_metrics_gauge(r->metrics, "router_http_connections", "open HTTP API connections");
   h->m_errors = tw_metrics_counter(r->metrics, "router_http_errors_total",
                                    "HTTP API requests answered with an error (status >= 400, "
                                    "or a stream ended by an error event)");
@@ -566,8 +592,9 @@ TW_NODISCARD tw_status_t tw_http_start(tw_router_t *r, tw_http_t **h_p) {
                    (v6 ? MHD_USE_IPv6 : 0);
   const struct sockaddr *sock = (const struct sockaddr *)&ss;
   h->d = MHD_start_daemon(flags, (uint16_t)p->http_port, NULL, NULL, tw_http_access, h,
-                          MHD_OPTION_SOCK_ADDR, sock, MHD_OPTION_CONNECTION_TIMEOUT, 300u,
-                          MHD_OPTION_CONNECTION_LIMIT, 4096u,
+                          MHD_OPTION_SOCK_ADDR, sock, MHD_OPTION_CONNECTION_TIMEOUT, TW_HTTP_IDLE_S,
+                          MHD_OPTION_CONNECTION_LIMIT, (unsigned)p->http_max_conns,
+                          MHD_OPTION_NOTIFY_CONNECTION, tw_http_notify_conn, h,
                           MHD_OPTION_NOTIFY_COMPLETED, tw_http_completed, h,
                           MHD_OPTION_EXTERNAL_LOGGER, tw_http_log, h, MHD_OPTION_END);
   if (!h->d) {

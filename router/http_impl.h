@@ -98,7 +98,9 @@ struct tw_http {
   char model[256];
   int64_t created;
   int64_t last_tick_ns;
-  tw_metric_t *m_requests, *m_errors;
+  tw_metric_t *m_requests, *m_errors, *m_conns;
+  int32_t n_conns;        /* open HTTP connections (MHD_OPTION_NOTIFY_CONNECTION) */
+  int64_t full_warned_ns; /* when reaching --http-max-connections was last logged */
 };
 
 /* ---- http_api.c ---- */

@@ -49,6 +49,7 @@ typedef struct {
   const char *http_allow_origin; /* CORS: the browser origin allowed (or "*"); NULL: none */
   const char *served_model_name;/* /v1/models id; NULL: the model directory's name */
   long long http_max_body;      /* bytes; a larger request body gets 413 */
+  int http_max_conns;           /* open HTTP connections at most; beyond, new ones wait */
   const char *api_key;          /* NULL: none; else required on both APIs */
   const char *client_keys_file; /* CURVE on the client socket; NULL: env, else plaintext */
   const char *client_allow_file; /* client keys admitted; NULL: env, else any */
@@ -82,7 +83,8 @@ typedef struct {
                         .expire_ms = 1000 * TW_SLOW_BUILD,                                         \
                         .pool_grace_ms = TW_ROUTER_POOL_GRACE_MS,                                  \
                         .http_port = -1,                                                           \
-                        .http_max_body = 8 << 20})
+                        .http_max_body = 8 << 20,                                                  \
+                        .http_max_conns = 4096})
 #define TW_ROUTER_HTTP_PORT 7402 /* `twain serve`'s default HTTP API port */
 /* --pool-grace-ms: twain-router's default outlasts the expiry (status.h); a
  * supervisor that restarts workers sets one that outlasts a restart
@@ -124,6 +126,9 @@ typedef struct {
                  "(default: ORG/NAME of a Hugging Face snapshot, else the directory's name)"),     \
       TW_OPT_LONG("http-max-body", &(p).http_max_body, 1, 1LL << 40, "BYTES",                      \
                   "largest HTTP request body (larger: 413)"),                                      \
+      TW_OPT_INT("http-max-connections", &(p).http_max_conns, 1, 1 << 20, "N",                     \
+                 "open HTTP connections at most (default 4096); beyond, new ones wait\n"           \
+                 "until one closes (logged; twain_router_http_connections)"),                      \
       TW_OPT_STR_FN("api-key", &(p).api_key, tw_router_key_opt, "KEY",                             \
                     "required on the HTTP and protobuf APIs (default: none; an empty KEY\n"        \
                     "is refused rather than taken as none)"),                                      \

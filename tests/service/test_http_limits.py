@@ -294,4 +294,31 @@ finally:
     fw.close()
     rc = router.stop()
 check(rc == 0, "router stops cleanly (%s)" % rc)
+
+# ---- --http-max-connections: 4 idle connections fill it; it is logged and
+# counted; new clients wait (not refused) and are served once one closes ----
+router, fw, ep, url = fake_workers.router_with_fakes(SCRIPT, extra=["--http-max-connections", "4"])
+rport = int(router.wait_line(r"metrics port (\d+)", 10).group(1))
+api = http_client.Api(url, timeout=60)
+try:
+    idle = [socket.create_connection((api.host, api.port), timeout=5) for _ in range(4)]
+    line = router.wait_line(r"4 HTTP connections are open, --http-max-connections: new connections wait", 10)
+    n_open = svc.metrics(rport).get("twain_router_http_connections")
+    check(line is not None and n_open == 4, "4 idle connections: the limit logged, "
+          "twain_router_http_connections %s" % n_open)
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(r=api.post("/v1/chat/completions", {"messages": USER})))
+    waiter.start()
+    time.sleep(svc.scaled(1.0))
+    check(waiter.is_alive(), "a fifth client waits while 4 connections are open")
+    for sk in idle:
+        sk.close()
+    waiter.join(60)
+    st, r = result.get("r", (0, None))
+    check(st == 200 and r["choices"][0]["message"]["content"] == ANSWER,
+          "served once the idle connections closed (%s)" % st)
+finally:
+    fw.close()
+    rc = router.stop()
+check(rc == 0, "router stops cleanly (%s)" % rc)
 finish()
