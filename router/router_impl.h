@@ -142,8 +142,10 @@ typedef struct {
    * empty pool's --pool-grace-ms counts from then (tw_note_revived) */
   struct {
     char name[64];
+    uint8_t id[TW_MSG_MAX_ID]; /* its routing id (heartbeats come from id + "/hb") */
+    size_t id_len;
     int pool;           /* 0 prefill, 1 decode */
-    int64_t expired_ns; /* 0: an empty slot */
+    int64_t expired_ns; /* 0: an empty slot (or the worker registered again) */
   } expired_recent[8];
   int32_t expired_next;
   int64_t expire_check_ns;     /* the last tw_router_expire_workers (0: none yet) */

@@ -72,23 +72,29 @@ static tw_rworker_t *tw_worker_of_heartbeat(tw_router_t *r, const tw_msg_t *m, c
  * that pool are not failed while their worker is on its way back. Bounded:
  * a worker that heartbeats but never registers stops extending it
  * TW_ROUTER_REVIVE_MS after its expiry. */
-static void tw_note_revived(tw_router_t *r, const char *name, int64_t now) {
+static void tw_note_revived(tw_router_t *r, const tw_msg_t *m, const char *name, int64_t now) {
   const int32_t n = (int32_t)(sizeof r->expired_recent / sizeof r->expired_recent[0]);
+  int32_t best = -1; /* the newest entry of that worker */
   for (int32_t i = 0; i < n; i++) {
     const int64_t t = r->expired_recent[i].expired_ns;
-    if (!t || now - t > (int64_t)TW_ROUTER_REVIVE_MS * 1000000 ||
+    const size_t il = r->expired_recent[i].id_len;
+    const bool from_it =
+        (m->id_len == il || (m->id_len == il + 3 && memcmp(m->id + il, "/hb", 3) == 0)) &&
+        memcmp(m->id, r->expired_recent[i].id, il) == 0;
+    if (!t || now - t > (int64_t)TW_ROUTER_REVIVE_MS * 1000000 || !from_it ||
         strcmp(r->expired_recent[i].name, name) != 0)
       continue;
-    const int k = r->expired_recent[i].pool;
-    if (r->empty_by_expiry[k] && r->empty_since_ns[k] && r->empty_since_ns[k] < now) {
-      if (now - r->empty_since_ns[k] > 500 * 1000000LL)
-        TW_INFO("router",
-                "worker %s heartbeats again (it expired %lld ms ago): waiting for it to "
-                "register",
-                name, (long long)((now - t) / 1000000));
-      r->empty_since_ns[k] = now;
-    }
-    return;
+    if (best < 0 || t > r->expired_recent[best].expired_ns) best = i;
+  }
+  if (best < 0) return;
+  const int64_t t = r->expired_recent[best].expired_ns;
+  const int k = r->expired_recent[best].pool;
+  if (r->empty_by_expiry[k] && r->empty_since_ns[k] && r->empty_since_ns[k] < now) {
+    if (now - r->empty_since_ns[k] > 500 * 1000000LL)
+      TW_INFO("router",
+              "worker %s heartbeats again (it expired %lld ms ago): waiting for it to register",
+              name, (long long)((now - t) / 1000000));
+    r->empty_since_ns[k] = now;
   }
 }
 
@@ -317,6 +323,10 @@ static void tw_on_register(tw_router_t *r, const tw_msg_t *m, const Twain__Inter
   /* registered again while held (a reject of a message that crossed the
    * registration made the worker doubt it): nothing it holds is void */
   const bool known = w && g->instance && w->instance == g->instance;
+  for (size_t i = 0; i < sizeof r->expired_recent / sizeof r->expired_recent[0]; i++)
+    if (r->expired_recent[i].id_len == m->id_len &&
+        memcmp(r->expired_recent[i].id, m->id, m->id_len) == 0)
+      r->expired_recent[i].expired_ns = 0; /* back: its heartbeats are its own again */
   if (!w) {
     if (r->n_workers == r->cap_workers) {
       int32_t cap = r->cap_workers ? r->cap_workers * 2 : 16;
@@ -775,7 +785,7 @@ void tw_router_on_worker_msg(tw_router_t *r, tw_msg_t *m) {
     w = tw_worker_by_id(r, m->id, m->id_len);
   if (!w) { /* expired, or the router restarted: ask it to register again */
     if (env->body_case == TWAIN__INTERNAL__V1__ENVELOPE__BODY_HEARTBEAT && env->heartbeat->worker)
-      tw_note_revived(r, env->heartbeat->worker, now);
+      tw_note_revived(r, m, env->heartbeat->worker, now);
     tw_reject_to(r, m, 0, TWAIN__V1__CODE__NOT_FOUND, "unknown worker: register first");
     twain__internal__v1__envelope__free_unpacked(env, NULL);
     return;
@@ -860,6 +870,8 @@ void tw_router_expire_workers(tw_router_t *r, int64_t now) {
     r->expired_next =
         (slot + 1) % (int32_t)(sizeof r->expired_recent / sizeof r->expired_recent[0]);
     snprintf(r->expired_recent[slot].name, sizeof r->expired_recent[slot].name, "%s", w->name);
+    memcpy(r->expired_recent[slot].id, w->id, w->id_len);
+    r->expired_recent[slot].id_len = w->id_len;
     r->expired_recent[slot].pool = k;
     r->expired_recent[slot].expired_ns = now;
     tw_rworker_free_addrs(w);

@@ -150,7 +150,8 @@ TW_NODISCARD tw_status_t tw_auth_client_open(void *ctx, const char *endpoint,
 /** Whether `keys` pass the handshake of the server at `endpoint`, as
  *  tw_auth_client_open (the socket closed after it), except that a refused
  *  connection fails at once: TW_ERR_UNAVAILABLE, "nothing listens at
- *  ENDPOINT" (also when nothing answers within timeout_ms). A completed
+ *  ENDPOINT" (where nothing answers at all, as there: "no answer from
+ *  ENDPOINT within timeout_ms"). A completed
  *  handshake leaves no failure in the server's log, as a bare TCP connect
  *  that closes would ("handshake ... failed": a server cannot tell it from a
  *  peer without keys). Other errors as tw_auth_client_open's. */

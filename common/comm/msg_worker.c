@@ -215,8 +215,8 @@ TW_NODISCARD tw_status_t tw_worker_link_tick(tw_worker_link_t *link,
      * burst, each asking for this; what was given before is dropped only if
      * the ack says the router had forgotten us (tw_worker_link_recv) */
     TW_WARN("worker", "router does not know %s: registering again", link->name);
-    link->registered = false;
-    atomic_store(&link->registered_a, 0);
+    link->registered = false; /* the heartbeats go on: a router that still holds us
+                               * must not expire us while the ack is on its way */
     link->last_register_ns = 0;
   }
   if (link->registered) {
@@ -289,6 +289,10 @@ TW_NODISCARD tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout
     link->ever_registered = true;
     link->registered = true;
     atomic_store(&link->registered_a, 1);
+    /* the rejects read before it answered what was sent before this
+     * registration (one socket, in order): moot now; a router that forgets
+     * us later rejects a later heartbeat */
+    atomic_store(&link->need_register, 0);
     twain__internal__v1__envelope__free_unpacked(env, NULL);
     return TW_INPROGRESS;
   }
@@ -301,7 +305,8 @@ TW_NODISCARD tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout
           "worker", "router rejected a message: %s",
           env->reject->status && env->reject->status->message ? env->reject->status->message : "");
     twain__internal__v1__envelope__free_unpacked(env, NULL);
-    return TW_INPROGRESS;
+    *env_p = NULL; /* a stall's backlog comes back as a burst of these: read on */
+    return TW_OK;
   }
   *env_p = env;
   return TW_OK;

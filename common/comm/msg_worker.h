@@ -115,8 +115,10 @@ TW_NODISCARD tw_status_t tw_worker_link_tick(tw_worker_link_t *link,
 /** Receive one envelope (timeout as tw_msg_recv). TW_OK with *env_p set
  *  (free with twain__internal__v1__envelope__free_unpacked(env, NULL)),
  *  TW_INPROGRESS when none, TW_ERR_FORMAT for an undecodable message
- *  (logged; the caller keeps going). RegisterAck and "unknown worker"
- *  rejects are handled here and reported as TW_INPROGRESS. */
+ *  (logged; the caller keeps going). A RegisterAck is handled here and
+ *  reported as TW_INPROGRESS (the caller stops there: the work of before
+ *  may be void, epoch); a reject of no request (e.g. "unknown worker") is
+ *  handled here and reported as TW_OK with *env_p NULL (read on). */
 TW_NODISCARD tw_status_t tw_worker_link_recv(tw_worker_link_t *link, int timeout_ms,
                                              Twain__Internal__V1__Envelope **env_p);
 

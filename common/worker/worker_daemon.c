@@ -65,6 +65,7 @@ static bool tw_worker_pump(tw_worker_t *w) {
   for (int k = 0; k < TW_WORKER_PUMP_MAX; k++) {
     Twain__Internal__V1__Envelope *env = NULL;
     tw_status_t rs = tw_worker_link_recv(&w->link, 0, &env);
+    if (rs == TW_OK && !env) continue; /* the link's own (a reject of no request) */
     if (rs == TW_OK) {
       if (!w->ops->on_msg(w->arg, env)) {
         char why[80];

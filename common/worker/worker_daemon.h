@@ -31,8 +31,9 @@
  *      the loop ends and the process exits 1;
  *   6. tick: ops->capacity to the heartbeat thread, registration
  *      (tw_worker_link_tick: again when the router rejected a message as
- *      from an unknown worker; a reject of a message that crossed the
- *      registration only costs a Register, answered `known`).
+ *      from an unknown worker, a burst of such rejects read through in one
+ *      pump; a late reject of a heartbeat that crossed the registration
+ *      costs one more Register, answered `known`, and nothing else).
  * Then the last capacity with draining set goes to the router, ops->on_stop
  * logs how the worker ends, the other ranks are stopped and ops->fini runs.
  *

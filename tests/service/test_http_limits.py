@@ -230,18 +230,19 @@ try:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
                   KEY.encode() + b"\r\nContent-Type: application/json\r\n" +
                   b"".join(b"Content-Length: %d\r\n" % n for n in lens) + b"\r\n" + body)
-        got = b""
+        got, eof = b"", False
         while True:  # the whole answer, then the close (a kept connection times out here)
             try:
                 part = s.recv(65536)
             except socket.timeout:
                 break
             if not part:
+                eof = True
                 break
             got += part
         s.close()
         head, _, rest = got.partition(b"\r\n\r\n")
-        check(head.startswith(b"HTTP/1.1 400") and b"connection: close" in head.lower() and
+        check(eof and head.startswith(b"HTTP/1.1 400") and b"connection: close" in head.lower() and
               b"Content-Length headers that disagree" in rest and got.count(b"HTTP/1.1") == 1,
               "Content-Length %d then %d: one 400 (OpenAI JSON), the connection closed (%r)" % (
                   lens[0], lens[1], got[:120]))
