@@ -48,19 +48,23 @@ static tw_rworker_t *tw_worker_by_id(tw_router_t *r, const uint8_t *id, size_t l
   return NULL;
 }
 
-/* The worker a heartbeat for `name` speaks for: one of that name whose
- * registration came from the sender itself or whose heartbeat socket the
- * sender is (routing id "<id>/hb", msg_worker.c). The routing id is bound to
- * the authenticated connection (CURVE), so another peer cannot speak for a
- * worker by naming it; it gets the same NOT_FOUND as for a name nobody has. */
+/* Whether the sender of `m` is the worker registered under routing id `id`:
+ * that socket itself or its heartbeat socket (routing id "<id>/hb",
+ * msg_worker.c). The routing id is bound to the authenticated connection
+ * (CURVE), so another peer cannot speak for a worker by naming it. */
+static bool tw_sender_is_worker(const tw_msg_t *m, const uint8_t *id, size_t id_len) {
+  if (m->id_len != id_len && m->id_len != id_len + 3) return false;
+  if (memcmp(m->id, id, id_len) != 0) return false;
+  return m->id_len == id_len || memcmp(m->id + id_len, "/hb", 3) == 0;
+}
+
+/* The worker a heartbeat for `name` speaks for: one of that name that the
+ * sender is (tw_sender_is_worker); NULL gets the same NOT_FOUND as a name
+ * nobody has. */
 static tw_rworker_t *tw_worker_of_heartbeat(tw_router_t *r, const tw_msg_t *m, const char *name) {
   for (int32_t i = 0; i < r->n_workers; i++) {
     tw_rworker_t *w = &r->workers[i];
-    if (strcmp(w->name, name) != 0) continue;
-    if (m->id_len == w->id_len && memcmp(m->id, w->id, w->id_len) == 0) return w;
-    if (m->id_len == w->id_len + 3 && memcmp(m->id, w->id, w->id_len) == 0 &&
-        memcmp(m->id + w->id_len, "/hb", 3) == 0)
-      return w;
+    if (strcmp(w->name, name) == 0 && tw_sender_is_worker(m, w->id, w->id_len)) return w;
   }
   return NULL;
 }
@@ -77,11 +81,8 @@ static void tw_note_revived(tw_router_t *r, const tw_msg_t *m, const char *name,
   int32_t best = -1; /* the newest entry of that worker */
   for (int32_t i = 0; i < n; i++) {
     const int64_t t = r->expired_recent[i].expired_ns;
-    const size_t il = r->expired_recent[i].id_len;
-    const bool from_it =
-        (m->id_len == il || (m->id_len == il + 3 && memcmp(m->id + il, "/hb", 3) == 0)) &&
-        memcmp(m->id, r->expired_recent[i].id, il) == 0;
-    if (!t || now - t > (int64_t)TW_ROUTER_REVIVE_MS * 1000000 || !from_it ||
+    if (!t || now - t > (int64_t)TW_ROUTER_REVIVE_MS * 1000000 ||
+        !tw_sender_is_worker(m, r->expired_recent[i].id, r->expired_recent[i].id_len) ||
         strcmp(r->expired_recent[i].name, name) != 0)
       continue;
     if (best < 0 || t > r->expired_recent[best].expired_ns) best = i;
