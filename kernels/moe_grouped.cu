@@ -1777,9 +1777,10 @@ static int tw_gt_pass(int bt) {
  * 0.288 ms against tw_gg_kernel's 0.318 (two warpgroups: 0.324), the engine
  * 20,830 -> 22,274 tok/s at batch 256 (H100; on the H200 22,425-22,498 ->
  * 24,221-24,441, docs/benchmarks.md). At the 128-row
- * tile two warpgroups of two halves each take 232 registers (four would
- * spill: 0.571 ms against 0.400 at 512 tokens); there one layer was 6-10%
- * faster than on tw_gg_kernel. Where experts hold more than 64 rows on
+ * tile four warpgroups too, each with one k-tile's fragments at a time
+ * (tw_gw_sets: two would spill, 0.571 ms against 0.400 at 512 tokens): one
+ * 20b layer at 512 tokens 0.400 -> 0.349 ms, the engine at batch 512 +6%
+ * (H100, docs/benchmarks.md). Where experts hold more than 64 rows on
  * average (tw_gw_tile), a CTA takes 256 assignment rows on 128 weight rows
  * instead (two warpgroups of one m64 half, wgmma N up to 256): the
  * conversion is done once per 256 of an expert's rows instead of once per
@@ -1790,13 +1791,21 @@ static int tw_gt_pass(int bt) {
  * works by warpgroups) */
 static __host__ __device__ constexpr int tw_gw_rows(int cw, int wh) { return 64 * cw * wh; }
 /* The consumer warpgroups (CW) and m64 halves each (WH) of the kernel of
- * tile bt, the one rule for its template and its launch: 4 x 1 up to 64
- * rows (256 weight rows a CTA, 112 registers a thread), 2 x 2 at 128 (256
- * rows; 4 x 1 spills there, 288 bytes of stores a thread, and one layer at
- * 512 tokens took 0.571 ms against 0.400), 2 x 1 at 256 (128 rows),
- * docs/benchmarks.md. */
-static __host__ __device__ constexpr int tw_gw_cw(int bt) { return bt <= TW_GG_BM / 2 ? 4 : 2; }
-static __host__ __device__ constexpr int tw_gw_halves(int bt) { return bt == TW_GG_BM ? 2 : 1; }
+ * tile bt, the one rule for its template and its launch: 4 x 1 up to 128
+ * rows (256 weight rows a CTA, 112 registers a thread; at 128 with one
+ * fragment set, tw_gw_sets), 2 x 1 at 256 (128 rows), docs/benchmarks.md.
+ * (2 x 2 at 128, the rule before, took 0.400 ms a 20b layer at 512 tokens
+ * where 4 x 1 takes 0.349, H100.) */
+static __host__ __device__ constexpr int tw_gw_cw(int bt) { return bt <= TW_GG_BM ? 4 : 2; }
+/* (every tile one half now; the kernel keeps WH = 2, the 128-row tile's
+ * rule before the four warpgroups, as a template case) */
+static __host__ __device__ constexpr int tw_gw_halves(int bt) { return (void)bt, 1; }
+/* Fragment sets a consumer thread holds (FS of tw_gw_kernel): two (the next
+ * k-tile converted while this one's wgmma runs) where the registers allow,
+ * one at the 128-row tile with four warpgroups (64 accumulators: two sets
+ * would spill in 112 registers; the other three warpgroups' conversions
+ * overlap a warpgroup's wgmma instead). */
+static __host__ __device__ constexpr int tw_gw_sets(int bt) { return bt == TW_GG_BM && tw_gw_cw(bt) == 4 ? 1 : 2; }
 /* Registers a thread after setmaxnreg (tw_gw_kernel): the consumers', the
  * producer warpgroup's (CW = 2: 256 x 232 + 128 x 40 = 384 x 168, the
  * launch's; CW = 4: 512 x 112 + 128 x 24 <= 640 x 96, the launch's; asking
@@ -1841,13 +1850,13 @@ static __device__ __forceinline__ void tw_gw_wgmma(float (&acc)[WH][N8][4],
 }
 
 /* The kernel (see above). EPI: TW_GG_SWIGLU or TW_GG_PLAIN; BT: assignment
- * rows a CTA (16, 32 or 64 with CW = 4, WH = 1; 128 with CW = 2, WH = 2;
- * 256 with CW = 2, WH = 1: tw_gw_cw, tw_gw_halves); WH: m64
- * halves a consumer warpgroup; CW: consumer warpgroups (64 CW WH weight
- * rows a CTA; tw_gw_cw). wmap: the
+ * rows a CTA (16, 32, 64 or 128 with CW = 4, WH = 1; 256 with CW = 2,
+ * WH = 1: tw_gw_cw, tw_gw_halves); WH: m64 halves a consumer warpgroup;
+ * CW: consumer warpgroups (64 CW WH weight rows a CTA; tw_gw_cw); FS: the
+ * k-tiles' fragment sets a consumer thread holds (tw_gw_sets). wmap: the
  * MXFP4 blocks [E][N][K/2] bytes, box 32 x 64 CW WH x 1; xmap: the
  * assignment rows [tk][K] bf16, box 64 x BT. */
-template <int EPI, int BT, int WH, int CW>
+template <int EPI, int BT, int WH, int CW, int FS>
 static __global__ void __launch_bounds__(128 * (CW + 1), 1)
     tw_gw_kernel(const tw_gg_args_t p, const __grid_constant__ CUtensorMap wmap,
                  const __grid_constant__ CUtensorMap xmap) {
@@ -1960,28 +1969,40 @@ static __global__ void __launch_bounds__(128 * (CW + 1), 1)
     tw_mbar_wait(bar0 + 8 * s, (uint32_t)(kt / S) & 1u);
     return s;
   };
-  /* k-tile kt + 1 converted while kt's wgmma runs (two sets of fragments,
-   * the loop unrolled by two so that each set keeps its registers; one
-   * layer measured 4-6% faster than converting after the wait, the engine
-   * 2-3%, docs/benchmarks.md) */
-  uint32_t af[WH][4][4], af2[WH][4][4];
-  int s = ready(0);
-  fragments(0, stg + s * SB, af);
-  for (int kt = 0; kt < KT; kt += 2) {
-    issue(af, s);
-    int s1 = 0;
-    if (kt + 1 < KT) {
-      s1 = ready(kt + 1);
-      fragments(kt + 1, stg + s1 * SB, af2);
+  /* FS == 2: k-tile kt + 1 converted while kt's wgmma runs (two sets of
+   * fragments, the loop unrolled by two so that each set keeps its
+   * registers; one layer measured 4-6% faster than converting after the
+   * wait, the engine 2-3%, docs/benchmarks.md). FS == 1 (the 128-row tile's
+   * four warpgroups, whose 64 accumulators leave no room for a second set):
+   * convert, then wait; the other warpgroups' conversions fill the wait. */
+  uint32_t af[WH][4][4];
+  if constexpr (FS == 1) {
+    for (int kt = 0; kt < KT; kt++) {
+      const int s = ready(kt);
+      fragments(kt, stg + s * SB, af);
+      issue(af, s);
+      done(af, s);
     }
-    done(af, s);
-    if (kt + 1 >= KT) break;
-    issue(af2, s1);
-    if (kt + 2 < KT) {
-      s = ready(kt + 2);
-      fragments(kt + 2, stg + s * SB, af);
+  } else {
+    uint32_t af2[WH][4][4];
+    int s = ready(0);
+    fragments(0, stg + s * SB, af);
+    for (int kt = 0; kt < KT; kt += 2) {
+      issue(af, s);
+      int s1 = 0;
+      if (kt + 1 < KT) {
+        s1 = ready(kt + 1);
+        fragments(kt + 1, stg + s1 * SB, af2);
+      }
+      done(af, s);
+      if (kt + 1 >= KT) break;
+      issue(af2, s1);
+      if (kt + 2 < KT) {
+        s = ready(kt + 2);
+        fragments(kt + 2, stg + s * SB, af);
+      }
+      done(af2, s1);
     }
-    done(af2, s1);
   }
 
 #pragma unroll
@@ -1991,9 +2012,9 @@ static __global__ void __launch_bounds__(128 * (CW + 1), 1)
 
 typedef void (*tw_gw_fn)(const tw_gg_args_t, const CUtensorMap, const CUtensorMap);
 template <int BT> static tw_gw_fn tw_gw_pick_bt(int epi) {
-  constexpr int WH = tw_gw_halves(BT), CW = tw_gw_cw(BT);
-  return epi == TW_GG_SWIGLU ? tw_gw_kernel<TW_GG_SWIGLU, BT, WH, CW>
-                             : tw_gw_kernel<TW_GG_PLAIN, BT, WH, CW>;
+  constexpr int WH = tw_gw_halves(BT), CW = tw_gw_cw(BT), FS = tw_gw_sets(BT);
+  return epi == TW_GG_SWIGLU ? tw_gw_kernel<TW_GG_SWIGLU, BT, WH, CW, FS>
+                             : tw_gw_kernel<TW_GG_PLAIN, BT, WH, CW, FS>;
 }
 /* The kernel of tile bt (16, 32, 64, 128 or 256). */
 static tw_gw_fn tw_gw_pick(int epi, int bt) {
