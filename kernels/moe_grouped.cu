@@ -1780,7 +1780,7 @@ static int tw_gt_pass(int bt) {
  * tile four warpgroups too, each with one k-tile's fragments at a time
  * (tw_gw_sets: two would spill, 0.571 ms against 0.400 at 512 tokens): one
  * 20b layer at 512 tokens 0.400 -> 0.349 ms, the engine at batch 512 +6%
- * (H100, docs/benchmarks.md). Where experts hold more than 64 rows on
+ * (H100, docs/benchmarks.md). Where experts hold more than 128 rows on
  * average (tw_gw_tile), a CTA takes 256 assignment rows on 128 weight rows
  * instead (two warpgroups of one m64 half, wgmma N up to 256): the
  * conversion is done once per 256 of an expert's rows instead of once per
@@ -2056,19 +2056,22 @@ static int tw_gg_tile_forced(void) {
 }
 
 /* The kernel's tile for the grouped path's tile bt over tk assignments of E
- * experts: where twice an expert's mean load passes 128 (the 128-row tile
- * would cut each busy expert in two) and no tile is forced
- * (TWAIN_CUDA_MOE_BT), 256 assignment rows on 128 weight rows a CTA
- * (one m64 half a warpgroup): an expert's weights converted once per 256 of its rows
- * instead of once per 128, half as many conversions a k-tile a thread;
- * else bt on 256 weight rows. Measured
- * (docs/benchmarks.md, H100): one 20b layer at 1,024 decode tokens 0.643
- * -> 0.602 ms, at 8,192 prefill tokens 3.642 -> 2.976 ms; 128 weight rows
- * at the 128-row tile too was slower at 512 tokens (0.401 -> 0.421 ms). */
+ * experts: where an expert's mean load passes 128 rows (the 128-row tile
+ * would take each expert in two passes or more) and no tile is forced
+ * (TWAIN_CUDA_MOE_BT), 256 assignment rows on 128 weight rows a CTA (one
+ * m64 half a warpgroup): an expert's weights converted once per 256 of its
+ * rows instead of once per 128; else bt on 256 weight rows. Measured
+ * (docs/benchmarks.md, H100): one 20b layer at 8,192 prefill tokens 3.642
+ * -> 2.976 ms on the 256-row tile (the engine's prefill of 8,192 66,398
+ * tok/s against 63,531 on the 128-row tile of four warpgroups); at a mean
+ * load of 128 (20b decode batch 1,024), where the 256-row tile was taken
+ * while the 128-row one had two warpgroups of two halves (0.643 -> 0.602
+ * ms), the 128-row tile of four warpgroups is ahead: the engine 33,827 ->
+ * 35,199 tok/s. */
 static int tw_gw_tile(int tk, int E, int bt) {
   if (tw_gg_tile_forced()) return bt;
-  const int twice = 2 * ((tk + E - 1) / (E > 0 ? E : 1));
-  return bt == TW_GG_BM && twice > TW_GG_BM ? 2 * TW_GG_BM : bt;
+  const int mean = (tk + E - 1) / (E > 0 ? E : 1);
+  return bt == TW_GG_BM && mean > TW_GG_BM ? 2 * TW_GG_BM : bt;
 }
 
 /* The tensor maps of one launch: the MXFP4 blocks [E][N][K/2] bytes (box 32
