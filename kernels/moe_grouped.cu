@@ -1805,7 +1805,7 @@ static __host__ __device__ constexpr int tw_gw_halves(int bt) { return (void)bt,
  * one at the 128-row tile with four warpgroups (64 accumulators: two sets
  * would spill in 112 registers; the other three warpgroups' conversions
  * overlap a warpgroup's wgmma instead). */
-static __host__ __device__ constexpr int tw_gw_sets(int bt) { return bt == TW_GG_BM && tw_gw_cw(bt) == 4 ? 1 : 2; }
+static __host__ __device__ constexpr int tw_gw_sets(int bt) { return bt == TW_GG_BM ? 1 : 2; }
 /* Registers a thread after setmaxnreg (tw_gw_kernel): the consumers', the
  * producer warpgroup's (CW = 2: 256 x 232 + 128 x 40 = 384 x 168, the
  * launch's; CW = 4: 512 x 112 + 128 x 24 <= 640 x 96, the launch's; asking
@@ -2043,6 +2043,11 @@ static bool tw_gw_takes(int bt) {
   return m > 0 && bt >= m;
 }
 
+/* An expert's mean load over tk assignments of E experts, rounded up
+ * (rows; the divisor taken as 1 where E is 0): what the tile rules size by
+ * (tw_gw_tile, tw_gg_tile_rows). */
+static int tw_gg_mean_load(int tk, int E) { return (tk + E - 1) / (E > 0 ? E : 1); }
+
 /* TWAIN_CUDA_MOE_BT's tile (16, 32, 64 or 128; read once), 0 where unset
  * or another value. */
 static int tw_gg_tile_forced(void) {
@@ -2070,8 +2075,7 @@ static int tw_gg_tile_forced(void) {
  * 35,199 tok/s. */
 static int tw_gw_tile(int tk, int E, int bt) {
   if (tw_gg_tile_forced()) return bt;
-  const int mean = (tk + E - 1) / (E > 0 ? E : 1);
-  return bt == TW_GG_BM && mean > TW_GG_BM ? 2 * TW_GG_BM : bt;
+  return bt == TW_GG_BM && tw_gg_mean_load(tk, E) > TW_GG_BM ? 2 * TW_GG_BM : bt;
 }
 
 /* The tensor maps of one launch: the MXFP4 blocks [E][N][K/2] bytes (box 32
@@ -2300,7 +2304,7 @@ extern "C" tw_status_t tw_moe_grouped_setup(void) {
 static int tw_gg_tile_rows(int tk, int E) {
   const int forced = tw_gg_tile_forced();
   if (forced) return forced;
-  const int twice = 2 * ((tk + E - 1) / (E > 0 ? E : 1));
+  const int twice = 2 * tw_gg_mean_load(tk, E);
   return twice <= 16 ? 16 : twice <= 32 ? 32 : twice <= 64 ? 64 : 128;
 }
 
