@@ -40,6 +40,17 @@ static TW_NODISCARD tw_status_t tw_handoff_dst_add(tw_handoff_send_t *s, size_t 
   return TW_OK;
 }
 
+/* A transport status as the request's outcome. A decode worker that does
+ * not take its staged pieces in time (TW_ERR_DEADLINE from the KV transfer)
+ * is that worker's state (stalled, or its ring full), not the request's:
+ * UNAVAILABLE, so the router queues the request again without spending one
+ * of its attempts (its own deadline bounds the waiting). Only the KV-write
+ * guard's DEADLINE_EXCEEDED (tw_proto_kv_write_guard) is the request's. The
+ * message, this thread's last error, is kept. */
+static tw_status_t tw_handoff_peer_status(tw_status_t st) {
+  return st == TW_ERR_DEADLINE ? TW_ERR_UNAVAILABLE : st;
+}
+
 /* s->st just failed: its message, with the decode worker it was for, into
  * s->msg and this thread's last error (a later error elsewhere in the
  * batch cannot take its place). */
@@ -108,6 +119,7 @@ void tw_handoff_send_layer(tw_handoff_send_t *s, int32_t l, int32_t end, bool in
       s->st = tw_kv_reshard_send_layer(s->xfer, dd->peer, s->src, &dd->rl, dd->head_offset, l,
                                        s->ids, rids, s->sent[l], done, &s->bytes);
     }
+    s->st = tw_handoff_peer_status(s->st);
   }
   if (s->st == TW_OK) {
     s->sent[l] = done;
@@ -132,7 +144,7 @@ TW_NODISCARD tw_status_t tw_handoff_send_rest(tw_handoff_send_t *s, int64_t t_do
 TW_NODISCARD tw_status_t tw_handoff_send_flush(tw_handoff_send_t *s, int timeout_ms) {
   int64_t t0 = tw_msg_clock_ns();
   for (int32_t d = 0; d < s->n_dst && s->st == TW_OK; d++)
-    s->st = tw_kv_xfer_flush(s->xfer, s->dst[d].peer, timeout_ms);
+    s->st = tw_handoff_peer_status(tw_kv_xfer_flush(s->xfer, s->dst[d].peer, timeout_ms));
   tw_handoff_failed(s);
   s->t_put_ns += tw_msg_clock_ns() - t0;
   return s->st;

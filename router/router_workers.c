@@ -664,8 +664,9 @@ static void tw_on_prefill_done(tw_router_t *r, tw_rworker_t *w, const Twain__Int
   if (d->status && d->status->code) {
     char why[300];
     snprintf(why, sizeof why, "prefill failed on %s: %s", w->name, d->status->message ? d->status->message : "");
-    /* UNAVAILABLE: draining, or it waited in the worker's queue past the 20 s
-     * KV-write guard; RESOURCE_EXHAUSTED: queue full: the worker's state, not
+    /* UNAVAILABLE: draining, it waited in the worker's queue past the 20 s
+     * KV-write guard, or its decode worker did not take the staged kv in
+     * time (handoff_send.c); RESOURCE_EXHAUSTED: queue full: the worker's state, not
      * the request's, so it waits in the queue again without spending an
      * attempt (its deadline bounds that). DEADLINE_EXCEEDED: the KV-write
      * guard stopped a prefill that ran too long: an attempt. None sent a token. */
