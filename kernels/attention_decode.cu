@@ -18,7 +18,23 @@
  * directly. Otherwise the splits are merged either by the last split CTA of
  * the (sequence, KV head) to finish (a counter in the workspace, threadfence
  * reduction; the default) or by a separate combine kernel, one warp per
- * (sequence, query head) (TWAIN_CUDA_DC_FUSED=0). */
+ * (sequence, query head) (TWAIN_CUDA_DC_FUSED=0).
+ *
+ * The fp8 KV cache (F8; common/kv/kv_fp8.h: e4m3 rows with one f32 scale a
+ * (token, KV head)): the e4m3 tiles stream into shared memory as they are
+ * (half the bytes of bf16) and go into f16 MMAs without a dequantized copy:
+ * e4m3 -> f16 is exact, one instruction a pair. K: a thread reads 16 bytes
+ * of a key row (dims 16t..16t+15) and k-step kk takes dims 16t+4kk..+3 as
+ * the MMA's k positions (2t, 2t+1, 2t+8, 2t+9); the query fragments use the
+ * same order (a dot product does not care), in f16; each key's scale
+ * multiplies its score. V: ldmatrix.trans of the e4m3 rows as 16-bit pairs
+ * gives a thread two keys x two dims, one byte permute makes the (key, key)
+ * pairs of each dim, and each MMA's 8 columns are the dims 16c + 2g + par;
+ * each key's scale goes into its probability, relative to the largest V
+ * scale the warp has seen (u, so that P stays within f16's range), and the
+ * warp's accumulator is multiplied by u before the merge. The raw tiles
+ * are swizzled (16-byte chunk c of row r at c ^ ((r >> 1) & 3)) so that the
+ * 64-byte rows' ldmatrix is conflict-free. */
 #include "kernels/pdl.cuh"
 #include "kernels/attention.h"
 
@@ -55,15 +71,21 @@ static __device__ __forceinline__ int tw_dc_chunk(int len, int n_splits) {
 }
 
 /* Shared memory of the split kernel: bf16: [NS][k|v][BN x D] bf16 tiles;
- * F8 (the fp8 cache): [NS][k|v][BN x D] e4m3 staging, [NS][k|v][BN] f32
- * scales, then one [k|v][BN x D] bf16 tile the staged one is dequantized
- * into. Reused by the merge at the end either way. */
+ * F8 (the fp8 cache): [NS][k|v][BN x D] e4m3 tiles (tw_dc_swz8), then
+ * [NS][k|v][BN] f32 scales. Reused by the merge at the end either way. */
 template <int NS, bool F8>
 struct tw_dc_smem {
   static constexpr int BN = TW_DC_BN, D = TW_ATTN_D;
-  static constexpr int RAW = NS * 2 * BN * D, SCL = NS * 2 * BN * 4, CVT = 2 * BN * D * 2;
-  static constexpr int BYTES = F8 ? RAW + SCL + CVT : NS * 2 * BN * D * 2;
+  static constexpr int RAW = NS * 2 * BN * D, SCL = NS * 2 * BN * 4;
+  static constexpr int BYTES = F8 ? RAW + SCL : NS * 2 * BN * D * 2;
 };
+
+/* Byte offset of (row, 16-byte chunk) in a 64-byte-row e4m3 tile: chunk c of
+ * row r at c ^ ((r >> 1) & 3), so the 8 rows of one ldmatrix 8x8 matrix hit
+ * all 32 banks once. */
+static __device__ __forceinline__ int tw_dc_swz8(int row, int chunk) {
+  return row * TW_ATTN_D + 16 * (chunk ^ ((row >> 1) & 3));
+}
 
 template <int NS, bool F8>
 static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_kernel(
@@ -75,9 +97,8 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
                     SM::BYTES >= 16 * TW_DC_MAX_SPLITS * 4,
                 "the merge reuses the tiles' shared memory");
   __shared__ __align__(128) uint8_t sbuf[SM::BYTES]; /* the tiles, reused below */
-  uint8_t *const raw8 = sbuf;                                                   /* F8 */
-  float *const scl = reinterpret_cast<float *>(sbuf + SM::RAW);                 /* F8 */
-  uint8_t *const cvt = sbuf + SM::RAW + SM::SCL;                                /* F8 */
+  uint8_t *const raw8 = sbuf;                                   /* F8 */
+  float *const scl = reinterpret_cast<float *>(sbuf + SM::RAW); /* F8 */
   const int sp = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;
@@ -108,8 +129,8 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
         const bool ok = pos >= s_lo && pos < s_hi;
         const uint8_t *src = kv8;
         if (ok) src = kv8_g + (int64_t)bt[pos / bs] * blk8 + (int64_t)(pos % bs) * D + ch * 16;
-        tw_cp_async16(tw_smem_u32(raw8 + (stage * 2 + 0) * BN * D + r * D + ch * 16), src, ok);
-        tw_cp_async16(tw_smem_u32(raw8 + (stage * 2 + 1) * BN * D + r * D + ch * 16),
+        tw_cp_async16(tw_smem_u32(raw8 + (stage * 2 + 0) * BN * D + tw_dc_swz8(r, ch)), src, ok);
+        tw_cp_async16(tw_smem_u32(raw8 + (stage * 2 + 1) * BN * D + tw_dc_swz8(r, ch)),
                       ok ? src + (int64_t)p.nkv * part8 : kv8, ok);
       }
       for (int r = tid; r < BN; r += NT) {
@@ -140,7 +161,8 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
     tw_cp_async_commit();
   }
 
-  /* Q fragments straight from global memory: row = query head within the group. */
+  /* Q fragments straight from global memory: row = query head within the
+   * group. F8: in f16, k-step kk on dims 16tq + 4kk..+3 (the K side's order). */
   uint32_t qa[4][4];
   {
     const __nv_bfloat16 *qb = p.q + (int64_t)b * p.q_stride + (int64_t)g * p.group * D;
@@ -148,12 +170,18 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
     for (int kk = 0; kk < 4; kk++)
 #pragma unroll
       for (int e = 0; e < 4; e++) {
-        const int row = gq + 8 * (e & 1), col = kk * 16 + 2 * tq + 8 * (e >> 1);
-        qa[kk][e] = row < p.group
-                        ? *reinterpret_cast<const uint32_t *>(qb + (int64_t)row * D + col)
-                        : 0u;
+        const int row = gq + 8 * (e & 1);
+        const int col = F8 ? 16 * tq + 4 * kk + 2 * (e >> 1) : kk * 16 + 2 * tq + 8 * (e >> 1);
+        uint32_t v =
+            row < p.group ? *reinterpret_cast<const uint32_t *>(qb + (int64_t)row * D + col) : 0u;
+        if constexpr (F8) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&v));
+          v = tw_pack_f16_sat(f.x, f.y);
+        }
+        qa[kk][e] = v;
       }
   }
+  float u = 0.f; /* F8: the largest V scale this warp has seen (its accumulator's unit) */
   float acc[8][4];
   float m[2], l[2];
 #pragma unroll
@@ -174,24 +202,58 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
     tw_cp_async_commit();
     tw_cp_async_wait<NS - 1>();
     __syncthreads();
-    if constexpr (F8) { /* the staged fp8 tile into the bf16 tile */
-      for (int kv = 0; kv < 2; kv++)
-        tw_fp8_tile_to_bf16(cvt + kv * BN * D * 2, raw8 + (st * 2 + kv) * BN * D,
-                            scl + (st * 2 + kv) * BN, BN, tid, NT);
-      __syncthreads();
-    }
     const int k0 = kt * BN + warp * 16; /* this warp's 16 keys */
     if (k0 + 15 >= s_lo && k0 < s_hi) {
-      const uint32_t kbase = tw_smem_u32(F8 ? cvt : sbuf + (st * 2 + 0) * BN * D * 2),
-                     vbase = tw_smem_u32(F8 ? cvt + BN * D * 2 : sbuf + (st * 2 + 1) * BN * D * 2);
+      const uint32_t kbase = tw_smem_u32(sbuf + (st * 2 + 0) * BN * D * 2),
+                     vbase = tw_smem_u32(sbuf + (st * 2 + 1) * BN * D * 2);
+      const uint8_t *const k8 = raw8 + (st * 2 + 0) * BN * D; /* F8 */
+      const uint8_t *const v8 = raw8 + (st * 2 + 1) * BN * D; /* F8 */
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      float2 smul[2]; /* a score's factor by key (2tq, 2tq + 1 of n-tile n) */
+      float2 vsc[2];  /* F8: the keys' V scales over u */
+      float resc = 1.f; /* F8: the accumulator's change of unit */
+      if constexpr (F8) {
+        uint4 kw[2];
 #pragma unroll
-      for (int kk = 0; kk < 4; kk++) {
-        uint32_t bb[4];
-        const int r = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-        tw_ldmatrix_x4(bb, kbase + tw_swz(r, 2 * kk + (lane >> 4)));
-        tw_mma16816(sc[0], qa[kk], bb[0], bb[2]);
-        tw_mma16816(sc[1], qa[kk], bb[1], bb[3]);
+        for (int n = 0; n < 2; n++) {
+          const int r = warp * 16 + n * 8 + gq;
+          kw[n] = *reinterpret_cast<const uint4 *>(k8 + tw_dc_swz8(r, tq));
+          const float2 ks =
+              *reinterpret_cast<const float2 *>(scl + (st * 2 + 0) * BN + warp * 16 + n * 8 + 2 * tq);
+          smul[n] = make_float2(ks.x * p.scale_log2, ks.y * p.scale_log2);
+          vsc[n] =
+              *reinterpret_cast<const float2 *>(scl + (st * 2 + 1) * BN + warp * 16 + n * 8 + 2 * tq);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+          for (int n = 0; n < 2; n++) {
+            const uint32_t w = kk == 0 ? kw[n].x : kk == 1 ? kw[n].y : kk == 2 ? kw[n].z : kw[n].w;
+            tw_mma16816_f16(sc[n], qa[kk], tw_e4m3x2_f16x2(w), tw_e4m3x2_f16x2(w >> 16));
+          }
+        /* the V scales of this tile's 16 keys against the unit u */
+        float t = fmaxf(fmaxf(vsc[0].x, vsc[0].y), fmaxf(vsc[1].x, vsc[1].y));
+        t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 1));
+        t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, 2));
+        const float un = fmaxf(u, t);
+        if (un > 0.f) {
+          resc = u / un; /* 0 while nothing was accumulated */
+          const float inv = 1.f / un;
+#pragma unroll
+          for (int n = 0; n < 2; n++) vsc[n] = make_float2(vsc[n].x * inv, vsc[n].y * inv);
+        }
+        u = un;
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+          uint32_t bb[4];
+          const int r = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+          tw_ldmatrix_x4(bb, kbase + tw_swz(r, 2 * kk + (lane >> 4)));
+          tw_mma16816(sc[0], qa[kk], bb[0], bb[2]);
+          tw_mma16816(sc[1], qa[kk], bb[1], bb[3]);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; n++) smul[n] = make_float2(p.scale_log2, p.scale_log2);
       }
 #pragma unroll
       for (int hf = 0; hf < 2; hf++) {
@@ -201,7 +263,7 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
 #pragma unroll
           for (int e = 0; e < 2; e++) {
             const int kp = k0 + n * 8 + 2 * tq + e;
-            float v = sc[n][2 * hf + e] * p.scale_log2;
+            float v = sc[n][2 * hf + e] * (e ? smul[n].y : smul[n].x);
             if (kp < s_lo || kp >= s_hi) v = -INFINITY;
             sc[n][2 * hf + e] = v;
             mx = fmaxf(mx, v);
@@ -222,24 +284,52 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
             sum += pe;
           }
         l[hf] = l[hf] * alpha + sum;
+        const float aa = alpha * resc; /* F8: the accumulator also changes its unit; l does not */
 #pragma unroll
         for (int n = 0; n < 8; n++) {
-          acc[n][2 * hf] *= alpha;
-          acc[n][2 * hf + 1] *= alpha;
+          acc[n][2 * hf] *= aa;
+          acc[n][2 * hf + 1] *= aa;
         }
       }
       uint32_t pa[4];
-      pa[0] = tw_pack_bf16(sc[0][0], sc[0][1]);
-      pa[1] = tw_pack_bf16(sc[0][2], sc[0][3]);
-      pa[2] = tw_pack_bf16(sc[1][0], sc[1][1]);
-      pa[3] = tw_pack_bf16(sc[1][2], sc[1][3]);
+      if constexpr (F8) { /* P with the keys' V scales (over u), in f16 */
 #pragma unroll
-      for (int np = 0; np < 4; np++) {
-        uint32_t bb[4];
-        const int r = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-        tw_ldmatrix_x4_trans(bb, vbase + tw_swz(r, 2 * np + (lane >> 4)));
-        tw_mma16816(acc[2 * np], pa, bb[0], bb[1]);
-        tw_mma16816(acc[2 * np + 1], pa, bb[2], bb[3]);
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+          for (int hf = 0; hf < 2; hf++) {
+            const __half2 h =
+                __floats2half2_rn(sc[n][2 * hf] * vsc[n].x, sc[n][2 * hf + 1] * vsc[n].y);
+            pa[2 * n + hf] = *reinterpret_cast<const uint32_t *>(&h);
+          }
+        /* matrix j of an x4: keys 8 (j & 1).., 16-byte column block 2 cp + (j >> 1) */
+        const int j = lane >> 3, r = warp * 16 + 8 * (j & 1) + (lane & 7);
+#pragma unroll
+        for (int cp = 0; cp < 2; cp++) {
+          uint32_t bb[4];
+          tw_ldmatrix_x4_trans(bb, tw_smem_u32(v8 + tw_dc_swz8(r, 2 * cp + (j >> 1))));
+#pragma unroll
+          for (int h = 0; h < 2; h++) { /* column block c: dims 16c + 2gq + par */
+            const int c = 2 * cp + h;
+            const uint32_t x0 = __byte_perm(bb[2 * h], 0u, 0x3120),
+                           x1 = __byte_perm(bb[2 * h + 1], 0u, 0x3120);
+            tw_mma16816_f16(acc[2 * c], pa, tw_e4m3x2_f16x2(x0), tw_e4m3x2_f16x2(x1));
+            tw_mma16816_f16(acc[2 * c + 1], pa, tw_e4m3x2_f16x2(x0 >> 16),
+                            tw_e4m3x2_f16x2(x1 >> 16));
+          }
+        }
+      } else {
+        pa[0] = tw_pack_bf16(sc[0][0], sc[0][1]);
+        pa[1] = tw_pack_bf16(sc[0][2], sc[0][3]);
+        pa[2] = tw_pack_bf16(sc[1][0], sc[1][1]);
+        pa[3] = tw_pack_bf16(sc[1][2], sc[1][3]);
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+          uint32_t bb[4];
+          const int r = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+          tw_ldmatrix_x4_trans(bb, vbase + tw_swz(r, 2 * np + (lane >> 4)));
+          tw_mma16816(acc[2 * np], pa, bb[0], bb[1]);
+          tw_mma16816(acc[2 * np + 1], pa, bb[2], bb[3]);
+        }
       }
     }
     __syncthreads();
@@ -264,9 +354,15 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
     }
 #pragma unroll
     for (int n = 0; n < 8; n++) {
-      float *a = sm_acc + (warp * 16 + row) * D + n * 8 + 2 * tq;
-      a[0] = acc[n][2 * hf];
-      a[1] = acc[n][2 * hf + 1];
+      if constexpr (F8) { /* MMA n = 2c + par: dims 16c + 4tq + par and + 2, times the unit */
+        float *a = sm_acc + (warp * 16 + row) * D + 16 * (n >> 1) + 4 * tq + (n & 1);
+        a[0] = acc[n][2 * hf] * u;
+        a[2] = acc[n][2 * hf + 1] * u;
+      } else {
+        float *a = sm_acc + (warp * 16 + row) * D + n * 8 + 2 * tq;
+        a[0] = acc[n][2 * hf];
+        a[1] = acc[n][2 * hf + 1];
+      }
     }
   }
   __syncthreads();
@@ -382,7 +478,8 @@ static __global__ void __launch_bounds__(128) tw_attn_decode_combine_kernel(
 /* Tuning knobs (knobs.h, read once per process; a decode graph keeps what
  * it was captured with; the workspace size follows TWAIN_CUDA_DC_CTAS when
  * it is computed): TWAIN_CUDA_DC_CTAS (target split CTAs per call, default
- * 512), TWAIN_CUDA_DC_STAGES (2 or 3 cp.async stages, default 3),
+ * 512), TWAIN_CUDA_DC_STAGES (2 or 3 cp.async stages, default 3; the fp8
+ * cache's half-size tiles take one more),
  * TWAIN_CUDA_DC_FUSED (0: separate combine kernel; default 1). For A/B runs
  * on the GPU machine and the kernel test. */
 static int tw_dc_target_ctas(void) { return tw_cuda_knobs()->dc_ctas; }
@@ -494,8 +591,11 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   p.ws_l = reinterpret_cast<float *>(w);
   p.out = static_cast<__nv_bfloat16 *>(out);
   dim3 grid((unsigned)p.n_splits, (unsigned)p.nkv, (unsigned)n_seqs);
-  if (shape->kv_fp8)
+  if (shape->kv_fp8 && tw_dc_stages() == 2) /* fp8 tiles are half the bytes: one stage more */
     tw_pdl_launch(tw_attn_decode_split_kernel<3, true>, dim3(grid), dim3(TW_DC_WARPS * 32), 0,
+                  stream, p);
+  else if (shape->kv_fp8)
+    tw_pdl_launch(tw_attn_decode_split_kernel<4, true>, dim3(grid), dim3(TW_DC_WARPS * 32), 0,
                   stream, p);
   else if (tw_dc_stages() == 2)
     tw_pdl_launch(tw_attn_decode_split_kernel<2, false>, dim3(grid), dim3(TW_DC_WARPS * 32), 0,

@@ -82,6 +82,30 @@ static __device__ __forceinline__ void tw_mma16816(float c[4], const uint32_t a[
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* c += a * b, f16 inputs, f32 accumulators (the fp8 KV cache's decode
+ * kernel: e4m3 converts to f16 exactly in one instruction a pair). */
+static __device__ __forceinline__ void tw_mma16816_f16(float c[4], const uint32_t a[4],
+                                                       uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+/* Two e4m3 bytes (the low byte into the low half) to f16x2: exact. */
+static __device__ __forceinline__ uint32_t tw_e4m3x2_f16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xFFFFu), __NV_E4M3);
+  return (uint32_t)h.x | ((uint32_t)h.y << 16);
+}
+/* Two floats to one register of two f16 (lo in the low half), saturated to
+ * +-65504 instead of overflowing to infinity. */
+static __device__ __forceinline__ uint32_t tw_pack_f16_sat(float lo, float hi) {
+  lo = fminf(fmaxf(lo, -65504.f), 65504.f);
+  hi = fminf(fmaxf(hi, -65504.f), 65504.f);
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t *>(&v);
+}
+
 /* Two floats to one register of two bf16 (lo in the low half). */
 static __device__ __forceinline__ uint32_t tw_pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

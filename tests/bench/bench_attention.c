@@ -7,7 +7,8 @@
  *     pool to exceed the 60 MB L2.
  * CUDA events after a warm-up, median of several runs. Random non-zero bf16
  * data (a random host buffer tiled over the device buffers).
- * Usage: twain-bench-attention [prefill|decode|all] [prefill variants, e.g. 0,4]
+ * Usage: twain-bench-attention [prefill|decode|decode-fp8|all] [prefill variants, e.g. 0,4]
+ * (decode-fp8: the decode rows on the fp8 KV cache)
  * (default: all, through tw_cuda_attention_prefill and its own variant choice). */
 #include "kernels/attention.h"
 
@@ -147,9 +148,13 @@ static int bench_prefill(int T, int window, int variant) {
 
 /* B sequences of ctx keys; max_len is the host bound (the decode graphs pass
  * their context bucket, up to 2x ctx, which sizes the split grid). */
-static int bench_decode(int B, int ctx, int max_len, int window) {
+/* fp8: the pool in the fp8 KV cache's layout (common/kv/kv_fp8.h: e4m3 rows
+ * and one f32 scale a (token, KV head); random bytes, timing only); the bytes
+ * counted are then the e4m3 rows and their scales. */
+static int bench_decode(int B, int ctx, int max_len, int window, int fp8) {
   const int nb_seq = (ctx + BS - 1) / BS;
-  const size_t set_bytes = (size_t)B * nb_seq * 2 * NKV * BS * D * 2;
+  const size_t tok_bytes = fp8 ? (size_t)(D + 4) : (size_t)D * 2; /* a (token, head) of K or V */
+  const size_t set_bytes = (size_t)B * nb_seq * 2 * NKV * BS * tok_bytes;
   int n_rot = (int)((256u << 20) / set_bytes) + 1; /* > 256 MiB over all copies */
   if (n_rot > 8) n_rot = 8;
   void *q, *pool, *out, *ws;
@@ -173,8 +178,13 @@ static int bench_decode(int B, int ctx, int max_len, int window) {
   CK(cudaMemcpy(sinks, hs, sizeof hs, cudaMemcpyHostToDevice));
   free(hbt);
   free(hl);
-  const tw_cuda_attn_shape_t sh = {.n_q_heads = NQ, .n_kv_heads = NKV, .head_dim = D,
-                                   .block_size = BS, .window = window, .scale = 0.125f};
+  const tw_cuda_attn_shape_t sh = {.n_q_heads = NQ,
+                                   .n_kv_heads = NKV,
+                                   .head_dim = D,
+                                   .block_size = BS,
+                                   .window = window,
+                                   .scale = 0.125f,
+                                   .kv_fp8 = fp8};
   const size_t ws_bytes = tw_cuda_attention_decode_workspace_bytes(&sh, B, max_len);
   CK(cudaMalloc(&ws, ws_bytes));
   CK(cudaMemset(ws, 0, ws_bytes)); /* the split counters start at zero */
@@ -199,11 +209,11 @@ static int bench_decode(int B, int ctx, int max_len, int window) {
   qsort(ms, reps, sizeof(float), cmp_float);
   const double med = ms[reps / 2] / iters;
   const int keys = window > 0 && window < ctx ? window : ctx;
-  const double bytes = (double)B * keys * NKV * D * 2 * 2;
+  const double bytes = (double)B * keys * NKV * (double)tok_bytes * 2;
   const double gbs = bytes / (med * 1e-3) / 1e9;
   char bound[32] = "";
   if (max_len != ctx) snprintf(bound, sizeof bound, " (bound %d)", max_len);
-  printf("| decode | %s | B=%d ctx=%d%s | %.4f | %.0f | %.0f%% |\n",
+  printf("| decode%s | %s | B=%d ctx=%d%s | %.4f | %.0f | %.0f%% |\n", fp8 ? " fp8" : "",
          window ? "sliding W128" : "full", B, ctx, bound, med, gbs, 100.0 * gbs / GBS_CEIL);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
@@ -260,17 +270,20 @@ int main(int argc, char **argv) {
         rc |= bench_prefill(Ts[i], 128, vars[v]);
       }
   }
-  if (!strcmp(what, "decode") || !strcmp(what, "all")) {
+  const int fp8 = !strcmp(what, "decode-fp8");
+  if (!strcmp(what, "decode") || fp8 || !strcmp(what, "all")) {
     printf("| kernel | layer | batch x context | ms | GB/s (K/V read) | of 4200 |\n"
            "|---|---|---|---|---|---|\n");
     const int Bs[] = {1, 4, 16, 64, 128, 256};
     const int ctxs[] = {8192, 32768};
     for (int c = 0; c < 2 && !rc; c++)
-      for (int i = 0; i < 6 && !rc; i++) rc |= bench_decode(Bs[i], ctxs[c], ctxs[c], 0);
+      for (int i = 0; i < 6 && !rc; i++) rc |= bench_decode(Bs[i], ctxs[c], ctxs[c], 0, fp8);
+    /* the engine's shapes at context 1,024: batches 64..1,024 */
+    for (int i = 2; i < 6 && !rc; i++) rc |= bench_decode(4 * Bs[i], 1024, 1024, 0, fp8);
     /* batch 1 as a decode graph sees it: a context one past the bucket below */
-    for (int c = 0; c < 2 && !rc; c++) rc |= bench_decode(1, ctxs[c] + 1, 2 * ctxs[c], 0);
-    rc |= bench_decode(1, 8193, 16384, 128);
-    rc |= bench_decode(64, 32768, 32768, 128);
+    for (int c = 0; c < 2 && !rc; c++) rc |= bench_decode(1, ctxs[c] + 1, 2 * ctxs[c], 0, fp8);
+    rc |= bench_decode(1, 8193, 16384, 128, fp8);
+    rc |= bench_decode(64, 32768, 32768, 128, fp8);
   }
   cudaFree(g_rand_dev);
   return rc;

@@ -404,9 +404,13 @@ static int tt_cpu_backend_crosscheck(const tt_shape_t *sh) {
 /* The fp8 KV cache: pool p (bf16 values) quantized into the fp8 layout of
  * common/kv/kv_fp8.h; `prefill` (queries start[s]..start[s]+len[s]-1 of each
  * sequence) or decode (one query at start[s] + len[s] - 1, keys 0..it) with
- * kv_fp8 = 1, against tw_cpu_attention over the same bytes. */
+ * kv_fp8 = 1, against tw_cpu_attention over the same bytes. `spread`: each
+ * (token, k|v, head) row times its own power of two in 2^-12..2^8 before it
+ * is quantized, so that the scales of neighbouring keys differ by up to 2^20
+ * (the decode kernel keeps its V accumulator in the largest V scale it has
+ * seen and rescales when a larger one comes). */
 static int tt_fp8_case(const tt_shape_t *sh, int prefill, int n_seqs, const int *start,
-                       const int *len) {
+                       const int *len, int spread) {
   char name[160];
   int n_keys[16], cu[17], n_tokens = 0, max_keys = 1;
   cu[0] = 0;
@@ -416,8 +420,9 @@ static int tt_fp8_case(const tt_shape_t *sh, int prefill, int n_seqs, const int 
     n_tokens += prefill ? len[s] : 1;
     cu[s + 1] = n_tokens;
   }
-  snprintf(name, sizeof name, "fp8_kv_%s(%s,W=%d,seqs=%d,T=%d,keys=%d)",
-           prefill ? "prefill" : "decode", sh->name, sh->window, n_seqs, n_tokens, max_keys);
+  snprintf(name, sizeof name, "fp8_kv_%s(%s,W=%d,seqs=%d,T=%d,keys=%d%s)",
+           prefill ? "prefill" : "decode", sh->name, sh->window, n_seqs, n_tokens, max_keys,
+           spread ? ",spread" : "");
   tt_pool_t p;
   if (tt_pool_make(sh, n_seqs, n_keys, &p)) return 1;
   const int bs = sh->block_size;
@@ -429,7 +434,9 @@ static int tt_fp8_case(const tt_shape_t *sh, int prefill, int n_seqs, const int 
         const uint16_t *x = p.pool + (((size_t)b * 2 * sh->nkv + kvg) * bs + sl) * D;
         uint8_t *dst = pool8 + ((size_t)b * 2 * sh->nkv + kvg) * part;
         float row[D], scale;
-        for (int d = 0; d < D; d++) row[d] = tt_bf2f(x[d]);
+        const uint32_t h = (uint32_t)((b * 2 * sh->nkv + kvg) * bs + sl) * 2654435761u;
+        const float mul = spread ? ldexpf(1.f, (int)((h >> 16) % 21) - 12) : 1.f;
+        for (int d = 0; d < D; d++) row[d] = tt_bf2f(x[d]) * mul;
         tw_kv_fp8_quantize(row, D, dst + (size_t)sl * D, &scale);
         memcpy(dst + (size_t)bs * D + (size_t)sl * 4, &scale, 4);
       }
@@ -633,17 +640,24 @@ int main(void) {
     const int s2[] = {1000}, l2[] = {129};
     const tt_shape_t *shapes[] = {&real_full, &real_slide, &tiny_slide};
     for (int k = 0; k < 3; k++) {
-      fails += tt_fp8_case(shapes[k], 1, 1, s0, l0);
-      fails += tt_fp8_case(shapes[k], 1, 4, s1, l1);
-      fails += tt_fp8_case(shapes[k], 1, 1, s2, l2);
-      fails += tt_fp8_case(shapes[k], 0, 4, s1, l1);
+      fails += tt_fp8_case(shapes[k], 1, 1, s0, l0, 0);
+      fails += tt_fp8_case(shapes[k], 1, 4, s1, l1, 0);
+      fails += tt_fp8_case(shapes[k], 1, 1, s2, l2, 0);
+      fails += tt_fp8_case(shapes[k], 0, 4, s1, l1, 0);
+      fails += tt_fp8_case(shapes[k], 0, 4, s1, l1, 1);
     }
     int lens[8], zero8[8] = {0};
     tt_mixed_lens(8, quick ? 3000 : 20000, lens);
-    fails += tt_fp8_case(&real_full, 0, 8, zero8, lens);
-    fails += tt_fp8_case(&real_slide, 0, 8, zero8, lens);
+    fails += tt_fp8_case(&real_full, 0, 8, zero8, lens, 0);
+    fails += tt_fp8_case(&real_slide, 0, 8, zero8, lens, 0);
+    fails += tt_fp8_case(&real_full, 0, 8, zero8, lens, 1);
     const int one = 1;
-    fails += tt_fp8_case(&real_full, 0, 1, zero8, &one);
+    fails += tt_fp8_case(&real_full, 0, 1, zero8, &one, 0);
+    setenv("TWAIN_CUDA_DC_STAGES", "2", 1); /* the fp8 decode kernel's 3-stage variant */
+    tw_cuda_knobs_reload();
+    fails += tt_fp8_case(&real_full, 0, 8, zero8, lens, 1);
+    unsetenv("TWAIN_CUDA_DC_STAGES");
+    tw_cuda_knobs_reload();
   }
 variant_cases:
   if (variants) { /* the listed prefill kernel variants */
