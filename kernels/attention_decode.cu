@@ -204,15 +204,12 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
     __syncthreads();
     const int k0 = kt * BN + warp * 16; /* this warp's 16 keys */
     if (k0 + 15 >= s_lo && k0 < s_hi) {
-      const uint32_t kbase = tw_smem_u32(sbuf + (st * 2 + 0) * BN * D * 2),
-                     vbase = tw_smem_u32(sbuf + (st * 2 + 1) * BN * D * 2);
-      const uint8_t *const k8 = raw8 + (st * 2 + 0) * BN * D; /* F8 */
-      const uint8_t *const v8 = raw8 + (st * 2 + 1) * BN * D; /* F8 */
       float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
       float2 smul[2]; /* a score's factor by key (2tq, 2tq + 1 of n-tile n) */
       float2 vsc[2];  /* F8: the keys' V scales over u */
       float resc = 1.f; /* F8: the accumulator's change of unit */
       if constexpr (F8) {
+        const uint8_t *const k8 = raw8 + (st * 2 + 0) * BN * D;
         uint4 kw[2];
 #pragma unroll
         for (int n = 0; n < 2; n++) {
@@ -244,6 +241,7 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
         }
         u = un;
       } else {
+        const uint32_t kbase = tw_smem_u32(sbuf + (st * 2 + 0) * BN * D * 2);
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
           uint32_t bb[4];
@@ -301,6 +299,7 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
                 __floats2half2_rn(sc[n][2 * hf] * vsc[n].x, sc[n][2 * hf + 1] * vsc[n].y);
             pa[2 * n + hf] = *reinterpret_cast<const uint32_t *>(&h);
           }
+        const uint8_t *const v8 = raw8 + (st * 2 + 1) * BN * D;
         /* matrix j of an x4: keys 8 (j & 1).., 16-byte column block 2 cp + (j >> 1) */
         const int j = lane >> 3, r = warp * 16 + 8 * (j & 1) + (lane & 7);
 #pragma unroll
@@ -322,6 +321,7 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
         pa[1] = tw_pack_bf16(sc[0][2], sc[0][3]);
         pa[2] = tw_pack_bf16(sc[1][0], sc[1][1]);
         pa[3] = tw_pack_bf16(sc[1][2], sc[1][3]);
+        const uint32_t vbase = tw_smem_u32(sbuf + (st * 2 + 1) * BN * D * 2);
 #pragma unroll
         for (int np = 0; np < 4; np++) {
           uint32_t bb[4];

@@ -130,7 +130,7 @@ static __device__ __forceinline__ float tw_ex2(float x) {
  * of the bf16 tile) at a time. e4m3 -> half is exact, then x scale in f32,
  * rounded to bf16 once. */
 static __device__ __forceinline__ uint32_t tw_fp8x2_bf16x2(uint16_t two, float s) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)two, __NV_E4M3);
+  const uint32_t h = tw_e4m3x2_f16x2(two);
   const float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&h));
   return tw_pack_bf16(f.x * s, f.y * s);
 }

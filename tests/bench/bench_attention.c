@@ -147,8 +147,8 @@ static int bench_prefill(int T, int window, int variant) {
 }
 
 /* B sequences of ctx keys; max_len is the host bound (the decode graphs pass
- * their context bucket, up to 2x ctx, which sizes the split grid). */
-/* fp8: the pool in the fp8 KV cache's layout (common/kv/kv_fp8.h: e4m3 rows
+ * their context bucket, up to 2x ctx, which sizes the split grid).
+ * fp8: the pool in the fp8 KV cache's layout (common/kv/kv_fp8.h: e4m3 rows
  * and one f32 scale a (token, KV head); random bytes, timing only); the bytes
  * counted are then the e4m3 rows and their scales. */
 static int bench_decode(int B, int ctx, int max_len, int window, int fp8) {
