@@ -10,9 +10,12 @@
  * gpt-oss-120b at 512 6,724 against 7,043. It is off by default: under MPS a
  * worker killed with KV puts of the other one in flight into its pool faults
  * that other worker (the puts land in memory freed with the killed client),
- * and the MPS server then refuses new clients, the restarted worker included,
- * while the faulted one lives: one kill stops the service, where time-sliced
- * workers recover (the kill run of tests/gpu/serve_load.sh).
+ * and the MPS server refuses new clients, the restarted worker included,
+ * while the faulted one lives. Serve retries such a restart like a crash
+ * (router/cli/cli_serve.c) and the router retries the faulted worker's
+ * prompts on its restart, so the service comes back, but only once the
+ * faulted worker has exited; time-sliced, the other worker never faults
+ * (the kill run of tests/gpu/serve_load.sh, docs/operations.md).
  *
  * The server is private to one serve: its own pipe and log directories (a
  * 0700 temporary directory), the control daemon run in the foreground as a
