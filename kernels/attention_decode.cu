@@ -57,6 +57,7 @@ typedef struct {
   const int32_t *block_tables;
   int32_t bt_stride;
   int32_t nq, nkv, group, block_size, window, n_splits, fused;
+  int32_t bs_shift; /* log2(block_size) where it is a power of two, else -1 */
   float scale_log2;
   float *ws_m, *ws_l, *ws_acc; /* [B][NQ][S], [B][NQ][S], [B][NQ][S][D] */
   int32_t *counters;           /* [B][NKV], zero between calls (fused merge) */
@@ -85,6 +86,16 @@ struct tw_dc_smem {
  * all 32 banks once. */
 static __device__ __forceinline__ int tw_dc_swz8(int row, int chunk) {
   return row * TW_ATTN_D + 16 * (chunk ^ ((row >> 1) & 3));
+}
+
+/* The KV block of key position `pos` and the position within it: a shift
+ * and a mask for a power-of-two block size (the default 16), a division
+ * otherwise (it costs about as many instructions as the rest of a row's
+ * address). */
+static __device__ __forceinline__ int tw_dc_block_of(int pos, int bs, int bs_shift, int *off) {
+  const int blk = bs_shift >= 0 ? pos >> bs_shift : pos / bs;
+  *off = pos - blk * bs;
+  return blk;
 }
 
 template <int NS, bool F8>
@@ -122,25 +133,26 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
   const uint8_t *kv8_g = kv8 + (int64_t)g * part8;
 
   auto load_kv = [&](int stage, int kt) {
-    if constexpr (F8) { /* 4 chunks of 16 bytes a row, then the row's two scales */
+    if constexpr (F8) { /* 4 chunks of 16 bytes a row; the row's two scales by its chunk 0 */
       for (int c = tid; c < BN * 4; c += NT) {
         const int r = c >> 2, ch = c & 3;
         const int pos = kt * BN + r;
         const bool ok = pos >= s_lo && pos < s_hi;
-        const uint8_t *src = kv8;
-        if (ok) src = kv8_g + (int64_t)bt[pos / bs] * blk8 + (int64_t)(pos % bs) * D + ch * 16;
+        const uint8_t *src = kv8, *ssrc = kv8;
+        if (ok) {
+          int off;
+          const uint8_t *blk = kv8_g + (int64_t)bt[tw_dc_block_of(pos, bs, p.bs_shift, &off)] * blk8;
+          src = blk + (int64_t)off * D + ch * 16;
+          ssrc = blk + (int64_t)bs * D + off * 4;
+        }
         tw_cp_async16(tw_smem_u32(raw8 + (stage * 2 + 0) * BN * D + tw_dc_swz8(r, ch)), src, ok);
         tw_cp_async16(tw_smem_u32(raw8 + (stage * 2 + 1) * BN * D + tw_dc_swz8(r, ch)),
                       ok ? src + (int64_t)p.nkv * part8 : kv8, ok);
-      }
-      for (int r = tid; r < BN; r += NT) {
-        const int pos = kt * BN + r;
-        const bool ok = pos >= s_lo && pos < s_hi;
-        const uint8_t *src = kv8;
-        if (ok) src = kv8_g + (int64_t)bt[pos / bs] * blk8 + (int64_t)bs * D + (pos % bs) * 4;
-        tw_cp_async4(tw_smem_u32(scl + (stage * 2 + 0) * BN + r), src, ok);
-        tw_cp_async4(tw_smem_u32(scl + (stage * 2 + 1) * BN + r),
-                     ok ? src + (int64_t)p.nkv * part8 : kv8, ok);
+        if (ch == 0) {
+          tw_cp_async4(tw_smem_u32(scl + (stage * 2 + 0) * BN + r), ssrc, ok);
+          tw_cp_async4(tw_smem_u32(scl + (stage * 2 + 1) * BN + r),
+                       ok ? ssrc + (int64_t)p.nkv * part8 : kv8, ok);
+        }
       }
     } else {
     for (int c = tid; c < BN * 8; c += NT) {
@@ -148,7 +160,11 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
       const int pos = kt * BN + r;
       const bool ok = pos >= s_lo && pos < s_hi;
       const __nv_bfloat16 *src = p.kv;
-      if (ok) src = kv_g + (int64_t)bt[pos / bs] * blk_elems + (int64_t)(pos % bs) * D + ch * 8;
+      if (ok) {
+        int off;
+        src = kv_g + (int64_t)bt[tw_dc_block_of(pos, bs, p.bs_shift, &off)] * blk_elems +
+              (int64_t)off * D + ch * 8;
+      }
       tw_cp_async16(tw_smem_u32(sbuf + (stage * 2 + 0) * BN * D * 2) + tw_swz(r, ch), src, ok);
       tw_cp_async16(tw_smem_u32(sbuf + (stage * 2 + 1) * BN * D * 2) + tw_swz(r, ch),
                     ok ? src + (int64_t)p.nkv * head_elems : p.kv, ok);
@@ -254,18 +270,25 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
         for (int n = 0; n < 2; n++) smul[n] = make_float2(p.scale_log2, p.scale_log2);
       }
 #pragma unroll
+      for (int n = 0; n < 2; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) sc[n][e] *= e & 1 ? smul[n].y : smul[n].x;
+      if (k0 < s_lo || k0 + 16 > s_hi) { /* a tile at the split's edge (warp-uniform) */
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            const int kp = k0 + n * 8 + 2 * tq + (e & 1);
+            if (kp < s_lo || kp >= s_hi) sc[n][e] = -INFINITY;
+          }
+      }
+      float aa[2]; /* the accumulator's factor by row half */
+#pragma unroll
       for (int hf = 0; hf < 2; hf++) {
         float mx = -INFINITY;
 #pragma unroll
         for (int n = 0; n < 2; n++)
-#pragma unroll
-          for (int e = 0; e < 2; e++) {
-            const int kp = k0 + n * 8 + 2 * tq + e;
-            float v = sc[n][2 * hf + e] * (e ? smul[n].y : smul[n].x);
-            if (kp < s_lo || kp >= s_hi) v = -INFINITY;
-            sc[n][2 * hf + e] = v;
-            mx = fmaxf(mx, v);
-          }
+          mx = fmaxf(mx, fmaxf(sc[n][2 * hf], sc[n][2 * hf + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float mn = fmaxf(m[hf], mx);
@@ -282,12 +305,15 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
             sum += pe;
           }
         l[hf] = l[hf] * alpha + sum;
-        const float aa = alpha * resc; /* F8: the accumulator also changes its unit; l does not */
+        aa[hf] = alpha * resc; /* F8: the accumulator also changes its unit; l does not */
+      }
+      /* Once a row's maximum settles (and, F8, the unit u), its factors are 1:
+       * the warp skips the 32 multiplies unless one of its rows needs them. */
+      if (__any_sync(0xffffffffu, aa[0] != 1.f || aa[1] != 1.f)) {
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
-          acc[n][2 * hf] *= aa;
-          acc[n][2 * hf + 1] *= aa;
-        }
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) acc[n][e] *= aa[e >> 1];
       }
       uint32_t pa[4];
       if constexpr (F8) { /* P with the keys' V scales (over u), in f16 */
@@ -578,6 +604,7 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   p.nkv = shape->n_kv_heads;
   p.group = shape->n_q_heads / shape->n_kv_heads;
   p.block_size = shape->block_size;
+  p.bs_shift = (shape->block_size & (shape->block_size - 1)) ? -1 : __builtin_ctz(shape->block_size);
   p.window = shape->window;
   p.scale_log2 = shape->scale * TW_LOG2E;
   const size_t n_part = (size_t)n_seqs * p.nq * p.n_splits;

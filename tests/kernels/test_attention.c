@@ -552,6 +552,9 @@ int main(void) {
   const tt_shape_t real_slide = {"gptoss", 64, 8, 128, 16};
   const tt_shape_t tiny_full = {"tiny", 4, 2, 0, 16};
   const tt_shape_t tiny_slide = {"tiny", 4, 2, 32, 16};
+  /* a block size that is not a power of two (the kernels' division path) */
+  const tt_shape_t bs12_full = {"gptoss-bs12", 64, 8, 0, 12};
+  const tt_shape_t bs12_slide = {"gptoss-bs12", 64, 8, 128, 12};
   int fails = tt_cpu_backend_crosscheck(&real_full) + tt_cpu_backend_crosscheck(&real_slide) +
               tt_cpu_backend_crosscheck(&tiny_slide);
   if (!tt_gpu_available()) {
@@ -586,6 +589,8 @@ int main(void) {
     fails += tt_prefill_case(&real_slide, 4, starts, lens);
     fails += tt_prefill_case(&tiny_full, 4, starts, lens);
     fails += tt_prefill_case(&tiny_slide, 4, starts, lens);
+    fails += tt_prefill_case(&bs12_full, 4, starts, lens);
+    fails += tt_prefill_case(&bs12_slide, 4, starts, lens);
   }
   if (!quick) {
     const int start = 0, T = 1000;
@@ -608,6 +613,8 @@ int main(void) {
     tt_mixed_lens(8, 2000, lens);
     fails += tt_decode_case(&tiny_full, 8, lens, 0, "mixed");
     fails += tt_decode_case(&tiny_slide, 8, lens, 0, "mixed");
+    fails += tt_decode_case(&bs12_full, 8, lens, 0, "mixed");
+    fails += tt_decode_case(&bs12_slide, 8, lens, 0, "mixed");
     /* The kernel's other configurations (knobs.h, read again after each
      * setenv): the separate combine kernel with 2 stages, and many small
      * splits (a merge over up to 128 splits), each with a context bucket 2x
@@ -638,8 +645,8 @@ int main(void) {
   { /* the fp8 KV cache: prefill (one and several sequences, chunked) and decode */
     const int s0[] = {0}, l0[] = {300}, s1[] = {0, 300, 17, 2000}, l1[] = {200, 129, 1, 77};
     const int s2[] = {1000}, l2[] = {129};
-    const tt_shape_t *shapes[] = {&real_full, &real_slide, &tiny_slide};
-    for (int k = 0; k < 3; k++) {
+    const tt_shape_t *shapes[] = {&real_full, &real_slide, &tiny_slide, &bs12_full, &bs12_slide};
+    for (int k = 0; k < 5; k++) {
       fails += tt_fp8_case(shapes[k], 1, 1, s0, l0, 0);
       fails += tt_fp8_case(shapes[k], 1, 4, s1, l1, 0);
       fails += tt_fp8_case(shapes[k], 1, 1, s2, l2, 0);
