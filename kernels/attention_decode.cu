@@ -57,7 +57,7 @@ typedef struct {
   const int32_t *block_tables;
   int32_t bt_stride;
   int32_t nq, nkv, group, block_size, window, n_splits, fused;
-  int32_t bs_shift; /* log2(block_size) where it is a power of two, else -1 */
+  int32_t bs_shift; /* tw_kv_bs_shift(block_size) */
   float scale_log2;
   float *ws_m, *ws_l, *ws_acc; /* [B][NQ][S], [B][NQ][S], [B][NQ][S][D] */
   int32_t *counters;           /* [B][NKV], zero between calls (fused merge) */
@@ -86,16 +86,6 @@ struct tw_dc_smem {
  * all 32 banks once. */
 static __device__ __forceinline__ int tw_dc_swz8(int row, int chunk) {
   return row * TW_ATTN_D + 16 * (chunk ^ ((row >> 1) & 3));
-}
-
-/* The KV block of key position `pos` and the position within it: a shift
- * and a mask for a power-of-two block size (the default 16), a division
- * otherwise (it costs about as many instructions as the rest of a row's
- * address). */
-static __device__ __forceinline__ int tw_dc_block_of(int pos, int bs, int bs_shift, int *off) {
-  const int blk = bs_shift >= 0 ? pos >> bs_shift : pos / bs;
-  *off = pos - blk * bs;
-  return blk;
 }
 
 template <int NS, bool F8>
@@ -140,8 +130,8 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
         const bool ok = pos >= s_lo && pos < s_hi;
         const uint8_t *src = kv8, *ssrc = kv8;
         if (ok) {
-          int off;
-          const uint8_t *blk = kv8_g + (int64_t)bt[tw_dc_block_of(pos, bs, p.bs_shift, &off)] * blk8;
+          const int off = tw_kv_slot_of(pos, bs, p.bs_shift);
+          const uint8_t *blk = kv8_g + (int64_t)bt[tw_kv_block_of(pos, bs, p.bs_shift)] * blk8;
           src = blk + (int64_t)off * D + ch * 16;
           ssrc = blk + (int64_t)bs * D + off * 4;
         }
@@ -160,11 +150,9 @@ static __global__ void __launch_bounds__(TW_DC_WARPS * 32) tw_attn_decode_split_
       const int pos = kt * BN + r;
       const bool ok = pos >= s_lo && pos < s_hi;
       const __nv_bfloat16 *src = p.kv;
-      if (ok) {
-        int off;
-        src = kv_g + (int64_t)bt[tw_dc_block_of(pos, bs, p.bs_shift, &off)] * blk_elems +
-              (int64_t)off * D + ch * 8;
-      }
+      if (ok)
+        src = kv_g + (int64_t)bt[tw_kv_block_of(pos, bs, p.bs_shift)] * blk_elems +
+              (int64_t)tw_kv_slot_of(pos, bs, p.bs_shift) * D + ch * 8;
       tw_cp_async16(tw_smem_u32(sbuf + (stage * 2 + 0) * BN * D * 2) + tw_swz(r, ch), src, ok);
       tw_cp_async16(tw_smem_u32(sbuf + (stage * 2 + 1) * BN * D * 2) + tw_swz(r, ch),
                     ok ? src + (int64_t)p.nkv * head_elems : p.kv, ok);
@@ -604,7 +592,7 @@ extern "C" tw_status_t tw_cuda_attention_decode(const tw_cuda_attn_shape_t *shap
   p.nkv = shape->n_kv_heads;
   p.group = shape->n_q_heads / shape->n_kv_heads;
   p.block_size = shape->block_size;
-  p.bs_shift = (shape->block_size & (shape->block_size - 1)) ? -1 : __builtin_ctz(shape->block_size);
+  p.bs_shift = tw_kv_bs_shift(shape->block_size);
   p.window = shape->window;
   p.scale_log2 = shape->scale * TW_LOG2E;
   const size_t n_part = (size_t)n_seqs * p.nq * p.n_splits;

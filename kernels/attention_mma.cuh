@@ -1,6 +1,6 @@
 /* attention_mma.cuh: device helpers shared by the tensor-core kernels
  * (attention_prefill.cu, attention_decode.cu, moe_grouped.cu; not a public
- * header): cp.async 16-byte
+ * header): the paged KV lookup, cp.async 16-byte
  * copies, ldmatrix, the bf16 m16n8k16 tensor-core MMA with f32 accumulation,
  * and the swizzled shared-memory layout of 64-wide bf16 tiles.
  *
@@ -23,6 +23,23 @@
 #include <stdint.h>
 
 #define TW_ATTN_D 64 /* the only head_dim built */
+
+/* Paged KV lookup shared by the attention kernels: key position `pos` lies
+ * in block-table entry tw_kv_block_of(pos) at row tw_kv_slot_of(pos) of that
+ * block. `bs_shift` is tw_kv_bs_shift(block_size), computed once on the host:
+ * a shift and a mask for a power-of-two block size (16 by default), a
+ * division otherwise. */
+static __host__ __device__ __forceinline__ int tw_kv_bs_shift(int block_size) {
+  for (int b = 0; b < 31; b++)
+    if (block_size == (1 << b)) return b;
+  return -1;
+}
+static __device__ __forceinline__ int tw_kv_block_of(int pos, int bs, int bs_shift) {
+  return bs_shift >= 0 ? pos >> bs_shift : pos / bs;
+}
+static __device__ __forceinline__ int tw_kv_slot_of(int pos, int bs, int bs_shift) {
+  return bs_shift >= 0 ? pos & (bs - 1) : pos % bs;
+}
 
 static __device__ __forceinline__ uint32_t tw_smem_u32(const void *p) {
   return (uint32_t)__cvta_generic_to_shared(p);

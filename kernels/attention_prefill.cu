@@ -123,7 +123,7 @@ static __global__ void __launch_bounds__(NW * 32, MINB) tw_attn_prefill_kernel(c
     for (int i = 0; i < CPT; i++) {
       const int pos = kt * BN + (tid >> 3) + i * (NT / 8);
       const bool ok = kt >= kt_lo && pos >= key_lo && pos <= q_last;
-      blk[i] = ok ? bt[sh >= 0 ? pos >> sh : pos / bs] : -1;
+      blk[i] = ok ? bt[tw_kv_block_of(pos, bs, sh)] : -1;
     }
   };
   auto load_kv = [&](int stage, int kt, const int (&blk)[CPT]) {
@@ -132,7 +132,7 @@ static __global__ void __launch_bounds__(NW * 32, MINB) tw_attn_prefill_kernel(c
       const int r = (tid >> 3) + i * (NT / 8), ch = tid & 7;
       const int pos = kt * BN + r;
       const bool ok = blk[i] >= 0; /* others: zeros, masked */
-      const int slot = sh >= 0 ? pos & (bs - 1) : pos % bs;
+      const int slot = tw_kv_slot_of(pos, bs, sh);
       if constexpr (F8) { /* chunk ch < 4: K bytes 16ch.., else V; ch 0 / 4 also the scale */
         const int kv = ch >> 2;
         const uint8_t *part = kv8_g + (int64_t)blk[i] * blk8 + kv * (int64_t)p.nkv * part8;
@@ -470,9 +470,7 @@ static TW_NODISCARD tw_status_t tw_pf_run(const tw_cuda_attn_shape_t *shape, con
   p.nkv = shape->n_kv_heads;
   p.group = shape->n_q_heads / shape->n_kv_heads;
   p.block_size = shape->block_size;
-  p.bs_shift = -1;
-  for (int b = 0; b < 31; b++)
-    if (shape->block_size == (1 << b)) p.bs_shift = b;
+  p.bs_shift = tw_kv_bs_shift(shape->block_size);
   p.window = shape->window;
   p.scale_log2 = shape->scale * TW_LOG2E;
   p.f8 = shape->kv_fp8;
