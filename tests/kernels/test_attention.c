@@ -420,9 +420,11 @@ static int tt_fp8_case(const tt_shape_t *sh, int prefill, int n_seqs, const int 
     n_tokens += prefill ? len[s] : 1;
     cu[s + 1] = n_tokens;
   }
-  snprintf(name, sizeof name, "fp8_kv_%s(%s,W=%d,seqs=%d,T=%d,keys=%d%s)",
+  char vtag[24] = "";
+  if (prefill && g_variant >= 0) snprintf(vtag, sizeof vtag, ",variant=%d", g_variant);
+  snprintf(name, sizeof name, "fp8_kv_%s(%s,W=%d,seqs=%d,T=%d,keys=%d%s%s)",
            prefill ? "prefill" : "decode", sh->name, sh->window, n_seqs, n_tokens, max_keys,
-           spread ? ",spread" : "");
+           spread ? ",spread" : "", vtag);
   tt_pool_t p;
   if (tt_pool_make(sh, n_seqs, n_keys, &p)) return 1;
   const int bs = sh->block_size;
@@ -480,10 +482,13 @@ static int tt_fp8_case(const tt_shape_t *sh, int prefill, int n_seqs, const int 
   TT_CUDA(cudaMemset(d_out, 0xff, sizeof(uint16_t) * n_tokens * sh->nq * D)); /* NaN */
   TT_CUDA(cudaMemset(d_ws, 0, ws_bytes));
   tw_status_t st =
-      prefill ? tw_cuda_attention_prefill(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, n_tokens,
-                                          d_cu, d_start, d_bt, p.bt_stride, d_out, 0)
-              : tw_cuda_attention_decode(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, d_lens, d_bt,
-                                         p.bt_stride, max_keys, d_ws, ws_bytes, d_out, 0);
+      prefill && g_variant >= 0 ? tw_cuda_attention_prefill_variant(
+                                      &ash, d_q, q_stride, d_pool, d_sinks, n_seqs, n_tokens, d_cu,
+                                      d_start, d_bt, p.bt_stride, d_out, g_variant, 0)
+      : prefill ? tw_cuda_attention_prefill(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, n_tokens,
+                                            d_cu, d_start, d_bt, p.bt_stride, d_out, 0)
+                : tw_cuda_attention_decode(&ash, d_q, q_stride, d_pool, d_sinks, n_seqs, d_lens,
+                                           d_bt, p.bt_stride, max_keys, d_ws, ws_bytes, d_out, 0);
   int rc = 0;
   if (st != TW_OK) {
     printf("FAIL %s: %s\n", name, tw_last_error());
@@ -635,6 +640,10 @@ int main(void) {
       fails += tt_decode_case(&real_slide, 1, &big, 2 * big, "one");
       tt_mixed_lens(8, big, lens);
       fails += tt_decode_case(&real_full, 8, lens, 2 * big, "mixed");
+      /* the block lookup's division path in this configuration too */
+      tt_mixed_lens(8, 3000, lens);
+      fails += tt_decode_case(&bs12_full, 8, lens, 6000, "mixed");
+      fails += tt_decode_case(&bs12_slide, 8, lens, 6000, "mixed");
     }
     unsetenv("TWAIN_CUDA_DC_FUSED");
     unsetenv("TWAIN_CUDA_DC_STAGES");
@@ -663,6 +672,8 @@ int main(void) {
     setenv("TWAIN_CUDA_DC_STAGES", "2", 1); /* the fp8 decode kernel's 3-stage variant */
     tw_cuda_knobs_reload();
     fails += tt_fp8_case(&real_full, 0, 8, zero8, lens, 1);
+    fails += tt_fp8_case(&bs12_full, 0, 4, s1, l1, 1);
+    fails += tt_fp8_case(&bs12_slide, 0, 4, s1, l1, 0);
     unsetenv("TWAIN_CUDA_DC_STAGES");
     tw_cuda_knobs_reload();
   }
@@ -680,6 +691,13 @@ variant_cases:
       fails += tt_prefill_case(&real_full, 1, &s1, &l1);
       fails += tt_prefill_case(&real_slide, 1, &s1, &l1);
       fails += tt_prefill_case(&real_full, 1, &s0, &l2);
+      fails += tt_prefill_case(&bs12_full, 4, starts, lens);
+      fails += tt_prefill_case(&bs12_slide, 4, starts, lens);
+      if (g_variant == 0 || g_variant == 4 || g_variant == 5) { /* built for the fp8 cache */
+        fails += tt_fp8_case(&real_slide, 1, 4, starts, lens, 0);
+        fails += tt_fp8_case(&bs12_full, 1, 4, starts, lens, 1);
+        fails += tt_fp8_case(&bs12_slide, 1, 4, starts, lens, 0);
+      }
     }
   }
   printf("%s: %d failing case(s)\n", fails ? "FAIL" : "PASS", fails);
