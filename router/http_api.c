@@ -33,6 +33,12 @@ bool tw_http_owns(const uint8_t *id, size_t id_len) {
 
 int tw_http_fd(const tw_http_t *h) { return h ? h->fd : -1; }
 
+int tw_http_wait_ms(const tw_http_t *h, int cap_ms) {
+  MHD_UNSIGNED_LONG_LONG to = 0;
+  if (!h || MHD_get_timeout(h->d, &to) != MHD_YES) return cap_ms;
+  return to < (MHD_UNSIGNED_LONG_LONG)cap_ms ? (int)to : cap_ms;
+}
+
 unsigned tw_http_status_of_code(int code) {
   switch (code) {
     case TWAIN__V1__CODE__INVALID_ARGUMENT: case TWAIN__V1__CODE__UNIMPLEMENTED: return 400;

@@ -30,6 +30,12 @@ void tw_http_stop(tw_http_t *h);
 /** The fd the router polls for readability (libmicrohttpd's epoll set); -1
  *  for NULL. */
 int tw_http_fd(const tw_http_t *h);
+/** How long the router may block in its poll of tw_http_fd: cap_ms, or less
+ *  where libmicrohttpd says so (MHD_get_timeout: 0 while a connection is
+ *  ready without a new epoll event, e.g. the next request of a kept-alive
+ *  connection read along with the last answer, which would otherwise wait
+ *  for the cap; a connection timeout's deadline). cap_ms for NULL. */
+int tw_http_wait_ms(const tw_http_t *h, int cap_ms);
 /** Accept, read and write whatever is ready, without blocking; once a second
  *  also keeps idle streams alive. NULL does nothing. */
 void tw_http_run(tw_http_t *h);

@@ -726,8 +726,9 @@ TW_NODISCARD tw_status_t tw_router_run(const tw_router_params_t *p, atomic_int *
     zmq_pollitem_t items[3] = {{.socket = r.csock, .events = ZMQ_POLLIN},
                                {.socket = r.wsock, .events = ZMQ_POLLIN},
                                {.fd = tw_http_fd(r.http), .events = ZMQ_POLLIN}};
-    /* idle (nothing in flight): wake only for messages, or every 100 ms to expire workers */
-    int rc = zmq_poll(items, r.http ? 3 : 2, r.n_reqs ? 10 : 100);
+    /* idle (nothing in flight): wake only for messages, or every 100 ms to expire
+     * workers; sooner where the HTTP server has work ready without a new event */
+    int rc = zmq_poll(items, r.http ? 3 : 2, tw_http_wait_ms(r.http, r.n_reqs ? 10 : 100));
     if (rc < 0 && errno != EINTR) {
       st = tw_err(TW_ERR_TRANSPORT, "zmq_poll failed: %s", zmq_strerror(errno));
       break;
