@@ -2,6 +2,7 @@
  * API (docs/api.md). One DEALER socket, one request, streamed replies until
  * the one with done = true (bounded by --timeout-ms). */
 #include "router/cli/cli.h"
+#include "router/cli/cli_text.h"
 
 #include "common/text/harmony.h"
 
@@ -581,35 +582,27 @@ int tw_cli_generate(int argc, char **argv) {
     fprintf(stderr, "twain generate: cannot read the ids from stdin\n");
     return 1;
   }
-  int32_t *ids = malloc(sizeof(int32_t) * 65536);
-  size_t n = 0;
-  int bad = !ids;
-  for (; (piped || i < argc) && !bad; i++) {
-    char *save = NULL, *buf = piped ? piped : strdup(argv[i]);
-    for (char *t = strtok_r(buf, ", []\n\t\r", &save); t && !bad; t = strtok_r(NULL, ", []\n\t\r", &save)) {
-      long long v;
-      if (n == 65536) {
-        fprintf(stderr, "twain generate: more than 65536 prompt token ids\n");
-        bad = 1;
-      } else if (tw_opts_int("twain generate", "token id", t, 0, INT32_MAX, &v)) {
-        bad = 1;
-      } else {
-        ids[n++] = (int32_t)v;
-      }
-    }
-    free(buf);
-    if (piped) break;
+  /* the ids: each argument, or all of stdin, as tw_cli_parse_ids reads them */
+  tw_token_ids_t tv;
+  tw_token_ids_init(&tv);
+  int bad = 0;
+  if (piped) bad = !tw_cli_parse_ids("generate", piped, &tv);
+  for (; !piped && i < argc && !bad; i++) bad = !tw_cli_parse_ids("generate", argv[i], &tv);
+  free(piped);
+  if (!bad && tv.n > 65536) {
+    fprintf(stderr, "twain generate: more than 65536 prompt token ids\n");
+    bad = 1;
   }
-  if (bad || n == 0) {
+  if (bad || tv.n == 0) {
     if (!bad)
       fprintf(stderr, "twain generate: missing the prompt token ids (arguments, or a JSON array or "
                       "numbers on stdin)\n");
-    free(ids);
+    tw_token_ids_fini(&tv);
     return 2;
   }
   Twain__V1__GenerateRequest g = TWAIN__V1__GENERATE_REQUEST__INIT;
-  g.prompt_ids = ids;
-  g.n_prompt_ids = n;
+  g.prompt_ids = tv.ids;
+  g.n_prompt_ids = tv.n;
   Twain__V1__SamplingParams sp = TWAIN__V1__SAMPLING_PARAMS__INIT;
   tw_client_sampling(&o, &sp);
   sp.stop_token_ids = e.stop;
@@ -625,6 +618,6 @@ int tw_cli_generate(int argc, char **argv) {
   int rc = tw_client_call(&o, &req, tw_gen_on_reply, &st, "twain generate", &err);
   if (rc && o.json) tw_print_json_error(&err);
   cJSON_Delete(st.ids);
-  free(ids);
+  tw_token_ids_fini(&tv);
   return rc;
 }

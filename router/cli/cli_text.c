@@ -105,15 +105,14 @@ static int tw_fail(const tw_text_opts_t *o, const char *what) {
   return 1;
 }
 
-/* Ids from text: a JSON array, or integers separated by blanks/commas. */
-static int tw_parse_ids(const tw_text_opts_t *o, const char *s, tw_token_ids_t *ids) {
+int tw_cli_parse_ids(const char *cmd, const char *s, tw_token_ids_t *ids) {
   const char *p = s;
   while (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') p++;
   if (*p == '[') {
     cJSON *arr = cJSON_Parse(p);
     if (!cJSON_IsArray(arr)) {
       cJSON_Delete(arr);
-      fprintf(stderr, "twain %s: stdin is not a JSON array of ids\n", o->cmd);
+      fprintf(stderr, "twain %s: the ids are not a JSON array (of non-negative integers)\n", cmd);
       return 0;
     }
     int i = 0;
@@ -121,8 +120,8 @@ static int tw_parse_ids(const tw_text_opts_t *o, const char *s, tw_token_ids_t *
     cJSON_ArrayForEach(v, arr) {
       if (!cJSON_IsNumber(v) || v->valuedouble != (double)(int32_t)v->valuedouble ||
           v->valuedouble < 0) {
-        fprintf(stderr, "twain %s: element %d of the id array is not a non-negative integer\n",
-                o->cmd, i);
+        fprintf(stderr, "twain %s: element %d of the id array is not a non-negative integer\n", cmd,
+                i);
         cJSON_Delete(arr);
         return 0;
       }
@@ -144,7 +143,7 @@ static int tw_parse_ids(const tw_text_opts_t *o, const char *s, tw_token_ids_t *
     errno = 0;
     long v = strtol(p, &end, 10);
     if (end == p || errno || v < 0 || v > INT32_MAX) {
-      fprintf(stderr, "twain %s: bad id at \"%.20s\"\n", o->cmd, p);
+      fprintf(stderr, "twain %s: bad id at \"%.20s\"\n", cmd, p);
       return 0;
     }
     if (tw_token_ids_push(ids, (int32_t)v) != TW_OK) return 0;
@@ -201,7 +200,7 @@ int tw_cli_detokenize(int argc, char **argv) {
   tw_tok_buf_init(&in);
   tw_tok_buf_init(&out);
   tw_token_ids_init(&ids);
-  if (!tw_read_stdin(&in) || !tw_parse_ids(&o, in.data, &ids)) {
+  if (!tw_read_stdin(&in) || !tw_cli_parse_ids(o.cmd, in.data, &ids)) {
     rc = 1;
   } else if (tw_tokenizer_decode(tok, ids.ids, ids.n, o.skip_special ? TW_TOK_SKIP_SPECIAL : 0,
                                  &out) != TW_OK) {
@@ -348,7 +347,7 @@ int tw_cli_parse(int argc, char **argv) {
                         .stop = cJSON_CreateNull()};
   if (tw_harmony_create(tok, &h) != TW_OK) {
     rc = tw_fail(&o, "not a Harmony tokenizer");
-  } else if (!tw_read_stdin(&in) || !tw_parse_ids(&o, in.data, &ids)) {
+  } else if (!tw_read_stdin(&in) || !tw_cli_parse_ids(o.cmd, in.data, &ids)) {
     rc = 1;
   } else if (tw_harmony_parser_create(h, o.conversation ? -1 : TW_HARMONY_ROLE_ASSISTANT,
                                       tw_on_event, &out, &p) != TW_OK) {

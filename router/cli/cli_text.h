@@ -9,9 +9,18 @@
 #ifndef TW_ROUTER_CLI_TEXT_H
 #define TW_ROUTER_CLI_TEXT_H
 
+#include "common/text/tokenizer.h"
+
 int tw_cli_tokenize(int argc, char **argv);
 int tw_cli_detokenize(int argc, char **argv);
 int tw_cli_render(int argc, char **argv);
 int tw_cli_parse(int argc, char **argv);
+
+/** Token ids from text, appended to *ids: a JSON array of non-negative
+ *  integers (cJSON parses the whole text: a broken or nested array is
+ *  refused), or integers in 0..INT32_MAX separated by blanks or commas.
+ *  Returns 1, or 0 with the reason on stderr after "twain CMD: " (bad
+ *  text, or no memory); *ids may then hold the ids before the bad one. */
+int tw_cli_parse_ids(const char *cmd, const char *s, tw_token_ids_t *ids);
 
 #endif

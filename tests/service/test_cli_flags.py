@@ -64,12 +64,14 @@ for path, env, must in ((("tests", "bench", "twain-bench-cuda"), "TWAIN_BENCH_CU
         PROGS.append(prog([svc.bin_path(*path)], env, must))
 
 
-def run(argv, env=None, timeout=30):
+def run(argv, env=None, timeout=30, stdin_text=None):
     e = dict(os.environ)
     for k in list(e):  # only the variables a check sets
         if k.startswith("TWAIN_") and k not in ("TWAIN_LOG", "TWAIN_LOG_SUBSYS"):
             del e[k]
     e.update(env or {})
+    if stdin_text is not None:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=e, input=stdin_text)
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=e, stdin=subprocess.DEVNULL)
 
 
@@ -147,6 +149,18 @@ check(r.returncode == 1 and ("no answer from %s within 300 ms" % dead) in r.stde
       "chat --endpoint=EP --connect-timeout-ms=300: %r" % r.stderr.strip()[-120:])
 r = run([TWAIN, "generate", "--endpoint", dead], env={"TWAIN_GENERATE_CONNECT_TIMEOUT_MS": "250"}, timeout=30)
 check(r.returncode == 2 and "missing the prompt token ids" in r.stderr, "generate without ids: usage error (%r)" % r.stderr.strip()[-120:])
+# ids on stdin or as arguments: a broken or nested JSON array, a stray bracket, a
+# negative id are usage errors before any connection (as `twain detokenize` reads them)
+for text, why in (("[1, 2", "not a JSON array"), ("1 2]", 'bad id at "]'), ("[[1,2]]", "element 0 of the id array"),
+                  ("[1,-2]", "element 1 of the id array"), ("abc", 'bad id at "abc')):
+    r = run([TWAIN, "generate", "--endpoint", dead], env={"TWAIN_GENERATE_CONNECT_TIMEOUT_MS": "250"}, stdin_text=text)
+    check(r.returncode == 2 and why in r.stderr, "generate with %r on stdin: usage error naming it (rc %d, %r)" %
+          (text, r.returncode, r.stderr.strip()[-120:]))
+r = run([TWAIN, "generate", "--endpoint", dead, "--", "-5"], env={"TWAIN_GENERATE_CONNECT_TIMEOUT_MS": "250"})
+check(r.returncode == 2 and 'bad id at "-5"' in r.stderr, "generate -- -5: usage error (%r)" % r.stderr.strip()[-120:])
+r = run([TWAIN, "generate", "--endpoint", dead], env={"TWAIN_GENERATE_CONNECT_TIMEOUT_MS": "250"}, stdin_text="[1, 2]\n")
+check(r.returncode == 1 and ("no answer from %s within 250 ms" % dead) in r.stderr,
+      "generate with a JSON array on stdin: read, then the connection tried (%r)" % r.stderr.strip()[-120:])
 r = run([TWAIN, "generate", "--endpoint", dead, "1,2"], env={"TWAIN_GENERATE_CONNECT_TIMEOUT_MS": "250"})
 check(r.returncode == 1 and ("no answer from %s within 250 ms" % dead) in r.stderr,
       "TWAIN_GENERATE_CONNECT_TIMEOUT_MS=250 is used: %r" % r.stderr.strip()[-120:])
