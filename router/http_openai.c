@@ -22,8 +22,12 @@
 /* The field a conversation error (tw_harmony_conversation_from_openai_json)
  * is about: tools, tool_choice, or the messages (`input` in Responses). */
 static const char *tw_conv_param(const char *msg, const char *messages) {
-  if (!strncmp(msg, "tools", 5)) return "tools";
-  if (!strncmp(msg, "tool_choice", 11)) return "tool_choice";
+  /* the conversation reader's messages start with the field they are about */
+  static const char *const fields[] = {
+      "tool_choice",      "tools",          "reasoning_effort",      "current_date",
+      "knowledge_cutoff", "model_identity", "developer_instructions"};
+  for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+    if (!strncmp(msg, fields[i], strlen(fields[i]))) return fields[i];
   return messages;
 }
 

@@ -517,6 +517,7 @@ static const char *tw_error_param(const tw_hconn_t *c, const char *msg) {
   if (!strncmp(msg, "max_tokens", 10)) return c->max_key ? c->max_key : "max_tokens";
   if (!strncmp(msg, "chat: tools[", 12) || !strncmp(msg, "tools[", 6)) return "tools";
   if (!strncmp(msg, "chat: messages", 14)) return input;
+  if (!strncmp(msg, "chat: date", 10)) return "current_date";
   if (strstr(msg, "temperature")) return "temperature";
   if (strstr(msg, "top_p")) return "top_p";
   return NULL;

@@ -352,10 +352,14 @@ try:
                         ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
                         ({"messages": USER, "logprobs": True}, "logprobs"),
                         ({"messages": USER, "tool_choice": {"type": "function", "function": {"name": "nope"}},
-                          "tools": TOOLS}, "tool_choice")):
+                          "tools": TOOLS}, "tool_choice"),
+                        ({"messages": USER, "reasoning_effort": "max"}, "reasoning_effort")):
         st, r = api.post("/v1/chat/completions", body)
         check(st == 400 and r["error"]["param"] == param and param in r["error"]["message"],
               "%s: 400 naming %s (%s)" % (json.dumps(body)[:60], param, r))
+    st, r = api.post("/v1/chat/completions", {"messages": USER, "current_date": "2026-13-01"})
+    check(st == 400 and r["error"]["param"] == "current_date" and "YYYY-MM-DD" in r["error"]["message"],
+          "current_date 2026-13-01: 400 with param current_date (%s)" % r)
     st, r = api.post("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"})
     check(st == 400 and r["error"]["param"] == "previous_response_id", "previous_response_id: 400 (%s)" % r)
     st, r = api.post("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
