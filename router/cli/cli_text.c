@@ -134,20 +134,23 @@ int tw_cli_parse_ids(const char *cmd, const char *s, tw_token_ids_t *ids) {
     cJSON_Delete(arr);
     return 1;
   }
+  char prog[64];
+  snprintf(prog, sizeof prog, "twain %s", cmd);
+  static const char *const sep = " ,\n\t\r";
   while (*p) {
-    if (*p == ' ' || *p == ',' || *p == '\n' || *p == '\t' || *p == '\r') {
-      p++;
-      continue;
-    }
-    char *end;
-    errno = 0;
-    long v = strtol(p, &end, 10);
-    if (end == p || errno || v < 0 || v > INT32_MAX) {
-      fprintf(stderr, "twain %s: bad id at \"%.20s\"\n", cmd, p);
+    const size_t skip = strspn(p, sep), n = strcspn(p + skip, sep);
+    if (!n) break;
+    char item[32]; /* each item whole: "12abc" or "2]" is refused, not read as 12 or 2 */
+    snprintf(item, sizeof item, "%.*s", (int)(n < sizeof item - 1 ? n : sizeof item - 1), p + skip);
+    long long v;
+    if (n >= sizeof item || tw_opts_int(prog, "token id", item, 0, INT32_MAX, &v)) {
+      if (n >= sizeof item)
+        fprintf(stderr, "%s: token id must be an integer in [0, %d], got '%s...'\n", prog,
+                INT32_MAX, item);
       return 0;
     }
     if (tw_token_ids_push(ids, (int32_t)v) != TW_OK) return 0;
-    p = end;
+    p += skip + n;
   }
   return 1;
 }

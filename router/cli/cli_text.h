@@ -18,7 +18,8 @@ int tw_cli_parse(int argc, char **argv);
 
 /** Token ids from text, appended to *ids: a JSON array of non-negative
  *  integers (cJSON parses the whole text: a broken or nested array is
- *  refused), or integers in 0..INT32_MAX separated by blanks or commas.
+ *  refused), or integers in 0..INT32_MAX separated by blanks or commas,
+ *  each item whole (tw_opts_int: "12abc" or "2]" is refused, naming it).
  *  Returns 1, or 0 with the reason on stderr after "twain CMD: " (bad
  *  text, or no memory); *ids may then hold the ids before the bad one. */
 int tw_cli_parse_ids(const char *cmd, const char *s, tw_token_ids_t *ids);
