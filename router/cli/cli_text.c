@@ -13,7 +13,6 @@
 #include "common/text/tokenizer.h"
 
 #include <cjson/cJSON.h>
-#include <errno.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -134,25 +133,17 @@ int tw_cli_parse_ids(const char *cmd, const char *s, tw_token_ids_t *ids) {
     cJSON_Delete(arr);
     return 1;
   }
-  char prog[64];
+  char prog[64], *buf = strdup(p), *save = NULL;
+  if (!buf) return 0;
   snprintf(prog, sizeof prog, "twain %s", cmd);
-  static const char *const sep = " ,\n\t\r";
-  while (*p) {
-    const size_t skip = strspn(p, sep), n = strcspn(p + skip, sep);
-    if (!n) break;
-    char item[32]; /* each item whole: "12abc" or "2]" is refused, not read as 12 or 2 */
-    snprintf(item, sizeof item, "%.*s", (int)(n < sizeof item - 1 ? n : sizeof item - 1), p + skip);
+  int ok = 1; /* each item whole: "12abc" or "2]" is refused, not read as 12 or 2 */
+  for (char *t = strtok_r(buf, " ,\n\t\r", &save); t && ok; t = strtok_r(NULL, " ,\n\t\r", &save)) {
     long long v;
-    if (n >= sizeof item || tw_opts_int(prog, "token id", item, 0, INT32_MAX, &v)) {
-      if (n >= sizeof item)
-        fprintf(stderr, "%s: token id must be an integer in [0, %d], got '%s...'\n", prog,
-                INT32_MAX, item);
-      return 0;
-    }
-    if (tw_token_ids_push(ids, (int32_t)v) != TW_OK) return 0;
-    p += skip + n;
+    ok = !tw_opts_int(prog, "token id", t, 0, INT32_MAX, &v) &&
+         tw_token_ids_push(ids, (int32_t)v) == TW_OK;
   }
-  return 1;
+  free(buf);
+  return ok;
 }
 
 static void tw_print_ids(const tw_token_ids_t *ids) {
