@@ -87,9 +87,9 @@ TW_NODISCARD tw_status_t tw_cuda_moe_route_init(void *mem, size_t bytes, int32_t
                                                 tw_cuda_moe_route_t *route_p);
 
 /** Whether tw_cuda_moe_router_fused takes T tokens of hidden size H from x
- *  and w: 1 <= T <= 64, T <= route->max_tokens, T * E <= 2048, T * k <= 1024,
- *  H % 8 == 0, x and w 16-byte aligned, and TWAIN_CUDA_FUSED_ROUTER is not
- *  "0" in the environment. */
+ *  and w: 1 <= T <= 64, T <= route->max_tokens, T * E <= 4096, E <= 256,
+ *  T * k <= 1024, H % 8 == 0, x and w 16-byte aligned, and
+ *  TWAIN_CUDA_FUSED_ROUTER is not "0" in the environment. */
 int tw_cuda_moe_router_fused_supported(const tw_cuda_moe_route_t *route, const void *x,
                                        const void *w, int32_t T, int32_t H);
 

@@ -247,10 +247,16 @@ __global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int 
  * ticket[0]) counts and sorts the step's assignments (tw_moe_sort_block).
  * Each counter is reset to 0 by the block that read it last. Token groups
  * keep the serial parts short at batch 64 (one group of 64 tokens took 66 us
- * a layer on the H200). */
+ * a layer on the H200). It runs up to T x E = 4,096 (gpt-oss-20b: 64 tokens,
+ * gpt-oss-120b: 32): beyond, the router GEMM and the route kernels were
+ * faster (120b at 64 tokens, 20b at 128 and 256), below slower (120b at 32:
+ * 1,607 -> 1,642 tok/s on an H100; docs/benchmarks.md). Blocks of four
+ * experts each (the token rows read once per four) measured 0.7-0.8% slower
+ * at 16 and 64 tokens. */
 #define TW_ROUTER_TOKENS_PER_BLOCK 8
 #define TW_ROUTER_FUSED_MAX_T 64
-#define TW_ROUTER_FUSED_MAX_TE 2048
+#define TW_ROUTER_FUSED_MAX_TE 4096 /* T x E */
+#define TW_ROUTER_GROUP_MAX_E 256   /* a token group's logits in shared memory */
 __global__ void __launch_bounds__(256)
     tw_moe_router_fused_kernel(const __nv_bfloat16 *__restrict__ x,
                                const __nv_bfloat16 *__restrict__ w,
@@ -262,7 +268,7 @@ __global__ void __launch_bounds__(256)
                                int32_t *__restrict__ n_active, int32_t *__restrict__ ticket) {
   TW_PDL_WAIT();
   __shared__ float part[8][TW_ROUTER_TOKENS_PER_BLOCK];
-  __shared__ float lg_s[TW_ROUTER_FUSED_MAX_TE]; /* one group's logits, [nt, E] */
+  __shared__ float lg_s[TW_ROUTER_TOKENS_PER_BLOCK * TW_ROUTER_GROUP_MAX_E]; /* [nt, E] */
   __shared__ int last_s;
   const int e = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nc = H / 8;
   const int t0 = blockIdx.y * TW_ROUTER_TOKENS_PER_BLOCK,
@@ -339,7 +345,8 @@ static int tw_router_fused_env(void) { return tw_cuda_knobs()->fused_router; }
 extern "C" int tw_cuda_moe_router_fused_supported(const tw_cuda_moe_route_t *r, const void *x,
                                                   const void *w, int32_t T, int32_t H) {
   return r && x && w && !(((uintptr_t)x | (uintptr_t)w) & 15) && tw_router_fused_env() && T >= 1 && T <= TW_ROUTER_FUSED_MAX_T && T <= r->max_tokens &&
-         T * r->n_experts <= TW_ROUTER_FUSED_MAX_TE && T * r->k <= TW_ROUTE_FUSED_MAX && H > 0 &&
+         T * r->n_experts <= TW_ROUTER_FUSED_MAX_TE && r->n_experts <= TW_ROUTER_GROUP_MAX_E &&
+         T * r->k <= TW_ROUTE_FUSED_MAX && H > 0 &&
          H % 8 == 0;
 }
 
@@ -353,8 +360,10 @@ extern "C" tw_status_t tw_cuda_moe_router_fused(const tw_cuda_moe_route_t *r, co
   if (!tw_cuda_moe_router_fused_supported(r, x, w, T, H))
     return tw_err(TW_ERR_UNSUPPORTED,
                   "moe_router_fused: T=%d, H=%d, E=%d, k=%d outside its limits (T <= %d, T*E <= "
-                  "%d, H %% 8 == 0, 16-byte aligned) or turned off (TWAIN_CUDA_FUSED_ROUTER=0)",
-                  T, H, r->n_experts, r->k, TW_ROUTER_FUSED_MAX_T, TW_ROUTER_FUSED_MAX_TE);
+                  "%d, E <= %d, H %% 8 == 0, 16-byte aligned) or turned off "
+                  "(TWAIN_CUDA_FUSED_ROUTER=0)",
+                  T, H, r->n_experts, r->k, TW_ROUTER_FUSED_MAX_T, TW_ROUTER_FUSED_MAX_TE,
+                  TW_ROUTER_GROUP_MAX_E);
   tw_pdl_launch(tw_moe_router_fused_kernel,
                 dim3(r->n_experts, TW_CDIV(T, TW_ROUTER_TOKENS_PER_BLOCK)), dim3(256), 0, stream,
                 static_cast<const __nv_bfloat16 *>(x), static_cast<const __nv_bfloat16 *>(w),

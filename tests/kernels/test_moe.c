@@ -649,10 +649,19 @@ int main(void) {
   for (size_t i = 0; i < sizeof gemm_cases / sizeof gemm_cases[0]; i++)
     rc |= run_case(pool, gemm, &gemm_cases[i], 1, 3 + (int)(i % 2));
   static const moe_case_t router[] = {
-      {"20b", 2880, 2880, 32, 4, 1},   {"20b", 2880, 2880, 32, 4, 61},
-      {"20b", 2880, 2880, 32, 4, 64},  {"120b", 2880, 2880, 128, 4, 1},
-      {"120b", 2880, 2880, 128, 4, 16}, {"tiny", 256, 512, 8, 2, 13},
+      {"20b", 2880, 2880, 32, 4, 1},
+      {"20b", 2880, 2880, 32, 4, 61},
+      {"20b", 2880, 2880, 32, 4, 64},
+      {"120b", 2880, 2880, 128, 4, 1},
+      {"120b", 2880, 2880, 128, 4, 16},
+      {"tiny", 256, 512, 8, 2, 13},
       {"odd", 96, 160, 5, 3, 7},
+      /* up to T x E = 4,096 (120b: 32 tokens); E = 130: a token group's
+       * logits past the 2,048 of before */
+      {"120b", 2880, 2880, 128, 4, 32},
+      {"120b", 2880, 2880, 128, 4, 25},
+      {"odd", 96, 160, 5, 3, 64},
+      {"wide", 256, 512, 130, 4, 31},
   };
   for (size_t i = 0; i < sizeof router / sizeof router[0]; i++) rc |= run_router_case(&router[i]);
   tw_cuda_gemm_destroy(gemm);
