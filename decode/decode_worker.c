@@ -588,6 +588,7 @@ static TW_NODISCARD tw_status_t tw_decoder_step(tw_decoder_t *d) {
                          : tw_dist_engine_decode(d->wk.dist, d->engine, &bt[0].args);
   if (st == TW_OK && tw_test_device_error())
     st = tw_err(TW_ERR_CUDA, "simulated device error (the TWAIN_TEST_DEVICE_ERROR hook)");
+  tw_test_step_delay();
   int64_t t1 = tw_msg_clock_ns();
   d->last_step_end_ns = t1;
   tw_metric_add(d->m.steps, 1);

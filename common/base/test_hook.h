@@ -4,12 +4,14 @@
  * variable (0, unset or negative: never): TWAIN_TEST_BAD_PLAN
  * (common/engine/dist_engine.c), TWAIN_TEST_DEVICE_ERROR (below:
  * prefill/worker_handoff.c, decode/decode_worker.c),
- * TWAIN_TEST_KV_DEVICE_ERROR (below: decode/decode_worker.c). */
+ * TWAIN_TEST_KV_DEVICE_ERROR (below: decode/decode_worker.c); and one that
+ * slows every decode step, TWAIN_TEST_STEP_DELAY_US (below). */
 #ifndef TW_COMMON_TEST_HOOK_H
 #define TW_COMMON_TEST_HOOK_H
 
 #include <stdbool.h>
 #include <stdlib.h>
+#include <time.h>
 
 /** One hook site's state: a static `tw_test_hook_t h = TW_TEST_HOOK_INIT`. */
 typedef struct {
@@ -50,6 +52,25 @@ static inline bool tw_test_kv_device_error(void) {
   return tw_test_hook_nth(&h, "TWAIN_TEST_KV_DEVICE_ERROR");
 #else
   return false;
+#endif
+}
+
+/** TWAIN_TEST_STEP_DELAY_US=N (0..1,000,000, read once; unset, 0 or out of
+ *  range: none): this decode worker sleeps N microseconds after each step, so
+ *  that a test's stream outlasts a timeout on any machine
+ *  (tests/service/test_service_ops.py); nothing without the hooks. */
+static inline void tw_test_step_delay(void) {
+#ifdef TW_TEST_HOOKS
+  static long us = -1; /* one site a process: its decode loop's thread */
+  if (us < 0) {
+    const char *v = getenv("TWAIN_TEST_STEP_DELAY_US");
+    us = v ? strtol(v, NULL, 10) : 0;
+    if (us < 0 || us > 1000000) us = 0;
+  }
+  if (us > 0) {
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    nanosleep(&ts, NULL);
+  }
 #endif
 }
 

@@ -32,9 +32,10 @@ def outlasts(cl, rid, seconds):
     """The premise of a drain-timeout check: request rid (3900 tokens) must
     still be running `seconds` after the signal. Times 100 tokens after the
     first 5 and returns (True when the rest would take more than twice
-    `seconds` at that rate, tokens/s). The CPU backend always qualifies; a
-    GPU decodes this 4096-position model faster than a 2 s timeout (the flag
-    takes whole seconds)."""
+    `seconds` at that rate, tokens/s). With the test hooks compiled in, the
+    workers' 2 ms a step makes every backend qualify; without them a fast
+    CPU or a GPU may decode this 4096-position model faster than a 2 s
+    timeout (the flag takes whole seconds)."""
     svc.wait_tokens(cl, rid, 5)
     n0, t0 = len(svc.tokens_of(cl.replies.get(rid, []))), time.time()
     svc.wait_tokens(cl, rid, n0 + 100)
@@ -129,7 +130,11 @@ check(bad.returncode != 0 and "not a numeric IPv4 or IPv6 address" in bad.stderr
 
 # ---- decode drain bounded by --drain-timeout; /livez 200 while /healthz is 503
 # (2 s: the draining daemon must still answer the /healthz and /livez polls
-# below when this process gets the CPU late on a loaded machine)
+# below when this process gets the CPU late on a loaded machine). The decode
+# workers sleep 2 ms a step (a test-build hook), so that the 3900-token stream
+# outlasts the timeout on any machine: the tiny model's CPU decode alone ran
+# 971 tokens/s on a 2-core machine, where the check needs under about 950.
+os.environ["TWAIN_TEST_STEP_DELAY_US"] = "2000"
 c = svc.Cluster(1, 1, router_args=["--drain-timeout", "2", "--max-tokens-limit", "4000"],
                 decode_args=["--drain-timeout", "2", "--metrics-addr", "127.0.0.1"])
 try:
@@ -152,6 +157,7 @@ try:
     cl.close()
 finally:
     c.close()
+    del os.environ["TWAIN_TEST_STEP_DELAY_US"]
 
 # ---- a second SIGTERM ends a drain at once (decode, router), a second
 # SIGINT the stop of `twain serve` (Ctrl-C twice)
