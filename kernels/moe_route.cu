@@ -250,7 +250,7 @@ __global__ void tw_moe_route_fused_kernel(const float *__restrict__ logits, int 
  * a layer on the H200). It runs up to T x E = 4,096 (gpt-oss-20b: 64 tokens,
  * gpt-oss-120b: 32): beyond, the router GEMM and the route kernels were
  * faster (120b at 64 tokens, 20b at 128 and 256), below slower (120b at 32:
- * 1,607 -> 1,642 tok/s on an H100; docs/benchmarks.md). Blocks of four
+ * 1,605 -> 1,649 tok/s on an H100; docs/benchmarks.md). Blocks of four
  * experts each (the token rows read once per four) measured 0.7-0.8% slower
  * at 16 and 64 tokens. */
 #define TW_ROUTER_TOKENS_PER_BLOCK 8

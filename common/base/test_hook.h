@@ -9,6 +9,7 @@
 #ifndef TW_COMMON_TEST_HOOK_H
 #define TW_COMMON_TEST_HOOK_H
 
+#include <limits.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <time.h>
@@ -20,14 +21,18 @@ typedef struct {
 } tw_test_hook_t;
 #define TW_TEST_HOOK_INIT {-1, 0}
 
+/** The value of the environment variable `env` as a number in [0, max]:
+ *  0 where it is unset, negative or above max. */
+static inline long tw_test_hook_env(const char *env, long max) {
+  const char *v = getenv(env);
+  const long n = v ? strtol(v, NULL, 10) : 0;
+  return n < 0 || n > max ? 0 : n;
+}
+
 /** Counts one call of the site `h` and returns true on the N-th, N from the
  *  environment variable `env` (read on the first call). */
 static inline bool tw_test_hook_nth(tw_test_hook_t *h, const char *env) {
-  if (h->at < 0) {
-    const char *v = getenv(env);
-    h->at = v ? strtol(v, NULL, 10) : 0;
-    if (h->at < 0) h->at = 0;
-  }
+  if (h->at < 0) h->at = tw_test_hook_env(env, LONG_MAX);
   return h->at > 0 && ++h->seen == h->at;
 }
 
@@ -62,11 +67,7 @@ static inline bool tw_test_kv_device_error(void) {
 static inline void tw_test_step_delay(void) {
 #ifdef TW_TEST_HOOKS
   static long us = -1; /* one site a process: its decode loop's thread */
-  if (us < 0) {
-    const char *v = getenv("TWAIN_TEST_STEP_DELAY_US");
-    us = v ? strtol(v, NULL, 10) : 0;
-    if (us < 0 || us > 1000000) us = 0;
-  }
+  if (us < 0) us = tw_test_hook_env("TWAIN_TEST_STEP_DELAY_US", 1000000);
   if (us > 0) {
     struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
     nanosleep(&ts, NULL);
