@@ -47,6 +47,8 @@ typedef struct {
   void *tmp;    /* host conversion buffer */
   size_t tmp_bytes;
   int views;    /* 1: the arena holds the weights already (CUDA IPC): pointers only */
+  void *dscr;   /* device scratch: an expert tensor's blocks before packing */
+  size_t dscr_bytes;
 } tw_ce_up_t;
 
 static TW_NODISCARD tw_status_t tw_ce_tmp(tw_ce_up_t *u, size_t bytes) {
@@ -216,6 +218,45 @@ static TW_NODISCARD tw_status_t tw_ce_put_experts(tw_ce_up_t *u, const tw_ce_t *
   return TW_OK;
 }
 
+/* The MXFP4 blocks [E, N, K/32, 16] of this rank's experts [e0, e1) in the
+ * packed device layout (moe.h TW_MX_CHUNK), packed on the device from a
+ * scratch copy of the checkpoint's bytes; *dst_p as tw_ce_put_experts sets
+ * it (global expert e at its usual place). */
+static TW_NODISCARD tw_status_t tw_ce_put_experts_mx(tw_ce_up_t *u, const tw_ce_t *ce,
+                                                     const tw_tensor_t *t, int32_t N, int32_t K,
+                                                     const char *name, const void **dst_p) {
+  const int64_t e0 = ce->sh.e0, ne = ce->sh.e1 - ce->sh.e0;
+  if (!t->data) return tw_err(TW_ERR_NOT_FOUND, "cuda engine: tensor %s is absent", name);
+  if (t->dtype != TW_DTYPE_U8 || t->ndim < 1 || tw_ce_numel(t) != t->shape[0] * (int64_t)N * (K / 2) ||
+      e0 < 0 || e0 + ne > t->shape[0])
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "cuda engine: expert blocks %s are not u8 [E, %d, %d, 16] with experts %lld..%lld",
+                  name, N, K / 32, (long long)e0, (long long)(e0 + ne));
+  const size_t per = tw_cuda_mxfp4_packed_bytes(1, N, K), bytes = per * (size_t)ne;
+  const void *p = NULL;
+  if (!u->base || u->views) {
+    TW_CHECK(tw_ce_put(u, NULL, bytes, &p));
+  } else {
+    const size_t nat = (size_t)ne * N * (K / 2);
+    if (u->dscr_bytes < nat) {
+      cudaFree(u->dscr);
+      u->dscr = NULL;
+      u->dscr_bytes = 0;
+      TW_CUDA_CHECK(cudaMalloc(&u->dscr, nat));
+      u->dscr_bytes = nat;
+    }
+    TW_CUDA_CHECK(cudaMemcpy(u->dscr, (const uint8_t *)t->data + (size_t)e0 * N * (K / 2), nat,
+                             cudaMemcpyHostToDevice));
+    char *dst = u->base + u->off;
+    u->off += tw_ce_align(bytes);
+    TW_CHECK(tw_cuda_mxfp4_pack((const uint8_t *)u->dscr, (int32_t)ne, N, K, (uint8_t *)dst, 0));
+    TW_CUDA_CHECK(cudaDeviceSynchronize());
+    p = dst;
+  }
+  *dst_p = p ? (const char *)p - (size_t)e0 * per : NULL;
+  return TW_OK;
+}
+
 /* The one weight walk, the same at every TP/EP size: this rank's rows of
  * each tensor (ce->sh, shard_plan.h; at tp = ep = 1 every row, so a single
  * GPU runs the same code as a shard). Run twice: sizing (u->base NULL), then
@@ -279,13 +320,15 @@ static TW_NODISCARD tw_status_t tw_ce_walk(tw_ce_t *ce, const tw_model_t *m, tw_
       mw->down_bias = (const float *)p;
       continue;
     }
-    TW_CHECK(tw_ce_put_experts(u, ce, &lw->gate_up_blocks, TW_DTYPE_U8, "gate_up_blocks", &p));
+    TW_CHECK(tw_ce_put_experts_mx(u, ce, &lw->gate_up_blocks, 2 * c->intermediate, c->hidden,
+                                  "gate_up_blocks", &p));
     mw->gate_up_blocks = (const uint8_t *)p;
     TW_CHECK(tw_ce_put_experts(u, ce, &lw->gate_up_scales, TW_DTYPE_U8, "gate_up_scales", &p));
     mw->gate_up_scales = (const uint8_t *)p;
     TW_CHECK(tw_ce_put_experts(u, ce, &lw->gate_up_bias, TW_DTYPE_F32, "gate_up_bias", &p));
     mw->gate_up_bias = (const float *)p;
-    TW_CHECK(tw_ce_put_experts(u, ce, &lw->down_blocks, TW_DTYPE_U8, "down_blocks", &p));
+    TW_CHECK(tw_ce_put_experts_mx(u, ce, &lw->down_blocks, c->hidden, c->intermediate,
+                                  "down_blocks", &p));
     mw->down_blocks = (const uint8_t *)p;
     TW_CHECK(tw_ce_put_experts(u, ce, &lw->down_scales, TW_DTYPE_U8, "down_scales", &p));
     mw->down_scales = (const uint8_t *)p;
@@ -547,7 +590,7 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   tw_ce_t *ce = (tw_ce_t *)calloc(1, sizeof(*ce));
   tw_ce_layer_t *layers = (tw_ce_layer_t *)calloc((size_t)c->n_layers, sizeof(*layers));
   tw_status_t st = TW_OK;
-  tw_ce_up_t up = {NULL, 0, NULL, 0, 0};
+  tw_ce_up_t up = {NULL, 0, NULL, 0, 0, NULL, 0};
   tw_ce_carve_t cv = {NULL, 0};
   size_t free_b = 0, total_b = 0, kv_block_all = 0, h_bytes = 0, pbf16_bytes = 0;
   bool pbf16_on = false;
@@ -620,6 +663,8 @@ extern "C" tw_status_t tw_cuda_engine_create(const tw_model_t *model,
   st = tw_ce_walk(ce, model, &up); /* views: pointers only, nothing uploaded */
   free(up.tmp);
   up.tmp = NULL;
+  cudaFree(up.dscr);
+  up.dscr = NULL;
   if (st < 0) goto fail;
   if (ce->share_fd >= 0) TW_CHECK_GOTO(tw_ce_share_publish(ce, params->device), st, fail);
   e->weights_origin = ce->warena_imported ? 2 : ce->share_exported ? 1 : 0;

@@ -39,15 +39,16 @@ static size_t tw_moe_smem_bytes(int tc, int cols) {
   return (16 + (size_t)tc * (cols / 32) * TW_MOE_XPAD) * sizeof(float);
 }
 
-/* Dot products of one MXFP4 row (NB blocks) with TC token vectors in smem;
+/* Dot products of one MXFP4 row (NB blocks; packed, moe.h TW_MX_CHUNK: rb
+ * its chunk 0, cs the chunk stride) with TC token vectors in smem;
  * lane-partial sums (caller reduces across the warp). */
 template <int TC>
-static __device__ __forceinline__ void tw_moe_row_dot(const uint8_t *__restrict__ rb,
+static __device__ __forceinline__ void tw_moe_row_dot(const uint8_t *__restrict__ rb, int64_t cs,
                                                       const uint8_t *__restrict__ rs, int NB,
                                                       const float *xs, const float *tab, int lane,
                                                       int nt, float acc[TC]) {
   for (int b = lane; b < NB; b += 32) {
-    uint4 wv = __ldg(reinterpret_cast<const uint4 *>(rb + (size_t)b * 16));
+    uint4 wv = __ldg(reinterpret_cast<const uint4 *>(rb + (b >> 2) * cs + (b & 3) * 16));
     float sc = tw_e8m0_to_f32(__ldg(rs + b));
     float part[TC];
 #pragma unroll
@@ -119,10 +120,11 @@ __global__ void __launch_bounds__(TW_MOE_WARPS * 32)
       float ag[TC], au[TC];
 #pragma unroll
       for (int t = 0; t < TC; t++) ag[t] = au[t] = 0.0f;
-      tw_moe_row_dot<TC>(w.gate_up_blocks + rg * NB * 16, w.gate_up_scales + rg * NB, NB, xs, tab,
-                         lane, nt, ag);
-      tw_moe_row_dot<TC>(w.gate_up_blocks + (rg + 1) * NB * 16, w.gate_up_scales + (rg + 1) * NB,
-                         NB, xs, tab, lane, nt, au);
+      const uint8_t *rb = w.gate_up_blocks + tw_mx_row(e, 2 * (int64_t)p, 2 * I, H);
+      const int64_t cs = tw_mx_cstride(2 * I);
+      tw_moe_row_dot<TC>(rb, cs, w.gate_up_scales + rg * NB, NB, xs, tab, lane, nt, ag);
+      tw_moe_row_dot<TC>(rb + TW_MX_CHUNK, cs, w.gate_up_scales + (rg + 1) * NB, NB, xs, tab,
+                         lane, nt, au);
 #pragma unroll
       for (int t = 0; t < TC; t++)
         for (int o = 16; o > 0; o >>= 1) {
@@ -168,8 +170,8 @@ __global__ void __launch_bounds__(TW_MOE_WARPS * 32)
       float acc[TC];
 #pragma unroll
       for (int t = 0; t < TC; t++) acc[t] = 0.0f;
-      tw_moe_row_dot<TC>(w.down_blocks + row * NB * 16, w.down_scales + row * NB, NB, xs, tab,
-                         lane, nt, acc);
+      tw_moe_row_dot<TC>(w.down_blocks + tw_mx_row(e, r, H, I), tw_mx_cstride(H),
+                         w.down_scales + row * NB, NB, xs, tab, lane, nt, acc);
 #pragma unroll
       for (int t = 0; t < TC; t++)
         for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
@@ -260,6 +262,51 @@ extern "C" tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
   return tw_moe_combine_f32(r, T, H, y, NULL, out, stream);
 }
 
+/* ---- the packed device layout of the MXFP4 blocks (moe.h TW_MX_CHUNK) ---- */
+
+/* One thread per 16-byte piece of the packed tensor, in its order (coalesced
+ * writes; each read is a 16-byte piece of a row). */
+__global__ void tw_mxfp4_pack_kernel(const uint8_t *__restrict__ nat, int64_t pieces, int N,
+                                     int K, uint8_t *__restrict__ pk) {
+  const int KC = (K + 127) / 128, KH = K / 2;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < pieces;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const int q = (int)(i & 3);            /* piece of the 64-byte chunk */
+    const int64_t rc = i >> 2;             /* (e, c, n) in that order */
+    const int n = (int)(rc % N);
+    const int64_t ec = rc / N;
+    const int c = (int)(ec % KC);
+    const int64_t e = ec / KC;
+    const int j = c * TW_MX_CHUNK + 16 * q; /* byte of the row */
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (j < KH) v = *reinterpret_cast<const uint4 *>(nat + (e * N + n) * KH + j);
+    reinterpret_cast<uint4 *>(pk)[i] = v;
+  }
+}
+
+extern "C" size_t tw_cuda_mxfp4_packed_bytes(int32_t n_experts, int32_t n_rows, int32_t k) {
+  if (n_experts <= 0 || n_rows <= 0 || k <= 0) return 0;
+  return (size_t)n_experts * (size_t)((k + 127) / 128) * (size_t)n_rows * TW_MX_CHUNK;
+}
+
+extern "C" tw_status_t tw_cuda_mxfp4_pack(const uint8_t *natural, int32_t n_experts,
+                                          int32_t n_rows, int32_t k, uint8_t *packed,
+                                          cudaStream_t stream) {
+  if (!natural || !packed) return tw_err(TW_ERR_INVALID_ARGUMENT, "mxfp4_pack: NULL");
+  if (n_experts <= 0 || n_rows <= 0 || k <= 0 || k % 32)
+    return tw_err(TW_ERR_INVALID_ARGUMENT,
+                  "mxfp4_pack: bad shape E=%d N=%d K=%d (positive, K a multiple of 32)",
+                  n_experts, n_rows, k);
+  if (((uintptr_t)natural | (uintptr_t)packed) & 15)
+    return tw_err(TW_ERR_INVALID_ARGUMENT, "mxfp4_pack: buffers not 16-byte aligned");
+  const int64_t pieces = (int64_t)tw_cuda_mxfp4_packed_bytes(n_experts, n_rows, k) / 16;
+  const int64_t grid = TW_CDIV(pieces, 256);
+  tw_mxfp4_pack_kernel<<<(unsigned)(grid < 65535 * 16 ? grid : 65535 * 16), 256, 0, stream>>>(
+      natural, pieces, n_rows, k, packed);
+  TW_CUDA_CHECK_LAUNCH("tw_mxfp4_pack_kernel");
+  return TW_OK;
+}
+
 /* ---- prefill path --------------------------------------------------------- */
 
 /* One thread per 4-byte word of a block (8 values): 4 bytes + the block's
@@ -269,13 +316,20 @@ extern "C" tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
 __global__ void tw_mxfp4_dequant_kernel(const uint8_t *__restrict__ blocks,
                                         const uint8_t *__restrict__ scales, int64_t n_blocks,
                                         int NB, int64_t rows_per_expert,
-                                        const int32_t *__restrict__ maybe_counts,
+                                        const int32_t *__restrict__ maybe_counts, bool packed,
                                         __nv_bfloat16 *__restrict__ out) {
   int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; /* word */
   if (i >= n_blocks * 4) return;
   int64_t blk = i >> 2;
   if (maybe_counts && maybe_counts[(blk / NB) / rows_per_expert] == 0) return;
-  uint32_t wq = __ldg(reinterpret_cast<const uint32_t *>(blocks) + i);
+  int64_t src = i * 4; /* the word's byte in the checkpoint's layout */
+  if (packed) { /* moe.h TW_MX_CHUNK: rows_per_expert rows of 32 NB inputs */
+    const int64_t row = blk / NB, b = blk - row * NB, e = row / rows_per_expert;
+    const int N = (int)rows_per_expert;
+    src = tw_mx_row(e, row - e * rows_per_expert, N, 32 * NB) + (b >> 2) * tw_mx_cstride(N) +
+          (b & 3) * 16 + (i & 3) * 4;
+  }
+  uint32_t wq = __ldg(reinterpret_cast<const uint32_t *>(blocks + src));
   float sc = tw_e8m0_to_f32(__ldg(scales + blk));
   uint4 o;
   uint32_t *ow = reinterpret_cast<uint32_t *>(&o);
@@ -298,7 +352,8 @@ extern "C" tw_status_t tw_cuda_mxfp4_dequant(const uint8_t *blocks, const uint8_
   int64_t nb = n_rows * (n_cols / 32);
   if (nb == 0) return TW_OK;
   tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb * 4, 256), 256, 0, stream>>>(
-      blocks, scales, nb, n_cols / 32, n_rows > 0 ? n_rows : 1, NULL, (__nv_bfloat16 *)out);
+      blocks, scales, nb, n_cols / 32, n_rows > 0 ? n_rows : 1, NULL, false,
+      (__nv_bfloat16 *)out);
   TW_CUDA_CHECK_LAUNCH("tw_mxfp4_dequant_kernel");
   return TW_OK;
 }
@@ -354,10 +409,10 @@ extern "C" tw_status_t tw_cuda_moe_dequant(const tw_cuda_moe_weights_t *w,
   __nv_bfloat16 *w2 = (__nv_bfloat16 *)tw_moe_wdq_down(wdq, E, H, I);
   int64_t nb1 = (int64_t)E * 2 * I * (H / 32), nb2 = (int64_t)E * H * (I / 32);
   tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb1 * 4, 256), 256, 0, stream>>>(
-      w->gate_up_blocks, w->gate_up_scales, nb1, H / 32, 2 * (int64_t)I, maybe_counts, w1);
+      w->gate_up_blocks, w->gate_up_scales, nb1, H / 32, 2 * (int64_t)I, maybe_counts, true, w1);
   TW_CUDA_CHECK_LAUNCH("tw_mxfp4_dequant_kernel(gate_up)");
   tw_mxfp4_dequant_kernel<<<(unsigned)TW_CDIV(nb2 * 4, 256), 256, 0, stream>>>(
-      w->down_blocks, w->down_scales, nb2, I / 32, H, maybe_counts, w2);
+      w->down_blocks, w->down_scales, nb2, I / 32, H, maybe_counts, true, w2);
   TW_CUDA_CHECK_LAUNCH("tw_mxfp4_dequant_kernel(down)");
   return TW_OK;
 }

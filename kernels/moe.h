@@ -38,15 +38,38 @@
 extern "C" {
 #endif
 
+/** The device layout of an expert tensor's MXFP4 blocks (the checkpoint's
+ *  [E, N, K/32, 16], i.e. [E][N][K/2] bytes, spec §3.4), chosen at upload
+ *  by tw_cuda_mxfp4_pack: [E][KC][N][64] bytes with KC = ceil(K / 128), so
+ *  byte j of row n of expert e is at ((e * KC + j / 64) * N + n) * 64 +
+ *  j % 64, and bytes past K/2 in the last chunk are 0. A 128-k chunk of 256
+ *  consecutive rows is then 16 contiguous KB: the decode MoE's TMA boxes
+ *  read whole lines and few DRAM pages instead of 64 bytes of each row 1,440
+ *  bytes apart (one 20b layer at 16 tokens 7% faster, 120b at 16 to 256
+ *  tokens 6-8%; docs/benchmarks.md, "Expert weights repacked so that a TMA
+ *  box is contiguous"). A 16-byte block never crosses a chunk. */
+#define TW_MX_CHUNK 64
+
+/** Bytes of E experts' packed blocks of N rows of K inputs (K a multiple of 32). */
+size_t tw_cuda_mxfp4_packed_bytes(int32_t n_experts, int32_t n_rows, int32_t k);
+
+/** Pack E experts' MXFP4 blocks from the checkpoint layout natural ([E][N][K/2]
+ *  bytes, device) into packed (device, tw_cuda_mxfp4_packed_bytes, not
+ *  overlapping natural), on stream. Errors: TW_ERR_INVALID_ARGUMENT (NULL,
+ *  E, N or K not positive, K not a multiple of 32), TW_ERR_CUDA. */
+TW_NODISCARD tw_status_t tw_cuda_mxfp4_pack(const uint8_t *natural, int32_t n_experts,
+                                            int32_t n_rows, int32_t k, uint8_t *packed,
+                                            cudaStream_t stream);
+
 /** Device views of one layer's experts. */
 typedef struct {
   int32_t n_experts;      /* E */
   int32_t hidden;         /* H, multiple of 32 */
   int32_t intermediate;   /* I, multiple of 32 */
-  const uint8_t *gate_up_blocks; /* [E, 2I, H/32, 16] */
+  const uint8_t *gate_up_blocks; /* E experts of 2I rows of H, packed (TW_MX_CHUNK) */
   const uint8_t *gate_up_scales; /* [E, 2I, H/32] */
   const float *gate_up_bias;     /* [E, 2I] */
-  const uint8_t *down_blocks;    /* [E, H, I/32, 16] */
+  const uint8_t *down_blocks;    /* E experts of H rows of I, packed (TW_MX_CHUNK) */
   const uint8_t *down_scales;    /* [E, H, I/32] */
   const float *down_bias;        /* [E, H] */
   float swiglu_alpha;            /* 1.702 */
@@ -302,7 +325,8 @@ TW_NODISCARD tw_status_t tw_cuda_moe_prefill_cublas(
     int32_t *host_counts, float *out, cudaStream_t stream);
 
 /** Dequantise MXFP4 rows to bf16 (spec §3.4): n_rows rows of n_cols (a
- *  multiple of 32) from blocks [n_rows, n_cols/32, 16] and scales
+ *  multiple of 32) from blocks [n_rows, n_cols/32, 16] (the checkpoint's
+ *  layout, not the packed one) and scales
  *  [n_rows, n_cols/32] into out bf16 [n_rows, n_cols]. Used by the prefill
  *  path and by tests. Errors: TW_ERR_INVALID_ARGUMENT, TW_ERR_CUDA. */
 TW_NODISCARD tw_status_t tw_cuda_mxfp4_dequant(const uint8_t *blocks, const uint8_t *scales,

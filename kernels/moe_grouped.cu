@@ -94,7 +94,7 @@ typedef struct {
   const __nv_bfloat16 *a; /* [rows, K] bf16: tokens (gather) or assignments */
   const int32_t *sorted;  /* gather: A row of assignment p = sorted[p] / k_top; NULL: row p */
   int k_top;
-  const uint8_t *wq;        /* MXFP4 blocks [E, N, K/32, 16] */
+  const uint8_t *wq;        /* MXFP4 blocks, packed (moe.h TW_MX_CHUNK) */
   const uint8_t *ws;        /* MXFP4 scales [E, N, K/32] */
   const __nv_bfloat16 *wh;  /* bf16 weights [E, N, K] */
   const float *bias;        /* [E, N] */
@@ -420,7 +420,7 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
   int wkt; /* k-tiles whose weight chunk is inside K */
   if (FMT == TW_GG_MXFP4) {
     const int r = lane >> 1, h = lane & 1, gr = min(grow(16 * warp + r), N - 1);
-    wsrc[0] = p.wq + ((int64_t)e * N + gr) * KB * 16 + h * 16;
+    wsrc[0] = p.wq + tw_mx_row(e, gr, N, K) + h * 16; /* packed (moe.h TW_MX_CHUNK) */
     wdst[0] = 16 * warp * RROW + r * 32 + ((h ^ ((r >> 2) & 1)) * 16);
     wkt = (KB - h + 1) / 2;
   } else {
@@ -443,7 +443,11 @@ static __global__ void __launch_bounds__(TW_GG_THREADS, 2) tw_gg_kernel(const tw
     const int wn = kt < wkt ? 16 : 0;
 #pragma unroll
     for (int i = 0; i < WCH; i++)
-      tw_cp_async16_if(r_st + wdst[i], wsrc[i] + kt * (FMT == TW_GG_MXFP4 ? 32 : 128), wn, true);
+      tw_cp_async16_if(r_st + wdst[i],
+                       wsrc[i] + (FMT == TW_GG_MXFP4
+                                      ? (kt >> 1) * tw_mx_cstride(N) + (kt & 1) * 32
+                                      : (int64_t)kt * 128),
+                       wn, true);
   };
   /* this warp's A fragments of k-tile kt (4 k16 steps) from raw stage st */
   const uint32_t lut_lane = tw_smem_u32(sL) + 4 * lane; /* entry b of this lane: + 128 b */
@@ -693,7 +697,7 @@ static __global__ void __launch_bounds__(TW_GM_THREADS, BT <= 32 ? 3 : 2)
 #pragma unroll
   for (int q = 0; q < 4; q++) {
     const int gr = min(grow((tid >> 2) + 32 * q), N - 1);
-    wsrc[q] = p.wq + ((int64_t)e * N + gr) * KB * 16 + wc * 16;
+    wsrc[q] = p.wq + tw_mx_row(e, gr, N, K) + wc * 16; /* packed (moe.h TW_MX_CHUNK) */
   }
   const __nv_bfloat16 *xsrc = p.a + (int64_t)(off + (tid >> 4)) * K + xc * 8;
   auto load_stage = [&](int kt, int st) {
@@ -701,7 +705,8 @@ static __global__ void __launch_bounds__(TW_GM_THREADS, BT <= 32 ? 3 : 2)
     const bool wok = 4 * kt + wc < KB;
 #pragma unroll
     for (int q = 0; q < 4; q++)
-      tw_cp_async16(w_st + 32 * 64 * q, wok ? wsrc[q] + kt * 64 : (const uint8_t *)p.wq, wok);
+      tw_cp_async16(w_st + 32 * 64 * q, wok ? wsrc[q] + kt * tw_mx_cstride(N) : (const uint8_t *)p.wq,
+                    wok);
     const uint32_t x_st = tw_smem_u32(sX + st * XST);
     const bool kok = kt * 128 + xc * 8 < K;
 #pragma unroll
@@ -1116,6 +1121,10 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
    * blk0 + qrow(q) * KB, rows r0 + g + {0, 8, 16, 24} (plain) or r0 + 2 g +
    * {0, 1, 16, 17} (SwiGLU); N % 32 == 0, so every row exists */
   const int blk0 = (e * N + r0 + (EPI == TW_GG_SWIGLU ? 2 * g : g)) * KB + t;
+  /* the same rows' blocks in the packed layout (moe.h TW_MX_CHUNK): chunk c of
+   * row piece q at wrow0 + 64 qrow(q) + c wcs */
+  const int64_t wrow0 = tw_mx_row(e, r0 + (EPI == TW_GG_SWIGLU ? 2 * g : g), N, K) + 16 * t,
+                wcs = tw_mx_cstride(N);
   auto qrow = [](int q) { return EPI == TW_GG_SWIGLU ? 16 * (q >> 1) + (q & 1) : 8 * q; };
   int32_t xoff[NT]; /* 16-byte index of this lane's k of chunk 0 in the token row; -1: none */
 #pragma unroll
@@ -1137,7 +1146,8 @@ static __device__ __forceinline__ void tw_gs_pass(const tw_gg_args_t &p, const u
 #pragma unroll
     for (int q = 0; q < 4; q++) {
       const int b = blk0 + qrow(q) * KB + 4 * c;
-      tw_cp_async16(dst + q * 512, ok ? p.wq + (int64_t)b * 16 : p.wq, ok);
+      tw_cp_async16(dst + q * 512,
+                    ok ? p.wq + wrow0 + (int64_t)qrow(q) * TW_MX_CHUNK + c * wcs : p.wq, ok);
       sc |= (ok ? (uint32_t)__ldg(p.ws + b) : 127u) << (8 * q);
     }
     S[st] = sc;
@@ -1618,7 +1628,7 @@ static __global__ void __launch_bounds__(TW_GT_THREADS(G), 1)
         const uint32_t dst = tw_smem_u32(stg + s * SB);
         if (lane == 0) {
           tw_mbar_expect_tx(bar0 + 8 * s, TW_GT_WBYTES + (uint32_t)nrow * kbytes);
-          tw_tma_3d(dst, &wmap, 64 * c, x.r0, x.e, bar0 + 8 * s);
+          tw_tma_3d(dst, &wmap, 0, x.r0, x.e * KC + c, bar0 + 8 * s);
         }
         __syncwarp();
         if (lane < nrow)
@@ -1673,16 +1683,19 @@ static tw_tmap_encode_fn tw_tmap_encode(void) {
   return fn;
 }
 
-/* The tensor map of MXFP4 blocks wq [E, N, K/32, 16] as bytes [E][N][K/2],
- * box bw bytes x rows x 1 expert with swizzle sw (tw_gt_kernel: 64 x TW_GT_RT,
- * none; tw_gw_kernel: 32 x tw_gw_bw(bt), 32-byte); false where the driver
- * refuses. */
+/* The tensor map of packed MXFP4 blocks wq (moe.h TW_MX_CHUNK) as bytes
+ * [E KC][N][64], box bw bytes x rows x 1 chunk with swizzle sw
+ * (tw_gt_kernel: 64 x TW_GT_RT at (0, row, e KC + c), none; tw_gw_kernel: 32
+ * x tw_gw_bw(bt) at (32 (kt % 2), row, e KC + kt / 2), 32-byte); false where
+ * the driver refuses. */
 static bool tw_mxfp4_map(const uint8_t *wq, int E, int N, int K, int bw, int rows,
                          CUtensorMapSwizzle sw, CUtensorMap *map) {
   tw_tmap_encode_fn enc = tw_tmap_encode();
   if (!enc || ((uintptr_t)wq & 15)) return false;
-  const cuuint64_t dims[3] = {(cuuint64_t)K / 2, (cuuint64_t)N, (cuuint64_t)E};
-  const cuuint64_t strides[2] = {(cuuint64_t)K / 2, (cuuint64_t)N * (K / 2)};
+  /* packed (moe.h TW_MX_CHUNK): rows of 64 bytes, N of them a chunk, E KC
+   * chunks; rows past N of a box are zero-filled */
+  const cuuint64_t dims[3] = {TW_MX_CHUNK, (cuuint64_t)N, (cuuint64_t)E * ((K + 127) / 128)};
+  const cuuint64_t strides[2] = {TW_MX_CHUNK, (cuuint64_t)N * TW_MX_CHUNK};
   const cuuint32_t box[3] = {(cuuint32_t)bw, (cuuint32_t)rows, 1}, estr[3] = {1, 1, 1};
   return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)wq, dims, strides, box, estr,
              CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -1896,7 +1909,8 @@ static __global__ void __launch_bounds__(128 * (CW + 1), 1)
         const int s = kt % S;
         tw_mbar_wait(bar0 + 8 * (S + s), ((uint32_t)(kt / S) & 1u) ^ 1u);
         tw_mbar_expect_tx(bar0 + 8 * s, (uint32_t)SB);
-        tw_tma_3d(stg_u + s * SB, &wmap, 32 * kt, n0, e, bar0 + 8 * s);
+        tw_tma_3d(stg_u + s * SB, &wmap, 32 * (kt & 1), n0, e * ((K + 127) / 128) + (kt >> 1),
+                  bar0 + 8 * s);
         tw_tma_2d(stg_u + s * SB + WB, &xmap, 64 * kt, off, bar0 + 8 * s);
       }
     return;

@@ -17,6 +17,16 @@ static __device__ __forceinline__ float tw_e8m0_to_f32(unsigned s) {
   return s == 0 ? __int_as_float(0x00400000) : __int_as_float((int)(s << 23));
 }
 
+/* Where row n of expert e starts in packed MXFP4 blocks of N rows of K
+ * inputs (moe.h TW_MX_CHUNK): its chunk 0; chunk c is tw_mx_cstride(N) * c
+ * bytes further, and 16-byte block b of the row at chunk b / 4, byte 16 (b % 4). */
+static __host__ __device__ __forceinline__ int64_t tw_mx_row(int64_t e, int64_t n, int N, int K) {
+  return (e * ((K + 127) / 128) * N + n) * TW_MX_CHUNK;
+}
+static __host__ __device__ __forceinline__ int64_t tw_mx_cstride(int N) {
+  return (int64_t)N * TW_MX_CHUNK;
+}
+
 /* The clamped interleaved SwiGLU of spec §2.9 for one (gate, linear) pair. */
 static __device__ __forceinline__ float tw_swiglu(float g, float l, float alpha, float limit) {
   g = fminf(g, limit);

@@ -159,13 +159,16 @@ static int model_init(model_t *m, int E, int Tmax, int with_dequant, cudaStream_
   m->E = E, m->H = H, m->I = I, m->k = k, m->Tmax = Tmax;
   size_t n_gu = (size_t)E * 2 * I * (H / 32), n_dn = (size_t)E * H * (I / 32);
   tw_cuda_moe_weights_t w = {E, H, I, NULL, NULL, NULL, NULL, NULL, NULL, 1.702f, 7.0f};
-  CK(cudaMalloc(&m->gub, n_gu * 16));
+  /* the experts' blocks in the packed layout (moe.h TW_MX_CHUNK): random
+   * bytes, so packing them would change nothing that is timed */
+  CK(cudaMalloc(&m->gub, tw_cuda_mxfp4_packed_bytes(E, 2 * I, H)));
   CK(cudaMalloc(&m->gus, n_gu));
-  CK(cudaMalloc(&m->dnb, n_dn * 16));
+  CK(cudaMalloc(&m->dnb, tw_cuda_mxfp4_packed_bytes(E, H, I)));
   CK(cudaMalloc(&m->dns, n_dn));
   CK(cudaMalloc(&m->gbias, (size_t)E * 2 * I * 4));
   CK(cudaMalloc(&m->dbias, (size_t)E * H * 4));
-  if (fill_bytes(m->gub, n_gu * 16, 0, 256) || fill_bytes(m->dnb, n_dn * 16, 0, 256) ||
+  if (fill_bytes(m->gub, tw_cuda_mxfp4_packed_bytes(E, 2 * I, H), 0, 256) ||
+      fill_bytes(m->dnb, tw_cuda_mxfp4_packed_bytes(E, H, I), 0, 256) ||
       fill_bytes(m->gus, n_gu, 119, 5) || fill_bytes(m->dns, n_dn, 119, 5))
     return 1;
   CK(cudaMemset(m->gbias, 0, (size_t)E * 2 * I * 4));

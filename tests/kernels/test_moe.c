@@ -135,6 +135,23 @@ static int upload(void **d, const void *h, size_t n) {
   return 0;
 }
 
+/* E experts' MXFP4 blocks of N rows of K (the checkpoint's layout, host) on
+ * the device in the packed layout every kernel reads (moe.h TW_MX_CHUNK),
+ * through tw_cuda_mxfp4_pack; every MoE check below then compares kernels
+ * reading that layout with the CPU reference reading the checkpoint's. */
+static int upload_packed(void **d, const uint8_t *h, int E, int N, int K) {
+  void *nat;
+  if (upload(&nat, h, (size_t)E * N * (K / 2))) return 1;
+  TT_CUDA(cudaMalloc(d, tw_cuda_mxfp4_packed_bytes(E, N, K)));
+  if (tw_cuda_mxfp4_pack(nat, E, N, K, *d, 0) != TW_OK) {
+    printf("FAIL mxfp4_pack(E=%d,N=%d,K=%d): %s\n", E, N, K, tw_last_error());
+    return 1;
+  }
+  TT_CUDA(cudaDeviceSynchronize());
+  cudaFree(nat);
+  return 0;
+}
+
 /* Device counters [n] that a kernel must leave at 0: how many are not
  * (-1: the copy failed). */
 static int counters_left(const int32_t *d, int n) {
@@ -358,11 +375,11 @@ static int run_case(tw_cpu_pool_t *pool, tw_cuda_gemm_t *gemm, const moe_case_t 
                              NULL, NULL, NULL, SWIGLU_ALPHA, SWIGLU_LIMIT};
   size_t n_gu = (size_t)E * 2 * I * (H / 32), n_dn = (size_t)E * H * (I / 32);
   void *d_x, *d_logits, *d_out, *d_route, *d_ws, *p;
-  if (upload(&p, h.gu_b, n_gu * 16)) return 1;
+  if (upload_packed(&p, h.gu_b, E, 2 * I, H)) return 1;
   w.gate_up_blocks = p;
   if (upload(&p, h.gu_s, n_gu)) return 1;
   w.gate_up_scales = p;
-  if (upload(&p, h.dn_b, n_dn * 16)) return 1;
+  if (upload_packed(&p, h.dn_b, E, H, I)) return 1;
   w.down_blocks = p;
   if (upload(&p, h.dn_s, n_dn)) return 1;
   w.down_scales = p;
@@ -531,6 +548,46 @@ static int test_dequant(void) {
   return bad ? 1 : 0;
 }
 
+/* tw_cuda_mxfp4_pack (moe.h TW_MX_CHUNK) at a shape whose rows end inside a
+ * chunk (K = 160: K/2 = 80 bytes, chunks of 64 and 16 + 48 zero bytes) and
+ * an odd row count: every byte of the packed tensor against the index
+ * arithmetic of the layout done here, and its errors. */
+static int test_pack(void) {
+  const int E = 3, N = 70, K = 160, KH = K / 2, KC = (K + 127) / 128;
+  const size_t nat_n = (size_t)E * N * KH, pk_n = tw_cuda_mxfp4_packed_bytes(E, N, K);
+  int bad = pk_n != (size_t)E * KC * N * 64;
+  uint8_t *nat = xmalloc(nat_n), *pk = xmalloc(pk_n);
+  for (size_t i = 0; i < nat_n; i++) nat[i] = (uint8_t)tt_rng_u64();
+  void *dn, *dp;
+  if (upload(&dn, nat, nat_n)) return 1;
+  TT_CUDA(cudaMalloc(&dp, pk_n));
+  TT_CUDA(cudaMemset(dp, 0xa5, pk_n));
+  if (tw_cuda_mxfp4_pack(dn, E, N, K, dp, 0) != TW_OK) bad++;
+  TT_CUDA(cudaMemcpy(pk, dp, pk_n, cudaMemcpyDeviceToHost));
+  long wrong = 0;
+  for (int e = 0; e < E; e++)
+    for (int c = 0; c < KC; c++)
+      for (int n = 0; n < N; n++)
+        for (int b = 0; b < 64; b++) {
+          const int j = c * 64 + b;
+          const uint8_t want = j < KH ? nat[((size_t)e * N + n) * KH + j] : 0;
+          wrong += pk[(((size_t)e * KC + c) * N + n) * 64 + b] != want;
+        }
+  /* errors: a K that is not a multiple of 32, a NULL buffer, a misaligned one */
+  const int e1 = tw_cuda_mxfp4_pack(dn, E, N, 48 + 1, dp, 0) == TW_ERR_INVALID_ARGUMENT;
+  const int e2 = tw_cuda_mxfp4_pack(NULL, E, N, K, dp, 0) == TW_ERR_INVALID_ARGUMENT;
+  const int e3 =
+      tw_cuda_mxfp4_pack((const uint8_t *)dn + 1, E, N, K, dp, 0) == TW_ERR_INVALID_ARGUMENT;
+  bad += wrong != 0 || !e1 || !e2 || !e3;
+  printf("%s mxfp4_pack(E=%d,N=%d,K=%d): %ld of %zu bytes wrong; errors %d %d %d\n",
+         bad ? "FAIL" : "ok  ", E, N, K, wrong, pk_n, e1, e2, e3);
+  cudaFree(dn);
+  cudaFree(dp);
+  free(nat);
+  free(pk);
+  return bad ? 1 : 0;
+}
+
 /* tw_cuda_moe_router_fused (router GEMV + top-k + sort in one launch) against
  * the logits computed here in double from the same bf16 inputs (|d| <= 1e-5
  * of the sum of |terms|, the fp32 reordering bound) and check_route on the
@@ -602,6 +659,7 @@ int main(void) {
   tw_cuda_gemm_t *gemm = NULL;
   if (tw_cpu_pool_create(0, &pool) != TW_OK || tw_cuda_gemm_create(0, &gemm) != TW_OK) return 1;
   int rc = test_dequant();
+  rc |= test_pack();
   static const moe_case_t gemv[] = {
       {"20b", 2880, 2880, 32, 4, 1},   {"20b", 2880, 2880, 32, 4, 3},
       {"20b", 2880, 2880, 32, 4, 6},   {"tiny", 256, 512, 8, 2, 4},
