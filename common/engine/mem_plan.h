@@ -141,7 +141,10 @@ typedef struct {
  *  sinks and router bias as f32, every other tensor (embedding, lm_head,
  *  attention, router, norms) bf16. mxfp4_p / rest_p (may be NULL) get the
  *  expert blocks+scales and the rest. Checkpoints with bf16 experts count
- *  them as bf16 (2 bytes a value). */
+ *  them as bf16 (2 bytes a value). The checkpoint's byte count: the CUDA
+ *  engine's device layout of the blocks (kernels/moe.h TW_MX_CHUNK) pads
+ *  each row's K / 2 bytes to a multiple of 64 (2.2% more at K = 2,880), so
+ *  that engine passes its arena's real size as weight_bytes instead. */
 int64_t tw_mem_weight_bytes(const tw_model_config_t *cfg, int64_t *mxfp4_p, int64_t *rest_p);
 
 /** Work out the plan (see the top of this file) for `in->role`'s worker.
