@@ -346,13 +346,20 @@ def metrics(port):
 fails = 0
 
 
-def check(cond, what):
+def check(cond, what, proc=None):
     """One test assertion: prints 'ok  : what' or 'FAIL: what' and counts the
-    failures, so a test reports every check before finish() decides."""
+    failures, so a test reports every check before finish() decides. On a
+    failure, proc (a Proc, optional) has its last 40 lines printed after it:
+    what the process said up to the failed check."""
     global fails
     print("%s: %s" % ("ok  " if cond else "FAIL", what), flush=True)
     if not cond:
         fails += 1
+        if proc is not None:
+            with proc.lock:
+                tail = proc.lines[-40:]
+            print("  %s's last %d lines:\n%s" % (proc.name, len(tail), "\n".join("    " + ln for ln in tail)),
+                  flush=True)
 
 
 skipped = 0

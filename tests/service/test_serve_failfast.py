@@ -110,14 +110,14 @@ check(serve_p.seen(r"restarted worker decode-0", 30) and serve_p.p.poll() is Non
       "a killed serving worker is restarted, serve stays up")
 # one that drains and exits 0 after a SIGTERM of someone else's: started again
 # (INFO, not a crash: no restart count, no warning)
-check(serve_p.seen(r"worker decode-0-\d+-r1 registered", 30), "the restarted worker registered")
+check(serve_p.seen(r"worker decode-0-\d+-r1 registered", 30), "the restarted worker registered", serve_p)
 kids = decode_children(serve_p)
 if kids:
     os.kill(int(kids[0]), signal.SIGTERM)
 check(serve_p.seen(r"INFO .*worker decode-0-\d+-r1 \(pid \d+\) drained and exited \(status 0\): starting a "
                    r"fresh one", 30) and serve_p.seen(r"INFO .*restarted worker decode-0-\d+-r2 as pid", 15) and
       serve_p.seen(r"worker decode-0-\d+-r2 registered", 30),
-      "a worker that drained and exited 0 is started again, logged at INFO")
+      "a worker that drained and exited 0 is started again, logged at INFO", serve_p)
 check(serve_p.count(r"restart 2 of") == 0, "a drained exit is not counted as a crash")
 rc = serve_p.stop(signal.SIGTERM, 30)
 check(rc == 0, "serve stops cleanly (rc %s)" % rc)
