@@ -48,7 +48,7 @@ static __device__ __forceinline__ void tw_moe_row_dot(const uint8_t *__restrict_
                                                       const float *xs, const float *tab, int lane,
                                                       int nt, float acc[TC]) {
   for (int b = lane; b < NB; b += 32) {
-    uint4 wv = __ldg(reinterpret_cast<const uint4 *>(rb + (b >> 2) * cs + (b & 3) * 16));
+    uint4 wv = __ldg(reinterpret_cast<const uint4 *>(rb + tw_mx_block(b, cs)));
     float sc = tw_e8m0_to_f32(__ldg(rs + b));
     float part[TC];
 #pragma unroll
@@ -268,7 +268,7 @@ extern "C" tw_status_t tw_cuda_moe_decode(const tw_cuda_moe_weights_t *w,
  * writes; each read is a 16-byte piece of a row). */
 __global__ void tw_mxfp4_pack_kernel(const uint8_t *__restrict__ nat, int64_t pieces, int N,
                                      int K, uint8_t *__restrict__ pk) {
-  const int KC = (K + 127) / 128, KH = K / 2;
+  const int KC = tw_mx_chunks(K), KH = K / 2;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < pieces;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int q = (int)(i & 3);            /* piece of the 64-byte chunk */
@@ -286,7 +286,7 @@ __global__ void tw_mxfp4_pack_kernel(const uint8_t *__restrict__ nat, int64_t pi
 
 extern "C" size_t tw_cuda_mxfp4_packed_bytes(int32_t n_experts, int32_t n_rows, int32_t k) {
   if (n_experts <= 0 || n_rows <= 0 || k <= 0) return 0;
-  return (size_t)n_experts * (size_t)((k + 127) / 128) * (size_t)n_rows * TW_MX_CHUNK;
+  return (size_t)n_experts * (size_t)tw_mx_chunks(k) * (size_t)n_rows * TW_MX_CHUNK;
 }
 
 extern "C" tw_status_t tw_cuda_mxfp4_pack(const uint8_t *natural, int32_t n_experts,
@@ -326,8 +326,8 @@ __global__ void tw_mxfp4_dequant_kernel(const uint8_t *__restrict__ blocks,
   if (packed) { /* moe.h TW_MX_CHUNK: rows_per_expert rows of 32 NB inputs */
     const int64_t row = blk / NB, b = blk - row * NB, e = row / rows_per_expert;
     const int N = (int)rows_per_expert;
-    src = tw_mx_row(e, row - e * rows_per_expert, N, 32 * NB) + (b >> 2) * tw_mx_cstride(N) +
-          (b & 3) * 16 + (i & 3) * 4;
+    src = tw_mx_row(e, row - e * rows_per_expert, N, 32 * NB) +
+          tw_mx_block((int)b, tw_mx_cstride(N)) + (i & 3) * 4;
   }
   uint32_t wq = __ldg(reinterpret_cast<const uint32_t *>(blocks + src));
   float sc = tw_e8m0_to_f32(__ldg(scales + blk));

@@ -1694,7 +1694,7 @@ static bool tw_mxfp4_map(const uint8_t *wq, int E, int N, int K, int bw, int row
   if (!enc || ((uintptr_t)wq & 15)) return false;
   /* packed (moe.h TW_MX_CHUNK): rows of 64 bytes, N of them a chunk, E KC
    * chunks; rows past N of a box are zero-filled */
-  const cuuint64_t dims[3] = {TW_MX_CHUNK, (cuuint64_t)N, (cuuint64_t)E * ((K + 127) / 128)};
+  const cuuint64_t dims[3] = {TW_MX_CHUNK, (cuuint64_t)N, (cuuint64_t)E * tw_mx_chunks(K)};
   const cuuint64_t strides[2] = {TW_MX_CHUNK, (cuuint64_t)N * TW_MX_CHUNK};
   const cuuint32_t box[3] = {(cuuint32_t)bw, (cuuint32_t)rows, 1}, estr[3] = {1, 1, 1};
   return enc(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)wq, dims, strides, box, estr,
@@ -1909,7 +1909,7 @@ static __global__ void __launch_bounds__(128 * (CW + 1), 1)
         const int s = kt % S;
         tw_mbar_wait(bar0 + 8 * (S + s), ((uint32_t)(kt / S) & 1u) ^ 1u);
         tw_mbar_expect_tx(bar0 + 8 * s, (uint32_t)SB);
-        tw_tma_3d(stg_u + s * SB, &wmap, 32 * (kt & 1), n0, e * ((K + 127) / 128) + (kt >> 1),
+        tw_tma_3d(stg_u + s * SB, &wmap, 32 * (kt & 1), n0, e * tw_mx_chunks(K) + (kt >> 1),
                   bar0 + 8 * s);
         tw_tma_2d(stg_u + s * SB + WB, &xmap, 64 * kt, off, bar0 + 8 * s);
       }

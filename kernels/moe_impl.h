@@ -17,14 +17,21 @@ static __device__ __forceinline__ float tw_e8m0_to_f32(unsigned s) {
   return s == 0 ? __int_as_float(0x00400000) : __int_as_float((int)(s << 23));
 }
 
+/* The packed MXFP4 blocks (moe.h TW_MX_CHUNK) of an expert's rows of K
+ * inputs: its 128-k chunks a row, KC = ceil(K / 128). */
+static __host__ __device__ __forceinline__ int tw_mx_chunks(int K) { return (K + 127) / 128; }
 /* Where row n of expert e starts in packed MXFP4 blocks of N rows of K
- * inputs (moe.h TW_MX_CHUNK): its chunk 0; chunk c is tw_mx_cstride(N) * c
- * bytes further, and 16-byte block b of the row at chunk b / 4, byte 16 (b % 4). */
+ * inputs: its chunk 0; chunk c is tw_mx_cstride(N) * c bytes further. */
 static __host__ __device__ __forceinline__ int64_t tw_mx_row(int64_t e, int64_t n, int N, int K) {
-  return (e * ((K + 127) / 128) * N + n) * TW_MX_CHUNK;
+  return (e * tw_mx_chunks(K) * N + n) * TW_MX_CHUNK;
 }
 static __host__ __device__ __forceinline__ int64_t tw_mx_cstride(int N) {
   return (int64_t)N * TW_MX_CHUNK;
+}
+/* 16-byte block b of a row, from the row's start (tw_mx_row), chunk stride
+ * cs (tw_mx_cstride): chunk b / 4, byte 16 (b % 4). */
+static __host__ __device__ __forceinline__ int64_t tw_mx_block(int b, int64_t cs) {
+  return (b >> 2) * cs + (b & 3) * 16;
 }
 
 /* The clamped interleaved SwiGLU of spec §2.9 for one (gate, linear) pair. */
