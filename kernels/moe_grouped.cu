@@ -681,7 +681,7 @@ static __global__ void __launch_bounds__(TW_GM_THREADS, BT <= 32 ? 3 : 2)
   if (e < 0) return; /* spare CTA of the upper-bound grid */
   const int m0 = s_tile[1], rows = min(BT, s_tile[2] - m0), off = s_tile[3] + m0;
   const int rows8 = (rows + 7) & ~7; /* token rows copied (the rest of the last n8 tile zeroed) */
-  const int N = p.N, K = p.K, KB = K / 32, KT = (K + 127) / 128, KBP = 4 * (KT | 1);
+  const int N = p.N, K = p.K, KB = K / 32, KT = tw_mx_chunks(K), KBP = 4 * (KT | 1);
   const int n0 = blockIdx.x * BW;
   auto grow = [&](int cr) { /* global weight row of CTA row cr, as tw_gg_kernel */
     if (EPI == TW_GG_SWIGLU) {
@@ -848,7 +848,7 @@ static __global__ void __launch_bounds__(TW_GM_THREADS, BT <= 32 ? 3 : 2)
 /* Dynamic shared memory of tw_gm_kernel: S stages of 128 x 64 weight bytes
  * and bt x 256 token bytes, then the scales [128][4 (KT | 1)]. */
 static size_t tw_gm_smem_bytes(int bt, int K) {
-  const size_t kt = (size_t)(K + 127) / 128;
+  const size_t kt = (size_t)tw_mx_chunks(K);
   return (size_t)TW_GM_STAGES(bt) * ((size_t)TW_GG_BW * 64 + (size_t)bt * 256) +
          (size_t)TW_GG_BW * 4 * (kt | 1);
 }
@@ -1258,7 +1258,7 @@ static __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) tw_gs_kernel(co
   tw_gs_clear_next(p);
   tw_gs_build_lut(tw_gs_smem);
   uint8_t *stg = tw_gs_smem + TW_GS_LUT_BYTES + warp * (TW_GS_STAGES * TW_GS_STAGE_BYTES);
-  const int slices = (p.N + 31) / 32, KC = (p.K / 32 + 3) / 4, n_act = *p.n_active;
+  const int slices = (p.N + 31) / 32, KC = tw_mx_chunks(p.K), n_act = *p.n_active;
   const int W = gridDim.x * WARPS, w = blockIdx.x * WARPS + warp;
   /* Tiled (p.gs_ticket set): the work is units (active expert i, 32-row
    * slice, pass of 16 assignments), expert by expert, slice by slice, of KC
@@ -1580,7 +1580,7 @@ static __global__ void __launch_bounds__(TW_GT_THREADS(G), 1)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   tw_gs_clear_next(p);
   tw_gs_build_lut(tw_gt_smem_b);
-  const int K = p.K, N = p.N, KB = K / 32, KC = (KB + 3) / 4, sbytes = tw_gt_scale_bytes(K);
+  const int K = p.K, N = p.N, KB = K / 32, KC = tw_mx_chunks(K), sbytes = tw_gt_scale_bytes(K);
   uint8_t *stg = tw_gt_smem_b + TW_GS_LUT_BYTES;
   uint8_t *scl = stg + S * SB;
   float *red = reinterpret_cast<float *>(scl + 2 * sbytes);
